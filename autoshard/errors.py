@@ -1,0 +1,73 @@
+"""Typed errors. Every error autoshard raises on purpose derives from ``AutoshardError``.
+
+Each message says what was wrong and what to do about it; the classes also derive from the
+matching builtin (``ValueError``, ``TypeError``) so callers that catch those keep working.
+"""
+
+from __future__ import annotations
+
+
+class AutoshardError(Exception):
+    """Base class of every error autoshard raises deliberately."""
+
+
+class InvalidArgumentError(AutoshardError, ValueError):
+    """An argument has the right type but an unusable value."""
+
+
+class InvalidArgumentTypeError(AutoshardError, TypeError):
+    """An argument has the wrong type."""
+
+
+class TooManyStagesError(InvalidArgumentError):
+    """More stages were asked for than the graph has splittable nodes."""
+
+    def __init__(self, requested: int, maximum: int, detail: str = "") -> None:
+        self.requested = requested
+        self.maximum = maximum
+        msg = (
+            f"cannot split into {requested} non-empty stages: the maximum is {maximum}"
+            f"{' (' + detail + ')' if detail else ''}; ask for at most {maximum} stages"
+        )
+        super().__init__(msg)
+
+
+class InfeasibleSplitError(InvalidArgumentError):
+    """Constraints (budgets, pins) leave no valid split."""
+
+
+class InvalidGraphError(InvalidArgumentError):
+    """A graph handed to the splitter breaks its contract (cycle, missing or negative weight)."""
+
+
+class SpecError(AutoshardError, ValueError):
+    """A pipeline text spec cannot be parsed or names something unknown."""
+
+
+class PipelineValidationError(AutoshardError, ValueError):
+    """A pipeline cannot run: a pass needs an artifact no earlier pass provides."""
+
+
+class PassFailed(AutoshardError):
+    """A pass raised; the message names the pass, its position and a reproducing spec."""
+
+    def __init__(self, pass_name: str, index: int, spec: str, cause: BaseException) -> None:
+        self.pass_name = pass_name
+        self.index = index
+        self.spec = spec
+        super().__init__(
+            f"pass '{pass_name}' (position {index} in the pipeline) failed: "
+            f"{type(cause).__name__}: {cause}\n  reproduce with pipeline: {spec}"
+        )
+
+
+class TraceError(AutoshardError):
+    """The model could not be captured as a graph, even with leaf wrapping."""
+
+
+class VerificationError(AutoshardError):
+    """The sharded model's values differ from the original model's."""
+
+    def __init__(self, message: str, stage: int | None = None) -> None:
+        self.stage = stage
+        super().__init__(message)

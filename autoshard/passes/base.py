@@ -1,0 +1,106 @@
+"""The pass protocol: a frozen dataclass whose fields are its options.
+
+A pass reads some fields of an immutable ``ShardProgram`` (its ``requires``) and returns a new
+program with more fields filled in (its ``provides``). The user's model is never written to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
+    import networkx as nx
+    import torch
+
+    from autoshard.graph.partition import Partition
+    from autoshard.passes.instruments import Instrument
+    from autoshard.passes.trace import TraceResult
+    from autoshard.sharded import ShardedModel
+
+
+@dataclass(frozen=True)
+class ExampleInputs:
+    """Positional and keyword inputs that the model is called with."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardProgram:
+    """Everything the pipeline knows about one model; each field is an *artifact*.
+
+    A field is "provided" once it is not ``None``. Passes return ``dataclasses.replace``
+    copies, so every intermediate program stays valid and can be dumped or compared.
+    """
+
+    model: "torch.nn.Module"
+    example_inputs: ExampleInputs | None = None
+    traced: "TraceResult | None" = None
+    dag: "nx.DiGraph | None" = None
+    order: tuple[str, ...] | None = None
+    partition: "Partition | None" = None
+    sharded: "ShardedModel | None" = None
+    verification: str | None = None
+
+    @classmethod
+    def artifact_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def provided(self) -> frozenset[str]:
+        return frozenset(n for n in self.artifact_names() if getattr(self, n) is not None)
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "") -> Any:
+    """Declare a pass option: a dataclass field with a one-line help text."""
+    if default is dataclasses.MISSING:
+        return field(metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class PassContext:
+    """Explicit run context: instruments, the analysis cache and checking switches."""
+
+    instruments: list["Instrument"] = field(default_factory=list)
+    analyses: dict[Any, Any] = field(default_factory=dict)
+    verify_each: bool = False
+
+    def analysis(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """Return a cached analysis result, computing it on first use.
+
+        Artifacts are immutable, so keys built from artifact identities invalidate themselves
+        when a pass provides a new artifact.
+        """
+        if key not in self.analyses:
+            self.analyses[key] = compute()
+        return self.analyses[key]
+
+
+@dataclass(frozen=True)
+class Pass(ABC):
+    """A named, typed unit of work over a ``ShardProgram``.
+
+    Subclasses set ``name``, ``requires`` and ``provides`` and implement ``run``. Their dataclass
+    fields are their options; declare them with ``option(default, help=...)``.
+    """
+
+    name: ClassVar[str]
+    requires: ClassVar[frozenset[str]] = frozenset()
+    provides: ClassVar[frozenset[str]] = frozenset()
+
+    @abstractmethod
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        """Return a new program with this pass's ``provides`` filled in."""
+
+    @classmethod
+    def summary(cls) -> str:
+        """The first line of the docstring, listed by ``autoshard passes``."""
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    @classmethod
+    def options(cls) -> tuple[dataclasses.Field, ...]:
+        return tuple(f for f in dataclasses.fields(cls) if f.init)
