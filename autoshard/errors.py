@@ -71,3 +71,13 @@ class VerificationError(AutoshardError):
     def __init__(self, message: str, stage: int | None = None) -> None:
         self.stage = stage
         super().__init__(message)
+
+
+class PassContractError(AutoshardError):
+    """A pass broke its contract: it left a declared artifact unset, changed an artifact it does
+    not declare, returned something other than a ``ShardProgram``, or modified the user's model."""
+
+    def __init__(self, message: str, pass_name: str | None = None, index: int | None = None) -> None:
+        self.pass_name = pass_name
+        self.index = index
+        super().__init__(message)

@@ -96,6 +96,15 @@ class Pass(ABC):
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         """Return a new program with this pass's ``provides`` filled in."""
 
+    def __str__(self) -> str:
+        """The canonical text spec of this pass, e.g. ``split{stages=4}``."""
+        from autoshard.passes.spec import format_pass
+
+        try:
+            return format_pass(self)
+        except Exception:  # an option value the text syntax cannot express
+            return repr(self)
+
     @classmethod
     def summary(cls) -> str:
         """The first line of the docstring, listed by ``autoshard passes``."""

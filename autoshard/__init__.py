@@ -1,0 +1,37 @@
+"""autoshard: split any PyTorch ``nn.Module`` into k balanced, verified pipeline stages.
+
+Attributes load lazily so that ``autoshard.graph`` (the splitter) works with networkx alone,
+without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "shard_model": "autoshard.api",
+    "default_pipeline": "autoshard.api",
+    "AutoshardError": "autoshard.errors",
+    "Pass": "autoshard.passes",
+    "PassContext": "autoshard.passes",
+    "Pipeline": "autoshard.passes",
+    "ShardProgram": "autoshard.passes",
+    "register_pass": "autoshard.passes",
+    "ShardedModel": "autoshard.sharded",
+    "StagePlan": "autoshard.sharded",
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,32 @@
+"""Split a weighted dataflow DAG into k ordered pipeline stages; networkx only, no torch.
+
+The graph contract (node attributes ``cost``, ``bytes``, optional ``input`` / ``output``) is
+described in ``invariants.check_dag``; ``split_dag`` is the entry point.
+"""
+
+from autoshard.graph.balance import min_bottleneck
+from autoshard.graph.invariants import check_dag, check_partition
+from autoshard.graph.partition import (
+    Partition,
+    bottleneck,
+    boundary_bytes,
+    boundary_values,
+    stage_costs,
+    total_boundary_bytes,
+)
+from autoshard.graph.split import register_strategy, split_dag, strategies
+
+__all__ = [
+    "Partition",
+    "bottleneck",
+    "boundary_bytes",
+    "boundary_values",
+    "check_dag",
+    "check_partition",
+    "min_bottleneck",
+    "register_strategy",
+    "split_dag",
+    "stage_costs",
+    "strategies",
+    "total_boundary_bytes",
+]

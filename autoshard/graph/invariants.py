@@ -1,0 +1,158 @@
+"""The one definition of a valid graph and a valid partition, shared by the splitter and tests.
+
+Every check raises a typed error whose message names the broken rule and the node involved,
+so a caller can fix the graph or the request without reading this code.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Any, Mapping
+
+import networkx as nx
+
+from autoshard.errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    InvalidGraphError,
+    TooManyStagesError,
+)
+from autoshard.graph.linearize import Node, is_input
+
+WEIGHTS = ("cost", "bytes")
+
+
+def is_number(value: Any) -> bool:
+    """A real number that is not a bool (``True`` is an int in Python, never a weight here)."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _check_weight(dag: nx.DiGraph, node: Node, name: str) -> None:
+    data = dag.nodes[node]
+    if name not in data:
+        raise InvalidGraphError(f"node {node!r} has no '{name}' attribute; every node needs one")
+    value = data[name]
+    if not is_number(value):
+        raise InvalidGraphError(f"node {node!r} has '{name}'={value!r}; it must be a number")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidGraphError(
+            f"node {node!r} has '{name}'={value!r}; it must be finite and >= 0"
+        )
+
+
+def _check_acyclic(dag: nx.DiGraph) -> None:
+    if nx.is_directed_acyclic_graph(dag):
+        return
+    cycle = [u for u, _ in nx.find_cycle(dag)]
+    raise InvalidGraphError(
+        f"the graph has a cycle through node {cycle[0]!r} ({' -> '.join(map(repr, cycle))}); "
+        "a dataflow graph must be acyclic"
+    )
+
+
+def check_dag(dag: Any) -> None:
+    """Raise ``InvalidGraphError`` unless ``dag`` satisfies the graph contract."""
+    if not isinstance(dag, nx.DiGraph):
+        raise InvalidGraphError(f"expected a networkx.DiGraph, got {type(dag).__name__}")
+    for node in dag.nodes:
+        for name in WEIGHTS:
+            _check_weight(dag, node, name)
+        if is_input(dag, node) and dag.in_degree(node) > 0:
+            first = next(iter(dag.predecessors(node)))
+            raise InvalidGraphError(
+                f"input node {node!r} has a predecessor ({first!r}); inputs must be sources"
+            )
+    _check_acyclic(dag)
+
+
+def max_stages(dag: nx.DiGraph) -> int:
+    """How many non-empty stages ``dag`` can fill: one per non-input node."""
+    return sum(1 for v in dag.nodes if not is_input(dag, v))
+
+
+def check_stage_count(k: Any, maximum: int, detail: str) -> None:
+    """Raise unless ``k`` is an int in ``1..maximum``; ``detail`` says where the maximum is from."""
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise InvalidArgumentTypeError(f"the number of stages must be an int, got {k!r}")
+    if k < 1:
+        raise InvalidArgumentError(f"the number of stages must be >= 1, got {k}")
+    if k > maximum:
+        raise TooManyStagesError(k, maximum, detail)
+
+
+def check_num_stages(dag: nx.DiGraph, k: Any) -> None:
+    """Raise unless ``k`` is an int in ``1..max_stages(dag)``."""
+    maximum = max_stages(dag)
+    check_stage_count(k, maximum, f"the graph has {maximum} non-input nodes and each stage needs one")
+
+
+def _check_stage_values(dag: nx.DiGraph, assignment: Mapping[Node, Any], k: int) -> None:
+    for node in dag.nodes:
+        if node not in assignment:
+            raise InvalidArgumentError(f"covering: node {node!r} is not assigned to a stage")
+        stage = assignment[node]
+        if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < k:
+            raise InvalidArgumentError(
+                f"range: node {node!r} is assigned to stage {stage!r}; stages are 0..{k - 1}"
+            )
+    if len(assignment) != dag.number_of_nodes():
+        extra = next(v for v in assignment if v not in dag)
+        raise InvalidArgumentError(f"covering: {extra!r} is assigned but is not a graph node")
+
+
+def _check_inputs_and_content(dag: nx.DiGraph, assignment: Mapping[Node, int], k: int) -> None:
+    filled = [False] * k
+    for node in dag.nodes:
+        if is_input(dag, node):
+            if assignment[node] != 0:
+                raise InvalidArgumentError(
+                    f"inputs: input node {node!r} is in stage {assignment[node]}, not stage 0"
+                )
+        else:
+            filled[assignment[node]] = True
+    if not all(filled):
+        j = filled.index(False)
+        raise InvalidArgumentError(f"non-empty: stage {j} has no non-input node")
+
+
+def _check_ordered(dag: nx.DiGraph, assignment: Mapping[Node, int]) -> None:
+    for u, v in dag.edges:
+        if assignment[u] > assignment[v]:
+            raise InvalidArgumentError(
+                f"ordered: backward edge {u!r} -> {v!r} from stage {assignment[u]} "
+                f"to stage {assignment[v]}"
+            )
+
+
+def check_partition(dag: nx.DiGraph, assignment: Any, k: int) -> None:
+    """Raise ``InvalidArgumentError`` unless ``assignment`` is a valid k-stage partition of ``dag``.
+
+    Valid means: covering (every node, and only nodes, assigned to a stage in 0..k-1), every
+    stage holds a non-input node, inputs sit in stage 0, and no edge runs to an earlier stage.
+    The message starts with the name of the broken rule.
+    """
+    check_num_stages(dag, k)
+    if not isinstance(assignment, Mapping):
+        raise InvalidArgumentTypeError(
+            f"a partition must be a mapping node -> stage, got {type(assignment).__name__}"
+        )
+    _check_stage_values(dag, assignment, k)
+    _check_inputs_and_content(dag, assignment, k)
+    _check_ordered(dag, assignment)
+
+
+def check_order(dag: nx.DiGraph, order: Any) -> None:
+    """Raise ``InvalidArgumentError`` unless ``order`` lists every node once, topologically."""
+    index = {v: i for i, v in enumerate(order)}
+    if len(index) != len(order) or len(index) != dag.number_of_nodes():
+        raise InvalidArgumentError(
+            f"an order must list each of the {dag.number_of_nodes()} nodes exactly once; "
+            f"got {len(order)} entries, {len(index)} distinct"
+        )
+    for v in dag.nodes:
+        if v not in index:
+            raise InvalidArgumentError(f"the order does not list node {v!r}")
+    for u, v in dag.edges:
+        if index[u] > index[v]:
+            raise InvalidArgumentError(f"the order puts {v!r} before its input {u!r}")

@@ -1,0 +1,114 @@
+"""A split of a DAG into ordered stages, and what it costs: stage costs and boundary traffic.
+
+The functions take the plain ``dict[node, int]`` that ``split_dag`` returns, so any caller can
+score any assignment; ``Partition`` is the frozen form the pipeline passes around. They assume
+a valid partition (see ``check_partition``); they score, they do not validate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+import networkx as nx
+
+from autoshard.graph.invariants import check_partition
+from autoshard.graph.linearize import Node, is_output, program_order
+
+Assignment = Mapping[Node, int]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """An assignment of every node to one of ``num_stages`` ordered stages.
+
+    ``assignment`` is read-only and iterates in program order when built by ``from_assignment``,
+    so ``stage_nodes`` lists each stage in the order the program runs it.
+    """
+
+    assignment: Mapping[Node, int]
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "assignment", MappingProxyType(dict(self.assignment)))
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.assignment.items()), self.num_stages))
+
+    def __reduce__(self) -> tuple:
+        """Pickle (and deep-copy) through a plain dict: a mapping proxy cannot be pickled."""
+        return (type(self), (dict(self.assignment), self.num_stages))
+
+    @classmethod
+    def from_assignment(cls, dag: nx.DiGraph, assignment: Assignment, num_stages: int) -> Partition:
+        """Validate ``assignment`` against ``dag`` and store it in program order."""
+        check_partition(dag, assignment, num_stages)
+        return cls({v: assignment[v] for v in program_order(dag)}, num_stages)
+
+    def stage_of(self, node: Node) -> int:
+        return self.assignment[node]
+
+    def stage_nodes(self, j: int) -> list[Node]:
+        """The nodes of stage ``j``, in the assignment's (program) order."""
+        return [v for v, s in self.assignment.items() if s == j]
+
+    def stages(self) -> list[list[Node]]:
+        """Every stage's nodes, stage 0 first."""
+        out: list[list[Node]] = [[] for _ in range(self.num_stages)]
+        for v, s in self.assignment.items():
+            out[s].append(v)
+        return out
+
+
+def stage_costs(dag: nx.DiGraph, assignment: Assignment, k: int) -> list[float]:
+    """Sum of ``cost`` per stage; input nodes count toward stage 0."""
+    costs = [0.0] * k
+    for v in program_order(dag):
+        costs[assignment[v]] += float(dag.nodes[v]["cost"])
+    return costs
+
+
+def bottleneck(dag: nx.DiGraph, assignment: Assignment, k: int) -> float:
+    """The slowest stage's cost: what limits pipeline throughput."""
+    return max(stage_costs(dag, assignment, k))
+
+
+def crossed_boundaries(dag: nx.DiGraph, assignment: Assignment, k: int, node: Node) -> range:
+    """The boundaries ``node``'s value crosses: from its stage up to its last reader's stage.
+
+    A model output is read after the last stage, so it crosses every later boundary.
+    """
+    first = assignment[node]
+    if is_output(dag, node):
+        return range(first, k - 1)
+    return range(first, max((assignment[v] for v in dag.successors(node)), default=first))
+
+
+def boundary_values(dag: nx.DiGraph, assignment: Assignment, k: int) -> list[list[Node]]:
+    """Per boundary j (between stage j and j+1), the producers whose value crosses it.
+
+    Each value appears once per boundary however many readers it has; producers are listed in
+    program order.
+    """
+    values: list[list[Node]] = [[] for _ in range(k - 1)]
+    for v in program_order(dag):
+        for j in crossed_boundaries(dag, assignment, k, v):
+            values[j].append(v)
+    return values
+
+
+def boundary_bytes(dag: nx.DiGraph, assignment: Assignment, k: int) -> list[float]:
+    """Bytes sent across each boundary: the sum of ``bytes`` of the values crossing it."""
+    return [
+        sum(float(dag.nodes[v]["bytes"]) for v in values)
+        for values in boundary_values(dag, assignment, k)
+    ]
+
+
+def total_boundary_bytes(dag: nx.DiGraph, assignment: Assignment, k: int) -> float:
+    """All bytes sent between stages, in O(n + m)."""
+    return sum(
+        float(dag.nodes[v]["bytes"]) * len(crossed_boundaries(dag, assignment, k, v))
+        for v in program_order(dag)
+    )

@@ -1,0 +1,247 @@
+"""A pipeline: an ordered list of passes, printable as and parseable from a text spec.
+
+    Pipeline([TracePass(), SplitPass(stages=4)])
+    Pipeline.parse("trace,build-dag,linearize,split{stages=4 cost=flops}")
+
+The user's order is the order: ``validate`` checks the data dependencies (``requires`` /
+``provides``) before anything runs and says what to add, but never inserts or reorders passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, overload
+
+from autoshard.errors import AutoshardError, InvalidArgumentTypeError, PassContractError, PassFailed, PipelineValidationError
+from autoshard.passes.base import Pass, PassContext, ShardProgram
+from autoshard.passes.instruments import Instrument, VerifyEach
+from autoshard.passes.registry import PassRegistry, default_registry
+from autoshard.passes.spec import check_option_values, format_pass, parse_passes
+
+__all__ = ["INPUT_ARTIFACTS", "Pipeline", "PipelineResult"]
+
+INPUT_ARTIFACTS: dict[str, str] = {
+    "model": "pass the model",
+    "example_inputs": "pass example inputs (ShardProgram(model, example_inputs=ExampleInputs(args, kwargs)))",
+}
+"""Artifacts that come from the caller rather than from a pass, with what to tell the user."""
+
+
+@dataclass
+class PipelineResult:
+    """The final program and, per pass, ``(spec of the pass, program after it)``."""
+
+    program: ShardProgram
+    history: list[tuple[str, ShardProgram]] = field(default_factory=list)
+
+
+class Pipeline:
+    """An immutable sequence of passes. Equality and hashing compare the passes only.
+
+    ``str(pipeline)`` is the canonical spec: for each pass its required options, every option not
+    at its default, and, for a parsed pipeline, every option that was written explicitly; so
+    ``Pipeline.parse(str(p)) == p`` always and ``str(Pipeline.parse(s)) == s`` for a canonical ``s``.
+    """
+
+    __slots__ = ("_passes", "_explicit", "_registry")
+
+    def __init__(self, passes: Iterable[Pass] = (), *, registry: PassRegistry | None = None) -> None:
+        items = tuple(passes)
+        for i, p in enumerate(items):
+            if isinstance(p, type) and issubclass(p, Pass):
+                raise InvalidArgumentTypeError(
+                    f"pipeline step {i} is the class {p.__name__}, not a pass: write {p.__name__}(...)"
+                )
+            if not isinstance(p, Pass):
+                hint = "; to parse a text spec use Pipeline.parse(...)" if isinstance(p, str) else ""
+                raise InvalidArgumentTypeError(f"pipeline step {i} is {p!r}, not a Pass instance{hint}")
+            check_option_values(p)
+        self._passes: tuple[Pass, ...] = items
+        self._explicit: tuple[frozenset[str], ...] = (frozenset(),) * len(items)
+        self._registry = registry
+
+    @classmethod
+    def parse(cls, text: str, registry: PassRegistry | None = None) -> "Pipeline":
+        """Parse a text spec; names are looked up in ``registry`` (default: the default registry)."""
+        parsed = parse_passes(text, registry)
+        pipeline = cls([p for p, _ in parsed], registry=registry)
+        pipeline._explicit = tuple(explicit for _, explicit in parsed)
+        return pipeline
+
+    @classmethod
+    def _from_parts(
+        cls, passes: tuple[Pass, ...], explicit: tuple[frozenset[str], ...], registry: PassRegistry | None
+    ) -> "Pipeline":
+        new = cls.__new__(cls)
+        new._passes, new._explicit, new._registry = passes, explicit, registry
+        return new
+
+    # -- sequence conveniences ------------------------------------------------------------------
+    @property
+    def passes(self) -> tuple[Pass, ...]:
+        return self._passes
+
+    @property
+    def registry(self) -> PassRegistry:
+        return default_registry if self._registry is None else self._registry
+
+    def __len__(self) -> int:
+        return len(self._passes)
+
+    def __iter__(self) -> Iterator[Pass]:
+        return iter(self._passes)
+
+    @overload
+    def __getitem__(self, index: int) -> Pass: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> "Pipeline": ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._from_parts(self._passes[index], self._explicit[index], self._registry)
+        return self._passes[index]
+
+    def __add__(self, other: "Pipeline | Pass | Iterable[Pass]") -> "Pipeline":
+        if isinstance(other, Pass):
+            other = Pipeline([other])
+        elif not isinstance(other, Pipeline):
+            try:
+                other = Pipeline(other)
+            except TypeError:
+                return NotImplemented
+        return self._from_parts(
+            self._passes + other._passes, self._explicit + other._explicit,
+            self._registry if self._registry is not None else other._registry,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Pipeline):
+            return NotImplemented
+        return self._passes == other._passes
+
+    def __hash__(self) -> int:
+        return hash(self._passes)
+
+    def step_spec(self, index: int) -> str:
+        """The spec of the pass at ``index``, as it appears in ``str(self)``."""
+        return format_pass(self._passes[index], self._explicit[index])
+
+    def __str__(self) -> str:
+        return ",".join(self.step_spec(i) for i in range(len(self._passes)))
+
+    def __repr__(self) -> str:
+        return f"Pipeline.parse({str(self)!r})"
+
+    # -- validation -----------------------------------------------------------------------------
+    def validate(self, initial: frozenset[str] = frozenset({"model"})) -> None:
+        """Check that every pass's ``requires`` is provided by ``initial`` or an earlier pass.
+
+        Raises ``PipelineValidationError`` naming the pass, its position, the missing artifacts and
+        what to do: the registered passes that provide it, a later pass to move, or an input to pass.
+        """
+        available = set(initial)
+        order = {n: i for i, n in enumerate(ShardProgram.artifact_names())}
+        for i, p in enumerate(self._passes):
+            missing = sorted(p.requires - available, key=lambda a: (order.get(a, len(order)), a))
+            if missing:
+                hints = [self._hint(a, i) for a in missing]
+                needs = ", ".join(f"'{a}'" for a in missing)
+                raise PipelineValidationError(
+                    f"pass '{p.name}' (position {i} in pipeline `{self}`) needs {needs}, which nothing "
+                    f"before it provides: " + "; ".join(hints)
+                )
+            available |= p.provides
+
+    def _hint(self, artifact: str, index: int) -> str:
+        if artifact in INPUT_ARTIFACTS:
+            return f"'{artifact}' comes from the inputs, not from a pass: {INPUT_ARTIFACTS[artifact]}"
+        later = [(j, q.name) for j, q in enumerate(self._passes) if j > index and artifact in q.provides]
+        if later:
+            j, name = later[0]
+            return f"'{artifact}' is provided by `{name}` at position {j}, after it: move `{name}` before it"
+        providers = self.registry.providers(artifact)
+        if not providers:
+            return f"no registered pass provides '{artifact}'"
+        choice = f"`{providers[0]}`" if len(providers) == 1 else "one of " + ", ".join(f"`{n}`" for n in providers)
+        return f"add {choice} before it (it provides '{artifact}')"
+
+    # -- running --------------------------------------------------------------------------------
+    def run(self, program: ShardProgram, ctx: PassContext | None = None) -> PipelineResult:
+        """Validate against ``program.provided()``, then run each pass with the instrument hooks.
+
+        A failing pass: an ``AutoshardError`` propagates unchanged with a note naming the pass, its
+        position and the reproducing spec; any other exception becomes ``PassFailed`` raised from it.
+        After each pass, the pipeline checks the pass's contract (``PassContractError``): it returned a
+        ``ShardProgram``, set every artifact it ``provides``, and left every other artifact untouched.
+        """
+        if not isinstance(program, ShardProgram):
+            raise InvalidArgumentTypeError(f"Pipeline.run expects a ShardProgram, got {type(program).__name__}")
+        ctx = PassContext() if ctx is None else ctx
+        self.validate(program.provided())
+        instruments: list[Instrument] = list(ctx.instruments)
+        if ctx.verify_each and not any(isinstance(inst, VerifyEach) for inst in instruments):
+            instruments.insert(0, VerifyEach())
+        spec = str(self)
+        history: list[tuple[str, ShardProgram]] = []
+
+        self._hooks(instruments, "before_pipeline", (self, program), None)
+        for index, pass_ in enumerate(self._passes):
+            where = (pass_, index, spec)
+            self._hooks(instruments, "before_pass", (pass_, index, program), where)
+            try:
+                result = pass_.run(program, ctx)
+                self._check_contract(pass_, index, program, result)
+            except Exception as exc:
+                self._hooks(reversed(instruments), "after_pass_failed", (pass_, index, program, exc), where)
+                if isinstance(exc, AutoshardError):
+                    exc.add_note(_note(pass_, index, spec))
+                    raise
+                raise PassFailed(pass_.name, index, spec, exc) from exc
+            self._hooks(reversed(instruments), "after_pass", (pass_, index, result), where)
+            history.append((self.step_spec(index), result))
+            program = result
+        self._hooks(reversed(instruments), "after_pipeline", (self, program), None)
+        return PipelineResult(program, history)
+
+    @staticmethod
+    def _hooks(instruments: Iterable[Instrument], hook: str, args: tuple, where: tuple[Pass, int, str] | None) -> None:
+        for inst in instruments:
+            try:
+                getattr(inst, hook)(*args)
+            except Exception as exc:
+                note = f"raised by instrument {type(inst).__name__}.{hook}"
+                if where is not None:
+                    note += "; " + _note(*where)
+                exc.add_note(note)
+                raise
+
+    @staticmethod
+    def _check_contract(pass_: Pass, index: int, before: ShardProgram, after: object) -> None:
+        label = f"pass '{pass_.name}' (position {index})"
+        if not isinstance(after, ShardProgram):
+            raise PassContractError(
+                f"{label} returned {type(after).__name__}, not a ShardProgram: "
+                "return dataclasses.replace(program, ...)",
+                pass_.name,
+                index,
+            )
+        for f in dataclasses.fields(ShardProgram):
+            old, new = getattr(before, f.name), getattr(after, f.name)
+            if f.name in pass_.provides:
+                if new is None:
+                    raise PassContractError(
+                        f"{label} declares that it provides '{f.name}' but left it unset", pass_.name, index
+                    )
+            elif new is not old:
+                raise PassContractError(
+                    f"{label} changed the artifact '{f.name}', which is not in its `provides` "
+                    f"({', '.join(sorted(pass_.provides)) or 'nothing'}): declare it or leave it untouched",
+                    pass_.name,
+                    index,
+                )
+
+
+def _note(pass_: Pass, index: int, spec: str) -> str:
+    return f"in pass '{pass_.name}' (position {index}); reproduce with pipeline: {spec}"

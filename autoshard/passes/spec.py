@@ -1,0 +1,661 @@
+"""The pipeline text syntax: parse and print ``trace,split{stages=4 cost=flops no-split=a,b}``.
+
+Grammar (the flat MLIR/xDSL subset; we have one IR level, so no nesting)::
+
+    pipeline ::= (element ("," element)*)?
+    element  ::= name ("{" (option (" " option)*)? "}")?
+    option   ::= key ("=" (value ("," value)*)?)?
+    value    ::= bare | '"' chars '"'           (escapes in quotes: \\\\ \\" \\n \\r \\t)
+
+Keys are the option fields in kebab-case (``max-depth`` -> ``max_depth``). Values are typed by the
+field annotation: ``int``, ``float``, ``bool`` (``true``/``false``; a bare key means ``true``), ``str``,
+``Literal[...]``, ``X | None`` (written ``none``) and ``tuple[X, ...]`` or fixed ``tuple[X, Y]``
+(comma-separated; ``key=`` is the empty tuple). Whitespace is allowed around ``,`` ``{`` ``}``
+between elements, but the canonical form printed by ``format_pass`` has none.
+
+Every syntax or typing problem raises ``SpecError`` whose message shows the spec with a caret
+under the offending text; the error also carries ``spec``, ``line``, ``column`` and ``span``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import types
+import typing
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, Union
+
+from autoshard.errors import AutoshardError, InvalidArgumentTypeError, SpecError
+from autoshard.passes.base import Pass
+from autoshard.passes.registry import PassRegistry, default_registry, suggest
+
+__all__ = [
+    "OptionInfo",
+    "OptionSpec",
+    "PassSpec",
+    "ValueSpec",
+    "check_option_values",
+    "format_pass",
+    "format_value",
+    "instantiate",
+    "kebab",
+    "option_table",
+    "option_types",
+    "parse_passes",
+    "parse_spec",
+    "spec_error",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Syntax tree
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ValueSpec:
+    """One value as written; ``quoted`` values are always strings."""
+
+    text: str
+    quoted: bool
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """``key=v1,v2`` as written; ``values`` is ``None`` for a bare key."""
+
+    key: str
+    values: tuple[ValueSpec, ...] | None
+    start: int
+    end: int
+
+    @property
+    def key_end(self) -> int:
+        return self.start + len(self.key)
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """One pipeline element as written: a name and its options, with source offsets."""
+
+    name: str
+    options: tuple[OptionSpec, ...]
+    start: int
+    end: int
+
+    @property
+    def name_end(self) -> int:
+        return self.start + len(self.name)
+
+
+def _locate(text: str, pos: int) -> tuple[int, int, int]:
+    """(1-based line, 1-based column, offset of the line start) of ``text[pos]``."""
+    line_start = text.rfind("\n", 0, pos) + 1
+    return text.count("\n", 0, pos) + 1, pos - line_start + 1, line_start
+
+
+def spec_error(message: str, text: str, start: int, end: int | None = None) -> SpecError:
+    """A ``SpecError`` for ``text[start:end]``: the message, then the spec line with a caret under it.
+
+    The error also carries ``reason`` (the message alone), ``spec``, ``line``, ``column`` (1-based)
+    and ``span`` (offsets into ``spec``).
+    """
+    start = max(0, min(start, len(text)))
+    end = max(start + 1, end if end is not None else start + 1)
+    line_no, column, line_start = _locate(text, start)
+    line_end = text.find("\n", start)
+    if line_end == -1:
+        line_end = len(text)
+    width = max(1, min(end, line_end) - start)
+    where = f"column {column}" if "\n" not in text else f"line {line_no}, column {column}"
+    shown = text[line_start:line_end].replace("\t", " ")
+    err = SpecError(f"{message}\n  {shown}\n  {' ' * (column - 1)}{'^' * width} {where}")
+    err.reason = message  # type: ignore[attr-defined]
+    err.spec = text  # type: ignore[attr-defined]
+    err.line = line_no  # type: ignore[attr-defined]
+    err.column = column  # type: ignore[attr-defined]
+    err.span = (start, end)  # type: ignore[attr-defined]
+    return err
+
+
+# --------------------------------------------------------------------------------------------
+# Lexing and parsing (syntax only)
+# --------------------------------------------------------------------------------------------
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+_BARE = re.compile(r'[^\s,{}="]+')
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "r": "\r", "t": "\t"}
+
+
+class _Parser:
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+
+    def error(self, message: str, start: int | None = None, end: int | None = None) -> SpecError:
+        return spec_error(message, self.text, self.pos if start is None else start, end)
+
+    def at_end(self) -> bool:
+        return self.pos >= len(self.text)
+
+    def peek(self) -> str:
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def shown(self) -> str:
+        return f"'{self.peek()}'" if self.peek() else "the end of the spec"
+
+    def skip_ws(self) -> None:
+        while self.pos < len(self.text) and self.text[self.pos].isspace():
+            self.pos += 1
+
+    def word(self, pattern: re.Pattern[str]) -> str | None:
+        m = pattern.match(self.text, self.pos)
+        if not m:
+            return None
+        self.pos = m.end()
+        return m.group()
+
+    def pipeline(self) -> tuple[PassSpec, ...]:
+        self.skip_ws()
+        if self.at_end():
+            return ()
+        elements = [self.element()]
+        while True:
+            self.skip_ws()
+            if self.at_end():
+                return tuple(elements)
+            c = self.peek()
+            if c == ",":
+                self.pos += 1
+                self.skip_ws()
+                elements.append(self.element())
+            elif c == "}":
+                raise self.error("unexpected '}' (no matching '{')")
+            else:
+                raise self.error(f"expected ',' between passes, got {self.shown()}")
+
+    def element(self) -> PassSpec:
+        start = self.pos
+        name = self.word(_NAME)
+        if name is None:
+            raise self.error(f"expected a pass name, got {self.shown()}")
+        after_name = self.pos
+        self.skip_ws()
+        if self.peek() != "{":
+            self.pos = after_name
+            return PassSpec(name, (), start, after_name)
+        brace = self.pos
+        self.pos += 1
+        options: list[OptionSpec] = []
+        while True:
+            self.skip_ws()
+            if self.at_end():
+                raise self.error(f"unclosed '{{' of pass '{name}': expected '}}'", brace)
+            if self.peek() == "}":
+                self.pos += 1
+                return PassSpec(name, tuple(options), start, self.pos)
+            options.append(self.option(name))
+
+    def option(self, pass_name: str) -> OptionSpec:
+        start = self.pos
+        key = self.word(_NAME)
+        if key is None:
+            raise self.error(f"expected an option name or '}}' in the options of '{pass_name}', got {self.shown()}")
+        values: tuple[ValueSpec, ...] | None = None
+        if self.peek() == "=":
+            self.pos += 1
+            values = self.values()
+        c = self.peek()
+        if c and not c.isspace() and c != "}":
+            if c == "," and values is None:
+                raise self.error("unexpected ',': options are separated by spaces, not commas")
+            if c == "=" and values is not None and len(values) > 1:
+                comma = values[-1].start - 1
+                raise self.error("options are separated by spaces, not commas", comma, comma + 1)
+            raise self.error(f"expected a space or '}}' after option '{key}', got {self.shown()}")
+        return OptionSpec(key, values, start, self.pos)
+
+    def values(self) -> tuple[ValueSpec, ...]:
+        c = self.peek()
+        if not c or c.isspace() or c == "}":
+            return ()  # `key=`: the empty list
+        items = [self.value()]
+        while self.peek() == ",":
+            self.pos += 1
+            items.append(self.value())
+        return tuple(items)
+
+    def value(self) -> ValueSpec:
+        start = self.pos
+        if self.peek() == '"':
+            self.pos += 1
+            chars: list[str] = []
+            while True:
+                if self.at_end():
+                    raise self.error("unterminated string: expected a closing '\"'", start)
+                c = self.text[self.pos]
+                if c == '"':
+                    self.pos += 1
+                    return ValueSpec("".join(chars), True, start, self.pos)
+                if c == "\\":
+                    esc = self.text[self.pos + 1 : self.pos + 2]
+                    if esc not in _ESCAPES:
+                        raise self.error(
+                            "unknown escape in string: use \\\\, \\\", \\n, \\r or \\t", self.pos, self.pos + 2
+                        )
+                    chars.append(_ESCAPES[esc])
+                    self.pos += 2
+                else:
+                    chars.append(c)
+                    self.pos += 1
+        text = self.word(_BARE)
+        if text is None:
+            raise self.error(f"expected a value, got {self.shown()}")
+        return ValueSpec(text, False, start, self.pos)
+
+
+def parse_spec(text: str) -> tuple[PassSpec, ...]:
+    """Parse the syntax of a pipeline spec, without looking any name up."""
+    if not isinstance(text, str):
+        raise InvalidArgumentTypeError(f"a pipeline spec must be a str, got {type(text).__name__}")
+    return _Parser(text).pipeline()
+
+
+# --------------------------------------------------------------------------------------------
+# Option types
+# --------------------------------------------------------------------------------------------
+class _Unsupported(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Scalar:
+    kind: type  # int, float, bool or str
+
+
+@dataclass(frozen=True)
+class _Lit:
+    values: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class _Opt:
+    inner: Any
+
+
+@dataclass(frozen=True)
+class _Tuple:
+    elem: Any = None  # tuple[elem, ...]
+    items: tuple[Any, ...] | None = None  # tuple[a, b]
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _normalize(tp: Any, *, in_tuple: bool = False) -> Any:
+    if tp in _SCALARS:
+        return _Scalar(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        if not args or not all(type(a) in _SCALARS for a in args):
+            raise _Unsupported("Literal members must be str, int, float or bool")
+        return _Lit(args)
+    if origin is Union or origin is types.UnionType:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1 or len(rest) == len(args):
+            raise _Unsupported("the only union it can express is `X | None`")
+        inner = _normalize(rest[0], in_tuple=in_tuple)
+        if isinstance(inner, _Tuple) and any(isinstance(i, _Opt) for i in (inner.elem, *(inner.items or ()))):
+            raise _Unsupported("in `tuple[X | None, ...] | None` the value `none` would be ambiguous")
+        return _Opt(inner)
+    if origin is tuple or tp is tuple:
+        if in_tuple:
+            raise _Unsupported("tuples cannot nest")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return _Tuple(elem=_normalize(args[0], in_tuple=True))
+        if not args or args == ((),):
+            raise _Unsupported("give the item type, e.g. tuple[int, ...]")
+        return _Tuple(items=tuple(_normalize(a, in_tuple=True) for a in args))
+    raise _Unsupported("supported: int, float, bool, str, Literal[...], X | None, tuple[X, ...]")
+
+
+_TYPE_CACHE: "weakref.WeakKeyDictionary[type, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def kebab(field_name: str) -> str:
+    """The text key of an option field: ``max_depth`` -> ``max-depth``."""
+    return field_name.replace("_", "-")
+
+
+def _resolve_hints(cls: type[Pass]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # some unrelated annotation in the MRO does not resolve; go field by field
+        pass
+    hints: dict[str, Any] = {}
+    for f in cls.options():
+        tp = f.type
+        if isinstance(tp, str):
+            owner = next((c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {})), cls)
+            namespace = dict(vars(sys.modules.get(owner.__module__, typing)))
+            try:
+                tp = eval(tp, namespace, dict(vars(owner)))  # noqa: S307 - annotations are code by definition
+            except Exception as exc:
+                raise SpecError(
+                    f"cannot resolve the annotation {f.type!r} of option '{kebab(f.name)}' of pass "
+                    f"'{cls.name}': {type(exc).__name__}: {exc}"
+                ) from exc
+        hints[f.name] = tp
+    return hints
+
+
+def option_types(cls: type[Pass]) -> dict[str, Any]:
+    """Map each option field of ``cls`` to its (internal) type; ``SpecError`` for types the syntax cannot express."""
+    cached = _TYPE_CACHE.get(cls)
+    if cached is not None:
+        return cached
+    hints = _resolve_hints(cls)
+    out: dict[str, Any] = {}
+    for f in cls.options():
+        tp = hints.get(f.name, f.type)
+        try:
+            out[f.name] = _normalize(tp)
+        except _Unsupported as exc:
+            raise SpecError(
+                f"option '{kebab(f.name)}' of pass '{cls.name}' has type {_type_name(tp)}, which pass specs "
+                f"cannot express: {exc}"
+            ) from None
+        default = _default(f)
+        if default is not dataclasses.MISSING and not _matches(default, out[f.name]):
+            raise SpecError(
+                f"option '{kebab(f.name)}' of pass '{cls.name}' has default {default!r}, "
+                f"which is not {_describe(out[f.name])}"
+            )
+    _TYPE_CACHE[cls] = out
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+_ARTICLE = {int: "an int", float: "a float", bool: "a bool (true or false)", str: "a string"}
+_PLURAL = {int: "ints", float: "floats", bool: "bools (true or false)", str: "strings"}
+
+
+def _describe(t: Any, plural: bool = False) -> str:
+    if isinstance(t, _Scalar):
+        return (_PLURAL if plural else _ARTICLE)[t.kind]
+    if isinstance(t, _Lit):
+        return ("values from " if plural else "one of ") + ", ".join(f"'{_format(v, _lit_type(v))}'" for v in t.values)
+    if isinstance(t, _Opt):
+        return f"{_describe(t.inner, plural)} or none"
+    if isinstance(t, _Tuple):
+        if t.elem is not None:
+            return f"a comma-separated list of {_describe(t.elem, plural=True)}"
+        return f"{len(t.items)} comma-separated values ({', '.join(_describe(i) for i in t.items)})"
+    raise AssertionError(t)  # pragma: no cover
+
+
+def _lit_type(v: Any) -> _Scalar:
+    return _Scalar(type(v))
+
+
+def _matches(value: Any, t: Any) -> bool:
+    """Whether a Python value fits type ``t`` (and so prints and parses back equal)."""
+    if isinstance(t, _Scalar):
+        if t.kind is bool:
+            return isinstance(value, bool)
+        if t.kind is int:
+            return isinstance(value, int) and not isinstance(value, bool)
+        if t.kind is float:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, str)
+    if isinstance(t, _Lit):
+        return any(type(value) is type(m) and value == m for m in t.values)
+    if isinstance(t, _Opt):
+        return value is None or _matches(value, t.inner)
+    if isinstance(t, _Tuple):
+        if not isinstance(value, tuple):
+            return False
+        if t.elem is not None:
+            return all(_matches(v, t.elem) for v in value)
+        return len(value) == len(t.items) and all(_matches(v, i) for v, i in zip(value, t.items))
+    raise AssertionError(t)  # pragma: no cover
+
+
+def check_option_values(p: Pass) -> None:
+    """Raise ``InvalidArgumentTypeError`` if an option of a pass built in Python has the wrong type."""
+    cls = type(p)
+    for name, t in option_types(cls).items():
+        value = getattr(p, name)
+        if not _matches(value, t):
+            hint = " (use a tuple)" if isinstance(t, (_Tuple, _Opt)) and isinstance(value, list) else ""
+            raise InvalidArgumentTypeError(
+                f"option '{kebab(name)}' of pass '{cls.name}' expects {_describe(t)}, "
+                f"got {value!r} ({type(value).__name__}){hint}"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Printing
+# --------------------------------------------------------------------------------------------
+_SAFE_BARE = re.compile(r"[A-Za-z0-9_.+\-/:@%]+")
+_QUOTE = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _quote(s: str) -> str:
+    return '"' + "".join(_QUOTE.get(c, c) for c in s) + '"'
+
+
+def _format(value: Any, t: Any, none_ok: bool = False) -> str:
+    if isinstance(t, _Opt):
+        return "none" if value is None else _format(value, t.inner, none_ok=True)
+    if isinstance(t, _Lit):
+        return _format(value, _lit_type(value), none_ok)
+    if isinstance(t, _Tuple):
+        item_types = [t.elem] * len(value) if t.elem is not None else t.items
+        return ",".join(_format(v, it) for v, it in zip(value, item_types))
+    kind = t.kind
+    if kind is bool:
+        return "true" if value else "false"
+    if kind is int:
+        return str(int(value))
+    if kind is float:
+        return repr(float(value))
+    if _SAFE_BARE.fullmatch(value) and not (none_ok and value == "none"):
+        return value
+    return _quote(value)
+
+
+def format_value(value: Any, t: Any) -> str:
+    """Print one option value so that it parses back equal (``t`` from ``option_types``)."""
+    return _format(value, t)
+
+
+def format_pass(p: Pass, explicit: frozenset[str] | set[str] | tuple[str, ...] = frozenset()) -> str:
+    """The canonical spec of one pass: its name, then (in field order) the options that are
+    required, not at their default, or named in ``explicit``."""
+    cls = type(p)
+    kinds = option_types(cls)
+    parts = []
+    for f in cls.options():
+        value = getattr(p, f.name)
+        default = _default(f)
+        if f.name in explicit or default is dataclasses.MISSING or not _same(value, default):
+            parts.append(f"{kebab(f.name)}={_format(value, kinds[f.name])}")
+    return cls.name + ("{" + " ".join(parts) + "}" if parts else "")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # pragma: no cover - exotic __eq__
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Typing the values of a parsed element
+# --------------------------------------------------------------------------------------------
+class _BadValue(Exception):
+    def __init__(self, value: ValueSpec | None) -> None:
+        self.value = value
+
+
+def _scalar(v: ValueSpec, t: Any) -> Any:
+    """Convert one written value; raises ``_BadValue`` when it does not fit ``t``."""
+    if isinstance(t, _Opt):
+        if not v.quoted and v.text == "none":
+            return None
+        return _scalar(v, t.inner)
+    if isinstance(t, _Lit):
+        for m in t.values:
+            if isinstance(m, str):
+                if v.text == m:
+                    return m
+            elif not v.quoted:
+                try:
+                    if _scalar(v, _Scalar(type(m))) == m:
+                        return m
+                except _BadValue:
+                    pass
+        raise _BadValue(v)
+    kind = t.kind
+    if kind is str:
+        return v.text
+    if v.quoted:
+        raise _BadValue(v)
+    if kind is bool:
+        if v.text in ("true", "false"):
+            return v.text == "true"
+        raise _BadValue(v)
+    try:
+        return int(v.text, 10) if kind is int else float(v.text)
+    except ValueError:
+        raise _BadValue(v) from None
+
+
+def _convert(opt: OptionSpec, t: Any) -> Any:
+    values = opt.values
+    if values is None:  # bare key
+        inner = t.inner if isinstance(t, _Opt) else t
+        if isinstance(inner, _Scalar) and inner.kind is bool:
+            return True
+        raise _BadValue(None)
+    base = t.inner if isinstance(t, _Opt) else t
+    if isinstance(base, _Tuple):
+        if isinstance(t, _Opt) and len(values) == 1 and not values[0].quoted and values[0].text == "none":
+            return None
+        if base.elem is not None:
+            return tuple(_scalar(v, base.elem) for v in values)
+        if len(values) != len(base.items):
+            raise _BadValue(None)
+        return tuple(_scalar(v, it) for v, it in zip(values, base.items))
+    if len(values) != 1:
+        raise _BadValue(None)
+    return _scalar(values[0], t)
+
+
+def instantiate(element: PassSpec, text: str, registry: PassRegistry | None = None) -> tuple[Pass, frozenset[str]]:
+    """Look up and construct one parsed element; returns the pass and the option fields written."""
+    registry = default_registry if registry is None else registry
+    try:
+        cls = registry.get(element.name)
+    except SpecError as exc:
+        raise spec_error(str(exc), text, element.start, element.name_end) from exc
+    kinds = option_types(cls)
+    fields = {f.name: f for f in cls.options()}
+    kwargs: dict[str, Any] = {}
+    first: dict[str, OptionSpec] = {}
+    for opt in element.options:
+        fname = opt.key.replace("-", "_")
+        if fname not in fields:
+            keys = [kebab(n) for n in fields]
+            hint = suggest(opt.key, keys)
+            if not hint:
+                hint = f"; its options are: {', '.join(keys)}" if keys else f"; '{cls.name}' takes no options"
+            raise spec_error(f"unknown option '{opt.key}' for pass '{cls.name}'{hint}", text, opt.start, opt.key_end)
+        if fname in first:
+            _, col, _ = _locate(text, first[fname].start)
+            raise spec_error(
+                f"option '{kebab(fname)}' of '{cls.name}' is given twice (first at column {col})",
+                text,
+                opt.start,
+                opt.key_end,
+            )
+        first[fname] = opt
+        try:
+            kwargs[fname] = _convert(opt, kinds[fname])
+        except _BadValue as bad:
+            expected = _describe(kinds[fname])
+            key = kebab(fname)
+            if opt.values is None:
+                raise spec_error(
+                    f"option '{key}' of '{cls.name}' needs a value ({expected}): write {key}=...",
+                    text, opt.start, opt.end,
+                ) from None
+            if bad.value is None:
+                got = f"{len(opt.values)} values" if opt.values else "nothing"
+                span = (opt.values[0].start, opt.values[-1].end) if opt.values else (opt.key_end, opt.end)
+                raise spec_error(f"option '{key}' of '{cls.name}' expects {expected}, got {got}", text, *span) from None
+            lit = kinds[fname].inner if isinstance(kinds[fname], _Opt) else kinds[fname]
+            hint = suggest(bad.value.text, [_format(m, _lit_type(m)) for m in lit.values]) if isinstance(lit, _Lit) else ""
+            raise spec_error(
+                f"option '{key}' of '{cls.name}' expects {expected}, got '{bad.value.text}'{hint}",
+                text, bad.value.start, bad.value.end,
+            ) from None
+    for name, f in fields.items():
+        if name not in kwargs and _default(f) is dataclasses.MISSING:
+            raise spec_error(
+                f"missing required option '{kebab(name)}' for pass '{cls.name}' ({_describe(kinds[name])}): "
+                f"write {cls.name}{{{kebab(name)}=...}}",
+                text, element.start, element.end,
+            )
+    try:
+        instance = cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        located = spec_error(f"invalid options for pass '{cls.name}': {exc}", text, element.start, element.end)
+        if isinstance(exc, AutoshardError):  # a typed error from the pass's own checks keeps its type
+            exc.add_note("in the pass spec:\n" + str(located).split("\n", 1)[1])
+            raise
+        raise located from exc
+    return instance, frozenset(kwargs)
+
+
+def parse_passes(text: str, registry: PassRegistry | None = None) -> list[tuple[Pass, frozenset[str]]]:
+    """Parse a spec into ``(pass, explicitly written option fields)`` pairs."""
+    return [instantiate(e, text, registry) for e in parse_spec(text)]
+
+
+# --------------------------------------------------------------------------------------------
+# Documentation helpers
+# --------------------------------------------------------------------------------------------
+class OptionInfo(NamedTuple):
+    """One row of a pass's option table, e.g. for ``autoshard passes``."""
+
+    key: str
+    field: str
+    type: str
+    default: str | None  # printed as in a spec; None when the option is required
+    help: str
+
+
+def option_table(cls: type[Pass]) -> tuple[OptionInfo, ...]:
+    kinds = option_types(cls)
+    rows = []
+    for f in cls.options():
+        default = _default(f)
+        shown = None if default is dataclasses.MISSING else _format(default, kinds[f.name])
+        rows.append(OptionInfo(kebab(f.name), f.name, _describe(kinds[f.name]), shown, f.metadata.get("help", "")))
+    return tuple(rows)
+

@@ -1,0 +1,30 @@
+"""The ``trace`` pass: capture the model as an fx graph, wrapping only what cannot be traced."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from autoshard.capture.fx import TraceResult, trace_with_leaves
+from autoshard.passes.base import Pass, PassContext, ShardProgram
+
+__all__ = ["TracePass", "TraceResult"]
+
+
+@dataclass(frozen=True)
+class TracePass(Pass):
+    """Trace the model with torch.fx, wrapping the innermost untraceable modules or functions.
+
+    When tracing fails, the innermost module whose own forward failed becomes a leaf, or, if the
+    failure is inside a free function called from a forward, only that call is kept opaque; then
+    tracing is retried. The result lists every wrapped module and function with its error.
+    Example: ``trace,build-dag,linearize,split{stages=4},emit``.
+    """
+
+    name: ClassVar[str] = "trace"
+    requires: ClassVar[frozenset[str]] = frozenset({"model"})
+    provides: ClassVar[frozenset[str]] = frozenset({"traced"})
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        return dataclasses.replace(program, traced=trace_with_leaves(program.model))

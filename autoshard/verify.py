@@ -1,0 +1,115 @@
+"""Check that the stages compute what the model computes, and say where they first differ.
+
+Three comparisons, in the order a failure is easiest to act on:
+1. the traced graph against the eager model (a tracing problem, before any split);
+2. each stage's boundary values against the same values in the traced graph;
+3. the chained stages' result against the eager model.
+Randomness is replayed from one seed for every run, and buffers (BatchNorm statistics) are
+restored after each run, so verifying never changes the user's model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from autoshard.errors import VerificationError
+
+
+@contextlib.contextmanager
+def _buffers_restored(model: nn.Module) -> Iterator[None]:
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+def _run_seeded(fn: Any, model: nn.Module, seed: int) -> Any:
+    with torch.random.fork_rng(devices=[]), _buffers_restored(model), torch.no_grad():
+        torch.manual_seed(seed)
+        return fn()
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the traced graph and keeps the values named in ``wanted``."""
+
+    def __init__(self, gm: fx.GraphModule, wanted: set[str]) -> None:
+        super().__init__(gm)
+        self.wanted = wanted
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.name in self.wanted:
+            self.values[n.name] = result
+        return result
+
+
+def first_difference(actual: Any, expected: Any, rtol: float, atol: float) -> str | None:
+    """A description of the first leaf where two nested values differ, or None if they match."""
+    flat_a, spec_a = tree_flatten(actual)
+    flat_e, spec_e = tree_flatten(expected)
+    if spec_a != spec_e:
+        return f"structure differs: {spec_a} vs {spec_e}"
+    for index, (a, e) in enumerate(zip(flat_a, flat_e)):
+        if isinstance(e, torch.Tensor):
+            try:
+                torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
+            except AssertionError as exc:
+                return f"leaf {index}: {str(exc).strip().splitlines()[0]}"
+        elif a != e:
+            return f"leaf {index}: {a!r} != {e!r}"
+    return None
+
+
+def verify_stages(
+    model: nn.Module,
+    gm: fx.GraphModule,
+    stages: Sequence[fx.GraphModule],
+    boundaries: Sequence[Sequence[str]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    seed: int = 0,
+) -> str:
+    """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
+    expected = _run_seeded(lambda: model(*args, **kwargs), model, seed)
+    recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})
+    traced = _run_seeded(lambda: recorder.run(*args, **kwargs), model, seed)
+    problem = first_difference(traced, expected, rtol, atol)
+    if problem:
+        raise VerificationError(
+            f"the traced graph differs from the model before any split ({problem}); "
+            "the capture lost something the model depends on (a rebuilt argument, a hook, "
+            "a global setting)", stage=None)
+
+    def chained() -> Any:
+        values = stages[0](*args, **kwargs)
+        for index, stage in enumerate(stages[1:], start=1):
+            check_boundary(index - 1, values)
+            values = stage(*values)
+        return values
+
+    def check_boundary(index: int, values: tuple[Any, ...]) -> None:
+        for name, value in zip(boundaries[index], values):
+            problem = first_difference(value, recorder.values[name], rtol, atol)
+            if problem:
+                raise VerificationError(
+                    f"stage {index} produced value '{name}' that differs from the model's ({problem})",
+                    stage=index)
+
+    actual = _run_seeded(chained, model, seed)
+    problem = first_difference(actual, expected, rtol, atol)
+    if problem:
+        last = len(stages) - 1
+        raise VerificationError(f"stage {last} (the last) returned a different output ({problem})", stage=last)
+    return f"{len(stages)} stages match the model on the example inputs (rtol={rtol}, atol={atol})"

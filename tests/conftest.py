@@ -1,0 +1,31 @@
+"""Shared fixtures: the built-in examples and a fingerprint of a model's observable state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+def model_fingerprint(model: nn.Module) -> dict:
+    """Everything shard_model promises not to change: values, identities, flags, hooks, tree."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "ids": {k: id(v) for k, v in model.named_parameters()},
+        "training": {name: m.training for name, m in model.named_modules()},
+        "hooks": {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()},
+        "tree": [(name, type(m).__name__) for name, m in model.named_modules()],
+    }
+
+
+def assert_same_fingerprint(before: dict, after: dict) -> None:
+    assert before["state"].keys() == after["state"].keys()
+    for key, value in before["state"].items():
+        assert torch.equal(value, after["state"][key]), f"{key} changed"
+    for field in ("ids", "training", "hooks", "tree"):
+        assert before[field] == after[field], f"{field} changed"
+
+
+@pytest.fixture
+def fingerprint():
+    return model_fingerprint

@@ -1,0 +1,80 @@
+"""Bad input gets a clear, typed error; never an AssertionError or a silent wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.errors import (
+    AutoshardError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    PipelineValidationError,
+    SpecError,
+    TooManyStagesError,
+)
+from autoshard.examples import BranchedNetwork, ResidualMLP
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_num_stages_below_one(bad):
+    with pytest.raises(InvalidArgumentError, match="at least 1"):
+        autoshard.shard_model(ResidualMLP(), bad)
+
+
+@pytest.mark.parametrize("bad", [2.0, "2", True, None])
+def test_num_stages_not_an_int(bad):
+    with pytest.raises(InvalidArgumentTypeError, match="num_stages must be an int"):
+        autoshard.shard_model(ResidualMLP(), bad)
+
+
+def test_num_stages_above_the_maximum_states_the_maximum():
+    with pytest.raises(TooManyStagesError, match="maximum is 10") as info:
+        autoshard.shard_model(BranchedNetwork(), 11)
+    assert info.value.maximum == 10 and info.value.requested == 11
+
+
+def test_not_a_module():
+    with pytest.raises(InvalidArgumentTypeError, match="torch.nn.Module"):
+        autoshard.shard_model(lambda x: x, 2)
+
+
+def test_unknown_pass_in_spec():
+    with pytest.raises(SpecError, match="unknown pass 'trase'.*trace"):
+        autoshard.shard_model(ResidualMLP(), 2, pipeline="trase,build-dag,linearize,split,emit")
+
+
+def test_unknown_option_in_spec():
+    with pytest.raises(SpecError, match="stagez"):
+        autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,linearize,split{stagez=2},emit")
+
+
+def test_spec_missing_a_required_artifact_says_what_to_add():
+    with pytest.raises(PipelineValidationError, match="order.*linearize"):
+        autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,split,emit")
+
+
+def test_verify_without_example_inputs_is_refused_before_running():
+    with pytest.raises(PipelineValidationError, match="example_inputs"):
+        autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,linearize,split,emit,verify")
+
+
+def test_contradicting_stage_counts():
+    with pytest.raises(InvalidArgumentError, match="stages=3"):
+        autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,linearize,split{stages=3},emit")
+
+
+def test_unknown_cost_model():
+    with pytest.raises(InvalidArgumentError, match="unknown cost model 'parms'.*params"):
+        autoshard.shard_model(ResidualMLP(), 2, cost="parms")
+
+
+def test_bad_example_inputs_type():
+    with pytest.raises(InvalidArgumentTypeError, match="example_inputs"):
+        autoshard.shard_model(ResidualMLP(), 2, example_inputs={"x": torch.randn(1, 16)})
+
+
+def test_every_deliberate_error_is_an_autoshard_error():
+    for cls in (InvalidArgumentError, InvalidArgumentTypeError, TooManyStagesError, SpecError, PipelineValidationError):
+        assert issubclass(cls, AutoshardError) and not issubclass(cls, AssertionError)

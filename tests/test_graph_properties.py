@@ -1,0 +1,199 @@
+"""Property tests of the splitter against brute force, on random chains and DAGs."""
+
+from __future__ import annotations
+
+import functools
+from itertools import combinations, product
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoshard.errors import InvalidArgumentError
+from autoshard.graph import (
+    bottleneck,
+    boundary_bytes,
+    boundary_values,
+    check_partition,
+    min_bottleneck,
+    split_dag,
+    total_boundary_bytes,
+)
+from autoshard.graph.balance import live_bytes_at_cuts, min_bytes_partition
+from autoshard.graph.invariants import check_order
+from autoshard.graph.linearize import ORDERS, is_input, is_output, non_inputs, program_order
+from autoshard.testing import (
+    all_partitions,
+    brute_force_min_bottleneck,
+    brute_force_min_bytes,
+    check_splitter,
+)
+from autoshard.testing.properties import at_most
+from autoshard.testing.strategies import chains, dags, split_problems, weights
+
+BUILTIN = ("min-cut", "fixed-order", "greedy", "uniform")
+BOUNDED = ("min-cut", "fixed-order")
+tolerances = st.sampled_from([0.0, 0.02, 0.25])
+fast = settings(max_examples=100, deadline=None)
+
+
+def close(a: float, b: float) -> bool:
+    return at_most(a, b) and at_most(b, a)
+
+
+def splitter(strategy: str, tolerance: float = 0.02):
+    return functools.partial(split_dag, strategy=strategy, tolerance=tolerance)
+
+
+def order_weights(dag, order) -> list[float]:
+    """Costs along the non-input sequence, the inputs' cost on the first (stage 0) node."""
+    sequence = non_inputs(dag, order)
+    inputs = sum(dag.nodes[v]["cost"] for v in order if is_input(dag, v))
+    return [dag.nodes[v]["cost"] + (inputs if i == 0 else 0.0) for i, v in enumerate(sequence)]
+
+
+def from_cuts(dag, order, cuts) -> dict:
+    sequence = non_inputs(dag, order)
+    bounds = [0, *cuts, len(sequence)]
+    assignment = dict.fromkeys(order, 0)
+    for j in range(len(bounds) - 1):
+        assignment.update((v, j) for v in sequence[bounds[j] : bounds[j + 1]])
+    return assignment
+
+
+# --- every strategy -----------------------------------------------------------------------
+
+
+@fast
+@given(split_problems(dags()), st.sampled_from(BUILTIN), tolerances)
+def test_every_strategy_splits_random_dags_validly(problem, strategy, tolerance):
+    dag, k = problem
+    bound = tolerance if strategy in BOUNDED else None
+    check_splitter(splitter(strategy, tolerance), dag, k, tolerance=bound)
+
+
+@fast
+@given(split_problems(chains(max_nodes=10), max_stages=5), st.sampled_from(BUILTIN))
+def test_every_strategy_splits_random_chains_validly(problem, strategy):
+    dag, k = problem
+    check_splitter(splitter(strategy), dag, k, tolerance=0.02 if strategy in BOUNDED else None)
+
+
+@fast
+@given(split_problems(chains(), max_stages=5), st.sampled_from(BOUNDED))
+def test_on_chains_the_bounded_strategies_reach_the_true_optimum(problem, strategy):
+    dag, k = problem
+    result = split_dag(dag, k, strategy, tolerance=0.0)
+    assert close(bottleneck(dag, result, k), brute_force_min_bottleneck(dag, k))
+
+
+@fast
+@given(split_problems(dags(max_nodes=10)), tolerances)
+def test_min_cut_never_sends_more_than_fixed_order_and_stays_in_budget(problem, tolerance):
+    dag, k = problem
+    fixed = split_dag(dag, k, "fixed-order", tolerance)
+    unrefined = split_dag(dag, k, "min-cut", tolerance, refine=False)
+    refined = split_dag(dag, k, "min-cut", tolerance)
+    sent = [total_boundary_bytes(dag, a, k) for a in (fixed, unrefined, refined)]
+    assert at_most(sent[2], sent[1]) and at_most(sent[1], sent[0])
+    budget = (1 + tolerance) * min_bottleneck(order_weights(dag, program_order(dag)), k)
+    for assignment in (fixed, unrefined, refined):
+        assert at_most(bottleneck(dag, assignment, k), budget)
+
+
+# --- balance primitives against brute force -----------------------------------------------
+
+
+@fast
+@given(st.lists(weights, min_size=1, max_size=9), st.data())
+def test_min_bottleneck_equals_brute_force_over_cut_positions(values, data):
+    k = data.draw(st.integers(1, len(values)))
+    brute = min(
+        max(sum(values[a:b]) for a, b in zip((0, *cuts), (*cuts, len(values))))
+        for cuts in combinations(range(1, len(values)), k - 1)
+    )
+    assert close(min_bottleneck(values, k), brute)
+
+
+@fast
+@given(split_problems(dags()), st.sampled_from(sorted(ORDERS)), tolerances)
+def test_dp_sends_the_brute_force_minimum_within_the_bound(problem, order_name, tolerance):
+    dag, k = problem
+    order = ORDERS[order_name](dag)
+    values = order_weights(dag, order)
+    bound = (1 + tolerance) * min_bottleneck(values, k)
+    live = live_bytes_at_cuts(dag, order)
+    cuts = min_bytes_partition(values, live, k, bound)
+    assignment = from_cuts(dag, order, cuts)
+    check_partition(dag, assignment, k)
+    assert at_most(bottleneck(dag, assignment, k), bound)
+    sent = total_boundary_bytes(dag, assignment, k)
+    assert close(sent, sum(live[c] for c in cuts))
+    assert close(sent, brute_force_min_bytes(dag, k, bound, order))
+
+
+@fast
+@given(dags(max_nodes=10), st.sampled_from(sorted(ORDERS)))
+def test_live_bytes_sweep_equals_the_naive_count(dag, order_name):
+    order = ORDERS[order_name](dag)
+    sequence = non_inputs(dag, order)
+    position = {v: (sequence.index(v) if v in sequence else -1) for v in order}
+
+    def naive(c: int) -> float:
+        return sum(
+            dag.nodes[u]["bytes"]
+            for u in order
+            if position[u] < c
+            and (is_output(dag, u) or any(position[v] >= c for v in dag.successors(u)))
+        )
+
+    live = live_bytes_at_cuts(dag, order)
+    assert len(live) == len(sequence) + 1
+    assert all(close(bytes_, naive(c)) for c, bytes_ in enumerate(live))
+
+
+# --- orders, scores and validity ----------------------------------------------------------
+
+
+@fast
+@given(dags())
+def test_every_order_is_topological_inputs_first_and_deterministic(dag):
+    inputs = [v for v in dag.nodes if is_input(dag, v)]
+    for make in ORDERS.values():
+        order = make(dag)
+        check_order(dag, order)
+        assert order[: len(inputs)] == inputs
+        assert make(dag.copy()) == order
+
+
+@fast
+@given(split_problems(dags(max_nodes=6), max_stages=3), st.data())
+def test_boundary_scores_follow_the_definition(problem, data):
+    dag, k = problem
+    assignment = data.draw(st.sampled_from(list(all_partitions(dag, k))))
+    order = program_order(dag)
+
+    def crosses(u, j: int) -> bool:
+        later = any(assignment[v] > j for v in dag.successors(u))
+        return assignment[u] <= j and (later or is_output(dag, u))
+
+    expected = [[u for u in order if crosses(u, j)] for j in range(k - 1)]
+    assert boundary_values(dag, assignment, k) == expected
+    sizes = [sum(dag.nodes[u]["bytes"] for u in values) for values in expected]
+    assert all(close(a, b) for a, b in zip(boundary_bytes(dag, assignment, k), sizes))
+    assert close(total_boundary_bytes(dag, assignment, k), sum(sizes))
+
+
+@settings(max_examples=40, deadline=None)
+@given(split_problems(dags(max_nodes=4, max_inputs=1), max_stages=3))
+def test_check_partition_accepts_exactly_the_enumerated_partitions(problem):
+    dag, k = problem
+    order = program_order(dag)
+    accepted = []
+    for stages in product(range(k), repeat=len(order)):
+        candidate = dict(zip(order, stages))
+        try:
+            check_partition(dag, candidate, k)
+        except InvalidArgumentError:
+            continue
+        accepted.append(candidate)
+    assert accepted == sorted(all_partitions(dag, k), key=lambda a: [a[v] for v in order])

@@ -1,0 +1,324 @@
+"""Pipeline: construction, validation, running, history and failure handling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import pytest
+
+from autoshard.errors import (
+    AutoshardError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    PassContractError,
+    PassFailed,
+    PipelineValidationError,
+)
+from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram, option
+from autoshard.passes.instruments import Instrument
+from autoshard.passes.pipeline import Pipeline, PipelineResult
+from autoshard.passes.registry import PassRegistry
+
+REG = PassRegistry(entry_point_group=None)
+CALLS: list[str] = []
+
+
+@REG.register
+@dataclass(frozen=True)
+class OrderPass(Pass):
+    """Fill `order` from the model's children."""
+
+    name: ClassVar[str] = "order"
+    requires: ClassVar[frozenset[str]] = frozenset({"model"})
+    provides: ClassVar[frozenset[str]] = frozenset({"order"})
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        CALLS.append(self.name)
+        return replace(program, order=tuple(program.model))
+
+
+@REG.register
+@dataclass(frozen=True)
+class OtherOrderPass(Pass):
+    """Another way to fill `order`."""
+
+    name: ClassVar[str] = "other-order"
+    requires: ClassVar[frozenset[str]] = frozenset({"model"})
+    provides: ClassVar[frozenset[str]] = frozenset({"order"})
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        return replace(program, order=("other",))
+
+
+@REG.register
+@dataclass(frozen=True)
+class GroupPass(Pass):
+    """Group the order into `stages` partitions."""
+
+    name: ClassVar[str] = "group"
+    requires: ClassVar[frozenset[str]] = frozenset({"order"})
+    provides: ClassVar[frozenset[str]] = frozenset({"partition"})
+
+    stages: int = option(help="how many groups")
+    fail_with: str = option("", help="exception class name to raise, for tests")
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        CALLS.append(self.name)
+        if self.fail_with == "ZeroDivisionError":
+            1 / 0
+        if self.fail_with == "InvalidArgumentError":
+            raise InvalidArgumentError("too many stages")
+        order = program.order
+        return replace(program, partition=tuple(order[i :: self.stages] for i in range(self.stages)))
+
+
+@REG.register
+@dataclass(frozen=True)
+class CheckPass(Pass):
+    """Record a verification string; needs example inputs."""
+
+    name: ClassVar[str] = "check"
+    requires: ClassVar[frozenset[str]] = frozenset({"partition", "example_inputs"})
+    provides: ClassVar[frozenset[str]] = frozenset({"verification"})
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        return replace(program, verification=f"{len(program.partition)} groups ok")
+
+
+@REG.register
+@dataclass(frozen=True)
+class LazyPass(Pass):
+    """Declares `partition` but does not set it."""
+
+    name: ClassVar[str] = "lazy"
+    provides: ClassVar[frozenset[str]] = frozenset({"partition"})
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        return program
+
+
+@REG.register
+@dataclass(frozen=True)
+class SneakyPass(Pass):
+    """Overwrites `order` without declaring it."""
+
+    name: ClassVar[str] = "sneaky"
+    provides: ClassVar[frozenset[str]] = frozenset({"verification"})
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        return replace(program, order=("changed",), verification="ok")
+
+
+@REG.register
+@dataclass(frozen=True)
+class NonePass(Pass):
+    """Forgets to return the program."""
+
+    name: ClassVar[str] = "returns-none"
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        return None  # type: ignore[return-value]
+
+
+@pytest.fixture(autouse=True)
+def _clear_calls():
+    CALLS.clear()
+
+
+def program(**kw) -> ShardProgram:
+    return ShardProgram(model=("a", "b", "c", "d"), **kw)
+
+
+def parse(text: str) -> Pipeline:
+    return Pipeline.parse(text, registry=REG)
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction and conveniences
+# ----------------------------------------------------------------------------------------------
+def test_python_and_parsed_pipelines_are_equal_and_hash_alike():
+    built = Pipeline([OrderPass(), GroupPass(stages=2)])
+    parsed = parse("order,group{stages=2}")
+    assert built == parsed and hash(built) == hash(parsed)
+    assert built != parse("order,group{stages=3}")
+    assert {built: 1}[parsed] == 1
+
+
+def test_sequence_conveniences():
+    p = parse("order,group{stages=2 fail-with=\"\"}")
+    assert len(p) == 2 and list(p) == [OrderPass(), GroupPass(stages=2)]
+    assert p[0] == OrderPass() and isinstance(p[1:], Pipeline) and str(p[1:]) == 'group{stages=2 fail-with=""}'
+    joined = Pipeline([OrderPass()]) + GroupPass(stages=2)
+    assert joined == Pipeline([OrderPass(), GroupPass(stages=2)])
+    assert str(p[:1] + p[1:]) == str(p)  # explicit options survive slicing and concatenation
+    assert (Pipeline([OrderPass()]) + [GroupPass(stages=2)]) == joined
+    assert repr(joined) == "Pipeline.parse('order,group{stages=2}')"
+
+
+def test_constructor_rejects_classes_and_strings_with_a_hint():
+    with pytest.raises(InvalidArgumentTypeError, match=r"step 0 is the class OrderPass, not a pass: write OrderPass\(...\)"):
+        Pipeline([OrderPass])
+    with pytest.raises(InvalidArgumentTypeError, match=r"use Pipeline.parse"):
+        Pipeline(["order"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+def test_valid_pipeline_validates():
+    parse("order,group{stages=2},check").validate(frozenset({"model", "example_inputs"}))
+
+
+def test_missing_artifact_names_pass_position_and_the_provider_to_add():
+    reg = PassRegistry([OrderPass, OtherOrderPass, GroupPass], entry_point_group=None)
+    p = Pipeline([GroupPass(stages=2)], registry=reg)
+    with pytest.raises(PipelineValidationError) as info:
+        p.validate(frozenset({"model"}))
+    assert str(info.value) == (
+        "pass 'group' (position 0 in pipeline `group{stages=2}`) needs 'order', which nothing before it "
+        "provides: add one of `order`, `other-order` before it (it provides 'order')"
+    )
+
+
+def test_single_provider_is_named_directly():
+    with pytest.raises(PipelineValidationError, match=r"pass 'check' \(position 1 .* needs 'partition'.*add `group` before it"):
+        reg = PassRegistry([OrderPass, GroupPass, CheckPass], entry_point_group=None)
+        Pipeline.parse("order,check", registry=reg).validate(frozenset({"model", "example_inputs"}))
+
+
+def test_missing_example_inputs_says_to_pass_them():
+    with pytest.raises(PipelineValidationError) as info:
+        parse("order,group{stages=2},check").validate(frozenset({"model"}))
+    msg = str(info.value)
+    assert "pass 'check' (position 2" in msg and "needs 'example_inputs'" in msg
+    assert "'example_inputs' comes from the inputs, not from a pass: pass example inputs" in msg
+
+
+def test_provider_later_in_the_pipeline_is_pointed_out():
+    with pytest.raises(PipelineValidationError, match=r"'order' is provided by `order` at position 1, after it: move `order` before it"):
+        parse("group{stages=2},order").validate(frozenset({"model"}))
+
+
+def test_artifact_nobody_provides():
+    reg = PassRegistry([GroupPass], entry_point_group=None)
+    with pytest.raises(PipelineValidationError, match="no registered pass provides 'order'"):
+        Pipeline.parse("group{stages=1}", registry=reg).validate(frozenset({"model"}))
+
+
+def test_run_validates_before_running_anything():
+    with pytest.raises(PipelineValidationError, match="pass 'check' .* needs 'example_inputs'"):
+        parse("order,group{stages=2},check").run(program())
+    assert CALLS == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Running and history
+# ----------------------------------------------------------------------------------------------
+def test_run_threads_the_program_and_records_history():
+    start = program(example_inputs=ExampleInputs(args=(1,)))
+    pipeline = parse("order,group{stages=2 fail-with=\"\"},check")
+    result = pipeline.run(start)
+    assert isinstance(result, PipelineResult)
+    assert result.program.partition == (("a", "c"), ("b", "d"))
+    assert result.program.verification == "2 groups ok"
+    assert [spec for spec, _ in result.history] == ["order", 'group{stages=2 fail-with=""}', "check"]
+    assert result.history[0][1].order == ("a", "b", "c", "d") and result.history[0][1].partition is None
+    assert result.history[-1][1] is result.program
+    assert start.order is None  # the input program is untouched
+    assert CALLS == ["order", "group"]
+
+
+def test_run_accepts_an_explicit_context_and_rejects_non_programs():
+    ctx = PassContext()
+    assert parse("order").run(program(), ctx).program.order == ("a", "b", "c", "d")
+    with pytest.raises(InvalidArgumentTypeError, match="expects a ShardProgram, got tuple"):
+        parse("order").run(("a",))
+
+
+# ----------------------------------------------------------------------------------------------
+# Failures
+# ----------------------------------------------------------------------------------------------
+def test_foreign_exception_is_wrapped_in_pass_failed_from_the_cause():
+    pipeline = parse("order,group{stages=2 fail-with=ZeroDivisionError}")
+    with pytest.raises(PassFailed) as info:
+        pipeline.run(program())
+    exc = info.value
+    assert (exc.pass_name, exc.index, exc.spec) == ("group", 1, "order,group{stages=2 fail-with=ZeroDivisionError}")
+    assert isinstance(exc.__cause__, ZeroDivisionError)
+    assert "pass 'group' (position 1 in the pipeline) failed: ZeroDivisionError: division by zero" in str(exc)
+    assert "reproduce with pipeline: order,group{stages=2 fail-with=ZeroDivisionError}" in str(exc)
+
+
+def test_autoshard_error_passes_through_with_a_note():
+    with pytest.raises(InvalidArgumentError) as info:
+        parse("order,group{stages=2 fail-with=InvalidArgumentError}").run(program())
+    exc = info.value
+    assert type(exc) is InvalidArgumentError and str(exc) == "too many stages"
+    assert exc.__notes__ == [
+        "in pass 'group' (position 1); reproduce with pipeline: order,group{stages=2 fail-with=InvalidArgumentError}"
+    ]
+
+
+def test_pass_that_does_not_provide_what_it_declares_is_named():
+    with pytest.raises(PassContractError, match=r"pass 'lazy' \(position 1\) declares that it provides 'partition' but left it unset") as info:
+        parse("order,lazy").run(program())
+    assert (info.value.pass_name, info.value.index) == ("lazy", 1)
+    assert "reproduce with pipeline: order,lazy" in info.value.__notes__[0]
+
+
+def test_pass_that_changes_an_undeclared_artifact_is_named():
+    with pytest.raises(PassContractError, match=r"pass 'sneaky' \(position 1\) changed the artifact 'order', which is not in its `provides` \(verification\)"):
+        parse("order,sneaky").run(program())
+
+
+def test_pass_that_returns_none_is_named():
+    with pytest.raises(PassContractError, match=r"pass 'returns-none' \(position 0\) returned NoneType, not a ShardProgram"):
+        parse("returns-none").run(program())
+
+
+class _Verified(tuple):
+    def verify(self) -> None:
+        if not self:
+            raise ValueError("empty order")
+
+
+@REG.register
+@dataclass(frozen=True)
+class VerifiedOrderPass(Pass):
+    """Emit an order artifact that can verify itself."""
+
+    name: ClassVar[str] = "verified-order"
+    provides: ClassVar[frozenset[str]] = frozenset({"order"})
+    empty: bool = False
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        return replace(program, order=_Verified(() if self.empty else ("x",)))
+
+
+def test_verify_each_checks_provided_artifacts_only_when_asked():
+    parse("verified-order{empty=true}").run(program())  # verify_each off: not checked
+    parse("verified-order").run(program(), PassContext(verify_each=True))
+    with pytest.raises(PassContractError, match=r"pass 'verified-order' \(position 0\) produced an invalid 'order': ValueError: empty order") as info:
+        parse("verified-order{empty=true}").run(program(), PassContext(verify_each=True))
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "raised by instrument VerifyEach.after_pass" in info.value.__notes__[0]
+
+
+class _Broken(Instrument):
+    def before_pass(self, pass_, index, program):
+        raise RuntimeError("instrument bug")
+
+
+def test_instrument_errors_propagate_with_a_note_and_are_not_blamed_on_the_pass():
+    with pytest.raises(RuntimeError, match="instrument bug") as info:
+        parse("order").run(program(), PassContext(instruments=[_Broken()]))
+    assert info.value.__notes__ == [
+        "raised by instrument _Broken.before_pass; in pass 'order' (position 0); reproduce with pipeline: order"
+    ]
+    assert CALLS == []
+
+
+def test_all_errors_are_autoshard_errors():
+    for cls in (PassFailed, PassContractError, PipelineValidationError):
+        assert issubclass(cls, AutoshardError)

@@ -1,0 +1,107 @@
+"""Leaf detection by trial tracing: wrap the innermost untraceable thing, nothing coarser."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.capture import trace_with_leaves
+from autoshard.capture.fx import is_primitive
+from autoshard.errors import TraceError
+from autoshard.examples import BranchedNetwork, TransformerLM, load_example
+
+
+def call_module_targets(gm) -> list[str]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_module"]
+
+
+def test_branched_network_wraps_exactly_the_ten_blocks():
+    result = trace_with_leaves(BranchedNetwork())
+    assert [w.name for w in result.wrapped] == [f"blocks.{i}" for i in range(10)]
+    assert all(w.kind == "module" and "control flow" in w.reason for w in result.wrapped)
+    assert call_module_targets(result.graph_module) == [f"blocks.{i}" for i in range(10)]
+
+
+def test_transformer_encoder_is_traced_through_to_its_layers():
+    result = trace_with_leaves(TransformerLM(nlayers=3))
+    targets = call_module_targets(result.graph_module)
+    assert [t for t in targets if t.startswith("transformer_encoder")] == [
+        f"transformer_encoder.layers.{i}" for i in range(3)]
+    wrapped_modules = [w.name for w in result.wrapped if w.kind == "module"]
+    assert "transformer_encoder" not in wrapped_modules
+    # Free helpers in the encoder's forward are kept opaque instead of the whole encoder.
+    wrapped_functions = [w.name for w in result.wrapped if w.kind == "function"]
+    assert "torch.nn.functional._canonical_mask" in wrapped_functions
+
+
+def test_traced_graph_computes_what_the_model_computes():
+    model, args, kwargs = load_example("transformer-lm")
+    gm = trace_with_leaves(model).graph_module
+    assert torch.equal(gm(*args, **kwargs), model(*args, **kwargs))
+
+
+def test_primitives_stay_leaves_and_composites_do_not():
+    assert is_primitive(nn.Linear(2, 2)) and is_primitive(nn.LayerNorm(2)) and is_primitive(nn.ReLU())
+    assert not is_primitive(nn.Sequential(nn.Linear(2, 2)))
+    assert not is_primitive(nn.TransformerEncoderLayer(4, 1, 8))
+
+
+class Helper(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def _check_positive(x):
+    if (x > 0).all():  # data-dependent: untraceable inside a free function
+        return x
+    return -x
+
+
+class UsesFreeFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.helper = Helper()
+
+    def forward(self, x):
+        x = self.a(x)
+        x = _check_positive(x)
+        return self.b(self.helper(x))
+
+
+def test_a_failing_free_function_is_wrapped_not_the_model():
+    model = UsesFreeFunction()
+    result = trace_with_leaves(model)
+    assert [(w.kind, w.name) for w in result.wrapped] == [("function", f"{__name__}._check_positive")]
+    assert call_module_targets(result.graph_module) == ["a", "b"]  # Helper traced through
+    x = torch.randn(3, 4)
+    assert torch.equal(result.graph_module(x), model(x))
+    # The module global is restored after tracing.
+    assert _check_positive.__name__ == "_check_positive" and globals()["_check_positive"].__code__.co_name == "_check_positive"
+
+
+class TopLevelControlFlow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.lin(x)
+        return x
+
+
+def test_top_level_data_dependent_control_flow_is_a_clear_trace_error():
+    with pytest.raises(TraceError, match="top-level forward of TopLevelControlFlow"):
+        trace_with_leaves(TopLevelControlFlow())
+
+
+def test_module_with_hooks_stays_a_leaf_so_its_hooks_run():
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
+    model[0].register_forward_hook(lambda m, i, o: o * 2)
+    gm = trace_with_leaves(model).graph_module
+    assert call_module_targets(gm) == ["0", "1"]
+    x = torch.randn(1, 2)
+    assert torch.equal(gm(x), model(x))

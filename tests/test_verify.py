@@ -1,0 +1,67 @@
+"""The verify step names the first stage whose values differ from the model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+import autoshard
+from autoshard.errors import VerificationError
+from autoshard.examples import ResidualMLP
+from autoshard.verify import verify_stages
+from autoshard.capture import trace_with_leaves
+
+
+def _perturb(stage: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``stage`` whose first boundary output has 1 added."""
+    graph = fx.Graph()
+    env = {}
+    for node in stage.graph.nodes:
+        if node.op == "output":
+            outs = node.args[0]
+            first = graph.call_function(torch.add, (env[outs[0]], 1.0))
+            graph.output((first, *[env[o] for o in outs[1:]]))
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(stage, graph)
+
+
+def test_matching_stages_pass_and_report():
+    model = ResidualMLP()
+    x = torch.randn(2, 16)
+    sharded = autoshard.shard_model(model, 3)
+    gm = trace_with_leaves(model).graph_module
+    summary = verify_stages(model, gm, list(sharded.stages), sharded.plan.boundaries, (x,), {})
+    assert "3 stages match" in summary
+
+
+@pytest.mark.parametrize("broken", [0, 1])
+def test_a_broken_stage_is_named(broken):
+    model = ResidualMLP()
+    x = torch.randn(2, 16)
+    sharded = autoshard.shard_model(model, 3)
+    stages = list(sharded.stages)
+    stages[broken] = _perturb(stages[broken])
+    gm = trace_with_leaves(model).graph_module
+    with pytest.raises(VerificationError, match=f"stage {broken} produced value") as info:
+        verify_stages(model, gm, stages, sharded.plan.boundaries, (x,), {})
+    assert info.value.stage == broken
+
+
+def test_a_capture_that_drifts_from_the_model_is_reported_before_any_stage():
+    model = ResidualMLP()
+    x = torch.randn(2, 16)
+    sharded = autoshard.shard_model(model, 2)
+    gm = trace_with_leaves(ResidualMLP()).graph_module  # other weights: the "trace" is wrong
+    with pytest.raises(VerificationError, match="traced graph differs") as info:
+        verify_stages(model, gm, list(sharded.stages), sharded.plan.boundaries, (x,), {})
+    assert info.value.stage is None
+
+
+def test_verification_restores_batchnorm_statistics():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
+    before = model[1].running_mean.clone()
+    autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 4),))
+    assert torch.equal(model[1].running_mean, before)
+    assert model[1].num_batches_tracked.item() == 0
