@@ -65,19 +65,23 @@ def default_pipeline(num_stages: int, cost: str = "params", verify: bool = True)
     return Pipeline(steps)
 
 
-def _bind(step: Pass, option: str, value: Any) -> Pass:
-    """Fill an option the pipeline left at its default; refuse a pipeline that contradicts the call."""
-    fields = {f.name: f for f in step.options()}
-    if option not in fields:
-        return step
-    current = getattr(step, option)
-    if current == fields[option].default:
-        return dataclasses.replace(step, **{option: value})
-    if current != value:
-        raise InvalidArgumentError(
-            f"the pipeline's '{step.name}' has {option}={current!r} but shard_model was asked for "
-            f"{option}={value!r}; make them agree or leave the option out of the pipeline")
-    return step
+def _bind(pipeline: Pipeline, option: str, value: Any, call_default: Any) -> Pipeline:
+    """Give every pass with ``option`` the call's value, unless the call left it at its default.
+
+    A pass that does not set the option takes the call's value; a pipeline and a call that set
+    it to different values are refused rather than guessed between.
+    """
+    for index, step in enumerate(pipeline):
+        if option not in {f.name for f in step.options()} or value == call_default:
+            continue
+        current = getattr(step, option)
+        if not pipeline.sets_option(index, option):
+            pipeline = pipeline.with_options(index, **{option: value})
+        elif current != value:
+            raise InvalidArgumentError(
+                f"the pipeline's '{step.name}' has {option}={current!r} but shard_model was asked for "
+                f"{option}={value!r}; make them agree or leave the option out of the pipeline")
+    return pipeline
 
 
 def bind_pipeline(pipeline: Pipeline | str, num_stages: int, cost: str) -> Pipeline:
@@ -87,7 +91,7 @@ def bind_pipeline(pipeline: Pipeline | str, num_stages: int, cost: str) -> Pipel
     if not isinstance(pipeline, Pipeline):
         raise InvalidArgumentTypeError(
             f"pipeline must be a Pipeline or a spec string, got {type(pipeline).__name__}")
-    return Pipeline([_bind(_bind(step, "stages", num_stages), "cost", cost) for step in pipeline])
+    return _bind(_bind(pipeline, "stages", num_stages, None), "cost", cost, "params")
 
 
 def run_pipeline(

@@ -78,3 +78,14 @@ def test_bad_example_inputs_type():
 def test_every_deliberate_error_is_an_autoshard_error():
     for cls in (InvalidArgumentError, InvalidArgumentTypeError, TooManyStagesError, SpecError, PipelineValidationError):
         assert issubclass(cls, AutoshardError) and not issubclass(cls, AssertionError)
+
+
+def test_pipeline_cost_is_kept_when_the_call_leaves_cost_at_its_default():
+    sharded = autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,linearize,split{cost=nodes},emit")
+    assert len(sharded.stages) == 2
+
+
+def test_contradicting_cost_models():
+    with pytest.raises(InvalidArgumentError, match="cost='nodes'"):
+        autoshard.shard_model(ResidualMLP(), 2, cost="nodes",
+                              pipeline="trace,build-dag,linearize,split{cost=params},emit")

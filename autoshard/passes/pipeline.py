@@ -124,6 +124,21 @@ class Pipeline:
     def __hash__(self) -> int:
         return hash(self._passes)
 
+    def sets_option(self, index: int, option: str) -> bool:
+        """Whether the pass at ``index`` sets ``option``: written in the spec, or not at its default."""
+        step = self._passes[index]
+        default = {f.name: f.default for f in step.options()}.get(option, dataclasses.MISSING)
+        return option in self._explicit[index] or getattr(step, option) != default
+
+    def with_options(self, index: int, **changes: object) -> "Pipeline":
+        """A copy whose pass at ``index`` has ``changes`` applied (and printed as written)."""
+        passes = list(self._passes)
+        passes[index] = dataclasses.replace(passes[index], **changes)
+        check_option_values(passes[index])
+        explicit = list(self._explicit)
+        explicit[index] = explicit[index] | frozenset(changes)
+        return self._from_parts(tuple(passes), tuple(explicit), self._registry)
+
     def step_spec(self, index: int) -> str:
         """The spec of the pass at ``index``, as it appears in ``str(self)``."""
         return format_pass(self._passes[index], self._explicit[index])

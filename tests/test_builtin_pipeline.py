@@ -1,0 +1,61 @@
+"""The built-in passes as a text pipeline: parse, print back, validate, run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.api import default_pipeline
+from autoshard.errors import PassFailed, PipelineValidationError
+from autoshard.examples import ResidualMLP
+from autoshard.passes import Pipeline, ShardProgram, ExampleInputs, function_pass
+
+SPEC = "trace,build-dag,linearize,split{stages=4 cost=params},emit,verify"
+
+
+def test_the_documented_spec_prints_back_to_the_same_text():
+    pipeline = Pipeline.parse(SPEC)
+    assert str(pipeline) == SPEC
+    assert Pipeline.parse(str(pipeline)) == pipeline
+
+
+def test_default_pipeline_is_the_documented_one():
+    assert str(default_pipeline(4)) == "trace,build-dag,linearize,split{stages=4},emit,verify"
+    assert Pipeline.parse(SPEC) == default_pipeline(4)
+
+
+def test_a_text_pipeline_shards_like_the_default():
+    model = ResidualMLP()
+    x = torch.randn(2, 16)
+    by_text = autoshard.shard_model(model, 4, example_inputs=(x,), pipeline=SPEC)
+    by_default = autoshard.shard_model(model, 4, example_inputs=(x,))
+    assert by_text.plan.assignment == by_default.plan.assignment
+    assert torch.equal(by_text(x), model(x))
+
+
+def test_a_crash_inside_a_pass_names_the_pass_position_and_spec():
+    @function_pass("explode", requires=("dag",), provides=("order",), register=False)
+    def explode(program, ctx):
+        """Fail on purpose."""
+        raise RuntimeError("boom")
+
+    pipeline = Pipeline.parse("trace,build-dag") + explode()
+    program = ShardProgram(model=ResidualMLP(), example_inputs=ExampleInputs((torch.randn(1, 16),)))
+    with pytest.raises(PassFailed) as info:
+        pipeline.run(program)
+    assert info.value.pass_name == "explode" and info.value.index == 2
+    assert "trace,build-dag,explode" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_split_without_a_stage_count_in_a_bare_pipeline_says_how_to_fix_it():
+    pipeline = Pipeline.parse("trace,build-dag,linearize,split,emit")
+    with pytest.raises(autoshard.AutoshardError, match=r"split\{stages=K\}"):
+        pipeline.run(ShardProgram(model=ResidualMLP()))
+
+
+def test_validation_happens_before_any_pass_runs():
+    pipeline = Pipeline.parse("trace,build-dag,emit")
+    with pytest.raises(PipelineValidationError, match="partition"):
+        pipeline.validate(frozenset({"model"}))
