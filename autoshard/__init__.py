@@ -22,6 +22,14 @@ _LAZY = {
     "register_pass": "autoshard.passes",
     "ShardedModel": "autoshard.sharded",
     "StagePlan": "autoshard.sharded",
+    "load_plan": "autoshard.plan_io",
+    "save_plan": "autoshard.plan_io",
+    "read_plan": "autoshard.plan_io",
+    "SavedPlan": "autoshard.plan_io",
+    "plan_report": "autoshard.plan_report",
+    "PlanReport": "autoshard.plan_report",
+    "CostNode": "autoshard.passes.analyses",
+    "MemoryModel": "autoshard.costs.memory",
 }
 
 __all__ = [*_LAZY, "__version__"]

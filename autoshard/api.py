@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Iterable, Mapping, Sequence
+import math
+import os
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from autoshard.costs.execution import holds_meta_tensors
+from autoshard.costs.memory import check_memory_budgets, stage_memory
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
+from autoshard.passes.analyses import CostModel, CostNode, callable_cost_model, run_local_name, use_cost_model
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.dag import BuildDagPass
 from autoshard.passes.emit import EmitPass
 from autoshard.passes.instruments import Instrument
 from autoshard.passes.linearize import LinearizePass
 from autoshard.passes.pipeline import Pipeline, PipelineResult
+from autoshard.passes.profile import ProfilePass
+from autoshard.passes.shapes import ShapePropPass
 from autoshard.passes.split import SplitPass
 from autoshard.passes.trace import TracePass
 from autoshard.passes.verify import VerifyPass
 from autoshard.sharded import ShardedModel
+
+CostFunction = Callable[[CostNode], float]
 
 
 def check_model(model: Any) -> nn.Module:
@@ -57,9 +65,58 @@ def example_inputs_of(example_inputs: Any, example_kwargs: Mapping[str, Any] | N
     return ExampleInputs(args, dict(example_kwargs or {}))
 
 
-def default_pipeline(num_stages: int, cost: str = "params", verify: bool = True) -> Pipeline:
-    """``trace,build-dag,linearize,split{stages=K cost=C},emit`` plus ``verify`` when asked."""
-    steps: list[Pass] = [TracePass(), BuildDagPass(), LinearizePass(), SplitPass(stages=num_stages, cost=cost), EmitPass()]
+def _per_stage(name: str, values: Any, num_stages: int, positive: bool) -> tuple[float, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidArgumentTypeError(f"{name} must be a list with one number per stage, got {values!r}")
+    if len(values) != num_stages:
+        raise InvalidArgumentError(
+            f"{name} has {len(values)} entries but there are {num_stages} stages; give one per stage")
+    for j, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidArgumentTypeError(f"{name}[{j}] must be a number, got {v!r}")
+        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise InvalidArgumentError(f"{name}[{j}] must be finite and {'> 0' if positive else '>= 0'}, got {v!r}")
+    return tuple(float(v) for v in values)
+
+
+def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None) -> dict[str, tuple[float, ...]]:
+    """The split options ``capacities`` and ``max_memory``, checked: one number per stage each.
+
+    A single number for ``max_memory`` is every stage's budget. Options not given are left out.
+    """
+    limits = {}
+    if capacities is not None:
+        limits["capacities"] = _per_stage("capacities", capacities, num_stages, positive=True)
+    if isinstance(max_memory, (int, float)) and not isinstance(max_memory, bool):
+        max_memory = [max_memory] * num_stages
+    if max_memory is not None:
+        limits["max_memory"] = _per_stage("max_memory", max_memory, num_stages, positive=False)
+    return limits
+
+
+def default_pipeline(
+    num_stages: int,
+    cost: str = "params",
+    verify: bool = True,
+    *,
+    shapes: bool | None = None,
+    time_profile: str | None = None,
+    capacities: Sequence[float] | None = None,
+    max_memory: Sequence[float] | float | None = None,
+) -> Pipeline:
+    """``trace,shape-prop,build-dag,linearize,split{stages=K cost=C},emit,verify``.
+
+    ``shape-prop`` runs when ``shapes`` is true (default: when ``verify`` is: both need example
+    inputs); ``profile`` runs when ``cost`` is ``time`` or a ``time_profile`` path is given;
+    ``verify`` when asked. ``capacities`` and ``max_memory`` go to the split.
+    """
+    steps: list[Pass] = [TracePass()]
+    if verify if shapes is None else shapes:
+        steps.append(ShapePropPass())
+    if cost == "time" or time_profile is not None:
+        steps.append(ProfilePass(path=time_profile))
+    limits = stage_limits(num_stages, capacities, max_memory)
+    steps += [BuildDagPass(), LinearizePass(), SplitPass(stages=num_stages, cost=cost, **limits), EmitPass()]
     if verify:
         steps.append(VerifyPass())
     return Pipeline(steps)
@@ -84,14 +141,27 @@ def _bind(pipeline: Pipeline, option: str, value: Any, call_default: Any) -> Pip
     return pipeline
 
 
-def bind_pipeline(pipeline: Pipeline | str, num_stages: int, cost: str) -> Pipeline:
-    """Parse a spec if needed and fill in the stage count and cost the call asked for."""
+def bind_pipeline(
+    pipeline: Pipeline | str,
+    num_stages: int,
+    cost: str,
+    *,
+    capacities: Sequence[float] | None = None,
+    max_memory: Sequence[float] | float | None = None,
+) -> Pipeline:
+    """Parse a spec if needed and fill in the stage count, cost and per-stage limits the call asked for."""
     if isinstance(pipeline, str):
         pipeline = Pipeline.parse(pipeline)
     if not isinstance(pipeline, Pipeline):
         raise InvalidArgumentTypeError(
             f"pipeline must be a Pipeline or a spec string, got {type(pipeline).__name__}")
-    return _bind(_bind(pipeline, "stages", num_stages, None), "cost", cost, "params")
+    pipeline = _bind(_bind(pipeline, "stages", num_stages, None), "cost", cost, "params")
+    for option, value in stage_limits(num_stages, capacities, max_memory).items():
+        if not any(option in {f.name for f in step.options()} for step in pipeline):
+            raise InvalidArgumentError(
+                f"shard_model was given {option}= but no pass of the pipeline '{pipeline}' takes it; add 'split'")
+        pipeline = _bind(pipeline, option, value, ())
+    return pipeline
 
 
 def run_pipeline(
@@ -99,11 +169,28 @@ def run_pipeline(
     pipeline: Pipeline,
     inputs: ExampleInputs | None,
     instruments: Iterable[Instrument] = (),
+    cost_models: Mapping[str, CostModel] | None = None,
 ) -> PipelineResult:
-    """Run ``pipeline`` on ``model``; the result's program holds every artifact."""
+    """Run ``pipeline`` on ``model``; the result's program holds every artifact.
+
+    ``cost_models`` are available by name to this run only (a user's cost function).
+    """
     check_model(model)
     ctx = PassContext(instruments=list(instruments))
+    for name, cost_model in (cost_models or {}).items():
+        use_cost_model(ctx, name, cost_model)
     return pipeline.run(ShardProgram(model=model, example_inputs=inputs), ctx)
+
+
+def _cost_name(cost: Any) -> tuple[str, dict[str, CostModel]]:
+    """A cost model name, and the run-local model a user's cost function is registered as."""
+    if isinstance(cost, str):
+        return cost, {}
+    if callable(cost):
+        name = run_local_name(cost)
+        return name, {name: callable_cost_model(cost)}
+    raise InvalidArgumentTypeError(
+        f"cost must be a cost model name (params, flops, ...) or a function cost(node) -> float, got {cost!r}")
 
 
 def shard_model(
@@ -111,26 +198,55 @@ def shard_model(
     num_stages: int,
     example_inputs: Sequence[Any] | torch.Tensor | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
-    cost: str = "params",
+    cost: str | CostFunction = "params",
     pipeline: Pipeline | str | None = None,
     *,
     instruments: Iterable[Instrument] = (),
+    capacities: Sequence[float] | None = None,
+    max_memory: Sequence[float] | float | None = None,
+    time_profile: str | os.PathLike[str] | None = None,
 ) -> ShardedModel:
     """Split ``model`` into exactly ``num_stages`` ordered stages.
 
     The stages hold the model's own parameters; ``sharded(*args, **kwargs)`` returns what
     ``model(*args, **kwargs)`` returns. With example inputs the result is verified against the
-    model before it is returned. The model itself is never modified.
+    model before it is returned (not for a model on the meta device, which has no values to
+    compare; it is planned with fake tensors). The model itself is never modified.
+
+    ``cost`` is a registered cost model (``params``, ``flops``, ``activations``, ``memory``,
+    ``time``, ``nodes``) or a function ``cost(node: CostNode) -> float``. ``capacities`` gives
+    each stage's relative speed (stage j's cost / capacities[j] is balanced); ``max_memory`` each
+    stage's budget (or one for all) in bytes of training memory (``autoshard.costs.memory``),
+    checked on the final plan with the activations of every microbatch in flight under 1F1B.
+    ``time_profile`` is a JSON file of measured node times, loaded when it exists and written
+    otherwise.
     """
     check_model(model)
     num_stages = check_stage_count(num_stages)
     inputs = example_inputs_of(example_inputs, example_kwargs)
+    cost_name, cost_models = _cost_name(cost)
     if pipeline is None:
-        chosen = default_pipeline(num_stages, cost, verify=inputs is not None)
+        on_meta = inputs is not None and holds_meta_tensors(model, inputs)
+        chosen = default_pipeline(
+            num_stages, cost_name, verify=inputs is not None and not on_meta, shapes=inputs is not None,
+            time_profile=None if time_profile is None else os.fspath(time_profile),
+            capacities=capacities, max_memory=max_memory)
     else:
-        chosen = bind_pipeline(pipeline, num_stages, cost)
-    program = run_pipeline(model, chosen, inputs, instruments).program
+        if time_profile is not None:
+            raise InvalidArgumentError("time_profile= applies to the default pipeline; with a pipeline, "
+                                       "write profile{path=...} in it")
+        chosen = bind_pipeline(pipeline, num_stages, cost_name, capacities=capacities, max_memory=max_memory)
+    program = run_pipeline(model, chosen, inputs, instruments, cost_models).program
     if program.sharded is None:
         raise PipelineValidationError(
             f"the pipeline '{chosen}' produced no stages; end it with 'emit' (and 'verify')")
+    budgets = stage_limits(num_stages, max_memory=max_memory).get("max_memory")
+    if budgets is not None and _limits_training_memory(chosen):
+        plan = program.sharded.plan
+        check_memory_budgets(stage_memory(plan.dag, plan.assignment, num_stages), budgets)
     return program.sharded
+
+
+def _limits_training_memory(pipeline: Pipeline) -> bool:
+    """Whether the pipeline's split holds ``max_memory`` against the training-memory model."""
+    return any(getattr(step, "memory_cost", None) == "memory" for step in pipeline)

@@ -1,71 +1,239 @@
-"""The ``autoshard`` command: split a model and show the plan, list passes and examples."""
+"""The autoshard command: split a model and show, save, draw or compare the plan.
+
+    autoshard split TARGET --stages K [--out plan.json] [--svg plan.svg] [--compare greedy,min-cut]
+    autoshard split TARGET --plan plan.json        # rebuild the saved stages
+    autoshard inspect TARGET --stages K            # the plan only: no stages are built
+    autoshard inspect plan.json                    # show a saved plan
+    autoshard passes | examples
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from autoshard.api import bind_pipeline, check_stage_count, default_pipeline, example_inputs_of, run_pipeline
-from autoshard.errors import AutoshardError
+from autoshard import progress
+from autoshard.api import bind_pipeline, check_stage_count, default_pipeline, example_inputs_of
+from autoshard.errors import AutoshardError, InvalidArgumentError, MissingExtraError, PlanError
 from autoshard.examples import EXAMPLES
+from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.instruments import DumpDir, Instrument, Timing
+from autoshard.passes.pipeline import Pipeline
 from autoshard.passes.registry import registered_passes
 from autoshard.passes.spec import option_table
-from autoshard.report import stage_rows
-from autoshard.sharded import ShardedModel
-from autoshard.targets import load_target
+from autoshard.plan_io import SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan
+from autoshard.report import boundary_table, compare_tables, plural, stage_table, summary_lines, wrapped_table
+from autoshard.targets import TargetError, check_inputs_bind, load_target
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+class _ShowPasses(Instrument):
+    """Names the pass under way on the progress bar and advances it when the pass ends."""
+
+    def __init__(self, advance: progress.Advance) -> None:
+        self.advance = advance
+
+    def before_pass(self, pass_: Pass, index: int, program: ShardProgram) -> None:
+        self.advance.describe(f"autoshard: {pass_.name}")
+
+    def after_pass(self, pass_: Pass, index: int, program: ShardProgram) -> None:
+        self.advance(1)
 
 
-def stage_table(sharded: ShardedModel, title: str) -> Table:
-    table = Table(title=title)
-    for column in ("stage", "modules", "nodes", "params", "values in", "values out"):
-        table.add_column(column, overflow="fold")
-    for row in stage_rows(sharded.plan):
-        table.add_row(
-            str(row.index), ", ".join(row.modules), str(row.nodes), _human_bytes(row.param_bytes),
-            ", ".join(row.values_in) or "(model inputs)" if row.index == 0 else ", ".join(row.values_in) or "-",
-            ", ".join(row.values_out) or ("(model output)" if row.index == sharded.num_stages - 1 else "-"),
-        )
-    return table
+class _Session:
+    """One command's model, inputs and instruments; runs pipelines with progress, timing and dumps."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        model, ex_args, ex_kwargs = load_target(args.target)
+        self.inputs = example_inputs_of(ex_args or None, ex_kwargs or None)
+        if self.inputs is not None:
+            check_inputs_bind(model, self.inputs.args, self.inputs.kwargs)
+        self.program = ShardProgram(model=model, example_inputs=self.inputs)
+        self.timing = Timing() if args.timing else None
+        instruments: list[Instrument] = [self.timing] if self.timing else []
+        if args.dump_dir:
+            instruments.append(DumpDir(args.dump_dir))
+        self.ctx = PassContext(instruments=instruments)
+
+    def run(self, pipeline: Pipeline, program: ShardProgram | None = None) -> ShardProgram:
+        with progress.task("autoshard", total=len(pipeline)) as advance:
+            shown = _ShowPasses(advance)
+            self.ctx.instruments.append(shown)
+            try:
+                return pipeline.run(program or self.program, self.ctx).program
+            finally:
+                self.ctx.instruments.remove(shown)
+
+    def plan(self, program: ShardProgram, spec: str, cost_model: str) -> tuple[SavedPlan, list[str]]:
+        costs, notes = report_costs(program, self.ctx, cost_model)
+        return plan_from_program(program, spec, cost_model, costs), notes
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing the pipeline
+# --------------------------------------------------------------------------------------------
+def _split_step(pipeline: Pipeline) -> tuple[int, Pass]:
+    for index, step in enumerate(pipeline):
+        if "partition" in step.provides:
+            return index, step
+    raise InvalidArgumentError(f"the pipeline '{pipeline}' has no split (no pass provides 'partition'); add 'split'")
+
+
+def _without_verify(pipeline: Pipeline) -> Pipeline:
+    """The pipeline minus its verifying passes; slices keep each step's spec as it was written."""
+    kept = Pipeline()
+    for index, step in enumerate(pipeline):
+        if "verification" not in step.provides:
+            kept += pipeline[index:index + 1]
+    return kept
+
+
+def _stages(args: argparse.Namespace) -> int:
+    if args.stages is None:
+        raise InvalidArgumentError("say how many stages: --stages K (or rebuild a saved plan with --plan PLAN.json)")
+    return check_stage_count(args.stages)
+
+
+def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> tuple[Pipeline, str, str]:
+    """(pipeline to run, spec to record in the plan, cost model of the split)."""
+    if args.plan:
+        for flag, value in (("--pipeline", args.pipeline), ("--strategy", args.strategy), ("--cost", args.cost)):
+            if value is not None:
+                raise InvalidArgumentError(f"{flag} cannot change a saved plan; drop it or drop --plan")
+        saved = read_plan(args.plan)
+        if args.stages is not None and args.stages != saved.num_stages:
+            raise PlanError(f"plan {args.plan} has {saved.num_stages} stages, not {args.stages}; drop --stages")
+        verify = inputs is not None and not args.no_verify
+        return rebuild_pipeline(saved, args.plan, verify=verify), saved.pipeline, saved.cost_model
+    cost = args.cost or "params"
+    if args.pipeline:
+        if args.strategy is not None:
+            raise InvalidArgumentError("with --pipeline, set the strategy in the spec: split{strategy=NAME}")
+        pipeline = bind_pipeline(args.pipeline, _stages(args), cost)
+    else:
+        pipeline = default_pipeline(_stages(args), cost, verify=inputs is not None)
+        if args.strategy is not None:
+            pipeline = pipeline.with_options(_split_step(pipeline)[0], strategy=args.strategy)
+    if args.no_verify:
+        pipeline = _without_verify(pipeline)
+    return pipeline, str(pipeline), getattr(_split_step(pipeline)[1], "cost", "params")
+
+
+# --------------------------------------------------------------------------------------------
+# Showing and writing plans
+# --------------------------------------------------------------------------------------------
+def _show(plan: SavedPlan, title: str, console: Console, notes: Sequence[str] = ()) -> None:
+    console.print(stage_table(plan, title))
+    for line in summary_lines(plan):
+        console.print(line, markup=False, highlight=False)
+    if plan.num_stages > 1:
+        console.print(boundary_table(plan))
+    if plan.wrapped:
+        console.print(wrapped_table(plan))
+    for note in notes:
+        console.print(Text(note, style="dim"))
+
+
+def _write(plan: SavedPlan, args: argparse.Namespace, console: Console) -> None:
+    if args.out:
+        written = save_plan(plan, args.out)
+        _say(console, args, f"wrote the plan to {written}")
+    for path in (args.svg, args.png):
+        if path:
+            from autoshard.render import draw_plan
+
+            _say(console, args, f"wrote the picture {draw_plan(plan, path)}")
+
+
+def _say(console: Console, args: argparse.Namespace, text: str) -> None:
+    if not args.quiet:
+        console.print(text, markup=False, highlight=False)
+
+
+def _check_picture_paths(args: argparse.Namespace) -> None:
+    """Refuse a wrong suffix before the (slow) split rather than after it."""
+    for flag, path in (("--svg", args.svg), ("--png", args.png)):
+        if path and Path(path).suffix.lower() != "." + flag[2:]:
+            raise InvalidArgumentError(f"{flag} writes a .{flag[2:]} file; got {path!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+def _compare(args: argparse.Namespace, session: _Session, pipeline: Pipeline, cost_model: str,
+             console: Console) -> int:
+    from autoshard.graph import strategies
+
+    names = [n.strip() for n in args.compare.split(",") if n.strip()]
+    unknown = [n for n in names if n not in strategies()]
+    if unknown or not names:
+        raise InvalidArgumentError(
+            f"--compare takes strategy names separated by commas; unknown: {', '.join(unknown) or '(none given)'}; "
+            f"known: {', '.join(strategies())}")
+    index, step = _split_step(pipeline)
+    if "strategy" not in {f.name for f in step.options()}:
+        raise InvalidArgumentError(f"--compare needs a split with a 'strategy' option; '{step.name}' has none")
+    before = session.run(pipeline[:index])
+    plans = {}
+    for name in names:
+        chosen = pipeline.with_options(index, strategy=name)
+        program = session.run(chosen[index:index + 1], before)
+        plans[name], _ = session.plan(program, str(chosen), cost_model)
+    if not args.quiet:
+        for table in compare_tables(plans):
+            console.print(table)
+        _print_timing(session, console)
+    return 0
+
+
+def _print_timing(session: _Session, console: Console) -> None:
+    if session.timing is not None:
+        console.print(session.timing.table())
+
+
+def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> int:
+    _check_picture_paths(args)
+    if args.compare and (args.out or args.svg or args.png or args.plan):
+        raise InvalidArgumentError("--compare shows strategies side by side; run again with one --strategy to save or draw")
+    session = _Session(args)
+    pipeline, spec, cost_model = _chosen_pipeline(args, session.inputs)
+    if args.compare:
+        return _compare(args, session, pipeline, cost_model, console)
+    if not build:
+        pipeline = pipeline[: _split_step(pipeline)[0] + 1]
+    program = session.run(pipeline)
+    plan, notes = session.plan(program, spec, cost_model)
+    if not args.quiet:
+        _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({spec})", console, notes)
+        if program.verification:
+            console.print(f"verified: {program.verification}", markup=False, highlight=False)
+        _print_timing(session, console)
+    _write(plan, args, console)
+    return 0
 
 
 def cmd_split(args: argparse.Namespace, console: Console) -> int:
-    model, ex_args, ex_kwargs = load_target(args.target)
-    stages = check_stage_count(args.stages)
-    inputs = example_inputs_of(ex_args or None, ex_kwargs or None)
-    if args.pipeline:
-        pipeline = bind_pipeline(args.pipeline, stages, args.cost)
-    else:
-        pipeline = default_pipeline(stages, args.cost, verify=inputs is not None and not args.no_verify)
-    instruments: list[Instrument] = []
-    timing = Timing()
-    if args.timing:
-        instruments.append(timing)
-    if args.dump_dir:
-        instruments.append(DumpDir(args.dump_dir))
-    program = run_pipeline(model, pipeline, inputs, instruments).program
-    if program.sharded is None:
-        raise AutoshardError(f"the pipeline '{pipeline}' produced no stages; end it with 'emit'")
+    return _plan_command(args, console, build=True)
+
+
+def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
+    if not args.target.endswith(".json"):
+        return _plan_command(args, console, build=False)
+    used = [flag for flag, value in (("--stages", args.stages), ("--pipeline", args.pipeline), ("--plan", args.plan),
+                                      ("--compare", args.compare), ("--strategy", args.strategy), ("--cost", args.cost))
+            if value is not None]
+    if used:
+        raise InvalidArgumentError(f"{', '.join(used)} cannot be used when inspecting a saved plan")
+    _check_picture_paths(args)
+    plan = read_plan(args.target)
     if not args.quiet:
-        console.print(stage_table(program.sharded, f"{args.target}: {stages} stages ({pipeline})"))
-        for leaf in program.sharded.plan.wrapped:
-            console.print(f"wrapped {leaf.kind} [bold]{leaf.name}[/bold]: {leaf.reason}", markup=True, highlight=False)
-        if program.verification:
-            console.print(f"verified: {program.verification}")
-        if args.timing:
-            console.print(timing.table())
+        _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({plan.pipeline})", console)
+    _write(plan, args, console)
     return 0
 
 
@@ -77,7 +245,7 @@ def cmd_passes(args: argparse.Namespace, console: Console) -> int:
         options = ", ".join(f"{o.key}={o.default if o.default is not None else '(required)'}"
                             for o in option_table(cls))
         flow = f"{', '.join(sorted(cls.requires))} → {', '.join(sorted(cls.provides))}"
-        table.add_row(cls.name, cls.summary(), options or "-", flow)
+        table.add_row(cls.name, Text(cls.summary()), Text(options or "-"), flow)
     console.print(table)
     return 0
 
@@ -87,43 +255,98 @@ def cmd_examples(args: argparse.Namespace, console: Console) -> int:
     table.add_column("name")
     table.add_column("model")
     for name, (_, description) in sorted(EXAMPLES.items()):
-        table.add_row(name, description)
+        table.add_row(name, Text(description))
     console.print(table)
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# Parser and entry point
+# --------------------------------------------------------------------------------------------
+def _plan_options(build: bool) -> argparse.ArgumentParser:
+    """The options ``split`` and ``inspect`` share (``split`` also builds and verifies stages)."""
+    options = argparse.ArgumentParser(add_help=False)
+    target_help = ("a built-in example name or package.module:factory returning the model, (model, args) or "
+                   "(model, args, kwargs)" + ("" if build else "; or a saved plan.json to show"))
+    options.add_argument("target", metavar="TARGET", help=target_help)
+    options.add_argument("--stages", "-k", type=int, metavar="K", help="number of stages")
+    options.add_argument("--cost", help="cost model to balance (default: params)")
+    options.add_argument("--strategy", help="splitting strategy (default: min-cut)")
+    options.add_argument("--compare", metavar="S1,S2", help="show several strategies side by side, e.g. greedy,min-cut")
+    options.add_argument("--pipeline", metavar="SPEC", help="custom pipeline, e.g. 'trace,build-dag,linearize,split,emit'")
+    options.add_argument("--plan", metavar="PLAN.json", help="use the split saved in this plan instead of splitting")
+    options.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON (reuse it with --plan)")
+    options.add_argument("--svg", metavar="FILE.svg", help="draw the plan as SVG (needs matplotlib)")
+    options.add_argument("--png", metavar="FILE.png", help="draw the plan as PNG (needs matplotlib)")
+    options.add_argument("--timing", action="store_true", help="print the time each pass took")
+    options.add_argument("--dump-dir", metavar="DIR", help="write each pass's result into this folder")
+    options.add_argument("--quiet", "-q", action="store_true", help="print nothing on success, draw no progress")
+    options.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+    if build:
+        options.add_argument("--no-verify", action="store_true", help="skip comparing the stages with the model")
+    else:
+        options.set_defaults(no_verify=True)
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autoshard", description=__doc__)
+    parser = argparse.ArgumentParser(prog="autoshard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     commands = parser.add_subparsers(dest="command", required=True)
-    split = commands.add_parser("split", help="split a model into K stages and print the plan")
-    split.add_argument("target", metavar="TARGET",
-                       help="a built-in example name or package.module:factory returning the model, "
-                            "(model, args) or (model, args, kwargs)")
-    split.add_argument("--stages", "-k", type=int, required=True, help="number of stages")
-    split.add_argument("--cost", default="params", help="cost model to balance (default: params)")
-    split.add_argument("--pipeline", help="custom pipeline spec, e.g. 'trace,build-dag,linearize,split,emit'")
-    split.add_argument("--no-verify", action="store_true", help="skip comparing the stages with the model")
-    split.add_argument("--timing", action="store_true", help="print the time each pass took")
-    split.add_argument("--dump-dir", help="write each pass's result into this folder")
-    split.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
-    split.set_defaults(handler=cmd_split)
+    commands.add_parser("split", parents=[_plan_options(build=True)],
+                        help="split a model into K stages, build and verify them, and show the plan"
+                        ).set_defaults(handler=cmd_split)
+    commands.add_parser("inspect", parents=[_plan_options(build=False)],
+                        help="show the plan for a model (no stages built) or a saved plan.json"
+                        ).set_defaults(handler=cmd_inspect)
     commands.add_parser("passes", help="list the registered passes").set_defaults(handler=cmd_passes)
     commands.add_parser("examples", help="list the built-in example models").set_defaults(handler=cmd_examples)
     return parser
 
 
+def _hint(exc: BaseException) -> str | None:
+    if isinstance(exc, MissingExtraError):
+        return None  # the message is the install command
+    if isinstance(exc, TargetError):
+        return ("TARGET is a built-in example (see `autoshard examples`) or package.module:factory; "
+                "add --debug to see the traceback")
+    if isinstance(exc, PlanError):
+        return "make a fresh plan with `autoshard split TARGET --stages K --out PLAN.json`"
+    if isinstance(exc, AutoshardError):
+        return "add --debug to see the traceback"
+    return "this looks like a bug in autoshard or in the model; add --debug for the traceback and report it"
+
+
+def _report_error(exc: BaseException) -> int:
+    """One message, its notes and a hint on stderr; exit code 2 for a refused request, 1 for a crash."""
+    stderr = Console(stderr=True, highlight=False)
+    known = isinstance(exc, AutoshardError)
+    message = str(exc) if known else f"unexpected {type(exc).__name__}: {exc}"
+    stderr.print(Text.assemble(("error: ", "bold red"), message))
+    for note in getattr(exc, "__notes__", ()):
+        stderr.print(Text(f"  {note}", style="dim"))
+    hint = _hint(exc)
+    if hint:
+        stderr.print(Text.assemble(("hint: ", "bold"), hint))
+    return 2 if known else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    console = Console()
+    args = build_parser().parse_args(argv)
+    console = Console(highlight=False)
     try:
-        return args.handler(args, console)
-    except AutoshardError as exc:
+        with progress.silenced(getattr(args, "quiet", False)):
+            return args.handler(args, console)
+    except KeyboardInterrupt:
         if args.debug:
             raise
-        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False)
-        return 2
+        Console(stderr=True).print("interrupted", markup=False)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one message unless --debug
+        if args.debug:
+            raise
+        return _report_error(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

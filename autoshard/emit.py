@@ -4,7 +4,14 @@ Stage 0 takes the model's own inputs (same names, same defaults). Every stage bu
 returns a tuple of the values live across its boundary, in program order; the next stage takes
 exactly that tuple. A value needed several stages later is carried through the stages between.
 The last stage returns exactly what the model returns. Stages are built over the traced root,
-so they hold the original Parameter and buffer objects under their original qualified names.
+so they hold the original Parameter and buffer objects under their original qualified names,
+and a buffer that is not persistent in the model is not persistent in its stage either, so a
+stage's ``state_dict`` keys are the model's keys restricted to that stage.
+
+Values that are not tensors (``x.size(0)``, a dtype, a bool from a mask check) never cross a
+boundary, because pipeline runtimes send only tensors: once ``shape-prop`` has shown that a node
+yields no tensor, every stage that needs its value recomputes it (and its non-tensor inputs)
+from the tensors it has. The DAG built by ``graph.from_fx`` routes those tensors to the stage.
 """
 
 from __future__ import annotations
@@ -12,6 +19,38 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import torch.fx as fx
+from torch import nn
+
+from autoshard.costs.execution import COMPUTE_OPS
+from autoshard.costs.propagation import node_facts
+
+
+def recomputed_in_consumers(node: fx.Node) -> bool:
+    """A compute node known to yield no tensor and read by other nodes: each reader's stage recomputes it.
+
+    A node nobody reads (``torch._assert``) is kept where the split put it, for its side effect.
+    """
+    facts = node_facts(node)
+    return node.op in COMPUTE_OPS and facts is not None and not facts.value.has_tensor and bool(node.users)
+
+
+def copy_buffer_persistence(source: nn.Module, target: nn.Module) -> None:
+    """Mark each buffer of ``target`` non-persistent when the buffer at the same path in ``source`` is.
+
+    ``fx.GraphModule`` registers every buffer it copies as persistent, which would add keys (a
+    rotary ``inv_freq``) to ``state_dict`` that the model does not have. Modules shared with
+    ``source`` are left alone: they already are the source's modules.
+    """
+    for path, module in target.named_modules():
+        try:
+            original = source.get_submodule(path)
+        except AttributeError:
+            continue
+        if original is module:
+            continue
+        for name in module._buffers:
+            if name in original._non_persistent_buffers_set:
+                module._non_persistent_buffers_set.add(name)
 
 
 def _stage_graph(
@@ -27,8 +66,8 @@ def _stage_graph(
     by_name = {node.name: node for node in source.nodes}
 
     def lookup(node: fx.Node) -> fx.Node:
-        if node not in env and node.op == "get_attr":  # each stage holds its own reference
-            env[node] = graph.node_copy(node)
+        if node not in env and (node.op == "get_attr" or recomputed_in_consumers(node)):
+            env[node] = graph.node_copy(node, lookup)  # each stage holds its own reference / copy
         return env[node]
 
     if stage == 0:
@@ -39,12 +78,12 @@ def _stage_graph(
         for name in incoming:
             env[by_name[name]] = graph.placeholder(name)
     for node in source.nodes:
-        if assignment.get(node.name) == stage and node.op != "placeholder":
+        if assignment.get(node.name) == stage and node.op != "placeholder" and not recomputed_in_consumers(node):
             env[node] = graph.node_copy(node, lookup)
     if stage == num_stages - 1:
         graph.node_copy(next(n for n in source.nodes if n.op == "output"), lookup)
     else:
-        graph.output(tuple(env[by_name[name]] for name in outgoing))
+        graph.output(tuple(lookup(by_name[name]) for name in outgoing))
     graph.lint()
     return graph
 
@@ -61,5 +100,7 @@ def emit_stages(
         incoming = boundaries[stage - 1] if stage > 0 else ()
         outgoing = boundaries[stage] if stage < num_stages - 1 else ()
         graph = _stage_graph(gm.graph, stage, num_stages, assignment, incoming, outgoing)
-        stages.append(fx.GraphModule(gm, graph, class_name=f"Stage{stage}"))
+        module = fx.GraphModule(gm, graph, class_name=f"Stage{stage}")
+        copy_buffer_persistence(gm, module)
+        stages.append(module)
     return stages

@@ -81,3 +81,58 @@ class PassContractError(AutoshardError):
         self.pass_name = pass_name
         self.index = index
         super().__init__(message)
+
+
+class PlanError(InvalidArgumentError):
+    """A saved plan cannot be read, contradicts itself, breaks an invariant, or does not fit the model."""
+
+
+class MissingExtraError(AutoshardError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message says what to install."""
+
+
+class ShapePropagationError(AutoshardError):
+    """Running the traced graph on the example inputs (real or fake tensors) failed at a node."""
+
+
+class InputMismatchError(InvalidArgumentError):
+    """Inputs a sharded model cannot serve: a constant argument with another value, or a shape
+    outside what the capture was built for. The message names what the plan accepts."""
+
+
+class PipelineSetupError(InvalidArgumentError):
+    """A stage or schedule cannot run as configured. Raised on every rank alike, before any
+    process sends or waits, so a bad launch fails fast instead of hanging."""
+
+
+class WorldSizeError(PipelineSetupError):
+    """The number of processes does not fit the number of stages under the chosen schedule."""
+
+
+class BoundaryValueError(PipelineSetupError):
+    """A value crossing a stage boundary is not a tensor; distributed pipelining sends tensors only."""
+
+
+class DeviceUnavailableError(PipelineSetupError):
+    """A stage was placed on a device this machine does not have."""
+
+
+class ModuleSplitError(InvalidArgumentError):
+    """A stage boundary falls inside a module's forward, so no ``{module: device}`` map can express
+    the plan; ``modules`` lists them."""
+
+    def __init__(self, message: str, modules: tuple[str, ...]) -> None:
+        self.modules = modules
+        super().__init__(message)
+
+
+class CheckpointMismatchError(InvalidArgumentError):
+    """A checkpoint lacks a tensor a stage needs, or holds it with another shape or dtype."""
+
+
+class LaunchError(AutoshardError):
+    """Local worker processes failed: one raised, died, or they missed the deadline."""
+
+
+class MissingDependencyError(AutoshardError, ImportError):
+    """An optional dependency a feature needs is not installed; the message says what to install."""

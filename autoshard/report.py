@@ -1,14 +1,27 @@
-"""Human-readable descriptions of a plan: module ranges and per-stage rows."""
+"""Human-readable descriptions of a plan: module ranges, per-stage rows and ``rich`` tables.
+
+Everything here reads a ``SavedPlan``, so a plan just computed and a plan read from a file are
+shown the same way.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
-from autoshard.sharded import StagePlan
+from rich.table import Table
+from rich.text import Text
+
+from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 
 _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*)*)$")
+
+ROOT_LABEL = "(root)"
+"""How operations written in the top-level forward itself are listed."""
+
+BYTE_COSTS = frozenset({"params", "activations", "memory"})
+"""Cost models measured in bytes; ``flops`` is a count and ``time`` is in seconds."""
 
 
 def compress_module_ranges(paths: Sequence[str]) -> list[str]:
@@ -41,6 +54,43 @@ def compress_module_ranges(paths: Sequence[str]) -> list[str]:
     return out
 
 
+def _numbered_lists(spans: Mapping[str, set[int]]) -> set[str]:
+    """Modules whose children are all numbered (``ModuleList``, ``Sequential``): listed by child."""
+    children: dict[str, list[str]] = {}
+    for path in spans:
+        parent, _, last = path.rpartition(".")
+        children.setdefault(parent, []).append(last)
+    return {parent for parent, names in children.items() if all(n.isdigit() for n in names)}
+
+
+def _node_label(node: PlanNode, spans: Mapping[str, set[int]], numbered: set[str]) -> str:
+    """The outermost module holding ``node`` that lies wholly in its stage, else its own module, marked.
+
+    A whole numbered list is named by its children (``layers.0``), so ranges read ``layers.0-5``.
+    """
+    for path in module_ancestors(node.module):
+        if spans[path] == {node.stage}:
+            if path in numbered and path != node.module:
+                return f"{path}.{node.module[len(path) + 1:].split('.')[0]}"
+            return path
+    return f"{node.module} (part)" if node.module else ROOT_LABEL
+
+
+def stage_modules(plan: SavedPlan, stage: int) -> list[str]:
+    """The modules a stage runs, as coarse as possible and compressed: ``['encoder.layers.0-5', 'norm']``.
+
+    A module whose every node is in this stage is listed whole instead of its children; a module
+    spread over several stages shows up in each as ``name (part)``. Operations of the top-level
+    forward itself come last as ``(root)``, so they do not break up the ranges.
+    """
+    spans = plan.module_stage_sets()
+    numbered = _numbered_lists(spans)
+    members = (n for n in plan.nodes if n.stage == stage and not n.input)
+    labels = list(dict.fromkeys(_node_label(n, spans, numbered) for n in members))
+    modules = compress_module_ranges([label for label in labels if label != ROOT_LABEL])
+    return modules + [ROOT_LABEL] if ROOT_LABEL in labels else modules
+
+
 @dataclass(frozen=True)
 class StageRow:
     """One stage of a plan, as shown in tables."""
@@ -48,20 +98,202 @@ class StageRow:
     index: int
     modules: list[str]
     nodes: int
-    param_bytes: int
+    costs: dict[str, float]
+    param_bytes: float
+    activation_bytes: float
     values_in: tuple[str, ...]
     values_out: tuple[str, ...]
+    bytes_out: float
 
 
-def stage_rows(plan: StagePlan) -> list[StageRow]:
+def stage_rows(plan: SavedPlan) -> list[StageRow]:
+    boundaries = plan.boundaries()
+    sent = plan.boundary_bytes()
+    costs = {m: plan.stage_costs(m) for m in plan.cost_models()}
     rows = []
     for stage in range(plan.num_stages):
+        members = [n for n in plan.nodes if n.stage == stage and not n.input]
+        last = stage == plan.num_stages - 1
         rows.append(StageRow(
             index=stage,
-            modules=compress_module_ranges(plan.modules(stage)),
-            nodes=len(plan.stage_nodes(stage)),
-            param_bytes=plan.param_bytes(stage),
-            values_in=plan.boundaries[stage - 1] if stage > 0 else (),
-            values_out=plan.boundaries[stage] if stage < plan.num_stages - 1 else (),
+            modules=stage_modules(plan, stage),
+            nodes=len(members),
+            costs={m: c[stage] for m, c in costs.items()},
+            param_bytes=sum(n.param_bytes for n in members),
+            activation_bytes=sum(n.bytes for n in members),
+            values_in=tuple(boundaries[stage - 1]) if stage > 0 else (),
+            values_out=() if last else tuple(boundaries[stage]),
+            bytes_out=0.0 if last else sent[stage],
         ))
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------------------------
+def _scaled(n: float, base: float, units: Sequence[str]) -> str:
+    """``n`` in the largest unit it reaches: the first unit plain, the others to one decimal."""
+    for i, unit in enumerate(units):
+        if abs(n) < base or i == len(units) - 1:
+            return f"{n:.0f}{units[0]}" if i == 0 else f"{n:.1f} {unit}"
+        n /= base
+    raise AssertionError("unreachable: the last unit always returns")
+
+
+def human_bytes(n: float) -> str:
+    return _scaled(n, 1024, (" B", "KB", "MB", "GB", "TB"))
+
+
+def human_count(n: float) -> str:
+    return _scaled(n, 1000, ("", "K", "M", "G", "T"))
+
+
+def format_cost(model: str, value: float) -> str:
+    """A cost in its model's unit: bytes, seconds (``time``) or a plain count."""
+    if model in BYTE_COSTS:
+        return human_bytes(value)
+    if model == "time":
+        return f"{value * 1000:.3f} ms"
+    return human_count(value)
+
+
+def sizes_known(plan: SavedPlan) -> bool:
+    """Whether value sizes were measured (shape propagation ran); otherwise every value weighs one."""
+    return any(n.value for n in plan.nodes)
+
+
+def format_size(plan: SavedPlan, value: float) -> str:
+    if sizes_known(plan):
+        return human_bytes(value)
+    return plural(value, "value")
+
+
+def plural(count: float, noun: str) -> str:
+    return f"{count:.0f} {noun}{'' if count == 1 else 's'}"
+
+
+def _plain(text: str) -> Text:
+    """User and model text as-is: square brackets in names must not be read as markup."""
+    return Text(text)
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+def stage_table(plan: SavedPlan, title: str) -> Table:
+    """Per stage: modules, node count, cost under each model, activation size, what it sends on."""
+    table = Table(title=_plain(title))
+    table.add_column("stage", justify="right")
+    table.add_column("modules", overflow="fold")
+    table.add_column("nodes", justify="right")
+    models = [m for m in plan.cost_models() if m != "activations"]
+    for m in models:
+        table.add_column(f"{m} (split)" if m == plan.cost_model else m, justify="right")
+    if "params" not in models:
+        table.add_column("params", justify="right")
+    table.add_column("activations", justify="right")
+    table.add_column("sends", overflow="fold")
+    for row in stage_rows(plan):
+        cells = [str(row.index), _plain(", ".join(row.modules)), str(row.nodes)]
+        cells += [format_cost(m, row.costs[m]) for m in models]
+        if "params" not in models:
+            cells.append(human_bytes(row.param_bytes))
+        cells.append(format_size(plan, row.activation_bytes))
+        if row.index == plan.num_stages - 1:
+            cells.append("(model output)")
+        else:
+            cells.append(_plain(f"{format_size(plan, row.bytes_out)}: {', '.join(row.values_out)}"))
+        table.add_row(*cells)
+    return table
+
+
+def summary_lines(plan: SavedPlan) -> list[str]:
+    """The bottleneck against its lower bound, and the traffic between stages."""
+    costs = plan.stage_costs()
+    worst = max(range(plan.num_stages), key=costs.__getitem__)
+    bound = plan.lower_bound()
+    total = sum(n.costs[plan.cost_model] for n in plan.nodes)
+    largest = max((n.costs[plan.cost_model] for n in plan.nodes), default=0.0)
+    ratio = f"{costs[worst] / bound:.3f}×" if bound > 0 else "n/a"
+    fmt = lambda v: format_cost(plan.cost_model, v)  # noqa: E731 - a local shorthand
+    crossing = sum(len(b) for b in plan.boundaries())
+    sent = plan.boundary_bytes()
+    return [
+        f"bottleneck ({plan.cost_model}): stage {worst} at {fmt(costs[worst])} = {ratio} the lower bound "
+        f"{fmt(bound)} (max of total / {plan.num_stages} = {fmt(total / plan.num_stages)} "
+        f"and the largest node = {fmt(largest)})",
+        f"boundaries: {plural(crossing, 'value crossing')}, {format_size(plan, plan.total_boundary_bytes())} in total"
+        + (f", largest boundary {format_size(plan, max(sent))}" if sent else ""),
+    ]
+
+
+def value_columns(value: Mapping[str, Any] | None) -> tuple[str, str]:
+    """(shape, dtype) as shown for a measured value: a tensor's, a constant's text and type, or a summary."""
+    if not value:
+        return "?", "?"
+    kind = value.get("kind")
+    if kind == "tensor":
+        return str(list(value.get("shape", []))), str(value.get("dtype", "?"))
+    if kind == "constant":
+        return str(value.get("value", "?")), str(value.get("type", "?"))
+    items = value.get("items", [])
+    dtypes = sorted({str(i.get("dtype")) for i in items if i.get("kind") == "tensor"})
+    return f"{kind} of {len(items)}", ", ".join(dtypes) or "-"
+
+
+def boundary_table(plan: SavedPlan) -> Table:
+    """Every value crossing every boundary, with its shape, dtype and size when known."""
+    table = Table(title="values crossing each boundary")
+    for column in ("boundary", "value", "shape", "dtype", "bytes"):
+        table.add_column(column, justify="right" if column == "bytes" else "left", overflow="fold")
+    nodes = {n.name: n for n in plan.nodes}
+    for j, names in enumerate(plan.boundaries()):
+        for name in names:
+            shape, dtype = value_columns(nodes[name].value)
+            table.add_row(f"{j} → {j + 1}", _plain(name), _plain(shape), _plain(dtype),
+                          format_size(plan, nodes[name].bytes))
+    return table
+
+
+def _wrapped_stages(plan: SavedPlan, kind: str, name: str) -> list[int]:
+    if kind == "module":
+        hits = [n.stage for n in plan.nodes if n.module == name or n.module.startswith(name + ".")]
+    else:
+        hits = [n.stage for n in plan.nodes if n.target == name]
+    return sorted(set(hits))
+
+
+def wrapped_table(plan: SavedPlan) -> Table:
+    """The modules and functions kept opaque, where they landed, and the error that forced it."""
+    table = Table(title="kept whole (could not be traced through)")
+    for column in ("kind", "name", "stage", "why"):
+        table.add_column(column, overflow="fold")
+    for leaf in plan.wrapped:
+        stages = ", ".join(map(str, _wrapped_stages(plan, leaf.kind, leaf.name))) or "-"
+        table.add_row(leaf.kind, _plain(leaf.name), stages, _plain(leaf.reason))
+    return table
+
+
+def compare_tables(plans: Mapping[str, SavedPlan]) -> list[Table]:
+    """Several strategies' plans of one model side by side: a summary row each, then stage by stage."""
+    summary = Table(title="strategies compared")
+    for column in ("strategy", "bottleneck", "÷ lower bound", "boundary total", "largest boundary", "stage costs"):
+        summary.add_column(column, justify="left" if column in ("strategy", "stage costs") else "right",
+                           overflow="fold")
+    stages = Table(title="modules per stage")
+    stages.add_column("stage", justify="right")
+    for name, plan in plans.items():
+        fmt = lambda v, p=plan: format_cost(p.cost_model, v)  # noqa: E731 - a local shorthand
+        bound = plan.lower_bound()
+        sent = plan.boundary_bytes()
+        summary.add_row(
+            _plain(name), fmt(plan.bottleneck()), f"{plan.bottleneck() / bound:.3f}" if bound > 0 else "n/a",
+            format_size(plan, plan.total_boundary_bytes()), format_size(plan, max(sent, default=0.0)),
+            ", ".join(fmt(c) for c in plan.stage_costs()),
+        )
+        stages.add_column(_plain(name), overflow="fold")
+    k = max((p.num_stages for p in plans.values()), default=0)
+    for stage in range(k):
+        cells = [", ".join(stage_modules(p, stage)) if stage < p.num_stages else "" for p in plans.values()]
+        stages.add_row(str(stage), *map(_plain, cells))
+    return [summary, stages]

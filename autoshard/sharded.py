@@ -3,17 +3,43 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, Mapping
 
 import torch.fx as fx
 from torch import nn
 
 from autoshard.capture.fx import WrappedLeaf
+from autoshard.costs.memory import MemoryModel
+from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
+from autoshard.costs.ties import SharedWeight, shared_weights
+from autoshard.costs.values import ValueMeta
+
+
+@dataclass(frozen=True)
+class BoundaryValue:
+    """A value sent from one stage to the next: its producer's name, structure and size.
+
+    ``meta`` is None (and ``nbytes`` a placeholder of 1) when shapes were not propagated.
+    """
+
+    name: str
+    meta: ValueMeta | None
+    nbytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.meta.to_dict() if self.meta is not None else None,
+                "text": str(self.meta) if self.meta is not None else None, "bytes": self.nbytes}
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """What the split decided, kept beside the stages for reports and checks."""
+    """What the split decided, kept beside the stages for reports and checks.
+
+    Everything beyond the assignment and boundaries is read from the DAG: per-stage costs under
+    each cost model whose measurements it holds, the structure of every boundary value, and the
+    weights shared between nodes (tied weights), with the stages that hold them.
+    """
 
     assignment: dict[str, int]
     boundaries: tuple[tuple[str, ...], ...]
@@ -32,8 +58,38 @@ class StagePlan:
         """Owning module paths of the nodes in ``stage``, in program order, without repeats."""
         return list(dict.fromkeys(self.dag.nodes[n]["module"] or "<root>" for n in self.stage_nodes(stage)))
 
+    def weights(self, stage: int) -> tuple[str, ...]:
+        """Canonical names of the distinct parameters and buffers ``stage`` holds, in program order."""
+        return tuple(dict.fromkeys(w for n in self.stage_nodes(stage) for w in self.dag.nodes[n]["weights"]))
+
     def param_bytes(self, stage: int) -> int:
-        return sum(self.dag.nodes[n]["param_bytes"] for n in self.stage_nodes(stage))
+        """Bytes of the parameters and buffers ``stage`` holds; a shared one counts once per stage."""
+        if "weights" not in self.dag.graph:  # a DAG built by hand: charge each node what it was charged
+            return sum(self.dag.nodes[n]["param_bytes"] for n in self.stage_nodes(stage))
+        return int(held_weight_bytes(self.dag, self.assignment, self.num_stages)[stage])
+
+    def boundary_values(self, boundary: int) -> tuple[BoundaryValue, ...]:
+        """The values crossing from stage ``boundary`` to the next, with shape, dtype and bytes."""
+        return tuple(BoundaryValue(name, self.dag.nodes[name].get("value_meta"), float(self.dag.nodes[name]["bytes"]))
+                     for name in self.boundaries[boundary])
+
+    @cached_property
+    def shared_weights(self) -> tuple[SharedWeight, ...]:
+        """Weights read by several nodes or tied under several names, with the stages holding them."""
+        return shared_weights(self.dag, self.assignment)
+
+    @property
+    def gradient_sync(self) -> tuple[SharedWeight, ...]:
+        """Trainable shared parameters held by several stages: those stages must sum their gradients."""
+        return tuple(w for w in self.shared_weights if w.needs_gradient_sync)
+
+    def stage_costs(self, cost: str | Mapping[str, float], memory: MemoryModel = MemoryModel()) -> list[float]:
+        """Per-stage cost under a built-in cost model's name, or of explicit per-node costs."""
+        return stage_totals(self.dag, self.assignment, self.num_stages, cost, memory)
+
+    def cost_models(self) -> tuple[str, ...]:
+        """The built-in cost models whose measurements this plan's DAG holds."""
+        return tuple(name for name in DAG_COST_MODELS if measured(self.dag, name))
 
 
 class ShardedModel(nn.Module):

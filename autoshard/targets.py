@@ -3,28 +3,48 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import inspect
+import os
+import sys
+from typing import Any, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from autoshard.errors import AutoshardError, InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.examples import EXAMPLES, Example, load_example
+from autoshard.passes.registry import suggest
 
 
 class TargetError(AutoshardError):
     """A TARGET could not be imported or its factory failed."""
 
 
+def _import_from_cwd(module_name: str) -> Any:
+    """Import as ``python -m`` would: the ``autoshard`` script alone does not see the current directory."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
 def _call_factory(target: str) -> Any:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise InvalidArgumentError(
-            f"TARGET {target!r} is neither a built-in example ({', '.join(sorted(EXAMPLES))}) "
-            "nor of the form package.module:factory")
+        raise TargetError(
+            f"TARGET {target!r} is neither a built-in example{suggest(target, EXAMPLES)} "
+            f"({', '.join(sorted(EXAMPLES))}) nor of the form package.module:factory")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_from_cwd(module_name)
     except Exception as exc:  # noqa: BLE001 - report any import failure the same way
-        raise TargetError(f"cannot import {module_name!r} from TARGET {target!r}: {type(exc).__name__}: {exc}") from exc
+        raise TargetError(
+            f"cannot import {module_name!r} from TARGET {target!r}: {type(exc).__name__}: {exc}. "
+            "The module must be importable from the current directory or PYTHONPATH") from exc
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
@@ -54,3 +74,29 @@ def load_target(target: str) -> Example:
     raise InvalidArgumentTypeError(
         f"the factory {target!r} returned {type(made).__name__}; return a model, (model, example_args) "
         "or (model, example_args, example_kwargs)")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)}"
+    return type(value).__name__
+
+
+def check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Fail before tracing when the example inputs could not be passed to ``model.forward``.
+
+    Tracing or verifying with inputs that do not fit fails deep inside torch; binding them to the
+    signature first names the mismatch and the signature.
+    """
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward without a readable signature: let tracing decide
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        given = [_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()]
+        raise InvalidArgumentError(
+            f"the example inputs do not match {type(model).__name__}.forward{signature}: {exc} "
+            f"(given: {', '.join(given) or 'nothing'}); make the factory return inputs that forward accepts"
+        ) from None

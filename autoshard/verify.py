@@ -6,36 +6,45 @@ Three comparisons, in the order a failure is easiest to act on:
 3. the chained stages' result against the eager model.
 Randomness is replayed from one seed for every run, and buffers (BatchNorm statistics) are
 restored after each run, so verifying never changes the user's model.
+
+The runs compared here have autograd on, the mode the graph was captured in: some modules take a
+fused fast path in no-grad inference (``nn.TransformerEncoderLayer``) that computes the same
+values in another op order, so comparing across modes could not be exact.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence
+import inspect
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autoshard.capture.eager import isolated
 from autoshard.errors import VerificationError
 
 
-@contextlib.contextmanager
-def _buffers_restored(model: nn.Module) -> Iterator[None]:
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+def _detached(value: Any) -> Any:
+    """``value`` with its tensors detached, so a kept result does not keep its autograd graph."""
+    flat, spec = tree_flatten(value)
+    if not any(isinstance(v, torch.Tensor) for v in flat):
+        return value  # unflattening would turn a torch.Size into a tuple
+    return tree_unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in flat], spec)
 
 
-def _run_seeded(fn: Any, model: nn.Module, seed: int) -> Any:
-    with torch.random.fork_rng(devices=[]), _buffers_restored(model), torch.no_grad():
-        torch.manual_seed(seed)
-        return fn()
+def _run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False) -> Any:
+    """``fn()`` with randomness from ``seed`` and ``model``'s buffers restored afterwards."""
+    with isolated(model, seed), torch.set_grad_enabled(grad):
+        return _detached(fn())
+
+
+def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The call's arguments in placeholder order, defaults filled in (an Interpreter runs positionally)."""
+    bound = inspect.signature(gm.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
 
 
 class _Recorder(fx.Interpreter):
@@ -49,7 +58,7 @@ class _Recorder(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if n.name in self.wanted:
-            self.values[n.name] = result
+            self.values[n.name] = _detached(result)
         return result
 
 
@@ -82,9 +91,9 @@ def verify_stages(
     seed: int = 0,
 ) -> str:
     """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
-    expected = _run_seeded(lambda: model(*args, **kwargs), model, seed)
+    expected = _run_seeded(lambda: model(*args, **kwargs), model, seed, grad=True)
     recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})
-    traced = _run_seeded(lambda: recorder.run(*args, **kwargs), model, seed)
+    traced = _run_seeded(lambda: recorder.run(*_positional(gm, args, kwargs)), model, seed, grad=True)
     problem = first_difference(traced, expected, rtol, atol)
     if problem:
         raise VerificationError(
@@ -107,9 +116,10 @@ def verify_stages(
                     f"stage {index} produced value '{name}' that differs from the model's ({problem})",
                     stage=index)
 
-    actual = _run_seeded(chained, model, seed)
+    actual = _run_seeded(chained, model, seed, grad=True)
     problem = first_difference(actual, expected, rtol, atol)
     if problem:
         last = len(stages) - 1
-        raise VerificationError(f"stage {last} (the last) returned a different output ({problem})", stage=last)
+        raise VerificationError(f"stage {last} (the last) returned a different output ({problem})",
+                                stage=last)
     return f"{len(stages)} stages match the model on the example inputs (rtol={rtol}, atol={atol})"

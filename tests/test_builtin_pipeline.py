@@ -11,17 +11,19 @@ from autoshard.errors import PassFailed, PipelineValidationError
 from autoshard.examples import ResidualMLP
 from autoshard.passes import Pipeline, ShardProgram, ExampleInputs, function_pass
 
-SPEC = "trace,build-dag,linearize,split{stages=4 cost=params},emit,verify"
+SPEC = "trace,shape-prop,build-dag,linearize,split{stages=4 cost=params},emit,verify"
 
 
-def test_the_documented_spec_prints_back_to_the_same_text():
-    pipeline = Pipeline.parse(SPEC)
-    assert str(pipeline) == SPEC
+@pytest.mark.parametrize("spec", [SPEC, "trace,build-dag,linearize,split{stages=4 cost=params},emit,verify"])
+def test_the_documented_spec_prints_back_to_the_same_text(spec):
+    pipeline = Pipeline.parse(spec)
+    assert str(pipeline) == spec
     assert Pipeline.parse(str(pipeline)) == pipeline
 
 
 def test_default_pipeline_is_the_documented_one():
-    assert str(default_pipeline(4)) == "trace,build-dag,linearize,split{stages=4},emit,verify"
+    assert str(default_pipeline(4)) == "trace,shape-prop,build-dag,linearize,split{stages=4},emit,verify"
+    assert str(default_pipeline(4, verify=False)) == "trace,build-dag,linearize,split{stages=4},emit"
     assert Pipeline.parse(SPEC) == default_pipeline(4)
 
 

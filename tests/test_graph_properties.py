@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from itertools import combinations, product
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from autoshard.graph import (
     total_boundary_bytes,
 )
 from autoshard.graph.balance import live_bytes_at_cuts, min_bytes_partition
+from autoshard.graph.indexed import IndexedDag
 from autoshard.graph.invariants import check_order
 from autoshard.graph.linearize import ORDERS, is_input, is_output, non_inputs, program_order
 from autoshard.testing import (
@@ -28,10 +30,10 @@ from autoshard.testing import (
     check_splitter,
 )
 from autoshard.testing.properties import at_most
-from autoshard.testing.strategies import chains, dags, split_problems, weights
+from autoshard.testing.strategies import chains, dags, shaped_dags, split_problems, weights
 
-BUILTIN = ("min-cut", "fixed-order", "greedy", "uniform")
-BOUNDED = ("min-cut", "fixed-order")
+BUILTIN = ("min-cut", "fixed-order", "greedy", "uniform", "exact")
+BOUNDED = ("min-cut", "fixed-order", "exact")
 tolerances = st.sampled_from([0.0, 0.02, 0.25])
 fast = settings(max_examples=100, deadline=None)
 
@@ -64,7 +66,7 @@ def from_cuts(dag, order, cuts) -> dict:
 
 
 @fast
-@given(split_problems(dags()), st.sampled_from(BUILTIN), tolerances)
+@given(split_problems(dags() | shaped_dags()), st.sampled_from(BUILTIN), tolerances)
 def test_every_strategy_splits_random_dags_validly(problem, strategy, tolerance):
     dag, k = problem
     bound = tolerance if strategy in BOUNDED else None
@@ -87,16 +89,17 @@ def test_on_chains_the_bounded_strategies_reach_the_true_optimum(problem, strate
 
 
 @fast
-@given(split_problems(dags(max_nodes=10)), tolerances)
+@given(split_problems(dags(max_nodes=10) | shaped_dags(max_nodes=10)), tolerances)
 def test_min_cut_never_sends_more_than_fixed_order_and_stays_in_budget(problem, tolerance):
     dag, k = problem
     fixed = split_dag(dag, k, "fixed-order", tolerance)
     unrefined = split_dag(dag, k, "min-cut", tolerance, refine=False)
     refined = split_dag(dag, k, "min-cut", tolerance)
-    sent = [total_boundary_bytes(dag, a, k) for a in (fixed, unrefined, refined)]
-    assert at_most(sent[2], sent[1]) and at_most(sent[1], sent[0])
+    exact = split_dag(dag, k, "exact", tolerance)
+    sent = [total_boundary_bytes(dag, a, k) for a in (fixed, unrefined, refined, exact)]
+    assert at_most(sent[3], sent[2]) and at_most(sent[2], sent[1]) and at_most(sent[1], sent[0])
     budget = (1 + tolerance) * min_bottleneck(order_weights(dag, program_order(dag)), k)
-    for assignment in (fixed, unrefined, refined):
+    for assignment in (fixed, unrefined, refined, exact):
         assert at_most(bottleneck(dag, assignment, k), budget)
 
 
@@ -197,3 +200,18 @@ def test_check_partition_accepts_exactly_the_enumerated_partitions(problem):
             continue
         accepted.append(candidate)
     assert accepted == sorted(all_partitions(dag, k), key=lambda a: [a[v] for v in order])
+
+
+@fast
+@given(split_problems(dags(max_nodes=6) | shaped_dags(max_nodes=6), max_stages=3), st.data())
+def test_per_boundary_bytes_add_up_to_the_total(problem, data):
+    # Refinement scores a move by the change at one boundary; that is only sound if the
+    # per-boundary counts add up to the total the library reports.
+    dag, k = problem
+    assignment = data.draw(st.sampled_from(list(all_partitions(dag, k))))
+    g = IndexedDag(dag)
+    stages = g.stages_of(assignment)
+    everything = np.arange(g.n)
+    per_boundary = [g.bytes_across(stages, j, everything) for j in range(k - 1)]
+    assert all(close(a, b) for a, b in zip(per_boundary, boundary_bytes(dag, assignment, k)))
+    assert close(g.total_bytes(stages, k), total_boundary_bytes(dag, assignment, k))

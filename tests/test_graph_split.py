@@ -36,11 +36,11 @@ from autoshard.graph import (
 )
 from autoshard.graph import split as split_module
 from autoshard.graph.balance import live_bytes_at_cuts, min_bytes_partition
-from autoshard.graph.linearize import dfs_order, live_bytes_greedy_order, program_order
-from autoshard.graph.mincut import refine
-from autoshard.graph.split import fixed_order
+from autoshard.graph.linearize import INDEX_ORDERS, dfs_order, live_bytes_greedy_order, program_order
+from autoshard.graph.mincut import Budgets, refine
+from autoshard.graph.problem import SplitProblem
 
-BUILTIN = ("min-cut", "fixed-order", "greedy", "uniform")
+BUILTIN = ("min-cut", "fixed-order", "greedy", "uniform", "exact")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -57,6 +57,15 @@ def chain(costs: list[float], bytes_: float = 1.0) -> nx.DiGraph:
     dag = graph({n: {"cost": c, "bytes": bytes_} for n, c in zip(names, costs)}, [])
     nx.add_path(dag, names)
     return dag
+
+
+def refined(dag: nx.DiGraph, start: dict, bound: float, orders: tuple[str, ...]) -> dict:
+    """``start`` after two-stage min-cut refinement along the named orders within ``bound``."""
+    problem = SplitProblem(dag, 2, 0.0, bound=bound)
+    g = problem.graph
+    budgets = Budgets(g, problem.budgets, None, None)
+    stages = refine(g, g.stages_of(start), 2, budgets, [INDEX_ORDERS[name](g) for name in orders])
+    return g.assignment(stages)
 
 
 def interleaved(**attrs: dict) -> nx.DiGraph:
@@ -169,9 +178,9 @@ def test_registered_strategies_get_validated_arguments_and_their_options(monkeyp
     monkeypatch.setattr(split_module, "_REGISTRY", dict(split_module._REGISTRY))
     calls = []
 
-    def first_node_alone(dag, k, tolerance, *, label="x"):
-        calls.append((k, tolerance, label))
-        return {v: min(i, k - 1) for i, v in enumerate(dag.nodes)}
+    def first_node_alone(problem, *, label="x"):
+        calls.append((problem.k, problem.tolerance, label))
+        return {v: min(i, problem.k - 1) for i, v in enumerate(problem.dag.nodes)}
 
     register_strategy("test-first-node-alone", first_node_alone)
     assert "test-first-node-alone" in strategies()
@@ -357,24 +366,24 @@ def test_refinement_finds_a_cut_no_tried_order_makes_contiguous():
     # Costs 1, 0, 0, 1 along a1 b1 a2 b2: the only cheap boundary is {a1, a2} | {b1, b2}, which
     # is not a piece of program order; the corridor leaves b1 and a2 free and the cut finds it.
     dag = interleaved(a1={"bytes": 1000.0}, a2={"cost": 0.0, "bytes": 10.0}, b1={"cost": 0.0})
-    start = fixed_order(dag, 2, 0.0)
+    start = split_dag(dag, 2, "fixed-order", tolerance=0.0)
     assert total_boundary_bytes(dag, start, 2) == 110.0
     assert split_dag(dag, 2, orders=(), refine=False) == start
-    refined = refine(dag, start, 2, 1.0, [program_order(dag)])
-    assert refined == {"x": 0, "a1": 0, "b1": 1, "a2": 0, "b2": 1}
-    assert total_boundary_bytes(dag, refined, 2) == 14.0
-    assert split_dag(dag, 2, tolerance=0.0, orders=()) == refined
+    moved = refined(dag, start, 1.0, ("program",))
+    assert moved == {"x": 0, "a1": 0, "b1": 1, "a2": 0, "b2": 1}
+    assert total_boundary_bytes(dag, moved, 2) == 14.0
+    assert split_dag(dag, 2, tolerance=0.0, orders=()) == moved
 
 
 def test_refinement_never_breaks_the_bound():
     # {a1, a2} | {b1, b2} sends 14 bytes instead of 1100 but costs 6 | 2: only a loose bound
     # lets refinement take it.
     dag = interleaved(a1={"cost": 3.0, "bytes": 1000.0}, a2={"cost": 3.0, "bytes": 10.0})
-    orders = [program_order(dag), dfs_order(dag)]
-    start = fixed_order(dag, 2, 0.0)
+    orders = ("program", "dfs")
+    start = split_dag(dag, 2, "fixed-order", tolerance=0.0)
     assert (bottleneck(dag, start, 2), total_boundary_bytes(dag, start, 2)) == (4.0, 1100.0)
-    assert refine(dag, start, 2, 4.0, orders) == start
-    loose = refine(dag, start, 2, 6.0, orders)
+    assert refined(dag, start, 4.0, orders) == start
+    loose = refined(dag, start, 6.0, orders)
     assert loose == {"x": 0, "a1": 0, "b1": 1, "a2": 0, "b2": 1}
     assert total_boundary_bytes(dag, loose, 2) == 14.0
 
@@ -420,3 +429,21 @@ print([list(split_dag(dag, k, s).items()) for s in ("min-cut", "fixed-order") fo
         for seed in ("1", "2", "3")
     }
     assert len(outputs) == 1
+
+
+def test_both_max_flow_solvers_give_the_same_refined_split(monkeypatch):
+    # The cut kept is the one with the smallest sink side, the same for every maximum flow, so
+    # scipy's solver and the networkx fallback must agree exactly.
+    from autoshard.graph import flow
+    from autoshard.testing.graphs import layered_graph
+
+    dags = [layered_graph(300, seed=s) for s in range(3)] + [interleaved()]
+    fast = [split_dag(dag, k, tolerance=0.25) for dag in dags for k in (2, 4)]
+
+    def missing(*args):
+        raise ImportError("no scipy")
+
+    monkeypatch.setattr(flow, "_scipy_reaches_sink", missing)
+    fallback = [split_dag(dag, k, tolerance=0.25) for dag in dags for k in (2, 4)]
+    assert fast == fallback
+    assert split_dag(dags[-1], 2) == {"x": 0, "a1": 0, "b1": 1, "a2": 0, "b2": 1}

@@ -105,3 +105,20 @@ def test_module_with_hooks_stays_a_leaf_so_its_hooks_run():
     assert call_module_targets(gm) == ["0", "1"]
     x = torch.randn(1, 2)
     assert torch.equal(gm(x), model(x))
+
+
+def test_with_an_example_the_encoder_layers_are_traced_through_too():
+    model, args, kwargs = load_example("transformer-lm")
+    result = trace_with_leaves(model, args, kwargs)
+    assert result.wrapped_modules == ()  # without an example each self-attention was a leaf
+    assert {"transformer_encoder.layers.0.linear1", "transformer_encoder.layers.3.norm2"} <= set(
+        call_module_targets(result.graph_module))
+    assert torch.equal(result.graph_module(*args, **kwargs), model(*args, **kwargs))
+
+
+def test_describe_lists_what_was_wrapped_fixed_and_accepted():
+    model, args, kwargs = load_example("transformer-lm")
+    text = trace_with_leaves(model, args, kwargs).describe()
+    assert text.splitlines()[0].startswith("front end: fx;")
+    assert "wrapped function torch.nn.modules.transformer._detect_is_causal_mask: TraceError" in text
+    assert "specialized: torch.nn.modules.transformer._detect_is_causal_mask(...) returned True" in text

@@ -1,23 +1,31 @@
-"""Split a weighted dataflow DAG into k ordered pipeline stages; networkx only, no torch.
+"""Split a weighted dataflow DAG into k ordered pipeline stages; networkx and numpy, no torch.
 
 The graph contract (node attributes ``cost``, ``bytes``, optional ``input`` / ``output``) is
 described in ``invariants.check_dag``; ``split_dag`` is the entry point.
 """
 
 from autoshard.graph.balance import min_bottleneck
+from autoshard.graph.constraints import Constraints
 from autoshard.graph.invariants import check_dag, check_partition
 from autoshard.graph.partition import (
     Partition,
+    SplitInfo,
     bottleneck,
     boundary_bytes,
     boundary_values,
     stage_costs,
     total_boundary_bytes,
 )
-from autoshard.graph.split import register_strategy, split_dag, strategies
+from autoshard.graph.problem import SplitProblem
+from autoshard.graph.split import Outcome, SplitResult, register_strategy, split_dag, strategies
 
 __all__ = [
+    "Constraints",
+    "Outcome",
     "Partition",
+    "SplitInfo",
+    "SplitProblem",
+    "SplitResult",
     "bottleneck",
     "boundary_bytes",
     "boundary_values",

@@ -1,26 +1,31 @@
 """Splitting one fixed sequence of nodes into k contiguous, non-empty parts.
 
-``min_bottleneck`` finds the best achievable slowest stage; ``min_bytes_partition`` then spends
-the tolerance above it on moving cuts to where few bytes are live. Both compare segment sums the
-same way (``_Prefix.fits``), so a bound one of them proves feasible is feasible for the other.
+``Line`` is a sequence with its per-part limits: a cost budget per stage (bound x capacity),
+optional memory budgets, positions that must be cuts (pins) and positions that must not be
+(inside a together group). ``min_bottleneck_of`` finds the best achievable bound and
+``min_bytes_cuts`` spends the tolerance above it on cuts where few bytes are live. Every
+segment test goes through ``Line.starts``, so a bound one of them proves feasible is feasible
+for the other.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections import deque
 from itertools import accumulate
 from typing import Any, Sequence
 
 import networkx as nx
+import numpy as np
 
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
+from autoshard.graph.indexed import IndexedDag
 from autoshard.graph.invariants import check_order, check_stage_count, is_number
-from autoshard.graph.linearize import Order, is_input, is_output, non_inputs
 
 #: Relative round-off allowance for sums: prefix differences are not exact in floating point.
 REL_EPS = 1e-9
+#: Relative width at which the bisection for a constrained bottleneck stops.
+BISECTION_PRECISION = 1e-12
 
 
 def slack(scale: float) -> float:
@@ -28,41 +33,93 @@ def slack(scale: float) -> float:
     return REL_EPS * scale
 
 
-class _Prefix:
-    """Prefix sums of the weights; every segment comparison goes through ``fits``."""
-
-    def __init__(self, weights: Sequence[float]) -> None:
-        self.sums = list(accumulate((float(w) for w in weights), initial=0.0))
-        self.slack = slack(self.sums[-1])
-
-    def segment(self, start: int, end: int) -> float:
-        return self.sums[end] - self.sums[start]
-
-    def fits(self, start: int, end: int, bound: float) -> bool:
-        """Whether weights[start:end] sum to at most ``bound`` (up to round-off)."""
-        return self.sums[end] <= self.sums[start] + bound + self.slack
-
-    def furthest(self, start: int, bound: float) -> int:
-        """The largest ``end`` with ``fits(start, end, bound)``; the same test, by bisection."""
-        return bisect_right(self.sums, self.sums[start] + bound + self.slack) - 1
-
-    def greedy_ends(self, bound: float, parts: int) -> list[int]:
-        """Ends of the first ``parts`` greedy parts, each as long as ``bound`` allows.
-
-        Needs ``bound`` >= every weight, or a part could not hold even one element.
-        """
-        ends = [0]
-        n = len(self.sums) - 1
-        while len(ends) <= parts and ends[-1] < n:
-            ends.append(self.furthest(ends[-1], bound))
-        return ends[1:]
-
-
-def _check_split_request(weights: Sequence[Any], k: Any) -> None:
+def _check_weights(weights: Sequence[Any], k: Any) -> None:
     check_stage_count(k, len(weights), f"the sequence has {len(weights)} weights")
     for i, w in enumerate(weights):
         if not is_number(w) or not math.isfinite(w) or w < 0:
             raise InvalidArgumentError(f"weight {i} is {w!r}; weights must be finite and >= 0")
+
+
+class Line:
+    """A sequence to cut into k parts, with the limits each part must respect.
+
+    ``capacities[j]`` scales the cost budget of part j; ``memory`` and ``memory_budgets``
+    (both or neither) limit each part's memory; a cut must fall at every position in ``pins``
+    and at no position where ``forbidden`` is true. Position c is the cut before weights[c].
+    """
+
+    def __init__(
+        self,
+        weights: np.ndarray,
+        capacities: np.ndarray,
+        pins: np.ndarray | None = None,
+        forbidden: np.ndarray | None = None,
+        memory: np.ndarray | None = None,
+        memory_budgets: np.ndarray | None = None,
+    ) -> None:
+        self.n = len(weights)
+        self.k = len(capacities)
+        self.prefix = np.concatenate(([0.0], np.cumsum(weights, dtype=float)))
+        self.slack = slack(float(self.prefix[-1]))
+        self.capacities = capacities
+        self.pins = np.zeros(0, dtype=np.int64) if pins is None else pins
+        self.forbidden = np.zeros(self.n + 1, dtype=bool) if forbidden is None else forbidden
+        self.memory_prefix = None if memory is None else np.concatenate(([0.0], np.cumsum(memory)))
+        self.memory_budgets = memory_budgets
+        floors = np.concatenate(([0], self.pins))
+        self.pin_floor = floors[np.searchsorted(self.pins, np.arange(1, self.n + 1), side="left")]
+
+    def starts(self, j: int, bound: float) -> np.ndarray:
+        """For each end c in 1..n, the first start c' at which part j = [c', c) fits ``bound``.
+
+        A part fits when its cost is at most bound x capacity_j (up to round-off), its memory
+        within budget, and it contains no pin.
+        """
+        reach = (self.prefix + bound * self.capacities[j]) + self.slack
+        first = np.searchsorted(reach, self.prefix[1:], side="left")
+        if self.memory_prefix is not None:
+            budget = (self.memory_prefix + self.memory_budgets[j]) + slack(float(self.memory_prefix[-1]))
+            first = np.maximum(first, np.searchsorted(budget, self.memory_prefix[1:], side="left"))
+        return np.maximum(first, self.pin_floor)
+
+    def cut_allowed(self) -> np.ndarray:
+        """Whether each position 0..n may end a part that is not the last."""
+        allowed = ~self.forbidden
+        allowed[self.n] = False
+        return allowed
+
+    def witness(self, bound: float) -> np.ndarray | None:
+        """Cut positions of some split into exactly k parts within every limit, or None."""
+        reach = np.zeros(self.n + 1, dtype=bool)
+        reach[0] = True
+        allowed = self.cut_allowed()
+        ends = np.arange(1, self.n + 1)
+        layers, firsts = [], []
+        for j in range(self.k):
+            count = np.concatenate(([0], np.cumsum(reach)))
+            first = self.starts(j, bound)
+            layers.append(reach)
+            firsts.append(first)
+            reach = np.zeros(self.n + 1, dtype=bool)
+            reach[1:] = count[ends] > count[np.minimum(first, ends)]
+            if j < self.k - 1:
+                reach &= allowed
+        if not reach[self.n]:
+            return None
+        cuts = [self.n]
+        for reach, first in zip(reversed(layers[1:]), reversed(firsts[1:])):
+            end = cuts[-1]
+            cuts.append(int(first[end - 1] + np.flatnonzero(reach[first[end - 1] : end])[0]))
+        return np.array(cuts[:0:-1], dtype=np.int64)
+
+    def feasible(self, bound: float) -> bool:
+        """Whether some split into exactly k parts respects every limit under ``bound``."""
+        return self.witness(bound) is not None
+
+    def achieved(self, cuts: np.ndarray) -> float:
+        """The largest part cost / capacity of the split at ``cuts``."""
+        bounds = np.concatenate(([0], cuts, [self.n]))
+        return float((np.diff(self.prefix[bounds]) / self.capacities).max())
 
 
 def min_bottleneck(weights: Sequence[float], k: int) -> float:
@@ -72,128 +129,152 @@ def min_bottleneck(weights: Sequence[float], k: int) -> float:
     The start max(total / k, max weight) is a lower bound. When greedy parts under B cannot
     cover the sequence in k parts, any bound below min(part sum + the element after it) over
     those k parts leaves every part's end where it was, so that minimum is the next probe.
-    Each probe costs O(k log n) and moves some greedy end strictly right.
+    Each probe costs O(k log n) and moves some greedy end strictly right. Uses the same
+    segment test as ``Line.starts`` with capacity 1.
     """
-    _check_split_request(weights, k)
-    prefix = _Prefix(weights)
-    bound = max(prefix.sums[-1] / k, max(float(w) for w in weights))
+    _check_weights(weights, k)
+    sums = list(accumulate((float(w) for w in weights), initial=0.0))
+    round_off = slack(sums[-1])
+    n = len(weights)
+    bound = max(sums[-1] / k, max(float(w) for w in weights))
     while True:
-        ends = prefix.greedy_ends(bound, k)
-        if ends[-1] == len(weights):
+        ends, start = [], 0
+        while len(ends) < k and start < n:
+            start = bisect_right(sums, (sums[start] + bound * 1.0) + round_off) - 1
+            ends.append(start)
+        if ends[-1] == n:
             return bound
         starts = [0] + ends[:-1]
-        bound = min(prefix.segment(s, e + 1) for s, e in zip(starts, ends))
+        bound = min(sums[e + 1] - sums[s] for s, e in zip(starts, ends))
 
 
-def live_bytes_at_cuts(dag: nx.DiGraph, order: Order) -> list[float]:
+def min_bottleneck_of(line: Line) -> float:
+    """The least bound under which ``line`` splits into k parts within all its limits.
+
+    Exact (``min_bottleneck``) for plain lines; otherwise a bisection to a relative width of
+    ``BISECTION_PRECISION`` between the lower bound total / sum(capacities) and the bound at
+    which every part could hold everything, reporting what the split found there achieves
+    (so the bound is a real bottleneck, not a point inside the round-off allowance). Raises
+    ``InfeasibleSplitError`` when even that bound fails: then pins, forbidden cuts or memory
+    budgets cannot be met.
+    """
+    weights = np.diff(line.prefix)
+    plain = (not len(line.pins) and not line.forbidden.any() and line.memory_prefix is None
+             and bool(np.all(line.capacities == 1.0)))
+    if plain:
+        return min_bottleneck(weights.tolist(), line.k)
+    total = float(line.prefix[-1])
+    low = total / float(line.capacities.sum())
+    high = total / float(line.capacities.min())
+    if not line.feasible(high):
+        raise InfeasibleSplitError("no split meets the constraints whatever the balance")
+    if not line.feasible(low):
+        while high - low > BISECTION_PRECISION * high:
+            middle = (low + high) / 2
+            if line.feasible(middle):
+                high = middle
+            else:
+                low = middle
+        low = high
+    return line.achieved(line.witness(low))
+
+
+def live_bytes_at_cuts(dag: nx.DiGraph, order: Sequence[Any]) -> list[float]:
     """Bytes live across each cut of the non-input sequence of ``order``, in O(n + m).
 
-    Entry c (0..n) is the cut just before the c-th non-input node. A value is live across it
-    when produced before it (inputs count as produced before cut 0) and read at or after it,
-    or when it is a model output. Each value adds its bytes over the span from its producer to
-    its last reader, swept with a difference array.
+    See ``IndexedDag.live_bytes``; ``order`` is a topological order of ``dag``'s nodes.
     """
     check_order(dag, order)
-    sequence = non_inputs(dag, order)
-    position = {v: -1 for v in order if is_input(dag, v)}
-    position.update((v, i) for i, v in enumerate(sequence))
-    n = len(sequence)
-    delta = [0.0] * (n + 2)
-    for u in order:
-        born = position[u]
-        readers = (position[v] for v in dag.successors(u))
-        last = n if is_output(dag, u) else max(readers, default=born)
-        if last > born:
-            delta[born + 1] += float(dag.nodes[u]["bytes"])
-            delta[last + 1] -= float(dag.nodes[u]["bytes"])
-    return list(accumulate(delta[: n + 1]))
+    g = IndexedDag(dag)
+    return g.live_bytes(np.array([g.index[v] for v in order], dtype=np.int64)).tolist()
 
 
-Score = tuple[float, float]
-_UNREACHABLE: Score = (math.inf, math.inf)
+class _RangeMin:
+    """Sparse table over integer ranks: the position of the least rank in any range, in O(1)."""
+
+    def __init__(self, rank: np.ndarray) -> None:
+        size = len(rank)
+        table = [np.arange(size)]
+        span = 1
+        while 2 * span <= size:
+            prev = table[-1]
+            a, b = prev[: size - 2 * span + 1], prev[span : size - span + 1]
+            table.append(np.where(rank[a] <= rank[b], a, b))
+            span *= 2
+        self.rank = rank
+        self.table = table
+
+    def argmin(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Per query, the position of the least rank in [lo, hi] (inclusive, lo <= hi)."""
+        level = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
+        out = np.empty(len(lo), dtype=np.int64)
+        for l in np.unique(level).tolist():
+            pick = level == l
+            a = self.table[l][lo[pick]]
+            b = self.table[l][hi[pick] - (1 << l) + 1]
+            out[pick] = np.where(self.rank[a] <= self.rank[b], a, b)
+        return out
 
 
-def _check_dp_request(weights: Sequence[float], live: Sequence[float], k: int, bound: float) -> None:
-    _check_split_request(weights, k)
-    if len(live) != len(weights) + 1:
-        raise InvalidArgumentError(
-            f"live must have one entry per cut (len(weights) + 1 = {len(weights) + 1}), "
-            f"got {len(live)}"
-        )
-    if not is_number(bound) or math.isnan(bound) or bound < 0:
-        raise InvalidArgumentError(f"the bound must be a number >= 0, got {bound!r}")
+def min_bytes_cuts(line: Line, live: np.ndarray, bound: float) -> np.ndarray:
+    """The k-1 cut positions that minimise the total ``live`` bytes at the cuts.
 
-
-def _add(a: Score, b: Score) -> Score:
-    return (a[0] + b[0], a[1] + b[1])
-
-
-class _Layer:
-    """One DP layer: for every prefix end c, the best score of splitting weights[:c] in j parts.
-
-    A score is (live bytes at the cuts, distance of the cuts from their ideal balanced prefix
-    sums). The second term only breaks ties in bytes, toward balanced stages: equal-sized values
-    are the norm in real models, so ties are common.
+    Every part fits its limits under ``bound`` (see ``Line.starts``); cut c costs live[c].
+    Ties in bytes go to cuts nearest their balanced positions (prefix sums proportional to the
+    capacities), then to the earliest cut. Layer by layer, the best previous cut in each
+    part's window of starts comes from a sparse-table range minimum: O(k n log n), vectorised.
+    Raises ``InfeasibleSplitError`` when no split fits.
     """
-
-    def __init__(self, size: int) -> None:
-        self.score = [_UNREACHABLE] * size
-        self.parent = [-1] * size
-
-
-def _next_layer(prev: _Layer, prefix: _Prefix, cut_score: list[Score], bound: float) -> _Layer:
-    """Extend every (j-1)-part split by one part ending at c, with a sliding-window minimum.
-
-    The last part is weights[c':c] for c' in [lo(c), c - 1], where lo(c) is the first start
-    that keeps the part within ``bound``; prefix sums never decrease, so both window ends only
-    move right. The deque keeps window indices with strictly increasing candidate scores, so
-    ties go to the earliest cut.
-    """
-    size = len(prev.score)
-    layer = _Layer(size)
-    window: deque[tuple[Score, int]] = deque()
-    lo = 0
-    for c in range(1, size):
-        start = c - 1
-        if prev.score[start] != _UNREACHABLE:
-            value = _add(prev.score[start], cut_score[start])
-            while window and window[-1][0] > value:
-                window.pop()
-            window.append((value, start))
-        while not prefix.fits(lo, c, bound):
-            lo += 1
-        while window and window[0][1] < lo:
-            window.popleft()
-        if window:
-            layer.score[c], layer.parent[c] = window[0]
-    return layer
+    n, k = line.n, line.k
+    total = float(line.prefix[-1])
+    share = np.cumsum(line.capacities) / line.capacities.sum()
+    allowed = line.cut_allowed()
+    sent = np.full(n + 1, np.inf)
+    sent[0] = 0.0
+    skew = np.zeros(n + 1)
+    parents = []
+    ends = np.arange(1, n + 1)
+    for j in range(k):
+        cand_sent, cand_skew = sent, skew
+        if j:
+            cand_sent = sent + live
+            cand_skew = skew + np.abs(line.prefix - total * share[j - 1])
+        rank = np.empty(n + 1, dtype=np.int64)
+        rank[np.lexsort((np.arange(n + 1), cand_skew, cand_sent))] = np.arange(n + 1)
+        first = line.starts(j, bound)
+        usable = first <= ends - 1
+        best = np.full(n + 1, -1, dtype=np.int64)
+        best[1:][usable] = _RangeMin(rank).argmin(first[usable], ends[usable] - 1)
+        reached = best >= 0
+        reached[reached] = np.isfinite(cand_sent[best[reached]])
+        if j < k - 1:
+            reached &= allowed
+        sent = np.where(reached, cand_sent[best], np.inf)
+        skew = np.where(reached, cand_skew[best], 0.0)
+        parents.append(best)
+    if not np.isfinite(sent[n]):
+        raise InfeasibleSplitError(
+            f"no split into {k} contiguous non-empty parts keeps every part within its limits "
+            f"(bound {bound:g})")
+    cuts = [n]
+    for best in reversed(parents[1:]):
+        cuts.append(int(best[cuts[-1]]))
+    return np.array(cuts[:0:-1], dtype=np.int64)
 
 
 def min_bytes_partition(
     weights: Sequence[float], live: Sequence[float], k: int, bound: float
 ) -> list[int]:
-    """The k-1 cut positions that minimise the total ``live`` bytes at the cuts.
+    """``min_bytes_cuts`` for a plain sequence: parts within ``bound``, fewest live bytes at cuts.
 
-    Splits ``weights`` into exactly k non-empty contiguous parts, each summing to at most
-    ``bound``; cut c falls just before weights[c] and costs live[c]. Ties in bytes go to cuts
-    nearest their balanced positions, then to the earliest cut. O(n k) time and memory.
-    Raises ``InfeasibleSplitError`` when no split fits the bound.
+    Splits ``weights`` into exactly k non-empty contiguous parts; cut c falls just before
+    weights[c] and costs live[c]. Raises ``InfeasibleSplitError`` when no split fits.
     """
-    _check_dp_request(weights, live, k, bound)
-    prefix = _Prefix(weights)
-    n = len(weights)
-    layers = [_Layer(n + 1)]
-    layers[0].score[0] = (0.0, 0.0)
-    for j in range(1, k + 1):
-        ideal = prefix.sums[-1] * (j - 1) / k
-        cut_score = [(float(live[c]), abs(prefix.sums[c] - ideal)) for c in range(n + 1)]
-        cut_score[0] = (0.0, 0.0)
-        layers.append(_next_layer(layers[-1], prefix, cut_score, bound))
-    if layers[k].score[n] == _UNREACHABLE:
-        raise InfeasibleSplitError(
-            f"no split into {k} contiguous non-empty parts keeps every part within {bound}"
-        )
-    cuts = [n]
-    for layer in reversed(layers[2:]):
-        cuts.append(layer.parent[cuts[-1]])
-    return cuts[:0:-1]
+    _check_weights(weights, k)
+    if len(live) != len(weights) + 1:
+        raise InvalidArgumentError(
+            f"live must have one entry per cut (len(weights) + 1 = {len(weights) + 1}), got {len(live)}")
+    if not is_number(bound) or math.isnan(bound) or bound < 0:
+        raise InvalidArgumentError(f"the bound must be a number >= 0, got {bound!r}")
+    line = Line(np.array(weights, dtype=float), np.ones(k))
+    return min_bytes_cuts(line, np.array(live, dtype=float), float(bound)).tolist()

@@ -7,15 +7,29 @@ The DAG holds the model inputs (``input=True``) and every compute node. Node att
 ``op``, ``target``, ``module`` (innermost owning module path, '' for the root), ``scopes``
 (``(path, class name)`` of every enclosing module, outermost first), ``weights`` (canonical
 names of the parameters and buffers the node reads; tied weights share one name), ``params``
-and ``param_bytes`` (what the node is charged for), ``bytes`` (its output's size), ``input``
-and ``output``. Edges carry ``value``, the producer's name. ``get_attr`` nodes are
-not DAG nodes: a stage that reads a parameter or buffer gets its own reference to the same
-object, so attributes never cross a boundary. Their size is charged to their first reader. The
-output node is not a DAG node either: the values it returns are flagged ``output=True``.
+and ``param_bytes`` (what the node is charged for), ``input`` and ``output``, and what
+``shape-prop`` and ``profile`` measured (None until they run): ``value_meta`` (the output's
+structure, see ``autoshard.costs.values``), ``allocated`` (bytes of new memory its output holds:
+0 for a view), ``flops`` and ``seconds``. ``bytes`` is the tensor
+bytes of the output (1 per value while shapes are unknown); ``tensor`` says whether it holds any
+tensor.
+Edges carry ``value``, the producer's name. The graph attribute ``weights`` maps each canonical
+name to a ``WeightInfo`` (every alias, size, trainable or not).
+
+``get_attr`` nodes are not DAG nodes: a stage that reads a parameter or buffer gets its own
+reference to the same object, so attributes never cross a boundary. Their size is charged to
+their first reader. The output node is not a DAG node either: the values it returns are flagged
+``output=True``.
+
+A value known to hold no tensor (``x.size(0)``, a bool) never crosses a boundary: emit
+recomputes it in each stage that reads it. So in the DAG its readers depend directly on the
+tensors (or model inputs) it is computed from, and it has no out-edges of its own (see
+``route_around_non_tensors``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
@@ -23,7 +37,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-COMPUTE_OPS = ("call_module", "call_function", "call_method")
+from autoshard.costs.execution import COMPUTE_OPS
+from autoshard.costs.propagation import node_facts
+from autoshard.costs.timing import SECONDS_KEY
 
 #: Stand-in for a value's size until shape propagation measures it: every value weighs one.
 UNKNOWN_VALUE_BYTES = 1.0
@@ -69,12 +85,43 @@ def _attribute(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
+def _named_tensors(gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
+    return [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+
+
 def canonical_tensor_names(gm: fx.GraphModule) -> dict[int, str]:
     """One name per parameter/buffer object: its first qualified name (tied weights share it)."""
     names: dict[int, str] = {}
-    for name, tensor in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+    for name, tensor in _named_tensors(gm):
         names.setdefault(id(tensor), name)
     return names
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    """One parameter or buffer object, under every name it has (tied weights have several)."""
+
+    names: tuple[str, ...]
+    numel: int
+    nbytes: int
+    kind: str  # "parameter" or "buffer"
+    trainable: bool
+
+
+def weight_infos(gm: fx.GraphModule) -> dict[str, WeightInfo]:
+    """Canonical name -> ``WeightInfo`` for every parameter and buffer object of ``gm``."""
+    aliases: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in _named_tensors(gm):
+        aliases.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    return {
+        names[0]: WeightInfo(
+            tuple(names), tensors[key].numel(), tensors[key].numel() * tensors[key].element_size(),
+            "parameter" if isinstance(tensors[key], nn.Parameter) else "buffer",
+            isinstance(tensors[key], nn.Parameter) and tensors[key].requires_grad)
+        for key, names in aliases.items()
+    }
 
 
 def _tensors_read(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
@@ -98,22 +145,57 @@ def _charge(tensors: list[torch.Tensor], claimed: set[int]) -> tuple[int, int]:
     return count, nbytes
 
 
+def _measured(node: fx.Node) -> dict[str, Any]:
+    """The attributes that come from ``shape-prop`` and ``profile`` (unknown: None, one byte)."""
+    facts = node_facts(node)
+    return {
+        "value_meta": facts.value if facts else None,
+        "bytes": facts.value.nbytes if facts else UNKNOWN_VALUE_BYTES,
+        "tensor": facts.value.has_tensor if facts else True,
+        "flops": facts.flops if facts else None,
+        "allocated": facts.allocated if facts else None,
+        "seconds": node.meta.get(SECONDS_KEY),
+    }
+
+
+def route_around_non_tensors(dag: nx.DiGraph) -> None:
+    """Make the readers of each non-tensor value depend on the tensors it is computed from.
+
+    Walking in program order, each non-tensor node's in-edges already come from tensors or
+    inputs (its non-tensor ancestors were routed first); its out-edges move onto those sources,
+    which then cross to the readers' stages, where emit recomputes the value. A non-tensor
+    model output makes its sources outputs instead.
+    """
+    for node in list(dag.nodes):
+        data = dag.nodes[node]
+        if data["input"] or data["tensor"]:
+            continue
+        sources = list(dag.predecessors(node))
+        for reader in list(dag.successors(node)):
+            dag.remove_edge(node, reader)
+            dag.add_edges_from((source, reader, {"value": source}) for source in sources)
+        if data["output"]:
+            data["output"] = False
+            for source in sources:
+                dag.nodes[source]["output"] = True
+
+
 def build_dag(gm: fx.GraphModule) -> nx.DiGraph:
     """One DAG node per input and compute node, in program order; edges carry the value's name."""
-    dag = nx.DiGraph()
+    dag = nx.DiGraph(weights=weight_infos(gm))
     claimed: set[int] = set()
     names = canonical_tensor_names(gm)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             dag.add_node(node.name, op=node.op, target=str(node.target), module="", scopes=(), weights=(),
-                         params=0, param_bytes=0, bytes=UNKNOWN_VALUE_BYTES, input=True, output=False)
+                         params=0, param_bytes=0, input=True, output=False, **_measured(node))
         elif node.op in COMPUTE_OPS:
             tensors = _tensors_read(gm, node)
             count, nbytes = _charge(tensors, claimed)
             scopes = module_scopes(gm, node)
             dag.add_node(node.name, op=node.op, target=_target_name(node), module=scopes[-1][0] if scopes else "",
                          scopes=scopes, weights=tuple(names[id(t)] for t in tensors),
-                         params=count, param_bytes=nbytes, bytes=UNKNOWN_VALUE_BYTES, input=False, output=False)
+                         params=count, param_bytes=nbytes, input=False, output=False, **_measured(node))
         elif node.op == "output":
             for producer in node.all_input_nodes:
                 if producer.name in dag:
@@ -122,4 +204,5 @@ def build_dag(gm: fx.GraphModule) -> nx.DiGraph:
         for producer in node.all_input_nodes:
             if producer.name in dag:
                 dag.add_edge(producer.name, node.name, value=producer.name)
+    route_around_non_tensors(dag)
     return dag

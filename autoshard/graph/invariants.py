@@ -11,6 +11,7 @@ from numbers import Real
 from typing import Any, Mapping
 
 import networkx as nx
+import numpy as np
 
 from autoshard.errors import (
     InvalidArgumentError,
@@ -18,7 +19,7 @@ from autoshard.errors import (
     InvalidGraphError,
     TooManyStagesError,
 )
-from autoshard.graph.linearize import Node, is_input
+from autoshard.graph.indexed import Node, is_input
 
 WEIGHTS = ("cost", "bytes")
 
@@ -26,6 +27,10 @@ WEIGHTS = ("cost", "bytes")
 def is_number(value: Any) -> bool:
     """A real number that is not a bool (``True`` is an int in Python, never a weight here)."""
     return isinstance(value, Real) and not isinstance(value, bool)
+
+
+#: Weight types accepted without a closer look; anything else goes through ``is_number``.
+_PLAIN_NUMBERS = frozenset({int, float})
 
 
 def _check_weight(dag: nx.DiGraph, node: Node, name: str) -> None:
@@ -42,8 +47,9 @@ def _check_weight(dag: nx.DiGraph, node: Node, name: str) -> None:
 
 
 def _check_acyclic(dag: nx.DiGraph) -> None:
-    if nx.is_directed_acyclic_graph(dag):
-        return
+    index = {v: i for i, v in enumerate(dag.nodes)}
+    if all(index[u] < index[v] for u, v in dag.edges) or nx.is_directed_acyclic_graph(dag):
+        return  # the first test is the common case: insertion order is already topological
     cycle = [u for u, _ in nx.find_cycle(dag)]
     raise InvalidGraphError(
         f"the graph has a cycle through node {cycle[0]!r} ({' -> '.join(map(repr, cycle))}); "
@@ -51,13 +57,28 @@ def _check_acyclic(dag: nx.DiGraph) -> None:
     )
 
 
+def check_weights(dag: nx.DiGraph, names: tuple[str, ...]) -> None:
+    """Raise ``InvalidGraphError`` unless every node has each attribute in ``names``, finite and >= 0.
+
+    Checks all values at once when they are plain ints and floats; otherwise (or when that check
+    fails) node by node, to name the first offender.
+    """
+    for name in names:
+        values = [data.get(name) for _, data in dag.nodes(data=True)]
+        if set(map(type, values)) <= _PLAIN_NUMBERS:
+            array = np.array(values, dtype=float)
+            if np.all(np.isfinite(array)) and np.all(array >= 0):
+                continue
+        for node in dag.nodes:
+            _check_weight(dag, node, name)
+
+
 def check_dag(dag: Any) -> None:
     """Raise ``InvalidGraphError`` unless ``dag`` satisfies the graph contract."""
     if not isinstance(dag, nx.DiGraph):
         raise InvalidGraphError(f"expected a networkx.DiGraph, got {type(dag).__name__}")
+    check_weights(dag, WEIGHTS)
     for node in dag.nodes:
-        for name in WEIGHTS:
-            _check_weight(dag, node, name)
         if is_input(dag, node) and dag.in_degree(node) > 0:
             first = next(iter(dag.predecessors(node)))
             raise InvalidGraphError(

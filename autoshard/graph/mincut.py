@@ -8,184 +8,237 @@ flow network finds the S that sends the fewest bytes.
 
 A plain minimum cut ignores balance (it usually empties a stage), so each cut runs in a
 *corridor*: a head of the two stages pinned to stage j and a tail pinned to stage j+1, each
-just heavy enough that every S between them keeps both stages within the bound. Corridors come
-from several topological orders. A move is kept only if the total boundary bytes strictly
-drop, so refinement never makes a partition worse.
+just heavy enough that every S between them keeps both stages within their budgets (cost and
+memory). Corridors come from several topological orders. Together groups move as one node.
+A move is kept only if the total boundary bytes strictly drop, so refinement never makes a
+partition worse. Boundaries fixed by ``cut_before`` are never moved.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Sequence
 
-import networkx as nx
+import numpy as np
 
 from autoshard.graph.balance import slack
-from autoshard.graph.linearize import Node, Order, is_input, is_output, program_order
-from autoshard.graph.partition import stage_costs, total_boundary_bytes
+from autoshard.graph.flow import Network
+from autoshard.graph.indexed import IndexedDag
 
-Assignment = dict[Node, int]
-
-_SOURCE = ("source",)
-_SINK = ("sink",)
-#: Capacities are integers so max-flow saturation tests are exact; bytes are scaled to this.
-_RESOLUTION = 2**40
-#: Sweeps over all boundaries; each accepted move strictly lowers the bytes, so few are needed.
+SOURCE, SINK = -1, -2
+#: Sweeps over the boundaries whose neighbours moved; each move strictly lowers the bytes.
 _MAX_PASSES = 8
 
 
-def _node(u: Node) -> Hashable:
-    return ("node", u)
-
-
-def _value(u: Node) -> Hashable:
-    return ("value", u)
-
-
-def _cost(dag: nx.DiGraph, v: Node) -> float:
-    return float(dag.nodes[v]["cost"])
-
-
-class _Boundary:
-    """The flow network whose minimum cuts are the cheapest down-closed choices for boundary j.
-
-    Nodes of stages j and j+1 outside the pins are free. Inputs, earlier stages and the head
-    pins are tied to the source; later stages and the tail pins to the sink. A value v becomes
-    an edge node(v) -> value(v) with capacity bytes(v) and uncapacitated edges value(v) -> each
-    reader, so it is paid once however many readers sit on the far side. Uncapacitated reverse
-    edges reader -> producer keep the source side down-closed.
-    """
+class Budgets:
+    """Per-stage limits a refined partition must keep: cost, and memory when budgeted."""
 
     def __init__(
-        self, dag: nx.DiGraph, stage: Assignment, j: int, head: Order, tail: Order
+        self, g: IndexedDag, cost: np.ndarray, memory: np.ndarray | None, memory_limits: np.ndarray | None
     ) -> None:
-        self.dag, self.stage, self.j = dag, stage, j
-        self.head, self.tail = head, tail
-        self.pinned = {**dict.fromkeys(head, "source"), **dict.fromkeys(tail, "sink")}
-        self.free = [v for v in stage if self.side(v) == "free"]
-        self.scale = _RESOLUTION / (sum(float(dag.nodes[v]["bytes"]) for v in stage) or 1.0)
-        self.network = nx.DiGraph()
-        self.network.add_nodes_from([_SOURCE, _SINK, *map(_node, self.free)])
-        for u in stage:
-            self._add_value(u)
-        for u in self.free:
-            for p in dag.predecessors(u):
-                if self.side(p) == "free":
-                    self.network.add_edge(_node(u), _node(p))
+        self.g = g
+        self.limits = [(g.cost, cost, slack(float(g.cost.sum())))]
+        if memory is not None:
+            self.limits.append((memory, memory_limits, slack(float(memory.sum()))))
 
-    def side(self, v: Node) -> str:
-        if is_input(self.dag, v) or self.stage[v] < self.j:
-            return "source"
-        if self.stage[v] > self.j + 1:
-            return "sink"
-        return self.pinned.get(v, "free")
+    def within(self, stages: np.ndarray, j: int, k: int) -> bool:
+        """Whether stages j and j+1 respect every limit."""
+        for weights, limit, round_off in self.limits:
+            sums = np.bincount(stages, weights=weights, minlength=k)
+            if sums[j] > limit[j] + round_off or sums[j + 1] > limit[j + 1] + round_off:
+                return False
+        return True
 
-    def _anchor(self, v: Node) -> Hashable:
-        """Where v sits in the network: the source, the sink, or its own free node."""
-        side = self.side(v)
-        if side == "free":
-            return _node(v)
-        return _SOURCE if side == "source" else _SINK
+    def shortest(self, region: np.ndarray, stage: int, fixed: bool) -> int:
+        """How many leading nodes of ``region`` must leave it so the rest fits ``stage``.
 
-    def _add_value(self, u: Node) -> None:
-        """Add u's value if whether it crosses boundary j depends on the cut."""
-        producer = self._anchor(u)
-        readers = [self._anchor(v) for v in self.dag.successors(u)]
-        if is_output(self.dag, u):
-            readers.append(_SINK)
-        readers = [r for r in readers if r != producer]
-        if producer == _SINK or not readers or (producer == _SOURCE and _SINK in readers):
-            return  # never crosses, or crosses whatever the cut
-        capacity = round(float(self.dag.nodes[u]["bytes"]) * self.scale)
-        self.network.add_edge(producer, _value(u), capacity=capacity)
-        for r in readers:
-            self.network.add_edge(_value(u), r)
-
-    def best_move(self) -> Assignment:
-        """The partition with boundary j at a minimum cut of the corridor.
-
-        ``nx.minimum_cut`` leaves on the source side every node that cannot reach the sink,
-        so stage j takes as much of the corridor as the cheapest cut allows.
+        At least one, so the stage the leading nodes go to is never empty; ``fixed`` adds the
+        inputs, which always sit in stage 0.
         """
-        source_side = nx.minimum_cut(self.network, _SOURCE, _SINK)[1][0]
-        stage = dict(self.stage)
-        for v in self.free + self.tail:
-            stage[v] = self.j + 1
-        for v in self.head + [v for v in self.free if _node(v) in source_side]:
-            stage[v] = self.j
-        return stage
+        count = 1
+        for weights, limit, round_off in self.limits:
+            along = np.cumsum(weights[region])
+            extra = float(weights[: self.g.num_inputs].sum()) if fixed else 0.0
+            need = float(along[-1]) + extra - limit[stage] - round_off
+            count = max(count, int(np.searchsorted(along, need, side="left")) + 1)
+        return count
 
 
-def _shortest_end(dag: nx.DiGraph, sequence: Order, need: float) -> int:
-    """How many leading nodes of ``sequence`` (at least one) it takes to cost ``need``."""
-    total = 0.0
-    for i, v in enumerate(sequence, 1):
-        total += _cost(dag, v)
-        if total >= need:
-            return i
-    return len(sequence) + 1
+class _Corridor:
+    """Boundary j between a head pinned to stage j and a tail pinned to stage j+1.
+
+    Each free node (or together group, contracted) is a network node. A value becomes a node
+    with an edge producer -> value of capacity bytes and uncapacitated edges to each reader,
+    so it is paid once however many readers sit on the far side. Uncapacitated edges reader ->
+    producer keep the source side down-closed.
+    """
+
+    def __init__(self, g: IndexedDag, stages: np.ndarray, j: int, head: np.ndarray, tail: np.ndarray,
+                 groups: Sequence[np.ndarray], group_of: dict[int, int]) -> None:
+        self.g, self.stages, self.j = g, stages, j
+        self.head, self.tail = head, tail
+        self.side = np.where(stages <= j, SOURCE, SINK)
+        self.side[: g.num_inputs] = SOURCE
+        self.side[tail] = SINK
+        region = (stages == j) | (stages == j + 1)
+        region[: g.num_inputs] = False
+        region[head] = False
+        region[tail] = False
+        self.free = np.flatnonzero(region)
+        self.side[self.free] = self.free
+        self.feasible = self._contract(groups, group_of)
+
+    def _contract(self, groups: Sequence[np.ndarray], group_of: dict[int, int]) -> bool:
+        """Give each grouped free node its group's side; False when a group straddles the pins."""
+        touched = sorted({group_of[v] for v in self.free.tolist() if v in group_of})
+        for group in touched:
+            members = groups[group]
+            sides = self.side[members]
+            free = members[sides >= 0]
+            pinned = set(sides[sides < 0].tolist())
+            if pinned == {SOURCE, SINK}:
+                return False
+            self.side[free] = pinned.pop() if pinned else free[0]
+        return True
+
+    def network(self) -> Network | None:
+        """The flow network, or None when a together group needs a node on both sides."""
+        g, side = self.g, self.side.tolist()
+        net = Network()
+        candidates = set(self.free.tolist())
+        for v in self.free.tolist():
+            candidates.update(g.pred[v])
+        for u in sorted(candidates):
+            producer = side[u]
+            readers = sorted({side[v] for v in g.succ[u]} - {producer})
+            for r in readers:  # a reader on the source side pulls its producer there
+                if r == SOURCE and producer == SINK:
+                    return None
+                if r != SINK and producer != SOURCE:
+                    net.add(r, producer)
+            if g.output[u] and SINK not in readers and producer != SINK:
+                readers.append(SINK)
+            if producer == SINK or not readers or (producer == SOURCE and SINK in readers):
+                continue  # never crosses, or crosses whatever the cut
+            capacity = float(g.nbytes[u])
+            if len(readers) == 1:
+                net.add(producer, readers[0], capacity)
+                continue
+            value = ("value", u)
+            net.add(producer, value, capacity)
+            for r in readers:
+                net.add(value, r)
+        return net
+
+    def best_move(self) -> np.ndarray | None:
+        """The stages with boundary j at a minimum cut of the corridor, or None if none exists.
+
+        Stage j takes the largest source side: every free node that cannot reach the sink.
+        """
+        net = self.network() if self.feasible else None
+        source_side = None if net is None else net.source_side(SOURCE, SINK)
+        if source_side is None:
+            return None  # a together group forces a node to both sides
+        stages = self.stages.copy()
+        stages[self.free] = self.j + 1
+        stages[self.tail] = self.j + 1
+        stages[self.head] = self.j
+        on_source = np.fromiter((int(self.side[v]) in source_side for v in self.free.tolist()), bool,
+                                len(self.free))
+        stages[self.free[on_source]] = self.j
+        return stages
 
 
-def _corridor(
-    dag: nx.DiGraph, stage: Assignment, j: int, order: Order, bound: float
-) -> tuple[Order, Order] | None:
+def _corridor_pins(
+    g: IndexedDag, stages: np.ndarray, j: int, order: np.ndarray, budgets: Budgets
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Head and tail pins for boundary j along ``order``, or None when no room is left.
 
     The two stages' nodes along ``order`` form a topological order of them, so a head is
-    down-closed and a tail up-closed. The head is the shortest that keeps stage j+1 within the
-    bound, the tail the shortest that keeps stage j within it; when they do not overlap, any
-    cut between them respects the bound and leaves both stages non-empty.
+    down-closed and a tail up-closed. The head is the shortest that keeps stage j+1 within its
+    budgets, the tail the shortest that keeps stage j within them; when they do not overlap,
+    any cut between them respects the budgets and leaves both stages non-empty.
     """
-    region = [v for v in order if stage[v] in (j, j + 1) and not is_input(dag, v)]
-    fixed = sum(_cost(dag, v) for v in order if is_input(dag, v)) if j == 0 else 0.0
-    region_cost = sum(_cost(dag, v) for v in region)
-    round_off = slack(region_cost + fixed)
-    head = _shortest_end(dag, region, region_cost - bound - round_off)
-    tail = _shortest_end(dag, region[::-1], region_cost + fixed - bound - round_off)
+    along = stages[order]
+    region = order[((along == j) | (along == j + 1)) & (order >= g.num_inputs)]
+    if len(region) < 2:
+        return None
+    head = budgets.shortest(region, j + 1, fixed=False)
+    tail = budgets.shortest(region[::-1], j, fixed=j == 0)
     if head + tail > len(region):
         return None
     return region[:head], region[len(region) - tail :]
 
 
-def _within(dag: nx.DiGraph, candidate: Assignment, j: int, k: int, bound: float) -> bool:
-    costs = stage_costs(dag, candidate, k)
-    return max(costs[j], costs[j + 1]) <= bound + slack(sum(costs))
+def _best_move(
+    g: IndexedDag, stages: np.ndarray, sent: float, j: int, k: int, budgets: Budgets,
+    orders: Sequence[np.ndarray], groups: list[np.ndarray], group_of: dict[int, int],
+) -> tuple[np.ndarray, float] | None:
+    """The corridor cut of boundary j (over all orders) sending the fewest bytes, if fewer than ``sent``.
 
-
-def _refine_boundary(
-    dag: nx.DiGraph, stage: Assignment, j: int, k: int, bound: float, orders: Sequence[Order]
-) -> Assignment | None:
-    """A partition sending strictly fewer bytes by moving boundary j, or None.
-
-    Tries one corridor per order and keeps the cheapest move (the first on ties).
+    Nodes only move between stages j and j+1, so only boundary j's traffic changes: the new
+    total is ``sent`` plus the change at j over the values of moved nodes and their producers.
     """
-    best, best_bytes = None, total_boundary_bytes(dag, stage, k)
-    threshold = best_bytes - slack(best_bytes)
+    best, best_sent = None, sent
     for order in orders:
-        pins = _corridor(dag, stage, j, order, bound)
+        pins = _corridor_pins(g, stages, j, order, budgets)
         if pins is None:
             continue
-        candidate = _Boundary(dag, stage, j, *pins).best_move()
-        sent = total_boundary_bytes(dag, candidate, k)
-        if sent < threshold and sent < best_bytes and _within(dag, candidate, j, k, bound):
-            best, best_bytes = candidate, sent
-    return best
+        candidate = _Corridor(g, stages, j, *pins, groups, group_of).best_move()
+        if candidate is None or not budgets.within(candidate, j, k):
+            continue
+        values = g.with_producers(np.flatnonzero(candidate != stages))
+        candidate_sent = sent + g.bytes_across(candidate, j, values) - g.bytes_across(stages, j, values)
+        if candidate_sent < best_sent - slack(best_sent) and candidate_sent < best_sent:
+            best, best_sent = candidate, candidate_sent
+    return None if best is None else (best, best_sent)
+
+
+def _disjoint(groups: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Overlapping groups merged (they must share one stage too), so each node has one group."""
+    parent: dict[int, int] = {}
+
+    def root(v: int) -> int:
+        while parent.setdefault(v, v) != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    for members in groups:
+        first = root(int(members[0]))
+        for v in members[1:].tolist():
+            parent[root(v)] = first
+    merged: dict[int, list[int]] = {}
+    for v in parent:
+        merged.setdefault(root(v), []).append(v)
+    return [np.array(sorted(m), dtype=np.int64) for _, m in sorted(merged.items())]
 
 
 def refine(
-    dag: nx.DiGraph, assignment: Assignment, k: int, bound: float, orders: Sequence[Order]
-) -> Assignment:
+    g: IndexedDag,
+    stages: np.ndarray,
+    k: int,
+    budgets: Budgets,
+    orders: Sequence[np.ndarray],
+    frozen: frozenset[int] = frozenset(),
+    groups: Sequence[np.ndarray] = (),
+) -> np.ndarray:
     """Improve a valid partition boundary by boundary until no corridor cut lowers its bytes.
 
-    ``orders`` are topological orders of ``dag`` that define the corridors. The result is
-    valid, keeps every stage within ``bound`` and sends at most as many bytes as the input.
+    ``orders`` are topological orders (index arrays) that define the corridors; boundaries in
+    ``frozen`` stay put and each of ``groups`` moves as one. The result is valid, keeps every
+    stage within ``budgets`` and sends at most as many bytes as the input.
     """
-    stage = {v: assignment[v] for v in program_order(dag)}
+    groups = _disjoint(groups)
+    group_of = {int(v): i for i, members in enumerate(groups) for v in members.tolist()}
+    sent = g.total_bytes(stages, k)
+    dirty = set(range(k - 1)) - frozen
     for _ in range(_MAX_PASSES):
-        improved = False
-        for j in range(k - 1):
-            better = _refine_boundary(dag, stage, j, k, bound, orders)
-            if better is not None:
-                stage, improved = better, True
-        if not improved:
+        if not dirty:
             break
-    return stage
+        for j in sorted(dirty):
+            dirty.discard(j)
+            best = _best_move(g, stages, sent, j, k, budgets, orders, groups, group_of)
+            if best is not None:
+                stages, sent = best
+                dirty.update(i for i in (j - 1, j, j + 1) if 0 <= i < k - 1 and i not in frozen)
+    return stages

@@ -7,7 +7,7 @@ a valid partition (see ``check_partition``); they score, they do not validate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
@@ -20,15 +20,36 @@ Assignment = Mapping[Node, int]
 
 
 @dataclass(frozen=True)
+class SplitInfo:
+    """What is known about a split's quality, kept beside it for plans and reports.
+
+    ``bound`` is the balance budget B the bounded strategies keep (stage j costs at most
+    B x capacity_j; None for strategies without one); ``bottleneck`` is the achieved
+    max_j cost_j / capacity_j; ``boundary_bytes`` counts each value once per boundary it
+    crosses. ``proven_optimal`` is set by ``exact`` (None for heuristics). ``separated`` lists
+    the ``prefer_together`` groups (e.g. tied weights) that ended up in several stages.
+    """
+
+    strategy: str
+    bound: float | None
+    bottleneck: float
+    boundary_bytes: float
+    proven_optimal: bool | None = None
+    separated: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Partition:
     """An assignment of every node to one of ``num_stages`` ordered stages.
 
     ``assignment`` is read-only and iterates in program order when built by ``from_assignment``,
-    so ``stage_nodes`` lists each stage in the order the program runs it.
+    so ``stage_nodes`` lists each stage in the order the program runs it. ``info`` describes
+    how the split was found; it does not take part in equality.
     """
 
     assignment: Mapping[Node, int]
     num_stages: int
+    info: SplitInfo | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "assignment", MappingProxyType(dict(self.assignment)))
@@ -38,13 +59,15 @@ class Partition:
 
     def __reduce__(self) -> tuple:
         """Pickle (and deep-copy) through a plain dict: a mapping proxy cannot be pickled."""
-        return (type(self), (dict(self.assignment), self.num_stages))
+        return (type(self), (dict(self.assignment), self.num_stages, self.info))
 
     @classmethod
-    def from_assignment(cls, dag: nx.DiGraph, assignment: Assignment, num_stages: int) -> Partition:
+    def from_assignment(
+        cls, dag: nx.DiGraph, assignment: Assignment, num_stages: int, info: SplitInfo | None = None
+    ) -> Partition:
         """Validate ``assignment`` against ``dag`` and store it in program order."""
         check_partition(dag, assignment, num_stages)
-        return cls({v: assignment[v] for v in program_order(dag)}, num_stages)
+        return cls({v: assignment[v] for v in program_order(dag)}, num_stages, info)
 
     def stage_of(self, node: Node) -> int:
         return self.assignment[node]

@@ -1,37 +1,64 @@
 """``split_dag``: cut a DAG into k ordered, non-empty stages with a named strategy.
 
-A strategy is a function ``fn(dag, k, tolerance, **options) -> dict[node, int]`` registered
-under a name; its keyword-only parameters are the options it accepts. ``split_dag`` validates
-the graph, k, the tolerance and the option names before calling it, so strategies only split.
+A strategy is a function ``fn(problem, **options)`` registered under a name; ``problem`` is a
+validated ``SplitProblem`` and the function's keyword-only parameters are the options it
+accepts. It returns a ``{node: stage}`` mapping, a stage array indexed like
+``problem.graph.nodes``, or an ``Outcome`` that also says whether the result is proven optimal.
+``split_dag`` validates the graph, k, the tolerance, the constraints and the option names
+first, so strategies only split.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from bisect import bisect_right
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Literal, Mapping, Sequence, overload
 
 import networkx as nx
+import numpy as np
 
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.graph import mincut
-from autoshard.graph.balance import live_bytes_at_cuts, min_bottleneck, min_bytes_partition
+from autoshard.graph.constraints import Constraints, Groups
+from autoshard.graph.indexed import Node
 from autoshard.graph.invariants import check_dag, check_num_stages, is_number
-from autoshard.graph.linearize import ORDERS, Node, Order, is_input, non_inputs, program_order
-from autoshard.graph.partition import bottleneck, total_boundary_bytes
+from autoshard.graph.linearize import INDEX_ORDERS
+from autoshard.graph.partition import SplitInfo
+from autoshard.graph.problem import SplitProblem
 
 Assignment = dict[Node, int]
-StrategyFn = Callable[..., Assignment]
+#: How many of min-cut's order-DP splits are refined (the best few; more costs time for little).
+REFINED_CANDIDATES = 2
 
-_REGISTRY: dict[str, StrategyFn] = {}
+
+@dataclass(frozen=True)
+class Outcome:
+    """A strategy's answer with what it knows about its quality."""
+
+    stages: np.ndarray | Mapping[Node, int]
+    proven_optimal: bool | None = None
 
 
-def register_strategy(name: str, fn: StrategyFn) -> None:
+StrategyFn = Callable[..., "np.ndarray | Mapping[Node, int] | Outcome"]
+
+
+@dataclass(frozen=True)
+class _Strategy:
+    fn: StrategyFn
+    honours_constraints: bool
+
+
+_REGISTRY: dict[str, _Strategy] = {}
+
+
+def register_strategy(name: str, fn: StrategyFn, *, honours_constraints: bool = False) -> None:
     """Make ``fn`` available as ``split_dag(..., strategy=name)``.
 
-    ``fn(dag, k, tolerance, **options)`` gets a validated graph and k and must return a valid
-    partition; its keyword-only parameters are the options ``split_dag`` lets through.
+    ``fn(problem, **options)`` gets a validated ``SplitProblem`` and must return a valid
+    partition; its keyword-only parameters are the options ``split_dag`` lets through. Only a
+    strategy registered with ``honours_constraints=True`` is given hard constraints (it must
+    then respect ``problem.rules`` and ``problem.budgets``); the others refuse them.
     """
     if not isinstance(name, str) or not name:
         raise InvalidArgumentTypeError(f"a strategy name must be a non-empty str, got {name!r}")
@@ -39,7 +66,7 @@ def register_strategy(name: str, fn: StrategyFn) -> None:
         raise InvalidArgumentTypeError(f"strategy {name!r} must be callable, got {fn!r}")
     if name in _REGISTRY:
         raise InvalidArgumentError(f"strategy {name!r} is already registered; pick another name")
-    _REGISTRY[name] = fn
+    _REGISTRY[name] = _Strategy(fn, honours_constraints)
 
 
 def strategies() -> tuple[str, ...]:
@@ -52,20 +79,20 @@ def _options_of(fn: StrategyFn) -> list[str]:
     return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
-def _lookup(strategy: Any, options: dict[str, Any]) -> StrategyFn:
+def _lookup(strategy: Any, options: dict[str, Any]) -> _Strategy:
     if strategy not in _REGISTRY:
         raise InvalidArgumentError(
             f"unknown strategy {strategy!r}; known strategies: {', '.join(strategies())}"
         )
-    fn = _REGISTRY[strategy]
-    accepted = _options_of(fn)
+    entry = _REGISTRY[strategy]
+    accepted = _options_of(entry.fn)
     for name in options:
         if name not in accepted:
             raise InvalidArgumentError(
                 f"strategy {strategy!r} has no option {name!r}; "
                 f"its options: {', '.join(accepted) or 'none'}"
             )
-    return fn
+    return entry
 
 
 def _check_tolerance(tolerance: Any) -> None:
@@ -75,86 +102,108 @@ def _check_tolerance(tolerance: Any) -> None:
         raise InvalidArgumentError(f"tolerance must be finite and >= 0, got {tolerance!r}")
 
 
+@dataclass(frozen=True)
+class SplitResult:
+    """A split (``{node: stage}`` in program order) and what is known about its quality."""
+
+    assignment: Assignment
+    info: SplitInfo
+
+
+@overload
+def split_dag(dag: nx.DiGraph, k: int, strategy: str = ..., tolerance: float = ..., *,
+              return_info: Literal[False] = ..., **options: Any) -> Assignment: ...
+@overload
+def split_dag(dag: nx.DiGraph, k: int, strategy: str = ..., tolerance: float = ..., *,
+              return_info: Literal[True], **options: Any) -> SplitResult: ...
+
+
 def split_dag(
-    dag: nx.DiGraph, k: int, strategy: str = "min-cut", tolerance: float = 0.02, **options: Any
-) -> dict[Node, int]:
+    dag: nx.DiGraph,
+    k: int,
+    strategy: str = "min-cut",
+    tolerance: float = 0.02,
+    *,
+    cut_before: Collection[Node] = (),
+    together: Groups = (),
+    prefer_together: Groups = (),
+    capacities: Sequence[float] | float | None = None,
+    memory_budgets: Sequence[float] | float | None = None,
+    return_info: bool = False,
+    **options: Any,
+) -> Assignment | SplitResult:
     """Assign every node of ``dag`` to one of k ordered, non-empty stages.
 
-    ``tolerance`` is how far above the best achievable bottleneck (slowest stage) a strategy
-    may go to send fewer bytes between stages; ``options`` go to the strategy (see
-    ``strategies()`` and each strategy's docstring). The result lists nodes in program order.
+    ``tolerance`` is how far above the best achievable bottleneck (slowest stage, relative to
+    its capacity) a strategy may go to send fewer bytes between stages. Constraints (see
+    ``autoshard.graph.constraints``): ``cut_before`` nodes start a stage, ``together`` groups
+    stay in one stage, ``prefer_together`` groups do when the bound allows, ``capacities``
+    are relative stage speeds and ``memory_budgets`` limit each stage's sum of the node
+    attribute ``memory`` (for either, one number applies to every stage). ``options`` go to
+    the strategy (see ``strategies()`` and each strategy's docstring). Returns ``{node: stage}``
+    in program order, or a ``SplitResult`` when ``return_info`` is true.
     """
     check_dag(dag)
     check_num_stages(dag, k)
     _check_tolerance(tolerance)
-    fn = _lookup(strategy, options)
-    assignment = fn(dag, k, float(tolerance), **options)
-    return {v: assignment[v] for v in program_order(dag)}
+    entry = _lookup(strategy, options)
+    constraints = Constraints.build(cut_before, together, prefer_together, capacities, memory_budgets)
+    if constraints.hard() and not entry.honours_constraints:
+        raise InvalidArgumentError(
+            f"strategy {strategy!r} cannot honour {', '.join(constraints.names())}; use one of "
+            f"{', '.join(n for n, e in _REGISTRY.items() if e.honours_constraints)}")
+    problem = SplitProblem(dag, k, float(tolerance), constraints)
+    if entry.honours_constraints and constraints.prefer_together:
+        problem = problem.with_preferences()
+    outcome = entry.fn(problem, **options)
+    if not isinstance(outcome, Outcome):
+        outcome = Outcome(outcome)
+    stages = outcome.stages
+    if isinstance(stages, Mapping):
+        stages = problem.graph.stages_of(stages)
+    assignment = problem.assignment(np.asarray(stages, dtype=np.int64))
+    if not return_info:
+        return assignment
+    stages = np.asarray(stages, dtype=np.int64)
+    info = SplitInfo(
+        strategy=strategy,
+        bound=problem.bound if entry.honours_constraints else None,
+        bottleneck=problem.bottleneck(stages),
+        boundary_bytes=problem.graph.total_bytes(stages, k),
+        proven_optimal=outcome.proven_optimal,
+        separated=problem.separated(stages),
+    )
+    return SplitResult(assignment, info)
 
 
-def _weights(dag: nx.DiGraph, sequence: Order) -> list[float]:
-    """Node costs along ``sequence``; the first carries the inputs' cost, as stage 0 does."""
-    weights = [float(dag.nodes[v]["cost"]) for v in sequence]
-    weights[0] += sum(float(dag.nodes[v]["cost"]) for v in dag.nodes if is_input(dag, v))
-    return weights
+# -- strategies ------------------------------------------------------------------------------
 
 
-def _from_cuts(dag: nx.DiGraph, order: Order, cuts: Sequence[int]) -> Assignment:
-    """Stage per node when the non-input sequence of ``order`` is cut before each position."""
-    assignment = dict.fromkeys(order, 0)
-    for i, v in enumerate(non_inputs(dag, order)):
-        assignment[v] = bisect_right(cuts, i)
-    return assignment
-
-
-def _bound(dag: nx.DiGraph, k: int, tolerance: float) -> float:
-    """The stage-cost budget: (1 + tolerance) x the best bottleneck over program order."""
-    sequence = non_inputs(dag, program_order(dag))
-    return (1.0 + tolerance) * min_bottleneck(_weights(dag, sequence), k)
-
-
-def _dp_split(dag: nx.DiGraph, order: Order, k: int, bound: float) -> Assignment:
-    """The contiguous split of ``order`` with the fewest boundary bytes within ``bound``."""
-    sequence = non_inputs(dag, order)
-    live = live_bytes_at_cuts(dag, order)
-    return _from_cuts(dag, order, min_bytes_partition(_weights(dag, sequence), live, k, bound))
-
-
-def fixed_order(dag: nx.DiGraph, k: int, tolerance: float) -> Assignment:
+def fixed_order(problem: SplitProblem) -> np.ndarray:
     """The fixed-order optimum: contiguous stages of program order.
 
-    Among the splits whose every stage costs at most (1 + tolerance) x the best bottleneck of
+    Among the splits whose every stage fits the budget (1 + tolerance) x the best bottleneck of
     program order, the one sending the fewest bytes between stages. No options.
     """
-    return _dp_split(dag, program_order(dag), k, _bound(dag, k, tolerance))
+    return problem.dp_split(problem.graph.program())
 
 
 def _check_orders(orders: Any) -> None:
     if isinstance(orders, str) or not isinstance(orders, Sequence):
         raise InvalidArgumentTypeError(f"orders must be a list of order names, got {orders!r}")
     for name in orders:
-        if name not in ORDERS:
+        if name not in INDEX_ORDERS:
             raise InvalidArgumentError(
-                f"unknown order {name!r}; known orders: {', '.join(ORDERS)}"
+                f"unknown order {name!r}; known orders: {', '.join(INDEX_ORDERS)}"
             )
 
 
-def _fewest_bytes(dag: nx.DiGraph, k: int, candidates: list[Assignment]) -> Assignment:
-    """The candidate sending the fewest bytes, then the lowest bottleneck, then the first."""
-    return min(
-        candidates,
-        key=lambda a: (total_boundary_bytes(dag, a, k), bottleneck(dag, a, k)),
-    )
-
-
 def min_cut(
-    dag: nx.DiGraph,
-    k: int,
-    tolerance: float,
+    problem: SplitProblem,
     *,
     orders: Sequence[str] = ("live-bytes", "dfs"),
     refine: bool = True,
-) -> Assignment:
+) -> np.ndarray:
     """Fewest boundary bytes within the fixed-order budget, searched over several orders.
 
     Runs the fixed-order DP over program order and over each of ``orders`` (names from
@@ -162,35 +211,49 @@ def min_cut(
     ``fixed-order``, and keeps the split sending the fewest bytes (then the lowest bottleneck,
     then the earliest order). If ``refine``, it then moves each boundary to a minimum s-t cut
     inside a balance-safe corridor of each of those orders whenever that sends strictly fewer
-    bytes (see ``mincut``). Program order is always tried first, so the result never sends
-    more bytes than ``fixed-order`` and never exceeds its budget.
+    bytes (see ``mincut``), starting from each of the ``REFINED_CANDIDATES`` best splits (a
+    worse start often refines to a better end). Program order is always tried, so the result
+    never sends more bytes than ``fixed-order`` and never exceeds its budget.
 
     Options: ``orders`` (extra orders to try), ``refine`` (bool, min-cut refinement).
     """
     _check_orders(orders)
     if not isinstance(refine, bool):
         raise InvalidArgumentTypeError(f"refine must be a bool, got {refine!r}")
-    bound = _bound(dag, k, tolerance)
-    tried = [program_order(dag)] + [ORDERS[name](dag) for name in orders]
-    candidates = []
-    for order in tried:
+    g, k = problem.graph, problem.k
+    tried = [g.program()] + [problem.respect_pins(INDEX_ORDERS[name](g)) for name in orders]
+    candidates = [problem.dp_split(tried[0])]  # raises if even program order cannot meet the rules
+    for order in tried[1:]:
         try:
-            candidates.append(_dp_split(dag, order, k, bound))
+            candidates.append(problem.dp_split(order))
         except InfeasibleSplitError:
             continue  # this order cannot meet the program-order budget
-    best = _fewest_bytes(dag, k, candidates)
-    return mincut.refine(dag, best, k, bound, tried) if refine else best
+
+    def fewest_bytes(s: np.ndarray) -> tuple[float, float]:
+        return g.total_bytes(s, k), problem.bottleneck(s)
+
+    candidates.sort(key=fewest_bytes)  # stable: ties keep the order tried
+    if not refine:
+        return candidates[0]
+    rules = problem.rules
+    budgets = mincut.Budgets(g, problem.budgets, rules.memory, rules.memory_budgets)
+    groups = [m for _, m in rules.groups]
+    refined = [mincut.refine(g, s, k, budgets, tried, problem.pinned_boundaries(s), groups)
+               for s in candidates[:REFINED_CANDIDATES]]
+    return min(refined, key=fewest_bytes)
 
 
-def greedy(dag: nx.DiGraph, k: int, tolerance: float) -> Assignment:
+def greedy(problem: SplitProblem) -> np.ndarray:
     """fairscale's rule, kept as a baseline: fill a stage until its cost reaches total / k.
 
     Walks program order and closes the current stage once its running cost reaches total / k.
     To always give exactly k non-empty stages it also closes a stage when the nodes left are
     just enough to give each remaining stage one, and never opens a stage past the k-th (the
-    last one takes the rest). Ignores ``tolerance``; no options.
+    last one takes the rest). Ignores ``tolerance``; no options, no constraints.
     """
-    weights = _weights(dag, non_inputs(dag, program_order(dag)))
+    g, k = problem.graph, problem.k
+    weights = g.cost[g.num_inputs :].tolist()
+    weights[0] += float(g.cost[: g.num_inputs].sum())
     target = sum(weights) / k
     cuts: list[int] = []
     running = 0.0
@@ -200,19 +263,34 @@ def greedy(dag: nx.DiGraph, k: int, tolerance: float) -> Assignment:
         if stages_left and (running >= target or len(weights) - i - 1 == stages_left):
             cuts.append(i + 1)
             running = 0.0
-    return _from_cuts(dag, program_order(dag), cuts)
+    return problem.stages_from_cuts(g.program(), np.array(cuts, dtype=np.int64))
 
 
-def uniform(dag: nx.DiGraph, k: int, tolerance: float) -> Assignment:
+def uniform(problem: SplitProblem) -> np.ndarray:
     """Equal numbers of non-input nodes per stage (sizes differ by at most one), in program order.
 
-    Ignores costs and ``tolerance``; no options.
+    Ignores costs and ``tolerance``; no options, no constraints.
     """
-    n = len(non_inputs(dag, program_order(dag)))
-    return _from_cuts(dag, program_order(dag), [i * n // k for i in range(1, k)])
+    g, k = problem.graph, problem.k
+    n = g.n - g.num_inputs
+    return problem.stages_from_cuts(g.program(), np.array([i * n // k for i in range(1, k)], dtype=np.int64))
 
 
-register_strategy("min-cut", min_cut)
-register_strategy("fixed-order", fixed_order)
+def _exact(problem: SplitProblem, *, time_limit: float = 30.0) -> Outcome:
+    """The fewest boundary bytes over all ordered partitions within the budget, by MILP.
+
+    Warm-started from ``min-cut`` (whose result is also the fallback), stops after
+    ``time_limit`` seconds with the best split found; ``proven_optimal`` says whether HiGHS
+    proved it optimal. Needs the optional dependency ``highspy`` (``pip install
+    'autoshard[exact]'``). Options: ``time_limit`` (seconds).
+    """
+    from autoshard.graph.exact import solve
+
+    return solve(problem, min_cut, time_limit)
+
+
+register_strategy("min-cut", min_cut, honours_constraints=True)
+register_strategy("fixed-order", fixed_order, honours_constraints=True)
 register_strategy("greedy", greedy)
 register_strategy("uniform", uniform)
+register_strategy("exact", _exact, honours_constraints=True)

@@ -1,21 +1,32 @@
 """Cost models: per-node costs the splitter balances, computed once per DAG and cached.
 
 Each cost model is a function of the program registered by name, so ``cost=params`` in a spec
-or in ``shard_model`` resolves here. Results are cached in the ``PassContext`` under the DAG
-object itself: a pass that provides a new DAG invalidates them for free.
+or in ``shard_model`` resolves here. The built-ins (``params``, ``flops``, ``activations``,
+``memory``, ``time``, ``nodes``; see ``autoshard.costs.models``) read what ``build-dag``,
+``shape-prop`` and ``profile`` recorded on the DAG. A user's ``cost(node) -> float`` works too:
+``shard_model`` registers it for one run only (``use_cost_model``), under a generated name.
+Results are cached in the ``PassContext`` under the DAG object itself: a pass that provides a
+new DAG invalidates them for free.
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Callable
+import math
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
-from autoshard.errors import InvalidArgumentError, PipelineValidationError
+from autoshard.costs.models import DAG_COST_MODELS, DagCostModel
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
 from autoshard.passes.base import PassContext, ShardProgram
 
 CostModel = Callable[[ShardProgram], dict[str, float]]
 
 COST_MODELS: dict[str, CostModel] = {}
+
+_RUN_LOCAL = "cost-model"  # PassContext.analyses key prefix of models registered for one run
 
 
 def register_cost_model(name: str) -> Callable[[CostModel], CostModel]:
@@ -30,25 +41,84 @@ def register_cost_model(name: str) -> Callable[[CostModel], CostModel]:
     return decorate
 
 
-@register_cost_model("params")
-def param_bytes(program: ShardProgram) -> dict[str, float]:
-    """Bytes of the parameters and buffers each node reads (each tensor charged once)."""
-    return {node: float(data["param_bytes"]) for node, data in program.dag.nodes(data=True)}
+def _on_dag(fn: DagCostModel) -> CostModel:
+    return lambda program: fn(program.dag)
 
 
-@register_cost_model("nodes")
-def node_count(program: ShardProgram) -> dict[str, float]:
-    """One per compute node: balances the number of operations per stage."""
-    return {node: 0.0 if data.get("input") else 1.0 for node, data in program.dag.nodes(data=True)}
+for _name, _fn in DAG_COST_MODELS.items():
+    register_cost_model(_name)(_on_dag(_fn))
 
 
-def node_costs(program: ShardProgram, ctx: PassContext, cost: str) -> dict[str, float]:
-    """The per-node costs under the named model, cached for this DAG."""
+@dataclass(frozen=True)
+class CostNode:
+    """What a user's ``cost(node) -> float`` is given: one compute node of the DAG.
+
+    ``flops``, ``output_bytes`` and ``seconds`` are None until ``shape-prop`` / ``profile`` ran;
+    ``attrs`` holds every DAG attribute (see ``autoshard.graph.from_fx``).
+    """
+
+    name: str
+    op: str
+    target: str
+    module: str
+    params: int
+    param_bytes: int
+    output_bytes: float | None
+    flops: int | None
+    seconds: float | None
+    attrs: Mapping[str, Any]
+
+
+def _cost_node(name: str, data: Mapping[str, Any]) -> CostNode:
+    return CostNode(name, data["op"], data["target"], data["module"], data["params"], data["param_bytes"],
+                    float(data["bytes"]) if data.get("value_meta") is not None else None,
+                    data.get("flops"), data.get("seconds"), MappingProxyType(dict(data)))
+
+
+def callable_cost_model(fn: Callable[[CostNode], float]) -> CostModel:
+    """Adapt ``fn(node) -> float`` to a cost model: called once per compute node, inputs cost 0."""
+    if not callable(fn):
+        raise InvalidArgumentTypeError(f"a cost must be a cost model name or a callable, got {fn!r}")
+
+    def model(program: ShardProgram) -> dict[str, float]:
+        costs = {}
+        for node, data in program.dag.nodes(data=True):
+            value = 0.0 if data.get("input") else fn(_cost_node(node, data))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise InvalidArgumentError(
+                    f"the cost function {getattr(fn, '__name__', fn)!r} returned {value!r} for node {node!r}; "
+                    "it must return a finite number >= 0")
+            costs[node] = float(value)
+        return costs
+
+    return model
+
+
+def run_local_name(fn: Callable[..., Any]) -> str:
+    """The name a user's cost function goes by in the pipeline spec: ``custom-<function name>``."""
+    return "custom-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", getattr(fn, "__name__", "")).strip("-") or "cost")
+
+
+def use_cost_model(ctx: PassContext, name: str, model: CostModel) -> None:
+    """Make ``model`` available as ``cost=name`` for the runs that use ``ctx`` only."""
+    ctx.analyses[(_RUN_LOCAL, name)] = model
+
+
+def _lookup(ctx: PassContext, cost: str) -> CostModel:
+    local = ctx.analyses.get((_RUN_LOCAL, cost))
+    if local is not None:
+        return local
     if cost not in COST_MODELS:
         close = difflib.get_close_matches(cost, COST_MODELS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise InvalidArgumentError(
             f"unknown cost model {cost!r}{hint}; known: {', '.join(sorted(COST_MODELS))}")
+    return COST_MODELS[cost]
+
+
+def node_costs(program: ShardProgram, ctx: PassContext, cost: str) -> dict[str, float]:
+    """The per-node costs under the named model, cached for this DAG."""
+    model = _lookup(ctx, cost)
     if program.dag is None:
         raise PipelineValidationError("cost models need a DAG: run build-dag first")
-    return ctx.analysis(("cost", cost, program.dag), lambda: COST_MODELS[cost](program))
+    return ctx.analysis(("cost", cost, program.dag), lambda: model(program))

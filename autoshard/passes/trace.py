@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from autoshard.capture.fx import TraceResult, trace_with_leaves
+from autoshard.capture.fx import trace_with_leaves
+from autoshard.capture.result import TraceResult
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 
-__all__ = ["TracePass", "TraceResult"]
+__all__ = ["TracePass", "TraceResult", "example_call"]
+
+
+def example_call(program: ShardProgram) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example's positional and keyword arguments (none when there is no example)."""
+    inputs = program.example_inputs
+    return (tuple(inputs.args), dict(inputs.kwargs)) if inputs is not None else ((), {})
 
 
 @dataclass(frozen=True)
@@ -18,7 +25,9 @@ class TracePass(Pass):
 
     When tracing fails, the innermost module whose own forward failed becomes a leaf, or, if the
     failure is inside a free function called from a forward, only that call is kept opaque; then
-    tracing is retried. The result lists every wrapped module and function with its error.
+    tracing is retried. With example inputs the model is traced as it was called (non-tensor
+    arguments become constants) and the example runs alongside, so shape and dtype code traces.
+    The result lists every wrapped module and function with its error.
     Example: ``trace,build-dag,linearize,split{stages=4},emit``.
     """
 
@@ -27,4 +36,4 @@ class TracePass(Pass):
     provides: ClassVar[frozenset[str]] = frozenset({"traced"})
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        return dataclasses.replace(program, traced=trace_with_leaves(program.model))
+        return dataclasses.replace(program, traced=trace_with_leaves(program.model, *example_call(program)))

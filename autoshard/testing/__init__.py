@@ -1,7 +1,9 @@
 """A public test kit for splitters: property checks and brute-force oracles.
 
-``autoshard.testing.strategies`` holds hypothesis strategies for contract-satisfying graphs; it
-needs ``hypothesis`` and is therefore not imported here.
+``autoshard.testing.strategies`` holds hypothesis strategies for contract-satisfying graphs and
+``autoshard.testing.modules`` strategies for random ``nn.Module``s built from them; they need
+``hypothesis`` (and torch) and are therefore not imported here. ``autoshard.testing.graphs``
+builds large seeded workload graphs for benchmarks.
 """
 
 from autoshard.testing.properties import (
@@ -9,9 +11,13 @@ from autoshard.testing.properties import (
     all_partitions,
     brute_force_fixed_order_bottleneck,
     brute_force_min_bottleneck,
+    brute_force_constrained,
     brute_force_min_bytes,
+    check_constraints,
     check_splitter,
+    constraint_violations,
     contiguous_partitions,
+    relative_bottleneck,
 )
 
 __all__ = [
@@ -19,7 +25,11 @@ __all__ = [
     "all_partitions",
     "brute_force_fixed_order_bottleneck",
     "brute_force_min_bottleneck",
+    "brute_force_constrained",
     "brute_force_min_bytes",
+    "check_constraints",
     "check_splitter",
+    "constraint_violations",
     "contiguous_partitions",
+    "relative_bottleneck",
 ]

@@ -7,15 +7,19 @@ nodes). They score with ``autoshard.graph.partition`` and judge validity with
 
 from __future__ import annotations
 
+import math
 from itertools import combinations
 from typing import Callable, Hashable, Iterator, Sequence
 
 import networkx as nx
 
 from autoshard.errors import InvalidArgumentError
+from autoshard.graph.constraints import Constraints
 from autoshard.graph.invariants import check_partition
 from autoshard.graph.linearize import is_input, non_inputs, program_order
 from autoshard.graph.partition import bottleneck, total_boundary_bytes
+from autoshard.graph.problem import SplitProblem
+from autoshard.graph.split import split_dag
 
 Assignment = dict[Hashable, int]
 SplitFn = Callable[[nx.DiGraph, int], Assignment]
@@ -108,8 +112,11 @@ def check_splitter(
     Always: the partition is valid (covering, exactly k non-empty stages, ordered, inputs in
     stage 0), ``dag`` is left untouched, and the result is deterministic (same on a second call
     and on a copy of the graph, in the same order). On graphs small enough for brute force:
-    the bottleneck is at least the true optimum over all valid partitions, and, when
-    ``tolerance`` is given, at most (1 + tolerance) x the fixed-order optimum.
+    the bottleneck is at least the true optimum over all valid partitions. When ``tolerance``
+    is given (the splitter promises balance): the bottleneck is at most (1 + tolerance) x the
+    fixed-order optimum, and the boundary bytes are no more than the fewest any contiguous
+    split of program order sends within that bound (by brute force on small graphs, else as
+    the library's ``fixed-order`` strategy finds them).
 
     The order-based splitters promise no more than that: the optimum over all partitions can be
     lower than any split of one order (independent nodes of cost 3, 3, 2, 2 in k=2 stages:
@@ -124,14 +131,71 @@ def check_splitter(
         raise AssertionError(f"invalid partition {result}: {err}") from err
     for again in (split_fn(dag, k), split_fn(dag.copy(), k)):
         assert list(again.items()) == list(result.items()), f"not deterministic: {result} vs {again}"
-    if len(non_inputs(dag, program_order(dag))) <= BRUTE_FORCE_MAX_NODES:
-        _check_optimality(dag, k, bottleneck(dag, result, k), tolerance)
+    small = len(non_inputs(dag, program_order(dag))) <= BRUTE_FORCE_MAX_NODES
+    achieved = bottleneck(dag, result, k)
+    if small:
+        best = brute_force_min_bottleneck(dag, k)
+        assert at_most(best, achieved), f"bottleneck {achieved} beats the brute-force optimum {best}"
+    if tolerance is not None:
+        _check_bounded(dag, k, result, tolerance, small)
     return result
 
 
-def _check_optimality(dag: nx.DiGraph, k: int, achieved: float, tolerance: float | None) -> None:
-    best = brute_force_min_bottleneck(dag, k)
-    assert at_most(best, achieved), f"bottleneck {achieved} beats the brute-force optimum {best}"
-    if tolerance is not None:
+def _check_bounded(dag: nx.DiGraph, k: int, result: Assignment, tolerance: float, small: bool) -> None:
+    """The bottleneck within the tolerance, and no more bytes than the fixed-order optimum."""
+    if small:
         limit = (1 + tolerance) * brute_force_fixed_order_bottleneck(dag, k)
-        assert at_most(achieved, limit), f"bottleneck {achieved} exceeds (1+tol) x optimum {limit}"
+        fewest = brute_force_min_bytes(dag, k, limit)
+    else:
+        reference = split_dag(dag, k, "fixed-order", tolerance, return_info=True)
+        limit, fewest = reference.info.bound, reference.info.boundary_bytes
+    achieved = bottleneck(dag, result, k)
+    assert at_most(achieved, limit), f"bottleneck {achieved} exceeds (1+tol) x optimum {limit}"
+    sent = total_boundary_bytes(dag, result, k)
+    assert at_most(sent, fewest), f"sends {sent} bytes; the fixed-order optimum sends {fewest}"
+
+
+def _problem(dag: nx.DiGraph, k: int, constraints: Constraints, bound: float) -> SplitProblem:
+    return SplitProblem(dag, k, 0.0, constraints, bound=bound)
+
+
+def constraint_violations(
+    dag: nx.DiGraph, assignment: Assignment, k: int, constraints: Constraints = Constraints(),
+    bound: float = math.inf,
+) -> list[str]:
+    """What ``assignment`` breaks: validity, the hard ``constraints``, and stage budgets.
+
+    Stage j may cost at most ``bound`` x capacity_j (and its memory budget); the default bound
+    checks the constraints alone. An empty list means everything holds.
+    """
+    problem = _problem(dag, k, constraints, bound)
+    return problem.violations(problem.graph.stages_of(assignment))
+
+
+def check_constraints(
+    dag: nx.DiGraph, assignment: Assignment, k: int, constraints: Constraints = Constraints(),
+    bound: float = math.inf,
+) -> None:
+    """Assert that ``assignment`` is valid and honours ``constraints`` within ``bound``."""
+    broken = constraint_violations(dag, assignment, k, constraints, bound)
+    assert not broken, f"{assignment} breaks: {'; '.join(broken)}"
+
+
+def relative_bottleneck(dag: nx.DiGraph, assignment: Assignment, k: int, constraints: Constraints) -> float:
+    """max_j cost_j / capacity_j: the bottleneck that capacities make the splitter balance."""
+    problem = _problem(dag, k, constraints, math.inf)
+    return problem.bottleneck(problem.graph.stages_of(assignment))
+
+
+def brute_force_constrained(
+    dag: nx.DiGraph, k: int, constraints: Constraints, *, contiguous: bool, bound: float = math.inf
+) -> list[Assignment]:
+    """Every partition of a small ``dag`` that honours ``constraints`` within ``bound``.
+
+    ``contiguous`` limits the search to splits of program order, as the balance bound of the
+    bounded strategies is defined.
+    """
+    problem = _problem(dag, k, constraints, bound)
+    g = problem.graph
+    candidates = contiguous_partitions(dag, k) if contiguous else all_partitions(dag, k)
+    return [a for a in candidates if not problem.violations(g.stages_of(a))]

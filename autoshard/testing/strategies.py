@@ -10,6 +10,8 @@ from __future__ import annotations
 import networkx as nx
 from hypothesis import strategies as st
 
+from autoshard.graph.constraints import Constraints
+
 #: Node weights: zeros and small integers make ties; powers of ten make heavy tails.
 weights = st.one_of(
     st.just(0.0),
@@ -93,3 +95,71 @@ def split_problems(
     dag = draw(graphs if graphs is not None else dags())
     splittable = sum(1 for v in dag.nodes if not dag.nodes[v].get("input", False))
     return dag, draw(st.integers(1, max(1, min(max_stages, splittable))))
+
+
+def _motif(draw: st.DrawFn, dag: nx.DiGraph, names: list[str], room: int, flags: bool) -> None:
+    """Append one motif after the last node: a chain, diamond, long skip, fan-out or fan-in."""
+    tail = names[-1]
+
+    def add(reads: list[str]) -> str:
+        name = f"v{sum(1 for n in names if n.startswith('v'))}"
+        _add_node(draw, dag, name, flags)
+        dag.add_edges_from((r, name) for r in dict.fromkeys(reads))
+        names.append(name)
+        return name
+
+    kind = draw(st.sampled_from(["chain", "diamond", "skip", "fan-out", "fan-in"]))
+    if kind == "chain":
+        for _ in range(min(room, draw(st.integers(1, 3)))):
+            add([names[-1]])
+    elif kind == "diamond" and room >= 3:
+        ends = [add([tail]) for _ in range(min(room - 1, draw(st.integers(2, 3))))]
+        add(ends)
+    elif kind == "fan-out" and room >= 2:
+        for _ in range(min(room, draw(st.integers(2, 4)))):
+            add([tail])  # one value, many readers
+    elif kind == "fan-in":
+        add([tail, *draw(st.lists(st.sampled_from(names), min_size=1, max_size=3))])
+    else:  # a long skip: read the tail and the oldest node
+        add([tail, names[0]])
+
+
+@st.composite
+def shaped_dags(draw: st.DrawFn, max_nodes: int = 8, flags: bool = True) -> nx.DiGraph:
+    """Motifs in sequence: chains, diamonds, long skips, fan-out (one value, many readers), fan-in.
+
+    Built from one source (an input when ``flags``) with at most ``max_nodes`` non-input
+    nodes; weights include zeros and heavy tails.
+    """
+    dag = nx.DiGraph()
+    inputs = _add_inputs(draw, dag, 1) if flags else []
+    _add_node(draw, dag, "v0", flags)
+    dag.add_edges_from((i, "v0") for i in inputs)
+    names = [*inputs, "v0"]
+    while len(names) - len(inputs) < max_nodes and draw(st.booleans()):
+        _motif(draw, dag, names, max_nodes - (len(names) - len(inputs)), flags)
+    return dag
+
+
+@st.composite
+def constrained_problems(
+    draw: st.DrawFn, graphs: st.SearchStrategy[nx.DiGraph] | None = None, max_stages: int = 4
+) -> tuple[nx.DiGraph, int, Constraints]:
+    """A graph, k and random constraints: pins, together groups, capacities, memory budgets.
+
+    Many draws are infeasible on purpose, so a test can check that those raise. When memory
+    budgets are drawn, every node gets a ``memory`` attribute.
+    """
+    dag, k = draw(split_problems(graphs, max_stages))
+    computed = [v for v in dag.nodes if not dag.nodes[v].get("input", False)]
+    nodes = list(dag.nodes)
+    cut_before = draw(st.lists(st.sampled_from(computed), max_size=min(2, k - 1), unique=True))
+    group = st.lists(st.sampled_from(nodes), min_size=min(2, len(nodes)), max_size=3, unique=True)
+    together = draw(st.lists(group, max_size=2))
+    capacities = draw(st.none() | st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=k, max_size=k))
+    budgets = None
+    if draw(st.booleans()):
+        for v in nodes:
+            dag.nodes[v]["memory"] = draw(st.integers(0, 4).map(float))
+        budgets = draw(st.lists(st.integers(0, 12).map(float), min_size=k, max_size=k))
+    return dag, k, Constraints.build(cut_before, together, (), capacities, budgets)

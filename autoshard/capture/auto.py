@@ -1,0 +1,63 @@
+"""Choosing a front end: try fx and ``torch.export``, keep the capture with fewer opaque leaves.
+
+Neither front end covers real models alone: fx fails where a forward's own code is untraceable
+and export fails on control flow that reads tensor values, each wrapping leaves where it fails.
+``capture(front_end="auto")`` keeps the capture that wraps fewer modules (then fewer functions),
+preferring fx on a tie; when fx wraps nothing there is nothing to gain, so export is not tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Mapping
+
+from torch import nn
+
+from autoshard.capture.export import export_with_leaves
+from autoshard.capture.fx import trace_with_leaves
+from autoshard.capture.result import TraceResult
+from autoshard.errors import InvalidArgumentError, TraceError
+
+FrontEnd = Literal["auto", "fx", "export"]
+FRONT_ENDS: tuple[str, ...] = ("auto", "fx", "export")
+_CAPTURES = {"fx": trace_with_leaves, "export": export_with_leaves}
+
+
+def _cost(result: TraceResult) -> tuple[int, int]:
+    return len(result.wrapped_modules), len(result.wrapped)
+
+
+def _summary(name: str, result: TraceResult | TraceError) -> str:
+    if isinstance(result, TraceError):
+        return f"{name}: failed ({result})"
+    modules, total = _cost(result)
+    return f"{name}: {modules} modules and {total - modules} functions wrapped"
+
+
+def capture(
+    model: nn.Module,
+    example_args: tuple[Any, ...] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    front_end: str = "auto",
+) -> TraceResult:
+    """Capture ``model`` with the front end asked for; ``auto`` keeps the one with fewer leaves."""
+    if front_end not in FRONT_ENDS:
+        raise InvalidArgumentError(f"unknown front end {front_end!r}; choose one of {', '.join(FRONT_ENDS)}")
+    if front_end != "auto":
+        return _CAPTURES[front_end](model, example_args, example_kwargs)
+    has_examples = bool(example_args or example_kwargs)
+    tried: dict[str, TraceResult | TraceError] = {}
+    for name in ("fx", "export") if has_examples else ("fx",):
+        try:
+            tried[name] = _CAPTURES[name](model, example_args, example_kwargs)
+        except TraceError as exc:
+            tried[name] = exc
+        if isinstance(tried[name], TraceResult) and not tried[name].wrapped:
+            break
+    captured = [r for r in tried.values() if isinstance(r, TraceResult)]
+    considered = tuple(_summary(name, r) for name, r in tried.items())
+    if not captured:
+        hint = "" if has_examples else "; pass example inputs so the 'export' front end can be tried too"
+        raise TraceError(f"no front end could capture {type(model).__name__}: {'; '.join(considered)}{hint}")
+    best = min(captured, key=_cost)  # min keeps the first (fx) on a tie
+    return dataclasses.replace(best, considered=considered)

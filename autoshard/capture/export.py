@@ -1,0 +1,176 @@
+"""The ``torch.export`` front end, with the same leaf detection by trial capture as fx.
+
+``torch.export`` (non-strict) runs the model's Python with fake tensors, so it goes through the
+top-level forwards fx cannot trace (mask builders, input checks, shape arithmetic); it fails on
+control flow that reads tensor values. On a failure the innermost module (or the free function a
+forward called) on the failing stack is kept opaque (``autoshard.capture.opaque``) and the export
+retried.
+
+Every dimension of every tensor input is exported as dynamic (``Dim.AUTO``), so the graph serves
+other batch sizes and sequence lengths; where the model pins a size (a fixed image size, a
+position table's length) the graph's input guard names the shapes it serves and refuses others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.export import Dim
+from torch.utils._pytree import tree_map, tree_unflatten
+from torch.utils._sympy.numbers import int_oo
+
+from autoshard.capture.assemble import assemble, leaves_of, resolve
+from autoshard.capture.eager import cloned, isolated
+from autoshard.capture.guard import DimSpec, InputGuard
+from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
+from autoshard.capture.opaque import CALLS, rewrite_opaque_calls, stand_in
+from autoshard.capture.result import TraceResult
+from autoshard.capture.signature import MODEL_ATTR, CallSignature
+from autoshard.errors import InvalidArgumentError
+
+__all__ = ["export_with_leaves"]
+
+
+@contextlib.contextmanager
+def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]]) -> Iterator[None]:
+    """Route each leaf's forward through an opaque stand-in while exporting; restore it after."""
+    saved = [(m, m.__dict__.get("forward")) for m, _ in leaves.values()]
+    try:
+        for module, path in leaves.values():
+            module.forward = stand_in(module, module.forward, path)
+        yield
+    finally:
+        for module, forward in saved:
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+
+
+#: Loggers that report what the input guard and the wrapped leaves already say.
+_NOISY_LOGS = ("torch.fx.experimental.symbolic_shapes", "torch._export.non_strict_utils")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence what a failing trial export prints (its partial graph, symbol warnings): failures
+    are expected here, and the one that matters is reported in the wrapped leaf's reason."""
+    logs = [logging.getLogger(name) for name in _NOISY_LOGS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+def _dynamic(value: Any) -> Any:
+    """Every dimension of every tensor in ``value`` left for export to keep generic."""
+    return tree_map(lambda v: {i: Dim.AUTO for i in range(v.dim())} if isinstance(v, torch.Tensor) else None,
+                    value)
+
+
+def _dim_spec(size: Any, ranges: Mapping[Any, Any]) -> DimSpec:
+    if not isinstance(size, torch.SymInt):
+        return DimSpec(size=int(size))
+    expr = size.node.expr
+    if expr.is_number:
+        return DimSpec(size=int(expr))
+    bounds = ranges.get(expr)
+    low = _finite(bounds.lower) if bounds is not None else None
+    high = _finite(bounds.upper) if bounds is not None else None
+    # torch.export reports a lower bound of 2 for sizes it keeps generic but still serves 0 and 1.
+    return DimSpec(symbol=str(expr), low=low if low is not None and low > 2 else 0, high=high)
+
+
+def _finite(bound: Any) -> int | None:
+    return None if bound in (int_oo, -int_oo) or not bound.is_finite else int(bound)
+
+
+def _input_guard(graph: fx.Graph, signature: CallSignature, ranges: Mapping[Any, Any]) -> InputGuard:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    shapes = {}
+    for node, (name, leaf) in zip(placeholders, leaves_of(signature)):
+        value = node.meta.get("val")
+        if leaf is None and isinstance(value, torch.Tensor):
+            shapes[name] = tuple(_dim_spec(s, ranges) for s in value.shape)
+    return signature.guard(shapes)
+
+
+def _pinned(guard: InputGuard) -> tuple[str, ...]:
+    """The input sizes the export fixed, which a generic capture would have kept symbolic."""
+    return tuple(f"{name}.shape[{axis}] == {dim.size}" for name, dims in guard.shapes.items()
+                 for axis, dim in enumerate(dims) if dim.size is not None)
+
+
+def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: nn.Module,
+                  signature: CallSignature) -> tuple[fx.GraphModule, InputGuard]:
+    unlifted = ep.module()
+    graph = unlifted.graph
+    graph._codegen = fx.graph.CodeGen()  # plain arguments: assemble gives the graph its signature
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":  # replaced by the input guard
+            graph.erase_node(node)
+    paths = {id(m): f"{MODEL_ATTR}.{p}" if p else MODEL_ATTR for p, m in model.named_modules()}
+    constants = rewrite_opaque_calls(graph, lambda obj: paths.get(id(obj)))
+    output = next(n for n in graph.nodes if n.op == "output")
+    spec = ep.call_spec.out_spec
+    if spec is not None and not spec.is_leaf():
+        constants["_autoshard_output_spec"] = spec
+        with graph.inserting_before(output):
+            spec_node = graph.create_node("get_attr", "_autoshard_output_spec")
+            output.args = (graph.call_function(tree_unflatten, (list(output.args[0]), spec_node)),)
+    elif spec is not None:
+        output.args = (output.args[0][0],)
+    for node in graph.nodes:  # lifted constants live on the exported module, not on the model
+        if node.op == "get_attr" and node.target not in constants:
+            try:
+                resolve(wrapper, str(node.target))
+            except AttributeError:
+                constants[str(node.target)] = resolve(unlifted, str(node.target))
+    guard = _input_guard(graph, signature, ep.range_constraints)
+    placeholders = iter(leaves_of(signature))
+    input_of = {n: next(placeholders) for n in graph.nodes if n.op == "placeholder"}
+    return assemble(graph, wrapper, model, signature, input_of.__getitem__, guard, constants), guard
+
+
+def export_with_leaves(
+    model: nn.Module,
+    example_args: tuple[Any, ...] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> TraceResult:
+    """Capture ``model`` with ``torch.export``, keeping the fewest, innermost modules or functions opaque."""
+    example_kwargs = dict(example_kwargs or {})
+    if not example_args and not example_kwargs:
+        raise InvalidArgumentError(
+            "the 'export' front end runs the model, so it needs example inputs; pass example_inputs "
+            "(or use the 'trace' front end)")
+    signature = CallSignature.of(model, tuple(example_args), example_kwargs)
+    wrapper = signature.wrapper(model)
+    inputs = {a.name: cloned(a.value) for a in signature.graph_inputs}
+    dynamic = {name: _dynamic(value) for name, value in inputs.items()}
+
+    def attempt(leaves: Leaves) -> torch.export.ExportedProgram:
+        CALLS.clear()
+        stand_ins = [(site, stand_in(site.function, site.function, function_name(site.function)))
+                     for site in leaves.functions]
+        modules = {i: (m, leaves.paths[i]) for i, m in leaves.modules.items()}
+        with _opaque_modules(modules), swapped(stand_ins), isolated(model), _quiet():
+            return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
+
+    try:
+        ep, leaves = capture_with_leaves(model, attempt, "export")
+        gm, guard = _graph_module(ep, wrapper, model, signature)
+    finally:
+        CALLS.clear()
+    return TraceResult(gm, tuple(leaves.wrapped), front_end="export", specialized=_pinned(guard),
+                       input_guard=guard.describe())

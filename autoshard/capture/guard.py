@@ -1,0 +1,113 @@
+"""The check at the start of a captured graph: are these inputs ones the plan was built for?
+
+A capture bakes in the example's constant arguments and, where the front end specialised, some of
+its shapes. Running the plan on other values would be silently wrong, so the graph's first node
+checks every call and raises ``InputMismatchError`` naming what the plan accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from autoshard.errors import InputMismatchError
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    """One dimension of an input: a fixed size, or a named size (shared by the dims that must
+    agree) within ``[low, high]``; ``high`` None is unbounded."""
+
+    size: int | None = None
+    symbol: str = ""
+    low: int = 0
+    high: int | None = None
+
+    def describe(self) -> str:
+        if self.size is not None:
+            return str(self.size)
+        bounds = [f">={self.low}"] if self.low > 0 else []
+        bounds += [f"<={self.high}"] if self.high is not None else []
+        return self.symbol + (" " + ",".join(bounds) if bounds else "")
+
+
+def _same_constant(value: Any, expected: Any) -> bool:
+    if value is expected:
+        return True
+    if type(value) is not type(expected):
+        return False
+    try:
+        return bool(value == expected)
+    except Exception:  # noqa: BLE001 - an object without a usable == is only equal to itself
+        return False
+
+
+@dataclass(frozen=True)
+class InputGuard:
+    """The inputs a captured graph accepts: its argument names, the constants it baked in, the
+    dtype of each tensor input (the capture answered dtype questions from the example), and the
+    shapes it was specialised to (inputs without an entry accept any shape)."""
+
+    names: tuple[str, ...]
+    returns: tuple[str, ...]
+    constants: Mapping[str, Any] = field(default_factory=dict)
+    dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    shapes: Mapping[str, tuple[DimSpec, ...]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        parts = []
+        for name in self.names:
+            if name in self.constants:
+                parts.append(f"{name}={self.constants[name]!r}")
+                continue
+            text = f"{name}: {str(self.dtypes[name]).removeprefix('torch.')}" if name in self.dtypes else name
+            if name in self.shapes:
+                text += f" of shape ({', '.join(d.describe() for d in self.shapes[name])})"
+            parts.append(text)
+        return ", ".join(parts)
+
+    def problem(self, values: Mapping[str, Any]) -> str | None:
+        """What is wrong with ``values`` (argument name -> value), or None if the plan serves them."""
+        for name, expected in self.constants.items():
+            if not _same_constant(values[name], expected):
+                return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}"
+        for name, dtype in self.dtypes.items():
+            value = values[name]
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+                got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+                return f"{name} is {got}, but the plan was captured with {dtype}"
+        sizes: dict[str, int] = {}
+        for name, dims in self.shapes.items():
+            value = values[name]
+            if not isinstance(value, torch.Tensor) or value.dim() != len(dims):
+                return f"{name} is not a {len(dims)}-dimensional tensor"
+            for axis, (size, dim) in enumerate(zip(value.shape, dims)):
+                if dim.size is not None and size != dim.size:
+                    return f"{name}.shape[{axis}] is {size}, but the plan only serves {dim.size}"
+                if dim.size is None and sizes.setdefault(dim.symbol, size) != size:
+                    seen = sizes[dim.symbol]
+                    return f"{name}.shape[{axis}] is {size}, but {dim.symbol} is {seen} elsewhere"
+                if dim.size is None and not (dim.low <= size and (dim.high is None or size <= dim.high)):
+                    return f"{name}.shape[{axis}] is {size}, outside what the plan serves ({dim.describe()})"
+        return None
+
+
+def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
+    """Raise ``InputMismatchError`` unless the plan serves ``values``; return the graph inputs."""
+    named = dict(zip(guard.names, values))
+    problem = guard.problem(named)
+    if problem:
+        raise InputMismatchError(
+            f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
+            "shard the model again with an example like these inputs")
+    return tuple(named[name] for name in guard.returns)
+
+
+def check_condition(actual: Any, expected: bool, condition: str) -> None:
+    """A condition the capture fixed to its example value: refuse inputs that flip it."""
+    if bool(actual) != expected:
+        raise InputMismatchError(
+            f"{condition} is {not expected} for these inputs, but was {expected} when the sharded plan "
+            "was captured; shard the model again with an example input like these")

@@ -1,0 +1,174 @@
+"""Finding what to keep opaque after a failed capture, from the traceback alone.
+
+Both front ends run the model's Python code and fail somewhere inside it. The innermost module of
+the model whose forward is on the failing stack is where the failure is; if the failing frame
+below that forward belongs to a free function the forward called (a mask builder, an input
+check), that function is the smaller thing to keep opaque, and it is found in the forward's
+globals (or a module in them) so it can be swapped for an opaque stand-in while capturing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+import torch
+from torch import nn
+
+from autoshard.capture.result import WrappedLeaf
+from autoshard.errors import TraceError
+
+T = TypeVar("T")
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+#: Frames here are the capture machinery, never a function of the model's to wrap.
+MACHINERY_DIRS = tuple(os.path.join(_TORCH_DIR, sub) for sub in (
+    "fx", "_dynamo", "_export", "export", "_subclasses", "_ops.py", "_library", "_higher_order_ops",
+    "utils", "_prims_common", "_refs", "_decomp", "_meta_registrations.py", "_tensor.py",
+    "overrides.py", "__init__.py", os.path.join("nn", "modules", "module.py"),
+)) + (os.path.dirname(os.path.abspath(__file__)),)
+
+
+@dataclass(frozen=True)
+class FunctionSite:
+    """Where a forward finds a free function: ``namespace[attr]``."""
+
+    namespace: dict[str, Any]
+    attr: str
+
+    @property
+    def function(self) -> Callable[..., Any]:
+        return self.namespace[self.attr]
+
+    def same(self, other: "FunctionSite") -> bool:
+        return self.namespace is other.namespace and self.attr == other.attr
+
+
+def reason(exc: BaseException) -> str:
+    """The error's first line and the model's line of code that raised it."""
+    text = str(exc).strip().splitlines()
+    where = [f for link in _chain(exc) for f in _frames(link.__traceback__)
+             if not f.f_code.co_filename.startswith(MACHINERY_DIRS)]
+    at = f" (at {os.path.basename(where[-1].f_code.co_filename)}:{where[-1].f_lineno})" if where else ""
+    return f"{type(exc).__name__}: {text[0] if text else ''}{at}"
+
+
+def module_paths(model: nn.Module) -> dict[int, str]:
+    """``id(module) -> qualified name`` (the first name of a module reachable under several)."""
+    return {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
+
+
+def _frames(tb: types.TracebackType | None) -> list[types.FrameType]:
+    frames: list[types.FrameType] = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from (a front end may re-raise its own error)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def innermost_module(exc: BaseException, modules: dict[int, str]) -> nn.Module | None:
+    """The innermost module among ``modules`` whose code is on the failing stack."""
+    for link in _chain(exc):
+        owners = [f.f_locals.get("self") for f in _frames(link.__traceback__)]
+        found = [m for m in owners if isinstance(m, nn.Module) and id(m) in modules]
+        if found:
+            return found[-1]
+    return None
+
+
+def _find_callable(frame: types.FrameType, code: types.CodeType) -> FunctionSite | None:
+    modules = [v for v in list(frame.f_globals.values()) if isinstance(v, types.ModuleType)]
+    namespaces = [frame.f_globals] + [m.__dict__ for m in modules]
+    for namespace in namespaces:
+        for attr, value in list(namespace.items()):
+            if isinstance(value, types.FunctionType) and value.__code__ is code:
+                return FunctionSite(namespace, attr)
+    return None
+
+
+def failing_function(exc: BaseException, module: nn.Module) -> FunctionSite | None:
+    """The free function called from ``module``'s forward in which the capture failed, if any."""
+    for link in _chain(exc):
+        frames = _frames(link.__traceback__)
+        owner = max((i for i, f in enumerate(frames) if f.f_locals.get("self") is module), default=None)
+        if owner is None:
+            continue
+        if owner + 1 >= len(frames) or frames[owner + 1].f_code.co_filename.startswith(MACHINERY_DIRS):
+            return None
+        return _find_callable(frames[owner], frames[owner + 1].f_code)
+    return None
+
+
+def function_name(function: Callable[..., Any]) -> str:
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+@contextlib.contextmanager
+def swapped(sites: Iterable[tuple[FunctionSite, Callable[..., Any]]]) -> Iterator[None]:
+    """Put each stand-in at its site for the duration, restoring the originals afterwards."""
+    sites = list(sites)
+    saved = [(site, site.function) for site, _ in sites]
+    try:
+        for site, stand_in in sites:
+            site.namespace[site.attr] = stand_in
+        yield
+    finally:
+        for site, original in saved:
+            site.namespace[site.attr] = original
+
+
+@dataclass
+class Leaves:
+    """What a trial capture keeps opaque so far: modules (by id) and function sites."""
+
+    model: nn.Module
+    paths: dict[int, str] = field(init=False)
+    modules: dict[int, nn.Module] = field(default_factory=dict)
+    functions: list[FunctionSite] = field(default_factory=list)
+    wrapped: list[WrappedLeaf] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.paths = module_paths(self.model)
+
+    def wrap(self, exc: BaseException, verb: str) -> None:
+        """Keep opaque the smallest thing ``exc`` came from; raise TraceError if that is the model."""
+        failed = innermost_module(exc, self.paths) or self.model
+        site = failing_function(exc, failed)
+        if site is not None and not any(site.same(f) for f in self.functions):
+            self.functions.append(site)
+            self.wrapped.append(WrappedLeaf("function", function_name(site.function), reason(exc)))
+            return
+        if failed is self.model or id(failed) in self.modules:
+            raise TraceError(
+                f"cannot {verb} the top-level forward of {type(self.model).__name__}: {reason(exc)}. "
+                "Code in the top-level forward that cannot be captured is not wrapped (the whole model "
+                "would be one leaf); try the other front end, or move that code into a submodule") from exc
+        self.modules[id(failed)] = failed
+        self.wrapped.append(WrappedLeaf("module", self.paths[id(failed)], reason(exc)))
+
+
+def capture_with_leaves(model: nn.Module, attempt: Callable[[Leaves], T], verb: str) -> tuple[T, Leaves]:
+    """Run ``attempt`` until it succeeds, keeping one more thing opaque after each failure."""
+    leaves = Leaves(model)
+    for _ in range(len(leaves.paths) + 64):
+        try:
+            return attempt(leaves), leaves
+        except TraceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure is a reason to wrap something
+            leaves.wrap(exc, verb)
+    raise TraceError(f"gave up: could not {verb} {type(model).__name__} after wrapping {len(leaves.wrapped)} "
+                     "modules and functions")

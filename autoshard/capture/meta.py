@@ -1,0 +1,326 @@
+"""An fx tracer that runs the example alongside, so shape and dtype code traces.
+
+Plain fx fails on code every real model has: ``(*x.shape[:-1], -1, d)`` (a Proxy cannot be
+iterated), ``if mask.dtype == torch.bool`` (a Proxy cannot be a condition), a config passed to a
+helper (fx rebuilds dataclasses from their fields and loses private settings). With the example
+value of every node at hand, the tracer answers what does not change between calls and keeps the
+rest symbolic:
+
+* ``dtype``, ``device``, ``ndim``, ``dim()`` come from the example; ``x.shape`` iterates as one
+  symbolic size per dimension, so sizes stay symbolic and the graph serves other shapes;
+* a condition computed from sizes alone (``if seq_len > 1``) takes its example value, and a guard
+  node in the graph refuses later inputs that would flip it (``InputMismatchError``);
+* conditions on tensor *values* still fail, which is what makes a module or function a leaf;
+* objects without proxies inside (configs) are kept as constants, never rebuilt; a dataclass
+  with proxies inside (a ``ModelOutput``) is rebuilt as its own type.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import dis
+import functools
+import inspect
+import os
+import traceback
+import types
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.fx as fx
+import torch.fx._symbolic_trace as fx_trace
+from torch import nn
+
+from autoshard.capture.assemble import resolve
+from autoshard.capture.guard import check_condition
+from autoshard.capture.leaves import MACHINERY_DIRS
+
+EXAMPLE = "autoshard_example"
+_DATA_FREE = "autoshard_data_free"
+_MISSING = object()
+
+#: Tensor facts that do not change from one call to the next, answered from the example.
+_STATIC_FACTS = frozenset({
+    "dtype", "device", "ndim", "layout", "is_cuda", "is_sparse", "is_quantized", "is_meta",
+    "dim", "ndimension", "is_floating_point", "is_complex", "element_size", "is_nested",
+})
+_STATIC_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex})
+#: Reading these yields sizes, not tensor values.
+_SIZE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension"})
+_SIZE_ATTRS = frozenset({"shape", "ndim", "dtype", "device"})
+#: Opaque results used as their example value (an int may be a size, so it stays symbolic).
+_GUARDED_RESULTS = (bool, str, type(None))
+
+
+def example_of(proxy: fx.Proxy) -> Any:
+    return proxy.node.meta.get(EXAMPLE, _MISSING)
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """Lift fx's patches on ``nn.Module`` while running an example, so the run adds no nodes."""
+    patched = (nn.Module.__call__, nn.Module.__getattr__, fx_trace._is_fx_tracing_flag)
+    nn.Module.__call__, nn.Module.__getattr__ = fx_trace._orig_module_call, fx_trace._orig_module_getattr
+    fx_trace._is_fx_tracing_flag = False
+    try:
+        yield
+    finally:
+        nn.Module.__call__, nn.Module.__getattr__, fx_trace._is_fx_tracing_flag = patched
+
+
+def _runs_model_code(node: fx.Node) -> bool:
+    """Whether running the node may reach into modules (a leaf, an attribute, a wrapped function)."""
+    if node.op in ("call_module", "get_attr"):
+        return True
+    target = node.target
+    return node.op == "call_function" and isinstance(target, types.FunctionType) and \
+        not target.__module__.startswith("torch")
+
+
+class MetaProxy(fx.Proxy):
+    """A proxy that answers static tensor facts and iterates over sizes from its example."""
+
+    @classmethod
+    def __torch_function__(cls, orig_method: Any, types: tuple, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if orig_method in _STATIC_FUNCTIONS and args and isinstance(args[0], fx.Proxy):
+            example = example_of(args[0])
+            if isinstance(example, torch.Tensor):
+                args[0].tracer.read_static_facts = True
+                return orig_method(example)
+        return super().__torch_function__(orig_method, types, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        example = example_of(self)
+        if isinstance(example, torch.Tensor) and name in _STATIC_FACTS:
+            self.tracer.read_static_facts = True
+            return getattr(example, name)
+        return MetaAttribute(self, name)
+
+    def __len__(self) -> int:
+        example = example_of(self)
+        if isinstance(example, torch.Size):
+            return len(example)
+        return super().__len__()
+
+    def __iter__(self) -> Iterator[fx.Proxy]:
+        # fx's own rule (``a, b = proxy`` unpacks as many as the code asks for), with the
+        # disassembly cached: fx disassembles the whole caller on every unpacking.
+        caller = inspect.currentframe().f_back  # type: ignore[union-attr]
+        count = _unpack_count(caller.f_code, caller.f_lasti)  # type: ignore[union-attr]
+        if count is not None:
+            return (self[i] for i in range(count))
+        return self.tracer.iter(self)
+
+
+@functools.lru_cache(maxsize=None)
+def _instructions(code: types.CodeType) -> tuple[list[int], list[tuple[str, Any]]]:
+    """Offsets and ``(opname, argval)`` of ``code``'s instructions, disassembled once."""
+    found = list(dis.get_instructions(code))
+    return [i.offset for i in found], [(i.opname, i.argval) for i in found]
+
+
+def _unpack_count(code: types.CodeType, last: int) -> int | None:
+    """How many values the instruction running at offset ``last`` unpacks, if it unpacks."""
+    offsets, ops = _instructions(code)
+    index = bisect.bisect_left(offsets, last)
+    if index < len(ops) and ops[index][0] == "UNPACK_SEQUENCE":
+        return int(ops[index][1])
+    return None
+
+
+class MetaAttribute(fx.proxy.Attribute, MetaProxy):
+    """``proxy.attr``: created lazily like fx's Attribute, with MetaProxy's answers."""
+
+
+def _user_condition() -> str:
+    """``the condition at file:line (`source`)`` for the innermost frame of the model's code."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(MACHINERY_DIRS):
+            source = (frame.line or "").strip().split("  # ")[0]
+            return f"the condition at {os.path.basename(frame.filename)}:{frame.lineno} (`{source}`)"
+    return "a condition in the model's code"
+
+
+def has_proxy(value: Any) -> bool:
+    """Whether a Proxy hides anywhere in ``value`` (containers, dataclass fields, slices)."""
+    if isinstance(value, fx.Proxy):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(has_proxy(v) for v in value)
+    if isinstance(value, dict):
+        return any(has_proxy(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(has_proxy(getattr(value, f.name, None)) for f in dataclasses.fields(value))
+    if isinstance(value, slice):
+        return any(has_proxy(v) for v in (value.start, value.stop, value.step))
+    return False
+
+
+class _Weights:
+    """A root's parameters and buffers: ``id -> first qualified name``, and ``name -> tensor``."""
+
+    def __init__(self, parameters: list[tuple[str, torch.Tensor]],
+                 buffers: list[tuple[str, torch.Tensor]]) -> None:
+        self.parameter_names = {id(t): n for n, t in reversed(parameters)}
+        self.buffer_names = {id(t): n for n, t in reversed(buffers)}
+        self.by_name = dict(parameters + buffers)
+
+
+class MetaTracer(fx.Tracer):
+    """An fx tracer that records every node's example value while tracing (see the module doc).
+
+    ``examples`` maps placeholder names to their example values; None traces without examples,
+    exactly like plain fx apart from keeping constants as constants. ``read_static_facts`` says
+    whether the trace answered a dtype (or other static) question from the examples, which makes
+    the graph valid only for inputs of the example's dtypes.
+    """
+
+    def __init__(self, examples: Mapping[str, Any] | None) -> None:
+        super().__init__()
+        self.examples = examples
+        self.constants: dict[str, Any] = {}
+        self.specialized: list[str] = []
+        self.read_static_facts = False
+        self._weights: _Weights | None = None
+
+    # -- example values -----------------------------------------------------------------------------
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return MetaProxy(node, self)
+
+    def create_node(self, kind: str, target: Any, args: tuple, kwargs: dict, name: str | None = None,
+                    type_expr: Any | None = None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta[_DATA_FREE] = self._data_free(node)
+        if self.examples is not None and kind != "output":
+            try:
+                with _untraced() if _runs_model_code(node) else contextlib.nullcontext(), torch.no_grad():
+                    node.meta[EXAMPLE] = self._run(node)
+            except Exception:  # noqa: BLE001 - no example: the node behaves as in plain fx
+                pass
+        return node
+
+    def _run(self, node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            return self.examples[str(node.target)]
+        if node.op == "get_attr":
+            target = str(node.target)
+            if target in self.constants:
+                return self.constants[target]
+            tensor = self.weights().by_name.get(target)
+            return tensor if tensor is not None else resolve(self.root, target)
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta[EXAMPLE])
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return self.root.get_submodule(str(node.target))(*args, **kwargs)
+
+    @staticmethod
+    def _data_free(node: fx.Node) -> bool:
+        """Whether the node's value depends on sizes and constants only, never on tensor values."""
+        if node.op in ("placeholder", "get_attr", "call_module"):
+            return False
+        if node.op == "call_method" and node.target in _SIZE_METHODS:
+            return True
+        if node.op == "call_function" and node.target is getattr and node.args[1] in _SIZE_ATTRS:
+            return True
+        return all(n.meta.get(_DATA_FREE, False) for n in node.all_input_nodes)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
+        """fx's rule (parameters, and buffers when proxied, become ``get_attr``) with the name
+        looked up in a table built once, where fx scans every parameter on every access."""
+        if not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        weights = self.weights()
+        if isinstance(attr_val, nn.Parameter):
+            name = weights.parameter_names.get(id(attr_val))
+        else:
+            name = weights.buffer_names.get(id(attr_val)) if self.proxy_buffer_attributes else None
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def weights(self) -> "_Weights":
+        """The root's parameters and buffers by name and by object, listed once per trace."""
+        if self._weights is None:
+            with _untraced():
+                self._weights = _Weights(list(self.root.named_parameters()), list(self.root.named_buffers()))
+        return self._weights
+
+    def forget_examples(self, graph: fx.Graph) -> None:
+        """Drop the example values so the graph does not keep the example's activations alive."""
+        for node in graph.nodes:
+            node.meta.pop(EXAMPLE, None)
+            node.meta.pop(_DATA_FREE, None)
+
+    # -- where plain fx gives up ----------------------------------------------------------------------
+    def iter(self, obj: fx.Proxy) -> Any:
+        example = example_of(obj)
+        if isinstance(example, torch.Size):
+            return iter([obj[i] for i in range(len(example))])
+        return super().iter(obj)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        example = example_of(obj)
+        if example is _MISSING or not obj.node.meta.get(_DATA_FREE, False):
+            return super().to_bool(obj)
+        value = bool(example)
+        condition = _user_condition()
+        self.create_proxy("call_function", check_condition, (obj, value, condition), {})
+        self.note(f"{condition} is {value}")
+        return value
+
+    def note(self, specialization: str) -> None:
+        """Record something the trace fixed to the example's value (guarded in the graph)."""
+        if specialization not in self.specialized:
+            self.specialized.append(specialization)
+
+    # -- arguments that are not graph values ------------------------------------------------------
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Proxy):  # the common case, first
+            return a.node
+        if isinstance(a, nn.Module):
+            try:
+                return self.create_node("get_attr", self.path_of_module(a), (), {})
+            except NameError:
+                return self._constant(a)
+        if dataclasses.is_dataclass(a) and not isinstance(a, type):
+            if not has_proxy(a):
+                return self._constant(a)
+            fields = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
+            return self.create_node("call_function", type(a), (), fields)
+        try:
+            return super().create_arg(a)
+        except NotImplementedError:
+            if has_proxy(a):
+                raise
+            return self._constant(a)
+
+    def _constant(self, value: Any) -> fx.Node:
+        for name, known in self.constants.items():
+            if known is value:
+                return self.create_node("get_attr", name, (), {})
+        name = f"_autoshard_constant_{len(self.constants)}"
+        self.constants[name] = value
+        return self.create_node("get_attr", name, (), {})
+
+
+def guard_value(tracer: MetaTracer, proxy: fx.Proxy, what: str) -> Any:
+    """An opaque call's non-tensor example result, guarded; otherwise the proxy itself."""
+    example = example_of(proxy)
+    if example is _MISSING or not isinstance(example, _GUARDED_RESULTS):
+        return proxy
+    condition = f"`{what} == {example!r}`"
+    same = tracer.create_proxy("call_function", _equals, (proxy, example), {})
+    tracer.create_proxy("call_function", check_condition, (same, True, condition), {})
+    tracer.note(f"{what} returned {example!r}")
+    return example
+
+
+def _equals(value: Any, expected: Any) -> bool:
+    return type(value) is type(expected) and value == expected

@@ -1,0 +1,174 @@
+"""Keeping a module or function opaque inside ``torch.export``.
+
+``torch.export`` runs the model's Python with fake tensors, so a module that branches on tensor
+values cannot be captured. While exporting, such a module (or free function) is replaced by a
+stand-in that calls one custom op, ``autoshard::opaque``; the op's fake kernel learns the output
+structure by running the original on zeros of the example's sizes, and maps each output size
+back to the input size it equals, so the graph stays generic in batch and sequence length. After
+export each op node is rewritten into a plain ``call_module`` / ``call_function`` of the
+original, which runs eagerly inside its stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
+
+from autoshard.errors import TraceError
+
+_IDS = itertools.count()
+_TENSOR = object()  # marks where an opaque call's results hold a tensor
+
+
+@dataclass
+class OpaqueCall:
+    """One call of an opaque target during an export: how to rebuild its arguments and results.
+
+    ``target`` is what the graph will call (a module or a function), ``run`` its original code.
+    """
+
+    target: Any
+    run: Callable[..., Any]
+    name: str
+    in_flat: list[Any]
+    in_spec: TreeSpec
+    out_constants: list[Any] = field(default_factory=list)
+    out_spec: TreeSpec | None = None
+
+
+#: Calls made during the export now running, by id; emptied when it ends.
+CALLS: dict[int, OpaqueCall] = {}
+#: Non-zero while a fake kernel runs originals for real: stand-ins inside them call through.
+_RUNNING_FOR_REAL = [0]
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, torch.SymInt)
+
+
+@torch.library.custom_op("autoshard::opaque", mutates_args=())
+def opaque(inputs: list[torch.Tensor], sizes: Sequence[int], call: int) -> list[torch.Tensor]:
+    """Only ever traced: export rewrites every call into the original module or function."""
+    raise TraceError("autoshard::opaque ran outside an export; the capture did not rewrite it")
+
+
+def _hint(size: Any) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _sizes_like(value: int, position: int, rank: int, inputs: Sequence[torch.Tensor], sizes: Sequence[Any],
+                name: str) -> Any:
+    """The input size (symbolic where it is) an output size of ``value`` stands for."""
+    for tensor in inputs:
+        if tensor.dim() == rank and _hint(tensor.shape[position]) == value:
+            return tensor.shape[position]
+    candidates = [*(s for t in inputs for s in t.shape), *sizes]
+    symbolic = {str(s): s for s in candidates if isinstance(s, torch.SymInt) and _hint(s) == value}
+    if len(symbolic) > 1:
+        raise TraceError(
+            f"cannot tell which input size an output size {value} of opaque {name} follows "
+            f"({', '.join(symbolic)} all equal {value} in the example); pass an example whose sizes differ")
+    return next(iter(symbolic.values()), value)
+
+
+@opaque.register_fake
+def _opaque_fake(inputs: list[torch.Tensor], sizes: Sequence[int], call: int) -> list[torch.Tensor]:
+    record = CALLS[call]
+    _RUNNING_FOR_REAL[0] += 1
+    try:
+        result = _run_on_zeros(record, inputs, sizes)
+    finally:
+        _RUNNING_FOR_REAL[0] -= 1
+    flat_out, record.out_spec = tree_flatten(result)
+    record.out_constants = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat_out]
+    return [torch.empty([_sizes_like(size, axis, t.dim(), inputs, sizes, record.name)
+                         for axis, size in enumerate(t.shape)], dtype=t.dtype, device=t.device)
+            for t in flat_out if isinstance(t, torch.Tensor)]
+
+
+def _run_on_zeros(record: OpaqueCall, inputs: list[torch.Tensor], sizes: Sequence[int]) -> Any:
+    """The original's result on real zeros of the example's sizes: its structure and sizes."""
+    with unset_fake_temporarily(), torch.no_grad():
+        tensors = iter(torch.zeros([_hint(s) for s in t.shape], dtype=t.dtype, device=t.device)
+                       for t in inputs)
+        hints = iter(_hint(s) for s in sizes)
+        flat = [next(tensors) if isinstance(v, torch.Tensor) else next(hints) if _is_size(v) else v
+                for v in record.in_flat]
+        args, kwargs = tree_unflatten(flat, record.in_spec)
+        return record.run(*args, **kwargs)
+
+
+def stand_in(target: Any, run: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """A callable that records one ``autoshard::opaque`` op in place of running ``run``."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _RUNNING_FOR_REAL[0]:
+            return run(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        call_id = next(_IDS)
+        CALLS[call_id] = record = OpaqueCall(target, run, name, flat, spec)
+        outputs = iter(torch.ops.autoshard.opaque([v for v in flat if isinstance(v, torch.Tensor)],
+                                                  [v for v in flat if _is_size(v)], call_id))
+        rebuilt = [next(outputs) if c is _TENSOR else c for c in record.out_constants]
+        return tree_unflatten(rebuilt, record.out_spec)
+
+    return call
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors of a nested value, in pytree order (how an opaque op returned them)."""
+    return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def _is_literal(value: Any) -> bool:
+    """Whether fx can write ``value`` into generated code as it is."""
+    if isinstance(value, (tuple, list)):
+        return all(_is_literal(v) for v in value)
+    return isinstance(value, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+                              torch.memory_format))
+
+
+def rewrite_opaque_calls(graph: fx.Graph, module_path: Callable[[Any], str | None]) -> dict[str, Any]:
+    """Replace each ``autoshard::opaque`` node by a call of the original module or function.
+
+    ``module_path(obj)`` is the qualified name of a module of the captured root, or None. Other
+    objects the original is called with are returned as constants, read by ``get_attr``.
+    """
+    constants: dict[str, Any] = {}
+
+    def argument(value: Any) -> Any:
+        if _is_literal(value):
+            return value
+        path = module_path(value)
+        if path is None:
+            path = f"_autoshard_opaque_constant_{len(constants)}"
+            constants[path] = value
+        return graph.create_node("get_attr", path)
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.autoshard.opaque.default:
+            continue
+        tensors, sizes, call_id = node.args
+        record = CALLS[call_id]
+        inputs, size_nodes = iter(tensors), iter(sizes)
+        with graph.inserting_before(node):
+            flat = [next(inputs) if isinstance(v, torch.Tensor) else next(size_nodes) if _is_size(v)
+                    else argument(v) for v in record.in_flat]
+            args, kwargs = tree_unflatten(flat, record.in_spec)
+            path = module_path(record.target)
+            if path is not None:  # create_node: the exported module need not hold the leaf
+                called = graph.create_node("call_module", path, tuple(args), dict(kwargs))
+            else:
+                called = graph.call_function(record.target, tuple(args), dict(kwargs))
+            flat_out = graph.call_function(tensor_leaves, (called,))
+        called.meta = dict(node.meta)
+        flat_out.meta = dict(node.meta)
+        node.replace_all_uses_with(flat_out)
+        graph.erase_node(node)
+    return constants

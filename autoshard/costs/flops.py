@@ -1,0 +1,37 @@
+"""FLOPs per graph node, counted by ``torch.utils.flop_counter`` while the graph runs.
+
+One ``FlopCounterMode`` stays open for the whole run and each node is charged the count it
+added, so the per-node numbers sum exactly to what the counter sees for the whole graph. A leaf
+module (``call_module``) runs whole under the counter, so everything inside it is counted. The
+counter works on real, fake and meta tensors alike: it reads shapes, not values.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoshard.costs.execution import NodeCall
+
+
+class NodeFlopCounter:
+    """Context manager; ``measure(call)`` runs a node and records the FLOPs it added."""
+
+    def __init__(self) -> None:
+        self._counter = FlopCounterMode(display=False)
+        self.per_node: dict[str, int] = {}
+
+    def __enter__(self) -> "NodeFlopCounter":
+        self._counter.__enter__()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._counter.__exit__(kind, exc, tb)
+
+    def measure(self, call: NodeCall) -> Any:
+        before = self._counter.get_total_flops()
+        value = call.run()
+        self.per_node[call.node.name] = int(self._counter.get_total_flops() - before)
+        return value

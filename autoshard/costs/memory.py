@@ -1,0 +1,109 @@
+"""Training memory per stage, for ``cost=memory`` and ``max_memory`` budgets.
+
+The model: a stage holds, for every distinct weight it reads (a shared one once),
+* the weight itself (its bytes),
+* for a trainable parameter, its gradient (same bytes) and the optimizer state
+  (``optimizer_bytes_per_param`` per element; 8 for Adam's two fp32 moments),
+plus the activations kept for backward, approximated by the new memory every node of the stage
+allocates for its output (a view or a pass-through allocates none), times the number of
+microbatches in flight at that stage. Under the 1F1B schedule
+stage j of k holds k - j microbatches (stage 0 the most), capped by ``microbatches`` if set.
+
+The per-node ``memory`` cost charges each weight's state to its first reader and adds the node's
+activations for one microbatch; ``stage_memory`` gives the exact per-stage figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+import networkx as nx
+
+from autoshard.errors import InfeasibleSplitError
+
+
+class Weight(Protocol):
+    """What the model needs of a weight (``graph.from_fx.WeightInfo`` has it)."""
+
+    numel: int
+    nbytes: int
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes of optimizer state per trainable element, and a cap on microbatches in flight."""
+
+    optimizer_bytes_per_param: float = 8.0
+    microbatches: int | None = None
+
+    def in_flight(self, stage: int, num_stages: int) -> int:
+        """Microbatches whose activations stage ``stage`` keeps at once under 1F1B."""
+        count = num_stages - stage
+        return count if self.microbatches is None else min(count, self.microbatches)
+
+    def state_bytes(self, info: Weight) -> float:
+        """Weight + gradient + optimizer state of one weight."""
+        extra = info.nbytes + info.numel * self.optimizer_bytes_per_param if info.trainable else 0.0
+        return float(info.nbytes + extra)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's training memory, split into what it is made of."""
+
+    stage: int
+    state_bytes: float
+    activation_bytes: float
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.state_bytes + self.activation_bytes * self.in_flight
+
+
+def kept_bytes(dag: nx.DiGraph, node: str) -> float:
+    """Bytes ``node`` allocates for its output, kept for backward (model inputs are not)."""
+    data = dag.nodes[node]
+    return 0.0 if data.get("input") else float(data["allocated"])
+
+
+def node_memory(dag: nx.DiGraph, model: MemoryModel = MemoryModel()) -> dict[str, float]:
+    """Per node: the state of the weights it reads first, plus its activations for one microbatch."""
+    infos = dag.graph["weights"]
+    claimed: set[str] = set()
+    costs = {}
+    for node in dag.nodes:
+        fresh = [w for w in dag.nodes[node].get("weights", ()) if w not in claimed]
+        claimed.update(fresh)
+        costs[node] = sum(model.state_bytes(infos[w]) for w in fresh) + kept_bytes(dag, node)
+    return costs
+
+
+def stage_memory(
+    dag: nx.DiGraph, assignment: Mapping[str, int], num_stages: int, model: MemoryModel = MemoryModel(),
+) -> list[StageMemory]:
+    """The training memory of every stage of ``assignment``, shared weights once per stage."""
+    infos = dag.graph["weights"]
+    weights: list[set[str]] = [set() for _ in range(num_stages)]
+    activations = [0.0] * num_stages
+    for node, stage in assignment.items():
+        weights[stage].update(dag.nodes[node].get("weights", ()))
+        activations[stage] += kept_bytes(dag, node)
+    return [
+        StageMemory(j, sum(model.state_bytes(infos[w]) for w in weights[j]), activations[j],
+                    model.in_flight(j, num_stages))
+        for j in range(num_stages)
+    ]
+
+
+def check_memory_budgets(stages: Sequence[StageMemory], max_memory: Sequence[float]) -> None:
+    """Raise ``InfeasibleSplitError`` naming the first stage whose memory exceeds its budget."""
+    for stage, budget in zip(stages, max_memory):
+        if stage.total > budget:
+            raise InfeasibleSplitError(
+                f"stage {stage.stage} needs {stage.total:,.0f} bytes (weights, gradients and optimizer state "
+                f"{stage.state_bytes:,.0f}; activations {stage.activation_bytes:,.0f} x {stage.in_flight} "
+                f"microbatches in flight) but max_memory[{stage.stage}] is {budget:,.0f}: "
+                f"{stage.total - budget:,.0f} bytes short; raise the budget, add stages or lower the batch")

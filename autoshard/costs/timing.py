@@ -1,0 +1,139 @@
+"""Measured time per graph node, and the JSON profile that makes a time-balanced plan repeatable.
+
+Each compute node runs on the real values it receives: a few warm-up runs, then ``repeats``
+timed runs, of which the median counts (robust to a stray slow run). With ``backward`` each run
+also computes the gradients of the node's outputs with respect to its floating-point inputs and
+parameters (``torch.autograd.grad``, so no ``.grad`` of the model is touched). Timings vary from
+run to run; saving them to a profile and loading it later gives exactly the same costs, hence
+exactly the same plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from autoshard import progress
+from autoshard.costs.execution import COMPUTE_OPS, NodeCall, run_graph
+from autoshard.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
+    from autoshard.passes.base import ExampleInputs
+
+SECONDS_KEY = "autoshard_seconds"
+"""``fx.Node.meta`` key under which ``profile`` stores a node's measured seconds."""
+
+PROFILE_FORMAT = "autoshard-time-profile"
+
+
+@dataclass(frozen=True)
+class TimingSettings:
+    """How each node is timed."""
+
+    warmup: int = 2
+    repeats: int = 5
+    backward: bool = False
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.repeats < 1:
+            raise InvalidArgumentError(
+                f"timing needs warmup >= 0 and repeats >= 1, got warmup={self.warmup} repeats={self.repeats}")
+
+
+def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_() if t.is_floating_point() or t.is_complex() else t
+
+
+def _forward_backward(call: NodeCall) -> Any:
+    args, kwargs = tree_map_only(torch.Tensor, _grad_leaf, (call.args, call.kwargs))
+    with torch.enable_grad():
+        out = call.run(args, kwargs)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if call.node.op == "call_module":
+            leaves += [p for p in call.interpreter.fetch_attr(call.node.target).parameters() if p.requires_grad]
+        if outputs and leaves:
+            torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True)
+    return out
+
+
+def _median_seconds(call: NodeCall, settings: TimingSettings) -> float:
+    step = (lambda: _forward_backward(call)) if settings.backward else call.run
+    for _ in range(settings.warmup):
+        step()
+    samples = []
+    for _ in range(settings.repeats):
+        start = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure_node_seconds(
+    gm: fx.GraphModule, inputs: "ExampleInputs", settings: TimingSettings = TimingSettings(), seed: int = 0,
+) -> dict[str, float]:
+    """Median seconds of every compute node of ``gm`` on ``inputs``; draws a progress bar on a terminal."""
+    compute = sum(1 for n in gm.graph.nodes if n.op in COMPUTE_OPS)
+    seconds: dict[str, float] = {}
+    with progress.task("profiling node times", total=compute) as advance:
+        def hook(call: NodeCall) -> Any:
+            value = call.run()
+            if call.node.op in COMPUTE_OPS:
+                seconds[call.node.name] = _median_seconds(call, settings)
+                advance(1)
+            return value
+
+        run_graph(gm, inputs, "real", hook, seed)
+    return seconds
+
+
+def graph_signature(gm: fx.GraphModule) -> str:
+    """A digest of the compute nodes' names, kinds and targets: which graph a profile belongs to."""
+    text = "\n".join(f"{n.name} {n.op} {n.target}" for n in gm.graph.nodes if n.op in COMPUTE_OPS)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TimeProfile:
+    """Seconds per compute node, the settings they were measured with, and the graph's signature."""
+
+    seconds: dict[str, float]
+    settings: TimingSettings
+    graph: str
+    torch_version: str = torch.__version__
+
+    def save(self, path: str | Path) -> None:
+        data = {"format": PROFILE_FORMAT, "version": 1, "graph": self.graph, "torch": self.torch_version,
+                "settings": asdict(self.settings), "seconds": self.seconds}
+        Path(path).write_text(json.dumps(data, indent=1, sort_keys=True))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TimeProfile":
+        try:
+            data = json.loads(Path(path).read_text())
+            if data.get("format") != PROFILE_FORMAT:
+                raise ValueError(f"format is {data.get('format')!r}, not {PROFILE_FORMAT!r}")
+            seconds = {str(k): float(v) for k, v in data["seconds"].items()}
+            return cls(seconds, TimingSettings(**data["settings"]), str(data["graph"]), str(data.get("torch", "")))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InvalidArgumentError(f"cannot read the time profile {str(path)!r}: {exc}") from None
+
+    def check_matches(self, gm: fx.GraphModule, path: str | Path) -> None:
+        """Refuse a profile measured on another graph, naming the nodes that differ."""
+        names = {n.name for n in gm.graph.nodes if n.op in COMPUTE_OPS}
+        if self.graph == graph_signature(gm) and self.seconds.keys() == names:
+            return
+        missing = sorted(names - self.seconds.keys())[:5]
+        extra = sorted(self.seconds.keys() - names)[:5]
+        raise InvalidArgumentError(
+            f"the time profile {str(path)!r} was measured on another graph (graph {self.graph}, this one "
+            f"{graph_signature(gm)}; missing nodes {missing}, unknown nodes {extra}); delete it to measure again")

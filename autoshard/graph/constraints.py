@@ -1,0 +1,216 @@
+"""User constraints on a split, checked against the graph and resolved to node indices.
+
+Five kinds, all in terms of graph nodes (``autoshard.passes.split`` resolves module paths and
+classes to node sets):
+
+* ``cut_before``: nodes at which a stage must start. A cut before ``v`` is a boundary with
+  exactly the nodes before ``v`` in program order on its early side.
+* ``together``: labelled node groups that must sit in one stage (``no_split`` modules).
+* ``prefer_together``: labelled groups kept in one stage when the balance bound allows it
+  (tied weights); the split reports the ones it had to separate.
+* ``capacities``: per-stage relative speeds; stage j's cost / capacity_j is what is balanced.
+* ``memory_budgets``: per-stage limits on the sum of the node attribute ``memory``.
+
+A problem that cannot be met raises ``InfeasibleSplitError`` naming the constraint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Collection, Mapping, Sequence
+
+import numpy as np
+
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.graph.indexed import IndexedDag, Node
+from autoshard.graph.invariants import is_number
+
+#: The node attribute that ``memory_budgets`` limit.
+MEMORY = "memory"
+
+Groups = Mapping[str, Collection[Node]] | Sequence[Collection[Node]]
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What a split must (or should) respect; the empty default constrains nothing."""
+
+    cut_before: tuple[Node, ...] = ()
+    together: Mapping[str, frozenset[Node]] = field(default_factory=dict)
+    prefer_together: Mapping[str, frozenset[Node]] = field(default_factory=dict)
+    capacities: tuple[float, ...] | None = None
+    memory_budgets: tuple[float, ...] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        cut_before: Collection[Node] = (),
+        together: Groups = (),
+        prefer_together: Groups = (),
+        capacities: Sequence[float] | float | None = None,
+        memory_budgets: Sequence[float] | float | None = None,
+    ) -> Constraints:
+        """Normalise user arguments: groups get labels, numbers become float tuples."""
+        return cls(
+            cut_before=_nodes("cut_before", cut_before),
+            together=_groups("together", together),
+            prefer_together=_groups("prefer_together", prefer_together),
+            capacities=None if capacities is None else _numbers("capacities", capacities),
+            memory_budgets=None if memory_budgets is None else _numbers("memory_budgets", memory_budgets),
+        )
+
+    def hard(self) -> bool:
+        """Whether anything restricts the splits a strategy may return."""
+        return bool(self.cut_before or self.together or self.memory_budgets is not None
+                    or self.capacities is not None)
+
+    def names(self) -> list[str]:
+        """The options in force, for error messages."""
+        return [name for name, value in (
+            ("cut_before", self.cut_before), ("together", self.together),
+            ("capacities", self.capacities), ("memory_budgets", self.memory_budgets),
+        ) if value]
+
+    def with_together(self, extra: Mapping[str, frozenset[Node]]) -> Constraints:
+        """These constraints with ``extra`` groups made hard."""
+        return replace(self, together={**self.together, **extra})
+
+
+def _nodes(option: str, nodes: Any) -> tuple[Node, ...]:
+    if isinstance(nodes, (str, bytes)) or not isinstance(nodes, Collection):
+        raise InvalidArgumentTypeError(f"{option} must be a collection of nodes, got {nodes!r}")
+    return tuple(dict.fromkeys(nodes))
+
+
+def _groups(option: str, groups: Any) -> dict[str, frozenset[Node]]:
+    """Labelled groups: a mapping keeps its labels, a list is labelled ``option[i]``."""
+    if isinstance(groups, Mapping):
+        items = [(str(label), members) for label, members in groups.items()]
+    elif isinstance(groups, Sequence) and not isinstance(groups, (str, bytes)):
+        items = [(f"{option}[{i}]", members) for i, members in enumerate(groups)]
+    else:
+        raise InvalidArgumentTypeError(
+            f"{option} must be a list or a {{label: nodes}} mapping of node groups, got {groups!r}")
+    return {label: frozenset(_nodes(f"{option} {label!r}", members)) for label, members in items}
+
+
+def _numbers(option: str, values: Any) -> tuple[float, ...]:
+    """One number per stage, or a single number for every stage."""
+    if is_number(values):
+        values = (values,)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidArgumentTypeError(f"{option} must be a list of numbers, got {values!r}")
+    for i, value in enumerate(values):
+        if not is_number(value) or not math.isfinite(value) or value < 0:
+            raise InvalidArgumentError(f"{option}[{i}] is {value!r}; it must be a finite number >= 0")
+    return tuple(float(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Constraints resolved against one graph, as index arrays.
+
+    ``pins`` are program-order positions in the non-input sequence where a boundary must fall
+    (each the number of non-input nodes before the pinned node); ``groups`` and
+    ``preferences`` are labelled index arrays; ``capacities`` has k entries; ``memory`` (per node) and ``memory_budgets`` are set
+    together or not at all.
+    """
+
+    pins: np.ndarray
+    groups: tuple[tuple[str, np.ndarray], ...]
+    preferences: tuple[tuple[str, np.ndarray], ...]
+    capacities: np.ndarray
+    memory: np.ndarray | None
+    memory_budgets: np.ndarray | None
+
+
+def _position(g: IndexedDag, node: Node, option: str) -> int:
+    if node not in g.index:
+        raise InvalidArgumentError(f"{option}: {node!r} is not a node of the graph")
+    return g.index[node]
+
+
+def _per_stage(option: str, values: tuple[float, ...], k: int) -> np.ndarray:
+    if len(values) == 1:
+        values = values * k
+    if len(values) != k:
+        raise InvalidArgumentError(f"{option} has {len(values)} entries for {k} stages; give one per stage")
+    return np.array(values, dtype=float)
+
+
+def resolve(g: IndexedDag, constraints: Constraints, k: int) -> Rules:
+    """Check ``constraints`` against the graph and k; raise naming the first one that fails."""
+    pins = _pins(g, constraints.cut_before, k)
+    groups = _indexed_groups(g, "together", constraints.together)
+    preferences = _indexed_groups(g, "prefer_together", constraints.prefer_together)
+    _check_pins_against_groups(g, pins, groups)
+    capacities = np.ones(k) if constraints.capacities is None else _per_stage(
+        "capacities", constraints.capacities, k)
+    if np.any(capacities <= 0):
+        raise InvalidArgumentError(f"capacities must be > 0, got {constraints.capacities}")
+    if constraints.memory_budgets is None:
+        return Rules(pins, groups, preferences, capacities, None, None)
+    memory, budgets = g.extra[MEMORY], _per_stage("memory_budgets", constraints.memory_budgets, k)
+    _check_memory(g, memory, budgets, groups)
+    return Rules(pins, groups, preferences, capacities, memory, budgets)
+
+
+def _indexed_groups(
+    g: IndexedDag, option: str, groups: Mapping[str, frozenset[Node]]
+) -> tuple[tuple[str, np.ndarray], ...]:
+    return tuple(
+        (label, np.array(sorted(_position(g, v, f"{option} {label!r}") for v in members), dtype=np.int64))
+        for label, members in groups.items() if members
+    )
+
+
+def _pins(g: IndexedDag, cut_before: tuple[Node, ...], k: int) -> np.ndarray:
+    positions = []
+    for node in cut_before:
+        i = _position(g, node, "cut_before")
+        if i < g.num_inputs:
+            raise InvalidArgumentError(
+                f"cut_before: {node!r} is a model input; inputs always sit in stage 0, so no stage starts there")
+        if i > g.num_inputs:  # a cut before the very first node is where stage 0 starts anyway
+            positions.append(i - g.num_inputs)
+    pins = np.array(sorted(set(positions)), dtype=np.int64)
+    if len(pins) > k - 1:
+        raise InfeasibleSplitError(
+            f"cut_before asks for {len(pins)} boundaries but {k} stages have only {k - 1}; "
+            "ask for more stages or fewer cuts")
+    return pins
+
+
+def _check_pins_against_groups(
+    g: IndexedDag, pins: np.ndarray, groups: tuple[tuple[str, np.ndarray], ...]
+) -> None:
+    for label, members in groups:
+        first = max(int(members[0]) - g.num_inputs, 0)
+        last = int(members[-1]) - g.num_inputs
+        inside = pins[(pins > first) & (pins <= last)]
+        if len(inside):
+            pinned = g.nodes[int(inside[0]) + g.num_inputs]
+            raise InfeasibleSplitError(
+                f"cut_before {pinned!r} falls inside together group {label!r}, which must stay in "
+                "one stage; drop one of the two")
+
+
+def _check_memory(
+    g: IndexedDag, memory: np.ndarray, budgets: np.ndarray, groups: tuple[tuple[str, np.ndarray], ...]
+) -> None:
+    if memory.sum() > budgets.sum() * (1 + 1e-9):
+        raise InfeasibleSplitError(
+            f"memory_budgets sum to {budgets.sum():g} but the nodes need {memory.sum():g} in total")
+    largest = budgets.max()
+    heavy = int(np.argmax(memory))
+    if memory[heavy] > largest * (1 + 1e-9):
+        raise InfeasibleSplitError(
+            f"node {g.nodes[heavy]!r} needs memory {memory[heavy]:g}, more than the largest "
+            f"memory budget {largest:g}")
+    for label, members in groups:
+        need = memory[members].sum()
+        if need > largest * (1 + 1e-9):
+            raise InfeasibleSplitError(
+                f"together group {label!r} needs memory {need:g}, more than the largest memory "
+                f"budget {largest:g}")

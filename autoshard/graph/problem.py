@@ -1,0 +1,201 @@
+"""``SplitProblem``: one validated request (graph, k, tolerance, constraints) and what every
+strategy derives from it: the balance bound, per-order sequences with their limits, scores.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cached_property
+from typing import Mapping
+
+import networkx as nx
+import numpy as np
+
+from autoshard.errors import InfeasibleSplitError
+from autoshard.graph.balance import Line, min_bottleneck_of, min_bytes_cuts, slack
+from autoshard.graph.constraints import MEMORY, Constraints, Rules, resolve
+from autoshard.graph.indexed import IndexedDag, Node
+from autoshard.graph.invariants import check_weights
+
+
+class SplitProblem:
+    """Split ``dag`` into ``k`` stages within ``tolerance`` of the best balance, under constraints.
+
+    ``bound`` is B = (1 + tolerance) x the least achievable max_j cost_j / capacity_j over
+    contiguous splits of program order that meet the hard constraints; stage j may cost at
+    most B x capacity_j. Give ``bound`` to reuse one computed without some constraints.
+    """
+
+    def __init__(
+        self,
+        dag: nx.DiGraph,
+        k: int,
+        tolerance: float,
+        constraints: Constraints = Constraints(),
+        bound: float | None = None,
+    ) -> None:
+        self.dag, self.k, self.tolerance, self.constraints = dag, k, tolerance, constraints
+        attributes = (MEMORY,) if constraints.memory_budgets is not None else ()
+        check_weights(dag, attributes)
+        self.graph = IndexedDag(dag, attributes)
+        self.rules: Rules = resolve(self.graph, constraints, k)
+        if bound is not None:
+            self.__dict__["bound"] = bound
+
+    @cached_property
+    def bound(self) -> float:
+        line = self.line(self.graph.program())
+        try:
+            best = min_bottleneck_of(line)
+        except InfeasibleSplitError:
+            raise InfeasibleSplitError(self._infeasible()) from None
+        return (1.0 + self.tolerance) * best
+
+    def _infeasible(self) -> str:
+        c = self.constraints
+        parts = []
+        if c.cut_before:
+            parts.append(f"cut_before {list(c.cut_before)!r}")
+        if c.together:
+            parts.append(f"together groups {sorted(c.together)!r}")
+        if c.memory_budgets is not None:
+            parts.append(f"memory_budgets {list(c.memory_budgets)!r}")
+        return (f"no split into {self.k} non-empty ordered stages meets {' and '.join(parts)} "
+                "at once; relax one of them or change the number of stages")
+
+    @property
+    def budgets(self) -> np.ndarray:
+        """The cost each stage may reach: bound x capacity."""
+        return self.bound * self.rules.capacities
+
+    # -- sequences -----------------------------------------------------------------------------
+
+    def respect_pins(self, order: np.ndarray) -> np.ndarray:
+        """``order`` reordered (stably) so each pinned prefix of program order comes first.
+
+        A pinned prefix is down-closed, so the result is still topological, and every pin
+        becomes a cut position of it.
+        """
+        g, pins = self.graph, self.rules.pins
+        if not len(pins):
+            return order
+        segment = np.searchsorted(pins, np.arange(g.n) - g.num_inputs, side="right")
+        segment[: g.num_inputs] = 0
+        return order[np.argsort(segment[order], kind="stable")]
+
+    def line(self, order: np.ndarray, groups: tuple[np.ndarray, ...] | None = None) -> Line:
+        """The non-input sequence of ``order`` with this problem's limits on each part.
+
+        ``groups`` (default: the together groups) forbid cuts inside their span along
+        ``order``; the inputs' cost and memory go to the first element, as stage 0 holds them.
+        """
+        g, rules = self.graph, self.rules
+        sequence = order[g.num_inputs :]
+        groups = tuple(m for _, m in rules.groups) if groups is None else groups
+        memory = None
+        if rules.memory is not None:
+            memory = rules.memory[sequence].copy()
+            memory[0] += rules.memory[: g.num_inputs].sum()
+        weights = g.cost[sequence].copy()
+        weights[0] += g.cost[: g.num_inputs].sum()
+        return Line(weights, rules.capacities, rules.pins, self._forbidden(order, groups), memory,
+                    rules.memory_budgets)
+
+    def _forbidden(self, order: np.ndarray, groups: tuple[np.ndarray, ...]) -> np.ndarray:
+        g = self.graph
+        s = g.n - g.num_inputs
+        spans = np.zeros(s + 2, dtype=np.int64)
+        if groups:
+            position = np.empty(g.n, dtype=np.int64)
+            position[order] = np.arange(g.n) - g.num_inputs
+            position[: g.num_inputs] = 0
+            for members in groups:
+                at = position[members]
+                spans[at.min() + 1] += 1
+                spans[at.max() + 1] -= 1
+        return np.cumsum(spans[: s + 1]) > 0
+
+    def stages_from_cuts(self, order: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+        """Stage per node when the non-input sequence of ``order`` is cut before each position."""
+        g = self.graph
+        stages = np.zeros(g.n, dtype=np.int64)
+        sequence = order[g.num_inputs :]
+        stages[sequence] = np.searchsorted(cuts, np.arange(len(sequence)), side="right")
+        return stages
+
+    def dp_split(self, order: np.ndarray) -> np.ndarray:
+        """The contiguous split of ``order`` with the fewest boundary bytes within the budgets."""
+        order = self.respect_pins(order)
+        cuts = min_bytes_cuts(self.line(order), self.graph.live_bytes(order), self.bound)
+        return self.stages_from_cuts(order, cuts)
+
+    def pinned_boundary(self, stages: np.ndarray, pin: int) -> int:
+        """The boundary j whose early side S_j is the prefix that ``pin`` fixes."""
+        return int(stages[: self.graph.num_inputs + pin].max())
+
+    def pinned_boundaries(self, stages: np.ndarray) -> frozenset[int]:
+        """The boundaries of ``stages`` that ``cut_before`` fixes."""
+        return frozenset(self.pinned_boundary(stages, p) for p in self.rules.pins.tolist())
+
+    def violations(self, stages: np.ndarray) -> list[str]:
+        """Every rule ``stages`` breaks: validity, budgets and the hard constraints."""
+        g, k, rules = self.graph, self.k, self.rules
+        found = []
+        if np.any(stages[g.src] > stages[g.dst]):
+            found.append("ordered: an edge runs to an earlier stage")
+        if np.any(stages[: g.num_inputs] != 0) or np.any((stages < 0) | (stages >= k)):
+            found.append("range: inputs must sit in stage 0 and stages in 0..k-1")
+        elif len(np.unique(stages[g.num_inputs :])) != k:
+            found.append("non-empty: some stage holds no non-input node")
+        limits = [("cost", g.cost, self.budgets)]
+        if rules.memory is not None:
+            limits.append(("memory", rules.memory, rules.memory_budgets))
+        for name, weights, budgets in limits:
+            sums = np.bincount(stages, weights=weights, minlength=k)[:k]
+            if np.any(sums > budgets + slack(float(weights.sum()) + float(budgets.sum()))):
+                found.append(f"{name}: a stage exceeds its budget")
+        found += [f"together {label!r}: split over stages" for label, members in rules.groups
+                  if len(np.unique(stages[members])) > 1]
+        ni = g.num_inputs
+        for pin in rules.pins.tolist():
+            if stages[: ni + pin].max() >= stages[ni + pin :].min():
+                found.append(f"cut_before {g.nodes[ni + pin]!r}: no boundary falls there")
+        return found
+
+    def is_valid(self, stages: np.ndarray) -> bool:
+        return not self.violations(stages)
+
+    # -- scores --------------------------------------------------------------------------------
+
+    def bottleneck(self, stages: np.ndarray) -> float:
+        """max_j cost_j / capacity_j: the slowest stage, relative to its speed."""
+        return float((self.graph.stage_costs(stages, self.k) / self.rules.capacities).max())
+
+    def separated(self, stages: np.ndarray) -> tuple[str, ...]:
+        """Labels of ``prefer_together`` groups whose members ended up in several stages."""
+        index = self.graph.index
+        return tuple(
+            label for label, members in self.constraints.prefer_together.items()
+            if len({int(stages[index[v]]) for v in members}) > 1
+        )
+
+    def with_preferences(self) -> SplitProblem:
+        """This problem plus every ``prefer_together`` group the bound can still afford.
+
+        Groups are tried in the order given; each is kept if program order still splits
+        within the bound with it and the groups kept before it. The bound stays the one
+        computed without them.
+        """
+        kept: dict[str, frozenset[Node]] = {}
+        chosen = [m for _, m in self.rules.groups]
+        for label, members in self.rules.preferences:
+            if self.line(self.graph.program(), tuple(chosen + [members])).feasible(self.bound):
+                kept[label] = self.constraints.prefer_together[label]
+                chosen.append(members)
+        stricter = copy.copy(self)
+        stricter.constraints = self.constraints.with_together(kept)
+        stricter.rules = resolve(self.graph, stricter.constraints, self.k)
+        return stricter
+
+    def assignment(self, stages: np.ndarray) -> Mapping[Node, int]:
+        return self.graph.assignment(stages)

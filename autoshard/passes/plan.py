@@ -1,0 +1,36 @@
+"""The ``load-partition`` pass: take the partition from a saved plan instead of splitting."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from autoshard.errors import InvalidArgumentError, PlanError
+from autoshard.graph import Partition
+from autoshard.passes.base import Pass, PassContext, ShardProgram, option
+from autoshard.plan_io import check_fits, read_plan
+
+
+@dataclass(frozen=True)
+class LoadPartitionPass(Pass):
+    """Use the node-to-stage assignment of a plan saved with ``--out`` (or ``save_plan``).
+
+    The plan must have been made for this graph (same nodes and edges) and be a valid split of it;
+    otherwise the error says which. Example: ``trace,build-dag,load-partition{path=plan.json},emit``.
+    """
+
+    name: ClassVar[str] = "load-partition"
+    requires: ClassVar[frozenset[str]] = frozenset({"dag"})
+    provides: ClassVar[frozenset[str]] = frozenset({"partition"})
+
+    path: str = option(help="the plan file (JSON) to read")
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        plan = read_plan(self.path)
+        check_fits(plan, program.dag, self.path)
+        try:
+            partition = Partition.from_assignment(program.dag, plan.assignment(), plan.num_stages)
+        except InvalidArgumentError as exc:
+            raise PlanError(f"plan {self.path} is not a valid split of this model's graph: {exc}") from exc
+        return dataclasses.replace(program, partition=partition)

@@ -1,0 +1,47 @@
+"""The ``profile`` pass: measure each node's time on the example inputs, or load a saved profile."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from autoshard.costs.annotate import annotated_copy
+from autoshard.costs.timing import SECONDS_KEY, TimeProfile, TimingSettings, graph_signature, measure_node_seconds
+from autoshard.passes.base import Pass, PassContext, ShardProgram, option
+
+
+@dataclass(frozen=True)
+class ProfilePass(Pass):
+    """Time every node on the example inputs (warm-up, repeats, median) for ``cost=time``.
+
+    With ``path``, an existing JSON profile there is loaded instead of measuring, and a fresh
+    measurement is saved there, so the same path reproduces a time-balanced plan exactly. A
+    profile of another graph is refused. Shows a progress bar on a terminal.
+    Example: ``trace,shape-prop,profile{path=times.json},build-dag,linearize,split{cost=time},emit``.
+    """
+
+    name: ClassVar[str] = "profile"
+    requires: ClassVar[frozenset[str]] = frozenset({"model", "traced", "example_inputs"})
+    provides: ClassVar[frozenset[str]] = frozenset({"traced"})
+
+    warmup: int = option(2, help="untimed runs of each node first")
+    repeats: int = option(5, help="timed runs of each node; the median counts")
+    backward: bool = option(False, help="time forward and backward, not forward only")
+    path: str | None = option(None, help="JSON profile: loaded if it exists, else written")
+    seed: int = option(0, help="random seed for the runs (dropout)")
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        gm = program.traced.graph_module
+        settings = TimingSettings(self.warmup, self.repeats, self.backward)
+        if self.path is not None and Path(self.path).exists():
+            profile = TimeProfile.load(self.path)
+            profile.check_matches(gm, self.path)
+        else:
+            profile = TimeProfile(measure_node_seconds(gm, program.example_inputs, settings, self.seed),
+                                  settings, graph_signature(gm))
+            if self.path is not None:
+                profile.save(self.path)
+        annotated = annotated_copy(gm, program.model, {SECONDS_KEY: profile.seconds})
+        return dataclasses.replace(program, traced=dataclasses.replace(program.traced, graph_module=annotated))

@@ -1,0 +1,38 @@
+"""The ``shape-prop`` pass: run the traced graph on the example inputs and record, per node,
+its value's structure (tensor shapes, dtypes, bytes, nested tuples/lists/dicts) and FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from autoshard.costs.annotate import annotated_copy
+from autoshard.costs.propagation import FACTS_KEY, propagate
+from autoshard.passes.base import Pass, PassContext, ShardProgram, option
+
+
+@dataclass(frozen=True)
+class ShapePropPass(Pass):
+    """Run the graph on the example inputs; record each value's shape, dtype, bytes and FLOPs.
+
+    With ``mode=auto`` a model or inputs on the meta device run as fake tensors (nothing is
+    allocated, so models larger than memory can be planned); others run for real, which also
+    follows control flow that reads tensor values. ``build-dag`` turns the record into real
+    boundary sizes and lets non-tensor values be recomputed instead of crossing a boundary.
+    Example: ``trace,shape-prop,build-dag,linearize,split{stages=4 cost=flops},emit``.
+    """
+
+    name: ClassVar[str] = "shape-prop"
+    requires: ClassVar[frozenset[str]] = frozenset({"model", "traced", "example_inputs"})
+    provides: ClassVar[frozenset[str]] = frozenset({"traced"})
+
+    mode: Literal["auto", "real", "fake"] = option("auto", help="tensors to run with (auto: fake on meta)")
+    seed: int = option(0, help="random seed for a real run (dropout)")
+
+    def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        traced = program.traced
+        facts = propagate(traced.graph_module, program.example_inputs, self.mode, self.seed)
+        annotated = annotated_copy(traced.graph_module, program.model, {FACTS_KEY: facts})
+        return dataclasses.replace(program, traced=dataclasses.replace(traced, graph_module=annotated))

@@ -1,0 +1,16 @@
+"""Plans as files: a split saved as JSON that a person can read and edit and a program can reuse.
+
+``plan_from_program`` captures a split, ``save_plan`` / ``read_plan`` write and check the file,
+and ``load_plan`` rebuilds the same stages for the model (``autoshard split --plan``).
+"""
+
+from autoshard.plan_io.files import format_plan, plan_from_dict, read_plan, save_plan
+from autoshard.plan_io.from_program import REPORTED_COSTS, plan_from_program, report_costs, versions
+from autoshard.plan_io.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan, module_ancestors
+from autoshard.plan_io.rebuild import check_fits, load_plan, rebuild_pipeline
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "PlanNode", "REPORTED_COSTS", "SavedPlan", "check_fits", "format_plan",
+    "load_plan", "module_ancestors", "plan_from_dict", "plan_from_program", "read_plan", "rebuild_pipeline",
+    "report_costs", "save_plan", "versions",
+]

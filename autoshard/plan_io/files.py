@@ -1,0 +1,176 @@
+"""Plan files: JSON a person can read, edit and diff, checked on every read.
+
+Every complaint names the file and the place in it. A plan is checked against the splitter's
+invariants when it is read, so a hand edit that leaves a stage empty or sends a value backward is
+rejected with the rule it breaks. The ``modules`` section summarises the nodes: an entry that
+disagrees with its nodes is an error, not a second way to move them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from autoshard.capture import WrappedLeaf
+from autoshard.errors import InvalidArgumentError, PlanError
+from autoshard.graph import check_dag, check_partition
+from autoshard.plan_io.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(", ", ": "), ensure_ascii=False)
+
+
+def format_plan(data: Mapping[str, Any]) -> str:
+    """JSON with one line per node, edge, module and boundary: easy to read, edit and diff."""
+    lines = []
+    for key, value in data.items():
+        if isinstance(value, dict) and value and key == "modules":
+            items = [f"  {_compact(k)}: {_compact(v)}" for k, v in value.items()]
+        elif isinstance(value, list) and value and not isinstance(value[0], (int, float)):
+            items = [f"  {_compact(v)}" for v in value]
+        else:
+            lines.append(f" {_compact(key)}: {_compact(value)}")
+            continue
+        opening, closing = ("{", "}") if isinstance(value, dict) else ("[", "]")
+        lines.append(f" {_compact(key)}: {opening}\n" + ",\n".join(items) + f"\n {closing}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def save_plan(plan: SavedPlan, path: str | Path) -> Path:
+    """Write ``plan`` as JSON (deterministic: the same plan gives the same bytes)."""
+    target = Path(path)
+    try:
+        target.write_text(format_plan(plan.to_dict()), encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"cannot write the plan to {str(target)!r}: {exc.strerror or exc}") from exc
+    return target
+
+
+class _Reader:
+    """Typed access to the parsed JSON; every complaint names the file and the place in it."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, where: str, problem: str) -> PlanError:
+        return PlanError(f"plan {self.source}: {where} {problem}")
+
+    def get(self, obj: Any, key: str, kinds: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
+        if not isinstance(obj, dict):
+            raise self.error(where, f"must be a JSON object, got {type(obj).__name__}")
+        if key not in obj:
+            if default is not ...:
+                return default
+            raise self.error(where, f"has no {key!r}")
+        value = obj[key]
+        numeric = kinds in (int, float, (int, float))
+        if not isinstance(value, kinds) or (numeric and isinstance(value, bool)):
+            names = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+            raise self.error(f"{where}.{key}", f"must be {names}, got {value!r}")
+        if numeric and not math.isfinite(value):
+            raise self.error(f"{where}.{key}", f"must be finite, got {value!r}")
+        return value
+
+    def node(self, obj: Any, i: int) -> PlanNode:
+        where = f"nodes[{i}]"
+        number = (int, float)
+        costs = self.get(obj, "costs", dict, where)
+        for model, cost in costs.items():
+            self.get(costs, model, number, f"{where}.costs")
+        return PlanNode(
+            name=self.get(obj, "name", str, where), stage=self.get(obj, "stage", int, where),
+            op=self.get(obj, "op", str, where, ""), target=self.get(obj, "target", str, where, ""),
+            module=self.get(obj, "module", str, where, ""), costs=dict(costs),
+            bytes=float(self.get(obj, "bytes", number, where)),
+            param_bytes=float(self.get(obj, "param_bytes", number, where, 0)),
+            input=self.get(obj, "input", bool, where, False), output=self.get(obj, "output", bool, where, False),
+            value=self.get(obj, "value", dict, where, None),
+        )
+
+    def edge(self, obj: Any, i: int) -> tuple[str, str]:
+        if not (isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, str) for x in obj)):
+            raise self.error(f"edges[{i}]", f"must be a [producer, consumer] pair of node names, got {obj!r}")
+        return obj[0], obj[1]
+
+    def wrapped(self, obj: Any, i: int) -> WrappedLeaf:
+        where = f"wrapped[{i}]"
+        return WrappedLeaf(self.get(obj, "kind", str, where), self.get(obj, "name", str, where),
+                           self.get(obj, "reason", str, where))
+
+
+def plan_from_dict(data: Any, source: str = "<dict>") -> SavedPlan:
+    """Parse and check a plan's JSON content; ``PlanError`` says what is wrong and where."""
+    r = _Reader(source)
+    if r.get(data, "format", str, "the file", None) != FORMAT:
+        raise r.error("the file", f"is not an autoshard plan (no \"format\": \"{FORMAT}\")")
+    version = r.get(data, "format_version", int, "the file")
+    if version != FORMAT_VERSION:
+        raise r.error("format_version", f"is {version}; this autoshard reads version {FORMAT_VERSION}")
+    nodes = tuple(r.node(obj, i) for i, obj in enumerate(r.get(data, "nodes", list, "the file")))
+    plan = SavedPlan(
+        num_stages=r.get(data, "num_stages", int, "the file"),
+        cost_model=r.get(data, "cost_model", str, "the file"),
+        pipeline=r.get(data, "pipeline", str, "the file"),
+        model=r.get(data, "model", str, "the file", ""),
+        versions={str(k): str(v) for k, v in r.get(data, "versions", dict, "the file", {}).items()},
+        nodes=nodes,
+        edges=tuple(r.edge(obj, i) for i, obj in enumerate(r.get(data, "edges", list, "the file"))),
+        wrapped=tuple(r.wrapped(obj, i) for i, obj in enumerate(r.get(data, "wrapped", list, "the file", []))),
+    )
+    _check_consistent(plan, r)
+    _check_modules(plan, r.get(data, "modules", dict, "the file", None), r)
+    return plan
+
+
+def _check_consistent(plan: SavedPlan, r: _Reader) -> None:
+    names = [n.name for n in plan.nodes]
+    duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if duplicate is not None:
+        raise r.error("nodes", f"list {duplicate!r} twice; each node appears once")
+    missing_cost = next((n.name for n in plan.nodes if plan.cost_model not in n.costs), None)
+    if missing_cost is not None:
+        raise r.error(f"node {missing_cost!r}", f"has no cost under the plan's cost model {plan.cost_model!r}")
+    known = set(names)
+    for i, (u, v) in enumerate(plan.edges):
+        if u not in known or v not in known:
+            raise r.error(f"edges[{i}]", f"names {u if u not in known else v!r}, which is not in nodes")
+    try:
+        dag = plan.graph()
+        check_dag(dag)
+        check_partition(dag, plan.assignment(), plan.num_stages)
+    except InvalidArgumentError as exc:
+        raise r.error(
+            "breaks an invariant:", f"{exc}. Edit the nodes' \"stage\" so that every stage "
+            f"0..{plan.num_stages - 1} runs a node and no value flows to an earlier stage",
+        ) from None
+
+
+def _check_modules(plan: SavedPlan, written: dict | None, r: _Reader) -> None:
+    """The ``modules`` section is derived; an entry that disagrees means an edit in the wrong place."""
+    if written is None:
+        return
+    derived = plan.module_stages()
+    for path, stage in written.items():
+        if path in derived and derived[path] != stage:
+            raise r.error(
+                f"modules[{path!r}]", f"says {stage!r} but its nodes are in {derived[path]!r}. `modules` "
+                "summarises `nodes`: move a module by editing the \"stage\" of its nodes (their \"module\" "
+                "starts with it), then update or delete its `modules` entry",
+            )
+
+
+def read_plan(path: str | Path) -> SavedPlan:
+    """Read and check a plan file (``PlanError`` on any problem, naming the place in the file)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"cannot read the plan {source!r}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"plan {source} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
+    return plan_from_dict(data, source)

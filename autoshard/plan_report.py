@@ -1,0 +1,108 @@
+"""The plan report: per stage, its cost under each cost model, the weights it holds, and the
+values it receives and sends with their shape, dtype and bytes; plus the shared (tied) weights
+and the stages that must synchronise their gradients.
+
+Plain frozen data with ``to_dict()`` (JSON-ready), so the CLI, a notebook or a test can render
+it however it likes::
+
+    report = plan_report(sharded)
+    report.stages[1].costs["flops"], report.stages[1].values_in[0].meta.shape
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from autoshard.capture.fx import WrappedLeaf
+from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
+from autoshard.costs.ties import SharedWeight
+from autoshard.sharded import BoundaryValue, ShardedModel, StagePlan
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """One stage of a plan."""
+
+    index: int
+    modules: tuple[str, ...]
+    nodes: int
+    weights: tuple[str, ...]
+    param_count: int
+    param_bytes: int
+    costs: Mapping[str, float]
+    values_in: tuple[BoundaryValue, ...]
+    values_out: tuple[BoundaryValue, ...]
+    memory: StageMemory | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "modules": list(self.modules), "nodes": self.nodes, "weights": list(self.weights),
+            "param_count": self.param_count, "param_bytes": self.param_bytes, "costs": dict(self.costs),
+            "values_in": [v.to_dict() for v in self.values_in], "values_out": [v.to_dict() for v in self.values_out],
+            "memory": None if self.memory is None else {
+                "state_bytes": self.memory.state_bytes, "activation_bytes": self.memory.activation_bytes,
+                "in_flight": self.memory.in_flight, "total": self.memory.total},
+        }
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Every stage's report, the shared weights, the cost models shown and the wrapped leaves."""
+
+    stages: tuple[StageReport, ...]
+    shared_weights: tuple[SharedWeight, ...]
+    cost_models: tuple[str, ...]
+    wrapped: tuple[WrappedLeaf, ...]
+
+    @property
+    def gradient_sync(self) -> tuple[SharedWeight, ...]:
+        """Shared trainable parameters whose stages must sum their gradients."""
+        return tuple(w for w in self.shared_weights if w.needs_gradient_sync)
+
+    def bottleneck(self, cost: str) -> float:
+        """The costliest stage under ``cost``."""
+        return max(stage.costs[cost] for stage in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cost_models": list(self.cost_models),
+            "stages": [s.to_dict() for s in self.stages],
+            "shared_weights": [w.to_dict() for w in self.shared_weights],
+            "wrapped": [{"kind": w.kind, "name": w.name, "reason": w.reason} for w in self.wrapped],
+        }
+
+
+def plan_report(
+    sharded: ShardedModel | StagePlan,
+    extra_costs: Mapping[str, Mapping[str, float]] | None = None,
+    memory: MemoryModel = MemoryModel(),
+) -> PlanReport:
+    """Describe a plan under every cost model its DAG has measurements for.
+
+    ``extra_costs`` adds columns from per-node costs computed elsewhere (a user's cost function,
+    ``node_costs(program, ctx, name)``); they are summed per stage.
+    """
+    plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
+    k = plan.num_stages
+    models = plan.cost_models()
+    per_model = {name: plan.stage_costs(name, memory) for name in models}
+    per_model.update({name: plan.stage_costs(costs) for name, costs in (extra_costs or {}).items()})
+    memories = stage_memory(plan.dag, plan.assignment, k, memory) if "memory" in models else None
+    infos = plan.dag.graph.get("weights", {})
+    stages = []
+    for j in range(k):
+        held = plan.weights(j)
+        stages.append(StageReport(
+            index=j,
+            modules=tuple(plan.modules(j)),
+            nodes=len(plan.stage_nodes(j)),
+            weights=held,
+            param_count=sum(infos[w].numel for w in held if w in infos),
+            param_bytes=plan.param_bytes(j),
+            costs={name: totals[j] for name, totals in per_model.items()},
+            values_in=plan.boundary_values(j - 1) if j > 0 else (),
+            values_out=plan.boundary_values(j) if j < k - 1 else (),
+            memory=memories[j] if memories is not None else None,
+        ))
+    return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped)

@@ -1,0 +1,37 @@
+"""Run a plan: ``torch.distributed.pipelining`` stages, an offload runner, checkpoints, device maps.
+
+autoshard does not bring its own distributed runtime. ``pipeline_stage`` hands one stage to
+PyTorch's ``PipelineStage``, driven by PyTorch's schedules; ``OffloadRunner`` runs every stage in
+turn on one device too small for the model; the rest keeps checkpoints under the model's own names
+and lets a rank build its stage from a model made on the ``meta`` device.
+"""
+
+from autoshard.errors import LaunchError
+from autoshard.runtime.checkpoint import load_stage_state, merge_stage_states, stage_part
+from autoshard.runtime.device_map import device_map, split_modules
+from autoshard.runtime.launch import run_local
+from autoshard.runtime.materialize import materialize_stage
+from autoshard.runtime.offload import OffloadRunner
+from autoshard.runtime.schedule import SCHEDULES, build_schedule, check_world_size, local_stage_indices
+from autoshard.runtime.stage import pipeline_stage
+from autoshard.runtime.ties import SharedParameter, TiedGradients, shared_parameters
+
+__all__ = [
+    "LaunchError",
+    "OffloadRunner",
+    "SCHEDULES",
+    "SharedParameter",
+    "TiedGradients",
+    "build_schedule",
+    "check_world_size",
+    "device_map",
+    "load_stage_state",
+    "local_stage_indices",
+    "materialize_stage",
+    "merge_stage_states",
+    "pipeline_stage",
+    "run_local",
+    "shared_parameters",
+    "split_modules",
+    "stage_part",
+]

@@ -1,0 +1,73 @@
+"""Checkpoints under the original model's names, per stage or whole.
+
+A stage's ``state_dict()`` keys are the model's own keys (stages hold the model's modules under
+their qualified names), so stage checkpoints need no renaming: merging every stage's state gives
+the model's checkpoint, and a stage loads its part of the model's checkpoint by picking its keys.
+A file is opened memory-mapped, so reading one stage's part never pages in the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Sequence, Union
+
+import torch
+from torch import nn
+
+from autoshard.errors import CheckpointMismatchError
+
+Checkpoint = Union[Mapping[str, torch.Tensor], str, "os.PathLike[str]"]
+
+
+def open_checkpoint(checkpoint: Checkpoint) -> Mapping[str, torch.Tensor]:
+    """A state dict: ``checkpoint`` itself, or the file loaded memory-mapped on the CPU."""
+    if isinstance(checkpoint, Mapping):
+        return checkpoint
+    return torch.load(os.fspath(checkpoint), map_location="cpu", mmap=True, weights_only=True)
+
+
+def checked_entry(state: Mapping[str, torch.Tensor], name: str, expected: torch.Tensor,
+                  where: str) -> torch.Tensor:
+    """``state[name]``, refusing a missing entry or one whose shape differs from ``expected``."""
+    if name not in state:
+        raise CheckpointMismatchError(
+            f"{where} needs '{name}', which the checkpoint does not hold; pass the original model's "
+            "state_dict or this stage's own (a non-persistent buffer is never saved: build it on a "
+            "real device rather than on meta)")
+    value = state[name]
+    if tuple(value.shape) != tuple(expected.shape):
+        raise CheckpointMismatchError(
+            f"{where} needs '{name}' of shape {tuple(expected.shape)}, the checkpoint holds "
+            f"{tuple(value.shape)}; the checkpoint is of another model or configuration")
+    return value
+
+
+def stage_part(stage: nn.Module, checkpoint: Checkpoint, where: str = "the stage") -> dict[str, torch.Tensor]:
+    """The entries of ``checkpoint`` that ``stage`` holds, by the same names."""
+    state = open_checkpoint(checkpoint)
+    return {name: checked_entry(state, name, tensor, where) for name, tensor in stage.state_dict().items()}
+
+
+def load_stage_state(stage: nn.Module, checkpoint: Checkpoint) -> None:
+    """Load ``stage``'s part of a model (or stage) checkpoint into its tensors, in place."""
+    stage.load_state_dict(stage_part(stage, checkpoint))
+
+
+def merge_stage_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One model checkpoint from every stage's ``state_dict()``, stage 0 first.
+
+    A key two stages hold (a parameter both read) must hold equal values in both; different values
+    mean the copies drifted apart (tied gradients not synchronised), which a merge cannot repair.
+    """
+    merged: dict[str, torch.Tensor] = {}
+    first_holder: dict[str, int] = {}
+    for index, state in enumerate(states):
+        for name, value in state.items():
+            if name in merged and not torch.equal(merged[name].cpu(), value.cpu()):
+                raise CheckpointMismatchError(
+                    f"stages {first_holder[name]} and {index} hold different values for '{name}'; "
+                    "synchronise shared parameters' gradients (TiedGradients.sync) before each "
+                    "optimizer step")
+            merged.setdefault(name, value)
+            first_holder.setdefault(name, index)
+    return merged

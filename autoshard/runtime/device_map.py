@@ -1,0 +1,125 @@
+"""Export a plan as a ``{module_path: device}`` map of the kind ``accelerate`` dispatches.
+
+Such a map places whole modules; a hook on each mapped module moves its inputs to its device.
+So it can express a plan only where every value crossing to another device enters a mapped module.
+The map is the coarsest one: a module all of whose operations run in one stage is mapped whole,
+otherwise its children are considered. A crossing value consumed by the code of a module that is
+not mapped whole (a residual ``x + f(x)`` cut between ``f`` and the add, an input added at the end
+of the model) means the cut falls inside that module's forward: that module is *split*, and no
+module map can run the plan. A weight read directly by such code gets an entry of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from autoshard.errors import InvalidArgumentError, ModuleSplitError
+from autoshard.sharded import ShardedModel
+
+ROOT = ""
+
+
+def _device_key(device: Any) -> Hashable:
+    return str(device) if isinstance(device, torch.device) else device
+
+
+class _Placement:
+    """Which device every node, module and directly-read weight of the plan ends up on."""
+
+    def __init__(self, sharded: ShardedModel, devices: Sequence[Any]) -> None:
+        self.dag = sharded.plan.dag
+        self.devices = list(devices)
+        assignment = sharded.plan.assignment
+        self.node_device = {node: _device_key(devices[assignment.get(node, 0)]) for node in self.dag.nodes}
+        spans: dict[str, set[Hashable]] = {ROOT: set()}  # in program order of each module's first node
+        for node, data in self.dag.nodes(data=True):
+            for path, _ in data.get("scopes", ()):
+                spans.setdefault(path, set()).add(self.node_device[node])
+            spans[ROOT].add(self.node_device[node])
+        self.spans = spans
+        self.mapped = self._coarsest_cover()
+
+    def _coarsest_cover(self) -> dict[str, Hashable]:
+        """Modules running on one device whose ancestors do not, in program order."""
+        mapped: dict[str, Hashable] = {}
+        for path in sorted(self.spans, key=lambda p: -1 if p == ROOT else p.count(".")):
+            inside_mapped = ROOT in mapped or any(path.startswith(m + ".") for m in mapped)
+            if len(self.spans[path]) == 1 and not inside_mapped:
+                mapped[path] = next(iter(self.spans[path]))
+        return {path: mapped[path] for path in self.spans if path in mapped}
+
+    def mapped_scope(self, node: str) -> str | None:
+        if ROOT in self.mapped:
+            return ROOT
+        return next((p for p, _ in self.dag.nodes[node].get("scopes", ()) if p in self.mapped), None)
+
+    def owner_device(self, weight: str) -> Hashable | None:
+        """The device of the mapped module that owns ``weight``, if any does."""
+        parts = weight.split(".")
+        owners = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+        return next((self.mapped[o] for o in owners if o in self.mapped), None)
+
+
+def _module_of(node_data: dict[str, Any]) -> str:
+    return node_data.get("module") or ROOT
+
+
+def _analyse(sharded: ShardedModel, devices: Sequence[Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    place = _Placement(sharded, devices)
+    dag = place.dag
+    split: set[str] = set()
+    for producer, consumer in dag.edges:
+        crosses = place.node_device[producer] != place.node_device[consumer]
+        if crosses and place.mapped_scope(consumer) is None:
+            split.add(_module_of(dag.nodes[consumer]))
+    weight_devices: dict[str, set[Hashable]] = {}
+    for node, data in dag.nodes(data=True):
+        if place.mapped_scope(node) is not None:
+            continue
+        for weight in data.get("weights", ()):
+            owner = place.owner_device(weight)
+            if owner is not None and owner != place.node_device[node]:
+                split.add(_module_of(data))
+            elif owner is None:
+                weight_devices.setdefault(weight, set()).add(place.node_device[node])
+    entries = {path: device for path, device in place.mapped.items()}
+    for weight, found in weight_devices.items():
+        if len(found) > 1:
+            split.add(weight.rpartition(".")[0])
+        else:
+            entries[weight] = next(iter(found))
+    by_key = {_device_key(d): d for d in devices}
+    return {path: by_key[key] for path, key in entries.items()}, tuple(sorted(split))
+
+
+def _devices_for(sharded: ShardedModel, devices: Sequence[Any] | None) -> list[Any]:
+    if devices is None:
+        return list(range(sharded.num_stages))
+    devices = list(devices)
+    if len(devices) != sharded.num_stages:
+        raise InvalidArgumentError(
+            f"the plan has {sharded.num_stages} stages but {len(devices)} devices were given; "
+            "give one per stage")
+    return devices
+
+
+def split_modules(sharded: ShardedModel, devices: Sequence[Any] | None = None) -> tuple[str, ...]:
+    """Modules whose own forward a stage boundary cuts through ('' is the model's own forward)."""
+    return _analyse(sharded, _devices_for(sharded, devices))[1]
+
+
+def device_map(sharded: ShardedModel, devices: Sequence[Any] | None = None) -> dict[str, Any]:
+    """``{module_path: device}`` placing stage ``i`` on ``devices[i]`` (default: GPU ``i``).
+
+    Raises ``ModuleSplitError`` naming the modules a boundary cuts through when there are any.
+    """
+    mapping, split = _analyse(sharded, _devices_for(sharded, devices))
+    if split:
+        names = ", ".join("'' (the model's own forward)" if m == ROOT else repr(m) for m in split)
+        raise ModuleSplitError(
+            f"stage boundaries fall inside the forward of {names}: their own code would run on values "
+            "from different devices, which a {module: device} map cannot express. Keep those modules "
+            "whole in the split, or run the stages themselves (pipeline_stage, OffloadRunner)", split)
+    return mapping

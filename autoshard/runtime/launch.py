@@ -1,0 +1,92 @@
+"""Run a function on N local processes joined in one process group, with a deadline.
+
+For trying a pipeline on one machine without ``torchrun`` (tests, benchmarks, notebooks). Every
+collective gets the same timeout, and the parent stops waiting at the deadline and ends the
+workers, so a mistake that leaves one rank waiting for another cannot hang the caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import multiprocessing
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from autoshard.errors import LaunchError
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
+            timeout: float, args: tuple[Any, ...], results: Any) -> None:
+    faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0))  # a stuck worker shows where, on stderr
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        try:
+            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """``[fn(rank, world_size, *args) for each rank]``, each run in its own spawned process.
+
+    ``fn`` must be importable (defined at module level) and return something picklable. Raises
+    ``LaunchError`` with every worker's traceback if one fails or the deadline passes.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    workers = [
+        context.Process(target=_worker, daemon=True,
+                        args=(fn, rank, world_size, port, backend, timeout, args, results))
+        for rank in range(world_size)
+    ]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + timeout
+    done: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(done) < world_size and time.monotonic() < deadline:
+            if any(not ok for ok, _ in done.values()):
+                deadline = min(deadline, time.monotonic() + 10.0)  # peers of a failed rank may be stuck
+            try:
+                rank, ok, payload = results.get(timeout=0.5)
+                done[rank] = (ok, payload)
+            except queue.Empty:
+                for rank, worker in enumerate(workers):
+                    if rank not in done and worker.exitcode not in (None, 0):
+                        done[rank] = (False, f"process exited with code {worker.exitcode}")
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+            worker.join(timeout=10.0)
+    failures = [f"rank {rank}:\n{payload}" for rank, (ok, payload) in sorted(done.items()) if not ok]
+    missing = [rank for rank in range(world_size) if rank not in done]
+    if failures or missing:
+        late = f"ranks {missing} did not finish within {timeout:.0f} s\n" if missing else ""
+        raise LaunchError(f"{fn.__name__} failed on {world_size} processes:\n{late}" + "\n".join(failures))
+    return [pickle.loads(done[rank][1]) for rank in range(world_size)]

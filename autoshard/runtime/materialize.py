@@ -1,0 +1,47 @@
+"""Give one stage of a plan made on the ``meta`` device its real weights, and no other stage.
+
+A model built under ``torch.device("meta")`` costs no memory and can still be traced and split.
+Each rank then loads only the tensors of its own stages from the model's checkpoint (or a
+per-stage one). The checkpoint is memory-mapped and its tensors are used in place on the CPU, so
+a rank's resident memory grows by its stage's size, not the model's.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from autoshard.errors import InvalidArgumentError
+from autoshard.runtime.checkpoint import Checkpoint, checked_entry, open_checkpoint
+from autoshard.runtime.devices import DeviceLike, resolve_device
+from autoshard.runtime.rebuild import like, replaced_stages, stage_tensors
+from autoshard.sharded import ShardedModel
+
+
+def materialize_stage(
+    sharded: ShardedModel,
+    stage_index: int | Sequence[int],
+    checkpoint: Checkpoint,
+    device: DeviceLike = "cpu",
+) -> ShardedModel:
+    """A copy of ``sharded`` whose stage(s) ``stage_index`` hold real tensors from ``checkpoint``.
+
+    Other stages keep their tensors (meta placeholders cost nothing); a tensor a materialised stage
+    shares with another stage becomes real in both, so shared parameters stay shared. Neither
+    ``sharded`` nor the model it was made from is modified.
+    """
+    wanted = [stage_index] if isinstance(stage_index, int) else list(stage_index)
+    for index in wanted:
+        if not 0 <= index < sharded.num_stages:
+            raise InvalidArgumentError(
+                f"stage {index} is outside the plan's stages 0..{sharded.num_stages - 1}")
+    resolved = resolve_device(device, "the materialised stage")
+    state = open_checkpoint(checkpoint)
+    loaded: dict[int, torch.Tensor] = {}
+    for index in wanted:
+        for name, tensor in stage_tensors(sharded.stages[index]).items():
+            if id(tensor) not in loaded:
+                value = checked_entry(state, name, tensor, f"stage {index}")
+                loaded[id(tensor)] = like(tensor, value.to(resolved, dtype=tensor.dtype))
+    return replaced_stages(sharded, lambda name, tensor: loaded.get(id(tensor), tensor))

@@ -1,0 +1,138 @@
+"""Pick a ``torch.distributed.pipelining`` schedule and check the world size fits it first.
+
+PyTorch's schedules do not check that the processes match the stages: ``ScheduleGPipe`` given a
+4-stage pipeline on 2 ranks simply waits forever for a stage nobody runs. Every rank computes the
+same verdict from the same numbers, so a bad launch fails on all ranks before any of them blocks.
+Stage ``i`` runs on rank ``i % world_size`` (PyTorch's loop placement).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, Union
+
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+from autoshard.errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    PipelineSetupError,
+    WorldSizeError,
+)
+from autoshard.passes.registry import suggest
+
+#: Schedules by the names the example and the benchmark accept.
+SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "looped-bfs": ScheduleLoopedBFS,
+    "interleaved-zero-bubble": ScheduleInterleavedZeroBubble,
+}
+ScheduleLike = Union[str, type]
+#: Where ``pipeline_stage`` records the plan's fingerprint in the stage module's ``meta``.
+PLAN_KEY = "autoshard_plan"
+
+
+def schedule_class(schedule: ScheduleLike) -> type:
+    """The schedule class for a name in ``SCHEDULES`` or a schedule class itself."""
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise InvalidArgumentError(
+                f"unknown schedule {schedule!r}{suggest(schedule, SCHEDULES)}; known: {', '.join(SCHEDULES)}")
+        return SCHEDULES[schedule]
+    if isinstance(schedule, type) and issubclass(schedule, (PipelineScheduleSingle, PipelineScheduleMulti)):
+        return schedule
+    raise InvalidArgumentTypeError(
+        f"schedule must be a name ({', '.join(SCHEDULES)}) or a torch.distributed.pipelining "
+        f"schedule class, got {schedule!r}")
+
+
+#: Schedules that place two stages per rank mirrored (rank r: r and 2W-1-r), not in a loop.
+_V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+def check_world_size(num_stages: int, world_size: int, schedule: ScheduleLike) -> None:
+    """Raise ``WorldSizeError`` unless ``world_size`` processes can run ``num_stages`` stages
+    under ``schedule``."""
+    cls = schedule_class(schedule)
+    name = cls.__name__
+    if issubclass(cls, PipelineScheduleSingle):
+        if num_stages != world_size:
+            raise WorldSizeError(
+                f"{name} runs one stage per process: {num_stages} stages need {num_stages} processes, "
+                f"but the world size is {world_size}; launch with --nproc-per-node {num_stages}, "
+                f"shard into {world_size} stages, or use an interleaved schedule "
+                "(ScheduleInterleaved1F1B) with several stages per process")
+        return
+    if issubclass(cls, _V_SHAPED):
+        raise WorldSizeError(
+            f"{name} places stages in a V (rank r runs stages r and 2W-1-r), but autoshard places "
+            "stage i on rank i % world_size; use ScheduleInterleaved1F1B or ScheduleLoopedBFS")
+    if num_stages % world_size or num_stages < world_size:
+        raise WorldSizeError(
+            f"{name} gives every process the same number of stages: {num_stages} stages do not divide "
+            f"among {world_size} processes; shard into a multiple of {world_size} stages "
+            f"(e.g. {2 * world_size}) or launch a number of processes that divides {num_stages}")
+
+
+def local_stage_indices(num_stages: int, rank: int, world_size: int) -> list[int]:
+    """The stages rank ``rank`` runs: ``rank``, ``rank + world_size``, ..."""
+    return list(range(rank, num_stages, world_size))
+
+
+def _check_ranks_agree(local: list[PipelineStage], group: dist.ProcessGroup | None) -> None:
+    """Every rank must pass the stages it runs, all of the same split, or one waits for values
+    another never sends. One collective, made by every rank here; then every rank raises alike."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    expected = local_stage_indices(local[0].num_stages, rank, world_size)
+    given = sorted(s.stage_index for s in local)
+    misplaced = None if given == expected else f"rank {rank} runs stages {expected} but was given {given}"
+    plans = sorted({str(getattr(stage.submod, "meta", {}).get(PLAN_KEY)) for stage in local})
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, (misplaced, plans), group=group)
+    problems = [problem for problem, _ in gathered if problem]
+    if problems:
+        raise InvalidArgumentError(
+            "; ".join(problems) + "; build every stage a rank runs (pipeline_stage) and pass them all")
+    if any(other != plans for _, other in gathered):
+        by_rank = ", ".join(f"rank {r}: {'/'.join(p)}" for r, (_, p) in enumerate(gathered))
+        raise PipelineSetupError(
+            f"the processes split the model differently ({by_rank}); build the same model with the "
+            "same seed and shard it with the same arguments on every rank, or save one plan and "
+            "load it everywhere")
+
+
+def build_schedule(
+    stages: PipelineStage | Sequence[PipelineStage],
+    schedule: ScheduleLike,
+    n_microbatches: int,
+    loss_fn: Callable[..., Any] | None = None,
+    **options: Any,
+) -> Any:
+    """The schedule over this rank's stages, once the world size, the stage placement and the plan
+    itself (the same on every rank: a collective) are checked.
+
+    Pass every stage this rank runs (one for GPipe and 1F1B; ``rank``, ``rank + W``, ... for
+    interleaved schedules). ``options`` go to the schedule class unchanged.
+    """
+    local = [stages] if isinstance(stages, PipelineStage) else list(stages)
+    if not local or not all(isinstance(s, PipelineStage) for s in local):
+        raise InvalidArgumentTypeError("build_schedule needs the PipelineStage(s) this rank runs")
+    cls = schedule_class(schedule)
+    group = local[0].group
+    check_world_size(local[0].num_stages, dist.get_world_size(group), cls)
+    _check_ranks_agree(local, group)
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(local[0], n_microbatches, loss_fn=loss_fn, **options)
+    return cls(sorted(local, key=lambda s: s.stage_index), n_microbatches, loss_fn=loss_fn, **options)

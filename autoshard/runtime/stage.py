@@ -1,0 +1,125 @@
+"""``pipeline_stage``: one stage of a ``ShardedModel`` as a ``torch.distributed.pipelining`` stage.
+
+Everything that could make a launch hang is checked first, identically on every rank: the stage
+count and index, the device, boundary values that are not tensors, and a world size the stages
+cannot be spread over. Only then is the ``PipelineStage`` built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.pipelining import PipelineStage
+
+from autoshard.errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    PipelineSetupError,
+    WorldSizeError,
+)
+from autoshard.runtime.boundaries import boundary_wires
+from autoshard.runtime.devices import DeviceLike, resolve_device
+from autoshard.runtime.rebuild import like, replaced, shared_across_stages
+from autoshard.runtime.schedule import PLAN_KEY, local_stage_indices
+from autoshard.runtime.wire import Wire, rewire
+from autoshard.sharded import ShardedModel
+
+
+def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> None:
+    if not isinstance(sharded, ShardedModel):
+        raise InvalidArgumentTypeError(
+            f"pipeline_stage needs the ShardedModel that shard_model returned, got {type(sharded).__name__}")
+    for label, value in (("stage_index", stage_index), ("num_stages", num_stages)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentTypeError(f"{label} must be an int, got {type(value).__name__} {value!r}")
+    if num_stages != sharded.num_stages:
+        raise InvalidArgumentError(
+            f"num_stages is {num_stages} but the plan has {sharded.num_stages} stages; "
+            f"pass {sharded.num_stages} or shard the model into {num_stages} stages")
+    if not 0 <= stage_index < num_stages:
+        raise InvalidArgumentError(
+            f"stage_index {stage_index} is outside the plan's stages 0..{num_stages - 1}")
+
+
+def plan_fingerprint(sharded: ShardedModel) -> str:
+    """A digest of the split that is the same in every process that made the same plan."""
+    plan = sharded.plan
+    text = repr((plan.boundaries, sorted(plan.assignment.items())))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _group_position(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise PipelineSetupError(
+            "torch.distributed is not initialised; call torch.distributed.init_process_group() "
+            "(torchrun sets the environment it needs) before building pipeline stages")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def stage_module(sharded: ShardedModel, stage_index: int, device: torch.device,
+                 private: frozenset[int] = frozenset(),
+                 layout: list[list[Wire]] | None = None) -> fx.GraphModule:
+    """Stage ``stage_index`` as a module of its own whose tensors are on ``device``, taking and
+    returning the tensors of its boundaries (``layout``, by default ``boundary_wires(sharded)``).
+
+    A tensor already on ``device`` is the model's own (training it trains the model), unless its
+    id is in ``private``: tensors another stage of the same rank also holds get a copy of their
+    own, because each PipelineStage scales and accumulates its gradients separately.
+    """
+    def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta:
+            raise PipelineSetupError(
+                f"stage {stage_index} holds '{name}' on the meta device; load its weights first with "
+                "autoshard.runtime.materialize_stage(sharded, stage_index, checkpoint)")
+        if tensor.device == device and id(tensor) not in private:
+            return tensor
+        return like(tensor, tensor.detach().to(device, copy=True))
+
+    module = replaced(sharded.stages[stage_index], place)
+    rewire(module, stage_index, boundary_wires(sharded) if layout is None else layout)
+    return module
+
+
+def pipeline_stage(
+    sharded: ShardedModel,
+    stage_index: int,
+    num_stages: int,
+    device: DeviceLike,
+    group: dist.ProcessGroup | None = None,
+) -> PipelineStage:
+    """The ``PipelineStage`` running stage ``stage_index`` of ``sharded`` on ``device``.
+
+    Stage ``i`` runs on rank ``i % world_size`` of ``group`` (the default group if None); drive
+    the stages with PyTorch's schedules (``autoshard.runtime.build_schedule`` checks the world
+    size fits the schedule). Stages take and return flat tuples of tensors (a tuple crossing a
+    boundary is sent as the items later stages read); the stage module's ``state_dict()`` keys are
+    the original model's. Parameters several stages share need ``TiedGradients.sync()`` after
+    each step.
+    """
+    _check_stage_choice(sharded, stage_index, num_stages)
+    resolved = resolve_device(device, f"stage {stage_index}")
+    if resolved.type == "meta":
+        raise PipelineSetupError(
+            "a pipeline stage cannot run on the meta device; give a cpu or accelerator device")
+    layout = boundary_wires(sharded)
+    rank, world_size = _group_position(group)
+    if num_stages % world_size or num_stages < world_size:
+        raise WorldSizeError(
+            f"{num_stages} stages cannot be spread evenly over {world_size} processes; launch "
+            f"{num_stages} processes (or a divisor of {num_stages}) or shard into a multiple of "
+            f"{world_size} stages")
+    local = local_stage_indices(num_stages, rank, world_size)
+    if stage_index not in local:
+        raise InvalidArgumentError(
+            f"stage {stage_index} runs on rank {stage_index % world_size}, but this is rank {rank}, "
+            f"which runs stages {local}")
+    private = frozenset(
+        key for key, holders in shared_across_stages(sharded).items()
+        if len({s for s, _ in holders if s in local}) > 1)
+    module = stage_module(sharded, stage_index, resolved, private, layout)
+    module.meta[PLAN_KEY] = plan_fingerprint(sharded)
+    return PipelineStage(module, stage_index, num_stages, resolved, group=group)

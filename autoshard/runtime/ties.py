@@ -1,0 +1,92 @@
+"""Sum the gradients of parameters that several stages hold (a tied LM head and embedding).
+
+Each stage computes only its own part of such a parameter's gradient; the unsplit model's
+gradient is their sum. ``sync`` adds the parts of every stage on this rank, then all-reduces the
+sums over the pipeline group in one flat buffer per dtype, so every holder ends the step with the
+full gradient and, after identical optimizer steps, identical weights. Every rank takes part,
+with zeros for ties it does not hold: the group needs no sub-groups, whose creation would have
+to be repeated in the same order by every process of the job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from autoshard.errors import InvalidArgumentTypeError
+from autoshard.runtime.rebuild import shared_across_stages, stage_tensors
+from autoshard.sharded import ShardedModel
+
+
+@dataclass(frozen=True)
+class SharedParameter:
+    """One parameter several stages hold: ``(stage, name in that stage)`` for each holder."""
+
+    holders: tuple[tuple[int, str], ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted({stage for stage, _ in self.holders}))
+
+
+def shared_parameters(sharded: ShardedModel) -> tuple[SharedParameter, ...]:
+    """Parameters (requiring grad) held by more than one stage, ordered by their first holder."""
+    tensors = {id(t): t for stage in sharded.stages for t in stage_tensors(stage).values()}
+    found = [
+        SharedParameter(tuple(holders), tuple(tensors[key].shape), tensors[key].dtype)
+        for key, holders in shared_across_stages(sharded).items()
+        if isinstance(tensors[key], torch.nn.Parameter) and tensors[key].requires_grad
+    ]
+    return tuple(sorted(found, key=lambda shared: shared.holders))
+
+
+class TiedGradients:
+    """Makes every holder of a shared parameter see the gradient of the whole model.
+
+    Build it on every rank of the pipeline group with that rank's stages; call ``sync()`` after
+    ``schedule.step`` and before ``optimizer.step``.
+    """
+
+    def __init__(self, sharded: ShardedModel, stages: Sequence[PipelineStage],
+                 group: dist.ProcessGroup | None = None) -> None:
+        if not stages or not all(isinstance(stage, PipelineStage) for stage in stages):
+            raise InvalidArgumentTypeError("TiedGradients needs the PipelineStage(s) this rank runs")
+        self.group = group
+        self.shared = shared_parameters(sharded)
+        self._local = {stage.stage_index: stage.submod for stage in stages}
+        self._device = stages[0].device
+        world = dist.get_world_size(group)
+        self._across_ranks = [s for s in self.shared if len({i % world for i in s.stages}) > 1]
+
+    def _local_holders(self, shared: SharedParameter) -> list[torch.nn.Parameter]:
+        held = (self._local[s].get_parameter(n) for s, n in shared.holders if s in self._local)
+        return list({id(p): p for p in held}.values())
+
+    def _local_sum(self, shared: SharedParameter) -> torch.Tensor:
+        total = torch.zeros(shared.shape, dtype=shared.dtype, device=self._device)
+        for param in self._local_holders(shared):
+            if param.grad is not None:
+                total += param.grad.to(total.device)
+        return total
+
+    def _write(self, shared: SharedParameter, total: torch.Tensor) -> None:
+        for param in self._local_holders(shared):
+            param.grad = total.to(param.device, copy=True)
+
+    def sync(self) -> None:
+        """Give every holder the summed gradient; a collective over the pipeline group."""
+        totals = {id(s): self._local_sum(s) for s in self.shared}
+        for dtype in dict.fromkeys(s.dtype for s in self._across_ranks):
+            batch = [s for s in self._across_ranks if s.dtype == dtype]
+            flat = torch.cat([totals[id(s)].flatten() for s in batch])
+            dist.all_reduce(flat, group=self.group)
+            for s, part in zip(batch, flat.split([totals[id(s)].numel() for s in batch])):
+                totals[id(s)] = part.view(s.shape)
+        for s in self.shared:
+            self._write(s, totals[id(s)])

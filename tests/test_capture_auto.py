@@ -1,0 +1,83 @@
+"""Choosing the front end, and the passes users name in a pipeline: trace, export, capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_capture_fx import Around, Gate
+from torch import nn
+
+import autoshard
+from autoshard.capture import capture
+from autoshard.errors import InvalidArgumentError, PipelineValidationError, TraceError
+from autoshard.examples import ResidualMLP
+from autoshard.passes import Pipeline, PassRegistry, default_registry
+from autoshard.passes.capture import CapturePass
+from autoshard.passes.export import ExportPass
+
+
+class Half(nn.Module):
+    """Slices with a size turned into a Python int: fx cannot (a Proxy is no int), export can."""
+
+    def forward(self, x):
+        return x[:, : int(x.shape[1] // 2)] * 2
+
+
+def test_auto_keeps_export_when_fx_must_wrap_a_module_that_exports():
+    model = Around(Half(), 2)
+    result = capture(model, (torch.randn(3, 4),))
+    assert result.front_end == "export" and result.wrapped == ()
+    assert result.considered == ("fx: 1 modules and 0 functions wrapped",
+                                 "export: 0 modules and 0 functions wrapped")
+    x = torch.randn(5, 4)
+    assert torch.equal(result.graph_module(x), model(x))
+
+
+def test_auto_keeps_fx_on_a_tie_and_does_not_try_export_when_fx_wraps_nothing():
+    gated = capture(Around(Gate(), 2), (torch.randn(3, 2),))
+    assert gated.front_end == "fx" and [w.name for w in gated.wrapped] == ["inner"]
+    assert len(gated.considered) == 2
+    plain = capture(ResidualMLP(), (torch.randn(3, 16),))
+    assert plain.front_end == "fx" and plain.considered == ("fx: 0 modules and 0 functions wrapped",)
+
+
+def test_without_examples_only_fx_runs_and_a_failure_says_what_to_pass():
+    class TopLevel(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    assert capture(ResidualMLP()).front_end == "fx"
+    with pytest.raises(TraceError, match="no front end could capture TopLevel.*pass example inputs"):
+        capture(TopLevel())
+    with pytest.raises(TraceError, match=r"fx: failed .*; export: failed .*cannot export the top-level"):
+        capture(TopLevel(), (torch.randn(2, 2),))
+
+
+def test_a_front_end_can_be_asked_for_by_name():
+    model = Around(Half(), 2)
+    x = (torch.randn(3, 4),)
+    assert capture(model, x, front_end="fx").front_end == "fx"
+    assert capture(model, x, front_end="export").front_end == "export"
+    with pytest.raises(InvalidArgumentError, match="unknown front end 'jit'; choose one of auto, fx, export"):
+        capture(model, x, front_end="jit")
+
+
+@pytest.fixture
+def registry():
+    return PassRegistry([*default_registry.passes(), CapturePass, ExportPass], entry_point_group=None)
+
+
+@pytest.mark.parametrize("front_end", ["trace", "export", "capture"])
+def test_every_front_end_pass_feeds_the_rest_of_the_pipeline(registry, front_end):
+    model = Around(Half(), 2)
+    pipeline = Pipeline.parse(f"{front_end},build-dag,linearize,split{{stages=2}},emit,verify", registry)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(3, 4),), pipeline=pipeline)
+    assert sharded.num_stages == 2
+    x = torch.randn(6, 4)
+    assert torch.equal(sharded(x), model(x))
+
+
+def test_the_export_pass_needs_example_inputs(registry):
+    pipeline = Pipeline.parse("export,build-dag,linearize,split{stages=2},emit", registry)
+    with pytest.raises(PipelineValidationError, match="needs 'example_inputs'"):
+        autoshard.shard_model(ResidualMLP(), 2, pipeline=pipeline)

@@ -1,0 +1,154 @@
+"""The torch.export front end: the same graph contract as fx, leaves kept opaque by trial export."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import assert_same_fingerprint, model_fingerprint
+from torch import nn
+
+from autoshard.capture import export_with_leaves
+from autoshard.errors import InputMismatchError, InvalidArgumentError, TraceError
+from autoshard.examples import ResidualMLP
+
+
+def test_parameters_keep_their_names_and_objects_and_other_batches_are_served():
+    model = ResidualMLP()
+    before = model_fingerprint(model)
+    result = export_with_leaves(model, (torch.randn(4, 16),))
+    gm = result.graph_module
+    own = dict(model.named_parameters())
+    assert {name for name, _ in gm.named_parameters()} == set(own)
+    assert all(own[name] is p for name, p in gm.named_parameters())
+    x = torch.randn(9, 16)
+    assert torch.equal(gm(x), model(x))
+    assert re.fullmatch(r"x: float32 of shape \(s\d+, 16\)", result.input_guard)
+    assert_same_fingerprint(before, model_fingerprint(model))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(6, 6)
+        self.right = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.left(x) if x.sum() > 0 else self.right(x)
+
+
+def clip_small(x: torch.Tensor) -> torch.Tensor:
+    while x.abs().max() > 1:  # a loop whose trip count depends on values
+        x = x / 2
+    return x
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.block = Block()
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.out(clip_small(self.block(self.inp(x))))
+
+
+def test_data_dependent_module_and_function_are_kept_opaque_and_run_eagerly(capfd):
+    model = Branchy()
+    before = model_fingerprint(model)
+    result = export_with_leaves(model, (torch.randn(4, 6),))
+    assert [(w.kind, w.name) for w in result.wrapped] == [
+        ("module", "block"), ("function", f"{__name__}.clip_small")]
+    assert all("data-dependent" in w.reason for w in result.wrapped)
+    gm = result.graph_module
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["block"]
+    assert clip_small in [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any("autoshard.opaque" in str(n.target) for n in gm.graph.nodes)
+    for x in (torch.full((3, 6), 5.0), torch.full((7, 6), -5.0)):  # both branches, other batches
+        assert torch.equal(gm(x), model(x))
+    assert "forward" not in model.block.__dict__  # the stand-in is gone
+    assert_same_fingerprint(before, model_fingerprint(model))
+    assert "def forward" not in capfd.readouterr().err  # failed trial exports print nothing
+
+
+class PositionTable(nn.Module):
+    """Adds a learned table of 8 positions: the sequence length is pinned to 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x):
+        return x + self.pos
+
+
+def test_a_pinned_size_is_refused_naming_the_shapes_served():
+    result = export_with_leaves(PositionTable(), (torch.randn(2, 8, 4),))
+    assert result.specialized == ("x.shape[1] == 8", "x.shape[2] == 4")
+    gm = result.graph_module
+    assert gm(torch.randn(5, 8, 4)).shape == (5, 8, 4)
+    problem = re.escape("x.shape[1] is 5, but the plan only serves 8")
+    with pytest.raises(InputMismatchError, match=problem) as info:
+        gm(torch.randn(2, 5, 4))
+    assert re.search(r"x: float32 of shape \(s\d+, 8, 4\)", str(info.value))
+
+
+def test_sizes_that_must_agree_are_checked_together():
+    class Masked(nn.Module):
+        def forward(self, x, mask):
+            return x * mask
+
+    gm = export_with_leaves(Masked(), (torch.randn(2, 3), torch.ones(2, 3))).graph_module
+    with pytest.raises(InputMismatchError, match=r"mask.shape\[1\] is 4, but s\d+ is 3 elsewhere"):
+        gm(torch.randn(2, 3), torch.ones(2, 4))
+
+
+def test_an_opaque_output_size_that_matches_two_input_sizes_is_refused():
+    class Total(nn.Module):
+        def forward(self, x):
+            return x.sum(0) if x.sum() > 0 else x.sum(1)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.total = Total()
+
+        def forward(self, x):
+            return self.total(x) * 2
+
+    with pytest.raises(TraceError, match="cannot tell which input size an output size 4 .* follows"):
+        export_with_leaves(Model(), (torch.randn(4, 4),))
+
+
+def test_top_level_data_dependent_control_flow_is_a_clear_trace_error():
+    class TopLevel(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    with pytest.raises(TraceError, match="cannot export the top-level forward of TopLevel"):
+        export_with_leaves(TopLevel(), (torch.randn(2, 2),))
+
+
+def test_export_needs_example_inputs():
+    with pytest.raises(InvalidArgumentError, match="needs example inputs"):
+        export_with_leaves(ResidualMLP())
+
+
+def test_tuple_and_dict_outputs_are_rebuilt():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+
+        def forward(self, x, scale=1.0):
+            y = self.a(x) * scale
+            return {"y": y, "pair": (y, x)}
+
+    model = TwoHeads()
+    result = export_with_leaves(model, (torch.randn(2, 3),), {"scale": 2.0})
+    out = result.graph_module(torch.randn(5, 3), scale=2.0)
+    assert type(out) is dict and list(out) == ["y", "pair"] and type(out["pair"]) is tuple
+    with pytest.raises(InputMismatchError, match="scale=3.0, but the plan was captured with scale=2.0"):
+        result.graph_module(torch.randn(5, 3), scale=3.0)

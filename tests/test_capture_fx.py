@@ -1,0 +1,229 @@
+"""fx capture with example inputs: the example runs alongside, so shape and dtype code traces,
+the graph stays generic in sizes, and everything fixed from the example is checked on each call."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_fingerprint, model_fingerprint
+from torch import nn
+
+from autoshard.capture import trace_with_leaves
+from autoshard.capture.meta import EXAMPLE
+from autoshard.errors import InputMismatchError, TraceError
+
+
+class SplitHeads(nn.Module):
+    """Shape arithmetic plain fx cannot trace: ``(*x.shape[:-1], 2, 4)`` iterates a Proxy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x).view(*x.shape[:-1], 2, 4)
+        first, second = y.unbind(-2)
+        return torch.cat([second, first], dim=-1) * len(x.shape)
+
+
+def test_shape_arithmetic_traces_and_the_graph_serves_other_shapes():
+    model = SplitHeads()
+    with pytest.raises(TraceError, match="top-level forward of SplitHeads"):
+        trace_with_leaves(model)  # no example: plain fx
+    result = trace_with_leaves(model, (torch.randn(2, 3, 8),))
+    assert result.wrapped == ()
+    for shape in [(2, 3, 8), (5, 7, 8)]:
+        x = torch.randn(shape)
+        assert torch.equal(result.graph_module(x), model(x))
+
+
+class MaskedScore(nn.Module):
+    """Branches on a dtype and on a size: facts the example answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if mask.dtype == torch.bool:
+            mask = mask.float()
+        if x.size(0) > 1:  # a condition on a size alone
+            x = x - x.mean(0, keepdim=True)
+        return self.score(x).squeeze(-1) * mask
+
+
+def test_size_conditions_take_the_example_branch_and_refuse_inputs_that_flip_it():
+    model = MaskedScore()
+    mask = torch.tensor([[True, False, True]] * 2)
+    result = trace_with_leaves(model, (torch.randn(2, 3, 4), mask))
+    assert result.wrapped == ()
+    assert len(result.specialized) == 1 and "x.size(0) > 1" in result.specialized[0]
+    x, later_mask = torch.randn(5, 3, 4), torch.ones(5, 3, dtype=torch.bool)
+    assert torch.equal(result.graph_module(x, later_mask), model(x, later_mask))
+    flipped = r"condition at test_capture_fx.py:\d+ \(`if x.size\(0\) > 1:`\) is False for these inputs"
+    with pytest.raises(InputMismatchError, match=flipped):
+        result.graph_module(torch.randn(1, 3, 4), later_mask[:1])
+
+
+def test_dtypes_the_trace_relied_on_are_checked_on_every_call():
+    model = MaskedScore()
+    result = trace_with_leaves(model, (torch.randn(2, 3, 4), torch.ones(2, 3, dtype=torch.bool)))
+    assert "mask: bool" in result.input_guard
+    problem = "mask is torch.float32, but the plan was captured with torch.bool"
+    with pytest.raises(InputMismatchError, match=problem):
+        result.graph_module(torch.randn(2, 3, 4), torch.ones(2, 3))
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x
+
+
+class Around(nn.Module):
+    """``inner`` (kept as the child ``inner``) followed by a linear layer."""
+
+    def __init__(self, inner: nn.Module, width: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.lin(self.inner(x))
+
+
+def test_conditions_on_tensor_values_still_make_a_leaf():
+    model = Around(Gate(), 3)
+    result = trace_with_leaves(model, (torch.randn(2, 3),))
+    assert [(w.kind, w.name) for w in result.wrapped] == [("module", "inner")]
+    for x in (torch.full((2, 3), 1.0), torch.full((4, 3), -1.0)):
+        assert torch.equal(result.graph_module(x), model(x))
+
+
+@dataclasses.dataclass
+class Config:
+    """A config as transformers has them: a dataclass with a private setting that is no field."""
+
+    scale: float
+
+    def __post_init__(self) -> None:
+        self._mode = "default"  # lost if the config is rebuilt from its fields
+
+
+def scaled(x: torch.Tensor, config: Config) -> torch.Tensor:
+    if x.sum() > 1e9:  # value-dependent: this function is kept opaque, the config passed to it
+        return x
+    return x * (config.scale if config._mode == "double" else 1.0)
+
+
+class UsesConfig(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = Config(scale=2.0)
+        self.config._mode = "double"
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scaled(self.lin(x), self.config)
+
+
+def test_a_config_passed_to_an_opaque_function_is_the_same_object_not_a_rebuilt_one():
+    model = UsesConfig()
+    result = trace_with_leaves(model, (torch.randn(2, 3),))
+    assert [w.name for w in result.wrapped] == [f"{__name__}.scaled"]
+    gm = result.graph_module
+    constants = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    assert any(c is model.config for c in constants)
+    x = torch.randn(4, 3)
+    assert torch.equal(gm(x), model(x))
+
+
+class Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, scale=1.0, act="relu", norm=None, residual=False):
+        y = self.lin(x) * scale
+        y = torch.relu(y) if act == "relu" else torch.tanh(y)
+        if norm is not None:
+            y = y / norm
+        return y + x if residual else y
+
+
+def test_non_tensor_arguments_become_checked_constants():
+    model = Keywords()
+    kwargs = {"scale": 3.0, "act": "tanh", "norm": None, "residual": True}
+    result = trace_with_leaves(model, (torch.randn(2, 3),), kwargs)
+    gm = result.graph_module
+    x = torch.randn(5, 3)
+    assert torch.equal(gm(x, **kwargs), model(x, **kwargs))
+    assert torch.equal(gm(x), model(x, **kwargs))  # trailing constants default to the example's
+    assert result.input_guard == "x: float32, scale=3.0, act='tanh', norm=None, residual=True"
+    with pytest.raises(InputMismatchError, match="act='relu', but the plan was captured with act='tanh'"):
+        gm(x, act="relu")
+    with pytest.raises(InputMismatchError, match="residual=1"):  # 1 is not the True it was captured with
+        gm(x, residual=1)
+
+
+@dataclasses.dataclass
+class Pair:
+    first: torch.Tensor
+    second: torch.Tensor | None = None
+
+
+class Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return {"pair": Pair(y, None), "both": (y, x)}
+
+
+def test_outputs_keep_the_models_structure_and_types():
+    model = Structured()
+    x = torch.randn(2, 3)
+    out = trace_with_leaves(model, (x,)).graph_module(x)
+    expected = model(x)
+    assert type(out) is dict and list(out) == ["pair", "both"]
+    assert type(out["pair"]) is Pair and out["pair"].second is None
+    assert torch.equal(out["pair"].first, expected["pair"].first)
+    assert type(out["both"]) is tuple and torch.equal(out["both"][1], x)
+
+
+def test_example_values_are_not_kept_and_the_model_is_untouched():
+    model = MaskedScore()
+    before = model_fingerprint(model)
+    x, mask = torch.randn(2, 3, 4), torch.ones(2, 3, dtype=torch.bool)
+    x_before = x.clone()
+    gm = trace_with_leaves(model, (x, mask)).graph_module
+    assert not any(EXAMPLE in node.meta for node in gm.graph.nodes)
+    assert torch.equal(x, x_before)
+    assert_same_fingerprint(before, model_fingerprint(model))
+    own = dict(model.named_parameters())
+    assert all(own[name] is p for name, p in gm.named_parameters())
+
+
+def test_a_batchnorm_model_in_training_mode_keeps_its_statistics():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 4)).train()
+    before = model_fingerprint(model)
+    x = torch.randn(8, 4)
+    rng = torch.random.get_rng_state()
+    trace_with_leaves(model, (x,))
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert_same_fingerprint(before, model_fingerprint(model))
+
+
+def test_functional_pad_with_a_size_from_the_input_stays_symbolic():
+    class PadToEight(nn.Module):
+        def forward(self, x):
+            return F.pad(x, (0, 8 - x.shape[-1]))
+
+    model = PadToEight()
+    gm = trace_with_leaves(model, (torch.randn(2, 5),)).graph_module
+    x = torch.randn(3, 2)
+    assert torch.equal(gm(x), model(x))

@@ -1,0 +1,86 @@
+"""The example call's signature, and the guard that refuses inputs a plan was not built for."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.capture.guard import DimSpec, InputGuard, check_condition, check_inputs
+from autoshard.capture.signature import CallSignature
+from autoshard.errors import InputMismatchError, InvalidArgumentError
+
+
+class Model(nn.Module):
+    def forward(self, input_ids, attention_mask=None, *, use_cache=True, extra=None):
+        return input_ids if use_cache else attention_mask
+
+
+def test_positional_arguments_take_the_forwards_parameter_names():
+    ids, mask = torch.ones(2, 3), torch.zeros(2, 3)
+    signature = CallSignature.of(Model(), (ids, mask), {"use_cache": False, "extra": [ids, None]})
+    assert [(a.name, a.positional, a.is_graph_input) for a in signature.arguments] == [
+        ("input_ids", True, True), ("attention_mask", True, True), ("use_cache", False, False),
+        ("extra", False, True)]
+    assert signature.constants == {"use_cache": False}
+
+
+def test_the_wrapper_calls_the_model_as_the_example_did_with_constants_bound():
+    model = Model()
+    ids, mask = torch.ones(2, 3), torch.zeros(2, 3)
+    wrapper = CallSignature.of(model, (ids,), {"attention_mask": mask, "use_cache": False}).wrapper(model)
+    assert list(inspect.signature(wrapper.forward).parameters) == ["input_ids", "attention_mask"]
+    assert wrapper.model is model
+    assert torch.equal(wrapper(ids, mask), mask)  # use_cache=False came from the example
+
+
+def test_argument_names_that_cannot_be_graph_inputs_are_refused():
+    with pytest.raises(InvalidArgumentError, match="'not a name' cannot name a graph input"):
+        CallSignature.of(Model(), (), {"not a name": torch.ones(1)})
+
+
+GUARD = InputGuard(
+    names=("ids", "mask", "use_cache"), returns=("ids", "mask"), constants={"use_cache": False},
+    dtypes={"ids": torch.int64, "mask": torch.int64},
+    shapes={"ids": (DimSpec(symbol="s0"), DimSpec(symbol="s1", high=64)),
+            "mask": (DimSpec(symbol="s0"), DimSpec(symbol="s1", high=64))})
+
+
+def test_the_guard_describes_what_the_plan_serves():
+    assert GUARD.describe() == ("ids: int64 of shape (s0, s1 <=64), mask: int64 of shape (s0, s1 <=64), "
+                                "use_cache=False")
+    assert DimSpec(symbol="s2", low=3).describe() == "s2 >=3" and DimSpec(size=16).describe() == "16"
+
+
+def test_inputs_the_plan_serves_pass_through_in_order():
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    mask = torch.ones(3, 5, dtype=torch.long)
+    passed = check_inputs(GUARD, ids, mask, False)
+    assert passed[0] is ids and passed[1] is mask
+
+
+@pytest.mark.parametrize("ids, mask, use_cache, problem", [
+    ((3, 5), (3, 5), True, "use_cache=True, but the plan was captured with use_cache=False"),
+    ((3, 5), (3, 6), False, r"mask.shape\[1\] is 6, but s1 is 5 elsewhere"),
+    ((3, 65), (3, 65), False, r"ids.shape\[1\] is 65, outside what the plan serves \(s1 <=64\)"),
+    ((3,), (3, 5), False, "ids is not a 2-dimensional tensor"),
+])
+def test_inputs_the_plan_does_not_serve_are_refused_naming_why(ids, mask, use_cache, problem):
+    with pytest.raises(InputMismatchError, match=problem) as info:
+        check_inputs(GUARD, torch.zeros(ids, dtype=torch.long), torch.zeros(mask, dtype=torch.long),
+                     use_cache)
+    assert "The plan serves ids: int64 of shape (s0, s1 <=64)" in str(info.value)
+
+
+def test_a_dtype_other_than_the_examples_is_refused():
+    problem = "ids is torch.float32, but the plan was captured with torch.int64"
+    with pytest.raises(InputMismatchError, match=problem):
+        check_inputs(GUARD, torch.zeros(3, 5), torch.zeros(3, 5, dtype=torch.long), False)
+
+
+def test_a_flipped_condition_is_refused_and_a_held_one_passes():
+    check_condition(True, True, "the condition at m.py:3 (`if n > 1:`)")
+    with pytest.raises(InputMismatchError, match=r"the condition at m.py:3 \(`if n > 1:`\) is False for"):
+        check_condition(False, True, "the condition at m.py:3 (`if n > 1:`)")

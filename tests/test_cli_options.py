@@ -1,0 +1,193 @@
+"""The CLI's options, run in-process through ``main`` (fast: torch is imported once)."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from autoshard import cli, progress
+from autoshard.errors import AutoshardError
+
+from test_cli import modules, stage_rows
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_examples_and_passes_are_listed(capsys):
+    code, out, _ = run(capsys, "examples")
+    assert code == 0 and all(n in out for n in ("branched", "transformer-lm", "residual-mlp", "long-skip"))
+    code, out, _ = run(capsys, "passes")
+    assert code == 0 and all(n in out for n in ("trace", "build-dag", "linearize", "split", "emit", "verify"))
+    assert "tolerance" in out
+
+
+def test_wrapped_leaves_are_listed_with_their_stage_and_reason(capsys):
+    code, out, err = run(capsys, "split", "branched", "-k", "5")
+    assert code == 0, err
+    assert [modules(r[1]) for r in stage_rows(out)] == [f"blocks.{i}-{i + 1}" for i in (0, 2, 4, 6, 8)]
+    wrapped = out.split("kept whole")[1]
+    assert "│ module │ blocks.0 │ 0     │" in wrapped and "│ module │ blocks.9 │ 4     │" in wrapped
+    assert "control flow" in wrapped
+
+
+def test_compare_shows_strategies_side_by_side(capsys):
+    code, out, err = run(capsys, "split", "branched", "-k", "4", "--compare", "greedy,uniform")
+    assert code == 0, err
+    assert "strategies compared" in out and "modules per stage" in out
+    lines = [line for line in out.splitlines() if line.startswith("│ greedy") or line.startswith("│ uniform")]
+    assert len(lines) == 2
+    assert "1.200" in lines[0]  # greedy: 3 blocks of 10 in stage 0 against a lower bound of 2.5 blocks
+    assert "1.200" in lines[1]  # uniform: 3, 3, 2, 2 blocks
+    assert "verified" not in out  # comparing builds no stages
+
+
+def test_compare_refuses_unknown_strategies_and_saving(capsys):
+    code, _, err = run(capsys, "split", "branched", "-k", "2", "--compare", "greedy,nope")
+    assert code == 2 and "unknown: nope" in flat(err) and "known: " in err
+    code, _, err = run(capsys, "split", "branched", "-k", "2", "--compare", "greedy", "--out", "x.json")
+    assert code == 2 and "run again with one --strategy" in flat(err)
+
+
+def test_strategy_option_reaches_the_split(capsys, tmp_path):
+    code, out, err = run(capsys, "split", "branched", "-k", "4", "--strategy", "uniform", "--out",
+                         str(tmp_path / "p.json"))
+    assert code == 0, err
+    counts = [int(r[2]) for r in stage_rows(out)]
+    assert len(counts) == 4 and max(counts) - min(counts) <= 1  # uniform: equal node counts
+    assert "strategy=uniform" in json.loads((tmp_path / "p.json").read_text())["pipeline"]
+
+
+def test_inspect_a_target_builds_no_stages(capsys):
+    code, out, err = run(capsys, "inspect", "long-skip", "-k", "2", "--timing")
+    assert code == 0, err
+    assert [modules(r[1]) for r in stage_rows(out)] == ["stack.0-3", "stack.4-7"]
+    assert "verified" not in out
+    timing = out.split("autoshard pass timing")[1]
+    assert "split{stages=2}" in timing and "emit" not in timing
+
+
+def test_inspect_a_saved_plan_shows_the_same_tables(capsys, tmp_path):
+    path = str(tmp_path / "plan.json")
+    code, split_out, err = run(capsys, "split", "residual-mlp", "-k", "2", "--out", path)
+    assert code == 0, err
+    code, out, err = run(capsys, "inspect", path)
+    assert code == 0, err
+    assert stage_rows(out) == stage_rows(split_out)
+    code, _, err = run(capsys, "inspect", path, "--stages", "3")
+    assert code == 2 and "cannot be used when inspecting a saved plan" in flat(err)
+
+
+def test_custom_pipeline_timing_and_dump_dir(capsys, tmp_path):
+    spec = "trace,build-dag,linearize,split{cost=nodes},emit"
+    code, out, err = run(capsys, "split", "residual-mlp", "-k", "2", "--pipeline", spec, "--timing",
+                         "--dump-dir", str(tmp_path / "dump"))
+    assert code == 0, err
+    assert "split{stages=2 cost=nodes}" in flat(out) and "nodes (split)" in out
+    assert "autoshard pass timing" in out and "total" in out
+    assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == [
+        "000-trace.txt", "001-build-dag.txt", "002-linearize.txt", "003-split.txt", "004-emit.txt"]
+
+
+def test_quiet_prints_nothing_but_still_writes(capsys, tmp_path):
+    code, out, err = run(capsys, "split", "residual-mlp", "-k", "2", "-q", "--out", str(tmp_path / "p.json"))
+    assert (code, out, err) == (0, "", "")
+    assert (tmp_path / "p.json").exists()
+
+
+def test_progress_names_each_pass_on_a_terminal_and_quiet_silences_it(capsys, monkeypatch):
+    terminal = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(["inspect", "residual-mlp", "-k", "2"]) == 0
+    assert "autoshard: " in terminal.getvalue()
+    quiet_terminal = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", quiet_terminal)
+    assert cli.main(["inspect", "residual-mlp", "-k", "2", "--quiet"]) == 0
+    assert quiet_terminal.getvalue() == ""
+    assert progress.enabled()  # --quiet lasts for its command only
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("split", "residual-mlp", "-k", "0"), "at least 1"),
+    (("split", "branched", "-k", "100"), "cannot split into 100 non-empty stages: the maximum is"),
+    (("split", "residual-mlp"), "say how many stages: --stages K"),
+    (("split", "residual-mlp", "-k", "2", "--pipeline", "trace,split"), "build-dag"),
+    (("split", "residual-mlp", "-k", "2", "--pipeline", "trace,build-dag,linearize,split,emit",
+      "--strategy", "greedy"), "set the strategy in the spec"),
+    (("split", "residual-mlp", "-k", "2", "--svg", "plan.png"), "--svg writes a .svg file"),
+    (("split", "residual-mlp", "-k", "2", "--cost", "flopz"), "unknown cost model 'flopz'"),
+    (("split", "residual-mpl", "-k", "2"), "did you mean 'residual-mlp'?"),
+])
+def test_refused_requests_exit_2_with_the_reason(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in flat(err)
+    assert err.startswith("error: ") and "Traceback" not in err and out == ""
+
+
+def test_a_saved_plan_cannot_be_changed_from_the_command_line(capsys, tmp_path):
+    path = str(tmp_path / "plan.json")
+    assert run(capsys, "split", "residual-mlp", "-k", "2", "-q", "--out", path)[0] == 0
+    code, _, err = run(capsys, "split", "residual-mlp", "--plan", path, "--cost", "nodes")
+    assert code == 2 and "--cost cannot change a saved plan" in flat(err)
+    code, _, err = run(capsys, "split", "residual-mlp", "--plan", path, "-k", "3")
+    assert code == 2 and "has 2 stages, not 3" in flat(err)
+
+
+def test_a_hand_edited_plan_with_an_empty_stage_is_rejected(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    assert run(capsys, "split", "residual-mlp", "-k", "3", "-q", "--out", str(path))[0] == 0
+    plan = json.loads(path.read_text())
+    for node in plan["nodes"]:
+        node["stage"] = min(node["stage"], 1)  # nothing left in stage 2
+    path.write_text(json.dumps(plan))
+    code, _, err = run(capsys, "split", "residual-mlp", "--plan", str(path))
+    assert code == 2
+    assert "breaks an invariant: non-empty: stage 2 has no non-input node" in flat(err)
+    assert "hint: make a fresh plan" in err and "Traceback" not in err
+
+
+def test_missing_matplotlib_names_the_extra(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, _, err = run(capsys, "split", "residual-mlp", "-k", "2", "--png", str(tmp_path / "p.png"))
+    assert code == 2
+    assert "pip install 'autoshard[plot]'" in flat(err) and "Traceback" not in err
+
+
+def test_an_unexpected_failure_is_one_message_unless_debug(capsys, monkeypatch):
+    def crash(target):
+        raise RuntimeError("something [odd] happened")
+
+    monkeypatch.setattr(cli, "load_target", crash)
+    code, _, err = run(capsys, "split", "residual-mlp", "-k", "2")
+    assert code == 1
+    assert "unexpected RuntimeError: something [odd] happened" in err and "looks like a bug" in flat(err)
+    with pytest.raises(RuntimeError, match="odd"):
+        cli.main(["split", "residual-mlp", "-k", "2", "--debug"])
+    with pytest.raises(RuntimeError, match="odd"):
+        cli.main(["--debug", "split", "residual-mlp", "-k", "2"])
+
+
+def test_debug_reraises_autoshard_errors(capsys):
+    with pytest.raises(AutoshardError, match="at least 1"):
+        cli.main(["split", "residual-mlp", "-k", "0", "--debug"])

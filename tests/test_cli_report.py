@@ -1,0 +1,134 @@
+"""What the tables say about a plan: module ranges, costs, the bottleneck and the boundaries."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from autoshard.capture import WrappedLeaf
+from autoshard.plan_io import PlanNode, SavedPlan
+from autoshard.report import (
+    boundary_table,
+    compare_tables,
+    compress_module_ranges,
+    format_cost,
+    human_bytes,
+    stage_modules,
+    stage_rows,
+    stage_table,
+    summary_lines,
+    value_columns,
+    wrapped_table,
+)
+
+TENSOR = {"kind": "tensor", "shape": [4, 16], "dtype": "float32", "bytes": 256}
+
+
+def hand_plan(stages: dict[str, int] | None = None, sized: bool = True, k: int = 2) -> SavedPlan:
+    """x -> enc.layers.0 -> .1 -> .2 -> enc.norm -> add(x, norm): a skip over an encoder."""
+    placed = {"x": 0, "l0": 0, "l1": 0, "l2": 1, "norm": 1, "add": 1, **(stages or {})}
+    spec = [("x", "", 0.0), ("l0", "enc.layers.0", 10.0), ("l1", "enc.layers.1", 10.0),
+            ("l2", "enc.layers.2", 10.0), ("norm", "enc.norm", 2.0), ("add", "", 0.0)]
+    nodes = tuple(
+        PlanNode(name=name, stage=placed[name], op="placeholder" if name == "x" else "call_module", target=module,
+                 module=module, costs={"params": cost, "flops": 3 * cost}, bytes=256.0 if sized else 1.0,
+                 param_bytes=cost, input=name == "x", output=name == "add", value=TENSOR if sized else None)
+        for name, module, cost in spec
+    )
+    edges = (("x", "l0"), ("l0", "l1"), ("l1", "l2"), ("l2", "norm"), ("norm", "add"), ("x", "add"))
+    return SavedPlan(num_stages=k, cost_model="params", pipeline="trace,build-dag,linearize,split{stages=2},emit",
+                     model="Skip", versions={}, nodes=nodes, edges=edges,
+                     wrapped=(WrappedLeaf("module", "enc.layers.2", "TraceError: control flow [on values]"),))
+
+
+def rendered(table) -> str:
+    console = Console(file=io.StringIO(), width=200)
+    console.print(table)
+    return console.file.getvalue()
+
+
+def test_compress_module_ranges():
+    assert compress_module_ranges(["layers.0", "layers.1", "layers.2", "head"]) == ["layers.0-2", "head"]
+    assert compress_module_ranges(["a.0.attn", "a.1.attn", "a.3.attn"]) == ["a.0-1.attn", "a.3.attn"]
+
+
+def test_stage_modules_are_as_coarse_as_possible_and_ranged():
+    plan = hand_plan()
+    assert stage_modules(plan, 0) == ["enc.layers.0-1"]
+    assert stage_modules(plan, 1) == ["enc.layers.2", "enc.norm", "(root)"]
+
+
+def test_a_whole_module_is_named_once_and_a_split_one_is_marked():
+    whole = hand_plan({"l2": 0, "norm": 0})
+    assert stage_modules(whole, 0) == ["enc"]
+    assert stage_modules(hand_plan({"l2": 0}), 0) == ["enc.layers.0-2"]  # a whole numbered list reads as its range
+    assert stage_modules(hand_plan({"l1": 1}), 0) == ["enc.layers.0"]
+
+
+def test_stage_rows_add_costs_sizes_and_boundaries():
+    rows = stage_rows(hand_plan())
+    assert [r.costs["params"] for r in rows] == [20.0, 12.0]
+    assert [r.costs["flops"] for r in rows] == [60.0, 36.0]
+    assert [r.nodes for r in rows] == [2, 3]  # the input is not stage content
+    assert rows[0].values_out == ("x", "l1") and rows[1].values_in == ("x", "l1")
+    assert rows[0].bytes_out == 512.0 and rows[0].activation_bytes == 512.0
+
+
+def test_summary_gives_the_bottleneck_over_its_lower_bound_and_the_traffic():
+    bottleneck, traffic = summary_lines(hand_plan())
+    assert "stage 0 at 20 B = 1.250× the lower bound 16 B" in bottleneck
+    assert "total / 2 = 16 B" in bottleneck and "largest node = 10 B" in bottleneck
+    assert traffic == "boundaries: 2 value crossings, 512 B in total, largest boundary 512 B"
+
+
+def test_unmeasured_sizes_are_counted_as_values_not_bytes():
+    traffic = summary_lines(hand_plan(sized=False))[1]
+    assert traffic == "boundaries: 2 value crossings, 2 values in total, largest boundary 2 values"
+
+
+def test_stage_table_has_a_column_per_cost_model_and_one_row_per_stage():
+    text = rendered(stage_table(hand_plan(), "title [with brackets]"))
+    assert "title [with brackets]" in text
+    assert "params (split)" in text and "flops" in text and "activations" in text
+    assert "enc.layers.0-1" in text and "512 B: x, l1" in text and "(model output)" in text
+
+
+def test_boundary_and_wrapped_tables_show_shapes_and_reasons_verbatim():
+    boundaries = rendered(boundary_table(hand_plan()))
+    assert "0 → 1" in boundaries and "[4, 16]" in boundaries and "float32" in boundaries
+    wrapped = rendered(wrapped_table(hand_plan()))
+    assert "enc.layers.2" in wrapped and "control flow [on values]" in wrapped
+
+
+def test_compare_tables_put_strategies_side_by_side():
+    summary, stages = compare_tables({"a": hand_plan(), "b": hand_plan({"l1": 1})})
+    ratios = rendered(summary)
+    assert "1.250" in ratios and "1.375" in ratios  # a: 20 / 16; b: stage costs 10 and 22, so 22 / 16
+    assert "20 B, 12 B" in ratios and "10 B, 22 B" in ratios
+    per_stage = rendered(stages)
+    assert "enc.layers.0-1" in per_stage and "enc.layers.1-2" in per_stage
+
+
+@pytest.mark.parametrize("model,value,shown", [
+    ("params", 3 * 1024 * 1024, "3.0 MB"), ("flops", 2.5e9, "2.5 G"), ("time", 0.0125, "12.500 ms"),
+    ("nodes", 7, "7"),
+])
+def test_costs_are_shown_in_their_unit(model, value, shown):
+    assert format_cost(model, value) == shown
+
+
+@pytest.mark.parametrize("value,columns", [
+    (None, ("?", "?")),
+    (TENSOR, ("[4, 16]", "float32")),
+    ({"kind": "constant", "type": "int", "value": "4"}, ("4", "int")),
+    ({"kind": "tuple", "keys": ["0", "1"], "items": [TENSOR, {"kind": "constant", "type": "NoneType", "value": "None"}]},
+     ("tuple of 2", "float32")),
+])
+def test_value_columns_describe_each_kind_of_value(value, columns):
+    assert value_columns(value) == columns
+
+
+def test_human_bytes_reaches_terabytes():
+    assert human_bytes(5 * 1024**4) == "5.0 TB"

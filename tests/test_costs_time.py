@@ -1,0 +1,110 @@
+"""cost=time: measured per node with a progress bar on a terminal only; a saved profile
+reproduces the plan exactly and is refused for another graph."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import progress
+from autoshard.api import run_pipeline
+from autoshard.costs import timing
+from autoshard.errors import InvalidArgumentError
+from autoshard.examples import LongSkip, ResidualMLP
+from autoshard.passes import BuildDagPass, ExampleInputs, Pipeline, TracePass
+from autoshard.passes.profile import ProfilePass
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def stderr(monkeypatch):
+    def use(stream):
+        monkeypatch.setattr(sys, "stderr", stream)
+        return stream
+
+    yield use
+    progress.set_quiet(False)
+
+
+def shard_by_time(model, x, **kwargs):
+    return autoshard.shard_model(model, 3, example_inputs=(x,), cost="time", **kwargs)
+
+
+def test_time_shows_a_progress_bar_on_a_terminal(stderr):
+    stream = stderr(FakeTTY())
+    shard_by_time(ResidualMLP(), torch.randn(4, 16))
+    assert "profiling node times" in stream.getvalue()
+
+
+def test_time_is_silent_when_not_on_a_terminal(stderr):
+    stream = stderr(io.StringIO())
+    sharded = shard_by_time(ResidualMLP(), torch.randn(4, 16))
+    assert stream.getvalue() == ""
+    assert all(t > 0 for t in sharded.plan.stage_costs("time"))
+
+
+def test_a_saved_profile_gives_the_identical_plan_without_measuring(tmp_path, monkeypatch):
+    model, x = ResidualMLP(), torch.randn(4, 16)
+    path = tmp_path / "times.json"
+    first = shard_by_time(model, x, time_profile=path)
+    saved = json.loads(path.read_text())
+    assert saved["format"] == "autoshard-time-profile" and len(saved["seconds"]) == len(first.plan.stage_nodes(0)) \
+        + len(first.plan.stage_nodes(1)) + len(first.plan.stage_nodes(2))
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again instead of loading the profile")
+
+    monkeypatch.setattr("autoshard.passes.profile.measure_node_seconds", no_measuring)
+    second = shard_by_time(model, x, time_profile=path)
+    assert second.plan.assignment == first.plan.assignment
+    assert second.plan.stage_costs("time") == first.plan.stage_costs("time")
+    assert torch.equal(second(x), model(x))
+
+
+def test_the_profile_decides_the_plan(tmp_path):
+    """Times written into a profile are the costs the split balances."""
+    model, x = ResidualMLP(), torch.randn(4, 16)
+    path = tmp_path / "times.json"
+    shard_by_time(model, x, time_profile=path)
+    data = json.loads(path.read_text())
+    data["seconds"] = {name: (100.0 if name == "linears_7" else 1.0) for name in data["seconds"]}
+    path.write_text(json.dumps(data))
+    sharded = shard_by_time(model, x, time_profile=path)
+    assert max(sharded.plan.stage_costs("time")) == 100.0  # the slow node sits alone in its stage
+    assert sharded.plan.stage_nodes(sharded.plan.assignment["linears_7"]) == ["linears_7"]
+
+
+def test_a_profile_of_another_graph_is_refused(tmp_path):
+    path = tmp_path / "times.json"
+    shard_by_time(ResidualMLP(), torch.randn(4, 16), time_profile=path)
+    with pytest.raises(InvalidArgumentError, match="measured on another graph"):
+        shard_by_time(LongSkip(), torch.randn(4, 16), time_profile=path)
+
+
+def test_an_unreadable_profile_says_so(tmp_path):
+    path = tmp_path / "times.json"
+    path.write_text("{not json")
+    with pytest.raises(InvalidArgumentError, match="cannot read the time profile"):
+        shard_by_time(ResidualMLP(), torch.randn(4, 16), time_profile=path)
+
+
+def test_forward_backward_timing_leaves_the_gradients_alone():
+    model = ResidualMLP()
+    pipeline = Pipeline([TracePass(), ProfilePass(backward=True, warmup=0, repeats=1), BuildDagPass()])
+    dag = run_pipeline(model, pipeline, ExampleInputs((torch.randn(4, 16),))).program.dag
+    assert all(d["seconds"] > 0 for _, d in dag.nodes(data=True) if not d["input"])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_timing_settings_are_checked():
+    with pytest.raises(InvalidArgumentError, match="repeats >= 1"):
+        timing.TimingSettings(repeats=0)

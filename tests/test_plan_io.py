@@ -1,0 +1,216 @@
+"""Plans as files: saved, read back, rebuilt into the same stages, and hand edits checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.api import default_pipeline
+from autoshard.errors import PlanError
+from autoshard.examples import load_example
+from autoshard.passes import PassContext, PassRegistry, Pipeline, ShardProgram, default_registry
+from autoshard.passes.base import ExampleInputs
+from autoshard.passes.plan import LoadPartitionPass
+from autoshard.plan_io import (
+    load_plan,
+    plan_from_dict,
+    plan_from_program,
+    read_plan,
+    rebuild_pipeline,
+    report_costs,
+    save_plan,
+)
+
+
+def make_plan(model: nn.Module, k: int, args: tuple = (), pipeline: Pipeline | None = None):
+    """Run a pipeline up to its split and return the plan and the program."""
+    pipeline = pipeline or default_pipeline(k, verify=bool(args))
+    inputs = ExampleInputs(args) if args else None
+    ctx = PassContext()
+    program = pipeline.run(ShardProgram(model=model, example_inputs=inputs), ctx).program
+    costs, _ = report_costs(program, ctx, "params")
+    return plan_from_program(program, str(pipeline), "params", costs), program
+
+
+@pytest.fixture(scope="module")
+def residual():
+    model, args, _ = load_example("residual-mlp")
+    plan, program = make_plan(model, 4, args)
+    return model, args, plan, program
+
+
+@pytest.fixture
+def saved(residual, tmp_path):
+    return save_plan(residual[2], tmp_path / "plan.json")
+
+
+def edited(path, change) -> dict:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    return data
+
+
+def node(data: dict, name: str) -> dict:
+    return next(n for n in data["nodes"] if n["name"] == name)
+
+
+def model_input(data: dict) -> dict:
+    return next(n for n in data["nodes"] if n.get("input"))
+
+
+# --------------------------------------------------------------------------------------------
+# Saving and reading
+# --------------------------------------------------------------------------------------------
+def test_the_file_holds_nodes_modules_costs_boundaries_pipeline_and_versions(residual, saved):
+    _, _, plan, program = residual
+    data = json.loads(saved.read_text())
+    assert {n["name"]: n["stage"] for n in data["nodes"]} == dict(program.partition.assignment)
+    assert data["modules"]["linears.0"] == 0 and data["modules"]["linears.7"] == 3
+    assert data["modules"]["linears"] == [0, 1, 2, 3]
+    assert node(data, "linears_0")["costs"]["params"] == 16 * 16 * 4 + 16 * 4
+    assert data["summary"]["stage_costs"] == [2176, 2176, 2176, 2176]
+    assert data["boundaries"] == [["add_1"], ["add_3"], ["add_5"]]
+    assert data["pipeline"] == str(default_pipeline(4, verify=True))
+    assert data["versions"]["torch"] == torch.__version__
+    assert data["versions"]["autoshard"] == autoshard.__version__
+    assert ["x", "linears_0"] in data["edges"]
+
+
+def test_read_back_equals_what_was_saved(residual, saved):
+    plan = residual[2]
+    again = read_plan(saved)
+    assert again == plan
+    assert again.to_dict() == plan.to_dict()
+
+
+def test_saving_is_deterministic(residual, tmp_path):
+    plan = residual[2]
+    assert save_plan(plan, tmp_path / "a.json").read_bytes() == save_plan(plan, tmp_path / "b.json").read_bytes()
+
+
+def test_one_line_per_node_so_a_person_can_edit_it(saved):
+    lines = saved.read_text().splitlines()
+    assert sum('"name": "linears_' in line and '"stage": ' in line for line in lines) == 8
+
+
+# --------------------------------------------------------------------------------------------
+# Rebuilding
+# --------------------------------------------------------------------------------------------
+def test_load_plan_rebuilds_the_same_stages(residual, saved):
+    model, args, _, _ = residual
+    original = autoshard.shard_model(model, 4, example_inputs=args)
+    rebuilt = load_plan(saved, model, args)
+    assert rebuilt.plan.assignment == original.plan.assignment
+    assert rebuilt.plan.boundaries == original.plan.boundaries
+    assert [s.code for s in rebuilt.stages] == [s.code for s in original.stages]
+    assert torch.equal(rebuilt(*args), model(*args))
+
+
+def test_a_hand_moved_node_is_used(residual, saved):
+    """Moving linears_2 (and the add after it) back into stage 0 is a valid edit, and it sticks."""
+    model, args, _, _ = residual
+
+    def move(data):
+        node(data, "linears_2")["stage"] = 0
+        node(data, "add_2")["stage"] = 0
+        del data["modules"]
+
+    edited(saved, move)
+    rebuilt = load_plan(saved, model, args)
+    assert rebuilt.plan.assignment["linears_2"] == 0
+    assert rebuilt.plan.boundaries[0] == ("add_2",)
+    assert torch.equal(rebuilt(*args), model(*args))
+
+
+def test_load_partition_runs_from_a_text_spec(residual, saved):
+    model, args, plan, program = residual
+    registry = PassRegistry()
+    for cls in [*default_registry.passes(), LoadPartitionPass]:
+        if cls.name not in registry:
+            registry.register(cls)
+    spec = plan.pipeline.replace("split{stages=4}", f'load-partition{{path="{saved}"}}')
+    assert "load-partition" in spec
+    result = Pipeline.parse(spec, registry).run(ShardProgram(model=model, example_inputs=ExampleInputs(args)))
+    assert dict(result.program.partition.assignment) == dict(program.partition.assignment)
+
+
+def test_rebuild_pipeline_swaps_the_split_and_can_drop_verify(residual, saved):
+    plan = residual[2]
+    steps = [step.name for step in rebuild_pipeline(plan, saved)]
+    assert steps == ["load-partition" if s.name == "split" else s.name for s in Pipeline.parse(plan.pipeline)]
+    assert steps[-2:] == ["emit", "verify"]
+    assert "verify" not in [step.name for step in rebuild_pipeline(plan, saved, verify=False)]
+
+
+def test_a_plan_for_another_model_is_refused(saved):
+    other = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    with pytest.raises(PlanError, match="was made for another graph.*ResidualMLP.*torch"):
+        load_plan(saved, other, torch.randn(2, 16))
+
+
+# --------------------------------------------------------------------------------------------
+# Hand edits that break the plan
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change,reason", [
+    (lambda d: node(d, "linears_1").update(stage=1),
+     "ordered: backward edge 'linears_1' -> 'add_1' from stage 1 to stage 0"),
+    (lambda d: [n.update(stage=0) for n in d["nodes"] if n["stage"] == 1], "non-empty: stage 1 has no"),
+    (lambda d: node(d, "linears_7").update(stage=4), "range: node 'linears_7' is assigned to stage 4"),
+    (lambda d: model_input(d).update(stage=1), "inputs: input node '[^']+' is in stage 1"),
+])
+def test_a_plan_breaking_an_invariant_is_rejected_with_the_reason(saved, change, reason):
+    edited(saved, change)
+    with pytest.raises(PlanError, match=f"breaks an invariant: .*({reason})"):
+        read_plan(saved)
+
+
+def test_an_edited_module_entry_that_disagrees_with_its_nodes_is_an_error(saved):
+    edited(saved, lambda d: d["modules"].update({"linears.3": 2}))
+    with pytest.raises(PlanError, match=r"modules\['linears.3'\] says 2 but its nodes are in 1.*edit.*\"stage\""):
+        read_plan(saved)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d.update(format="other"), "is not an autoshard plan"),
+    (lambda d: d.update(format_version=99), "format_version is 99"),
+    (lambda d: node(d, "add").update(stage="1"), r"nodes\[\d+\].stage must be int, got '1'"),
+    (lambda d: node(d, "add").pop("stage"), r"nodes\[\d+\] has no 'stage'"),
+    (lambda d: d["nodes"].append(dict(node(d, "linears_0"))), "list 'linears_0' twice"),
+    (lambda d: d["edges"].append(["add", "nowhere"]), "names 'nowhere', which is not in nodes"),
+    (lambda d: node(d, "add")["costs"].update(params=float("nan")), "must be finite"),
+    (lambda d: d["edges"].append(["add_7", "x"]), "inputs must be sources|cycle"),
+])
+def test_malformed_plans_say_what_and_where(saved, change, message):
+    data = json.loads(saved.read_text())
+    change(data)
+    saved.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=message):
+        read_plan(saved)
+
+
+def test_not_json_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    with pytest.raises(PlanError, match="not valid JSON.*line 1"):
+        read_plan(bad)
+    with pytest.raises(PlanError, match="cannot read the plan"):
+        read_plan(tmp_path / "missing.json")
+
+
+def test_plan_from_dict_accepts_the_derived_sections_missing(residual):
+    data = residual[2].to_dict()
+    for derived in ("summary", "boundaries", "modules"):
+        del data[derived]
+    assert plan_from_dict(data) == residual[2]
+
+
+def test_a_plan_measured_on_inputs_needs_inputs_to_rebuild(residual, saved):
+    """The default pipeline with example inputs runs shape-prop, which cannot run without them."""
+    model = residual[0]
+    with pytest.raises(PlanError, match="runs shape-prop.*pass example inputs of the same kind to load_plan"):
+        load_plan(saved, model)

@@ -1,0 +1,132 @@
+"""Checkpoints keep the original model's names: per stage, whole, and for a stage built on meta."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.errors import CheckpointMismatchError
+from autoshard.examples import ResidualMLP, TransformerLM
+from autoshard.examples.models import causal_mask
+from autoshard.runtime import load_stage_state, materialize_stage, merge_stage_states, stage_part
+from autoshard.runtime.stage import stage_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_pipeline import TinyGPT  # noqa: E402
+
+
+def build(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if name == "transformer-lm":
+        return TransformerLM().eval(), (torch.randint(0, 100, (12, 3)), causal_mask(12))
+    if name == "tiny-gpt":
+        return TinyGPT(), (torch.randint(0, 64, (2, 8)),)
+    return ResidualMLP(), (torch.randn(4, 16),)
+
+
+NAMES = ["residual-mlp", "tiny-gpt", "transformer-lm"]
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stage_keys_are_the_models_keys(name):
+    model, args = build(name)
+    sharded = autoshard.shard_model(model, 3, example_inputs=args)
+    per_stage = [set(stage.state_dict()) for stage in sharded.stages]
+    assert set().union(*per_stage) == set(model.state_dict())
+    runtime = [set(stage_module(sharded, i, torch.device("cpu")).state_dict()) for i in range(3)]
+    assert runtime == per_stage  # the runtime's stage modules keep the names too
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saving_every_stage_and_loading_into_a_fresh_model_round_trips_exactly(name, tmp_path):
+    model, args = build(name)
+    sharded = autoshard.shard_model(model, 3, example_inputs=args)
+    for index, stage in enumerate(sharded.stages):
+        torch.save(stage.state_dict(), tmp_path / f"stage{index}.pt")
+    fresh, _ = build(name, seed=1)
+    assert not torch.equal(next(fresh.parameters()), next(model.parameters()))
+    saved = [torch.load(tmp_path / f"stage{i}.pt", weights_only=True) for i in range(3)]
+    fresh.load_state_dict(merge_stage_states(saved), strict=True)
+    assert_same_state(fresh.state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_stage_loads_its_part_of_the_models_checkpoint(name, tmp_path):
+    model, args = build(name)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    fresh, _ = build(name, seed=1)
+    sharded = autoshard.shard_model(fresh, 3, example_inputs=args)
+    for stage in sharded.stages:
+        load_stage_state(stage, tmp_path / "model.pt")
+    assert_same_state(fresh.state_dict(), model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(*args), model(*args), rtol=0, atol=0)
+
+
+def test_stage_part_picks_only_the_stages_keys():
+    model, args = build("tiny-gpt")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    part = stage_part(sharded.stages[1], model.state_dict())
+    assert set(part) == set(sharded.stages[1].state_dict())
+    assert "lm_head.weight" in part and "wte.weight" not in part
+
+
+def test_diverged_copies_of_a_shared_parameter_are_refused():
+    model, args = build("tiny-gpt")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    states = [dict(stage.state_dict()) for stage in sharded.stages]
+    states[1]["wte.weight"] = states[0]["wte.weight"] + 1  # as if stage 1 also held it, drifted
+    with pytest.raises(CheckpointMismatchError,
+                       match="stages 0 and 1 hold different values for 'wte.weight'"):
+        merge_stage_states(states)
+
+
+def test_checkpoint_mismatches_name_the_tensor():
+    model, args = build("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    state = model.state_dict()
+    missing = {k: v for k, v in state.items() if k != "linears.7.bias"}
+    with pytest.raises(CheckpointMismatchError, match="'linears.7.bias'"):
+        load_stage_state(sharded.stages[1], missing)
+    wrong = {**state, "linears.0.weight": torch.zeros(3, 3)}
+    with pytest.raises(CheckpointMismatchError, match=r"shape \(16, 16\).*\(3, 3\)"):
+        load_stage_state(sharded.stages[0], wrong)
+
+
+def test_a_meta_plan_gets_real_weights_for_one_stage_only(tmp_path):
+    model, args = build("tiny-gpt")
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    with torch.device("meta"):
+        meta_model = TinyGPT()
+    planned = autoshard.shard_model(meta_model, 2)
+    last = materialize_stage(planned, 1, tmp_path / "model.pt")
+    assert all(t.is_meta for t in meta_model.state_dict().values())  # neither the model ...
+    assert all(t.is_meta for t in planned.stages[1].state_dict().values())  # ... nor the plan changed
+    assert all(not t.is_meta for t in last.stages[1].state_dict().values())
+    # stage 0 stays meta, except the embedding it shares with the head: that is real in both
+    assert last.stages[0].get_parameter("wte.weight") is last.stages[1].get_parameter("lm_head.weight")
+    assert last.stages[0].get_parameter("blocks.0.fc.weight").is_meta
+    assert_same_state(last.stages[1].state_dict(), stage_part(last.stages[1], model.state_dict()))
+    with torch.no_grad():
+        hidden = autoshard.shard_model(model, 2).stages[0](*args)
+        torch.testing.assert_close(last.stages[1](*hidden), model(*args), rtol=0, atol=0)
+
+
+def test_a_stage_loads_from_its_own_checkpoint_file(tmp_path):
+    model, args = build("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    torch.save(sharded.stages[1].state_dict(), tmp_path / "stage1.pt")
+    with torch.device("meta"):
+        meta_model = ResidualMLP()
+    built = materialize_stage(autoshard.shard_model(meta_model, 2), [1], tmp_path / "stage1.pt")
+    assert_same_state(built.stages[1].state_dict(), sharded.stages[1].state_dict())

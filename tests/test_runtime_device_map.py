@@ -1,0 +1,101 @@
+"""A plan whose boundaries fall between modules exports as ``{module_path: device}``; otherwise the
+split modules are named."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.errors import InvalidArgumentError, ModuleSplitError
+from autoshard.examples import LongSkip, ResidualMLP, TransformerLM
+from autoshard.examples.models import causal_mask
+from autoshard.runtime import device_map, split_modules
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_pipeline import TinyGPT  # noqa: E402
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.relu(self.inner(x))) + x
+
+
+class TwoResiduals(nn.Module):
+    """Two residual blocks: three stages must cut inside one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Residual(), Residual())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def shard(model, k, *args):
+    torch.manual_seed(0)
+    return autoshard.shard_model(model, k, example_inputs=args)
+
+
+def test_a_plan_cut_between_blocks_maps_whole_modules():
+    torch.manual_seed(0)
+    sharded = shard(TinyGPT(), 4, torch.randint(0, 64, (2, 8)))
+    assert device_map(sharded) == {
+        "wte": 0, "wpe": 0, "blocks.0": 0, "blocks.1": 1, "blocks.2": 2, "blocks.3": 3,
+        "ln_f": 3, "lm_head": 3,
+        "causal": 0, "positions": 0,  # buffers the model's own forward reads
+    }
+
+
+def test_devices_are_given_per_stage_and_returned_as_given():
+    torch.manual_seed(0)
+    sharded = shard(TransformerLM().eval(), 2, torch.randint(0, 100, (12, 3)), causal_mask(12))
+    mapping = device_map(sharded, ["cuda:0", torch.device("cpu")])
+    assert mapping["encoder"] == "cuda:0" and mapping["decoder"] == torch.device("cpu")
+    covered = {name for name, _ in TransformerLM().named_parameters()}
+    assert all(any(p == m or p.startswith(m + ".") for m in mapping) for p in covered)
+
+
+def test_a_sequential_model_maps_layer_by_layer():
+    sharded = shard(nn.Sequential(*(nn.Linear(4, 4) for _ in range(6))), 3, torch.randn(2, 4))
+    assert device_map(sharded, ["cuda:0", "cuda:1", "cpu"]) == {
+        "0": "cuda:0", "1": "cuda:0", "2": "cuda:1", "3": "cuda:1", "4": "cpu", "5": "cpu"}
+
+
+@pytest.mark.parametrize("model, split", [
+    (LongSkip(), ("",)),      # the input is added to the stack's output in the last stage
+    (ResidualMLP(), ("",)),   # each x + linear(x) is the model's own code
+])
+def test_cuts_inside_the_models_own_forward_are_reported(model, split):
+    sharded = shard(model, 2, torch.randn(4, 16))
+    assert split_modules(sharded) == split
+    with pytest.raises(ModuleSplitError, match=r"the model's own forward") as info:
+        device_map(sharded)
+    assert info.value.modules == split
+
+
+def test_a_cut_inside_a_submodule_names_it():
+    sharded = shard(TwoResiduals(), 3, torch.randn(2, 8))
+    split = split_modules(sharded)
+    assert split and all(name.startswith("blocks.") for name in split)
+    with pytest.raises(ModuleSplitError, match=split[0]):
+        device_map(sharded)
+
+
+def test_stages_on_the_same_device_are_not_split():
+    sharded = shard(ResidualMLP(), 2, torch.randn(4, 16))
+    assert device_map(sharded, ["cpu", "cpu"]) == {"": "cpu"}
+
+
+def test_one_device_per_stage_is_required():
+    sharded = shard(ResidualMLP(), 2, torch.randn(4, 16))
+    with pytest.raises(InvalidArgumentError, match="2 stages but 3 devices"):
+        device_map(sharded, [0, 1, 2])

@@ -1,0 +1,139 @@
+"""Launch mistakes are typed errors raised before any process sends or waits.
+
+These checks need no process group: they run first in ``pipeline_stage`` and ``build_schedule``,
+on every rank alike. (The world-size checks against a real group run in test_runtime_pipeline.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autoshard
+from autoshard.errors import (
+    BoundaryValueError,
+    DeviceUnavailableError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    PipelineSetupError,
+    WorldSizeError,
+)
+from autoshard.examples import ResidualMLP
+from autoshard.runtime import check_world_size, pipeline_stage
+from autoshard.runtime.boundaries import value_kind
+
+
+class SizeUsedAtTheEnd(nn.Module):
+    """``x.size(0)`` is taken first and used last, so an int crosses every cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.size(0)
+        return self.c(self.b(self.a(x))).reshape(n, 2, 2)
+
+
+@pytest.fixture
+def two_stages():
+    torch.manual_seed(0)
+    return autoshard.shard_model(ResidualMLP(), 2, example_inputs=(torch.randn(4, 16),))
+
+
+@pytest.mark.parametrize("schedule, stages, world", [
+    ("gpipe", 2, 2), ("1f1b", 4, 4), ("interleaved-1f1b", 4, 2), ("looped-bfs", 6, 3),
+    ("interleaved-1f1b", 2, 2),
+])
+def test_world_sizes_that_fit(schedule, stages, world):
+    check_world_size(stages, world, schedule)
+
+
+@pytest.mark.parametrize("schedule, stages, world, advice", [
+    ("gpipe", 4, 2, "--nproc-per-node 4"),
+    ("1f1b", 2, 4, "--nproc-per-node 2"),
+    ("interleaved-1f1b", 3, 2, "multiple of 2"),
+    ("interleaved-1f1b", 2, 4, "multiple of 4"),
+    (torch.distributed.pipelining.ScheduleZBVZeroBubble, 4, 2, "ScheduleInterleaved1F1B"),
+])
+def test_world_sizes_that_do_not_fit_say_what_to_launch(schedule, stages, world, advice):
+    with pytest.raises(WorldSizeError, match=advice):
+        check_world_size(stages, world, schedule)
+
+
+def test_an_unknown_schedule_name_is_suggested():
+    with pytest.raises(InvalidArgumentError, match="did you mean '1f1b'"):
+        check_world_size(2, 2, "1fb1")
+
+
+def test_a_non_tensor_crossing_a_boundary_is_refused_before_any_process_group(two_stages):
+    sharded = autoshard.shard_model(SizeUsedAtTheEnd(), 2)
+    crossing = [name for boundary in sharded.plan.boundaries for name in boundary]
+    assert "size" in crossing  # the plan really sends the int
+    assert value_kind(sharded, "size") == "the result of .size()"
+    crossing_int = r"'size' \(the result of .size\(\)\) from stage 0 to stage 1"
+    with pytest.raises(BoundaryValueError, match=crossing_int):
+        pipeline_stage(sharded, 0, 2, "cpu")
+
+
+class TupleMeta:
+    """Stands in for the plan's metadata of a tuple of two tensors."""
+
+    kind = "tuple"
+
+    def __str__(self) -> str:
+        return "(float32[4, 16], float32[4, 16])"
+
+
+@pytest.mark.parametrize("attrs, described", [
+    ({"value_meta": TupleMeta()}, r"tuple \(float32\[4, 16\], float32\[4, 16\]\)"),
+    ({"value_meta": None, "tensor": False}, "a non-tensor value"),
+])
+def test_boundary_metadata_marking_a_non_tensor_is_refused(two_stages, attrs, described):
+    name = two_stages.plan.boundaries[0][0]
+    assert value_kind(two_stages, name) in ("tensor", None)
+    two_stages.plan.dag.nodes[name].update(attrs)
+    with pytest.raises(BoundaryValueError, match=f"'{name}' \\({described}\\)"):
+        pipeline_stage(two_stages, 0, 2, "cpu")
+
+
+def test_a_missing_device_is_refused(two_stages):
+    absent = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(DeviceUnavailableError, match="cuda"):
+        pipeline_stage(two_stages, 0, 2, absent)
+    with pytest.raises(InvalidArgumentError, match="not a device"):
+        pipeline_stage(two_stages, 0, 2, "gpu0")
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((0, 3, "cpu"), InvalidArgumentError, "the plan has 2 stages"),
+    ((2, 2, "cpu"), InvalidArgumentError, "outside the plan's stages 0..1"),
+    ((0, 2.0, "cpu"), InvalidArgumentTypeError, "num_stages must be an int"),
+    ((0, 2, "meta"), PipelineSetupError, "meta device"),
+])
+def test_bad_stage_choices(two_stages, args, error, message):
+    with pytest.raises(error, match=message):
+        pipeline_stage(two_stages, *args)
+
+
+def test_not_a_sharded_model():
+    with pytest.raises(InvalidArgumentTypeError, match="ShardedModel"):
+        pipeline_stage(ResidualMLP(), 0, 2, "cpu")
+
+
+def test_without_a_process_group_the_error_says_how_to_start_one(two_stages):
+    assert not dist.is_initialized()
+    with pytest.raises(PipelineSetupError, match="init_process_group"):
+        pipeline_stage(two_stages, 0, 2, "cpu")
+
+
+def test_a_stage_still_on_the_meta_device_says_how_to_load_it():
+    with torch.device("meta"):
+        model = ResidualMLP()
+    sharded = autoshard.shard_model(model, 2)
+    from autoshard.runtime.stage import stage_module
+
+    with pytest.raises(PipelineSetupError, match="materialize_stage"):
+        stage_module(sharded, 0, torch.device("cpu"))

@@ -1,0 +1,141 @@
+"""The offload runner computes what the model computes, in inference and training, holding one
+stage's weights on the compute device at a time."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoshard
+from autoshard.errors import DeviceUnavailableError, InvalidArgumentTypeError
+from autoshard.examples import LongSkip, ResidualMLP, TransformerLM
+from autoshard.examples.models import causal_mask
+from autoshard.runtime import OffloadRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_pipeline import TinyGPT, lm_loss  # noqa: E402
+
+
+class NormedMLP(nn.Module):
+    """BatchNorm between linears: training updates buffers the runner must write back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def models():
+    torch.manual_seed(0)
+    return [
+        pytest.param(ResidualMLP(), (torch.randn(4, 16),), id="residual-mlp"),
+        pytest.param(LongSkip(), (torch.randn(4, 16),), id="long-skip"),
+        pytest.param(TinyGPT(), (torch.randint(0, 64, (2, 8)),), id="tiny-gpt"),
+        pytest.param(TransformerLM(), (torch.randint(0, 100, (12, 3)), causal_mask(12)), id="transformer-lm"),
+    ]
+
+
+@pytest.mark.parametrize("model, args", models())
+def test_inference_matches_the_model(model, args):
+    model.eval()
+    sharded = autoshard.shard_model(model, 3, example_inputs=args)
+    with torch.no_grad():
+        torch.testing.assert_close(OffloadRunner(sharded, "cpu")(*args), model(*args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model, args", models())
+def test_training_gives_the_models_gradients(model, args):
+    """In train mode (dropout on for the transformer): the backward recomputation replays the
+    random numbers of the forward, and gradients land in the model's own ``.grad``."""
+    model.train()
+    sharded = autoshard.shard_model(model, 3, example_inputs=args)
+    runner = OffloadRunner(sharded, "cpu")
+    expected = {}
+    for run, store in ((model, expected), (runner, None)):
+        model.zero_grad()
+        torch.manual_seed(1)
+        out = run(*args)
+        out.float().pow(2).mean().backward()
+        if store is not None:
+            store.update({n: p.grad.clone() for n, p in model.named_parameters()})
+    for param_name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[param_name], msg=lambda m: f"{param_name}: {m}")
+
+
+def test_a_training_step_with_a_tied_head_matches_the_unsplit_model():
+    torch.manual_seed(0)
+    reference, ids, target = TinyGPT(), torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    model = copy.deepcopy(reference)
+    runner = OffloadRunner(autoshard.shard_model(model, 2, example_inputs=(ids,)), "cpu")
+    for net, run in ((reference, reference), (model, runner)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+        lm_loss(run(ids), target).backward()
+        optimizer.step()
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
+
+
+def test_buffers_updated_in_training_are_written_back():
+    torch.manual_seed(0)
+    model, x = NormedMLP(), torch.randn(6, 8)
+    twin = copy.deepcopy(model)
+    runner = OffloadRunner(autoshard.shard_model(model, 2, example_inputs=(x,)), "cpu")
+    F.mse_loss(runner(x), x).backward()
+    F.mse_loss(twin(x), x).backward()
+    for name, buffer in twin.named_buffers():
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, rtol=0, atol=0)
+    assert model.layers[1].num_batches_tracked.item() == 1  # the recomputation did not count twice
+    for name, param in twin.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, param.grad)
+
+
+def test_each_stage_weights_are_on_the_device_only_while_it_runs():
+    """With ``meta`` as the compute device the copies are distinct objects we can watch: every
+    linear sees its weight on the device, and a stage's copies are gone before the next runs."""
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    sharded = autoshard.shard_model(model, 4, example_inputs=(torch.randn(4, 16),))
+    seen = []  # (stage, weakref to the weight the linear ran with, its device)
+
+    def record(stage_index):
+        def hook(module, args, output):
+            gc.collect()
+            earlier_alive = [ref() is not None for s, ref, _ in seen if s < stage_index]
+            assert not any(earlier_alive), "an earlier stage's weights are still on the device"
+            seen.append((stage_index, weakref.ref(module.weight), module.weight.device))
+        return hook
+
+    for index, stage in enumerate(sharded.stages):
+        for module in stage.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(record(index))
+    runner = OffloadRunner(sharded, "meta")
+    for module in model.modules():  # the model itself keeps no hooks
+        module._forward_hooks.clear()
+    with torch.no_grad():
+        out = runner(torch.randn(4, 16))
+    gc.collect()
+    assert out.is_meta and len(seen) == 8
+    assert {stage for stage, _, _ in seen} == {0, 1, 2, 3}
+    assert all(device.type == "meta" for _, _, device in seen)
+    assert all(ref() is None for _, ref, _ in seen)
+    assert all(not p.is_meta for p in model.parameters())
+
+
+def test_bad_runner_arguments():
+    with pytest.raises(InvalidArgumentTypeError, match="ShardedModel"):
+        OffloadRunner(ResidualMLP(), "cpu")
+    sharded = autoshard.shard_model(ResidualMLP(), 2)
+    with pytest.raises(DeviceUnavailableError):
+        OffloadRunner(sharded, f"cuda:{torch.cuda.device_count()}")

@@ -1,0 +1,305 @@
+"""One training step on torch.distributed.pipelining (gloo, 2 and 4 processes) matches the unsplit model.
+
+Each launch runs several scenarios in the same processes (starting processes is the slow part on a
+2-core machine); every test then checks one scenario against the model trained on this process.
+The launches have a deadline, and every collective a timeout, so nothing here can hang.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoshard
+from autoshard.errors import InvalidArgumentError, PipelineSetupError, WorldSizeError
+from autoshard.examples import LongSkip, ResidualMLP
+from autoshard.runtime import (
+    TiedGradients,
+    build_schedule,
+    local_stage_indices,
+    materialize_stage,
+    pipeline_stage,
+    run_local,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_pipeline import TinyGPT, lm_loss  # noqa: E402
+
+LAUNCH_DEADLINE_S = 420
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(LAUNCH_DEADLINE_S + 120)]
+BATCH, MICROBATCHES = 8, 4
+
+
+class SharedLayer(nn.Module):
+    """One linear applied at every depth: with one application per stage, every stage holds it."""
+
+    def __init__(self, depth: int = 4, width: int = 8) -> None:
+        super().__init__()
+        self.shared = nn.Linear(width, width)
+        self.depth = depth
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.depth):
+            x = torch.tanh(self.shared(x)) + x
+        return x
+
+
+def _vectors(width: int):
+    return lambda gen: (torch.randn(BATCH, width, generator=gen), torch.randn(BATCH, width, generator=gen))
+
+
+def _tokens(gen):
+    return torch.randint(0, 64, (BATCH, 8), generator=gen), torch.randint(0, 64, (BATCH, 8), generator=gen)
+
+
+#: model name -> (model class, batch from a generator, loss)
+MODELS = {
+    "residual-mlp": (ResidualMLP, _vectors(16), F.mse_loss),
+    "long-skip": (LongSkip, _vectors(16), F.mse_loss),
+    "shared-layer": (SharedLayer, _vectors(8), F.mse_loss),
+    "tiny-gpt": (TinyGPT, _tokens, lm_loss),
+}
+
+
+def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    factory, batch, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = factory()
+    inputs, target = batch(torch.Generator().manual_seed(7))
+    return model, inputs, target
+
+
+def reference_step(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The unsplit model's loss and gradients (by every parameter name, tied names included)."""
+    model, inputs, target = build(name)
+    loss = MODELS[name][2](model(inputs), target)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def pipeline_step(rank: int, world: int, name: str, num_stages: int, schedule: str) -> dict:
+    """One step of ``name`` split into ``num_stages`` under ``schedule``; what this rank saw."""
+    model, inputs, target = build(name)
+    sharded = autoshard.shard_model(model, num_stages, example_inputs=(inputs,))
+    mine = local_stage_indices(num_stages, rank, world)
+    stages = [pipeline_stage(sharded, index, num_stages, "cpu") for index in mine]
+    runner = build_schedule(stages, schedule, MICROBATCHES, loss_fn=MODELS[name][2])
+    ties = TiedGradients(sharded, stages)
+    last = num_stages - 1 in mine
+    losses: list[torch.Tensor] | None = [] if last else None
+    runner.step(*((inputs,) if 0 in mine else ()), target=target if last else None, losses=losses)
+    held = {(s, n) for shared in ties.shared for s, n in shared.holders if s in mine}
+    before_sync = {(s, n): next(x for x in stages if x.stage_index == s).submod.get_parameter(n).grad.clone()
+                   for s, n in held}
+    ties.sync()
+    return {
+        "losses": losses,
+        "before_sync": before_sync,
+        "grads": {s.stage_index: {n: p.grad for n, p in s.submod.named_parameters(remove_duplicate=False)}
+                  for s in stages},
+        "keys": {s.stage_index: sorted(s.submod.state_dict()) for s in stages},
+        "boundaries": sharded.plan.boundaries,
+    }
+
+
+def setup_errors(rank: int, world: int) -> dict:
+    """Misfits of world size, schedule and plan: each must raise here, on every rank, without
+    leaving a rank waiting."""
+    model, inputs, _ = build("residual-mlp")
+    errors = {}
+    four = autoshard.shard_model(model, 4, example_inputs=(inputs,))
+    stages = [pipeline_stage(four, i, 4, "cpu") for i in local_stage_indices(4, rank, world)]
+    try:
+        build_schedule(stages[0], "gpipe", MICROBATCHES)
+    except WorldSizeError as exc:
+        errors["gpipe with 4 stages"] = str(exc)
+    try:  # rank 1 forgets a stage: rank 0, whose call is right, must not wait for it
+        build_schedule(stages if rank == 0 else stages[:1], "interleaved-1f1b", MICROBATCHES)
+    except InvalidArgumentError as exc:
+        errors["a stage left out"] = str(exc)
+    three = autoshard.shard_model(model, 3, example_inputs=(inputs,))
+    try:
+        pipeline_stage(three, rank, 3, "cpu")
+    except WorldSizeError as exc:
+        errors["3 stages"] = str(exc)
+    differs = autoshard.shard_model(ResidualMLP(num_blocks=8 - 2 * rank), 2, example_inputs=(inputs,))
+    try:
+        build_schedule(pipeline_stage(differs, rank, 2, "cpu"), "gpipe", MICROBATCHES)
+    except PipelineSetupError as exc:
+        errors["different plans"] = str(exc)
+    return errors
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def wide_stack() -> nn.Module:
+    """8 x 2048^2 float32 weights: 134 MB, 33.5 MB per stage of 4."""
+    return nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(8)))
+
+
+def meta_stage(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
+    """Plan on the meta device, load this rank's stage only, run a forward; resident memory before/after."""
+    with torch.device("meta"):
+        model = wide_stack()
+    sharded = autoshard.shard_model(model, world)
+    before = current_rss()
+    source = checkpoints["full"] if rank < 2 else checkpoints[f"stage{rank}"]
+    sharded = materialize_stage(sharded, rank, source)
+    stage = pipeline_stage(sharded, rank, world, "cpu")
+    schedule = build_schedule(stage, "gpipe", 2)
+    with torch.no_grad():
+        out = schedule.step(torch.ones(4, 2048)) if rank == 0 else schedule.step()
+    return {
+        "growth": current_rss() - before,
+        "stage_bytes": sum(t.nbytes for t in stage.submod.state_dict().values()),
+        "output": out,
+        "meta_left": model[0].weight.is_meta,
+    }
+
+
+def two_process_worker(rank: int, world: int, scenarios: list[tuple]) -> dict:
+    results = {"errors": setup_errors(rank, world)}
+    for scenario in scenarios:
+        results[scenario] = pipeline_step(rank, world, *scenario)
+    return results
+
+
+def four_process_worker(rank: int, world: int, scenarios: list[tuple], checkpoints: dict[str, str]) -> dict:
+    results = {"meta": meta_stage(rank, world, checkpoints)}  # first: memory measured in a fresh process
+    for scenario in scenarios:
+        results[scenario] = pipeline_step(rank, world, *scenario)
+    return results
+
+
+TWO_PROCESS = [
+    ("residual-mlp", 2, "gpipe"),
+    ("residual-mlp", 2, "1f1b"),
+    ("tiny-gpt", 2, "gpipe"),
+    ("tiny-gpt", 2, "1f1b"),
+    ("tiny-gpt", 4, "interleaved-1f1b"),
+    ("long-skip", 4, "looped-bfs"),
+    ("shared-layer", 4, "interleaved-1f1b"),
+]
+FOUR_PROCESS = [
+    ("residual-mlp", 4, "1f1b"),
+    ("tiny-gpt", 4, "gpipe"),
+]
+
+
+@pytest.fixture(scope="module")
+def two_processes():
+    return run_local(two_process_worker, 2, args=(TWO_PROCESS,), timeout=LAUNCH_DEADLINE_S)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("wide")
+    torch.manual_seed(0)
+    model = wide_stack()
+    paths = {"full": str(directory / "model.pt")}
+    torch.save(model.state_dict(), paths["full"])
+    sharded = autoshard.shard_model(model, 4)
+    for index in (2, 3):
+        paths[f"stage{index}"] = str(directory / f"stage{index}.pt")
+        torch.save(sharded.stages[index].state_dict(), paths[f"stage{index}"])
+    with torch.no_grad():
+        expected = model(torch.ones(4, 2048))
+    return paths, expected, sum(t.nbytes for t in model.state_dict().values())
+
+
+@pytest.fixture(scope="module")
+def four_processes(checkpoints):
+    paths, _, _ = checkpoints
+    return run_local(four_process_worker, 4, args=(FOUR_PROCESS, paths), timeout=LAUNCH_DEADLINE_S)
+
+
+def check_step(results: list[dict], scenario: tuple) -> list[dict]:
+    """The losses and every gradient of every stage equal the unsplit model's."""
+    name, num_stages, _ = scenario
+    expected_loss, expected_grads = reference_step(name)
+    seen = [r[scenario] for r in results]
+    last = seen[(num_stages - 1) % len(seen)]
+    torch.testing.assert_close(torch.stack(last["losses"]).mean(), expected_loss)
+    covered = set()
+    for rank_result in seen:
+        for grads in rank_result["grads"].values():
+            for param_name, grad in grads.items():
+                torch.testing.assert_close(grad, expected_grads[param_name],
+                                           msg=lambda m: f"{param_name}: {m}")
+                covered.add(param_name)
+    assert covered == set(expected_grads)
+    return seen
+
+
+def carried_past_a_stage(boundaries) -> set[str]:
+    """Values that cross at least two consecutive boundaries: skips over a whole stage."""
+    return {v for here, there in zip(boundaries, boundaries[1:]) for v in set(here) & set(there)}
+
+
+@pytest.mark.parametrize("scenario", TWO_PROCESS, ids=lambda s: "-".join(map(str, s)))
+def test_two_processes_train_like_the_unsplit_model(two_processes, scenario):
+    seen = check_step(two_processes, scenario)
+    model = build(scenario[0])[0]
+    keys = [k for r in seen for ks in r["keys"].values() for k in ks]
+    assert set(keys) == set(model.state_dict())  # the runtime's stages keep the model's names
+
+
+@pytest.mark.parametrize("scenario", FOUR_PROCESS, ids=lambda s: "-".join(map(str, s)))
+def test_four_processes_train_like_the_unsplit_model(four_processes, scenario):
+    check_step(four_processes, scenario)
+
+
+def test_skip_connections_cross_non_adjacent_stages(two_processes, four_processes):
+    for results, scenario in ((two_processes, ("tiny-gpt", 4, "interleaved-1f1b")),
+                              (two_processes, ("long-skip", 4, "looped-bfs")),
+                              (four_processes, ("tiny-gpt", 4, "gpipe"))):
+        assert carried_past_a_stage(results[0][scenario]["boundaries"]), scenario
+
+
+def test_tied_head_and_embedding_on_different_ranks_get_the_summed_gradient(two_processes):
+    rank0, rank1 = (r[("tiny-gpt", 2, "gpipe")] for r in two_processes)
+    assert "wte.weight" in rank0["grads"][0] and "wte.weight" not in rank1["grads"][1]
+    assert "lm_head.weight" in rank1["grads"][1] and "lm_head.weight" not in rank0["grads"][0]
+    _, expected = reference_step("tiny-gpt")
+    embedding_part = rank0["before_sync"][0, "wte.weight"]
+    head_part = rank1["before_sync"][1, "lm_head.weight"]
+    assert not torch.allclose(embedding_part, expected["wte.weight"])  # neither rank's own part is enough
+    torch.testing.assert_close(embedding_part + head_part, expected["wte.weight"])
+    torch.testing.assert_close(rank0["grads"][0]["wte.weight"], rank1["grads"][1]["lm_head.weight"])
+
+
+def test_a_weight_every_stage_holds_is_summed_over_local_and_remote_stages(two_processes):
+    scenario = ("shared-layer", 4, "interleaved-1f1b")
+    holders = [stage for r in two_processes for stage, grads in r[scenario]["grads"].items()
+               if "shared.weight" in grads]
+    assert sorted(holders) == [0, 1, 2, 3]
+
+
+def test_world_size_misfits_fail_on_every_rank_before_blocking(two_processes):
+    for rank_result in two_processes:
+        errors = rank_result["errors"]
+        assert "--nproc-per-node 4" in errors["gpipe with 4 stages"]
+        assert "3 stages cannot be spread evenly over 2 processes" in errors["3 stages"]
+        assert "the processes split the model differently" in errors["different plans"]
+        assert "rank 1 runs stages [1, 3] but was given [1]" in errors["a stage left out"]
+    assert all(("residual-mlp", 2, "gpipe") in r for r in two_processes)  # and the ranks carried on
+
+
+def test_a_rank_builds_its_stage_from_a_meta_model_with_memory_tracking_its_stage(
+        four_processes, checkpoints):
+    _, expected, model_bytes = checkpoints
+    for rank_result in four_processes:
+        meta = rank_result["meta"]
+        assert meta["meta_left"]  # the user's meta model was not materialised
+        assert meta["stage_bytes"] == model_bytes // 4
+        assert 0.7 * meta["stage_bytes"] < meta["growth"] < meta["stage_bytes"] + model_bytes / 4
+    torch.testing.assert_close(four_processes[3]["meta"]["output"], expected)

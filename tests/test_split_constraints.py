@@ -1,0 +1,228 @@
+"""User constraints on split_dag: pins, together groups, preferences, capacities, memory budgets."""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, InvalidGraphError
+from autoshard.graph import Constraints, split_dag, total_boundary_bytes
+from autoshard.testing import (
+    brute_force_constrained,
+    check_constraints,
+    constraint_violations,
+    relative_bottleneck,
+)
+from autoshard.testing.properties import at_most
+from autoshard.testing.graphs import layered_graph
+from autoshard.testing.strategies import constrained_problems, dags, shaped_dags
+
+BOUNDED = ("min-cut", "fixed-order", "exact")
+
+
+def chain(costs: list[float], **attrs: list[float]) -> nx.DiGraph:
+    dag = nx.DiGraph()
+    for i, c in enumerate(costs):
+        dag.add_node(f"v{i}", cost=float(c), bytes=1.0, **{k: float(v[i]) for k, v in attrs.items()})
+    nx.add_path(dag, list(dag.nodes))
+    return dag
+
+
+def stages(assignment: dict) -> list[int]:
+    return list(assignment.values())
+
+
+def options(c: Constraints) -> dict:
+    return {"cut_before": c.cut_before, "together": c.together, "capacities": c.capacities,
+            "memory_budgets": c.memory_budgets}
+
+
+# --- properties against brute force -------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(constrained_problems(shaped_dags(max_nodes=7) | dags(max_nodes=7)), st.sampled_from(BOUNDED),
+       st.sampled_from([0.0, 0.25]))
+def test_bounded_strategies_honour_random_constraints_or_say_none_can(problem, strategy, tolerance):
+    dag, k, constraints = problem
+    try:
+        contiguous = brute_force_constrained(dag, k, constraints, contiguous=True)
+    except InfeasibleSplitError:  # a pin inside a group, more pins than boundaries, ...
+        contiguous = []
+    if not contiguous:
+        with pytest.raises(InfeasibleSplitError):
+            split_dag(dag, k, strategy, tolerance, **options(constraints))
+        return
+    best = min(relative_bottleneck(dag, a, k, constraints) for a in contiguous)
+    bound = (1 + tolerance) * best
+    result = split_dag(dag, k, strategy, tolerance, return_info=True, **options(constraints))
+    check_constraints(dag, result.assignment, k, constraints, bound * (1 + 1e-9))
+    assert at_most(result.info.bound, bound) and at_most(bound, result.info.bound)
+    sent = total_boundary_bytes(dag, result.assignment, k)
+    within = [a for a in contiguous if at_most(relative_bottleneck(dag, a, k, constraints), bound)]
+    fixed_order_best = min(total_boundary_bytes(dag, a, k) for a in within)
+    if strategy == "fixed-order":
+        assert at_most(sent, fixed_order_best) and at_most(fixed_order_best, sent)
+    else:
+        assert at_most(sent, fixed_order_best)
+
+
+@settings(max_examples=60, deadline=None)
+@given(constrained_problems(shaped_dags(max_nodes=6) | dags(max_nodes=6), max_stages=3),
+       st.sampled_from([0.0, 0.25]))
+def test_exact_sends_the_fewest_bytes_of_all_constrained_splits(problem, tolerance):
+    dag, k, constraints = problem
+    try:
+        result = split_dag(dag, k, "exact", tolerance, return_info=True, **options(constraints))
+    except InfeasibleSplitError:
+        return  # covered by the test above
+    bound = result.info.bound * (1 + 1e-9)
+    feasible = brute_force_constrained(dag, k, constraints, contiguous=False, bound=bound)
+    fewest = min(total_boundary_bytes(dag, a, k) for a in feasible)
+    sent = total_boundary_bytes(dag, result.assignment, k)
+    assert result.info.proven_optimal is True
+    assert at_most(sent, fewest) and at_most(fewest, sent)
+
+
+# --- pins ---------------------------------------------------------------------------------
+
+
+def test_a_pin_starts_a_stage_even_off_balance():
+    dag = chain([1] * 8)
+    assert stages(split_dag(dag, 2, cut_before=["v2"])) == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert stages(split_dag(dag, 3, cut_before=["v2"])) == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert stages(split_dag(dag, 2, cut_before=["v0"])) == [0, 0, 0, 0, 1, 1, 1, 1]  # stage 0 starts there
+
+
+def test_a_pin_is_a_prefix_of_program_order_for_every_strategy():
+    # Two branches interleaved in program order; min-cut would rather cut between branches,
+    # but the pin asks for exactly the nodes before b1 on the early side.
+    dag = nx.DiGraph()
+    for name, nbytes in (("x", 4), ("a1", 100), ("b1", 100), ("a2", 100), ("b2", 100)):
+        dag.add_node(name, cost=0.0 if name == "x" else 1.0, bytes=float(nbytes), input=name == "x",
+                     output=name in ("a2", "b2"))
+    dag.add_edges_from([("x", "a1"), ("x", "b1"), ("a1", "a2"), ("b1", "b2")])
+    for strategy in BOUNDED:
+        result = split_dag(dag, 2, strategy, 1.0, cut_before=["b1"])
+        assert result == {"x": 0, "a1": 0, "b1": 1, "a2": 1, "b2": 1}, strategy
+
+
+def test_bad_pins_are_named():
+    dag = chain([1] * 4)
+    dag.add_node("x", cost=0.0, bytes=1.0, input=True)
+    dag.add_edge("x", "v0")
+    with pytest.raises(InfeasibleSplitError, match="cut_before asks for 3 boundaries but 3 stages have only 2"):
+        split_dag(dag, 3, cut_before=["v1", "v2", "v3"])
+    with pytest.raises(InvalidArgumentError, match="cut_before: 'x' is a model input"):
+        split_dag(dag, 2, cut_before=["x"])
+    with pytest.raises(InvalidArgumentError, match="cut_before: 'nope' is not a node"):
+        split_dag(dag, 2, cut_before=["nope"])
+    with pytest.raises(InvalidArgumentTypeError, match="cut_before must be a collection"):
+        split_dag(dag, 2, cut_before="v1")
+
+
+# --- together groups and preferences ------------------------------------------------------
+
+
+def test_a_together_group_stays_whole():
+    dag = chain([1] * 6)
+    assert stages(split_dag(dag, 2, together=[["v2", "v3"]])) == [0, 0, 0, 0, 1, 1] or \
+        stages(split_dag(dag, 2, together=[["v2", "v3"]])) == [0, 0, 1, 1, 1, 1]
+    result = split_dag(dag, 3, together={"mid": ["v1", "v4"]})
+    assert len({result[v] for v in ("v1", "v2", "v3", "v4")}) == 1  # and what lies between
+
+
+def test_a_pin_inside_a_group_names_both():
+    with pytest.raises(InfeasibleSplitError, match="cut_before 'v3' falls inside together group 'block'"):
+        split_dag(chain([1] * 6), 2, cut_before=["v3"], together={"block": ["v2", "v4"]})
+
+
+def test_groups_that_leave_too_few_nodes_name_the_constraints():
+    with pytest.raises(InfeasibleSplitError, match=r"no split into 3 non-empty ordered stages meets together groups \['all'\]"):
+        split_dag(chain([1] * 4), 3, together={"all": ["v0", "v3"]})
+
+
+def test_preferences_are_kept_when_the_bound_allows_and_reported_when_not():
+    dag = chain([1] * 8)
+    kept = split_dag(dag, 2, tolerance=0.0, prefer_together={"near": ["v1", "v2"]}, return_info=True)
+    assert kept.assignment["v1"] == kept.assignment["v2"] and kept.info.separated == ()
+    # v0..v7 together would leave one stage empty; v3 and v4 together would unbalance 4 | 4.
+    split = split_dag(dag, 2, tolerance=0.0, prefer_together={"far": ["v0", "v7"], "mid": ["v3", "v4"]},
+                      return_info=True)
+    assert stages(split.assignment) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert split.info.separated == ("far", "mid")
+    loose = split_dag(dag, 2, tolerance=0.5, prefer_together={"mid": ["v3", "v4"]}, return_info=True)
+    assert loose.assignment["v3"] == loose.assignment["v4"] and loose.info.separated == ()
+
+
+def test_strategies_without_constraints_refuse_hard_ones_but_report_preferences():
+    dag = chain([1] * 4)
+    with pytest.raises(InvalidArgumentError, match="strategy 'greedy' cannot honour together; use one of min-cut"):
+        split_dag(dag, 2, "greedy", together=[["v0", "v1"]])
+    result = split_dag(dag, 2, "uniform", prefer_together={"t": ["v1", "v2"]}, return_info=True)
+    assert result.info.separated == ("t",) and result.info.bound is None
+
+
+# --- capacities and memory ----------------------------------------------------------------
+
+
+def test_capacities_balance_cost_per_speed():
+    dag = chain([1] * 8)
+    result = split_dag(dag, 2, tolerance=0.0, capacities=[1, 3], return_info=True)
+    assert stages(result.assignment) == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert result.info.bottleneck == 2.0 and result.info.bound == pytest.approx(2.0)
+    assert stages(split_dag(dag, 2, capacities=[3])) == [0, 0, 0, 0, 1, 1, 1, 1]  # one value: all alike
+
+
+def test_memory_budgets_move_cuts_off_the_cost_balance():
+    dag = chain([1] * 6, memory=[5, 1, 1, 1, 1, 1])
+    assert stages(split_dag(dag, 2, tolerance=0.0)) == [0, 0, 0, 1, 1, 1]
+    constrained = split_dag(dag, 2, tolerance=0.0, memory_budgets=[6, 6], return_info=True)
+    assert stages(constrained.assignment) == [0, 0, 1, 1, 1, 1]
+    assert constrained.info.bottleneck == 4.0
+    check_constraints(dag, constrained.assignment, 2, Constraints.build(memory_budgets=[6, 6]))
+    assert split_dag(dag, 2, tolerance=0.0, memory_budgets=6) == constrained.assignment  # one for all
+
+
+@pytest.mark.parametrize("k, kwargs, error, message", [
+    (2, {"memory_budgets": [3, 3]}, InfeasibleSplitError, "memory_budgets sum to 6 but the nodes need 10"),
+    (3, {"memory_budgets": [4, 4, 4]}, InfeasibleSplitError, "node 'v0' needs memory 5, more than the largest"),
+    (2, {"memory_budgets": [1, 2, 3]}, InvalidArgumentError, "memory_budgets has 3 entries for 2 stages"),
+    (2, {"memory_budgets": [-1, 20]}, InvalidArgumentError, r"memory_budgets\[0\] is -1"),
+    (2, {"capacities": [1, 0]}, InvalidArgumentError, "capacities must be > 0"),
+    (2, {"capacities": "fast"}, InvalidArgumentTypeError, "capacities must be a list of numbers"),
+    (2, {"together": "v1"}, InvalidArgumentTypeError, "together must be a list or a"),
+    (2, {"together": [["v1", "zz"]]}, InvalidArgumentError, r"together 'together\[0\]': 'zz' is not a node"),
+])
+def test_bad_limits_are_named(k, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        split_dag(chain([1] * 6, memory=[5, 1, 1, 1, 1, 1]), k, **kwargs)
+
+
+def test_memory_budgets_need_a_memory_attribute_on_every_node():
+    with pytest.raises(InvalidGraphError, match="node 'v0' has no 'memory' attribute"):
+        split_dag(chain([1] * 4), 2, memory_budgets=[10, 10])
+
+
+def test_violations_name_each_broken_rule():
+    dag = chain([1] * 4, memory=[1, 1, 1, 1])
+    c = Constraints.build(cut_before=["v1"], together=[["v2", "v3"]], memory_budgets=[1, 10])
+    broken = constraint_violations(dag, {"v0": 0, "v1": 0, "v2": 1, "v3": 1}, 2, c, bound=math.inf)
+    assert broken == ["memory: a stage exceeds its budget", "cut_before 'v1': no boundary falls there"]
+    assert constraint_violations(dag, {"v0": 0, "v1": 1, "v2": 1, "v3": 1}, 2, c, bound=3.0) == []
+    assert constraint_violations(dag, {"v0": 0, "v1": 1, "v2": 1, "v3": 1}, 2, c, bound=2.0) == [
+        "cost: a stage exceeds its budget"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_overlapping_groups_act_as_one_even_when_refinement_moves_nodes(seed):
+    dag = layered_graph(40, seed=seed)
+    groups = {"a": ["n3", "n12"], "b": ["n12", "n25"]}
+    for strategy in BOUNDED:
+        result = split_dag(dag, 3, strategy, 0.5, together=groups)
+        assert len({result[v] for v in ("n3", "n12", "n25")}) == 1, strategy
+        check_constraints(dag, result, 3, Constraints.build(together=groups))

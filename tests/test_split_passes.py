@@ -1,0 +1,171 @@
+"""The split passes: module-level constraints, tied weights, and one pass per strategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.api import run_pipeline
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
+from autoshard.examples import ResidualMLP, TransformerLM
+from autoshard.examples.models import causal_mask
+from autoshard.passes import (
+    BuildDagPass,
+    EmitPass,
+    LinearizePass,
+    PassRegistry,
+    Pipeline,
+    TracePass,
+    VerifyPass,
+)
+from autoshard.passes.base import ExampleInputs
+from autoshard.passes.split import (
+    SplitExactPass,
+    SplitFixedOrderPass,
+    SplitGreedyPass,
+    SplitPass,
+    SplitUniformPass,
+)
+
+REGISTRY = PassRegistry(
+    [TracePass, BuildDagPass, LinearizePass, EmitPass, VerifyPass, SplitPass, SplitExactPass,
+     SplitFixedOrderPass, SplitGreedyPass, SplitUniformPass],
+    entry_point_group=None,
+)
+
+
+def run(model: nn.Module, inputs: tuple, split: str):
+    """The program after trace, build-dag, linearize, ``split``, emit and verify."""
+    pipeline = Pipeline.parse(f"trace,build-dag,linearize,{split},emit,verify", REGISTRY)
+    return run_pipeline(model, pipeline, ExampleInputs(inputs)).program
+
+
+def stages_of_module(program, path: str) -> set[int]:
+    """The stages holding nodes that run inside module ``path`` (or its descendants)."""
+    dag, assignment = program.dag, program.partition.assignment
+    return {assignment[v] for v in dag.nodes
+            if any(p == path or p.startswith(path + ".") for p, _ in dag.nodes[v].get("scopes", ()))}
+
+
+def mlp():
+    torch.manual_seed(0)
+    return ResidualMLP(num_blocks=8).eval(), (torch.randn(4, 16),)
+
+
+def test_cut_before_starts_a_stage_at_the_modules_first_node():
+    model, inputs = mlp()
+    balanced = run(model, inputs, "split{stages=2}")
+    assert stages_of_module(balanced, "linears.4") == {1} and stages_of_module(balanced, "linears.3") == {0}
+    program = run(model, inputs, "split{stages=2 cut-before=linears.2}")
+    assert all(stages_of_module(program, f"linears.{i}") == {0} for i in range(2))
+    assert all(stages_of_module(program, f"linears.{i}") == {1} for i in range(2, 8))
+    assert torch.equal(program.sharded(*inputs), model(*inputs))
+
+
+def test_no_split_keeps_each_instance_of_a_class_whole():
+    torch.manual_seed(0)
+    model = TransformerLM(nlayers=4).eval()
+    inputs = (torch.randint(0, 100, (12, 3)), causal_mask(12))
+    for k in (2, 3, 5):
+        program = run(model, inputs, f"split{{stages={k} cost=nodes no-split=TransformerEncoderLayer}}")
+        for i in range(4):
+            assert len(stages_of_module(program, f"transformer_encoder.layers.{i}")) == 1, (k, i)
+        assert len(program.sharded.stages) == k
+
+
+def test_no_split_by_path_keeps_that_subtree_whole():
+    model, inputs = mlp()
+    program = run(model, inputs, "split{stages=4 cost=nodes no-split=linears.3,linears.4}")
+    assert len(stages_of_module(program, "linears.3")) == 1 and len(stages_of_module(program, "linears.4")) == 1
+
+
+def test_unknown_modules_are_named_with_suggestions():
+    model, inputs = mlp()
+    with pytest.raises(InvalidArgumentError, match=r"no-split: no module path or class is called 'linear\.3' \(did you mean"):
+        run(model, inputs, "split{stages=2 no-split=linear.3}")
+    with pytest.raises(InvalidArgumentError, match=r"cut-before: no module with nodes in the graph is called 'linears\.9'"):
+        run(model, inputs, "split{stages=2 cut-before=linears.9}")
+
+
+def test_capacities_give_a_faster_stage_more_work():
+    model, inputs = mlp()
+    program = run(model, inputs, "split{stages=2 capacities=1,3}")
+    assert stages_of_module(program, "linears.1") == {0} and stages_of_module(program, "linears.2") == {1}
+    info = program.partition.info
+    assert info.bottleneck == pytest.approx(info.bound)
+
+
+def test_max_memory_limits_each_stage_under_the_named_cost_model():
+    model, inputs = mlp()
+    per_block = 16 * 16 * 4 + 16 * 4
+    program = run(model, inputs, f"split{{stages=2 max-memory={2 * per_block},{8 * per_block} memory-cost=params}}")
+    assert stages_of_module(program, "linears.1") == {0} and stages_of_module(program, "linears.2") == {1}
+    with pytest.raises(InfeasibleSplitError, match="memory_budgets sum to"):
+        run(model, inputs, f"split{{stages=2 max-memory={per_block} memory-cost=params}}")
+
+
+class SharedTwice(nn.Module):
+    """``shared`` runs twice in a row; by cost alone the balanced cut falls between the calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.shared, self.b, self.c = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.shared(self.shared(self.a(x)))))
+
+
+class TiedLM(nn.Module):
+    """An LM head tied to the embedding: the tie spans the whole model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.body = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+        self.head = nn.Linear(8, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(idx)))
+
+
+def test_keep_tied_holds_a_shared_module_in_one_stage_when_the_balance_allows():
+    torch.manual_seed(0)
+    model, inputs = SharedTwice().eval(), (torch.randn(2, 8),)
+    loose = run(model, inputs, "split{stages=2 keep-tied=false}")
+    assert stages_of_module(loose, "shared") == {0, 1}  # the cost-only split cuts between the calls
+    tied = run(model, inputs, "split{stages=2}")
+    assert stages_of_module(tied, "shared") == {0}
+    assert tied.partition.info.separated == ()
+    assert tied.partition.info.bottleneck == loose.partition.info.bottleneck
+
+
+def test_a_tie_the_balance_cannot_afford_is_reported():
+    torch.manual_seed(0)
+    model, inputs = TiedLM().eval(), (torch.randint(0, 50, (2, 5)),)
+    program = run(model, inputs, "split{stages=2}")
+    assert program.partition.info.separated == ("embed.weight",)
+    assert torch.equal(program.sharded(*inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("spec, strategy", [
+    ("split-greedy", "greedy"), ("split-uniform", "uniform"), ("split-fixed-order", "fixed-order"),
+    ("split-exact{time-limit=10}", "exact"),
+])
+def test_each_strategy_is_its_own_pass_over_the_same_partition(spec, strategy):
+    model, inputs = mlp()
+    spec = spec.replace("{", "{stages=3 ") if "{" in spec else spec + "{stages=3}"
+    own = run(model, inputs, spec)
+    via_option = run(model, inputs, f"split{{stages=3 strategy={strategy}}}")
+    assert own.partition == via_option.partition
+    assert own.partition.info.strategy == strategy
+    assert len(own.sharded.stages) == 3 and torch.equal(own.sharded(*inputs), model(*inputs))
+    if strategy == "exact":
+        assert own.partition.info.proven_optimal is True
+
+
+def test_baseline_passes_refuse_hard_constraints():
+    model, inputs = mlp()
+    with pytest.raises(InvalidArgumentError, match="strategy 'greedy' cannot honour together"):
+        run(model, inputs, "split-greedy{stages=2 no-split=linears.1}")
