@@ -14,6 +14,7 @@ from autoshard.costs.memory import check_memory_budgets, stage_memory
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
 from autoshard.passes.analyses import CostModel, CostNode, callable_cost_model, run_local_name, use_cost_model
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
+from autoshard.passes.capture import CapturePass
 from autoshard.passes.dag import BuildDagPass
 from autoshard.passes.emit import EmitPass
 from autoshard.passes.instruments import Instrument
@@ -22,7 +23,6 @@ from autoshard.passes.pipeline import Pipeline, PipelineResult
 from autoshard.passes.profile import ProfilePass
 from autoshard.passes.shapes import ShapePropPass
 from autoshard.passes.split import SplitPass
-from autoshard.passes.trace import TracePass
 from autoshard.passes.verify import VerifyPass
 from autoshard.sharded import ShardedModel
 
@@ -104,13 +104,13 @@ def default_pipeline(
     capacities: Sequence[float] | None = None,
     max_memory: Sequence[float] | float | None = None,
 ) -> Pipeline:
-    """``trace,shape-prop,build-dag,linearize,split{stages=K cost=C},emit,verify``.
+    """``capture,shape-prop,build-dag,linearize,split{stages=K cost=C},emit,verify``.
 
     ``shape-prop`` runs when ``shapes`` is true (default: when ``verify`` is: both need example
     inputs); ``profile`` runs when ``cost`` is ``time`` or a ``time_profile`` path is given;
     ``verify`` when asked. ``capacities`` and ``max_memory`` go to the split.
     """
-    steps: list[Pass] = [TracePass()]
+    steps: list[Pass] = [CapturePass()]
     if verify if shapes is None else shapes:
         steps.append(ShapePropPass())
     if cost == "time" or time_profile is not None:

@@ -11,7 +11,7 @@ from autoshard.errors import PassFailed, PipelineValidationError
 from autoshard.examples import ResidualMLP
 from autoshard.passes import Pipeline, ShardProgram, ExampleInputs, function_pass
 
-SPEC = "trace,shape-prop,build-dag,linearize,split{stages=4 cost=params},emit,verify"
+SPEC = "capture,shape-prop,build-dag,linearize,split{stages=4 cost=params},emit,verify"
 
 
 @pytest.mark.parametrize("spec", [SPEC, "trace,build-dag,linearize,split{stages=4 cost=params},emit,verify"])
@@ -22,8 +22,8 @@ def test_the_documented_spec_prints_back_to_the_same_text(spec):
 
 
 def test_default_pipeline_is_the_documented_one():
-    assert str(default_pipeline(4)) == "trace,shape-prop,build-dag,linearize,split{stages=4},emit,verify"
-    assert str(default_pipeline(4, verify=False)) == "trace,build-dag,linearize,split{stages=4},emit"
+    assert str(default_pipeline(4)) == "capture,shape-prop,build-dag,linearize,split{stages=4},emit,verify"
+    assert str(default_pipeline(4, verify=False)) == "capture,build-dag,linearize,split{stages=4},emit"
     assert Pipeline.parse(SPEC) == default_pipeline(4)
 
 

@@ -10,7 +10,7 @@ from torch import nn
 import autoshard
 from autoshard.capture import capture
 from autoshard.errors import InvalidArgumentError, PipelineValidationError, TraceError
-from autoshard.examples import ResidualMLP
+from autoshard.examples import ResidualMLP, load_example
 from autoshard.passes import Pipeline, PassRegistry, default_registry
 from autoshard.passes.capture import CapturePass
 from autoshard.passes.export import ExportPass
@@ -27,18 +27,20 @@ def test_auto_keeps_export_when_fx_must_wrap_a_module_that_exports():
     model = Around(Half(), 2)
     result = capture(model, (torch.randn(3, 4),))
     assert result.front_end == "export" and result.wrapped == ()
-    assert result.considered == ("fx: 1 modules and 0 functions wrapped",
-                                 "export: 0 modules and 0 functions wrapped")
+    assert result.considered == ("fx: wrapped modules 1, functions 0",
+                                 "export: wrapped modules 0, functions 0")
     x = torch.randn(5, 4)
     assert torch.equal(result.graph_module(x), model(x))
 
 
-def test_auto_keeps_fx_on_a_tie_and_does_not_try_export_when_fx_wraps_nothing():
+def test_auto_keeps_fx_on_a_tie_and_does_not_try_export_when_fx_wraps_no_module():
     gated = capture(Around(Gate(), 2), (torch.randn(3, 2),))
     assert gated.front_end == "fx" and [w.name for w in gated.wrapped] == ["inner"]
     assert len(gated.considered) == 2
     plain = capture(ResidualMLP(), (torch.randn(3, 16),))
-    assert plain.front_end == "fx" and plain.considered == ("fx: 0 modules and 0 functions wrapped",)
+    assert plain.front_end == "fx" and plain.considered == ("fx: wrapped modules 0, functions 0",)
+    model, args, kwargs = load_example("transformer-lm")  # fx wraps two functions, no module
+    assert capture(model, args, kwargs).considered == ("fx: wrapped modules 0, functions 2",)
 
 
 def test_without_examples_only_fx_runs_and_a_failure_says_what_to_pass():

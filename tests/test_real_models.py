@@ -123,12 +123,12 @@ def test_data_dependent_model_serves_both_branches_with_the_gate_kept_opaque(fro
 def test_auto_keeps_the_capture_with_fewer_wrapped_modules():
     _, mixtral = captured("mixtral")
     assert mixtral.front_end == "export" and not mixtral.wrapped  # fx must keep the experts opaque
-    assert mixtral.considered == ("fx: 2 modules and 0 functions wrapped",
-                                  "export: 0 modules and 0 functions wrapped")
+    assert mixtral.considered == ("fx: wrapped modules 2, functions 0",
+                                  "export: wrapped modules 0, functions 0")
     _, gated = captured("gated-gpt2")
     assert gated.front_end == "fx" and len(gated.considered) == 2  # a tie keeps fx
     _, gpt2 = captured("gpt2")
-    assert gpt2.front_end == "fx" and gpt2.considered == ("fx: 0 modules and 0 functions wrapped",)
+    assert gpt2.front_end == "fx" and gpt2.considered == ("fx: wrapped modules 0, functions 0",)
 
 
 def test_shard_model_takes_a_pipeline_starting_with_capture():

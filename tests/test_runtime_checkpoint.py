@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import autoshard
 from autoshard.errors import CheckpointMismatchError
@@ -19,8 +20,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_pipeline import TinyGPT  # noqa: E402
 
 
+class Scaled(nn.Module):
+    """A non-persistent buffer (like rotary tables): never in a checkpoint, so in no stage's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.scale)
+
+
 def build(name: str, seed: int = 0):
     torch.manual_seed(seed)
+    if name == "scaled":
+        return Scaled(), (torch.randn(2, 4),)
     if name == "transformer-lm":
         return TransformerLM().eval(), (torch.randint(0, 100, (12, 3)), causal_mask(12))
     if name == "tiny-gpt":
@@ -28,7 +43,7 @@ def build(name: str, seed: int = 0):
     return ResidualMLP(), (torch.randn(4, 16),)
 
 
-NAMES = ["residual-mlp", "tiny-gpt", "transformer-lm"]
+NAMES = ["residual-mlp", "tiny-gpt", "transformer-lm", "scaled"]
 
 
 def assert_same_state(got: dict, want: dict) -> None:
@@ -103,12 +118,17 @@ def test_checkpoint_mismatches_name_the_tensor():
         load_stage_state(sharded.stages[0], wrong)
 
 
-def test_a_meta_plan_gets_real_weights_for_one_stage_only(tmp_path):
-    model, args = build("tiny-gpt")
+def saved_and_planned_on_meta(name: str, factory, tmp_path):
+    """The model (its checkpoint saved as model.pt) and a 2-stage plan of it made on meta."""
+    model, args = build(name)
     torch.save(model.state_dict(), tmp_path / "model.pt")
     with torch.device("meta"):
-        meta_model = TinyGPT()
-    planned = autoshard.shard_model(meta_model, 2)
+        meta_model = factory()
+    return model, args, meta_model, autoshard.shard_model(meta_model, 2)
+
+
+def test_a_meta_plan_gets_real_weights_for_one_stage_only(tmp_path):
+    model, args, meta_model, planned = saved_and_planned_on_meta("tiny-gpt", TinyGPT, tmp_path)
     last = materialize_stage(planned, 1, tmp_path / "model.pt")
     assert all(t.is_meta for t in meta_model.state_dict().values())  # neither the model ...
     assert all(t.is_meta for t in planned.stages[1].state_dict().values())  # ... nor the plan changed
@@ -130,3 +150,9 @@ def test_a_stage_loads_from_its_own_checkpoint_file(tmp_path):
         meta_model = ResidualMLP()
     built = materialize_stage(autoshard.shard_model(meta_model, 2), [1], tmp_path / "stage1.pt")
     assert_same_state(built.stages[1].state_dict(), sharded.stages[1].state_dict())
+
+
+def test_a_non_persistent_buffer_of_a_meta_model_cannot_come_from_a_checkpoint(tmp_path):
+    _, _, _, planned = saved_and_planned_on_meta("scaled", Scaled, tmp_path)
+    with pytest.raises(CheckpointMismatchError, match="'scale'.*non-persistent buffer is never saved"):
+        materialize_stage(planned, [0, 1], tmp_path / "model.pt")

@@ -97,9 +97,10 @@ def trace_with_leaves(
     has_example = bool(example_args or example_kwargs)
     signature = CallSignature.of(model, tuple(example_args), example_kwargs) if has_example else None
     root = signature.wrapper(model) if signature else model
-    examples = {a.name: cloned(a.value) for a in signature.graph_inputs} if signature else None
 
     def attempt(leaves: Leaves) -> tuple[fx.Graph, MetaTracer]:
+        # Fresh copies each time: a forward that writes to its inputs must not see its last run.
+        examples = {a.name: cloned(a.value) for a in signature.graph_inputs} if signature else None
         tracer = _LeafTracer(set(leaves.modules), model, examples)
         tracer_ref = [tracer]
         stand_ins = [(site, _opaque(site.function, tracer_ref)) for site in leaves.functions]

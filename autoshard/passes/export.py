@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from autoshard.capture.export import export_with_leaves
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.passes.trace import example_call
 
@@ -26,4 +25,6 @@ class ExportPass(Pass):
     provides: ClassVar[frozenset[str]] = frozenset({"traced"})
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        from autoshard.capture.export import export_with_leaves  # slow to import: only when used
+
         return dataclasses.replace(program, traced=export_with_leaves(program.model, *example_call(program)))

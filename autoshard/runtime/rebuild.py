@@ -44,9 +44,21 @@ def _memo(modules: list[nn.Module], replace: Replace) -> dict[int, object]:
     return memo
 
 
+def _keep_buffer_persistence(original: nn.Module, copied: nn.Module) -> None:
+    """A GraphModule rebuilt by deepcopy registers every buffer as persistent; mark the ones the
+    original keeps out of its ``state_dict`` again, so the copy's keys are the original's."""
+    copies = dict(copied.named_modules(remove_duplicate=False))
+    for name, module in original.named_modules(remove_duplicate=False):
+        if module._non_persistent_buffers_set and name in copies:
+            target = copies[name]
+            target._non_persistent_buffers_set = module._non_persistent_buffers_set & set(target._buffers)
+
+
 def replaced(module: M, replace: Replace) -> M:
     """A copy of ``module`` whose tensors are ``replace(name, tensor)``, once per distinct tensor."""
-    return copy.deepcopy(module, _memo([module], replace))
+    copied = copy.deepcopy(module, _memo([module], replace))
+    _keep_buffer_persistence(module, copied)
+    return copied
 
 
 def replaced_stages(sharded: ShardedModel, replace: Replace) -> ShardedModel:
@@ -56,7 +68,9 @@ def replaced_stages(sharded: ShardedModel, replace: Replace) -> ShardedModel:
     """
     memo = _memo(list(sharded.stages), replace)
     memo[id(sharded.plan)] = sharded.plan
-    return copy.deepcopy(sharded, memo)
+    copied = copy.deepcopy(sharded, memo)
+    _keep_buffer_persistence(sharded, copied)
+    return copied
 
 
 def shared_across_stages(sharded: ShardedModel) -> dict[int, list[tuple[int, str]]]:
