@@ -98,13 +98,12 @@ class _Model:
 
     def __init__(self) -> None:
         self.cost: list[float] = []
-        self.upper: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[float, float, list[tuple[int, float]]]] = []
 
-    def column(self, cost: float = 0.0, integer: bool = True, upper: float = 1.0) -> int:
+    def column(self, cost: float = 0.0, integer: bool = True) -> int:
+        """A new column in [0, 1] (binary unless ``integer`` is false)."""
         self.cost.append(cost)
-        self.upper.append(upper)
         if integer:
             self.integer.append(len(self.cost) - 1)
         return len(self.cost) - 1
@@ -126,8 +125,7 @@ class _Model:
         inf = highspy.kHighsInf
         n = len(self.cost)
         empty = np.zeros(0, dtype=np.int32)
-        solver.addCols(n, np.array(self.cost), np.zeros(n), np.array(self.upper), 0, empty, empty,
-                       np.zeros(0))
+        solver.addCols(n, np.array(self.cost), np.zeros(n), np.ones(n), 0, empty, empty, np.zeros(0))
         starts, index, value = [], [], []
         for _, _, terms in self.rows:
             starts.append(len(index))
@@ -147,7 +145,7 @@ class _Model:
         solver.setSolution(hint)
         solver.run()
         status = solver.getModelStatus()
-        if solver.getInfo().primal_solution_status != 2:  # no feasible solution recorded
+        if solver.getInfo().primal_solution_status != int(highspy.SolutionStatus.kSolutionStatusFeasible):
             return None, False
         return np.array(solver.getSolution().col_value), status == highspy.HighsModelStatus.kOptimal
 
