@@ -226,3 +226,16 @@ def test_overlapping_groups_act_as_one_even_when_refinement_moves_nodes(seed):
         result = split_dag(dag, 3, strategy, 0.5, together=groups)
         assert len({result[v] for v in ("n3", "n12", "n25")}) == 1, strategy
         check_constraints(dag, result, 3, Constraints.build(together=groups))
+
+
+def test_a_group_member_pinned_by_the_corridor_still_holds_the_group():
+    # v1 must stay with the input in0 (stage 0); refinement's corridor pins v1 to the later
+    # stage, which must make the corridor unusable rather than split the group.
+    dag = nx.DiGraph()
+    dag.add_node("in0", cost=0.0, bytes=1.0, input=True)
+    for v in ("v0", "v1", "v2"):
+        dag.add_node(v, cost=0.0, bytes=0.0)
+    dag.add_edge("in0", "v2")
+    result = split_dag(dag, 2, "min-cut", 0.0, together={"g": ["in0", "v1"]})
+    assert result["v1"] == 0
+    check_constraints(dag, result, 2, Constraints.build(together={"g": ["in0", "v1"]}))

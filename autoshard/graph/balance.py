@@ -29,8 +29,12 @@ BISECTION_PRECISION = 1e-12
 
 
 def slack(scale: float) -> float:
-    """The round-off allowance for comparing sums whose magnitude is at most ``scale``."""
-    return REL_EPS * scale
+    """The round-off allowance for comparing sums whose magnitude is at most ``scale``.
+
+    Relative, but never under a few units in the last place, so sums of subnormal weights
+    (where a relative allowance underflows to zero) still compare as equal to themselves.
+    """
+    return max(REL_EPS * scale, 4 * math.ulp(scale))
 
 
 def _check_weights(weights: Sequence[Any], k: Any) -> None:

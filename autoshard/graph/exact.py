@@ -289,6 +289,8 @@ def solve(problem: SplitProblem, warm_start: Callable[[SplitProblem], np.ndarray
     if columns is None:
         return Outcome(start, proven_optimal=False)
     stages = formulation.stages(columns)
-    if not problem.is_valid(stages) or g.total_bytes(stages, k) > g.total_bytes(start, k):
+    if not problem.is_valid(stages):
         return Outcome(start, proven_optimal=False)
-    return Outcome(stages, proven_optimal=proven)
+    if g.total_bytes(stages, k) < g.total_bytes(start, k):
+        return Outcome(stages, proven_optimal=proven)
+    return Outcome(start, proven_optimal=proven)  # no worse than what the solver proved optimal

@@ -78,6 +78,7 @@ class _Corridor:
         self.head, self.tail = head, tail
         self.side = np.where(stages <= j, SOURCE, SINK)
         self.side[: g.num_inputs] = SOURCE
+        self.side[head] = SOURCE
         self.side[tail] = SINK
         region = (stages == j) | (stages == j + 1)
         region[: g.num_inputs] = False
@@ -88,8 +89,12 @@ class _Corridor:
         self.feasible = self._contract(groups, group_of)
 
     def _contract(self, groups: Sequence[np.ndarray], group_of: dict[int, int]) -> bool:
-        """Give each grouped free node its group's side; False when a group straddles the pins."""
-        touched = sorted({group_of[v] for v in self.free.tolist() if v in group_of})
+        """Give each grouped free node its group's side; False when a group straddles the pins.
+
+        Every group with a member in either stage counts: a pinned member fixes its side too.
+        """
+        moving = np.concatenate((self.free, self.head, self.tail)).tolist()
+        touched = sorted({group_of[v] for v in moving if v in group_of})
         for group in touched:
             members = groups[group]
             sides = self.side[members]
