@@ -60,6 +60,8 @@ class SplitProblem:
             parts.append(f"together groups {sorted(c.together)!r}")
         if c.memory_budgets is not None:
             parts.append(f"memory_budgets {list(c.memory_budgets)!r}")
+        if c.capacities is not None or not parts:
+            parts.append(f"capacities {list(c.capacities or [1.0] * self.k)!r}")
         return (f"no split into {self.k} non-empty ordered stages meets {' and '.join(parts)} "
                 "at once; relax one of them or change the number of stages")
 
