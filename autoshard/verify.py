@@ -34,7 +34,7 @@ def _detached(value: Any) -> Any:
     return tree_unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in flat], spec)
 
 
-def _run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False) -> Any:
+def run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False) -> Any:
     """``fn()`` with randomness from ``seed`` and ``model``'s buffers restored afterwards."""
     with isolated(model, seed), torch.set_grad_enabled(grad):
         return _detached(fn())
@@ -91,9 +91,9 @@ def verify_stages(
     seed: int = 0,
 ) -> str:
     """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
-    expected = _run_seeded(lambda: model(*args, **kwargs), model, seed, grad=True)
+    expected = run_seeded(lambda: model(*args, **kwargs), model, seed, grad=True)
     recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})
-    traced = _run_seeded(lambda: recorder.run(*_positional(gm, args, kwargs)), model, seed, grad=True)
+    traced = run_seeded(lambda: recorder.run(*_positional(gm, args, kwargs)), model, seed, grad=True)
     problem = first_difference(traced, expected, rtol, atol)
     if problem:
         raise VerificationError(
@@ -116,7 +116,7 @@ def verify_stages(
                     f"stage {index} produced value '{name}' that differs from the model's ({problem})",
                     stage=index)
 
-    actual = _run_seeded(chained, model, seed, grad=True)
+    actual = run_seeded(chained, model, seed, grad=True)
     problem = first_difference(actual, expected, rtol, atol)
     if problem:
         last = len(stages) - 1

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.errors import AutoshardError, InvalidArgumentError, ShapePropagationError
-from autoshard.verify import _run_seeded
+from autoshard.verify import run_seeded
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     from autoshard.passes.base import ExampleInputs
@@ -123,7 +123,7 @@ def run_graph(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode, hook: Nod
     values = placeholder_values(gm, inputs)
     interpreter = _HookedInterpreter(gm, hook, chosen)
     if chosen == "real":
-        return _run_seeded(lambda: interpreter.run(*values), gm, seed)
+        return run_seeded(lambda: interpreter.run(*values), gm, seed)
     on_meta = holds_meta_tensors(gm, inputs)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
         def to_fake(t: torch.Tensor) -> torch.Tensor:
