@@ -9,9 +9,9 @@ and a buffer that is not persistent in the model is not persistent in its stage 
 stage's ``state_dict`` keys are the model's keys restricted to that stage.
 
 Values that are not tensors (``x.size(0)``, a dtype, a bool from a mask check) never cross a
-boundary, because pipeline runtimes send only tensors: once ``shape-prop`` has shown that a node
-yields no tensor, every stage that needs its value recomputes it (and its non-tensor inputs)
-from the tensors it has. The DAG built by ``graph.from_fx`` routes those tensors to the stage.
+boundary, because pipeline runtimes send only tensors: once ``shape-prop`` (or torch.export's
+record of the value) has shown that a node yields no tensor, every stage that needs its value
+recomputes it (and its non-tensor inputs) from the tensors it has. The DAG built by ``graph.from_fx`` routes those tensors to the stage.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard.costs.execution import COMPUTE_OPS
-from autoshard.costs.propagation import node_facts
+from autoshard.graph.from_fx import holds_tensor
 
 
 def recomputed_in_consumers(node: fx.Node) -> bool:
@@ -30,8 +30,7 @@ def recomputed_in_consumers(node: fx.Node) -> bool:
 
     A node nobody reads (``torch._assert``) is kept where the split put it, for its side effect.
     """
-    facts = node_facts(node)
-    return node.op in COMPUTE_OPS and facts is not None and not facts.value.has_tensor and bool(node.users)
+    return node.op in COMPUTE_OPS and holds_tensor(node) is False and bool(node.users)
 
 
 def copy_buffer_persistence(source: nn.Module, target: nn.Module) -> None:

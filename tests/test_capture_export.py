@@ -9,6 +9,8 @@ import torch
 from conftest import assert_same_fingerprint, model_fingerprint
 from torch import nn
 
+import autoshard
+
 from autoshard.capture import export_with_leaves
 from autoshard.errors import InputMismatchError, InvalidArgumentError, TraceError
 from autoshard.examples import ResidualMLP
@@ -152,3 +154,29 @@ def test_tuple_and_dict_outputs_are_rebuilt():
     assert type(out) is dict and list(out) == ["y", "pair"] and type(out["pair"]) is tuple
     with pytest.raises(InputMismatchError, match="scale=3.0, but the plan was captured with scale=2.0"):
         result.graph_module(torch.randn(5, 3), scale=3.0)
+
+
+class ReadsItsBatchSize(nn.Module):
+    """``x.size(0)`` is read at the start and used at the end: a value that must not cross."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(6, 6) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.size(0)
+        return self.layers(x).reshape(batch, 2, 3) * batch
+
+
+def test_export_marks_non_tensor_values_without_shape_propagation():
+    """torch.export records every value; the DAG uses that even when shape-prop does not run, so
+    the batch size is recomputed in the stage that reads it instead of crossing a boundary."""
+    model, x = ReadsItsBatchSize(), torch.randn(4, 6)
+    sharded = autoshard.shard_model(model, 3, example_inputs=(x,), pipeline="export,build-dag,linearize,split,emit")
+    dag = sharded.plan.dag
+    non_tensors = [n for n, data in dag.nodes(data=True) if data["tensor"] is False]
+    assert non_tensors, "the size read should be known as a non-tensor"
+    crossing = {value for boundary in sharded.plan.boundaries for value in boundary}
+    assert crossing and not crossing & set(non_tensors)
+    y = torch.randn(5, 6)
+    torch.testing.assert_close(sharded(y), model(y))

@@ -122,3 +122,31 @@ def test_describe_lists_what_was_wrapped_fixed_and_accepted():
     assert text.splitlines()[0].startswith("front end: fx;")
     assert "wrapped function torch.nn.modules.transformer._detect_is_causal_mask: TraceError" in text
     assert "specialized: torch.nn.modules.transformer._detect_is_causal_mask(...) returned True" in text
+
+
+class NonPersistentScale(nn.Module):
+    """A buffer kept out of ``state_dict`` (like rotary tables) beside one that is saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+        self.register_buffer("shift", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x) * self.scale + self.shift)
+
+
+@pytest.mark.parametrize("front_end, with_inputs", [
+    ("trace", False), ("trace", True), ("export", True), ("capture", False), ("capture", True)])
+def test_stages_keep_the_models_buffer_persistence_without_shape_propagation(front_end, with_inputs):
+    """No shape-prop in the pipeline: the capture itself must carry persistence to the stages."""
+    import autoshard
+
+    model = NonPersistentScale()
+    inputs = (torch.randn(2, 4),) if with_inputs else None
+    sharded = autoshard.shard_model(model, 2, example_inputs=inputs,
+                                    pipeline=f"{front_end},build-dag,linearize,split,emit")
+    stage_keys = [set(stage.state_dict()) for stage in sharded.stages]
+    assert set().union(*stage_keys) == set(model.state_dict())
+    assert not any("scale" in keys for keys in stage_keys)

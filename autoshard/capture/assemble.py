@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.guard import InputGuard, check_inputs
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
+from autoshard.emit import copy_buffer_persistence
 from autoshard.errors import TraceError
 
 _PREFIX = MODEL_ATTR + "."
@@ -172,7 +173,18 @@ def assemble(
             copied.meta["nn_module_stack"] = _model_scopes(node.meta["nn_module_stack"])
         env[node] = copied
     graph.lint()
-    return fx.GraphModule(ModelNames(model, renamer.extras), graph, class_name=type(model).__name__)
+    return model_graph_module(model, graph, renamer.extras)
+
+
+def model_graph_module(model: nn.Module, graph: fx.Graph, extras: Mapping[str, Any]) -> fx.GraphModule:
+    """``graph`` over ``model``'s own objects, under the model's names (plus ``extras``).
+
+    ``fx.GraphModule`` registers every buffer it copies as persistent; the model's non-persistent
+    buffers (a rotary ``inv_freq``) must stay out of ``state_dict`` here and in every stage.
+    """
+    gm = fx.GraphModule(ModelNames(model, extras), graph, class_name=type(model).__name__)
+    copy_buffer_persistence(model, gm)
+    return gm
 
 
 def leaves_of(signature: CallSignature) -> list[tuple[str, int | None]]:

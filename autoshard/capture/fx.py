@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 import torch.fx as fx
 from torch import nn
 
-from autoshard.capture.assemble import ModelNames, assemble
+from autoshard.capture.assemble import assemble, model_graph_module
 from autoshard.capture.eager import cloned, isolated
 from autoshard.capture.guard import InputGuard
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
@@ -111,7 +111,7 @@ def trace_with_leaves(
     tracer.forget_examples(graph)
     guard = _guard(signature, tracer)
     if signature is None:  # traced from the model itself: names are already the model's own
-        gm = fx.GraphModule(ModelNames(model, tracer.constants), graph, class_name=type(model).__name__)
+        gm = model_graph_module(model, graph, tracer.constants)
     else:
         gm = assemble(graph, root, model, signature, lambda n: (str(n.target), None), guard, tracer.constants)
     return TraceResult(gm, tuple(leaves.wrapped), specialized=tuple(tracer.specialized),

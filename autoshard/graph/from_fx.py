@@ -12,7 +12,7 @@ and ``param_bytes`` (what the node is charged for), ``input`` and ``output``, an
 structure, see ``autoshard.costs.values``), ``allocated`` (bytes of new memory its output holds:
 0 for a view), ``flops`` and ``seconds``. ``bytes`` is the tensor
 bytes of the output (1 per value while shapes are unknown); ``tensor`` says whether it holds any
-tensor.
+tensor (None when neither shape-prop nor the capture recorded the value: it is treated as one).
 Edges carry ``value``, the producer's name. The graph attribute ``weights`` maps each canonical
 name to a ``WeightInfo`` (every alias, size, trainable or not).
 
@@ -36,6 +36,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.costs.propagation import node_facts
@@ -151,11 +152,22 @@ def _measured(node: fx.Node) -> dict[str, Any]:
     return {
         "value_meta": facts.value if facts else None,
         "bytes": facts.value.nbytes if facts else UNKNOWN_VALUE_BYTES,
-        "tensor": facts.value.has_tensor if facts else True,
+        "tensor": holds_tensor(node),
         "flops": facts.flops if facts else None,
         "allocated": facts.allocated if facts else None,
         "seconds": node.meta.get(SECONDS_KEY),
     }
+
+
+def holds_tensor(node: fx.Node) -> bool | None:
+    """Whether ``node``'s value holds a tensor: from shape-prop, else from what the capture
+    recorded (torch.export's ``val``); None when neither knows (fx alone), treated as a tensor."""
+    facts = node_facts(node)
+    if facts is not None:
+        return facts.value.has_tensor
+    if "val" not in node.meta:
+        return None
+    return any(isinstance(v, torch.Tensor) for v in tree_leaves(node.meta["val"]))
 
 
 def route_around_non_tensors(dag: nx.DiGraph) -> None:
@@ -168,7 +180,7 @@ def route_around_non_tensors(dag: nx.DiGraph) -> None:
     """
     for node in list(dag.nodes):
         data = dag.nodes[node]
-        if data["input"] or data["tensor"]:
+        if data["input"] or data["tensor"] is not False:
             continue
         sources = list(dag.predecessors(node))
         for reader in list(dag.successors(node)):

@@ -1,0 +1,76 @@
+"""The runtime on a CUDA device: the offload runner and a pipeline stage compute what the model does.
+
+These run only where CUDA is present (CI has no GPU); they were run on an H200, see the
+"Pipeline runtime" section of benchmarks/RESULTS.md. On the CPU the same behaviour is covered by
+tests/test_runtime_offload.py and tests/test_runtime_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.examples import ResidualMLP, TransformerLM
+from autoshard.examples.models import causal_mask
+from autoshard.runtime import OffloadRunner, build_schedule, pipeline_stage, run_local
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.timeout(300)]
+#: GPU kernels sum in another order than the CPU's: compare with a float32 tolerance.
+CLOSE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def test_offload_inference_on_cuda_matches_the_model_on_cpu():
+    torch.manual_seed(0)
+    model = TransformerLM().eval()
+    args = (torch.randint(0, 100, (12, 3)), causal_mask(12))
+    sharded = autoshard.shard_model(model, 3, example_inputs=args)
+    with torch.no_grad():
+        out = OffloadRunner(sharded, "cuda")(*args)
+        expected = model(*args)
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out.cpu(), expected, **CLOSE)
+    assert all(p.device.type == "cpu" for p in model.parameters()), "weights must go back to the CPU"
+
+
+def test_offload_training_on_cuda_gives_the_models_gradients():
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    x = torch.randn(8, 16)
+    model(x).pow(2).mean().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    runner = OffloadRunner(autoshard.shard_model(model, 3, example_inputs=(x,)), "cuda")
+    runner(x).pow(2).mean().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.cpu(), expected[name], **CLOSE, msg=lambda m: f"{name}: {m}")
+
+
+def _one_rank_interleaved_step(rank: int, world: int) -> dict:
+    """Both stages of a 2-stage plan on this rank's GPU under the interleaved 1F1B schedule."""
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    inputs, target = torch.randn(8, 16), torch.randn(8, 16)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(inputs,))
+    stages = [pipeline_stage(sharded, index, 2, f"cuda:{rank}") for index in (0, 1)]
+    schedule = build_schedule(stages, "interleaved-1f1b", 4, loss_fn=F.mse_loss)
+    losses: list[torch.Tensor] = []
+    schedule.step(inputs.cuda(), target=target.cuda(), losses=losses)
+    grads = {n: p.grad.cpu() for s in stages for n, p in s.submod.named_parameters()}
+    return {"loss": torch.stack(losses).mean().cpu(), "grads": grads}
+
+
+@pytest.mark.multiprocess
+def test_pipeline_stages_on_cuda_train_like_the_model():
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    inputs, target = torch.randn(8, 16), torch.randn(8, 16)
+    for chunk_in, chunk_target in zip(inputs.chunk(4), target.chunk(4)):
+        (F.mse_loss(model(chunk_in), chunk_target) / 4).backward()
+    reference = {n: p.grad for n, p in model.named_parameters()}
+    [result] = run_local(_one_rank_interleaved_step, 1, backend="nccl", timeout=240)
+    assert result["grads"].keys() == reference.keys()
+    for name, grad in result["grads"].items():
+        torch.testing.assert_close(grad, reference[name], **CLOSE, msg=lambda m: f"{name}: {m}")
