@@ -30,6 +30,7 @@ _LAZY = {
     "PlanReport": "autoshard.plan_report",
     "CostNode": "autoshard.passes.analyses",
     "MemoryModel": "autoshard.costs.memory",
+    "DeviceModel": "autoshard.costs.estimate",
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -1,6 +1,7 @@
 """The autoshard command: split a model and show, save, draw or compare the plan.
 
     autoshard split TARGET --stages K [--out plan.json] [--svg plan.svg] [--compare greedy,min-cut]
+    autoshard split TARGET --stages K --device-tflops 989 --device-bandwidth 3350   # times for that device
     autoshard split TARGET --plan plan.json        # rebuild the saved stages
     autoshard inspect TARGET --stages K            # the plan only: no stages are built
     autoshard inspect plan.json                    # show a saved plan
@@ -10,7 +11,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -20,7 +23,8 @@ from rich.text import Text
 
 from autoshard import progress
 from autoshard.api import bind_pipeline, check_stage_count, default_pipeline, example_inputs_of
-from autoshard.errors import AutoshardError, InvalidArgumentError, MissingExtraError, PlanError
+from autoshard.costs.estimate import DeviceModel, device_model
+from autoshard.errors import AutoshardError, InvalidArgumentError, MissingExtraError, PlanError, ShapePropagationError
 from autoshard.examples import EXAMPLES
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.instruments import DumpDir, Instrument, Timing
@@ -28,7 +32,16 @@ from autoshard.passes.pipeline import Pipeline
 from autoshard.passes.registry import registered_passes
 from autoshard.passes.spec import option_table
 from autoshard.plan_io import SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan
-from autoshard.report import boundary_table, compare_tables, plural, stage_table, summary_lines, wrapped_table
+from autoshard.report import (
+    boundary_table,
+    compare_tables,
+    how_made_lines,
+    plural,
+    shared_weights_table,
+    stage_table,
+    summary_lines,
+    wrapped_table,
+)
 from autoshard.targets import TargetError, check_inputs_bind, load_target
 
 
@@ -45,10 +58,21 @@ class _ShowPasses(Instrument):
         self.advance(1)
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """The pipeline to run, the spec to record, the split's cost model, and the plan it rebuilds."""
+
+    pipeline: Pipeline
+    spec: str
+    cost_model: str
+    saved: SavedPlan | None = None
+
+
 class _Session:
     """One command's model, inputs and instruments; runs pipelines with progress, timing and dumps."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        self.device = _device(args)
         model, ex_args, ex_kwargs = load_target(args.target)
         self.inputs = example_inputs_of(ex_args or None, ex_kwargs or None)
         if self.inputs is not None:
@@ -69,9 +93,26 @@ class _Session:
             finally:
                 self.ctx.instruments.remove(shown)
 
-    def plan(self, program: ShardProgram, spec: str, cost_model: str) -> tuple[SavedPlan, list[str]]:
-        costs, notes = report_costs(program, self.ctx, cost_model)
-        return plan_from_program(program, spec, cost_model, costs), notes
+    def plan(self, program: ShardProgram, choice: _Choice) -> tuple[SavedPlan, Sequence[str]]:
+        """The plan of ``program``; a rebuilt plan keeps the saved one's record of its split and, unless
+        a device was given, its device model, so the same plan file comes out again."""
+        saved = choice.saved
+        device = self.device or (saved.time_estimate if saved is not None else None)
+        reported = report_costs(program, self.ctx, choice.cost_model, device)
+        plan = plan_from_program(program, choice.spec, choice.cost_model, reported.costs,
+                                 time_estimate=reported.time_estimate, split=saved.split if saved is not None else None)
+        return plan, reported.notes
+
+
+def _device(args: argparse.Namespace) -> DeviceModel | None:
+    """The device the user described with --device-tflops / --device-bandwidth; None: not described."""
+    given = (("--device-tflops", args.device_tflops), ("--device-bandwidth", args.device_bandwidth))
+    for flag, value in given:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise InvalidArgumentError(f"{flag} must be a number > 0, got {value!r}")
+    if args.device_tflops is None and args.device_bandwidth is None:
+        return None
+    return device_model(args.device_tflops, args.device_bandwidth)
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,29 +140,32 @@ def _stages(args: argparse.Namespace) -> int:
     return check_stage_count(args.stages)
 
 
-def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> tuple[Pipeline, str, str]:
-    """(pipeline to run, spec to record in the plan, cost model of the split)."""
+def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> _Choice:
+    """The saved plan's pipeline with its split replaced (--plan), the user's spec, or the default one."""
     if args.plan:
-        for flag, value in (("--pipeline", args.pipeline), ("--strategy", args.strategy), ("--cost", args.cost)):
+        for flag, value in (("--pipeline", args.pipeline), ("--strategy", args.strategy), ("--cost", args.cost),
+                            ("--time-profile", args.time_profile)):
             if value is not None:
                 raise InvalidArgumentError(f"{flag} cannot change a saved plan; drop it or drop --plan")
         saved = read_plan(args.plan)
         if args.stages is not None and args.stages != saved.num_stages:
             raise PlanError(f"plan {args.plan} has {saved.num_stages} stages, not {args.stages}; drop --stages")
         verify = inputs is not None and not args.no_verify
-        return rebuild_pipeline(saved, args.plan, verify=verify), saved.pipeline, saved.cost_model
+        return _Choice(rebuild_pipeline(saved, args.plan, verify=verify), saved.pipeline, saved.cost_model, saved)
     cost = args.cost or "params"
     if args.pipeline:
         if args.strategy is not None:
             raise InvalidArgumentError("with --pipeline, set the strategy in the spec: split{strategy=NAME}")
+        if args.time_profile is not None:
+            raise InvalidArgumentError("with --pipeline, write the profile in the spec: profile{path=FILE}")
         pipeline = bind_pipeline(args.pipeline, _stages(args), cost)
     else:
-        pipeline = default_pipeline(_stages(args), cost, verify=inputs is not None)
+        pipeline = default_pipeline(_stages(args), cost, verify=inputs is not None, time_profile=args.time_profile)
         if args.strategy is not None:
             pipeline = pipeline.with_options(_split_step(pipeline)[0], strategy=args.strategy)
     if args.no_verify:
         pipeline = _without_verify(pipeline)
-    return pipeline, str(pipeline), getattr(_split_step(pipeline)[1], "cost", "params")
+    return _Choice(pipeline, str(pipeline), getattr(_split_step(pipeline)[1], "cost", "params"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,10 +173,12 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
 # --------------------------------------------------------------------------------------------
 def _show(plan: SavedPlan, title: str, console: Console, notes: Sequence[str] = ()) -> None:
     console.print(stage_table(plan, title))
-    for line in summary_lines(plan):
+    for line in summary_lines(plan) + how_made_lines(plan):
         console.print(line, markup=False, highlight=False)
     if plan.num_stages > 1:
         console.print(boundary_table(plan))
+    if plan.shared_weights():
+        console.print(shared_weights_table(plan))
     if plan.wrapped:
         console.print(wrapped_table(plan))
     for note in notes:
@@ -165,8 +211,7 @@ def _check_picture_paths(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------
-def _compare(args: argparse.Namespace, session: _Session, pipeline: Pipeline, cost_model: str,
-             console: Console) -> int:
+def _compare(args: argparse.Namespace, session: _Session, choice: _Choice, console: Console) -> int:
     from autoshard.graph import strategies
 
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
@@ -175,6 +220,7 @@ def _compare(args: argparse.Namespace, session: _Session, pipeline: Pipeline, co
         raise InvalidArgumentError(
             f"--compare takes strategy names separated by commas; unknown: {', '.join(unknown) or '(none given)'}; "
             f"known: {', '.join(strategies())}")
+    pipeline = choice.pipeline
     index, step = _split_step(pipeline)
     if "strategy" not in {f.name for f in step.options()}:
         raise InvalidArgumentError(f"--compare needs a split with a 'strategy' option; '{step.name}' has none")
@@ -183,7 +229,7 @@ def _compare(args: argparse.Namespace, session: _Session, pipeline: Pipeline, co
     for name in names:
         chosen = pipeline.with_options(index, strategy=name)
         program = session.run(chosen[index:index + 1], before)
-        plans[name], _ = session.plan(program, str(chosen), cost_model)
+        plans[name], _ = session.plan(program, _Choice(chosen, str(chosen), choice.cost_model))
     if not args.quiet:
         for table in compare_tables(plans):
             console.print(table)
@@ -201,15 +247,14 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     if args.compare and (args.out or args.svg or args.png or args.plan):
         raise InvalidArgumentError("--compare shows strategies side by side; run again with one --strategy to save or draw")
     session = _Session(args)
-    pipeline, spec, cost_model = _chosen_pipeline(args, session.inputs)
+    choice = _chosen_pipeline(args, session.inputs)
     if args.compare:
-        return _compare(args, session, pipeline, cost_model, console)
-    if not build:
-        pipeline = pipeline[: _split_step(pipeline)[0] + 1]
+        return _compare(args, session, choice, console)
+    pipeline = choice.pipeline if build else choice.pipeline[: _split_step(choice.pipeline)[0] + 1]
     program = session.run(pipeline)
-    plan, notes = session.plan(program, spec, cost_model)
+    plan, notes = session.plan(program, choice)
     if not args.quiet:
-        _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({spec})", console, notes)
+        _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({choice.spec})", console, notes)
         if program.verification:
             console.print(f"verified: {program.verification}", markup=False, highlight=False)
         _print_timing(session, console)
@@ -225,10 +270,14 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     if not args.target.endswith(".json"):
         return _plan_command(args, console, build=False)
     used = [flag for flag, value in (("--stages", args.stages), ("--pipeline", args.pipeline), ("--plan", args.plan),
-                                      ("--compare", args.compare), ("--strategy", args.strategy), ("--cost", args.cost))
+                                      ("--compare", args.compare), ("--strategy", args.strategy), ("--cost", args.cost),
+                                      ("--time-profile", args.time_profile), ("--device-tflops", args.device_tflops),
+                                      ("--device-bandwidth", args.device_bandwidth))
             if value is not None]
     if used:
-        raise InvalidArgumentError(f"{', '.join(used)} cannot be used when inspecting a saved plan")
+        raise InvalidArgumentError(
+            f"{', '.join(used)} cannot be used when inspecting a saved plan, which shows what it recorded; "
+            "to plan again, inspect the model: autoshard inspect TARGET --stages K ...")
     _check_picture_paths(args)
     plan = read_plan(args.target)
     if not args.quiet:
@@ -274,6 +323,12 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
     options.add_argument("--strategy", help="splitting strategy (default: min-cut)")
     options.add_argument("--compare", metavar="S1,S2", help="show several strategies side by side, e.g. greedy,min-cut")
     options.add_argument("--pipeline", metavar="SPEC", help="custom pipeline, e.g. 'trace,build-dag,linearize,split,emit'")
+    options.add_argument("--time-profile", metavar="PROFILE.json",
+                         help="measure node times (or reuse this file's): the time column is then measured")
+    options.add_argument("--device-tflops", type=float, metavar="TFLOPS",
+                         help="peak TFLOP/s of the device for estimated times (default: this machine, calibrated)")
+    options.add_argument("--device-bandwidth", type=float, metavar="GB/s",
+                         help="memory bandwidth of the device for estimated times (default: this machine, calibrated)")
     options.add_argument("--plan", metavar="PLAN.json", help="use the split saved in this plan instead of splitting")
     options.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON (reuse it with --plan)")
     options.add_argument("--svg", metavar="FILE.svg", help="draw the plan as SVG (needs matplotlib)")
@@ -313,6 +368,9 @@ def _hint(exc: BaseException) -> str | None:
                 "add --debug to see the traceback")
     if isinstance(exc, PlanError):
         return "make a fresh plan with `autoshard split TARGET --stages K --out PLAN.json`"
+    if isinstance(exc, ShapePropagationError):
+        return ("the example inputs must be ones the model runs on (model(*args, **kwargs) works): check their "
+                "shapes and dtypes against its forward; add --debug to see the traceback")
     if isinstance(exc, AutoshardError):
         return "add --debug to see the traceback"
     return "this looks like a bug in autoshard or in the model; add --debug for the traceback and report it"

@@ -1,6 +1,7 @@
-"""The plan report: per stage, its cost under each cost model, the weights it holds, and the
-values it receives and sends with their shape, dtype and bytes; plus the shared (tied) weights
-and the stages that must synchronise their gradients.
+"""The plan report: per stage, its cost under each cost model, its time (measured, or estimated
+under a device model), its training memory, the weights it holds, and the values it receives and
+sends with their shape, dtype and bytes; plus the shared (tied) weights, the stages that must
+synchronise their gradients, and what the splitter said about its split.
 
 Plain frozen data with ``to_dict()`` (JSON-ready), so the CLI, a notebook or a test can render
 it however it likes::
@@ -11,12 +12,16 @@ it however it likes::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from autoshard.capture.fx import WrappedLeaf
+from autoshard.capture.result import WrappedLeaf
+from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
 from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
+from autoshard.costs.models import measured
 from autoshard.costs.ties import SharedWeight
+from autoshard.graph import SplitInfo
 from autoshard.sharded import BoundaryValue, ShardedModel, StagePlan
 
 
@@ -34,11 +39,14 @@ class StageReport:
     values_in: tuple[BoundaryValue, ...]
     values_out: tuple[BoundaryValue, ...]
     memory: StageMemory | None
+    seconds: float | None
+    """Measured or estimated (see ``PlanReport.time_estimate``); None without FLOPs or a profile."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "index": self.index, "modules": list(self.modules), "nodes": self.nodes, "weights": list(self.weights),
             "param_count": self.param_count, "param_bytes": self.param_bytes, "costs": dict(self.costs),
+            "seconds": self.seconds,
             "values_in": [v.to_dict() for v in self.values_in], "values_out": [v.to_dict() for v in self.values_out],
             "memory": None if self.memory is None else {
                 "state_bytes": self.memory.state_bytes, "activation_bytes": self.memory.activation_bytes,
@@ -48,12 +56,16 @@ class StageReport:
 
 @dataclass(frozen=True)
 class PlanReport:
-    """Every stage's report, the shared weights, the cost models shown and the wrapped leaves."""
+    """Every stage's report, the shared weights, the cost models shown, the wrapped leaves, what the
+    splitter said about its split (None if it came from elsewhere) and the device model the stage
+    times were estimated with (None: measured, or no times)."""
 
     stages: tuple[StageReport, ...]
     shared_weights: tuple[SharedWeight, ...]
     cost_models: tuple[str, ...]
     wrapped: tuple[WrappedLeaf, ...]
+    split: SplitInfo | None = None
+    time_estimate: DeviceModel | None = None
 
     @property
     def gradient_sync(self) -> tuple[SharedWeight, ...]:
@@ -70,18 +82,28 @@ class PlanReport:
             "stages": [s.to_dict() for s in self.stages],
             "shared_weights": [w.to_dict() for w in self.shared_weights],
             "wrapped": [{"kind": w.kind, "name": w.name, "reason": w.reason} for w in self.wrapped],
+            "split": None if self.split is None else dataclasses.asdict(self.split),
+            "time_estimate": None if self.time_estimate is None else self.time_estimate.to_dict(),
         }
+
+
+def _times(plan: StagePlan, device: DeviceModel | None) -> NodeTimes | None:
+    """Measured times when profiled, else estimated when FLOPs were measured, else none."""
+    return node_times(plan.dag, device) if measured(plan.dag, "time") or measured(plan.dag, "flops") else None
 
 
 def plan_report(
     sharded: ShardedModel | StagePlan,
     extra_costs: Mapping[str, Mapping[str, float]] | None = None,
     memory: MemoryModel = MemoryModel(),
+    device: DeviceModel | None = None,
 ) -> PlanReport:
     """Describe a plan under every cost model its DAG has measurements for.
 
     ``extra_costs`` adds columns from per-node costs computed elsewhere (a user's cost function,
-    ``node_costs(program, ctx, name)``); they are summed per stage.
+    ``node_costs(program, ctx, name)``); they are summed per stage. Stage times are the profile's
+    when the plan was made with ``cost=time`` or a time profile, else estimated under ``device``
+    (default: this machine, calibrated; see ``autoshard.costs.estimate``).
     """
     plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
     k = plan.num_stages
@@ -89,6 +111,8 @@ def plan_report(
     per_model = {name: plan.stage_costs(name, memory) for name in models}
     per_model.update({name: plan.stage_costs(costs) for name, costs in (extra_costs or {}).items()})
     memories = stage_memory(plan.dag, plan.assignment, k, memory) if "memory" in models else None
+    times = _times(plan, device)
+    seconds = plan.stage_costs(times.seconds) if times is not None else None
     infos = plan.dag.graph.get("weights", {})
     stages = []
     for j in range(k):
@@ -104,5 +128,7 @@ def plan_report(
             values_in=plan.boundary_values(j - 1) if j > 0 else (),
             values_out=plan.boundary_values(j) if j < k - 1 else (),
             memory=memories[j] if memories is not None else None,
+            seconds=seconds[j] if seconds is not None else None,
         ))
-    return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped)
+    return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped, plan.split_info,
+                      times.estimate if times is not None else None)

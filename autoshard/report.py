@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 from rich.table import Table
 from rich.text import Text
 
+from autoshard.costs.memory import MemoryModel, StageMemory
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 
 _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*)*)$")
@@ -104,12 +105,18 @@ class StageRow:
     values_in: tuple[str, ...]
     values_out: tuple[str, ...]
     bytes_out: float
+    seconds: float | None
+    """Measured or estimated (``SavedPlan.time_measured``); None when the plan has no times."""
+    memory: StageMemory | None
+    """Training memory (``autoshard.costs.memory``); None when the plan lacks the sizes."""
 
 
 def stage_rows(plan: SavedPlan) -> list[StageRow]:
     boundaries = plan.boundaries()
     sent = plan.boundary_bytes()
     costs = {m: plan.stage_costs(m) for m in plan.cost_models()}
+    seconds = plan.stage_seconds()
+    memory = plan.training_memory()
     rows = []
     for stage in range(plan.num_stages):
         members = [n for n in plan.nodes if n.stage == stage and not n.input]
@@ -124,6 +131,8 @@ def stage_rows(plan: SavedPlan) -> list[StageRow]:
             values_in=tuple(boundaries[stage - 1]) if stage > 0 else (),
             values_out=() if last else tuple(boundaries[stage]),
             bytes_out=0.0 if last else sent[stage],
+            seconds=None if seconds is None else seconds[stage],
+            memory=None if memory is None else memory[stage],
         ))
     return rows
 
@@ -153,8 +162,17 @@ def format_cost(model: str, value: float) -> str:
     if model in BYTE_COSTS:
         return human_bytes(value)
     if model == "time":
-        return f"{value * 1000:.3f} ms"
+        return format_seconds(value)
     return human_count(value)
+
+
+def format_seconds(value: float) -> str:
+    """Seconds in s, ms or µs, whichever reads best (an estimate of a tiny node is microseconds)."""
+    if value >= 1:
+        return f"{value:.3f} s"
+    if value >= 1e-3 or value == 0:
+        return f"{value * 1000:.3f} ms"
+    return f"{value * 1e6:.1f} µs"
 
 
 def sizes_known(plan: SavedPlan) -> bool:
@@ -180,17 +198,28 @@ def _plain(text: str) -> Text:
 # --------------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------------
+def time_label(plan: SavedPlan) -> str:
+    """The time column's heading: says whether the numbers were measured or estimated."""
+    if plan.stage_seconds() is None:
+        return "time"
+    kind = "measured" if plan.time_measured else "est."
+    return f"time (split, {kind})" if plan.cost_model == "time" else f"time ({kind})"
+
+
 def stage_table(plan: SavedPlan, title: str) -> Table:
-    """Per stage: modules, node count, cost under each model, activation size, what it sends on."""
+    """Per stage: modules, node count, cost under each model, time, training memory, activation
+    size, and what it sends on. Time and training memory read ``?`` when the plan cannot tell."""
     table = Table(title=_plain(title))
     table.add_column("stage", justify="right")
     table.add_column("modules", overflow="fold")
     table.add_column("nodes", justify="right")
-    models = [m for m in plan.cost_models() if m != "activations"]
+    models = [m for m in plan.cost_models() if m not in ("activations", "time")]
     for m in models:
         table.add_column(f"{m} (split)" if m == plan.cost_model else m, justify="right")
     if "params" not in models:
         table.add_column("params", justify="right")
+    table.add_column(time_label(plan), justify="right")
+    table.add_column("train mem", justify="right")
     table.add_column("activations", justify="right")
     table.add_column("sends", overflow="fold")
     for row in stage_rows(plan):
@@ -198,6 +227,8 @@ def stage_table(plan: SavedPlan, title: str) -> Table:
         cells += [format_cost(m, row.costs[m]) for m in models]
         if "params" not in models:
             cells.append(human_bytes(row.param_bytes))
+        cells.append("?" if row.seconds is None else format_seconds(row.seconds))
+        cells.append("?" if row.memory is None else human_bytes(row.memory.total))
         cells.append(format_size(plan, row.activation_bytes))
         if row.index == plan.num_stages - 1:
             cells.append("(model output)")
@@ -225,6 +256,45 @@ def summary_lines(plan: SavedPlan) -> list[str]:
         f"boundaries: {plural(crossing, 'value crossing')}, {format_size(plan, plan.total_boundary_bytes())} in total"
         + (f", largest boundary {format_size(plan, max(sent))}" if sent else ""),
     ]
+
+
+def how_made_lines(plan: SavedPlan) -> list[str]:
+    """How the split was made and what the time and memory columns mean."""
+    lines = []
+    if plan.split is not None:
+        info, tolerance = plan.split.info, plan.split.tolerance
+        made = f"split: {info.strategy}" + ("" if tolerance is None else f", tolerance {tolerance:g}")
+        if info.bound is not None:
+            made += f", bound {format_cost(plan.cost_model, info.bound)} per stage"
+        if info.proven_optimal is not None:
+            made += ", proven optimal" if info.proven_optimal else ", not proven optimal (the solver stopped early)"
+        if info.separated:
+            made += f"; tied weights it had to place apart: {', '.join(info.separated)}"
+        if not plan.split_is_current:
+            made += "; then edited by hand: the stages are no longer the splitter's"
+        lines.append(made)
+    if plan.stage_seconds() is not None:
+        if plan.time_measured:
+            lines.append("time: measured per node (profile) and summed per stage")
+        elif plan.time_estimate is not None:
+            lines.append("time (est.): per node max(FLOPs / peak, bytes moved / bandwidth) with "
+                         f"{plan.time_estimate.describe()}, summed per stage")
+    if plan.training_memory() is not None:
+        lines.append(f"train mem: weights + gradients + optimizer state ({MemoryModel().optimizer_bytes_per_param:g} "
+                     "B per parameter) + kept activations x microbatches in flight (stage j of k: k - j, 1F1B)")
+    return lines
+
+
+def shared_weights_table(plan: SavedPlan) -> Table:
+    """Weights read by several nodes or tied under several names, and whether stages must sync them."""
+    table = Table(title="shared weights (tied)")
+    for column in ("weight", "also known as", "stages", "gradient sync"):
+        table.add_column(column, overflow="fold")
+    for weight in plan.shared_weights():
+        sync = "yes: sum the gradient across these stages" if weight.needs_gradient_sync else "no"
+        table.add_row(_plain(weight.name), _plain(", ".join(weight.aliases[1:]) or "-"),
+                      ", ".join(map(str, weight.stages)), sync)
+    return table
 
 
 def value_columns(value: Mapping[str, Any] | None) -> tuple[str, str]:

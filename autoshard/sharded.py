@@ -9,11 +9,12 @@ from typing import Any, Mapping
 import torch.fx as fx
 from torch import nn
 
-from autoshard.capture.fx import WrappedLeaf
+from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.memory import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
+from autoshard.graph.partition import SplitInfo
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,16 @@ class StagePlan:
 
     Everything beyond the assignment and boundaries is read from the DAG: per-stage costs under
     each cost model whose measurements it holds, the structure of every boundary value, and the
-    weights shared between nodes (tied weights), with the stages that hold them.
+    weights shared between nodes (tied weights), with the stages that hold them. ``split_info``
+    is what the splitter knew about its result (strategy, bound, whether ``exact`` proved it
+    optimal, the tied-weight groups it had to separate); None when the split came from elsewhere.
     """
 
     assignment: dict[str, int]
     boundaries: tuple[tuple[str, ...], ...]
     wrapped: tuple[WrappedLeaf, ...]
     dag: Any
+    split_info: SplitInfo | None = None
 
     @property
     def num_stages(self) -> int:

@@ -29,6 +29,9 @@ def broken():
 
 def mismatched():
     return torch.nn.Sequential(torch.nn.Linear(4, 4)), (torch.randn(2, 4), torch.randn(2, 4))
+
+def wrong_shape():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), (torch.randn(2, 5),)
 '''
 
 
@@ -76,6 +79,9 @@ def test_split_transformer_shows_layer_ranges_and_boundary_values():
     assert "the lower bound" in out.stdout and "boundaries: " in out.stdout
     assert "values crossing each boundary" in out.stdout and "0 → 1" in out.stdout
     assert "verified: 2 stages match" in out.stdout
+    heading = next(line for line in out.stdout.splitlines() if line.startswith("┃"))
+    assert "time (est.)" in heading and "train mem" in heading
+    assert out.stderr == ""  # no progress bar when stderr is not a terminal
 
 
 def test_split_tables_contain_the_expected_stages(saved):
@@ -122,21 +128,75 @@ def test_png_and_svg_are_written_as_non_trivial_images_of_the_right_size(saved):
     assert "wrote the picture plan.svg" in first.stdout
 
 
+def test_custom_pipeline_with_timing_and_dump_dir(tmp_path):
+    spec = "capture,shape-prop,build-dag,linearize{order=live-bytes},split{cost=flops},emit,verify"
+    out = autoshard("split", "long-skip", "-k", "2", "--pipeline", spec, "--timing", "--dump-dir", "dump", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "flops (split)" in out.stdout and "split{stages=2 cost=flops}" in " ".join(out.stdout.split())
+    timing = out.stdout.split("autoshard pass timing")[1]
+    assert all(name in timing for name in ("capture", "shape-prop", "split", "verify", "total"))
+    assert [p.name for p in sorted((tmp_path / "dump").iterdir())] == [
+        "000-capture.txt", "001-shape-prop.txt", "002-build-dag.txt", "003-linearize.txt", "004-split.txt",
+        "005-emit.txt", "006-verify.txt"]
+    assert out.stderr == ""
+
+
+def on_a_terminal(*args: str) -> tuple[int, str]:
+    """Run the CLI with stderr on a pseudo-terminal; return its exit code and what it drew there."""
+    import pty
+    import threading
+
+    main, child = pty.openpty()
+    drawn: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # the child closed its end
+                return
+            if not chunk:
+                return
+            drawn.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", *args], stdout=subprocess.DEVNULL, stderr=child,
+                          timeout=300, env={**os.environ, "COLUMNS": "120", "TERM": "xterm"})
+    os.close(child)
+    reader.join(timeout=10)
+    os.close(main)
+    return proc.returncode, b"".join(drawn).decode(errors="replace")
+
+
+def test_progress_is_drawn_on_a_terminal_and_quiet_silences_it():
+    code, drawn = on_a_terminal("inspect", "residual-mlp", "-k", "2")
+    assert code == 0 and "autoshard: " in drawn
+    code, drawn = on_a_terminal("inspect", "residual-mlp", "-k", "2", "--quiet")
+    assert code == 0 and drawn == ""
+
+
 def test_a_factory_target_run_from_its_folder(factories):
     out = autoshard("split", "mymodels:build", "--stages", "3", cwd=factories)
     assert out.returncode == 0, out.stderr
     assert [modules(r[1]) for r in stage_rows(out.stdout)] == ["0-1", "2-3", "4-5"]
 
 
-@pytest.mark.parametrize("args,message", [
-    (("split", "no_such_module:build", "-k", "2"), "cannot import 'no_such_module' from TARGET"),
+@pytest.mark.parametrize("args,message,hint", [
+    (("split", "no_such_module:build", "-k", "2"), "cannot import 'no_such_module' from TARGET",
+     "TARGET is a built-in example (see `autoshard examples`) or package.module:factory"),
     (("split", "mymodels:broken", "-k", "2"), "the factory 'mymodels:broken' failed: RuntimeError: "
-                                             "weights file [missing.bin] not found"),
-    (("split", "mymodels:mismatched", "-k", "2"), "the example inputs do not match Sequential.forward(input)"),
+                                             "weights file [missing.bin] not found", "or package.module:factory"),
+    (("split", "mymodels:mismatched", "-k", "2"), "the example inputs do not match Sequential.forward(input)",
+     "add --debug to see the traceback"),
+    (("split", "mymodels:wrong_shape", "-k", "2"),
+     "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x5 and 4x4)",
+     "the example inputs must be ones the model runs on"),
 ])
-def test_errors_exit_nonzero_with_one_message_a_hint_and_no_traceback(factories, args, message):
+def test_errors_exit_nonzero_with_one_message_a_hint_and_no_traceback(factories, args, message, hint):
     out = autoshard(*args, cwd=factories)
     assert out.returncode == 2
-    assert message in " ".join(out.stderr.split()), out.stderr
-    assert out.stderr.startswith("error: ") and "\nhint: " in out.stderr
-    assert "Traceback" not in out.stderr and out.stdout == ""
+    flat = " ".join(out.stderr.split())
+    assert message in flat, out.stderr
+    assert out.stderr.startswith("error: ") and "\nhint: " in out.stderr and hint in flat
+    assert "Traceback" not in out.stderr and "While executing" not in out.stderr and out.stdout == ""

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
 
-from autoshard.capture import WrappedLeaf
-from autoshard.plan_io import PlanNode, SavedPlan
+from autoshard.capture.result import WrappedLeaf
+from autoshard.costs.estimate import DeviceModel
+from autoshard.graph import SplitInfo
+from autoshard.plan_io import PlanNode, SavedPlan, SplitRecord, assignment_digest
 from autoshard.report import (
     boundary_table,
     compare_tables,
     compress_module_ranges,
     format_cost,
+    how_made_lines,
     human_bytes,
     stage_modules,
     stage_rows,
@@ -113,7 +117,7 @@ def test_compare_tables_put_strategies_side_by_side():
 
 @pytest.mark.parametrize("model,value,shown", [
     ("params", 3 * 1024 * 1024, "3.0 MB"), ("flops", 2.5e9, "2.5 G"), ("time", 0.0125, "12.500 ms"),
-    ("nodes", 7, "7"),
+    ("time", 4.25e-6, "4.2 µs"), ("time", 2.5, "2.500 s"), ("time", 0.0, "0.000 ms"), ("nodes", 7, "7"),
 ])
 def test_costs_are_shown_in_their_unit(model, value, shown):
     assert format_cost(model, value) == shown
@@ -128,6 +132,32 @@ def test_costs_are_shown_in_their_unit(model, value, shown):
 ])
 def test_value_columns_describe_each_kind_of_value(value, columns):
     assert value_columns(value) == columns
+
+
+def recorded(plan: SavedPlan, **info) -> SavedPlan:
+    """``plan`` as if the splitter had made it, saying ``info`` about its split."""
+    split = SplitInfo(**{"strategy": "exact", "bound": 20.0, "bottleneck": 20.0, "boundary_bytes": 512.0, **info})
+    digest = assignment_digest((n.name, n.stage) for n in plan.nodes)
+    return replace(plan, split=SplitRecord(split, 0.05, digest))
+
+
+def test_how_the_split_was_made_is_told_plainly():
+    plan = recorded(hand_plan(), proven_optimal=False, separated=("enc.layers.0.weight",))
+    (line,) = how_made_lines(plan)
+    assert line == ("split: exact, tolerance 0.05, bound 20 B per stage, not proven optimal (the solver stopped "
+                    "early); tied weights it had to place apart: enc.layers.0.weight")
+    edited = replace(hand_plan({"l2": 0}), split=plan.split)
+    assert how_made_lines(edited)[0].endswith("then edited by hand: the stages are no longer the splitter's")
+
+
+def test_time_is_labelled_measured_or_estimated():
+    timed = replace(hand_plan(), nodes=tuple(replace(n, costs={**n.costs, "time": 0.002}) for n in hand_plan().nodes))
+    measured = rendered(stage_table(timed, "t"))
+    assert "time (measured)" in measured and "6.000 ms" in measured  # x, l0, l1 at 2 ms each (the input too)
+    estimated = replace(timed, time_estimate=DeviceModel(1e12, 1e9))
+    assert "time (est.)" in rendered(stage_table(estimated, "t"))
+    assert "1000 GFLOP/s, 1 GB/s (given)" in how_made_lines(estimated)[0]
+    assert "time" in rendered(stage_table(hand_plan(), "t")) and "?" in rendered(stage_table(hand_plan(), "t"))
 
 
 def test_human_bytes_reaches_terabytes():

@@ -32,8 +32,9 @@ def make_plan(model: nn.Module, k: int, args: tuple = (), pipeline: Pipeline | N
     inputs = ExampleInputs(args) if args else None
     ctx = PassContext()
     program = pipeline.run(ShardProgram(model=model, example_inputs=inputs), ctx).program
-    costs, _ = report_costs(program, ctx, "params")
-    return plan_from_program(program, str(pipeline), "params", costs), program
+    reported = report_costs(program, ctx, "params")
+    plan = plan_from_program(program, str(pipeline), "params", reported.costs, time_estimate=reported.time_estimate)
+    return plan, program
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,22 @@ def test_read_back_equals_what_was_saved(residual, saved):
     again = read_plan(saved)
     assert again == plan
     assert again.to_dict() == plan.to_dict()
+    assert again.weights == plan.weights and again.time_estimate == plan.time_estimate and again.split == plan.split
+
+
+def test_the_file_says_how_the_split_was_made_and_what_each_stage_needs(residual, saved):
+    _, _, plan, program = residual
+    data = json.loads(saved.read_text())
+    info = program.partition.info
+    assert data["split"]["strategy"] == info.strategy == "min-cut"
+    assert data["split"]["bottleneck"] == info.bottleneck and data["split"]["tolerance"] == 0.0
+    assert data["time_estimate"]["model"] == "roofline" and data["summary"]["stage_seconds"]["source"] == "estimated"
+    assert data["weights"]["linears.0.weight"] == {"aliases": ["linears.0.weight"], "numel": 256, "bytes": 1024,
+                                                   "kind": "parameter", "trainable": True}
+    assert node(data, "linears_0")["weights"] == ["linears.0.weight", "linears.0.bias"]
+    assert node(data, "linears_0")["allocated"] == node(data, "linears_0")["bytes"]
+    assert [s["in_flight"] for s in data["summary"]["training_memory"]["stages"]] == [4, 3, 2, 1]
+    assert plan.split_is_current
 
 
 def test_saving_is_deterministic(residual, tmp_path):
@@ -109,6 +126,8 @@ def test_load_plan_rebuilds_the_same_stages(residual, saved):
     assert rebuilt.plan.boundaries == original.plan.boundaries
     assert [s.code for s in rebuilt.stages] == [s.code for s in original.stages]
     assert torch.equal(rebuilt(*args), model(*args))
+    assert rebuilt.plan.split_info is not None
+    assert rebuilt.plan.split_info == read_plan(saved).split.info == original.plan.split_info
 
 
 def test_a_hand_moved_node_is_used(residual, saved):
@@ -123,6 +142,7 @@ def test_a_hand_moved_node_is_used(residual, saved):
     edited(saved, move)
     rebuilt = load_plan(saved, model, args)
     assert rebuilt.plan.assignment["linears_2"] == 0
+    assert rebuilt.plan.split_info is None, "the splitter's record no longer describes an edited plan"
     assert rebuilt.plan.boundaries[0] == ("add_2",)
     assert torch.equal(rebuilt(*args), model(*args))
 
@@ -184,6 +204,13 @@ def test_an_edited_module_entry_that_disagrees_with_its_nodes_is_an_error(saved)
     (lambda d: d["edges"].append(["add", "nowhere"]), "names 'nowhere', which is not in nodes"),
     (lambda d: node(d, "add")["costs"].update(params=float("nan")), "must be finite"),
     (lambda d: d["edges"].append(["add_7", "x"]), "inputs must be sources|cycle"),
+    (lambda d: node(d, "linears_0").update(weights=["nowhere.weight"]),
+     "node 'linears_0' reads the weight 'nowhere.weight', which is not in `weights`"),
+    (lambda d: d["weights"]["linears.0.weight"].update(numel="256"), r"weights\['linears.0.weight'\].numel must be int"),
+    (lambda d: d["time_estimate"].update(bandwidth=-1), "time_estimate a device model's bandwidth must be"),
+    (lambda d: d["time_estimate"].update(model="magic"), "time_estimate.model must be \"roofline\""),
+    (lambda d: d["split"].pop("assignment_digest"), "split has no 'assignment_digest'"),
+    (lambda d: d["split"].update(proven_optimal="yes"), "split.proven_optimal must be bool"),
 ])
 def test_malformed_plans_say_what_and_where(saved, change, message):
     data = json.loads(saved.read_text())
@@ -207,6 +234,21 @@ def test_plan_from_dict_accepts_the_derived_sections_missing(residual):
     for derived in ("summary", "boundaries", "modules"):
         del data[derived]
     assert plan_from_dict(data) == residual[2]
+
+
+def test_a_plan_without_the_split_time_and_weight_sections_still_reads(residual):
+    """Plans saved before these sections existed: readable, with what they cannot tell left unknown."""
+    data = residual[2].to_dict()
+    for section in ("split", "time_estimate", "weights"):
+        del data[section]
+    for entry in data["nodes"]:
+        entry.pop("weights", None)
+        entry.pop("allocated", None)
+        entry["costs"].pop("time")
+    plan = plan_from_dict(data)
+    assert plan.split is None and not plan.split_is_current and plan.time_estimate is None
+    assert plan.training_memory() is None and plan.stage_seconds() is None
+    assert plan.assignment() == residual[2].assignment()
 
 
 def test_a_plan_measured_on_inputs_needs_inputs_to_rebuild(residual, saved):

@@ -11,7 +11,7 @@ import autoshard
 from autoshard.examples import load_example
 from autoshard.plan_report import plan_report
 
-from gpt_style import GPTStyleLM
+from autoshard.examples import GPTStyleLM
 
 
 def test_the_report_has_every_measured_cost_per_stage_and_adds_up():
@@ -62,3 +62,26 @@ def test_the_report_is_json_and_lists_ties_and_extra_costs():
     first_out = data["stages"][0]["values_out"][0]
     assert first_out["value"]["kind"] == "tensor" and first_out["bytes"] == first_out["value"]["bytes"]
     assert first_out["text"].startswith("float32[")
+
+
+def test_the_report_carries_the_splitters_record_and_stage_times():
+    model, args, _ = load_example("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    info = sharded.plan.split_info
+    assert info is not None and info.strategy == "min-cut" and info.proven_optimal is None
+    assert info.bottleneck == max(sharded.plan.stage_costs("params"))
+    report = plan_report(sharded)
+    assert report.split == info
+    assert report.time_estimate is not None and report.time_estimate.calibrated
+    assert all(stage.seconds > 0 for stage in report.stages)
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["split"]["strategy"] == "min-cut" and data["time_estimate"]["model"] == "roofline"
+
+
+def test_measured_times_are_reported_as_measured():
+    model, args, _ = load_example("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args, cost="time")
+    report = plan_report(sharded)
+    assert report.time_estimate is None
+    assert [s.seconds for s in report.stages] == sharded.plan.stage_costs("time") == [
+        s.costs["time"] for s in report.stages]

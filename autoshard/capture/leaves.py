@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import torch
 from torch import nn
 
+from autoshard import progress
 from autoshard.capture.result import WrappedLeaf
 from autoshard.errors import TraceError
 
@@ -163,12 +164,14 @@ class Leaves:
 def capture_with_leaves(model: nn.Module, attempt: Callable[[Leaves], T], verb: str) -> tuple[T, Leaves]:
     """Run ``attempt`` until it succeeds, keeping one more thing opaque after each failure."""
     leaves = Leaves(model)
-    for _ in range(len(leaves.paths) + 64):
-        try:
-            return attempt(leaves), leaves
-        except TraceError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure is a reason to wrap something
-            leaves.wrap(exc, verb)
+    with progress.task(f"{verb}: keeping untraceable code whole") as advance:
+        for _ in range(len(leaves.paths) + 64):
+            try:
+                return attempt(leaves), leaves
+            except TraceError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure is a reason to wrap something
+                leaves.wrap(exc, verb)
+                advance.describe(f"{verb}: retry {len(leaves.wrapped)}, kept whole {leaves.wrapped[-1].name}")
     raise TraceError(f"gave up: could not {verb} {type(model).__name__} after wrapping {len(leaves.wrapped)} "
                      "modules and functions")

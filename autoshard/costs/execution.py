@@ -93,6 +93,7 @@ def placeholder_values(gm: fx.GraphModule, inputs: "ExampleInputs") -> list[Any]
 class _HookedInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, hook: NodeHook, mode: str) -> None:
         super().__init__(gm)
+        self.extra_traceback = False  # our errors name the node already; torch's addendum is noise
         self.hook = hook
         self.mode = mode
 

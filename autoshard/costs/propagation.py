@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
+from autoshard import progress
 from autoshard.costs.execution import Mode, NodeCall, run_graph
 from autoshard.costs.flops import NodeFlopCounter
 from autoshard.costs.values import ValueMeta, allocated_bytes, describe_value
@@ -38,13 +39,15 @@ def node_facts(node: fx.Node) -> NodeFacts | None:
 def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", seed: int = 0) -> dict[str, NodeFacts]:
     """Run ``gm`` on ``inputs`` and return the facts of every placeholder and compute node."""
     facts: dict[str, NodeFacts] = {}
-    with NodeFlopCounter() as flops:
+    measured = sum(node.op not in ("get_attr", "output") for node in gm.graph.nodes)
+    with NodeFlopCounter() as flops, progress.task("shape propagation", total=measured) as advance:
         def hook(call: NodeCall) -> Any:
             value = flops.measure(call)
             node = call.node
             if node.op not in ("get_attr", "output"):
                 allocated = allocated_bytes(value, (call.args, call.kwargs))
                 facts[node.name] = NodeFacts(describe_value(value), flops.per_node[node.name], allocated)
+                advance()
             return value
 
         run_graph(gm, inputs, mode, hook, seed)

@@ -30,5 +30,5 @@ class EmitPass(Pass):
         k = partition.num_stages
         boundaries = tuple(tuple(b) for b in boundary_values(program.dag, assignment, k))
         stages = emit_stages(program.traced.graph_module, assignment, boundaries)
-        plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag)
+        plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info)
         return dataclasses.replace(program, sharded=ShardedModel(stages, plan))

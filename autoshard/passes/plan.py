@@ -30,7 +30,8 @@ class LoadPartitionPass(Pass):
         plan = read_plan(self.path)
         check_fits(plan, program.dag, self.path)
         try:
-            partition = Partition.from_assignment(program.dag, plan.assignment(), plan.num_stages)
+            info = plan.split.info if plan.split_is_current else None  # a hand edit voids the splitter's record
+            partition = Partition.from_assignment(program.dag, plan.assignment(), plan.num_stages, info)
         except InvalidArgumentError as exc:
             raise PlanError(f"plan {self.path} is not a valid split of this model's graph: {exc}") from exc
         return dataclasses.replace(program, partition=partition)

@@ -5,12 +5,27 @@ and ``load_plan`` rebuilds the same stages for the model (``autoshard split --pl
 """
 
 from autoshard.plan_io.files import format_plan, plan_from_dict, read_plan, save_plan
-from autoshard.plan_io.from_program import REPORTED_COSTS, plan_from_program, report_costs, versions
-from autoshard.plan_io.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan, module_ancestors
+from autoshard.plan_io.from_program import (
+    REPORTED_COSTS,
+    ReportedCosts,
+    plan_from_program,
+    report_costs,
+    split_record,
+    versions,
+)
+from autoshard.plan_io.model import (
+    FORMAT,
+    FORMAT_VERSION,
+    PlanNode,
+    SavedPlan,
+    SplitRecord,
+    assignment_digest,
+    module_ancestors,
+)
 from autoshard.plan_io.rebuild import check_fits, load_plan, rebuild_pipeline
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "PlanNode", "REPORTED_COSTS", "SavedPlan", "check_fits", "format_plan",
-    "load_plan", "module_ancestors", "plan_from_dict", "plan_from_program", "read_plan", "rebuild_pipeline",
-    "report_costs", "save_plan", "versions",
+    "FORMAT", "FORMAT_VERSION", "PlanNode", "REPORTED_COSTS", "ReportedCosts", "SavedPlan", "SplitRecord",
+    "assignment_digest", "check_fits", "format_plan", "load_plan", "module_ancestors", "plan_from_dict",
+    "plan_from_program", "read_plan", "rebuild_pipeline", "report_costs", "save_plan", "split_record", "versions",
 ]

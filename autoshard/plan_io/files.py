@@ -13,10 +13,12 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from autoshard.capture import WrappedLeaf
+from autoshard.capture.result import WrappedLeaf
+from autoshard.costs.estimate import DeviceModel
 from autoshard.errors import InvalidArgumentError, PlanError
-from autoshard.graph import check_dag, check_partition
-from autoshard.plan_io.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan
+from autoshard.graph import SplitInfo, check_dag, check_partition
+from autoshard.graph.from_fx import WeightInfo
+from autoshard.plan_io.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan, SplitRecord, optional_float
 
 
 def _compact(value: Any) -> str:
@@ -24,10 +26,10 @@ def _compact(value: Any) -> str:
 
 
 def format_plan(data: Mapping[str, Any]) -> str:
-    """JSON with one line per node, edge, module and boundary: easy to read, edit and diff."""
+    """JSON with one line per node, edge, module, weight and boundary: easy to read, edit and diff."""
     lines = []
     for key, value in data.items():
-        if isinstance(value, dict) and value and key == "modules":
+        if isinstance(value, dict) and value and key in ("modules", "weights"):
             items = [f"  {_compact(k)}: {_compact(v)}" for k, v in value.items()]
         elif isinstance(value, list) and value and not isinstance(value[0], (int, float)):
             items = [f"  {_compact(v)}" for v in value]
@@ -66,6 +68,8 @@ class _Reader:
                 return default
             raise self.error(where, f"has no {key!r}")
         value = obj[key]
+        if value is None and default is None:
+            return None  # an optional entry written as null
         numeric = kinds in (int, float, (int, float))
         if not isinstance(value, kinds) or (numeric and isinstance(value, bool)):
             names = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
@@ -88,7 +92,51 @@ class _Reader:
             param_bytes=float(self.get(obj, "param_bytes", number, where, 0)),
             input=self.get(obj, "input", bool, where, False), output=self.get(obj, "output", bool, where, False),
             value=self.get(obj, "value", dict, where, None),
+            weights=self.names(self.get(obj, "weights", list, where, []), f"{where}.weights"),
+            allocated=optional_float(self.get(obj, "allocated", number, where, None)),
         )
+
+    def names(self, items: list, where: str) -> tuple[str, ...]:
+        bad = next((x for x in items if not isinstance(x, str)), None)
+        if bad is not None:
+            raise self.error(where, f"must list names (strings), got {bad!r}")
+        return tuple(items)
+
+    def weight(self, name: str, obj: Any) -> WeightInfo:
+        where = f"weights[{name!r}]"
+        aliases = self.names(self.get(obj, "aliases", list, where, [name]), f"{where}.aliases")
+        return WeightInfo(aliases, self.get(obj, "numel", int, where), self.get(obj, "bytes", int, where),
+                          self.get(obj, "kind", str, where, "parameter"), self.get(obj, "trainable", bool, where))
+
+    def time_estimate(self, obj: Any) -> DeviceModel | None:
+        where = "time_estimate"
+        if obj is None:
+            return None
+        if self.get(obj, "model", str, where) != "roofline":
+            raise self.error(f"{where}.model", "must be \"roofline\" (the only device model this autoshard knows)")
+        try:
+            return DeviceModel(self.get(obj, "peak_flops", (int, float), where),
+                               self.get(obj, "bandwidth", (int, float), where),
+                               self.get(obj, "calibrated", bool, where, False))
+        except InvalidArgumentError as exc:
+            raise self.error(where, str(exc)) from None
+
+    def split(self, obj: Any) -> SplitRecord | None:
+        where = "split"
+        if obj is None:
+            return None
+        number = (int, float)
+        proven = self.get(obj, "proven_optimal", bool, where, None)
+        info = SplitInfo(
+            strategy=self.get(obj, "strategy", str, where),
+            bound=optional_float(self.get(obj, "bound", number, where, None)),
+            bottleneck=float(self.get(obj, "bottleneck", number, where)),
+            boundary_bytes=float(self.get(obj, "boundary_bytes", number, where)),
+            proven_optimal=proven,
+            separated=self.names(self.get(obj, "separated", list, where, []), f"{where}.separated"),
+        )
+        return SplitRecord(info, optional_float(self.get(obj, "tolerance", number, where, None)),
+                           self.get(obj, "assignment_digest", str, where))
 
     def edge(self, obj: Any, i: int) -> tuple[str, str]:
         if not (isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, str) for x in obj)):
@@ -119,6 +167,9 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SavedPlan:
         nodes=nodes,
         edges=tuple(r.edge(obj, i) for i, obj in enumerate(r.get(data, "edges", list, "the file"))),
         wrapped=tuple(r.wrapped(obj, i) for i, obj in enumerate(r.get(data, "wrapped", list, "the file", []))),
+        weights={str(name): r.weight(name, obj) for name, obj in r.get(data, "weights", dict, "the file", {}).items()},
+        time_estimate=r.time_estimate(r.get(data, "time_estimate", dict, "the file", None)),
+        split=r.split(r.get(data, "split", dict, "the file", None)),
     )
     _check_consistent(plan, r)
     _check_modules(plan, r.get(data, "modules", dict, "the file", None), r)
@@ -133,6 +184,10 @@ def _check_consistent(plan: SavedPlan, r: _Reader) -> None:
     missing_cost = next((n.name for n in plan.nodes if plan.cost_model not in n.costs), None)
     if missing_cost is not None:
         raise r.error(f"node {missing_cost!r}", f"has no cost under the plan's cost model {plan.cost_model!r}")
+    if plan.weights:
+        unknown = next(((n.name, w) for n in plan.nodes for w in n.weights if w not in plan.weights), None)
+        if unknown is not None:
+            raise r.error(f"node {unknown[0]!r}", f"reads the weight {unknown[1]!r}, which is not in `weights`")
     known = set(names)
     for i, (u, v) in enumerate(plan.edges):
         if u not in known or v not in known:

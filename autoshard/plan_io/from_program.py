@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from autoshard.errors import InvalidArgumentError
-from autoshard.plan_io.model import PlanNode, SavedPlan
+from autoshard.costs.estimate import DeviceModel, node_times
+from autoshard.errors import AutoshardError, InvalidArgumentError, SpecError
+from autoshard.graph import Partition
+from autoshard.plan_io.model import PlanNode, SavedPlan, SplitRecord, assignment_digest, optional_float
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoshard.passes.base import PassContext, ShardProgram
@@ -30,15 +33,30 @@ def versions() -> dict[str, str]:
 REPORTED_COSTS = ("params", "flops")
 """Cost models shown beside the split's own when they are registered and their inputs measured.
 
-``activations`` is always shown from the nodes' sizes; ``time`` only when the split measured it
-(profiling just for a report would be slow); ``memory`` is not a sum over nodes, so not shown.
+``activations`` is always shown from the nodes' sizes; ``time`` is measured when the pipeline
+profiled (``cost=time`` or a time profile) and estimated from FLOPs and bytes otherwise
+(``autoshard.costs.estimate``); training memory is not a sum over nodes, so the plan computes it
+per stage from the nodes' weights and allocations.
 """
 
 
-def report_costs(program: "ShardProgram", ctx: "PassContext", cost_model: str) -> tuple[dict[str, dict], list[str]]:
-    """Per-node costs under the split's model and each of ``REPORTED_COSTS`` that can be computed.
+@dataclass(frozen=True)
+class ReportedCosts:
+    """Per cost model, per node costs for a plan; the device model ``time`` was estimated with (None:
+    measured or not shown); and one note per cost that could not be computed, saying why."""
 
-    Returns the costs and one note per reported model that could not be computed, saying why.
+    costs: dict[str, dict[str, float]]
+    time_estimate: DeviceModel | None
+    notes: tuple[str, ...]
+
+
+def report_costs(
+    program: "ShardProgram", ctx: "PassContext", cost_model: str, device: DeviceModel | None = None,
+) -> ReportedCosts:
+    """Per-node costs under the split's model, each of ``REPORTED_COSTS`` and ``time``.
+
+    ``time`` is the profile's when the DAG was profiled, else a roofline estimate under ``device``
+    (default: this machine, calibrated once per process).
     """
     from autoshard.passes.analyses import COST_MODELS, node_costs
 
@@ -51,16 +69,48 @@ def report_costs(program: "ShardProgram", ctx: "PassContext", cost_model: str) -
             costs[name] = node_costs(program, ctx, name)
         except Exception as exc:  # noqa: BLE001 - a column we cannot fill is reported, not fatal
             notes.append(f"{name}: not shown ({type(exc).__name__}: {exc})")
-    return costs, notes
+    estimate = None
+    try:
+        times = node_times(program.dag, device)
+        costs["time"], estimate = times.seconds, times.estimate
+    except AutoshardError as exc:
+        notes.append(f"time: not shown ({exc})")
+    return ReportedCosts(costs, estimate, tuple(notes))
+
+
+def _split_tolerance(pipeline: str) -> float | None:
+    """The tolerance the pipeline's split was given, when its split pass has that option."""
+    from autoshard.passes.pipeline import Pipeline
+
+    try:
+        steps = Pipeline.parse(pipeline)
+    except SpecError:  # a pipeline of passes registered elsewhere: the tolerance is unknown here
+        return None
+    for step in steps:
+        if "partition" in step.provides:
+            return getattr(step, "tolerance", None)
+    return None
+
+
+def split_record(partition: Partition, pipeline: str) -> SplitRecord | None:
+    """What the splitter said about ``partition`` (None when it came from elsewhere, e.g. a plan file)."""
+    if partition.info is None:
+        return None
+    digest = assignment_digest((str(name), stage) for name, stage in partition.assignment.items())
+    return SplitRecord(partition.info, _split_tolerance(pipeline), digest)
 
 
 def plan_from_program(
     program: "ShardProgram", pipeline: str, cost_model: str, costs: Mapping[str, Mapping[str, float]],
+    *, time_estimate: DeviceModel | None = None, split: SplitRecord | None = None,
 ) -> SavedPlan:
     """The plan of a program that has a DAG and a partition.
 
     ``costs`` maps each cost model to report (the split's ``cost_model`` among them) to its
-    per-node costs; ``pipeline`` is the spec that made the split.
+    per-node costs; ``pipeline`` is the spec that made the split. ``time_estimate`` is the device
+    model ``costs["time"]`` was estimated with (None: measured). ``split`` describes how the split
+    was made; by default the splitter's own record on the partition (a split rebuilt from a plan
+    file passes that file's record on).
     """
     if program.dag is None or program.partition is None:
         raise InvalidArgumentError("a plan needs a program with a DAG and a partition: run up to the split")
@@ -76,10 +126,13 @@ def plan_from_program(
             costs={m: float(c[name]) for m, c in costs.items()}, bytes=float(data["bytes"]),
             param_bytes=float(data.get("param_bytes", 0)), input=bool(data.get("input")),
             output=bool(data.get("output")), value=_value_of(data),
+            weights=tuple(data.get("weights", ())), allocated=optional_float(data.get("allocated")),
         ))
     wrapped = program.traced.wrapped if program.traced is not None else ()
     return SavedPlan(
         num_stages=partition.num_stages, cost_model=cost_model, pipeline=pipeline,
         model=type(program.model).__qualname__, versions=versions(), nodes=tuple(nodes),
         edges=tuple((str(u), str(v)) for u, v in dag.edges), wrapped=tuple(wrapped),
+        weights=dict(dag.graph.get("weights", {})), time_estimate=time_estimate,
+        split=split or split_record(partition, pipeline),
     )

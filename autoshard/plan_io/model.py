@@ -1,19 +1,26 @@
 """The plan as data: nodes with their stage, module and costs, and the views derived from them.
 
-The ``stage`` of each node is what a plan *is*; boundaries, stage costs and the module summary
-are computed from the nodes with the splitter's own functions, so they always agree with them.
+The ``stage`` of each node is what a plan *is*; boundaries, stage costs, training memory, shared
+weights and the module summary are computed from the nodes with the splitter's and the cost
+models' own functions, so they always agree with them. The split record says how the splitter made
+the split; its digest of the assignment tells when a person has moved nodes since.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import networkx as nx
 
-from autoshard.capture import WrappedLeaf
-from autoshard.graph import bottleneck, boundary_bytes, boundary_values, stage_costs, total_boundary_bytes
+from autoshard.capture.result import WrappedLeaf
+from autoshard.costs.estimate import DeviceModel
+from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
+from autoshard.costs.ties import SharedWeight, shared_weights
+from autoshard.graph import SplitInfo, bottleneck, boundary_bytes, boundary_values, stage_costs, total_boundary_bytes
+from autoshard.graph.from_fx import WeightInfo
 
 FORMAT = "autoshard-plan"
 FORMAT_VERSION = 1
@@ -35,6 +42,38 @@ class PlanNode:
     output: bool = False
     value: Mapping[str, Any] | None = None
     """The output's structure as ``shape-prop`` measured it (``ValueMeta.to_dict()``); None if unknown."""
+    weights: tuple[str, ...] = ()
+    """Canonical names of the parameters and buffers the node reads (described in ``SavedPlan.weights``)."""
+    allocated: float | None = None
+    """Bytes of new memory the output holds (0 for a view) as ``shape-prop`` measured; None if unknown."""
+
+
+def assignment_digest(stages: Iterable[tuple[str, int]]) -> str:
+    """A short fingerprint of ``(node, stage)`` pairs in program order: tells a hand-edited plan from
+    the split it was saved from."""
+    text = "\n".join(f"{name}={stage}" for name, stage in stages)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class SplitRecord:
+    """How the splitter made a plan's split: its ``SplitInfo``, the tolerance it was asked for, and
+    the digest of the assignment it returned, so that later hand edits are noticed."""
+
+    info: SplitInfo
+    tolerance: float | None
+    assignment_digest: str
+
+    def to_dict(self) -> dict[str, Any]:
+        info = self.info
+        return {"strategy": info.strategy, "tolerance": self.tolerance,
+                "bound": None if info.bound is None else _number(info.bound), "bottleneck": _number(info.bottleneck),
+                "boundary_bytes": _number(info.boundary_bytes), "proven_optimal": info.proven_optimal,
+                "separated": list(info.separated), "assignment_digest": self.assignment_digest}
 
 
 def module_ancestors(path: str) -> list[str]:
@@ -55,6 +94,12 @@ class SavedPlan:
     nodes: tuple[PlanNode, ...]
     edges: tuple[tuple[str, str], ...]
     wrapped: tuple[WrappedLeaf, ...] = ()
+    weights: Mapping[str, WeightInfo] = field(default_factory=dict)
+    """Every parameter and buffer under its canonical name: size, aliases (tied names), trainable."""
+    time_estimate: DeviceModel | None = None
+    """The device model the nodes' ``time`` costs were estimated with; None when they were measured."""
+    split: SplitRecord | None = None
+    """What the splitter said about the split it made; None when the plan was not made by a splitter."""
 
     # -- derived views ----------------------------------------------------------------------
     def assignment(self) -> dict[str, int]:
@@ -74,11 +119,13 @@ class SavedPlan:
         return [self.cost_model] + sorted(common - {self.cost_model})
 
     def graph(self, cost_model: str | None = None) -> nx.DiGraph:
-        """The DAG in the splitter's contract, weighted by ``cost_model`` (default: the split's)."""
+        """The DAG in the splitter's contract, weighted by ``cost_model`` (default: the split's), with
+        the weights each node reads and the memory it allocates, as ``autoshard.costs`` expects."""
         model = cost_model or self.cost_model
-        dag = nx.DiGraph()
+        dag = nx.DiGraph(weights=dict(self.weights))
         for n in self.nodes:
-            dag.add_node(n.name, cost=n.costs[model], bytes=n.bytes, input=n.input, output=n.output)
+            dag.add_node(n.name, cost=n.costs[model], bytes=n.bytes, input=n.input, output=n.output,
+                         weights=n.weights, allocated=n.allocated)
         dag.add_edges_from(self.edges)
         return dag
 
@@ -104,6 +151,37 @@ class SavedPlan:
     def total_boundary_bytes(self) -> float:
         return total_boundary_bytes(self._graph, self._assignment, self.num_stages)
 
+    @property
+    def time_measured(self) -> bool:
+        """Whether the nodes' ``time`` costs were measured (a profile) rather than estimated."""
+        return self.time_estimate is None and "time" in self.cost_models()
+
+    def stage_seconds(self) -> list[float] | None:
+        """Per stage, its nodes' time (measured or estimated, see ``time_measured``); None if unknown."""
+        return self.stage_costs("time") if "time" in self.cost_models() else None
+
+    def training_memory(self, memory: MemoryModel = MemoryModel()) -> list[StageMemory] | None:
+        """Per stage, training memory as ``autoshard.costs.memory`` models it; None when the plan lacks
+        the sizes (no ``shape-prop``) or the weight table it needs."""
+        known = all(n.input or n.allocated is not None for n in self.nodes)
+        if not known or any(w not in self.weights for n in self.nodes for w in n.weights):
+            return None
+        return stage_memory(self._graph, self._assignment, self.num_stages, memory)
+
+    def shared_weights(self) -> tuple[SharedWeight, ...]:
+        """Weights read by several nodes or tied under several names, with the stages holding them."""
+        return shared_weights(self._graph, self._assignment)
+
+    def gradient_sync(self) -> tuple[SharedWeight, ...]:
+        """Trainable shared parameters held by several stages: those stages must sum their gradients."""
+        return tuple(w for w in self.shared_weights() if w.needs_gradient_sync)
+
+    @property
+    def split_is_current(self) -> bool:
+        """Whether the nodes are still where the splitter put them (False after a hand edit)."""
+        return self.split is not None and self.split.assignment_digest == assignment_digest(
+            (n.name, n.stage) for n in self.nodes)
+
     def module_stage_sets(self) -> dict[str, set[int]]:
         """Every module (and its ancestors) holding a compute node, with the stages it spans."""
         spans: dict[str, set[int]] = {}
@@ -119,8 +197,12 @@ class SavedPlan:
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The file's content: the plan, then the derived sections for readers."""
-        return {
+        """The file's content: the plan, then the derived sections for readers.
+
+        ``split`` and ``time_estimate`` say how the plan was made; ``summary``, ``boundaries`` and
+        ``modules`` are derived from the nodes and ignored when the file is read.
+        """
+        out: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "versions": dict(self.versions),
@@ -128,19 +210,45 @@ class SavedPlan:
             "pipeline": self.pipeline,
             "num_stages": self.num_stages,
             "cost_model": self.cost_model,
-            "summary": {
-                "stage_costs": [_number(c) for c in self.stage_costs()],
-                "bottleneck": _number(self.bottleneck()),
-                "lower_bound": _number(self.lower_bound()),
-                "boundary_bytes": [_number(b) for b in self.boundary_bytes()],
-                "total_boundary_bytes": _number(self.total_boundary_bytes()),
-            },
-            "boundaries": self.boundaries(),
-            "modules": self.module_stages(),
-            "wrapped": [{"kind": w.kind, "name": w.name, "reason": w.reason} for w in self.wrapped],
-            "nodes": [_node_dict(n) for n in self.nodes],
-            "edges": [list(e) for e in self.edges],
         }
+        if self.split is not None:
+            out["split"] = self.split.to_dict()
+        if self.time_estimate is not None:
+            out["time_estimate"] = self.time_estimate.to_dict()
+        out["summary"] = self._summary()
+        out["boundaries"] = self.boundaries()
+        out["modules"] = self.module_stages()
+        out["wrapped"] = [{"kind": w.kind, "name": w.name, "reason": w.reason} for w in self.wrapped]
+        if self.weights:
+            out["weights"] = {name: _weight_dict(info) for name, info in self.weights.items()}
+        out["nodes"] = [_node_dict(n) for n in self.nodes]
+        out["edges"] = [list(e) for e in self.edges]
+        return out
+
+    def _summary(self) -> dict[str, Any]:
+        summary: dict[str, Any] = {
+            "stage_costs": [_number(c) for c in self.stage_costs()],
+            "bottleneck": _number(self.bottleneck()),
+            "lower_bound": _number(self.lower_bound()),
+            "boundary_bytes": [_number(b) for b in self.boundary_bytes()],
+            "total_boundary_bytes": _number(self.total_boundary_bytes()),
+        }
+        seconds = self.stage_seconds()
+        if seconds is not None:
+            summary["stage_seconds"] = {"source": "measured" if self.time_measured else "estimated",
+                                        "seconds": [_number(s) for s in seconds]}
+        memory = self.training_memory()
+        if memory is not None:
+            summary["training_memory"] = {
+                "model": {"optimizer_bytes_per_param": _number(MemoryModel().optimizer_bytes_per_param),
+                          "microbatches_in_flight": "k - stage (1F1B)"},
+                "stages": [{"state_bytes": _number(m.state_bytes), "activation_bytes": _number(m.activation_bytes),
+                            "in_flight": m.in_flight, "total": _number(m.total)} for m in memory],
+            }
+        if self.weights:
+            summary["gradient_sync"] = [{"weight": w.name, "aliases": list(w.aliases), "stages": list(w.stages)}
+                                        for w in self.gradient_sync()]
+        return summary
 
 
 def _number(x: float) -> int | float:
@@ -157,6 +265,15 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
     for flag in ("input", "output"):
         if getattr(n, flag):
             out[flag] = True
+    if n.weights:
+        out["weights"] = list(n.weights)
+    if n.allocated is not None:
+        out["allocated"] = _number(n.allocated)
     if n.value:
         out["value"] = dict(n.value)
     return out
+
+
+def _weight_dict(info: WeightInfo) -> dict[str, Any]:
+    return {"aliases": list(info.names), "numel": info.numel, "bytes": info.nbytes, "kind": info.kind,
+            "trainable": info.trainable}
