@@ -214,10 +214,14 @@ def shard_model(
     compare; it is planned with fake tensors). The model itself is never modified.
 
     ``cost`` is a registered cost model (``params``, ``flops``, ``activations``, ``memory``,
-    ``time``, ``nodes``) or a function ``cost(node: CostNode) -> float``. ``capacities`` gives
-    each stage's relative speed (stage j's cost / capacities[j] is balanced); ``max_memory`` each
-    stage's budget (or one for all) in bytes of training memory (``autoshard.costs.memory``),
-    checked on the final plan with the activations of every microbatch in flight under 1F1B.
+    ``time``, ``nodes``) or a function ``cost(node: CostNode) -> float``; ``params`` and
+    ``memory`` count a tied weight once in every stage that holds it. ``capacities`` gives each
+    stage's relative speed (stage j's cost / capacities[j] is balanced); ``max_memory`` each
+    stage's budget (or one for all) in bytes of training memory (``autoshard.costs.memory``):
+    weights, gradients and optimizer state once, plus the activations of every microbatch in
+    flight at that stage under 1F1B. The split looks for the best-balanced plan that fits, and
+    the final plan is checked again; a budget no plan fits raises ``InfeasibleSplitError``
+    naming the stage that is short and by how much.
     ``time_profile`` is a JSON file of measured node times, loaded when it exists and written
     otherwise.
     """

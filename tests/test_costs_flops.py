@@ -21,7 +21,7 @@ from autoshard.graph import min_bottleneck
 from autoshard.graph.linearize import non_inputs, program_order
 from autoshard.passes import ExampleInputs
 
-from gpt_style import GPTStyleLM
+from autoshard.examples import GPTStyleLM
 
 TESTS = Path(__file__).parent
 
@@ -100,7 +100,7 @@ META_SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch
     sys.path.insert(0, {tests!r})
     import autoshard
-    from gpt_style import GPTStyleLM
+    from autoshard.examples import GPTStyleLM
     with torch.device("meta"):
         model = GPTStyleLM(vocab=50257, width=4096, layers=6, heads=32, max_seq=64)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -18,7 +18,7 @@ from autoshard.passes import (
 from autoshard.passes.shapes import ShapePropPass
 from autoshard.passes.analyses import COST_MODELS, CostNode, node_costs
 
-from gpt_style import GPTStyleLM
+from autoshard.examples import GPTStyleLM
 
 
 def program_of(model, *args, k=2):

@@ -16,7 +16,7 @@ from autoshard.passes import BuildDagPass, ExampleInputs, Pipeline, TracePass
 from autoshard.passes.shapes import ShapePropPass
 
 from conftest import assert_same_fingerprint, model_fingerprint
-from gpt_style import GPTStyleLM
+from autoshard.examples import GPTStyleLM
 
 
 def propagated(model: nn.Module, *args, mode: str = "auto"):

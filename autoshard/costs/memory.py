@@ -9,17 +9,20 @@ allocates for its output (a view or a pass-through allocates none), times the nu
 microbatches in flight at that stage. Under the 1F1B schedule
 stage j of k holds k - j microbatches (stage 0 the most), capped by ``microbatches`` if set.
 
-The per-node ``memory`` cost charges each weight's state to its first reader and adds the node's
-activations for one microbatch; ``stage_memory`` gives the exact per-stage figure.
+The per-node ``memory`` cost charges each weight's state to one reader (``costs.ties.weight_payers``)
+and adds the node's activations for one microbatch; ``stage_memory`` gives the exact per-stage
+figure. A split that must fit ``max_memory`` gets the two parts apart (``node_state_bytes``, held
+once per stage, and ``kept_bytes``, held per microbatch in flight) so it can check that figure.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import AbstractSet, Mapping, Protocol, Sequence
 
 import networkx as nx
 
+from autoshard.costs.ties import weight_payers
 from autoshard.errors import InfeasibleSplitError
 
 
@@ -42,6 +45,10 @@ class MemoryModel:
         """Microbatches whose activations stage ``stage`` keeps at once under 1F1B."""
         count = num_stages - stage
         return count if self.microbatches is None else min(count, self.microbatches)
+
+    def all_in_flight(self, num_stages: int) -> tuple[int, ...]:
+        """``in_flight`` of every stage, stage 0 first."""
+        return tuple(self.in_flight(j, num_stages) for j in range(num_stages))
 
     def state_bytes(self, info: Weight) -> float:
         """Weight + gradient + optimizer state of one weight."""
@@ -69,41 +76,53 @@ def kept_bytes(dag: nx.DiGraph, node: str) -> float:
     return 0.0 if data.get("input") else float(data["allocated"])
 
 
-def node_memory(dag: nx.DiGraph, model: MemoryModel = MemoryModel()) -> dict[str, float]:
-    """Per node: the state of the weights it reads first, plus its activations for one microbatch."""
+def node_state_bytes(
+    dag: nx.DiGraph, model: MemoryModel = MemoryModel(), apart: AbstractSet[str] = frozenset(),
+    assignment: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Per node: weight, gradient and optimizer state of the weights charged to it.
+
+    Which reader of a shared weight is charged follows ``costs.ties.weight_payers``.
+    """
     infos = dag.graph["weights"]
-    claimed: set[str] = set()
-    costs = {}
-    for node in dag.nodes:
-        fresh = [w for w in dag.nodes[node].get("weights", ()) if w not in claimed]
-        claimed.update(fresh)
-        costs[node] = sum(model.state_bytes(infos[w]) for w in fresh) + kept_bytes(dag, node)
-    return costs
+    return {node: sum(model.state_bytes(infos[w]) for w in paid)
+            for node, paid in weight_payers(dag, apart, assignment).items()}
+
+
+def node_memory(
+    dag: nx.DiGraph, model: MemoryModel = MemoryModel(), apart: AbstractSet[str] = frozenset(),
+    assignment: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Per node: the state of the weights charged to it, plus its activations for one microbatch."""
+    state = node_state_bytes(dag, model, apart, assignment)
+    return {node: state[node] + kept_bytes(dag, node) for node in dag.nodes}
 
 
 def stage_memory(
     dag: nx.DiGraph, assignment: Mapping[str, int], num_stages: int, model: MemoryModel = MemoryModel(),
 ) -> list[StageMemory]:
     """The training memory of every stage of ``assignment``, shared weights once per stage."""
-    infos = dag.graph["weights"]
-    weights: list[set[str]] = [set() for _ in range(num_stages)]
-    activations = [0.0] * num_stages
+    state = node_state_bytes(dag, model, assignment=assignment)
+    states, activations = [0.0] * num_stages, [0.0] * num_stages
     for node, stage in assignment.items():
-        weights[stage].update(dag.nodes[node].get("weights", ()))
+        states[stage] += state[node]
         activations[stage] += kept_bytes(dag, node)
-    return [
-        StageMemory(j, sum(model.state_bytes(infos[w]) for w in weights[j]), activations[j],
-                    model.in_flight(j, num_stages))
-        for j in range(num_stages)
-    ]
+    return [StageMemory(j, states[j], activations[j], model.in_flight(j, num_stages)) for j in range(num_stages)]
+
+
+def memory_shortfall(stages: Sequence[StageMemory], max_memory: Sequence[float]) -> str | None:
+    """What the first stage over its budget needs and lacks, or None when every stage fits."""
+    for stage, budget in zip(stages, max_memory):
+        if stage.total > budget:
+            return (f"stage {stage.stage} needs {stage.total:,.0f} bytes (weights, gradients and optimizer state "
+                    f"{stage.state_bytes:,.0f}; activations {stage.activation_bytes:,.0f} x {stage.in_flight} "
+                    f"microbatches in flight) but max_memory[{stage.stage}] is {budget:,.0f}: "
+                    f"{stage.total - budget:,.0f} bytes short; raise the budget, add stages or lower the batch")
+    return None
 
 
 def check_memory_budgets(stages: Sequence[StageMemory], max_memory: Sequence[float]) -> None:
     """Raise ``InfeasibleSplitError`` naming the first stage whose memory exceeds its budget."""
-    for stage, budget in zip(stages, max_memory):
-        if stage.total > budget:
-            raise InfeasibleSplitError(
-                f"stage {stage.stage} needs {stage.total:,.0f} bytes (weights, gradients and optimizer state "
-                f"{stage.state_bytes:,.0f}; activations {stage.activation_bytes:,.0f} x {stage.in_flight} "
-                f"microbatches in flight) but max_memory[{stage.stage}] is {budget:,.0f}: "
-                f"{stage.total - budget:,.0f} bytes short; raise the budget, add stages or lower the batch")
+    short = memory_shortfall(stages, max_memory)
+    if short is not None:
+        raise InfeasibleSplitError(short)

@@ -1,8 +1,10 @@
 """The built-in cost models, as functions of the DAG: per-node costs and per-stage totals.
 
-* ``params``: bytes of the parameters and buffers a node reads, each charged to its first
-  reader; per stage, every distinct weight the stage holds counts once (a shared weight counts
-  in each stage that holds it).
+* ``params``: bytes of the parameters and buffers a node reads; per stage, every distinct
+  weight the stage holds counts once (a shared weight counts in each stage that holds it).
+  Per node, a shared weight is charged to the readers ``costs.ties.weight_payers`` picks: its
+  first reader unless told otherwise (``WEIGHT_CHARGED`` models take ``apart`` and
+  ``assignment`` for that).
 * ``flops``: FLOPs per node, counted by ``torch.utils.flop_counter`` in ``shape-prop``.
 * ``activations``: bytes of the tensors each node outputs.
 * ``memory``: training memory (see ``autoshard.costs.memory``).
@@ -14,14 +16,22 @@ A model whose measurements are missing raises an error that names the pass to ad
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import AbstractSet, Callable, Mapping, Protocol
 
 import networkx as nx
 
-from autoshard.costs.memory import MemoryModel, node_memory, stage_memory
+from autoshard.costs.memory import MemoryModel, kept_bytes, node_memory, node_state_bytes, stage_memory
+from autoshard.costs.ties import weight_payers
 from autoshard.errors import InvalidArgumentError
 
 DagCostModel = Callable[[nx.DiGraph], dict[str, float]]
+
+
+class WeightChargedModel(Protocol):
+    """A DAG cost model that charges weights: who pays for a shared one is a parameter."""
+
+    def __call__(self, dag: nx.DiGraph, apart: AbstractSet[str] = ...,
+                 assignment: Mapping[str, int] | None = ...) -> dict[str, float]: ...
 
 _NEEDS = {"value_meta": "shape-prop", "seconds": "profile"}
 """Measured DAG attribute -> the pass that measures it."""
@@ -47,8 +57,15 @@ def measured(dag: nx.DiGraph, name: str) -> bool:
     return attribute is None or all(d.get("input") or d.get(attribute) is not None for _, d in dag.nodes(data=True))
 
 
-def param_costs(dag: nx.DiGraph) -> dict[str, float]:
-    return {node: float(data["param_bytes"]) for node, data in dag.nodes(data=True)}
+def param_costs(
+    dag: nx.DiGraph, apart: AbstractSet[str] = frozenset(), assignment: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Bytes of the weights charged to each node (``costs.ties.weight_payers``)."""
+    if "weights" not in dag.graph:  # a DAG built by hand: charge each node what it was charged
+        return {node: float(data["param_bytes"]) for node, data in dag.nodes(data=True)}
+    infos = dag.graph["weights"]
+    return {node: float(sum(infos[w].nbytes for w in paid))
+            for node, paid in weight_payers(dag, apart, assignment).items()}
 
 
 def node_count_costs(dag: nx.DiGraph) -> dict[str, float]:
@@ -65,9 +82,21 @@ def activation_costs(dag: nx.DiGraph) -> dict[str, float]:
     return {node: 0.0 if data.get("input") else float(data["bytes"]) for node, data in dag.nodes(data=True)}
 
 
-def memory_costs(dag: nx.DiGraph) -> dict[str, float]:
+def memory_costs(
+    dag: nx.DiGraph, apart: AbstractSet[str] = frozenset(), assignment: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Training state of the weights charged to each node plus its activations for one microbatch."""
     require_measured(dag, _READS["memory"], "memory")
-    return node_memory(dag)
+    return node_memory(dag, apart=apart, assignment=assignment)
+
+
+def memory_parts(
+    dag: nx.DiGraph, apart: AbstractSet[str] = frozenset(), model: MemoryModel = MemoryModel(),
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The two parts of ``memory`` per node: weight state held once per stage (weights charged as
+    ``costs.ties.weight_payers`` says) and activation bytes kept per microbatch in flight."""
+    require_measured(dag, _READS["memory"], "memory")
+    return node_state_bytes(dag, model, apart), {node: kept_bytes(dag, node) for node in dag.nodes}
 
 
 def time_costs(dag: nx.DiGraph) -> dict[str, float]:
@@ -85,13 +114,21 @@ DAG_COST_MODELS: dict[str, DagCostModel] = {
 }
 
 
+WEIGHT_CHARGED: dict[str, WeightChargedModel] = {"params": param_costs, "memory": memory_costs}
+"""The built-in models whose per-node costs depend on which readers pay for a shared weight."""
+
+
+def summed_per_stage(per_node: Mapping[str, float], assignment: Mapping[str, int], num_stages: int) -> list[float]:
+    """Per-node costs added up per stage."""
+    totals = [0.0] * num_stages
+    for node, stage in assignment.items():
+        totals[stage] += float(per_node[node])
+    return totals
+
+
 def held_weight_bytes(dag: nx.DiGraph, assignment: Mapping[str, int], num_stages: int) -> list[float]:
     """Bytes of the distinct parameters and buffers each stage holds (a shared one once per stage)."""
-    infos = dag.graph["weights"]
-    held: list[set[str]] = [set() for _ in range(num_stages)]
-    for node, stage in assignment.items():
-        held[stage].update(dag.nodes[node].get("weights", ()))
-    return [float(sum(infos[w].nbytes for w in names)) for names in held]
+    return summed_per_stage(param_costs(dag, assignment=assignment), assignment, num_stages)
 
 
 def stage_totals(
@@ -107,7 +144,4 @@ def stage_totals(
         require_measured(dag, _READS["memory"], "memory")
         return [s.total for s in stage_memory(dag, assignment, num_stages, memory)]
     per_node = DAG_COST_MODELS[costs](dag) if isinstance(costs, str) else costs
-    totals = [0.0] * num_stages
-    for node, stage in assignment.items():
-        totals[stage] += float(per_node[node])
-    return totals
+    return summed_per_stage(per_node, assignment, num_stages)

@@ -5,14 +5,22 @@ reads the same tensor from two places. Found by identity: ``build-dag`` gives ev
 canonical name, so two nodes share a weight exactly when they list the same name. When its
 readers land in different stages, each of those stages holds a reference to the one object,
 and in training their gradients must be summed between them (``needs_gradient_sync``).
+
+The splitter adds per-node costs, so a cost that counts a weight once per stage holding it
+(``params``, ``memory``) must pick which readers pay for it (``weight_payers``), and the split
+tries a few such choices (``tie_placements``), keeping the plan whose true cost is lowest.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Mapping
+from typing import AbstractSet, Collection, Mapping, Sequence
 
 import networkx as nx
+
+EXHAUSTIVE_TIE_GROUPS = 3
+"""Up to this many tie groups every together/apart combination is tried (2^n more splits)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,93 @@ def weight_readers(dag: nx.DiGraph) -> dict[str, list[str]]:
         for name in data.get("weights", ()):
             readers.setdefault(name, []).append(node)
     return readers
+
+
+@dataclass(frozen=True)
+class TieGroup:
+    """Shared weights with the same readers, which a split places as one: all together or apart.
+
+    ``label`` is the first weight's name; ``weights`` are in program order.
+    """
+
+    label: str
+    weights: tuple[str, ...]
+    readers: frozenset[str]
+
+
+def tie_groups(dag: nx.DiGraph) -> tuple[TieGroup, ...]:
+    """Weights read by two nodes or more, grouped by their set of readers, in program order.
+
+    A module called twice shares its weight and its bias between the same two nodes: one group.
+    """
+    by_readers: dict[frozenset[str], list[str]] = {}
+    for name, nodes in weight_readers(dag).items():
+        if len(nodes) > 1:
+            by_readers.setdefault(frozenset(nodes), []).append(name)
+    return tuple(TieGroup(names[0], tuple(names), readers) for readers, names in by_readers.items())
+
+
+@dataclass(frozen=True)
+class TiePlacement:
+    """How one split treats the tied weights.
+
+    The weights of ``apart`` are charged to every reader (exact if the readers take separate
+    stages); the others to their first reader (exact if the readers share a stage), so the
+    groups in ``together`` must share one and those in ``preferred`` do when the bound allows.
+    """
+
+    apart: frozenset[str] = frozenset()
+    together: tuple[TieGroup, ...] = ()
+    preferred: tuple[TieGroup, ...] = ()
+
+
+def charged_apart(groups: Collection[TieGroup]) -> frozenset[str]:
+    """The weights of ``groups``: a placement's ``apart`` that charges them to every reader."""
+    return frozenset(w for group in groups for w in group.weights)
+
+
+def tie_placements(groups: Sequence[TieGroup], separated: Collection[str]) -> list[TiePlacement]:
+    """The placements worth a split once the first one separated the groups labelled ``separated``.
+
+    With at most ``EXHAUSTIVE_TIE_GROUPS`` groups, every group either together or apart. Every
+    placement charges each plan it allows at least its true cost, and the placement matching
+    the optimal plan charges that plan exactly when each tie has two readers; so the best of
+    these splits is optimal for the true cost whenever the strategy is optimal for the charged
+    one. With more groups, two guesses: the separated groups apart, then all of them.
+    """
+    if len(groups) <= EXHAUSTIVE_TIE_GROUPS:
+        combinations = itertools.product((False, True), repeat=len(groups))
+        return [TiePlacement(charged_apart([g for g, a in zip(groups, apart) if a]),
+                             together=tuple(g for g, a in zip(groups, apart) if not a),
+                             preferred=tuple(g for g, a in zip(groups, apart) if a))
+                for apart in combinations]
+    split_up = [g for g in groups if g.label in separated]
+    return [TiePlacement(charged_apart(split_up), preferred=tuple(groups)),
+            TiePlacement(charged_apart(groups), preferred=tuple(groups))]
+
+
+def weight_payers(
+    dag: nx.DiGraph, apart: AbstractSet[str] = frozenset(), assignment: Mapping[str, int] | None = None,
+) -> dict[str, tuple[str, ...]]:
+    """Per node, in program order, the weights charged to it when costs are summed per stage.
+
+    By default a weight is charged to its first reader: exact for a stage plan that keeps all
+    its readers together, too little for one that does not. A weight in ``apart`` is charged to
+    every reader: exact when each reader has its own stage, too much otherwise. With an
+    ``assignment`` each weight is charged to its first reader in every stage that holds it,
+    which is exactly once per stage, whatever the plan.
+    """
+    charged: set[tuple[str, object]] = set()
+    payers = {}
+    for node, names in dag.nodes(data="weights", default=()):
+        paid = []
+        for name in names:
+            where = node if name in apart else None if assignment is None else assignment[node]
+            if (name, where) not in charged:
+                charged.add((name, where))
+                paid.append(name)
+        payers[node] = tuple(paid)
+    return payers
 
 
 def shared_weights(dag: nx.DiGraph, assignment: Mapping[str, int] | None = None) -> tuple[SharedWeight, ...]:

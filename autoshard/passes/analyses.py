@@ -7,6 +7,11 @@ or in ``shard_model`` resolves here. The built-ins (``params``, ``flops``, ``act
 ``shard_model`` registers it for one run only (``use_cost_model``), under a generated name.
 Results are cached in the ``PassContext`` under the DAG object itself: a pass that provides a
 new DAG invalidates them for free.
+
+``params`` and ``memory`` charge weights, and a shared weight costs once per stage that holds
+it; per node, that depends on where its readers end up. ``node_costs(..., apart=...)`` charges
+the named shared weights to every reader, and ``held_stage_costs`` scores a finished plan with
+each weight counted exactly once per stage holding it.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ import math
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Mapping
 
-from autoshard.costs.models import DAG_COST_MODELS, DagCostModel
+from autoshard.costs.models import DAG_COST_MODELS, WEIGHT_CHARGED, DagCostModel, summed_per_stage
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
 from autoshard.passes.base import PassContext, ShardProgram
 
@@ -116,9 +121,32 @@ def _lookup(ctx: PassContext, cost: str) -> CostModel:
     return COST_MODELS[cost]
 
 
-def node_costs(program: ShardProgram, ctx: PassContext, cost: str) -> dict[str, float]:
-    """The per-node costs under the named model, cached for this DAG."""
+def charges_weights(ctx: PassContext, cost: str) -> bool:
+    """Whether ``cost`` resolves to a built-in model that charges weights (``params``, ``memory``)."""
+    return cost in WEIGHT_CHARGED and (_RUN_LOCAL, cost) not in ctx.analyses
+
+
+def node_costs(
+    program: ShardProgram, ctx: PassContext, cost: str, apart: AbstractSet[str] = frozenset(),
+) -> dict[str, float]:
+    """The per-node costs under the named model, cached for this DAG.
+
+    ``apart`` names shared weights to charge to every reader rather than the first; only the
+    models that charge weights read it.
+    """
     model = _lookup(ctx, cost)
     if program.dag is None:
         raise PipelineValidationError("cost models need a DAG: run build-dag first")
-    return ctx.analysis(("cost", cost, program.dag), lambda: model(program))
+    if not apart or not charges_weights(ctx, cost):
+        return ctx.analysis(("cost", cost, program.dag), lambda: model(program))
+    apart = frozenset(apart)
+    return ctx.analysis(("cost", cost, program.dag, apart), lambda: WEIGHT_CHARGED[cost](program.dag, apart))
+
+
+def held_stage_costs(
+    program: ShardProgram, ctx: PassContext, cost: str, assignment: Mapping[str, int], num_stages: int,
+) -> list[float]:
+    """Per-stage totals of ``cost`` for ``assignment``, a shared weight counted once per stage holding it."""
+    if charges_weights(ctx, cost):
+        return summed_per_stage(WEIGHT_CHARGED[cost](program.dag, assignment=assignment), assignment, num_stages)
+    return summed_per_stage(node_costs(program, ctx, cost), assignment, num_stages)

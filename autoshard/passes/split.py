@@ -1,36 +1,77 @@
-"""The split passes: thin adapters from the program to ``autoshard.graph.split_dag``.
+"""The split passes: adapters from the program to ``autoshard.graph.split_dag``.
 
 ``split`` takes the strategy as an option; ``split-greedy``, ``split-uniform``, ``split-exact``
 and ``split-fixed-order`` fix it, so a pipeline names the policy it uses. All share the module-
 level constraints, resolved here to node sets (``autoshard.graph.scopes``).
+
+Two things the splitter's additive node costs cannot say directly are settled here:
+
+* Tied weights. ``params`` and ``memory`` count a shared weight once per stage that holds it, so
+  what a node costs depends on where the weight's other readers go. The pass splits with each
+  tie charged to its first reader and preferred in one stage; if that separates a tie, it
+  splits again under other placements (``costs.ties.tie_placements``: a tie kept together, or
+  charged to every reader) and keeps the plan with the lowest true bottleneck, every weight
+  counted once per stage holding it. ``SplitInfo.bottleneck`` is that true figure, and
+  ``SplitInfo.separated`` lists the shared weights whose readers ended up in several stages.
+  ``keep-tied=false`` skips the search and the preference: each shared weight is charged to its
+  first reader, as a tie-unaware splitter would (for comparison).
+* Training memory. With ``max-memory`` and ``memory-cost=memory`` (the default) each stage must
+  fit the model of ``autoshard.costs.memory`` exactly: weight state once, plus activations times
+  the microbatches in flight at that stage under 1F1B. A budget no split fits is reported with
+  the stage that is short and by how much, measured on the best-balanced plan.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import networkx as nx
 
-from autoshard.errors import InvalidArgumentError
+from autoshard.costs.memory import MemoryModel, memory_shortfall, stage_memory
+from autoshard.costs.models import memory_parts
+from autoshard.costs.ties import TieGroup, TiePlacement, charged_apart, tie_groups, tie_placements
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.graph import Partition, split_dag
-from autoshard.graph.constraints import MEMORY
-from autoshard.graph.scopes import cut_before_nodes, no_split_groups, tied_groups
-from autoshard.passes.analyses import node_costs
+from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY
+from autoshard.graph.scopes import cut_before_nodes, no_split_groups
+from autoshard.passes.analyses import charges_weights, held_stage_costs, node_costs
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
 
 def weighted_in_order(
-    dag: nx.DiGraph, order: Sequence[str], costs: dict[str, float], memory: dict[str, float] | None = None
+    dag: nx.DiGraph, order: Sequence[str], costs: Mapping[str, float],
+    extra: Mapping[str, Mapping[str, float]] | None = None,
 ) -> nx.DiGraph:
-    """A copy of ``dag`` with ``cost`` (and ``memory``) set, whose node insertion order is ``order``."""
+    """A copy of ``dag`` with ``cost`` and each ``extra`` attribute set, inserted in ``order``."""
     weighted = nx.DiGraph()
     for node in order:
-        extra = {MEMORY: memory[node]} if memory is not None else {}
-        weighted.add_node(node, **{**dag.nodes[node], "cost": costs[node], **extra})
+        values = {name: per_node[node] for name, per_node in (extra or {}).items()}
+        weighted.add_node(node, **{**dag.nodes[node], "cost": costs[node], **values})
     weighted.add_edges_from(dag.edges(data=True))
     return weighted
+
+
+def _each_stage(values: tuple[float, ...], k: int) -> tuple[float, ...]:
+    """One value per stage; a single value applies to every stage (the splitter checks the rest)."""
+    return values * k if len(values) == 1 else values
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One split and what it truly costs: bottleneck, tie groups separated, fit in the budgets."""
+
+    partition: Partition
+    separated: tuple[str, ...]
+    memory: tuple[float, ...]
+    fits: bool
+
+    def rank(self) -> tuple[float, int, float]:
+        """Lower is better: the true bottleneck, then fewer separated ties, then fewer boundary bytes."""
+        info = self.partition.info
+        return info.bottleneck, len(info.separated), info.boundary_bytes
 
 
 @dataclass(frozen=True)
@@ -51,8 +92,9 @@ class _SplitWithConstraints(Pass):
     no_split: tuple[str, ...] = option((), help="module paths or class names kept whole in one stage")
     capacities: tuple[float, ...] = option((), help="relative speed of each stage; cost / speed is balanced")
     max_memory: tuple[float, ...] = option((), help="memory budget per stage (one value: every stage)")
-    memory_cost: str = option("memory", help="cost model that max-memory limits")
-    keep_tied: bool = option(True, help="keep nodes sharing a weight in one stage when the balance allows")
+    memory_cost: str = option("memory", help="cost model that max-memory limits (memory: exact training memory)")
+    keep_tied: bool = option(True, help="keep nodes sharing a weight in one stage when the balance allows and "
+                                        "count a shared weight once per stage; false: charge it to its first reader")
 
     def strategy_options(self) -> dict[str, Any]:
         """Options for the strategy itself (none unless a subclass has some)."""
@@ -61,19 +103,103 @@ class _SplitWithConstraints(Pass):
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         if self.stages is None:
             raise InvalidArgumentError(f"'{self.name}' needs a stage count: write {self.name}{{stages=K}}")
-        memory = node_costs(program, ctx, self.memory_cost) if self.max_memory else None
-        weighted = weighted_in_order(program.dag, program.order, node_costs(program, ctx, self.cost), memory)
+        groups = ctx.analysis(("tie-groups", program.dag), lambda: tie_groups(program.dag))
+        first_try = TiePlacement(preferred=groups if self.keep_tied else ())
+        try:
+            first = self._attempt(program, ctx, groups, first_try)
+        except InfeasibleSplitError as exc:
+            if not self.max_memory:
+                raise
+            first = self._attempt(program, ctx, groups, first_try, budgets=False)
+            if not first.fits:
+                raise InfeasibleSplitError(
+                    f"no split into {self.stages} stages fits max-memory ({exc}); in the best-balanced plan "
+                    f"{self._shortfall(program, ctx, first)}") from exc
+        attempts = [first]
+        if first.separated and first.partition.info.bound is not None:  # a bounded strategy, not a baseline
+            for placement in self._retries(ctx, groups, first):
+                with contextlib.suppress(InfeasibleSplitError):  # e.g. a tie kept together no split allows
+                    attempts.append(self._attempt(program, ctx, groups, placement))
+        fitting = [a for a in attempts if a.fits]
+        if not fitting:
+            raise InfeasibleSplitError(
+                f"no split into {self.stages} stages fits max-memory with each shared weight counted in every stage "
+                f"holding it: in the plan that fits when it is counted once, {self._shortfall(program, ctx, first)}")
+        best = min(fitting, key=_Attempt.rank)  # the first of equals: ties preferred together
+        return dataclasses.replace(program, partition=best.partition)
+
+    def _retries(self, ctx: PassContext, groups: Sequence[TieGroup], first: _Attempt) -> list[TiePlacement]:
+        """Placements worth another split after ``first`` separated some ties.
+
+        Tie-aware, when the balanced cost or the memory budget counts the weights; with
+        ``keep-tied=false`` only what makes the memory fit: every shared weight charged to each
+        reader, which over-counts but never under-counts.
+        """
+        if self.keep_tied and (charges_weights(ctx, self.cost) or not first.fits):
+            return tie_placements(groups, first.separated)
+        return [] if first.fits else [TiePlacement(charged_apart(groups))]
+
+    def _exact_memory(self, ctx: PassContext) -> bool:
+        """Whether ``max-memory`` limits the training-memory model (weights once, activations in flight)."""
+        return self.memory_cost == "memory" and charges_weights(ctx, "memory")
+
+    def _memory_attributes(
+        self, program: ShardProgram, ctx: PassContext, apart: frozenset[str],
+    ) -> tuple[dict[str, Mapping[str, float]], dict[str, Any]]:
+        """The node attributes and ``split_dag`` options that carry ``max-memory``."""
+        budgets: dict[str, Any] = {"memory_budgets": self.max_memory}
+        if not self._exact_memory(ctx):
+            return {MEMORY: node_costs(program, ctx, self.memory_cost, apart)}, budgets
+        held, kept = ctx.analysis(("memory-parts", program.dag, apart), lambda: memory_parts(program.dag, apart))
+        budgets["memory_in_flight"] = MemoryModel().all_in_flight(self.stages)
+        return {MEMORY: held, ACTIVATION_MEMORY: kept}, budgets
+
+    def _held_memory(self, program: ShardProgram, ctx: PassContext, assignment: Mapping[str, int]) -> list[float]:
+        """Each stage's memory under ``memory-cost``, every weight once per stage holding it."""
+        if self._exact_memory(ctx):
+            return [s.total for s in stage_memory(program.dag, assignment, self.stages)]
+        return held_stage_costs(program, ctx, self.memory_cost, assignment, self.stages)
+
+    def _attempt(
+        self, program: ShardProgram, ctx: PassContext, groups: Sequence[TieGroup], placement: TiePlacement,
+        budgets: bool = True,
+    ) -> _Attempt:
+        """Split with the ties placed as ``placement`` says; score the result by its true costs."""
+        k, dag = self.stages, program.dag
+        extra: dict[str, Mapping[str, float]] = {}
+        limits: dict[str, Any] = {}
+        if self.max_memory and budgets:
+            extra, limits = self._memory_attributes(program, ctx, placement.apart)
+        weighted = weighted_in_order(dag, program.order, node_costs(program, ctx, self.cost, placement.apart), extra)
+        together = {**no_split_groups(dag, self.no_split), **{g.label: g.readers for g in placement.together}}
         result = split_dag(
-            weighted, self.stages, self.strategy, self.tolerance,
-            cut_before=cut_before_nodes(weighted, program.order, self.cut_before),
-            together=no_split_groups(weighted, self.no_split),
-            prefer_together=tied_groups(weighted) if self.keep_tied else {},
+            weighted, k, self.strategy, self.tolerance,
+            cut_before=cut_before_nodes(dag, program.order, self.cut_before),
+            together=together,
+            prefer_together={g.label: g.readers for g in placement.preferred},
             capacities=self.capacities or None,
-            memory_budgets=self.max_memory or None,
-            return_info=True, **self.strategy_options(),
+            return_info=True, **limits, **self.strategy_options(),
         )
-        partition = Partition.from_assignment(weighted, result.assignment, self.stages, result.info)
-        return dataclasses.replace(program, partition=partition)
+        assignment = result.assignment
+        speeds = _each_stage(self.capacities or (1.0,), k)
+        totals = held_stage_costs(program, ctx, self.cost, assignment, k)
+        split_up = [g for g in groups if len({assignment[v] for v in g.readers}) > 1]
+        info = dataclasses.replace(result.info, bottleneck=max(t / c for t, c in zip(totals, speeds)),
+                                   separated=tuple(w for g in split_up for w in g.weights))
+        memory = tuple(self._held_memory(program, ctx, assignment)) if self.max_memory else ()
+        fits = all(m <= b for m, b in zip(memory, _each_stage(self.max_memory, k)))
+        return _Attempt(Partition.from_assignment(weighted, assignment, k, info),
+                        tuple(g.label for g in split_up), memory, fits)
+
+    def _shortfall(self, program: ShardProgram, ctx: PassContext, attempt: _Attempt) -> str:
+        """Which stage of ``attempt`` is over its budget, and by how much."""
+        budgets = _each_stage(self.max_memory, self.stages)
+        if self._exact_memory(ctx):
+            stages = stage_memory(program.dag, attempt.partition.assignment, self.stages)
+            return memory_shortfall(stages, budgets) or ""
+        j = next(j for j, (need, budget) in enumerate(zip(attempt.memory, budgets)) if need > budget)
+        return (f"stage {j} needs {attempt.memory[j]:,.0f} under memory-cost {self.memory_cost!r} but max-memory[{j}] "
+                f"is {budgets[j]:,.0f}: {attempt.memory[j] - budgets[j]:,.0f} short; raise the budget or add stages")
 
 
 @dataclass(frozen=True)
@@ -108,8 +234,10 @@ class SplitExactPass(_SplitWithConstraints):
     """Split by MILP: the fewest boundary bytes over all ordered splits within the bound.
 
     Warm-started from ``min-cut``; after ``time-limit`` seconds it keeps the best split found,
-    and the partition's ``info.proven_optimal`` says whether HiGHS proved it optimal. Needs the
-    ``exact`` extra (highspy). Example: ``split-exact{stages=8 time-limit=30}``.
+    and the partition's ``info.proven_optimal`` says whether HiGHS proved it optimal. A tied
+    weight the first split places apart costs a few more splits (see the module docstring), each
+    with its own time limit. Needs the ``exact`` extra (highspy). Example:
+    ``split-exact{stages=8 time-limit=30}``.
     """
 
     name: ClassVar[str] = "split-exact"
