@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 import autoshard
 from autoshard.errors import CheckpointMismatchError
-from autoshard.examples import ResidualMLP, TransformerLM
+from autoshard.examples import GPTStyleLM, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.runtime import load_stage_state, materialize_stage, merge_stage_states, stage_part
 from autoshard.runtime.stage import stage_module
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_pipeline import TinyGPT  # noqa: E402
 
 
 class Scaled(nn.Module):
@@ -38,12 +32,12 @@ def build(name: str, seed: int = 0):
         return Scaled(), (torch.randn(2, 4),)
     if name == "transformer-lm":
         return TransformerLM().eval(), (torch.randint(0, 100, (12, 3)), causal_mask(12))
-    if name == "tiny-gpt":
-        return TinyGPT(), (torch.randint(0, 64, (2, 8)),)
+    if name == "gpt-lm":
+        return GPTStyleLM(), (torch.randint(0, 100, (2, 8)),)
     return ResidualMLP(), (torch.randn(4, 16),)
 
 
-NAMES = ["residual-mlp", "tiny-gpt", "transformer-lm", "scaled"]
+NAMES = ["residual-mlp", "gpt-lm", "transformer-lm", "scaled"]
 
 
 def assert_same_state(got: dict, want: dict) -> None:
@@ -89,7 +83,7 @@ def test_each_stage_loads_its_part_of_the_models_checkpoint(name, tmp_path):
 
 
 def test_stage_part_picks_only_the_stages_keys():
-    model, args = build("tiny-gpt")
+    model, args = build("gpt-lm")
     sharded = autoshard.shard_model(model, 2, example_inputs=args)
     part = stage_part(sharded.stages[1], model.state_dict())
     assert set(part) == set(sharded.stages[1].state_dict())
@@ -97,7 +91,7 @@ def test_stage_part_picks_only_the_stages_keys():
 
 
 def test_diverged_copies_of_a_shared_parameter_are_refused():
-    model, args = build("tiny-gpt")
+    model, args = build("gpt-lm")
     sharded = autoshard.shard_model(model, 2, example_inputs=args)
     states = [dict(stage.state_dict()) for stage in sharded.stages]
     states[1]["wte.weight"] = states[0]["wte.weight"] + 1  # as if stage 1 also held it, drifted
@@ -128,7 +122,7 @@ def saved_and_planned_on_meta(name: str, factory, tmp_path):
 
 
 def test_a_meta_plan_gets_real_weights_for_one_stage_only(tmp_path):
-    model, args, meta_model, planned = saved_and_planned_on_meta("tiny-gpt", TinyGPT, tmp_path)
+    model, args, meta_model, planned = saved_and_planned_on_meta("gpt-lm", GPTStyleLM, tmp_path)
     last = materialize_stage(planned, 1, tmp_path / "model.pt")
     assert all(t.is_meta for t in meta_model.state_dict().values())  # neither the model ...
     assert all(t.is_meta for t in planned.stages[1].state_dict().values())  # ... nor the plan changed

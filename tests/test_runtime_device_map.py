@@ -3,21 +3,15 @@ split modules are named."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 import autoshard
 from autoshard.errors import InvalidArgumentError, ModuleSplitError
-from autoshard.examples import LongSkip, ResidualMLP, TransformerLM
+from autoshard.examples import GPTStyleLM, LongSkip, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.runtime import device_map, split_modules
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_pipeline import TinyGPT  # noqa: E402
 
 
 class Residual(nn.Module):
@@ -27,6 +21,18 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.outer(torch.relu(self.inner(x))) + x
+
+
+class ScaledInput(nn.Module):
+    """The model's own forward multiplies its input by a buffer before the first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x * self.scale))
 
 
 class TwoResiduals(nn.Module):
@@ -47,12 +53,18 @@ def shard(model, k, *args):
 
 def test_a_plan_cut_between_blocks_maps_whole_modules():
     torch.manual_seed(0)
-    sharded = shard(TinyGPT(), 4, torch.randint(0, 64, (2, 8)))
+    sharded = shard(GPTStyleLM(vocab=64, layers=4), 4, torch.randint(0, 64, (2, 8)))
     assert device_map(sharded) == {
         "wte": 0, "wpe": 0, "blocks.0": 0, "blocks.1": 1, "blocks.2": 2, "blocks.3": 3,
         "ln_f": 3, "lm_head": 3,
-        "causal": 0, "positions": 0,  # buffers the model's own forward reads
     }
+
+
+def test_a_buffer_the_models_own_forward_reads_gets_an_entry():
+    sharded = shard(ScaledInput(), 2, torch.randn(2, 8))
+    assert sharded.plan.boundaries == (("first",),)
+    expected = {"first": "cuda:0", "second": "cuda:1", "scale": "cuda:0"}
+    assert device_map(sharded, ["cuda:0", "cuda:1"]) == expected
 
 
 def test_devices_are_given_per_stage_and_returned_as_given():

@@ -45,7 +45,7 @@ def two_stages():
 
 @pytest.mark.parametrize("schedule, stages, world", [
     ("gpipe", 2, 2), ("1f1b", 4, 4), ("interleaved-1f1b", 4, 2), ("looped-bfs", 6, 3),
-    ("interleaved-1f1b", 2, 2),
+    ("interleaved-1f1b", 2, 2), ("1F1B", 2, 2), ("GPipe", 2, 2),
 ])
 def test_world_sizes_that_fit(schedule, stages, world):
     check_world_size(stages, world, schedule)
@@ -76,6 +76,19 @@ def test_a_non_tensor_crossing_a_boundary_is_refused_before_any_process_group(tw
     crossing_int = r"'size' \(the result of .size\(\)\) from stage 0 to stage 1"
     with pytest.raises(BoundaryValueError, match=crossing_int):
         pipeline_stage(sharded, 0, 2, "cpu")
+
+
+class ReturnsItsBatchSize(SizeUsedAtTheEnd):
+    """Returns an int beside the tensor: nothing a last stage can hand to ``loss_fn``."""
+
+    def forward(self, x: torch.Tensor):
+        return self.c(self.b(self.a(x))), x.size(0)
+
+
+def test_a_model_returning_a_non_tensor_is_refused_before_any_process_group():
+    sharded = autoshard.shard_model(ReturnsItsBatchSize(), 2, example_inputs=(torch.randn(3, 4),))
+    with pytest.raises(BoundaryValueError, match=r"last stage may return only tensors.*'size' holding int 3"):
+        pipeline_stage(sharded, 1, 2, "cpu")
 
 
 class TupleMeta:

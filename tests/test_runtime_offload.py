@@ -5,23 +5,20 @@ from __future__ import annotations
 
 import copy
 import gc
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import autoshard
 from autoshard.errors import DeviceUnavailableError, InvalidArgumentTypeError
-from autoshard.examples import LongSkip, ResidualMLP, TransformerLM
+from autoshard.examples import GPTStyleLM, GPTStyleLMWithLoss, LongSkip, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.runtime import OffloadRunner
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_pipeline import TinyGPT, lm_loss  # noqa: E402
 
 
 class NormedMLP(nn.Module):
@@ -41,7 +38,7 @@ def models():
     return [
         pytest.param(ResidualMLP(), (torch.randn(4, 16),), id="residual-mlp"),
         pytest.param(LongSkip(), (torch.randn(4, 16),), id="long-skip"),
-        pytest.param(TinyGPT(), (torch.randint(0, 64, (2, 8)),), id="tiny-gpt"),
+        pytest.param(GPTStyleLM(), (torch.randint(0, 100, (2, 8)),), id="gpt-lm"),
         pytest.param(TransformerLM(), (torch.randint(0, 100, (12, 3)), causal_mask(12)), id="transformer-lm"),
     ]
 
@@ -75,12 +72,12 @@ def test_training_gives_the_models_gradients(model, args):
 
 def test_a_training_step_with_a_tied_head_matches_the_unsplit_model():
     torch.manual_seed(0)
-    reference, ids, target = TinyGPT(), torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    reference, ids, target = GPTStyleLMWithLoss(), *torch.randint(0, 100, (2, 2, 8))
     model = copy.deepcopy(reference)
-    runner = OffloadRunner(autoshard.shard_model(model, 2, example_inputs=(ids,)), "cpu")
+    runner = OffloadRunner(autoshard.shard_model(model, 2, example_inputs=(ids, target)), "cpu")
     for net, run in ((reference, reference), (model, runner)):
         optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
-        lm_loss(run(ids), target).backward()
+        run(ids, target).backward()  # the model computes its loss
         optimizer.step()
     for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
@@ -139,3 +136,32 @@ def test_bad_runner_arguments():
     sharded = autoshard.shard_model(ResidualMLP(), 2)
     with pytest.raises(DeviceUnavailableError):
         OffloadRunner(sharded, f"cuda:{torch.cuda.device_count()}")
+
+
+class OutputDevices(TorchDispatchMode):
+    """Records the device of every tensor any operation makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, set[str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.seen.setdefault(leaf.device.type, set()).add(str(func))
+        return out
+
+
+def test_a_plan_made_on_the_cpu_computes_everything_on_the_runners_device():
+    """The capture freezes ``torch.arange(n, device=idx.device)`` as ``device=cpu``; on a GPU the
+    embedding would then be indexed with a CPU tensor. ``meta`` stands in for the GPU here."""
+    torch.manual_seed(0)
+    model, ids = GPTStyleLM(), torch.randint(0, 100, (2, 8))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(ids,))
+    frozen = [n for stage in sharded.stages for n in stage.graph.nodes if n.kwargs.get("device") is not None]
+    assert frozen and all(n.kwargs["device"] == torch.device("cpu") for n in frozen)
+    runner = OffloadRunner(sharded, "meta")
+    with torch.no_grad(), OutputDevices() as devices:
+        out = runner(ids)
+    assert out.is_meta and set(devices.seen) == {"meta"}, devices.seen

@@ -1,4 +1,6 @@
-"""One training step on torch.distributed.pipelining (gloo, 2 and 4 processes) matches the unsplit model.
+"""One training step on torch.distributed.pipelining (gloo, 2 and 4 processes) matches the unsplit model:
+residual MLPs, a layer shared by every stage, and Hugging Face's GPT-2 with its head tied to the
+embedding, its loss computed after the last stage or by the model itself (``labels=``).
 
 Each launch runs several scenarios in the same processes (starting processes is the slow part on a
 2-core machine); every test then checks one scenario against the model trained on this process.
@@ -8,12 +10,13 @@ The launches have a deadline, and every collective a timeout, so nothing here ca
 from __future__ import annotations
 
 import resource
-import sys
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 import autoshard
@@ -24,12 +27,10 @@ from autoshard.runtime import (
     build_schedule,
     local_stage_indices,
     materialize_stage,
+    model_loss,
     pipeline_stage,
     run_local,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_pipeline import TinyGPT, lm_loss  # noqa: E402
 
 LAUNCH_DEADLINE_S = 420
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(LAUNCH_DEADLINE_S + 120)]
@@ -50,50 +51,90 @@ class SharedLayer(nn.Module):
         return x
 
 
+def tiny_gpt2() -> nn.Module:
+    """Hugging Face's GPT-2, 4 blocks of width 32, random weights; its LM head is tied to
+    ``transformer.wte``. No dropout, so the split and unsplit steps see the same numbers."""
+    config = transformers.GPT2Config(
+        vocab_size=128, n_positions=16, n_embd=32, n_layer=4, n_head=2, bos_token_id=0, eos_token_id=0,
+        use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """What GPT2LMHeadModel computes given ``labels``: each position predicts the next token."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, one batch of it, the schedule's ``loss_fn``, and the unsplit model's loss."""
+
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], tuple[tuple, dict, torch.Tensor]]  # args, kwargs, target
+    loss_fn: Callable[..., torch.Tensor]
+    unsplit_loss: Callable[[Any, torch.Tensor], torch.Tensor]  # (model's output, target)
+
+
 def _vectors(width: int):
-    return lambda gen: (torch.randn(BATCH, width, generator=gen), torch.randn(BATCH, width, generator=gen))
+    def make(gen: torch.Generator):
+        return (torch.randn(BATCH, width, generator=gen),), {}, torch.randn(BATCH, width, generator=gen)
+    return make
 
 
-def _tokens(gen):
-    return torch.randint(0, 64, (BATCH, 8), generator=gen), torch.randint(0, 64, (BATCH, 8), generator=gen)
+def _token_ids(gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 128, (BATCH, 8), generator=gen)
 
 
-#: model name -> (model class, batch from a generator, loss)
-MODELS = {
-    "residual-mlp": (ResidualMLP, _vectors(16), F.mse_loss),
-    "long-skip": (LongSkip, _vectors(16), F.mse_loss),
-    "shared-layer": (SharedLayer, _vectors(8), F.mse_loss),
-    "tiny-gpt": (TinyGPT, _tokens, lm_loss),
+def _ids(gen):
+    ids = _token_ids(gen)
+    return (ids,), {}, ids
+
+
+def _ids_and_labels(gen):
+    """The model gets ``labels`` and computes its loss; the schedule still needs a target."""
+    ids = _token_ids(gen)
+    return (ids,), {"labels": ids}, ids
+
+
+WORKLOADS = {
+    "residual-mlp": Workload(ResidualMLP, _vectors(16), F.mse_loss, F.mse_loss),
+    "long-skip": Workload(LongSkip, _vectors(16), F.mse_loss, F.mse_loss),
+    "shared-layer": Workload(SharedLayer, _vectors(8), F.mse_loss, F.mse_loss),
+    # the last stage returns the logits; the loss is computed after it, as users write it
+    "gpt2": Workload(tiny_gpt2, _ids, next_token_loss, lambda out, ids: next_token_loss(out.logits, ids)),
+    # the model computes its loss (labels cross every boundary); its last stage returns (loss, logits)
+    "gpt2-labels": Workload(tiny_gpt2, _ids_and_labels, model_loss, lambda out, _: out.loss),
 }
 
 
-def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    factory, batch, _ = MODELS[name]
+def build(name: str) -> tuple[nn.Module, tuple, dict, torch.Tensor]:
+    workload = WORKLOADS[name]
     torch.manual_seed(0)
-    model = factory()
-    inputs, target = batch(torch.Generator().manual_seed(7))
-    return model, inputs, target
+    model = workload.build()
+    args, kwargs, target = workload.batch(torch.Generator().manual_seed(7))
+    return model, args, kwargs, target
 
 
 def reference_step(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The unsplit model's loss and gradients (by every parameter name, tied names included)."""
-    model, inputs, target = build(name)
-    loss = MODELS[name][2](model(inputs), target)
+    model, args, kwargs, target = build(name)
+    loss = WORKLOADS[name].unsplit_loss(model(*args, **kwargs), target)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def pipeline_step(rank: int, world: int, name: str, num_stages: int, schedule: str) -> dict:
     """One step of ``name`` split into ``num_stages`` under ``schedule``; what this rank saw."""
-    model, inputs, target = build(name)
-    sharded = autoshard.shard_model(model, num_stages, example_inputs=(inputs,))
+    model, args, kwargs, target = build(name)
+    sharded = autoshard.shard_model(model, num_stages, example_inputs=args, example_kwargs=kwargs)
     mine = local_stage_indices(num_stages, rank, world)
     stages = [pipeline_stage(sharded, index, num_stages, "cpu") for index in mine]
-    runner = build_schedule(stages, schedule, MICROBATCHES, loss_fn=MODELS[name][2])
+    runner = build_schedule(stages, schedule, MICROBATCHES, loss_fn=WORKLOADS[name].loss_fn)
     ties = TiedGradients(sharded, stages)
-    last = num_stages - 1 in mine
+    first, last = 0 in mine, num_stages - 1 in mine
     losses: list[torch.Tensor] | None = [] if last else None
-    runner.step(*((inputs,) if 0 in mine else ()), target=target if last else None, losses=losses)
+    runner.step(*(args if first else ()), **(kwargs if first else {}), target=target if last else None,
+                losses=losses, return_outputs=False)
     held = {(s, n) for shared in ties.shared for s, n in shared.holders if s in mine}
     before_sync = {(s, n): next(x for x in stages if x.stage_index == s).submod.get_parameter(n).grad.clone()
                    for s, n in held}
@@ -111,7 +152,7 @@ def pipeline_step(rank: int, world: int, name: str, num_stages: int, schedule: s
 def setup_errors(rank: int, world: int) -> dict:
     """Misfits of world size, schedule and plan: each must raise here, on every rank, without
     leaving a rank waiting."""
-    model, inputs, _ = build("residual-mlp")
+    model, (inputs,), _, _ = build("residual-mlp")
     errors = {}
     four = autoshard.shard_model(model, 4, example_inputs=(inputs,))
     stages = [pipeline_stage(four, i, 4, "cpu") for i in local_stage_indices(4, rank, world)]
@@ -183,15 +224,16 @@ def four_process_worker(rank: int, world: int, scenarios: list[tuple], checkpoin
 TWO_PROCESS = [
     ("residual-mlp", 2, "gpipe"),
     ("residual-mlp", 2, "1f1b"),
-    ("tiny-gpt", 2, "gpipe"),
-    ("tiny-gpt", 2, "1f1b"),
-    ("tiny-gpt", 4, "interleaved-1f1b"),
+    ("gpt2", 2, "gpipe"),
+    ("gpt2-labels", 2, "1f1b"),
+    ("gpt2-labels", 4, "interleaved-1f1b"),
     ("long-skip", 4, "looped-bfs"),
     ("shared-layer", 4, "interleaved-1f1b"),
 ]
 FOUR_PROCESS = [
     ("residual-mlp", 4, "1f1b"),
-    ("tiny-gpt", 4, "gpipe"),
+    ("gpt2", 4, "gpipe"),
+    ("gpt2-labels", 4, "1f1b"),
 ]
 
 
@@ -259,22 +301,47 @@ def test_four_processes_train_like_the_unsplit_model(four_processes, scenario):
 
 
 def test_skip_connections_cross_non_adjacent_stages(two_processes, four_processes):
-    for results, scenario in ((two_processes, ("tiny-gpt", 4, "interleaved-1f1b")),
+    for results, scenario in ((two_processes, ("gpt2-labels", 4, "interleaved-1f1b")),
                               (two_processes, ("long-skip", 4, "looped-bfs")),
-                              (four_processes, ("tiny-gpt", 4, "gpipe"))):
+                              (four_processes, ("gpt2", 4, "gpipe")),
+                              (four_processes, ("gpt2-labels", 4, "1f1b"))):
         assert carried_past_a_stage(results[0][scenario]["boundaries"]), scenario
 
 
-def test_tied_head_and_embedding_on_different_ranks_get_the_summed_gradient(two_processes):
-    rank0, rank1 = (r[("tiny-gpt", 2, "gpipe")] for r in two_processes)
-    assert "wte.weight" in rank0["grads"][0] and "wte.weight" not in rank1["grads"][1]
-    assert "lm_head.weight" in rank1["grads"][1] and "lm_head.weight" not in rank0["grads"][0]
-    _, expected = reference_step("tiny-gpt")
-    embedding_part = rank0["before_sync"][0, "wte.weight"]
-    head_part = rank1["before_sync"][1, "lm_head.weight"]
-    assert not torch.allclose(embedding_part, expected["wte.weight"])  # neither rank's own part is enough
-    torch.testing.assert_close(embedding_part + head_part, expected["wte.weight"])
-    torch.testing.assert_close(rank0["grads"][0]["wte.weight"], rank1["grads"][1]["lm_head.weight"])
+def test_labels_for_a_loss_the_model_computes_cross_every_boundary(two_processes, four_processes):
+    """Integer labels reach the last stage as a boundary value (their shape inference must not
+    index with uninitialised memory), and its loss is the model's; with two stages per rank the
+    later one ignores the ``labels=`` keyword the schedule hands it too."""
+    for results, scenario in ((two_processes, ("gpt2-labels", 2, "1f1b")),
+                              (two_processes, ("gpt2-labels", 4, "interleaved-1f1b")),
+                              (four_processes, ("gpt2-labels", 4, "1f1b"))):
+        assert all("labels" in boundary for boundary in results[0][scenario]["boundaries"]), scenario
+
+
+@pytest.mark.parametrize("results, scenario", [
+    ("two_processes", ("gpt2", 2, "gpipe")),
+    ("two_processes", ("gpt2-labels", 4, "interleaved-1f1b")),
+    ("four_processes", ("gpt2", 4, "gpipe")),
+], ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
+def test_tied_head_and_embedding_on_different_ranks_get_the_summed_gradient(request, results, scenario):
+    """GPT-2's head reuses ``transformer.wte.weight``: stage 0 holds the embedding, the last stage
+    the head, on different ranks; each computes only its part, ``TiedGradients`` sums them."""
+    seen = [r[scenario] for r in request.getfixturevalue(results)]
+    last_stage = scenario[1] - 1
+    embedding_rank, head_rank = seen[0], seen[last_stage % len(seen)]
+    assert embedding_rank is not head_rank
+    assert "transformer.wte.weight" in embedding_rank["grads"][0]
+    assert "lm_head.weight" not in embedding_rank["grads"][0]
+    assert "lm_head.weight" in head_rank["grads"][last_stage]
+    assert "transformer.wte.weight" not in head_rank["grads"][last_stage]
+    _, expected = reference_step(scenario[0])
+    embedding_part = embedding_rank["before_sync"][0, "transformer.wte.weight"]
+    head_part = head_rank["before_sync"][last_stage, "lm_head.weight"]
+    assert not torch.allclose(embedding_part, expected["lm_head.weight"])  # neither part is enough
+    assert not torch.allclose(head_part, expected["lm_head.weight"])
+    torch.testing.assert_close(embedding_part + head_part, expected["lm_head.weight"])
+    torch.testing.assert_close(embedding_rank["grads"][0]["transformer.wte.weight"],
+                               head_rank["grads"][last_stage]["lm_head.weight"])
 
 
 def test_a_weight_every_stage_holds_is_summed_over_local_and_remote_stages(two_processes):

@@ -1,4 +1,5 @@
-"""A tuple crossing a stage boundary is sent as the tensors later stages take out of it."""
+"""What stages send and return: the items of a tuple, contiguous values and gradients, the
+tensors of the model's output; and later stages that ignore the model's keyword inputs."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ import pytest
 import torch
 from torch import nn
 
+import autoshard
 from autoshard.api import run_pipeline
 from autoshard.errors import BoundaryValueError
+from autoshard.examples import GPTStyleLMWithLoss
 from autoshard.graph import Partition
 from autoshard.passes import Pipeline
 from autoshard.passes.base import ExampleInputs, PassContext
 from autoshard.passes.emit import EmitPass
+from autoshard.runtime import model_loss
 from autoshard.runtime.boundaries import boundary_wires
 from autoshard.runtime.stage import stage_module
-from autoshard.runtime.wire import Wire
+from autoshard.runtime.wire import Wire, output_tensors
 
 
 class Halves(nn.Module):
@@ -70,3 +74,102 @@ def test_a_tuple_used_whole_is_refused():
     sharded = sharded_with_cut_after(WholeTuple(), torch.randn(3, 8), "first")
     with pytest.raises(BoundaryValueError, match=r"'chunk' \(tuple"):
         boundary_wires(sharded)
+
+
+class TransposedUse(nn.Module):
+    """The first layer's output is read transposed: its gradient comes back transposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x).transpose(0, 1) * self.scale
+
+
+def test_the_gradient_sent_back_across_a_boundary_is_contiguous():
+    """gloo sends only contiguous tensors; autograd would hand back a transposed gradient."""
+    torch.manual_seed(0)
+    sharded = sharded_with_cut_after(TransposedUse(), torch.randn(3, 4), "first")
+    received = torch.randn(3, 4, requires_grad=True)
+    stage = stage_module(sharded, 1, torch.device("cpu"))
+    (sent_back,) = torch.autograd.grad(stage(received).sum(), received)
+    (unfixed,) = torch.autograd.grad(sharded.stages[1](received).sum(), received)  # as PyTorch computes it
+    assert not unfixed.is_contiguous() and sent_back.is_contiguous()
+    torch.testing.assert_close(sent_back, unfixed)
+
+
+class Structured(nn.Module):
+    """Returns nested tuples with a ``None``, like a ``ModelOutput`` with an unset field."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        hidden = self.first(x)
+        return self.second(hidden), (hidden, None)
+
+
+class OneTuple(Halves):
+    def forward(self, x: torch.Tensor):
+        return (super().forward(x),)
+
+
+def test_the_last_stage_returns_the_tensors_of_the_models_output():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    model = Structured()
+    sharded = sharded_with_cut_after(model, x, "first")
+    last = stage_module(sharded, 1, torch.device("cpu"))
+    out, (hidden, _) = model(x)
+    with torch.no_grad():
+        got = last(*stage_module(sharded, 0, torch.device("cpu"))(x))
+    assert isinstance(got, tuple) and len(got) == 2
+    torch.testing.assert_close(got, (out, hidden), rtol=0, atol=0)
+
+
+def test_one_tensor_is_returned_as_itself_not_in_a_tuple():
+    """PyTorch gives ``loss_fn`` a one-item tuple unwrapped when inferring shapes, as it is in a
+    step: a single tensor is the same to ``loss_fn`` both times."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    model = OneTuple()
+    sharded = sharded_with_cut_after(model, x, "first")
+    with torch.no_grad():
+        got = stage_module(sharded, 1, torch.device("cpu"))(*stage_module(sharded, 0, torch.device("cpu"))(x))
+    assert isinstance(got, torch.Tensor)
+    torch.testing.assert_close(got, model(x)[0], rtol=0, atol=0)
+
+
+def test_later_stages_take_their_inputs_by_position_and_ignore_keywords():
+    """A schedule with two stages on a rank hands both the keywords of ``step`` (the model's
+    inputs); a later stage receiving a value of the same name must not take it twice."""
+    torch.manual_seed(0)
+    model, (ids, targets) = GPTStyleLMWithLoss(layers=2), torch.randint(0, 100, (2, 2, 8))
+    sharded = autoshard.shard_model(model, 3, example_inputs=(ids, targets))
+    assert all("targets" in boundary for boundary in sharded.plan.boundaries)
+    stages = [stage_module(sharded, i, torch.device("cpu")) for i in range(3)]
+    with torch.no_grad():
+        values = stages[0](ids, targets=targets)
+        values = stages[1](*values, idx=ids, targets=targets)
+        torch.testing.assert_close(stages[2](*values, targets=targets), model(ids, targets), rtol=0, atol=0)
+
+
+def test_a_stage_names_its_own_device_where_the_capture_froze_the_planning_one():
+    """``torch.arange(n, device=idx.device)`` is captured as ``device=cpu``; a stage placed
+    elsewhere (``meta`` standing in for a GPU) makes that tensor on its own device."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 8))
+    sharded = autoshard.shard_model(GPTStyleLMWithLoss(), 2, example_inputs=(ids, ids))
+    graph = stage_module(sharded, 0, torch.device("meta")).graph
+    devices = [value for node in graph.nodes for value in (*node.args, *node.kwargs.values())
+               if isinstance(value, torch.device)]
+    assert devices and set(devices) == {torch.device("meta")}
+
+
+def test_model_loss_takes_the_loss_the_last_stage_returns():
+    loss, logits = torch.tensor(2.5), torch.randn(2, 3)
+    assert model_loss(loss, None) is loss                  # a model returning its loss alone
+    assert model_loss(output_tensors({"loss": loss, "logits": logits, "past": None}), logits) is loss

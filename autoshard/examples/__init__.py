@@ -12,6 +12,8 @@ import torch
 from autoshard.errors import InvalidArgumentError
 from autoshard.examples.models import (
     BranchedNetwork,
+    GPTStyleLM,
+    GPTStyleLMWithLoss,
     LongSkip,
     ResidualMLP,
     TransformerLM,
@@ -39,6 +41,11 @@ def residual_mlp() -> Example:
     return ResidualMLP(), (torch.randn(4, 16),), {}
 
 
+def gpt_lm() -> Example:
+    torch.manual_seed(0)
+    return GPTStyleLM(layers=4).eval(), (torch.randint(0, 100, (2, 16)),), {}
+
+
 def long_skip() -> Example:
     torch.manual_seed(0)
     return LongSkip(), (torch.randn(4, 16),), {}
@@ -49,6 +56,7 @@ EXAMPLES: dict[str, tuple[Callable[[], Example], str]] = {
     "transformer-lm": (transformer_lm, "embedding, positional encoding, 4-layer nn.TransformerEncoder, decoder"),
     "residual-mlp": (residual_mlp, "8 blocks of x = linear(x) + x"),
     "long-skip": (long_skip, "the input added to the output of 8 stacked linears"),
+    "gpt-lm": (gpt_lm, "GPT-2-style LM, 4 blocks, LM head tied to the token embedding"),
 }
 
 
@@ -62,4 +70,7 @@ def load_example(name: str) -> Example:
     return factory()
 
 
-__all__ = ["EXAMPLES", "load_example", "BranchedNetwork", "TransformerLM", "ResidualMLP", "LongSkip"]
+__all__ = [
+    "EXAMPLES", "load_example", "BranchedNetwork", "GPTStyleLM", "GPTStyleLMWithLoss", "TransformerLM",
+    "ResidualMLP", "LongSkip",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -94,6 +95,68 @@ class LongSkip(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.stack(x) + x
+
+
+class GPTBlock(nn.Module):
+    """A GPT-2 block: causal self-attention and an MLP, each after a LayerNorm, each residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return x + self.out(F.gelu(self.fc(self.ln_2(x))))
+
+
+class GPTStyleLM(nn.Module):
+    """A GPT-2-style causal LM of any size, the LM head tied to the token embedding by default.
+
+    Without data-dependent control flow, so it can be planned on the ``meta`` device at full size.
+    The embeddings start small, as GPT-2's do, so the tied head's first logits are near zero and
+    the first loss near ``log(vocab)``.
+    """
+
+    def __init__(self, vocab: int = 100, width: int = 32, layers: int = 2, heads: int = 2,
+                 max_seq: int = 64, tied: bool = True) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(max_seq, width)
+        self.blocks = nn.ModuleList(GPTBlock(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+        for embedding in (self.wte, self.wpe):
+            nn.init.normal_(embedding.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class GPTStyleLMWithLoss(GPTStyleLM):
+    """The same LM (same parameters, same checkpoint keys) whose forward also takes ``targets``,
+    the token to predict at each position, and returns the mean cross-entropy, as Hugging Face
+    models do given ``labels``. The loss is then part of the plan: every cost model sees the last
+    stage's whole work, and a pipeline's last stage returns the loss itself.
+    """
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.cross_entropy(super().forward(idx).flatten(0, 1), targets.flatten())
 
 
 def causal_mask(size: int) -> torch.Tensor:

@@ -12,7 +12,13 @@ from autoshard.runtime.device_map import device_map, split_modules
 from autoshard.runtime.launch import run_local
 from autoshard.runtime.materialize import materialize_stage
 from autoshard.runtime.offload import OffloadRunner
-from autoshard.runtime.schedule import SCHEDULES, build_schedule, check_world_size, local_stage_indices
+from autoshard.runtime.schedule import (
+    SCHEDULES,
+    build_schedule,
+    check_world_size,
+    local_stage_indices,
+    model_loss,
+)
 from autoshard.runtime.stage import pipeline_stage
 from autoshard.runtime.ties import SharedParameter, TiedGradients, shared_parameters
 
@@ -29,6 +35,7 @@ __all__ = [
     "local_stage_indices",
     "materialize_stage",
     "merge_stage_states",
+    "model_loss",
     "pipeline_stage",
     "run_local",
     "shared_parameters",

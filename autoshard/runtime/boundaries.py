@@ -6,7 +6,8 @@ rank before the first send, or the receiving rank waits forever. What a value is
 plan's metadata when shapes were propagated (the DAG's ``value_meta`` or ``tensor=False``, or
 the fx node's ``val``/``tensor_meta``/``type``), else from the operation that makes it: size and
 shape queries, ``len`` and arithmetic on such results are never tensors. Values nothing is known
-about pass.
+about pass. The model's own output, which the last stage hands to ``loss_fn``, is held to the same
+rule (see ``wire.output_tensors``), as far as the plan's metadata describes it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves
 
+from autoshard.costs.values import ConstantMeta, StructureMeta, ValueMeta
 from autoshard.errors import BoundaryValueError
 from autoshard.runtime.wire import Wire, wire_layout
 from autoshard.sharded import ShardedModel
@@ -97,6 +100,29 @@ def _item_kind(sharded: ShardedModel, wire: Wire) -> str | None:
     return _describe_structure(items[wire.index]) if wire.index < len(items) else None
 
 
+def _non_tensor_leaves(meta: ValueMeta | None) -> list[ConstantMeta]:
+    """The leaves of a described value that are neither tensors nor ``None`` (the stage drops those)."""
+    if isinstance(meta, StructureMeta):
+        return [leaf for item in meta.items for leaf in _non_tensor_leaves(item)]
+    return [meta] if isinstance(meta, ConstantMeta) and meta.type_name != "NoneType" else []
+
+
+def _output_problems(sharded: ShardedModel) -> list[str]:
+    """What the model returns that is known not to be a tensor (the last stage must return tensors)."""
+    output = next(node for node in sharded.stages[-1].graph.nodes if node.op == "output")
+    dag = sharded.plan.dag
+    problems = []
+    for leaf in tree_leaves(output.args[0]):  # fx argument structures are pytrees of nodes
+        if leaf is None:  # the last stage drops it
+            continue
+        if not isinstance(leaf, fx.Node):
+            problems.append(f"the constant {leaf!r}")
+            continue
+        meta = dag.nodes[leaf.name].get("value_meta") if leaf.name in dag else None
+        problems += [f"'{leaf.name}' holding {c.type_name} {c}" for c in _non_tensor_leaves(meta)]
+    return problems
+
+
 def boundary_wires(sharded: ShardedModel) -> list[list[Wire]]:
     """The tensors each boundary sends (see ``wire``); ``BoundaryValueError`` naming every one
     known not to be a tensor."""
@@ -116,4 +142,10 @@ def boundary_wires(sharded: ShardedModel) -> list[list[Wire]]:
             + "; ".join(problems)
             + ". Shard with example_inputs so shapes are known and such values are recomputed "
             "where they are used, or compute them from a tensor inside the stage that needs them")
+    returned = _output_problems(sharded)
+    if returned:
+        raise BoundaryValueError(
+            "a pipeline's last stage may return only tensors (PyTorch hands them to loss_fn), but the "
+            "model returns " + "; ".join(returned) + ". Make the model return tensors only (for "
+            "Hugging Face models: use_cache=False), or wrap it in a module that does")
     return layout

@@ -1,7 +1,12 @@
-"""Turn a device spec into a ``torch.device`` that exists here, or say why it cannot be used.
+"""Turn a device spec into a ``torch.device`` that exists here, or say why it cannot be used;
+point a stage's graph at the device it runs on.
 
 Checked before anything is sent: a stage placed on a GPU the machine lacks would otherwise fail
 inside the first collective, after its peers are already waiting.
+
+A plan is made where the example inputs are, usually the CPU, and the capture freezes what the
+model asked of them: ``torch.arange(n, device=x.device)`` becomes ``device=cpu``. A stage run on a
+GPU would then index its weights with CPU tensors, so the stage's copy names its own device there.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 from typing import Union
 
 import torch
+import torch.fx as fx
 
 from autoshard.errors import DeviceUnavailableError, InvalidArgumentError
 
@@ -38,3 +44,15 @@ def resolve_device(device: DeviceLike, what: str = "the stage") -> torch.device:
             f"device(s), numbered 0 to {count - 1}; pick one of those (with torchrun, usually "
             f"{resolved.type}:LOCAL_RANK)")
     return resolved
+
+
+def retarget_devices(module: fx.GraphModule, device: torch.device) -> None:
+    """Replace every ``torch.device`` constant in ``module``'s graph by ``device``, in place: a
+    stage runs on one device, whichever device the model's example inputs were on."""
+    def swap(value: object) -> object:
+        return device if isinstance(value, torch.device) else value
+
+    for node in module.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    module.recompile()

@@ -20,7 +20,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
 from autoshard.errors import InvalidArgumentTypeError
-from autoshard.runtime.devices import DeviceLike, resolve_device
+from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, stage_tensors
 from autoshard.sharded import ShardedModel
 
@@ -45,6 +45,8 @@ class OffloadRunner:
         self.sharded = sharded
         self.device = resolve_device(device, "the offload runner")
         self._shells = [replaced(stage, _meta_placeholder) for stage in sharded.stages]
+        for shell in self._shells:
+            retarget_devices(shell, self.device)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         values = self._run(0, tree_map(self._to_device, args), tree_map(self._to_device, kwargs))

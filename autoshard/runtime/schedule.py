@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence, Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -45,12 +46,13 @@ PLAN_KEY = "autoshard_plan"
 
 
 def schedule_class(schedule: ScheduleLike) -> type:
-    """The schedule class for a name in ``SCHEDULES`` or a schedule class itself."""
+    """The schedule class for a name in ``SCHEDULES`` (in any case: ``"1F1B"``) or a schedule class."""
     if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
+        name = schedule.lower()
+        if name not in SCHEDULES:
             raise InvalidArgumentError(
-                f"unknown schedule {schedule!r}{suggest(schedule, SCHEDULES)}; known: {', '.join(SCHEDULES)}")
-        return SCHEDULES[schedule]
+                f"unknown schedule {schedule!r}{suggest(name, SCHEDULES)}; known: {', '.join(SCHEDULES)}")
+        return SCHEDULES[name]
     if isinstance(schedule, type) and issubclass(schedule, (PipelineScheduleSingle, PipelineScheduleMulti)):
         return schedule
     raise InvalidArgumentTypeError(
@@ -111,6 +113,20 @@ def _check_ranks_agree(local: list[PipelineStage], group: dist.ProcessGroup | No
             f"the processes split the model differently ({by_rank}); build the same model with the "
             "same seed and shard it with the same arguments on every rank, or save one plan and "
             "load it everywhere")
+
+
+def model_loss(output: Any, target: Any = None) -> torch.Tensor:
+    """``loss_fn`` for a model that computes its own loss (``GPTStyleLMWithLoss``, a Hugging Face
+    model given ``labels``): the last stage's output if it is one tensor, else its
+    first tensor (a ``ModelOutput``'s ``loss``).
+
+    Computing the loss inside the model puts it in the plan, so cost models see the last stage's
+    whole work. PyTorch's schedules still need a ``target`` on the last rank, which they split into
+    microbatches: pass the labels (or any tensor with the batch dimension); it is ignored here.
+    A loss per microbatch cannot be concatenated back into a batch: step with ``return_outputs=False``
+    and read the losses from ``losses=[]``.
+    """
+    return output if isinstance(output, torch.Tensor) else output[0]
 
 
 def build_schedule(

@@ -22,11 +22,30 @@ from autoshard.errors import (
     WorldSizeError,
 )
 from autoshard.runtime.boundaries import boundary_wires
-from autoshard.runtime.devices import DeviceLike, resolve_device
+from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, shared_across_stages
 from autoshard.runtime.schedule import PLAN_KEY, local_stage_indices
 from autoshard.runtime.wire import Wire, rewire
 from autoshard.sharded import ShardedModel
+
+
+class PlanStage(PipelineStage):
+    """A ``PipelineStage`` whose shape inference runs on zeros rather than uninitialised memory.
+
+    Before the first step PyTorch runs every stage once on tensors it makes from the shapes the
+    previous stage announced (``torch.empty``). A stage that uses a received integer as an index
+    (token ids read by an embedding, labels of a loss the model computes itself) would index with
+    garbage there and fail on one rank while its peers wait. Zeros are a valid index everywhere.
+    (``_to_tensor`` is the hook torch 2.13's ``PipelineStage`` makes those tensors with; the
+    multi-process tests pass labels across a boundary, so a change there fails them.)
+    """
+
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        tensor = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor):  # made from metadata, not received
+            with torch.no_grad():
+                tensor.zero_()
+        return tensor
 
 
 def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> None:
@@ -63,8 +82,9 @@ def _group_position(group: dist.ProcessGroup | None) -> tuple[int, int]:
 def stage_module(sharded: ShardedModel, stage_index: int, device: torch.device,
                  private: frozenset[int] = frozenset(),
                  layout: list[list[Wire]] | None = None) -> fx.GraphModule:
-    """Stage ``stage_index`` as a module of its own whose tensors are on ``device``, taking and
-    returning the tensors of its boundaries (``layout``, by default ``boundary_wires(sharded)``).
+    """Stage ``stage_index`` as a module of its own whose tensors (and the devices its graph names)
+    are ``device``, taking and returning the tensors of its boundaries (``layout``, by default
+    ``boundary_wires(sharded)``).
 
     A tensor already on ``device`` is the model's own (training it trains the model), unless its
     id is in ``private``: tensors another stage of the same rank also holds get a copy of their
@@ -80,6 +100,7 @@ def stage_module(sharded: ShardedModel, stage_index: int, device: torch.device,
         return like(tensor, tensor.detach().to(device, copy=True))
 
     module = replaced(sharded.stages[stage_index], place)
+    retarget_devices(module, device)
     rewire(module, stage_index, boundary_wires(sharded) if layout is None else layout)
     return module
 
@@ -96,9 +117,10 @@ def pipeline_stage(
     Stage ``i`` runs on rank ``i % world_size`` of ``group`` (the default group if None); drive
     the stages with PyTorch's schedules (``autoshard.runtime.build_schedule`` checks the world
     size fits the schedule). Stages take and return flat tuples of tensors (a tuple crossing a
-    boundary is sent as the items later stages read); the stage module's ``state_dict()`` keys are
-    the original model's. Parameters several stages share need ``TiedGradients.sync()`` after
-    each step.
+    boundary is sent as the items later stages read); the last stage returns the tensors of the
+    model's output (a ``ModelOutput`` as ``return_dict=False`` would, one tensor as itself). The
+    stage module's ``state_dict()`` keys are the original model's. Parameters several stages
+    share need ``TiedGradients.sync()`` after each step.
     """
     _check_stage_choice(sharded, stage_index, num_stages)
     resolved = resolve_device(device, f"stage {stage_index}")
@@ -122,4 +144,4 @@ def pipeline_stage(
         if len({s for s, _ in holders if s in local}) > 1)
     module = stage_module(sharded, stage_index, resolved, private, layout)
     module.meta[PLAN_KEY] = plan_fingerprint(sharded)
-    return PipelineStage(module, stage_index, num_stages, resolved, group=group)
+    return PlanStage(module, stage_index, num_stages, resolved, group=group)

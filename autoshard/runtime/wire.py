@@ -5,14 +5,32 @@
 as such; but when every later stage only takes items out of it (``value[i]``), those items can
 be: the sending stage takes them out, and the receiving stage gets one input per item where it
 had the tuple. Any other value crosses as itself (``boundaries`` checks it is a tensor).
+
+Gradients go back the same way, and PyTorch sends them as autograd made them: the gradient of a
+received value that the stage reads through a transpose is not contiguous, and gloo refuses it.
+Each stage therefore reads its received values through ``contiguous_grad``.
+
+A schedule running several stages on one rank hands the keyword arguments of ``step`` to every
+one of them; they are the model's inputs, which only the first stage takes (later stages receive
+what they need across the boundaries). So every later stage accepts and ignores keywords, and
+names its parameters by position, so that a received ``labels`` is not also given as a keyword.
+
+The last stage returns to ``loss_fn`` rather than sending, but PyTorch holds it to the same rule:
+a tensor or a flat tuple of tensors. A model returning a structure (a Hugging Face ``ModelOutput``,
+a dict, nested tuples) has its last stage return the tensors in it, in order, which for a
+``ModelOutput`` is what ``return_dict=False`` returns: ``(loss, logits)`` given labels, else the
+logits alone (one tensor is returned as itself, never as a one-item tuple).
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves
 
 from autoshard.sharded import ShardedModel
 
@@ -81,13 +99,59 @@ def _receive_items(graph: fx.Graph, wires: list[Wire]) -> dict[Wire, fx.Node]:
     return received
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_grad(value: torch.Tensor) -> torch.Tensor:
+    """``value``, with a contiguous gradient if it needs one (the gradient sent to the previous stage)."""
+    return _ContiguousGrad.apply(value) if value.requires_grad else value
+
+
+def _read_received_through_contiguous_grad(graph: fx.Graph) -> None:
+    for placeholder in [node for node in graph.nodes if node.op == "placeholder" and node.users]:
+        with graph.inserting_after(placeholder):
+            read = graph.call_function(contiguous_grad, (placeholder,))
+        placeholder.replace_all_uses_with(read, delete_user_cb=lambda user: user is not read)
+
+
+def _ignore_keywords(graph: fx.Graph) -> None:
+    """Parameters ``received_0, received_1, ..., **ignored_keywords``; the values keep their names."""
+    inputs = [node for node in graph.nodes if node.op == "placeholder"]
+    for position, node in enumerate(inputs):
+        node.target = f"received_{position}"
+    with graph.inserting_after(inputs[-1]) if inputs else graph.inserting_before(None):
+        graph.placeholder("**ignored_keywords")
+
+
+def output_tensors(value: Any) -> Any:
+    """The model's output as a last stage returns it: the flat tuple of its leaves (``None``
+    fields dropped), or the only leaf itself. PyTorch calls ``loss_fn`` with a one-item tuple
+    unwrapped when it infers shapes but as it is in a step; one tensor is the same in both."""
+    leaves = [leaf for leaf in tree_leaves(value) if leaf is not None]
+    return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
 def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None:
     """Make ``stage`` take and return exactly the wires of its boundaries, each contiguous
-    (process groups send only contiguous tensors, and a slice such as ``mask[:n, :n]`` is not)."""
+    (process groups send only contiguous tensors, and a slice such as ``mask[:n, :n]`` is not),
+    whose gradients are contiguous too, and ignoring keywords after the first stage; the last
+    stage returns ``output_tensors`` of the model's output."""
     graph = module.graph
     received = _receive_items(graph, layout[stage - 1]) if stage > 0 else {}
-    if stage < len(layout):
-        output = next(node for node in graph.nodes if node.op == "output")
+    output = next(node for node in graph.nodes if node.op == "output")
+    if stage == len(layout):
+        with graph.inserting_before(output):
+            output.args = (graph.call_function(output_tensors, output.args),)
+    else:
         with graph.inserting_before(output):
             sent = []
             for wire in layout[stage]:
@@ -100,5 +164,8 @@ def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None
         whole = node_named(graph, wire.name)
         if wire.index is not None and whole is not None and not whole.users:
             graph.erase_node(whole)
+    if stage > 0:
+        _read_received_through_contiguous_grad(graph)
+        _ignore_keywords(graph)
     graph.lint()
     module.recompile()
