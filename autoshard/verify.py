@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -47,6 +48,18 @@ def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any
     return tuple(bound.arguments.values())
 
 
+def _thawed(value: Any) -> Any:
+    """fx's interpreter freezes the containers it returns; the model and the stages' generated
+    code return plain ones, so compare against those."""
+    if isinstance(value, immutable_dict):
+        return {key: _thawed(item) for key, item in value.items()}
+    if isinstance(value, immutable_list):
+        return [_thawed(item) for item in value]
+    if type(value) is tuple:
+        return tuple(_thawed(item) for item in value)
+    return value
+
+
 class _Recorder(fx.Interpreter):
     """Runs the traced graph and keeps the values named in ``wanted``."""
 
@@ -54,6 +67,9 @@ class _Recorder(fx.Interpreter):
         super().__init__(gm)
         self.wanted = wanted
         self.values: dict[str, Any] = {}
+
+    def output(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return _thawed(args[0])
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)

@@ -65,3 +65,23 @@ def test_verification_restores_batchnorm_statistics():
     autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 4),))
     assert torch.equal(model[1].running_mean, before)
     assert model[1].num_batches_tracked.item() == 0
+
+
+class ReturnsADict(torch.nn.Module):
+    """A forward returning a plain dict (and a list inside it), as many real models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        hidden = self.first(x)
+        return {"hidden": [hidden], "out": self.second(hidden)}
+
+
+def test_a_model_returning_a_dict_is_verified_and_returns_a_dict():
+    model, x = ReturnsADict(), torch.randn(2, 4)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    out = sharded(x)
+    assert type(out) is dict and type(out["hidden"]) is list
+    torch.testing.assert_close(out, model(x))
