@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, InvalidGraphError
 from autoshard.graph import Constraints, split_dag, total_boundary_bytes
+from autoshard.graph.constraints import ACTIVATION_MEMORY
 from autoshard.testing import (
     brute_force_constrained,
     check_constraints,
@@ -38,7 +39,7 @@ def stages(assignment: dict) -> list[int]:
 
 def options(c: Constraints) -> dict:
     return {"cut_before": c.cut_before, "together": c.together, "capacities": c.capacities,
-            "memory_budgets": c.memory_budgets}
+            "memory_budgets": c.memory_budgets, "memory_in_flight": c.memory_in_flight}
 
 
 # --- properties against brute force -------------------------------------------------------
@@ -206,6 +207,101 @@ def test_bad_limits_are_named(k, kwargs, error, message):
 def test_memory_budgets_need_a_memory_attribute_on_every_node():
     with pytest.raises(InvalidGraphError, match="node 'v0' has no 'memory' attribute"):
         split_dag(chain([1] * 4), 2, memory_budgets=[10, 10])
+
+
+def in_flight_chain() -> nx.DiGraph:
+    """Six unit-cost nodes holding 1 byte of weights each and 2 bytes of activations per microbatch."""
+    dag = chain([1] * 6, memory=[1] * 6)
+    for v in dag.nodes:
+        dag.nodes[v][ACTIVATION_MEMORY] = 2.0
+    return dag
+
+
+@pytest.mark.parametrize("strategy", BOUNDED)
+def test_microbatches_in_flight_make_early_stages_hold_fewer_nodes(strategy):
+    # Stage 0 keeps 3 microbatches (7 bytes a node), stage 1 keeps 1 (3 bytes a node); budgets
+    # of 21 let stage 0 take 3 nodes, as balance wants, but not 4.
+    dag = in_flight_chain()
+    balanced = split_dag(dag, 2, strategy, 1.0, memory_budgets=[21, 21], memory_in_flight=[3, 1])
+    assert stages(balanced) == [0, 0, 0, 1, 1, 1]
+    # With budgets of 14 stage 0 holds 2 nodes; the loose tolerance lets the split go there.
+    squeezed = split_dag(dag, 2, strategy, 1.0, memory_budgets=[14, 14], memory_in_flight=[3, 1],
+                         return_info=True)
+    assert stages(squeezed.assignment) == [0, 0, 1, 1, 1, 1]
+    c = Constraints.build(memory_budgets=[14, 14], memory_in_flight=[3, 1])
+    check_constraints(dag, squeezed.assignment, 2, c)
+    assert constraint_violations(dag, balanced, 2, c) == ["memory: a stage exceeds its budget"]
+    # Reversed in-flight counts turn the stage that must stay small around.
+    assert stages(split_dag(dag, 2, strategy, 1.0, memory_budgets=14, memory_in_flight=[1, 3])) == [
+        0, 0, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("strategy", BOUNDED)
+def test_one_microbatch_in_flight_everywhere_is_plain_memory_budgets(strategy):
+    dag = chain([1] * 6, memory=[5, 1, 1, 1, 1, 1])  # no activation_memory: it counts 0
+    plain = split_dag(dag, 2, strategy, 0.0, memory_budgets=[6, 6])
+    assert split_dag(dag, 2, strategy, 0.0, memory_budgets=[6, 6], memory_in_flight=[1, 1]) == plain
+    assert split_dag(dag, 2, strategy, 0.0, memory_budgets=[6, 6], memory_in_flight=1) == plain
+    assert stages(plain) == [0, 0, 1, 1, 1, 1]
+
+
+def test_activation_memory_counts_only_with_memory_in_flight():
+    dag = in_flight_chain()  # 1 byte held per node; activations would add 2 per microbatch
+    assert stages(split_dag(dag, 2, tolerance=0.0, memory_budgets=3)) == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_position_dependent_memory_budget_no_split_meets_names_both_options():
+    # Stage 0 holds at most 2 nodes (7 bytes each), stage 1 at most 3 (3 bytes each): 5 < 6.
+    with pytest.raises(InfeasibleSplitError, match=r"no split into 2 non-empty ordered stages meets "
+                       r"memory_budgets \[20\.0, 11\.0\] and memory_in_flight \[3\.0, 1\.0\]"):
+        split_dag(in_flight_chain(), 2, memory_budgets=[20, 11], memory_in_flight=[3, 1])
+
+
+def test_in_flight_memory_that_cannot_fit_in_total_or_per_node_is_named():
+    dag = in_flight_chain()
+    with pytest.raises(InfeasibleSplitError, match=r"memory_budgets sum to 20 but the nodes need 30 in total "
+                       r"with 2 microbatch\(es\) in flight \(memory_in_flight \[2\.0, 2\.0\]\)"):
+        split_dag(dag, 2, memory_budgets=[10, 10], memory_in_flight=[2, 2])
+    dag.nodes["v0"][ACTIVATION_MEMORY] = 10.0
+    with pytest.raises(InfeasibleSplitError, match=r"node 'v0' needs memory 1 plus 10 per microbatch in flight, "
+                       r"more than any stage holds under memory_budgets \[20\.0, 20\.0, 20\.0\] with "
+                       r"memory_in_flight \[2\.0, 2\.0, 2\.0\]"):
+        split_dag(dag, 3, memory_budgets=20, memory_in_flight=2)
+    with pytest.raises(InfeasibleSplitError, match=r"together group 'g' needs memory 2 plus 12 per microbatch"):
+        split_dag(dag, 3, memory_budgets=25, memory_in_flight=2, together={"g": ["v0", "v1"]})
+
+
+def test_a_stage_without_microbatches_in_flight_keeps_no_activations():
+    dag = in_flight_chain()  # stage 0 needs 1 byte a node, stage 1 needs 7
+    result = split_dag(dag, 2, tolerance=1.0, memory_budgets=[30, 7], memory_in_flight=[0, 3])
+    assert stages(result) == [0, 0, 0, 0, 0, 1]
+    check_constraints(dag, result, 2, Constraints.build(memory_budgets=[30, 7], memory_in_flight=[0, 3]))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"memory_in_flight": [1, 1]}, InvalidArgumentError, "memory_in_flight only scales activation memory under "
+                                                         "memory_budgets; give memory_budgets too"),
+    ({"memory_budgets": 50, "memory_in_flight": [1, 2, 3]}, InvalidArgumentError,
+     "memory_in_flight has 3 entries for 2 stages"),
+    ({"memory_budgets": 50, "memory_in_flight": [1, -2]}, InvalidArgumentError, r"memory_in_flight\[1\] is -2"),
+    ({"memory_budgets": 50, "memory_in_flight": "1F1B"}, InvalidArgumentTypeError,
+     "memory_in_flight must be a list of numbers"),
+])
+def test_bad_in_flight_arguments_are_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        split_dag(in_flight_chain(), 2, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", BOUNDED)
+def test_a_missing_activation_memory_counts_zero_and_a_bad_one_is_named(strategy):
+    dag = in_flight_chain()  # with in-flight [1, 3] stage 1 needs 7 bytes a node: one fits in 10
+    options = {"memory_budgets": [30, 10], "memory_in_flight": [1, 3]}
+    assert stages(split_dag(dag, 2, strategy, 1.0, **options)) == [0, 0, 0, 0, 0, 1]
+    del dag.nodes["v5"][ACTIVATION_MEMORY]  # now v5 needs 1 byte there, and v4 fits beside it
+    assert stages(split_dag(dag, 2, strategy, 1.0, **options)) == [0, 0, 0, 0, 1, 1]
+    dag.nodes["v2"][ACTIVATION_MEMORY] = -1.0
+    with pytest.raises(InvalidGraphError, match="node 'v2' has 'activation_memory'=-1.0"):
+        split_dag(dag, 2, strategy, **options)
 
 
 def test_violations_name_each_broken_rule():

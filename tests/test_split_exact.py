@@ -5,17 +5,22 @@ from __future__ import annotations
 import sys
 
 import networkx as nx
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autoshard.errors import InvalidArgumentError, MissingDependencyError
-from autoshard.graph import split_dag
-from autoshard.testing import check_constraints
+from autoshard.graph import exact, split_dag
 from autoshard.graph.constraints import Constraints
+from autoshard.graph.problem import SplitProblem
+from autoshard.testing import all_partitions, check_constraints
 from autoshard.testing.graphs import layered_graph
+from autoshard.testing.strategies import dags, shaped_dags, split_problems
 
 
 def test_exact_beats_min_cut_where_orders_and_corridors_miss_the_optimum():
-    dag = layered_graph(60, seed=0)
+    dag = layered_graph(40, seed=2)
     heuristic = split_dag(dag, 2, return_info=True)
     exact = split_dag(dag, 2, "exact", return_info=True)
     assert exact.info.proven_optimal is True
@@ -50,3 +55,46 @@ def test_without_highspy_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "highspy", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'autoshard\[exact\]'"):
         split_dag(layered_graph(20), 2, "exact")
+
+
+# --- stage windows ---------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(split_problems(dags(max_nodes=9) | shaped_dags(max_nodes=9)))
+def test_closure_weights_are_each_node_with_all_its_ancestors_or_descendants(problem):
+    dag, k = problem
+    g = SplitProblem(dag, k, 0.0).graph
+    into, out = exact._closures(g, np.column_stack([g.cost, g.nbytes]))
+    for v in range(g.n):
+        node = g.nodes[v]
+        for column, name in enumerate(("cost", "bytes")):
+            up = sum(dag.nodes[u][name] for u in nx.ancestors(dag, node) | {node})
+            down = sum(dag.nodes[u][name] for u in nx.descendants(dag, node) | {node})
+            assert into[v, column] == pytest.approx(up) and out[v, column] == pytest.approx(down)
+
+
+@settings(max_examples=60, deadline=None)
+@given(split_problems(dags(max_nodes=7) | shaped_dags(max_nodes=7)), st.sampled_from([0.0, 0.25]))
+def test_stage_windows_hold_every_split_within_the_bound(problem, tolerance):
+    dag, k = problem
+    split = SplitProblem(dag, k, tolerance)
+    g = split.graph
+    start = split.dp_split(g.program())
+    earliest, latest = exact.stage_ranges(split, start)
+    for assignment in all_partitions(dag, k):
+        stages = g.stages_of(assignment)
+        if split.is_valid(stages):
+            assert np.all(earliest <= stages) and np.all(stages <= latest)
+
+
+def test_windows_from_whole_ancestor_sets_fix_more_stages_than_heaviest_chains(monkeypatch):
+    split = SplitProblem(layered_graph(300, seed=1), 8, 0.02)
+    start = split.dp_split(split.graph.program())
+    earliest, latest = exact.stage_ranges(split, start)
+    monkeypatch.setattr(exact, "CLOSURE_MAX_NODES", 0)  # the fallback for very large graphs
+    chain_earliest, chain_latest = exact.stage_ranges(split, start)
+    assert np.all(chain_earliest <= earliest) and np.all(latest <= chain_latest)
+    assert (latest - earliest).sum() < (chain_latest - chain_earliest).sum() / 2
+    proven = split_dag(layered_graph(40, seed=2), 3, "exact", return_info=True).info
+    assert proven.proven_optimal and proven.boundary_bytes == 72960  # the same optimum either way

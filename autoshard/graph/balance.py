@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from itertools import accumulate
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import networkx as nx
 import numpy as np
@@ -21,6 +21,9 @@ import numpy as np
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.graph.indexed import IndexedDag
 from autoshard.graph.invariants import check_order, check_stage_count, is_number
+
+if TYPE_CHECKING:
+    from autoshard.graph.limits import StageLimit
 
 #: Relative round-off allowance for sums: prefix differences are not exact in floating point.
 REL_EPS = 1e-9
@@ -47,9 +50,9 @@ def _check_weights(weights: Sequence[Any], k: Any) -> None:
 class Line:
     """A sequence to cut into k parts, with the limits each part must respect.
 
-    ``capacities[j]`` scales the cost budget of part j; ``memory`` and ``memory_budgets``
-    (both or neither) limit each part's memory; a cut must fall at every position in ``pins``
-    and at no position where ``forbidden`` is true. Position c is the cut before weights[c].
+    ``capacities[j]`` scales the cost budget of part j; ``memory`` (laid along the sequence)
+    limits each part's memory; a cut must fall at every position in ``pins`` and at no
+    position where ``forbidden`` is true. Position c is the cut before weights[c].
     """
 
     def __init__(
@@ -58,8 +61,7 @@ class Line:
         capacities: np.ndarray,
         pins: np.ndarray | None = None,
         forbidden: np.ndarray | None = None,
-        memory: np.ndarray | None = None,
-        memory_budgets: np.ndarray | None = None,
+        memory: StageLimit | None = None,
     ) -> None:
         self.n = len(weights)
         self.k = len(capacities)
@@ -68,8 +70,7 @@ class Line:
         self.capacities = capacities
         self.pins = np.zeros(0, dtype=np.int64) if pins is None else pins
         self.forbidden = np.zeros(self.n + 1, dtype=bool) if forbidden is None else forbidden
-        self.memory_prefix = None if memory is None else np.concatenate(([0.0], np.cumsum(memory)))
-        self.memory_budgets = memory_budgets
+        self.memory = memory
         floors = np.concatenate(([0], self.pins))
         self.pin_floor = floors[np.searchsorted(self.pins, np.arange(1, self.n + 1), side="left")]
 
@@ -81,9 +82,10 @@ class Line:
         """
         reach = (self.prefix + bound * self.capacities[j]) + self.slack
         first = np.searchsorted(reach, self.prefix[1:], side="left")
-        if self.memory_prefix is not None:
-            budget = (self.memory_prefix + self.memory_budgets[j]) + slack(float(self.memory_prefix[-1]))
-            first = np.maximum(first, np.searchsorted(budget, self.memory_prefix[1:], side="left"))
+        if self.memory is not None:
+            prefix = self.memory.prefix(j)
+            budget = (prefix + self.memory.budgets[j]) + slack(float(prefix[-1]))
+            first = np.maximum(first, np.searchsorted(budget, prefix[1:], side="left"))
         return np.maximum(first, self.pin_floor)
 
     def cut_allowed(self) -> np.ndarray:
@@ -163,7 +165,7 @@ def min_bottleneck_of(line: Line) -> float:
     budgets cannot be met.
     """
     weights = np.diff(line.prefix)
-    plain = (not len(line.pins) and not line.forbidden.any() and line.memory_prefix is None
+    plain = (not len(line.pins) and not line.forbidden.any() and line.memory is None
              and bool(np.all(line.capacities == 1.0)))
     if plain:
         return min_bottleneck(weights.tolist(), line.k)

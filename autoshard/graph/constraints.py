@@ -1,6 +1,6 @@
 """User constraints on a split, checked against the graph and resolved to node indices.
 
-Five kinds, all in terms of graph nodes (``autoshard.passes.split`` resolves module paths and
+Six kinds, all in terms of graph nodes (``autoshard.passes.split`` resolves module paths and
 classes to node sets):
 
 * ``cut_before``: nodes at which a stage must start. A cut before ``v`` is a boundary with
@@ -10,6 +10,9 @@ classes to node sets):
   (tied weights); the split reports the ones it had to separate.
 * ``capacities``: per-stage relative speeds; stage j's cost / capacity_j is what is balanced.
 * ``memory_budgets``: per-stage limits on the sum of the node attribute ``memory``.
+* ``memory_in_flight``: with ``memory_budgets``, how many microbatches each stage keeps
+  activations for (1F1B: stage j of k keeps k - j); stage j must then satisfy
+  sum(``memory``) + in_flight[j] x sum(``activation_memory``) <= memory_budgets[j].
 
 A problem that cannot be met raises ``InfeasibleSplitError`` naming the constraint.
 """
@@ -25,9 +28,13 @@ import numpy as np
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.graph.indexed import IndexedDag, Node
 from autoshard.graph.invariants import is_number
+from autoshard.graph.limits import StageLimit
 
-#: The node attribute that ``memory_budgets`` limit.
+#: The node attribute that ``memory_budgets`` limit: bytes a stage holds once (weights, their
+#: gradients and optimizer state).
 MEMORY = "memory"
+#: The optional node attribute for bytes kept for backward per microbatch in flight (absent: 0).
+ACTIVATION_MEMORY = "activation_memory"
 
 Groups = Mapping[str, Collection[Node]] | Sequence[Collection[Node]]
 
@@ -41,6 +48,7 @@ class Constraints:
     prefer_together: Mapping[str, frozenset[Node]] = field(default_factory=dict)
     capacities: tuple[float, ...] | None = None
     memory_budgets: tuple[float, ...] | None = None
+    memory_in_flight: tuple[float, ...] | None = None
 
     @classmethod
     def build(
@@ -50,14 +58,20 @@ class Constraints:
         prefer_together: Groups = (),
         capacities: Sequence[float] | float | None = None,
         memory_budgets: Sequence[float] | float | None = None,
+        memory_in_flight: Sequence[float] | float | None = None,
     ) -> Constraints:
         """Normalise user arguments: groups get labels, numbers become float tuples."""
+        if memory_in_flight is not None and memory_budgets is None:
+            raise InvalidArgumentError(
+                "memory_in_flight only scales activation memory under memory_budgets; "
+                "give memory_budgets too, or drop memory_in_flight")
         return cls(
             cut_before=_nodes("cut_before", cut_before),
             together=_groups("together", together),
             prefer_together=_groups("prefer_together", prefer_together),
             capacities=None if capacities is None else _numbers("capacities", capacities),
             memory_budgets=None if memory_budgets is None else _numbers("memory_budgets", memory_budgets),
+            memory_in_flight=None if memory_in_flight is None else _numbers("memory_in_flight", memory_in_flight),
         )
 
     def hard(self) -> bool:
@@ -70,6 +84,7 @@ class Constraints:
         return [name for name, value in (
             ("cut_before", self.cut_before), ("together", self.together),
             ("capacities", self.capacities), ("memory_budgets", self.memory_budgets),
+            ("memory_in_flight", self.memory_in_flight),
         ) if value]
 
     def with_together(self, extra: Mapping[str, frozenset[Node]]) -> Constraints:
@@ -113,16 +128,15 @@ class Rules:
 
     ``pins`` are program-order positions in the non-input sequence where a boundary must fall
     (each the number of non-input nodes before the pinned node); ``groups`` and
-    ``preferences`` are labelled index arrays; ``capacities`` has k entries; ``memory`` (per node) and ``memory_budgets`` are set
-    together or not at all.
+    ``preferences`` are labelled index arrays; ``capacities`` has k entries; ``memory`` is the
+    per-stage memory limit when ``memory_budgets`` is given.
     """
 
     pins: np.ndarray
     groups: tuple[tuple[str, np.ndarray], ...]
     preferences: tuple[tuple[str, np.ndarray], ...]
     capacities: np.ndarray
-    memory: np.ndarray | None
-    memory_budgets: np.ndarray | None
+    memory: StageLimit | None
 
 
 def _position(g: IndexedDag, node: Node, option: str) -> int:
@@ -150,10 +164,19 @@ def resolve(g: IndexedDag, constraints: Constraints, k: int) -> Rules:
     if np.any(capacities <= 0):
         raise InvalidArgumentError(f"capacities must be > 0, got {constraints.capacities}")
     if constraints.memory_budgets is None:
-        return Rules(pins, groups, preferences, capacities, None, None)
-    memory, budgets = g.extra[MEMORY], _per_stage("memory_budgets", constraints.memory_budgets, k)
-    _check_memory(g, memory, budgets, groups)
-    return Rules(pins, groups, preferences, capacities, memory, budgets)
+        return Rules(pins, groups, preferences, capacities, None)
+    memory = memory_limit(g, constraints, k)
+    _check_memory(g, memory, groups)
+    return Rules(pins, groups, preferences, capacities, memory)
+
+
+def memory_limit(g: IndexedDag, constraints: Constraints, k: int) -> StageLimit:
+    """The memory each stage may hold, from ``memory_budgets`` and ``memory_in_flight``."""
+    budgets = _per_stage("memory_budgets", constraints.memory_budgets, k)
+    if constraints.memory_in_flight is None:
+        return StageLimit("memory", g.extra[MEMORY], budgets)
+    in_flight = _per_stage("memory_in_flight", constraints.memory_in_flight, k)
+    return StageLimit("memory", g.extra[MEMORY], budgets, g.extra[ACTIVATION_MEMORY], in_flight)
 
 
 def _indexed_groups(
@@ -196,21 +219,43 @@ def _check_pins_against_groups(
                 "one stage; drop one of the two")
 
 
-def _check_memory(
-    g: IndexedDag, memory: np.ndarray, budgets: np.ndarray, groups: tuple[tuple[str, np.ndarray], ...]
-) -> None:
-    if memory.sum() > budgets.sum() * (1 + 1e-9):
+def _check_memory(g: IndexedDag, memory: StageLimit, groups: tuple[tuple[str, np.ndarray], ...]) -> None:
+    """Raise when the budgets cannot hold everything, one node, or one together group."""
+    budgets = memory.budgets
+    need = float(memory.least().sum())
+    if need > budgets.sum() * (1 + 1e-9):
         raise InfeasibleSplitError(
-            f"memory_budgets sum to {budgets.sum():g} but the nodes need {memory.sum():g} in total")
-    largest = budgets.max()
-    heavy = int(np.argmax(memory))
-    if memory[heavy] > largest * (1 + 1e-9):
-        raise InfeasibleSplitError(
-            f"node {g.nodes[heavy]!r} needs memory {memory[heavy]:g}, more than the largest "
-            f"memory budget {largest:g}")
+            f"memory_budgets sum to {budgets.sum():g} but the nodes need {need:g} in total"
+            f"{_in_flight_note(memory)}")
+    nodes = np.flatnonzero(~_fits(memory, memory.held, memory.scaled))
+    if len(nodes):
+        v = int(nodes[0])
+        raise InfeasibleSplitError(_too_big(f"node {g.nodes[v]!r}", v, memory))
     for label, members in groups:
-        need = memory[members].sum()
-        if need > largest * (1 + 1e-9):
-            raise InfeasibleSplitError(
-                f"together group {label!r} needs memory {need:g}, more than the largest memory "
-                f"budget {largest:g}")
+        held = memory.held[members].sum(keepdims=True)
+        scaled = None if memory.scaled is None else memory.scaled[members].sum(keepdims=True)
+        if not _fits(memory, held, scaled)[0]:
+            raise InfeasibleSplitError(_too_big(f"together group {label!r}", members, memory))
+
+
+def _fits(memory: StageLimit, held: np.ndarray, scaled: np.ndarray | None) -> np.ndarray:
+    """Per entry, whether some stage's budget holds it."""
+    need = held[:, None] if scaled is None else held[:, None] + memory.scale[None, :] * scaled[:, None]
+    return np.any(need <= memory.budgets[None, :] * (1 + 1e-9), axis=1)
+
+
+def _in_flight_note(memory: StageLimit) -> str:
+    if memory.scaled is None or not memory.scaled.any():
+        return ""
+    return f" with {memory.scale.min():g} microbatch(es) in flight (memory_in_flight {memory.scale.tolist()})"
+
+
+def _too_big(what: str, members: int | np.ndarray, memory: StageLimit) -> str:
+    held = float(np.sum(memory.held[members]))
+    scaled = 0.0 if memory.scaled is None else float(np.sum(memory.scaled[members]))
+    if not scaled:
+        return (f"{what} needs memory {held:g}, more than the largest memory budget "
+                f"{memory.budgets.max():g}")
+    return (f"{what} needs memory {held:g} plus {scaled:g} per microbatch in flight, more than any "
+            f"stage holds under memory_budgets {memory.budgets.tolist()} with memory_in_flight "
+            f"{memory.scale.tolist()}")

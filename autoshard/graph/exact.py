@@ -8,8 +8,10 @@ once per boundary however many readers lie beyond it. Stage rows keep each stage
 cost and memory budgets and non-empty; together groups share their y; each pin chooses its
 boundary with binaries w[p, j].
 
-Nodes whose heaviest chain of ancestors (or descendants) cannot fit in the first (last) stages
-have those y fixed before solving, which removes most variables on large graphs. The solve is
+A node and all its ancestors must fit in the stages up to its own (and with its descendants in
+the stages from its own on), which bounds the stages each node can take; the y outside those
+windows are fixed before solving. On random layered graphs that leaves two or three stages per
+node and cuts the root gap of the relaxation by more than half. The solve is
 warm-started from ``min-cut``; on a time-out the best split found (at worst ``min-cut``'s) is
 returned and ``proven_optimal`` is False. A proven result is deterministic; what a time-out
 leaves can depend on the machine's speed. Needs ``highspy``, the ``exact`` extra.
@@ -52,6 +54,12 @@ def _silent_solver(highspy: Any) -> Any:
     return solver
 
 
+#: Up to this many nodes, stage windows use the weight of each node's whole ancestor and
+#: descendant sets (bitsets: n^2 / 8 bytes); above it, of its heaviest chains.
+CLOSURE_MAX_NODES = 20_000
+_ROWS_PER_CHUNK = 2048
+
+
 def _heaviest_chains(g: IndexedDag, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per node, the heaviest path ending at it and the heaviest path starting at it."""
     w = weights.tolist()
@@ -67,22 +75,55 @@ def _heaviest_chains(g: IndexedDag, weights: np.ndarray) -> tuple[np.ndarray, np
     return np.array(into), np.array(out)
 
 
+def _closure_sums(n: int, parents: list[list[int]], weights: np.ndarray) -> np.ndarray:
+    """Per node v (``parents`` lists each node's parents, numbered before it) and per column of
+    ``weights`` (n x L), the total weight of v and of everything that reaches it via ``parents``."""
+    words = (n + 63) // 64
+    reach = np.zeros((n, words), dtype=np.uint64)
+    for v in range(n):
+        if parents[v]:
+            np.bitwise_or.reduce(reach[parents[v]], axis=0, out=reach[v])
+        reach[v, v >> 6] |= np.uint64(1) << np.uint64(v & 63)
+    sums = np.empty(weights.shape)
+    for lo in range(0, n, _ROWS_PER_CHUNK):
+        bits = np.unpackbits(reach[lo : lo + _ROWS_PER_CHUNK].view(np.uint8), axis=1, bitorder="little")
+        sums[lo : lo + _ROWS_PER_CHUNK] = bits[:, :n] @ weights
+    return sums
+
+
+def _closures(g: IndexedDag, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per node and column of ``weights`` (n x L), the weight of the node with all its
+    ancestors, and with all its descendants: what it drags into the stages up to (from) its own.
+
+    Bitsets up to ``CLOSURE_MAX_NODES`` nodes; above, the heaviest chains, a weaker bound.
+    """
+    if g.n > CLOSURE_MAX_NODES:
+        chains = [_heaviest_chains(g, column) for column in weights.T]
+        return np.column_stack([c[0] for c in chains]), np.column_stack([c[1] for c in chains])
+    pred, succ = g.pred, g.succ
+    into = _closure_sums(g.n, [pred[v] for v in range(g.n)], weights)
+    flipped = [[g.n - 1 - u for u in succ[g.n - 1 - v]] for v in range(g.n)]
+    out = _closure_sums(g.n, flipped, weights[::-1].copy())[::-1]
+    return into, out
+
+
 def stage_ranges(problem: SplitProblem, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Earliest and latest stage each node can take under the budgets (inputs: stage 0).
 
-    A node in stage j has all its ancestors in stages <= j, so its heaviest chain of ancestors
-    must fit in the budgets of stages 0..j; likewise its descendants in stages j..k-1. The
-    ranges are widened to hold ``start``, a feasible split, against round-off.
+    A node in stage j has all its ancestors in stages <= j, so it and its ancestors must fit in
+    the budgets of stages 0..j; likewise it and its descendants in stages j..k-1 (see
+    ``_closures``). The ranges are widened to hold ``start``, a feasible split, against
+    round-off.
     """
-    g, k, rules = problem.graph, problem.k, problem.rules
+    g, k = problem.graph, problem.k
     earliest = np.zeros(g.n, dtype=np.int64)
     latest = np.full(g.n, k - 1, dtype=np.int64)
-    limits = [(g.cost, problem.budgets)]
-    if rules.memory is not None:
-        limits.append((rules.memory, rules.memory_budgets))
-    for weights, budgets in limits:
+    limits = problem.limits()
+    least = np.column_stack([limit.least() for limit in limits])
+    into_all, out_all = _closures(g, np.where(np.arange(g.n)[:, None] < g.num_inputs, 0.0, least))
+    for i, limit in enumerate(limits):
+        weights, budgets, into, out = least[:, i], limit.budgets, into_all[:, i], out_all[:, i]
         fixed = float(weights[: g.num_inputs].sum())
-        into, out = _heaviest_chains(g, np.where(np.arange(g.n) < g.num_inputs, 0.0, weights))
         round_off = slack(float(weights.sum()) + float(budgets.sum()))
         before = np.cumsum(budgets) + round_off
         after = np.cumsum(budgets[::-1])[::-1] + round_off
@@ -194,20 +235,18 @@ class _Formulation:
 
     def _stage_rows(self) -> None:
         problem = self.problem
-        g, rules = problem.graph, problem.rules
-        limits = [(g.cost, problem.budgets)]
-        if rules.memory is not None:
-            limits.append((rules.memory, rules.memory_budgets))
+        g = problem.graph
         nodes = range(g.num_inputs, g.n)
         for j in range(problem.k):
             members = [t for v in nodes for t in self._member(v, j)]
             self.model.row(members, 1.0, np.inf)  # non-empty
-            for weights, budgets in limits:  # in units of the budget, so tolerances are relative
-                unit = float(budgets[j]) or 1.0
+            for limit in problem.limits():  # in units of the budget, so tolerances are relative
+                weights = limit.weights(j)
+                unit = float(limit.budgets[j]) or 1.0
                 fixed = float(weights[: g.num_inputs].sum()) if j == 0 else 0.0
                 terms = [(c, coef * float(weights[v]) / unit) for v in nodes
                          for c, coef in self._member(v, j) if weights[v]]
-                room = float(budgets[j]) - fixed + slack(float(weights.sum()))
+                room = float(limit.budgets[j]) - fixed + limit.round_off(j)
                 self.model.row(terms, -np.inf, room / unit)
 
     def _group_rows(self) -> None:

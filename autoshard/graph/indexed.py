@@ -61,8 +61,8 @@ class IndexedDag:
     """A contract-satisfying DAG with nodes numbered 0..n-1 in program order, inputs first.
 
     ``attributes`` names extra numeric node attributes to load (e.g. ``"memory"``). A node
-    without ``cost`` counts 0: schedules need only ``bytes``, and ``check_dag`` guarantees
-    ``cost`` before any split.
+    without ``cost`` or one of ``attributes`` counts 0 there: schedules need only ``bytes``,
+    and the splitter checks the attributes it requires before it reads them.
     """
 
     def __init__(self, dag: nx.DiGraph, attributes: tuple[str, ...] = ()) -> None:
@@ -73,7 +73,7 @@ class IndexedDag:
         rows = [dag.nodes[v] for v in self.nodes]
         self.cost = np.fromiter((d.get("cost", 0.0) for d in rows), float, n)
         self.nbytes = np.fromiter((d["bytes"] for d in rows), float, n)
-        self.extra = {name: np.fromiter((d[name] for d in rows), float, n) for name in attributes}
+        self.extra = {name: np.fromiter((d.get(name, 0.0) for d in rows), float, n) for name in attributes}
         self.output = np.fromiter((bool(d.get("output", False)) for d in rows), bool, n)
         self.num_inputs = sum(1 for d in rows if d.get("input", False))
         m = dag.number_of_edges()

@@ -57,20 +57,23 @@ def _check_acyclic(dag: nx.DiGraph) -> None:
     )
 
 
-def check_weights(dag: nx.DiGraph, names: tuple[str, ...]) -> None:
+def check_weights(dag: nx.DiGraph, names: tuple[str, ...], required: bool = True) -> None:
     """Raise ``InvalidGraphError`` unless every node has each attribute in ``names``, finite and >= 0.
 
-    Checks all values at once when they are plain ints and floats; otherwise (or when that check
-    fails) node by node, to name the first offender.
+    With ``required`` false a node may lack an attribute (it then counts 0), but a value given
+    must still be a finite number >= 0. Checks all values at once when they are plain ints and
+    floats; otherwise (or when that check fails) node by node, to name the first offender.
     """
+    missing = None if required else 0.0
     for name in names:
-        values = [data.get(name) for _, data in dag.nodes(data=True)]
+        values = [data.get(name, missing) for _, data in dag.nodes(data=True)]
         if set(map(type, values)) <= _PLAIN_NUMBERS:
             array = np.array(values, dtype=float)
             if np.all(np.isfinite(array)) and np.all(array >= 0):
                 continue
         for node in dag.nodes:
-            _check_weight(dag, node, name)
+            if required or name in dag.nodes[node]:
+                _check_weight(dag, node, name)
 
 
 def check_dag(dag: Any) -> None:

@@ -17,7 +17,7 @@ from typing import Callable
 import networkx as nx
 import numpy as np
 
-from autoshard.graph.indexed import IndexedDag, Node, Order, is_input, is_output, program_order
+from autoshard.graph.indexed import Adjacency, IndexedDag, Node, Order, is_input, is_output, program_order
 
 __all__ = [
     "INDEX_ORDERS",
@@ -30,6 +30,8 @@ __all__ = [
     "live_bytes_greedy_order",
     "non_inputs",
     "program_order",
+    "pull_forward",
+    "push_back",
 ]
 
 
@@ -141,6 +143,53 @@ def live_bytes_schedule(g: IndexedDag) -> np.ndarray:
             if v in score or unmet[v] == 0:
                 rescore(v)
     return np.array(scheduled, dtype=np.int64)
+
+
+def _closure(start: int, neighbours: Adjacency, placed: np.ndarray) -> list[int]:
+    """``start`` and every node reachable from it through ``neighbours`` not yet ``placed``."""
+    found, stack = [start], [start]
+    placed[start] = True
+    while stack:
+        for u in neighbours[stack.pop()]:
+            if not placed[u]:
+                placed[u] = True
+                found.append(u)
+                stack.append(u)
+    return found
+
+
+def pull_forward(g: IndexedDag, base: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """``base`` with each of ``nodes`` run as early as it can: right after its own ancestors.
+
+    Taking ``nodes`` in ``base`` order, each comes with its ancestors not yet placed (in ``base``
+    order); the other nodes follow in ``base`` order. A costly node then has a cut just after
+    it with nothing else before it but what it needs, which ``base`` may not offer.
+    """
+    rank = np.empty(g.n, dtype=np.int64)
+    rank[base] = np.arange(g.n)
+    placed = np.zeros(g.n, dtype=bool)
+    placed[: g.num_inputs] = True
+    chunks = [np.arange(g.num_inputs)]
+    for node in sorted(nodes.tolist(), key=rank.__getitem__):
+        if not placed[node]:
+            chunks.append(np.array(sorted(_closure(node, g.pred, placed), key=rank.__getitem__), dtype=np.int64))
+    return np.concatenate([*chunks, base[~placed[base]]])
+
+
+def push_back(g: IndexedDag, base: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """``base`` with each of ``nodes`` run as late as it can: right before its own descendants.
+
+    The mirror of ``pull_forward``: a costly node then has a cut just before it with everything
+    before it that does not need it.
+    """
+    rank = np.empty(g.n, dtype=np.int64)
+    rank[base] = np.arange(g.n)
+    placed = np.zeros(g.n, dtype=bool)
+    chunks = [base[:0]]
+    for node in sorted(nodes.tolist(), key=rank.__getitem__, reverse=True):
+        if not placed[node]:
+            chunks.append(np.array(sorted(_closure(node, g.succ, placed), key=rank.__getitem__), dtype=np.int64))
+    return np.concatenate([base[~placed[base]], *reversed(chunks)])
 
 
 Schedule = Callable[[IndexedDag], np.ndarray]

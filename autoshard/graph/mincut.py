@@ -23,6 +23,7 @@ import numpy as np
 from autoshard.graph.balance import slack
 from autoshard.graph.flow import Network
 from autoshard.graph.indexed import IndexedDag
+from autoshard.graph.limits import StageLimit
 
 SOURCE, SINK = -1, -2
 #: Sweeps over the boundaries whose neighbours moved; each move strictly lowers the bytes.
@@ -32,19 +33,15 @@ _MAX_PASSES = 8
 class Budgets:
     """Per-stage limits a refined partition must keep: cost, and memory when budgeted."""
 
-    def __init__(
-        self, g: IndexedDag, cost: np.ndarray, memory: np.ndarray | None, memory_limits: np.ndarray | None
-    ) -> None:
+    def __init__(self, g: IndexedDag, limits: Sequence[StageLimit], k: int) -> None:
         self.g = g
-        self.limits = [(g.cost, cost, slack(float(g.cost.sum())))]
-        if memory is not None:
-            self.limits.append((memory, memory_limits, slack(float(memory.sum()))))
+        self.limits = [(limit, [limit.round_off(j) for j in range(k)]) for limit in limits]
 
     def within(self, stages: np.ndarray, j: int, k: int) -> bool:
         """Whether stages j and j+1 respect every limit."""
-        for weights, limit, round_off in self.limits:
-            sums = np.bincount(stages, weights=weights, minlength=k)
-            if sums[j] > limit[j] + round_off or sums[j + 1] > limit[j + 1] + round_off:
+        for limit, round_off in self.limits:
+            sums = limit.sums(stages, k)
+            if any(sums[i] > limit.budgets[i] + round_off[i] for i in (j, j + 1)):
                 return False
         return True
 
@@ -55,10 +52,11 @@ class Budgets:
         inputs, which always sit in stage 0.
         """
         count = 1
-        for weights, limit, round_off in self.limits:
+        for limit, round_off in self.limits:
+            weights = limit.weights(stage)
             along = np.cumsum(weights[region])
             extra = float(weights[: self.g.num_inputs].sum()) if fixed else 0.0
-            need = float(along[-1]) + extra - limit[stage] - round_off
+            need = float(along[-1]) + extra - limit.budgets[stage] - round_off[stage]
             count = max(count, int(np.searchsorted(along, need, side="left")) + 1)
         return count
 

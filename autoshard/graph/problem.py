@@ -13,9 +13,10 @@ import numpy as np
 
 from autoshard.errors import InfeasibleSplitError
 from autoshard.graph.balance import Line, min_bottleneck_of, min_bytes_cuts, slack
-from autoshard.graph.constraints import MEMORY, Constraints, Rules, resolve
+from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, Constraints, Rules, resolve
 from autoshard.graph.indexed import IndexedDag, Node
 from autoshard.graph.invariants import check_weights
+from autoshard.graph.limits import StageLimit
 
 
 class SplitProblem:
@@ -35,8 +36,13 @@ class SplitProblem:
         bound: float | None = None,
     ) -> None:
         self.dag, self.k, self.tolerance, self.constraints = dag, k, tolerance, constraints
-        attributes = (MEMORY,) if constraints.memory_budgets is not None else ()
-        check_weights(dag, attributes)
+        attributes: tuple[str, ...] = ()
+        if constraints.memory_budgets is not None:
+            check_weights(dag, (MEMORY,))
+            attributes = (MEMORY,)
+            if constraints.memory_in_flight is not None:
+                check_weights(dag, (ACTIVATION_MEMORY,), required=False)
+                attributes += (ACTIVATION_MEMORY,)
         self.graph = IndexedDag(dag, attributes)
         self.rules: Rules = resolve(self.graph, constraints, k)
         if bound is not None:
@@ -60,6 +66,8 @@ class SplitProblem:
             parts.append(f"together groups {sorted(c.together)!r}")
         if c.memory_budgets is not None:
             parts.append(f"memory_budgets {list(c.memory_budgets)!r}")
+        if c.memory_in_flight is not None:
+            parts.append(f"memory_in_flight {list(c.memory_in_flight)!r}")
         if c.capacities is not None or not parts:
             parts.append(f"capacities {list(c.capacities or [1.0] * self.k)!r}")
         return (f"no split into {self.k} non-empty ordered stages meets {' and '.join(parts)} "
@@ -69,6 +77,11 @@ class SplitProblem:
     def budgets(self) -> np.ndarray:
         """The cost each stage may reach: bound x capacity."""
         return self.bound * self.rules.capacities
+
+    def limits(self) -> list[StageLimit]:
+        """Every per-stage budget a split must keep: cost, and memory when budgeted."""
+        cost = StageLimit("cost", self.graph.cost, self.budgets)
+        return [cost] if self.rules.memory is None else [cost, self.rules.memory]
 
     # -- sequences -----------------------------------------------------------------------------
 
@@ -94,14 +107,10 @@ class SplitProblem:
         g, rules = self.graph, self.rules
         sequence = order[g.num_inputs :]
         groups = tuple(m for _, m in rules.groups) if groups is None else groups
-        memory = None
-        if rules.memory is not None:
-            memory = rules.memory[sequence].copy()
-            memory[0] += rules.memory[: g.num_inputs].sum()
+        memory = None if rules.memory is None else rules.memory.along(sequence, g.num_inputs)
         weights = g.cost[sequence].copy()
         weights[0] += g.cost[: g.num_inputs].sum()
-        return Line(weights, rules.capacities, rules.pins, self._forbidden(order, groups), memory,
-                    rules.memory_budgets)
+        return Line(weights, rules.capacities, rules.pins, self._forbidden(order, groups), memory)
 
     def _forbidden(self, order: np.ndarray, groups: tuple[np.ndarray, ...]) -> np.ndarray:
         g = self.graph
@@ -149,13 +158,10 @@ class SplitProblem:
             found.append("range: inputs must sit in stage 0 and stages in 0..k-1")
         elif len(np.unique(stages[g.num_inputs :])) != k:
             found.append("non-empty: some stage holds no non-input node")
-        limits = [("cost", g.cost, self.budgets)]
-        if rules.memory is not None:
-            limits.append(("memory", rules.memory, rules.memory_budgets))
-        for name, weights, budgets in limits:
-            sums = np.bincount(stages, weights=weights, minlength=k)[:k]
-            if np.any(sums > budgets + slack(float(weights.sum()) + float(budgets.sum()))):
-                found.append(f"{name}: a stage exceeds its budget")
+        for limit in self.limits():
+            round_off = slack(max(map(limit.total, range(k))) + float(limit.budgets.sum()))
+            if np.any(limit.sums(stages, k) > limit.budgets + round_off):
+                found.append(f"{limit.name}: a stage exceeds its budget")
         found += [f"together {label!r}: split over stages" for label, members in rules.groups
                   if len(np.unique(stages[members])) > 1]
         ni = g.num_inputs

@@ -20,16 +20,24 @@ import numpy as np
 
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.graph import mincut
+from autoshard.graph import moves as local_moves
 from autoshard.graph.constraints import Constraints, Groups
 from autoshard.graph.indexed import Node
 from autoshard.graph.invariants import check_dag, check_num_stages, is_number
-from autoshard.graph.linearize import INDEX_ORDERS
+from autoshard.graph.linearize import INDEX_ORDERS, pull_forward, push_back
 from autoshard.graph.partition import SplitInfo
 from autoshard.graph.problem import SplitProblem
 
 Assignment = dict[Node, int]
-#: How many of min-cut's order-DP splits are refined (the best few; more costs time for little).
-REFINED_CANDIDATES = 2
+#: How many of min-cut's order-DP splits are polished: the best few (a worse start often ends
+#: better), fewer on graphs of more than ``MANY_NODES`` nodes, where each costs seconds.
+REFINED_CANDIDATES = 4
+REFINED_CANDIDATES_MANY_NODES = 1
+MANY_NODES = 20_000
+#: Nodes costing at least this share of the smallest stage budget get orders of their own.
+HEAVY_SHARE = 0.1
+#: Rounds of min-cut refinement and single-node moves at most; each must gain to go on.
+POLISH_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,7 @@ def split_dag(
     prefer_together: Groups = (),
     capacities: Sequence[float] | float | None = None,
     memory_budgets: Sequence[float] | float | None = None,
+    memory_in_flight: Sequence[float] | float | None = None,
     return_info: bool = False,
     **options: Any,
 ) -> Assignment | SplitResult:
@@ -138,16 +147,24 @@ def split_dag(
     its capacity) a strategy may go to send fewer bytes between stages. Constraints (see
     ``autoshard.graph.constraints``): ``cut_before`` nodes start a stage, ``together`` groups
     stay in one stage, ``prefer_together`` groups do when the bound allows, ``capacities``
-    are relative stage speeds and ``memory_budgets`` limit each stage's sum of the node
-    attribute ``memory`` (for either, one number applies to every stage). ``options`` go to
-    the strategy (see ``strategies()`` and each strategy's docstring). Returns ``{node: stage}``
-    in program order, or a ``SplitResult`` when ``return_info`` is true.
+    are relative stage speeds and ``memory_budgets`` limit each stage's memory (for any of
+    these, one number applies to every stage). Stage j's memory is the sum of the node
+    attribute ``memory`` (``MEMORY``: held once, such as weights and optimizer state) plus
+    ``memory_in_flight[j]`` times the sum of ``activation_memory`` (``ACTIVATION_MEMORY``:
+    kept per microbatch; a node without it keeps none), so
+    ``sum(memory) + memory_in_flight[j] * sum(activation_memory) <= memory_budgets[j]``; under
+    1F1B stage j of k keeps k - j microbatches. ``memory_in_flight`` needs ``memory_budgets``;
+    without it only ``memory`` counts. ``options`` go to the strategy (see ``strategies()`` and
+    each strategy's docstring). Returns ``{node: stage}`` in program order, or a
+    ``SplitResult`` when ``return_info`` is true. Constraints no split can meet raise
+    ``InfeasibleSplitError`` naming them.
     """
     check_dag(dag)
     check_num_stages(dag, k)
     _check_tolerance(tolerance)
     entry = _lookup(strategy, options)
-    constraints = Constraints.build(cut_before, together, prefer_together, capacities, memory_budgets)
+    constraints = Constraints.build(cut_before, together, prefer_together, capacities, memory_budgets,
+                                    memory_in_flight)
     if constraints.hard() and not entry.honours_constraints:
         raise InvalidArgumentError(
             f"strategy {strategy!r} cannot honour {', '.join(constraints.names())}; use one of "
@@ -203,44 +220,97 @@ def min_cut(
     *,
     orders: Sequence[str] = ("live-bytes", "dfs"),
     refine: bool = True,
+    moves: bool = True,
 ) -> np.ndarray:
-    """Fewest boundary bytes within the fixed-order budget, searched over several orders.
+    """Fewest boundary bytes within the fixed-order budget: order DPs, then local improvement.
 
-    Runs the fixed-order DP over program order and over each of ``orders`` (names from
-    ``linearize.ORDERS``: "program", "live-bytes", "dfs"), all with the budget of
-    ``fixed-order``, and keeps the split sending the fewest bytes (then the lowest bottleneck,
-    then the earliest order). If ``refine``, it then moves each boundary to a minimum s-t cut
-    inside a balance-safe corridor of each of those orders whenever that sends strictly fewer
-    bytes (see ``mincut``), starting from each of the ``REFINED_CANDIDATES`` best splits (a
-    worse start often refines to a better end). Program order is always tried, so the result
-    never sends more bytes than ``fixed-order`` and never exceeds its budget.
+    1. The fixed-order DP (with the budget of ``fixed-order``) over program order, over each of
+       ``orders`` (names from ``linearize.ORDERS``) and over program and the first of ``orders``
+       with the costly nodes (each at least ``HEAVY_SHARE`` of the smallest stage budget)
+       pulled forward and pushed back (``linearize.pull_forward``, ``push_back``): in a fixed
+       order a costly node leaves a gap in the cut positions balance can use.
+    2. If ``refine``, the best few distinct DP splits are polished (a worse start often ends
+       better): each boundary moves to a minimum s-t cut inside a balance-safe corridor of
+       program order and ``orders`` whenever that sends strictly fewer bytes (``mincut``) and,
+       if ``moves``, passes of single-node moves that may cost bytes for a while (``moves``)
+       alternate with that until neither gains.
+    3. If ``moves``, iterated local search from the best (``moves.improve`` with kicks: random
+       perturbations from a seeded generator, so still deterministic).
 
-    Options: ``orders`` (extra orders to try), ``refine`` (bool, min-cut refinement).
+    Program order is always tried and no step keeps a worse split, so the result never sends
+    more bytes than ``fixed-order`` and never exceeds its budget. Options: ``orders`` (extra
+    orders to try), ``refine`` (bool, steps 2-3), ``moves`` (bool, the single-node moves).
     """
     _check_orders(orders)
-    if not isinstance(refine, bool):
-        raise InvalidArgumentTypeError(f"refine must be a bool, got {refine!r}")
+    for name, flag in (("refine", refine), ("moves", moves)):
+        if not isinstance(flag, bool):
+            raise InvalidArgumentTypeError(f"{name} must be a bool, got {flag!r}")
     g, k = problem.graph, problem.k
-    tried = [g.program()] + [problem.respect_pins(INDEX_ORDERS[name](g)) for name in orders]
-    candidates = [problem.dp_split(tried[0])]  # raises if even program order cannot meet the rules
-    for order in tried[1:]:
-        try:
-            candidates.append(problem.dp_split(order))
-        except InfeasibleSplitError:
-            continue  # this order cannot meet the program-order budget
-
-    def fewest_bytes(s: np.ndarray) -> tuple[float, float]:
-        return g.total_bytes(s, k), problem.bottleneck(s)
-
-    candidates.sort(key=fewest_bytes)  # stable: ties keep the order tried
+    corridors = [g.program()] + [problem.respect_pins(INDEX_ORDERS[name](g)) for name in orders]
+    candidates = _dp_candidates(problem, corridors + _heavy_orders(problem, corridors[:2]))
     if not refine:
         return candidates[0]
-    rules = problem.rules
-    budgets = mincut.Budgets(g, problem.budgets, rules.memory, rules.memory_budgets)
-    groups = [m for _, m in rules.groups]
-    refined = [mincut.refine(g, s, k, budgets, tried, problem.pinned_boundaries(s), groups)
-               for s in candidates[:REFINED_CANDIDATES]]
-    return min(refined, key=fewest_bytes)
+    count = REFINED_CANDIDATES if g.n <= MANY_NODES else REFINED_CANDIDATES_MANY_NODES
+    best = min((_polish(problem, s, corridors, moves) for s in candidates[:count]),
+               key=lambda s: _score(problem, s))
+    if not moves:
+        return best
+    return local_moves.improve(g, best, k, problem.limits(), problem.pinned_boundaries(best),
+                               _grouped(problem), local_moves.kicks_for(g.n))
+
+
+def _score(problem: SplitProblem, stages: np.ndarray) -> tuple[float, float]:
+    """What min-cut minimises: boundary bytes, then the bottleneck."""
+    return problem.graph.total_bytes(stages, problem.k), problem.bottleneck(stages)
+
+
+def _dp_candidates(problem: SplitProblem, orders: list[np.ndarray]) -> list[np.ndarray]:
+    """The DP split of each order that meets the budget, distinct, best first (ties: order tried).
+
+    The first order must be program order: its failure means the rules cannot be met and raises.
+    """
+    found = [problem.dp_split(orders[0])]
+    for order in orders[1:]:
+        try:
+            split = problem.dp_split(order)
+        except InfeasibleSplitError:
+            continue  # this order cannot meet the program-order budget
+        if not any(np.array_equal(split, s) for s in found):
+            found.append(split)
+    return sorted(found, key=lambda s: _score(problem, s))
+
+
+def _heavy_orders(problem: SplitProblem, bases: list[np.ndarray]) -> list[np.ndarray]:
+    """Each of ``bases`` with the costly nodes pulled forward, and with them pushed back."""
+    g = problem.graph
+    heavy = np.flatnonzero(g.cost[g.num_inputs :] >= HEAVY_SHARE * float(problem.budgets.min())) + g.num_inputs
+    if not len(heavy):
+        return []
+    return [problem.respect_pins(move(g, base, heavy)) for base in bases for move in (pull_forward, push_back)]
+
+
+def _grouped(problem: SplitProblem) -> np.ndarray | None:
+    """Every node of a together group: single-node moves leave them where they are."""
+    groups = [members for _, members in problem.rules.groups]
+    return np.unique(np.concatenate(groups)) if groups else None
+
+
+def _polish(problem: SplitProblem, stages: np.ndarray, orders: list[np.ndarray], moves: bool) -> np.ndarray:
+    """Min-cut refinement of ``stages``, alternating with single-node moves until neither gains."""
+    g, k = problem.graph, problem.k
+    limits = problem.limits()
+    budgets = mincut.Budgets(g, limits, k)
+    groups = [members for _, members in problem.rules.groups]
+    for round_ in range(POLISH_ROUNDS):
+        pinned = problem.pinned_boundaries(stages)
+        refined = mincut.refine(g, stages, k, budgets, orders, pinned, groups)
+        if not moves or (round_ and np.array_equal(refined, stages)):
+            return refined  # the moves of the last round already stopped at ``stages``
+        moved = local_moves.improve(g, refined, k, limits, pinned, _grouped(problem))
+        if not g.total_bytes(moved, k) < g.total_bytes(refined, k):
+            return refined
+        stages = moved
+    return stages
 
 
 def greedy(problem: SplitProblem) -> np.ndarray:

@@ -148,7 +148,8 @@ def constrained_problems(
     """A graph, k and random constraints: pins, together groups, capacities, memory budgets.
 
     Many draws are infeasible on purpose, so a test can check that those raise. When memory
-    budgets are drawn, every node gets a ``memory`` attribute.
+    budgets are drawn, every node gets a ``memory`` attribute, and sometimes per-stage
+    microbatches in flight with an ``activation_memory`` attribute on some nodes.
     """
     dag, k = draw(split_problems(graphs, max_stages))
     computed = [v for v in dag.nodes if not dag.nodes[v].get("input", False)]
@@ -157,9 +158,13 @@ def constrained_problems(
     group = st.lists(st.sampled_from(nodes), min_size=min(2, len(nodes)), max_size=3, unique=True)
     together = draw(st.lists(group, max_size=2))
     capacities = draw(st.none() | st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=k, max_size=k))
-    budgets = None
+    budgets = in_flight = None
     if draw(st.booleans()):
         for v in nodes:
             dag.nodes[v]["memory"] = draw(st.integers(0, 4).map(float))
         budgets = draw(st.lists(st.integers(0, 12).map(float), min_size=k, max_size=k))
-    return dag, k, Constraints.build(cut_before, together, (), capacities, budgets)
+        if draw(st.booleans()):
+            in_flight = draw(st.lists(st.integers(0, 3).map(float), min_size=k, max_size=k))
+            for v in draw(st.lists(st.sampled_from(nodes), unique=True)):
+                dag.nodes[v]["activation_memory"] = draw(st.integers(0, 3).map(float))
+    return dag, k, Constraints.build(cut_before, together, (), capacities, budgets, in_flight)

@@ -1,0 +1,316 @@
+"""Local search by single-node moves (Fiduccia-Mattheyses style) for ordered partitions.
+
+Minimum-cut refinement moves a boundary only when that lowers the bytes at once; often a
+boundary has to get slightly worse before its neighbour can improve. A pass here moves one
+node at a time to the stage (between its inputs' and its readers' stages) that saves the most
+bytes, *even when the move costs bytes*, locks it for the pass, and in the end keeps the best
+prefix of its moves that leaves every stage within budget. Passes alternate between keeping
+every budget at each move and letting stages overshoot for a while (so a costly node can move
+in before the nodes it displaces move out), and stop when one of each gains nothing. Then
+iterated local search: random kicks, each repaired by local passes and kept only if better.
+Nothing is kept that sends more bytes or breaks a budget, an order or a non-empty stage.
+
+Per value it keeps the latest stage that reads it and how many readers sit there, so a move
+costs O(degree) and a value read by thousands of nodes (a mask) costs nothing unless its last
+reader moves earlier. Deterministic: equal gains go to the shorter move, then the earlier
+stage, then the lower node index, and the kicks come from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left
+from typing import Sequence
+
+import numpy as np
+
+from autoshard.graph.balance import slack
+from autoshard.graph.indexed import IndexedDag
+from autoshard.graph.limits import StageLimit
+
+#: How far over its budget a stage may go in the middle of a pass (a fraction of the budget),
+#: so that a costly node can move in before the nodes it displaces move out; only a prefix of
+#: moves that leaves every stage within budget is kept.
+OVERSHOOT = 0.5
+#: Moves in a row that do not beat the pass's best before the pass stops.
+MAX_STALL = 200
+#: Passes at most; each must gain to be followed by another.
+MAX_PASSES = 10
+#: Kicks of iterated local search (``improve``) at most, and the graph size beyond which they
+#: thin out (each kick costs about as much on any graph, so the total stays bounded).
+KICKS = 100
+KICK_NODES = 2_000
+#: Moves in a row without a new best before a pass that repairs a kick stops, and passes at
+#: most per repair.
+KICK_STALL = 30
+KICK_PASSES = 4
+#: Nodes each kick moves at random, and the seed of the generator that picks them.
+KICK_SIZE = 8
+SEED = 0
+#: Readers of one value beyond which a move does not rescore the value's other readers (their
+#: queue entries are rechecked when popped, so this only decides which move is tried first).
+RESCORE_READERS = 64
+
+
+class _State:
+    """A partition with per-stage loads and per-value latest readers, updated move by move."""
+
+    def __init__(self, g: IndexedDag, stages: np.ndarray, k: int, limits: Sequence[StageLimit],
+                 pinned: Sequence[int]) -> None:
+        self.k, self.num_inputs = k, g.num_inputs
+        self.stage: list[int] = stages.tolist()
+        self.succ, self.pred = g.succ, g.pred
+        self.nbytes: list[float] = g.nbytes.tolist()
+        self.output: list[bool] = g.output.tolist()
+        self.pinned = sorted(pinned)
+        self.count: list[int] = np.bincount(stages[g.num_inputs :], minlength=k).tolist()
+        self.limits = []  # (weights per stage, sums per stage, room now, budget) per limit
+        self.strict, self.loose = [], []
+        for limit in limits:
+            budget = [float(limit.budgets[j]) + limit.round_off(j) for j in range(k)]
+            self.strict.append(budget)
+            self.loose.append([b + OVERSHOOT * float(limit.budgets[j]) for j, b in enumerate(budget)])
+            weights = [limit.weights(j).tolist() for j in range(k)]
+            self.limits.append((weights, limit.sums(stages, k).tolist(), list(budget), budget))
+        top = np.full(g.n, -1, dtype=np.int64)
+        np.maximum.at(top, g.src, stages[g.dst])
+        self.top: list[int] = top.tolist()
+        at_top = stages[g.dst] == top[g.src]
+        self.top_count: list[int] = np.bincount(g.src[at_top], minlength=g.n).tolist()
+        self.over = sum(self._over(j) for j in range(k))
+        self.journal: list[tuple[int, int]] = []  # (node, stage it left), to undo a kick
+
+    def undo(self, mark: int) -> None:
+        """Take back every move after the first ``mark`` of the journal."""
+        while len(self.journal) > mark:
+            v, a = self.journal.pop()
+            self.move(v, a)
+            self.journal.pop()
+
+    def _last(self, u: int, top: int) -> int:
+        """The last stage that needs value u when its latest reader sits in stage ``top``."""
+        return max(self.stage[u], top, self.k - 1 if self.output[u] else -1)
+
+    def _top_after(self, u: int, v: int, b: int) -> tuple[int, int]:
+        """(latest reader stage, readers there) of value u once its reader v sits in stage b."""
+        top, count, a = self.top[u], self.top_count[u], self.stage[v]
+        if b > top:
+            return b, 1
+        if b == top:
+            return top, count + (a != top)
+        if a < top or count > 1:
+            return top, count - (a == top)
+        stages = [b if w == v else self.stage[w] for w in self.succ[u]]
+        latest = max(stages)
+        return latest, stages.count(latest)
+
+    def gain(self, v: int, b: int) -> float:
+        """Bytes saved by moving v to stage b (negative when the move costs bytes)."""
+        a, top = self.stage[v], self.top[v]
+        k_out = self.k - 1 if self.output[v] else -1
+        saved = self.nbytes[v] * ((max(a, top, k_out) - a) - (max(b, top, k_out) - b))
+        for u in self.pred[v]:
+            saved += self.nbytes[u] * (self._last(u, self.top[u]) - self._last(u, self._top_after(u, v, b)[0]))
+        return saved
+
+    def _targets(self, v: int) -> range:
+        """Stages v may take: after its inputs', before its readers', no pinned boundary crossed."""
+        a = self.stage[v]
+        lo = max((self.stage[u] for u in self.pred[v]), default=0)
+        hi = min((self.stage[w] for w in self.succ[v]), default=self.k - 1)
+        at = bisect_left(self.pinned, a)
+        if at:
+            lo = max(lo, self.pinned[at - 1] + 1)
+        if at < len(self.pinned):
+            hi = min(hi, self.pinned[at])
+        return range(lo, hi + 1)
+
+    def targets_within(self, v: int) -> list[int]:
+        """The stages v may move to now: ordered, no pinned boundary crossed, its stage kept
+        non-empty, every budget (as far as ``overshoot`` allows) kept; none for an input."""
+        a = self.stage[v]
+        if v < self.num_inputs or self.count[a] <= 1:
+            return []  # inputs sit in stage 0; a stage keeps one node at least
+        return [b for b in self._targets(v) if b != a and all(
+            sums[b] + weights[b][v] <= room[b] for weights, sums, room, _ in self.limits)]
+
+    def best(self, v: int) -> tuple[float, int] | None:
+        """(bytes saved, target stage) of v's best move within every budget, or None."""
+        a = self.stage[v]
+        found = None
+        for b in self.targets_within(v):
+            key = (self.gain(v, b), -abs(b - a), -b)
+            if found is None or key > found:
+                found = key
+        return None if found is None else (found[0], -found[2])
+
+    def overshoot(self, allowed: bool) -> None:
+        """Let moves take stages over budget by ``OVERSHOOT`` (or not) until told otherwise."""
+        for (_, _, room, _), rooms in zip(self.limits, self.loose if allowed else self.strict):
+            room[:] = rooms
+
+    def _over(self, j: int) -> bool:
+        """Whether stage j exceeds one of its budgets (allowed in the middle of a pass)."""
+        return any(sums[j] > budget[j] for _, sums, _, budget in self.limits)
+
+    def move(self, v: int, b: int) -> None:
+        a = self.stage[v]
+        self.journal.append((v, a))
+        for u in self.pred[v]:
+            self.top[u], self.top_count[u] = self._top_after(u, v, b)
+        self.stage[v] = b
+        self.count[a] -= 1
+        self.count[b] += 1
+        self.over -= self._over(a) + self._over(b)
+        for weights, sums, _, _ in self.limits:
+            sums[a] -= weights[a][v]
+            sums[b] += weights[b][v]
+        self.over += self._over(a) + self._over(b)
+
+    def neighbours(self, v: int) -> set[int]:
+        """Nodes whose best move a move of v can change."""
+        near = set(self.pred[v]) | set(self.succ[v])
+        for u in self.pred[v]:
+            readers = self.succ[u]
+            if len(readers) <= RESCORE_READERS:
+                near.update(readers)
+        near.discard(v)
+        return near
+
+
+def _movable(g: IndexedDag, stages: np.ndarray, k: int) -> np.ndarray:
+    """Non-input nodes with room to move: an input's stage below theirs or a reader's above."""
+    lo = np.zeros(g.n, dtype=np.int64)
+    np.maximum.at(lo, g.dst, stages[g.src])
+    hi = np.full(g.n, k - 1, dtype=np.int64)
+    np.minimum.at(hi, g.src, stages[g.dst])
+    movable = (lo < stages) | (hi > stages)
+    movable[: g.num_inputs] = False
+    return np.flatnonzero(movable)
+
+
+def _one_pass(state: _State, candidates: list[int], frozen: set[int], ni: int, round_off: float,
+              stall_limit: int) -> tuple[float, list[int]]:
+    """One pass of moves from ``candidates``; keeps the best prefix that leaves every stage within
+    budget. Returns (bytes it saves, the nodes it moved); -inf saved if a start over budget
+    found no prefix within it (then nothing moved)."""
+    heap: list[tuple[float, int, int]] = []
+    locked = set(frozen)
+
+    def push(v: int) -> None:
+        found = state.best(v)
+        if found is not None:
+            heapq.heappush(heap, (-found[0], v, found[1]))
+
+    for v in candidates:
+        if v >= ni and v not in locked:
+            push(v)
+    moves: list[tuple[int, int]] = []
+    saved = 0.0
+    best_saved = -math.inf if state.over else 0.0
+    kept = stall = 0
+    while heap and stall < stall_limit:
+        neg, v, b = heapq.heappop(heap)
+        if v in locked:
+            continue
+        found = state.best(v)
+        if found is None:
+            continue
+        if found != (-neg, b):
+            heapq.heappush(heap, (-found[0], v, found[1]))
+            continue
+        moves.append((v, state.stage[v]))
+        state.move(v, b)
+        locked.add(v)
+        saved += found[0]
+        if saved > best_saved + round_off and not state.over:
+            best_saved, kept, stall = saved, len(moves), 0
+        else:
+            stall += 1
+        for w in state.neighbours(v):
+            if w >= ni and w not in locked:
+                push(w)
+    for v, a in reversed(moves[kept:]):
+        state.move(v, a)
+    return best_saved, [v for v, _ in moves[:kept]]
+
+
+def _passes(state: _State, g: IndexedDag, frozen: set[int], seeds: list[int] | None) -> None:
+    """Strict and overshooting passes in turn until one of each gains nothing.
+
+    Without ``seeds`` every pass starts from all movable nodes; with them, from the seeds, the
+    nodes moved so far and their neighbours (a local repair after a kick).
+    """
+    round_off = slack(float(g.nbytes.sum()) * state.k)
+    near = None if seeds is None else set(seeds)
+    failed = 0
+    for count in range(MAX_PASSES if seeds is None else KICK_PASSES):
+        state.overshoot(bool(count % 2))
+        if near is None:
+            candidates = _movable(g, np.array(state.stage, dtype=np.int64), state.k).tolist()
+        else:
+            candidates = sorted(near)
+        stall = MAX_STALL if seeds is None else KICK_STALL
+        gained, moved = _one_pass(state, candidates, frozen, g.num_inputs, round_off, stall)
+        if near is not None:
+            for v in moved:
+                near.add(v)
+                near.update(state.neighbours(v))
+        failed = 0 if gained > 0 else failed + 1
+        if failed == 2:
+            break
+
+
+def kicks_for(n: int) -> int:
+    """How many kicks ``improve`` makes on a graph of n nodes: ``KICKS``, fewer on graphs of fewer
+    than ``KICKS`` nodes (little to explore) or more than ``KICK_NODES`` (each kick costs more)."""
+    return max(0, min(KICKS, n, KICK_NODES * KICKS // max(n, 1)))
+
+
+def improve(
+    g: IndexedDag,
+    stages: np.ndarray,
+    k: int,
+    limits: Sequence[StageLimit],
+    pinned: frozenset[int] = frozenset(),
+    fixed: np.ndarray | None = None,
+    kicks: int = 0,
+) -> np.ndarray:
+    """``stages`` after passes of single-node moves, then ``kicks`` rounds of iterated local
+    search; never sends more bytes than ``stages``.
+
+    ``limits`` are the per-stage budgets every stage keeps; no move crosses a boundary in
+    ``pinned``; ``fixed`` nodes (together groups) stay where they are. Each kick moves
+    ``KICK_SIZE`` random movable nodes of the best split so far to random stages they may take
+    (allowing overshoot), repairs locally with passes of moves, and keeps the result if it is
+    within every budget and sends fewer bytes: that escapes the local optima where a better
+    split needs several costly moves at once. The generator is seeded: deterministic.
+    """
+    frozen = set() if fixed is None else set(fixed.tolist())
+    state = _State(g, stages, k, limits, sorted(pinned))
+    _passes(state, g, frozen, None)
+    best = np.array(state.stage, dtype=np.int64)
+    best_sent = g.total_bytes(best, k)
+    state.journal.clear()
+    rng = np.random.default_rng(SEED)
+    for _ in range(kicks):
+        movable = [v for v in _movable(g, best, k).tolist() if v not in frozen]
+        if not movable:
+            break
+        mark = len(state.journal)
+        state.overshoot(True)
+        chosen = rng.choice(movable, size=min(KICK_SIZE, len(movable)), replace=False).tolist()
+        for v in chosen:
+            targets = state.targets_within(v)
+            if targets:
+                state.move(v, targets[int(rng.integers(len(targets)))])
+        _passes(state, g, frozen, chosen)
+        found = np.array(state.stage, dtype=np.int64)
+        sent = g.total_bytes(found, k)
+        if not state.over and sent < best_sent:
+            best, best_sent = found, sent
+            state.journal.clear()
+        else:
+            state.undo(mark)
+    return best
