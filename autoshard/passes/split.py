@@ -215,6 +215,10 @@ class SplitPass(_SplitWithConstraints):
     name: ClassVar[str] = "split"
 
     strategy: str = option("min-cut", help="splitting strategy of autoshard.graph.split_dag")
+    moves: bool = option(True, help="min-cut: local moves after the refinement (false: faster, more bytes)")
+
+    def strategy_options(self) -> dict[str, Any]:
+        return {"moves": self.moves} if self.strategy == "min-cut" else {}
 
 
 @dataclass(frozen=True)
