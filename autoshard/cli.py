@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -390,9 +391,20 @@ def _report_error(exc: BaseException) -> int:
     return 2 if known else 1
 
 
+#: Width of tables written to a file or a pipe: rich's default there (80) wraps every column.
+PIPED_WIDTH = 160
+
+
+def _table_width() -> int | None:
+    """The terminal's own width (rich measures it), else ``COLUMNS`` if set, else ``PIPED_WIDTH``."""
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return None
+    return PIPED_WIDTH
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=_table_width())
     try:
         with progress.silenced(getattr(args, "quiet", False)):
             return args.handler(args, console)

@@ -200,3 +200,14 @@ def test_errors_exit_nonzero_with_one_message_a_hint_and_no_traceback(factories,
     assert message in flat, out.stderr
     assert out.stderr.startswith("error: ") and "\nhint: " in out.stderr and hint in flat
     assert "Traceback" not in out.stderr and "While executing" not in out.stderr and out.stdout == ""
+
+
+def test_tables_written_to_a_pipe_are_wide_enough_to_read():
+    """Without a terminal or COLUMNS, rich would wrap every column at 80 characters."""
+    env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-m", "autoshard.cli", "split", "residual-mlp", "-k", "3"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    header = next(line for line in out.stdout.splitlines() if line.startswith("┃"))
+    assert all(column in header for column in ("modules", "params", "time (est.)", "train mem", "sends"))
+    assert [modules(row[1]) for row in stage_rows(out.stdout)] == ["linears.0-2", "linears.3-4", "linears.5-7"]
