@@ -89,3 +89,19 @@ def test_a_tied_lm_fits_exactly_the_least_budget_any_cut_fits(k):
     assert torch.equal(sharded(idx), model(idx))
     with pytest.raises(InfeasibleSplitError, match="bytes short"):
         autoshard.shard_model(model, k, example_inputs=(idx,), max_memory=least - 1)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_cost_memory_balances_training_memory_with_every_microbatch_in_flight(k):
+    """Stage j keeps k - j microbatches of activations: balancing one per stage would overload
+    stage 0. The plan's costliest stage, counted that way, is the least any cut reaches."""
+    model, x = activation_heavy_chain()
+    sharded = autoshard.shard_model(model, k, example_inputs=(x,), cost="memory")
+    plan = sharded.plan
+    optimum = min(peak_memory(plan.dag, a, k) for a in cut_assignments(plan.dag, k))
+    assert peak_memory(plan.dag, plan.assignment, k) == pytest.approx(optimum)
+    assert plan.split_info.bottleneck == pytest.approx(optimum)
+    one_per_stage = min(cut_assignments(plan.dag, k),
+                        key=lambda a: max(summed_per_stage(node_memory(plan.dag), a, k)))
+    assert peak_memory(plan.dag, one_per_stage, k) > optimum, "the example must tell the two apart"
+    assert torch.equal(sharded(x), model(x))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import AbstractSet, Any, Callable, Mapping
 
+from autoshard.costs.memory import stage_memory
 from autoshard.costs.models import DAG_COST_MODELS, WEIGHT_CHARGED, DagCostModel, summed_per_stage
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
 from autoshard.passes.base import PassContext, ShardProgram
@@ -146,7 +147,13 @@ def node_costs(
 def held_stage_costs(
     program: ShardProgram, ctx: PassContext, cost: str, assignment: Mapping[str, int], num_stages: int,
 ) -> list[float]:
-    """Per-stage totals of ``cost`` for ``assignment``, a shared weight counted once per stage holding it."""
+    """Per-stage totals of ``cost`` for ``assignment``, a shared weight counted once per stage holding it.
+
+    Training memory (``memory``) is counted as a stage holds it: activations once per microbatch
+    in flight there, which no sum of node costs can say.
+    """
+    if cost == "memory" and charges_weights(ctx, cost):
+        return [stage.total for stage in stage_memory(program.dag, assignment, num_stages)]
     if charges_weights(ctx, cost):
         return summed_per_stage(WEIGHT_CHARGED[cost](program.dag, assignment=assignment), assignment, num_stages)
     return summed_per_stage(node_costs(program, ctx, cost), assignment, num_stages)

@@ -18,13 +18,17 @@ Two things the splitter's additive node costs cannot say directly are settled he
 * Training memory. With ``max-memory`` and ``memory-cost=memory`` (the default) each stage must
   fit the model of ``autoshard.costs.memory`` exactly: weight state once, plus activations times
   the microbatches in flight at that stage under 1F1B. A budget no split fits is reported with
-  the stage that is short and by how much, measured on the best-balanced plan.
+  the stage that is short and by how much, measured on the best-balanced plan. ``cost=memory``
+  balances that same per-stage memory: the splitter sees one microbatch per node, so the pass
+  bisects on a memory bound held as per-stage budgets (``min-cut`` and ``fixed-order``; other
+  strategies balance the one-microbatch node costs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
@@ -52,6 +56,11 @@ def weighted_in_order(
         weighted.add_node(node, **{**dag.nodes[node], "cost": costs[node], **values})
     weighted.add_edges_from(dag.edges(data=True))
     return weighted
+
+
+#: Strategies whose ``cost=memory`` split searches the training-memory bound, and how many halvings.
+MEMORY_SEARCH_STRATEGIES = ("min-cut", "fixed-order")
+MEMORY_SEARCH_STEPS = 12
 
 
 def _each_stage(values: tuple[float, ...], k: int) -> tuple[float, ...]:
@@ -103,6 +112,46 @@ class _SplitWithConstraints(Pass):
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         if self.stages is None:
             raise InvalidArgumentError(f"'{self.name}' needs a stage count: write {self.name}{{stages=K}}")
+        split = self._split(program, ctx)
+        if not self._balances_training_memory(ctx):
+            return split
+        return self._memory_balanced(program, ctx, split.partition.info.bottleneck)
+
+    def _balances_training_memory(self, ctx: PassContext) -> bool:
+        """Whether ``cost=memory`` is the training-memory model, whose activations count once per
+        microbatch in flight: not an additive node cost, so it is balanced by a budget search.
+        Only for the strategies cheap enough to probe (``split`` with min-cut, ``split-fixed-order``)."""
+        return (self.cost == "memory" and self._exact_memory(ctx)
+                and getattr(self, "strategy", None) in MEMORY_SEARCH_STRATEGIES)
+
+    def _memory_balanced(self, program: ShardProgram, ctx: PassContext, found: float) -> ShardProgram:
+        """The split whose costliest stage, in training memory with every microbatch in flight, is
+        within the tolerance of the least any probe reaches: bisect on a memory bound applied as
+        per-stage budgets (scaled by capacity, capped by ``max-memory``), then split within it."""
+        k = self.stages
+        speeds = _each_stage(self.capacities or (1.0,), k)
+        caps = _each_stage(self.max_memory, k) if self.max_memory else (math.inf,) * k
+
+        def within(bound: float) -> _SplitWithConstraints:
+            return dataclasses.replace(self, max_memory=tuple(min(bound * s, c) for s, c in zip(speeds, caps)))
+
+        def fits(bound: float) -> bool:
+            probe = within(bound)
+            if isinstance(probe, SplitPass):
+                probe = dataclasses.replace(probe, moves=False)
+            try:
+                return probe._split(program, ctx).partition.info.bottleneck <= bound * (1 + 1e-9)
+            except InfeasibleSplitError:
+                return False
+
+        low, high = 0.0, found
+        for _ in range(MEMORY_SEARCH_STEPS):
+            middle = (low + high) / 2
+            low, high = (low, middle) if fits(middle) else (middle, high)
+        return within(high * (1 + self.tolerance))._split(program, ctx)
+
+    def _split(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
+        """Split once under the pass's options (ties searched, ``max-memory`` held)."""
         groups = ctx.analysis(("tie-groups", program.dag), lambda: tie_groups(program.dag))
         first_try = TiePlacement(preferred=groups if self.keep_tied else ())
         try:
