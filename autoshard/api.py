@@ -10,9 +10,16 @@ import torch
 from torch import nn
 
 from autoshard.costs.execution import holds_meta_tensors
-from autoshard.costs.memory import check_memory_budgets, stage_memory
+from autoshard.costs.memory import MemoryModel, check_memory_budgets, stage_memory
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
-from autoshard.passes.analyses import CostModel, CostNode, callable_cost_model, run_local_name, use_cost_model
+from autoshard.passes.analyses import (
+    CostModel,
+    CostNode,
+    callable_cost_model,
+    run_local_name,
+    use_cost_model,
+    use_memory_model,
+)
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.capture import CapturePass
 from autoshard.passes.dag import BuildDagPass
@@ -170,6 +177,7 @@ def run_pipeline(
     inputs: ExampleInputs | None,
     instruments: Iterable[Instrument] = (),
     cost_models: Mapping[str, CostModel] | None = None,
+    memory_model: MemoryModel | None = None,
 ) -> PipelineResult:
     """Run ``pipeline`` on ``model``; the result's program holds every artifact.
 
@@ -179,6 +187,8 @@ def run_pipeline(
     ctx = PassContext(instruments=list(instruments))
     for name, cost_model in (cost_models or {}).items():
         use_cost_model(ctx, name, cost_model)
+    if memory_model is not None:
+        use_memory_model(ctx, memory_model)
     return pipeline.run(ShardProgram(model=model, example_inputs=inputs), ctx)
 
 
@@ -205,6 +215,7 @@ def shard_model(
     capacities: Sequence[float] | None = None,
     max_memory: Sequence[float] | float | None = None,
     time_profile: str | os.PathLike[str] | None = None,
+    memory_model: MemoryModel | None = None,
 ) -> ShardedModel:
     """Split ``model`` into exactly ``num_stages`` ordered stages.
 
@@ -223,7 +234,10 @@ def shard_model(
     the final plan is checked again; a budget no plan fits raises ``InfeasibleSplitError``
     naming the stage that is short and by how much.
     ``time_profile`` is a JSON file of measured node times, loaded when it exists and written
-    otherwise.
+    otherwise. ``memory_model``
+    (``autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...)``) is the optimizer
+    and schedule that ``cost="memory"`` and ``max_memory`` plan for (default: Adam, 8 bytes per
+    parameter, every microbatch in flight); pass the same to ``plan_report(memory=...)``.
     """
     check_model(model)
     num_stages = check_stage_count(num_stages)
@@ -240,14 +254,19 @@ def shard_model(
             raise InvalidArgumentError("time_profile= applies to the default pipeline; with a pipeline, "
                                        "write profile{path=...} in it")
         chosen = bind_pipeline(pipeline, num_stages, cost_name, capacities=capacities, max_memory=max_memory)
-    program = run_pipeline(model, chosen, inputs, instruments, cost_models).program
+    if memory_model is not None and not isinstance(memory_model, MemoryModel):
+        raise InvalidArgumentTypeError(
+            f"memory_model must be an autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...), "
+            f"got {type(memory_model).__name__}")
+    program = run_pipeline(model, chosen, inputs, instruments, cost_models, memory_model).program
     if program.sharded is None:
         raise PipelineValidationError(
             f"the pipeline '{chosen}' produced no stages; end it with 'emit' (and 'verify')")
     budgets = stage_limits(num_stages, max_memory=max_memory).get("max_memory")
     if budgets is not None and _limits_training_memory(chosen):
         plan = program.sharded.plan
-        check_memory_budgets(stage_memory(plan.dag, plan.assignment, num_stages), budgets)
+        check_memory_budgets(stage_memory(plan.dag, plan.assignment, num_stages, memory_model or MemoryModel()),
+                             budgets)
     return program.sharded
 
 

@@ -105,3 +105,21 @@ def test_cost_memory_balances_training_memory_with_every_microbatch_in_flight(k)
                         key=lambda a: max(summed_per_stage(node_memory(plan.dag), a, k)))
     assert peak_memory(plan.dag, one_per_stage, k) > optimum, "the example must tell the two apart"
     assert torch.equal(sharded(x), model(x))
+
+
+def test_the_memory_model_sets_the_optimizer_the_plan_is_made_for():
+    """SGD keeps no optimizer state: a budget only SGD fits is met with its model and refused
+    (naming the shortfall) with the default Adam model; cost=memory balances under the model given."""
+    model, x = activation_heavy_chain()
+    sgd = autoshard.MemoryModel(optimizer_bytes_per_param=0)
+    dag = autoshard.shard_model(model, 2, example_inputs=(x,)).plan.dag
+    least_sgd = min(max(s.total for s in stage_memory(dag, a, 2, sgd)) for a in cut_assignments(dag, 2))
+    assert least_sgd < min(peak_memory(dag, a, 2) for a in cut_assignments(dag, 2))
+    fitted = autoshard.shard_model(model, 2, example_inputs=(x,), max_memory=least_sgd, memory_model=sgd)
+    assert max(s.total for s in stage_memory(fitted.plan.dag, fitted.plan.assignment, 2, sgd)) <= least_sgd
+    with pytest.raises(InfeasibleSplitError, match="bytes short"):
+        autoshard.shard_model(model, 2, example_inputs=(x,), max_memory=least_sgd)
+    balanced = autoshard.shard_model(model, 2, example_inputs=(x,), cost="memory", memory_model=sgd)
+    assert balanced.plan.split_info.bottleneck == pytest.approx(least_sgd)
+    with pytest.raises(TypeError, match="memory_model must be an autoshard.MemoryModel"):
+        autoshard.shard_model(model, 2, example_inputs=(x,), memory_model={"optimizer_bytes_per_param": 0})

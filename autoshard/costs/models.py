@@ -84,10 +84,11 @@ def activation_costs(dag: nx.DiGraph) -> dict[str, float]:
 
 def memory_costs(
     dag: nx.DiGraph, apart: AbstractSet[str] = frozenset(), assignment: Mapping[str, int] | None = None,
+    model: MemoryModel = MemoryModel(),
 ) -> dict[str, float]:
     """Training state of the weights charged to each node plus its activations for one microbatch."""
     require_measured(dag, _READS["memory"], "memory")
-    return node_memory(dag, apart=apart, assignment=assignment)
+    return node_memory(dag, model, apart=apart, assignment=assignment)
 
 
 def memory_parts(

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import AbstractSet, Any, Callable, Mapping
 
-from autoshard.costs.memory import stage_memory
-from autoshard.costs.models import DAG_COST_MODELS, WEIGHT_CHARGED, DagCostModel, summed_per_stage
+from autoshard.costs.memory import MemoryModel, stage_memory
+from autoshard.costs.models import DAG_COST_MODELS, WEIGHT_CHARGED, DagCostModel, memory_costs, summed_per_stage
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
 from autoshard.passes.base import PassContext, ShardProgram
 
@@ -105,6 +105,20 @@ def run_local_name(fn: Callable[..., Any]) -> str:
     return "custom-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", getattr(fn, "__name__", "")).strip("-") or "cost")
 
 
+_MEMORY_MODEL = "memory-model"
+
+
+def use_memory_model(ctx: PassContext, model: MemoryModel) -> None:
+    """Plan the runs that use ``ctx`` for this optimizer and microbatch cap (``cost=memory``,
+    ``max-memory``); the default is Adam (8 bytes per parameter) with every microbatch in flight."""
+    ctx.analyses[_MEMORY_MODEL] = model
+
+
+def memory_model(ctx: PassContext) -> MemoryModel:
+    """The training-memory model of this run."""
+    return ctx.analyses.get(_MEMORY_MODEL, MemoryModel())
+
+
 def use_cost_model(ctx: PassContext, name: str, model: CostModel) -> None:
     """Make ``model`` available as ``cost=name`` for the runs that use ``ctx`` only."""
     ctx.analyses[(_RUN_LOCAL, name)] = model
@@ -138,6 +152,9 @@ def node_costs(
     model = _lookup(ctx, cost)
     if program.dag is None:
         raise PipelineValidationError("cost models need a DAG: run build-dag first")
+    if cost == "memory" and charges_weights(ctx, cost):
+        return ctx.analysis(("cost", cost, program.dag, frozenset(apart)),
+                            lambda: memory_costs(program.dag, frozenset(apart), model=memory_model(ctx)))
     if not apart or not charges_weights(ctx, cost):
         return ctx.analysis(("cost", cost, program.dag), lambda: model(program))
     apart = frozenset(apart)
@@ -153,7 +170,7 @@ def held_stage_costs(
     in flight there, which no sum of node costs can say.
     """
     if cost == "memory" and charges_weights(ctx, cost):
-        return [stage.total for stage in stage_memory(program.dag, assignment, num_stages)]
+        return [stage.total for stage in stage_memory(program.dag, assignment, num_stages, memory_model(ctx))]
     if charges_weights(ctx, cost):
         return summed_per_stage(WEIGHT_CHARGED[cost](program.dag, assignment=assignment), assignment, num_stages)
     return summed_per_stage(node_costs(program, ctx, cost), assignment, num_stages)

@@ -34,14 +34,14 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import networkx as nx
 
-from autoshard.costs.memory import MemoryModel, memory_shortfall, stage_memory
+from autoshard.costs.memory import memory_shortfall, stage_memory
 from autoshard.costs.models import memory_parts
 from autoshard.costs.ties import TieGroup, TiePlacement, charged_apart, tie_groups, tie_placements
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.graph import Partition, split_dag
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY
 from autoshard.graph.scopes import cut_before_nodes, no_split_groups
-from autoshard.passes.analyses import charges_weights, held_stage_costs, node_costs
+from autoshard.passes.analyses import charges_weights, held_stage_costs, memory_model, node_costs
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
 
@@ -199,14 +199,15 @@ class _SplitWithConstraints(Pass):
         budgets: dict[str, Any] = {"memory_budgets": self.max_memory}
         if not self._exact_memory(ctx):
             return {MEMORY: node_costs(program, ctx, self.memory_cost, apart)}, budgets
-        held, kept = ctx.analysis(("memory-parts", program.dag, apart), lambda: memory_parts(program.dag, apart))
-        budgets["memory_in_flight"] = MemoryModel().all_in_flight(self.stages)
+        model = memory_model(ctx)
+        held, kept = ctx.analysis(("memory-parts", program.dag, apart), lambda: memory_parts(program.dag, apart, model))
+        budgets["memory_in_flight"] = model.all_in_flight(self.stages)
         return {MEMORY: held, ACTIVATION_MEMORY: kept}, budgets
 
     def _held_memory(self, program: ShardProgram, ctx: PassContext, assignment: Mapping[str, int]) -> list[float]:
         """Each stage's memory under ``memory-cost``, every weight once per stage holding it."""
         if self._exact_memory(ctx):
-            return [s.total for s in stage_memory(program.dag, assignment, self.stages)]
+            return [s.total for s in stage_memory(program.dag, assignment, self.stages, memory_model(ctx))]
         return held_stage_costs(program, ctx, self.memory_cost, assignment, self.stages)
 
     def _attempt(
@@ -244,7 +245,7 @@ class _SplitWithConstraints(Pass):
         """Which stage of ``attempt`` is over its budget, and by how much."""
         budgets = _each_stage(self.max_memory, self.stages)
         if self._exact_memory(ctx):
-            stages = stage_memory(program.dag, attempt.partition.assignment, self.stages)
+            stages = stage_memory(program.dag, attempt.partition.assignment, self.stages, memory_model(ctx))
             return memory_shortfall(stages, budgets) or ""
         j = next(j for j, (need, budget) in enumerate(zip(attempt.memory, budgets)) if need > budget)
         return (f"stage {j} needs {attempt.memory[j]:,.0f} under memory-cost {self.memory_cost!r} but max-memory[{j}] "
