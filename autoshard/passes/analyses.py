@@ -17,6 +17,7 @@ each weight counted exactly once per stage holding it.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -152,13 +153,17 @@ def node_costs(
     model = _lookup(ctx, cost)
     if program.dag is None:
         raise PipelineValidationError("cost models need a DAG: run build-dag first")
-    if cost == "memory" and charges_weights(ctx, cost):
-        return ctx.analysis(("cost", cost, program.dag, frozenset(apart)),
-                            lambda: memory_costs(program.dag, frozenset(apart), model=memory_model(ctx)))
-    if not apart or not charges_weights(ctx, cost):
+    if not charges_weights(ctx, cost):
         return ctx.analysis(("cost", cost, program.dag), lambda: model(program))
     apart = frozenset(apart)
-    return ctx.analysis(("cost", cost, program.dag, apart), lambda: WEIGHT_CHARGED[cost](program.dag, apart))
+    return ctx.analysis(("cost", cost, program.dag, apart), lambda: _weight_charged(ctx, cost)(program.dag, apart))
+
+
+def _weight_charged(ctx: PassContext, cost: str) -> Callable[..., dict[str, float]]:
+    """The built-in model of ``cost`` that takes ``apart``; ``memory`` under this run's MemoryModel."""
+    if cost == "memory":
+        return functools.partial(memory_costs, model=memory_model(ctx))
+    return WEIGHT_CHARGED[cost]
 
 
 def held_stage_costs(
