@@ -65,7 +65,8 @@ def test_each_move_gains_exactly_the_bytes_it_saves(problem, data):
         gain = state.gain(v, b)
         state.move(v, b)
         after = np.array(state.stage)
-        assert gain == pytest.approx(before - g.total_bytes(after, k))
+        # The recount subtracts two sums of the whole split: its round-off scales with their size.
+        assert gain == pytest.approx(before - g.total_bytes(after, k), abs=1e-12 * max(1.0, before))
         fresh = moves._State(g, after, k, split.limits(), [])
         assert (state.top, state.top_count, state.count) == (fresh.top, fresh.top_count, fresh.count)
 
