@@ -136,9 +136,10 @@ def test_value_columns_describe_each_kind_of_value(value, columns):
 
 def recorded(plan: SavedPlan, **info) -> SavedPlan:
     """``plan`` as if the splitter had made it, saying ``info`` about its split."""
-    split = SplitInfo(**{"strategy": "exact", "bound": 20.0, "bottleneck": 20.0, "boundary_bytes": 512.0, **info})
+    split = SplitInfo(**{"strategy": "exact", "bound": 20.0, "bottleneck": 20.0, "boundary_bytes": 512.0,
+                         "tolerance": 0.05, **info})
     digest = assignment_digest((n.name, n.stage) for n in plan.nodes)
-    return replace(plan, split=SplitRecord(split, 0.05, digest))
+    return replace(plan, split=SplitRecord(split, digest))
 
 
 def test_how_the_split_was_made_is_told_plainly():

@@ -39,6 +39,7 @@ from autoshard.graph.balance import live_bytes_at_cuts, min_bytes_partition
 from autoshard.graph.linearize import INDEX_ORDERS, dfs_order, live_bytes_greedy_order, program_order
 from autoshard.graph.mincut import Budgets, refine
 from autoshard.graph.problem import SplitProblem
+from autoshard.testing.graphs import layered_graph
 
 BUILTIN = ("min-cut", "fixed-order", "greedy", "uniform", "exact")
 REPO = Path(__file__).resolve().parent.parent
@@ -436,7 +437,6 @@ def test_both_max_flow_solvers_give_the_same_refined_split(monkeypatch):
     # The cut kept is the one with the smallest sink side, the same for every maximum flow, so
     # scipy's solver and the networkx fallback must agree exactly.
     from autoshard.graph import flow
-    from autoshard.testing.graphs import layered_graph
 
     dags = [layered_graph(300, seed=s) for s in range(3)] + [interleaved()]
     fast = [split_dag(dag, k, tolerance=0.25, moves=False) for dag in dags for k in (2, 4)]
@@ -448,3 +448,11 @@ def test_both_max_flow_solvers_give_the_same_refined_split(monkeypatch):
     fallback = [split_dag(dag, k, tolerance=0.25, moves=False) for dag in dags for k in (2, 4)]
     assert fast == fallback
     assert split_dag(dags[-1], 2) == {"x": 0, "a1": 0, "b1": 1, "a2": 0, "b2": 1}
+
+
+def test_the_record_says_which_tolerance_the_split_was_asked_for():
+    dag = layered_graph(30, seed=5)
+    assert split_dag(dag, 3, "min-cut", 0.1, return_info=True).info.tolerance == 0.1
+    assert split_dag(dag, 3, "fixed-order", 0, return_info=True).info.tolerance == 0.0
+    greedy = split_dag(dag, 3, "greedy", 0.1, return_info=True).info
+    assert greedy.tolerance is None and greedy.bound is None, "greedy ignores the tolerance: it keeps no bound"

@@ -28,6 +28,7 @@ class SplitInfo:
     max_j cost_j / capacity_j; ``boundary_bytes`` counts each value once per boundary it
     crosses. ``proven_optimal`` is set by ``exact`` (None for heuristics). ``separated`` lists
     the ``prefer_together`` groups (e.g. tied weights) that ended up in several stages.
+    ``tolerance`` is the one the split was asked for (None for strategies without a bound).
     """
 
     strategy: str
@@ -36,6 +37,7 @@ class SplitInfo:
     boundary_bytes: float
     proven_optimal: bool | None = None
     separated: tuple[str, ...] = ()
+    tolerance: float | None = None
 
 
 @dataclass(frozen=True)

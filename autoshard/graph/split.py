@@ -182,13 +182,15 @@ def split_dag(
     if not return_info:
         return assignment
     stages = np.asarray(stages, dtype=np.int64)
+    bounded = entry.honours_constraints
     info = SplitInfo(
         strategy=strategy,
-        bound=problem.bound if entry.honours_constraints else None,
+        bound=problem.bound if bounded else None,
         bottleneck=problem.bottleneck(stages),
         boundary_bytes=problem.graph.total_bytes(stages, k),
         proven_optimal=outcome.proven_optimal,
         separated=problem.separated(stages),
+        tolerance=float(tolerance) if bounded else None,
     )
     return SplitResult(assignment, info)
 

@@ -134,9 +134,9 @@ class _Reader:
             boundary_bytes=float(self.get(obj, "boundary_bytes", number, where)),
             proven_optimal=proven,
             separated=self.names(self.get(obj, "separated", list, where, []), f"{where}.separated"),
+            tolerance=optional_float(self.get(obj, "tolerance", number, where, None)),
         )
-        return SplitRecord(info, optional_float(self.get(obj, "tolerance", number, where, None)),
-                           self.get(obj, "assignment_digest", str, where))
+        return SplitRecord(info, self.get(obj, "assignment_digest", str, where))
 
     def edge(self, obj: Any, i: int) -> tuple[str, str]:
         if not (isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, str) for x in obj)):

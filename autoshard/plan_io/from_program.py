@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from autoshard.costs.estimate import DeviceModel, node_times
-from autoshard.errors import AutoshardError, InvalidArgumentError, SpecError
+from autoshard.errors import AutoshardError, InvalidArgumentError
 from autoshard.graph import Partition
 from autoshard.plan_io.model import PlanNode, SavedPlan, SplitRecord, assignment_digest, optional_float
 
@@ -78,26 +78,12 @@ def report_costs(
     return ReportedCosts(costs, estimate, tuple(notes))
 
 
-def _split_tolerance(pipeline: str) -> float | None:
-    """The tolerance the pipeline's split was given, when its split pass has that option."""
-    from autoshard.passes.pipeline import Pipeline
-
-    try:
-        steps = Pipeline.parse(pipeline)
-    except SpecError:  # a pipeline of passes registered elsewhere: the tolerance is unknown here
-        return None
-    for step in steps:
-        if "partition" in step.provides:
-            return getattr(step, "tolerance", None)
-    return None
-
-
-def split_record(partition: Partition, pipeline: str) -> SplitRecord | None:
+def split_record(partition: Partition) -> SplitRecord | None:
     """What the splitter said about ``partition`` (None when it came from elsewhere, e.g. a plan file)."""
     if partition.info is None:
         return None
     digest = assignment_digest((str(name), stage) for name, stage in partition.assignment.items())
-    return SplitRecord(partition.info, _split_tolerance(pipeline), digest)
+    return SplitRecord(partition.info, digest)
 
 
 def plan_from_program(
@@ -134,5 +120,5 @@ def plan_from_program(
         model=type(program.model).__qualname__, versions=versions(), nodes=tuple(nodes),
         edges=tuple((str(u), str(v)) for u, v in dag.edges), wrapped=tuple(wrapped),
         weights=dict(dag.graph.get("weights", {})), time_estimate=time_estimate,
-        split=split or split_record(partition, pipeline),
+        split=split or split_record(partition),
     )

@@ -61,16 +61,20 @@ def optional_float(value: Any) -> float | None:
 
 @dataclass(frozen=True)
 class SplitRecord:
-    """How the splitter made a plan's split: its ``SplitInfo``, the tolerance it was asked for, and
-    the digest of the assignment it returned, so that later hand edits are noticed."""
+    """How the splitter made a plan's split: its ``SplitInfo`` and the digest of the assignment it
+    returned, so that later hand edits are noticed."""
 
     info: SplitInfo
-    tolerance: float | None
     assignment_digest: str
+
+    @property
+    def tolerance(self) -> float | None:
+        """The tolerance the split was asked for (None for strategies without a bound)."""
+        return self.info.tolerance
 
     def to_dict(self) -> dict[str, Any]:
         info = self.info
-        return {"strategy": info.strategy, "tolerance": self.tolerance,
+        return {"strategy": info.strategy, "tolerance": info.tolerance,
                 "bound": None if info.bound is None else _number(info.bound), "bottleneck": _number(info.bottleneck),
                 "boundary_bytes": _number(info.boundary_bytes), "proven_optimal": info.proven_optimal,
                 "separated": list(info.separated), "assignment_digest": self.assignment_digest}
