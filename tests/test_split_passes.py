@@ -176,20 +176,25 @@ def test_baseline_passes_refuse_hard_constraints():
         run(model, inputs, "split-greedy{stages=2 no-split=linears.1}")
 
 
-@pytest.mark.parametrize("spec, moves", [("split{stages=3}", True), ("split{stages=3 moves=false}", False)])
-def test_min_cut_local_moves_can_be_turned_off_from_a_spec(monkeypatch, spec, moves):
-    """``moves=false`` is the fast mode: the option must reach the splitter, and the split stays valid."""
+@pytest.mark.parametrize("spec, moves, coarsen", [
+    ("split{stages=3}", True, True),
+    ("split{stages=3 moves=false}", False, True),
+    ("split{stages=3 coarsen=false}", True, False),
+])
+def test_min_cut_fast_modes_can_be_chosen_from_a_spec(monkeypatch, spec, moves, coarsen):
+    """``moves=false`` and ``coarsen=false`` are the fast modes: the options must reach the splitter,
+    and the split stays valid."""
     import autoshard.passes.split as split_module
 
     seen = []
     real = split_module.split_dag
 
     def recording(*args, **kwargs):
-        seen.append(kwargs.get("moves"))
+        seen.append((kwargs.get("moves"), kwargs.get("coarsen")))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(split_module, "split_dag", recording)
     model, inputs = mlp()
     program = run(model, inputs, spec)
-    assert seen and set(seen) == {moves}
+    assert seen and set(seen) == {(moves, coarsen)}
     assert len(program.sharded.stages) == 3 and torch.equal(program.sharded(*inputs), model(*inputs))

@@ -19,6 +19,7 @@ import networkx as nx
 import numpy as np
 
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.graph import coarsen as coarse_graphs
 from autoshard.graph import mincut
 from autoshard.graph import moves as local_moves
 from autoshard.graph.constraints import Constraints, Groups
@@ -38,6 +39,13 @@ MANY_NODES = 20_000
 HEAVY_SHARE = 0.1
 #: Rounds of min-cut refinement and single-node moves at most; each must gain to go on.
 POLISH_ROUNDS = 5
+#: Coarse graphs min-cut also splits: values with one reader merged into it from these quantiles
+#: of such values' sizes up (two graphs, one with more merged), each cluster costing at most
+#: ``COARSE_CLUSTER_SHARE`` of the smallest stage budget; only up to ``COARSE_MAX_NODES`` nodes,
+#: as it takes 2-4 times the time of the rest.
+COARSE_QUANTILES = (1 / 3, 2 / 3)
+COARSE_CLUSTER_SHARE = 0.1
+COARSE_MAX_NODES = 5_000
 
 
 @dataclass(frozen=True)
@@ -223,6 +231,7 @@ def min_cut(
     orders: Sequence[str] = ("live-bytes", "dfs"),
     refine: bool = True,
     moves: bool = True,
+    coarsen: bool = True,
 ) -> np.ndarray:
     """Fewest boundary bytes within the fixed-order budget: order DPs, then local improvement.
 
@@ -238,13 +247,18 @@ def min_cut(
        alternate with that until neither gains.
     3. If ``moves``, iterated local search from the best (``moves.improve`` with kicks: random
        perturbations from a seeded generator, so still deterministic).
+    4. If ``coarsen`` too (and the problem has no pins, together groups or memory budgets, and
+       at most ``COARSE_MAX_NODES`` nodes), steps 1-3 again on coarse graphs whose single-reader
+       values are merged into their readers (``coarsen``), each split projected back and
+       polished on the full graph; the best split of all is kept.
 
     Program order is always tried and no step keeps a worse split, so the result never sends
     more bytes than ``fixed-order`` and never exceeds its budget. Options: ``orders`` (extra
-    orders to try), ``refine`` (bool, steps 2-3), ``moves`` (bool, the single-node moves).
+    orders to try), ``refine`` (bool, steps 2-4), ``moves`` (bool, the single-node moves and
+    steps 3-4), ``coarsen`` (bool, step 4).
     """
     _check_orders(orders)
-    for name, flag in (("refine", refine), ("moves", moves)):
+    for name, flag in (("refine", refine), ("moves", moves), ("coarsen", coarsen)):
         if not isinstance(flag, bool):
             raise InvalidArgumentTypeError(f"{name} must be a bool, got {flag!r}")
     g, k = problem.graph, problem.k
@@ -257,8 +271,54 @@ def min_cut(
                key=lambda s: _score(problem, s))
     if not moves:
         return best
-    return local_moves.improve(g, best, k, problem.limits(), problem.pinned_boundaries(best),
+    found = [_improve(problem, best)]
+    if coarsen and _coarsens(problem):
+        coarse = (_coarse_split(problem, size, orders, corridors) for size in _coarse_thresholds(problem))
+        found += [s for s in coarse if s is not None]
+    return min(found, key=lambda s: _score(problem, s))
+
+
+def _improve(problem: SplitProblem, stages: np.ndarray) -> np.ndarray:
+    """Iterated local search from ``stages`` (``moves.improve`` with kicks)."""
+    g = problem.graph
+    return local_moves.improve(g, stages, problem.k, problem.limits(), problem.pinned_boundaries(stages),
                                _grouped(problem), local_moves.kicks_for(g.n))
+
+
+def _coarse_thresholds(problem: SplitProblem) -> list[float]:
+    """The smallest value size each coarse graph merges: ``COARSE_QUANTILES`` of the mergeable sizes."""
+    sizes = coarse_graphs.single_reader_sizes(problem.graph)
+    if not len(sizes):
+        return []
+    return sorted(set(np.quantile(sizes, COARSE_QUANTILES, method="lower").tolist()))
+
+
+def _coarsens(problem: SplitProblem) -> bool:
+    """Whether min-cut also splits coarse graphs: rules tied to single nodes (pins, together
+    groups, per-node memory) are not carried over to clusters, and large graphs skip it."""
+    rules = problem.rules
+    return (problem.graph.n <= COARSE_MAX_NODES and not len(rules.pins) and not rules.groups
+            and rules.memory is None)
+
+
+def _coarse_split(problem: SplitProblem, min_bytes: float, orders: Sequence[str],
+                  corridors: list[np.ndarray]) -> np.ndarray | None:
+    """Min-cut on the graph with single-reader values of at least ``min_bytes`` merged, projected
+    back, polished and improved on the full graph; None if the coarse graph cannot be split
+    within the budget."""
+    g = problem.graph
+    roots = coarse_graphs.clusters(g, min_bytes, COARSE_CLUSTER_SHARE * float(problem.budgets.min()))
+    dag, cluster = coarse_graphs.quotient(g, roots)
+    coarse = SplitProblem(dag, problem.k, problem.tolerance,
+                          Constraints(capacities=problem.constraints.capacities), bound=problem.bound)
+    try:
+        split = min_cut(coarse, orders=orders, coarsen=False)
+    except InfeasibleSplitError:
+        return None
+    by_cluster = np.empty(len(split), dtype=np.int64)
+    by_cluster[np.array(coarse.graph.nodes, dtype=np.int64)] = split
+    stages = by_cluster[cluster]
+    return _improve(problem, _polish(problem, stages, corridors, True))
 
 
 def _score(problem: SplitProblem, stages: np.ndarray) -> tuple[float, float]:

@@ -266,9 +266,11 @@ class SplitPass(_SplitWithConstraints):
 
     strategy: str = option("min-cut", help="splitting strategy of autoshard.graph.split_dag")
     moves: bool = option(True, help="min-cut: local moves after the refinement (false: faster, more bytes)")
+    coarsen: bool = option(True, help="min-cut: also split coarse graphs, single-reader values merged "
+                                      "into their readers (false: faster, more bytes)")
 
     def strategy_options(self) -> dict[str, Any]:
-        return {"moves": self.moves} if self.strategy == "min-cut" else {}
+        return {"moves": self.moves, "coarsen": self.coarsen} if self.strategy == "min-cut" else {}
 
 
 @dataclass(frozen=True)
