@@ -249,8 +249,8 @@ def min_cut(
        perturbations from a seeded generator, so still deterministic).
     4. If ``coarsen`` too (and the problem has no pins, together groups or memory budgets, and
        at most ``COARSE_MAX_NODES`` nodes), steps 1-3 again on coarse graphs whose single-reader
-       values are merged into their readers (``coarsen``), each split projected back and
-       polished on the full graph; the best split of all is kept.
+       values are merged into their readers (``coarsen``; each polishing only its best DP
+       split), each split projected back and polished on the full graph; the best of all is kept.
 
     Program order is always tried and no step keeps a worse split, so the result never sends
     more bytes than ``fixed-order`` and never exceeds its budget. Options: ``orders`` (extra
@@ -261,12 +261,20 @@ def min_cut(
     for name, flag in (("refine", refine), ("moves", moves), ("coarsen", coarsen)):
         if not isinstance(flag, bool):
             raise InvalidArgumentTypeError(f"{name} must be a bool, got {flag!r}")
-    g, k = problem.graph, problem.k
+    many = problem.graph.n > MANY_NODES
+    return _min_cut(problem, orders, refine, moves, coarsen,
+                    REFINED_CANDIDATES_MANY_NODES if many else REFINED_CANDIDATES)
+
+
+def _min_cut(problem: SplitProblem, orders: Sequence[str], refine: bool, moves: bool, coarsen: bool,
+             count: int) -> np.ndarray:
+    """``min_cut`` polishing the best ``count`` DP splits (one on coarse graphs, where the search
+    itself is only one of three and more polished candidates found nothing better)."""
+    g = problem.graph
     corridors = [g.program()] + [problem.respect_pins(INDEX_ORDERS[name](g)) for name in orders]
     candidates = _dp_candidates(problem, corridors + _heavy_orders(problem, corridors[:2]))
     if not refine:
         return candidates[0]
-    count = REFINED_CANDIDATES if g.n <= MANY_NODES else REFINED_CANDIDATES_MANY_NODES
     best = min((_polish(problem, s, corridors, moves) for s in candidates[:count]),
                key=lambda s: _score(problem, s))
     if not moves:
@@ -312,7 +320,7 @@ def _coarse_split(problem: SplitProblem, min_bytes: float, orders: Sequence[str]
     coarse = SplitProblem(dag, problem.k, problem.tolerance,
                           Constraints(capacities=problem.constraints.capacities), bound=problem.bound)
     try:
-        split = min_cut(coarse, orders=orders, coarsen=False)
+        split = _min_cut(coarse, orders, refine=True, moves=True, coarsen=False, count=1)
     except InfeasibleSplitError:
         return None
     by_cluster = np.empty(len(split), dtype=np.int64)
