@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoshard.graph import split_dag
-from autoshard.graph.coarsen import clusters, quotient, single_reader_sizes
+from autoshard.graph.coarsen import clusters, project, quotient, single_reader_sizes
 from autoshard.graph.indexed import IndexedDag
 from autoshard.testing.graphs import layered_graph
 from autoshard.testing.strategies import dags, shaped_dags
@@ -57,9 +57,7 @@ def test_a_coarse_split_sends_exactly_the_bytes_of_its_projection(dag, k, rng):
     cuts = sorted(rng.sample(range(1, q.n - q.num_inputs), k - 1)) if k > 1 else []
     stages = np.zeros(q.n, dtype=np.int64)
     stages[q.num_inputs:] = np.searchsorted(cuts, np.arange(q.n - q.num_inputs), side="right")
-    by_cluster = np.empty(q.n, dtype=np.int64)
-    by_cluster[np.array(q.nodes)] = stages
-    fine = by_cluster[cluster]
+    fine = project(q, stages, cluster)
     assert np.all(fine[g.src] <= fine[g.dst])
     assert g.total_bytes(fine, k) == q.total_bytes(stages, k)
 

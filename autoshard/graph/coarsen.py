@@ -18,11 +18,16 @@ import numpy as np
 from autoshard.graph.indexed import IndexedDag
 
 
-def single_reader_sizes(g: IndexedDag) -> np.ndarray:
-    """Sizes of the values that ``coarsen`` may merge: one reader, not a model output or input."""
+def _mergeable(g: IndexedDag) -> np.ndarray:
+    """Per node, whether its value may merge into its reader: one reader, not a model output or input."""
     single = (np.diff(g.succ_ptr) == 1) & ~g.output
     single[: g.num_inputs] = False
-    return g.nbytes[single]
+    return single
+
+
+def single_reader_sizes(g: IndexedDag) -> np.ndarray:
+    """Sizes of the values that ``clusters`` may merge."""
+    return g.nbytes[_mergeable(g)]
 
 
 def clusters(g: IndexedDag, min_bytes: float, max_cost: float) -> np.ndarray:
@@ -41,9 +46,7 @@ def clusters(g: IndexedDag, min_bytes: float, max_cost: float) -> np.ndarray:
         return v
 
     cost = g.cost.copy()
-    single = (np.diff(g.succ_ptr) == 1) & ~g.output & (g.nbytes >= min_bytes)
-    single[: g.num_inputs] = False
-    merged = np.flatnonzero(single)
+    merged = np.flatnonzero(_mergeable(g) & (g.nbytes >= min_bytes))
     for u in merged[np.argsort(-g.nbytes[merged], kind="stable")].tolist():
         ru, rv = find(u), find(int(g.succ_idx[g.succ_ptr[u]]))
         if ru != rv and cost[ru] + cost[rv] <= max_cost:
@@ -80,3 +83,11 @@ def quotient(g: IndexedDag, roots: np.ndarray) -> tuple[nx.DiGraph, np.ndarray]:
     across = cluster[g.src] != cluster[g.dst]
     dag.add_edges_from(zip(cluster[g.src[across]].tolist(), cluster[g.dst[across]].tolist()))
     return dag, cluster
+
+
+def project(coarse: IndexedDag, stages: np.ndarray, cluster: np.ndarray) -> np.ndarray:
+    """The stage of every node of the full graph under ``stages``, a split of ``coarse`` (the
+    indexed ``quotient`` graph, whose nodes are the cluster numbers)."""
+    by_cluster = np.empty(coarse.n, dtype=np.int64)
+    by_cluster[np.array(coarse.nodes, dtype=np.int64)] = stages
+    return by_cluster[cluster]

@@ -58,21 +58,18 @@ class StageLimit:
         return need
 
     def along(self, sequence: np.ndarray, num_inputs: int) -> StageLimit:
-        """This limit over the non-input ``sequence`` of an order, the inputs' needs on its first entry.
-
-        Nodes 0..num_inputs-1 are the inputs; they always sit in stage 0 with the sequence's
-        first element.
-        """
-
-        def lay(values: np.ndarray | None) -> np.ndarray | None:
-            if values is None:
-                return None
-            laid = values[sequence].copy()
-            laid[0] += values[:num_inputs].sum()
-            return laid
-
-        return StageLimit(self.name, lay(self.held), self.budgets, lay(self.scaled), self.scale)
+        """This limit over the non-input ``sequence`` of an order (see ``laid_along``)."""
+        scaled = None if self.scaled is None else laid_along(self.scaled, sequence, num_inputs)
+        return StageLimit(self.name, laid_along(self.held, sequence, num_inputs), self.budgets, scaled, self.scale)
 
     def prefix(self, j: int) -> np.ndarray:
         """Prefix sums of what the entries need in stage j (entry c: the first c entries)."""
         return np.concatenate(([0.0], np.cumsum(self.weights(j))))
+
+
+def laid_along(values: np.ndarray, sequence: np.ndarray, num_inputs: int) -> np.ndarray:
+    """Per-node ``values`` along the non-input ``sequence`` of an order, the inputs' (nodes
+    0..num_inputs-1) added to its first entry: they always sit in stage 0 with it."""
+    laid = values[sequence].copy()
+    laid[0] += values[:num_inputs].sum()
+    return laid

@@ -16,7 +16,7 @@ from autoshard.graph.balance import Line, min_bottleneck_of, min_bytes_cuts, sla
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, Constraints, Rules, resolve
 from autoshard.graph.indexed import IndexedDag, Node
 from autoshard.graph.invariants import check_weights
-from autoshard.graph.limits import StageLimit
+from autoshard.graph.limits import StageLimit, laid_along
 
 
 class SplitProblem:
@@ -108,9 +108,8 @@ class SplitProblem:
         sequence = order[g.num_inputs :]
         groups = tuple(m for _, m in rules.groups) if groups is None else groups
         memory = None if rules.memory is None else rules.memory.along(sequence, g.num_inputs)
-        weights = g.cost[sequence].copy()
-        weights[0] += g.cost[: g.num_inputs].sum()
-        return Line(weights, rules.capacities, rules.pins, self._forbidden(order, groups), memory)
+        return Line(laid_along(g.cost, sequence, g.num_inputs), rules.capacities, rules.pins,
+                    self._forbidden(order, groups), memory)
 
     def _forbidden(self, order: np.ndarray, groups: tuple[np.ndarray, ...]) -> np.ndarray:
         g = self.graph

@@ -25,6 +25,7 @@ from autoshard.graph import moves as local_moves
 from autoshard.graph.constraints import Constraints, Groups
 from autoshard.graph.indexed import Node
 from autoshard.graph.invariants import check_dag, check_num_stages, is_number
+from autoshard.graph.limits import laid_along
 from autoshard.graph.linearize import INDEX_ORDERS, pull_forward, push_back
 from autoshard.graph.partition import SplitInfo
 from autoshard.graph.problem import SplitProblem
@@ -323,10 +324,7 @@ def _coarse_split(problem: SplitProblem, min_bytes: float, orders: Sequence[str]
         split = _min_cut(coarse, orders, refine=True, moves=True, coarsen=False, count=1)
     except InfeasibleSplitError:
         return None
-    by_cluster = np.empty(len(split), dtype=np.int64)
-    by_cluster[np.array(coarse.graph.nodes, dtype=np.int64)] = split
-    stages = by_cluster[cluster]
-    return _polish(problem, stages, corridors, True)
+    return _polish(problem, coarse_graphs.project(coarse.graph, split, cluster), corridors, True)
 
 
 def _score(problem: SplitProblem, stages: np.ndarray) -> tuple[float, float]:
@@ -392,8 +390,7 @@ def greedy(problem: SplitProblem) -> np.ndarray:
     last one takes the rest). Ignores ``tolerance``; no options, no constraints.
     """
     g, k = problem.graph, problem.k
-    weights = g.cost[g.num_inputs :].tolist()
-    weights[0] += float(g.cost[: g.num_inputs].sum())
+    weights = laid_along(g.cost, g.program()[g.num_inputs :], g.num_inputs).tolist()
     target = sum(weights) / k
     cuts: list[int] = []
     running = 0.0
