@@ -12,14 +12,21 @@ Values that are not tensors (``x.size(0)``, a dtype, a bool from a mask check) n
 boundary, because pipeline runtimes send only tensors: once ``shape-prop`` (or torch.export's
 record of the value) has shown that a node yields no tensor, every stage that needs its value
 recomputes it (and its non-tensor inputs) from the tensors it has. The DAG built by ``graph.from_fx`` routes those tensors to the stage.
+
+The capture freezes what the model asked of its inputs: ``torch.arange(n, device=x.device)``
+becomes ``device=cpu``. Each stage reads that device from its own inputs again at run time
+(``stage_device``), so a stage moved to another device by hand (``sharded.to("cuda")``, one stage
+per GPU) computes where its inputs are, as the model's code did.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.graph.from_fx import holds_tensor
@@ -50,6 +57,35 @@ def copy_buffer_persistence(source: nn.Module, target: nn.Module) -> None:
         for name in module._buffers:
             if name in original._non_persistent_buffers_set:
                 module._non_persistent_buffers_set.add(name)
+
+
+def stage_device(default: torch.device, *inputs: Any) -> torch.device:
+    """The device of a stage's first tensor input; ``default`` (the captured one) if it has none."""
+    for leaf in tree_leaves(inputs):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return default
+
+
+def follow_input_device(graph: fx.Graph) -> None:
+    """Replace each ``torch.device`` constant in ``graph`` by a ``stage_device`` read of its inputs."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    body = [node for node in graph.nodes if node.op not in ("placeholder", "output")]
+    if not placeholders or not body:
+        return
+    reads: dict[torch.device, fx.Node] = {}
+
+    def read(value: object) -> object:
+        if not isinstance(value, torch.device):
+            return value
+        if value not in reads:
+            with graph.inserting_before(body[0]):
+                reads[value] = graph.call_function(stage_device, (value, *placeholders))
+        return reads[value]
+
+    for node in body:
+        node.args = fx.node.map_aggregate(node.args, read)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, read)
 
 
 def _stage_graph(
@@ -83,6 +119,7 @@ def _stage_graph(
         graph.node_copy(next(n for n in source.nodes if n.op == "output"), lookup)
     else:
         graph.output(tuple(lookup(by_name[name]) for name in outgoing))
+    follow_input_device(graph)
     graph.lint()
     return graph
 

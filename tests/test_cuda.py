@@ -7,12 +7,14 @@ tests/test_runtime_offload.py and tests/test_runtime_pipeline.py.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.examples import ResidualMLP, TransformerLM
+from autoshard.examples import GPTStyleLM, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.runtime import OffloadRunner, build_schedule, pipeline_stage, run_local
 
@@ -46,6 +48,19 @@ def test_offload_training_on_cuda_gives_the_models_gradients():
     runner(x).pow(2).mean().backward()
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad.cpu(), expected[name], **CLOSE, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_sharded_model_moved_to_cuda_by_hand_matches_the_model():
+    """``torch.arange(n, device=idx.device)`` was captured on the CPU; each stage reads its device
+    from its inputs again, so the embedding is not indexed with a CPU tensor."""
+    torch.manual_seed(0)
+    model, ids = GPTStyleLM().eval(), torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        expected = model(ids)
+        sharded = copy.deepcopy(autoshard.shard_model(model, 2, example_inputs=(ids,))).to("cuda")
+        out = sharded(ids.cuda())
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out.cpu(), expected, **CLOSE)
 
 
 def _one_rank_interleaved_step(rank: int, world: int) -> dict:

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import autoshard
+from autoshard.emit import stage_device
 from autoshard.errors import DeviceUnavailableError, InvalidArgumentTypeError
 from autoshard.examples import GPTStyleLM, GPTStyleLMWithLoss, LongSkip, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
@@ -159,9 +160,26 @@ def test_a_plan_made_on_the_cpu_computes_everything_on_the_runners_device():
     torch.manual_seed(0)
     model, ids = GPTStyleLM(), torch.randint(0, 100, (2, 8))
     sharded = autoshard.shard_model(model, 2, example_inputs=(ids,))
-    frozen = [n for stage in sharded.stages for n in stage.graph.nodes if n.kwargs.get("device") is not None]
-    assert frozen and all(n.kwargs["device"] == torch.device("cpu") for n in frozen)
+    made = [n for stage in sharded.stages for n in stage.graph.nodes if n.kwargs.get("device") is not None]
+    assert made and all(n.kwargs["device"].target is stage_device for n in made)
     runner = OffloadRunner(sharded, "meta")
     with torch.no_grad(), OutputDevices() as devices:
         out = runner(ids)
     assert out.is_meta and set(devices.seen) == {"meta"}, devices.seen
+
+
+def test_a_sharded_model_moved_by_hand_computes_where_its_inputs_are():
+    """Moved with ``.to`` (no runner to name the device), each stage reads the device its
+    ``torch.arange(n, device=idx.device)`` was captured with from its inputs again."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 8))
+    moved = copy.deepcopy(autoshard.shard_model(GPTStyleLM(), 3, example_inputs=(ids,))).to("meta")
+    with torch.no_grad(), OutputDevices() as devices:
+        out = moved(ids.to("meta"))
+        by_stage = moved.stages[2](*moved.stages[1](*moved.stages[0](ids.to("meta"))))
+    assert out.is_meta and by_stage.is_meta and set(devices.seen) == {"meta"}, devices.seen
+
+
+def test_a_stage_without_tensor_inputs_keeps_the_captured_device():
+    assert stage_device(torch.device("cpu"), None, (3, "x")) == torch.device("cpu")
+    assert stage_device(torch.device("cpu"), 3, (torch.zeros(1, device="meta"),)) == torch.device("meta")

@@ -5,8 +5,10 @@ Checked before anything is sent: a stage placed on a GPU the machine lacks would
 inside the first collective, after its peers are already waiting.
 
 A plan is made where the example inputs are, usually the CPU, and the capture freezes what the
-model asked of them: ``torch.arange(n, device=x.device)`` becomes ``device=cpu``. A stage run on a
-GPU would then index its weights with CPU tensors, so the stage's copy names its own device there.
+model asked of them: ``torch.arange(n, device=x.device)`` becomes ``device=cpu``. Emitted stages
+read that device from their inputs at run time (``autoshard.emit.stage_device``), falling back to
+the captured one when a stage has no tensor input; a runtime that knows its device names it there
+too, so the stage's copy holds no CPU device at all.
 """
 
 from __future__ import annotations
