@@ -237,7 +237,7 @@ def shard_model(
     otherwise. ``memory_model``
     (``autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...)``) is the optimizer
     and schedule that ``cost="memory"`` and ``max_memory`` plan for (default: Adam, 8 bytes per
-    parameter, every microbatch in flight); pass the same to ``plan_report(memory=...)``.
+    parameter, every microbatch in flight); the plan keeps it, so ``plan_report`` reports with it.
     """
     check_model(model)
     num_stages = check_stage_count(num_stages)

@@ -2,6 +2,7 @@
 
     autoshard split TARGET --stages K [--out plan.json] [--svg plan.svg] [--compare greedy,min-cut]
     autoshard split TARGET --stages K --device-tflops 989 --device-bandwidth 3350   # times for that device
+    autoshard split TARGET --stages K --max-memory 40GiB --optimizer-bytes 4 --microbatches 8
     autoshard split TARGET --plan plan.json        # rebuild the saved stages
     autoshard inspect TARGET --stages K            # the plan only: no stages are built
     autoshard inspect plan.json                    # show a saved plan
@@ -25,8 +26,10 @@ from rich.text import Text
 from autoshard import progress
 from autoshard.api import bind_pipeline, check_stage_count, default_pipeline, example_inputs_of
 from autoshard.costs.estimate import DeviceModel, device_model
+from autoshard.costs.memory import MemoryModel
 from autoshard.errors import AutoshardError, InvalidArgumentError, MissingExtraError, PlanError, ShapePropagationError
 from autoshard.examples import EXAMPLES
+from autoshard.passes.analyses import memory_model, use_memory_model
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.instruments import DumpDir, Instrument, Timing
 from autoshard.passes.pipeline import Pipeline
@@ -84,6 +87,9 @@ class _Session:
         if args.dump_dir:
             instruments.append(DumpDir(args.dump_dir))
         self.ctx = PassContext(instruments=instruments)
+        self.memory = _memory_model(args)
+        if self.memory is not None:
+            use_memory_model(self.ctx, self.memory)
 
     def run(self, pipeline: Pipeline, program: ShardProgram | None = None) -> ShardProgram:
         with progress.task("autoshard", total=len(pipeline)) as advance:
@@ -101,8 +107,15 @@ class _Session:
         device = self.device or (saved.time_estimate if saved is not None else None)
         reported = report_costs(program, self.ctx, choice.cost_model, device)
         plan = plan_from_program(program, choice.spec, choice.cost_model, reported.costs,
-                                 time_estimate=reported.time_estimate, split=saved.split if saved is not None else None)
+                                 time_estimate=reported.time_estimate, split=saved.split if saved is not None else None,
+                                 memory_model=memory_model(self.ctx))
         return plan, reported.notes
+
+    def keep_saved_memory_model(self, saved: SavedPlan) -> None:
+        """A rebuilt plan reports training memory with the model it was made for, unless the
+        command gave another."""
+        if self.memory is None:
+            use_memory_model(self.ctx, saved.memory_model)
 
 
 def _device(args: argparse.Namespace) -> DeviceModel | None:
@@ -114,6 +127,42 @@ def _device(args: argparse.Namespace) -> DeviceModel | None:
     if args.device_tflops is None and args.device_bandwidth is None:
         return None
     return device_model(args.device_tflops, args.device_bandwidth)
+
+
+def _memory_model(args: argparse.Namespace) -> MemoryModel | None:
+    """The optimizer and microbatch cap given with --optimizer-bytes / --microbatches; None: neither."""
+    if args.optimizer_bytes is None and args.microbatches is None:
+        return None
+    default = MemoryModel()
+    return MemoryModel(default.optimizer_bytes_per_param if args.optimizer_bytes is None else args.optimizer_bytes,
+                       args.microbatches)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _byte_count(text: str) -> float:
+    """``40GiB``, ``1.5e9`` or ``512MB`` as a number of bytes."""
+    stripped = text.strip()
+    number = stripped.rstrip("BbKkMmGgTtIi")
+    unit = stripped[len(number):].upper()
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in _UNITS or not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError(
+            f"--max-memory takes bytes per stage, such as 40GiB, 512MB or 1.5e9, separated by commas; got {text!r}")
+    return value * _UNITS[unit]
+
+
+def _max_memory(args: argparse.Namespace) -> list[float] | float | None:
+    """The per-stage budgets of --max-memory (one value: every stage); None when not given."""
+    if args.max_memory is None:
+        return None
+    budgets = [_byte_count(part) for part in args.max_memory.split(",")]
+    return budgets[0] if len(budgets) == 1 else budgets
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +194,7 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
     """The saved plan's pipeline with its split replaced (--plan), the user's spec, or the default one."""
     if args.plan:
         for flag, value in (("--pipeline", args.pipeline), ("--strategy", args.strategy), ("--cost", args.cost),
-                            ("--time-profile", args.time_profile)):
+                            ("--time-profile", args.time_profile), ("--max-memory", args.max_memory)):
             if value is not None:
                 raise InvalidArgumentError(f"{flag} cannot change a saved plan; drop it or drop --plan")
         saved = read_plan(args.plan)
@@ -159,9 +208,10 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
             raise InvalidArgumentError("with --pipeline, set the strategy in the spec: split{strategy=NAME}")
         if args.time_profile is not None:
             raise InvalidArgumentError("with --pipeline, write the profile in the spec: profile{path=FILE}")
-        pipeline = bind_pipeline(args.pipeline, _stages(args), cost)
+        pipeline = bind_pipeline(args.pipeline, _stages(args), cost, max_memory=_max_memory(args))
     else:
-        pipeline = default_pipeline(_stages(args), cost, verify=inputs is not None, time_profile=args.time_profile)
+        pipeline = default_pipeline(_stages(args), cost, verify=inputs is not None, time_profile=args.time_profile,
+                                    max_memory=_max_memory(args))
         if args.strategy is not None:
             pipeline = pipeline.with_options(_split_step(pipeline)[0], strategy=args.strategy)
     if args.no_verify:
@@ -249,6 +299,8 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
         raise InvalidArgumentError("--compare shows strategies side by side; run again with one --strategy to save or draw")
     session = _Session(args)
     choice = _chosen_pipeline(args, session.inputs)
+    if choice.saved is not None:
+        session.keep_saved_memory_model(choice.saved)
     if args.compare:
         return _compare(args, session, choice, console)
     pipeline = choice.pipeline if build else choice.pipeline[: _split_step(choice.pipeline)[0] + 1]
@@ -273,7 +325,8 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     used = [flag for flag, value in (("--stages", args.stages), ("--pipeline", args.pipeline), ("--plan", args.plan),
                                       ("--compare", args.compare), ("--strategy", args.strategy), ("--cost", args.cost),
                                       ("--time-profile", args.time_profile), ("--device-tflops", args.device_tflops),
-                                      ("--device-bandwidth", args.device_bandwidth))
+                                      ("--device-bandwidth", args.device_bandwidth), ("--max-memory", args.max_memory),
+                                      ("--optimizer-bytes", args.optimizer_bytes), ("--microbatches", args.microbatches))
             if value is not None]
     if used:
         raise InvalidArgumentError(
@@ -330,6 +383,13 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="peak TFLOP/s of the device for estimated times (default: this machine, calibrated)")
     options.add_argument("--device-bandwidth", type=float, metavar="GB/s",
                          help="memory bandwidth of the device for estimated times (default: this machine, calibrated)")
+    options.add_argument("--max-memory", metavar="BYTES",
+                         help="training-memory budget per stage, e.g. 40GiB or 30GB,40GB,... (one value: every stage)")
+    options.add_argument("--optimizer-bytes", type=float, metavar="N",
+                         help="optimizer state per trainable parameter for training memory "
+                              "(default 8: Adam's two fp32 moments; 4: SGD with momentum; 0: plain SGD)")
+    options.add_argument("--microbatches", type=int, metavar="M",
+                         help="cap on microbatches in flight per stage for training memory (default: k - j at stage j, 1F1B)")
     options.add_argument("--plan", metavar="PLAN.json", help="use the split saved in this plan instead of splitting")
     options.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON (reuse it with --plan)")
     options.add_argument("--svg", metavar="FILE.svg", help="draw the plan as SVG (needs matplotlib)")

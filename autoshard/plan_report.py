@@ -95,7 +95,7 @@ def _times(plan: StagePlan, device: DeviceModel | None) -> NodeTimes | None:
 def plan_report(
     sharded: ShardedModel | StagePlan,
     extra_costs: Mapping[str, Mapping[str, float]] | None = None,
-    memory: MemoryModel = MemoryModel(),
+    memory: MemoryModel | None = None,
     device: DeviceModel | None = None,
 ) -> PlanReport:
     """Describe a plan under every cost model its DAG has measurements for.
@@ -103,9 +103,12 @@ def plan_report(
     ``extra_costs`` adds columns from per-node costs computed elsewhere (a user's cost function,
     ``node_costs(program, ctx, name)``); they are summed per stage. Stage times are the profile's
     when the plan was made with ``cost=time`` or a time profile, else estimated under ``device``
-    (default: this machine, calibrated; see ``autoshard.costs.estimate``).
+    (default: this machine, calibrated; see ``autoshard.costs.estimate``). Training memory is
+    modelled with ``memory``, by default the model the plan was made for (``shard_model``'s
+    ``memory_model``).
     """
     plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
+    memory = memory or plan.memory_model
     k = plan.num_stages
     models = plan.cost_models()
     per_model = {name: plan.stage_costs(name, memory) for name in models}

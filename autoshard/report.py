@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 from rich.table import Table
 from rich.text import Text
 
-from autoshard.costs.memory import MemoryModel, StageMemory
+from autoshard.costs.memory import StageMemory
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 
 _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*)*)$")
@@ -280,8 +280,7 @@ def how_made_lines(plan: SavedPlan) -> list[str]:
             lines.append("time (est.): per node max(FLOPs / peak, bytes moved / bandwidth) with "
                          f"{plan.time_estimate.describe()}, summed per stage")
     if plan.training_memory() is not None:
-        lines.append(f"train mem: weights + gradients + optimizer state ({MemoryModel().optimizer_bytes_per_param:g} "
-                     "B per parameter) + kept activations x microbatches in flight (stage j of k: k - j, 1F1B)")
+        lines.append(f"train mem: {plan.memory_model.describe()}")
     return lines
 
 

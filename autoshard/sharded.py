@@ -42,6 +42,7 @@ class StagePlan:
     weights shared between nodes (tied weights), with the stages that hold them. ``split_info``
     is what the splitter knew about its result (strategy, bound, whether ``exact`` proved it
     optimal, the tied-weight groups it had to separate); None when the split came from elsewhere.
+    ``memory_model`` is the optimizer and microbatch cap its training memory was planned for.
     """
 
     assignment: dict[str, int]
@@ -49,6 +50,7 @@ class StagePlan:
     wrapped: tuple[WrappedLeaf, ...]
     dag: Any
     split_info: SplitInfo | None = None
+    memory_model: MemoryModel = MemoryModel()
 
     @property
     def num_stages(self) -> int:
@@ -87,9 +89,10 @@ class StagePlan:
         """Trainable shared parameters held by several stages: those stages must sum their gradients."""
         return tuple(w for w in self.shared_weights if w.needs_gradient_sync)
 
-    def stage_costs(self, cost: str | Mapping[str, float], memory: MemoryModel = MemoryModel()) -> list[float]:
-        """Per-stage cost under a built-in cost model's name, or of explicit per-node costs."""
-        return stage_totals(self.dag, self.assignment, self.num_stages, cost, memory)
+    def stage_costs(self, cost: str | Mapping[str, float], memory: MemoryModel | None = None) -> list[float]:
+        """Per-stage cost under a built-in cost model's name, or of explicit per-node costs;
+        ``memory`` (default: the plan's own) is the training-memory model ``memory`` uses."""
+        return stage_totals(self.dag, self.assignment, self.num_stages, cost, memory or self.memory_model)
 
     def cost_models(self) -> tuple[str, ...]:
         """The built-in cost models whose measurements this plan's DAG holds."""

@@ -137,6 +137,10 @@ def test_progress_names_each_pass_on_a_terminal_and_quiet_silences_it(capsys, mo
     (("split", "residual-mlp", "-k", "2", "--svg", "plan.png"), "--svg writes a .svg file"),
     (("split", "residual-mlp", "-k", "2", "--cost", "flopz"), "unknown cost model 'flopz'"),
     (("split", "residual-mpl", "-k", "2"), "did you mean 'residual-mlp'?"),
+    (("split", "residual-mlp", "-k", "2", "--max-memory", "12XB"), "--max-memory takes bytes per stage"),
+    (("split", "residual-mlp", "-k", "2", "--max-memory", "1GB,2GB,3GB"), "max_memory has 3 entries but there are 2 stages"),
+    (("split", "residual-mlp", "-k", "2", "--microbatches", "0"), "microbatches must be a whole number >= 1"),
+    (("split", "residual-mlp", "-k", "2", "--optimizer-bytes", "-1"), "optimizer_bytes_per_param must be a number >= 0"),
 ])
 def test_refused_requests_exit_2_with_the_reason(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -152,6 +156,42 @@ def test_a_saved_plan_cannot_be_changed_from_the_command_line(capsys, tmp_path):
     assert code == 2 and "--cost cannot change a saved plan" in flat(err)
     code, _, err = run(capsys, "split", "residual-mlp", "--plan", path, "-k", "3")
     assert code == 2 and "has 2 stages, not 3" in flat(err)
+
+
+def test_the_memory_model_flags_plan_training_memory_and_stay_with_the_plan(capsys, tmp_path):
+    """--optimizer-bytes / --microbatches reach the split's memory figures, the report's words and
+    the plan file; a plan rebuilt with --plan keeps them, and an older file without them reads as
+    the default (Adam, every microbatch in flight)."""
+    adam, sgd = tmp_path / "adam.json", tmp_path / "sgd.json"
+    assert run(capsys, "split", "gpt-lm", "-k", "3", "-q", "--out", str(adam))[0] == 0
+    code, out, err = run(capsys, "split", "gpt-lm", "-k", "3", "--optimizer-bytes", "0", "--microbatches", "1",
+                         "--out", str(sgd))
+    assert code == 0, err
+    assert "optimizer state (0 B per parameter)" in flat(out) and "min(k - j, 1)" in flat(out)
+    saved_sgd, saved_adam = json.loads(sgd.read_text()), json.loads(adam.read_text())
+    assert saved_sgd["memory_model"] == {"optimizer_bytes_per_param": 0.0, "microbatches": 1}
+    assert saved_adam["memory_model"] == {"optimizer_bytes_per_param": 8.0, "microbatches": None}
+    memory = [[s["total"] for s in p["summary"]["training_memory"]["stages"]] for p in (saved_sgd, saved_adam)]
+    assert all(a < b for a, b in zip(*memory))  # no optimizer state, one microbatch: less at every stage
+    rebuilt = tmp_path / "rebuilt.json"
+    assert run(capsys, "split", "gpt-lm", "--plan", str(sgd), "-q", "--out", str(rebuilt))[0] == 0
+    assert json.loads(rebuilt.read_text())["summary"] == saved_sgd["summary"]
+    del saved_sgd["memory_model"]
+    sgd.write_text(json.dumps(saved_sgd))
+    code, out, _ = run(capsys, "inspect", str(sgd))
+    assert code == 0 and "optimizer state (8 B per parameter)" in flat(out)
+
+
+def test_max_memory_bounds_each_stage_from_the_command_line(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    code, out, err = run(capsys, "split", "gpt-lm", "-k", "2", "--max-memory", "0.8MiB", "--out", str(path))
+    assert code == 0, err
+    assert "max-memory=838860.8,838860.8" in out
+    assert all(s["total"] <= 0.8 * 2**20 for s in json.loads(path.read_text())["summary"]["training_memory"]["stages"])
+    code, _, err = run(capsys, "split", "gpt-lm", "-k", "2", "--max-memory", "1KB")
+    assert code == 2 and "max_memory[0] is 1,000" in flat(err)
+    code, _, err = run(capsys, "split", "gpt-lm", "--plan", str(path), "--max-memory", "1GB")
+    assert code == 2 and "--max-memory cannot change a saved plan" in flat(err)
 
 
 def test_a_hand_edited_plan_with_an_empty_stage_is_rejected(capsys, tmp_path):

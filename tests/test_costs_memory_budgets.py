@@ -14,9 +14,10 @@ from torch import nn
 import autoshard
 from autoshard.costs.memory import node_memory, stage_memory
 from autoshard.costs.models import held_weight_bytes, summed_per_stage
-from autoshard.errors import InfeasibleSplitError
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.examples import GPTStyleLM
 from autoshard.graph.linearize import non_inputs, program_order
+from autoshard.plan_report import plan_report
 
 
 def cut_assignments(dag, k: int):
@@ -123,3 +124,18 @@ def test_the_memory_model_sets_the_optimizer_the_plan_is_made_for():
     assert balanced.plan.split_info.bottleneck == pytest.approx(least_sgd)
     with pytest.raises(TypeError, match="memory_model must be an autoshard.MemoryModel"):
         autoshard.shard_model(model, 2, example_inputs=(x,), memory_model={"optimizer_bytes_per_param": 0})
+    report = plan_report(fitted)  # the plan keeps the model it was made for
+    assert fitted.plan.memory_model == sgd
+    assert [s.memory for s in report.stages] == stage_memory(fitted.plan.dag, fitted.plan.assignment, 2, sgd)
+    assert fitted.plan.stage_costs("memory") != fitted.plan.stage_costs("memory", autoshard.MemoryModel())
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"optimizer_bytes_per_param": -1}, "optimizer_bytes_per_param must be a number >= 0"),
+    ({"optimizer_bytes_per_param": float("nan")}, "optimizer_bytes_per_param must be a number >= 0"),
+    ({"microbatches": 0}, "microbatches must be a whole number >= 1"),
+    ({"microbatches": 1.5}, "microbatches must be a whole number >= 1"),
+])
+def test_a_memory_model_refuses_values_it_cannot_plan_with(options, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        autoshard.MemoryModel(**options)

@@ -23,7 +23,7 @@ from typing import AbstractSet, Mapping, Protocol, Sequence
 import networkx as nx
 
 from autoshard.costs.ties import weight_payers
-from autoshard.errors import InfeasibleSplitError
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 
 
 class Weight(Protocol):
@@ -40,6 +40,25 @@ class MemoryModel:
 
     optimizer_bytes_per_param: float = 8.0
     microbatches: int | None = None
+
+    def __post_init__(self) -> None:
+        bytes_ = self.optimizer_bytes_per_param
+        if isinstance(bytes_, bool) or not isinstance(bytes_, (int, float)) or not 0 <= bytes_ < float("inf"):
+            raise InvalidArgumentError(
+                f"optimizer_bytes_per_param must be a number >= 0 (8 for Adam's two fp32 moments, "
+                f"4 for SGD with momentum, 0 for plain SGD), got {bytes_!r}")
+        count = self.microbatches
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise InvalidArgumentError(f"microbatches must be a whole number >= 1 or None (no cap), got {count!r}")
+
+    def describe(self) -> str:
+        """What the model assumes, in words, for reports."""
+        flight = "k - j" if self.microbatches is None else f"min(k - j, {self.microbatches})"
+        return (f"weights + gradients + optimizer state ({self.optimizer_bytes_per_param:g} B per parameter) "
+                f"+ kept activations x microbatches in flight (stage j of k: {flight}, 1F1B)")
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return {"optimizer_bytes_per_param": self.optimizer_bytes_per_param, "microbatches": self.microbatches}
 
     def in_flight(self, stage: int, num_stages: int) -> int:
         """Microbatches whose activations stage ``stage`` keeps at once under 1F1B."""

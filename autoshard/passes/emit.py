@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from autoshard.emit import emit_stages
 from autoshard.graph import boundary_values
+from autoshard.passes.analyses import memory_model
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.sharded import ShardedModel, StagePlan
 
@@ -30,5 +31,6 @@ class EmitPass(Pass):
         k = partition.num_stages
         boundaries = tuple(tuple(b) for b in boundary_values(program.dag, assignment, k))
         stages = emit_stages(program.traced.graph_module, assignment, boundaries)
-        plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info)
+        plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,
+                         memory_model(ctx))
         return dataclasses.replace(program, sharded=ShardedModel(stages, plan))

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel
+from autoshard.costs.memory import MemoryModel
 from autoshard.errors import InvalidArgumentError, PlanError
 from autoshard.graph import SplitInfo, check_dag, check_partition
 from autoshard.graph.from_fx import WeightInfo
@@ -121,6 +122,17 @@ class _Reader:
         except InvalidArgumentError as exc:
             raise self.error(where, str(exc)) from None
 
+    def memory_model(self, obj: Any) -> MemoryModel:
+        """Absent in plans written before it was recorded: those were all made for the default."""
+        where = "memory_model"
+        if obj is None:
+            return MemoryModel()
+        try:
+            return MemoryModel(self.get(obj, "optimizer_bytes_per_param", (int, float), where),
+                               self.get(obj, "microbatches", int, where, None))
+        except InvalidArgumentError as exc:
+            raise self.error(where, str(exc)) from None
+
     def split(self, obj: Any) -> SplitRecord | None:
         where = "split"
         if obj is None:
@@ -170,6 +182,7 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SavedPlan:
         weights={str(name): r.weight(name, obj) for name, obj in r.get(data, "weights", dict, "the file", {}).items()},
         time_estimate=r.time_estimate(r.get(data, "time_estimate", dict, "the file", None)),
         split=r.split(r.get(data, "split", dict, "the file", None)),
+        memory_model=r.memory_model(r.get(data, "memory_model", dict, "the file", None)),
     )
     _check_consistent(plan, r)
     _check_modules(plan, r.get(data, "modules", dict, "the file", None), r)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from autoshard.costs.estimate import DeviceModel, node_times
+from autoshard.costs.memory import MemoryModel
 from autoshard.errors import AutoshardError, InvalidArgumentError
 from autoshard.graph import Partition
 from autoshard.plan_io.model import PlanNode, SavedPlan, SplitRecord, assignment_digest, optional_float
@@ -89,6 +90,7 @@ def split_record(partition: Partition) -> SplitRecord | None:
 def plan_from_program(
     program: "ShardProgram", pipeline: str, cost_model: str, costs: Mapping[str, Mapping[str, float]],
     *, time_estimate: DeviceModel | None = None, split: SplitRecord | None = None,
+    memory_model: MemoryModel = MemoryModel(),
 ) -> SavedPlan:
     """The plan of a program that has a DAG and a partition.
 
@@ -96,7 +98,8 @@ def plan_from_program(
     per-node costs; ``pipeline`` is the spec that made the split. ``time_estimate`` is the device
     model ``costs["time"]`` was estimated with (None: measured). ``split`` describes how the split
     was made; by default the splitter's own record on the partition (a split rebuilt from a plan
-    file passes that file's record on).
+    file passes that file's record on). ``memory_model`` is the one ``costs["memory"]`` was
+    computed with.
     """
     if program.dag is None or program.partition is None:
         raise InvalidArgumentError("a plan needs a program with a DAG and a partition: run up to the split")
@@ -120,5 +123,5 @@ def plan_from_program(
         model=type(program.model).__qualname__, versions=versions(), nodes=tuple(nodes),
         edges=tuple((str(u), str(v)) for u, v in dag.edges), wrapped=tuple(wrapped),
         weights=dict(dag.graph.get("weights", {})), time_estimate=time_estimate,
-        split=split or split_record(partition),
+        split=split or split_record(partition), memory_model=memory_model,
     )

@@ -104,6 +104,8 @@ class SavedPlan:
     """The device model the nodes' ``time`` costs were estimated with; None when they were measured."""
     split: SplitRecord | None = None
     """What the splitter said about the split it made; None when the plan was not made by a splitter."""
+    memory_model: MemoryModel = MemoryModel()
+    """The optimizer and microbatch cap the plan's training memory is modelled with."""
 
     # -- derived views ----------------------------------------------------------------------
     def assignment(self) -> dict[str, int]:
@@ -164,13 +166,14 @@ class SavedPlan:
         """Per stage, its nodes' time (measured or estimated, see ``time_measured``); None if unknown."""
         return self.stage_costs("time") if "time" in self.cost_models() else None
 
-    def training_memory(self, memory: MemoryModel = MemoryModel()) -> list[StageMemory] | None:
-        """Per stage, training memory as ``autoshard.costs.memory`` models it; None when the plan lacks
-        the sizes (no ``shape-prop``) or the weight table it needs."""
+    def training_memory(self, memory: MemoryModel | None = None) -> list[StageMemory] | None:
+        """Per stage, training memory as ``autoshard.costs.memory`` models it (with ``memory``,
+        default: the plan's own model); None when the plan lacks the sizes (no ``shape-prop``) or
+        the weight table it needs."""
         known = all(n.input or n.allocated is not None for n in self.nodes)
         if not known or any(w not in self.weights for n in self.nodes for w in n.weights):
             return None
-        return stage_memory(self._graph, self._assignment, self.num_stages, memory)
+        return stage_memory(self._graph, self._assignment, self.num_stages, memory or self.memory_model)
 
     def shared_weights(self) -> tuple[SharedWeight, ...]:
         """Weights read by several nodes or tied under several names, with the stages holding them."""
@@ -203,7 +206,7 @@ class SavedPlan:
     def to_dict(self) -> dict[str, Any]:
         """The file's content: the plan, then the derived sections for readers.
 
-        ``split`` and ``time_estimate`` say how the plan was made; ``summary``, ``boundaries`` and
+        ``split``, ``time_estimate`` and ``memory_model`` say how the plan was made; ``summary``, ``boundaries`` and
         ``modules`` are derived from the nodes and ignored when the file is read.
         """
         out: dict[str, Any] = {
@@ -219,6 +222,7 @@ class SavedPlan:
             out["split"] = self.split.to_dict()
         if self.time_estimate is not None:
             out["time_estimate"] = self.time_estimate.to_dict()
+        out["memory_model"] = self.memory_model.to_dict()
         out["summary"] = self._summary()
         out["boundaries"] = self.boundaries()
         out["modules"] = self.module_stages()
@@ -244,8 +248,9 @@ class SavedPlan:
         memory = self.training_memory()
         if memory is not None:
             summary["training_memory"] = {
-                "model": {"optimizer_bytes_per_param": _number(MemoryModel().optimizer_bytes_per_param),
-                          "microbatches_in_flight": "k - stage (1F1B)"},
+                "model": {"optimizer_bytes_per_param": _number(self.memory_model.optimizer_bytes_per_param),
+                          "microbatches_in_flight": "k - stage (1F1B)" if self.memory_model.microbatches is None
+                          else f"min(k - stage, {self.memory_model.microbatches}) (1F1B)"},
                 "stages": [{"state_bytes": _number(m.state_bytes), "activation_bytes": _number(m.activation_bytes),
                             "in_flight": m.in_flight, "total": _number(m.total)} for m in memory],
             }
