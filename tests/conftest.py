@@ -15,6 +15,8 @@ def model_fingerprint(model: nn.Module) -> dict:
         "training": {name: m.training for name, m in model.named_modules()},
         "hooks": {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()},
         "tree": [(name, type(m).__name__) for name, m in model.named_modules()],
+        "attributes": {name: {k: id(v) for k, v in vars(m).items() if not k.startswith("_")}
+                       for name, m in model.named_modules()},
     }
 
 
@@ -22,7 +24,7 @@ def assert_same_fingerprint(before: dict, after: dict) -> None:
     assert before["state"].keys() == after["state"].keys()
     for key, value in before["state"].items():
         assert torch.equal(value, after["state"][key]), f"{key} changed"
-    for field in ("ids", "training", "hooks", "tree"):
+    for field in ("ids", "training", "hooks", "tree", "attributes"):
         assert before[field] == after[field], f"{field} changed"
 
 

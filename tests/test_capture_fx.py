@@ -3,6 +3,7 @@ the graph stays generic in sizes, and everything fixed from the example is check
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -11,9 +12,12 @@ import torch.nn.functional as F
 from conftest import assert_same_fingerprint, model_fingerprint
 from torch import nn
 
+import autoshard
 from autoshard.capture import trace_with_leaves
+from autoshard.capture.eager import attributes_restored
 from autoshard.capture.meta import EXAMPLE
 from autoshard.errors import InputMismatchError, TraceError
+from autoshard.passes.instruments import ModelUnchanged
 
 
 class SplitHeads(nn.Module):
@@ -206,6 +210,40 @@ def test_example_values_are_not_kept_and_the_model_is_untouched():
     assert_same_fingerprint(before, model_fingerprint(model))
     own = dict(model.named_parameters())
     assert all(own[name] is p for name, p in gm.named_parameters())
+
+
+class StoresItsWindow(nn.Module):
+    """Sets an attribute from its input's shape in forward, as Swin's layers do with their window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.window = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] <= self.window:
+            self.window = x.shape[1]
+        return self.b(self.a(x).roll(self.window // 2, dims=1))
+
+
+def test_a_forward_that_sets_attributes_leaves_the_model_as_it_was():
+    """Traced, the forward stores a Proxy on the model; the next real call (verify's) failed on it."""
+    model, x = StoresItsWindow(), torch.randn(2, 6, 8)
+    before = model_fingerprint(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,), instruments=[ModelUnchanged()])
+    assert model.window == 16
+    assert_same_fingerprint(before, model_fingerprint(model))
+    assert torch.equal(sharded(x), StoresItsWindow.forward(copy.deepcopy(model), x))
+
+
+def test_attributes_restored_undoes_changes_and_additions_but_keeps_registries():
+    model = StoresItsWindow()
+    weight = model.a.weight
+    with attributes_restored(model):
+        model.window, model.b.extra = 3, "new"
+        model.a.weight = nn.Parameter(torch.zeros(8, 8))
+    assert model.window == 16 and not hasattr(model.b, "extra")
+    assert model.a.weight is not weight  # parameters are the registries' business, not this one's
 
 
 def test_a_batchnorm_model_in_training_mode_keeps_its_statistics():

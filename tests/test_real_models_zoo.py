@@ -131,6 +131,10 @@ FAMILIES: tuple[Family, ...] = (
         num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, image_size=16,
         patch_size=4))),
         lambda b, s: {"pixel_values": torch.randn(b, 3, 16, 16, generator=_generator(b, s))}),
+    # Swin's layers store their window size on themselves in forward: capture must undo that.
+    Family("swin", _seeded(lambda: transformers.SwinModel(transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4))),
+        lambda b, s: {"pixel_values": torch.randn(b, 3, 32, 32, generator=_generator(b, s))}),
     Family("distilbert", _seeded(lambda: transformers.DistilBertModel(transformers.DistilBertConfig(
         n_layers=2, dim=32, n_heads=2, hidden_dim=64, max_position_embeddings=64, vocab_size=VOCAB))),
         lambda b, s: text(b, s, cache=False)),
