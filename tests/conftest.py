@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from autoshard.capture.eager import trace_values_on
+
 
 def model_fingerprint(model: nn.Module) -> dict:
     """Everything shard_model promises not to change: values, identities, flags, hooks, tree."""
@@ -15,8 +17,7 @@ def model_fingerprint(model: nn.Module) -> dict:
         "training": {name: m.training for name, m in model.named_modules()},
         "hooks": {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()},
         "tree": [(name, type(m).__name__) for name, m in model.named_modules()],
-        "attributes": {name: {k: id(v) for k, v in vars(m).items() if not k.startswith("_")}
-                       for name, m in model.named_modules()},
+        "trace values": {name: trace_values_on(m) for name, m in model.named_modules()},
     }
 
 
@@ -24,7 +25,7 @@ def assert_same_fingerprint(before: dict, after: dict) -> None:
     assert before["state"].keys() == after["state"].keys()
     for key, value in before["state"].items():
         assert torch.equal(value, after["state"][key]), f"{key} changed"
-    for field in ("ids", "training", "hooks", "tree", "attributes"):
+    for field in ("ids", "training", "hooks", "tree", "trace values"):
         assert before[field] == after[field], f"{field} changed"
 
 

@@ -3,18 +3,18 @@ the graph stays generic in sizes, and everything fixed from the example is check
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from conftest import assert_same_fingerprint, model_fingerprint
 from torch import nn
 
 import autoshard
 from autoshard.capture import trace_with_leaves
-from autoshard.capture.eager import attributes_restored
+from autoshard.capture.eager import trace_values_cleared
 from autoshard.capture.meta import EXAMPLE
 from autoshard.errors import InputMismatchError, TraceError
 from autoshard.passes.instruments import ModelUnchanged
@@ -226,24 +226,65 @@ class StoresItsWindow(nn.Module):
         return self.b(self.a(x).roll(self.window // 2, dims=1))
 
 
-def test_a_forward_that_sets_attributes_leaves_the_model_as_it_was():
-    """Traced, the forward stores a Proxy on the model; the next real call (verify's) failed on it."""
+def test_a_forward_that_sets_attributes_keeps_no_proxy_on_the_model():
+    """Traced, the forward stores a Proxy on the model; the model's next call (verify's) failed on it.
+    A real call stores the real value, as it does whenever the model runs."""
     model, x = StoresItsWindow(), torch.randn(2, 6, 8)
     before = model_fingerprint(model)
     sharded = autoshard.shard_model(model, 2, example_inputs=(x,), instruments=[ModelUnchanged()])
-    assert model.window == 16
     assert_same_fingerprint(before, model_fingerprint(model))
-    assert torch.equal(sharded(x), StoresItsWindow.forward(copy.deepcopy(model), x))
+    assert model.window == 6
+    assert torch.equal(sharded(x), model(x))
 
 
-def test_attributes_restored_undoes_changes_and_additions_but_keeps_registries():
+def test_trace_values_cleared_takes_off_only_what_a_trace_left():
     model = StoresItsWindow()
-    weight = model.a.weight
-    with attributes_restored(model):
-        model.window, model.b.extra = 3, "new"
-        model.a.weight = nn.Parameter(torch.zeros(8, 8))
-    assert model.window == 16 and not hasattr(model.b, "extra")
-    assert model.a.weight is not weight  # parameters are the registries' business, not this one's
+    proxy = fx.Proxy(fx.Graph().placeholder("x"))
+    with trace_values_cleared(model):
+        model.window, model.b.extra, model.a.real = proxy, [proxy], "kept"
+    assert model.window == 16 and not hasattr(model.b, "extra") and model.a.real == "kept"
+
+
+class Recorded(nn.Module):
+    """Returns what a forward hook saw, as Transformers' output recorders do: the hook on ``first``
+    (a leaf, so it sees its real output while tracing) and the hook inside ``gate`` (a leaf for
+    its value-dependent branch) store into ``seen``."""
+
+    def __init__(self, hook_inside_the_gate: bool) -> None:
+        super().__init__()
+        self.first, self.gate = nn.Linear(4, 4), ValueGate()
+        self.seen: list | None = None
+        recorded = self.gate.up if hook_inside_the_gate else self.first
+        recorded.register_forward_hook(lambda module, args, out: None if self.seen is None else self.seen.append(out))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen = []
+        y = self.gate(self.first(x))
+        seen, self.seen = self.seen, None
+        return y, seen[0]
+
+
+class ValueGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.up(x) if x.mean() > -100 else x
+
+
+def test_a_leafs_output_seen_by_a_hook_is_that_node_not_the_examples_data():
+    model, x, later = Recorded(hook_inside_the_gate=False), torch.randn(2, 4), torch.randn(3, 4)
+    gm = trace_with_leaves(model, (x,)).graph_module
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "constant" in str(n.target)]
+    for inputs in (x, later):
+        assert all(torch.equal(a, b) for a, b in zip(gm(inputs), model(inputs)))
+
+
+def test_a_tensor_a_hook_saw_inside_a_leaf_is_refused_not_baked_in():
+    """No node computes it, so the only graph fx could build would return the example's values."""
+    with pytest.raises(TraceError, match="a tensor computed from the example inside gate reached the graph"):
+        trace_with_leaves(Recorded(hook_inside_the_gate=True), (torch.randn(2, 4),))
 
 
 def test_a_batchnorm_model_in_training_mode_keeps_its_statistics():

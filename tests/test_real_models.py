@@ -16,8 +16,9 @@ import re
 
 import pytest
 import torch
+import transformers
 from conftest import assert_same_fingerprint, model_fingerprint
-from test_real_models_zoo import BY_NAME, EXAMPLE, FAMILIES, LATER, gated_inputs
+from test_real_models_zoo import BY_NAME, DECODER, EXAMPLE, FAMILIES, LATER, gated_inputs
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -138,6 +139,33 @@ def test_shard_model_takes_a_pipeline_starting_with_capture():
     sharded = autoshard.shard_model(model, 2, example_kwargs=family.inputs(*EXAMPLE), pipeline=pipeline)
     inputs = family.inputs(*LATER)
     assert_same_output(sharded(**inputs), model(**inputs))
+
+
+def test_requested_hidden_states_are_returned_by_the_last_stage():
+    """Transformers records hidden states with hooks it installs on the first such call, and a flag
+    saying so; the capture is that first call, and the flag must stay with the hooks (clearing it
+    made the next call install a second set, recording every layer twice)."""
+    family = BY_NAME["llama"]
+    model = family.build().model
+    inputs = {**family.inputs(*EXAMPLE), "output_hidden_states": True}
+    sharded = autoshard.shard_model(model, 3, example_kwargs=inputs)
+    later = {**family.inputs(*LATER), "output_hidden_states": True}
+    out = sharded(**later)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert_same_output(out, model(**later))
+
+
+def test_requested_attentions_are_computed_not_the_examples():
+    """Transformers records attention weights with hooks inside each layer; fx keeps the hooked
+    layers whole, so the weights fx saw are the example's own: it refuses, and export captures."""
+    family = BY_NAME["llama"]
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(transformers.LlamaConfig(**DECODER, attn_implementation="eager")).eval()
+    inputs = {**family.inputs(*EXAMPLE), "output_attentions": True}
+    sharded = autoshard.shard_model(model, 2, example_kwargs=inputs)
+    later = {**family.inputs(*LATER), "output_attentions": True}
+    assert_same_output(sharded(**later), model(**later))
+    assert "reached the graph by another way than its outputs" in capture(model, (), inputs).considered[0]
 
 
 def test_no_grad_inference_matches_up_to_the_fused_fast_path():

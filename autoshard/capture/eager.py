@@ -1,19 +1,22 @@
 """Running the user's model (or pieces of it) for real without leaving a trace on it.
 
 Capture runs the model on the example to learn shapes, and verify runs it to compare; both must
-leave the model as it was. ``isolated`` replays randomness from one seed and restores every buffer
-(BatchNorm statistics) and every plain attribute of every module afterwards: a forward that
-sets one (Swin stores its window size) would otherwise keep a value from the example, or during
-a trace a Proxy that fails the model's next call.
+leave the model as it was. ``isolated`` replays randomness from one seed, restores every buffer
+(BatchNorm statistics) afterwards, and takes off the modules whatever a trace left on them: a
+forward that stores a value on itself (Swin's window size) would keep a Proxy, and fail the
+model's next call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator
 
 import torch
+import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
 
@@ -31,25 +34,52 @@ def buffers_restored(model: nn.Module) -> Iterator[None]:
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
 
+def holds(value: Any, kinds: type | tuple[type, ...]) -> bool:
+    """Whether an instance of ``kinds`` hides anywhere in ``value`` (containers, dataclass fields, slices)."""
+    if isinstance(value, kinds):
+        return True
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return any(holds(v, kinds) for v in value)
+    if isinstance(value, dict):
+        return any(holds(v, kinds) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(holds(getattr(value, f.name, None), kinds) for f in dataclasses.fields(value))
+    if isinstance(value, slice):
+        return any(holds(v, kinds) for v in (value.start, value.stop, value.step))
+    return False
+
+
+#: Values only a trace makes; left on a module, they break its next real call.
+TRACE_VALUES = (fx.Proxy, torch.SymInt, torch.SymFloat, torch.SymBool, FakeTensor)
+
+
+def trace_values_on(module: nn.Module) -> list[str]:
+    """The plain attributes of ``module`` (not its parameters, buffers or children) holding a trace value."""
+    return [key for key, value in vars(module).items() if key not in _REGISTRIES and holds(value, TRACE_VALUES)]
+
+
 @contextlib.contextmanager
-def attributes_restored(model: nn.Module) -> Iterator[None]:
-    """Every module's plain attributes as they were on entry: changed ones set back, new ones
-    removed. Parameters, buffers and submodules keep their own registries (see ``buffers_restored``)."""
-    saved = [(module, {k: v for k, v in vars(module).items() if k not in _REGISTRIES}) for module in model.modules()]
+def trace_values_cleared(model: nn.Module) -> Iterator[None]:
+    """On exit, every plain module attribute that holds a trace value is set back (or removed,
+    if the run added it). Real values a forward stores on itself are its own business, as on any
+    call; they may be tied to hooks it installed (Hugging Face's output recorders)."""
+    saved = [(module, dict(vars(module))) for module in model.modules()]
     try:
         yield
     finally:
-        for module, attributes in saved:
+        for module, before in saved:
             current = vars(module)
-            for key in [k for k in current if k not in attributes and k not in _REGISTRIES]:
-                del current[key]
-            current.update(attributes)
+            for key in trace_values_on(module):
+                if key in before:
+                    current[key] = before[key]
+                else:
+                    del current[key]
 
 
 @contextlib.contextmanager
 def isolated(model: nn.Module, seed: int = 0) -> Iterator[None]:
-    """Seeded randomness, and the model's buffers and attributes restored on exit."""
-    with torch.random.fork_rng(devices=[]), buffers_restored(model), attributes_restored(model):
+    """Seeded randomness, the model's buffers restored and trace values cleared on exit."""
+    with torch.random.fork_rng(devices=[]), buffers_restored(model), trace_values_cleared(model):
         torch.manual_seed(seed)
         yield
 

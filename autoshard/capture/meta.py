@@ -12,7 +12,9 @@ rest symbolic:
   node in the graph refuses later inputs that would flip it (``InputMismatchError``);
 * conditions on tensor *values* still fail, which is what makes a module or function a leaf;
 * objects without proxies inside (configs) are kept as constants, never rebuilt; a dataclass
-  with proxies inside (a ``ModelOutput``) is rebuilt as its own type.
+  with proxies inside (a ``ModelOutput``) is rebuilt as its own type;
+* an example tensor that reaches the code without its proxy (a leaf's forward hook saw the real
+  output) stands for the node that computed it, never for a constant holding the example's data.
 """
 
 from __future__ import annotations
@@ -26,16 +28,22 @@ import inspect
 import os
 import traceback
 import types
+import weakref
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.fx as fx
 import torch.fx._symbolic_trace as fx_trace
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.assemble import resolve
+from autoshard.capture.eager import holds
 from autoshard.capture.guard import check_condition
 from autoshard.capture.leaves import MACHINERY_DIRS
+from autoshard.capture.signature import MODEL_ATTR
+from autoshard.errors import TraceError
 
 EXAMPLE = "autoshard_example"
 _DATA_FREE = "autoshard_data_free"
@@ -146,17 +154,7 @@ def _user_condition() -> str:
 
 def has_proxy(value: Any) -> bool:
     """Whether a Proxy hides anywhere in ``value`` (containers, dataclass fields, slices)."""
-    if isinstance(value, fx.Proxy):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(has_proxy(v) for v in value)
-    if isinstance(value, dict):
-        return any(has_proxy(v) for v in value.values())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(has_proxy(getattr(value, f.name, None)) for f in dataclasses.fields(value))
-    if isinstance(value, slice):
-        return any(has_proxy(v) for v in (value.start, value.stop, value.step))
-    return False
+    return holds(value, fx.Proxy)
 
 
 class _Weights:
@@ -185,6 +183,8 @@ class MetaTracer(fx.Tracer):
         self.specialized: list[str] = []
         self.read_static_facts = False
         self._weights: _Weights | None = None
+        self._computed: dict[int, fx.Node] = {}  # id of an example tensor -> the latest node that made it
+        self._inside: dict[int, tuple[weakref.ref, str]] = {}  # tensors made inside model code's example runs
 
     # -- example values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -196,10 +196,15 @@ class MetaTracer(fx.Tracer):
         node.meta[_DATA_FREE] = self._data_free(node)
         if self.examples is not None and kind != "output":
             try:
-                with _untraced() if _runs_model_code(node) else contextlib.nullcontext(), torch.no_grad():
+                where = str(node.target).removeprefix(f"{MODEL_ATTR}.")  # the path in the user's model
+                inside = _Recording(self._inside, where) if _runs_model_code(node) else None
+                with _untraced() if inside else contextlib.nullcontext(), inside or contextlib.nullcontext(), \
+                        torch.no_grad():
                     node.meta[EXAMPLE] = self._run(node)
             except Exception:  # noqa: BLE001 - no example: the node behaves as in plain fx
                 pass
+            if isinstance(node.meta.get(EXAMPLE), torch.Tensor):
+                self._computed[id(node.meta[EXAMPLE])] = node
         return node
 
     def _run(self, node: fx.Node) -> Any:
@@ -254,6 +259,8 @@ class MetaTracer(fx.Tracer):
 
     def forget_examples(self, graph: fx.Graph) -> None:
         """Drop the example values so the graph does not keep the example's activations alive."""
+        self._computed.clear()
+        self._inside.clear()
         for node in graph.nodes:
             node.meta.pop(EXAMPLE, None)
             node.meta.pop(_DATA_FREE, None)
@@ -284,6 +291,17 @@ class MetaTracer(fx.Tracer):
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, fx.Proxy):  # the common case, first
             return a.node
+        if isinstance(a, torch.Tensor) and id(a) in self._computed:
+            # An example value that reached the code by another way than its proxy (a forward hook
+            # of a leaf saw the real output: Transformers records hidden states so) is that node's
+            # value, not a constant that would serve the example's data to every later call.
+            return self._computed[id(a)]
+        if isinstance(a, torch.Tensor) and id(a) in self._inside and self._inside[id(a)][0]() is a:
+            raise TraceError(
+                f"a tensor computed from the example inside {self._inside[id(a)][1]} reached the graph by "
+                "another way than its outputs (a forward hook of a module kept whole, such as the ones "
+                "Transformers records attentions with?); as a constant it would serve the example's "
+                "values to every later call")
         if isinstance(a, nn.Module):
             try:
                 return self.create_node("get_attr", self.path_of_module(a), (), {})
@@ -308,6 +326,21 @@ class MetaTracer(fx.Tracer):
         name = f"_autoshard_constant_{len(self.constants)}"
         self.constants[name] = value
         return self.create_node("get_attr", name, (), {})
+
+
+class _Recording(TorchDispatchMode):
+    """Notes every tensor the operations inside it make, weakly, with where they were made."""
+
+    def __init__(self, made: dict[int, tuple[weakref.ref, str]], where: str) -> None:
+        super().__init__()
+        self.made, self.where = made, where
+
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.made[id(leaf)] = (weakref.ref(leaf), self.where)
+        return out
 
 
 def guard_value(tracer: MetaTracer, proxy: fx.Proxy, what: str) -> Any:

@@ -14,7 +14,6 @@ registered wraps all the others. ``after_pipeline`` runs only when every pass su
 from __future__ import annotations
 
 import re
-import reprlib
 import sys
 import time
 import traceback
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, TextIO
 
+from autoshard.capture.eager import trace_values_on
 from autoshard.errors import AutoshardError, PassContractError
 from autoshard.passes.base import ExampleInputs, Pass, ShardProgram
 
@@ -320,25 +320,6 @@ _HOOK_ATTRS = (
 
 
 
-@dataclass(frozen=True)
-class _AttributePrint:
-    """A plain module attribute: the same object, or an equal number, string or None."""
-
-    identity: int
-    value: Any
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _AttributePrint):
-            return NotImplemented
-        if self.identity == other.identity:
-            return True
-        simple = (int, float, str, bool, type(None))
-        return type(self.value) is type(other.value) and isinstance(self.value, simple) and self.value == other.value
-
-    def __repr__(self) -> str:
-        return reprlib.repr(self.value)
-
-
 def _checksum(t: Any) -> str:
     import torch
 
@@ -369,8 +350,8 @@ def model_fingerprint(model: Any, example_inputs: ExampleInputs | None = None) -
     """A comparable snapshot of everything a pass must not change about the user's model.
 
     Keys are human-readable ("parameter 'fc.weight'"); values compare equal iff unchanged:
-    the module tree, each module's ``training`` flag, hook counts and public plain attributes (the
-    same object, or an equal number or string), the state_dict keys, and
+    the module tree, each module's ``training`` flag, hook counts and attributes holding what only a
+    trace makes (a Proxy, a symbolic int, a fake tensor), the state_dict keys, and
     each parameter/buffer's identity, ``_version`` counter, shape, dtype, device, requires_grad and
     a cheap checksum (sum and absolute sum). Example-input tensors are included too.
     """
@@ -383,9 +364,7 @@ def model_fingerprint(model: Any, example_inputs: ExampleInputs | None = None) -
         label = f"'{n}'" if n else "the root module"
         fp[f"training flag of {label}"] = m.training
         fp[f"hooks of {label}"] = tuple(len(getattr(m, a, None) or ()) for a in _HOOK_ATTRS)
-        for key, value in vars(m).items():
-            if not key.startswith("_") and key != "training":  # torch's own state is underscored
-                fp[f"attribute {key!r} of {label}"] = _AttributePrint(id(value), value)
+        fp[f"trace values left on {label}"] = tuple(trace_values_on(m))
     fp["the state_dict keys"] = tuple(model.state_dict(keep_vars=True).keys())
     for n, p in model.named_parameters(remove_duplicate=False):
         fp[f"parameter '{n}'"] = _tensor_print(p)
