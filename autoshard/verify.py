@@ -1,6 +1,8 @@
 """Check that the stages compute what the model computes, and say where they first differ.
 
-Three comparisons, in the order a failure is easiest to act on:
+An output object holding tensors that compares by identity (a generation cache) is refused
+first: nothing could be checked against it. Then three comparisons, in the order a failure is
+easiest to act on:
 1. the traced graph against the eager model (a tracing problem, before any split);
 2. each stage's boundary values against the same values in the traced graph;
 3. the chained stages' result against the eager model.
@@ -21,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from autoshard.capture.eager import isolated
 from autoshard.errors import VerificationError
@@ -95,6 +97,28 @@ def first_difference(actual: Any, expected: Any, rtol: float, atol: float) -> st
     return None
 
 
+def _has_tensors(value: Any, depth: int = 4) -> bool:
+    """Whether tensors hide in ``value``: in containers and objects' attributes, ``depth`` levels down."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0:
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items: Any = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    return any(_has_tensors(item, depth - 1) for item in items)
+
+
+def _objects_holding_tensors(value: Any) -> list[str]:
+    """Where ``value`` holds an object with tensors inside that compares by identity (a cache)."""
+    return [f"{keystr(path) or 'the output'}: {type(leaf).__name__}"
+            for path, leaf in tree_flatten_with_path(value)[0]
+            if not isinstance(leaf, torch.Tensor) and type(leaf).__eq__ is object.__eq__ and _has_tensors(leaf)]
+
+
 def verify_stages(
     model: nn.Module,
     gm: fx.GraphModule,
@@ -108,6 +132,13 @@ def verify_stages(
 ) -> str:
     """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
     expected = run_seeded(lambda: model(*args, **kwargs), model, seed, grad=True)
+    opaque = _objects_holding_tensors(expected)
+    if opaque:
+        raise VerificationError(
+            f"the model returns objects that hold tensors ({'; '.join(opaque)}): they compare by identity, so "
+            "no copy can be checked against them, and stages cannot pass them on (pipeline runtimes send "
+            "tensors); if one is a generation cache (past_key_values), call the model with use_cache=False",
+            stage=None)
     recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})
     traced = run_seeded(lambda: recorder.run(*_positional(gm, args, kwargs)), model, seed, grad=True)
     problem = first_difference(traced, expected, rtol, atol)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 import autoshard
 from autoshard.api import default_pipeline
 from autoshard.capture import TraceResult, capture
-from autoshard.errors import InputMismatchError
+from autoshard.errors import InputMismatchError, VerificationError
 from autoshard.passes import Pipeline
 from autoshard.passes.base import ExampleInputs, ShardProgram
 from autoshard.passes.capture import CapturePass
@@ -166,6 +166,13 @@ def test_requested_attentions_are_computed_not_the_examples():
     later = {**family.inputs(*LATER), "output_attentions": True}
     assert_same_output(sharded(**later), model(**later))
     assert "reached the graph by another way than its outputs" in capture(model, (), inputs).considered[0]
+
+
+def test_a_generation_cache_in_the_output_is_refused_saying_what_to_do():
+    family = BY_NAME["llama"]
+    inputs = {k: v for k, v in family.inputs(*EXAMPLE).items() if k != "use_cache"}  # the config's True
+    with pytest.raises(VerificationError, match=r"DynamicCache\).*call the model with use_cache=False"):
+        autoshard.shard_model(family.build(), 2, example_kwargs=inputs)
 
 
 def test_no_grad_inference_matches_up_to_the_fused_fast_path():

@@ -85,3 +85,28 @@ def test_a_model_returning_a_dict_is_verified_and_returns_a_dict():
     out = sharded(x)
     assert type(out) is dict and type(out["hidden"]) is list
     torch.testing.assert_close(out, model(x))
+
+
+class KeyValueCache:
+    """A generation cache: layers append to it in place, and it compares by identity."""
+
+    def __init__(self) -> None:
+        self.layers: list[list[torch.Tensor]] = []
+
+
+class CachingMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, KeyValueCache]:
+        cache = KeyValueCache()
+        for layer in self.layers:
+            x = layer(x)
+            cache.layers.append([x])
+        return x, cache
+
+
+def test_an_output_object_holding_tensors_is_refused_saying_what_it_is():
+    with pytest.raises(VerificationError, match=r"objects that hold tensors \(\[1\]: KeyValueCache\).*use_cache=False"):
+        autoshard.shard_model(CachingMLP(), 2, example_inputs=(torch.randn(2, 4),))
