@@ -27,7 +27,14 @@ from autoshard import progress
 from autoshard.api import bind_pipeline, check_stage_count, default_pipeline, example_inputs_of
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import MemoryModel
-from autoshard.errors import AutoshardError, InvalidArgumentError, MissingExtraError, PlanError, ShapePropagationError
+from autoshard.errors import (
+    AutoshardError,
+    ExampleInputsError,
+    InvalidArgumentError,
+    MissingExtraError,
+    PlanError,
+    ShapePropagationError,
+)
 from autoshard.examples import EXAMPLES
 from autoshard.passes.analyses import memory_model, use_memory_model
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
@@ -429,7 +436,7 @@ def _hint(exc: BaseException) -> str | None:
                 "add --debug to see the traceback")
     if isinstance(exc, PlanError):
         return "make a fresh plan with `autoshard split TARGET --stages K --out PLAN.json`"
-    if isinstance(exc, ShapePropagationError):
+    if isinstance(exc, (ShapePropagationError, ExampleInputsError)):
         return ("the example inputs must be ones the model runs on (model(*args, **kwargs) works): check their "
                 "shapes and dtypes against its forward; add --debug to see the traceback")
     if isinstance(exc, AutoshardError):

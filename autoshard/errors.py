@@ -95,6 +95,10 @@ class ShapePropagationError(AutoshardError):
     """Running the traced graph on the example inputs (real or fake tensors) failed at a node."""
 
 
+class ExampleInputsError(InvalidArgumentError):
+    """The model itself raises on the example inputs it was given, so nothing can be captured."""
+
+
 class InputMismatchError(InvalidArgumentError):
     """Inputs a sharded model cannot serve: a constant argument with another value, or a shape
     outside what the capture was built for. The message names what the plan accepts."""

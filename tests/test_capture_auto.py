@@ -9,7 +9,7 @@ from torch import nn
 
 import autoshard
 from autoshard.capture import capture
-from autoshard.errors import InvalidArgumentError, PipelineValidationError, TraceError
+from autoshard.errors import ExampleInputsError, InvalidArgumentError, PipelineValidationError, TraceError
 from autoshard.examples import ResidualMLP, load_example
 from autoshard.passes import Pipeline, PassRegistry, default_registry
 from autoshard.passes.capture import CapturePass
@@ -53,6 +53,23 @@ def test_without_examples_only_fx_runs_and_a_failure_says_what_to_pass():
         capture(TopLevel())
     with pytest.raises(TraceError, match=r"fx: failed .*; export: failed .*cannot export the top-level"):
         capture(TopLevel(), (torch.randn(2, 2),))
+
+
+class NeedsAConfig(nn.Module):
+    """Fails on any input, traced or not, as a model with an incomplete config does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.missing_setting
+
+
+def test_a_model_that_fails_on_its_own_example_is_reported_as_such_not_as_untraceable():
+    with pytest.raises(ExampleInputsError, match=r"NeedsAConfig itself raises on the example inputs "
+                                                 r"\(AttributeError: .*missing_setting"):
+        autoshard.shard_model(NeedsAConfig(), 2, example_inputs=(torch.randn(2, 4),))
 
 
 def test_a_front_end_can_be_asked_for_by_name():
