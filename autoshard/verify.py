@@ -146,7 +146,8 @@ def verify_stages(
         raise VerificationError(
             f"the traced graph differs from the model before any split ({problem}); "
             "the capture lost something the model depends on (a rebuilt argument, a hook, "
-            "a global setting)", stage=None)
+            "a global setting) or fixed something the model draws anew on every call (randomness "
+            "from numpy or Python's random, which the graph keeps as the trace drew it)", stage=None)
 
     def chained() -> Any:
         values = stages[0](*args, **kwargs)
