@@ -92,3 +92,20 @@ def test_coarse_graphs_never_make_min_cut_worse(seed):
         default = split_dag(dag, k, return_info=True).info
         assert default.boundary_bytes <= fine_only.boundary_bytes
         assert default.bottleneck <= default.bound * (1 + 1e-9)
+
+
+def test_graphs_of_mostly_cost_free_nodes_are_not_coarsened(monkeypatch):
+    """As in a traced model weighed by its parameters: the coarse graphs found nothing there."""
+    import autoshard.graph.split as split_module
+
+    calls = []
+    monkeypatch.setattr(split_module, "_coarse_split", lambda *args: calls.append(args[1]))
+    dag = layered_graph(100, seed=1)
+    split_dag(dag, 2)
+    assert len(calls) == 2  # one per quantile
+    nodes = sorted(v for v in dag if not dag.nodes[v].get("input"))
+    for v in nodes[: (len(nodes) + 1) // 2]:
+        dag.nodes[v]["cost"] = 0.0
+    calls.clear()
+    split_dag(dag, 2)
+    assert calls == []
