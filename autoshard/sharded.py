@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping
 
+import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.memory import MemoryModel
@@ -103,8 +106,9 @@ class ShardedModel(nn.Module):
     """An ``nn.Module`` whose forward runs ``stages`` in order.
 
     ``stages[0]`` takes the model's inputs; every stage but the last returns a tuple of the
-    values crossing its boundary, which the next stage takes positionally; the last stage
-    returns what the model returns.
+    values crossing its boundary, which the next stage takes positionally (moved to the device
+    of its weights when it has been placed elsewhere); the last stage returns what the model
+    returns.
     """
 
     def __init__(self, stages: list[fx.GraphModule], plan: StagePlan) -> None:
@@ -119,5 +123,19 @@ class ShardedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self.stages[0](*args, **kwargs)
         for stage in self.stages[1:]:
-            values = stage(*values)
+            values = stage(*_moved_to(_device_of(stage), values))
         return values
+
+
+def _device_of(stage: nn.Module) -> torch.device | None:
+    """The one device a stage's weights are on (None: none, or several)."""
+    devices = {t.device for t in itertools.chain(stage.parameters(), stage.buffers())}
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _moved_to(device: torch.device | None, values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``values`` with their tensors on ``device``: stages placed on devices of their own by hand
+    (``stages[i].to(f"cuda:{i}")``) hand each other their boundary values there."""
+    if device is None:
+        return values
+    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v, values)

@@ -63,6 +63,18 @@ def test_a_sharded_model_moved_to_cuda_by_hand_matches_the_model():
     torch.testing.assert_close(out.cpu(), expected, **CLOSE)
 
 
+def test_stages_on_the_cpu_and_a_gpu_chain_like_the_model():
+    torch.manual_seed(0)
+    model, ids = GPTStyleLM().eval(), torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        expected = model(ids)
+        sharded = copy.deepcopy(autoshard.shard_model(model, 2, example_inputs=(ids,)))
+        sharded.stages[1].to("cuda")
+        out = sharded(ids)
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out.cpu(), expected, **CLOSE)
+
+
 def _one_rank_interleaved_step(rank: int, world: int) -> dict:
     """Both stages of a 2-stage plan on this rank's GPU under the interleaved 1F1B schedule."""
     torch.manual_seed(0)

@@ -180,6 +180,19 @@ def test_a_sharded_model_moved_by_hand_computes_where_its_inputs_are():
     assert out.is_meta and by_stage.is_meta and set(devices.seen) == {"meta"}, devices.seen
 
 
+def test_stages_placed_on_devices_of_their_own_hand_their_values_on():
+    """Naive model parallelism: stage 0 stays on the CPU, stage 1 goes to ``meta`` (standing in
+    for a second GPU); the sharded model moves the boundary values to stage 1's device."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 8))
+    sharded = copy.deepcopy(autoshard.shard_model(GPTStyleLM(), 2, example_inputs=(ids,)))
+    sharded.stages[1].to("meta")
+    with torch.no_grad(), OutputDevices() as devices:
+        out = sharded(ids)
+    assert out.is_meta and set(devices.seen) == {"cpu", "meta"}
+    assert "aten.embedding.default" in devices.seen["cpu"]
+
+
 def test_a_stage_without_tensor_inputs_keeps_the_captured_device():
     assert stage_device(torch.device("cpu"), None, (3, "x")) == torch.device("cpu")
     assert stage_device(torch.device("cpu"), 3, (torch.zeros(1, device="meta"),)) == torch.device("meta")

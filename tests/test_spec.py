@@ -192,6 +192,8 @@ def test_none_string_is_quoted_only_where_none_is_a_value():
     assert str(KitchenSinkPass(label="none")) == "kitchen-sink{label=none}"
     assert str(KitchenSinkPass(maybe_text="none")) == 'kitchen-sink{maybe-text="none"}'
     assert str(KitchenSinkPass(opt_items=("none", None))) == 'kitchen-sink{opt-items="none",none}'
+    lone = KitchenSinkPass(maybe_names=("none",))  # an optional tuple of one "none" is not None
+    assert str(lone) == 'kitchen-sink{maybe-names="none"}' and parse(str(lone))[0] == lone
 
 
 # ----------------------------------------------------------------------------------------------

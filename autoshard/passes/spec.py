@@ -465,7 +465,8 @@ def _format(value: Any, t: Any, none_ok: bool = False) -> str:
         return _format(value, _lit_type(value), none_ok)
     if isinstance(t, _Tuple):
         item_types = [t.elem] * len(value) if t.elem is not None else t.items
-        return ",".join(_format(v, it) for v, it in zip(value, item_types))
+        # inside `tuple[str, ...] | None`, a lone bare "none" would read back as None
+        return ",".join(_format(v, it, none_ok) for v, it in zip(value, item_types))
     kind = t.kind
     if kind is bool:
         return "true" if value else "false"
