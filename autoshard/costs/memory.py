@@ -51,11 +51,14 @@ class MemoryModel:
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise InvalidArgumentError(f"microbatches must be a whole number >= 1 or None (no cap), got {count!r}")
 
+    def in_flight_rule(self, stage: str = "j") -> str:
+        """``in_flight`` in words, for reports and plan files: ``k - j`` or ``min(k - j, cap)``."""
+        return f"k - {stage}" if self.microbatches is None else f"min(k - {stage}, {self.microbatches})"
+
     def describe(self) -> str:
         """What the model assumes, in words, for reports."""
-        flight = "k - j" if self.microbatches is None else f"min(k - j, {self.microbatches})"
         return (f"weights + gradients + optimizer state ({self.optimizer_bytes_per_param:g} B per parameter) "
-                f"+ kept activations x microbatches in flight (stage j of k: {flight}, 1F1B)")
+                f"+ kept activations x microbatches in flight (stage j of k: {self.in_flight_rule()}, 1F1B)")
 
     def to_dict(self) -> dict[str, float | int | None]:
         return {"optimizer_bytes_per_param": self.optimizer_bytes_per_param, "microbatches": self.microbatches}

@@ -249,8 +249,7 @@ class SavedPlan:
         if memory is not None:
             summary["training_memory"] = {
                 "model": {"optimizer_bytes_per_param": _number(self.memory_model.optimizer_bytes_per_param),
-                          "microbatches_in_flight": "k - stage (1F1B)" if self.memory_model.microbatches is None
-                          else f"min(k - stage, {self.memory_model.microbatches}) (1F1B)"},
+                          "microbatches_in_flight": f"{self.memory_model.in_flight_rule('stage')} (1F1B)"},
                 "stages": [{"state_bytes": _number(m.state_bytes), "activation_bytes": _number(m.activation_bytes),
                             "in_flight": m.in_flight, "total": _number(m.total)} for m in memory],
             }
