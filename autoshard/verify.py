@@ -112,10 +112,18 @@ def _has_tensors(value: Any, depth: int = 4) -> bool:
     return any(_has_tensors(item, depth - 1) for item in items)
 
 
+def _named_leaves(value: Any) -> list[tuple[str, Any]]:
+    """``value``'s pytree leaves with their paths, or numbered where a registered container type
+    has no key function (diffusers registers its output classes so)."""
+    try:
+        return [(keystr(path) or "the output", leaf) for path, leaf in tree_flatten_with_path(value)[0]]
+    except ValueError:
+        return [(f"leaf {index}", leaf) for index, leaf in enumerate(tree_flatten(value)[0])]
+
+
 def _objects_holding_tensors(value: Any) -> list[str]:
     """Where ``value`` holds an object with tensors inside that compares by identity (a cache)."""
-    return [f"{keystr(path) or 'the output'}: {type(leaf).__name__}"
-            for path, leaf in tree_flatten_with_path(value)[0]
+    return [f"{name}: {type(leaf).__name__}" for name, leaf in _named_leaves(value)
             if not isinstance(leaf, torch.Tensor) and type(leaf).__eq__ is object.__eq__ and _has_tensors(leaf)]
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 import torch.fx as fx
+from torch.utils._pytree import register_pytree_node
 
 import autoshard
 from autoshard.errors import VerificationError
@@ -110,3 +114,44 @@ class CachingMLP(torch.nn.Module):
 def test_an_output_object_holding_tensors_is_refused_saying_what_it_is():
     with pytest.raises(VerificationError, match=r"objects that hold tensors \(\[1\]: KeyValueCache\).*use_cache=False"):
         autoshard.shard_model(CachingMLP(), 2, example_inputs=(torch.randn(2, 4),))
+
+
+@dataclasses.dataclass
+class KeylessOutput:
+    """An output class registered as a pytree node without key paths, as diffusers registers its own."""
+
+    sample: Any
+    extra: Any = None
+
+
+register_pytree_node(KeylessOutput, lambda o: ([o.sample, o.extra], None), lambda values, _: KeylessOutput(*values))
+
+
+class KeylessOutputMLP(torch.nn.Module):
+    def __init__(self, cache: bool = False) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> KeylessOutput:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        cache = KeyValueCache() if self.cache else None
+        if cache is not None:
+            cache.layers.append([x])
+        return KeylessOutput(x, cache)
+
+
+def test_an_output_type_registered_without_key_paths_is_verified():
+    model = KeylessOutputMLP()
+    x = torch.randn(2, 4)
+    sharded = autoshard.shard_model(model, 3, example_inputs=(x,))
+    later = torch.randn(5, 4)
+    out = sharded(later)
+    assert type(out) is KeylessOutput
+    torch.testing.assert_close(out.sample, model(later).sample, rtol=0, atol=0)
+
+
+def test_an_object_holding_tensors_inside_a_keyless_output_is_named_by_its_position():
+    with pytest.raises(VerificationError, match=r"objects that hold tensors \(leaf 1: KeyValueCache\)"):
+        autoshard.shard_model(KeylessOutputMLP(cache=True), 2, example_inputs=(torch.randn(2, 4),))
