@@ -306,3 +306,27 @@ def test_functional_pad_with_a_size_from_the_input_stays_symbolic():
     gm = trace_with_leaves(model, (torch.randn(2, 5),)).graph_module
     x = torch.randn(3, 2)
     assert torch.equal(gm(x), model(x))
+
+
+class TimeEmbedding(nn.Module):
+    """diffusers' UNet idiom: a timestep may come as a number or a tensor, tested with ``torch.is_tensor``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(1, 4)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        if not torch.is_tensor(timestep):
+            timestep = torch.tensor([timestep], dtype=torch.long)
+        elif len(timestep.shape) == 0:
+            timestep = timestep[None]
+        return x + self.proj(timestep.expand(x.shape[0]).float()[:, None])
+
+
+def test_torch_is_tensor_answers_from_the_example():
+    model = TimeEmbedding()
+    result = trace_with_leaves(model, (torch.randn(2, 4), torch.tensor(7)))
+    assert not result.wrapped
+    assert torch.is_tensor(torch.ones(1)) and not torch.is_tensor(1)  # the real function is back
+    later = (torch.randn(3, 4), torch.tensor(5))
+    torch.testing.assert_close(result.graph_module(*later), model(*later), rtol=0, atol=0)

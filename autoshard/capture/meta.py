@@ -6,7 +6,7 @@ helper (fx rebuilds dataclasses from their fields and loses private settings). W
 value of every node at hand, the tracer answers what does not change between calls and keeps the
 rest symbolic:
 
-* ``dtype``, ``device``, ``ndim``, ``dim()`` come from the example; ``x.shape`` iterates as one
+* ``dtype``, ``device``, ``ndim``, ``dim()`` and ``torch.is_tensor`` come from the example; ``x.shape`` iterates as one
   symbolic size per dimension, so sizes stay symbolic and the graph serves other shapes;
 * a condition computed from sizes alone (``if seq_len > 1``) takes its example value, and a guard
   node in the graph refuses later inputs that would flip it (``InputMismatchError``);
@@ -152,6 +152,25 @@ def _user_condition() -> str:
     return "a condition in the model's code"
 
 
+def _is_tensor(obj: Any) -> bool:
+    """``torch.is_tensor`` that answers for a proxy from its example: model code that turns a
+    non-tensor argument into one (``if not torch.is_tensor(t): t = torch.tensor([t])``, as
+    diffusers' UNets do) would otherwise take that branch with a tensor proxy and fail."""
+    if isinstance(obj, fx.Proxy):
+        return isinstance(example_of(obj), torch.Tensor)
+    return isinstance(obj, torch.Tensor)
+
+
+@contextlib.contextmanager
+def _swapped_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def has_proxy(value: Any) -> bool:
     """Whether a Proxy hides anywhere in ``value`` (containers, dataclass fields, slices)."""
     return holds(value, fx.Proxy)
@@ -266,6 +285,12 @@ class MetaTracer(fx.Tracer):
             node.meta.pop(_DATA_FREE, None)
 
     # -- where plain fx gives up ----------------------------------------------------------------------
+    def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        if self.examples is None:
+            return super().trace(root, concrete_args)
+        with _swapped_attribute(torch, "is_tensor", _is_tensor):
+            return super().trace(root, concrete_args)
+
     def iter(self, obj: fx.Proxy) -> Any:
         example = example_of(obj)
         if isinstance(example, torch.Size):
