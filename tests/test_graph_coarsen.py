@@ -109,3 +109,20 @@ def test_graphs_of_mostly_cost_free_nodes_are_not_coarsened(monkeypatch):
     calls.clear()
     split_dag(dag, 2)
     assert calls == []
+
+
+def test_kicks_on_graphs_of_mostly_cost_free_nodes_stop_when_they_stop_paying(monkeypatch):
+    import autoshard.graph.split as split_module
+
+    patience = []
+    real_improve = split_module.local_moves.improve
+    monkeypatch.setattr(split_module.local_moves, "improve",
+                        lambda *args: (patience.extend(args[7:]), real_improve(*args))[1])
+    dag = layered_graph(100, seed=1)
+    split_dag(dag, 2)
+    assert patience and set(patience) == {None}  # every search with kicks (coarse graphs too) runs them all
+    for v in sorted(v for v in dag if not dag.nodes[v].get("input"))[::2]:
+        dag.nodes[v]["cost"] = 0.0
+    patience.clear()
+    split_dag(dag, 2)
+    assert patience == [split_module.MOSTLY_FREE_KICK_PATIENCE]  # and no coarse graphs

@@ -95,6 +95,28 @@ def test_kicks_escape_a_split_that_moves_alone_cannot_improve():
     assert np.array_equal(moves.improve(g, start, 2, problem.limits(), kicks=60), found)  # seeded
 
 
+def test_patience_stops_the_kicks_after_that_many_in_a_row_find_nothing(monkeypatch):
+    problem = SplitProblem(layered_graph(30, seed=5), 2, 0.02)
+    g = problem.graph
+    start = moves.improve(g, problem.dp_split(g.program()), 2, problem.limits())
+    kicks = []
+    real_passes = moves._passes
+
+    def counted(state, graph, frozen, seeds):
+        kicks.append(seeds is not None)  # a kick's repair starts from its seeds
+        real_passes(state, graph, frozen, seeds)
+
+    monkeypatch.setattr(moves, "_passes", counted)
+    found = moves.improve(g, start, 2, problem.limits(), kicks=60)
+    assert sum(kicks) == 60 and g.total_bytes(found, 2) < g.total_bytes(start, 2)  # kick 1 (of 0..59) gains
+    kicks.clear()
+    assert np.array_equal(moves.improve(g, start, 2, problem.limits(), kicks=60, patience=3), found)
+    assert sum(kicks) == 2 + 3  # the gain at kick 1, then three in a row that find nothing
+    kicks.clear()
+    assert np.array_equal(moves.improve(g, start, 2, problem.limits(), kicks=60, patience=1), start)
+    assert sum(kicks) == 1
+
+
 def test_kicks_thin_out_on_tiny_and_large_graphs():
     assert moves.kicks_for(10) == 10
     assert moves.kicks_for(500) == moves.KICKS

@@ -276,9 +276,11 @@ def improve(
     pinned: frozenset[int] = frozenset(),
     fixed: np.ndarray | None = None,
     kicks: int = 0,
+    patience: int | None = None,
 ) -> np.ndarray:
     """``stages`` after passes of single-node moves, then ``kicks`` rounds of iterated local
-    search; never sends more bytes than ``stages``.
+    search (stopping early after ``patience`` kicks in a row find nothing better, if given);
+    never sends more bytes than ``stages``.
 
     ``limits`` are the per-stage budgets every stage keeps; no move crosses a boundary in
     ``pinned``; ``fixed`` nodes (together groups) stay where they are. Each kick moves
@@ -294,7 +296,10 @@ def improve(
     best_sent = g.total_bytes(best, k)
     state.journal.clear()
     rng = np.random.default_rng(SEED)
+    fruitless = 0
     for _ in range(kicks):
+        if patience is not None and fruitless >= patience:
+            break
         movable = [v for v in _movable(g, best, k).tolist() if v not in frozen]
         if not movable:
             break
@@ -311,6 +316,8 @@ def improve(
         if not state.over and sent < best_sent:
             best, best_sent = found, sent
             state.journal.clear()
+            fruitless = 0
         else:
             state.undo(mark)
+            fruitless += 1
     return best
