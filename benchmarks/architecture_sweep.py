@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
+import diffusers as D  # noqa: E402
 import transformers as T  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -166,6 +167,27 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Inputs]] = {
     "gpt2-train-labels": (lambda: T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64,
                                                                  vocab_size=VOCAB, use_cache=False)), with_labels),
     "bert-masked-lm-train": (lambda: T.BertForMaskedLM(T.BertConfig(**LAYERS)), with_labels),
+    # diffusers (the CI zoo holds a conditional UNet and an SD3 transformer)
+    "diffusers-unet2d": (lambda: D.UNet2DModel(
+        sample_size=16, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8), lambda batch, seq: {"sample": torch.randn(batch, 3, 2 * seq, 2 * seq),
+                                                "timestep": torch.tensor(3)}),
+    "diffusers-vae": (lambda: D.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), latent_channels=4,
+        norm_num_groups=8, layers_per_block=1), lambda batch, seq: {"sample": torch.randn(batch, 3, 2 * seq, 2 * seq)}),
+    "diffusers-dit": (lambda: D.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=2, sample_size=8, patch_size=2,
+        num_embeds_ada_norm=10), lambda batch, _: {"hidden_states": torch.randn(batch, 4, 8, 8),
+                                                   "timestep": torch.ones(batch, dtype=torch.long),
+                                                   "class_labels": torch.zeros(batch, dtype=torch.long)}),
+    "diffusers-flux": (lambda: D.FluxTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4)),
+        lambda batch, seq: {"hidden_states": torch.randn(batch, seq, 8), "encoder_hidden_states": torch.randn(batch, 5, 16),
+                            "pooled_projections": torch.randn(batch, 8), "timestep": torch.ones(batch),
+                            "img_ids": torch.randn(seq, 3), "txt_ids": torch.randn(5, 3)}),
 }
 #: Run in training mode (dropout replayed from one seed); every other model is put in eval mode.
 TRAINING = frozenset({"wav2vec2-train", "llama-train-checkpointing", "gpt2-train-labels", "bert-masked-lm-train"})

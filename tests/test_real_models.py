@@ -130,6 +130,8 @@ def test_auto_keeps_the_capture_with_fewer_wrapped_modules():
     assert gated.front_end == "fx" and len(gated.considered) == 2  # a tie keeps fx
     _, gpt2 = captured("gpt2")
     assert gpt2.front_end == "fx" and gpt2.considered == ("fx: wrapped modules 0, functions 0",)
+    _, unet = captured("diffusers-unet")  # its forward asks torch.is_tensor of the timestep
+    assert unet.front_end == "fx" and unet.considered == ("fx: wrapped modules 0, functions 0",)
 
 
 def test_shard_model_takes_a_pipeline_starting_with_capture():

@@ -1,7 +1,8 @@
 """The real-model families the suite shards: tiny configs, random weights, nothing downloaded.
 
 Each family is built the way users build it and called the way users call it: keyword inputs
-(``input_ids``, ``attention_mask``, ``pixel_values``...), ``use_cache=False``, eval mode. Two
+(``input_ids``, ``attention_mask``, ``pixel_values``, a diffusion model's ``sample`` and
+``timestep``...), ``use_cache=False``, eval mode. Two
 inputs per family: the example a plan is built from (batch 2, sequence 8) and a later call
 with another batch size and sequence length (3 and 5). ``GatedGPT2`` adds control flow on tensor
 values (a gate module and a free function with a data-dependent loop), with a ``bias`` input
@@ -22,6 +23,7 @@ from typing import Any, Callable  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import diffusers  # noqa: E402
 import transformers  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa: E402
@@ -152,6 +154,22 @@ FAMILIES: tuple[Family, ...] = (
         lambda b, s: {"src": torch.randn(b, s, 32, generator=_generator(b, s)),
                       "tgt": torch.randn(b, s // 2 + 1, 32, generator=_generator(s, b))}),
     Family("gated-gpt2", _seeded(GatedGPT2), gated_inputs, max_leaves=2),
+    # diffusers: latents of side 2 x sequence (a multiple of the UNet's down-sampling), text
+    # states of the sequence's length; the timestep per sample.
+    Family("diffusers-unet", _seeded(lambda: diffusers.UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16, attention_head_dim=8, norm_num_groups=8)),
+        lambda b, s: {"sample": torch.randn(b, 4, 2 * s, 2 * s, generator=_generator(b, s)),
+                      "timestep": torch.full((b,), 10), "encoder_hidden_states": torch.randn(b, s, 16, generator=_generator(s, b))}),
+    Family("diffusers-sd3", _seeded(lambda: diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=4,
+        pos_embed_max_size=16)),
+        lambda b, s: {"hidden_states": torch.randn(b, 4, 2 * s, 2 * s, generator=_generator(b, s)),
+                      "encoder_hidden_states": torch.randn(b, s, 16, generator=_generator(s, b)),
+                      "pooled_projections": torch.randn(b, 8, generator=_generator(b, b, s)),
+                      "timestep": torch.full((b,), 1)}),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}
