@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_capture_fx import Around, Gate
@@ -9,7 +11,8 @@ from torch import nn
 
 import autoshard
 from autoshard.capture import capture
-from autoshard.errors import ExampleInputsError, InvalidArgumentError, PipelineValidationError, TraceError
+from autoshard.errors import (ExampleInputsError, InputMismatchError, InvalidArgumentError,
+                              PipelineValidationError, TraceError)
 from autoshard.examples import ResidualMLP, load_example
 from autoshard.passes import Pipeline, PassRegistry, default_registry
 from autoshard.passes.capture import CapturePass
@@ -31,6 +34,29 @@ def test_auto_keeps_export_when_fx_must_wrap_a_module_that_exports():
                                  "export: wrapped modules 0, functions 0")
     x = torch.randn(5, 4)
     assert torch.equal(result.graph_module(x), model(x))
+
+
+class RunningSum(nn.Module):
+    """A Python loop over the sequence: fx keeps it whole, export unrolls it for the example's length."""
+
+    def forward(self, x):
+        total, sums = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            total = total + x[:, t]
+            sums.append(total)
+        return torch.stack(sums, 1)
+
+
+def test_a_length_export_fixed_is_refused_with_the_pipeline_that_keeps_it_free():
+    model = Around(RunningSum(), 4)
+    example, later = torch.randn(2, 6, 4), torch.randn(3, 9, 4)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(example,))
+    with pytest.raises(InputMismatchError, match=r"x.shape\[1\] is 9, but the plan only serves 6 \(torch.export") as info:
+        sharded(later)
+    advised = re.search(r"pipeline='([^']+)'", str(info.value)).group(1)
+    general = autoshard.shard_model(model, 2, example_inputs=(example,), pipeline=advised)
+    assert [w.name for w in general.plan.wrapped] == ["inner"]
+    assert torch.equal(general(later), model(later))
 
 
 def test_auto_keeps_fx_on_a_tie_and_does_not_try_export_when_fx_wraps_no_module():

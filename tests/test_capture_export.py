@@ -95,6 +95,7 @@ def test_a_pinned_size_is_refused_naming_the_shapes_served():
     with pytest.raises(InputMismatchError, match=problem) as info:
         gm(torch.randn(2, 5, 4))
     assert re.search(r"x: float32 of shape \(s\d+, 8, 4\)", str(info.value))
+    assert "torch.export fixed that size" in str(info.value) and "pipeline='trace," in str(info.value)
 
 
 def test_sizes_that_must_agree_are_checked_together():

@@ -14,6 +14,7 @@ position table's length) the graph's input guard names the shapes it serves and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 from typing import Any, Iterator, Mapping
@@ -96,6 +97,14 @@ def _finite(bound: Any) -> int | None:
     return None if bound in (int_oo, -int_oo) or not bound.is_finite else int(bound)
 
 
+#: Why an exported plan refuses another size, and the way out.
+FIXED_SIZE_ADVICE = (
+    " (torch.export fixed that size while capturing: the model's code needs it, or turns it into a "
+    "Python number; if the model itself serves other sizes, the fx front end may keep it free, "
+    "keeping whole the modules whose code it cannot trace: shard with "
+    "pipeline='trace,shape-prop,build-dag,linearize,split,emit,verify')")
+
+
 def _input_guard(graph: fx.Graph, signature: CallSignature, ranges: Mapping[Any, Any]) -> InputGuard:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     shapes = {}
@@ -103,7 +112,7 @@ def _input_guard(graph: fx.Graph, signature: CallSignature, ranges: Mapping[Any,
         value = node.meta.get("val")
         if leaf is None and isinstance(value, torch.Tensor):
             shapes[name] = tuple(_dim_spec(s, ranges) for s in value.shape)
-    return signature.guard(shapes)
+    return dataclasses.replace(signature.guard(shapes), fixed_size_advice=FIXED_SIZE_ADVICE)
 
 
 def _pinned(guard: InputGuard) -> tuple[str, ...]:

@@ -55,6 +55,8 @@ class InputGuard:
     constants: Mapping[str, Any] = field(default_factory=dict)
     dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     shapes: Mapping[str, tuple[DimSpec, ...]] = field(default_factory=dict)
+    #: Said after a size refused for being other than the fixed one: who fixed it, what to do.
+    fixed_size_advice: str = ""
 
     def describe(self) -> str:
         parts = []
@@ -85,7 +87,7 @@ class InputGuard:
                 return f"{name} is not a {len(dims)}-dimensional tensor"
             for axis, (size, dim) in enumerate(zip(value.shape, dims)):
                 if dim.size is not None and size != dim.size:
-                    return f"{name}.shape[{axis}] is {size}, but the plan only serves {dim.size}"
+                    return f"{name}.shape[{axis}] is {size}, but the plan only serves {dim.size}{self.fixed_size_advice}"
                 if dim.size is None and sizes.setdefault(dim.symbol, size) != size:
                     seen = sizes[dim.symbol]
                     return f"{name}.shape[{axis}] is {size}, but {dim.symbol} is {seen} elsewhere"
