@@ -330,3 +330,33 @@ def test_torch_is_tensor_answers_from_the_example():
     assert torch.is_tensor(torch.ones(1)) and not torch.is_tensor(1)  # the real function is back
     later = (torch.randn(3, 4), torch.tensor(5))
     torch.testing.assert_close(result.graph_module(*later), model(*later), rtol=0, atol=0)
+
+
+class HalfPrecisionBlock(nn.Module):
+    """Two linears under ``torch.autocast``: the region changes the dtype they compute in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.second(self.first(x)).float()
+
+
+def test_an_autocast_region_is_kept_whole_as_fx_would_drop_it():
+    model = Around(HalfPrecisionBlock(), 8)
+    result = trace_with_leaves(model, (torch.randn(2, 8),))
+    assert [(w.kind, w.name) for w in result.wrapped] == [("module", "inner")]
+    assert "autocast" in result.wrapped[0].reason
+    later = torch.randn(5, 8)
+    assert torch.equal(result.graph_module(later), model(later))
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_model_whose_own_forward_enters_autocast_is_sharded_exactly():
+    model = HalfPrecisionBlock().eval()  # the region is in the top-level forward: fx fails, export keeps it
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert sharded.plan.wrapped == ()
+    later = torch.randn(5, 8)
+    assert torch.equal(sharded(later), model(later))

@@ -14,7 +14,9 @@ rest symbolic:
 * objects without proxies inside (configs) are kept as constants, never rebuilt; a dataclass
   with proxies inside (a ``ModelOutput``) is rebuilt as its own type;
 * an example tensor that reaches the code without its proxy (a leaf's forward hook saw the real
-  output) stands for the node that computed it, never for a constant holding the example's data.
+  output) stands for the node that computed it, never for a constant holding the example's data;
+* code that enters or leaves a ``torch.autocast`` region is untraceable (fx would drop the region),
+  so it is kept whole.
 """
 
 from __future__ import annotations
@@ -152,6 +154,16 @@ def _user_condition() -> str:
     return "a condition in the model's code"
 
 
+class AutocastRegion(RuntimeError):
+    """Model code entered or left a ``torch.autocast`` region while fx traced it. Not a
+    ``TraceError``: the code is kept whole (run as it is) like any other untraceable code."""
+
+
+def _autocast_state() -> tuple[tuple[bool, torch.dtype], ...]:
+    """Whether autocast is on, and in which dtype, per device type."""
+    return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda"))
+
+
 def _is_tensor(obj: Any) -> bool:
     """``torch.is_tensor`` that answers for a proxy from its example: model code that turns a
     non-tensor argument into one (``if not torch.is_tensor(t): t = torch.tensor([t])``, as
@@ -204,6 +216,7 @@ class MetaTracer(fx.Tracer):
         self._weights: _Weights | None = None
         self._computed: dict[int, fx.Node] = {}  # id of an example tensor -> the latest node that made it
         self._inside: dict[int, tuple[weakref.ref, str]] = {}  # tensors made inside model code's example runs
+        self._autocast = _autocast_state()
 
     # -- example values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -211,6 +224,10 @@ class MetaTracer(fx.Tracer):
 
     def create_node(self, kind: str, target: Any, args: tuple, kwargs: dict, name: str | None = None,
                     type_expr: Any | None = None) -> fx.Node:
+        if _autocast_state() != self._autocast:
+            raise AutocastRegion(
+                "an autocast region (torch.autocast) starts or ends here: fx records operations without it, "
+                "so the graph would compute in other dtypes than the model")
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta[_DATA_FREE] = self._data_free(node)
         if self.examples is not None and kind != "output":
@@ -286,6 +303,7 @@ class MetaTracer(fx.Tracer):
 
     # -- where plain fx gives up ----------------------------------------------------------------------
     def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self._autocast = _autocast_state()
         if self.examples is None:
             return super().trace(root, concrete_args)
         with _swapped_attribute(torch, "is_tensor", _is_tensor):
