@@ -25,7 +25,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from autoshard.capture.eager import isolated
+from autoshard.capture.eager import cloned, isolated
 from autoshard.errors import VerificationError
 
 
@@ -139,7 +139,9 @@ def verify_stages(
     seed: int = 0,
 ) -> str:
     """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
-    expected = run_seeded(lambda: model(*args, **kwargs), model, seed, grad=True)
+    # Every run gets its own copy of the inputs: a forward that writes to them must not feed the
+    # next run its output, nor change the caller's tensors.
+    expected = run_seeded(lambda: model(*cloned(args), **cloned(kwargs)), model, seed, grad=True)
     opaque = _objects_holding_tensors(expected)
     if opaque:
         raise VerificationError(
@@ -148,7 +150,7 @@ def verify_stages(
             "tensors); if one is a generation cache (past_key_values), call the model with use_cache=False",
             stage=None)
     recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})
-    traced = run_seeded(lambda: recorder.run(*_positional(gm, args, kwargs)), model, seed, grad=True)
+    traced = run_seeded(lambda: recorder.run(*_positional(gm, *cloned((args, kwargs)))), model, seed, grad=True)
     problem = first_difference(traced, expected, rtol, atol)
     if problem:
         raise VerificationError(
@@ -158,7 +160,7 @@ def verify_stages(
             "from numpy or Python's random, which the graph keeps as the trace drew it)", stage=None)
 
     def chained() -> Any:
-        values = stages[0](*args, **kwargs)
+        values = stages[0](*cloned(args), **cloned(kwargs))
         for index, stage in enumerate(stages[1:], start=1):
             check_boundary(index - 1, values)
             values = stage(*values)

@@ -155,3 +155,29 @@ def test_an_output_type_registered_without_key_paths_is_verified():
 def test_an_object_holding_tensors_inside_a_keyless_output_is_named_by_its_position():
     with pytest.raises(VerificationError, match=r"objects that hold tensors \(leaf 1: KeyValueCache\)"):
         autoshard.shard_model(KeylessOutputMLP(cache=True), 2, example_inputs=(torch.randn(2, 4),))
+
+
+class ScalesItsInput(torch.nn.Module):
+    """Writes to its input, as ``hidden_states *= scale`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_model_that_writes_to_its_input_is_verified_on_fresh_copies_and_the_example_is_untouched():
+    model = ScalesItsInput()
+    example = torch.randn(2, 4)
+    before = example.clone()
+    sharded = autoshard.shard_model(model, 3, example_inputs=(example,), cost="flops")
+    assert torch.equal(example, before)
+    mine = torch.randn(5, 4)
+    theirs = mine.clone()
+    assert torch.equal(sharded(mine), model(theirs))
+    assert torch.equal(mine, theirs)  # the stages write to their input as the model does

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from autoshard.capture.eager import cloned
 from autoshard.errors import AutoshardError, InvalidArgumentError, ShapePropagationError
 from autoshard.verify import run_seeded
 
@@ -123,8 +124,8 @@ def run_graph(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode, hook: Nod
     chosen = resolve_mode(gm, inputs, mode)
     values = placeholder_values(gm, inputs)
     interpreter = _HookedInterpreter(gm, hook, chosen)
-    if chosen == "real":
-        return run_seeded(lambda: interpreter.run(*values), gm, seed)
+    if chosen == "real":  # on a copy: a graph that writes to its inputs must not write to the user's
+        return run_seeded(lambda: interpreter.run(*cloned(values)), gm, seed)
     on_meta = holds_meta_tensors(gm, inputs)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
         def to_fake(t: torch.Tensor) -> torch.Tensor:
