@@ -53,9 +53,17 @@ def holds(value: Any, kinds: type | tuple[type, ...]) -> bool:
 TRACE_VALUES = (fx.Proxy, torch.SymInt, torch.SymFloat, torch.SymBool, FakeTensor)
 
 
+#: Where a trace can leave a value besides plain attributes: ``self.count += 1`` on a buffer
+#: sets the buffer to the Proxy of the addition.
+_TENSOR_REGISTRIES = ("_parameters", "_buffers")
+
+
 def trace_values_on(module: nn.Module) -> list[str]:
-    """The plain attributes of ``module`` (not its parameters, buffers or children) holding a trace value."""
-    return [key for key, value in vars(module).items() if key not in _REGISTRIES and holds(value, TRACE_VALUES)]
+    """The attributes of ``module`` (plain ones, parameters and buffers; not its children) holding
+    a trace value."""
+    plain = [key for key, value in vars(module).items() if key not in _REGISTRIES and holds(value, TRACE_VALUES)]
+    return plain + [key for registry in _TENSOR_REGISTRIES for key, value in getattr(module, registry).items()
+                    if holds(value, TRACE_VALUES)]
 
 
 @contextlib.contextmanager
@@ -63,17 +71,18 @@ def trace_values_cleared(model: nn.Module) -> Iterator[None]:
     """On exit, every plain module attribute that holds a trace value is set back (or removed,
     if the run added it). Real values a forward stores on itself are its own business, as on any
     call; they may be tied to hooks it installed (Hugging Face's output recorders)."""
-    saved = [(module, dict(vars(module))) for module in model.modules()]
+    saved = [(module, [dict(vars(module))] + [dict(getattr(module, r)) for r in _TENSOR_REGISTRIES])
+             for module in model.modules()]
     try:
         yield
     finally:
-        for module, before in saved:
-            current = vars(module)
-            for key in trace_values_on(module):
-                if key in before:
-                    current[key] = before[key]
-                else:
-                    del current[key]
+        for module, befores in saved:
+            for current, before in zip([vars(module)] + [getattr(module, r) for r in _TENSOR_REGISTRIES], befores):
+                for key in [k for k, value in current.items() if k not in _REGISTRIES and holds(value, TRACE_VALUES)]:
+                    if key in before:
+                        current[key] = before[key]
+                    else:
+                        del current[key]
 
 
 @contextlib.contextmanager

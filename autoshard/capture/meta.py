@@ -15,8 +15,9 @@ rest symbolic:
   with proxies inside (a ``ModelOutput``) is rebuilt as its own type;
 * an example tensor that reaches the code without its proxy (a leaf's forward hook saw the real
   output) stands for the node that computed it, never for a constant holding the example's data;
-* code that enters or leaves a ``torch.autocast`` region is untraceable (fx would drop the region),
-  so it is kept whole.
+* code that enters or leaves a ``torch.autocast`` region, or rebinds a parameter or buffer to a
+  computed value (``self.steps += 1``), is untraceable (fx would drop the region or the write), so
+  it is kept whole.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import os
 import traceback
 import types
 import weakref
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -162,6 +163,23 @@ class AutocastRegion(RuntimeError):
 def _autocast_state() -> tuple[tuple[bool, torch.dtype], ...]:
     """Whether autocast is on, and in which dtype, per device type."""
     return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda"))
+
+
+class StateWrite(RuntimeError):
+    """Model code stored a traced value in one of its parameters or buffers (``self.steps += 1``
+    rebinds the buffer to the sum). fx records no such write, so the graph would compute with the
+    old value forever; the code is kept whole (run as it is) instead."""
+
+
+def _refusing_state_writes(setattr_: Callable[[nn.Module, str, Any], None]) -> Callable[[nn.Module, str, Any], None]:
+    """``nn.Module.__setattr__`` raising ``StateWrite`` for a trace value bound to a parameter or buffer."""
+    def guarded(module: nn.Module, name: str, value: Any) -> None:
+        for kind in ("parameter", "buffer"):
+            if name in module.__dict__.get(f"_{kind}s", {}) and holds(value, fx.Proxy):
+                raise StateWrite(f"the forward stores a computed value in its {kind} {name!r}, a write the "
+                                 "graph cannot replay")
+        setattr_(module, name, value)
+    return guarded
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -304,9 +322,10 @@ class MetaTracer(fx.Tracer):
     # -- where plain fx gives up ----------------------------------------------------------------------
     def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self._autocast = _autocast_state()
-        if self.examples is None:
-            return super().trace(root, concrete_args)
-        with _swapped_attribute(torch, "is_tensor", _is_tensor):
+        with contextlib.ExitStack() as patches:
+            patches.enter_context(_swapped_attribute(nn.Module, "__setattr__", _refusing_state_writes(nn.Module.__setattr__)))
+            if self.examples is not None:
+                patches.enter_context(_swapped_attribute(torch, "is_tensor", _is_tensor))
             return super().trace(root, concrete_args)
 
     def iter(self, obj: fx.Proxy) -> Any:
