@@ -15,7 +15,7 @@ from torch import nn
 
 import autoshard
 from autoshard.capture import trace_with_leaves
-from autoshard.capture.eager import trace_values_cleared
+from autoshard.capture.eager import module_state_restored
 from autoshard.capture.meta import EXAMPLE
 from autoshard.errors import InputMismatchError, TraceError
 from autoshard.passes.instruments import ModelUnchanged
@@ -238,12 +238,14 @@ def test_a_forward_that_sets_attributes_keeps_no_proxy_on_the_model():
     assert torch.equal(sharded(x), model(x))
 
 
-def test_trace_values_cleared_takes_off_only_what_a_trace_left():
+def test_module_state_restored_takes_off_trace_values_and_stored_tensors_only():
     model = StoresItsWindow()
     proxy = fx.Proxy(fx.Graph().placeholder("x"))
-    with trace_values_cleared(model):
+    with module_state_restored(model):
         model.window, model.b.extra, model.a.real = proxy, [proxy], "kept"
+        model.a.previous = torch.ones(1)
     assert model.window == 16 and not hasattr(model.b, "extra") and model.a.real == "kept"
+    assert not hasattr(model.a, "previous")
 
 
 class Recorded(nn.Module):
@@ -389,4 +391,32 @@ def test_a_forward_that_rebinds_a_buffer_keeps_counting_when_sharded(nested, pip
         assert [w.name for w in wrapped] == ["inner"] and "buffer 'steps'" in wrapped[0].reason
     for _ in range(3):
         x = torch.randn(3, 8)
+        assert torch.equal(sharded(x), twin(x))
+
+
+class RunningOffset(nn.Module):
+    """Adds its previous output to this one's, keeping it on itself for the next call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.previous: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.previous is not None:
+            y = y + self.previous
+        self.previous = y.detach()
+        return y
+
+
+def test_a_tensor_a_forward_keeps_for_its_next_call_keeps_its_module_whole():
+    model = nn.Sequential(nn.Linear(8, 8), RunningOffset(), nn.Linear(8, 8))
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert model[1].previous is None  # capture and verify ran it, and set its state back
+    assert [w.name for w in sharded.plan.wrapped] == ["1"]
+    assert "attribute 'previous'" in sharded.plan.wrapped[0].reason
+    for _ in range(3):
+        x = torch.randn(2, 8)
         assert torch.equal(sharded(x), twin(x))

@@ -67,18 +67,25 @@ def trace_values_on(module: nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def trace_values_cleared(model: nn.Module) -> Iterator[None]:
-    """On exit, every plain module attribute that holds a trace value is set back (or removed,
-    if the run added it). Real values a forward stores on itself are its own business, as on any
-    call; they may be tied to hooks it installed (Hugging Face's output recorders)."""
-    saved = [(module, [dict(vars(module))] + [dict(getattr(module, r)) for r in _TENSOR_REGISTRIES])
-             for module in model.modules()]
+def module_state_restored(model: nn.Module) -> Iterator[None]:
+    """On exit, set back (or remove, if the run added it) every attribute, parameter or buffer of
+    a module that holds a trace value, and every plain attribute the run bound to a tensor
+    (``self.previous = y``, kept for the next call): each run starts from the state the model was
+    given in, and none leaves a trace on it. Other values a forward stores are its own business,
+    as on any call; they may be tied to hooks it installed (Hugging Face's output recorders)."""
+    def containers(module: nn.Module) -> list[dict[str, Any]]:
+        return [vars(module)] + [getattr(module, r) for r in _TENSOR_REGISTRIES]
+
+    saved = [(module, [dict(c) for c in containers(module)]) for module in model.modules()]
     try:
         yield
     finally:
         for module, befores in saved:
-            for current, before in zip([vars(module)] + [getattr(module, r) for r in _TENSOR_REGISTRIES], befores):
-                for key in [k for k, value in current.items() if k not in _REGISTRIES and holds(value, TRACE_VALUES)]:
+            for index, (current, before) in enumerate(zip(containers(module), befores)):
+                stale = [key for key, value in current.items() if key not in _REGISTRIES and (
+                    holds(value, TRACE_VALUES)
+                    or (index == 0 and value is not before.get(key) and holds(value, torch.Tensor)))]
+                for key in stale:
                     if key in before:
                         current[key] = before[key]
                     else:
@@ -87,8 +94,8 @@ def trace_values_cleared(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def isolated(model: nn.Module, seed: int = 0) -> Iterator[None]:
-    """Seeded randomness, the model's buffers restored and trace values cleared on exit."""
-    with torch.random.fork_rng(devices=[]), buffers_restored(model), trace_values_cleared(model):
+    """Seeded randomness, and on exit the model's buffer values and module state restored."""
+    with torch.random.fork_rng(devices=[]), buffers_restored(model), module_state_restored(model):
         torch.manual_seed(seed)
         yield
 

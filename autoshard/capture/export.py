@@ -27,9 +27,10 @@ from torch.utils._pytree import tree_map, tree_unflatten
 from torch.utils._sympy.numbers import int_oo
 
 from autoshard.capture.assemble import assemble, leaves_of, resolve
-from autoshard.capture.eager import cloned, isolated
+from autoshard.capture.eager import cloned, holds, isolated
 from autoshard.capture.guard import DimSpec, InputGuard
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
+from autoshard.capture.state import current_value, refusing_state_writes
 from autoshard.capture.opaque import CALLS, rewrite_opaque_calls, stand_in
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
@@ -152,6 +153,12 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
     return assemble(graph, wrapper, model, signature, input_of.__getitem__, guard, constants), guard
 
 
+def _computed_in_export(module: nn.Module, name: str, value: Any) -> bool:
+    """Whether export's run of a forward stores a tensor on its module other than the one there
+    (an in-place update such as ``self.steps += 1`` rebinds the same tensor, which export keeps)."""
+    return holds(value, torch.Tensor) and value is not current_value(module, name)
+
+
 def export_with_leaves(
     model: nn.Module,
     example_args: tuple[Any, ...] = (),
@@ -173,7 +180,8 @@ def export_with_leaves(
         stand_ins = [(site, stand_in(site.function, site.function, function_name(site.function)))
                      for site in leaves.functions]
         modules = {i: (m, leaves.paths[i]) for i, m in leaves.modules.items()}
-        with _opaque_modules(modules), swapped(stand_ins), isolated(model), _quiet():
+        with _opaque_modules(modules), swapped(stand_ins), isolated(model), _quiet(), \
+                refusing_state_writes(_computed_in_export):
             return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
 
     try:

@@ -32,7 +32,7 @@ import os
 import traceback
 import types
 import weakref
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -46,6 +46,7 @@ from autoshard.capture.eager import holds
 from autoshard.capture.guard import check_condition
 from autoshard.capture.leaves import MACHINERY_DIRS
 from autoshard.capture.signature import MODEL_ATTR
+from autoshard.capture.state import kind_of, refusing_state_writes
 from autoshard.errors import TraceError
 
 EXAMPLE = "autoshard_example"
@@ -165,21 +166,25 @@ def _autocast_state() -> tuple[tuple[bool, torch.dtype], ...]:
     return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda"))
 
 
-class StateWrite(RuntimeError):
-    """Model code stored a traced value in one of its parameters or buffers (``self.steps += 1``
-    rebinds the buffer to the sum). fx records no such write, so the graph would compute with the
-    old value forever; the code is kept whole (run as it is) instead."""
+def _computed_in_trace(module: nn.Module, name: str, value: Any) -> bool:
+    """Whether an fx trace assigns a value it computed: any proxy bound to a parameter or buffer,
+    or one that depends on tensor data bound to a plain attribute. Sizes stored on self (Swin's
+    window size) are recomputed by the graph on every call, so they pass (and capture takes them
+    off again)."""
+    if kind_of(module, name) != "attribute":
+        return holds(value, fx.Proxy)
+    return _holds_data(value)
 
 
-def _refusing_state_writes(setattr_: Callable[[nn.Module, str, Any], None]) -> Callable[[nn.Module, str, Any], None]:
-    """``nn.Module.__setattr__`` raising ``StateWrite`` for a trace value bound to a parameter or buffer."""
-    def guarded(module: nn.Module, name: str, value: Any) -> None:
-        for kind in ("parameter", "buffer"):
-            if name in module.__dict__.get(f"_{kind}s", {}) and holds(value, fx.Proxy):
-                raise StateWrite(f"the forward stores a computed value in its {kind} {name!r}, a write the "
-                                 "graph cannot replay")
-        setattr_(module, name, value)
-    return guarded
+def _holds_data(value: Any) -> bool:
+    """Whether ``value`` holds a proxy whose value depends on tensor data, not only on sizes."""
+    if isinstance(value, fx.Proxy):
+        return not value.node.meta.get(_DATA_FREE, False)
+    if isinstance(value, (tuple, list)):
+        return any(_holds_data(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_data(v) for v in value.values())
+    return False
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -323,7 +328,7 @@ class MetaTracer(fx.Tracer):
     def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self._autocast = _autocast_state()
         with contextlib.ExitStack() as patches:
-            patches.enter_context(_swapped_attribute(nn.Module, "__setattr__", _refusing_state_writes(nn.Module.__setattr__)))
+            patches.enter_context(refusing_state_writes(_computed_in_trace))
             if self.examples is not None:
                 patches.enter_context(_swapped_attribute(torch, "is_tensor", _is_tensor))
             return super().trace(root, concrete_args)

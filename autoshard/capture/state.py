@@ -1,0 +1,58 @@
+"""Writes a forward makes to its module's state, which a captured graph cannot replay.
+
+A graph records operations on values; it records no attribute assignment. A forward that rebinds
+a buffer to a computed value (``self.steps += 1`` under fx) or keeps a tensor for its next call
+(``self.previous = y``) would, captured, compute with the old value forever: a silently wrong
+sharded model. While a front end traces, ``refusing_state_writes`` makes such an assignment
+raise ``StateWrite``, so the module that makes it is kept whole (run as it is, state included),
+like any other code the front end cannot capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+from torch import nn
+
+#: ``computed(module, name, value)``: whether assigning ``value`` stores something the trace computed.
+Computed = Callable[[nn.Module, str, Any], bool]
+
+
+class StateWrite(RuntimeError):
+    """Model code stored a value it computed in a parameter, buffer or attribute of its module.
+    Not a ``TraceError``: the code is kept whole like any other untraceable code."""
+
+
+def kind_of(module: nn.Module, name: str) -> str:
+    for kind in ("parameter", "buffer"):
+        if name in module.__dict__.get(f"_{kind}s", {}):
+            return kind
+    return "attribute"
+
+
+def current_value(module: nn.Module, name: str) -> Any:
+    """What ``module.name`` holds now, without running ``__getattr__`` hooks (None if unset)."""
+    for registry in ("_parameters", "_buffers"):
+        entries = module.__dict__.get(registry, {})
+        if name in entries:
+            return entries[name]
+    return module.__dict__.get(name)
+
+
+@contextlib.contextmanager
+def refusing_state_writes(computed: Computed) -> Iterator[None]:
+    """``nn.Module.__setattr__`` raises ``StateWrite`` where ``computed`` says so, until exit."""
+    original = nn.Module.__setattr__
+
+    def guarded(module: nn.Module, name: str, value: Any) -> None:
+        if computed(module, name, value):
+            raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} {name!r}, "
+                             "which a later call may read; a captured graph cannot replay that write")
+        original(module, name, value)
+
+    nn.Module.__setattr__ = guarded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.__setattr__ = original  # type: ignore[method-assign]
