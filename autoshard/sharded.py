@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,6 +18,7 @@ from autoshard.costs.memory import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
+from autoshard.errors import InputMismatchError
 from autoshard.graph.partition import SplitInfo
 
 
@@ -121,10 +123,24 @@ class ShardedModel(nn.Module):
         return len(self.stages)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _check_call(self.stages[0], args, kwargs)
         values = self.stages[0](*args, **kwargs)
         for stage in self.stages[1:]:
             values = stage(*_moved_to(_device_of(stage), values))
         return values
+
+
+def _check_call(first: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse, naming what the plan takes, a call the first stage cannot take: an argument the
+    example left at its default (fixed at it in the plan) or more positional ones than it had."""
+    signature = inspect.signature(first.forward)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise InputMismatchError(
+            f"these inputs do not fit the sharded plan: {exc}. The plan takes ({', '.join(signature.parameters)}), "
+            "the arguments its example passed (one left out was fixed at its default); shard the model again "
+            "with an example that passes these arguments") from None
 
 
 def _device_of(stage: nn.Module) -> torch.device | None:

@@ -84,3 +84,25 @@ def test_a_flipped_condition_is_refused_and_a_held_one_passes():
     check_condition(True, True, "the condition at m.py:3 (`if n > 1:`)")
     with pytest.raises(InputMismatchError, match=r"the condition at m.py:3 \(`if n > 1:`\) is False for"):
         check_condition(False, True, "the condition at m.py:3 (`if n > 1:`)")
+
+
+class OptionalMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, *more):
+        h = self.first(x)
+        if mask is not None:
+            h = h * mask
+        return self.second(h + sum(more))
+
+
+def test_a_sharded_model_refuses_arguments_its_example_did_not_pass_naming_what_it_takes():
+    import autoshard
+
+    sharded = autoshard.shard_model(OptionalMask(), 2, example_inputs=(torch.randn(2, 4),))
+    with pytest.raises(InputMismatchError, match=r"unexpected keyword argument 'mask'.*The plan takes \(x\)"):
+        sharded(torch.randn(2, 4), mask=torch.ones(2, 4))
+    with pytest.raises(InputMismatchError, match=r"too many positional arguments.*The plan takes \(x\)"):
+        sharded(torch.randn(2, 4), torch.ones(2, 4))
