@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from autoshard.capture.guard import check_mode
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.graph.from_fx import holds_tensor
 
@@ -124,19 +125,34 @@ def _stage_graph(
     return graph
 
 
+def _mode_guard(graph: fx.Graph, training: bool) -> None:
+    """A first check in the stage: its module is in the mode the model was captured in (a graph
+    fixed what the model's code read from ``self.training``, so another mode would silently run
+    the captured one). Code, not a hook, so every copy a runtime makes keeps it."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(next(iter(graph.nodes))):
+        mode = graph.get_attr("training")
+    with graph.inserting_after(mode):
+        graph.call_function(check_mode, (mode, training))
+
+
 def emit_stages(
     gm: fx.GraphModule,
     assignment: Mapping[str, int],
     boundaries: Sequence[Sequence[str]],
+    training: bool = False,
 ) -> list[fx.GraphModule]:
-    """Build the stage modules; ``boundaries[j]`` lists the values crossing from stage j to j+1."""
+    """Build the stage modules; ``boundaries[j]`` lists the values crossing from stage j to j+1.
+    ``training`` is the model's mode at capture; each stage starts in it and refuses the other."""
     num_stages = len(boundaries) + 1
     stages = []
     for stage in range(num_stages):
         incoming = boundaries[stage - 1] if stage > 0 else ()
         outgoing = boundaries[stage] if stage < num_stages - 1 else ()
         graph = _stage_graph(gm.graph, stage, num_stages, assignment, incoming, outgoing)
+        _mode_guard(graph, training)
         module = fx.GraphModule(gm, graph, class_name=f"Stage{stage}")
+        module.training = training  # its own flag only: its submodules are the model's
         copy_buffer_persistence(gm, module)
         stages.append(module)
     return stages

@@ -48,6 +48,8 @@ class StagePlan:
     is what the splitter knew about its result (strategy, bound, whether ``exact`` proved it
     optimal, the tied-weight groups it had to separate); None when the split came from elsewhere.
     ``memory_model`` is the optimizer and microbatch cap its training memory was planned for.
+    ``training`` is the model's mode at capture: code that reads ``self.training`` (attention
+    dropout rates, batch-norm branches) was fixed to it.
     """
 
     assignment: dict[str, int]
@@ -56,6 +58,7 @@ class StagePlan:
     dag: Any
     split_info: SplitInfo | None = None
     memory_model: MemoryModel = MemoryModel()
+    training: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -117,6 +120,7 @@ class ShardedModel(nn.Module):
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.plan = plan
+        self.training = plan.training  # its own flag only: the stages share the model's modules
 
     @property
     def num_stages(self) -> int:

@@ -106,3 +106,38 @@ def test_a_sharded_model_refuses_arguments_its_example_did_not_pass_naming_what_
         sharded(torch.randn(2, 4), mask=torch.ones(2, 4))
     with pytest.raises(InputMismatchError, match=r"too many positional arguments.*The plan takes \(x\)"):
         sharded(torch.randn(2, 4), torch.ones(2, 4))
+
+
+class AttentionDropout(nn.Module):
+    """Reads ``self.training`` for a dropout rate, as Hugging Face attention does: a graph fixes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.second(nn.functional.dropout(self.first(x), 0.5 if self.training else 0.0))
+
+
+@pytest.mark.parametrize("captured_in_training", [False, True])
+def test_stages_refuse_the_mode_their_model_was_not_captured_in(captured_in_training):
+    import copy
+
+    import autoshard
+
+    model = AttentionDropout().train(captured_in_training)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),))
+    assert sharded.training == captured_in_training
+    assert [stage.training for stage in sharded.stages] == [captured_in_training] * 2
+    assert model.training == captured_in_training  # the model keeps its own flag
+    x = torch.randn(3, 4)
+    sharded(x)
+    sharded.train(not captured_in_training)
+    was = "train" if captured_in_training else "eval"
+    with pytest.raises(InputMismatchError, match=f"captured in {was} mode"):
+        sharded(x)
+    copied = copy.deepcopy(sharded.stages[0])  # what a runtime runs is a copy: the check is in its code
+    with pytest.raises(InputMismatchError, match=f"captured in {was} mode"):
+        copied(x)
+    sharded.train(captured_in_training)
+    sharded(x)

@@ -113,3 +113,13 @@ def check_condition(actual: Any, expected: bool, condition: str) -> None:
         raise InputMismatchError(
             f"{condition} is {not expected} for these inputs, but was {expected} when the sharded plan "
             "was captured; shard the model again with an example input like these")
+
+
+def check_mode(training: bool, captured: bool) -> None:
+    """A stage called in another mode than its model was captured in: refuse it."""
+    if training != captured:
+        was, now = ("train", "eval") if captured else ("eval", "train")
+        raise InputMismatchError(
+            f"the plan was captured in {was} mode and is called in {now} mode: code that reads "
+            f"self.training (dropout rates, batch-norm branches) was fixed to {was} mode; shard the "
+            f"model again after model.{now}(), or put the stages back in {was} mode")

@@ -30,7 +30,7 @@ class EmitPass(Pass):
         assignment = dict(partition.assignment)
         k = partition.num_stages
         boundaries = tuple(tuple(b) for b in boundary_values(program.dag, assignment, k))
-        stages = emit_stages(program.traced.graph_module, assignment, boundaries)
+        stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
         plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,
-                         memory_model(ctx))
+                         memory_model(ctx), training=program.model.training)
         return dataclasses.replace(program, sharded=ShardedModel(stages, plan))
