@@ -10,6 +10,7 @@ The launches have a deadline, and every collective a timeout, so nothing here ca
 from __future__ import annotations
 
 import resource
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ import autoshard
 from autoshard.errors import InvalidArgumentError, PipelineSetupError, WorldSizeError
 from autoshard.examples import LongSkip, ResidualMLP
 from autoshard.runtime import (
+    MicrobatchStatisticsWarning,
     TiedGradients,
     build_schedule,
     local_stage_indices,
@@ -174,6 +176,13 @@ def setup_errors(rank: int, world: int) -> dict:
         build_schedule(pipeline_stage(differs, rank, 2, "cpu"), "gpipe", MICROBATCHES)
     except PipelineSetupError as exc:
         errors["different plans"] = str(exc)
+    torch.manual_seed(0)
+    normed = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 8)).train()
+    sharded = autoshard.shard_model(normed, 2, example_inputs=(torch.randn(4, 8),))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_schedule(pipeline_stage(sharded, rank, 2, "cpu"), "gpipe", MICROBATCHES)
+    errors["batch norm"] = [str(w.message) for w in caught if w.category is MicrobatchStatisticsWarning]
     return errors
 
 
@@ -358,6 +367,8 @@ def test_world_size_misfits_fail_on_every_rank_before_blocking(two_processes):
         assert "3 stages cannot be spread evenly over 2 processes" in errors["3 stages"]
         assert "the processes split the model differently" in errors["different plans"]
         assert "rank 1 runs stages [1, 3] but was given [1]" in errors["a stage left out"]
+    warned = [message for r in two_processes for message in r["errors"]["batch norm"]]
+    assert len(warned) == 1 and ": 1)" in warned[0] and f"{MICROBATCHES} microbatches" in warned[0]
     assert all(("residual-mlp", 2, "gpipe") in r for r in two_processes)  # and the ranks carried on
 
 

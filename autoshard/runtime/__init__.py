@@ -14,6 +14,7 @@ from autoshard.runtime.materialize import materialize_stage
 from autoshard.runtime.offload import OffloadRunner
 from autoshard.runtime.schedule import (
     SCHEDULES,
+    MicrobatchStatisticsWarning,
     build_schedule,
     check_world_size,
     local_stage_indices,
@@ -24,6 +25,7 @@ from autoshard.runtime.ties import SharedParameter, TiedGradients, shared_parame
 
 __all__ = [
     "LaunchError",
+    "MicrobatchStatisticsWarning",
     "OffloadRunner",
     "SCHEDULES",
     "SharedParameter",

@@ -8,6 +8,7 @@ Stage ``i`` runs on rank ``i % world_size`` (PyTorch's loop placement).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -149,6 +150,28 @@ def build_schedule(
     group = local[0].group
     check_world_size(local[0].num_stages, dist.get_world_size(group), cls)
     _check_ranks_agree(local, group)
+    _warn_of_per_microbatch_statistics(local, n_microbatches)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(local[0], n_microbatches, loss_fn=loss_fn, **options)
     return cls(sorted(local, key=lambda s: s.stage_index), n_microbatches, loss_fn=loss_fn, **options)
+
+
+class MicrobatchStatisticsWarning(UserWarning):
+    """A module in training mode normalises each microbatch by that microbatch's statistics."""
+
+
+def _warn_of_per_microbatch_statistics(stages: Sequence[PipelineStage], n_microbatches: int) -> None:
+    """Batch norm in training mode computes its statistics over the batch it sees: in a pipeline
+    that is one microbatch, so outputs and gradients differ from the unsplit model's on the whole
+    batch (GPipe's known caveat). Legitimate, but worth saying, so warn on the rank that holds one."""
+    if n_microbatches <= 1:
+        return
+    found = [f"stage {stage.stage_index}: {name}" for stage in stages
+             for name, module in stage.submod.named_modules()
+             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training]
+    if found:
+        warnings.warn(
+            f"batch norm in training mode ({', '.join(found)}) normalises each of the {n_microbatches} "
+            "microbatches by its own statistics, not the whole batch's as the unsplit model does; put "
+            "those modules in eval mode before sharding, or use group or layer norm, to match the model",
+            MicrobatchStatisticsWarning, stacklevel=3)
