@@ -13,7 +13,8 @@ structure, see ``autoshard.costs.values``), ``allocated`` (bytes of new memory i
 0 for a view), ``flops`` and ``seconds``. ``bytes`` is the tensor
 bytes of the output (1 per value while shapes are unknown); ``tensor`` says whether it holds any
 tensor (None when neither shape-prop nor the capture recorded the value: it is treated as one).
-Edges carry ``value``, the producer's name. The graph attribute ``weights`` maps each canonical
+Edges carry ``value``, the producer's name; in-place writes add edges that keep every reader of
+the written tensor on its side of the write (``autoshard.graph.inplace``). The graph attribute ``weights`` maps each canonical
 name to a ``WeightInfo`` (every alias, size, trainable or not).
 
 ``get_attr`` nodes are not DAG nodes: a stage that reads a parameter or buffer gets its own
@@ -41,6 +42,7 @@ from torch.utils._pytree import tree_leaves
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.costs.propagation import node_facts
 from autoshard.costs.timing import SECONDS_KEY
+from autoshard.graph.inplace import order_around_mutations
 
 #: Stand-in for a value's size until shape propagation measures it: every value weighs one.
 UNKNOWN_VALUE_BYTES = 1.0
@@ -216,5 +218,6 @@ def build_dag(gm: fx.GraphModule) -> nx.DiGraph:
         for producer in node.all_input_nodes:
             if producer.name in dag:
                 dag.add_edge(producer.name, node.name, value=producer.name)
+    order_around_mutations(gm, dag)
     route_around_non_tensors(dag)
     return dag

@@ -1,0 +1,101 @@
+"""In-place operations: the order they impose beyond data flow.
+
+``h.add_(1)`` changes ``h`` for every reader that runs after it, and must not change it for the
+readers that ran before. A graph's edges say only who reads whose value, so a splitter free to
+reorder nodes could move a reader across the write (a silently different value, or a stage
+that no longer matches the model). ``order_around_mutations`` adds the missing edges to the DAG:
+from every earlier reader of the written tensor (or of a view of it) to the write, and from the
+write to every later reader, so each reader sees the version it saw in the model.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+#: Methods and functions whose result may share memory with their first argument.
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "squeeze", "unsqueeze", "expand",
+    "expand_as", "narrow", "select", "t", "flatten", "unflatten", "chunk", "split", "unbind", "diagonal",
+    "as_strided", "detach", "movedim", "swapaxes", "unfold", "contiguous", "to", "type_as", "float",
+    "__getitem__", "real", "imag",
+})
+_VIEW_FUNCTIONS = frozenset({
+    operator.getitem, torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze,
+    torch.flatten, torch.narrow, torch.select, torch.chunk, torch.split, torch.unbind, torch.t,
+    torch.movedim, torch.detach, torch.diagonal,
+})
+_IN_PLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul,
+})
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        return node.target in _VIEW_FUNCTIONS or getattr(node.target, "is_view", False)
+    return False
+
+
+def _first_input(node: fx.Node) -> fx.Node | None:
+    first = node.args[0] if node.args else None
+    return first if isinstance(first, fx.Node) else None
+
+
+def _writes_first_input(gm: fx.GraphModule, node: fx.Node) -> bool:
+    target: Any = node.target
+    if node.op == "call_method":
+        return isinstance(target, str) and target.endswith("_") and not target.startswith("_")
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(target), "inplace", False))
+    if node.op != "call_function":
+        return False
+    if target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return True
+    schema = getattr(target, "_schema", None)  # an aten operator (export): its schema says
+    if schema is not None:
+        return bool(schema.arguments) and schema.arguments[0].alias_info is not None \
+            and schema.arguments[0].alias_info.is_write
+    name = getattr(target, "__name__", "")
+    return getattr(target, "__module__", "") == "torch" and name.endswith("_") and not name.startswith("_")
+
+
+def _root(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """The tensor whose memory ``node``'s value may be: through views and in-place writes (which
+    return the tensor they wrote), back to the first node that made new memory."""
+    while (_is_view(node) or _writes_first_input(gm, node)) and _first_input(node) is not None:
+        node = _first_input(node)  # type: ignore[assignment]
+    return node
+
+
+def written_values(gm: fx.GraphModule) -> set[str]:
+    """Names of the values some in-place operation writes to: each written tensor and its aliases."""
+    written_roots = {_root(gm, n) for n in gm.graph.nodes if _writes_first_input(gm, n) and _first_input(n) is not None}
+    return {n.name for n in gm.graph.nodes if _root(gm, n) in written_roots}
+
+
+def order_around_mutations(gm: fx.GraphModule, dag: nx.DiGraph) -> None:
+    """Add to ``dag`` the edges that keep every reader of a written tensor on its side of the write."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    family: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        family.setdefault(_root(gm, node), []).append(node)
+    for write in nodes:
+        if write.name not in dag or not _writes_first_input(gm, write) or _first_input(write) is None:
+            continue
+        members = family[_root(gm, write)]
+        readers = {r for member in members for r in member.users
+                   if r is not write and not _is_view(r) and r.name in dag}
+        for reader in readers:
+            if position[reader] < position[write]:
+                dag.add_edge(reader.name, write.name, value=reader.name)
+            else:
+                dag.add_edge(write.name, reader.name, value=write.name)

@@ -1,0 +1,66 @@
+"""In-place writes keep every reader of the written tensor on its side of the write, however the
+splitter cuts (``autoshard.graph.inplace``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.api import run_pipeline
+from autoshard.graph.inplace import written_values
+from autoshard.passes import Pipeline
+from autoshard.passes.base import ExampleInputs
+
+
+class WritesAfterReading(nn.Module):
+    """``h`` is read by a long branch, then written in place, then read again."""
+
+    def __init__(self, through_a_view: bool = False) -> None:
+        super().__init__()
+        self.through_a_view = through_a_view
+        self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b = nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.b(h)
+        if self.through_a_view:
+            h.view(-1, 2, 4)[:, 0].mul_(3)
+        else:
+            h.add_(1)
+        return y + self.c(h)
+
+
+class InPlaceActivation(nn.Module):
+    """``nn.ReLU(inplace=True)`` on a value a skip connection reads afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.relu = nn.Linear(8, 8), nn.ReLU(inplace=True)
+        self.b = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(self.relu(h)) + h
+
+
+@pytest.mark.parametrize("model", [WritesAfterReading(), WritesAfterReading(through_a_view=True),
+                                   InPlaceActivation()], ids=["add_", "through a view", "ReLU(inplace)"])
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("cost", ["params", "nodes"])
+def test_every_split_gives_the_models_output(model, k, cost):
+    model.eval()
+    sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),), cost=cost)
+    x = torch.randn(3, 8)
+    assert torch.equal(sharded(x.clone()), model(x.clone()))
+
+
+def test_readers_before_the_write_precede_it_and_readers_after_follow_it():
+    model = WritesAfterReading()
+    program = run_pipeline(model, Pipeline.parse("capture,build-dag"), ExampleInputs((torch.randn(2, 8),), {})).program
+    dag = program.dag
+    assert dag.has_edge("b_0", "add_")  # read h before the write
+    assert dag.has_edge("add_", "c")  # reads h after it
+    assert written_values(program.traced.graph_module) == {"a", "add_"}
