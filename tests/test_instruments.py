@@ -304,7 +304,7 @@ def test_model_unchanged_names_the_pass_that_changed_the_model(how, detail):
     with pytest.raises(PassContractError) as info:
         run(f"trace,mutate{{how={how}}},sleep", ModelUnchanged())
     exc = info.value
-    assert f"pass 'mutate' (position 1) modified the user's model: " in str(exc)
+    assert "pass 'mutate' (position 1) modified the user's model: " in str(exc)
     assert re.search(detail, str(exc)), str(exc)
     assert (exc.pass_name, exc.index) == ("mutate", 1)
     assert any(f"reproduce with pipeline: trace,mutate{{how={how}}},sleep" in n for n in exc.__notes__)

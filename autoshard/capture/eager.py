@@ -100,6 +100,17 @@ def isolated(model: nn.Module, seed: int = 0) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def swapped_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` is ``value`` until exit (a function or method patched while capturing)."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def cloned(value: Any) -> Any:
     """A copy of every tensor in ``value``, so running a capture never writes to the user's inputs."""
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)

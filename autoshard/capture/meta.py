@@ -6,8 +6,9 @@ helper (fx rebuilds dataclasses from their fields and loses private settings). W
 value of every node at hand, the tracer answers what does not change between calls and keeps the
 rest symbolic:
 
-* ``dtype``, ``device``, ``ndim``, ``dim()`` and ``torch.is_tensor`` come from the example; ``x.shape`` iterates as one
-  symbolic size per dimension, so sizes stay symbolic and the graph serves other shapes;
+* ``dtype``, ``device``, ``ndim``, ``dim()`` and ``torch.is_tensor`` come from the example;
+  ``x.shape`` iterates as one symbolic size per dimension, so sizes stay symbolic and the graph
+  serves other shapes;
 * a condition computed from sizes alone (``if seq_len > 1``) takes its example value, and a guard
   node in the graph refuses later inputs that would flip it (``InputMismatchError``);
 * conditions on tensor *values* still fail, which is what makes a module or function a leaf;
@@ -42,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.assemble import resolve
-from autoshard.capture.eager import holds
+from autoshard.capture.eager import holds, swapped_attribute
 from autoshard.capture.guard import check_condition
 from autoshard.capture.leaves import MACHINERY_DIRS
 from autoshard.capture.signature import MODEL_ATTR
@@ -163,7 +164,8 @@ class AutocastRegion(RuntimeError):
 
 def _autocast_state() -> tuple[tuple[bool, torch.dtype], ...]:
     """Whether autocast is on, and in which dtype, per device type."""
-    return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda"))
+    return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                 for device in ("cpu", "cuda"))
 
 
 def _computed_in_trace(module: nn.Module, name: str, value: Any) -> bool:
@@ -178,13 +180,8 @@ def _computed_in_trace(module: nn.Module, name: str, value: Any) -> bool:
 
 def _holds_data(value: Any) -> bool:
     """Whether ``value`` holds a proxy whose value depends on tensor data, not only on sizes."""
-    if isinstance(value, fx.Proxy):
-        return not value.node.meta.get(_DATA_FREE, False)
-    if isinstance(value, (tuple, list)):
-        return any(_holds_data(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_data(v) for v in value.values())
-    return False
+    return any(isinstance(leaf, fx.Proxy) and not leaf.node.meta.get(_DATA_FREE, False)
+               for leaf in tree_leaves(value))
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -194,16 +191,6 @@ def _is_tensor(obj: Any) -> bool:
     if isinstance(obj, fx.Proxy):
         return isinstance(example_of(obj), torch.Tensor)
     return isinstance(obj, torch.Tensor)
-
-
-@contextlib.contextmanager
-def _swapped_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def has_proxy(value: Any) -> bool:
@@ -330,7 +317,7 @@ class MetaTracer(fx.Tracer):
         with contextlib.ExitStack() as patches:
             patches.enter_context(refusing_state_writes(_computed_in_trace))
             if self.examples is not None:
-                patches.enter_context(_swapped_attribute(torch, "is_tensor", _is_tensor))
+                patches.enter_context(swapped_attribute(torch, "is_tensor", _is_tensor))
             return super().trace(root, concrete_args)
 
     def iter(self, obj: fx.Proxy) -> Any:

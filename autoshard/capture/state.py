@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
+from autoshard.capture.eager import swapped_attribute
+
 #: ``computed(module, name, value)``: whether assigning ``value`` stores something the trace computed.
 Computed = Callable[[nn.Module, str, Any], bool]
 
@@ -51,8 +53,5 @@ def refusing_state_writes(computed: Computed) -> Iterator[None]:
                              "which a later call may read; a captured graph cannot replay that write")
         original(module, name, value)
 
-    nn.Module.__setattr__ = guarded  # type: ignore[method-assign]
-    try:
+    with swapped_attribute(nn.Module, "__setattr__", guarded):
         yield
-    finally:
-        nn.Module.__setattr__ = original  # type: ignore[method-assign]

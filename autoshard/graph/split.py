@@ -23,7 +23,7 @@ from autoshard.graph import coarsen as coarse_graphs
 from autoshard.graph import mincut
 from autoshard.graph import moves as local_moves
 from autoshard.graph.constraints import Constraints, Groups
-from autoshard.graph.indexed import Node
+from autoshard.graph.indexed import IndexedDag, Node
 from autoshard.graph.invariants import check_dag, check_num_stages, is_number
 from autoshard.graph.limits import laid_along
 from autoshard.graph.linearize import INDEX_ORDERS, pull_forward, push_back
