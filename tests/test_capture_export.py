@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
 import torch
 from conftest import assert_same_fingerprint, model_fingerprint
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import autoshard
 
@@ -181,3 +183,34 @@ def test_export_marks_non_tensor_values_without_shape_propagation():
     assert crossing and not crossing & set(non_tensors)
     y = torch.randn(5, 6)
     torch.testing.assert_close(sharded(y), model(y))
+
+
+class PackedLSTM(nn.Module):
+    """Variable-length sequences through ``pack_padded_sequence``, whose lengths fx and export
+    cannot turn into a Python list: the packing functions are kept whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.first, self.second = nn.LSTM(8, 8, batch_first=True), nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = pack_padded_sequence(self.embed(x), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.second(self.first(packed)[0])
+        return self.head(pad_packed_sequence(out, batch_first=True)[0])
+
+
+def test_packed_sequences_shard_and_serve_other_lengths():
+    model = PackedLSTM().eval()
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(3, 6, 4), torch.tensor([6, 3, 4])))
+    assert "torch.nn.utils.rnn.pack_padded_sequence" in [w.name for w in sharded.plan.wrapped]
+    x, lengths = torch.randn(2, 5, 4), torch.tensor([2, 5])
+    assert torch.equal(sharded(x, lengths), model(x, lengths))
+
+
+def test_a_failing_export_prints_nothing_even_where_torch_logs_errors(capfd, caplog):
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(TraceError, match="cannot export the top-level forward of PackedLSTM"):
+        export_with_leaves(PackedLSTM(), (torch.randn(3, 6, 4), torch.tensor([6, 3, 4])))
+    assert capfd.readouterr().err == ""
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []  # fake tensors log their failures

@@ -420,3 +420,24 @@ def test_a_tensor_a_forward_keeps_for_its_next_call_keeps_its_module_whole():
     for _ in range(3):
         x = torch.randn(2, 8)
         assert torch.equal(sharded(x), twin(x))
+
+
+def flip_if_negative(x: torch.Tensor) -> torch.Tensor:
+    return -x if x.sum() < 0 else x
+
+
+class ReceiverNamedS(nn.Module):
+    def __init__(s) -> None:  # noqa: N805 - a method's receiver need not be called self
+        super().__init__()
+        s.lin = nn.Linear(3, 3)
+
+    def forward(s, x: torch.Tensor) -> torch.Tensor:  # noqa: N805
+        return s.lin(flip_if_negative(x))
+
+
+def test_the_function_kept_whole_is_found_whatever_the_forward_calls_its_receiver():
+    model = ReceiverNamedS()
+    result = trace_with_leaves(model, (torch.ones(2, 3),))
+    assert [(w.kind, w.name) for w in result.wrapped] == [("function", f"{__name__}.flip_if_negative")]
+    for x in (torch.ones(4, 3), -torch.ones(4, 3)):
+        assert torch.equal(result.graph_module(x), model(x))

@@ -56,7 +56,8 @@ def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]]) -> Iterator[Non
 
 
 #: Loggers that report what the input guard and the wrapped leaves already say.
-_NOISY_LOGS = ("torch.fx.experimental.symbolic_shapes", "torch._export.non_strict_utils")
+_NOISY_LOGS = ("torch.fx.experimental.symbolic_shapes", "torch._export.non_strict_utils",
+               "torch._subclasses.fake_tensor")
 
 
 @contextlib.contextmanager
@@ -65,8 +66,8 @@ def _quiet() -> Iterator[None]:
     are expected here, and the one that matters is reported in the wrapped leaf's reason."""
     logs = [logging.getLogger(name) for name in _NOISY_LOGS]
     levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.ERROR)
+    for log in logs:  # the failure that matters is raised, and reported where it is kept whole
+        log.setLevel(logging.CRITICAL)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             yield

@@ -80,10 +80,23 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
+def _receiver(frame: types.FrameType) -> Any:
+    """The object whose method ``frame`` runs, whatever its first parameter is called (``self``,
+    or ``s``); None in a free function, even one that takes a module first."""
+    code = frame.f_code
+    if not code.co_argcount:
+        return None
+    first = frame.f_locals.get(code.co_varnames[0])
+    if code.co_varnames[0] == "self":
+        return first
+    methods = (vars(kind).get(code.co_name) for kind in type(first).__mro__)
+    return first if any(getattr(m, "__code__", None) is code for m in methods) else None
+
+
 def innermost_module(exc: BaseException, modules: dict[int, str]) -> nn.Module | None:
     """The innermost module among ``modules`` whose code is on the failing stack."""
     for link in _chain(exc):
-        owners = [f.f_locals.get("self") for f in _frames(link.__traceback__)]
+        owners = [_receiver(f) for f in _frames(link.__traceback__)]
         found = [m for m in owners if isinstance(m, nn.Module) and id(m) in modules]
         if found:
             return found[-1]
@@ -104,7 +117,7 @@ def failing_function(exc: BaseException, module: nn.Module) -> FunctionSite | No
     """The free function called from ``module``'s forward in which the capture failed, if any."""
     for link in _chain(exc):
         frames = _frames(link.__traceback__)
-        owner = max((i for i, f in enumerate(frames) if f.f_locals.get("self") is module), default=None)
+        owner = max((i for i, f in enumerate(frames) if _receiver(f) is module), default=None)
         if owner is None:
             continue
         if owner + 1 >= len(frames) or frames[owner + 1].f_code.co_filename.startswith(MACHINERY_DIRS):
