@@ -214,3 +214,24 @@ def test_a_failing_export_prints_nothing_even_where_torch_logs_errors(capfd, cap
         export_with_leaves(PackedLSTM(), (torch.randn(3, 6, 4), torch.tensor([6, 3, 4])))
     assert capfd.readouterr().err == ""
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []  # fake tensors log their failures
+
+
+class ScalesByAConstant(nn.Module):
+    """Makes a tensor constant in forward, which export lifts onto the module as it captures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * torch.tensor([0.5, 1.0, 2.0, 3.0])
+
+
+def test_constants_export_lifts_onto_the_module_are_not_taken_for_the_models_state():
+    model = ScalesByAConstant()
+    before = model_fingerprint(model)
+    result = export_with_leaves(model, (torch.randn(2, 4),))
+    assert result.wrapped == ()
+    x = torch.randn(5, 4)
+    assert torch.equal(result.graph_module(x), model(x))
+    assert_same_fingerprint(before, model_fingerprint(model))

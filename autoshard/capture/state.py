@@ -11,11 +11,13 @@ like any other code the front end cannot capture.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Iterator
 
 from torch import nn
 
 from autoshard.capture.eager import swapped_attribute
+from autoshard.capture.leaves import MACHINERY_DIRS
 
 #: ``computed(module, name, value)``: whether assigning ``value`` stores something the trace computed.
 Computed = Callable[[nn.Module, str, Any], bool]
@@ -48,7 +50,8 @@ def refusing_state_writes(computed: Computed) -> Iterator[None]:
     original = nn.Module.__setattr__
 
     def guarded(module: nn.Module, name: str, value: Any) -> None:
-        if computed(module, name, value):
+        # torch's own writes (export lifting a constant onto the module) are not the model's state
+        if computed(module, name, value) and not sys._getframe(1).f_code.co_filename.startswith(MACHINERY_DIRS):
             raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} {name!r}, "
                              "which a later call may read; a captured graph cannot replay that write")
         original(module, name, value)
