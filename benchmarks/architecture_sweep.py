@@ -167,6 +167,23 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Inputs]] = {
     "gpt2-train-labels": (lambda: T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64,
                                                                  vocab_size=VOCAB, use_cache=False)), with_labels),
     "bert-masked-lm-train": (lambda: T.BertForMaskedLM(T.BertConfig(**LAYERS)), with_labels),
+    "t5-generation-labels": (lambda: T.T5ForConditionalGeneration(T.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_kv=16, num_heads=2, d_ff=64, vocab_size=VOCAB,
+        decoder_start_token_id=0)),
+        lambda batch, seq: {**ids_only(use_cache=False)(batch, seq), "labels": torch.randint(0, VOCAB, (batch, seq // 2 + 1))}),
+    "clip": (lambda: T.CLIPModel(T.CLIPConfig(
+        text_config=dict(LAYERS, vocab_size=VOCAB, max_position_embeddings=32),
+        vision_config=dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                           image_size=16, patch_size=8), projection_dim=16)),
+        lambda batch, seq: {**ids_only()(batch, seq), "pixel_values": torch.randn(batch, 3, 16, 16)}),
+    "perceiver": (lambda: T.PerceiverModel(T.PerceiverConfig(
+        num_latents=4, d_latents=16, d_model=16, num_blocks=1, num_self_attends_per_block=1,
+        num_self_attention_heads=1, num_cross_attention_heads=1)),
+        lambda batch, seq: {"inputs": torch.randn(batch, seq, 16)}),
+    "longformer": (lambda: T.LongformerModel(T.LongformerConfig(**LAYERS, attention_window=4)), ids_only()),
+    "encodec": (lambda: T.EncodecModel(T.EncodecConfig(
+        hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2], codebook_size=16,
+        codebook_dim=16, num_lstm_layers=1)), lambda batch, seq: {"input_values": torch.randn(batch, 1, 16 * seq)}),
     # diffusers (the CI zoo holds a conditional UNet and an SD3 transformer)
     "diffusers-unet2d": (lambda: D.UNet2DModel(
         sample_size=16, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(16, 32),

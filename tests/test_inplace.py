@@ -14,6 +14,9 @@ from autoshard.passes import Pipeline
 from autoshard.passes.base import ExampleInputs
 
 
+FX_ONLY = "trace,shape-prop,build-dag,linearize,split,emit,verify"
+
+
 class WritesAfterReading(nn.Module):
     """``h`` is read by a long branch, then written in place, then read again."""
 
@@ -46,13 +49,30 @@ class InPlaceActivation(nn.Module):
         return self.b(self.relu(h)) + h
 
 
+class ZeroesByItemAssignment(nn.Module):
+    """``h[h < 0] = 0`` after a branch read ``h``: fx records the assignment as ``operator.setitem``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b = nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.b(h)
+        h[h < 0] = 0
+        return y + self.c(h)
+
+
 @pytest.mark.parametrize("model", [WritesAfterReading(), WritesAfterReading(through_a_view=True),
-                                   InPlaceActivation()], ids=["add_", "through a view", "ReLU(inplace)"])
+                                   InPlaceActivation(), ZeroesByItemAssignment()],
+                         ids=["add_", "through a view", "ReLU(inplace)", "item assignment"])
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("cost", ["params", "nodes"])
-def test_every_split_gives_the_models_output(model, k, cost):
+@pytest.mark.parametrize("pipeline", [None, FX_ONLY], ids=["auto", "fx"])
+def test_every_split_gives_the_models_output(model, k, cost, pipeline):
     model.eval()
-    sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),), cost=cost)
+    sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),), cost=cost, pipeline=pipeline)
     x = torch.randn(3, 8)
     assert torch.equal(sharded(x.clone()), model(x.clone()))
 
@@ -64,3 +84,8 @@ def test_readers_before_the_write_precede_it_and_readers_after_follow_it():
     assert dag.has_edge("b_0", "add_")  # read h before the write
     assert dag.has_edge("add_", "c")  # reads h after it
     assert written_values(program.traced.graph_module) == {"a", "add_"}
+
+
+def test_item_assignment_traces_with_fx_and_keeps_nothing_whole():
+    sharded = autoshard.shard_model(ZeroesByItemAssignment(), 2, example_inputs=(torch.randn(2, 8),), pipeline=FX_ONLY)
+    assert sharded.plan.wrapped == ()

@@ -29,6 +29,7 @@ import dataclasses
 import dis
 import functools
 import inspect
+import operator
 import os
 import traceback
 import types
@@ -117,6 +118,11 @@ class MetaProxy(fx.Proxy):
         if isinstance(example, torch.Size):
             return len(example)
         return super().__len__()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``x[mask] = v`` as an ``operator.setitem`` node: an in-place write, which build-dag
+        orders against the tensor's other readers."""
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
     def __iter__(self) -> Iterator[fx.Proxy]:
         # fx's own rule (``a, b = proxy`` unpacks as many as the code asks for), with the

@@ -32,7 +32,7 @@ _VIEW_FUNCTIONS = frozenset({
 _IN_PLACE_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
     operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-    operator.imatmul,
+    operator.imatmul, operator.setitem,
 })
 
 
