@@ -441,3 +441,29 @@ def test_the_function_kept_whole_is_found_whatever_the_forward_calls_its_receive
     assert [(w.kind, w.name) for w in result.wrapped] == [("function", f"{__name__}.flip_if_negative")]
     for x in (torch.ones(4, 3), -torch.ones(4, 3)):
         assert torch.equal(result.graph_module(x), model(x))
+
+
+class CachesByBatchSize(nn.Module):
+    """Keeps a dict of constants keyed by batch size, filled in place (the trace keys it by a Proxy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.offsets: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[0]
+        if size not in self.offsets:
+            self.offsets[size] = torch.arange(8.0)
+        return self.lin(x) + self.offsets[size]
+
+
+def test_a_cache_the_trace_filled_is_given_back_without_trace_values():
+    model = CachesByBatchSize()
+    with module_state_restored(model):
+        trace_with_leaves(model, (torch.randn(2, 8),))
+    assert model.offsets == {}
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert not any(isinstance(key, fx.Proxy) for key in model.offsets)
+    x = torch.randn(3, 8)
+    assert torch.equal(sharded(x), model(x))

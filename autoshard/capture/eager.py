@@ -10,6 +10,7 @@ model's next call.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from typing import Any, Iterator
 
@@ -70,16 +71,28 @@ def trace_values_on(module: nn.Module) -> list[str]:
 def module_state_restored(model: nn.Module) -> Iterator[None]:
     """On exit, set back (or remove, if the run added it) every attribute, parameter or buffer of
     a module that holds a trace value, and every plain attribute the run bound to a tensor
-    (``self.previous = y``, kept for the next call): each run starts from the state the model was
-    given in, and none leaves a trace on it. Other values a forward stores are its own business,
+    (``self.previous = y``, kept for the next call), and every dict, list or set attribute the run
+    filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
+    from the state the model was given in, and none leaves a trace on it. Other values a forward stores are its own business,
     as on any call; they may be tied to hooks it installed (Hugging Face's output recorders)."""
     def containers(module: nn.Module) -> list[dict[str, Any]]:
         return [vars(module)] + [getattr(module, r) for r in _TENSOR_REGISTRIES]
 
     saved = [(module, [dict(c) for c in containers(module)]) for module in model.modules()]
+    collections = [(value, copy.copy(value)) for module in model.modules() for key, value in vars(module).items()
+                   if key not in _REGISTRIES and isinstance(value, (dict, list, set))]
     try:
         yield
     finally:
+        for collection, before in collections:  # a cache the trace filled in place (keyed by a Proxy)
+            keys = list(collection.keys()) if isinstance(collection, dict) else []
+            if not (holds(keys, TRACE_VALUES) or holds(collection, TRACE_VALUES)):
+                continue
+            if isinstance(collection, list):
+                collection[:] = before
+            else:
+                collection.clear()
+                collection.update(before)
         for module, befores in saved:
             for index, (current, before) in enumerate(zip(containers(module), befores)):
                 stale = [key for key, value in current.items() if key not in _REGISTRIES and (
