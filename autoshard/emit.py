@@ -130,7 +130,7 @@ def _mode_guard(graph: fx.Graph, training: bool) -> None:
     fixed what the model's code read from ``self.training``, so another mode would silently run
     the captured one). Code, not a hook, so every copy a runtime makes keeps it."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(next(iter(graph.nodes))):
+    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
         mode = graph.get_attr("training")
     with graph.inserting_after(mode):
         graph.call_function(check_mode, (mode, training))

@@ -59,12 +59,16 @@ TRACE_VALUES = (fx.Proxy, torch.SymInt, torch.SymFloat, torch.SymBool, FakeTenso
 _TENSOR_REGISTRIES = ("_parameters", "_buffers")
 
 
+def _attribute_dicts(module: nn.Module) -> list[dict[str, Any]]:
+    """Where ``module`` keeps its state: its plain attributes, then its parameters and buffers."""
+    return [vars(module)] + [getattr(module, r) for r in _TENSOR_REGISTRIES]
+
+
 def trace_values_on(module: nn.Module) -> list[str]:
     """The attributes of ``module`` (plain ones, parameters and buffers; not its children) holding
     a trace value."""
-    plain = [key for key, value in vars(module).items() if key not in _REGISTRIES and holds(value, TRACE_VALUES)]
-    return plain + [key for registry in _TENSOR_REGISTRIES for key, value in getattr(module, registry).items()
-                    if holds(value, TRACE_VALUES)]
+    return [key for entries in _attribute_dicts(module) for key, value in entries.items()
+            if key not in _REGISTRIES and holds(value, TRACE_VALUES)]
 
 
 @contextlib.contextmanager
@@ -73,12 +77,10 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
     a module that holds a trace value, and every plain attribute the run bound to a tensor
     (``self.previous = y``, kept for the next call), and every dict, list or set attribute the run
     filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
-    from the state the model was given in, and none leaves a trace on it. Other values a forward stores are its own business,
-    as on any call; they may be tied to hooks it installed (Hugging Face's output recorders)."""
-    def containers(module: nn.Module) -> list[dict[str, Any]]:
-        return [vars(module)] + [getattr(module, r) for r in _TENSOR_REGISTRIES]
-
-    saved = [(module, [dict(c) for c in containers(module)]) for module in model.modules()]
+    from the state the model was given in, and none leaves a trace on it. Other values a forward
+    stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
+    Face's output recorders)."""
+    saved = [(module, [dict(c) for c in _attribute_dicts(module)]) for module in model.modules()]
     collections = [(value, copy.copy(value)) for module in model.modules() for key, value in vars(module).items()
                    if key not in _REGISTRIES and isinstance(value, (dict, list, set))]
     try:
@@ -94,7 +96,7 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
                 collection.clear()
                 collection.update(before)
         for module, befores in saved:
-            for index, (current, before) in enumerate(zip(containers(module), befores)):
+            for index, (current, before) in enumerate(zip(_attribute_dicts(module), befores)):
                 stale = [key for key, value in current.items() if key not in _REGISTRIES and (
                     holds(value, TRACE_VALUES)
                     or (index == 0 and value is not before.get(key) and holds(value, torch.Tensor)))]

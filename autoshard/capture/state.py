@@ -37,11 +37,8 @@ def kind_of(module: nn.Module, name: str) -> str:
 
 def current_value(module: nn.Module, name: str) -> Any:
     """What ``module.name`` holds now, without running ``__getattr__`` hooks (None if unset)."""
-    for registry in ("_parameters", "_buffers"):
-        entries = module.__dict__.get(registry, {})
-        if name in entries:
-            return entries[name]
-    return module.__dict__.get(name)
+    kind = kind_of(module, name)
+    return module.__dict__.get(name) if kind == "attribute" else module.__dict__[f"_{kind}s"][name]
 
 
 @contextlib.contextmanager
@@ -51,9 +48,10 @@ def refusing_state_writes(computed: Computed) -> Iterator[None]:
 
     def guarded(module: nn.Module, name: str, value: Any) -> None:
         # torch's own writes (export lifting a constant onto the module) are not the model's state
-        if computed(module, name, value) and not sys._getframe(1).f_code.co_filename.startswith(MACHINERY_DIRS):
-            raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} {name!r}, "
-                             "which a later call may read; a captured graph cannot replay that write")
+        if computed(module, name, value) and \
+                not sys._getframe(1).f_code.co_filename.startswith(MACHINERY_DIRS):
+            raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} "
+                             f"{name!r}, which a later call may read; a captured graph cannot replay that write")
         original(module, name, value)
 
     with swapped_attribute(nn.Module, "__setattr__", guarded):
