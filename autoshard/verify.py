@@ -52,8 +52,9 @@ def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any
 
 
 def _thawed(value: Any) -> Any:
-    """fx's interpreter freezes the containers it returns; the model and the stages' generated
-    code return plain ones, so compare against those."""
+    """fx's interpreter freezes the containers in a node's arguments and in the graph's output;
+    generated code builds plain ones afresh on every call (a function may fill a list it is
+    given: torchvision's video Swin does), so hand over and compare those."""
     if isinstance(value, immutable_dict):
         return {key: _thawed(item) for key, item in value.items()}
     if isinstance(value, immutable_list):
@@ -63,16 +64,22 @@ def _thawed(value: Any) -> Any:
     return value
 
 
-class _Recorder(fx.Interpreter):
+class PlainInterpreter(fx.Interpreter):
+    """Runs each node as the graph's generated code would: on plain, fresh containers (the
+    output node too, so the graph returns plain ones)."""
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return _thawed(args), _thawed(kwargs)
+
+
+class _Recorder(PlainInterpreter):
     """Runs the traced graph and keeps the values named in ``wanted``."""
 
     def __init__(self, gm: fx.GraphModule, wanted: set[str]) -> None:
         super().__init__(gm)
         self.wanted = wanted
         self.values: dict[str, Any] = {}
-
-    def output(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return _thawed(args[0])
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)

@@ -126,3 +126,11 @@ def test_the_export_pass_needs_example_inputs(registry):
     pipeline = Pipeline.parse("export,build-dag,linearize,split{stages=2},emit", registry)
     with pytest.raises(PipelineValidationError, match="needs 'example_inputs'"):
         autoshard.shard_model(ResidualMLP(), 2, pipeline=pipeline)
+
+
+def test_a_model_the_capture_takes_but_its_example_fails_on_is_reported_by_its_own_error():
+    """Tracing checks no pooling window, so the capture succeeds; the first real run is the
+    model's own failure, named as such (Inception's auxiliary head on a small image)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AvgPool2d(5, stride=3), nn.Flatten())
+    with pytest.raises(ExampleInputsError, match=r"Sequential itself raises on the example inputs"):
+        autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 3, 5, 5),))

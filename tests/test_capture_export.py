@@ -186,8 +186,9 @@ def test_export_marks_non_tensor_values_without_shape_propagation():
 
 
 class PackedLSTM(nn.Module):
-    """Variable-length sequences through ``pack_padded_sequence``, whose lengths fx and export
-    cannot turn into a Python list: the packing functions are kept whole."""
+    """Variable-length sequences through ``pack_padded_sequence``. Export cannot capture the
+    packing (the lengths become a data-dependent list); fx records ``torch.as_tensor(lengths)``
+    as a node and captures it whole."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -200,12 +201,12 @@ class PackedLSTM(nn.Module):
         return self.head(pad_packed_sequence(out, batch_first=True)[0])
 
 
-def test_packed_sequences_shard_and_serve_other_lengths():
+def test_packed_sequences_shard_whole_and_serve_other_lengths():
     model = PackedLSTM().eval()
     sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(3, 6, 4), torch.tensor([6, 3, 4])))
-    assert "torch.nn.utils.rnn.pack_padded_sequence" in [w.name for w in sharded.plan.wrapped]
-    x, lengths = torch.randn(2, 5, 4), torch.tensor([2, 5])
-    assert torch.equal(sharded(x, lengths), model(x, lengths))
+    assert sharded.plan.wrapped == ()
+    for x, lengths in [(torch.randn(2, 5, 4), torch.tensor([2, 5])), (torch.randn(4, 7, 4), torch.tensor([1, 7, 3, 2]))]:
+        assert torch.equal(sharded(x, lengths), model(x, lengths))
 
 
 def test_a_failing_export_prints_nothing_even_where_torch_logs_errors(capfd, caplog):

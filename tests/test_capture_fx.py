@@ -3,6 +3,7 @@ the graph stays generic in sizes, and everything fixed from the example is check
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 
@@ -467,3 +468,132 @@ def test_a_cache_the_trace_filled_is_given_back_without_trace_values():
     assert not any(isinstance(key, fx.Proxy) for key in model.offsets)
     x = torch.randn(3, 8)
     assert torch.equal(sharded(x), model(x))
+
+
+class Segments(nn.Module):
+    """torchvision's segmentation models return an ``OrderedDict``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        result = collections.OrderedDict()
+        result["out"] = self.a(x)
+        result["aux"] = self.b(x)
+        return result
+
+
+def test_an_ordered_dict_output_stays_an_ordered_dict():
+    sharded = autoshard.shard_model(Segments(), 2, example_inputs=(torch.randn(2, 3),),
+                                    pipeline="trace,shape-prop,build-dag,linearize,split,emit,verify")
+    out = sharded(torch.randn(4, 3))
+    assert type(out) is collections.OrderedDict and list(out) == ["out", "aux"]
+
+
+def fill_window(window: list[int], sizes: list[int]) -> list[int]:
+    """Writes into the list it is given, as torchvision's video Swin does with its window size."""
+    for i, size in enumerate(sizes):
+        window[i] = min(window[i], size)
+    return window
+
+
+torch.fx.wrap("fill_window")
+
+
+class FillsAList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        window = fill_window([8, 8], [x.shape[0], x.shape[1]])
+        return self.lin(x) * window[0]
+
+
+def test_a_function_that_fills_the_list_it_is_given_runs_in_every_pass():
+    model = FillsAList()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(3, 4),),
+                                    pipeline="trace,shape-prop,build-dag,linearize,profile,split,emit,verify")
+    x = torch.randn(5, 4)
+    assert torch.equal(sharded(x), model(x))
+
+
+class ScaledBySize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        scale = torch.sqrt(torch.tensor(h.shape[-1], dtype=torch.float32))
+        return self.b(h / scale) * torch.tensor([x.shape[0], 2.0]).sum()
+
+
+def test_a_tensor_made_from_a_size_is_a_node_that_follows_the_size():
+    model = ScaledBySize()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
+                                    pipeline="trace,shape-prop,build-dag,linearize,split,emit,verify")
+    assert sharded.plan.wrapped == ()
+    x = torch.randn(5, 8)  # another batch size: torch.tensor([5, 2.0]), not the example's [2, 2.0]
+    assert torch.equal(sharded(x), model(x))
+
+
+class Pyramid(nn.Module):
+    """RAFT's correlation block: one method fills an attribute, another reads it, same call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.levels: list[torch.Tensor] = [torch.tensor(0)]
+
+    def build(self, x: torch.Tensor) -> None:
+        self.levels = [x]
+        self.levels.append(F.avg_pool1d(x.unsqueeze(1), 2).squeeze(1))
+
+    def read(self) -> torch.Tensor:
+        return torch.cat(self.levels, dim=-1)
+
+
+class UsesAPyramid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.pyramid, self.b = nn.Linear(8, 8), Pyramid(), nn.Linear(12, 4)
+
+    def forward(self, x):
+        self.pyramid.build(self.a(x))
+        return self.b(self.pyramid.read())
+
+
+@pytest.mark.parametrize("pipeline", ["trace,shape-prop,build-dag,linearize,split,emit,verify",
+                                      "export,shape-prop,build-dag,linearize,split,emit,verify"], ids=["fx", "export"])
+def test_a_scratch_attribute_filled_before_it_is_read_is_captured(pipeline):
+    model = UsesAPyramid()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),), pipeline=pipeline)
+    assert sharded.plan.wrapped == ()
+    assert len(model.pyramid.levels) == 1 and torch.equal(model.pyramid.levels[0], torch.tensor(0))
+    x = torch.randn(3, 8)
+    assert torch.equal(sharded(x), model(x))
+
+
+class RunningSum(nn.Module):
+    """Like ``RunningOffset`` but starting from a tensor: the read before the write is an operation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.previous = torch.zeros(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) + self.previous
+        self.previous = y.detach().mean(0)
+        return y
+
+
+def test_an_attribute_read_before_it_is_written_is_state_even_when_it_held_a_tensor():
+    model = nn.Sequential(nn.Linear(8, 8), RunningSum(), nn.Linear(8, 8))
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert [w.name for w in sharded.plan.wrapped] == ["1"]
+    for _ in range(3):
+        x = torch.randn(2, 8)
+        assert torch.equal(sharded(x), twin(x))

@@ -64,9 +64,24 @@ class ZeroesByItemAssignment(nn.Module):
         return y + self.c(h)
 
 
+class WritesThroughAnIdentity(nn.Module):
+    """timm's ResNet: ``act(drop_block(bn(x)))`` with an ``nn.Identity`` drop block and an in-place
+    activation, which writes the normalised value through the identity's output (the same tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.act = nn.Linear(8, 8), nn.Identity(), nn.ReLU(inplace=True)
+        self.b = nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.b(h)
+        return y + self.act(self.drop(h))
+
+
 @pytest.mark.parametrize("model", [WritesAfterReading(), WritesAfterReading(through_a_view=True),
-                                   InPlaceActivation(), ZeroesByItemAssignment()],
-                         ids=["add_", "through a view", "ReLU(inplace)", "item assignment"])
+                                   InPlaceActivation(), ZeroesByItemAssignment(), WritesThroughAnIdentity()],
+                         ids=["add_", "through a view", "ReLU(inplace)", "item assignment", "through nn.Identity"])
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("cost", ["params", "nodes"])
 @pytest.mark.parametrize("pipeline", [None, FX_ONLY], ids=["auto", "fx"])

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from autoshard.api import run_pipeline
-from autoshard.costs.propagation import node_facts
+from autoshard.costs.facts import node_facts
 from autoshard.costs.values import ConstantMeta, StructureMeta, TensorMeta, describe_value
 from autoshard.errors import InvalidArgumentError, ShapePropagationError
 from autoshard.examples import ResidualMLP, load_example
@@ -140,3 +140,22 @@ def test_views_allocate_nothing_in_the_dag():
     views = [n for n, d in dag.nodes(data=True) if d["target"] in ("view", "transpose", "split")]
     assert views and all(dag.nodes[n]["allocated"] == 0 for n in views)
     assert dag.nodes["lm_head"]["allocated"] == dag.nodes["lm_head"]["bytes"] == 2 * 8 * 100 * 4
+
+
+class PassesThrough(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.same, self.drop = nn.Linear(4, 4), nn.Identity(), nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.drop(self.same(self.lin(x)))
+        return h.view(2, 2, 4) + torch.rand_like(h).view(2, 2, 4)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_facts_say_which_values_share_their_inputs_memory_and_which_draw(mode):
+    program = propagated(PassesThrough().eval(), torch.randn(4, 4), mode=mode)
+    facts = {n.name: node_facts(n) for n in program.traced.graph_module.graph.nodes if node_facts(n)}
+    assert [name for name, f in facts.items() if f.aliases_input] == ["same", "drop", "view", "view_1"]
+    # only a real run moves the generator; with fake tensors the operator itself says it (graph.randomness)
+    assert [name for name, f in facts.items() if f.draws_random] == (["rand_like"] if mode == "real" else [])

@@ -17,11 +17,9 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-import torch
-
-from autoshard.capture.eager import cloned, isolated
+from autoshard.capture.eager import check_model_runs
 from autoshard.capture.result import TraceResult
-from autoshard.errors import ExampleInputsError, InvalidArgumentError, TraceError
+from autoshard.errors import InvalidArgumentError, TraceError
 
 FRONT_ENDS: tuple[str, ...] = ("auto", "fx", "export")
 _CAPTURES = {"fx": "autoshard.capture.fx:trace_with_leaves",
@@ -39,18 +37,6 @@ def _summary(name: str, result: TraceResult | TraceError) -> str:
         return f"{name}: failed ({result})"
     modules = len(result.wrapped_modules)
     return f"{name}: wrapped modules {modules}, functions {len(result.wrapped) - modules}"
-
-
-def _check_runs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    """Raise ``ExampleInputsError`` if the model fails on its example too: then no front end is to
-    blame, and the model's own error is the one to show."""
-    try:
-        with isolated(model), torch.no_grad():
-            model(*cloned(args), **cloned(dict(kwargs)))
-    except Exception as exc:  # noqa: BLE001 - whatever the model raises is reported as it is
-        raise ExampleInputsError(
-            f"{type(model).__name__} itself raises on the example inputs ({type(exc).__name__}: {exc}); "
-            "give inputs it runs on: model(*example_args, **example_kwargs) must work") from exc
 
 
 def capture(
@@ -77,7 +63,7 @@ def capture(
     considered = tuple(_summary(name, r) for name, r in tried.items())
     if not captured:
         if has_examples:
-            _check_runs(model, example_args, example_kwargs or {})
+            check_model_runs(model, example_args, example_kwargs or {})
         hint = "" if has_examples else "; pass example inputs so the 'export' front end can be tried too"
         raise TraceError(f"no front end could capture {type(model).__name__}: {'; '.join(considered)}{hint}")
     best = min(captured, key=lambda r: len(r.wrapped_modules))  # min keeps the first (fx) on a tie

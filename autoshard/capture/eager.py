@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
+
+from autoshard.errors import ExampleInputsError
 
 
 @contextlib.contextmanager
@@ -129,3 +131,15 @@ def swapped_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
 def cloned(value: Any) -> Any:
     """A copy of every tensor in ``value``, so running a capture never writes to the user's inputs."""
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+def check_model_runs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Raise ``ExampleInputsError`` if the model fails on its example too: then no capture or
+    pass is to blame, and the model's own error is the one to show."""
+    try:
+        with isolated(model), torch.no_grad():
+            model(*cloned(args), **cloned(dict(kwargs)))
+    except Exception as exc:  # noqa: BLE001 - whatever the model raises is reported as it is
+        raise ExampleInputsError(
+            f"{type(model).__name__} itself raises on the example inputs ({type(exc).__name__}: {exc}); "
+            "give inputs it runs on: model(*example_args, **example_kwargs) must work") from exc

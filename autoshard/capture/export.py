@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import warnings
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -69,7 +70,10 @@ def _quiet() -> Iterator[None]:
     for log in logs:  # the failure that matters is raised, and reported where it is kept whole
         log.setLevel(logging.CRITICAL)
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            # capture/state.py judges attributes a forward assigns; export's advice to make them
+            # buffers is not the user's to act on
+            warnings.filterwarnings("ignore", message="The tensor attributes? .* (was|were) assigned during export")
             yield
     finally:
         for log, level in zip(logs, levels):

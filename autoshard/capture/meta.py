@@ -8,12 +8,12 @@ rest symbolic:
 
 * ``dtype``, ``device``, ``ndim``, ``dim()`` and ``torch.is_tensor`` come from the example;
   ``x.shape`` iterates as one symbolic size per dimension, so sizes stay symbolic and the graph
-  serves other shapes;
+  serves other shapes (``torch.tensor(size)`` becomes a node);
 * a condition computed from sizes alone (``if seq_len > 1``) takes its example value, and a guard
   node in the graph refuses later inputs that would flip it (``InputMismatchError``);
 * conditions on tensor *values* still fail, which is what makes a module or function a leaf;
 * objects without proxies inside (configs) are kept as constants, never rebuilt; a dataclass
-  with proxies inside (a ``ModelOutput``) is rebuilt as its own type;
+  with proxies inside (a ``ModelOutput``) is rebuilt as its own type, and so is an ``OrderedDict``;
 * an example tensor that reaches the code without its proxy (a leaf's forward hook saw the real
   output) stands for the node that computed it, never for a constant holding the example's data;
 * code that enters or leaves a ``torch.autocast`` region, or rebinds a parameter or buffer to a
@@ -24,6 +24,7 @@ rest symbolic:
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import dataclasses
 import dis
@@ -34,7 +35,7 @@ import os
 import traceback
 import types
 import weakref
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -199,6 +200,22 @@ def _is_tensor(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor)
 
 
+#: Tensor constructors whose data argument may hold a size: ``torch.tensor(x.shape[-1])``.
+_CONSTRUCTORS = ("tensor", "as_tensor", "scalar_tensor")
+
+
+def _recording_constructor(constructor: Callable[..., Any]) -> Callable[..., Any]:
+    """``constructor`` that, given a proxy (a size), records a node instead of failing: torch
+    would try to read the proxy as an array. ``x / torch.sqrt(torch.tensor(d))`` is everywhere."""
+    @functools.wraps(constructor)
+    def record(*args: Any, **kwargs: Any) -> Any:
+        proxies = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, fx.Proxy)]
+        if not proxies:
+            return constructor(*args, **kwargs)
+        return proxies[0].tracer.create_proxy("call_function", constructor, args, kwargs)
+    return record
+
+
 def has_proxy(value: Any) -> bool:
     """Whether a Proxy hides anywhere in ``value`` (containers, dataclass fields, slices)."""
     return holds(value, fx.Proxy)
@@ -322,6 +339,8 @@ class MetaTracer(fx.Tracer):
         self._autocast = _autocast_state()
         with contextlib.ExitStack() as patches:
             patches.enter_context(refusing_state_writes(_computed_in_trace))
+            for name in _CONSTRUCTORS:
+                patches.enter_context(swapped_attribute(torch, name, _recording_constructor(getattr(torch, name))))
             if self.examples is not None:
                 patches.enter_context(swapped_attribute(torch, "is_tensor", _is_tensor))
             return super().trace(root, concrete_args)
@@ -372,6 +391,8 @@ class MetaTracer(fx.Tracer):
                 return self._constant(a)
             fields = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
             return self.create_node("call_function", type(a), (), fields)
+        if type(a) is collections.OrderedDict:  # fx would rebuild it as a plain dict (torchvision's segmentation output)
+            return self.create_node("call_function", collections.OrderedDict, (self.create_arg(list(a.items())),), {})
         try:
             return super().create_arg(a)
         except NotImplementedError:

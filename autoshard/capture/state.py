@@ -6,6 +6,12 @@ a buffer to a computed value (``self.steps += 1`` under fx) or keeps a tensor fo
 sharded model. While a front end traces, ``refusing_state_writes`` makes such an assignment
 raise ``StateWrite``, so the module that makes it is kept whole (run as it is, state included),
 like any other code the front end cannot capture.
+
+One write is safe: a scratch attribute that a forward fills before it reads it (RAFT builds its
+correlation pyramid on ``self`` and reads it later in the same call). If the attribute held
+tensors and no operation of the trace has read them before the write, the graph never reads the
+value a previous call left, so the write is allowed. An attribute that held no tensor (None) gives
+no such evidence (``if self.previous is not None`` reads it without an operation) and stays refused.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import contextlib
 import sys
 from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.eager import swapped_attribute
 from autoshard.capture.leaves import MACHINERY_DIRS
@@ -41,18 +50,40 @@ def current_value(module: nn.Module, name: str) -> Any:
     return module.__dict__.get(name) if kind == "attribute" else module.__dict__[f"_{kind}s"][name]
 
 
+class _TensorsRead(TorchFunctionMode):
+    """Notes (by id) every tensor an operation reads while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[int] = set()
+
+    def __torch_function__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        self.ids.update(id(leaf) for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
+        return func(*args, **kwargs)
+
+
+def _unread_scratch(module: nn.Module, name: str, read: _TensorsRead) -> bool:
+    """Whether ``module.name`` is a plain attribute holding tensors that nothing has read yet."""
+    if kind_of(module, name) != "attribute":
+        return False
+    old = [leaf for leaf in tree_leaves(current_value(module, name)) if isinstance(leaf, torch.Tensor)]
+    return bool(old) and not any(id(tensor) in read.ids for tensor in old)
+
+
 @contextlib.contextmanager
 def refusing_state_writes(computed: Computed) -> Iterator[None]:
     """``nn.Module.__setattr__`` raises ``StateWrite`` where ``computed`` says so, until exit."""
     original = nn.Module.__setattr__
+    read = _TensorsRead()
 
     def guarded(module: nn.Module, name: str, value: Any) -> None:
         # torch's own writes (export lifting a constant onto the module) are not the model's state
-        if computed(module, name, value) and \
+        if computed(module, name, value) and not _unread_scratch(module, name, read) and \
                 not sys._getframe(1).f_code.co_filename.startswith(MACHINERY_DIRS):
             raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} "
                              f"{name!r}, which a later call may read; a captured graph cannot replay that write")
         original(module, name, value)
 
-    with swapped_attribute(nn.Module, "__setattr__", guarded):
+    with swapped_attribute(nn.Module, "__setattr__", guarded), read:
         yield

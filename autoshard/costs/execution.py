@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.capture.eager import cloned
 from autoshard.errors import AutoshardError, InvalidArgumentError, ShapePropagationError
-from autoshard.verify import run_seeded
+from autoshard.verify import PlainInterpreter, run_seeded
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     from autoshard.passes.base import ExampleInputs
@@ -46,7 +46,7 @@ class NodeCall:
     node: fx.Node
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    interpreter: fx.Interpreter
+    interpreter: PlainInterpreter
 
     def run(self, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None) -> Any:
         """Run the node on its own inputs, or on ``args`` / ``kwargs`` given in their place."""
@@ -91,7 +91,7 @@ def placeholder_values(gm: fx.GraphModule, inputs: "ExampleInputs") -> list[Any]
     return [bound.arguments[str(node.target)] for node in gm.graph.nodes if node.op == "placeholder"]
 
 
-class _HookedInterpreter(fx.Interpreter):
+class _HookedInterpreter(PlainInterpreter):
     def __init__(self, gm: fx.GraphModule, hook: NodeHook, mode: str) -> None:
         super().__init__(gm)
         self.extra_traceback = False  # our errors name the node already; torch's addendum is noise

@@ -1,52 +1,61 @@
 """Shape propagation: run the traced graph once and record, per node, its value's structure,
-the memory it allocated and the FLOPs it performed. The ``shape-prop`` pass stores the result on
-the graph's nodes.
+the memory it allocated, the FLOPs it performed, whether it drew random numbers and whether its
+value shares memory with its first input. The ``shape-prop`` pass stores the result on the
+graph's nodes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx as fx
 
 from autoshard import progress
-from autoshard.costs.execution import Mode, NodeCall, run_graph
+from autoshard.costs.execution import Mode, NodeCall, resolve_mode, run_graph
+from autoshard.costs.facts import NodeFacts
 from autoshard.costs.flops import NodeFlopCounter
-from autoshard.costs.values import ValueMeta, allocated_bytes, describe_value
+from autoshard.costs.values import allocated_bytes, describe_value, shares_memory
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     from autoshard.passes.base import ExampleInputs
 
-FACTS_KEY = "autoshard_facts"
-"""``fx.Node.meta`` key under which ``shape-prop`` stores a node's ``NodeFacts``."""
+
+def _generator_states() -> list[torch.Tensor]:
+    """The state of every random generator in use: the CPU one and, once CUDA is up, each GPU's."""
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
 
 
-@dataclass(frozen=True)
-class NodeFacts:
-    """What one run on the example inputs showed about a node."""
-
-    value: ValueMeta
-    flops: int
-    allocated: int
+def _same_states(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
+    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def node_facts(node: fx.Node) -> NodeFacts | None:
-    """The facts ``shape-prop`` recorded on ``node``, or None if it has not run."""
-    return node.meta.get(FACTS_KEY)
+def _aliases_first_input(call: NodeCall, value: Any) -> bool:
+    """Whether ``value`` shares memory with the node's first argument, when that is a graph value:
+    an in-place write to either then changes both (``nn.Identity`` returns its input)."""
+    first = call.node.args[0] if call.node.args else None
+    return isinstance(first, fx.Node) and shares_memory(value, call.args[0])
 
 
 def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", seed: int = 0) -> dict[str, NodeFacts]:
     """Run ``gm`` on ``inputs`` and return the facts of every placeholder and compute node."""
     facts: dict[str, NodeFacts] = {}
+    real = resolve_mode(gm, inputs, mode) == "real"  # fake tensors draw nothing
     measured = sum(node.op not in ("get_attr", "output") for node in gm.graph.nodes)
     with NodeFlopCounter() as flops, progress.task("shape propagation", total=measured) as advance:
         def hook(call: NodeCall) -> Any:
+            before = _generator_states() if real else []
             value = flops.measure(call)
             node = call.node
             if node.op not in ("get_attr", "output"):
                 allocated = allocated_bytes(value, (call.args, call.kwargs))
-                facts[node.name] = NodeFacts(describe_value(value), flops.per_node[node.name], allocated)
+                draws = real and not _same_states(before, _generator_states())
+                aliases = node.op != "placeholder" and _aliases_first_input(call, value)
+                facts[node.name] = NodeFacts(describe_value(value), flops.per_node[node.name], allocated,
+                                             draws, aliases)
                 advance()
             return value
 

@@ -115,6 +115,12 @@ def _storages(value: Any) -> dict[StorageWeakRef, int]:
             for t in flat if isinstance(t, torch.Tensor)}
 
 
+def shares_memory(value: Any, other: Any) -> bool:
+    """Whether a tensor of ``value`` and one of ``other`` share storage (a view, a value passed
+    through). Works for fake and meta tensors."""
+    return not _storages(value).keys().isdisjoint(_storages(other))
+
+
 def allocated_bytes(output: Any, inputs: Any) -> int:
     """Bytes of the storages ``output`` holds that ``inputs`` do not: what computing it allocated.
 

@@ -14,7 +14,9 @@ structure, see ``autoshard.costs.values``), ``allocated`` (bytes of new memory i
 bytes of the output (1 per value while shapes are unknown); ``tensor`` says whether it holds any
 tensor (None when neither shape-prop nor the capture recorded the value: it is treated as one).
 Edges carry ``value``, the producer's name; in-place writes add edges that keep every reader of
-the written tensor on its side of the write (``autoshard.graph.inplace``). The graph attribute ``weights`` maps each canonical
+the written tensor on its side of the write (``autoshard.graph.inplace``), and random draws on
+parallel branches add edges that keep them in the model's order (``autoshard.graph.randomness``).
+The graph attribute ``weights`` maps each canonical
 name to a ``WeightInfo`` (every alias, size, trainable or not).
 
 ``get_attr`` nodes are not DAG nodes: a stage that reads a parameter or buffer gets its own
@@ -40,9 +42,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.execution import COMPUTE_OPS
-from autoshard.costs.propagation import node_facts
+from autoshard.costs.facts import node_facts
 from autoshard.costs.timing import SECONDS_KEY
 from autoshard.graph.inplace import order_around_mutations
+from autoshard.graph.randomness import order_random_draws
 
 #: Stand-in for a value's size until shape propagation measures it: every value weighs one.
 UNKNOWN_VALUE_BYTES = 1.0
@@ -220,4 +223,5 @@ def build_dag(gm: fx.GraphModule) -> nx.DiGraph:
                 dag.add_edge(producer.name, node.name, value=producer.name)
     order_around_mutations(gm, dag)
     route_around_non_tensors(dag)
+    order_random_draws(gm, dag)
     return dag

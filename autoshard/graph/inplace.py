@@ -6,6 +6,11 @@ reorder nodes could move a reader across the write (a silently different value, 
 that no longer matches the model). ``order_around_mutations`` adds the missing edges to the DAG:
 from every earlier reader of the written tensor (or of a view of it) to the write, and from the
 write to every later reader, so each reader sees the version it saw in the model.
+
+Which values share memory comes from op-name lists (views, in-place methods) and, where
+``shape-prop`` ran for real, from what it saw: a node whose value shares memory with its first
+input (``nn.Identity`` and dropout in eval mode return the input itself; timm's ResNet writes
+in place after one).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx as fx
+
+from autoshard.costs.facts import node_facts
 
 #: Methods and functions whose result may share memory with their first argument.
 _VIEW_METHODS = frozenset({
@@ -37,6 +44,9 @@ _IN_PLACE_OPERATORS = frozenset({
 
 
 def _is_view(node: fx.Node) -> bool:
+    facts = node_facts(node)
+    if facts is not None and facts.aliases_input:  # shape-prop saw it (nn.Identity, eval-mode dropout)
+        return True
     if node.op == "call_method":
         return node.target in _VIEW_METHODS
     if node.op == "call_function":

@@ -8,8 +8,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from autoshard.capture.eager import check_model_runs
 from autoshard.costs.annotate import annotated_copy
-from autoshard.costs.propagation import FACTS_KEY, propagate
+from autoshard.costs.execution import resolve_mode
+from autoshard.costs.facts import FACTS_KEY
+from autoshard.costs.propagation import propagate
+from autoshard.errors import ShapePropagationError
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
 
@@ -32,7 +36,12 @@ class ShapePropPass(Pass):
     seed: int = option(0, help="random seed for a real run (dropout)")
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        traced = program.traced
-        facts = propagate(traced.graph_module, program.example_inputs, self.mode, self.seed)
+        traced, inputs = program.traced, program.example_inputs
+        try:
+            facts = propagate(traced.graph_module, inputs, self.mode, self.seed)
+        except ShapePropagationError:
+            if resolve_mode(program.model, inputs, self.mode) == "real":
+                check_model_runs(program.model, inputs.args, inputs.kwargs)  # its own error says more
+            raise
         annotated = annotated_copy(traced.graph_module, program.model, {FACTS_KEY: facts})
         return dataclasses.replace(program, traced=dataclasses.replace(traced, graph_module=annotated))

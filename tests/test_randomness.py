@@ -1,0 +1,122 @@
+"""Random draws stay in the model's order across stages, so a model in training mode, dropout on
+parallel branches included, shards exactly (``autoshard.graph.randomness``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.api import run_pipeline
+from autoshard.graph.randomness import draws_random
+from autoshard.passes import Pipeline
+from autoshard.passes.base import ExampleInputs
+
+
+class AuxiliaryHead(nn.Module):
+    """GoogLeNet's shape: an auxiliary head with its own dropout branches off the trunk before the
+    trunk's dropout; nothing orders the two draws but the model's code. The head widens its
+    input, so a split that ignored the draws' order would run it last (sending its narrow input
+    rather than its wide output), after the trunk's draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.trunk = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), *(nn.Linear(64, 64) for _ in range(5)))
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Sequential(*(nn.Linear(8, 8) for _ in range(8)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.stem(x)
+        aux = self.head(h)
+        return self.out(self.drop(self.trunk(h))), aux
+
+
+def _seeded(fn, x):
+    torch.manual_seed(7)
+    return fn(x)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("pipeline", [None, "trace,shape-prop,build-dag,linearize,split,emit,verify",
+                                      "export,shape-prop,build-dag,linearize,split,emit,verify"],
+                         ids=["auto", "fx", "export"])
+def test_training_mode_dropout_on_parallel_branches_shards_exactly(k, pipeline):
+    model = AuxiliaryHead().train()
+    sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),), cost="nodes", pipeline=pipeline)
+    x = torch.randn(3, 8)
+    expected, got = _seeded(model, x), _seeded(sharded, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def _dag(model, pipeline="capture,shape-prop,build-dag"):
+    return run_pipeline(model, Pipeline.parse(pipeline), ExampleInputs((torch.randn(2, 8),), {})).program.dag
+
+
+def test_the_head_is_ordered_before_the_trunks_draw_through_its_cheapest_value():
+    dag = _dag(AuxiliaryHead().train())
+    # head_6 (the head's last value) is a model output: it reaches the trunk's stage anyway,
+    # where the head's draw itself (head_1) would have to be sent there for the edge alone
+    assert dag.has_edge("head_6", "drop")
+    assert not dag.has_edge("head_1", "drop")
+
+
+def test_draws_on_one_path_add_no_edge():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5)).train()
+    dag = _dag(model)
+    assert dag.number_of_edges() == 4  # x -> 0 -> 1 -> 2 -> 3 and nothing else
+
+
+def test_eval_mode_adds_no_edge():
+    assert not _dag(AuxiliaryHead().eval()).has_edge("head_6", "drop")
+
+
+class DrawsInsideALeaf(nn.Module):
+    """``F.dropout`` inside a module kept whole (its condition reads a tensor's value): only the
+    run shows that the module draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.abs().sum() > 0:
+            h = nn.functional.dropout(h, 0.5, self.training)
+        return h
+
+
+class LeafAndTrunk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaf, self.trunk = DrawsInsideALeaf(), nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.leaf(x), self.trunk(x)
+
+
+def test_a_leaf_that_draws_is_found_by_the_run():
+    model = LeafAndTrunk().train()
+    program = run_pipeline(model, Pipeline.parse("trace,shape-prop,build-dag"), ExampleInputs((torch.randn(2, 8),), {})).program
+    gm = program.traced.graph_module
+    leaf = next(n for n in gm.graph.nodes if n.target == "leaf")
+    assert leaf.op == "call_module" and draws_random(gm, leaf)
+    assert program.dag.has_edge("leaf", "trunk_1")
+
+
+@pytest.mark.parametrize("code, random", [
+    (lambda x: torch.nn.functional.dropout(x, 0.5), True),
+    (lambda x: x + torch.rand_like(x), True),
+    (lambda x: torch.empty_like(x).bernoulli_(0.5) * x, True),
+    (lambda x: torch.nn.functional.dropout2d(x, 0.5), True),
+    (lambda x: torch.relu(x) + x.sum(), False),
+], ids=["dropout", "rand_like", "bernoulli_", "dropout2d", "relu"])
+def test_random_operators_are_known_without_a_run(code, random):
+    class Code(nn.Module):
+        def forward(self, x):
+            return code(x)
+    dag_pipeline = "trace,build-dag"  # no shape-prop: the operators alone say it
+    program = run_pipeline(Code(), Pipeline.parse(dag_pipeline), ExampleInputs((torch.randn(2, 8, 4, 4),), {})).program
+    gm = program.traced.graph_module
+    assert any(draws_random(gm, n) for n in gm.graph.nodes) is random
