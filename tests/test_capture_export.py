@@ -236,3 +236,46 @@ def test_constants_export_lifts_onto_the_module_are_not_taken_for_the_models_sta
     x = torch.randn(5, 4)
     assert torch.equal(result.graph_module(x), model(x))
     assert_same_fingerprint(before, model_fingerprint(model))
+
+
+class GateOnItsOwnOutput(nn.Module):
+    """Branches on what its own layer computed: its fake kernel must run it with real weights
+    (export swaps fake ones onto the module while it traces)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_a_module_branching_on_its_own_layers_output_is_kept_opaque():
+    model = nn.Sequential(nn.Linear(6, 6), GateOnItsOwnOutput(), nn.Linear(6, 6))
+    result = export_with_leaves(model, (torch.randn(4, 6),))
+    assert [(w.kind, w.name) for w in result.wrapped] == [("module", "1")]
+    for x in (torch.randn(3, 6), torch.randn(7, 6)):
+        assert torch.equal(result.graph_module(x), model(x))
+
+
+class Stack(nn.Module):
+    """Gates in a ``ModuleList``: non-strict export reaches them through proxy objects, not the
+    modules themselves, so finding the failing one must look through the proxy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(GateOnItsOwnOutput() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_failing_module_reached_through_a_module_list_is_kept_opaque():
+    model = Stack()
+    result = export_with_leaves(model, (torch.randn(4, 6),))
+    assert [w.name for w in result.wrapped] == ["layers.0", "layers.1"]
+    x = torch.randn(5, 6)
+    assert torch.equal(result.graph_module(x), model(x))

@@ -597,3 +597,55 @@ def test_an_attribute_read_before_it_is_written_is_state_even_when_it_held_a_ten
     for _ in range(3):
         x = torch.randn(2, 8)
         assert torch.equal(sharded(x), twin(x))
+
+
+def default(value, fallback):
+    """x-transformers' helper: a callable fallback is called, anything else returned."""
+    if value is not None:
+        return value
+    return fallback() if callable(fallback) else fallback
+
+
+class KeysDefaultToQueries(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, context=None):
+        return self.q(x) * self.k(default(context, x))
+
+
+def test_callable_answers_for_a_traced_tensor_from_its_example():
+    model = KeysDefaultToQueries()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),),
+                                    pipeline="trace,shape-prop,build-dag,linearize,split,emit,verify")
+    assert sharded.plan.wrapped == ()
+    x = torch.randn(3, 4)
+    assert torch.equal(sharded(x), model(x))
+
+
+class CachedBias(nn.Module):
+    """x-transformers' ALiBi: computes a bias table for the sequence length and keeps it as a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bias", None, persistent=False)
+
+    def forward(self, x):
+        n = x.shape[-1]
+        if self.bias is not None and self.bias.shape[-1] >= n:
+            return x + self.bias[..., :n]
+        bias = torch.arange(n, dtype=x.dtype).neg()
+        self.register_buffer("bias", bias, persistent=False)
+        return x + self.bias
+
+
+@pytest.mark.parametrize("pipeline", ["trace,shape-prop,build-dag,linearize,split,emit,verify",
+                                      "export,shape-prop,build-dag,linearize,split,emit,verify"], ids=["fx", "export"])
+def test_a_cache_registered_as_a_buffer_keeps_its_module_whole_and_leaves_the_model_as_it_was(pipeline):
+    model = nn.Sequential(nn.Linear(6, 6), CachedBias(), nn.Linear(6, 6))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 6),), pipeline=pipeline)
+    assert [w.name for w in sharded.plan.wrapped] == ["1"]
+    assert model[1].bias is None and "bias" not in model[1].state_dict()
+    x = torch.randn(3, 6)
+    assert torch.equal(sharded(x), model(x))

@@ -76,8 +76,8 @@ def trace_values_on(module: nn.Module) -> list[str]:
 @contextlib.contextmanager
 def module_state_restored(model: nn.Module) -> Iterator[None]:
     """On exit, set back (or remove, if the run added it) every attribute, parameter or buffer of
-    a module that holds a trace value, and every plain attribute the run bound to a tensor
-    (``self.previous = y``, kept for the next call), and every dict, list or set attribute the run
+    a module that holds a trace value, and every attribute or buffer the run bound to another tensor
+    (``self.previous = y``, kept for the next call; a cache registered as a buffer), and every dict, list or set attribute the run
     filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
     from the state the model was given in, and none leaves a trace on it. Other values a forward
     stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
@@ -98,10 +98,9 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
                 collection.clear()
                 collection.update(before)
         for module, befores in saved:
-            for index, (current, before) in enumerate(zip(_attribute_dicts(module), befores)):
+            for current, before in zip(_attribute_dicts(module), befores):
                 stale = [key for key, value in current.items() if key not in _REGISTRIES and (
-                    holds(value, TRACE_VALUES)
-                    or (index == 0 and value is not before.get(key) and holds(value, torch.Tensor)))]
+                    holds(value, TRACE_VALUES) or (value is not before.get(key) and holds(value, torch.Tensor)))]
                 for key in stale:
                     if key in before:
                         current[key] = before[key]

@@ -93,10 +93,17 @@ def _receiver(frame: types.FrameType) -> Any:
     return first if any(getattr(m, "__code__", None) is code for m in methods) else None
 
 
+def _module_behind(obj: Any) -> Any:
+    """The module itself for export's stand-in of it: non-strict export reaches the modules of a
+    ``ModuleList`` through proxy objects that share the module's ``__dict__`` but not its identity."""
+    base = getattr(obj, "get_base", None)
+    return base() if isinstance(obj, nn.Module) and callable(base) and vars(obj) is vars(base()) else obj
+
+
 def innermost_module(exc: BaseException, modules: dict[int, str]) -> nn.Module | None:
     """The innermost module among ``modules`` whose code is on the failing stack."""
     for link in _chain(exc):
-        owners = [_receiver(f) for f in _frames(link.__traceback__)]
+        owners = [_module_behind(_receiver(f)) for f in _frames(link.__traceback__)]
         found = [m for m in owners if isinstance(m, nn.Module) and id(m) in modules]
         if found:
             return found[-1]
@@ -117,7 +124,7 @@ def failing_function(exc: BaseException, module: nn.Module) -> FunctionSite | No
     """The free function called from ``module``'s forward in which the capture failed, if any."""
     for link in _chain(exc):
         frames = _frames(link.__traceback__)
-        owner = max((i for i, f in enumerate(frames) if _receiver(f) is module), default=None)
+        owner = max((i for i, f in enumerate(frames) if _module_behind(_receiver(f)) is module), default=None)
         if owner is None:
             continue
         if owner + 1 >= len(frames) or frames[owner + 1].f_code.co_filename.startswith(MACHINERY_DIRS):

@@ -6,7 +6,7 @@ helper (fx rebuilds dataclasses from their fields and loses private settings). W
 value of every node at hand, the tracer answers what does not change between calls and keeps the
 rest symbolic:
 
-* ``dtype``, ``device``, ``ndim``, ``dim()`` and ``torch.is_tensor`` come from the example;
+* ``dtype``, ``device``, ``ndim``, ``dim()``, ``torch.is_tensor`` and ``callable`` come from the example;
   ``x.shape`` iterates as one symbolic size per dimension, so sizes stay symbolic and the graph
   serves other shapes (``torch.tensor(size)`` becomes a node);
 * a condition computed from sizes alone (``if seq_len > 1``) takes its example value, and a guard
@@ -24,6 +24,7 @@ rest symbolic:
 from __future__ import annotations
 
 import bisect
+import builtins
 import collections
 import contextlib
 import dataclasses
@@ -200,6 +201,16 @@ def _is_tensor(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor)
 
 
+def _callable(obj: Any, _builtin: Callable[[Any], bool] = callable) -> bool:
+    """``callable`` that answers for a proxy from its example: a proxy is always callable (fx
+    records the call), so ``d() if callable(d) else d`` (x-transformers' ``default``) would call
+    a tensor."""
+    if isinstance(obj, fx.Proxy):
+        example = example_of(obj)
+        return _builtin(obj) if example is _MISSING else _builtin(example)
+    return _builtin(obj)
+
+
 #: Tensor constructors whose data argument may hold a size: ``torch.tensor(x.shape[-1])``.
 _CONSTRUCTORS = ("tensor", "as_tensor", "scalar_tensor")
 
@@ -343,6 +354,7 @@ class MetaTracer(fx.Tracer):
                 patches.enter_context(swapped_attribute(torch, name, _recording_constructor(getattr(torch, name))))
             if self.examples is not None:
                 patches.enter_context(swapped_attribute(torch, "is_tensor", _is_tensor))
+                patches.enter_context(swapped_attribute(builtins, "callable", _callable))
             return super().trace(root, concrete_args)
 
     def iter(self, obj: fx.Proxy) -> Any:

@@ -17,9 +17,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
+from autoshard.capture.state import real_run
 from autoshard.errors import TraceError
 
 _IDS = itertools.count()
@@ -30,7 +32,8 @@ _TENSOR = object()  # marks where an opaque call's results hold a tensor
 class OpaqueCall:
     """One call of an opaque target during an export: how to rebuild its arguments and results.
 
-    ``target`` is what the graph will call (a module or a function), ``run`` its original code.
+    ``target`` is what the graph will call (a module or a function), ``run`` its original code,
+    ``state`` a module's own parameters and buffers, taken before export swapped in fake ones.
     """
 
     target: Any
@@ -38,6 +41,7 @@ class OpaqueCall:
     name: str
     in_flat: list[Any]
     in_spec: TreeSpec
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
     out_constants: list[Any] = field(default_factory=list)
     out_spec: TreeSpec | None = None
 
@@ -94,25 +98,30 @@ def _opaque_fake(inputs: list[torch.Tensor], sizes: Sequence[int], call: int) ->
 
 def _run_on_zeros(record: OpaqueCall, inputs: list[torch.Tensor], sizes: Sequence[int]) -> Any:
     """The original's result on real zeros of the example's sizes: its structure and sizes."""
-    with unset_fake_temporarily(), torch.no_grad():
+    with unset_fake_temporarily(), torch.no_grad(), real_run():
         tensors = iter(torch.zeros([_hint(s) for s in t.shape], dtype=t.dtype, device=t.device)
                        for t in inputs)
         hints = iter(_hint(s) for s in sizes)
         flat = [next(tensors) if isinstance(v, torch.Tensor) else next(hints) if _is_size(v) else v
                 for v in record.in_flat]
         args, kwargs = tree_unflatten(flat, record.in_spec)
+        if isinstance(record.target, nn.Module):  # its real weights: a condition may read what they compute
+            return torch.func.functional_call(record.target, record.state, args, kwargs)
         return record.run(*args, **kwargs)
 
 
 def stand_in(target: Any, run: Callable[..., Any], name: str) -> Callable[..., Any]:
     """A callable that records one ``autoshard::opaque`` op in place of running ``run``."""
 
+    state = {**dict(target.named_parameters(remove_duplicate=False)),
+             **dict(target.named_buffers(remove_duplicate=False))} if isinstance(target, nn.Module) else {}
+
     def call(*args: Any, **kwargs: Any) -> Any:
         if _RUNNING_FOR_REAL[0]:
             return run(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         call_id = next(_IDS)
-        CALLS[call_id] = record = OpaqueCall(target, run, name, flat, spec)
+        CALLS[call_id] = record = OpaqueCall(target, run, name, flat, spec, state)
         outputs = iter(torch.ops.autoshard.opaque([v for v in flat if isinstance(v, torch.Tensor)],
                                                   [v for v in flat if _is_size(v)], call_id))
         rebuilt = [next(outputs) if c is _TENSOR else c for c in record.out_constants]

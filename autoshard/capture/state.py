@@ -1,8 +1,8 @@
 """Writes a forward makes to its module's state, which a captured graph cannot replay.
 
 A graph records operations on values; it records no attribute assignment. A forward that rebinds
-a buffer to a computed value (``self.steps += 1`` under fx) or keeps a tensor for its next call
-(``self.previous = y``) would, captured, compute with the old value forever: a silently wrong
+a buffer to a computed value (``self.steps += 1`` under fx), keeps a tensor for its next call
+(``self.previous = y``) or registers one as a buffer would, captured, compute with the old value forever: a silently wrong
 sharded model. While a front end traces, ``refusing_state_writes`` makes such an assignment
 raise ``StateWrite``, so the module that makes it is kept whole (run as it is, state included),
 like any other code the front end cannot capture.
@@ -71,19 +71,42 @@ def _unread_scratch(module: nn.Module, name: str, read: _TensorsRead) -> bool:
     return bool(old) and not any(id(tensor) in read.ids for tensor in old)
 
 
+_REAL_RUNS = [0]
+
+
+@contextlib.contextmanager
+def real_run() -> Iterator[None]:
+    """Code run for real inside a trace (an opaque module, for its output sizes) writes its state
+    as on any call; capture sets the model back afterwards (``eager.module_state_restored``)."""
+    _REAL_RUNS[0] += 1
+    try:
+        yield
+    finally:
+        _REAL_RUNS[0] -= 1
+
+
 @contextlib.contextmanager
 def refusing_state_writes(computed: Computed) -> Iterator[None]:
-    """``nn.Module.__setattr__`` raises ``StateWrite`` where ``computed`` says so, until exit."""
-    original = nn.Module.__setattr__
+    """``nn.Module.__setattr__`` and ``register_buffer`` raise ``StateWrite`` where ``computed``
+    says so, until exit."""
+    setattr_, register_buffer = nn.Module.__setattr__, nn.Module.register_buffer
     read = _TensorsRead()
 
-    def guarded(module: nn.Module, name: str, value: Any) -> None:
+    def refuse_state(module: nn.Module, name: str, value: Any) -> None:
         # torch's own writes (export lifting a constant onto the module) are not the model's state
-        if computed(module, name, value) and not _unread_scratch(module, name, read) and \
-                not sys._getframe(1).f_code.co_filename.startswith(MACHINERY_DIRS):
+        if not _REAL_RUNS[0] and computed(module, name, value) and not _unread_scratch(module, name, read) and \
+                not sys._getframe(2).f_code.co_filename.startswith(MACHINERY_DIRS):
             raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} "
                              f"{name!r}, which a later call may read; a captured graph cannot replay that write")
-        original(module, name, value)
 
-    with swapped_attribute(nn.Module, "__setattr__", guarded), read:
+    def guarded_setattr(module: nn.Module, name: str, value: Any) -> None:
+        refuse_state(module, name, value)
+        setattr_(module, name, value)
+
+    def guarded_register(module: nn.Module, name: str, tensor: Any, persistent: bool = True) -> None:
+        refuse_state(module, name, tensor)  # a cache kept as a buffer (x-transformers' ALiBi bias)
+        register_buffer(module, name, tensor, persistent)
+
+    with swapped_attribute(nn.Module, "__setattr__", guarded_setattr), \
+            swapped_attribute(nn.Module, "register_buffer", guarded_register), read:
         yield
