@@ -7,6 +7,7 @@ import collections
 import copy
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.fx as fx
@@ -649,3 +650,27 @@ def test_a_cache_registered_as_a_buffer_keeps_its_module_whole_and_leaves_the_mo
     assert model[1].bias is None and "bias" not in model[1].state_dict()
     x = torch.randn(3, 6)
     assert torch.equal(sharded(x), model(x))
+
+
+class ChecksSizesWithNumpy(nn.Module):
+    """MONAI's SwinUNETR checks its input's spatial sizes with numpy at the top of its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        if (np.array(x.shape[1:]) % 4 > 0).any():
+            raise ValueError("sizes must be multiples of 4")
+        return self.b(self.a(x))
+
+
+def test_numpy_arithmetic_on_sizes_traces_and_its_condition_is_guarded():
+    model = ChecksSizesWithNumpy()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4, 8),),
+                                    pipeline="trace,shape-prop,build-dag,linearize,split,emit,verify")
+    assert sharded.plan.wrapped == ()
+    x = torch.randn(3, 12, 8)
+    assert torch.equal(sharded(x), model(x))
+    with pytest.raises(InputMismatchError, match="is True for these inputs"):
+        sharded(torch.randn(3, 6, 8))

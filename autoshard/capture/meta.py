@@ -64,6 +64,9 @@ _STATIC_FACTS = frozenset({
 })
 _STATIC_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex})
 #: Reading these yields sizes, not tensor values.
+#: What numpy and other array libraries look up to convert an object: a proxy offers none.
+_FOREIGN_PROTOCOLS = frozenset({"__array__", "__array_interface__", "__array_struct__", "__array_function__",
+                                "__array_ufunc__", "__array_priority__", "__cuda_array_interface__", "__dlpack__"})
 _SIZE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension"})
 _SIZE_ATTRS = frozenset({"shape", "ndim", "dtype", "device"})
 #: Opaque results used as their example value (an int may be a size, so it stays symbolic).
@@ -110,6 +113,10 @@ class MetaProxy(fx.Proxy):
 
     def __getattr__(self, name: str) -> Any:
         example = example_of(self)
+        if name in _FOREIGN_PROTOCOLS and isinstance(example, (int, float, torch.Size)):
+            # a size: numpy then holds it as an object (``np.array(x.shape[2:]) % 32``), and its
+            # arithmetic traces; a tensor still fails to convert, as its values are not known
+            raise AttributeError(name)
         if isinstance(example, torch.Tensor) and name in _STATIC_FACTS:
             self.tracer.read_static_facts = True
             return getattr(example, name)
