@@ -26,18 +26,28 @@ class Half(nn.Module):
         return x[:, : int(x.shape[1] // 2)] * 2
 
 
+class TypeChecked(nn.Module):
+    """Checks its input's type: a proxy is no tensor, so fx keeps it whole; export runs it."""
+
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("expects a tensor")
+        return x * 2
+
+
 def test_auto_keeps_export_when_fx_must_wrap_a_module_that_exports():
-    model = Around(Half(), 2)
-    result = capture(model, (torch.randn(3, 4),))
+    model = Around(TypeChecked(), 2)
+    result = capture(model, (torch.randn(3, 2),))
     assert result.front_end == "export" and result.wrapped == ()
     assert result.considered == ("fx: wrapped modules 1, functions 0",
                                  "export: wrapped modules 0, functions 0")
-    x = torch.randn(5, 4)
+    x = torch.randn(5, 2)
     assert torch.equal(result.graph_module(x), model(x))
 
 
 class RunningSum(nn.Module):
-    """A Python loop over the sequence: fx keeps it whole, export unrolls it for the example's length."""
+    """A Python loop over the sequence: plain fx keeps it whole; fx with pinned sizes (and export)
+    unroll it for the example's length."""
 
     def forward(self, x):
         total, sums = torch.zeros_like(x[:, 0]), []
@@ -47,11 +57,15 @@ class RunningSum(nn.Module):
         return torch.stack(sums, 1)
 
 
-def test_a_length_export_fixed_is_refused_with_the_pipeline_that_keeps_it_free():
+@pytest.mark.parametrize("pipeline, refusal", [
+    (None, r"turns a size into a Python number, which fixed it to 6 .* these inputs make it 9"),
+    ("export,shape-prop,build-dag,linearize,split,emit,verify",
+     r"x.shape\[1\] is 9, but the plan only serves 6 \(torch.export")], ids=["auto", "export"])
+def test_a_length_the_capture_fixed_is_refused_with_the_pipeline_that_keeps_it_free(pipeline, refusal):
     model = Around(RunningSum(), 4)
     example, later = torch.randn(2, 6, 4), torch.randn(3, 9, 4)
-    sharded = autoshard.shard_model(model, 2, example_inputs=(example,))
-    with pytest.raises(InputMismatchError, match=r"x.shape\[1\] is 9, but the plan only serves 6 \(torch.export") as info:
+    sharded = autoshard.shard_model(model, 2, example_inputs=(example,), pipeline=pipeline)
+    with pytest.raises(InputMismatchError, match=refusal) as info:
         sharded(later)
     advised = re.search(r"pipeline='([^']+)'", str(info.value)).group(1)
     general = autoshard.shard_model(model, 2, example_inputs=(example,), pipeline=advised)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 import autoshard
 from autoshard.capture import trace_with_leaves
+from autoshard.capture.auto import capture
 from autoshard.capture.eager import module_state_restored
 from autoshard.capture.meta import EXAMPLE
 from autoshard.errors import InputMismatchError, TraceError
@@ -674,3 +676,42 @@ def test_numpy_arithmetic_on_sizes_traces_and_its_condition_is_guarded():
     assert torch.equal(sharded(x), model(x))
     with pytest.raises(InputMismatchError, match="is True for these inputs"):
         sharded(torch.randn(3, 6, 8))
+
+
+class StepsOverTheSequence(nn.Module):
+    """A Python loop over the sequence (RWKV, Mamba's slow path) and a size rounded up to a window
+    with ``math.ceil`` (Swin): both turn a size into a Python number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.head = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        state = torch.zeros_like(x[:, 0])
+        for step in range(x.shape[1]):
+            state = torch.tanh(self.cell(state) + x[:, step])
+        padded = int(math.ceil(x.shape[1] / 4)) * 4
+        return self.head(state) * padded
+
+
+def test_without_pins_a_size_turned_into_a_number_names_the_option_that_pins_it():
+    with pytest.raises(TraceError, match="SizeToNumber: .*pin_sizes"):
+        trace_with_leaves(StepsOverTheSequence(), (torch.randn(2, 3, 4),))
+
+
+def test_pinned_sizes_trace_the_loop_and_refuse_another_length_but_serve_another_batch():
+    model = StepsOverTheSequence()
+    result = trace_with_leaves(model, (torch.randn(2, 3, 4),), pin_sizes=True)
+    assert result.wrapped == ()
+    assert any("turns into a number is 3" in s for s in result.specialized)
+    x = torch.randn(5, 3, 4)
+    assert torch.equal(result.graph_module(x), model(x))
+    with pytest.raises(InputMismatchError, match=r"the code at test_capture_fx.py:\d+ \(`for step in range\(x.shape"
+                                                 r"\[1\]\):`\) turns a size into a Python number, which fixed it to 3"):
+        result.graph_module(torch.randn(2, 4, 4))
+
+
+def test_auto_pins_sizes_with_fx_before_it_tries_export():
+    result = capture(StepsOverTheSequence(), (torch.randn(2, 3, 4),))
+    assert result.front_end == "fx" and result.wrapped == ()
+    assert [c.split(":")[0] for c in result.considered] == ["fx", "fx with sizes pinned"]

@@ -3,7 +3,9 @@
 Neither front end covers real models alone: fx fails where a forward's own code is untraceable
 and export fails on control flow that reads tensor values, each wrapping leaves where it fails.
 ``capture(front_end="auto")`` keeps the capture that wraps fewer modules, preferring fx on a tie
-(it is several times faster and keeps module calls whole). Wrapped free functions do not count:
+(it is several times faster and keeps module calls whole). Where fx kept code whole because it
+turns a size into a Python number, fx is tried again with that size pinned to the example's
+(guarded), as export would pin it, before export is tried. Wrapped free functions do not count:
 they cost a split nothing. So when fx wraps no module, export cannot win and is not tried. When
 every front end fails, the model is run on the example as it is: if it fails there too, its own
 error is what the user needs to see.
@@ -18,6 +20,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from autoshard.capture.eager import check_model_runs
+from autoshard.capture.meta import SizeToNumber
 from autoshard.capture.result import TraceResult
 from autoshard.errors import InvalidArgumentError, TraceError
 
@@ -30,6 +33,18 @@ def _front_end(name: str) -> Callable[..., TraceResult]:
     """The capture function of a front end, imported on first use (export's import is slow)."""
     module, function = _CAPTURES[name].split(":")
     return getattr(importlib.import_module(module), function)
+
+
+#: What ``auto`` tries, in order of preference: (label, front end, its options). fx with sizes
+#: pinned runs only where plain fx kept code whole (or failed) because it turned a size into a
+#: number; it pins what export would pin, in a fraction of export's time.
+_CANDIDATES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("fx", "fx", {}), ("fx with sizes pinned", "fx", {"pin_sizes": True}), ("export", "export", {}))
+
+
+def _converted_a_size(result: TraceResult | TraceError) -> bool:
+    failures = [str(result)] if isinstance(result, TraceError) else [w.reason for w in result.wrapped]
+    return any(SizeToNumber.__name__ in failure for failure in failures)
 
 
 def _summary(name: str, result: TraceResult | TraceError) -> str:
@@ -52,9 +67,11 @@ def capture(
         return _front_end(front_end)(model, example_args, example_kwargs)
     has_examples = bool(example_args or example_kwargs)
     tried: dict[str, TraceResult | TraceError] = {}
-    for name in ("fx", "export") if has_examples else ("fx",):
+    for name, front, options in _CANDIDATES if has_examples else _CANDIDATES[:1]:
+        if options and not _converted_a_size(tried["fx"]):
+            continue
         try:
-            tried[name] = _front_end(name)(model, example_args, example_kwargs)
+            tried[name] = _front_end(front)(model, example_args, example_kwargs, **options)
         except TraceError as exc:
             tried[name] = exc
         if isinstance(tried[name], TraceResult) and not tried[name].wrapped_modules:

@@ -29,7 +29,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from autoshard.capture.assemble import assemble, leaves_of, resolve
 from autoshard.capture.eager import cloned, holds, isolated
-from autoshard.capture.guard import DimSpec, InputGuard
+from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, refusing_state_writes
 from autoshard.capture.opaque import CALLS, rewrite_opaque_calls, stand_in
@@ -107,8 +107,7 @@ def _finite(bound: Any) -> int | None:
 FIXED_SIZE_ADVICE = (
     " (torch.export fixed that size while capturing: the model's code needs it, or turns it into a "
     "Python number; if the model itself serves other sizes, the fx front end may keep it free, "
-    "keeping whole the modules whose code it cannot trace: shard with "
-    "pipeline='trace,shape-prop,build-dag,linearize,split,emit,verify')")
+    f"keeping whole the modules whose code it cannot trace: shard with pipeline='{FREE_SIZES_PIPELINE}')")
 
 
 def _input_guard(graph: fx.Graph, signature: CallSignature, ranges: Mapping[Any, Any]) -> InputGuard:

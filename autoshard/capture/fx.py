@@ -51,9 +51,10 @@ def has_call_hooks(module: nn.Module) -> bool:
 class _LeafTracer(MetaTracer):
     """An fx tracer with an explicit leaf set; the model itself is always traced through."""
 
-    def __init__(self, leaves: set[int], model: nn.Module, examples: Mapping[str, Any] | None) -> None:
+    def __init__(self, leaves: set[int], model: nn.Module, examples: Mapping[str, Any] | None,
+                 pin_sizes: bool) -> None:
         """``leaves``: ids of the modules to keep opaque."""
-        super().__init__(examples)
+        super().__init__(examples, pin_sizes)
         # Buffers as graph values, so shape-dependent slicing (``self.pe[: x.size(0)]``) traces.
         self.proxy_buffer_attributes = True
         self.leaves = leaves
@@ -87,11 +88,15 @@ def trace_with_leaves(
     model: nn.Module,
     example_args: tuple[Any, ...] = (),
     example_kwargs: Mapping[str, Any] | None = None,
+    pin_sizes: bool = False,
 ) -> TraceResult:
     """Trace ``model`` with fx, wrapping the fewest, innermost modules or functions needed.
 
     Without example inputs the model's own forward is traced symbolically. With them, the model
     is traced as it was called: non-tensor arguments become constants checked on every call.
+    ``pin_sizes`` lets code that turns a size into a Python number (``int(n)``, ``range(n)``)
+    trace with the example's number, guarded, instead of keeping that code whole: the graph then
+    serves that size only.
     """
     example_kwargs = dict(example_kwargs or {})
     has_example = bool(example_args or example_kwargs)
@@ -101,7 +106,7 @@ def trace_with_leaves(
     def attempt(leaves: Leaves) -> tuple[fx.Graph, MetaTracer]:
         # Fresh copies each time: a forward that writes to its inputs must not see its last run.
         examples = {a.name: cloned(a.value) for a in signature.graph_inputs} if signature else None
-        tracer = _LeafTracer(set(leaves.modules), model, examples)
+        tracer = _LeafTracer(set(leaves.modules), model, examples, pin_sizes)
         tracer_ref = [tracer]
         stand_ins = [(site, _opaque(site.function, tracer_ref)) for site in leaves.functions]
         with swapped(stand_ins), isolated(model):

@@ -115,6 +115,20 @@ def check_condition(actual: Any, expected: bool, condition: str) -> None:
             "was captured; shard the model again with an example input like these")
 
 
+#: The pipeline whose fx capture keeps code that needs a size's value whole, and the size free.
+FREE_SIZES_PIPELINE = "trace,shape-prop,build-dag,linearize,split,emit,verify"
+
+
+def check_pinned_size(size: int, expected: int, site: str) -> None:
+    """A size the code turned into a Python number, fixed to the example's: refuse others."""
+    if size != expected:
+        raise InputMismatchError(
+            f"the code at {site} turns a size into a Python number, which fixed it to {expected} when the "
+            f"sharded plan was captured, and these inputs make it {size}; shard again with an example of this "
+            "size, or, if the model serves other sizes, keep that code whole and the size free: shard with "
+            f"pipeline='{FREE_SIZES_PIPELINE}'")
+
+
 def check_mode(training: bool, captured: bool) -> None:
     """A stage called in another mode than its model was captured in: refuse it."""
     if training != captured:

@@ -31,6 +31,7 @@ import dataclasses
 import dis
 import functools
 import inspect
+import math
 import operator
 import os
 import traceback
@@ -47,7 +48,7 @@ from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.assemble import resolve
 from autoshard.capture.eager import holds, swapped_attribute
-from autoshard.capture.guard import check_condition
+from autoshard.capture.guard import check_condition, check_pinned_size
 from autoshard.capture.leaves import MACHINERY_DIRS
 from autoshard.capture.signature import MODEL_ATTR
 from autoshard.capture.state import kind_of, refusing_state_writes
@@ -64,9 +65,9 @@ _STATIC_FACTS = frozenset({
 })
 _STATIC_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex})
 #: Reading these yields sizes, not tensor values.
-#: What numpy and other array libraries look up to convert an object: a proxy offers none.
-_FOREIGN_PROTOCOLS = frozenset({"__array__", "__array_interface__", "__array_struct__", "__array_function__",
-                                "__array_ufunc__", "__array_priority__", "__cuda_array_interface__", "__dlpack__"})
+#: What numpy and other array libraries look up on an object (with every ``__array...`` name):
+#: a proxy of a number offers none.
+_FOREIGN_PROTOCOLS = frozenset({"__cuda_array_interface__", "__dlpack__"})
 _SIZE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension"})
 _SIZE_ATTRS = frozenset({"shape", "ndim", "dtype", "device"})
 #: Opaque results used as their example value (an int may be a size, so it stays symbolic).
@@ -113,7 +114,7 @@ class MetaProxy(fx.Proxy):
 
     def __getattr__(self, name: str) -> Any:
         example = example_of(self)
-        if name in _FOREIGN_PROTOCOLS and isinstance(example, (int, float, torch.Size)):
+        if (name.startswith("__array") or name in _FOREIGN_PROTOCOLS) and isinstance(example, (int, float, torch.Size)):
             # a size: numpy then holds it as an object (``np.array(x.shape[2:]) % 32``), and its
             # arithmetic traces; a tensor still fails to convert, as its values are not known
             raise AttributeError(name)
@@ -122,10 +123,31 @@ class MetaProxy(fx.Proxy):
             return getattr(example, name)
         return MetaAttribute(self, name)
 
+    def __index__(self) -> int:
+        if type(example_of(self)) is int and self.node.meta.get(_DATA_FREE, False):
+            raise SizeToNumber("the code turns a traced size into a Python number (int(), range()), which "
+                               "would fix it; tracing with pin_sizes takes the example's number, guarded")
+        raise TypeError(f"'{type(self).__name__}' object cannot be interpreted as an integer")
+
+    # math.ceil(n / w) and friends look these up on the type, so fx's __getattr__ never sees them
+    def __ceil__(self) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", math.ceil, (self,), {})
+
+    def __floor__(self) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", math.floor, (self,), {})
+
+    def __trunc__(self) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", math.trunc, (self,), {})
+
+    def __round__(self, ndigits: int | None = None) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", round, (self, ndigits), {})
+
     def __len__(self) -> int:
         example = example_of(self)
         if isinstance(example, torch.Size):
             return len(example)
+        if isinstance(example, (int, float)):  # as for the number: numpy then takes it for a scalar
+            raise TypeError(f"object of type '{type(example).__name__}' has no len()")
         return super().__len__()
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -141,6 +163,21 @@ class MetaProxy(fx.Proxy):
         if count is not None:
             return (self[i] for i in range(count))
         return self.tracer.iter(self)
+
+
+class SizeToNumber(TypeError):
+    """Model code turned a traced size into a Python number (``int(n)``, ``range(n)``); a trace
+    with ``pin_sizes`` takes the example's number instead."""
+
+
+class SizePinningProxy(MetaProxy):
+    """A proxy that, where the code turns a size into a Python number, takes the example's number
+    and guards it: the graph then serves that size only."""
+
+    def __index__(self) -> int:
+        return self.tracer.pinned(self)  # type: ignore[attr-defined]
+
+    __int__ = __index__
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,13 +200,18 @@ class MetaAttribute(fx.proxy.Attribute, MetaProxy):
     """``proxy.attr``: created lazily like fx's Attribute, with MetaProxy's answers."""
 
 
-def _user_condition() -> str:
-    """``the condition at file:line (`source`)`` for the innermost frame of the model's code."""
+def _user_site() -> str | None:
+    """``file:line (`source`)`` of the innermost frame of the model's code."""
     for frame in reversed(traceback.extract_stack()):
         if not frame.filename.startswith(MACHINERY_DIRS):
             source = (frame.line or "").strip().split("  # ")[0]
-            return f"the condition at {os.path.basename(frame.filename)}:{frame.lineno} (`{source}`)"
-    return "a condition in the model's code"
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} (`{source}`)"
+    return None
+
+
+def _user_condition() -> str:
+    site = _user_site()
+    return f"the condition at {site}" if site else "a condition in the model's code"
 
 
 class AutocastRegion(RuntimeError):
@@ -258,9 +300,10 @@ class MetaTracer(fx.Tracer):
     the graph valid only for inputs of the example's dtypes.
     """
 
-    def __init__(self, examples: Mapping[str, Any] | None) -> None:
+    def __init__(self, examples: Mapping[str, Any] | None, pin_sizes: bool = False) -> None:
         super().__init__()
         self.examples = examples
+        self.pin_sizes = pin_sizes
         self.constants: dict[str, Any] = {}
         self.specialized: list[str] = []
         self.read_static_facts = False
@@ -271,7 +314,7 @@ class MetaTracer(fx.Tracer):
 
     # -- example values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
-        return MetaProxy(node, self)
+        return SizePinningProxy(node, self) if self.pin_sizes else MetaProxy(node, self)
 
     def create_node(self, kind: str, target: Any, args: tuple, kwargs: dict, name: str | None = None,
                     type_expr: Any | None = None) -> fx.Node:
@@ -379,6 +422,17 @@ class MetaTracer(fx.Tracer):
         self.create_proxy("call_function", check_condition, (obj, value, condition), {})
         self.note(f"{condition} is {value}")
         return value
+
+    def pinned(self, proxy: fx.Proxy) -> int:
+        """The example's value of a size the code turns into a Python number, guarded."""
+        example = example_of(proxy)
+        if type(example) is not int or not proxy.node.meta.get(_DATA_FREE, False):
+            raise TypeError(f"'{type(proxy).__name__}' object cannot be interpreted as an integer "
+                            "(a value computed from tensor data, not a size)")
+        site = _user_site() or "an unknown place"
+        self.create_proxy("call_function", check_pinned_size, (proxy, example, site), {})
+        self.note(f"the size the code at {site} turns into a number is {example}")
+        return example
 
     def note(self, specialization: str) -> None:
         """Record something the trace fixed to the example's value (guarded in the graph)."""

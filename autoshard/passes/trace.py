@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from autoshard.capture.fx import trace_with_leaves
 from autoshard.capture.result import TraceResult
-from autoshard.passes.base import Pass, PassContext, ShardProgram
+from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
 __all__ = ["TracePass", "TraceResult", "example_call"]
 
@@ -35,5 +35,9 @@ class TracePass(Pass):
     requires: ClassVar[frozenset[str]] = frozenset({"model"})
     provides: ClassVar[frozenset[str]] = frozenset({"traced"})
 
+    pin_sizes: bool = option(False, help="code that turns a size into a Python number (int(), range()) takes "
+                                         "the example's, guarded, instead of being kept whole")
+
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        return dataclasses.replace(program, traced=trace_with_leaves(program.model, *example_call(program)))
+        traced = trace_with_leaves(program.model, *example_call(program), pin_sizes=self.pin_sizes)
+        return dataclasses.replace(program, traced=traced)
