@@ -15,6 +15,7 @@ The table says what the capture kept whole and the seconds taken; a failure show
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -215,19 +216,20 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def try_one(name: str) -> tuple[str, str, float, str]:
-    """(result, kept whole, seconds, note) for one architecture."""
-    build, inputs = ARCHITECTURES[name]
+def check(build: Callable[[], nn.Module], inputs: Inputs, training: bool,
+          example: tuple[int, int] = EXAMPLE, later: tuple[int, int] = LATER) -> tuple[str, str, float, str]:
+    """(result, kept whole, seconds, note): shard ``build()`` from ``inputs(*example)``, then compare
+    the stages with the model on ``inputs(*later)`` (same seed, exactly)."""
     torch.manual_seed(0)
     start = time.perf_counter()
     try:
-        model = build().train(name in TRAINING)
-        sharded = autoshard.shard_model(model, STAGES, example_kwargs=inputs(*EXAMPLE))
-        later = inputs(*LATER)
+        model = build().train(training)
+        sharded = autoshard.shard_model(model, STAGES, example_kwargs=inputs(*example))
+        call = inputs(*later)
         torch.manual_seed(1)
-        actual = sharded(**later)
+        actual = sharded(**call)
         torch.manual_seed(1)
-        expected = model(**later)
+        expected = model(**call)
         if model.training and getattr(actual, "loss", None) is not None:
             actual.loss.backward()
         same = len(tensors(actual)) == len(tensors(expected)) and all(
@@ -239,22 +241,27 @@ def try_one(name: str) -> tuple[str, str, float, str]:
         return "FAILS", "-", time.perf_counter() - start, f"{type(exc).__name__}: {message[:300]}"
 
 
-def main() -> None:
+def sweep(checks: dict[str, Callable[[], tuple[str, str, float, str]]], kind: str) -> None:
+    """Run each check and print one table row per name, then the count that passed."""
     warnings.filterwarnings("ignore")
+    table = Table(title=f"shard_model into {STAGES} stages, then a later input of another shape")
+    for column in (kind, "result", "kept whole", "seconds", "note"):
+        table.add_column(column, overflow="fold")
+    failures = 0
+    for name, run in checks.items():
+        result, kept, seconds, note = run()
+        failures += result != "ok"
+        table.add_row(name, result, kept, f"{seconds:.1f}", note)
+    Console(width=160).print(table)
+    print(f"{len(checks) - failures} of {len(checks)} {kind}s shard and serve a later input exactly")
+
+
+def main() -> None:
     names = sys.argv[1:] or list(ARCHITECTURES)
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
         raise SystemExit(f"unknown: {', '.join(unknown)}; known: {', '.join(ARCHITECTURES)}")
-    table = Table(title=f"shard_model into {STAGES} stages, then a later input of another shape")
-    for column in ("architecture", "result", "kept whole", "seconds", "note"):
-        table.add_column(column, overflow="fold")
-    failures = 0
-    for name in names:
-        result, kept, seconds, note = try_one(name)
-        failures += result != "ok"
-        table.add_row(name, result, kept, f"{seconds:.1f}", note)
-    Console(width=160).print(table)
-    print(f"{len(names) - failures} of {len(names)} architectures shard and serve a later input exactly")
+    sweep({name: functools.partial(check, *ARCHITECTURES[name], name in TRAINING) for name in names}, "architecture")
 
 
 if __name__ == "__main__":
