@@ -715,3 +715,28 @@ def test_auto_pins_sizes_with_fx_before_it_tries_export():
     result = capture(StepsOverTheSequence(), (torch.randn(2, 3, 4),))
     assert result.front_end == "fx" and result.wrapped == ()
     assert [c.split(":")[0] for c in result.considered] == ["fx", "fx with sizes pinned"]
+
+
+class CountsFrames(nn.Module):
+    """EnCodec's decode: ``len()`` of a tensor and a loop over it, its first size as a Python number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, frames):
+        if len(frames) != 1:
+            raise ValueError("expected one frame")
+        return sum(self.lin(frame) for frame in frames)
+
+
+def test_len_of_a_traced_tensor_and_a_loop_over_it_are_pinned_where_sizes_are_pinned():
+    model = CountsFrames()
+    with pytest.raises(TraceError, match="SizeToNumber: len"):
+        trace_with_leaves(model, (torch.randn(1, 3, 4),))
+    result = trace_with_leaves(model, (torch.randn(1, 3, 4),), pin_sizes=True)
+    assert result.wrapped == ()
+    x = torch.randn(1, 5, 4)
+    assert torch.equal(result.graph_module(x), model(x))
+    with pytest.raises(InputMismatchError, match="fixed it to 1"):
+        result.graph_module(torch.randn(2, 5, 4))

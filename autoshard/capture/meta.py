@@ -148,6 +148,9 @@ class MetaProxy(fx.Proxy):
             return len(example)
         if isinstance(example, (int, float)):  # as for the number: numpy then takes it for a scalar
             raise TypeError(f"object of type '{type(example).__name__}' has no len()")
+        if isinstance(example, torch.Tensor) and example.dim() > 0:
+            raise SizeToNumber("len() of a traced tensor is its first size as a Python number, which would fix "
+                               "it; tracing with pin_sizes takes the example's number, guarded")
         return super().__len__()
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -178,6 +181,12 @@ class SizePinningProxy(MetaProxy):
         return self.tracer.pinned(self)  # type: ignore[attr-defined]
 
     __int__ = __index__
+
+    def __len__(self) -> int:
+        example = example_of(self)
+        if isinstance(example, torch.Tensor) and example.dim() > 0:
+            return self.tracer.pinned(self.size(0))  # type: ignore[attr-defined]
+        return super().__len__()
 
 
 @functools.lru_cache(maxsize=None)
@@ -411,6 +420,8 @@ class MetaTracer(fx.Tracer):
         example = example_of(obj)
         if isinstance(example, torch.Size):
             return iter([obj[i] for i in range(len(example))])
+        if isinstance(example, torch.Tensor) and example.dim() > 0:  # over its first size, as len() is
+            return iter([obj[i] for i in range(len(obj))])
         return super().iter(obj)
 
     def to_bool(self, obj: fx.Proxy) -> bool:
