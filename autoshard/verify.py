@@ -32,9 +32,9 @@ from autoshard.graph.inplace import written_values
 
 def _detached(value: Any) -> Any:
     """``value`` with its tensors detached, so a kept result does not keep its autograd graph."""
-    flat, spec = tree_flatten(value)
+    flat, spec = tree_flatten(value, is_leaf=lambda v: isinstance(v, torch.Size))  # unflattened, a Size is a tuple
     if not any(isinstance(v, torch.Tensor) for v in flat):
-        return value  # unflattening would turn a torch.Size into a tuple
+        return value
     return tree_unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in flat], spec)
 
 

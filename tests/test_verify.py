@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.utils._pytree import register_pytree_node
 
 import autoshard
@@ -181,3 +182,29 @@ def test_a_model_that_writes_to_its_input_is_verified_on_fresh_copies_and_the_ex
     theirs = mine.clone()
     assert torch.equal(sharded(mine), model(theirs))
     assert torch.equal(mine, theirs)  # the stages write to their input as the model does
+
+
+def pack_with_shapes(x: torch.Tensor):
+    """einops.pack's shape: a tensor and the shapes to unpack it with; untraceable (it reads values)."""
+    if x.abs().sum() < 0:
+        raise ValueError("never")
+    return x * 2, [x.shape]
+
+
+class PacksShapes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+
+    def forward(self, x):
+        packed, shapes = pack_with_shapes(self.a(x))
+        return self.b(packed).reshape(shapes[0])
+
+
+def test_a_value_holding_tensors_and_sizes_is_compared_with_its_sizes_kept_sizes():
+    model = PacksShapes()
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 4),), cost="nodes")
+    assert [w.name for w in sharded.plan.wrapped] == [f"{__name__}.pack_with_shapes"]
+    x = torch.randn(3, 4)
+    assert torch.equal(sharded(x), model(x))
