@@ -3,12 +3,16 @@ parallel branches included, shards exactly (``autoshard.graph.randomness``)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import nn
 
 import autoshard
 from autoshard.api import run_pipeline
+from autoshard.capture import trace_with_leaves
+from autoshard.capture.host_random import HostRandomnessWarning
 from autoshard.graph.randomness import draws_random
 from autoshard.passes import Pipeline
 from autoshard.passes.base import ExampleInputs
@@ -120,3 +124,33 @@ def test_random_operators_are_known_without_a_run(code, random):
     program = run_pipeline(Code(), Pipeline.parse(dag_pipeline), ExampleInputs((torch.randn(2, 8, 4, 4),), {})).program
     gm = program.traced.graph_module
     assert any(draws_random(gm, n) for n in gm.graph.nodes) is random
+
+
+class SkipsLayersWithPythonRandom(nn.Module):
+    """x-transformers' layer dropout: Python's ``random()`` decides which layers run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and random.random() < 0.5:
+                continue
+            x = layer(x)
+        return x
+
+
+def test_a_capture_that_draws_from_pythons_random_warns_and_leaves_the_generator_where_it_was():
+    model = SkipsLayersWithPythonRandom().train()
+    random.seed(3)
+    expected_next = random.random()
+    random.seed(3)
+    with pytest.warns(HostRandomnessWarning, match="drew from Python's random while it was captured"):
+        trace_with_leaves(model, (torch.randn(2, 8),))
+    assert random.random() == expected_next
+
+
+def test_a_capture_that_draws_nothing_from_the_host_does_not_warn(recwarn):
+    trace_with_leaves(SkipsLayersWithPythonRandom().eval(), (torch.randn(2, 8),))
+    assert not [w for w in recwarn if issubclass(w.category, HostRandomnessWarning)]

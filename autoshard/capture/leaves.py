@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from autoshard import progress
+from autoshard.capture.host_random import watching_host_random
 from autoshard.capture.result import WrappedLeaf
 from autoshard.errors import TraceError
 
@@ -184,7 +185,8 @@ class Leaves:
 def capture_with_leaves(model: nn.Module, attempt: Callable[[Leaves], T], verb: str) -> tuple[T, Leaves]:
     """Run ``attempt`` until it succeeds, keeping one more thing opaque after each failure."""
     leaves = Leaves(model)
-    with progress.task(f"{verb}: keeping untraceable code whole") as advance:
+    with watching_host_random(type(model).__name__), \
+            progress.task(f"{verb}: keeping untraceable code whole") as advance:
         for _ in range(len(leaves.paths) + 64):
             try:
                 return attempt(leaves), leaves
