@@ -64,10 +64,10 @@ _STATIC_FACTS = frozenset({
     "dim", "ndimension", "is_floating_point", "is_complex", "element_size", "is_nested",
 })
 _STATIC_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex})
-#: Reading these yields sizes, not tensor values.
 #: What numpy and other array libraries look up on an object (with every ``__array...`` name):
 #: a proxy of a number offers none.
 _FOREIGN_PROTOCOLS = frozenset({"__cuda_array_interface__", "__dlpack__"})
+#: Reading these yields sizes, not tensor values.
 _SIZE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension"})
 _SIZE_ATTRS = frozenset({"shape", "ndim", "dtype", "device"})
 #: Opaque results used as their example value (an int may be a size, so it stays symbolic).
@@ -124,7 +124,7 @@ class MetaProxy(fx.Proxy):
         return MetaAttribute(self, name)
 
     def __index__(self) -> int:
-        if type(example_of(self)) is int and self.node.meta.get(_DATA_FREE, False):
+        if _is_size(self):
             raise SizeToNumber("the code turns a traced size into a Python number (int(), range()), which "
                                "would fix it; tracing with pin_sizes takes the example's number, guarded")
         raise TypeError(f"'{type(self).__name__}' object cannot be interpreted as an integer")
@@ -166,6 +166,11 @@ class MetaProxy(fx.Proxy):
         if count is not None:
             return (self[i] for i in range(count))
         return self.tracer.iter(self)
+
+
+def _is_size(proxy: fx.Proxy) -> bool:
+    """Whether ``proxy`` is an integer computed from sizes and constants alone."""
+    return type(example_of(proxy)) is int and proxy.node.meta.get(_DATA_FREE, False)
 
 
 class SizeToNumber(TypeError):
@@ -436,10 +441,10 @@ class MetaTracer(fx.Tracer):
 
     def pinned(self, proxy: fx.Proxy) -> int:
         """The example's value of a size the code turns into a Python number, guarded."""
-        example = example_of(proxy)
-        if type(example) is not int or not proxy.node.meta.get(_DATA_FREE, False):
+        if not _is_size(proxy):
             raise TypeError(f"'{type(proxy).__name__}' object cannot be interpreted as an integer "
                             "(a value computed from tensor data, not a size)")
+        example = example_of(proxy)
         site = _user_site() or "an unknown place"
         self.create_proxy("call_function", check_pinned_size, (proxy, example, site), {})
         self.note(f"the size the code at {site} turns into a number is {example}")
