@@ -41,7 +41,7 @@ from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.instruments import DumpDir, Instrument, Timing
 from autoshard.passes.pipeline import Pipeline
 from autoshard.passes.registry import registered_passes
-from autoshard.passes.spec import option_table
+from autoshard.passes.options import option_table
 from autoshard.plan_io import SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan
 from autoshard.report import (
     boundary_table,

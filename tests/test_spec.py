@@ -19,7 +19,8 @@ from autoshard.passes import registry as registry_module
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 from autoshard.passes.pipeline import Pipeline
 from autoshard.passes.registry import PassRegistry, function_pass, get_pass, register_pass, registered_passes
-from autoshard.passes.spec import format_pass, option_table, parse_spec
+from autoshard.passes.options import option_table
+from autoshard.passes.spec import format_pass, parse_spec
 
 REG = PassRegistry(entry_point_group=None)
 

@@ -17,7 +17,8 @@ from autoshard.errors import AutoshardError, InvalidArgumentTypeError, PassContr
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.passes.instruments import Instrument, VerifyEach
 from autoshard.passes.registry import PassRegistry, default_registry
-from autoshard.passes.spec import check_option_values, format_pass, parse_passes
+from autoshard.passes.options import check_option_values
+from autoshard.passes.spec import format_pass, parse_passes
 
 __all__ = ["INPUT_ARTIFACTS", "Pipeline", "PipelineResult"]
 

@@ -21,6 +21,7 @@ from typing import Callable, ClassVar, Iterable, Iterator, TypeVar, overload
 
 from autoshard.errors import SpecError
 from autoshard.passes.base import Pass, PassContext, ShardProgram
+from autoshard.passes.options import option_types
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -118,8 +119,6 @@ def check_pass_class(cls: object) -> None:
                 f"{label} ('{name}') has option {f.name!r}: option fields must be snake_case "
                 "so that they map to kebab-case keys"
             )
-    from autoshard.passes.spec import option_types  # spec imports this module
-
     option_types(cls)  # raises SpecError naming an option whose type the text syntax cannot express
 
 

@@ -21,29 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
-import types
-import typing
-import weakref
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Union
+from typing import Any
 
 from autoshard.errors import AutoshardError, InvalidArgumentTypeError, SpecError
 from autoshard.passes.base import Pass
+from autoshard.passes.options import (LiteralType, OptionalType, ScalarType, TupleType, default_of, describe,
+                                      format_value, kebab, option_types)
 from autoshard.passes.registry import PassRegistry, default_registry, suggest
 
 __all__ = [
-    "OptionInfo",
     "OptionSpec",
     "PassSpec",
     "ValueSpec",
-    "check_option_values",
     "format_pass",
-    "format_value",
     "instantiate",
-    "kebab",
-    "option_table",
-    "option_types",
     "parse_passes",
     "parse_spec",
     "spec_error",
@@ -264,226 +256,8 @@ def parse_spec(text: str) -> tuple[PassSpec, ...]:
 
 
 # --------------------------------------------------------------------------------------------
-# Option types
-# --------------------------------------------------------------------------------------------
-class _Unsupported(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _Scalar:
-    kind: type  # int, float, bool or str
-
-
-@dataclass(frozen=True)
-class _Lit:
-    values: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class _Opt:
-    inner: Any
-
-
-@dataclass(frozen=True)
-class _Tuple:
-    elem: Any = None  # tuple[elem, ...]
-    items: tuple[Any, ...] | None = None  # tuple[a, b]
-
-
-_SCALARS = (bool, int, float, str)
-
-
-def _normalize(tp: Any, *, in_tuple: bool = False) -> Any:
-    if tp in _SCALARS:
-        return _Scalar(tp)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        if not args or not all(type(a) in _SCALARS for a in args):
-            raise _Unsupported("Literal members must be str, int, float or bool")
-        return _Lit(args)
-    if origin is Union or origin is types.UnionType:
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1 or len(rest) == len(args):
-            raise _Unsupported("the only union it can express is `X | None`")
-        inner = _normalize(rest[0], in_tuple=in_tuple)
-        if isinstance(inner, _Tuple) and any(isinstance(i, _Opt) for i in (inner.elem, *(inner.items or ()))):
-            raise _Unsupported("in `tuple[X | None, ...] | None` the value `none` would be ambiguous")
-        return _Opt(inner)
-    if origin is tuple or tp is tuple:
-        if in_tuple:
-            raise _Unsupported("tuples cannot nest")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return _Tuple(elem=_normalize(args[0], in_tuple=True))
-        if not args or args == ((),):
-            raise _Unsupported("give the item type, e.g. tuple[int, ...]")
-        return _Tuple(items=tuple(_normalize(a, in_tuple=True) for a in args))
-    raise _Unsupported("supported: int, float, bool, str, Literal[...], X | None, tuple[X, ...]")
-
-
-_TYPE_CACHE: "weakref.WeakKeyDictionary[type, dict[str, Any]]" = weakref.WeakKeyDictionary()
-
-
-def kebab(field_name: str) -> str:
-    """The text key of an option field: ``max_depth`` -> ``max-depth``."""
-    return field_name.replace("_", "-")
-
-
-def _resolve_hints(cls: type[Pass]) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(cls)
-    except Exception:  # some unrelated annotation in the MRO does not resolve; go field by field
-        pass
-    hints: dict[str, Any] = {}
-    for f in cls.options():
-        tp = f.type
-        if isinstance(tp, str):
-            owner = next((c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {})), cls)
-            namespace = dict(vars(sys.modules.get(owner.__module__, typing)))
-            try:
-                tp = eval(tp, namespace, dict(vars(owner)))  # noqa: S307 - annotations are code by definition
-            except Exception as exc:
-                raise SpecError(
-                    f"cannot resolve the annotation {f.type!r} of option '{kebab(f.name)}' of pass "
-                    f"'{cls.name}': {type(exc).__name__}: {exc}"
-                ) from exc
-        hints[f.name] = tp
-    return hints
-
-
-def option_types(cls: type[Pass]) -> dict[str, Any]:
-    """Map each option field of ``cls`` to its (internal) type; ``SpecError`` for types the syntax cannot express."""
-    cached = _TYPE_CACHE.get(cls)
-    if cached is not None:
-        return cached
-    hints = _resolve_hints(cls)
-    out: dict[str, Any] = {}
-    for f in cls.options():
-        tp = hints.get(f.name, f.type)
-        try:
-            out[f.name] = _normalize(tp)
-        except _Unsupported as exc:
-            raise SpecError(
-                f"option '{kebab(f.name)}' of pass '{cls.name}' has type {_type_name(tp)}, which pass specs "
-                f"cannot express: {exc}"
-            ) from None
-        default = _default(f)
-        if default is not dataclasses.MISSING and not _matches(default, out[f.name]):
-            raise SpecError(
-                f"option '{kebab(f.name)}' of pass '{cls.name}' has default {default!r}, "
-                f"which is not {_describe(out[f.name])}"
-            )
-    _TYPE_CACHE[cls] = out
-    return out
-
-
-def _type_name(tp: Any) -> str:
-    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
-
-
-_ARTICLE = {int: "an int", float: "a float", bool: "a bool (true or false)", str: "a string"}
-_PLURAL = {int: "ints", float: "floats", bool: "bools (true or false)", str: "strings"}
-
-
-def _describe(t: Any, plural: bool = False) -> str:
-    if isinstance(t, _Scalar):
-        return (_PLURAL if plural else _ARTICLE)[t.kind]
-    if isinstance(t, _Lit):
-        return ("values from " if plural else "one of ") + ", ".join(f"'{_format(v, _lit_type(v))}'" for v in t.values)
-    if isinstance(t, _Opt):
-        return f"{_describe(t.inner, plural)} or none"
-    if isinstance(t, _Tuple):
-        if t.elem is not None:
-            return f"a comma-separated list of {_describe(t.elem, plural=True)}"
-        return f"{len(t.items)} comma-separated values ({', '.join(_describe(i) for i in t.items)})"
-    raise AssertionError(t)  # pragma: no cover
-
-
-def _lit_type(v: Any) -> _Scalar:
-    return _Scalar(type(v))
-
-
-def _matches(value: Any, t: Any) -> bool:
-    """Whether a Python value fits type ``t`` (and so prints and parses back equal)."""
-    if isinstance(t, _Scalar):
-        if t.kind is bool:
-            return isinstance(value, bool)
-        if t.kind is int:
-            return isinstance(value, int) and not isinstance(value, bool)
-        if t.kind is float:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-        return isinstance(value, str)
-    if isinstance(t, _Lit):
-        return any(type(value) is type(m) and value == m for m in t.values)
-    if isinstance(t, _Opt):
-        return value is None or _matches(value, t.inner)
-    if isinstance(t, _Tuple):
-        if not isinstance(value, tuple):
-            return False
-        if t.elem is not None:
-            return all(_matches(v, t.elem) for v in value)
-        return len(value) == len(t.items) and all(_matches(v, i) for v, i in zip(value, t.items))
-    raise AssertionError(t)  # pragma: no cover
-
-
-def check_option_values(p: Pass) -> None:
-    """Raise ``InvalidArgumentTypeError`` if an option of a pass built in Python has the wrong type."""
-    cls = type(p)
-    for name, t in option_types(cls).items():
-        value = getattr(p, name)
-        if not _matches(value, t):
-            hint = " (use a tuple)" if isinstance(t, (_Tuple, _Opt)) and isinstance(value, list) else ""
-            raise InvalidArgumentTypeError(
-                f"option '{kebab(name)}' of pass '{cls.name}' expects {_describe(t)}, "
-                f"got {value!r} ({type(value).__name__}){hint}"
-            )
-
-
-# --------------------------------------------------------------------------------------------
 # Printing
 # --------------------------------------------------------------------------------------------
-_SAFE_BARE = re.compile(r"[A-Za-z0-9_.+\-/:@%]+")
-_QUOTE = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _quote(s: str) -> str:
-    return '"' + "".join(_QUOTE.get(c, c) for c in s) + '"'
-
-
-def _format(value: Any, t: Any, none_ok: bool = False) -> str:
-    if isinstance(t, _Opt):
-        return "none" if value is None else _format(value, t.inner, none_ok=True)
-    if isinstance(t, _Lit):
-        return _format(value, _lit_type(value), none_ok)
-    if isinstance(t, _Tuple):
-        item_types = [t.elem] * len(value) if t.elem is not None else t.items
-        # inside `tuple[str, ...] | None`, a lone bare "none" would read back as None
-        return ",".join(_format(v, it, none_ok) for v, it in zip(value, item_types))
-    kind = t.kind
-    if kind is bool:
-        return "true" if value else "false"
-    if kind is int:
-        return str(int(value))
-    if kind is float:
-        return repr(float(value))
-    if _SAFE_BARE.fullmatch(value) and not (none_ok and value == "none"):
-        return value
-    return _quote(value)
-
-
-def format_value(value: Any, t: Any) -> str:
-    """Print one option value so that it parses back equal (``t`` from ``option_types``)."""
-    return _format(value, t)
-
-
 def format_pass(p: Pass, explicit: frozenset[str] | set[str] | tuple[str, ...] = frozenset()) -> str:
     """The canonical spec of one pass: its name, then (in field order) the options that are
     required, not at their default, or named in ``explicit``."""
@@ -492,9 +266,9 @@ def format_pass(p: Pass, explicit: frozenset[str] | set[str] | tuple[str, ...] =
     parts = []
     for f in cls.options():
         value = getattr(p, f.name)
-        default = _default(f)
+        default = default_of(f)
         if f.name in explicit or default is dataclasses.MISSING or not _same(value, default):
-            parts.append(f"{kebab(f.name)}={_format(value, kinds[f.name])}")
+            parts.append(f"{kebab(f.name)}={format_value(value, kinds[f.name])}")
     return cls.name + ("{" + " ".join(parts) + "}" if parts else "")
 
 
@@ -515,18 +289,18 @@ class _BadValue(Exception):
 
 def _scalar(v: ValueSpec, t: Any) -> Any:
     """Convert one written value; raises ``_BadValue`` when it does not fit ``t``."""
-    if isinstance(t, _Opt):
+    if isinstance(t, OptionalType):
         if not v.quoted and v.text == "none":
             return None
         return _scalar(v, t.inner)
-    if isinstance(t, _Lit):
+    if isinstance(t, LiteralType):
         for m in t.values:
             if isinstance(m, str):
                 if v.text == m:
                     return m
             elif not v.quoted:
                 try:
-                    if _scalar(v, _Scalar(type(m))) == m:
+                    if _scalar(v, ScalarType(type(m))) == m:
                         return m
                 except _BadValue:
                     pass
@@ -549,13 +323,13 @@ def _scalar(v: ValueSpec, t: Any) -> Any:
 def _convert(opt: OptionSpec, t: Any) -> Any:
     values = opt.values
     if values is None:  # bare key
-        inner = t.inner if isinstance(t, _Opt) else t
-        if isinstance(inner, _Scalar) and inner.kind is bool:
+        inner = t.inner if isinstance(t, OptionalType) else t
+        if isinstance(inner, ScalarType) and inner.kind is bool:
             return True
         raise _BadValue(None)
-    base = t.inner if isinstance(t, _Opt) else t
-    if isinstance(base, _Tuple):
-        if isinstance(t, _Opt) and len(values) == 1 and not values[0].quoted and values[0].text == "none":
+    base = t.inner if isinstance(t, OptionalType) else t
+    if isinstance(base, TupleType):
+        if isinstance(t, OptionalType) and len(values) == 1 and not values[0].quoted and values[0].text == "none":
             return None
         if base.elem is not None:
             return tuple(_scalar(v, base.elem) for v in values)
@@ -598,7 +372,7 @@ def instantiate(element: PassSpec, text: str, registry: PassRegistry | None = No
         try:
             kwargs[fname] = _convert(opt, kinds[fname])
         except _BadValue as bad:
-            expected = _describe(kinds[fname])
+            expected = describe(kinds[fname])
             key = kebab(fname)
             if opt.values is None:
                 raise spec_error(
@@ -609,16 +383,17 @@ def instantiate(element: PassSpec, text: str, registry: PassRegistry | None = No
                 got = f"{len(opt.values)} values" if opt.values else "nothing"
                 span = (opt.values[0].start, opt.values[-1].end) if opt.values else (opt.key_end, opt.end)
                 raise spec_error(f"option '{key}' of '{cls.name}' expects {expected}, got {got}", text, *span) from None
-            lit = kinds[fname].inner if isinstance(kinds[fname], _Opt) else kinds[fname]
-            hint = suggest(bad.value.text, [_format(m, _lit_type(m)) for m in lit.values]) if isinstance(lit, _Lit) else ""
+            lit = kinds[fname].inner if isinstance(kinds[fname], OptionalType) else kinds[fname]
+            written = [format_value(m, ScalarType(type(m))) for m in lit.values] if isinstance(lit, LiteralType) else []
+            hint = suggest(bad.value.text, written) if written else ""
             raise spec_error(
                 f"option '{key}' of '{cls.name}' expects {expected}, got '{bad.value.text}'{hint}",
                 text, bad.value.start, bad.value.end,
             ) from None
     for name, f in fields.items():
-        if name not in kwargs and _default(f) is dataclasses.MISSING:
+        if name not in kwargs and default_of(f) is dataclasses.MISSING:
             raise spec_error(
-                f"missing required option '{kebab(name)}' for pass '{cls.name}' ({_describe(kinds[name])}): "
+                f"missing required option '{kebab(name)}' for pass '{cls.name}' ({describe(kinds[name])}): "
                 f"write {cls.name}{{{kebab(name)}=...}}",
                 text, element.start, element.end,
             )
@@ -636,27 +411,3 @@ def instantiate(element: PassSpec, text: str, registry: PassRegistry | None = No
 def parse_passes(text: str, registry: PassRegistry | None = None) -> list[tuple[Pass, frozenset[str]]]:
     """Parse a spec into ``(pass, explicitly written option fields)`` pairs."""
     return [instantiate(e, text, registry) for e in parse_spec(text)]
-
-
-# --------------------------------------------------------------------------------------------
-# Documentation helpers
-# --------------------------------------------------------------------------------------------
-class OptionInfo(NamedTuple):
-    """One row of a pass's option table, e.g. for ``autoshard passes``."""
-
-    key: str
-    field: str
-    type: str
-    default: str | None  # printed as in a spec; None when the option is required
-    help: str
-
-
-def option_table(cls: type[Pass]) -> tuple[OptionInfo, ...]:
-    kinds = option_types(cls)
-    rows = []
-    for f in cls.options():
-        default = _default(f)
-        shown = None if default is dataclasses.MISSING else _format(default, kinds[f.name])
-        rows.append(OptionInfo(kebab(f.name), f.name, _describe(kinds[f.name]), shown, f.metadata.get("help", "")))
-    return tuple(rows)
-
