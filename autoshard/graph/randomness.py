@@ -16,6 +16,7 @@ operator ``nondeterministic_seeded``), for graphs that ran on fake tensors or no
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Any, Hashable
 
@@ -34,7 +35,10 @@ _RANDOM_FUNCTIONS = frozenset({
 _TORCH_MODULES = ("torch", "torch.nn.functional", "torch._C._nn", "torch._C._VariableFunctions", "torch.functional")
 
 
+@functools.lru_cache(maxsize=None)
 def _aten_is_random(name: str) -> bool:
+    """Whether an aten operator of this name is tagged as drawing from a generator (cached: the
+    tags of an operator do not change, and each node of a large graph asks)."""
     packet = getattr(torch.ops.aten, name, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
         return False
