@@ -20,7 +20,7 @@ import autoshard
 from autoshard.capture import trace_with_leaves
 from autoshard.capture.auto import capture
 from autoshard.capture.eager import module_state_restored
-from autoshard.capture.meta import EXAMPLE
+from autoshard.capture.meta_proxy import EXAMPLE
 from autoshard.errors import InputMismatchError, TraceError
 from autoshard.passes.instruments import ModelUnchanged
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from autoshard.capture.eager import check_model_runs
-from autoshard.capture.meta import SizeToNumber
+from autoshard.capture.meta_proxy import SizeToNumber
 from autoshard.capture.result import TraceResult
 from autoshard.errors import InvalidArgumentError, TraceError
 

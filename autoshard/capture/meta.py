@@ -1,4 +1,5 @@
-"""An fx tracer that runs the example alongside, so shape and dtype code traces.
+"""An fx tracer that runs the example alongside, so shape and dtype code traces (its proxies,
+which answer from the example: ``meta_proxy``).
 
 Plain fx fails on code every real model has: ``(*x.shape[:-1], -1, d)`` (a Proxy cannot be
 iterated), ``if mask.dtype == torch.bool`` (a Proxy cannot be a condition), a config passed to a
@@ -23,16 +24,11 @@ rest symbolic:
 
 from __future__ import annotations
 
-import bisect
 import builtins
 import collections
 import contextlib
 import dataclasses
-import dis
 import functools
-import inspect
-import math
-import operator
 import os
 import traceback
 import types
@@ -50,32 +46,18 @@ from autoshard.capture.assemble import resolve
 from autoshard.capture.eager import holds, swapped_attribute
 from autoshard.capture.guard import check_condition, check_pinned_size
 from autoshard.capture.leaves import MACHINERY_DIRS
+from autoshard.capture.meta_proxy import (
+    DATA_FREE, EXAMPLE, MISSING, MetaProxy, SizePinningProxy, example_of, is_size)
 from autoshard.capture.signature import MODEL_ATTR
 from autoshard.capture.state import kind_of, refusing_state_writes
 from autoshard.errors import TraceError
 
-EXAMPLE = "autoshard_example"
-_DATA_FREE = "autoshard_data_free"
-_MISSING = object()
 
-#: Tensor facts that do not change from one call to the next, answered from the example.
-_STATIC_FACTS = frozenset({
-    "dtype", "device", "ndim", "layout", "is_cuda", "is_sparse", "is_quantized", "is_meta",
-    "dim", "ndimension", "is_floating_point", "is_complex", "element_size", "is_nested",
-})
-_STATIC_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex})
-#: What numpy and other array libraries look up on an object (with every ``__array...`` name):
-#: a proxy of a number offers none.
-_FOREIGN_PROTOCOLS = frozenset({"__cuda_array_interface__", "__dlpack__"})
 #: Reading these yields sizes, not tensor values.
 _SIZE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension"})
 _SIZE_ATTRS = frozenset({"shape", "ndim", "dtype", "device"})
 #: Opaque results used as their example value (an int may be a size, so it stays symbolic).
 _GUARDED_RESULTS = (bool, str, type(None))
-
-
-def example_of(proxy: fx.Proxy) -> Any:
-    return proxy.node.meta.get(EXAMPLE, _MISSING)
 
 
 @contextlib.contextmanager
@@ -97,121 +79,6 @@ def _runs_model_code(node: fx.Node) -> bool:
     target = node.target
     return node.op == "call_function" and isinstance(target, types.FunctionType) and \
         not target.__module__.startswith("torch")
-
-
-class MetaProxy(fx.Proxy):
-    """A proxy that answers static tensor facts and iterates over sizes from its example."""
-
-    @classmethod
-    def __torch_function__(cls, orig_method: Any, types: tuple, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        if orig_method in _STATIC_FUNCTIONS and args and isinstance(args[0], fx.Proxy):
-            example = example_of(args[0])
-            if isinstance(example, torch.Tensor):
-                args[0].tracer.read_static_facts = True
-                return orig_method(example)
-        return super().__torch_function__(orig_method, types, args, kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        example = example_of(self)
-        if (name.startswith("__array") or name in _FOREIGN_PROTOCOLS) and isinstance(example, (int, float, torch.Size)):
-            # a size: numpy then holds it as an object (``np.array(x.shape[2:]) % 32``), and its
-            # arithmetic traces; a tensor still fails to convert, as its values are not known
-            raise AttributeError(name)
-        if isinstance(example, torch.Tensor) and name in _STATIC_FACTS:
-            self.tracer.read_static_facts = True
-            return getattr(example, name)
-        return MetaAttribute(self, name)
-
-    def __index__(self) -> int:
-        if _is_size(self):
-            raise SizeToNumber("the code turns a traced size into a Python number (int(), range()), which "
-                               "would fix it; tracing with pin_sizes takes the example's number, guarded")
-        raise TypeError(f"'{type(self).__name__}' object cannot be interpreted as an integer")
-
-    # math.ceil(n / w) and friends look these up on the type, so fx's __getattr__ never sees them
-    def __ceil__(self) -> fx.Proxy:
-        return self.tracer.create_proxy("call_function", math.ceil, (self,), {})
-
-    def __floor__(self) -> fx.Proxy:
-        return self.tracer.create_proxy("call_function", math.floor, (self,), {})
-
-    def __trunc__(self) -> fx.Proxy:
-        return self.tracer.create_proxy("call_function", math.trunc, (self,), {})
-
-    def __round__(self, ndigits: int | None = None) -> fx.Proxy:
-        return self.tracer.create_proxy("call_function", round, (self, ndigits), {})
-
-    def __len__(self) -> int:
-        example = example_of(self)
-        if isinstance(example, torch.Size):
-            return len(example)
-        if isinstance(example, (int, float)):  # as for the number: numpy then takes it for a scalar
-            raise TypeError(f"object of type '{type(example).__name__}' has no len()")
-        if isinstance(example, torch.Tensor) and example.dim() > 0:
-            raise SizeToNumber("len() of a traced tensor is its first size as a Python number, which would fix "
-                               "it; tracing with pin_sizes takes the example's number, guarded")
-        return super().__len__()
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        """``x[mask] = v`` as an ``operator.setitem`` node: an in-place write, which build-dag
-        orders against the tensor's other readers."""
-        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
-
-    def __iter__(self) -> Iterator[fx.Proxy]:
-        # fx's own rule (``a, b = proxy`` unpacks as many as the code asks for), with the
-        # disassembly cached: fx disassembles the whole caller on every unpacking.
-        caller = inspect.currentframe().f_back  # type: ignore[union-attr]
-        count = _unpack_count(caller.f_code, caller.f_lasti)  # type: ignore[union-attr]
-        if count is not None:
-            return (self[i] for i in range(count))
-        return self.tracer.iter(self)
-
-
-def _is_size(proxy: fx.Proxy) -> bool:
-    """Whether ``proxy`` is an integer computed from sizes and constants alone."""
-    return type(example_of(proxy)) is int and proxy.node.meta.get(_DATA_FREE, False)
-
-
-class SizeToNumber(TypeError):
-    """Model code turned a traced size into a Python number (``int(n)``, ``range(n)``); a trace
-    with ``pin_sizes`` takes the example's number instead."""
-
-
-class SizePinningProxy(MetaProxy):
-    """A proxy that, where the code turns a size into a Python number, takes the example's number
-    and guards it: the graph then serves that size only."""
-
-    def __index__(self) -> int:
-        return self.tracer.pinned(self)  # type: ignore[attr-defined]
-
-    __int__ = __index__
-
-    def __len__(self) -> int:
-        example = example_of(self)
-        if isinstance(example, torch.Tensor) and example.dim() > 0:
-            return self.tracer.pinned(self.size(0))  # type: ignore[attr-defined]
-        return super().__len__()
-
-
-@functools.lru_cache(maxsize=None)
-def _instructions(code: types.CodeType) -> tuple[list[int], list[tuple[str, Any]]]:
-    """Offsets and ``(opname, argval)`` of ``code``'s instructions, disassembled once."""
-    found = list(dis.get_instructions(code))
-    return [i.offset for i in found], [(i.opname, i.argval) for i in found]
-
-
-def _unpack_count(code: types.CodeType, last: int) -> int | None:
-    """How many values the instruction running at offset ``last`` unpacks, if it unpacks."""
-    offsets, ops = _instructions(code)
-    index = bisect.bisect_left(offsets, last)
-    if index < len(ops) and ops[index][0] == "UNPACK_SEQUENCE":
-        return int(ops[index][1])
-    return None
-
-
-class MetaAttribute(fx.proxy.Attribute, MetaProxy):
-    """``proxy.attr``: created lazily like fx's Attribute, with MetaProxy's answers."""
 
 
 def _user_site() -> str | None:
@@ -251,7 +118,7 @@ def _computed_in_trace(module: nn.Module, name: str, value: Any) -> bool:
 
 def _holds_data(value: Any) -> bool:
     """Whether ``value`` holds a proxy whose value depends on tensor data, not only on sizes."""
-    return any(isinstance(leaf, fx.Proxy) and not leaf.node.meta.get(_DATA_FREE, False)
+    return any(isinstance(leaf, fx.Proxy) and not leaf.node.meta.get(DATA_FREE, False)
                for leaf in tree_leaves(value))
 
 
@@ -270,7 +137,7 @@ def _callable(obj: Any, _builtin: Callable[[Any], bool] = callable) -> bool:
     a tensor."""
     if isinstance(obj, fx.Proxy):
         example = example_of(obj)
-        return _builtin(obj) if example is _MISSING else _builtin(example)
+        return _builtin(obj) if example is MISSING else _builtin(example)
     return _builtin(obj)
 
 
@@ -337,7 +204,7 @@ class MetaTracer(fx.Tracer):
                 "an autocast region (torch.autocast) starts or ends here: fx records operations without it, "
                 "so the graph would compute in other dtypes than the model")
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        node.meta[_DATA_FREE] = self._data_free(node)
+        node.meta[DATA_FREE] = self._data_free(node)
         if self.examples is not None and kind != "output":
             try:
                 where = str(node.target).removeprefix(f"{MODEL_ATTR}.")  # the path in the user's model
@@ -376,7 +243,7 @@ class MetaTracer(fx.Tracer):
             return True
         if node.op == "call_function" and node.target is getattr and node.args[1] in _SIZE_ATTRS:
             return True
-        return all(n.meta.get(_DATA_FREE, False) for n in node.all_input_nodes)
+        return all(n.meta.get(DATA_FREE, False) for n in node.all_input_nodes)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
         """fx's rule (parameters, and buffers when proxied, become ``get_attr``) with the name
@@ -407,7 +274,7 @@ class MetaTracer(fx.Tracer):
         self._inside.clear()
         for node in graph.nodes:
             node.meta.pop(EXAMPLE, None)
-            node.meta.pop(_DATA_FREE, None)
+            node.meta.pop(DATA_FREE, None)
 
     # -- where plain fx gives up ----------------------------------------------------------------------
     def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
@@ -431,7 +298,7 @@ class MetaTracer(fx.Tracer):
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         example = example_of(obj)
-        if example is _MISSING or not obj.node.meta.get(_DATA_FREE, False):
+        if example is MISSING or not obj.node.meta.get(DATA_FREE, False):
             return super().to_bool(obj)
         value = bool(example)
         condition = _user_condition()
@@ -441,7 +308,7 @@ class MetaTracer(fx.Tracer):
 
     def pinned(self, proxy: fx.Proxy) -> int:
         """The example's value of a size the code turns into a Python number, guarded."""
-        if not _is_size(proxy):
+        if not is_size(proxy):
             raise TypeError(f"'{type(proxy).__name__}' object cannot be interpreted as an integer "
                             "(a value computed from tensor data, not a size)")
         example = example_of(proxy)
@@ -516,7 +383,7 @@ class _Recording(TorchDispatchMode):
 def guard_value(tracer: MetaTracer, proxy: fx.Proxy, what: str) -> Any:
     """An opaque call's non-tensor example result, guarded; otherwise the proxy itself."""
     example = example_of(proxy)
-    if example is _MISSING or not isinstance(example, _GUARDED_RESULTS):
+    if example is MISSING or not isinstance(example, _GUARDED_RESULTS):
         return proxy
     condition = f"`{what} == {example!r}`"
     same = tracer.create_proxy("call_function", _equals, (proxy, example), {})
