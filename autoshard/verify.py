@@ -16,6 +16,7 @@ values in another op order, so comparing across modes could not be exact.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -23,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from autoshard.capture.eager import cloned, isolated
 from autoshard.errors import VerificationError
@@ -88,10 +89,21 @@ class _Recorder(PlainInterpreter):
         return result
 
 
+def _fields_expanded(value: Any) -> Any:
+    """``value`` with each plain dataclass (a pytree leaf, whose ``==`` would ask a tensor for a
+    bool) replaced by its type's name and fields, so they are compared one by one."""
+    def expand(leaf: Any) -> Any:
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            fields = {f.name: _fields_expanded(getattr(leaf, f.name)) for f in dataclasses.fields(leaf)}
+            return {"dataclass": type(leaf).__qualname__, "fields": fields}
+        return leaf
+    return tree_map(expand, value)
+
+
 def first_difference(actual: Any, expected: Any, rtol: float, atol: float) -> str | None:
     """A description of the first leaf where two nested values differ, or None if they match."""
-    flat_a, spec_a = tree_flatten(actual)
-    flat_e, spec_e = tree_flatten(expected)
+    flat_a, spec_a = tree_flatten(_fields_expanded(actual))
+    flat_e, spec_e = tree_flatten(_fields_expanded(expected))
     if spec_a != spec_e:
         return f"structure differs: {spec_a} vs {spec_e}"
     for index, (a, e) in enumerate(zip(flat_a, flat_e)):

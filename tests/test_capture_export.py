@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_same_fingerprint, model_fingerprint
@@ -279,3 +280,41 @@ def test_a_failing_module_reached_through_a_module_list_is_kept_opaque():
     assert [w.name for w in result.wrapped] == ["layers.0", "layers.1"]
     x = torch.randn(5, 6)
     assert torch.equal(result.graph_module(x), model(x))
+
+
+class ParityBranch(nn.Module):
+    """Branches on a size's parity: torch.export keeps the size generic under a guard that is
+    not a range (``x.shape[0] % 2 == 0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if x.shape[0] % 2 == 0:
+            h = h * 2
+        return self.b(h)
+
+
+class CountedChunks(nn.Module):
+    """A chunk count computed from a size in numpy (pytorch-tabnet's ghost batch norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        chunks = h.chunk(int(np.ceil(h.shape[0] / 2)), 0)
+        return self.b(torch.cat([c - c.mean(0, keepdim=True) for c in chunks]))
+
+
+@pytest.mark.parametrize("model, served, refused", [(ParityBranch(), 6, 5), (CountedChunks(), 3, 8)])
+def test_exports_conditions_on_sizes_are_checked_on_every_call(model, served, refused):
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 4),),
+                                    pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    x = torch.randn(served, 4)
+    assert torch.equal(sharded(x), model(x))
+    with pytest.raises(InputMismatchError, match="the plan was captured where .*x.shape\\[0\\]"):
+        sharded(torch.randn(refused, 4))

@@ -233,12 +233,13 @@ class StoresItsWindow(nn.Module):
 
 def test_a_forward_that_sets_attributes_keeps_no_proxy_on_the_model():
     """Traced, the forward stores a Proxy on the model; the model's next call (verify's) failed on it.
-    A real call stores the real value, as it does whenever the model runs."""
+    The capture's real calls store real numbers, which are set back too: the model keeps the
+    window it was given."""
     model, x = StoresItsWindow(), torch.randn(2, 6, 8)
     before = model_fingerprint(model)
     sharded = autoshard.shard_model(model, 2, example_inputs=(x,), instruments=[ModelUnchanged()])
     assert_same_fingerprint(before, model_fingerprint(model))
-    assert model.window == 6
+    assert model.window == 16
     assert torch.equal(sharded(x), model(x))
 
 
@@ -367,6 +368,40 @@ def test_a_model_whose_own_forward_enters_autocast_is_sharded_exactly():
     assert sharded.plan.wrapped == ()
     later = torch.randn(5, 8)
     assert torch.equal(sharded(later), model(later))
+
+
+class CallCounter(nn.Module):
+    """Keeps a Python int on ``self`` and halves its output from the fourth call on (a warm-up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.lin(x)
+        return h * 0.5 if self.calls > 3 else h
+
+
+def test_a_module_counting_calls_in_a_python_int_is_kept_whole_and_keeps_counting():
+    model = Around(CallCounter(), 8)
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert model.inner.calls == 0  # the capture's runs of the model were set back
+    assert [w.name for w in sharded.plan.wrapped] == ["inner"]
+    assert "changes its attribute 'calls' (0 -> 1)" in sharded.plan.wrapped[0].reason
+    for _ in range(5):  # across the fourth call, where the branch turns
+        x = torch.randn(3, 8)
+        assert torch.equal(sharded(x), twin(x))
+    assert model.inner.calls == twin.inner.calls == 5
+
+
+def test_a_top_level_forward_counting_calls_is_refused_not_frozen():
+    model = CallCounter()
+    with pytest.raises(TraceError, match="changes its attribute 'calls'"):
+        autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert model.calls == 0
 
 
 class StepCounter(nn.Module):

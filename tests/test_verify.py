@@ -208,3 +208,33 @@ def test_a_value_holding_tensors_and_sizes_is_compared_with_its_sizes_kept_sizes
     assert [w.name for w in sharded.plan.wrapped] == [f"{__name__}.pack_with_shapes"]
     x = torch.randn(3, 4)
     assert torch.equal(sharded(x), model(x))
+
+
+@dataclasses.dataclass
+class PlainOutput:
+    """A model output type not registered with pytree: compared field by field."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class ReturnsPlainDataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> PlainOutput:
+        h = torch.relu(self.a(x))
+        return PlainOutput(self.b(h), h)
+
+
+def test_a_plain_dataclass_output_is_verified_field_by_field():
+    from autoshard.verify import first_difference
+    model = ReturnsPlainDataclass()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    x = torch.randn(3, 8)
+    out = sharded(x)
+    assert isinstance(out, PlainOutput) and torch.equal(out.logits, model(x).logits)
+    assert first_difference(out, model(x), 0.0, 0.0) is None
+    changed = PlainOutput(out.logits, out.hidden + 1)
+    assert first_difference(changed, model(x), 0.0, 0.0) is not None

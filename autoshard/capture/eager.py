@@ -73,12 +73,22 @@ def trace_values_on(module: nn.Module) -> list[str]:
             if key not in _REGISTRIES and holds(value, TRACE_VALUES)]
 
 
+#: Plain values a forward may keep on ``self`` from one call to the next.
+_SCALARS = (bool, int, float, str)
+
+
+def scalar_changed(old: Any, new: Any) -> bool:
+    """Whether a number, flag or string was replaced by a different one (a step counter moved)."""
+    return isinstance(old, _SCALARS) and isinstance(new, _SCALARS) and (type(old) is not type(new) or old != new)
+
+
 @contextlib.contextmanager
 def module_state_restored(model: nn.Module) -> Iterator[None]:
     """On exit, set back (or remove, if the run added it) every attribute, parameter or buffer of
     a module that holds a trace value, and every attribute or buffer the run bound to another tensor
-    (``self.previous = y``, kept for the next call; a cache registered as a buffer), and every dict, list or set attribute the run
-    filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
+    (``self.previous = y``, kept for the next call; a cache registered as a buffer) or changed from
+    one number, flag or string to another (a step counter), and every dict, list or set attribute
+    the run filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
     from the state the model was given in, and none leaves a trace on it. Other values a forward
     stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
     Face's output recorders)."""
@@ -100,7 +110,8 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
         for module, befores in saved:
             for current, before in zip(_attribute_dicts(module), befores):
                 stale = [key for key, value in current.items() if key not in _REGISTRIES and (
-                    holds(value, TRACE_VALUES) or (value is not before.get(key) and holds(value, torch.Tensor)))]
+                    holds(value, TRACE_VALUES) or (value is not before.get(key) and holds(value, torch.Tensor))
+                    or (key in before and scalar_changed(before[key], value)))]
                 for key in stale:
                     if key in before:
                         current[key] = before[key]

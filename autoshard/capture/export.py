@@ -29,9 +29,9 @@ from torch.utils._sympy.numbers import int_oo
 
 from autoshard.capture.assemble import assemble, leaves_of, resolve
 from autoshard.capture.eager import cloned, holds, isolated
-from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard
+from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard, usable_conditions
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
-from autoshard.capture.state import current_value, refusing_state_writes
+from autoshard.capture.state import current_value, rebinds_a_scalar, refusing_state_writes
 from autoshard.capture.opaque import CALLS, rewrite_opaque_calls, stand_in
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
@@ -110,14 +110,18 @@ FIXED_SIZE_ADVICE = (
     f"keeping whole the modules whose code it cannot trace: shard with pipeline='{FREE_SIZES_PIPELINE}')")
 
 
-def _input_guard(graph: fx.Graph, signature: CallSignature, ranges: Mapping[Any, Any]) -> InputGuard:
+def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.ExportedProgram) -> InputGuard:
+    """Sizes within the ranges export kept them in, and its other guards on them (the code
+    branched on ``x.shape[0] % 2``) checked as they are."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     shapes = {}
     for node, (name, leaf) in zip(placeholders, leaves_of(signature)):
         value = node.meta.get("val")
         if leaf is None and isinstance(value, torch.Tensor):
-            shapes[name] = tuple(_dim_spec(s, ranges) for s in value.shape)
-    return dataclasses.replace(signature.guard(shapes), fixed_size_advice=FIXED_SIZE_ADVICE)
+            shapes[name] = tuple(_dim_spec(s, ep.range_constraints) for s in value.shape)
+    example = {a.name: a.value for a in signature.graph_inputs}
+    conditions = usable_conditions(getattr(ep, "_guards_code", None) or (), example)
+    return dataclasses.replace(signature.guard(shapes), fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions)
 
 
 def _pinned(guard: InputGuard) -> tuple[str, ...]:
@@ -151,7 +155,7 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
                 resolve(wrapper, str(node.target))
             except AttributeError:
                 constants[str(node.target)] = resolve(unlifted, str(node.target))
-    guard = _input_guard(graph, signature, ep.range_constraints)
+    guard = _input_guard(graph, signature, ep)
     placeholders = iter(leaves_of(signature))
     input_of = {n: next(placeholders) for n in graph.nodes if n.op == "placeholder"}
     return assemble(graph, wrapper, model, signature, input_of.__getitem__, guard, constants), guard
@@ -159,8 +163,10 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
 
 def _computed_in_export(module: nn.Module, name: str, value: Any) -> bool:
     """Whether export's run of a forward stores a tensor on its module other than the one there
-    (an in-place update such as ``self.steps += 1`` rebinds the same tensor, which export keeps)."""
-    return holds(value, torch.Tensor) and value is not current_value(module, name)
+    (an in-place update such as ``self.steps += 1`` rebinds the same tensor, which export keeps)
+    or changes a plain number or flag there (export bakes the branch it drives)."""
+    return (holds(value, torch.Tensor) and value is not current_value(module, name)) or \
+        rebinds_a_scalar(module, name, value)
 
 
 def export_with_leaves(
@@ -184,8 +190,10 @@ def export_with_leaves(
         stand_ins = [(site, stand_in(site.function, site.function, function_name(site.function)))
                      for site in leaves.functions]
         modules = {i: (m, leaves.paths[i]) for i, m in leaves.modules.items()}
+        # With grad enabled, as fx traces too: a ``no_grad`` block in the model is then recorded
+        # even when the capture was called under ``no_grad``.
         with _opaque_modules(modules), swapped(stand_ins), isolated(model), _quiet(), \
-                refusing_state_writes(_computed_in_export):
+                refusing_state_writes(_computed_in_export), torch.enable_grad():
             return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
 
     try:

@@ -44,8 +44,10 @@ def is_primitive(module: nn.Module) -> bool:
 
 
 def has_call_hooks(module: nn.Module) -> bool:
-    """Tracing through a module skips its hooks, so a module with hooks must stay a leaf."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """Tracing through a module skips its hooks (forward, and backward ones, which its call
+    installs on its outputs), so a module with hooks must stay a leaf."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 class _LeafTracer(MetaTracer):

@@ -7,8 +7,10 @@ checks every call and raises ``InputMismatchError`` naming what the plan accepts
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -57,6 +59,9 @@ class InputGuard:
     shapes: Mapping[str, tuple[DimSpec, ...]] = field(default_factory=dict)
     #: Said after a size refused for being other than the fixed one: who fixed it, what to do.
     fixed_size_advice: str = ""
+    #: Conditions on the sizes the capture relied on beyond their ranges (``x.shape[0] % 2 == 0``,
+    #: where the code branched on it), as Python over ``L[name]``: torch.export's guards.
+    conditions: tuple[str, ...] = ()
 
     def describe(self) -> str:
         parts = []
@@ -68,7 +73,7 @@ class InputGuard:
             if name in self.shapes:
                 text += f" of shape ({', '.join(d.describe() for d in self.shapes[name])})"
             parts.append(text)
-        return ", ".join(parts)
+        return ", ".join(parts) + "".join(f"; where {_shown(c)}" for c in self.conditions)
 
     def problem(self, values: Mapping[str, Any]) -> str | None:
         """What is wrong with ``values`` (argument name -> value), or None if the plan serves them."""
@@ -93,7 +98,40 @@ class InputGuard:
                     return f"{name}.shape[{axis}] is {size}, but {dim.symbol} is {seen} elsewhere"
                 if dim.size is None and not (dim.low <= size and (dim.high is None or size <= dim.high)):
                     return f"{name}.shape[{axis}] is {size}, outside what the plan serves ({dim.describe()})"
+        for condition in self.conditions:
+            if not _holds(condition, values):
+                return (f"the plan was captured where {_shown(condition)}, which these inputs break: the model's "
+                        "code branched on it or computed a count from it (torch.export kept that condition; the fx "
+                        "front end may keep such code whole and serve both sides: shard with "
+                        f"pipeline='{FREE_SIZES_PIPELINE}')")
         return None
+
+
+#: What a condition may use besides the inputs: the names torch's printer of size expressions emits.
+_CONDITION_NAMES = {"__builtins__": {}, "math": math, "max": max, "min": min, "abs": abs}
+
+
+def _holds(condition: str, values: Mapping[str, Any]) -> bool:
+    """Whether ``condition`` is true of ``values``; one that cannot be evaluated (a division by a
+    size that is zero here) does not hold."""
+    try:
+        return bool(eval(condition, _CONDITION_NAMES, {"L": values}))  # noqa: S307 - torch's own guard text
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _shown(condition: str) -> str:
+    """``L['x'].size()[0] % 2 == 0`` as ``x.shape[0] % 2 == 0``."""
+    return re.sub(r"L\['([^']+)'\]", r"\1", condition).replace(".size()[", ".shape[")
+
+
+def usable_conditions(conditions: Sequence[str], values: Mapping[str, Any]) -> tuple[str, ...]:
+    """The conditions worth checking on every call: those true of the example (``values``), less
+    the ones that only say a size is not 0 or 1 (``!= 1``, ``>= 2``), which torch.export assumes
+    of every size it keeps generic (the plan serves those sizes, as the ranges do), and the ones
+    that fix a size (``== 4``), which the shapes check already."""
+    trivial = re.compile(r".*(!= [01]|>= [12])|L\['[^']+'\]\.size\(\)\[\d+\] == \d+")
+    return tuple(c for c in conditions if not trivial.fullmatch(c.strip()) and _holds(c, values))
 
 
 def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:

@@ -43,13 +43,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.assemble import resolve
-from autoshard.capture.eager import holds, swapped_attribute
+from autoshard.capture.eager import holds
 from autoshard.capture.guard import check_condition, check_pinned_size
 from autoshard.capture.leaves import MACHINERY_DIRS
 from autoshard.capture.meta_proxy import (
     DATA_FREE, EXAMPLE, MISSING, MetaProxy, SizePinningProxy, example_of, is_size)
 from autoshard.capture.signature import MODEL_ATTR
-from autoshard.capture.state import kind_of, refusing_state_writes
+from autoshard.capture.state import kind_of, rebinds_a_scalar, refusing_state_writes
 from autoshard.errors import TraceError
 
 
@@ -61,13 +61,16 @@ _GUARDED_RESULTS = (bool, str, type(None))
 
 
 @contextlib.contextmanager
-def _untraced() -> Iterator[None]:
-    """Lift fx's patches on ``nn.Module`` while running an example, so the run adds no nodes."""
+def _untraced(swaps: list["Swap"]) -> Iterator[None]:
+    """Lift fx's patches on ``nn.Module`` and the tracer's ``swaps`` while running an example: the
+    run adds no nodes, and code it reaches sees the real functions (torch.compile's tracer, run
+    by a ``torch.cond`` inside a leaf, builds its tables of builtins once and for all)."""
     patched = (nn.Module.__call__, nn.Module.__getattr__, fx_trace._is_fx_tracing_flag)
     nn.Module.__call__, nn.Module.__getattr__ = fx_trace._orig_module_call, fx_trace._orig_module_getattr
     fx_trace._is_fx_tracing_flag = False
     try:
-        yield
+        with _swapped(swaps, back=True):
+            yield
     finally:
         nn.Module.__call__, nn.Module.__getattr__, fx_trace._is_fx_tracing_flag = patched
 
@@ -95,15 +98,25 @@ def _user_condition() -> str:
     return f"the condition at {site}" if site else "a condition in the model's code"
 
 
-class AutocastRegion(RuntimeError):
-    """Model code entered or left a ``torch.autocast`` region while fx traced it. Not a
-    ``TraceError``: the code is kept whole (run as it is) like any other untraceable code."""
+class ModeRegion(RuntimeError):
+    """Model code entered or left a ``torch.autocast`` region or a grad-mode block (``no_grad``,
+    ``enable_grad``, ``inference_mode``) while fx traced it. Not a ``TraceError``: the code is kept
+    whole (run as it is) like any other untraceable code."""
 
 
-def _autocast_state() -> tuple[tuple[bool, torch.dtype], ...]:
-    """Whether autocast is on, and in which dtype, per device type."""
-    return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-                 for device in ("cpu", "cuda"))
+def _mode_state() -> tuple[Any, ...]:
+    """The modes fx does not record: autocast (on, and in which dtype, per device type), grad
+    mode and inference mode."""
+    autocast = tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                     for device in ("cpu", "cuda"))
+    return autocast, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+def _mode_change(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
+    """What model code changed between two ``_mode_state``s, in words."""
+    if before[0] != after[0]:
+        return "an autocast region (torch.autocast) starts or ends here"
+    return "a grad-mode block (torch.no_grad, enable_grad, set_grad_enabled, inference_mode) starts or ends here"
 
 
 def _computed_in_trace(module: nn.Module, name: str, value: Any) -> bool:
@@ -113,7 +126,7 @@ def _computed_in_trace(module: nn.Module, name: str, value: Any) -> bool:
     off again)."""
     if kind_of(module, name) != "attribute":
         return holds(value, fx.Proxy)
-    return _holds_data(value)
+    return _holds_data(value) or rebinds_a_scalar(module, name, value)
 
 
 def _holds_data(value: Any) -> bool:
@@ -157,6 +170,59 @@ def _recording_constructor(constructor: Callable[..., Any]) -> Callable[..., Any
     return record
 
 
+class FunctionApply:
+    """The node target that calls a custom ``torch.autograd.Function``: tracing into its
+    ``forward`` would record the forward's operations and lose its ``backward`` (a gradient
+    reversal, a straight-through estimator), so the call is one node."""
+
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        self.function = function
+        self.__name__ = f"{function.__name__}_apply"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function.apply(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{self.function.__qualname__}.apply"
+
+
+def _recording_apply(original: classmethod) -> classmethod:
+    """``torch.autograd.Function.apply`` that records one ``FunctionApply`` node when given a proxy.
+    torch's own functions (the reentrant checkpoint, which takes a function argument) are traced
+    through as before: their backward recomputes what the forward computed."""
+
+    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+        proxies = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, fx.Proxy)]
+        if not proxies:
+            return original.__func__(cls, *args, **kwargs)
+        tracer = proxies[0].tracer
+        if not cls.__module__.startswith("torch."):
+            return tracer.create_proxy("call_function", FunctionApply(cls), args, kwargs)
+        tracer.inside_torch_functions += 1  # its own no_grad (the checkpoint's) is not the model's
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            tracer.inside_torch_functions -= 1
+
+    return classmethod(apply)
+
+
+#: ``(owner, name, original, stand-in)``: an attribute the tracer replaces while it traces.
+Swap = tuple[Any, str, Any, Any]
+
+
+@contextlib.contextmanager
+def _swapped(swaps: list[Swap], back: bool = False) -> Iterator[None]:
+    """Each stand-in in place until exit (with ``back``, each original: lifted for a real run)."""
+    for owner, name, original, stand_in in swaps:
+        setattr(owner, name, original if back else stand_in)
+    try:
+        yield
+    finally:
+        for owner, name, original, stand_in in swaps:
+            setattr(owner, name, stand_in if back else original)
+
+
 def has_proxy(value: Any) -> bool:
     """Whether a Proxy hides anywhere in ``value`` (containers, dataclass fields, slices)."""
     return holds(value, fx.Proxy)
@@ -191,7 +257,9 @@ class MetaTracer(fx.Tracer):
         self._weights: _Weights | None = None
         self._computed: dict[int, fx.Node] = {}  # id of an example tensor -> the latest node that made it
         self._inside: dict[int, tuple[weakref.ref, str]] = {}  # tensors made inside model code's example runs
-        self._autocast = _autocast_state()
+        self._modes = _mode_state()
+        self.inside_torch_functions = 0  # depth of torch's own autograd.Functions being traced through
+        self.swaps: list[Swap] = []
 
     # -- example values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -199,17 +267,20 @@ class MetaTracer(fx.Tracer):
 
     def create_node(self, kind: str, target: Any, args: tuple, kwargs: dict, name: str | None = None,
                     type_expr: Any | None = None) -> fx.Node:
-        if _autocast_state() != self._autocast:
-            raise AutocastRegion(
-                "an autocast region (torch.autocast) starts or ends here: fx records operations without it, "
-                "so the graph would compute in other dtypes than the model")
+        modes = _mode_state()
+        if modes != self._modes and not self.inside_torch_functions:
+            raise ModeRegion(f"{_mode_change(self._modes, modes)}: fx records operations without it, so the graph "
+                             "would compute in other dtypes or keep other gradients than the model")
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            raise TraceError(f"torch.{target.__name__} takes its branches or body as functions, which fx cannot "
+                             "record (torch.export can)")
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta[DATA_FREE] = self._data_free(node)
         if self.examples is not None and kind != "output":
             try:
                 where = str(node.target).removeprefix(f"{MODEL_ATTR}.")  # the path in the user's model
                 inside = _Recording(self._inside, where) if _runs_model_code(node) else None
-                with _untraced() if inside else contextlib.nullcontext(), inside or contextlib.nullcontext(), \
+                with _untraced(self.swaps) if inside else contextlib.nullcontext(), inside or contextlib.nullcontext(), \
                         torch.no_grad():
                     node.meta[EXAMPLE] = self._run(node)
             except Exception:  # noqa: BLE001 - no example: the node behaves as in plain fx
@@ -264,7 +335,7 @@ class MetaTracer(fx.Tracer):
     def weights(self) -> "_Weights":
         """The root's parameters and buffers by name and by object, listed once per trace."""
         if self._weights is None:
-            with _untraced():
+            with _untraced(self.swaps):
                 self._weights = _Weights(list(self.root.named_parameters()), list(self.root.named_buffers()))
         return self._weights
 
@@ -278,14 +349,20 @@ class MetaTracer(fx.Tracer):
 
     # -- where plain fx gives up ----------------------------------------------------------------------
     def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        self._autocast = _autocast_state()
         with contextlib.ExitStack() as patches:
+            # Traced with grad enabled, so a ``no_grad`` block in the model changes the mode and is seen
+            # (and kept whole) even when the capture itself was called under ``no_grad``.
+            patches.enter_context(torch.enable_grad())
+            self._modes = _mode_state()
             patches.enter_context(refusing_state_writes(_computed_in_trace))
-            for name in _CONSTRUCTORS:
-                patches.enter_context(swapped_attribute(torch, name, _recording_constructor(getattr(torch, name))))
+            self.swaps = [(torch, name, vars(torch)[name], _recording_constructor(vars(torch)[name]))
+                          for name in _CONSTRUCTORS]
+            apply = vars(torch.autograd.Function)["apply"]
+            self.swaps.append((torch.autograd.Function, "apply", apply, _recording_apply(apply)))
             if self.examples is not None:
-                patches.enter_context(swapped_attribute(torch, "is_tensor", _is_tensor))
-                patches.enter_context(swapped_attribute(builtins, "callable", _callable))
+                self.swaps += [(torch, "is_tensor", torch.is_tensor, _is_tensor),
+                               (builtins, "callable", builtins.callable, _callable)]
+            patches.enter_context(_swapped(self.swaps))
             return super().trace(root, concrete_args)
 
     def iter(self, obj: fx.Proxy) -> Any:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.eager import swapped_attribute
+from autoshard.capture.eager import scalar_changed, swapped_attribute
 from autoshard.capture.leaves import MACHINERY_DIRS
 
 #: ``computed(module, name, value)``: whether assigning ``value`` stores something the trace computed.
@@ -48,6 +48,13 @@ def current_value(module: nn.Module, name: str) -> Any:
     """What ``module.name`` holds now, without running ``__getattr__`` hooks (None if unset)."""
     kind = kind_of(module, name)
     return module.__dict__.get(name) if kind == "attribute" else module.__dict__[f"_{kind}s"][name]
+
+
+def rebinds_a_scalar(module: nn.Module, name: str, value: Any) -> bool:
+    """Whether the assignment changes a number, flag or string the module already held (a step
+    counter, an ``initialized`` flag): state for the next call, which a graph, having taken the
+    branch it drives once, would never advance."""
+    return name in module.__dict__ and scalar_changed(module.__dict__[name], value)
 
 
 class _TensorsRead(TorchFunctionMode):
@@ -96,8 +103,11 @@ def refusing_state_writes(computed: Computed) -> Iterator[None]:
         # torch's own writes (export lifting a constant onto the module) are not the model's state
         if not _REAL_RUNS[0] and computed(module, name, value) and not _unread_scratch(module, name, read) and \
                 not sys._getframe(2).f_code.co_filename.startswith(MACHINERY_DIRS):
-            raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} "
-                             f"{name!r}, which a later call may read; a captured graph cannot replay that write")
+            what = (f"changes its attribute {name!r} ({current_value(module, name)!r} -> {value!r})"
+                    if rebinds_a_scalar(module, name, value) else
+                    f"stores a value it computed in its {kind_of(module, name)} {name!r}")
+            raise StateWrite(f"the forward {what}, which a later call may read; a captured graph cannot replay "
+                             "that write")
 
     def guarded_setattr(module: nn.Module, name: str, value: Any) -> None:
         refuse_state(module, name, value)

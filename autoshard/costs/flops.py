@@ -11,6 +11,9 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoshard.costs.execution import NodeCall
@@ -32,6 +35,14 @@ class NodeFlopCounter:
 
     def measure(self, call: NodeCall) -> Any:
         before = self._counter.get_total_flops()
-        value = call.run()
+        if isinstance(call.node.target, torch._ops.HigherOrderOperator):
+            # The counter runs a torch.cond's branches as modules, and its module tracker then
+            # fails on any argument that requires grad (torch 2.13); the values are the same without.
+            value = call.run(*tree_map_only(torch.Tensor, torch.Tensor.detach, (call.args, call.kwargs)))
+            if value is NotImplemented:  # an operator the counter does not know (while_loop): uncounted
+                with _disable_current_modes():
+                    value = call.run()
+        else:
+            value = call.run()
         self.per_node[call.node.name] = int(self._counter.get_total_flops() - before)
         return value

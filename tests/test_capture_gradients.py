@@ -1,0 +1,137 @@
+"""Stages must back-propagate as the model does, not only compute the same forward values:
+verification compares forward values, so each of these would pass it and train wrongly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.capture import trace_with_leaves
+
+
+def gradients(run, model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient after ``run(x).sum().backward()``, from zero."""
+    model.zero_grad(set_to_none=True)
+    out = run(x)
+    (out if isinstance(out, torch.Tensor) else sum(o.sum() for o in out)).sum().backward()
+    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_same_gradients(sharded, model: nn.Module, x: torch.Tensor) -> None:
+    got, expected = gradients(sharded, model, x), gradients(model, model, x)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        if expected[name] is None:
+            assert got[name] is None, f"{name} gets a gradient the model does not give it"
+        else:
+            assert got[name] is not None and torch.equal(got[name], expected[name]), name
+
+
+class FrozenBranch(nn.Module):
+    """A teacher branch under ``torch.no_grad()``: fx does not record the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.target, self.mid, self.out = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        with torch.no_grad():
+            t = self.target(h)
+        return self.out(self.mid(h) + t)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.pre, self.inner, self.post = nn.Linear(8, 8), inner, nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.inner(self.pre(x)))
+
+
+def test_a_no_grad_block_is_kept_whole_so_no_gradient_flows_through_it():
+    torch.manual_seed(0)
+    model = Wrapped(FrozenBranch())
+    result = trace_with_leaves(model, (torch.randn(2, 8),))
+    assert [w.name for w in result.wrapped] == ["inner"] and "grad-mode block" in result.wrapped[0].reason
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
+    assert_same_gradients(sharded, model, torch.randn(5, 8))
+
+
+def test_a_no_grad_block_in_the_top_level_forward_keeps_its_gradients_even_when_sharded_under_no_grad():
+    torch.manual_seed(0)
+    model = FrozenBranch()
+    with torch.no_grad():  # the capture itself runs the trace with grad enabled, so the block is seen
+        sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    x = torch.randn(5, 8)
+    assert torch.equal(sharded(x), model(x))
+    assert_same_gradients(sharded, model, x)
+    assert gradients(sharded, model, x)["target.weight"] is None
+
+
+class GradReverse(torch.autograd.Function):
+    """Gradient reversal (domain-adversarial training): identity forward, negated backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return -ctx.scale * grad, None
+
+
+class DomainAdversarial(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features, self.classes, self.domain = nn.Linear(8, 8), nn.Linear(8, 3), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = torch.relu(self.features(x))
+        return self.classes(f), self.domain(GradReverse.apply(f, 0.7))
+
+
+def test_a_custom_autograd_function_is_one_node_and_keeps_its_backward():
+    torch.manual_seed(0)
+    model = DomainAdversarial()
+    result = trace_with_leaves(model, (torch.randn(2, 8),))
+    assert result.wrapped == ()
+    calls = [n for n in result.graph_module.graph.nodes if n.op == "call_function" and "GradReverse" in repr(n.target)]
+    assert len(calls) == 1  # not the view_as its forward computes
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert_same_gradients(sharded, model, torch.randn(5, 8))
+    assert torch.autograd.Function.__dict__["apply"].__func__.__qualname__ == "Function.apply"  # patch undone
+
+
+def test_torchs_own_autograd_functions_are_still_traced_through():
+    """The reentrant checkpoint is an autograd.Function taking a function argument: recorded
+    as one node it could not be emitted, and its backward only recomputes the forward."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.out = inner, nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True))
+
+    model = Checkpointed()
+    result = trace_with_leaves(model, (torch.randn(2, 8, requires_grad=True),))
+    assert result.wrapped == ()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8, requires_grad=True),))
+    assert_same_gradients(sharded, model, torch.randn(5, 8, requires_grad=True))
+
+
+def test_a_module_with_a_backward_hook_stays_a_leaf_so_the_hook_runs():
+    torch.manual_seed(0)
+    model = Wrapped(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    model.inner.register_full_backward_hook(lambda module, grad_in, grad_out: tuple(g * 0.5 for g in grad_in))
+    result = trace_with_leaves(model, (torch.randn(2, 8),))
+    assert [n.target for n in result.graph_module.graph.nodes if n.op == "call_module"] == ["pre", "inner", "post"]
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert_same_gradients(sharded, model, torch.randn(5, 8))
