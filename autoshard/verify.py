@@ -11,7 +11,8 @@ restored after each run, so verifying never changes the user's model.
 
 The runs compared here have autograd on, the mode the graph was captured in: some modules take a
 fused fast path in no-grad inference (``nn.TransformerEncoderLayer``) that computes the same
-values in another op order, so comparing across modes could not be exact.
+values in another op order, so comparing across modes could not be exact. A graph whose code
+chose its path by the grad mode with grad off (``check_grad_mode`` guards) is compared with it off.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from autoshard.capture.eager import cloned, isolated
+from autoshard.capture.guard import check_grad_mode
 from autoshard.errors import VerificationError
 from autoshard.graph.inplace import written_values
 
@@ -147,6 +149,12 @@ def _objects_holding_tensors(value: Any) -> list[str]:
             if not isinstance(leaf, torch.Tensor) and type(leaf).__eq__ is object.__eq__ and _has_tensors(leaf)]
 
 
+def _captured_grad_mode(gm: fx.GraphModule) -> bool:
+    """The grad mode the graph's code was captured for: off where it chose a path with grad off."""
+    return not any(n.op == "call_function" and n.target is check_grad_mode and n.args[0] is False
+                   for n in gm.graph.nodes)
+
+
 def verify_stages(
     model: nn.Module,
     gm: fx.GraphModule,
@@ -161,7 +169,8 @@ def verify_stages(
     """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
     # Every run gets its own copy of the inputs: a forward that writes to them must not feed the
     # next run its output, nor change the caller's tensors.
-    expected = run_seeded(lambda: model(*cloned(args), **cloned(kwargs)), model, seed, grad=True)
+    grad = _captured_grad_mode(gm)
+    expected = run_seeded(lambda: model(*cloned(args), **cloned(kwargs)), model, seed, grad=grad)
     opaque = _objects_holding_tensors(expected)
     if opaque:
         raise VerificationError(
@@ -170,7 +179,7 @@ def verify_stages(
             "tensors); if one is a generation cache (past_key_values), call the model with use_cache=False",
             stage=None)
     recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})
-    traced = run_seeded(lambda: recorder.run(*_positional(gm, *cloned((args, kwargs)))), model, seed, grad=True)
+    traced = run_seeded(lambda: recorder.run(*_positional(gm, *cloned((args, kwargs)))), model, seed, grad=grad)
     problem = first_difference(traced, expected, rtol, atol)
     if problem:
         raise VerificationError(
@@ -198,7 +207,7 @@ def verify_stages(
                     f"stage {index} produced value '{name}' that differs from the model's ({problem})",
                     stage=index)
 
-    actual = run_seeded(chained, model, seed, grad=True)
+    actual = run_seeded(chained, model, seed, grad=grad)
     problem = first_difference(actual, expected, rtol, atol)
     if problem:
         last = len(stages) - 1

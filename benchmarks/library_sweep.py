@@ -3,8 +3,8 @@
     python benchmarks/library_sweep.py              # every model whose library is installed
     python benchmarks/library_sweep.py timm/resnet18d pyg/gcn
 
-torchvision, timm, x-transformers, MONAI and PyTorch Geometric models with random weights,
-each sharded into 3 stages from a batch-2 example and then called on a later input of batch 3
+torchvision, timm, x-transformers, MONAI, PyTorch Geometric, vit-pytorch, torchtune, open_clip and
+pytorch-tabnet models with random weights, each sharded into 3 stages from a batch-2 example and then called on a later input of batch 3
 (and another image side, sequence length or graph size where the model lets it vary), compared
 with the model exactly, as ``architecture_sweep.py`` does. ``-train`` rows run in training mode
 (dropout, stochastic depth) under the same seed. A library that is not installed is skipped
@@ -38,8 +38,8 @@ def volume(sides: tuple[int, int], name: str = "x") -> Inputs:
     return lambda batch, later: {name: torch.randn(batch, 1, sides[later], sides[later], sides[later])}
 
 
-def tokens(lengths: tuple[int, int]) -> Inputs:
-    return lambda batch, later: {"x": torch.randint(0, 100, (batch, lengths[later]))}
+def tokens(lengths: tuple[int, int], name: str = "x") -> Inputs:
+    return lambda batch, later: {name: torch.randint(0, 100, (batch, lengths[later]))}
 
 
 def graph(nodes: tuple[int, int]) -> Inputs:
@@ -117,8 +117,57 @@ def pyg_models() -> dict[str, tuple[Build, Inputs, bool]]:
     }
 
 
+def vit_pytorch_models() -> dict[str, tuple[Build, Inputs, bool]]:
+    cait = importlib.import_module("vit_pytorch.cait")
+    max_vit = importlib.import_module("vit_pytorch.max_vit")
+    vit = importlib.import_module("vit_pytorch.vit")
+    return {
+        "vit": (lambda: vit.ViT(image_size=32, patch_size=8, num_classes=10, dim=32, depth=2, heads=2, mlp_dim=64),
+                image((32, 32), "img"), False),
+        # layer dropout picks the layers to run with a torch draw in Python (dropout_layers)
+        "cait-layerdrop-train": (lambda: cait.CaiT(image_size=32, patch_size=8, num_classes=10, dim=32, depth=4,
+                                                   cls_depth=1, heads=2, mlp_dim=64, layer_dropout=0.5),
+                                 image((32, 32), "img"), True),
+        "maxvit": (lambda: max_vit.MaxViT(num_classes=10, dim_conv_stem=16, dim=16, dim_head=8, depth=(1, 1),
+                                          window_size=4, mbconv_expansion_rate=2, mbconv_shrinkage_rate=0.25),
+                   image((32, 64)), False),
+    }
+
+
+def torchtune_models() -> dict[str, tuple[Build, Inputs, bool]]:
+    llama3 = importlib.import_module("torchtune.models.llama3")
+    tiny = dict(vocab_size=100, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=32, max_seq_len=64,
+                intermediate_dim=64)
+    return {
+        "llama3": (lambda: llama3.llama3(**tiny), tokens((16, 9), "tokens"), False),
+        "lora-llama3-train": (lambda: llama3.lora_llama3(lora_attn_modules=["q_proj", "v_proj"], lora_rank=4,
+                                                         lora_alpha=8, lora_dropout=0.1, **tiny),
+                              tokens((16, 9), "tokens"), True),
+    }
+
+
+def open_clip_models() -> dict[str, tuple[Build, Inputs, bool]]:
+    model = importlib.import_module("open_clip.model")
+
+    def clip() -> nn.Module:
+        return model.CLIP(embed_dim=16, vision_cfg=model.CLIPVisionCfg(layers=2, width=32, head_width=16, patch_size=8,
+                                                                       image_size=32),
+                          text_cfg=model.CLIPTextCfg(context_length=16, vocab_size=100, width=32, heads=2, layers=2))
+    return {"clip": (clip, lambda batch, later: {"image": torch.randn(batch, 3, 32, 32),
+                                                 "text": torch.randint(0, 100, (batch, 16))}, False)}
+
+
+def tabnet_models() -> dict[str, tuple[Build, Inputs, bool]]:
+    network = importlib.import_module("pytorch_tabnet.tab_network")
+    build = functools.partial(network.TabNet, input_dim=10, output_dim=3, n_d=8, n_a=8, n_steps=2,
+                              virtual_batch_size=2, group_attention_matrix=torch.eye(10))
+    # ghost batch norm chunks the batch into ceil(batch / 2) parts: a count computed from a size
+    return {"tabnet-train": (build, lambda batch, later: {"x": torch.randn(2 * batch, 10)}, True)}
+
+
 LIBRARIES = {"torchvision": torchvision_models, "timm": timm_models, "x-transformers": x_transformers_models,
-             "monai": monai_models, "pyg": pyg_models}
+             "monai": monai_models, "pyg": pyg_models, "vit-pytorch": vit_pytorch_models,
+             "torchtune": torchtune_models, "open_clip": open_clip_models, "pytorch-tabnet": tabnet_models}
 
 
 def main() -> None:

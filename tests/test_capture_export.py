@@ -318,3 +318,61 @@ def test_exports_conditions_on_sizes_are_checked_on_every_call(model, served, re
     assert torch.equal(sharded(x), model(x))
     with pytest.raises(InputMismatchError, match="the plan was captured where .*x.shape\\[0\\]"):
         sharded(torch.randn(refused, 4))
+
+
+def count_positive(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A count read from the data: export keeps the call opaque, and it runs on zeros there."""
+    return x * 2, int((x > 0).sum())
+
+
+def large(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A flag read from the data that zeros and ones give alike."""
+    return x * 2, int(x.abs().max() > 5)
+
+
+class ScaledByCount(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, count = count_positive(self.a(x))
+        return self.b(h) * (count + 1)
+
+
+class ScaledByFlag(ScaledByCount):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, flag = large(self.a(x))
+        return self.b(h) * (flag + 1)
+
+
+class Outer(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.pre, self.inner = nn.Linear(4, 4), inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.pre(x))
+
+
+EXPORT_PIPELINE = "export,shape-prop,build-dag,linearize,split,emit,verify"
+
+
+def test_an_opaque_call_returning_a_number_read_from_the_data_keeps_its_caller_whole():
+    torch.manual_seed(0)
+    model = Outer(ScaledByCount())
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(3, 4),), pipeline=EXPORT_PIPELINE)
+    assert "inner" in [w.name for w in sharded.plan.wrapped]
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        assert torch.equal(sharded(x), model(x))
+
+
+def test_what_an_opaque_call_returns_besides_tensors_is_checked_on_every_call():
+    torch.manual_seed(0)
+    model = ScaledByFlag()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(3, 4),), pipeline=EXPORT_PIPELINE)
+    x = torch.randn(3, 4)
+    assert torch.equal(sharded(x), model(x))
+    with pytest.raises(InputMismatchError, match="what .*large returns besides tensors"):
+        sharded(x * 100)

@@ -775,3 +775,26 @@ def test_len_of_a_traced_tensor_and_a_loop_over_it_are_pinned_where_sizes_are_pi
     assert torch.equal(result.graph_module(x), model(x))
     with pytest.raises(InputMismatchError, match="fixed it to 1"):
         result.graph_module(torch.randn(2, 5, 4))
+
+
+class RenormalisedEmbedding(nn.Module):
+    """``nn.Embedding(max_norm=...)`` rewrites the rows it looks up in place on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(50, 16, max_norm=1.0), nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def test_weights_a_forward_rewrites_are_set_back_after_the_captures_runs():
+    torch.manual_seed(0)
+    model = RenormalisedEmbedding()
+    twin = copy.deepcopy(model)
+    before = model_fingerprint(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randint(0, 50, (2, 5)),))
+    assert_same_fingerprint(before, model_fingerprint(model))
+    ids = torch.randint(0, 50, (3, 7))
+    assert torch.equal(sharded(ids), twin(ids))
+    assert torch.equal(model.embed.weight, twin.embed.weight)  # each renormalised the same rows once

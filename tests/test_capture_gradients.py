@@ -3,11 +3,13 @@ verification compares forward values, so each of these would pass it and train w
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import autoshard
 from autoshard.capture import trace_with_leaves
+from autoshard.errors import InputMismatchError
 
 
 def gradients(run, model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
@@ -135,3 +137,54 @@ def test_a_module_with_a_backward_hook_stays_a_leaf_so_the_hook_runs():
     assert [n.target for n in result.graph_module.graph.nodes if n.op == "call_module"] == ["pre", "inner", "post"]
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
     assert_same_gradients(sharded, model, torch.randn(5, 8))
+
+
+class HalfPrecisionRegion(nn.Module):
+    """A weight used twice inside an autocast region: eager autocast casts it once (its cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.relu(self.mid(h)) @ self.mid.weight
+        return self.out(h.float())
+
+
+def test_an_autocast_region_captured_by_export_keeps_the_autocast_cache():
+    torch.manual_seed(0)
+    model = HalfPrecisionRegion()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(3, 8),))
+    assert_same_gradients(sharded, model, torch.randn(5, 8))
+
+
+class DoublesWithGrad(nn.Module):
+    """Code that chooses its path by the grad mode, as nn.TransformerEncoder's fast path does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if torch.is_grad_enabled():
+            h = h * 2
+        return self.b(h)
+
+
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_code_reading_the_grad_mode_serves_the_mode_it_was_sharded_in_and_refuses_the_other(front_end):
+    torch.manual_seed(0)
+    model, x = DoublesWithGrad(), torch.randn(3, 4)
+    pipeline = f"{front_end},shape-prop,build-dag,linearize,split,emit,verify"
+    with_grad = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),), pipeline=pipeline)
+    assert torch.equal(with_grad(x), model(x))
+    with torch.no_grad(), pytest.raises(InputMismatchError, match="chose its path by the grad mode"):
+        with_grad(x)
+    with torch.no_grad():
+        without = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),), pipeline=pipeline)
+        assert torch.equal(without(x), model(x))
+    with pytest.raises(InputMismatchError, match="was disabled when the plan was captured"):
+        without(x)

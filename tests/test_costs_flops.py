@@ -128,3 +128,28 @@ def test_a_4gb_lm_on_the_meta_device_is_planned_without_allocating_it():
     assert report["peak"] < report["weights"] / 5  # far below: torch itself is most of it
     for cost in ("params", "flops"):
         assert len(report["plans"][cost]) == 4 and all(c > 0 for c in report["plans"][cost])
+
+
+class LearnedLatents(nn.Module):
+    """Learned queries expanded to the batch (Perceiver): under no_grad a view of a parameter
+    still requires grad, and torch's FLOP counter failed on a leaf called with one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(8, 32))
+        self.norm, self.proj = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(self.latents.expand(x.shape[0], -1, -1)) + x)
+
+
+def test_a_leaf_called_with_a_view_of_a_parameter_is_counted():
+    model, x = LearnedLatents().eval(), torch.randn(2, 8, 32)
+    counter = FlopCounterMode(display=False)
+    with counter:  # with grad enabled: the counter itself fails on this model under no_grad
+        model(x)
+    assert counter.get_total_flops() > 0
+    assert dag_flops(model, x) == pytest.approx(counter.get_total_flops(), rel=0.01)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,), cost="flops")
+    later = torch.randn(3, 8, 32)
+    assert torch.equal(sharded(later), model(later))

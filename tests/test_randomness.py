@@ -154,3 +154,67 @@ def test_a_capture_that_draws_from_pythons_random_warns_and_leaves_the_generator
 def test_a_capture_that_draws_nothing_from_the_host_does_not_warn(recwarn):
     trace_with_leaves(SkipsLayersWithPythonRandom().eval(), (torch.randn(2, 8),))
     assert not [w for w in recwarn if issubclass(w.category, HostRandomnessWarning)]
+
+
+def pick_layers(layers: nn.ModuleList, p: float) -> list[nn.Module]:
+    """Layer dropout as vit-pytorch's CaiT writes it: a torch draw chooses the layers to run."""
+    dropped = torch.zeros(len(layers)).uniform_(0.0, 1.0) < p
+    if all(dropped):
+        dropped[0] = False
+    return [layer for layer, drop in zip(layers, dropped) if not drop]
+
+
+class DrawnLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in pick_layers(self.layers, 0.5):
+            x = layer(x) + x
+        return x
+
+
+class DrawnMask(nn.Module):
+    """The same written inline: the draw has no traced argument, so it ran for real while tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.zeros(len(self.layers)).uniform_(0.0, 1.0) >= 0.5
+        for layer, kept in zip(self.layers, keep):
+            if kept:
+                x = layer(x) + x
+        return x
+
+
+class Framed(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.pre, self.inner, self.post = nn.Linear(8, 8), inner, nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.inner(self.pre(x)))
+
+
+@pytest.mark.parametrize("inner", [DrawnLayers, DrawnMask])
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_a_draw_that_steers_python_keeps_its_module_whole_and_draws_anew_each_call(inner, front_end):
+    torch.manual_seed(0)
+    model = Framed(inner()).train()
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),),
+                                    pipeline=f"{front_end},shape-prop,build-dag,linearize,split,emit,verify")
+    assert "inner" in [w.name for w in sharded.plan.wrapped]
+    for seed in range(8):  # the example's draw would fix one subset of layers for every call
+        x = torch.randn(3, 8)
+        torch.manual_seed(seed)
+        got = sharded(x)
+        torch.manual_seed(seed)
+        assert torch.equal(got, model(x))
+
+
+def test_a_draw_steering_the_top_level_forward_is_refused_not_frozen():
+    with pytest.raises(autoshard.errors.TraceError, match="draws random numbers"):
+        autoshard.shard_model(DrawnMask().train(), 2, example_inputs=(torch.randn(2, 8),))

@@ -38,6 +38,21 @@ def test_a_time_out_returns_the_best_split_found_without_raising():
     check_constraints(dag, rushed.assignment, 8, Constraints(), rushed.info.bound * (1 + 1e-9))
 
 
+def test_a_split_better_only_within_the_solvers_tolerance_is_not_taken_and_the_optimum_is_proven():
+    """A stage of 1e6 + 1 against a budget of 1e6 is within HiGHS's default row tolerance: the
+    solver first returns it, and the solve held tighter proves the valid optimum."""
+    dag = nx.path_graph(["x", "a", "b", "small", "large", "out"], create_using=nx.DiGraph)
+    for node in dag:
+        dag.nodes[node].update(cost=0.0, bytes=0.0)
+    dag.nodes["x"]["input"] = dag.nodes["out"]["output"] = True
+    dag.nodes["small"].update(cost=1.0, bytes=1.0)
+    dag.nodes["large"]["cost"] = 1e6
+    result = split_dag(dag, 3, "exact", 0.0, return_info=True)
+    assert result.info.proven_optimal is True
+    assert result.assignment["small"] < result.assignment["large"]  # together they exceed the budget
+    assert result.info.boundary_bytes == 1.0
+
+
 def test_one_stage_is_optimal_without_a_solver():
     dag = nx.DiGraph()
     dag.add_node("a", cost=1.0, bytes=1.0)

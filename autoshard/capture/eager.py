@@ -120,9 +120,25 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def written_weights_restored(model: nn.Module) -> Iterator[None]:
+    """On exit, the weights a forward rewrites in place set back: an embedding with ``max_norm``
+    renormalises the rows it looks up on every call."""
+    saved = [(m.weight, m.weight.detach().clone()) for m in model.modules()
+             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for weight, value in saved:
+                weight.copy_(value)
+
+
+@contextlib.contextmanager
 def isolated(model: nn.Module, seed: int = 0) -> Iterator[None]:
-    """Seeded randomness, and on exit the model's buffer values and module state restored."""
-    with torch.random.fork_rng(devices=[]), buffers_restored(model), module_state_restored(model):
+    """Seeded randomness, and on exit the model's buffer values, rewritten weights and module
+    state restored."""
+    with torch.random.fork_rng(devices=[]), buffers_restored(model), written_weights_restored(model), \
+            module_state_restored(model):
         torch.manual_seed(seed)
         yield
 

@@ -28,8 +28,9 @@ from torch.utils._pytree import tree_map, tree_unflatten
 from torch.utils._sympy.numbers import int_oo
 
 from autoshard.capture.assemble import assemble, leaves_of, resolve
-from autoshard.capture.eager import cloned, holds, isolated
-from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard, usable_conditions
+from autoshard.capture.eager import cloned, holds, isolated, swapped_attribute
+from autoshard.capture.grad_mode import GradModeReader
+from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_grad_mode, usable_conditions
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, rebinds_a_scalar, refusing_state_writes
 from autoshard.capture.opaque import CALLS, rewrite_opaque_calls, stand_in
@@ -138,6 +139,10 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":  # replaced by the input guard
             graph.erase_node(node)
+        elif node.target is torch.ops.higher_order.wrap_with_autocast and node.args[3] is False:
+            # export turns the autocast cache off while it traces; the model's region has it on (a
+            # weight used twice is cast once, so its gradient sums in the lower precision)
+            node.args = (*node.args[:3], None, *node.args[4:])
     paths = {id(m): f"{MODEL_ATTR}.{p}" if p else MODEL_ATTR for p, m in model.named_modules()}
     constants = rewrite_opaque_calls(graph, lambda obj: paths.get(id(obj)))
     output = next(n for n in graph.nodes if n.op == "output")
@@ -159,6 +164,18 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
     placeholders = iter(leaves_of(signature))
     input_of = {n: next(placeholders) for n in graph.nodes if n.op == "placeholder"}
     return assemble(graph, wrapper, model, signature, input_of.__getitem__, guard, constants), guard
+
+
+def _guard_grad_mode(gm: fx.GraphModule, captured: bool, sites: list[str]) -> None:
+    """A ``check_grad_mode`` guard at the start of the graph for each place the model's code asked
+    for the grad mode (export records no node there)."""
+    if not sites:
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before():
+        for site in reversed(dict.fromkeys(sites)):
+            gm.graph.call_function(check_grad_mode, (captured, site))
+    gm.recompile()
 
 
 def _computed_in_export(module: nn.Module, name: str, value: Any) -> bool:
@@ -185,20 +202,27 @@ def export_with_leaves(
     inputs = {a.name: cloned(a.value) for a in signature.graph_inputs}
     dynamic = {name: _dynamic(value) for name, value in inputs.items()}
 
+    caller_grad = torch.is_grad_enabled()
+    grad_mode_sites: list[str] = []  # where the model's code asked for the grad mode
+
     def attempt(leaves: Leaves) -> torch.export.ExportedProgram:
         CALLS.clear()
+        grad_mode_sites.clear()
+        reader = GradModeReader(caller_grad, grad_mode_sites.append)
         stand_ins = [(site, stand_in(site.function, site.function, function_name(site.function)))
                      for site in leaves.functions]
         modules = {i: (m, leaves.paths[i]) for i, m in leaves.modules.items()}
         # With grad enabled, as fx traces too: a ``no_grad`` block in the model is then recorded
         # even when the capture was called under ``no_grad``.
         with _opaque_modules(modules), swapped(stand_ins), isolated(model), _quiet(), \
-                refusing_state_writes(_computed_in_export), torch.enable_grad():
+                refusing_state_writes(_computed_in_export), torch.enable_grad(), \
+                swapped_attribute(torch, "is_grad_enabled", reader):
             return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
 
     try:
         ep, leaves = capture_with_leaves(model, attempt, "export")
         gm, guard = _graph_module(ep, wrapper, model, signature)
+        _guard_grad_mode(gm, caller_grad, grad_mode_sites)
     finally:
         CALLS.clear()
     return TraceResult(gm, tuple(leaves.wrapped), front_end="export", specialized=_pinned(guard),

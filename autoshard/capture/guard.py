@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import re
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -165,6 +166,30 @@ def check_pinned_size(size: int, expected: int, site: str) -> None:
             f"sharded plan was captured, and these inputs make it {size}; shard again with an example of this "
             "size, or, if the model serves other sizes, keep that code whole and the size free: shard with "
             f"pipeline='{FREE_SIZES_PIPELINE}'")
+
+
+_GRAD_MODE_CHECKED = [True]
+
+
+@contextlib.contextmanager
+def grad_mode_unchecked() -> Iterator[None]:
+    """autoshard's own runs of a graph (shape propagation, timing) choose the grad mode for their
+    measurements: ``check_grad_mode`` lets them through."""
+    _GRAD_MODE_CHECKED.append(False)
+    try:
+        yield
+    finally:
+        _GRAD_MODE_CHECKED.pop()
+
+
+def check_grad_mode(captured: bool, site: str) -> None:
+    """Code that chose its path by the grad mode, called in the other mode: refuse it."""
+    if _GRAD_MODE_CHECKED[-1] and torch.is_grad_enabled() != captured:
+        was, now = ("enabled", "disabled") if captured else ("disabled", "enabled")
+        raise InputMismatchError(
+            f"{site} chose its path by the grad mode, which was {was} when the plan was captured and is {now} "
+            f"now; call the stages with grad {was}, or shard the model again "
+            f"{'under torch.no_grad()' if captured else 'with grad enabled'} to call it so")
 
 
 def check_mode(training: bool, captured: bool) -> None:

@@ -39,18 +39,21 @@ import torch
 import torch.fx as fx
 import torch.fx._symbolic_trace as fx_trace
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.assemble import resolve
 from autoshard.capture.eager import holds
-from autoshard.capture.guard import check_condition, check_pinned_size
+from autoshard.capture.grad_mode import GradModeReader
+from autoshard.capture.guard import check_condition, check_grad_mode, check_pinned_size
 from autoshard.capture.leaves import MACHINERY_DIRS
 from autoshard.capture.meta_proxy import (
     DATA_FREE, EXAMPLE, MISSING, MetaProxy, SizePinningProxy, example_of, is_size)
 from autoshard.capture.signature import MODEL_ATTR
 from autoshard.capture.state import kind_of, rebinds_a_scalar, refusing_state_writes
 from autoshard.errors import TraceError
+from autoshard.generators import generator_states, same_states
 
 
 #: Reading these yields sizes, not tensor values.
@@ -117,6 +120,32 @@ def _mode_change(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
     if before[0] != after[0]:
         return "an autocast region (torch.autocast) starts or ends here"
     return "a grad-mode block (torch.no_grad, enable_grad, set_grad_enabled, inference_mode) starts or ends here"
+
+
+class RandomDraw(RuntimeError):
+    """Model code drew random numbers for real while fx traced it (no proxy among the arguments:
+    ``torch.rand(()) < p`` choosing layers to drop). The graph would keep the draw as a constant,
+    the same on every call, so the code is kept whole. Not a ``TraceError``."""
+
+
+class _RealDraws(TorchFunctionMode):
+    """Raises ``RandomDraw`` when a torch function run for real during the trace (no proxy in
+    its arguments) moves a random generator. The tracer's runs of its examples are exempt."""
+
+    def __init__(self, tracer: "MetaTracer") -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.tracer.running_examples or has_proxy((args, kwargs)):
+            return func(*args, **kwargs)
+        before = generator_states()
+        result = func(*args, **kwargs)
+        if not same_states(before, generator_states()):
+            raise RandomDraw(f"{getattr(func, '__name__', func)} draws random numbers outside the graph: the "
+                             "graph would keep them as a constant, the same on every call")
+        return result
 
 
 def _computed_in_trace(module: nn.Module, name: str, value: Any) -> bool:
@@ -260,6 +289,8 @@ class MetaTracer(fx.Tracer):
         self._modes = _mode_state()
         self.inside_torch_functions = 0  # depth of torch's own autograd.Functions being traced through
         self.swaps: list[Swap] = []
+        self.running_examples = 0  # depth of runs of example values, which may draw as they like
+        self.grad_mode = True  # the grad mode the trace was asked for in
 
     # -- example values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -281,13 +312,25 @@ class MetaTracer(fx.Tracer):
                 where = str(node.target).removeprefix(f"{MODEL_ATTR}.")  # the path in the user's model
                 inside = _Recording(self._inside, where) if _runs_model_code(node) else None
                 with _untraced(self.swaps) if inside else contextlib.nullcontext(), inside or contextlib.nullcontext(), \
-                        torch.no_grad():
+                        torch.no_grad(), self._running_example():
                     node.meta[EXAMPLE] = self._run(node)
             except Exception:  # noqa: BLE001 - no example: the node behaves as in plain fx
                 pass
             if isinstance(node.meta.get(EXAMPLE), torch.Tensor):
                 self._computed[id(node.meta[EXAMPLE])] = node
         return node
+
+    def _guard_grad_mode(self, site: str) -> None:
+        """Model code asked for the grad mode here: the graph refuses calls in the other mode."""
+        self.create_proxy("call_function", check_grad_mode, (self.grad_mode, site), {})
+
+    @contextlib.contextmanager
+    def _running_example(self) -> Iterator[None]:
+        self.running_examples += 1
+        try:
+            yield
+        finally:
+            self.running_examples -= 1
 
     def _run(self, node: fx.Node) -> Any:
         if node.op == "placeholder":
@@ -351,7 +394,9 @@ class MetaTracer(fx.Tracer):
     def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         with contextlib.ExitStack() as patches:
             # Traced with grad enabled, so a ``no_grad`` block in the model changes the mode and is seen
-            # (and kept whole) even when the capture itself was called under ``no_grad``.
+            # (and kept whole) even when the capture itself was called under ``no_grad``; code that
+            # asks for the grad mode is told the caller's (``_grad_mode_reader``).
+            self.grad_mode = caller_grad = torch.is_grad_enabled()
             patches.enter_context(torch.enable_grad())
             self._modes = _mode_state()
             patches.enter_context(refusing_state_writes(_computed_in_trace))
@@ -359,10 +404,13 @@ class MetaTracer(fx.Tracer):
                           for name in _CONSTRUCTORS]
             apply = vars(torch.autograd.Function)["apply"]
             self.swaps.append((torch.autograd.Function, "apply", apply, _recording_apply(apply)))
+            reader = GradModeReader(caller_grad, self._guard_grad_mode, lambda: bool(self.running_examples))
+            self.swaps.append((torch, "is_grad_enabled", torch.is_grad_enabled, reader))
             if self.examples is not None:
                 self.swaps += [(torch, "is_tensor", torch.is_tensor, _is_tensor),
                                (builtins, "callable", builtins.callable, _callable)]
             patches.enter_context(_swapped(self.swaps))
+            patches.enter_context(_RealDraws(self))
             return super().trace(root, concrete_args)
 
     def iter(self, obj: fx.Proxy) -> Any:

@@ -21,8 +21,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
+from autoshard.capture.guard import check_condition
 from autoshard.capture.state import real_run
 from autoshard.errors import TraceError
+from autoshard.generators import generator_states, same_states
 
 _IDS = itertools.count()
 _TENSOR = object()  # marks where an opaque call's results hold a tensor
@@ -81,25 +83,59 @@ def _sizes_like(value: int, position: int, rank: int, inputs: Sequence[torch.Ten
     return next(iter(symbolic.values()), value)
 
 
+class OpaqueResult(RuntimeError):
+    """An opaque call returned something the graph cannot keep as a constant: what a random draw
+    chose (the layers to drop), or an object holding tensors. Not a ``TraceError``: the module
+    that makes the call is kept whole instead."""
+
+
+def _holds_tensors(value: Any) -> bool:
+    """Whether tensors hide in ``value``'s attributes (an object pytree does not open)."""
+    return any(isinstance(v, torch.Tensor) or (hasattr(v, "__dict__") and not isinstance(v, nn.Module) and
+                                               any(isinstance(a, torch.Tensor) for a in vars(v).values()))
+               for v in [value, *getattr(value, "__dict__", {}).values()])
+
+
 @opaque.register_fake
 def _opaque_fake(inputs: list[torch.Tensor], sizes: Sequence[int], call: int) -> list[torch.Tensor]:
     record = CALLS[call]
     _RUNNING_FOR_REAL[0] += 1
+    with unset_fake_temporarily():
+        before = generator_states()
     try:
-        result = _run_on_zeros(record, inputs, sizes)
+        result = _run_filled(record, inputs, sizes)
     finally:
         _RUNNING_FOR_REAL[0] -= 1
     flat_out, record.out_spec = tree_flatten(result)
+    kept = [type(v).__name__ for v in flat_out if not isinstance(v, torch.Tensor) and v is not None]
+    with unset_fake_temporarily():
+        drew = not same_states(before, generator_states())
+    if kept and drew:
+        raise OpaqueResult(f"opaque {record.name} draws random numbers and returns {', '.join(kept)}: the graph "
+                           "would keep what it returned at capture, the same on every call")
+    holding = [type(v).__name__ for v in flat_out if not isinstance(v, torch.Tensor) and _holds_tensors(v)]
+    if holding:
+        raise OpaqueResult(f"opaque {record.name} returns {', '.join(holding)} holding tensors, which the graph "
+                           "would keep as computed at capture (on zeros)")
+    if kept and _non_tensors(flat_out) != _non_tensors(tree_leaves(_run_filled(record, inputs, sizes, 1.0))):
+        raise OpaqueResult(f"opaque {record.name} returns {', '.join(kept)} computed from the values of its tensor "
+                           "inputs, which the graph would keep as computed at capture (on zeros)")
     record.out_constants = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat_out]
     return [torch.empty([_sizes_like(size, axis, t.dim(), inputs, sizes, record.name)
                          for axis, size in enumerate(t.shape)], dtype=t.dtype, device=t.device)
             for t in flat_out if isinstance(t, torch.Tensor)]
 
 
-def _run_on_zeros(record: OpaqueCall, inputs: list[torch.Tensor], sizes: Sequence[int]) -> Any:
-    """The original's result on real zeros of the example's sizes: its structure and sizes."""
+def _non_tensors(flat: list[Any]) -> list[Any]:
+    """The literal results among ``flat`` (objects by identity), to compare two runs by."""
+    return [v if _is_literal(v) else id(v) for v in flat if not isinstance(v, torch.Tensor)]
+
+
+def _run_filled(record: OpaqueCall, inputs: list[torch.Tensor], sizes: Sequence[int], fill: float = 0.0) -> Any:
+    """The original's result on real tensors of the example's sizes filled with ``fill``: its
+    structure and sizes (with another fill: whether its other results follow the values)."""
     with unset_fake_temporarily(), torch.no_grad(), real_run():
-        tensors = iter(torch.zeros([_hint(s) for s in t.shape], dtype=t.dtype, device=t.device)
+        tensors = iter(torch.full([_hint(s) for s in t.shape], fill, dtype=t.dtype, device=t.device)
                        for t in inputs)
         hints = iter(_hint(s) for s in sizes)
         flat = [next(tensors) if isinstance(v, torch.Tensor) else next(hints) if _is_size(v) else v
@@ -143,6 +179,14 @@ def _is_literal(value: Any) -> bool:
                               torch.memory_format))
 
 
+def _same_results(value: Any, expected: list[Any]) -> bool:
+    """Whether the non-tensor results of an opaque call are those it gave at capture: equal
+    literals, the very same objects otherwise."""
+    found = [v for v in tree_leaves(value) if not isinstance(v, torch.Tensor)]
+    return len(found) == len(expected) and all(
+        (type(v) is type(e) and v == e) if _is_literal(e) else v is e for v, e in zip(found, expected))
+
+
 def rewrite_opaque_calls(graph: fx.Graph, module_path: Callable[[Any], str | None]) -> dict[str, Any]:
     """Replace each ``autoshard::opaque`` node by a call of the original module or function.
 
@@ -176,6 +220,10 @@ def rewrite_opaque_calls(graph: fx.Graph, module_path: Callable[[Any], str | Non
             else:
                 called = graph.call_function(record.target, tuple(args), dict(kwargs))
             flat_out = graph.call_function(tensor_leaves, (called,))
+            kept = [c for c in record.out_constants if c is not _TENSOR]
+            if any(c is not None for c in kept):  # the graph goes on with these: refuse calls returning others
+                same = graph.call_function(_same_results, (called, [argument(c) for c in kept]))
+                graph.call_function(check_condition, (same, True, f"what {record.name} returns besides tensors"))
         called.meta = dict(node.meta)
         flat_out.meta = dict(node.meta)
         node.replace_all_uses_with(flat_out)

@@ -92,6 +92,11 @@ def real_run() -> Iterator[None]:
         _REAL_RUNS[0] -= 1
 
 
+def is_real_run() -> bool:
+    """Whether code inside a trace is running for real now (``real_run``)."""
+    return bool(_REAL_RUNS[0])
+
+
 @contextlib.contextmanager
 def refusing_state_writes(computed: Computed) -> Iterator[None]:
     """``nn.Module.__setattr__`` and ``register_buffer`` raise ``StateWrite`` where ``computed``

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.capture.eager import cloned
+from autoshard.capture.guard import grad_mode_unchecked
 from autoshard.errors import AutoshardError, InvalidArgumentError, ShapePropagationError
 from autoshard.verify import PlainInterpreter, run_seeded
 
@@ -119,15 +120,17 @@ class _HookedInterpreter(PlainInterpreter):
 def run_graph(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode, hook: NodeHook, seed: int = 0) -> Any:
     """Run ``gm`` on ``inputs`` calling ``hook`` around every node; return the graph's output.
 
-    Gradients are off (a hook may turn them on locally). With fake tensors the output is fake.
+    Gradients are off (a hook may turn them on locally; the graph's grad-mode guards let that be).
+    With fake tensors the output is fake.
     """
     chosen = resolve_mode(gm, inputs, mode)
     values = placeholder_values(gm, inputs)
     interpreter = _HookedInterpreter(gm, hook, chosen)
     if chosen == "real":  # on a copy: a graph that writes to its inputs must not write to the user's
-        return run_seeded(lambda: interpreter.run(*cloned(values)), gm, seed)
+        with grad_mode_unchecked():
+            return run_seeded(lambda: interpreter.run(*cloned(values)), gm, seed)
     on_meta = holds_meta_tensors(gm, inputs)
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad(), grad_mode_unchecked():
         def to_fake(t: torch.Tensor) -> torch.Tensor:
             return fake.from_tensor(t.to("meta") if on_meta else t)
 

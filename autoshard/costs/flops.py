@@ -35,9 +35,10 @@ class NodeFlopCounter:
 
     def measure(self, call: NodeCall) -> Any:
         before = self._counter.get_total_flops()
-        if isinstance(call.node.target, torch._ops.HigherOrderOperator):
-            # The counter runs a torch.cond's branches as modules, and its module tracker then
-            # fails on any argument that requires grad (torch 2.13); the values are the same without.
+        if call.node.op == "call_module" or isinstance(call.node.target, torch._ops.HigherOrderOperator):
+            # The counter's module tracker hooks every module call (a leaf's, a torch.cond's branches)
+            # and fails on an argument that requires grad without a grad_fn (a view of a parameter
+            # taken under no_grad, torch 2.13); the values are the same without.
             value = call.run(*tree_map_only(torch.Tensor, torch.Tensor.detach, (call.args, call.kwargs)))
             if value is NotImplemented:  # an operator the counter does not know (while_loop): uncounted
                 with _disable_current_modes():

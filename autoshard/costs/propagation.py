@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.fx as fx
 
 from autoshard import progress
@@ -16,21 +15,10 @@ from autoshard.costs.execution import Mode, NodeCall, resolve_mode, run_graph
 from autoshard.costs.facts import NodeFacts
 from autoshard.costs.flops import NodeFlopCounter
 from autoshard.costs.values import allocated_bytes, describe_value, shares_memory
+from autoshard.generators import generator_states, same_states
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     from autoshard.passes.base import ExampleInputs
-
-
-def _generator_states() -> list[torch.Tensor]:
-    """The state of every random generator in use: the CPU one and, once CUDA is up, each GPU's."""
-    states = [torch.random.get_rng_state()]
-    if torch.cuda.is_initialized():
-        states += torch.cuda.get_rng_state_all()
-    return states
-
-
-def _same_states(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
-    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def _aliases_first_input(call: NodeCall, value: Any) -> bool:
@@ -47,12 +35,12 @@ def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", 
     measured = sum(node.op not in ("get_attr", "output") for node in gm.graph.nodes)
     with NodeFlopCounter() as flops, progress.task("shape propagation", total=measured) as advance:
         def hook(call: NodeCall) -> Any:
-            before = _generator_states() if real else []
+            before = generator_states() if real else []
             value = flops.measure(call)
             node = call.node
             if node.op not in ("get_attr", "output"):
                 allocated = allocated_bytes(value, (call.args, call.kwargs))
-                draws = real and not _same_states(before, _generator_states())
+                draws = real and not same_states(before, generator_states())
                 aliases = node.op != "placeholder" and _aliases_first_input(call, value)
                 facts[node.name] = NodeFacts(describe_value(value), flops.per_node[node.name], allocated,
                                              draws, aliases)
