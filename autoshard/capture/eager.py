@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -24,14 +24,21 @@ from autoshard.errors import ExampleInputsError
 
 
 @contextlib.contextmanager
-def buffers_restored(model: nn.Module) -> Iterator[None]:
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
+def values_restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """On exit, each of ``tensors`` holds the values it held on entry (written in place)."""
+    saved = [(t, t.detach().clone()) for t in tensors]
     try:
         yield
     finally:
         with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+            for tensor, value in saved:
+                tensor.copy_(value)
+
+
+def rewritten_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights a forward rewrites in place: an embedding with ``max_norm`` renormalises the
+    rows it looks up on every call."""
+    return [m.weight for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
 
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -120,24 +127,10 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def written_weights_restored(model: nn.Module) -> Iterator[None]:
-    """On exit, the weights a forward rewrites in place set back: an embedding with ``max_norm``
-    renormalises the rows it looks up on every call."""
-    saved = [(m.weight, m.weight.detach().clone()) for m in model.modules()
-             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for weight, value in saved:
-                weight.copy_(value)
-
-
-@contextlib.contextmanager
 def isolated(model: nn.Module, seed: int = 0) -> Iterator[None]:
     """Seeded randomness, and on exit the model's buffer values, rewritten weights and module
     state restored."""
-    with torch.random.fork_rng(devices=[]), buffers_restored(model), written_weights_restored(model), \
+    with torch.random.fork_rng(devices=[]), values_restored([*model.buffers(), *rewritten_weights(model)]), \
             module_state_restored(model):
         torch.manual_seed(seed)
         yield
