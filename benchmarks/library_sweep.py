@@ -3,7 +3,7 @@
     python benchmarks/library_sweep.py              # every model whose library is installed
     python benchmarks/library_sweep.py timm/resnet18d pyg/gcn
 
-torchvision, timm, x-transformers, MONAI, PyTorch Geometric, vit-pytorch, torchtune, open_clip and
+torchvision, timm, x-transformers, MONAI, PyTorch Geometric, vit-pytorch, open_clip and
 pytorch-tabnet models with random weights, each sharded into 3 stages from a batch-2 example and then called on a later input of batch 3
 (and another image side, sequence length or graph size where the model lets it vary), compared
 with the model exactly, as ``architecture_sweep.py`` does. ``-train`` rows run in training mode
@@ -134,18 +134,6 @@ def vit_pytorch_models() -> dict[str, tuple[Build, Inputs, bool]]:
     }
 
 
-def torchtune_models() -> dict[str, tuple[Build, Inputs, bool]]:
-    llama3 = importlib.import_module("torchtune.models.llama3")
-    tiny = dict(vocab_size=100, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=32, max_seq_len=64,
-                intermediate_dim=64)
-    return {
-        "llama3": (lambda: llama3.llama3(**tiny), tokens((16, 9), "tokens"), False),
-        "lora-llama3-train": (lambda: llama3.lora_llama3(lora_attn_modules=["q_proj", "v_proj"], lora_rank=4,
-                                                         lora_alpha=8, lora_dropout=0.1, **tiny),
-                              tokens((16, 9), "tokens"), True),
-    }
-
-
 def open_clip_models() -> dict[str, tuple[Build, Inputs, bool]]:
     model = importlib.import_module("open_clip.model")
 
@@ -167,7 +155,7 @@ def tabnet_models() -> dict[str, tuple[Build, Inputs, bool]]:
 
 LIBRARIES = {"torchvision": torchvision_models, "timm": timm_models, "x-transformers": x_transformers_models,
              "monai": monai_models, "pyg": pyg_models, "vit-pytorch": vit_pytorch_models,
-             "torchtune": torchtune_models, "open_clip": open_clip_models, "pytorch-tabnet": tabnet_models}
+             "open_clip": open_clip_models, "pytorch-tabnet": tabnet_models}
 
 
 def main() -> None:

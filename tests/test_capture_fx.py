@@ -798,3 +798,17 @@ def test_weights_a_forward_rewrites_are_set_back_after_the_captures_runs():
     ids = torch.randint(0, 50, (3, 7))
     assert torch.equal(sharded(ids), twin(ids))
     assert torch.equal(model.embed.weight, twin.embed.weight)  # each renormalised the same rows once
+
+
+def test_a_hooks_counter_on_a_module_is_set_back_after_the_captures_runs():
+    model = Around(nn.Linear(8, 8), 8)
+    model.inner.calls = 0
+
+    def count(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        module.calls += 1
+
+    model.inner.register_forward_hook(count)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert model.inner.calls == 0
+    sharded(torch.randn(3, 8))
+    assert model.inner.calls == 1  # the leaf runs with its hook in the stage

@@ -218,3 +218,28 @@ def test_a_draw_that_steers_python_keeps_its_module_whole_and_draws_anew_each_ca
 def test_a_draw_steering_the_top_level_forward_is_refused_not_frozen():
     with pytest.raises(autoshard.errors.TraceError, match="draws random numbers"):
         autoshard.shard_model(DrawnMask().train(), 2, example_inputs=(torch.randn(2, 8),))
+
+
+class OwnGenerator(nn.Module):
+    """Draws its noise from a generator of its own, not torch's global one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.noise = torch.Generator().manual_seed(123)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h + torch.randn(h.shape, generator=self.noise))
+
+
+def test_a_modules_own_generator_is_left_where_it_was_and_the_stages_draw_from_it():
+    model = OwnGenerator()
+    state = model.noise.get_state()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))  # verified: each run drew alike
+    assert torch.equal(model.noise.get_state(), state)
+    x = torch.randn(3, 8)
+    got = sharded(x)
+    assert not torch.equal(model.noise.get_state(), state)  # the stages drew from the model's generator
+    model.noise.set_state(state)
+    assert torch.equal(got, model(x))

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import autoshard
 from autoshard.api import run_pipeline
 from autoshard.costs.facts import node_facts
 from autoshard.costs.values import ConstantMeta, StructureMeta, TensorMeta, describe_value
@@ -159,3 +160,32 @@ def test_facts_say_which_values_share_their_inputs_memory_and_which_draw(mode):
     assert [name for name, f in facts.items() if f.aliases_input] == ["same", "drop", "view", "view_1"]
     # only a real run moves the generator; with fake tensors the operator itself says it (graph.randomness)
     assert [name for name, f in facts.items() if f.draws_random] == (["rand_like"] if mode == "real" else [])
+
+
+class SparseGraphConv(nn.Module):
+    """Two graph convolutions over a sparse adjacency matrix, which every stage reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, adjacency: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sparse.mm(adjacency, torch.relu(self.first(x)))
+        return self.out(torch.sparse.mm(adjacency, torch.relu(self.second(h))))
+
+
+def random_adjacency(n: int) -> torch.Tensor:
+    return torch.sparse_coo_tensor(torch.randint(0, n, (2, 3 * n)), torch.rand(3 * n), (n, n)).coalesce()
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_inputs_are_propagated_and_served_at_other_sizes(layout):
+    torch.manual_seed(0)
+    model = SparseGraphConv()
+
+    def sparse(n: int) -> torch.Tensor:
+        return random_adjacency(n) if layout == "coo" else random_adjacency(n).to_sparse_csr()
+
+    sharded = autoshard.shard_model(model, 3, example_inputs=(sparse(6), torch.randn(6, 8)))
+    adjacency, x = sparse(11), torch.randn(11, 8)
+    assert torch.equal(sharded(adjacency, x), model(adjacency, x))

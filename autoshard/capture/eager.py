@@ -127,11 +127,23 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def generators_restored(model: nn.Module) -> Iterator[None]:
+    """On exit, each random generator a module keeps (``self.g = torch.Generator()``) back at the
+    state it had: every run draws the same numbers, and capture leaves the model's draws alone."""
+    saved = [(g, g.get_state()) for m in model.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
+    try:
+        yield
+    finally:
+        for generator, state in saved:
+            generator.set_state(state)
+
+
+@contextlib.contextmanager
 def isolated(model: nn.Module, seed: int = 0) -> Iterator[None]:
-    """Seeded randomness, and on exit the model's buffer values, rewritten weights and module
-    state restored."""
-    with torch.random.fork_rng(devices=[]), values_restored([*model.buffers(), *rewritten_weights(model)]), \
-            module_state_restored(model):
+    """Seeded randomness, and on exit the model's own generators, buffer values, rewritten weights
+    and module state restored."""
+    with torch.random.fork_rng(devices=[]), generators_restored(model), \
+            values_restored([*model.buffers(), *rewritten_weights(model)]), module_state_restored(model):
         torch.manual_seed(seed)
         yield
 

@@ -109,10 +109,21 @@ def describe_value(value: Any) -> ValueMeta:
     return ConstantMeta(type(value).__name__, text)
 
 
+def _dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors holding ``tensor``'s data: itself, or a sparse tensor's indices and values."""
+    if tensor.layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return [tensor]
+
+
 def _storages(value: Any) -> dict[StorageWeakRef, int]:
     flat, _ = tree_flatten(value)
-    return {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
-            for t in flat if isinstance(t, torch.Tensor)}
+    parts = [part for t in flat if isinstance(t, torch.Tensor) for part in _dense_parts(t)]
+    return {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in parts}
 
 
 def shares_memory(value: Any, other: Any) -> bool:
