@@ -812,3 +812,33 @@ def test_a_hooks_counter_on_a_module_is_set_back_after_the_captures_runs():
     assert model.inner.calls == 0
     sharded(torch.randn(3, 8))
     assert model.inner.calls == 1  # the leaf runs with its hook in the stage
+
+
+class Redrawer(nn.Module):
+    """performer-pytorch's projection updater: its parent calls a method of it, not its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.tensor(0))
+
+    def maybe_redraw(self) -> None:
+        if self.calls >= 1000:  # a condition on a tensor's value
+            self.calls.zero_()
+
+
+class RedrawingBody(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.updater, self.layers = Redrawer(), nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.updater.maybe_redraw()
+        return self.layers(x)
+
+
+def test_code_failing_in_a_childs_method_keeps_the_caller_whole_when_the_child_cannot_be():
+    model = Around(RedrawingBody(), 8)
+    result = trace_with_leaves(model, (torch.randn(2, 8),))
+    assert [w.name for w in result.wrapped] == ["inner.updater", "inner"]
+    x = torch.randn(3, 8)
+    assert torch.equal(result.graph_module(x), model(x))

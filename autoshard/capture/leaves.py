@@ -101,14 +101,14 @@ def _module_behind(obj: Any) -> Any:
     return base() if isinstance(obj, nn.Module) and callable(base) and vars(obj) is vars(base()) else obj
 
 
-def innermost_module(exc: BaseException, modules: dict[int, str]) -> nn.Module | None:
-    """The innermost module among ``modules`` whose code is on the failing stack."""
+def modules_on_stack(exc: BaseException, modules: dict[int, str]) -> list[nn.Module]:
+    """The modules among ``modules`` whose code is on the failing stack, innermost first."""
     for link in _chain(exc):
         owners = [_module_behind(_receiver(f)) for f in _frames(link.__traceback__)]
         found = [m for m in owners if isinstance(m, nn.Module) and id(m) in modules]
         if found:
-            return found[-1]
-    return None
+            return list(dict.fromkeys(reversed(found)))
+    return []
 
 
 def _find_callable(frame: types.FrameType, code: types.CodeType) -> FunctionSite | None:
@@ -167,13 +167,15 @@ class Leaves:
 
     def wrap(self, exc: BaseException, verb: str) -> None:
         """Keep opaque the smallest thing ``exc`` came from; raise TraceError if that is the model."""
-        failed = innermost_module(exc, self.paths) or self.model
+        # Innermost first, past those already kept whole: the failing code may be a method of a
+        # child that its parent's forward calls directly, which keeping the child whole cannot reach.
+        failed = next((m for m in modules_on_stack(exc, self.paths) if id(m) not in self.modules), self.model)
         site = failing_function(exc, failed)
         if site is not None and not any(site.same(f) for f in self.functions):
             self.functions.append(site)
             self.wrapped.append(WrappedLeaf("function", function_name(site.function), reason(exc)))
             return
-        if failed is self.model or id(failed) in self.modules:
+        if failed is self.model:
             raise TraceError(
                 f"cannot {verb} the top-level forward of {type(self.model).__name__}: {reason(exc)}. "
                 "Code in the top-level forward that cannot be captured is not wrapped (the whole model "
