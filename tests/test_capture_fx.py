@@ -404,6 +404,30 @@ def test_a_top_level_forward_counting_calls_is_refused_not_frozen():
     assert model.calls == 0
 
 
+class ScratchMultiplier(nn.Module):
+    """Funnel's pattern: a number set afresh on every call, then updated within it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.mult = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mult = 1
+        h = self.lin(x)
+        self.mult *= 2
+        return h * self.mult
+
+
+def test_a_number_a_forward_sets_afresh_before_updating_it_is_no_state():
+    model = Around(ScratchMultiplier(), 8)
+    model(torch.randn(2, 8))  # run before sharding: the number is left at 2
+    result = trace_with_leaves(model, (torch.randn(2, 8),))
+    assert result.wrapped == ()
+    x = torch.randn(3, 8)
+    assert torch.equal(result.graph_module(x), model(x))
+
+
 class StepCounter(nn.Module):
     """Counts its calls in a buffer, rebinding it (``self.steps += 1``), and scales by the count."""
 

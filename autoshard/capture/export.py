@@ -32,7 +32,7 @@ from autoshard.capture.eager import cloned, holds, isolated, swapped_attribute
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_grad_mode, usable_conditions
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
-from autoshard.capture.state import current_value, rebinds_a_scalar, refusing_state_writes
+from autoshard.capture.state import current_value, refusing_state_writes
 from autoshard.capture.opaque import CALLS, rewrite_opaque_calls, stand_in
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
@@ -180,10 +180,8 @@ def _guard_grad_mode(gm: fx.GraphModule, captured: bool, sites: list[str]) -> No
 
 def _computed_in_export(module: nn.Module, name: str, value: Any) -> bool:
     """Whether export's run of a forward stores a tensor on its module other than the one there
-    (an in-place update such as ``self.steps += 1`` rebinds the same tensor, which export keeps)
-    or changes a plain number or flag there (export bakes the branch it drives)."""
-    return (holds(value, torch.Tensor) and value is not current_value(module, name)) or \
-        rebinds_a_scalar(module, name, value)
+    (an in-place update such as ``self.steps += 1`` rebinds the same tensor, which export keeps)."""
+    return holds(value, torch.Tensor) and value is not current_value(module, name)
 
 
 def export_with_leaves(

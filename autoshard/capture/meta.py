@@ -51,7 +51,7 @@ from autoshard.capture.leaves import MACHINERY_DIRS
 from autoshard.capture.meta_proxy import (
     DATA_FREE, EXAMPLE, MISSING, MetaProxy, SizePinningProxy, example_of, is_size)
 from autoshard.capture.signature import MODEL_ATTR
-from autoshard.capture.state import kind_of, rebinds_a_scalar, refusing_state_writes
+from autoshard.capture.state import kind_of, refusing_state_writes
 from autoshard.errors import TraceError
 from autoshard.generators import generator_states, same_states
 
@@ -155,7 +155,7 @@ def _computed_in_trace(module: nn.Module, name: str, value: Any) -> bool:
     off again)."""
     if kind_of(module, name) != "attribute":
         return holds(value, fx.Proxy)
-    return _holds_data(value) or rebinds_a_scalar(module, name, value)
+    return _holds_data(value)
 
 
 def _holds_data(value: Any) -> bool:

@@ -7,6 +7,10 @@ sharded model. While a front end traces, ``refusing_state_writes`` makes such an
 raise ``StateWrite``, so the module that makes it is kept whole (run as it is, state included),
 like any other code the front end cannot capture.
 
+A number, flag or string kept on ``self`` is state when the statement that changes it reads it
+(``self.steps += 1``) and the call has not set it before (``_ScalarWrites``): Funnel sets
+``self.pooling_mult = 1`` and then doubles it, which carries nothing to the next call.
+
 One write is safe: a scratch attribute that a forward fills before it reads it (RAFT builds its
 correlation pyramid on ``self`` and reads it later in the same call). If the attribute held
 tensors and no operation of the trace has read them before the write, the graph never reads the
@@ -17,7 +21,11 @@ no such evidence (``if self.previous is not None`` reads it without an operation
 from __future__ import annotations
 
 import contextlib
+import dis
+import functools
+import itertools
 import sys
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -50,11 +58,41 @@ def current_value(module: nn.Module, name: str) -> Any:
     return module.__dict__.get(name) if kind == "attribute" else module.__dict__[f"_{kind}s"][name]
 
 
-def rebinds_a_scalar(module: nn.Module, name: str, value: Any) -> bool:
-    """Whether the assignment changes a number, flag or string the module already held (a step
-    counter, an ``initialized`` flag): state for the next call, which a graph, having taken the
-    branch it drives once, would never advance."""
-    return name in module.__dict__ and scalar_changed(module.__dict__[name], value)
+@functools.lru_cache(maxsize=None)
+def _instructions(code: types.CodeType) -> tuple[dis.Instruction, ...]:
+    return tuple(dis.get_instructions(code))
+
+
+def _statement_reads(frame: types.FrameType, name: str) -> bool:
+    """Whether the line storing attribute ``name`` at ``frame``'s current instruction also reads
+    it: ``self.steps += 1``, ``self.seen = self.seen or x`` (a plain ``self.mult = 1`` does not)."""
+    instructions = _instructions(frame.f_code)
+    index = max((i for i, ins in enumerate(instructions) if ins.offset <= frame.f_lasti), default=0)
+    while index > 0 and not instructions[index].starts_line:
+        index -= 1
+    line = itertools.takewhile(lambda ins: ins.offset <= frame.f_lasti, instructions[index:])
+    return any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == name for ins in line)
+
+
+class _ScalarWrites:
+    """Which plain numbers, flags and strings of modules a trace changes as state for the next call.
+
+    A step counter (``self.steps += 1``) reads the value the previous call left and stores
+    another: a graph would take the branch it drives once and never advance it. A scratch value
+    the call sets afresh before updating it (Funnel's ``self.pooling_mult = 1`` then ``*= 2``)
+    carries nothing over. So a change counts as state when its statement reads the attribute and
+    the trace has not written the attribute before.
+    """
+
+    def __init__(self) -> None:
+        self.written: set[tuple[int, str]] = set()
+
+    def carried(self, module: nn.Module, name: str, value: Any, frame: types.FrameType) -> bool:
+        key = (id(module), name)
+        first = key not in self.written
+        self.written.add(key)
+        return (first and name in module.__dict__ and scalar_changed(module.__dict__[name], value)
+                and _statement_reads(frame, name))
 
 
 class _TensorsRead(TorchFunctionMode):
@@ -102,17 +140,19 @@ def refusing_state_writes(computed: Computed) -> Iterator[None]:
     """``nn.Module.__setattr__`` and ``register_buffer`` raise ``StateWrite`` where ``computed``
     says so, until exit."""
     setattr_, register_buffer = nn.Module.__setattr__, nn.Module.register_buffer
-    read = _TensorsRead()
+    read, scalars = _TensorsRead(), _ScalarWrites()
 
     def refuse_state(module: nn.Module, name: str, value: Any) -> None:
+        caller = sys._getframe(2)
         # torch's own writes (export lifting a constant onto the module) are not the model's state
-        if not _REAL_RUNS[0] and computed(module, name, value) and not _unread_scratch(module, name, read) and \
-                not sys._getframe(2).f_code.co_filename.startswith(MACHINERY_DIRS):
-            what = (f"changes its attribute {name!r} ({current_value(module, name)!r} -> {value!r})"
-                    if rebinds_a_scalar(module, name, value) else
-                    f"stores a value it computed in its {kind_of(module, name)} {name!r}")
-            raise StateWrite(f"the forward {what}, which a later call may read; a captured graph cannot replay "
-                             "that write")
+        if _REAL_RUNS[0] or caller.f_code.co_filename.startswith(MACHINERY_DIRS):
+            return
+        if scalars.carried(module, name, value, caller):
+            raise StateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
+                             f"{value!r}), which its next call reads; a captured graph cannot replay that write")
+        if computed(module, name, value) and not _unread_scratch(module, name, read):
+            raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} {name!r}, "
+                             "which a later call may read; a captured graph cannot replay that write")
 
     def guarded_setattr(module: nn.Module, name: str, value: Any) -> None:
         refuse_state(module, name, value)
