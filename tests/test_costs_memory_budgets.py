@@ -17,7 +17,7 @@ from autoshard.costs.models import held_weight_bytes, summed_per_stage
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.examples import GPTStyleLM
 from autoshard.graph.linearize import non_inputs, program_order
-from autoshard.plan_report import plan_report
+from autoshard.plan_reporting import plan_report
 
 
 def cut_assignments(dag, k: int):

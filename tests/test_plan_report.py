@@ -9,7 +9,7 @@ import torch
 
 import autoshard
 from autoshard.examples import load_example
-from autoshard.plan_report import plan_report
+from autoshard.plan_reporting import plan_report
 
 from autoshard.examples import GPTStyleLM
 
@@ -85,3 +85,12 @@ def test_measured_times_are_reported_as_measured():
     assert report.time_estimate is None
     assert [s.seconds for s in report.stages] == sharded.plan.stage_costs("time") == [
         s.costs["time"] for s in report.stages]
+
+
+def test_the_public_plan_report_stays_the_function_after_its_module_is_imported():
+    import importlib
+
+    import autoshard
+    first = autoshard.plan_report
+    importlib.import_module(first.__module__)
+    assert callable(autoshard.plan_report) and autoshard.plan_report is first

@@ -17,7 +17,7 @@ from autoshard.costs.estimate import (
 )
 from autoshard.errors import InvalidArgumentError
 from autoshard.graph.from_fx import WeightInfo
-from autoshard.plan_report import plan_report
+from autoshard.plan_reporting import plan_report
 
 SLOW = DeviceModel(peak_flops=1e3, bandwidth=1e2)
 """1000 FLOP/s and 100 B/s: round numbers make the expected seconds exact."""

@@ -11,7 +11,7 @@ import autoshard
 from autoshard.costs.models import held_weight_bytes
 from autoshard.costs.ties import EXHAUSTIVE_TIE_GROUPS, shared_weights, tie_groups, weight_payers
 from autoshard.examples import GPTStyleLM
-from autoshard.plan_report import plan_report
+from autoshard.plan_reporting import plan_report
 
 from test_costs_memory_budgets import cut_assignments
 
