@@ -108,3 +108,26 @@ def test_forward_backward_timing_leaves_the_gradients_alone():
 def test_timing_settings_are_checked():
     with pytest.raises(InvalidArgumentError, match="repeats >= 1"):
         timing.TimingSettings(repeats=0)
+
+
+SIGNATURE_OF_TRANSFORMER_LM = """
+from autoshard.capture import trace_with_leaves
+from autoshard.costs.timing import graph_signature
+from autoshard.examples import load_example
+model, args, kwargs = load_example("transformer-lm")
+print(graph_signature(trace_with_leaves(model, args, kwargs).graph_module))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_graphs_signature_is_the_same_in_another_process():
+    """A saved time profile is matched to its graph by this signature; function targets once
+    entered it by repr, which holds a per-process address (the transformer's relu)."""
+    import subprocess
+
+    def signature() -> str:
+        run = subprocess.run([sys.executable, "-c", SIGNATURE_OF_TRANSFORMER_LM], capture_output=True, text=True,
+                             check=True, timeout=110)
+        return run.stdout.strip()
+
+    assert signature() == signature()

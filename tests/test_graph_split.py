@@ -456,3 +456,25 @@ def test_the_record_says_which_tolerance_the_split_was_asked_for():
     assert split_dag(dag, 3, "fixed-order", 0, return_info=True).info.tolerance == 0.0
     greedy = split_dag(dag, 3, "greedy", 0.1, return_info=True).info
     assert greedy.tolerance is None and greedy.bound is None, "greedy ignores the tolerance: it keeps no bound"
+
+
+def test_a_multigraph_is_refused_with_a_typed_error():
+    dag = nx.MultiDiGraph()
+    dag.add_node("x", cost=0.0, bytes=1.0, input=True)
+    dag.add_node("y", cost=1.0, bytes=1.0)
+    dag.add_edge("x", "y")
+    dag.add_edge("x", "y")
+    with pytest.raises(InvalidGraphError, match="one edge per reader"):
+        split_dag(dag, 1)
+
+
+@pytest.mark.parametrize("attribute", ["cost", "bytes"])
+def test_values_whose_sum_overflows_are_refused_not_split(attribute):
+    dag = nx.path_graph(["x", "a", "b", "c"], create_using=nx.DiGraph)
+    for node in dag:
+        dag.nodes[node].update(cost=1.0, bytes=1.0)
+    dag.nodes["x"].update(input=True, cost=0.0)
+    for node in "abc":
+        dag.nodes[node][attribute] = 1e308  # each finite; their sum is not
+    with pytest.raises(InvalidGraphError, match=f"'{attribute}' values sum past the largest float"):
+        split_dag(dag, 3)

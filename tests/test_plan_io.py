@@ -256,3 +256,10 @@ def test_a_plan_measured_on_inputs_needs_inputs_to_rebuild(residual, saved):
     model = residual[0]
     with pytest.raises(PlanError, match="runs shape-prop.*pass example inputs of the same kind to load_plan"):
         load_plan(saved, model)
+
+
+def test_save_plan_says_what_it_writes_when_given_a_sharded_model(tmp_path):
+    model, args, _ = load_example("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match="save_plan writes a SavedPlan"):
+        autoshard.save_plan(sharded, tmp_path / "plan.json")

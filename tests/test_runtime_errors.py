@@ -150,3 +150,11 @@ def test_a_stage_still_on_the_meta_device_says_how_to_load_it():
 
     with pytest.raises(PipelineSetupError, match="materialize_stage"):
         stage_module(sharded, 0, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("count, error", [(0, InvalidArgumentError), (-1, InvalidArgumentError),
+                                          ("4", InvalidArgumentTypeError), (True, InvalidArgumentTypeError)])
+def test_build_schedule_checks_the_microbatch_count_first(count, error):
+    from autoshard.runtime import build_schedule
+    with pytest.raises(error, match="n_microbatches"):
+        build_schedule([], "gpipe", count)

@@ -98,7 +98,10 @@ def measure_node_seconds(
 
 def graph_signature(gm: fx.GraphModule) -> str:
     """A digest of the compute nodes' names, kinds and targets: which graph a profile belongs to."""
-    text = "\n".join(f"{n.name} {n.op} {n.target}" for n in gm.graph.nodes if n.op in COMPUTE_OPS)
+    from autoshard.graph.from_fx import target_name  # from_fx imports this module
+
+    # by name: a function's repr holds its address, which differs from one process to the next
+    text = "\n".join(f"{n.name} {n.op} {target_name(n)}" for n in gm.graph.nodes if n.op in COMPUTE_OPS)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

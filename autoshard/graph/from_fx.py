@@ -51,7 +51,8 @@ from autoshard.graph.randomness import order_random_draws
 UNKNOWN_VALUE_BYTES = 1.0
 
 
-def _target_name(node: fx.Node) -> str:
+def target_name(node: fx.Node) -> str:
+    """A node's target by name (``module.qualname``), the same in every process."""
     target = node.target
     if isinstance(target, str):
         return target
@@ -210,7 +211,7 @@ def build_dag(gm: fx.GraphModule) -> nx.DiGraph:
             tensors = _tensors_read(gm, node)
             count, nbytes = _charge(tensors, claimed)
             scopes = module_scopes(gm, node)
-            dag.add_node(node.name, op=node.op, target=_target_name(node), module=scopes[-1][0] if scopes else "",
+            dag.add_node(node.name, op=node.op, target=target_name(node), module=scopes[-1][0] if scopes else "",
                          scopes=scopes, weights=tuple(names[id(t)] for t in tensors),
                          params=count, param_bytes=nbytes, input=False, output=False, **_measured(node))
         elif node.op == "output":

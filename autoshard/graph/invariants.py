@@ -67,19 +67,22 @@ def check_weights(dag: nx.DiGraph, names: tuple[str, ...], required: bool = True
     missing = None if required else 0.0
     for name in names:
         values = [data.get(name, missing) for _, data in dag.nodes(data=True)]
-        if set(map(type, values)) <= _PLAIN_NUMBERS:
-            array = np.array(values, dtype=float)
-            if np.all(np.isfinite(array)) and np.all(array >= 0):
-                continue
-        for node in dag.nodes:
-            if required or name in dag.nodes[node]:
-                _check_weight(dag, node, name)
+        plain = set(map(type, values)) <= _PLAIN_NUMBERS
+        array = np.array(values, dtype=float) if plain else None
+        if array is None or not (np.all(np.isfinite(array)) and np.all(array >= 0)):
+            for node in dag.nodes:
+                if required or name in dag.nodes[node]:
+                    _check_weight(dag, node, name)
+        total = sum(float(data.get(name, 0.0)) for _, data in dag.nodes(data=True))
+        if not math.isfinite(total):  # each is finite, but sums of them (stage costs) would not be
+            raise InvalidGraphError(f"the nodes' '{name}' values sum past the largest float ({total}); "
+                                    "express them in larger units")
 
 
 def check_dag(dag: Any) -> None:
     """Raise ``InvalidGraphError`` unless ``dag`` satisfies the graph contract."""
-    if not isinstance(dag, nx.DiGraph):
-        raise InvalidGraphError(f"expected a networkx.DiGraph, got {type(dag).__name__}")
+    if not isinstance(dag, nx.DiGraph) or dag.is_multigraph():
+        raise InvalidGraphError(f"expected a networkx.DiGraph (one edge per reader), got {type(dag).__name__}")
     check_weights(dag, WEIGHTS)
     for node in dag.nodes:
         if is_input(dag, node) and dag.in_degree(node) > 0:

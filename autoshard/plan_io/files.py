@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel
 from autoshard.costs.memory import MemoryModel
-from autoshard.errors import InvalidArgumentError, PlanError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PlanError
 from autoshard.graph import SplitInfo, check_dag, check_partition
 from autoshard.graph.from_fx import WeightInfo
 from autoshard.plan_io.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan, SplitRecord, optional_float
@@ -44,6 +44,10 @@ def format_plan(data: Mapping[str, Any]) -> str:
 
 def save_plan(plan: SavedPlan, path: str | Path) -> Path:
     """Write ``plan`` as JSON (deterministic: the same plan gives the same bytes)."""
+    if not isinstance(plan, SavedPlan):
+        raise InvalidArgumentTypeError(
+            f"save_plan writes a SavedPlan, got {type(plan).__name__}; make one with the CLI "
+            "(autoshard split TARGET --out plan.json) or autoshard.plan_io.plan_from_program")
     target = Path(path)
     try:
         target.write_text(format_plan(plan.to_dict()), encoding="utf-8")

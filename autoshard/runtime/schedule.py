@@ -143,6 +143,10 @@ def build_schedule(
     Pass every stage this rank runs (one for GPipe and 1F1B; ``rank``, ``rank + W``, ... for
     interleaved schedules). ``options`` go to the schedule class unchanged.
     """
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int):
+        raise InvalidArgumentTypeError(f"n_microbatches must be an int, got {n_microbatches!r}")
+    if n_microbatches < 1:
+        raise InvalidArgumentError(f"n_microbatches must be at least 1, got {n_microbatches}")
     local = [stages] if isinstance(stages, PipelineStage) else list(stages)
     if not local or not all(isinstance(s, PipelineStage) for s in local):
         raise InvalidArgumentTypeError("build_schedule needs the PipelineStage(s) this rank runs")
