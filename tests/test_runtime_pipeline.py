@@ -381,3 +381,36 @@ def test_a_rank_builds_its_stage_from_a_meta_model_with_memory_tracking_its_stag
         assert meta["stage_bytes"] == model_bytes // 4
         assert 0.7 * meta["stage_bytes"] < meta["growth"] < meta["stage_bytes"] + model_bytes / 4
     torch.testing.assert_close(four_processes[3]["meta"]["output"], expected)
+
+
+def normed_model_and_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8),
+                          nn.BatchNorm1d(8), nn.Linear(8, 8)).train()
+    return model, torch.randn(8, 8, generator=gen) + 3, torch.randn(8, 8, generator=gen)
+
+
+def batch_norm_statistics_after_steps(rank: int, world: int, steps: int) -> dict[str, torch.Tensor]:
+    model, x, y = normed_model_and_batch()
+    stage = pipeline_stage(autoshard.shard_model(model, 2, example_inputs=(x,)), rank, 2, "cpu")
+    schedule = build_schedule(stage, "gpipe", 1, loss_fn=F.mse_loss)
+    for _ in range(steps):
+        schedule.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None, return_outputs=False)
+    return {name: value.clone() for name, value in stage.submod.state_dict().items()
+            if "running" in name or "num_batches" in name}
+
+
+def test_shape_inference_before_the_first_step_leaves_batch_norm_statistics_alone():
+    """PyTorch runs each stage once before the first step to learn the shapes; in training mode
+    a batch norm counted that run in its running statistics (on zeros, in later stages)."""
+    model, x, y = normed_model_and_batch()
+    for _ in range(2):
+        F.mse_loss(model(x), y).backward()
+    expected = {name: value for name, value in model.state_dict().items() if "running" in name or "num_batches" in name}
+    found = {}
+    for state in run_local(batch_norm_statistics_after_steps, 2, args=(2,), timeout=LAUNCH_DEADLINE_S):
+        found.update(state)
+    assert found.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.allclose(found[name], value, rtol=0, atol=1e-6), name

@@ -7,14 +7,17 @@ cannot be spread over. Only then is the ``PipelineStage`` built.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from autoshard.capture.eager import generators_restored, module_state_restored, values_restored
 from autoshard.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -46,6 +49,39 @@ class PlanStage(PipelineStage):
             with torch.no_grad():
                 tensor.zero_()
         return tensor
+
+    # Those inference runs are not steps of training: a batch norm in training mode would count
+    # them in its running statistics, and a dropout would take numbers from the generator. The
+    # stage's buffers, module state and random generators are set back after them: after the
+    # backward run when one follows (the backward reads the buffers the forward saved).
+    def _forward_metadata_inference(self, args: Any, kwargs: dict[str, Any] | None = None,
+                                    has_backward: bool = False) -> Any:
+        untouched = contextlib.ExitStack()
+        untouched.enter_context(_untouched(self.submod))
+        try:
+            result = super()._forward_metadata_inference(args, kwargs, has_backward)
+        except BaseException:
+            untouched.close()
+            raise
+        if has_backward:
+            self._autoshard_untouched = untouched
+        else:
+            untouched.close()
+        return result
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        untouched = getattr(self, "_autoshard_untouched", None) or contextlib.ExitStack()
+        self._autoshard_untouched = None
+        with untouched:
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _untouched(module: nn.Module) -> Iterator[None]:
+    """``module``'s buffers, plain state and generators (torch's global ones included) as they were."""
+    with torch.random.fork_rng(devices=[]), generators_restored(module), values_restored(module.buffers()), \
+            module_state_restored(module):
+        yield
 
 
 def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> None:
