@@ -125,15 +125,22 @@ def _stage_graph(
     return graph
 
 
-def _mode_guard(graph: fx.Graph, training: bool) -> None:
+def _mode_guard(graph: fx.Graph, training: bool, owner: nn.Module) -> None:
     """A first check in the stage: its module is in the mode the model was captured in (a graph
     fixed what the model's code read from ``self.training``, so another mode would silently run
-    the captured one). Code, not a hook, so every copy a runtime makes keeps it."""
+    the captured one), and so is each module it calls (``model.eval()`` switches those, not the
+    stage), as ``owner`` holds them now. Code, not a hook, so every copy a runtime makes keeps it."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    leaves = list(dict.fromkeys(str(n.target) for n in graph.nodes if n.op == "call_module"))
     with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
         mode = graph.get_attr("training")
-    with graph.inserting_after(mode):
-        graph.call_function(check_mode, (mode, training))
+    modes = [mode]
+    for leaf in leaves:
+        with graph.inserting_after(modes[-1]):
+            modes.append(graph.get_attr(f"{leaf}.training"))
+    captured = tuple(owner.get_submodule(leaf).training for leaf in leaves)
+    with graph.inserting_after(modes[-1]):
+        graph.call_function(check_mode, (mode, training, tuple(modes[1:]), captured))
 
 
 def emit_stages(
@@ -150,7 +157,7 @@ def emit_stages(
         incoming = boundaries[stage - 1] if stage > 0 else ()
         outgoing = boundaries[stage] if stage < num_stages - 1 else ()
         graph = _stage_graph(gm.graph, stage, num_stages, assignment, incoming, outgoing)
-        _mode_guard(graph, training)
+        _mode_guard(graph, training, gm)
         module = fx.GraphModule(gm, graph, class_name=f"Stage{stage}")
         module.training = training  # its own flag only: its submodules are the model's
         copy_buffer_persistence(gm, module)

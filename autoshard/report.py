@@ -115,6 +115,7 @@ def stage_rows(plan: SavedPlan) -> list[StageRow]:
     boundaries = plan.boundaries()
     sent = plan.boundary_bytes()
     costs = {m: plan.stage_costs(m) for m in plan.cost_models()}
+    held = plan.stage_costs("params")  # a tied weight once in every stage that holds it
     seconds = plan.stage_seconds()
     memory = plan.training_memory()
     rows = []
@@ -126,7 +127,7 @@ def stage_rows(plan: SavedPlan) -> list[StageRow]:
             modules=stage_modules(plan, stage),
             nodes=len(members),
             costs={m: c[stage] for m, c in costs.items()},
-            param_bytes=sum(n.param_bytes for n in members),
+            param_bytes=held[stage],
             activation_bytes=sum(n.bytes for n in members),
             values_in=tuple(boundaries[stage - 1]) if stage > 0 else (),
             values_out=() if last else tuple(boundaries[stage]),

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+import autoshard
+
 from autoshard.capture.guard import DimSpec, InputGuard, check_condition, check_inputs
 from autoshard.capture.signature import CallSignature
 from autoshard.errors import InputMismatchError, InvalidArgumentError
@@ -141,3 +143,35 @@ def test_stages_refuse_the_mode_their_model_was_not_captured_in(captured_in_trai
         copied(x)
     sharded.train(captured_in_training)
     sharded(x)
+
+
+def test_stages_refuse_to_run_when_the_models_modules_were_switched_to_another_mode():
+    """The stages hold the model's modules: model.eval() switches those but not the stages' own
+    flag, and the stages ran half in the captured mode (a traced F.dropout) and half in the other."""
+    import torch.nn.functional as F
+
+    class Dropping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.drop, self.b = nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(F.dropout(self.drop(self.a(x)), 0.5, training=self.training))
+
+    model = Dropping().train()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),))
+    model.eval()
+    with pytest.raises(InputMismatchError, match="switched to another mode after sharding"):
+        sharded(torch.randn(4, 8))
+    model.train()
+    sharded(torch.randn(4, 8))
+
+
+def test_a_model_captured_with_modules_in_mixed_modes_runs_as_captured():
+    """A frozen part in eval mode inside a model in training mode: the stages check each module
+    against its own mode at capture, not the model's."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)).train()
+    model[1].eval()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),))
+    x = torch.randn(5, 8)
+    assert torch.equal(sharded(x), model(x))

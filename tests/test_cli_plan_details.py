@@ -211,3 +211,17 @@ def test_tied_weights_placed_apart_need_gradient_sync_and_every_view_agrees(caps
     summary = json.loads((tmp_path / "p.json").read_text())["summary"]
     assert summary["gradient_sync"] == [{"weight": "wte.weight", "aliases": ["wte.weight", "lm_head.weight"],
                                          "stages": [0, 1]}]
+
+
+@pytest.mark.parametrize("cost", ["params", "memory"])
+def test_saved_plan_stage_costs_count_a_tied_weight_in_every_stage_that_holds_it(capsys, tmp_path, cost):
+    """The CLI table read per-node sums, which charge a tied weight to its first reader only, and
+    one microbatch of activations for memory: not what the split balanced nor what plan_report says."""
+    path = tmp_path / "plan.json"
+    run(capsys, "split", "gpt-lm", "-k", "3", "--cost", cost, "--out", str(path))
+    saved = read_plan(path)
+    model, args, _ = load_example("gpt-lm")
+    report = autoshard.plan_report(autoshard.load_plan(path, model, args))
+    assert saved.stage_costs(cost) == [stage.costs[cost] for stage in report.stages]
+    assert saved.bottleneck() == max(stage.costs[cost] for stage in report.stages)
+    assert len(report.shared_weights) == 1 and len(report.shared_weights[0].stages) == 2  # the tied embedding

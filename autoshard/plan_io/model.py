@@ -18,8 +18,9 @@ import networkx as nx
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel
 from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
+from autoshard.costs.models import held_weight_bytes
 from autoshard.costs.ties import SharedWeight, shared_weights
-from autoshard.graph import SplitInfo, bottleneck, boundary_bytes, boundary_values, stage_costs, total_boundary_bytes
+from autoshard.graph import SplitInfo, boundary_bytes, boundary_values, stage_costs, total_boundary_bytes
 from autoshard.graph.from_fx import WeightInfo
 
 FORMAT = "autoshard-plan"
@@ -136,11 +137,19 @@ class SavedPlan:
         return dag
 
     def stage_costs(self, cost_model: str | None = None) -> list[float]:
-        dag = self._graph if cost_model in (None, self.cost_model) else self.graph(cost_model)
+        """Per stage, as the split counted it: ``params`` and ``memory`` count a tied weight once in
+        every stage that holds it (and ``memory`` is training memory), the others sum the nodes."""
+        name = cost_model or self.cost_model
+        memory = self.training_memory() if name == "memory" else None
+        if memory is not None:
+            return [stage.total for stage in memory]
+        if name == "params" and any(n.weights for n in self.nodes):  # the weights table says who holds what
+            return held_weight_bytes(self._graph, self._assignment, self.num_stages)
+        dag = self._graph if name == self.cost_model else self.graph(name)
         return stage_costs(dag, self._assignment, self.num_stages)
 
     def bottleneck(self) -> float:
-        return bottleneck(self._graph, self._assignment, self.num_stages)
+        return max(self.stage_costs())
 
     def lower_bound(self) -> float:
         """No split can beat ``max(total / k, costliest node)``: the yardstick for the bottleneck."""

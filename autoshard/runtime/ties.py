@@ -49,8 +49,9 @@ def shared_parameters(sharded: ShardedModel) -> tuple[SharedParameter, ...]:
 class TiedGradients:
     """Makes every holder of a shared parameter see the gradient of the whole model.
 
-    Build it on every rank of the pipeline group with that rank's stages; call ``sync()`` after
-    ``schedule.step`` and before ``optimizer.step``.
+    Build it on every rank of the pipeline group with that rank's stages; call ``sync()`` once per
+    optimizer step, after the last ``schedule.step`` of a gradient accumulation and before
+    ``optimizer.step``: it writes the sum into every holder, so a second call would count it again.
     """
 
     def __init__(self, sharded: ShardedModel, stages: Sequence[PipelineStage],
