@@ -196,3 +196,21 @@ def test_stages_placed_on_devices_of_their_own_hand_their_values_on():
 def test_a_stage_without_tensor_inputs_keeps_the_captured_device():
     assert stage_device(torch.device("cpu"), None, (3, "x")) == torch.device("cpu")
     assert stage_device(torch.device("cpu"), 3, (torch.zeros(1, device="meta"),)) == torch.device("meta")
+
+
+def test_the_runner_follows_mode_switches_made_after_it_was_built():
+    """It copies each stage's modules once: a later model.eval() did not reach the copies, which
+    went on dropping out in training mode while sharded(x) and the model ran in eval mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)).train()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),))
+    runner = OffloadRunner(sharded, "cpu")
+    model.eval()
+    with pytest.raises(autoshard.errors.InputMismatchError, match="switched to another mode"):
+        runner(torch.randn(4, 8))
+    model.train()
+    x = torch.randn(4, 8)
+    torch.manual_seed(1)
+    expected = model(x)
+    torch.manual_seed(1)
+    assert torch.equal(runner(x), expected)

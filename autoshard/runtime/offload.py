@@ -87,7 +87,16 @@ class OffloadRunner:
                     buffers[name] = copies[id(home)]
             tensors[name] = copies[id(home)]
         written.append(buffers)
+        self._follow_modes(index)
         return functional_call(self._shells[index], tensors, args, kwargs, tie_weights=False, strict=True)
+
+    def _follow_modes(self, index: int) -> None:
+        """The shell's modules take the modes the model's modules have now (the shell was copied
+        once; ``model.train()`` since then must reach it, and its stage's mode guard)."""
+        homes = self.sharded.stages[index].named_modules(remove_duplicate=False)
+        shells = self._shells[index].named_modules(remove_duplicate=False)
+        for (_, home), (_, shell) in zip(homes, shells):
+            shell.training = home.training
 
     def _write_back_buffers(self, index: int, buffers: dict[str, torch.Tensor]) -> None:
         """Copy every buffer back: kernels such as batch_norm update running statistics in place
