@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import networkx as nx
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -177,6 +178,7 @@ def test_capacities_balance_cost_per_speed():
     assert stages(result.assignment) == [0, 0, 1, 1, 1, 1, 1, 1]
     assert result.info.bottleneck == 2.0 and result.info.bound == pytest.approx(2.0)
     assert stages(split_dag(dag, 2, capacities=[3])) == [0, 0, 0, 0, 1, 1, 1, 1]  # one value: all alike
+    assert split_dag(dag, 2, tolerance=0.0, capacities=np.array([1.0, 3.0])) == result.assignment  # an array too
 
 
 def test_memory_budgets_move_cuts_off_the_cost_balance():

@@ -114,6 +114,8 @@ def _numbers(option: str, values: Any) -> tuple[float, ...]:
     """One number per stage, or a single number for every stage."""
     if is_number(values):
         values = (values,)
+    if hasattr(values, "tolist") and getattr(values, "ndim", None) == 1:  # a numpy array or a tensor
+        values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise InvalidArgumentTypeError(f"{option} must be a list of numbers, got {values!r}")
     for i, value in enumerate(values):
