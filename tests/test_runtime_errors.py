@@ -158,3 +158,34 @@ def test_build_schedule_checks_the_microbatch_count_first(count, error):
     from autoshard.runtime import build_schedule
     with pytest.raises(error, match="n_microbatches"):
         build_schedule([], "gpipe", count)
+
+
+class SharedNorm(nn.Module):
+    """One batch norm applied after every layer: its buffers end up in several stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(self.norm(layer(x)))
+        return x
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_pipeline_stage_warns_of_buffers_other_stages_update_too(training):
+    from autoshard.runtime import SharedBufferWarning
+    from autoshard.runtime.rebuild import shared_across_stages
+    from autoshard.runtime.stage import _warn_of_shared_buffers
+    model = SharedNorm().train(training)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),))
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _warn_of_shared_buffers(sharded, shared_across_stages(sharded), 0)
+    found = [w for w in caught if issubclass(w.category, SharedBufferWarning)]
+    assert len(found) == (1 if training else 0)
+    if training:
+        assert "norm.running_mean" in str(found[0].message)

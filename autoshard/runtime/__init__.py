@@ -20,7 +20,7 @@ from autoshard.runtime.schedule import (
     local_stage_indices,
     model_loss,
 )
-from autoshard.runtime.stage import pipeline_stage
+from autoshard.runtime.stage import SharedBufferWarning, pipeline_stage
 from autoshard.runtime.ties import SharedParameter, TiedGradients, shared_parameters
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "MicrobatchStatisticsWarning",
     "OffloadRunner",
     "SCHEDULES",
+    "SharedBufferWarning",
     "SharedParameter",
     "TiedGradients",
     "build_schedule",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -82,6 +83,28 @@ def _untouched(module: nn.Module) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]), generators_restored(module), values_restored(module.buffers()), \
             module_state_restored(module):
         yield
+
+
+class SharedBufferWarning(UserWarning):
+    """A buffer several pipeline stages hold is updated by each stage's copy on its own."""
+
+
+def _warn_of_shared_buffers(sharded: ShardedModel, shared: dict[int, list[tuple[int, str]]], stage_index: int) -> None:
+    """A normalisation module called from several stages (one batch norm after every layer) has
+    its running statistics on each of their ranks; in training mode each copy updates its own,
+    which then differ from the model's. Gradients are summed (``TiedGradients``), these cannot be."""
+    if not sharded.plan.training:
+        return
+    buffers = {id(b) for stage in sharded.stages for m in stage.modules()
+               if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats for b in m.buffers()}
+    mine = [", ".join(f"stage {s}: {name}" for s, name in holders) for key, holders in shared.items()
+            if key in buffers and any(s == stage_index for s, _ in holders)]
+    if mine:
+        warnings.warn(
+            f"buffers held by more than one stage ({'; '.join(mine)}): in training mode each stage's copy "
+            "updates them on its own (a batch norm's running statistics), so they end up differing from the "
+            "model's; keep the module that owns them in one stage (split{no-split=...}) or in eval mode",
+            SharedBufferWarning, stacklevel=3)
 
 
 def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> None:
@@ -175,9 +198,9 @@ def pipeline_stage(
         raise InvalidArgumentError(
             f"stage {stage_index} runs on rank {stage_index % world_size}, but this is rank {rank}, "
             f"which runs stages {local}")
-    private = frozenset(
-        key for key, holders in shared_across_stages(sharded).items()
-        if len({s for s, _ in holders if s in local}) > 1)
+    shared = shared_across_stages(sharded)
+    _warn_of_shared_buffers(sharded, shared, stage_index)
+    private = frozenset(key for key, holders in shared.items() if len({s for s, _ in holders if s in local}) > 1)
     module = stage_module(sharded, stage_index, resolved, private, layout)
     module.meta[PLAN_KEY] = plan_fingerprint(sharded)
     return PlanStage(module, stage_index, num_stages, resolved, group=group)
