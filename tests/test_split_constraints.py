@@ -144,7 +144,7 @@ def test_a_pin_inside_a_group_names_both():
 
 
 def test_groups_that_leave_too_few_nodes_name_the_constraints():
-    with pytest.raises(InfeasibleSplitError, match=r"no split into 3 non-empty ordered stages meets together groups \['all'\]"):
+    with pytest.raises(InfeasibleSplitError, match=r"no split of program order into 3 non-empty stages meets together groups \['all'\]"):
         split_dag(chain([1] * 4), 3, together={"all": ["v0", "v3"]})
 
 
@@ -254,7 +254,7 @@ def test_activation_memory_counts_only_with_memory_in_flight():
 
 def test_a_position_dependent_memory_budget_no_split_meets_names_both_options():
     # Stage 0 holds at most 2 nodes (7 bytes each), stage 1 at most 3 (3 bytes each): 5 < 6.
-    with pytest.raises(InfeasibleSplitError, match=r"no split into 2 non-empty ordered stages meets "
+    with pytest.raises(InfeasibleSplitError, match=r"no split of program order into 2 non-empty stages meets "
                        r"memory_budgets \[20\.0, 11\.0\] and memory_in_flight \[3\.0, 1\.0\]"):
         split_dag(in_flight_chain(), 2, memory_budgets=[20, 11], memory_in_flight=[3, 1])
 

@@ -70,8 +70,9 @@ class SplitProblem:
             parts.append(f"memory_in_flight {list(c.memory_in_flight)!r}")
         if c.capacities is not None or not parts:
             parts.append(f"capacities {list(c.capacities or [1.0] * self.k)!r}")
-        return (f"no split into {self.k} non-empty ordered stages meets {' and '.join(parts)} "
-                "at once; relax one of them or change the number of stages")
+        return (f"no split of program order into {self.k} non-empty stages meets {' and '.join(parts)} "
+                "at once (the budget comes from that order: a group that other orders could keep "
+                "together is not looked for); relax one of them or change the number of stages")
 
     @property
     def budgets(self) -> np.ndarray:
