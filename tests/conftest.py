@@ -32,3 +32,15 @@ def assert_same_fingerprint(before: dict, after: dict) -> None:
 @pytest.fixture
 def fingerprint():
     return model_fingerprint
+
+
+class Framed(nn.Module):
+    """``inner`` between two linear layers (``pre``, ``post``), so it is a child the capture can
+    keep whole while the split has modules on either side."""
+
+    def __init__(self, inner: nn.Module, width: int = 8) -> None:
+        super().__init__()
+        self.pre, self.inner, self.post = nn.Linear(width, width), inner, nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.inner(self.pre(x)))

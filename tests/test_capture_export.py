@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_fingerprint, model_fingerprint
+from conftest import Framed, assert_same_fingerprint, model_fingerprint
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
@@ -346,21 +346,12 @@ class ScaledByFlag(ScaledByCount):
         return self.b(h) * (flag + 1)
 
 
-class Outer(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.pre, self.inner = nn.Linear(4, 4), inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(self.pre(x))
-
-
 EXPORT_PIPELINE = "export,shape-prop,build-dag,linearize,split,emit,verify"
 
 
 def test_an_opaque_call_returning_a_number_read_from_the_data_keeps_its_caller_whole():
     torch.manual_seed(0)
-    model = Outer(ScaledByCount())
+    model = Framed(ScaledByCount(), 4)
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(3, 4),), pipeline=EXPORT_PIPELINE)
     assert "inner" in [w.name for w in sharded.plan.wrapped]
     for _ in range(4):

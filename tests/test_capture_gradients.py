@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import Framed
 from torch import nn
 
 import autoshard
@@ -44,18 +45,9 @@ class FrozenBranch(nn.Module):
         return self.out(self.mid(h) + t)
 
 
-class Wrapped(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.pre, self.inner, self.post = nn.Linear(8, 8), inner, nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post(self.inner(self.pre(x)))
-
-
 def test_a_no_grad_block_is_kept_whole_so_no_gradient_flows_through_it():
     torch.manual_seed(0)
-    model = Wrapped(FrozenBranch())
+    model = Framed(FrozenBranch())
     result = trace_with_leaves(model, (torch.randn(2, 8),))
     assert [w.name for w in result.wrapped] == ["inner"] and "grad-mode block" in result.wrapped[0].reason
     sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
@@ -131,7 +123,7 @@ def test_torchs_own_autograd_functions_are_still_traced_through():
 
 def test_a_module_with_a_backward_hook_stays_a_leaf_so_the_hook_runs():
     torch.manual_seed(0)
-    model = Wrapped(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    model = Framed(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
     model.inner.register_full_backward_hook(lambda module, grad_in, grad_out: tuple(g * 0.5 for g in grad_in))
     result = trace_with_leaves(model, (torch.randn(2, 8),))
     assert [n.target for n in result.graph_module.graph.nodes if n.op == "call_module"] == ["pre", "inner", "post"]

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from conftest import Framed
 from torch import nn
 
 import autoshard
@@ -188,15 +189,6 @@ class DrawnMask(nn.Module):
             if kept:
                 x = layer(x) + x
         return x
-
-
-class Framed(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.pre, self.inner, self.post = nn.Linear(8, 8), inner, nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post(self.inner(self.pre(x)))
 
 
 @pytest.mark.parametrize("inner", [DrawnLayers, DrawnMask])

@@ -139,12 +139,13 @@ def generators_restored(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def isolated(model: nn.Module, seed: int = 0) -> Iterator[None]:
-    """Seeded randomness, and on exit the model's own generators, buffer values, rewritten weights
-    and module state restored."""
+def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
+    """Randomness seeded with ``seed`` (None: drawn on from where it is, then set back), and on
+    exit the model's own generators, buffer values, rewritten weights and module state restored."""
     with torch.random.fork_rng(devices=[]), generators_restored(model), \
             values_restored([*model.buffers(), *rewritten_weights(model)]), module_state_restored(model):
-        torch.manual_seed(seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         yield
 
 

@@ -11,8 +11,6 @@ guarded by its tracer. Kept apart from the tracer (``meta``), which builds the g
 from __future__ import annotations
 
 import bisect
-import dis
-import functools
 import inspect
 import math
 import operator
@@ -21,6 +19,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
+
+from autoshard.capture.state import instructions
 
 EXAMPLE = "autoshard_example"
 DATA_FREE = "autoshard_data_free"
@@ -136,19 +136,12 @@ class SizePinningProxy(MetaProxy):
         return super().__len__()
 
 
-@functools.lru_cache(maxsize=None)
-def _instructions(code: types.CodeType) -> tuple[list[int], list[tuple[str, Any]]]:
-    """Offsets and ``(opname, argval)`` of ``code``'s instructions, disassembled once."""
-    found = list(dis.get_instructions(code))
-    return [i.offset for i in found], [(i.opname, i.argval) for i in found]
-
-
 def _unpack_count(code: types.CodeType, last: int) -> int | None:
     """How many values the instruction running at offset ``last`` unpacks, if it unpacks."""
-    offsets, ops = _instructions(code)
-    index = bisect.bisect_left(offsets, last)
-    if index < len(ops) and ops[index][0] == "UNPACK_SEQUENCE":
-        return int(ops[index][1])
+    found = instructions(code)
+    index = bisect.bisect_left(found, last, key=lambda ins: ins.offset)
+    if index < len(found) and found[index].opname == "UNPACK_SEQUENCE":
+        return int(found[index].argval)
     return None
 
 

@@ -20,6 +20,7 @@ no such evidence (``if self.previous is not None`` reads it without an operation
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dis
 import functools
@@ -59,18 +60,19 @@ def current_value(module: nn.Module, name: str) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _instructions(code: types.CodeType) -> tuple[dis.Instruction, ...]:
+def instructions(code: types.CodeType) -> tuple[dis.Instruction, ...]:
+    """``code``'s instructions, disassembled once (tracing asks for the same callers again and again)."""
     return tuple(dis.get_instructions(code))
 
 
 def _statement_reads(frame: types.FrameType, name: str) -> bool:
     """Whether the line storing attribute ``name`` at ``frame``'s current instruction also reads
     it: ``self.steps += 1``, ``self.seen = self.seen or x`` (a plain ``self.mult = 1`` does not)."""
-    instructions = _instructions(frame.f_code)
-    index = max((i for i, ins in enumerate(instructions) if ins.offset <= frame.f_lasti), default=0)
-    while index > 0 and not instructions[index].starts_line:
+    found = instructions(frame.f_code)
+    index = max(bisect.bisect_right(found, frame.f_lasti, key=lambda ins: ins.offset) - 1, 0)
+    while index > 0 and not found[index].starts_line:
         index -= 1
-    line = itertools.takewhile(lambda ins: ins.offset <= frame.f_lasti, instructions[index:])
+    line = itertools.takewhile(lambda ins: ins.offset <= frame.f_lasti, found[index:])
     return any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == name for ins in line)
 
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from autoshard.capture.eager import generators_restored, module_state_restored, values_restored
+from autoshard.capture.eager import isolated
 from autoshard.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -58,7 +57,7 @@ class PlanStage(PipelineStage):
     def _forward_metadata_inference(self, args: Any, kwargs: dict[str, Any] | None = None,
                                     has_backward: bool = False) -> Any:
         untouched = contextlib.ExitStack()
-        untouched.enter_context(_untouched(self.submod))
+        untouched.enter_context(isolated(self.submod, seed=None))
         try:
             result = super()._forward_metadata_inference(args, kwargs, has_backward)
         except BaseException:
@@ -75,14 +74,6 @@ class PlanStage(PipelineStage):
         self._autoshard_untouched = None
         with untouched:
             return super()._backward_metadata_inference(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _untouched(module: nn.Module) -> Iterator[None]:
-    """``module``'s buffers, plain state and generators (torch's global ones included) as they were."""
-    with torch.random.fork_rng(devices=[]), generators_restored(module), values_restored(module.buffers()), \
-            module_state_restored(module):
-        yield
 
 
 class SharedBufferWarning(UserWarning):
