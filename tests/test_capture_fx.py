@@ -404,6 +404,44 @@ def test_a_top_level_forward_counting_calls_is_refused_not_frozen():
     assert model.calls == 0
 
 
+class CalibratedOnce(nn.Module):
+    """Sets a flag after its first call (a lazy calibration); ``check_in_forward`` false: the
+    forward reads the flag and a helper method sets it, so the read is in the caller's code."""
+
+    def __init__(self, check_in_forward: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("shift", torch.zeros(8))
+        self.ready = False
+        self.check_in_forward = check_in_forward
+
+    def _calibrate(self, x: torch.Tensor) -> None:
+        self.shift.copy_(x.mean(0))
+        self.ready = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.check_in_forward:
+            if not self.ready:
+                self.shift.copy_(x.mean(0))
+                self.ready = True
+        elif not self.ready:
+            self._calibrate(x)
+        return self.lin(x - self.shift)
+
+
+@pytest.mark.parametrize("check_in_forward", [True, False])
+def test_a_flag_a_module_sets_once_is_state_and_keeps_it_whole(check_in_forward):
+    model = Around(CalibratedOnce(check_in_forward), 8)
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert model.inner.ready is False  # the capture's runs of the model were set back
+    assert [w.name for w in sharded.plan.wrapped] == ["inner"]
+    assert "changes its attribute 'ready' (False -> True)" in sharded.plan.wrapped[0].reason
+    for _ in range(3):  # the first call calibrates, the later ones use the stored shift
+        x = torch.randn(3, 8)
+        assert torch.equal(sharded(x), twin(x))
+
+
 class ScratchMultiplier(nn.Module):
     """Funnel's pattern: a number set afresh on every call, then updated within it."""
 

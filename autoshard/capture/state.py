@@ -7,9 +7,10 @@ sharded model. While a front end traces, ``refusing_state_writes`` makes such an
 raise ``StateWrite``, so the module that makes it is kept whole (run as it is, state included),
 like any other code the front end cannot capture.
 
-A number, flag or string kept on ``self`` is state when the statement that changes it reads it
-(``self.steps += 1``) and the call has not set it before (``_ScalarWrites``): Funnel sets
-``self.pooling_mult = 1`` and then doubles it, which carries nothing to the next call.
+A number, flag or string kept on ``self`` is state when the code changing it has read it first
+(``self.steps += 1``; ``if not self.ready: ...; self.ready = True``) and the call has not set it
+before (``_ScalarWrites``): Funnel sets ``self.pooling_mult = 1`` and then doubles it, which
+carries nothing to the next call.
 
 One write is safe: a scratch attribute that a forward fills before it reads it (RAFT builds its
 correlation pyramid on ``self`` and reads it later in the same call). If the attribute held
@@ -20,11 +21,11 @@ no such evidence (``if self.previous is not None`` reads it without an operation
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dis
 import functools
 import itertools
+import os
 import sys
 import types
 from typing import Any, Callable, Iterator
@@ -65,15 +66,26 @@ def instructions(code: types.CodeType) -> tuple[dis.Instruction, ...]:
     return tuple(dis.get_instructions(code))
 
 
-def _statement_reads(frame: types.FrameType, name: str) -> bool:
-    """Whether the line storing attribute ``name`` at ``frame``'s current instruction also reads
-    it: ``self.steps += 1``, ``self.seen = self.seen or x`` (a plain ``self.mult = 1`` does not)."""
-    found = instructions(frame.f_code)
-    index = max(bisect.bisect_right(found, frame.f_lasti, key=lambda ins: ins.offset) - 1, 0)
-    while index > 0 and not found[index].starts_line:
-        index -= 1
-    line = itertools.takewhile(lambda ins: ins.offset <= frame.f_lasti, found[index:])
-    return any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == name for ins in line)
+_AUTOSHARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _reads_before(frame: types.FrameType, name: str) -> bool:
+    """Whether code of ``frame`` before its current instruction reads attribute ``name``."""
+    return any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == name
+               for ins in itertools.takewhile(lambda ins: ins.offset < frame.f_lasti, instructions(frame.f_code)))
+
+
+def _read_earlier(frame: types.FrameType | None, name: str) -> bool:
+    """Whether the model code on the stack, from ``frame`` (storing attribute ``name``) out to the
+    capture, reads ``name`` before the point it is at: ``self.steps += 1``, and a flag set once
+    (``if not self.ready: ...; self.ready = True``), even when the check sits in a caller.
+    Static: a read the code skipped on this call counts too (keeping a module whole is safe)."""
+    while frame is not None and not frame.f_code.co_filename.startswith(_AUTOSHARD_DIR):
+        if not frame.f_code.co_filename.startswith(_TORCH_DIR) and _reads_before(frame, name):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _ScalarWrites:
@@ -82,8 +94,8 @@ class _ScalarWrites:
     A step counter (``self.steps += 1``) reads the value the previous call left and stores
     another: a graph would take the branch it drives once and never advance it. A scratch value
     the call sets afresh before updating it (Funnel's ``self.pooling_mult = 1`` then ``*= 2``)
-    carries nothing over. So a change counts as state when its statement reads the attribute and
-    the trace has not written the attribute before.
+    carries nothing over. So a change counts as state when the model code on the stack has read
+    the attribute before it (``_read_earlier``) and the trace has not written it before.
     """
 
     def __init__(self) -> None:
@@ -94,7 +106,7 @@ class _ScalarWrites:
         first = key not in self.written
         self.written.add(key)
         return (first and name in module.__dict__ and scalar_changed(module.__dict__[name], value)
-                and _statement_reads(frame, name))
+                and _read_earlier(frame, name))
 
 
 class _TensorsRead(TorchFunctionMode):
