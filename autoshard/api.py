@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from autoshard.arguments import whole_number
 from autoshard.costs.execution import holds_meta_tensors
 from autoshard.costs.memory import MemoryModel, check_memory_budgets, stage_memory
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
@@ -41,16 +42,6 @@ def check_model(model: Any) -> nn.Module:
         raise InvalidArgumentTypeError(
             f"autoshard splits a torch.nn.Module, got {type(model).__name__}; wrap your function in a Module")
     return model
-
-
-def check_stage_count(num_stages: Any) -> int:
-    """``num_stages`` must be a plain int >= 1 (a bool is not a stage count)."""
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
-        raise InvalidArgumentTypeError(
-            f"num_stages must be an int, got {type(num_stages).__name__} {num_stages!r}")
-    if num_stages < 1:
-        raise InvalidArgumentError(f"num_stages must be at least 1, got {num_stages}")
-    return num_stages
 
 
 def example_inputs_of(example_inputs: Any, example_kwargs: Mapping[str, Any] | None) -> ExampleInputs | None:
@@ -240,7 +231,7 @@ def shard_model(
     parameter, every microbatch in flight); the plan keeps it, so ``plan_report`` reports with it.
     """
     check_model(model)
-    num_stages = check_stage_count(num_stages)
+    num_stages = whole_number(num_stages, "num_stages", at_least=1)
     inputs = example_inputs_of(example_inputs, example_kwargs)
     cost_name, cost_models = _cost_name(cost)
     if pipeline is None:

@@ -24,7 +24,8 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard import progress
-from autoshard.api import bind_pipeline, check_stage_count, default_pipeline, example_inputs_of
+from autoshard.api import bind_pipeline, default_pipeline, example_inputs_of
+from autoshard.arguments import whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import MemoryModel
 from autoshard.errors import (
@@ -194,7 +195,7 @@ def _without_verify(pipeline: Pipeline) -> Pipeline:
 def _stages(args: argparse.Namespace) -> int:
     if args.stages is None:
         raise InvalidArgumentError("say how many stages: --stages K (or rebuild a saved plan with --plan PLAN.json)")
-    return check_stage_count(args.stages)
+    return whole_number(args.stages, "num_stages", at_least=1)
 
 
 def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> _Choice:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import networkx as nx
+import numpy as np
 import pytest
 import torch
 
 import autoshard
+import autoshard.graph
 from autoshard.errors import (
     AutoshardError,
     InvalidArgumentError,
@@ -27,6 +30,17 @@ def test_num_stages_below_one(bad):
 def test_num_stages_not_an_int(bad):
     with pytest.raises(InvalidArgumentTypeError, match="num_stages must be an int"):
         autoshard.shard_model(ResidualMLP(), bad)
+
+
+def test_a_numpy_integer_is_a_stage_count():
+    model = ResidualMLP()
+    sharded = autoshard.shard_model(model, np.int64(2))
+    assert sharded.num_stages == 2 and type(sharded.num_stages) is int
+    dag = nx.DiGraph([("a", "b"), ("b", "c")])
+    nx.set_node_attributes(dag, {"a": 1.0, "b": 1.0, "c": 1.0}, "cost")
+    nx.set_node_attributes(dag, {"a": 4, "b": 4, "c": 4}, "bytes")
+    assignment = autoshard.graph.split_dag(dag, np.int32(3))
+    assert assignment == {"a": 0, "b": 1, "c": 2} and all(type(s) is int for s in assignment.values())
 
 
 def test_num_stages_above_the_maximum_states_the_maximum():

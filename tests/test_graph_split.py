@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import networkx as nx
+import numpy as np
 import pytest
 
 from autoshard.errors import (
@@ -204,7 +205,9 @@ def test_graph_package_works_without_torch():
 def test_check_partition_names_each_broken_invariant():
     dag = graph({"x": {"input": True}, "a": {}, "b": {}}, [("x", "a"), ("a", "b")])
     check_partition(dag, {"x": 0, "a": 0, "b": 1}, 2)
+    check_partition(dag, dict(zip(["x", "a", "b"], np.array([0, 0, 1]))), np.int64(2))  # numpy integers
     cases = [
+        ({"x": 0, "a": 0, "b": 1.0}, "range: node 'b' is assigned to stage 1.0"),
         ({"x": 0, "a": 0}, "covering: node 'b' is not assigned"),
         ({"x": 0, "a": 0, "b": 1, "c": 1}, "covering: 'c' is assigned but is not a graph node"),
         ({"x": 0, "a": 0, "b": 2}, "range: node 'b' is assigned to stage 2"),

@@ -6,6 +6,7 @@ on every rank alike. (The world-size checks against a real group run in test_run
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -136,10 +137,11 @@ def test_not_a_sharded_model():
         pipeline_stage(ResidualMLP(), 0, 2, "cpu")
 
 
-def test_without_a_process_group_the_error_says_how_to_start_one(two_stages):
+@pytest.mark.parametrize("whole", [int, np.int64])  # numpy integers pass the argument checks
+def test_without_a_process_group_the_error_says_how_to_start_one(two_stages, whole):
     assert not dist.is_initialized()
     with pytest.raises(PipelineSetupError, match="init_process_group"):
-        pipeline_stage(two_stages, 0, 2, "cpu")
+        pipeline_stage(two_stages, whole(0), whole(2), "cpu")
 
 
 def test_a_stage_still_on_the_meta_device_says_how_to_load_it():

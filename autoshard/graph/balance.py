@@ -40,11 +40,12 @@ def slack(scale: float) -> float:
     return max(REL_EPS * scale, 4 * math.ulp(scale))
 
 
-def _check_weights(weights: Sequence[Any], k: Any) -> None:
-    check_stage_count(k, len(weights), f"the sequence has {len(weights)} weights")
+def _check_weights(weights: Sequence[Any], k: Any) -> int:
+    k = check_stage_count(k, len(weights), f"the sequence has {len(weights)} weights")
     for i, w in enumerate(weights):
         if not is_number(w) or not math.isfinite(w) or w < 0:
             raise InvalidArgumentError(f"weight {i} is {w!r}; weights must be finite and >= 0")
+    return k
 
 
 class Line:
@@ -138,7 +139,7 @@ def min_bottleneck(weights: Sequence[float], k: int) -> float:
     Each probe costs O(k log n) and moves some greedy end strictly right. Uses the same
     segment test as ``Line.starts`` with capacity 1.
     """
-    _check_weights(weights, k)
+    k = _check_weights(weights, k)
     sums = list(accumulate((float(w) for w in weights), initial=0.0))
     round_off = slack(sums[-1])
     n = len(weights)
@@ -276,7 +277,7 @@ def min_bytes_partition(
     Splits ``weights`` into exactly k non-empty contiguous parts; cut c falls just before
     weights[c] and costs live[c]. Raises ``InfeasibleSplitError`` when no split fits.
     """
-    _check_weights(weights, k)
+    k = _check_weights(weights, k)
     if len(live) != len(weights) + 1:
         raise InvalidArgumentError(
             f"live must have one entry per cut (len(weights) + 1 = {len(weights) + 1}), got {len(live)}")

@@ -7,12 +7,13 @@ so a caller can fix the graph or the request without reading this code.
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any, Mapping
 
 import networkx as nx
 import numpy as np
 
+from autoshard.arguments import whole_number
 from autoshard.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -98,20 +99,19 @@ def max_stages(dag: nx.DiGraph) -> int:
     return sum(1 for v in dag.nodes if not is_input(dag, v))
 
 
-def check_stage_count(k: Any, maximum: int, detail: str) -> None:
-    """Raise unless ``k`` is an int in ``1..maximum``; ``detail`` says where the maximum is from."""
-    if not isinstance(k, int) or isinstance(k, bool):
-        raise InvalidArgumentTypeError(f"the number of stages must be an int, got {k!r}")
-    if k < 1:
-        raise InvalidArgumentError(f"the number of stages must be >= 1, got {k}")
+def check_stage_count(k: Any, maximum: int, detail: str) -> int:
+    """``k`` as an int, or raise unless it is a whole number in ``1..maximum``; ``detail`` says
+    where the maximum is from."""
+    k = whole_number(k, "the number of stages", at_least=1)
     if k > maximum:
         raise TooManyStagesError(k, maximum, detail)
+    return k
 
 
-def check_num_stages(dag: nx.DiGraph, k: Any) -> None:
-    """Raise unless ``k`` is an int in ``1..max_stages(dag)``."""
+def check_num_stages(dag: nx.DiGraph, k: Any) -> int:
+    """``k`` as an int, or raise unless it is a whole number in ``1..max_stages(dag)``."""
     maximum = max_stages(dag)
-    check_stage_count(k, maximum, f"the graph has {maximum} non-input nodes and each stage needs one")
+    return check_stage_count(k, maximum, f"the graph has {maximum} non-input nodes and each stage needs one")
 
 
 def _check_stage_values(dag: nx.DiGraph, assignment: Mapping[Node, Any], k: int) -> None:
@@ -119,7 +119,7 @@ def _check_stage_values(dag: nx.DiGraph, assignment: Mapping[Node, Any], k: int)
         if node not in assignment:
             raise InvalidArgumentError(f"covering: node {node!r} is not assigned to a stage")
         stage = assignment[node]
-        if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < k:
+        if not isinstance(stage, Integral) or isinstance(stage, bool) or not 0 <= stage < k:
             raise InvalidArgumentError(
                 f"range: node {node!r} is assigned to stage {stage!r}; stages are 0..{k - 1}"
             )
@@ -159,7 +159,7 @@ def check_partition(dag: nx.DiGraph, assignment: Any, k: int) -> None:
     stage holds a non-input node, inputs sit in stage 0, and no edge runs to an earlier stage.
     The message starts with the name of the broken rule.
     """
-    check_num_stages(dag, k)
+    k = check_num_stages(dag, k)
     if not isinstance(assignment, Mapping):
         raise InvalidArgumentTypeError(
             f"a partition must be a mapping node -> stage, got {type(assignment).__name__}"

@@ -181,7 +181,7 @@ def split_dag(
     ``InfeasibleSplitError`` naming them.
     """
     check_dag(dag)
-    check_num_stages(dag, k)
+    k = check_num_stages(dag, k)
     _check_tolerance(tolerance)
     entry = _lookup(strategy, options)
     constraints = Constraints.build(cut_before, together, prefer_together, capacities, memory_budgets,

@@ -25,6 +25,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from autoshard.arguments import whole_number
 from autoshard.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -143,10 +144,7 @@ def build_schedule(
     Pass every stage this rank runs (one for GPipe and 1F1B; ``rank``, ``rank + W``, ... for
     interleaved schedules). ``options`` go to the schedule class unchanged.
     """
-    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int):
-        raise InvalidArgumentTypeError(f"n_microbatches must be an int, got {n_microbatches!r}")
-    if n_microbatches < 1:
-        raise InvalidArgumentError(f"n_microbatches must be at least 1, got {n_microbatches}")
+    n_microbatches = whole_number(n_microbatches, "n_microbatches", at_least=1)
     local = [stages] if isinstance(stages, PipelineStage) else list(stages)
     if not local or not all(isinstance(s, PipelineStage) for s in local):
         raise InvalidArgumentTypeError("build_schedule needs the PipelineStage(s) this rank runs")

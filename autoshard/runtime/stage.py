@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.pipelining import PipelineStage
 
+from autoshard.arguments import whole_number
 from autoshard.capture.eager import isolated
 from autoshard.errors import (
     InvalidArgumentError,
@@ -98,13 +99,11 @@ def _warn_of_shared_buffers(sharded: ShardedModel, shared: dict[int, list[tuple[
             SharedBufferWarning, stacklevel=3)
 
 
-def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> None:
+def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> tuple[int, int]:
     if not isinstance(sharded, ShardedModel):
         raise InvalidArgumentTypeError(
             f"pipeline_stage needs the ShardedModel that shard_model returned, got {type(sharded).__name__}")
-    for label, value in (("stage_index", stage_index), ("num_stages", num_stages)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidArgumentTypeError(f"{label} must be an int, got {type(value).__name__} {value!r}")
+    stage_index, num_stages = whole_number(stage_index, "stage_index"), whole_number(num_stages, "num_stages")
     if num_stages != sharded.num_stages:
         raise InvalidArgumentError(
             f"num_stages is {num_stages} but the plan has {sharded.num_stages} stages; "
@@ -112,6 +111,7 @@ def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> None
     if not 0 <= stage_index < num_stages:
         raise InvalidArgumentError(
             f"stage_index {stage_index} is outside the plan's stages 0..{num_stages - 1}")
+    return stage_index, num_stages
 
 
 def plan_fingerprint(sharded: ShardedModel) -> str:
@@ -172,7 +172,7 @@ def pipeline_stage(
     stage module's ``state_dict()`` keys are the original model's. Parameters several stages
     share need ``TiedGradients.sync()`` after each step.
     """
-    _check_stage_choice(sharded, stage_index, num_stages)
+    stage_index, num_stages = _check_stage_choice(sharded, stage_index, num_stages)
     resolved = resolve_device(device, f"stage {stage_index}")
     if resolved.type == "meta":
         raise PipelineSetupError(
