@@ -183,7 +183,27 @@ def setup_errors(rank: int, world: int) -> dict:
         warnings.simplefilter("always")
         build_schedule(pipeline_stage(sharded, rank, 2, "cpu"), "gpipe", MICROBATCHES)
     errors["batch norm"] = [str(w.message) for w in caught if w.category is MicrobatchStatisticsWarning]
+    errors["batch shapes"] = batch_shape_errors(rank)
     return errors
+
+
+def batch_shape_errors(rank: int) -> list[str]:
+    """Steps with 10 rows (not 4 equal microbatches), 8 rows (fine), then 12 rows (not the first
+    step's shape): each rank refuses the bad ones on what it is given, before sending anything."""
+    model, (inputs,), _, _ = build("residual-mlp")
+    width = inputs.shape[1]
+    sharded = autoshard.shard_model(model, 2, example_inputs=(inputs,))
+    schedule = build_schedule(pipeline_stage(sharded, rank, 2, "cpu"), "gpipe", MICROBATCHES, loss_fn=F.mse_loss)
+    found = []
+    for rows in (10, 8, 12):
+        batch = torch.randn(rows, width)
+        try:
+            schedule.step(*((batch,) if rank == 0 else ()), target=batch if rank == 1 else None,
+                          return_outputs=False)
+            found.append("ran")
+        except InvalidArgumentError as exc:
+            found.append(str(exc))
+    return found
 
 
 def current_rss() -> int:
@@ -369,6 +389,12 @@ def test_world_size_misfits_fail_on_every_rank_before_blocking(two_processes):
         assert "rank 1 runs stages [1, 3] but was given [1]" in errors["a stage left out"]
     warned = [message for r in two_processes for message in r["errors"]["batch norm"]]
     assert len(warned) == 1 and ": 1)" in warned[0] and f"{MICROBATCHES} microbatches" in warned[0]
+    for rank, rank_result in enumerate(two_processes):
+        uneven, fine, changed = rank_result["errors"]["batch shapes"]
+        given = "argument 0" if rank == 0 else "target"
+        assert f"{given} has 10 rows, which does not split into {MICROBATCHES} equal microbatches" in uneven
+        assert fine == "ran"
+        assert f"differ in shape from the first step's: {given} [12, 16] (first step: [8, 16])" in changed
     assert all(("residual-mlp", 2, "gpipe") in r for r in two_processes)  # and the ranks carried on
 
 

@@ -8,6 +8,7 @@ Stage ``i`` runs on rank ``i % world_size`` (PyTorch's loop placement).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable, Sequence, Union
 
@@ -24,6 +25,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from autoshard.arguments import whole_number
 from autoshard.errors import (
@@ -154,8 +156,70 @@ def build_schedule(
     _check_ranks_agree(local, group)
     _warn_of_per_microbatch_statistics(local, n_microbatches)
     if issubclass(cls, PipelineScheduleSingle):
-        return cls(local[0], n_microbatches, loss_fn=loss_fn, **options)
-    return cls(sorted(local, key=lambda s: s.stage_index), n_microbatches, loss_fn=loss_fn, **options)
+        built = cls(local[0], n_microbatches, loss_fn=loss_fn, **options)
+    else:
+        built = cls(sorted(local, key=lambda s: s.stage_index), n_microbatches, loss_fn=loss_fn, **options)
+    chunked_by_rows = not {"args_chunk_spec", "kwargs_chunk_spec"} & options.keys()
+    built.step = _BatchShapes(n_microbatches, chunked_by_rows).guard(built.step)
+    return built
+
+
+class _BatchShapes:
+    """PyTorch's pipeline sizes the buffers between stages from the first microbatch it runs and
+    keeps them: a batch that splits into unequal microbatches, or a later batch of another shape,
+    made a rank crash in gloo or fail in backward while another computed its loss from
+    mismatched rows. Checked here, on the ranks that are given inputs or targets, before
+    anything is sent."""
+
+    def __init__(self, n_microbatches: int, chunked_by_rows: bool) -> None:
+        self.n_microbatches = n_microbatches
+        self.chunked_by_rows = chunked_by_rows  # torch's default: split every tensor along dim 0
+        self.first: dict[str, tuple[int, ...]] | None = None
+
+    def guard(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(step)
+        def checked(*args: Any, target: Any = None, **kwargs: Any) -> Any:
+            self.check(args, kwargs, target)
+            return step(*args, target=target, **kwargs)
+
+        return checked
+
+    def check(self, args: tuple, kwargs: dict[str, Any], target: Any) -> None:
+        model_kwargs = {k: v for k, v in kwargs.items() if k not in _STEP_OPTIONS}
+        shapes = {name: tuple(value.shape) for name, value in _named_tensors(args, model_kwargs, target)}
+        if self.chunked_by_rows:
+            for name, shape in shapes.items():
+                if not shape or shape[0] % self.n_microbatches:
+                    rows = f"{shape[0]} rows" if shape else "no batch dimension"
+                    raise InvalidArgumentError(
+                        f"{name} has {rows}, which does not split into {self.n_microbatches} equal "
+                        f"microbatches; PyTorch's pipeline sends buffers sized from the first microbatch, "
+                        f"so give a batch whose size is a multiple of {self.n_microbatches}")
+        if self.first is None:
+            self.first = shapes
+            return
+        changed = [f"{name} {list(shape)} (first step: {list(self.first[name])})"
+                   for name, shape in shapes.items() if self.first.get(name, shape) != shape]
+        if changed:
+            raise InvalidArgumentError(
+                f"this step's inputs differ in shape from the first step's: {', '.join(changed)}; the "
+                "stages keep the sizes of the first step's microbatches, so build new stages and a new "
+                "schedule for another batch shape, or pad the batch to the first one's")
+
+
+#: Keyword arguments of ``step`` that are not the model's inputs.
+_STEP_OPTIONS = ("losses", "return_outputs", "loss_kwargs")
+
+
+def _named_tensors(args: tuple, kwargs: dict[str, Any], target: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor ``step`` will split into microbatches, named as the user passed it."""
+    found = [(f"argument {i}{keystr(path)}", leaf) for i, arg in enumerate(args)
+             for path, leaf in tree_flatten_with_path(arg)[0]]
+    found += [(f"{name}{keystr(path)}", leaf) for name, value in kwargs.items()
+              for path, leaf in tree_flatten_with_path(value)[0]]
+    if target is not None:
+        found += [(f"target{keystr(path)}", leaf) for path, leaf in tree_flatten_with_path(target)[0]]
+    return [(name, leaf) for name, leaf in found if isinstance(leaf, torch.Tensor)]
 
 
 class MicrobatchStatisticsWarning(UserWarning):
