@@ -214,3 +214,50 @@ def test_the_runner_follows_mode_switches_made_after_it_was_built():
     expected = model(x)
     torch.manual_seed(1)
     assert torch.equal(runner(x), expected)
+
+
+class StepScaled(nn.Module):
+    """Keeps state for its next call, kept whole by the capture: a step count it rebinds as a
+    buffer or as a Python number on ``self``, which scales its output."""
+
+    def __init__(self, in_buffer: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.in_buffer = in_buffer
+        self.register_buffer("steps", torch.zeros(()))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_buffer:
+            self.steps = self.steps + 1
+            return self.lin(x) * self.steps
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+
+@pytest.mark.parametrize("in_buffer", [True, False], ids=["buffer", "number"])
+def test_state_a_kept_whole_module_writes_reaches_the_model_and_the_backward_replays_it(in_buffer):
+    """The runner ran stages on copies: a rebound buffer was dropped (every call computed with the
+    first count) and a number advanced on the copy only, and again when the backward recomputed
+    the stage (which then computed its gradient with the next count)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), StepScaled(in_buffer), nn.Linear(8, 8))
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),))
+    assert [w.name for w in sharded.plan.wrapped] == ["1"]
+    runner = OffloadRunner(sharded, "cpu")
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        model.zero_grad()
+        twin.zero_grad()
+        runner(x).pow(2).mean().backward()
+        twin(x).pow(2).mean().backward()
+        assert model[1].calls == twin[1].calls and torch.equal(model[1].steps, twin[1].steps)
+        for name, param in twin.named_parameters():
+            torch.testing.assert_close(model.get_parameter(name).grad, param.grad, msg=lambda m: f"{name}: {m}")
+    model[1].calls = twin[1].calls = 10  # the model's state, set by hand, is what the next call starts from
+    model[1].steps.fill_(10)
+    twin[1].steps.fill_(10)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), twin(x))

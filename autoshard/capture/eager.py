@@ -81,12 +81,12 @@ def trace_values_on(module: nn.Module) -> list[str]:
 
 
 #: Plain values a forward may keep on ``self`` from one call to the next.
-_SCALARS = (bool, int, float, str)
+SCALARS = (bool, int, float, str)
 
 
 def scalar_changed(old: Any, new: Any) -> bool:
     """Whether a number, flag or string was replaced by a different one (a step counter moved)."""
-    return isinstance(old, _SCALARS) and isinstance(new, _SCALARS) and (type(old) is not type(new) or old != new)
+    return isinstance(old, SCALARS) and isinstance(new, SCALARS) and (type(old) is not type(new) or old != new)
 
 
 @contextlib.contextmanager

@@ -12,13 +12,17 @@ largest stage's weights plus its activations, plus the values passed between sta
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.utils.checkpoint
+from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
+from autoshard.capture.eager import SCALARS
 from autoshard.errors import InvalidArgumentTypeError
 from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, stage_tensors
@@ -34,7 +38,8 @@ class OffloadRunner:
 
     Inputs are moved to ``device`` and outputs stay there. Under ``torch.no_grad()`` it is
     inference only; otherwise ``loss.backward()`` fills the model's own parameters' ``.grad``.
-    Buffers a stage updates (BatchNorm statistics) are written back to the model's buffers.
+    Buffers a stage updates (BatchNorm statistics) are written back to the model's buffers, and
+    numbers and flags its modules keep on themselves (a step counter) to the model's modules.
     """
 
     def __init__(self, sharded: ShardedModel, device: DeviceLike) -> None:
@@ -58,50 +63,107 @@ class OffloadRunner:
         return value.to(self.device) if isinstance(value, torch.Tensor) else value
 
     def _run(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        written: list[dict[str, torch.Tensor]] = []
+        call = _StageCall()
         if torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(
-                self._call_stage, index, written, *args, use_reentrant=False, **kwargs)
+                self._call_stage, index, call, *args, use_reentrant=False, **kwargs)
         else:
-            out = self._call_stage(index, written, *args, **kwargs)
-        self._write_back_buffers(index, written[0])
+            out = self._call_stage(index, call, *args, **kwargs)
+        self._write_back(index, call)
         return out
 
-    def _call_stage(self, index: int, written: list[dict[str, torch.Tensor]],
-                    *args: Any, **kwargs: Any) -> Any:
+    def _call_stage(self, index: int, call: _StageCall, *args: Any, **kwargs: Any) -> Any:
         """Run stage ``index`` on fresh device copies of its tensors.
 
         Parameters are copied differentiably, so their gradients flow back to the model's own.
-        Buffers are always copies; the first run's are kept in ``written`` to be stored back
-        (a recomputation in the backward must not update them twice).
+        Buffers are always copies. The first run takes the state the model's modules hold now; a
+        recomputation in the backward replays the first run's starting state (buffers, numbers,
+        flags) so it computes what the forward did, and leaves no state behind.
         """
+        homes, shells = self._module_pairs(index)
+        recompute = call.started is not None
+        if recompute:
+            now = _scalars(shells)
+            _set_scalars(shells, call.started.scalars)
+        else:
+            for home, shell in zip(homes, shells):
+                shell.training = home.training  # the shell is a copy: model.train() since must reach it
+            _set_scalars(shells, _scalars(homes))
+            call.started = _Started(_scalars(shells), {
+                name: home.detach().clone() for name, home in self.sharded.stages[index].named_buffers(
+                    remove_duplicate=False)} if torch.is_grad_enabled() else {})
+        tensors = self._device_copies(index, call.started.buffers if recompute else {})
+        out = functional_call(self._shells[index], tensors, args, kwargs, tie_weights=False, strict=True)
+        if recompute:
+            _set_scalars(shells, now)
+        else:
+            # a buffer the stage rebound (``self.steps = self.steps + 1``) is in ``tensors`` now
+            call.buffers = {name: tensors[name] for name in dict(self.sharded.stages[index].named_buffers(
+                remove_duplicate=False))}
+        return out
+
+    def _device_copies(self, index: int, buffers_at: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every tensor of stage ``index`` on the device, once per distinct tensor; buffers from
+        ``buffers_at`` where it has them (the state a recomputation replays)."""
         copies: dict[int, torch.Tensor] = {}
         tensors: dict[str, torch.Tensor] = {}
-        buffers: dict[str, torch.Tensor] = {}
         for name, home in stage_tensors(self.sharded.stages[index]).items():
             if id(home) not in copies:
-                is_param = isinstance(home, torch.nn.Parameter)
-                copies[id(home)] = (home.to(self.device) if is_param
-                                    else home.detach().to(self.device, copy=True))
-                if not is_param:
-                    buffers[name] = copies[id(home)]
+                if isinstance(home, torch.nn.Parameter):
+                    copies[id(home)] = home.to(self.device)
+                else:
+                    copies[id(home)] = buffers_at.get(name, home).detach().to(self.device, copy=True)
             tensors[name] = copies[id(home)]
-        written.append(buffers)
-        self._follow_modes(index)
-        return functional_call(self._shells[index], tensors, args, kwargs, tie_weights=False, strict=True)
+        return tensors
 
-    def _follow_modes(self, index: int) -> None:
-        """The shell's modules take the modes the model's modules have now (the shell was copied
-        once; ``model.train()`` since then must reach it, and its stage's mode guard)."""
-        homes = self.sharded.stages[index].named_modules(remove_duplicate=False)
-        shells = self._shells[index].named_modules(remove_duplicate=False)
-        for (_, home), (_, shell) in zip(homes, shells):
-            shell.training = home.training
+    def _module_pairs(self, index: int) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The model's modules in stage ``index`` and their copies in its shell, in the same order."""
+        homes = [m for _, m in self.sharded.stages[index].named_modules(remove_duplicate=False)]
+        shells = [m for _, m in self._shells[index].named_modules(remove_duplicate=False)]
+        return homes, shells
 
-    def _write_back_buffers(self, index: int, buffers: dict[str, torch.Tensor]) -> None:
-        """Copy every buffer back: kernels such as batch_norm update running statistics in place
-        without leaving a trace (not even the tensor's version counter)."""
-        homes = dict(self.sharded.stages[index].named_buffers(remove_duplicate=False))
+    def _write_back(self, index: int, call: _StageCall) -> None:
+        """The first run's state goes back to the model: numbers and flags its modules changed, and
+        every buffer, copied in place (kernels such as batch_norm update running statistics without
+        leaving a trace, not even the tensor's version counter) or rebound when the stage replaced it
+        by one of another shape or type."""
+        homes, shells = self._module_pairs(index)
+        _set_scalars(homes, _scalars(shells))
+        stage = self.sharded.stages[index]
         with torch.no_grad():
-            for name, value in buffers.items():
-                homes[name].copy_(value)
+            for name, value in call.buffers.items():
+                home = stage.get_buffer(name)
+                if home.shape == value.shape and home.dtype == value.dtype:
+                    home.copy_(value)
+                else:
+                    owner, _, attribute = name.rpartition(".")
+                    setattr(stage.get_submodule(owner), attribute, value.detach().to(home.device))
+
+
+@dataclass
+class _Started:
+    """What a stage run started from: its modules' numbers and flags, and (in training) its buffers."""
+
+    scalars: list[dict[str, Any]]
+    buffers: dict[str, torch.Tensor]
+
+
+@dataclass
+class _StageCall:
+    """One call of a stage: the state it started from, and its buffers when it ended."""
+
+    started: _Started | None = None
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _scalars(modules: list[nn.Module]) -> list[dict[str, Any]]:
+    """The numbers, flags and strings each model module keeps on itself (``self.calls``,
+    ``self.ready``); a stage's generated code keeps none (its source text differs in the shell,
+    retargeted to the runner's device)."""
+    return [{} if isinstance(m, fx.GraphModule) else
+            {k: v for k, v in vars(m).items() if isinstance(v, SCALARS) and k != "training"} for m in modules]
+
+
+def _set_scalars(modules: list[nn.Module], values: list[dict[str, Any]]) -> None:
+    for module, scalars in zip(modules, values):
+        vars(module).update(scalars)
