@@ -92,8 +92,8 @@ def _attribute(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
-def _named_tensors(gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
-    return [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
 
 
 def canonical_tensor_names(gm: fx.GraphModule) -> dict[int, str]:
@@ -115,13 +115,21 @@ class WeightInfo:
     trainable: bool
 
 
-def weight_infos(gm: fx.GraphModule) -> dict[str, WeightInfo]:
-    """Canonical name -> ``WeightInfo`` for every parameter and buffer object of ``gm``."""
+def weight_infos(gm: fx.GraphModule, model: nn.Module | None = None) -> dict[str, WeightInfo]:
+    """Canonical name -> ``WeightInfo`` for every parameter and buffer object of ``gm``.
+
+    The names are ``gm``'s, then any more that ``model`` (the traced model) gives the same object:
+    T5 ties its embeddings to ``shared``, which its forward never calls, and Hugging Face saves the
+    tied weight under that name only.
+    """
     aliases: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, tensor in _named_tensors(gm):
         aliases.setdefault(id(tensor), []).append(name)
         tensors[id(tensor)] = tensor
+    for name, tensor in _named_tensors(model) if model is not None else ():
+        if id(tensor) in aliases and name not in aliases[id(tensor)]:
+            aliases[id(tensor)].append(name)
     return {
         names[0]: WeightInfo(
             tuple(names), tensors[key].numel(), tensors[key].numel() * tensors[key].element_size(),
@@ -198,9 +206,10 @@ def route_around_non_tensors(dag: nx.DiGraph) -> None:
                 dag.nodes[source]["output"] = True
 
 
-def build_dag(gm: fx.GraphModule) -> nx.DiGraph:
-    """One DAG node per input and compute node, in program order; edges carry the value's name."""
-    dag = nx.DiGraph(weights=weight_infos(gm))
+def build_dag(gm: fx.GraphModule, model: nn.Module | None = None) -> nx.DiGraph:
+    """One DAG node per input and compute node, in program order; edges carry the value's name.
+    ``model``, the model ``gm`` was traced from, adds the names it alone gives a weight."""
+    dag = nx.DiGraph(weights=weight_infos(gm, model))
     claimed: set[int] = set()
     names = canonical_tensor_names(gm)
     for node in gm.graph.nodes:

@@ -26,5 +26,5 @@ class BuildDagPass(Pass):
     provides: ClassVar[frozenset[str]] = frozenset({"dag"})
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        dag = nx.freeze(build_dag(program.traced.graph_module))
+        dag = nx.freeze(build_dag(program.traced.graph_module, program.model))
         return dataclasses.replace(program, dag=dag)

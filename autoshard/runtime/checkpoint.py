@@ -27,14 +27,17 @@ def open_checkpoint(checkpoint: Checkpoint) -> Mapping[str, torch.Tensor]:
 
 
 def checked_entry(state: Mapping[str, torch.Tensor], name: str, expected: torch.Tensor,
-                  where: str) -> torch.Tensor:
-    """``state[name]``, refusing a missing entry or one whose shape differs from ``expected``."""
-    if name not in state:
+                  where: str, aliases: Sequence[str] = ()) -> torch.Tensor:
+    """``state[name]``, or the entry of the first of ``aliases`` (other names of the same tied
+    tensor) that ``state`` holds; refusing a missing entry or one whose shape differs from ``expected``."""
+    found = next((n for n in (name, *aliases) if n in state), None)
+    if found is None:
+        also = f" (nor its tied names {', '.join(repr(a) for a in aliases)})" if aliases else ""
         raise CheckpointMismatchError(
-            f"{where} needs '{name}', which the checkpoint does not hold; pass the original model's "
+            f"{where} needs '{name}'{also}, which the checkpoint does not hold; pass the original model's "
             "state_dict or this stage's own (a non-persistent buffer is never saved: build it on a "
             "real device rather than on meta)")
-    value = state[name]
+    name, value = found, state[found]
     if tuple(value.shape) != tuple(expected.shape):
         raise CheckpointMismatchError(
             f"{where} needs '{name}' of shape {tuple(expected.shape)}, the checkpoint holds "

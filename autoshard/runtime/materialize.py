@@ -38,10 +38,23 @@ def materialize_stage(
                 f"stage {index} is outside the plan's stages 0..{sharded.num_stages - 1}")
     resolved = resolve_device(device, "the materialised stage")
     state = open_checkpoint(checkpoint)
+    tied = _tied_names(sharded)
     loaded: dict[int, torch.Tensor] = {}
     for index in wanted:
         for name, tensor in stage_tensors(sharded.stages[index]).items():
             if id(tensor) not in loaded:
-                value = checked_entry(state, name, tensor, f"stage {index}")
+                aliases = tied.get(name, ())
+                if tensor.numel() == 0 and not any(n in state for n in (name, *aliases)):
+                    value = torch.empty_like(tensor, device="cpu")  # no data to load (T5's fresh cache)
+                else:
+                    value = checked_entry(state, name, tensor, f"stage {index}", aliases)
                 loaded[id(tensor)] = like(tensor, value.to(resolved, dtype=tensor.dtype))
     return replaced_stages(sharded, lambda name, tensor: loaded.get(id(tensor), tensor))
+
+
+def _tied_names(sharded: ShardedModel) -> dict[str, tuple[str, ...]]:
+    """Every name of a tied weight -> its other names in the model (a checkpoint saved by Hugging
+    Face holds a tied weight under one of them only, which may belong to no stage)."""
+    infos = sharded.plan.dag.graph.get("weights", {})
+    return {name: tuple(n for n in info.names if n != name) for info in infos.values() for name in info.names}
+
