@@ -88,6 +88,58 @@ def test_unknown_modules_are_named_with_suggestions():
         run(model, inputs, "split{stages=2 cut-before=linears.9}")
 
 
+class SignGate(nn.Module):
+    """A branch on a tensor's value: kept whole by the trace, with its own child ``lin``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h if h.sum() > 0 else -h
+
+
+class AliasedAndKeptWhole(nn.Module):
+    """``shared`` is registered first and called under its second name ``first`` (as T5 ties its
+    embeddings to ``shared``): nodes run under one of the names only; ``gate`` is kept whole;
+    ``spare`` never runs, but ``last`` uses its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 8)
+        self.first = self.shared
+        self.middle = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+        self.gate = SignGate()
+        self.spare = nn.Linear(8, 8)  # never run; the last layer uses its weight
+        self.last = nn.Linear(8, 8)
+        self.last.weight = self.spare.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.gate(self.middle(self.first(self.pre(x)))))
+
+
+def test_constraints_may_name_a_module_by_another_name_or_inside_one_kept_whole():
+    torch.manual_seed(0)
+    model, inputs = AliasedAndKeptWhole().eval(), (torch.randn(4, 8),)
+    by_alias = run(model, inputs, "split{stages=2 cost=nodes cut-before=shared no-split=shared}")
+    by_name = run(model, inputs, "split{stages=2 cost=nodes cut-before=first no-split=first}")
+    assert by_alias.partition.assignment == by_name.partition.assignment
+    # fx names the module by its first name, export by the name the forward calls: either way
+    # one of the two runs no node, and the cut lands before the module's node
+    assert stages_of_module(by_alias, "shared") | stages_of_module(by_alias, "first") == {1}
+    assert stages_of_module(by_alias, "pre") == {0} and stages_of_module(by_alias, "middle") == {1}
+    inner = run(model, inputs, "split{stages=3 cost=nodes no-split=gate.lin}")  # the gate is one node anyway
+    assert inner.partition.assignment == run(model, inputs, "split{stages=3 cost=nodes}").partition.assignment
+    with pytest.raises(InvalidArgumentError, match="cut-before: 'gate.lin' runs inside 'gate', which the capture "
+                                                   "keeps whole .* cut before 'gate'"):
+        run(model, inputs, "split{stages=2 cut-before=gate.lin}")
+    with pytest.raises(InvalidArgumentError, match="no-split: the forward never runs module 'spare' "
+                                                   r"\(its weights are used as 'last.weight'\)"):
+        run(model, inputs, "split{stages=2 no-split=spare}")
+
+
 def test_capacities_give_a_faster_stage_more_work():
     model, inputs = mlp()
     program = run(model, inputs, "split{stages=2 capacities=1,3}")

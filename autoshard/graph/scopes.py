@@ -3,7 +3,9 @@
 ``build_dag`` records on each node the modules it runs inside (``scopes``: ``(path, class
 name)`` pairs, outermost first) and the canonical names of the weights it reads (``weights``;
 tied weights share a name). A module path stands for the module and its descendants; a class
-name for every module of that class. torch-free: it only reads node attributes.
+name for every module of that class. A path no node runs under may have a stand-in (the DAG's
+``module_stand_ins``, from the model): another name of the same module, or the module kept
+whole that holds it. torch-free: it only reads node and graph attributes.
 """
 
 from __future__ import annotations
@@ -32,10 +34,30 @@ def _unknown(option: str, entry: str, known: Iterable[str], what: str) -> Invali
     return InvalidArgumentError(f"{option}: no {what} is called {entry!r}{hint}")
 
 
+def _stand_in(dag: nx.DiGraph, option: str, path: str) -> tuple[str, str] | None:
+    """What stands in for module ``path`` if no node runs under it; raises if the forward never runs it."""
+    stand_in = dag.graph.get("module_stand_ins", {}).get(path)
+    if stand_in and stand_in[1] == "unused":
+        used = [alias for info in dag.graph.get("weights", {}).values() if any(_inside(n, path) for n in info.names)
+                for alias in info.names if not _inside(alias, path)]
+        also = f" (its weights are used as {', '.join(map(repr, used))})" if used else ""
+        raise InvalidArgumentError(f"{option}: the forward never runs module {path!r}{also}; name a module it runs")
+    return stand_in
+
+
 def cut_before_nodes(dag: nx.DiGraph, order: Sequence[Node], paths: Sequence[str]) -> list[Node]:
-    """For each module path, the first node of ``order`` that runs inside that module."""
+    """For each module path, the first node of ``order`` that runs inside that module (or under
+    another name of it). A module inside one kept whole cannot start a stage: refused, naming
+    the module that can."""
     found = []
     for path in paths:
+        stand_in = _stand_in(dag, "cut-before", path)
+        if stand_in and stand_in[1] == "inside":
+            raise InvalidArgumentError(
+                f"cut-before: {path!r} runs inside {stand_in[0]!r}, which the capture keeps whole (see the "
+                f"plan's wrapped modules for why), so no stage can start inside it; cut before {stand_in[0]!r}")
+        if stand_in:
+            path = stand_in[0]
         first = next((v for v in order if any(_inside(p, path) for p, _ in _scopes(dag, v))), None)
         if first is None:
             known = (p for v in order for p, _ in _scopes(dag, v))
@@ -58,7 +80,8 @@ def no_split_groups(dag: nx.DiGraph, entries: Sequence[str]) -> dict[str, frozen
             by_class.setdefault(kind, {}).setdefault(path, set()).add(v)
     groups: dict[str, frozenset[Node]] = {}
     for entry in entries:
-        paths = [p for p in members if _inside(p, entry)]
+        stand_in = _stand_in(dag, "no-split", entry)  # a module kept whole holds it, or it has another name
+        paths = [p for p in members if _inside(p, stand_in[0] if stand_in else entry)]
         if paths:
             groups[f"no-split {entry}"] = frozenset().union(*(members[p] for p in paths))
         elif entry in by_class:
