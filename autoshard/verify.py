@@ -155,6 +155,29 @@ def _captured_grad_mode(gm: fx.GraphModule) -> bool:
                    for n in gm.graph.nodes)
 
 
+def _model_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int, grad: bool) -> Any:
+    # Every run gets its own copy of the inputs: a forward that writes to them must not feed the
+    # next run its output, nor change the caller's tensors.
+    return run_seeded(lambda: model(*cloned(args), **cloned(kwargs)), model, seed, grad=grad)
+
+
+def _graph_run(interpreter: fx.Interpreter, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+               seed: int, grad: bool) -> Any:
+    gm = interpreter.module
+    return run_seeded(lambda: interpreter.run(*_positional(gm, *cloned((args, kwargs)))), model, seed, grad=grad)
+
+
+def capture_difference(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       seed: int = 0) -> str | None:
+    """Where the captured graph's output first differs from the model's on the example (None when
+    equal, or when the output cannot be compared: ``verify_stages`` explains that)."""
+    grad = _captured_grad_mode(gm)
+    expected = _model_run(model, args, kwargs, seed, grad)
+    if _objects_holding_tensors(expected):
+        return None
+    return first_difference(_graph_run(PlainInterpreter(gm), model, args, kwargs, seed, grad), expected, 0.0, 0.0)
+
+
 def verify_stages(
     model: nn.Module,
     gm: fx.GraphModule,
@@ -167,10 +190,8 @@ def verify_stages(
     seed: int = 0,
 ) -> str:
     """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
-    # Every run gets its own copy of the inputs: a forward that writes to them must not feed the
-    # next run its output, nor change the caller's tensors.
     grad = _captured_grad_mode(gm)
-    expected = run_seeded(lambda: model(*cloned(args), **cloned(kwargs)), model, seed, grad=grad)
+    expected = _model_run(model, args, kwargs, seed, grad)
     opaque = _objects_holding_tensors(expected)
     if opaque:
         raise VerificationError(
@@ -179,7 +200,7 @@ def verify_stages(
             "tensors); if one is a generation cache (past_key_values), call the model with use_cache=False",
             stage=None)
     recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})
-    traced = run_seeded(lambda: recorder.run(*_positional(gm, *cloned((args, kwargs)))), model, seed, grad=grad)
+    traced = _graph_run(recorder, model, args, kwargs, seed, grad)
     problem = first_difference(traced, expected, rtol, atol)
     if problem:
         raise VerificationError(

@@ -83,6 +83,31 @@ def test_auto_keeps_fx_on_a_tie_and_does_not_try_export_when_fx_wraps_no_module(
     assert capture(model, args, kwargs).considered == ("fx: wrapped modules 0, functions 2",)
 
 
+class ScalesTensors(nn.Module):
+    """Takes a branch only for a tensor: fx's proxy is no tensor, so fx's graph silently skips it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if isinstance(h, torch.Tensor):
+            h = h * 2
+        return h
+
+
+def test_auto_tries_export_when_the_fx_graph_computes_something_else_than_the_model():
+    model = Around(ScalesTensors(), 2)
+    result = capture(model, (torch.randn(3, 2),))
+    assert result.front_end == "export" and result.wrapped == ()
+    assert result.considered[0].startswith("fx: wrapped modules 0, functions 0, differs from the model (")
+    x = torch.randn(5, 2)
+    assert torch.equal(result.graph_module(x), model(x))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(3, 2),))  # verified
+    assert torch.equal(sharded(x), model(x))
+
+
 def test_without_examples_only_fx_runs_and_a_failure_says_what_to_pass():
     class TopLevel(nn.Module):
         def forward(self, x):

@@ -6,7 +6,10 @@ and export fails on control flow that reads tensor values, each wrapping leaves 
 (it is several times faster and keeps module calls whole). Where fx kept code whole because it
 turns a size into a Python number, fx is tried again with that size pinned to the example's
 (guarded), as export would pin it, before export is tried. Wrapped free functions do not count:
-they cost a split nothing. So when fx wraps no module, export cannot win and is not tried. When
+they cost a split nothing. So when fx wraps no module, export cannot win and is not tried, unless
+fx's graph computes something else than the model on the example (fx answers
+``isinstance(x, torch.Tensor)`` with False for a traced value, where export's fake tensors say
+True): a capture that differs is kept only when every one does, for ``verify`` to explain. When
 every front end fails, the model is run on the example as it is: if it fails there too, its own
 error is what the user needs to see.
 """
@@ -67,6 +70,14 @@ def capture(
         return _front_end(front_end)(model, example_args, example_kwargs)
     has_examples = bool(example_args or example_kwargs)
     tried: dict[str, TraceResult | TraceError] = {}
+    checked: dict[str, str | None] = {}
+
+    def differs(name: str) -> str | None:
+        """How the capture ``name`` differs from the model on the example, checked once."""
+        if has_examples and name not in checked:
+            checked[name] = _difference(model, tried[name], example_args, example_kwargs or {})
+        return checked.get(name)
+
     for name, front, options in _CANDIDATES if has_examples else _CANDIDATES[:1]:
         if options and not _converted_a_size(tried["fx"]):
             continue
@@ -74,14 +85,28 @@ def capture(
             tried[name] = _front_end(front)(model, example_args, example_kwargs, **options)
         except TraceError as exc:
             tried[name] = exc
-        if isinstance(tried[name], TraceResult) and not tried[name].wrapped_modules:
+        if isinstance(tried[name], TraceResult) and not tried[name].wrapped_modules and not differs(name):
             break
-    captured = [r for r in tried.values() if isinstance(r, TraceResult)]
-    considered = tuple(_summary(name, r) for name, r in tried.items())
+    captured = [name for name, r in tried.items() if isinstance(r, TraceResult)]
     if not captured:
+        considered = tuple(_summary(name, r) for name, r in tried.items())
         if has_examples:
             check_model_runs(model, example_args, example_kwargs or {})
         hint = "" if has_examples else "; pass example inputs so the 'export' front end can be tried too"
         raise TraceError(f"no front end could capture {type(model).__name__}: {'; '.join(considered)}{hint}")
-    best = min(captured, key=lambda r: len(r.wrapped_modules))  # min keeps the first (fx) on a tie
-    return dataclasses.replace(best, considered=considered)
+    by_leaves = sorted(captured, key=lambda name: len(tried[name].wrapped_modules))  # stable: fx first on a tie
+    # the fewest leaves among the captures that compute what the model does (verify names the
+    # difference when none does)
+    best = next((name for name in by_leaves if not differs(name)), by_leaves[0])
+    considered = tuple(_summary(name, r) + (f", differs from the model ({checked[name]})" if checked.get(name) else "")
+                       for name, r in tried.items())
+    return dataclasses.replace(tried[best], considered=considered)
+
+
+def _difference(model: nn.Module, result: TraceResult, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+    from autoshard.verify import capture_difference  # verify imports the capture package
+
+    try:
+        return capture_difference(model, result.graph_module, args, dict(kwargs))
+    except Exception as exc:  # the graph fails on its own example: it differs  # noqa: BLE001
+        return f"running it failed: {type(exc).__name__}: {exc}"
