@@ -116,35 +116,68 @@ class ShardedModel(nn.Module):
     returns.
     """
 
-    def __init__(self, stages: list[fx.GraphModule], plan: StagePlan) -> None:
+    def __init__(self, stages: list[fx.GraphModule], plan: StagePlan,
+                 model_signature: inspect.Signature | None = None) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.plan = plan
         self.training = plan.training  # its own flag only: the stages share the model's modules
+        #: the model's own call signature, when known: an argument the example left out may be
+        #: passed with its default value (``mask=None``), which the plan computes with
+        self.model_signature = model_signature
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        _check_call(self.stages[0], args, kwargs)
+        args, kwargs = _fitted_call(self.stages[0], self.model_signature, args, kwargs)
         values = self.stages[0](*args, **kwargs)
         for stage in self.stages[1:]:
             values = stage(*_moved_to(_device_of(stage), values))
         return values
 
 
-def _check_call(first: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse, naming what the plan takes, a call the first stage cannot take: an argument the
-    example left at its default (fixed at it in the plan) or more positional ones than it had."""
+def _fitted_call(first: nn.Module, model_signature: inspect.Signature | None, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call as the first stage takes it. Arguments the example left out are fixed at their
+    defaults in the plan: passed with that same value (``mask=None``) they are dropped, passed
+    with another they are refused, naming what the plan takes (so are more positional ones than
+    the example had)."""
     signature = inspect.signature(first.forward)
     try:
         signature.bind(*args, **kwargs)
+        return args, kwargs
     except TypeError as exc:
-        raise InputMismatchError(
-            f"these inputs do not fit the sharded plan: {exc}. The plan takes ({', '.join(signature.parameters)}), "
+        refusal = exc
+    if model_signature is not None:
+        try:
+            bound = model_signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            bound = None
+        if bound is not None:
+            fixed = [name for name in bound if name not in signature.parameters]
+            changed = [name for name in fixed if not _is_default(model_signature, name, bound[name])]
+            if not changed:
+                return (), {name: value for name, value in bound.items() if name in signature.parameters}
+            defaults = [model_signature.parameters[name].default for name in changed]
+            if inspect.Parameter.empty not in defaults:
+                left = ", ".join(f"{name}={default!r}" for name, default in zip(changed, defaults))
+                refusal = TypeError(f"the example left {left} at the default, which the plan computes with")
+    raise InputMismatchError(
+            f"these inputs do not fit the sharded plan: {refusal}. The plan takes ({', '.join(signature.parameters)}), "
             "the arguments its example passed (one left out was fixed at its default); shard the model again "
             "with an example that passes these arguments") from None
+
+
+def _is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
+    """Whether ``value`` is the default of parameter ``name``: the same object, or an equal plain
+    number, flag or string (a tensor default never counts: its values could have changed)."""
+    default = signature.parameters[name].default
+    if default is inspect.Parameter.empty:
+        return False
+    plain = (bool, int, float, str, type(None))
+    return value is default or (type(value) is type(default) and isinstance(value, plain) and value == default)
 
 
 def _device_of(stage: nn.Module) -> torch.device | None:

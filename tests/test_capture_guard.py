@@ -103,11 +103,18 @@ class OptionalMask(nn.Module):
 def test_a_sharded_model_refuses_arguments_its_example_did_not_pass_naming_what_it_takes():
     import autoshard
 
-    sharded = autoshard.shard_model(OptionalMask(), 2, example_inputs=(torch.randn(2, 4),))
-    with pytest.raises(InputMismatchError, match=r"unexpected keyword argument 'mask'.*The plan takes \(x\)"):
-        sharded(torch.randn(2, 4), mask=torch.ones(2, 4))
-    with pytest.raises(InputMismatchError, match=r"too many positional arguments.*The plan takes \(x\)"):
-        sharded(torch.randn(2, 4), torch.ones(2, 4))
+    model = OptionalMask()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),))
+    x = torch.randn(2, 4)
+    for passed in ({"mask": torch.ones(2, 4)}, {"more": torch.ones(2, 4)}):
+        args = (x, *passed.values()) if "more" not in passed else (x, None, passed["more"])
+        refusal = "the example left mask=None at the default" if "mask" in passed else "too many positional arguments"
+        with pytest.raises(InputMismatchError, match=rf"{refusal}.*The plan takes \(x\)"):
+            sharded(*args)
+    with pytest.raises(InputMismatchError, match=r"the example left mask=None at the default, which the plan computes"):
+        sharded(x, mask=torch.ones(2, 4))
+    # passed with the value the example left it at, an argument is what the plan computes with
+    assert torch.equal(sharded(x, mask=None), model(x)) and torch.equal(sharded(x, None), model(x))
 
 
 class AttentionDropout(nn.Module):
