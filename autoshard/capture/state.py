@@ -66,7 +66,7 @@ def instructions(code: types.CodeType) -> tuple[dis.Instruction, ...]:
     return tuple(dis.get_instructions(code))
 
 
-_AUTOSHARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CAPTURE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
@@ -81,7 +81,7 @@ def _read_earlier(frame: types.FrameType | None, name: str) -> bool:
     capture, reads ``name`` before the point it is at: ``self.steps += 1``, and a flag set once
     (``if not self.ready: ...; self.ready = True``), even when the check sits in a caller.
     Static: a read the code skipped on this call counts too (keeping a module whole is safe)."""
-    while frame is not None and not frame.f_code.co_filename.startswith(_AUTOSHARD_DIR):
+    while frame is not None and not frame.f_code.co_filename.startswith(_CAPTURE_DIR):
         if not frame.f_code.co_filename.startswith(_TORCH_DIR) and _reads_before(frame, name):
             return True
         frame = frame.f_back
