@@ -140,40 +140,77 @@ class ShardedModel(nn.Module):
 
 def _fitted_call(first: nn.Module, model_signature: inspect.Signature | None, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call as the first stage takes it. Arguments the example left out are fixed at their
-    defaults in the plan: passed with that same value (``mask=None``) they are dropped, passed
-    with another they are refused, naming what the plan takes (so are more positional ones than
-    the example had)."""
+    """The call as the first stage takes it.
+
+    The stage takes the arguments the example passed; one the example left out is fixed at its
+    default in the plan: passed with that same value (``mask=None``) it is dropped, with another it
+    is refused, naming what the plan takes (so are more positional ones than the example had). An
+    argument the example passed with another value than the model's default (``scale=2.0``) is
+    the stage's default: a call leaving it out gets the model's default instead, as the model would.
+    """
     signature = inspect.signature(first.forward)
     try:
-        signature.bind(*args, **kwargs)
-        return args, kwargs
+        bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
-        refusal = exc
-    if model_signature is not None:
-        try:
-            bound = model_signature.bind(*args, **kwargs).arguments
-        except TypeError:
-            bound = None
-        if bound is not None:
-            fixed = [name for name in bound if name not in signature.parameters]
-            changed = [name for name in fixed if not _is_default(model_signature, name, bound[name])]
-            if not changed:
-                return (), {name: value for name, value in bound.items() if name in signature.parameters}
-            defaults = [model_signature.parameters[name].default for name in changed]
-            if inspect.Parameter.empty not in defaults:
-                left = ", ".join(f"{name}={default!r}" for name, default in zip(changed, defaults))
-                refusal = TypeError(f"the example left {left} at the default, which the plan computes with")
-    raise InputMismatchError(
-            f"these inputs do not fit the sharded plan: {refusal}. The plan takes ({', '.join(signature.parameters)}), "
-            "the arguments its example passed (one left out was fixed at its default); shard the model again "
-            "with an example that passes these arguments") from None
+        if model_signature is None:
+            raise _not_fitting(signature, exc) from None
+        return (), _dropping_defaults(signature, model_signature, args, kwargs, exc)
+    return args, {**kwargs, **_model_defaults(signature, model_signature, bound.arguments)}
+
+
+def _dropping_defaults(signature: inspect.Signature, model_signature: inspect.Signature, args: tuple[Any, ...],
+                       kwargs: dict[str, Any], refusal: TypeError) -> dict[str, Any]:
+    """The arguments of a call the stage takes, when every other one has the model's default."""
+    try:
+        values = model_signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        raise _not_fitting(signature, refusal) from None
+    changed = [name for name in values
+               if name not in signature.parameters and not _is_default(model_signature, name, values[name])]
+    if changed:
+        defaults = [model_signature.parameters[name].default for name in changed]
+        if inspect.Parameter.empty not in defaults:
+            left = ", ".join(f"{name}={default!r}" for name, default in zip(changed, defaults))
+            refusal = TypeError(f"the example left {left} at the default, which the plan computes with")
+        raise _not_fitting(signature, refusal) from None
+    kept = {name: value for name, value in values.items() if name in signature.parameters}
+    try:
+        signature.bind(**kept)
+    except TypeError as exc:  # it also leaves out one the example passed
+        raise _not_fitting(signature, exc) from None
+    return kept
+
+
+def _not_fitting(signature: inspect.Signature, reason: TypeError) -> InputMismatchError:
+    return InputMismatchError(
+        f"these inputs do not fit the sharded plan: {reason}. The plan takes ({', '.join(signature.parameters)}), "
+        "the arguments its example passed (one left out was fixed at its default); shard the model again "
+        "with an example that passes these arguments")
+
+
+def _model_defaults(signature: inspect.Signature, model_signature: inspect.Signature | None,
+                    passed: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's defaults for the stage's arguments a call leaves out, where they are not the stage's."""
+    if model_signature is None:
+        return {}
+    found = {}
+    for name, parameter in signature.parameters.items():
+        model_parameter = model_signature.parameters.get(name)
+        if name in passed or model_parameter is None or model_parameter.default is inspect.Parameter.empty:
+            continue
+        if not _is_default(model_signature, name, parameter.default):
+            found[name] = model_parameter.default
+    return found
 
 
 def _is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
     """Whether ``value`` is the default of parameter ``name``: the same object, or an equal plain
-    number, flag or string (a tensor default never counts: its values could have changed)."""
-    default = signature.parameters[name].default
+    number, flag or string (a tensor default never counts: its values could have changed); for
+    ``*args`` or ``**kwargs``, nothing."""
+    parameter = signature.parameters[name]
+    if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        return not value
+    default = parameter.default
     if default is inspect.Parameter.empty:
         return False
     plain = (bool, int, float, str, type(None))

@@ -117,6 +117,29 @@ def test_a_sharded_model_refuses_arguments_its_example_did_not_pass_naming_what_
     assert torch.equal(sharded(x, mask=None), model(x)) and torch.equal(sharded(x, None), model(x))
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.0):
+        return self.second(self.first(x) * scale)
+
+
+def test_an_argument_the_example_set_is_not_the_default_of_a_call_that_leaves_it_out():
+    """The plan is captured with the example's scale=2.0; a call without it means the model's
+    default 1.0, which the plan does not serve: refused (the stage's signature held 2.0 as its
+    default, so the call silently computed with it)."""
+    import autoshard
+
+    model = Scaled()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),), example_kwargs={"scale": 2.0})
+    x = torch.randn(3, 4)
+    assert torch.equal(sharded(x, scale=2.0), model(x, scale=2.0)) and torch.equal(sharded(x, 2.0), model(x, 2.0))
+    with pytest.raises(InputMismatchError, match=r"scale=1.0, but the plan was captured with scale=2.0"):
+        sharded(x)
+
+
 class AttentionDropout(nn.Module):
     """Reads ``self.training`` for a dropout rate, as Hugging Face attention does: a graph fixes it."""
 
