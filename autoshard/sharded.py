@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping
@@ -11,8 +12,9 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
+from autoshard.capture.guard import check_inputs
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.memory import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
@@ -138,47 +140,89 @@ class ShardedModel(nn.Module):
         return values
 
 
-def _fitted_call(first: nn.Module, model_signature: inspect.Signature | None, args: tuple[Any, ...],
+def _fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | None, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call as the first stage takes it.
+    """The call as the first stage takes it: bound as the model binds it (the stage's arguments are
+    the example's, by the model's names), then matched to the example's arguments.
 
-    The stage takes the arguments the example passed; one the example left out is fixed at its
-    default in the plan: passed with that same value (``mask=None``) it is dropped, with another it
-    is refused, naming what the plan takes (so are more positional ones than the example had). An
-    argument the example passed with another value than the model's default (``scale=2.0``) is
-    the stage's default: a call leaving it out gets the model's default instead, as the model would.
+    An argument the example left out is fixed at its default in the plan: passed with that same
+    value (``mask=None``) it is dropped, with another it is refused, naming what the plan takes. An
+    argument the example passed and the call leaves out gets the model's default, as in the model
+    (the plan's guard then says whether it serves that value). Without the model's signature (a
+    plan rebuilt from a file) the call is bound to the stage's own arguments.
     """
     signature = inspect.signature(first.forward)
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        if model_signature is None:
+    if model_signature is None:
+        try:
+            _check_tensor_inputs(first, signature.bind(*args, **kwargs).arguments)
+        except TypeError as exc:
             raise _not_fitting(signature, exc) from None
-        return (), _dropping_defaults(signature, model_signature, args, kwargs, exc)
-    return args, {**kwargs, **_model_defaults(signature, model_signature, bound.arguments)}
-
-
-def _dropping_defaults(signature: inspect.Signature, model_signature: inspect.Signature, args: tuple[Any, ...],
-                       kwargs: dict[str, Any], refusal: TypeError) -> dict[str, Any]:
-    """The arguments of a call the stage takes, when every other one has the model's default."""
+        return args, kwargs
     try:
-        values = model_signature.bind(*args, **kwargs).arguments
-    except TypeError:
-        raise _not_fitting(signature, refusal) from None
-    changed = [name for name in values
-               if name not in signature.parameters and not _is_default(model_signature, name, values[name])]
-    if changed:
-        defaults = [model_signature.parameters[name].default for name in changed]
-        if inspect.Parameter.empty not in defaults:
-            left = ", ".join(f"{name}={default!r}" for name, default in zip(changed, defaults))
-            refusal = TypeError(f"the example left {left} at the default, which the plan computes with")
-        raise _not_fitting(signature, refusal) from None
-    kept = {name: value for name, value in values.items() if name in signature.parameters}
-    try:
-        signature.bind(**kept)
-    except TypeError as exc:  # it also leaves out one the example passed
+        named = _by_argument_name(model_signature, model_signature.bind(*args, **kwargs).arguments)
+    except TypeError as exc:  # the model itself refuses the call
         raise _not_fitting(signature, exc) from None
-    return kept
+    left_out = [name for name in named if name not in signature.parameters]
+    changed = [name for name in left_out if not _is_default(model_signature, name, named[name])]
+    if changed:
+        defaults = [_default(model_signature, name) for name in changed]
+        reason = (f"the example left {', '.join(f'{n}={d!r}' for n, d in zip(changed, defaults))} at the default, "
+                  "which the plan computes with" if inspect.Parameter.empty not in defaults
+                  else f"the example did not pass {', '.join(map(repr, changed))}")
+        raise _not_fitting(signature, TypeError(reason))
+    call = {name: value for name, value in named.items() if name in signature.parameters}
+    inputs = _graph_inputs(first) or tuple(signature.parameters)
+    for name in signature.parameters:  # a constant of the example's, left out: the model's default
+        if name not in call and name not in inputs and _default(model_signature, name) is not inspect.Parameter.empty:
+            call[name] = _default(model_signature, name)
+    try:
+        _check_tensor_inputs(first, signature.bind(**call).arguments)
+    except TypeError as exc:
+        raise _not_fitting(signature, exc) from None
+    return (), call
+
+
+def _check_tensor_inputs(first: fx.GraphModule, values: Mapping[str, Any]) -> None:
+    """The graph's inputs held tensors in the example: a call passing None or a number there
+    (``mask=None``, the model's default) is refused here, not in the middle of the graph."""
+    for name in _graph_inputs(first) or values:
+        if name in values and not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(values[name])):
+            raise TypeError(f"{name} is {values[name]!r}, but the plan was captured with tensors there")
+
+
+def _graph_inputs(first: fx.GraphModule) -> tuple[str, ...] | None:
+    """The first stage's arguments that are graph inputs, as its input guard lists them; None when
+    it has no guard (it has no constants then: every argument is an input)."""
+    if first not in _GRAPH_INPUTS:
+        guards = [node for node in first.graph.nodes if node.op == "call_function" and node.target is check_inputs]
+        _GRAPH_INPUTS[first] = getattr(first, str(guards[0].args[0].target)).returns if guards else None
+    return _GRAPH_INPUTS[first]
+
+
+#: ``_graph_inputs`` by stage, found once (a stage's graph does not change after emit).
+_GRAPH_INPUTS: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, ...] | None] = weakref.WeakKeyDictionary()
+
+
+def _by_argument_name(signature: inspect.Signature, bound: Mapping[str, Any]) -> dict[str, Any]:
+    """A model binding by the names the capture gives the example's arguments: each parameter's
+    own, the entries of ``**kwargs`` by their keys, extra positional ones ``arg{i}``."""
+    named: dict[str, Any] = {}
+    positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in signature.parameters.values())
+    for name, value in bound.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update({f"arg{positional + i}": item for i, item in enumerate(value)})
+        else:
+            named[name] = value
+    return named
+
+
+def _default(signature: inspect.Signature, name: str) -> Any:
+    """Parameter ``name``'s default (``inspect.Parameter.empty``: none, or no such parameter)."""
+    parameter = signature.parameters.get(name)
+    return inspect.Parameter.empty if parameter is None else parameter.default
 
 
 def _not_fitting(signature: inspect.Signature, reason: TypeError) -> InputMismatchError:
@@ -188,29 +232,10 @@ def _not_fitting(signature: inspect.Signature, reason: TypeError) -> InputMismat
         "with an example that passes these arguments")
 
 
-def _model_defaults(signature: inspect.Signature, model_signature: inspect.Signature | None,
-                    passed: Mapping[str, Any]) -> dict[str, Any]:
-    """The model's defaults for the stage's arguments a call leaves out, where they are not the stage's."""
-    if model_signature is None:
-        return {}
-    found = {}
-    for name, parameter in signature.parameters.items():
-        model_parameter = model_signature.parameters.get(name)
-        if name in passed or model_parameter is None or model_parameter.default is inspect.Parameter.empty:
-            continue
-        if not _is_default(model_signature, name, parameter.default):
-            found[name] = model_parameter.default
-    return found
-
-
 def _is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
     """Whether ``value`` is the default of parameter ``name``: the same object, or an equal plain
-    number, flag or string (a tensor default never counts: its values could have changed); for
-    ``*args`` or ``**kwargs``, nothing."""
-    parameter = signature.parameters[name]
-    if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-        return not value
-    default = parameter.default
+    number, flag or string (a tensor default never counts: its values could have changed)."""
+    default = _default(signature, name)
     if default is inspect.Parameter.empty:
         return False
     plain = (bool, int, float, str, type(None))

@@ -108,7 +108,7 @@ def test_a_sharded_model_refuses_arguments_its_example_did_not_pass_naming_what_
     x = torch.randn(2, 4)
     for passed in ({"mask": torch.ones(2, 4)}, {"more": torch.ones(2, 4)}):
         args = (x, *passed.values()) if "more" not in passed else (x, None, passed["more"])
-        refusal = "the example left mask=None at the default" if "mask" in passed else "too many positional arguments"
+        refusal = "the example left mask=None at the default" if "mask" in passed else "the example did not pass 'arg2'"
         with pytest.raises(InputMismatchError, match=rf"{refusal}.*The plan takes \(x\)"):
             sharded(*args)
     with pytest.raises(InputMismatchError, match=r"the example left mask=None at the default, which the plan computes"):
@@ -137,6 +137,38 @@ def test_an_argument_the_example_set_is_not_the_default_of_a_call_that_leaves_it
     x = torch.randn(3, 4)
     assert torch.equal(sharded(x, scale=2.0), model(x, scale=2.0)) and torch.equal(sharded(x, 2.0), model(x, 2.0))
     with pytest.raises(InputMismatchError, match=r"scale=1.0, but the plan was captured with scale=2.0"):
+        sharded(x)
+
+
+class TwoOptional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, a=None, b=None):
+        h = self.first(x)
+        if a is not None:
+            h = h + a
+        if b is not None:
+            h = h * b
+        return self.second(h)
+
+
+def test_a_call_is_bound_as_the_model_binds_it_and_a_tensor_input_refuses_none():
+    """The example passed ``b`` only: ``sharded(x, t)`` means ``a=t`` to the model, not ``b=t``
+    (the stage's own signature is ``(x, b)``, which took it as ``b``, silently)."""
+    import autoshard
+
+    model = TwoOptional()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),),
+                                    example_kwargs={"b": torch.randn(2, 4)})
+    x, t = torch.randn(3, 4), torch.randn(3, 4)
+    assert torch.equal(sharded(x, b=t), model(x, b=t)) and torch.equal(sharded(x, None, t), model(x, None, t))
+    with pytest.raises(InputMismatchError, match="the example left a=None at the default"):
+        sharded(x, t)
+    with pytest.raises(InputMismatchError, match="b is None, but the plan was captured with tensors there"):
+        sharded(x, b=None)
+    with pytest.raises(InputMismatchError, match="missing a required argument: 'b'"):
         sharded(x)
 
 
