@@ -110,14 +110,17 @@ class AliasedAndKeptWhole(nn.Module):
         self.pre = nn.Linear(8, 8)
         self.shared = nn.Linear(8, 8)
         self.first = self.shared
-        self.middle = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+        self.middle = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))  # iterated, never called
         self.gate = SignGate()
         self.spare = nn.Linear(8, 8)  # never run; the last layer uses its weight
         self.last = nn.Linear(8, 8)
         self.last.weight = self.spare.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.last(self.gate(self.middle(self.first(self.pre(x)))))
+        h = self.first(self.pre(x))
+        for layer in self.middle:
+            h = layer(h)
+        return self.last(self.gate(h))
 
 
 def test_constraints_may_name_a_module_by_another_name_or_inside_one_kept_whole():
@@ -130,6 +133,8 @@ def test_constraints_may_name_a_module_by_another_name_or_inside_one_kept_whole(
     # one of the two runs no node, and the cut lands before the module's node
     assert stages_of_module(by_alias, "shared") | stages_of_module(by_alias, "first") == {1}
     assert stages_of_module(by_alias, "pre") == {0} and stages_of_module(by_alias, "middle") == {1}
+    whole = run(model, inputs, "split{stages=3 cost=nodes no-split=middle}")  # a container whose children run
+    assert len(stages_of_module(whole, "middle")) == 1
     inner = run(model, inputs, "split{stages=3 cost=nodes no-split=gate.lin}")  # the gate is one node anyway
     assert inner.partition.assignment == run(model, inputs, "split{stages=3 cost=nodes}").partition.assignment
     with pytest.raises(InvalidArgumentError, match="cut-before: 'gate.lin' runs inside 'gate', which the capture "

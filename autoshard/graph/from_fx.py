@@ -243,23 +243,25 @@ def build_dag(gm: fx.GraphModule, model: nn.Module | None = None) -> nx.DiGraph:
 def module_stand_ins(dag: nx.DiGraph, model: nn.Module, leaves: set[str]) -> dict[str, tuple[str, str]]:
     """Module paths of ``model`` that no node runs under, by the path that stands in for them:
     ``(path, "alias")`` for another name of a module that runs (T5's ``shared`` runs as
-    ``encoder.embed_tokens``), ``(leaf, "inside")`` for a module inside one of ``leaves``, the
-    modules kept whole, and ``("", "unused")`` for a module the forward never runs. Lets split
-    constraints name any module the user sees in the model, or say why they cannot."""
+    ``encoder.embed_tokens``; a ModuleList's other name), ``(leaf, "inside")`` for a module inside
+    one of ``leaves``, the modules kept whole, and ``("", "unused")`` for a module the forward never
+    runs. A container whose children run (a ModuleList is iterated, not called) needs none. Lets
+    split constraints name any module the user sees in the model, or say why they cannot."""
     scoped = {path for _, scopes in dag.nodes(data="scopes", default=()) for path, _ in scopes}
+    running = {".".join(path.split(".")[:i]) for path in scoped for i in range(1, path.count(".") + 2)}
     named = list(model.named_modules(remove_duplicate=False))
-    first_run: dict[int, str] = {}
+    first_name: dict[int, str] = {}
     for path, module in named:
-        if path in scoped:
-            first_run.setdefault(id(module), path)
+        if path in running:
+            first_name.setdefault(id(module), path)
     stand_ins: dict[str, tuple[str, str]] = {}
     for path, module in named:
-        if not path or path in scoped:
+        if not path or path in running:
             continue
-        if id(module) in first_run:
-            stand_ins[path] = (first_run[id(module)], "alias")
+        if id(module) in first_name:
+            stand_ins[path] = (first_name[id(module)], "alias")
             continue
         parts = path.split(".")
-        holder = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in scoped), None)
+        holder = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in running), None)
         stand_ins[path] = (holder, "inside") if holder in leaves else ("", "unused")
     return stand_ins
