@@ -442,6 +442,38 @@ def test_a_flag_a_module_sets_once_is_state_and_keeps_it_whole(check_in_forward)
         assert torch.equal(sharded(x), twin(x))
 
 
+class Warmed(nn.Module):
+    """State a run leaves that the capture must set back: a mode leaving None (read first, so
+    kept whole), a plain tensor attribute counted in place, an attribute deleted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.mode = None
+        self.seen = torch.zeros(())
+        self.spare = 3.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        if hasattr(self, "spare"):
+            del self.spare
+        if self.mode is None:
+            self.mode = "warm"
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+def test_a_mode_leaving_none_is_state_and_the_capture_sets_every_change_back():
+    model = Around(Warmed(), 8)
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert [w.name for w in sharded.plan.wrapped] == ["inner"]
+    assert model.inner.mode is None and model.inner.seen.item() == 0 and model.inner.spare == 3.0
+    for _ in range(2):
+        x = torch.randn(3, 8)
+        assert torch.equal(sharded(x), twin(x))
+
+
 class ScratchMultiplier(nn.Module):
     """Funnel's pattern: a number set afresh on every call, then updated within it."""
 

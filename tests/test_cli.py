@@ -36,7 +36,7 @@ def wrong_shape():
 
 
 def autoshard(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autoshard.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "autoshard", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env={**os.environ, "COLUMNS": "200"})
 
 
@@ -161,7 +161,7 @@ def on_a_terminal(*args: str) -> tuple[int, str]:
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
-    proc = subprocess.run([sys.executable, "-m", "autoshard.cli", *args], stdout=subprocess.DEVNULL, stderr=child,
+    proc = subprocess.run([sys.executable, "-m", "autoshard", *args], stdout=subprocess.DEVNULL, stderr=child,
                           timeout=300, env={**os.environ, "COLUMNS": "120", "TERM": "xterm"})
     os.close(child)
     reader.join(timeout=10)

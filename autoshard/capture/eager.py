@@ -85,16 +85,18 @@ SCALARS = (bool, int, float, str)
 
 
 def scalar_changed(old: Any, new: Any) -> bool:
-    """Whether a number, flag or string was replaced by a different one (a step counter moved)."""
-    return isinstance(old, SCALARS) and isinstance(new, SCALARS) and (type(old) is not type(new) or old != new)
+    """Whether a number, flag, string or None was replaced by a different one (a step counter
+    moved, a mode left None)."""
+    plain = (*SCALARS, type(None))
+    return isinstance(old, plain) and isinstance(new, plain) and (type(old) is not type(new) or old != new)
 
 
 @contextlib.contextmanager
 def module_state_restored(model: nn.Module) -> Iterator[None]:
     """On exit, set back (or remove, if the run added it) every attribute, parameter or buffer of
     a module that holds a trace value, and every attribute or buffer the run bound to another tensor
-    (``self.previous = y``, kept for the next call; a cache registered as a buffer) or changed from
-    one number, flag or string to another (a step counter), and every dict, list or set attribute
+    (``self.previous = y``, kept for the next call; a cache registered as a buffer), changed from
+    one number, flag, string or None to another (a step counter) or deleted, and every dict, list or set attribute
     the run filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
     from the state the model was given in, and none leaves a trace on it. Other values a forward
     stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
@@ -124,6 +126,7 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
                         current[key] = before[key]
                     else:
                         del current[key]
+                current.update({key: value for key, value in before.items() if key not in current})  # deleted
 
 
 @contextlib.contextmanager
@@ -138,12 +141,20 @@ def generators_restored(model: nn.Module) -> Iterator[None]:
             generator.set_state(state)
 
 
+def _tensor_attributes(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors modules keep as plain attributes (not parameters or buffers), which a forward may
+    update in place (``self.t += 1``)."""
+    return [value for module in model.modules() for key, value in vars(module).items()
+            if key not in _REGISTRIES and isinstance(value, torch.Tensor) and not isinstance(value, TRACE_VALUES)]
+
+
 @contextlib.contextmanager
 def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
     """Randomness seeded with ``seed`` (None: drawn on from where it is, then set back), and on
     exit the model's own generators, buffer values, rewritten weights and module state restored."""
     with torch.random.fork_rng(devices=[]), generators_restored(model), \
-            values_restored([*model.buffers(), *rewritten_weights(model)]), module_state_restored(model):
+            values_restored([*model.buffers(), *rewritten_weights(model), *_tensor_attributes(model)]), \
+            module_state_restored(model):
         if seed is not None:
             torch.manual_seed(seed)
         yield
