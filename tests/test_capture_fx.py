@@ -474,6 +474,79 @@ def test_a_mode_leaving_none_is_state_and_the_capture_sets_every_change_back():
         assert torch.equal(sharded(x), twin(x))
 
 
+class FlagByName(nn.Module):
+    """Reads its flag with getattr and sets it with setattr, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.ready = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "ready"):
+            setattr(self, "ready", True)
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+class FlagBehindProperty(nn.Module):
+    """Reads and sets ``ready``, a property over ``_ready``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self._ready = False
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.ready:
+            self.ready = True
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+class WarmedByChildren(nn.Module):
+    """Sets a flag after its children ran, which they read (``self.parent.warm``) on their next call."""
+
+    class Child(nn.Module):
+        def __init__(self, parent: nn.Module) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.__dict__["parent"] = parent  # not a child module: a plain reference
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * (1 if self.parent.warm else 3)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kids = nn.ModuleList([self.Child(self) for _ in range(2)])
+        self.warm = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for kid in self.kids:
+            x = kid(x)
+        self.warm = True
+        return x
+
+
+@pytest.mark.parametrize("inner", [FlagByName, FlagBehindProperty, WarmedByChildren])
+def test_flags_read_by_name_behind_a_property_or_by_children_are_state(inner):
+    model = Around(inner(), 8)
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert [w.name for w in sharded.plan.wrapped] == ["inner"]
+    for _ in range(3):
+        x = torch.randn(3, 8)
+        assert torch.equal(sharded(x), twin(x))
+
+
 class ScratchMultiplier(nn.Module):
     """Funnel's pattern: a number set afresh on every call, then updated within it."""
 

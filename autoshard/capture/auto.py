@@ -25,6 +25,7 @@ from torch import nn
 from autoshard.capture.eager import check_model_runs
 from autoshard.capture.meta_proxy import SizeToNumber
 from autoshard.capture.result import TraceResult
+from autoshard.capture.state import StateWrite
 from autoshard.errors import InvalidArgumentError, TraceError
 
 FRONT_ENDS: tuple[str, ...] = ("auto", "fx", "export")
@@ -95,12 +96,27 @@ def capture(
         hint = "" if has_examples else "; pass example inputs so the 'export' front end can be tried too"
         raise TraceError(f"no front end could capture {type(model).__name__}: {'; '.join(considered)}{hint}")
     by_leaves = sorted(captured, key=lambda name: len(tried[name].wrapped_modules))  # stable: fx first on a tie
-    # the fewest leaves among the captures that compute what the model does (verify names the
-    # difference when none does)
-    best = next((name for name in by_leaves if not differs(name)), by_leaves[0])
+    stateful = _kept_for_state([tried[name] for name in captured])
+    # the fewest leaves among the captures that compute what the model does and keep whole every
+    # module any of them found writing state for its next call (verify names a difference when
+    # none does)
+    fitting = [name for name in by_leaves if _keeps_whole(tried[name], stateful)] or by_leaves
+    best = next((name for name in fitting if not differs(name)), fitting[0])
     considered = tuple(_summary(name, r) + (f", differs from the model ({checked[name]})" if checked.get(name) else "")
                        for name, r in tried.items())
     return dataclasses.replace(tried[best], considered=considered)
+
+
+def _kept_for_state(results: list[TraceResult]) -> set[str]:
+    """Modules a capture kept whole because they write state for their next call: a front end that
+    traced into one froze that state (fx follows reads by modules that already ran; export cannot)."""
+    return {w.name for r in results for w in r.wrapped_modules if w.reason.startswith(StateWrite.__name__)}
+
+
+def _keeps_whole(result: TraceResult, modules: set[str]) -> bool:
+    """Whether ``result`` runs each of ``modules`` whole: wrapped, or inside a wrapped module."""
+    wrapped = [w.name for w in result.wrapped_modules]
+    return all(any(m == w or m.startswith(w + ".") for w in wrapped) for m in modules)
 
 
 def _difference(model: nn.Module, result: TraceResult, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:

@@ -399,7 +399,7 @@ class MetaTracer(fx.Tracer):
             self.grad_mode = caller_grad = torch.is_grad_enabled()
             patches.enter_context(torch.enable_grad())
             self._modes = _mode_state()
-            patches.enter_context(refusing_state_writes(_computed_in_trace))
+            patches.enter_context(refusing_state_writes(_computed_in_trace, follow_modules=True))
             self.swaps = [(torch, name, vars(torch)[name], _recording_constructor(vars(torch)[name]))
                           for name in _CONSTRUCTORS]
             apply = vars(torch.autograd.Function)["apply"]

@@ -28,10 +28,11 @@ import itertools
 import os
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -70,22 +71,42 @@ _CAPTURE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-def _reads_before(frame: types.FrameType, name: str) -> bool:
-    """Whether code of ``frame`` before its current instruction reads attribute ``name``."""
-    return any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == name
-               for ins in itertools.takewhile(lambda ins: ins.offset < frame.f_lasti, instructions(frame.f_code)))
+def _reads(instructions_: Iterable[dis.Instruction], names: frozenset[str]) -> bool:
+    """Whether ``instructions_`` read one of attributes ``names``: ``self.ready``, or by name as a
+    constant (``getattr(self, "ready")``, ``self.__dict__["ready"]``)."""
+    return any(ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST") and ins.argval in names
+               for ins in instructions_)
 
 
-def _read_earlier(frame: types.FrameType | None, name: str) -> bool:
-    """Whether the model code on the stack, from ``frame`` (storing attribute ``name``) out to the
-    capture, reads ``name`` before the point it is at: ``self.steps += 1``, and a flag set once
-    (``if not self.ready: ...; self.ready = True``), even when the check sits in a caller.
-    Static: a read the code skipped on this call counts too (keeping a module whole is safe)."""
-    while frame is not None and not frame.f_code.co_filename.startswith(_CAPTURE_DIR):
-        if not frame.f_code.co_filename.startswith(_TORCH_DIR) and _reads_before(frame, name):
+def _names_read_as(module: nn.Module, name: str) -> frozenset[str]:
+    """``name`` and the properties of ``module`` whose getter reads it (``self.ready`` reading
+    ``self._ready``)."""
+    found = {name}
+    for owner in type(module).__mro__:
+        for attribute, value in vars(owner).items():
+            if isinstance(value, property) and value.fget is not None and hasattr(value.fget, "__code__") \
+                    and _reads(instructions(value.fget.__code__), frozenset({name})):
+                found.add(attribute)
+    return frozenset(found)
+
+
+def _read_earlier(frame: types.FrameType | None, names: frozenset[str], entered: Sequence[nn.Module]) -> bool:
+    """Whether the model read one of ``names`` (an attribute and what reads it) before ``frame``
+    stores it: code on the stack before the point it is at (``self.steps += 1``; a flag set once,
+    ``if not self.ready: ...; self.ready = True``, even when the check sits in a caller), or the
+    forward of a module ``entered`` earlier in the trace that has returned (children reading a
+    flag their parent sets after them). Static: a read the code skipped counts too (keeping a
+    module whole is safe)."""
+    on_stack = set()
+    while frame is not None and (frame.f_code.co_filename == __file__  # a setter run by our guard
+                                 or not frame.f_code.co_filename.startswith(_CAPTURE_DIR)):
+        on_stack.add(frame.f_code)
+        if not frame.f_code.co_filename.startswith((_TORCH_DIR, _CAPTURE_DIR)) and _reads(
+                itertools.takewhile(lambda ins: ins.offset < frame.f_lasti, instructions(frame.f_code)), names):
             return True
         frame = frame.f_back
-    return False
+    forwards = {getattr(type(m).forward, "__code__", None) for m in entered} - on_stack - {None}
+    return any(_reads(instructions(code), names) for code in forwards)
 
 
 class _ScalarWrites:
@@ -94,19 +115,24 @@ class _ScalarWrites:
     A step counter (``self.steps += 1``) reads the value the previous call left and stores
     another: a graph would take the branch it drives once and never advance it. A scratch value
     the call sets afresh before updating it (Funnel's ``self.pooling_mult = 1`` then ``*= 2``)
-    carries nothing over. So a change counts as state when the model code on the stack has read
-    the attribute before it (``_read_earlier``) and the trace has not written it before.
+    carries nothing over. So a change counts as state when the model has read the attribute before
+    it in this call (``_read_earlier``: code on the stack, or modules that ran and returned) and
+    the trace has not written it before.
     """
 
     def __init__(self) -> None:
         self.written: set[tuple[int, str]] = set()
+        self.entered: dict[int, nn.Module] = {}  # modules whose forward the trace ran, in order
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.entered.setdefault(id(module), module)
 
     def carried(self, module: nn.Module, name: str, value: Any, frame: types.FrameType) -> bool:
         key = (id(module), name)
         first = key not in self.written
         self.written.add(key)
         return (first and name in module.__dict__ and scalar_changed(module.__dict__[name], value)
-                and _read_earlier(frame, name))
+                and _read_earlier(frame, _names_read_as(module, name), list(self.entered.values())))
 
 
 class _TensorsRead(TorchFunctionMode):
@@ -150,9 +176,11 @@ def is_real_run() -> bool:
 
 
 @contextlib.contextmanager
-def refusing_state_writes(computed: Computed) -> Iterator[None]:
+def refusing_state_writes(computed: Computed, follow_modules: bool = False) -> Iterator[None]:
     """``nn.Module.__setattr__`` and ``register_buffer`` raise ``StateWrite`` where ``computed``
-    says so, until exit."""
+    says so, until exit. ``follow_modules``: note the modules whose forward runs (a global forward
+    pre-hook, which fx runs through but ``torch.cond``'s compilation under export refuses), so a
+    flag read by modules that ran before it is set counts as state."""
     setattr_, register_buffer = nn.Module.__setattr__, nn.Module.register_buffer
     read, scalars = _TensorsRead(), _ScalarWrites()
 
@@ -176,6 +204,11 @@ def refusing_state_writes(computed: Computed) -> Iterator[None]:
         refuse_state(module, name, tensor)  # a cache kept as a buffer (x-transformers' ALiBi bias)
         register_buffer(module, name, tensor, persistent)
 
-    with swapped_attribute(nn.Module, "__setattr__", guarded_setattr), \
-            swapped_attribute(nn.Module, "register_buffer", guarded_register), read:
-        yield
+    entering = register_module_forward_pre_hook(scalars.enter) if follow_modules else None
+    try:
+        with swapped_attribute(nn.Module, "__setattr__", guarded_setattr), \
+                swapped_attribute(nn.Module, "register_buffer", guarded_register), read:
+            yield
+    finally:
+        if entering is not None:
+            entering.remove()

@@ -169,7 +169,8 @@ class _BatchShapes:
     keeps them: a batch that splits into unequal microbatches, or a later batch of another shape,
     made a rank crash in gloo or fail in backward while another computed its loss from
     mismatched rows. Checked here, on the ranks that are given inputs or targets, before
-    anything is sent."""
+    anything is sent. Only those ranks raise (a check every rank joins would cost a collective
+    per step): the others wait for the refused batch, so the error should end the job."""
 
     def __init__(self, n_microbatches: int, chunked_by_rows: bool) -> None:
         self.n_microbatches = n_microbatches
