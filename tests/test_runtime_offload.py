@@ -261,3 +261,36 @@ def test_state_a_kept_whole_module_writes_reaches_the_model_and_the_backward_rep
     x = torch.randn(4, 8)
     with torch.no_grad():
         torch.testing.assert_close(runner(x), twin(x))
+
+
+class KeepsPrevious(nn.Module):
+    """Scales by what its previous call returned, kept as a plain tensor attribute (None at first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.previous = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * (1.0 if self.previous is None else self.previous.mean())
+        self.previous = out.detach()
+        return out
+
+
+def test_a_tensor_a_kept_whole_module_keeps_for_its_next_call_reaches_the_model_and_the_backward():
+    """The runner dropped ``self.previous`` (never written back) and its backward recomputation
+    ran with the value the forward had just stored: wrong gradients, or from None a failed
+    recomputation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), KeepsPrevious(), nn.Linear(8, 8))
+    twin = copy.deepcopy(model)
+    runner = OffloadRunner(autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),)), "cpu")
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        model.zero_grad()
+        twin.zero_grad()
+        runner(x).pow(2).mean().backward()
+        twin(x).pow(2).mean().backward()
+        assert torch.equal(model[1].previous, twin[1].previous)
+        for name, param in twin.named_parameters():
+            torch.testing.assert_close(model.get_parameter(name).grad, param.grad, msg=lambda m: f"{name}: {m}")

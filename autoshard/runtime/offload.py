@@ -83,19 +83,23 @@ class OffloadRunner:
         homes, shells = self._module_pairs(index)
         recompute = call.started is not None
         if recompute:
-            now = _scalars(shells)
-            _set_scalars(shells, call.started.scalars)
+            now = _attributes(shells)
+            _set_attributes(shells, _attributes_copied(call.started.attributes, self.device))
         else:
             for home, shell in zip(homes, shells):
                 shell.training = home.training  # the shell is a copy: model.train() since must reach it
-            _set_scalars(shells, _scalars(homes))
-            call.started = _Started(_scalars(shells), {
+            placed = _attributes_copied(_attributes(homes), self.device)
+            _set_attributes(shells, placed)
+            call.placed = [{k: (id(v), v._version) for k, v in state.items() if isinstance(v, torch.Tensor)}
+                           for state in placed]
+            training = torch.is_grad_enabled()  # a recomputation will replay this start
+            call.started = _Started(_attributes_copied(placed, self.device) if training else [], {
                 name: home.detach().clone() for name, home in self.sharded.stages[index].named_buffers(
-                    remove_duplicate=False)} if torch.is_grad_enabled() else {})
+                    remove_duplicate=False)} if training else {})
         tensors = self._device_copies(index, call.started.buffers if recompute else {})
         out = functional_call(self._shells[index], tensors, args, kwargs, tie_weights=False, strict=True)
         if recompute:
-            _set_scalars(shells, now)
+            _set_attributes(shells, now)
         else:
             # a buffer the stage rebound (``self.steps = self.steps + 1``) is in ``tensors`` now
             call.buffers = {name: tensors[name] for name in dict(self.sharded.stages[index].named_buffers(
@@ -123,12 +127,16 @@ class OffloadRunner:
         return homes, shells
 
     def _write_back(self, index: int, call: _StageCall) -> None:
-        """The first run's state goes back to the model: numbers and flags its modules changed, and
+        """The first run's state goes back to the model: the numbers, flags and tensors its modules
+    keep on themselves (a tensor only when the stage rebound or wrote to it), and
         every buffer, copied in place (kernels such as batch_norm update running statistics without
         leaving a trace, not even the tensor's version counter) or rebound when the stage replaced it
         by one of another shape or type."""
         homes, shells = self._module_pairs(index)
-        _set_scalars(homes, _scalars(shells))
+        for home, state, placed in zip(homes, _attributes(shells), call.placed):
+            changed = {k: v for k, v in state.items()  # a tensor the stage neither rebound nor wrote to stays
+                       if not (isinstance(v, torch.Tensor) and placed.get(k) == (id(v), v._version))}
+            _set_attributes([home], _attributes_copied([changed], _home_devices(home)))
         stage = self.sharded.stages[index]
         with torch.no_grad():
             for name, value in call.buffers.items():
@@ -142,9 +150,10 @@ class OffloadRunner:
 
 @dataclass
 class _Started:
-    """What a stage run started from: its modules' numbers and flags, and (in training) its buffers."""
+    """What a stage run started from, in training (for its recomputation): its modules' plain
+    attributes and its buffers."""
 
-    scalars: list[dict[str, Any]]
+    attributes: list[dict[str, Any]]
     buffers: dict[str, torch.Tensor]
 
 
@@ -154,16 +163,36 @@ class _StageCall:
 
     started: _Started | None = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: per module, (id, version) of each tensor attribute the first run started with
+    placed: list[dict[str, tuple[int, int]]] = field(default_factory=list)
 
 
-def _scalars(modules: list[nn.Module]) -> list[dict[str, Any]]:
-    """The numbers, flags and strings each model module keeps on itself (``self.calls``,
-    ``self.ready``); a stage's generated code keeps none (its source text differs in the shell,
-    retargeted to the runner's device)."""
+def _attributes(modules: list[nn.Module]) -> list[dict[str, Any]]:
+    """The plain state each model module keeps on itself: numbers, flags, strings, None and
+    tensors (``self.calls``, ``self.ready``, ``self.previous = y``); a stage's generated code keeps
+    none (its source text differs in the shell, retargeted to the runner's device)."""
     return [{} if isinstance(m, fx.GraphModule) else
-            {k: v for k, v in vars(m).items() if isinstance(v, SCALARS) and k != "training"} for m in modules]
+            {k: v for k, v in vars(m).items() if k != "training" and isinstance(v, (*SCALARS, type(None), torch.Tensor))}
+            for m in modules]
 
 
-def _set_scalars(modules: list[nn.Module], values: list[dict[str, Any]]) -> None:
-    for module, scalars in zip(modules, values):
-        vars(module).update(scalars)
+def _attributes_copied(states: list[dict[str, Any]], device: torch.device | dict[str, torch.device]) -> list[dict[str, Any]]:
+    """``states`` with their tensors copied (to ``device``, or per name where it is a dict): a
+    forward may update one in place, and the copy it started from is replayed."""
+    def copied(name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        where = device.get(name, value.device) if isinstance(device, dict) else device
+        return value.detach().to(where, copy=True)
+
+    return [{name: copied(name, value) for name, value in state.items()} for state in states]
+
+
+def _home_devices(module: nn.Module) -> dict[str, torch.device]:
+    """Where ``module`` keeps its tensor attributes now: state written back goes there."""
+    return {name: value.device for name, value in vars(module).items() if isinstance(value, torch.Tensor)}
+
+
+def _set_attributes(modules: list[nn.Module], values: list[dict[str, Any]]) -> None:
+    for module, state in zip(modules, values):
+        vars(module).update(state)
