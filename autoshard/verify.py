@@ -207,7 +207,9 @@ def verify_stages(
             f"the traced graph differs from the model before any split ({problem}); "
             "the capture lost something the model depends on (a rebuilt argument, a hook, "
             "a global setting) or fixed something the model draws anew on every call (randomness "
-            "from numpy or Python's random, which the graph keeps as the trace drew it)", stage=None)
+            "from numpy or Python's random, which the graph keeps as the trace drew it) or changes "
+            "between calls where capture cannot see it (a list or dict on a module changed in "
+            "place, a global, a class attribute)", stage=None)
 
     def chained() -> Any:
         values = stages[0](*cloned(args), **cloned(kwargs))
