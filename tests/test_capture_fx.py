@@ -547,6 +547,14 @@ def test_flags_read_by_name_behind_a_property_or_by_children_are_state(inner):
         assert torch.equal(sharded(x), twin(x))
 
 
+def test_a_top_level_flag_read_by_children_is_refused_not_frozen_by_the_front_end_that_misses_it():
+    """fx sees the children read the flag; export does not, and its capture must not be kept."""
+    model = WarmedByChildren()
+    with pytest.raises(TraceError, match="changes its attribute 'warm'"):
+        autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    assert model.warm is False
+
+
 class ScratchMultiplier(nn.Module):
     """Funnel's pattern: a number set afresh on every call, then updated within it."""
 

@@ -25,7 +25,7 @@ from torch import nn
 from autoshard.capture.eager import check_model_runs
 from autoshard.capture.meta_proxy import SizeToNumber
 from autoshard.capture.result import TraceResult
-from autoshard.capture.state import StateWrite
+from autoshard.capture.state import ScalarStateWrite, StateWrite
 from autoshard.errors import InvalidArgumentError, TraceError
 
 FRONT_ENDS: tuple[str, ...] = ("auto", "fx", "export")
@@ -89,6 +89,12 @@ def capture(
         if isinstance(tried[name], TraceResult) and not tried[name].wrapped_modules and not differs(name):
             break
     captured = [name for name, r in tried.items() if isinstance(r, TraceResult)]
+    stateful_top = next((r for r in tried.values()
+                         if isinstance(r, TraceError) and f"{ScalarStateWrite.__name__}:" in str(r)), None)
+    if stateful_top is not None and captured:
+        # one front end saw the top-level forward change a number or flag it reads on its next
+        # call; one that did not froze it (the top level cannot be kept whole)
+        raise stateful_top
     if not captured:
         considered = tuple(_summary(name, r) for name, r in tried.items())
         if has_examples:
@@ -110,7 +116,8 @@ def capture(
 def _kept_for_state(results: list[TraceResult]) -> set[str]:
     """Modules a capture kept whole because they write state for their next call: a front end that
     traced into one froze that state (fx follows reads by modules that already ran; export cannot)."""
-    return {w.name for r in results for w in r.wrapped_modules if w.reason.startswith(StateWrite.__name__)}
+    kinds = (StateWrite.__name__, ScalarStateWrite.__name__)
+    return {w.name for r in results for w in r.wrapped_modules if w.reason.startswith(kinds)}
 
 
 def _keeps_whole(result: TraceResult, modules: set[str]) -> bool:

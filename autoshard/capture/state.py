@@ -48,6 +48,11 @@ class StateWrite(RuntimeError):
     Not a ``TraceError``: the code is kept whole like any other untraceable code."""
 
 
+class ScalarStateWrite(StateWrite):
+    """Model code changed a number, flag, string or None on its module that it reads on its next
+    call: no graph records it (export too freezes the branch it drives)."""
+
+
 def kind_of(module: nn.Module, name: str) -> str:
     for kind in ("parameter", "buffer"):
         if name in module.__dict__.get(f"_{kind}s", {}):
@@ -190,7 +195,7 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False) -> I
         if _REAL_RUNS[0] or caller.f_code.co_filename.startswith(MACHINERY_DIRS):
             return
         if scalars.carried(module, name, value, caller):
-            raise StateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
+            raise ScalarStateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
                              f"{value!r}), which its next call reads; a captured graph cannot replay that write")
         if computed(module, name, value) and not _unread_scratch(module, name, read):
             raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} {name!r}, "
