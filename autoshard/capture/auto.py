@@ -89,28 +89,36 @@ def capture(
         if isinstance(tried[name], TraceResult) and not tried[name].wrapped_modules and not differs(name):
             break
     captured = [name for name, r in tried.items() if isinstance(r, TraceResult)]
-    stateful_top = next((r for r in tried.values()
-                         if isinstance(r, TraceError) and f"{ScalarStateWrite.__name__}:" in str(r)), None)
-    if stateful_top is not None and captured:
-        # one front end saw the top-level forward change a number or flag it reads on its next
-        # call; one that did not froze it (the top level cannot be kept whole)
-        raise stateful_top
+    _refuse_frozen_top_level_state(tried)
     if not captured:
         considered = tuple(_summary(name, r) for name, r in tried.items())
         if has_examples:
             check_model_runs(model, example_args, example_kwargs or {})
         hint = "" if has_examples else "; pass example inputs so the 'export' front end can be tried too"
         raise TraceError(f"no front end could capture {type(model).__name__}: {'; '.join(considered)}{hint}")
-    by_leaves = sorted(captured, key=lambda name: len(tried[name].wrapped_modules))  # stable: fx first on a tie
-    stateful = _kept_for_state([tried[name] for name in captured])
-    # the fewest leaves among the captures that compute what the model does and keep whole every
-    # module any of them found writing state for its next call (verify names a difference when
-    # none does)
-    fitting = [name for name in by_leaves if _keeps_whole(tried[name], stateful)] or by_leaves
-    best = next((name for name in fitting if not differs(name)), fitting[0])
+    best = _best({name: tried[name] for name in captured}, differs)
     considered = tuple(_summary(name, r) + (f", differs from the model ({checked[name]})" if checked.get(name) else "")
                        for name, r in tried.items())
     return dataclasses.replace(tried[best], considered=considered)
+
+
+def _refuse_frozen_top_level_state(tried: Mapping[str, TraceResult | TraceError]) -> None:
+    """Raise the failure of a front end that saw the top-level forward change a number or flag it
+    reads on its next call, if another captured it: that capture froze it (the top level cannot be
+    kept whole)."""
+    stateful = [r for r in tried.values() if isinstance(r, TraceError) and f"{ScalarStateWrite.__name__}:" in str(r)]
+    if stateful and any(isinstance(r, TraceResult) for r in tried.values()):
+        raise stateful[0]
+
+
+def _best(captured: Mapping[str, TraceResult], differs: Callable[[str], str | None]) -> str:
+    """The capture with the fewest leaves (fx first on a tie) among those that keep whole every
+    module any of them found writing state for its next call and compute what the model does on
+    the example; failing that, the fewest leaves (verify then names the difference)."""
+    by_leaves = sorted(captured, key=lambda name: len(captured[name].wrapped_modules))  # stable
+    stateful = _kept_for_state(list(captured.values()))
+    fitting = [name for name in by_leaves if _keeps_whole(captured[name], stateful)] or by_leaves
+    return next((name for name in fitting if not differs(name)), fitting[0])
 
 
 def _kept_for_state(results: list[TraceResult]) -> set[str]:
