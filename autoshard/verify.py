@@ -7,7 +7,9 @@ easiest to act on:
 2. each stage's boundary values against the same values in the traced graph;
 3. the chained stages' result against the eager model.
 Randomness is replayed from one seed for every run, and buffers (BatchNorm statistics) are
-restored after each run, so verifying never changes the user's model.
+restored after each run, so verifying never changes the user's model. Last, the model and the
+stages are each called twice in a row: state the model keeps where capture cannot see it shows
+in the second call only.
 
 The runs compared here have autograd on, the mode the graph was captured in: some modules take a
 fused fast path in no-grad inference (``nn.TransformerEncoderLayer``) that computes the same
@@ -211,10 +213,11 @@ def verify_stages(
             "between calls where capture cannot see it (a list or dict on a module changed in "
             "place, a global, a class attribute)", stage=None)
 
-    def chained() -> Any:
+    def chained(checked: bool = True) -> Any:
         values = stages[0](*cloned(args), **cloned(kwargs))
         for index, stage in enumerate(stages[1:], start=1):
-            check_boundary(index - 1, values)
+            if checked:
+                check_boundary(index - 1, values)
             values = stage(*values)
         return values
 
@@ -236,4 +239,25 @@ def verify_stages(
         last = len(stages) - 1
         raise VerificationError(f"stage {last} (the last) returned a different output ({problem})",
                                 stage=last)
+    _check_second_calls(model, args, kwargs, lambda: chained(checked=False), rtol, atol, seed, grad)
     return f"{len(stages)} stages match the model on the example inputs (rtol={rtol}, atol={atol})"
+
+
+def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], chained: Callable[[], Any],
+                        rtol: float, atol: float, seed: int, grad: bool) -> None:
+    """Call the model twice and the stages twice (each pair from the same state and seed) and
+    compare the second calls: state the model keeps between calls where capture cannot see it
+    (``self.__dict__[...]``, a dict or list changed in place, a global) changes the model's second
+    call while the stages keep the branch of the capture, which one call cannot show."""
+    def twice(call: Callable[[], Any]) -> Callable[[], Any]:
+        return lambda: (call(), call())[1]
+
+    expected = run_seeded(twice(lambda: model(*cloned(args), **cloned(kwargs))), model, seed, grad=grad)
+    problem = first_difference(run_seeded(twice(chained), model, seed, grad=grad), expected, rtol, atol)
+    if problem:
+        raise VerificationError(
+            f"the stages' second call on the example differs from the model's ({problem}), though the "
+            "first matched: the model keeps state from one call to the next where capture cannot see "
+            "it (written through self.__dict__, vars() or object.__setattr__, a dict or list changed in "
+            "place, a global or class attribute), which the stages froze at the example's first call; "
+            "keep that state in a module attribute (self.ready = True) or a buffer", stage=None)

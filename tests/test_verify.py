@@ -238,3 +238,25 @@ def test_a_plain_dataclass_output_is_verified_field_by_field():
     assert first_difference(out, model(x), 0.0, 0.0) is None
     changed = PlainOutput(out.logits, out.hidden + 1)
     assert first_difference(changed, model(x), 0.0, 0.0) is not None
+
+
+class FlagInDict(nn.Module):
+    """Sets a flag through ``self.__dict__``, around ``nn.Module.__setattr__``: capture cannot see
+    the write, and the first call alone matches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.ready = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.__dict__["ready"]:
+            self.__dict__["ready"] = True
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+def test_state_capture_cannot_see_is_caught_by_a_second_call():
+    model = nn.Sequential(nn.Linear(4, 4), FlagInDict(), nn.Linear(4, 4))
+    with pytest.raises(VerificationError, match="second call on the example differs from the model's"):
+        autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),))
