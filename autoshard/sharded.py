@@ -132,6 +132,17 @@ class ShardedModel(nn.Module):
     def num_stages(self) -> int:
         return len(self.stages)
 
+    def train(self, mode: bool = True) -> ShardedModel:
+        """Refuse a switch to the other mode, before touching anything: the stages hold the model's
+        own modules, which ``nn.Module.train`` would switch (leaving the model half in each mode),
+        and the plan serves only the mode it was captured in. Staying in it is allowed."""
+        if bool(mode) != self.plan.training:
+            was, now = ("train", "eval") if self.plan.training else ("eval", "train")
+            raise InputMismatchError(
+                f"the plan was captured in {was} mode and serves only it (code reading self.training was "
+                f"fixed); shard the model again after model.{now}() for a plan in {now} mode")
+        return super().train(mode)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _fitted_call(self.stages[0], self.model_signature, args, kwargs)
         values = self.stages[0](*args, **kwargs)

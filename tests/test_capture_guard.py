@@ -196,14 +196,20 @@ def test_stages_refuse_the_mode_their_model_was_not_captured_in(captured_in_trai
     assert model.training == captured_in_training  # the model keeps its own flag
     x = torch.randn(3, 4)
     sharded(x)
-    sharded.train(not captured_in_training)
     was = "train" if captured_in_training else "eval"
+    with pytest.raises(InputMismatchError, match=f"captured in {was} mode and serves only it"):
+        sharded.train(not captured_in_training)  # refused before switching the model's modules
+    assert all(m.training == captured_in_training for m in model.modules())
+    assert sharded.train(captured_in_training) is sharded  # staying in the mode is fine
+    for stage in sharded.stages:  # a runtime switching the stages themselves
+        stage.train(not captured_in_training)
     with pytest.raises(InputMismatchError, match=f"captured in {was} mode"):
         sharded(x)
     copied = copy.deepcopy(sharded.stages[0])  # what a runtime runs is a copy: the check is in its code
     with pytest.raises(InputMismatchError, match=f"captured in {was} mode"):
         copied(x)
-    sharded.train(captured_in_training)
+    for stage in sharded.stages:
+        stage.train(captured_in_training)
     sharded(x)
 
 
