@@ -86,16 +86,7 @@ class OffloadRunner:
             now = _attributes(shells)
             _set_attributes(shells, _attributes_copied(call.started.attributes, self.device))
         else:
-            for home, shell in zip(homes, shells):
-                shell.training = home.training  # the shell is a copy: model.train() since must reach it
-            placed = _attributes_copied(_attributes(homes), self.device)
-            _set_attributes(shells, placed)
-            call.placed = [{k: (id(v), v._version) for k, v in state.items() if isinstance(v, torch.Tensor)}
-                           for state in placed]
-            training = torch.is_grad_enabled()  # a recomputation will replay this start
-            call.started = _Started(_attributes_copied(placed, self.device) if training else [], {
-                name: home.detach().clone() for name, home in self.sharded.stages[index].named_buffers(
-                    remove_duplicate=False)} if training else {})
+            self._start(index, call, homes, shells)
         tensors = self._device_copies(index, call.started.buffers if recompute else {})
         out = functional_call(self._shells[index], tensors, args, kwargs, tie_weights=False, strict=True)
         if recompute:
@@ -105,6 +96,23 @@ class OffloadRunner:
             call.buffers = {name: tensors[name] for name in dict(self.sharded.stages[index].named_buffers(
                 remove_duplicate=False))}
         return out
+
+    def _start(self, index: int, call: _StageCall, homes: list[nn.Module], shells: list[nn.Module]) -> None:
+        """The first run's shell takes the modes and plain attributes the model's modules have now
+        (the shell was copied once: ``model.train()`` and state written since must reach it); in
+        training the starting state is kept for the recomputation to replay."""
+        for home, shell in zip(homes, shells):
+            shell.training = home.training
+        placed = _attributes_copied(_attributes(homes), self.device)
+        _set_attributes(shells, placed)
+        call.placed = [{k: (id(v), v._version) for k, v in state.items() if isinstance(v, torch.Tensor)}
+                       for state in placed]
+        if not torch.is_grad_enabled():
+            call.started = _Started([], {})
+            return
+        buffers = self.sharded.stages[index].named_buffers(remove_duplicate=False)
+        call.started = _Started(_attributes_copied(placed, self.device),
+                                {name: home.detach().clone() for name, home in buffers})
 
     def _device_copies(self, index: int, buffers_at: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every tensor of stage ``index`` on the device, once per distinct tensor; buffers from
