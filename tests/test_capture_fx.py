@@ -103,6 +103,14 @@ class Around(nn.Module):
         return self.lin(self.inner(x))
 
 
+def serves_like(sharded: nn.Module, twin: nn.Module, calls: int, batch: int = 3) -> None:
+    """``calls`` calls in a row on fresh inputs return what the unsharded twin returns: state a
+    module keeps for its next call advances alike."""
+    for _ in range(calls):
+        x = torch.randn(batch, 8)
+        assert torch.equal(sharded(x), twin(x))
+
+
 def test_conditions_on_tensor_values_still_make_a_leaf():
     model = Around(Gate(), 3)
     result = trace_with_leaves(model, (torch.randn(2, 3),))
@@ -391,9 +399,7 @@ def test_a_module_counting_calls_in_a_python_int_is_kept_whole_and_keeps_countin
     assert model.inner.calls == 0  # the capture's runs of the model were set back
     assert [w.name for w in sharded.plan.wrapped] == ["inner"]
     assert "changes its attribute 'calls' (0 -> 1)" in sharded.plan.wrapped[0].reason
-    for _ in range(5):  # across the fourth call, where the branch turns
-        x = torch.randn(3, 8)
-        assert torch.equal(sharded(x), twin(x))
+    serves_like(sharded, twin, 5)  # across the fourth call, where the branch turns
     assert model.inner.calls == twin.inner.calls == 5
 
 
@@ -437,9 +443,7 @@ def test_a_flag_a_module_sets_once_is_state_and_keeps_it_whole(check_in_forward)
     assert model.inner.ready is False  # the capture's runs of the model were set back
     assert [w.name for w in sharded.plan.wrapped] == ["inner"]
     assert "changes its attribute 'ready' (False -> True)" in sharded.plan.wrapped[0].reason
-    for _ in range(3):  # the first call calibrates, the later ones use the stored shift
-        x = torch.randn(3, 8)
-        assert torch.equal(sharded(x), twin(x))
+    serves_like(sharded, twin, 3)  # the first call calibrates, the later ones use the stored shift
 
 
 class Warmed(nn.Module):
@@ -469,9 +473,7 @@ def test_a_mode_leaving_none_is_state_and_the_capture_sets_every_change_back():
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
     assert [w.name for w in sharded.plan.wrapped] == ["inner"]
     assert model.inner.mode is None and model.inner.seen.item() == 0 and model.inner.spare == 3.0
-    for _ in range(2):
-        x = torch.randn(3, 8)
-        assert torch.equal(sharded(x), twin(x))
+    serves_like(sharded, twin, 2)
 
 
 class FlagByName(nn.Module):
@@ -542,9 +544,7 @@ def test_flags_read_by_name_behind_a_property_or_by_children_are_state(inner):
     twin = copy.deepcopy(model)
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
     assert [w.name for w in sharded.plan.wrapped] == ["inner"]
-    for _ in range(3):
-        x = torch.randn(3, 8)
-        assert torch.equal(sharded(x), twin(x))
+    serves_like(sharded, twin, 3)
 
 
 def test_a_top_level_flag_read_by_children_is_refused_not_frozen_by_the_front_end_that_misses_it():
@@ -603,9 +603,7 @@ def test_a_forward_that_rebinds_a_buffer_keeps_counting_when_sharded(nested, pip
     if nested:  # fx keeps the counting block whole (auto then takes export, which keeps the write)
         wrapped = trace_with_leaves(model, (torch.randn(2, 8),)).wrapped
         assert [w.name for w in wrapped] == ["inner"] and "buffer 'steps'" in wrapped[0].reason
-    for _ in range(3):
-        x = torch.randn(3, 8)
-        assert torch.equal(sharded(x), twin(x))
+    serves_like(sharded, twin, 3)
 
 
 class RunningOffset(nn.Module):
@@ -631,9 +629,7 @@ def test_a_tensor_a_forward_keeps_for_its_next_call_keeps_its_module_whole():
     assert model[1].previous is None  # capture and verify ran it, and set its state back
     assert [w.name for w in sharded.plan.wrapped] == ["1"]
     assert "attribute 'previous'" in sharded.plan.wrapped[0].reason
-    for _ in range(3):
-        x = torch.randn(2, 8)
-        assert torch.equal(sharded(x), twin(x))
+    serves_like(sharded, twin, 3, batch=2)
 
 
 def flip_if_negative(x: torch.Tensor) -> torch.Tensor:
@@ -807,9 +803,7 @@ def test_an_attribute_read_before_it_is_written_is_state_even_when_it_held_a_ten
     twin = copy.deepcopy(model)
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
     assert [w.name for w in sharded.plan.wrapped] == ["1"]
-    for _ in range(3):
-        x = torch.randn(2, 8)
-        assert torch.equal(sharded(x), twin(x))
+    serves_like(sharded, twin, 3, batch=2)
 
 
 def default(value, fallback):

@@ -216,6 +216,18 @@ def test_the_runner_follows_mode_switches_made_after_it_was_built():
     assert torch.equal(runner(x), expected)
 
 
+def step_alike(runner: OffloadRunner, model: nn.Module, twin: nn.Module) -> None:
+    """One training step through the runner (on ``model``) and through the unsplit ``twin``, on the
+    same fresh batch: the gradients must match."""
+    x = torch.randn(4, 8)
+    model.zero_grad()
+    twin.zero_grad()
+    runner(x).pow(2).mean().backward()
+    twin(x).pow(2).mean().backward()
+    for name, param in twin.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, param.grad, msg=lambda m: f"{name}: {m}")
+
+
 class StepScaled(nn.Module):
     """Keeps state for its next call, kept whole by the capture: a step count it rebinds as a
     buffer or as a Python number on ``self``, which scales its output."""
@@ -247,14 +259,8 @@ def test_state_a_kept_whole_module_writes_reaches_the_model_and_the_backward_rep
     assert [w.name for w in sharded.plan.wrapped] == ["1"]
     runner = OffloadRunner(sharded, "cpu")
     for _ in range(3):
-        x = torch.randn(4, 8)
-        model.zero_grad()
-        twin.zero_grad()
-        runner(x).pow(2).mean().backward()
-        twin(x).pow(2).mean().backward()
+        step_alike(runner, model, twin)
         assert model[1].calls == twin[1].calls and torch.equal(model[1].steps, twin[1].steps)
-        for name, param in twin.named_parameters():
-            torch.testing.assert_close(model.get_parameter(name).grad, param.grad, msg=lambda m: f"{name}: {m}")
     model[1].calls = twin[1].calls = 10  # the model's state, set by hand, is what the next call starts from
     model[1].steps.fill_(10)
     twin[1].steps.fill_(10)
@@ -286,11 +292,5 @@ def test_a_tensor_a_kept_whole_module_keeps_for_its_next_call_reaches_the_model_
     twin = copy.deepcopy(model)
     runner = OffloadRunner(autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),)), "cpu")
     for _ in range(3):
-        x = torch.randn(4, 8)
-        model.zero_grad()
-        twin.zero_grad()
-        runner(x).pow(2).mean().backward()
-        twin(x).pow(2).mean().backward()
+        step_alike(runner, model, twin)
         assert torch.equal(model[1].previous, twin[1].previous)
-        for name, param in twin.named_parameters():
-            torch.testing.assert_close(model.get_parameter(name).grad, param.grad, msg=lambda m: f"{name}: {m}")
