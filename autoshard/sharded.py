@@ -14,8 +14,10 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from autoshard.capture.eager import PLAIN_VALUES
 from autoshard.capture.guard import check_inputs
 from autoshard.capture.result import WrappedLeaf
+from autoshard.capture.signature import argument_names
 from autoshard.costs.memory import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
@@ -170,7 +172,7 @@ def _fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | Non
             raise _not_fitting(signature, exc) from None
         return args, kwargs
     try:
-        named = _by_argument_name(model_signature, model_signature.bind(*args, **kwargs).arguments)
+        named = argument_names(model_signature, model_signature.bind(*args, **kwargs).arguments)
     except TypeError as exc:  # the model itself refuses the call
         raise _not_fitting(signature, exc) from None
     left_out = [name for name in named if name not in signature.parameters]
@@ -214,22 +216,6 @@ def _graph_inputs(first: fx.GraphModule) -> tuple[str, ...] | None:
 _GRAPH_INPUTS: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, ...] | None] = weakref.WeakKeyDictionary()
 
 
-def _by_argument_name(signature: inspect.Signature, bound: Mapping[str, Any]) -> dict[str, Any]:
-    """A model binding by the names the capture gives the example's arguments: each parameter's
-    own, the entries of ``**kwargs`` by their keys, extra positional ones ``arg{i}``."""
-    named: dict[str, Any] = {}
-    positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in signature.parameters.values())
-    for name, value in bound.items():
-        kind = signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(value)
-        elif kind is inspect.Parameter.VAR_POSITIONAL:
-            named.update({f"arg{positional + i}": item for i, item in enumerate(value)})
-        else:
-            named[name] = value
-    return named
-
-
 def _default(signature: inspect.Signature, name: str) -> Any:
     """Parameter ``name``'s default (``inspect.Parameter.empty``: none, or no such parameter)."""
     parameter = signature.parameters.get(name)
@@ -249,8 +235,7 @@ def _is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
     default = _default(signature, name)
     if default is inspect.Parameter.empty:
         return False
-    plain = (bool, int, float, str, type(None))
-    return value is default or (type(value) is type(default) and isinstance(value, plain) and value == default)
+    return value is default or (type(value) is type(default) and isinstance(value, PLAIN_VALUES) and value == default)
 
 
 def _device_of(stage: nn.Module) -> torch.device | None:

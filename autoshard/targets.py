@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import sys
 from typing import Any, Mapping, Sequence
@@ -11,6 +10,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from autoshard.capture.signature import forward_signature
 from autoshard.errors import AutoshardError, InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.examples import EXAMPLES, Example, load_example
 from autoshard.passes.registry import suggest
@@ -88,9 +88,8 @@ def check_inputs_bind(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str
     Tracing or verifying with inputs that do not fit fails deep inside torch; binding them to the
     signature first names the mismatch and the signature.
     """
-    try:
-        signature = inspect.signature(model.forward)
-    except (TypeError, ValueError):  # a forward without a readable signature: let tracing decide
+    signature = forward_signature(model)
+    if signature is None:  # a forward without a readable signature: let tracing decide
         return
     try:
         signature.bind(*args, **kwargs)

@@ -82,13 +82,14 @@ def trace_values_on(module: nn.Module) -> list[str]:
 
 #: Plain values a forward may keep on ``self`` from one call to the next.
 SCALARS = (bool, int, float, str)
+#: Those and None: what an attribute set once (``self.mode = None`` until the first call) holds.
+PLAIN_VALUES = (*SCALARS, type(None))
 
 
 def scalar_changed(old: Any, new: Any) -> bool:
     """Whether a number, flag, string or None was replaced by a different one (a step counter
     moved, a mode left None)."""
-    plain = (*SCALARS, type(None))
-    return isinstance(old, plain) and isinstance(new, plain) and (type(old) is not type(new) or old != new)
+    return isinstance(old, PLAIN_VALUES) and isinstance(new, PLAIN_VALUES) and (type(old) is not type(new) or old != new)
 
 
 @contextlib.contextmanager

@@ -41,13 +41,40 @@ class CallArgument:
         return any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(self.value))
 
 
-def _positional_names(model: nn.Module, count: int) -> list[str]:
+def forward_signature(model: nn.Module) -> inspect.Signature | None:
+    """The signature of ``model.forward`` (None when Python cannot tell it)."""
     try:
-        params = list(inspect.signature(model.forward).parameters.values())
+        return inspect.signature(model.forward)
     except (TypeError, ValueError):
-        params = []
-    named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return None
+
+
+def _named_positional(signature: inspect.Signature | None) -> list[str]:
+    params = signature.parameters.values() if signature is not None else ()
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _positional_names(model: nn.Module, count: int) -> list[str]:
+    """The names example arguments passed by position get: their parameters', ``arg{i}`` beyond."""
+    named = _named_positional(forward_signature(model))
     return [named[i] if i < len(named) else f"arg{i}" for i in range(count)]
+
+
+def argument_names(signature: inspect.Signature, bound: Mapping[str, Any]) -> dict[str, Any]:
+    """A binding of ``signature`` (``BoundArguments.arguments``) by the names the capture gives
+    the example's arguments: each parameter's own, the entries of ``**kwargs`` by their keys,
+    extra positional ones ``arg{i}`` as ``_positional_names`` names them."""
+    named: dict[str, Any] = {}
+    positional = len(_named_positional(signature))
+    for name, value in bound.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update({f"arg{positional + i}": item for i, item in enumerate(value)})
+        else:
+            named[name] = value
+    return named
 
 
 def _check_name(name: str) -> str:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torch import nn
-
+from autoshard.capture.signature import forward_signature
 from autoshard.emit import emit_stages
 from autoshard.graph import boundary_values
 from autoshard.passes.analyses import memory_model
@@ -36,12 +34,5 @@ class EmitPass(Pass):
         stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
         plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,
                          memory_model(ctx), training=program.model.training)
-        return dataclasses.replace(program, sharded=ShardedModel(stages, plan, _call_signature(program.model)))
+        return dataclasses.replace(program, sharded=ShardedModel(stages, plan, forward_signature(program.model)))
 
-
-def _call_signature(model: nn.Module) -> inspect.Signature | None:
-    """The model's call signature, for arguments passed with their default values (None if unknown)."""
-    try:
-        return inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None

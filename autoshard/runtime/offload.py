@@ -22,7 +22,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
-from autoshard.capture.eager import SCALARS
+from autoshard.capture.eager import PLAIN_VALUES
 from autoshard.errors import InvalidArgumentTypeError
 from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, stage_tensors
@@ -180,7 +180,7 @@ def _attributes(modules: list[nn.Module]) -> list[dict[str, Any]]:
     tensors (``self.calls``, ``self.ready``, ``self.previous = y``); a stage's generated code keeps
     none (its source text differs in the shell, retargeted to the runner's device)."""
     return [{} if isinstance(m, fx.GraphModule) else
-            {k: v for k, v in vars(m).items() if k != "training" and isinstance(v, (*SCALARS, type(None), torch.Tensor))}
+            {k: v for k, v in vars(m).items() if k != "training" and isinstance(v, (*PLAIN_VALUES, torch.Tensor))}
             for m in modules]
 
 
