@@ -184,7 +184,8 @@ def _fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | Non
                   else f"the example did not pass {', '.join(map(repr, changed))}")
         raise _not_fitting(signature, TypeError(reason))
     call = {name: value for name, value in named.items() if name in signature.parameters}
-    inputs = _graph_inputs(first) or tuple(signature.parameters)
+    inputs = _graph_inputs(first)
+    inputs = tuple(signature.parameters) if inputs is None else inputs
     for name in signature.parameters:  # a constant of the example's, left out: the model's default
         if name not in call and name not in inputs and _default(model_signature, name) is not inspect.Parameter.empty:
             call[name] = _default(model_signature, name)
@@ -198,7 +199,8 @@ def _fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | Non
 def _check_tensor_inputs(first: fx.GraphModule, values: Mapping[str, Any]) -> None:
     """The graph's inputs held tensors in the example: a call passing None or a number there
     (``mask=None``, the model's default) is refused here, not in the middle of the graph."""
-    for name in _graph_inputs(first) or values:
+    inputs = _graph_inputs(first)
+    for name in values if inputs is None else inputs:
         if name in values and not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(values[name])):
             raise TypeError(f"{name} is {values[name]!r}, but the plan was captured with tensors there")
 

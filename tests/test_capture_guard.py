@@ -172,6 +172,29 @@ def test_a_call_is_bound_as_the_model_binds_it_and_a_tensor_input_refuses_none()
         sharded(x)
 
 
+class ScaledOnes(nn.Module):
+    """Takes no tensor: its one argument is a constant of the plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, scale: float):
+        return self.second(self.first(torch.ones(2, 4)) * scale)
+
+
+def test_a_plan_whose_arguments_are_all_constants_takes_them():
+    """Its input guard lists no tensor input, which the call check took for 'no guard, every
+    argument a tensor input' and refused the example's own value."""
+    import autoshard
+
+    model = ScaledOnes()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(2.0,))
+    assert torch.equal(sharded(2.0), model(2.0))
+    with pytest.raises(InputMismatchError, match="scale=3.0, but the plan was captured with scale=2.0"):
+        sharded(3.0)
+
+
 class AttentionDropout(nn.Module):
     """Reads ``self.training`` for a dropout rate, as Hugging Face attention does: a graph fixes it."""
 
