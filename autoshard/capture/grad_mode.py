@@ -15,12 +15,12 @@ from typing import Callable
 
 import torch
 
-from autoshard.capture.leaves import MACHINERY_DIRS
+from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
 from autoshard.capture.state import is_real_run
 
 #: Code that asks for the grad mode without choosing values by it: grad-mode context managers,
 #: the checkpoint (which only skips recomputing), torch's tracing machinery, autoshard itself.
-_NEUTRAL = MACHINERY_DIRS + (os.path.join(os.path.dirname(torch.__file__), "autograd"),
+_NEUTRAL = MACHINERY_DIRS + (os.path.join(TORCH_DIR, "autograd"),
                              os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

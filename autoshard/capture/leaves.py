@@ -25,9 +25,9 @@ from autoshard.errors import TraceError
 
 T = TypeVar("T")
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
+TORCH_DIR = os.path.dirname(torch.__file__)
 #: Frames here are the capture machinery, never a function of the model's to wrap.
-MACHINERY_DIRS = tuple(os.path.join(_TORCH_DIR, sub) for sub in (
+MACHINERY_DIRS = tuple(os.path.join(TORCH_DIR, sub) for sub in (
     "fx", "_dynamo", "_export", "export", "_subclasses", "_ops.py", "_library", "_higher_order_ops",
     "utils", "_prims_common", "_refs", "_decomp", "_meta_registrations.py", "_tensor.py",
     "overrides.py", "__init__.py", os.path.join("nn", "modules", "module.py"),

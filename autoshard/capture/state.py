@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.eager import scalar_changed, swapped_attribute
-from autoshard.capture.leaves import MACHINERY_DIRS
+from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
 
 #: ``computed(module, name, value)``: whether assigning ``value`` stores something the trace computed.
 Computed = Callable[[nn.Module, str, Any], bool]
@@ -73,7 +73,6 @@ def instructions(code: types.CodeType) -> tuple[dis.Instruction, ...]:
 
 
 _CAPTURE_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def _reads(instructions_: Iterable[dis.Instruction], names: frozenset[str]) -> bool:
@@ -106,7 +105,7 @@ def _read_earlier(frame: types.FrameType | None, names: frozenset[str], entered:
     while frame is not None and (frame.f_code.co_filename == __file__  # a setter run by our guard
                                  or not frame.f_code.co_filename.startswith(_CAPTURE_DIR)):
         on_stack.add(frame.f_code)
-        if not frame.f_code.co_filename.startswith((_TORCH_DIR, _CAPTURE_DIR)) and _reads(
+        if not frame.f_code.co_filename.startswith((TORCH_DIR, _CAPTURE_DIR)) and _reads(
                 itertools.takewhile(lambda ins: ins.offset < frame.f_lasti, instructions(frame.f_code)), names):
             return True
         frame = frame.f_back
@@ -196,7 +195,7 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False) -> I
             return
         if scalars.carried(module, name, value, caller):
             raise ScalarStateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
-                             f"{value!r}), which its next call reads; a captured graph cannot replay that write")
+                                   f"{value!r}), which its next call reads; a captured graph cannot replay that write")
         if computed(module, name, value) and not _unread_scratch(module, name, read):
             raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} {name!r}, "
                              "which a later call may read; a captured graph cannot replay that write")
