@@ -157,10 +157,21 @@ def _captured_grad_mode(gm: fx.GraphModule) -> bool:
                    for n in gm.graph.nodes)
 
 
-def _model_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int, grad: bool) -> Any:
+def _in_a_row(call: Callable[[], Any], times: int) -> Callable[[], Any]:
+    """``call`` made ``times`` times in a row, returning the last result."""
+    def calls() -> Any:
+        for _ in range(times - 1):
+            call()
+        return call()
+
+    return calls
+
+
+def _model_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int, grad: bool,
+               times: int = 1) -> Any:
     # Every run gets its own copy of the inputs: a forward that writes to them must not feed the
     # next run its output, nor change the caller's tensors.
-    return run_seeded(lambda: model(*cloned(args), **cloned(kwargs)), model, seed, grad=grad)
+    return run_seeded(_in_a_row(lambda: model(*cloned(args), **cloned(kwargs)), times), model, seed, grad=grad)
 
 
 def _graph_run(interpreter: fx.Interpreter, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -249,11 +260,8 @@ def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     compare the second calls: state the model keeps between calls where capture cannot see it
     (``self.__dict__[...]``, a dict or list changed in place, a global) changes the model's second
     call while the stages keep the branch of the capture, which one call cannot show."""
-    def twice(call: Callable[[], Any]) -> Callable[[], Any]:
-        return lambda: (call(), call())[1]
-
-    expected = run_seeded(twice(lambda: model(*cloned(args), **cloned(kwargs))), model, seed, grad=grad)
-    problem = first_difference(run_seeded(twice(chained), model, seed, grad=grad), expected, rtol, atol)
+    expected = _model_run(model, args, kwargs, seed, grad, times=2)
+    problem = first_difference(run_seeded(_in_a_row(chained, 2), model, seed, grad=grad), expected, rtol, atol)
     if problem:
         raise VerificationError(
             f"the stages' second call on the example differs from the model's ({problem}), though the "
