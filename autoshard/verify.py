@@ -14,7 +14,8 @@ in the second call only.
 The runs compared here have autograd on, the mode the graph was captured in: some modules take a
 fused fast path in no-grad inference (``nn.TransformerEncoderLayer``) that computes the same
 values in another op order, so comparing across modes could not be exact. A graph whose code
-chose its path by the grad mode with grad off (``check_grad_mode`` guards) is compared with it off.
+chose its path by the grad mode with grad off (``check_grad_mode`` guards) is compared with it off,
+and so is a model that runs only without grad (``out=`` writes, weights made under inference mode).
 """
 
 from __future__ import annotations
@@ -157,6 +158,22 @@ def _captured_grad_mode(gm: fx.GraphModule) -> bool:
                    for n in gm.graph.nodes)
 
 
+def _expected_run(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  seed: int) -> tuple[bool, Any]:
+    """The grad mode to compare in and the model's output in it: the graph's captured mode, with
+    grad on where the model runs with it; a model that writes with ``out=`` or holds inference
+    tensors runs only without grad, and is compared without."""
+    if not _captured_grad_mode(gm):
+        return False, _model_run(model, args, kwargs, seed, False)
+    try:
+        return True, _model_run(model, args, kwargs, seed, True)
+    except RuntimeError as with_grad:
+        try:
+            return False, _model_run(model, args, kwargs, seed, False)
+        except Exception:
+            raise with_grad from None
+
+
 def _in_a_row(call: Callable[[], Any], times: int) -> Callable[[], Any]:
     """``call`` made ``times`` times in a row, returning the last result."""
     def calls() -> Any:
@@ -184,8 +201,7 @@ def capture_difference(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ..
                        seed: int = 0) -> str | None:
     """Where the captured graph's output first differs from the model's on the example (None when
     equal, or when the output cannot be compared: ``verify_stages`` explains that)."""
-    grad = _captured_grad_mode(gm)
-    expected = _model_run(model, args, kwargs, seed, grad)
+    grad, expected = _expected_run(model, gm, args, kwargs, seed)
     if _objects_holding_tensors(expected):
         return None
     return first_difference(_graph_run(PlainInterpreter(gm), model, args, kwargs, seed, grad), expected, 0.0, 0.0)
@@ -203,8 +219,7 @@ def verify_stages(
     seed: int = 0,
 ) -> str:
     """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
-    grad = _captured_grad_mode(gm)
-    expected = _model_run(model, args, kwargs, seed, grad)
+    grad, expected = _expected_run(model, gm, args, kwargs, seed)
     opaque = _objects_holding_tensors(expected)
     if opaque:
         raise VerificationError(

@@ -260,3 +260,49 @@ def test_state_capture_cannot_see_is_caught_by_a_second_call():
     model = nn.Sequential(nn.Linear(4, 4), FlagInDict(), nn.Linear(4, 4))
     with pytest.raises(VerificationError, match="second call on the example differs from the model's"):
         autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),))
+
+
+class _ScaledByBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x) * self.scale)  # the product saves `scale` for the backward
+
+
+def test_sharding_leaves_a_backward_pending_on_the_model_runnable():
+    """Restoring the buffers the runs did not write would move their version counters, and
+    autograd refuses a backward through a graph whose saved tensors moved since."""
+    model, x = _ScaledByBuffer(), torch.randn(3, 4)
+    pending = model(x)
+    autoshard.shard_model(model, 2, example_inputs=(x,), instruments=[autoshard.passes.ModelUnchanged()])
+    assert model.scale._version == 0
+    pending.sum().backward()
+    assert model.fc1.weight.grad is not None
+
+
+class _WritesWithOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        doubled = torch.empty_like(h)
+        torch.mul(h, 2, out=doubled)  # autograd refuses out= on tensors that require grad
+        return self.b(doubled)
+
+
+def test_a_model_that_runs_only_without_grad_is_verified_without_grad():
+    x = torch.randn(2, 8)
+    model = _WritesWithOut().eval()
+    with torch.no_grad():
+        sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+        assert torch.equal(sharded(x), model(x))
+    with torch.inference_mode():
+        frozen = _ScaledByBuffer()  # weights made in inference mode: no grad can flow through them
+    sharded = autoshard.shard_model(frozen, 2, example_inputs=(x[:, :4],))
+    with torch.inference_mode():
+        assert torch.equal(sharded(x[:, :4]), frozen(x[:, :4]))

@@ -25,14 +25,35 @@ from autoshard.errors import ExampleInputsError
 
 @contextlib.contextmanager
 def values_restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """On exit, each of ``tensors`` holds the values it held on entry (written in place)."""
-    saved = [(t, t.detach().clone()) for t in tensors]
+    """On exit, each of ``tensors`` holds the values it held on entry (written in place).
+
+    Only a tensor written in the meantime is written back: a write moves its version counter, and
+    autograd refuses to back-propagate through a graph that saved a tensor whose counter moved
+    since (the user's own forward made before sharding). Kernels that update statistics in place
+    (BatchNorm on the CPU) leave the counter where it was, so the values are compared as well."""
+    saved = [(t, _version(t), t.detach().clone()) for t in tensors]
     try:
         yield
     finally:
-        with torch.no_grad():
-            for tensor, value in saved:
-                tensor.copy_(value)
+        # Inference mode: an inference tensor (weights made under it) can be written only there.
+        with torch.inference_mode():
+            for tensor, version, value in saved:
+                if _version(tensor) != version or not _same_values(tensor, value):
+                    tensor.copy_(value)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (None for an inference tensor, which has none)."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _same_values(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    """Equal elementwise, NaN at the same places counting as equal."""
+    if torch.equal(tensor, value):
+        return True
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    return torch.equal(tensor.isnan(), value.isnan()) and torch.equal(tensor.nan_to_num(0.0), value.nan_to_num(0.0))
 
 
 def rewritten_weights(model: nn.Module) -> list[torch.Tensor]:
