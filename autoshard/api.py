@@ -153,13 +153,24 @@ def bind_pipeline(
     if not isinstance(pipeline, Pipeline):
         raise InvalidArgumentTypeError(
             f"pipeline must be a Pipeline or a spec string, got {type(pipeline).__name__}")
-    pipeline = _bind(_bind(pipeline, "stages", num_stages, None), "cost", cost, "params")
-    for option, value in stage_limits(num_stages, capacities, max_memory).items():
+    limits = stage_limits(num_stages, capacities, max_memory)
+    for option in [*limits, *(["cost"] if cost != "params" else [])]:
         if not any(option in {f.name for f in step.options()} for step in pipeline):
             raise InvalidArgumentError(
-                f"shard_model was given {option}= but no pass of the pipeline '{pipeline}' takes it; add 'split'")
+                f"{option}= was given, but no pass of the pipeline '{pipeline}' takes it; add 'split'")
+    pipeline = _bind(_bind(pipeline, "stages", num_stages, None), "cost", cost, "params")
+    for option, value in limits.items():
         pipeline = _bind(pipeline, option, value, ())
     return pipeline
+
+
+def check_stage_count(asked: int, made: int, pipeline: Pipeline) -> None:
+    """Refuse a result with another number of stages than asked for: a pipeline whose partition
+    does not come from a split given the count (a loaded plan, a user's pass) can make any."""
+    if made != asked:
+        raise InvalidArgumentError(
+            f"{asked} stages were asked for but the pipeline '{pipeline}' made {made} (its partition does not come "
+            f"from a split given the stage count: a loaded plan, a pass of yours); ask for {made}")
 
 
 def run_pipeline(
@@ -175,6 +186,8 @@ def run_pipeline(
     ``cost_models`` are available by name to this run only (a user's cost function).
     """
     check_model(model)
+    if not isinstance(instruments, Iterable) or isinstance(instruments, Instrument):
+        raise InvalidArgumentTypeError(f"instruments must be a list of Instrument instances, got {instruments!r}")
     ctx = PassContext(instruments=list(instruments))
     for name, cost_model in (cost_models or {}).items():
         use_cost_model(ctx, name, cost_model)
@@ -245,14 +258,14 @@ def shard_model(
             raise InvalidArgumentError("time_profile= applies to the default pipeline; with a pipeline, "
                                        "write profile{path=...} in it")
         chosen = bind_pipeline(pipeline, num_stages, cost_name, capacities=capacities, max_memory=max_memory)
+        if not any("sharded" in step.provides for step in chosen):
+            raise PipelineValidationError(f"the pipeline '{chosen}' makes no stages; end it with 'emit' (and 'verify')")
     if memory_model is not None and not isinstance(memory_model, MemoryModel):
         raise InvalidArgumentTypeError(
             f"memory_model must be an autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...), "
             f"got {type(memory_model).__name__}")
     program = run_pipeline(model, chosen, inputs, instruments, cost_models, memory_model).program
-    if program.sharded is None:
-        raise PipelineValidationError(
-            f"the pipeline '{chosen}' produced no stages; end it with 'emit' (and 'verify')")
+    check_stage_count(num_stages, len(program.sharded.stages), chosen)
     budgets = stage_limits(num_stages, max_memory=max_memory).get("max_memory")
     if budgets is not None and _limits_training_memory(chosen):
         plan = program.sharded.plan

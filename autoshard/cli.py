@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard import progress
-from autoshard.api import bind_pipeline, default_pipeline, example_inputs_of
+from autoshard.api import bind_pipeline, check_stage_count, default_pipeline, example_inputs_of
 from autoshard.arguments import whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import MemoryModel
@@ -287,6 +287,7 @@ def _compare(args: argparse.Namespace, session: _Session, choice: _Choice, conso
     plans = {}
     for name in names:
         chosen = pipeline.with_options(index, strategy=name)
+        chosen = chosen.with_options(index, **chosen[index].options_unused())  # a baseline drops the tolerance
         program = session.run(chosen[index:index + 1], before)
         plans[name], _ = session.plan(program, _Choice(chosen, str(chosen), choice.cost_model))
     if not args.quiet:
@@ -314,6 +315,8 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     pipeline = choice.pipeline if build else choice.pipeline[: _split_step(choice.pipeline)[0] + 1]
     program = session.run(pipeline)
     plan, notes = session.plan(program, choice)
+    if args.stages is not None:
+        check_stage_count(args.stages, plan.num_stages, pipeline)
     if not args.quiet:
         _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({choice.spec})", console, notes)
         if program.verification:

@@ -367,3 +367,23 @@ def test_what_an_opaque_call_returns_besides_tensors_is_checked_on_every_call():
     assert torch.equal(sharded(x), model(x))
     with pytest.raises(InputMismatchError, match="what .*large returns besides tensors"):
         sharded(x * 100)
+
+
+class DoublesWithoutGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        with torch.no_grad():  # export records the block as a higher-order op
+            doubled = h * 2
+        return self.last(h + doubled)
+
+
+def test_higher_order_ops_are_named_the_same_in_every_process():
+    """A node's target name keys time profiles and plan files; a repr would hold the op's address."""
+    sharded = autoshard.shard_model(DoublesWithoutGrad(), 2, (torch.randn(3, 8),))
+    targets = [data["target"] for _, data in sharded.plan.dag.nodes(data=True)]
+    assert "torch.ops.higher_order.wrap_with_set_grad_enabled" in targets
+    assert not any(" at 0x" in target for target in targets)

@@ -62,6 +62,19 @@ def test_compare_shows_strategies_side_by_side(capsys):
     assert "verified" not in out  # comparing builds no stages
 
 
+def test_compare_drops_the_tolerance_for_baselines_and_dumps_every_split(capsys, tmp_path):
+    """A pipeline's tolerance is min-cut's; greedy, which has no use for it, is compared without it
+    (alone, split{strategy=greedy tolerance=...} is refused), and each strategy's split is dumped."""
+    spec = "trace,shape-prop,build-dag,linearize,split{tolerance=0.1},emit"
+    code, out, err = run(capsys, "split", "branched", "-k", "2", "--pipeline", spec, "--compare", "greedy,min-cut",
+                         "--dump-dir", str(tmp_path))
+    assert code == 0, err
+    assert sum(line.startswith(("│ greedy", "│ min-cut")) for line in out.splitlines()) == 2
+    splits = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith("-split.txt"))
+    assert splits == ["004-split.txt", "005-split.txt"]
+    assert "strategy=greedy" in (tmp_path / splits[0]).read_text().splitlines()[0]
+
+
 def test_compare_refuses_unknown_strategies_and_saving(capsys):
     code, _, err = run(capsys, "split", "branched", "-k", "2", "--compare", "greedy,nope")
     assert code == 2 and "unknown: nope" in flat(err) and "known: " in err

@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autoshard.errors import PassContractError, PassFailed
+from autoshard.errors import InvalidArgumentError, PassContractError, PassFailed
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.instruments import (
     DumpDir,
@@ -317,3 +317,18 @@ def test_model_fingerprint_is_stable_and_sees_training_flags_of_submodules():
     model[1].eval()
     after = model_fingerprint(model)
     assert after != before and after["training flag of '1'"] is False
+
+
+def test_dump_dir_that_cannot_be_created_is_a_typed_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(InvalidArgumentError, match="cannot create the dump directory"):
+        run("trace,build-dag", DumpDir(blocker / "dumps"))
+
+
+def test_dump_dir_shared_by_two_runs_keeps_both(tmp_path):
+    """The CLI's --compare runs one split per strategy with one DumpDir: none may overwrite another."""
+    dump = DumpDir(tmp_path)
+    run("trace,build-dag", dump)
+    run("trace", dump)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000-trace.txt", "001-build-dag.txt", "002-trace.txt"]

@@ -322,3 +322,57 @@ def test_instrument_errors_propagate_with_a_note_and_are_not_blamed_on_the_pass(
 def test_all_errors_are_autoshard_errors():
     for cls in (PassFailed, PassContractError, PipelineValidationError):
         assert issubclass(cls, AutoshardError)
+
+
+# -- options checked before anything runs ------------------------------------------------------
+def _passes_run(spec: str, **shard_options) -> tuple[type[BaseException], list[str]]:
+    """The error sharding the residual MLP with ``spec`` raises, and the passes that ran first."""
+    import autoshard
+    from autoshard.examples import load_example
+    from autoshard.passes.instruments import Timing
+
+    model, args, _ = load_example("residual-mlp")
+    timing = Timing()
+    with pytest.raises(AutoshardError) as caught:
+        autoshard.shard_model(model, 2, example_inputs=args, pipeline=spec, instruments=[timing], **shard_options)
+    return caught.value, [row.name for row in timing.rows()]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("trace,build-dag,linearize,split{strategy=mincut},emit", "unknown strategy 'mincut'"),
+    ("trace,build-dag,linearize,split{cost=flopz},emit", "unknown cost model 'flopz'"),
+    ("trace,build-dag,linearize,split{strategy=greedy tolerance=0.5},emit", "has no use for tolerance=0.5"),
+    ("trace,build-dag,linearize,split-uniform{tolerance=0.1},emit", "has no use for tolerance=0.1"),
+    ("trace,build-dag,linearize,split{strategy=fixed-order moves=false},emit", "has no use for moves=False"),
+    ("trace,build-dag,linearize,split,emit,verify{atol=-1}", "atol must be finite and >= 0"),
+    ("trace,build-dag,linearize,split,emit,verify{rtol=nan}", "rtol must be finite and >= 0"),
+])
+def test_option_values_no_pass_can_use_are_refused_before_any_pass_runs(spec, message):
+    error, ran = _passes_run(spec)
+    assert isinstance(error, InvalidArgumentError) and message in str(error)
+    assert ran == []
+
+
+def test_a_pipeline_that_makes_no_stages_is_refused_before_capture():
+    error, ran = _passes_run("trace,build-dag,linearize,split")
+    assert isinstance(error, PipelineValidationError) and "end it with 'emit'" in str(error)
+    assert ran == []
+
+
+def test_arguments_of_the_wrong_type_get_typed_errors():
+    import autoshard
+    from autoshard.errors import SpecError
+    from autoshard.examples import load_example
+    from autoshard.passes import PrintAfter, SplitPass, default_registry
+    from autoshard.passes.instruments import Timing
+
+    with pytest.raises(SpecError, match="has no option 'bogus'"):
+        Pipeline([SplitPass()]).with_options(0, bogus=1)
+    with pytest.raises(InvalidArgumentTypeError, match="pass name is a str"):
+        default_registry.get(5)
+    with pytest.raises(InvalidArgumentTypeError, match="PrintAfter takes pass names"):
+        PrintAfter(5)
+    model, args, _ = load_example("residual-mlp")
+    for instruments in (None, [Timing], [object()]):
+        with pytest.raises(InvalidArgumentTypeError, match="Instrument"):
+            autoshard.shard_model(model, 2, example_inputs=args, instruments=instruments)

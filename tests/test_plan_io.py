@@ -263,3 +263,29 @@ def test_save_plan_says_what_it_writes_when_given_a_sharded_model(tmp_path):
     sharded = autoshard.shard_model(model, 2, example_inputs=args)
     with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match="save_plan writes a SavedPlan"):
         autoshard.save_plan(sharded, tmp_path / "plan.json")
+
+
+def test_a_loaded_partition_with_another_stage_count_than_asked_is_refused(residual, saved):
+    """shard_model promises exactly k stages; a pipeline whose partition comes from a plan of 4
+    must not hand back 4 when 2 were asked for."""
+    model, args = residual[0], residual[1]
+    registry = PassRegistry()
+    for cls in [*default_registry.passes(), LoadPartitionPass]:
+        if cls.name not in registry:
+            registry.register(cls)
+    spec = f'trace,shape-prop,build-dag,linearize,load-partition{{path="{saved}"}},emit'
+    with pytest.raises(autoshard.errors.InvalidArgumentError, match="2 stages were asked for but .* made 4"):
+        autoshard.shard_model(model, 2, example_inputs=args, pipeline=Pipeline.parse(spec, registry))
+    with pytest.raises(autoshard.errors.InvalidArgumentError, match="cost= was given, but no pass"):
+        autoshard.shard_model(model, 4, example_inputs=args, cost="flops", pipeline=Pipeline.parse(spec, registry))
+    assert len(autoshard.shard_model(model, 4, example_inputs=args, pipeline=Pipeline.parse(spec, registry)).stages) == 4
+
+
+def test_a_plan_path_of_the_wrong_type_or_a_binary_file_is_refused(residual, tmp_path):
+    model, args = residual[0], residual[1]
+    with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match="plan path must be a str"):
+        autoshard.load_plan(None, model, args)
+    binary = tmp_path / "plan.json"
+    binary.write_bytes(b"\xff\xfe\x00plan")
+    with pytest.raises(PlanError, match="not a text"):
+        autoshard.load_plan(binary, model, args)

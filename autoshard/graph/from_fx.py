@@ -52,12 +52,14 @@ UNKNOWN_VALUE_BYTES = 1.0
 
 
 def target_name(node: fx.Node) -> str:
-    """A node's target by name (``module.qualname``), the same in every process."""
+    """A node's target by name (``module.qualname``), the same in every process: never its repr,
+    which for an object without a qualified name (a higher-order op such as ``cond``) holds its address."""
     target = node.target
     if isinstance(target, str):
         return target
     module = getattr(target, "__module__", None) or ""
-    return f"{module}.{getattr(target, '__qualname__', repr(target))}".lstrip(".")
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__qualname__
+    return f"{module}.{name}".lstrip(".")
 
 
 def module_scopes(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple[str, str], ...]:

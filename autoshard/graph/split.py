@@ -108,11 +108,16 @@ def _options_of(fn: StrategyFn) -> list[str]:
     return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
-def _lookup(strategy: Any, options: dict[str, Any]) -> _Strategy:
+def check_strategy(strategy: Any) -> None:
+    """Refuse a name no strategy is registered under."""
     if strategy not in _REGISTRY:
         raise InvalidArgumentError(
             f"unknown strategy {strategy!r}; known strategies: {', '.join(strategies())}"
         )
+
+
+def _lookup(strategy: Any, options: dict[str, Any]) -> _Strategy:
+    check_strategy(strategy)
     entry = _REGISTRY[strategy]
     accepted = _options_of(entry.fn)
     for name in options:
@@ -124,7 +129,8 @@ def _lookup(strategy: Any, options: dict[str, Any]) -> _Strategy:
     return entry
 
 
-def _check_tolerance(tolerance: Any) -> None:
+def check_tolerance(tolerance: Any) -> None:
+    """Refuse a tolerance that is not a finite number >= 0."""
     if not is_number(tolerance):
         raise InvalidArgumentTypeError(f"tolerance must be a number, got {tolerance!r}")
     if not math.isfinite(tolerance) or tolerance < 0:
@@ -182,7 +188,7 @@ def split_dag(
     """
     check_dag(dag)
     k = check_num_stages(dag, k)
-    _check_tolerance(tolerance)
+    check_tolerance(tolerance)
     entry = _lookup(strategy, options)
     constraints = Constraints.build(cut_before, together, prefer_together, capacities, memory_budgets,
                                     memory_in_flight)

@@ -125,16 +125,26 @@ def use_cost_model(ctx: PassContext, name: str, model: CostModel) -> None:
     ctx.analyses[(_RUN_LOCAL, name)] = model
 
 
+def check_cost_name(cost: str) -> None:
+    """Refuse a name that is neither a registered cost model nor a user's function (``custom-...``,
+    registered with the run that uses it)."""
+    if cost not in COST_MODELS and not cost.startswith("custom-"):
+        raise InvalidArgumentError(_unknown_cost(cost))
+
+
 def _lookup(ctx: PassContext, cost: str) -> CostModel:
     local = ctx.analyses.get((_RUN_LOCAL, cost))
     if local is not None:
         return local
     if cost not in COST_MODELS:
-        close = difflib.get_close_matches(cost, COST_MODELS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise InvalidArgumentError(
-            f"unknown cost model {cost!r}{hint}; known: {', '.join(sorted(COST_MODELS))}")
+        raise InvalidArgumentError(_unknown_cost(cost))
     return COST_MODELS[cost]
+
+
+def _unknown_cost(cost: str) -> str:
+    close = difflib.get_close_matches(cost, COST_MODELS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown cost model {cost!r}{hint}; known: {', '.join(sorted(COST_MODELS))}"
 
 
 def charges_weights(ctx: PassContext, cost: str) -> bool:

@@ -96,6 +96,10 @@ class Pass(ABC):
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         """Return a new program with this pass's ``provides`` filled in."""
 
+    def check_options(self) -> None:
+        """Refuse option values this pass cannot work with. Called when its pipeline is validated,
+        before any pass runs, so a mistake costs no capture. The default checks nothing."""
+
     def __str__(self) -> str:
         """The canonical text spec of this pass, e.g. ``split{stages=4}``."""
         from autoshard.passes.spec import format_pass

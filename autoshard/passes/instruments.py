@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, TextIO
 
 from autoshard.capture.eager import trace_values_on
-from autoshard.errors import AutoshardError, PassContractError
+from autoshard.errors import AutoshardError, InvalidArgumentError, InvalidArgumentTypeError, PassContractError
 from autoshard.passes.base import ExampleInputs, Pass, ShardProgram
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -226,6 +226,8 @@ class DumpDir(Instrument):
     """Write the program after each pass to ``path/NNN-<pass>.txt`` (TVM's ``DumpIR``).
 
     A failing pass leaves ``NNN-<pass>.failed.txt`` with the traceback and the program it was given.
+    ``NNN`` counts the files this instrument wrote, so runs that share it (the CLI's ``--compare``
+    runs one split per strategy) each keep theirs; each file's header names the pass's position.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -234,7 +236,12 @@ class DumpDir(Instrument):
         self.files: list[Path] = []
 
     def before_pipeline(self, pipeline: "Pipeline", program: ShardProgram) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"cannot create the dump directory {str(self.path)!r} ({exc.strerror or exc}); "
+                "give a directory that can be created or already exists") from exc
         self.pipeline_spec = str(pipeline)
 
     def _write(self, name: str, header: str, body: str) -> None:
@@ -243,12 +250,13 @@ class DumpDir(Instrument):
         self.files.append(target)
 
     def after_pass(self, pass_: Pass, index: int, program: ShardProgram) -> None:
-        self._write(_file_name(index, pass_.name), f"# after pass {index}: {_spec(pass_)}", describe_program(program))
+        self._write(_file_name(len(self.files), pass_.name), f"# after pass {index}: {_spec(pass_)}",
+                    describe_program(program))
 
     def after_pass_failed(self, pass_: Pass, index: int, program: ShardProgram, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(exc))
         self._write(
-            _file_name(index, pass_.name, ".failed"),
+            _file_name(len(self.files), pass_.name, ".failed"),
             f"# pass {index} failed: {_spec(pass_)}",
             f"{tb}\n# the program the pass was given:\n{describe_program(program)}",
         )
@@ -258,7 +266,10 @@ class PrintAfter(Instrument):
     """Print the program after the named passes (or ``"all"``), like MLIR's ``-mlir-print-ir-after``."""
 
     def __init__(self, names: str | Iterable[str] = "all", file: TextIO | None = None) -> None:
-        self.names = None if names == "all" else frozenset([names] if isinstance(names, str) else names)
+        chosen = [names] if isinstance(names, str) else names
+        if not isinstance(chosen, Iterable) or not all(isinstance(n, str) for n in chosen):
+            raise InvalidArgumentTypeError(f"PrintAfter takes pass names (str, or a list of them) or 'all', got {names!r}")
+        self.names = None if names == "all" else frozenset(chosen)
         self.file = file  # None: sys.stderr at the time of printing
 
     def after_pass(self, pass_: Pass, index: int, program: ShardProgram) -> None:

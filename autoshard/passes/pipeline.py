@@ -13,7 +13,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, overload
 
-from autoshard.errors import AutoshardError, InvalidArgumentTypeError, PassContractError, PassFailed, PipelineValidationError
+from autoshard.errors import (
+    AutoshardError, InvalidArgumentTypeError, PassContractError, PassFailed, PipelineValidationError, SpecError,
+)
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.passes.instruments import Instrument, VerifyEach
 from autoshard.passes.registry import PassRegistry, default_registry
@@ -24,7 +26,9 @@ __all__ = ["INPUT_ARTIFACTS", "Pipeline", "PipelineResult"]
 
 INPUT_ARTIFACTS: dict[str, str] = {
     "model": "pass the model",
-    "example_inputs": "pass example inputs (ShardProgram(model, example_inputs=ExampleInputs(args, kwargs)))",
+    "example_inputs": "pass example inputs (shard_model(model, k, example_inputs=...); on the command line, a "
+                      "factory returning (model, example_args); to Pipeline.run, "
+                      "ShardProgram(model, example_inputs=ExampleInputs(args, kwargs)))",
 }
 """Artifacts that come from the caller rather than from a pass, with what to tell the user."""
 
@@ -133,6 +137,11 @@ class Pipeline:
 
     def with_options(self, index: int, **changes: object) -> "Pipeline":
         """A copy whose pass at ``index`` has ``changes`` applied (and printed as written)."""
+        step = self[index]
+        unknown = sorted(set(changes) - {f.name for f in step.options()})
+        if unknown:
+            raise SpecError(f"pass '{step.name}' has no option {', '.join(map(repr, unknown))}; its options: "
+                            + (", ".join(f.name for f in step.options()) or "none"))
         passes = list(self._passes)
         passes[index] = dataclasses.replace(passes[index], **changes)
         check_option_values(passes[index])
@@ -152,7 +161,8 @@ class Pipeline:
 
     # -- validation -----------------------------------------------------------------------------
     def validate(self, initial: frozenset[str] = frozenset({"model"})) -> None:
-        """Check that every pass's ``requires`` is provided by ``initial`` or an earlier pass.
+        """Check each pass's options (``Pass.check_options``) and that its ``requires`` is provided
+        by ``initial`` or an earlier pass.
 
         Raises ``PipelineValidationError`` naming the pass, its position, the missing artifacts and
         what to do: the registered passes that provide it, a later pass to move, or an input to pass.
@@ -160,6 +170,11 @@ class Pipeline:
         available = set(initial)
         order = {n: i for i, n in enumerate(ShardProgram.artifact_names())}
         for i, p in enumerate(self._passes):
+            try:
+                p.check_options()
+            except AutoshardError as exc:
+                exc.add_note(_note(p, i, str(self)))
+                raise
             missing = sorted(p.requires - available, key=lambda a: (order.get(a, len(order)), a))
             if missing:
                 hints = [self._hint(a, i) for a in missing]
@@ -197,6 +212,10 @@ class Pipeline:
         ctx = PassContext() if ctx is None else ctx
         self.validate(program.provided())
         instruments: list[Instrument] = list(ctx.instruments)
+        for inst in instruments:
+            if not isinstance(inst, Instrument):
+                raise InvalidArgumentTypeError(
+                    f"instruments must be Instrument instances (Timing(), DumpDir(path), ...), got {inst!r}")
         if ctx.verify_each and not any(isinstance(inst, VerifyEach) for inst in instruments):
             instruments.insert(0, VerifyEach())
         spec = str(self)

@@ -19,7 +19,7 @@ import re
 from importlib import metadata
 from typing import Callable, ClassVar, Iterable, Iterator, TypeVar, overload
 
-from autoshard.errors import SpecError
+from autoshard.errors import InvalidArgumentTypeError, SpecError
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.passes.options import option_types
 
@@ -171,6 +171,8 @@ class PassRegistry:
     # -- lookup ---------------------------------------------------------------------------------
     def get(self, name: str) -> type[Pass]:
         """The class registered as ``name``; an unknown name raises ``SpecError`` with suggestions."""
+        if not isinstance(name, str):
+            raise InvalidArgumentTypeError(f"a pass name is a str, got {name!r}")
         cls = self._passes.get(name)
         if cls is not None:
             return cls

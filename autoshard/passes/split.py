@@ -40,9 +40,11 @@ from autoshard.costs.ties import TieGroup, TiePlacement, charged_apart, tie_grou
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.graph import Partition, split_dag
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY
+from autoshard.graph.split import check_strategy, check_tolerance
 from autoshard.graph.scopes import cut_before_nodes, no_split_groups
-from autoshard.passes.analyses import charges_weights, held_stage_costs, memory_model, node_costs
+from autoshard.passes.analyses import charges_weights, check_cost_name, held_stage_costs, memory_model, node_costs
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
+from autoshard.passes.options import kebab
 
 
 def weighted_in_order(
@@ -61,6 +63,8 @@ def weighted_in_order(
 #: Strategies whose ``cost=memory`` split searches the training-memory bound, and how many halvings.
 MEMORY_SEARCH_STRATEGIES = ("min-cut", "fixed-order")
 MEMORY_SEARCH_STEPS = 12
+#: Strategies kept for comparison: they do not bound the bottleneck, so a tolerance means nothing to them.
+UNBOUNDED_STRATEGIES = ("greedy", "uniform")
 
 
 def _each_stage(values: tuple[float, ...], k: int) -> tuple[float, ...]:
@@ -108,6 +112,26 @@ class _SplitWithConstraints(Pass):
     def strategy_options(self) -> dict[str, Any]:
         """Options for the strategy itself (none unless a subclass has some)."""
         return {}
+
+    def _unused_names(self) -> tuple[str, ...]:
+        """Options the strategy has no use for: one kept for comparison does not bound the bottleneck."""
+        return ("tolerance",) if self.strategy in UNBOUNDED_STRATEGIES else ()
+
+    def options_unused(self) -> dict[str, Any]:
+        """The options set away from their defaults that the strategy has no use for, with their defaults."""
+        defaults = {f.name: f.default for f in self.options()}
+        return {name: defaults[name] for name in self._unused_names() if getattr(self, name) != defaults[name]}
+
+    def check_options(self) -> None:
+        check_cost_name(self.cost)
+        check_cost_name(self.memory_cost)
+        check_tolerance(self.tolerance)
+        unused = self.options_unused()
+        if unused:
+            given = ", ".join(f"{kebab(name)}={getattr(self, name)!r}" for name in unused)
+            raise InvalidArgumentError(
+                f"'{self.name}' with strategy {self.strategy!r} has no use for {given}, which would change "
+                "nothing: leave it out, or pick a strategy that takes it (min-cut)")
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         if self.stages is None:
@@ -272,6 +296,13 @@ class SplitPass(_SplitWithConstraints):
     def strategy_options(self) -> dict[str, Any]:
         return {"moves": self.moves, "coarsen": self.coarsen} if self.strategy == "min-cut" else {}
 
+    def _unused_names(self) -> tuple[str, ...]:
+        return super()._unused_names() + (() if self.strategy == "min-cut" else ("moves", "coarsen"))
+
+    def check_options(self) -> None:
+        check_strategy(self.strategy)
+        super().check_options()
+
 
 @dataclass(frozen=True)
 class SplitFixedOrderPass(_SplitWithConstraints):
@@ -309,7 +340,7 @@ class SplitExactPass(_SplitWithConstraints):
 class SplitGreedyPass(_SplitWithConstraints):
     """fairscale's greedy rule, for comparison: close a stage once it reaches total / k.
 
-    Ignores the tolerance and takes no constraints besides keep-tied (which it only reports).
+    Has no tolerance (refused) and takes no constraints besides keep-tied (which it only reports).
     Example: ``split-greedy{stages=4}``.
     """
 
@@ -321,8 +352,8 @@ class SplitGreedyPass(_SplitWithConstraints):
 class SplitUniformPass(_SplitWithConstraints):
     """Equal numbers of nodes per stage, ignoring costs, for comparison.
 
-    Takes no constraints besides keep-tied (which it only reports). Example:
-    ``split-uniform{stages=4}``.
+    Has no tolerance (refused) and takes no constraints besides keep-tied (which it only reports).
+    Example: ``split-uniform{stages=4}``.
     """
 
     name: ClassVar[str] = "split-uniform"

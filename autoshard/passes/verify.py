@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from autoshard.errors import InvalidArgumentError
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 from autoshard.verify import verify_stages
 
@@ -26,6 +28,12 @@ class VerifyPass(Pass):
     rtol: float = option(0.0, help="relative tolerance (0: exact)")
     atol: float = option(0.0, help="absolute tolerance (0: exact)")
     seed: int = option(0, help="random seed replayed for every run (dropout)")
+
+    def check_options(self) -> None:
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidArgumentError(f"verify's {name} must be finite and >= 0, got {value!r}")
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         inputs = program.example_inputs

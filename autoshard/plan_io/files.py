@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -236,11 +237,15 @@ def _check_modules(plan: SavedPlan, written: dict | None, r: _Reader) -> None:
 
 def read_plan(path: str | Path) -> SavedPlan:
     """Read and check a plan file (``PlanError`` on any problem, naming the place in the file)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentTypeError(f"a plan path must be a str or a path, got {type(path).__name__}")
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise PlanError(f"cannot read the plan {source!r}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"plan {source} is not a text (JSON) file: byte {exc.start} is not UTF-8") from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
