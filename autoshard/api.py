@@ -6,10 +6,11 @@ import math
 import os
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
-from autoshard.arguments import whole_number
+from autoshard.arguments import real_number, whole_number
 from autoshard.costs.execution import holds_meta_tensors
 from autoshard.costs.memory import MemoryModel, check_memory_budgets, stage_memory
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
@@ -64,17 +65,20 @@ def example_inputs_of(example_inputs: Any, example_kwargs: Mapping[str, Any] | N
 
 
 def _per_stage(name: str, values: Any, num_stages: int, positive: bool) -> tuple[float, ...]:
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise InvalidArgumentTypeError(f"{name} must be a list with one number per stage, got {values!r}")
     if len(values) != num_stages:
         raise InvalidArgumentError(
             f"{name} has {len(values)} entries but there are {num_stages} stages; give one per stage")
-    for j, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+    parsed = [real_number(v) for v in values]
+    for j, (v, number) in enumerate(zip(values, parsed)):
+        if number is None:
             raise InvalidArgumentTypeError(f"{name}[{j}] must be a number, got {v!r}")
-        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        if not math.isfinite(number) or number < 0 or (positive and number == 0):
             raise InvalidArgumentError(f"{name}[{j}] must be finite and {'> 0' if positive else '>= 0'}, got {v!r}")
-    return tuple(float(v) for v in values)
+    return tuple(parsed)
 
 
 def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None) -> dict[str, tuple[float, ...]]:
@@ -85,7 +89,7 @@ def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None
     limits = {}
     if capacities is not None:
         limits["capacities"] = _per_stage("capacities", capacities, num_stages, positive=True)
-    if isinstance(max_memory, (int, float)) and not isinstance(max_memory, bool):
+    if real_number(max_memory) is not None:
         max_memory = [max_memory] * num_stages
     if max_memory is not None:
         limits["max_memory"] = _per_stage("max_memory", max_memory, num_stages, positive=False)

@@ -1,4 +1,5 @@
-"""Checks for the whole-number arguments of the public API (stage counts, indices, microbatches)."""
+"""Checks for the number arguments of the public API: whole numbers (stage counts, indices,
+microbatches) and real numbers (capacities, budgets, a cost function's answers)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,10 @@ def whole_number(value: Any, name: str, at_least: int | None = None) -> int:
     if at_least is not None and value < at_least:
         raise InvalidArgumentError(f"{name} must be at least {at_least}, got {value}")
     return value
+
+
+def real_number(value: Any) -> float | None:
+    """``value`` as a float when it is a real number (a Python or numpy number, not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)

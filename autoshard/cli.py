@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -43,7 +44,9 @@ from autoshard.passes.instruments import DumpDir, Instrument, Timing
 from autoshard.passes.pipeline import Pipeline
 from autoshard.passes.registry import registered_passes
 from autoshard.passes.options import option_table
-from autoshard.plan_io import SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan
+from autoshard.plan_io import (
+    SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
+)
 from autoshard.report import (
     boundary_table,
     compare_tables,
@@ -109,13 +112,15 @@ class _Session:
                 self.ctx.instruments.remove(shown)
 
     def plan(self, program: ShardProgram, choice: _Choice) -> tuple[SavedPlan, Sequence[str]]:
-        """The plan of ``program``; a rebuilt plan keeps the saved one's record of its split and, unless
-        a device was given, its device model, so the same plan file comes out again."""
+        """The plan of ``program``; a rebuilt plan keeps the saved one's record of its split (unless the
+        model's weights have other sizes now) and, unless a device was given, its device model, so the
+        same plan file comes out again."""
         saved = choice.saved
         device = self.device or (saved.time_estimate if saved is not None else None)
         reported = report_costs(program, self.ctx, choice.cost_model, device)
+        split = saved.split if saved is not None and not weight_size_changes(saved, program.dag) else None
         plan = plan_from_program(program, choice.spec, choice.cost_model, reported.costs,
-                                 time_estimate=reported.time_estimate, split=saved.split if saved is not None else None,
+                                 time_estimate=reported.time_estimate, split=split,
                                  memory_model=memory_model(self.ctx))
         return plan, reported.notes
 
@@ -473,11 +478,18 @@ def _table_width() -> int | None:
     return PIPED_WIDTH
 
 
+def _show_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
+    """A warning as one line, like the errors: the source line Python shows belongs to autoshard."""
+    Console(stderr=True, highlight=False).print(f"warning: {message} ({category.__name__})", markup=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(highlight=False, width=_table_width())
     try:
-        with progress.silenced(getattr(args, "quiet", False)):
+        with progress.silenced(getattr(args, "quiet", False)), warnings.catch_warnings():
+            if not args.debug:
+                warnings.showwarning = _show_warning
             return args.handler(args, console)
     except KeyboardInterrupt:
         if args.debug:

@@ -172,6 +172,40 @@ def test_the_split_record_names_strategy_and_tolerance_and_survives_a_rebuild(ca
     assert "split: min-cut, tolerance 0.25" in rebuilt and "edited by hand" not in rebuilt
 
 
+WIDTHS = textwrap.dedent('''
+    import torch
+    from autoshard.examples import ResidualMLP
+
+    def narrow():
+        torch.manual_seed(0)
+        return ResidualMLP(num_blocks=4, width=8), (torch.randn(2, 8),)
+
+    def wide():
+        torch.manual_seed(0)
+        return ResidualMLP(num_blocks=4, width=32), (torch.randn(2, 32),)
+''')
+
+
+def test_a_plan_loaded_into_wider_weights_warns_and_drops_the_balance_it_recorded(capsys, tmp_path, monkeypatch):
+    """Same graph, other sizes: the stages are the plan's and compute the model, but its recorded
+    bound and bottleneck were measured on the narrow weights and must not be reported as this model's."""
+    (tmp_path / "widths.py").write_text(WIDTHS)
+    monkeypatch.chdir(tmp_path)
+    run(capsys, "split", "widths:narrow", "-k", "2", "--out", "narrow.json")
+    assert json.loads(Path("narrow.json").read_text())["split"]["bound"] > 0
+    code = cli.main(["split", "widths:wide", "--plan", "narrow.json", "--out", "wide.json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "warning: plan narrow.json was made for weights of other sizes" in flat(out.err)
+    assert "'linears.0.weight' has 1,024 elements here, 64 in the plan" in flat(out.err)
+    assert "verified" in out.out and "bound" not in json.loads(Path("wide.json").read_text()).get("split", {})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, args = importlib.import_module("widths").wide()
+    with pytest.warns(autoshard.plan_io.StalePlanWarning):
+        rebuilt = autoshard.load_plan("narrow.json", model, args)
+    assert rebuilt.plan.split_info is None
+
+
 def test_exact_says_when_it_proved_its_split_optimal(capsys, tmp_path):
     path = tmp_path / "p.json"
     out = run(capsys, "inspect", "residual-mlp", "-k", "2", "--strategy", "exact", "--out", str(path))

@@ -102,6 +102,7 @@ def test_cost_memory_balances_training_memory_with_every_microbatch_in_flight(k)
     optimum = min(peak_memory(plan.dag, a, k) for a in cut_assignments(plan.dag, k))
     assert peak_memory(plan.dag, plan.assignment, k) == pytest.approx(optimum)
     assert plan.split_info.bottleneck == pytest.approx(optimum)
+    assert plan.split_info.bottleneck <= plan.split_info.bound, "the bound holds the plan as it is judged"
     one_per_stage = min(cut_assignments(plan.dag, k),
                         key=lambda a: max(summed_per_stage(node_memory(plan.dag), a, k)))
     assert peak_memory(plan.dag, one_per_stage, k) > optimum, "the example must tell the two apart"

@@ -3,6 +3,7 @@ the training-memory model, and per-stage capacities and memory budgets through s
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -74,6 +75,19 @@ def test_a_cost_function_plans_like_the_named_model_it_mirrors():
     assert {n.name for n in seen} == {n for n, d in custom.plan.dag.nodes(data=True) if not d["input"]}
     assert any(n.module == "lm_head" and n.param_bytes > 0 for n in seen)
     assert torch.equal(custom(idx), model(idx))
+
+
+def test_numbers_from_numpy_or_torch_are_numbers():
+    """np.prod(shape) gives a numpy integer, a torch reduction a 0-d tensor, np.linspace an array."""
+    model, args, _ = load_example("residual-mlp")
+    plain = autoshard.shard_model(model, 2, example_inputs=args, cost=lambda node: float(node.param_bytes))
+    for kind in (np.float32, np.int64, torch.tensor):
+        sharded = autoshard.shard_model(model, 2, example_inputs=args, cost=lambda node: kind(node.param_bytes))
+        assert sharded.plan.assignment == plain.plan.assignment
+    as_arrays = autoshard.shard_model(model, 2, example_inputs=args, capacities=np.array([1.0, 2.0]),
+                                      max_memory=np.int64(10**12))
+    as_lists = autoshard.shard_model(model, 2, example_inputs=args, capacities=[1.0, 2.0], max_memory=10**12)
+    assert as_arrays.plan.assignment == as_lists.plan.assignment
 
 
 def test_a_cost_function_returning_nonsense_is_named():

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from itertools import combinations, product
 
+import networkx as nx
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -215,3 +218,48 @@ def test_per_boundary_bytes_add_up_to_the_total(problem, data):
     per_boundary = [g.bytes_across(stages, j, everything) for j in range(k - 1)]
     assert all(close(a, b) for a, b in zip(per_boundary, boundary_bytes(dag, assignment, k)))
     assert close(g.total_bytes(stages, k), total_boundary_bytes(dag, assignment, k))
+
+
+# -- the kit catches splitters that break a promise ------------------------------------------------
+def _rescaling(dag, k):
+    for _, data in dag.nodes(data=True):
+        data["cost"] *= 1000  # changes the caller's graph
+    return split_dag(dag, k)
+
+
+def _tagging_the_graph(dag, k):
+    dag.graph["split"] = "mine"
+    return split_dag(dag, k)
+
+
+def _one_stage_short(dag, k):
+    return {v: min(s, k - 2) for v, s in split_dag(dag, k).items()}
+
+
+def _backwards(dag, k):
+    return {v: k - 1 - s for v, s in split_dag(dag, k).items()}
+
+
+_CALLS = itertools.count()
+
+
+def _alternating(dag, k):
+    """Two valid splits in turn: a splitter whose answer depends on something besides its input."""
+    return split_dag(dag, k, "min-cut" if next(_CALLS) % 2 else "uniform")
+
+
+@pytest.mark.parametrize("broken, message", [
+    (_rescaling, "modified its input graph"),
+    (_tagging_the_graph, "modified its input graph"),
+    (_one_stage_short, "invalid partition"),
+    (_backwards, "invalid partition"),
+    (_alternating, "not deterministic"),
+])
+def test_check_splitter_fails_a_splitter_that_breaks_a_promise(broken, message):
+    dag = nx.DiGraph()
+    for i, cost in enumerate([3.0, 1.0, 2.0, 5.0, 1.0, 4.0]):
+        dag.add_node(f"v{i}", cost=cost, bytes=1.0)
+    nx.add_path(dag, list(dag.nodes))
+    check_splitter(lambda d, k: split_dag(d, k), dag, 3)  # the unbroken one passes
+    with pytest.raises(AssertionError, match=message):
+        check_splitter(broken, dag, 3)

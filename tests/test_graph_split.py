@@ -194,6 +194,32 @@ def test_registered_strategies_get_validated_arguments_and_their_options(monkeyp
         register_strategy("test-first-node-alone", first_node_alone)
 
 
+@pytest.mark.parametrize("answer", [
+    lambda nodes, k: {v: 0 for v in nodes[:-1]},                       # a node left out
+    lambda nodes, k: {v: k - 1 - min(i, k - 1) for i, v in enumerate(nodes)},  # edges run backwards
+    lambda nodes, k: {v: min(i, k - 1) + 1 for i, v in enumerate(nodes)},      # stages 1..k
+    lambda nodes, k: [0] * (len(nodes) - 1),                            # too short
+])
+def test_a_registered_strategys_invalid_answer_is_refused(monkeypatch, answer):
+    monkeypatch.setattr(split_module, "_REGISTRY", dict(split_module._REGISTRY))
+    register_strategy("test-wrong", lambda problem: answer(list(problem.dag.nodes), problem.k))
+    with pytest.raises(InvalidArgumentError, match="strategy 'test-wrong' (returned|did not return)"):
+        split_dag(chain([1, 1, 1]), 2, "test-wrong")
+
+
+def test_numbers_a_float_cannot_hold_and_unhashable_names_are_typed_errors():
+    huge = chain([1, 1, 1])
+    huge.nodes["v1"]["cost"] = 10**400
+    with pytest.raises(InvalidGraphError, match="'cost'"):
+        split_dag(huge, 2)
+    with pytest.raises(InvalidArgumentTypeError, match="tolerance must be a number"):
+        split_dag(chain([1, 1, 1]), 2, tolerance=10**400)
+    with pytest.raises(InvalidArgumentError, match="unknown strategy"):
+        split_dag(chain([1, 1, 1]), 2, ["min-cut"])
+    with pytest.raises(InvalidArgumentTypeError, match="cannot be a node"):
+        split_dag(chain([1, 1, 1]), 2, cut_before=[["v1"]])
+
+
 def test_graph_package_works_without_torch():
     code = "import sys; sys.modules['torch'] = None; import autoshard.graph, autoshard.testing"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -308,6 +334,13 @@ def test_live_bytes_greedy_runs_the_node_that_frees_memory_first():
 ])
 def test_min_bottleneck_known_values(weights, k, expected):
     assert min_bottleneck([float(w) for w in weights], k) == pytest.approx(expected)
+
+
+def test_min_bottleneck_is_a_bottleneck_some_split_reaches():
+    """A probe is accepted up to round-off; the answer must still be reachable, not below it."""
+    weights = [0.5, 0.5 + 1e-12, 1.0]
+    reachable = min(max(sum(weights[:cut]), sum(weights[cut:])) for cut in (1, 2))
+    assert min_bottleneck(weights, 2) == reachable
 
 
 def test_min_bottleneck_validates_its_arguments():

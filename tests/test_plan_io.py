@@ -289,3 +289,15 @@ def test_a_plan_path_of_the_wrong_type_or_a_binary_file_is_refused(residual, tmp
     binary.write_bytes(b"\xff\xfe\x00plan")
     with pytest.raises(PlanError, match="not a text"):
         autoshard.load_plan(binary, model, args)
+
+
+def test_load_plan_keeps_the_memory_model_the_plan_was_made_for(residual, tmp_path):
+    model, args, _, program = residual
+    sgd = autoshard.MemoryModel(optimizer_bytes_per_param=0, microbatches=1)
+    reported = report_costs(program, PassContext(), "params")
+    plan = plan_from_program(program, str(default_pipeline(4)), "params", reported.costs,
+                             time_estimate=reported.time_estimate, memory_model=sgd)
+    rebuilt = load_plan(save_plan(plan, tmp_path / "sgd.json"), model, args)
+    assert rebuilt.plan.memory_model == sgd
+    assert [s.memory.total for s in autoshard.plan_report(rebuilt).stages] == \
+        [s.total for s in autoshard.costs.memory.stage_memory(rebuilt.plan.dag, rebuilt.plan.assignment, 4, sgd)]

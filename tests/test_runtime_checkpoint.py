@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.errors import CheckpointMismatchError
+from autoshard.errors import CheckpointMismatchError, InvalidArgumentTypeError
 from autoshard.examples import GPTStyleLM, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.runtime import load_stage_state, materialize_stage, merge_stage_states, stage_part
@@ -134,6 +134,19 @@ def test_a_meta_plan_gets_real_weights_for_one_stage_only(tmp_path):
     with torch.no_grad():
         hidden = autoshard.shard_model(model, 2).stages[0](*args)
         torch.testing.assert_close(last.stages[1](*hidden), model(*args), rtol=0, atol=0)
+
+
+def test_materialize_arguments_of_the_wrong_kind_get_typed_errors(tmp_path):
+    _, _, meta_model, planned = saved_and_planned_on_meta("residual-mlp", ResidualMLP, tmp_path)
+    with pytest.raises(CheckpointMismatchError, match="on the meta device and holds no values"):
+        materialize_stage(planned, 0, meta_model.state_dict())  # the meta model's own: an easy slip
+    for index in (1.0, "1", True):
+        with pytest.raises(InvalidArgumentTypeError, match="stage_index must be an int"):
+            materialize_stage(planned, index, tmp_path / "model.pt")
+    with pytest.raises(CheckpointMismatchError, match="cannot read the checkpoint"):
+        materialize_stage(planned, 0, tmp_path / "missing.pt")
+    with pytest.raises(InvalidArgumentTypeError, match="a checkpoint is a state dict or the path"):
+        materialize_stage(planned, 0, None)
 
 
 def test_a_stage_loads_from_its_own_checkpoint_file(tmp_path):

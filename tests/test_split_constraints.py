@@ -161,6 +161,18 @@ def test_preferences_are_kept_when_the_bound_allows_and_reported_when_not():
     assert loose.assignment["v3"] == loose.assignment["v4"] and loose.info.separated == ()
 
 
+@pytest.mark.parametrize("strategy", ["min-cut", "fixed-order", "exact"])
+def test_a_preference_sharing_a_hard_groups_label_does_not_replace_it(strategy):
+    split = split_dag(chain([1] * 6), 3, strategy, tolerance=0.0, together={"block": ["v1", "v2"]},
+                      prefer_together={"block": ["v0", "v1"]})
+    assert split["v1"] == split["v2"]
+
+
+def test_group_labels_that_read_the_same_are_refused():
+    with pytest.raises(InvalidArgumentError, match="several groups labelled '1'"):
+        split_dag(chain([1] * 6), 2, together={1: ["v1", "v2"], "1": ["v3", "v4"]})
+
+
 def test_strategies_without_constraints_refuse_hard_ones_but_report_preferences():
     dag = chain([1] * 4)
     with pytest.raises(InvalidArgumentError, match="strategy 'greedy' cannot honour together; use one of min-cut"):

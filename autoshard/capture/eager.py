@@ -48,8 +48,8 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 def _same_values(tensor: torch.Tensor, value: torch.Tensor) -> bool:
-    """Equal elementwise, NaN at the same places counting as equal."""
-    if torch.equal(tensor, value):
+    """Equal elementwise, NaN at the same places counting as equal (meta tensors hold no values)."""
+    if tensor.is_meta or torch.equal(tensor, value):
         return True
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return False

@@ -137,7 +137,8 @@ def min_bottleneck(weights: Sequence[float], k: int) -> float:
     cover the sequence in k parts, any bound below min(part sum + the element after it) over
     those k parts leaves every part's end where it was, so that minimum is the next probe.
     Each probe costs O(k log n) and moves some greedy end strictly right. Uses the same
-    segment test as ``Line.starts`` with capacity 1.
+    segment test as ``Line.starts`` with capacity 1, so a probe is accepted up to round-off: the
+    answer is what the greedy parts under it reach, never a bound below any split.
     """
     k = _check_weights(weights, k)
     sums = list(accumulate((float(w) for w in weights), initial=0.0))
@@ -149,9 +150,9 @@ def min_bottleneck(weights: Sequence[float], k: int) -> float:
         while len(ends) < k and start < n:
             start = bisect_right(sums, (sums[start] + bound * 1.0) + round_off) - 1
             ends.append(start)
-        if ends[-1] == n:
-            return bound
         starts = [0] + ends[:-1]
+        if ends[-1] == n:
+            return max(sums[e] - sums[s] for s, e in zip(starts, ends))
         bound = min(sums[e + 1] - sums[s] for s, e in zip(starts, ends))
 
 

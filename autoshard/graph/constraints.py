@@ -88,20 +88,35 @@ class Constraints:
         ) if value]
 
     def with_together(self, extra: Mapping[str, frozenset[Node]]) -> Constraints:
-        """These constraints with ``extra`` groups made hard."""
-        return replace(self, together={**self.together, **extra})
+        """These constraints with ``extra`` groups made hard, each under a label of its own: a
+        preference may share its label with a hard group, which must not be replaced."""
+        together = dict(self.together)
+        for label, members in extra.items():
+            added = f"{label} (preferred)"
+            while added in together:
+                added += "'"
+            together[added] = members
+        return replace(self, together=together)
 
 
 def _nodes(option: str, nodes: Any) -> tuple[Node, ...]:
     if isinstance(nodes, (str, bytes)) or not isinstance(nodes, Collection):
         raise InvalidArgumentTypeError(f"{option} must be a collection of nodes, got {nodes!r}")
-    return tuple(dict.fromkeys(nodes))
+    try:
+        return tuple(dict.fromkeys(nodes))
+    except TypeError as exc:  # an unhashable member, which no node of a networkx graph can be
+        raise InvalidArgumentTypeError(f"{option} holds something that cannot be a node ({exc}): {nodes!r}") from exc
 
 
 def _groups(option: str, groups: Any) -> dict[str, frozenset[Node]]:
     """Labelled groups: a mapping keeps its labels, a list is labelled ``option[i]``."""
     if isinstance(groups, Mapping):
         items = [(str(label), members) for label, members in groups.items()]
+        labels = [label for label, _ in items]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise InvalidArgumentError(
+                f"{option} has several groups labelled {twice[0]!r} (labels are compared as text); give each its own")
     elif isinstance(groups, Sequence) and not isinstance(groups, (str, bytes)):
         items = [(f"{option}[{i}]", members) for i, members in enumerate(groups)]
     else:

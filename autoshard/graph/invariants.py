@@ -26,8 +26,15 @@ WEIGHTS = ("cost", "bytes")
 
 
 def is_number(value: Any) -> bool:
-    """A real number that is not a bool (``True`` is an int in Python, never a weight here)."""
-    return isinstance(value, Real) and not isinstance(value, bool)
+    """A real number that is not a bool (``True`` is an int in Python, never a weight here) and
+    that a float can hold (``10**400`` cannot)."""
+    if not isinstance(value, Real) or isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 #: Weight types accepted without a closer look; anything else goes through ``is_number``.
@@ -69,7 +76,10 @@ def check_weights(dag: nx.DiGraph, names: tuple[str, ...], required: bool = True
     for name in names:
         values = [data.get(name, missing) for _, data in dag.nodes(data=True)]
         plain = set(map(type, values)) <= _PLAIN_NUMBERS
-        array = np.array(values, dtype=float) if plain else None
+        try:
+            array = np.array(values, dtype=float) if plain else None
+        except OverflowError:  # an int too large for a float: named below
+            array = None
         if array is None or not (np.all(np.isfinite(array)) and np.all(array >= 0)):
             for node in dag.nodes:
                 if required or name in dag.nodes[node]:

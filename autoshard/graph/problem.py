@@ -148,17 +148,18 @@ class SplitProblem:
         """The boundaries of ``stages`` that ``cut_before`` fixes."""
         return frozenset(self.pinned_boundary(stages, p) for p in self.rules.pins.tolist())
 
-    def violations(self, stages: np.ndarray) -> list[str]:
-        """Every rule ``stages`` breaks: validity, budgets and the hard constraints."""
+    def violations(self, stages: np.ndarray, bounded: bool = True) -> list[str]:
+        """Every rule ``stages`` breaks: validity, budgets and the hard constraints (``bounded``
+        false: not the cost budget, which a strategy kept for comparison does not keep)."""
         g, k, rules = self.graph, self.k, self.rules
         found = []
         if np.any(stages[g.src] > stages[g.dst]):
             found.append("ordered: an edge runs to an earlier stage")
         if np.any(stages[: g.num_inputs] != 0) or np.any((stages < 0) | (stages >= k)):
-            found.append("range: inputs must sit in stage 0 and stages in 0..k-1")
-        elif len(np.unique(stages[g.num_inputs :])) != k:
+            return found + ["range: inputs must sit in stage 0 and stages in 0..k-1"]  # the rest count per stage
+        if len(np.unique(stages[g.num_inputs :])) != k:
             found.append("non-empty: some stage holds no non-input node")
-        for limit in self.limits():
+        for limit in self.limits()[0 if bounded else 1:]:
             round_off = slack(max(map(limit.total, range(k))) + float(limit.budgets.sum()))
             if np.any(limit.sums(stages, k) > limit.budgets + round_off):
                 found.append(f"{limit.name}: a stage exceeds its budget")

@@ -24,8 +24,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import AbstractSet, Any, Callable, Mapping
 
+import torch
+
 from autoshard.costs.memory import MemoryModel, stage_memory
 from autoshard.costs.models import DAG_COST_MODELS, WEIGHT_CHARGED, DagCostModel, memory_costs, summed_per_stage
+from autoshard.arguments import real_number
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
 from autoshard.passes.base import PassContext, ShardProgram
 
@@ -91,14 +94,22 @@ def callable_cost_model(fn: Callable[[CostNode], float]) -> CostModel:
         costs = {}
         for node, data in program.dag.nodes(data=True):
             value = 0.0 if data.get("input") else fn(_cost_node(node, data))
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            number = real_number(_one_element(value))
+            if number is None or not math.isfinite(number) or number < 0:
                 raise InvalidArgumentError(
                     f"the cost function {getattr(fn, '__name__', fn)!r} returned {value!r} for node {node!r}; "
                     "it must return a finite number >= 0")
-            costs[node] = float(value)
+            costs[node] = number
         return costs
 
     return model
+
+
+def _one_element(value: Any) -> Any:
+    """The number a one-element tensor holds (a cost computed with torch); other values as they are."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return value.item()
+    return value
 
 
 def run_local_name(fn: Callable[..., Any]) -> str:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
 from autoshard.errors import InvalidArgumentError, PlanError
 from autoshard.graph import Partition
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
-from autoshard.plan_io import check_fits, read_plan
+from autoshard.plan_io import StalePlanWarning, check_fits, read_plan, weight_size_changes
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,15 @@ class LoadPartitionPass(Pass):
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         plan = read_plan(self.path)
         check_fits(plan, program.dag, self.path)
+        resized = weight_size_changes(plan, program.dag)
+        if resized:
+            warnings.warn(StalePlanWarning(
+                f"plan {self.path} was made for weights of other sizes ({'; '.join(resized[:3])}"
+                f"{'; ...' if len(resized) > 3 else ''}): its stages are rebuilt as saved, but the balance it "
+                "records was measured on the other sizes; make a new plan to balance this model"), stacklevel=2)
         try:
-            info = plan.split.info if plan.split_is_current else None  # a hand edit voids the splitter's record
+            # A hand edit or other weight sizes void the splitter's record of bound and bottleneck.
+            info = plan.split.info if plan.split_is_current and not resized else None
             partition = Partition.from_assignment(program.dag, plan.assignment(), plan.num_stages, info)
         except InvalidArgumentError as exc:
             raise PlanError(f"plan {self.path} is not a valid split of this model's graph: {exc}") from exc

@@ -172,7 +172,11 @@ class _SplitWithConstraints(Pass):
         for _ in range(MEMORY_SEARCH_STEPS):
             middle = (low + high) / 2
             low, high = (low, middle) if fits(middle) else (middle, high)
-        return within(high * (1 + self.tolerance))._split(program, ctx)
+        bound = high * (1 + self.tolerance)
+        split = within(bound)._split(program, ctx).partition
+        # The inner split's bound is on one microbatch's memory; the plan is held to this one.
+        info = dataclasses.replace(split.info, bound=bound)
+        return dataclasses.replace(program, partition=dataclasses.replace(split, info=info))
 
     def _split(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         """Split once under the pass's options (ties searched, ``max-memory`` held)."""

@@ -22,10 +22,11 @@ from autoshard.plan_io.model import (
     assignment_digest,
     module_ancestors,
 )
-from autoshard.plan_io.rebuild import check_fits, load_plan, rebuild_pipeline
+from autoshard.plan_io.rebuild import StalePlanWarning, check_fits, load_plan, rebuild_pipeline, weight_size_changes
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "PlanNode", "REPORTED_COSTS", "ReportedCosts", "SavedPlan", "SplitRecord",
-    "assignment_digest", "check_fits", "format_plan", "load_plan", "module_ancestors", "plan_from_dict",
-    "plan_from_program", "read_plan", "rebuild_pipeline", "report_costs", "save_plan", "split_record", "versions",
+    "StalePlanWarning", "assignment_digest", "check_fits", "format_plan", "load_plan", "module_ancestors",
+    "plan_from_dict", "plan_from_program", "read_plan", "rebuild_pipeline", "report_costs", "save_plan",
+    "split_record", "versions", "weight_size_changes",
 ]

@@ -33,6 +33,18 @@ def check_fits(plan: SavedPlan, dag: nx.DiGraph, source: str) -> None:
         )
 
 
+class StalePlanWarning(UserWarning):
+    """A plan loaded into a model whose weights have other sizes than those it was made for."""
+
+
+def weight_size_changes(plan: SavedPlan, dag: nx.DiGraph) -> list[str]:
+    """The weights (by the plan's names) whose size in ``dag`` differs from the plan's: the same
+    graph with other widths, whose split the plan's balance no longer describes."""
+    now = dag.graph.get("weights", {})
+    return [f"'{name}' has {now[name].numel:,} elements here, {info.numel:,} in the plan"
+            for name, info in plan.weights.items() if name in now and now[name].numel != info.numel]
+
+
 def _differences(kind: str, planned: Sequence[str], actual: Sequence[str]) -> list[str]:
     planned_set, actual_set = set(planned), set(actual)
     only_plan = [x for x in planned if x not in actual_set]
@@ -83,17 +95,19 @@ def load_plan(
 
     Runs the plan's pipeline with its split replaced by the saved assignment, so the stages are
     the ones the plan was saved from; with example inputs they are verified against the model.
+    The plan keeps the memory model it was made for (optimizer bytes, microbatches in flight).
     """
     from autoshard.api import check_model, example_inputs_of, run_pipeline
 
     check_model(model)
     inputs = example_inputs_of(example_inputs, example_kwargs)
-    pipeline = rebuild_pipeline(read_plan(path), path, verify=verify and inputs is not None)
+    saved = read_plan(path)
+    pipeline = rebuild_pipeline(saved, path, verify=verify and inputs is not None)
     needing = [step.name for step in pipeline if "example_inputs" in step.requires]
     if inputs is None and needing:
         raise PlanError(f"plan {path} was made with example inputs (its pipeline runs {', '.join(needing)}, which "
                         "measures the graph on them); pass example inputs of the same kind to load_plan")
-    program = run_pipeline(model, pipeline, inputs, instruments).program
+    program = run_pipeline(model, pipeline, inputs, instruments, memory_model=saved.memory_model).program
     if program.sharded is None:
         raise PlanError(f"plan {path}'s pipeline {pipeline} builds no stages; it must end with 'emit'")
     return program.sharded

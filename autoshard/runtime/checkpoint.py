@@ -14,7 +14,7 @@ from typing import Mapping, Sequence, Union
 import torch
 from torch import nn
 
-from autoshard.errors import CheckpointMismatchError
+from autoshard.errors import CheckpointMismatchError, InvalidArgumentTypeError
 
 Checkpoint = Union[Mapping[str, torch.Tensor], str, "os.PathLike[str]"]
 
@@ -23,7 +23,13 @@ def open_checkpoint(checkpoint: Checkpoint) -> Mapping[str, torch.Tensor]:
     """A state dict: ``checkpoint`` itself, or the file loaded memory-mapped on the CPU."""
     if isinstance(checkpoint, Mapping):
         return checkpoint
-    return torch.load(os.fspath(checkpoint), map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise InvalidArgumentTypeError(
+            f"a checkpoint is a state dict or the path of a file torch.save wrote, got {type(checkpoint).__name__}")
+    try:
+        return torch.load(os.fspath(checkpoint), map_location="cpu", mmap=True, weights_only=True)
+    except OSError as exc:
+        raise CheckpointMismatchError(f"cannot read the checkpoint {os.fspath(checkpoint)!r}: {exc.strerror or exc}") from exc
 
 
 def checked_entry(state: Mapping[str, torch.Tensor], name: str, expected: torch.Tensor,
@@ -38,6 +44,10 @@ def checked_entry(state: Mapping[str, torch.Tensor], name: str, expected: torch.
             "state_dict or this stage's own (a non-persistent buffer is never saved: build it on a "
             "real device rather than on meta)")
     name, value = found, state[found]
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        raise CheckpointMismatchError(
+            f"the checkpoint's '{name}' is on the meta device and holds no values; pass the state_dict of "
+            "a model with real weights, or the file it was saved to")
     if tuple(value.shape) != tuple(expected.shape):
         raise CheckpointMismatchError(
             f"{where} needs '{name}' of shape {tuple(expected.shape)}, the checkpoint holds "

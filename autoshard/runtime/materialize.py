@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from autoshard.arguments import whole_number
 from autoshard.errors import InvalidArgumentError
 from autoshard.runtime.checkpoint import Checkpoint, checked_entry, open_checkpoint
 from autoshard.runtime.devices import DeviceLike, resolve_device
@@ -31,9 +32,10 @@ def materialize_stage(
     shares with another stage becomes real in both, so shared parameters stay shared. Neither
     ``sharded`` nor the model it was made from is modified.
     """
-    wanted = [stage_index] if isinstance(stage_index, int) else list(stage_index)
+    indices = stage_index if isinstance(stage_index, Sequence) and not isinstance(stage_index, str) else [stage_index]
+    wanted = [whole_number(index, "stage_index", at_least=0) for index in indices]
     for index in wanted:
-        if not 0 <= index < sharded.num_stages:
+        if index >= sharded.num_stages:
             raise InvalidArgumentError(
                 f"stage {index} is outside the plan's stages 0..{sharded.num_stages - 1}")
     resolved = resolve_device(device, "the materialised stage")

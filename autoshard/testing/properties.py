@@ -101,7 +101,10 @@ def at_most(value: float, limit: float) -> bool:
 
 
 def _snapshot(dag: nx.DiGraph) -> tuple:
-    return list(dag.nodes(data=True)), list(dag.edges(data=True))
+    """The graph's structure and a copy of every attribute dict (the graph's own dicts would change
+    along with it)."""
+    return ([(v, dict(data)) for v, data in dag.nodes(data=True)],
+            [(u, v, dict(data)) for u, v, data in dag.edges(data=True)], dict(dag.graph))
 
 
 def check_splitter(
@@ -110,8 +113,10 @@ def check_splitter(
     """Assert the properties every splitter has; return its partition for further checks.
 
     Always: the partition is valid (covering, exactly k non-empty stages, ordered, inputs in
-    stage 0), ``dag`` is left untouched, and the result is deterministic (same on a second call
-    and on a copy of the graph, in the same order). On graphs small enough for brute force:
+    stage 0), ``dag`` is left untouched (structure and attributes), and the result is
+    deterministic within the process (same on a second call and on a copy of the graph, in the
+    same order; a splitter that iterates a set of string nodes can still differ from one process
+    to the next: run the tests under a few ``PYTHONHASHSEED`` values to see that). On graphs small enough for brute force:
     the bottleneck is at least the true optimum over all valid partitions. When ``tolerance``
     is given (the splitter promises balance): the bottleneck is at most (1 + tolerance) x the
     fixed-order optimum, and the boundary bytes are no more than the fewest any contiguous
