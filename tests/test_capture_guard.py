@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -12,7 +13,7 @@ import autoshard
 
 from autoshard.capture.guard import DimSpec, InputGuard, check_condition, check_inputs
 from autoshard.capture.signature import CallSignature
-from autoshard.errors import InputMismatchError, InvalidArgumentError
+from autoshard.errors import ExampleInputsError, InputMismatchError, InvalidArgumentError
 
 
 class Model(nn.Module):
@@ -266,3 +267,91 @@ def test_a_model_captured_with_modules_in_mixed_modes_runs_as_captured():
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),))
     x = torch.randn(5, 8)
     assert torch.equal(sharded(x), model(x))
+
+
+# -- container arguments: their layout, the non-tensor values in them and their tensors' dtypes ------
+class SumsAList(nn.Module):
+    """fx cannot iterate a traced list: export captures it, reading the tensors by position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, xs: list) -> torch.Tensor:
+        return self.last(self.first(sum(xs)) * len(xs))
+
+
+class ReadsADict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, d: dict) -> torch.Tensor:
+        h = self.first(d["x"])
+        if d.get("mask") is not None:
+            h = h * d["mask"]
+        if d["x"].dtype == torch.float64:
+            h = h + 1
+        return self.last(h) - sum(v.sum() for v in d.values() if isinstance(v, torch.Tensor))
+
+
+class NegatesOnAFlag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, pair: tuple) -> torch.Tensor:
+        x, negate = pair
+        h = self.first(x)
+        return self.last(-h if negate else h)
+
+
+def _refused(sharded, *args, match: str) -> None:
+    with pytest.raises(InputMismatchError, match=match):
+        sharded(*args)
+
+
+def test_a_list_of_another_length_is_refused():
+    x, y, z = torch.randn(3, 2, 4)
+    model = SumsAList()
+    sharded = autoshard.shard_model(model, 2, example_inputs=([x, y],))
+    assert torch.equal(sharded([y, x]), model([y, x]))
+    _refused(sharded, [x, y, z], match=r"xs holds xs\[0\], xs\[1\], xs\[2\], but the plan was captured with xs\[0\], xs\[1\]")
+
+
+def test_a_dicts_keys_may_come_in_any_order_but_not_change():
+    x, mask = torch.randn(3, 4), torch.rand(3, 4)
+    model = ReadsADict()
+    sharded = autoshard.shard_model(model, 2, example_inputs=({"x": x, "mask": mask},))
+    assert torch.equal(sharded({"mask": mask, "x": x}), model({"mask": mask, "x": x}))
+    _refused(sharded, {"x": x, "mask": mask, "z": mask}, match=r"d holds .*'z'")
+    _refused(sharded, {"x": x}, match=r"d holds d\['x'\], but the plan was captured with d\['x'\], d\['mask'\]")
+    _refused(sharded, {"x": x, "mask": None}, match=r"d\['mask'\] is None, but the plan was captured with a torch.float32")
+    _refused(sharded, {"x": x.double(), "mask": mask}, match=r"d\['x'\] is a float64 tensor")
+    without_mask = autoshard.shard_model(model, 2, example_inputs=({"x": x, "mask": None},))
+    _refused(without_mask, {"x": x, "mask": mask}, match=r"d\['mask'\] is a float32 tensor, but the plan was captured with None")
+
+
+def test_a_flag_inside_a_container_is_fixed_and_guarded():
+    x = torch.randn(3, 4)
+    model = NegatesOnAFlag()
+    sharded = autoshard.shard_model(model, 2, example_inputs=((x, True),))
+    assert torch.equal(sharded((2 * x, True)), model((2 * x, True)))
+    _refused(sharded, (x, False), match=r"pair\[1\] is False, but the plan was captured with True")
+
+
+def test_tensors_inside_a_dataclass_are_refused_at_capture():
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+
+    class ReadsABatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, batch: Batch) -> torch.Tensor:
+            return self.last(self.first(batch.x))
+
+    with pytest.raises(ExampleInputsError, match="holds tensors inside a Batch, which torch's pytree does not look into"):
+        autoshard.shard_model(ReadsABatch(), 2, example_inputs=(Batch(torch.randn(3, 4)),))

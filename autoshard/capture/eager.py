@@ -71,7 +71,7 @@ def holds(value: Any, kinds: type | tuple[type, ...]) -> bool:
         return True
     if isinstance(value, (tuple, list, set, frozenset)):
         return any(holds(v, kinds) for v in value)
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):  # a dict, or a UserDict such as Hugging Face's BatchEncoding
         return any(holds(v, kinds) for v in value.values())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return any(holds(getattr(value, f.name, None), kinds) for f in dataclasses.fields(value))

@@ -36,6 +36,7 @@ from autoshard.capture.state import current_value, refusing_state_writes
 from autoshard.capture.opaque import CALLS, rewrite_opaque_calls, stand_in
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
+from autoshard.capture.structure import ArgumentStructure
 from autoshard.errors import InvalidArgumentError
 
 __all__ = ["export_with_leaves"]
@@ -115,11 +116,13 @@ def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.Exp
     """Sizes within the ranges export kept them in, and its other guards on them (the code
     branched on ``x.shape[0] % 2``) checked as they are."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    paths = {a.name: ArgumentStructure.of(a.value).paths for a in signature.graph_inputs}
     shapes = {}
     for node, (name, leaf) in zip(placeholders, leaves_of(signature)):
         value = node.meta.get("val")
-        if leaf is None and isinstance(value, torch.Tensor):
-            shapes[name] = tuple(_dim_spec(s, ep.range_constraints) for s in value.shape)
+        if isinstance(value, torch.Tensor):  # a tensor in a container by its path (d['x'])
+            shapes[name if leaf is None else name + paths[name][leaf]] = tuple(
+                _dim_spec(s, ep.range_constraints) for s in value.shape)
     example = {a.name: a.value for a in signature.graph_inputs}
     conditions = usable_conditions(getattr(ep, "_guards_code", None) or (), example)
     return dataclasses.replace(signature.guard(shapes), fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions)

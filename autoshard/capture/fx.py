@@ -126,8 +126,9 @@ def trace_with_leaves(
 
 
 def _guard(signature: CallSignature | None, tracer: MetaTracer) -> InputGuard | None:
-    """fx graphs serve any shape; constants baked in, and input dtypes once the trace relied on
-    them, need checking. A graph that relied on neither takes its inputs unchecked."""
-    if signature is None or not (signature.constants or tracer.read_static_facts):
+    """fx graphs serve any shape; constants baked in, the layout of container arguments (the trace
+    answered ``d.get("mask") is not None`` from the example), and input dtypes once the trace
+    relied on them, need checking. A graph that relied on none of these takes its inputs unchecked."""
+    if signature is None or not (signature.constants or tracer.read_static_facts or signature.containers):
         return None
-    return signature.guard()
+    return signature.guard(dtypes=bool(signature.constants or tracer.read_static_facts))

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from autoshard.capture.structure import ArgumentStructure, same_constant
 from autoshard.errors import InputMismatchError
 
 
@@ -36,28 +37,19 @@ class DimSpec:
         return self.symbol + (" " + ",".join(bounds) if bounds else "")
 
 
-def _same_constant(value: Any, expected: Any) -> bool:
-    if value is expected:
-        return True
-    if type(value) is not type(expected):
-        return False
-    try:
-        return bool(value == expected)
-    except Exception:  # noqa: BLE001 - an object without a usable == is only equal to itself
-        return False
-
-
 @dataclass(frozen=True)
 class InputGuard:
     """The inputs a captured graph accepts: its argument names, the constants it baked in, the
-    dtype of each tensor input (the capture answered dtype questions from the example), and the
-    shapes it was specialised to (inputs without an entry accept any shape)."""
+    layout of each container argument, the dtype of each tensor input (the capture answered dtype
+    questions from the example), and the shapes it was specialised to (inputs without an entry
+    accept any shape). A tensor inside a container is named by its path: ``d['x']``, ``xs[0]``."""
 
     names: tuple[str, ...]
     returns: tuple[str, ...]
     constants: Mapping[str, Any] = field(default_factory=dict)
     dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     shapes: Mapping[str, tuple[DimSpec, ...]] = field(default_factory=dict)
+    structures: Mapping[str, ArgumentStructure] = field(default_factory=dict)
     #: Said after a size refused for being other than the fixed one: who fixed it, what to do.
     fixed_size_advice: str = ""
     #: Conditions on the sizes the capture relied on beyond their ranges (``x.shape[0] % 2 == 0``,
@@ -69,18 +61,36 @@ class InputGuard:
         for name in self.names:
             if name in self.constants:
                 parts.append(f"{name}={self.constants[name]!r}")
-                continue
-            text = f"{name}: {str(self.dtypes[name]).removeprefix('torch.')}" if name in self.dtypes else name
-            if name in self.shapes:
-                text += f" of shape ({', '.join(d.describe() for d in self.shapes[name])})"
-            parts.append(text)
+            elif name in self.structures:
+                structure = self.structures[name]
+                parts += [self._tensor(name + path) if isinstance(leaf, torch.dtype) else f"{name}{path}={leaf!r}"
+                          for path, leaf in zip(structure.paths, structure.leaves)]
+            else:
+                parts.append(self._tensor(name))
         return ", ".join(parts) + "".join(f"; where {_shown(c)}" for c in self.conditions)
+
+    def _tensor(self, name: str) -> str:
+        text = f"{name}: {str(self.dtypes[name]).removeprefix('torch.')}" if name in self.dtypes else name
+        if name in self.shapes:
+            text += f" of shape ({', '.join(d.describe() for d in self.shapes[name])})"
+        return text
+
+    def passed(self, name: str, value: Any) -> Any:
+        """The value the graph takes for argument ``name``: a container in its captured key order."""
+        return self.structures[name].arranged(value) if name in self.structures else value
 
     def problem(self, values: Mapping[str, Any]) -> str | None:
         """What is wrong with ``values`` (argument name -> value), or None if the plan serves them."""
         for name, expected in self.constants.items():
-            if not _same_constant(values[name], expected):
+            if not same_constant(values[name], expected):
                 return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}"
+        conditions_on = values
+        values = dict(values)
+        for name, structure in self.structures.items():
+            problem = structure.problem(name, values[name])
+            if problem:
+                return problem
+            values.update(structure.leaf_values(name, values[name]))
         for name, dtype in self.dtypes.items():
             value = values[name]
             if not isinstance(value, torch.Tensor) or value.dtype != dtype:
@@ -100,7 +110,7 @@ class InputGuard:
                 if dim.size is None and not (dim.low <= size and (dim.high is None or size <= dim.high)):
                     return f"{name}.shape[{axis}] is {size}, outside what the plan serves ({dim.describe()})"
         for condition in self.conditions:
-            if not _holds(condition, values):
+            if not _holds(condition, conditions_on):
                 return (f"the plan was captured where {_shown(condition)}, which these inputs break: the model's "
                         "code branched on it or computed a count from it (torch.export kept that condition; the fx "
                         "front end may keep such code whole and serve both sides: shard with "
@@ -143,7 +153,7 @@ def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
         raise InputMismatchError(
             f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
             "shard the model again with an example like these inputs")
-    return tuple(named[name] for name in guard.returns)
+    return tuple(guard.passed(name, named[name]) for name in guard.returns)
 
 
 def check_condition(actual: Any, expected: bool, condition: str) -> None:

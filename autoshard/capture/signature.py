@@ -2,7 +2,8 @@
 
 Every example argument becomes a named argument of the captured graph, in call order. Those that
 hold tensors are graph inputs; the others (``None``, flags, ints, strings, configs) are constants
-that the capture bakes in, and the graph checks that later calls pass the same values.
+that the capture bakes in, and the graph checks that later calls pass the same values. A container
+holding tensors keeps the layout and the non-tensor values it had (``capture.structure``).
 
 Front ends capture a generated wrapper that holds the model as its child ``model`` and calls it
 exactly as the example did. Capturing the model as a child rather than as the root is what lets
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.guard import DimSpec, InputGuard
+from autoshard.capture.structure import ArgumentStructure, check_visible_tensors
 from autoshard.errors import InvalidArgumentError
 
 #: The wrapper's attribute holding the model; stripped from every captured name.
@@ -95,6 +97,8 @@ class CallSignature:
         names = _positional_names(model, len(args))
         arguments = [CallArgument(_check_name(n), v, True) for n, v in zip(names, args)]
         arguments += [CallArgument(_check_name(n), v, False) for n, v in kwargs.items()]
+        for argument in arguments:
+            check_visible_tensors(argument.name, argument.value)
         seen = [a.name for a in arguments]
         if len(set(seen)) != len(seen):
             raise InvalidArgumentError(f"example arguments name the same parameter twice: {seen}")
@@ -108,11 +112,21 @@ class CallSignature:
     def constants(self) -> dict[str, Any]:
         return {a.name: a.value for a in self.arguments if not a.is_graph_input}
 
-    def guard(self, shapes: Mapping[str, tuple[DimSpec, ...]] | None = None) -> InputGuard:
-        """The check that later calls pass these constants and tensors of these dtypes (and shapes)."""
-        dtypes = {a.name: a.value.dtype for a in self.graph_inputs if isinstance(a.value, torch.Tensor)}
+    @property
+    def containers(self) -> dict[str, ArgumentStructure]:
+        """The graph inputs that are containers, with their layouts."""
+        return {a.name: ArgumentStructure.of(a.value) for a in self.graph_inputs if not isinstance(a.value, torch.Tensor)}
+
+    def guard(self, shapes: Mapping[str, tuple[DimSpec, ...]] | None = None, *, dtypes: bool = True) -> InputGuard:
+        """The check that later calls pass these constants, containers of this layout, and tensors of
+        these dtypes (unless ``dtypes`` is false) and shapes; a tensor in a container is named by its
+        path, ``d['x']``."""
+        structures = self.containers
+        kinds = {a.name: a.value.dtype for a in self.graph_inputs if isinstance(a.value, torch.Tensor)}
+        kinds.update({name + path: dtype for name, structure in structures.items()
+                      for path, dtype in zip(structure.paths, structure.leaves) if isinstance(dtype, torch.dtype)})
         return InputGuard(tuple(a.name for a in self.arguments), tuple(a.name for a in self.graph_inputs),
-                          self.constants, dtypes, dict(shapes or {}))
+                          self.constants, kinds if dtypes else {}, dict(shapes or {}), structures)
 
     def wrapper(self, model: nn.Module) -> nn.Module:
         """A module whose forward takes the graph inputs and calls ``model`` as the example did."""
