@@ -168,7 +168,7 @@ def bind_pipeline(
     return pipeline
 
 
-def check_stage_count(asked: int, made: int, pipeline: Pipeline) -> None:
+def check_stages_made(asked: int, made: int, pipeline: Pipeline) -> None:
     """Refuse a result with another number of stages than asked for: a pipeline whose partition
     does not come from a split given the count (a loaded plan, a user's pass) can make any."""
     if made != asked:
@@ -269,7 +269,7 @@ def shard_model(
             f"memory_model must be an autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...), "
             f"got {type(memory_model).__name__}")
     program = run_pipeline(model, chosen, inputs, instruments, cost_models, memory_model).program
-    check_stage_count(num_stages, len(program.sharded.stages), chosen)
+    check_stages_made(num_stages, len(program.sharded.stages), chosen)
     budgets = stage_limits(num_stages, max_memory=max_memory).get("max_memory")
     if budgets is not None and _limits_training_memory(chosen):
         plan = program.sharded.plan

@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard import progress
-from autoshard.api import bind_pipeline, check_stage_count, default_pipeline, example_inputs_of
+from autoshard.api import bind_pipeline, check_stages_made, default_pipeline, example_inputs_of
 from autoshard.arguments import whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import MemoryModel
@@ -321,7 +321,7 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     program = session.run(pipeline)
     plan, notes = session.plan(program, choice)
     if args.stages is not None:
-        check_stage_count(args.stages, plan.num_stages, pipeline)
+        check_stages_made(args.stages, plan.num_stages, pipeline)
     if not args.quiet:
         _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({choice.spec})", console, notes)
         if program.verification:

@@ -25,9 +25,11 @@ class TooManyStagesError(InvalidArgumentError):
     def __init__(self, requested: int, maximum: int, detail: str = "") -> None:
         self.requested = requested
         self.maximum = maximum
+        advice = (f"ask for at most {maximum} stages" if maximum else
+                  "there is no computation to split (a model that returns its inputs needs no stages)")
         msg = (
             f"cannot split into {requested} non-empty stages: the maximum is {maximum}"
-            f"{' (' + detail + ')' if detail else ''}; ask for at most {maximum} stages"
+            f"{' (' + detail + ')' if detail else ''}; {advice}"
         )
         super().__init__(msg)
 

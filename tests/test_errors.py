@@ -103,3 +103,9 @@ def test_contradicting_cost_models():
     with pytest.raises(InvalidArgumentError, match="cost='nodes'"):
         autoshard.shard_model(ResidualMLP(), 2, cost="nodes",
                               pipeline="trace,build-dag,linearize,split{cost=params},emit")
+
+
+def test_a_model_with_nothing_to_split_is_not_told_to_ask_for_zero_stages():
+    with pytest.raises(TooManyStagesError, match="no computation to split") as caught:
+        autoshard.shard_model(torch.nn.Identity(), 1, (torch.randn(2),))
+    assert "at most 0" not in str(caught.value)
