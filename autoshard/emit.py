@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.guard import check_mode
+from autoshard.capture.guard import FixedDtypes, check_mode, check_weight_dtypes, floating_dtypes, refuse_mode_switch
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.graph.from_fx import holds_tensor
 
@@ -143,6 +143,67 @@ def _mode_guard(graph: fx.Graph, training: bool, owner: nn.Module) -> None:
         graph.call_function(check_mode, (mode, training, tuple(modes[1:]), captured))
 
 
+#: Where a stage keeps the mode it was captured in.
+CAPTURED_MODE = "autoshard_captured_training"
+
+
+class StageModule(FixedDtypes, fx.GraphModule):
+    """One stage: a ``GraphModule`` that pickles its graph as it is. fx's own pickling keeps only
+    the generated code and traces it again on loading, which runs autoshard's checks (inputs,
+    mode, grad mode) on proxies: they either fail there or drop out of the graph, leaving a
+    loaded stage that silently serves what the original refuses."""
+
+    def train(self, mode: bool = True) -> "StageModule":
+        """Refuse a switch to the other mode before switching anything (``refuse_mode_switch``).
+        The captured mode is kept in ``meta``, which copies keep."""
+        refuse_mode_switch(self.meta.get(CAPTURED_MODE, self.training), mode)
+        return super().train(mode)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        declared = next(t for t in type(self).__mro__ if "<locals>" not in t.__qualname__)  # not its own class
+        # The state goes apart from the constructor: the graph refers back to its stage, which must
+        # exist (empty) before the graph is loaded.
+        return _empty_stage, (declared, type(self).__name__), dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        graph = state.pop("_graph")
+        self.__dict__.update(state)
+        self.graph = graph  # owned by this stage, whose forward is generated from it again
+
+
+def _empty_stage(cls: type[StageModule], name: str) -> StageModule:
+    stage = cls.__new__(cls)  # GraphModule gives every instance a class of its own for its code
+    type(stage).__name__ = name
+    return stage
+
+
+def _dtype_guard(stage: fx.GraphModule) -> None:
+    """A check, after the mode check, that the weights the stage reads (directly, or inside the
+    modules it calls) have the dtypes they had at capture (``check_weight_dtypes``)."""
+    graph = stage.graph
+    nodes = list(graph.nodes)
+    targets = [str(n.target) for n in nodes if n.op == "get_attr" and isinstance(_attribute(stage, n.target), torch.Tensor)]
+    targets += [str(n.target) for n in nodes if n.op == "call_module"]
+    targets = list(dict.fromkeys(targets))
+    captured = floating_dtypes([_attribute(stage, target) for target in targets])
+    last = next(n for n in nodes if n.op == "call_function" and n.target is check_mode)
+    held = []
+    for target in targets:
+        with graph.inserting_after(last):
+            last = graph.get_attr(target)
+        held.append(last)
+    with graph.inserting_after(last):
+        graph.call_function(check_weight_dtypes, (captured, *held))
+    stage.recompile()
+
+
+def _attribute(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def emit_stages(
     gm: fx.GraphModule,
     assignment: Mapping[str, int],
@@ -158,8 +219,10 @@ def emit_stages(
         outgoing = boundaries[stage] if stage < num_stages - 1 else ()
         graph = _stage_graph(gm.graph, stage, num_stages, assignment, incoming, outgoing)
         _mode_guard(graph, training, gm)
-        module = fx.GraphModule(gm, graph, class_name=f"Stage{stage}")
+        module = StageModule(gm, graph, class_name=f"Stage{stage}")
         module.training = training  # its own flag only: its submodules are the model's
+        module.meta[CAPTURED_MODE] = training
+        _dtype_guard(module)
         copy_buffer_persistence(gm, module)
         stages.append(module)
     return stages

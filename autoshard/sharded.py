@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autoshard.capture.eager import PLAIN_VALUES
-from autoshard.capture.guard import check_inputs
+from autoshard.capture.guard import FixedDtypes, check_inputs, refuse_mode_switch
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names
 from autoshard.costs.memory import MemoryModel
@@ -111,7 +111,7 @@ class StagePlan:
         return tuple(name for name in DAG_COST_MODELS if measured(self.dag, name))
 
 
-class ShardedModel(nn.Module):
+class ShardedModel(FixedDtypes):
     """An ``nn.Module`` whose forward runs ``stages`` in order.
 
     ``stages[0]`` takes the model's inputs; every stage but the last returns a tuple of the
@@ -138,11 +138,7 @@ class ShardedModel(nn.Module):
         """Refuse a switch to the other mode, before touching anything: the stages hold the model's
         own modules, which ``nn.Module.train`` would switch (leaving the model half in each mode),
         and the plan serves only the mode it was captured in. Staying in it is allowed."""
-        if bool(mode) != self.plan.training:
-            was, now = ("train", "eval") if self.plan.training else ("eval", "train")
-            raise InputMismatchError(
-                f"the plan was captured in {was} mode and serves only it (code reading self.training was "
-                f"fixed); shard the model again after model.{now}() for a plan in {now} mode")
+        refuse_mode_switch(self.plan.training, mode)
         return super().train(mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

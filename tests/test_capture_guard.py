@@ -225,8 +225,10 @@ def test_stages_refuse_the_mode_their_model_was_not_captured_in(captured_in_trai
         sharded.train(not captured_in_training)  # refused before switching the model's modules
     assert all(m.training == captured_in_training for m in model.modules())
     assert sharded.train(captured_in_training) is sharded  # staying in the mode is fine
-    for stage in sharded.stages:  # a runtime switching the stages themselves
-        stage.train(not captured_in_training)
+    for stage in sharded.stages:
+        with pytest.raises(InputMismatchError, match=f"captured in {was} mode and serves only it"):
+            stage.train(not captured_in_training)  # refused too: a stage holds the model's modules
+        nn.Module.train(stage, not captured_in_training)  # a runtime switching the stages around that
     with pytest.raises(InputMismatchError, match=f"captured in {was} mode"):
         sharded(x)
     copied = copy.deepcopy(sharded.stages[0])  # what a runtime runs is a copy: the check is in its code

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from autoshard.capture.structure import ArgumentStructure, same_constant
-from autoshard.errors import InputMismatchError
+from autoshard.errors import InputMismatchError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -218,3 +218,57 @@ def check_mode(training: bool, captured: bool, modules: tuple[bool, ...] = (),
             f"the plan was captured in {was} mode and is called in {now} mode: code that reads "
             f"self.training (dropout rates, batch-norm branches) was fixed to {was} mode; shard the "
             f"model again after model.{now}(), or put the stages back in {was} mode")
+
+
+def refuse_mode_switch(captured: bool, mode: bool) -> None:
+    """``module.train(mode)`` on a stage or sharded model captured in the other mode: refused before
+    anything switches (they hold the model's own modules, which ``nn.Module.train`` would switch,
+    leaving the model half in each mode), since the plan serves only the mode it was captured in."""
+    if bool(mode) != captured:
+        was, now = ("train", "eval") if captured else ("eval", "train")
+        raise InputMismatchError(
+            f"the plan was captured in {was} mode and serves only it (code reading self.training was "
+            f"fixed); shard the model again after model.{now}() for a plan in {now} mode")
+
+
+def floating_dtypes(held: Sequence[Any]) -> frozenset[torch.dtype]:
+    """The dtypes of the floating-point tensors in ``held`` (tensors, and modules' parameters and
+    buffers)."""
+    found: set[torch.dtype] = set()
+    for item in held:
+        tensors = [item] if isinstance(item, torch.Tensor) else [*item.parameters(), *item.buffers()]
+        found.update(t.dtype for t in tensors if t.is_floating_point())
+    return frozenset(found)
+
+
+def check_weight_dtypes(captured: frozenset[torch.dtype], *held: Any) -> None:
+    """A stage whose weights were converted after sharding (``model.half()``): refuse it. The capture
+    answered the code's questions about their dtype (``x.to(self.weight.dtype)``,
+    ``torch.finfo(h.dtype).min``) once, so the stage would compute in the old dtype or fail. (A
+    buffer a module fills or empties between calls, a cache, may come and go.)"""
+    now = floating_dtypes(held)
+    if not now <= captured:
+        def named(dtypes: frozenset[torch.dtype]) -> str:
+            return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise InputMismatchError(
+            f"the stage's weights are {named(now)}, but the plan was captured with {named(captured)} weights, whose "
+            "dtype the model's code may have read (x.to(self.weight.dtype)); convert the model first "
+            "(model.half()), then shard it")
+
+
+class FixedDtypes(torch.nn.Module):
+    """A stage or sharded model refuses a conversion of its weights to another dtype (``half()``,
+    ``to(torch.bfloat16)``) before converting anything; moves to another device go through. Its
+    weights are the model's own: converting them would convert the model's parameters but not the
+    buffers the stages hold apart, and the plan computes in the dtypes it was captured with."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        held = {t.dtype for t in (*self.parameters(), *self.buffers()) if t.is_floating_point()}
+        for dtype in held:
+            converted = fn(torch.empty(0, dtype=dtype))
+            if isinstance(converted, torch.Tensor) and converted.dtype != dtype:
+                raise InvalidArgumentError(
+                    f"a sharded plan keeps the dtypes it was captured with ({str(dtype).removeprefix('torch.')} "
+                    f"here, not {str(converted.dtype).removeprefix('torch.')}): convert the model first "
+                    "(model.half()), then shard it")
+        return super()._apply(fn, recurse)
