@@ -28,8 +28,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.guard import FixedDtypes, check_mode, check_weight_dtypes, floating_dtypes, refuse_mode_switch
+from autoshard.capture.guard import FixedDtypes, check_mode, check_weight_dtypes, refuse_mode_switch, weight_dtypes
 from autoshard.costs.execution import COMPUTE_OPS
+from autoshard.errors import InvalidArgumentError
 from autoshard.graph.from_fx import holds_tensor
 
 
@@ -143,6 +144,9 @@ def _mode_guard(graph: fx.Graph, training: bool, owner: nn.Module) -> None:
         graph.call_function(check_mode, (mode, training, tuple(modes[1:]), captured))
 
 
+#: Operator objects a torch.export graph calls, which pickle refuses.
+_OPERATORS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+
 #: Where a stage keeps the mode it was captured in.
 CAPTURED_MODE = "autoshard_captured_training"
 
@@ -160,6 +164,12 @@ class StageModule(FixedDtypes, fx.GraphModule):
         return super().train(mode)
 
     def __reduce__(self) -> tuple[Any, ...]:
+        operators = [n.target for n in self.graph.nodes if isinstance(n.target, _OPERATORS)]
+        if operators:
+            raise InvalidArgumentError(
+                f"this stage calls PyTorch operators directly ({operators[0]}; torch.export captured the model), "
+                "which Python cannot pickle; build the stages in each process (shard_model, or load_plan with a "
+                "plan saved by save_plan / --out), or copy them with copy.deepcopy")
         declared = next(t for t in type(self).__mro__ if "<locals>" not in t.__qualname__)  # not its own class
         # The state goes apart from the constructor: the graph refers back to its stage, which must
         # exist (empty) before the graph is loaded.
@@ -185,7 +195,7 @@ def _dtype_guard(stage: fx.GraphModule) -> None:
     targets = [str(n.target) for n in nodes if n.op == "get_attr" and isinstance(_attribute(stage, n.target), torch.Tensor)]
     targets += [str(n.target) for n in nodes if n.op == "call_module"]
     targets = list(dict.fromkeys(targets))
-    captured = floating_dtypes([_attribute(stage, target) for target in targets])
+    captured = weight_dtypes([_attribute(stage, target) for target in targets])
     last = next(n for n in nodes if n.op == "call_function" and n.target is check_mode)
     held = []
     for target in targets:

@@ -99,3 +99,51 @@ def test_a_stage_refuses_the_other_mode_before_switching_the_models_modules():
         sharded.stages[1].train()
     assert not any(m.training for m in model.modules())
     sharded.stages[1].eval()  # staying in the mode is allowed
+
+
+class Rotary(nn.Module):
+    """Tables kept in float32 beside bfloat16 weights, made on the first call (kept whole: it
+    writes state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.arange(x.shape[-1], dtype=torch.float32).cos()
+        return (x.float() * self.table).to(x.dtype)
+
+
+class FillsACacheOnItsFirstCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.rotary, self.last = nn.Linear(8, 8), Rotary(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.rotary(self.first(x)))
+
+
+def test_a_cache_of_another_dtype_filled_after_sharding_is_no_converted_weight():
+    model = FillsACacheOnItsFirstCall().to(torch.bfloat16)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    assert torch.equal(sharded(x), model(x))
+
+
+def test_complex_weights_are_kept_as_they_are():
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.complex64), nn.Linear(4, 4, dtype=torch.complex64))
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 4, dtype=torch.complex64),))
+    for dtype in (torch.complex128, torch.float32):  # the second would drop the imaginary parts
+        with pytest.raises(autoshard.errors.InvalidArgumentError, match="convert the model first"):
+            sharded.to(dtype)
+    assert all(p.dtype == torch.complex64 for p in model.parameters())
+
+
+def test_a_stage_torch_export_captured_is_refused_by_pickle_with_advice():
+    exported = "export,shape-prop,build-dag,linearize,split,emit,verify"  # a graph of aten operators
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 4),), pipeline=exported)
+    with pytest.raises(autoshard.errors.InvalidArgumentError, match="cannot pickle; build the stages in each process"):
+        pickle.dumps(sharded.stages[0])
+    assert torch.equal(copy.deepcopy(sharded)(torch.ones(2, 4)), sharded(torch.ones(2, 4)))

@@ -281,6 +281,14 @@ def test_sharding_leaves_a_backward_pending_on_the_model_runnable():
     assert model.scale._version == 0
     pending.sum().backward()
     assert model.fc1.weight.grad is not None
+    # BatchNorm in training: the runs do update its statistics, which are written back, but not
+    # through the counter (plain PyTorch runs such a pending backward after more forwards too)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    pending = model(x)
+    statistics = model[1].running_mean.clone()
+    autoshard.shard_model(model, 2, example_inputs=(x,))
+    assert torch.equal(model[1].running_mean, statistics)
+    pending.sum().backward()
 
 
 class _WritesWithOut(nn.Module):

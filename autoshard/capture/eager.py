@@ -35,11 +35,14 @@ def values_restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
     try:
         yield
     finally:
-        # Inference mode: an inference tensor (weights made under it) can be written only there.
+        # Through .data, which has a counter of its own: a backward pending on the model from before
+        # sharding saw these values and still runs (BatchNorm's kernel updates its statistics without
+        # moving the counter, so plain PyTorch runs it too). Inference mode: an inference tensor
+        # (weights made under it) can be written only there.
         with torch.inference_mode():
             for tensor, version, value in saved:
                 if _version(tensor) != version or not _same_values(tensor, value):
-                    tensor.copy_(value)
+                    tensor.data.copy_(value)
 
 
 def _version(tensor: torch.Tensor) -> int | None:

@@ -8,7 +8,6 @@ checks every call and raises ``InputMismatchError`` naming what the plan accepts
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -232,22 +231,29 @@ def refuse_mode_switch(captured: bool, mode: bool) -> None:
             f"fixed); shard the model again after model.{now}() for a plan in {now} mode")
 
 
-def floating_dtypes(held: Sequence[Any]) -> frozenset[torch.dtype]:
-    """The dtypes of the floating-point tensors in ``held``: each tensor's, and each module's first
-    floating parameter or buffer's (a conversion converts them all; every stage call checks this, so
-    it reads one per module)."""
-    found = {item.dtype if isinstance(item, torch.Tensor) else _first_floating(item) for item in held}
-    return frozenset(d for d in found if d is not None and d.is_floating_point)
+def _converts(dtype: torch.dtype) -> bool:
+    """Whether ``Module.to(dtype)``, ``half()`` and friends convert tensors of this dtype."""
+    return dtype.is_floating_point or dtype.is_complex
 
 
-def _first_floating(module: torch.nn.Module) -> torch.dtype | None:
-    """The dtype of ``module``'s first floating parameter or buffer (its own, then its children's),
-    read from the registries: ``Module.parameters()`` costs about twenty times as much."""
-    for tensor in itertools.chain(module._parameters.values(), module._buffers.values()):
-        if tensor is not None and tensor.is_floating_point():
+def weight_dtypes(held: Sequence[Any]) -> frozenset[torch.dtype]:
+    """The dtypes of the parameters in ``held`` that a conversion would convert (floating, complex):
+    each parameter's, and each module's first one's (a conversion converts them all; every stage call
+    checks this, so it reads one per module). Buffers do not count: a module may fill a cache of its
+    own dtype on its first call (rotary tables in float32 beside bfloat16 weights)."""
+    found = {item.dtype if isinstance(item, torch.Tensor) else _first_parameter_dtype(item)
+             for item in held if not isinstance(item, torch.Tensor) or isinstance(item, torch.nn.Parameter)}
+    return frozenset(d for d in found if d is not None and _converts(d))
+
+
+def _first_parameter_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of ``module``'s first convertible parameter (its own, then its children's), read
+    from the registries: ``Module.parameters()`` costs about twenty times as much."""
+    for tensor in module._parameters.values():
+        if tensor is not None and _converts(tensor.dtype):
             return tensor.dtype
     for child in module._modules.values():
-        found = None if child is None else _first_floating(child)
+        found = None if child is None else _first_parameter_dtype(child)
         if found is not None:
             return found
     return None
@@ -258,7 +264,7 @@ def check_weight_dtypes(captured: frozenset[torch.dtype], *held: Any) -> None:
     answered the code's questions about their dtype (``x.to(self.weight.dtype)``,
     ``torch.finfo(h.dtype).min``) once, so the stage would compute in the old dtype or fail. (A
     buffer a module fills or empties between calls, a cache, may come and go.)"""
-    now = floating_dtypes(held)
+    now = weight_dtypes(held)
     if not now <= captured:
         def named(dtypes: frozenset[torch.dtype]) -> str:
             return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
@@ -275,7 +281,7 @@ class FixedDtypes(torch.nn.Module):
     buffers the stages hold apart, and the plan computes in the dtypes it was captured with."""
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        held = {t.dtype for t in (*self.parameters(), *self.buffers()) if t.is_floating_point()}
+        held = {t.dtype for t in (*self.parameters(), *self.buffers()) if _converts(t.dtype)}
         for dtype in held:
             converted = fn(torch.empty(0, dtype=dtype))
             if isinstance(converted, torch.Tensor) and converted.dtype != dtype:
