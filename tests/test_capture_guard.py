@@ -357,3 +357,43 @@ def test_tensors_inside_a_dataclass_are_refused_at_capture():
 
     with pytest.raises(ExampleInputsError, match="holds tensors inside a Batch, which torch's pytree does not look into"):
         autoshard.shard_model(ReadsABatch(), 2, example_inputs=(Batch(torch.randn(3, 4)),))
+
+
+@dataclasses.dataclass
+class Scaling:
+    scale: float = 2.0
+
+
+class ScalesByAConfig(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, config: Scaling) -> torch.Tensor:
+        return self.last(self.first(x) * config.scale)
+
+
+def test_a_constant_changed_in_place_after_sharding_is_refused():
+    x, config = torch.randn(3, 4), Scaling()
+    model = ScalesByAConfig()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x, config))
+    assert torch.equal(sharded(x, Scaling()), model(x, Scaling()))  # an equal one is served
+    config.scale = 3.0
+    _refused(sharded, x, config, match=r"config was changed in place .*now Scaling\(scale=3.0\), then Scaling\(scale=2.0\)")
+
+
+def test_tensors_kept_on_a_plain_objects_attributes_are_refused_at_capture():
+    class Holder:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    class AddsHeld(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, held: Holder) -> torch.Tensor:
+            return self.last(self.first(x + held.t))
+
+    with pytest.raises(ExampleInputsError, match="holds tensors inside a Holder"):
+        autoshard.shard_model(AddsHeld(), 2, example_inputs=(torch.randn(3, 4), Holder(torch.randn(3, 4))))

@@ -50,6 +50,9 @@ class InputGuard:
     dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     shapes: Mapping[str, tuple[DimSpec, ...]] = field(default_factory=dict)
     structures: Mapping[str, ArgumentStructure] = field(default_factory=dict)
+    #: Copies of the constants taken at capture, for those with an ``==``: the same object, changed
+    #: in place since (``cfg.scale = 3.0``), is refused, as the plan computes with the old value.
+    snapshots: Mapping[str, Any] = field(default_factory=dict)
     #: Said after a size refused for being other than the fixed one: who fixed it, what to do.
     fixed_size_advice: str = ""
     #: Conditions on the sizes the capture relied on beyond their ranges (``x.shape[0] % 2 == 0``,
@@ -60,7 +63,7 @@ class InputGuard:
         parts = []
         for name in self.names:
             if name in self.constants:
-                parts.append(f"{name}={self.constants[name]!r}")
+                parts.append(f"{name}={self.snapshots.get(name, self.constants[name])!r}")
             elif name in self.structures:
                 structure = self.structures[name]
                 parts += [self._tensor(name + path) if isinstance(leaf, torch.dtype) else f"{name}{path}={leaf!r}"
@@ -84,6 +87,9 @@ class InputGuard:
         for name, expected in self.constants.items():
             if not same_constant(values[name], expected):
                 return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}"
+            if name in self.snapshots and not same_constant(values[name], self.snapshots[name]):
+                return (f"{name} was changed in place since the plan was captured (now {values[name]!r}, then "
+                        f"{self.snapshots[name]!r}), and the plan computes with the old value")
         conditions_on = values
         values = dict(values)
         for name, structure in self.structures.items():

@@ -13,6 +13,7 @@ argument list, which a decorator hides.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import keyword
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from autoshard.capture.eager import PLAIN_VALUES
 from autoshard.capture.guard import DimSpec, InputGuard
 from autoshard.capture.structure import ArgumentStructure, check_visible_tensors
 from autoshard.errors import InvalidArgumentError
@@ -79,6 +81,19 @@ def argument_names(signature: inspect.Signature, bound: Mapping[str, Any]) -> di
     return named
 
 
+def _snapshots(constants: Mapping[str, Any]) -> dict[str, Any]:
+    """Copies of the mutable constants that have an ``==`` (a config dataclass, a list of flags)."""
+    found = {}
+    for name, value in constants.items():
+        if isinstance(value, PLAIN_VALUES) or type(value).__eq__ is object.__eq__:
+            continue
+        try:
+            found[name] = copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is compared by identity only
+            continue
+    return found
+
+
 def _check_name(name: str) -> str:
     if not name.isidentifier() or keyword.iskeyword(name) or name == "self":
         raise InvalidArgumentError(
@@ -126,7 +141,8 @@ class CallSignature:
         kinds.update({name + path: dtype for name, structure in structures.items()
                       for path, dtype in zip(structure.paths, structure.leaves) if isinstance(dtype, torch.dtype)})
         return InputGuard(tuple(a.name for a in self.arguments), tuple(a.name for a in self.graph_inputs),
-                          self.constants, kinds if dtypes else {}, dict(shapes or {}), structures)
+                          self.constants, kinds if dtypes else {}, dict(shapes or {}), structures,
+                          _snapshots(self.constants))
 
     def wrapper(self, model: nn.Module) -> nn.Module:
         """A module whose forward takes the graph inputs and calls ``model`` as the example did."""

@@ -98,12 +98,19 @@ class ArgumentStructure:
         return {name + keystr(path): leaf for path, leaf in tree_flatten_with_path(value)[0]}
 
 
+def _holds_in_attributes(value: Any) -> bool:
+    """A plain object (not a module, class or function) keeping tensors in its attributes."""
+    if isinstance(value, (torch.nn.Module, type)) or callable(value) or not hasattr(value, "__dict__"):
+        return False
+    return holds(vars(value), torch.Tensor)
+
+
 def check_visible_tensors(name: str, value: Any) -> None:
     """Refuse an argument holding tensors where torch's pytree does not look (a dataclass, a
     ``UserDict`` such as Hugging Face's ``BatchEncoding``): the capture would take them for
     constants of the example, refusing other tensors and computing with the example's."""
     for leaf in tree_leaves(value):
-        if not isinstance(leaf, torch.Tensor) and holds(leaf, torch.Tensor):
+        if not isinstance(leaf, torch.Tensor) and (holds(leaf, torch.Tensor) or _holds_in_attributes(leaf)):
             raise ExampleInputsError(
                 f"example argument {name} holds tensors inside a {type(leaf).__name__}, which torch's pytree does not "
                 "look into, so the plan could only fix them as they are; pass them as arguments (model(**enc) for "
