@@ -340,6 +340,7 @@ def test_a_flag_inside_a_container_is_fixed_and_guarded():
     sharded = autoshard.shard_model(model, 2, example_inputs=((x, True),))
     assert torch.equal(sharded((2 * x, True)), model((2 * x, True)))
     _refused(sharded, (x, False), match=r"pair\[1\] is False, but the plan was captured with True")
+    _refused(sharded, [x, True], match=r"same entries .* other containers \(a list at the top, then a tuple\)")
 
 
 def test_tensors_inside_a_dataclass_are_refused_at_capture():

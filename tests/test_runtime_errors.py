@@ -191,3 +191,15 @@ def test_a_pipeline_stage_warns_of_buffers_other_stages_update_too(training):
     assert len(found) == (1 if training else 0)
     if training:
         assert "norm.running_mean" in str(found[0].message)
+
+
+def test_a_container_given_to_a_pipeline_step_by_position_is_refused_before_sending():
+    """PyTorch's stages take positional arguments as tensors only: a dict failed inside torch on the
+    first rank (untyped) while the next one lost its connection."""
+    from autoshard.runtime.schedule import _BatchShapes
+
+    shapes = _BatchShapes(n_microbatches=2, chunked_by_rows=True)
+    batch = {"x": torch.randn(4, 8)}
+    with pytest.raises(InvalidArgumentError, match=r"args\[0\] \(dict\) by position.*schedule.step\(batch=...\)"):
+        shapes.check((batch,), {}, None)
+    shapes.check((), {"batch": batch}, None)  # by name it goes through

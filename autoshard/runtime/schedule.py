@@ -186,6 +186,11 @@ class _BatchShapes:
         return checked
 
     def check(self, args: tuple, kwargs: dict[str, Any], target: Any) -> None:
+        containers = [f"args[{i}] ({type(a).__name__})" for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
+        if containers:  # PyTorch's stages take positional arguments as tensors only
+            raise InvalidArgumentError(
+                f"step was given {', '.join(containers)} by position, but PyTorch's pipeline takes only tensors "
+                "there; pass it by its argument's name (schedule.step(batch=...))")
         model_kwargs = {k: v for k, v in kwargs.items() if k not in _STEP_OPTIONS}
         shapes = {name: tuple(value.shape) for name, value in _named_tensors(args, model_kwargs, target)}
         if self.chunked_by_rows:
