@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from autoshard.capture.guard import FixedDtypes, check_mode, check_weight_dtypes, refuse_mode_switch, weight_dtypes
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import InvalidArgumentError
-from autoshard.graph.from_fx import holds_tensor
+from autoshard.graph.from_fx import holds_tensor, resolve
 
 
 def recomputed_in_consumers(node: fx.Node) -> bool:
@@ -188,14 +188,14 @@ def _empty_stage(cls: type[StageModule], name: str) -> StageModule:
 
 
 def _dtype_guard(stage: fx.GraphModule) -> None:
-    """A check, after the mode check, that the weights the stage reads (directly, or inside the
+    """A check, after the mode check, that the parameters the stage reads (directly, or inside the
     modules it calls) have the dtypes they had at capture (``check_weight_dtypes``)."""
     graph = stage.graph
     nodes = list(graph.nodes)
-    targets = [str(n.target) for n in nodes if n.op == "get_attr" and isinstance(_attribute(stage, n.target), torch.Tensor)]
+    targets = [str(n.target) for n in nodes if n.op == "get_attr" and isinstance(resolve(stage, n.target), nn.Parameter)]
     targets += [str(n.target) for n in nodes if n.op == "call_module"]
     targets = list(dict.fromkeys(targets))
-    captured = weight_dtypes([_attribute(stage, target) for target in targets])
+    captured = weight_dtypes([resolve(stage, target) for target in targets])
     last = next(n for n in nodes if n.op == "call_function" and n.target is check_mode)
     held = []
     for target in targets:
@@ -205,13 +205,6 @@ def _dtype_guard(stage: fx.GraphModule) -> None:
     with graph.inserting_after(last):
         graph.call_function(check_weight_dtypes, (captured, *held))
     stage.recompile()
-
-
-def _attribute(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def emit_stages(

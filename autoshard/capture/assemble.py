@@ -26,17 +26,10 @@ from autoshard.capture.guard import InputGuard, check_inputs
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
 from autoshard.emit import copy_buffer_persistence
 from autoshard.errors import TraceError
+from autoshard.graph.from_fx import resolve
 
 _PREFIX = MODEL_ATTR + "."
 _LITERAL_TYPES = (bool, int, float, str, type(None))
-
-
-def resolve(root: Any, target: str) -> Any:
-    """The object at a dotted attribute path."""
-    value = root
-    for part in target.split(".") if target else ():
-        value = getattr(value, part)
-    return value
 
 
 class ModelNames(nn.Module):

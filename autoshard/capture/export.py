@@ -27,7 +27,7 @@ from torch.export import Dim
 from torch.utils._pytree import tree_map, tree_unflatten
 from torch.utils._sympy.numbers import int_oo
 
-from autoshard.capture.assemble import assemble, leaves_of, resolve
+from autoshard.capture.assemble import assemble, leaves_of
 from autoshard.capture.eager import cloned, holds, isolated, swapped_attribute
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_grad_mode, usable_conditions
@@ -36,8 +36,8 @@ from autoshard.capture.state import current_value, refusing_state_writes
 from autoshard.capture.opaque import CALLS, rewrite_opaque_calls, stand_in
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
-from autoshard.capture.structure import ArgumentStructure
 from autoshard.errors import InvalidArgumentError
+from autoshard.graph.from_fx import resolve
 
 __all__ = ["export_with_leaves"]
 
@@ -116,7 +116,7 @@ def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.Exp
     """Sizes within the ranges export kept them in, and its other guards on them (the code
     branched on ``x.shape[0] % 2``) checked as they are."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    paths = {a.name: ArgumentStructure.of(a.value).paths for a in signature.graph_inputs}
+    paths = {name: structure.paths for name, structure in signature.containers.items()}
     shapes = {}
     for node, (name, leaf) in zip(placeholders, leaves_of(signature)):
         value = node.meta.get("val")

@@ -243,12 +243,11 @@ def _converts(dtype: torch.dtype) -> bool:
 
 
 def weight_dtypes(held: Sequence[Any]) -> frozenset[torch.dtype]:
-    """The dtypes of the parameters in ``held`` that a conversion would convert (floating, complex):
-    each parameter's, and each module's first one's (a conversion converts them all; every stage call
-    checks this, so it reads one per module). Buffers do not count: a module may fill a cache of its
-    own dtype on its first call (rotary tables in float32 beside bfloat16 weights)."""
-    found = {item.dtype if isinstance(item, torch.Tensor) else _first_parameter_dtype(item)
-             for item in held if not isinstance(item, torch.Tensor) or isinstance(item, torch.nn.Parameter)}
+    """The dtypes a conversion would convert (floating, complex) among ``held``, parameters and
+    modules: each parameter's, and each module's first parameter's (a conversion converts them all;
+    every stage call checks this, so it reads one per module). Buffers do not count: a module may
+    fill a cache of its own dtype on its first call (rotary tables in float32 beside bfloat16 weights)."""
+    found = {item.dtype if isinstance(item, torch.Tensor) else _first_parameter_dtype(item) for item in held}
     return frozenset(d for d in found if d is not None and _converts(d))
 
 

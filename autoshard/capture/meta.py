@@ -43,7 +43,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.assemble import resolve
 from autoshard.capture.eager import holds
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import check_condition, check_grad_mode, check_pinned_size
@@ -53,6 +52,7 @@ from autoshard.capture.meta_proxy import (
 from autoshard.capture.signature import MODEL_ATTR
 from autoshard.capture.state import kind_of, refusing_state_writes
 from autoshard.errors import TraceError
+from autoshard.graph.from_fx import resolve
 from autoshard.generators import generator_states, same_states
 
 

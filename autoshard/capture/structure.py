@@ -65,9 +65,6 @@ class ArgumentStructure:
         return cls(spec, tuple(keystr(path) for path, _ in flat),
                    tuple(leaf.dtype if isinstance(leaf, torch.Tensor) else leaf for _, leaf in flat))
 
-    def tensor_paths(self) -> tuple[str, ...]:
-        return tuple(p for p, leaf in zip(self.paths, self.leaves) if isinstance(leaf, torch.dtype))
-
     def problem(self, name: str, value: Any) -> str | None:
         """What ``value`` changes that the capture fixed, or None."""
         flat, spec = tree_flatten_with_path(value)
@@ -112,8 +109,9 @@ def _holds_in_attributes(value: Any) -> bool:
 
 def check_visible_tensors(name: str, value: Any) -> None:
     """Refuse an argument holding tensors where torch's pytree does not look (a dataclass, a
-    ``UserDict`` such as Hugging Face's ``BatchEncoding``): the capture would take them for
-    constants of the example, refusing other tensors and computing with the example's."""
+    ``UserDict`` such as Hugging Face's ``BatchEncoding``, a plain object's attributes): the capture
+    would take them for constants of the example, refusing other tensors and computing with the
+    example's."""
     for leaf in tree_leaves(value):
         if not isinstance(leaf, torch.Tensor) and (holds(leaf, torch.Tensor) or _holds_in_attributes(leaf)):
             raise ExampleInputsError(
@@ -121,4 +119,3 @@ def check_visible_tensors(name: str, value: Any) -> None:
                 "look into, so the plan could only fix them as they are; pass them as arguments (model(**enc) for "
                 "a BatchEncoding), in a dict, tuple or NamedTuple, or register the type with "
                 "torch.utils._pytree.register_dataclass / register_pytree_node")
-

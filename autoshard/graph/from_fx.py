@@ -71,7 +71,7 @@ def module_scopes(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple[str, str], .
     stack = node.meta.get("nn_module_stack") or {}
     scopes = [(str(path), _class_name(kind)) for path, kind in stack.values()]
     if node.op == "call_module" and (not scopes or scopes[-1][0] != node.target):
-        scopes.append((str(node.target), type(_attribute(gm, str(node.target))).__name__))
+        scopes.append((str(node.target), type(resolve(gm, str(node.target))).__name__))
     return tuple(scopes)
 
 
@@ -87,9 +87,10 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _attribute(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
+def resolve(root: Any, target: str) -> Any:
+    """The object at a dotted attribute path (``root`` itself for the empty path)."""
+    value = root
+    for part in target.split(".") if target else ():
         value = getattr(value, part)
     return value
 
@@ -144,8 +145,8 @@ def weight_infos(gm: fx.GraphModule, model: nn.Module | None = None) -> dict[str
 def _tensors_read(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
     sources: list[Any] = []
     if node.op == "call_module":
-        sources.append(_attribute(gm, str(node.target)))
-    sources += [_attribute(gm, str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"]
+        sources.append(resolve(gm, str(node.target)))
+    sources += [resolve(gm, str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"]
     unique = {id(t): t for source in sources for t in _tensors_of(source)}
     return list(unique.values())
 
