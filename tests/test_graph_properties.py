@@ -120,6 +120,12 @@ def test_min_bottleneck_equals_brute_force_over_cut_positions(values, data):
     assert close(min_bottleneck(values, k), brute)
 
 
+def test_min_bottleneck_does_not_absorb_an_element_below_the_round_off_allowance():
+    # The allowance (1e-9 of the total) let the middle part take the tiny last element, so
+    # the bound came out 100 + 1.2e-7 where three parts reach exactly 100.
+    assert min_bottleneck([20.0, 100.0, 1.192092896e-07], 3) == 100.0
+
+
 @fast
 @given(split_problems(dags()), st.sampled_from(sorted(ORDERS)), tolerances)
 def test_dp_sends_the_brute_force_minimum_within_the_bound(problem, order_name, tolerance):

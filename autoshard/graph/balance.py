@@ -138,22 +138,33 @@ def min_bottleneck(weights: Sequence[float], k: int) -> float:
     those k parts leaves every part's end where it was, so that minimum is the next probe.
     Each probe costs O(k log n) and moves some greedy end strictly right. Uses the same
     segment test as ``Line.starts`` with capacity 1, so a probe is accepted up to round-off: the
-    answer is what the greedy parts under it reach, never a bound below any split.
+    answer is what the greedy parts under it reach, never a bound below any split. Those parts
+    are taken without the round-off allowance where that covers too, so an element smaller than
+    the allowance is not absorbed into a part that would otherwise end at exactly B.
     """
     k = _check_weights(weights, k)
     sums = list(accumulate((float(w) for w in weights), initial=0.0))
     round_off = slack(sums[-1])
-    n = len(weights)
     bound = max(sums[-1] / k, max(float(w) for w in weights))
     while True:
-        ends, start = [], 0
-        while len(ends) < k and start < n:
-            start = bisect_right(sums, (sums[start] + bound * 1.0) + round_off) - 1
-            ends.append(start)
-        starts = [0] + ends[:-1]
-        if ends[-1] == n:
-            return max(sums[e] - sums[s] for s, e in zip(starts, ends))
-        bound = min(sums[e + 1] - sums[s] for s, e in zip(starts, ends))
+        ends = _greedy_ends(sums, k, bound, round_off)
+        if ends[-1] == len(weights):
+            exact = _greedy_ends(sums, k, bound, 0.0)
+            return _largest_part(sums, exact if exact[-1] == len(weights) else ends)
+        bound = min(sums[e + 1] - sums[s] for s, e in zip([0] + ends[:-1], ends))
+
+
+def _greedy_ends(sums: list[float], k: int, bound: float, round_off: float) -> list[int]:
+    """The ends of at most k greedy parts, each as long as it can be within ``bound`` + round-off."""
+    ends, start = [], 0
+    while len(ends) < k and start < len(sums) - 1:
+        start = bisect_right(sums, (sums[start] + bound * 1.0) + round_off) - 1
+        ends.append(start)
+    return ends
+
+
+def _largest_part(sums: list[float], ends: list[int]) -> float:
+    return max(sums[e] - sums[s] for s, e in zip([0] + ends[:-1], ends))
 
 
 def min_bottleneck_of(line: Line) -> float:
