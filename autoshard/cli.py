@@ -310,7 +310,8 @@ def _print_timing(session: _Session, console: Console) -> None:
 def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> int:
     _check_picture_paths(args)
     if args.compare and (args.out or args.svg or args.png or args.plan):
-        raise InvalidArgumentError("--compare shows strategies side by side; run again with one --strategy to save or draw")
+        raise InvalidArgumentError("--compare shows strategies side by side; "
+                                   "run again with one --strategy to save or draw")
     session = _Session(args)
     choice = _chosen_pipeline(args, session.inputs)
     if choice.saved is not None:
@@ -339,10 +340,10 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     if not args.target.endswith(".json"):
         return _plan_command(args, console, build=False)
     used = [flag for flag, value in (("--stages", args.stages), ("--pipeline", args.pipeline), ("--plan", args.plan),
-                                      ("--compare", args.compare), ("--strategy", args.strategy), ("--cost", args.cost),
-                                      ("--time-profile", args.time_profile), ("--device-tflops", args.device_tflops),
-                                      ("--device-bandwidth", args.device_bandwidth), ("--max-memory", args.max_memory),
-                                      ("--optimizer-bytes", args.optimizer_bytes), ("--microbatches", args.microbatches))
+                                     ("--compare", args.compare), ("--strategy", args.strategy), ("--cost", args.cost),
+                                     ("--time-profile", args.time_profile), ("--device-tflops", args.device_tflops),
+                                     ("--device-bandwidth", args.device_bandwidth), ("--max-memory", args.max_memory),
+                                     ("--optimizer-bytes", args.optimizer_bytes), ("--microbatches", args.microbatches))
             if value is not None]
     if used:
         raise InvalidArgumentError(
@@ -392,7 +393,8 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
     options.add_argument("--cost", help="cost model to balance (default: params)")
     options.add_argument("--strategy", help="splitting strategy (default: min-cut)")
     options.add_argument("--compare", metavar="S1,S2", help="show several strategies side by side, e.g. greedy,min-cut")
-    options.add_argument("--pipeline", metavar="SPEC", help="custom pipeline, e.g. 'trace,build-dag,linearize,split,emit'")
+    options.add_argument("--pipeline", metavar="SPEC",
+                         help="custom pipeline, e.g. 'trace,build-dag,linearize,split,emit'")
     options.add_argument("--time-profile", metavar="PROFILE.json",
                          help="measure node times (or reuse this file's): the time column is then measured")
     options.add_argument("--device-tflops", type=float, metavar="TFLOPS",
@@ -405,7 +407,8 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="optimizer state per trainable parameter for training memory "
                               "(default 8: Adam's two fp32 moments; 4: SGD with momentum; 0: plain SGD)")
     options.add_argument("--microbatches", type=int, metavar="M",
-                         help="cap on microbatches in flight per stage for training memory (default: k - j at stage j, 1F1B)")
+                         help="cap on microbatches in flight per stage for training memory "
+                              "(default: k - j at stage j, 1F1B)")
     options.add_argument("--plan", metavar="PLAN.json", help="use the split saved in this plan instead of splitting")
     options.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON (reuse it with --plan)")
     options.add_argument("--svg", metavar="FILE.svg", help="draw the plan as SVG (needs matplotlib)")

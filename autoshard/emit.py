@@ -11,7 +11,8 @@ stage's ``state_dict`` keys are the model's keys restricted to that stage.
 Values that are not tensors (``x.size(0)``, a dtype, a bool from a mask check) never cross a
 boundary, because pipeline runtimes send only tensors: once ``shape-prop`` (or torch.export's
 record of the value) has shown that a node yields no tensor, every stage that needs its value
-recomputes it (and its non-tensor inputs) from the tensors it has. The DAG built by ``graph.from_fx`` routes those tensors to the stage.
+recomputes it (and its non-tensor inputs) from the tensors it has. The DAG built by
+``graph.from_fx`` routes those tensors to the stage.
 
 The capture freezes what the model asked of its inputs: ``torch.arange(n, device=x.device)``
 becomes ``device=cpu``. Each stage reads that device from its own inputs again at run time
@@ -192,7 +193,8 @@ def _dtype_guard(stage: fx.GraphModule) -> None:
     modules it calls) have the dtypes they had at capture (``check_weight_dtypes``)."""
     graph = stage.graph
     nodes = list(graph.nodes)
-    targets = [str(n.target) for n in nodes if n.op == "get_attr" and isinstance(resolve(stage, n.target), nn.Parameter)]
+    targets = [str(n.target) for n in nodes
+               if n.op == "get_attr" and isinstance(resolve(stage, n.target), nn.Parameter)]
     targets += [str(n.target) for n in nodes if n.op == "call_module"]
     targets = list(dict.fromkeys(targets))
     captured = weight_dtypes([resolve(stage, target) for target in targets])

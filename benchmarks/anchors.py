@@ -232,7 +232,8 @@ def pippy_milp(dag: nx.DiGraph, k: int, time_limit: float = 30.0, max_columns: i
             rows.append((-math.inf, 0.0, [(e(i, j), 1.0), (x(s, j), -1.0)]))
             rows.append((-math.inf, 0.0, [(e(i, j), 1.0), (x(t, j), -1.0)]))
             rows.append((-math.inf, 1.0, [(x(s, j), 1.0), (x(t, j), 1.0), (e(i, j), -1.0)]))
-        rows.append((-math.inf, 0.0, [(x(t, j), float(j)) for j in range(k)] + [(x(s, j), -float(j)) for j in range(k)]))
+        rows.append((-math.inf, 0.0, [(x(t, j), float(j)) for j in range(k)]
+                     + [(x(s, j), -float(j)) for j in range(k)]))
     for i in range(n):
         rows.append((1.0, 1.0, [(x(i, j), 1.0) for j in range(k)]))
     total_weight = sum(weight)

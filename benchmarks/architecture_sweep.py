@@ -10,7 +10,8 @@ text) and compared with the model: a graph that baked the example's values in pa
 check and fails the second. Models run in eval mode, as for inference, except those named
 ``-train`` (and the checkpointed Llama), which run in training mode and, when they return a loss,
 backward.
-The table says what the capture kept whole and the seconds taken; a failure shows its message. ``tests/test_real_models_zoo.py`` holds the families CI runs.
+The table says what the capture kept whole and the seconds taken; a failure shows its message.
+``tests/test_real_models_zoo.py`` holds the families CI runs.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Inputs]] = {
     "xglm": (lambda: T.XGLMModel(T.XGLMConfig(num_layers=2, d_model=32, attention_heads=2, ffn_dim=64,
                                               vocab_size=VOCAB, max_position_embeddings=64)), text(use_cache=False)),
     "qwen2-moe": (lambda: T.Qwen2MoeModel(T.Qwen2MoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2,
-                                                          moe_intermediate_size=32,
-                                                          shared_expert_intermediate_size=32)),
+                                                           moe_intermediate_size=32,
+                                                           shared_expert_intermediate_size=32)),
                   text(use_cache=False)),
     "recurrent-gemma": (lambda: T.RecurrentGemmaModel(T.RecurrentGemmaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB,
@@ -171,12 +172,13 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Inputs]] = {
     "t5-generation-labels": (lambda: T.T5ForConditionalGeneration(T.T5Config(
         num_layers=2, num_decoder_layers=2, d_model=32, d_kv=16, num_heads=2, d_ff=64, vocab_size=VOCAB,
         decoder_start_token_id=0)),
-        lambda batch, seq: {**ids_only(use_cache=False)(batch, seq), "labels": torch.randint(0, VOCAB, (batch, seq // 2 + 1))}),
+        lambda batch, seq: {**ids_only(use_cache=False)(batch, seq),
+                            "labels": torch.randint(0, VOCAB, (batch, seq // 2 + 1))}),
     "clip": (lambda: T.CLIPModel(T.CLIPConfig(
         text_config=dict(LAYERS, vocab_size=VOCAB, max_position_embeddings=32),
         vision_config=dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
                            image_size=16, patch_size=8), projection_dim=16)),
-        lambda batch, seq: {**ids_only()(batch, seq), "pixel_values": torch.randn(batch, 3, 16, 16)}),
+             lambda batch, seq: {**ids_only()(batch, seq), "pixel_values": torch.randn(batch, 3, 16, 16)}),
     "perceiver": (lambda: T.PerceiverModel(T.PerceiverConfig(
         num_latents=4, d_latents=16, d_model=16, num_blocks=1, num_self_attends_per_block=1,
         num_self_attention_heads=1, num_cross_attention_heads=1)),
@@ -203,7 +205,8 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Inputs]] = {
     "diffusers-flux": (lambda: D.FluxTransformer2DModel(
         patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
         joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4)),
-        lambda batch, seq: {"hidden_states": torch.randn(batch, seq, 8), "encoder_hidden_states": torch.randn(batch, 5, 16),
+        lambda batch, seq: {"hidden_states": torch.randn(batch, seq, 8),
+                            "encoder_hidden_states": torch.randn(batch, 5, 16),
                             "pooled_projections": torch.randn(batch, 8), "timestep": torch.ones(batch),
                             "img_ids": torch.randn(seq, 3), "txt_ids": torch.randn(5, 3)}),
 }

@@ -4,7 +4,8 @@
     python benchmarks/library_sweep.py timm/resnet18d pyg/gcn
 
 torchvision, timm, x-transformers, MONAI, PyTorch Geometric, vit-pytorch, open_clip and
-pytorch-tabnet models with random weights, each sharded into 3 stages from a batch-2 example and then called on a later input of batch 3
+pytorch-tabnet models with random weights, each sharded into 3 stages from a batch-2 example and
+then called on a later input of batch 3
 (and another image side, sequence length or graph size where the model lets it vary), compared
 with the model exactly, as ``architecture_sweep.py`` does. ``-train`` rows run in training mode
 (dropout, stochastic depth) under the same seed. A library that is not installed is skipped
@@ -74,7 +75,8 @@ def timm_models() -> dict[str, tuple[Build, Inputs, bool]]:
              "xcit_nano_12_p16_224", "cait_xxs24_224", "fastvit_t8", "eva02_tiny_patch14_224", "hiera_tiny_224",
              "mobilenetv4_conv_small", "nfnet_f0", "hrnet_w18_small"]
     entries: dict[str, tuple[Build, Inputs, bool]] = {
-        name: (functools.partial(timm.create_model, name, pretrained=False), image((224, 224)), False) for name in names}
+        name: (functools.partial(timm.create_model, name, pretrained=False), image((224, 224)), False)
+        for name in names}
     for name in ("efficientnet_b0", "swin_tiny_patch4_window7_224"):
         entries[f"{name}-train"] = (functools.partial(timm.create_model, name, pretrained=False, drop_rate=0.1,
                                                       drop_path_rate=0.1), image((224, 224)), True)
@@ -86,8 +88,8 @@ def x_transformers_models() -> dict[str, tuple[Build, Inputs, bool]]:
 
     def wrapper(**layers: Any) -> Build:
         kind = xt.Decoder if layers.pop("causal") else xt.Encoder
-        return lambda: xt.TransformerWrapper(num_tokens=100, max_seq_len=64, attn_layers=kind(dim=32, depth=3, heads=2,
-                                                                                          **layers))
+        return lambda: xt.TransformerWrapper(num_tokens=100, max_seq_len=64,
+                                             attn_layers=kind(dim=32, depth=3, heads=2, **layers))
     return {"decoder-rotary": (wrapper(causal=True, rotary_pos_emb=True), tokens((16, 9)), False),
             "encoder-alibi-glu": (wrapper(causal=False, alibi_pos_bias=True, ff_glu=True), tokens((16, 9)), False)}
 

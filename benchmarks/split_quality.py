@@ -156,7 +156,8 @@ def run(chosen: dict[str, nx.DiGraph], limit: float, only: str | None) -> list[R
     return rows
 
 
-HEADER = f"{'graph':<26} {'nodes':>6} {'k':>2}  {'method':<20} {'stages':>6} {'bottleneck/LB':>13} {'total bytes':>14} {'largest':>13} {'time s':>8}  note"
+HEADER = (f"{'graph':<26} {'nodes':>6} {'k':>2}  {'method':<20} {'stages':>6} {'bottleneck/LB':>13} "
+          f"{'total bytes':>14} {'largest':>13} {'time s':>8}  note")
 
 
 def format_row(r: Row) -> str:
@@ -186,7 +187,8 @@ def targets(rows: list[Row], traced: set[str]) -> list[str]:
         mine = by[(graph, k, "min-cut (tol 0)")]
         for name in ANCHORS:
             a = by.get((graph, k, name))
-            if a and a.total is not None and a.stages == k and a.ratio <= mine.ratio * (1 + 1e-9) and a.total < mine.total:
+            if (a and a.total is not None and a.stages == k and a.ratio <= mine.ratio * (1 + 1e-9)
+                    and a.total < mine.total):
                 beaten.append(f"{graph} k={k} {name}")
     lines.append("tol 0: an anchor at equal or better balance sends fewer bytes: "
                  f"{len(beaten)} cases{': ' + ', '.join(beaten) if beaten else ''}")

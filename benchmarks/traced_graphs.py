@@ -41,7 +41,8 @@ class Bottleneck(nn.Module):
         self.conv1, self.bn1 = nn.Conv2d(width, inner, 1, bias=False), nn.BatchNorm2d(inner)
         self.conv2, self.bn2 = nn.Conv2d(inner, inner, 3, stride, 1, bias=False), nn.BatchNorm2d(inner)
         self.conv3, self.bn3 = nn.Conv2d(inner, out, 1, bias=False), nn.BatchNorm2d(out)
-        self.down = nn.Sequential(nn.Conv2d(width, out, 1, stride, bias=False), nn.BatchNorm2d(out)) if project else None
+        self.down = (nn.Sequential(nn.Conv2d(width, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+                     if project else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.bn1(self.conv1(x)))

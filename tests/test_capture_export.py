@@ -206,7 +206,8 @@ def test_packed_sequences_shard_whole_and_serve_other_lengths():
     model = PackedLSTM().eval()
     sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(3, 6, 4), torch.tensor([6, 3, 4])))
     assert sharded.plan.wrapped == ()
-    for x, lengths in [(torch.randn(2, 5, 4), torch.tensor([2, 5])), (torch.randn(4, 7, 4), torch.tensor([1, 7, 3, 2]))]:
+    for x, lengths in [(torch.randn(2, 5, 4), torch.tensor([2, 5])),
+                       (torch.randn(4, 7, 4), torch.tensor([1, 7, 3, 2]))]:
         assert torch.equal(sharded(x, lengths), model(x, lengths))
 
 

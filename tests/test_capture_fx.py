@@ -592,7 +592,8 @@ class StepCounter(nn.Module):
         return self.second(self.first(x)) * self.steps
 
 
-@pytest.mark.parametrize("nested, pipeline", [(True, None), (True, "trace,shape-prop,build-dag,linearize,split,emit,verify"),
+@pytest.mark.parametrize("nested, pipeline", [(True, None),
+                                              (True, "trace,shape-prop,build-dag,linearize,split,emit,verify"),
                                               (False, None)])
 def test_a_forward_that_rebinds_a_buffer_keeps_counting_when_sharded(nested, pipeline):
     model = Around(StepCounter(), 8) if nested else StepCounter()

@@ -318,7 +318,8 @@ def test_a_list_of_another_length_is_refused():
     model = SumsAList()
     sharded = autoshard.shard_model(model, 2, example_inputs=([x, y],))
     assert torch.equal(sharded([y, x]), model([y, x]))
-    _refused(sharded, [x, y, z], match=r"xs holds xs\[0\], xs\[1\], xs\[2\], but the plan was captured with xs\[0\], xs\[1\]")
+    _refused(sharded, [x, y, z],
+             match=r"xs holds xs\[0\], xs\[1\], xs\[2\], but the plan was captured with xs\[0\], xs\[1\]")
 
 
 def test_a_dicts_keys_may_come_in_any_order_but_not_change():
@@ -328,10 +329,12 @@ def test_a_dicts_keys_may_come_in_any_order_but_not_change():
     assert torch.equal(sharded({"mask": mask, "x": x}), model({"mask": mask, "x": x}))
     _refused(sharded, {"x": x, "mask": mask, "z": mask}, match=r"d holds .*'z'")
     _refused(sharded, {"x": x}, match=r"d holds d\['x'\], but the plan was captured with d\['x'\], d\['mask'\]")
-    _refused(sharded, {"x": x, "mask": None}, match=r"d\['mask'\] is None, but the plan was captured with a torch.float32")
+    _refused(sharded, {"x": x, "mask": None},
+             match=r"d\['mask'\] is None, but the plan was captured with a torch.float32")
     _refused(sharded, {"x": x.double(), "mask": mask}, match=r"d\['x'\] is a float64 tensor")
     without_mask = autoshard.shard_model(model, 2, example_inputs=({"x": x, "mask": None},))
-    _refused(without_mask, {"x": x, "mask": mask}, match=r"d\['mask'\] is a float32 tensor, but the plan was captured with None")
+    _refused(without_mask, {"x": x, "mask": mask},
+             match=r"d\['mask'\] is a float32 tensor, but the plan was captured with None")
 
 
 def test_a_flag_inside_a_container_is_fixed_and_guarded():
@@ -356,7 +359,8 @@ def test_tensors_inside_a_dataclass_are_refused_at_capture():
         def forward(self, batch: Batch) -> torch.Tensor:
             return self.last(self.first(batch.x))
 
-    with pytest.raises(ExampleInputsError, match="holds tensors inside a Batch, which torch's pytree does not look into"):
+    with pytest.raises(ExampleInputsError,
+                       match="holds tensors inside a Batch, which torch's pytree does not look into"):
         autoshard.shard_model(ReadsABatch(), 2, example_inputs=(Batch(torch.randn(3, 4)),))
 
 
@@ -380,7 +384,8 @@ def test_a_constant_changed_in_place_after_sharding_is_refused():
     sharded = autoshard.shard_model(model, 2, example_inputs=(x, config))
     assert torch.equal(sharded(x, Scaling()), model(x, Scaling()))  # an equal one is served
     config.scale = 3.0
-    _refused(sharded, x, config, match=r"config was changed in place .*now Scaling\(scale=3.0\), then Scaling\(scale=2.0\)")
+    _refused(sharded, x, config,
+             match=r"config was changed in place .*now Scaling\(scale=3.0\), then Scaling\(scale=2.0\)")
 
 
 def test_tensors_kept_on_a_plain_objects_attributes_are_refused_at_capture():

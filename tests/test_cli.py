@@ -185,8 +185,10 @@ def test_a_factory_target_run_from_its_folder(factories):
 @pytest.mark.parametrize("args,message,hint", [
     (("split", "no_such_module:build", "-k", "2"), "cannot import 'no_such_module' from TARGET",
      "TARGET is a built-in example (see `autoshard examples`) or package.module:factory"),
-    (("split", "mymodels:broken", "-k", "2"), "the factory 'mymodels:broken' failed: RuntimeError: "
-                                             "weights file [missing.bin] not found", "or package.module:factory"),
+    (("split", "mymodels:broken", "-k", "2"),
+     "the factory 'mymodels:broken' failed: RuntimeError: "
+     "weights file [missing.bin] not found",
+     "or package.module:factory"),
     (("split", "mymodels:mismatched", "-k", "2"), "the example inputs do not match Sequential.forward(input)",
      "add --debug to see the traceback"),
     (("split", "mymodels:wrong_shape", "-k", "2"),

@@ -151,9 +151,11 @@ def test_progress_names_each_pass_on_a_terminal_and_quiet_silences_it(capsys, mo
     (("split", "residual-mlp", "-k", "2", "--cost", "flopz"), "unknown cost model 'flopz'"),
     (("split", "residual-mpl", "-k", "2"), "did you mean 'residual-mlp'?"),
     (("split", "residual-mlp", "-k", "2", "--max-memory", "12XB"), "--max-memory takes bytes per stage"),
-    (("split", "residual-mlp", "-k", "2", "--max-memory", "1GB,2GB,3GB"), "max_memory has 3 entries but there are 2 stages"),
+    (("split", "residual-mlp", "-k", "2", "--max-memory", "1GB,2GB,3GB"),
+     "max_memory has 3 entries but there are 2 stages"),
     (("split", "residual-mlp", "-k", "2", "--microbatches", "0"), "microbatches must be a whole number >= 1"),
-    (("split", "residual-mlp", "-k", "2", "--optimizer-bytes", "-1"), "optimizer_bytes_per_param must be a number >= 0"),
+    (("split", "residual-mlp", "-k", "2", "--optimizer-bytes", "-1"),
+     "optimizer_bytes_per_param must be a number >= 0"),
 ])
 def test_refused_requests_exit_2_with_the_reason(capsys, argv, message):
     code, out, err = run(capsys, *argv)

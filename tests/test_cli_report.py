@@ -127,7 +127,8 @@ def test_costs_are_shown_in_their_unit(model, value, shown):
     (None, ("?", "?")),
     (TENSOR, ("[4, 16]", "float32")),
     ({"kind": "constant", "type": "int", "value": "4"}, ("4", "int")),
-    ({"kind": "tuple", "keys": ["0", "1"], "items": [TENSOR, {"kind": "constant", "type": "NoneType", "value": "None"}]},
+    ({"kind": "tuple", "keys": ["0", "1"],
+      "items": [TENSOR, {"kind": "constant", "type": "NoneType", "value": "None"}]},
      ("tuple of 2", "float32")),
 ])
 def test_value_columns_describe_each_kind_of_value(value, columns):

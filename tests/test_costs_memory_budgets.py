@@ -67,7 +67,8 @@ def test_a_budget_no_plan_fits_names_the_stage_and_the_shortfall():
     dag = autoshard.shard_model(model, 2, example_inputs=(x,)).plan.dag
     least = min(peak_memory(dag, a, 2) for a in cut_assignments(dag, 2))
     assert least > 50_000
-    short = r"no split into 2 stages fits max-memory .*stage (0|1) needs [\d,]+ bytes .* but max_memory\[\1\] is 50,000: "
+    short = (r"no split into 2 stages fits max-memory .*stage (0|1) needs [\d,]+ bytes .* "
+             r"but max_memory\[\1\] is 50,000: ")
     with pytest.raises(InfeasibleSplitError, match=short + r"[\d,]+ bytes short"):
         autoshard.shard_model(model, 2, example_inputs=(x,), max_memory=50_000)
 

@@ -384,7 +384,7 @@ def test_fixed_order_spends_the_tolerance_on_fewer_bytes():
     dag = graph({"v0": {"bytes": 2.0}, "v1": {"bytes": 100.0}, "v2": {"bytes": 1.0},
                  "v3": {"bytes": 1.0}}, [("v0", "v1"), ("v1", "v2"), ("v2", "v3")])
     assert split_dag(dag, 2, "fixed-order", tolerance=0.0) == {"v0": 0, "v1": 0, "v2": 1,
-                                                                "v3": 1}
+                                                               "v3": 1}
     loose = split_dag(dag, 2, "fixed-order", tolerance=0.5)
     assert loose == {"v0": 0, "v1": 0, "v2": 0, "v3": 1}
     assert total_boundary_bytes(dag, loose, 2) == 1.0

@@ -157,7 +157,8 @@ def test_sequence_conveniences():
 
 
 def test_constructor_rejects_classes_and_strings_with_a_hint():
-    with pytest.raises(InvalidArgumentTypeError, match=r"step 0 is the class OrderPass, not a pass: write OrderPass\(...\)"):
+    with pytest.raises(InvalidArgumentTypeError,
+                       match=r"step 0 is the class OrderPass, not a pass: write OrderPass\(...\)"):
         Pipeline([OrderPass])
     with pytest.raises(InvalidArgumentTypeError, match=r"use Pipeline.parse"):
         Pipeline(["order"])
@@ -182,7 +183,8 @@ def test_missing_artifact_names_pass_position_and_the_provider_to_add():
 
 
 def test_single_provider_is_named_directly():
-    with pytest.raises(PipelineValidationError, match=r"pass 'check' \(position 1 .* needs 'partition'.*add `group` before it"):
+    with pytest.raises(PipelineValidationError,
+                       match=r"pass 'check' \(position 1 .* needs 'partition'.*add `group` before it"):
         reg = PassRegistry([OrderPass, GroupPass, CheckPass], entry_point_group=None)
         Pipeline.parse("order,check", registry=reg).validate(frozenset({"model", "example_inputs"}))
 
@@ -196,7 +198,8 @@ def test_missing_example_inputs_says_to_pass_them():
 
 
 def test_provider_later_in_the_pipeline_is_pointed_out():
-    with pytest.raises(PipelineValidationError, match=r"'order' is provided by `order` at position 1, after it: move `order` before it"):
+    with pytest.raises(PipelineValidationError,
+                       match=r"'order' is provided by `order` at position 1, after it: move `order` before it"):
         parse("group{stages=2},order").validate(frozenset({"model"}))
 
 
@@ -261,19 +264,22 @@ def test_autoshard_error_passes_through_with_a_note():
 
 
 def test_pass_that_does_not_provide_what_it_declares_is_named():
-    with pytest.raises(PassContractError, match=r"pass 'lazy' \(position 1\) declares that it provides 'partition' but left it unset") as info:
+    with pytest.raises(PassContractError, match=r"pass 'lazy' \(position 1\) declares that it provides 'partition' "
+                                                r"but left it unset") as info:
         parse("order,lazy").run(program())
     assert (info.value.pass_name, info.value.index) == ("lazy", 1)
     assert "reproduce with pipeline: order,lazy" in info.value.__notes__[0]
 
 
 def test_pass_that_changes_an_undeclared_artifact_is_named():
-    with pytest.raises(PassContractError, match=r"pass 'sneaky' \(position 1\) changed the artifact 'order', which is not in its `provides` \(verification\)"):
+    with pytest.raises(PassContractError, match=r"pass 'sneaky' \(position 1\) changed the artifact 'order', "
+                                                r"which is not in its `provides` \(verification\)"):
         parse("order,sneaky").run(program())
 
 
 def test_pass_that_returns_none_is_named():
-    with pytest.raises(PassContractError, match=r"pass 'returns-none' \(position 0\) returned NoneType, not a ShardProgram"):
+    with pytest.raises(PassContractError,
+                       match=r"pass 'returns-none' \(position 0\) returned NoneType, not a ShardProgram"):
         parse("returns-none").run(program())
 
 
@@ -299,7 +305,8 @@ class VerifiedOrderPass(Pass):
 def test_verify_each_checks_provided_artifacts_only_when_asked():
     parse("verified-order{empty=true}").run(program())  # verify_each off: not checked
     parse("verified-order").run(program(), PassContext(verify_each=True))
-    with pytest.raises(PassContractError, match=r"pass 'verified-order' \(position 0\) produced an invalid 'order': ValueError: empty order") as info:
+    with pytest.raises(PassContractError, match=r"pass 'verified-order' \(position 0\) produced an invalid 'order': "
+                                                r"ValueError: empty order") as info:
         parse("verified-order{empty=true}").run(program(), PassContext(verify_each=True))
     assert isinstance(info.value.__cause__, ValueError)
     assert "raised by instrument VerifyEach.after_pass" in info.value.__notes__[0]

@@ -206,7 +206,8 @@ def test_an_edited_module_entry_that_disagrees_with_its_nodes_is_an_error(saved)
     (lambda d: d["edges"].append(["add_7", "x"]), "inputs must be sources|cycle"),
     (lambda d: node(d, "linears_0").update(weights=["nowhere.weight"]),
      "node 'linears_0' reads the weight 'nowhere.weight', which is not in `weights`"),
-    (lambda d: d["weights"]["linears.0.weight"].update(numel="256"), r"weights\['linears.0.weight'\].numel must be int"),
+    (lambda d: d["weights"]["linears.0.weight"].update(numel="256"),
+     r"weights\['linears.0.weight'\].numel must be int"),
     (lambda d: d["time_estimate"].update(bandwidth=-1), "time_estimate a device model's bandwidth must be"),
     (lambda d: d["time_estimate"].update(model="magic"), "time_estimate.model must be \"roofline\""),
     (lambda d: d["split"].pop("assignment_digest"), "split has no 'assignment_digest'"),
@@ -278,7 +279,8 @@ def test_a_loaded_partition_with_another_stage_count_than_asked_is_refused(resid
         autoshard.shard_model(model, 2, example_inputs=args, pipeline=Pipeline.parse(spec, registry))
     with pytest.raises(autoshard.errors.InvalidArgumentError, match="cost= was given, but no pass"):
         autoshard.shard_model(model, 4, example_inputs=args, cost="flops", pipeline=Pipeline.parse(spec, registry))
-    assert len(autoshard.shard_model(model, 4, example_inputs=args, pipeline=Pipeline.parse(spec, registry)).stages) == 4
+    assert len(autoshard.shard_model(model, 4, example_inputs=args,
+                                     pipeline=Pipeline.parse(spec, registry)).stages) == 4
 
 
 def test_a_plan_path_of_the_wrong_type_or_a_binary_file_is_refused(residual, tmp_path):

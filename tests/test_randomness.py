@@ -103,7 +103,8 @@ class LeafAndTrunk(nn.Module):
 
 def test_a_leaf_that_draws_is_found_by_the_run():
     model = LeafAndTrunk().train()
-    program = run_pipeline(model, Pipeline.parse("trace,shape-prop,build-dag"), ExampleInputs((torch.randn(2, 8),), {})).program
+    program = run_pipeline(model, Pipeline.parse("trace,shape-prop,build-dag"),
+                           ExampleInputs((torch.randn(2, 8),), {})).program
     gm = program.traced.graph_module
     leaf = next(n for n in gm.graph.nodes if n.target == "leaf")
     assert leaf.op == "call_module" and draws_random(gm, leaf)

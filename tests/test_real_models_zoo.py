@@ -161,7 +161,8 @@ FAMILIES: tuple[Family, ...] = (
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=16, attention_head_dim=8, norm_num_groups=8)),
         lambda b, s: {"sample": torch.randn(b, 4, 2 * s, 2 * s, generator=_generator(b, s)),
-                      "timestep": torch.full((b,), 10), "encoder_hidden_states": torch.randn(b, s, 16, generator=_generator(s, b))}),
+                      "timestep": torch.full((b,), 10),
+                      "encoder_hidden_states": torch.randn(b, s, 16, generator=_generator(s, b))}),
     Family("diffusers-sd3", _seeded(lambda: diffusers.SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
         joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=4,

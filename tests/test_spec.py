@@ -261,7 +261,8 @@ def caret_of(exc: SpecError) -> tuple[int, int]:
         ("split{stage=4}", "unknown option 'stage' for pass 'split' (did you mean 'stages'?)", 7, 5),
         ("linearize{x=1}", "unknown option 'x' for pass 'linearize'; 'linearize' takes no options", 11, 1),
         ("split{zzz=1}", "unknown option 'zzz' for pass 'split'; its options are: stages, cost, no-split", 7, 3),
-        ("linearize,splt{stages=4}", "unknown pass 'splt' (did you mean 'split'?); run `autoshard passes` to list them", 11, 4),
+        ("linearize,splt{stages=4}",
+         "unknown pass 'splt' (did you mean 'split'?); run `autoshard passes` to list them", 11, 4),
         ("split{stages=four}", "option 'stages' of 'split' expects an int, got 'four'", 14, 4),
         ("split{stages=4.5}", "option 'stages' of 'split' expects an int, got '4.5'", 14, 3),
         ('split{stages="4"}', "option 'stages' of 'split' expects an int, got '4'", 14, 3),
@@ -273,7 +274,8 @@ def caret_of(exc: SpecError) -> tuple[int, int]:
         ("kitchen-sink{count=}", "option 'count' of 'kitchen-sink' expects an int, got nothing", 19, 1),
         ("kitchen-sink{count}", "option 'count' of 'kitchen-sink' needs a value (an int): write count=...", 14, 5),
         ("kitchen-sink{maybe=nope}", "expects an int or none, got 'nope'", 20, 4),
-        ("linearize,split", "missing required option 'stages' for pass 'split' (an int): write split{stages=...}", 11, 5),
+        ("linearize,split",
+         "missing required option 'stages' for pass 'split' (an int): write split{stages=...}", 11, 5),
         ("split{cost=flops}", "missing required option 'stages' for pass 'split'", 1, 17),
         ("split{stages=4 stages=5}", "option 'stages' of 'split' is given twice (first at column 7)", 16, 6),
         ("split{stages=4 no-split=a no_split=b}", "option 'no-split' of 'split' is given twice", 27, 8),
@@ -365,9 +367,11 @@ def test_typed_errors_from_the_constructor_keep_their_type_and_gain_the_caret():
 
 
 def test_python_built_passes_with_ill_typed_options_are_rejected():
-    with pytest.raises(InvalidArgumentTypeError, match=r"option 'stages' of pass 'split' expects an int, got 'four' \(str\)"):
+    with pytest.raises(InvalidArgumentTypeError,
+                       match=r"option 'stages' of pass 'split' expects an int, got 'four' \(str\)"):
         Pipeline([SplitPass(stages="four")])
-    with pytest.raises(InvalidArgumentTypeError, match=r"expects a comma-separated list of strings, got \['a'\] \(list\) \(use a tuple\)"):
+    with pytest.raises(InvalidArgumentTypeError,
+                       match=r"expects a comma-separated list of strings, got \['a'\] \(list\) \(use a tuple\)"):
         Pipeline([SplitPass(stages=1, no_split=["a"])])
     with pytest.raises(InvalidArgumentTypeError, match="expects an int, got True"):
         Pipeline([SplitPass(stages=True)])
@@ -378,7 +382,8 @@ def test_python_built_passes_with_ill_typed_options_are_rejected():
 def test_option_table_documents_keys_types_defaults_and_help():
     rows = {r.key: r for r in option_table(SplitPass)}
     assert list(rows) == ["stages", "cost", "no-split"]
-    assert rows["stages"].default is None and rows["stages"].type == "an int" and rows["stages"].help == "number of stages"
+    assert (rows["stages"].default is None and rows["stages"].type == "an int"
+            and rows["stages"].help == "number of stages")
     assert rows["cost"].default == "params" and rows["cost"].type == "one of 'params', 'flops'"
     assert rows["no-split"].default == "" and rows["no-split"].field == "no_split"
 
@@ -409,7 +414,8 @@ def test_registry_lookup_listing_and_membership():
 def test_unknown_pass_suggests_close_names():
     with pytest.raises(SpecError) as info:
         REG.get("kitchen-snk")
-    assert str(info.value) == "unknown pass 'kitchen-snk' (did you mean 'kitchen-sink'?); run `autoshard passes` to list them"
+    assert str(info.value) == ("unknown pass 'kitchen-snk' (did you mean 'kitchen-sink'?); "
+                               "run `autoshard passes` to list them")
     with pytest.raises(SpecError, match=r"^unknown pass 'zzz'; run `autoshard passes` to list them$"):
         REG.get("zzz")
 
@@ -435,7 +441,8 @@ def test_duplicate_name_raises_but_same_class_and_replace_are_fine():
         (lambda: type("Sub", (SplitPass,), {"__doc__": "Sub.", "name": "sub"}), r"must be decorated with @dataclass"),
         (lambda: make_pass(doc=None), r"has no docstring"),
         (lambda: make_pass(doc="   "), r"has no docstring"),
-        (lambda: make_pass(provides=frozenset({"partiton"})), r"provides unknown artifact 'partiton' \(did you mean 'partition'\?\)"),
+        (lambda: make_pass(provides=frozenset({"partiton"})),
+         r"provides unknown artifact 'partiton' \(did you mean 'partition'\?\)"),
         (lambda: make_pass(requires={"dag"}), r"`requires` must be a frozenset"),
         (lambda: make_pass(__annotations__={"name": ClassVar[str], "f": "list[int]"}, f=None),
          r"option 'f' of pass 'fresh' has type list\[int\], which pass specs cannot express"),
@@ -564,9 +571,12 @@ def test_unknown_pass_suggestions_include_plugins(plugin_registry):
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        (("plugged", "Missing"), r"could not load pass plugin 'plugged' \(entry point 'plugged = autoshard_test_plugin_mod:Missing'\): AttributeError"),
+        (("plugged", "Missing"),
+         r"could not load pass plugin 'plugged' \(entry point 'plugged = autoshard_test_plugin_mod:Missing'\): "
+         r"AttributeError"),
         (("plugged", "NOT_A_PASS"), r"pass plugin 'plugged' .* is 42, not a Pass subclass"),
-        (("other-name", "PluggedPass"), r"loads a pass named 'plugged'; the entry point name must equal the pass's `name`"),
+        (("other-name", "PluggedPass"),
+         r"loads a pass named 'plugged'; the entry point name must equal the pass's `name`"),
     ],
 )
 def test_broken_plugins_fail_with_the_entry_point_named(plugin_registry, entry, message):

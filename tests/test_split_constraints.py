@@ -144,7 +144,8 @@ def test_a_pin_inside_a_group_names_both():
 
 
 def test_groups_that_leave_too_few_nodes_name_the_constraints():
-    with pytest.raises(InfeasibleSplitError, match=r"no split of program order into 3 non-empty stages meets together groups \['all'\]"):
+    with pytest.raises(InfeasibleSplitError,
+                       match=r"no split of program order into 3 non-empty stages meets together groups \['all'\]"):
         split_dag(chain([1] * 4), 3, together={"all": ["v0", "v3"]})
 
 

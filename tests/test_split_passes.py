@@ -82,9 +82,11 @@ def test_no_split_by_path_keeps_that_subtree_whole():
 
 def test_unknown_modules_are_named_with_suggestions():
     model, inputs = mlp()
-    with pytest.raises(InvalidArgumentError, match=r"no-split: no module path or class is called 'linear\.3' \(did you mean"):
+    with pytest.raises(InvalidArgumentError,
+                       match=r"no-split: no module path or class is called 'linear\.3' \(did you mean"):
         run(model, inputs, "split{stages=2 no-split=linear.3}")
-    with pytest.raises(InvalidArgumentError, match=r"cut-before: no module with nodes in the graph is called 'linears\.9'"):
+    with pytest.raises(InvalidArgumentError,
+                       match=r"cut-before: no module with nodes in the graph is called 'linears\.9'"):
         run(model, inputs, "split{stages=2 cut-before=linears.9}")
 
 

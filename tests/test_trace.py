@@ -79,7 +79,8 @@ def test_a_failing_free_function_is_wrapped_not_the_model():
     x = torch.randn(3, 4)
     assert torch.equal(result.graph_module(x), model(x))
     # The module global is restored after tracing.
-    assert _check_positive.__name__ == "_check_positive" and globals()["_check_positive"].__code__.co_name == "_check_positive"
+    assert (_check_positive.__name__ == "_check_positive"
+            and globals()["_check_positive"].__code__.co_name == "_check_positive")
 
 
 class TopLevelControlFlow(nn.Module):

@@ -62,7 +62,8 @@ def _same_values(tensor: torch.Tensor, value: torch.Tensor) -> bool:
 def rewritten_weights(model: nn.Module) -> list[torch.Tensor]:
     """The weights a forward rewrites in place: an embedding with ``max_norm`` renormalises the
     rows it looks up on every call."""
-    return [m.weight for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+    return [m.weight for m in model.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
 
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -113,7 +114,8 @@ PLAIN_VALUES = (*SCALARS, type(None))
 def scalar_changed(old: Any, new: Any) -> bool:
     """Whether a number, flag, string or None was replaced by a different one (a step counter
     moved, a mode left None)."""
-    return isinstance(old, PLAIN_VALUES) and isinstance(new, PLAIN_VALUES) and (type(old) is not type(new) or old != new)
+    return (isinstance(old, PLAIN_VALUES) and isinstance(new, PLAIN_VALUES)
+            and (type(old) is not type(new) or old != new))
 
 
 @contextlib.contextmanager

@@ -109,7 +109,8 @@ class InputGuard:
                 return f"{name} is not a {len(dims)}-dimensional tensor"
             for axis, (size, dim) in enumerate(zip(value.shape, dims)):
                 if dim.size is not None and size != dim.size:
-                    return f"{name}.shape[{axis}] is {size}, but the plan only serves {dim.size}{self.fixed_size_advice}"
+                    return (f"{name}.shape[{axis}] is {size}, but the plan only serves "
+                            f"{dim.size}{self.fixed_size_advice}")
                 if dim.size is None and sizes.setdefault(dim.symbol, size) != size:
                     seen = sizes[dim.symbol]
                     return f"{name}.shape[{axis}] is {size}, but {dim.symbol} is {seen} elsewhere"

@@ -311,8 +311,8 @@ class MetaTracer(fx.Tracer):
             try:
                 where = str(node.target).removeprefix(f"{MODEL_ATTR}.")  # the path in the user's model
                 inside = _Recording(self._inside, where) if _runs_model_code(node) else None
-                with _untraced(self.swaps) if inside else contextlib.nullcontext(), inside or contextlib.nullcontext(), \
-                        torch.no_grad(), self._running_example():
+                with _untraced(self.swaps) if inside else contextlib.nullcontext(), \
+                        inside or contextlib.nullcontext(), torch.no_grad(), self._running_example():
                     node.meta[EXAMPLE] = self._run(node)
             except Exception:  # noqa: BLE001 - no example: the node behaves as in plain fx
                 pass
@@ -472,7 +472,8 @@ class MetaTracer(fx.Tracer):
                 return self._constant(a)
             fields = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
             return self.create_node("call_function", type(a), (), fields)
-        if type(a) is collections.OrderedDict:  # fx would rebuild it as a plain dict (torchvision's segmentation output)
+        # fx would rebuild it as a plain dict (torchvision's segmentation output)
+        if type(a) is collections.OrderedDict:
             return self.create_node("call_function", collections.OrderedDict, (self.create_arg(list(a.items())),), {})
         try:
             return super().create_arg(a)

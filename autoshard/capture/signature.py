@@ -130,7 +130,8 @@ class CallSignature:
     @property
     def containers(self) -> dict[str, ArgumentStructure]:
         """The graph inputs that are containers, with their layouts."""
-        return {a.name: ArgumentStructure.of(a.value) for a in self.graph_inputs if not isinstance(a.value, torch.Tensor)}
+        return {a.name: ArgumentStructure.of(a.value) for a in self.graph_inputs
+                if not isinstance(a.value, torch.Tensor)}
 
     def guard(self, shapes: Mapping[str, tuple[DimSpec, ...]] | None = None, *, dtypes: bool = True) -> InputGuard:
         """The check that later calls pass these constants, containers of this layout, and tensors of

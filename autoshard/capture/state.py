@@ -2,7 +2,8 @@
 
 A graph records operations on values; it records no attribute assignment. A forward that rebinds
 a buffer to a computed value (``self.steps += 1`` under fx), keeps a tensor for its next call
-(``self.previous = y``) or registers one as a buffer would, captured, compute with the old value forever: a silently wrong
+(``self.previous = y``) or registers one as a buffer would, captured, compute with the old value
+forever: a silently wrong
 sharded model. While a front end traces, ``refusing_state_writes`` makes such an assignment
 raise ``StateWrite``, so the module that makes it is kept whole (run as it is, state included),
 like any other code the front end cannot capture.

@@ -72,10 +72,12 @@ class ArgumentStructure:
             entries = [keystr(p) for p, _ in flat]
             if sorted(entries) == sorted(self.paths):
                 return (f"{name} holds the same entries as when the plan was captured, in other containers (a "
-                        f"{type(value).__name__} at the top, then a {getattr(self.spec.type, '__name__', self.spec.type)}); "
+                        f"{type(value).__name__} at the top, then a "
+                        f"{getattr(self.spec.type, '__name__', self.spec.type)}); "
                         "container types are fixed")
             return (f"{name} holds {', '.join(name + e for e in entries) or 'nothing'}, but the plan was "
-                    f"captured with {', '.join(name + p for p in self.paths) or 'nothing'} (lengths and keys are fixed)")
+                    f"captured with {', '.join(name + p for p in self.paths) or 'nothing'} "
+                    "(lengths and keys are fixed)")
         got = {keystr(path): leaf for path, leaf in flat}
         for path, captured in zip(self.paths, self.leaves):
             leaf = got[path]

@@ -33,6 +33,7 @@ class WeightChargedModel(Protocol):
     def __call__(self, dag: nx.DiGraph, apart: AbstractSet[str] = ...,
                  assignment: Mapping[str, int] | None = ...) -> dict[str, float]: ...
 
+
 _NEEDS = {"value_meta": "shape-prop", "seconds": "profile"}
 """Measured DAG attribute -> the pass that measures it."""
 

@@ -227,10 +227,10 @@ class _RangeMin:
         """Per query, the position of the least rank in [lo, hi] (inclusive, lo <= hi)."""
         level = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
         out = np.empty(len(lo), dtype=np.int64)
-        for l in np.unique(level).tolist():
-            pick = level == l
-            a = self.table[l][lo[pick]]
-            b = self.table[l][hi[pick] - (1 << l) + 1]
+        for power in np.unique(level).tolist():
+            pick = level == power
+            a = self.table[power][lo[pick]]
+            b = self.table[power][hi[pick] - (1 << power) + 1]
             out[pick] = np.where(self.rank[a] <= self.rank[b], a, b)
         return out
 

@@ -148,6 +148,8 @@ class SplitResult:
 @overload
 def split_dag(dag: nx.DiGraph, k: int, strategy: str = ..., tolerance: float = ..., *,
               return_info: Literal[False] = ..., **options: Any) -> Assignment: ...
+
+
 @overload
 def split_dag(dag: nx.DiGraph, k: int, strategy: str = ..., tolerance: float = ..., *,
               return_info: Literal[True], **options: Any) -> SplitResult: ...

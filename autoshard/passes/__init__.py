@@ -40,7 +40,8 @@ for _pass in BUILTIN_PASSES:
 
 __all__ = [
     "BUILTIN_PASSES", "BuildDagPass", "CapturePass", "ExportPass", "LoadPartitionPass", "ProfilePass",
-    "ShapePropPass", "SplitExactPass", "SplitFixedOrderPass", "SplitGreedyPass", "SplitUniformPass", "DumpDir", "EmitPass", "ExampleInputs", "Instrument", "LinearizePass",
+    "ShapePropPass", "SplitExactPass", "SplitFixedOrderPass", "SplitGreedyPass", "SplitUniformPass", "DumpDir",
+    "EmitPass", "ExampleInputs", "Instrument", "LinearizePass",
     "ModelUnchanged", "Pass", "PassContext", "PassRegistry", "Pipeline", "PipelineResult", "PrintAfter",
     "ShardProgram", "SplitPass", "Timing", "TracePass", "VerifyEach", "VerifyPass", "default_registry",
     "function_pass", "get_pass", "option", "register_pass", "registered_passes",

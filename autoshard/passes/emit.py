@@ -35,4 +35,3 @@ class EmitPass(Pass):
         plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,
                          memory_model(ctx), training=program.model.training)
         return dataclasses.replace(program, sharded=ShardedModel(stages, plan, forward_signature(program.model)))
-

@@ -160,7 +160,8 @@ def _short(obj: Any, limit: int = 200) -> str:
         import torch
 
         if isinstance(obj, torch.Tensor):
-            return f"Tensor(shape={list(obj.shape)}, dtype={str(obj.dtype).removeprefix('torch.')}, device={obj.device})"
+            return (f"Tensor(shape={list(obj.shape)}, dtype={str(obj.dtype).removeprefix('torch.')}, "
+                    f"device={obj.device})")
     except ImportError:  # pragma: no cover
         pass
     if isinstance(obj, (list, tuple)):
@@ -268,7 +269,8 @@ class PrintAfter(Instrument):
     def __init__(self, names: str | Iterable[str] = "all", file: TextIO | None = None) -> None:
         chosen = [names] if isinstance(names, str) else names
         if not isinstance(chosen, Iterable) or not all(isinstance(n, str) for n in chosen):
-            raise InvalidArgumentTypeError(f"PrintAfter takes pass names (str, or a list of them) or 'all', got {names!r}")
+            raise InvalidArgumentTypeError("PrintAfter takes pass names (str, or a list of them) or 'all', "
+                                           f"got {names!r}")
         self.names = None if names == "all" else frozenset(chosen)
         self.file = file  # None: sys.stderr at the time of printing
 
@@ -327,8 +329,6 @@ _HOOK_ATTRS = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
-
-
 
 
 def _checksum(t: Any) -> str:
@@ -409,7 +409,8 @@ def _diff(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
             elif old.checksum != new.checksum:
                 out.append(f"the values of {key} changed (checksum {old.checksum} -> {new.checksum})")
             else:
-                changed = [f"{f} {getattr(old, f)} -> {getattr(new, f)}" for f in old._fields if getattr(old, f) != getattr(new, f)]
+                changed = [f"{f} {getattr(old, f)} -> {getattr(new, f)}"
+                           for f in old._fields if getattr(old, f) != getattr(new, f)]
                 out.append(f"{key} changed: {', '.join(changed)}")
         elif key.startswith("hooks of"):
             names = [a.strip("_") for a in _HOOK_ATTRS]

@@ -87,7 +87,8 @@ def _normalize(tp: Any, *, in_tuple: bool = False) -> Any:
         if len(rest) != 1 or len(rest) == len(args):
             raise _Unsupported("the only union it can express is `X | None`")
         inner = _normalize(rest[0], in_tuple=in_tuple)
-        if isinstance(inner, TupleType) and any(isinstance(i, OptionalType) for i in (inner.elem, *(inner.items or ()))):
+        if isinstance(inner, TupleType) and any(isinstance(i, OptionalType)
+                                                for i in (inner.elem, *(inner.items or ()))):
             raise _Unsupported("in `tuple[X | None, ...] | None` the value `none` would be ambiguous")
         return OptionalType(inner)
     if origin is tuple or tp is tuple:

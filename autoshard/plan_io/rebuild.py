@@ -69,7 +69,8 @@ def rebuild_pipeline(plan: SavedPlan, path: str | Path, *, verify: bool = True) 
     try:
         original = Pipeline.parse(plan.pipeline)
     except SpecError as exc:
-        raise PlanError(f"plan {path} was made with the pipeline {plan.pipeline!r}, which cannot run here: {exc}") from exc
+        raise PlanError(f"plan {path} was made with the pipeline {plan.pipeline!r}, "
+                        f"which cannot run here: {exc}") from exc
     steps = []
     for step in original:
         if "partition" in step.provides:

@@ -29,7 +29,8 @@ def open_checkpoint(checkpoint: Checkpoint) -> Mapping[str, torch.Tensor]:
     try:
         return torch.load(os.fspath(checkpoint), map_location="cpu", mmap=True, weights_only=True)
     except OSError as exc:
-        raise CheckpointMismatchError(f"cannot read the checkpoint {os.fspath(checkpoint)!r}: {exc.strerror or exc}") from exc
+        raise CheckpointMismatchError(
+            f"cannot read the checkpoint {os.fspath(checkpoint)!r}: {exc.strerror or exc}") from exc
 
 
 def checked_entry(state: Mapping[str, torch.Tensor], name: str, expected: torch.Tensor,

@@ -59,4 +59,3 @@ def _tied_names(sharded: ShardedModel) -> dict[str, tuple[str, ...]]:
     Face holds a tied weight under one of them only, which may belong to no stage)."""
     infos = sharded.plan.dag.graph.get("weights", {})
     return {name: tuple(n for n in info.names if n != name) for info in infos.values() for name in info.names}
-

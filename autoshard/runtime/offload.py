@@ -184,7 +184,8 @@ def _attributes(modules: list[nn.Module]) -> list[dict[str, Any]]:
             for m in modules]
 
 
-def _attributes_copied(states: list[dict[str, Any]], device: torch.device | dict[str, torch.device]) -> list[dict[str, Any]]:
+def _attributes_copied(states: list[dict[str, Any]],
+                       device: torch.device | dict[str, torch.device]) -> list[dict[str, Any]]:
     """``states`` with their tensors copied (to ``device``, or per name where it is a dict): a
     forward may update one in place, and the copy it started from is replayed."""
     def copied(name: str, value: Any) -> Any:

@@ -116,7 +116,8 @@ def check_splitter(
     stage 0), ``dag`` is left untouched (structure and attributes), and the result is
     deterministic within the process (same on a second call and on a copy of the graph, in the
     same order; a splitter that iterates a set of string nodes can still differ from one process
-    to the next: run the tests under a few ``PYTHONHASHSEED`` values to see that). On graphs small enough for brute force:
+    to the next: run the tests under a few ``PYTHONHASHSEED`` values to see that).
+    On graphs small enough for brute force:
     the bottleneck is at least the true optimum over all valid partitions. When ``tolerance``
     is given (the splitter promises balance): the bottleneck is at most (1 + tolerance) x the
     fixed-order optimum, and the boundary bytes are no more than the fewest any contiguous
