@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autoshard.capture.eager import PLAIN_VALUES
-from autoshard.capture.guard import FixedDtypes, check_inputs, refuse_mode_switch
+from autoshard.capture.guard import FixedDtypes, check_inputs, check_mode, refuse_mode_switch
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names
 from autoshard.costs.memory import MemoryModel
@@ -111,6 +111,27 @@ class StagePlan:
         return tuple(name for name in DAG_COST_MODELS if measured(self.dag, name))
 
 
+class ModesAtCapture:
+    """The model's modules whose code a plan runs, with their modes at capture, checked on every
+    call: what they read from ``self.training`` was fixed then, and ``model.eval()`` switches them
+    without the stages seeing it where a stage calls none of them (``torch.export`` graphs).
+    Not submodules: the stages hold what they compute with. A copy of the sharded model keeps
+    watching the same modules; a pickled one watches none (another process has its own model)."""
+
+    def __init__(self, modules: tuple[nn.Module, ...] = ()) -> None:
+        self.modules = modules
+        self.captured = tuple(module.training for module in modules)
+
+    def check(self, training: bool) -> None:
+        check_mode(training, training, tuple(module.training for module in self.modules), self.captured)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModesAtCapture:
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"modules": (), "captured": ()}
+
+
 class ShardedModel(FixedDtypes):
     """An ``nn.Module`` whose forward runs ``stages`` in order.
 
@@ -121,7 +142,8 @@ class ShardedModel(FixedDtypes):
     """
 
     def __init__(self, stages: list[fx.GraphModule], plan: StagePlan,
-                 model_signature: inspect.Signature | None = None) -> None:
+                 model_signature: inspect.Signature | None = None,
+                 modules_run: tuple[nn.Module, ...] = ()) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.plan = plan
@@ -129,6 +151,7 @@ class ShardedModel(FixedDtypes):
         #: the model's own call signature, when known: an argument the example left out may be
         #: passed with its default value (``mask=None``), which the plan computes with
         self.model_signature = model_signature
+        self._modes_at_capture = ModesAtCapture(modules_run)
 
     @property
     def num_stages(self) -> int:
@@ -141,16 +164,23 @@ class ShardedModel(FixedDtypes):
         refuse_mode_switch(self.plan.training, mode)
         return super().train(mode)
 
+    def fit_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A call of the model as ``stages[0]`` takes it (see ``fitted_call``): every runtime binds
+        through here, so an argument reaches the parameter the model gives it, or is refused
+        (``InputMismatchError``) when the plan does not serve it."""
+        self._modes_at_capture.check(self.plan.training)
+        return fitted_call(self.stages[0], self.model_signature, args, kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _fitted_call(self.stages[0], self.model_signature, args, kwargs)
+        args, kwargs = self.fit_call(args, kwargs)
         values = self.stages[0](*args, **kwargs)
         for stage in self.stages[1:]:
             values = stage(*_moved_to(_device_of(stage), values))
         return values
 
 
-def _fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | None, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | None, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call as the first stage takes it: bound as the model binds it (the stage's arguments are
     the example's, by the model's names), then matched to the example's arguments.
 

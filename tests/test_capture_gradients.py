@@ -131,6 +131,33 @@ def test_a_module_with_a_backward_hook_stays_a_leaf_so_the_hook_runs():
     assert_same_gradients(sharded, model, torch.randn(5, 8))
 
 
+EXPORT = "export,shape-prop,build-dag,linearize,split,emit,verify"
+
+
+class Reversing(nn.Module):
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return GradReverse.apply(f, 0.7)
+
+
+def test_export_keeps_a_custom_autograd_function_whole_so_its_backward_runs():
+    """export records a Function's forward and drops its backward: the reversal was lost."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Reversing(), nn.Linear(8, 8), nn.Linear(8, 2))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),), pipeline=EXPORT)
+    assert [(w.name, "own backward" in w.reason) for w in sharded.plan.wrapped] == [("1", True)]
+    assert_same_gradients(sharded, model, torch.randn(5, 8))
+    assert torch.autograd.Function.__dict__["apply"].__func__.__qualname__ == "Function.apply"  # patch undone
+
+
+def test_export_keeps_a_module_with_a_backward_hook_whole_so_the_hook_runs():
+    """export dropped the hook: the gradients were the unhooked model's."""
+    torch.manual_seed(0)
+    model = Framed(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    model.inner.register_full_backward_hook(lambda module, grad_in, grad_out: tuple(g * 0.5 for g in grad_in))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),), pipeline=EXPORT)
+    assert_same_gradients(sharded, model, torch.randn(5, 8))
+
+
 class HalfPrecisionRegion(nn.Module):
     """A weight used twice inside an autocast region: eager autocast casts it once (its cache)."""
 

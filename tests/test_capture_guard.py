@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import autoshard
+from autoshard.runtime import OffloadRunner
 
 from autoshard.capture.guard import DimSpec, InputGuard, check_condition, check_inputs
 from autoshard.capture.signature import CallSignature
@@ -229,7 +230,7 @@ def test_stages_refuse_the_mode_their_model_was_not_captured_in(captured_in_trai
         with pytest.raises(InputMismatchError, match=f"captured in {was} mode and serves only it"):
             stage.train(not captured_in_training)  # refused too: a stage holds the model's modules
         nn.Module.train(stage, not captured_in_training)  # a runtime switching the stages around that
-    with pytest.raises(InputMismatchError, match=f"captured in {was} mode"):
+    with pytest.raises(InputMismatchError, match=f"captured (with the model )?in {was} mode"):
         sharded(x)
     copied = copy.deepcopy(sharded.stages[0])  # what a runtime runs is a copy: the check is in its code
     with pytest.raises(InputMismatchError, match=f"captured in {was} mode"):
@@ -258,6 +259,25 @@ def test_stages_refuse_to_run_when_the_models_modules_were_switched_to_another_m
     with pytest.raises(InputMismatchError, match="switched to another mode after sharding"):
         sharded(torch.randn(4, 8))
     model.train()
+    sharded(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("captured_in_training", [True, False])
+def test_a_plan_export_captured_refuses_to_run_after_model_eval_or_train(captured_in_training):
+    """An export graph calls no module, so the stages saw no switch: after model.eval() they kept
+    applying the dropout captured in training (Hugging Face models given labels are captured so)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    model.train(captured_in_training)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),),
+                                    pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    assert not any(n.op == "call_module" for stage in sharded.stages for n in stage.graph.nodes)
+    model.train(not captured_in_training)
+    with pytest.raises(InputMismatchError, match="switched to another mode after sharding"):
+        sharded(torch.randn(4, 8))
+    with pytest.raises(InputMismatchError, match="switched to another mode after sharding"):
+        OffloadRunner(sharded, "cpu")(torch.randn(4, 8))
+    model.train(captured_in_training)
     sharded(torch.randn(4, 8))
 
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import autoshard
 from autoshard import progress
@@ -131,3 +132,25 @@ def test_a_graphs_signature_is_the_same_in_another_process():
         return run.stdout.strip()
 
     assert signature() == signature()
+
+
+class ShiftedIndex(nn.Module):
+    """Shifts its indices in place, as T5's relative position buckets do (``buckets.add_(...)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.out = nn.Embedding(4, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        buckets = ids * 0
+        buckets.add_(3)
+        return self.out(self.table(buckets))
+
+
+def test_timing_a_node_that_writes_its_inputs_in_place_leaves_them_as_the_model_does():
+    """Each timed rerun of the in-place add shifted the indices again: the embedding after it
+    failed (index out of range), blamed on the example inputs."""
+    torch.manual_seed(0)
+    model, ids = ShiftedIndex(), torch.randint(0, 4, (2, 5))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(ids,), cost="time")
+    assert torch.equal(sharded(ids), model(ids))

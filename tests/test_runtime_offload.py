@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 import autoshard
 from autoshard.emit import stage_device
-from autoshard.errors import DeviceUnavailableError, InvalidArgumentTypeError
+from autoshard.errors import DeviceUnavailableError, InputMismatchError, InvalidArgumentTypeError
 from autoshard.examples import GPTStyleLM, GPTStyleLMWithLoss, LongSkip, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.runtime import OffloadRunner
@@ -129,6 +129,66 @@ def test_each_stage_weights_are_on_the_device_only_while_it_runs():
     assert all(device.type == "meta" for _, _, device in seen)
     assert all(ref() is None for _, ref, _ in seen)
     assert all(not p.is_meta for p in model.parameters())
+
+
+class Tabled(nn.Module):
+    """A block with a buffer of its own shape, so copies of it can be counted."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("table", torch.randn(rows, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) + self.table[: x.shape[0]]
+
+
+def test_a_training_forward_keeps_no_stage_buffers_on_the_device_until_the_backward():
+    """Each stage's device copies of its buffers stayed alive until the backward (the checkpoint
+    keeps the call's record), so the device held every stage's buffers at once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Tabled(rows=37 + i) for i in range(4)))
+    sharded = autoshard.shard_model(model, 4, example_inputs=(torch.randn(4, 8),))
+
+    def tables() -> list[int]:
+        gc.collect()
+        return sorted(o.shape[0] for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta
+                      and o.dim() == 2 and o.shape[0] in range(37, 41) and o.shape[1] == 8)
+
+    before = tables()
+    out = OffloadRunner(sharded, "cpu")(torch.randn(4, 8))
+    added = tables()
+    for rows in before:
+        added.remove(rows)
+    # what is left is the state each stage started from, which its recomputation replays; it
+    # stays where the model keeps its buffers (here the same CPU), one per stage
+    assert out.requires_grad and added == [37, 38, 39, 40]
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.second(torch.tanh(self.first(x)))
+        h = h if mask is None else h * mask
+        return h if bias is None else h + bias
+
+
+def test_the_runner_binds_arguments_as_the_model_does():
+    """The runner bound positional arguments to the first stage's parameters (the example's):
+    runner(x, mask) computed model(x, bias=mask)."""
+    torch.manual_seed(0)
+    model, x, b, mask = Masked(), torch.randn(4, 8), torch.randn(4, 8), torch.rand(4, 8).round()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,), example_kwargs={"bias": b})
+    runner = OffloadRunner(sharded, "cpu")
+    with torch.no_grad():
+        assert torch.equal(runner(x, bias=b), model(x, bias=b))
+        assert torch.equal(runner(x, None, b), model(x, None, b))  # mask at its default, by position
+        with pytest.raises(InputMismatchError, match="the example left mask=None at the default"):
+            runner(x, mask)
 
 
 def test_bad_runner_arguments():

@@ -391,7 +391,7 @@ def test_world_size_misfits_fail_on_every_rank_before_blocking(two_processes):
     assert len(warned) == 1 and ": 1)" in warned[0] and f"{MICROBATCHES} microbatches" in warned[0]
     for rank, rank_result in enumerate(two_processes):
         uneven, fine, changed = rank_result["errors"]["batch shapes"]
-        given = "argument 0" if rank == 0 else "target"
+        given = "x" if rank == 0 else "target"
         assert f"{given} has 10 rows, which does not split into {MICROBATCHES} equal microbatches" in uneven
         assert fine == "ran"
         assert f"differ in shape from the first step's: {given} [12, 16] (first step: [8, 16])" in changed

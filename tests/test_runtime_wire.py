@@ -11,7 +11,7 @@ from torch import nn
 
 import autoshard
 from autoshard.api import run_pipeline
-from autoshard.errors import BoundaryValueError
+from autoshard.errors import BoundaryValueError, PipelineSetupError
 from autoshard.examples import GPTStyleLMWithLoss
 from autoshard.graph import Partition
 from autoshard.passes import Pipeline
@@ -20,7 +20,8 @@ from autoshard.passes.emit import EmitPass
 from autoshard.runtime import model_loss
 from autoshard.runtime.boundaries import boundary_wires
 from autoshard.runtime.stage import stage_module
-from autoshard.runtime.wire import Wire, output_tensors
+from autoshard.runtime.schedule import _model_loss_at
+from autoshard.runtime.wire import OutputTensors, Wire, output_tensors
 
 
 class Halves(nn.Module):
@@ -173,3 +174,35 @@ def test_model_loss_takes_the_loss_the_last_stage_returns():
     loss, logits = torch.tensor(2.5), torch.randn(2, 3)
     assert model_loss(loss, None) is loss                  # a model returning its loss alone
     assert model_loss(output_tensors({"loss": loss, "logits": logits, "past": None}), logits) is loss
+
+
+def test_model_loss_finds_the_loss_entry_after_the_predictions_and_refuses_a_non_scalar():
+    """A dict with its loss second handed the predictions to backward (a silent wrong loss when a
+    microbatch has one row), or failed in PyTorch with an untyped error."""
+    loss, pred = torch.tensor(0.5), torch.randn(1, 1)
+    reader = OutputTensors()
+    assert _model_loss_at(reader, reader({"pred": pred, "loss": loss})) is loss
+    with pytest.raises(PipelineSetupError, match=r"model_loss needs the model's loss.*shape \[2, 3\]"):
+        model_loss((torch.randn(2, 3), loss))
+
+
+class ReluInPlaceAfterCut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu_(self.first(x)))
+
+
+def test_a_stage_may_write_in_place_to_a_value_it_received():
+    """The received value was read through a view a custom Function made, which autograd forbids
+    writing to: a ReLU(inplace=True) right after a cut failed every pipeline training step."""
+    torch.manual_seed(0)
+    model = ReluInPlaceAfterCut()
+    sharded = sharded_with_cut_after(model, torch.randn(3, 4), "first")
+    received = torch.randn(3, 4, requires_grad=True)
+    (got,) = torch.autograd.grad(stage_module(sharded, 1, torch.device("cpu"))(received).sum(), received)
+    again = received.detach().clone().requires_grad_()
+    (expected,) = torch.autograd.grad(model.second(torch.relu(again)).sum(), again)
+    assert torch.equal(got, expected)

@@ -58,6 +58,32 @@ def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]]) -> Iterator[Non
                 module.forward = forward
 
 
+class CustomBackward(Exception):
+    """A custom ``torch.autograd.Function`` met by export with grad enabled."""
+
+
+@contextlib.contextmanager
+def _refusing_custom_backward() -> Iterator[None]:
+    """``Function.apply`` raises ``CustomBackward`` for a model's own autograd Function while
+    gradients are recorded: export records its forward's operations and drops its ``backward``
+    (a gradient reversal would silently train the other way), so the module or function calling
+    it is kept whole, where it runs as written. torch's own Functions (the reentrant checkpoint)
+    are traced through, as under fx."""
+    original = vars(torch.autograd.Function)["apply"]
+
+    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+        if torch._C.is_grad_enabled() and not cls.__module__.startswith("torch."):
+            raise CustomBackward(f"{cls.__qualname__} is a torch.autograd.Function with its own backward, "
+                                 "which torch.export would drop")
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:  # the classmethod itself: getattr would give one bound to Function
+        torch.autograd.Function.apply = original  # type: ignore[method-assign]
+
+
 #: Loggers that report what the input guard and the wrapped leaves already say.
 _NOISY_LOGS = ("torch.fx.experimental.symbolic_shapes", "torch._export.non_strict_utils",
                "torch._subclasses.fake_tensor")
@@ -206,18 +232,22 @@ def export_with_leaves(
     caller_grad = torch.is_grad_enabled()
     grad_mode_sites: list[str] = []  # where the model's code asked for the grad mode
 
+    hooked = {id(m): m for m in model.modules() if m is not model and (m._backward_hooks or m._backward_pre_hooks)}
+
     def attempt(leaves: Leaves) -> torch.export.ExportedProgram:
         CALLS.clear()
         grad_mode_sites.clear()
         reader = GradModeReader(caller_grad, grad_mode_sites.append)
         stand_ins = [(site, stand_in(site.function, site.function, function_name(site.function)))
                      for site in leaves.functions]
-        modules = {i: (m, leaves.paths[i]) for i, m in leaves.modules.items()}
+        # modules with backward hooks run whole, as under fx: export would drop the hooks (it
+        # traces through forward hooks, which Hugging Face models use to return what they record)
+        modules = {i: (m, leaves.paths[i]) for i, m in {**hooked, **leaves.modules}.items()}
         # With grad enabled, as fx traces too: a ``no_grad`` block in the model is then recorded
         # even when the capture was called under ``no_grad``.
         with _opaque_modules(modules), swapped(stand_ins), isolated(model), _quiet(), \
                 refusing_state_writes(_computed_in_export), torch.enable_grad(), \
-                swapped_attribute(torch, "is_grad_enabled", reader):
+                swapped_attribute(torch, "is_grad_enabled", reader), _refusing_custom_backward():
             return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
 
     try:

@@ -53,8 +53,8 @@ def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_() if t.is_floating_point() or t.is_complex() else t
 
 
-def _forward_backward(call: NodeCall) -> Any:
-    args, kwargs = tree_map_only(torch.Tensor, _grad_leaf, (call.args, call.kwargs))
+def _forward_backward(call: NodeCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    args, kwargs = tree_map_only(torch.Tensor, _grad_leaf, (args, kwargs))
     with torch.enable_grad():
         out = call.run(args, kwargs)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -67,15 +67,18 @@ def _forward_backward(call: NodeCall) -> Any:
 
 
 def _median_seconds(call: NodeCall, settings: TimingSettings) -> float:
-    step = (lambda: _forward_backward(call)) if settings.backward else call.run
-    for _ in range(settings.warmup):
-        step()
-    samples = []
-    for _ in range(settings.repeats):
+    """Each run takes fresh copies of the node's tensor inputs, made before its clock starts: a
+    node that writes to its inputs in place (T5's ``relative_buckets += ...``) would otherwise
+    drift them run after run (out-of-range indices) and hand the rest of the graph the drift."""
+    def seconds() -> float:
+        args, kwargs = tree_map_only(torch.Tensor, torch.Tensor.clone, (call.args, call.kwargs))
         start = time.perf_counter()
-        step()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        _forward_backward(call, args, kwargs) if settings.backward else call.run(args, kwargs)
+        return time.perf_counter() - start
+
+    for _ in range(settings.warmup):
+        seconds()
+    return statistics.median(seconds() for _ in range(settings.repeats))
 
 
 def measure_node_seconds(

@@ -6,9 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from autoshard.capture.signature import forward_signature
+import torch.fx as fx
+from torch import nn
+
+from autoshard.capture.signature import MODEL_ATTR, forward_signature
 from autoshard.emit import emit_stages
 from autoshard.graph import boundary_values
+from autoshard.graph.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.sharded import ShardedModel, StagePlan
@@ -34,4 +38,21 @@ class EmitPass(Pass):
         stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
         plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,
                          memory_model(ctx), training=program.model.training)
-        return dataclasses.replace(program, sharded=ShardedModel(stages, plan, forward_signature(program.model)))
+        sharded = ShardedModel(stages, plan, forward_signature(program.model),
+                               modules_run(program.model, program.traced.graph_module))
+        return dataclasses.replace(program, sharded=sharded)
+
+
+def modules_run(model: nn.Module, gm: fx.GraphModule) -> tuple[nn.Module, ...]:
+    """The model and its modules whose code the captured graph runs (the graph's module scopes):
+    what they read from ``self.training`` was fixed at capture. A ``torch.export`` graph calls
+    none of them, so its stages alone cannot see ``model.eval()``."""
+    paths = dict.fromkeys(["", *(path.removeprefix(f"{MODEL_ATTR}.") for node in gm.graph.nodes
+                                 for path, _ in module_scopes(gm, node))])
+    found = []
+    for path in paths:
+        try:
+            found.append(model.get_submodule(path))
+        except AttributeError:  # a scope of the capture's own making
+            continue
+    return tuple({id(module): module for module in found}.values())

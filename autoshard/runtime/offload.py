@@ -54,6 +54,7 @@ class OffloadRunner:
             retarget_devices(shell, self.device)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.sharded.fit_call(args, kwargs)
         values = self._run(0, tree_map(self._to_device, args), tree_map(self._to_device, kwargs))
         for index in range(1, self.sharded.num_stages):
             values = self._run(index, values, {})
@@ -70,6 +71,7 @@ class OffloadRunner:
         else:
             out = self._call_stage(index, call, *args, **kwargs)
         self._write_back(index, call)
+        call.buffers = {}  # written back; the checkpoint keeps ``call`` until the backward
         return out
 
     def _call_stage(self, index: int, call: _StageCall, *args: Any, **kwargs: Any) -> Any:

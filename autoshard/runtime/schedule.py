@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -35,6 +36,8 @@ from autoshard.errors import (
     WorldSizeError,
 )
 from autoshard.passes.registry import suggest
+from autoshard.runtime.wire import OutputTensors, loss_reader
+from autoshard.sharded import fitted_call
 
 #: Schedules by the names the example and the benchmark accept.
 SCHEDULES: dict[str, type] = {
@@ -47,6 +50,8 @@ SCHEDULES: dict[str, type] = {
 ScheduleLike = Union[str, type]
 #: Where ``pipeline_stage`` records the plan's fingerprint in the stage module's ``meta``.
 PLAN_KEY = "autoshard_plan"
+#: Where it records the model's signature in the first stage's ``meta``: ``step`` binds by it.
+SIGNATURE_KEY = "autoshard_model_signature"
 
 
 def schedule_class(schedule: ScheduleLike) -> type:
@@ -97,22 +102,28 @@ def local_stage_indices(num_stages: int, rank: int, world_size: int) -> list[int
     return list(range(rank, num_stages, world_size))
 
 
-def _check_ranks_agree(local: list[PipelineStage], group: dist.ProcessGroup | None) -> None:
-    """Every rank must pass the stages it runs, all of the same split, or one waits for values
-    another never sends. One collective, made by every rank here; then every rank raises alike."""
+def _check_ranks_agree(local: list[PipelineStage], group: dist.ProcessGroup | None, schedule: tuple[str, int]) -> None:
+    """Every rank must pass the stages it runs, all of the same split, under the same schedule and
+    number of microbatches (``schedule``), or one waits for values another never sends. One
+    collective, made by every rank here; then every rank raises alike."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     expected = local_stage_indices(local[0].num_stages, rank, world_size)
     given = sorted(s.stage_index for s in local)
     misplaced = None if given == expected else f"rank {rank} runs stages {expected} but was given {given}"
     plans = sorted({str(getattr(stage.submod, "meta", {}).get(PLAN_KEY)) for stage in local})
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (misplaced, plans), group=group)
-    problems = [problem for problem, _ in gathered if problem]
+    dist.all_gather_object(gathered, (misplaced, plans, schedule), group=group)
+    problems = [problem for problem, _, _ in gathered if problem]
     if problems:
         raise InvalidArgumentError(
             "; ".join(problems) + "; build every stage a rank runs (pipeline_stage) and pass them all")
-    if any(other != plans for _, other in gathered):
-        by_rank = ", ".join(f"rank {r}: {'/'.join(p)}" for r, (_, p) in enumerate(gathered))
+    if any(other != schedule for _, _, other in gathered):
+        by_rank = ", ".join(f"rank {r}: {name} over {n}" for r, (_, _, (name, n)) in enumerate(gathered))
+        raise PipelineSetupError(
+            f"the processes run different schedules or numbers of microbatches ({by_rank}); pass the "
+            "same schedule and n_microbatches to build_schedule on every rank")
+    if any(other != plans for _, other, _ in gathered):
+        by_rank = ", ".join(f"rank {r}: {'/'.join(p)}" for r, (_, p, _) in enumerate(gathered))
         raise PipelineSetupError(
             f"the processes split the model differently ({by_rank}); build the same model with the "
             "same seed and shard it with the same arguments on every rank, or save one plan and "
@@ -121,8 +132,9 @@ def _check_ranks_agree(local: list[PipelineStage], group: dist.ProcessGroup | No
 
 def model_loss(output: Any, target: Any = None) -> torch.Tensor:
     """``loss_fn`` for a model that computes its own loss (``GPTStyleLMWithLoss``, a Hugging Face
-    model given ``labels``): the last stage's output if it is one tensor, else its
-    first tensor (a ``ModelOutput``'s ``loss``).
+    model given ``labels``): the model's ``loss`` entry (a dict key, a ``ModelOutput`` field),
+    else the last stage's output if it is one tensor, else its first tensor. A loss must have
+    one element: anything else is refused (``PipelineSetupError``) rather than back-propagated.
 
     Computing the loss inside the model puts it in the plan, so cost models see the last stage's
     whole work. PyTorch's schedules still need a ``target`` on the last rank, which they split into
@@ -130,7 +142,21 @@ def model_loss(output: Any, target: Any = None) -> torch.Tensor:
     A loss per microbatch cannot be concatenated back into a batch: step with ``return_outputs=False``
     and read the losses from ``losses=[]``.
     """
-    return output if isinstance(output, torch.Tensor) else output[0]
+    return _model_loss_at(None, output)
+
+
+def _model_loss_at(reader: OutputTensors | None, output: Any, target: Any = None) -> torch.Tensor:
+    """``model_loss`` on the rank of the last stage, whose ``reader`` says where ``loss`` is."""
+    index = reader.loss_index if reader is not None else None
+    loss = output if isinstance(output, torch.Tensor) else output[0 if index is None else index]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shapes = [list(t.shape) for t in ((output,) if isinstance(output, torch.Tensor) else output)]
+        raise PipelineSetupError(
+            f"model_loss needs the model's loss, one number per microbatch, but took a value of shape "
+            f"{list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__} from the last "
+            f"stage's outputs {shapes}; return the loss under the key 'loss' (or first), or pass a "
+            "loss_fn that computes it")
+    return loss
 
 
 def build_schedule(
@@ -153,14 +179,18 @@ def build_schedule(
     cls = schedule_class(schedule)
     group = local[0].group
     check_world_size(local[0].num_stages, dist.get_world_size(group), cls)
-    _check_ranks_agree(local, group)
+    _check_ranks_agree(local, group, (cls.__name__, n_microbatches))
     _warn_of_per_microbatch_statistics(local, n_microbatches)
+    last = next((stage.submod for stage in local if stage.is_last), None)
+    if loss_fn is model_loss and last is not None:
+        loss_fn = functools.partial(_model_loss_at, loss_reader(last))
     if issubclass(cls, PipelineScheduleSingle):
         built = cls(local[0], n_microbatches, loss_fn=loss_fn, **options)
     else:
         built = cls(sorted(local, key=lambda s: s.stage_index), n_microbatches, loss_fn=loss_fn, **options)
     chunked_by_rows = not {"args_chunk_spec", "kwargs_chunk_spec"} & options.keys()
-    built.step = _BatchShapes(n_microbatches, chunked_by_rows).guard(built.step)
+    first = next((stage.submod for stage in local if stage.stage_index == 0), None)
+    built.step = _BatchShapes(n_microbatches, chunked_by_rows).guard(built.step, first)
     return built
 
 
@@ -177,11 +207,18 @@ class _BatchShapes:
         self.chunked_by_rows = chunked_by_rows  # torch's default: split every tensor along dim 0
         self.first: dict[str, tuple[int, ...]] | None = None
 
-    def guard(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    def guard(self, step: Callable[..., Any], first: fx.GraphModule | None) -> Callable[..., Any]:
+        """``step``, checked; on the rank of the first stage (``first``), the model's inputs are
+        bound as ``ShardedModel`` binds them and passed by name (PyTorch would hand positional
+        inputs to the first stage's parameters, which are the example's: ``step(x, mask)``
+        reached ``bias`` when the example passed ``bias`` and no ``mask``)."""
         @functools.wraps(step)
         def checked(*args: Any, target: Any = None, **kwargs: Any) -> Any:
+            options = {name: kwargs.pop(name) for name in _STEP_OPTIONS if name in kwargs}
+            if first is not None and SIGNATURE_KEY in first.meta:
+                args, kwargs = fitted_call(first, first.meta[SIGNATURE_KEY], args, kwargs)
             self.check(args, kwargs, target)
-            return step(*args, target=target, **kwargs)
+            return step(*args, target=target, **options, **kwargs)
 
         return checked
 
@@ -191,12 +228,11 @@ class _BatchShapes:
             raise InvalidArgumentError(
                 f"step was given {', '.join(containers)} by position, but PyTorch's pipeline takes only tensors "
                 "there; pass it by its argument's name (schedule.step(batch=...))")
-        model_kwargs = {k: v for k, v in kwargs.items() if k not in _STEP_OPTIONS}
-        shapes = {name: tuple(value.shape) for name, value in _named_tensors(args, model_kwargs, target)}
+        shapes = {name: tuple(value.shape) for name, value in _named_tensors(args, kwargs, target)}
         if self.chunked_by_rows:
             for name, shape in shapes.items():
-                if not shape or shape[0] % self.n_microbatches:
-                    rows = f"{shape[0]} rows" if shape else "no batch dimension"
+                if not shape or not shape[0] or shape[0] % self.n_microbatches:
+                    rows = (f"{shape[0]} rows" if shape[0] else "no rows") if shape else "no batch dimension"
                     raise InvalidArgumentError(
                         f"{name} has {rows}, which does not split into {self.n_microbatches} equal "
                         f"microbatches; PyTorch's pipeline sends buffers sized from the first microbatch, "

@@ -28,7 +28,7 @@ from autoshard.errors import (
 from autoshard.runtime.boundaries import boundary_wires
 from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, shared_across_stages
-from autoshard.runtime.schedule import PLAN_KEY, local_stage_indices
+from autoshard.runtime.schedule import PLAN_KEY, SIGNATURE_KEY, local_stage_indices
 from autoshard.runtime.wire import Wire, rewire
 from autoshard.sharded import ShardedModel
 
@@ -194,4 +194,6 @@ def pipeline_stage(
     private = frozenset(key for key, holders in shared.items() if len({s for s, _ in holders if s in local}) > 1)
     module = stage_module(sharded, stage_index, resolved, private, layout)
     module.meta[PLAN_KEY] = plan_fingerprint(sharded)
+    if stage_index == 0:
+        module.meta[SIGNATURE_KEY] = sharded.model_signature
     return PlanStage(module, stage_index, num_stages, resolved, group=group)

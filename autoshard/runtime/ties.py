@@ -58,11 +58,11 @@ class TiedGradients:
                  group: dist.ProcessGroup | None = None) -> None:
         if not stages or not all(isinstance(stage, PipelineStage) for stage in stages):
             raise InvalidArgumentTypeError("TiedGradients needs the PipelineStage(s) this rank runs")
-        self.group = group
+        self.group = stages[0].group if group is None else group  # the pipeline's, as build_schedule's
         self.shared = shared_parameters(sharded)
         self._local = {stage.stage_index: stage.submod for stage in stages}
         self._device = stages[0].device
-        world = dist.get_world_size(group)
+        world = dist.get_world_size(self.group)
         self._across_ranks = [s for s in self.shared if len({i % world for i in s.stages}) > 1]
 
     def _local_holders(self, shared: SharedParameter) -> list[torch.nn.Parameter]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -100,11 +100,13 @@ def _receive_items(graph: fx.Graph, wires: list[Wire]) -> dict[Wire, fx.Node]:
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """The identity, whose backward makes the gradient contiguous."""
+    """The identity, whose backward makes the gradient contiguous. Its forward returns a detached
+    alias rather than a view: autograd forbids writing in place to a view a custom Function
+    returned, and stages do (``nn.ReLU(inplace=True)`` right after a cut)."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
-        return value.view_as(value)
+        return value.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -132,12 +134,34 @@ def _ignore_keywords(graph: fx.Graph) -> None:
         graph.placeholder("**ignored_keywords")
 
 
-def output_tensors(value: Any) -> Any:
+class OutputTensors:
     """The model's output as a last stage returns it: the flat tuple of its leaves (``None``
     fields dropped), or the only leaf itself. PyTorch calls ``loss_fn`` with a one-item tuple
-    unwrapped when it infers shapes but as it is in a step; one tensor is the same in both."""
-    leaves = [leaf for leaf in tree_leaves(value) if leaf is not None]
-    return leaves[0] if len(leaves) == 1 else tuple(leaves)
+    unwrapped when it infers shapes but as it is in a step; one tensor is the same in both.
+
+    It notes where the output's ``loss`` (a dict entry, a ``ModelOutput`` field, an attribute)
+    lands in that tuple, for ``model_loss``: a dict may hold it after its predictions."""
+
+    __name__ = "output_tensors"
+
+    def __init__(self) -> None:
+        self.loss_index: int | None = None
+
+    def __call__(self, value: Any) -> Any:
+        leaves = [leaf for leaf in tree_leaves(value) if leaf is not None]
+        loss = value.get("loss") if isinstance(value, Mapping) else getattr(value, "loss", None)
+        self.loss_index = next((i for i, leaf in enumerate(leaves) if leaf is loss), None)
+        return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
+def output_tensors(value: Any) -> Any:
+    """``OutputTensors()(value)``: the output's tensors as a last stage returns them."""
+    return OutputTensors()(value)
+
+
+def loss_reader(module: fx.GraphModule) -> OutputTensors | None:
+    """The ``OutputTensors`` of a last stage made by ``rewire`` (None for any other stage)."""
+    return next((node.target for node in module.graph.nodes if isinstance(node.target, OutputTensors)), None)
 
 
 def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None:
@@ -150,7 +174,7 @@ def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None
     output = next(node for node in graph.nodes if node.op == "output")
     if stage == len(layout):
         with graph.inserting_before(output):
-            output.args = (graph.call_function(output_tensors, output.args),)
+            output.args = (graph.call_function(OutputTensors(), output.args),)
     else:
         with graph.inserting_before(output):
             sent = []

@@ -1,0 +1,111 @@
+"""How a pipeline step takes its inputs and its loss, and what every rank must agree on: one launch
+of two processes (gloo), whose scenarios the tests then check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import autoshard
+from autoshard.errors import InputMismatchError, PipelineSetupError
+from autoshard.runtime import TiedGradients, build_schedule, model_loss, pipeline_stage, run_local
+
+LAUNCH_DEADLINE_S = 300
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(LAUNCH_DEADLINE_S + 60)]
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.second(torch.tanh(self.first(x)))
+        h = h if mask is None else h * mask
+        return h if bias is None else h + bias
+
+
+class LossAfterPrediction(nn.Module):
+    """Returns its loss second, as a dict: ``{"pred": ..., "loss": ...}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        pred = self.second(torch.tanh(self.first(x)))
+        return {"pred": pred, "loss": F.mse_loss(pred, y)}
+
+
+def masked_inputs() -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return Masked().eval(), torch.randn(4, 8), torch.randn(4, 8), torch.rand(4, 8).round()
+
+
+def regression() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return LossAfterPrediction(), torch.randn(4, 8), torch.randn(4, 1)
+
+
+def scenarios(rank: int, world: int) -> dict[str, object]:
+    found: dict[str, object] = {}
+    model, x, b, mask = masked_inputs()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,), example_kwargs={"bias": b})
+    group = dist.new_group([0, 1])
+    stage = pipeline_stage(sharded, rank, 2, "cpu", group=group)
+    found["ties group is the stages'"] = TiedGradients(sharded, [stage]).group is group
+    schedule = build_schedule(stage, "gpipe", 2)
+    with torch.no_grad():
+        found["by name"] = schedule.step(*((x,) if rank == 0 else ()), **({"bias": b} if rank == 0 else {}))
+    if rank == 0:  # refused before anything is sent; rank 1 would wait for it, so it does not step
+        try:
+            schedule.step(x, mask)
+        except InputMismatchError as exc:
+            found["by position"] = str(exc)
+
+    model, x, y = regression()
+    stage = pipeline_stage(autoshard.shard_model(model, 2, example_inputs=(x, y)), rank, 2, "cpu")
+    schedule = build_schedule(stage, "gpipe", 4, loss_fn=model_loss)
+    losses: list[torch.Tensor] = []
+    schedule.step(*((x, y) if rank == 0 else ()), target=y if rank == 1 else None, losses=losses,
+                  return_outputs=False)
+    found["losses"] = [float(loss) for loss in losses]
+
+    try:
+        build_schedule(stage, "gpipe", 4 if rank == 0 else 2, loss_fn=model_loss)
+    except PipelineSetupError as exc:
+        found["microbatches differ"] = str(exc)
+    return found
+
+
+@pytest.fixture(scope="module")
+def launched() -> list[dict[str, object]]:
+    return run_local(scenarios, 2, timeout=LAUNCH_DEADLINE_S)
+
+
+def test_step_binds_inputs_as_the_model_does(launched):
+    """Positional inputs reached the first stage's parameters, the example's: step(x, mask)
+    computed model(x, bias=mask)."""
+    model, x, b, mask = masked_inputs()
+    with torch.no_grad():
+        assert torch.equal(launched[1]["by name"], model(x, bias=b))
+    assert "the example left mask=None at the default" in launched[0]["by position"]
+
+
+def test_model_loss_back_propagates_the_loss_entry_not_the_predictions(launched):
+    model, x, y = regression()
+    expected = [model(x[i:i + 1], y[i:i + 1])["loss"].item() for i in range(4)]
+    assert launched[1]["losses"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_tied_gradients_sum_over_the_stages_group_by_default(launched):
+    assert all(rank["ties group is the stages'"] for rank in launched)
+
+
+def test_ranks_that_disagree_on_the_microbatches_fail_alike_instead_of_waiting(launched):
+    for rank in launched:
+        assert "rank 0: ScheduleGPipe over 4, rank 1: ScheduleGPipe over 2" in rank["microbatches differ"]
