@@ -52,3 +52,17 @@ class Framed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.post(self.inner(self.pre(x)))
+
+
+class Masked(nn.Module):
+    """Optional ``mask`` and ``bias`` inputs, for binding a call as the model binds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.second(torch.tanh(self.first(x)))
+        h = h if mask is None else h * mask
+        return h if bias is None else h + bias

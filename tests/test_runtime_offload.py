@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import Masked
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -163,18 +164,6 @@ def test_a_training_forward_keeps_no_stage_buffers_on_the_device_until_the_backw
     # what is left is the state each stage started from, which its recomputation replays; it
     # stays where the model keeps its buffers (here the same CPU), one per stage
     assert out.requires_grad and added == [37, 38, 39, 40]
-
-
-class Masked(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.second(torch.tanh(self.first(x)))
-        h = h if mask is None else h * mask
-        return h if bias is None else h + bias
 
 
 def test_the_runner_binds_arguments_as_the_model_does():

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import Masked
 from torch import nn
 
 import autoshard
@@ -15,18 +16,6 @@ from autoshard.runtime import TiedGradients, build_schedule, model_loss, pipelin
 
 LAUNCH_DEADLINE_S = 300
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(LAUNCH_DEADLINE_S + 60)]
-
-
-class Masked(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.second(torch.tanh(self.first(x)))
-        h = h if mask is None else h * mask
-        return h if bias is None else h + bias
 
 
 class LossAfterPrediction(nn.Module):
