@@ -21,7 +21,7 @@ from autoshard.runtime import model_loss
 from autoshard.runtime.boundaries import boundary_wires
 from autoshard.runtime.stage import stage_module
 from autoshard.runtime.schedule import _model_loss_at
-from autoshard.runtime.wire import OutputTensors, Wire, output_tensors
+from autoshard.runtime.wire import OutputTensors, Wire
 
 
 class Halves(nn.Module):
@@ -173,7 +173,7 @@ def test_a_stage_names_its_own_device_where_the_capture_froze_the_planning_one()
 def test_model_loss_takes_the_loss_the_last_stage_returns():
     loss, logits = torch.tensor(2.5), torch.randn(2, 3)
     assert model_loss(loss, None) is loss                  # a model returning its loss alone
-    assert model_loss(output_tensors({"loss": loss, "logits": logits, "past": None}), logits) is loss
+    assert model_loss(OutputTensors()({"loss": loss, "logits": logits, "past": None}), logits) is loss
 
 
 def test_model_loss_finds_the_loss_entry_after_the_predictions_and_refuses_a_non_scalar():

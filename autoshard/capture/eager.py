@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -189,8 +190,10 @@ def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
 
 @contextlib.contextmanager
 def swapped_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """``owner.name`` is ``value`` until exit (a function or method patched while capturing)."""
-    original = getattr(owner, name)
+    """``owner.name`` is ``value`` until exit (a function or method patched while capturing).
+    The original is read without binding it (``getattr_static``), so a classmethod such as
+    ``torch.autograd.Function.apply`` comes back as itself, not bound to ``owner``."""
+    original = inspect.getattr_static(owner, name)
     setattr(owner, name, value)
     try:
         yield

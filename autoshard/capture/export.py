@@ -29,6 +29,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from autoshard.capture.assemble import assemble, leaves_of
 from autoshard.capture.eager import cloned, holds, isolated, swapped_attribute
+from autoshard.capture.fx import has_backward_hooks
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_grad_mode, usable_conditions
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
@@ -77,11 +78,8 @@ def _refusing_custom_backward() -> Iterator[None]:
                                  "which torch.export would drop")
         return original.__func__(cls, *args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
-    try:
+    with swapped_attribute(torch.autograd.Function, "apply", classmethod(apply)):
         yield
-    finally:  # the classmethod itself: getattr would give one bound to Function
-        torch.autograd.Function.apply = original  # type: ignore[method-assign]
 
 
 #: Loggers that report what the input guard and the wrapped leaves already say.
@@ -232,7 +230,7 @@ def export_with_leaves(
     caller_grad = torch.is_grad_enabled()
     grad_mode_sites: list[str] = []  # where the model's code asked for the grad mode
 
-    hooked = {id(m): m for m in model.modules() if m is not model and (m._backward_hooks or m._backward_pre_hooks)}
+    hooked = {id(m): m for m in model.modules() if m is not model and has_backward_hooks(m)}
 
     def attempt(leaves: Leaves) -> torch.export.ExportedProgram:
         CALLS.clear()

@@ -34,7 +34,7 @@ from autoshard.capture.meta import MetaTracer, guard_value, has_proxy
 from autoshard.capture.result import TraceResult, WrappedLeaf
 from autoshard.capture.signature import CallSignature
 
-__all__ = ["TraceResult", "WrappedLeaf", "has_call_hooks", "is_primitive", "trace_with_leaves"]
+__all__ = ["TraceResult", "WrappedLeaf", "has_backward_hooks", "has_call_hooks", "is_primitive", "trace_with_leaves"]
 
 
 def is_primitive(module: nn.Module) -> bool:
@@ -43,11 +43,16 @@ def is_primitive(module: nn.Module) -> bool:
     return defined_in_torch and next(module.children(), None) is None
 
 
+def has_backward_hooks(module: nn.Module) -> bool:
+    """Backward hooks, which a module's call installs on its inputs and outputs: any capture that
+    goes through the module drops them."""
+    return bool(module._backward_hooks or module._backward_pre_hooks)
+
+
 def has_call_hooks(module: nn.Module) -> bool:
     """Tracing through a module skips its hooks (forward, and backward ones, which its call
     installs on its outputs), so a module with hooks must stay a leaf."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
+    return bool(module._forward_hooks or module._forward_pre_hooks or has_backward_hooks(module))
 
 
 class _LeafTracer(MetaTracer):

@@ -7,7 +7,7 @@ plan's metadata when shapes were propagated (the DAG's ``value_meta`` or ``tenso
 the fx node's ``val``/``tensor_meta``/``type``), else from the operation that makes it: size and
 shape queries, ``len`` and arithmetic on such results are never tensors. Values nothing is known
 about pass. The model's own output, which the last stage hands to ``loss_fn``, is held to the same
-rule (see ``wire.output_tensors``), as far as the plan's metadata describes it.
+rule (see ``wire.OutputTensors``), as far as the plan's metadata describes it.
 """
 
 from __future__ import annotations

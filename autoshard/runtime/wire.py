@@ -154,11 +154,6 @@ class OutputTensors:
         return leaves[0] if len(leaves) == 1 else tuple(leaves)
 
 
-def output_tensors(value: Any) -> Any:
-    """``OutputTensors()(value)``: the output's tensors as a last stage returns them."""
-    return OutputTensors()(value)
-
-
 def loss_reader(module: fx.GraphModule) -> OutputTensors | None:
     """The ``OutputTensors`` of a last stage made by ``rewire`` (None for any other stage)."""
     return next((node.target for node in module.graph.nodes if isinstance(node.target, OutputTensors)), None)
@@ -168,7 +163,7 @@ def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None
     """Make ``stage`` take and return exactly the wires of its boundaries, each contiguous
     (process groups send only contiguous tensors, and a slice such as ``mask[:n, :n]`` is not),
     whose gradients are contiguous too, and ignoring keywords after the first stage; the last
-    stage returns ``output_tensors`` of the model's output."""
+    stage returns ``OutputTensors`` of the model's output."""
     graph = module.graph
     received = _receive_items(graph, layout[stage - 1]) if stage > 0 else {}
     output = next(node for node in graph.nodes if node.op == "output")
