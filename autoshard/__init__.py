@@ -14,7 +14,6 @@ __version__ = "0.1.0"
 _LAZY = {
     "shard_model": "autoshard.api",
     "default_pipeline": "autoshard.api",
-    "AutoshardError": "autoshard.errors",
     "Pass": "autoshard.passes",
     "PassContext": "autoshard.passes",
     "Pipeline": "autoshard.passes",
@@ -31,7 +30,23 @@ _LAZY = {
     "CostNode": "autoshard.passes.analyses",
     "MemoryModel": "autoshard.costs.memory",
     "DeviceModel": "autoshard.costs.estimate",
+    # warnings a user may want to filter or turn into errors
+    "HostRandomnessWarning": "autoshard.capture.host_random",
+    "StalePlanWarning": "autoshard.plan_io.rebuild",
+    "SharedBufferWarning": "autoshard.runtime.stage",
+    "MicrobatchStatisticsWarning": "autoshard.runtime.schedule",
+    "TargetError": "autoshard.targets",
 }
+#: Every typed error, so that ``except autoshard.InputMismatchError`` works as the README writes it.
+_ERRORS = (
+    "AutoshardError", "InvalidArgumentError", "InvalidArgumentTypeError", "TooManyStagesError",
+    "InfeasibleSplitError", "InvalidGraphError", "SpecError", "PipelineValidationError", "PassFailed",
+    "TraceError", "VerificationError", "PassContractError", "PlanError", "MissingExtraError",
+    "ShapePropagationError", "ExampleInputsError", "InputMismatchError", "PipelineSetupError",
+    "WorldSizeError", "BoundaryValueError", "DeviceUnavailableError", "ModuleSplitError",
+    "CheckpointMismatchError", "LaunchError", "MissingDependencyError",
+)
+_LAZY.update(dict.fromkeys(_ERRORS, "autoshard.errors"))
 
 __all__ = [*_LAZY, "__version__"]
 

@@ -94,6 +94,21 @@ def test_every_deliberate_error_is_an_autoshard_error():
         assert issubclass(cls, AutoshardError) and not issubclass(cls, AssertionError)
 
 
+def test_every_error_and_warning_the_readme_names_is_importable_from_autoshard():
+    import inspect
+
+    import autoshard.errors
+
+    errors = {name for name, cls in vars(autoshard.errors).items()
+              if inspect.isclass(cls) and issubclass(cls, AutoshardError)}
+    for name in errors | {"HostRandomnessWarning", "StalePlanWarning", "SharedBufferWarning",
+                          "MicrobatchStatisticsWarning", "TargetError"}:
+        assert name in dir(autoshard), name
+        assert inspect.isclass(getattr(autoshard, name)), name
+    assert autoshard.InputMismatchError is autoshard.errors.InputMismatchError
+    assert issubclass(autoshard.StalePlanWarning, UserWarning)
+
+
 def test_pipeline_cost_is_kept_when_the_call_leaves_cost_at_its_default():
     sharded = autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,linearize,split{cost=nodes},emit")
     assert len(sharded.stages) == 2
