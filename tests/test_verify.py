@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -289,6 +290,24 @@ def test_sharding_leaves_a_backward_pending_on_the_model_runnable():
     autoshard.shard_model(model, 2, example_inputs=(x,))
     assert torch.equal(model[1].running_mean, statistics)
     pending.sum().backward()
+
+
+class _DecayingBuffer(_ScaledByBuffer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.mul_(0.5).add_(1.0)  # the capture's runs move the counter; the product saves it
+        return super().forward(x)
+
+
+def test_a_backward_pending_through_a_buffer_the_forward_updates_in_place_still_runs():
+    model, x = _DecayingBuffer(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    pending, expected = model(x), reference(x)
+    version, value = model.scale._version, model.scale.clone()
+    autoshard.shard_model(model, 2, example_inputs=(x,), instruments=[autoshard.passes.ModelUnchanged()])
+    assert model.scale._version == version and torch.equal(model.scale, value)
+    pending.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(model.fc1.weight.grad, reference.fc1.weight.grad)
 
 
 class _WritesWithOut(nn.Module):

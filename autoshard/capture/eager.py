@@ -26,24 +26,29 @@ from autoshard.errors import ExampleInputsError
 
 @contextlib.contextmanager
 def values_restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """On exit, each of ``tensors`` holds the values it held on entry (written in place).
+    """On exit, each of ``tensors`` holds the values, and the version counter, it held on entry.
 
-    Only a tensor written in the meantime is written back: a write moves its version counter, and
-    autograd refuses to back-propagate through a graph that saved a tensor whose counter moved
-    since (the user's own forward made before sharding). Kernels that update statistics in place
-    (BatchNorm on the CPU) leave the counter where it was, so the values are compared as well."""
+    Autograd refuses to back-propagate through a graph that saved a tensor whose counter moved
+    since: a backward pending on the model from before sharding saw these values, so it must
+    still run once they are back (a buffer the forward updates with ``mul_``). Kernels that
+    update statistics in place (BatchNorm on the CPU) leave the counter where it was, so the
+    values are compared as well."""
     saved = [(t, _version(t), t.detach().clone()) for t in tensors]
     try:
         yield
     finally:
-        # Through .data, which has a counter of its own: a backward pending on the model from before
-        # sharding saw these values and still runs (BatchNorm's kernel updates its statistics without
-        # moving the counter, so plain PyTorch runs it too). Inference mode: an inference tensor
-        # (weights made under it) can be written only there.
+        # Through .data, which has a counter of its own, so the write itself moves nothing.
+        # Inference mode: an inference tensor (weights made under it) can be written only there.
         with torch.inference_mode():
             for tensor, version, value in saved:
                 if _version(tensor) != version or not _same_values(tensor, value):
                     tensor.data.copy_(value)
+        # The counters the runs' own writes moved go back too (torch's compiled autograd resets
+        # counters the same way); the values under them are the saved ones again.
+        moved = [(tensor, version) for tensor, version, _ in saved if _version(tensor) != version]
+        if moved:
+            tensors_moved, versions = zip(*moved)
+            torch._C._autograd._unsafe_set_version_counter(tensors_moved, versions)
 
 
 def _version(tensor: torch.Tensor) -> int | None:
