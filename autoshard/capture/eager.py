@@ -43,8 +43,9 @@ def values_restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
             for tensor, version, value in saved:
                 if _version(tensor) != version or not _same_values(tensor, value):
                     tensor.data.copy_(value)
-        # The counters the runs' own writes moved go back too (torch's compiled autograd resets
-        # counters the same way); the values under them are the saved ones again.
+        # The counters the runs' own writes moved go back too, as torch's
+        # `_unsafe_preserve_version_counter` does for a tensor refilled before autograd reads it:
+        # the values under them are the saved ones again.
         moved = [(tensor, version) for tensor, version, _ in saved if _version(tensor) != version]
         if moved:
             tensors_moved, versions = zip(*moved)
