@@ -74,18 +74,22 @@ def test_weights_converted_after_sharding_are_refused_by_every_stage():
     model, x = CastsToItsWeights(), torch.randn(4, 8)
     sharded = autoshard.shard_model(model, 2, (x,))
     model.half()  # the stages hold these parameters: they are converted too
-    with pytest.raises(InputMismatchError, match="weights are float16, but the plan was captured with float32"):
+    with pytest.raises(InputMismatchError, match=r"weights are float16, but the plan was captured with float32.*"
+                                                 r"model.to\(torch.float16\)"):
         sharded(x)
     with pytest.raises(InputMismatchError, match="weights are float16"):
         sharded.stages[1](torch.randn(4, 8, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double()])
-def test_converting_a_sharded_model_or_a_stage_is_refused_before_anything_changes(convert):
+@pytest.mark.parametrize("convert, dtype", [(lambda m: m.half(), "float16"),
+                                            (lambda m: m.to(torch.bfloat16), "bfloat16"),
+                                            (lambda m: m.double(), "float64")])
+def test_converting_a_sharded_model_or_a_stage_is_refused_before_anything_changes(convert, dtype):
     model, x = CastsToItsWeights(), torch.randn(4, 8)
     sharded = autoshard.shard_model(model, 2, (x,))
     for target in (sharded, sharded.stages[0]):
-        with pytest.raises(autoshard.errors.InvalidArgumentError, match="convert the model first"):
+        advice = rf"convert the model first \(model.to\(torch.{dtype}\)\), then shard it"
+        with pytest.raises(autoshard.errors.InvalidArgumentError, match=advice):
             convert(target)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     sharded.to("cpu")  # a move to a device goes through

@@ -265,6 +265,11 @@ def _first_parameter_dtype(module: torch.nn.Module) -> torch.dtype | None:
     return None
 
 
+def _convert_first(dtype: torch.dtype) -> str:
+    """The advice for a plan asked to run in ``dtype``: convert the model, then shard it."""
+    return f"convert the model first (model.to({dtype})), then shard it"
+
+
 def check_weight_dtypes(captured: frozenset[torch.dtype], *held: Any) -> None:
     """A stage whose weights were converted after sharding (``model.half()``): refuse it. The capture
     answered the code's questions about their dtype (``x.to(self.weight.dtype)``,
@@ -276,8 +281,8 @@ def check_weight_dtypes(captured: frozenset[torch.dtype], *held: Any) -> None:
             return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
         raise InputMismatchError(
             f"the stage's weights are {named(now)}, but the plan was captured with {named(captured)} weights, whose "
-            "dtype the model's code may have read (x.to(self.weight.dtype)); convert the model first "
-            "(model.half()), then shard it")
+            "dtype the model's code may have read (x.to(self.weight.dtype)); "
+            + _convert_first(min(now - captured, key=str)))
 
 
 class FixedDtypes(torch.nn.Module):
@@ -293,6 +298,5 @@ class FixedDtypes(torch.nn.Module):
             if isinstance(converted, torch.Tensor) and converted.dtype != dtype:
                 raise InvalidArgumentError(
                     f"a sharded plan keeps the dtypes it was captured with ({str(dtype).removeprefix('torch.')} "
-                    f"here, not {str(converted.dtype).removeprefix('torch.')}): convert the model first "
-                    "(model.half()), then shard it")
+                    f"here, not {str(converted.dtype).removeprefix('torch.')}): " + _convert_first(converted.dtype))
         return super()._apply(fn, recurse)
