@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.errors import CheckpointMismatchError, InvalidArgumentTypeError
+from autoshard.errors import CheckpointMismatchError, InvalidArgumentTypeError, PipelineSetupError
 from autoshard.examples import GPTStyleLM, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.runtime import load_stage_state, materialize_stage, merge_stage_states, stage_part
@@ -184,3 +184,11 @@ def test_a_hugging_face_checkpoint_of_a_tied_t5_loads_into_a_meta_plan(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(built(ids, decoder_input_ids=ids).logits,
                                    model(ids, decoder_input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_a_pipeline_stage_of_a_meta_plan_says_to_use_the_materialised_copy(tmp_path):
+    _, _, _, planned = saved_and_planned_on_meta("residual-mlp", ResidualMLP, tmp_path)
+    materialize_stage(planned, 0, tmp_path / "model.pt")  # its return value dropped: the slip
+    with pytest.raises(PipelineSetupError, match=r"sharded = autoshard.runtime.materialize_stage\(sharded, "
+                                                 r"stage_index, checkpoint\) returns a copy"):
+        stage_module(planned, 0, torch.device("cpu"))  # what pipeline_stage builds its stage with

@@ -143,8 +143,9 @@ def stage_module(sharded: ShardedModel, stage_index: int, device: torch.device,
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_meta:
             raise PipelineSetupError(
-                f"stage {stage_index} holds '{name}' on the meta device; load its weights first with "
-                "autoshard.runtime.materialize_stage(sharded, stage_index, checkpoint)")
+                f"stage {stage_index} holds '{name}' on the meta device; load its weights first: "
+                "sharded = autoshard.runtime.materialize_stage(sharded, stage_index, checkpoint) "
+                "returns a copy that holds them (the sharded model it is given stays as it was)")
         if tensor.device == device and id(tensor) not in private:
             return tensor
         return like(tensor, tensor.detach().to(device, copy=True))
