@@ -92,14 +92,18 @@ def test_cuts_inside_the_models_own_forward_are_reported(model, split):
     with pytest.raises(ModuleSplitError, match=r"the model's own forward") as info:
         device_map(sharded)
     assert info.value.modules == split
+    assert "no-split" not in str(info.value)  # the top level cannot be kept whole
+    assert "split{cut-before=PATH}" in str(info.value)
 
 
 def test_a_cut_inside_a_submodule_names_it():
     sharded = shard(TwoResiduals(), 3, torch.randn(2, 8))
     split = split_modules(sharded)
     assert split and all(name.startswith("blocks.") for name in split)
-    with pytest.raises(ModuleSplitError, match=split[0]):
+    with pytest.raises(ModuleSplitError, match=split[0]) as info:
         device_map(sharded)
+    assert f"split{{no-split={','.join(split)}}}" in str(info.value)
+    assert "cut-before" not in str(info.value)
 
 
 def test_stages_on_the_same_device_are_not_split():

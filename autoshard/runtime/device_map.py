@@ -114,12 +114,26 @@ def device_map(sharded: ShardedModel, devices: Sequence[Any] | None = None) -> d
     """``{module_path: device}`` placing stage ``i`` on ``devices[i]`` (default: GPU ``i``).
 
     Raises ``ModuleSplitError`` naming the modules a boundary cuts through when there are any.
+    Modules no stage runs (a head the forward skips) are in no entry, since the plan does not
+    hold them: place them yourself where a dispatcher needs every module.
     """
     mapping, split = _analyse(sharded, _devices_for(sharded, devices))
     if split:
-        names = ", ".join("'' (the model's own forward)" if m == ROOT else repr(m) for m in split)
-        raise ModuleSplitError(
-            f"stage boundaries fall inside the forward of {names}: their own code would run on values "
-            "from different devices, which a {module: device} map cannot express. Keep those modules "
-            "whole in the split, or run the stages themselves (pipeline_stage, OffloadRunner)", split)
+        raise ModuleSplitError(_split_message(split), split)
     return mapping
+
+
+def _split_message(split: tuple[str, ...]) -> str:
+    """What is cut and what to do: a submodule can be kept whole; the model's own forward cannot."""
+    names = ", ".join("'' (the model's own forward)" if m == ROOT else repr(m) for m in split)
+    advice = []
+    children = [m for m in split if m != ROOT]
+    if children:
+        advice.append(f"keep {'it' if len(children) == 1 else 'them'} whole in the split "
+                      f"(pipeline option split{{no-split={','.join(children)}}})")
+    if ROOT in split:
+        advice.append("the model's own forward cannot be kept whole, so start the stages where only a "
+                      "submodule's input crosses, if the model has such points (split{cut-before=PATH})")
+    advice.append("or run the stages themselves (pipeline_stage, OffloadRunner), which carry such values")
+    return (f"stage boundaries fall inside the forward of {names}: their own code would run on values "
+            "from different devices, which a {module: device} map cannot express; " + "; ".join(advice))
