@@ -32,6 +32,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from autoshard.capture.eager import cloned, isolated
 from autoshard.capture.guard import check_grad_mode
+from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.errors import VerificationError
 from autoshard.graph.inplace import written_values
 
@@ -219,7 +220,8 @@ def verify_stages(
     seed: int = 0,
 ) -> str:
     """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
-    grad, expected = _expected_run(model, gm, args, kwargs, seed)
+    with host_draws() as drew:
+        grad, expected = _expected_run(model, gm, args, kwargs, seed)
     opaque = _objects_holding_tensors(expected)
     if opaque:
         raise VerificationError(
@@ -230,6 +232,11 @@ def verify_stages(
     recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})
     traced = _graph_run(recorder, model, args, kwargs, seed, grad)
     problem = first_difference(traced, expected, rtol, atol)
+    if problem and drew:
+        raise VerificationError(
+            f"the traced graph differs from the model before any split ({problem}); the model drew from "
+            f"{' and '.join(drew)} on this call, and the graph keeps what the trace drew (random() < p "
+            f"deciding a branch is fixed to the example's). {DRAW_WITH_TORCH}", stage=None)
     if problem:
         raise VerificationError(
             f"the traced graph differs from the model before any split ({problem}); "

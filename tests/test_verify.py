@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 from typing import Any
 
 import pytest
@@ -53,6 +54,29 @@ def test_a_broken_stage_is_named(broken):
     with pytest.raises(VerificationError, match=f"stage {broken} produced value") as info:
         verify_stages(model, gm, stages, sharded.plan.boundaries, (x,), {})
     assert info.value.stage == broken
+
+
+class ScaledByPythonRandom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * random.random())  # the trace keeps the number it drew
+
+
+def test_a_drift_from_a_draw_of_pythons_random_is_blamed_on_the_draw_and_leaves_the_generator():
+    model, x = ScaledByPythonRandom(), torch.randn(2, 4)
+    random.seed(1)
+    with pytest.warns(autoshard.HostRandomnessWarning):
+        gm = trace_with_leaves(model).graph_module
+    random.seed(2)  # the model's next draw differs from the trace's
+    expected_next = random.random()
+    random.seed(2)
+    with pytest.raises(VerificationError, match=r"the model drew from Python's random on this call.*"
+                                                r"Draw with torch \(torch.rand\)"):
+        verify_stages(model, gm, [gm], [], (x,), {})
+    assert random.random() == expected_next
 
 
 def test_a_capture_that_drifts_from_the_model_is_reported_before_any_stage():

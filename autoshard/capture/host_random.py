@@ -37,22 +37,34 @@ def _same(first: Any, second: Any) -> bool:
 
 
 @contextlib.contextmanager
-def watching_host_random(model_name: str) -> Iterator[None]:
-    """Warn if the code inside drew from Python's or numpy's global generator; set both back."""
+def host_draws() -> Iterator[list[str]]:
+    """The global generators ("Python's random", "numpy's random") the code inside drew from,
+    listed on exit; both are set back, so the caller's generators do not move."""
     python_before, numpy_before = _states()
+    drew: list[str] = []
     try:
-        yield
-        python_after, numpy_after = _states()
-        drew = [name for name, same in (("Python's random", python_before == python_after),
-                                        ("numpy's random", numpy_before is None or _same(numpy_before, numpy_after)))
-                if not same]
+        yield drew
     finally:
+        python_after, numpy_after = _states()
+        drew.extend(name for name, same in (
+            ("Python's random", python_before == python_after),
+            ("numpy's random", numpy_before is None or _same(numpy_before, numpy_after))) if not same)
         random.setstate(python_before)
         if numpy_before is not None:
             sys.modules["numpy"].random.set_state(numpy_before)
+
+
+#: What to do about a draw from a host generator, for the warning and for verification.
+DRAW_WITH_TORCH = "Draw with torch (torch.rand) to keep the randomness in the graph"
+
+
+@contextlib.contextmanager
+def watching_host_random(model_name: str) -> Iterator[None]:
+    """Warn if the code inside drew from Python's or numpy's global generator; set both back."""
+    with host_draws() as drew:
+        yield
     if drew:
         warnings.warn(
             f"{model_name} drew from {' and '.join(drew)} while it was captured: a draw in code the graph "
             "traced (random() < p deciding a branch) is fixed to the example's for every later call; "
-            "modules kept whole draw anew. Draw with torch (torch.rand) to keep the randomness in the graph",
-            HostRandomnessWarning, stacklevel=3)
+            f"modules kept whole draw anew. {DRAW_WITH_TORCH}", HostRandomnessWarning, stacklevel=3)
