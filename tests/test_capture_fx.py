@@ -20,6 +20,7 @@ import autoshard
 from autoshard.capture import trace_with_leaves
 from autoshard.capture.auto import capture
 from autoshard.capture.eager import module_state_restored
+from autoshard.capture.guard import FREE_SIZES_PIPELINE
 from autoshard.capture.meta_proxy import EXAMPLE
 from autoshard.errors import InputMismatchError, TraceError
 from autoshard.passes.instruments import ModelUnchanged
@@ -914,6 +915,29 @@ def test_pinned_sizes_trace_the_loop_and_refuse_another_length_but_serve_another
     with pytest.raises(InputMismatchError, match=r"the code at test_capture_fx.py:\d+ \(`for step in range\(x.shape"
                                                  r"\[1\]\):`\) turns a size into a Python number, which fixed it to 3"):
         result.graph_module(torch.randn(2, 4, 4))
+
+
+class StepsInAChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps, self.out = StepsOverTheSequence(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out(self.steps(x))
+
+
+@pytest.mark.parametrize("model, advice", [
+    (StepsOverTheSequence(), "move that code into a submodule"),  # the top level: no front end keeps it whole
+    (StepsInAChild(), "keep that code whole and the size free"),
+])
+def test_a_pinned_size_advises_only_what_serves_other_sizes(model, advice):
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 3, 4),))
+    with pytest.raises(InputMismatchError, match=f"{advice}.*pipeline='{FREE_SIZES_PIPELINE}'"):
+        sharded(torch.randn(2, 4, 4))
+    if isinstance(model, StepsInAChild):  # the advice works
+        x = torch.randn(2, 4, 4)
+        freed = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 3, 4),), pipeline=FREE_SIZES_PIPELINE)
+        assert torch.equal(freed(x), model(x))
 
 
 def test_auto_pins_sizes_with_fx_before_it_tries_export():

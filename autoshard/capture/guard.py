@@ -175,14 +175,17 @@ def check_condition(actual: Any, expected: bool, condition: str) -> None:
 FREE_SIZES_PIPELINE = "trace,shape-prop,build-dag,linearize,split,emit,verify"
 
 
-def check_pinned_size(size: int, expected: int, site: str) -> None:
-    """A size the code turned into a Python number, fixed to the example's: refuse others."""
+def check_pinned_size(size: int, expected: int, site: str, top_level: bool = False) -> None:
+    """A size the code turned into a Python number, fixed to the example's: refuse others.
+
+    ``top_level``: the code is in the model's own forward, which no front end can keep whole."""
     if size != expected:
+        free = ("move that code into a submodule, which can be kept whole with the size free, and shard with "
+                if top_level else "keep that code whole and the size free: shard with ")
         raise InputMismatchError(
             f"the code at {site} turns a size into a Python number, which fixed it to {expected} when the "
             f"sharded plan was captured, and these inputs make it {size}; shard again with an example of this "
-            "size, or, if the model serves other sizes, keep that code whole and the size free: shard with "
-            f"pipeline='{FREE_SIZES_PIPELINE}'")
+            f"size, or, if the model serves other sizes, {free}pipeline='{FREE_SIZES_PIPELINE}'")
 
 
 _GRAD_MODE_CHECKED = [True]

@@ -438,7 +438,9 @@ class MetaTracer(fx.Tracer):
                             "(a value computed from tensor data, not a size)")
         example = example_of(proxy)
         site = _user_site() or "an unknown place"
-        self.create_proxy("call_function", check_pinned_size, (proxy, example, site), {})
+        scopes = [path for path, _ in self.module_stack.values()]
+        top_level = not scopes or scopes[-1] in ("", MODEL_ATTR)  # the model's own forward (or its call)
+        self.create_proxy("call_function", check_pinned_size, (proxy, example, site, top_level), {})
         self.note(f"the size the code at {site} turns into a number is {example}")
         return example
 
