@@ -54,6 +54,20 @@ class Framed(nn.Module):
         return self.post(self.inner(self.pre(x)))
 
 
+class StackedLSTMs(nn.Module):
+    """The first LSTM's final state ``(h, c)`` starts the second: a tuple used whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.LSTM(4, 4, batch_first=True), nn.LSTM(4, 4, batch_first=True)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, state = self.first(x)
+        out, _ = self.second(torch.relu(out), state)
+        return self.head(out)
+
+
 class Masked(nn.Module):
     """Optional ``mask`` and ``bias`` inputs, for binding a call as the model binds it."""
 

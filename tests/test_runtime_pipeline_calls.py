@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import Masked
+from conftest import Masked, StackedLSTMs
 from torch import nn
 
 import autoshard
@@ -64,11 +64,23 @@ def scenarios(rank: int, world: int) -> dict[str, object]:
                   return_outputs=False)
     found["losses"] = [float(loss) for loss in losses]
 
+    model, x = lstms()
+    cut = "capture,shape-prop,build-dag,linearize,split{stages=2 cut-before=second},emit,verify"
+    stage = pipeline_stage(autoshard.shard_model(model, 2, example_inputs=(x,), pipeline=cut), rank, 2, "cpu")
+    schedule = build_schedule(stage, "gpipe", 2, loss_fn=lambda out, target: out.square().sum())
+    schedule.step(*((x,) if rank == 0 else ()), target=x if rank == 1 else None)
+    found["lstm gradients"] = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
     try:
         build_schedule(stage, "gpipe", 4 if rank == 0 else 2, loss_fn=model_loss)
     except PipelineSetupError as exc:
         found["microbatches differ"] = str(exc)
     return found
+
+
+def lstms() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return StackedLSTMs(), torch.randn(4, 5, 4)
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +110,13 @@ def test_tied_gradients_sum_over_the_stages_group_by_default(launched):
 def test_ranks_that_disagree_on_the_microbatches_fail_alike_instead_of_waiting(launched):
     for rank in launched:
         assert "rank 0: ScheduleGPipe over 4, rank 1: ScheduleGPipe over 2" in rank["microbatches differ"]
+
+
+def test_an_lstm_state_used_whole_by_the_next_stage_trains_like_the_model(launched):
+    """The first LSTM's ``(h, c)`` crosses as its two tensors and is built again for the second."""
+    model, x = lstms()
+    (model(x).square().sum() / 2).backward()  # the schedule averages its 2 microbatches' gradients
+    got = {**launched[0]["lstm gradients"], **launched[1]["lstm gradients"]}
+    assert set(got) == {name for name, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6)

@@ -7,10 +7,12 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import StackedLSTMs
 from torch import nn
 
 import autoshard
 from autoshard.api import run_pipeline
+from autoshard.costs.values import StructureMeta
 from autoshard.errors import BoundaryValueError, PipelineSetupError
 from autoshard.examples import GPTStyleLMWithLoss
 from autoshard.graph import Partition
@@ -70,10 +72,42 @@ def test_a_tuple_read_by_item_crosses_as_its_items():
         torch.testing.assert_close(last(*sent), model(x), rtol=0, atol=0)
 
 
-def test_a_tuple_used_whole_is_refused():
+def test_a_tuple_used_whole_crosses_as_its_items_and_is_built_again():
+    torch.manual_seed(0)
+    model, x = WholeTuple(), torch.randn(3, 8)
+    sharded = sharded_with_cut_after(model, x, "first")
+    wires = [Wire("chunk", 0, "tuple"), Wire("chunk", 1, "tuple")]
+    assert [w for w in boundary_wires(sharded)[0] if w.name == "chunk"] == wires
+    first, last = (stage_module(sharded, i, torch.device("cpu")) for i in range(2))
+    sent = first(x)
+    assert all(isinstance(value, torch.Tensor) for value in sent)
+    torch.testing.assert_close(last(*sent), model(x), rtol=0, atol=0)
+    x.requires_grad_(True)
+    sent = first(x)
+    last(*sent).sum().backward()
+    expected = x.detach().clone().requires_grad_(True)
+    model(expected).sum().backward()
+    torch.testing.assert_close(x.grad, expected.grad, rtol=0, atol=0)
+
+
+def test_an_lstm_state_handed_to_the_next_lstm_crosses_and_the_stages_match_the_model():
+    torch.manual_seed(0)
+    model, x = StackedLSTMs(), torch.randn(2, 5, 4)
+    sharded = sharded_with_cut_after(model, x, "relu")
+    state = next(name for name in sharded.plan.boundaries[0] if name != "relu")
+    wires = [Wire(state, 0, "tuple"), Wire(state, 1, "tuple")]
+    assert [w for w in boundary_wires(sharded)[0] if w.name == state] == wires
+    first, last = (stage_module(sharded, i, torch.device("cpu")) for i in range(2))
+    with torch.no_grad():
+        torch.testing.assert_close(last(*first(x)), model(x), rtol=0, atol=0)
+
+
+def test_a_nested_tuple_used_whole_is_refused():
     torch.manual_seed(0)
     sharded = sharded_with_cut_after(WholeTuple(), torch.randn(3, 8), "first")
-    with pytest.raises(BoundaryValueError, match=r"'chunk' \(tuple"):
+    halves = sharded.plan.dag.nodes["chunk"]["value_meta"]
+    sharded.plan.dag.nodes["chunk"]["value_meta"] = StructureMeta("tuple", (0, 1), (halves.items[0], halves))
+    with pytest.raises(BoundaryValueError, match=r"'chunk' \(tuple .*A tuple or list of tensors crosses as its items"):
         boundary_wires(sharded)
 
 

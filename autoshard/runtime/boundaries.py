@@ -140,8 +140,9 @@ def boundary_wires(sharded: ShardedModel) -> list[list[Wire]]:
         raise BoundaryValueError(
             "torch.distributed.pipelining sends only tensors between stages, but the plan sends "
             + "; ".join(problems)
-            + ". Shard with example_inputs so shapes are known and such values are recomputed "
-            "where they are used, or compute them from a tensor inside the stage that needs them")
+            + ". A tuple or list of tensors crosses as its items; sizes are recomputed where they are "
+            "used once shapes are known (shard with example_inputs). Otherwise compute such a value from "
+            "a tensor inside the stage that needs it, or return tensors from the code that makes it")
     returned = _output_problems(sharded)
     if returned:
         raise BoundaryValueError(

@@ -4,7 +4,10 @@
 (a module returning several tensors, ``torch.split``, the capture's input guard) cannot be sent
 as such; but when every later stage only takes items out of it (``value[i]``), those items can
 be: the sending stage takes them out, and the receiving stage gets one input per item where it
-had the tuple. Any other value crosses as itself (``boundaries`` checks it is a tensor).
+had the tuple. A tuple or list of tensors that a later stage uses whole (an LSTM's ``(h, c)``
+handed to the next LSTM, ``torch.cat(chunks)``) crosses as all its items, and the receiving
+stage builds it again from them. Any other value crosses as itself (``boundaries`` checks it is
+a tensor).
 
 Gradients go back the same way, and PyTorch sends them as autograd made them: the gradient of a
 received value that the stage reads through a transpose is not contiguous, and gloo refuses it.
@@ -32,15 +35,19 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
+from autoshard.costs.values import StructureMeta, TensorMeta
 from autoshard.sharded import ShardedModel
 
 
 @dataclass(frozen=True)
 class Wire:
-    """One tensor sent across a boundary: the value ``name`` itself, or its item ``index``."""
+    """One tensor sent across a boundary: the value ``name`` itself, or its item ``index``.
+    ``rebuilt`` ("tuple", "list") when a later stage uses the value whole: every item is sent and
+    the receiving stage builds the container again."""
 
     name: str
     index: int | None = None
+    rebuilt: str | None = None
 
     def __str__(self) -> str:
         return self.name if self.index is None else f"{self.name}[{self.index}]"
@@ -71,20 +78,37 @@ def items_read_after(sharded: ShardedModel, name: str, boundary: int) -> list[in
     return sorted(indices)
 
 
+def _flat_tensor_sequence(sharded: ShardedModel, name: str) -> StructureMeta | None:
+    """The value's structure when it is a tuple or list of tensors only (shapes were propagated)."""
+    meta = sharded.plan.dag.nodes[name].get("value_meta") if name in sharded.plan.dag else None
+    if isinstance(meta, StructureMeta) and meta.kind in ("tuple", "list") and meta.items and \
+            all(isinstance(item, TensorMeta) for item in meta.items):
+        return meta
+    return None
+
+
+def _wires_of(sharded: ShardedModel, name: str, boundary: int, is_tensor: bool) -> list[Wire]:
+    """What crosses for ``name``: itself, the items later stages read, or all its items to rebuild."""
+    if is_tensor:
+        return [Wire(name)]
+    items = items_read_after(sharded, name, boundary)
+    if items is not None:
+        return [Wire(name, i) for i in items]
+    sequence = _flat_tensor_sequence(sharded, name)
+    if sequence is None:
+        return [Wire(name)]  # crosses as itself: ``boundaries`` refuses it unless it is a tensor
+    return [Wire(name, i, sequence.kind) for i in range(len(sequence.items))]
+
+
 def wire_layout(sharded: ShardedModel, is_tensor: dict[str, bool]) -> list[list[Wire]]:
     """Per boundary, the tensors sent in order; ``is_tensor[name]`` says a value is known to be one."""
-    layout = []
-    for boundary, names in enumerate(sharded.plan.boundaries):
-        wires: list[Wire] = []
-        for name in names:
-            items = None if is_tensor.get(name) else items_read_after(sharded, name, boundary)
-            wires += [Wire(name)] if items is None else [Wire(name, i) for i in items]
-        layout.append(wires)
-    return layout
+    return [[wire for name in names for wire in _wires_of(sharded, name, boundary, bool(is_tensor.get(name)))]
+            for boundary, names in enumerate(sharded.plan.boundaries)]
 
 
 def _receive_items(graph: fx.Graph, wires: list[Wire]) -> dict[Wire, fx.Node]:
-    """Replace each tuple input by one input per item read, in wire order."""
+    """Replace each tuple input by one input per item sent, in wire order; a container used whole
+    is built again from its items, after the inputs."""
     received: dict[Wire, fx.Node] = {}
     for wire in wires:
         if wire.index is None:
@@ -96,6 +120,17 @@ def _receive_items(graph: fx.Graph, wires: list[Wire]) -> dict[Wire, fx.Node]:
             if _is_item_read(user, whole) and user.args[1] == wire.index:
                 user.replace_all_uses_with(received[wire])
                 graph.erase_node(user)
+    rebuilt = dict.fromkeys(wire.name for wire in wires if wire.rebuilt)
+    last_input = [node for node in graph.nodes if node.op == "placeholder"][-1] if rebuilt else None
+    for name in rebuilt:
+        whole = node_named(graph, name)
+        if whole is None or all(user.op == "output" for user in whole.users):  # passed on only
+            continue
+        items = [received[wire] for wire in wires if wire.name == name]
+        kind = next(wire.rebuilt for wire in wires if wire.name == name)
+        with graph.inserting_after(last_input):
+            container = graph.call_function(tuple if kind == "tuple" else list, (items,))
+        whole.replace_all_uses_with(container)
     return received
 
 
