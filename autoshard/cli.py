@@ -12,8 +12,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+import re
+import shlex
 import sys
 import warnings
 from dataclasses import dataclass
@@ -98,6 +101,7 @@ class _Session:
         if args.dump_dir:
             instruments.append(DumpDir(args.dump_dir))
         self.ctx = PassContext(instruments=instruments)
+        self.args = args
         self.memory = _memory_model(args)
         if self.memory is not None:
             use_memory_model(self.ctx, self.memory)
@@ -125,10 +129,10 @@ class _Session:
         return plan, reported.notes
 
     def keep_saved_memory_model(self, saved: SavedPlan) -> None:
-        """A rebuilt plan reports training memory with the model it was made for, unless the
-        command gave another."""
-        if self.memory is None:
-            use_memory_model(self.ctx, saved.memory_model)
+        """A rebuilt plan reports training memory with the model it was made for; a memory flag the
+        command gave replaces that value only, not the other one the plan saved."""
+        self.memory = _memory_model(self.args, saved.memory_model)
+        use_memory_model(self.ctx, self.memory)
 
 
 def _device(args: argparse.Namespace) -> DeviceModel | None:
@@ -142,13 +146,29 @@ def _device(args: argparse.Namespace) -> DeviceModel | None:
     return device_model(args.device_tflops, args.device_bandwidth)
 
 
-def _memory_model(args: argparse.Namespace) -> MemoryModel | None:
-    """The optimizer and microbatch cap given with --optimizer-bytes / --microbatches; None: neither."""
-    if args.optimizer_bytes is None and args.microbatches is None:
-        return None
+def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) -> MemoryModel | None:
+    """``saved`` (a rebuilt plan's memory model, else the default) with the values given by
+    --optimizer-bytes / --microbatches: a flag left out keeps the saved value rather than resetting
+    it. None when neither flag is given and nothing is saved."""
+    given: dict[str, float | int] = {}
+    if args.optimizer_bytes is not None:
+        given["optimizer_bytes_per_param"] = args.optimizer_bytes
+    if args.microbatches is not None:
+        given["microbatches"] = whole_number(args.microbatches, "--microbatches", at_least=1)
+    if not given:
+        return saved
+    return dataclasses.replace(saved or MemoryModel(), **given)
+
+
+def _memory_flags(model: MemoryModel) -> list[str]:
+    """The flags that set ``model``, for a command the user can copy; none for the default."""
     default = MemoryModel()
-    return MemoryModel(default.optimizer_bytes_per_param if args.optimizer_bytes is None else args.optimizer_bytes,
-                       args.microbatches)
+    flags = []
+    if model.optimizer_bytes_per_param != default.optimizer_bytes_per_param:
+        flags += ["--optimizer-bytes", f"{model.optimizer_bytes_per_param:g}"]
+    if model.microbatches is not None:
+        flags += ["--microbatches", str(model.microbatches)]
+    return flags
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -200,7 +220,7 @@ def _without_verify(pipeline: Pipeline) -> Pipeline:
 def _stages(args: argparse.Namespace) -> int:
     if args.stages is None:
         raise InvalidArgumentError("say how many stages: --stages K (or rebuild a saved plan with --plan PLAN.json)")
-    return whole_number(args.stages, "num_stages", at_least=1)
+    return whole_number(args.stages, "--stages", at_least=1)
 
 
 def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> _Choice:
@@ -262,7 +282,7 @@ def _write(plan: SavedPlan, args: argparse.Namespace, console: Console) -> None:
 
 def _say(console: Console, args: argparse.Namespace, text: str) -> None:
     if not args.quiet:
-        console.print(text, markup=False, highlight=False)
+        console.print(text, markup=False, highlight=False, soft_wrap=True)  # a path stays one line to copy
 
 
 def _check_picture_paths(args: argparse.Namespace) -> None:
@@ -302,6 +322,18 @@ def _compare(args: argparse.Namespace, session: _Session, choice: _Choice, conso
     return 0
 
 
+def _compare_without_plan(args: argparse.Namespace) -> str:
+    """Why --compare and --plan do not go together, and the command that compares strategies on the
+    saved plan's pipeline and stage count (--strategy, which --plan refuses, is no way out)."""
+    saved = read_plan(args.plan)
+    memory = _memory_model(args, saved.memory_model) or saved.memory_model
+    command = ["autoshard", args.command, args.target, "--stages", str(saved.num_stages),
+               "--pipeline", saved.pipeline, *_memory_flags(memory), "--compare", args.compare]
+    return ("--compare splits the model again with each strategy, which --plan (rebuild the saved split) does not "
+            "do: drop --compare to rebuild, save or draw the saved plan, or drop --plan to compare strategies on its "
+            f"pipeline and stage count: {shlex.join(command)}")
+
+
 def _print_timing(session: _Session, console: Console) -> None:
     if session.timing is not None:
         console.print(session.timing.table())
@@ -309,7 +341,9 @@ def _print_timing(session: _Session, console: Console) -> None:
 
 def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> int:
     _check_picture_paths(args)
-    if args.compare and (args.out or args.svg or args.png or args.plan):
+    if args.compare and args.plan:
+        raise InvalidArgumentError(_compare_without_plan(args))
+    if args.compare and (args.out or args.svg or args.png):
         raise InvalidArgumentError("--compare shows strategies side by side; "
                                    "run again with one --strategy to save or draw")
     session = _Session(args)
@@ -456,14 +490,43 @@ def _hint(exc: BaseException) -> str | None:
     return "this looks like a bug in autoshard or in the model; add --debug for the traceback and report it"
 
 
+#: The library's parameter names that its messages use, as a command-line user knows them: the flag
+#: that sets each one. ``--stages`` sets ``num_stages``; ``--max-memory`` reaches the splitter as
+#: ``memory_budgets`` and, in the training-memory model, with ``memory_in_flight``.
+FLAGS_OF_PARAMETERS = {
+    "num_stages": "--stages",
+    "max_memory": "--max-memory",
+    "memory_budgets": "--max-memory budgets",
+    "memory_in_flight": "microbatches in flight per stage",
+    "optimizer_bytes_per_param": "--optimizer-bytes",
+}
+
+#: A parameter name standing alone (not inside a word, a path, a file name or a pipeline spec), with
+#: an optional ``[j]`` index: ``max_memory[0]``.
+_PARAMETER = re.compile(r"(?<![\w./-])(" + "|".join(FLAGS_OF_PARAMETERS) + r")(?:\[(\d+)\])?(?![\w/-]|\.\w)")
+
+
+def in_flag_terms(text: str) -> str:
+    """``text`` with the library's parameter names replaced by the flags that set them, so that an
+    error raised by the library speaks of what the command-line user typed (``max_memory[0]`` is
+    ``--max-memory (stage 0)``)."""
+    def flag(match: re.Match[str]) -> str:
+        name, index = match.groups()
+        return FLAGS_OF_PARAMETERS[name] + (f" (stage {index})" if index is not None else "")
+
+    return _PARAMETER.sub(flag, text)
+
+
 def _report_error(exc: BaseException) -> int:
-    """One message, its notes and a hint on stderr; exit code 2 for a refused request, 1 for a crash."""
-    stderr = Console(stderr=True, highlight=False)
+    """One message, its notes and a hint on stderr; exit code 2 for a refused request, 1 for a crash.
+    Printed without wrapping (``soft_wrap``): a pipeline spec or a command in the message stays on one
+    line, so it can be copied (rich otherwise breaks lines at 80 columns when stderr is not a terminal)."""
+    stderr = Console(stderr=True, highlight=False, soft_wrap=True)
     known = isinstance(exc, AutoshardError)
-    message = str(exc) if known else f"unexpected {type(exc).__name__}: {exc}"
+    message = in_flag_terms(str(exc)) if known else f"unexpected {type(exc).__name__}: {exc}"
     stderr.print(Text.assemble(("error: ", "bold red"), message))
     for note in getattr(exc, "__notes__", ()):
-        stderr.print(Text(f"  {note}", style="dim"))
+        stderr.print(Text(f"  {in_flag_terms(note)}", style="dim"))
     hint = _hint(exc)
     if hint:
         stderr.print(Text.assemble(("hint: ", "bold"), hint))
@@ -483,7 +546,8 @@ def _table_width() -> int | None:
 
 def _show_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
     """A warning as one line, like the errors: the source line Python shows belongs to autoshard."""
-    Console(stderr=True, highlight=False).print(f"warning: {message} ({category.__name__})", markup=False)
+    text = f"warning: {in_flag_terms(str(message))} ({category.__name__})"
+    Console(stderr=True, highlight=False, soft_wrap=True).print(text, markup=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

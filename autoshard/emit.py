@@ -170,7 +170,8 @@ class StageModule(FixedDtypes, fx.GraphModule):
             raise InvalidArgumentError(
                 f"this stage calls PyTorch operators directly ({operators[0]}; torch.export captured the model), "
                 "which Python cannot pickle; build the stages in each process (shard_model, or load_plan with a "
-                "plan saved by save_plan / --out), or copy them with copy.deepcopy")
+                "plan file written by `autoshard split TARGET --stages K --out plan.json`), or copy them with "
+                "copy.deepcopy")
         declared = next(t for t in type(self).__mro__ if "<locals>" not in t.__qualname__)  # not its own class
         # The state goes apart from the constructor: the graph refers back to its stage, which must
         # exist (empty) before the graph is loaded.

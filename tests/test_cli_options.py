@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shlex
 import sys
 
 import pytest
@@ -141,7 +142,7 @@ def test_progress_names_each_pass_on_a_terminal_and_quiet_silences_it(capsys, mo
 
 
 @pytest.mark.parametrize("argv,message", [
-    (("split", "residual-mlp", "-k", "0"), "at least 1"),
+    (("split", "residual-mlp", "-k", "0"), "--stages must be at least 1"),
     (("split", "branched", "-k", "100"), "cannot split into 100 non-empty stages: the maximum is"),
     (("split", "residual-mlp"), "say how many stages: --stages K"),
     (("split", "residual-mlp", "-k", "2", "--pipeline", "trace,split"), "build-dag"),
@@ -152,16 +153,39 @@ def test_progress_names_each_pass_on_a_terminal_and_quiet_silences_it(capsys, mo
     (("split", "residual-mpl", "-k", "2"), "did you mean 'residual-mlp'?"),
     (("split", "residual-mlp", "-k", "2", "--max-memory", "12XB"), "--max-memory takes bytes per stage"),
     (("split", "residual-mlp", "-k", "2", "--max-memory", "1GB,2GB,3GB"),
-     "max_memory has 3 entries but there are 2 stages"),
-    (("split", "residual-mlp", "-k", "2", "--microbatches", "0"), "microbatches must be a whole number >= 1"),
+     "--max-memory has 3 entries but there are 2 stages"),
+    (("split", "residual-mlp", "-k", "2", "--microbatches", "0"), "--microbatches must be at least 1"),
     (("split", "residual-mlp", "-k", "2", "--optimizer-bytes", "-1"),
-     "optimizer_bytes_per_param must be a number >= 0"),
+     "--optimizer-bytes must be a number >= 0"),
 ])
 def test_refused_requests_exit_2_with_the_reason(capsys, argv, message):
+    """The reason names the flags the user typed, never the library's parameter names."""
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert message in flat(err)
     assert err.startswith("error: ") and "Traceback" not in err and out == ""
+    assert not any(name in err for name in cli.FLAGS_OF_PARAMETERS)
+
+
+def test_library_parameter_names_become_flags_but_specs_and_paths_stay():
+    """The mapping rewrites names standing alone only: a spec's options, a path or a file name that
+    happens to contain one is what the user typed, and must stay copyable."""
+    assert cli.in_flag_terms("num_stages is 3; max_memory[1] is 1,000") == (
+        "--stages is 3; --max-memory (stage 1) is 1,000")
+    assert cli.in_flag_terms("under memory_budgets [1.0] with memory_in_flight [2]") == (
+        "under --max-memory budgets [1.0] with microbatches in flight per stage [2]")
+    kept = "split{stages=2 max-memory=1.0} /x/max_memory/p.json max_memory.json my_num_stages"
+    assert cli.in_flag_terms(kept) == kept
+
+
+def test_errors_are_not_wrapped_so_a_spec_copies_whole(capsys, monkeypatch):
+    """rich wraps at 80 columns when stderr is a pipe (or at the terminal's width): the reproducing
+    spec broke in the middle, even at the space inside split{...}."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, _, err = run(capsys, "inspect", "residual-mlp", "-k", "2", "--strategy", "nope")
+    assert code == 2
+    spec = "capture,shape-prop,build-dag,linearize,split{stages=2 strategy=nope}"
+    assert any(line.endswith("reproduce with pipeline: " + spec) for line in err.splitlines()), err
 
 
 def test_a_saved_plan_cannot_be_changed_from_the_command_line(capsys, tmp_path):
@@ -171,6 +195,21 @@ def test_a_saved_plan_cannot_be_changed_from_the_command_line(capsys, tmp_path):
     assert code == 2 and "--cost cannot change a saved plan" in flat(err)
     code, _, err = run(capsys, "split", "residual-mlp", "--plan", path, "-k", "3")
     assert code == 2 and "has 2 stages, not 3" in flat(err)
+
+
+def test_compare_with_a_saved_plan_advises_a_command_that_works(capsys, tmp_path):
+    """The advice was "run again with one --strategy", which --plan refuses; the command it gives now
+    compares strategies on the saved plan's pipeline, stage count and memory model."""
+    path = str(tmp_path / "plan.json")
+    assert run(capsys, "split", "residual-mlp", "-k", "2", "--microbatches", "1", "-q", "--out", path)[0] == 0
+    code, _, err = run(capsys, "split", "residual-mlp", "--plan", path, "--compare", "greedy,min-cut")
+    assert code == 2 and "--strategy" not in err
+    command = shlex.split(err.splitlines()[0].split("stage count: ", 1)[1])
+    assert command[:3] == ["autoshard", "split", "residual-mlp"] and "--plan" not in command
+    assert command[command.index("--microbatches") + 1] == "1"
+    code, out, err = run(capsys, *command[1:])
+    assert code == 0, err
+    assert sum(line.startswith(("│ greedy", "│ min-cut")) for line in out.splitlines()) == 2
 
 
 def test_the_memory_model_flags_plan_training_memory_and_stay_with_the_plan(capsys, tmp_path):
@@ -191,6 +230,11 @@ def test_the_memory_model_flags_plan_training_memory_and_stay_with_the_plan(caps
     rebuilt = tmp_path / "rebuilt.json"
     assert run(capsys, "split", "gpt-lm", "--plan", str(sgd), "-q", "--out", str(rebuilt))[0] == 0
     assert json.loads(rebuilt.read_text())["summary"] == saved_sgd["summary"]
+    for flag, value, kept in (("--microbatches", "2", {"optimizer_bytes_per_param": 0.0, "microbatches": 2}),
+                              ("--optimizer-bytes", "4", {"optimizer_bytes_per_param": 4.0, "microbatches": 1})):
+        # a flag given with --plan replaces its own value only; the other one stays the plan's
+        assert run(capsys, "inspect", "gpt-lm", "--plan", str(sgd), flag, value, "-q", "--out", str(rebuilt))[0] == 0
+        assert json.loads(rebuilt.read_text())["memory_model"] == kept
     del saved_sgd["memory_model"]
     sgd.write_text(json.dumps(saved_sgd))
     code, out, _ = run(capsys, "inspect", str(sgd))
@@ -204,7 +248,7 @@ def test_max_memory_bounds_each_stage_from_the_command_line(capsys, tmp_path):
     assert "max-memory=838860.8,838860.8" in out
     assert all(s["total"] <= 0.8 * 2**20 for s in json.loads(path.read_text())["summary"]["training_memory"]["stages"])
     code, _, err = run(capsys, "split", "gpt-lm", "-k", "2", "--max-memory", "1KB")
-    assert code == 2 and "max_memory[0] is 1,000" in flat(err)
+    assert code == 2 and "--max-memory (stage 0) is 1,000" in flat(err) and "memory_budgets" not in err
     code, _, err = run(capsys, "split", "gpt-lm", "--plan", str(path), "--max-memory", "1GB")
     assert code == 2 and "--max-memory cannot change a saved plan" in flat(err)
 

@@ -195,6 +195,35 @@ def test_an_edited_module_entry_that_disagrees_with_its_nodes_is_an_error(saved)
         read_plan(saved)
 
 
+def test_the_documented_edit_of_stage_fields_alone_loads(residual, saved):
+    """The README says to edit the nodes' "stage" fields; the `modules` entries written before the edit
+    (linears.2 in stage 1) were refused as disagreeing. Nodes that moved make them stale, not wrong."""
+    model, args, _, _ = residual
+
+    def move(data):
+        assert data["modules"]["linears.2"] == 1
+        node(data, "linears_2")["stage"] = 0
+        node(data, "add_2")["stage"] = 0
+
+    edited(saved, move)
+    plan = read_plan(saved)
+    assert plan.module_stages()["linears.2"] == 0 and not plan.split_is_current
+    assert load_plan(saved, model, args).plan.assignment["linears_2"] == 0
+
+
+def test_without_a_split_record_a_stale_module_entry_names_both_fields(saved):
+    """Without the record nothing tells a stale entry from one edited in the wrong place: the error
+    says to edit the nodes' "stage" and to update or delete the `modules` entry."""
+    def move(data):
+        del data["split"]
+        node(data, "linears_2")["stage"] = 0
+        node(data, "add_2")["stage"] = 0
+
+    edited(saved, move)
+    with pytest.raises(PlanError, match=r"modules\['linears.2'\] says 1 .*\"stage\" of its nodes.*update or delete"):
+        read_plan(saved)
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda d: d.update(format="other"), "is not an autoshard plan"),
     (lambda d: d.update(format_version=99), "format_version is 99"),

@@ -151,3 +151,14 @@ def test_a_stage_torch_export_captured_is_refused_by_pickle_with_advice():
     with pytest.raises(autoshard.errors.InvalidArgumentError, match="cannot pickle; build the stages in each process"):
         pickle.dumps(sharded.stages[0])
     assert torch.equal(copy.deepcopy(sharded)(torch.ones(2, 4)), sharded(torch.ones(2, 4)))
+
+
+def test_the_pickle_refusal_names_a_way_to_make_a_plan_file():
+    """It named save_plan, which takes a SavedPlan, not a sharded model (it refuses one): the plan
+    file load_plan reads comes from the CLI's --out."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 4),), pipeline="export,shape-prop,build-dag,"
+                                    "linearize,split,emit")
+    with pytest.raises(autoshard.errors.InvalidArgumentError) as refused:
+        pickle.dumps(sharded.stages[0])
+    assert "save_plan" not in str(refused.value) and "autoshard split TARGET --stages K --out" in str(refused.value)

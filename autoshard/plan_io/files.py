@@ -2,8 +2,9 @@
 
 Every complaint names the file and the place in it. A plan is checked against the splitter's
 invariants when it is read, so a hand edit that leaves a stage empty or sends a value backward is
-rejected with the rule it breaks. The ``modules`` section summarises the nodes: an entry that
-disagrees with its nodes is an error, not a second way to move them.
+rejected with the rule it breaks. The ``modules`` section summarises the nodes: editing it is not a
+second way to move them (an entry edited on unmoved nodes is an error), and once nodes are moved
+the entries they make stale are ignored.
 """
 
 from __future__ import annotations
@@ -222,16 +223,24 @@ def _check_consistent(plan: SavedPlan, r: _Reader) -> None:
 
 
 def _check_modules(plan: SavedPlan, written: dict | None, r: _Reader) -> None:
-    """The ``modules`` section is derived; an entry that disagrees means an edit in the wrong place."""
-    if written is None:
+    """The ``modules`` section is derived from the nodes, so a person moves stages by editing the nodes'
+    ``"stage"`` fields alone. Once nodes have moved (their assignment no longer matches the split
+    record's digest), the entries written before the edit are stale and ignored: the file is rewritten
+    from the nodes. Where the nodes are as the splitter left them, an entry that disagrees is an edit in
+    the wrong place, which would move nothing: refused. A plan without a split record cannot tell the two
+    apart, so it asks for the entry to be updated or deleted."""
+    if written is None or (plan.split is not None and not plan.split_is_current):
         return
     derived = plan.module_stages()
     for path, stage in written.items():
         if path in derived and derived[path] != stage:
+            then = ("" if plan.split is not None else
+                    ", and update or delete this `modules` entry (this plan has no `split` record that would "
+                    "tell a stale entry from an edit)")
             raise r.error(
                 f"modules[{path!r}]", f"says {stage!r} but its nodes are in {derived[path]!r}. `modules` "
-                "summarises `nodes`: move a module by editing the \"stage\" of its nodes (their \"module\" "
-                "starts with it), then update or delete its `modules` entry",
+                "summarises `nodes` and moves nothing: move a module by editing the \"stage\" of its nodes "
+                f"(their \"module\" starts with it){then}",
             )
 
 
