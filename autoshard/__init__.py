@@ -41,7 +41,7 @@ _LAZY = {
 _ERRORS = (
     "AutoshardError", "InvalidArgumentError", "InvalidArgumentTypeError", "TooManyStagesError",
     "InfeasibleSplitError", "InvalidGraphError", "SpecError", "PipelineValidationError", "PassFailed",
-    "TraceError", "VerificationError", "PassContractError", "PlanError", "MissingExtraError",
+    "TraceError", "VerificationError", "PassContractError", "PlanError",
     "ShapePropagationError", "ExampleInputsError", "InputMismatchError", "PipelineSetupError",
     "WorldSizeError", "BoundaryValueError", "DeviceUnavailableError", "ModuleSplitError",
     "CheckpointMismatchError", "LaunchError", "MissingDependencyError",

@@ -36,7 +36,7 @@ from autoshard.errors import (
     AutoshardError,
     ExampleInputsError,
     InvalidArgumentError,
-    MissingExtraError,
+    MissingDependencyError,
     PlanError,
     ShapePropagationError,
 )
@@ -475,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _hint(exc: BaseException) -> str | None:
-    if isinstance(exc, MissingExtraError):
+    if isinstance(exc, MissingDependencyError):
         return None  # the message is the install command
     if isinstance(exc, TargetError):
         return ("TARGET is a built-in example (see `autoshard examples`) or package.module:factory; "

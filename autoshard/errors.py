@@ -89,10 +89,6 @@ class PlanError(InvalidArgumentError):
     """A saved plan cannot be read, contradicts itself, breaks an invariant, or does not fit the model."""
 
 
-class MissingExtraError(AutoshardError, ImportError):
-    """A feature needs an optional dependency that is not installed; the message says what to install."""
-
-
 class ShapePropagationError(AutoshardError):
     """Running the traced graph on the example inputs (real or fake tensors) failed at a node."""
 

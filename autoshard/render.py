@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from autoshard.errors import InvalidArgumentError, MissingExtraError
+from autoshard.errors import InvalidArgumentError, MissingDependencyError
 from autoshard.plan_io import SavedPlan
 from autoshard.report import ROOT_LABEL, format_cost, format_size
 
@@ -109,7 +109,8 @@ def _import_matplotlib() -> Any:
         import matplotlib
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise MissingExtraError(f"drawing a plan needs matplotlib, which is not installed: {INSTALL_HINT}") from exc
+        raise MissingDependencyError(
+            f"drawing a plan needs matplotlib, which is not installed: {INSTALL_HINT}") from exc
     return matplotlib, Figure
 
 
@@ -165,7 +166,7 @@ def draw_plan(plan: SavedPlan, path: str | Path, format: Literal["svg", "png"] |
     """Write the picture of ``plan`` to ``path`` as SVG or PNG (default: from the file's suffix).
 
     The image is ``figure_size(plan)`` inches at ``DPI`` dots per inch (SVG sizes are in points,
-    72 per inch). Raises ``MissingExtraError`` with the install command when matplotlib is absent.
+    72 per inch). Raises ``MissingDependencyError`` with the install command when matplotlib is absent.
     """
     target = Path(path)
     chosen = format or target.suffix.lstrip(".").lower()

@@ -10,7 +10,7 @@ import networkx as nx
 import pytest
 from matplotlib import image
 
-from autoshard.errors import InvalidArgumentError, MissingExtraError
+from autoshard.errors import InvalidArgumentError, MissingDependencyError
 from autoshard.examples import load_example
 from autoshard.render import DPI, collapse, draw_plan, figure_size, stage_colours
 
@@ -92,7 +92,7 @@ def test_a_bigger_plan_gets_a_taller_picture():
 
 def test_missing_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(MissingExtraError, match=r"pip install 'autoshard\[plot\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'autoshard\[plot\]'"):
         draw_plan(hand_plan(), tmp_path / "plan.svg")
 
 
