@@ -147,7 +147,7 @@ def _named_leaves(value: Any) -> list[tuple[str, Any]]:
         return [(f"leaf {index}", leaf) for index, leaf in enumerate(tree_flatten(value)[0])]
 
 
-def _objects_holding_tensors(value: Any) -> list[str]:
+def objects_holding_tensors(value: Any) -> list[str]:
     """Where ``value`` holds an object with tensors inside that compares by identity (a cache)."""
     return [f"{name}: {type(leaf).__name__}" for name, leaf in _named_leaves(value)
             if not isinstance(leaf, torch.Tensor) and type(leaf).__eq__ is object.__eq__ and _has_tensors(leaf)]
@@ -203,7 +203,7 @@ def capture_difference(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ..
     """Where the captured graph's output first differs from the model's on the example (None when
     equal, or when the output cannot be compared: ``verify_stages`` explains that)."""
     grad, expected = _expected_run(model, gm, args, kwargs, seed)
-    if _objects_holding_tensors(expected):
+    if objects_holding_tensors(expected):
         return None
     return first_difference(_graph_run(PlainInterpreter(gm), model, args, kwargs, seed, grad), expected, 0.0, 0.0)
 
@@ -222,7 +222,7 @@ def verify_stages(
     """Raise ``VerificationError`` naming the first differing stage; return a summary if all match."""
     with host_draws() as drew:
         grad, expected = _expected_run(model, gm, args, kwargs, seed)
-    opaque = _objects_holding_tensors(expected)
+    opaque = objects_holding_tensors(expected)
     if opaque:
         raise VerificationError(
             f"the model returns objects that hold tensors ({'; '.join(opaque)}): they compare by identity, so "

@@ -173,3 +173,26 @@ def test_a_model_the_capture_takes_but_its_example_fails_on_is_reported_by_its_o
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AvgPool2d(5, stride=3), nn.Flatten())
     with pytest.raises(ExampleInputsError, match=r"Sequential itself raises on the example inputs"):
         autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 3, 5, 5),))
+
+
+class _Held:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class ReturnsAHolder(nn.Module):
+    """fx cannot take ``len`` of a traced tuple; export cannot return a ``_Held``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> _Held:
+        return _Held(self.last(self.first(pair[0])) * len(pair))
+
+
+def test_returning_an_object_holding_tensors_is_refused_with_the_use_cache_advice_when_no_front_end_captures():
+    x = torch.randn(3, 4)
+    with pytest.raises(TraceError, match=r"returns objects that hold tensors \(the output: _Held\).*"
+                                         r"call the model with use_cache=False.*Front ends: fx: failed"):
+        capture(ReturnsAHolder(), ((x, x),), {})

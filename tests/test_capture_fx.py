@@ -1036,3 +1036,22 @@ def test_code_failing_in_a_childs_method_keeps_the_caller_whole_when_the_child_c
     assert [w.name for w in result.wrapped] == ["inner.updater", "inner"]
     x = torch.randn(3, 8)
     assert torch.equal(result.graph_module(x), model(x))
+
+
+class LossBuiltInForward(nn.Module):
+    """Builds its loss module on the spot, as Hugging Face heads do with ``CrossEntropyLoss()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.CrossEntropyLoss()(self.last(self.first(x)), labels)
+
+
+def test_a_module_built_in_forward_is_traced_through():
+    model, x, labels = LossBuiltInForward(), torch.randn(3, 4), torch.tensor([0, 4, 2])
+    result = trace_with_leaves(model, (x, labels))
+    assert not result.wrapped
+    assert any(n.target is F.cross_entropy for n in result.graph_module.graph.nodes)
+    assert torch.equal(result.graph_module(2 * x, labels), model(2 * x, labels))

@@ -12,6 +12,7 @@ from torch import nn
 import autoshard
 from autoshard.runtime import OffloadRunner
 
+from autoshard.capture import capture
 from autoshard.capture.guard import DimSpec, InputGuard, check_condition, check_inputs
 from autoshard.capture.signature import CallSignature
 from autoshard.errors import ExampleInputsError, InputMismatchError, InvalidArgumentError
@@ -423,3 +424,49 @@ def test_tensors_kept_on_a_plain_objects_attributes_are_refused_at_capture():
 
     with pytest.raises(ExampleInputsError, match="holds tensors inside a Holder"):
         autoshard.shard_model(AddsHeld(), 2, example_inputs=(torch.randn(3, 4), Holder(torch.randn(3, 4))))
+
+
+class _Layer:
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class _Cache:
+    """A cache of the model's own kind: tensors two plain objects deep, or none until a call."""
+
+    def __init__(self) -> None:
+        self.layers = [_Layer()]
+
+
+class AppendsToACache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: _Cache | None, log: list | None) -> torch.Tensor:
+        h = self.first(x)
+        for kept in (cache.layers[0].keys if cache is not None else None, log):
+            if kept is not None:
+                kept.append(h)
+        return self.last(h)
+
+
+def test_tensors_deep_in_plain_objects_are_refused_at_capture():
+    cache = _Cache()
+    kept = torch.randn(3, 4)
+    cache.layers[0].keys.append(kept)
+    with pytest.raises(ExampleInputsError, match="holds tensors inside a _Cache"):
+        autoshard.shard_model(AppendsToACache(), 2, example_inputs=(torch.randn(3, 4), cache, []))
+    assert cache.layers[0].keys == [kept]
+
+
+@pytest.mark.parametrize("front_end", ["auto", "fx", "export"])
+def test_a_constant_the_model_stores_tensors_in_is_refused_and_left_as_it_was(front_end):
+    cache, log = _Cache(), []
+    for name in ("cache", "log"):
+        arguments = {"x": torch.randn(3, 4), "cache": cache if name == "cache" else None,
+                     "log": log if name == "log" else None}
+        with pytest.raises(ExampleInputsError, match=rf"stores tensors in example argument {name} .*"
+                           rf"leave {name} out.*use_cache=False"):
+            capture(AppendsToACache(), (), arguments, front_end=front_end)
+    assert cache.layers[0].keys == [] and log == []

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 import autoshard
 from autoshard.api import default_pipeline
 from autoshard.capture import TraceResult, capture
-from autoshard.errors import InputMismatchError, VerificationError
+from autoshard.errors import ExampleInputsError, InputMismatchError, VerificationError
 from autoshard.passes import Pipeline
 from autoshard.passes.base import ExampleInputs, ShardProgram
 from autoshard.passes.capture import CapturePass
@@ -207,3 +207,64 @@ def test_a_shape_condition_the_trace_fixed_is_refused_when_flipped():
     _, sharded = shard("gpt2", 2)  # `is_causal = q_length > 1 and ...` was True with 8 tokens
     with pytest.raises(InputMismatchError, match="q_length > 1"):
         sharded(**BY_NAME["gpt2"].inputs(3, 1))
+
+
+def _cache_contents(cache: transformers.DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("filled", [False, True])
+def test_a_generation_cache_passed_in_is_refused_and_left_as_it_was(filled):
+    family = BY_NAME["gpt2"]
+    model = family.build()
+    inputs = {k: v for k, v in family.inputs(*EXAMPLE).items() if k != "use_cache"}
+    cache = transformers.DynamicCache()
+    if filled:
+        with torch.no_grad():
+            cache = model(**inputs, use_cache=True).past_key_values
+    before = [(k.clone(), v.clone()) for k, v in _cache_contents(cache)]
+    held = _cache_contents(cache)
+    with pytest.raises(ExampleInputsError, match=r"past_key_values is a DynamicCache, a generation cache.*"
+                                                 r"call the model with use_cache=False"):
+        autoshard.shard_model(model, 2, example_kwargs={**inputs, "past_key_values": cache})
+    after = _cache_contents(cache)
+    assert len(after) == len(before) and all(a[0] is h[0] and a[1] is h[1] for a, h in zip(after, held))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(after, before))
+
+
+def tiny_t5() -> transformers.T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_kv=16, num_heads=2, d_ff=64, vocab_size=100,
+        decoder_start_token_id=0)).eval()
+
+
+def test_t5_with_labels_and_its_default_cache_says_to_pass_use_cache_false():
+    """The head builds its ``CrossEntropyLoss`` in forward (fx now traces through it); the cache it
+    returns by default is what a pipeline cannot serve."""
+    model = tiny_t5()
+    ids, labels = torch.randint(0, 100, (2, 8)), torch.randint(0, 100, (2, 5))
+    with pytest.raises(VerificationError, match=r"EncoderDecoderCache.*call the model with use_cache=False"):
+        autoshard.shard_model(model, 2, example_kwargs={"input_ids": ids, "labels": labels})
+    sharded = autoshard.shard_model(model, 2, example_kwargs={"input_ids": ids, "labels": labels, "use_cache": False})
+    later = {"input_ids": torch.randint(0, 100, (3, 6)), "labels": torch.randint(0, 100, (3, 4)), "use_cache": False}
+    assert_same_output(sharded(**later), model(**later))
+
+
+def test_t5_takes_encoder_outputs_as_a_model_output():
+    from transformers.modeling_outputs import BaseModelOutput
+
+    model = tiny_t5()
+
+    def inputs(batch: int, seq: int) -> dict:
+        with torch.no_grad():
+            hidden = model.encoder(input_ids=torch.randint(0, 100, (batch, seq))).last_hidden_state
+        return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden),
+                "decoder_input_ids": torch.randint(0, 100, (batch, seq // 2 + 1)), "use_cache": False}
+
+    example = inputs(*EXAMPLE)
+    kept = example["encoder_outputs"].last_hidden_state
+    sharded = autoshard.shard_model(model, 2, example_kwargs=example)
+    assert example["encoder_outputs"].last_hidden_state is kept
+    later = inputs(*LATER)
+    assert_same_output(sharded(**later), model(**later))

@@ -93,13 +93,28 @@ def capture(
     if not captured:
         considered = tuple(_summary(name, r) for name, r in tried.items())
         if has_examples:
-            check_model_runs(model, example_args, example_kwargs or {})
+            _refuse_returned_objects(model, check_model_runs(model, example_args, example_kwargs or {}), considered)
         hint = "" if has_examples else "; pass example inputs so the 'export' front end can be tried too"
         raise TraceError(f"no front end could capture {type(model).__name__}: {'; '.join(considered)}{hint}")
     best = _best({name: tried[name] for name in captured}, differs)
     considered = tuple(_summary(name, r) + (f", differs from the model ({checked[name]})" if checked.get(name) else "")
                        for name, r in tried.items())
     return dataclasses.replace(tried[best], considered=considered)
+
+
+def _refuse_returned_objects(model: nn.Module, output: Any, considered: tuple[str, ...]) -> None:
+    """Raise the way out when the model returns objects holding tensors (a generation cache, as
+    Hugging Face models do unless called with ``use_cache=False``): torch.export cannot return
+    them, and no stage pipeline could pass them on, so that is what the user needs to change first."""
+    from autoshard.verify import objects_holding_tensors  # verify imports the capture package
+
+    returned = objects_holding_tensors(output)
+    if returned:
+        raise TraceError(
+            f"no front end could capture {type(model).__name__}, which returns objects that hold tensors "
+            f"({'; '.join(returned)}): torch.export cannot return them, and stages cannot pass them on (pipeline "
+            "runtimes send tensors); if one is a generation cache (past_key_values), call the model with "
+            f"use_cache=False, else make it return tensors only. Front ends: {'; '.join(considered)}")
 
 
 def _refuse_frozen_top_level_state(tried: Mapping[str, TraceResult | TraceError]) -> None:

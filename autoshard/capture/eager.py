@@ -212,12 +212,12 @@ def cloned(value: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
-def check_model_runs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    """Raise ``ExampleInputsError`` if the model fails on its example too: then no capture or
-    pass is to blame, and the model's own error is the one to show."""
+def check_model_runs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The model's output on its example; ``ExampleInputsError`` if the model fails there too: then
+    no capture or pass is to blame, and the model's own error is the one to show."""
     try:
         with isolated(model), torch.no_grad():
-            model(*cloned(args), **cloned(dict(kwargs)))
+            return model(*cloned(args), **cloned(dict(kwargs)))
     except Exception as exc:  # noqa: BLE001 - whatever the model raises is reported as it is
         raise ExampleInputsError(
             f"{type(model).__name__} itself raises on the example inputs ({type(exc).__name__}: {exc}); "

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.export import Dim
-from torch.utils._pytree import tree_map, tree_unflatten
+from torch.utils._pytree import BUILTIN_TYPES, SUPPORTED_NODES, _get_node_type, tree_map, tree_unflatten
 from torch.utils._sympy.numbers import int_oo
 
 from autoshard.capture.assemble import assemble, leaves_of
@@ -106,10 +106,25 @@ def _quiet() -> Iterator[None]:
             log.setLevel(level)
 
 
+def _registered_type(value: Any) -> bool:
+    """Whether ``value`` is a container type registered with torch's pytree outside its builtins (a
+    Hugging Face ``ModelOutput``)."""
+    kind = _get_node_type(value)
+    return kind in SUPPORTED_NODES and kind not in BUILTIN_TYPES
+
+
 def _dynamic(value: Any) -> Any:
-    """Every dimension of every tensor in ``value`` left for export to keep generic."""
-    return tree_map(lambda v: {i: Dim.AUTO for i in range(v.dim())} if isinstance(v, torch.Tensor) else None,
-                    value)
+    """Every dimension of every tensor in ``value`` left for export to keep generic. A registered
+    container type gets the list of its children's specs, which is what export matches it with (it
+    cannot assume the type holds specs: a ``BaseModelOutput`` built from a dict reads it as fields)."""
+    def spec(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return {i: Dim.AUTO for i in range(v.dim())}
+        if _registered_type(v):
+            return [_dynamic(child) for child in SUPPORTED_NODES[_get_node_type(v)].flatten_fn(v)[0]]
+        return None
+
+    return tree_map(spec, value, is_leaf=_registered_type)
 
 
 def _dim_spec(size: Any, ranges: Mapping[Any, Any]) -> DimSpec:

@@ -72,6 +72,26 @@ class _LeafTracer(MetaTracer):
             return False
         return id(m) in self.leaves or is_primitive(m) or has_call_hooks(m)
 
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        """A module the forward builds and calls on the spot (``CrossEntropyLoss()(logits, labels)``,
+        as Hugging Face heads compute their loss) is not installed under the model, so no node can
+        name it: its forward is traced through, as the code it is. One holding weights, buffers or
+        hooks is not (the graph could not read them): fx's own error stands."""
+        if not _installed(self, m) and not has_call_hooks(m) and next(m.parameters(), None) is None \
+                and next(m.buffers(), None) is None:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+
+def _installed(tracer: fx.Tracer, module: nn.Module) -> bool:
+    """Whether ``module`` is the traced root or one of its submodules."""
+    try:
+        tracer.path_of_module(module)
+    except NameError:
+        return False
+    return True
+
 
 def _opaque(fn: Callable[..., Any], tracer_ref: list[MetaTracer]) -> Callable[..., Any]:
     """A stand-in that records ``fn`` as one call_function node whenever it sees a Proxy.

@@ -14,6 +14,7 @@ argument list, which a decorator hides.
 from __future__ import annotations
 
 import copy
+import enum
 import inspect
 import keyword
 from dataclasses import dataclass
@@ -23,10 +24,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.eager import PLAIN_VALUES
+from autoshard.capture.eager import PLAIN_VALUES, cloned, isolated
+from autoshard.capture.host_random import host_draws
 from autoshard.capture.guard import DimSpec, InputGuard
-from autoshard.capture.structure import ArgumentStructure, check_visible_tensors
-from autoshard.errors import InvalidArgumentError
+from autoshard.capture.structure import CACHE_ADVICE, ArgumentStructure, check_visible_tensors, holds_tensors
+from autoshard.errors import ExampleInputsError, InvalidArgumentError
 
 #: The wrapper's attribute holding the model; stripped from every captured name.
 MODEL_ATTR = "model"
@@ -94,6 +96,30 @@ def _snapshots(constants: Mapping[str, Any]) -> dict[str, Any]:
     return found
 
 
+#: Values a forward cannot write to: a constant made only of these needs no probe run.
+_IMMUTABLE = (*PLAIN_VALUES, bytes, complex, range, enum.Enum, torch.dtype, torch.device, torch.Size, torch.layout,
+              torch.memory_format)
+#: ``_copied``'s answer for an object ``copy.deepcopy`` refuses.
+_UNCOPYABLE = object()
+
+
+def _may_be_written(value: Any) -> bool:
+    """Whether a constant is an object a forward could store tensors in (a list, a dict, a plain
+    object; not a number, a flag, a dtype, a function or a module, whose state capture restores)."""
+    if isinstance(value, (*_IMMUTABLE, type, nn.Module)) or callable(value):
+        return False
+    if isinstance(value, (tuple, frozenset)):
+        return any(_may_be_written(v) for v in value)
+    return True
+
+
+def _copied(value: Any) -> Any:
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied cannot be probed
+        return _UNCOPYABLE
+
+
 def _check_name(name: str) -> str:
     if not name.isidentifier() or keyword.iskeyword(name) or name == "self":
         raise InvalidArgumentError(
@@ -117,7 +143,37 @@ class CallSignature:
         seen = [a.name for a in arguments]
         if len(set(seen)) != len(seen):
             raise InvalidArgumentError(f"example arguments name the same parameter twice: {seen}")
-        return cls(tuple(arguments))
+        signature = cls(tuple(arguments))
+        signature._check_constants_unwritten(model)
+        return signature
+
+    def _check_constants_unwritten(self, model: nn.Module) -> None:
+        """Refuse a constant the model stores tensors in during the call (an empty list it appends to,
+        a cache object of its own kind): a capture hands the user's object to the traced code, which
+        would fill it with traced values, and the plan would fix its contents as of the example. The
+        model is run once on copies of the arguments to find out, so the user's objects stay as they
+        were; a model that fails there is left for the capture to report."""
+        copies = {a.name: _copied(a.value) for a in self.arguments
+                  if not a.is_graph_input and _may_be_written(a.value)}
+        probed = {name: value for name, value in copies.items() if value is not _UNCOPYABLE}
+        if not probed:
+            return
+        values = [probed.get(a.name, a.value) if not a.is_graph_input else cloned(a.value) for a in self.arguments]
+        args = [v for a, v in zip(self.arguments, values) if a.positional]
+        kwargs = {a.name: v for a, v in zip(self.arguments, values) if not a.positional}
+        try:
+            with isolated(model), torch.no_grad(), host_draws():  # leaves the user's generators too
+                model(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the capture runs the model too, and reports its failure
+            return
+        for name, value in probed.items():
+            if holds_tensors(value):
+                raise ExampleInputsError(
+                    f"the model stores tensors in example argument {name} (a {type(value).__name__}) during the "
+                    "call: it keeps state there from one call to the next, which a capture would fill with traced "
+                    "values and fix as it was on the example, and a stage pipeline cannot carry such an object "
+                    f"between stages or calls; leave {name} out, or pass what the model reads from it as tensors "
+                    f"(for a Hugging Face generation cache: {CACHE_ADVICE})")
 
     @property
     def graph_inputs(self) -> tuple[CallArgument, ...]:

@@ -9,14 +9,15 @@ and rebuilds a dict passed with its keys in another order in the order captured.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_leaves, tree_unflatten
 
-from autoshard.capture.eager import holds
+from autoshard.capture.eager import PLAIN_VALUES
 from autoshard.errors import ExampleInputsError
 
 #: Containers whose keys make their layout, in whatever order they come.
@@ -102,20 +103,62 @@ class ArgumentStructure:
         return {name + keystr(path): leaf for path, leaf in tree_flatten_with_path(value)[0]}
 
 
-def _holds_in_attributes(value: Any) -> bool:
-    """A plain object (not a module, class or function) keeping tensors in its attributes."""
+def _children(value: Any) -> Iterable[Any]:
+    """What ``value`` holds where a tensor may hide: a container's items, a dataclass's fields, a
+    slice's bounds, a plain object's attributes (not a module's, a class's or a function's)."""
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return value
+    if isinstance(value, Mapping):  # a dict, or a UserDict such as Hugging Face's BatchEncoding
+        return value.values()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    if isinstance(value, slice):
+        return value.start, value.stop, value.step
     if isinstance(value, (torch.nn.Module, type)) or callable(value) or not hasattr(value, "__dict__"):
-        return False
-    return holds(vars(value), torch.Tensor)
+        return ()
+    return vars(value).values()
+
+
+def holds_tensors(value: Any) -> bool:
+    """Whether a tensor hides anywhere in ``value``, however deep in plain objects' attributes (a
+    ``DynamicCache`` keeps them in ``cache.layers[i].keys``)."""
+    seen: set[int] = set()
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            return True
+        if isinstance(item, PLAIN_VALUES) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        pending.extend(_children(item))
+    return False
+
+
+def is_generation_cache(value: Any) -> bool:
+    """A Hugging Face generation cache (``DynamicCache``, ``EncoderDecoderCache``, any subclass of
+    ``transformers.cache_utils.Cache``), told by its class without importing transformers."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+#: What to do about a generation cache (reused wherever one turns up).
+CACHE_ADVICE = "leave it out and call the model with use_cache=False"
 
 
 def check_visible_tensors(name: str, value: Any) -> None:
-    """Refuse an argument holding tensors where torch's pytree does not look (a dataclass, a
-    ``UserDict`` such as Hugging Face's ``BatchEncoding``, a plain object's attributes): the capture
-    would take them for constants of the example, refusing other tensors and computing with the
-    example's."""
+    """Refuse a generation cache (the model writes each call's keys and values into it), and an
+    argument holding tensors where torch's pytree does not look (a dataclass, a ``UserDict`` such as
+    Hugging Face's ``BatchEncoding``, a plain object's attributes, however deep): the capture would
+    take them for constants of the example, refusing other tensors and computing with the example's.
+    Both are refused before anything runs, so the capture cannot leave traced values in them."""
     for leaf in tree_leaves(value):
-        if not isinstance(leaf, torch.Tensor) and (holds(leaf, torch.Tensor) or _holds_in_attributes(leaf)):
+        if is_generation_cache(leaf):
+            raise ExampleInputsError(
+                f"example argument {name} is a {type(leaf).__name__}, a generation cache: the model writes each "
+                "call's keys and values into it, so capturing would fix its contents as constants of the "
+                "example, and a stage pipeline cannot carry a cache object between stages or from one call to "
+                f"the next; {CACHE_ADVICE} (the sharded model then computes the whole sequence on every call)")
+        if not isinstance(leaf, torch.Tensor) and holds_tensors(leaf):
             raise ExampleInputsError(
                 f"example argument {name} holds tensors inside a {type(leaf).__name__}, which torch's pytree does not "
                 "look into, so the plan could only fix them as they are; pass them as arguments (model(**enc) for "
