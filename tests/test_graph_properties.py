@@ -127,6 +127,20 @@ def test_min_bottleneck_does_not_absorb_an_element_below_the_round_off_allowance
     assert min_bottleneck([20.0, 100.0, 1.192092896e-07], 3) == 100.0
 
 
+@pytest.mark.parametrize("strategy", BOUNDED)
+def test_tiny_costs_within_the_round_off_allowance_do_not_raise_the_bound(strategy):
+    # Greedy parts within the allowance covered under the probe 20, which no split reaches, taking
+    # the tiny costs along: the bound came out 20 + 4e-8 where 20 + 1e-8 is reachable, and every
+    # bounded strategy used it and the allowance again (20 + 6e-8, over 1e-9 of the total).
+    costs, sizes = [20.0, 3e-8, 3e-8, 20.0, 1e-8], [100.0, 100.0, 1.0, 1.0, 0.0]
+    assert min_bottleneck(costs, 3) == pytest.approx(20.0 + 1e-8, rel=1e-14)
+    dag = nx.DiGraph()
+    for i, (cost, size) in enumerate(zip(costs, sizes)):
+        dag.add_node(f"v{i}", cost=cost, bytes=size)
+    nx.add_path(dag, list(dag.nodes))
+    check_splitter(splitter(strategy, 0.0), dag, 3, tolerance=0.0)
+
+
 @fast
 @given(split_problems(dags()), st.sampled_from(sorted(ORDERS)), tolerances)
 def test_dp_sends_the_brute_force_minimum_within_the_bound(problem, order_name, tolerance):

@@ -194,6 +194,16 @@ def test_capacities_balance_cost_per_speed():
     assert split_dag(dag, 2, tolerance=0.0, capacities=np.array([1.0, 3.0])) == result.assignment  # an array too
 
 
+@pytest.mark.parametrize("kwargs", [{"capacities": [2, 2]}, {"memory_budgets": [1, 1]}])
+def test_the_bound_search_holds_costs_to_float_resolution_not_the_round_off_allowance(kwargs):
+    # total / sum(capacities) passed within the allowance though no split reaches it, and the split
+    # found there, 10 + 3e-8 | 10, set the bound where 10 + 1.5e-8 | 1.5e-8 + 10 is reachable.
+    dag = chain([10, 1.5e-8, 1.5e-8, 10], memory=[0, 0, 0, 0])
+    best = 10 + 1.5e-8 if "memory_budgets" in kwargs else (10 + 1.5e-8) / 2
+    result = split_dag(dag, 2, "fixed-order", 0.0, return_info=True, **kwargs)
+    assert result.info.bound == pytest.approx(best, rel=1e-12)
+
+
 def test_memory_budgets_move_cuts_off_the_cost_balance():
     dag = chain([1] * 6, memory=[5, 1, 1, 1, 1, 1])
     assert stages(split_dag(dag, 2, tolerance=0.0)) == [0, 0, 0, 1, 1, 1]

@@ -10,6 +10,7 @@ for the other.
 
 from __future__ import annotations
 
+import copy
 import math
 from bisect import bisect_right
 from itertools import accumulate
@@ -136,21 +137,22 @@ def min_bottleneck(weights: Sequence[float], k: int) -> float:
     The start max(total / k, max weight) is a lower bound. When greedy parts under B cannot
     cover the sequence in k parts, any bound below min(part sum + the element after it) over
     those k parts leaves every part's end where it was, so that minimum is the next probe.
-    Each probe costs O(k log n) and moves some greedy end strictly right. Uses the same
-    segment test as ``Line.starts`` with capacity 1, so a probe is accepted up to round-off: the
-    answer is what the greedy parts under it reach, never a bound below any split. Those parts
-    are taken without the round-off allowance where that covers too, so an element smaller than
-    the allowance is not absorbed into a part that would otherwise end at exactly B.
+    Each probe costs O(k log n) and moves some greedy end strictly right. A probe is accepted
+    up to a few units in the last place of the total (the float error of a prefix difference,
+    enough for the next probe to move an end), not up to ``slack``: with that allowance the
+    greedy parts could cover under a probe that no split reaches exactly and take tiny elements
+    along, giving up to the allowance above the optimum ([20, 3e-8, 3e-8, 20, 1e-8], k=3 gave
+    20 + 4e-8 where 20 + 1e-8 is reachable), and the splitters add the allowance again on top.
+    The answer is what the greedy parts reach, never a bound below any split.
     """
     k = _check_weights(weights, k)
     sums = list(accumulate((float(w) for w in weights), initial=0.0))
-    round_off = slack(sums[-1])
+    round_off = 4 * math.ulp(sums[-1])
     bound = max(sums[-1] / k, max(float(w) for w in weights))
     while True:
         ends = _greedy_ends(sums, k, bound, round_off)
         if ends[-1] == len(weights):
-            exact = _greedy_ends(sums, k, bound, 0.0)
-            return _largest_part(sums, exact if exact[-1] == len(weights) else ends)
+            return _largest_part(sums, ends)
         bound = min(sums[e + 1] - sums[s] for s, e in zip([0] + ends[:-1], ends))
 
 
@@ -173,9 +175,11 @@ def min_bottleneck_of(line: Line) -> float:
     Exact (``min_bottleneck``) for plain lines; otherwise a bisection to a relative width of
     ``BISECTION_PRECISION`` between the lower bound total / sum(capacities) and the bound at
     which every part could hold everything, reporting what the split found there achieves
-    (so the bound is a real bottleneck, not a point inside the round-off allowance). Raises
-    ``InfeasibleSplitError`` when even that bound fails: then pins, forbidden cuts or memory
-    budgets cannot be met.
+    (so the bound is a real bottleneck, not a point inside the round-off allowance). Its probes
+    hold costs to float resolution, not to ``slack``, as ``min_bottleneck``'s do: within the
+    allowance the lower bound can pass where no split reaches it, and the split found there can
+    end up to the allowance above the optimum. Raises ``InfeasibleSplitError`` when even that
+    bound fails: then pins, forbidden cuts or memory budgets cannot be met.
     """
     weights = np.diff(line.prefix)
     plain = (not len(line.pins) and not line.forbidden.any() and line.memory is None
@@ -187,6 +191,8 @@ def min_bottleneck_of(line: Line) -> float:
     high = total / float(line.capacities.min())
     if not line.feasible(high):
         raise InfeasibleSplitError("no split meets the constraints whatever the balance")
+    line = copy.copy(line)
+    line.slack = 4 * math.ulp(total)
     if not line.feasible(low):
         while high - low > BISECTION_PRECISION * high:
             middle = (low + high) / 2
