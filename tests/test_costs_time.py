@@ -91,6 +91,32 @@ def test_a_profile_of_another_graph_is_refused(tmp_path):
         shard_by_time(LongSkip(), torch.randn(4, 16), time_profile=path)
 
 
+@pytest.mark.parametrize("other", [
+    lambda: (ResidualMLP(width=64), torch.randn(4, 64)),  # the same graph, wider weights
+    lambda: (ResidualMLP(), torch.randn(256, 16)),  # the same model, a larger example batch
+])
+def test_a_profile_measured_on_other_sizes_is_refused(tmp_path, other):
+    """The graph's signature names its nodes only: a profile of the same graph with other weight
+    or input sizes matched it, and its times were balanced and reported as this model's."""
+    path = tmp_path / "times.json"
+    shard_by_time(ResidualMLP(), torch.randn(4, 16), time_profile=path)
+    model, x = other()
+    with pytest.raises(InvalidArgumentError, match="measured on other sizes.*delete it to measure again"):
+        shard_by_time(model, x, time_profile=path)
+    shard_by_time(ResidualMLP(), torch.randn(4, 16), time_profile=path)  # its own sizes still load
+
+
+def test_a_profile_saved_without_sizes_still_loads(tmp_path):
+    """Profiles written before sizes were recorded cannot be checked for them, and load as before."""
+    model, x = ResidualMLP(), torch.randn(4, 16)
+    path = tmp_path / "times.json"
+    first = shard_by_time(model, x, time_profile=path)
+    data = json.loads(path.read_text())
+    data.pop("sizes", None)
+    path.write_text(json.dumps(data))
+    assert shard_by_time(model, x, time_profile=path).plan.assignment == first.plan.assignment
+
+
 def test_an_unreadable_profile_says_so(tmp_path):
     path = tmp_path / "times.json"
     path.write_text("{not json")

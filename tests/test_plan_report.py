@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+from torch import nn
 
 import autoshard
+from autoshard.costs.flops import flop_counter_mode
 from autoshard.examples import load_example
 from autoshard.plan_reporting import plan_report
 
@@ -94,3 +97,47 @@ def test_the_public_plan_report_stays_the_function_after_its_module_is_imported(
     first = autoshard.plan_report
     importlib.import_module(first.__module__)
     assert callable(autoshard.plan_report) and autoshard.plan_report is first
+
+
+class _TiedTwiceInPlace(nn.Module):
+    """A tied head, a layer called twice, an in-place write and attention: what per-node sums can miscount."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.l1, self.l2 = nn.Embedding(50, 16), nn.Linear(16, 48), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.l1(self.emb(ids)).unsqueeze(1).chunk(3, dim=-1)
+        h = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1)
+        h = torch.relu_(self.l2(h))
+        return self.head(self.l2(h))
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_stage_flops_and_weights_are_what_each_stage_module_runs_and_holds(k):
+    """Each stage module run alone on the values it receives: the FLOPs torch counts and the distinct
+    parameters and buffers it holds (a tied weight once in every stage holding it) are the report's."""
+    torch.manual_seed(0)
+    model, ids = _TiedTwiceInPlace().eval(), torch.randint(0, 50, (2, 12))
+    sharded = autoshard.shard_model(model, k, example_inputs=(ids,), cost="flops")
+    report = plan_report(sharded)
+    values: tuple = (ids,)
+    for stage, described in zip(sharded.stages, report.stages):
+        counter = flop_counter_mode()
+        with counter, torch.no_grad():
+            out = stage(*values)
+        assert described.costs["flops"] == counter.get_total_flops()
+        held = {id(t): t for t in [*stage.parameters(), *stage.buffers()]}.values()
+        assert described.param_bytes == sum(t.numel() * t.element_size() for t in held)
+        assert described.param_count == sum(t.numel() for t in held)
+        values = out
+    assert sum(s.costs["flops"] for s in report.stages) == flop_counter_mode_total(model, ids)
+
+
+def flop_counter_mode_total(model: nn.Module, *args: torch.Tensor) -> int:
+    counter = flop_counter_mode()
+    with counter, torch.no_grad():
+        model(*args)
+    return counter.get_total_flops()

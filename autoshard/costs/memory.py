@@ -9,6 +9,17 @@ allocates for its output (a view or a pass-through allocates none), times the nu
 microbatches in flight at that stage. Under the 1F1B schedule
 stage j of k holds k - j microbatches (stage 0 the most), capped by ``microbatches`` if set.
 
+The weight terms are exact; the activation term is an estimate that errs both ways. It counts
+outputs autograd frees (an ``add`` feeding a ``Linear``). It misses the tensors a stage receives
+(kept per microbatch in flight until their gradients are sent back; torch's ``PipelineStage``
+allocates a receive buffer for every microbatch of a step) and whatever one node saves inside
+itself: a leaf or wrapped module, ``F.multi_head_attention_forward`` (attention probabilities,
+dropout masks), a loss's log-probabilities. Against the storages autograd really saves, it was
+0.7x to 3x off on transformers (3x under for ``TransformerLM`` training on 128 tokens), and far
+under for a stage that receives a wide tensor and reduces it; the README says so next to
+``max_memory``. Counting the received values needs the boundary (not a per-node sum), and the
+saved internals a run with gradients: neither is done yet.
+
 The per-node ``memory`` cost charges each weight's state to one reader (``costs.ties.weight_payers``)
 and adds the node's activations for one microbatch; ``stage_memory`` gives the exact per-stage
 figure. A split that must fit ``max_memory`` gets the two parts apart (``node_state_bytes``, held

@@ -5,7 +5,10 @@ timed runs, of which the median counts (robust to a stray slow run). With ``back
 also computes the gradients of the node's outputs with respect to its floating-point inputs and
 parameters (``torch.autograd.grad``, so no ``.grad`` of the model is touched). Timings vary from
 run to run; saving them to a profile and loading it later gives exactly the same costs, hence
-exactly the same plan.
+exactly the same plan. A profile records what it was measured on, the graph (``graph_signature``)
+and the sizes of the example inputs and weights (``measured_sizes``), and is refused for a model
+where either differs: a wider copy of the same graph, or a larger batch, would otherwise be
+balanced and reported with times that are not its own.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard import progress
-from autoshard.costs.execution import COMPUTE_OPS, NodeCall, run_graph
+from autoshard.costs.execution import COMPUTE_OPS, NodeCall, placeholder_values, run_graph
+from autoshard.costs.values import describe_value
 from autoshard.errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
@@ -108,18 +112,34 @@ def graph_signature(gm: fx.GraphModule) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def measured_sizes(gm: fx.GraphModule, inputs: "ExampleInputs") -> dict[str, str]:
+    """What the times depend on besides the graph: each example input's and each weight's shape,
+    dtype and device type (``input x``: ``float32[4, 16] cpu``), by name."""
+    sizes = {}
+    for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), placeholder_values(gm, inputs)):
+        devices = sorted({t.device.type for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)})
+        sizes[f"input {node.target}"] = f"{describe_value(value)} {','.join(devices)}".rstrip()
+    for name, tensor in [*gm.named_parameters(), *gm.named_buffers()]:
+        sizes[f"weight {name}"] = f"{describe_value(tensor)} {tensor.device.type}"
+    return sizes
+
+
 @dataclass(frozen=True)
 class TimeProfile:
-    """Seconds per compute node, the settings they were measured with, and the graph's signature."""
+    """Seconds per compute node, the settings they were measured with, the graph's signature and
+    the sizes it ran with (``measured_sizes``; None in a profile saved before they were recorded)."""
 
     seconds: dict[str, float]
     settings: TimingSettings
     graph: str
     torch_version: str = torch.__version__
+    sizes: dict[str, str] | None = None
 
     def save(self, path: str | Path) -> None:
         data = {"format": PROFILE_FORMAT, "version": 1, "graph": self.graph, "torch": self.torch_version,
                 "settings": asdict(self.settings), "seconds": self.seconds}
+        if self.sizes is not None:
+            data["sizes"] = self.sizes
         Path(path).write_text(json.dumps(data, indent=1, sort_keys=True))
 
     @classmethod
@@ -129,17 +149,30 @@ class TimeProfile:
             if data.get("format") != PROFILE_FORMAT:
                 raise ValueError(f"format is {data.get('format')!r}, not {PROFILE_FORMAT!r}")
             seconds = {str(k): float(v) for k, v in data["seconds"].items()}
-            return cls(seconds, TimingSettings(**data["settings"]), str(data["graph"]), str(data.get("torch", "")))
+            sizes = data.get("sizes")
+            sizes = None if sizes is None else {str(k): str(v) for k, v in sizes.items()}
+            return cls(seconds, TimingSettings(**data["settings"]), str(data["graph"]), str(data.get("torch", "")),
+                       sizes)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InvalidArgumentError(f"cannot read the time profile {str(path)!r}: {exc}") from None
 
-    def check_matches(self, gm: fx.GraphModule, path: str | Path) -> None:
-        """Refuse a profile measured on another graph, naming the nodes that differ."""
+    def check_matches(self, gm: fx.GraphModule, path: str | Path, inputs: "ExampleInputs | None" = None) -> None:
+        """Refuse a profile measured on another graph, naming the nodes that differ, or (given the
+        example ``inputs``) with other input or weight sizes, naming the first that differ."""
         names = {n.name for n in gm.graph.nodes if n.op in COMPUTE_OPS}
-        if self.graph == graph_signature(gm) and self.seconds.keys() == names:
-            return
-        missing = sorted(names - self.seconds.keys())[:5]
-        extra = sorted(self.seconds.keys() - names)[:5]
-        raise InvalidArgumentError(
-            f"the time profile {str(path)!r} was measured on another graph (graph {self.graph}, this one "
-            f"{graph_signature(gm)}; missing nodes {missing}, unknown nodes {extra}); delete it to measure again")
+        if self.graph != graph_signature(gm) or self.seconds.keys() != names:
+            missing = sorted(names - self.seconds.keys())[:5]
+            extra = sorted(self.seconds.keys() - names)[:5]
+            raise InvalidArgumentError(
+                f"the time profile {str(path)!r} was measured on another graph (graph {self.graph}, this one "
+                f"{graph_signature(gm)}; missing nodes {missing}, unknown nodes {extra}); delete it to measure again")
+        if self.sizes is None or inputs is None:
+            return  # a profile saved before sizes were recorded: nothing to compare
+        here = measured_sizes(gm, inputs)
+        differ = [f"{key}: {self.sizes.get(key, 'absent')} there, {here.get(key, 'absent')} here"
+                  for key in dict.fromkeys([*self.sizes, *here]) if self.sizes.get(key) != here.get(key)]
+        if differ:
+            raise InvalidArgumentError(
+                f"the time profile {str(path)!r} was measured on other sizes than this model and its example "
+                f"inputs ({'; '.join(differ[:3])}{'; ...' if len(differ) > 3 else ''}), so its times are not this "
+                "model's; delete it to measure again")

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from autoshard.costs.annotate import annotated_copy
-from autoshard.costs.timing import SECONDS_KEY, TimeProfile, TimingSettings, graph_signature, measure_node_seconds
+from autoshard.costs.timing import (
+    SECONDS_KEY, TimeProfile, TimingSettings, graph_signature, measure_node_seconds, measured_sizes,
+)
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
 
@@ -18,7 +20,8 @@ class ProfilePass(Pass):
 
     With ``path``, an existing JSON profile there is loaded instead of measuring, and a fresh
     measurement is saved there, so the same path reproduces a time-balanced plan exactly. A
-    profile of another graph is refused. Shows a progress bar on a terminal.
+    profile of another graph, or of other input or weight sizes, is refused. Shows a progress bar
+    on a terminal.
     Example: ``trace,shape-prop,profile{path=times.json},build-dag,linearize,split{cost=time},emit``.
     """
 
@@ -37,10 +40,10 @@ class ProfilePass(Pass):
         settings = TimingSettings(self.warmup, self.repeats, self.backward)
         if self.path is not None and Path(self.path).exists():
             profile = TimeProfile.load(self.path)
-            profile.check_matches(gm, self.path)
+            profile.check_matches(gm, self.path, program.example_inputs)
         else:
             profile = TimeProfile(measure_node_seconds(gm, program.example_inputs, settings, self.seed),
-                                  settings, graph_signature(gm))
+                                  settings, graph_signature(gm), sizes=measured_sizes(gm, program.example_inputs))
             if self.path is not None:
                 profile.save(self.path)
         annotated = annotated_copy(gm, program.model, {SECONDS_KEY: profile.seconds})
