@@ -61,3 +61,11 @@ def test_validation_happens_before_any_pass_runs():
     pipeline = Pipeline.parse("trace,build-dag,emit")
     with pytest.raises(PipelineValidationError, match="partition"):
         pipeline.validate(frozenset({"model"}))
+
+
+@pytest.mark.parametrize("profile", ["profile{repeats=0}", "profile{warmup=-1}"])
+def test_profile_settings_are_refused_before_the_capture(profile):
+    pipeline = Pipeline.parse(f"trace,shape-prop,{profile},build-dag,linearize,split{{stages=2 cost=time}},emit")
+    with pytest.raises(autoshard.InvalidArgumentError, match="timing needs warmup >= 0 and repeats >= 1") as info:
+        pipeline.validate(frozenset({"model", "example_inputs"}))
+    assert "in pass 'profile' (position 2)" in info.value.__notes__[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import networkx as nx
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from autoshard.errors import (
     AutoshardError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
+    PassFailed,
     PipelineValidationError,
     SpecError,
     TooManyStagesError,
@@ -124,3 +127,37 @@ def test_a_model_with_nothing_to_split_is_not_told_to_ask_for_zero_stages():
     with pytest.raises(TooManyStagesError, match="no computation to split") as caught:
         autoshard.shard_model(torch.nn.Identity(), 1, (torch.randn(2),))
     assert "at most 0" not in str(caught.value)
+
+
+def test_a_pass_whose_check_options_raises_a_builtin_error_is_named_with_a_reproducing_spec():
+    """The README invites a pass of the user's to refuse option values in ``check_options``; one that
+    does so with a plain ``ValueError`` is named, with its position and a spec, like a failing ``run``."""
+    from dataclasses import dataclass
+
+    from autoshard.passes import Pass, PassRegistry, Pipeline, option
+
+    registry = PassRegistry(autoshard.passes.BUILTIN_PASSES, entry_point_group=None)
+
+    @registry.register
+    @dataclass(frozen=True)
+    class PickyPass(Pass):
+        """Refuses a negative n."""
+
+        name: ClassVar[str] = "picky"
+        n: int = option(0, help="a count")
+
+        def check_options(self) -> None:
+            if self.n < 0:
+                raise ValueError(f"n must be >= 0, got {self.n}")
+
+        def run(self, program, ctx):
+            return program
+
+    spec = "trace,picky{n=-1},build-dag,linearize,split{stages=2},emit"
+    with pytest.raises(PassFailed) as info:
+        Pipeline.parse(spec, registry).validate()
+    assert (info.value.pass_name, info.value.index) == ("picky", 1)
+    assert "ValueError: n must be >= 0, got -1" in str(info.value)
+    assert f"reproduce with pipeline: {spec}" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert any("check_options" in note for note in info.value.__notes__)

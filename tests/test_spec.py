@@ -291,6 +291,10 @@ def caret_of(exc: SpecError) -> tuple[int, int]:
         (r'kitchen-sink{label="a\qb"}', "unknown escape in string", 22, 2),
         ('kitchen-sink{label=a"b"}', "expected a space or '}' after option 'label', got '\"'", 21, 1),
         ("kitchen-sink{flag,count=1}", "unexpected ',': options are separated by spaces, not commas", 18, 1),
+        ("split{stages = 4}", "no spaces around '=' in an option: write stages=...", 13, 2),
+        ("split{stages=4 no-split=a, b}", "no spaces after ',' in a list of values: write a,b", 27, 1),
+        ("splït", "unexpected 'ï' in pass name 'spl...': names use ASCII letters", 4, 1),
+        ("split{stagés=4}", "unexpected 'é' in option name 'stag...': names use ASCII letters", 11, 1),
     ],
 )
 def test_spec_errors_name_the_problem_and_point_at_it(spec, message, column, width):
@@ -456,6 +460,15 @@ def test_duplicate_name_raises_but_same_class_and_replace_are_fine():
          r"option 'f' of pass 'fresh' has default '3', which is not an int"),
         (lambda: make_pass(__annotations__={"name": ClassVar[str], "maxDepth": "int"}, maxDepth=1),
          "option fields must be snake_case"),
+        (lambda: make_pass(__annotations__={"name": str}),
+         r"\('fresh'\) declares `name` as a dataclass field, which would make it an option: annotate it "
+         r"`name: ClassVar\[str\] = \.\.\.`"),
+        # a string annotation in a module that does not import ClassVar (imported in a function instead)
+        (lambda: make_pass(__annotations__={"name": "ClassVar[str]"}, __module__="json"),
+         r"declares `name` as a dataclass field.*ClassVar imported from typing at module level"),
+        (lambda: make_pass(__annotations__={"name": ClassVar[str], "requires": "frozenset[str]"},
+                           requires=frozenset({"dag"})),
+         r"declares `requires` as a dataclass field.*`requires: ClassVar\[frozenset\[str\]\] = \.\.\.`"),
     ],
 )
 def test_registration_checks_give_clear_errors(make, message):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
+import networkx as nx
 import pytest
 import torch
 from torch import nn
@@ -10,6 +14,7 @@ from autoshard.api import run_pipeline
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.examples import ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
+from autoshard.graph import Partition
 from autoshard.passes import (
     BuildDagPass,
     EmitPass,
@@ -18,6 +23,7 @@ from autoshard.passes import (
     Pipeline,
     TracePass,
     VerifyPass,
+    function_pass,
 )
 from autoshard.passes.base import ExampleInputs
 from autoshard.passes.split import (
@@ -231,8 +237,94 @@ def test_each_strategy_is_its_own_pass_over_the_same_partition(spec, strategy):
 
 def test_baseline_passes_refuse_hard_constraints():
     model, inputs = mlp()
-    with pytest.raises(InvalidArgumentError, match="strategy 'greedy' cannot honour together"):
+    with pytest.raises(InvalidArgumentError, match="strategy 'greedy' cannot honour no-split"):
         run(model, inputs, "split-greedy{stages=2 no-split=linears.1}")
+
+
+@pytest.mark.parametrize("split, message", [
+    ("split{stages=0}", r"'split' needs stages >= 1, got stages=0"),
+    ("split{stages=4 capacities=0,1,1,1}", r"'split' capacities: entry 0 is 0\.0; each must be finite and > 0"),
+    ("split{stages=4 capacities=-1,1,1,1}", r"capacities: entry 0 is -1\.0; each must be finite and > 0"),
+    ("split{stages=4 capacities=1,2}", r"'split' capacities has 2 values for 4 stages"),
+    ("split{stages=4 max-memory=nan}", r"'split' max-memory: entry 0 is nan; each must be finite and >= 0"),
+    ("split{stages=4 max-memory=1e9,1e9}", r"'split' max-memory has 2 values for 4 stages"),
+    ("split-uniform{stages=4 cut-before=linears.2}",
+     r"'split-uniform' with strategy 'uniform' cannot honour cut-before: leave it out, or pick a strategy that "
+     r"does \(min-cut, fixed-order, exact\)"),
+    ("split-greedy{stages=4 capacities=1,2,1,1 max-memory=1e9}", r"cannot honour capacities, max-memory: leave them"),
+    ("split-exact{stages=4 time-limit=0}", r"'split-exact' needs time-limit > 0 seconds, got 0\.0"),
+])
+def test_split_option_values_no_split_can_use_are_refused_before_anything_runs(split, message):
+    """Validated before the capture, in the spec's own option names: the splitter would refuse them only
+    after a capture (minutes on a large model) and call them memory_budgets, cut_before, time_limit."""
+    pipeline = Pipeline.parse(f"trace,build-dag,linearize,{split},emit", REGISTRY)
+    with pytest.raises(InvalidArgumentError, match=message):
+        pipeline.validate()
+
+
+def test_one_capacity_or_budget_is_every_stages_and_a_pipeline_without_a_count_validates():
+    Pipeline.parse("trace,build-dag,linearize,split{stages=4 capacities=2 max-memory=1e9},emit", REGISTRY).validate()
+    Pipeline.parse("trace,build-dag,linearize,split{capacities=1,2,3},emit", REGISTRY).validate()
+
+
+def order_pass(make_order):
+    """A pass of the user's that provides ``order`` as ``make_order(dag)`` says."""
+    @function_pass("my-order", requires=("dag",), provides=("order",), register=False)
+    def my_order(program, ctx):
+        """The user's order."""
+        return dataclasses.replace(program, order=tuple(make_order(program.dag)))
+
+    return my_order()
+
+
+@pytest.mark.parametrize("make_order, message", [
+    (lambda dag: reversed(list(nx.topological_sort(dag))), r"the order puts '\w+' before its input"),
+    (lambda dag: list(nx.topological_sort(dag))[:-1], r"must list each of the \d+ nodes exactly once"),
+])
+def test_an_order_that_is_not_topological_is_refused_not_silently_replaced(make_order, message):
+    """The splitter makes its input order topological, so a wrong order from the user's pass was cut
+    along another order without a word (reversed), or failed on a missing 'cost' attribute (a dropped node)."""
+    model, inputs = mlp()
+    pipeline = Pipeline.parse("trace,build-dag", REGISTRY) + order_pass(make_order) + Pipeline.parse(
+        "split{stages=2},emit", REGISTRY)
+    with pytest.raises(InvalidArgumentError, match="the 'order' artifact is not a topological order") as info:
+        run_pipeline(model, pipeline, ExampleInputs(inputs))
+    assert re.search(message, str(info.value))
+    assert "in pass 'split' (position 3)" in info.value.__notes__[0]
+
+
+def test_a_partition_built_without_checks_is_refused_by_emit_with_what_is_wrong():
+    """``Partition(assignment, k)`` and ``dataclasses.replace`` skip ``from_assignment``'s checks; a pass
+    moving a node behind its reader crashed emit with a bare KeyError."""
+    @function_pass("move-last-back", requires=("partition", "order"), provides=("partition",), register=False)
+    def move_last_back(program, ctx):
+        """Put the last node in stage 0."""
+        assignment = {**program.partition.assignment, program.order[-1]: 0}
+        return dataclasses.replace(program, partition=Partition(assignment, program.partition.num_stages))
+
+    model, inputs = mlp()
+    pipeline = (Pipeline.parse("trace,build-dag,linearize,split{stages=2}", REGISTRY) + move_last_back()
+                + Pipeline.parse("emit", REGISTRY))
+    with pytest.raises(InvalidArgumentError, match=r"the 'partition' artifact is not a valid split of the DAG: "
+                                                   r"ordered: backward edge .*Partition\.from_assignment"):
+        run_pipeline(model, pipeline, ExampleInputs(inputs))
+
+
+def test_a_copied_spec_naming_a_cost_function_says_to_pass_the_function():
+    """``cost=fn`` shows as ``cost=custom-fn`` in specs and notes; run again without the function, the
+    name is not a misspelt cost model."""
+    model, inputs = mlp()
+    pipeline = Pipeline.parse("trace,build-dag,linearize,split{stages=2 cost=custom-mycost},emit", REGISTRY)
+    with pytest.raises(InvalidArgumentError, match=r"'custom-mycost' is the name a cost function passed as "
+                                                   r"shard_model\(\.\.\., cost=fn\) goes by"):
+        run_pipeline(model, pipeline, ExampleInputs(inputs))
+
+
+def test_a_cost_needing_shape_prop_names_every_capture_pass_it_may_follow():
+    model, inputs = mlp()
+    with pytest.raises(InvalidArgumentError, match=r"add 'shape-prop' after the capture \('capture', 'trace' or "
+                                                   r"'export'\) and before 'build-dag'"):
+        run(model, inputs, "split{stages=2 cost=flops}")
 
 
 @pytest.mark.parametrize("spec, moves, coarsen", [

@@ -48,7 +48,8 @@ def require_measured(dag: nx.DiGraph, attribute: str, cost: str) -> None:
         step = _NEEDS[attribute]
         raise InvalidArgumentError(
             f"cost model {cost!r} needs what the '{step}' pass measures, but node {missing[0]!r} has no "
-            f"{attribute}: add '{step}' after 'trace' and before 'build-dag' (it needs example inputs; "
+            f"{attribute}: add '{step}' after the capture ('capture', 'trace' or 'export') and before "
+            f"'build-dag' (it needs example inputs; "
             f"shard_model adds it when given example inputs{' and cost=time' if step == 'profile' else ''})")
 
 

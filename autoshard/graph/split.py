@@ -116,6 +116,13 @@ def check_strategy(strategy: Any) -> None:
         )
 
 
+def honours_constraints(strategy: str) -> bool:
+    """Whether ``strategy`` keeps hard constraints (``cut_before``, ``together``, ``capacities``,
+    ``memory_budgets``); the others refuse them, so callers can refuse before any work."""
+    check_strategy(strategy)
+    return _REGISTRY[strategy].honours_constraints
+
+
 def _lookup(strategy: Any, options: dict[str, Any]) -> _Strategy:
     check_strategy(strategy)
     entry = _REGISTRY[strategy]

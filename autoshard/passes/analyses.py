@@ -148,6 +148,11 @@ def _lookup(ctx: PassContext, cost: str) -> CostModel:
     if local is not None:
         return local
     if cost not in COST_MODELS:
+        if cost.startswith("custom-"):  # a spec copied from a run that was given a cost function
+            raise InvalidArgumentError(
+                f"cost model {cost!r} is the name a cost function passed as shard_model(..., cost=fn) goes by, "
+                "and this run was given none: pass the function again as cost= (the spec may keep "
+                f"cost={cost}), or use a registered cost model: {', '.join(sorted(COST_MODELS))}")
         raise InvalidArgumentError(_unknown_cost(cost))
     return COST_MODELS[cost]
 

@@ -18,7 +18,9 @@ class BuildDagPass(Pass):
 
     Nodes carry ``op``, ``target``, ``module`` (owning module path), ``params``, ``param_bytes``
     and ``bytes`` (the output value's size); edges carry the ``value`` passed. The DAG is frozen:
-    later passes read it and never write to it. Example: ``trace,build-dag``.
+    later passes read it and never write to it. ``cost=params`` charges each weight's bytes from
+    ``dag.graph["weights"]`` (a shared one once per stage), not ``param_bytes``, so a pass that edits
+    ``param_bytes`` changes no split: reweight with ``cost=fn`` instead. Example: ``trace,build-dag``.
     """
 
     name: ClassVar[str] = "build-dag"

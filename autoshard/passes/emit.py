@@ -11,7 +11,8 @@ from torch import nn
 
 from autoshard.capture.signature import MODEL_ATTR, forward_signature
 from autoshard.emit import emit_stages
-from autoshard.graph import boundary_values
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.graph import boundary_values, check_partition
 from autoshard.graph.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
 from autoshard.passes.base import Pass, PassContext, ShardProgram
@@ -34,6 +35,13 @@ class EmitPass(Pass):
         partition = program.partition
         assignment = dict(partition.assignment)
         k = partition.num_stages
+        try:  # a partition built without Partition.from_assignment (a pass of the user's) is checked here
+            check_partition(program.dag, assignment, k)
+        except (InvalidArgumentError, InvalidArgumentTypeError) as exc:
+            error = InvalidArgumentTypeError if isinstance(exc, TypeError) else InvalidArgumentError
+            raise error(f"the 'partition' artifact is not a valid split of the DAG: {exc}; the pass that "
+                        "provides it should build it with Partition.from_assignment(dag, assignment, k), "
+                        "which checks it") from exc
         boundaries = tuple(tuple(b) for b in boundary_values(program.dag, assignment, k))
         stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
         plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,

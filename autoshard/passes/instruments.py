@@ -441,7 +441,8 @@ class ModelUnchanged(Instrument):
 
     Fingerprints ``program.model`` (and the example-input tensors) before each pass and compares
     after it; raises ``PassContractError``. Costs one pass over the parameters per check: meant for
-    tests and ``--debug``.
+    tests and for debugging a pass of your own (``shard_model(..., instruments=[ModelUnchanged()])``;
+    the command line's ``--debug`` only shows tracebacks and does not add it).
     """
 
     def __init__(self) -> None:

@@ -162,7 +162,8 @@ class Pipeline:
     # -- validation -----------------------------------------------------------------------------
     def validate(self, initial: frozenset[str] = frozenset({"model"})) -> None:
         """Check each pass's options (``Pass.check_options``) and that its ``requires`` is provided
-        by ``initial`` or an earlier pass.
+        by ``initial`` or an earlier pass. A ``check_options`` that raises something other than an
+        ``AutoshardError`` is reported as ``PassFailed``, naming the pass and a reproducing spec.
 
         Raises ``PipelineValidationError`` naming the pass, its position, the missing artifacts and
         what to do: the registered passes that provide it, a later pass to move, or an input to pass.
@@ -175,6 +176,10 @@ class Pipeline:
             except AutoshardError as exc:
                 exc.add_note(_note(p, i, str(self)))
                 raise
+            except Exception as exc:  # a pass of the user's refusing with a builtin (ValueError): name it too
+                failed = PassFailed(p.name, i, str(self), exc)
+                failed.add_note("raised by its check_options(), before any pass ran")
+                raise failed from exc
             missing = sorted(p.requires - available, key=lambda a: (order.get(a, len(order)), a))
             if missing:
                 hints = [self._hint(a, i) for a in missing]

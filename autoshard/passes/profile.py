@@ -35,6 +35,9 @@ class ProfilePass(Pass):
     path: str | None = option(None, help="JSON profile: loaded if it exists, else written")
     seed: int = option(0, help="random seed for the runs (dropout)")
 
+    def check_options(self) -> None:
+        TimingSettings(self.warmup, self.repeats, self.backward)  # refuses warmup < 0, repeats < 1 before capture
+
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         gm = program.traced.graph_module
         settings = TimingSettings(self.warmup, self.repeats, self.backward)

@@ -74,8 +74,8 @@ def check_pass_class(cls: object) -> None:
     """Raise ``SpecError`` unless ``cls`` is a well-formed pass class.
 
     Checked: a subclass of ``Pass`` decorated with ``@dataclass(frozen=True)`` itself, not abstract,
-    a kebab-case ``name``, a docstring, ``requires``/``provides`` naming ``ShardProgram`` fields, and
-    snake_case options whose types the text syntax can express.
+    a kebab-case ``name``, a docstring, ``requires``/``provides`` naming ``ShardProgram`` fields (all
+    three ``ClassVar``s, not options), and snake_case options whose types the text syntax can express.
     """
     if not (isinstance(cls, type) and issubclass(cls, Pass)):
         raise SpecError(f"cannot register {cls!r}: a pass must be a subclass of autoshard.passes.base.Pass")
@@ -114,6 +114,13 @@ def check_pass_class(cls: object) -> None:
                     f"artifacts are the ShardProgram fields: {', '.join(artifacts)}"
                 )
     for f in cls.options():
+        if f.name in ("name", "requires", "provides"):  # annotated without ClassVar, so a dataclass field
+            kind = "str" if f.name == "name" else "frozenset[str]"
+            raise SpecError(
+                f"{label} ('{name}') declares `{f.name}` as a dataclass field, which would make it an option: "
+                f"annotate it `{f.name}: ClassVar[{kind}] = ...`, with ClassVar imported from typing at module "
+                "level (@dataclass looks it up there when annotations are strings)"
+            )
         if not _SNAKE.fullmatch(f.name):
             raise SpecError(
                 f"{label} ('{name}') has option {f.name!r}: option fields must be snake_case "

@@ -168,11 +168,19 @@ class _Parser:
             else:
                 raise self.error(f"expected ',' between passes, got {self.shown()}")
 
+    def ascii_name(self, kind: str, name: str) -> None:
+        """Refuse a name running into a non-ASCII character, which would otherwise be reported as a
+        missing separator after the name's ASCII part."""
+        if self.peek() and not self.peek().isascii():
+            raise self.error(f"unexpected {self.shown()} in {kind} '{name}...': names use ASCII letters, digits, "
+                             "'-', '_' and '.'")
+
     def element(self) -> PassSpec:
         start = self.pos
         name = self.word(_NAME)
         if name is None:
             raise self.error(f"expected a pass name, got {self.shown()}")
+        self.ascii_name("pass name", name)
         after_name = self.pos
         self.skip_ws()
         if self.peek() != "{":
@@ -195,6 +203,12 @@ class _Parser:
         key = self.word(_NAME)
         if key is None:
             raise self.error(f"expected an option name or '}}' in the options of '{pass_name}', got {self.shown()}")
+        self.ascii_name("option name", key)
+        gap = self.pos
+        while gap < len(self.text) and self.text[gap].isspace():
+            gap += 1
+        if gap > self.pos and self.text[gap:gap + 1] == "=":
+            raise self.error(f"no spaces around '=' in an option: write {key}=...", self.pos, gap + 1)
         values: tuple[ValueSpec, ...] | None = None
         if self.peek() == "=":
             self.pos += 1
@@ -216,6 +230,9 @@ class _Parser:
         items = [self.value()]
         while self.peek() == ",":
             self.pos += 1
+            if self.peek().isspace():
+                raise self.error("no spaces after ',' in a list of values: write a,b (quote a value that holds "
+                                 "spaces or commas)")
             items.append(self.value())
         return tuple(items)
 

@@ -40,7 +40,8 @@ from autoshard.costs.ties import TieGroup, TiePlacement, charged_apart, tie_grou
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.graph import Partition, split_dag
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY
-from autoshard.graph.split import check_strategy, check_tolerance
+from autoshard.graph.invariants import check_order
+from autoshard.graph.split import check_strategy, check_tolerance, honours_constraints, strategies
 from autoshard.graph.scopes import cut_before_nodes, no_split_groups
 from autoshard.passes.analyses import charges_weights, check_cost_name, held_stage_costs, memory_model, node_costs
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
@@ -58,6 +59,17 @@ def weighted_in_order(
         weighted.add_node(node, **{**dag.nodes[node], "cost": costs[node], **values})
     weighted.add_edges_from(dag.edges(data=True))
     return weighted
+
+
+def check_cut_order(program: ShardProgram) -> None:
+    """Refuse an ``order`` that is not a topological order of the DAG: the splitter would silently
+    cut along another one (or fail on a missing node), hiding the mistake of the pass that made it."""
+    try:
+        check_order(program.dag, program.order)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(
+            f"the 'order' artifact is not a topological order of the DAG ({exc}); the pass that provides "
+            "'order' must list every DAG node once, each after its inputs") from exc
 
 
 #: Strategies whose ``cost=memory`` split searches the training-memory bound, and how many halvings.
@@ -132,10 +144,36 @@ class _SplitWithConstraints(Pass):
             raise InvalidArgumentError(
                 f"'{self.name}' with strategy {self.strategy!r} has no use for {given}, which would change "
                 "nothing: leave it out, or pick a strategy that takes it (min-cut)")
+        self._check_stage_options()
+
+    def _check_stage_options(self) -> None:
+        """Refuse, under the names the spec uses and before any capture, what the splitter would refuse
+        only after it: a stage count below 1, per-stage values that are not usable numbers or not one
+        per stage, and constraints given to a strategy that cannot keep them."""
+        if self.stages is not None and self.stages < 1:
+            raise InvalidArgumentError(f"'{self.name}' needs stages >= 1, got stages={self.stages}")
+        for name, positive in (("capacities", True), ("max_memory", False)):
+            values = getattr(self, name)
+            for j, value in enumerate(values):
+                if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                    raise InvalidArgumentError(
+                        f"'{self.name}' {kebab(name)}: entry {j} is {value!r}; each must be finite and "
+                        f"{'> 0' if positive else '>= 0'}")
+            if values and self.stages is not None and len(values) not in (1, self.stages):
+                raise InvalidArgumentError(
+                    f"'{self.name}' {kebab(name)} has {len(values)} values for {self.stages} stages: give one per "
+                    "stage, or one for every stage")
+        hard = [kebab(n) for n in ("cut_before", "no_split", "capacities", "max_memory") if getattr(self, n)]
+        if hard and not honours_constraints(self.strategy):
+            raise InvalidArgumentError(
+                f"'{self.name}' with strategy {self.strategy!r} cannot honour {', '.join(hard)}: leave "
+                f"{'it' if len(hard) == 1 else 'them'} out, or pick a strategy that does "
+                f"({', '.join(s for s in strategies() if honours_constraints(s))})")
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         if self.stages is None:
             raise InvalidArgumentError(f"'{self.name}' needs a stage count: write {self.name}{{stages=K}}")
+        check_cut_order(program)
         split = self._split(program, ctx)
         if not self._balances_training_memory(ctx):
             return split
@@ -338,6 +376,11 @@ class SplitExactPass(_SplitWithConstraints):
 
     def strategy_options(self) -> dict[str, Any]:
         return {"time_limit": self.time_limit}
+
+    def check_options(self) -> None:
+        super().check_options()
+        if not (math.isfinite(self.time_limit) and self.time_limit > 0):
+            raise InvalidArgumentError(f"'{self.name}' needs time-limit > 0 seconds, got {self.time_limit!r}")
 
 
 @dataclass(frozen=True)
