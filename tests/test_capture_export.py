@@ -388,3 +388,19 @@ def test_higher_order_ops_are_named_the_same_in_every_process():
     targets = [data["target"] for _, data in sharded.plan.dag.nodes(data=True)]
     assert "torch.ops.higher_order.wrap_with_set_grad_enabled" in targets
     assert not any(" at 0x" in target for target in targets)
+
+
+def test_an_opaque_result_that_depends_on_the_values_in_a_way_zeros_and_ones_miss_keeps_its_caller_whole():
+    """``nn.TransformerEncoder`` asks ``_detect_is_causal_mask``, False on masks of zeros and of ones
+    and True on the example's causal mask: the graph kept False, and the stages refused the very
+    example they were built from. The real run on the example tells, and the caller is kept whole."""
+    from autoshard.examples import TransformerLM
+    from autoshard.examples.models import causal_mask
+
+    torch.manual_seed(0)
+    model, src = TransformerLM().eval(), torch.randint(0, 100, (12, 3))
+    sharded = autoshard.shard_model(model, 4, example_inputs=(src, causal_mask(12)),
+                                    pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    assert sharded.plan.wrapped  # something around the mask detection runs whole
+    with torch.no_grad():
+        assert torch.equal(sharded(src, causal_mask(12)), model(src, causal_mask(12)))

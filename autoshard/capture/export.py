@@ -34,7 +34,7 @@ from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_grad_mode, usable_conditions
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, refusing_state_writes
-from autoshard.capture.opaque import CALLS, rewrite_opaque_calls, stand_in
+from autoshard.capture.opaque import CALLS, forget_real_results, recording_real_results, rewrite_opaque_calls, stand_in
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
 from autoshard.errors import InvalidArgumentError
@@ -226,6 +226,18 @@ def _computed_in_export(module: nn.Module, name: str, value: Any) -> bool:
     return holds(value, torch.Tensor) and value is not current_value(module, name)
 
 
+def _record_real_results(wrapper: nn.Module, model: nn.Module, inputs: Mapping[str, Any], reader: Any) -> None:
+    """Run the model on the example with its opaque parts as stand-ins, noting what each returns
+    besides tensors (see ``opaque.recording_real_results``). Best effort: a failure here leaves
+    nothing recorded, and the export reports its own."""
+    try:
+        with recording_real_results(), isolated(model), _quiet(), torch.enable_grad(), \
+                swapped_attribute(torch, "is_grad_enabled", reader):
+            wrapper(**cloned(dict(inputs)))
+    except Exception:  # noqa: BLE001 - the export that follows runs the same code and reports it
+        forget_real_results()
+
+
 def export_with_leaves(
     model: nn.Module,
     example_args: tuple[Any, ...] = (),
@@ -249,6 +261,7 @@ def export_with_leaves(
 
     def attempt(leaves: Leaves) -> torch.export.ExportedProgram:
         CALLS.clear()
+        forget_real_results()
         grad_mode_sites.clear()
         reader = GradModeReader(caller_grad, grad_mode_sites.append)
         stand_ins = [(site, stand_in(site.function, site.function, function_name(site.function)))
@@ -258,10 +271,13 @@ def export_with_leaves(
         modules = {i: (m, leaves.paths[i]) for i, m in {**hooked, **leaves.modules}.items()}
         # With grad enabled, as fx traces too: a ``no_grad`` block in the model is then recorded
         # even when the capture was called under ``no_grad``.
-        with _opaque_modules(modules), swapped(stand_ins), isolated(model), _quiet(), \
-                refusing_state_writes(_computed_in_export), torch.enable_grad(), \
-                swapped_attribute(torch, "is_grad_enabled", reader), _refusing_custom_backward():
-            return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
+        with _opaque_modules(modules), swapped(stand_ins):
+            if modules or stand_ins:  # what the opaque parts return on the example itself
+                _record_real_results(wrapper, model, inputs, reader)
+                grad_mode_sites.clear()
+            with isolated(model), _quiet(), refusing_state_writes(_computed_in_export), torch.enable_grad(), \
+                    swapped_attribute(torch, "is_grad_enabled", reader), _refusing_custom_backward():
+                return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
 
     try:
         ep, leaves = capture_with_leaves(model, attempt, "export")
@@ -269,5 +285,6 @@ def export_with_leaves(
         _guard_grad_mode(gm, caller_grad, grad_mode_sites)
     finally:
         CALLS.clear()
+        forget_real_results()
     return TraceResult(gm, tuple(leaves.wrapped), front_end="export", specialized=_pinned(guard),
                        input_guard=guard.describe())

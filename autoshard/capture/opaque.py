@@ -11,9 +11,10 @@ original, which runs eagerly inside its stage.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -28,6 +29,44 @@ from autoshard.generators import generator_states, same_states
 
 _IDS = itertools.count()
 _TENSOR = object()  # marks where an opaque call's results hold a tensor
+
+
+@dataclass
+class _RealResults:
+    """What each opaque call returned besides tensors in a real run of the model on the example,
+    in call order: the fake kernel's runs on zeros and ones cannot see a result that depends on the
+    values in another way (``_detect_is_causal_mask`` is False for both fills, True on a causal
+    mask). ``recording`` while the real run makes them; export's calls then take them in turn."""
+
+    results: list[tuple[Any, list[Any]]] = field(default_factory=list)
+    recording: bool = False
+    taken: int = 0
+
+    def take(self, target: Any) -> list[Any] | None:
+        """The next recorded results, if the call matches the one recorded there (else None, for good)."""
+        if self.taken < len(self.results) and self.results[self.taken][0] is target:
+            self.taken += 1
+            return self.results[self.taken - 1][1]
+        self.taken = len(self.results)  # the export went another way: stop matching
+        return None
+
+
+_REAL = _RealResults()
+
+
+@contextlib.contextmanager
+def recording_real_results() -> Iterator[None]:
+    """Stand-ins run their originals for real inside and note what each returned besides tensors;
+    the export after it compares its calls' results on zeros with these (see ``_RealResults``)."""
+    _REAL.results, _REAL.recording, _REAL.taken = [], True, 0
+    try:
+        yield
+    finally:
+        _REAL.recording = False
+
+
+def forget_real_results() -> None:
+    _REAL.results, _REAL.recording, _REAL.taken = [], False, 0
 
 
 @dataclass
@@ -46,6 +85,7 @@ class OpaqueCall:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     out_constants: list[Any] = field(default_factory=list)
     out_spec: TreeSpec | None = None
+    real: list[Any] | None = None  # its results besides tensors on the example, when recorded
 
 
 #: Calls made during the export now running, by id; emptied when it ends.
@@ -117,7 +157,8 @@ def _opaque_fake(inputs: list[torch.Tensor], sizes: Sequence[int], call: int) ->
     if holding:
         raise OpaqueResult(f"opaque {record.name} returns {', '.join(holding)} holding tensors, which the graph "
                            "would keep as computed at capture (on zeros)")
-    if kept and _non_tensors(flat_out) != _non_tensors(tree_leaves(_run_filled(record, inputs, sizes, 1.0))):
+    if kept and (_non_tensors(flat_out) != _non_tensors(tree_leaves(_run_filled(record, inputs, sizes, 1.0)))
+                 or record.real not in (None, _non_tensors(flat_out))):
         raise OpaqueResult(f"opaque {record.name} returns {', '.join(kept)} computed from the values of its tensor "
                            "inputs, which the graph would keep as computed at capture (on zeros)")
     record.out_constants = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat_out]
@@ -155,9 +196,17 @@ def stand_in(target: Any, run: Callable[..., Any], name: str) -> Callable[..., A
     def call(*args: Any, **kwargs: Any) -> Any:
         if _RUNNING_FOR_REAL[0]:
             return run(*args, **kwargs)
+        if _REAL.recording:
+            _RUNNING_FOR_REAL[0] += 1  # calls inside run for real in the export too: not recorded
+            try:
+                result = run(*args, **kwargs)
+            finally:
+                _RUNNING_FOR_REAL[0] -= 1
+            _REAL.results.append((target, _non_tensors(tree_leaves(result))))
+            return result
         flat, spec = tree_flatten((args, kwargs))
         call_id = next(_IDS)
-        CALLS[call_id] = record = OpaqueCall(target, run, name, flat, spec, state)
+        CALLS[call_id] = record = OpaqueCall(target, run, name, flat, spec, state, real=_REAL.take(target))
         outputs = iter(torch.ops.autoshard.opaque([v for v in flat if isinstance(v, torch.Tensor)],
                                                   [v for v in flat if _is_size(v)], call_id))
         rebuilt = [next(outputs) if c is _TENSOR else c for c in record.out_constants]
