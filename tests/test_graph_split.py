@@ -207,6 +207,21 @@ def test_a_registered_strategys_invalid_answer_is_refused(monkeypatch, answer):
         split_dag(chain([1, 1, 1]), 2, "test-wrong")
 
 
+@pytest.mark.parametrize("answer, shown", [
+    (lambda nodes, k: {v: 0.6 * min(i, k - 1) for i, v in enumerate(nodes)}, "stage 0.0, a float"),
+    (lambda nodes, k: {v: float(min(i, k - 1)) for i, v in enumerate(nodes)}, "stage 0.0, a float"),
+    (lambda nodes, k: {v: bool(min(i, k - 1)) for i, v in enumerate(nodes)}, "stage False, a bool"),
+    (lambda nodes, k: [0.0, 1.0, 1.0], "stage 0.0, a float"),
+    (lambda nodes, k: np.array([False, True, True]), "stage False, a bool"),
+])
+def test_a_registered_strategys_stages_must_be_ints(monkeypatch, answer, shown):
+    # They were converted to int64: 0.6 became stage 0 (reported as an empty stage), 1.0 and True passed.
+    monkeypatch.setattr(split_module, "_REGISTRY", dict(split_module._REGISTRY))
+    register_strategy("test-floats", lambda problem: answer(list(problem.dag.nodes), problem.k))
+    with pytest.raises(InvalidArgumentError, match=f"'test-floats' returned {shown}; stages are the ints 0..1"):
+        split_dag(chain([1, 1, 1]), 2, "test-floats")
+
+
 def test_numbers_a_float_cannot_hold_and_unhashable_names_are_typed_errors():
     huge = chain([1, 1, 1])
     huge.nodes["v1"]["cost"] = 10**400

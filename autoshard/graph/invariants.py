@@ -129,7 +129,12 @@ def _check_stage_values(dag: nx.DiGraph, assignment: Mapping[Node, Any], k: int)
         if node not in assignment:
             raise InvalidArgumentError(f"covering: node {node!r} is not assigned to a stage")
         stage = assignment[node]
-        if not isinstance(stage, Integral) or isinstance(stage, bool) or not 0 <= stage < k:
+        if not isinstance(stage, Integral) or isinstance(stage, bool):
+            raise InvalidArgumentError(
+                f"range: node {node!r} is assigned to stage {stage!r}, a {type(stage).__name__}; "
+                f"stages are the ints 0..{k - 1}"
+            )
+        if not 0 <= stage < k:
             raise InvalidArgumentError(
                 f"range: node {node!r} is assigned to stage {stage!r}; stages are 0..{k - 1}"
             )

@@ -13,7 +13,8 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Literal, Mapping, Sequence, overload
+from numbers import Integral
+from typing import Any, Callable, Collection, Iterable, Literal, Mapping, Sequence, overload
 
 import networkx as nx
 import numpy as np
@@ -233,15 +234,29 @@ def split_dag(
     return SplitResult(assignment, info)
 
 
+def _non_int_stage(stages: Iterable[Any]) -> Any:
+    """The first stage that is not an int (a float, a bool), or None."""
+    return next((s for s in stages if not isinstance(s, Integral) or isinstance(s, bool)), None)
+
+
 def _valid_stages(problem: SplitProblem, answer: Any, strategy: str, bounded: bool) -> np.ndarray:
     """A strategy's answer as a stage array indexed like the graph's nodes, refused unless it is a
     valid split that keeps every constraint the strategy was given (a registered strategy may err),
     the cost budget included when it is ``bounded``."""
     try:
-        stages = problem.graph.stages_of(answer) if isinstance(answer, Mapping) else np.asarray(answer, dtype=np.int64)
-    except (KeyError, TypeError, ValueError) as exc:
+        stages = problem.graph.stages_of(answer) if isinstance(answer, Mapping) else np.asarray(answer)
+    except (KeyError, OverflowError, TypeError, ValueError) as exc:
         raise InvalidArgumentError(
             f"strategy {strategy!r} did not return a stage for every node ({type(exc).__name__}: {exc})") from exc
+    # Converting to int64 truncated a float stage (0.6 became 0) and took True for 1: refuse them.
+    if isinstance(answer, Mapping):
+        odd = _non_int_stage(answer.values())
+    else:
+        odd = None if stages.dtype.kind in "iu" else _non_int_stage(stages.ravel().tolist())
+    if odd is not None:
+        raise InvalidArgumentError(f"strategy {strategy!r} returned stage {odd!r}, a {type(odd).__name__}; "
+                                   f"stages are the ints 0..{problem.k - 1}")
+    stages = stages.astype(np.int64)
     if stages.shape != (problem.graph.n,):
         raise InvalidArgumentError(
             f"strategy {strategy!r} returned {stages.size} stages for a graph of {problem.graph.n} nodes")
