@@ -149,6 +149,21 @@ def test_groups_that_leave_too_few_nodes_name_the_constraints():
         split_dag(chain([1] * 4), 3, together={"all": ["v0", "v3"]})
 
 
+def test_groups_that_leave_too_few_cuts_say_how_many_stages_fit():
+    with pytest.raises(InfeasibleSplitError, match=r"leaves 2 places to cut, so at most 3 stages; ask for at most 3"):
+        split_dag(chain([1] * 6), 4, together={"a": ["v0", "v2"], "b": ["v4", "v5"]})
+
+
+def test_labelled_pins_are_named_by_their_labels():
+    dag = chain([1] * 6)
+    with pytest.raises(InfeasibleSplitError, match=r"cut_before 'layers\.3' falls inside together group 'block', .*; "
+                                                   r"cut before the group's first node 'v2' instead"):
+        split_dag(dag, 2, cut_before={"v3": "layers.3"}, together={"block": ["v2", "v4"]})
+    with pytest.raises(InfeasibleSplitError, match=r"have only 1 \('a', 'b'\)"):
+        split_dag(dag, 2, cut_before={"v3": "a", "v4": "b"})
+    assert split_dag(dag, 2, cut_before={"v3": "a"}) == split_dag(dag, 2, cut_before=["v3"])
+
+
 def test_preferences_are_kept_when_the_bound_allows_and_reported_when_not():
     dag = chain([1] * 8)
     kept = split_dag(dag, 2, tolerance=0.0, prefer_together={"near": ["v1", "v2"]}, return_info=True)

@@ -94,6 +94,8 @@ def test_unknown_modules_are_named_with_suggestions():
     with pytest.raises(InvalidArgumentError,
                        match=r"cut-before: no module with nodes in the graph is called 'linears\.9'"):
         run(model, inputs, "split{stages=2 cut-before=linears.9}")
+    with pytest.raises(InvalidArgumentError, match=r"called 'model\.linears\.3' \(did you mean 'linears\.3'\?\)"):
+        run(model, inputs, "split{stages=2 cut-before=model.linears.3}")  # a path of a wrapper around this model
 
 
 class SignGate(nn.Module):
@@ -151,6 +153,57 @@ def test_constraints_may_name_a_module_by_another_name_or_inside_one_kept_whole(
     with pytest.raises(InvalidArgumentError, match="no-split: the forward never runs module 'spare' "
                                                    r"\(its weights are used as 'last.weight'\)"):
         run(model, inputs, "split{stages=2 no-split=spare}")
+
+
+def test_a_cut_inside_a_no_split_module_is_refused_in_module_paths_with_advice_that_works():
+    """The splitter knows node names only ('size_14'): the refusal must name what the user wrote
+    and say where a stage can start instead, and that advice must be accepted."""
+    model, inputs = mlp()
+    with pytest.raises(InfeasibleSplitError, match=r"cut-before 'linears\.3' falls inside no-split linears "
+                                                   r"\(module 'linears'\).* cut before 'linears' instead"):
+        run(model, inputs, "split{stages=2 cost=nodes cut-before=linears.3 no-split=linears}")
+    torch.manual_seed(0)
+    lm = TransformerLM(nlayers=2).eval()
+    lm_inputs = (torch.randint(0, 100, (12, 3)), causal_mask(12))
+    with pytest.raises(InfeasibleSplitError, match=r"cut-before 'transformer_encoder\.layers\.1\.linear2' falls "
+                       r"inside no-split TransformerEncoderLayer \(transformer_encoder\.layers\.1\) \(module "
+                       r"'transformer_encoder\.layers\.1'\).* cut before 'transformer_encoder\.layers\.1' instead"):
+        run(lm, lm_inputs, "split{stages=2 cut-before=transformer_encoder.layers.1.linear2 "
+                           "no-split=TransformerEncoderLayer}")
+    program = run(lm, lm_inputs, "split{stages=2 cut-before=transformer_encoder.layers.1 "
+                                 "no-split=TransformerEncoderLayer}")
+    assert stages_of_module(program, "transformer_encoder.layers.0") == {0}
+    assert stages_of_module(program, "transformer_encoder.layers.1") == {1}
+
+
+def test_pin_errors_name_the_module_paths_not_graph_nodes():
+    model, inputs = mlp()
+    with pytest.raises(InfeasibleSplitError, match=r"cut_before asks for 2 boundaries but 2 stages have only 1 "
+                                                   r"\('linears\.2', 'linears\.5'\); ask for at least 3 stages"):
+        run(model, inputs, "split{stages=2 cut-before=linears.5,linears.2}")
+    with pytest.raises(InfeasibleSplitError, match=r"meets cut_before \['linears\.7'\] and memory_budgets"):
+        run(model, inputs, "split{stages=3 cut-before=linears.7 max-memory=3000 memory-cost=params}")
+
+
+def test_no_split_of_the_whole_model_allows_one_stage_and_says_so_for_more():
+    model, inputs = mlp()
+    for entry in ("<root>", "ResidualMLP"):
+        with pytest.raises(InfeasibleSplitError, match=rf"no-split {entry} \(the whole model\).*at most 1 stage; "
+                                                       "ask for at most 1 stage"):
+            run(model, inputs, f"split{{stages=2 no-split={entry}}}")
+        assert len(run(model, inputs, f"split{{stages=1 no-split={entry}}}").sharded.stages) == 1
+    with pytest.raises(InfeasibleSplitError, match=r"cut-before 'linears\.2' falls inside no-split <root> \(the "
+                                                   r"whole model\), .*; drop one of the two"):
+        run(model, inputs, "split{stages=2 no-split=<root> cut-before=linears.2}")
+
+
+def test_no_split_groups_too_large_for_k_say_how_many_stages_fit():
+    model, inputs = mlp()
+    with pytest.raises(InfeasibleSplitError, match=r"together groups \['no-split linears'\]: keeping the together "
+                                                   r"groups whole leaves 1 places to cut, so at most 2 stages; ask "
+                                                   "for at most 2 stages"):
+        run(model, inputs, "split{stages=3 no-split=linears}")
+    assert len(run(model, inputs, "split{stages=2 no-split=linears}").sharded.stages) == 2
 
 
 def test_capacities_give_a_faster_stage_more_work():

@@ -4,7 +4,8 @@ Six kinds, all in terms of graph nodes (``autoshard.passes.split`` resolves modu
 classes to node sets):
 
 * ``cut_before``: nodes at which a stage must start. A cut before ``v`` is a boundary with
-  exactly the nodes before ``v`` in program order on its early side.
+  exactly the nodes before ``v`` in program order on its early side. A ``{node: label}`` mapping
+  names each pin by its label in errors (the split pass passes the module paths the user wrote).
 * ``together``: labelled node groups that must sit in one stage (``no_split`` modules).
 * ``prefer_together``: labelled groups kept in one stage when the balance bound allows it
   (tied weights); the split reports the ones it had to separate.
@@ -49,6 +50,7 @@ class Constraints:
     capacities: tuple[float, ...] | None = None
     memory_budgets: tuple[float, ...] | None = None
     memory_in_flight: tuple[float, ...] | None = None
+    cut_labels: Mapping[Node, str] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -65,6 +67,7 @@ class Constraints:
             raise InvalidArgumentError(
                 "memory_in_flight only scales activation memory under memory_budgets; "
                 "give memory_budgets too, or drop memory_in_flight")
+        labels = {v: str(label) for v, label in cut_before.items()} if isinstance(cut_before, Mapping) else {}
         return cls(
             cut_before=_nodes("cut_before", cut_before),
             together=_groups("together", together),
@@ -72,7 +75,12 @@ class Constraints:
             capacities=None if capacities is None else _numbers("capacities", capacities),
             memory_budgets=None if memory_budgets is None else _numbers("memory_budgets", memory_budgets),
             memory_in_flight=None if memory_in_flight is None else _numbers("memory_in_flight", memory_in_flight),
+            cut_labels=labels,
         )
+
+    def pin_name(self, node: Node) -> str:
+        """How errors name a pin: the label the caller gave it (a module path), else the node."""
+        return repr(self.cut_labels[node]) if node in self.cut_labels else repr(node)
 
     def hard(self) -> bool:
         """Whether anything restricts the splits a strategy may return."""
@@ -172,10 +180,10 @@ def _per_stage(option: str, values: tuple[float, ...], k: int) -> np.ndarray:
 
 def resolve(g: IndexedDag, constraints: Constraints, k: int) -> Rules:
     """Check ``constraints`` against the graph and k; raise naming the first one that fails."""
-    pins = _pins(g, constraints.cut_before, k)
+    pins = _pins(g, constraints, k)
     groups = _indexed_groups(g, "together", constraints.together)
     preferences = _indexed_groups(g, "prefer_together", constraints.prefer_together)
-    _check_pins_against_groups(g, pins, groups)
+    _check_pins_against_groups(g, constraints, pins, groups)
     capacities = np.ones(k) if constraints.capacities is None else _per_stage(
         "capacities", constraints.capacities, k)
     if np.any(capacities <= 0):
@@ -205,25 +213,28 @@ def _indexed_groups(
     )
 
 
-def _pins(g: IndexedDag, cut_before: tuple[Node, ...], k: int) -> np.ndarray:
-    positions = []
-    for node in cut_before:
+def _pins(g: IndexedDag, constraints: Constraints, k: int) -> np.ndarray:
+    positions: dict[int, list[str]] = {}
+    for node in constraints.cut_before:
         i = _position(g, node, "cut_before")
+        name = constraints.pin_name(node)
         if i < g.num_inputs:
             raise InvalidArgumentError(
-                f"cut_before: {node!r} is a model input; inputs always sit in stage 0, so no stage starts there")
+                f"cut_before: {name} is a model input; inputs always sit in stage 0, so no stage starts there")
         if i > g.num_inputs:  # a cut before the very first node is where stage 0 starts anyway
-            positions.append(i - g.num_inputs)
-    pins = np.array(sorted(set(positions)), dtype=np.int64)
+            positions.setdefault(i - g.num_inputs, []).append(name)
+    pins = np.array(sorted(positions), dtype=np.int64)
     if len(pins) > k - 1:
+        # Name the pins (a label shared by several entries that fall at one boundary counts once).
+        named = ", ".join("=".join(positions[p]) for p in pins.tolist())
         raise InfeasibleSplitError(
-            f"cut_before asks for {len(pins)} boundaries but {k} stages have only {k - 1}; "
-            "ask for more stages or fewer cuts")
+            f"cut_before asks for {len(pins)} boundaries but {k} stages have only {k - 1} ({named}); "
+            f"ask for at least {len(pins) + 1} stages or fewer cuts")
     return pins
 
 
 def _check_pins_against_groups(
-    g: IndexedDag, pins: np.ndarray, groups: tuple[tuple[str, np.ndarray], ...]
+    g: IndexedDag, constraints: Constraints, pins: np.ndarray, groups: tuple[tuple[str, np.ndarray], ...]
 ) -> None:
     for label, members in groups:
         first = max(int(members[0]) - g.num_inputs, 0)
@@ -232,8 +243,9 @@ def _check_pins_against_groups(
         if len(inside):
             pinned = g.nodes[int(inside[0]) + g.num_inputs]
             raise InfeasibleSplitError(
-                f"cut_before {pinned!r} falls inside together group {label!r}, which must stay in "
-                "one stage; drop one of the two")
+                f"cut_before {constraints.pin_name(pinned)} falls inside together group {label!r}, which must stay "
+                f"in one stage; cut before the group's first node {g.nodes[int(members[0])]!r} instead, or drop "
+                "one of the two")
 
 
 def _check_memory(g: IndexedDag, memory: StageLimit, groups: tuple[tuple[str, np.ndarray], ...]) -> None:

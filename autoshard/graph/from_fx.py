@@ -240,6 +240,7 @@ def build_dag(gm: fx.GraphModule, model: nn.Module | None = None) -> nx.DiGraph:
     if model is not None:
         leaves = {str(node.target) for node in gm.graph.nodes if node.op == "call_module"}
         dag.graph["module_stand_ins"] = module_stand_ins(dag, model, leaves)
+        dag.graph["root_class"] = type(model).__name__  # lets no-split name the whole model by its class
     return dag
 
 

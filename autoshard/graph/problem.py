@@ -61,7 +61,7 @@ class SplitProblem:
         c = self.constraints
         parts = []
         if c.cut_before:
-            parts.append(f"cut_before {list(c.cut_before)!r}")
+            parts.append(f"cut_before [{', '.join(map(c.pin_name, c.cut_before))}]")
         if c.together:
             parts.append(f"together groups {sorted(c.together)!r}")
         if c.memory_budgets is not None:
@@ -70,9 +70,21 @@ class SplitProblem:
             parts.append(f"memory_in_flight {list(c.memory_in_flight)!r}")
         if c.capacities is not None or not parts:
             parts.append(f"capacities {list(c.capacities or [1.0] * self.k)!r}")
+        most = self._most_stages()
+        if most < self.k:
+            stages = "stage" if most == 1 else "stages"
+            return (f"no split of program order into {self.k} non-empty stages meets {' and '.join(parts)}: "
+                    f"keeping the together groups whole leaves {most - 1} places to cut, so at most {most} "
+                    f"{stages}; ask for at most {most} {stages} or drop a group")
         return (f"no split of program order into {self.k} non-empty stages meets {' and '.join(parts)} "
                 "at once (the budget comes from that order: a group that other orders could keep "
                 "together is not looked for); relax one of them or change the number of stages")
+
+    def _most_stages(self) -> int:
+        """The most stages program order can be cut into with every together group whole: one more
+        than the cut positions no group spans (pins are such positions too)."""
+        forbidden = self.line(self.graph.program()).forbidden
+        return int(np.count_nonzero(~forbidden[1:-1])) + 1
 
     @property
     def budgets(self) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import networkx as nx
 
-from autoshard.errors import InvalidArgumentError
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.graph.indexed import Node
 
 
@@ -29,7 +29,11 @@ def _scopes(dag: nx.DiGraph, node: Node) -> tuple[tuple[str, str], ...]:
 
 
 def _unknown(option: str, entry: str, known: Iterable[str], what: str) -> InvalidArgumentError:
-    close = difflib.get_close_matches(entry, sorted(set(known)), n=3)
+    names = sorted(set(known))
+    # A path written for a wrapper of this model (``transformer.h.1`` of GPT2LMHeadModel on a GPT2Model)
+    # ends with a known path, which difflib finds too far off to suggest.
+    tail = sorted((p for p in names if entry.endswith("." + p)), key=len, reverse=True)[:1]
+    close = tail or difflib.get_close_matches(entry, names, n=3)
     hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
     return InvalidArgumentError(f"{option}: no {what} is called {entry!r}{hint}")
 
@@ -72,24 +76,53 @@ def no_split_groups(dag: nx.DiGraph, entries: Sequence[str]) -> dict[str, frozen
     A path matches the module and its descendants; an entry that is no path is taken as a
     class name. Labels read ``no-split ENTRY`` or ``no-split CLASS (PATH)``.
     """
+    return {label: nodes for label, (_, nodes) in no_split_modules(dag, entries).items()}
+
+
+def no_split_modules(dag: nx.DiGraph, entries: Sequence[str]) -> dict[str, tuple[str, frozenset[Node]]]:
+    """``no_split_groups`` with the module path each group keeps whole, so that errors can say
+    where a stage may start instead. ``<root>`` (or the model's class name, where no submodule has
+    that class) names the whole model: one group of every node, which only one stage holds."""
     members: dict[str, set[Node]] = {}
     by_class: dict[str, dict[str, set[Node]]] = {}
     for v in dag.nodes:
         for path, kind in _scopes(dag, v):
             members.setdefault(path, set()).add(v)
             by_class.setdefault(kind, {}).setdefault(path, set()).add(v)
-    groups: dict[str, frozenset[Node]] = {}
+    groups: dict[str, tuple[str, frozenset[Node]]] = {}
+    root = ("<root>", dag.graph.get("root_class"))
     for entry in entries:
         stand_in = _stand_in(dag, "no-split", entry)  # a module kept whole holds it, or it has another name
-        paths = [p for p in members if _inside(p, stand_in[0] if stand_in else entry)]
+        module = stand_in[0] if stand_in else entry
+        paths = [p for p in members if _inside(p, module)]
         if paths:
-            groups[f"no-split {entry}"] = frozenset().union(*(members[p] for p in paths))
+            groups[f"no-split {entry}"] = (module, frozenset().union(*(members[p] for p in paths)))
         elif entry in by_class:
             for path, nodes in by_class[entry].items():
-                groups[f"no-split {entry} ({path})"] = frozenset(nodes)
+                groups[f"no-split {entry} ({path})"] = (path, frozenset(nodes))
+        elif entry in root:
+            groups[f"no-split {entry} (the whole model)"] = (
+                "<root>", frozenset(v for v, is_input in dag.nodes(data="input", default=False) if not is_input))
         else:
-            raise _unknown("no-split", entry, [*members, *by_class], "module path or class")
+            raise _unknown("no-split", entry, [*members, *by_class, *filter(None, root)], "module path or class")
     return groups
+
+
+def check_cuts_outside_no_split(
+    order: Sequence[Node], cuts: Sequence[tuple[str, Node]], groups: dict[str, tuple[str, frozenset[Node]]],
+) -> None:
+    """Refuse a cut-before whose first node falls inside a no-split module's span of ``order``, in
+    the user's module paths (the splitter knows only node names), naming where a stage can start."""
+    position = {v: i for i, v in enumerate(order)}
+    for path, node in cuts:
+        for label, (module, nodes) in groups.items():
+            at = [position[v] for v in nodes if v in position]
+            if at and min(at) < position[node] <= max(at):
+                where, advice = ((f" (module {module!r})", f"cut before {module!r} instead, or drop one of the two")
+                                 if module != "<root>" else ("", "drop one of the two"))
+                raise InfeasibleSplitError(
+                    f"cut-before {path!r} falls inside {label}{where}, which stays whole in one stage, so no stage "
+                    f"can start there; {advice}")
 
 
 def tied_groups(dag: nx.DiGraph) -> dict[str, frozenset[Node]]:

@@ -42,7 +42,7 @@ from autoshard.graph import Partition, split_dag
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY
 from autoshard.graph.invariants import check_order
 from autoshard.graph.split import check_strategy, check_tolerance, honours_constraints, strategies
-from autoshard.graph.scopes import cut_before_nodes, no_split_groups
+from autoshard.graph.scopes import check_cuts_outside_no_split, cut_before_nodes, no_split_modules
 from autoshard.passes.analyses import charges_weights, check_cost_name, held_stage_costs, memory_model, node_costs
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 from autoshard.passes.options import kebab
@@ -287,10 +287,17 @@ class _SplitWithConstraints(Pass):
         if self.max_memory and budgets:
             extra, limits = self._memory_attributes(program, ctx, placement.apart)
         weighted = weighted_in_order(dag, program.order, node_costs(program, ctx, self.cost, placement.apart), extra)
-        together = {**no_split_groups(dag, self.no_split), **{g.label: g.readers for g in placement.together}}
+        no_split = no_split_modules(dag, self.no_split)
+        cuts = list(zip(self.cut_before, cut_before_nodes(dag, program.order, self.cut_before)))
+        check_cuts_outside_no_split(program.order, cuts, no_split)
+        labels: dict[str, str] = {}
+        for path, node in cuts:  # errors name each pin by the path the user wrote, not its node
+            labels.setdefault(node, path)
+        together = {**{label: nodes for label, (_, nodes) in no_split.items()},
+                    **{g.label: g.readers for g in placement.together}}
         result = split_dag(
             weighted, k, self.strategy, self.tolerance,
-            cut_before=cut_before_nodes(dag, program.order, self.cut_before),
+            cut_before=labels,
             together=together,
             prefer_together={g.label: g.readers for g in placement.preferred},
             capacities=self.capacities or None,
