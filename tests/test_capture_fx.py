@@ -1055,3 +1055,68 @@ def test_a_module_built_in_forward_is_traced_through():
     assert not result.wrapped
     assert any(n.target is F.cross_entropy for n in result.graph_module.graph.nodes)
     assert torch.equal(result.graph_module(2 * x, labels), model(2 * x, labels))
+
+
+class WeightedLossInForward(nn.Module):
+    """Builds a class-weighted loss on the spot from its buffer: ``CrossEntropyLoss(weight=...)``
+    registers the weight as a buffer of the new module while the forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.register_buffer("class_weights", torch.tensor([1.0, 2.0, 0.5]))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.CrossEntropyLoss(weight=self.class_weights)(self.last(torch.relu(self.first(x))), labels)
+
+
+def test_a_loss_built_in_forward_with_class_weights_is_no_state_write():
+    """Its constructor storing the weight is no state a later call reads: before, every front end
+    refused it as a state write of the top-level forward, so nothing captured the model."""
+    torch.manual_seed(0)
+    model, x, labels = WeightedLossInForward(), torch.randn(3, 4), torch.tensor([0, 2, 1])
+    sharded = autoshard.shard_model(model, 2, example_kwargs={"x": x, "labels": labels})
+    later_x, later_labels = torch.randn(5, 4), torch.tensor([2, 2, 0, 1, 0])
+    assert torch.equal(sharded(x=later_x, labels=later_labels), model(later_x, later_labels))
+    sharded(x=later_x, labels=later_labels).backward()
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(later_x, later_labels).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(ours, model.parameters()))
+
+
+class Settings:
+    """A settings object a model keeps, like a Hugging Face config."""
+
+    def __init__(self) -> None:
+        self.problem_type: str | None = None
+
+
+class FillsItsSettings(nn.Module):
+    """Fills in ``config.problem_type`` from its labels on its first call, as Hugging Face
+    sequence-classification heads do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.linear = Settings(), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None:
+            self.config.problem_type = "single" if labels.dtype == torch.long else "multi"
+        logits = self.linear(x)
+        if self.config.problem_type == "single":
+            return F.cross_entropy(logits, labels)
+        return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def test_sharding_leaves_the_settings_a_model_keeps_as_they_were():
+    """Sharding runs and traces the model, but the user has not called it: the next call of the
+    model must take the path a fresh copy takes, not the one the example fixed."""
+    model = FillsItsSettings()
+    sharded = autoshard.shard_model(model, 2, example_kwargs={"x": torch.randn(2, 4), "labels": torch.tensor([0, 2])})
+    assert model.config.problem_type is None
+    multi_hot = torch.tensor([[1.0, 0.0, 1.0]])
+    assert torch.equal(model(torch.ones(1, 4), multi_hot),
+                       F.binary_cross_entropy_with_logits(model.linear(torch.ones(1, 4)), multi_hot))
+    with pytest.raises(InputMismatchError, match="labels is torch.float32"):
+        sharded(x=torch.ones(1, 4), labels=multi_hot)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from conftest import assert_same_fingerprint, model_fingerprint
-from test_real_models_zoo import BY_NAME, DECODER, EXAMPLE, FAMILIES, LATER, gated_inputs
+from test_real_models_zoo import BY_NAME, DECODER, EXAMPLE, FAMILIES, LATER, LAYERS, gated_inputs
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -267,4 +267,18 @@ def test_t5_takes_encoder_outputs_as_a_model_output():
     sharded = autoshard.shard_model(model, 2, example_kwargs=example)
     assert example["encoder_outputs"].last_hidden_state is kept
     later = inputs(*LATER)
+    assert_same_output(sharded(**later), model(**later))
+
+
+@pytest.mark.parametrize("num_labels, labels", [(3, torch.tensor([0, 2])), (1, torch.tensor([0.5, -1.0]))],
+                         ids=["single-label", "regression"])
+def test_a_classification_head_given_labels_leaves_its_config_as_it_was(num_labels, labels):
+    """The head fills in ``config.problem_type`` (None) from the labels on a call; sharding is no
+    call of the user's, so the model's next call still chooses from its own labels."""
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**LAYERS, num_labels=num_labels))
+    ids = torch.randint(0, 100, (2, 8))
+    sharded = autoshard.shard_model(model.eval(), 2, example_kwargs={"input_ids": ids, "labels": labels})
+    assert model.config.problem_type is None
+    later = {"input_ids": torch.randint(0, 100, (3, 5)), "labels": torch.cat([labels, labels[:1]])}
     assert_same_output(sharded(**later), model(**later))

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import types
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -134,8 +135,10 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
     the run filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
     from the state the model was given in, and none leaves a trace on it. Other values a forward
     stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
-    Face's output recorders)."""
+    Face's output recorders). The numbers, flags and strings of objects modules keep settings in
+    (a Hugging Face config's ``problem_type``) are set back as well (``_settings_objects``)."""
     saved = [(module, [dict(c) for c in _attribute_dicts(module)]) for module in model.modules()]
+    settings = [(holder, dict(vars(holder))) for holder in _settings_objects(model)]
     collections = [(value, copy.copy(value)) for module in model.modules() for key, value in vars(module).items()
                    if key not in _REGISTRIES and isinstance(value, (dict, list, set))]
     try:
@@ -161,6 +164,29 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
                     else:
                         del current[key]
                 current.update({key: value for key, value in before.items() if key not in current})  # deleted
+        for holder, before in settings:
+            current = vars(holder)
+            for key in [k for k, v in current.items() if (k in before and scalar_changed(before[k], v))
+                        or holds(v, TRACE_VALUES)]:
+                if key in before:
+                    current[key] = before[key]
+                else:
+                    del current[key]
+
+
+def _settings_objects(model: nn.Module) -> list[Any]:
+    """The plain objects modules keep settings in (a Hugging Face config): a forward that fills one
+    in (``self.config.problem_type = "regression"`` when it was None) changes the model as surely as
+    a flag on ``self``, so its numbers, flags and strings are set back too. Not modules, tensors,
+    containers, callables or classes: only objects with attributes of their own."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key in _REGISTRIES or callable(value) or not hasattr(value, "__dict__") \
+                    or isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, Mapping)):
+                continue
+            found.setdefault(id(value), value)
+    return list(found.values())
 
 
 @contextlib.contextmanager

@@ -161,6 +161,18 @@ def _unread_scratch(module: nn.Module, name: str, read: _TensorsRead) -> bool:
     return bool(old) and not any(id(tensor) in read.ids for tensor in old)
 
 
+def _constructing(module: nn.Module, frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` runs inside ``module``'s own ``__init__``: a module the forward builds on
+    the spot (``CrossEntropyLoss(weight=self.class_weights)``) stores its arguments, no state a
+    later call reads; the next call builds another."""
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and frame.f_code.co_argcount \
+                and frame.f_locals.get(frame.f_code.co_varnames[0]) is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
 _REAL_RUNS = [0]
 
 
@@ -197,7 +209,8 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False) -> I
         if scalars.carried(module, name, value, caller):
             raise ScalarStateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
                                    f"{value!r}), which its next call reads; a captured graph cannot replay that write")
-        if computed(module, name, value) and not _unread_scratch(module, name, read):
+        if computed(module, name, value) and not _unread_scratch(module, name, read) \
+                and not _constructing(module, caller):
             raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} {name!r}, "
                              "which a later call may read; a captured graph cannot replay that write")
 
