@@ -1120,3 +1120,37 @@ def test_sharding_leaves_the_settings_a_model_keeps_as_they_were():
                        F.binary_cross_entropy_with_logits(model.linear(torch.ones(1, 4)), multi_hot))
     with pytest.raises(InputMismatchError, match="labels is torch.float32"):
         sharded(x=torch.ones(1, 4), labels=multi_hot)
+
+
+class DropoutInAList(nn.Module):
+    """Keeps a dropout in a plain list: not a submodule, so the model's eval() never reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.extras = [nn.Dropout(0.5)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.extras[0](torch.relu(self.first(x))))
+
+
+def test_a_module_outside_the_module_tree_is_traced_through_and_its_mode_watched():
+    """Its dropout was fixed to the capture's mode: switched to eval afterwards, the stages went on
+    dropping while the model did not, silently."""
+    model, x = DropoutInAList().train(), torch.randn(4, 8)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    torch.manual_seed(1)
+    got = sharded(x)
+    torch.manual_seed(1)
+    assert torch.equal(got, model(x))
+    model.extras[0].eval()
+    with pytest.raises(InputMismatchError, match="a Dropout the model keeps outside its module tree .* was in "
+                                                 "train mode when the plan was captured and is in eval mode now"):
+        sharded(x)
+    with pytest.raises(InputMismatchError, match="outside its module tree"):
+        copy.deepcopy(sharded)(x)  # a copy watches the same module
+    model.extras[0].train()
+    torch.manual_seed(2)
+    got = sharded(x)
+    torch.manual_seed(2)
+    assert torch.equal(got, model(x))

@@ -28,7 +28,7 @@ from torch import nn
 
 from autoshard.capture.assemble import assemble, model_graph_module
 from autoshard.capture.eager import cloned, isolated
-from autoshard.capture.guard import InputGuard
+from autoshard.capture.guard import DetachedModule, InputGuard, check_detached_mode
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.meta import MetaTracer, guard_value, has_proxy
 from autoshard.capture.result import TraceResult, WrappedLeaf
@@ -76,10 +76,12 @@ class _LeafTracer(MetaTracer):
                     kwargs: dict[str, Any]) -> Any:
         """A module the forward builds and calls on the spot (``CrossEntropyLoss()(logits, labels)``,
         as Hugging Face heads compute their loss) is not installed under the model, so no node can
-        name it: its forward is traced through, as the code it is. One holding weights, buffers or
-        hooks is not (the graph could not read them): fx's own error stands."""
+        name it: its forward is traced through, as the code it is, its mode watched (one kept in a
+        list or a global can be switched later). One holding weights, buffers or hooks is not (the
+        graph could not read them): fx's own error stands."""
         if not _installed(self, m) and not has_call_hooks(m) and next(m.parameters(), None) is None \
                 and next(m.buffers(), None) is None:
+            self.create_proxy("call_function", check_detached_mode, (DetachedModule(m), m.training), {})
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 

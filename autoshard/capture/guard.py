@@ -212,6 +212,30 @@ def check_grad_mode(captured: bool, site: str) -> None:
             f"{'under torch.no_grad()' if captured else 'with grad enabled'} to call it so")
 
 
+class DetachedModule:
+    """A module the graph traced through without holding it: one kept in a list or a global, or
+    built in the forward (``CrossEntropyLoss()``). What its code read from ``self.training`` was
+    fixed at capture, and the model's ``eval()`` / ``train()`` never reach it, so the plan watches
+    it (``check_detached_mode``). Copies of the plan watch the same module; it is not a submodule."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DetachedModule:
+        return self
+
+
+def check_detached_mode(held: DetachedModule, captured: bool) -> None:
+    """A module outside the model's tree switched to another mode since capture: refuse the call."""
+    if held.module.training != captured:
+        was, now = ("train", "eval") if captured else ("eval", "train")
+        raise InputMismatchError(
+            f"a {type(held.module).__name__} the model keeps outside its module tree (in a list, a dict or a "
+            f"global) was in {was} mode when the plan was captured and is in {now} mode now; its code (a dropout) "
+            f"was fixed at capture: switch it back, or register it as a submodule (nn.ModuleList) so that the "
+            "model's eval() and train() reach it, and shard again")
+
+
 def check_mode(training: bool, captured: bool, modules: tuple[bool, ...] = (),
                modules_captured: tuple[bool, ...] = ()) -> None:
     """A stage called in another mode than its model was captured in: refuse it. ``modules``
