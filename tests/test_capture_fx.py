@@ -1134,11 +1134,13 @@ class DropoutInAList(nn.Module):
         return self.last(self.extras[0](torch.relu(self.first(x))))
 
 
-def test_a_module_outside_the_module_tree_is_traced_through_and_its_mode_watched():
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_a_module_outside_the_module_tree_is_traced_through_and_its_mode_watched(front_end):
     """Its dropout was fixed to the capture's mode: switched to eval afterwards, the stages went on
     dropping while the model did not, silently."""
     model, x = DropoutInAList().train(), torch.randn(4, 8)
-    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,),
+                                    pipeline=f"{front_end},shape-prop,build-dag,linearize,split,emit,verify")
     torch.manual_seed(1)
     got = sharded(x)
     torch.manual_seed(1)

@@ -18,7 +18,7 @@ import dataclasses
 import io
 import logging
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -31,7 +31,9 @@ from autoshard.capture.assemble import assemble, leaves_of
 from autoshard.capture.eager import cloned, holds, isolated, swapped_attribute
 from autoshard.capture.fx import has_backward_hooks
 from autoshard.capture.grad_mode import GradModeReader
-from autoshard.capture.guard import FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_grad_mode, usable_conditions
+from autoshard.capture.guard import (
+    FREE_SIZES_PIPELINE, DetachedModule, DimSpec, InputGuard, check_detached_mode, check_grad_mode, usable_conditions,
+)
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, refusing_state_writes
 from autoshard.capture.opaque import CALLS, forget_real_results, recording_real_results, rewrite_opaque_calls, stand_in
@@ -220,6 +222,39 @@ def _guard_grad_mode(gm: fx.GraphModule, captured: bool, sites: list[str]) -> No
     gm.recompile()
 
 
+@contextlib.contextmanager
+def _noting_detached_modules(model: nn.Module, wrapper: nn.Module, found: dict[int, nn.Module]) -> Iterator[None]:
+    """Note in ``found`` every module called inside that is not in ``model``'s tree (a dropout kept
+    in a list or a global, a loss built in the forward): export traces through them, fixing what
+    they read from ``self.training``, and the model's ``eval()`` never reaches them."""
+    installed = {id(m) for m in (*model.modules(), wrapper)}
+
+    def note(module: nn.Module, args: Any) -> None:
+        if id(module) not in installed:
+            found.setdefault(id(module), module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _guard_detached_modes(gm: fx.GraphModule, modules: Iterable[nn.Module]) -> None:
+    """A ``check_detached_mode`` guard at the start of the graph for each module outside the
+    model's tree that the export traced through (as fx puts one where it traces through one)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, module in enumerate(modules):
+        name = f"_autoshard_detached_{index}"
+        setattr(gm, name, DetachedModule(module))
+        with gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before():
+            held = gm.graph.create_node("get_attr", name)  # a plain attribute: get_attr would warn
+        with gm.graph.inserting_after(held):
+            gm.graph.call_function(check_detached_mode, (held, module.training))
+    gm.graph.lint()
+    gm.recompile()
+
+
 def _computed_in_export(module: nn.Module, name: str, value: Any) -> bool:
     """Whether export's run of a forward stores a tensor on its module other than the one there
     (an in-place update such as ``self.steps += 1`` rebinds the same tensor, which export keeps)."""
@@ -258,6 +293,7 @@ def export_with_leaves(
     grad_mode_sites: list[str] = []  # where the model's code asked for the grad mode
 
     hooked = {id(m): m for m in model.modules() if m is not model and has_backward_hooks(m)}
+    detached: dict[int, nn.Module] = {}  # modules the export ran that are not in the model's tree
 
     def attempt(leaves: Leaves) -> torch.export.ExportedProgram:
         CALLS.clear()
@@ -275,14 +311,17 @@ def export_with_leaves(
             if modules or stand_ins:  # what the opaque parts return on the example itself
                 _record_real_results(wrapper, model, inputs, reader)
                 grad_mode_sites.clear()
+            detached.clear()
             with isolated(model), _quiet(), refusing_state_writes(_computed_in_export), torch.enable_grad(), \
-                    swapped_attribute(torch, "is_grad_enabled", reader), _refusing_custom_backward():
+                    swapped_attribute(torch, "is_grad_enabled", reader), _refusing_custom_backward(), \
+                    _noting_detached_modules(model, wrapper, detached):
                 return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
 
     try:
         ep, leaves = capture_with_leaves(model, attempt, "export")
         gm, guard = _graph_module(ep, wrapper, model, signature)
         _guard_grad_mode(gm, caller_grad, grad_mode_sites)
+        _guard_detached_modes(gm, detached.values())
     finally:
         CALLS.clear()
         forget_real_results()
