@@ -308,6 +308,12 @@ def test_spec_errors_name_the_problem_and_point_at_it(spec, message, column, wid
     assert (exc.column, exc.spec) == (column, spec)
 
 
+def test_an_option_of_another_pass_names_the_pass_that_takes_it():
+    with pytest.raises(SpecError, match=r"unknown option 'time-limit' for pass 'split'; its options are: .* "
+                                        r"\(pass 'split-exact' takes it\)"):
+        Pipeline.parse("split{stages=2 strategy=exact time-limit=5}")
+
+
 def test_multi_line_spec_errors_show_the_line_and_its_number():
     with pytest.raises(SpecError) as info:
         parse("linearize,\nsplit{stage=1}")

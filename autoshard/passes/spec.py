@@ -358,6 +358,15 @@ def _convert(opt: OptionSpec, t: Any) -> Any:
     return _scalar(values[0], t)
 
 
+def _passes_taking(registry: PassRegistry, option: str, besides: str) -> str:
+    """Where an option unknown to one pass belongs (``time-limit`` is ``split-exact``'s, not
+    ``split``'s), as a hint; empty when no other pass takes it."""
+    others = [p.name for p in registry.passes() if p.name != besides and option in {f.name for f in p.options()}]
+    if not others:
+        return ""
+    return f" (pass {' and '.join(repr(o) for o in others[:3])} take{'s' if len(others) == 1 else ''} it)"
+
+
 def instantiate(element: PassSpec, text: str, registry: PassRegistry | None = None) -> tuple[Pass, frozenset[str]]:
     """Look up and construct one parsed element; returns the pass and the option fields written."""
     registry = default_registry if registry is None else registry
@@ -376,6 +385,7 @@ def instantiate(element: PassSpec, text: str, registry: PassRegistry | None = No
             hint = suggest(opt.key, keys)
             if not hint:
                 hint = f"; its options are: {', '.join(keys)}" if keys else f"; '{cls.name}' takes no options"
+            hint += _passes_taking(registry, fname, cls.name)
             raise spec_error(f"unknown option '{opt.key}' for pass '{cls.name}'{hint}", text, opt.start, opt.key_end)
         if fname in first:
             _, col, _ = _locate(text, first[fname].start)
