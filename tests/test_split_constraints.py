@@ -300,8 +300,12 @@ def test_a_position_dependent_memory_budget_no_split_meets_names_both_options():
 def test_in_flight_memory_that_cannot_fit_in_total_or_per_node_is_named():
     dag = in_flight_chain()
     with pytest.raises(InfeasibleSplitError, match=r"memory_budgets sum to 20 but the nodes need 30 in total "
-                       r"with 2 microbatch\(es\) in flight \(memory_in_flight \[2\.0, 2\.0\]\)"):
+                       r"even with activations counted for 2 microbatches, the fewest any stage keeps in flight "
+                       r"\(memory_in_flight per stage: 2, 2\)"):
         split_dag(dag, 2, memory_budgets=[10, 10], memory_in_flight=[2, 2])
+    with pytest.raises(InfeasibleSplitError, match=r"need 18 in total even with activations counted for 1 "
+                       r"microbatch, the fewest any stage keeps in flight \(memory_in_flight per stage: 3, 1\)"):
+        split_dag(dag, 2, memory_budgets=[8, 8], memory_in_flight=[3, 1])
     dag.nodes["v0"][ACTIVATION_MEMORY] = 10.0
     with pytest.raises(InfeasibleSplitError, match=r"node 'v0' needs memory 1 plus 10 per microbatch in flight, "
                        r"more than any stage holds under memory_budgets \[20\.0, 20\.0, 20\.0\] with "

@@ -276,7 +276,10 @@ def _fits(memory: StageLimit, held: np.ndarray, scaled: np.ndarray | None) -> np
 def _in_flight_note(memory: StageLimit) -> str:
     if memory.scaled is None or not memory.scaled.any():
         return ""
-    return f" with {memory.scale.min():g} microbatch(es) in flight (memory_in_flight {memory.scale.tolist()})"
+    fewest = float(memory.scale.min())
+    per_stage = ", ".join(f"{s:g}" for s in memory.scale.tolist())
+    return (f" even with activations counted for {fewest:g} microbatch{'' if fewest == 1 else 'es'}, the fewest "
+            f"any stage keeps in flight (memory_in_flight per stage: {per_stage})")
 
 
 def _too_big(what: str, members: int | np.ndarray, memory: StageLimit) -> str:
