@@ -66,6 +66,7 @@ class _LeafTracer(MetaTracer):
         self.proxy_buffer_attributes = True
         self.leaves = leaves
         self.model = model
+        self.watched: dict[int, nn.Module] = {}  # modules outside the tree with a mode guard already
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if m is self.model:
@@ -81,7 +82,9 @@ class _LeafTracer(MetaTracer):
         graph could not read them): fx's own error stands."""
         if not _installed(self, m) and not has_call_hooks(m) and next(m.parameters(), None) is None \
                 and next(m.buffers(), None) is None:
-            self.create_proxy("call_function", check_detached_mode, (DetachedModule(m), m.training), {})
+            if id(m) not in self.watched:  # one guard per module, however often it is called
+                self.watched[id(m)] = m
+                self.create_proxy("call_function", check_detached_mode, (DetachedModule(m), m.training), {})
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 
