@@ -77,19 +77,22 @@ def rewritten_weights(model: nn.Module) -> list[torch.Tensor]:
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
 
+def contents(value: Any) -> Iterable[Any]:
+    """What a container, a mapping, a dataclass or a slice holds; nothing for anything else."""
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return value
+    if isinstance(value, Mapping):  # a dict, or a UserDict such as Hugging Face's BatchEncoding
+        return value.values()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    if isinstance(value, slice):
+        return value.start, value.stop, value.step
+    return ()
+
+
 def holds(value: Any, kinds: type | tuple[type, ...]) -> bool:
     """Whether an instance of ``kinds`` hides anywhere in ``value`` (containers, dataclass fields, slices)."""
-    if isinstance(value, kinds):
-        return True
-    if isinstance(value, (tuple, list, set, frozenset)):
-        return any(holds(v, kinds) for v in value)
-    if isinstance(value, Mapping):  # a dict, or a UserDict such as Hugging Face's BatchEncoding
-        return any(holds(v, kinds) for v in value.values())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(holds(getattr(value, f.name, None), kinds) for f in dataclasses.fields(value))
-    if isinstance(value, slice):
-        return any(holds(v, kinds) for v in (value.start, value.stop, value.step))
-    return False
+    return isinstance(value, kinds) or any(holds(v, kinds) for v in contents(value))
 
 
 #: Values only a trace makes; left on a module, they break its next real call.

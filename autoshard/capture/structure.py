@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_leaves, tree_unflatten
 
-from autoshard.capture.eager import PLAIN_VALUES
+from autoshard.capture.eager import PLAIN_VALUES, contents
 from autoshard.errors import ExampleInputsError
 
 #: Containers whose keys make their layout, in whatever order they come.
@@ -104,16 +104,11 @@ class ArgumentStructure:
 
 
 def _children(value: Any) -> Iterable[Any]:
-    """What ``value`` holds where a tensor may hide: a container's items, a dataclass's fields, a
-    slice's bounds, a plain object's attributes (not a module's, a class's or a function's)."""
-    if isinstance(value, (tuple, list, set, frozenset)):
-        return value
-    if isinstance(value, Mapping):  # a dict, or a UserDict such as Hugging Face's BatchEncoding
-        return value.values()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [getattr(value, f.name, None) for f in dataclasses.fields(value)]
-    if isinstance(value, slice):
-        return value.start, value.stop, value.step
+    """What ``value`` holds where a tensor may hide: what ``contents`` finds (a container's items, a
+    dataclass's fields, a slice's bounds), else a plain object's attributes (not a module's, a
+    class's or a function's)."""
+    if isinstance(value, (tuple, list, set, frozenset, Mapping, slice)) or dataclasses.is_dataclass(value):
+        return contents(value)
     if isinstance(value, (torch.nn.Module, type)) or callable(value) or not hasattr(value, "__dict__"):
         return ()
     return vars(value).values()
