@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.values import ConstantMeta, StructureMeta, ValueMeta
 from autoshard.errors import BoundaryValueError
-from autoshard.runtime.wire import Wire, wire_layout
+from autoshard.runtime.wire import Wire, value_meta, wire_layout
 from autoshard.sharded import ShardedModel
 
 #: Tensor methods whose result is never a tensor.
@@ -95,7 +95,7 @@ def value_kind(sharded: ShardedModel, name: str, producers: dict[str, fx.Node] |
 
 
 def _item_kind(sharded: ShardedModel, wire: Wire) -> str | None:
-    meta = sharded.plan.dag.nodes[wire.name].get("value_meta") if wire.name in sharded.plan.dag else None
+    meta = value_meta(sharded, wire.name)
     items = getattr(meta, "items", ())
     return _describe_structure(items[wire.index]) if wire.index < len(items) else None
 
@@ -110,7 +110,6 @@ def _non_tensor_leaves(meta: ValueMeta | None) -> list[ConstantMeta]:
 def _output_problems(sharded: ShardedModel) -> list[str]:
     """What the model returns that is known not to be a tensor (the last stage must return tensors)."""
     output = next(node for node in sharded.stages[-1].graph.nodes if node.op == "output")
-    dag = sharded.plan.dag
     problems = []
     for leaf in tree_leaves(output.args[0]):  # fx argument structures are pytrees of nodes
         if leaf is None:  # the last stage drops it
@@ -118,7 +117,7 @@ def _output_problems(sharded: ShardedModel) -> list[str]:
         if not isinstance(leaf, fx.Node):
             problems.append(f"the constant {leaf!r}")
             continue
-        meta = dag.nodes[leaf.name].get("value_meta") if leaf.name in dag else None
+        meta = value_meta(sharded, leaf.name)
         problems += [f"'{leaf.name}' holding {c.type_name} {c}" for c in _non_tensor_leaves(meta)]
     return problems
 

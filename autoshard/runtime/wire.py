@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from autoshard.costs.values import StructureMeta, TensorMeta
+from autoshard.costs.values import StructureMeta, TensorMeta, ValueMeta
 from autoshard.sharded import ShardedModel
 
 
@@ -78,9 +78,16 @@ def items_read_after(sharded: ShardedModel, name: str, boundary: int) -> list[in
     return sorted(indices)
 
 
+def value_meta(sharded: ShardedModel, name: str) -> ValueMeta | None:
+    """What shape propagation recorded of value ``name`` (None without it, or for a value of the
+    stages' own making)."""
+    dag = sharded.plan.dag
+    return dag.nodes[name].get("value_meta") if name in dag else None
+
+
 def _flat_tensor_sequence(sharded: ShardedModel, name: str) -> StructureMeta | None:
     """The value's structure when it is a tuple or list of tensors only (shapes were propagated)."""
-    meta = sharded.plan.dag.nodes[name].get("value_meta") if name in sharded.plan.dag else None
+    meta = value_meta(sharded, name)
     if isinstance(meta, StructureMeta) and meta.kind in ("tuple", "list") and meta.items and \
             all(isinstance(item, TensorMeta) for item in meta.items):
         return meta
