@@ -326,7 +326,7 @@ def _compare_without_plan(args: argparse.Namespace) -> str:
     """Why --compare and --plan do not go together, and the command that compares strategies on the
     saved plan's pipeline and stage count (--strategy, which --plan refuses, is no way out)."""
     saved = read_plan(args.plan)
-    memory = _memory_model(args, saved.memory_model) or saved.memory_model
+    memory = _memory_model(args, saved.memory_model)
     command = ["autoshard", args.command, args.target, "--stages", str(saved.num_stages),
                "--pipeline", saved.pipeline, *_memory_flags(memory), "--compare", args.compare]
     return ("--compare splits the model again with each strategy, which --plan (rebuild the saved split) does not "
