@@ -1,7 +1,8 @@
 """autoshard: split any PyTorch ``nn.Module`` into k balanced, verified pipeline stages.
 
 Attributes load lazily so that ``autoshard.graph`` (the splitter) works with networkx alone,
-without importing torch.
+without importing torch, and so that ``import autoshard`` does not import ``torch.distributed``
+(``autoshard.runtime`` does, on first use).
 """
 
 from __future__ import annotations
@@ -48,14 +49,20 @@ _ERRORS = (
 )
 _LAZY.update(dict.fromkeys(_ERRORS, "autoshard.errors"))
 
+#: Public subpackages, reachable as ``autoshard.runtime`` without importing them by name (as
+#: ``torch.distributed`` is); left out of ``__all__`` so that ``from autoshard import *`` imports none.
+_SUBPACKAGES = frozenset({"capture", "costs", "examples", "graph", "passes", "plan_io", "runtime", "testing"})
+
 __all__ = [*_LAZY, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"autoshard.{name}")
     raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted([*__all__, *_SUBPACKAGES])

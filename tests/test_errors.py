@@ -112,6 +112,24 @@ def test_every_error_and_warning_the_readme_names_is_importable_from_autoshard()
     assert issubclass(autoshard.StalePlanWarning, UserWarning)
 
 
+def test_public_subpackages_are_attributes_of_autoshard_and_load_only_when_used():
+    """``autoshard.runtime.pipeline_stage`` works after ``import autoshard`` alone, yet that import
+    leaves ``torch.distributed.pipelining`` unloaded (the runtime imports it on first use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, autoshard\n"
+            "assert 'torch.distributed.pipelining' not in sys.modules, 'import autoshard loaded the runtime'\n"
+            "assert 'runtime' in dir(autoshard)\n"
+            "assert callable(autoshard.runtime.pipeline_stage)\n"
+            "assert 'torch.distributed.pipelining' in sys.modules\n"
+            "for name in ('capture', 'costs', 'examples', 'graph', 'passes', 'plan_io', 'testing'):\n"
+            "    assert getattr(autoshard, name).__name__ == 'autoshard.' + name\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(AttributeError, match="no attribute 'runtimes'"):
+        autoshard.runtimes  # noqa: B018 - the lookup is the test
+
+
 def test_pipeline_cost_is_kept_when_the_call_leaves_cost_at_its_default():
     sharded = autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,linearize,split{cost=nodes},emit")
     assert len(sharded.stages) == 2
