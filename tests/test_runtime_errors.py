@@ -57,11 +57,20 @@ def test_world_sizes_that_fit(schedule, stages, world):
     ("1f1b", 2, 4, "--nproc-per-node 2"),
     ("interleaved-1f1b", 3, 2, "multiple of 2"),
     ("interleaved-1f1b", 2, 4, "multiple of 4"),
-    (torch.distributed.pipelining.ScheduleZBVZeroBubble, 4, 2, "ScheduleInterleaved1F1B"),
+    ("gpipe", 4, 2, "or use the schedule 'interleaved-1f1b' or 'looped-bfs' with several stages per process"),
+    (torch.distributed.pipelining.ScheduleZBVZeroBubble, 4, 2, "use the schedule 'interleaved-1f1b' or 'looped-bfs'"),
 ])
 def test_world_sizes_that_do_not_fit_say_what_to_launch(schedule, stages, world, advice):
-    with pytest.raises(WorldSizeError, match=advice):
+    with pytest.raises(WorldSizeError, match=advice) as refused:
         check_world_size(stages, world, schedule)
+    assert "ScheduleInterleaved1F1B" not in str(refused.value)  # build_schedule takes the name, not the class
+
+
+def test_a_refusal_names_the_schedule_as_build_schedule_takes_it():
+    with pytest.raises(WorldSizeError, match="^schedule '1f1b' runs one stage per process"):
+        check_world_size(2, 4, torch.distributed.pipelining.Schedule1F1B)
+    with pytest.raises(WorldSizeError, match="^ScheduleZBVZeroBubble places stages in a V"):  # not in SCHEDULES
+        check_world_size(4, 2, torch.distributed.pipelining.ScheduleZBVZeroBubble)
 
 
 def test_an_unknown_schedule_name_is_suggested():

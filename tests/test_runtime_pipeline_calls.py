@@ -109,7 +109,8 @@ def test_tied_gradients_sum_over_the_stages_group_by_default(launched):
 
 def test_ranks_that_disagree_on_the_microbatches_fail_alike_instead_of_waiting(launched):
     for rank in launched:
-        assert "rank 0: ScheduleGPipe over 4, rank 1: ScheduleGPipe over 2" in rank["microbatches differ"]
+        assert ("rank 0: schedule 'gpipe' over 4 microbatches, rank 1: schedule 'gpipe' over 2 microbatches"
+                in rank["microbatches differ"])
 
 
 def test_an_lstm_state_used_whole_by_the_next_stage_trains_like_the_model(launched):

@@ -73,23 +73,32 @@ def schedule_class(schedule: ScheduleLike) -> type:
 _V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
 
 
+#: The schedules to name when the chosen one cannot run the stages: they run several per process.
+_SEVERAL_PER_PROCESS = "schedule 'interleaved-1f1b' or 'looped-bfs'"
+
+
+def schedule_name(cls: type) -> str:
+    """``schedule 'interleaved-1f1b'``: ``cls`` as ``build_schedule`` takes it, so that a message
+    names what the caller can pass; a class ``SCHEDULES`` lacks keeps its own name."""
+    return next((f"schedule {name!r}" for name, known in SCHEDULES.items() if known is cls), cls.__name__)
+
+
 def check_world_size(num_stages: int, world_size: int, schedule: ScheduleLike) -> None:
     """Raise ``WorldSizeError`` unless ``world_size`` processes can run ``num_stages`` stages
     under ``schedule``."""
     cls = schedule_class(schedule)
-    name = cls.__name__
+    name = schedule_name(cls)
     if issubclass(cls, PipelineScheduleSingle):
         if num_stages != world_size:
             raise WorldSizeError(
                 f"{name} runs one stage per process: {num_stages} stages need {num_stages} processes, "
                 f"but the world size is {world_size}; launch with --nproc-per-node {num_stages}, "
-                f"shard into {world_size} stages, or use an interleaved schedule "
-                "(ScheduleInterleaved1F1B) with several stages per process")
+                f"shard into {world_size} stages, or use the {_SEVERAL_PER_PROCESS} with several stages per process")
         return
     if issubclass(cls, _V_SHAPED):
         raise WorldSizeError(
             f"{name} places stages in a V (rank r runs stages r and 2W-1-r), but autoshard places "
-            "stage i on rank i % world_size; use ScheduleInterleaved1F1B or ScheduleLoopedBFS")
+            f"stage i on rank i % world_size; use the {_SEVERAL_PER_PROCESS}")
     if num_stages % world_size or num_stages < world_size:
         raise WorldSizeError(
             f"{name} gives every process the same number of stages: {num_stages} stages do not divide "
@@ -118,7 +127,7 @@ def _check_ranks_agree(local: list[PipelineStage], group: dist.ProcessGroup | No
         raise InvalidArgumentError(
             "; ".join(problems) + "; build every stage a rank runs (pipeline_stage) and pass them all")
     if any(other != schedule for _, _, other in gathered):
-        by_rank = ", ".join(f"rank {r}: {name} over {n}" for r, (_, _, (name, n)) in enumerate(gathered))
+        by_rank = ", ".join(f"rank {r}: {name} over {n} microbatches" for r, (_, _, (name, n)) in enumerate(gathered))
         raise PipelineSetupError(
             f"the processes run different schedules or numbers of microbatches ({by_rank}); pass the "
             "same schedule and n_microbatches to build_schedule on every rank")
@@ -179,7 +188,7 @@ def build_schedule(
     cls = schedule_class(schedule)
     group = local[0].group
     check_world_size(local[0].num_stages, dist.get_world_size(group), cls)
-    _check_ranks_agree(local, group, (cls.__name__, n_microbatches))
+    _check_ranks_agree(local, group, (schedule_name(cls), n_microbatches))
     _warn_of_per_microbatch_statistics(local, n_microbatches)
     last = next((stage.submod for stage in local if stage.is_last), None)
     if loss_fn is model_loss and last is not None:
