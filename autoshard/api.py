@@ -33,6 +33,7 @@ from autoshard.passes.profile import ProfilePass
 from autoshard.passes.shapes import ShapePropPass
 from autoshard.passes.split import SplitPass
 from autoshard.passes.verify import VerifyPass
+from autoshard.plan_io.origin import PlanOrigin
 from autoshard.sharded import ShardedModel
 
 CostFunction = Callable[[CostNode], float]
@@ -275,6 +276,7 @@ def shard_model(
         plan = program.sharded.plan
         check_memory_budgets(stage_memory(plan.dag, plan.assignment, num_stages, memory_model or MemoryModel()),
                              budgets)
+    program.sharded.plan_origin = PlanOrigin.made(program, chosen, cost_models)  # for sharded.save_plan
     return program.sharded
 
 

@@ -288,13 +288,6 @@ def test_a_plan_measured_on_inputs_needs_inputs_to_rebuild(residual, saved):
         load_plan(saved, model)
 
 
-def test_save_plan_says_what_it_writes_when_given_a_sharded_model(tmp_path):
-    model, args, _ = load_example("residual-mlp")
-    sharded = autoshard.shard_model(model, 2, example_inputs=args)
-    with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match="save_plan writes a SavedPlan"):
-        autoshard.save_plan(sharded, tmp_path / "plan.json")
-
-
 def test_a_loaded_partition_with_another_stage_count_than_asked_is_refused(residual, saved):
     """shard_model promises exactly k stages; a pipeline whose partition comes from a plan of 4
     must not hand back 4 when 2 were asked for."""

@@ -1,7 +1,9 @@
 """Plans as files: a split saved as JSON that a person can read and edit and a program can reuse.
 
 ``plan_from_program`` captures a split, ``save_plan`` / ``read_plan`` write and check the file,
-and ``load_plan`` rebuilds the same stages for the model (``autoshard split --plan``).
+and ``load_plan`` rebuilds the same stages for the model (``autoshard split --plan``). Stages made
+by ``shard_model`` or ``load_plan`` write their own plan (``sharded.save_plan(path)``) through the
+``PlanOrigin`` they are given.
 """
 
 from autoshard.plan_io.files import format_plan, plan_from_dict, read_plan, save_plan
@@ -22,10 +24,11 @@ from autoshard.plan_io.model import (
     assignment_digest,
     module_ancestors,
 )
+from autoshard.plan_io.origin import PlanOrigin
 from autoshard.plan_io.rebuild import StalePlanWarning, check_fits, load_plan, rebuild_pipeline, weight_size_changes
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "PlanNode", "REPORTED_COSTS", "ReportedCosts", "SavedPlan", "SplitRecord",
+    "FORMAT", "FORMAT_VERSION", "PlanNode", "PlanOrigin", "REPORTED_COSTS", "ReportedCosts", "SavedPlan", "SplitRecord",
     "StalePlanWarning", "assignment_digest", "check_fits", "format_plan", "load_plan", "module_ancestors",
     "plan_from_dict", "plan_from_program", "read_plan", "rebuild_pipeline", "report_costs", "save_plan",
     "split_record", "versions", "weight_size_changes",

@@ -22,6 +22,7 @@ from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, Pla
 from autoshard.graph import SplitInfo, check_dag, check_partition
 from autoshard.graph.from_fx import WeightInfo
 from autoshard.plan_io.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan, SplitRecord, optional_float
+from autoshard.sharded import ShardedModel
 
 
 def _compact(value: Any) -> str:
@@ -44,12 +45,15 @@ def format_plan(data: Mapping[str, Any]) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-def save_plan(plan: SavedPlan, path: str | Path) -> Path:
-    """Write ``plan`` as JSON (deterministic: the same plan gives the same bytes)."""
+def save_plan(plan: SavedPlan | ShardedModel, path: str | os.PathLike[str]) -> Path:
+    """Write ``plan`` as JSON (deterministic: the same plan gives the same bytes). A ``ShardedModel``
+    writes its own plan (``ShardedModel.save_plan``): the file the CLI's ``--out`` writes."""
+    if isinstance(plan, ShardedModel):
+        return plan.save_plan(path)
     if not isinstance(plan, SavedPlan):
         raise InvalidArgumentTypeError(
-            f"save_plan writes a SavedPlan, got {type(plan).__name__}; make one with the CLI "
-            "(autoshard split TARGET --out plan.json) or autoshard.plan_io.plan_from_program")
+            f"save_plan writes the plan of a ShardedModel (autoshard.shard_model) or a SavedPlan, got "
+            f"{type(plan).__name__}")
     target = Path(path)
     try:
         target.write_text(format_plan(plan.to_dict()), encoding="utf-8")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import networkx as nx
+
+from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, node_times
 from autoshard.costs.memory import MemoryModel
 from autoshard.errors import AutoshardError, InvalidArgumentError
@@ -103,9 +106,21 @@ def plan_from_program(
     """
     if program.dag is None or program.partition is None:
         raise InvalidArgumentError("a plan needs a program with a DAG and a partition: run up to the split")
+    return plan_of_split(
+        program.dag, program.partition, program.traced.wrapped if program.traced is not None else (),
+        type(program.model).__qualname__, pipeline, cost_model, costs, time_estimate=time_estimate, split=split,
+        memory_model=memory_model)
+
+
+def plan_of_split(
+    dag: nx.DiGraph, partition: Partition, wrapped: Sequence[WrappedLeaf], model: str, pipeline: str,
+    cost_model: str, costs: Mapping[str, Mapping[str, float]], *, time_estimate: DeviceModel | None = None,
+    split: SplitRecord | None = None, memory_model: MemoryModel = MemoryModel(),
+) -> SavedPlan:
+    """``plan_from_program`` from the parts a plan is made of, which a ``ShardedModel`` keeps too
+    (``model`` is the model's class name, ``wrapped`` the code its capture kept whole)."""
     if cost_model not in costs:
         raise InvalidArgumentError(f"the costs given do not include the split's cost model {cost_model!r}")
-    dag, partition = program.dag, program.partition
     nodes = []
     for name in partition.assignment:
         data = dag.nodes[name]
@@ -117,10 +132,9 @@ def plan_from_program(
             output=bool(data.get("output")), value=_value_of(data),
             weights=tuple(data.get("weights", ())), allocated=optional_float(data.get("allocated")),
         ))
-    wrapped = program.traced.wrapped if program.traced is not None else ()
     return SavedPlan(
         num_stages=partition.num_stages, cost_model=cost_model, pipeline=pipeline,
-        model=type(program.model).__qualname__, versions=versions(), nodes=tuple(nodes),
+        model=model, versions=versions(), nodes=tuple(nodes),
         edges=tuple((str(u), str(v)) for u, v in dag.edges), wrapped=tuple(wrapped),
         weights=dict(dag.graph.get("weights", {})), time_estimate=time_estimate,
         split=split or split_record(partition), memory_model=memory_model,

@@ -6,15 +6,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import networkx as nx
+from torch import nn
 
-from autoshard.errors import PlanError, SpecError
+from autoshard.errors import InvalidArgumentTypeError, PlanError, SpecError
 from autoshard.plan_io.files import read_plan
 from autoshard.plan_io.from_program import versions
 from autoshard.plan_io.model import SavedPlan
+from autoshard.plan_io.origin import PlanOrigin
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch import nn
-
     from autoshard.passes.pipeline import Pipeline
     from autoshard.sharded import ShardedModel
 
@@ -100,6 +100,10 @@ def load_plan(
     """
     from autoshard.api import check_model, example_inputs_of, run_pipeline
 
+    if isinstance(path, nn.Module):
+        raise InvalidArgumentTypeError(
+            f"load_plan takes the plan file first, then the model: load_plan(path, model, example_inputs), "
+            f"got the {type(path).__name__} first")
     check_model(model)
     inputs = example_inputs_of(example_inputs, example_kwargs)
     saved = read_plan(path)
@@ -111,4 +115,6 @@ def load_plan(
     program = run_pipeline(model, pipeline, inputs, instruments, memory_model=saved.memory_model).program
     if program.sharded is None:
         raise PlanError(f"plan {path}'s pipeline {pipeline} builds no stages; it must end with 'emit'")
+    split = None if weight_size_changes(saved, program.dag) else saved.split
+    program.sharded.plan_origin = PlanOrigin.rebuilt(saved, program, split)
     return program.sharded
