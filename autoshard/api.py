@@ -40,10 +40,16 @@ CostFunction = Callable[[CostNode], float]
 
 
 def check_model(model: Any) -> nn.Module:
-    if not isinstance(model, nn.Module):
+    """``model``, or a refusal that says what to pass instead of what was given."""
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, Mapping) and model and all(isinstance(v, torch.Tensor) for v in model.values()):
         raise InvalidArgumentTypeError(
-            f"autoshard splits a torch.nn.Module, got {type(model).__name__}; wrap your function in a Module")
-    return model
+            f"autoshard splits a torch.nn.Module, got a state dict ({len(model)} tensors): it holds the weights, "
+            "not the code that runs them; build the model, load them with model.load_state_dict(state_dict) "
+            "and pass the model")
+    advice = "wrap your function in a Module" if callable(model) else "pass the model (an nn.Module) itself"
+    raise InvalidArgumentTypeError(f"autoshard splits a torch.nn.Module, got {type(model).__name__}; {advice}")
 
 
 def example_inputs_of(example_inputs: Any, example_kwargs: Mapping[str, Any] | None) -> ExampleInputs | None:

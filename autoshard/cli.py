@@ -39,6 +39,8 @@ from autoshard.errors import (
     MissingDependencyError,
     PlanError,
     ShapePropagationError,
+    plural,
+    suggest,
 )
 from autoshard.examples import EXAMPLES
 from autoshard.passes.analyses import memory_model, use_memory_model
@@ -54,13 +56,12 @@ from autoshard.report import (
     boundary_table,
     compare_tables,
     how_made_lines,
-    plural,
     shared_weights_table,
     stage_table,
     summary_lines,
     wrapped_table,
 )
-from autoshard.targets import TargetError, check_inputs_bind, load_target
+from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
 
 
 class _ShowPasses(Instrument):
@@ -126,7 +127,13 @@ class _Session:
         plan = plan_from_program(program, choice.spec, choice.cost_model, reported.costs,
                                  time_estimate=reported.time_estimate, split=split,
                                  memory_model=memory_model(self.ctx))
-        return plan, reported.notes
+        return plan, reported.notes if self.inputs is not None else (self.without_inputs(),)
+
+    def without_inputs(self) -> str:
+        """What a factory that returned no example inputs costs the plan, and what to return instead:
+        one line in place of the library's notes on each cost it could not measure."""
+        return (f"no example inputs: {self.args.target} returned the model alone, so value sizes, FLOPs and times "
+                f"are not measured and the stages are not verified; make it return {FACTORY_WITH_INPUTS}")
 
     def keep_saved_memory_model(self, saved: SavedPlan) -> None:
         """A rebuilt plan reports training memory with the model it was made for; a memory flag the
@@ -299,7 +306,7 @@ def _compare(args: argparse.Namespace, session: _Session, choice: _Choice, conso
     from autoshard.graph import strategies
 
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
-    unknown = [n for n in names if n not in strategies()]
+    unknown = [f"{n!r}{suggest(n, strategies())}" for n in names if n not in strategies()]
     if unknown or not names:
         raise InvalidArgumentError(
             f"--compare takes strategy names separated by commas; unknown: {', '.join(unknown) or '(none given)'}; "
@@ -420,8 +427,8 @@ def cmd_examples(args: argparse.Namespace, console: Console) -> int:
 def _plan_options(build: bool) -> argparse.ArgumentParser:
     """The options ``split`` and ``inspect`` share (``split`` also builds and verifies stages)."""
     options = argparse.ArgumentParser(add_help=False)
-    target_help = ("a built-in example name or package.module:factory returning the model, (model, args) or "
-                   "(model, args, kwargs)" + ("" if build else "; or a saved plan.json to show"))
+    target_help = (f"a built-in example name or package.module:factory returning {FACTORY_RETURNS}"
+                   + ("" if build else "; or a saved plan.json to show"))
     options.add_argument("target", metavar="TARGET", help=target_help)
     options.add_argument("--stages", "-k", type=int, metavar="K", help="number of stages")
     options.add_argument("--cost", help="cost model to balance (default: params)")

@@ -2,9 +2,37 @@
 
 Each message says what was wrong and what to do about it; the classes also derive from the
 matching builtin (``ValueError``, ``TypeError``) so callers that catch those keep working.
+``suggest`` and ``plural`` are the wording the messages share: every closed set of names
+(passes, options, strategies, cost models, schedules, examples) answers a typo the same way.
 """
 
 from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+def suggest(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest matches of ``name``, or ``""`` when none is close.
+
+    Only the best match and those nearly as good are offered, so ``stage`` suggests ``stages``
+    without also suggesting ``tag``.
+    """
+    scored = []
+    for c in sorted(set(candidates)):
+        matcher = difflib.SequenceMatcher(None, name, c)
+        if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 and matcher.ratio() >= 0.6:
+            scored.append((matcher.ratio(), c))
+    if not scored:
+        return ""
+    best = max(score for score, _ in scored)
+    close = [c for score, c in sorted(scored, key=lambda sc: (-sc[0], sc[1])) if score >= best - 0.1][:3]
+    return " (did you mean " + " or ".join(f"'{c}'" for c in close) + "?)"
+
+
+def plural(count: float, noun: str) -> str:
+    """``1 stage``, ``2 stages``: a count with its noun, so no message reads ``at most 1 stages``."""
+    return f"{count:.0f} {noun}{'' if count == 1 else 's'}"
 
 
 class AutoshardError(Exception):
@@ -25,7 +53,7 @@ class TooManyStagesError(InvalidArgumentError):
     def __init__(self, requested: int, maximum: int, detail: str = "") -> None:
         self.requested = requested
         self.maximum = maximum
-        advice = (f"ask for at most {maximum} stages" if maximum else
+        advice = (f"ask for at most {plural(maximum, 'stage')}" if maximum else
                   "there is no computation to split (a model that returns its inputs needs no stages)")
         msg = (
             f"cannot split into {requested} non-empty stages: the maximum is {maximum}"

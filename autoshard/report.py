@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard.costs.memory import StageMemory
+from autoshard.errors import plural
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 
 _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*)*)$")
@@ -185,10 +186,6 @@ def format_size(plan: SavedPlan, value: float) -> str:
     if sizes_known(plan):
         return human_bytes(value)
     return plural(value, "value")
-
-
-def plural(count: float, noun: str) -> str:
-    return f"{count:.0f} {noun}{'' if count == 1 else 's'}"
 
 
 def _plain(text: str) -> Text:

@@ -11,13 +11,18 @@ import torch
 from torch import nn
 
 from autoshard.capture.signature import forward_signature
-from autoshard.errors import AutoshardError, InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.errors import AutoshardError, InvalidArgumentError, InvalidArgumentTypeError, suggest
 from autoshard.examples import EXAMPLES, Example, load_example
-from autoshard.passes.registry import suggest
 
 
 class TargetError(AutoshardError):
     """A TARGET could not be imported or its factory failed."""
+
+
+#: What a factory TARGET returns to give example inputs, and all it may return; the help, the
+#: refusals and the advice say it alike.
+FACTORY_WITH_INPUTS = "(model, args) or (model, args, kwargs)"
+FACTORY_RETURNS = f"a model, {FACTORY_WITH_INPUTS}"
 
 
 def _import_from_cwd(module_name: str) -> Any:
@@ -59,7 +64,7 @@ def _call_factory(target: str) -> Any:
 
 
 def load_target(target: str) -> Example:
-    """Return ``(model, example_args, example_kwargs)`` for a TARGET."""
+    """Return ``(model, example_args, example_kwargs)`` for a TARGET (no inputs: ``()`` and ``{}``)."""
     if target in EXAMPLES:
         return load_example(target)
     made = _call_factory(target)
@@ -72,8 +77,7 @@ def load_target(target: str) -> Example:
             raise InvalidArgumentTypeError(f"the factory {target!r} returned example kwargs that are not a dict")
         return made[0], tuple(args), kwargs
     raise InvalidArgumentTypeError(
-        f"the factory {target!r} returned {type(made).__name__}; return a model, (model, example_args) "
-        "or (model, example_args, example_kwargs)")
+        f"the factory {target!r} returned {type(made).__name__}; return {FACTORY_RETURNS}")
 
 
 def _describe(value: Any) -> str:

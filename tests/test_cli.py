@@ -32,6 +32,9 @@ def mismatched():
 
 def wrong_shape():
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), (torch.randn(2, 5),)
+
+def bare():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
 '''
 
 
@@ -180,6 +183,21 @@ def test_a_factory_target_run_from_its_folder(factories):
     out = autoshard("split", "mymodels:build", "--stages", "3", cwd=factories)
     assert out.returncode == 0, out.stderr
     assert [modules(r[1]) for r in stage_rows(out.stdout)] == ["0-1", "2-3", "4-5"]
+
+
+def test_a_factory_without_inputs_is_told_once_to_return_them(factories):
+    """One line says what the missing inputs cost and what to return, in place of the library's note on
+    each cost it could not measure (which speaks of shard_model, not of the factory)."""
+    out = autoshard("split", "mymodels:bare", "--stages", "2", cwd=factories)
+    assert out.returncode == 0, out.stderr
+    flat = " ".join(out.stdout.split())
+    assert ("no example inputs: mymodels:bare returned the model alone, so value sizes, FLOPs and times are not "
+            "measured and the stages are not verified; make it return (model, args) or (model, args, kwargs)") in flat
+    assert "not shown" not in flat and "shard_model" not in flat
+    verify = autoshard("split", "mymodels:bare", "--stages", "2",
+                       "--pipeline", "trace,build-dag,linearize,split,emit,verify", cwd=factories)
+    assert verify.returncode == 2
+    assert "a factory returning (model, args) or (model, args, kwargs)" in " ".join(verify.stderr.split())
 
 
 @pytest.mark.parametrize("args,message,hint", [

@@ -78,7 +78,9 @@ def test_compare_drops_the_tolerance_for_baselines_and_dumps_every_split(capsys,
 
 def test_compare_refuses_unknown_strategies_and_saving(capsys):
     code, _, err = run(capsys, "split", "branched", "-k", "2", "--compare", "greedy,nope")
-    assert code == 2 and "unknown: nope" in flat(err) and "known: " in err
+    assert code == 2 and "unknown: 'nope';" in flat(err) and "known: " in err
+    code, _, err = run(capsys, "split", "branched", "-k", "2", "--compare", "greedy,mincut")
+    assert code == 2 and "unknown: 'mincut' (did you mean 'min-cut'?)" in flat(err)
     code, _, err = run(capsys, "split", "branched", "-k", "2", "--compare", "greedy", "--out", "x.json")
     assert code == 2 and "run again with one --strategy" in flat(err)
 
@@ -149,7 +151,11 @@ def test_progress_names_each_pass_on_a_terminal_and_quiet_silences_it(capsys, mo
     (("split", "residual-mlp", "-k", "2", "--pipeline", "trace,build-dag,linearize,split,emit",
       "--strategy", "greedy"), "set the strategy in the spec"),
     (("split", "residual-mlp", "-k", "2", "--svg", "plan.png"), "--svg writes a .svg file"),
-    (("split", "residual-mlp", "-k", "2", "--cost", "flopz"), "unknown cost model 'flopz'"),
+    (("split", "residual-mlp", "-k", "2", "--cost", "flopz"), "unknown cost model 'flopz' (did you mean 'flops'?)"),
+    (("split", "residual-mlp", "-k", "2", "--strategy", "mincut"),
+     "unknown strategy 'mincut' (did you mean 'min-cut'?)"),
+    (("split", "residual-mlp", "-k", "2", "--pipeline", "trace,build-dag,linearize,split{strategy=mincut},emit"),
+     "unknown strategy 'mincut' (did you mean 'min-cut'?)"),
     (("split", "residual-mpl", "-k", "2"), "did you mean 'residual-mlp'?"),
     (("split", "residual-mlp", "-k", "2", "--max-memory", "12XB"), "--max-memory takes bytes per stage"),
     (("split", "residual-mlp", "-k", "2", "--max-memory", "1GB,2GB,3GB"),

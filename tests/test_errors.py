@@ -52,9 +52,35 @@ def test_num_stages_above_the_maximum_states_the_maximum():
     assert info.value.maximum == 10 and info.value.requested == 11
 
 
+def test_num_stages_above_a_maximum_of_one_speaks_in_the_singular():
+    with pytest.raises(TooManyStagesError) as info:
+        autoshard.shard_model(torch.nn.Linear(2, 2), 3, example_inputs=(torch.ones(1, 2),))
+    assert str(info.value).endswith("(the graph has 1 non-input node and each stage needs one); "
+                                    "ask for at most 1 stage")
+
+
 def test_not_a_module():
-    with pytest.raises(InvalidArgumentTypeError, match="torch.nn.Module"):
+    with pytest.raises(InvalidArgumentTypeError, match="torch.nn.Module, got function; wrap your function in a Module"):
         autoshard.shard_model(lambda x: x, 2)
+    with pytest.raises(InvalidArgumentTypeError, match="got str; pass the model"):
+        autoshard.shard_model("gpt2", 2)
+
+
+def test_a_state_dict_is_told_to_load_into_the_model():
+    with pytest.raises(InvalidArgumentTypeError, match="got a state dict") as info:
+        autoshard.shard_model(ResidualMLP().state_dict(), 2)
+    assert "model.load_state_dict(state_dict)" in str(info.value) and "wrap your function" not in str(info.value)
+
+
+@pytest.mark.parametrize("spec, error, close", [
+    ("split{strategy=mincut}", InvalidArgumentError, "unknown strategy 'mincut' (did you mean 'min-cut'?)"),
+    ("split{cost=param}", InvalidArgumentError, "unknown cost model 'param' (did you mean 'params'?)"),
+    ("split{strateg=min-cut}", SpecError, "unknown option 'strateg' for pass 'split' (did you mean 'strategy'?)"),
+])
+def test_a_misspelt_name_in_a_spec_is_answered_with_the_closest_ones(spec, error, close):
+    with pytest.raises(error) as info:
+        autoshard.shard_model(ResidualMLP(), 2, pipeline=f"trace,build-dag,linearize,{spec},emit")
+    assert close in str(info.value)
 
 
 def test_unknown_pass_in_spec():

@@ -153,8 +153,10 @@ def test_bad_tolerance_is_rejected(tolerance, error):
 
 
 def test_unknown_strategy_lists_the_known_ones():
-    with pytest.raises(InvalidArgumentError, match="known strategies: min-cut, fixed-order"):
+    with pytest.raises(InvalidArgumentError, match="^unknown strategy 'magic'; known strategies: min-cut, fixed-order"):
         split_dag(chain([1, 1]), 2, strategy="magic")
+    with pytest.raises(InvalidArgumentError, match=r"^unknown strategy 'greddy' \(did you mean 'greedy'\?\); known"):
+        split_dag(chain([1, 1]), 2, strategy="greddy")
 
 
 def test_unknown_option_is_rejected_with_the_accepted_ones():

@@ -200,7 +200,7 @@ def test_no_split_of_the_whole_model_allows_one_stage_and_says_so_for_more():
 def test_no_split_groups_too_large_for_k_say_how_many_stages_fit():
     model, inputs = mlp()
     with pytest.raises(InfeasibleSplitError, match=r"together groups \['no-split linears'\]: keeping the together "
-                                                   r"groups whole leaves 1 places to cut, so at most 2 stages; ask "
+                                                   r"groups whole leaves 1 place to cut, so at most 2 stages; ask "
                                                    "for at most 2 stages"):
         run(model, inputs, "split{stages=3 no-split=linears}")
     assert len(run(model, inputs, "split{stages=2 no-split=linears}").sharded.stages) == 2

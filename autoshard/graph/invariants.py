@@ -19,6 +19,7 @@ from autoshard.errors import (
     InvalidArgumentTypeError,
     InvalidGraphError,
     TooManyStagesError,
+    plural,
 )
 from autoshard.graph.indexed import Node, is_input
 
@@ -121,7 +122,7 @@ def check_stage_count(k: Any, maximum: int, detail: str) -> int:
 def check_num_stages(dag: nx.DiGraph, k: Any) -> int:
     """``k`` as an int, or raise unless it is a whole number in ``1..max_stages(dag)``."""
     maximum = max_stages(dag)
-    return check_stage_count(k, maximum, f"the graph has {maximum} non-input nodes and each stage needs one")
+    return check_stage_count(k, maximum, f"the graph has {plural(maximum, 'non-input node')} and each stage needs one")
 
 
 def _check_stage_values(dag: nx.DiGraph, assignment: Mapping[Node, Any], k: int) -> None:

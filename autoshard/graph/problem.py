@@ -11,7 +11,7 @@ from typing import Mapping
 import networkx as nx
 import numpy as np
 
-from autoshard.errors import InfeasibleSplitError
+from autoshard.errors import InfeasibleSplitError, plural
 from autoshard.graph.balance import Line, min_bottleneck_of, min_bytes_cuts, slack
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, Constraints, Rules, resolve
 from autoshard.graph.indexed import IndexedDag, Node
@@ -72,10 +72,10 @@ class SplitProblem:
             parts.append(f"capacities {list(c.capacities or [1.0] * self.k)!r}")
         most = self._most_stages()
         if most < self.k:
-            stages = "stage" if most == 1 else "stages"
+            stages = plural(most, "stage")
             return (f"no split of program order into {self.k} non-empty stages meets {' and '.join(parts)}: "
-                    f"keeping the together groups whole leaves {most - 1} places to cut, so at most {most} "
-                    f"{stages}; ask for at most {most} {stages} or drop a group")
+                    f"keeping the together groups whole leaves {plural(most - 1, 'place')} to cut, so at most "
+                    f"{stages}; ask for at most {stages} or drop a group")
         return (f"no split of program order into {self.k} non-empty stages meets {' and '.join(parts)} "
                 "at once (the budget comes from that order: a group that other orders could keep "
                 "together is not looked for); relax one of them or change the number of stages")

@@ -19,7 +19,7 @@ from typing import Any, Callable, Collection, Iterable, Literal, Mapping, Sequen
 import networkx as nx
 import numpy as np
 
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, suggest
 from autoshard.graph import coarsen as coarse_graphs
 from autoshard.graph import mincut
 from autoshard.graph import moves as local_moves
@@ -113,7 +113,8 @@ def check_strategy(strategy: Any) -> None:
     """Refuse a name no strategy is registered under."""
     if not isinstance(strategy, str) or strategy not in _REGISTRY:
         raise InvalidArgumentError(
-            f"unknown strategy {strategy!r}; known strategies: {', '.join(strategies())}"
+            f"unknown strategy {strategy!r}{suggest(strategy, strategies()) if isinstance(strategy, str) else ''}; "
+            f"known strategies: {', '.join(strategies())}"
         )
 
 

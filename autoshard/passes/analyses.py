@@ -16,7 +16,6 @@ each weight counted exactly once per stage holding it.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 import re
@@ -29,7 +28,7 @@ import torch
 from autoshard.costs.memory import MemoryModel, stage_memory
 from autoshard.costs.models import DAG_COST_MODELS, WEIGHT_CHARGED, DagCostModel, memory_costs, summed_per_stage
 from autoshard.arguments import real_number
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, suggest
 from autoshard.passes.base import PassContext, ShardProgram
 
 CostModel = Callable[[ShardProgram], dict[str, float]]
@@ -158,9 +157,7 @@ def _lookup(ctx: PassContext, cost: str) -> CostModel:
 
 
 def _unknown_cost(cost: str) -> str:
-    close = difflib.get_close_matches(cost, COST_MODELS, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown cost model {cost!r}{hint}; known: {', '.join(sorted(COST_MODELS))}"
+    return f"unknown cost model {cost!r}{suggest(cost, COST_MODELS)}; known: {', '.join(sorted(COST_MODELS))}"
 
 
 def charges_weights(ctx: PassContext, cost: str) -> bool:

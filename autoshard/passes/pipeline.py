@@ -27,7 +27,7 @@ __all__ = ["INPUT_ARTIFACTS", "Pipeline", "PipelineResult"]
 INPUT_ARTIFACTS: dict[str, str] = {
     "model": "pass the model",
     "example_inputs": "pass example inputs (shard_model(model, k, example_inputs=...); on the command line, a "
-                      "factory returning (model, example_args); to Pipeline.run, "
+                      "factory returning (model, args) or (model, args, kwargs); to Pipeline.run, "
                       "ShardProgram(model, example_inputs=ExampleInputs(args, kwargs)))",
 }
 """Artifacts that come from the caller rather than from a pass, with what to tell the user."""

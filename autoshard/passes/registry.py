@@ -13,13 +13,12 @@ Plugins are loaded lazily: looking up a name imports only that plugin; listing i
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import re
 from importlib import metadata
 from typing import Callable, ClassVar, Iterable, Iterator, TypeVar, overload
 
-from autoshard.errors import InvalidArgumentTypeError, SpecError
+from autoshard.errors import InvalidArgumentTypeError, SpecError, suggest
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.passes.options import option_types
 
@@ -32,7 +31,6 @@ __all__ = [
     "get_pass",
     "register_pass",
     "registered_passes",
-    "suggest",
 ]
 
 ENTRY_POINT_GROUP = "autoshard.passes"
@@ -41,24 +39,6 @@ _KEBAB = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 _SNAKE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")
 
 P = TypeVar("P", bound=type[Pass])
-
-
-def suggest(name: str, candidates: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest matches of ``name``, or ``""`` when none is close.
-
-    Only the best match and those nearly as good are offered, so ``stage`` suggests ``stages``
-    without also suggesting ``tag``.
-    """
-    scored = []
-    for c in sorted(set(candidates)):
-        matcher = difflib.SequenceMatcher(None, name, c)
-        if matcher.real_quick_ratio() >= 0.6 and matcher.quick_ratio() >= 0.6 and matcher.ratio() >= 0.6:
-            scored.append((matcher.ratio(), c))
-    if not scored:
-        return ""
-    best = max(score for score, _ in scored)
-    close = [c for score, c in sorted(scored, key=lambda sc: (-sc[0], sc[1])) if score >= best - 0.1][:3]
-    return " (did you mean " + " or ".join(f"'{c}'" for c in close) + "?)"
 
 
 def _generated_dataclass_doc(cls: type) -> str:

@@ -24,11 +24,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from autoshard.errors import AutoshardError, InvalidArgumentTypeError, SpecError
+from autoshard.errors import AutoshardError, InvalidArgumentTypeError, SpecError, suggest
 from autoshard.passes.base import Pass
 from autoshard.passes.options import (LiteralType, OptionalType, ScalarType, TupleType, default_of, describe,
                                       format_value, kebab, option_types)
-from autoshard.passes.registry import PassRegistry, default_registry, suggest
+from autoshard.passes.registry import PassRegistry, default_registry
 
 __all__ = [
     "OptionSpec",

@@ -34,8 +34,8 @@ from autoshard.errors import (
     InvalidArgumentTypeError,
     PipelineSetupError,
     WorldSizeError,
+    suggest,
 )
-from autoshard.passes.registry import suggest
 from autoshard.runtime.wire import OutputTensors, loss_reader
 from autoshard.sharded import fitted_call
 
