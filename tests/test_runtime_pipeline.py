@@ -21,12 +21,13 @@ import transformers
 from torch import nn
 
 import autoshard
-from autoshard.errors import InvalidArgumentError, PipelineSetupError, WorldSizeError
+from autoshard.errors import InvalidArgumentError, PipelineSetupError, VerificationError, WorldSizeError
 from autoshard.examples import LongSkip, ResidualMLP
 from autoshard.runtime import (
     MicrobatchStatisticsWarning,
     TiedGradients,
     build_schedule,
+    check_pipeline_step,
     local_stage_indices,
     materialize_stage,
     model_loss,
@@ -125,25 +126,29 @@ def reference_step(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+class TiedGradientsSeen(TiedGradients):
+    """``TiedGradients`` keeping each holder's own part of a shared gradient, from before the sum."""
+
+    def sync(self) -> None:
+        self.before_sync = {(s, n): self._local[s].get_parameter(n).grad.clone()
+                            for shared in self.shared for s, n in shared.holders if s in self._local}
+        super().sync()
+
+
 def pipeline_step(rank: int, world: int, name: str, num_stages: int, schedule: str) -> dict:
-    """One step of ``name`` split into ``num_stages`` under ``schedule``; what this rank saw."""
+    """One step of ``name`` split into ``num_stages`` under ``schedule``, checked against the
+    unsplit model (``check_pipeline_step``); what this rank saw."""
     model, args, kwargs, target = build(name)
     sharded = autoshard.shard_model(model, num_stages, example_inputs=args, example_kwargs=kwargs)
     mine = local_stage_indices(num_stages, rank, world)
     stages = [pipeline_stage(sharded, index, num_stages, "cpu") for index in mine]
     runner = build_schedule(stages, schedule, MICROBATCHES, loss_fn=WORKLOADS[name].loss_fn)
-    ties = TiedGradients(sharded, stages)
-    first, last = 0 in mine, num_stages - 1 in mine
-    losses: list[torch.Tensor] | None = [] if last else None
-    runner.step(*(args if first else ()), **(kwargs if first else {}), target=target if last else None,
-                losses=losses, return_outputs=False)
-    held = {(s, n) for shared in ties.shared for s, n in shared.holders if s in mine}
-    before_sync = {(s, n): next(x for x in stages if x.stage_index == s).submod.get_parameter(n).grad.clone()
-                   for s, n in held}
-    ties.sync()
+    ties = TiedGradientsSeen(sharded, stages)
+    check = check_pipeline_step(runner, stages, model, args, kwargs, target=target, loss_fn=WORKLOADS[name].loss_fn,
+                                ties=ties, raise_on_mismatch=False)
     return {
-        "losses": losses,
-        "before_sync": before_sync,
+        "check": check,
+        "before_sync": ties.before_sync,
         "grads": {s.stage_index: {n: p.grad for n, p in s.submod.named_parameters(remove_duplicate=False)}
                   for s in stages},
         "keys": {s.stage_index: sorted(s.submod.state_dict()) for s in stages},
@@ -236,8 +241,23 @@ def meta_stage(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
     }
 
 
+def scaled_gradient(rank: int, world: int) -> dict:
+    """A step whose last stage doubles one weight's gradient (a hook): the check must catch it."""
+    model, args, kwargs, target = build("residual-mlp")
+    stage = pipeline_stage(autoshard.shard_model(model, 2, example_inputs=args), rank, 2, "cpu")
+    runner = build_schedule(stage, "gpipe", MICROBATCHES, loss_fn=F.mse_loss)
+    doubled = next(name for name, _ in stage.submod.named_parameters())
+    if rank == 1:
+        stage.submod.get_parameter(doubled).register_hook(lambda grad: grad * 2)
+    try:
+        check_pipeline_step(runner, stage, model, args, kwargs, target=target, loss_fn=F.mse_loss)
+    except VerificationError as exc:
+        return {"doubled": doubled, "message": str(exc), "check": exc.check}
+    return {"doubled": doubled, "message": None}
+
+
 def two_process_worker(rank: int, world: int, scenarios: list[tuple]) -> dict:
-    results = {"errors": setup_errors(rank, world)}
+    results = {"errors": setup_errors(rank, world), "scaled": scaled_gradient(rank, world)}
     for scenario in scenarios:
         results[scenario] = pipeline_step(rank, world, *scenario)
     return results
@@ -294,20 +314,16 @@ def four_processes(checkpoints):
 
 
 def check_step(results: list[dict], scenario: tuple) -> list[dict]:
-    """The losses and every gradient of every stage equal the unsplit model's."""
-    name, num_stages, _ = scenario
-    expected_loss, expected_grads = reference_step(name)
+    """The loss and every gradient of every stage equal the unsplit model's: ``check_pipeline_step``
+    compared them on every rank, which all reached the same verdict."""
+    name = scenario[0]
     seen = [r[scenario] for r in results]
-    last = seen[(num_stages - 1) % len(seen)]
-    torch.testing.assert_close(torch.stack(last["losses"]).mean(), expected_loss)
-    covered = set()
-    for rank_result in seen:
-        for grads in rank_result["grads"].values():
-            for param_name, grad in grads.items():
-                torch.testing.assert_close(grad, expected_grads[param_name],
-                                           msg=lambda m: f"{param_name}: {m}")
-                covered.add(param_name)
-    assert covered == set(expected_grads)
+    check = seen[0]["check"]
+    assert all(r["check"] == check for r in seen)
+    assert check.ok, str(check)
+    expected_loss, expected_grads = reference_step(name)
+    assert {g.name for g in check.gradients} == set(expected_grads)
+    assert check.expected_loss == pytest.approx(expected_loss.item())  # the workers ran the model as this process
     return seen
 
 
@@ -378,6 +394,19 @@ def test_a_weight_every_stage_holds_is_summed_over_local_and_remote_stages(two_p
     holders = [stage for r in two_processes for stage, grads in r[scenario]["grads"].items()
                if "shared.weight" in grads]
     assert sorted(holders) == [0, 1, 2, 3]
+
+
+def test_check_pipeline_step_catches_a_stage_whose_gradient_is_scaled(two_processes):
+    """Every rank raises alike, naming the one weight whose gradient is off and by how much; the
+    other gradients and the loss (which the hook does not touch) still agree."""
+    doubled = two_processes[1]["scaled"]["doubled"]
+    for rank_result in two_processes:
+        scaled = rank_result["scaled"]
+        assert scaled["message"] is not None, "the doubled gradient went unnoticed"
+        check = scaled["check"]
+        assert [(g.name, g.stages) for g in check.failing] == [(doubled, (1,))]
+        assert check.loss_ok and check.failing[0].max_rel > 0.9  # twice the gradient: about 100% off
+        assert f"{doubled} (stage 1): max abs difference" in scaled["message"]
 
 
 def test_world_size_misfits_fail_on_every_rank_before_blocking(two_processes):

@@ -2,11 +2,13 @@
 
 autoshard does not bring its own distributed runtime. ``pipeline_stage`` hands one stage to
 PyTorch's ``PipelineStage``, driven by PyTorch's schedules; ``OffloadRunner`` runs every stage in
-turn on one device too small for the model; the rest keeps checkpoints under the model's own names
+turn on one device too small for the model; ``check_pipeline_step`` compares one step with the
+unsplit model (loss and every gradient); the rest keeps checkpoints under the model's own names
 and lets a rank build its stage from a model made on the ``meta`` device.
 """
 
 from autoshard.errors import LaunchError
+from autoshard.runtime.check import GradientDifference, StepCheck, check_pipeline_step
 from autoshard.runtime.checkpoint import load_stage_state, merge_stage_states, stage_part
 from autoshard.runtime.device_map import device_map, split_modules
 from autoshard.runtime.launch import run_local
@@ -24,14 +26,17 @@ from autoshard.runtime.stage import SharedBufferWarning, pipeline_stage
 from autoshard.runtime.ties import SharedParameter, TiedGradients, shared_parameters
 
 __all__ = [
+    "GradientDifference",
     "LaunchError",
     "MicrobatchStatisticsWarning",
     "OffloadRunner",
     "SCHEDULES",
     "SharedBufferWarning",
     "SharedParameter",
+    "StepCheck",
     "TiedGradients",
     "build_schedule",
+    "check_pipeline_step",
     "check_world_size",
     "device_map",
     "load_stage_state",
