@@ -29,7 +29,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.guard import FixedDtypes, check_mode, check_weight_dtypes, refuse_mode_switch, weight_dtypes
+from autoshard.capture.guard import FixedDtypes, refuse_mode_switch
+from autoshard.capture.held_state import HeldState, check_held_state
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import InvalidArgumentError
 from autoshard.graph.from_fx import holds_tensor, resolve
@@ -127,22 +128,28 @@ def _stage_graph(
     return graph
 
 
-def _mode_guard(graph: fx.Graph, training: bool, owner: nn.Module) -> None:
-    """A first check in the stage: its module is in the mode the model was captured in (a graph
-    fixed what the model's code read from ``self.training``, so another mode would silently run
-    the captured one), and so is each module it calls (``model.eval()`` switches those, not the
-    stage), as ``owner`` holds them now. Code, not a hook, so every copy a runtime makes keeps it."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    leaves = list(dict.fromkeys(str(n.target) for n in graph.nodes if n.op == "call_module"))
+def _state_guard(stage: fx.GraphModule) -> None:
+    """A first check in the stage: it and each module it calls are in the mode the model was
+    captured in (a graph fixed what the model's code read from ``self.training``, and
+    ``model.eval()`` switches the modules, not the stage), and the parameters it reads, directly or
+    inside those modules, have the dtypes they had (``HeldState``). Code, not a hook, so every copy
+    a runtime makes keeps it."""
+    graph = stage.graph
+    nodes = list(graph.nodes)
+    leaves = tuple(dict.fromkeys(str(n.target) for n in nodes if n.op == "call_module"))
+    weights = tuple(dict.fromkeys(str(n.target) for n in nodes
+                                  if n.op == "get_attr" and isinstance(resolve(stage, n.target), nn.Parameter)))
+    setattr(stage, HELD_STATE, HeldState(stage, leaves, weights))
+    placeholders = [n for n in nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
-        mode = graph.get_attr("training")
-    modes = [mode]
-    for leaf in leaves:
-        with graph.inserting_after(modes[-1]):
-            modes.append(graph.get_attr(f"{leaf}.training"))
-    captured = tuple(owner.get_submodule(leaf).training for leaf in leaves)
-    with graph.inserting_after(modes[-1]):
-        graph.call_function(check_mode, (mode, training, tuple(modes[1:]), captured))
+        state = graph.create_node("get_attr", HELD_STATE)  # not a tensor or module: get_attr() would warn
+    with graph.inserting_after(state):
+        graph.call_function(check_held_state, (state,))
+    stage.recompile()
+
+
+#: The stage attribute holding its ``HeldState``.
+HELD_STATE = "_autoshard_held_state"
 
 
 #: Operator objects a torch.export graph calls, which pickle refuses.
@@ -189,27 +196,6 @@ def _empty_stage(cls: type[StageModule], name: str) -> StageModule:
     return stage
 
 
-def _dtype_guard(stage: fx.GraphModule) -> None:
-    """A check, after the mode check, that the parameters the stage reads (directly, or inside the
-    modules it calls) have the dtypes they had at capture (``check_weight_dtypes``)."""
-    graph = stage.graph
-    nodes = list(graph.nodes)
-    targets = [str(n.target) for n in nodes
-               if n.op == "get_attr" and isinstance(resolve(stage, n.target), nn.Parameter)]
-    targets += [str(n.target) for n in nodes if n.op == "call_module"]
-    targets = list(dict.fromkeys(targets))
-    captured = weight_dtypes([resolve(stage, target) for target in targets])
-    last = next(n for n in nodes if n.op == "call_function" and n.target is check_mode)
-    held = []
-    for target in targets:
-        with graph.inserting_after(last):
-            last = graph.get_attr(target)
-        held.append(last)
-    with graph.inserting_after(last):
-        graph.call_function(check_weight_dtypes, (captured, *held))
-    stage.recompile()
-
-
 def emit_stages(
     gm: fx.GraphModule,
     assignment: Mapping[str, int],
@@ -224,11 +210,10 @@ def emit_stages(
         incoming = boundaries[stage - 1] if stage > 0 else ()
         outgoing = boundaries[stage] if stage < num_stages - 1 else ()
         graph = _stage_graph(gm.graph, stage, num_stages, assignment, incoming, outgoing)
-        _mode_guard(graph, training, gm)
         module = StageModule(gm, graph, class_name=f"Stage{stage}")
         module.training = training  # its own flag only: its submodules are the model's
         module.meta[CAPTURED_MODE] = training
-        _dtype_guard(module)
+        _state_guard(module)
         copy_buffer_persistence(gm, module)
         stages.append(module)
     return stages

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import operator
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,15 +16,17 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autoshard.capture.eager import PLAIN_VALUES
-from autoshard.capture.guard import FixedDtypes, check_inputs, check_mode, refuse_mode_switch
+from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names
 from autoshard.costs.memory import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
-from autoshard.errors import InputMismatchError
+from autoshard.errors import InputMismatchError, PlanError
 from autoshard.graph.partition import SplitInfo
+
+_training = operator.attrgetter("training")
 
 
 @dataclass(frozen=True)
@@ -121,15 +124,17 @@ class ModesAtCapture:
     def __init__(self, modules: tuple[nn.Module, ...] = ()) -> None:
         self.modules = modules
         self.captured = tuple(module.training for module in modules)
+        self.captured_list = list(self.captured)
 
     def check(self, training: bool) -> None:
-        check_mode(training, training, tuple(module.training for module in self.modules), self.captured)
+        if list(map(_training, self.modules)) != self.captured_list:  # C-level: read on every call
+            check_mode(training, training, tuple(module.training for module in self.modules), self.captured)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModesAtCapture:
         return self
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"modules": (), "captured": ()}
+        return {"modules": (), "captured": (), "captured_list": []}
 
 
 class ShardedModel(FixedDtypes):
@@ -173,10 +178,23 @@ class ShardedModel(FixedDtypes):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.fit_call(args, kwargs)
-        values = self.stages[0](*args, **kwargs)
-        for stage in self.stages[1:]:
-            values = stage(*_moved_to(_device_of(stage), values))
+        stages = iter(self.stages)
+        values = next(stages)(*args, **kwargs)
+        for stage in stages:
+            values = stage(*_moved_to(stage_device(stage), values))
         return values
+
+    def save_plan(self, path: Any) -> Any:
+        """Write the plan file ``autoshard split --out`` writes (JSON) to ``path`` (a str or path) and
+        return its ``Path``; ``autoshard.load_plan(path, model)`` rebuilds these stages from it. The file
+        format lives above this module: ``shard_model`` and ``load_plan`` give the stages the
+        ``plan_origin`` (``autoshard.plan_io.PlanOrigin``) that writes it."""
+        origin = getattr(self, "plan_origin", None)
+        if origin is None:
+            raise PlanError("these stages were made by running a pipeline directly, which records no pipeline "
+                            "spec for a plan file; make them with autoshard.shard_model(model, k, pipeline=...) "
+                            "or autoshard.load_plan, or save autoshard.plan_io.plan_from_program(program, ...)")
+        return origin.save(self, path)
 
 
 def fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | None, args: tuple[Any, ...],
@@ -189,46 +207,113 @@ def fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | None
     argument the example passed and the call leaves out gets the model's default, as in the model
     (the plan's guard then says whether it serves that value). Without the model's signature (a
     plan rebuilt from a file) the call is bound to the stage's own arguments.
+
+    How a call of one structure (how many positional arguments, which keywords) binds is worked
+    out once and kept (``_Binding``): a later call of that structure only moves its values into
+    place and checks those the binding cannot decide (a left-out default, a tensor where one is due).
     """
-    signature = inspect.signature(first.forward)
-    if model_signature is None:
+    binder = _BINDERS.get(first)
+    if binder is None or binder.model_signature is not model_signature:
+        binder = _BINDERS[first] = _Binder(first, model_signature)
+    return binder.bind(args, kwargs)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a call's value comes from: its position, or its keyword."""
+
+    key: int | str
+
+    def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return args[self.key] if isinstance(self.key, int) else kwargs[self.key]
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """How calls of one structure reach the first stage: ``moved`` (stage argument, where its value
+    is), ``left_out`` (model arguments the stage fixed at their defaults, where their values are),
+    ``fills`` (defaults of the model given to the stage), the arguments that must hold tensors, and
+    the error a call of this structure gets from the stage's own signature (raised after the
+    left-out values are checked, as binding it would)."""
+
+    moved: tuple[tuple[str, _Slot], ...]
+    left_out: tuple[tuple[str, _Slot], ...]
+    fills: dict[str, Any]
+    tensors: tuple[str, ...]
+    error: TypeError | None
+
+
+class _Binder:
+    """``fitted_call`` for one first stage and model signature, with its bindings by call structure."""
+
+    def __init__(self, first: fx.GraphModule, model_signature: inspect.Signature | None) -> None:
+        self.signature = inspect.signature(first.forward)
+        self.model_signature = model_signature
+        inputs = _graph_inputs(first)
+        self.inputs = tuple(self.signature.parameters) if inputs is None else inputs
+        self.bindings: dict[tuple[Any, ...], _Binding | TypeError] = {}
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        structure = (len(args), *kwargs)
+        binding = self.bindings.get(structure)
+        if binding is None:
+            binding = self.bindings[structure] = self._binding(len(args), tuple(kwargs))
+        if isinstance(binding, TypeError):  # the model itself refuses the call
+            raise _not_fitting(self.signature, binding)
+        changed = [name for name, slot in binding.left_out
+                   if not _is_default(self.model_signature, name, slot.read(args, kwargs))]
+        if changed:
+            defaults = [_default(self.model_signature, name) for name in changed]
+            reason = (f"the example left {', '.join(f'{n}={d!r}' for n, d in zip(changed, defaults))} at the "
+                      "default, which the plan computes with" if inspect.Parameter.empty not in defaults
+                      else f"the example did not pass {', '.join(map(repr, changed))}")
+            raise _not_fitting(self.signature, TypeError(reason))
+        if binding.error is not None:
+            raise _not_fitting(self.signature, binding.error)
+        call = {name: slot.read(args, kwargs) for name, slot in binding.moved}
+        for name in binding.tensors:
+            if not _holds_a_tensor(call[name]):
+                raise _not_fitting(self.signature, TypeError(
+                    f"{name} is {call[name]!r}, but the plan was captured with tensors there"))
+        if self.model_signature is None:
+            return args, kwargs
+        call.update(binding.fills)
+        return (), call
+
+    def _binding(self, count: int, keywords: tuple[str, ...]) -> _Binding | TypeError:
+        slots = [_Slot(i) for i in range(count)]
+        keyed = {key: _Slot(key) for key in keywords}
+        if self.model_signature is None:
+            try:
+                bound = self.signature.bind(*slots, **keyed).arguments
+            except TypeError as exc:
+                return exc
+            named = dict(bound)
+            return _Binding(tuple(named.items()), (), {}, tuple(n for n in self.inputs if n in named), None)
         try:
-            _check_tensor_inputs(first, signature.bind(*args, **kwargs).arguments)
+            named = argument_names(self.model_signature, self.model_signature.bind(*slots, **keyed).arguments)
         except TypeError as exc:
-            raise _not_fitting(signature, exc) from None
-        return args, kwargs
-    try:
-        named = argument_names(model_signature, model_signature.bind(*args, **kwargs).arguments)
-    except TypeError as exc:  # the model itself refuses the call
-        raise _not_fitting(signature, exc) from None
-    left_out = [name for name in named if name not in signature.parameters]
-    changed = [name for name in left_out if not _is_default(model_signature, name, named[name])]
-    if changed:
-        defaults = [_default(model_signature, name) for name in changed]
-        reason = (f"the example left {', '.join(f'{n}={d!r}' for n, d in zip(changed, defaults))} at the default, "
-                  "which the plan computes with" if inspect.Parameter.empty not in defaults
-                  else f"the example did not pass {', '.join(map(repr, changed))}")
-        raise _not_fitting(signature, TypeError(reason))
-    call = {name: value for name, value in named.items() if name in signature.parameters}
-    inputs = _graph_inputs(first)
-    inputs = tuple(signature.parameters) if inputs is None else inputs
-    for name in signature.parameters:  # a constant of the example's, left out: the model's default
-        if name not in call and name not in inputs and _default(model_signature, name) is not inspect.Parameter.empty:
-            call[name] = _default(model_signature, name)
-    try:
-        _check_tensor_inputs(first, signature.bind(**call).arguments)
-    except TypeError as exc:
-        raise _not_fitting(signature, exc) from None
-    return (), call
+            return exc
+        parameters = self.signature.parameters
+        moved = {name: slot for name, slot in named.items() if name in parameters}
+        fills = {name: _default(self.model_signature, name) for name in parameters
+                 if name not in moved and name not in self.inputs
+                 and _default(self.model_signature, name) is not inspect.Parameter.empty}
+        try:
+            self.signature.bind(**moved, **fills)
+            error = None
+        except TypeError as exc:
+            error = exc
+        left_out = tuple((name, slot) for name, slot in named.items() if name not in parameters)
+        return _Binding(tuple(moved.items()), left_out, fills, tuple(n for n in self.inputs if n in moved), error)
 
 
-def _check_tensor_inputs(first: fx.GraphModule, values: Mapping[str, Any]) -> None:
-    """The graph's inputs held tensors in the example: a call passing None or a number there
-    (``mask=None``, the model's default) is refused here, not in the middle of the graph."""
-    inputs = _graph_inputs(first)
-    for name in values if inputs is None else inputs:
-        if name in values and not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(values[name])):
-            raise TypeError(f"{name} is {values[name]!r}, but the plan was captured with tensors there")
+#: ``_Binder`` by first stage (a stage's graph does not change after emit).
+_BINDERS: weakref.WeakKeyDictionary[fx.GraphModule, _Binder] = weakref.WeakKeyDictionary()
+
+
+def _holds_a_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
 
 
 def _graph_inputs(first: fx.GraphModule) -> tuple[str, ...] | None:
@@ -266,15 +351,46 @@ def _is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
     return value is default or (type(value) is type(default) and isinstance(value, PLAIN_VALUES) and value == default)
 
 
-def _device_of(stage: nn.Module) -> torch.device | None:
-    """The one device a stage's weights are on (None: none, or several)."""
-    devices = {t.device for t in itertools.chain(stage.parameters(), stage.buffers())}
-    return devices.pop() if len(devices) == 1 else None
+class _PlacedOn:
+    """Where a stage's weights are, found once: refreshed when the stage is moved through ``.to()``
+    (``FixedDtypes._apply`` drops it) or when its first weight is elsewhere now (the model moved on
+    its own, ``model.to("cuda")``). That weight is read from its module's registry on every call:
+    a move may put a new tensor there rather than move the old one."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        registries = ((m._parameters, m._buffers) for m in stage.modules())
+        self.probe = next(((registry, key) for pair in registries for registry in pair
+                           for key, value in registry.items() if value is not None), None)
+        devices = {t.device for t in itertools.chain(stage.parameters(), stage.buffers())}
+        self.probe_device = self._probe_device()
+        #: the one device of the stage's weights (None: none, or several)
+        self.device = devices.pop() if len(devices) == 1 else None
+
+    def _probe_device(self) -> torch.device | None:
+        if self.probe is None:
+            return None
+        registry, key = self.probe
+        tensor = registry.get(key)
+        return None if tensor is None else tensor.device
+
+    def holds(self) -> bool:
+        return self.probe is None or self._probe_device() == self.probe_device
 
 
-def _moved_to(device: torch.device | None, values: tuple[Any, ...]) -> tuple[Any, ...]:
+def stage_device(stage: nn.Module) -> torch.device | None:
+    """The one device a stage's weights are on (None: none, or several), read once and kept."""
+    placed = stage.__dict__.get(PLACED_ON)
+    if placed is None or not placed.holds():
+        placed = _PlacedOn(stage)
+        stage.__dict__[PLACED_ON] = placed
+    return placed.device
+
+
+def _moved_to(device: torch.device | None, values: Any) -> Any:
     """``values`` with their tensors on ``device``: stages placed on devices of their own by hand
-    (``stages[i].to(f"cuda:{i}")``) hand each other their boundary values there."""
-    if device is None:
+    (``stages[i].to(f"cuda:{i}")``) hand each other their boundary values there. Values already
+    there (always, on one device) are passed on as they are, without rebuilding the tuple."""
+    if device is None or (isinstance(values, tuple) and all(
+            isinstance(v, torch.Tensor) and v.device == device for v in values)):
         return values
     return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v, values)

@@ -63,12 +63,14 @@ def capture(
     example_args: tuple[Any, ...] = (),
     example_kwargs: Mapping[str, Any] | None = None,
     front_end: str = "auto",
+    fused_paths: bool = True,
 ) -> TraceResult:
-    """Capture ``model`` with the front end asked for; ``auto`` keeps the one with fewer leaves."""
+    """Capture ``model`` with the front end asked for; ``auto`` keeps the one with fewer leaves.
+    ``fused_paths``: keep modules with a fused inference path whole in eval mode (``fast_paths``)."""
     if front_end not in FRONT_ENDS:
         raise InvalidArgumentError(f"unknown front end {front_end!r}; choose one of {', '.join(FRONT_ENDS)}")
     if front_end != "auto":
-        return _front_end(front_end)(model, example_args, example_kwargs)
+        return _front_end(front_end)(model, example_args, example_kwargs, fused_paths=fused_paths)
     has_examples = bool(example_args or example_kwargs)
     tried: dict[str, TraceResult | TraceError] = {}
     checked: dict[str, str | None] = {}
@@ -83,7 +85,7 @@ def capture(
         if options and not _converted_a_size(tried["fx"]):
             continue
         try:
-            tried[name] = _front_end(front)(model, example_args, example_kwargs, **options)
+            tried[name] = _front_end(front)(model, example_args, example_kwargs, fused_paths=fused_paths, **options)
         except TraceError as exc:
             tried[name] = exc
         if isinstance(tried[name], TraceResult) and not tried[name].wrapped_modules and not differs(name):

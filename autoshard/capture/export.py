@@ -29,6 +29,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from autoshard.capture.assemble import assemble, leaves_of
 from autoshard.capture.eager import cloned, holds, isolated, swapped_attribute
+from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design
 from autoshard.capture.fx import has_backward_hooks
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import (
@@ -277,8 +278,10 @@ def export_with_leaves(
     model: nn.Module,
     example_args: tuple[Any, ...] = (),
     example_kwargs: Mapping[str, Any] | None = None,
+    fused_paths: bool = True,
 ) -> TraceResult:
-    """Capture ``model`` with ``torch.export``, keeping the fewest, innermost modules or functions opaque."""
+    """Capture ``model`` with ``torch.export``, keeping the fewest, innermost modules or functions opaque
+    (and, with ``fused_paths``, modules with a fused inference path whole in eval mode, as fx does)."""
     example_kwargs = dict(example_kwargs or {})
     if not example_args and not example_kwargs:
         raise InvalidArgumentError(
@@ -293,6 +296,7 @@ def export_with_leaves(
     grad_mode_sites: list[str] = []  # where the model's code asked for the grad mode
 
     hooked = {id(m): m for m in model.modules() if m is not model and has_backward_hooks(m)}
+    fused = fused_modules(model, fused_paths, calls_unknown=True)
     detached: dict[int, nn.Module] = {}  # modules the export ran that are not in the model's tree
 
     def attempt(leaves: Leaves) -> torch.export.ExportedProgram:
@@ -304,7 +308,7 @@ def export_with_leaves(
                      for site in leaves.functions]
         # modules with backward hooks run whole, as under fx: export would drop the hooks (it
         # traces through forward hooks, which Hugging Face models use to return what they record)
-        modules = {i: (m, leaves.paths[i]) for i, m in {**hooked, **leaves.modules}.items()}
+        modules = {i: (m, leaves.paths[i]) for i, m in {**hooked, **fused, **leaves.modules}.items()}
         # With grad enabled, as fx traces too: a ``no_grad`` block in the model is then recorded
         # even when the capture was called under ``no_grad``.
         with _opaque_modules(modules), swapped(stand_ins):
@@ -325,5 +329,8 @@ def export_with_leaves(
     finally:
         CALLS.clear()
         forget_real_results()
-    return TraceResult(gm, tuple(leaves.wrapped), front_end="export", specialized=_pinned(guard),
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    called = {key: m for key, m in fused.items() if leaves.paths[key] in targets}
+    return TraceResult(gm, (*leaves.wrapped, *kept_whole_by_design(leaves, called)), front_end="export",
+                       specialized=_pinned(guard),
                        input_guard=guard.describe())

@@ -28,6 +28,7 @@ from torch import nn
 
 from autoshard.capture.assemble import assemble, model_graph_module
 from autoshard.capture.eager import cloned, isolated
+from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design, packs_padded_batch
 from autoshard.capture.guard import DetachedModule, InputGuard, check_detached_mode
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.meta import MetaTracer, guard_value, has_proxy
@@ -59,12 +60,16 @@ class _LeafTracer(MetaTracer):
     """An fx tracer with an explicit leaf set; the model itself is always traced through."""
 
     def __init__(self, leaves: set[int], model: nn.Module, examples: Mapping[str, Any] | None,
-                 pin_sizes: bool) -> None:
-        """``leaves``: ids of the modules to keep opaque."""
+                 pin_sizes: bool, fused: Mapping[int, nn.Module]) -> None:
+        """``leaves``: ids of the modules to keep opaque; ``fused``: those kept whole for their
+        fused inference path (``capture.fast_paths``; a padded ``nn.TransformerEncoder`` call is
+        kept whole whatever it holds: tracing it would change its values)."""
         super().__init__(examples, pin_sizes)
         # Buffers as graph values, so shape-dependent slicing (``self.pe[: x.size(0)]``) traces.
         self.proxy_buffer_attributes = True
-        self.leaves = leaves
+        self.leaves = leaves | set(fused)
+        self.fused = fused
+        self.kept_fused: dict[int, nn.Module] = {}  # those the trace reached, kept whole
         self.model = model
         self.watched: dict[int, nn.Module] = {}  # modules outside the tree with a mode guard already
 
@@ -86,6 +91,9 @@ class _LeafTracer(MetaTracer):
                 self.watched[id(m)] = m
                 self.create_proxy("call_function", check_detached_mode, (DetachedModule(m), m.training), {})
             return forward(*args, **kwargs)
+        if m is not self.model and (id(m) in self.fused or packs_padded_batch(m, args, kwargs)):
+            self.leaves.add(id(m))
+            self.kept_fused[id(m)] = m
         return super().call_module(m, forward, args, kwargs)
 
 
@@ -121,6 +129,7 @@ def trace_with_leaves(
     example_args: tuple[Any, ...] = (),
     example_kwargs: Mapping[str, Any] | None = None,
     pin_sizes: bool = False,
+    fused_paths: bool = True,
 ) -> TraceResult:
     """Trace ``model`` with fx, wrapping the fewest, innermost modules or functions needed.
 
@@ -128,7 +137,8 @@ def trace_with_leaves(
     is traced as it was called: non-tensor arguments become constants checked on every call.
     ``pin_sizes`` lets code that turns a size into a Python number (``int(n)``, ``range(n)``)
     trace with the example's number, guarded, instead of keeping that code whole: the graph then
-    serves that size only.
+    serves that size only. ``fused_paths`` keeps modules with a fused inference path whole in eval
+    mode (``capture.fast_paths``); false traces through them, for a finer split.
     """
     example_kwargs = dict(example_kwargs or {})
     has_example = bool(example_args or example_kwargs)
@@ -138,7 +148,8 @@ def trace_with_leaves(
     def attempt(leaves: Leaves) -> tuple[fx.Graph, MetaTracer]:
         # Fresh copies each time: a forward that writes to its inputs must not see its last run.
         examples = {a.name: cloned(a.value) for a in signature.graph_inputs} if signature else None
-        tracer = _LeafTracer(set(leaves.modules), model, examples, pin_sizes)
+        tracer = _LeafTracer(set(leaves.modules), model, examples, pin_sizes,
+                             fused_modules(model, fused_paths))
         tracer_ref = [tracer]
         stand_ins = [(site, _opaque(site.function, tracer_ref)) for site in leaves.functions]
         with swapped(stand_ins), isolated(model):
@@ -151,7 +162,8 @@ def trace_with_leaves(
         gm = model_graph_module(model, graph, tracer.constants)
     else:
         gm = assemble(graph, root, model, signature, lambda n: (str(n.target), None), guard, tracer.constants)
-    return TraceResult(gm, tuple(leaves.wrapped), specialized=tuple(tracer.specialized),
+    return TraceResult(gm, (*leaves.wrapped, *kept_whole_by_design(leaves, tracer.kept_fused)),
+                       specialized=tuple(tracer.specialized),
                        input_guard=guard.describe() if guard else "")
 
 

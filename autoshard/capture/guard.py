@@ -326,4 +326,9 @@ class FixedDtypes(torch.nn.Module):
                 raise InvalidArgumentError(
                     f"a sharded plan keeps the dtypes it was captured with ({str(dtype).removeprefix('torch.')} "
                     f"here, not {str(converted.dtype).removeprefix('torch.')}): " + _convert_first(converted.dtype))
+        self.__dict__.pop(PLACED_ON, None)  # a move: where the weights are is found again
         return super()._apply(fn, recurse)
+
+
+#: Where a stage keeps the device of its weights once found (``autoshard.sharded.stage_device``).
+PLACED_ON = "_autoshard_placed_on"

@@ -10,11 +10,13 @@ import torch.fx as fx
 
 @dataclass(frozen=True)
 class WrappedLeaf:
-    """Something kept opaque in the graph, and the error that forced it."""
+    """Something kept opaque in the graph, and the error that forced it; ``by_design`` when no
+    error did (a module kept whole for PyTorch's fused inference path)."""
 
     kind: Literal["module", "function"]
     name: str
     reason: str
+    by_design: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ class TraceResult:
 
     @property
     def wrapped_modules(self) -> tuple[WrappedLeaf, ...]:
-        return tuple(w for w in self.wrapped if w.kind == "module")
+        """The modules kept whole because the capture failed in them (not those kept by design)."""
+        return tuple(w for w in self.wrapped if w.kind == "module" and not w.by_design)
 
     def describe(self) -> str:
         lines = [f"front end: {self.front_end}; {len(self.graph_module.graph.nodes)} nodes"]

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from autoshard.capture.auto import capture
-from autoshard.passes.base import Pass, PassContext, ShardProgram
-from autoshard.passes.trace import example_call
+from autoshard.passes.base import Pass, PassContext, ShardProgram, option
+from autoshard.passes.trace import FUSED_PATHS_HELP, example_call
 
 
 @dataclass(frozen=True)
@@ -24,5 +24,8 @@ class CapturePass(Pass):
     requires: ClassVar[frozenset[str]] = frozenset({"model"})
     provides: ClassVar[frozenset[str]] = frozenset({"traced"})
 
+    fused_paths: bool = option(True, help=FUSED_PATHS_HELP)
+
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        return dataclasses.replace(program, traced=capture(program.model, *example_call(program)))
+        return dataclasses.replace(
+            program, traced=capture(program.model, *example_call(program), fused_paths=self.fused_paths))

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from autoshard.passes.base import Pass, PassContext, ShardProgram
-from autoshard.passes.trace import example_call
+from autoshard.passes.base import Pass, PassContext, ShardProgram, option
+from autoshard.passes.trace import FUSED_PATHS_HELP, example_call
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,10 @@ class ExportPass(Pass):
     requires: ClassVar[frozenset[str]] = frozenset({"model", "example_inputs"})
     provides: ClassVar[frozenset[str]] = frozenset({"traced"})
 
+    fused_paths: bool = option(True, help=FUSED_PATHS_HELP)
+
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         from autoshard.capture.export import export_with_leaves  # slow to import: only when used
 
-        return dataclasses.replace(program, traced=export_with_leaves(program.model, *example_call(program)))
+        traced = export_with_leaves(program.model, *example_call(program), fused_paths=self.fused_paths)
+        return dataclasses.replace(program, traced=traced)

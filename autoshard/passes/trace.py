@@ -10,7 +10,11 @@ from autoshard.capture.fx import trace_with_leaves
 from autoshard.capture.result import TraceResult
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
-__all__ = ["TracePass", "TraceResult", "example_call"]
+__all__ = ["FUSED_PATHS_HELP", "TracePass", "TraceResult", "example_call"]
+
+FUSED_PATHS_HELP = ("in eval mode, keep modules with a fused inference path (nn.TransformerEncoderLayer, "
+                    "nn.MultiheadAttention, a padded nn.TransformerEncoder) whole, so stages run the model's "
+                    "kernels; false traces through them for a finer split")
 
 
 def example_call(program: ShardProgram) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -37,7 +41,9 @@ class TracePass(Pass):
 
     pin_sizes: bool = option(False, help="code that turns a size into a Python number (int(), range()) takes "
                                          "the example's, guarded, instead of being kept whole")
+    fused_paths: bool = option(True, help=FUSED_PATHS_HELP)
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        traced = trace_with_leaves(program.model, *example_call(program), pin_sizes=self.pin_sizes)
+        traced = trace_with_leaves(program.model, *example_call(program), pin_sizes=self.pin_sizes,
+                                   fused_paths=self.fused_paths)
         return dataclasses.replace(program, traced=traced)

@@ -1,0 +1,165 @@
+"""Calling a plan costs what the model costs: checks worked out once and kept, refusals unchanged.
+
+The timings live in ``benchmarks/call_overhead.py``; these tests hold what makes them cheap (a
+stage finds its modules once, a call structure is bound once, a stage's device is found once) and
+that every refusal still happens when what was kept goes stale.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.capture.held_state import HeldState
+from autoshard.errors import InputMismatchError
+from autoshard.sharded import _BINDERS, _moved_to
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.ReLU())]).eval()
+
+
+def _walks(monkeypatch: pytest.MonkeyPatch) -> list[HeldState]:
+    walked: list[HeldState] = []
+    walk = HeldState._walk
+
+    def counted(self: HeldState) -> None:
+        walked.append(self)
+        walk(self)
+
+    monkeypatch.setattr(HeldState, "_walk", counted)
+    return walked
+
+
+class SlicesItsLayers(nn.Module):
+    """A forward that builds a container on every call (``self.layers[:2]`` registers its modules
+    into a new ModuleList), as many models do: no module of the stage changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return self.layers[3](self.layers[2](x))
+
+
+@pytest.mark.parametrize("make", [_mlp, lambda: SlicesItsLayers().eval()])
+def test_stages_find_their_modules_once_and_not_on_every_call(make, monkeypatch):
+    model = make()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    walked = _walks(monkeypatch)
+    for _ in range(5):
+        assert torch.equal(sharded(x), model(x))
+    assert walked == []
+
+
+def test_a_submodule_replaced_in_a_stage_is_found_again_and_its_mode_checked(monkeypatch):
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    walked = _walks(monkeypatch)
+    stage = sharded.stages[1]
+    path = next(name for name, m in stage.named_modules() if isinstance(m, nn.Linear))
+    replacement = nn.Linear(8, 8).train()
+    owner, _, name = path.rpartition(".")
+    setattr(stage.get_submodule(owner), name, replacement)
+    with pytest.raises(InputMismatchError, match="switched to another mode"):
+        sharded(x)
+    assert walked, "the registration was not noticed"
+    replacement.eval()
+    walked.clear()
+    assert torch.equal(sharded(x), stage(*sharded.stages[0](x)))
+    sharded(x)
+    assert len(walked) <= 1  # found again once, then kept
+
+
+def test_a_conversion_that_puts_new_parameters_in_the_modules_is_refused():
+    """``torch.__future__.set_overwrite_module_params_on_conversion`` makes ``half()`` register new
+    Parameter objects directly in each module's registry, past every hook: read on every call."""
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.half()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    with pytest.raises(InputMismatchError, match="captured with float32 weights"):
+        sharded.stages[1](torch.randn(2, 8).half())
+
+
+def test_a_copied_stage_watches_its_own_modules_not_the_originals():
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    copied = copy.deepcopy(sharded)
+    copied(x)
+    next(m for m in copied.stages[1].modules() if isinstance(m, nn.Linear)).train()
+    with pytest.raises(InputMismatchError, match="switched to another mode"):
+        copied(x)
+    assert torch.equal(sharded(x), model(x))  # the original's modules were not switched
+
+
+def test_a_call_structure_is_bound_once_and_values_are_still_checked_on_every_call():
+    """What a call binds to is kept per structure (positional count, keywords); the values the
+    binding cannot decide (a tensor where one is due, a left-out default) are checked every time."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+            h = self.a(x) * scale
+            return self.b(h if mask is None else h * mask)
+
+    model = Masked().eval()
+    x, mask = torch.randn(2, 8), torch.ones(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), {"mask": mask})
+    first = sharded.stages[0]
+    for _ in range(3):
+        assert torch.equal(sharded(x, mask=mask), model(x, mask=mask))
+        assert torch.equal(sharded(x, mask), model(x, mask))
+    assert len(_BINDERS[first].bindings) == 2
+    with pytest.raises(InputMismatchError, match="mask is None"):
+        sharded(x, mask=None)
+    assert torch.equal(sharded(x, mask, 1.0), model(x, mask, 1.0))  # the default the example left
+    with pytest.raises(InputMismatchError, match="scale=1.0 at the default"):
+        sharded(x, mask, 2.0)
+    assert len(_BINDERS[first].bindings) == 3
+
+
+@pytest.mark.parametrize("moved", ["the stage", "its modules"])
+def test_a_stage_moved_on_its_own_gets_its_values_on_its_device(moved):
+    """Where a stage's weights are is kept, and found again after ``.to()`` on the stage, or on the
+    model's modules it holds (moved without it): its boundary values follow it (the meta device
+    stands in for a GPU)."""
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    assert sharded(x).device.type == "cpu"
+    if moved == "the stage":
+        sharded.stages[1].to("meta")
+    else:
+        for module in sharded.stages[1].children():
+            module.to("meta")
+    assert sharded(x).device.type == "meta"
+
+
+def test_boundary_values_already_on_the_device_are_passed_on_as_they_are():
+    values = (torch.randn(2), torch.randn(3))
+    assert _moved_to(torch.device("cpu"), values) is values
+    assert _moved_to(None, values) is values
+    moved = _moved_to(torch.device("meta"), (values[0], [values[1]]))
+    assert moved[0].is_meta and moved[1][0].is_meta
