@@ -181,7 +181,7 @@ class ShardedModel(FixedDtypes):
         stages = iter(self.stages)
         values = next(stages)(*args, **kwargs)
         for stage in stages:
-            values = stage(*_moved_to(stage_device(stage), values))
+            values = stage(*moved_to(stage_device(stage), values))
         return values
 
     def save_plan(self, path: Any) -> Any:
@@ -386,11 +386,13 @@ def stage_device(stage: nn.Module) -> torch.device | None:
     return placed.device
 
 
-def _moved_to(device: torch.device | None, values: Any) -> Any:
-    """``values`` with their tensors on ``device``: stages placed on devices of their own by hand
-    (``stages[i].to(f"cuda:{i}")``) hand each other their boundary values there. Values already
-    there (always, on one device) are passed on as they are, without rebuilding the tuple."""
-    if device is None or (isinstance(values, tuple) and all(
-            isinstance(v, torch.Tensor) and v.device == device for v in values)):
+def moved_to(device: torch.device | None, values: Any) -> Any:
+    """``values`` (a tuple, or a dict of keyword arguments) with their tensors on ``device``: stages
+    placed on devices of their own by hand (``stages[i].to(f"cuda:{i}")``) hand each other their
+    boundary values there. Flat values already there (always, on one device) are passed on as
+    they are, without rebuilding the container."""
+    items = values.values() if isinstance(values, dict) else values
+    if device is None or all(isinstance(v, PLAIN_VALUES) or (isinstance(v, torch.Tensor) and v.device == device)
+                             for v in items):
         return values
     return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v, values)

@@ -16,7 +16,7 @@ from torch import nn
 import autoshard
 from autoshard.capture.held_state import HeldState
 from autoshard.errors import InputMismatchError
-from autoshard.sharded import _BINDERS, _moved_to
+from autoshard.sharded import _BINDERS, moved_to
 
 
 def _mlp() -> nn.Sequential:
@@ -159,7 +159,29 @@ def test_a_stage_moved_on_its_own_gets_its_values_on_its_device(moved):
 
 def test_boundary_values_already_on_the_device_are_passed_on_as_they_are():
     values = (torch.randn(2), torch.randn(3))
-    assert _moved_to(torch.device("cpu"), values) is values
-    assert _moved_to(None, values) is values
-    moved = _moved_to(torch.device("meta"), (values[0], [values[1]]))
+    assert moved_to(torch.device("cpu"), values) is values
+    assert moved_to(None, values) is values
+    keywords = {"x": values[0], "mask": None}
+    assert moved_to(torch.device("cpu"), keywords) is keywords
+    moved = moved_to(torch.device("meta"), (values[0], [values[1]]))
     assert moved[0].is_meta and moved[1][0].is_meta
+
+
+def test_a_pipeline_stage_module_carries_the_same_kept_checks(monkeypatch):
+    """``pipeline_stage`` hands PyTorch a copy of the stage (``stage_module``): it checks itself as
+    cheaply, and still refuses a module switched to another mode."""
+    from autoshard.runtime.stage import stage_module
+
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    module = stage_module(sharded, 1, torch.device("cpu"))
+    received = sharded.stages[0](x)
+    module(*received)
+    walked = _walks(monkeypatch)
+    for _ in range(3):
+        assert torch.equal(module(*received), model(x))
+    assert walked == []
+    next(m for m in module.modules() if isinstance(m, nn.Linear)).train()
+    with pytest.raises(InputMismatchError, match="switched to another mode"):
+        module(*received)

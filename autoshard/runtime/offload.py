@@ -20,13 +20,12 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_map
 
 from autoshard.capture.eager import PLAIN_VALUES
 from autoshard.errors import InvalidArgumentTypeError
 from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, stage_tensors
-from autoshard.sharded import ShardedModel
+from autoshard.sharded import ShardedModel, moved_to
 
 
 def _meta_placeholder(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -55,13 +54,10 @@ class OffloadRunner:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.sharded.fit_call(args, kwargs)
-        values = self._run(0, tree_map(self._to_device, args), tree_map(self._to_device, kwargs))
+        values = self._run(0, moved_to(self.device, args), moved_to(self.device, kwargs))
         for index in range(1, self.sharded.num_stages):
             values = self._run(index, values, {})
         return values
-
-    def _to_device(self, value: Any) -> Any:
-        return value.to(self.device) if isinstance(value, torch.Tensor) else value
 
     def _run(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = _StageCall()
