@@ -52,15 +52,7 @@ from autoshard.passes.options import option_table
 from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
 )
-from autoshard.report import (
-    boundary_table,
-    compare_tables,
-    how_made_lines,
-    shared_weights_table,
-    stage_table,
-    summary_lines,
-    wrapped_table,
-)
+from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables
 from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
 
 
@@ -263,17 +255,8 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
 # Showing and writing plans
 # --------------------------------------------------------------------------------------------
 def _show(plan: SavedPlan, title: str, console: Console, notes: Sequence[str] = ()) -> None:
-    console.print(stage_table(plan, title))
-    for line in summary_lines(plan) + how_made_lines(plan):
-        console.print(line, markup=False, highlight=False)
-    if plan.num_stages > 1:
-        console.print(boundary_table(plan))
-    if plan.shared_weights():
-        console.print(shared_weights_table(plan))
-    if plan.wrapped:
-        console.print(wrapped_table(plan))
-    for note in notes:
-        console.print(Text(note, style="dim"))
+    for shown in plan_renderables(plan, title, notes):
+        console.print(shown)
 
 
 def _write(plan: SavedPlan, args: argparse.Namespace, console: Console) -> None:
@@ -538,10 +521,6 @@ def _report_error(exc: BaseException) -> int:
     if hint:
         stderr.print(Text.assemble(("hint: ", "bold"), hint))
     return 2 if known else 1
-
-
-#: Width of tables written to a file or a pipe: rich's default there (80) wraps every column.
-PIPED_WIDTH = 160
 
 
 def _table_width() -> int | None:

@@ -3,25 +3,34 @@ under a device model), its training memory, the weights it holds, and the values
 sends with their shape, dtype and bytes; plus the shared (tied) weights, the stages that must
 synchronise their gradients, and what the splitter said about its split.
 
-Plain frozen data with ``to_dict()`` (JSON-ready), so the CLI, a notebook or a test can render
-it however it likes::
+Plain frozen data with ``to_dict()`` (JSON-ready) that shows itself as the CLI's tables:
+``print(report)``, ``rich.print(report)`` and a notebook render what ``autoshard split`` prints,
+with the same code (``autoshard.report.plan_renderables``)::
 
     report = plan_report(sharded)
+    print(report)
     report.stages[1].costs["flops"], report.stages[1].values_in[0].meta.shape
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.text import Text
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
 from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
 from autoshard.costs.models import measured
 from autoshard.costs.ties import SharedWeight
+from autoshard.errors import plural
 from autoshard.graph import SplitInfo
+from autoshard.plan_io import PlanNode, SavedPlan
+from autoshard.report import PIPED_WIDTH, plan_renderables
 from autoshard.sharded import BoundaryValue, ShardedModel, StagePlan
 
 
@@ -54,11 +63,21 @@ class StageReport:
         }
 
 
-@dataclass(frozen=True)
+#: What a report of stages that record no origin shows instead of the tables.
+NO_TABLES = ("no tables: these stages record no pipeline spec or split cost model (they were made by running a "
+             "pipeline directly, or a StagePlan was given); make them with autoshard.shard_model or "
+             "autoshard.load_plan to see the tables; the report's data (.stages, .to_dict()) is all there")
+
+
+@dataclass(frozen=True, repr=False)
 class PlanReport:
     """Every stage's report, the shared weights, the cost models shown, the wrapped leaves, what the
     splitter said about its split (None if it came from elsewhere) and the device model the stage
-    times were estimated with (None: measured, or no times)."""
+    times were estimated with (None: measured, or no times). ``plan`` is the plan as the CLI shows
+    (and ``--out`` saves) it, which ``print`` renders; None for stages that record no origin.
+
+    ``repr`` is one line (the tables are ``str``, the data ``to_dict()``), so a list of reports or
+    a debugger stays readable."""
 
     stages: tuple[StageReport, ...]
     shared_weights: tuple[SharedWeight, ...]
@@ -66,6 +85,41 @@ class PlanReport:
     wrapped: tuple[WrappedLeaf, ...]
     split: SplitInfo | None = None
     time_estimate: DeviceModel | None = None
+    plan: SavedPlan | None = None
+
+    def renderables(self) -> list[RenderableType]:
+        """The CLI's tables and lines for this plan (``autoshard.report.plan_renderables``)."""
+        if self.plan is None:
+            return [Text(NO_TABLES)]
+        title = f"{self.plan.model}: {plural(self.plan.num_stages, 'stage')} ({self.plan.pipeline})"
+        return plan_renderables(self.plan, title)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield from self.renderables()
+
+    def _rendered(self, console: Console) -> Console:
+        for shown in self.renderables():
+            console.print(shown)
+        return console
+
+    def __str__(self) -> str:
+        """The tables as plain text, as ``autoshard split`` writes them to a pipe."""
+        out = io.StringIO()
+        self._rendered(Console(file=out, width=PIPED_WIDTH, color_system=None, highlight=False))
+        return out.getvalue().rstrip("\n")
+
+    def _repr_html_(self) -> str:
+        """The tables in a notebook, with the CLI's styles."""
+        console = Console(file=io.StringIO(), record=True, width=PIPED_WIDTH, highlight=False)
+        return self._rendered(console).export_html(inline_styles=True)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """IPython's text display: the tables, not the one-line repr."""
+        printer.text(str(self))
+
+    def __repr__(self) -> str:
+        return (f"<PlanReport: {plural(len(self.stages), 'stage')}, cost models {', '.join(self.cost_models)}; "
+                "print() it for the tables, .to_dict() for the data>")
 
     @property
     def gradient_sync(self) -> tuple[SharedWeight, ...]:
@@ -134,4 +188,23 @@ def plan_report(
             seconds=seconds[j] if seconds is not None else None,
         ))
     return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped, plan.split_info,
-                      times.estimate if times is not None else None)
+                      times.estimate if times is not None else None, _shown_plan(sharded, extra_costs, memory, device))
+
+
+def _shown_plan(
+    sharded: ShardedModel | StagePlan, extra_costs: Mapping[str, Mapping[str, float]] | None,
+    memory: MemoryModel | None, device: DeviceModel | None,
+) -> SavedPlan | None:
+    """The plan file the stages write (``sharded.save_plan``), under the report's device and memory
+    models and with its extra cost columns, so the tables show what the report's data says."""
+    origin = getattr(sharded, "plan_origin", None)
+    if origin is None:
+        return None
+    shown = dataclasses.replace(origin, device=device or origin.device).saved_plan(sharded)
+    return dataclasses.replace(
+        shown, memory_model=memory or shown.memory_model,
+        nodes=tuple(_with_costs(node, extra_costs or {}) for node in shown.nodes))
+
+
+def _with_costs(node: PlanNode, extra: Mapping[str, Mapping[str, float]]) -> PlanNode:
+    return dataclasses.replace(node, costs={**node.costs, **{name: float(c[node.name]) for name, c in extra.items()}})

@@ -10,9 +10,15 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from autoshard.capture.export import CustomBackward
+from autoshard.capture.meta import ModeRegion, RandomDraw
+from autoshard.capture.opaque import OpaqueResult
+from autoshard.capture.result import WrappedLeaf
+from autoshard.capture.state import ScalarStateWrite, StateWrite
 from autoshard.costs.memory import StageMemory
 from autoshard.errors import plural
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
@@ -21,6 +27,12 @@ _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*
 
 ROOT_LABEL = "(root)"
 """How operations written in the top-level forward itself are listed."""
+
+PART_LABEL = " (part)"
+"""Marks a module some of whose operations run in another stage."""
+
+#: Width of tables written to a file, a pipe or a string: rich's default there (80) wraps every column.
+PIPED_WIDTH = 160
 
 BYTE_COSTS = frozenset({"params", "activations", "memory"})
 """Cost models measured in bytes; ``flops`` is a count and ``time`` is in seconds."""
@@ -75,7 +87,7 @@ def _node_label(node: PlanNode, spans: Mapping[str, set[int]], numbered: set[str
             if path in numbered and path != node.module:
                 return f"{path}.{node.module[len(path) + 1:].split('.')[0]}"
             return path
-    return f"{node.module} (part)" if node.module else ROOT_LABEL
+    return f"{node.module}{PART_LABEL}" if node.module else ROOT_LABEL
 
 
 def stage_modules(plan: SavedPlan, stage: int) -> list[str]:
@@ -330,15 +342,88 @@ def _wrapped_stages(plan: SavedPlan, kind: str, name: str) -> list[int]:
     return sorted(set(hits))
 
 
-def wrapped_table(plan: SavedPlan) -> Table:
-    """The modules and functions kept opaque, where they landed, and the error that forced it."""
-    table = Table(title="kept whole (could not be traced through)")
+BY_DESIGN = "kept whole by design: "
+"""How the capture's record begins for code it keeps whole on purpose (a fused inference path)."""
+
+#: The capture's errors for code it keeps whole so that it runs as the model runs it, not because
+#: tracing failed: their messages already say in words what the code does.
+_RUNS_AS_WRITTEN = tuple(f"{cls.__name__}: " for cls in (
+    ModeRegion, RandomDraw, StateWrite, ScalarStateWrite, OpaqueResult, CustomBackward))
+
+PYTORCH_INTERNAL = ("PyTorch's own helper, run as one step as in the model (a trace cannot follow its checks of its "
+                    "inputs); nothing to change")
+
+
+def _without_location(reason: str) -> str:
+    """``reason`` without its trailing ``(at file.py:12)``, which the plain words do not need."""
+    return re.sub(r" \(at [^()]+:\d+\)$", "", reason)
+
+
+def kept_whole_why(leaf: WrappedLeaf) -> tuple[bool, str]:
+    """``(by design, why in plain words)`` for code the capture kept whole.
+
+    By design: PyTorch's own helpers (``torch.nn.functional._none_or_dtype`` checks that its input
+    is a tensor, which a traced value is not), fused paths, and code that changes modes, draws
+    random numbers or keeps state, which run as written so the stages do what the model does. The
+    rest could not be traced (``if x.sum() > 1000:``): a finer split needs that code rewritten.
+    """
+    if leaf.reason.startswith(BY_DESIGN):
+        return True, leaf.reason[len(BY_DESIGN):]
+    if leaf.kind == "function" and leaf.name.startswith("torch."):
+        return True, PYTORCH_INTERNAL
+    for prefix in _RUNS_AS_WRITTEN:
+        if leaf.reason.startswith(prefix):
+            return True, _without_location(leaf.reason[len(prefix):])
+    if "cannot be used as inputs to control flow" in leaf.reason:
+        return False, "a Python branch or loop on a tensor's value, which a graph cannot record"
+    return False, "tracing it failed with the error beside"
+
+
+def wrapped_tables(plan: SavedPlan) -> list[Table]:
+    """The modules and functions kept opaque, where they landed and why: those kept whole by design
+    (nothing to fix) apart from those that could not be traced (rewrite them for a finer split)."""
+    design = Table(title="kept whole by design (each runs as one step, as in the model)")
+    failed = Table(title="kept whole: could not be traced through (each runs as one step)")
     for column in ("kind", "name", "stage", "why"):
-        table.add_column(column, overflow="fold")
+        design.add_column(column, overflow="fold")
+        failed.add_column(column, overflow="fold")
+    failed.add_column("error", overflow="fold")
     for leaf in plan.wrapped:
         stages = ", ".join(map(str, _wrapped_stages(plan, leaf.kind, leaf.name))) or "-"
-        table.add_row(leaf.kind, _plain(leaf.name), stages, _plain(leaf.reason))
-    return table
+        by_design, why = kept_whole_why(leaf)
+        if by_design:
+            design.add_row(leaf.kind, _plain(leaf.name), stages, _plain(why))
+        else:
+            failed.add_row(leaf.kind, _plain(leaf.name), stages, _plain(why), _plain(leaf.reason))
+    return [table for table in (design, failed) if table.row_count]
+
+
+def module_legend(plan: SavedPlan) -> str | None:
+    """What ``(part)`` and ``(root)`` in the modules column mean, for those the table shows."""
+    shown = {label for stage in range(plan.num_stages) for label in stage_modules(plan, stage)}
+    said = []
+    if any(label.endswith(PART_LABEL) for label in shown):
+        said.append(f"{PART_LABEL.strip()}: a module split between stages, listed in each stage that runs some of it")
+    if ROOT_LABEL in shown:
+        said.append(f"{ROOT_LABEL}: operations written in the model's own forward, outside any submodule")
+    return "; ".join(said) if said else None
+
+
+def plan_renderables(plan: SavedPlan, title: str, notes: Sequence[str] = ()) -> list[RenderableType]:
+    """Everything shown for a plan, in order: the stage table and its legend, the bottleneck and how
+    the split was made, the boundary values, the tied weights, the code kept whole, then ``notes``
+    (dim). The CLI prints these and ``PlanReport`` renders them, so both read the same."""
+    shown: list[RenderableType] = [stage_table(plan, title)]
+    legend = module_legend(plan)
+    lines = ([legend] if legend else []) + summary_lines(plan) + how_made_lines(plan)
+    shown += [_plain(line) for line in lines]
+    if plan.num_stages > 1:
+        shown.append(boundary_table(plan))
+    if plan.shared_weights():
+        shown.append(shared_weights_table(plan))
+    shown += wrapped_tables(plan)
+    shown += [Text(note, style="dim") for note in notes]
+    return shown
 
 
 def compare_tables(plans: Mapping[str, SavedPlan]) -> list[Table]:

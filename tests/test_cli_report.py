@@ -19,12 +19,15 @@ from autoshard.report import (
     format_cost,
     how_made_lines,
     human_bytes,
+    kept_whole_why,
+    module_legend,
+    plan_renderables,
     stage_modules,
     stage_rows,
     stage_table,
     summary_lines,
     value_columns,
-    wrapped_table,
+    wrapped_tables,
 )
 
 TENSOR = {"kind": "tensor", "shape": [4, 16], "dtype": "float32", "bytes": 256}
@@ -102,8 +105,55 @@ def test_stage_table_has_a_column_per_cost_model_and_one_row_per_stage():
 def test_boundary_and_wrapped_tables_show_shapes_and_reasons_verbatim():
     boundaries = rendered(boundary_table(hand_plan()))
     assert "0 → 1" in boundaries and "[4, 16]" in boundaries and "float32" in boundaries
-    wrapped = rendered(wrapped_table(hand_plan()))
-    assert "enc.layers.2" in wrapped and "control flow [on values]" in wrapped
+    (failed,) = wrapped_tables(hand_plan())
+    wrapped = rendered(failed)
+    assert "could not be traced" in wrapped and "enc.layers.2" in wrapped and "control flow [on values]" in wrapped
+
+
+def test_code_kept_whole_by_design_is_apart_from_code_that_could_not_be_traced():
+    """PyTorch's own helpers, fused paths and code that keeps state run whole on purpose: nothing to fix,
+    so they are not listed as failures; what could not be traced says why in words, beside its error."""
+    kept = (
+        WrappedLeaf("function", "torch.nn.functional._none_or_dtype",
+                    "RuntimeError: input to _none_or_dtype() must be None or torch.Tensor (at functional.py:6619)"),
+        WrappedLeaf("module", "enc.layers.0", "StateWrite: the forward stores a value it computed in its buffer "
+                    "'count' (at model.py:12)"),
+        WrappedLeaf("module", "enc.layers.1", "kept whole by design: PyTorch's fused inference path (eval mode)"),
+        WrappedLeaf("module", "enc.layers.2", "TraceError: symbolically traced variables cannot be used as inputs "
+                    "to control flow (at model.py:30)"),
+    )
+    design, failed = (rendered(t) for t in wrapped_tables(replace(hand_plan(), wrapped=kept)))
+    assert "kept whole by design" in design and "could not be traced" in failed
+    assert "_none_or_dtype" in design and "PyTorch's own helper" in design and "RuntimeError" not in design
+    assert "stores a value it computed in its buffer 'count'" in design and "model.py:12" not in design
+    assert "PyTorch's fused inference path (eval mode)" in design
+    assert "enc.layers.2" in failed and "enc.layers.2" not in design
+    assert "a Python branch or loop on a tensor's value" in failed and "TraceError: symbolically" in failed
+
+
+def test_the_captures_own_reasons_for_keeping_code_whole_read_as_by_design():
+    """A plan file keeps only the reason's text, so the prefix the capture writes is what marks it."""
+    from autoshard.capture.fast_paths import FUSED_REASON, PACKED_REASON
+
+    for reason in (FUSED_REASON, PACKED_REASON):
+        by_design, why = kept_whole_why(WrappedLeaf("module", "encoder", reason))
+        assert by_design and reason.endswith(why) and not why.startswith("kept whole")
+
+
+def in_modules(plan: SavedPlan, modules: dict[str, str]) -> SavedPlan:
+    """``plan`` with the nodes named in ``modules`` moved into those modules."""
+    return replace(plan, nodes=tuple(replace(n, module=modules.get(n.name, n.module)) for n in plan.nodes))
+
+
+def test_a_legend_explains_part_and_root_when_the_table_shows_them():
+    split_block = in_modules(hand_plan(), {"l1": "enc.mix", "l2": "enc.mix"})  # one module over both stages
+    assert stage_modules(split_block, 0) == ["enc.layers.0", "enc.mix (part)"]
+    legend = module_legend(split_block)
+    assert legend == ("(part): a module split between stages, listed in each stage that runs some of it; "
+                      "(root): operations written in the model's own forward, outside any submodule")
+    assert module_legend(in_modules(hand_plan(), {"add": "head"})) is None  # neither shown: no legend
+    shown = [rendered(r) for r in plan_renderables(split_block, "t")]
+    assert shown[1].startswith("(part): a module split between stages")  # right under the stage table
 
 
 def test_compare_tables_put_strategies_side_by_side():

@@ -90,6 +90,54 @@ def test_measured_times_are_reported_as_measured():
         s.costs["time"] for s in report.stages]
 
 
+def test_print_shows_the_tables_the_cli_prints(capsys, monkeypatch):
+    """One renderer: the report's text is the CLI's output for the same split, line for line, but for
+    the title (the CLI names the TARGET, the report the model's class)."""
+    from autoshard import cli
+
+    monkeypatch.delenv("COLUMNS", raising=False)  # the CLI's width for a pipe, the report's for a string
+    assert cli.main(["split", "residual-mlp", "-k", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    model, args, _ = load_example("residual-mlp")
+    shown = str(plan_report(autoshard.shard_model(model, 2, example_inputs=args))).splitlines()
+    assert printed[0].strip().startswith("residual-mlp: 2 stages (")
+    assert shown[0].strip().startswith("ResidualMLP: 2 stages (")
+    assert len(shown) > 10 and printed[1:len(shown)] == shown[1:]
+
+
+def test_the_report_renders_with_rich_in_a_notebook_and_reprs_in_one_line():
+    import io
+
+    import rich.console
+
+    model, args, _ = load_example("transformer-lm")
+    report = plan_report(autoshard.shard_model(model, 2, example_inputs=args))
+    console = rich.console.Console(file=io.StringIO(), width=160, color_system=None)
+    console.print(report)  # rich.print(report) goes through __rich_console__
+    assert console.file.getvalue().rstrip("\n") == str(report)
+    assert "kept whole by design" in str(report) and "(part): a module split between stages" in str(report)
+    html = report._repr_html_()
+    assert html.startswith("<!DOCTYPE html>") and "values crossing each boundary" in html
+    assert repr(report) == ("<PlanReport: 2 stages, cost models params, nodes, flops, activations, memory; "
+                            "print() it for the tables, .to_dict() for the data>")
+
+
+def test_the_tables_follow_the_reports_device_and_extra_costs():
+    model, args, _ = load_example("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    report = plan_report(sharded, extra_costs={"mine": {n: 1.0 for n in sharded.plan.dag.nodes}},
+                         device=autoshard.DeviceModel(1e12, 1e12))
+    assert report.plan.time_estimate == report.time_estimate
+    header = next(line for line in str(report).splitlines() if line.startswith("┃"))
+    assert "mine" in header
+
+
+def test_stages_without_an_origin_say_why_there_are_no_tables():
+    model, args, _ = load_example("residual-mlp")
+    report = plan_report(autoshard.shard_model(model, 2, example_inputs=args).plan)  # a StagePlan alone
+    assert report.plan is None and str(report).startswith("no tables: these stages record no pipeline spec")
+
+
 def test_the_public_plan_report_stays_the_function_after_its_module_is_imported():
     import importlib
 
