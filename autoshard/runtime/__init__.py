@@ -3,7 +3,8 @@
 autoshard does not bring its own distributed runtime. ``pipeline_stage`` hands one stage to
 PyTorch's ``PipelineStage``, driven by PyTorch's schedules; ``OffloadRunner`` runs every stage in
 turn on one device too small for the model; ``check_pipeline_step`` compares one step with the
-unsplit model (loss and every gradient); the rest keeps checkpoints under the model's own names
+unsplit model (loss and every gradient); ``measure_stage_memory`` measures what a stage holds in
+training (to check the memory model against); the rest keeps checkpoints under the model's own names
 and lets a rank build its stage from a model made on the ``meta`` device.
 """
 
@@ -13,6 +14,7 @@ from autoshard.runtime.checkpoint import load_stage_state, merge_stage_states, s
 from autoshard.runtime.device_map import device_map, split_modules
 from autoshard.runtime.launch import run_local
 from autoshard.runtime.materialize import materialize_stage
+from autoshard.runtime.memory import StageMemoryMeasurement, measure_stage_memory
 from autoshard.runtime.offload import OffloadRunner
 from autoshard.runtime.schedule import (
     SCHEDULES,
@@ -33,6 +35,7 @@ __all__ = [
     "SCHEDULES",
     "SharedBufferWarning",
     "SharedParameter",
+    "StageMemoryMeasurement",
     "StepCheck",
     "TiedGradients",
     "build_schedule",
@@ -42,6 +45,7 @@ __all__ = [
     "load_stage_state",
     "local_stage_indices",
     "materialize_stage",
+    "measure_stage_memory",
     "merge_stage_states",
     "model_loss",
     "pipeline_stage",

@@ -1,0 +1,265 @@
+"""``measure_stage_memory``: what one stage really holds in a training step's steady state, measured.
+
+The memory model (``autoshard.costs.memory``) predicts a stage's training memory from the plan;
+this runs the stage on real tensors, on one process, so the prediction can be checked. The stages
+before it run once to give it a microbatch of its inputs; the stage then runs its forward once per
+microbatch it keeps in flight under the schedule (a fresh copy of its inputs each time, all graphs
+kept alive), then one backward with a gradient of its output's shape, as in the steady state: the
+gradients of its parameters exist (they accumulate over the step) and so does the optimizer state
+(after the first step). The peak is counted by live tensor storages with PyTorch's own
+``MemTracker`` (``torch.distributed._tools.mem_tracker``), which works on CPU: it sees every
+storage an operator returns and when it is freed, and sorts them into weights, gradients,
+optimizer state, activations, backward temporaries and what was handed in. Memory a kernel
+allocates and frees inside itself (a workspace) is not seen. On CUDA the total is
+``torch.cuda.max_memory_allocated`` instead (the parts still come from the tracker); that path has
+not been run on a GPU yet.
+
+Schedules: ``1f1b`` keeps ``min(k - j, microbatches)`` microbatches in flight at stage ``j`` of
+``k`` (its warm-up forwards plus the one before its first backward); ``gpipe`` keeps all of them.
+Interleaved schedules are refused: a process runs several stages there, and how many microbatches
+each keeps depends on the world size, which one stage on one process does not have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from autoshard.arguments import whole_number
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural, suggest
+from autoshard.runtime.schedule import SCHEDULES
+from autoshard.sharded import ShardedModel, moved_to, stage_device
+
+#: fp32 state tensors per parameter, by optimizer name (the state their ``torch.optim`` class keeps;
+#: Adam's 4-byte step counter per parameter is left out, as the memory model leaves it out).
+OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "sgd-momentum": ("momentum_buffer",),
+    "sgd": (),
+    "none": (),
+}
+
+#: The schedules whose steady state one stage on one process can stand for.
+MEASURED_SCHEDULES = ("1f1b", "gpipe")
+
+#: The parts of a measurement, in the order reports show them.
+PARTS = ("weights", "gradients", "optimizer", "activations", "received", "temporaries")
+
+_PART_OF = {
+    _MemRefType.PARAM: "weights", _MemRefType.BUFFER: "weights", _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.OTH: "received",
+    _MemRefType.TEMP: "temporaries",
+}
+
+
+@dataclass(frozen=True)
+class StageMemoryMeasurement:
+    """What one stage held, in bytes. ``peak`` is the most at once; ``parts`` splits the tracker's
+    peak into ``PARTS`` (weights with buffers; received: the inputs of every microbatch in flight
+    and the gradient of one output; temporaries: what the backward allocates besides gradients).
+    ``resident`` is the same split just before the backward: what the stage keeps between steps
+    of the schedule. ``source`` says how ``peak`` was read."""
+
+    stage: int
+    schedule: str
+    optimizer: str
+    in_flight: int
+    peak: int
+    parts: Mapping[str, int]
+    resident: Mapping[str, int]
+    device: str
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "schedule": self.schedule, "optimizer": self.optimizer,
+                "in_flight": self.in_flight, "peak": self.peak, "parts": dict(self.parts),
+                "resident": dict(self.resident), "device": self.device, "source": self.source}
+
+
+class _StageTracker(MemTracker):
+    """``MemTracker`` without its gradient hooks: it puts one on every parameter, which a frozen
+    parameter refuses, and the gradients they would catch exist before the run (the steady state
+    accumulates into them), so the tracker finds them with their parameters anyway."""
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+
+def optimizer_state_names(optimizer: str) -> tuple[str, ...]:
+    """The state tensors ``optimizer`` keeps per parameter; a typed error for a name it does not know."""
+    if not isinstance(optimizer, str):
+        raise InvalidArgumentTypeError(f"optimizer must be a name ({', '.join(OPTIMIZER_STATE)}), got {optimizer!r}")
+    name = optimizer.lower()
+    if name not in OPTIMIZER_STATE:
+        raise InvalidArgumentError(
+            f"unknown optimizer {optimizer!r}{suggest(name, OPTIMIZER_STATE)}; known: {', '.join(OPTIMIZER_STATE)} "
+            "(for another optimizer, pick the one keeping as many fp32 tensors per parameter)")
+    return OPTIMIZER_STATE[name]
+
+
+def microbatches_in_flight(schedule: str, stage: int, num_stages: int, microbatches: int | None = None) -> int:
+    """Microbatches whose activations ``stage`` keeps at once under ``schedule``; ``microbatches``
+    None means as many as there are stages (a full pipeline, the memory model's uncapped case)."""
+    if not isinstance(schedule, str):
+        raise InvalidArgumentTypeError(f"schedule must be a name ({', '.join(MEASURED_SCHEDULES)}), got {schedule!r}")
+    name = schedule.lower()
+    if name not in MEASURED_SCHEDULES:
+        if name in SCHEDULES:
+            raise InvalidArgumentError(
+                f"schedule {schedule!r} runs several stages per process, so what one holds depends on the world "
+                f"size; a one-process measurement takes {' or '.join(map(repr, MEASURED_SCHEDULES))}")
+        raise InvalidArgumentError(f"unknown schedule {schedule!r}{suggest(name, MEASURED_SCHEDULES)}; "
+                                   f"measured schedules: {', '.join(MEASURED_SCHEDULES)}")
+    count = num_stages if microbatches is None else whole_number(microbatches, "microbatches", at_least=1)
+    return min(num_stages - stage, count) if name == "1f1b" else count
+
+
+def measure_stage_memory(
+    sharded: ShardedModel,
+    stage: int,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    schedule: str = "1f1b",
+    microbatches: int | None = None,
+    optimizer: str = "adam",
+) -> StageMemoryMeasurement:
+    """Run stage ``stage`` of ``sharded`` in its steady state and return the most memory it held.
+
+    ``example_inputs`` / ``example_kwargs`` are one microbatch of the model's inputs (pass the
+    example the plan was made with to compare with ``plan_report``, whose activations were
+    measured on it). The model is left as it was: its gradients, buffers and random state are
+    restored afterwards.
+    """
+    if not isinstance(sharded, ShardedModel):
+        raise InvalidArgumentTypeError(
+            f"measure_stage_memory needs the ShardedModel that shard_model returned, got {type(sharded).__name__}")
+    k = sharded.num_stages
+    stage = whole_number(stage, "stage")
+    if not 0 <= stage < k:
+        raise InvalidArgumentError(
+            f"stage {stage} is out of range: the plan has {plural(k, 'stage')}; pass a stage from 0 to {k - 1}")
+    in_flight = microbatches_in_flight(schedule, stage, k, microbatches)
+    states = optimizer_state_names(optimizer)
+    module = sharded.stages[stage]
+    device = stage_device(module) or torch.device("cpu")
+    with _model_kept(sharded, device):
+        args, kwargs = _stage_inputs(sharded, stage, tuple(example_inputs), dict(example_kwargs or {}))
+        peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, states, stage > 0)
+    return StageMemoryMeasurement(
+        stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),
+        "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages (MemTracker)")
+
+
+@contextlib.contextmanager
+def _model_kept(sharded: ShardedModel, device: torch.device) -> Iterator[None]:
+    """Give back the model's gradients, buffer values (BatchNorm statistics) and random state."""
+    params = list(sharded.parameters())
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in sharded.buffers()]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in buffers:
+                    if not torch.equal(b, saved):
+                        b.copy_(saved)
+
+
+def _stage_inputs(sharded: ShardedModel, stage: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """One microbatch of what ``stage`` receives: the model's inputs, or what the stages before it send."""
+    args, kwargs = sharded.fit_call(args, kwargs)
+    first = sharded.stages[0]
+    args, kwargs = moved_to(stage_device(first), args), moved_to(stage_device(first), kwargs)
+    if stage == 0:
+        return args, kwargs
+    values = first(*args, **kwargs)
+    for later in sharded.stages[1:stage]:
+        values = later(*moved_to(stage_device(later), values))
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, moved_to(stage_device(sharded.stages[stage]), values)), {}
+
+
+def _fresh(values: Any, receives_gradients: bool) -> Any:
+    """A microbatch's own copy of ``values``; a stage after the first sends gradients back for its
+    floating-point inputs, so they require grad as ``PipelineStage``'s receive buffers do."""
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        fresh = t.detach().clone()
+        return fresh.requires_grad_() if receives_gradients and fresh.is_floating_point() else fresh
+    return tree_map_only(torch.Tensor, copy, values)
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
+
+
+def _steady_state_optimizer(params: list[nn.Parameter], states: tuple[str, ...]) -> torch.optim.Optimizer | None:
+    """An optimizer over ``params`` whose state is filled as after its first step, without stepping
+    (a step would write the model's parameters); only its state is read, so its class does not matter."""
+    if not params:
+        return None
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    for p in params:
+        optimizer.state[p] = {name: torch.zeros_like(p, dtype=torch.float32) for name in states}
+    return optimizer
+
+
+def _run_in_steady_state(
+    module: nn.Module, device: torch.device, args: tuple, kwargs: dict, in_flight: int,
+    states: tuple[str, ...], receives_gradients: bool,
+) -> tuple[int, dict[str, int], dict[str, int]]:
+    """Forward ``in_flight`` microbatches, then back-propagate the first: the peak and its parts."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer = _steady_state_optimizer(trainable, states)
+    microbatches = [(_fresh(args, receives_gradients), _fresh(kwargs, receives_gradients)) for _ in range(in_flight)]
+    tracker = _StageTracker()
+    tracker.track_external(module, optimizer, *[t for mb in microbatches for t in _tensors(mb)])
+    with tracker:
+        outputs = []
+        for mb_args, mb_kwargs in microbatches:
+            tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
+            outputs.append(module(*mb_args, **mb_kwargs))
+        resident = _parts(tracker.get_tracker_snapshot("current"), device)
+        sent = [t for t in _tensors(outputs[0]) if t.requires_grad]
+        if sent:
+            gradients = [torch.ones_like(t) for t in sent]
+            tracker.track_external(*gradients)  # received from the next stage, not made by this one
+            torch.autograd.backward(sent, gradients)
+    parts = _parts(tracker.get_tracker_snapshot("peak"), device)
+    if cuda:
+        torch.cuda.synchronize(device)
+        weights = parts["weights"]  # allocated before ``before``: the stage holds them throughout
+        return torch.cuda.max_memory_allocated(device) - before + weights, parts, resident
+    return sum(parts.values()), parts, resident
+
+
+def _parts(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device) -> dict[str, int]:
+    """The tracker's snapshot of ``device`` as bytes per part of ``PARTS``."""
+    parts = dict.fromkeys(PARTS, 0)
+    for found, by_type in snapshot.items():
+        if torch.device(found).type != device.type:
+            continue
+        for ref, size in by_type.items():
+            if ref in _PART_OF:
+                parts[_PART_OF[ref]] += size
+    return parts
+
+
+__all__ = ["MEASURED_SCHEDULES", "OPTIMIZER_STATE", "PARTS", "StageMemoryMeasurement", "measure_stage_memory",
+           "microbatches_in_flight", "optimizer_state_names"]

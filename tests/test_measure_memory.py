@@ -1,0 +1,197 @@
+"""measure_stage_memory: a stage's steady-state training memory, measured by live storages.
+
+Checked against a hand count on a stack of Linears (each saves its input; nothing else is kept),
+against the weight state of every built-in example, and for growth with the microbatches in flight.
+The CUDA path (torch.cuda.max_memory_allocated) runs only where CUDA is present.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.examples import load_example
+from autoshard.runtime import StageMemoryMeasurement, measure_stage_memory
+from autoshard.runtime.memory import PARTS, microbatches_in_flight
+
+F32 = 4
+BATCH = 5
+
+
+@functools.cache
+def linear_stack() -> tuple[autoshard.ShardedModel, torch.Tensor]:
+    """Four Linears, two per stage: stage 0 holds 8->16->16, stage 1 16->32->4."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 32), nn.Linear(32, 4))
+    x = torch.randn(BATCH, 8)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    assert [len(s.weights) for s in autoshard.plan_report(sharded).stages] == [4, 4]
+    return sharded, x
+
+
+def linear_bytes(*widths: int) -> int:
+    """Weight and bias bytes of the Linears ``widths[0] -> widths[1] -> ...``."""
+    return sum((a * b + b) * F32 for a, b in zip(widths, widths[1:]))
+
+
+def test_linear_stack_matches_a_hand_count():
+    sharded, x = linear_stack()
+    first = measure_stage_memory(sharded, 0, (x,), microbatches=1)
+    state = linear_bytes(8, 16, 16)
+    # before the backward: weights, their gradients, Adam's two fp32 moments, the input, and the
+    # two outputs (the first saved by the second Linear, the second kept as the stage's output)
+    assert dict(first.resident) == {"weights": state, "gradients": state, "optimizer": 2 * state,
+                                    "activations": BATCH * (16 + 16) * F32, "received": BATCH * 8 * F32,
+                                    "temporaries": 0}
+    last = measure_stage_memory(sharded, 1, (x,), microbatches=1)
+    state = linear_bytes(16, 32, 4)
+    # the peak is the 16->32 Linear's backward: its input gradient, weight and bias gradients
+    # (before they are added to .grad) and its output's gradient are alive; of the activations
+    # only the stage's output is left; received: the input and the output's gradient
+    temporaries = BATCH * 16 * F32 + (32 * 16 + 32) * F32 + BATCH * 32 * F32
+    assert dict(last.parts) == {"weights": state, "gradients": state, "optimizer": 2 * state,
+                                "activations": BATCH * 4 * F32, "received": BATCH * (16 + 4) * F32,
+                                "temporaries": temporaries}
+    assert last.peak == sum(last.parts.values())
+    assert last.source.startswith("live tensor storages")
+
+
+def test_each_microbatch_in_flight_adds_its_activations_and_inputs():
+    sharded, x = linear_stack()
+    per_microbatch = BATCH * (16 + 16) * F32 + BATCH * 8 * F32
+    peaks = [measure_stage_memory(sharded, 0, (x,), schedule="gpipe", microbatches=m).peak for m in (1, 2, 3)]
+    assert [b - a for a, b in zip(peaks, peaks[1:])] == [per_microbatch, per_microbatch]
+    # 1F1B: stage 0 of 2 keeps at most 2 in flight, however many microbatches the step has
+    one_f_one_b = [measure_stage_memory(sharded, 0, (x,), microbatches=m) for m in (1, 2, 4)]
+    assert [m.in_flight for m in one_f_one_b] == [1, 2, 2]
+    assert [m.peak for m in one_f_one_b] == peaks[:2] + peaks[1:2]
+
+
+def test_in_flight_counts_follow_the_schedule():
+    assert [microbatches_in_flight("1f1b", j, 4, 8) for j in range(4)] == [4, 3, 2, 1]
+    assert [microbatches_in_flight("1F1B", j, 4, 2) for j in range(4)] == [2, 2, 2, 1]
+    assert [microbatches_in_flight("gpipe", j, 4, 3) for j in range(4)] == [3, 3, 3, 3]
+    assert microbatches_in_flight("1f1b", 0, 4) == 4  # None: a full pipeline
+
+
+@pytest.mark.parametrize("optimizer, tensors", [("adam", 2), ("AdamW", 2), ("sgd-momentum", 1), ("sgd", 0),
+                                                ("none", 0)])
+def test_optimizer_state_is_fp32_tensors_per_parameter(optimizer, tensors):
+    sharded, x = linear_stack()
+    measured = measure_stage_memory(sharded, 0, (x,), optimizer=optimizer)
+    assert measured.parts["optimizer"] == tensors * linear_bytes(8, 16, 16)
+    assert measured.optimizer == optimizer.lower()
+
+
+def test_frozen_weights_have_no_gradients_or_optimizer_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model.requires_grad_(False)
+    x = torch.randn(BATCH, 8)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    for stage in range(2):
+        measured = measure_stage_memory(sharded, stage, (x,))
+        assert measured.parts["gradients"] == measured.parts["optimizer"] == 0
+        assert measured.parts["weights"] == linear_bytes(8, 8)
+
+
+def test_the_model_is_left_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 8)).train()
+    x = torch.randn(BATCH, 8)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    model[0].weight.grad = kept = torch.ones_like(model[0].weight)
+    statistics = model[1].running_mean.clone(), model[1].running_var.clone(), model[1].num_batches_tracked.clone()
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    for stage in range(2):
+        measure_stage_memory(sharded, stage, (x,), microbatches=3)
+    assert torch.equal(torch.rand(3), expected)  # the dropout drew from a fork of the random stream
+    assert model[0].weight.grad is kept and torch.equal(kept, torch.ones_like(kept))
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "0.weight")
+    for before, after in zip(statistics, (model[1].running_mean, model[1].running_var,
+                                          model[1].num_batches_tracked)):
+        assert torch.equal(before, after)
+
+
+@functools.cache
+def example(name: str, k: int) -> tuple[autoshard.ShardedModel, tuple, dict]:
+    model, args, kwargs = load_example(name)
+    return autoshard.shard_model(model, k, example_inputs=args, example_kwargs=kwargs), args, kwargs
+
+
+def held_bytes(module: nn.Module) -> tuple[int, int]:
+    """Bytes of the distinct parameters and buffers ``module`` holds, and of its trainable parameters."""
+    weights = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+    trainable = {id(p): p for p in module.parameters() if p.requires_grad}.values()
+    return (sum(t.numel() * t.element_size() for t in weights),
+            sum(p.numel() * p.element_size() for p in trainable))
+
+
+@pytest.mark.parametrize("name", ["residual-mlp", "gpt-lm", "transformer-lm"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_examples_hold_at_least_their_weight_state_and_more_with_more_in_flight(name, k):
+    sharded, args, kwargs = example(name, k)
+    for stage in range(k):
+        one, four = (measure_stage_memory(sharded, stage, args, kwargs, microbatches=m) for m in (1, 4))
+        weights, trainable = held_bytes(sharded.stages[stage])
+        assert one.parts["weights"] == weights
+        assert one.parts["gradients"] == trainable and one.parts["optimizer"] == 2 * trainable
+        assert one.peak >= weights + 3 * trainable + one.resident["activations"]
+        assert (one.in_flight, four.in_flight) == (1, min(k - stage, 4))
+        if four.in_flight > one.in_flight:
+            assert four.resident["activations"] == four.in_flight * one.resident["activations"]
+            assert four.peak > one.peak
+        else:
+            assert four.peak == one.peak
+
+
+def test_measurement_is_exported_and_serialisable():
+    sharded, x = linear_stack()
+    measured = autoshard.runtime.measure_stage_memory(sharded, 1, [x])
+    assert isinstance(measured, StageMemoryMeasurement)
+    data = measured.to_dict()
+    assert set(data["parts"]) == set(PARTS) and data["peak"] == measured.peak and data["device"] == "cpu"
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (dict(optimizer="adma"), InvalidArgumentError, ["'adma'", "did you mean 'adam'", "sgd-momentum"]),
+    (dict(optimizer=8), InvalidArgumentTypeError, ["adam, adamw"]),
+    (dict(schedule="gpip"), InvalidArgumentError, ["'gpip'", "did you mean 'gpipe'", "1f1b, gpipe"]),
+    (dict(schedule="interleaved-1f1b"), InvalidArgumentError, ["several stages per process", "'1f1b' or 'gpipe'"]),
+    (dict(microbatches=0), InvalidArgumentError, ["microbatches must be at least 1, got 0"]),
+    (dict(microbatches=2.0), InvalidArgumentTypeError, ["microbatches must be an int"]),
+    (dict(stage=2), InvalidArgumentError, ["stage 2 is out of range", "2 stages", "from 0 to 1"]),
+    (dict(stage=-1), InvalidArgumentError, ["stage -1 is out of range"]),
+])
+def test_bad_arguments_are_typed_errors_naming_the_value_and_the_choices(call, error, words):
+    sharded, x = linear_stack()
+    stage = call.pop("stage", 0)
+    with pytest.raises(error) as raised:
+        measure_stage_memory(sharded, stage, (x,), **call)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_a_model_that_is_not_sharded_is_refused():
+    with pytest.raises(InvalidArgumentTypeError, match="needs the ShardedModel"):
+        measure_stage_memory(nn.Linear(2, 2), 0, (torch.randn(1, 2),))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_peak_is_the_allocators():
+    sharded, x = linear_stack()
+    sharded.to("cuda")
+    try:
+        measured = measure_stage_memory(sharded, 1, (x.cuda(),), microbatches=2)
+    finally:
+        sharded.to("cpu")
+    assert measured.source == "torch.cuda.max_memory_allocated" and measured.device.startswith("cuda")
+    # the allocator rounds every block up to 512 bytes, so it holds at least what the storages need
+    assert measured.peak >= sum(measured.parts.values()) - measured.parts["temporaries"]
