@@ -174,7 +174,7 @@ class ShardedModel(FixedDtypes):
         through here, so an argument reaches the parameter the model gives it, or is refused
         (``InputMismatchError``) when the plan does not serve it."""
         self._modes_at_capture.check(self.plan.training)
-        return fitted_call(self.stages[0], self.model_signature, args, kwargs)
+        return fitted_call(self.stages._modules["0"], self.model_signature, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.fit_call(args, kwargs)
@@ -220,24 +220,22 @@ def fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | None
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where a call's value comes from: its position, or its keyword."""
+    """A stand-in for a call's value while a structure is bound: its index among the call's
+    positional values followed by its keyword values, in the call's order."""
 
-    key: int | str
-
-    def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return args[self.key] if isinstance(self.key, int) else kwargs[self.key]
+    index: int
 
 
 @dataclass(frozen=True)
 class _Binding:
-    """How calls of one structure reach the first stage: ``moved`` (stage argument, where its value
-    is), ``left_out`` (model arguments the stage fixed at their defaults, where their values are),
-    ``fills`` (defaults of the model given to the stage), the arguments that must hold tensors, and
-    the error a call of this structure gets from the stage's own signature (raised after the
-    left-out values are checked, as binding it would)."""
+    """How calls of one structure reach the first stage: ``moved`` (stage argument, index of its
+    value), ``left_out`` (model arguments the stage fixed at their defaults, indices of their
+    values), ``fills`` (defaults of the model given to the stage), the arguments that must hold
+    tensors, and the error a call of this structure gets from the stage's own signature (raised
+    after the left-out values are checked, as binding it would)."""
 
-    moved: tuple[tuple[str, _Slot], ...]
-    left_out: tuple[tuple[str, _Slot], ...]
+    moved: tuple[tuple[str, int], ...]
+    left_out: tuple[tuple[str, int], ...]
     fills: dict[str, Any]
     tensors: tuple[str, ...]
     error: TypeError | None
@@ -260,42 +258,49 @@ class _Binder:
             binding = self.bindings[structure] = self._binding(len(args), tuple(kwargs))
         if isinstance(binding, TypeError):  # the model itself refuses the call
             raise _not_fitting(self.signature, binding)
-        changed = [name for name, slot in binding.left_out
-                   if not _is_default(self.model_signature, name, slot.read(args, kwargs))]
+        values = (*args, *kwargs.values()) if kwargs else args
+        if binding.left_out:
+            self._check_left_out(binding, values)
+        if binding.error is not None:
+            raise _not_fitting(self.signature, binding.error)
+        call = {name: values[index] for name, index in binding.moved}
+        for name in binding.tensors:
+            value = call[name]
+            if not isinstance(value, torch.Tensor) and not any(isinstance(v, torch.Tensor) for v in tree_leaves(value)):
+                raise _not_fitting(self.signature, TypeError(
+                    f"{name} is {value!r}, but the plan was captured with tensors there"))
+        if self.model_signature is None:
+            return args, kwargs
+        call.update(binding.fills)
+        return (), call
+
+    def _check_left_out(self, binding: _Binding, values: tuple[Any, ...]) -> None:
+        """Refuse a value other than the default for an argument the example left out."""
+        changed = [name for name, index in binding.left_out
+                   if not _is_default(self.model_signature, name, values[index])]
         if changed:
             defaults = [_default(self.model_signature, name) for name in changed]
             reason = (f"the example left {', '.join(f'{n}={d!r}' for n, d in zip(changed, defaults))} at the "
                       "default, which the plan computes with" if inspect.Parameter.empty not in defaults
                       else f"the example did not pass {', '.join(map(repr, changed))}")
             raise _not_fitting(self.signature, TypeError(reason))
-        if binding.error is not None:
-            raise _not_fitting(self.signature, binding.error)
-        call = {name: slot.read(args, kwargs) for name, slot in binding.moved}
-        for name in binding.tensors:
-            if not _holds_a_tensor(call[name]):
-                raise _not_fitting(self.signature, TypeError(
-                    f"{name} is {call[name]!r}, but the plan was captured with tensors there"))
-        if self.model_signature is None:
-            return args, kwargs
-        call.update(binding.fills)
-        return (), call
 
     def _binding(self, count: int, keywords: tuple[str, ...]) -> _Binding | TypeError:
         slots = [_Slot(i) for i in range(count)]
-        keyed = {key: _Slot(key) for key in keywords}
+        keyed = {key: _Slot(count + i) for i, key in enumerate(keywords)}
         if self.model_signature is None:
             try:
                 bound = self.signature.bind(*slots, **keyed).arguments
             except TypeError as exc:
                 return exc
-            named = dict(bound)
-            return _Binding(tuple(named.items()), (), {}, tuple(n for n in self.inputs if n in named), None)
+            moved = {name: slot.index for name, slot in bound.items()}
+            return _Binding(tuple(moved.items()), (), {}, tuple(n for n in self.inputs if n in moved), None)
         try:
             named = argument_names(self.model_signature, self.model_signature.bind(*slots, **keyed).arguments)
         except TypeError as exc:
             return exc
         parameters = self.signature.parameters
-        moved = {name: slot for name, slot in named.items() if name in parameters}
+        moved = {name: slot.index for name, slot in named.items() if name in parameters}
         fills = {name: _default(self.model_signature, name) for name in parameters
                  if name not in moved and name not in self.inputs
                  and _default(self.model_signature, name) is not inspect.Parameter.empty}
@@ -304,16 +309,12 @@ class _Binder:
             error = None
         except TypeError as exc:
             error = exc
-        left_out = tuple((name, slot) for name, slot in named.items() if name not in parameters)
+        left_out = tuple((name, slot.index) for name, slot in named.items() if name not in parameters)
         return _Binding(tuple(moved.items()), left_out, fills, tuple(n for n in self.inputs if n in moved), error)
 
 
 #: ``_Binder`` by first stage (a stage's graph does not change after emit).
 _BINDERS: weakref.WeakKeyDictionary[fx.GraphModule, _Binder] = weakref.WeakKeyDictionary()
-
-
-def _holds_a_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) or any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
 
 
 def _graph_inputs(first: fx.GraphModule) -> tuple[str, ...] | None:

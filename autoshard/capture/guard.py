@@ -270,26 +270,11 @@ def _converts(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def weight_dtypes(held: Sequence[Any]) -> frozenset[torch.dtype]:
-    """The dtypes a conversion would convert (floating, complex) among ``held``, parameters and
-    modules: each parameter's, and each module's first parameter's (a conversion converts them all;
-    every stage call checks this, so it reads one per module). Buffers do not count: a module may
-    fill a cache of its own dtype on its first call (rotary tables in float32 beside bfloat16 weights)."""
-    found = {item.dtype if isinstance(item, torch.Tensor) else _first_parameter_dtype(item) for item in held}
-    return frozenset(d for d in found if d is not None and _converts(d))
-
-
-def _first_parameter_dtype(module: torch.nn.Module) -> torch.dtype | None:
-    """The dtype of ``module``'s first convertible parameter (its own, then its children's), read
-    from the registries: ``Module.parameters()`` costs about twenty times as much."""
-    for tensor in module._parameters.values():
-        if tensor is not None and _converts(tensor.dtype):
-            return tensor.dtype
-    for child in module._modules.values():
-        found = None if child is None else _first_parameter_dtype(child)
-        if found is not None:
-            return found
-    return None
+def weight_dtypes(held: Sequence[torch.Tensor]) -> frozenset[torch.dtype]:
+    """The dtypes among ``held`` that a conversion would convert (floating, complex). Buffers are
+    not held here: a module may fill a cache of its own dtype on its first call (rotary tables in
+    float32 beside bfloat16 weights)."""
+    return frozenset(t.dtype for t in held if _converts(t.dtype))
 
 
 def _convert_first(dtype: torch.dtype) -> str:
@@ -297,7 +282,7 @@ def _convert_first(dtype: torch.dtype) -> str:
     return f"convert the model first (model.to({dtype})), then shard it"
 
 
-def check_weight_dtypes(captured: frozenset[torch.dtype], *held: Any) -> None:
+def check_weight_dtypes(captured: frozenset[torch.dtype], *held: torch.Tensor) -> None:
     """A stage whose weights were converted after sharding (``model.half()``): refuse it. The capture
     answered the code's questions about their dtype (``x.to(self.weight.dtype)``,
     ``torch.finfo(h.dtype).min``) once, so the stage would compute in the old dtype or fail. (A

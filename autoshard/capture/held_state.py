@@ -54,8 +54,9 @@ class _Registrations:
 class HeldState:
     """What a stage checks of itself on every call: its own mode and its modules' (``leaves``,
     paths of the modules its graph calls), and the dtypes of the parameters it reads directly
-    (``weights``, paths) or inside those modules (each module's first convertible parameter:
-    a conversion converts them all)."""
+    (``weights``, paths) or inside those modules (each module's first convertible parameter, its
+    own or its children's: a conversion converts them all, and reading one per module keeps the
+    check short)."""
 
     def __init__(self, owner: nn.Module, leaves: tuple[str, ...], weights: tuple[str, ...]) -> None:
         self.owner = owner
@@ -82,7 +83,7 @@ class HeldState:
     def weights(self) -> list[Any]:
         """The parameters whose dtypes count, as registered now (read on every call, never kept: a
         runtime may swap in copies for one call, ``functional_call``, which must not outlive it)."""
-        return list(map(dict.get, self.registries, self.names))
+        return [w for w in map(dict.get, self.registries, self.names) if w is not None]
 
     def check(self) -> None:
         """Raise ``InputMismatchError`` when a mode or a weight dtype changed since capture."""
