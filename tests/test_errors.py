@@ -174,7 +174,7 @@ def test_a_model_with_nothing_to_split_is_not_told_to_ask_for_zero_stages():
 
 
 def test_a_pass_whose_check_options_raises_a_builtin_error_is_named_with_a_reproducing_spec():
-    """The README invites a pass of the user's to refuse option values in ``check_options``; one that
+    """docs/pipelines.md invites a pass of the user's to refuse option values in ``check_options``; one that
     does so with a plain ``ValueError`` is named, with its position and a spec, like a failing ``run``."""
     from dataclasses import dataclass
 

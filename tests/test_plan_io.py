@@ -196,7 +196,7 @@ def test_an_edited_module_entry_that_disagrees_with_its_nodes_is_an_error(saved)
 
 
 def test_the_documented_edit_of_stage_fields_alone_loads(residual, saved):
-    """The README says to edit the nodes' "stage" fields; the `modules` entries written before the edit
+    """The docs (docs/runtimes.md) say to edit the nodes' "stage" fields; the `modules` entries written before the edit
     (linears.2 in stage 1) were refused as disagreeing. Nodes that moved make them stale, not wrong."""
     model, args, _, _ = residual
 
