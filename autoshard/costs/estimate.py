@@ -10,16 +10,25 @@ when the numbers must be real.
 
 The peaks come from the user (``DeviceModel(peak_flops, bandwidth)``; ``autoshard split
 --device-tflops --device-bandwidth``) or from ``calibrated_device()``: a short micro-benchmark of
-the planning machine (a matrix product for FLOP/s, a copy for bytes/s), run once per process.
+the planning machine (a matrix product for FLOP/s, a copy for bytes/s). One timing on a shared
+machine reads whatever load it met (280 GFLOP/s on one run, 22 on the next), so each is repeated
+for a fixed time and the fastest run kept, on all threads and on one (see ``measure_device``),
+and the result is cached per machine (CPU, thread count, torch version) under the user's cache
+directory (``$XDG_CACHE_HOME/autoshard``, else ``~/.cache/autoshard``): identical commands then
+estimate identical times. ``refresh=True`` or ``AUTOSHARD_RECALIBRATE=1`` measures again and
+replaces the cached numbers.
 Measured times, when the DAG has them, always win (``node_times``).
 """
 
 from __future__ import annotations
 
-import functools
+import json
 import math
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import networkx as nx
@@ -34,6 +43,16 @@ CALIBRATION_COPY_BYTES = 32 * 1024 * 1024
 """Bytes copied to measure memory bandwidth: larger than the caches, small enough to be quick."""
 
 CALIBRATION_REPEATS = 5
+"""Fewest timed runs of each micro-benchmark (after one warm-up)."""
+
+CALIBRATION_SECONDS = 0.2
+"""Each micro-benchmark repeats for at least this long, so that a burst of load from elsewhere
+leaves some runs untouched; the fastest run is the machine's speed."""
+
+CALIBRATION_MAX_REPEATS = 1000
+
+RECALIBRATE_ENV = "AUTOSHARD_RECALIBRATE"
+"""Set to 1 to measure this machine again instead of reading the cached calibration."""
 
 
 @dataclass(frozen=True)
@@ -72,29 +91,122 @@ def _two_digits(x: float) -> float:
 
 
 def _best_seconds(step: Callable[[], Any]) -> float:
-    """The fastest of a few runs after one warm-up: the machine's peak, not its noise."""
+    """The fastest of runs repeated for ``CALIBRATION_SECONDS`` after one warm-up: the machine's
+    peak, not the load it met."""
     step()
-    best = math.inf
-    for _ in range(CALIBRATION_REPEATS):
+    best, spent, runs = math.inf, 0.0, 0
+    while (runs < CALIBRATION_REPEATS or spent < CALIBRATION_SECONDS) and runs < CALIBRATION_MAX_REPEATS:
         start = time.perf_counter()
         step()
-        best = min(best, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        best, spent, runs = min(best, took), spent + took, runs + 1
     return max(best, 1e-9)
 
 
-@functools.cache
-def calibrated_device() -> DeviceModel:
-    """This machine's CPU as a ``DeviceModel``, measured once per process (well under a second)."""
+def measure_device() -> DeviceModel:
+    """Measure this machine's CPU now (about a second), without the cache.
+
+    Each benchmark is also timed on one thread: one thread finds a quiet moment where all of them
+    rarely do (on two shared cores under load 6: 72-78 GFLOP/s on one thread, 8-24 on two). The
+    peak is the larger of all threads' rate and one thread's times the thread count; bandwidth,
+    which does not grow with threads, the larger of the two rates."""
     import torch
 
+    threads = torch.get_num_threads()
     with torch.no_grad():
         n = CALIBRATION_MATMUL
         a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-        flops = 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=out))
+        flops, one_thread_flops = _rates(2 * n**3, lambda: torch.mm(a, b, out=out))
         source = torch.empty(CALIBRATION_COPY_BYTES // 4)
         target = torch.empty_like(source)
-        bandwidth = 2 * CALIBRATION_COPY_BYTES / _best_seconds(lambda: target.copy_(source))  # read + write
-    return DeviceModel(_two_digits(flops), _two_digits(bandwidth), calibrated=True)
+        bandwidth, one_thread_bandwidth = _rates(2 * CALIBRATION_COPY_BYTES, lambda: target.copy_(source))  # r + w
+    return DeviceModel(_two_digits(max(flops, one_thread_flops * threads)),
+                       _two_digits(max(bandwidth, one_thread_bandwidth)), calibrated=True)
+
+
+def _rates(work: float, step: Callable[[], Any]) -> tuple[float, float]:
+    """``work`` per second of ``step`` on torch's threads, and on one."""
+    import torch
+
+    threads = torch.get_num_threads()
+    everyone = work / _best_seconds(step)
+    torch.set_num_threads(1)
+    try:
+        return everyone, work / _best_seconds(step)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def calibration_cache() -> Path:
+    """The file holding this user's calibrations, one per machine key."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "autoshard" / "calibration.json"
+
+
+def machine_key() -> str:
+    """What the calibrated speed depends on: the CPU, how many threads torch runs, torch's version."""
+    import torch
+
+    return (f"{platform.node()}|{platform.machine()}|{_cpu_name()}|cpus={os.cpu_count()}"
+            f"|threads={torch.get_num_threads()}|torch={torch.__version__}|device=cpu")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _read_calibrations(path: Path) -> dict[str, Any]:
+    """The cached calibrations, or none when the file is missing or unreadable (then it is rewritten)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _cached_device(entry: Any) -> DeviceModel | None:
+    try:
+        return DeviceModel(float(entry["peak_flops"]), float(entry["bandwidth"]), calibrated=True)
+    except (KeyError, TypeError, ValueError):  # InvalidArgumentError is a ValueError
+        return None
+
+
+def _write_calibration(path: Path, key: str, device: DeviceModel) -> None:
+    """Add ``device`` under ``key``, replacing the file whole so a concurrent reader never sees half of it.
+    A cache that cannot be written (read-only home) only costs a calibration per process."""
+    data = _read_calibrations(path)
+    data[key] = {"peak_flops": device.peak_flops, "bandwidth": device.bandwidth, "measured_at": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(partial, path)
+    except OSError:
+        pass
+
+
+_THIS_PROCESS: dict[str, DeviceModel] = {}
+
+
+def calibrated_device(refresh: bool = False) -> DeviceModel:
+    """This machine's CPU as a ``DeviceModel``: from the cache when this machine key was measured
+    before, else measured and cached; kept for the process. ``refresh=True``, or
+    ``AUTOSHARD_RECALIBRATE=1`` for the first call of a process, measures again."""
+    key = machine_key()
+    if not refresh and key in _THIS_PROCESS:
+        return _THIS_PROCESS[key]
+    path = calibration_cache()
+    again = refresh or os.environ.get(RECALIBRATE_ENV, "") not in ("", "0")
+    device = None if again else _cached_device(_read_calibrations(path).get(key))
+    if device is None:
+        device = measure_device()
+        _write_calibration(path, key, device)
+    _THIS_PROCESS[key] = device
+    return device
 
 
 def device_model(peak_tflops: float | None = None, bandwidth_gbs: float | None = None) -> DeviceModel:

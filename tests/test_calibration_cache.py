@@ -1,0 +1,121 @@
+"""The machine calibration: robust to load (repeated, fastest run kept) and cached per machine
+under the user's cache directory, refreshable. Every test uses a temporary cache directory."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from autoshard.costs import estimate
+from autoshard.costs.estimate import DeviceModel, calibrated_device, calibration_cache, machine_key
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache directory and process, and a stand-in benchmark that counts its runs."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(estimate.RECALIBRATE_ENV, raising=False)
+    monkeypatch.setattr(estimate, "_THIS_PROCESS", {})
+    runs = []
+
+    def measure() -> DeviceModel:
+        runs.append(1)
+        return DeviceModel(1e9 * len(runs), 2e9, calibrated=True)
+
+    monkeypatch.setattr(estimate, "measure_device", measure)
+    return runs
+
+
+def new_process(monkeypatch) -> None:
+    monkeypatch.setattr(estimate, "_THIS_PROCESS", {})
+
+
+def test_the_cache_lives_under_the_users_cache_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert calibration_cache() == tmp_path / "autoshard" / "calibration.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert calibration_cache() == tmp_path / "home" / ".cache" / "autoshard" / "calibration.json"
+
+
+def test_a_second_process_reads_the_cache_instead_of_measuring(cache, monkeypatch):
+    first = calibrated_device()
+    assert cache == [1] and first == DeviceModel(1e9, 2e9, calibrated=True)
+    assert calibrated_device() is first  # the same process keeps it
+    new_process(monkeypatch)
+    assert calibrated_device() == first and cache == [1]
+    stored = json.loads(calibration_cache().read_text())
+    assert stored[machine_key()]["peak_flops"] == 1e9
+
+
+def test_refresh_measures_again_and_replaces_the_cached_numbers(cache, monkeypatch):
+    calibrated_device()
+    assert calibrated_device(refresh=True).peak_flops == 2e9 and cache == [1, 1]
+    new_process(monkeypatch)
+    assert calibrated_device().peak_flops == 2e9 and len(cache) == 2
+
+
+def test_the_environment_variable_recalibrates_once_per_process(cache, monkeypatch):
+    calibrated_device()
+    new_process(monkeypatch)
+    monkeypatch.setenv(estimate.RECALIBRATE_ENV, "1")
+    assert calibrated_device().peak_flops == 2e9 and calibrated_device().peak_flops == 2e9 and len(cache) == 2
+    monkeypatch.setenv(estimate.RECALIBRATE_ENV, "0")
+    new_process(monkeypatch)
+    assert calibrated_device().peak_flops == 2e9 and len(cache) == 2
+
+
+def test_another_thread_count_is_another_machine(cache):
+    threads = torch.get_num_threads()
+    calibrated_device()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert calibrated_device().peak_flops == 2e9
+    finally:
+        torch.set_num_threads(threads)
+    assert len(json.loads(calibration_cache().read_text())) == 2
+    assert f"threads={threads}|" in machine_key() and f"torch={torch.__version__}" in machine_key()
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"KEY": {"peak_flops": -1, "bandwidth": 1}}',
+                                     '{"KEY": {"bandwidth": 1}}'])
+def test_an_unreadable_cache_is_measured_again_and_rewritten(cache, content):
+    path = calibration_cache()
+    path.parent.mkdir(parents=True)
+    path.write_text(content.replace('"KEY"', json.dumps(machine_key())))
+    assert calibrated_device() == DeviceModel(1e9, 2e9, calibrated=True) and cache == [1]
+    assert json.loads(path.read_text())[machine_key()]["peak_flops"] == 1e9
+
+
+def test_a_cache_that_cannot_be_written_costs_only_a_calibration(cache, tmp_path, monkeypatch):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # the cache directory would be under a file
+    assert calibrated_device().peak_flops == 1e9
+    new_process(monkeypatch)
+    assert calibrated_device().peak_flops == 2e9
+
+
+def test_each_benchmark_repeats_for_a_while_and_keeps_the_fastest_run(monkeypatch):
+    monkeypatch.setattr(estimate, "CALIBRATION_SECONDS", 0.05)
+    delays = iter([0.0, 0.02, 0.02, 0.001, 0.02] + [0.02] * 100)
+    runs = []
+
+    def step() -> None:
+        runs.append(1)
+        time.sleep(next(delays))
+
+    best = estimate._best_seconds(step)
+    assert 0.001 <= best < 0.015  # the one quick run, not the typical one
+    assert len(runs) >= 1 + estimate.CALIBRATION_REPEATS
+
+
+def test_measuring_gives_plausible_peaks_and_leaves_the_thread_count(monkeypatch):
+    monkeypatch.setattr(estimate, "CALIBRATION_SECONDS", 0.02)
+    threads = torch.get_num_threads()
+    measured = estimate.measure_device()
+    assert measured.calibrated and 1e8 < measured.peak_flops < 1e15 and 1e8 < measured.bandwidth < 1e13
+    assert torch.get_num_threads() == threads
