@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +16,10 @@ from autoshard.capture.eager import trace_values_on
 # from a lucky draw; local runs keep drawing new ones, which is where new bugs are found.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("AUTOSHARD_HYPOTHESIS_PROFILE", "default"))
+
+# The machine's calibrated speed is cached under $XDG_CACHE_HOME: tests (and the processes they
+# start) write theirs to a folder of the run's own, not to the user's ~/.cache/autoshard.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="autoshard-test-cache-")
 
 
 def model_fingerprint(model: nn.Module) -> dict:
