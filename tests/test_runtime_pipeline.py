@@ -256,8 +256,22 @@ def scaled_gradient(rank: int, world: int) -> dict:
     return {"doubled": doubled, "message": None}
 
 
+def untied_step(rank: int, world: int) -> str | None:
+    """GPT-2's head and embedding (one weight under two names) on two ranks, checked without
+    ``ties``: the check refuses and says to pass them."""
+    model, args, kwargs, target = build("gpt2")
+    stage = pipeline_stage(autoshard.shard_model(model, 2, example_inputs=args), rank, 2, "cpu")
+    runner = build_schedule(stage, "gpipe", MICROBATCHES, loss_fn=next_token_loss)
+    try:
+        check_pipeline_step(runner, stage, model, args, kwargs, target=target, loss_fn=next_token_loss)
+    except VerificationError as exc:
+        return str(exc)
+    return None
+
+
 def two_process_worker(rank: int, world: int, scenarios: list[tuple]) -> dict:
-    results = {"errors": setup_errors(rank, world), "scaled": scaled_gradient(rank, world)}
+    results = {"errors": setup_errors(rank, world), "scaled": scaled_gradient(rank, world),
+               "untied": untied_step(rank, world)}
     for scenario in scenarios:
         results[scenario] = pipeline_step(rank, world, *scenario)
     return results
@@ -407,6 +421,12 @@ def test_check_pipeline_step_catches_a_stage_whose_gradient_is_scaled(two_proces
         assert [(g.name, g.stages) for g in check.failing] == [(doubled, (1,))]
         assert check.loss_ok and check.failing[0].max_rel > 0.9  # twice the gradient: about 100% off
         assert f"{doubled} (stage 1): max abs difference" in scaled["message"]
+
+
+def test_check_pipeline_step_says_to_sum_a_tied_weight_held_under_two_names(two_processes):
+    for rank_result in two_processes:
+        assert rank_result["untied"] is not None, "an unsummed tied gradient went unnoticed"
+        assert "pass ties=TiedGradients(sharded, stages)" in rank_result["untied"]
 
 
 def test_world_size_misfits_fail_on_every_rank_before_blocking(two_processes):

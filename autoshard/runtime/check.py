@@ -131,7 +131,7 @@ def check_pipeline_step(
     check = StepCheck(loss, expected_loss, _close(loss, expected_loss, rtol, atol),
                       _by_parameter(held, expected), rtol, atol)
     if raise_on_mismatch and not check.ok:
-        shared = any(len(g.stages) > 1 for g in check.failing)
+        shared = any(len(g.stages) > 1 or g.name in _tied_names(model) for g in check.failing)
         hint = ("; parameters several stages hold need their gradients summed: pass ties=TiedGradients(sharded, "
                 "stages)" if shared and ties is None else "")
         error = VerificationError(f"the pipeline step differs from the unsplit model's: {check}{hint}")
@@ -165,6 +165,15 @@ def _pipeline_step(schedule: Any, local: list[PipelineStage], args: tuple[Any, .
     if ties is not None:
         ties.sync()
     return losses
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Names of parameters the model holds under several names (an LM head tied to the embedding):
+    stages holding it under different names must sum its gradient too."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return {name for group in names.values() if len(group) > 1 for name in group}
 
 
 def _close(actual: float, expected: float, rtol: float, atol: float) -> bool:
