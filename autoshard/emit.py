@@ -144,7 +144,9 @@ def _state_guard(stage: fx.GraphModule) -> None:
     with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
         state = graph.create_node("get_attr", HELD_STATE)  # not a tensor or module: get_attr() would warn
     with graph.inserting_after(state):
-        graph.call_function(check_held_state, (state,))
+        training = graph.create_node("get_attr", "training")
+    with graph.inserting_after(training):
+        graph.call_function(check_held_state, (state, training))
     stage.recompile()
 
 

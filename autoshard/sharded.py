@@ -359,8 +359,10 @@ class _PlacedOn:
     a move may put a new tensor there rather than move the old one."""
 
     def __init__(self, stage: nn.Module) -> None:
-        registries = ((m._parameters, m._buffers) for m in stage.modules())
-        self.probe = next(((registry, key) for pair in registries for registry in pair
+        # a parameter first: buffers of modules the capture traced through are the stage's own, and
+        # stay where they are when the model moves
+        registries = [m._parameters for m in stage.modules()] + [m._buffers for m in stage.modules()]
+        self.probe = next(((registry, key) for registry in registries
                            for key, value in registry.items() if value is not None), None)
         devices = {t.device for t in itertools.chain(stage.parameters(), stage.buffers())}
         self.probe_device = self._probe_device()

@@ -62,7 +62,10 @@ def test_stages_find_their_modules_once_and_not_on_every_call(make, monkeypatch)
     assert walked == []
 
 
-def test_a_submodule_replaced_in_a_stage_is_found_again_and_its_mode_checked(monkeypatch):
+@pytest.mark.parametrize("how", ["setattr", "_modules"])
+def test_a_submodule_replaced_in_a_stage_is_found_again_and_its_mode_checked(how, monkeypatch):
+    """Replaced by ``setattr`` or straight in ``_modules`` (as quantization's convert does, past
+    every hook): each step of the kept paths is checked by identity on every call."""
     model = _mlp()
     x = torch.randn(2, 8)
     sharded = autoshard.shard_model(model, 2, (x,))
@@ -72,15 +75,53 @@ def test_a_submodule_replaced_in_a_stage_is_found_again_and_its_mode_checked(mon
     path = next(name for name, m in stage.named_modules() if isinstance(m, nn.Linear))
     replacement = nn.Linear(8, 8).train()
     owner, _, name = path.rpartition(".")
-    setattr(stage.get_submodule(owner), name, replacement)
+    if how == "setattr":
+        setattr(stage.get_submodule(owner), name, replacement)
+    else:
+        stage.get_submodule(owner)._modules[name] = replacement
     with pytest.raises(InputMismatchError, match="switched to another mode"):
         sharded(x)
-    assert walked, "the registration was not noticed"
+    assert walked, "the replacement was not noticed"
     replacement.eval()
     walked.clear()
     assert torch.equal(sharded(x), stage(*sharded.stages[0](x)))
     sharded(x)
     assert len(walked) <= 1  # found again once, then kept
+
+
+class Gated(nn.Module):
+    """A branch on a value keeps ``gate`` whole; its code reads its weight's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x.to(self.proj.weight.dtype))
+        return y * 2 if y.sum() > 0 else y
+
+
+def test_a_weight_swapped_inside_a_module_kept_whole_is_refused():
+    """``gate._modules["proj"] = proj.half()`` changes the dtype the capture read, past every hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Gated(), nn.Linear(8, 8), nn.Linear(8, 8)).eval()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    model[1]._modules["proj"] = copy.deepcopy(model[1].proj).half()
+    with pytest.raises(InputMismatchError, match="captured with float32 weights"):
+        sharded(x)
+
+
+def test_a_shallow_copy_of_a_stage_is_checked_by_its_own_mode():
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    shallow = copy.copy(sharded.stages[0])
+    shallow(x)
+    shallow.training = True
+    with pytest.raises(InputMismatchError, match="captured in eval mode"):
+        shallow(x)
 
 
 def test_a_conversion_that_puts_new_parameters_in_the_modules_is_refused():
@@ -155,6 +196,29 @@ def test_a_stage_moved_on_its_own_gets_its_values_on_its_device(moved):
         for module in sharded.stages[1].children():
             module.to("meta")
     assert sharded(x).device.type == "meta"
+
+
+class Scaled(nn.Module):
+    """A buffer read by traced code: each stage holds its own entry for it, which ``model.to`` leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) * self.scale
+        return x
+
+
+def test_the_model_moved_on_its_own_is_seen_by_its_parameters_not_a_stage_held_buffer():
+    model = Scaled().eval()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    model.to("meta")
+    assert sharded(x.to("meta")).is_meta  # the stage's weights are on two devices: values pass as they are
 
 
 def test_boundary_values_already_on_the_device_are_passed_on_as_they_are():

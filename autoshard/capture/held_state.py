@@ -5,50 +5,27 @@ dtypes, so every call checks that the stage and the modules it calls are in the 
 captured in and that no weight was converted (``check_mode``, ``check_weight_dtypes`` say what is
 wrong). Walking the module tree by path for that (``getattr(self.blocks, "0").ln_1.training``)
 cost more than small layers compute. As torch.compile's guards do, the walk is done once and its
-result kept: the modules and the parameters whose dtypes count, as flat tuples that a call reads
-with C-level ``map``. The walk is redone when a module or parameter has been registered into any
-module of the stage since (a submodule replaced, ``module.weight = nn.Parameter(...)``): a counter,
-bumped by PyTorch's global module and parameter registration hooks, says so. Parameters are read
-from their modules' registries on every call, so a conversion is seen whether it swaps a
-parameter's data or puts a new one in the registry.
+result kept as flat tuples that a call reads with C-level ``map``: the modules with their
+captured modes, the registries holding the parameters whose dtypes count, and every step of the
+paths to them (the container's ``_modules`` dict, the name, the module found there). A call first
+checks that each step still leads where it did, by identity: a submodule replaced in any way
+(``setattr``, ``_modules[name] = ...`` as quantization's convert does) makes it walk again.
+Parameters are read from their registries on every call, so a conversion is seen whether it
+swaps a parameter's data or registers a new one; none is kept (a runtime may swap in device
+copies for one call, ``functional_call``, which must not outlive it).
 """
 
 from __future__ import annotations
 
 import operator
-import weakref
-from typing import Any, Iterable
+from typing import Any
 
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
 from autoshard.capture.guard import _converts, check_mode, check_weight_dtypes
 
 _training = operator.attrgetter("training")
 _dtype = operator.attrgetter("dtype")
-
-
-class _Registrations:
-    """How many modules and parameters have been registered into a module some stage holds, since
-    the hooks went in. Registrations elsewhere do not count: a forward that slices a ModuleList
-    (``self.layers[:n]``) builds a new container on every call."""
-
-    count = 0
-    watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-    installed = False
-
-    @classmethod
-    def watch(cls, modules: Iterable[nn.Module]) -> None:
-        if not cls.installed:
-            module_hooks.register_module_module_registration_hook(cls._seen)
-            module_hooks.register_module_parameter_registration_hook(cls._seen)
-            cls.installed = True
-        cls.watched.update(modules)
-
-    @classmethod
-    def _seen(cls, parent: nn.Module, *_: Any) -> None:
-        if parent in cls.watched:
-            cls.count += 1
 
 
 class HeldState:
@@ -65,35 +42,42 @@ class HeldState:
         self._walk()
         self.modes = list(map(_training, self.modules))
         self.dtypes = frozenset(map(_dtype, self.weights()))
-        self.seen = _Registrations.count
 
     def _walk(self) -> None:
-        """Find the modules and parameters by path again, as the graph's code does, and watch every
-        module under the stage for registrations that would change what the paths lead to."""
-        _Registrations.watch(self.owner.modules())
+        """Find the modules and parameters by path again, as the graph's code does."""
         self.modules = (self.owner, *(self.owner.get_submodule(path) for path in self.leaves))
-        held: list[tuple[dict[str, Any], str]] = []
-        for path in self.weight_paths:
-            owner, _, name = path.rpartition(".")
-            held.append((self.owner.get_submodule(owner)._parameters, name))
-        held += [found for found in map(_first_parameter, self.modules[1:]) if found is not None]
-        self.registries = tuple(registry for registry, _ in held)
-        self.names = tuple(name for _, name in held)
+        inside = ((leaf, _first_parameter(module)) for leaf, module in zip(self.leaves, self.modules[1:]))
+        found = [*self.weight_paths, *(f"{leaf}.{path}" for leaf, path in inside if path is not None)]
+        steps: dict[tuple[int, str], tuple[dict[str, Any], str, nn.Module]] = {}
+        for path in (*self.leaves, *(p.rpartition(".")[0] for p in found)):
+            module = self.owner
+            for name in path.split(".") if path else ():
+                child = module._modules[name]
+                steps.setdefault((id(module._modules), name), (module._modules, name, child))
+                module = child
+        self.step_dicts, self.step_names, self.step_modules = (tuple(s[i] for s in steps.values()) for i in range(3))
+        owners = [self.owner.get_submodule(p.rpartition(".")[0]) for p in found]
+        self.registries = tuple(module._parameters for module in owners)
+        self.names = tuple(p.rpartition(".")[2] for p in found)
 
     def weights(self) -> list[Any]:
-        """The parameters whose dtypes count, as registered now (read on every call, never kept: a
-        runtime may swap in copies for one call, ``functional_call``, which must not outlive it)."""
+        """The parameters whose dtypes count, as registered now."""
         return [w for w in map(dict.get, self.registries, self.names) if w is not None]
 
-    def check(self) -> None:
-        """Raise ``InputMismatchError`` when a mode or a weight dtype changed since capture."""
-        if (self.seen == _Registrations.count and list(map(_training, self.modules)) == self.modes
-                and set(map(_dtype, self.weights())) <= self.dtypes):
-            return
+    def check(self, training: bool) -> None:
+        """Raise ``InputMismatchError`` when the stage (``training``: its flag now) or a module it
+        calls is in another mode than at capture, or a weight was converted."""
+        try:
+            if (training == self.modes[0] and all(map(operator.is_, map(dict.get, self.step_dicts, self.step_names),
+                                                      self.step_modules))
+                    and list(map(_training, self.modules)) == self.modes
+                    and set(map(_dtype, map(dict.__getitem__, self.registries, self.names))) <= self.dtypes):
+                return
+        except (KeyError, AttributeError):  # a parameter deleted or set to None: found again below
+            pass
         self._walk()
-        self.seen = _Registrations.count
         now = list(map(_training, self.modules))
-        check_mode(now[0], self.modes[0], tuple(now[1:]), tuple(self.modes[1:]))
+        check_mode(training, self.modes[0], tuple(now[1:]), tuple(self.modes[1:]))
         check_weight_dtypes(self.dtypes, *self.weights())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HeldState:
@@ -108,22 +92,24 @@ class HeldState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # found on the first call, whose check fails with no modules read
         self.modules, self.registries, self.names = (), (), ()
-        self.seen = -1  # found by path on the first call, when the owner is whole
+        self.step_dicts, self.step_names, self.step_modules = (), (), ()
 
 
-def _first_parameter(module: nn.Module) -> tuple[dict[str, Any], str] | None:
-    """Where ``module``'s first convertible parameter is registered (its own, then its children's)."""
+def _first_parameter(module: nn.Module) -> str | None:
+    """The path, from ``module``, of its first convertible parameter (its own, then its children's)."""
     for name, tensor in module._parameters.items():
         if tensor is not None and _converts(tensor.dtype):
-            return module._parameters, name
-    for child in module._modules.values():
+            return name
+    for child_name, child in module._modules.items():
         found = None if child is None else _first_parameter(child)
         if found is not None:
-            return found
+            return f"{child_name}.{found}"
     return None
 
 
-def check_held_state(state: HeldState) -> None:
-    """The graph's call of ``state.check()``: a function, so a stage's code names it plainly."""
-    state.check()
+def check_held_state(state: HeldState, training: bool) -> None:
+    """The graph's call of ``state.check()``, given the stage's own flag (read as ``self.training``,
+    so a copy of the stage that shares ``state`` is checked by its own flag)."""
+    state.check(training)
