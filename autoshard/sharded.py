@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.modules import module as module_state
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autoshard.capture.eager import PLAIN_VALUES
@@ -179,9 +180,9 @@ class ShardedModel(FixedDtypes):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.fit_call(args, kwargs)
         stages = iter(self.stages)
-        values = next(stages)(*args, **kwargs)
+        values = called(next(stages), args, kwargs)
         for stage in stages:
-            values = stage(*moved_to(stage_device(stage), values))
+            values = called(stage, moved_to(stage_device(stage), values), {})
         return values
 
     def save_plan(self, path: Any) -> Any:
@@ -350,6 +351,19 @@ def _is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
     if default is inspect.Parameter.empty:
         return False
     return value is default or (type(value) is type(default) and isinstance(value, PLAIN_VALUES) and value == default)
+
+
+def called(stage: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``stage(*args, **kwargs)``, its ``forward`` called straight when ``nn.Module.__call__`` would
+    do nothing else (no hooks, not compiled, no JIT trace: its own fast path's conditions): a stage
+    is called once per microbatch, and ``__call__`` with ``GraphModule``'s wrapper around it cost
+    about as much as small layers compute."""
+    if (stage._forward_hooks or stage._forward_pre_hooks or stage._backward_hooks or stage._backward_pre_hooks
+            or module_state._global_forward_hooks or module_state._global_forward_pre_hooks
+            or module_state._global_backward_hooks or module_state._global_backward_pre_hooks
+            or stage._compiled_call_impl is not None or torch._C._get_tracing_state()):
+        return stage(*args, **kwargs)
+    return stage.forward(*args, **kwargs)
 
 
 class _PlacedOn:

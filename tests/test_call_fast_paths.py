@@ -249,3 +249,22 @@ def test_a_pipeline_stage_module_carries_the_same_kept_checks(monkeypatch):
     next(m for m in module.modules() if isinstance(m, nn.Linear)).train()
     with pytest.raises(InputMismatchError, match="switched to another mode"):
         module(*received)
+
+
+def test_hooks_on_a_stage_or_on_every_module_still_run():
+    """The sharded model calls a stage's forward straight only when ``__call__`` would add nothing."""
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    seen = []
+    handle = sharded.stages[1].register_forward_hook(lambda module, args, out: seen.append("stage"))
+    sharded(x)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append("global") if module is sharded.stages[0] else None)
+    try:
+        sharded(x)
+    finally:
+        handle.remove()
+    sharded(x)
+    assert seen == ["stage", "global"]
