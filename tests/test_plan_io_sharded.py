@@ -100,9 +100,17 @@ def test_save_plan_and_load_plan_refuse_what_they_do_not_take(tmp_path):
     model, args, _ = load_example("residual-mlp")
     with pytest.raises(InvalidArgumentTypeError, match="plan of a ShardedModel .* or a SavedPlan, got Sequential"):
         autoshard.save_plan(nn.Sequential(), tmp_path / "plan.json")
-    written = autoshard.shard_model(model, 2, example_inputs=args).save_plan(tmp_path / "plan.json")
     with pytest.raises(InvalidArgumentTypeError, match=r"plan file first, then the model: load_plan\(path, model"):
-        autoshard.load_plan(model, written, args)
+        autoshard.load_plan(model, model, args)
+
+
+def test_load_plan_takes_the_model_and_the_file_in_either_order(tmp_path):
+    model, args, _ = load_example("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    written = sharded.save_plan(tmp_path / "plan.json")
+    for loaded in (autoshard.load_plan(model, written, args), autoshard.load_plan(written, model, args)):
+        assert loaded.plan.assignment == sharded.plan.assignment
+        assert torch.equal(loaded(*args), model(*args))
 
 
 def test_a_pipeline_given_to_shard_model_is_the_one_recorded(tmp_path):

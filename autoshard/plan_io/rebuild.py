@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -96,10 +97,13 @@ def load_plan(
 
     Runs the plan's pipeline with its split replaced by the saved assignment, so the stages are
     the ones the plan was saved from; with example inputs they are verified against the model.
+    ``load_plan(model, path, ...)`` works too.
     The plan keeps the memory model it was made for (optimizer bytes, microbatches in flight).
     """
     from autoshard.api import check_model, example_inputs_of, run_pipeline
 
+    if isinstance(path, nn.Module) and isinstance(model, (str, os.PathLike)):
+        path, model = model, path  # load_plan(model, path): the order is told apart by type
     if isinstance(path, nn.Module):
         raise InvalidArgumentTypeError(
             f"load_plan takes the plan file first, then the model: load_plan(path, model, example_inputs), "
