@@ -6,13 +6,19 @@ import struct
 import sys
 import xml.etree.ElementTree as ET
 
-import networkx as nx
+from dataclasses import replace
+
 import pytest
 from matplotlib import image
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.text import Annotation, Text
+from matplotlib.transforms import Bbox
 
 from autoshard.errors import InvalidArgumentError, MissingDependencyError
 from autoshard.examples import load_example
-from autoshard.render import DPI, collapse, draw_plan, figure_size, stage_colours
+from autoshard.plan_io import PlanNode, SavedPlan
+from autoshard.render import DPI, draw_plan, figure_size, layout, plan_figure, stage_colours
+from autoshard.report import stage_modules
 
 from test_cli_report import hand_plan
 from test_plan_io import make_plan
@@ -23,29 +29,118 @@ def png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_collapse_keeps_modules_and_labels_cut_edges_with_bytes():
-    boxes, links = collapse(hand_plan())
-    assert [(b.label, b.stage) for b in boxes] == [
-        ("input x", 0), ("enc.layers.0", 0), ("enc.layers.1", 0), ("enc.layers.2", 1), ("enc.norm", 1), ("(root)", 1)]
-    cuts = {(boxes[link.source].label, boxes[link.target].label): link.size for link in links if link.is_cut(boxes)}
-    assert cuts == {("enc.layers.1", "enc.layers.2"): 256.0, ("input x", "(root)"): 256.0}
+@pytest.fixture(scope="module")
+def gpt():
+    """A small GPT: inputs checked by capture (``idx_unchecked``), a split block, the head tied to the embedding."""
+    model, args, _ = load_example("gpt-lm")
+    return make_plan(model, 4, args)[0]
 
 
-def test_collapse_goes_coarser_when_there_are_too_many_boxes():
-    boxes, _ = collapse(hand_plan(), max_boxes=4)
-    assert [(b.label, b.stage) for b in boxes] == [("input x", 0), ("enc", 0), ("enc", 1), ("(root)", 1)]
+def texts_of(plan) -> list[Text]:
+    fig = plan_figure(plan)
+    FigureCanvasAgg(fig).draw()  # lays the text out as the PNG has it
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
 
 
-def test_the_collapsed_graph_of_a_residual_model_has_no_cycles():
+def test_layout_lists_each_stages_modules_and_what_each_box_sends():
+    shown = layout(hand_plan())
+    assert [(b.label, b.stage, b.row) for b in shown.boxes] == [
+        ("input: x", 0, 0), ("enc.layers.0", 0, 1), ("enc.layers.1", 0, 2),
+        ("enc.layers.2", 1, 0), ("enc.norm", 1, 1), ("(root)", 1, 2)]
+    assert [b.sends for b in shown.boxes] == [256.0, 0.0, 256.0, 0.0, 0.0, 0.0]
+    named = {(shown.boxes[link.source].label, shown.boxes[link.target].label) for link in shown.links}
+    assert named == {("enc.layers.1", "enc.layers.2"), ("input: x", "(root)")}
+
+
+def test_inputs_are_named_by_the_models_own_arguments(gpt):
+    assert [n.name for n in gpt.nodes if n.input] == ["idx_unchecked"]  # capture's name for the checked input
+    assert [b.label for b in layout(gpt).boxes if b.input] == ["input: idx"]
+    shown = [t.get_text() for t in texts_of(gpt)]
+    assert "input: idx" in shown and not any("_unchecked" in text for text in shown)
+
+
+def test_one_box_per_module_range_per_stage(gpt):
+    for plan in (gpt, hand_plan()):
+        labels = [(b.stage, b.label) for b in layout(plan).boxes]
+        assert len(labels) == len(set(labels)), labels
+    assert [b.label for b in layout(gpt).boxes if b.stage == 0 and not b.input] == stage_modules(gpt, 0)
+    # ranged like the table's when one box per module is too many
+    ranged = layout(hand_plan(), max_boxes=5).boxes
+    assert [(b.label, b.stage) for b in ranged] == [
+        ("input: x", 0), ("enc.layers.0-1", 0), ("enc.layers.2", 1), ("enc.norm", 1), ("(root)", 1)]
+
+
+def test_the_picture_goes_coarser_when_there_are_too_many_boxes():
+    boxes = layout(hand_plan(), max_boxes=4).boxes
+    assert [(b.label, b.stage) for b in boxes] == [("input: x", 0), ("enc (part)", 0), ("enc (part)", 1), ("(root)", 1)]
+
+
+def test_a_legend_says_what_part_and_root_mean_when_they_show(gpt):
+    shown = [t.get_text() for t in texts_of(gpt)]
+    assert any(text.startswith("(part): a module split between stages") for text in shown)
+    assert any(text.startswith("(root): operations written in the model's own forward") for text in shown)
+    plain = replace(hand_plan(), nodes=tuple(replace(n, module="head") if n.name == "add" else n
+                                             for n in hand_plan().nodes))
+    assert not any(text.startswith(("(part):", "(root):")) for text in (t.get_text() for t in texts_of(plain)))
+
+
+def overlaps(texts: list[Text]) -> list[tuple[str, str]]:
+    """Pairs of labels whose drawn extents (a box label's box included) overlap."""
+    def extent(text: Text):
+        patch = text.get_bbox_patch()
+        return Bbox.union([text.get_window_extent()] + ([patch.get_window_extent()] if patch else []))
+
+    boxes = [(t.get_text(), extent(t)) for t in texts]
+    return [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
+
+
+def chain(modules: list[str], stages: list[int]) -> SavedPlan:
+    """An input through one node per module, each on its stage; the input also feeds the last node."""
+    nodes = [PlanNode(name="x_unchecked", stage=0, op="placeholder", target="x", module="", costs={"params": 0.0},
+                      bytes=4096.0, param_bytes=0.0, input=True)]
+    nodes += [PlanNode(name=f"n{i}", stage=s, op="call_module", target=m, module=m, costs={"params": 1.0},
+                       bytes=4096.0, param_bytes=1.0, output=i == len(modules) - 1)
+              for i, (m, s) in enumerate(zip(modules, stages))]
+    names = [n.name for n in nodes]
+    edges = list(zip(names, names[1:])) + [("x_unchecked", names[-1])]
+    return SavedPlan(num_stages=max(stages) + 1, cost_model="params", pipeline="p", model="Chain", versions={},
+                     nodes=tuple(nodes), edges=tuple(edges))
+
+
+@pytest.mark.parametrize("k", [2, 4, 8, 16])
+def test_no_two_labels_overlap_with_long_names_and_many_stages(k):
+    """T5-long module names, each split between two stages: the longest labels a column gets."""
+    texts = texts_of(chain([f"decoder.block.{(i + 1) // 2}.layer.0.SelfAttention.relative_attention_bias"
+                            for i in range(2 * k)], [i // 2 for i in range(2 * k)]))
+    assert any(t.get_text().startswith("decoder.") and "_bias (part)" in t.get_text() for t in texts)
+    assert overlaps(texts) == []
+
+
+def test_no_two_labels_overlap_in_a_real_plan(gpt):
+    assert overlaps(texts_of(gpt)) == []
+
+
+def test_a_shared_weight_is_a_link_between_the_stages_that_hold_it(gpt):
+    assert [(w.name, w.stages) for w in gpt.shared_weights()] == [("wte.weight", (0, 3))]
+    fig = plan_figure(gpt)
+    FigureCanvasAgg(fig).draw()
+    tied = [a for a in fig.findobj(Annotation) if a.get_gid() == "tie:wte.weight"]
+    assert len(tied) == 1
+    ends = {(end.get_position()[0], end.get_text()) for end in (tied[0].anncoords, tied[0].xycoords)}
+    assert ends == {(0, "wte"), (3, "lm_head")}
+    shown = [t.get_text() for t in fig.findobj(Text)]
+    assert "one weight held by stages 0, 3: wte.weight = lm_head.weight" in shown
+
+
+def test_the_graph_of_a_residual_model_sends_the_stream_once_per_stage():
     model, args, _ = load_example("residual-mlp")
-    plan, _ = make_plan(model, 4)
-    boxes, links = collapse(plan)
-    graph = nx.DiGraph([(link.source, link.target) for link in links])
-    assert nx.is_directed_acyclic_graph(graph)
-    cuts = [link for link in links if link.is_cut(boxes)]
+    plan, _ = make_plan(model, 4, args)
+    shown = layout(plan)
+    boxes = shown.boxes
+    assert all(boxes[link.source].stage < boxes[link.target].stage for link in shown.links)
     # the residual stream leaves each stage once and feeds the next stage's linear and its add
-    assert len({link.source for link in cuts}) == 3 and len(cuts) == 6
-    assert all(boxes[link.source].label == "(root)" and link.size == 1 for link in cuts)
+    assert len({link.source for link in shown.links}) == 3 and len(shown.links) == 6
+    assert all(boxes[link.source].label == "(root)" and boxes[link.source].sends == 256 for link in shown.links)
 
 
 def pixels_of(rgb, colour: str) -> int:
@@ -83,11 +178,8 @@ def test_svg_is_deterministic(tmp_path):
 
 
 def test_a_bigger_plan_gets_a_taller_picture():
-    model, _, _ = load_example("transformer-lm")
-    small = hand_plan()
-    assert figure_size(small)[1] == 6.0
-    tall, _ = make_plan(model, 1)
-    assert figure_size(tall)[1] > 6.0
+    assert figure_size(hand_plan())[1] == 6.0
+    assert figure_size(chain([f"layer{i}" for i in range(20)], [0] * 20))[1] > 6.0
 
 
 def test_missing_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
