@@ -16,8 +16,8 @@ from autoshard.graph.partition import (
     stage_costs,
     total_boundary_bytes,
 )
-from autoshard.graph.problem import SplitProblem
-from autoshard.graph.split import Outcome, SplitResult, register_strategy, split_dag, strategies
+from autoshard.graph.problem import Outcome, SplitProblem
+from autoshard.graph.split import SplitResult, register_strategy, split_dag, strategies
 
 __all__ = [
     "Constraints",

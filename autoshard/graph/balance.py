@@ -14,7 +14,7 @@ import copy
 import math
 from bisect import bisect_right
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import networkx as nx
 import numpy as np
@@ -22,23 +22,10 @@ import numpy as np
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.graph.indexed import IndexedDag
 from autoshard.graph.invariants import check_order, check_stage_count, is_number
+from autoshard.graph.limits import StageLimit, slack
 
-if TYPE_CHECKING:
-    from autoshard.graph.limits import StageLimit
-
-#: Relative round-off allowance for sums: prefix differences are not exact in floating point.
-REL_EPS = 1e-9
 #: Relative width at which the bisection for a constrained bottleneck stops.
 BISECTION_PRECISION = 1e-12
-
-
-def slack(scale: float) -> float:
-    """The round-off allowance for comparing sums whose magnitude is at most ``scale``.
-
-    Relative, but never under a few units in the last place, so sums of subnormal weights
-    (where a relative allowance underflows to zero) still compare as equal to themselves.
-    """
-    return max(REL_EPS * scale, 4 * math.ulp(scale))
 
 
 def _check_weights(weights: Sequence[Any], k: Any) -> int:

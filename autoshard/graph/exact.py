@@ -26,11 +26,10 @@ from typing import Any, Callable
 import numpy as np
 
 from autoshard.errors import InvalidArgumentError, MissingDependencyError
-from autoshard.graph.balance import slack
 from autoshard.graph.indexed import IndexedDag
 from autoshard.graph.invariants import is_number
-from autoshard.graph.problem import SplitProblem
-from autoshard.graph.split import Outcome
+from autoshard.graph.limits import slack
+from autoshard.graph.problem import Outcome, SplitProblem
 
 ZERO, ONE = -1, -2  # y codes for a fixed 0 or 1; variables are column indices >= 0
 

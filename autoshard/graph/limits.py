@@ -9,11 +9,22 @@ read one definition of "stage j fits".
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from autoshard.graph.balance import slack
+#: Relative round-off allowance for sums: prefix differences are not exact in floating point.
+REL_EPS = 1e-9
+
+
+def slack(scale: float) -> float:
+    """The round-off allowance for comparing sums whose magnitude is at most ``scale``.
+
+    Relative, but never under a few units in the last place, so sums of subnormal weights
+    (where a relative allowance underflows to zero) still compare as equal to themselves.
+    """
+    return max(REL_EPS * scale, 4 * math.ulp(scale))
 
 
 @dataclass(frozen=True)

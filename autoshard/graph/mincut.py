@@ -20,10 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
-from autoshard.graph.balance import slack
 from autoshard.graph.flow import Network
 from autoshard.graph.indexed import IndexedDag
-from autoshard.graph.limits import StageLimit
+from autoshard.graph.limits import StageLimit, slack
 
 SOURCE, SINK = -1, -2
 #: Sweeps over the boundaries whose neighbours moved; each move strictly lowers the bytes.

@@ -25,9 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from autoshard.graph.balance import slack
 from autoshard.graph.indexed import IndexedDag
-from autoshard.graph.limits import StageLimit
+from autoshard.graph.limits import StageLimit, slack
 
 #: How far over its budget a stage may go in the middle of a pass (a fraction of the budget),
 #: so that a costly node can move in before the nodes it displaces move out; only a prefix of

@@ -1,10 +1,12 @@
 """``SplitProblem``: one validated request (graph, k, tolerance, constraints) and what every
-strategy derives from it: the balance bound, per-order sequences with their limits, scores.
+strategy derives from it: the balance bound, per-order sequences with their limits, scores;
+and ``Outcome``, a strategy's answer (here so ``split`` and ``exact`` share it without a cycle).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping
 
@@ -12,11 +14,19 @@ import networkx as nx
 import numpy as np
 
 from autoshard.errors import InfeasibleSplitError, plural
-from autoshard.graph.balance import Line, min_bottleneck_of, min_bytes_cuts, slack
+from autoshard.graph.balance import Line, min_bottleneck_of, min_bytes_cuts
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, Constraints, Rules, resolve
 from autoshard.graph.indexed import IndexedDag, Node
 from autoshard.graph.invariants import check_weights
-from autoshard.graph.limits import StageLimit, laid_along
+from autoshard.graph.limits import StageLimit, laid_along, slack
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A strategy's answer with what it knows about its quality."""
+
+    stages: np.ndarray | Mapping[Node, int]
+    proven_optimal: bool | None = None
 
 
 class SplitProblem:

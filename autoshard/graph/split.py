@@ -29,7 +29,7 @@ from autoshard.graph.invariants import check_dag, check_num_stages, is_number
 from autoshard.graph.limits import laid_along
 from autoshard.graph.linearize import INDEX_ORDERS, pull_forward, push_back
 from autoshard.graph.partition import SplitInfo
-from autoshard.graph.problem import SplitProblem
+from autoshard.graph.problem import Outcome, SplitProblem
 
 Assignment = dict[Node, int]
 #: How many of min-cut's order-DP splits are polished: the best few (a worse start often ends
@@ -60,14 +60,6 @@ COARSE_MAX_FREE_SHARE = 0.5
 #: took 70-90% of the split's time (one more gain, 0.03% of T5's export graph at k = 4, came
 #: after 60); on the random layered graphs gains still come after 50.
 MOSTLY_FREE_KICK_PATIENCE = 30
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A strategy's answer with what it knows about its quality."""
-
-    stages: np.ndarray | Mapping[Node, int]
-    proven_optimal: bool | None = None
 
 
 StrategyFn = Callable[..., "np.ndarray | Mapping[Node, int] | Outcome"]
