@@ -7,6 +7,7 @@ by ``shard_model`` or ``load_plan`` write their own plan (``sharded.save_plan(pa
 """
 
 from autoshard.plan_io.files import format_plan, plan_from_dict, read_plan, save_plan
+from autoshard.plan_io.fits import StalePlanWarning, check_fits, weight_size_changes
 from autoshard.plan_io.from_program import (
     REPORTED_COSTS,
     ReportedCosts,
@@ -25,7 +26,7 @@ from autoshard.plan_io.model import (
     module_ancestors,
 )
 from autoshard.plan_io.origin import PlanOrigin
-from autoshard.plan_io.rebuild import StalePlanWarning, check_fits, load_plan, rebuild_pipeline, weight_size_changes
+from autoshard.plan_io.rebuild import load_plan, rebuild_pipeline
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "PlanNode", "PlanOrigin", "REPORTED_COSTS", "ReportedCosts", "SavedPlan", "SplitRecord",

@@ -1,0 +1,53 @@
+"""Whether a saved plan fits the model's graph today: the same nodes and edges, the same weight sizes.
+
+Apart from ``rebuild`` (which imports the passes) so that the ``load-partition`` pass can check a
+plan without an import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import networkx as nx
+
+from autoshard.errors import PlanError
+from autoshard.plan_io.from_program import versions
+from autoshard.plan_io.model import SavedPlan
+
+
+def check_fits(plan: SavedPlan, dag: nx.DiGraph, source: str) -> None:
+    """Raise ``PlanError`` unless ``dag`` (the model's graph today) is the graph the plan was made for."""
+    problems = _differences("node", [n.name for n in plan.nodes], list(dag.nodes))
+    problems += _differences("edge", [f"{u} -> {v}" for u, v in plan.edges], [f"{u} -> {v}" for u, v in dag.edges])
+    if problems:
+        here = versions()
+        made = ", ".join(f"{k} {v}" for k, v in plan.versions.items()) or "unknown versions"
+        raise PlanError(
+            f"plan {source} was made for another graph ({'; '.join(problems)}). It was made for "
+            f"{plan.model or 'a model'} with {made}; here: {', '.join(f'{k} {v}' for k, v in here.items())}. "
+            "Make a new plan for this model with `autoshard split TARGET --stages K --out PLAN.json`"
+        )
+
+
+class StalePlanWarning(UserWarning):
+    """A plan loaded into a model whose weights have other sizes than those it was made for."""
+
+
+def weight_size_changes(plan: SavedPlan, dag: nx.DiGraph) -> list[str]:
+    """The weights (by the plan's names) whose size in ``dag`` differs from the plan's: the same
+    graph with other widths, whose split the plan's balance no longer describes."""
+    now = dag.graph.get("weights", {})
+    return [f"'{name}' has {now[name].numel:,} elements here, {info.numel:,} in the plan"
+            for name, info in plan.weights.items() if name in now and now[name].numel != info.numel]
+
+
+def _differences(kind: str, planned: Sequence[str], actual: Sequence[str]) -> list[str]:
+    planned_set, actual_set = set(planned), set(actual)
+    only_plan = [x for x in planned if x not in actual_set]
+    only_graph = [x for x in actual if x not in planned_set]
+    out = []
+    if only_graph:
+        out.append(f"{len(only_graph)} {kind}(s) of the model are not in the plan, e.g. {only_graph[0]!r}")
+    if only_plan:
+        out.append(f"{len(only_plan)} {kind}(s) of the plan are not in the model, e.g. {only_plan[0]!r}")
+    return out
