@@ -12,7 +12,7 @@ Values that are not tensors (``x.size(0)``, a dtype, a bool from a mask check) n
 boundary, because pipeline runtimes send only tensors: once ``shape-prop`` (or torch.export's
 record of the value) has shown that a node yields no tensor, every stage that needs its value
 recomputes it (and its non-tensor inputs) from the tensors it has. The DAG built by
-``graph.from_fx`` routes those tensors to the stage.
+``lowering.from_fx`` routes those tensors to the stage.
 
 The capture freezes what the model asked of its inputs: ``torch.arange(n, device=x.device)``
 becomes ``device=cpu``. Each stage reads that device from its own inputs again at run time
@@ -33,7 +33,8 @@ from autoshard.capture.guard import FixedDtypes, refuse_mode_switch
 from autoshard.capture.held_state import HeldState, check_held_state
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import InvalidArgumentError
-from autoshard.graph.from_fx import holds_tensor, resolve
+from autoshard.fx_helpers import resolve
+from autoshard.lowering.from_fx import holds_tensor
 
 
 def recomputed_in_consumers(node: fx.Node) -> bool:

@@ -34,7 +34,7 @@ from autoshard.capture.eager import cloned, isolated
 from autoshard.capture.guard import check_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.errors import VerificationError
-from autoshard.graph.inplace import written_values
+from autoshard.lowering.inplace import written_values
 
 
 def _detached(value: Any) -> Any:

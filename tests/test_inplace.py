@@ -1,5 +1,5 @@
 """In-place writes keep every reader of the written tensor on its side of the write, however the
-splitter cuts (``autoshard.graph.inplace``)."""
+splitter cuts (``autoshard.lowering.inplace``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 import autoshard
 from autoshard.api import run_pipeline
-from autoshard.graph.inplace import written_values
+from autoshard.lowering.inplace import written_values
 from autoshard.passes import Pipeline
 from autoshard.passes.base import ExampleInputs
 

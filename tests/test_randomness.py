@@ -1,5 +1,5 @@
 """Random draws stay in the model's order across stages, so a model in training mode, dropout on
-parallel branches included, shards exactly (``autoshard.graph.randomness``)."""
+parallel branches included, shards exactly (``autoshard.lowering.randomness``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import autoshard
 from autoshard.api import run_pipeline
 from autoshard.capture import trace_with_leaves
 from autoshard.capture.host_random import HostRandomnessWarning
-from autoshard.graph.randomness import draws_random
+from autoshard.lowering.randomness import draws_random
 from autoshard.passes import Pipeline
 from autoshard.passes.base import ExampleInputs
 

@@ -16,7 +16,7 @@ from autoshard.costs.estimate import (
     node_times,
 )
 from autoshard.errors import InvalidArgumentError
-from autoshard.graph.from_fx import WeightInfo
+from autoshard.lowering.from_fx import WeightInfo
 from autoshard.plan_reporting import plan_report
 
 SLOW = DeviceModel(peak_flops=1e3, bandwidth=1e2)

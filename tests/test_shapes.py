@@ -158,7 +158,7 @@ def test_facts_say_which_values_share_their_inputs_memory_and_which_draw(mode):
     program = propagated(PassesThrough().eval(), torch.randn(4, 4), mode=mode)
     facts = {n.name: node_facts(n) for n in program.traced.graph_module.graph.nodes if node_facts(n)}
     assert [name for name, f in facts.items() if f.aliases_input] == ["same", "drop", "view", "view_1"]
-    # only a real run moves the generator; with fake tensors the operator itself says it (graph.randomness)
+    # only a real run moves the generator; with fake tensors the operator itself says it (lowering.randomness)
     assert [name for name, f in facts.items() if f.draws_random] == (["rand_like"] if mode == "real" else [])
 
 

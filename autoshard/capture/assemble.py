@@ -26,7 +26,7 @@ from autoshard.capture.guard import InputGuard, check_inputs
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
 from autoshard.emit import copy_buffer_persistence
 from autoshard.errors import TraceError
-from autoshard.graph.from_fx import resolve
+from autoshard.fx_helpers import resolve
 
 _PREFIX = MODEL_ATTR + "."
 _LITERAL_TYPES = (bool, int, float, str, type(None))

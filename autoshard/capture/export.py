@@ -41,7 +41,7 @@ from autoshard.capture.opaque import CALLS, forget_real_results, recording_real_
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
 from autoshard.errors import InvalidArgumentError
-from autoshard.graph.from_fx import resolve
+from autoshard.fx_helpers import resolve
 
 __all__ = ["export_with_leaves"]
 

@@ -52,7 +52,7 @@ from autoshard.capture.meta_proxy import (
 from autoshard.capture.signature import MODEL_ATTR
 from autoshard.capture.state import kind_of, refusing_state_writes
 from autoshard.errors import TraceError
-from autoshard.graph.from_fx import resolve
+from autoshard.fx_helpers import resolve
 from autoshard.generators import generator_states, same_states
 
 

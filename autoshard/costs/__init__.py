@@ -1,7 +1,7 @@
 """What a plan costs: value structures, FLOPs, measured times, training memory, shared weights.
 
 One module per job; the ``shape-prop`` and ``profile`` passes record measurements on the traced
-graph, ``graph.from_fx`` copies them onto the DAG, and ``costs.models`` turns them into the
+graph, ``lowering.from_fx`` copies them onto the DAG, and ``costs.models`` turns them into the
 per-node and per-stage costs the split balances and the plan reports.
 
 This package namespace imports no torch (the DAG-level models, memory and ties work with

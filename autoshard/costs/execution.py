@@ -29,7 +29,7 @@ from autoshard.errors import AutoshardError, InvalidArgumentError, ShapePropagat
 from autoshard.verify import PlainInterpreter, run_seeded
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
-    from autoshard.passes.base import ExampleInputs
+    from autoshard.inputs import ExampleInputs
 
 Mode = Literal["auto", "real", "fake"]
 

@@ -38,7 +38,7 @@ from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 
 
 class Weight(Protocol):
-    """What the model needs of a weight (``graph.from_fx.WeightInfo`` has it)."""
+    """What the model needs of a weight (``lowering.from_fx.WeightInfo`` has it)."""
 
     numel: int
     nbytes: int

@@ -18,7 +18,7 @@ from autoshard.costs.values import allocated_bytes, describe_value, shares_memor
 from autoshard.generators import generator_states, same_states
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
-    from autoshard.passes.base import ExampleInputs
+    from autoshard.inputs import ExampleInputs
 
 
 def _aliases_first_input(call: NodeCall, value: Any) -> bool:

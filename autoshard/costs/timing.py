@@ -29,9 +29,10 @@ from autoshard import progress
 from autoshard.costs.execution import COMPUTE_OPS, NodeCall, placeholder_values, run_graph
 from autoshard.costs.values import describe_value
 from autoshard.errors import InvalidArgumentError
+from autoshard.fx_helpers import target_name
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
-    from autoshard.passes.base import ExampleInputs
+    from autoshard.inputs import ExampleInputs
 
 SECONDS_KEY = "autoshard_seconds"
 """``fx.Node.meta`` key under which ``profile`` stores a node's measured seconds."""
@@ -105,8 +106,6 @@ def measure_node_seconds(
 
 def graph_signature(gm: fx.GraphModule) -> str:
     """A digest of the compute nodes' names, kinds and targets: which graph a profile belongs to."""
-    from autoshard.graph.from_fx import target_name  # from_fx imports this module
-
     # by name: a function's repr holds its address, which differs from one process to the next
     text = "\n".join(f"{n.name} {n.op} {target_name(n)}" for n in gm.graph.nodes if n.op in COMPUTE_OPS)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -63,7 +63,7 @@ class CostNode:
     """What a user's ``cost(node) -> float`` is given: one compute node of the DAG.
 
     ``flops``, ``output_bytes`` and ``seconds`` are None until ``shape-prop`` / ``profile`` ran;
-    ``attrs`` holds every DAG attribute (see ``autoshard.graph.from_fx``).
+    ``attrs`` holds every DAG attribute (see ``autoshard.lowering.from_fx``).
     """
 
     name: str

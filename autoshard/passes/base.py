@@ -9,24 +9,20 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+
+from autoshard.inputs import ExampleInputs
+from autoshard.passes.options import format_pass
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     import networkx as nx
     import torch
 
+    from autoshard.capture.result import TraceResult
     from autoshard.graph.partition import Partition
-    from autoshard.passes.instruments import Instrument
-    from autoshard.passes.trace import TraceResult
     from autoshard.sharded import ShardedModel
 
-
-@dataclass(frozen=True)
-class ExampleInputs:
-    """Positional and keyword inputs that the model is called with."""
-
-    args: tuple[Any, ...] = ()
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
+__all__ = ["ExampleInputs", "Instrument", "Pass", "PassContext", "ShardProgram", "option"]
 
 
 @dataclass(frozen=True)
@@ -102,8 +98,6 @@ class Pass(ABC):
 
     def __str__(self) -> str:
         """The canonical text spec of this pass, e.g. ``split{stages=4}``."""
-        from autoshard.passes.spec import format_pass
-
         try:
             return format_pass(self)
         except Exception:  # an option value the text syntax cannot express
@@ -117,3 +111,28 @@ class Pass(ABC):
     @classmethod
     def options(cls) -> tuple[dataclasses.Field, ...]:
         return tuple(f for f in dataclasses.fields(cls) if f.init)
+
+
+class Instrument:
+    """Base class; every hook is a no-op. Override the ones you need.
+
+    ``index`` is the 0-based position of the pass in the pipeline. ``after_pass`` receives the
+    program the pass returned; ``after_pass_failed`` the program it was given and the exception.
+    The pipeline hooks receive the ``Pipeline`` being run, annotated as the sequence of passes it
+    is (``passes.pipeline`` imports this module).
+    """
+
+    def before_pipeline(self, pipeline: Sequence[Pass], program: ShardProgram) -> None:
+        pass
+
+    def before_pass(self, pass_: Pass, index: int, program: ShardProgram) -> None:
+        pass
+
+    def after_pass(self, pass_: Pass, index: int, program: ShardProgram) -> None:
+        pass
+
+    def after_pass_failed(self, pass_: Pass, index: int, program: ShardProgram, exc: BaseException) -> None:
+        pass
+
+    def after_pipeline(self, pipeline: Sequence[Pass], program: ShardProgram) -> None:
+        pass

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import networkx as nx
 
-from autoshard.graph.from_fx import build_dag
+from autoshard.lowering.from_fx import build_dag
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 
 

@@ -13,7 +13,7 @@ from autoshard.capture.signature import MODEL_ATTR, forward_signature
 from autoshard.emit import emit_stages
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.graph import boundary_values, check_partition
-from autoshard.graph.from_fx import module_scopes
+from autoshard.lowering.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.sharded import ShardedModel, StagePlan

@@ -19,16 +19,15 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, TextIO
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Sequence, TextIO
 
 from autoshard.capture.eager import trace_values_on
 from autoshard.errors import AutoshardError, InvalidArgumentError, InvalidArgumentTypeError, PassContractError
-from autoshard.passes.base import ExampleInputs, Pass, ShardProgram
+from autoshard.passes.base import ExampleInputs, Instrument, Pass, ShardProgram
+from autoshard.passes.options import format_pass
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.table import Table
-
-    from autoshard.passes.pipeline import Pipeline
 
 __all__ = [
     "DumpDir",
@@ -44,32 +43,7 @@ __all__ = [
 ]
 
 
-class Instrument:
-    """Base class; every hook is a no-op. Override the ones you need.
-
-    ``index`` is the 0-based position of the pass in the pipeline. ``after_pass`` receives the
-    program the pass returned; ``after_pass_failed`` the program it was given and the exception.
-    """
-
-    def before_pipeline(self, pipeline: "Pipeline", program: ShardProgram) -> None:
-        pass
-
-    def before_pass(self, pass_: Pass, index: int, program: ShardProgram) -> None:
-        pass
-
-    def after_pass(self, pass_: Pass, index: int, program: ShardProgram) -> None:
-        pass
-
-    def after_pass_failed(self, pass_: Pass, index: int, program: ShardProgram, exc: BaseException) -> None:
-        pass
-
-    def after_pipeline(self, pipeline: "Pipeline", program: ShardProgram) -> None:
-        pass
-
-
 def _spec(pass_: Pass) -> str:
-    from autoshard.passes.spec import format_pass  # spec -> registry -> base; keep this module light
-
     return format_pass(pass_)
 
 
@@ -96,7 +70,7 @@ class Timing(Instrument):
         self._pipeline_starts: list[float] = []
         self.pipeline_seconds = 0.0
 
-    def before_pipeline(self, pipeline: "Pipeline", program: ShardProgram) -> None:
+    def before_pipeline(self, pipeline: Sequence[Pass], program: ShardProgram) -> None:
         self._pipeline_starts.append(time.perf_counter())
 
     def before_pass(self, pass_: Pass, index: int, program: ShardProgram) -> None:
@@ -112,7 +86,7 @@ class Timing(Instrument):
     def after_pass_failed(self, pass_: Pass, index: int, program: ShardProgram, exc: BaseException) -> None:
         self._stop(pass_, index, "failed")
 
-    def after_pipeline(self, pipeline: "Pipeline", program: ShardProgram) -> None:
+    def after_pipeline(self, pipeline: Sequence[Pass], program: ShardProgram) -> None:
         self.pipeline_seconds += time.perf_counter() - self._pipeline_starts.pop()
 
     def rows(self) -> list[TimingRow]:
@@ -236,7 +210,7 @@ class DumpDir(Instrument):
         self.pipeline_spec = ""
         self.files: list[Path] = []
 
-    def before_pipeline(self, pipeline: "Pipeline", program: ShardProgram) -> None:
+    def before_pipeline(self, pipeline: Sequence[Pass], program: ShardProgram) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

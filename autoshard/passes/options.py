@@ -4,7 +4,10 @@ value of each prints and is described.
 A pass's options are its dataclass fields; ``option_types`` reads their annotations once into a
 small type model (a scalar, a ``Literal``, ``X | None``, a tuple), which the spec parser converts
 written text against, ``format_value`` prints back, and ``check_option_values`` checks passes
-built in Python against. Kept apart from ``spec`` (the text syntax) so each module has one job.
+built in Python against, and ``format_pass`` prints a whole pass. Kept apart from ``spec`` (the
+text syntax) so each module has one job. The functions take any ``Pass`` (class or instance) but
+do not import it: ``passes.base`` imports this module, as ``Pass.__str__`` prints through
+``format_pass``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Union
 
 from autoshard.errors import InvalidArgumentTypeError, SpecError
-from autoshard.passes.base import Pass
 
 __all__ = [
     "LiteralType",
@@ -30,6 +32,7 @@ __all__ = [
     "check_option_values",
     "default_of",
     "describe",
+    "format_pass",
     "format_value",
     "kebab",
     "matches",
@@ -110,7 +113,7 @@ def kebab(field_name: str) -> str:
     return field_name.replace("_", "-")
 
 
-def _resolve_hints(cls: type[Pass]) -> dict[str, Any]:
+def _resolve_hints(cls: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(cls)
     except Exception:  # some unrelated annotation in the MRO does not resolve; go field by field
@@ -132,7 +135,7 @@ def _resolve_hints(cls: type[Pass]) -> dict[str, Any]:
     return hints
 
 
-def option_types(cls: type[Pass]) -> dict[str, Any]:
+def option_types(cls: type) -> dict[str, Any]:
     """Map each option field of ``cls`` to its (internal) type; ``SpecError`` for types the syntax cannot express."""
     cached = _TYPE_CACHE.get(cls)
     if cached is not None:
@@ -215,7 +218,7 @@ def matches(value: Any, t: Any) -> bool:
     raise AssertionError(t)  # pragma: no cover
 
 
-def check_option_values(p: Pass) -> None:
+def check_option_values(p: Any) -> None:
     """Raise ``InvalidArgumentTypeError`` if an option of a pass built in Python has the wrong type."""
     cls = type(p)
     for name, t in option_types(cls).items():
@@ -278,7 +281,7 @@ class OptionInfo(NamedTuple):
     help: str
 
 
-def option_table(cls: type[Pass]) -> tuple[OptionInfo, ...]:
+def option_table(cls: type) -> tuple[OptionInfo, ...]:
     kinds = option_types(cls)
     rows = []
     for f in cls.options():
@@ -286,3 +289,24 @@ def option_table(cls: type[Pass]) -> tuple[OptionInfo, ...]:
         shown = None if default is dataclasses.MISSING else _format(default, kinds[f.name])
         rows.append(OptionInfo(kebab(f.name), f.name, describe(kinds[f.name]), shown, f.metadata.get("help", "")))
     return tuple(rows)
+
+
+def format_pass(p: Any, explicit: frozenset[str] | set[str] | tuple[str, ...] = frozenset()) -> str:
+    """The canonical spec of one pass: its name, then (in field order) the options that are
+    required, not at their default, or named in ``explicit``."""
+    cls = type(p)
+    kinds = option_types(cls)
+    parts = []
+    for f in cls.options():
+        value = getattr(p, f.name)
+        default = default_of(f)
+        if f.name in explicit or default is dataclasses.MISSING or not _same(value, default):
+            parts.append(f"{kebab(f.name)}={format_value(value, kinds[f.name])}")
+    return cls.name + ("{" + " ".join(parts) + "}" if parts else "")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # pragma: no cover - exotic __eq__
+        return False

@@ -27,7 +27,7 @@ from typing import Any
 from autoshard.errors import AutoshardError, InvalidArgumentTypeError, SpecError, suggest
 from autoshard.passes.base import Pass
 from autoshard.passes.options import (LiteralType, OptionalType, ScalarType, TupleType, default_of, describe,
-                                      format_value, kebab, option_types)
+                                      format_pass, format_value, kebab, option_types)
 from autoshard.passes.registry import PassRegistry, default_registry
 
 __all__ = [
@@ -270,30 +270,6 @@ def parse_spec(text: str) -> tuple[PassSpec, ...]:
     if not isinstance(text, str):
         raise InvalidArgumentTypeError(f"a pipeline spec must be a str, got {type(text).__name__}")
     return _Parser(text).pipeline()
-
-
-# --------------------------------------------------------------------------------------------
-# Printing
-# --------------------------------------------------------------------------------------------
-def format_pass(p: Pass, explicit: frozenset[str] | set[str] | tuple[str, ...] = frozenset()) -> str:
-    """The canonical spec of one pass: its name, then (in field order) the options that are
-    required, not at their default, or named in ``explicit``."""
-    cls = type(p)
-    kinds = option_types(cls)
-    parts = []
-    for f in cls.options():
-        value = getattr(p, f.name)
-        default = default_of(f)
-        if f.name in explicit or default is dataclasses.MISSING or not _same(value, default):
-            parts.append(f"{kebab(f.name)}={format_value(value, kinds[f.name])}")
-    return cls.name + ("{" + " ".join(parts) + "}" if parts else "")
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # pragma: no cover - exotic __eq__
-        return False
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from autoshard.costs.estimate import DeviceModel
 from autoshard.costs.memory import MemoryModel
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PlanError
 from autoshard.graph import SplitInfo, check_dag, check_partition
-from autoshard.graph.from_fx import WeightInfo
+from autoshard.lowering.from_fx import WeightInfo
 from autoshard.plan_io.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan, SplitRecord, optional_float
 from autoshard.sharded import ShardedModel
 

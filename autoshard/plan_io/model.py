@@ -21,7 +21,7 @@ from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
 from autoshard.costs.models import held_weight_bytes
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.graph import SplitInfo, boundary_bytes, boundary_values, stage_costs, total_boundary_bytes
-from autoshard.graph.from_fx import WeightInfo
+from autoshard.lowering.from_fx import WeightInfo
 
 FORMAT = "autoshard-plan"
 FORMAT_VERSION = 1

@@ -1,7 +1,8 @@
 """Build the weighted DAG the splitter works on from a traced ``torch.fx`` graph.
 
-This is the one module under ``autoshard.graph`` that imports torch; ``autoshard.graph`` itself
-does not import it, so the splitter stays usable with networkx alone.
+It lives in ``autoshard.lowering`` (with the in-place and randomness analyses it adds edges
+from), not in ``autoshard.graph``, which imports no torch, so the splitter stays usable with
+networkx alone.
 
 The DAG holds the model inputs (``input=True``) and every compute node. Node attributes:
 ``op``, ``target``, ``module`` (innermost owning module path, '' for the root), ``scopes``
@@ -14,8 +15,8 @@ structure, see ``autoshard.costs.values``), ``allocated`` (bytes of new memory i
 bytes of the output (1 per value while shapes are unknown); ``tensor`` says whether it holds any
 tensor (None when neither shape-prop nor the capture recorded the value: it is treated as one).
 Edges carry ``value``, the producer's name; in-place writes add edges that keep every reader of
-the written tensor on its side of the write (``autoshard.graph.inplace``), and random draws on
-parallel branches add edges that keep them in the model's order (``autoshard.graph.randomness``).
+the written tensor on its side of the write (``autoshard.lowering.inplace``), and random draws on
+parallel branches add edges that keep them in the model's order (``autoshard.lowering.randomness``).
 The graph attribute ``weights`` maps each canonical
 name to a ``WeightInfo`` (every alias, size, trainable or not).
 
@@ -44,22 +45,12 @@ from torch.utils._pytree import tree_leaves
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.costs.facts import node_facts
 from autoshard.costs.timing import SECONDS_KEY
-from autoshard.graph.inplace import order_around_mutations
-from autoshard.graph.randomness import order_random_draws
+from autoshard.fx_helpers import resolve, target_name
+from autoshard.lowering.inplace import order_around_mutations
+from autoshard.lowering.randomness import order_random_draws
 
 #: Stand-in for a value's size until shape propagation measures it: every value weighs one.
 UNKNOWN_VALUE_BYTES = 1.0
-
-
-def target_name(node: fx.Node) -> str:
-    """A node's target by name (``module.qualname``), the same in every process: never its repr,
-    which for an object without a qualified name (a higher-order op such as ``cond``) holds its address."""
-    target = node.target
-    if isinstance(target, str):
-        return target
-    module = getattr(target, "__module__", None) or ""
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__qualname__
-    return f"{module}.{name}".lstrip(".")
 
 
 def module_scopes(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple[str, str], ...]:
@@ -85,14 +76,6 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
     if isinstance(value, nn.Module):
         return [*value.parameters(), *value.buffers()]
     return []
-
-
-def resolve(root: Any, target: str) -> Any:
-    """The object at a dotted attribute path (``root`` itself for the empty path)."""
-    value = root
-    for part in target.split(".") if target else ():
-        value = getattr(value, part)
-    return value
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
