@@ -38,7 +38,7 @@ _LAZY = {
     "MicrobatchStatisticsWarning": "autoshard.runtime.schedule",
     "TargetError": "autoshard.targets",
 }
-#: Every typed error, so that ``except autoshard.InputMismatchError`` works as the README writes it.
+#: Every typed error, so that ``except autoshard.InputMismatchError`` works as the docs write it.
 _ERRORS = (
     "AutoshardError", "InvalidArgumentError", "InvalidArgumentTypeError", "TooManyStagesError",
     "InfeasibleSplitError", "InvalidGraphError", "SpecError", "PipelineValidationError", "PassFailed",
