@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import itertools
 import operator
 import weakref
 from dataclasses import dataclass
@@ -124,18 +123,18 @@ class ModesAtCapture:
 
     def __init__(self, modules: tuple[nn.Module, ...] = ()) -> None:
         self.modules = modules
-        self.captured = tuple(module.training for module in modules)
-        self.captured_list = list(self.captured)
+        self.captured = list(map(_training, modules))
 
     def check(self, training: bool) -> None:
-        if list(map(_training, self.modules)) != self.captured_list:  # C-level: read on every call
-            check_mode(training, training, tuple(module.training for module in self.modules), self.captured)
+        now = list(map(_training, self.modules))  # C-level: read on every call
+        if now != self.captured:
+            check_mode(training, training, tuple(now), tuple(self.captured))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModesAtCapture:
         return self
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"modules": (), "captured": (), "captured_list": []}
+        return {"modules": (), "captured": []}
 
 
 class ShardedModel(FixedDtypes):
@@ -375,11 +374,12 @@ class _PlacedOn:
     def __init__(self, stage: nn.Module) -> None:
         # a parameter first: buffers of modules the capture traced through are the stage's own, and
         # stay where they are when the model moves
-        registries = [m._parameters for m in stage.modules()] + [m._buffers for m in stage.modules()]
-        self.probe = next(((registry, key) for registry in registries
-                           for key, value in registry.items() if value is not None), None)
-        devices = {t.device for t in itertools.chain(stage.parameters(), stage.buffers())}
-        self.probe_device = self._probe_device()
+        modules = list(stage.modules())
+        held = [(registry, key, tensor) for registry in [m._parameters for m in modules] + [m._buffers for m in modules]
+                for key, tensor in registry.items() if tensor is not None]
+        self.probe = held[0][:2] if held else None
+        devices = {tensor.device for _, _, tensor in held}
+        self.probe_device = held[0][2].device if held else None
         #: the one device of the stage's weights (None: none, or several)
         self.device = devices.pop() if len(devices) == 1 else None
 

@@ -26,6 +26,8 @@ from autoshard.capture.guard import _converts, check_mode, check_weight_dtypes
 
 _training = operator.attrgetter("training")
 _dtype = operator.attrgetter("dtype")
+#: What a copied state's placeholder step expects to find: nothing is, so it walks first.
+_NOWHERE = object()
 
 
 class HeldState:
@@ -39,14 +41,15 @@ class HeldState:
         self.owner = owner
         self.leaves = leaves
         self.weight_paths = weights
+        self.captured_training = owner.training
         self._walk()
         self.modes = list(map(_training, self.modules))
         self.dtypes = frozenset(map(_dtype, self.weights()))
 
     def _walk(self) -> None:
         """Find the modules and parameters by path again, as the graph's code does."""
-        self.modules = (self.owner, *(self.owner.get_submodule(path) for path in self.leaves))
-        inside = ((leaf, _first_parameter(module)) for leaf, module in zip(self.leaves, self.modules[1:]))
+        self.modules = tuple(self.owner.get_submodule(path) for path in self.leaves)
+        inside = ((leaf, _first_parameter(module)) for leaf, module in zip(self.leaves, self.modules))
         found = [*self.weight_paths, *(f"{leaf}.{path}" for leaf, path in inside if path is not None)]
         steps: dict[tuple[int, str], tuple[dict[str, Any], str, nn.Module]] = {}
         for path in (*self.leaves, *(p.rpartition(".")[0] for p in found)):
@@ -68,16 +71,15 @@ class HeldState:
         """Raise ``InputMismatchError`` when the stage (``training``: its flag now) or a module it
         calls is in another mode than at capture, or a weight was converted."""
         try:
-            if (training == self.modes[0] and all(map(operator.is_, map(dict.get, self.step_dicts, self.step_names),
-                                                      self.step_modules))
+            found = map(dict.get, self.step_dicts, self.step_names)
+            if (training == self.captured_training and all(map(operator.is_, found, self.step_modules))
                     and list(map(_training, self.modules)) == self.modes
                     and set(map(_dtype, map(dict.__getitem__, self.registries, self.names))) <= self.dtypes):
                 return
         except (KeyError, AttributeError):  # a parameter deleted or set to None: found again below
             pass
         self._walk()
-        now = list(map(_training, self.modules))
-        check_mode(training, self.modes[0], tuple(now[1:]), tuple(self.modes[1:]))
+        check_mode(training, self.captured_training, tuple(map(_training, self.modules)), tuple(self.modes))
         check_weight_dtypes(self.dtypes, *self.weights())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HeldState:
@@ -88,13 +90,13 @@ class HeldState:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"owner": self.owner, "leaves": self.leaves, "weight_paths": self.weight_paths,
-                "modes": self.modes, "dtypes": self.dtypes}
+                "captured_training": self.captured_training, "modes": self.modes, "dtypes": self.dtypes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        # found on the first call, whose check fails with no modules read
+        # found by path on the first call, whose one step leads nowhere
         self.modules, self.registries, self.names = (), (), ()
-        self.step_dicts, self.step_names, self.step_modules = (), (), ()
+        self.step_dicts, self.step_names, self.step_modules = ({},), ("",), (_NOWHERE,)
 
 
 def _first_parameter(module: nn.Module) -> str | None:
