@@ -40,9 +40,10 @@ def test_moves_and_kicks_keep_every_rule_and_never_send_more(problem, tolerance)
     groups = [m for _, m in split.rules.groups]
     fixed = np.unique(np.concatenate(groups)) if groups else None
     pinned = split.pinned_boundaries(start)
-    improved = moves.improve(split.graph, start, k, split.limits(), pinned, fixed)
+    bounds = split.rules.ranges
+    improved = moves.improve(split.graph, start, k, split.limits(), pinned, fixed, bounds=bounds)
     valid_and_no_worse(split, start, improved)
-    searched = moves.improve(split.graph, improved, k, split.limits(), pinned, fixed, kicks=10)
+    searched = moves.improve(split.graph, improved, k, split.limits(), pinned, fixed, kicks=10, bounds=bounds)
     valid_and_no_worse(split, improved, searched)
     if fixed is not None:
         assert np.array_equal(searched[fixed], start[fixed])  # together groups never move

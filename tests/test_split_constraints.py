@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, InvalidGraphError
 from autoshard.graph import Constraints, split_dag, total_boundary_bytes
-from autoshard.graph.constraints import ACTIVATION_MEMORY
+from autoshard.graph.constraints import ACTIVATION_MEMORY, StageRange
 from autoshard.testing import (
     brute_force_constrained,
     check_constraints,
@@ -40,7 +40,8 @@ def stages(assignment: dict) -> list[int]:
 
 def options(c: Constraints) -> dict:
     return {"cut_before": c.cut_before, "together": c.together, "capacities": c.capacities,
-            "memory_budgets": c.memory_budgets, "memory_in_flight": c.memory_in_flight}
+            "memory_budgets": c.memory_budgets, "memory_in_flight": c.memory_in_flight,
+            "stage_ranges": c.stage_ranges}
 
 
 # --- properties against brute force -------------------------------------------------------
@@ -88,6 +89,91 @@ def test_exact_sends_the_fewest_bytes_of_all_constrained_splits(problem, toleran
     sent = total_boundary_bytes(dag, result.assignment, k)
     assert result.info.proven_optimal is True
     assert at_most(sent, fewest) and at_most(fewest, sent)
+
+
+# --- stage ranges ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", BOUNDED)
+def test_a_stage_range_holds_a_node_in_its_stages_even_off_balance(strategy):
+    dag = chain([1] * 8)
+    assert stages(split_dag(dag, 2, strategy, 0.0)) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert stages(split_dag(dag, 2, strategy, 0.0, stage_ranges={"v1": 1})) == [0, 1, 1, 1, 1, 1, 1, 1]
+    # A range bounds ancestors from above and descendants from below: v6 in stage 0 takes v0..v6 along.
+    assert stages(split_dag(dag, 2, strategy, 0.0, stage_ranges={"v6": (0, 0)})) == [0] * 7 + [1]
+    assert stages(split_dag(dag, 3, strategy, 0.0, stage_ranges={"v2": (1, 2), "v5": 1})) == [0, 0, 1, 1, 1, 1, 2, 2]
+
+
+def interleaved() -> nx.DiGraph:
+    """Two branches interleaved in program order (a1 b1 a2 b2), heavy values inside each branch."""
+    dag = nx.DiGraph()
+    for name, nbytes in (("x", 1), ("a1", 100), ("b1", 100), ("a2", 1), ("b2", 1)):
+        dag.add_node(name, cost=0.0 if name == "x" else 1.0, bytes=float(nbytes), input=name == "x",
+                     output=name in ("a2", "b2"))
+    dag.add_edges_from([("x", "a1"), ("x", "b1"), ("a1", "a2"), ("b1", "b2")])
+    return dag
+
+
+@pytest.mark.parametrize("strategy", BOUNDED)
+def test_stage_ranges_program_order_cannot_meet_reorder_it(strategy):
+    # a1 comes first in program order but must sit in the later stage, b1 in the earlier one.
+    result = split_dag(interleaved(), 2, strategy, 0.5, stage_ranges={"a1": 1, "b1": 0, "b2": 0})
+    assert result == {"x": 0, "b1": 0, "b2": 0, "a1": 1, "a2": 1}
+
+
+@pytest.mark.parametrize("strategy", ("min-cut", "exact"))
+def test_refinement_never_moves_a_node_out_of_its_range(strategy):
+    # Unconstrained, min-cut keeps each heavy value inside its branch; pinned, a1 and b1 stay apart.
+    free = split_dag(interleaved(), 2, strategy, 1.0)
+    assert free["a1"] == free["a2"] and free["b1"] == free["b2"]
+    pinned = split_dag(interleaved(), 2, strategy, 1.0, stage_ranges={"a1": 0, "a2": 1, "b1": 0, "b2": 1})
+    assert (pinned["a1"], pinned["a2"], pinned["b1"], pinned["b2"]) == (0, 1, 0, 1)
+
+
+@pytest.mark.parametrize(("ranges", "message"), [
+    ({"v2": 2, "v5": 1}, "'v2' (pinned to stage 2) runs before 'v5' (pinned to stage 1) (it feeds it), but stages run in order"),
+    ({"v2": StageRange(2, 2, "blocks.2"), "v5": StageRange(0, 1, "head")},
+     "blocks.2 (pinned to stage 2) runs before head (pinned to stages 0..1)"),
+    ({"v2": 3}, "'v2' (pinned to stage 3) asks for a stage past the last one of 3 stages (stage 2)"),
+    ({"nope": 1}, "'nope' is not a node of the graph"),
+])
+def test_stage_ranges_no_split_meets_are_named(ranges, message):
+    with pytest.raises((InfeasibleSplitError, InvalidArgumentError)) as info:
+        split_dag(chain([1] * 8), 3, "min-cut", stage_ranges=ranges)
+    assert message in str(info.value)
+
+
+def test_an_input_pinned_past_stage_0_is_refused():
+    dag = nx.DiGraph()
+    dag.add_node("x", input=True, bytes=1.0)
+    dag.add_node("y", cost=1.0, bytes=1.0, output=True)
+    dag.add_node("z", cost=1.0, bytes=1.0, output=True)
+    dag.add_edges_from([("x", "y"), ("x", "z")])
+    with pytest.raises(InfeasibleSplitError, match="'x' \\(pinned to stage 1\\) is a model input"):
+        split_dag(dag, 2, stage_ranges={"x": 1})
+
+
+@pytest.mark.parametrize(("ranges", "error", "message"), [
+    ({"v1": (2, 1)}, InvalidArgumentError, "a range needs 0 <= first <= last"),
+    ({"v1": -1}, InvalidArgumentError, "a range needs 0 <= first <= last"),
+    ({"v1": 1.0}, InvalidArgumentTypeError, "must be a stage or a (first, last) pair"),
+    (["v1"], InvalidArgumentTypeError, "stage_ranges must be a {node: stage or (first, last)} mapping"),
+])
+def test_bad_stage_ranges_are_named(ranges, error, message):
+    with pytest.raises(error) as info:
+        split_dag(chain([1] * 4), 2, stage_ranges=ranges)
+    assert message in str(info.value)
+
+
+def test_strategies_without_constraints_refuse_stage_ranges():
+    with pytest.raises(InvalidArgumentError, match="strategy 'greedy' cannot honour stage_ranges"):
+        split_dag(chain([1] * 4), 2, "greedy", stage_ranges={"v1": 1})
+
+
+def test_violations_name_a_node_outside_its_range():
+    broken = constraint_violations(chain([1] * 4), {"v0": 0, "v1": 0, "v2": 1, "v3": 1}, 2,
+                                   Constraints.build(stage_ranges={"v1": 1}))
+    assert broken == ["stage_ranges 'v1': outside its stages 1..1"]
 
 
 # --- pins ---------------------------------------------------------------------------------

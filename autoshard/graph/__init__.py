@@ -5,7 +5,7 @@ described in ``invariants.check_dag``; ``split_dag`` is the entry point.
 """
 
 from autoshard.graph.balance import min_bottleneck
-from autoshard.graph.constraints import Constraints
+from autoshard.graph.constraints import Constraints, StageRange
 from autoshard.graph.invariants import check_dag, check_partition
 from autoshard.graph.partition import (
     Partition,
@@ -26,6 +26,7 @@ __all__ = [
     "SplitInfo",
     "SplitProblem",
     "SplitResult",
+    "StageRange",
     "bottleneck",
     "boundary_bytes",
     "boundary_values",

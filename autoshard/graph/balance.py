@@ -2,7 +2,7 @@
 
 ``Line`` is a sequence with its per-part limits: a cost budget per stage (bound x capacity),
 optional memory budgets, positions that must be cuts (pins) and positions that must not be
-(inside a together group). ``min_bottleneck_of`` finds the best achievable bound and
+(inside a together group), and the parts each element may join (its stage range). ``min_bottleneck_of`` finds the best achievable bound and
 ``min_bytes_cuts`` spends the tolerance above it on cuts where few bytes are live. Every
 segment test goes through ``Line.starts``, so a bound one of them proves feasible is feasible
 for the other.
@@ -41,7 +41,8 @@ class Line:
 
     ``capacities[j]`` scales the cost budget of part j; ``memory`` (laid along the sequence)
     limits each part's memory; a cut must fall at every position in ``pins`` and at no
-    position where ``forbidden`` is true. Position c is the cut before weights[c].
+    position where ``forbidden`` is true; element i may only join parts ``earliest[i]`` to
+    ``latest[i]`` (``ranges``, laid along the sequence). Position c is the cut before weights[c].
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class Line:
         pins: np.ndarray | None = None,
         forbidden: np.ndarray | None = None,
         memory: StageLimit | None = None,
+        ranges: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.n = len(weights)
         self.k = len(capacities)
@@ -62,12 +64,13 @@ class Line:
         self.memory = memory
         floors = np.concatenate(([0], self.pins))
         self.pin_floor = floors[np.searchsorted(self.pins, np.arange(1, self.n + 1), side="left")]
+        self.range_floors = None if ranges is None else _range_floors(*ranges, self.k)
 
     def starts(self, j: int, bound: float) -> np.ndarray:
         """For each end c in 1..n, the first start c' at which part j = [c', c) fits ``bound``.
 
         A part fits when its cost is at most bound x capacity_j (up to round-off), its memory
-        within budget, and it contains no pin.
+        within budget, it contains no pin and each of its elements may join part j.
         """
         reach = (self.prefix + bound * self.capacities[j]) + self.slack
         first = np.searchsorted(reach, self.prefix[1:], side="left")
@@ -75,7 +78,8 @@ class Line:
             prefix = self.memory.prefix(j)
             budget = (prefix + self.memory.budgets[j]) + slack(float(prefix[-1]))
             first = np.maximum(first, np.searchsorted(budget, prefix[1:], side="left"))
-        return np.maximum(first, self.pin_floor)
+        first = np.maximum(first, self.pin_floor)
+        return first if self.range_floors is None else np.maximum(first, self.range_floors[j])
 
     def cut_allowed(self) -> np.ndarray:
         """Whether each position 0..n may end a part that is not the last."""
@@ -115,6 +119,17 @@ class Line:
         """The largest part cost / capacity of the split at ``cuts``."""
         bounds = np.concatenate(([0], cuts, [self.n]))
         return float((np.diff(self.prefix[bounds]) / self.capacities).max())
+
+
+def _range_floors(earliest: np.ndarray, latest: np.ndarray, k: int) -> np.ndarray:
+    """Per part j and end c in 1..n, the first start that leaves out every element before c
+    that may not join part j (one past the last such element)."""
+    after = np.arange(1, len(earliest) + 1)
+    floors = np.empty((k, len(earliest)), dtype=np.int64)
+    for j in range(k):
+        barred = (earliest > j) | (latest < j)
+        floors[j] = np.maximum.accumulate(np.where(barred, after, 0)) if len(after) else after
+    return floors
 
 
 def min_bottleneck(weights: Sequence[float], k: int) -> float:
@@ -170,7 +185,7 @@ def min_bottleneck_of(line: Line) -> float:
     """
     weights = np.diff(line.prefix)
     plain = (not len(line.pins) and not line.forbidden.any() and line.memory is None
-             and bool(np.all(line.capacities == 1.0)))
+             and line.range_floors is None and bool(np.all(line.capacities == 1.0)))
     if plain:
         return min_bottleneck(weights.tolist(), line.k)
     total = float(line.prefix[-1])

@@ -1,12 +1,16 @@
 """User constraints on a split, checked against the graph and resolved to node indices.
 
-Six kinds, all in terms of graph nodes (``autoshard.passes.split`` resolves module paths and
+Seven kinds, all in terms of graph nodes (``autoshard.passes.split`` resolves module paths and
 classes to node sets):
 
 * ``cut_before``: nodes at which a stage must start. A cut before ``v`` is a boundary with
   exactly the nodes before ``v`` in program order on its early side. A ``{node: label}`` mapping
   names each pin by its label in errors (the split pass passes the module paths the user wrote).
 * ``together``: labelled node groups that must sit in one stage (``no_split`` modules).
+* ``stage_ranges``: the stages a node may take, ``{node: stage}`` or ``{node: (first, last)}``
+  (or a ``StageRange``, whose label names it in errors: a module pinned to a stage). A range
+  bounds the node's ancestors from above and its descendants from below too, as stages are
+  ordered; ranges that contradict each other through the graph are refused naming both.
 * ``prefer_together``: labelled groups kept in one stage when the balance bound allows it
   (tied weights); the split reports the ones it had to separate.
 * ``capacities``: per-stage relative speeds; stage j's cost / capacity_j is what is balanced.
@@ -41,6 +45,20 @@ Groups = Mapping[str, Collection[Node]] | Sequence[Collection[Node]]
 
 
 @dataclass(frozen=True)
+class StageRange:
+    """The stages ``first``..``last`` (inclusive) a node may take; ``label`` names it in errors."""
+
+    first: int
+    last: int
+    label: str | None = None
+
+    def describe(self, node: Node) -> str:
+        """How errors name this range: its label (a module path), else the node, with the stages."""
+        stages = f"stage {self.first}" if self.first == self.last else f"stages {self.first}..{self.last}"
+        return f"{self.label or repr(node)} (pinned to {stages})"
+
+
+@dataclass(frozen=True)
 class Constraints:
     """What a split must (or should) respect; the empty default constrains nothing."""
 
@@ -51,6 +69,7 @@ class Constraints:
     memory_budgets: tuple[float, ...] | None = None
     memory_in_flight: tuple[float, ...] | None = None
     cut_labels: Mapping[Node, str] = field(default_factory=dict)
+    stage_ranges: Mapping[Node, StageRange] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -61,6 +80,7 @@ class Constraints:
         capacities: Sequence[float] | float | None = None,
         memory_budgets: Sequence[float] | float | None = None,
         memory_in_flight: Sequence[float] | float | None = None,
+        stage_ranges: Mapping[Node, Any] | None = None,
     ) -> Constraints:
         """Normalise user arguments: groups get labels, numbers become float tuples."""
         if memory_in_flight is not None and memory_budgets is None:
@@ -76,6 +96,7 @@ class Constraints:
             memory_budgets=None if memory_budgets is None else _numbers("memory_budgets", memory_budgets),
             memory_in_flight=None if memory_in_flight is None else _numbers("memory_in_flight", memory_in_flight),
             cut_labels=labels,
+            stage_ranges=_stage_ranges(stage_ranges or {}),
         )
 
     def pin_name(self, node: Node) -> str:
@@ -84,13 +105,13 @@ class Constraints:
 
     def hard(self) -> bool:
         """Whether anything restricts the splits a strategy may return."""
-        return bool(self.cut_before or self.together or self.memory_budgets is not None
+        return bool(self.cut_before or self.together or self.stage_ranges or self.memory_budgets is not None
                     or self.capacities is not None)
 
     def names(self) -> list[str]:
         """The options in force, for error messages."""
         return [name for name, value in (
-            ("cut_before", self.cut_before), ("together", self.together),
+            ("cut_before", self.cut_before), ("together", self.together), ("stage_ranges", self.stage_ranges),
             ("capacities", self.capacities), ("memory_budgets", self.memory_budgets),
             ("memory_in_flight", self.memory_in_flight),
         ) if value]
@@ -114,6 +135,28 @@ def _nodes(option: str, nodes: Any) -> tuple[Node, ...]:
         return tuple(dict.fromkeys(nodes))
     except TypeError as exc:  # an unhashable member, which no node of a networkx graph can be
         raise InvalidArgumentTypeError(f"{option} holds something that cannot be a node ({exc}): {nodes!r}") from exc
+
+
+def _stage_ranges(ranges: Any) -> dict[Node, StageRange]:
+    """``{node: stage | (first, last) | StageRange}`` as ``StageRange``s, each a whole range of stages."""
+    if not isinstance(ranges, Mapping):
+        raise InvalidArgumentTypeError(f"stage_ranges must be a {{node: stage or (first, last)}} mapping, got {ranges!r}")
+    found = {}
+    for node, value in ranges.items():
+        if isinstance(value, StageRange):
+            first, last, label = value.first, value.last, value.label
+        elif isinstance(value, tuple) and len(value) == 2:
+            (first, last), label = value, None
+        else:
+            first, last, label = value, value, None
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in (first, last)):
+            raise InvalidArgumentTypeError(
+                f"stage_ranges[{node!r}] must be a stage or a (first, last) pair of stages, got {value!r}")
+        if not 0 <= first <= last:
+            raise InvalidArgumentError(
+                f"stage_ranges[{node!r}] is {first}..{last}; a range needs 0 <= first <= last")
+        found[node] = StageRange(first, last, label)
+    return found
 
 
 def _groups(option: str, groups: Any) -> dict[str, frozenset[Node]]:
@@ -154,7 +197,8 @@ class Rules:
     ``pins`` are program-order positions in the non-input sequence where a boundary must fall
     (each the number of non-input nodes before the pinned node); ``groups`` and
     ``preferences`` are labelled index arrays; ``capacities`` has k entries; ``memory`` is the
-    per-stage memory limit when ``memory_budgets`` is given.
+    per-stage memory limit when ``memory_budgets`` is given; ``ranges`` the stages each node may
+    take (``stage_ranges`` carried through the graph), or None when no node is restricted.
     """
 
     pins: np.ndarray
@@ -162,6 +206,19 @@ class Rules:
     preferences: tuple[tuple[str, np.ndarray], ...]
     capacities: np.ndarray
     memory: StageLimit | None
+    ranges: StageBounds | None = None
+
+
+@dataclass(frozen=True)
+class StageBounds:
+    """The earliest and latest stage of every node (index arrays), each range non-empty."""
+
+    earliest: np.ndarray
+    latest: np.ndarray
+
+    def allows(self, stages: np.ndarray) -> np.ndarray:
+        """Per node, whether its stage lies in its range."""
+        return (self.earliest <= stages) & (stages <= self.latest)
 
 
 def _position(g: IndexedDag, node: Node, option: str) -> int:
@@ -184,15 +241,63 @@ def resolve(g: IndexedDag, constraints: Constraints, k: int) -> Rules:
     groups = _indexed_groups(g, "together", constraints.together)
     preferences = _indexed_groups(g, "prefer_together", constraints.prefer_together)
     _check_pins_against_groups(g, constraints, pins, groups)
+    ranges = stage_bounds(g, constraints, k)
     capacities = np.ones(k) if constraints.capacities is None else _per_stage(
         "capacities", constraints.capacities, k)
     if np.any(capacities <= 0):
         raise InvalidArgumentError(f"capacities must be > 0, got {constraints.capacities}")
     if constraints.memory_budgets is None:
-        return Rules(pins, groups, preferences, capacities, None)
+        return Rules(pins, groups, preferences, capacities, None, ranges)
     memory = memory_limit(g, constraints, k)
     _check_memory(g, memory, groups)
-    return Rules(pins, groups, preferences, capacities, memory)
+    return Rules(pins, groups, preferences, capacities, memory, ranges)
+
+
+def stage_bounds(g: IndexedDag, constraints: Constraints, k: int) -> StageBounds | None:
+    """Each node's stage range, from ``stage_ranges`` carried along the edges: a node comes no
+    earlier than any ancestor's first stage and no later than any descendant's last; inputs sit
+    in stage 0. None when nothing is restricted. Raises naming two pins that contradict."""
+    if not constraints.stage_ranges:
+        return None
+    earliest, latest = [0] * g.n, [k - 1] * g.n
+    latest[: g.num_inputs] = [0] * g.num_inputs
+    first_from, last_from = [-1] * g.n, [-1] * g.n  # the pinned node behind each bound, for errors
+    for node, allowed in constraints.stage_ranges.items():
+        v = _position(g, node, "stage_ranges")
+        if allowed.first > k - 1:
+            raise InfeasibleSplitError(
+                f"stage_ranges: {allowed.describe(node)} asks for a stage past the last one of {k} stages "
+                f"(stage {k - 1}); pin it to a stage below {k} or ask for more stages")
+        if allowed.first > earliest[v]:
+            earliest[v], first_from[v] = allowed.first, v
+        if allowed.last < latest[v]:
+            latest[v], last_from[v] = allowed.last, v
+    pred, succ = g.pred, g.succ
+    for v in range(g.n):  # program order is topological: ancestors first
+        for u in pred[v]:
+            if earliest[u] > earliest[v]:
+                earliest[v], first_from[v] = earliest[u], first_from[u]
+    for v in range(g.n - 1, -1, -1):
+        for w in succ[v]:
+            if latest[w] < latest[v]:
+                latest[v], last_from[v] = latest[w], last_from[w]
+    clash = next((v for v in range(g.n) if earliest[v] > latest[v]), None)
+    if clash is not None:
+        _raise_clash(g, constraints, clash, first_from[clash], last_from[clash])
+    return StageBounds(np.array(earliest, dtype=np.int64), np.array(latest, dtype=np.int64))
+
+
+def _raise_clash(g: IndexedDag, constraints: Constraints, v: int, early: int, late: int) -> None:
+    """Refuse ranges that leave node v no stage: ``early`` pins an ancestor of v (or v) late, ``late``
+    a descendant of v (or v) early."""
+    first = constraints.stage_ranges[g.nodes[early]].describe(g.nodes[early])
+    if late < 0:  # only an input has its last stage from no pin: inputs have no ancestors
+        raise InfeasibleSplitError(f"stage_ranges: {first} is a model input; inputs always sit in stage 0")
+    later = constraints.stage_ranges[g.nodes[late]].describe(g.nodes[late])
+    through = "" if v in (early, late) else f", through {g.nodes[v]!r}"
+    raise InfeasibleSplitError(
+        f"stage_ranges contradict each other: {first} runs before {later} (it feeds it{through}), but stages "
+        "run in order; pin the later one to a stage no earlier than the first one's")
 
 
 def memory_limit(g: IndexedDag, constraints: Constraints, k: int) -> StageLimit:

@@ -123,8 +123,8 @@ def stage_ranges(problem: SplitProblem, start: np.ndarray) -> tuple[np.ndarray, 
 
     A node in stage j has all its ancestors in stages <= j, so it and its ancestors must fit in
     the budgets of stages 0..j; likewise it and its descendants in stages j..k-1 (see
-    ``_closures``). The ranges are widened to hold ``start``, a feasible split, against
-    round-off.
+    ``_closures``), and within its ``stage_ranges``. The ranges are widened to hold ``start``, a
+    feasible split, against round-off.
     """
     g, k = problem.graph, problem.k
     earliest = np.zeros(g.n, dtype=np.int64)
@@ -140,6 +140,9 @@ def stage_ranges(problem: SplitProblem, start: np.ndarray) -> tuple[np.ndarray, 
         after = np.cumsum(budgets[::-1])[::-1] + round_off
         earliest = np.maximum(earliest, np.searchsorted(before, into + fixed, side="left"))
         latest = np.minimum(latest, np.searchsorted(-after, -out, side="right") - 1)
+    if problem.rules.ranges is not None:
+        earliest = np.maximum(earliest, problem.rules.ranges.earliest)
+        latest = np.minimum(latest, problem.rules.ranges.latest)
     earliest, latest = np.minimum(earliest, start), np.maximum(latest, start)
     earliest[: g.num_inputs] = 0
     latest[: g.num_inputs] = 0

@@ -11,7 +11,8 @@ A plain minimum cut ignores balance (it usually empties a stage), so each cut ru
 just heavy enough that every S between them keeps both stages within their budgets (cost and
 memory). Corridors come from several topological orders. Together groups move as one node.
 A move is kept only if the total boundary bytes strictly drop, so refinement never makes a
-partition worse. Boundaries fixed by ``cut_before`` are never moved.
+partition worse. Boundaries fixed by ``cut_before`` are never moved; a node whose stage range
+(``stage_ranges``) allows only one of the two stages is held on that side.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from autoshard.graph.constraints import StageBounds
 from autoshard.graph.flow import Network
 from autoshard.graph.indexed import IndexedDag
 from autoshard.graph.limits import StageLimit, slack
@@ -70,20 +72,24 @@ class _Corridor:
     """
 
     def __init__(self, g: IndexedDag, stages: np.ndarray, j: int, head: np.ndarray, tail: np.ndarray,
-                 groups: Sequence[np.ndarray], group_of: dict[int, int]) -> None:
+                 groups: Sequence[np.ndarray], group_of: dict[int, int], bounds: StageBounds | None = None) -> None:
         self.g, self.stages, self.j = g, stages, j
+        region = (stages == j) | (stages == j + 1)
+        region[: g.num_inputs] = False
+        held = bounds is not None and (np.any(bounds.earliest[head] > j) or np.any(bounds.latest[tail] <= j))
+        if bounds is not None:  # nodes whose range allows one of the two stages join its end
+            head = np.union1d(head, np.flatnonzero(region & (bounds.latest <= j)))
+            tail = np.union1d(tail, np.flatnonzero(region & (bounds.earliest > j)))
         self.head, self.tail = head, tail
         self.side = np.where(stages <= j, SOURCE, SINK)
         self.side[: g.num_inputs] = SOURCE
         self.side[head] = SOURCE
         self.side[tail] = SINK
-        region = (stages == j) | (stages == j + 1)
-        region[: g.num_inputs] = False
         region[head] = False
         region[tail] = False
         self.free = np.flatnonzero(region)
         self.side[self.free] = self.free
-        self.feasible = self._contract(groups, group_of)
+        self.feasible = not held and self._contract(groups, group_of)
 
     def _contract(self, groups: Sequence[np.ndarray], group_of: dict[int, int]) -> bool:
         """Give each grouped free node its group's side; False when a group straddles the pins.
@@ -173,7 +179,7 @@ def _corridor_pins(
 
 def _best_move(
     g: IndexedDag, stages: np.ndarray, sent: float, j: int, k: int, budgets: Budgets,
-    orders: Sequence[np.ndarray], groups: list[np.ndarray], group_of: dict[int, int],
+    orders: Sequence[np.ndarray], groups: list[np.ndarray], group_of: dict[int, int], bounds: StageBounds | None,
 ) -> tuple[np.ndarray, float] | None:
     """The corridor cut of boundary j (over all orders) sending the fewest bytes, if fewer than ``sent``.
 
@@ -185,7 +191,7 @@ def _best_move(
         pins = _corridor_pins(g, stages, j, order, budgets)
         if pins is None:
             continue
-        candidate = _Corridor(g, stages, j, *pins, groups, group_of).best_move()
+        candidate = _Corridor(g, stages, j, *pins, groups, group_of, bounds).best_move()
         if candidate is None or not budgets.within(candidate, j, k):
             continue
         values = g.with_producers(np.flatnonzero(candidate != stages))
@@ -223,12 +229,14 @@ def refine(
     orders: Sequence[np.ndarray],
     frozen: frozenset[int] = frozenset(),
     groups: Sequence[np.ndarray] = (),
+    bounds: StageBounds | None = None,
 ) -> np.ndarray:
     """Improve a valid partition boundary by boundary until no corridor cut lowers its bytes.
 
     ``orders`` are topological orders (index arrays) that define the corridors; boundaries in
-    ``frozen`` stay put and each of ``groups`` moves as one. The result is valid, keeps every
-    stage within ``budgets`` and sends at most as many bytes as the input.
+    ``frozen`` stay put, each of ``groups`` moves as one and every node keeps to its ``bounds``.
+    The result is valid, keeps every stage within ``budgets`` and sends at most as many bytes as
+    the input.
     """
     groups = _disjoint(groups)
     group_of = {int(v): i for i, members in enumerate(groups) for v in members.tolist()}
@@ -239,7 +247,7 @@ def refine(
             break
         for j in sorted(dirty):
             dirty.discard(j)
-            best = _best_move(g, stages, sent, j, k, budgets, orders, groups, group_of)
+            best = _best_move(g, stages, sent, j, k, budgets, orders, groups, group_of, bounds)
             if best is not None:
                 stages, sent = best
                 dirty.update(i for i in (j - 1, j, j + 1) if 0 <= i < k - 1 and i not in frozen)

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from autoshard.graph.constraints import StageBounds
 from autoshard.graph.indexed import IndexedDag
 from autoshard.graph.limits import StageLimit, slack
 
@@ -56,8 +57,10 @@ class _State:
     """A partition with per-stage loads and per-value latest readers, updated move by move."""
 
     def __init__(self, g: IndexedDag, stages: np.ndarray, k: int, limits: Sequence[StageLimit],
-                 pinned: Sequence[int]) -> None:
+                 pinned: Sequence[int], bounds: StageBounds | None = None) -> None:
         self.k, self.num_inputs = k, g.num_inputs
+        self.earliest: list[int] = [0] * g.n if bounds is None else bounds.earliest.tolist()
+        self.latest: list[int] = [k - 1] * g.n if bounds is None else bounds.latest.tolist()
         self.stage: list[int] = stages.tolist()
         self.succ, self.pred = g.succ, g.pred
         self.nbytes: list[float] = g.nbytes.tolist()
@@ -114,10 +117,12 @@ class _State:
         return saved
 
     def _targets(self, v: int) -> range:
-        """Stages v may take: after its inputs', before its readers', no pinned boundary crossed."""
+        """Stages v may take: after its inputs', before its readers', within its stage range, no
+        pinned boundary crossed."""
         a = self.stage[v]
         lo = max((self.stage[u] for u in self.pred[v]), default=0)
         hi = min((self.stage[w] for w in self.succ[v]), default=self.k - 1)
+        lo, hi = max(lo, self.earliest[v]), min(hi, self.latest[v])
         at = bisect_left(self.pinned, a)
         if at:
             lo = max(lo, self.pinned[at - 1] + 1)
@@ -276,20 +281,22 @@ def improve(
     fixed: np.ndarray | None = None,
     kicks: int = 0,
     patience: int | None = None,
+    bounds: StageBounds | None = None,
 ) -> np.ndarray:
     """``stages`` after passes of single-node moves, then ``kicks`` rounds of iterated local
     search (stopping early after ``patience`` kicks in a row find nothing better, if given);
     never sends more bytes than ``stages``.
 
     ``limits`` are the per-stage budgets every stage keeps; no move crosses a boundary in
-    ``pinned``; ``fixed`` nodes (together groups) stay where they are. Each kick moves
+    ``pinned``; ``fixed`` nodes (together groups) stay where they are; every node keeps to its
+    ``bounds`` (``stage_ranges``). Each kick moves
     ``KICK_SIZE`` random movable nodes of the best split so far to random stages they may take
     (allowing overshoot), repairs locally with passes of moves, and keeps the result if it is
     within every budget and sends fewer bytes: that escapes the local optima where a better
     split needs several costly moves at once. The generator is seeded: deterministic.
     """
     frozen = set() if fixed is None else set(fixed.tolist())
-    state = _State(g, stages, k, limits, sorted(pinned))
+    state = _State(g, stages, k, limits, sorted(pinned), bounds)
     _passes(state, g, frozen, None)
     best = np.array(state.stage, dtype=np.int64)
     best_sent = g.total_bytes(best, k)

@@ -60,7 +60,7 @@ class SplitProblem:
 
     @cached_property
     def bound(self) -> float:
-        line = self.line(self.graph.program())
+        line = self.line(self.respect_pins(self.graph.program()))
         try:
             best = min_bottleneck_of(line)
         except InfeasibleSplitError:
@@ -74,6 +74,8 @@ class SplitProblem:
             parts.append(f"cut_before [{', '.join(map(c.pin_name, c.cut_before))}]")
         if c.together:
             parts.append(f"together groups {sorted(c.together)!r}")
+        if c.stage_ranges:
+            parts.append(f"stage_ranges [{', '.join(r.describe(v) for v, r in c.stage_ranges.items())}]")
         if c.memory_budgets is not None:
             parts.append(f"memory_budgets {list(c.memory_budgets)!r}")
         if c.memory_in_flight is not None:
@@ -93,7 +95,7 @@ class SplitProblem:
     def _most_stages(self) -> int:
         """The most stages program order can be cut into with every together group whole: one more
         than the cut positions no group spans (pins are such positions too)."""
-        forbidden = self.line(self.graph.program()).forbidden
+        forbidden = self.line(self.respect_pins(self.graph.program())).forbidden
         return int(np.count_nonzero(~forbidden[1:-1])) + 1
 
     @property
@@ -109,17 +111,25 @@ class SplitProblem:
     # -- sequences -----------------------------------------------------------------------------
 
     def respect_pins(self, order: np.ndarray) -> np.ndarray:
-        """``order`` reordered (stably) so each pinned prefix of program order comes first.
+        """``order`` reordered (stably) so each pinned prefix of program order comes first and, when
+        the stage ranges cannot be met along it, within each prefix by stage range (earliest stage,
+        then latest).
 
-        A pinned prefix is down-closed, so the result is still topological, and every pin
-        becomes a cut position of it.
+        A pinned prefix is down-closed and both ends of a range only grow along edges, so the
+        result is still topological; every pin becomes a cut position of it, and placing each
+        node at its earliest stage is contiguous along it. An order along which the ranges can be
+        met (a node's earliest stage never below an earlier node's) is kept as it is, so ranges
+        taken from a split of program order leave program order alone.
         """
-        g, pins = self.graph, self.rules.pins
-        if not len(pins):
+        g, pins, ranges = self.graph, self.rules.pins, self.rules.ranges
+        if len(pins):
+            segment = np.searchsorted(pins, np.arange(g.n) - g.num_inputs, side="right")
+            segment[: g.num_inputs] = 0
+            order = order[np.argsort(segment[order], kind="stable")]
+        if ranges is None or np.all(np.maximum.accumulate(ranges.earliest[order]) <= ranges.latest[order]):
             return order
-        segment = np.searchsorted(pins, np.arange(g.n) - g.num_inputs, side="right")
-        segment[: g.num_inputs] = 0
-        return order[np.argsort(segment[order], kind="stable")]
+        segment = np.zeros(g.n, dtype=np.int64) if not len(pins) else segment
+        return order[np.lexsort((ranges.latest[order], ranges.earliest[order], segment[order]))]
 
     def line(self, order: np.ndarray, groups: tuple[np.ndarray, ...] | None = None) -> Line:
         """The non-input sequence of ``order`` with this problem's limits on each part.
@@ -131,8 +141,9 @@ class SplitProblem:
         sequence = order[g.num_inputs :]
         groups = tuple(m for _, m in rules.groups) if groups is None else groups
         memory = None if rules.memory is None else rules.memory.along(sequence, g.num_inputs)
+        ranges = None if rules.ranges is None else (rules.ranges.earliest[sequence], rules.ranges.latest[sequence])
         return Line(laid_along(g.cost, sequence, g.num_inputs), rules.capacities, rules.pins,
-                    self._forbidden(order, groups), memory)
+                    self._forbidden(order, groups), memory, ranges)
 
     def _forbidden(self, order: np.ndarray, groups: tuple[np.ndarray, ...]) -> np.ndarray:
         g = self.graph
@@ -187,6 +198,9 @@ class SplitProblem:
                 found.append(f"{limit.name}: a stage exceeds its budget")
         found += [f"together {label!r}: split over stages" for label, members in rules.groups
                   if len(np.unique(stages[members])) > 1]
+        if rules.ranges is not None:
+            found += [f"stage_ranges {g.nodes[v]!r}: outside its stages {rules.ranges.earliest[v]}.."
+                      f"{rules.ranges.latest[v]}" for v in np.flatnonzero(~rules.ranges.allows(stages)).tolist()]
         ni = g.num_inputs
         for pin in rules.pins.tolist():
             if stages[: ni + pin].max() >= stages[ni + pin :].min():

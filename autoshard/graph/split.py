@@ -168,6 +168,7 @@ def split_dag(
     capacities: Sequence[float] | float | None = None,
     memory_budgets: Sequence[float] | float | None = None,
     memory_in_flight: Sequence[float] | float | None = None,
+    stage_ranges: Mapping[Node, Any] | None = None,
     return_info: bool = False,
     **options: Any,
 ) -> Assignment | SplitResult:
@@ -178,7 +179,8 @@ def split_dag(
     fewer bytes between stages: the best over every ordered split is NP-hard to find and can be
     lower (independent nodes costing 3, 3, 2, 2 in two stages: 6 in that order, 5 as 3+2 | 3+2). Constraints (see
     ``autoshard.graph.constraints``): ``cut_before`` nodes start a stage, ``together`` groups
-    stay in one stage, ``prefer_together`` groups do when the bound allows, ``capacities``
+    stay in one stage, ``prefer_together`` groups do when the bound allows, ``stage_ranges``
+    (``{node: stage}``, ``{node: (first, last)}`` or ``StageRange``) pins nodes to stages, ``capacities``
     are relative stage speeds and ``memory_budgets`` limit each stage's memory (for any of
     these, one number applies to every stage). Stage j's memory is the sum of the node
     attribute ``memory`` (``MEMORY``: held once, such as weights and optimizer state) plus
@@ -199,7 +201,7 @@ def split_dag(
     check_tolerance(tolerance)
     entry = _lookup(strategy, options)
     constraints = Constraints.build(cut_before, together, prefer_together, capacities, memory_budgets,
-                                    memory_in_flight)
+                                    memory_in_flight, stage_ranges)
     if constraints.hard() and not entry.honours_constraints:
         raise InvalidArgumentError(
             f"strategy {strategy!r} cannot honour {', '.join(constraints.names())}; use one of "
@@ -347,7 +349,7 @@ def _improve(problem: SplitProblem, stages: np.ndarray) -> np.ndarray:
     g = problem.graph
     patience = MOSTLY_FREE_KICK_PATIENCE if _free_share(g) >= COARSE_MAX_FREE_SHARE else None
     return local_moves.improve(g, stages, problem.k, problem.limits(), problem.pinned_boundaries(stages),
-                               _grouped(problem), local_moves.kicks_for(g.n), patience)
+                               _grouped(problem), local_moves.kicks_for(g.n), patience, problem.rules.ranges)
 
 
 def _free_share(g: IndexedDag) -> float:
@@ -365,11 +367,11 @@ def _coarse_thresholds(problem: SplitProblem) -> list[float]:
 
 def _coarsens(problem: SplitProblem) -> bool:
     """Whether min-cut also splits coarse graphs: rules tied to single nodes (pins, together
-    groups, per-node memory) are not carried over to clusters, and large graphs and graphs of
-    mostly cost-free nodes skip it."""
+    groups, stage ranges, per-node memory) are not carried over to clusters, and large graphs and
+    graphs of mostly cost-free nodes skip it."""
     rules, g = problem.rules, problem.graph
     return (g.n <= COARSE_MAX_NODES and _free_share(g) < COARSE_MAX_FREE_SHARE and not len(rules.pins)
-            and not rules.groups and rules.memory is None)
+            and not rules.groups and rules.memory is None and rules.ranges is None)
 
 
 def _coarse_split(problem: SplitProblem, min_bytes: float, orders: Sequence[str],
@@ -433,10 +435,10 @@ def _polish(problem: SplitProblem, stages: np.ndarray, orders: list[np.ndarray],
     groups = [members for _, members in problem.rules.groups]
     for round_ in range(POLISH_ROUNDS):
         pinned = problem.pinned_boundaries(stages)
-        refined = mincut.refine(g, stages, k, budgets, orders, pinned, groups)
+        refined = mincut.refine(g, stages, k, budgets, orders, pinned, groups, problem.rules.ranges)
         if not moves or (round_ and np.array_equal(refined, stages)):
             return refined  # the moves of the last round already stopped at ``stages``
-        moved = local_moves.improve(g, refined, k, limits, pinned, _grouped(problem))
+        moved = local_moves.improve(g, refined, k, limits, pinned, _grouped(problem), bounds=problem.rules.ranges)
         if not g.total_bytes(moved, k) < g.total_bytes(refined, k):
             return refined
         stages = moved

@@ -11,6 +11,7 @@ import networkx as nx
 from hypothesis import strategies as st
 
 from autoshard.graph.constraints import Constraints
+from autoshard.graph.indexed import program_order
 
 #: Node weights: zeros and small integers make ties; powers of ten make heavy tails.
 weights = st.one_of(
@@ -145,9 +146,12 @@ def shaped_dags(draw: st.DrawFn, max_nodes: int = 8, flags: bool = True) -> nx.D
 def constrained_problems(
     draw: st.DrawFn, graphs: st.SearchStrategy[nx.DiGraph] | None = None, max_stages: int = 4
 ) -> tuple[nx.DiGraph, int, Constraints]:
-    """A graph, k and random constraints: pins, together groups, capacities, memory budgets.
+    """A graph, k and random constraints: pins, together groups, stage ranges, capacities, memory
+    budgets.
 
-    Many draws are infeasible on purpose, so a test can check that those raise. When memory
+    Many draws are infeasible on purpose, so a test can check that those raise. Stage ranges
+    hold nodes to (around) their stage in a random split of program order, so they alone can be
+    met along program order. When memory
     budgets are drawn, every node gets a ``memory`` attribute, and sometimes per-stage
     microbatches in flight with an ``activation_memory`` attribute on some nodes.
     """
@@ -157,6 +161,14 @@ def constrained_problems(
     cut_before = draw(st.lists(st.sampled_from(computed), max_size=min(2, k - 1), unique=True))
     group = st.lists(st.sampled_from(nodes), min_size=min(2, len(nodes)), max_size=3, unique=True)
     together = draw(st.lists(group, max_size=2))
+    ranges = {}
+    if draw(st.booleans()):
+        along = [v for v in program_order(dag) if v in computed]
+        cuts = [] if k == 1 else sorted(draw(st.lists(st.integers(1, len(along) - 1), min_size=k - 1,
+                                                      max_size=k - 1, unique=True)))
+        for v in draw(st.lists(st.sampled_from(along), max_size=2, unique=True)):
+            stage = sum(along.index(v) >= c for c in cuts)
+            ranges[v] = (stage, min(stage + draw(st.integers(0, 1)), k - 1))
     capacities = draw(st.none() | st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=k, max_size=k))
     budgets = in_flight = None
     if draw(st.booleans()):
@@ -167,4 +179,4 @@ def constrained_problems(
             in_flight = draw(st.lists(st.integers(0, 3).map(float), min_size=k, max_size=k))
             for v in draw(st.lists(st.sampled_from(nodes), unique=True)):
                 dag.nodes[v]["activation_memory"] = draw(st.integers(0, 3).map(float))
-    return dag, k, Constraints.build(cut_before, together, (), capacities, budgets, in_flight)
+    return dag, k, Constraints.build(cut_before, together, (), capacities, budgets, in_flight, ranges)
