@@ -131,7 +131,8 @@ def test_refinement_never_moves_a_node_out_of_its_range(strategy):
 
 
 @pytest.mark.parametrize(("ranges", "message"), [
-    ({"v2": 2, "v5": 1}, "'v2' (pinned to stage 2) runs before 'v5' (pinned to stage 1) (it feeds it), but stages run in order"),
+    ({"v2": 2, "v5": 1},
+     "'v2' (pinned to stage 2) runs before 'v5' (pinned to stage 1) (it feeds it), but stages run in order"),
     ({"v2": StageRange(2, 2, "blocks.2"), "v5": StageRange(0, 1, "head")},
      "blocks.2 (pinned to stage 2) runs before head (pinned to stages 0..1)"),
     ({"v2": 3}, "'v2' (pinned to stage 3) asks for a stage past the last one of 3 stages (stage 2)"),

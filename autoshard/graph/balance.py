@@ -2,7 +2,8 @@
 
 ``Line`` is a sequence with its per-part limits: a cost budget per stage (bound x capacity),
 optional memory budgets, positions that must be cuts (pins) and positions that must not be
-(inside a together group), and the parts each element may join (its stage range). ``min_bottleneck_of`` finds the best achievable bound and
+(inside a together group), and the parts each element may join (its stage range).
+``min_bottleneck_of`` finds the best achievable bound and
 ``min_bytes_cuts`` spends the tolerance above it on cuts where few bytes are live. Every
 segment test goes through ``Line.starts``, so a bound one of them proves feasible is feasible
 for the other.

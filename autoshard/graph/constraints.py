@@ -140,7 +140,8 @@ def _nodes(option: str, nodes: Any) -> tuple[Node, ...]:
 def _stage_ranges(ranges: Any) -> dict[Node, StageRange]:
     """``{node: stage | (first, last) | StageRange}`` as ``StageRange``s, each a whole range of stages."""
     if not isinstance(ranges, Mapping):
-        raise InvalidArgumentTypeError(f"stage_ranges must be a {{node: stage or (first, last)}} mapping, got {ranges!r}")
+        raise InvalidArgumentTypeError(
+            f"stage_ranges must be a {{node: stage or (first, last)}} mapping, got {ranges!r}")
     found = {}
     for node, value in ranges.items():
         if isinstance(value, StageRange):
