@@ -24,6 +24,7 @@ from autoshard.passes.analyses import (
 )
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.capture import CapturePass
+from autoshard.passes.constrain import with_constraints
 from autoshard.passes.dag import BuildDagPass
 from autoshard.passes.emit import EmitPass
 from autoshard.passes.instruments import Instrument
@@ -231,6 +232,9 @@ def shard_model(
     max_memory: Sequence[float] | float | None = None,
     time_profile: str | os.PathLike[str] | None = None,
     memory_model: MemoryModel | None = None,
+    pin: Mapping[str, int] | None = None,
+    no_split: Sequence[str] | None = None,
+    cut_before: Sequence[str] | None = None,
 ) -> ShardedModel:
     """Split ``model`` into exactly ``num_stages`` ordered stages.
 
@@ -253,6 +257,9 @@ def shard_model(
     (``autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...)``) is the optimizer
     and schedule that ``cost="memory"`` and ``max_memory`` plan for (default: Adam, 8 bytes per
     parameter, every microbatch in flight); the plan keeps it, so ``plan_report`` reports with it.
+    ``pin`` holds modules, classes or weights to stages (``{"blocks.0": 0, "lm_head.weight": 3}``),
+    ``no_split`` keeps modules (paths or class names) whole, ``cut_before`` starts a stage at each
+    module: they become ``pin``, ``no-split`` and ``cut-before`` passes before the split.
     """
     check_model(model)
     num_stages = whole_number(num_stages, "num_stages", at_least=1)
@@ -271,6 +278,7 @@ def shard_model(
         chosen = bind_pipeline(pipeline, num_stages, cost_name, capacities=capacities, max_memory=max_memory)
         if not any("sharded" in step.provides for step in chosen):
             raise PipelineValidationError(f"the pipeline '{chosen}' makes no stages; end it with 'emit' (and 'verify')")
+    chosen = with_constraints(chosen, pin, no_split, cut_before)
     if memory_model is not None and not isinstance(memory_model, MemoryModel):
         raise InvalidArgumentTypeError(
             f"memory_model must be an autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...), "

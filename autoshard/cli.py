@@ -45,6 +45,7 @@ from autoshard.errors import (
 from autoshard.examples import EXAMPLES
 from autoshard.passes.analyses import memory_model, use_memory_model
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
+from autoshard.passes.constrain import with_constraints
 from autoshard.passes.instruments import DumpDir, Instrument, Timing
 from autoshard.passes.pipeline import Pipeline
 from autoshard.passes.registry import registered_passes
@@ -226,7 +227,8 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
     """The saved plan's pipeline with its split replaced (--plan), the user's spec, or the default one."""
     if args.plan:
         for flag, value in (("--pipeline", args.pipeline), ("--strategy", args.strategy), ("--cost", args.cost),
-                            ("--time-profile", args.time_profile), ("--max-memory", args.max_memory)):
+                            ("--time-profile", args.time_profile), ("--max-memory", args.max_memory),
+                            ("--pin", args.pin), ("--no-split", args.no_split), ("--cut-before", args.cut_before)):
             if value is not None:
                 raise InvalidArgumentError(f"{flag} cannot change a saved plan; drop it or drop --plan")
         saved = read_plan(args.plan)
@@ -246,9 +248,23 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
                                     max_memory=_max_memory(args))
         if args.strategy is not None:
             pipeline = pipeline.with_options(_split_step(pipeline)[0], strategy=args.strategy)
+    pipeline = with_constraints(pipeline, _pins(args), args.no_split, args.cut_before)
     if args.no_verify:
         pipeline = _without_verify(pipeline)
     return _Choice(pipeline, str(pipeline), getattr(_split_step(pipeline)[1], "cost", "params"))
+
+
+def _pins(args: argparse.Namespace) -> dict[str, int] | None:
+    """``--pin NAME=STAGE`` flags as ``{name: stage}``."""
+    if not args.pin:
+        return None
+    pins = {}
+    for text in args.pin:
+        name, _, stage = text.rpartition("=")
+        if not name or not stage.strip().isdigit():
+            raise InvalidArgumentError(f"--pin takes NAME=STAGE, such as encoder=0 or lm_head.weight=3; got {text!r}")
+        pins[name.strip()] = int(stage)
+    return pins
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,6 +449,12 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
     options.add_argument("--microbatches", type=int, metavar="M",
                          help="cap on microbatches in flight per stage for training memory "
                               "(default: k - j at stage j, 1F1B)")
+    options.add_argument("--pin", action="append", metavar="NAME=STAGE",
+                         help="hold a module path, class or weight in a stage, e.g. encoder=0 (repeatable)")
+    options.add_argument("--no-split", action="append", metavar="NAME",
+                         help="keep a module path or every module of a class in one stage (repeatable)")
+    options.add_argument("--cut-before", action="append", metavar="MODULE",
+                         help="start a stage at this module (repeatable)")
     options.add_argument("--plan", metavar="PLAN.json", help="use the split saved in this plan instead of splitting")
     options.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON (reuse it with --plan)")
     options.add_argument("--svg", metavar="FILE.svg", help="draw the plan as SVG (needs matplotlib)")

@@ -285,7 +285,20 @@ def stage_bounds(g: IndexedDag, constraints: Constraints, k: int) -> StageBounds
     clash = next((v for v in range(g.n) if earliest[v] > latest[v]), None)
     if clash is not None:
         _raise_clash(g, constraints, clash, first_from[clash], last_from[clash])
-    return StageBounds(np.array(earliest, dtype=np.int64), np.array(latest, dtype=np.int64))
+    bounds = StageBounds(np.array(earliest, dtype=np.int64), np.array(latest, dtype=np.int64))
+    _check_every_stage_can_hold_a_node(g, constraints, bounds, k)
+    return bounds
+
+
+def _check_every_stage_can_hold_a_node(g: IndexedDag, constraints: Constraints, bounds: StageBounds, k: int) -> None:
+    """Refuse ranges under which some stage can hold no node (each must hold one)."""
+    first, last = bounds.earliest[g.num_inputs:], bounds.latest[g.num_inputs:]
+    for j in range(k):
+        if not np.any((first <= j) & (j <= last)):
+            pins = ", ".join(r.describe(v) for v, r in constraints.stage_ranges.items())
+            raise InfeasibleSplitError(
+                f"stage_ranges leave stage {j} of {k} empty: under {pins} no node may sit there, and each stage "
+                "must hold one; pin to other stages or ask for fewer stages")
 
 
 def _raise_clash(g: IndexedDag, constraints: Constraints, v: int, early: int, late: int) -> None:

@@ -83,29 +83,58 @@ def no_split_modules(dag: nx.DiGraph, entries: Sequence[str]) -> dict[str, tuple
     """``no_split_groups`` with the module path each group keeps whole, so that errors can say
     where a stage may start instead. ``<root>`` (or the model's class name, where no submodule has
     that class) names the whole model: one group of every node, which only one stage holds."""
-    members: dict[str, set[Node]] = {}
-    by_class: dict[str, dict[str, set[Node]]] = {}
-    for v in dag.nodes:
-        for path, kind in _scopes(dag, v):
-            members.setdefault(path, set()).add(v)
-            by_class.setdefault(kind, {}).setdefault(path, set()).add(v)
-    groups: dict[str, tuple[str, frozenset[Node]]] = {}
-    root = ("<root>", dag.graph.get("root_class"))
-    for entry in entries:
-        stand_in = _stand_in(dag, "no-split", entry)  # a module kept whole holds it, or it has another name
+    index = _ScopeIndex(dag)
+    return {f"no-split {label}": found
+            for entry in entries for label, found in index.resolve("no-split", entry).items()}
+
+
+def pinned_nodes(dag: nx.DiGraph, entry: str) -> frozenset[Node]:
+    """The nodes a ``pin`` of ``entry`` holds: those inside a module path or every module of a
+    class, or those reading a weight (a parameter or buffer name, any of its aliases)."""
+    found = _ScopeIndex(dag).resolve("pin", entry, weights=True)
+    return frozenset().union(*(nodes for _, nodes in found.values()))
+
+
+class _ScopeIndex:
+    """The nodes inside each module path and of each module class, read once from the DAG."""
+
+    def __init__(self, dag: nx.DiGraph) -> None:
+        self.dag = dag
+        self.members: dict[str, set[Node]] = {}
+        self.by_class: dict[str, dict[str, set[Node]]] = {}
+        for v in dag.nodes:
+            for path, kind in _scopes(dag, v):
+                self.members.setdefault(path, set()).add(v)
+                self.by_class.setdefault(kind, {}).setdefault(path, set()).add(v)
+
+    def resolve(self, option: str, entry: str, weights: bool = False) -> dict[str, tuple[str, frozenset[Node]]]:
+        """``{label: (module path, nodes)}`` for a module path, a class name (one per module of it),
+        the whole model, or (``weights``) the readers of a weight; raises naming what is known."""
+        dag = self.dag
+        stand_in = _stand_in(dag, option, entry)  # a module kept whole holds it, or it has another name
         module = stand_in[0] if stand_in else entry
-        paths = [p for p in members if _inside(p, module)]
+        paths = [p for p in self.members if _inside(p, module)]
+        root = ("<root>", dag.graph.get("root_class"))
         if paths:
-            groups[f"no-split {entry}"] = (module, frozenset().union(*(members[p] for p in paths)))
-        elif entry in by_class:
-            for path, nodes in by_class[entry].items():
-                groups[f"no-split {entry} ({path})"] = (path, frozenset(nodes))
-        elif entry in root:
-            groups[f"no-split {entry} (the whole model)"] = (
-                "<root>", frozenset(v for v, is_input in dag.nodes(data="input", default=False) if not is_input))
-        else:
-            raise _unknown("no-split", entry, [*members, *by_class, *filter(None, root)], "module path or class")
-    return groups
+            return {entry: (module, frozenset().union(*(self.members[p] for p in paths)))}
+        if entry in self.by_class:
+            return {f"{entry} ({path})": (path, frozenset(nodes)) for path, nodes in self.by_class[entry].items()}
+        if entry in root:
+            return {f"{entry} (the whole model)": (
+                "<root>", frozenset(v for v, is_input in dag.nodes(data="input", default=False) if not is_input))}
+        readers = _weight_readers(dag, entry) if weights else None
+        if readers:
+            return {entry: (entry, readers)}
+        what = "module path, class or weight" if weights else "module path or class"
+        raise _unknown(option, entry, [*self.members, *self.by_class, *filter(None, root)], what)
+
+
+def _weight_readers(dag: nx.DiGraph, name: str) -> frozenset[Node]:
+    """The nodes reading the weight called ``name`` (under any of its names)."""
+    canonical = next((key for key, info in dag.graph.get("weights", {}).items() if name in info.names), None)
+    if canonical is None:
+        return frozenset()
+    return frozenset(v for v, read in dag.nodes(data="weights", default=()) if canonical in read)
 
 
 def check_cuts_outside_no_split(

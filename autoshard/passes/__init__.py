@@ -2,6 +2,8 @@
 
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram, option
 from autoshard.passes.capture import CapturePass
+from autoshard.passes.constrain import CutBeforePass, NoSplitPass, PinPass
+from autoshard.passes.constraints import SplitConstraints
 from autoshard.passes.dag import BuildDagPass
 from autoshard.passes.emit import EmitPass
 from autoshard.passes.export import ExportPass
@@ -31,18 +33,18 @@ from autoshard.passes.verify import VerifyPass
 
 BUILTIN_PASSES = (
     CapturePass, TracePass, ExportPass, BuildDagPass, ShapePropPass, ProfilePass, LinearizePass,
-    SplitPass, SplitFixedOrderPass, SplitExactPass, SplitGreedyPass, SplitUniformPass, LoadPartitionPass,
-    EmitPass, VerifyPass,
+    PinPass, NoSplitPass, CutBeforePass, SplitPass, SplitFixedOrderPass, SplitExactPass, SplitGreedyPass,
+    SplitUniformPass, LoadPartitionPass, EmitPass, VerifyPass,
 )
 
 for _pass in BUILTIN_PASSES:
     default_registry.register(_pass)
 
 __all__ = [
-    "BUILTIN_PASSES", "BuildDagPass", "CapturePass", "ExportPass", "LoadPartitionPass", "ProfilePass",
-    "ShapePropPass", "SplitExactPass", "SplitFixedOrderPass", "SplitGreedyPass", "SplitUniformPass", "DumpDir",
-    "EmitPass", "ExampleInputs", "Instrument", "LinearizePass",
-    "ModelUnchanged", "Pass", "PassContext", "PassRegistry", "Pipeline", "PipelineResult", "PrintAfter",
-    "ShardProgram", "SplitPass", "Timing", "TracePass", "VerifyEach", "VerifyPass", "default_registry",
+    "BUILTIN_PASSES", "BuildDagPass", "CapturePass", "CutBeforePass", "ExportPass", "LoadPartitionPass",
+    "ProfilePass", "ShapePropPass", "SplitExactPass", "SplitFixedOrderPass", "SplitGreedyPass", "SplitUniformPass",
+    "DumpDir", "EmitPass", "ExampleInputs", "Instrument", "LinearizePass", "ModelUnchanged", "NoSplitPass", "Pass",
+    "PinPass", "PassContext", "PassRegistry", "Pipeline", "PipelineResult", "PrintAfter", "ShardProgram",
+    "SplitConstraints", "SplitPass", "Timing", "TracePass", "VerifyEach", "VerifyPass", "default_registry",
     "function_pass", "get_pass", "option", "register_pass", "registered_passes",
 ]

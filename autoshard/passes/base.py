@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 from autoshard.inputs import ExampleInputs
+from autoshard.passes.constraints import SplitConstraints
 from autoshard.passes.options import format_pass
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
@@ -22,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     from autoshard.graph.partition import Partition
     from autoshard.sharded import ShardedModel
 
-__all__ = ["ExampleInputs", "Instrument", "Pass", "PassContext", "ShardProgram", "option"]
+__all__ = ["ExampleInputs", "Instrument", "Pass", "PassContext", "ShardProgram", "SplitConstraints", "option"]
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,16 @@ class ShardProgram:
 
     model: "torch.nn.Module"
     example_inputs: ExampleInputs | None = None
+    constraints: SplitConstraints | None = None
     traced: "TraceResult | None" = None
     dag: "nx.DiGraph | None" = None
     order: tuple[str, ...] | None = None
     partition: "Partition | None" = None
     sharded: "ShardedModel | None" = None
     verification: str | None = None
+
+    #: Artifacts that only instruct later passes: one no later pass reads changes nothing.
+    INSTRUCTIONS: ClassVar[frozenset[str]] = frozenset({"constraints"})
 
     @classmethod
     def artifact_names(cls) -> tuple[str, ...]:
@@ -81,12 +86,14 @@ class Pass(ABC):
     """A named, typed unit of work over a ``ShardProgram``.
 
     Subclasses set ``name``, ``requires`` and ``provides`` and implement ``run``. Their dataclass
-    fields are their options; declare them with ``option(default, help=...)``.
+    fields are their options; declare them with ``option(default, help=...)``. ``reads`` names
+    artifacts the pass uses when an earlier pass provides them but runs without (``constraints``).
     """
 
     name: ClassVar[str]
     requires: ClassVar[frozenset[str]] = frozenset()
     provides: ClassVar[frozenset[str]] = frozenset()
+    reads: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:

@@ -189,6 +189,26 @@ class Pipeline:
                     f"before it provides: " + "; ".join(hints)
                 )
             available |= p.provides
+        self._check_instructions_read(initial)
+
+    def _check_instructions_read(self, initial: frozenset[str]) -> None:
+        """Refuse an instruction artifact (``constraints``) that no pass after its provider reads:
+        a ``pin`` after the split, or in a pipeline with none, would change nothing in silence."""
+        given = [(-1, "the call", a) for a in initial & ShardProgram.INSTRUCTIONS]
+        given += [(i, f"pass '{p.name}' (position {i})", a) for i, p in enumerate(self._passes)
+                  for a in p.provides & ShardProgram.INSTRUCTIONS]
+        for index, who, artifact in given:
+            if any(artifact in q.requires | q.reads for q in self._passes[index + 1:]):
+                continue
+            readers = [f"'{q.name}' (position {j})" for j, q in enumerate(self._passes)
+                       if artifact in q.requires | q.reads]
+            where = (f"only {', '.join(readers)} before it reads it: move it before {readers[0]}" if readers else
+                     f"no pass of the pipeline reads it: add one that does ({', '.join(self._readers(artifact))})")
+            raise PipelineValidationError(f"{who} provides '{artifact}' in pipeline `{self}`, but {where}")
+
+    def _readers(self, artifact: str) -> list[str]:
+        """Names of the registered passes that read ``artifact``."""
+        return sorted(cls.name for cls in self.registry.passes() if artifact in cls.reads)
 
     def _hint(self, artifact: str, index: int) -> str:
         if artifact in INPUT_ARTIFACTS:

@@ -83,7 +83,7 @@ def check_pass_class(cls: object) -> None:
             f"{label} ('{name}') has no docstring: its first line is the summary `autoshard passes` lists"
         )
     artifacts = ShardProgram.artifact_names()
-    for attr in ("requires", "provides"):
+    for attr in ("requires", "provides", "reads"):
         declared = getattr(cls, attr)
         if not isinstance(declared, frozenset):
             raise SpecError(f"{label} ('{name}'): `{attr}` must be a frozenset of artifact names")
@@ -94,7 +94,7 @@ def check_pass_class(cls: object) -> None:
                     f"artifacts are the ShardProgram fields: {', '.join(artifacts)}"
                 )
     for f in cls.options():
-        if f.name in ("name", "requires", "provides"):  # annotated without ClassVar, so a dataclass field
+        if f.name in ("name", "requires", "provides", "reads"):  # annotated without ClassVar, so a dataclass field
             kind = "str" if f.name == "name" else "frozenset[str]"
             raise SpecError(
                 f"{label} ('{name}') declares `{f.name}` as a dataclass field, which would make it an option: "

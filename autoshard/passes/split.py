@@ -39,12 +39,13 @@ from autoshard.costs.models import memory_parts
 from autoshard.costs.ties import TieGroup, TiePlacement, charged_apart, tie_groups, tie_placements
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.graph import Partition, split_dag
-from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY
+from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, StageRange
 from autoshard.graph.invariants import check_order
 from autoshard.graph.split import check_strategy, check_tolerance, honours_constraints, strategies
-from autoshard.graph.scopes import check_cuts_outside_no_split, cut_before_nodes, no_split_modules
+from autoshard.graph.scopes import check_cuts_outside_no_split, cut_before_nodes, no_split_modules, pinned_nodes
 from autoshard.passes.analyses import charges_weights, check_cost_name, held_stage_costs, memory_model, node_costs
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
+from autoshard.passes.constraints import SplitConstraints
 from autoshard.passes.options import kebab
 
 
@@ -70,6 +71,19 @@ def check_cut_order(program: ShardProgram) -> None:
         raise InvalidArgumentError(
             f"the 'order' artifact is not a topological order of the DAG ({exc}); the pass that provides "
             "'order' must list every DAG node once, each after its inputs") from exc
+
+
+def pinned_stages(dag: nx.DiGraph, pins: Sequence[tuple[str, int]]) -> dict[str, StageRange]:
+    """Each node a pin holds, with its stage; a node two pins hold at different stages is refused."""
+    found: dict[str, StageRange] = {}
+    for name, stage in pins:
+        for node in sorted(pinned_nodes(dag, name), key=str):
+            held = found.setdefault(node, StageRange(stage, stage, f"pin {name!r}"))
+            if held.first != stage:
+                raise InfeasibleSplitError(
+                    f"{held.label} holds node {node!r} in stage {held.first} but pin {name!r} holds it in stage "
+                    f"{stage} (one is inside the other, or they share a weight); pin them to one stage")
+    return found
 
 
 #: Strategies whose ``cost=memory`` split searches the training-memory bound, and how many halvings.
@@ -109,6 +123,7 @@ class _SplitWithConstraints(Pass):
 
     requires: ClassVar[frozenset[str]] = frozenset({"dag", "order"})
     provides: ClassVar[frozenset[str]] = frozenset({"partition"})
+    reads: ClassVar[frozenset[str]] = frozenset({"constraints"})
 
     stages: int | None = option(None, help="number of stages k (shard_model fills it in)")
     cost: str = option("params", help="registered cost model to balance (params, nodes, flops, ...)")
@@ -173,6 +188,12 @@ class _SplitWithConstraints(Pass):
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         if self.stages is None:
             raise InvalidArgumentError(f"'{self.name}' needs a stage count: write {self.name}{{stages=K}}")
+        given = program.constraints or SplitConstraints()
+        if given.names() and not honours_constraints(self.strategy):
+            raise InvalidArgumentError(
+                f"'{self.name}' with strategy {self.strategy!r} cannot honour {', '.join(given.names())} (from the "
+                "passes before it or the call): drop them, or pick a strategy that does "
+                f"({', '.join(s for s in strategies() if honours_constraints(s))})")
         check_cut_order(program)
         split = self._split(program, ctx)
         if not self._balances_training_memory(ctx):
@@ -287,8 +308,10 @@ class _SplitWithConstraints(Pass):
         if self.max_memory and budgets:
             extra, limits = self._memory_attributes(program, ctx, placement.apart)
         weighted = weighted_in_order(dag, program.order, node_costs(program, ctx, self.cost, placement.apart), extra)
-        no_split = no_split_modules(dag, self.no_split)
-        cuts = list(zip(self.cut_before, cut_before_nodes(dag, program.order, self.cut_before)))
+        given = program.constraints or SplitConstraints()
+        no_split = no_split_modules(dag, (*self.no_split, *given.no_split))
+        cut_before = (*self.cut_before, *given.cut_before)
+        cuts = list(zip(cut_before, cut_before_nodes(dag, program.order, cut_before)))
         check_cuts_outside_no_split(program.order, cuts, no_split)
         labels: dict[str, str] = {}
         for path, node in cuts:  # errors name each pin by the path the user wrote, not its node
@@ -300,6 +323,7 @@ class _SplitWithConstraints(Pass):
             cut_before=labels,
             together=together,
             prefer_together={g.label: g.readers for g in placement.preferred},
+            stage_ranges=ctx.analysis(("pins", dag, given.pins), lambda: pinned_stages(dag, given.pins)),
             capacities=self.capacities or None,
             return_info=True, **limits, **self.strategy_options(),
         )
