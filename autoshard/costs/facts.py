@@ -12,6 +12,20 @@ import torch.fx as fx
 
 from autoshard.costs.values import ValueMeta
 
+
+@dataclass(frozen=True)
+class SavedFacts:
+    """Per node, in bytes: ``saved``, storages it creates that autograd keeps for backward (its
+    output's included when any node saves it); ``saved_output``, the part of ``saved`` that is its
+    output; ``grad``, the gradient its output receives (floating tensors that require grad);
+    ``backward``, the peak its backward adds to what is alive when it starts."""
+
+    saved: int
+    saved_output: int
+    grad: int
+    backward: int
+
+
 FACTS_KEY = "autoshard_facts"
 """``fx.Node.meta`` key under which ``shape-prop`` stores a node's ``NodeFacts``."""
 
@@ -25,6 +39,7 @@ class NodeFacts:
     allocated: int
     draws_random: bool = False  # it advanced a random generator (dropout, even inside a leaf)
     aliases_input: bool = False  # its value shares memory with its first input (nn.Identity, a view)
+    training: SavedFacts | None = None  # what autograd keeps of it (None: fake tensors could not run the graph)
 
 
 def node_facts(node: fx.Node) -> NodeFacts | None:

@@ -1,11 +1,12 @@
 """Shape propagation: run the traced graph once and record, per node, its value's structure,
 the memory it allocated, the FLOPs it performed, whether it drew random numbers and whether its
-value shares memory with its first input. The ``shape-prop`` pass stores the result on the
-graph's nodes.
+value shares memory with its first input; then probe what training keeps of each node on fake
+tensors (``costs.saved``). The ``shape-prop`` pass stores the result on the graph's nodes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
@@ -14,6 +15,7 @@ from autoshard import progress
 from autoshard.costs.execution import Mode, NodeCall, resolve_mode, run_graph
 from autoshard.costs.facts import NodeFacts
 from autoshard.costs.flops import NodeFlopCounter
+from autoshard.costs.saved import TrainingProbe
 from autoshard.costs.values import allocated_bytes, describe_value, shares_memory
 from autoshard.generators import generator_states, same_states
 
@@ -33,10 +35,12 @@ def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", 
     facts: dict[str, NodeFacts] = {}
     real = resolve_mode(gm, inputs, mode) == "real"  # fake tensors draw nothing
     measured = sum(node.op not in ("get_attr", "output") for node in gm.graph.nodes)
+    probe = TrainingProbe(gm)
     with NodeFlopCounter() as flops, progress.task("shape propagation", total=measured) as advance:
         def hook(call: NodeCall) -> Any:
             before = generator_states() if real else []
             value = flops.measure(call)
+            probe.measure(call, value)
             node = call.node
             if node.op not in ("get_attr", "output"):
                 allocated = allocated_bytes(value, (call.args, call.kwargs))
@@ -48,4 +52,5 @@ def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", 
             return value
 
         run_graph(gm, inputs, mode, hook, seed)
-    return facts
+    training = probe.facts()
+    return {name: dataclasses.replace(f, training=training.get(name)) for name, f in facts.items()}

@@ -155,6 +155,7 @@ def _measured(node: fx.Node) -> dict[str, Any]:
         "tensor": holds_tensor(node),
         "flops": facts.flops if facts else None,
         "allocated": facts.allocated if facts else None,
+        "training": facts.training if facts else None,
         "seconds": node.meta.get(SECONDS_KEY),
     }
 

@@ -23,15 +23,17 @@ each keeps depends on the world size, which one stage on one process does not ha
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _MemRefType
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.arguments import whole_number
+from autoshard.costs.saved import QuietMemTracker, without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural, suggest
 from autoshard.runtime.schedule import SCHEDULES
 from autoshard.sharded import ShardedModel, moved_to, stage_device
@@ -81,15 +83,6 @@ class StageMemoryMeasurement:
         return {"stage": self.stage, "schedule": self.schedule, "optimizer": self.optimizer,
                 "in_flight": self.in_flight, "peak": self.peak, "parts": dict(self.parts),
                 "resident": dict(self.resident), "device": self.device, "source": self.source}
-
-
-class _StageTracker(MemTracker):
-    """``MemTracker`` without its gradient hooks: it puts one on every parameter, which a frozen
-    parameter refuses, and the gradients they would catch exist before the run (the steady state
-    accumulates into them), so the tracker finds them with their parameters anyway."""
-
-    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
 
 def optimizer_state_names(optimizer: str) -> tuple[str, ...]:
@@ -228,9 +221,10 @@ def _run_in_steady_state(
         p.grad = torch.zeros_like(p)
     optimizer = _steady_state_optimizer(trainable, states)
     microbatches = [(_fresh(args, receives_gradients), _fresh(kwargs, receives_gradients)) for _ in range(in_flight)]
-    tracker = _StageTracker()
+    tracker = QuietMemTracker()
     tracker.track_external(module, optimizer, *[t for mb in microbatches for t in _tensors(mb)])
-    with tracker:
+    gc.collect()
+    with tracker, without_cyclic_gc():
         outputs = []
         for mb_args, mb_kwargs in microbatches:
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration

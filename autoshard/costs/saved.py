@@ -1,0 +1,251 @@
+"""What training keeps of each node, probed on fake tensors: the bytes autograd saves for
+backward, the bytes of the gradient its output receives and the most its backward adds at once.
+
+Shape propagation runs the graph once (real or fake tensors, no gradients); beside each node it
+runs, ``TrainingProbe`` runs the node again under ``FakeTensorMode`` with gradients on, on fake
+twins of the values it receives (parameters as fake leaves that require grad), so nothing is
+allocated and no FLOP is spent:
+
+* ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd saves, inside modules
+  and functions kept whole too (attention probabilities, dropout masks, a loss's log-softmax).
+  A saved storage is charged to the node that created it, once however many nodes save it, so
+  the bytes add up over any set of nodes; weights and model inputs are not charged (the weight
+  state and the received values count them);
+* the node's backward runs under PyTorch's ``MemTracker``, which follows every fake storage as it
+  is made and freed: ``backward`` is its peak above what was alive when the backward began
+  (gradients of the inputs and weights, the kernels' temporaries, less what it frees).
+
+A storage is told by ``StorageWeakRef`` (identity); every twin stays referenced until the probe
+ends, so no storage is freed and its address reused under another node's name. Inputs that
+require grad reach a node as clones (autograd refuses an in-place write to a leaf that requires
+grad), each clone mapped back to the storage it copies. A node that fake tensors cannot run
+(control flow on a tensor's values, as ``nn.TransformerEncoder``'s mask check) gets zeros and a
+fake twin of its real value; ``unprobed`` names those nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from autoshard.costs.execution import NodeCall
+from autoshard.costs.facts import SavedFacts
+
+
+class QuietMemTracker(MemTracker):
+    """``MemTracker`` without its gradient hooks: it puts one on every parameter of a module it sees
+    run, which a frozen parameter refuses; the gradients they would catch are found anyway (they
+    are made inside the tracker, or handed to ``track_external``)."""
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+
+@contextlib.contextmanager
+def without_cyclic_gc() -> Iterator[None]:
+    """Python's cycle collector off: run at an allocation, it may free storages of garbage from
+    long before (old autograd graphs) in the middle of a measurement, and the peak drops with them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _total(snapshot: Any) -> int:
+    """All bytes of a ``MemTracker`` snapshot, every device."""
+    return sum(int(by_type.get("Total", 0)) for by_type in snapshot.values())
+
+
+class TrainingProbe:
+    """Runs beside shape propagation: ``measure(call, value)`` after each node, ``facts()`` at the end."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.fake: FakeTensorMode | None = None  # the run's own fake mode, or one of the probe's
+        self.twins: dict[fx.Node, Any] = {}  # fx node -> its fake value with gradients (kept: see above)
+        self.owner: dict[StorageWeakRef, str | None] = {}  # storage -> node that made it (None: weight, input)
+        self.nbytes: dict[StorageWeakRef, int] = {}
+        self.copy_of: dict[StorageWeakRef, StorageWeakRef] = {}  # a clone's storage -> the one it copies
+        self.saved_storages: set[StorageWeakRef] = set()
+        self.saved: dict[str, int] = {}
+        self.outputs: dict[str, set[StorageWeakRef]] = {}  # node -> storages of its output it made
+        self.grad: dict[str, int] = {}
+        self.backward: dict[str, int] = {}
+        self.weights: dict[int, torch.Tensor] = {}  # id of a parameter or buffer -> its fake leaf
+        self.leaves: set[int] = set()  # ids of those leaves
+        self.kept: list[Any] = []
+        self.unprobed: list[str] = []
+        self.tracker = QuietMemTracker()
+
+    # -- storages -------------------------------------------------------------------------
+    def original(self, ref: StorageWeakRef) -> StorageWeakRef:
+        while ref in self.copy_of:
+            ref = self.copy_of[ref]
+        return ref
+
+    def own(self, value: Any, owner: str | None) -> None:
+        for t in _tensors(value):
+            ref = self.original(_storage(t))
+            if ref not in self.owner:
+                self.owner[ref] = owner
+                self.nbytes[ref] = t.untyped_storage().nbytes()
+
+    def saved_output(self, name: str) -> int:
+        """Bytes of the storages ``name``'s output made that some node saved."""
+        return sum(self.nbytes[ref] for ref in self.outputs[name] if ref in self.saved_storages)
+
+    # -- running ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _in_fake_mode(self) -> Iterator[FakeTensorMode]:
+        """The fake mode the probe runs in, with every other mode (the FLOP counter) set aside."""
+        if self.fake is None:
+            self.fake = active_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
+        with _disable_current_modes(), self.fake:
+            yield self.fake
+
+    def twin(self, t: torch.Tensor) -> torch.Tensor:
+        """A fake tensor of ``t``'s shape in the probe's mode (``t`` itself when it is one)."""
+        assert self.fake is not None
+        return t if isinstance(t, FakeTensor) and t.fake_mode is self.fake else self.fake.from_tensor(t)
+
+    def weight(self, t: torch.Tensor) -> torch.Tensor:
+        """The fake leaf standing for parameter or buffer ``t``, one per tensor."""
+        if id(t) not in self.weights:
+            leaf = self.twin(t).detach().requires_grad_(t.requires_grad and t.is_floating_point())
+            self.weights[id(t)] = leaf
+            self.leaves.add(id(leaf))
+            self.kept.append((t, leaf))
+            self.own(leaf, None)
+        return self.weights[id(t)]
+
+    def measure(self, call: NodeCall, value: Any) -> None:
+        """Probe ``call``'s node; ``value`` is what shape propagation computed for it."""
+        node = call.node
+        with self._in_fake_mode():
+            if node.op == "get_attr":
+                twin = tree_map_only(torch.Tensor, self.weight, value)
+            elif node.op == "placeholder":
+                twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), value)
+                self.own(twin, None)
+            elif node.op == "output":
+                return
+            else:
+                twin = self._compute(call, value)
+        self.twins[node] = twin
+        self.kept.append(twin)
+
+    def _inputs(self, call: NodeCall) -> tuple[tuple, dict, list[torch.Tensor]]:
+        """The node's arguments as twins, those that require grad cloned (in-place writes stay legal)."""
+        wanted: list[torch.Tensor] = []
+
+        def prepare(t: torch.Tensor) -> torch.Tensor:
+            if id(t) in self.leaves:
+                if t.requires_grad:
+                    wanted.append(t)
+                return t
+            if not t.requires_grad:
+                return t
+            copy = t.clone()
+            self.copy_of[_storage(copy)] = self.original(_storage(t))
+            self.kept.append(copy)
+            wanted.append(copy)
+            return copy
+
+        args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
+        args, kwargs = tree_map_only(torch.Tensor, prepare, (args, kwargs))
+        return args, kwargs, list({id(t): t for t in wanted}.values())
+
+    def _run(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
+        """Run the node; a module runs on fake leaves for its weights (returned: they want gradients)."""
+        node = call.node
+        if node.op != "call_module":
+            return call.run(args, kwargs), []
+        module = self.gm.get_submodule(str(node.target))
+        named = {**dict(module.named_parameters(remove_duplicate=False)),
+                 **dict(module.named_buffers(remove_duplicate=False))}
+        leaves = {name: self.weight(t) for name, t in named.items()}
+        value = torch.func.functional_call(module, leaves, args, kwargs)
+        return value, [t for t in {id(t): t for t in leaves.values()}.values() if t.requires_grad]
+
+    def _compute(self, call: NodeCall, real: Any) -> Any:
+        name = call.node.name
+        made: list[tuple[StorageWeakRef, int]] = []  # storages saved that no earlier value owns
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ref = self.original(_storage(t))
+            if ref not in self.saved_storages:
+                self.saved_storages.add(ref)
+                if ref not in self.owner:
+                    made.append((ref, t.untyped_storage().nbytes()))
+                elif self.owner[ref] is not None:
+                    owner = self.owner[ref]
+                    self.saved[owner] = self.saved.get(owner, 0) + self.nbytes[ref]
+            return t
+
+        try:
+            with torch.enable_grad():
+                args, kwargs, wanted = self._inputs(call)
+                with self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    value, weights = self._run(call, args, kwargs)
+        except Exception:  # noqa: BLE001 - what fake tensors cannot run is left unprobed, not fatal
+            self.unprobed.append(name)
+            self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
+            twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
+            self.own(twin, name)
+            return twin
+        for ref, nbytes in made:
+            self.owner[ref], self.nbytes[ref] = name, nbytes
+        self.saved[name] = self.saved.get(name, 0) + sum(n for _, n in made)
+        self.outputs[name] = {ref for ref in map(self.original, map(_storage, _tensors(value)))
+                              if self.owner.get(ref, name) == name}
+        self.own(value, name)
+        sent = [t for t in _tensors(value) if t.requires_grad and t.grad_fn is not None]
+        self.grad[name] = sum(t.numel() * t.element_size() for t in sent)
+        wanted += weights
+        try:
+            self.backward[name] = self._backward(sent, wanted, (args, kwargs)) if sent and wanted else 0
+        except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
+            self.unprobed.append(name)
+            self.backward[name] = 0
+        return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
+
+    def _backward(self, sent: list[torch.Tensor], wanted: list[torch.Tensor], inputs: Any) -> int:
+        """The peak ``MemTracker`` sees while ``sent`` back-propagates, above where it started. What
+        existed before is registered first: the tracker counts a storage it has not seen when an
+        operator first touches it, as if it were new."""
+        gradients = [torch.ones_like(t) for t in sent]
+        self.tracker.track_external(*gradients, *wanted, *_tensors(inputs))
+        with self.tracker, without_cyclic_gc():
+            start = _total(self.tracker.get_tracker_snapshot("current"))
+            with torch.enable_grad():
+                grads = torch.autograd.grad(sent, wanted, gradients, allow_unused=True)
+            peak = _total(self.tracker.get_tracker_snapshot("peak"))
+        del grads
+        return max(0, peak - start)
+
+    def facts(self) -> dict[str, SavedFacts]:
+        """``SavedFacts`` of every compute node probed so far."""
+        return {name: SavedFacts(self.saved.get(name, 0), self.saved_output(name), self.grad[name],
+                                 self.backward[name]) for name in self.grad}
