@@ -27,6 +27,8 @@ from autoshard.errors import InputMismatchError, PlanError
 from autoshard.graph.partition import SplitInfo
 
 _training = operator.attrgetter("training")
+#: Boundary values ``moved_to`` passes on without looking inside (a tensor: when on the device).
+_PASSED_AS_THEY_ARE = (torch.Tensor, *PLAIN_VALUES)
 
 
 @dataclass(frozen=True)
@@ -174,15 +176,42 @@ class ShardedModel(FixedDtypes):
         through here, so an argument reaches the parameter the model gives it, or is refused
         (``InputMismatchError``) when the plan does not serve it."""
         self._modes_at_capture.check(self.plan.training)
-        return fitted_call(self.stages._modules["0"], self.model_signature, args, kwargs)
+        return fitted_call(self._modules["stages"]._modules["0"], self.model_signature, args, kwargs)
+
+    #: Serves the calls a capture's guards refuse by capturing the model again (``autoshard.specialize``);
+    #: ``shard_model`` sets it, None refuses such calls.
+    specializer: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        specializer = self.specializer
+        if specializer is not None:
+            return specializer.serve(self, args, kwargs)
+        return self.run_stages(args, kwargs)
+
+    def run_stages(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call of these stages, in order: what ``forward`` runs once it has chosen the plan."""
         args, kwargs = self.fit_call(args, kwargs)
-        stages = iter(self.stages)
-        values = called(next(stages), args, kwargs)
-        for stage in stages:
+        # read from the registries: ``self.stages`` and iterating a ModuleList are Python calls
+        first, *rest = self._modules["stages"]._modules.values()
+        values = called(first, args, kwargs)
+        for stage in rest:
             values = called(stage, moved_to(stage_device(stage), values), {})
         return values
+
+    @property
+    def specializations(self) -> tuple[Any, ...]:
+        """The further captures made for calls the first one's guards refused, oldest first: each
+        with the argument shapes it was made for and how long it took (``autoshard.specialize``)."""
+        return () if self.specializer is None else tuple(self.specializer.specializations)
+
+    def specialize(self, *args: Any, **kwargs: Any) -> ShardedModel:
+        """Capture the model for inputs like these ahead of a call, running no stage, and keep the
+        plan for the calls it serves (in training mode, the way to serve inputs whose guard would
+        fail after a stage computed). Needs ``shard_model(..., respecialize=True)``."""
+        if self.specializer is None:
+            raise PlanError("these stages make no specialisations: make them with autoshard.shard_model(model, k, "
+                            "example_inputs, respecialize=True) and keep the model alive")
+        return self.specializer.specialize(self, args, kwargs)
 
     def save_plan(self, path: Any) -> Any:
         """Write the plan file ``autoshard split --out`` writes (JSON) to ``path`` (a str or path) and
@@ -408,8 +437,11 @@ def moved_to(device: torch.device | None, values: Any) -> Any:
     placed on devices of their own by hand (``stages[i].to(f"cuda:{i}")``) hand each other their
     boundary values there. Flat values already there (always, on one device) are passed on as
     they are, without rebuilding the container."""
-    items = values.values() if isinstance(values, dict) else values
-    if device is None or all(isinstance(v, PLAIN_VALUES) or (isinstance(v, torch.Tensor) and v.device == device)
-                             for v in items):
+    if device is None:
+        return values
+    for value in values.values() if isinstance(values, dict) else values:
+        if isinstance(value, torch.Tensor) and value.device != device or not isinstance(value, _PASSED_AS_THEY_ARE):
+            break
+    else:  # a plain loop: a generator for all() cost as much as the rest of the check
         return values
     return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v, values)

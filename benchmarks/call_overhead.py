@@ -2,6 +2,7 @@
 
     python benchmarks/call_overhead.py            # ~3 minutes on 2 cores
     python benchmarks/call_overhead.py --quick    # fewer repeats, noisier
+    python benchmarks/call_overhead.py --only MLP --repeats 31   # one row, best of 31
 
 One torch thread. Per row: the model called eagerly; autoshard's ``ShardedModel``; autoshard's
 stages chained by hand (``vals = stages[0](...)``, then ``stage(*vals)``); and the stage modules of
@@ -152,8 +153,12 @@ def _us(value: Any) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="interleaved repeats per row, best kept (more find quieter moments on a loaded machine)")
+    parser.add_argument("--only", default="", help="run only the rows whose name contains this (e.g. MLP)")
     parser.add_argument("--cuda", action="store_true", help="run on the GPU (CUDA-synchronised timings)")
     options = parser.parse_args()
+    repeats = options.repeats or (3 if options.quick else 7)
     warnings.filterwarnings("ignore")  # pipeline()'s and transformers' notices would break the table
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -162,9 +167,9 @@ def main() -> None:
           "| added / stage call (us) | bit-exact |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
-        if row is None:
+        if row is None or options.only not in row.name:
             continue
-        r = measure(row, 3 if options.quick else 7, options.cuda)
+        r = measure(row, repeats, options.cuda)
         added = (r["sharded"] - r["eager"]) / r["k"]
         exact = "" if r["exact"] is None else ("yes" if r["exact"] else "NO")
         print(f"| {r['row']} | {r['k']} | {_us(r['eager'])} | {_us(r['sharded'])} | {_us(r['chained'])} "

@@ -268,3 +268,92 @@ def test_hooks_on_a_stage_or_on_every_module_still_run():
         handle.remove()
     sharded(x)
     assert seen == ["stage", "global"]
+
+
+class Blocks(nn.Module):
+    """Modules two containers deep: fx's code reached each through ``nn.Module.__getattr__`` at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block[1](block[0](x))
+        return x
+
+
+def _getattr_calls_on(watched: list[nn.Module], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    seen: list[str] = []
+    original = nn.Module.__getattr__
+
+    def counted(self: nn.Module, name: str) -> object:
+        if any(self is module for module in watched):
+            seen.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(nn.Module, "__getattr__", counted)
+    return seen
+
+
+@pytest.mark.parametrize("copied", ["as made", "deepcopy", "pickle"])
+def test_a_stage_calls_the_modules_its_check_returned_not_found_again_by_attribute(copied, monkeypatch):
+    """The check hands the stage's code the modules it has just checked; copies keep that code."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = Blocks().eval()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded = {"as made": sharded, "deepcopy": copy.deepcopy(sharded),
+               "pickle": pickle.loads(pickle.dumps(sharded))}[copied]
+    stage = sharded.stages[1]
+    assert "checked_modules['blocks." in stage.code and "getattr(" not in stage.code
+    containers = [m for m in stage.modules() if not isinstance(m, (nn.Linear, nn.ReLU))]
+    received = sharded.stages[0](x)
+    stage(*received)
+    seen = _getattr_calls_on(containers, monkeypatch)
+    assert torch.equal(stage.forward(*received), model(x))
+    assert seen == []
+    assert "checked_modules" in stage.print_readable(print_output=False)
+
+
+def test_hooks_on_a_module_inside_a_stage_still_run():
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    seen = []
+    model[-2].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    sharded(x)
+    assert seen == [torch.Size([2, 8])]
+
+
+class Weighted(nn.Module):
+    """Traced through: the stage's code reads ``w`` itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def test_a_weight_set_to_none_is_checked_in_full_and_one_of_another_dtype_put_back_is_refused():
+    """What the last call read is compared first; a weight gone (None) sends every call to the
+    full check, which refuses a half-precision one put back in its place."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Weighted(), nn.Linear(8, 8), nn.Linear(8, 8)).eval()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    holder = sharded.stages[0].get_submodule("1")  # the stage's own holder of the weight it reads
+    weight = holder.w
+    holder.w = None
+    with pytest.raises(TypeError):  # the model's code fails on the None weight, not the check
+        sharded(x)
+    holder.w = nn.Parameter(weight.detach().half())
+    with pytest.raises(InputMismatchError, match="captured with float32 weights"):
+        sharded(x)
+    holder.w = weight
+    assert torch.equal(sharded(x), model(x))

@@ -12,7 +12,13 @@ checks that each step still leads where it did, by identity: a submodule replace
 (``setattr``, ``_modules[name] = ...`` as quantization's convert does) makes it walk again.
 Parameters are read from their registries on every call, so a conversion is seen whether it
 swaps a parameter's data or registers a new one; none is kept (a runtime may swap in device
-copies for one call, ``functional_call``, which must not outlive it).
+copies for one call, ``functional_call``, which must not outlive it). Everything a call reads is
+compared at once with what the last call read (one tuple, ``seen``); only a difference runs the
+refusing checks.
+
+The check returns the modules it has just checked, by path, and the stage's code calls those
+(``HeldModulesCodeGen``): fx's code would find each one again through ``nn.Module.__getattr__``
+(an attribute miss and a Python call per step of its path), which cost more than the check.
 """
 
 from __future__ import annotations
@@ -26,8 +32,6 @@ from autoshard.capture.guard import _converts, check_mode, check_weight_dtypes
 
 _training = operator.attrgetter("training")
 _dtype = operator.attrgetter("dtype")
-#: What a copied state's placeholder step expects to find: nothing is, so it walks first.
-_NOWHERE = object()
 
 
 class HeldState:
@@ -45,10 +49,12 @@ class HeldState:
         self._walk()
         self.modes = list(map(_training, self.modules))
         self.dtypes = frozenset(map(_dtype, self.weights()))
+        self._remember(self.captured_training)
 
     def _walk(self) -> None:
         """Find the modules and parameters by path again, as the graph's code does."""
         self.modules = tuple(self.owner.get_submodule(path) for path in self.leaves)
+        self.by_path = dict(zip(self.leaves, self.modules))
         inside = ((leaf, _first_parameter(module)) for leaf, module in zip(self.leaves, self.modules))
         found = [*self.weight_paths, *(f"{leaf}.{path}" for leaf, path in inside if path is not None)]
         steps: dict[tuple[int, str], tuple[dict[str, Any], str, nn.Module]] = {}
@@ -63,24 +69,38 @@ class HeldState:
         self.registries = tuple(module._parameters for module in owners)
         self.names = tuple(p.rpartition(".")[2] for p in found)
 
+    def _reads(self, training: bool) -> tuple[Any, ...]:
+        """What a call reads, in one tuple: the stage's flag, whether each step of the kept paths
+        still leads to the module it led to (by identity), the modules' flags and the kept
+        parameters' dtypes (KeyError or AttributeError: a parameter deleted or set to None)."""
+        return (training, *map(operator.is_, map(dict.get, self.step_dicts, self.step_names), self.step_modules),
+                *map(_training, self.modules), *map(_dtype, map(dict.__getitem__, self.registries, self.names)))
+
     def weights(self) -> list[Any]:
         """The parameters whose dtypes count, as registered now."""
         return [w for w in map(dict.get, self.registries, self.names) if w is not None]
 
-    def check(self, training: bool) -> None:
-        """Raise ``InputMismatchError`` when the stage (``training``: its flag now) or a module it
-        calls is in another mode than at capture, or a weight was converted."""
+    def check(self, training: bool) -> dict[str, nn.Module]:
+        """The modules the stage calls, by path; raise ``InputMismatchError`` when the stage
+        (``training``: its flag now) or one of them is in another mode than at capture, or a weight
+        was converted. A call that reads what the last one read passes at once."""
         try:
-            found = map(dict.get, self.step_dicts, self.step_names)
-            if (training == self.captured_training and all(map(operator.is_, found, self.step_modules))
-                    and list(map(_training, self.modules)) == self.modes
-                    and set(map(_dtype, map(dict.__getitem__, self.registries, self.names))) <= self.dtypes):
-                return
+            if self._reads(training) == self.seen:
+                return self.by_path
         except (KeyError, AttributeError):  # a parameter deleted or set to None: found again below
             pass
         self._walk()
         check_mode(training, self.captured_training, tuple(map(_training, self.modules)), tuple(self.modes))
         check_weight_dtypes(self.dtypes, *self.weights())
+        self._remember(training)
+        return self.by_path
+
+    def _remember(self, training: bool) -> None:
+        """Keep what a call that passed read, for the next call to compare with."""
+        try:
+            self.seen: tuple[Any, ...] | None = self._reads(training)
+        except (KeyError, AttributeError):
+            self.seen = None  # checked in full on every call while a parameter is missing
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HeldState:
         """A copy watches the copied stage (``memo`` maps the stage to its copy), found by path."""
@@ -94,9 +114,10 @@ class HeldState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        # found by path on the first call, whose one step leads nowhere
+        # found by path on the first call, which nothing read before matches
         self.modules, self.registries, self.names = (), (), ()
-        self.step_dicts, self.step_names, self.step_modules = ({},), ("",), (_NOWHERE,)
+        self.step_dicts, self.step_names, self.step_modules = (), (), ()
+        self.by_path, self.seen = {}, None
 
 
 def _first_parameter(module: nn.Module) -> str | None:
@@ -111,7 +132,8 @@ def _first_parameter(module: nn.Module) -> str | None:
     return None
 
 
-def check_held_state(state: HeldState, training: bool) -> None:
+def checked_modules(state: HeldState, training: bool) -> dict[str, nn.Module]:
     """The graph's call of ``state.check()``, given the stage's own flag (read as ``self.training``,
-    so a copy of the stage that shares ``state`` is checked by its own flag)."""
-    state.check(training)
+    so a copy of the stage that shares ``state`` is checked by its own flag): the modules the
+    stage's code calls, by path."""
+    return state.check(training)
