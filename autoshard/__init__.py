@@ -37,13 +37,15 @@ _LAZY = {
     "SharedBufferWarning": "autoshard.runtime.stage",
     "MicrobatchStatisticsWarning": "autoshard.runtime.schedule",
     "TargetError": "autoshard.targets",
+    "SpecializationLimitWarning": "autoshard.specialize",
 }
 #: Every typed error, so that ``except autoshard.InputMismatchError`` works as the docs write it.
 _ERRORS = (
     "AutoshardError", "InvalidArgumentError", "InvalidArgumentTypeError", "TooManyStagesError",
     "InfeasibleSplitError", "InvalidGraphError", "SpecError", "PipelineValidationError", "PassFailed",
     "TraceError", "VerificationError", "PassContractError", "PlanError",
-    "ShapePropagationError", "ExampleInputsError", "InputMismatchError", "PipelineSetupError",
+    "ShapePropagationError", "ExampleInputsError", "InputMismatchError", "SpecializationMismatch",
+    "PipelineSetupError",
     "WorldSizeError", "BoundaryValueError", "DeviceUnavailableError", "ModuleSplitError",
     "CheckpointMismatchError", "LaunchError", "MissingDependencyError",
 )

@@ -36,6 +36,7 @@ from autoshard.passes.split import SplitPass
 from autoshard.passes.verify import VerifyPass
 from autoshard.plan_io.origin import PlanOrigin
 from autoshard.sharded import ShardedModel
+from autoshard.specialize import MAX_SPECIALIZATIONS, Specializer
 
 CostFunction = Callable[[CostNode], float]
 
@@ -235,6 +236,8 @@ def shard_model(
     pin: Mapping[str, int] | None = None,
     no_split: Sequence[str] | None = None,
     cut_before: Sequence[str] | None = None,
+    respecialize: bool = True,
+    max_specializations: int = MAX_SPECIALIZATIONS,
 ) -> ShardedModel:
     """Split ``model`` into exactly ``num_stages`` ordered stages.
 
@@ -260,6 +263,10 @@ def shard_model(
     ``pin`` holds modules, classes or weights to stages (``{"blocks.0": 0, "lm_head.weight": 3}``),
     ``no_split`` keeps modules (paths or class names) whole, ``cut_before`` starts a stage at each
     module: they become ``pin``, ``no-split`` and ``cut-before`` passes before the split.
+    With ``respecialize`` (and example inputs), a call that flips a size or branch the capture
+    fixed captures the model again for that call, with every weight held in its stage
+    (``autoshard.specialize``), at most ``max_specializations`` times; ``sharded.specializations``
+    lists them. ``respecialize=False`` refuses such calls.
     """
     check_model(model)
     num_stages = whole_number(num_stages, "num_stages", at_least=1)
@@ -291,6 +298,15 @@ def shard_model(
         check_memory_budgets(stage_memory(plan.dag, plan.assignment, num_stages, memory_model or MemoryModel()),
                              budgets)
     program.sharded.plan_origin = PlanOrigin.made(program, chosen, cost_models)  # for sharded.save_plan
+    if not isinstance(respecialize, bool):
+        raise InvalidArgumentTypeError(f"respecialize must be True or False, got {respecialize!r}")
+    if respecialize and inputs is not None:
+        def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    pins: Mapping[str, int]) -> ShardedModel:
+            return shard_model(model, num_stages, args, kwargs, cost, with_constraints(chosen, pin=pins, optional=True),
+                               memory_model=memory_model, respecialize=False)
+
+        program.sharded.specializer = Specializer(model, capture, max_specializations)
     return program.sharded
 
 

@@ -130,6 +130,16 @@ class InputMismatchError(InvalidArgumentError):
     outside what the capture was built for. The message names what the plan accepts."""
 
 
+class SpecializationMismatch(InputMismatchError):
+    """Inputs another capture of the model could serve: a size or a branch the capture fixed to
+    its example's. A sharded model re-specialises on it (``shard_model(respecialize=True)``).
+    ``before_compute`` says the stages had computed nothing yet when it was raised."""
+
+    def __init__(self, message: str, before_compute: bool = False) -> None:
+        super().__init__(message)
+        self.before_compute = before_compute
+
+
 class PipelineSetupError(InvalidArgumentError):
     """A stage or schedule cannot run as configured. Raised on every rank alike, before any
     process sends or waits, so a bad launch fails fast instead of hanging."""

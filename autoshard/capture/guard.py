@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from autoshard.capture.structure import ArgumentStructure, same_constant
-from autoshard.errors import InputMismatchError, InvalidArgumentError
+from autoshard.errors import InputMismatchError, InvalidArgumentError, SpecializationMismatch
 
 
 @dataclass(frozen=True)
@@ -84,27 +84,37 @@ class InputGuard:
 
     def problem(self, values: Mapping[str, Any]) -> str | None:
         """What is wrong with ``values`` (argument name -> value), or None if the plan serves them."""
+        fixed, leaves = self.fixed_problem(values)
+        return fixed or self.size_problem(values, leaves)
+
+    def fixed_problem(self, values: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+        """What no capture for these inputs would change (a constant, a container's layout, a dtype),
+        and the values with each container's tensors under their own names, for ``size_problem``."""
         for name, expected in self.constants.items():
             if not same_constant(values[name], expected):
-                return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}"
+                return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}", {}
             if name in self.snapshots and not same_constant(values[name], self.snapshots[name]):
                 return (f"{name} was changed in place since the plan was captured (now {values[name]!r}, then "
-                        f"{self.snapshots[name]!r}), and the plan computes with the old value")
-        conditions_on = values
-        values = dict(values)
+                        f"{self.snapshots[name]!r}), and the plan computes with the old value"), {}
+        leaves = dict(values)
         for name, structure in self.structures.items():
-            problem = structure.problem(name, values[name])
+            problem = structure.problem(name, leaves[name])
             if problem:
-                return problem
-            values.update(structure.leaf_values(name, values[name]))
+                return problem, {}
+            leaves.update(structure.leaf_values(name, leaves[name]))
         for name, dtype in self.dtypes.items():
-            value = values[name]
+            value = leaves[name]
             if not isinstance(value, torch.Tensor) or value.dtype != dtype:
                 got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
-                return f"{name} is {got}, but the plan was captured with {dtype}"
+                return f"{name} is {got}, but the plan was captured with {dtype}", {}
+        return None, leaves
+
+    def size_problem(self, values: Mapping[str, Any], leaves: Mapping[str, Any]) -> str | None:
+        """A size, or a condition on sizes, the capture fixed that these inputs break (``values`` by
+        argument, ``leaves`` with containers' tensors by path): another capture could serve them."""
         sizes: dict[str, int] = {}
         for name, dims in self.shapes.items():
-            value = values[name]
+            value = leaves[name]
             if not isinstance(value, torch.Tensor) or value.dim() != len(dims):
                 return f"{name} is not a {len(dims)}-dimensional tensor"
             for axis, (size, dim) in enumerate(zip(value.shape, dims)):
@@ -117,7 +127,7 @@ class InputGuard:
                 if dim.size is None and not (dim.low <= size and (dim.high is None or size <= dim.high)):
                     return f"{name}.shape[{axis}] is {size}, outside what the plan serves ({dim.describe()})"
         for condition in self.conditions:
-            if not _holds(condition, conditions_on):
+            if not _holds(condition, values):
                 return (f"the plan was captured where {_shown(condition)}, which these inputs break: the model's "
                         "code branched on it or computed a count from it (torch.export kept that condition; the fx "
                         "front end may keep such code whole and serve both sides: shard with "
@@ -155,18 +165,23 @@ def usable_conditions(conditions: Sequence[str], values: Mapping[str, Any]) -> t
 def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
     """Raise ``InputMismatchError`` unless the plan serves ``values``; return the graph inputs."""
     named = dict(zip(guard.names, values))
-    problem = guard.problem(named)
+    problem, leaves = guard.fixed_problem(named)
     if problem:
         raise InputMismatchError(
             f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
             "shard the model again with an example like these inputs")
+    problem = guard.size_problem(named, leaves)
+    if problem:
+        raise SpecializationMismatch(
+            f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
+            "shard the model again with an example like these inputs", before_compute=True)
     return tuple(guard.passed(name, named[name]) for name in guard.returns)
 
 
 def check_condition(actual: Any, expected: bool, condition: str) -> None:
     """A condition the capture fixed to its example value: refuse inputs that flip it."""
     if bool(actual) != expected:
-        raise InputMismatchError(
+        raise SpecializationMismatch(
             f"{condition} is {not expected} for these inputs, but was {expected} when the sharded plan "
             "was captured; shard the model again with an example input like these")
 
@@ -182,7 +197,7 @@ def check_pinned_size(size: int, expected: int, site: str, top_level: bool = Fal
     if size != expected:
         free = ("move that code into a submodule, which can be kept whole with the size free, and shard with "
                 if top_level else "keep that code whole and the size free: shard with ")
-        raise InputMismatchError(
+        raise SpecializationMismatch(
             f"the code at {site} turns a size into a Python number, which fixed it to {expected} when the "
             f"sharded plan was captured, and these inputs make it {size}; shard again with an example of this "
             f"size, or, if the model serves other sizes, {free}pipeline='{FREE_SIZES_PIPELINE}'")

@@ -43,6 +43,7 @@ class PinPass(Pass):
 
     module: tuple[str, ...] = option((), help="module paths, class names or weight names to pin")
     stage: int = option(0, help="the stage that holds them (0 is the first)")
+    optional: bool = option(False, help="names the graph does not run or read pin nothing (false: refused)")
 
     def check_options(self) -> None:
         if not self.module or not all(self.module):
@@ -52,7 +53,7 @@ class PinPass(Pass):
             raise InvalidArgumentError(f"'pin' needs stage >= 0, got stage={self.stage}")
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        return _added(program, pins=[(name, self.stage) for name in self.module])
+        return _added(program, pins=[(name, self.stage) for name in self.module], optional=self.optional)
 
 
 @dataclass(frozen=True)
@@ -93,16 +94,19 @@ class CutBeforePass(Pass):
         return _added(program, cut_before=self.modules)
 
 
-def with_constraints(pipeline: Pipeline, pin: Any = None, no_split: Any = None, cut_before: Any = None) -> Pipeline:
+def with_constraints(pipeline: Pipeline, pin: Any = None, no_split: Any = None, cut_before: Any = None,
+                     optional: bool = False) -> Pipeline:
     """``pipeline`` with ``pin``, ``no-split`` and ``cut-before`` passes for a call's constraints
     (``pin={name: stage}``, lists of names), placed before the first pass that reads them, so the
-    pipeline's spec (in errors and saved plans) says what was asked."""
+    pipeline's spec (in errors and saved plans) says what was asked. ``optional``: the pins may
+    name what the graph does not run or read."""
     steps: list[Pass] = []
     if pin is not None:
         by_stage: dict[int, list[str]] = {}
         for name, stage in pins_of(pin):
             by_stage.setdefault(stage, []).append(name)
-        steps += [PinPass(module=tuple(names), stage=stage) for stage, names in sorted(by_stage.items())]
+        steps += [PinPass(module=tuple(names), stage=stage, optional=optional)
+                  for stage, names in sorted(by_stage.items())]
     if no_split is not None and names_of("no_split", no_split):
         steps.append(NoSplitPass(modules=names_of("no_split", no_split)))
     if cut_before is not None and names_of("cut_before", cut_before):

@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import AbstractSet, Any, ClassVar, Mapping, Sequence
 
 import networkx as nx
 
@@ -73,11 +73,19 @@ def check_cut_order(program: ShardProgram) -> None:
             "'order' must list every DAG node once, each after its inputs") from exc
 
 
-def pinned_stages(dag: nx.DiGraph, pins: Sequence[tuple[str, int]]) -> dict[str, StageRange]:
-    """Each node a pin holds, with its stage; a node two pins hold at different stages is refused."""
+def pinned_stages(dag: nx.DiGraph, pins: Sequence[tuple[str, int]],
+                  optional: AbstractSet[str] = frozenset()) -> dict[str, StageRange]:
+    """Each node a pin holds, with its stage; a node two pins hold at different stages is refused.
+    A name in ``optional`` that the graph does not run or read holds nothing."""
     found: dict[str, StageRange] = {}
     for name, stage in pins:
-        for node in sorted(pinned_nodes(dag, name), key=str):
+        try:
+            nodes = pinned_nodes(dag, name)
+        except InvalidArgumentError:
+            if name in optional:
+                continue
+            raise
+        for node in sorted(nodes, key=str):
             held = found.setdefault(node, StageRange(stage, stage, f"pin {name!r}"))
             if held.first != stage:
                 raise InfeasibleSplitError(
@@ -323,7 +331,7 @@ class _SplitWithConstraints(Pass):
             cut_before=labels,
             together=together,
             prefer_together={g.label: g.readers for g in placement.preferred},
-            stage_ranges=ctx.analysis(("pins", dag, given.pins), lambda: pinned_stages(dag, given.pins)),
+            stage_ranges=ctx.analysis(("pins", dag, given), lambda: pinned_stages(dag, given.pins, given.optional)),
             capacities=self.capacities or None,
             return_info=True, **limits, **self.strategy_options(),
         )

@@ -1,0 +1,190 @@
+"""Re-specialisation: a sharded model serves a call its capture's guards refuse by capturing again.
+
+A capture fixes some of its example's sizes and branches (a condition on a sequence length, a size
+turned into a Python number); a call that flips one raises ``SpecializationMismatch``. As
+torch.compile recompiles on a failed guard, the ``Specializer`` kept on the ``ShardedModel``
+captures the model again for that call's inputs and splits the new graph under the same
+partition: every parameter and buffer one stage holds is pinned to that stage (optional pins: a
+weight this branch does not read pins nothing), so what makes the plan a plan, which stage holds
+which weights, stays. The new stages are verified against the model on the call (when the
+pipeline verifies) and kept; later calls try first the specialisation that last served their
+argument shapes, so a cached one costs its own guard check and a shape lookup.
+
+Only a ``SpecializationMismatch`` re-specialises: another dtype, device, constant or container
+layout is refused as before. In training mode a guard that fails after a stage has computed is
+refused too, as running the stages again would update buffers (batch-norm statistics) twice:
+``sharded.specialize(*args, **kwargs)`` makes the specialisation without running any stage.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autoshard.errors import ExampleInputsError, InputMismatchError, InvalidArgumentError, SpecializationMismatch
+from autoshard.sharded import ShardedModel
+
+#: How many specialisations a sharded model makes at most, by default (torch.compile's recompile
+#: limit is 8 too).
+MAX_SPECIALIZATIONS = 8
+
+ShapeKey = tuple[Any, ...]
+
+
+class SpecializationLimitWarning(UserWarning):
+    """A sharded model made its last allowed specialisation; later new ones are refused."""
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """One more capture of the model: the argument shapes it was made for (its guard values), the
+    guard the earlier plans failed, how long the capture took, and its stages."""
+
+    shapes: ShapeKey
+    guard: str
+    seconds: float
+    sharded: ShardedModel = field(repr=False)
+
+    def describe(self) -> str:
+        shapes = ", ".join(f"{name}: {tuple(shape)}" for name, shape in self.shapes if shape is not None)
+        return f"{shapes or 'no tensor arguments'} ({self.seconds:.1f} s to capture)"
+
+
+def shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:
+    """The call's argument shapes, by position and keyword (None for a value that is no tensor):
+    which specialisation to try first. Top-level arguments only, so it costs a microsecond; a
+    specialisation's own guards decide whether it serves the call."""
+    key = [(i, value.shape if isinstance(value, torch.Tensor) else None) for i, value in enumerate(args)]
+    key += [(name, value.shape if isinstance(value, torch.Tensor) else None) for name, value in kwargs.items()]
+    return tuple(key)
+
+
+class Specializer:
+    """Serves a ``ShardedModel``'s calls, capturing the model again when a guard flips.
+
+    ``capture(model, args, kwargs, pins)`` shards the model for a call's inputs with ``pins``
+    (``{weight name: stage}``) held; ``shard_model`` gives it the pipeline, cost and memory model
+    of the first plan. It holds the model, as the stages do (they watch its modules' modes).
+    """
+
+    def __init__(self, model: nn.Module, capture: Callable[..., ShardedModel], limit: int = MAX_SPECIALIZATIONS):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise InvalidArgumentError(f"max_specializations must be a whole number >= 0, got {limit!r}")
+        self._model = model
+        self._capture = capture
+        self.limit = limit
+        self.specializations: list[Specialization] = []
+        self._last: dict[ShapeKey, ShardedModel] = {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        """A copy of the stages holds copies of the weights, which a capture of the model would not:
+        copies serve what their own guards allow, as before."""
+        return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(None), ()
+
+    # -- serving ---------------------------------------------------------------------------------
+    def serve(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the plan that serves this call: the one that last served its shapes, then the others,
+        then a new capture."""
+        if not self.specializations:
+            try:
+                return primary.run_stages(args, kwargs)
+            except SpecializationMismatch as exc:
+                return self._specialized(primary, args, kwargs, exc)
+        key = shape_key(args, kwargs)
+        first = self._last.get(key)
+        failed: SpecializationMismatch | None = None
+        for sharded in ([first] if first is not None else []) + [p for p in self._plans(primary) if p is not first]:
+            try:
+                result = sharded.run_stages(args, kwargs)
+            except SpecializationMismatch as exc:
+                self._check_rerun(primary, exc)
+                failed = exc
+                continue
+            self._last[key] = sharded
+            return result
+        assert failed is not None
+        return self._specialized(primary, args, kwargs, failed)
+
+    def _plans(self, primary: ShardedModel) -> list[ShardedModel]:
+        return [primary] + [s.sharded for s in self.specializations]
+
+    def _check_rerun(self, primary: ShardedModel, exc: SpecializationMismatch) -> None:
+        """Refuse to run stages again in training mode after some computed: buffers they update in
+        place (batch-norm statistics) would be updated twice."""
+        if primary.plan.training and not exc.before_compute:
+            raise InputMismatchError(
+                f"{exc}. In training mode a plan is made for new inputs only before any stage runs (a stage "
+                "that ran may have updated its buffers): call sharded.specialize(*args, **kwargs) with inputs "
+                "like these first, or call once in eval mode") from exc
+
+    def _specialized(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     exc: SpecializationMismatch) -> Any:
+        self._check_rerun(primary, exc)
+        sharded = self.specialize(primary, args, kwargs, guard=str(exc))
+        return sharded.run_stages(args, kwargs)
+
+    # -- capturing -------------------------------------------------------------------------------
+    def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   guard: str = "made ahead with sharded.specialize") -> ShardedModel:
+        """Capture the model for these inputs under the primary plan's partition, keep and return it."""
+        key = shape_key(args, kwargs)
+        if len(self.specializations) >= self.limit:
+            seen = "; ".join(s.describe() for s in self.specializations) or "none"
+            raise InputMismatchError(
+                f"{guard}. This sharded model has made its {self.limit} specialisations (max_specializations; made "
+                f"for: {seen}); shard the model with a larger max_specializations= to serve these inputs too")
+        pins = ownership(primary)
+        started = time.perf_counter()
+        try:
+            sharded = self._capture(self._model, args, kwargs, pins)
+        except ExampleInputsError as exc:
+            if exc.__cause__ is not None:  # the model itself refuses these inputs: its own error
+                raise exc.__cause__ from None
+            raise
+        except InvalidArgumentError as exc:
+            raise InputMismatchError(
+                f"{guard}. A new capture for these inputs cannot keep every weight in the stage that holds it "
+                f"({exc}); shard the model again with an example like these inputs") from exc
+        check_same_holders(primary, sharded)
+        self.specializations.append(Specialization(key, guard.split(";")[0], time.perf_counter() - started, sharded))
+        self._last[key] = sharded
+        if len(self.specializations) == self.limit:
+            warnings.warn(
+                f"this sharded model has made its {self.limit} specialisations (max_specializations); inputs that "
+                "need another are refused from now on", SpecializationLimitWarning, stacklevel=4)
+        return sharded
+
+
+def holders(sharded: ShardedModel) -> dict[str, frozenset[int]]:
+    """Each parameter and buffer name, with the stages that hold it."""
+    found: dict[str, set[int]] = {}
+    for j, stage in enumerate(sharded.stages):
+        names = [n for n, _ in stage.named_parameters(remove_duplicate=False)]
+        names += [n for n, _ in stage.named_buffers(remove_duplicate=False)]
+        for name in names:
+            found.setdefault(name, set()).add(j)
+    return {name: frozenset(stages) for name, stages in found.items()}
+
+
+def ownership(sharded: ShardedModel) -> dict[str, int]:
+    """``{name: stage}`` for every parameter and buffer one stage holds (a tied weight several stages
+    hold is left to the split and checked after)."""
+    return {name: min(stages) for name, stages in holders(sharded).items() if len(stages) == 1}
+
+
+def check_same_holders(primary: ShardedModel, sharded: ShardedModel) -> None:
+    """Refuse a specialisation in which a weight both plans hold sits in other stages."""
+    before = holders(primary)
+    for name, stages in holders(sharded).items():
+        if name in before and before[name] != stages:
+            raise InputMismatchError(
+                f"a new capture for these inputs holds {name!r} in stage(s) {sorted(stages)}, but the plan holds it "
+                f"in stage(s) {sorted(before[name])}; shard the model again with an example like these inputs")

@@ -1,0 +1,103 @@
+"""Re-specialisation on the Hugging Face decoders: what a new capture costs and what a cached one adds.
+
+    python benchmarks/specialize.py            # every decoder family of the zoo, a few minutes
+    python benchmarks/specialize.py --quick    # GPT-2 only
+
+Each family (``tests/test_real_models_zoo.py``) is sharded into 2 stages at batch 2 x 8, then
+called at batch 1 and 3, sequence 1 and 5 (and 1 x 1), each compared with the model (exact:
+every output tensor equal). Per family: how many calls needed a new capture, the wall time of each
+(first call), whether every weight stayed in its stage, and per-call times under no_grad (best of
+``REPEATS``, torch on one thread) of the model, of the first plan on the example's shape, and of a
+cached specialisation on a shape that needed one: the dispatch a cached specialisation adds is its
+time against the first plan's at the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from test_real_models_zoo import BY_NAME, EXAMPLE  # noqa: E402  (sets HF offline first)
+
+import autoshard  # noqa: E402
+from autoshard.specialize import holders, shape_key  # noqa: E402
+
+DECODERS = ("gpt2", "llama", "opt", "mistral", "qwen2", "gpt-neox", "mixtral")
+CALLS = ((1, 8), (3, 8), (2, 1), (2, 5), (1, 1))
+REPEATS = 30
+
+
+def best_time(fn, repeats: int = REPEATS) -> float:
+    """Best wall time of ``fn()`` in microseconds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+def equal(a, b) -> bool:
+    flat_a, flat_b = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return len(flat_a) == len(flat_b) and all(torch.equal(x, y) for x, y in zip(flat_a, flat_b))
+
+
+def run(name: str) -> dict:
+    family = BY_NAME[name]
+    model = family.build()
+    sharded = autoshard.shard_model(model, 2, example_kwargs=family.inputs(*EXAMPLE))
+    before = holders(sharded)
+    exact = 0
+    with torch.no_grad():
+        for shape in CALLS:
+            inputs = family.inputs(*shape)
+            exact += equal(sharded(**inputs), model(**inputs))
+        made = sharded.specializations
+        example = family.inputs(*EXAMPLE)
+        made_for = {m.shapes for m in made}
+        new_shape = next((s for s in CALLS if shape_key((), family.inputs(*s)) in made_for), None)
+        times = {"model": best_time(lambda: model(**example)), "first plan": best_time(lambda: sharded(**example))}
+        if new_shape is not None:
+            later = family.inputs(*new_shape)
+            times["model (new shape)"] = best_time(lambda: model(**later))
+            times["cached specialisation"] = best_time(lambda: sharded(**later))
+    return {"name": name, "exact": exact, "made": made, "same": all(holders(m.sharded) == before for m in made),
+            "times": times, "new_shape": new_shape}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="GPT-2 only")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    table = Table(title=f"re-specialisation: k = 2, planned at {EXAMPLE[0]} x {EXAMPLE[1]}, "
+                        f"called at {', '.join(f'{b} x {s}' for b, s in CALLS)}")
+    for column in ("model", "exact", "new captures (s)", "weights kept", "model µs", "first plan µs",
+                   "new shape: model µs", "cached specialisation µs"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for name in (("gpt2",) if args.quick else DECODERS):
+        row = run(name)
+        times = row["times"]
+        table.add_row(
+            name, f"{row['exact']}/{len(CALLS)}",
+            ", ".join(f"{m.seconds:.1f}" for m in row["made"]) or "none",
+            "yes" if row["same"] else "NO",
+            f"{times['model']:.0f}", f"{times['first plan']:.0f}",
+            f"{times.get('model (new shape)', float('nan')):.0f}",
+            f"{times.get('cached specialisation', float('nan')):.0f}",
+        )
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()

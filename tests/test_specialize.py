@@ -1,0 +1,114 @@
+"""Re-specialisation: a call that flips a size or branch the capture fixed is served by a new
+capture under the same partition (``autoshard.specialize``)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch
+from autoshard.specialize import SpecializationLimitWarning, holders
+
+
+class SizeBranch(nn.Module):
+    """A Python ``if`` on the batch size between four layers; batch norm to watch buffer updates."""
+
+    def __init__(self, norm: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+        self.norm = nn.BatchNorm1d(8) if norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        x = self.a(x) * scale
+        if x.shape[0] > 2:
+            x = self.b(x) * 2
+        else:
+            x = self.b(x) - 1
+        return self.d(self.norm(self.c(x)))
+
+
+def size_branch(**kwargs) -> tuple[nn.Module, autoshard.ShardedModel]:
+    torch.manual_seed(0)
+    model = SizeBranch().eval()
+    return model, autoshard.shard_model(model, 2, (torch.randn(4, 8),), **kwargs)
+
+
+def test_a_flipped_branch_is_served_exactly_with_every_weight_in_its_stage():
+    model, sharded = size_branch()
+    before = holders(sharded)
+    x = torch.randn(1, 8)
+    assert torch.equal(sharded(x), model(x))
+    (made,) = sharded.specializations
+    assert "x.shape[0] > 2" in made.guard and made.shapes == ((0, torch.Size([1, 8])),) and made.seconds > 0
+    assert holders(made.sharded) == before
+    # Later calls: the cached plan serves batch 1 and 2, the first one batch 5; nothing new is captured.
+    for batch in (1, 2, 5, 1):
+        x = torch.randn(batch, 8)
+        assert torch.equal(sharded(x), model(x))
+    assert len(sharded.specializations) == 1
+
+
+def test_respecialize_false_keeps_the_refusal():
+    _, sharded = size_branch(respecialize=False)
+    with pytest.raises(SpecializationMismatch, match=r"x.shape\[0\] > 2"):
+        sharded(torch.randn(1, 8))
+    assert sharded.specializations == ()
+    with pytest.raises(PlanError, match="respecialize=True"):
+        sharded.specialize(torch.randn(1, 8))
+
+
+def test_the_limit_warns_when_reached_and_then_refuses_naming_what_was_made():
+    _, sharded = size_branch(max_specializations=1)
+    with pytest.warns(SpecializationLimitWarning, match="made its 1 specialisations"):
+        sharded(torch.randn(1, 8))
+    sharded.specializer._last.clear()
+    _, none_allowed = size_branch(max_specializations=0)
+    with pytest.raises(InputMismatchError, match=r"made its 0 specialisations \(max_specializations; made for: none\)"):
+        none_allowed(torch.randn(1, 8))
+    with pytest.raises(InputMismatchError, match="larger max_specializations="):
+        none_allowed(torch.randn(1, 8))
+
+
+def test_what_no_capture_changes_is_refused_as_before():
+    model, sharded = size_branch()
+    with pytest.raises(InputMismatchError, match="scale") as info:
+        sharded(torch.randn(1, 8), scale=3.0)
+    assert not isinstance(info.value, SpecializationMismatch) and sharded.specializations == ()
+
+
+def test_a_call_the_model_itself_refuses_gets_the_models_error():
+    model, sharded = size_branch()
+    with pytest.raises(RuntimeError) as expected:
+        model(torch.randn(1, 7))
+    with pytest.raises(RuntimeError) as got:
+        sharded(torch.randn(1, 7))
+    assert str(got.value) == str(expected.value)
+    assert sharded.specializations == ()
+
+
+def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_specialize_serves_it():
+    torch.manual_seed(0)
+    model = SizeBranch(norm=True).train()
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    x = torch.randn(2, 8)
+    with pytest.raises(InputMismatchError, match=r"call sharded.specialize\(\*args, \*\*kwargs\)"):
+        sharded(x)
+    # The refused call ran no stage that holds the batch norm: its statistics moved by the example only.
+    sharded.specialize(torch.randn(2, 8))
+    model.norm.running_mean.copy_(twin.norm.running_mean)
+    assert torch.equal(sharded(x), twin(x))
+    assert torch.equal(model.norm.running_mean, twin.norm.running_mean)
+
+
+def test_copies_and_pickles_serve_what_their_own_guards_allow():
+    _, sharded = size_branch()
+    for copied in (copy.deepcopy(sharded), pickle.loads(pickle.dumps(sharded))):
+        assert copied.specializer is None
+        with pytest.raises(SpecializationMismatch):
+            copied(torch.randn(1, 8))

@@ -1,0 +1,32 @@
+"""Re-specialisation on Hugging Face decoders: planned at batch 2 x 8, called at batch 1 and 3,
+sequence 1 and 5, each exact, with every weight in the stage that held it. Sequence 1 flips the
+attention's ``q_length > 1`` branch, which the first capture fixed. ``benchmarks/specialize.py``
+runs every decoder family of the zoo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.specialize import holders
+from test_real_models import assert_same_output
+from test_real_models_zoo import BY_NAME, EXAMPLE
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_decoder_serves_other_batches_and_lengths_with_its_weights_in_their_stages(name):
+    family = BY_NAME[name]
+    model = family.build()
+    sharded = autoshard.shard_model(model, 2, example_kwargs=family.inputs(*EXAMPLE))
+    before = holders(sharded)
+    with torch.no_grad():
+        for batch, seq in ((1, 8), (3, 8), (2, 1), (2, 5), (1, 1)):
+            inputs = family.inputs(batch, seq)
+            assert_same_output(sharded(**inputs), model(**inputs))
+    assert 1 <= len(sharded.specializations) <= 2  # sequence 1 needs one (batch 1 x 1 may reuse it)
+    for made in sharded.specializations:
+        assert holders(made.sharded) == before
+        assert "q_length" in made.guard
