@@ -301,13 +301,21 @@ def shard_model(
     if not isinstance(respecialize, bool):
         raise InvalidArgumentTypeError(f"respecialize must be True or False, got {respecialize!r}")
     if respecialize and inputs is not None:
-        def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    pins: Mapping[str, int]) -> ShardedModel:
-            return shard_model(model, num_stages, args, kwargs, cost, with_constraints(chosen, pin=pins, optional=True),
-                               memory_model=memory_model, respecialize=False)
-
-        program.sharded.specializer = Specializer(model, capture, max_specializations)
+        program.sharded.specializer = specializer_for(model, num_stages, chosen, cost, memory_model,
+                                                      max_specializations)
     return program.sharded
+
+
+def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost: str | CostFunction,
+                    memory_model: MemoryModel | None, limit: int = MAX_SPECIALIZATIONS) -> Specializer:
+    """The ``Specializer`` that captures ``model`` again with ``pipeline`` (which made the first plan),
+    each weight pinned to the stage holding it."""
+    def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                pins: Mapping[str, int]) -> ShardedModel:
+        return shard_model(model, num_stages, args, kwargs, cost, with_constraints(pipeline, pin=pins, optional=True),
+                           memory_model=memory_model, respecialize=False)
+
+    return Specializer(model, capture, limit)
 
 
 def _limits_training_memory(pipeline: Pipeline) -> bool:

@@ -12,7 +12,8 @@ argument shapes, so a cached one costs its own guard check and a shape lookup.
 
 Only a ``SpecializationMismatch`` re-specialises: another dtype, device, constant or container
 layout is refused as before. In training mode a guard that fails after a stage has computed is
-refused too, as running the stages again would update buffers (batch-norm statistics) twice:
+refused too where the stages hold buffers or draw random numbers, as running them again would
+update the buffers (batch-norm statistics) twice and move the generator on:
 ``sharded.specialize(*args, **kwargs)`` makes the specialisation without running any stage.
 """
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import ExampleInputsError, InputMismatchError, InvalidArgumentError, SpecializationMismatch
+from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
 
 #: How many specialisations a sharded model makes at most, by default (torch.compile's recompile
@@ -34,6 +36,8 @@ from autoshard.sharded import ShardedModel
 MAX_SPECIALIZATIONS = 8
 
 ShapeKey = tuple[Any, ...]
+#: Runs one plan on a call: ``ShardedModel.run_stages``, or a runtime's own way.
+Runner = Callable[[ShardedModel, tuple[Any, ...], dict[str, Any]], Any]
 
 
 class SpecializationLimitWarning(UserWarning):
@@ -90,46 +94,49 @@ class Specializer:
         return type(None), ()
 
     # -- serving ---------------------------------------------------------------------------------
-    def serve(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def serve(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
+              run: Runner = ShardedModel.run_stages) -> Any:
         """Run the plan that serves this call: the one that last served its shapes, then the others,
-        then a new capture."""
+        then a new capture. ``run(plan, args, kwargs)`` runs one plan (a runtime's own way, such as
+        ``OffloadRunner``'s; default: the stages in turn)."""
         if not self.specializations:
             try:
-                return primary.run_stages(args, kwargs)
+                return run(primary, args, kwargs)
             except SpecializationMismatch as exc:
-                return self._specialized(primary, args, kwargs, exc)
+                self._check_rerun(primary, exc)
+                return self._specialized(primary, args, kwargs, exc, run)
         key = shape_key(args, kwargs)
         first = self._last.get(key)
         failed: SpecializationMismatch | None = None
         for sharded in ([first] if first is not None else []) + [p for p in self._plans(primary) if p is not first]:
             try:
-                result = sharded.run_stages(args, kwargs)
+                result = run(sharded, args, kwargs)
             except SpecializationMismatch as exc:
-                self._check_rerun(primary, exc)
+                self._check_rerun(sharded, exc)
                 failed = exc
                 continue
             self._last[key] = sharded
             return result
         assert failed is not None
-        return self._specialized(primary, args, kwargs, failed)
+        return self._specialized(primary, args, kwargs, failed, run)
 
     def _plans(self, primary: ShardedModel) -> list[ShardedModel]:
         return [primary] + [s.sharded for s in self.specializations]
 
-    def _check_rerun(self, primary: ShardedModel, exc: SpecializationMismatch) -> None:
-        """Refuse to run stages again in training mode after some computed: buffers they update in
-        place (batch-norm statistics) would be updated twice."""
-        if primary.plan.training and not exc.before_compute:
+    def _check_rerun(self, tried: ShardedModel, exc: SpecializationMismatch) -> None:
+        """Refuse to run stages again in training mode after some computed, where that is not the
+        same as running them once: buffers they update in place (batch-norm statistics) would be
+        updated twice, random draws (dropout) would move the generator on."""
+        if tried.plan.training and not exc.before_compute and not runs_again_the_same(tried):
             raise InputMismatchError(
-                f"{exc}. In training mode a plan is made for new inputs only before any stage runs (a stage "
-                "that ran may have updated its buffers): call sharded.specialize(*args, **kwargs) with inputs "
-                "like these first, or call once in eval mode") from exc
+                f"{exc}. In training mode, stages that hold buffers or draw random numbers are not run again "
+                "for new inputs once some have computed (the buffers would be updated twice, the draws would "
+                "differ from the model's): call sharded.specialize(*args, **kwargs) with inputs like these "
+                "first, or call once in eval mode") from exc
 
     def _specialized(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     exc: SpecializationMismatch) -> Any:
-        self._check_rerun(primary, exc)
-        sharded = self.specialize(primary, args, kwargs, guard=str(exc))
-        return sharded.run_stages(args, kwargs)
+                     exc: SpecializationMismatch, run: Runner) -> Any:
+        return run(self.specialize(primary, args, kwargs, guard=str(exc)), args, kwargs)
 
     # -- capturing -------------------------------------------------------------------------------
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -149,9 +156,9 @@ class Specializer:
             if exc.__cause__ is not None:  # the model itself refuses these inputs: its own error
                 raise exc.__cause__ from None
             raise
-        except InvalidArgumentError as exc:
+        except InvalidArgumentError as exc:  # a pin the new graph's order cannot meet names its weight
             raise InputMismatchError(
-                f"{guard}. A new capture for these inputs cannot keep every weight in the stage that holds it "
+                f"{guard}. A new capture for these inputs, with every weight in the stage that holds it, failed "
                 f"({exc}); shard the model again with an example like these inputs") from exc
         check_same_holders(primary, sharded)
         self.specializations.append(Specialization(key, guard.split(";")[0], time.perf_counter() - started, sharded))
@@ -161,6 +168,13 @@ class Specializer:
                 f"this sharded model has made its {self.limit} specialisations (max_specializations); inputs that "
                 "need another are refused from now on", SpecializationLimitWarning, stacklevel=4)
         return sharded
+
+
+def runs_again_the_same(sharded: ShardedModel) -> bool:
+    """Whether running some of these stages twice leaves what running them once leaves: no stage
+    holds a buffer (which training updates in place) or draws random numbers."""
+    return not any(any(True for _ in stage.buffers()) or any(draws_random(stage, n) for n in stage.graph.nodes)
+                   for stage in sharded.stages)
 
 
 def holders(sharded: ShardedModel) -> dict[str, frozenset[int]]:

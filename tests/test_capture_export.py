@@ -313,12 +313,16 @@ class CountedChunks(nn.Module):
 
 @pytest.mark.parametrize("model, served, refused", [(ParityBranch(), 6, 5), (CountedChunks(), 3, 8)])
 def test_exports_conditions_on_sizes_are_checked_on_every_call(model, served, refused):
-    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 4),),
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 4),), respecialize=False,
                                     pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
     x = torch.randn(served, 4)
     assert torch.equal(sharded(x), model(x))
     with pytest.raises(InputMismatchError, match="the plan was captured where .*x.shape\\[0\\]"):
         sharded(torch.randn(refused, 4))
+    respecialized = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 4),),
+                                          pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    x = torch.randn(refused, 4)
+    assert torch.equal(respecialized(x), model(x)) and len(respecialized.specializations) == 1
 
 
 def count_positive(x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -112,3 +112,22 @@ def test_copies_and_pickles_serve_what_their_own_guards_allow():
         assert copied.specializer is None
         with pytest.raises(SpecializationMismatch):
             copied(torch.randn(1, 8))
+
+
+def test_the_offload_runner_serves_the_specialisations_too():
+    model, sharded = size_branch()
+    runner = autoshard.runtime.OffloadRunner(sharded, "cpu")
+    for batch in (1, 4, 2):
+        x = torch.randn(batch, 8)
+        assert torch.equal(runner(x), model(x))
+    assert len(sharded.specializations) == 1
+
+
+def test_a_loaded_plan_specialises_under_its_partition(tmp_path):
+    model, sharded = size_branch()
+    path = sharded.save_plan(tmp_path / "plan.json")
+    loaded = autoshard.load_plan(path, model, (torch.randn(4, 8),))
+    x = torch.randn(1, 8)
+    assert torch.equal(loaded(x), model(x))
+    (made,) = loaded.specializations
+    assert holders(made.sharded) == holders(sharded)

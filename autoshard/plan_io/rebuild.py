@@ -53,6 +53,7 @@ def load_plan(
     *,
     verify: bool = True,
     instruments: Iterable[Any] = (),
+    respecialize: bool = True,
 ) -> "ShardedModel":
     """Rebuild the stages a saved plan describes, for ``model``.
 
@@ -60,8 +61,11 @@ def load_plan(
     the ones the plan was saved from; with example inputs they are verified against the model.
     ``load_plan(model, path, ...)`` works too.
     The plan keeps the memory model it was made for (optimizer bytes, microbatches in flight).
+    With example inputs and ``respecialize``, calls the plan's guards refuse are captured again
+    under its partition, as ``shard_model``'s are (``autoshard.specialize``).
     """
-    from autoshard.api import check_model, example_inputs_of, run_pipeline
+    from autoshard.api import check_model, example_inputs_of, run_pipeline, specializer_for
+    from autoshard.passes.pipeline import Pipeline
 
     if isinstance(path, nn.Module) and isinstance(model, (str, os.PathLike)):
         path, model = model, path  # load_plan(model, path): the order is told apart by type
@@ -82,4 +86,7 @@ def load_plan(
         raise PlanError(f"plan {path}'s pipeline {pipeline} builds no stages; it must end with 'emit'")
     split = None if weight_size_changes(saved, program.dag) else saved.split
     program.sharded.plan_origin = PlanOrigin.rebuilt(saved, program, split)
+    if respecialize and inputs is not None:
+        program.sharded.specializer = specializer_for(model, saved.num_stages, Pipeline.parse(saved.pipeline),
+                                                      saved.cost_model, saved.memory_model)
     return program.sharded

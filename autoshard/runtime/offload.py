@@ -48,11 +48,28 @@ class OffloadRunner:
                 f"got {type(sharded).__name__}")
         self.sharded = sharded
         self.device = resolve_device(device, "the offload runner")
+        self._runners: dict[int, OffloadRunner] = {}  # by specialisation (each kept alive by its runner)
         self._shells = [replaced(stage, _meta_placeholder) for stage in sharded.stages]
         for shell in self._shells:
             retarget_devices(shell, self.device)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        specializer = self.sharded.specializer
+        if specializer is None:
+            return self.run_stages(args, kwargs)
+        return specializer.serve(self.sharded, args, kwargs, self._run_plan)
+
+    def _run_plan(self, sharded: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``sharded`` (this plan or one of its specialisations) offloaded, each by a runner of its own."""
+        if sharded is self.sharded:
+            return self.run_stages(args, kwargs)
+        runner = self._runners.get(id(sharded))
+        if runner is None:
+            runner = self._runners[id(sharded)] = OffloadRunner(sharded, self.device)
+        return runner.run_stages(args, kwargs)
+
+    def run_stages(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call of this plan's stages, each offloaded in turn."""
         args, kwargs = self.sharded.fit_call(args, kwargs)
         values = self._run(0, moved_to(self.device, args), moved_to(self.device, kwargs))
         for index in range(1, self.sharded.num_stages):
