@@ -16,8 +16,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
-from autoshard.errors import InvalidArgumentTypeError
+from autoshard.errors import InvalidArgumentTypeError, PipelineSetupError
 from autoshard.runtime.rebuild import shared_across_stages, stage_tensors
 from autoshard.sharded import ShardedModel
 
@@ -64,30 +65,62 @@ class TiedGradients:
         self._device = stages[0].device
         world = dist.get_world_size(self.group)
         self._across_ranks = [s for s in self.shared if len({i % world for i in s.stages}) > 1]
+        self._shapes: dict[int, tuple[int, ...]] | None = None
 
     def _local_holders(self, shared: SharedParameter) -> list[torch.nn.Parameter]:
         held = (self._local[s].get_parameter(n) for s, n in shared.holders if s in self._local)
         return list({id(p): p for p in held}.values())
 
-    def _local_sum(self, shared: SharedParameter) -> torch.Tensor:
-        total = torch.zeros(shared.shape, dtype=shared.dtype, device=self._device)
+    def _local_shapes(self) -> dict[int, tuple[int, ...]]:
+        """The shape of the local part of each shared parameter this rank sums (``self.shared``
+        by index): its own for one held here, a peer's for one crossing ranks that only others hold
+        (exchanged on the first call: a collective, made alike by every rank of the group)."""
+        mine = {i: tuple(_local(p).shape) for i, s in enumerate(self.shared) for p in self._local_holders(s)[:1]}
+        if self._shapes is None:
+            across = [i for i, s in enumerate(self.shared) if s in self._across_ranks]
+            gathered: list[dict[int, tuple[int, ...]]] = [mine]
+            if across:
+                gathered = [{}] * dist.get_world_size(self.group)
+                dist.all_gather_object(gathered, {i: mine[i] for i in across if i in mine}, group=self.group)
+            self._shapes = {}
+            for i in across:
+                seen = {shapes[i] for shapes in gathered if i in shapes}
+                if len(seen) != 1:
+                    raise PipelineSetupError(
+                        f"the holders of '{self.shared[i].holders[0][1]}' hold parts of shapes {sorted(seen)} on the "
+                        "ranks of one pipeline; shard (or replicate) every holder over the same data-parallel mesh")
+                self._shapes[i] = seen.pop()
+        return {**self._shapes, **mine}
+
+    def _local_sum(self, shared: SharedParameter, shape: tuple[int, ...]) -> torch.Tensor:
+        total = torch.zeros(shape, dtype=shared.dtype, device=self._device)
         for param in self._local_holders(shared):
             if param.grad is not None:
-                total += param.grad.to(total.device)
+                total += _local(param.grad).to(total.device)
         return total
 
     def _write(self, shared: SharedParameter, total: torch.Tensor) -> None:
         for param in self._local_holders(shared):
-            param.grad = total.to(param.device, copy=True)
+            part = total.to(_local(param).device, copy=True)
+            param.grad = DTensor.from_local(part, param.device_mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride()) \
+                if isinstance(param, DTensor) else part
 
     def sync(self) -> None:
         """Give every holder the summed gradient; a collective over the pipeline group."""
-        totals = {id(s): self._local_sum(s) for s in self.shared}
+        shapes = self._local_shapes()
+        totals = {i: self._local_sum(s, shapes[i]) for i, s in enumerate(self.shared) if i in shapes}
         for dtype in dict.fromkeys(s.dtype for s in self._across_ranks):
-            batch = [s for s in self._across_ranks if s.dtype == dtype]
-            flat = torch.cat([totals[id(s)].flatten() for s in batch])
+            batch = [i for i, s in enumerate(self.shared) if s in self._across_ranks and s.dtype == dtype]
+            flat = torch.cat([totals[i].flatten() for i in batch])
             dist.all_reduce(flat, group=self.group)
-            for s, part in zip(batch, flat.split([totals[id(s)].numel() for s in batch])):
-                totals[id(s)] = part.view(s.shape)
-        for s in self.shared:
-            self._write(s, totals[id(s)])
+            for i, part in zip(batch, flat.split([totals[i].numel() for i in batch])):
+                totals[i] = part.view(totals[i].shape)
+        for i, s in enumerate(self.shared):
+            if i in totals:
+                self._write(s, totals[i])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its local shard if it is a ``DTensor``, else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
