@@ -4,6 +4,10 @@ A stage's ``state_dict()`` keys are the model's own keys (stages hold the model'
 their qualified names), so stage checkpoints need no renaming: merging every stage's state gives
 the model's checkpoint, and a stage loads its part of the model's checkpoint by picking its keys.
 A file is opened memory-mapped, so reading one stage's part never pages in the rest.
+
+Under ``parallelize`` a stage's weights may be sharded over data-parallel ranks: those stages save
+and load with ``torch.distributed.checkpoint`` (``save_distributed``, ``load_distributed``), under
+the same names, so a checkpoint moves between layouts and back to the unsplit model.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import os
 from typing import Mapping, Sequence, Union
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from autoshard.errors import CheckpointMismatchError, InvalidArgumentTypeError
 
@@ -85,3 +91,45 @@ def merge_stage_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str
             merged.setdefault(name, value)
             first_holder.setdefault(name, index)
     return merged
+
+
+Stages = Sequence[Union[PipelineStage, nn.Module]]
+
+
+def _modules(stages: Stages) -> list[nn.Module]:
+    return [stage.submod if isinstance(stage, PipelineStage) else stage for stage in stages]
+
+
+def _local_state(stages: Stages) -> dict[str, torch.Tensor]:
+    """The state of this rank's stage modules under the model's names (a key two of them hold,
+    a weight shared by two stages, is the same weight after ``TiedGradients.sync``: kept once)."""
+    state: dict[str, torch.Tensor] = {}
+    for stage in _modules(stages):
+        for name, value in stage.state_dict().items():
+            state.setdefault(name, value)
+    return state
+
+
+def save_distributed(stages: Stages, path: Union[str, "os.PathLike[str]"]) -> None:
+    """Save the state of this rank's stages (``parallel.stages``, or their modules) with
+    ``torch.distributed.checkpoint``, every rank at once (a collective over the default group).
+
+    The keys are the model's own and sharded weights are saved as their shards, so the checkpoint
+    loads into any other layout (``load_distributed``), or into the unsplit model after
+    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``.
+    """
+    dcp.save(_local_state(stages), checkpoint_id=os.fspath(path))
+
+
+def load_distributed(stages: Stages, path: Union[str, "os.PathLike[str]"]) -> None:
+    """Load a checkpoint ``save_distributed`` wrote, in whatever layout, into this rank's stage
+    modules in place (each takes its own keys and, when sharded, its own shards). A collective."""
+    state = _local_state(stages)
+    try:
+        dcp.load(state, checkpoint_id=os.fspath(path))
+    except dcp.CheckpointException as exc:
+        raise CheckpointMismatchError(
+            f"cannot load the distributed checkpoint {os.fspath(path)!r} into this rank's stages: {exc}; save it "
+            "from the same model (save_distributed) with the same configuration") from exc
+    for stage in _modules(stages):
+        stage.load_state_dict({name: state[name] for name in stage.state_dict()})
