@@ -4,14 +4,22 @@
     torchrun --nproc-per-node 2 examples/train_pipeline.py --model residual-mlp --schedule 1f1b
     torchrun --nproc-per-node 2 examples/train_pipeline.py --stages 4 --schedule interleaved-1f1b
     torchrun --nproc-per-node 2 examples/train_pipeline.py --model hf-gpt2   # needs transformers
+    torchrun --nproc-per-node 4 examples/train_pipeline.py --dp 2            # 2 pipeline x 2 FSDP
+    torchrun --nproc-per-node 4 examples/train_pipeline.py --dp 2 --ddp      # 2 pipeline x 2 replicas
 
 On CPUs the processes talk over gloo; where CUDA is available the same command uses NCCL and
 GPU ``LOCAL_RANK``. Every rank builds the same model from the same seed, shards it, and runs only
-its own stages (stage i on rank i % world size). The last stage's rank prints the loss.
+its own stages (stage i on pipeline rank i % pipeline size). The last stage's rank prints the loss.
+
+With ``--dp N`` the processes form a (world / N) x N mesh (``autoshard.runtime.parallelize``): N
+copies of the pipeline, each training on its own rows of every batch, their weights sharded by
+FSDP2 (``--fsdp``, the default) or replicated (``--ddp``). The ranks of one copy of a stage are
+consecutive, so with ``torchrun --nnodes`` they share a node (the data-parallel collectives move
+the most bytes) while the pipeline spans the nodes.
 
 The default model is a small GPT-2-style LM whose head reuses the embedding weight: the two land
-on different ranks, and ``TiedGradients`` sums their gradients so training matches the unsplit
-model. It computes its own loss, the pattern worth following:
+on different ranks, and ``parallel.sync_gradients()`` (``TiedGradients``) sums their gradients so
+training matches the unsplit model. It computes its own loss, the pattern worth following:
 
 * Let the model compute the loss (``GPTStyleLMWithLoss(ids, targets)``; a Hugging Face model
   called with ``labels=``) and shard it with the targets among the example inputs. The loss is
@@ -43,15 +51,9 @@ from torch import nn
 
 import autoshard
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
-from autoshard.runtime import (
-    SCHEDULES,
-    TiedGradients,
-    build_schedule,
-    check_world_size,
-    local_stage_indices,
-    model_loss,
-    pipeline_stage,
-)
+from torch.distributed.device_mesh import init_device_mesh
+
+from autoshard.runtime import SCHEDULES, model_loss, parallelize
 
 Batch = tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], torch.Tensor]  # args, kwargs, target
 
@@ -118,6 +120,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel copies of the pipeline (the world size must be a multiple)")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--fsdp", dest="data_parallel", action="store_const", const="fsdp",
+                      help="shard each stage's weights over the copies (FSDP2; the default)")
+    kind.add_argument("--ddp", dest="data_parallel", action="store_const", const="ddp",
+                      help="replicate each stage's weights over the copies")
+    parser.set_defaults(data_parallel="fsdp")
     return parser.parse_args(argv)
 
 
@@ -134,32 +144,39 @@ def main(argv: list[str] | None = None) -> None:
     else:
         backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    num_stages = args.stages or world
-    check_world_size(num_stages, world, args.schedule)
+    world = dist.get_world_size()
+    if args.dp < 1 or world % args.dp:
+        raise SystemExit(f"--dp {args.dp} does not divide the {world} processes into equal pipelines")
+    if args.dp == 1:  # pipelining alone: a one-dimensional mesh
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("pp",))
+    else:
+        mesh = init_device_mesh(device.type, (world // args.dp, args.dp), mesh_dim_names=("pp", "dp"))
 
     model = make_model(args.model)
     example_args, example_kwargs, _ = make_batch(args.model, 0, args.batch)
-    sharded = autoshard.shard_model(model, num_stages, example_inputs=example_args,
+    sharded = autoshard.shard_model(model, args.stages or world // args.dp, example_inputs=example_args,
                                     example_kwargs=example_kwargs)
-    mine = local_stage_indices(num_stages, rank, world)
-    stages = [pipeline_stage(sharded, index, num_stages, device) for index in mine]
-    schedule = build_schedule(stages, args.schedule, args.microbatches, loss_fn=WORKLOADS[args.model].loss_fn)
-    ties = TiedGradients(sharded, stages)
-    params = list({id(p): p for stage in stages for p in stage.submod.parameters()}.values())
-    optimizer = torch.optim.SGD(params, lr=args.lr)
+    parallel = parallelize(sharded, mesh, data_parallel=args.data_parallel, schedule=args.schedule,
+                           microbatches=args.microbatches, loss_fn=WORKLOADS[args.model].loss_fn)
+    optimizer = torch.optim.SGD(parallel.parameters(), lr=args.lr)
+    # the data-parallel group of the last stage's ranks, to average their losses for the printout
+    last_copies = mesh.get_group("dp") if args.dp > 1 and parallel.is_last else None
 
-    first, last = 0 in mine, num_stages - 1 in mine
     for step in range(args.steps):
-        inputs, keywords, target = _to(device, make_batch(args.model, step, args.batch))
+        inputs, keywords, target = parallel.local_rows(_to(device, make_batch(args.model, step, args.batch)))
         optimizer.zero_grad()
-        losses: list[torch.Tensor] | None = [] if last else None
-        schedule.step(*(inputs if first else ()), **(keywords if first else {}),
-                      target=target if last else None, losses=losses, return_outputs=False)
-        ties.sync()
+        losses: list[torch.Tensor] | None = [] if parallel.is_last else None
+        parallel.schedule.step(*(inputs if parallel.is_first else ()), **(keywords if parallel.is_first else {}),
+                               target=target if parallel.is_last else None, losses=losses, return_outputs=False)
+        parallel.sync_gradients()
         optimizer.step()
-        if last:
-            print(f"step {step} loss {torch.stack(losses).mean().item():.8e}", flush=True)
+        if parallel.is_last:
+            loss = torch.stack(losses).mean().detach()
+            if last_copies is not None:
+                dist.all_reduce(loss, group=last_copies)
+                loss /= args.dp
+            if parallel.dp_rank == 0:
+                print(f"step {step} loss {loss.item():.8e}", flush=True)
     dist.destroy_process_group()
 
 

@@ -10,12 +10,19 @@ and lets a rank build its stage from a model made on the ``meta`` device.
 
 from autoshard.errors import LaunchError
 from autoshard.runtime.check import GradientDifference, StepCheck, check_pipeline_step
-from autoshard.runtime.checkpoint import load_stage_state, merge_stage_states, stage_part
+from autoshard.runtime.checkpoint import (
+    load_distributed,
+    load_stage_state,
+    merge_stage_states,
+    save_distributed,
+    stage_part,
+)
 from autoshard.runtime.device_map import device_map, split_modules
 from autoshard.runtime.launch import run_local
 from autoshard.runtime.materialize import materialize_stage
 from autoshard.runtime.memory import StageMemoryMeasurement, measure_stage_memory
 from autoshard.runtime.offload import OffloadRunner
+from autoshard.runtime.parallel import Parallelized, parallelize
 from autoshard.runtime.schedule import (
     SCHEDULES,
     MicrobatchStatisticsWarning,
@@ -32,6 +39,7 @@ __all__ = [
     "LaunchError",
     "MicrobatchStatisticsWarning",
     "OffloadRunner",
+    "Parallelized",
     "SCHEDULES",
     "SharedBufferWarning",
     "SharedParameter",
@@ -42,14 +50,17 @@ __all__ = [
     "check_pipeline_step",
     "check_world_size",
     "device_map",
+    "load_distributed",
     "load_stage_state",
     "local_stage_indices",
     "materialize_stage",
     "measure_stage_memory",
     "merge_stage_states",
     "model_loss",
+    "parallelize",
     "pipeline_stage",
     "run_local",
+    "save_distributed",
     "shared_parameters",
     "split_modules",
     "stage_part",
