@@ -100,7 +100,12 @@ class TiedGradients:
         return total
 
     def _write(self, shared: SharedParameter, total: torch.Tensor) -> None:
+        """``total`` into every local holder's gradient: in place where it has one (FSDP's gradients
+        are views of one buffer per unit; a new tensor would leave their old part held there)."""
         for param in self._local_holders(shared):
+            if param.grad is not None:
+                _local(param.grad).copy_(total)
+                continue
             part = total.to(_local(param).device, copy=True)
             param.grad = DTensor.from_local(part, param.device_mesh, param.placements, run_check=False,
                                             shape=param.shape, stride=param.stride()) \
