@@ -109,7 +109,8 @@ def test_measured_costs_without_shape_prop_say_which_pass_to_add():
         autoshard.shard_model(ResidualMLP(), 2, cost="flops")
 
 
-def test_stage_memory_is_weights_grads_optimizer_state_and_in_flight_activations():
+def test_stage_memory_counts_state_saved_activations_boundaries_and_one_backward():
+    """Linear(4, 8) | ReLU, Linear(8, 2) on 3 rows, counted by hand (fp32, Adam)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     model[2].bias.requires_grad_(False)  # frozen: no gradient, no optimizer state
@@ -117,24 +118,19 @@ def test_stage_memory_is_weights_grads_optimizer_state_and_in_flight_activations
     sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
     plan = sharded.plan
     mm = MemoryModel(optimizer_bytes_per_param=8)
-    got = stage_memory(plan.dag, plan.assignment, 2, mm)
-    for j, stage in enumerate(sharded.stages):
-        state = 0.0
-        for p in stage.parameters():
-            state += p.numel() * 4 + ((p.numel() * 4 + p.numel() * 8) if p.requires_grad else 0)
-        outputs = []
-
-        class Keep(torch.fx.Interpreter):
-            def run_node(self, n):
-                value = super().run_node(n)
-                if n.op == "call_module":  # the layers allocate; input checks pass x through
-                    outputs.append(value)
-                return value
-
-        Keep(stage).run(*([x] if j == 0 else list(sharded.stages[0](x))))
-        activations = sum(v.numel() * v.element_size() for v in outputs)
-        assert got[j] == StageMemory(j, state, activations, 2 - j)
-    assert plan.stage_costs("memory", mm) == [s.total for s in got]
+    first, last = stage_memory(plan.dag, plan.assignment, 2, mm)
+    assert [len(list(s.parameters())) for s in sharded.stages] == [2, 2]
+    # stage 0: Linear(4, 8) saves only the model input x (received, 48 B); its output (96 B) is kept
+    # until its gradient arrives; the backward holds that gradient and the weight's (128 + 32)
+    assert first == StageMemory(0, (32 + 8) * 4 * 4, 0, 2, received_bytes=48, sent_bytes=96, output_grad_bytes=96,
+                                backward_bytes=96 + 160, weight_bytes=160, gradient_bytes=160)
+    # stage 1: ReLU saves its output (96 B; the Linear saves the same storage); it receives 96 B
+    # and sends the 24 B output; the peak is the ReLU's backward: output gradient 24, the
+    # Linear's input gradient 96 and the ReLU's own 96
+    assert last == StageMemory(1, 16 * 4 * 4 + 8, 96, 1, received_bytes=96, sent_bytes=24, output_grad_bytes=24,
+                               backward_bytes=24 + 96 + 96, weight_bytes=64 + 8, gradient_bytes=64)
+    assert [s.total for s in (first, last)] == [640 + 2 * (48 + 96) + 256, 264 + 96 + 96 + 24 + 216]
+    assert plan.stage_costs("memory", mm) == [s.total for s in (first, last)]
     capped = stage_memory(plan.dag, plan.assignment, 2, MemoryModel(microbatches=1))
     assert [s.in_flight for s in capped] == [1, 1]
 

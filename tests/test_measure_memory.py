@@ -77,6 +77,8 @@ def test_in_flight_counts_follow_the_schedule():
     assert [microbatches_in_flight("1F1B", j, 4, 2) for j in range(4)] == [2, 2, 2, 1]
     assert [microbatches_in_flight("gpipe", j, 4, 3) for j in range(4)] == [3, 3, 3, 3]
     assert microbatches_in_flight("1f1b", 0, 4) == 4  # None: a full pipeline
+    assert [microbatches_in_flight("interleaved-1f1b", j, 4, 4) for j in range(4)] == \
+        [autoshard.MemoryModel(microbatches=4, schedule="interleaved-1f1b").in_flight(j, 4) for j in range(4)]
 
 
 @pytest.mark.parametrize("optimizer, tensors", [("adam", 2), ("AdamW", 2), ("sgd-momentum", 1), ("sgd", 0),
@@ -164,7 +166,8 @@ def test_measurement_is_exported_and_serialisable():
     (dict(optimizer="adma"), InvalidArgumentError, ["'adma'", "did you mean 'adam'", "sgd-momentum"]),
     (dict(optimizer=8), InvalidArgumentTypeError, ["adam, adamw"]),
     (dict(schedule="gpip"), InvalidArgumentError, ["'gpip'", "did you mean 'gpipe'", "1f1b, gpipe"]),
-    (dict(schedule="interleaved-1f1b"), InvalidArgumentError, ["several stages per process", "'1f1b' or 'gpipe'"]),
+    (dict(schedule="interleaved-zero-bubble"), InvalidArgumentError, ["no steady state one stage", "'1f1b', 'gpipe'"]),
+    (dict(schedule="interleaved-1f1b", stages_per_rank=3), InvalidArgumentError, ["number of stages must divide"]),
     (dict(microbatches=0), InvalidArgumentError, ["microbatches must be at least 1, got 0"]),
     (dict(microbatches=2.0), InvalidArgumentTypeError, ["microbatches must be an int"]),
     (dict(stage=2), InvalidArgumentError, ["stage 2 is out of range", "2 stages", "from 0 to 1"]),

@@ -10,20 +10,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from autoshard.costs.memory import SavedFacts
 from autoshard.costs.values import ValueMeta
-
-
-@dataclass(frozen=True)
-class SavedFacts:
-    """Per node, in bytes: ``saved``, storages it creates that autograd keeps for backward (its
-    output's included when any node saves it); ``saved_output``, the part of ``saved`` that is its
-    output; ``grad``, the gradient its output receives (floating tensors that require grad);
-    ``backward``, the peak its backward adds to what is alive when it starts."""
-
-    saved: int
-    saved_output: int
-    grad: int
-    backward: int
 
 
 FACTS_KEY = "autoshard_facts"

@@ -1,29 +1,37 @@
-"""Training memory per stage, for ``cost=memory`` and ``max_memory`` budgets.
+"""Training memory per stage, for ``cost=memory``, ``max_memory`` budgets and plan reports.
 
-The model: a stage holds, for every distinct weight it reads (a shared one once),
-* the weight itself (its bytes),
-* for a trainable parameter, its gradient (same bytes) and the optimizer state
-  (``optimizer_bytes_per_param`` per element; 8 for Adam's two fp32 moments),
-plus the activations kept for backward, approximated by the new memory every node of the stage
-allocates for its output (a view or a pass-through allocates none), times the number of
-microbatches in flight at that stage. Under the 1F1B schedule
-stage j of k holds k - j microbatches (stage 0 the most), capped by ``microbatches`` if set.
+What a stage holds at its peak, in the steady state of its schedule (a backward running while
+its other microbatches wait), part by part:
 
-The weight terms are exact; the activation term is an estimate that errs both ways. It counts
-outputs autograd frees (an ``add`` feeding a ``Linear``). It misses the tensors a stage receives
-(kept per microbatch in flight until their gradients are sent back; torch's ``PipelineStage``
-allocates a receive buffer for every microbatch of a step) and whatever one node saves inside
-itself: a leaf or wrapped module, ``F.multi_head_attention_forward`` (attention probabilities,
-dropout masks), a loss's log-probabilities. Against the storages autograd really saves, it was
-0.7x to 3x off on transformers (3x under for ``TransformerLM`` training on 128 tokens), and far
-under for a stage that receives a wide tensor and reduces it; the README says so next to
-``max_memory``. Counting the received values needs the boundary (not a per-node sum), and the
-saved internals a run with gradients: neither is done yet.
+* weight state, once per distinct weight (a shared one once per stage holding it): the weight;
+  for a trainable one its gradient (the weight's dtype) and the optimizer state
+  (``optimizer_bytes_per_param`` per element: Adam and AdamW 8, two fp32 moments; SGD with
+  momentum 4; SGD and none 0), plus an fp32 master copy of a weight narrower than fp32 when
+  ``master_weights`` (mixed precision);
+* per microbatch in flight: the activations autograd saves (measured per node on fake tensors,
+  ``costs.saved``, modules and functions kept whole included), the values the stage received
+  (kept until their gradients are sent back; torch's ``PipelineStage`` keeps a receive buffer
+  per microbatch) and the values it sent that nothing saved (kept until their gradients arrive);
+* once, the backward of one microbatch: the gradients of its outputs, then, node by node in
+  reverse, the gradients alive and the node's own backward peak, less what the nodes already
+  run have freed (``backward_bytes``: the most of that above the microbatches held).
 
-The per-node ``memory`` cost charges each weight's state to one reader (``costs.ties.weight_payers``)
-and adds the node's activations for one microbatch; ``stage_memory`` gives the exact per-stage
-figure. A split that must fit ``max_memory`` gets the two parts apart (``node_state_bytes``, held
-once per stage, and ``kept_bytes``, held per microbatch in flight) so it can check that figure.
+Microbatches in flight at stage j of k: ``min(k - j, microbatches)`` under 1F1B, every
+microbatch under GPipe, and under interleaved 1F1B what PyTorch's op order keeps (simulated as
+``ScheduleInterleaved1F1B`` orders it; see ``interleaved_in_flight``). Measured against
+``runtime.measure_stage_memory`` on the examples and a Hugging Face zoo (RESULTS.md, "Memory
+accuracy"). A DAG without the probe's facts (a plan file, a graph fake tensors cannot run) falls
+back to each node's newly allocated output bytes for its activations and no backward term.
+
+The per-node ``memory`` cost is a node's weight state (each weight charged to one reader,
+``costs.ties.weight_payers``) plus its saved activations for one microbatch: additive, what a
+splitter balances. The received and sent values and the backward depend on where the cuts are,
+so only ``stage_memory`` counts them; ``memory_excess`` says by how much a stage's total exceeds
+its additive part, for a split that must tighten its budgets by it.
+
+Extending: data parallelism (ZeRO sharding of gradients and optimizer state over ranks) divides
+terms of ``MemoryModel.weight_parts``; activation recomputation changes ``kept_bytes`` (a
+recomputed block keeps its inputs, not what it saves) and adds its recompute to the backward.
 """
 
 from __future__ import annotations
@@ -35,6 +43,15 @@ import networkx as nx
 
 from autoshard.costs.ties import weight_payers
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
+from autoshard.graph.partition import boundary_values
+
+OPTIMIZER_BYTES: dict[str, float] = {"adam": 8.0, "adamw": 8.0, "sgd-momentum": 4.0, "sgd": 0.0, "none": 0.0}
+"""fp32 optimizer state bytes per trainable element, by optimizer name."""
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+"""The schedules whose microbatches in flight the model knows."""
+
+_FP32 = 4
 
 
 class Weight(Protocol):
@@ -45,37 +62,93 @@ class Weight(Protocol):
     trainable: bool
 
 
+def _choice(value: object, name: str, known: Sequence[str]) -> str:
+    if not isinstance(value, str) or value.lower() not in known:
+        raise InvalidArgumentError(f"unknown {name} {value!r}; known: {', '.join(known)}")
+    return value.lower()
+
+
+def _count(value: object, name: str, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        alternative = " or None" if allow_none else ""
+        raise InvalidArgumentError(f"{name} must be a whole number >= 1{alternative}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SavedFacts:
+    """Per node, in bytes: ``saved``, storages it creates that autograd keeps for backward (its
+    output's included when any node saves it); ``saved_output``, the part of ``saved`` that is its
+    output; ``grad``, the gradient its output receives (floating tensors that require grad);
+    ``backward``, the peak its backward adds to what is alive when it starts."""
+
+    saved: int
+    saved_output: int
+    grad: int
+    backward: int
+
+
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes of optimizer state per trainable element, and a cap on microbatches in flight."""
+    """How training is run, as far as memory goes.
 
-    optimizer_bytes_per_param: float = 8.0
+    ``optimizer`` names the optimizer (``OPTIMIZER_BYTES``); ``optimizer_bytes_per_param``, when
+    given, overrides its state bytes per trainable element. ``microbatches`` is the step's count
+    (None: as many as the schedule keeps at most, ``k - j`` under 1F1B). ``schedule`` is one of
+    ``SCHEDULES``; ``stages_per_rank`` is how many stages each process runs under interleaved
+    1F1B (k must divide by it). ``master_weights`` counts an fp32 copy of each trainable weight
+    narrower than fp32 (bf16 or fp16 weights, the optimizer stepping in fp32).
+    """
+
+    optimizer_bytes_per_param: float | None = None
     microbatches: int | None = None
+    optimizer: str = "adam"
+    schedule: str = "1f1b"
+    stages_per_rank: int = 2
+    master_weights: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "optimizer", _choice(self.optimizer, "optimizer", tuple(OPTIMIZER_BYTES)))
+        object.__setattr__(self, "schedule", _choice(self.schedule, "schedule", SCHEDULES))
         bytes_ = self.optimizer_bytes_per_param
-        if isinstance(bytes_, bool) or not isinstance(bytes_, (int, float)) or not 0 <= bytes_ < float("inf"):
+        if bytes_ is None:
+            object.__setattr__(self, "optimizer_bytes_per_param", OPTIMIZER_BYTES[self.optimizer])
+        elif isinstance(bytes_, bool) or not isinstance(bytes_, (int, float)) or not 0 <= bytes_ < float("inf"):
             raise InvalidArgumentError(
                 f"optimizer_bytes_per_param must be a number >= 0 (8 for Adam's two fp32 moments, "
                 f"4 for SGD with momentum, 0 for plain SGD), got {bytes_!r}")
-        count = self.microbatches
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-            raise InvalidArgumentError(f"microbatches must be a whole number >= 1 or None (no cap), got {count!r}")
+        _count(self.microbatches, "microbatches")
+        _count(self.stages_per_rank, "stages_per_rank", allow_none=False)
+        if not isinstance(self.master_weights, bool):
+            raise InvalidArgumentError(f"master_weights must be True or False, got {self.master_weights!r}")
 
     def in_flight_rule(self, stage: str = "j") -> str:
         """``in_flight`` in words, for reports and plan files: ``k - j`` or ``min(k - j, cap)``."""
+        if self.schedule == "gpipe":
+            return "every microbatch" if self.microbatches is None else f"{self.microbatches}"
+        if self.schedule == "interleaved-1f1b":
+            return f"as ScheduleInterleaved1F1B orders {self.stages_per_rank} stages per rank"
         return f"k - {stage}" if self.microbatches is None else f"min(k - {stage}, {self.microbatches})"
 
     def describe(self) -> str:
         """What the model assumes, in words, for reports."""
-        return (f"weights + gradients + optimizer state ({self.optimizer_bytes_per_param:g} B per parameter) "
-                f"+ kept activations x microbatches in flight (stage j of k: {self.in_flight_rule()}, 1F1B)")
+        master = ", fp32 master weights" if self.master_weights else ""
+        return (f"weights + gradients + {self.optimizer} state ({self.optimizer_bytes_per_param:g} B per parameter"
+                f"{master}) + kept activations x microbatches in flight (saved for backward, received and sent "
+                f"values; stage j of k: {self.in_flight_rule()}, {self.schedule}) + one backward")
 
-    def to_dict(self) -> dict[str, float | int | None]:
-        return {"optimizer_bytes_per_param": self.optimizer_bytes_per_param, "microbatches": self.microbatches}
+    def to_dict(self) -> dict[str, float | int | str | bool | None]:
+        return {"optimizer_bytes_per_param": self.optimizer_bytes_per_param, "microbatches": self.microbatches,
+                "optimizer": self.optimizer, "schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
+                "master_weights": self.master_weights}
 
     def in_flight(self, stage: int, num_stages: int) -> int:
-        """Microbatches whose activations stage ``stage`` keeps at once under 1F1B."""
+        """Microbatches whose activations stage ``stage`` keeps at once under the schedule."""
+        if self.schedule == "gpipe":
+            return num_stages if self.microbatches is None else self.microbatches
+        if self.schedule == "interleaved-1f1b":
+            return interleaved_in_flight(num_stages, self.stages_per_rank, self.microbatches)[stage]
         count = num_stages - stage
         return count if self.microbatches is None else min(count, self.microbatches)
 
@@ -83,30 +156,108 @@ class MemoryModel:
         """``in_flight`` of every stage, stage 0 first."""
         return tuple(self.in_flight(j, num_stages) for j in range(num_stages))
 
+    def weight_parts(self, info: Weight) -> tuple[float, float, float]:
+        """(weight, gradient, optimizer state with any master copy) bytes of one weight."""
+        if not info.trainable:
+            return float(info.nbytes), 0.0, 0.0
+        master = info.numel * _FP32 if self.master_weights and info.nbytes < info.numel * _FP32 else 0
+        return float(info.nbytes), float(info.nbytes), float(info.numel * self.optimizer_bytes_per_param + master)
+
     def state_bytes(self, info: Weight) -> float:
         """Weight + gradient + optimizer state of one weight."""
-        extra = info.nbytes + info.numel * self.optimizer_bytes_per_param if info.trainable else 0.0
-        return float(info.nbytes + extra)
+        return sum(self.weight_parts(info))
+
+
+def interleaved_in_flight(num_stages: int, stages_per_rank: int, microbatches: int | None) -> tuple[int, ...]:
+    """Per stage, the most microbatches it has run forward and not yet backward under PyTorch's
+    ``ScheduleInterleaved1F1B`` (stage s on rank s mod ranks). Its op order is re-derived here
+    (warm-up forwards, then one forward and one backward per step, then the cool-down backwards,
+    ``microbatches_per_round`` at a time per local stage), not imported, so the model stays
+    torch-free; ``tests/test_costs_memory_model.py`` checks it against torch's own order."""
+    if num_stages % stages_per_rank:
+        raise InvalidArgumentError(
+            f"interleaved 1F1B runs {stages_per_rank} stages per rank, so the number of stages must divide by it; "
+            f"got {num_stages} stages: pick stages_per_rank dividing {num_stages}")
+    ranks, local = num_stages // stages_per_rank, stages_per_rank
+    count = ranks if microbatches is None else microbatches
+    rounds = max(1, count // ranks)
+    if count % rounds:
+        raise InvalidArgumentError(
+            f"interleaved 1F1B needs the microbatches to divide into rounds of {ranks} (the ranks); "
+            f"{count} microbatches make {rounds} rounds with some left over: pick a multiple of {rounds}")
+    per_round = count // rounds
+    held = [0] * num_stages
+    for rank in range(ranks):
+        warmup = min((local - 1) * per_round + 2 * (ranks - 1 - rank), count * local)
+        total = count * local
+        alive = [0] * local
+        for op in range(total):
+            alive[(op // per_round) % local] += 1
+            for i, n in enumerate(alive):
+                held[i * ranks + rank] = max(held[i * ranks + rank], n)
+            if op >= warmup:
+                alive[local - 1 - ((op - warmup) // per_round) % local] -= 1
+    return tuple(held)
 
 
 @dataclass(frozen=True)
 class StageMemory:
-    """One stage's training memory, split into what it is made of."""
+    """One stage's training memory, split into what it is made of (bytes).
+
+    ``state_bytes`` = weights + gradients + optimizer state (``weight_bytes``, ``gradient_bytes``
+    and the rest); per microbatch in flight ``activation_bytes`` (saved for backward),
+    ``received_bytes`` and ``sent_bytes``; ``backward_bytes`` is the most one backward adds
+    (output gradients, ``output_grad_bytes``, included)."""
 
     stage: int
     state_bytes: float
     activation_bytes: float
     in_flight: int
+    received_bytes: float = 0.0
+    sent_bytes: float = 0.0
+    output_grad_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    weight_bytes: float = 0.0
+    gradient_bytes: float = 0.0
+
+    @property
+    def optimizer_bytes(self) -> float:
+        return self.state_bytes - self.weight_bytes - self.gradient_bytes
+
+    @property
+    def per_microbatch(self) -> float:
+        return self.activation_bytes + self.received_bytes + self.sent_bytes
+
+    @property
+    def additive(self) -> float:
+        """What per-node costs add up to: weight state and saved activations in flight."""
+        return self.state_bytes + self.activation_bytes * self.in_flight
 
     @property
     def total(self) -> float:
-        return self.state_bytes + self.activation_bytes * self.in_flight
+        return self.state_bytes + self.per_microbatch * self.in_flight + self.backward_bytes
+
+    def parts(self) -> str:
+        """The parts in words, for errors and reports."""
+        return (f"weights {self.weight_bytes:,.0f}, gradients {self.gradient_bytes:,.0f}, optimizer "
+                f"{self.optimizer_bytes:,.0f}; per microbatch activations {self.activation_bytes:,.0f}, received "
+                f"{self.received_bytes:,.0f}, sent {self.sent_bytes:,.0f}, x {self.in_flight} in flight; "
+                f"one backward {self.backward_bytes:,.0f}")
+
+
+def _training(dag: nx.DiGraph, node: str) -> SavedFacts | None:
+    """What ``costs.saved`` probed of ``node``, or None."""
+    return dag.nodes[node].get("training")
 
 
 def kept_bytes(dag: nx.DiGraph, node: str) -> float:
-    """Bytes ``node`` allocates for its output, kept for backward (model inputs are not)."""
+    """Bytes of ``node``'s making that autograd keeps for backward, per microbatch (model inputs:
+    none, they count as received); without the probe's facts, the bytes its output allocated."""
     data = dag.nodes[node]
-    return 0.0 if data.get("input") else float(data["allocated"])
+    if data.get("input"):
+        return 0.0
+    facts = data.get("training")
+    return float(facts.saved) if facts is not None else float(data.get("allocated") or 0)
 
 
 def node_state_bytes(
@@ -126,30 +277,96 @@ def node_memory(
     dag: nx.DiGraph, model: MemoryModel = MemoryModel(), apart: AbstractSet[str] = frozenset(),
     assignment: Mapping[str, int] | None = None,
 ) -> dict[str, float]:
-    """Per node: the state of the weights charged to it, plus its activations for one microbatch."""
+    """Per node: the state of the weights charged to it, plus its saved activations for one microbatch."""
     state = node_state_bytes(dag, model, apart, assignment)
     return {node: state[node] + kept_bytes(dag, node) for node in dag.nodes}
+
+
+def _nodes_by_stage(dag: nx.DiGraph, assignment: Mapping[str, int], k: int) -> list[list[str]]:
+    """Each stage's nodes in the DAG's order (program order: ``build-dag`` inserts them so)."""
+    stages: list[list[str]] = [[] for _ in range(k)]
+    for node in dag.nodes:
+        if node in assignment:
+            stages[assignment[node]].append(node)
+    return stages
+
+
+def _grad(dag: nx.DiGraph, node: str) -> float:
+    facts = _training(dag, node)
+    return float(facts.grad) if facts is not None else 0.0
+
+
+def _sent_unsaved(dag: nx.DiGraph, node: str) -> float:
+    """Bytes of ``node``'s output that the stage keeps only because it sends them."""
+    data = dag.nodes[node]
+    if data.get("input"):
+        return 0.0
+    facts = data.get("training")
+    return max(0.0, float(data.get("allocated") or 0) - (facts.saved_output if facts is not None else 0))
+
+
+def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], output_grads: float) -> float:
+    """The most one microbatch's backward adds to what the stage holds: walking its nodes in
+    reverse, the output gradients, the gradients alive and the node's own backward peak, less the
+    saved bytes of the nodes already run (their storages are freed once their backward is done)."""
+    pending: dict[str, float] = {}
+    alive = freed = peak = 0.0
+    for node in reversed(nodes):
+        facts = _training(dag, node)
+        if facts is None:
+            continue
+        peak = max(peak, output_grads + alive + facts.backward - freed)
+        freed += facts.saved - (facts.saved_output if node in sent else 0)
+        alive -= pending.pop(node, 0.0)
+        for u in dag.predecessors(node):
+            if u not in pending and (grad := _grad(dag, u)) > 0:
+                pending[u] = grad
+                alive += grad
+    return max(peak, output_grads)
 
 
 def stage_memory(
     dag: nx.DiGraph, assignment: Mapping[str, int], num_stages: int, model: MemoryModel = MemoryModel(),
 ) -> list[StageMemory]:
     """The training memory of every stage of ``assignment``, shared weights once per stage."""
-    state = node_state_bytes(dag, model, assignment=assignment)
-    states, activations = [0.0] * num_stages, [0.0] * num_stages
-    for node, stage in assignment.items():
-        states[stage] += state[node]
-        activations[stage] += kept_bytes(dag, node)
-    return [StageMemory(j, states[j], activations[j], model.in_flight(j, num_stages)) for j in range(num_stages)]
+    k = num_stages
+    infos = dag.graph.get("weights", {})
+    payers = weight_payers(dag, assignment=assignment)
+    crossing = boundary_values(dag, assignment, k)
+    out = []
+    for j, nodes in enumerate(_nodes_by_stage(dag, assignment, k)):
+        parts = [model.weight_parts(infos[w]) for node in nodes for w in payers[node]]
+        weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
+        if j == 0:
+            received = sum(float(dag.nodes[v]["bytes"]) for v in nodes if dag.nodes[v].get("input"))
+        else:
+            received = sum(float(dag.nodes[v]["bytes"]) for v in crossing[j - 1])
+        outputs = [v for v in dag.nodes if v in assignment and dag.nodes[v].get("output")]
+        outgoing = crossing[j] if j < k - 1 else outputs
+        made_here = {v for v in outgoing if assignment[v] == j}
+        output_grads = sum(_grad(dag, v) for v in outgoing)
+        out.append(StageMemory(
+            j, weights + grads + optimizer, sum(kept_bytes(dag, v) for v in nodes), model.in_flight(j, k),
+            received_bytes=received, sent_bytes=sum(_sent_unsaved(dag, v) for v in made_here),
+            output_grad_bytes=output_grads, backward_bytes=_backward_peak(dag, nodes, made_here, output_grads),
+            weight_bytes=weights, gradient_bytes=grads))
+    return out
+
+
+def memory_excess(dag: nx.DiGraph, assignment: Mapping[str, int], num_stages: int,
+                  model: MemoryModel = MemoryModel()) -> list[float]:
+    """Per stage, what ``stage_memory`` counts beyond the additive per-node parts (received and
+    sent values in flight, one backward): a split that checks budgets on the additive parts and
+    finds a stage over its budget can tighten that budget by this and split again."""
+    return [s.total - s.additive for s in stage_memory(dag, assignment, num_stages, model)]
 
 
 def memory_shortfall(stages: Sequence[StageMemory], max_memory: Sequence[float]) -> str | None:
     """What the first stage over its budget needs and lacks, or None when every stage fits."""
     for stage, budget in zip(stages, max_memory):
         if stage.total > budget:
-            return (f"stage {stage.stage} needs {stage.total:,.0f} bytes (weights, gradients and optimizer state "
-                    f"{stage.state_bytes:,.0f}; activations {stage.activation_bytes:,.0f} x {stage.in_flight} "
-                    f"microbatches in flight) but max_memory[{stage.stage}] is {budget:,.0f}: "
+            return (f"stage {stage.stage} needs {stage.total:,.0f} bytes ({stage.parts()}) "
+                    f"but max_memory[{stage.stage}] is {budget:,.0f}: "
                     f"{stage.total - budget:,.0f} bytes short; raise the budget, add stages or lower the batch")
     return None
 

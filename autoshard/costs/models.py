@@ -7,7 +7,8 @@
   ``assignment`` for that).
 * ``flops``: FLOPs per node, counted by ``torch.utils.flop_counter`` in ``shape-prop``.
 * ``activations``: bytes of the tensors each node outputs.
-* ``memory``: training memory (see ``autoshard.costs.memory``).
+* ``memory``: training memory (see ``autoshard.costs.memory``): per node, weight state and saved
+  activations; per stage, ``stage_memory``'s whole model.
 * ``time``: measured seconds per node (the ``profile`` pass).
 * ``nodes``: one per compute node.
 
@@ -96,8 +97,10 @@ def memory_costs(
 def memory_parts(
     dag: nx.DiGraph, apart: AbstractSet[str] = frozenset(), model: MemoryModel = MemoryModel(),
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """The two parts of ``memory`` per node: weight state held once per stage (weights charged as
-    ``costs.ties.weight_payers`` says) and activation bytes kept per microbatch in flight."""
+    """The additive parts of ``memory`` per node: weight state held once per stage (weights charged
+    as ``costs.ties.weight_payers`` says) and the bytes autograd saves, kept per microbatch in
+    flight. The rest of a stage's memory (received and sent values, one backward) depends on the
+    cuts: ``costs.memory.stage_memory`` counts it, ``memory_excess`` gives it per stage."""
     require_measured(dag, _READS["memory"], "memory")
     return node_state_bytes(dag, model, apart), {node: kept_bytes(dag, node) for node in dag.nodes}
 

@@ -15,8 +15,9 @@ allocated and no FLOP is spent:
   is made and freed: ``backward`` is its peak above what was alive when the backward began
   (gradients of the inputs and weights, the kernels' temporaries, less what it frees).
 
-A storage is told by ``StorageWeakRef`` (identity); every twin stays referenced until the probe
-ends, so no storage is freed and its address reused under another node's name. Inputs that
+A storage is told by ``StorageWeakRef`` (identity); every twin and every saved tensor stays
+referenced until the probe ends, so no storage is freed and its address reused under another
+node's name. Inputs that
 require grad reach a node as clones (autograd refuses an in-place write to a leaf that requires
 grad), each clone mapped back to the storage it copies. A node that fake tensors cannot run
 (control flow on a tensor's values, as ``nn.TransformerEncoder``'s mask check) gets zeros and a
@@ -40,7 +41,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.costs.execution import NodeCall
-from autoshard.costs.facts import SavedFacts
+from autoshard.costs.memory import SavedFacts
 
 
 class QuietMemTracker(MemTracker):
@@ -194,6 +195,7 @@ class TrainingProbe:
         made: list[tuple[StorageWeakRef, int]] = []  # storages saved that no earlier value owns
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            self.kept.append(t)  # alive to the end: a freed storage's address may come back as another's
             ref = self.original(_storage(t))
             if ref not in self.saved_storages:
                 self.saved_storages.add(ref)

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel
-from autoshard.costs.memory import MemoryModel
+from autoshard.costs.memory import MemoryModel, SavedFacts
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PlanError
 from autoshard.graph import SplitInfo, check_dag, check_partition
 from autoshard.lowering.from_fx import WeightInfo
@@ -105,7 +105,14 @@ class _Reader:
             value=self.get(obj, "value", dict, where, None),
             weights=self.names(self.get(obj, "weights", list, where, []), f"{where}.weights"),
             allocated=optional_float(self.get(obj, "allocated", number, where, None)),
+            training=self.training(self.get(obj, "training", dict, where, None), f"{where}.training"),
         )
+
+    def training(self, obj: Any, where: str) -> SavedFacts | None:
+        """A node's ``costs.saved`` facts; absent in plans written before they were recorded."""
+        if obj is None:
+            return None
+        return SavedFacts(*(self.get(obj, key, int, where) for key in ("saved", "saved_output", "grad", "backward")))
 
     def names(self, items: list, where: str) -> tuple[str, ...]:
         bad = next((x for x in items if not isinstance(x, str)), None)
@@ -139,7 +146,11 @@ class _Reader:
             return MemoryModel()
         try:
             return MemoryModel(self.get(obj, "optimizer_bytes_per_param", (int, float), where),
-                               self.get(obj, "microbatches", int, where, None))
+                               self.get(obj, "microbatches", int, where, None),
+                               self.get(obj, "optimizer", str, where, "adam"),
+                               self.get(obj, "schedule", str, where, "1f1b"),
+                               self.get(obj, "stages_per_rank", int, where, 2),
+                               self.get(obj, "master_weights", bool, where, False))
         except InvalidArgumentError as exc:
             raise self.error(where, str(exc)) from None
 

@@ -8,6 +8,7 @@ the split; its digest of the assignment tells when a person has moved nodes sinc
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -17,7 +18,7 @@ import networkx as nx
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel
-from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
+from autoshard.costs.memory import MemoryModel, SavedFacts, StageMemory, stage_memory
 from autoshard.costs.models import held_weight_bytes
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.graph import SplitInfo, boundary_bytes, boundary_values, stage_costs, total_boundary_bytes
@@ -47,6 +48,8 @@ class PlanNode:
     """Canonical names of the parameters and buffers the node reads (described in ``SavedPlan.weights``)."""
     allocated: float | None = None
     """Bytes of new memory the output holds (0 for a view) as ``shape-prop`` measured; None if unknown."""
+    training: SavedFacts | None = None
+    """What training keeps of the node (``costs.saved``'s probe); None if unknown."""
 
 
 def assignment_digest(stages: Iterable[tuple[str, int]]) -> str:
@@ -132,7 +135,7 @@ class SavedPlan:
         dag = nx.DiGraph(weights=dict(self.weights))
         for n in self.nodes:
             dag.add_node(n.name, cost=n.costs[model], bytes=n.bytes, input=n.input, output=n.output,
-                         weights=n.weights, allocated=n.allocated)
+                         weights=n.weights, allocated=n.allocated, training=n.training)
         dag.add_edges_from(self.edges)
         return dag
 
@@ -256,11 +259,14 @@ class SavedPlan:
                                         "seconds": [_number(s) for s in seconds]}
         memory = self.training_memory()
         if memory is not None:
+            rule = f"{self.memory_model.in_flight_rule('stage')} ({self.memory_model.schedule})"
             summary["training_memory"] = {
                 "model": {"optimizer_bytes_per_param": _number(self.memory_model.optimizer_bytes_per_param),
-                          "microbatches_in_flight": f"{self.memory_model.in_flight_rule('stage')} (1F1B)"},
+                          "microbatches_in_flight": rule},
                 "stages": [{"state_bytes": _number(m.state_bytes), "activation_bytes": _number(m.activation_bytes),
-                            "in_flight": m.in_flight, "total": _number(m.total)} for m in memory],
+                            "received_bytes": _number(m.received_bytes), "sent_bytes": _number(m.sent_bytes),
+                            "backward_bytes": _number(m.backward_bytes), "in_flight": m.in_flight,
+                            "total": _number(m.total)} for m in memory],
             }
         if self.weights:
             summary["gradient_sync"] = [{"weight": w.name, "aliases": list(w.aliases), "stages": list(w.stages)}
@@ -286,6 +292,8 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
         out["weights"] = list(n.weights)
     if n.allocated is not None:
         out["allocated"] = _number(n.allocated)
+    if n.training is not None:
+        out["training"] = dataclasses.asdict(n.training)
     if n.value:
         out["value"] = dict(n.value)
     return out

@@ -15,9 +15,9 @@ allocates and frees inside itself (a workspace) is not seen. On CUDA the total i
 not been run on a GPU yet.
 
 Schedules: ``1f1b`` keeps ``min(k - j, microbatches)`` microbatches in flight at stage ``j`` of
-``k`` (its warm-up forwards plus the one before its first backward); ``gpipe`` keeps all of them.
-Interleaved schedules are refused: a process runs several stages there, and how many microbatches
-each keeps depends on the world size, which one stage on one process does not have.
+``k`` (its warm-up forwards plus the one before its first backward); ``gpipe`` keeps all of them;
+``interleaved-1f1b`` what PyTorch's op order keeps of that stage (``MemoryModel.in_flight``). The
+measurement is of one stage: under an interleaved schedule a process holds several (add them up).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch.distributed._tools.mem_tracker import _MemRefType
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.arguments import whole_number
+from autoshard.costs.memory import MemoryModel
 from autoshard.costs.saved import QuietMemTracker, without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural, suggest
 from autoshard.runtime.schedule import SCHEDULES
@@ -49,7 +50,7 @@ OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
 }
 
 #: The schedules whose steady state one stage on one process can stand for.
-MEASURED_SCHEDULES = ("1f1b", "gpipe")
+MEASURED_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
 #: The parts of a measurement, in the order reports show them.
 PARTS = ("weights", "gradients", "optimizer", "activations", "received", "temporaries")
@@ -97,21 +98,22 @@ def optimizer_state_names(optimizer: str) -> tuple[str, ...]:
     return OPTIMIZER_STATE[name]
 
 
-def microbatches_in_flight(schedule: str, stage: int, num_stages: int, microbatches: int | None = None) -> int:
-    """Microbatches whose activations ``stage`` keeps at once under ``schedule``; ``microbatches``
-    None means as many as there are stages (a full pipeline, the memory model's uncapped case)."""
+def microbatches_in_flight(schedule: str, stage: int, num_stages: int, microbatches: int | None = None,
+                           stages_per_rank: int = 2) -> int:
+    """Microbatches whose activations ``stage`` keeps at once under ``schedule``, as the memory model
+    counts them (``MemoryModel.in_flight``); ``microbatches`` None means a full pipeline."""
     if not isinstance(schedule, str):
         raise InvalidArgumentTypeError(f"schedule must be a name ({', '.join(MEASURED_SCHEDULES)}), got {schedule!r}")
     name = schedule.lower()
     if name not in MEASURED_SCHEDULES:
         if name in SCHEDULES:
             raise InvalidArgumentError(
-                f"schedule {schedule!r} runs several stages per process, so what one holds depends on the world "
-                f"size; a one-process measurement takes {' or '.join(map(repr, MEASURED_SCHEDULES))}")
+                f"schedule {schedule!r} has no steady state one stage can stand for here; a one-process "
+                f"measurement takes {', '.join(map(repr, MEASURED_SCHEDULES))}")
         raise InvalidArgumentError(f"unknown schedule {schedule!r}{suggest(name, MEASURED_SCHEDULES)}; "
                                    f"measured schedules: {', '.join(MEASURED_SCHEDULES)}")
-    count = num_stages if microbatches is None else whole_number(microbatches, "microbatches", at_least=1)
-    return min(num_stages - stage, count) if name == "1f1b" else count
+    count = None if microbatches is None else whole_number(microbatches, "microbatches", at_least=1)
+    return MemoryModel(microbatches=count, schedule=name, stages_per_rank=stages_per_rank).in_flight(stage, num_stages)
 
 
 def measure_stage_memory(
@@ -123,13 +125,14 @@ def measure_stage_memory(
     schedule: str = "1f1b",
     microbatches: int | None = None,
     optimizer: str = "adam",
+    stages_per_rank: int = 2,
 ) -> StageMemoryMeasurement:
     """Run stage ``stage`` of ``sharded`` in its steady state and return the most memory it held.
 
     ``example_inputs`` / ``example_kwargs`` are one microbatch of the model's inputs (pass the
     example the plan was made with to compare with ``plan_report``, whose activations were
     measured on it). The model is left as it was: its gradients, buffers and random state are
-    restored afterwards.
+    restored afterwards. ``stages_per_rank`` is for ``interleaved-1f1b``: the stages each process runs.
     """
     if not isinstance(sharded, ShardedModel):
         raise InvalidArgumentTypeError(
@@ -139,7 +142,7 @@ def measure_stage_memory(
     if not 0 <= stage < k:
         raise InvalidArgumentError(
             f"stage {stage} is out of range: the plan has {plural(k, 'stage')}; pass a stage from 0 to {k - 1}")
-    in_flight = microbatches_in_flight(schedule, stage, k, microbatches)
+    in_flight = microbatches_in_flight(schedule, stage, k, microbatches, stages_per_rank)
     states = optimizer_state_names(optimizer)
     module = sharded.stages[stage]
     device = stage_device(module) or torch.device("cpu")

@@ -1,0 +1,131 @@
+"""The training-memory model (``autoshard.costs.memory``) part by part, and against what stages
+really hold (``measure_stage_memory``) on the examples and a tiny Hugging Face GPT-2.
+
+The full grid (more models, k = 2, 4, 8, 1, 4 and 8 microbatches, two optimizers) is
+``benchmarks/memory_accuracy.py``; these cases are a subset small enough for CI.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import defaultdict
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_rank_ops, _get_warmup_ops
+
+import autoshard
+from autoshard.costs.memory import OPTIMIZER_BYTES, MemoryModel, interleaved_in_flight, stage_memory
+from autoshard.examples import load_example
+from autoshard.runtime import measure_stage_memory
+
+
+def torch_interleaved_in_flight(k: int, per_rank: int, n: int) -> list[int]:
+    """The most microbatches each stage has run forward and not backward, in the op order PyTorch's
+    ``ScheduleInterleaved1F1B`` computes (its own helpers, as its ``_calculate_single_rank_operations``)."""
+    ranks = k // per_rank
+    rounds = max(1, n // ranks)
+    per_round = n // rounds
+    held = [0] * k
+    for rank in range(ranks):
+        warmup = _get_warmup_ops(rank, per_rank, per_round, ranks, n, multiply_factor=2)
+        ops = _get_1f1b_rank_ops(
+            per_rank, ranks, warmup, per_rank * n - warmup, warmup, rank,
+            lambda step: ((step // per_round) % per_rank) * ranks + rank,
+            lambda step: (per_rank - 1 - ((step - warmup) // per_round) % per_rank) * ranks + rank)
+        alive: dict[int, int] = defaultdict(int)
+        for op in ops:
+            if op is None:
+                continue
+            alive[op.stage_index] += 1 if op.computation_type == _ComputationType.FORWARD else -1
+            held[op.stage_index] = max(held[op.stage_index], alive[op.stage_index])
+    return held
+
+
+@pytest.mark.parametrize("k, per_rank, n", [
+    (4, 2, 2), (4, 2, 4), (4, 2, 8), (8, 2, 4), (8, 4, 8), (6, 3, 6), (8, 2, 1)])
+def test_interleaved_in_flight_follows_pytorchs_op_order(k, per_rank, n):
+    assert list(interleaved_in_flight(k, per_rank, n)) == torch_interleaved_in_flight(k, per_rank, n)
+    model = MemoryModel(microbatches=n, schedule="interleaved-1f1b", stages_per_rank=per_rank)
+    assert list(model.all_in_flight(k)) == torch_interleaved_in_flight(k, per_rank, n)
+
+
+def test_each_schedule_counts_its_microbatches_in_flight():
+    assert MemoryModel(microbatches=8).all_in_flight(4) == (4, 3, 2, 1)
+    assert MemoryModel(microbatches=2).all_in_flight(4) == (2, 2, 2, 1)
+    assert MemoryModel(microbatches=3, schedule="gpipe").all_in_flight(4) == (3, 3, 3, 3)
+    assert MemoryModel(schedule="GPipe").all_in_flight(2) == (2, 2)  # None: a full pipeline
+    with pytest.raises(autoshard.errors.InvalidArgumentError, match="must divide by it"):
+        MemoryModel(schedule="interleaved-1f1b", stages_per_rank=3).all_in_flight(4)
+    with pytest.raises(autoshard.errors.InvalidArgumentError, match="rounds of 2"):
+        MemoryModel(microbatches=5, schedule="interleaved-1f1b").all_in_flight(4)
+
+
+class _Weight:
+    def __init__(self, numel: int, element: int, trainable: bool = True) -> None:
+        self.numel, self.nbytes, self.trainable = numel, numel * element, trainable
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZER_BYTES))
+def test_weight_state_by_optimizer_and_precision(optimizer):
+    fp32, bf16 = _Weight(10, 4), _Weight(10, 2)
+    state = OPTIMIZER_BYTES[optimizer] * 10
+    assert MemoryModel(optimizer=optimizer).weight_parts(fp32) == (40, 40, state)
+    # mixed precision: bf16 weight and gradient, fp32 state and an fp32 master copy the optimizer steps
+    assert MemoryModel(optimizer=optimizer, master_weights=True).weight_parts(bf16) == (20, 20, state + 40)
+    assert MemoryModel(optimizer=optimizer, master_weights=True).weight_parts(fp32) == (40, 40, state)
+    assert MemoryModel(optimizer=optimizer).weight_parts(_Weight(10, 4, trainable=False)) == (40, 0, 0)
+    assert MemoryModel(optimizer_bytes_per_param=3, optimizer=optimizer).weight_parts(fp32) == (40, 40, 30)
+
+
+def test_a_bf16_model_plans_with_master_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).to(torch.bfloat16)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    plan = sharded.plan
+    plain = stage_memory(plan.dag, plan.assignment, 2)
+    mixed = stage_memory(plan.dag, plan.assignment, 2, MemoryModel(master_weights=True))
+    params = [sum(p.numel() for p in stage.parameters()) for stage in sharded.stages]
+    assert [m.total - p.total for m, p in zip(mixed, plain)] == [4 * n for n in params]
+    assert [p.weight_bytes for p in plain] == [2 * n for n in params]
+
+
+def tiny_gpt2():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64)
+    inputs = {"input_ids": torch.randint(0, 64, (2, 16)), "use_cache": False}
+    return transformers.GPT2LMHeadModel(config).train(), (), inputs
+
+
+@functools.cache
+def sharded_case(name: str, k: int):
+    model, args, kwargs = tiny_gpt2() if name == "hf-gpt2" else load_example(name)
+    pipeline = f"capture,shape-prop,build-dag,linearize,split{{stages={k}}},emit"  # no verify: not its subject
+    return autoshard.shard_model(model, k, example_inputs=args, example_kwargs=kwargs, pipeline=pipeline), args, kwargs
+
+
+@pytest.mark.parametrize("name, k, microbatches, optimizer, schedule", [
+    ("residual-mlp", 2, 4, "adam", "1f1b"),
+    ("gpt-lm", 4, 8, "adamw", "1f1b"),
+    ("gpt-lm", 4, 1, "sgd", "gpipe"),
+    ("transformer-lm", 2, 4, "sgd-momentum", "1f1b"),
+    ("hf-gpt2", 2, 4, "adam", "1f1b"),
+])
+def test_the_model_is_within_ten_percent_of_what_each_stage_holds(name, k, microbatches, optimizer, schedule):
+    sharded, args, kwargs = sharded_case(name, k)
+    model = MemoryModel(microbatches=microbatches, optimizer=optimizer, schedule=schedule)
+    predicted = autoshard.plan_report(sharded, memory=model).stages
+    for j in range(k):
+        measured = measure_stage_memory(sharded, j, args, kwargs, schedule=schedule, microbatches=microbatches,
+                                        optimizer=optimizer)
+        stage = predicted[j].memory
+        assert stage.in_flight == measured.in_flight
+        assert stage.weight_bytes == measured.parts["weights"]
+        parts = measured.parts
+        assert stage.state_bytes == parts["weights"] + parts["gradients"] + parts["optimizer"]
+        assert 0.9 <= stage.total / measured.peak <= 1.1, (j, stage, measured)
