@@ -24,7 +24,7 @@ from autoshard.passes.analyses import (
 )
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.capture import CapturePass
-from autoshard.passes.constrain import with_constraints
+from autoshard.passes.constrain import PinPass, with_constraints
 from autoshard.passes.dag import BuildDagPass
 from autoshard.passes.emit import EmitPass
 from autoshard.passes.instruments import Instrument
@@ -270,6 +270,9 @@ def shard_model(
     """
     check_model(model)
     num_stages = whole_number(num_stages, "num_stages", at_least=1)
+    if not isinstance(respecialize, bool):
+        raise InvalidArgumentTypeError(f"respecialize must be True or False, got {respecialize!r}")
+    max_specializations = whole_number(max_specializations, "max_specializations", at_least=0)
     inputs = example_inputs_of(example_inputs, example_kwargs)
     cost_name, cost_models = _cost_name(cost)
     if pipeline is None:
@@ -298,8 +301,6 @@ def shard_model(
         check_memory_budgets(stage_memory(plan.dag, plan.assignment, num_stages, memory_model or MemoryModel()),
                              budgets)
     program.sharded.plan_origin = PlanOrigin.made(program, chosen, cost_models)  # for sharded.save_plan
-    if not isinstance(respecialize, bool):
-        raise InvalidArgumentTypeError(f"respecialize must be True or False, got {respecialize!r}")
     if respecialize and inputs is not None:
         program.sharded.specializer = specializer_for(model, num_stages, chosen, cost, memory_model,
                                                       max_specializations)
@@ -309,7 +310,12 @@ def shard_model(
 def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost: str | CostFunction,
                     memory_model: MemoryModel | None, limit: int = MAX_SPECIALIZATIONS) -> Specializer:
     """The ``Specializer`` that captures ``model`` again with ``pipeline`` (which made the first plan),
-    each weight pinned to the stage holding it."""
+    each weight pinned to the stage holding it. The pipeline's own pins become optional: a module
+    another branch does not run pins nothing there."""
+    for index, step in enumerate(pipeline):
+        if isinstance(step, PinPass):
+            pipeline = pipeline.with_options(index, optional=True)
+
     def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 pins: Mapping[str, int]) -> ShardedModel:
         return shard_model(model, num_stages, args, kwargs, cost, with_constraints(pipeline, pin=pins, optional=True),

@@ -208,13 +208,17 @@ def _split_step(pipeline: Pipeline) -> tuple[int, Pass]:
     raise InvalidArgumentError(f"the pipeline '{pipeline}' has no split (no pass provides 'partition'); add 'split'")
 
 
+def _steps(pipeline: Pipeline, indices: Sequence[int]) -> Pipeline:
+    """The steps of ``pipeline`` at ``indices``, each with its spec as it was written."""
+    kept = Pipeline()
+    for index in indices:
+        kept += pipeline[index:index + 1]
+    return kept
+
+
 def _without_verify(pipeline: Pipeline) -> Pipeline:
     """The pipeline minus its verifying passes; slices keep each step's spec as it was written."""
-    kept = Pipeline()
-    for index, step in enumerate(pipeline):
-        if "verification" not in step.provides:
-            kept += pipeline[index:index + 1]
-    return kept
+    return _steps(pipeline, [i for i, step in enumerate(pipeline) if "verification" not in step.provides])
 
 
 def _stages(args: argparse.Namespace) -> int:
@@ -258,12 +262,14 @@ def _pins(args: argparse.Namespace) -> dict[str, int] | None:
     """``--pin NAME=STAGE`` flags as ``{name: stage}``."""
     if not args.pin:
         return None
-    pins = {}
+    pins: dict[str, int] = {}
     for text in args.pin:
         name, _, stage = text.rpartition("=")
         if not name or not stage.strip().isdigit():
             raise InvalidArgumentError(f"--pin takes NAME=STAGE, such as encoder=0 or lm_head.weight=3; got {text!r}")
-        pins[name.strip()] = int(stage)
+        if pins.setdefault(name.strip(), int(stage)) != int(stage):
+            raise InvalidArgumentError(f"--pin {name.strip()} is given stage {pins[name.strip()]} and stage {stage}; "
+                                       "give it once")
     return pins
 
 
@@ -314,12 +320,14 @@ def _compare(args: argparse.Namespace, session: _Session, choice: _Choice, conso
     index, step = _split_step(pipeline)
     if "strategy" not in {f.name for f in step.options()}:
         raise InvalidArgumentError(f"--compare needs a split with a 'strategy' option; '{step.name}' has none")
-    before = session.run(pipeline[:index])
+    # Passes that only instruct the split (pin, no-split, cut-before) run with each split, after the rest.
+    instructing = {i for i in range(index) if pipeline[i].provides & ShardProgram.INSTRUCTIONS}
+    before = session.run(_steps(pipeline, [i for i in range(index) if i not in instructing]))
     plans = {}
     for name in names:
         chosen = pipeline.with_options(index, strategy=name)
         chosen = chosen.with_options(index, **chosen[index].options_unused())  # a baseline drops the tolerance
-        program = session.run(chosen[index:index + 1], before)
+        program = session.run(_steps(chosen, [*sorted(instructing), index]), before)
         plans[name], _ = session.plan(program, _Choice(chosen, str(chosen), choice.cost_model))
     if not args.quiet:
         for table in compare_tables(plans):

@@ -19,6 +19,8 @@ update the buffers (batch-norm statistics) twice and move the generator on:
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -34,6 +36,9 @@ from autoshard.sharded import ShardedModel
 #: How many specialisations a sharded model makes at most, by default (torch.compile's recompile
 #: limit is 8 too).
 MAX_SPECIALIZATIONS = 8
+
+#: How many argument shapes a sharded model remembers the serving plan of.
+REMEMBERED_SHAPES = 256
 
 ShapeKey = tuple[Any, ...]
 #: Runs one plan on a call: ``ShardedModel.run_stages``, or a runtime's own way.
@@ -61,11 +66,25 @@ class Specialization:
 
 def shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:
     """The call's argument shapes, by position and keyword (None for a value that is no tensor):
-    which specialisation to try first. Top-level arguments only, so it costs a microsecond; a
-    specialisation's own guards decide whether it serves the call."""
-    key = [(i, value.shape if isinstance(value, torch.Tensor) else None) for i, value in enumerate(args)]
-    key += [(name, value.shape if isinstance(value, torch.Tensor) else None) for name, value in kwargs.items()]
-    return tuple(key)
+    which specialisation to try first. Top-level arguments only, so it costs a microsecond or two;
+    a specialisation's own guards decide whether it serves the call."""
+    return (*enumerate(map(_shape, args)), *zip(kwargs, map(_shape, kwargs.values())))
+
+
+def _shape(value: Any) -> Any:
+    return value.shape if isinstance(value, torch.Tensor) else None
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside autoshard and ``torch.nn``: the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_AUTOSHARD)
+                                 or f"{os.sep}torch{os.sep}nn{os.sep}" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_AUTOSHARD = os.path.dirname(os.path.abspath(__file__))
 
 
 class Specializer:
@@ -77,8 +96,6 @@ class Specializer:
     """
 
     def __init__(self, model: nn.Module, capture: Callable[..., ShardedModel], limit: int = MAX_SPECIALIZATIONS):
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise InvalidArgumentError(f"max_specializations must be a whole number >= 0, got {limit!r}")
         self._model = model
         self._capture = capture
         self.limit = limit
@@ -113,12 +130,19 @@ class Specializer:
                 result = run(sharded, args, kwargs)
             except SpecializationMismatch as exc:
                 self._check_rerun(sharded, exc)
-                failed = exc
+                failed = exc if failed is None or sharded is primary else failed  # name the first plan's guard
                 continue
-            self._last[key] = sharded
+            self._remember(key, sharded)
             return result
         assert failed is not None
         return self._specialized(primary, args, kwargs, failed, run)
+
+    def _remember(self, key: ShapeKey, sharded: ShardedModel) -> None:
+        """Keep which plan served these shapes, for the last ``REMEMBERED_SHAPES`` shapes."""
+        self._last.pop(key, None)
+        self._last[key] = sharded
+        if len(self._last) > REMEMBERED_SHAPES:
+            del self._last[next(iter(self._last))]
 
     def _plans(self, primary: ShardedModel) -> list[ShardedModel]:
         return [primary] + [s.sharded for s in self.specializations]
@@ -131,8 +155,9 @@ class Specializer:
             raise InputMismatchError(
                 f"{exc}. In training mode, stages that hold buffers or draw random numbers are not run again "
                 "for new inputs once some have computed (the buffers would be updated twice, the draws would "
-                "differ from the model's): call sharded.specialize(*args, **kwargs) with inputs like these "
-                "first, or call once in eval mode") from exc
+                "differ from the model's); the stages before this guard have run for this call (their buffers "
+                "are updated). Call sharded.specialize(*args, **kwargs) with inputs like these before such calls, "
+                "or make the specialisations in eval mode") from exc
 
     def _specialized(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                      exc: SpecializationMismatch, run: Runner) -> Any:
@@ -162,11 +187,11 @@ class Specializer:
                 f"({exc}); shard the model again with an example like these inputs") from exc
         check_same_holders(primary, sharded)
         self.specializations.append(Specialization(key, guard.split(";")[0], time.perf_counter() - started, sharded))
-        self._last[key] = sharded
+        self._remember(key, sharded)
         if len(self.specializations) == self.limit:
             warnings.warn(
                 f"this sharded model has made its {self.limit} specialisations (max_specializations); inputs that "
-                "need another are refused from now on", SpecializationLimitWarning, stacklevel=4)
+                "need another are refused from now on", SpecializationLimitWarning, stacklevel=_caller_level())
         return sharded
 
 

@@ -117,6 +117,9 @@ def test_misplaced_or_empty_constraint_passes_are_refused_before_capture(mlp, sp
      "holds node"),
     (dict(pin={"linears.0": 4}), InfeasibleSplitError, "(pinned to stage 4) asks for a stage past the last one"),
     (dict(pin={"linears.0": 1}), InfeasibleSplitError, "stage_ranges leave stage 0 of 4 empty: under pin 'linears.0'"),
+    (dict(pin={"linears.7": 0}), InfeasibleSplitError, "stage_ranges leave 1 node for the 3 stages 1..3"),
+    (dict(pin={"Linear": 1}), InfeasibleSplitError,
+     "stage 0 of 4 empty: under pin 'Linear' (pinned to stage 1) no node"),
     (dict(pin={"linears.3": 0, "linears.1": 2}), InfeasibleSplitError, "contradict each other"),
     (dict(pin={"linears.9": 0}), InvalidArgumentError, "no module path, class or weight is called 'linears.9'"),
     (dict(pin={"linears.0": -1}), InvalidArgumentError, "pin['linears.0'] must be a stage number >= 0"),
@@ -141,3 +144,13 @@ def test_the_cli_takes_pins_no_split_and_cut_before(capsys):
             in " ".join(out.split()))
     assert cli.main(["split", "residual-mlp", "--stages", "4", "--pin", "linears.0"]) == 2
     assert "--pin takes NAME=STAGE" in capsys.readouterr().err
+    assert cli.main(["split", "residual-mlp", "--stages", "4", "--pin", "linears.2=1", "--pin", "linears.2=0"]) == 2
+    assert "--pin linears.2 is given stage 1 and stage 0; give it once" in capsys.readouterr().err
+
+
+def test_the_cli_compares_strategies_under_pins(capsys):
+    code = cli.main(["split", "residual-mlp", "--stages", "3", "--pin", "linears.1=2",
+                     "--compare", "fixed-order,min-cut"])
+    assert code == 0 and "strategies compared" in capsys.readouterr().out
+    assert cli.main(["split", "residual-mlp", "--stages", "3", "--pin", "linears.1=2", "--compare", "greedy"]) == 2
+    assert "strategy 'greedy' cannot honour pin" in capsys.readouterr().err

@@ -64,8 +64,9 @@ def test_respecialize_false_keeps_the_refusal():
 
 def test_the_limit_warns_when_reached_and_then_refuses_naming_what_was_made():
     _, sharded = size_branch(max_specializations=1)
-    with pytest.warns(SpecializationLimitWarning, match="made its 1 specialisations"):
+    with pytest.warns(SpecializationLimitWarning, match="made its 1 specialisations") as caught:
         sharded(torch.randn(1, 8))
+    assert caught[0].filename == __file__  # the warning points at the call
     sharded.specializer._last.clear()
     _, none_allowed = size_branch(max_specializations=0)
     with pytest.raises(InputMismatchError, match=r"made its 0 specialisations \(max_specializations; made for: none\)"):
@@ -97,7 +98,7 @@ def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_speci
     twin = copy.deepcopy(model)
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     x = torch.randn(2, 8)
-    with pytest.raises(InputMismatchError, match=r"call sharded.specialize\(\*args, \*\*kwargs\)"):
+    with pytest.raises(InputMismatchError, match=r"Call sharded.specialize\(\*args, \*\*kwargs\) with inputs"):
         sharded(x)
     # The refused call ran no stage that holds the batch norm: its statistics moved by the example only.
     sharded.specialize(torch.randn(2, 8))
@@ -131,3 +132,43 @@ def test_a_loaded_plan_specialises_under_its_partition(tmp_path):
     assert torch.equal(loaded(x), model(x))
     (made,) = loaded.specializations
     assert holders(made.sharded) == holders(sharded)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(max_specializations=-1), "max_specializations must be"), (dict(respecialize="yes"), "respecialize must be")])
+def test_bad_specialisation_arguments_are_refused_before_any_capture(kwargs, message):
+    model = SizeBranch()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises((InputMismatchError, ValueError, TypeError), match=message):
+        autoshard.shard_model(model, 2, (torch.randn(4, 8),), **kwargs)
+    assert not calls
+
+
+class Switch(nn.Module):
+    """A module whose branch on the batch size runs one of two submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if x.shape[0] > 2 else self.b(x)
+
+
+class Switched(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.switch, self.post = nn.Linear(8, 8), Switch(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.switch(self.pre(x)))
+
+
+def test_a_users_pin_on_a_module_the_new_branch_does_not_run_pins_nothing_there():
+    torch.manual_seed(0)
+    model = Switched().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 8),), pin={"switch.b": 1})
+    assert holders(sharded)["switch.b.weight"] == {1}
+    x = torch.randn(3, 8)
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1

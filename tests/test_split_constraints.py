@@ -121,6 +121,30 @@ def test_stage_ranges_program_order_cannot_meet_reorder_it(strategy):
     assert result == {"x": 0, "b1": 0, "b2": 0, "a1": 1, "a2": 1}
 
 
+def aux_head() -> nx.DiGraph:
+    """a -> b -> c, and an auxiliary head reading a that comes last in program order."""
+    dag = nx.DiGraph()
+    for name in ("x", "a", "b", "c", "aux"):
+        dag.add_node(name, cost=0.0 if name == "x" else 1.0, bytes=1.0, input=name == "x", output=name in ("c", "aux"))
+    dag.add_edges_from([("x", "a"), ("a", "b"), ("b", "c"), ("a", "aux")])
+    return dag
+
+
+@pytest.mark.parametrize("strategy", BOUNDED)
+def test_ranges_a_late_node_can_only_meet_early_are_met_by_reordering(strategy):
+    assert split_dag(aux_head(), 2, strategy, 0.0, stage_ranges={"aux": 0}) == {
+        "x": 0, "a": 0, "aux": 0, "b": 1, "c": 1}
+    # Neither end of the ranges orders it: the node pinned to the middle stage comes last, and what
+    # the last stage holds must be moved after it.
+    dag = chain([1] * 4)
+    dag.add_node("side", cost=1.0, bytes=1.0, output=True)
+    dag.add_edge("v0", "side")
+    dag.add_node("late", cost=1.0, bytes=1.0, output=True)
+    dag.add_edge("v1", "late")
+    result = split_dag(dag, 3, strategy, 1.0, stage_ranges={"late": 1, "v3": 2})
+    assert result["late"] == 1 and result["v3"] == 2 and set(result.values()) == {0, 1, 2}
+
+
 @pytest.mark.parametrize("strategy", ("min-cut", "exact"))
 def test_refinement_never_moves_a_node_out_of_its_range(strategy):
     # Unconstrained, min-cut keeps each heavy value inside its branch; pinned, a1 and b1 stay apart.
@@ -131,6 +155,7 @@ def test_refinement_never_moves_a_node_out_of_its_range(strategy):
 
 
 @pytest.mark.parametrize(("ranges", "message"), [
+    ({"v6": 0}, "stage_ranges leave 1 node for the 2 stages 1..2"),
     ({"v2": 2, "v5": 1},
      "'v2' (pinned to stage 2) runs before 'v5' (pinned to stage 1) (it feeds it), but stages run in order"),
     ({"v2": StageRange(2, 2, "blocks.2"), "v5": StageRange(0, 1, "head")},
@@ -146,7 +171,7 @@ def test_stage_ranges_no_split_meets_are_named(ranges, message):
 
 def test_an_input_pinned_past_stage_0_is_refused():
     dag = nx.DiGraph()
-    dag.add_node("x", input=True, bytes=1.0)
+    dag.add_node("x", input=True, cost=0.0, bytes=1.0)
     dag.add_node("y", cost=1.0, bytes=1.0, output=True)
     dag.add_node("z", cost=1.0, bytes=1.0, output=True)
     dag.add_edges_from([("x", "y"), ("x", "z")])

@@ -273,15 +273,7 @@ def stage_bounds(g: IndexedDag, constraints: Constraints, k: int) -> StageBounds
             earliest[v], first_from[v] = allowed.first, v
         if allowed.last < latest[v]:
             latest[v], last_from[v] = allowed.last, v
-    pred, succ = g.pred, g.succ
-    for v in range(g.n):  # program order is topological: ancestors first
-        for u in pred[v]:
-            if earliest[u] > earliest[v]:
-                earliest[v], first_from[v] = earliest[u], first_from[u]
-    for v in range(g.n - 1, -1, -1):
-        for w in succ[v]:
-            if latest[w] < latest[v]:
-                latest[v], last_from[v] = latest[w], last_from[w]
+    _carry(g, earliest, latest, first_from, last_from)
     clash = next((v for v in range(g.n) if earliest[v] > latest[v]), None)
     if clash is not None:
         _raise_clash(g, constraints, clash, first_from[clash], last_from[clash])
@@ -291,14 +283,56 @@ def stage_bounds(g: IndexedDag, constraints: Constraints, k: int) -> StageBounds
 
 
 def _check_every_stage_can_hold_a_node(g: IndexedDag, constraints: Constraints, bounds: StageBounds, k: int) -> None:
-    """Refuse ranges under which some stage can hold no node (each must hold one)."""
+    """Refuse ranges that leave too few nodes for some stages (each stage must hold one): stage j,
+    or the stages j..k-1 (0..j), fewer nodes may take than there are of them."""
     first, last = bounds.earliest[g.num_inputs:], bounds.latest[g.num_inputs:]
+    pins = ", ".join(dict.fromkeys(r.describe(v) for v, r in constraints.stage_ranges.items()))
+    late = np.cumsum(np.bincount(last, minlength=k)[::-1])[::-1]  # nodes that may sit in stage j or later
+    early = np.cumsum(np.bincount(first, minlength=k))  # nodes that may sit in stage j or earlier
     for j in range(k):
         if not np.any((first <= j) & (j <= last)):
-            pins = ", ".join(r.describe(v) for v, r in constraints.stage_ranges.items())
             raise InfeasibleSplitError(
                 f"stage_ranges leave stage {j} of {k} empty: under {pins} no node may sit there, and each stage "
                 "must hold one; pin to other stages or ask for fewer stages")
+        for count, stages, span in ((late[j], k - j, f"{j}..{k - 1}"), (early[j], j + 1, f"0..{j}")):
+            if count < stages:
+                raise InfeasibleSplitError(
+                    f"stage_ranges leave {count} node{'' if count == 1 else 's'} for the {stages} stages {span}: "
+                    f"under {pins} the rest must sit elsewhere, and each stage must hold one; pin to other stages "
+                    "or ask for fewer stages")
+
+
+def _carry(g: IndexedDag, earliest: list[int], latest: list[int], first_from: list[int], last_from: list[int]) -> None:
+    """Carry first stages along the edges and last stages against them, in place, with the node
+    each bound comes from."""
+    pred, succ = g.pred, g.succ
+    for v in range(g.n):  # program order is topological: ancestors first
+        for u in pred[v]:
+            if earliest[u] > earliest[v]:
+                earliest[v], first_from[v] = earliest[u], first_from[u]
+    for v in range(g.n - 1, -1, -1):
+        for w in succ[v]:
+            if latest[w] < latest[v]:
+                latest[v], last_from[v] = latest[w], last_from[w]
+
+
+def spread_stages(g: IndexedDag, bounds: StageBounds, k: int) -> np.ndarray | None:
+    """A stage for every node within its range, ordered along the edges, every stage holding one,
+    or None if this greedy finds none: stage by stage, the node whose range ends soonest (ties:
+    starts latest, comes first) is held to it and the ranges carried again. Sorting an order by
+    these stages gives one that some split along keeps every range."""
+    earliest, latest = bounds.earliest.tolist(), bounds.latest.tolist()
+    unused = [-1] * g.n
+    for j in range(k):
+        can = [v for v in range(g.num_inputs, g.n) if earliest[v] <= j <= latest[v]]
+        if not can:
+            return None
+        v = min(can, key=lambda u: (latest[u], -earliest[u], u))
+        earliest[v] = latest[v] = j
+        _carry(g, earliest, latest, unused, unused)
+        if any(e > last for e, last in zip(earliest, latest)):
+            return None
+    return np.array(earliest, dtype=np.int64)
 
 
 def _raise_clash(g: IndexedDag, constraints: Constraints, v: int, early: int, late: int) -> None:

@@ -6,6 +6,7 @@ and ``Outcome``, a strategy's answer (here so ``split`` and ``exact`` share it w
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping
@@ -15,7 +16,7 @@ import numpy as np
 
 from autoshard.errors import InfeasibleSplitError, plural
 from autoshard.graph.balance import Line, min_bottleneck_of, min_bytes_cuts
-from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, Constraints, Rules, resolve
+from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, Constraints, Rules, resolve, spread_stages
 from autoshard.graph.indexed import IndexedDag, Node
 from autoshard.graph.invariants import check_weights
 from autoshard.graph.limits import StageLimit, laid_along, slack
@@ -75,7 +76,7 @@ class SplitProblem:
         if c.together:
             parts.append(f"together groups {sorted(c.together)!r}")
         if c.stage_ranges:
-            parts.append(f"stage_ranges [{', '.join(r.describe(v) for v, r in c.stage_ranges.items())}]")
+            parts.append(f"stage_ranges [{', '.join(dict.fromkeys(r.describe(v) for v, r in c.stage_ranges.items()))}]")
         if c.memory_budgets is not None:
             parts.append(f"memory_budgets {list(c.memory_budgets)!r}")
         if c.memory_in_flight is not None:
@@ -112,24 +113,30 @@ class SplitProblem:
 
     def respect_pins(self, order: np.ndarray) -> np.ndarray:
         """``order`` reordered (stably) so each pinned prefix of program order comes first and, when
-        the stage ranges cannot be met along it, within each prefix by stage range (earliest stage,
-        then latest).
+        no split along it keeps the stage ranges, within each prefix by stage range.
 
-        A pinned prefix is down-closed and both ends of a range only grow along edges, so the
-        result is still topological; every pin becomes a cut position of it, and placing each
-        node at its earliest stage is contiguous along it. An order along which the ranges can be
-        met (a node's earliest stage never below an earlier node's) is kept as it is, so ranges
-        taken from a split of program order leave program order alone.
+        A pinned prefix is down-closed and both ends of a range only grow along edges, so sorting
+        by them keeps the order topological, and every pin becomes a cut position of it. An order
+        some split along which keeps every range (and pin and group, whatever the balance) is kept
+        as it is, so ranges taken from a split of program order leave program order alone;
+        otherwise the first with such a split of: sorted by the first stage each node may take, by
+        the last, by a stage for each node that keeps every range and leaves no stage empty
+        (``spread_stages``).
         """
         g, pins, ranges = self.graph, self.rules.pins, self.rules.ranges
+        segment = np.zeros(g.n, dtype=np.int64)
         if len(pins):
             segment = np.searchsorted(pins, np.arange(g.n) - g.num_inputs, side="right")
             segment[: g.num_inputs] = 0
             order = order[np.argsort(segment[order], kind="stable")]
-        if ranges is None or np.all(np.maximum.accumulate(ranges.earliest[order]) <= ranges.latest[order]):
+        if ranges is None or self.line(order).feasible(math.inf):
             return order
-        segment = np.zeros(g.n, dtype=np.int64) if not len(pins) else segment
-        return order[np.lexsort((ranges.latest[order], ranges.earliest[order], segment[order]))]
+        for keys in ((ranges.latest, ranges.earliest), (ranges.earliest, ranges.latest)):
+            candidate = order[np.lexsort((keys[0][order], keys[1][order], segment[order]))]
+            if self.line(candidate).feasible(math.inf):
+                return candidate
+        spread = spread_stages(g, ranges, self.k)
+        return order if spread is None else order[np.lexsort((spread[order], segment[order]))]
 
     def line(self, order: np.ndarray, groups: tuple[np.ndarray, ...] | None = None) -> Line:
         """The non-input sequence of ``order`` with this problem's limits on each part.

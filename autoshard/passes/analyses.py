@@ -35,8 +35,6 @@ CostModel = Callable[[ShardProgram], dict[str, float]]
 
 COST_MODELS: dict[str, CostModel] = {}
 
-_RUN_LOCAL = "cost-model"  # PassContext.analyses key prefix of models registered for one run
-
 
 def register_cost_model(name: str) -> Callable[[CostModel], CostModel]:
     """Register ``fn(program) -> {node: cost}`` under ``name`` (usable as ``cost=name``)."""
@@ -116,23 +114,20 @@ def run_local_name(fn: Callable[..., Any]) -> str:
     return "custom-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", getattr(fn, "__name__", "")).strip("-") or "cost")
 
 
-_MEMORY_MODEL = "memory-model"
-
-
 def use_memory_model(ctx: PassContext, model: MemoryModel) -> None:
     """Plan the runs that use ``ctx`` for this optimizer and microbatch cap (``cost=memory``,
     ``max-memory``); the default is Adam (8 bytes per parameter) with every microbatch in flight."""
-    ctx.analyses[_MEMORY_MODEL] = model
+    ctx.memory_model = model
 
 
 def memory_model(ctx: PassContext) -> MemoryModel:
     """The training-memory model of this run."""
-    return ctx.analyses.get(_MEMORY_MODEL, MemoryModel())
+    return ctx.memory_model or MemoryModel()
 
 
 def use_cost_model(ctx: PassContext, name: str, model: CostModel) -> None:
     """Make ``model`` available as ``cost=name`` for the runs that use ``ctx`` only."""
-    ctx.analyses[(_RUN_LOCAL, name)] = model
+    ctx.cost_models[name] = model
 
 
 def check_cost_name(cost: str) -> None:
@@ -143,7 +138,7 @@ def check_cost_name(cost: str) -> None:
 
 
 def _lookup(ctx: PassContext, cost: str) -> CostModel:
-    local = ctx.analyses.get((_RUN_LOCAL, cost))
+    local = ctx.cost_models.get(cost)
     if local is not None:
         return local
     if cost not in COST_MODELS:
@@ -162,7 +157,7 @@ def _unknown_cost(cost: str) -> str:
 
 def charges_weights(ctx: PassContext, cost: str) -> bool:
     """Whether ``cost`` resolves to a built-in model that charges weights (``params``, ``memory``)."""
-    return cost in WEIGHT_CHARGED and (_RUN_LOCAL, cost) not in ctx.analyses
+    return cost in WEIGHT_CHARGED and cost not in ctx.cost_models
 
 
 def node_costs(

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     import torch
 
     from autoshard.capture.result import TraceResult
+    from autoshard.costs.memory import MemoryModel
     from autoshard.graph.partition import Partition
     from autoshard.sharded import ShardedModel
 
@@ -64,11 +65,19 @@ def option(default: Any = dataclasses.MISSING, help: str = "") -> Any:
 
 @dataclass
 class PassContext:
-    """Explicit run context: instruments, the analysis cache and checking switches."""
+    """Explicit run context: instruments, the models the run plans with, the analysis cache and
+    checking switches.
+
+    ``memory_model`` is the optimizer and schedule training memory is planned for (None: Adam,
+    every microbatch in flight); ``cost_models`` the run's own cost models by name (a user's
+    ``cost(node)`` function); ``analyses`` caches results keyed by the artifacts they read.
+    """
 
     instruments: list["Instrument"] = field(default_factory=list)
     analyses: dict[Any, Any] = field(default_factory=dict)
     verify_each: bool = False
+    memory_model: "MemoryModel | None" = None
+    cost_models: dict[str, Callable[["ShardProgram"], dict[str, float]]] = field(default_factory=dict)
 
     def analysis(self, key: Any, compute: Callable[[], Any]) -> Any:
         """Return a cached analysis result, computing it on first use.

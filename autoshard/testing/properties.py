@@ -360,9 +360,11 @@ def brute_force_constrained(
     """Every partition of a small ``dag`` that honours ``constraints`` within ``bound``.
 
     ``contiguous`` limits the search to splits of program order, as the balance bound of the
-    bounded strategies is defined.
+    bounded strategies is defined (reordered, as the splitter reorders it, where stage ranges
+    cannot be kept along it: ``SplitProblem.respect_pins``).
     """
     problem = _problem(dag, k, constraints, bound)
     g = problem.graph
-    candidates = contiguous_partitions(dag, k) if contiguous else all_partitions(dag, k)
+    order = [g.nodes[i] for i in problem.respect_pins(g.program()).tolist()]
+    candidates = contiguous_partitions(dag, k, order) if contiguous else all_partitions(dag, k)
     return [a for a in candidates if not problem.violations(g.stages_of(a))]
