@@ -30,3 +30,15 @@ def test_a_decoder_serves_other_batches_and_lengths_with_its_weights_in_their_st
     for made in sharded.specializations:
         assert holders(made.sharded) == before
         assert "q_length" in made.guard
+
+
+def test_a_call_the_model_refuses_gets_the_models_error_and_makes_no_specialisation():
+    family = BY_NAME["vit"]
+    model = family.build()
+    sharded = autoshard.shard_model(model, 2, example_kwargs=family.inputs(*EXAMPLE))
+    wrong_size = {"pixel_values": torch.randn(2, 3, 32, 32)}  # the model was built for 16 x 16 images
+    with pytest.raises(ValueError) as expected:
+        model(**wrong_size)
+    with pytest.raises(ValueError) as got:
+        sharded(**wrong_size)
+    assert str(got.value) == str(expected.value) and sharded.specializations == ()
