@@ -25,7 +25,7 @@ from autoshard.api import run_pipeline  # noqa: E402
 from autoshard.costs.models import param_costs  # noqa: E402
 from autoshard.passes import Pipeline  # noqa: E402
 from autoshard.passes.base import ExampleInputs  # noqa: E402
-from autoshard.passes.split import weighted_in_order  # noqa: E402
+from autoshard.costs.split_search import weighted_in_order  # noqa: E402
 
 #: The passes ``shard_model`` runs before its split, with example inputs.
 BEFORE_SPLIT = "capture,shape-prop,build-dag,linearize"

@@ -388,7 +388,7 @@ def test_a_cost_needing_shape_prop_names_every_capture_pass_it_may_follow():
 def test_min_cut_fast_modes_can_be_chosen_from_a_spec(monkeypatch, spec, moves, coarsen):
     """``moves=false`` and ``coarsen=false`` are the fast modes: the options must reach the splitter,
     and the split stays valid."""
-    import autoshard.passes.split as split_module
+    import autoshard.costs.split_search.placements as split_module
 
     seen = []
     real = split_module.split_dag

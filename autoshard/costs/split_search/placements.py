@@ -1,0 +1,134 @@
+"""The tie-placement search: split, and split again under other placements of shared weights.
+
+``params`` and ``memory`` count a shared weight once per stage that holds it, so what a node
+costs depends on where the weight's other readers go. The first split charges each tie to its
+first reader and prefers its readers in one stage; if that separates a tie, the DAG is split
+again under other placements (``costs.ties.tie_placements``: a tie kept together, or charged to
+every reader) and the plan with the lowest true bottleneck is kept, every weight counted once
+per stage holding it. ``SplitInfo.bottleneck`` is that true figure and ``SplitInfo.separated``
+lists the shared weights whose readers ended up in several stages. ``keep_tied=False`` skips the
+search and the preference, as a tie-unaware splitter would. ``max_memory`` is held exactly: a
+budget no split fits is reported with the stage that is short, on the best-balanced plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import networkx as nx
+
+from autoshard.costs.split_search.request import SplitRequest
+from autoshard.costs.ties import TiePlacement, charged_apart, tie_placements
+from autoshard.errors import InfeasibleSplitError
+from autoshard.graph import Partition, split_dag
+
+
+def weighted_in_order(
+    dag: nx.DiGraph, order: Sequence[str], costs: Mapping[str, float],
+    extra: Mapping[str, Mapping[str, float]] | None = None,
+) -> nx.DiGraph:
+    """A copy of ``dag`` with ``cost`` and each ``extra`` attribute set, inserted in ``order``."""
+    weighted = nx.DiGraph()
+    for node in order:
+        values = {name: per_node[node] for name, per_node in (extra or {}).items()}
+        weighted.add_node(node, **{**dag.nodes[node], "cost": costs[node], **values})
+    weighted.add_edges_from(dag.edges(data=True))
+    return weighted
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One split and what it truly costs: bottleneck, tie groups separated, fit in the budgets."""
+
+    partition: Partition
+    separated: tuple[str, ...]
+    memory: tuple[float, ...]
+    fits: bool
+
+    def rank(self) -> tuple[float, int, float]:
+        """Lower is better: the true bottleneck, then fewer separated ties, then fewer boundary bytes."""
+        info = self.partition.info
+        return info.bottleneck, len(info.separated), info.boundary_bytes
+
+
+def split_placing_ties(request: SplitRequest) -> Partition:
+    """The best split of ``request`` over the tie placements worth trying, ``max_memory`` held."""
+    first_try = TiePlacement(preferred=request.ties if request.keep_tied else ())
+    try:
+        first = attempt(request, first_try)
+    except InfeasibleSplitError as exc:
+        if not request.max_memory:
+            raise
+        first = attempt(request, first_try, budgets=False)
+        if not first.fits:
+            raise InfeasibleSplitError(
+                f"no split into {request.k} stages fits max-memory ({exc}); in the best-balanced plan "
+                f"{shortfall(request, first)}") from exc
+    attempts = [first]
+    if first.separated and first.partition.info.bound is not None:  # a bounded strategy, not a baseline
+        for placement in retries(request, first):
+            with contextlib.suppress(InfeasibleSplitError):  # e.g. a tie kept together no split allows
+                attempts.append(attempt(request, placement))
+    fitting = [a for a in attempts if a.fits]
+    if not fitting:
+        raise InfeasibleSplitError(
+            f"no split into {request.k} stages fits max-memory with each shared weight counted in every stage "
+            f"holding it: in the plan that fits when it is counted once, {shortfall(request, first)}")
+    return min(fitting, key=Attempt.rank).partition  # the first of equals: ties preferred together
+
+
+def retries(request: SplitRequest, first: Attempt) -> list[TiePlacement]:
+    """Placements worth another split after ``first`` separated some ties.
+
+    Tie-aware, when the balanced cost or the memory budget counts the weights; with
+    ``keep_tied=False`` only what makes the memory fit: every shared weight charged to each
+    reader, which over-counts but never under-counts.
+    """
+    if request.keep_tied and (request.charges_weights or not first.fits):
+        return tie_placements(request.ties, first.separated)
+    return [] if first.fits else [TiePlacement(charged_apart(request.ties))]
+
+
+def attempt(request: SplitRequest, placement: TiePlacement, budgets: bool = True) -> Attempt:
+    """Split with the ties placed as ``placement`` says; score the result by its true costs."""
+    k, memory = request.k, request.memory
+    extra: dict[str, Mapping[str, float]] = {}
+    limits: dict[str, Any] = {}
+    if request.max_memory and budgets:
+        extra = memory.node_attributes(placement.apart)
+        limits = {"memory_budgets": request.max_memory}
+        if memory.in_flight is not None:
+            limits["memory_in_flight"] = memory.in_flight
+    weighted = weighted_in_order(request.dag, request.order, request.node_costs(placement.apart), extra)
+    result = split_dag(
+        weighted, k, request.strategy, request.tolerance,
+        cut_before=request.cut_before,
+        together={**request.together, **{g.label: g.readers for g in placement.together}},
+        prefer_together={g.label: g.readers for g in placement.preferred},
+        stage_ranges=request.stage_ranges,
+        capacities=request.capacities or None,
+        return_info=True, **limits, **request.strategy_options,
+    )
+    assignment = result.assignment
+    speeds = request.each_stage(request.capacities or (1.0,))
+    totals = request.stage_totals(assignment)
+    split_up = [g for g in request.ties if len({assignment[v] for v in g.readers}) > 1]
+    info = dataclasses.replace(result.info, bottleneck=max(t / c for t, c in zip(totals, speeds)),
+                               separated=tuple(w for g in split_up for w in g.weights))
+    held = tuple(memory.stage_totals(assignment)) if request.max_memory else ()
+    fits = all(m <= b for m, b in zip(held, request.each_stage(request.max_memory)))
+    return Attempt(Partition.from_assignment(weighted, assignment, k, info), tuple(g.label for g in split_up),
+                   held, fits)
+
+
+def shortfall(request: SplitRequest, found: Attempt) -> str:
+    """Which stage of ``found`` is over its budget, and by how much."""
+    budgets, memory = request.each_stage(request.max_memory), request.memory
+    if memory.shortfall is not None:
+        return memory.shortfall(found.partition.assignment, budgets)
+    j = next(j for j, (need, budget) in enumerate(zip(found.memory, budgets)) if need > budget)
+    return (f"stage {j} needs {found.memory[j]:,.0f} under memory-cost {memory.name!r} but max-memory[{j}] "
+            f"is {budgets[j]:,.0f}: {found.memory[j] - budgets[j]:,.0f} short; raise the budget or add stages")

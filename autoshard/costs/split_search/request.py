@@ -1,0 +1,100 @@
+"""``SplitRequest``: what the split search needs, as plain values and callables.
+
+The split passes build one from their options and the run's cost models (``passes.analyses``
+resolves and caches those), so the search reads no pass context and costs/ imports no passes/.
+Module-level constraints arrive resolved to nodes (``graph.scopes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import networkx as nx
+
+from autoshard.costs.memory import MemoryModel, memory_shortfall, stage_memory
+from autoshard.costs.ties import TieGroup
+from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, StageRange
+
+#: ``apart`` (shared weights charged to every reader) -> each node's cost.
+NodeCosts = Callable[[frozenset[str]], Mapping[str, float]]
+#: A plan's assignment -> each stage's total, every shared weight once per stage holding it.
+StageTotals = Callable[[Mapping[str, int]], Sequence[float]]
+
+
+@dataclass(frozen=True)
+class MemoryCount:
+    """How the memory ``max_memory`` limits is counted.
+
+    ``node_attributes(apart)`` gives the node attributes the splitter sums per stage (``MEMORY``
+    held once; ``ACTIVATION_MEMORY`` times ``in_flight[j]`` for training memory); ``stage_totals``
+    scores a finished plan; ``shortfall(assignment, budgets)``, when set, is the model's own
+    message for a stage over budget (else one naming the model ``name``).
+    """
+
+    name: str
+    node_attributes: Callable[[frozenset[str]], dict[str, Mapping[str, float]]]
+    stage_totals: StageTotals
+    in_flight: tuple[float, ...] | None = None
+    shortfall: Callable[[Mapping[str, int], tuple[float, ...]], str] | None = None
+
+
+def summed_memory(name: str, node_costs: NodeCosts, stage_totals: StageTotals) -> MemoryCount:
+    """Memory as the cost model ``name`` counts it: each node's cost, held once."""
+    return MemoryCount(name, lambda apart: {MEMORY: node_costs(apart)}, stage_totals)
+
+
+def training_memory(
+    dag: nx.DiGraph, k: int, model: MemoryModel,
+    parts: Callable[[frozenset[str]], tuple[Mapping[str, float], Mapping[str, float]]],
+) -> MemoryCount:
+    """Training memory (``costs.memory``): weight state once per stage, activations once per
+    microbatch in flight. ``parts(apart)`` is ``costs.models.memory_parts`` under ``model``."""
+
+    def attributes(apart: frozenset[str]) -> dict[str, Mapping[str, float]]:
+        held, kept = parts(apart)
+        return {MEMORY: held, ACTIVATION_MEMORY: kept}
+
+    def totals(assignment: Mapping[str, int]) -> list[float]:
+        return [stage.total for stage in stage_memory(dag, assignment, k, model)]
+
+    def shortfall(assignment: Mapping[str, int], budgets: tuple[float, ...]) -> str:
+        return memory_shortfall(stage_memory(dag, assignment, k, model), budgets) or ""
+
+    return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall)
+
+
+@dataclass(frozen=True)
+class SplitRequest:
+    """One split to search: the DAG cut along ``order`` into ``k`` stages by ``strategy``.
+
+    ``node_costs`` and ``stage_totals`` are the balanced cost model; ``charges_weights`` says it
+    counts weights, so where a tie's readers go changes it. ``capacities`` and ``max_memory`` hold
+    one value per stage or one for all (``memory`` counts what ``max_memory`` limits; the
+    training-memory count when ``training_memory_cost`` says the balanced cost is training memory).
+    ``together`` (no-split groups by label), ``cut_before`` (node -> the path written) and
+    ``stage_ranges`` are the constraints resolved to nodes; ``ties`` the shared-weight groups.
+    """
+
+    dag: nx.DiGraph
+    order: Sequence[str]
+    k: int
+    strategy: str
+    node_costs: NodeCosts
+    stage_totals: StageTotals
+    charges_weights: bool = False
+    tolerance: float = 0.0
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    capacities: tuple[float, ...] = ()
+    max_memory: tuple[float, ...] = ()
+    memory: MemoryCount | None = None
+    training_memory_cost: bool = False
+    keep_tied: bool = True
+    ties: tuple[TieGroup, ...] = ()
+    together: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    cut_before: Mapping[str, str] = field(default_factory=dict)
+    stage_ranges: Mapping[str, StageRange] = field(default_factory=dict)
+
+    def each_stage(self, values: tuple[float, ...]) -> tuple[float, ...]:
+        """One value per stage; a single value applies to every stage (the splitter checks the rest)."""
+        return values * self.k if len(values) == 1 else values
