@@ -349,7 +349,7 @@ def _passes_run(spec: str, **shard_options) -> tuple[type[BaseException], list[s
     ("trace,build-dag,linearize,split{strategy=mincut},emit", "unknown strategy 'mincut'"),
     ("trace,build-dag,linearize,split{cost=flopz},emit", "unknown cost model 'flopz'"),
     ("trace,build-dag,linearize,split{strategy=greedy tolerance=0.5},emit", "has no use for tolerance=0.5"),
-    ("trace,build-dag,linearize,split-uniform{tolerance=0.1},emit", "has no use for tolerance=0.1"),
+    ("trace,build-dag,linearize,split{strategy=uniform tolerance=0.1},emit", "has no use for tolerance=0.1"),
     ("trace,build-dag,linearize,split{strategy=fixed-order moves=false},emit", "has no use for moves=False"),
     ("trace,build-dag,linearize,split,emit,verify{atol=-1}", "atol must be finite and >= 0"),
     ("trace,build-dag,linearize,split,emit,verify{rtol=nan}", "rtol must be finite and >= 0"),

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autoshard.api import run_pipeline
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, SpecError
 from autoshard.examples import ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.graph import Partition
@@ -288,10 +288,15 @@ def test_each_strategy_is_its_own_pass_over_the_same_partition(spec, strategy):
         assert own.partition.info.proven_optimal is True
 
 
-def test_baseline_passes_refuse_hard_constraints():
+def test_baseline_passes_take_only_the_options_they_use():
     model, inputs = mlp()
     with pytest.raises(InvalidArgumentError, match="strategy 'greedy' cannot honour no-split"):
-        run(model, inputs, "split-greedy{stages=2 no-split=linears.1}")
+        run(model, inputs, "split{strategy=greedy stages=2 no-split=linears.1}")
+    for spec in ("split-greedy{stages=2 no-split=linears.1}", "split-uniform{tolerance=0.1}"):
+        with pytest.raises(SpecError, match="unknown option .* its options are: stages, cost"):
+            Pipeline.parse(f"trace,build-dag,linearize,{spec},emit", REGISTRY)
+    assert [f.name for f in SplitGreedyPass.options()] == [f.name for f in SplitUniformPass.options()] == [
+        "stages", "cost"]
 
 
 @pytest.mark.parametrize("split, message", [
@@ -301,10 +306,11 @@ def test_baseline_passes_refuse_hard_constraints():
     ("split{stages=4 capacities=1,2}", r"'split' capacities has 2 values for 4 stages"),
     ("split{stages=4 max-memory=nan}", r"'split' max-memory: entry 0 is nan; each must be finite and >= 0"),
     ("split{stages=4 max-memory=1e9,1e9}", r"'split' max-memory has 2 values for 4 stages"),
-    ("split-uniform{stages=4 cut-before=linears.2}",
-     r"'split-uniform' with strategy 'uniform' cannot honour cut-before: leave it out, or pick a strategy that "
+    ("split{strategy=uniform stages=4 cut-before=linears.2}",
+     r"'split' with strategy 'uniform' cannot honour cut-before: leave it out, or pick a strategy that "
      r"does \(min-cut, fixed-order, exact\)"),
-    ("split-greedy{stages=4 capacities=1,2,1,1 max-memory=1e9}", r"cannot honour capacities, max-memory: leave them"),
+    ("split{strategy=greedy stages=4 capacities=1,2,1,1 max-memory=1e9}",
+     r"cannot honour capacities, max-memory: leave them"),
     ("split-exact{stages=4 time-limit=0}", r"'split-exact' needs time-limit > 0 seconds, got 0\.0"),
 ])
 def test_split_option_values_no_split_can_use_are_refused_before_anything_runs(split, message):

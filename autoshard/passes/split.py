@@ -100,7 +100,8 @@ class _SplitPassBase(Pass):
     def options_unused(self) -> dict[str, Any]:
         """The options set away from their defaults that the strategy has no use for, with their defaults."""
         defaults = {f.name: f.default for f in self.options()}
-        return {name: defaults[name] for name in self._unused_names() if getattr(self, name) != defaults[name]}
+        return {name: defaults[name] for name in self._unused_names()
+                if name in defaults and getattr(self, name) != defaults[name]}
 
     def check_options(self) -> None:
         check_cost_name(self.cost)
@@ -205,25 +206,19 @@ class _BoundedSplit(_SplitPassBase):
                                         "count a shared weight once per stage; false: charge it to its first reader")
 
 
-_REFUSED = "refused: a strategy kept for comparison keeps no constraints"
-
-
 @dataclass(frozen=True)
 class _BaselineSplit(_SplitPassBase):
-    """A strategy kept for comparison (not registered): it bounds nothing and keeps no constraints.
+    """A strategy kept for comparison (not registered): it bounds nothing and keeps no constraints,
+    so its only options are the stage count and the cost; a spec setting another is refused as an
+    unknown option, naming the ones it has. The shared code reads the others as these constants."""
 
-    It uses the stage count and the cost only; the bounded strategies' options are here so that a
-    spec setting one is refused by name, before any capture, rather than left unread.
-    """
-
-    tolerance: float = option(0.0, help="refused: a strategy kept for comparison bounds no bottleneck")
-    cut_before: tuple[str, ...] = option((), help=_REFUSED)
-    no_split: tuple[str, ...] = option((), help=_REFUSED)
-    capacities: tuple[float, ...] = option((), help=_REFUSED)
-    max_memory: tuple[float, ...] = option((), help=_REFUSED)
-    memory_cost: str = option("memory", help="unused: the cost model max-memory would limit (max-memory is refused)")
-    keep_tied: bool = option(True, help="unused by the split, which keeps no ties together; the plan still lists "
-                                        "the shared weights it separates")
+    tolerance: ClassVar[float] = 0.0
+    cut_before: ClassVar[tuple[str, ...]] = ()
+    no_split: ClassVar[tuple[str, ...]] = ()
+    capacities: ClassVar[tuple[float, ...]] = ()
+    max_memory: ClassVar[tuple[float, ...]] = ()
+    memory_cost: ClassVar[str] = "memory"
+    keep_tied: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
