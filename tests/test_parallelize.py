@@ -182,8 +182,11 @@ def errors(sharded2, sharded4, pinned, meshes) -> dict[str, str]:
                                             loss_fn=model_loss),
         "float32 in the code": lambda: parallelize(pinned, meshes[2, 2], microbatches=4, loss_fn=model_loss,
                                                    mixed_precision=torch.bfloat16),
-        "mixed precision alone": lambda: parallelize(sharded2, meshes[2, 2], data_parallel=None, microbatches=4,
-                                                     loss_fn=model_loss, mixed_precision=torch.bfloat16),
+        "copies without data parallelism": lambda: parallelize(sharded2, meshes[2, 2], data_parallel=None,
+                                                               microbatches=4, loss_fn=model_loss),
+        "mixed precision alone": lambda: parallelize(sharded2, meshes[4, 1], data_parallel=None, microbatches=4,
+                                                     schedule="interleaved-1f1b", loss_fn=model_loss,
+                                                     mixed_precision=torch.bfloat16),
         "mesh smaller than the world": lambda: parallelize(
             sharded2, init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp")), microbatches=4,
             loss_fn=model_loss),
@@ -380,6 +383,7 @@ def test_bad_input_is_refused_on_every_rank_before_any_collective(launch):
         assert "dimension 'dp' is neither" in e["an unused dimension"] and "pass dp='dp'" in e["an unused dimension"]
         assert "unknown data_parallel 'fdsp'" in e["unknown kind"] and "fsdp" in e["unknown kind"]
         assert "data_parallel='fsdp'" in e["mixed precision alone"]
+        assert "'dp' dimension has 2 ranks but data_parallel is None" in e["copies without data parallelism"]
         assert "converts values to torch.float32" in e["float32 in the code"]
         assert "holds 2 ranks but the job has 4 processes" in e["mesh smaller than the world"]
     assert math.isfinite(results[0]["fsdp"]["loss"] or 0.0)  # and every rank carried on

@@ -207,7 +207,11 @@ def _compute_in(module: fx.GraphModule, dtype: torch.dtype | None) -> None:
 
 def _apply_data_parallel(stage: PipelineStage, blocks: dict[str, list[nn.Module]], kind: str,
                          dp_mesh: DeviceMesh, policy: MixedPrecisionPolicy | None) -> None:
-    """FSDP2 on the whole blocks, then on the stage (its remaining weights), or replication."""
+    """FSDP2 on the whole blocks, then on the stage (its remaining weights), or replication.
+
+    A unit's weights stay gathered after its forward (``reshard_after_forward=False``, torchtitan's
+    choice under pipelining): the pipeline keeps them gathered from the first backward to the step's
+    end anyway, and regathering them for each microbatch's forward would only add collectives."""
     options: dict[str, Any] = {"mesh": dp_mesh}
     if policy is not None:
         options["mp_policy"] = policy
@@ -215,8 +219,8 @@ def _apply_data_parallel(stage: PipelineStage, blocks: dict[str, list[nn.Module]
         replicate(stage.submod, **options)
         return
     for leaves in blocks.values():
-        fully_shard(leaves, **options)
-    fully_shard(stage.submod, **options)
+        fully_shard(leaves, reshard_after_forward=False, **options)
+    fully_shard(stage.submod, reshard_after_forward=False, **options)
 
 
 def parallelize(
@@ -250,6 +254,10 @@ def parallelize(
         raise InvalidArgumentError(
             f"unknown data_parallel {data_parallel!r}{suggest(str(data_parallel), DATA_PARALLEL)}; use 'fsdp' "
             "(sharded weights), 'ddp' (replicated weights) or None (pipelining alone)")
+    if data_parallel is None and dp_size > 1:
+        raise InvalidArgumentError(
+            f"the mesh's {dp!r} dimension has {dp_size} ranks but data_parallel is None, so those copies of the "
+            f"pipeline would train apart; pass data_parallel='fsdp' or 'ddp', or a mesh without {dp!r}")
     microbatches = whole_number(microbatches, "microbatches", at_least=1)
     policy = _mixed_precision(mixed_precision, data_parallel, dp_name)
     _check_compute_dtype(sharded, policy)
