@@ -296,13 +296,27 @@ def _grad(dag: nx.DiGraph, node: str) -> float:
     return float(facts.grad) if facts is not None else 0.0
 
 
-def _sent_unsaved(dag: nx.DiGraph, node: str) -> float:
-    """Bytes of ``node``'s output that the stage keeps only because it sends them."""
-    data = dag.nodes[node]
-    if data.get("input"):
-        return 0.0
-    facts = data.get("training")
-    return max(0.0, float(data.get("allocated") or 0) - (facts.saved_output if facts is not None else 0))
+def _owner(dag: nx.DiGraph, node: str, stage: Mapping[str, int]) -> str:
+    """The node of the same stage whose storage ``node``'s value is, following views and values
+    passed through (they allocate nothing) to the widest input of the same stage."""
+    while not dag.nodes[node].get("input") and not dag.nodes[node].get("allocated"):
+        inputs = [u for u in dag.predecessors(node) if stage.get(u) == stage[node]]
+        if not inputs:
+            break
+        node = max(inputs, key=lambda u: float(dag.nodes[u].get("bytes") or 0))
+    return node
+
+
+def _sent_unsaved(dag: nx.DiGraph, sent: Sequence[str], stage: Mapping[str, int]) -> float:
+    """Bytes the stage keeps only because it sends them: the storages of its sent values that
+    nothing saved (a sent view counts the storage it views, once)."""
+    total = 0.0
+    for owner in {_owner(dag, v, stage) for v in sent}:
+        data = dag.nodes[owner]
+        if not data.get("input"):
+            facts = data.get("training")
+            total += max(0.0, float(data.get("allocated") or 0) - (facts.saved_output if facts is not None else 0))
+    return total
 
 
 def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], output_grads: float) -> float:
@@ -343,12 +357,12 @@ def stage_memory(
             received = sum(float(dag.nodes[v]["bytes"]) for v in crossing[j - 1])
         outputs = [v for v in dag.nodes if v in assignment and dag.nodes[v].get("output")]
         outgoing = crossing[j] if j < k - 1 else outputs
-        made_here = {v for v in outgoing if assignment[v] == j}
+        made_here = [v for v in outgoing if assignment[v] == j]
         output_grads = sum(_grad(dag, v) for v in outgoing)
         out.append(StageMemory(
             j, weights + grads + optimizer, sum(kept_bytes(dag, v) for v in nodes), model.in_flight(j, k),
-            received_bytes=received, sent_bytes=sum(_sent_unsaved(dag, v) for v in made_here),
-            output_grad_bytes=output_grads, backward_bytes=_backward_peak(dag, nodes, made_here, output_grads),
+            received_bytes=received, sent_bytes=_sent_unsaved(dag, made_here, assignment) if made_here else 0.0,
+            output_grad_bytes=output_grads, backward_bytes=_backward_peak(dag, nodes, set(made_here), output_grads),
             weight_bytes=weights, gradient_bytes=grads))
     return out
 

@@ -182,15 +182,16 @@ def _stage_inputs(sharded: ShardedModel, stage: int, args: tuple, kwargs: dict) 
     values = first(*args, **kwargs)
     for later in sharded.stages[1:stage]:
         values = later(*moved_to(stage_device(later), values))
-    return tree_map_only(torch.Tensor, torch.Tensor.detach, moved_to(stage_device(sharded.stages[stage]), values)), {}
+    sent = moved_to(stage_device(sharded.stages[stage]), values)
+    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), sent), {}
 
 
 def _fresh(values: Any, receives_gradients: bool) -> Any:
-    """A microbatch's own copy of ``values``; a stage after the first sends gradients back for its
-    floating-point inputs, so they require grad as ``PipelineStage``'s receive buffers do."""
+    """A microbatch's own copy of ``values``; a stage after the first sends gradients back for the
+    inputs that required grad where they were made, as ``PipelineStage``'s receive buffers do
+    (torch 2.13: the sender's ``requires_grad``, not every floating-point tensor)."""
     def copy(t: torch.Tensor) -> torch.Tensor:
-        fresh = t.detach().clone()
-        return fresh.requires_grad_() if receives_gradients and fresh.is_floating_point() else fresh
+        return t.detach().clone().requires_grad_(receives_gradients and t.requires_grad)
     return tree_map_only(torch.Tensor, copy, values)
 
 
