@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autoshard.errors import ExampleInputsError, InputMismatchError, InvalidArgumentError, SpecializationMismatch
+from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
 
@@ -181,7 +181,7 @@ class Specializer:
             if exc.__cause__ is not None:  # the model itself refuses these inputs: its own error
                 raise exc.__cause__ from None
             raise
-        except InvalidArgumentError as exc:  # a pin the new graph's order cannot meet names its weight
+        except AutoshardError as exc:  # a pin the new graph's order cannot meet names its weight; a capture failed
             raise InputMismatchError(
                 f"{guard}. A new capture for these inputs, with every weight in the stage that holds it, failed "
                 f"({exc}); shard the model again with an example like these inputs") from exc
