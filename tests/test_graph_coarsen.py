@@ -117,7 +117,7 @@ def test_kicks_on_graphs_of_mostly_cost_free_nodes_stop_when_they_stop_paying(mo
     patience = []
     real_improve = split_module.local_moves.improve
     monkeypatch.setattr(split_module.local_moves, "improve",
-                        lambda *args: (patience.extend(args[7:]), real_improve(*args))[1])
+                        lambda *args, **kwargs: (patience.extend(args[7:8]), real_improve(*args, **kwargs))[1])
     dag = layered_graph(100, seed=1)
     split_dag(dag, 2)
     assert patience and set(patience) == {None}  # every search with kicks (coarse graphs too) runs them all
