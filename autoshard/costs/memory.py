@@ -81,12 +81,15 @@ class SavedFacts:
     """Per node, in bytes: ``saved``, storages it creates that autograd keeps for backward (its
     output's included when any node saves it); ``saved_output``, the part of ``saved`` that is its
     output; ``grad``, the gradient its output receives (floating tensors that require grad);
-    ``backward``, the peak its backward adds to what is alive when it starts."""
+    ``backward``, the peak its backward adds to what is alive when it starts; ``releases``, per
+    node that made them, the saved storages autograd frees once this node's backward has run (it
+    is the first node to save them, so the last to use them)."""
 
     saved: int
     saved_output: int
     grad: int
     backward: int
+    releases: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -282,12 +285,11 @@ def node_memory(
     return {node: state[node] + kept_bytes(dag, node) for node in dag.nodes}
 
 
-def _nodes_by_stage(dag: nx.DiGraph, assignment: Mapping[str, int], k: int) -> list[list[str]]:
-    """Each stage's nodes in the DAG's order (program order: ``build-dag`` inserts them so)."""
+def _nodes_by_stage(assignment: Mapping[str, int], k: int) -> list[list[str]]:
+    """Each stage's nodes in the assignment's order (a split's is the program order the stages run)."""
     stages: list[list[str]] = [[] for _ in range(k)]
-    for node in dag.nodes:
-        if node in assignment:
-            stages[assignment[node]].append(node)
+    for node, stage in assignment.items():
+        stages[stage].append(node)
     return stages
 
 
@@ -303,7 +305,7 @@ def _owner(dag: nx.DiGraph, node: str, stage: Mapping[str, int]) -> str:
         inputs = [u for u in dag.predecessors(node) if stage.get(u) == stage[node]]
         if not inputs:
             break
-        node = max(inputs, key=lambda u: float(dag.nodes[u].get("bytes") or 0))
+        node = max(inputs, key=lambda u: (float(dag.nodes[u].get("bytes") or 0), u))
     return node
 
 
@@ -322,20 +324,36 @@ def _sent_unsaved(dag: nx.DiGraph, sent: Sequence[str], stage: Mapping[str, int]
 def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], output_grads: float) -> float:
     """The most one microbatch's backward adds to what the stage holds: walking its nodes in
     reverse, the output gradients, the gradients alive and the node's own backward peak, less the
-    saved bytes of the nodes already run (their storages are freed once their backward is done)."""
-    pending: dict[str, float] = {}
+    saved storages the nodes already run have released.
+
+    A gradient buffer lives from the backward that makes it to the backward of the value's maker.
+    A node that allocates nothing (a view, an item of a tuple, a value passed through) hands its
+    gradient on as it is, so its input's gradient is the same buffer; the outputs' gradients are
+    the buffers received, counted in ``output_grads``."""
+    inside = set(nodes)
+    counted: dict[str, float] = {}  # value -> bytes of its gradient counted in ``alive``
+    known = set(sent)  # values whose gradient buffer exists (received, or made by a backward run)
     alive = freed = peak = 0.0
     for node in reversed(nodes):
         facts = _training(dag, node)
         if facts is None:
             continue
         peak = max(peak, output_grads + alive + facts.backward - freed)
-        freed += facts.saved - (facts.saved_output if node in sent else 0)
-        alive -= pending.pop(node, 0.0)
-        for u in dag.predecessors(node):
-            if u not in pending and (grad := _grad(dag, u)) > 0:
-                pending[u] = grad
-                alive += grad
+        # what this stage made and kept for this backward alone (a sent value stays: it was sent)
+        freed += sum(nbytes for maker, nbytes in facts.releases if maker in inside and maker not in sent)
+        mine = counted.pop(node, 0.0)
+        inputs = [u for u in dag.predecessors(node) if _grad(dag, u) > 0]
+        if not dag.nodes[node].get("allocated") and inputs:
+            widest = max(inputs, key=lambda u: (float(dag.nodes[u].get("bytes") or 0), u))
+            counted[widest] = counted.get(widest, 0.0) + mine
+            known.add(widest)
+            continue
+        alive -= mine
+        for u in inputs:
+            if u not in known:
+                known.add(u)
+                counted[u] = _grad(dag, u)
+                alive += counted[u]
     return max(peak, output_grads)
 
 
@@ -348,7 +366,7 @@ def stage_memory(
     payers = weight_payers(dag, assignment=assignment)
     crossing = boundary_values(dag, assignment, k)
     out = []
-    for j, nodes in enumerate(_nodes_by_stage(dag, assignment, k)):
+    for j, nodes in enumerate(_nodes_by_stage(assignment, k)):
         parts = [model.weight_parts(infos[w]) for node in nodes for w in payers[node]]
         weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
         if j == 0:
@@ -359,10 +377,13 @@ def stage_memory(
         outgoing = crossing[j] if j < k - 1 else outputs
         made_here = [v for v in outgoing if assignment[v] == j]
         output_grads = sum(_grad(dag, v) for v in outgoing)
+        # a value passed straight through gets its gradient as a copy of the one received
+        passed = sum(_grad(dag, v) for v in outgoing if assignment[v] < j)
         out.append(StageMemory(
             j, weights + grads + optimizer, sum(kept_bytes(dag, v) for v in nodes), model.in_flight(j, k),
             received_bytes=received, sent_bytes=_sent_unsaved(dag, made_here, assignment) if made_here else 0.0,
-            output_grad_bytes=output_grads, backward_bytes=_backward_peak(dag, nodes, set(made_here), output_grads),
+            output_grad_bytes=output_grads,
+            backward_bytes=_backward_peak(dag, nodes, set(made_here), output_grads + passed),
             weight_bytes=weights, gradient_bytes=grads))
     return out
 

@@ -92,6 +92,7 @@ class TrainingProbe:
         self.saved_storages: set[StorageWeakRef] = set()
         self.saved: dict[str, int] = {}
         self.outputs: dict[str, set[StorageWeakRef]] = {}  # node -> storages of its output it made
+        self.releases: dict[str, dict[str, int]] = {}  # first saver -> node that made them -> bytes
         self.grad: dict[str, int] = {}
         self.backward: dict[str, int] = {}
         self.weights: dict[int, torch.Tensor] = {}  # id of a parameter or buffer -> its fake leaf
@@ -113,6 +114,11 @@ class TrainingProbe:
                 self.owner[ref] = owner
                 self.nbytes[ref] = t.untyped_storage().nbytes()
 
+    def release(self, saver: str, maker: str, nbytes: int) -> None:
+        """``saver`` is the first to save ``nbytes`` of ``maker``'s: autograd frees them after its backward."""
+        by_maker = self.releases.setdefault(saver, {})
+        by_maker[maker] = by_maker.get(maker, 0) + nbytes
+
     def saved_output(self, name: str) -> int:
         """Bytes of the storages ``name``'s output made that some node saved."""
         return sum(self.nbytes[ref] for ref in self.outputs[name] if ref in self.saved_storages)
@@ -120,11 +126,18 @@ class TrainingProbe:
     # -- running ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def _in_fake_mode(self) -> Iterator[FakeTensorMode]:
-        """The fake mode the probe runs in, with every other mode (the FLOP counter) set aside."""
+        """The fake mode the probe runs in, with every other mode (the FLOP counter) set aside, and
+        without its dispatch cache, which every fake mode of the process shares: a plan's facts once
+        differed by a few bytes after other plans were made in the same test run, and the cache is
+        the state plans share (not proven the cause; the flake did not come back in reruns)."""
         if self.fake is None:
             self.fake = active_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
-        with _disable_current_modes(), self.fake:
-            yield self.fake
+        cached, self.fake.cache_enabled = self.fake.cache_enabled, False
+        try:
+            with _disable_current_modes(), self.fake:
+                yield self.fake
+        finally:
+            self.fake.cache_enabled = cached
 
     def twin(self, t: torch.Tensor) -> torch.Tensor:
         """A fake tensor of ``t``'s shape in the probe's mode (``t`` itself when it is one)."""
@@ -201,9 +214,11 @@ class TrainingProbe:
                 self.saved_storages.add(ref)
                 if ref not in self.owner:
                     made.append((ref, t.untyped_storage().nbytes()))
+                    self.release(name, name, t.untyped_storage().nbytes())
                 elif self.owner[ref] is not None:
                     owner = self.owner[ref]
                     self.saved[owner] = self.saved.get(owner, 0) + self.nbytes[ref]
+                    self.release(name, owner, self.nbytes[ref])
             return t
 
         try:
@@ -250,4 +265,5 @@ class TrainingProbe:
     def facts(self) -> dict[str, SavedFacts]:
         """``SavedFacts`` of every compute node probed so far."""
         return {name: SavedFacts(self.saved.get(name, 0), self.saved_output(name), self.grad[name],
-                                 self.backward[name]) for name in self.grad}
+                                 self.backward[name], tuple(sorted(self.releases.get(name, {}).items())))
+                for name in self.grad}

@@ -112,7 +112,12 @@ class _Reader:
         """A node's ``costs.saved`` facts; absent in plans written before they were recorded."""
         if obj is None:
             return None
-        return SavedFacts(*(self.get(obj, key, int, where) for key in ("saved", "saved_output", "grad", "backward")))
+        releases = self.get(obj, "releases", list, where, [])
+        if not all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and isinstance(r[1], int)
+                   for r in releases):
+            raise self.error(f"{where}.releases", "must be a list of [node name, bytes] pairs")
+        return SavedFacts(*(self.get(obj, key, int, where) for key in ("saved", "saved_output", "grad", "backward")),
+                          tuple((name, nbytes) for name, nbytes in releases))
 
     def names(self, items: list, where: str) -> tuple[str, ...]:
         bad = next((x for x in items if not isinstance(x, str)), None)

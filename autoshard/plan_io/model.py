@@ -293,7 +293,7 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
     if n.allocated is not None:
         out["allocated"] = _number(n.allocated)
     if n.training is not None:
-        out["training"] = dataclasses.asdict(n.training)
+        out["training"] = {**dataclasses.asdict(n.training), "releases": [list(r) for r in n.training.releases]}
     if n.value:
         out["value"] = dict(n.value)
     return out
