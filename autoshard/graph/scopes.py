@@ -11,7 +11,8 @@ whole that holds it. torch-free: it only reads node and graph attributes.
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Sequence
+from functools import cached_property
+from typing import AbstractSet, Iterable, Sequence
 
 import networkx as nx
 
@@ -88,11 +89,22 @@ def no_split_modules(dag: nx.DiGraph, entries: Sequence[str]) -> dict[str, tuple
             for entry in entries for label, found in index.resolve("no-split", entry).items()}
 
 
-def pinned_nodes(dag: nx.DiGraph, entry: str) -> frozenset[Node]:
-    """The nodes a ``pin`` of ``entry`` holds: those inside a module path or every module of a
-    class, or those reading a weight (a parameter or buffer name, any of its aliases)."""
-    found = _ScopeIndex(dag).resolve("pin", entry, weights=True)
-    return frozenset().union(*(nodes for _, nodes in found.values()))
+def pinned_nodes(dag: nx.DiGraph, entries: Sequence[str],
+                 optional: AbstractSet[str] = frozenset()) -> dict[str, frozenset[Node]]:
+    """The nodes each ``pin`` entry holds: those inside a module path or every module of a class,
+    or those reading a weight (a parameter or buffer name, any of its aliases). An entry in
+    ``optional`` that the graph does not run or read is left out; others are refused. The graph
+    is read once for all entries (a re-specialisation pins every weight of the model)."""
+    index, found = _ScopeIndex(dag), {}
+    for entry in entries:
+        try:
+            resolved = index.resolve("pin", entry, weights=True)
+        except InvalidArgumentError:
+            if entry in optional:
+                continue
+            raise
+        found[entry] = frozenset().union(*(nodes for _, nodes in resolved.values()))
+    return found
 
 
 class _ScopeIndex:
@@ -106,6 +118,16 @@ class _ScopeIndex:
             for path, kind in _scopes(dag, v):
                 self.members.setdefault(path, set()).add(v)
                 self.by_class.setdefault(kind, {}).setdefault(path, set()).add(v)
+
+    @cached_property
+    def weight_readers(self) -> dict[str, frozenset[Node]]:
+        """The nodes reading each weight, under every name the weight has."""
+        readers: dict[str, set[Node]] = {}
+        for v, read in self.dag.nodes(data="weights", default=()):
+            for canonical in read:
+                readers.setdefault(canonical, set()).add(v)
+        return {alias: frozenset(readers[key]) for key, info in self.dag.graph.get("weights", {}).items()
+                if key in readers for alias in info.names}
 
     def resolve(self, option: str, entry: str, weights: bool = False) -> dict[str, tuple[str, frozenset[Node]]]:
         """``{label: (module path, nodes)}`` for a module path, a class name (one per module of it),
@@ -122,19 +144,11 @@ class _ScopeIndex:
         if entry in root:
             return {f"{entry} (the whole model)": (
                 "<root>", frozenset(v for v, is_input in dag.nodes(data="input", default=False) if not is_input))}
-        readers = _weight_readers(dag, entry) if weights else None
+        readers = self.weight_readers.get(entry) if weights else None
         if readers:
             return {entry: (entry, readers)}
         what = "module path, class or weight" if weights else "module path or class"
         raise _unknown(option, entry, [*self.members, *self.by_class, *filter(None, root)], what)
-
-
-def _weight_readers(dag: nx.DiGraph, name: str) -> frozenset[Node]:
-    """The nodes reading the weight called ``name`` (under any of its names)."""
-    canonical = next((key for key, info in dag.graph.get("weights", {}).items() if name in info.names), None)
-    if canonical is None:
-        return frozenset()
-    return frozenset(v for v, read in dag.nodes(data="weights", default=()) if canonical in read)
 
 
 def check_cuts_outside_no_split(

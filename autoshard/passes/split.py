@@ -52,14 +52,9 @@ def pinned_stages(dag: nx.DiGraph, pins: Sequence[tuple[str, int]],
     """Each node a pin holds, with its stage; a node two pins hold at different stages is refused.
     A name in ``optional`` that the graph does not run or read holds nothing."""
     found: dict[str, StageRange] = {}
+    held_by = pinned_nodes(dag, [name for name, _ in pins], optional)
     for name, stage in pins:
-        try:
-            nodes = pinned_nodes(dag, name)
-        except InvalidArgumentError:
-            if name in optional:
-                continue
-            raise
-        for node in sorted(nodes, key=str):
+        for node in sorted(held_by.get(name, ()), key=str):
             held = found.setdefault(node, StageRange(stage, stage, f"pin {name!r}"))
             if held.first != stage:
                 raise InfeasibleSplitError(
