@@ -173,10 +173,10 @@ class Specializer:
             raise InputMismatchError(
                 f"{guard}. This sharded model has made its {self.limit} specialisations (max_specializations; made "
                 f"for: {seen}); shard the model with a larger max_specializations= to serve these inputs too")
-        pins = ownership(primary)
+        before = holders(primary)
         started = time.perf_counter()
         try:
-            sharded = self._capture(self._model, args, kwargs, pins)
+            sharded = self._capture(self._model, args, kwargs, ownership(before))
         except ExampleInputsError as exc:
             if exc.__cause__ is not None:  # the model itself refuses these inputs: its own error
                 raise exc.__cause__ from None
@@ -185,7 +185,7 @@ class Specializer:
             raise InputMismatchError(
                 f"{guard}. A new capture for these inputs, with every weight in the stage that holds it, failed "
                 f"({exc}); shard the model again with an example like these inputs") from exc
-        check_same_holders(primary, sharded)
+        check_same_holders(before, sharded)
         self.specializations.append(Specialization(key, guard.split(";")[0], time.perf_counter() - started, sharded))
         self._remember(key, sharded)
         if len(self.specializations) == self.limit:
@@ -213,15 +213,15 @@ def holders(sharded: ShardedModel) -> dict[str, frozenset[int]]:
     return {name: frozenset(stages) for name, stages in found.items()}
 
 
-def ownership(sharded: ShardedModel) -> dict[str, int]:
+def ownership(held: dict[str, frozenset[int]]) -> dict[str, int]:
     """``{name: stage}`` for every parameter and buffer one stage holds (a tied weight several stages
     hold is left to the split and checked after)."""
-    return {name: min(stages) for name, stages in holders(sharded).items() if len(stages) == 1}
+    return {name: min(stages) for name, stages in held.items() if len(stages) == 1}
 
 
-def check_same_holders(primary: ShardedModel, sharded: ShardedModel) -> None:
-    """Refuse a specialisation in which a weight both plans hold sits in other stages."""
-    before = holders(primary)
+def check_same_holders(before: dict[str, frozenset[int]], sharded: ShardedModel) -> None:
+    """Refuse a specialisation in which a weight both plans hold (``before``: the first plan's) sits
+    in other stages."""
     for name, stages in holders(sharded).items():
         if name in before and before[name] != stages:
             raise InputMismatchError(
