@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -20,6 +22,7 @@ settings.load_profile(os.environ.get("AUTOSHARD_HYPOTHESIS_PROFILE", "default"))
 # The machine's calibrated speed is cached under $XDG_CACHE_HOME: tests (and the processes they
 # start) write theirs to a folder of the run's own, not to the user's ~/.cache/autoshard.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="autoshard-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 
 def model_fingerprint(model: nn.Module) -> dict:
