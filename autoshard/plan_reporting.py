@@ -1,7 +1,8 @@
 """The plan report: per stage, its cost under each cost model, its time (measured, or estimated
 under a device model), its training memory, the weights it holds, and the values it receives and
 sends with their shape, dtype and bytes; plus the shared (tied) weights, the stages that must
-synchronise their gradients, and what the splitter said about its split.
+synchronise their gradients, what the splitter said about its split, and the predicted time of
+one pipeline training step (``autoshard.costs.step_time``).
 
 Plain frozen data with ``to_dict()`` (JSON-ready) that shows itself as the CLI's tables:
 ``print(report)``, ``rich.print(report)`` and a notebook render what ``autoshard split`` prints,
@@ -26,11 +27,13 @@ from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
 from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
 from autoshard.costs.models import measured
+from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
 from autoshard.costs.ties import SharedWeight
 from autoshard.errors import plural
 from autoshard.graph import SplitInfo
 from autoshard.plan_io import PlanNode, SavedPlan
-from autoshard.report import PIPED_WIDTH, plan_renderables
+from autoshard.passes.spec import parse_spec
+from autoshard.report import PIPED_WIDTH, plan_renderables, step_time_lines
 from autoshard.sharded import BoundaryValue, ShardedModel, StagePlan
 
 
@@ -86,13 +89,15 @@ class PlanReport:
     split: SplitInfo | None = None
     time_estimate: DeviceModel | None = None
     plan: SavedPlan | None = None
+    step_time: StepTime | None = None
+    """One training step's predicted time; None when the stages have no times."""
 
     def renderables(self) -> list[RenderableType]:
         """The CLI's tables and lines for this plan (``autoshard.report.plan_renderables``)."""
         if self.plan is None:
             return [Text(NO_TABLES)]
         title = f"{self.plan.model}: {plural(self.plan.num_stages, 'stage')} ({self.plan.pipeline})"
-        return plan_renderables(self.plan, title)
+        return plan_renderables(self.plan, title, lines=step_time_lines(self.step_time) if self.step_time else ())
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield from self.renderables()
@@ -138,6 +143,7 @@ class PlanReport:
             "wrapped": [{"kind": w.kind, "name": w.name, "reason": w.reason} for w in self.wrapped],
             "split": None if self.split is None else dataclasses.asdict(self.split),
             "time_estimate": None if self.time_estimate is None else self.time_estimate.to_dict(),
+            "step_time": None if self.step_time is None else self.step_time.to_dict(),
         }
 
 
@@ -151,6 +157,7 @@ def plan_report(
     extra_costs: Mapping[str, Mapping[str, float]] | None = None,
     memory: MemoryModel | None = None,
     device: DeviceModel | None = None,
+    step: StepTimeModel | None = None,
 ) -> PlanReport:
     """Describe a plan under every cost model its DAG has measurements for.
 
@@ -159,7 +166,9 @@ def plan_report(
     when the plan was made with ``cost=time`` or a time profile, else estimated under ``device``
     (default: this machine, calibrated; see ``autoshard.costs.estimate``). Training memory is
     modelled with ``memory``, by default the model the plan was made for (``shard_model``'s
-    ``memory_model``).
+    ``memory_model``). One training step's time is predicted from the stage times under ``step``
+    (default: the memory model's schedule, microbatches and stages per rank, and
+    ``StepTimeModel``'s link).
     """
     plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
     memory = memory or plan.memory_model
@@ -187,8 +196,45 @@ def plan_report(
             memory=memories[j] if memories is not None else None,
             seconds=seconds[j] if seconds is not None else None,
         ))
+    predicted = None if seconds is None else _step_time(sharded, seconds, times, step or _run_of(memory))
     return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped, plan.split_info,
-                      times.estimate if times is not None else None, _shown_plan(sharded, extra_costs, memory, device))
+                      times.estimate if times is not None else None, _shown_plan(sharded, extra_costs, memory, device),
+                      predicted)
+
+
+def _run_of(memory: MemoryModel) -> StepTimeModel:
+    """The step the memory model describes: its schedule, microbatches and stages per rank."""
+    return StepTimeModel(memory.schedule, memory.microbatches, memory.stages_per_rank)
+
+
+def _profiled_backward(sharded: ShardedModel | StagePlan) -> bool:
+    """Whether the plan's ``profile`` pass timed each node's backward with its forward
+    (``profile{backward=true}``): then a stage's time is both."""
+    origin = getattr(sharded, "plan_origin", None)
+    if origin is None:
+        return False
+    for element in parse_spec(origin.pipeline):
+        for option in element.options if element.name == "profile" else ():
+            if option.key == "backward":
+                return option.values is None or option.values[0].text == "true"
+    return False
+
+
+def _step_time(sharded: ShardedModel | StagePlan, seconds: list[float], times: NodeTimes,
+               model: StepTimeModel) -> StepTime:
+    """The step predicted from per-stage ``seconds`` (one microbatch each) and the boundary bytes."""
+    plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
+    ratio = model.backward_ratio
+    if times.measured and _profiled_backward(sharded):
+        forward = [s / (1 + ratio) for s in seconds]
+        source = f"measured forward and backward per node (profile{{backward=true}}), split 1 : {ratio:g}"
+    else:
+        forward = seconds
+        made = ("measured forward per node (profile)" if times.estimate is None
+                else f"estimated per node under {times.estimate.describe()}")
+        source = f"{made}; backward = {ratio:g} x forward"
+    sent = [sum(v.nbytes for v in plan.boundary_values(j)) for j in range(plan.num_stages - 1)]
+    return step_time(forward, [s * ratio for s in forward], sent, model, source)
 
 
 def _shown_plan(

@@ -20,6 +20,7 @@ from autoshard.capture.opaque import OpaqueResult
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.state import ScalarStateWrite, StateWrite
 from autoshard.costs.memory import StageMemory
+from autoshard.costs.step_time import StepTime
 from autoshard.errors import plural
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 
@@ -294,6 +295,19 @@ def how_made_lines(plan: SavedPlan) -> list[str]:
     return lines
 
 
+def step_time_lines(step: StepTime) -> list[str]:
+    """One training step's predicted time, its bubble and bottleneck, and where the stage times came from."""
+    j, model = step.bottleneck, step.model
+    links = (f"; links {format_seconds(max(step.links))} per message at most ({model.link_bandwidth / 1e9:.3g} GB/s"
+             f" + {format_seconds(model.link_latency)} each)" if step.links else "")
+    return [
+        f"step time (predicted): {format_seconds(step.seconds)} for {step.microbatches} microbatch{'' if step.microbatches == 1 else 'es'} "
+        f"under {model.schedule}; bubble {step.bubble:.0%} of the ranks' time; bottleneck stage {j} (forward "
+        f"{format_seconds(step.forward[j])} + backward {format_seconds(step.backward[j])} per microbatch){links}",
+        f"step time from: {step.source}",
+    ]
+
+
 def shared_weights_table(plan: SavedPlan) -> Table:
     """Weights read by several nodes or tied under several names, and whether stages must sync them."""
     table = Table(title="shared weights (tied)")
@@ -409,14 +423,17 @@ def module_legend(plan: SavedPlan) -> str | None:
     return "; ".join(said) if said else None
 
 
-def plan_renderables(plan: SavedPlan, title: str, notes: Sequence[str] = ()) -> list[RenderableType]:
+def plan_renderables(
+    plan: SavedPlan, title: str, notes: Sequence[str] = (), lines: Sequence[str] = (),
+) -> list[RenderableType]:
     """Everything shown for a plan, in order: the stage table and its legend, the bottleneck and how
-    the split was made, the boundary values, the tied weights, the code kept whole, then ``notes``
-    (dim). The CLI prints these and ``PlanReport`` renders them, so both read the same."""
+    the split was made, ``lines`` (the step time), the boundary values, the tied weights, the code
+    kept whole, then ``notes`` (dim). The CLI prints these and ``PlanReport`` renders them, so both
+    read the same."""
     shown: list[RenderableType] = [stage_table(plan, title)]
     legend = module_legend(plan)
-    lines = ([legend] if legend else []) + summary_lines(plan) + how_made_lines(plan)
-    shown += [_plain(line) for line in lines]
+    said = ([legend] if legend else []) + summary_lines(plan) + how_made_lines(plan) + list(lines)
+    shown += [_plain(line) for line in said]
     if plan.num_stages > 1:
         shown.append(boundary_table(plan))
     if plan.shared_weights():

@@ -1,0 +1,240 @@
+"""Predicted time of one pipeline training step: the stages' times, the links between them, and
+the order the schedule runs their work in.
+
+A formula per schedule (``(m + k - 1) x`` the slowest stage) holds only for equal stages and free
+links, so the step is simulated instead: each rank runs its ops (the forward or backward of one
+stage on one microbatch) in the order PyTorch's schedule runs them, and an op starts when its rank
+is free and its input has arrived. A forward needs the previous stage's forward of the same
+microbatch; a backward needs the next stage's backward (the last stage's: its own forward). When
+the two stages sit on different ranks the value crosses a link first, which takes ``latency +
+bytes / bandwidth``. The step ends when the last op does. For k equal stages of ``f + b`` per
+microbatch on free links this gives GPipe's and 1F1B's ``(m + k - 1)(f + b)``, and interleaved
+1F1B's smaller bubble.
+
+Stage times are per microbatch: the plan's example inputs are one microbatch, as for the
+memory model. A forward-only time gives the backward as ``backward_ratio`` times it (2: a
+backward computes the gradients of both the inputs and the weights, each about a forward's work).
+Not counted: the optimizer step, a loss computed after the last stage, and the links' contention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from autoshard.arguments import whole_number
+from autoshard.errors import InvalidArgumentError, suggest
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""The schedules whose order of work the model follows (PyTorch's ``ScheduleGPipe``,
+``Schedule1F1B`` and ``ScheduleInterleaved1F1B``)."""
+
+DEFAULT_LINK_BANDWIDTH = 1e9
+"""Bytes per second between two ranks: about what gloo reaches between two CPU processes on one
+machine (``benchmarks/step_time.py`` measures it); pass the interconnect's own for GPUs."""
+
+DEFAULT_LINK_LATENCY = 100e-6
+"""Seconds per message between two ranks, whatever its size (gloo on one machine: ~0.1 ms)."""
+
+DEFAULT_BACKWARD_RATIO = 2.0
+
+
+def _positive(value: Any, name: str, zero_allowed: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not zero_allowed):
+        bound = ">= 0" if zero_allowed else "> 0"
+        raise InvalidArgumentError(f"{name} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """How the step runs, as far as time goes.
+
+    ``schedule`` is one of ``SCHEDULES``; ``microbatches`` the step's count (None: one per stage,
+    the fewest PyTorch's ``Schedule1F1B`` accepts; fewer are predicted as its order would run them); ``stages_per_rank`` the stages each process runs under interleaved
+    1F1B. ``link_bandwidth`` (bytes/s) and ``link_latency`` (s per message) describe the link
+    between ranks. ``backward_ratio`` is a backward's time over its forward's where only the
+    forward's is known.
+    """
+
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    stages_per_rank: int = 2
+    link_bandwidth: float = DEFAULT_LINK_BANDWIDTH
+    link_latency: float = DEFAULT_LINK_LATENCY
+    backward_ratio: float = DEFAULT_BACKWARD_RATIO
+
+    def __post_init__(self) -> None:
+        name = self.schedule.lower() if isinstance(self.schedule, str) else self.schedule
+        if name not in SCHEDULES:
+            raise InvalidArgumentError(
+                f"unknown schedule {self.schedule!r}{suggest(str(name), SCHEDULES)}; the step-time model knows "
+                f"{', '.join(SCHEDULES)}")
+        object.__setattr__(self, "schedule", name)
+        if self.microbatches is not None:
+            whole_number(self.microbatches, "microbatches", at_least=1)
+        whole_number(self.stages_per_rank, "stages_per_rank", at_least=1)
+        _positive(self.link_bandwidth, "link_bandwidth (bytes per second)")
+        _positive(self.link_latency, "link_latency (seconds)", zero_allowed=True)
+        _positive(self.backward_ratio, "backward_ratio", zero_allowed=True)
+
+    def microbatch_count(self, num_stages: int) -> int:
+        return num_stages if self.microbatches is None else self.microbatches
+
+    def link_seconds(self, nbytes: float) -> float:
+        """One message of ``nbytes`` over the link."""
+        return self.link_latency + nbytes / self.link_bandwidth
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "microbatches": self.microbatches, "stages_per_rank": self.stages_per_rank,
+                "link_bandwidth": self.link_bandwidth, "link_latency": self.link_latency,
+                "backward_ratio": self.backward_ratio}
+
+
+Op = tuple[bool, int, int]
+"""(backward, stage, microbatch)."""
+
+
+def _orders(model: StepTimeModel, k: int, m: int) -> tuple[list[list[Op]], list[int]]:
+    """Each rank's ops in the schedule's order, and each stage's rank."""
+    if model.schedule == "interleaved-1f1b":
+        return _interleaved_orders(k, m, model.stages_per_rank)
+    orders = []
+    for stage in range(k):
+        # GPipe: every forward, then every backward. 1F1B (Schedule1F1B): k - stage forwards, then a
+        # backward and a forward in turn until the forwards are done, then the remaining backwards.
+        warm = m if model.schedule == "gpipe" else min(m, k - stage)
+        kinds = [False] * warm + [True, False] * (m - warm) + [True] * warm
+        orders.append(_numbered(kinds, [stage] * len(kinds)))
+    return orders, list(range(k))
+
+
+def _interleaved_orders(k: int, m: int, per_rank: int) -> tuple[list[list[Op]], list[int]]:
+    """``ScheduleInterleaved1F1B``'s order (its ``_calculate_single_rank_operations``): stage s on
+    rank s mod ranks; a warm-up of forwards, then a forward and a backward per step, then the
+    remaining backwards, moving to the next local stage every round of microbatches."""
+    if k % per_rank:
+        raise InvalidArgumentError(
+            f"interleaved-1f1b runs {per_rank} stages per rank, so the stages must divide by it; got {k} stages: "
+            f"pick stages_per_rank dividing {k}")
+    ranks = k // per_rank
+    rounds = max(1, m // ranks)
+    if m % rounds:
+        raise InvalidArgumentError(
+            f"interleaved-1f1b splits the microbatches into rounds of {ranks} (the ranks); {m} microbatches make "
+            f"{rounds} rounds with some left over: use a multiple of {rounds}")
+    per_round, total = m // rounds, m * per_rank
+    orders = []
+    for rank in range(ranks):
+        warm = min((per_rank - 1) * per_round + 2 * (ranks - 1 - rank), total)
+
+        def forward_stage(op: int, rank: int = rank) -> int:
+            return (op // per_round) % per_rank * ranks + rank
+
+        def backward_stage(op: int, rank: int = rank, warm: int = warm) -> int:
+            return (per_rank - 1 - (op - warm) // per_round % per_rank) * ranks + rank
+
+        kinds, stages = [], []
+        for op in range(total + warm):
+            if op < total:
+                kinds.append(False)
+                stages.append(forward_stage(op))
+            if op >= warm:
+                kinds.append(True)
+                stages.append(backward_stage(op))
+        orders.append(_numbered(kinds, stages))
+    return orders, [s % ranks for s in range(k)]
+
+
+def _numbered(kinds: Sequence[bool], stages: Sequence[int]) -> list[Op]:
+    """Ops with their microbatch: each stage's forwards, and its backwards, run microbatches in order."""
+    seen: dict[tuple[bool, int], int] = {}
+    ops = []
+    for backward, stage in zip(kinds, stages):
+        mb = seen.get((backward, stage), 0)
+        seen[(backward, stage)] = mb + 1
+        ops.append((backward, stage, mb))
+    return ops
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step's predicted ``seconds``; per stage its ``busy`` seconds (forward and backward of
+    every microbatch); ``bubble``, the share of the ranks' time spent idle; ``bottleneck``, the
+    stage with the most work per microbatch; ``links``, per boundary, one message's seconds;
+    ``source``, where the stage times came from."""
+
+    seconds: float
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    busy: tuple[float, ...]
+    links: tuple[float, ...]
+    bubble: float
+    bottleneck: int
+    microbatches: int
+    model: StepTimeModel
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "forward": list(self.forward), "backward": list(self.backward),
+                "busy": list(self.busy), "links": list(self.links), "bubble": self.bubble,
+                "bottleneck": self.bottleneck, "microbatches": self.microbatches, "model": self.model.to_dict(),
+                "source": self.source}
+
+
+def step_time(
+    forward: Sequence[float], backward: Sequence[float], boundary_bytes: Sequence[float],
+    model: StepTimeModel = StepTimeModel(), source: str = "given",
+) -> StepTime:
+    """Simulate one step: ``forward[j]`` and ``backward[j]`` are stage j's seconds per microbatch,
+    ``boundary_bytes[j]`` the bytes stage j sends stage j + 1 per microbatch (its gradient comes
+    back the same size)."""
+    k = len(forward)
+    if k < 1 or len(backward) != k or len(boundary_bytes) != k - 1:
+        raise InvalidArgumentError(
+            f"step_time needs a forward and a backward time per stage and the bytes of each boundary: got "
+            f"{len(forward)} forward, {len(backward)} backward and {len(boundary_bytes)} boundaries (want k, k, k - 1)")
+    for name, values in (("forward", forward), ("backward", backward), ("boundary_bytes", boundary_bytes)):
+        for value in values:
+            _positive(value, f"every {name} value", zero_allowed=True)
+    m = model.microbatch_count(k)
+    orders, rank_of = _orders(model, k, m)
+    links = tuple(model.link_seconds(b) for b in boundary_bytes)
+
+    def ready(op: Op, finish: dict[Op, float]) -> float | None:
+        """When ``op``'s input is on its rank; None while the op it waits for has not run."""
+        backward_op, stage, mb = op
+        if not backward_op and stage == 0:
+            return 0.0
+        if backward_op and stage == k - 1:
+            return finish.get((False, stage, mb))
+        source = (True, stage + 1, mb) if backward_op else (False, stage - 1, mb)
+        if source not in finish:
+            return None
+        crossing = links[min(stage, source[1])] if rank_of[source[1]] != rank_of[stage] else 0.0
+        return finish[source] + crossing
+
+    finish: dict[Op, float] = {}
+    free = [0.0] * len(orders)
+    next_op = [0] * len(orders)
+    while any(next_op[r] < len(order) for r, order in enumerate(orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while next_op[r] < len(order):
+                op = order[next_op[r]]
+                arrived = ready(op, finish)
+                if arrived is None:
+                    break
+                free[r] = finish[op] = max(free[r], arrived) + (backward[op[1]] if op[0] else forward[op[1]])
+                next_op[r] += 1
+                moved = True
+        if not moved:  # pragma: no cover - every order above is one PyTorch runs without deadlock
+            raise AssertionError(f"the {model.schedule} order deadlocks at ops {next_op}")
+    seconds = max(finish.values())
+    busy = tuple(m * (f + b) for f, b in zip(forward, backward))
+    idle = 1.0 - sum(busy) / (len(orders) * seconds) if seconds > 0 else 0.0
+    bottleneck = max(range(k), key=lambda j: forward[j] + backward[j])
+    return StepTime(seconds, tuple(forward), tuple(backward), busy, links, max(idle, 0.0), bottleneck, m, model,
+                    source)
