@@ -36,7 +36,7 @@ from autoshard.passes.split import SplitPass
 from autoshard.passes.verify import VerifyPass
 from autoshard.plan_io.origin import PlanOrigin
 from autoshard.sharded import ShardedModel
-from autoshard.specialize import MAX_SPECIALIZATIONS, Specializer
+from autoshard.specialize import MAX_SPECIALIZATIONS, Specializer, shape_key
 
 CostFunction = Callable[[CostNode], float]
 
@@ -302,13 +302,14 @@ def shard_model(
                              budgets)
     program.sharded.plan_origin = PlanOrigin.made(program, chosen, cost_models)  # for sharded.save_plan
     if respecialize and inputs is not None:
-        program.sharded.specializer = specializer_for(model, num_stages, chosen, cost, memory_model,
+        program.sharded.specializer = specializer_for(model, num_stages, chosen, cost, memory_model, inputs,
                                                       max_specializations)
     return program.sharded
 
 
 def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost: str | CostFunction,
-                    memory_model: MemoryModel | None, limit: int = MAX_SPECIALIZATIONS) -> Specializer:
+                    memory_model: MemoryModel | None, example: ExampleInputs,
+                    limit: int = MAX_SPECIALIZATIONS) -> Specializer:
     """The ``Specializer`` that captures ``model`` again with ``pipeline`` (which made the first plan),
     each weight pinned to the stage holding it. The pipeline's own pins become optional: a module
     another branch does not run pins nothing there."""
@@ -321,7 +322,7 @@ def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost:
         return shard_model(model, num_stages, args, kwargs, cost, with_constraints(pipeline, pin=pins, optional=True),
                            memory_model=memory_model, respecialize=False)
 
-    return Specializer(model, capture, limit)
+    return Specializer(model, capture, limit, shape_key(example.args, dict(example.kwargs)))
 
 
 def _limits_training_memory(pipeline: Pipeline) -> bool:

@@ -95,10 +95,12 @@ class Specializer:
     of the first plan. It holds the model, as the stages do (they watch its modules' modes).
     """
 
-    def __init__(self, model: nn.Module, capture: Callable[..., ShardedModel], limit: int = MAX_SPECIALIZATIONS):
+    def __init__(self, model: nn.Module, capture: Callable[..., ShardedModel], limit: int = MAX_SPECIALIZATIONS,
+                 example: ShapeKey | None = None):
         self._model = model
         self._capture = capture
         self.limit = limit
+        self.example = example  # the argument shapes the first plan was captured for
         self.specializations: list[Specialization] = []
         self._last: dict[ShapeKey, ShardedModel] = {}
 
@@ -164,6 +166,16 @@ class Specializer:
         return run(self.specialize(primary, args, kwargs, guard=str(exc)), args, kwargs)
 
     # -- capturing -------------------------------------------------------------------------------
+    def plan_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel:
+        """The plan captured for inputs of exactly these argument shapes, captured now if none is. For
+        runtimes that build their stages before any call (``pipeline_stage``): there a guard failing in
+        the middle of a step has no plan to fall back to, so the plan is chosen by shape up front."""
+        key = shape_key(args, kwargs)
+        if key == self.example:
+            return primary
+        made = next((s.sharded for s in self.specializations if s.shapes == key), None)
+        return made if made is not None else self.specialize(primary, args, kwargs, guard="made for a microbatch")
+
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                    guard: str = "made ahead with sharded.specialize") -> ShardedModel:
         """Capture the model for these inputs under the primary plan's partition, keep and return it."""

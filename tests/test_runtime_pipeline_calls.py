@@ -30,6 +30,25 @@ class LossAfterPrediction(nn.Module):
         return {"pred": pred, "loss": F.mse_loss(pred, y)}
 
 
+class BranchOnBatch(nn.Module):
+    """Takes another path for batches of more than two rows: a branch the capture fixes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        if x.shape[0] > 2:
+            h = h * 2
+        return self.second(h)
+
+
+def branching() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return BranchOnBatch().eval(), torch.randn(4, 8)
+
+
 def masked_inputs() -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     return Masked().eval(), torch.randn(4, 8), torch.randn(4, 8), torch.rand(4, 8).round()
@@ -70,6 +89,18 @@ def scenarios(rank: int, world: int) -> dict[str, object]:
     schedule = build_schedule(stage, "gpipe", 2, loss_fn=lambda out, target: out.square().sum())
     schedule.step(*((x,) if rank == 0 else ()), target=x if rank == 1 else None)
     found["lstm gradients"] = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    model, x = branching()  # planned at batch 4, stepped in microbatches of 2: the branch flips
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    stage = pipeline_stage(sharded, rank, 2, "cpu", microbatch=(x[:2],))
+    found["microbatch plan keys"] = sorted(stage.submod.state_dict())
+    found["primary plan keys"] = sorted(sharded.stages[rank].state_dict())
+    with torch.no_grad():
+        found["microbatch step"] = build_schedule(stage, "gpipe", 2).step(*((x,) if rank == 0 else ()))
+    try:  # rank 1 alone is given a microbatch the model refuses: both ranks refuse, neither waits
+        pipeline_stage(sharded, rank, 2, "cpu", microbatch=(x[:2] if rank == 0 else x[:2, :5],))
+    except PipelineSetupError as exc:
+        found["microbatch refused"] = str(exc)
 
     try:
         build_schedule(stage, "gpipe", 4 if rank == 0 else 2, loss_fn=model_loss)
@@ -121,3 +152,21 @@ def test_an_lstm_state_used_whole_by_the_next_stage_trains_like_the_model(launch
     assert set(got) == {name for name, _ in model.named_parameters()}
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_microbatch_whose_branch_flips_gets_a_plan_of_its_own_on_every_rank(launched):
+    """Planned at batch 4, stepped in microbatches of 2: each rank built the specialisation for the
+    microbatch, holding the same weights as the plan's stage, and the step computed the model's
+    smaller-batch branch."""
+    model, x = branching()
+    with torch.no_grad():
+        expected = torch.cat([model(x[:2]), model(x[2:])])
+    assert torch.equal(launched[1]["microbatch step"], expected)
+    for rank in launched:
+        assert rank["microbatch plan keys"] == rank["primary plan keys"]
+
+
+def test_a_microbatch_one_rank_cannot_run_is_refused_on_every_rank(launched):
+    for rank in launched:
+        assert "no plan serves the microbatch on every rank (rank 1:" in rank["microbatch refused"]
+        assert "rank 0:" not in rank["microbatch refused"]

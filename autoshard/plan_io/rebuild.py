@@ -88,5 +88,5 @@ def load_plan(
     program.sharded.plan_origin = PlanOrigin.rebuilt(saved, program, split)
     if respecialize and inputs is not None:
         program.sharded.specializer = specializer_for(model, saved.num_stages, Pipeline.parse(saved.pipeline),
-                                                      saved.cost_model, saved.memory_model)
+                                                      saved.cost_model, saved.memory_model, inputs)
     return program.sharded

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -121,6 +122,31 @@ def plan_fingerprint(sharded: ShardedModel) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _plan_for_microbatch(sharded: ShardedModel, microbatch: Any, group: dist.ProcessGroup | None,
+                         world_size: int) -> ShardedModel:
+    """The plan serving ``microbatch``, or the same refusal on every rank (a rank that raised alone
+    would leave its peers waiting in the first step)."""
+    if not isinstance(microbatch, (tuple, Mapping)):
+        raise InvalidArgumentTypeError(
+            f"microbatch must be a tuple of one microbatch's positional inputs or a dict of its keyword "
+            f"inputs, got {type(microbatch).__name__}")
+    args, kwargs = ((), dict(microbatch)) if isinstance(microbatch, Mapping) else (microbatch, {})
+    plan, problem = sharded, None
+    if sharded.specializer is not None:
+        try:
+            plan = sharded.specializer.plan_for(sharded, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the model's own error too: every rank must hear of it
+            problem = f"{type(exc).__name__}: {exc}"
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, problem, group=group)
+    problems = [f"rank {rank}: {text}" for rank, text in enumerate(gathered) if text]
+    if problems:
+        raise PipelineSetupError(
+            "no plan serves the microbatch on every rank (" + "; ".join(problems) + "); pass every rank "
+            "the same microbatch, one the model accepts, with stages made by shard_model(..., respecialize=True)")
+    return plan
+
+
 def _group_position(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise PipelineSetupError(
@@ -162,6 +188,8 @@ def pipeline_stage(
     num_stages: int,
     device: DeviceLike,
     group: dist.ProcessGroup | None = None,
+    *,
+    microbatch: tuple[Any, ...] | Mapping[str, Any] | None = None,
 ) -> PipelineStage:
     """The ``PipelineStage`` running stage ``stage_index`` of ``sharded`` on ``device``.
 
@@ -172,6 +200,11 @@ def pipeline_stage(
     model's output (a ``ModelOutput`` as ``return_dict=False`` would, one tensor as itself). The
     stage module's ``state_dict()`` keys are the original model's. Parameters several stages
     share need ``TiedGradients.sync()`` after each step.
+
+    ``microbatch`` (one microbatch's positional inputs, or a dict of keyword inputs; give the same
+    on every rank) builds the stage of the plan captured for those shapes: the plan itself when they
+    are its example's, else a specialisation (``sharded.specialize``), so that no guard flips in the
+    middle of a step. Every rank agrees on it or every rank refuses, naming each rank's reason.
     """
     stage_index, num_stages = _check_stage_choice(sharded, stage_index, num_stages)
     resolved = resolve_device(device, f"stage {stage_index}")
@@ -185,6 +218,8 @@ def pipeline_stage(
             f"{num_stages} stages cannot be spread evenly over {world_size} processes; launch "
             f"{num_stages} processes (or a divisor of {num_stages}) or shard into a multiple of "
             f"{world_size} stages")
+    if microbatch is not None:
+        sharded = _plan_for_microbatch(sharded, microbatch, group, world_size)
     local = local_stage_indices(num_stages, rank, world_size)
     if stage_index not in local:
         raise InvalidArgumentError(
