@@ -27,13 +27,12 @@ from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
 from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
 from autoshard.costs.models import measured
-from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
+from autoshard.costs.step_time import StepTime, StepTimeModel, predicted_step
 from autoshard.costs.ties import SharedWeight
 from autoshard.errors import plural
 from autoshard.graph import SplitInfo
 from autoshard.plan_io import PlanNode, SavedPlan
-from autoshard.passes.spec import parse_spec
-from autoshard.report import PIPED_WIDTH, plan_renderables, step_time_lines
+from autoshard.report import PIPED_WIDTH, plan_renderables, profiled_backward, run_of
 from autoshard.sharded import BoundaryValue, ShardedModel, StagePlan
 
 
@@ -97,7 +96,7 @@ class PlanReport:
         if self.plan is None:
             return [Text(NO_TABLES)]
         title = f"{self.plan.model}: {plural(self.plan.num_stages, 'stage')} ({self.plan.pipeline})"
-        return plan_renderables(self.plan, title, lines=step_time_lines(self.step_time) if self.step_time else ())
+        return plan_renderables(self.plan, title, step=self.step_time.model if self.step_time else None)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield from self.renderables()
@@ -196,45 +195,20 @@ def plan_report(
             memory=memories[j] if memories is not None else None,
             seconds=seconds[j] if seconds is not None else None,
         ))
-    predicted = None if seconds is None else _step_time(sharded, seconds, times, step or _run_of(memory))
+    predicted = None if seconds is None else _step_time(sharded, seconds, times, step or run_of(memory))
     return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped, plan.split_info,
                       times.estimate if times is not None else None, _shown_plan(sharded, extra_costs, memory, device),
                       predicted)
-
-
-def _run_of(memory: MemoryModel) -> StepTimeModel:
-    """The step the memory model describes: its schedule, microbatches and stages per rank."""
-    return StepTimeModel(memory.schedule, memory.microbatches, memory.stages_per_rank)
-
-
-def _profiled_backward(sharded: ShardedModel | StagePlan) -> bool:
-    """Whether the plan's ``profile`` pass timed each node's backward with its forward
-    (``profile{backward=true}``): then a stage's time is both."""
-    origin = getattr(sharded, "plan_origin", None)
-    if origin is None:
-        return False
-    for element in parse_spec(origin.pipeline):
-        for option in element.options if element.name == "profile" else ():
-            if option.key == "backward":
-                return option.values is None or option.values[0].text == "true"
-    return False
 
 
 def _step_time(sharded: ShardedModel | StagePlan, seconds: list[float], times: NodeTimes,
                model: StepTimeModel) -> StepTime:
     """The step predicted from per-stage ``seconds`` (one microbatch each) and the boundary bytes."""
     plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
-    ratio = model.backward_ratio
-    if times.measured and _profiled_backward(sharded):
-        forward = [s / (1 + ratio) for s in seconds]
-        source = f"measured forward and backward per node (profile{{backward=true}}), split 1 : {ratio:g}"
-    else:
-        forward = seconds
-        made = ("measured forward per node (profile)" if times.estimate is None
-                else f"estimated per node under {times.estimate.describe()}")
-        source = f"{made}; backward = {ratio:g} x forward"
+    origin = getattr(sharded, "plan_origin", None)
     sent = [sum(v.nbytes for v in plan.boundary_values(j)) for j in range(plan.num_stages - 1)]
-    return step_time(forward, [s * ratio for s in forward], sent, model, source)
+    return predicted_step(seconds, sent, model, times.estimate,
+                          origin is not None and profiled_backward(origin.pipeline))
 
 
 def _shown_plan(

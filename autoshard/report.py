@@ -19,9 +19,10 @@ from autoshard.capture.meta import ModeRegion, RandomDraw
 from autoshard.capture.opaque import OpaqueResult
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.state import ScalarStateWrite, StateWrite
-from autoshard.costs.memory import StageMemory
-from autoshard.costs.step_time import StepTime
+from autoshard.costs.memory import MemoryModel, StageMemory
+from autoshard.costs.step_time import StepTime, StepTimeModel, predicted_step
 from autoshard.errors import plural
+from autoshard.passes.spec import parse_spec
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 
 _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*)*)$")
@@ -295,14 +296,39 @@ def how_made_lines(plan: SavedPlan) -> list[str]:
     return lines
 
 
+def run_of(memory: MemoryModel) -> StepTimeModel:
+    """The step a memory model describes: its schedule, microbatches and stages per rank."""
+    return StepTimeModel(memory.schedule, memory.microbatches, memory.stages_per_rank)
+
+
+def profiled_backward(pipeline: str) -> bool:
+    """Whether the pipeline's ``profile`` pass timed each node's backward with its forward
+    (``profile{backward=true}``): then a stage's time is both."""
+    for element in parse_spec(pipeline):
+        for option in element.options if element.name == "profile" else ():
+            if option.key == "backward":
+                return option.values is None or option.values[0].text == "true"
+    return False
+
+
+def plan_step_time(plan: SavedPlan, step: StepTimeModel | None = None) -> StepTime | None:
+    """One training step predicted from the plan's stage times under ``step`` (default: the plan's
+    memory model's schedule); None when the plan has no times."""
+    seconds = plan.stage_seconds()
+    if seconds is None:
+        return None
+    return predicted_step(seconds, plan.boundary_bytes(), step or run_of(plan.memory_model), plan.time_estimate,
+                          profiled_backward(plan.pipeline))
+
+
 def step_time_lines(step: StepTime) -> list[str]:
     """One training step's predicted time, its bubble and bottleneck, and where the stage times came from."""
-    j, model = step.bottleneck, step.model
+    j, model, m = step.bottleneck, step.model, step.microbatches
     links = (f"; links {format_seconds(max(step.links))} per message at most ({model.link_bandwidth / 1e9:.3g} GB/s"
              f" + {format_seconds(model.link_latency)} each)" if step.links else "")
     return [
-        f"step time (predicted): {format_seconds(step.seconds)} for {step.microbatches} microbatch{'' if step.microbatches == 1 else 'es'} "
-        f"under {model.schedule}; bubble {step.bubble:.0%} of the ranks' time; bottleneck stage {j} (forward "
+        f"step time (predicted): {format_seconds(step.seconds)} for {m} microbatch{'' if m == 1 else 'es'} under "
+        f"{model.schedule}; bubble {step.bubble:.0%} of the ranks' time; bottleneck stage {j} (forward "
         f"{format_seconds(step.forward[j])} + backward {format_seconds(step.backward[j])} per microbatch){links}",
         f"step time from: {step.source}",
     ]
@@ -424,16 +450,18 @@ def module_legend(plan: SavedPlan) -> str | None:
 
 
 def plan_renderables(
-    plan: SavedPlan, title: str, notes: Sequence[str] = (), lines: Sequence[str] = (),
+    plan: SavedPlan, title: str, notes: Sequence[str] = (), step: StepTimeModel | None = None,
 ) -> list[RenderableType]:
-    """Everything shown for a plan, in order: the stage table and its legend, the bottleneck and how
-    the split was made, ``lines`` (the step time), the boundary values, the tied weights, the code
-    kept whole, then ``notes`` (dim). The CLI prints these and ``PlanReport`` renders them, so both
-    read the same."""
+    """Everything shown for a plan, in order: the stage table and its legend, the bottleneck, how
+    the split was made and the predicted step time (under ``step``, see ``plan_step_time``), the
+    boundary values, the tied weights, the code kept whole, then ``notes`` (dim). The CLI prints
+    these and ``PlanReport`` renders them, so both read the same."""
     shown: list[RenderableType] = [stage_table(plan, title)]
     legend = module_legend(plan)
-    said = ([legend] if legend else []) + summary_lines(plan) + how_made_lines(plan) + list(lines)
-    shown += [_plain(line) for line in said]
+    predicted = plan_step_time(plan, step)
+    lines = ([legend] if legend else []) + summary_lines(plan) + how_made_lines(plan)
+    lines += step_time_lines(predicted) if predicted is not None else []
+    shown += [_plain(line) for line in lines]
     if plan.num_stages > 1:
         shown.append(boundary_table(plan))
     if plan.shared_weights():

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from autoshard.arguments import whole_number
+from autoshard.costs.estimate import DeviceModel
 from autoshard.errors import InvalidArgumentError, suggest
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -53,10 +54,11 @@ class StepTimeModel:
     """How the step runs, as far as time goes.
 
     ``schedule`` is one of ``SCHEDULES``; ``microbatches`` the step's count (None: one per stage,
-    the fewest PyTorch's ``Schedule1F1B`` accepts; fewer are predicted as its order would run them); ``stages_per_rank`` the stages each process runs under interleaved
-    1F1B. ``link_bandwidth`` (bytes/s) and ``link_latency`` (s per message) describe the link
-    between ranks. ``backward_ratio`` is a backward's time over its forward's where only the
-    forward's is known.
+    the fewest PyTorch's ``Schedule1F1B`` accepts; fewer are predicted as its order would run
+    them); ``stages_per_rank`` the stages each process runs under interleaved 1F1B.
+    ``link_bandwidth`` (bytes/s) and ``link_latency`` (s per message) describe the link between
+    ranks. ``backward_ratio`` is a backward's time over its forward's where only the forward's is
+    known.
     """
 
     schedule: str = "1f1b"
@@ -238,3 +240,21 @@ def step_time(
     bottleneck = max(range(k), key=lambda j: forward[j] + backward[j])
     return StepTime(seconds, tuple(forward), tuple(backward), busy, links, max(idle, 0.0), bottleneck, m, model,
                     source)
+
+
+def predicted_step(
+    seconds: Sequence[float], boundary_bytes: Sequence[float], model: StepTimeModel,
+    estimate: DeviceModel | None, profiled_backward: bool,
+) -> StepTime:
+    """The step from a plan's time per stage (one microbatch): estimated under ``estimate``, or
+    measured (``estimate`` None) forward only or, with ``profiled_backward``, forward and backward
+    together (then split ``1 : backward_ratio``)."""
+    ratio = model.backward_ratio
+    if estimate is None and profiled_backward:
+        forward = [s / (1 + ratio) for s in seconds]
+        source = f"measured forward and backward per node (profile{{backward=true}}), split 1 : {ratio:g}"
+    else:
+        forward = list(seconds)
+        made = "measured forward per node (profile)" if estimate is None else f"estimated under {estimate.describe()}"
+        source = f"{made}; backward = {ratio:g} x forward"
+    return step_time(forward, [f * ratio for f in forward], boundary_bytes, model, source)

@@ -1,0 +1,165 @@
+"""The step-time model: a simulated pipeline step on hand-made stage times, PyTorch's interleaved
+order, the plan report's prediction, and refusals of bad settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_rank_ops, _get_warmup_ops
+
+import autoshard
+from autoshard.costs.estimate import DeviceModel
+from autoshard.costs.step_time import StepTimeModel, _interleaved_orders, _orders, step_time
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.report import format_seconds
+
+FREE = dict(link_latency=0.0)
+"""Links that cost nothing for 0 bytes: the step is the schedule's alone."""
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("k, m", [(2, 2), (2, 8), (4, 4), (4, 8), (3, 5)])
+def test_equal_stages_on_free_links_take_the_textbook_m_plus_k_minus_one_slots(schedule, k, m):
+    step = step_time([1.0] * k, [2.0] * k, [0.0] * (k - 1), StepTimeModel(schedule, m, **FREE))
+    assert step.seconds == pytest.approx((m + k - 1) * 3.0)
+    assert step.bubble == pytest.approx((k - 1) / (m + k - 1))
+    assert step.busy == (m * 3.0,) * k
+
+
+def test_the_slowest_stage_is_the_bottleneck_and_sets_the_pace():
+    base = step_time([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.0, 0.0], StepTimeModel("1f1b", 8, **FREE))
+    slow = step_time([1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [0.0, 0.0], StepTimeModel("1f1b", 8, **FREE))
+    assert slow.bottleneck == 1
+    assert slow.seconds >= 8 * 6.0  # the bottleneck's own work
+    assert slow.seconds > base.seconds
+    assert slow.bubble > base.bubble  # the other stages wait for it
+
+
+def test_interleaving_shrinks_the_bubble_for_the_same_work():
+    """Two ranks doing the same work: two stages of 1 + 2, or four of 0.5 + 1 two per rank."""
+    for m in (4, 8):
+        plain = step_time([1.0, 1.0], [2.0, 2.0], [0.0], StepTimeModel("1f1b", m, **FREE))
+        interleaved = step_time([0.5] * 4, [1.0] * 4, [0.0] * 3, StepTimeModel("interleaved-1f1b", m, **FREE))
+        assert sum(interleaved.busy) == sum(plain.busy)
+        assert interleaved.seconds < plain.seconds
+        assert interleaved.bubble < plain.bubble
+
+
+def test_the_link_adds_latency_plus_bytes_over_bandwidth_per_crossing():
+    """One microbatch through two stages crosses the link twice: forward, then its gradient back."""
+    model = StepTimeModel("gpipe", 1, link_bandwidth=1e6, link_latency=0.01)
+    step = step_time([1.0, 1.0], [2.0, 2.0], [5e5], model)
+    assert step.links == (0.01 + 0.5,)
+    assert step.seconds == pytest.approx(1 + 0.51 + 1 + 2 + 0.51 + 2)
+    times = [step_time([1.0, 1.0], [2.0, 2.0], [b], StepTimeModel("1f1b", 4)).seconds for b in (0, 1e6, 1e8, 1e9)]
+    assert times == sorted(times) and times[-1] > times[0]
+
+
+def test_stages_on_one_rank_do_not_cross_a_link():
+    """Interleaved with one rank: every stage is local, so the bytes cost nothing."""
+    model = StepTimeModel("interleaved-1f1b", 2, stages_per_rank=2, link_bandwidth=1.0)
+    step = step_time([1.0, 1.0], [2.0, 2.0], [1e9], model)
+    assert step.seconds == pytest.approx(2 * 2 * 3.0) and step.bubble == 0.0
+
+
+def torch_interleaved_order(k: int, per_rank: int, m: int) -> list[list[tuple[bool, int, int]]]:
+    """Each rank's (backward, stage, microbatch) as ``ScheduleInterleaved1F1B`` lists them."""
+    ranks = k // per_rank
+    per_round = m // max(1, m // ranks)
+    orders = []
+    for rank in range(ranks):
+        warmup = _get_warmup_ops(rank, per_rank, per_round, ranks, m, multiply_factor=2)
+        ops = _get_1f1b_rank_ops(
+            per_rank, ranks, warmup, per_rank * m - warmup, warmup, rank,
+            lambda step: ((step // per_round) % per_rank) * ranks + rank,
+            lambda step: (per_rank - 1 - ((step - warmup) // per_round) % per_rank) * ranks + rank)
+        orders.append([(op.computation_type == _ComputationType.FULL_BACKWARD, op.stage_index, op.microbatch_index)
+                       for op in ops if op is not None])
+    return orders
+
+
+@pytest.mark.parametrize("k, per_rank, m", [(4, 2, 2), (4, 2, 4), (4, 2, 8), (8, 2, 4), (6, 3, 6), (8, 4, 8)])
+def test_interleaved_order_is_pytorchs(k, per_rank, m):
+    orders, rank_of = _interleaved_orders(k, m, per_rank)
+    assert orders == torch_interleaved_order(k, per_rank, m)
+    assert rank_of == [s % (k // per_rank) for s in range(k)]
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    return autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 16),))
+
+
+SLOW = DeviceModel(peak_flops=1e6, bandwidth=1e6)
+
+
+def test_the_plan_report_predicts_the_step_from_its_stage_times_and_boundaries(sharded):
+    model = StepTimeModel("gpipe", 4, link_bandwidth=1e5, link_latency=1e-3)
+    report = autoshard.plan_report(sharded, device=SLOW, step=model)
+    seconds = [stage.seconds for stage in report.stages]
+    sent = [sum(v.nbytes for v in report.stages[0].values_out)]
+    assert sent == [4 * 16 * 4]
+    expected = step_time(seconds, [2 * s for s in seconds], sent, model)
+    assert report.step_time.seconds == pytest.approx(expected.seconds)
+    assert report.step_time.microbatches == 4 and report.step_time.links == (1e-3 + 256 / 1e5,)
+    assert report.step_time.source == f"estimated under {SLOW.describe()}; backward = 2 x forward"
+    text = str(report)  # the tables compute it again from the plan file they show: the same numbers
+    assert f"step time (predicted): {format_seconds(expected.seconds)} for 4 microbatches under gpipe" in text
+    assert f"bottleneck stage {expected.bottleneck}" in text and f"step time from: {report.step_time.source}" in text
+    assert report.to_dict()["step_time"]["model"]["schedule"] == "gpipe"
+
+
+def test_the_report_follows_the_memory_models_schedule_by_default(sharded):
+    memory = autoshard.MemoryModel(schedule="gpipe", microbatches=8)
+    step = autoshard.plan_report(sharded, memory=memory, device=SLOW).step_time
+    assert (step.model.schedule, step.microbatches) == ("gpipe", 8)
+    assert autoshard.plan_report(sharded, device=SLOW).step_time.microbatches == 2  # 1f1b, one per stage
+
+
+def test_a_profile_with_backward_is_split_into_forward_and_backward():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    spec = "capture,shape-prop,profile{backward=true repeats=1 warmup=0},build-dag,linearize,split{stages=2},emit"
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),), pipeline=spec)
+    report = autoshard.plan_report(sharded)
+    step = report.step_time
+    assert "profile{backward=true}" in step.source
+    for stage in report.stages:
+        assert step.forward[stage.index] + step.backward[stage.index] == pytest.approx(stage.seconds)
+        assert step.backward[stage.index] == pytest.approx(2 * step.forward[stage.index])
+
+
+@pytest.mark.parametrize("settings, words", [
+    (dict(schedule="1f1c"), "unknown schedule '1f1c' \\(did you mean '1f1b'\\?\\)"),
+    (dict(microbatches=0), "microbatches must be at least 1, got 0"),
+    (dict(link_bandwidth=0), "link_bandwidth .* must be a finite number > 0, got 0"),
+    (dict(link_bandwidth=float("inf")), "link_bandwidth"),
+    (dict(link_latency=-1.0), "link_latency .* >= 0"),
+])
+def test_bad_settings_are_refused_naming_the_value(settings, words):
+    with pytest.raises(InvalidArgumentError, match=words):
+        StepTimeModel(**settings)
+
+
+def test_settings_a_schedule_cannot_run_are_refused():
+    with pytest.raises(InvalidArgumentTypeError, match="microbatches must be an int"):
+        StepTimeModel(microbatches=2.5)
+    with pytest.raises(InvalidArgumentError, match="stages must divide by it"):
+        step_time([1.0] * 3, [1.0] * 3, [0.0] * 2, StepTimeModel("interleaved-1f1b", 4))
+    with pytest.raises(InvalidArgumentError, match="rounds"):
+        step_time([1.0] * 4, [1.0] * 4, [0.0] * 3, StepTimeModel("interleaved-1f1b", 5))
+    with pytest.raises(InvalidArgumentError, match="want k, k, k - 1"):
+        step_time([1.0, 1.0], [1.0], [0.0])
+
+
+@pytest.mark.parametrize("schedule, k, m", [("gpipe", 3, 4), ("1f1b", 3, 4), ("1f1b", 4, 2),
+                                            ("interleaved-1f1b", 4, 4)])
+def test_every_order_runs_each_microbatch_forward_then_backward_once_per_stage(schedule, k, m):
+    orders, rank_of = _orders(StepTimeModel(schedule, m), k, m)
+    ops = [op for order in orders for op in order]
+    assert sorted(ops) == sorted((b, s, mb) for b in (False, True) for s in range(k) for mb in range(m))
+    for rank, order in enumerate(orders):
+        assert all(rank_of[s] == rank for _, s, _ in order)
+        assert all(order.index((False, s, mb)) < order.index((True, s, mb)) for _, s, mb in order)
