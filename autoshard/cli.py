@@ -31,7 +31,7 @@ from autoshard import progress
 from autoshard.api import bind_pipeline, check_stages_made, default_pipeline, example_inputs_of
 from autoshard.arguments import whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
-from autoshard.costs.memory import MemoryModel
+from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel
 from autoshard.errors import (
     AutoshardError,
     ExampleInputsError,
@@ -147,27 +147,53 @@ def _device(args: argparse.Namespace) -> DeviceModel | None:
 
 
 def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) -> MemoryModel | None:
-    """``saved`` (a rebuilt plan's memory model, else the default) with the values given by
-    --optimizer-bytes / --microbatches: a flag left out keeps the saved value rather than resetting
-    it. None when neither flag is given and nothing is saved."""
-    given: dict[str, float | int] = {}
+    """``saved`` (a rebuilt plan's memory model, else the default) with the values given by the memory
+    flags (--optimizer, --optimizer-bytes, --schedule, --stages-per-rank, --microbatches,
+    --master-weights): a flag left out keeps the saved value rather than resetting it. None when no
+    flag is given and nothing is saved."""
+    given: dict[str, object] = {}
+    if args.optimizer is not None:
+        given["optimizer"] = _named(args.optimizer, "--optimizer", tuple(OPTIMIZER_BYTES))
+        given["optimizer_bytes_per_param"] = None  # the named optimizer's own state, unless given below
     if args.optimizer_bytes is not None:
         given["optimizer_bytes_per_param"] = args.optimizer_bytes
+    if args.schedule is not None:
+        given["schedule"] = _named(args.schedule, "--schedule", SCHEDULES)
+    if args.stages_per_rank is not None:
+        given["stages_per_rank"] = whole_number(args.stages_per_rank, "--stages-per-rank", at_least=1)
     if args.microbatches is not None:
         given["microbatches"] = whole_number(args.microbatches, "--microbatches", at_least=1)
+    if args.master_weights is not None:
+        given["master_weights"] = args.master_weights
     if not given:
         return saved
     return dataclasses.replace(saved or MemoryModel(), **given)
+
+
+def _named(value: str, flag: str, known: Sequence[str]) -> str:
+    """``value`` when it is one of ``known`` (any case), else a refusal naming the flag and the choices."""
+    if value.lower() not in known:
+        raise InvalidArgumentError(f"{flag} {value!r} is not one the memory model knows; "
+                                   f"pick one of: {', '.join(known)}{suggest(value.lower(), known)}")
+    return value.lower()
 
 
 def _memory_flags(model: MemoryModel) -> list[str]:
     """The flags that set ``model``, for a command the user can copy; none for the default."""
     default = MemoryModel()
     flags = []
-    if model.optimizer_bytes_per_param != default.optimizer_bytes_per_param:
+    if model.optimizer != default.optimizer:
+        flags += ["--optimizer", model.optimizer]
+    if model.optimizer_bytes_per_param != OPTIMIZER_BYTES[model.optimizer]:
         flags += ["--optimizer-bytes", f"{model.optimizer_bytes_per_param:g}"]
+    if model.schedule != default.schedule:
+        flags += ["--schedule", model.schedule]
+    if model.schedule == "interleaved-1f1b" and model.stages_per_rank != default.stages_per_rank:
+        flags += ["--stages-per-rank", str(model.stages_per_rank)]
     if model.microbatches is not None:
         flags += ["--microbatches", str(model.microbatches)]
+    if model.master_weights:
+        flags += ["--master-weights"]
     return flags
 
 
@@ -371,6 +397,8 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     plan, notes = session.plan(program, choice)
     if args.stages is not None:
         check_stages_made(args.stages, plan.num_stages, pipeline)
+    if session.memory is not None:
+        session.memory.all_in_flight(plan.num_stages)  # refuses a schedule these stages cannot run
     if not args.quiet:
         _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({choice.spec})", console, notes)
         if program.verification:
@@ -391,7 +419,10 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
                                      ("--compare", args.compare), ("--strategy", args.strategy), ("--cost", args.cost),
                                      ("--time-profile", args.time_profile), ("--device-tflops", args.device_tflops),
                                      ("--device-bandwidth", args.device_bandwidth), ("--max-memory", args.max_memory),
-                                     ("--optimizer-bytes", args.optimizer_bytes), ("--microbatches", args.microbatches))
+                                     ("--optimizer-bytes", args.optimizer_bytes), ("--microbatches", args.microbatches),
+                                     ("--optimizer", args.optimizer), ("--schedule", args.schedule),
+                                     ("--stages-per-rank", args.stages_per_rank),
+                                     ("--master-weights", args.master_weights))
             if value is not None]
     if used:
         raise InvalidArgumentError(
@@ -455,8 +486,18 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="optimizer state per trainable parameter for training memory "
                               "(default 8: Adam's two fp32 moments; 4: SGD with momentum; 0: plain SGD)")
     options.add_argument("--microbatches", type=int, metavar="M",
-                         help="cap on microbatches in flight per stage for training memory "
-                              "(default: k - j at stage j, 1F1B)")
+                         help="microbatches per step for training memory (default: as many as the schedule keeps "
+                              "at most, k - j at stage j under 1F1B)")
+    options.add_argument("--optimizer", metavar="NAME",
+                         help="optimizer whose state training memory counts: " + ", ".join(OPTIMIZER_BYTES)
+                              + " (default adam)")
+    options.add_argument("--schedule", metavar="NAME",
+                         help="pipeline schedule whose microbatches in flight training memory counts: "
+                              + ", ".join(SCHEDULES) + " (default 1f1b)")
+    options.add_argument("--stages-per-rank", type=int, metavar="N",
+                         help="stages each process runs under --schedule interleaved-1f1b (default 2)")
+    options.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
+                         help="count an fp32 master copy of bf16/fp16 trainable weights (mixed precision)")
     options.add_argument("--pin", action="append", metavar="NAME=STAGE",
                          help="hold a module path, class or weight in a stage, e.g. encoder=0 (repeatable)")
     options.add_argument("--no-split", action="append", metavar="NAME",
@@ -519,6 +560,7 @@ FLAGS_OF_PARAMETERS = {
     "memory_budgets": "--max-memory budgets",
     "memory_in_flight": "microbatches in flight per stage",
     "optimizer_bytes_per_param": "--optimizer-bytes",
+    "stages_per_rank": "--stages-per-rank",
 }
 
 #: A parameter name standing alone (not inside a word, a path, a file name or a pipeline spec), with

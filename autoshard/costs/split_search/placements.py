@@ -7,8 +7,14 @@ again under other placements (``costs.ties.tie_placements``: a tie kept together
 every reader) and the plan with the lowest true bottleneck is kept, every weight counted once
 per stage holding it. ``SplitInfo.bottleneck`` is that true figure and ``SplitInfo.separated``
 lists the shared weights whose readers ended up in several stages. ``keep_tied=False`` skips the
-search and the preference, as a tie-unaware splitter would. ``max_memory`` is held exactly: a
-budget no split fits is reported with the stage that is short, on the best-balanced plan.
+search and the preference, as a tie-unaware splitter would.
+
+``max_memory`` is held by the whole count (``MemoryCount.stage_totals``: for training memory,
+``costs.memory.stage_memory``), while the splitter sums per-node parts; what a stage holds beyond
+them (received and sent values, one backward, a shared weight in several stages) depends on the
+cuts. So a split whose whole stages exceed their budgets is made again under budgets tightened by
+that part (``fitted``), and a returned plan holds every budget by the model. A budget no split
+fits is reported with the stage that is short, its parts and the shortfall.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from autoshard.costs.split_search.request import SplitRequest
 from autoshard.costs.ties import TiePlacement, charged_apart, tie_placements
 from autoshard.errors import InfeasibleSplitError
 from autoshard.graph import Partition, split_dag
+from autoshard.graph.constraints import ACTIVATION_MEMORY
 
 
 def weighted_in_order(
@@ -39,30 +46,43 @@ def weighted_in_order(
     return weighted
 
 
+#: How many times a split whose whole stages exceed their budgets is made again under tighter ones.
+TIGHTENING_ROUNDS = 8
+
+
 @dataclass(frozen=True)
 class Attempt:
-    """One split and what it truly costs: bottleneck, tie groups separated, fit in the budgets."""
+    """One split and what it truly costs: bottleneck, tie groups separated, fit in the budgets.
+
+    ``memory`` is each stage's memory as ``max_memory`` counts it; ``unseen`` the part of it the
+    splitter's per-node sums did not see (received and sent values, one backward, a shared weight
+    held by several stages), by which a budget is tightened to split again."""
 
     partition: Partition
     separated: tuple[str, ...]
     memory: tuple[float, ...]
     fits: bool
+    unseen: tuple[float, ...] = ()
 
     def rank(self) -> tuple[float, int, float]:
         """Lower is better: the true bottleneck, then fewer separated ties, then fewer boundary bytes."""
         info = self.partition.info
         return info.bottleneck, len(info.separated), info.boundary_bytes
 
+    def overshoot(self, budgets: tuple[float, ...]) -> float:
+        """How far the stage furthest over its budget is over, as a fraction of that budget."""
+        return max((m - b) / b if b else float(m > 0) for m, b in zip(self.memory, budgets))
+
 
 def split_placing_ties(request: SplitRequest) -> Partition:
     """The best split of ``request`` over the tie placements worth trying, ``max_memory`` held."""
     first_try = TiePlacement(preferred=request.ties if request.keep_tied else ())
     try:
-        first = attempt(request, first_try)
+        first = fitted(request, first_try)
     except InfeasibleSplitError as exc:
         if not request.max_memory:
             raise
-        first = attempt(request, first_try, budgets=False)
+        first = attempt(request, first_try, budgets=())
         if not first.fits:
             raise InfeasibleSplitError(
                 f"no split into {request.k} stages fits max-memory ({exc}); in the best-balanced plan "
@@ -71,13 +91,39 @@ def split_placing_ties(request: SplitRequest) -> Partition:
     if first.separated and first.partition.info.bound is not None:  # a bounded strategy, not a baseline
         for placement in retries(request, first):
             with contextlib.suppress(InfeasibleSplitError):  # e.g. a tie kept together no split allows
-                attempts.append(attempt(request, placement))
+                attempts.append(fitted(request, placement))
     fitting = [a for a in attempts if a.fits]
     if not fitting:
+        closest = min(attempts, key=lambda a: a.overshoot(request.each_stage(request.max_memory)))
         raise InfeasibleSplitError(
-            f"no split into {request.k} stages fits max-memory with each shared weight counted in every stage "
-            f"holding it: in the plan that fits when it is counted once, {shortfall(request, first)}")
+            f"no split into {request.k} stages fits max-memory with every stage counted whole (received and sent "
+            f"values, one backward, each shared weight in every stage holding it), split again up to "
+            f"{TIGHTENING_ROUNDS} times under budgets tightened by what the per-node sums missed; in the closest "
+            f"plan {shortfall(request, closest)}")
     return min(fitting, key=Attempt.rank).partition  # the first of equals: ties preferred together
+
+
+def fitted(request: SplitRequest, placement: TiePlacement) -> Attempt:
+    """``attempt``, made again while its whole stages exceed ``max_memory``: each round splits under
+    the budgets less the most any round's stage held beyond what the splitter summed (monotone, so it
+    ends). Judged against the original budgets; the last attempt when none fits."""
+    found = attempt(request, placement)
+    if not request.max_memory:
+        return found
+    budgets = request.each_stage(request.max_memory)
+    tight = budgets
+    for _ in range(TIGHTENING_ROUNDS):
+        if found.fits:
+            break
+        tighter = tuple(min(t, max(0.0, b - u)) for t, b, u in zip(tight, budgets, found.unseen))
+        if tighter == tight:
+            break
+        tight = tighter
+        try:
+            found = attempt(request, placement, budgets=tight)
+        except InfeasibleSplitError:
+            break
+    return found
 
 
 def retries(request: SplitRequest, first: Attempt) -> list[TiePlacement]:
@@ -92,14 +138,17 @@ def retries(request: SplitRequest, first: Attempt) -> list[TiePlacement]:
     return [] if first.fits else [TiePlacement(charged_apart(request.ties))]
 
 
-def attempt(request: SplitRequest, placement: TiePlacement, budgets: bool = True) -> Attempt:
-    """Split with the ties placed as ``placement`` says; score the result by its true costs."""
+def attempt(request: SplitRequest, placement: TiePlacement, budgets: tuple[float, ...] | None = None) -> Attempt:
+    """Split with the ties placed as ``placement`` says, each stage's counted memory held to ``budgets``
+    (default ``max_memory``; ``()``: none); score the result by its true costs, fit judged against
+    ``max_memory``."""
     k, memory = request.k, request.memory
+    budgets = request.max_memory if budgets is None else budgets
     extra: dict[str, Mapping[str, float]] = {}
     limits: dict[str, Any] = {}
-    if request.max_memory and budgets:
+    if budgets:
         extra = memory.node_attributes(placement.apart)
-        limits = {"memory_budgets": request.max_memory}
+        limits = {"memory_budgets": budgets}
         if memory.in_flight is not None:
             limits["memory_in_flight"] = memory.in_flight
     weighted = weighted_in_order(request.dag, request.order, request.node_costs(placement.apart), extra)
@@ -120,8 +169,21 @@ def attempt(request: SplitRequest, placement: TiePlacement, budgets: bool = True
                                separated=tuple(w for g in split_up for w in g.weights))
     held = tuple(memory.stage_totals(assignment)) if request.max_memory else ()
     fits = all(m <= b for m, b in zip(held, request.each_stage(request.max_memory)))
+    unseen = tuple(max(0.0, m - c) for m, c in zip(held, counted(request, placement, assignment))) if held else ()
     return Attempt(Partition.from_assignment(weighted, assignment, k, info), tuple(g.label for g in split_up),
-                   held, fits)
+                   held, fits, unseen)
+
+
+def counted(request: SplitRequest, placement: TiePlacement, assignment: Mapping[str, int]) -> list[float]:
+    """Per stage, the memory the splitter summed for ``assignment``: the node attributes of
+    ``placement``, activations times the microbatches each stage keeps in flight."""
+    sums = [[0.0, 0.0] for _ in range(request.k)]
+    for name, per_node in request.memory.node_attributes(placement.apart).items():
+        column = 1 if name == ACTIVATION_MEMORY else 0
+        for node, stage in assignment.items():
+            sums[stage][column] += per_node.get(node, 0.0)
+    in_flight = request.memory.in_flight or (1.0,) * request.k
+    return [held + n * kept for (held, kept), n in zip(sums, in_flight)]
 
 
 def shortfall(request: SplitRequest, found: Attempt) -> str:

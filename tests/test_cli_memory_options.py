@@ -1,0 +1,85 @@
+"""The memory model's flags (--optimizer, --schedule, --stages-per-rank, --microbatches,
+--master-weights, --optimizer-bytes): they reach the plan and its file, survive a rebuild with
+--plan, come back as a command to copy, and bad values are refused naming the flag and the choices."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from autoshard import cli
+from autoshard.costs.memory import MemoryModel
+
+
+@pytest.fixture(autouse=True)
+def wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--optimizer", "adagrad"),
+     "--optimizer 'adagrad' is not one the memory model knows; pick one of: adam, adamw, sgd-momentum, sgd, none"),
+    (("--optimizer", "sgd_momentum"), "(did you mean 'sgd-momentum'?)"),
+    (("--schedule", "zero-bubble"),
+     "--schedule 'zero-bubble' is not one the memory model knows; pick one of: 1f1b, gpipe, interleaved-1f1b"),
+    (("--stages-per-rank", "0"), "--stages-per-rank must be at least 1"),
+    (("--schedule", "interleaved-1f1b", "--stages-per-rank", "3"),
+     "interleaved 1F1B runs 3 stages per rank, so the number of stages must divide by it; got 2 stages: "
+     "pick --stages-per-rank dividing 2"),
+])
+def test_a_value_the_memory_model_does_not_know_is_refused_naming_the_flag(capsys, argv, message):
+    code, out, err = run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", *argv)
+    assert code == 2 and out == ""
+    assert message in " ".join(err.split())
+    assert "Traceback" not in err and "stages_per_rank" not in err
+
+
+def test_the_flags_set_the_plans_memory_model_and_a_rebuild_keeps_it(capsys, tmp_path):
+    """SGD under GPipe with 2 microbatches and master weights, as the plan file records it; --plan
+    keeps it, and --optimizer given then resets the state bytes to that optimizer's own."""
+    adam, sgd = tmp_path / "adam.json", tmp_path / "sgd.json"
+    assert run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", "--out", str(adam))[0] == 0
+    code, out, err = run(capsys, "inspect", "residual-mlp", "-k", "2", "--optimizer", "SGD", "--schedule", "gpipe",
+                         "--microbatches", "2", "--master-weights", "--out", str(sgd))
+    assert code == 0, err
+    assert "sgd state (0 B per parameter, fp32 master weights)" in " ".join(out.split())
+    saved = json.loads(sgd.read_text())
+    assert saved["memory_model"] == {**MemoryModel().to_dict(), "optimizer": "sgd", "optimizer_bytes_per_param": 0.0,
+                                     "schedule": "gpipe", "microbatches": 2, "master_weights": True}
+    totals = [[s["total"] for s in json.loads(p.read_text())["summary"]["training_memory"]["stages"]]
+              for p in (sgd, adam)]
+    assert totals[0][0] < totals[1][0]  # stage 0: no optimizer state, 2 microbatches in flight as under 1F1B
+    rebuilt = tmp_path / "rebuilt.json"
+    assert run(capsys, "inspect", "residual-mlp", "--plan", str(sgd), "-q", "--out", str(rebuilt))[0] == 0
+    assert json.loads(rebuilt.read_text())["memory_model"] == saved["memory_model"]
+    assert run(capsys, "inspect", "residual-mlp", "--plan", str(sgd), "--optimizer", "adam", "--no-master-weights", "-q",
+               "--out", str(rebuilt))[0] == 0
+    assert json.loads(rebuilt.read_text())["memory_model"] == {
+        **saved["memory_model"], "optimizer": "adam", "optimizer_bytes_per_param": 8.0, "master_weights": False}
+
+
+@pytest.mark.parametrize("model", [
+    MemoryModel(),
+    MemoryModel(optimizer="sgd-momentum", schedule="interleaved-1f1b", stages_per_rank=4, microbatches=8),
+    MemoryModel(optimizer="adamw", optimizer_bytes_per_param=2, schedule="gpipe", master_weights=True),
+])
+def test_the_command_to_copy_sets_the_same_memory_model(model):
+    """What a refusal's advice (--compare with --plan) prints is parsed back to the same model."""
+    args = cli.build_parser().parse_args(["inspect", "residual-mlp", *cli._memory_flags(model)])
+    assert isinstance(args, argparse.Namespace)
+    assert (cli._memory_model(args) or MemoryModel()) == model
+
+
+def test_a_saved_plan_shown_as_it_is_takes_no_memory_flag(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    assert run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", "--out", str(path))[0] == 0
+    code, _, err = run(capsys, "inspect", str(path), "--schedule", "gpipe", "--master-weights")
+    assert code == 2 and "--schedule, --master-weights cannot be used when inspecting a saved plan" in err
