@@ -1,33 +1,71 @@
-"""Per-rank weight-state memory of pipelining alone against pipelining x FSDP (``parallelize``).
+"""Per-rank memory of pipelining alone against pipelining x data parallelism (``parallelize``),
+measured and as the memory model predicts it.
 
-    python benchmarks/parallel_memory.py            # 2 + 4 gloo processes on this machine's CPUs
+    python benchmarks/parallel_memory.py            # 2 and 4 gloo processes on this machine's CPUs
     python benchmarks/parallel_memory.py --quick    # a smaller model
+    python benchmarks/parallel_memory.py --layouts fsdp,fsdp-bf16
 
-A GPT-style LM split into k = 2 stages runs one Adam step on 2 processes (pipelining alone, a
-2 x 1 mesh) and on 4 (2 pipeline x 2 FSDP ranks). On every rank the bytes of what the step leaves
-behind are measured from the tensors themselves: the storages of the parameters, their gradients
-and the optimizer's state (each storage once, padding included: FSDP pads a shard to an equal
-share). FSDP's target: every rank holds within 10% of its stage's unsharded state / dp. The
-resident memory each process gained during setup and step is printed beside them (it also holds
-activations freed since, which the allocator may keep), and the peak the step itself added over
-what the process held before it (the resident high-water mark).
+A GPT-style LM split into k = 2 stages trains under 1F1B with 4 microbatches (Adam), on 2
+processes (pipelining alone, a 2 x 1 mesh) and on 4 (2 pipeline x 2 data-parallel ranks: FSDP,
+replication, bf16 mixed precision, activation checkpointing). Each plan is made with one
+microbatch of one data-parallel rank as its example, as the memory model expects.
+
+On every rank, after a first step (optimizer state made, pipeline buffers allocated):
+
+* weight state: the storages of its parameters, gradients and Adam state after the step (each
+  storage once, FSDP's padding included) against the stage's unsharded state / dp (FSDP target:
+  within 10%);
+* peak: the second step (schedule, tied-gradient sync, optimizer step, ``zero_grad``) under
+  PyTorch's ``MemTracker``, which counts every live tensor storage: what the rank's stages,
+  optimizer and pipeline held before the step, and every storage made during it (FSDP's gathered
+  weights and reduce buffers included). The plan's own copy of the model, which the worker was
+  handed, is left out. Predicted: ``plan_report(sharded, memory=parallel.memory_model)``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import os
 import platform
-import resource
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 import autoshard
+from autoshard.costs.saved import without_cyclic_gc
 from autoshard.examples import GPTStyleLMWithLoss
 from autoshard.runtime import model_loss, parallelize, run_local
 
 BATCH, MICROBATCHES = 8, 4
 MB = 2 ** 20
+#: name -> (dp, data_parallel, mixed_precision, activation_checkpointing)
+LAYOUTS = {
+    "pp": (1, None, None, False),
+    "pp-ac": (1, None, None, True),
+    "fsdp": (2, "fsdp", None, False),
+    "fsdp-ac": (2, "fsdp", None, True),
+    "fsdp-bf16": (2, "fsdp", torch.bfloat16, False),
+    "ddp": (2, "ddp", None, False),
+}
+
+
+class StepTracker(MemTracker):
+    """``MemTracker`` counting storages only: its per-module statistics refuse a module called once
+    per microbatch (``NotImplementedError``: "multiple iterative calls"), which a pipeline does."""
+
+    def _pre_fw_hook(self, *args: object) -> None:
+        pass
+
+    def _post_fw_hook(self, *args: object) -> None:
+        pass
+
+    def _pre_bw_hook(self, *args: object) -> None:
+        pass
+
+    def _post_bw_hook(self, *args: object) -> None:
+        pass
 
 
 def build(quick: bool) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -48,70 +86,86 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
+def live_tensors(left_out: set[int]) -> list[torch.Tensor]:
+    """Every tensor alive in this process but those whose storage is in ``left_out``."""
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            local = obj.to_local() if hasattr(obj, "to_local") else obj
+            if local.untyped_storage().data_ptr() not in left_out or not local.untyped_storage().nbytes():
+                found.append(obj)
+    return found
 
 
-def peak_rss() -> int:
-    """The process's resident high-water mark (``VmHWM``), since start or the last reset."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-
-
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as clear:  # "5": reset the high-water mark (Linux >= 4.0)
-        clear.write("5")
+def _total(tracker: MemTracker, kind: str) -> int:
+    return sum(size for snapshot in tracker.get_tracker_snapshot(kind).values()
+               for key, size in snapshot.items() if str(key) == "Total")
 
 
 def measure(rank: int, world: int, sharded: autoshard.ShardedModel, ids: torch.Tensor, targets: torch.Tensor,
-            dp: int) -> dict[str, float]:
+            layout: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    before = rss()
+    dp, kind, precision, recompute = LAYOUTS[layout]
     mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
-    parallel = parallelize(sharded, mesh, microbatches=MICROBATCHES, loss_fn=model_loss,
-                           data_parallel="fsdp" if dp > 1 else None)
+    parallel = parallelize(sharded, mesh, microbatches=MICROBATCHES, loss_fn=model_loss, data_parallel=kind,
+                           mixed_precision=precision, activation_checkpointing=recompute)
     params = list(parallel.parameters())
     optimizer = torch.optim.Adam(params, lr=1e-3)
     my_ids, my_targets = parallel.local_rows((ids, targets))
-    before_step = rss()
-    reset_peak_rss()
-    parallel.schedule.step(*((my_ids, my_targets) if parallel.is_first else ()),
-                           target=my_targets if parallel.is_last else None, return_outputs=False)
-    parallel.sync_gradients()
-    optimizer.step()
-    step_peak = peak_rss() - before_step
+
+    def step() -> None:
+        parallel.schedule.step(*((my_ids, my_targets) if parallel.is_first else ()),
+                               target=my_targets if parallel.is_last else None, return_outputs=False)
+        parallel.sync_gradients()
+        optimizer.step()
+
+    step()
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()]
+    weight_state = {"weights": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
+                    "optimizer": storage_bytes(state)}
+    optimizer.zero_grad()
+    gc.collect()
+    tracker = StepTracker()
+    own = {t.untyped_storage().data_ptr() for t in [*sharded.parameters(), *sharded.buffers()]}
+    tracker.track_external(*live_tensors(own))
+    before = _total(tracker, "current")
+    with tracker, without_cyclic_gc():
+        step()
+        optimizer.zero_grad()
     unsharded = sum(sharded.stages[stage.stage_index].get_parameter(name).nbytes
                     for stage in parallel.stages for name, _ in stage.submod.named_parameters())
-    return {"stage": parallel.stages[0].stage_index, "weights": storage_bytes(params),
-            "grads": storage_bytes(p.grad for p in params), "optimizer": storage_bytes(state),
-            "stage weights unsharded": unsharded, "rss growth": rss() - before, "step peak": step_peak}
+    return {"stage": parallel.stages[0].stage_index, **weight_state, "unsharded": unsharded, "before": before,
+            "peak": _total(tracker, "peak"), "model": parallel.memory_model}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     args = parser.parse_args()
     model, ids, targets = build(args.quick)
-    sharded = autoshard.shard_model(model, 2, example_inputs=(ids[:1], targets[:1]))
     params = sum(p.numel() for p in model.parameters())
-    print(f"GPT-style LM, {params / 1e6:.1f} M parameters ({params * 4 / MB:.0f} MB fp32), k = 2, Adam; "
-          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {datetime.date.today()}")
-    print("| layout | rank | stage | weights (MB) | grads (MB) | Adam state (MB) | weight state (MB) "
-          "| unsharded stage state / dp (MB) | ratio | RSS growth (MB) | step peak (MB) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for dp, world in ((1, 2), (2, 4)):
-        rows = run_local(measure, world, args=(sharded, ids, targets, dp), timeout=900)
-        for rank, row in enumerate(rows):
+    print(f"GPT-style LM, {params / 1e6:.1f} M parameters ({params * 4 / MB:.0f} MB fp32), k = 2, 1F1B, "
+          f"{MICROBATCHES} microbatches, Adam; {platform.processor() or platform.machine()}, torch "
+          f"{torch.__version__}, {datetime.date.today()}, load {os.getloadavg()[0]:.1f}")
+    print("| layout | rank | stage | weight state (MB) | unsharded / dp (MB) | ratio | before step (MB) "
+          "| predicted peak (MB) | measured peak (MB) | predicted / measured |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for layout in args.layouts.split(","):
+        dp = LAYOUTS[layout][0]
+        rows = BATCH // dp // MICROBATCHES  # one microbatch of one data-parallel rank
+        sharded = autoshard.shard_model(model, 2, example_inputs=(ids[:rows], targets[:rows]))
+        results = run_local(measure, 2 * dp, args=(sharded, ids, targets, layout), timeout=1800)
+        for rank, row in enumerate(results):
+            report = autoshard.plan_report(sharded, memory=row["model"])
+            predicted = report.stages[row["stage"]].memory.total
             state = row["weights"] + row["grads"] + row["optimizer"]
-            target = 4 * row["stage weights unsharded"] / dp  # weights, grads and Adam's two moments
-            print(f"| {'PP alone (2 x 1)' if dp == 1 else 'PP x FSDP (2 x 2)'} | {rank} | {row['stage']} "
-                  f"| {row['weights'] / MB:.2f} | {row['grads'] / MB:.2f} | {row['optimizer'] / MB:.2f} "
-                  f"| {state / MB:.2f} | {target / MB:.2f} | {state / target:.3f} | {row['rss growth'] / MB:.0f} "
-                  f"| {row['step peak'] / MB:.0f} |")
+            target = 4 * row["unsharded"] / (dp if LAYOUTS[layout][1] == "fsdp" else 1)  # weights, grads, 2 moments
+            print(f"| {layout} ({2} x {dp}) | {rank} | {row['stage']} | {state / MB:.2f} | {target / MB:.2f} "
+                  f"| {state / target:.3f} | {row['before'] / MB:.2f} | {predicted / MB:.2f} | {row['peak'] / MB:.2f} "
+                  f"| {predicted / row['peak']:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,26 @@ splitter balances. The received and sent values and the backward depend on where
 so only ``stage_memory`` counts them; ``memory_excess`` says by how much a stage's total exceeds
 its additive part, for a split that must tighten its budgets by it.
 
-Extending: data parallelism (ZeRO sharding of gradients and optimizer state over ranks) divides
-terms of ``MemoryModel.weight_parts``; activation recomputation changes ``kept_bytes`` (a
-recomputed block keeps its inputs, not what it saves) and adds its recompute to the backward.
+Under ``runtime.parallelize`` (``MemoryModel(data_parallel=..., dp=..., mixed_precision=...,
+activation_checkpointing=...)``) the terms follow what FSDP2 and ``torch.distributed.pipelining``
+do in torch 2.13, per rank:
+
+* ``"fsdp"`` shards every parameter, its gradient and its optimizer state over the ``dp`` ranks
+  (``weight / dp`` each; buffers stay whole). During a step it also holds each parameter
+  unsharded, in the compute dtype: ``parallelize`` keeps units gathered after forward and the
+  pipeline keeps them gathered after every backward but the last (``set_reshard_after_backward(
+  False)``), so from a stage's first forward to its last backward the whole stage is gathered.
+  Gradients accumulate unsharded over the microbatches (``set_requires_gradient_sync(False)``),
+  in the reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``), and are reduce-scattered
+  after the last backward. ``gathered_parts`` counts both unsharded copies;
+* ``"ddp"`` is ``replicate`` (FSDP2 over a shard group of one): the same terms with nothing
+  divided, so a replica holds its weights twice during a step (``wait_for_unshard`` copies the
+  "shard" into the all-gather buffer) and its gradients twice at the step's end;
+* ``mixed_precision`` (FSDP2's ``param_dtype``, gradients reduced in float32): the unsharded
+  weights and each backward's fresh weight gradients take the compute dtype, the fp32 sharded
+  weights are the optimizer's master copy, and floating activations shrink by compute / fp32;
+* ``activation_checkpointing``: ``costs.recompute`` (a block keeps its inputs, not what it saves;
+  one block is recomputed at a time in backward).
 """
 
 from __future__ import annotations
@@ -41,6 +58,7 @@ from typing import AbstractSet, Mapping, Protocol, Sequence
 
 import networkx as nx
 
+from autoshard.costs.recompute import block_path, checkpoint_regions, checkpointed_kept, recompute_bytes
 from autoshard.costs.ties import weight_payers
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
 from autoshard.graph.partition import boundary_values
@@ -51,6 +69,14 @@ OPTIMIZER_BYTES: dict[str, float] = {"adam": 8.0, "adamw": 8.0, "sgd-momentum": 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 """The schedules whose microbatches in flight the model knows."""
 
+DATA_PARALLEL = ("fsdp", "ddp")
+"""The data-parallel kinds ``runtime.parallelize`` applies (None: pipelining alone)."""
+
+COMPUTE_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2}
+"""Mixed-precision compute dtypes, with their bytes per element."""
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
 _FP32 = 4
 
 
@@ -60,6 +86,24 @@ class Weight(Protocol):
     numel: int
     nbytes: int
     trainable: bool
+
+
+def _is_parameter(info: Weight) -> bool:
+    """FSDP shards parameters only; a buffer (``kind == "buffer"``) stays whole on every rank."""
+    return getattr(info, "kind", "parameter") == "parameter"
+
+
+def _compute_dtype(value: object) -> str | None:
+    """``"bfloat16"``/``"float16"`` for any spelling of them (``torch.bfloat16`` included)."""
+    if value is None:
+        return None
+    name = str(value).lower().removeprefix("torch.") if isinstance(value, str) or type(value).__name__ == "dtype" else ""
+    name = _DTYPE_NAMES.get(name, name)
+    if name not in COMPUTE_DTYPES:
+        raise InvalidArgumentError(
+            f"mixed_precision must name a compute dtype ({', '.join(COMPUTE_DTYPES)}, or torch.bfloat16) or be None, "
+            f"got {value!r}")
+    return name
 
 
 def _choice(value: object, name: str, known: Sequence[str]) -> str:
@@ -102,6 +146,11 @@ class MemoryModel:
     ``SCHEDULES``; ``stages_per_rank`` is how many stages each process runs under interleaved
     1F1B (k must divide by it). ``master_weights`` counts an fp32 copy of each trainable weight
     narrower than fp32 (bf16 or fp16 weights, the optimizer stepping in fp32).
+
+    The layout ``runtime.parallelize`` runs, per rank: ``data_parallel`` (``"fsdp"``, ``"ddp"`` or
+    None) over ``dp`` ranks, ``mixed_precision`` (the compute dtype, ``"bfloat16"``; needs a
+    data-parallel kind, as ``parallelize`` does) and ``activation_checkpointing``. The example
+    inputs the plan is made with are one microbatch of one data-parallel rank.
     """
 
     optimizer_bytes_per_param: float | None = None
@@ -110,6 +159,10 @@ class MemoryModel:
     schedule: str = "1f1b"
     stages_per_rank: int = 2
     master_weights: bool = False
+    data_parallel: str | None = None
+    dp: int = 1
+    mixed_precision: str | None = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", _choice(self.optimizer, "optimizer", tuple(OPTIMIZER_BYTES)))
@@ -123,8 +176,24 @@ class MemoryModel:
                 f"4 for SGD with momentum, 0 for plain SGD), got {bytes_!r}")
         _count(self.microbatches, "microbatches")
         _count(self.stages_per_rank, "stages_per_rank", allow_none=False)
-        if not isinstance(self.master_weights, bool):
-            raise InvalidArgumentError(f"master_weights must be True or False, got {self.master_weights!r}")
+        for flag in ("master_weights", "activation_checkpointing"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidArgumentError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """The data-parallel fields, refused as ``parallelize`` refuses them."""
+        if self.data_parallel is not None:
+            object.__setattr__(self, "data_parallel", _choice(self.data_parallel, "data_parallel", DATA_PARALLEL))
+        _count(self.dp, "dp", allow_none=False)
+        object.__setattr__(self, "mixed_precision", _compute_dtype(self.mixed_precision))
+        if self.data_parallel is None and self.dp > 1:
+            raise InvalidArgumentError(
+                f"dp={self.dp} ranks need data_parallel='fsdp' or 'ddp' (with None the copies would train apart)")
+        if self.mixed_precision is not None and self.data_parallel is None:
+            raise InvalidArgumentError(
+                "mixed_precision is FSDP2's policy, so it needs data_parallel='fsdp' or 'ddp' (dp may be 1), as "
+                "parallelize does")
 
     def in_flight_rule(self, stage: str = "j") -> str:
         """``in_flight`` in words, for reports and plan files: ``k - j`` or ``min(k - j, cap)``."""
@@ -134,17 +203,33 @@ class MemoryModel:
             return f"as ScheduleInterleaved1F1B orders {self.stages_per_rank} stages per rank"
         return f"k - {stage}" if self.microbatches is None else f"min(k - {stage}, {self.microbatches})"
 
+    def layout(self) -> str:
+        """The data-parallel layout in words ("" for pipelining alone)."""
+        parts = []
+        if self.data_parallel is not None:
+            parts.append(f"{self.data_parallel} over dp={self.dp}")
+        if self.mixed_precision is not None:
+            parts.append(f"{self.mixed_precision} compute")
+        if self.activation_checkpointing:
+            parts.append("activation checkpointing")
+        return ", ".join(parts)
+
     def describe(self) -> str:
         """What the model assumes, in words, for reports."""
         master = ", fp32 master weights" if self.master_weights else ""
-        return (f"weights + gradients + {self.optimizer} state ({self.optimizer_bytes_per_param:g} B per parameter"
-                f"{master}) + kept activations x microbatches in flight (saved for backward, received and sent "
-                f"values; stage j of k: {self.in_flight_rule()}, {self.schedule}) + one backward")
+        shard = f" / {self.dp}" if self.data_parallel == "fsdp" and self.dp > 1 else ""
+        gathered = " + unsharded weights and gradients during the step" if self.data_parallel else ""
+        layout = f"; {self.layout()}" if self.layout() else ""
+        return (f"(weights + gradients + {self.optimizer} state ({self.optimizer_bytes_per_param:g} B per parameter"
+                f"{master})){shard}{gathered} + kept activations x microbatches in flight (saved for backward, "
+                f"received and sent values; stage j of k: {self.in_flight_rule()}, {self.schedule}) + one backward"
+                f"{layout}")
 
     def to_dict(self) -> dict[str, float | int | str | bool | None]:
         return {"optimizer_bytes_per_param": self.optimizer_bytes_per_param, "microbatches": self.microbatches,
                 "optimizer": self.optimizer, "schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
-                "master_weights": self.master_weights}
+                "master_weights": self.master_weights, "data_parallel": self.data_parallel, "dp": self.dp,
+                "mixed_precision": self.mixed_precision, "activation_checkpointing": self.activation_checkpointing}
 
     def in_flight(self, stage: int, num_stages: int) -> int:
         """Microbatches whose activations stage ``stage`` keeps at once under the schedule."""
@@ -159,12 +244,72 @@ class MemoryModel:
         """``in_flight`` of every stage, stage 0 first."""
         return tuple(self.in_flight(j, num_stages) for j in range(num_stages))
 
-    def weight_parts(self, info: Weight) -> tuple[float, float, float]:
-        """(weight, gradient, optimizer state with any master copy) bytes of one weight."""
+    @property
+    def shards(self) -> int:
+        """Ranks one weight's state is split over: ``dp`` under FSDP, else 1."""
+        return self.dp if self.data_parallel == "fsdp" else 1
+
+    def compute_bytes(self, info: Weight) -> float:
+        """Bytes per element a weight is computed in: the mixed-precision dtype's, else its own."""
+        own = info.nbytes / info.numel if info.numel else 0.0
+        return float(COMPUTE_DTYPES[self.mixed_precision]) if self.mixed_precision and _is_parameter(info) else own
+
+    def gathered_parts(self, info: Weight) -> tuple[float, float]:
+        """(unsharded weight, unsharded gradient) bytes data parallelism holds during a step (module
+        docstring): the weight in the compute dtype, the gradient accumulated in float32 under mixed
+        precision (FSDP2 upcasts it to the reduce dtype after each backward), else in the weight's dtype."""
+        if self.data_parallel is None or not _is_parameter(info):
+            return 0.0, 0.0
+        weight = info.numel * self.compute_bytes(info)
         if not info.trainable:
-            return float(info.nbytes), 0.0, 0.0
+            return weight, 0.0
+        return weight, float(info.numel * _FP32 if self.mixed_precision else info.nbytes)
+
+    def weight_parts(self, info: Weight) -> tuple[float, float, float]:
+        """(weight, gradient, optimizer state with any master copy) bytes of one weight on one rank
+        at its peak. Under data parallelism: its shards plus the unsharded copies of a step
+        (``gathered_parts``); the gradient is the unsharded accumulation alone, since the sharded
+        one exists only from the reduce-scatter after the last backward (the copies freed by then)
+        until ``zero_grad``."""
         master = info.numel * _FP32 if self.master_weights and info.nbytes < info.numel * _FP32 else 0
-        return float(info.nbytes), float(info.nbytes), float(info.numel * self.optimizer_bytes_per_param + master)
+        optimizer = info.numel * self.optimizer_bytes_per_param + master if info.trainable else 0.0
+        if self.data_parallel is None:
+            return float(info.nbytes), float(info.nbytes if info.trainable else 0), float(optimizer)
+        share = self.shards if _is_parameter(info) else 1
+        gathered_weight, gathered_grad = self.gathered_parts(info)
+        return info.nbytes / share + gathered_weight, gathered_grad, optimizer / share
+
+    def fresh_gradient_bytes(self, info: Weight) -> float:
+        """Bytes of the compute-dtype gradient one backward makes of a weight under mixed precision,
+        alive until FSDP2 adds it to the float32 accumulation (0 otherwise: autograd accumulates
+        into the existing gradient)."""
+        if self.mixed_precision is None or not info.trainable or not _is_parameter(info):
+            return 0.0
+        return info.numel * self.compute_bytes(info)
+
+    def reduce_bytes(self, units: Sequence[Sequence[Weight]]) -> float:
+        """The most the gradient reduction after a stage's last backward adds to its weight state,
+        over FSDP's units (``runtime.blocks``: whole blocks, and the rest of the stage): the unit's
+        weights are freed first (reshard), then ``foreach_reduce`` allocates an input of its whole
+        gradient in the reduce dtype and an output of 1/dp of it, and gloo's reduce-scatter stages
+        one more whole copy (measured on CPU; NCCL reduces in place, so on GPUs this over-counts by
+        one unit's gradient). ``replicate`` reduces over a group of one: no staging copy."""
+        if self.data_parallel is None:
+            return 0.0
+        most = 0.0
+        for unit in units:
+            weights, grads = (sum(p[i] for p in map(self.gathered_parts, unit)) for i in range(2))
+            staged = grads if self.shards > 1 else 0.0
+            most = max(most, grads + grads / self.shards + staged - weights)
+        return most
+
+    def activation_scale(self, infos: Sequence[Weight]) -> float:
+        """What floating activations shrink by under mixed precision: the compute dtype's bytes over
+        the widest parameter's (the model's own dtype, whose values the probe measured)."""
+        widest = max((i.nbytes / i.numel for i in infos if i.numel and _is_parameter(i)), default=0.0)
+        if self.mixed_precision is None or not widest:
+            return 1.0
+        return min(1.0, COMPUTE_DTYPES[self.mixed_precision] / widest)
 
     def state_bytes(self, info: Weight) -> float:
         """Weight + gradient + optimizer state of one weight."""
@@ -222,6 +367,12 @@ class StageMemory:
     backward_bytes: float = 0.0
     weight_bytes: float = 0.0
     gradient_bytes: float = 0.0
+    gathered_bytes: float = 0.0
+    """The part of ``weight_bytes`` and ``gradient_bytes`` that data parallelism holds unsharded
+    during a step (0 for pipelining alone)."""
+    reduce_bytes: float = 0.0
+    """What the gradient reduction after the last backward adds to ``state_bytes``, when no
+    microbatch is in flight any more (``MemoryModel.reduce_bytes``)."""
 
     @property
     def optimizer_bytes(self) -> float:
@@ -238,14 +389,17 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        return self.state_bytes + self.per_microbatch * self.in_flight + self.backward_bytes
+        """Weight state plus the larger of the steady state's activations and the reduction's buffers."""
+        return self.state_bytes + max(self.per_microbatch * self.in_flight + self.backward_bytes, self.reduce_bytes)
 
     def parts(self) -> str:
         """The parts in words, for errors and reports."""
+        gathered = f" (unsharded during the step: {self.gathered_bytes:,.0f})" if self.gathered_bytes else ""
         return (f"weights {self.weight_bytes:,.0f}, gradients {self.gradient_bytes:,.0f}, optimizer "
-                f"{self.optimizer_bytes:,.0f}; per microbatch activations {self.activation_bytes:,.0f}, received "
+                f"{self.optimizer_bytes:,.0f}{gathered}; per microbatch activations {self.activation_bytes:,.0f}, received "
                 f"{self.received_bytes:,.0f}, sent {self.sent_bytes:,.0f}, x {self.in_flight} in flight; "
-                f"one backward {self.backward_bytes:,.0f}")
+                f"one backward {self.backward_bytes:,.0f}"
+                + (f"; or the gradient reduction {self.reduce_bytes:,.0f}" if self.reduce_bytes else ""))
 
 
 def _training(dag: nx.DiGraph, node: str) -> SavedFacts | None:
@@ -261,6 +415,20 @@ def kept_bytes(dag: nx.DiGraph, node: str) -> float:
         return 0.0
     facts = data.get("training")
     return float(facts.saved) if facts is not None else float(data.get("allocated") or 0)
+
+
+def kept_per_node(dag: nx.DiGraph, model: MemoryModel = MemoryModel()) -> dict[str, float]:
+    """Per node, ``kept_bytes`` as ``model`` runs it, the additive part a split balances: in the
+    compute dtype under mixed precision; none for a node of a block recomputed under activation
+    checkpointing (what enters and leaves its block depends on the cuts: ``stage_memory`` counts it)."""
+    scale = model.activation_scale(list(dag.graph.get("weights", {}).values()))
+    recomputed = model.activation_checkpointing
+    return {node: 0.0 if recomputed and _in_block(dag, node) else kept_bytes(dag, node) * scale
+            for node in dag.nodes}
+
+
+def _in_block(dag: nx.DiGraph, node: str) -> bool:
+    return bool(checkpoint_regions(dag, [node]))
 
 
 def node_state_bytes(
@@ -282,7 +450,8 @@ def node_memory(
 ) -> dict[str, float]:
     """Per node: the state of the weights charged to it, plus its saved activations for one microbatch."""
     state = node_state_bytes(dag, model, apart, assignment)
-    return {node: state[node] + kept_bytes(dag, node) for node in dag.nodes}
+    kept = kept_per_node(dag, model)
+    return {node: state[node] + kept[node] for node in dag.nodes}
 
 
 def _nodes_by_stage(assignment: Mapping[str, int], k: int) -> list[list[str]]:
@@ -309,19 +478,23 @@ def _owner(dag: nx.DiGraph, node: str, stage: Mapping[str, int]) -> str:
     return node
 
 
-def _sent_unsaved(dag: nx.DiGraph, sent: Sequence[str], stage: Mapping[str, int]) -> float:
+def _sent_unsaved(dag: nx.DiGraph, sent: Sequence[str], stage: Mapping[str, int],
+                  recomputed: AbstractSet[str] = frozenset()) -> float:
     """Bytes the stage keeps only because it sends them: the storages of its sent values that
-    nothing saved (a sent view counts the storage it views, once)."""
+    nothing saved (a sent view counts the storage it views, once; what a recomputed node saves
+    is not kept)."""
     total = 0.0
     for owner in {_owner(dag, v, stage) for v in sent}:
         data = dag.nodes[owner]
         if not data.get("input"):
             facts = data.get("training")
-            total += max(0.0, float(data.get("allocated") or 0) - (facts.saved_output if facts is not None else 0))
+            saved = facts.saved_output if facts is not None and owner not in recomputed else 0
+            total += max(0.0, float(data.get("allocated") or 0) - saved)
     return total
 
 
-def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], output_grads: float) -> float:
+def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], output_grads: float,
+                   recomputed: AbstractSet[str] = frozenset()) -> float:
     """The most one microbatch's backward adds to what the stage holds: walking its nodes in
     reverse, the output gradients, the gradients alive and the node's own backward peak, less the
     saved storages the nodes already run have released.
@@ -329,7 +502,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     A gradient buffer lives from the backward that makes it to the backward of the value's maker.
     A node that allocates nothing (a view, an item of a tuple, a value passed through) hands its
     gradient on as it is, so its input's gradient is the same buffer; the outputs' gradients are
-    the buffers received, counted in ``output_grads``."""
+    the buffers received, counted in ``output_grads``. What ``recomputed`` nodes save was not kept,
+    so its release frees nothing of the microbatches held (``recompute_bytes`` counts it)."""
     inside = set(nodes)
     counted: dict[str, float] = {}  # value -> bytes of its gradient counted in ``alive``
     known = set(sent)  # values whose gradient buffer exists (received, or made by a backward run)
@@ -340,7 +514,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             continue
         peak = max(peak, output_grads + alive + facts.backward - freed)
         # what this stage made and kept for this backward alone (a sent value stays: it was sent)
-        freed += sum(nbytes for maker, nbytes in facts.releases if maker in inside and maker not in sent)
+        freed += sum(nbytes for maker, nbytes in facts.releases
+                     if maker in inside and maker not in sent and maker not in recomputed)
         mine = counted.pop(node, 0.0)
         inputs = [u for u in dag.predecessors(node) if _grad(dag, u) > 0]
         if not dag.nodes[node].get("allocated") and inputs:
@@ -357,34 +532,65 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     return max(peak, output_grads)
 
 
+def _scaled(dag: nx.DiGraph, value: str, scale: float) -> float:
+    """Bytes of ``value`` under mixed precision: a floating tensor takes the compute dtype."""
+    data = dag.nodes[value]
+    dtype = str(getattr(data.get("value_meta"), "dtype", ""))
+    return float(data["bytes"]) * (scale if "float" in dtype else 1.0)
+
+
+def _units(infos: Mapping[str, Weight], names: Sequence[str]) -> list[list[Weight]]:
+    """A stage's weights grouped as FSDP shards them: one unit per block, one for the rest."""
+    units: dict[str | None, list[Weight]] = {}
+    for name in names:
+        parts = name.split(".")
+        block = block_path(".".join(parts[:i]) for i in range(1, len(parts)))
+        units.setdefault(block, []).append(infos[name])
+    return list(units.values())
+
+
 def stage_memory(
     dag: nx.DiGraph, assignment: Mapping[str, int], num_stages: int, model: MemoryModel = MemoryModel(),
 ) -> list[StageMemory]:
     """The training memory of every stage of ``assignment``, shared weights once per stage."""
     k = num_stages
     infos = dag.graph.get("weights", {})
+    scale = model.activation_scale(list(infos.values()))
     payers = weight_payers(dag, assignment=assignment)
     crossing = boundary_values(dag, assignment, k)
+    outputs = [v for v in dag.nodes if v in assignment and dag.nodes[v].get("output")]
     out = []
     for j, nodes in enumerate(_nodes_by_stage(assignment, k)):
-        parts = [model.weight_parts(infos[w]) for node in nodes for w in payers[node]]
+        held = [infos[w] for node in nodes for w in payers[node]]
+        parts = [model.weight_parts(info) for info in held]
         weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
         if j == 0:
-            received = sum(float(dag.nodes[v]["bytes"]) for v in nodes if dag.nodes[v].get("input"))
+            received = sum(_scaled(dag, v, scale) for v in nodes if dag.nodes[v].get("input"))
         else:
-            received = sum(float(dag.nodes[v]["bytes"]) for v in crossing[j - 1])
-        outputs = [v for v in dag.nodes if v in assignment and dag.nodes[v].get("output")]
+            received = sum(_scaled(dag, v, scale) for v in crossing[j - 1])
         outgoing = crossing[j] if j < k - 1 else outputs
         made_here = [v for v in outgoing if assignment[v] == j]
         output_grads = sum(_grad(dag, v) for v in outgoing)
         # a value passed straight through gets its gradient as a copy of the one received
         passed = sum(_grad(dag, v) for v in outgoing if assignment[v] < j)
+        regions = checkpoint_regions(dag, nodes) if model.activation_checkpointing else []
+        recomputed = {n for run in regions for n in run}
+        sent = _sent_unsaved(dag, made_here, assignment, recomputed) * scale if made_here else 0.0
+        if regions:
+            sent_storages = {_owner(dag, v, assignment) for v in made_here}
+            kept = checkpointed_kept(dag, nodes, regions, lambda n: kept_bytes(dag, n),
+                                     lambda v: _owner(dag, v, assignment), sent_storages)
+        else:
+            kept = sum(kept_bytes(dag, v) for v in nodes)
+        walk = _backward_peak(dag, nodes, set(made_here), output_grads + passed, recomputed)
+        backward = (walk + recompute_bytes(regions, lambda n: kept_bytes(dag, n))) * scale
         out.append(StageMemory(
-            j, weights + grads + optimizer, sum(kept_bytes(dag, v) for v in nodes), model.in_flight(j, k),
-            received_bytes=received, sent_bytes=_sent_unsaved(dag, made_here, assignment) if made_here else 0.0,
-            output_grad_bytes=output_grads,
-            backward_bytes=_backward_peak(dag, nodes, set(made_here), output_grads + passed),
-            weight_bytes=weights, gradient_bytes=grads))
+            j, weights + grads + optimizer, kept * scale, model.in_flight(j, k),
+            received_bytes=received, sent_bytes=sent, output_grad_bytes=output_grads * scale,
+            backward_bytes=backward + sum(model.fresh_gradient_bytes(info) for info in held),
+            weight_bytes=weights, gradient_bytes=grads,
+            gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
+            reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]]))))
     return out
 
 

@@ -21,7 +21,7 @@ from typing import AbstractSet, Callable, Mapping, Protocol
 
 import networkx as nx
 
-from autoshard.costs.memory import MemoryModel, kept_bytes, node_memory, node_state_bytes, stage_memory
+from autoshard.costs.memory import MemoryModel, kept_per_node, node_memory, node_state_bytes, stage_memory
 from autoshard.costs.ties import weight_payers
 from autoshard.errors import InvalidArgumentError
 
@@ -102,7 +102,7 @@ def memory_parts(
     flight. The rest of a stage's memory (received and sent values, one backward) depends on the
     cuts: ``costs.memory.stage_memory`` counts it, ``memory_excess`` gives it per stage."""
     require_measured(dag, _READS["memory"], "memory")
-    return node_state_bytes(dag, model, apart), {node: kept_bytes(dag, node) for node in dag.nodes}
+    return node_state_bytes(dag, model, apart), kept_per_node(dag, model)
 
 
 def time_costs(dag: nx.DiGraph) -> dict[str, float]:

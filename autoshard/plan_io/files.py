@@ -155,7 +155,11 @@ class _Reader:
                                self.get(obj, "optimizer", str, where, "adam"),
                                self.get(obj, "schedule", str, where, "1f1b"),
                                self.get(obj, "stages_per_rank", int, where, 2),
-                               self.get(obj, "master_weights", bool, where, False))
+                               self.get(obj, "master_weights", bool, where, False),
+                               self.get(obj, "data_parallel", str, where, None),
+                               self.get(obj, "dp", int, where, 1),
+                               self.get(obj, "mixed_precision", str, where, None),
+                               self.get(obj, "activation_checkpointing", bool, where, False))
         except InvalidArgumentError as exc:
             raise self.error(where, str(exc)) from None
 

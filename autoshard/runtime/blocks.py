@@ -12,17 +12,16 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
+from autoshard.costs.recompute import block_path
 from autoshard.runtime.rebuild import stage_tensors
 from autoshard.sharded import ShardedModel
 
 
 def block_of(node: fx.Node) -> str | None:
-    """The path of the block ``node`` computes part of, or None outside any block."""
-    for value in (node.meta.get("nn_module_stack") or {}).values():
-        path = value[0] if isinstance(value, tuple) else str(value)
-        if path.rpartition(".")[2].isdigit():
-            return path
-    return None
+    """The path of the block ``node`` computes part of, or None outside any block (the memory
+    model finds blocks by the same rule, ``costs.recompute.block_path``)."""
+    stack = (node.meta.get("nn_module_stack") or {}).values()
+    return block_path(value[0] if isinstance(value, tuple) else str(value) for value in stack)
 
 
 def _under(name: str, block: str) -> bool:

@@ -8,12 +8,18 @@ data-parallel twin, whose gradient sync ``torch.distributed.pipelining`` holds b
 microbatch as it does FSDP's). Data parallelism is applied to each stage's copy after
 ``pipeline_stage`` made it: FSDP modules cannot be deep-copied.
 
+``Parallelized.memory_model`` is the plan's training-memory model for the layout built (FSDP's
+1/dp shards and unsharded copies, mixed precision, recomputed blocks): ``plan_report(sharded,
+memory=parallel.memory_model)`` predicts each rank's memory, and a plan made with that model and
+``max_memory`` keeps its budgets under ``parallelize`` (``costs.memory`` says what it counts).
+
 Every argument is checked first, identically on every rank and before any collective, so a bad
 launch raises everywhere instead of leaving ranks waiting.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Union
 
@@ -27,6 +33,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from autoshard.arguments import whole_number
+from autoshard.costs.memory import SCHEDULES as MODELLED_SCHEDULES
+from autoshard.costs.memory import MemoryModel
 from autoshard.emit import HELD_STATE
 from autoshard.errors import (
     InvalidArgumentError,
@@ -37,7 +45,14 @@ from autoshard.errors import (
 )
 from autoshard.runtime.blocks import whole_blocks
 from autoshard.runtime.recompute import checkpoint_blocks
-from autoshard.runtime.schedule import ScheduleLike, build_schedule, check_world_size, local_stage_indices
+from autoshard.runtime.schedule import (
+    SCHEDULES,
+    ScheduleLike,
+    build_schedule,
+    check_world_size,
+    local_stage_indices,
+    schedule_class,
+)
 from autoshard.runtime.stage import pipeline_stage
 from autoshard.runtime.ties import TiedGradients
 from autoshard.sharded import ShardedModel
@@ -71,6 +86,9 @@ class Parallelized:
     """Per local stage, the blocks whose activations are recomputed in backward."""
     sharded_blocks: dict[int, list[str]]
     """Per local stage, the blocks FSDP shards as units of their own (the rest: one unit per stage)."""
+    memory_model: MemoryModel
+    """The plan's memory model for this layout: ``plan_report(sharded, memory=...)`` gives per
+    stage what a rank holding it keeps (``layout_memory_model``)."""
 
     @property
     def is_first(self) -> bool:
@@ -223,6 +241,22 @@ def _apply_data_parallel(stage: PipelineStage, blocks: dict[str, list[nn.Module]
     fully_shard(stage.submod, reshard_after_forward=False, **options)
 
 
+def layout_memory_model(
+    base: MemoryModel, *, data_parallel: str | None, dp: int, mixed_precision: MixedPrecisionPolicy | None,
+    activation_checkpointing: bool, schedule: ScheduleLike, microbatches: int, stages_per_rank: int,
+) -> MemoryModel:
+    """``base`` (the plan's optimizer and master weights) for a layout ``parallelize`` runs: its
+    data parallelism, compute dtype, recomputation, schedule (when the model knows it) and microbatches."""
+    cls = schedule_class(schedule)
+    name = next((name for name, known in SCHEDULES.items() if known is cls), "")
+    dtype = None if mixed_precision is None or mixed_precision.param_dtype is None else mixed_precision.param_dtype
+    return dataclasses.replace(
+        base, data_parallel=data_parallel, dp=dp if data_parallel else 1,
+        mixed_precision=str(dtype) if dtype is not None and dtype.itemsize < 4 else None,
+        activation_checkpointing=activation_checkpointing, microbatches=microbatches,
+        schedule=name if name in MODELLED_SCHEDULES else base.schedule, stages_per_rank=stages_per_rank)
+
+
 def parallelize(
     sharded: ShardedModel,
     mesh: DeviceMesh,
@@ -288,5 +322,10 @@ def parallelize(
             sharded_blocks[stage.stage_index] = list(blocks) if data_parallel == "fsdp" else []
             _compute_in(stage.submod, policy.param_dtype if policy is not None else None)
     built = build_schedule(stages, schedule, microbatches, loss_fn=loss_fn)
-    return Parallelized(built, stages, mesh, TiedGradients(sharded, stages), data_parallel if dp_name else None,
-                        dp_rank, dp_size, recomputed, sharded_blocks)
+    kind = data_parallel if dp_name else None
+    memory = layout_memory_model(
+        sharded.plan.memory_model, data_parallel=kind, dp=dp_size, mixed_precision=policy,
+        activation_checkpointing=activation_checkpointing, schedule=schedule, microbatches=microbatches,
+        stages_per_rank=max(1, num_stages // pp_size))
+    return Parallelized(built, stages, mesh, TiedGradients(sharded, stages), kind, dp_rank, dp_size, recomputed,
+                        sharded_blocks, memory)

@@ -1,0 +1,88 @@
+"""What a stage keeps when ``runtime.parallelize(..., activation_checkpointing=True)`` recomputes
+its blocks: the memory model's side of ``runtime.recompute``.
+
+The runtime calls each run of consecutive nodes of one block (``blocks.3``: the outermost module
+on a node's scope whose path ends in an index) through non-reentrant ``torch.utils.checkpoint``.
+Its saved-tensor hooks drop what the block's nodes save; the region's inputs stay referenced by
+the checkpoint until its backward (the recompute function holds them), and its outputs are kept
+by whoever reads them next. At backward the block's forward runs again, so its saved tensors
+exist once more, for one block at a time.
+
+So per microbatch a stage keeps what the nodes outside blocks save, plus the storages entering
+and leaving each block (``checkpointed_kept``), and its backward adds the most one block saves
+(``recompute_bytes``). Torch-free, like the rest of the memory model.
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Callable, Iterable, Sequence
+
+import networkx as nx
+
+_COMPUTING = ("call_module", "call_function", "call_method")
+
+
+def block_path(scopes: Iterable[str]) -> str | None:
+    """The block a node computes part of, from its module scopes outermost first: the first path
+    whose last part is an index (``nn.ModuleList`` and ``nn.Sequential`` items), else None."""
+    for path in scopes:
+        if path.rpartition(".")[2].isdigit():
+            return path
+    return None
+
+
+def _block(dag: nx.DiGraph, node: str) -> str | None:
+    data = dag.nodes[node]
+    if data.get("op") not in _COMPUTING:
+        return None
+    return block_path(path for path, _ in data.get("scopes") or ())
+
+
+def checkpoint_regions(dag: nx.DiGraph, nodes: Sequence[str]) -> list[list[str]]:
+    """Maximal runs of consecutive nodes (the stage's program order) computing one block, as
+    ``runtime.recompute`` cuts the stage's graph."""
+    runs: list[list[str]] = []
+    current: str | None = None
+    for node in nodes:
+        if dag.nodes[node].get("op") == "get_attr":
+            continue
+        block = _block(dag, node)
+        if block is not None and block == current:
+            runs[-1].append(node)
+        elif block is not None:
+            runs.append([node])
+        current = block
+    return runs
+
+
+def checkpointed_kept(
+    dag: nx.DiGraph, nodes: Sequence[str], regions: Sequence[Sequence[str]], kept: Callable[[str], float],
+    owner: Callable[[str], str], counted: AbstractSet[str],
+) -> float:
+    """Bytes one microbatch keeps when ``regions`` are recomputed: ``kept`` of the nodes outside
+    them, plus each storage (``owner``) that enters or leaves a region, once. A storage already
+    counted (``counted``: received or sent values) or kept by its maker outside the regions is
+    not counted again."""
+    inside = {n for run in regions for n in run}
+    here = set(nodes)
+    total = sum(kept(n) for n in nodes if n not in inside)
+    crossing: set[str] = set()
+    for run in regions:
+        members = set(run)
+        for node in run:
+            crossing.update(u for u in dag.predecessors(node) if u not in members and u in here)
+            if any(w not in members for w in dag.successors(node)):
+                crossing.add(node)
+    for storage in {owner(v) for v in crossing}:
+        data = dag.nodes[storage]
+        facts = data.get("training")
+        if data.get("input") or storage in counted or (storage not in inside and facts is not None
+                                                         and facts.saved_output):
+            continue
+        total += float(data.get("allocated") or 0)
+    return total
+
+
+def recompute_bytes(regions: Sequence[Sequence[str]], kept: Callable[[str], float]) -> float:
+    """The most one region's recomputed forward saves again at backward."""
+    return max((sum(kept(n) for n in run) for run in regions), default=0.0)

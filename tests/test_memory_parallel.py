@@ -1,0 +1,183 @@
+"""The training-memory model under ``runtime.parallelize``'s layouts: FSDP's 1/dp shards and
+unsharded copies, replication, mixed precision and recomputed blocks (``costs.memory``,
+``costs.recompute``). Measured against real 4-process steps in ``benchmarks/parallel_memory.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import autoshard
+from autoshard.costs.memory import MemoryModel, stage_memory
+from autoshard.costs.recompute import block_path, checkpoint_regions
+from autoshard.errors import InvalidArgumentError
+from autoshard.examples import GPTStyleLMWithLoss
+from autoshard.plan_io.files import read_plan, save_plan
+from autoshard.runtime.parallel import layout_memory_model
+
+ROWS, TOKENS, WIDTH = 2, 16, 32
+FSDP2 = MemoryModel(data_parallel="fsdp", dp=2)
+
+
+def weight(numel: int = 1000, nbytes: int = 4000, trainable: bool = True, kind: str = "parameter"):
+    return SimpleNamespace(numel=numel, nbytes=nbytes, trainable=trainable, kind=kind)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded() -> autoshard.ShardedModel:
+    torch.manual_seed(0)
+    model = GPTStyleLMWithLoss(vocab=64, width=WIDTH, layers=4, heads=2)
+    ids = torch.randint(0, 64, (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
+    return autoshard.shard_model(model, 2, example_inputs=(ids, ids.roll(-1, dims=1)))
+
+
+def memory(model: MemoryModel) -> list:
+    plan = sharded().plan
+    return stage_memory(plan.dag, plan.assignment, plan.num_stages, model)
+
+
+def test_fsdp_shards_weight_state_and_holds_the_unsharded_copies_during_the_step():
+    info = weight()
+    assert MemoryModel().weight_parts(info) == (4000, 4000, 8000)
+    # 1/2 of the weight and Adam's state, plus the gathered weight and its unsharded gradient
+    assert FSDP2.weight_parts(info) == (2000 + 4000, 4000, 4000)
+    assert MemoryModel(data_parallel="fsdp", dp=4).weight_parts(info) == (1000 + 4000, 4000, 2000)
+    assert FSDP2.gathered_parts(info) == (4000, 4000)
+    # FSDP shards parameters only: a buffer stays whole, with no copy
+    assert FSDP2.weight_parts(weight(trainable=False, kind="buffer")) == (4000, 0, 0)
+    assert FSDP2.weight_parts(weight(trainable=False)) == (2000 + 4000, 0, 0)
+
+
+def test_ddp_replicates_weight_state_and_copies_it_for_compute():
+    ddp = MemoryModel(data_parallel="ddp", dp=2)
+    # replicate is FSDP2 over a shard group of one: nothing divided, the "shard" copied to compute
+    assert ddp.weight_parts(weight()) == (4000 + 4000, 4000, 8000)
+    assert ddp.shards == 1 and FSDP2.shards == 2
+
+
+def test_mixed_precision_computes_in_bf16_and_accumulates_gradients_in_fp32():
+    bf16 = MemoryModel(data_parallel="fsdp", dp=2, mixed_precision="bfloat16")
+    assert bf16.gathered_parts(weight()) == (2000, 4000)  # bf16 compute copy, fp32 accumulation
+    assert bf16.weight_parts(weight()) == (2000 + 2000, 4000, 4000)  # fp32 shard is the master copy
+    assert bf16.fresh_gradient_bytes(weight()) == 2000 and FSDP2.fresh_gradient_bytes(weight()) == 0
+    assert bf16.activation_scale([weight()]) == 0.5
+    assert bf16.activation_scale([weight(nbytes=2000)]) == 1.0  # a bf16 model: the probe saw bf16 already
+
+
+def test_the_gradient_reduction_adds_its_largest_units_buffers():
+    big, small = [weight(), weight()], [weight(numel=10, nbytes=40)]
+    # the unit's weights freed, then its whole gradient in, 1/dp out, and gloo's staging copy
+    assert FSDP2.reduce_bytes([small, big]) == 8000 + 4000 + 8000 - 8000
+    assert MemoryModel(data_parallel="ddp", dp=2).reduce_bytes([big]) == 8000 + 8000 - 8000
+    assert MemoryModel().reduce_bytes([big]) == 0
+    stages = memory(FSDP2)
+    assert all(s.reduce_bytes > 0 for s in stages)
+    assert all(s.total == s.state_bytes + max(s.per_microbatch * s.in_flight + s.backward_bytes, s.reduce_bytes)
+               for s in stages)
+
+
+def test_stage_memory_under_fsdp_divides_optimizer_state_and_keeps_activations():
+    plain, fsdp, fsdp4, ddp = (memory(m) for m in (
+        MemoryModel(), FSDP2, MemoryModel(data_parallel="fsdp", dp=4), MemoryModel(data_parallel="ddp", dp=2)))
+    for p, f, f4, d in zip(plain, fsdp, fsdp4, ddp):
+        assert f.optimizer_bytes == pytest.approx(p.optimizer_bytes / 2)
+        assert f4.optimizer_bytes == pytest.approx(p.optimizer_bytes / 4)
+        assert d.optimizer_bytes == pytest.approx(p.optimizer_bytes)
+        assert f.weight_bytes == pytest.approx(p.weight_bytes / 2 + p.weight_bytes)
+        assert f.gathered_bytes == pytest.approx(p.weight_bytes + p.gradient_bytes)
+        assert f4.total < f.total < d.total
+        assert (f.activation_bytes, f.received_bytes, f.backward_bytes) == (
+            p.activation_bytes, p.received_bytes, p.backward_bytes)
+
+
+def test_bf16_halves_the_compute_copies_and_the_activations():
+    fsdp = memory(FSDP2)
+    bf16 = memory(dataclasses.replace(FSDP2, mixed_precision="bfloat16"))
+    for f, b in zip(fsdp, bf16):
+        assert b.activation_bytes == pytest.approx(f.activation_bytes / 2)
+        # fp32 shards (1/2) and the bf16 copy (1/2 of fp32 bytes) against fp32 shards and an fp32 copy
+        assert b.weight_bytes == pytest.approx(f.weight_bytes * (1 / 2 + 1 / 2) / (1 / 2 + 1))
+        assert b.optimizer_bytes == pytest.approx(f.optimizer_bytes)
+        assert b.gathered_bytes == pytest.approx(f.gathered_bytes * 3 / 4)  # bf16 weights, fp32 gradients
+    assert memory(dataclasses.replace(FSDP2, mixed_precision="bfloat16"))[0].received_bytes == \
+        memory(FSDP2)[0].received_bytes  # token ids stay integers
+
+
+def test_checkpointing_keeps_only_what_enters_and_leaves_each_block():
+    plain = memory(MemoryModel())
+    recomputed = memory(MemoryModel(activation_checkpointing=True))
+    stream = ROWS * TOKENS * WIDTH * 4  # one residual-stream tensor, fp32
+    plan = sharded().plan
+    nodes = [n for n, j in plan.assignment.items() if j == 0]
+    blocks = [block_path([run_scope for run_scope, _ in plan.dag.nodes[run[0]]["scopes"]])
+              for run in checkpoint_regions(plan.dag, nodes)]
+    assert blocks == ["blocks.0", "blocks.1"]
+    positions = TOKENS * 8  # wpe saves the int64 positions it looks up
+    # stage 0 keeps the embedding sum entering blocks.0 and blocks.0's output entering blocks.1;
+    # blocks.1's output is sent, so counted there
+    assert recomputed[0].activation_bytes == stream * 2 + positions
+    assert recomputed[0].sent_bytes == stream
+    for p, r in zip(plain, recomputed):
+        assert r.activation_bytes < p.activation_bytes / 3
+        assert r.backward_bytes > p.backward_bytes  # one block's saved tensors, recomputed
+
+
+def test_a_budget_only_fsdp_fits_is_planned_with_its_memory_model():
+    layout = MemoryModel(data_parallel="fsdp", dp=8, mixed_precision="bfloat16")
+    budget = max(s.total for s in memory(layout)) * 1.01
+    assert budget < sum(s.total for s in memory(MemoryModel())) / 2  # no split of the plain model fits
+    ids = torch.randint(0, 64, (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    lm = GPTStyleLMWithLoss(vocab=64, width=WIDTH, layers=4, heads=2)
+    planned = autoshard.shard_model(lm, 2, example_inputs=(ids, ids.roll(-1, dims=1)), max_memory=budget,
+                                    memory_model=layout)
+    report = autoshard.plan_report(planned)
+    assert all(s.memory.total <= budget for s in report.stages)
+    assert all(s.memory.gathered_bytes > 0 for s in report.stages)
+
+
+def test_the_layout_is_kept_in_plan_files(tmp_path):
+    model = MemoryModel(optimizer="sgd", data_parallel="fsdp", dp=4, mixed_precision="bfloat16",
+                        activation_checkpointing=True)
+    saved = dataclasses.replace(read_plan(sharded().save_plan(tmp_path / "plain.json")), memory_model=model)
+    again = read_plan(save_plan(saved, tmp_path / "fsdp.json"))
+    assert again.memory_model == model
+    assert again.training_memory() == saved.training_memory()
+
+
+def test_parallelize_describes_its_layout_to_the_memory_model():
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = layout_memory_model(
+        MemoryModel(optimizer="sgd-momentum"), data_parallel="fsdp", dp=2, mixed_precision=policy,
+        activation_checkpointing=True, schedule="interleaved-1f1b", microbatches=4, stages_per_rank=2)
+    assert model == MemoryModel(optimizer="sgd-momentum", data_parallel="fsdp", dp=2, mixed_precision="bfloat16",
+                                activation_checkpointing=True, schedule="interleaved-1f1b", microbatches=4)
+    alone = layout_memory_model(MemoryModel(), data_parallel=None, dp=1, mixed_precision=None,
+                                activation_checkpointing=False, schedule="looped-bfs", microbatches=2,
+                                stages_per_rank=2)
+    assert (alone.data_parallel, alone.schedule, alone.microbatches) == (None, "1f1b", 2)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"data_parallel": "zero3"}, "unknown data_parallel 'zero3'; known: fsdp, ddp"),
+    ({"data_parallel": "fsdp", "dp": 0}, "dp must be a whole number >= 1"),
+    ({"data_parallel": "fsdp", "dp": True}, "dp must be a whole number >= 1"),
+    ({"dp": 2}, "dp=2 ranks need data_parallel='fsdp' or 'ddp'"),
+    ({"data_parallel": "fsdp", "mixed_precision": "int8"}, "mixed_precision must name a compute dtype"),
+    ({"mixed_precision": "bfloat16"}, "needs data_parallel='fsdp' or 'ddp'"),
+    ({"activation_checkpointing": "yes"}, "activation_checkpointing must be True or False"),
+])
+def test_a_layout_parallelize_would_refuse_is_refused(fields, message):
+    with pytest.raises(InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        MemoryModel(**fields)
+
+
+def test_compute_dtypes_are_read_in_any_spelling():
+    for spelling in ("bfloat16", "BF16", torch.bfloat16, "torch.bfloat16"):
+        assert MemoryModel(data_parallel="ddp", mixed_precision=spelling).mixed_precision == "bfloat16"
+    assert MemoryModel(data_parallel="ddp", mixed_precision=torch.float16).mixed_precision == "float16"
