@@ -24,6 +24,11 @@ settings.load_profile(os.environ.get("AUTOSHARD_HYPOTHESIS_PROFILE", "default"))
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="autoshard-test-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
+# The processes multi-process tests start (spawned workers, torchrun, the CLI) run one torch
+# thread each: several of them share the machine's cores, and more threads than cores made
+# each step many times slower. (This process has set its own threads already.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def model_fingerprint(model: nn.Module) -> dict:
     """Everything shard_model promises not to change: values, identities, flags, hooks, tree."""
