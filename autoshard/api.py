@@ -33,6 +33,7 @@ from autoshard.passes.pipeline import Pipeline, PipelineResult
 from autoshard.passes.profile import ProfilePass
 from autoshard.passes.shapes import ShapePropPass
 from autoshard.passes.split import SplitPass
+from autoshard.passes.stages import bind_stages, check_stages_made
 from autoshard.passes.verify import VerifyPass
 from autoshard.plan_io.origin import PlanOrigin
 from autoshard.sharded import ShardedModel
@@ -127,17 +128,18 @@ def default_pipeline(
     if cost == "time" or time_profile is not None:
         steps.append(ProfilePass(path=time_profile))
     limits = stage_limits(num_stages, capacities, max_memory)
-    steps += [BuildDagPass(), LinearizePass(), SplitPass(stages=num_stages, cost=cost, **limits), EmitPass()]
+    steps += [BuildDagPass(), LinearizePass(), SplitPass(cost=cost, **limits), EmitPass()]
     if verify:
         steps.append(VerifyPass())
-    return Pipeline(steps)
+    return bind_stages(Pipeline(steps), num_stages)
 
 
 def _bind(pipeline: Pipeline, option: str, value: Any, call_default: Any) -> Pipeline:
     """Give every pass with ``option`` the call's value, unless the call left it at its default.
 
     A pass that does not set the option takes the call's value; a pipeline and a call that set
-    it to different values are refused rather than guessed between.
+    it to different values are refused rather than guessed between. (The stage count, which the
+    call always gives, is decided by ``passes.stages.bind_stages``.)
     """
     for index, step in enumerate(pipeline):
         if option not in {f.name for f in step.options()} or value == call_default:
@@ -171,19 +173,10 @@ def bind_pipeline(
         if not any(option in {f.name for f in step.options()} for step in pipeline):
             raise InvalidArgumentError(
                 f"{option}= was given, but no pass of the pipeline '{pipeline}' takes it; add 'split'")
-    pipeline = _bind(_bind(pipeline, "stages", num_stages, None), "cost", cost, "params")
+    pipeline = _bind(bind_stages(pipeline, num_stages), "cost", cost, "params")
     for option, value in limits.items():
         pipeline = _bind(pipeline, option, value, ())
     return pipeline
-
-
-def check_stages_made(asked: int, made: int, pipeline: Pipeline) -> None:
-    """Refuse a result with another number of stages than asked for: a pipeline whose partition
-    does not come from a split given the count (a loaded plan, a user's pass) can make any."""
-    if made != asked:
-        raise InvalidArgumentError(
-            f"{asked} stages were asked for but the pipeline '{pipeline}' made {made} (its partition does not come "
-            f"from a split given the stage count: a loaded plan, a pass of yours); ask for {made}")
 
 
 def run_pipeline(

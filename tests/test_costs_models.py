@@ -11,7 +11,9 @@ from torch import nn
 import autoshard
 from autoshard.api import default_pipeline, run_pipeline
 from autoshard.costs.memory import MemoryModel, StageMemory, check_memory_budgets, stage_memory
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.errors import (
+    InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError,
+)
 from autoshard.examples import ResidualMLP, load_example
 from autoshard.passes import (
     BuildDagPass, EmitPass, ExampleInputs, LinearizePass, PassContext, Pipeline, SplitPass, TracePass,
@@ -105,7 +107,7 @@ def test_a_cost_that_is_neither_a_name_nor_a_function_is_refused():
 
 
 def test_measured_costs_without_shape_prop_say_which_pass_to_add():
-    with pytest.raises(InvalidArgumentError, match="add 'shape-prop'"):
+    with pytest.raises(PipelineValidationError, match="add `shape-prop`"):
         autoshard.shard_model(ResidualMLP(), 2, cost="flops")
 
 

@@ -237,7 +237,7 @@ def test_dump_dir_writes_one_readable_file_per_pass(tmp_path):
     trace = (tmp_path / "dumps" / "000-trace.txt").read_text()
     assert trace.startswith("# after pass 0: trace\n# pipeline: trace,build-dag,sleep\n")
     assert "artifacts set: model, example_inputs, traced" in trace
-    assert "not set: constraints, dag, order, partition, sharded, verification" in trace
+    assert "not set: constraints, facts, times, dag, order, partition, sharded, verification" in trace
     assert "def forward(self, input" in trace  # the GraphModule's code
     assert "args[0]: Tensor(shape=[2, 3], dtype=float32, device=cpu)" in trace
     dag = (tmp_path / "dumps" / "001-build-dag.txt").read_text()

@@ -383,3 +383,22 @@ def test_arguments_of_the_wrong_type_get_typed_errors():
     for instruments in (None, [Timing], [object()]):
         with pytest.raises(InvalidArgumentTypeError, match="Instrument"):
             autoshard.shard_model(model, 2, example_inputs=args, instruments=instruments)
+
+
+def test_the_stage_count_is_decided_in_one_place():
+    """The call's count fills every split that did not write one; a written count must agree with it.
+    Conflicts, with the call or with what a run made, read alike, and are refused before any pass runs."""
+    from autoshard.api import default_pipeline
+    from autoshard.passes.stages import bind_stages, check_stages_made
+
+    assert str(bind_stages(Pipeline.parse("trace,split,split-greedy"), 3)) == (
+        "trace,split{stages=3},split-greedy{stages=3}")
+    assert str(bind_stages(Pipeline.parse("split{stages=3}"), 3)) == "split{stages=3}"
+    assert str(default_pipeline(3, verify=False, shapes=False)) == "capture,build-dag,linearize,split{stages=3},emit"
+    error, ran = _passes_run("trace,build-dag,linearize,split{stages=3},emit")
+    assert str(error).startswith("2 stages were asked for but the pipeline's `split{stages=3}` (position 3) has "
+                                 "3 stages, not 2; make num_stages and the spec agree") and ran == []
+    with pytest.raises(InvalidArgumentError, match="4 stages were asked for but the pipeline '.*' made 2 stages, not "):
+        check_stages_made(4, 2, Pipeline.parse("trace"))
+    with pytest.raises(InvalidArgumentError, match="--stages must be"):
+        bind_stages(Pipeline.parse("split"), 0, "--stages")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autoshard.api import run_pipeline
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, SpecError
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, PipelineValidationError, SpecError
 from autoshard.examples import ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.graph import Partition
@@ -322,7 +322,8 @@ def test_split_option_values_no_split_can_use_are_refused_before_anything_runs(s
 
 
 def test_one_capacity_or_budget_is_every_stages_and_a_pipeline_without_a_count_validates():
-    Pipeline.parse("trace,build-dag,linearize,split{stages=4 capacities=2 max-memory=1e9},emit", REGISTRY).validate()
+    Pipeline.parse("trace,build-dag,linearize,split{stages=4 capacities=2 max-memory=1e9 memory-cost=params},emit",
+                   REGISTRY).validate()
     Pipeline.parse("trace,build-dag,linearize,split{capacities=1,2,3},emit", REGISTRY).validate()
 
 
@@ -381,8 +382,8 @@ def test_a_copied_spec_naming_a_cost_function_says_to_pass_the_function():
 
 def test_a_cost_needing_shape_prop_names_every_capture_pass_it_may_follow():
     model, inputs = mlp()
-    with pytest.raises(InvalidArgumentError, match=r"add 'shape-prop' after the capture \('capture', 'trace' or "
-                                                   r"'export'\) and before 'build-dag'"):
+    with pytest.raises(PipelineValidationError, match=r"add `shape-prop` after the capture \(`capture`, `export` or "
+                                                      r"`trace`\) and before `build-dag` \(position 1\)"):
         run(model, inputs, "split{stages=2 cost=flops}")
 
 

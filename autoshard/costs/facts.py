@@ -1,21 +1,28 @@
-"""What ``shape-prop`` learnt about each node, kept on the node (``fx.Node.meta``).
+"""What the measuring passes learnt about each node, and the one place that reads and writes it.
+
+``shape-prop`` records a ``NodeFacts`` per node and ``profile`` a time in seconds. Both ride on the
+traced graph's nodes (``fx.Node.meta``) because every function that reads them (``build_dag``, the
+in-place and randomness orderings, ``verify``) is handed the graph module alone; the string keys stay
+in this module, and the rest of the code goes through ``node_facts``, ``node_seconds`` and the
+``record_*`` writers. The passes also keep each record as an artifact of the program (``facts``,
+``times``), so a pipeline says who makes them and who needs them.
 
 Its own module, with no torch machinery behind it, because the graph analyses that read the
-facts (``autoshard.graph``) are themselves imported by the code that runs graphs.
+facts (``autoshard.lowering``) are themselves imported by the code that runs graphs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch.fx as fx
 
 from autoshard.costs.memory import SavedFacts
 from autoshard.costs.values import ValueMeta
 
-
-FACTS_KEY = "autoshard_facts"
-"""``fx.Node.meta`` key under which ``shape-prop`` stores a node's ``NodeFacts``."""
+_FACTS_KEY = "autoshard_facts"
+_SECONDS_KEY = "autoshard_seconds"
 
 
 @dataclass(frozen=True)
@@ -32,4 +39,25 @@ class NodeFacts:
 
 def node_facts(node: fx.Node) -> NodeFacts | None:
     """The facts ``shape-prop`` recorded on ``node``, or None if it has not run."""
-    return node.meta.get(FACTS_KEY)
+    return node.meta.get(_FACTS_KEY)
+
+
+def node_seconds(node: fx.Node) -> float | None:
+    """The seconds ``profile`` measured for ``node``, or None if it has not run (or ``node`` is no compute node)."""
+    return node.meta.get(_SECONDS_KEY)
+
+
+def record_facts(graph: fx.Graph, facts: Mapping[str, NodeFacts]) -> None:
+    """Put ``facts[node.name]`` on each node of ``graph`` it names; call it on a copy, never on an artifact."""
+    _record(graph, _FACTS_KEY, facts)
+
+
+def record_seconds(graph: fx.Graph, seconds: Mapping[str, float]) -> None:
+    """Put ``seconds[node.name]`` on each node of ``graph`` it names; call it on a copy, never on an artifact."""
+    _record(graph, _SECONDS_KEY, seconds)
+
+
+def _record(graph: fx.Graph, key: str, values: Mapping[str, object]) -> None:
+    for node in graph.nodes:
+        if node.name in values:
+            node.meta[key] = values[node.name]

@@ -34,9 +34,6 @@ from autoshard.fx_helpers import target_name
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     from autoshard.inputs import ExampleInputs
 
-SECONDS_KEY = "autoshard_seconds"
-"""``fx.Node.meta`` key under which ``profile`` stores a node's measured seconds."""
-
 PROFILE_FORMAT = "autoshard-time-profile"
 
 

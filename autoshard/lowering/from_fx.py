@@ -43,8 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.execution import COMPUTE_OPS
-from autoshard.costs.facts import node_facts
-from autoshard.costs.timing import SECONDS_KEY
+from autoshard.costs.facts import node_facts, node_seconds
 from autoshard.fx_helpers import resolve, target_name
 from autoshard.lowering.inplace import order_around_mutations
 from autoshard.lowering.randomness import order_random_draws
@@ -156,7 +155,7 @@ def _measured(node: fx.Node) -> dict[str, Any]:
         "flops": facts.flops if facts else None,
         "allocated": facts.allocated if facts else None,
         "training": facts.training if facts else None,
-        "seconds": node.meta.get(SECONDS_KEY),
+        "seconds": node_seconds(node),
     }
 
 

@@ -21,7 +21,7 @@ import math
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import AbstractSet, Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -35,14 +35,31 @@ CostModel = Callable[[ShardProgram], dict[str, float]]
 
 COST_MODELS: dict[str, CostModel] = {}
 
+COST_MODEL_READS: dict[str, frozenset[str]] = {}
+"""Registered cost model -> the measurements (``facts``, ``times``) it reads off the DAG."""
 
-def register_cost_model(name: str) -> Callable[[CostModel], CostModel]:
-    """Register ``fn(program) -> {node: cost}`` under ``name`` (usable as ``cost=name``)."""
+_BUILTIN_READS = {"flops": "facts", "activations": "facts", "memory": "facts", "time": "times"}
+"""What the built-in models read (``costs.models``): FLOPs, value sizes and saved tensors come from
+``shape-prop``, seconds from ``profile``; ``params`` and ``nodes`` read what ``build-dag`` records."""
+
+
+def register_cost_model(name: str, reads: Iterable[str] = ()) -> Callable[[CostModel], CostModel]:
+    """Register ``fn(program) -> {node: cost}`` under ``name`` (usable as ``cost=name``).
+
+    ``reads`` names the measurements it needs on the DAG (``facts``, ``times``), so a pipeline
+    that balances it without the pass that measures them is refused before it runs.
+    """
+    needed = frozenset(reads)
+    unknown = sorted(needed - ShardProgram.MEASUREMENTS)
+    if unknown:
+        raise InvalidArgumentError(f"cost model {name!r} reads {', '.join(map(repr, unknown))}, which is no "
+                                   f"measurement; measurements are {', '.join(sorted(ShardProgram.MEASUREMENTS))}")
 
     def decorate(fn: CostModel) -> CostModel:
         if name in COST_MODELS:
             raise InvalidArgumentError(f"a cost model named {name!r} is already registered")
         COST_MODELS[name] = fn
+        COST_MODEL_READS[name] = needed
         return fn
 
     return decorate
@@ -53,7 +70,13 @@ def _on_dag(fn: DagCostModel) -> CostModel:
 
 
 for _name, _fn in DAG_COST_MODELS.items():
-    register_cost_model(_name)(_on_dag(_fn))
+    register_cost_model(_name, [_BUILTIN_READS[_name]] if _name in _BUILTIN_READS else [])(_on_dag(_fn))
+
+
+def cost_reads(cost: str) -> frozenset[str]:
+    """The measurements the cost model ``cost`` reads off the DAG; none for one the run supplies
+    (``custom-...``: a user's function is given None where a measurement is missing)."""
+    return COST_MODEL_READS.get(cost, frozenset())
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
 from autoshard.inputs import ExampleInputs
 from autoshard.passes.constraints import SplitConstraints
@@ -20,7 +20,9 @@ if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     import torch
 
     from autoshard.capture.result import TraceResult
+    from autoshard.costs.facts import NodeFacts
     from autoshard.costs.memory import MemoryModel
+    from autoshard.costs.timing import TimeProfile
     from autoshard.graph.partition import Partition
     from autoshard.sharded import ShardedModel
 
@@ -33,12 +35,16 @@ class ShardProgram:
 
     A field is "provided" once it is not ``None``. Passes return ``dataclasses.replace``
     copies, so every intermediate program stays valid and can be dumped or compared.
+    ``facts`` (``shape-prop``: shapes, FLOPs, saved tensors, by node name) and ``times``
+    (``profile``) are measurements of ``traced``'s nodes; ``costs.facts`` reads them off the nodes.
     """
 
     model: "torch.nn.Module"
     example_inputs: ExampleInputs | None = None
     constraints: SplitConstraints | None = None
     traced: "TraceResult | None" = None
+    facts: "Mapping[str, NodeFacts] | None" = None
+    times: "TimeProfile | None" = None
     dag: "nx.DiGraph | None" = None
     order: tuple[str, ...] | None = None
     partition: "Partition | None" = None
@@ -47,6 +53,9 @@ class ShardProgram:
 
     #: Artifacts that only instruct later passes: one no later pass reads changes nothing.
     INSTRUCTIONS: ClassVar[frozenset[str]] = frozenset({"constraints"})
+    #: Measurements of the traced graph's nodes: ``build-dag`` copies them onto the DAG, so a pass that
+    #: needs one and the DAG needs a DAG built after it; a new capture has none of them.
+    MEASUREMENTS: ClassVar[frozenset[str]] = frozenset({"facts", "times"})
 
     @classmethod
     def artifact_names(cls) -> tuple[str, ...]:
@@ -107,6 +116,11 @@ class Pass(ABC):
     @abstractmethod
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         """Return a new program with this pass's ``provides`` filled in."""
+
+    def needs(self) -> frozenset[str]:
+        """The artifacts this pass needs with its options: ``requires`` plus those its options call for.
+        Validation checks these, so a pipeline missing one is refused before anything runs."""
+        return self.requires
 
     def check_options(self) -> None:
         """Refuse option values this pass cannot work with. Called when its pipeline is validated,

@@ -20,12 +20,15 @@ class BuildDagPass(Pass):
     and ``bytes`` (the output value's size); edges carry the ``value`` passed. The DAG is frozen:
     later passes read it and never write to it. ``cost=params`` charges each weight's bytes from
     ``dag.graph["weights"]`` (a shared one once per stage), not ``param_bytes``, so a pass that edits
-    ``param_bytes`` changes no split: reweight with ``cost=fn`` instead. Example: ``trace,build-dag``.
+    ``param_bytes`` changes no split: reweight with ``cost=fn`` instead. The ``facts`` and ``times``
+    measured before it ride on the DAG's nodes (``value_meta``, ``flops``, ``seconds``, ...), so
+    ``shape-prop`` and ``profile`` go before it. Example: ``trace,build-dag``.
     """
 
     name: ClassVar[str] = "build-dag"
     requires: ClassVar[frozenset[str]] = frozenset({"traced"})
     provides: ClassVar[frozenset[str]] = frozenset({"dag"})
+    reads: ClassVar[frozenset[str]] = frozenset({"facts", "times"})
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         dag = nx.freeze(build_dag(program.traced.graph_module, program.model))

@@ -14,23 +14,16 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, overload
 
 from autoshard.errors import (
-    AutoshardError, InvalidArgumentTypeError, PassContractError, PassFailed, PipelineValidationError, SpecError,
+    AutoshardError, InvalidArgumentTypeError, PassContractError, PassFailed, SpecError,
 )
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.passes.instruments import Instrument, VerifyEach
 from autoshard.passes.registry import PassRegistry, default_registry
 from autoshard.passes.options import check_option_values
 from autoshard.passes.spec import format_pass, parse_passes
+from autoshard.passes.validate import INPUT_ARTIFACTS, Availability, check_instructions_read, dropped_by
 
 __all__ = ["INPUT_ARTIFACTS", "Pipeline", "PipelineResult"]
-
-INPUT_ARTIFACTS: dict[str, str] = {
-    "model": "pass the model",
-    "example_inputs": "pass example inputs (shard_model(model, k, example_inputs=...); on the command line, a "
-                      "factory returning (model, args) or (model, args, kwargs); to Pipeline.run, "
-                      "ShardProgram(model, example_inputs=ExampleInputs(args, kwargs)))",
-}
-"""Artifacts that come from the caller rather than from a pass, with what to tell the user."""
 
 
 @dataclass
@@ -161,67 +154,32 @@ class Pipeline:
 
     # -- validation -----------------------------------------------------------------------------
     def validate(self, initial: frozenset[str] = frozenset({"model"})) -> None:
-        """Check each pass's options (``Pass.check_options``) and that its ``requires`` is provided
-        by ``initial`` or an earlier pass. A ``check_options`` that raises something other than an
-        ``AutoshardError`` is reported as ``PassFailed``, naming the pass and a reproducing spec.
+        """Check each pass's options (``Pass.check_options``) and that what it needs (``Pass.needs``)
+        is provided by ``initial`` or an earlier pass (``passes.validate`` has the rules). A
+        ``check_options`` that raises something other than an ``AutoshardError`` is reported as
+        ``PassFailed``, naming the pass and a reproducing spec.
 
         Raises ``PipelineValidationError`` naming the pass, its position, the missing artifacts and
-        what to do: the registered passes that provide it, a later pass to move, or an input to pass.
+        what to do: the registered passes that provide it and where they go, a pass to move, or an
+        input to pass.
         """
-        available = set(initial)
-        order = {n: i for i, n in enumerate(ShardProgram.artifact_names())}
+        spec = str(self)
+        available = Availability(initial, self._passes, spec, self.registry)
         for i, p in enumerate(self._passes):
             try:
                 p.check_options()
             except AutoshardError as exc:
-                exc.add_note(_note(p, i, str(self)))
+                exc.add_note(_note(p, i, spec))
                 raise
             except Exception as exc:  # a pass of the user's refusing with a builtin (ValueError): name it too
-                failed = PassFailed(p.name, i, str(self), exc)
+                failed = PassFailed(p.name, i, spec, exc)
                 failed.add_note("raised by its check_options(), before any pass ran")
                 raise failed from exc
-            missing = sorted(p.requires - available, key=lambda a: (order.get(a, len(order)), a))
+            missing = available.missing(p)
             if missing:
-                hints = [self._hint(a, i) for a in missing]
-                needs = ", ".join(f"'{a}'" for a in missing)
-                raise PipelineValidationError(
-                    f"pass '{p.name}' (position {i} in pipeline `{self}`) needs {needs}, which nothing "
-                    f"before it provides: " + "; ".join(hints)
-                )
-            available |= p.provides
-        self._check_instructions_read(initial)
-
-    def _check_instructions_read(self, initial: frozenset[str]) -> None:
-        """Refuse an instruction artifact (``constraints``) that no pass after its provider reads:
-        a ``pin`` after the split, or in a pipeline with none, would change nothing in silence."""
-        given = [(-1, "the call", a) for a in initial & ShardProgram.INSTRUCTIONS]
-        given += [(i, f"pass '{p.name}' (position {i})", a) for i, p in enumerate(self._passes)
-                  for a in p.provides & ShardProgram.INSTRUCTIONS]
-        for index, who, artifact in given:
-            if any(artifact in q.requires | q.reads for q in self._passes[index + 1:]):
-                continue
-            readers = [f"'{q.name}' (position {j})" for j, q in enumerate(self._passes)
-                       if artifact in q.requires | q.reads]
-            where = (f"only {', '.join(readers)} before it reads it: move it before {readers[0]}" if readers else
-                     f"no pass of the pipeline reads it: add one that does ({', '.join(self._readers(artifact))})")
-            raise PipelineValidationError(f"{who} provides '{artifact}' in pipeline `{self}`, but {where}")
-
-    def _readers(self, artifact: str) -> list[str]:
-        """Names of the registered passes that read ``artifact``."""
-        return sorted(cls.name for cls in self.registry.passes() if artifact in cls.reads)
-
-    def _hint(self, artifact: str, index: int) -> str:
-        if artifact in INPUT_ARTIFACTS:
-            return f"'{artifact}' comes from the inputs, not from a pass: {INPUT_ARTIFACTS[artifact]}"
-        later = [(j, q.name) for j, q in enumerate(self._passes) if j > index and artifact in q.provides]
-        if later:
-            j, name = later[0]
-            return f"'{artifact}' is provided by `{name}` at position {j}, after it: move `{name}` before it"
-        providers = self.registry.providers(artifact)
-        if not providers:
-            return f"no registered pass provides '{artifact}'"
-        choice = f"`{providers[0]}`" if len(providers) == 1 else "one of " + ", ".join(f"`{n}`" for n in providers)
-        return f"add {choice} before it (it provides '{artifact}')"
+                raise available.refuse(i, p, missing)
+            available.add(i, p)
+        check_instructions_read(self._passes, spec, self.registry, initial)
 
     # -- running --------------------------------------------------------------------------------
     def run(self, program: ShardProgram, ctx: PassContext | None = None) -> PipelineResult:
@@ -231,6 +189,7 @@ class Pipeline:
         position and the reproducing spec; any other exception becomes ``PassFailed`` raised from it.
         After each pass, the pipeline checks the pass's contract (``PassContractError``): it returned a
         ``ShardProgram``, set every artifact it ``provides``, and left every other artifact untouched.
+        A pass that captures the graph anew drops the measurements of the old one (``facts``, ``times``).
         """
         if not isinstance(program, ShardProgram):
             raise InvalidArgumentTypeError(f"Pipeline.run expects a ShardProgram, got {type(program).__name__}")
@@ -253,6 +212,7 @@ class Pipeline:
             try:
                 result = pass_.run(program, ctx)
                 self._check_contract(pass_, index, program, result)
+                result = _without_stale(pass_, result)
             except Exception as exc:
                 self._hooks(reversed(instruments), "after_pass_failed", (pass_, index, program, exc), where)
                 if isinstance(exc, AutoshardError):
@@ -301,6 +261,12 @@ class Pipeline:
                     pass_.name,
                     index,
                 )
+
+
+def _without_stale(pass_: Pass, program: ShardProgram) -> ShardProgram:
+    """``program`` without the measurements of a graph ``pass_`` captured anew (``dropped_by``)."""
+    stale = {name: None for name in dropped_by(pass_) if getattr(program, name) is not None}
+    return dataclasses.replace(program, **stale) if stale else program
 
 
 def _note(pass_: Pass, index: int, spec: str) -> str:

@@ -1,4 +1,5 @@
-"""The ``profile`` pass: measure each node's time on the example inputs, or load a saved profile."""
+"""The ``profile`` pass: measure each node's time on the example inputs, or load a saved profile:
+the ``times`` artifact, also carried on the graph's nodes (``costs.facts``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from autoshard.costs.annotate import annotated_copy
-from autoshard.costs.timing import (
-    SECONDS_KEY, TimeProfile, TimingSettings, graph_signature, measure_node_seconds, measured_sizes,
-)
+from autoshard.passes.annotate import annotated_copy
+from autoshard.costs.timing import TimeProfile, TimingSettings, graph_signature, measure_node_seconds, measured_sizes
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
 
@@ -27,7 +26,7 @@ class ProfilePass(Pass):
 
     name: ClassVar[str] = "profile"
     requires: ClassVar[frozenset[str]] = frozenset({"model", "traced", "example_inputs"})
-    provides: ClassVar[frozenset[str]] = frozenset({"traced"})
+    provides: ClassVar[frozenset[str]] = frozenset({"traced", "times"})
 
     warmup: int = option(2, help="untimed runs of each node first")
     repeats: int = option(5, help="timed runs of each node; the median counts")
@@ -49,5 +48,6 @@ class ProfilePass(Pass):
                                   settings, graph_signature(gm), sizes=measured_sizes(gm, program.example_inputs))
             if self.path is not None:
                 profile.save(self.path)
-        annotated = annotated_copy(gm, program.model, {SECONDS_KEY: profile.seconds})
-        return dataclasses.replace(program, traced=dataclasses.replace(program.traced, graph_module=annotated))
+        annotated = annotated_copy(gm, program.model, seconds=profile.seconds)
+        return dataclasses.replace(program, traced=dataclasses.replace(program.traced, graph_module=annotated),
+                                   times=profile)

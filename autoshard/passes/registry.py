@@ -192,15 +192,16 @@ class PassRegistry:
         return len(self.names())
 
     def providers(self, artifact: str) -> tuple[str, ...]:
-        """Names of the registered passes that provide ``artifact``, sorted.
+        """Names of the registered passes that provide ``artifact``, sorted (for hints)."""
+        return tuple(sorted(c.name for c in self.loadable() if artifact in c.provides))
 
-        Used for hints in error messages, so a plugin that fails to load is skipped here.
-        """
+    def loadable(self) -> tuple[type[Pass], ...]:
+        """The pass classes that load, for hints in error messages: a plugin that fails to load is
+        skipped here rather than hiding the error being reported."""
         try:
-            classes: Iterable[type[Pass]] = self.passes()
+            return self.passes()
         except SpecError:
-            classes = self._passes.values()
-        return tuple(sorted(c.name for c in classes if artifact in c.provides))
+            return tuple(self._passes.values())
 
     # -- plugins --------------------------------------------------------------------------------
     def _entry_points(self) -> Iterable[metadata.EntryPoint]:

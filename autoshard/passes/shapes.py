@@ -1,17 +1,18 @@
 """The ``shape-prop`` pass: run the traced graph on the example inputs and record, per node,
-its value's structure (tensor shapes, dtypes, bytes, nested tuples/lists/dicts) and FLOPs.
+its value's structure (tensor shapes, dtypes, bytes, nested tuples/lists/dicts), FLOPs and what
+autograd saves: the ``facts`` artifact, also carried on the graph's nodes (``costs.facts``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar, Literal
 
 from autoshard.capture.eager import check_model_runs
-from autoshard.costs.annotate import annotated_copy
+from autoshard.passes.annotate import annotated_copy
 from autoshard.costs.execution import resolve_mode
-from autoshard.costs.facts import FACTS_KEY
 from autoshard.costs.propagation import propagate
 from autoshard.errors import ShapePropagationError
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
@@ -30,7 +31,7 @@ class ShapePropPass(Pass):
 
     name: ClassVar[str] = "shape-prop"
     requires: ClassVar[frozenset[str]] = frozenset({"model", "traced", "example_inputs"})
-    provides: ClassVar[frozenset[str]] = frozenset({"traced"})
+    provides: ClassVar[frozenset[str]] = frozenset({"traced", "facts"})
 
     mode: Literal["auto", "real", "fake"] = option("auto", help="tensors to run with (auto: fake on meta)")
     seed: int = option(0, help="random seed for a real run (dropout)")
@@ -43,5 +44,6 @@ class ShapePropPass(Pass):
             if resolve_mode(program.model, inputs, self.mode) == "real":
                 check_model_runs(program.model, inputs.args, inputs.kwargs)  # its own error says more
             raise
-        annotated = annotated_copy(traced.graph_module, program.model, {FACTS_KEY: facts})
-        return dataclasses.replace(program, traced=dataclasses.replace(traced, graph_module=annotated))
+        annotated = annotated_copy(traced.graph_module, program.model, facts=facts)
+        return dataclasses.replace(program, traced=dataclasses.replace(traced, graph_module=annotated),
+                                   facts=MappingProxyType(facts))

@@ -8,6 +8,10 @@ returns the ``Partition`` the search finds: module-level constraints resolved to
 caches them for the run). The search places tied weights, holds ``max-memory`` and balances
 training memory for ``cost=memory``; its module docstrings say how.
 
+A split reads the cost it balances off the DAG, so one whose cost (or, with ``max-memory``, memory
+cost) reads a measurement needs it (``needs``): ``cost=flops``, ``activations`` or ``memory`` the
+``facts`` of ``shape-prop``, ``cost=time`` the ``times`` of ``profile``, both before ``build-dag``.
+
 The bounded strategies (``split``, ``split-fixed-order``, ``split-exact``) take the tolerance,
 constraints and budgets; ``split-greedy`` and ``split-uniform``, kept for comparison, use only
 the stage count and cost, and refuse the others by name when a spec sets them.
@@ -30,10 +34,13 @@ from autoshard.graph.constraints import StageRange
 from autoshard.graph.invariants import check_order
 from autoshard.graph.split import check_strategy, check_tolerance, honours_constraints, strategies
 from autoshard.graph.scopes import check_cuts_outside_no_split, cut_before_nodes, no_split_modules, pinned_nodes
-from autoshard.passes.analyses import charges_weights, check_cost_name, held_stage_costs, memory_model, node_costs
+from autoshard.passes.analyses import (
+    charges_weights, check_cost_name, cost_reads, held_stage_costs, memory_model, node_costs,
+)
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 from autoshard.passes.constraints import SplitConstraints
 from autoshard.passes.options import kebab
+from autoshard.passes.stages import no_stage_count
 
 
 def check_cut_order(program: ShardProgram) -> None:
@@ -83,6 +90,12 @@ class _SplitPassBase(Pass):
 
     stages: int | None = option(None, help="number of stages k (shard_model fills it in)")
     cost: str = option("params", help="registered cost model to balance (params, nodes, flops, ...)")
+
+    def needs(self) -> frozenset[str]:
+        """The DAG and order, and the measurements the cost reads (``cost=flops``: ``facts``,
+        ``cost=time``: ``times``), as does the memory cost when there is a ``max-memory``."""
+        needs = self.requires | cost_reads(self.cost)
+        return needs | cost_reads(self.memory_cost) if self.max_memory else needs
 
     def strategy_options(self) -> dict[str, Any]:
         """Options for the strategy itself (none unless a subclass has some)."""
@@ -136,7 +149,7 @@ class _SplitPassBase(Pass):
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         if self.stages is None:
-            raise InvalidArgumentError(f"'{self.name}' needs a stage count: write {self.name}{{stages=K}}")
+            raise no_stage_count(self)
         given = program.constraints or SplitConstraints()
         if given.names() and not honours_constraints(self.strategy):
             raise InvalidArgumentError(
