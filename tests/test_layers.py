@@ -2,15 +2,46 @@
 
 Every ``import`` of an autoshard module is counted: at the top of a file, inside a
 function, under ``if TYPE_CHECKING:``. No cycle may form among autoshard's files,
-and ``autoshard/graph/`` (pure graph algorithms) may not import torch at all.
+``autoshard/graph/`` (pure graph algorithms) may not import torch at all, and no module
+imports one in a higher layer (``LAYERS``) except the few edges ``UPWARD`` lists.
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parent.parent / "autoshard"
+
+LAYERS = (
+    # Shared value types and helpers every layer may import; the package root imports its
+    # subpackages lazily (importlib), so it holds nothing up.
+    ("base", ("autoshard", "errors", "arguments", "inputs", "fx_helpers", "progress", "generators", "examples")),
+    ("graph", ("graph", "testing")),  # pure graph algorithms (no torch), and the splitter test kit over them
+    ("costs", ("costs",)),  # values, FLOPs, memory, times, cost models
+    ("lowering", ("lowering",)),  # fx graph -> DAG, in-place and randomness orderings; reads costs.facts
+    ("capture", ("capture", "emit", "verify")),  # capture, stage emission and the check against eager
+    ("sharded", ("sharded", "specialize")),  # the result type and its re-specialisation
+    ("passes", ("passes",)),
+    ("api", ("api",)),
+    ("plan_io", ("plan_io",)),  # plan files: made from a run (passes) and rebuilt through the api
+    ("runtime", ("runtime",)),
+    ("reporting", ("report", "plan_reporting", "render", "targets")),  # what cli shows, and what it loads
+    ("cli", ("cli", "__main__")),
+)
+"""Lowest first; a module may import its own layer and the ones below. The issue states the
+order as graph <- costs <- capture <- passes <- api <- runtime, plan_io <- cli."""
+
+UPWARD = {
+    ("autoshard.api", "autoshard.plan_io.origin"): "a sharded model keeps its PlanOrigin for save_plan",
+    ("autoshard.costs.execution", "autoshard.capture.eager"): "cost runs clone inputs as the capture does",
+    ("autoshard.costs.execution", "autoshard.capture.guard"): "cost runs keep the model's grad mode unchecked",
+    ("autoshard.costs.execution", "autoshard.verify"): "cost runs use verify's interpreter and seeding",
+    ("autoshard.passes.plan", "autoshard.plan_io.files"): "load-partition reads a plan file",
+    ("autoshard.passes.plan", "autoshard.plan_io.fits"): "load-partition checks the plan fits the graph",
+}
+"""The imports that go up a layer today, each with why; the list may only shrink."""
 
 
 def _module_name(path):
@@ -19,8 +50,9 @@ def _module_name(path):
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def _modules():
-    """Each autoshard module's dotted name, with its file and parsed tree."""
+    """Each autoshard module's dotted name, with its file and parsed tree (parsed once per run)."""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         found[_module_name(path)] = (path, ast.parse(path.read_text(), filename=str(path)))
@@ -64,11 +96,35 @@ def _edges(modules):
     return edges
 
 
+def _layer(module):
+    """The index in ``LAYERS`` of the layer holding ``module`` (by its top-level unit), or None."""
+    parts = module.split(".")
+    unit = parts[1] if len(parts) > 1 else "autoshard"
+    return next((i for i, (_, units) in enumerate(LAYERS) if unit in units), None)
+
+
 def test_no_import_cycles():
     """No cycle among autoshard's modules, counting imports inside functions and TYPE_CHECKING."""
     graph = nx.DiGraph(_edges(_modules()))
     tangled = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
     assert not tangled, "import cycles among:\n" + "\n".join(", ".join(c) for c in tangled)
+
+
+def test_every_module_sits_in_a_layer():
+    """A new package or top-level module must be given its place in ``LAYERS``."""
+    unplaced = sorted(name for name in _modules() if _layer(name) is None)
+    assert not unplaced, "modules in no layer (add them to LAYERS):\n" + "\n".join(unplaced)
+
+
+def test_no_module_imports_a_higher_layer():
+    """The layer order holds for every import but the listed ones, and each listed one is still there."""
+    edges = _edges(_modules())
+    upward = {(a, b) for a, b in edges if _layer(a) < _layer(b)}
+    new = sorted(upward - UPWARD.keys())
+    assert not new, "imports of a higher layer:\n" + "\n".join(
+        f"{a} ({LAYERS[_layer(a)][0]}) imports {b} ({LAYERS[_layer(b)][0]})" for a, b in new)
+    gone = sorted(UPWARD.keys() - upward)
+    assert not gone, "no longer imported (remove from UPWARD):\n" + "\n".join(f"{a} -> {b}" for a, b in gone)
 
 
 def test_graph_imports_no_torch():
