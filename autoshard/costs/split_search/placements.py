@@ -47,22 +47,24 @@ def weighted_in_order(
 
 
 #: How many times a split whose whole stages exceed their budgets is made again under tighter ones.
-TIGHTENING_ROUNDS = 8
+TIGHTENING_ROUNDS = 12
+#: Below what a stage held, relative to its budget: more than the splitter's round-off (1e-9 of the total).
+_ROUND_OFF = 1e-6
 
 
 @dataclass(frozen=True)
 class Attempt:
     """One split and what it truly costs: bottleneck, tie groups separated, fit in the budgets.
 
-    ``memory`` is each stage's memory as ``max_memory`` counts it; ``unseen`` the part of it the
-    splitter's per-node sums did not see (received and sent values, one backward, a shared weight
-    held by several stages), by which a budget is tightened to split again."""
+    ``memory`` is each stage's memory as ``max_memory`` counts it; ``counted`` what the splitter's
+    per-node sums saw of it (the rest: received and sent values, one backward, a shared weight held
+    by several stages), by which a budget is tightened to split again."""
 
     partition: Partition
     separated: tuple[str, ...]
     memory: tuple[float, ...]
     fits: bool
-    unseen: tuple[float, ...] = ()
+    counted: tuple[float, ...] = ()
 
     def rank(self) -> tuple[float, int, float]:
         """Lower is better: the true bottleneck, then fewer separated ties, then fewer boundary bytes."""
@@ -104,9 +106,12 @@ def split_placing_ties(request: SplitRequest) -> Partition:
 
 
 def fitted(request: SplitRequest, placement: TiePlacement) -> Attempt:
-    """``attempt``, made again while its whole stages exceed ``max_memory``: each round splits under
-    the budgets less the most any round's stage held beyond what the splitter summed (monotone, so it
-    ends). Judged against the original budgets; the last attempt when none fits."""
+    """``attempt``, made again while its whole stages exceed ``max_memory`` (judged against the original
+    budgets; the last attempt when none fits). Each round tightens the budget of every stage over it:
+    first to the budget less what the splitter missed there (right if the new stage misses as much),
+    and when no split meets that, to just below what the splitter counted there (the stage must hold
+    less than it did: a stage holding less also misses less, its backward and, at a narrower cut, its
+    received values). Budgets only fall, so it ends."""
     found = attempt(request, placement)
     if not request.max_memory:
         return found
@@ -115,13 +120,17 @@ def fitted(request: SplitRequest, placement: TiePlacement) -> Attempt:
     for _ in range(TIGHTENING_ROUNDS):
         if found.fits:
             break
-        tighter = tuple(min(t, max(0.0, b - u)) for t, b, u in zip(tight, budgets, found.unseen))
-        if tighter == tight:
-            break
-        tight = tighter
-        try:
-            found = attempt(request, placement, budgets=tight)
-        except InfeasibleSplitError:
+        over = [m > b for m, b in zip(found.memory, budgets)]
+        missed = [max(0.0, b - (m - c)) for b, m, c in zip(budgets, found.memory, found.counted)]
+        less = [c - _ROUND_OFF * b for c, b in zip(found.counted, budgets)]
+        for proposal in (missed, less):
+            tighter = tuple(min(t, p) if o else t for t, p, o in zip(tight, proposal, over))
+            try:
+                found, tight = attempt(request, placement, budgets=tighter), tighter
+                break
+            except InfeasibleSplitError:
+                continue
+        else:
             break
     return found
 
@@ -169,9 +178,9 @@ def attempt(request: SplitRequest, placement: TiePlacement, budgets: tuple[float
                                separated=tuple(w for g in split_up for w in g.weights))
     held = tuple(memory.stage_totals(assignment)) if request.max_memory else ()
     fits = all(m <= b for m, b in zip(held, request.each_stage(request.max_memory)))
-    unseen = tuple(max(0.0, m - c) for m, c in zip(held, counted(request, placement, assignment))) if held else ()
+    summed = tuple(counted(request, placement, assignment)) if held else ()
     return Attempt(Partition.from_assignment(weighted, assignment, k, info), tuple(g.label for g in split_up),
-                   held, fits, unseen)
+                   held, fits, summed)
 
 
 def counted(request: SplitRequest, placement: TiePlacement, assignment: Mapping[str, int]) -> list[float]:
