@@ -33,17 +33,19 @@ Under ``runtime.parallelize`` (``MemoryModel(data_parallel=..., dp=..., mixed_pr
 activation_checkpointing=...)``) the terms follow what FSDP2 and ``torch.distributed.pipelining``
 do in torch 2.13, per rank:
 
-* ``"fsdp"`` shards every parameter, its gradient and its optimizer state over the ``dp`` ranks
-  (``weight / dp`` each; buffers stay whole). During a step it also holds each parameter
-  unsharded, in the compute dtype: ``parallelize`` keeps units gathered after forward and the
-  pipeline keeps them gathered after every backward but the last (``set_reshard_after_backward(
-  False)``), so from a stage's first forward to its last backward the whole stage is gathered.
-  Gradients accumulate unsharded over the microbatches (``set_requires_gradient_sync(False)``),
-  in the reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``), and are reduce-scattered
-  after the last backward. ``gathered_parts`` counts both unsharded copies;
+* ``"fsdp"`` shards every parameter and its optimizer state over the ``dp`` ranks (``/ dp``;
+  buffers stay whole). During a step it also holds each parameter unsharded, in the compute
+  dtype: ``parallelize`` keeps units gathered after forward and the pipeline keeps them gathered
+  after every backward but the last (``set_reshard_after_backward(False)``), so from a stage's
+  first forward to its last backward the whole stage is gathered. Gradients accumulate unsharded
+  over the microbatches (``set_requires_gradient_sync(False)``), in the reduce dtype
+  (``FSDPParam.to_accumulated_grad_if_needed``); ``gathered_parts`` counts both copies. The
+  sharded gradient appears only at the reduce-scatter after the last backward, one unit at a
+  time as the copies are freed (``reduce_bytes``: the step's other candidate peak), and
+  ``zero_grad`` frees it before the next step's peak, so it is not counted on top;
 * ``"ddp"`` is ``replicate`` (FSDP2 over a shard group of one): the same terms with nothing
   divided, so a replica holds its weights twice during a step (``wait_for_unshard`` copies the
-  "shard" into the all-gather buffer) and its gradients twice at the step's end;
+  "shard" into the all-gather buffer) and reduces into a new whole gradient at the step's end;
 * ``mixed_precision`` (FSDP2's ``param_dtype``, gradients reduced in float32): the unsharded
   weights and each backward's fresh weight gradients take the compute dtype, the fp32 sharded
   weights are the optimizer's master copy, and floating activations shrink by compute / fp32;
@@ -97,7 +99,8 @@ def _compute_dtype(value: object) -> str | None:
     """``"bfloat16"``/``"float16"`` for any spelling of them (``torch.bfloat16`` included)."""
     if value is None:
         return None
-    name = str(value).lower().removeprefix("torch.") if isinstance(value, str) or type(value).__name__ == "dtype" else ""
+    spelled = isinstance(value, str) or type(value).__name__ == "dtype"  # a name, or torch.bfloat16
+    name = str(value).lower().removeprefix("torch.") if spelled else ""
     name = _DTYPE_NAMES.get(name, name)
     if name not in COMPUTE_DTYPES:
         raise InvalidArgumentError(
@@ -396,7 +399,8 @@ class StageMemory:
         """The parts in words, for errors and reports."""
         gathered = f" (unsharded during the step: {self.gathered_bytes:,.0f})" if self.gathered_bytes else ""
         return (f"weights {self.weight_bytes:,.0f}, gradients {self.gradient_bytes:,.0f}, optimizer "
-                f"{self.optimizer_bytes:,.0f}{gathered}; per microbatch activations {self.activation_bytes:,.0f}, received "
+                f"{self.optimizer_bytes:,.0f}{gathered}; per microbatch activations {self.activation_bytes:,.0f}, "
+                f"received "
                 f"{self.received_bytes:,.0f}, sent {self.sent_bytes:,.0f}, x {self.in_flight} in flight; "
                 f"one backward {self.backward_bytes:,.0f}"
                 + (f"; or the gradient reduction {self.reduce_bytes:,.0f}" if self.reduce_bytes else ""))

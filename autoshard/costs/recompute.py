@@ -15,11 +15,12 @@ and leaving each block (``checkpointed_kept``), and its backward adds the most o
 
 from __future__ import annotations
 
-from typing import AbstractSet, Callable, Iterable, Sequence
+from typing import AbstractSet, Callable, Iterable, Sequence, TypeVar
 
 import networkx as nx
 
 _COMPUTING = ("call_module", "call_function", "call_method")
+T = TypeVar("T")
 
 
 def block_path(scopes: Iterable[str]) -> str | None:
@@ -38,21 +39,27 @@ def _block(dag: nx.DiGraph, node: str) -> str | None:
     return block_path(path for path, _ in data.get("scopes") or ())
 
 
-def checkpoint_regions(dag: nx.DiGraph, nodes: Sequence[str]) -> list[list[str]]:
-    """Maximal runs of consecutive nodes (the stage's program order) computing one block, as
-    ``runtime.recompute`` cuts the stage's graph."""
-    runs: list[list[str]] = []
+def block_runs(items: Iterable[T], block: Callable[[T], str | None], skip: Callable[[T], bool]) -> list[list[T]]:
+    """Maximal runs of consecutive ``items`` of one block (``block``: None outside any); the
+    ``skip`` ones (reads of attributes) neither join nor break a run. ``runtime.recompute`` cuts a
+    stage's graph by it, and the memory model its nodes."""
+    runs: list[list[T]] = []
     current: str | None = None
-    for node in nodes:
-        if dag.nodes[node].get("op") == "get_attr":
+    for item in items:
+        if skip(item):
             continue
-        block = _block(dag, node)
-        if block is not None and block == current:
-            runs[-1].append(node)
-        elif block is not None:
-            runs.append([node])
-        current = block
+        found = block(item)
+        if found is not None and found == current:
+            runs[-1].append(item)
+        elif found is not None:
+            runs.append([item])
+        current = found
     return runs
+
+
+def checkpoint_regions(dag: nx.DiGraph, nodes: Sequence[str]) -> list[list[str]]:
+    """The runs of ``nodes`` (a stage's, in program order) that ``runtime.recompute`` recomputes."""
+    return block_runs(nodes, lambda node: _block(dag, node), lambda node: dag.nodes[node].get("op") == "get_attr")
 
 
 def checkpointed_kept(
@@ -76,8 +83,8 @@ def checkpointed_kept(
     for storage in {owner(v) for v in crossing}:
         data = dag.nodes[storage]
         facts = data.get("training")
-        if data.get("input") or storage in counted or (storage not in inside and facts is not None
-                                                         and facts.saved_output):
+        kept_by_maker = storage not in inside and facts is not None and facts.saved_output
+        if data.get("input") or storage in counted or kept_by_maker:
             continue
         total += float(data.get("allocated") or 0)
     return total

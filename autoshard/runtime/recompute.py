@@ -18,6 +18,7 @@ from typing import Any
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from autoshard.costs.recompute import block_runs
 from autoshard.runtime.blocks import block_of
 
 #: The stage attribute holding its region graphs (a tuple: not submodules).
@@ -32,18 +33,9 @@ def run_recomputed(regions: tuple[fx.GraphModule, ...], index: int, *inputs: Any
 def _runs(graph: fx.Graph) -> list[list[fx.Node]]:
     """Maximal runs of consecutive computing nodes of one block; reads of attributes between them
     do not break a run (they stay outside it, as its inputs)."""
-    runs: list[list[fx.Node]] = []
-    current: str | None = None
-    for node in graph.nodes:
-        if node.op == "get_attr":
-            continue
-        block = block_of(node) if node.op in ("call_module", "call_function", "call_method") else None
-        if block is not None and block == current:
-            runs[-1].append(node)
-        elif block is not None:
-            runs.append([node])
-        current = block
-    return runs
+    computing = ("call_module", "call_function", "call_method")
+    return block_runs(graph.nodes, lambda node: block_of(node) if node.op in computing else None,
+                      lambda node: node.op == "get_attr")
 
 
 def _region(module: fx.GraphModule, run: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
