@@ -2,7 +2,7 @@
 
     autoshard split TARGET --stages K [--out plan.json] [--svg plan.svg] [--compare greedy,min-cut]
     autoshard split TARGET --stages K --device-tflops 989 --device-bandwidth 3350   # times for that device
-    autoshard split TARGET --stages K --max-memory 40GiB --optimizer-bytes 4 --microbatches 8
+    autoshard split TARGET --stages K --max-memory 40GiB --optimizer sgd-momentum --microbatches 8
     autoshard split TARGET --plan plan.json        # rebuild the saved stages
     autoshard inspect TARGET --stages K            # the plan only: no stages are built
     autoshard inspect plan.json                    # show a saved plan
