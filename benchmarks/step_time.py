@@ -1,0 +1,300 @@
+"""Predicted against measured time of one pipeline training step, on 2 CPU processes (gloo).
+
+    python benchmarks/step_time.py               # ~8 minutes on 2 quiet cores, 18 under load 11
+    python benchmarks/step_time.py --repeats 3   # quicker, noisier
+    python benchmarks/step_time.py --stages-only # the one-process checks alone, ~2 minutes
+
+Three models (the residual MLP and the GPT-style LM computing its loss from the project's
+examples, and a small Hugging Face GPT-2 given labels) are split into 2 stages (GPipe, 1F1B) and
+4 (interleaved 1F1B, 2 stages per process). Plans are made on one microbatch, as each stage runs
+it. Each worker runs one torch thread, so the plans are made, profiled and the machine calibrated
+on one thread too. Each case runs a few warm-up steps, then ``--repeats`` timed ones: a step
+is ``schedule.step`` (forward and backward of every microbatch, no optimizer step), timed from
+a barrier to the last rank's end; the median counts. Beside it: the machine's busy share and
+load average during the case (other processes' work shows there), and each rank's CPU time in a
+step against the busy time the profile predicts for its stages.
+
+Predictions are ``plan_report(...).step_time`` from two sources of stage time: each node's
+forward measured (``profile``, backward = 2 x forward), and the roofline estimate under this
+machine's calibration; each with the link (gloo between the two processes) measured here by a
+ping-pong, and with the default link. Then, in this process: stage 0's forward and backward
+measured alone against its estimate, and two identical planning commands, each in a fresh
+process, reporting their stage time estimates, once reading the calibration cache and once
+measuring the machine again (``AUTOSHARD_RECALIBRATE=1``, in a scratch cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import date
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import autoshard
+from autoshard.costs.estimate import calibrated_device
+from autoshard.costs.step_time import StepTimeModel
+from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
+from autoshard.runtime import build_schedule, local_stage_indices, model_loss, pipeline_stage, run_local
+
+SEQ, VOCAB = 64, 2048
+CASES = [("gpipe", 2, 4), ("gpipe", 2, 8), ("1f1b", 2, 2), ("1f1b", 2, 4), ("1f1b", 2, 8),
+         ("interleaved-1f1b", 4, 4), ("interleaved-1f1b", 4, 8)]
+"""(schedule, stages, microbatches)."""
+WARMUP = 2
+
+
+@dataclass(frozen=True)
+class Workload:
+    build: Callable[[], nn.Module]
+    microbatch: Callable[[int, torch.Generator], tuple[tuple, dict, torch.Tensor]]  # rows -> args, kwargs, target
+    loss_fn: Callable[..., torch.Tensor]
+    rows: int
+
+
+def _vectors(rows: int, gen: torch.Generator) -> tuple[tuple, dict, torch.Tensor]:
+    return (torch.randn(rows, 512, generator=gen),), {}, torch.randn(rows, 512, generator=gen)
+
+
+def _ids_targets(rows: int, gen: torch.Generator) -> tuple[tuple, dict, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=gen)
+    return (ids, ids), {}, ids
+
+
+def _ids_labels(rows: int, gen: torch.Generator) -> tuple[tuple, dict, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=gen)
+    return (ids,), {"labels": ids}, ids
+
+
+def hf_gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=128, n_layer=4, n_head=4, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+WORKLOADS = {
+    "residual-mlp 8x512": Workload(lambda: ResidualMLP(8, 512), _vectors, F.mse_loss, 64),
+    "gpt-lm 4x128": Workload(lambda: GPTStyleLMWithLoss(vocab=VOCAB, width=128, layers=4, heads=4, max_seq=SEQ,
+                                                        tied=False), _ids_targets, model_loss, 4),
+    "hf-gpt2 4x128": Workload(hf_gpt2, _ids_labels, model_loss, 4),
+}
+
+
+def build(name: str, rows: int, seed: int = 7) -> tuple[nn.Module, tuple, dict, torch.Tensor]:
+    workload = WORKLOADS[name]
+    torch.manual_seed(0)
+    model = workload.build()
+    args, kwargs, target = workload.microbatch(rows, torch.Generator().manual_seed(seed))
+    return model, args, kwargs, target
+
+
+def shard(name: str, k: int, time_profile: str | None = None) -> autoshard.ShardedModel:
+    """The plan every process makes alike: split by parameters on one microbatch."""
+    model, args, kwargs, _ = build(name, WORKLOADS[name].rows)
+    return autoshard.shard_model(model, k, example_inputs=args, example_kwargs=kwargs, time_profile=time_profile)
+
+
+def link_time(rank: int, nbytes: int, repeats: int = 20) -> float:
+    """Half the median round trip of ``nbytes`` between ranks 0 and 1 (gloo send and recv)."""
+    buffer = torch.zeros(max(1, nbytes // 4))
+    trips = []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        if i >= 2:
+            trips.append(time.perf_counter() - start)
+    return statistics.median(trips) / 2
+
+
+def measure_link(rank: int) -> tuple[float, float]:
+    """(bytes per second, seconds per message) between the two processes."""
+    latency = link_time(rank, 4)
+    big = 8 * 1024 * 1024
+    return big / max(link_time(rank, big) - latency, 1e-9), latency
+
+
+def cpu_busy() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine so far, from /proc/stat (idle and iowait are not busy)."""
+    with open("/proc/stat", encoding="utf-8") as stat:
+        ticks = [int(x) for x in stat.readline().split()[1:]]
+    return float(sum(ticks) - ticks[3] - ticks[4]), float(sum(ticks))
+
+
+def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: str, schedule: str, m: int,
+                repeats: int) -> list[tuple[float, float]]:
+    """This rank's (wall, CPU) seconds for each timed step of ``name`` under ``schedule``."""
+    k = sharded.num_stages
+    stages = [pipeline_stage(sharded, index, k, "cpu") for index in local_stage_indices(k, rank, world)]
+    runner = build_schedule(stages, schedule, m, loss_fn=WORKLOADS[name].loss_fn)
+    _, args, kwargs, target = build(name, m * WORKLOADS[name].rows, seed=11)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    seconds = []
+    for i in range(WARMUP + repeats):
+        dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        runner.step(*(args if first else ()), **(kwargs if first else {}), target=target if last else None,
+                    return_outputs=False)
+        if i >= WARMUP:
+            seconds.append((time.perf_counter() - start, time.process_time() - cpu))
+        for stage in stages:
+            stage.submod.zero_grad(set_to_none=True)
+    return seconds
+
+
+def worker(rank: int, world: int, repeats: int) -> dict[Any, Any]:
+    torch.set_num_threads(1)
+    found: dict[Any, Any] = {"link": measure_link(rank)}
+    for name in WORKLOADS:
+        for k in sorted({k for _, k, _ in CASES}):
+            sharded = shard(name, k)
+            for schedule, _, m in (case for case in CASES if case[1] == k):
+                dist.barrier()
+                machine, load = cpu_busy(), os.getloadavg()[0]
+                found[(name, schedule, k, m)] = timed_steps(rank, world, sharded, name, schedule, m, repeats)
+                busy, total = (after - before for after, before in zip(cpu_busy(), machine))
+                found[(name, schedule, k, m, "machine")] = (busy / total, load)
+    return found
+
+
+def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[tuple, dict[str, float]]:
+    """Per case, the predicted step under each source of stage time and link."""
+    device = calibrated_device()
+    out: dict[tuple, dict[str, float]] = {}
+    for k in sorted({k for _, k, _ in CASES}):
+        estimated = shard(name, k)
+        profiled = shard(name, k, time_profile=os.path.join(profile_dir, f"{name.split()[0]}-{k}.json"))
+        assert profiled.plan.assignment == estimated.plan.assignment, "the two plans must split alike"
+        for schedule, stages, m in CASES:
+            if stages != k:
+                continue
+            measured_link = StepTimeModel(schedule, m, link_bandwidth=link[0], link_latency=link[1])
+            default_link = StepTimeModel(schedule, m)
+            with_profile = autoshard.plan_report(profiled, step=measured_link).step_time
+            out[(name, schedule, k, m)] = {
+                "profile": with_profile.seconds,
+                "estimate": autoshard.plan_report(estimated, device=device, step=measured_link).step_time.seconds,
+                "default link": autoshard.plan_report(profiled, step=default_link).step_time.seconds,
+                "busy": [sum(with_profile.busy[s] for s in range(rank, k, 2)) for rank in range(2)],
+            }
+    return out
+
+
+REPORT_COMMAND = """
+import torch, autoshard
+from autoshard.examples import GPTStyleLMWithLoss
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = GPTStyleLMWithLoss(vocab=2048, width=128, layers=4, heads=4, max_seq=64, tied=False)
+ids = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(7))
+print(*(s.seconds for s in autoshard.plan_report(autoshard.shard_model(model, 2, example_inputs=(ids, ids))).stages))
+"""
+
+
+def planning_twice(recalibrate: bool) -> tuple[list[float], list[float]]:
+    """Stage time estimates of two identical planning commands, each a fresh process."""
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory() as scratch:
+        if recalibrate:
+            env.update(AUTOSHARD_RECALIBRATE="1", XDG_CACHE_HOME=scratch)
+        runs = [subprocess.run([sys.executable, "-c", REPORT_COMMAND], env=env, capture_output=True, text=True,
+                               check=True, timeout=300).stdout.split() for _ in range(2)]
+    first, second = ([float(x) for x in run] for run in runs)
+    return first, second
+
+
+def stage_zero_alone(name: str) -> str:
+    """Stage 0 of the 2-stage plan on one microbatch in this process: its estimated forward, and its
+    measured forward and backward (this thread's CPU time, the least of 15 runs, so load from
+    elsewhere adds little)."""
+    sharded = shard(name, 2)
+    estimate = autoshard.plan_report(sharded, device=calibrated_device()).stages[0].seconds
+    _, args, kwargs, _ = build(name, WORKLOADS[name].rows)
+    stage = sharded.stages[0]
+    forward, backward = [], []
+    for _ in range(15):
+        start = time.thread_time()
+        out = stage(*args, **kwargs)
+        forward.append(time.thread_time() - start)
+        sent = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+        start = time.thread_time()
+        torch.autograd.backward(sent, [torch.ones_like(t) for t in sent])
+        backward.append(time.thread_time() - start)
+        stage.zero_grad(set_to_none=True)
+    f, b = min(forward), min(backward)
+    return (f"{name}: stage 0 forward estimated {estimate * 1e3:.2f} ms, measured {f * 1e3:.2f} ms "
+            f"({f / estimate:.1f}x); backward {b * 1e3:.2f} ms ({b / f:.2f}x the forward)")
+
+
+def error(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured:+.0%}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=9, help="timed steps per case (after warm-up); median kept")
+    parser.add_argument("--stages-only", action="store_true", help="only the one-process stage and calibration checks")
+    options = parser.parse_args()
+    torch.set_num_threads(1)  # plan, profile and calibrate as the workers run: one thread each
+    print(f"{date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+          f"{torch.__version__}; load average {os.getloadavg()[0]:.2f}; calibration (1 thread): "
+          f"{calibrated_device().describe()}")
+    if not options.stages_only:
+        pipeline_steps(options.repeats)
+    for name in WORKLOADS:
+        print(stage_zero_alone(name))
+    for recalibrate in (False, True):
+        first, second = planning_twice(recalibrate)
+        spread = max(abs(a - b) / min(a, b) for a, b in zip(first, second))
+        how = "each measuring the machine again" if recalibrate else "reading the calibration cache"
+        print(f"two identical planning commands, {how}: stage estimates {[f'{s * 1e3:.3f}' for s in first]} ms and "
+              f"{[f'{s * 1e3:.3f}' for s in second]} ms, differing by {spread:.1%} at most")
+
+
+def pipeline_steps(repeats: int) -> None:
+    """Every case on two processes, predicted against measured."""
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    results = run_local(worker, 2, args=(repeats,), timeout=3600)
+    link = results[0]["link"]
+    print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    print(f"gloo link between the two processes: {link[0] / 1e9:.2f} GB/s, {link[1] * 1e6:.0f} µs a message")
+    print("| model | schedule | k | m | machine busy, load | measured (ms) | profile | err | estimate | err | "
+          "profile, default link | err | CPU per rank, measured (ms) | profile busy | err |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    with tempfile.TemporaryDirectory() as profiles:
+        for name in WORKLOADS:
+            predicted = predictions(name, link, profiles)
+            for case, guess in predicted.items():
+                steps = [max(r[case][i][0] for r in results) for i in range(repeats)]
+                cpu = [statistics.median(step[1] for step in r[case]) for r in results]
+                measured = statistics.median(steps)
+                busy, load = results[0][(*case, "machine")]
+                row = [f"{busy:.0%}, {load:.1f}", f"{measured * 1e3:.1f}"]
+                for source in ("profile", "estimate", "default link"):
+                    row += [f"{guess[source] * 1e3:.1f}", error(guess[source], measured)]
+                row += ["/".join(f"{c * 1e3:.0f}" for c in cpu), "/".join(f"{b * 1e3:.0f}" for b in guess["busy"]),
+                        "/".join(error(b, c) for b, c in zip(guess["busy"], cpu))]
+                print(f"| {case[0]} | {case[1]} | {case[2]} | {case[3]} | " + " | ".join(row) + " |")
+    print(f"(runs took {time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
