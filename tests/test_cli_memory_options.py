@@ -60,8 +60,8 @@ def test_the_flags_set_the_plans_memory_model_and_a_rebuild_keeps_it(capsys, tmp
     rebuilt = tmp_path / "rebuilt.json"
     assert run(capsys, "inspect", "residual-mlp", "--plan", str(sgd), "-q", "--out", str(rebuilt))[0] == 0
     assert json.loads(rebuilt.read_text())["memory_model"] == saved["memory_model"]
-    assert run(capsys, "inspect", "residual-mlp", "--plan", str(sgd), "--optimizer", "adam", "--no-master-weights", "-q",
-               "--out", str(rebuilt))[0] == 0
+    assert run(capsys, "inspect", "residual-mlp", "--plan", str(sgd), "--optimizer", "adam", "--no-master-weights",
+               "-q", "--out", str(rebuilt))[0] == 0
     assert json.loads(rebuilt.read_text())["memory_model"] == {
         **saved["memory_model"], "optimizer": "adam", "optimizer_bytes_per_param": 8.0, "master_weights": False}
 
