@@ -161,8 +161,10 @@ def bind_pipeline(
     *,
     capacities: Sequence[float] | None = None,
     max_memory: Sequence[float] | float | None = None,
+    asker: str = "num_stages",
 ) -> Pipeline:
-    """Parse a spec if needed and fill in the stage count, cost and per-stage limits the call asked for."""
+    """Parse a spec if needed and fill in the stage count, cost and per-stage limits the call asked for;
+    ``asker`` names where the stage count came from (``--stages`` on the command line)."""
     if isinstance(pipeline, str):
         pipeline = Pipeline.parse(pipeline)
     if not isinstance(pipeline, Pipeline):
@@ -173,7 +175,7 @@ def bind_pipeline(
         if not any(option in {f.name for f in step.options()} for step in pipeline):
             raise InvalidArgumentError(
                 f"{option}= was given, but no pass of the pipeline '{pipeline}' takes it; add 'split'")
-    pipeline = _bind(bind_stages(pipeline, num_stages), "cost", cost, "params")
+    pipeline = _bind(bind_stages(pipeline, num_stages, asker), "cost", cost, "params")
     for option, value in limits.items():
         pipeline = _bind(pipeline, option, value, ())
     return pipeline

@@ -49,6 +49,7 @@ from autoshard.passes.constrain import with_constraints
 from autoshard.passes.instruments import DumpDir, Instrument, Timing
 from autoshard.passes.pipeline import Pipeline
 from autoshard.passes.registry import registered_passes
+from autoshard.passes.stages import stages_conflict
 from autoshard.passes.options import option_table
 from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
@@ -263,7 +264,7 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
                 raise InvalidArgumentError(f"{flag} cannot change a saved plan; drop it or drop --plan")
         saved = read_plan(args.plan)
         if args.stages is not None and args.stages != saved.num_stages:
-            raise PlanError(f"plan {args.plan} has {saved.num_stages} stages, not {args.stages}; drop --stages")
+            raise stages_conflict(args.stages, f"plan {args.plan}", "has", saved.num_stages, "drop --stages", PlanError)
         verify = inputs is not None and not args.no_verify
         return _Choice(rebuild_pipeline(saved, args.plan, verify=verify), saved.pipeline, saved.cost_model, saved)
     cost = args.cost or "params"
@@ -272,7 +273,7 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
             raise InvalidArgumentError("with --pipeline, set the strategy in the spec: split{strategy=NAME}")
         if args.time_profile is not None:
             raise InvalidArgumentError("with --pipeline, write the profile in the spec: profile{path=FILE}")
-        pipeline = bind_pipeline(args.pipeline, _stages(args), cost, max_memory=_max_memory(args))
+        pipeline = bind_pipeline(args.pipeline, _stages(args), cost, max_memory=_max_memory(args), asker="--stages")
     else:
         pipeline = default_pipeline(_stages(args), cost, verify=inputs is not None, time_profile=args.time_profile,
                                     max_memory=_max_memory(args))

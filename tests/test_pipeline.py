@@ -402,3 +402,13 @@ def test_the_stage_count_is_decided_in_one_place():
         check_stages_made(4, 2, Pipeline.parse("trace"))
     with pytest.raises(InvalidArgumentError, match="--stages must be"):
         bind_stages(Pipeline.parse("split"), 0, "--stages")
+
+
+def test_the_command_line_names_its_own_stage_count_in_the_same_refusal(capsys):
+    from autoshard import cli
+
+    code = cli.main(["inspect", "residual-mlp", "--stages", "2", "--pipeline",
+                     "trace,build-dag,linearize,split{stages=3}"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and ("2 stages were asked for but the pipeline's `split{stages=3}` (position 3) has 3 stages, "
+                          "not 2; make --stages and the spec agree") in err
