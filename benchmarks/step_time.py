@@ -1,6 +1,6 @@
 """Predicted against measured time of one pipeline training step, on 2 CPU processes (gloo).
 
-    python benchmarks/step_time.py               # ~8 minutes on 2 quiet cores, 18 under load 11
+    python benchmarks/step_time.py               # 18 minutes on 2 cores under load 11
     python benchmarks/step_time.py --repeats 3   # quicker, noisier
     python benchmarks/step_time.py --stages-only # the one-process checks alone, ~2 minutes
 
