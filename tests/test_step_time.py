@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_rank_ops, _get_warmup_ops
+from torch.distributed.pipelining import ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import _ComputationType
 
 import autoshard
 from autoshard.costs.estimate import DeviceModel
@@ -63,19 +64,15 @@ def test_stages_on_one_rank_do_not_cross_a_link():
 
 
 def torch_interleaved_order(k: int, per_rank: int, m: int) -> list[list[tuple[bool, int, int]]]:
-    """Each rank's (backward, stage, microbatch) as ``ScheduleInterleaved1F1B`` lists them."""
+    """Each rank's (backward, stage, microbatch) as ``ScheduleInterleaved1F1B`` computes them: its own
+    method, on a schedule given the four numbers it reads (building one needs a process group)."""
     ranks = k // per_rank
-    per_round = m // max(1, m // ranks)
-    orders = []
-    for rank in range(ranks):
-        warmup = _get_warmup_ops(rank, per_rank, per_round, ranks, m, multiply_factor=2)
-        ops = _get_1f1b_rank_ops(
-            per_rank, ranks, warmup, per_rank * m - warmup, warmup, rank,
-            lambda step: ((step // per_round) % per_rank) * ranks + rank,
-            lambda step: (per_rank - 1 - ((step - warmup) // per_round) % per_rank) * ranks + rank)
-        orders.append([(op.computation_type == _ComputationType.FULL_BACKWARD, op.stage_index, op.microbatch_index)
-                       for op in ops if op is not None])
-    return orders
+    schedule = object.__new__(ScheduleInterleaved1F1B)
+    schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = per_rank, ranks, m
+    schedule.microbatches_per_round = m // max(1, m // ranks)
+    return [[(op.computation_type == _ComputationType.FULL_BACKWARD, op.stage_index, op.microbatch_index)
+             for op in schedule._calculate_single_rank_operations(rank) if op is not None]
+            for rank in range(ranks)]
 
 
 @pytest.mark.parametrize("k, per_rank, m", [(4, 2, 2), (4, 2, 4), (4, 2, 8), (8, 2, 4), (6, 3, 6), (8, 4, 8)])
