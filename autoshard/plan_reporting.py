@@ -207,8 +207,8 @@ def _step_time(sharded: ShardedModel | StagePlan, seconds: list[float], times: N
     plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
     origin = getattr(sharded, "plan_origin", None)
     sent = [sum(v.nbytes for v in plan.boundary_values(j)) for j in range(plan.num_stages - 1)]
-    return predicted_step(seconds, sent, model, times.estimate,
-                          origin is not None and profiled_backward(origin.pipeline))
+    measured_backward = times.measured and origin is not None and profiled_backward(origin.pipeline)
+    return predicted_step(seconds, sent, model, times.estimate, measured_backward)
 
 
 def _shown_plan(

@@ -317,8 +317,9 @@ def plan_step_time(plan: SavedPlan, step: StepTimeModel | None = None) -> StepTi
     seconds = plan.stage_seconds()
     if seconds is None:
         return None
+    measured_backward = plan.time_estimate is None and profiled_backward(plan.pipeline)
     return predicted_step(seconds, plan.boundary_bytes(), step or run_of(plan.memory_model), plan.time_estimate,
-                          profiled_backward(plan.pipeline))
+                          measured_backward)
 
 
 def step_time_lines(step: StepTime) -> list[str]:
