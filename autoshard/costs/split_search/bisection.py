@@ -3,7 +3,9 @@
 Training memory counts activations once per microbatch in flight at a stage (1F1B), which no
 sum of per-node costs can say, so ``cost=memory`` is balanced by searching the least bound B that
 a split holds every stage to (B x its capacity, capped by ``max_memory``) and splitting within it.
-Only for the strategies cheap enough to probe many times.
+Each probe is a budgeted split (``placements.split_placing_ties``), held by the whole model, the
+re-split under tightened budgets included, so the bound found is one a plan really meets. Only for
+the strategies cheap enough to probe many times.
 """
 
 from __future__ import annotations
