@@ -15,9 +15,10 @@ load average during the case (other processes' work shows there), and each rank'
 step against the busy time the profile predicts for its stages.
 
 Predictions are ``plan_report(...).step_time`` from two sources of stage time: each node's
-forward measured (``profile``, backward = 2 x forward), and the roofline estimate under this
-machine's calibration; each with the link (gloo between the two processes) measured here by a
-ping-pong, and with the default link. Then, in this process: stage 0's forward and backward
+forward measured (``profile``, backward = 2 x forward; one profile per model, which its 2- and
+4-stage plans share), and the roofline estimate under this machine's calibration; each with
+the link (gloo between the two processes) measured here by a ping-pong, and with the default
+link. Then, in this process: stage 0's forward and backward
 measured alone against its estimate, and two identical planning commands, each in a fresh
 process, reporting their stage time estimates, once reading the calibration cache and once
 measuring the machine again (``AUTOSHARD_RECALIBRATE=1``, in a scratch cache).
@@ -180,7 +181,7 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[
     out: dict[tuple, dict[str, float]] = {}
     for k in sorted({k for _, k, _ in CASES}):
         estimated = shard(name, k)
-        profiled = shard(name, k, time_profile=os.path.join(profile_dir, f"{name.split()[0]}-{k}.json"))
+        profiled = shard(name, k, time_profile=os.path.join(profile_dir, f"{name.split()[0]}.json"))
         assert profiled.plan.assignment == estimated.plan.assignment, "the two plans must split alike"
         for schedule, stages, m in CASES:
             if stages != k:
