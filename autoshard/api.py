@@ -24,7 +24,7 @@ from autoshard.passes.analyses import (
 )
 from autoshard.passes.base import ExampleInputs, Pass, PassContext, ShardProgram
 from autoshard.passes.capture import CapturePass
-from autoshard.passes.constrain import PinPass, with_constraints
+from autoshard.passes.constrain import CONSTRAINT_PASSES, with_constraints
 from autoshard.passes.dag import BuildDagPass
 from autoshard.passes.emit import EmitPass
 from autoshard.passes.instruments import Instrument
@@ -306,10 +306,10 @@ def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost:
                     memory_model: MemoryModel | None, example: ExampleInputs,
                     limit: int = MAX_SPECIALIZATIONS) -> Specializer:
     """The ``Specializer`` that captures ``model`` again with ``pipeline`` (which made the first plan),
-    each weight pinned to the stage holding it. The pipeline's own pins become optional: a module
-    another branch does not run pins nothing there."""
+    each weight pinned to the stage holding it. The pipeline's own constraints become optional: a
+    module another branch does not run is pinned, kept whole or cut before nowhere there."""
     for index, step in enumerate(pipeline):
-        if isinstance(step, PinPass):
+        if isinstance(step, CONSTRAINT_PASSES):
             pipeline = pipeline.with_options(index, optional=True)
 
     def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -172,3 +172,17 @@ def test_a_users_pin_on_a_module_the_new_branch_does_not_run_pins_nothing_there(
     assert holders(sharded)["switch.b.weight"] == {1}
     x = torch.randn(3, 8)
     assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
+
+
+@pytest.mark.parametrize("constraint", [{"no_split": ["switch.b"]}, {"cut_before": ["switch.b"]}])
+def test_a_users_no_split_or_cut_on_a_module_the_new_branch_does_not_run_holds_nothing_there(constraint):
+    """The plan keeps ``switch.b`` whole or starts a stage at it; the batch-3 branch runs ``switch.a``
+    instead, and its specialisation is made without that constraint, weights in their stages."""
+    torch.manual_seed(0)
+    model = Switched().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 8),), **constraint)
+    x = torch.randn(3, 8)
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
+    before, after = holders(sharded), holders(sharded.specializations[0].sharded)
+    assert set(before) - set(after) == {"switch.b.weight", "switch.b.bias"}
+    assert all(after[name] == held for name, held in before.items() if name in after)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from functools import cached_property
-from typing import AbstractSet, Iterable, Sequence
+from typing import AbstractSet, Iterable, Iterator, Sequence
 
 import networkx as nx
 
@@ -50,43 +50,47 @@ def _stand_in(dag: nx.DiGraph, option: str, path: str) -> tuple[str, str] | None
     return stand_in
 
 
-def cut_before_nodes(dag: nx.DiGraph, order: Sequence[Node], paths: Sequence[str]) -> list[Node]:
-    """For each module path, the first node of ``order`` that runs inside that module (or under
-    another name of it). A module inside one kept whole cannot start a stage: refused, naming
-    the module that can."""
+def cut_before_nodes(dag: nx.DiGraph, order: Sequence[Node], paths: Sequence[str],
+                     optional: AbstractSet[str] = frozenset()) -> list[tuple[str, Node]]:
+    """For each module path, the path and the first node of ``order`` that runs inside that module
+    (or under another name of it). A module inside one kept whole cannot start a stage: refused,
+    naming the module that can. A path in ``optional`` the graph does not run is left out."""
     found = []
     for path in paths:
-        stand_in = _stand_in(dag, "cut-before", path)
-        if stand_in and stand_in[1] == "inside":
-            raise InvalidArgumentError(
-                f"cut-before: {path!r} runs inside {stand_in[0]!r}, which the capture keeps whole (see the "
-                f"plan's wrapped modules for why), so no stage can start inside it; cut before {stand_in[0]!r}")
-        if stand_in:
-            path = stand_in[0]
-        first = next((v for v in order if any(_inside(p, path) for p, _ in _scopes(dag, v))), None)
-        if first is None:
-            known = (p for v in order for p, _ in _scopes(dag, v))
-            raise _unknown("cut-before", path, known, "module with nodes in the graph")
-        found.append(first)
+        try:
+            found.append((path, _first_node_inside(dag, order, path)))
+        except InvalidArgumentError:
+            if path not in optional:
+                raise
     return found
 
 
-def no_split_groups(dag: nx.DiGraph, entries: Sequence[str]) -> dict[str, frozenset[Node]]:
-    """One group per module path entry, and per module of each class-name entry.
+def _first_node_inside(dag: nx.DiGraph, order: Sequence[Node], path: str) -> Node:
+    """The first node of ``order`` inside module ``path`` (see ``cut_before_nodes``)."""
+    stand_in = _stand_in(dag, "cut-before", path)
+    if stand_in and stand_in[1] == "inside":
+        raise InvalidArgumentError(
+            f"cut-before: {path!r} runs inside {stand_in[0]!r}, which the capture keeps whole (see the "
+            f"plan's wrapped modules for why), so no stage can start inside it; cut before {stand_in[0]!r}")
+    if stand_in:
+        path = stand_in[0]
+    first = next((v for v in order if any(_inside(p, path) for p, _ in _scopes(dag, v))), None)
+    if first is None:
+        known = (p for v in order for p, _ in _scopes(dag, v))
+        raise _unknown("cut-before", path, known, "module with nodes in the graph")
+    return first
 
-    A path matches the module and its descendants; an entry that is no path is taken as a
-    class name. Labels read ``no-split ENTRY`` or ``no-split CLASS (PATH)``.
-    """
-    return {label: nodes for label, (_, nodes) in no_split_modules(dag, entries).items()}
 
-
-def no_split_modules(dag: nx.DiGraph, entries: Sequence[str]) -> dict[str, tuple[str, frozenset[Node]]]:
-    """``no_split_groups`` with the module path each group keeps whole, so that errors can say
-    where a stage may start instead. ``<root>`` (or the model's class name, where no submodule has
-    that class) names the whole model: one group of every node, which only one stage holds."""
-    index = _ScopeIndex(dag)
-    return {f"no-split {label}": found
-            for entry in entries for label, found in index.resolve("no-split", entry).items()}
+def no_split_modules(dag: nx.DiGraph, entries: Sequence[str],
+                     optional: AbstractSet[str] = frozenset()) -> dict[str, tuple[str, frozenset[Node]]]:
+    """One group per module path entry, and per module of each class-name entry, with the module
+    path each group keeps whole, so that errors can say where a stage may start instead. A path
+    matches the module and its descendants; an entry that is no path is taken as a class name.
+    Labels read ``no-split ENTRY`` or ``no-split CLASS (PATH)``. ``<root>`` (or the model's class
+    name, where no submodule has that class) names the whole model: one group of every node,
+    which only one stage holds. An entry in ``optional`` the graph does not run is left out."""
+    return {f"no-split {label}": kept for _, resolved in _resolved(_ScopeIndex(dag), "no-split", entries, optional)
+            for label, kept in resolved.items()}
 
 
 def pinned_nodes(dag: nx.DiGraph, entries: Sequence[str],
@@ -95,16 +99,19 @@ def pinned_nodes(dag: nx.DiGraph, entries: Sequence[str],
     or those reading a weight (a parameter or buffer name, any of its aliases). An entry in
     ``optional`` that the graph does not run or read is left out; others are refused. The graph
     is read once for all entries (a re-specialisation pins every weight of the model)."""
-    index, found = _ScopeIndex(dag), {}
+    return {entry: frozenset().union(*(nodes for _, nodes in resolved.values()))
+            for entry, resolved in _resolved(_ScopeIndex(dag), "pin", entries, optional, weights=True)}
+
+
+def _resolved(index: _ScopeIndex, option: str, entries: Sequence[str], optional: AbstractSet[str],
+              weights: bool = False) -> Iterator[tuple[str, dict[str, tuple[str, frozenset[Node]]]]]:
+    """Each entry with what it names; one in ``optional`` the graph does not run or read is left out."""
     for entry in entries:
         try:
-            resolved = index.resolve("pin", entry, weights=True)
+            yield entry, index.resolve(option, entry, weights=weights)
         except InvalidArgumentError:
-            if entry in optional:
-                continue
-            raise
-        found[entry] = frozenset().union(*(nodes for _, nodes in resolved.values()))
-    return found
+            if entry not in optional:
+                raise
 
 
 class _ScopeIndex:

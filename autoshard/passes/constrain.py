@@ -67,12 +67,13 @@ class NoSplitPass(Pass):
     provides: ClassVar[frozenset[str]] = frozenset({"constraints"})
 
     modules: tuple[str, ...] = option((), help="module paths or class names kept whole")
+    optional: bool = option(False, help="names the graph does not run keep nothing whole (false: refused)")
 
     def check_options(self) -> None:
         _check_names(self, self.modules)
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        return _added(program, no_split=self.modules)
+        return _added(program, no_split=self.modules, optional=self.optional)
 
 
 @dataclass(frozen=True)
@@ -86,20 +87,25 @@ class CutBeforePass(Pass):
     provides: ClassVar[frozenset[str]] = frozenset({"constraints"})
 
     modules: tuple[str, ...] = option((), help="module paths at whose first node a stage starts")
+    optional: bool = option(False, help="paths the graph does not run start no stage (false: refused)")
 
     def check_options(self) -> None:
         _check_names(self, self.modules)
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        return _added(program, cut_before=self.modules)
+        return _added(program, cut_before=self.modules, optional=self.optional)
+
+
+#: The passes that add to the constraints, each with an ``optional`` option.
+CONSTRAINT_PASSES = (PinPass, NoSplitPass, CutBeforePass)
 
 
 def with_constraints(pipeline: Pipeline, pin: Any = None, no_split: Any = None, cut_before: Any = None,
                      optional: bool = False) -> Pipeline:
     """``pipeline`` with ``pin``, ``no-split`` and ``cut-before`` passes for a call's constraints
     (``pin={name: stage}``, lists of names), placed before the first pass that reads them, so the
-    pipeline's spec (in errors and saved plans) says what was asked. ``optional``: the pins may
-    name what the graph does not run or read."""
+    pipeline's spec (in errors and saved plans) says what was asked. ``optional``: the names may
+    be of what the graph does not run or read."""
     steps: list[Pass] = []
     if pin is not None:
         by_stage: dict[int, list[str]] = {}
@@ -108,9 +114,9 @@ def with_constraints(pipeline: Pipeline, pin: Any = None, no_split: Any = None, 
         steps += [PinPass(module=tuple(names), stage=stage, optional=optional)
                   for stage, names in sorted(by_stage.items())]
     if no_split is not None and names_of("no_split", no_split):
-        steps.append(NoSplitPass(modules=names_of("no_split", no_split)))
+        steps.append(NoSplitPass(modules=names_of("no_split", no_split), optional=optional))
     if cut_before is not None and names_of("cut_before", cut_before):
-        steps.append(CutBeforePass(modules=names_of("cut_before", cut_before)))
+        steps.append(CutBeforePass(modules=names_of("cut_before", cut_before), optional=optional))
     if not steps:
         return pipeline
     reader = next((i for i, step in enumerate(pipeline) if "constraints" in step.reads | step.requires), None)

@@ -19,8 +19,9 @@ from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 class SplitConstraints:
     """``pins``: ``(name, stage)`` pairs, each holding a module path, class or weight to a stage;
     ``no_split``: module paths or classes kept whole; ``cut_before``: module paths a stage starts at;
-    ``optional``: pinned names that may be missing from the graph (a weight this capture does not
-    read pins nothing), where other names missing are refused."""
+    ``optional``: names that may be missing from the graph (a weight this capture does not read
+    pins nothing, a module this branch does not run is kept whole or cut before nowhere), where
+    other names missing are refused."""
 
     pins: tuple[tuple[str, int], ...] = ()
     no_split: tuple[str, ...] = ()
@@ -29,16 +30,17 @@ class SplitConstraints:
 
     def adding(self, pins: Iterable[tuple[str, int]] = (), no_split: Iterable[str] = (),
                cut_before: Iterable[str] = (), optional: bool = False) -> SplitConstraints:
-        """These constraints and more (``optional``: the new pins may be missing from the graph); a
+        """These constraints and more (``optional``: the new names may be missing from the graph); a
         name pinned twice must be pinned to one stage."""
-        pins = tuple(pins)
+        pins, no_split, cut_before = tuple(pins), tuple(no_split), tuple(cut_before)
         merged = dict(self.pins)
         for name, stage in pins:
             if merged.setdefault(name, stage) != stage:
                 raise InvalidArgumentError(
                     f"pin: {name!r} is pinned to stage {merged[name]} and to stage {stage}; pin it once")
         return replace(self, pins=tuple(merged.items()),
-                       optional=self.optional | {name for name, _ in pins} if optional else self.optional,
+                       optional=self.optional | {*(name for name, _ in pins), *no_split, *cut_before}
+                       if optional else self.optional,
                        no_split=tuple(dict.fromkeys((*self.no_split, *no_split))),
                        cut_before=tuple(dict.fromkeys((*self.cut_before, *cut_before))))
 

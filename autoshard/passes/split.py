@@ -162,9 +162,8 @@ class _SplitPassBase(Pass):
     def request(self, program: ShardProgram, ctx: PassContext, given: SplitConstraints) -> SplitRequest:
         """The search this pass asks for: its options, ``given`` resolved to nodes, the run's cost models."""
         dag, order, k = program.dag, program.order, self.stages
-        no_split = no_split_modules(dag, (*self.no_split, *given.no_split))
-        cut_before = (*self.cut_before, *given.cut_before)
-        cuts = list(zip(cut_before, cut_before_nodes(dag, order, cut_before)))
+        no_split = no_split_modules(dag, (*self.no_split, *given.no_split), given.optional)
+        cuts = cut_before_nodes(dag, order, (*self.cut_before, *given.cut_before), given.optional)
         check_cuts_outside_no_split(order, cuts, no_split)
         labels: dict[str, str] = {}
         for path, node in cuts:  # errors name each cut by the path the user wrote, not its node
