@@ -15,7 +15,7 @@ from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
 @dataclass(frozen=True)
 class ProfilePass(Pass):
-    """Time every node on the example inputs (warm-up, repeats, median) for ``cost=time``.
+    """Time every node on the example inputs (warm-up, repeats, the fastest) for ``cost=time``.
 
     With ``path``, an existing JSON profile there is loaded instead of measuring, and a fresh
     measurement is saved there, so the same path reproduces a time-balanced plan exactly. A
@@ -29,7 +29,7 @@ class ProfilePass(Pass):
     provides: ClassVar[frozenset[str]] = frozenset({"traced", "times"})
 
     warmup: int = option(2, help="untimed runs of each node first")
-    repeats: int = option(5, help="timed runs of each node; the median counts")
+    repeats: int = option(5, help="timed runs of each node; the fastest counts")
     backward: bool = option(False, help="time forward and backward, not forward only")
     path: str | None = option(None, help="JSON profile: loaded if it exists, else written")
     seed: int = option(0, help="random seed for the runs (dropout)")
