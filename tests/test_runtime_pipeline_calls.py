@@ -91,8 +91,9 @@ def scenarios(rank: int, world: int) -> dict[str, object]:
     found["lstm gradients"] = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
     model, x = branching()  # planned at batch 4, stepped in microbatches of 2: the branch flips
-    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,), cut_before=["second"])  # sends h * 2, then h
     stage = pipeline_stage(sharded, rank, 2, "cpu", microbatch=(x[:2],))
+    found["boundaries"] = [sharded.plan.boundaries, *(s.sharded.plan.boundaries for s in sharded.specializations)]
     found["microbatch plan keys"] = sorted(stage.submod.state_dict())
     found["primary plan keys"] = sorted(sharded.stages[rank].state_dict())
     with torch.no_grad():
@@ -101,6 +102,11 @@ def scenarios(rank: int, world: int) -> dict[str, object]:
         pipeline_stage(sharded, rank, 2, "cpu", microbatch=(x[:2] if rank == 0 else x[:2, :5],))
     except PipelineSetupError as exc:
         found["microbatch refused"] = str(exc)
+    try:  # stages that make no specialisations cannot choose one
+        pipeline_stage(autoshard.shard_model(model, 2, example_inputs=(x,), respecialize=False), rank, 2, "cpu",
+                       microbatch=(x[:2],))
+    except PipelineSetupError as exc:
+        found["no specialisations"] = str(exc)
 
     try:
         build_schedule(stage, "gpipe", 4 if rank == 0 else 2, loss_fn=model_loss)
@@ -164,9 +170,12 @@ def test_a_microbatch_whose_branch_flips_gets_a_plan_of_its_own_on_every_rank(la
     assert torch.equal(launched[1]["microbatch step"], expected)
     for rank in launched:
         assert rank["microbatch plan keys"] == rank["primary plan keys"]
+        first, specialised = rank["boundaries"]  # one specialisation, made by pipeline_stage
+        assert first != specialised  # the stages are wired with the values the chosen plan sends
 
 
 def test_a_microbatch_one_rank_cannot_run_is_refused_on_every_rank(launched):
     for rank in launched:
         assert "no plan serves the microbatch on every rank (rank 1:" in rank["microbatch refused"]
         assert "rank 0:" not in rank["microbatch refused"]
+        assert "rank 0: these stages make no specialisations" in rank["no specialisations"]

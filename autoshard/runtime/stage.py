@@ -126,13 +126,15 @@ def _plan_for_microbatch(sharded: ShardedModel, microbatch: Any, group: dist.Pro
                          world_size: int) -> ShardedModel:
     """The plan serving ``microbatch``, or the same refusal on every rank (a rank that raised alone
     would leave its peers waiting in the first step)."""
-    if not isinstance(microbatch, (tuple, Mapping)):
-        raise InvalidArgumentTypeError(
-            f"microbatch must be a tuple of one microbatch's positional inputs or a dict of its keyword "
-            f"inputs, got {type(microbatch).__name__}")
-    args, kwargs = ((), dict(microbatch)) if isinstance(microbatch, Mapping) else (microbatch, {})
     plan, problem = sharded, None
-    if sharded.specializer is not None:
+    if not isinstance(microbatch, (tuple, Mapping)):
+        problem = (f"microbatch must be a tuple of one microbatch's positional inputs or a dict of its keyword "
+                   f"inputs, got {type(microbatch).__name__}")
+    elif sharded.specializer is None:
+        problem = ("these stages make no specialisations, so none can be chosen for the microbatch: make them with "
+                   "shard_model(..., respecialize=True) or load_plan(path, model, example_inputs)")
+    else:
+        args, kwargs = ((), dict(microbatch)) if isinstance(microbatch, Mapping) else (microbatch, {})
         try:
             plan = sharded.specializer.plan_for(sharded, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the model's own error too: every rank must hear of it
@@ -211,7 +213,6 @@ def pipeline_stage(
     if resolved.type == "meta":
         raise PipelineSetupError(
             "a pipeline stage cannot run on the meta device; give a cpu or accelerator device")
-    layout = boundary_wires(sharded)
     rank, world_size = _group_position(group)
     if num_stages % world_size or num_stages < world_size:
         raise WorldSizeError(
@@ -220,6 +221,7 @@ def pipeline_stage(
             f"{world_size} stages")
     if microbatch is not None:
         sharded = _plan_for_microbatch(sharded, microbatch, group, world_size)
+    layout = boundary_wires(sharded)  # the values the chosen plan's stages send
     local = local_stage_indices(num_stages, rank, world_size)
     if stage_index not in local:
         raise InvalidArgumentError(
