@@ -306,11 +306,19 @@ def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost:
                     memory_model: MemoryModel | None, example: ExampleInputs,
                     limit: int = MAX_SPECIALIZATIONS) -> Specializer:
     """The ``Specializer`` that captures ``model`` again with ``pipeline`` (which made the first plan),
-    each weight pinned to the stage holding it. The pipeline's own constraints become optional: a
-    module another branch does not run is pinned, kept whole or cut before nowhere there."""
+    each weight pinned to the stage holding it. The pipeline's own constraints become optional (a
+    split's own ``no-split`` and ``cut-before`` move into optional passes): a module another branch
+    does not run is pinned, kept whole or cut before nowhere there."""
+    moved: dict[str, list[str]] = {"no_split": [], "cut_before": []}
     for index, step in enumerate(pipeline):
         if isinstance(step, CONSTRAINT_PASSES):
             pipeline = pipeline.with_options(index, optional=True)
+        own = {name: getattr(step, name) for name in moved if name in {f.name for f in step.options()}}
+        if any(own.values()):
+            pipeline = pipeline.with_options(index, **{name: () for name in own})
+            for name, names in own.items():
+                moved[name] += names
+    pipeline = with_constraints(pipeline, no_split=moved["no_split"], cut_before=moved["cut_before"], optional=True)
 
     def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 pins: Mapping[str, int]) -> ShardedModel:

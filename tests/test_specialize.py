@@ -174,7 +174,12 @@ def test_a_users_pin_on_a_module_the_new_branch_does_not_run_pins_nothing_there(
     assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
 
 
-@pytest.mark.parametrize("constraint", [{"no_split": ["switch.b"]}, {"cut_before": ["switch.b"]}])
+SPLIT = "capture,shape-prop,build-dag,linearize,split{%s},emit,verify"
+
+
+@pytest.mark.parametrize("constraint", [{"no_split": ["switch.b"]}, {"cut_before": ["switch.b"]},
+                                        {"pipeline": SPLIT % "no-split=switch.b"},
+                                        {"pipeline": SPLIT % "cut-before=switch.b"}])
 def test_a_users_no_split_or_cut_on_a_module_the_new_branch_does_not_run_holds_nothing_there(constraint):
     """The plan keeps ``switch.b`` whole or starts a stage at it; the batch-3 branch runs ``switch.a``
     instead, and its specialisation is made without that constraint, weights in their stages."""
