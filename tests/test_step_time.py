@@ -160,3 +160,10 @@ def test_every_order_runs_each_microbatch_forward_then_backward_once_per_stage(s
     for rank, order in enumerate(orders):
         assert all(rank_of[s] == rank for _, s, _ in order)
         assert all(order.index((False, s, mb)) < order.index((True, s, mb)) for _, s, mb in order)
+
+
+def test_interleaved_steps_default_to_one_microbatch_per_rank_as_the_memory_model_counts():
+    model = StepTimeModel(schedule="interleaved-1f1b", stages_per_rank=2)
+    memory = autoshard.MemoryModel(schedule="interleaved-1f1b", stages_per_rank=2)
+    assert model.microbatch_count(4) == 2 == max(memory.all_in_flight(4))
+    assert StepTimeModel(schedule="1f1b").microbatch_count(4) == 4

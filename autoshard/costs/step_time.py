@@ -83,7 +83,10 @@ class StepTimeModel:
         _positive(self.backward_ratio, "backward_ratio", zero_allowed=True)
 
     def microbatch_count(self, num_stages: int) -> int:
-        return num_stages if self.microbatches is None else self.microbatches
+        """The step's microbatches; by default one per rank, as the memory model counts them."""
+        if self.microbatches is not None:
+            return self.microbatches
+        return num_stages // self.stages_per_rank if self.schedule == "interleaved-1f1b" else num_stages
 
     def link_seconds(self, nbytes: float) -> float:
         """One message of ``nbytes`` over the link."""

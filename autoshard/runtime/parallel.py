@@ -86,9 +86,10 @@ class Parallelized:
     """Per local stage, the blocks whose activations are recomputed in backward."""
     sharded_blocks: dict[int, list[str]]
     """Per local stage, the blocks FSDP shards as units of their own (the rest: one unit per stage)."""
-    memory_model: MemoryModel
+    memory_model: MemoryModel | None
     """The plan's memory model for this layout: ``plan_report(sharded, memory=...)`` gives per
-    stage what a rank holding it keeps (``layout_memory_model``)."""
+    stage what a rank holding it keeps (``layout_memory_model``); None under a schedule the model
+    does not count (interleaved zero bubble)."""
 
     @property
     def is_first(self) -> bool:
@@ -244,17 +245,22 @@ def _apply_data_parallel(stage: PipelineStage, blocks: dict[str, list[nn.Module]
 def layout_memory_model(
     base: MemoryModel, *, data_parallel: str | None, dp: int, mixed_precision: MixedPrecisionPolicy | None,
     activation_checkpointing: bool, schedule: ScheduleLike, microbatches: int, stages_per_rank: int,
-) -> MemoryModel:
+) -> MemoryModel | None:
     """``base`` (the plan's optimizer and master weights) for a layout ``parallelize`` runs: its
-    data parallelism, compute dtype, recomputation, schedule (when the model knows it) and microbatches."""
+    data parallelism, compute dtype, recomputation, schedule and microbatches. Looped BFS runs every
+    forward before any backward, as GPipe does, so it is counted as GPipe; for a schedule the model
+    does not count (zero bubble) there is none (None), rather than another schedule's count."""
     cls = schedule_class(schedule)
     name = next((name for name, known in SCHEDULES.items() if known is cls), "")
+    name = "gpipe" if name == "looped-bfs" else name
+    if name not in MODELLED_SCHEDULES:
+        return None
     dtype = None if mixed_precision is None or mixed_precision.param_dtype is None else mixed_precision.param_dtype
     return dataclasses.replace(
         base, data_parallel=data_parallel, dp=dp if data_parallel else 1,
         mixed_precision=str(dtype) if dtype is not None and dtype.itemsize < 4 else None,
         activation_checkpointing=activation_checkpointing, microbatches=microbatches,
-        schedule=name if name in MODELLED_SCHEDULES else base.schedule, stages_per_rank=stages_per_rank)
+        schedule=name, stages_per_rank=stages_per_rank)
 
 
 def parallelize(
