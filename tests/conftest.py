@@ -28,6 +28,10 @@ atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 # thread each: several of them share the machine's cores, and more threads than cores made
 # each step many times slower. (This process has set its own threads already.)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Under pytest-xdist (pytest -n auto) each worker takes one core: one torch thread each, or the
+# workers' threads outnumber the cores (a test took 20x longer that way).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 def model_fingerprint(model: nn.Module) -> dict:
