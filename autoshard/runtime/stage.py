@@ -213,6 +213,7 @@ def pipeline_stage(
     if resolved.type == "meta":
         raise PipelineSetupError(
             "a pipeline stage cannot run on the meta device; give a cpu or accelerator device")
+    layout = boundary_wires(sharded)  # refuses values that are no tensors before any collective
     rank, world_size = _group_position(group)
     if num_stages % world_size or num_stages < world_size:
         raise WorldSizeError(
@@ -221,7 +222,7 @@ def pipeline_stage(
             f"{world_size} stages")
     if microbatch is not None:
         sharded = _plan_for_microbatch(sharded, microbatch, group, world_size)
-    layout = boundary_wires(sharded)  # the values the chosen plan's stages send
+        layout = boundary_wires(sharded)  # the values the chosen plan's stages send
     local = local_stage_indices(num_stages, rank, world_size)
     if stage_index not in local:
         raise InvalidArgumentError(
