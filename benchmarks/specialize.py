@@ -1,7 +1,7 @@
 """Re-specialisation on the Hugging Face decoders: what a new capture costs and what a cached one adds.
 
     python benchmarks/specialize.py            # every decoder family of the zoo, a few minutes
-    python benchmarks/specialize.py --quick    # GPT-2 only
+    python benchmarks/specialize.py --quick    # GPT-2 only (and the dispatch row)
 
 Each family (``tests/test_real_models_zoo.py``) is sharded into 2 stages at batch 2 x 8, then
 called at batch 1 and 3, sequence 1 and 5 (and 1 x 1), each compared with the model (exact:
@@ -9,7 +9,8 @@ every output tensor equal). Per family: how many calls needed a new capture, the
 (first call), whether every weight stayed in its stage, and per-call times under no_grad (best of
 ``REPEATS``, torch on one thread) of the model, of the first plan on the example's shape, and of a
 cached specialisation on a shape that needed one: the dispatch a cached specialisation adds is its
-time against the first plan's at the same work.
+time against the first plan's at the same work. A last row times that dispatch on a model small
+enough for microseconds to show (an 8-layer MLP with a size branch, k = 4).
 """
 
 from __future__ import annotations
@@ -75,6 +76,41 @@ def run(name: str) -> dict:
             "times": times, "new_shape": new_shape}
 
 
+class BranchingMLP(torch.nn.Module):
+    """Eight small layers with a Python ``if`` on the batch size: the model's own work is a few
+    tens of microseconds, so what the dispatch adds shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if i == 3 and x.shape[0] > 2:
+                x = x * 2
+        return x
+
+
+def dispatch_row() -> dict[str, float]:
+    """Per-call overhead (sharded - eager, k = 4) on the example's shape (the first plan) and on a
+    shape a specialisation serves (batch 2: the branch flips), best of many interleaved repeats."""
+    torch.manual_seed(0)
+    model = BranchingMLP().eval()
+    example, later = torch.randn(4, 64), torch.randn(2, 64)
+    sharded = autoshard.shard_model(model, 4, (example,))
+    with torch.no_grad():
+        sharded(later)
+        assert len(sharded.specializations) == 1 and torch.equal(sharded(later), model(later))
+        calls = {"eager, example": lambda: model(example), "first plan": lambda: sharded(example),
+                 "eager, later": lambda: model(later), "cached specialisation": lambda: sharded(later)}
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(REPEATS):
+            for name, call in calls.items():
+                best[name] = min(best[name], best_time(lambda: [call() for _ in range(100)], 1) / 100)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="GPT-2 only")
@@ -97,6 +133,13 @@ def main() -> None:
             f"{times.get('cached specialisation', float('nan')):.0f}",
         )
     Console(width=160).print(table)
+    best = dispatch_row()
+    first, cached = best["first plan"] - best["eager, example"], best["cached specialisation"] - best["eager, later"]
+    print(f"8-layer MLP with a size branch, k = 4, per call (best of {REPEATS} x 100 calls): eager "
+          f"{best['eager, example']:.1f} µs, first plan {best['first plan']:.1f} µs (+{first:.1f}); batch 2, served by "
+          f"its specialisation: eager {best['eager, later']:.1f} µs, sharded {best['cached specialisation']:.1f} µs "
+          f"(+{cached:.1f}); the specialisation's dispatch adds {cached - first:+.1f} µs per call, "
+          f"{(cached - first) / 4:+.1f} µs per stage call")
 
 
 if __name__ == "__main__":
