@@ -167,3 +167,9 @@ def test_interleaved_steps_default_to_one_microbatch_per_rank_as_the_memory_mode
     memory = autoshard.MemoryModel(schedule="interleaved-1f1b", stages_per_rank=2)
     assert model.microbatch_count(4) == 2 == max(memory.all_in_flight(4))
     assert StepTimeModel(schedule="1f1b").microbatch_count(4) == 4
+
+
+def test_numpy_numbers_are_numbers():
+    import numpy as np
+
+    assert StepTimeModel(link_bandwidth=np.float32(1e9), link_latency=np.int64(0)).link_seconds(1e9) == 1.0

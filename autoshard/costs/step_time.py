@@ -20,6 +20,7 @@ Not counted: the optimizer step, a loss computed after the last stage, and the l
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -42,7 +43,7 @@ DEFAULT_BACKWARD_RATIO = 2.0
 
 
 def _positive(value: Any, name: str, zero_allowed: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)  # numpy too
     if not ok or value < 0 or (value == 0 and not zero_allowed):
         bound = ">= 0" if zero_allowed else "> 0"
         raise InvalidArgumentError(f"{name} must be a finite number {bound}, got {value!r}")
@@ -53,9 +54,9 @@ def _positive(value: Any, name: str, zero_allowed: bool = False) -> float:
 class StepTimeModel:
     """How the step runs, as far as time goes.
 
-    ``schedule`` is one of ``SCHEDULES``; ``microbatches`` the step's count (None: one per stage,
-    the fewest PyTorch's ``Schedule1F1B`` accepts; fewer are predicted as its order would run
-    them); ``stages_per_rank`` the stages each process runs under interleaved 1F1B.
+    ``schedule`` is one of ``SCHEDULES``; ``microbatches`` the step's count (None: one per rank,
+    as the memory model counts them, the fewest PyTorch's ``Schedule1F1B`` accepts; fewer are
+    predicted as its order would run them); ``stages_per_rank`` the stages each process runs under interleaved 1F1B.
     ``link_bandwidth`` (bytes/s) and ``link_latency`` (s per message) describe the link between
     ranks. ``backward_ratio`` is a backward's time over its forward's where only the forward's is
     known.
