@@ -1,7 +1,7 @@
 """Re-specialisation on Hugging Face decoders: planned at batch 2 x 8, called at batch 1 and 3,
 sequence 1 and 5, each exact, with every weight in the stage that held it. Sequence 1 flips the
-attention's ``q_length > 1`` branch, which the first capture fixed. ``benchmarks/specialize.py``
-runs every decoder family of the zoo."""
+attention's ``q_length > 1`` branch, which the first capture fixed. Every decoder family of the
+zoo; ``benchmarks/specialize.py`` times them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from test_real_models_zoo import BY_NAME, EXAMPLE
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("name", ["gpt2"])  # every decoder family: benchmarks/specialize.py
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "mistral", "qwen2", "gpt-neox", "mixtral"])
 def test_a_decoder_serves_other_batches_and_lengths_with_its_weights_in_their_stages(name):
     family = BY_NAME[name]
     model = family.build()

@@ -26,8 +26,8 @@ back to each node's newly allocated output bytes for its activations and no back
 The per-node ``memory`` cost is a node's weight state (each weight charged to one reader,
 ``costs.ties.weight_payers``) plus its saved activations for one microbatch: additive, what a
 splitter balances. The received and sent values and the backward depend on where the cuts are,
-so only ``stage_memory`` counts them; ``memory_excess`` says by how much a stage's total exceeds
-its additive part, for a split that must tighten its budgets by it.
+so only ``stage_memory`` counts them (``StageMemory.total`` against its ``additive`` part, by which
+a split over budget tightens its budgets: ``costs.split_search.placements``).
 
 Under ``runtime.parallelize`` (``MemoryModel(data_parallel=..., dp=..., mixed_precision=...,
 activation_checkpointing=...)``) the terms follow what FSDP2 and ``torch.distributed.pipelining``
@@ -596,14 +596,6 @@ def stage_memory(
             gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
             reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]]))))
     return out
-
-
-def memory_excess(dag: nx.DiGraph, assignment: Mapping[str, int], num_stages: int,
-                  model: MemoryModel = MemoryModel()) -> list[float]:
-    """Per stage, what ``stage_memory`` counts beyond the additive per-node parts (received and
-    sent values in flight, one backward): a split that checks budgets on the additive parts and
-    finds a stage over its budget can tighten that budget by this and split again."""
-    return [s.total - s.additive for s in stage_memory(dag, assignment, num_stages, model)]
 
 
 def memory_shortfall(stages: Sequence[StageMemory], max_memory: Sequence[float]) -> str | None:

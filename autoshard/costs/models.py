@@ -100,7 +100,7 @@ def memory_parts(
     """The additive parts of ``memory`` per node: weight state held once per stage (weights charged
     as ``costs.ties.weight_payers`` says) and the bytes autograd saves, kept per microbatch in
     flight. The rest of a stage's memory (received and sent values, one backward) depends on the
-    cuts: ``costs.memory.stage_memory`` counts it, ``memory_excess`` gives it per stage."""
+    cuts: ``costs.memory.stage_memory`` counts it (a stage's ``total`` beyond its ``additive`` part)."""
     require_measured(dag, _READS["memory"], "memory")
     return node_state_bytes(dag, model, apart), kept_per_node(dag, model)
 
