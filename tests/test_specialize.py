@@ -191,3 +191,29 @@ def test_a_users_no_split_or_cut_on_a_module_the_new_branch_does_not_run_holds_n
     before, after = holders(sharded), holders(sharded.specializations[0].sharded)
     assert set(before) - set(after) == {"switch.b.weight", "switch.b.bias"}
     assert all(after[name] == held for name, held in before.items() if name in after)
+
+
+class StepsOverTheLength(nn.Module):
+    """Loops over the sequence length, turned into a Python number (as Funnel's ``int()`` of a
+    length does): the capture pins the length and guards it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.head = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = torch.zeros_like(x[:, 0])
+        for step in range(int(x.shape[1])):
+            state = torch.tanh(self.cell(state) + x[:, step])
+        return self.head(state)
+
+
+def test_a_length_turned_into_a_number_is_served_at_other_lengths_by_new_captures():
+    torch.manual_seed(0)
+    model = StepsOverTheLength().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 3, 4),))
+    for length in (5, 3, 2):
+        x = torch.randn(2, length, 4)
+        assert torch.equal(sharded(x), model(x))
+    assert len(sharded.specializations) == 2
+    assert all(holders(made.sharded) == holders(sharded) for made in sharded.specializations)
