@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.costs.execution import NodeCall
 from autoshard.costs.memory import SavedFacts
+from autoshard.costs.values import dense_parts
 
 
 class QuietMemTracker(MemTracker):
@@ -66,20 +67,9 @@ def without_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """The strided tensors holding ``t``'s memory: a sparse tensor has no storage of its own, only
-    its indices and values do."""
-    if t.layout == torch.sparse_coo:
-        return [t._indices(), t._values()]
-    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
-        return [t.crow_indices(), t.col_indices(), t.values()]
-    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
-        return [t.ccol_indices(), t.row_indices(), t.values()]
-    return [t]
-
-
 def _tensors(value: Any) -> list[torch.Tensor]:
-    return [part for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) for part in _parts(t)]
+    """The strided tensors in ``value``: a sparse tensor has no storage of its own, its parts do."""
+    return [part for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) for part in dense_parts(t)]
 
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:

@@ -109,7 +109,7 @@ def describe_value(value: Any) -> ValueMeta:
     return ConstantMeta(type(value).__name__, text)
 
 
-def _dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+def dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The strided tensors holding ``tensor``'s data: itself, or a sparse tensor's indices and values."""
     if tensor.layout == torch.sparse_coo:
         return [tensor._indices(), tensor._values()]
@@ -122,7 +122,7 @@ def _dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 def _storages(value: Any) -> dict[StorageWeakRef, int]:
     flat, _ = tree_flatten(value)
-    parts = [part for t in flat if isinstance(t, torch.Tensor) for part in _dense_parts(t)]
+    parts = [part for t in flat if isinstance(t, torch.Tensor) for part in dense_parts(t)]
     return {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in parts}
 
 
