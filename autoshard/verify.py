@@ -26,29 +26,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
-from autoshard.capture.eager import cloned, isolated
 from autoshard.capture.guard import check_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.errors import VerificationError
+from autoshard.isolation import PlainInterpreter, _detached, cloned, run_seeded
 from autoshard.lowering.inplace import written_values
-
-
-def _detached(value: Any) -> Any:
-    """``value`` with its tensors detached, so a kept result does not keep its autograd graph."""
-    flat, spec = tree_flatten(value, is_leaf=lambda v: isinstance(v, torch.Size))  # unflattened, a Size is a tuple
-    if not any(isinstance(v, torch.Tensor) for v in flat):
-        return value
-    return tree_unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in flat], spec)
-
-
-def run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False) -> Any:
-    """``fn()`` with randomness from ``seed`` and ``model``'s buffers restored afterwards."""
-    with isolated(model, seed), torch.set_grad_enabled(grad):
-        return _detached(fn())
 
 
 def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -56,28 +41,6 @@ def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any
     bound = inspect.signature(gm.forward).bind(*args, **kwargs)
     bound.apply_defaults()
     return tuple(bound.arguments.values())
-
-
-def _thawed(value: Any) -> Any:
-    """fx's interpreter freezes the containers in a node's arguments and in the graph's output;
-    generated code builds plain ones afresh on every call (a function may fill a list it is
-    given: torchvision's video Swin does), so hand over and compare those."""
-    if isinstance(value, immutable_dict):
-        return {key: _thawed(item) for key, item in value.items()}
-    if isinstance(value, immutable_list):
-        return [_thawed(item) for item in value]
-    if type(value) is tuple:
-        return tuple(_thawed(item) for item in value)
-    return value
-
-
-class PlainInterpreter(fx.Interpreter):
-    """Runs each node as the graph's generated code would: on plain, fresh containers (the
-    output node too, so the graph returns plain ones)."""
-
-    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        args, kwargs = super().fetch_args_kwargs_from_env(n)
-        return _thawed(args), _thawed(kwargs)
 
 
 class _Recorder(PlainInterpreter):

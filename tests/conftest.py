@@ -12,7 +12,7 @@ import torch
 from hypothesis import settings
 from torch import nn
 
-from autoshard.capture.eager import trace_values_on
+from autoshard.isolation import trace_values_on
 
 # CI draws the same hypothesis examples on every run, so a red CI comes from a change and not
 # from a lucky draw; local runs keep drawing new ones, which is where new bugs are found.

@@ -19,10 +19,10 @@ from torch import nn
 import autoshard
 from autoshard.capture import trace_with_leaves
 from autoshard.capture.auto import capture
-from autoshard.capture.eager import module_state_restored
 from autoshard.capture.guard import FREE_SIZES_PIPELINE
 from autoshard.capture.meta_proxy import EXAMPLE
 from autoshard.errors import InputMismatchError, TraceError
+from autoshard.isolation import module_state_restored
 from autoshard.passes.instruments import ModelUnchanged
 
 

@@ -16,8 +16,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autoshard"
 
 LAYERS = (
     # Shared value types and helpers every layer may import; the package root imports its
-    # subpackages lazily (importlib), so it holds nothing up.
-    ("base", ("autoshard", "errors", "arguments", "inputs", "fx_helpers", "progress", "generators", "examples")),
+    # subpackages lazily (importlib), so it holds nothing up. ``isolation`` runs the model or a graph
+    # of it without leaving a trace on it, as the cost runs, capture, verify and the runtime all do.
+    ("base", ("autoshard", "errors", "arguments", "inputs", "fx_helpers", "progress", "generators", "examples",
+              "isolation")),
     ("graph", ("graph", "testing")),  # pure graph algorithms (no torch), and the splitter test kit over them
     ("costs", ("costs",)),  # values, FLOPs, memory, times, cost models
     ("lowering", ("lowering",)),  # fx graph -> DAG, in-place and randomness orderings; reads costs.facts
@@ -35,9 +37,6 @@ order as graph <- costs <- capture <- passes <- api <- runtime, plan_io <- cli."
 
 UPWARD = {
     ("autoshard.api", "autoshard.plan_io.origin"): "a sharded model keeps its PlanOrigin for save_plan",
-    ("autoshard.costs.execution", "autoshard.capture.eager"): "cost runs clone inputs as the capture does",
-    ("autoshard.costs.execution", "autoshard.capture.guard"): "cost runs keep the model's grad mode unchecked",
-    ("autoshard.costs.execution", "autoshard.verify"): "cost runs use verify's interpreter and seeding",
     ("autoshard.passes.plan", "autoshard.plan_io.files"): "load-partition reads a plan file",
     ("autoshard.passes.plan", "autoshard.plan_io.fits"): "load-partition checks the plan fits the graph",
 }

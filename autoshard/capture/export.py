@@ -28,7 +28,7 @@ from torch.utils._pytree import BUILTIN_TYPES, SUPPORTED_NODES, _get_node_type, 
 from torch.utils._sympy.numbers import int_oo
 
 from autoshard.capture.assemble import assemble, leaves_of
-from autoshard.capture.eager import cloned, holds, isolated, swapped_attribute
+from autoshard.capture.eager import swapped_attribute
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design
 from autoshard.capture.fx import has_backward_hooks
 from autoshard.capture.grad_mode import GradModeReader
@@ -42,6 +42,7 @@ from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
 from autoshard.errors import InvalidArgumentError
 from autoshard.fx_helpers import resolve
+from autoshard.isolation import cloned, holds, isolated
 
 __all__ = ["export_with_leaves"]
 

@@ -27,13 +27,13 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard.capture.assemble import assemble, model_graph_module
-from autoshard.capture.eager import cloned, isolated
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design, packs_padded_batch
 from autoshard.capture.guard import DetachedModule, InputGuard, check_detached_mode
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.meta import MetaTracer, guard_value, has_proxy
 from autoshard.capture.result import TraceResult, WrappedLeaf
 from autoshard.capture.signature import CallSignature
+from autoshard.isolation import cloned, isolated
 
 __all__ = ["TraceResult", "WrappedLeaf", "has_backward_hooks", "has_call_hooks", "is_primitive", "trace_with_leaves"]
 

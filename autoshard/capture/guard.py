@@ -7,16 +7,16 @@ checks every call and raises ``InputMismatchError`` naming what the plan accepts
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from autoshard.capture.structure import ArgumentStructure, same_constant
 from autoshard.errors import InputMismatchError, InvalidArgumentError, SpecializationMismatch
+from autoshard.isolation import grad_mode_checked
 
 
 @dataclass(frozen=True)
@@ -203,23 +203,9 @@ def check_pinned_size(size: int, expected: int, site: str, top_level: bool = Fal
             f"size, or, if the model serves other sizes, {free}pipeline='{FREE_SIZES_PIPELINE}'")
 
 
-_GRAD_MODE_CHECKED = [True]
-
-
-@contextlib.contextmanager
-def grad_mode_unchecked() -> Iterator[None]:
-    """autoshard's own runs of a graph (shape propagation, timing) choose the grad mode for their
-    measurements: ``check_grad_mode`` lets them through."""
-    _GRAD_MODE_CHECKED.append(False)
-    try:
-        yield
-    finally:
-        _GRAD_MODE_CHECKED.pop()
-
-
 def check_grad_mode(captured: bool, site: str) -> None:
     """Code that chose its path by the grad mode, called in the other mode: refuse it."""
-    if _GRAD_MODE_CHECKED[-1] and torch.is_grad_enabled() != captured:
+    if grad_mode_checked() and torch.is_grad_enabled() != captured:
         was, now = ("enabled", "disabled") if captured else ("disabled", "enabled")
         raise InputMismatchError(
             f"{site} chose its path by the grad mode, which was {was} when the plan was captured and is {now} "

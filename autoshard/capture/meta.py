@@ -43,7 +43,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.eager import holds
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import check_condition, check_grad_mode, check_pinned_size
 from autoshard.capture.leaves import MACHINERY_DIRS
@@ -54,6 +53,7 @@ from autoshard.capture.state import kind_of, refusing_state_writes
 from autoshard.errors import TraceError
 from autoshard.fx_helpers import resolve
 from autoshard.generators import generator_states, same_states
+from autoshard.isolation import holds
 
 
 #: Reading these yields sizes, not tensor values.

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.eager import PLAIN_VALUES, cloned, isolated
 from autoshard.capture.host_random import host_draws
 from autoshard.capture.guard import DimSpec, InputGuard
 from autoshard.capture.structure import CACHE_ADVICE, ArgumentStructure, check_visible_tensors, holds_tensors
 from autoshard.errors import ExampleInputsError, InvalidArgumentError
+from autoshard.isolation import PLAIN_VALUES, cloned, isolated
 
 #: The wrapper's attribute holding the model; stripped from every captured name.
 MODEL_ATTR = "model"

@@ -37,8 +37,9 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.eager import scalar_changed, swapped_attribute
+from autoshard.capture.eager import swapped_attribute
 from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
+from autoshard.isolation import scalar_changed
 
 #: ``computed(module, name, value)``: whether assigning ``value`` stores something the trace computed.
 Computed = Callable[[nn.Module, str, Any], bool]

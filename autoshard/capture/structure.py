@@ -17,8 +17,8 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_leaves, tree_unflatten
 
-from autoshard.capture.eager import PLAIN_VALUES, contents
 from autoshard.errors import ExampleInputsError
+from autoshard.isolation import PLAIN_VALUES, contents
 
 #: Containers whose keys make their layout, in whatever order they come.
 _KEYED = (dict, OrderedDict)

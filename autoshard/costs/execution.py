@@ -23,10 +23,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from autoshard.capture.eager import cloned
-from autoshard.capture.guard import grad_mode_unchecked
 from autoshard.errors import AutoshardError, InvalidArgumentError, ShapePropagationError
-from autoshard.verify import PlainInterpreter, run_seeded
+from autoshard.isolation import PlainInterpreter, cloned, grad_mode_unchecked, run_seeded
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     from autoshard.inputs import ExampleInputs

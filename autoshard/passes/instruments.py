@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Sequence, TextIO
 
-from autoshard.capture.eager import trace_values_on
 from autoshard.errors import AutoshardError, InvalidArgumentError, InvalidArgumentTypeError, PassContractError
+from autoshard.isolation import trace_values_on
 from autoshard.passes.base import ExampleInputs, Instrument, Pass, ShardProgram
 from autoshard.passes.options import format_pass
 

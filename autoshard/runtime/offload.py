@@ -21,8 +21,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call
 
-from autoshard.capture.eager import PLAIN_VALUES
 from autoshard.errors import InvalidArgumentTypeError
+from autoshard.isolation import PLAIN_VALUES
 from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, stage_tensors
 from autoshard.sharded import ShardedModel, moved_to

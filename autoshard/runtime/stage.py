@@ -19,13 +19,13 @@ import torch.fx as fx
 from torch.distributed.pipelining import PipelineStage
 
 from autoshard.arguments import whole_number
-from autoshard.capture.eager import isolated
 from autoshard.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     PipelineSetupError,
     WorldSizeError,
 )
+from autoshard.isolation import isolated
 from autoshard.runtime.boundaries import boundary_wires
 from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, shared_across_stages

@@ -1,0 +1,284 @@
+"""Running the user's model, or a graph of it, for real without leaving a trace on it.
+
+Capture runs the model on the example to learn shapes, verify runs it to compare, and the cost
+passes run the traced graph to measure it; all must leave the model as it was. ``isolated``
+replays randomness from one seed, restores every buffer (BatchNorm statistics) afterwards, and
+takes off the modules whatever a trace left on them: a forward that stores a value on itself
+(Swin's window size) would keep a Proxy, and fail the model's next call. ``run_seeded`` runs a
+call so, ``PlainInterpreter`` runs a graph as its generated code would, and ``grad_mode_unchecked``
+marks autoshard's own runs of a graph. Kept with the shared helpers at the bottom of the layers so
+that the cost modules, below capture, run graphs as capture and verify do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import types
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+
+@contextlib.contextmanager
+def values_restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """On exit, each of ``tensors`` holds the values, and the version counter, it held on entry.
+
+    Autograd refuses to back-propagate through a graph that saved a tensor whose counter moved
+    since: a backward pending on the model from before sharding saw these values, so it must
+    still run once they are back (a buffer the forward updates with ``mul_``). Kernels that
+    update statistics in place (BatchNorm on the CPU) leave the counter where it was, so the
+    values are compared as well."""
+    saved = [(t, _version(t), t.detach().clone()) for t in tensors]
+    try:
+        yield
+    finally:
+        # Through .data, which has a counter of its own, so the write itself moves nothing.
+        # Inference mode: an inference tensor (weights made under it) can be written only there.
+        with torch.inference_mode():
+            for tensor, version, value in saved:
+                if _version(tensor) != version or not _same_values(tensor, value):
+                    tensor.data.copy_(value)
+        # The counters the runs' own writes moved go back too, as torch's
+        # `_unsafe_preserve_version_counter` does for a tensor refilled before autograd reads it:
+        # the values under them are the saved ones again.
+        moved = [(tensor, version) for tensor, version, _ in saved if _version(tensor) != version]
+        if moved:
+            tensors_moved, versions = zip(*moved)
+            torch._C._autograd._unsafe_set_version_counter(tensors_moved, versions)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (None for an inference tensor, which has none)."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _same_values(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    """Equal elementwise, NaN at the same places counting as equal (meta tensors hold no values)."""
+    if tensor.is_meta or torch.equal(tensor, value):
+        return True
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    return torch.equal(tensor.isnan(), value.isnan()) and torch.equal(tensor.nan_to_num(0.0), value.nan_to_num(0.0))
+
+
+def rewritten_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights a forward rewrites in place: an embedding with ``max_norm`` renormalises the
+    rows it looks up on every call."""
+    return [m.weight for m in model.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+
+
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+def contents(value: Any) -> Iterable[Any]:
+    """What a container, a mapping, a dataclass or a slice holds; nothing for anything else."""
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return value
+    if isinstance(value, Mapping):  # a dict, or a UserDict such as Hugging Face's BatchEncoding
+        return value.values()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    if isinstance(value, slice):
+        return value.start, value.stop, value.step
+    return ()
+
+
+def holds(value: Any, kinds: type | tuple[type, ...]) -> bool:
+    """Whether an instance of ``kinds`` hides anywhere in ``value`` (containers, dataclass fields, slices)."""
+    return isinstance(value, kinds) or any(holds(v, kinds) for v in contents(value))
+
+
+#: Values only a trace makes; left on a module, they break its next real call.
+TRACE_VALUES = (fx.Proxy, torch.SymInt, torch.SymFloat, torch.SymBool, FakeTensor)
+
+
+#: Where a trace can leave a value besides plain attributes: ``self.count += 1`` on a buffer
+#: sets the buffer to the Proxy of the addition.
+_TENSOR_REGISTRIES = ("_parameters", "_buffers")
+
+
+def _attribute_dicts(module: nn.Module) -> list[dict[str, Any]]:
+    """Where ``module`` keeps its state: its plain attributes, then its parameters and buffers."""
+    return [vars(module)] + [getattr(module, r) for r in _TENSOR_REGISTRIES]
+
+
+def trace_values_on(module: nn.Module) -> list[str]:
+    """The attributes of ``module`` (plain ones, parameters and buffers; not its children) holding
+    a trace value."""
+    return [key for entries in _attribute_dicts(module) for key, value in entries.items()
+            if key not in _REGISTRIES and holds(value, TRACE_VALUES)]
+
+
+#: Plain values a forward may keep on ``self`` from one call to the next.
+SCALARS = (bool, int, float, str)
+#: Those and None: what an attribute set once (``self.mode = None`` until the first call) holds.
+PLAIN_VALUES = (*SCALARS, type(None))
+
+
+def scalar_changed(old: Any, new: Any) -> bool:
+    """Whether a number, flag, string or None was replaced by a different one (a step counter
+    moved, a mode left None)."""
+    return (isinstance(old, PLAIN_VALUES) and isinstance(new, PLAIN_VALUES)
+            and (type(old) is not type(new) or old != new))
+
+
+@contextlib.contextmanager
+def module_state_restored(model: nn.Module) -> Iterator[None]:
+    """On exit, set back (or remove, if the run added it) every attribute, parameter or buffer of
+    a module that holds a trace value, and every attribute or buffer the run bound to another tensor
+    (``self.previous = y``, kept for the next call; a cache registered as a buffer), changed from
+    one number, flag, string or None to another (a step counter) or deleted, and every dict, list or set attribute
+    the run filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
+    from the state the model was given in, and none leaves a trace on it. Other values a forward
+    stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
+    Face's output recorders). The numbers, flags and strings of objects modules keep settings in
+    (a Hugging Face config's ``problem_type``) are set back as well (``_settings_objects``)."""
+    saved = [(module, [dict(c) for c in _attribute_dicts(module)]) for module in model.modules()]
+    settings = [(holder, dict(vars(holder))) for holder in _settings_objects(model)]
+    collections = [(value, copy.copy(value)) for module in model.modules() for key, value in vars(module).items()
+                   if key not in _REGISTRIES and isinstance(value, (dict, list, set))]
+    try:
+        yield
+    finally:
+        for collection, before in collections:  # a cache the trace filled in place (keyed by a Proxy)
+            keys = list(collection.keys()) if isinstance(collection, dict) else []
+            if not (holds(keys, TRACE_VALUES) or holds(collection, TRACE_VALUES)):
+                continue
+            if isinstance(collection, list):
+                collection[:] = before
+            else:
+                collection.clear()
+                collection.update(before)
+        for module, befores in saved:
+            for current, before in zip(_attribute_dicts(module), befores):
+                stale = [key for key, value in current.items() if key not in _REGISTRIES and (
+                    holds(value, TRACE_VALUES) or (value is not before.get(key) and holds(value, torch.Tensor))
+                    or (key in before and scalar_changed(before[key], value)))]
+                for key in stale:
+                    if key in before:
+                        current[key] = before[key]
+                    else:
+                        del current[key]
+                current.update({key: value for key, value in before.items() if key not in current})  # deleted
+        for holder, before in settings:
+            current = vars(holder)
+            for key in [k for k, v in current.items() if (k in before and scalar_changed(before[k], v))
+                        or holds(v, TRACE_VALUES)]:
+                if key in before:
+                    current[key] = before[key]
+                else:
+                    del current[key]
+
+
+def _settings_objects(model: nn.Module) -> list[Any]:
+    """The plain objects modules keep settings in (a Hugging Face config): a forward that fills one
+    in (``self.config.problem_type = "regression"`` when it was None) changes the model as surely as
+    a flag on ``self``, so its numbers, flags and strings are set back too. Not modules, tensors,
+    containers, callables or classes: only objects with attributes of their own."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key in _REGISTRIES or callable(value) or not hasattr(value, "__dict__") \
+                    or isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, Mapping)):
+                continue
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def generators_restored(model: nn.Module) -> Iterator[None]:
+    """On exit, each random generator a module keeps (``self.g = torch.Generator()``) back at the
+    state it had: every run draws the same numbers, and capture leaves the model's draws alone."""
+    saved = [(g, g.get_state()) for m in model.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
+    try:
+        yield
+    finally:
+        for generator, state in saved:
+            generator.set_state(state)
+
+
+def _tensor_attributes(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors modules keep as plain attributes (not parameters or buffers), which a forward may
+    update in place (``self.t += 1``)."""
+    return [value for module in model.modules() for key, value in vars(module).items()
+            if key not in _REGISTRIES and isinstance(value, torch.Tensor) and not isinstance(value, TRACE_VALUES)]
+
+
+@contextlib.contextmanager
+def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
+    """Randomness seeded with ``seed`` (None: drawn on from where it is, then set back), and on
+    exit the model's own generators, buffer values, rewritten weights and module state restored."""
+    with torch.random.fork_rng(devices=[]), generators_restored(model), \
+            values_restored([*model.buffers(), *rewritten_weights(model), *_tensor_attributes(model)]), \
+            module_state_restored(model):
+        if seed is not None:
+            torch.manual_seed(seed)
+        yield
+
+
+def cloned(value: Any) -> Any:
+    """A copy of every tensor in ``value``, so running a capture never writes to the user's inputs."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+_GRAD_MODE_CHECKED = [True]
+
+
+@contextlib.contextmanager
+def grad_mode_unchecked() -> Iterator[None]:
+    """autoshard's own runs of a graph (shape propagation, timing) choose the grad mode for their
+    measurements: ``check_grad_mode`` lets them through."""
+    _GRAD_MODE_CHECKED.append(False)
+    try:
+        yield
+    finally:
+        _GRAD_MODE_CHECKED.pop()
+
+
+def grad_mode_checked() -> bool:
+    """Whether ``check_grad_mode`` guards check the grad mode now: not inside ``grad_mode_unchecked``."""
+    return _GRAD_MODE_CHECKED[-1]
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with its tensors detached, so a kept result does not keep its autograd graph."""
+    flat, spec = tree_flatten(value, is_leaf=lambda v: isinstance(v, torch.Size))  # unflattened, a Size is a tuple
+    if not any(isinstance(v, torch.Tensor) for v in flat):
+        return value
+    return tree_unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in flat], spec)
+
+
+def run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False) -> Any:
+    """``fn()`` with randomness from ``seed`` and ``model``'s buffers restored afterwards."""
+    with isolated(model, seed), torch.set_grad_enabled(grad):
+        return _detached(fn())
+
+
+def _thawed(value: Any) -> Any:
+    """fx's interpreter freezes the containers in a node's arguments and in the graph's output;
+    generated code builds plain ones afresh on every call (a function may fill a list it is
+    given: torchvision's video Swin does), so hand over and compare those."""
+    if isinstance(value, immutable_dict):
+        return {key: _thawed(item) for key, item in value.items()}
+    if isinstance(value, immutable_list):
+        return [_thawed(item) for item in value]
+    if type(value) is tuple:
+        return tuple(_thawed(item) for item in value)
+    return value
+
+
+class PlainInterpreter(fx.Interpreter):
+    """Runs each node as the graph's generated code would: on plain, fresh containers (the
+    output node too, so the graph returns plain ones)."""
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return _thawed(args), _thawed(kwargs)
