@@ -33,7 +33,7 @@ _LAZY = {
     "DeviceModel": "autoshard.costs.estimate",
     # warnings a user may want to filter or turn into errors
     "HostRandomnessWarning": "autoshard.capture.host_random",
-    "StalePlanWarning": "autoshard.plan_io.fits",
+    "StalePlanWarning": "autoshard.plan_format.fits",
     "SharedBufferWarning": "autoshard.runtime.stage",
     "MicrobatchStatisticsWarning": "autoshard.runtime.schedule",
     "TargetError": "autoshard.targets",

@@ -35,7 +35,7 @@ from autoshard.passes.shapes import ShapePropPass
 from autoshard.passes.split import SplitPass
 from autoshard.passes.stages import bind_stages, check_stages_made
 from autoshard.passes.verify import VerifyPass
-from autoshard.plan_io.origin import PlanOrigin
+from autoshard.plan_origin import PlanOrigin
 from autoshard.sharded import ShardedModel
 from autoshard.specialize import MAX_SPECIALIZATIONS, Specializer, shape_key
 

@@ -17,7 +17,7 @@ from autoshard.costs.memory import MemoryModel, stage_memory
 from autoshard.costs.recompute import block_path, checkpoint_regions
 from autoshard.errors import InvalidArgumentError
 from autoshard.examples import GPTStyleLMWithLoss
-from autoshard.plan_io.files import read_plan, save_plan
+from autoshard.plan_format.files import read_plan, save_plan
 from autoshard.runtime.parallel import layout_memory_model
 
 ROWS, TOKENS, WIDTH = 2, 16, 32

@@ -10,8 +10,8 @@ from typing import ClassVar
 from autoshard.errors import InvalidArgumentError, PlanError
 from autoshard.graph import Partition
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
-from autoshard.plan_io.files import read_plan
-from autoshard.plan_io.fits import StalePlanWarning, check_fits, weight_size_changes
+from autoshard.plan_format.files import read_plan
+from autoshard.plan_format.fits import StalePlanWarning, check_fits, weight_size_changes
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from torch import nn
 
 from autoshard.errors import InvalidArgumentTypeError, PlanError, SpecError
-from autoshard.plan_io.files import read_plan
-from autoshard.plan_io.fits import weight_size_changes
-from autoshard.plan_io.model import SavedPlan
-from autoshard.plan_io.origin import PlanOrigin
+from autoshard.plan_format.files import read_plan
+from autoshard.plan_format.fits import weight_size_changes
+from autoshard.plan_format.model import SavedPlan
+from autoshard.plan_origin import PlanOrigin
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoshard.passes.pipeline import Pipeline

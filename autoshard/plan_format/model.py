@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import platform
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Mapping
@@ -26,6 +27,15 @@ from autoshard.lowering.from_fx import WeightInfo
 
 FORMAT = "autoshard-plan"
 FORMAT_VERSION = 1
+
+
+def versions() -> dict[str, str]:
+    """The library versions a plan is made with; a graph mismatch on load reports them."""
+    import torch
+
+    import autoshard
+
+    return {"autoshard": autoshard.__version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
 @dataclass(frozen=True)

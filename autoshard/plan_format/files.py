@@ -21,7 +21,7 @@ from autoshard.costs.memory import MemoryModel, SavedFacts
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PlanError
 from autoshard.graph import SplitInfo, check_dag, check_partition
 from autoshard.lowering.from_fx import WeightInfo
-from autoshard.plan_io.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan, SplitRecord, optional_float
+from autoshard.plan_format.model import FORMAT, FORMAT_VERSION, PlanNode, SavedPlan, SplitRecord, optional_float
 from autoshard.sharded import ShardedModel
 
 

@@ -1,7 +1,7 @@
 """Whether a saved plan fits the model's graph today: the same nodes and edges, the same weight sizes.
 
-Apart from ``rebuild`` (which imports the passes) so that the ``load-partition`` pass can check a
-plan without an import cycle.
+Below the passes, with the rest of the file format, so that the ``load-partition`` pass can check
+a plan; ``autoshard.plan_io.rebuild`` (which imports the passes) checks it too.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from typing import Sequence
 import networkx as nx
 
 from autoshard.errors import PlanError
-from autoshard.plan_io.from_program import versions
-from autoshard.plan_io.model import SavedPlan
+from autoshard.plan_format.model import SavedPlan, versions
 
 
 def check_fits(plan: SavedPlan, dag: nx.DiGraph, source: str) -> None:
