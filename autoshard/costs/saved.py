@@ -19,7 +19,10 @@ A storage is told by ``StorageWeakRef`` (identity); every twin and every saved t
 referenced until the probe ends, so no storage is freed and its address reused under another
 node's name. Inputs that
 require grad reach a node as clones (autograd refuses an in-place write to a leaf that requires
-grad), each clone mapped back to the storage it copies. A node that fake tensors cannot run
+grad), each clone mapped back to the storage it copies. Nodes alike (``probe_memo``: the same
+function, method or module settings on the same argument layouts, as in a model's repeated blocks)
+are probed once: the others get the first one's ``NodeEffect`` applied to their own arguments and a
+fresh output of its layout. A node that fake tensors cannot run
 (control flow on a tensor's values, as ``nn.TransformerEncoder``'s mask check) gets zeros and a
 fake twin of its real value; ``unprobed`` names those nodes.
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Iterator
+from typing import Any, Hashable, Iterator
 
 import torch
 import torch.fx as fx
@@ -38,10 +41,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autoshard.costs.execution import NodeCall
 from autoshard.costs.memory import SavedFacts
+from autoshard.costs.probe_memo import (
+    CONSTANTS, NodeEffect, OutputTensor, Uncacheable, constant_key, module_key, tensor_key)
 from autoshard.costs.values import dense_parts
 
 
@@ -84,7 +89,8 @@ def _total(snapshot: Any) -> int:
 class TrainingProbe:
     """Runs beside shape propagation: ``measure(call, value)`` after each node, ``facts()`` at the end."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, memo: bool = True) -> None:
+        """``memo=False`` probes every node on its own (tests compare the two)."""
         self.gm = gm
         self.fake: FakeTensorMode | None = None  # the run's own fake mode, or one of the probe's
         self.twins: dict[fx.Node, Any] = {}  # fx node -> its fake value with gradients (kept: see above)
@@ -102,6 +108,7 @@ class TrainingProbe:
         self.kept: list[Any] = []
         self.unprobed: list[str] = []
         self.tracker = QuietMemTracker()
+        self.memo: dict[Hashable, NodeEffect] | None = {} if memo else None  # a node's key -> its effect
 
     # -- storages -------------------------------------------------------------------------
     def original(self, ref: StorageWeakRef) -> StorageWeakRef:
@@ -146,10 +153,20 @@ class TrainingProbe:
         assert self.fake is not None
         return t if isinstance(t, FakeTensor) and t.fake_mode is self.fake else self.fake.from_tensor(t)
 
+    def wrapped(self, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Meta tensor ``meta`` as a fake tensor of the probe's mode on ``device``: wrapped, not made by
+        an operator run through the fake mode, which costs about a millisecond each."""
+        assert self.fake is not None
+        return self.fake.fake_tensor_converter.from_meta_and_device(self.fake, meta, device)
+
     def weight(self, t: torch.Tensor) -> torch.Tensor:
         """The fake leaf standing for parameter or buffer ``t``, one per tensor."""
         if id(t) not in self.weights:
-            leaf = self.twin(t).detach().requires_grad_(t.requires_grad and t.is_floating_point())
+            plain = t.layout == torch.strided and type(t) in (torch.Tensor, nn.Parameter)
+            with _disable_current_modes():
+                meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") if plain else None
+            twin = self.wrapped(meta, t.device) if plain else self.twin(t).detach()
+            leaf = twin.requires_grad_(t.requires_grad and t.is_floating_point())
             self.weights[id(t)] = leaf
             self.leaves.add(id(leaf))
             self.kept.append((t, leaf))
@@ -172,8 +189,8 @@ class TrainingProbe:
         self.twins[node] = twin
         self.kept.append(twin)
 
-    def _inputs(self, call: NodeCall) -> tuple[tuple, dict, list[torch.Tensor]]:
-        """The node's arguments as twins, those that require grad cloned (in-place writes stay legal)."""
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+        """The node's arguments, those that require grad cloned (in-place writes stay legal)."""
         wanted: list[torch.Tensor] = []
 
         def prepare(t: torch.Tensor) -> torch.Tensor:
@@ -189,7 +206,6 @@ class TrainingProbe:
             wanted.append(copy)
             return copy
 
-        args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
         args, kwargs = tree_map_only(torch.Tensor, prepare, (args, kwargs))
         return args, kwargs, list({id(t): t for t in wanted}.values())
 
@@ -205,50 +221,148 @@ class TrainingProbe:
         value = torch.func.functional_call(module, leaves, args, kwargs)
         return value, [t for t in {id(t): t for t in leaves.values()}.values() if t.requires_grad]
 
+    def _key(self, node: fx.Node, flat: list[Any], spec: Any) -> Hashable | None:
+        """What decides ``node``'s probe (``probe_memo``), or None where it cannot be told by value."""
+        if self.memo is None:
+            return None
+        storages: dict[StorageWeakRef, int] = {}
+        try:
+            arguments = tuple(tensor_key(x, storages, lambda t: self.original(_storage(t))) + (id(x) in self.leaves,)
+                              if isinstance(x, torch.Tensor) else constant_key(x) for x in flat)
+            target = module_key(self.gm.get_submodule(str(node.target))) if node.op == "call_module" else node.target
+            key = (node.op, target, spec, arguments)
+            hash(key)
+            return key
+        except (Uncacheable, TypeError):  # TypeError: a value that cannot be hashed
+            return None
+
     def _compute(self, call: NodeCall, real: Any) -> Any:
         name = call.node.name
-        made: list[tuple[StorageWeakRef, int]] = []  # storages saved that no earlier value owns
+        args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
+        flat, spec = tree_flatten((args, kwargs))
+        arguments = [x for x in flat if isinstance(x, torch.Tensor)]
+        key = self._key(call.node, flat, spec)
+        effect = None if key is None else self.memo.get(key)
+        if effect is not None:
+            value = self._replay(effect, arguments)
+        else:
+            try:
+                effect, value, reusable = self._probe(call, args, kwargs, arguments)
+            except Exception:  # noqa: BLE001 - what fake tensors cannot run is left unprobed, not fatal
+                self.unprobed.append(name)
+                self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
+                twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
+                self.own(twin, name)
+                return twin
+            if reusable and key is not None:
+                self.memo[key] = effect  # key is None whenever memo is
+        self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)
+        return value
+
+    def _new_storages(self, value: Any) -> list[tuple[StorageWeakRef, int]]:
+        """The storages of ``value`` no earlier value owns, in the order its tensors come."""
+        found: dict[StorageWeakRef, int] = {}
+        for t in _tensors(value):
+            ref = self.original(_storage(t))
+            if ref not in self.owner:
+                found.setdefault(ref, t.untyped_storage().nbytes())
+        return list(found.items())
+
+    def _probe(self, call: NodeCall, args: tuple, kwargs: dict,
+               arguments: list[torch.Tensor]) -> tuple[NodeEffect, Any, bool]:
+        """Run the node with gradients under the saved-tensor hooks and ``MemTracker``: its effect
+        (relative to ``arguments``), its output as fake leaves, and whether the effect may serve
+        another node of the same key."""
+        packed: dict[StorageWeakRef, int] = {}  # storage saved -> its bytes, in the order saved
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             self.kept.append(t)  # alive to the end: a freed storage's address may come back as another's
-            ref = self.original(_storage(t))
-            if ref not in self.saved_storages:
-                self.saved_storages.add(ref)
-                if ref not in self.owner:
-                    made.append((ref, t.untyped_storage().nbytes()))
-                    self.release(name, name, t.untyped_storage().nbytes())
-                elif self.owner[ref] is not None:
-                    owner = self.owner[ref]
-                    self.saved[owner] = self.saved.get(owner, 0) + self.nbytes[ref]
-                    self.release(name, owner, self.nbytes[ref])
+            packed.setdefault(self.original(_storage(t)), t.untyped_storage().nbytes())
             return t
 
-        try:
-            with torch.enable_grad():
-                args, kwargs, wanted = self._inputs(call)
-                with self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    value, weights = self._run(call, args, kwargs)
-        except Exception:  # noqa: BLE001 - what fake tensors cannot run is left unprobed, not fatal
-            self.unprobed.append(name)
-            self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
-            twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
-            self.own(twin, name)
-            return twin
-        for ref, nbytes in made:
-            self.owner[ref], self.nbytes[ref] = name, nbytes
-        self.saved[name] = self.saved.get(name, 0) + sum(n for _, n in made)
-        self.outputs[name] = {ref for ref in map(self.original, map(_storage, _tensors(value)))
-                              if self.owner.get(ref, name) == name}
-        self.own(value, name)
+        self.tracker.reset_mod_stats()  # it refuses a module called twice (a block's one dropout, used twice)
+        with torch.enable_grad():
+            args, kwargs, wanted = self._inputs(args, kwargs)
+            with self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                value, weights = self._run(call, args, kwargs)
         sent = [t for t in _tensors(value) if t.requires_grad and t.grad_fn is not None]
-        self.grad[name] = sum(t.numel() * t.element_size() for t in sent)
         wanted += weights
+        reusable = True
         try:
-            self.backward[name] = self._backward(sent, wanted, (args, kwargs)) if sent and wanted else 0
+            backward = self._backward(sent, wanted, (args, kwargs)) if sent and wanted else 0
         except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
-            self.unprobed.append(name)
-            self.backward[name] = 0
-        return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
+            self.unprobed.append(call.node.name)
+            backward, reusable = 0, False
+        value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
+        position: dict[StorageWeakRef, int] = {}
+        for i, t in enumerate(arguments):
+            position.setdefault(self.original(_storage(t)), i)
+        new = {ref: i for i, (ref, _) in enumerate(self._new_storages(value))}
+        saved_arguments, saved_new = [], []
+        for ref, nbytes in packed.items():
+            if ref in position:
+                saved_arguments.append(position[ref])
+            elif ref not in self.owner:
+                saved_new.append((nbytes, new.get(ref)))
+            elif self.owner[ref] is not None:  # no path reaches another node's value but its arguments
+                reusable = False
+        leaves, spec = tree_flatten(value)
+        outputs, storages = [], {}
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                reusable &= isinstance(leaf, CONSTANTS)
+                outputs.append(leaf)
+                continue
+            ref = self.original(_storage(leaf)) if leaf.layout == torch.strided else None
+            if ref in new:
+                stored = storages.setdefault(new[ref], (leaf.untyped_storage().nbytes(), leaf.dtype, leaf.device))
+                reusable &= stored[1] == leaf.dtype and stored[0] % leaf.element_size() == 0
+            else:
+                reusable &= ref in position
+            outputs.append(OutputTensor(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype,
+                                        leaf.device, leaf.requires_grad, position.get(ref), new.get(ref)))
+        reusable &= sorted(storages) == list(range(len(new)))
+        effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages[i] for i in sorted(storages)),
+                            spec, tuple(outputs), sum(t.numel() * t.element_size() for t in sent), backward)
+        return effect, value, reusable
+
+    def _replay(self, effect: NodeEffect, arguments: list[torch.Tensor]) -> Any:
+        """The output of a node whose key was probed before: fake leaves laid out as ``effect``'s, in
+        new storages or in its arguments' as that node's were, made as meta tensors (``wrapped``)."""
+        with _disable_current_modes():
+            bases = [torch.empty(nbytes // dtype.itemsize, dtype=dtype, device="meta").untyped_storage()
+                     for nbytes, dtype, _ in effect.new_storages]
+
+            def made(leaf: Any) -> Any:
+                if not isinstance(leaf, OutputTensor):
+                    return leaf
+                storage = bases[leaf.new] if leaf.new is not None else arguments[leaf.argument].untyped_storage()
+                meta = torch.empty(0, dtype=leaf.dtype, device="meta").set_(storage, leaf.offset, leaf.shape,
+                                                                            leaf.stride)
+                return self.wrapped(meta, leaf.device).requires_grad_(leaf.requires_grad)
+
+            return tree_unflatten([made(leaf) for leaf in effect.leaves], effect.spec)
+
+    def _apply(self, name: str, effect: NodeEffect, saved_arguments: list[StorageWeakRef], value: Any) -> None:
+        """Charge what ``name`` saved: an argument's storage to the node that made it, the first time
+        any node saves it; a storage of its own (a temporary, or one its output lives in) to itself."""
+        new = self._new_storages(value)
+        for ref in saved_arguments:
+            if ref not in self.saved_storages:
+                self.saved_storages.add(ref)
+                owner = self.owner[ref]
+                if owner is not None:
+                    self.saved[owner] = self.saved.get(owner, 0) + self.nbytes[ref]
+                    self.release(name, owner, self.nbytes[ref])
+        for nbytes, index in effect.saved_new:
+            if index is not None:
+                self.saved_storages.add(new[index][0])
+            self.release(name, name, nbytes)
+        self.saved[name] = self.saved.get(name, 0) + sum(nbytes for nbytes, _ in effect.saved_new)
+        for ref, nbytes in new:
+            self.owner[ref], self.nbytes[ref] = name, nbytes
+        self.outputs[name] = {ref for ref, _ in new}
+        self.grad[name], self.backward[name] = effect.grad, effect.backward
 
     def _backward(self, sent: list[torch.Tensor], wanted: list[torch.Tensor], inputs: Any) -> int:
         """The peak ``MemTracker`` sees while ``sent`` back-propagates, above where it started. What

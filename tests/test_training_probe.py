@@ -1,0 +1,85 @@
+"""The training-memory probe (``costs.saved``): nodes that run the same thing on the same layouts
+are probed once (``costs.probe_memo``), with the facts probing each on its own gives; a module
+called twice is probed both times."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.capture import capture
+from autoshard.costs import propagation
+from autoshard.costs.saved import TrainingProbe
+from autoshard.inputs import ExampleInputs
+
+
+class Block(nn.Module):
+    """A residual block that calls its one activation twice, reshapes through views and writes in place."""
+
+    def __init__(self, width: int, frozen: bool = False) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.norm, self.act = nn.LayerNorm(width), nn.GELU()
+        self.requires_grad_(not frozen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.up(self.norm(x)))
+        h = self.act(self.down(h)).transpose(0, 1).contiguous().transpose(0, 1)
+        return (x + h).mul_(0.5)
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        # Two blocks alike, one frozen (its backward makes no weight gradients), and two alike again
+        self.blocks = nn.Sequential(Block(width), Block(width), Block(width, frozen=True), Block(width), Block(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).sum(-1)
+
+
+def probed(gm, example: torch.Tensor, monkeypatch: pytest.MonkeyPatch, memo: bool) -> tuple[dict, list[str]]:
+    """Every node's training facts and the nodes the probe ran (rather than applied from its memo)."""
+    ran: list[str] = []
+
+    class Counting(TrainingProbe):
+        def _probe(self, call, *args):
+            ran.append(call.node.name)
+            return super()._probe(call, *args)
+
+    monkeypatch.setattr(propagation, "TrainingProbe", functools.partial(Counting, memo=memo))
+    facts = propagation.propagate(gm, ExampleInputs((example,)))
+    return {name: f.training for name, f in facts.items()}, ran
+
+
+def test_alike_nodes_are_probed_once_and_get_the_facts_a_probe_of_each_gives(monkeypatch):
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(4, 6, 16)
+    gm = capture(model, (x,), {}).graph_module
+    remembered, ran_once = probed(gm, x, monkeypatch, memo=True)
+    each, ran_each = probed(gm, x, monkeypatch, memo=False)
+    assert remembered == each
+    assert len(ran_each) == sum(node.op in ("call_module", "call_function", "call_method") for node in gm.graph.nodes)
+    per_block = len(ran_each) // 5
+    # The first block is probed, and the frozen one (its weights want no gradient); the rest are applied
+    assert len(ran_once) < 3 * per_block
+    frozen = [name for name in each if name.startswith("blocks_2_up")]
+    trained = [name for name in each if name.startswith("blocks_1_up")]
+    assert frozen and trained and each[frozen[0]].backward < each[trained[0]].backward
+
+
+def test_a_module_called_twice_is_probed_both_times(monkeypatch):
+    """``MemTracker`` refuses a module it saw run before; the second call of a block's one activation
+    was left unprobed (zeros) until the tracker's module records were cleared before each node."""
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(4, 6, 16)
+    gm = capture(model, (x,), {}).graph_module
+    facts, _ = probed(gm, x, monkeypatch, memo=False)
+    output = 4 * 6 * 16 * 4  # bytes of the second call's output, and of what it keeps: its input
+    second = facts["blocks_0_act_1"]
+    assert second.grad == output and second.backward > 0
+    assert second.releases == (("blocks_0_down", output),)  # GELU keeps its input, made by `down`
+    assert facts["blocks_0_down"].saved == output
