@@ -251,7 +251,8 @@ def shard_model(
     the final plan is checked again; a budget no plan fits raises ``InfeasibleSplitError``
     naming the stage that is short and by how much.
     ``time_profile`` is a JSON file of measured node times, loaded when it exists and written
-    otherwise. ``memory_model``
+    otherwise; a loaded profile keeps its settings (whether it timed the backward, which the step
+    time reads). ``memory_model``
     (``autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...)``) is the optimizer
     and schedule that ``cost="memory"`` and ``max_memory`` plan for (default: Adam, 8 bytes per
     parameter, every microbatch in flight); the plan keeps it, so ``plan_report`` reports with it.

@@ -3,6 +3,7 @@
     autoshard split TARGET --stages K [--out plan.json] [--svg plan.svg] [--compare greedy,min-cut]
     autoshard split TARGET --stages K --device-tflops 989 --device-bandwidth 3350   # times for that device
     autoshard split TARGET --stages K --max-memory 40GiB --optimizer sgd-momentum --microbatches 8
+    autoshard split TARGET --stages K --link-bandwidth 25e9 --link-latency 5e-6  # step time over that link
     autoshard split TARGET --plan plan.json        # rebuild the saved stages
     autoshard inspect TARGET --stages K            # the plan only: no stages are built
     autoshard inspect plan.json                    # show a saved plan
@@ -32,6 +33,7 @@ from autoshard.api import bind_pipeline, check_stages_made, default_pipeline, ex
 from autoshard.arguments import whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel
+from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel
 from autoshard.errors import (
     AutoshardError,
     ExampleInputsError,
@@ -54,7 +56,7 @@ from autoshard.passes.options import option_table
 from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
 )
-from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables
+from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables, run_of
 from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
 
 
@@ -119,8 +121,8 @@ class _Session:
         reported = report_costs(program, self.ctx, choice.cost_model, device)
         split = saved.split if saved is not None and not weight_size_changes(saved, program.dag) else None
         plan = plan_from_program(program, choice.spec, choice.cost_model, reported.costs,
-                                 time_estimate=reported.time_estimate, split=split,
-                                 memory_model=memory_model(self.ctx))
+                                 time_estimate=reported.time_estimate, time_backward=reported.time_backward,
+                                 split=split, memory_model=memory_model(self.ctx))
         return plan, reported.notes if self.inputs is not None else (self.without_inputs(),)
 
     def without_inputs(self) -> str:
@@ -196,6 +198,21 @@ def _memory_flags(model: MemoryModel) -> list[str]:
     if model.master_weights:
         flags += ["--master-weights"]
     return flags
+
+
+def _links(args: argparse.Namespace) -> dict[str, float]:
+    """The link settings --link-bandwidth / --link-latency give, checked by ``StepTimeModel`` now
+    rather than after the split (its messages name ``link_bandwidth``, which the errors show as the flag)."""
+    given = {name: value for name, value in (("link_bandwidth", args.link_bandwidth),
+                                             ("link_latency", args.link_latency)) if value is not None}
+    StepTimeModel(**given)
+    return given
+
+
+def _step(links: dict[str, float], memory: MemoryModel) -> StepTimeModel | None:
+    """The step the tables predict: the plan's schedule over the link given; None (the plan's
+    schedule and the default link) when no link flag is given."""
+    return dataclasses.replace(run_of(memory), **links) if links else None
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -303,8 +320,9 @@ def _pins(args: argparse.Namespace) -> dict[str, int] | None:
 # --------------------------------------------------------------------------------------------
 # Showing and writing plans
 # --------------------------------------------------------------------------------------------
-def _show(plan: SavedPlan, title: str, console: Console, notes: Sequence[str] = ()) -> None:
-    for shown in plan_renderables(plan, title, notes):
+def _show(plan: SavedPlan, title: str, console: Console, notes: Sequence[str] = (),
+          step: StepTimeModel | None = None) -> None:
+    for shown in plan_renderables(plan, title, notes, step):
         console.print(shown)
 
 
@@ -387,6 +405,10 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     if args.compare and (args.out or args.svg or args.png):
         raise InvalidArgumentError("--compare shows strategies side by side; "
                                    "run again with one --strategy to save or draw")
+    links = _links(args)
+    if args.compare and links:
+        raise InvalidArgumentError("--link-bandwidth and --link-latency set the link of the predicted step time, "
+                                   "which --compare does not show; drop them, or run again with one --strategy")
     session = _Session(args)
     choice = _chosen_pipeline(args, session.inputs)
     if choice.saved is not None:
@@ -401,7 +423,8 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     if session.memory is not None:
         session.memory.all_in_flight(plan.num_stages)  # refuses a schedule these stages cannot run
     if not args.quiet:
-        _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({choice.spec})", console, notes)
+        _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({choice.spec})", console, notes,
+              _step(links, plan.memory_model))
         if program.verification:
             console.print(f"verified: {program.verification}", markup=False, highlight=False)
         _print_timing(session, console)
@@ -430,9 +453,11 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
             f"{', '.join(used)} cannot be used when inspecting a saved plan, which shows what it recorded; "
             "to plan again, inspect the model: autoshard inspect TARGET --stages K ...")
     _check_picture_paths(args)
+    links = _links(args)  # a link is no part of a plan: its step can be shown over any
     plan = read_plan(args.target)
     if not args.quiet:
-        _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({plan.pipeline})", console)
+        _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({plan.pipeline})", console, (),
+              _step(links, plan.memory_model))
     _write(plan, args, console)
     return 0
 
@@ -499,6 +524,12 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="stages each process runs under --schedule interleaved-1f1b (default 2)")
     options.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
                          help="count an fp32 master copy of bf16/fp16 trainable weights (mixed precision)")
+    options.add_argument("--link-bandwidth", type=float, metavar="BYTES/S",
+                         help="bytes per second between two ranks for the predicted step time (default "
+                              f"{DEFAULT_LINK_BANDWIDTH:g}: gloo between CPU processes on one machine)")
+    options.add_argument("--link-latency", type=float, metavar="SECONDS",
+                         help="seconds per message between two ranks for the predicted step time (default "
+                              f"{DEFAULT_LINK_LATENCY:g})")
     options.add_argument("--pin", action="append", metavar="NAME=STAGE",
                          help="hold a module path, class or weight in a stage, e.g. encoder=0 (repeatable)")
     options.add_argument("--no-split", action="append", metavar="NAME",
@@ -562,6 +593,8 @@ FLAGS_OF_PARAMETERS = {
     "memory_in_flight": "microbatches in flight per stage",
     "optimizer_bytes_per_param": "--optimizer-bytes",
     "stages_per_rank": "--stages-per-rank",
+    "link_bandwidth": "--link-bandwidth",
+    "link_latency": "--link-latency",
 }
 
 #: A parameter name standing alone (not inside a word, a path, a file name or a pipeline spec), with

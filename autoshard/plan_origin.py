@@ -57,11 +57,13 @@ per stage from the nodes' weights and allocations.
 @dataclass(frozen=True)
 class ReportedCosts:
     """Per cost model, per node costs for a plan; the device model ``time`` was estimated with (None:
-    measured or not shown); and one note per cost that could not be computed, saying why."""
+    measured or not shown); one note per cost that could not be computed, saying why; and whether
+    the measured ``time`` is each node's forward and backward (``NodeTimes.backward``)."""
 
     costs: dict[str, dict[str, float]]
     time_estimate: DeviceModel | None
     notes: tuple[str, ...]
+    time_backward: bool = False
 
 
 def report_costs(
@@ -83,13 +85,13 @@ def report_costs(
             costs[name] = node_costs(program, ctx, name)
         except Exception as exc:  # noqa: BLE001 - a column we cannot fill is reported, not fatal
             notes.append(f"{name}: not shown ({type(exc).__name__}: {exc})")
-    estimate = None
+    estimate, backward = None, False
     try:
         times = node_times(program.dag, device)
-        costs["time"], estimate = times.seconds, times.estimate
+        costs["time"], estimate, backward = times.seconds, times.estimate, times.backward
     except AutoshardError as exc:
         notes.append(f"time: not shown ({exc})")
-    return ReportedCosts(costs, estimate, tuple(notes))
+    return ReportedCosts(costs, estimate, tuple(notes), backward)
 
 
 def split_record(partition: Partition) -> SplitRecord | None:
@@ -102,14 +104,15 @@ def split_record(partition: Partition) -> SplitRecord | None:
 
 def plan_from_program(
     program: "ShardProgram", pipeline: str, cost_model: str, costs: Mapping[str, Mapping[str, float]],
-    *, time_estimate: DeviceModel | None = None, split: SplitRecord | None = None,
+    *, time_estimate: DeviceModel | None = None, time_backward: bool = False, split: SplitRecord | None = None,
     memory_model: MemoryModel = MemoryModel(),
 ) -> SavedPlan:
     """The plan of a program that has a DAG and a partition.
 
     ``costs`` maps each cost model to report (the split's ``cost_model`` among them) to its
     per-node costs; ``pipeline`` is the spec that made the split. ``time_estimate`` is the device
-    model ``costs["time"]`` was estimated with (None: measured). ``split`` describes how the split
+    model ``costs["time"]`` was estimated with (None: measured), ``time_backward`` whether the
+    measured times include each node's backward. ``split`` describes how the split
     was made; by default the splitter's own record on the partition (a split rebuilt from a plan
     file passes that file's record on). ``memory_model`` is the one ``costs["memory"]`` was
     computed with.
@@ -118,14 +121,14 @@ def plan_from_program(
         raise InvalidArgumentError("a plan needs a program with a DAG and a partition: run up to the split")
     return plan_of_split(
         program.dag, program.partition, program.traced.wrapped if program.traced is not None else (),
-        type(program.model).__qualname__, pipeline, cost_model, costs, time_estimate=time_estimate, split=split,
-        memory_model=memory_model)
+        type(program.model).__qualname__, pipeline, cost_model, costs, time_estimate=time_estimate,
+        time_backward=time_backward, split=split, memory_model=memory_model)
 
 
 def plan_of_split(
     dag: nx.DiGraph, partition: Partition, wrapped: Sequence[WrappedLeaf], model: str, pipeline: str,
     cost_model: str, costs: Mapping[str, Mapping[str, float]], *, time_estimate: DeviceModel | None = None,
-    split: SplitRecord | None = None, memory_model: MemoryModel = MemoryModel(),
+    time_backward: bool = False, split: SplitRecord | None = None, memory_model: MemoryModel = MemoryModel(),
 ) -> SavedPlan:
     """``plan_from_program`` from the parts a plan is made of, which a ``ShardedModel`` keeps too
     (``model`` is the model's class name, ``wrapped`` the code its capture kept whole)."""
@@ -147,7 +150,7 @@ def plan_of_split(
         num_stages=partition.num_stages, cost_model=cost_model, pipeline=pipeline,
         model=model, versions=versions(), nodes=tuple(nodes),
         edges=tuple((str(u), str(v)) for u, v in dag.edges), wrapped=tuple(wrapped),
-        weights=dict(dag.graph.get("weights", {})), time_estimate=time_estimate,
+        weights=dict(dag.graph.get("weights", {})), time_estimate=time_estimate, time_backward=time_backward,
         split=split or split_record(partition), memory_model=memory_model,
     )
 
@@ -207,8 +210,8 @@ class PlanOrigin:
         reported = report_costs(ShardProgram(model=sharded, dag=plan.dag, partition=partition), ctx,
                                 self.cost_model, self.device)
         return plan_of_split(plan.dag, partition, plan.wrapped, self.model, self.pipeline, self.cost_model,
-                             reported.costs, time_estimate=reported.time_estimate, split=self.split,
-                             memory_model=plan.memory_model)
+                             reported.costs, time_estimate=reported.time_estimate,
+                             time_backward=reported.time_backward, split=self.split, memory_model=plan.memory_model)
 
     def save(self, sharded: ShardedModel, path: str | os.PathLike[str]) -> Path:
         """Write the plan of ``sharded`` to ``path`` (``ShardedModel.save_plan`` calls this)."""

@@ -32,7 +32,7 @@ from autoshard.costs.ties import SharedWeight
 from autoshard.errors import plural
 from autoshard.graph import SplitInfo
 from autoshard.plan_io import PlanNode, SavedPlan
-from autoshard.report import PIPED_WIDTH, plan_renderables, profiled_backward, run_of
+from autoshard.report import PIPED_WIDTH, plan_renderables, run_of
 from autoshard.sharded import BoundaryValue, ShardedModel, StagePlan
 
 
@@ -89,7 +89,8 @@ class PlanReport:
     time_estimate: DeviceModel | None = None
     plan: SavedPlan | None = None
     step_time: StepTime | None = None
-    """One training step's predicted time; None when the stages have no times."""
+    """One training step's predicted time; None when the stages have no times, or when the memory
+    model's schedule (the default step) is one PyTorch refuses for these stages: the tables say why."""
 
     def renderables(self) -> list[RenderableType]:
         """The CLI's tables and lines for this plan (``autoshard.report.plan_renderables``)."""
@@ -167,7 +168,10 @@ def plan_report(
     modelled with ``memory``, by default the model the plan was made for (``shard_model``'s
     ``memory_model``). One training step's time is predicted from the stage times under ``step``
     (default: the memory model's schedule, microbatches and stages per rank, and
-    ``StepTimeModel``'s link).
+    ``StepTimeModel``'s link); a ``step`` PyTorch's schedule refuses for these stages is refused
+    (``StepTimeModel.refusal``), the default one is left out. Whether measured times include the
+    backward is the profile's own record, carried on the DAG (``NodeTimes.backward``), so a plan
+    and its ``ShardedModel`` predict the same step.
     """
     plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
     memory = memory or plan.memory_model
@@ -195,20 +199,14 @@ def plan_report(
             memory=memories[j] if memories is not None else None,
             seconds=seconds[j] if seconds is not None else None,
         ))
-    predicted = None if seconds is None else _step_time(sharded, seconds, times, step or run_of(memory))
+    model = step or run_of(memory)
+    predicted = None
+    if times is not None and seconds is not None and (step is not None or model.refusal(k) is None):
+        sent = [sum(v.nbytes for v in plan.boundary_values(j)) for j in range(k - 1)]
+        predicted = predicted_step(seconds, sent, model, times.estimate, times.backward)
     return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped, plan.split_info,
                       times.estimate if times is not None else None, _shown_plan(sharded, extra_costs, memory, device),
                       predicted)
-
-
-def _step_time(sharded: ShardedModel | StagePlan, seconds: list[float], times: NodeTimes,
-               model: StepTimeModel) -> StepTime:
-    """The step predicted from per-stage ``seconds`` (one microbatch each) and the boundary bytes."""
-    plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
-    origin = getattr(sharded, "plan_origin", None)
-    sent = [sum(v.nbytes for v in plan.boundary_values(j)) for j in range(plan.num_stages - 1)]
-    measured_backward = times.measured and origin is not None and profiled_backward(origin.pipeline)
-    return predicted_step(seconds, sent, model, times.estimate, measured_backward)
 
 
 def _shown_plan(

@@ -22,7 +22,6 @@ from autoshard.capture.state import ScalarStateWrite, StateWrite
 from autoshard.costs.memory import MemoryModel, StageMemory
 from autoshard.costs.step_time import StepTime, StepTimeModel, predicted_step
 from autoshard.errors import plural
-from autoshard.passes.spec import parse_spec
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 
 _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*)*)$")
@@ -301,25 +300,29 @@ def run_of(memory: MemoryModel) -> StepTimeModel:
     return StepTimeModel(memory.schedule, memory.microbatches, memory.stages_per_rank)
 
 
-def profiled_backward(pipeline: str) -> bool:
-    """Whether the pipeline's ``profile`` pass timed each node's backward with its forward
-    (``profile{backward=true}``): then a stage's time is both."""
-    for element in parse_spec(pipeline):
-        for option in element.options if element.name == "profile" else ():
-            if option.key == "backward":
-                return option.values is None or option.values[0].text == "true"
-    return False
-
-
 def plan_step_time(plan: SavedPlan, step: StepTimeModel | None = None) -> StepTime | None:
     """One training step predicted from the plan's stage times under ``step`` (default: the plan's
-    memory model's schedule); None when the plan has no times."""
+    memory model's schedule); None when the plan has no times. Whether measured times include the
+    backward is the plan's record (``time_backward``), not its pipeline's text: a profile loaded
+    from a file times what it timed."""
     seconds = plan.stage_seconds()
     if seconds is None:
         return None
-    measured_backward = plan.time_estimate is None and profiled_backward(plan.pipeline)
     return predicted_step(seconds, plan.boundary_bytes(), step or run_of(plan.memory_model), plan.time_estimate,
-                          measured_backward)
+                          plan.time_backward)
+
+
+def plan_step_lines(plan: SavedPlan, step: StepTimeModel | None = None) -> list[str]:
+    """``step_time_lines`` of ``plan_step_time``, or why PyTorch's schedule would refuse the step: a
+    memory model counts steps PyTorch does not run (1F1B with fewer microbatches than stages, as a
+    cap on what is in flight), and the tables of such a plan are still shown."""
+    if plan.stage_seconds() is None:
+        return []
+    refused = (step or run_of(plan.memory_model)).refusal(plan.num_stages)
+    if refused is not None:
+        return [f"step time: not predicted: {refused}"]
+    predicted = plan_step_time(plan, step)
+    return step_time_lines(predicted) if predicted is not None else []
 
 
 def step_time_lines(step: StepTime) -> list[str]:
@@ -454,14 +457,12 @@ def plan_renderables(
     plan: SavedPlan, title: str, notes: Sequence[str] = (), step: StepTimeModel | None = None,
 ) -> list[RenderableType]:
     """Everything shown for a plan, in order: the stage table and its legend, the bottleneck, how
-    the split was made and the predicted step time (under ``step``, see ``plan_step_time``), the
+    the split was made and the predicted step time (under ``step``, see ``plan_step_lines``), the
     boundary values, the tied weights, the code kept whole, then ``notes`` (dim). The CLI prints
     these and ``PlanReport`` renders them, so both read the same."""
     shown: list[RenderableType] = [stage_table(plan, title)]
     legend = module_legend(plan)
-    predicted = plan_step_time(plan, step)
-    lines = ([legend] if legend else []) + summary_lines(plan) + how_made_lines(plan)
-    lines += step_time_lines(predicted) if predicted is not None else []
+    lines = ([legend] if legend else []) + summary_lines(plan) + how_made_lines(plan) + plan_step_lines(plan, step)
     shown += [_plain(line) for line in lines]
     if plan.num_stages > 1:
         shown.append(boundary_table(plan))

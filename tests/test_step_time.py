@@ -151,7 +151,7 @@ def test_settings_a_schedule_cannot_run_are_refused():
         step_time([1.0, 1.0], [1.0], [0.0])
 
 
-@pytest.mark.parametrize("schedule, k, m", [("gpipe", 3, 4), ("1f1b", 3, 4), ("1f1b", 4, 2),
+@pytest.mark.parametrize("schedule, k, m", [("gpipe", 3, 4), ("gpipe", 4, 2), ("1f1b", 3, 4), ("1f1b", 4, 4),
                                             ("interleaved-1f1b", 4, 4)])
 def test_every_order_runs_each_microbatch_forward_then_backward_once_per_stage(schedule, k, m):
     orders, rank_of = _orders(StepTimeModel(schedule, m), k, m)

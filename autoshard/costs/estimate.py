@@ -246,10 +246,13 @@ def estimated_seconds(dag: nx.DiGraph, device: DeviceModel) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class NodeTimes:
-    """Seconds per node, and the device model they were estimated with (None: measured)."""
+    """Seconds per node, the device model they were estimated with (None: measured), and whether
+    each is the node's forward and backward together (a ``profile{backward=true}``; an estimate is
+    a forward's)."""
 
     seconds: dict[str, float]
     estimate: DeviceModel | None
+    backward: bool = False
 
     @property
     def measured(self) -> bool:
@@ -260,7 +263,7 @@ def node_times(dag: nx.DiGraph, device: DeviceModel | None = None) -> NodeTimes:
     """Measured seconds when the ``profile`` pass ran, else the roofline estimate under ``device``
     (default: this machine, calibrated)."""
     if measured(dag, "time"):
-        return NodeTimes(time_costs(dag), None)
+        return NodeTimes(time_costs(dag), None, any(bool(b) for _, b in dag.nodes(data="timed_backward")))
     _require_sizes(dag)  # before calibrating: no point measuring the machine for nothing
     chosen = device or calibrated_device()
     return NodeTimes(estimated_seconds(dag, chosen), chosen)

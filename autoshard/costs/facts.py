@@ -1,11 +1,13 @@
 """What the measuring passes learnt about each node, and the one place that reads and writes it.
 
-``shape-prop`` records a ``NodeFacts`` per node and ``profile`` a time in seconds. Both ride on the
-traced graph's nodes (``fx.Node.meta``) because every function that reads them (``build_dag``, the
-in-place and randomness orderings, ``verify``) is handed the graph module alone; the string keys stay
-in this module, and the rest of the code goes through ``node_facts``, ``node_seconds`` and the
-``record_*`` writers. The passes also keep each record as an artifact of the program (``facts``,
-``times``), so a pipeline says who makes them and who needs them.
+``shape-prop`` records a ``NodeFacts`` per node and ``profile`` a time in seconds, with whether it
+timed the node's backward too (the profile's own setting: one loaded from a file says it as a
+fresh one does). Both ride on the traced graph's nodes (``fx.Node.meta``) because every function
+that reads them (``build_dag``, the in-place and randomness orderings, ``verify``) is handed the
+graph module alone; the string keys stay in this module, and the rest of the code goes through
+``node_facts``, ``node_seconds``, ``node_timed_backward`` and the ``record_*`` writers. The passes
+also keep each record as an artifact of the program (``facts``, ``times``), so a pipeline says
+who makes them and who needs them.
 
 Its own module, with no torch machinery behind it, because the graph analyses that read the
 facts (``autoshard.lowering``) are themselves imported by the code that runs graphs.
@@ -23,6 +25,7 @@ from autoshard.costs.values import ValueMeta
 
 _FACTS_KEY = "autoshard_facts"
 _SECONDS_KEY = "autoshard_seconds"
+_BACKWARD_KEY = "autoshard_seconds_with_backward"
 
 
 @dataclass(frozen=True)
@@ -47,14 +50,21 @@ def node_seconds(node: fx.Node) -> float | None:
     return node.meta.get(_SECONDS_KEY)
 
 
+def node_timed_backward(node: fx.Node) -> bool:
+    """Whether ``node``'s seconds are its forward and backward together (``profile{backward=true}``)."""
+    return bool(node.meta.get(_BACKWARD_KEY, False))
+
+
 def record_facts(graph: fx.Graph, facts: Mapping[str, NodeFacts]) -> None:
     """Put ``facts[node.name]`` on each node of ``graph`` it names; call it on a copy, never on an artifact."""
     _record(graph, _FACTS_KEY, facts)
 
 
-def record_seconds(graph: fx.Graph, seconds: Mapping[str, float]) -> None:
-    """Put ``seconds[node.name]`` on each node of ``graph`` it names; call it on a copy, never on an artifact."""
+def record_seconds(graph: fx.Graph, seconds: Mapping[str, float], backward: bool = False) -> None:
+    """Put ``seconds[node.name]`` on each node of ``graph`` it names, and whether they include the
+    node's ``backward``; call it on a copy, never on an artifact."""
     _record(graph, _SECONDS_KEY, seconds)
+    _record(graph, _BACKWARD_KEY, dict.fromkeys(seconds, backward))
 
 
 def _record(graph: fx.Graph, key: str, values: Mapping[str, object]) -> None:

@@ -55,8 +55,9 @@ class StepTimeModel:
     """How the step runs, as far as time goes.
 
     ``schedule`` is one of ``SCHEDULES``; ``microbatches`` the step's count (None: one per rank,
-    as the memory model counts them, the fewest PyTorch's ``Schedule1F1B`` accepts; fewer are
-    predicted as its order would run them); ``stages_per_rank`` the stages each process runs under interleaved 1F1B.
+    as the memory model counts them, the fewest PyTorch's ``Schedule1F1B`` accepts; a step it
+    refuses is refused, see ``refusal``); ``stages_per_rank`` the stages each process runs under
+    interleaved 1F1B.
     ``link_bandwidth`` (bytes/s) and ``link_latency`` (s per message) describe the link between
     ranks. ``backward_ratio`` is a backward's time over its forward's where only the forward's is
     known.
@@ -89,6 +90,28 @@ class StepTimeModel:
             return self.microbatches
         return num_stages // self.stages_per_rank if self.schedule == "interleaved-1f1b" else num_stages
 
+    def refusal(self, num_stages: int) -> str | None:
+        """Why PyTorch's schedule would refuse this step on ``num_stages`` stages (None: it runs it),
+        checked as its constructor checks: ``Schedule1F1B`` wants at least one microbatch per
+        stage, ``ScheduleInterleaved1F1B`` whole rounds; ``ScheduleGPipe`` runs any count."""
+        m = self.microbatch_count(num_stages)
+        if self.schedule == "1f1b" and m < num_stages:
+            return (f"PyTorch's Schedule1F1B needs at least as many microbatches as stages and refuses {m} for "
+                    f"{num_stages} stages: give at least {num_stages} microbatches, or the gpipe schedule, which "
+                    "runs any count")
+        if self.schedule != "interleaved-1f1b":
+            return None
+        per_rank = self.stages_per_rank
+        if num_stages % per_rank:
+            return (f"interleaved-1f1b runs {per_rank} stages per rank, so the stages must divide by it; got "
+                    f"{num_stages} stages: pick stages_per_rank dividing {num_stages}")
+        ranks = num_stages // per_rank
+        rounds = max(1, m // ranks)
+        if m % rounds:
+            return (f"interleaved-1f1b splits the microbatches into rounds of {ranks} (the ranks); {m} microbatches "
+                    f"make {rounds} rounds with some left over: use a multiple of {rounds}")
+        return None
+
     def link_seconds(self, nbytes: float) -> float:
         """One message of ``nbytes`` over the link."""
         return self.link_latency + nbytes / self.link_bandwidth
@@ -109,9 +132,9 @@ def _orders(model: StepTimeModel, k: int, m: int) -> tuple[list[list[Op]], list[
         return _interleaved_orders(k, m, model.stages_per_rank)
     orders = []
     for stage in range(k):
-        # GPipe: every forward, then every backward. 1F1B (Schedule1F1B): k - stage forwards, then a
-        # backward and a forward in turn until the forwards are done, then the remaining backwards.
-        warm = m if model.schedule == "gpipe" else min(m, k - stage)
+        # GPipe: every forward, then every backward. 1F1B (Schedule1F1B, m >= k): k - stage forwards,
+        # then a backward and a forward in turn until the forwards are done, then the remaining backwards.
+        warm = m if model.schedule == "gpipe" else k - stage
         kinds = [False] * warm + [True, False] * (m - warm) + [True] * warm
         orders.append(_numbered(kinds, [stage] * len(kinds)))
     return orders, list(range(k))
@@ -120,18 +143,10 @@ def _orders(model: StepTimeModel, k: int, m: int) -> tuple[list[list[Op]], list[
 def _interleaved_orders(k: int, m: int, per_rank: int) -> tuple[list[list[Op]], list[int]]:
     """``ScheduleInterleaved1F1B``'s order (its ``_calculate_single_rank_operations``): stage s on
     rank s mod ranks; a warm-up of forwards, then a forward and a backward per step, then the
-    remaining backwards, moving to the next local stage every round of microbatches."""
-    if k % per_rank:
-        raise InvalidArgumentError(
-            f"interleaved-1f1b runs {per_rank} stages per rank, so the stages must divide by it; got {k} stages: "
-            f"pick stages_per_rank dividing {k}")
+    remaining backwards, moving to the next local stage every round of microbatches (``k``, ``m``
+    and ``per_rank`` as ``StepTimeModel.refusal`` accepts them)."""
     ranks = k // per_rank
-    rounds = max(1, m // ranks)
-    if m % rounds:
-        raise InvalidArgumentError(
-            f"interleaved-1f1b splits the microbatches into rounds of {ranks} (the ranks); {m} microbatches make "
-            f"{rounds} rounds with some left over: use a multiple of {rounds}")
-    per_round, total = m // rounds, m * per_rank
+    per_round, total = m // max(1, m // ranks), m * per_rank
     orders = []
     for rank in range(ranks):
         warm = min((per_rank - 1) * per_round + 2 * (ranks - 1 - rank), total)
@@ -205,6 +220,9 @@ def step_time(
     for name, values in (("forward", forward), ("backward", backward), ("boundary_bytes", boundary_bytes)):
         for value in values:
             _positive(value, f"every {name} value", zero_allowed=True)
+    refused = model.refusal(k)
+    if refused is not None:
+        raise InvalidArgumentError(refused)
     m = model.microbatch_count(k)
     orders, rank_of = _orders(model, k, m)
     links = tuple(model.link_seconds(b) for b in boundary_bytes)
@@ -248,13 +266,15 @@ def step_time(
 
 def predicted_step(
     seconds: Sequence[float], boundary_bytes: Sequence[float], model: StepTimeModel,
-    estimate: DeviceModel | None, profiled_backward: bool,
+    estimate: DeviceModel | None, timed_backward: bool,
 ) -> StepTime:
     """The step from a plan's time per stage (one microbatch): estimated under ``estimate``, or
-    measured (``estimate`` None) forward only or, with ``profiled_backward``, forward and backward
-    together (then split ``1 : backward_ratio``)."""
+    measured (``estimate`` None) forward only or, with ``timed_backward`` (the profile's own
+    setting, carried with its times), forward and backward together (then split ``1 : backward_ratio``).
+    The one place a plan's times become forward and backward seconds: ``plan_report`` and the CLI
+    both call it."""
     ratio = model.backward_ratio
-    if estimate is None and profiled_backward:
+    if estimate is None and timed_backward:
         forward = [s / (1 + ratio) for s in seconds]
         source = f"measured forward and backward per node (profile{{backward=true}}), split 1 : {ratio:g}"
     else:

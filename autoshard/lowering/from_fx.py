@@ -11,7 +11,8 @@ names of the parameters and buffers the node reads; tied weights share one name)
 and ``param_bytes`` (what the node is charged for), ``input`` and ``output``, and what
 ``shape-prop`` and ``profile`` measured (None until they run): ``value_meta`` (the output's
 structure, see ``autoshard.costs.values``), ``allocated`` (bytes of new memory its output holds:
-0 for a view), ``flops`` and ``seconds``. ``bytes`` is the tensor
+0 for a view), ``flops`` and ``seconds`` (with ``timed_backward``: whether they include the
+backward). ``bytes`` is the tensor
 bytes of the output (1 per value while shapes are unknown); ``tensor`` says whether it holds any
 tensor (None when neither shape-prop nor the capture recorded the value: it is treated as one).
 Edges carry ``value``, the producer's name; in-place writes add edges that keep every reader of
@@ -43,7 +44,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.execution import COMPUTE_OPS
-from autoshard.costs.facts import node_facts, node_seconds
+from autoshard.costs.facts import node_facts, node_seconds, node_timed_backward
 from autoshard.fx_helpers import resolve, target_name
 from autoshard.lowering.inplace import order_around_mutations
 from autoshard.lowering.randomness import order_random_draws
@@ -156,6 +157,7 @@ def _measured(node: fx.Node) -> dict[str, Any]:
         "allocated": facts.allocated if facts else None,
         "training": facts.training if facts else None,
         "seconds": node_seconds(node),
+        "timed_backward": node_timed_backward(node),
     }
 
 

@@ -19,10 +19,10 @@ from autoshard.emit import copy_buffer_persistence
 
 def annotated_copy(
     gm: fx.GraphModule, model: nn.Module, *, facts: Mapping[str, NodeFacts] | None = None,
-    seconds: Mapping[str, float] | None = None,
+    seconds: Mapping[str, float] | None = None, backward: bool = False,
 ) -> fx.GraphModule:
-    """``gm`` with ``facts`` and ``seconds`` (by node name) recorded on its nodes (``costs.facts``);
-    what ``gm``'s nodes already carry is kept.
+    """``gm`` with ``facts`` and ``seconds`` (by node name; ``backward``: each is the node's forward
+    and backward) recorded on its nodes (``costs.facts``); what ``gm``'s nodes already carry is kept.
 
     Buffer persistence is taken from ``model``, the user's module, so buffers that are not
     persistent there stay out of ``state_dict`` here and in every stage emitted from the copy.
@@ -31,7 +31,7 @@ def annotated_copy(
     if facts is not None:
         record_facts(graph, facts)
     if seconds is not None:
-        record_seconds(graph, seconds)
+        record_seconds(graph, seconds, backward)
     copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     copy_buffer_persistence(model, copied)
     return copied

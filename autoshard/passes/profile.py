@@ -18,9 +18,10 @@ class ProfilePass(Pass):
     """Time every node on the example inputs (warm-up, repeats, the fastest) for ``cost=time``.
 
     With ``path``, an existing JSON profile there is loaded instead of measuring, and a fresh
-    measurement is saved there, so the same path reproduces a time-balanced plan exactly. A
-    profile of another graph, or of other input or weight sizes, is refused. Shows a progress bar
-    on a terminal.
+    measurement is saved there, so the same path reproduces a time-balanced plan exactly. A loaded
+    profile keeps the settings it was measured with (``backward`` among them: the step-time model
+    reads it off the nodes), whatever this pass's options say. A profile of another graph, or of
+    other input or weight sizes, is refused. Shows a progress bar on a terminal.
     Example: ``trace,shape-prop,profile{path=times.json},build-dag,linearize,split{cost=time},emit``.
     """
 
@@ -48,6 +49,7 @@ class ProfilePass(Pass):
                                   settings, graph_signature(gm), sizes=measured_sizes(gm, program.example_inputs))
             if self.path is not None:
                 profile.save(self.path)
-        annotated = annotated_copy(gm, program.model, seconds=profile.seconds)
+        # the profile's own setting, not this pass's option: a loaded profile says what it measured
+        annotated = annotated_copy(gm, program.model, seconds=profile.seconds, backward=profile.settings.backward)
         return dataclasses.replace(program, traced=dataclasses.replace(program.traced, graph_module=annotated),
                                    times=profile)

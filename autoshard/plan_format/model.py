@@ -116,6 +116,9 @@ class SavedPlan:
     """Every parameter and buffer under its canonical name: size, aliases (tied names), trainable."""
     time_estimate: DeviceModel | None = None
     """The device model the nodes' ``time`` costs were estimated with; None when they were measured."""
+    time_backward: bool = False
+    """Whether the measured ``time`` costs are each node's forward and backward together (the profile
+    timed the backward); False: forward only, as in plans written before it was recorded."""
     split: SplitRecord | None = None
     """What the splitter said about the split it made; None when the plan was not made by a splitter."""
     memory_model: MemoryModel = MemoryModel()
@@ -228,8 +231,8 @@ class SavedPlan:
     def to_dict(self) -> dict[str, Any]:
         """The file's content: the plan, then the derived sections for readers.
 
-        ``split``, ``time_estimate`` and ``memory_model`` say how the plan was made; ``summary``, ``boundaries`` and
-        ``modules`` are derived from the nodes and ignored when the file is read.
+        ``split``, ``time_estimate``, ``time_backward`` and ``memory_model`` say how the plan was made;
+        ``summary``, ``boundaries`` and ``modules`` are derived from the nodes and ignored when the file is read.
         """
         out: dict[str, Any] = {
             "format": FORMAT,
@@ -244,6 +247,8 @@ class SavedPlan:
             out["split"] = self.split.to_dict()
         if self.time_estimate is not None:
             out["time_estimate"] = self.time_estimate.to_dict()
+        if self.time_backward:
+            out["time_backward"] = True
         out["memory_model"] = self.memory_model.to_dict()
         out["summary"] = self._summary()
         out["boundaries"] = self.boundaries()
