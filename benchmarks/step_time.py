@@ -14,9 +14,10 @@ a barrier to the last rank's end; the median counts. Beside it: the machine's bu
 load average during the case (other processes' work shows there), and each rank's CPU time in a
 step against the busy time the profile predicts for its stages.
 
-Predictions are ``plan_report(...).step_time`` from two sources of stage time: each node's
+Predictions are ``plan_report(...).step_time`` from three sources of stage time: each node's
 forward measured (``profile``, backward = 2 x forward; one profile per model, which its 2- and
-4-stage plans share), and the roofline estimate under this machine's calibration; each with
+4-stage plans share), each node's forward and backward measured (``profile{backward=true}``),
+and the roofline estimate under this machine's calibration; each with
 the link (gloo between the two processes) measured here by a ping-pong, and with the default
 link. Then, in this process: stage 0's forward and backward
 measured alone against its estimate, and two identical planning commands, each in a fresh
@@ -49,6 +50,8 @@ from autoshard.costs.estimate import calibrated_device
 from autoshard.costs.step_time import StepTimeModel
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from autoshard.runtime import build_schedule, local_stage_indices, model_loss, pipeline_stage, run_local
+from autoshard.passes import (
+    BuildDagPass, CapturePass, EmitPass, LinearizePass, Pipeline, ProfilePass, ShapePropPass, SplitPass, VerifyPass)
 
 SEQ, VOCAB = 64, 2048
 CASES = [("gpipe", 2, 4), ("gpipe", 2, 8), ("1f1b", 2, 2), ("1f1b", 2, 4), ("1f1b", 2, 8),
@@ -102,10 +105,15 @@ def build(name: str, rows: int, seed: int = 7) -> tuple[nn.Module, tuple, dict, 
     return model, args, kwargs, target
 
 
-def shard(name: str, k: int, time_profile: str | None = None) -> autoshard.ShardedModel:
-    """The plan every process makes alike: split by parameters on one microbatch."""
+def shard(name: str, k: int, time_profile: str | None = None, backward: bool = False) -> autoshard.ShardedModel:
+    """The plan every process makes alike: split by parameters on one microbatch. ``time_profile``
+    times each node's forward (``backward``: its forward and backward) into that file."""
     model, args, kwargs, _ = build(name, WORKLOADS[name].rows)
-    return autoshard.shard_model(model, k, example_inputs=args, example_kwargs=kwargs, time_profile=time_profile)
+    if not backward:
+        return autoshard.shard_model(model, k, example_inputs=args, example_kwargs=kwargs, time_profile=time_profile)
+    pipeline = Pipeline([CapturePass(), ShapePropPass(), ProfilePass(path=time_profile, backward=True), BuildDagPass(),
+                         LinearizePass(), SplitPass(stages=k), EmitPass(), VerifyPass()])
+    return autoshard.shard_model(model, k, example_inputs=args, example_kwargs=kwargs, pipeline=pipeline)
 
 
 def link_time(rank: int, nbytes: int, repeats: int = 20) -> float:
@@ -182,7 +190,8 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[
     for k in sorted({k for _, k, _ in CASES}):
         estimated = shard(name, k)
         profiled = shard(name, k, time_profile=os.path.join(profile_dir, f"{name.split()[0]}.json"))
-        assert profiled.plan.assignment == estimated.plan.assignment, "the two plans must split alike"
+        both = shard(name, k, time_profile=os.path.join(profile_dir, f"{name.split()[0]}-backward.json"), backward=True)
+        assert profiled.plan.assignment == estimated.plan.assignment == both.plan.assignment, "plans must split alike"
         for schedule, stages, m in CASES:
             if stages != k:
                 continue
@@ -191,6 +200,7 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[
             with_profile = autoshard.plan_report(profiled, step=measured_link).step_time
             out[(name, schedule, k, m)] = {
                 "profile": with_profile.seconds,
+                "profile with backward": autoshard.plan_report(both, step=measured_link).step_time.seconds,
                 "estimate": autoshard.plan_report(estimated, device=device, step=measured_link).step_time.seconds,
                 "default link": autoshard.plan_report(profiled, step=default_link).step_time.seconds,
                 "busy": [sum(with_profile.busy[s] for s in range(rank, k, 2)) for rank in range(2)],
@@ -277,9 +287,10 @@ def pipeline_steps(repeats: int) -> None:
     link = results[0]["link"]
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print(f"gloo link between the two processes: {link[0] / 1e9:.2f} GB/s, {link[1] * 1e6:.0f} µs a message")
-    print("| model | schedule | k | m | machine busy, load | measured (ms) | profile | err | estimate | err | "
-          "profile, default link | err | CPU per rank, measured (ms) | profile busy | err |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| model | schedule | k | m | machine busy, load | measured (ms) | profile | err | profile with backward | "
+          "err | estimate | err | profile, default link | err | CPU per rank, measured (ms) | profile busy | err |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+          "---: | ---: |")
     with tempfile.TemporaryDirectory() as profiles:
         for name in WORKLOADS:
             predicted = predictions(name, link, profiles)
@@ -289,7 +300,7 @@ def pipeline_steps(repeats: int) -> None:
                 measured = statistics.median(steps)
                 busy, load = results[0][(*case, "machine")]
                 row = [f"{busy:.0%}, {load:.1f}", f"{measured * 1e3:.1f}"]
-                for source in ("profile", "estimate", "default link"):
+                for source in ("profile", "profile with backward", "estimate", "default link"):
                     row += [f"{guess[source] * 1e3:.1f}", error(guess[source], measured)]
                 row += ["/".join(f"{c * 1e3:.0f}" for c in cpu), "/".join(f"{b * 1e3:.0f}" for b in guess["busy"]),
                         "/".join(error(b, c) for b, c in zip(guess["busy"], cpu))]
