@@ -167,9 +167,9 @@ class HeldModulesCodeGen(fx.graph.CodeGen):
 
 
 def _calls_from_check(nodes: Sequence[fx.Node]) -> fx.Graph | None:
-    """A copy of the graph whose ``call_module`` nodes call what ``checked_modules`` returned
-    (``m = checked["path"]``, then ``m.__call__(...)``: the module's hooks still run); None when
-    the graph has no such check."""
+    """A copy of the graph that calls the stage's check straight (``state.check(training)``) and
+    whose ``call_module`` nodes call what it returned (``m = checked["path"]``, then
+    ``m.__call__(...)``: the module's hooks still run); None when the graph has no such check."""
     lowered = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     checked: fx.Node | None = None
@@ -185,10 +185,12 @@ def _calls_from_check(nodes: Sequence[fx.Node]) -> fx.Graph | None:
             env[node] = lowered.create_node("call_method", "__call__", (held[path], *args), kwargs,
                                             name=node.name, type_expr=node.type)
             env[node].meta = node.meta
+        elif node.op == "call_function" and node.target is checked_modules:
+            # ``state.check(training)`` itself: the check's own code, without a call in between
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            checked = env[node] = lowered.create_node("call_method", "check", args, name=node.name)
         else:
             env[node] = lowered.node_copy(node, env.__getitem__)
-            if node.op == "call_function" and node.target is checked_modules:
-                checked = env[node]
     return lowered if checked is not None else None
 
 

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autoshard.capture.eager import PLAIN_VALUES
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
+from autoshard.capture.held_state import NO_KEY, kept_check
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names
 from autoshard.costs.memory import MemoryModel
@@ -118,25 +119,31 @@ class StagePlan:
 
 class ModesAtCapture:
     """The model's modules whose code a plan runs, with their modes at capture, checked on every
-    call: what they read from ``self.training`` was fixed then, and ``model.eval()`` switches them
-    without the stages seeing it where a stage calls none of them (``torch.export`` graphs).
-    Not submodules: the stages hold what they compute with. A copy of the sharded model keeps
-    watching the same modules; a pickled one watches none (another process has its own model)."""
+    call (before any stage computes): what they read from ``self.training`` was fixed then, and
+    ``model.eval()`` switches them without the stages seeing it where a stage calls none of them
+    (``torch.export`` graphs). Not submodules: the stages hold what they compute with. A copy of
+    the sharded model keeps watching the same modules; a pickled one watches none (another
+    process has its own model).
+
+    ``check(training)`` is code written for these flags (``kept_check``): each read and compared
+    by identity with its captured mode, ``check_in_full`` on a difference."""
 
     def __init__(self, modules: tuple[nn.Module, ...] = ()) -> None:
         self.modules = modules
         self.captured = list(map(_training, modules))
+        self.check = kept_check([(module, NO_KEY, "training") for module in modules], self.captured, None,
+                                self.check_in_full)
 
-    def check(self, training: bool) -> None:
-        now = list(map(_training, self.modules))  # C-level: read on every call
+    def check_in_full(self, training: bool) -> None:
+        now = list(map(_training, self.modules))
         if now != self.captured:
             check_mode(training, training, tuple(now), tuple(self.captured))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModesAtCapture:
         return self
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"modules": (), "captured": []}
+    def __reduce__(self) -> tuple[Any, ...]:
+        return ModesAtCapture, ()
 
 
 class ShardedModel(FixedDtypes):
@@ -159,6 +166,7 @@ class ShardedModel(FixedDtypes):
         #: passed with its default value (``mask=None``), which the plan computes with
         self.model_signature = model_signature
         self._modes_at_capture = ModesAtCapture(modules_run)
+        self._kept_binder = _KeptBinder()
 
     @property
     def num_stages(self) -> int:
@@ -174,9 +182,15 @@ class ShardedModel(FixedDtypes):
     def fit_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """A call of the model as ``stages[0]`` takes it (see ``fitted_call``): every runtime binds
         through here, so an argument reaches the parameter the model gives it, or is refused
-        (``InputMismatchError``) when the plan does not serve it."""
-        self._modes_at_capture.check(self.plan.training)
-        return fitted_call(self._modules["stages"]._modules["0"], self.model_signature, args, kwargs)
+        (``InputMismatchError``) when the plan does not serve it. The modules' modes are checked
+        first, before any stage computes."""
+        held = self.__dict__  # read once: each attribute of a module goes through its __getattr__ hook
+        held["_modes_at_capture"].check(held["plan"].training)
+        first = held["_modules"]["stages"]._modules["0"]
+        kept = held["_kept_binder"]
+        if kept.first is not first or kept.binder.model_signature is not held["model_signature"]:
+            kept.first, kept.binder = first, _binder(first, held["model_signature"])
+        return kept.binder.bind(args, kwargs, keep_positions=True)
 
     #: Serves the calls a capture's guards refuse by capturing the model again (``autoshard.specialize``);
     #: ``shard_model`` sets it, None refuses such calls.
@@ -189,13 +203,29 @@ class ShardedModel(FixedDtypes):
         return self.run_stages(args, kwargs)
 
     def run_stages(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """One call of these stages, in order: what ``forward`` runs once it has chosen the plan."""
-        args, kwargs = self.fit_call(args, kwargs)
-        # read from the registries: ``self.stages`` and iterating a ModuleList are Python calls
-        first, *rest = self._modules["stages"]._modules.values()
-        values = called(first, args, kwargs)
-        for stage in rest:
-            values = called(stage, moved_to(stage_device(stage), values), {})
+        """One call of these stages, in order: what ``forward`` runs once it has chosen the plan.
+
+        A stage's ``forward`` is called straight when ``nn.Module.__call__`` would do nothing else
+        (its own fast path's conditions): no hooks on every module and no JIT trace, tested once
+        for the call, and none on the stage and not compiled, tested per stage on its ``__dict__``
+        (where a module keeps them; reading them as attributes goes through its ``__getattr__``
+        hook). A stage is called once per microbatch, and ``__call__`` with ``GraphModule``'s
+        wrapper around it cost about as much as small layers compute."""
+        values, keywords = self.fit_call(args, kwargs)
+        plain = not (module_state._global_forward_hooks or module_state._global_forward_pre_hooks
+                     or module_state._global_backward_hooks or module_state._global_backward_pre_hooks
+                     or torch._C._get_tracing_state())
+        received = False  # the first stage takes the call as bound; each later one what the one before sent
+        for stage in self.__dict__["_modules"]["stages"]._modules.values():
+            held = stage.__dict__
+            if received:
+                values = moved_to(_device_of(held, stage), values)
+            if plain and not (held["_forward_hooks"] or held["_forward_pre_hooks"] or held["_backward_hooks"]
+                              or held["_backward_pre_hooks"] or held.get("_compiled_call_impl") is not None):
+                values = stage.forward(*values, **keywords)
+            else:
+                values = stage(*values, **keywords)
+            received, keywords = True, _NO_KEYWORDS
         return values
 
     @property
@@ -241,10 +271,33 @@ def fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | None
     out once and kept (``_Binding``): a later call of that structure only moves its values into
     place and checks those the binding cannot decide (a left-out default, a tensor where one is due).
     """
+    return _binder(first, model_signature).bind(args, kwargs)
+
+
+def _binder(first: fx.GraphModule, model_signature: inspect.Signature | None) -> _Binder:
     binder = _BINDERS.get(first)
     if binder is None or binder.model_signature is not model_signature:
         binder = _BINDERS[first] = _Binder(first, model_signature)
-    return binder.bind(args, kwargs)
+    return binder
+
+
+class _KeptBinder:
+    """A sharded model's ``_Binder``, with the first stage it binds for: read with the model's
+    other state (``fit_call``) instead of looked up by stage. A copy or a pickle finds its own."""
+
+    def __init__(self) -> None:
+        self.first: fx.GraphModule | None = None
+        self.binder: _Binder | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _KeptBinder:
+        return _KeptBinder()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _KeptBinder, ()
+
+
+#: The keywords of every stage call but the first (read, never written).
+_NO_KEYWORDS: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -260,14 +313,18 @@ class _Binding:
     """How calls of one structure reach the first stage: ``moved`` (stage argument, index of its
     value), ``left_out`` (model arguments the stage fixed at their defaults, indices of their
     values), ``fills`` (defaults of the model given to the stage), the arguments that must hold
-    tensors, and the error a call of this structure gets from the stage's own signature (raised
-    after the left-out values are checked, as binding it would)."""
+    tensors (with the indices of their values), and the error a call of this structure gets from
+    the stage's own signature (raised after the left-out values are checked, as binding it would).
+    ``as_is``: the stage takes the call as it was made (the same values in the same places):
+    positional values for its first parameters in order, or any call when there is no model
+    signature (the call is bound to the stage's own)."""
 
     moved: tuple[tuple[str, int], ...]
     left_out: tuple[tuple[str, int], ...]
     fills: dict[str, Any]
-    tensors: tuple[str, ...]
+    tensors: tuple[tuple[str, int], ...]
     error: TypeError | None
+    as_is: bool = False
 
 
 class _Binder:
@@ -280,7 +337,11 @@ class _Binder:
         self.inputs = tuple(self.signature.parameters) if inputs is None else inputs
         self.bindings: dict[tuple[Any, ...], _Binding | TypeError] = {}
 
-    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+             keep_positions: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call as the first stage takes it: by name, or with ``keep_positions`` as it was made
+        when that is the same call (``ShardedModel``'s own; PyTorch's pipeline takes only tensors
+        by position, and a runtime names each value)."""
         structure = (len(args), *kwargs)
         binding = self.bindings.get(structure)
         if binding is None:
@@ -292,14 +353,14 @@ class _Binder:
             self._check_left_out(binding, values)
         if binding.error is not None:
             raise _not_fitting(self.signature, binding.error)
-        call = {name: values[index] for name, index in binding.moved}
-        for name in binding.tensors:
-            value = call[name]
+        for name, index in binding.tensors:
+            value = values[index]
             if not isinstance(value, torch.Tensor) and not any(isinstance(v, torch.Tensor) for v in tree_leaves(value)):
                 raise _not_fitting(self.signature, TypeError(
                     f"{name} is {value!r}, but the plan was captured with tensors there"))
-        if self.model_signature is None:
+        if binding.as_is and (keep_positions or self.model_signature is None):
             return args, kwargs
+        call = {name: values[index] for name, index in binding.moved}
         call.update(binding.fills)
         return (), call
 
@@ -323,7 +384,8 @@ class _Binder:
             except TypeError as exc:
                 return exc
             moved = {name: slot.index for name, slot in bound.items()}
-            return _Binding(tuple(moved.items()), (), {}, tuple(n for n in self.inputs if n in moved), None)
+            return _Binding(tuple(moved.items()), (), {}, tuple((n, moved[n]) for n in self.inputs if n in moved),
+                            None, as_is=True)
         try:
             named = argument_names(self.model_signature, self.model_signature.bind(*slots, **keyed).arguments)
         except TypeError as exc:
@@ -339,7 +401,12 @@ class _Binder:
         except TypeError as exc:
             error = exc
         left_out = tuple((name, slot.index) for name, slot in named.items() if name not in parameters)
-        return _Binding(tuple(moved.items()), left_out, fills, tuple(n for n in self.inputs if n in moved), error)
+        positional = [name for name, p in parameters.items()
+                      if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        as_is = (not keywords and not left_out and not fills and error is None
+                 and list(moved.items()) == [(name, index) for index, name in enumerate(positional[:count])])
+        return _Binding(tuple(moved.items()), left_out, fills, tuple((n, moved[n]) for n in self.inputs if n in moved),
+                        error, as_is)
 
 
 #: ``_Binder`` by first stage (a stage's graph does not change after emit).
@@ -381,24 +448,13 @@ def _is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
     return value is default or (type(value) is type(default) and isinstance(value, PLAIN_VALUES) and value == default)
 
 
-def called(stage: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``stage(*args, **kwargs)``, its ``forward`` called straight when ``nn.Module.__call__`` would
-    do nothing else (no hooks, not compiled, no JIT trace: its own fast path's conditions): a stage
-    is called once per microbatch, and ``__call__`` with ``GraphModule``'s wrapper around it cost
-    about as much as small layers compute."""
-    if (stage._forward_hooks or stage._forward_pre_hooks or stage._backward_hooks or stage._backward_pre_hooks
-            or module_state._global_forward_hooks or module_state._global_forward_pre_hooks
-            or module_state._global_backward_hooks or module_state._global_backward_pre_hooks
-            or stage._compiled_call_impl is not None or torch._C._get_tracing_state()):
-        return stage(*args, **kwargs)
-    return stage.forward(*args, **kwargs)
-
-
 class _PlacedOn:
     """Where a stage's weights are, found once: refreshed when the stage is moved through ``.to()``
     (``FixedDtypes._apply`` drops it) or when its first weight is elsewhere now (the model moved on
     its own, ``model.to("cuda")``). That weight is read from its module's registry on every call:
     a move may put a new tensor there rather than move the old one."""
+
+    __slots__ = ("registry", "key", "probe_device", "device")
 
     def __init__(self, stage: nn.Module) -> None:
         # a parameter first: buffers of modules the capture traced through are the stage's own, and
@@ -406,29 +462,29 @@ class _PlacedOn:
         modules = list(stage.modules())
         held = [(registry, key, tensor) for registry in [m._parameters for m in modules] + [m._buffers for m in modules]
                 for key, tensor in registry.items() if tensor is not None]
-        self.probe = held[0][:2] if held else None
-        devices = {tensor.device for _, _, tensor in held}
+        #: the registry and name of the weight read on every call (None: the stage holds none)
+        self.registry, self.key = held[0][:2] if held else (None, None)
         self.probe_device = held[0][2].device if held else None
+        devices = {tensor.device for _, _, tensor in held}
         #: the one device of the stage's weights (None: none, or several)
         self.device = devices.pop() if len(devices) == 1 else None
-
-    def _probe_device(self) -> torch.device | None:
-        if self.probe is None:
-            return None
-        registry, key = self.probe
-        tensor = registry.get(key)
-        return None if tensor is None else tensor.device
-
-    def holds(self) -> bool:
-        return self.probe is None or self._probe_device() == self.probe_device
 
 
 def stage_device(stage: nn.Module) -> torch.device | None:
     """The one device a stage's weights are on (None: none, or several), read once and kept."""
-    placed = stage.__dict__.get(PLACED_ON)
-    if placed is None or not placed.holds():
-        placed = _PlacedOn(stage)
-        stage.__dict__[PLACED_ON] = placed
+    return _device_of(stage.__dict__, stage)
+
+
+def _device_of(held: dict[str, Any], stage: nn.Module) -> torch.device | None:
+    """``stage_device`` given the stage's ``__dict__``, where the kept ``_PlacedOn`` is."""
+    placed = held.get(PLACED_ON)
+    if placed is not None:
+        if placed.registry is None:
+            return placed.device
+        probe = placed.registry.get(placed.key)
+        if probe is not None and probe.device == placed.probe_device:
+            return placed.device
+    placed = held[PLACED_ON] = _PlacedOn(stage)
     return placed.device
 
 

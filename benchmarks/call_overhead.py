@@ -4,6 +4,7 @@
     python benchmarks/call_overhead.py --quick    # fewer repeats, noisier
     python benchmarks/call_overhead.py --only MLP --repeats 31   # one row, best of 31
     python benchmarks/call_overhead.py --clock thread   # CPU time of the thread: steadier under load
+    python benchmarks/call_overhead.py --only MLP --instructions   # instructions per call (valgrind)
 
 One torch thread. Per row: the model called eagerly; autoshard's ``ShardedModel``; autoshard's
 stages chained by hand (``vals = stages[0](...)``, then ``stage(*vals)``); and the stage modules of
@@ -18,13 +19,30 @@ forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64, batch 2 x 32)
 ``nn.TransformerEncoder`` (6 layers, width 256, batch 8 x 128) in eval mode under no_grad at k = 3,
 whose output is also checked bit-exact against the model's. With ``--cuda`` the same table runs on
 the GPU with CUDA-synchronised timings.
+
+With ``--instructions`` nothing is timed: the script runs itself again under valgrind's callgrind
+and counts the instructions of ``calls`` calls of each variant (eager, sharded, chained; not
+``pipeline()``), three rounds each, the median kept, less the loop's own (an empty call): a count
+that other processes on the machine do not move. It needs ``valgrind``, its ``callgrind.h`` and a C
+compiler (for the few lines that start and dump the count from inside Python); about 3 minutes
+for the MLP row, far longer for the others (each instruction runs about 50x slower).
 """
 
 from __future__ import annotations
 
 import argparse
-import warnings
+import ctypes
+import gc
+import glob
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -72,6 +90,13 @@ def _encoder() -> Row:
     return Row("nn.TransformerEncoder eval, no_grad", model, (torch.randn(8, 128, 256),), 3)
 
 
+#: Every row, by name, built when it runs (``--only`` builds only its own).
+ROWS: dict[str, Callable[[], Row | None]] = {
+    "MLP 8x64, batch 4": _mlp, "GPT-style LM, no_grad forward": lambda: _gpt(False),
+    "GPT-style LM, forward+backward": lambda: _gpt(True), "HF GPT-2 tiny, no_grad forward": _hf_gpt2,
+    "nn.TransformerEncoder eval, no_grad": _encoder}
+
+
 def _pipeline_split(model: nn.Module, sharded: Any, args: tuple[Any, ...]) -> Callable[[], Any] | str:
     """``pipeline()``'s stage modules split where autoshard's stages start, run in turn by its ``Pipe``."""
     from torch.distributed.pipelining import SplitPoint, pipeline
@@ -112,7 +137,7 @@ def _variants(row: Row, sharded: Any) -> dict[str, Callable[[], Any] | str]:
 
     variants: dict[str, Callable[[], Any] | str] = {
         "eager": lambda: row.model(*row.args), "sharded": lambda: sharded(*row.args), "chained": chained,
-        "pipeline()": _pipeline_split(row.model, sharded, row.args)}
+        "pipeline()": _pipeline_split(row.model, sharded, row.args) if _COUNTER is None else "n/a (not counted)"}
     if row.backward:
         def with_backward(fn: Callable[[], Any]) -> Callable[[], Any]:
             return lambda: _first(fn()).float().sum().backward()
@@ -135,6 +160,8 @@ def measure(row: Row, repeats: int, cuda: bool) -> dict[str, Any]:
             if callable(fn):
                 fn(), fn()
         once = _timed(variants["eager"], 1, cuda)
+        if _COUNTER is not None:
+            return _counted(row, variants, max(3, min(200, int(2.0 / max(once, 1e-6)))))
         calls = max(5, min(500, int(0.2 / max(once, 1e-6))))
         best: dict[str, float] = {}
         for _ in range(repeats):
@@ -147,6 +174,98 @@ def measure(row: Row, repeats: int, cuda: bool) -> dict[str, Any]:
     result: dict[str, Any] = {"row": row.name, "k": row.stages, "exact": exact}
     result.update({name: best.get(name, fn) for name, fn in variants.items()})
     return result
+
+
+# -- instruction counts (--instructions) ----------------------------------------------------------
+_REQUESTS = """#include <valgrind/callgrind.h>
+int running(void) { return RUNNING_ON_VALGRIND; }
+void start(void) { CALLGRIND_START_INSTRUMENTATION; }
+void stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+void zero(void) { CALLGRIND_ZERO_STATS; }
+void dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
+"""
+
+#: The callgrind requests (``_REQUESTS``) loaded in the run under valgrind; None when timing.
+_COUNTER: Any = None
+_ROUNDS = 3
+_VARIANTS_COUNTED = ("eager", "sharded", "chained")
+
+
+def _counted(row: Row, variants: dict[str, Callable[[], Any] | str], calls: int) -> dict[str, Any]:
+    """Dump the instructions of ``calls`` calls of each variant, ``_ROUNDS`` times, each labelled
+    ``row|variant|calls``; the run outside valgrind reads the dumps (``_read_counts``)."""
+    regions = {"empty": lambda: None, **{name: variants[name] for name in _VARIANTS_COUNTED}}
+    _COUNTER.start()
+    for fn in regions.values():  # the code is instrumented again from here: run it once first
+        fn()
+    for _ in range(_ROUNDS):
+        for name, fn in regions.items():
+            gc.collect()
+            _COUNTER.zero()
+            for _ in range(calls):
+                fn()
+            _COUNTER.dump(f"{row.name}|{name}|{calls}".encode())
+    _COUNTER.stop()
+    return {}
+
+
+def _callgrind_requests(folder: str) -> str:
+    """Build the few lines that start and dump callgrind's count from inside Python."""
+    if shutil.which("valgrind") is None or shutil.which("cc") is None:
+        sys.exit("--instructions needs valgrind and a C compiler (cc) on PATH")
+    source, library = os.path.join(folder, "requests.c"), os.path.join(folder, "requests.so")
+    with open(source, "w") as out:
+        out.write(_REQUESTS)
+    built = subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", library, source], capture_output=True, text=True)
+    if built.returncode:
+        sys.exit(f"--instructions could not build its callgrind requests (is valgrind's callgrind.h "
+                 f"installed?):\n{built.stderr}")
+    return library
+
+
+def _count_instructions(argv: list[str]) -> None:
+    """Run this script again under callgrind and print instructions per call from its dumps."""
+    with tempfile.TemporaryDirectory() as folder:
+        library = _callgrind_requests(folder)
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                   f"--callgrind-out-file={os.path.join(folder, 'callgrind.out')}",
+                   sys.executable, os.path.abspath(__file__), *argv]
+        run = subprocess.run(command, env={**os.environ, _REQUESTS_ENV: library, "PYTHONHASHSEED": "0"},
+                             capture_output=True, text=True)
+        if run.returncode:
+            sys.exit(f"the run under valgrind failed:\n{run.stdout[-3000:]}{run.stderr[-3000:]}")
+        counts = _read_counts(folder)
+    print("| row | k | eager (instr) | sharded (instr) | chained (instr) | sharded / eager "
+          "| added / stage call (instr) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row, stages in _stage_counts(run.stdout):
+        per = {name: statistics.median(counts[row, name]) - statistics.median(counts[row, "empty"])
+               for name in _VARIANTS_COUNTED}
+        print(f"| {row} | {stages} | {per['eager']:.0f} | {per['sharded']:.0f} | {per['chained']:.0f} "
+              f"| {per['sharded'] / per['eager']:.3f} | {(per['sharded'] - per['eager']) / stages:.0f} |")
+
+
+def _read_counts(folder: str) -> dict[tuple[str, str], list[float]]:
+    """Instructions per call by (row, variant), one per round, from callgrind's dumps."""
+    counts: dict[tuple[str, str], list[float]] = {}
+    for path in glob.glob(os.path.join(folder, "callgrind.out*")):
+        with open(path) as dump:
+            text = dump.read()
+        label = re.search(r"^desc: Trigger: Client Request: (.+)$", text, re.M)
+        total = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+        if label and total:
+            row, variant, calls = label.group(1).split("|")
+            counts.setdefault((row, variant), []).append(int(total.group(1)) / int(calls))
+    return counts
+
+
+def _stage_counts(stdout: str) -> list[tuple[str, int]]:
+    """The rows the run under valgrind counted, with their k (it prints one line per row)."""
+    return [(name, int(k)) for name, k in re.findall(r"^counted: (.+) \| (\d+)$", stdout, re.M)]
+
+
+#: The environment variable that hands the run under valgrind the built requests.
+_REQUESTS_ENV = "AUTOSHARD_CALLGRIND_REQUESTS"
 
 
 def _first(value: Any) -> torch.Tensor:
@@ -166,21 +285,34 @@ def main() -> None:
     parser.add_argument("--cuda", action="store_true", help="run on the GPU (CUDA-synchronised timings)")
     parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall",
                         help="thread: CPU time of this thread, steadier on a loaded machine (not with --cuda)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per call under valgrind instead of timing (CPU; use with --only)")
     options = parser.parse_args()
-    global _clock
+    global _clock, _COUNTER
+    if options.instructions and os.environ.get(_REQUESTS_ENV) is None:
+        _count_instructions(sys.argv[1:])
+        return
+    if options.instructions:
+        _COUNTER = ctypes.CDLL(os.environ[_REQUESTS_ENV])
+        if not _COUNTER.running():
+            sys.exit(f"{_REQUESTS_ENV} is set outside valgrind")
     _clock = _CLOCKS["wall" if options.cuda else options.clock]
     repeats = options.repeats or (3 if options.quick else 7)
     warnings.filterwarnings("ignore")  # pipeline()'s and transformers' notices would break the table
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    rows = [_mlp(), _gpt(False), _gpt(True), _hf_gpt2(), _encoder()]
-    print("| row | k | eager (us) | sharded (us) | chained (us) | pipeline() (us) | sharded / eager "
-          "| added / stage call (us) | bit-exact |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for row in rows:
-        if row is None or options.only not in row.name:
+    if not options.instructions:
+        print("| row | k | eager (us) | sharded (us) | chained (us) | pipeline() (us) | sharded / eager "
+              "| added / stage call (us) | bit-exact |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for name, make in ROWS.items():
+        row = make() if options.only in name else None
+        if row is None:
             continue
         r = measure(row, repeats, options.cuda)
+        if options.instructions:
+            print(f"counted: {row.name} | {row.stages}", flush=True)
+            continue
         added = (r["sharded"] - r["eager"]) / r["k"]
         exact = "" if r["exact"] is None else ("yes" if r["exact"] else "NO")
         print(f"| {r['row']} | {r['k']} | {_us(r['eager'])} | {_us(r['sharded'])} | {_us(r['chained'])} "

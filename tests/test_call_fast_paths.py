@@ -14,14 +14,24 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.capture.held_state import HeldState
+from autoshard.capture import held_state
+from autoshard.capture.held_state import NO_KEY, HeldState, kept_check
 from autoshard.errors import InputMismatchError
-from autoshard.sharded import _BINDERS, moved_to
+from autoshard.sharded import _BINDERS, fitted_call, moved_to
 
 
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.ReLU())]).eval()
+
+
+def _called_once() -> tuple[nn.Sequential, torch.Tensor, nn.Module]:
+    """The MLP, an input and its 2 stages, called once (what the calls keep is made)."""
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    return model, x, sharded
 
 
 def _walks(monkeypatch: pytest.MonkeyPatch) -> list[HeldState]:
@@ -66,10 +76,7 @@ def test_stages_find_their_modules_once_and_not_on_every_call(make, monkeypatch)
 def test_a_submodule_replaced_in_a_stage_is_found_again_and_its_mode_checked(how, monkeypatch):
     """Replaced by ``setattr`` or straight in ``_modules`` (as quantization's convert does, past
     every hook): each step of the kept paths is checked by identity on every call."""
-    model = _mlp()
-    x = torch.randn(2, 8)
-    sharded = autoshard.shard_model(model, 2, (x,))
-    sharded(x)
+    model, x, sharded = _called_once()
     walked = _walks(monkeypatch)
     stage = sharded.stages[1]
     path = next(name for name, m in stage.named_modules() if isinstance(m, nn.Linear))
@@ -127,10 +134,7 @@ def test_a_shallow_copy_of_a_stage_is_checked_by_its_own_mode():
 def test_a_conversion_that_puts_new_parameters_in_the_modules_is_refused():
     """``torch.__future__.set_overwrite_module_params_on_conversion`` makes ``half()`` register new
     Parameter objects directly in each module's registry, past every hook: read on every call."""
-    model = _mlp()
-    x = torch.randn(2, 8)
-    sharded = autoshard.shard_model(model, 2, (x,))
-    sharded(x)
+    model, x, sharded = _called_once()
     torch.__future__.set_overwrite_module_params_on_conversion(True)
     try:
         model.half()
@@ -173,6 +177,10 @@ def test_a_call_structure_is_bound_once_and_values_are_still_checked_on_every_ca
         assert torch.equal(sharded(x, mask=mask), model(x, mask=mask))
         assert torch.equal(sharded(x, mask), model(x, mask))
     assert len(_BINDERS[first].bindings) == 2
+    # a call the first stage takes as it was made, the sharded model passes on as it is; a runtime gets
+    # it by name (PyTorch's pipeline takes only tensors by position)
+    assert sharded.fit_call((x, mask), {}) == ((x, mask), {})
+    assert fitted_call(first, sharded.model_signature, (x, mask), {}) == ((), {"x": x, "mask": mask})
     with pytest.raises(InputMismatchError, match="mask is None"):
         sharded(x, mask=None)
     assert torch.equal(sharded(x, mask, 1.0), model(x, mask, 1.0))  # the default the example left
@@ -252,10 +260,9 @@ def test_a_pipeline_stage_module_carries_the_same_kept_checks(monkeypatch):
 
 
 def test_hooks_on_a_stage_or_on_every_module_still_run():
-    """The sharded model calls a stage's forward straight only when ``__call__`` would add nothing."""
-    model = _mlp()
-    x = torch.randn(2, 8)
-    sharded = autoshard.shard_model(model, 2, (x,))
+    """The sharded model calls a stage's forward straight only when ``__call__`` would add nothing;
+    hooks added after calls that took the straight path are seen on the next call."""
+    model, x, sharded = _called_once()
     seen = []
     handle = sharded.stages[1].register_forward_hook(lambda module, args, out: seen.append("stage"))
     sharded(x)
@@ -266,8 +273,104 @@ def test_hooks_on_a_stage_or_on_every_module_still_run():
         sharded(x)
     finally:
         handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: seen.append("global pre") if module is sharded.stages[1] else None)
+    try:
+        sharded(x)
+    finally:
+        handle.remove()
     sharded(x)
-    assert seen == ["stage", "global"]
+    assert seen == ["stage", "global", "global pre"]
+
+
+def test_a_stage_compiled_on_its_own_runs_compiled():
+    """``stage.compile()`` sets what ``nn.Module.__call__`` calls instead of ``forward``."""
+    model, x, sharded = _called_once()
+    compiled = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: list) -> object:
+        compiled.append(gm)
+        return gm.forward
+
+    sharded.stages[1].compile(backend=counting)
+    assert torch.equal(sharded(x), model(x))
+    assert compiled
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
+def test_a_jit_trace_records_each_stage_as_a_module_call():
+    """Under a JIT trace every stage is called through ``__call__`` (its ``_slow_forward`` records
+    it as a module); the trace computes the model."""
+    model, x, sharded = _called_once()
+    traced = torch.jit.trace(sharded, (x,))
+    assert str(traced.graph).count('prim::CallMethod[name="forward"]') == 2
+    assert torch.equal(traced(x), model(x))
+
+
+def test_fx_tracing_through_a_sharded_model_is_refused():
+    """fx's proxies are no tensors: the plan, captured with tensors, refuses them by name."""
+    model, x, sharded = _called_once()
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = sharded
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) + 1
+
+    with pytest.raises(InputMismatchError, match="input is Proxy"):
+        torch.fx.symbolic_trace(Outer())
+
+
+def test_one_module_switched_to_another_mode_is_refused_before_any_stage_computes():
+    """The model's modules are checked at the call's start (``ModesAtCapture``), not only by the
+    stage that calls them: the stages before it do not run (in training they would update their
+    batch-norm statistics and draw random numbers for a call that is then refused)."""
+    model, x, sharded = _called_once()
+    ran = []
+    model[0].register_forward_hook(lambda module, args, out: ran.append(module))
+    model[-2].train()
+    with pytest.raises(InputMismatchError, match="switched to another mode"):
+        sharded(x)
+    assert ran == []
+    model[-2].eval()
+    assert torch.equal(sharded(x), model(x))
+
+
+def test_a_kept_check_passes_only_what_the_last_passing_call_read_by_identity():
+    """Anything else (another flag, value or dtype, an equal value that is another object, an item
+    gone or set to None) runs the full check."""
+    module, registry = nn.Linear(1, 1), {"w": torch.zeros(1)}
+    full: list[bool] = []
+    check = kept_check([(registry, "w", "dtype"), (module, NO_KEY, "training"), (registry, "w", "")],
+                       [torch.float32, True, registry["w"]], "passed", lambda flag: full.append(flag) or "full",
+                       flag_seen=False)
+    assert check(False) == "passed" and full == []
+    assert check(True) == "full"
+    module.training = 1  # equal to True, not the flag that was read
+    assert check(False) == "full"
+    module.training = True
+    registry["w"] = torch.zeros(1)  # the same dtype, another tensor
+    assert check(False) == "full"
+    for gone in ({}, {"w": None}):
+        registry.clear()
+        registry.update(gone)
+        assert check(False) == "full"
+    assert full == [True, False, False, False, False]
+
+
+def test_a_kept_check_of_many_reads_compares_every_one():
+    """Past one part of generated code (``_PART`` reads), the reads are compared part by part."""
+    modules = [nn.ReLU() for _ in range(3 * held_state._PART + 5)]
+    check = kept_check([(m, NO_KEY, "training") for m in modules], [True] * len(modules), "passed",
+                       lambda flag: "full")
+    assert check(None) == "passed"
+    for module in (modules[0], modules[held_state._PART + 1], modules[-1]):
+        module.eval()
+        assert check(None) == "full"
+        module.train()
+    assert check(None) == "passed"
 
 
 class Blocks(nn.Module):
@@ -315,13 +418,12 @@ def test_a_stage_calls_the_modules_its_check_returned_not_found_again_by_attribu
     seen = _getattr_calls_on(containers, monkeypatch)
     assert torch.equal(stage.forward(*received), model(x))
     assert seen == []
+    assert torch.equal(sharded(x), model(x))  # the copy's own kept checks and binding
     assert "checked_modules" in stage.print_readable(print_output=False)
 
 
 def test_hooks_on_a_module_inside_a_stage_still_run():
-    model = _mlp()
-    x = torch.randn(2, 8)
-    sharded = autoshard.shard_model(model, 2, (x,))
+    model, x, sharded = _called_once()
     seen = []
     model[-2].register_forward_hook(lambda module, args, out: seen.append(out.shape))
     sharded(x)

@@ -5,16 +5,17 @@ dtypes, so every call checks that the stage and the modules it calls are in the 
 captured in and that no weight was converted (``check_mode``, ``check_weight_dtypes`` say what is
 wrong). Walking the module tree by path for that (``getattr(self.blocks, "0").ln_1.training``)
 cost more than small layers compute. As torch.compile's guards do, the walk is done once and its
-result kept as flat tuples that a call reads with C-level ``map``: the modules with their
-captured modes, the registries holding the parameters whose dtypes count, and every step of the
-paths to them (the container's ``_modules`` dict, the name, the module found there). A call first
-checks that each step still leads where it did, by identity: a submodule replaced in any way
-(``setattr``, ``_modules[name] = ...`` as quantization's convert does) makes it walk again.
+result kept as a flat list of reads: the modules with their captured modes, the registries
+holding the parameters whose dtypes count, and every step of the paths to them (the container's
+``_modules`` dict, the name, the module found there). A call first checks that each step still
+leads where it did, by identity: a submodule replaced in any way (``setattr``,
+``_modules[name] = ...`` as quantization's convert does) makes it walk again.
 Parameters are read from their registries on every call, so a conversion is seen whether it
 swaps a parameter's data or registers a new one; none is kept (a runtime may swap in device
 copies for one call, ``functional_call``, which must not outlive it). Everything a call reads is
-compared at once with what the last call read (one tuple, ``seen``); only a difference runs the
-refusing checks.
+compared with what the last passing call read, by identity, in code written for the stage's reads
+(``kept_check``: one chain of ``is`` tests, no tuple built, no call per read, as Dynamo's guard code
+did before its C++ guard tree); only a difference runs the refusing checks.
 
 The check returns the modules it has just checked, by path, and the stage's code calls those
 (``HeldModulesCodeGen``): fx's code would find each one again through ``nn.Module.__getattr__``
@@ -24,7 +25,7 @@ The check returns the modules it has just checked, by path, and the stage's code
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from torch import nn
 
@@ -33,13 +34,93 @@ from autoshard.capture.guard import _converts, check_mode, check_weight_dtypes
 _training = operator.attrgetter("training")
 _dtype = operator.attrgetter("dtype")
 
+#: A read's ``key`` when it reads no item: ``(owner, NO_KEY, attribute)`` reads ``owner.attribute``.
+NO_KEY = object()
+#: ``kept_check``'s ``flag_seen`` when the check compares no flag.
+NO_FLAG = object()
+#: The attributes a read may name (the generated code spells them out).
+_ATTRIBUTES = ("", "training", "dtype")
+
+Read = tuple[Any, Any, str]
+"""``(owner, key, attribute)``: ``owner[key].attribute``, without the item when ``key`` is
+``NO_KEY`` and without the attribute when it is empty."""
+
+
+def read(owner: Any, key: Any, attribute: str) -> Any:
+    """What ``kept_check``'s code reads for ``(owner, key, attribute)`` (KeyError, AttributeError: gone)."""
+    value = owner if key is NO_KEY else owner[key]
+    return getattr(value, attribute) if attribute else value
+
+
+def kept_check(reads: Sequence[Read], expected: Sequence[Any], passed: Any, full: Callable[[Any], Any],
+               flag_seen: Any = NO_FLAG) -> Callable[[Any], Any]:
+    """``check(flag)``: ``passed`` when ``flag is flag_seen`` (unless ``NO_FLAG``) and each read is
+    ``expected`` by identity, else (a difference, an item or attribute gone) ``full(flag)``.
+
+    Written as code for these reads: one chain of ``is`` tests over closure variables, so a call
+    that passes builds nothing and calls nothing; the code is compiled once per shape of the reads
+    (which of them take an item, which attribute) and given the objects and values each time.
+    Past ``_PART`` reads the chain is cut into parts checked in turn (compiling code over many
+    closure variables takes time that grows with their square)."""
+    if len(reads) > _PART:
+        parts = [kept_check(reads[i:i + _PART], expected[i:i + _PART], True, _fails)
+                 for i in range(0, len(reads), _PART)]
+
+        def check(flag: Any) -> Any:
+            if (flag_seen is NO_FLAG or flag is flag_seen) and all(part(flag) for part in parts):
+                return passed
+            return full(flag)
+        return check
+    shape = (flag_seen is not NO_FLAG, *((key is not NO_KEY, attribute) for _, key, attribute in reads))
+    make = _MAKERS.get(shape)
+    if make is None:
+        make = _MAKERS[shape] = _maker(shape)
+    values = [value for (owner, key, _), seen in zip(reads, expected) for value in (owner, key, seen)]
+    return make(passed, full, flag_seen, values)
+
+
+#: How many reads one piece of ``kept_check``'s code compares.
+_PART = 64
+
+
+def _fails(flag: Any) -> bool:
+    return False
+
+
+def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
+    flagged, *terms = shape
+    tests = ["flag is flag_seen"] if flagged else []
+    for index, (keyed, attribute) in enumerate(terms):
+        assert attribute in _ATTRIBUTES, attribute  # spelled out in the code: only names of ours
+        tests.append(f"o{index}{f'[k{index}]' if keyed else ''}{f'.{attribute}' if attribute else ''} is e{index}")
+    unpacked = f"    {''.join(f'o{i}, k{i}, e{i}, ' for i in range(len(terms)))}= values\n" if terms else ""
+    source = ("def make(passed, full, flag_seen, values):\n" + unpacked
+              + "    def check(flag):\n"
+              + "        try:\n"
+              + f"            if {' and '.join(tests) or 'True'}:\n"
+              + "                return passed\n"
+              + "        except (KeyError, AttributeError):\n"
+              + "            pass\n"
+              + "        return full(flag)\n"
+              + "    return check\n")
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<autoshard kept check {len(terms)}>", "exec"), namespace)  # noqa: S102 - our own text
+    return namespace["make"]
+
+
+#: ``kept_check``'s compiled code by shape of the reads.
+_MAKERS: dict[tuple[Any, ...], Callable[..., Callable[[Any], Any]]] = {}
+
 
 class HeldState:
     """What a stage checks of itself on every call: its own mode and its modules' (``leaves``,
     paths of the modules its graph calls), and the dtypes of the parameters it reads directly
     (``weights``, paths) or inside those modules (each module's first convertible parameter, its
     own or its children's: a conversion converts them all, and reading one per module keeps the
-    check short)."""
+    check short).
+
+    ``check(training)`` is the check the stage's code calls: code that compares what the last
+    passing call read (``kept_check``), and runs ``check_in_full`` on a difference."""
 
     def __init__(self, owner: nn.Module, leaves: tuple[str, ...], weights: tuple[str, ...]) -> None:
         self.owner = owner
@@ -52,43 +133,34 @@ class HeldState:
         self._remember(self.captured_training)
 
     def _walk(self) -> None:
-        """Find the modules and parameters by path again, as the graph's code does."""
+        """Find the modules and parameters by path again, as the graph's code does, and list what a
+        call reads: whether each step of the kept paths still leads to the module it led to (by
+        identity), the modules' flags and the kept parameters' dtypes."""
         self.modules = tuple(self.owner.get_submodule(path) for path in self.leaves)
         self.by_path = dict(zip(self.leaves, self.modules))
         inside = ((leaf, _first_parameter(module)) for leaf, module in zip(self.leaves, self.modules))
         found = [*self.weight_paths, *(f"{leaf}.{path}" for leaf, path in inside if path is not None)]
-        steps: dict[tuple[int, str], tuple[dict[str, Any], str, nn.Module]] = {}
+        steps: dict[tuple[int, str], Read] = {}
         for path in (*self.leaves, *(p.rpartition(".")[0] for p in found)):
             module = self.owner
             for name in path.split(".") if path else ():
                 child = module._modules[name]
-                steps.setdefault((id(module._modules), name), (module._modules, name, child))
+                steps.setdefault((id(module._modules), name), (module._modules, name, ""))
                 module = child
-        self.step_dicts, self.step_names, self.step_modules = (tuple(s[i] for s in steps.values()) for i in range(3))
         owners = [self.owner.get_submodule(p.rpartition(".")[0]) for p in found]
         self.registries = tuple(module._parameters for module in owners)
         self.names = tuple(p.rpartition(".")[2] for p in found)
-
-    def _reads(self, training: bool) -> tuple[Any, ...]:
-        """What a call reads, in one tuple: the stage's flag, whether each step of the kept paths
-        still leads to the module it led to (by identity), the modules' flags and the kept
-        parameters' dtypes (KeyError or AttributeError: a parameter deleted or set to None)."""
-        return (training, *map(operator.is_, map(dict.get, self.step_dicts, self.step_names), self.step_modules),
-                *map(_training, self.modules), *map(_dtype, map(dict.__getitem__, self.registries, self.names)))
+        self.reads: list[Read] = [*steps.values(), *((module, NO_KEY, "training") for module in self.modules),
+                                  *((registry, name, "dtype") for registry, name in zip(self.registries, self.names))]
 
     def weights(self) -> list[Any]:
         """The parameters whose dtypes count, as registered now."""
         return [w for w in map(dict.get, self.registries, self.names) if w is not None]
 
-    def check(self, training: bool) -> dict[str, nn.Module]:
-        """The modules the stage calls, by path; raise ``InputMismatchError`` when the stage
-        (``training``: its flag now) or one of them is in another mode than at capture, or a weight
-        was converted. A call that reads what the last one read passes at once."""
-        try:
-            if self._reads(training) == self.seen:
-                return self.by_path
-        except (KeyError, AttributeError):  # a parameter deleted or set to None: found again below
-            pass
+    def check_in_full(self, training: bool) -> dict[str, nn.Module]:
+        """The modules the stage calls, by path, found again; raise ``InputMismatchError`` when the
+        stage (``training``: its flag now) or one of them is in another mode than at capture, or a
+        weight was converted."""
         self._walk()
         check_mode(training, self.captured_training, tuple(map(_training, self.modules)), tuple(self.modes))
         check_weight_dtypes(self.dtypes, *self.weights())
@@ -96,11 +168,13 @@ class HeldState:
         return self.by_path
 
     def _remember(self, training: bool) -> None:
-        """Keep what a call that passed read, for the next call to compare with."""
+        """Keep what a call that passed read, for the next call to compare with (``check``)."""
         try:
-            self.seen: tuple[Any, ...] | None = self._reads(training)
-        except (KeyError, AttributeError):
-            self.seen = None  # checked in full on every call while a parameter is missing
+            seen = [read(*each) for each in self.reads]
+        except (KeyError, AttributeError):  # a parameter deleted or set to None
+            self.check: Callable[[bool], dict[str, nn.Module]] = self.check_in_full  # in full on every call
+            return
+        self.check = kept_check(self.reads, seen, self.by_path, self.check_in_full, training)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HeldState:
         """A copy watches the copied stage (``memo`` maps the stage to its copy), found by path."""
@@ -114,10 +188,10 @@ class HeldState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        # found by path on the first call, which nothing read before matches
-        self.modules, self.registries, self.names = (), (), ()
-        self.step_dicts, self.step_names, self.step_modules = (), (), ()
-        self.by_path, self.seen = {}, None
+        # found by path on the first call, which checks in full
+        self.modules, self.registries, self.names, self.reads = (), (), (), []
+        self.by_path = {}
+        self.check = self.check_in_full
 
 
 def _first_parameter(module: nn.Module) -> str | None:
@@ -135,5 +209,6 @@ def _first_parameter(module: nn.Module) -> str | None:
 def checked_modules(state: HeldState, training: bool) -> dict[str, nn.Module]:
     """The graph's call of ``state.check()``, given the stage's own flag (read as ``self.training``,
     so a copy of the stage that shares ``state`` is checked by its own flag): the modules the
-    stage's code calls, by path."""
+    stage's code calls, by path. The stage's generated code calls ``state.check`` itself
+    (``HeldModulesCodeGen``); this is what the graph names."""
     return state.check(training)
