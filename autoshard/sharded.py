@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules import module as module_state
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autoshard.capture.eager import PLAIN_VALUES
+from autoshard.isolation import PLAIN_VALUES
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
 from autoshard.capture.held_state import NO_KEY, kept_check
 from autoshard.capture.result import WrappedLeaf

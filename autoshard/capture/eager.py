@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from autoshard.errors import ExampleInputsError
-from autoshard.isolation import PLAIN_VALUES  # noqa: F401 - autoshard.sharded imports it from here
 from autoshard.isolation import cloned, isolated
 
 
