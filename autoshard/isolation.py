@@ -248,7 +248,7 @@ def grad_mode_checked() -> bool:
     return _GRAD_MODE_CHECKED[-1]
 
 
-def _detached(value: Any) -> Any:
+def detached_values(value: Any) -> Any:
     """``value`` with its tensors detached, so a kept result does not keep its autograd graph."""
     flat, spec = tree_flatten(value, is_leaf=lambda v: isinstance(v, torch.Size))  # unflattened, a Size is a tuple
     if not any(isinstance(v, torch.Tensor) for v in flat):
@@ -259,7 +259,7 @@ def _detached(value: Any) -> Any:
 def run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False) -> Any:
     """``fn()`` with randomness from ``seed`` and ``model``'s buffers restored afterwards."""
     with isolated(model, seed), torch.set_grad_enabled(grad):
-        return _detached(fn())
+        return detached_values(fn())
 
 
 def _thawed(value: Any) -> Any:

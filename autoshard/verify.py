@@ -32,7 +32,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from autoshard.capture.guard import check_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.errors import VerificationError
-from autoshard.isolation import PlainInterpreter, _detached, cloned, run_seeded
+from autoshard.isolation import PlainInterpreter, detached_values, cloned, run_seeded
 from autoshard.lowering.inplace import written_values
 
 
@@ -54,7 +54,7 @@ class _Recorder(PlainInterpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if n.name in self.wanted:
-            self.values[n.name] = _detached(result)
+            self.values[n.name] = detached_values(result)
         return result
 
 
