@@ -129,3 +129,45 @@ def test_the_model_is_within_ten_percent_of_what_each_stage_holds(name, k, micro
         parts = measured.parts
         assert stage.state_bytes == parts["weights"] + parts["gradients"] + parts["optimizer"]
         assert 0.9 <= stage.total / measured.peak <= 1.1, (j, stage, measured)
+
+
+class _SentViewBlock(nn.Module):
+    """A residual block that also sends on a view of a linear's output shaped by a value as wide
+    (its storage is the linear's, not the widest input's), as attention's query heads are."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.q = nn.LayerNorm(width), nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(x)
+        heads = heads + self.q(h).view(h.shape[0], h.shape[1], 4, -1).transpose(1, 2).sum()
+        return x + self.down(torch.relu(self.up(h))), heads
+
+
+class _SentViews(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_SentViewBlock(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = x.new_zeros(())
+        for block in self.blocks:
+            x, heads = block(x, heads)
+        return x.sum() + heads
+
+
+def test_sent_views_and_handed_on_gradients_are_counted_as_autograd_holds_them():
+    """A sent view keeps the storage the probe saw it in (the widest input was once taken: a saved
+    one, so the sent bytes were missed); an addition hands its gradient to both addends, and a
+    received value copies a gradient other values hold (each once counted a buffer too many or
+    too few). Was 0.97-1.04 of what each stage holds; now within 1%."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 32)
+    sharded = autoshard.shard_model(_SentViews(), 3, example_inputs=(x,),
+                                    pipeline="capture,shape-prop,build-dag,linearize,split{stages=3},emit")
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=4)).stages
+    for j in range(3):
+        measured = measure_stage_memory(sharded, j, (x,), microbatches=4)
+        assert 0.99 <= predicted[j].memory.total / measured.peak <= 1.01, (j, predicted[j].memory, measured)

@@ -5,6 +5,7 @@ called twice is probed both times."""
 from __future__ import annotations
 
 import functools
+import operator
 
 import pytest
 import torch
@@ -83,3 +84,32 @@ def test_a_module_called_twice_is_probed_both_times(monkeypatch):
     assert second.grad == output and second.backward > 0
     assert second.releases == (("blocks_0_down", output),)  # GELU keeps its input, made by `down`
     assert facts["blocks_0_down"].saved == output
+
+
+class Square(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * h
+
+
+def test_the_probe_records_the_storage_a_view_lives_in_and_the_gradients_handed_on(monkeypatch):
+    """What the memory model's backward walk and sent bytes read: a view's or an in-place write's
+    storage is the node that made it; a view's and an addition's backward hand the gradient on
+    (no new buffer), a linear's makes one, and an input given twice gets a sum (a new one)."""
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(4, 6, 16)
+    gm = capture(model, (x,), {}).graph_module
+    facts, _ = probed(gm, x, monkeypatch, memo=True)
+    assert facts["transpose"].views == "blocks_0_act_1" and facts["mul_"].views == "add"
+    assert facts["contiguous"].views is None  # a storage of its own
+    assert facts["transpose"].input_grads == (("blocks_0_act_1", True),)
+    assert facts["blocks_0_up"].input_grads == (("blocks_0_norm", False),)
+    second = next(n for n in gm.graph.nodes if n.name.startswith("add") and n.name != "add")  # x + h, both trained
+    assert facts[second.name].input_grads == tuple((a.name, True) for a in second.all_input_nodes)
+    square = capture(Square(), (x,), {}).graph_module
+    product = next(n for n in square.graph.nodes if n.target is operator.mul)
+    assert probed(square, x, monkeypatch, memo=True)[0][product.name].input_grads == (("lin", False),)

@@ -130,13 +130,20 @@ class SavedFacts:
     output; ``grad``, the gradient its output receives (floating tensors that require grad);
     ``backward``, the peak its backward adds to what is alive when it starts; ``releases``, per
     node that made them, the saved storages autograd frees once this node's backward has run (it
-    is the first node to save them, so the last to use them)."""
+    is the first node to save them, so the last to use them). ``views``: for a node that made no
+    storage (a view, an item of a tuple, an in-place write), the node whose storage its output
+    is ("" for a model input or a weight). ``input_grads``: the inputs its backward gives a
+    gradient, each with True when that gradient is the node's own output gradient handed on, no
+    new buffer (a view's, each addend's). None for either: not recorded (a plan file from
+    before, a backward fake tensors cannot run)."""
 
     saved: int
     saved_output: int
     grad: int
     backward: int
     releases: tuple[tuple[str, int], ...] = ()
+    views: str | None = None
+    input_grads: tuple[tuple[str, bool], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -472,9 +479,14 @@ def _grad(dag: nx.DiGraph, node: str) -> float:
 
 
 def _owner(dag: nx.DiGraph, node: str, stage: Mapping[str, int]) -> str:
-    """The node of the same stage whose storage ``node``'s value is, following views and values
-    passed through (they allocate nothing) to the widest input of the same stage."""
+    """The node of the same stage whose storage ``node``'s value is: itself when it made one; for
+    a view, an item or a value passed through, the maker the probe saw (``SavedFacts.views``),
+    else (facts without it) the widest input of the same stage, followed to a node that allocated.
+    A storage made in another stage or by no node (an input, a weight) leaves ``node`` itself."""
     while not dag.nodes[node].get("input") and not dag.nodes[node].get("allocated"):
+        facts = _training(dag, node)
+        if facts is not None and facts.views is not None:
+            return facts.views if stage.get(facts.views) == stage[node] else node
         inputs = [u for u in dag.predecessors(node) if stage.get(u) == stage[node]]
         if not inputs:
             break
@@ -497,42 +509,105 @@ def _sent_unsaved(dag: nx.DiGraph, sent: Sequence[str], stage: Mapping[str, int]
     return total
 
 
-def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], output_grads: float,
-                   recomputed: AbstractSet[str] = frozenset()) -> float:
+def _gradients_to(dag: nx.DiGraph, node: str) -> list[tuple[str, bool]]:
+    """The inputs ``node``'s backward gives a gradient, each with whether it hands its own on: as
+    the probe saw them (``SavedFacts.input_grads``), else every input with a gradient, the widest
+    handed on by a node that allocated nothing (a view, an item, a value passed through)."""
+    facts = _training(dag, node)
+    if facts is not None and facts.input_grads is not None:
+        return [(u, handed) for u, handed in facts.input_grads if u in dag and _grad(dag, u) > 0]
+    inputs = [u for u in dag.predecessors(node) if _grad(dag, u) > 0]
+    if dag.nodes[node].get("allocated") or not inputs:
+        return [(u, False) for u in inputs]
+    widest = max(inputs, key=lambda u: (float(dag.nodes[u].get("bytes") or 0), u))
+    return [(u, u == widest) for u in inputs]
+
+
+def _weight_grad_bytes(dag: nx.DiGraph, node: str) -> float:
+    """Bytes of the gradients ``node``'s backward makes of its trainable weights (autograd adds each
+    into the weight's gradient after)."""
+    infos = dag.graph.get("weights", {})
+    return float(sum(infos[w].nbytes for w in dag.nodes[node].get("weights", ()) if w in infos and infos[w].trainable))
+
+
+def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], through: Sequence[str],
+                   stays: AbstractSet[str], output_grads: float, recomputed: AbstractSet[str] = frozenset()) -> float:
     """The most one microbatch's backward adds to what the stage holds: walking its nodes in
     reverse, the output gradients, the gradients alive and the node's own backward peak, less the
     saved storages the nodes already run have released.
 
-    A gradient buffer lives from the backward that makes it to the backward of the value's maker.
-    A node that allocates nothing (a view, an item of a tuple, a value passed through) hands its
-    gradient on as it is, so its input's gradient is the same buffer; the outputs' gradients are
-    the buffers received, counted in ``output_grads``. What ``recomputed`` nodes save was not kept,
-    so its release frees nothing of the microbatches held (``recompute_bytes`` counts it)."""
+    A value's gradient is a buffer that lives until no value holds it any more. A backward that
+    hands its gradient on (a view's, an item's, an addition's to each addend: ``_gradients_to``)
+    makes none: its inputs hold the one it got. A value sent (made here, ``sent``, or passed
+    ``through``) holds the gradient received, counted in ``output_grads``. Autograd adds a
+    further gradient into a buffer only a value's own; into one it holds with others, or the one
+    received, it cannot, so the sum is a new buffer. A value the stage received keeps its
+    gradient to the end, to send it back: once every node reading it has given its part (at once
+    for a value only passed through), autograd takes the buffer it holds when nothing else holds
+    it, else copies it. The storages of the values sent (``stays``: their makers, ``_owner``)
+    outlive the microbatch's backward. What ``recomputed`` nodes save was not kept, so its
+    release frees nothing of the microbatches held (``recompute_bytes`` counts it)."""
     inside = set(nodes)
-    counted: dict[str, float] = {}  # value -> bytes of its gradient counted in ``alive``
-    known = set(sent)  # values whose gradient buffer exists (received, or made by a backward run)
+    buffer: dict[str, str | None] = dict.fromkeys([*sent, *through])  # value -> its gradient's (None: received)
+    holders: dict[str, int] = {}  # buffer (named by the value it was made for) -> values holding it
+    pending: dict[str, int] = {}  # value received -> nodes here still to give it a gradient
+    for node in nodes:
+        for u, _ in _gradients_to(dag, node):
+            if u not in inside:
+                pending[u] = pending.get(u, 0) + 1
     alive = freed = peak = 0.0
+
+    def hold(value: str, held: str | None) -> None:
+        nonlocal alive
+        buffer[value] = held
+        if held is not None:
+            alive += _grad(dag, held) if held == value else 0.0
+            holders[held] = holders.get(held, 0) + 1
+
+    def release(held: str | None) -> None:
+        nonlocal alive
+        if held is not None:
+            holders[held] -= 1
+            alive -= 0.0 if holders[held] else _grad(dag, held)
+
+    def shared(value: str) -> bool:
+        """Whether ``value``'s gradient is the one received or a buffer other values hold too."""
+        held = buffer[value]
+        return held is None or (held != value and holders[held] > 1)
+
+    for value in through:
+        if value not in pending:  # no node here reads it for its gradient: copied before any runs
+            hold(value, value)
+
     for node in reversed(nodes):
         facts = _training(dag, node)
         if facts is None:
             continue
+        given = _gradients_to(dag, node)
         peak = max(peak, output_grads + alive + facts.backward - freed)
-        # what this stage made and kept for this backward alone (a sent value stays: it was sent)
+        # adding a gradient into one that exists may take a new buffer for the sum, while the gradients
+        # the backward made (of its inputs and weights) still live
+        summed = max((_grad(dag, u) for u, _ in given if u in buffer), default=0.0)
+        if summed:
+            made = sum(_grad(dag, u) for u, handed in given if not handed) + _weight_grad_bytes(dag, node)
+            peak = max(peak, output_grads + alive + made + summed - freed)
+        # what this stage made and kept for this backward alone (what ``stays`` was sent)
         freed += sum(nbytes for maker, nbytes in facts.releases
-                     if maker in inside and maker not in sent and maker not in recomputed)
-        mine = counted.pop(node, 0.0)
-        inputs = [u for u in dag.predecessors(node) if _grad(dag, u) > 0]
-        if not dag.nodes[node].get("allocated") and inputs:
-            widest = max(inputs, key=lambda u: (float(dag.nodes[u].get("bytes") or 0), u))
-            counted[widest] = counted.get(widest, 0.0) + mine
-            known.add(widest)
-            continue
-        alive -= mine
-        for u in inputs:
-            if u not in known:
-                known.add(u)
-                counted[u] = _grad(dag, u)
-                alive += counted[u]
+                     if maker in inside and maker not in stays and maker not in recomputed)
+        mine = buffer.pop(node, None)
+        for u, handed in given:
+            if u not in buffer:
+                hold(u, mine if handed else u)
+            elif shared(u):  # the sum is a new buffer
+                release(buffer[u])
+                hold(u, u)
+        release(mine)
+        for u, _ in given:
+            if u in pending:
+                pending[u] -= 1
+                if not pending[u] and shared(u):  # autograd copies it into the gradient sent back
+                    release(buffer[u])
+                    hold(u, u)
     return max(peak, output_grads)
 
 
@@ -575,18 +650,17 @@ def stage_memory(
         outgoing = crossing[j] if j < k - 1 else outputs
         made_here = [v for v in outgoing if assignment[v] == j]
         output_grads = sum(_grad(dag, v) for v in outgoing)
-        # a value passed straight through gets its gradient as a copy of the one received
-        passed = sum(_grad(dag, v) for v in outgoing if assignment[v] < j)
+        through = [v for v in outgoing if assignment[v] < j]  # passed on as received
         regions = checkpoint_regions(dag, nodes) if model.activation_checkpointing else []
         recomputed = {n for run in regions for n in run}
         sent = _sent_unsaved(dag, made_here, assignment, recomputed) * scale if made_here else 0.0
+        sent_storages = {_owner(dag, v, assignment) for v in made_here}
         if regions:
-            sent_storages = {_owner(dag, v, assignment) for v in made_here}
             kept = checkpointed_kept(dag, nodes, regions, lambda n: kept_bytes(dag, n),
                                      lambda v: _owner(dag, v, assignment), sent_storages)
         else:
             kept = sum(kept_bytes(dag, v) for v in nodes)
-        walk = _backward_peak(dag, nodes, set(made_here), output_grads + passed, recomputed)
+        walk = _backward_peak(dag, nodes, set(made_here), through, sent_storages, output_grads, recomputed)
         backward = (walk + recompute_bytes(regions, lambda n: kept_bytes(dag, n))) * scale
         out.append(StageMemory(
             j, weights + grads + optimizer, kept * scale, model.in_flight(j, k),

@@ -108,7 +108,9 @@ class NodeEffect:
     ``saved_new``: for each new storage saved, its bytes and its index among the output's new
     storages (None: a temporary of the node's own); ``new_storages``: bytes, dtype and device of each
     new storage the output lives in; ``spec`` and ``leaves``: the output's structure, with an
-    ``OutputTensor`` for each tensor and each constant as it is."""
+    ``OutputTensor`` for each tensor and each constant as it is; ``input_grads``: for each argument
+    tensor its backward gives a gradient, its index and whether that gradient is the output's own
+    (None: its backward did not run)."""
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
@@ -117,3 +119,4 @@ class NodeEffect:
     leaves: tuple[Any, ...]
     grad: int
     backward: int
+    input_grads: tuple[tuple[int, bool], ...] | None

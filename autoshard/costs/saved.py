@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 from typing import Any, Hashable, Iterator
 
 import torch
@@ -86,6 +87,13 @@ def _total(snapshot: Any) -> int:
     return sum(int(by_type.get("Total", 0)) for by_type in snapshot.values())
 
 
+class _Source:
+    """Marks a tensor argument with the node it comes from (``TrainingProbe._sources``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 class TrainingProbe:
     """Runs beside shape propagation: ``measure(call, value)`` after each node, ``facts()`` at the end."""
 
@@ -103,6 +111,8 @@ class TrainingProbe:
         self.releases: dict[str, dict[str, int]] = {}  # first saver -> node that made them -> bytes
         self.grad: dict[str, int] = {}
         self.backward: dict[str, int] = {}
+        self.views: dict[str, str] = {}  # node that made no storage -> the node whose storage its output is
+        self.input_grads: dict[str, tuple[tuple[str, bool], ...]] = {}  # node -> inputs its backward gives to
         self.weights: dict[int, torch.Tensor] = {}  # id of a parameter or buffer -> its fake leaf
         self.leaves: set[int] = set()  # ids of those leaves
         self.kept: list[Any] = []
@@ -189,25 +199,28 @@ class TrainingProbe:
         self.twins[node] = twin
         self.kept.append(twin)
 
-    def _inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
-        """The node's arguments, those that require grad cloned (in-place writes stay legal)."""
-        wanted: list[torch.Tensor] = []
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor], list[int | None]]:
+        """The node's arguments, those that require grad cloned (in-place writes stay legal), one
+        clone per tensor however often it is given (``q is k`` decides attention's path); the
+        tensors that want gradients, and for each the index of the tensor argument it first stands
+        for (None: a weight, which no other node makes)."""
+        wanted: dict[int, tuple[torch.Tensor, int | None]] = {}  # id of the argument -> its stand-in
+        index = itertools.count()
 
         def prepare(t: torch.Tensor) -> torch.Tensor:
-            if id(t) in self.leaves:
-                if t.requires_grad:
-                    wanted.append(t)
-                return t
+            i = next(index)  # the tensors come in ``tree_flatten``'s order, as ``arguments`` lists them
             if not t.requires_grad:
                 return t
-            copy = t.clone()
-            self.copy_of[_storage(copy)] = self.original(_storage(t))
-            self.kept.append(copy)
-            wanted.append(copy)
-            return copy
+            if id(t) not in wanted:
+                copy = t if id(t) in self.leaves else t.clone()
+                if copy is not t:
+                    self.copy_of[_storage(copy)] = self.original(_storage(t))
+                    self.kept.append(copy)
+                wanted[id(t)] = (copy, None if copy is t else i)
+            return wanted[id(t)][0]
 
         args, kwargs = tree_map_only(torch.Tensor, prepare, (args, kwargs))
-        return args, kwargs, list({id(t): t for t in wanted}.values())
+        return args, kwargs, [t for t, _ in wanted.values()], [i for _, i in wanted.values()]
 
     def _run(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
         """Run the node; a module runs on fake leaves for its weights (returned: they want gradients)."""
@@ -226,8 +239,10 @@ class TrainingProbe:
         if self.memo is None:
             return None
         storages: dict[StorageWeakRef, int] = {}
+        objects: dict[int, int] = {}  # which arguments are one tensor (``q is k`` decides attention's path)
         try:
-            arguments = tuple(tensor_key(x, storages, lambda t: self.original(_storage(t))) + (id(x) in self.leaves,)
+            arguments = tuple(tensor_key(x, storages, lambda t: self.original(_storage(t)))
+                              + (id(x) in self.leaves, objects.setdefault(id(x), len(objects)))
                               if isinstance(x, torch.Tensor) else constant_key(x) for x in flat)
             target = module_key(self.gm.get_submodule(str(node.target))) if node.op == "call_module" else node.target
             key = (node.op, target, spec, arguments)
@@ -257,7 +272,22 @@ class TrainingProbe:
             if reusable and key is not None:
                 self.memo[key] = effect  # key is None whenever memo is
         self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)
+        if effect.input_grads is not None:
+            sources, given = self._sources(call.node), {}
+            for i, handed in effect.input_grads:
+                if sources[i] is not None:  # two tensors of one value (a tuple's) get a sum: a new buffer
+                    given[sources[i]] = handed and sources[i] not in given
+            self.input_grads[name] = tuple(given.items())
         return value
+
+    def _sources(self, node: fx.Node) -> list[str | None]:
+        """For each tensor argument of ``node``, in ``tree_flatten``'s order, the node whose value it is
+        part of (None: a constant tensor written into the graph)."""
+        marked = fx.node.map_arg((node.args, node.kwargs), lambda n: tree_map_only(
+            torch.Tensor, lambda t: _Source(n.name), self.twins[n]))
+        twins = tree_flatten(fx.node.map_arg((node.args, node.kwargs), self.twins.__getitem__))[0]
+        return [m.name if isinstance(m, _Source) else None
+                for t, m in zip(twins, tree_flatten(marked)[0]) if isinstance(t, torch.Tensor)]
 
     def _new_storages(self, value: Any) -> list[tuple[StorageWeakRef, int]]:
         """The storages of ``value`` no earlier value owns, in the order its tensors come."""
@@ -274,30 +304,24 @@ class TrainingProbe:
         (relative to ``arguments``), its output as fake leaves, and whether the effect may serve
         another node of the same key."""
         packed: dict[StorageWeakRef, int] = {}  # storage saved -> its bytes, in the order saved
+        held: list[torch.Tensor] = []  # the tensors saved, until it is known which are the node's own temporaries
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            self.kept.append(t)  # alive to the end: a freed storage's address may come back as another's
+            held.append(t)
             packed.setdefault(self.original(_storage(t)), t.untyped_storage().nbytes())
             return t
 
         self.tracker.reset_mod_stats()  # it refuses a module called twice (a block's one dropout, used twice)
         with torch.enable_grad():
-            args, kwargs, wanted = self._inputs(args, kwargs)
+            args, kwargs, wanted, indices = self._inputs(args, kwargs)
             with self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value, weights = self._run(call, args, kwargs)
         sent = [t for t in _tensors(value) if t.requires_grad and t.grad_fn is not None]
-        wanted += weights
-        reusable = True
-        try:
-            backward = self._backward(sent, wanted, (args, kwargs)) if sent and wanted else 0
-        except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
-            self.unprobed.append(call.node.name)
-            backward, reusable = 0, False
-        value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
         position: dict[StorageWeakRef, int] = {}
         for i, t in enumerate(arguments):
             position.setdefault(self.original(_storage(t)), i)
         new = {ref: i for i, (ref, _) in enumerate(self._new_storages(value))}
+        reusable = True
         saved_arguments, saved_new = [], []
         for ref, nbytes in packed.items():
             if ref in position:
@@ -306,6 +330,24 @@ class TrainingProbe:
                 saved_new.append((nbytes, new.get(ref)))
             elif self.owner[ref] is not None:  # no path reaches another node's value but its arguments
                 reusable = False
+        # What is saved stays referenced to the end (a freed storage's address may come back as another's),
+        # but for the node's own temporaries: only autograd holds them, and frees each as soon as the part of
+        # the backward that reads it has run (attention's probabilities), as it does in training
+        for t in held:
+            ref = self.original(_storage(t))
+            if ref in position or ref in new or ref in self.owner:
+                self.kept.append(t)
+        held.clear()
+        backward, input_grads = 0, ()
+        try:
+            if sent and (wanted or weights):
+                backward, given = self._backward(sent, wanted + weights, (args, kwargs))
+                input_grads = tuple((i, given[id(t)]) for i, t in zip(indices, wanted)
+                                    if i is not None and id(t) in given)
+        except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
+            self.unprobed.append(call.node.name)
+            backward, input_grads, reusable = 0, None, False
+        value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
         leaves, spec = tree_flatten(value)
         outputs, storages = [], {}
         for leaf in leaves:
@@ -323,7 +365,8 @@ class TrainingProbe:
                                         leaf.device, leaf.requires_grad, position.get(ref), new.get(ref)))
         reusable &= sorted(storages) == list(range(len(new)))
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages[i] for i in sorted(storages)),
-                            spec, tuple(outputs), sum(t.numel() * t.element_size() for t in sent), backward)
+                            spec, tuple(outputs), sum(t.numel() * t.element_size() for t in sent), backward,
+                            input_grads)
         return effect, value, reusable
 
     def _replay(self, effect: NodeEffect, arguments: list[torch.Tensor]) -> Any:
@@ -363,23 +406,43 @@ class TrainingProbe:
             self.owner[ref], self.nbytes[ref] = name, nbytes
         self.outputs[name] = {ref for ref, _ in new}
         self.grad[name], self.backward[name] = effect.grad, effect.backward
+        if not new:
+            found = {self.original(_storage(t)): t.untyped_storage().nbytes() for t in _tensors(value)}
+            if found:  # the widest storage its output lives in, made by another node ('' for an input or weight)
+                self.views[name] = self.owner.get(max(found, key=found.__getitem__)) or ""
 
-    def _backward(self, sent: list[torch.Tensor], wanted: list[torch.Tensor], inputs: Any) -> int:
-        """The peak ``MemTracker`` sees while ``sent`` back-propagates, above where it started. What
+    def _backward(self, sent: list[torch.Tensor], wanted: list[torch.Tensor],
+                  inputs: Any) -> tuple[int, dict[int, bool]]:
+        """The peak ``MemTracker`` sees while ``sent`` back-propagates, above where it started, and for
+        each ``wanted`` tensor that gets a gradient (by id) whether that gradient is one of ``sent``'s
+        itself (handed on, as a view's or an addition's backward does, not a new buffer). What
         existed before is registered first: the tracker counts a storage it has not seen when an
-        operator first touches it, as if it were new."""
+        operator first touches it, as if it were new. A weight's gradient is dropped as soon as it
+        is made, as training's in-place accumulation into ``.grad`` frees it."""
         gradients = [torch.ones_like(t) for t in sent]
-        self.tracker.track_external(*gradients, *wanted, *_tensors(inputs))
-        with self.tracker, without_cyclic_gc():
-            start = _total(self.tracker.get_tracker_snapshot("current"))
-            with torch.enable_grad():
-                grads = torch.autograd.grad(sent, wanted, gradients, allow_unused=True)
-            peak = _total(self.tracker.get_tracker_snapshot("peak"))
+        weights = [t for t in wanted if id(t) in self.leaves]
+        zeros = {(t.dtype, t.device): torch.zeros((), dtype=t.dtype, device=t.device) for t in weights}
+        # training adds a weight's gradient into the one it has and frees it at once: so do these
+        hooks = [t.register_hook(lambda g: zeros[g.dtype, g.device].expand(g.shape)) for t in weights]
+        self.tracker.track_external(*gradients, *wanted, *zeros.values(), *_tensors(inputs))
+        try:
+            with self.tracker, without_cyclic_gc():
+                start = _total(self.tracker.get_tracker_snapshot("current"))
+                with torch.enable_grad():
+                    grads = torch.autograd.grad(sent, wanted, gradients, allow_unused=True)
+                peak = _total(self.tracker.get_tracker_snapshot("peak"))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        received = {_storage(g) for g in gradients}
+        given = {id(t): g.layout == torch.strided and _storage(g) in received
+                 for t, g in zip(wanted, grads) if g is not None}
         del grads
-        return max(0, peak - start)
+        return max(0, peak - start), given
 
     def facts(self) -> dict[str, SavedFacts]:
         """``SavedFacts`` of every compute node probed so far."""
         return {name: SavedFacts(self.saved.get(name, 0), self.saved_output(name), self.grad[name],
-                                 self.backward[name], tuple(sorted(self.releases.get(name, {}).items())))
+                                 self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
+                                 self.views.get(name), self.input_grads.get(name))
                 for name in self.grad}

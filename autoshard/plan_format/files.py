@@ -116,8 +116,13 @@ class _Reader:
         if not all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and isinstance(r[1], int)
                    for r in releases):
             raise self.error(f"{where}.releases", "must be a list of [node name, bytes] pairs")
+        grads = self.get(obj, "input_grads", list, where, None)
+        if grads is not None and not all(isinstance(g, list) and len(g) == 2 and isinstance(g[0], str)
+                                         and isinstance(g[1], bool) for g in grads):
+            raise self.error(f"{where}.input_grads", "must be a list of [node name, true or false] pairs")
         return SavedFacts(*(self.get(obj, key, int, where) for key in ("saved", "saved_output", "grad", "backward")),
-                          tuple((name, nbytes) for name, nbytes in releases))
+                          tuple((name, nbytes) for name, nbytes in releases), self.get(obj, "views", str, where, None),
+                          None if grads is None else tuple((name, handed) for name, handed in grads))
 
     def names(self, items: list, where: str) -> tuple[str, ...]:
         bad = next((x for x in items if not isinstance(x, str)), None)

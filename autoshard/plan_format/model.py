@@ -308,7 +308,9 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
     if n.allocated is not None:
         out["allocated"] = _number(n.allocated)
     if n.training is not None:
-        out["training"] = {**dataclasses.asdict(n.training), "releases": [list(r) for r in n.training.releases]}
+        grads = n.training.input_grads
+        out["training"] = {**dataclasses.asdict(n.training), "releases": [list(r) for r in n.training.releases],
+                           "input_grads": None if grads is None else [list(g) for g in grads]}
     if n.value:
         out["value"] = dict(n.value)
     return out

@@ -210,6 +210,24 @@ def _steady_state_optimizer(params: list[nn.Parameter], states: tuple[str, ...])
     return optimizer
 
 
+class _Untouched(nn.Module):
+    """Calls ``stage`` on the microbatch it holds, so that the module ``MemTracker`` sees called
+    first takes no tensors. Its module tracker hooks the gradients of every module's inputs and
+    keeps each until the module's last input has one (``register_multi_grad_hook``): for a stage
+    those are the received values, whose gradients it then held to the end of the backward, and
+    autograd, seeing them referenced, copied the one it sends back. No pipeline runtime does
+    either. The stage's modules inside are tracked as before."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+        self.microbatch: tuple[tuple, dict] = ((), {})
+
+    def forward(self) -> Any:
+        args, kwargs = self.microbatch
+        return self.stage.forward(*args, **kwargs)
+
+
 def _run_in_steady_state(
     module: nn.Module, device: torch.device, args: tuple, kwargs: dict, in_flight: int,
     states: tuple[str, ...], receives_gradients: bool,
@@ -229,10 +247,10 @@ def _run_in_steady_state(
     tracker.track_external(module, optimizer, *[t for mb in microbatches for t in _tensors(mb)])
     gc.collect()
     with tracker, without_cyclic_gc():
-        outputs = []
-        for mb_args, mb_kwargs in microbatches:
+        outputs, caller = [], _Untouched(module)
+        for caller.microbatch in microbatches:
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
-            outputs.append(module(*mb_args, **mb_kwargs))
+            outputs.append(caller())
         resident = _parts(tracker.get_tracker_snapshot("current"), device)
         sent = [t for t in _tensors(outputs[0]) if t.requires_grad]
         if sent:
