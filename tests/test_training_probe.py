@@ -113,3 +113,73 @@ def test_the_probe_records_the_storage_a_view_lives_in_and_the_gradients_handed_
     square = capture(Square(), (x,), {}).graph_module
     product = next(n for n in square.graph.nodes if n.target is operator.mul)
     assert probed(square, x, monkeypatch, memo=True)[0][product.name].input_grads == (("lin", False),)
+
+
+class WritesIntoZeros(nn.Module):
+    """An in-place write into a tensor that wants no gradient makes it want one (found by review)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffer = torch.zeros_like(x)
+        buffer.add_(self.lin(x))
+        return buffer * 2
+
+
+class ChannelsLast(nn.Module):
+    """Two convolutions alike but for the weight's memory format, which the output's follows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(4, 8, 3), nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flatten(self.a(x), 1).sum(-1) + torch.flatten(self.b(x), 1).sum(-1)
+
+
+class SharedScale(nn.Module):
+    """Two modules kept whole that save one tensor held outside their registries."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class TwoScales(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, scale = nn.Linear(64, 64), torch.randn(64)
+        self.s, self.t = SharedScale(scale), SharedScale(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return self.s(h) + self.t(h * 2)
+
+
+@pytest.mark.parametrize("model, example", [
+    (nn.Sequential(WritesIntoZeros(), WritesIntoZeros()), (4, 16)),
+    (ChannelsLast(), (2, 4, 8, 8)),
+])
+def test_nodes_that_look_alike_but_probe_differently_are_not_applied_from_the_memo(model, example, monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(*example)
+    gm = capture(model, (x,), {}).graph_module
+    assert probed(gm, x, monkeypatch, memo=True)[0] == probed(gm, x, monkeypatch, memo=False)[0]
+
+
+def test_a_tensor_no_node_made_is_charged_once_to_the_first_node_that_saves_it(monkeypatch):
+    class Tracer(torch.fx.Tracer):  # SharedScale kept whole, as a module capture cannot trace would be
+        def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+            return isinstance(m, SharedScale) or super().is_leaf_module(m, qualified_name)
+
+    torch.manual_seed(0)
+    model, x = TwoScales(), torch.randn(4, 64)
+    gm = torch.fx.GraphModule(model, Tracer().trace(model))
+    for memo in (True, False):
+        facts, _ = probed(gm, x, monkeypatch, memo=memo)
+        assert (facts["s"].saved, facts["t"].saved) == (64 * 4, 0)

@@ -34,8 +34,8 @@ def tensor_key(t: torch.Tensor, storages: dict[Any, int], storage_of: Any) -> tu
     if t.layout != torch.strided:
         raise Uncacheable("a tensor that is not strided")
     group = storages.setdefault(storage_of(t), len(storages))
-    return (group, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad,
-            t.untyped_storage().nbytes())
+    return (group, type(t), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad,
+            t.is_conj(), t.is_neg(), t.untyped_storage().nbytes())
 
 
 def constant_key(value: Any, depth: int = 0) -> Hashable:
@@ -43,10 +43,10 @@ def constant_key(value: Any, depth: int = 0) -> Hashable:
     by identity (the module graph keeps them alive while the probe runs, so an id is not reused)."""
     if isinstance(value, CONSTANTS):
         return (type(value), value)
+    if isinstance(value, torch.Tensor):  # a module's unregistered tensor: what saves it charges it once, in
+        raise Uncacheable("a tensor held outside the module's registries")  # the node that saves it first
     if depth > 4:
         return ("id", id(value))
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.device, value.requires_grad)
     if isinstance(value, slice):
         return ("slice", *(constant_key(part, depth + 1) for part in (value.start, value.stop, value.step)))
     if isinstance(value, (tuple, list)):
@@ -60,12 +60,14 @@ def constant_key(value: Any, depth: int = 0) -> Hashable:
 
 def module_key(module: nn.Module) -> Hashable:
     """Everything of ``module`` and its submodules a call can read: classes, modes, every attribute
-    (hooks included), and each parameter's and buffer's layout with the pattern of tied ones."""
+    (hooks by identity, so a module with hooks is probed on its own), and each parameter's and
+    buffer's layout (strides too: a channels-last weight makes a channels-last output) with the
+    pattern of tied ones. ``Uncacheable`` when it holds a tensor outside its registries."""
     tied: dict[int, int] = {}
 
     def layout(t: torch.Tensor | None) -> tuple | None:
-        return None if t is None else (tied.setdefault(id(t), len(tied)), tuple(t.shape), t.dtype, t.device,
-                                       t.requires_grad)
+        return None if t is None else (tied.setdefault(id(t), len(tied)), type(t), tuple(t.shape), t.stride(),
+                                       t.storage_offset(), t.dtype, t.device, t.requires_grad)
 
     def weights(registry: dict[str, torch.Tensor | None]) -> tuple:
         return tuple((name, layout(t)) for name, t in registry.items())

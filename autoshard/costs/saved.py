@@ -78,6 +78,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [part for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) for part in dense_parts(t)]
 
 
+def _state(t: torch.Tensor) -> tuple:
+    """What later nodes read of an argument that a node may write in place."""
+    return t.requires_grad, t.grad_fn is None, tuple(t.shape), t.stride(), t.storage_offset()
+
+
 def _storage(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
@@ -306,22 +311,31 @@ class TrainingProbe:
         packed: dict[StorageWeakRef, int] = {}  # storage saved -> its bytes, in the order saved
         held: list[torch.Tensor] = []  # the tensors saved, until it is known which are the node's own temporaries
 
+        foreign: dict[StorageWeakRef, int] = {}  # saved storages the probe's mode did not make (a module's
+        # unregistered tensor): the first node to save one is charged, as for any value made before
+
         def pack(t: torch.Tensor) -> torch.Tensor:
             held.append(t)
-            packed.setdefault(self.original(_storage(t)), t.untyped_storage().nbytes())
+            ref = self.original(_storage(t))
+            mine = isinstance(t, FakeTensor) and t.fake_mode is self.fake
+            (packed if mine or ref in self.owner else foreign).setdefault(ref, t.untyped_storage().nbytes())
             return t
 
+        before = [_state(t) for t in arguments]
         self.tracker.reset_mod_stats()  # it refuses a module called twice (a block's one dropout, used twice)
         with torch.enable_grad():
             args, kwargs, wanted, indices = self._inputs(args, kwargs)
             with self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value, weights = self._run(call, args, kwargs)
+        self._charge_first_saver(call.node.name, foreign)
+        # An in-place write to an argument that wants no gradient (``zeros.add_(x)``) changes what later
+        # nodes receive: a replay, which makes only the output, would miss it
+        reusable = not foreign and before == [_state(t) for t in arguments]
         sent = [t for t in _tensors(value) if t.requires_grad and t.grad_fn is not None]
         position: dict[StorageWeakRef, int] = {}
         for i, t in enumerate(arguments):
             position.setdefault(self.original(_storage(t)), i)
         new = {ref: i for i, (ref, _) in enumerate(self._new_storages(value))}
-        reusable = True
         saved_arguments, saved_new = [], []
         for ref, nbytes in packed.items():
             if ref in position:
@@ -385,6 +399,15 @@ class TrainingProbe:
                 return self.wrapped(meta, leaf.device).requires_grad_(leaf.requires_grad)
 
             return tree_unflatten([made(leaf) for leaf in effect.leaves], effect.spec)
+
+    def _charge_first_saver(self, name: str, storages: dict[StorageWeakRef, int]) -> None:
+        """``name`` saved ``storages``, which no node made: the first node to save one is charged for it."""
+        for ref, nbytes in storages.items():
+            if ref not in self.saved_storages:
+                self.saved_storages.add(ref)
+                self.owner[ref], self.nbytes[ref] = name, nbytes
+                self.saved[name] = self.saved.get(name, 0) + nbytes
+                self.release(name, name, nbytes)
 
     def _apply(self, name: str, effect: NodeEffect, saved_arguments: list[StorageWeakRef], value: Any) -> None:
         """Charge what ``name`` saved: an argument's storage to the node that made it, the first time
