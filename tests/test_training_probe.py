@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import Callable
 
 import pytest
 import torch
@@ -86,14 +87,22 @@ def test_a_module_called_twice_is_probed_both_times(monkeypatch):
     assert facts["blocks_0_down"].saved == output
 
 
-class Square(nn.Module):
-    def __init__(self) -> None:
+class AfterLinear(nn.Module):
+    """A linear, then ``then`` of its output."""
+
+    def __init__(self, then: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
-        self.lin = nn.Linear(16, 16)
+        self.lin, self.then = nn.Linear(16, 16), then
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        return h * h
+        return self.then(self.lin(x))
+
+
+def written_into_zeros(h: torch.Tensor) -> torch.Tensor:
+    """An in-place write into a tensor that wants no gradient makes it want one (found by review)."""
+    buffer = torch.zeros_like(h)
+    buffer.add_(h)
+    return buffer * 2
 
 
 def test_the_probe_records_the_storage_a_view_lives_in_and_the_gradients_handed_on(monkeypatch):
@@ -110,22 +119,9 @@ def test_the_probe_records_the_storage_a_view_lives_in_and_the_gradients_handed_
     assert facts["blocks_0_up"].input_grads == (("blocks_0_norm", False),)
     second = next(n for n in gm.graph.nodes if n.name.startswith("add") and n.name != "add")  # x + h, both trained
     assert facts[second.name].input_grads == tuple((a.name, True) for a in second.all_input_nodes)
-    square = capture(Square(), (x,), {}).graph_module
+    square = capture(AfterLinear(lambda h: h * h), (x,), {}).graph_module
     product = next(n for n in square.graph.nodes if n.target is operator.mul)
     assert probed(square, x, monkeypatch, memo=True)[0][product.name].input_grads == (("lin", False),)
-
-
-class WritesIntoZeros(nn.Module):
-    """An in-place write into a tensor that wants no gradient makes it want one (found by review)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        buffer = torch.zeros_like(x)
-        buffer.add_(self.lin(x))
-        return buffer * 2
 
 
 class ChannelsLast(nn.Module):
@@ -162,7 +158,7 @@ class TwoScales(nn.Module):
 
 
 @pytest.mark.parametrize("model, example", [
-    (nn.Sequential(WritesIntoZeros(), WritesIntoZeros()), (4, 16)),
+    (nn.Sequential(AfterLinear(written_into_zeros), AfterLinear(written_into_zeros)), (4, 16)),
     (ChannelsLast(), (2, 4, 8, 8)),
 ])
 def test_nodes_that_look_alike_but_probe_differently_are_not_applied_from_the_memo(model, example, monkeypatch):
