@@ -22,6 +22,7 @@ from autoshard.capture.state import ScalarStateWrite, StateWrite
 from autoshard.costs.memory import MemoryModel, StageMemory
 from autoshard.costs.step_time import StepTime, StepTimeModel, predicted_step
 from autoshard.errors import plural
+from autoshard.passes.spec import parse_spec
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 
 _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*)*)$")
@@ -308,8 +309,19 @@ def plan_step_time(plan: SavedPlan, step: StepTimeModel | None = None) -> StepTi
     seconds = plan.stage_seconds()
     if seconds is None:
         return None
+    backward = plan.time_backward if plan.time_backward is not None else _profile_timed_backward(plan.pipeline)
     return predicted_step(seconds, plan.boundary_bytes(), step or run_of(plan.memory_model), plan.time_estimate,
-                          plan.time_backward)
+                          backward)
+
+
+def _profile_timed_backward(pipeline: str) -> bool:
+    """For a plan file written before ``time_backward`` was recorded: whether its pipeline's ``profile``
+    timed the backward (``profile{backward=true}``), which its times then include."""
+    for element in parse_spec(pipeline):
+        for option in element.options if element.name == "profile" else ():
+            if option.key == "backward":
+                return option.values is None or option.values[0].text == "true"
+    return False
 
 
 def plan_step_lines(plan: SavedPlan, step: StepTimeModel | None = None) -> list[str]:

@@ -67,13 +67,19 @@ def test_a_profile_that_timed_the_backward_predicts_the_same_step_however_it_is_
     assert plan_step_time(read_plan(out_plan)).seconds == step.seconds
 
 
-def test_an_old_plan_file_without_the_record_reads_its_times_as_forward_only(timed):
-    data = read_plan(timed[2]).to_dict()
+def test_an_old_plan_file_without_the_record_goes_by_its_pipelines_profile_options(timed):
+    """Plans written before ``time_backward`` was recorded: their pipeline's ``profile`` options say
+    (found by review: they had been read as forward only, and their backward predicted again)."""
+    current = read_plan(timed[2])
+    data = current.to_dict()
     del data["time_backward"]
     old = plan_from_dict(json.loads(json.dumps(data)))
-    assert not old.time_backward
-    step = plan_step_time(old)
-    assert step.forward == pytest.approx(old.stage_seconds()) and "backward = 2 x forward" in step.source
+    assert old.time_backward is None and plan_step_time(old).seconds == plan_step_time(current).seconds
+    data["pipeline"] = data["pipeline"].replace("backward=true ", "")
+    forward_only = plan_from_dict(json.loads(json.dumps(data)))
+    step = plan_step_time(forward_only)
+    assert step.forward == pytest.approx(forward_only.stage_seconds()) and "backward = 2 x forward" in step.source
+    assert read_plan(timed[2]).to_dict()["time_backward"] is True  # written now, so never guessed again
 
 
 def test_the_link_flags_reach_the_step_time_model(timed, capsys):

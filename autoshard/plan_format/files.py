@@ -216,7 +216,7 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SavedPlan:
         wrapped=tuple(r.wrapped(obj, i) for i, obj in enumerate(r.get(data, "wrapped", list, "the file", []))),
         weights={str(name): r.weight(name, obj) for name, obj in r.get(data, "weights", dict, "the file", {}).items()},
         time_estimate=r.time_estimate(r.get(data, "time_estimate", dict, "the file", None)),
-        time_backward=r.get(data, "time_backward", bool, "the file", False),
+        time_backward=r.get(data, "time_backward", bool, "the file", None),
         split=r.split(r.get(data, "split", dict, "the file", None)),
         memory_model=r.memory_model(r.get(data, "memory_model", dict, "the file", None)),
     )

@@ -116,9 +116,10 @@ class SavedPlan:
     """Every parameter and buffer under its canonical name: size, aliases (tied names), trainable."""
     time_estimate: DeviceModel | None = None
     """The device model the nodes' ``time`` costs were estimated with; None when they were measured."""
-    time_backward: bool = False
+    time_backward: bool | None = None
     """Whether the measured ``time`` costs are each node's forward and backward together (the profile
-    timed the backward); False: forward only, as in plans written before it was recorded."""
+    timed the backward); None in plans written before it was recorded, where the pipeline's
+    ``profile`` options say (``autoshard.report.plan_step_time``)."""
     split: SplitRecord | None = None
     """What the splitter said about the split it made; None when the plan was not made by a splitter."""
     memory_model: MemoryModel = MemoryModel()
@@ -247,8 +248,8 @@ class SavedPlan:
             out["split"] = self.split.to_dict()
         if self.time_estimate is not None:
             out["time_estimate"] = self.time_estimate.to_dict()
-        if self.time_backward:
-            out["time_backward"] = True
+        if self.time_backward is not None:
+            out["time_backward"] = self.time_backward
         out["memory_model"] = self.memory_model.to_dict()
         out["summary"] = self._summary()
         out["boundaries"] = self.boundaries()
