@@ -21,7 +21,7 @@ from autoshard.costs.memory import node_memory, stage_memory
 from autoshard.costs.split_search import placements
 from autoshard.costs.models import summed_per_stage
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
-from autoshard.examples import GPTStyleLM
+from autoshard.examples import GPTStyleLM, load_example
 from autoshard.graph.linearize import non_inputs, program_order
 from autoshard.plan_reporting import plan_report
 from autoshard.runtime import measure_stage_memory
@@ -190,3 +190,15 @@ def test_the_memory_model_sets_the_optimizer_the_plan_is_made_for():
 def test_a_memory_model_refuses_values_it_cannot_plan_with(options, message):
     with pytest.raises(InvalidArgumentError, match=message):
         autoshard.MemoryModel(**options)
+
+
+def test_a_stage_tightened_before_gets_room_back_when_no_tighter_split_exists(k=4):
+    """The GPT-style LM at 0.8 of its unconstrained plan's fullest stage (some split reaches 0.79):
+    tightening only the stages over their budgets, round by round, left stages 0-2 so tight that
+    no split fit the last one's, and the budget was refused. Set again from what each stage misses
+    now, the budgets let a fitting split through."""
+    model, args, _ = load_example("gpt-lm")
+    free = autoshard.shard_model(model, k, example_inputs=args, pipeline=PLAN_ONLY).plan
+    budget = 0.8 * peak_memory(free.dag, free.assignment, k)
+    plan = autoshard.shard_model(model, k, example_inputs=args, max_memory=budget, pipeline=PLAN_ONLY).plan
+    assert peak_memory(plan.dag, plan.assignment, k) <= budget

@@ -111,7 +111,9 @@ def fitted(request: SplitRequest, placement: TiePlacement) -> Attempt:
     first to the budget less what the splitter missed there (right if the new stage misses as much),
     and when no split meets that, to just below what the splitter counted there (the stage must hold
     less than it did: a stage holding less also misses less, its backward and, at a narrower cut, its
-    received values). Budgets only fall, so it ends."""
+    received values). When neither split exists, every stage's budget is set to the original less
+    what that stage misses now (a stage tightened earlier may need less room than it was given),
+    so budgets may rise again; the rounds are counted, so it ends."""
     found = attempt(request, placement)
     if not request.max_memory:
         return found
@@ -123,8 +125,10 @@ def fitted(request: SplitRequest, placement: TiePlacement) -> Attempt:
         over = [m > b for m, b in zip(found.memory, budgets)]
         missed = [max(0.0, b - (m - c)) for b, m, c in zip(budgets, found.memory, found.counted)]
         less = [c - _ROUND_OFF * b for c, b in zip(found.counted, budgets)]
-        for proposal in (missed, less):
-            tighter = tuple(min(t, p) if o else t for t, p, o in zip(tight, proposal, over))
+        proposals = [tuple(min(t, p) if o else t for t, p, o in zip(tight, proposal, over))
+                     for proposal in (missed, less)]
+        proposals.append(tuple(missed))  # every stage by what it misses now, the earlier tightening let go
+        for tighter in proposals:
             try:
                 found, tight = attempt(request, placement, budgets=tighter), tighter
                 break
