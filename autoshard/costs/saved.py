@@ -92,13 +92,6 @@ def _total(snapshot: Any) -> int:
     return sum(int(by_type.get("Total", 0)) for by_type in snapshot.values())
 
 
-class _Source:
-    """Marks a tensor argument with the node it comes from (``TrainingProbe._sources``)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
 class TrainingProbe:
     """Runs beside shape propagation: ``measure(call, value)`` after each node, ``facts()`` at the end."""
 
@@ -287,12 +280,16 @@ class TrainingProbe:
 
     def _sources(self, node: fx.Node) -> list[str | None]:
         """For each tensor argument of ``node``, in ``tree_flatten``'s order, the node whose value it is
-        part of (None: a constant tensor written into the graph)."""
-        marked = fx.node.map_arg((node.args, node.kwargs), lambda n: tree_map_only(
-            torch.Tensor, lambda t: _Source(n.name), self.twins[n]))
-        twins = tree_flatten(fx.node.map_arg((node.args, node.kwargs), self.twins.__getitem__))[0]
-        return [m.name if isinstance(m, _Source) else None
-                for t, m in zip(twins, tree_flatten(marked)[0]) if isinstance(t, torch.Tensor)]
+        part of (None: a constant tensor written into the graph). Counted, not marked in place: a
+        container may refuse a marker for a tensor (a ``PackedSequence`` checks its fields)."""
+        sources: list[str | None] = []
+        for leaf in tree_flatten((node.args, node.kwargs))[0]:
+            if isinstance(leaf, fx.Node):
+                tensors = sum(isinstance(t, torch.Tensor) for t in tree_flatten(self.twins[leaf])[0])
+                sources += [leaf.name] * tensors
+            elif isinstance(leaf, torch.Tensor):
+                sources.append(None)
+        return sources
 
     def _new_storages(self, value: Any) -> list[tuple[StorageWeakRef, int]]:
         """The storages of ``value`` no earlier value owns, in the order its tensors come."""
