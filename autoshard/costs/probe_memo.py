@@ -108,7 +108,7 @@ class NodeEffect:
 
     ``saved_arguments``: flat indices of the argument tensors whose storages autograd saved;
     ``saved_new``: for each new storage saved, its bytes and its index among the output's new
-    storages (None: a temporary of the node's own); ``new_storages``: bytes, dtype and device of each
+    storages (None: a temporary of the node's own); ``new_storages``: bytes and dtype of each
     new storage the output lives in; ``spec`` and ``leaves``: the output's structure, with an
     ``OutputTensor`` for each tensor and each constant as it is; ``input_grads``: for each argument
     tensor its backward gives a gradient, its index and whether that gradient is the output's own
@@ -116,7 +116,7 @@ class NodeEffect:
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
-    new_storages: tuple[tuple[int, torch.dtype, torch.device], ...]
+    new_storages: tuple[tuple[int, torch.dtype], ...]
     spec: TreeSpec
     leaves: tuple[Any, ...]
     grad: int

@@ -368,7 +368,7 @@ class TrainingProbe:
                 continue
             ref = self.original(_storage(leaf)) if leaf.layout == torch.strided else None
             if ref in new:
-                stored = storages.setdefault(new[ref], (leaf.untyped_storage().nbytes(), leaf.dtype, leaf.device))
+                stored = storages.setdefault(new[ref], (leaf.untyped_storage().nbytes(), leaf.dtype))
                 reusable &= stored[1] == leaf.dtype and stored[0] % leaf.element_size() == 0
             else:
                 reusable &= ref in position
@@ -385,7 +385,7 @@ class TrainingProbe:
         new storages or in its arguments' as that node's were, made as meta tensors (``wrapped``)."""
         with _disable_current_modes():
             bases = [torch.empty(nbytes // dtype.itemsize, dtype=dtype, device="meta").untyped_storage()
-                     for nbytes, dtype, _ in effect.new_storages]
+                     for nbytes, dtype in effect.new_storages]
 
             def made(leaf: Any) -> Any:
                 if not isinstance(leaf, OutputTensor):
