@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from autoshard.graph.constraints import StageBounds
-from autoshard.graph.indexed import IndexedDag
+from autoshard.graph.indexed import Adjacency, IndexedDag
 from autoshard.graph.limits import StageLimit, slack
 
 #: How far over its budget a stage may go in the middle of a pass (a fraction of the budget),
@@ -62,9 +62,10 @@ class _State:
         self.earliest: list[int] = [0] * g.n if bounds is None else bounds.earliest.tolist()
         self.latest: list[int] = [k - 1] * g.n if bounds is None else bounds.latest.tolist()
         self.stage: list[int] = stages.tolist()
-        self.succ, self.pred = g.succ, g.pred
+        self.succ, self.pred = _rows(g.succ), _rows(g.pred)
         self.nbytes: list[float] = g.nbytes.tolist()
-        self.output: list[bool] = g.output.tolist()
+        #: The last stage that needs each value whatever its readers: k - 1 for an output, else -1.
+        self.k_out: list[int] = np.where(g.output, k - 1, -1).tolist()
         self.pinned = sorted(pinned)
         self.count: list[int] = np.bincount(stages[g.num_inputs :], minlength=k).tolist()
         self.limits = []  # (weights per stage, sums per stage, room now, budget) per limit
@@ -90,10 +91,6 @@ class _State:
             self.move(v, a)
             self.journal.pop()
 
-    def _last(self, u: int, top: int) -> int:
-        """The last stage that needs value u when its latest reader sits in stage ``top``."""
-        return max(self.stage[u], top, self.k - 1 if self.output[u] else -1)
-
     def _top_after(self, u: int, v: int, b: int) -> tuple[int, int]:
         """(latest reader stage, readers there) of value u once its reader v sits in stage b."""
         top, count, a = self.top[u], self.top_count[u], self.stage[v]
@@ -109,25 +106,56 @@ class _State:
 
     def gain(self, v: int, b: int) -> float:
         """Bytes saved by moving v to stage b (negative when the move costs bytes)."""
-        a, top = self.stage[v], self.top[v]
-        k_out = self.k - 1 if self.output[v] else -1
-        saved = self.nbytes[v] * ((max(a, top, k_out) - a) - (max(b, top, k_out) - b))
+        return self._gains(v, [b])[0]
+
+    def _gains(self, v: int, targets: list[int]) -> list[float]:
+        """Bytes saved by moving v to each of the ascending ``targets``.
+
+        Once v sits in stage b, an input u of v is needed up to max(b, floor), where floor (what
+        u's other readers and an output need, or just its latest reader's stage when v cannot
+        move below it) does not depend on b: the inputs are read once for all targets. Only when
+        v alone is u's latest reader and may move earlier are u's other readers scanned (a mask
+        read by thousands costs nothing otherwise).
+        """
+        stage, top, k_out, nbytes = self.stage, self.top, self.k_out, self.nbytes
+        a = stage[v]
+        earlier = targets[0] < a
+        terms = []  # per input: (bytes, last stage needing it now, floor of that once v moves)
         for u in self.pred[v]:
-            saved += self.nbytes[u] * (self._last(u, self.top[u]) - self._last(u, self._top_after(u, v, b)[0]))
-        return saved
+            latest = rest = top[u]
+            if earlier and latest == a and self.top_count[u] == 1:
+                rest = max((stage[w] for w in self.succ[u] if w != v), default=-1)
+            # conditionals, not max(): several times cheaper, and this is the hottest loop
+            held = stage[u] if stage[u] > k_out[u] else k_out[u]
+            terms.append((nbytes[u], latest if latest > held else held, rest if rest > held else held))
+        need = top[v] if top[v] > k_out[v] else k_out[v]  # the last stage v's value must reach
+        crossed = need - a if need > a else 0
+        gains = []
+        for b in targets:
+            saved = nbytes[v] * (crossed - (need - b if need > b else 0))
+            for size, last, floor in terms:
+                saved += size * (last - (b if b > floor else floor))
+            gains.append(saved)
+        return gains
 
     def _targets(self, v: int) -> range:
         """Stages v may take: after its inputs', before its readers', within its stage range, no
         pinned boundary crossed."""
-        a = self.stage[v]
-        lo = max((self.stage[u] for u in self.pred[v]), default=0)
-        hi = min((self.stage[w] for w in self.succ[v]), default=self.k - 1)
+        stage = self.stage
+        lo, hi = 0, self.k - 1
+        for u in self.pred[v]:  # loops: max() and min() cost several times as much here
+            if stage[u] > lo:
+                lo = stage[u]
+        for w in self.succ[v]:
+            if stage[w] < hi:
+                hi = stage[w]
         lo, hi = max(lo, self.earliest[v]), min(hi, self.latest[v])
-        at = bisect_left(self.pinned, a)
-        if at:
-            lo = max(lo, self.pinned[at - 1] + 1)
-        if at < len(self.pinned):
-            hi = min(hi, self.pinned[at])
+        if self.pinned:
+            at = bisect_left(self.pinned, stage[v])
+            if at:
+                lo = max(lo, self.pinned[at - 1] + 1)
+            if at < len(self.pinned):
+                hi = min(hi, self.pinned[at])
         return range(lo, hi + 1)
 
     def targets_within(self, v: int) -> list[int]:
@@ -136,18 +164,28 @@ class _State:
         a = self.stage[v]
         if v < self.num_inputs or self.count[a] <= 1:
             return []  # inputs sit in stage 0; a stage keeps one node at least
-        return [b for b in self._targets(v) if b != a and all(
-            sums[b] + weights[b][v] <= room[b] for weights, sums, room, _ in self.limits)]
+        span = self._targets(v)
+        targets = list(span)
+        if a in span:
+            targets.remove(a)
+        if not targets:
+            return targets
+        for weights, sums, room, _ in self.limits:
+            targets = [b for b in targets if sums[b] + weights[b][v] <= room[b]]
+        return targets
 
     def best(self, v: int) -> tuple[float, int] | None:
         """(bytes saved, target stage) of v's best move within every budget, or None."""
+        targets = self.targets_within(v)
+        if not targets:
+            return None
         a = self.stage[v]
         found = None
-        for b in self.targets_within(v):
-            key = (self.gain(v, b), -abs(b - a), -b)
+        for b, gain in zip(targets, self._gains(v, targets)):
+            key = (gain, -abs(b - a), -b)
             if found is None or key > found:
                 found = key
-        return None if found is None else (found[0], -found[2])
+        return found[0], -found[2]
 
     def overshoot(self, allowed: bool) -> None:
         """Let moves take stages over budget by ``OVERSHOOT`` (or not) until told otherwise."""
@@ -156,14 +194,18 @@ class _State:
 
     def _over(self, j: int) -> bool:
         """Whether stage j exceeds one of its budgets (allowed in the middle of a pass)."""
-        return any(sums[j] > budget[j] for _, sums, _, budget in self.limits)
+        for _, sums, _, budget in self.limits:
+            if sums[j] > budget[j]:
+                return True
+        return False
 
     def move(self, v: int, b: int) -> None:
-        a = self.stage[v]
+        stage, top, top_count = self.stage, self.top, self.top_count
+        a = stage[v]
         self.journal.append((v, a))
         for u in self.pred[v]:
-            self.top[u], self.top_count[u] = self._top_after(u, v, b)
-        self.stage[v] = b
+            top[u], top_count[u] = self._top_after(u, v, b)
+        stage[v] = b
         self.count[a] -= 1
         self.count[b] += 1
         self.over -= self._over(a) + self._over(b)
@@ -174,13 +216,22 @@ class _State:
 
     def neighbours(self, v: int) -> set[int]:
         """Nodes whose best move a move of v can change."""
-        near = set(self.pred[v]) | set(self.succ[v])
-        for u in self.pred[v]:
-            readers = self.succ[u]
+        pred, succ = self.pred, self.succ
+        near = set(pred[v])
+        near.update(succ[v])
+        for u in pred[v]:
+            readers = succ[u]
             if len(readers) <= RESCORE_READERS:
                 near.update(readers)
         near.discard(v)
         return near
+
+
+def _rows(adjacency: Adjacency) -> list[tuple[int, ...]]:
+    """Each node's neighbours as a tuple: the moves read them hundreds of thousands of times, and
+    a tuple of ints, unlike a list, leaves the garbage collector's watch once it has been seen."""
+    ptr, flat = adjacency.ptr, adjacency.flat
+    return [tuple(flat[ptr[v] : ptr[v + 1]]) for v in range(len(ptr) - 1)]
 
 
 def _movable(g: IndexedDag, stages: np.ndarray, k: int) -> np.ndarray:
