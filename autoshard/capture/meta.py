@@ -310,15 +310,24 @@ class MetaTracer(fx.Tracer):
         if self.examples is not None and kind != "output":
             try:
                 where = str(node.target).removeprefix(f"{MODEL_ATTR}.")  # the path in the user's model
-                inside = _Recording(self._inside, where) if _runs_model_code(node) else None
-                with _untraced(self.swaps) if inside else contextlib.nullcontext(), \
-                        inside or contextlib.nullcontext(), torch.no_grad(), self._running_example():
+                inside = _Recording(self._inside, where) if _runs_model_code(node) and not self._named(node) else None
+                # the example run first: ``no_grad`` sets the grad mode through a torch function, which
+                # ``_RealDraws`` would otherwise check for random draws twice per node
+                with self._running_example(), _untraced(self.swaps) if inside else contextlib.nullcontext(), \
+                        inside or contextlib.nullcontext(), torch.no_grad():
                     node.meta[EXAMPLE] = self._run(node)
             except Exception:  # noqa: BLE001 - no example: the node behaves as in plain fx
                 pass
             if isinstance(node.meta.get(EXAMPLE), torch.Tensor):
                 self._computed[id(node.meta[EXAMPLE])] = node
         return node
+
+    def _named(self, node: fx.Node) -> bool:
+        """Whether ``node`` reads a constant or weight by name: its example runs no model code, so it
+        needs no ``_untraced`` (which costs about a millisecond: it sets attributes of ``nn.Module``,
+        and the interpreter forgets what it knew of every subclass's attributes)."""
+        return node.op == "get_attr" and (str(node.target) in self.constants
+                                          or str(node.target) in self.weights().by_name)
 
     def _guard_grad_mode(self, site: str) -> None:
         """Model code asked for the grad mode here: the graph refuses calls in the other mode."""

@@ -141,6 +141,9 @@ class _ScalarWrites:
                 and _read_earlier(frame, _names_read_as(module, name), list(self.entered.values())))
 
 
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+
+
 class _TensorsRead(TorchFunctionMode):
     """Notes (by id) every tensor an operation reads while it is active."""
 
@@ -150,7 +153,11 @@ class _TensorsRead(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        self.ids.update(id(leaf) for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
+        for value in itertools.chain(args, kwargs.values()):  # flattened only where nested: it runs per operation
+            if isinstance(value, torch.Tensor):
+                self.ids.add(id(value))
+            elif not isinstance(value, _SCALARS):
+                self.ids.update(id(leaf) for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
         return func(*args, **kwargs)
 
 
