@@ -179,3 +179,31 @@ def test_a_tensor_no_node_made_is_charged_once_to_the_first_node_that_saves_it(m
     for memo in (True, False):
         facts, _ = probed(gm, x, monkeypatch, memo=memo)
         assert (facts["s"].saved, facts["t"].saved) == (64 * 4, 0)
+
+
+class MaskedPositions(nn.Module):
+    """Sizes, positions, a frozen embedding and a mask: nodes whose arguments want no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.pos = nn.Linear(16, 16), nn.Embedding(8, 16).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x[..., 0] > 0).unsqueeze(-1).expand(-1, -1, 16)
+        h = self.lin(x + self.pos(torch.arange(x.size(1))))
+        return h.masked_fill(~mask, 0.0).sum()
+
+
+def test_nodes_no_gradient_reaches_are_read_off_the_run_with_the_facts_a_probe_gives(monkeypatch):
+    """Autograd records nothing of a torch function, tensor method or weightless ``torch.nn`` module
+    whose arguments want no gradient: its facts come from shape propagation's run, not a probe. Probed
+    (``memo=False``), the frozen embedding left a callback ``MemTracker`` ran in the next node's
+    backward, which then failed (the linear's backward peak read 0) until the probe dropped it."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    gm = capture(MaskedPositions(), (x,), {}).graph_module
+    (read, probed_read), (each, _) = (probed(gm, x, monkeypatch, memo=memo) for memo in (True, False))
+    assert read == each
+    targets = {node.name: node.target for node in gm.graph.nodes}
+    assert {targets[name] for name in probed_read} == {"lin", "masked_fill", "sum"}
+    assert each["pos"].grad == each["pos"].backward == each["pos"].saved == 0

@@ -22,7 +22,9 @@ require grad reach a node as clones (autograd refuses an in-place write to a lea
 grad), each clone mapped back to the storage it copies. Nodes alike (``probe_memo``: the same
 function, method or module settings on the same argument layouts, as in a model's repeated blocks)
 are probed once: the others get the first one's ``NodeEffect`` applied to their own arguments and a
-fresh output of its layout. A node that fake tensors cannot run
+fresh output of its layout. A node autograd records nothing of (a size, a mask, an index: code that
+reads only arguments that want no gradient) is not probed at all: its effect is read off shape
+propagation's run (``_untracked``). A node that fake tensors cannot run
 (control flow on a tensor's values, as ``nn.TransformerEncoder``'s mask check) gets zeros and a
 fake twin of its real value; ``unprobed`` names those nodes.
 """
@@ -59,6 +61,15 @@ class QuietMemTracker(MemTracker):
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
+    def forget_modules(self) -> None:
+        """Forget the modules earlier nodes ran, before the next node runs: their stats (the tracker
+        refuses a module it saw run before: a block's one dropout, used twice) and the callbacks
+        queued by those whose inputs wanted no gradient, which the tracker runs in the next
+        backward, any node's, where they found no stats (a frozen embedding's cost the next
+        node its backward)."""
+        self.reset_mod_stats()
+        self._mod_tracker._post_bw_callbacks_to_enqueue.clear()
+
 
 @contextlib.contextmanager
 def without_cyclic_gc() -> Iterator[None]:
@@ -83,6 +94,27 @@ def _state(t: torch.Tensor) -> tuple:
     return t.requires_grad, t.grad_fn is None, tuple(t.shape), t.stride(), t.storage_offset()
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.is_conj(), t.is_neg()
+
+
+#: Where the functions live that read nothing but their arguments (``_untracked``).
+_ARGUMENTS_ONLY_MODULES = ("torch", "_operator", "operator", "builtins", "math")
+
+
+def _reads_only_arguments(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` computes from its arguments alone: a torch, operator or builtin function, a
+    tensor method, or a ``torch.nn`` module (and submodules) without trainable weights or hooks.
+    Model code kept whole may read weights it is not given; a user's module or hook may hold anything."""
+    if node.op == "call_method":
+        return True
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return all(type(m).__module__.startswith("torch.nn.") and not (m._forward_hooks or m._forward_pre_hooks)
+                   for m in module.modules()) and not any(p.requires_grad for p in module.parameters())
+    return (getattr(node.target, "__module__", None) or "").split(".")[0] in _ARGUMENTS_ONLY_MODULES
+
+
 def _storage(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
@@ -96,7 +128,8 @@ class TrainingProbe:
     """Runs beside shape propagation: ``measure(call, value)`` after each node, ``facts()`` at the end."""
 
     def __init__(self, gm: fx.GraphModule, memo: bool = True) -> None:
-        """``memo=False`` probes every node on its own (tests compare the two)."""
+        """``memo=False`` probes every node on its own, none applied from another or read off the run
+        (``_untracked``): tests compare the two."""
         self.gm = gm
         self.fake: FakeTensorMode | None = None  # the run's own fake mode, or one of the probe's
         self.twins: dict[fx.Node, Any] = {}  # fx node -> its fake value with gradients (kept: see above)
@@ -167,13 +200,18 @@ class TrainingProbe:
         assert self.fake is not None
         return self.fake.fake_tensor_converter.from_meta_and_device(self.fake, meta, device)
 
+    def fresh(self, like: torch.Tensor, *, same_strides: bool = True) -> torch.Tensor:
+        """A fake tensor of strided ``like``'s shape, dtype and device in a storage of its own (``wrapped``):
+        with ``like``'s strides, or laid out as ``torch.empty_like`` lays out a new tensor."""
+        with _disable_current_modes():
+            meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
+            return self.wrapped(meta if same_strides else torch.empty_like(meta), like.device)
+
     def weight(self, t: torch.Tensor) -> torch.Tensor:
         """The fake leaf standing for parameter or buffer ``t``, one per tensor."""
         if id(t) not in self.weights:
             plain = t.layout == torch.strided and type(t) in (torch.Tensor, nn.Parameter)
-            with _disable_current_modes():
-                meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") if plain else None
-            twin = self.wrapped(meta, t.device) if plain else self.twin(t).detach()
+            twin = self.fresh(t) if plain else self.twin(t).detach()
             leaf = twin.requires_grad_(t.requires_grad and t.is_floating_point())
             self.weights[id(t)] = leaf
             self.leaves.add(id(leaf))
@@ -184,16 +222,17 @@ class TrainingProbe:
     def measure(self, call: NodeCall, value: Any) -> None:
         """Probe ``call``'s node; ``value`` is what shape propagation computed for it."""
         node = call.node
-        with self._in_fake_mode():
-            if node.op == "get_attr":
-                twin = tree_map_only(torch.Tensor, self.weight, value)
-            elif node.op == "placeholder":
-                twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), value)
-                self.own(twin, None)
-            elif node.op == "output":
-                return
-            else:
-                twin = self._compute(call, value)
+        if node.op == "output":
+            return
+        if node.op in ("get_attr", "placeholder"):
+            with self._in_fake_mode():
+                if node.op == "get_attr":
+                    twin = tree_map_only(torch.Tensor, self.weight, value)
+                else:
+                    twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), value)
+                    self.own(twin, None)
+        else:
+            twin = self._compute(call, value)
         self.twins[node] = twin
         self.kept.append(twin)
 
@@ -256,27 +295,75 @@ class TrainingProbe:
         arguments = [x for x in flat if isinstance(x, torch.Tensor)]
         key = self._key(call.node, flat, spec)
         effect = None if key is None else self.memo.get(key)
+        if effect is None and self.memo is not None and (effect := self._untracked(call, real, arguments)) is not None:
+            if key is not None:
+                self.memo[key] = effect
         if effect is not None:
-            value = self._replay(effect, arguments)
+            value = self._replay(effect, arguments)  # outside the fake mode: entering it costs more than a replay
         else:
-            try:
-                effect, value, reusable = self._probe(call, args, kwargs, arguments)
-            except Exception:  # noqa: BLE001 - what fake tensors cannot run is left unprobed, not fatal
-                self.unprobed.append(name)
-                self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
-                twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
-                self.own(twin, name)
-                return twin
+            with self._in_fake_mode():
+                try:
+                    effect, value, reusable = self._probe(call, args, kwargs, arguments)
+                except Exception:  # noqa: BLE001 - what fake tensors cannot run is left unprobed, not fatal
+                    self.unprobed.append(name)
+                    self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
+                    twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
+                    self.own(twin, name)
+                    return twin
             if reusable and key is not None:
                 self.memo[key] = effect  # key is None whenever memo is
         self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)
         if effect.input_grads is not None:
-            sources, given = self._sources(call.node), {}
+            sources, given = self._sources(call.node) if effect.input_grads else [], {}
             for i, handed in effect.input_grads:
                 if sources[i] is not None:  # two tensors of one value (a tuple's) get a sum: a new buffer
                     given[sources[i]] = handed and sources[i] not in given
             self.input_grads[name] = tuple(given.items())
         return value
+
+    def _untracked(self, call: NodeCall, real: Any, arguments: list[torch.Tensor]) -> NodeEffect | None:
+        """The effect of a node autograd records nothing of, read off shape propagation's run of it, or
+        None to probe it. Such a node reads only its arguments (a torch or builtin function, a tensor
+        method, a ``torch.nn`` module without trainable weights; no callable among the arguments) and
+        no argument wants a gradient, or its output holds no tensor: it saves nothing and has no
+        backward (a size, a mask, an index), and its output has the layout the run made from
+        arguments laid out as these."""
+        leaves, spec = tree_flatten(real)
+        if not _reads_only_arguments(call.node, self.gm) or (
+                any(t.requires_grad for t in arguments) and any(isinstance(x, torch.Tensor) for x in leaves)):
+            return None
+        flat, _ = tree_flatten((call.args, call.kwargs))
+        run_arguments = [x for x in flat if isinstance(x, torch.Tensor)]
+        if any(callable(x) and not isinstance(x, torch.Tensor) for x in flat) or len(run_arguments) != len(arguments):
+            return None
+        position: dict[StorageWeakRef, int] = {}
+        groups: dict[StorageWeakRef, int] = {}
+        for i, (ran, twin) in enumerate(zip(run_arguments, arguments)):
+            if ran.layout != torch.strided or _layout(ran) != _layout(twin):
+                return None
+            position.setdefault(_storage(ran), i)
+            if position[_storage(ran)] != groups.setdefault(self.original(_storage(twin)), i):
+                return None  # the arguments share storages otherwise than the twins do
+        outputs: list[Any] = []
+        new: dict[StorageWeakRef, int] = {}
+        storages: list[tuple[int, torch.dtype]] = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                if not isinstance(leaf, CONSTANTS):
+                    return None
+                outputs.append(leaf)
+                continue
+            if leaf.layout != torch.strided or leaf.requires_grad:
+                return None
+            ref = _storage(leaf)
+            if ref not in position and ref not in new:
+                new[ref] = len(storages)
+                storages.append((leaf.untyped_storage().nbytes(), leaf.dtype))
+            if ref in new and storages[new[ref]][1] != leaf.dtype:
+                return None  # a storage read in two dtypes: a replay makes each storage in one
+            outputs.append(OutputTensor(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype,
+                                        leaf.device, False, position.get(ref), new.get(ref)))
+        return NodeEffect((), (), tuple(storages), spec, tuple(outputs), 0, 0, ())
 
     def _sources(self, node: fx.Node) -> list[str | None]:
         """For each tensor argument of ``node``, in ``tree_flatten``'s order, the node whose value it is
@@ -319,7 +406,7 @@ class TrainingProbe:
             return t
 
         before = [_state(t) for t in arguments]
-        self.tracker.reset_mod_stats()  # it refuses a module called twice (a block's one dropout, used twice)
+        self.tracker.forget_modules()
         with torch.enable_grad():
             args, kwargs, wanted, indices = self._inputs(args, kwargs)
             with self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -439,7 +526,7 @@ class TrainingProbe:
         existed before is registered first: the tracker counts a storage it has not seen when an
         operator first touches it, as if it were new. A weight's gradient is dropped as soon as it
         is made, as training's in-place accumulation into ``.grad`` frees it."""
-        gradients = [torch.ones_like(t) for t in sent]
+        gradients = [self.fresh(t, same_strides=False) for t in sent]  # a fake run reads no values
         weights = [t for t in wanted if id(t) in self.leaves]
         zeros = {(t.dtype, t.device): torch.zeros((), dtype=t.dtype, device=t.device) for t in weights}
         # training adds a weight's gradient into the one it has and frees it at once: so do these
