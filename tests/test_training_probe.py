@@ -4,6 +4,7 @@ called twice is probed both times."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from typing import Callable
@@ -43,8 +44,9 @@ class Stack(nn.Module):
         return self.blocks(x).sum(-1)
 
 
-def probed(gm, example: torch.Tensor, monkeypatch: pytest.MonkeyPatch, memo: bool) -> tuple[dict, list[str]]:
-    """Every node's training facts and the nodes the probe ran (rather than applied from its memo)."""
+def probed(gm, example: torch.Tensor | tuple, monkeypatch: pytest.MonkeyPatch, memo: bool) -> tuple[dict, list[str]]:
+    """Every node's training facts and the nodes the probe ran (rather than applied from its memo);
+    ``example``: the one input, or a tuple of them."""
     ran: list[str] = []
 
     class Counting(TrainingProbe):
@@ -53,7 +55,7 @@ def probed(gm, example: torch.Tensor, monkeypatch: pytest.MonkeyPatch, memo: boo
             return super()._probe(call, *args)
 
     monkeypatch.setattr(propagation, "TrainingProbe", functools.partial(Counting, memo=memo))
-    facts = propagation.propagate(gm, ExampleInputs((example,)))
+    facts = propagation.propagate(gm, ExampleInputs(example if isinstance(example, tuple) else (example,)))
     return {name: f.training for name, f in facts.items()}, ran
 
 
@@ -207,3 +209,98 @@ def test_nodes_no_gradient_reaches_are_read_off_the_run_with_the_facts_a_probe_g
     targets = {node.name: node.target for node in gm.graph.nodes}
     assert {targets[name] for name in probed_read} == {"lin", "masked_fill", "sum"}
     assert each["pos"].grad == each["pos"].backward == each["pos"].saved == 0
+
+
+class WrittenThrough(nn.Module):
+    """``out[:] = h``: a function that returns None and makes its argument want a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        out[:, :] = self.lin(x)
+        return self.lin2(out)
+
+
+class Routed(nn.Module):
+    """Two experts given the rows two masks of one layout pick: 2 rows, then 14."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return self.experts[0](x[torch.where(first)[1]]).sum() + self.experts[1](x[torch.where(second)[1]]).sum()
+
+
+class Conjugated(nn.Module):
+    """A conjugate view, then ``resolve_conj``, which copies it (a plain tensor it would return as is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.view_as_real(z.conj().resolve_conj()).flatten(1))
+
+
+@dataclasses.dataclass
+class Hidden:
+    hidden: torch.Tensor
+
+
+class KeptWhole(nn.Module):
+    """A grad-mode block keeps this module whole; it returns its tensor inside a plain dataclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> Hidden:
+        with torch.no_grad():
+            self.seen = (x * 0).sum()
+        return Hidden(self.lin(x))
+
+
+class ReadsAField(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = KeptWhole(), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x).hidden)
+
+
+def _routed_inputs() -> tuple:
+    first, second = torch.zeros(1, 16, dtype=torch.bool), torch.zeros(1, 16, dtype=torch.bool)
+    first[0, :2], second[0, 2:] = True, True
+    return torch.randn(16, 16), first, second
+
+
+@pytest.mark.parametrize("model, inputs, compared", [
+    (WrittenThrough, lambda: (torch.randn(4, 8),), ("lin2",)),
+    (Routed, _routed_inputs, ("experts_0", "experts_1")),
+    (Conjugated, lambda: (torch.randn(8, 32, dtype=torch.complex64),), ("resolve_conj", "lin")),
+    (ReadsAField, lambda: (torch.randn(32, 64),), ("head",)),
+])
+def test_what_the_run_cannot_tell_is_probed(model, inputs, compared, monkeypatch):
+    """Found by review: an in-place write through a function returning None, outputs whose shape
+    depends on values (not memoised by a key of layouts), a conjugate view (a replay makes plain
+    tensors) and a tensor inside an object pytree does not open are not read off the run."""
+    torch.manual_seed(0)
+    example = inputs()
+    gm = capture(model(), example, {}).graph_module
+    read, each = (probed(gm, example, monkeypatch, memo=memo)[0] for memo in (True, False))
+    assert [read[name] for name in compared] == [each[name] for name in compared]
+
+
+def test_a_graph_that_starts_with_a_computation_is_probed():
+    """No placeholder or weight first: the probe's fake mode is chosen at the first node, whatever it is."""
+    root = nn.Module()
+    root.lin = nn.Linear(8, 8)
+    graph = torch.fx.Graph()
+    graph.output(graph.call_module("lin", (graph.call_function(torch.arange, (8,), {"dtype": torch.float32}),)))
+    facts = propagation.propagate(torch.fx.GraphModule(root, graph), ExampleInputs(()))
+    assert facts["arange"].training.saved == 8 * 4 and facts["lin"].training.grad == 8 * 4

@@ -180,8 +180,7 @@ class TrainingProbe:
         without its dispatch cache, which every fake mode of the process shares: a plan's facts once
         differed by a few bytes after other plans were made in the same test run, and the cache is
         the state plans share (not proven the cause; the flake did not come back in reruns)."""
-        if self.fake is None:
-            self.fake = active_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
+        assert self.fake is not None
         cached, self.fake.cache_enabled = self.fake.cache_enabled, False
         try:
             with _disable_current_modes(), self.fake:
@@ -222,6 +221,8 @@ class TrainingProbe:
     def measure(self, call: NodeCall, value: Any) -> None:
         """Probe ``call``'s node; ``value`` is what shape propagation computed for it."""
         node = call.node
+        if self.fake is None:  # chosen while the run is on: a fake run's own mode, if it is one
+            self.fake = active_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
         if node.op == "output":
             return
         if node.op in ("get_attr", "placeholder"):
@@ -295,9 +296,8 @@ class TrainingProbe:
         arguments = [x for x in flat if isinstance(x, torch.Tensor)]
         key = self._key(call.node, flat, spec)
         effect = None if key is None else self.memo.get(key)
-        if effect is None and self.memo is not None and (effect := self._untracked(call, real, arguments)) is not None:
-            if key is not None:
-                self.memo[key] = effect
+        if effect is None and self.memo is not None:
+            effect = self._untracked(call, real, arguments)
         if effect is not None:
             value = self._replay(effect, arguments)  # outside the fake mode: entering it costs more than a replay
         else:
@@ -324,17 +324,18 @@ class TrainingProbe:
     def _untracked(self, call: NodeCall, real: Any, arguments: list[torch.Tensor]) -> NodeEffect | None:
         """The effect of a node autograd records nothing of, read off shape propagation's run of it, or
         None to probe it. Such a node reads only its arguments (a torch or builtin function, a tensor
-        method, a ``torch.nn`` module without trainable weights; no callable among the arguments) and
-        no argument wants a gradient, or its output holds no tensor: it saves nothing and has no
-        backward (a size, a mask, an index), and its output has the layout the run made from
-        arguments laid out as these."""
-        leaves, spec = tree_flatten(real)
-        if not _reads_only_arguments(call.node, self.gm) or (
-                any(t.requires_grad for t in arguments) and any(isinstance(x, torch.Tensor) for x in leaves)):
+        method, a ``torch.nn`` module without trainable weights; tensors and constants only among the
+        arguments, no object that may hide tensors or code) and no argument wants a gradient: it
+        saves nothing and has no backward (a size, a mask, an index), and its output has the layout
+        the run made from arguments laid out as these. Not memoised: the run's output may depend on
+        values (``nonzero``, ``arange(n.item())``), which a key of layouts does not see."""
+        if any(t.requires_grad for t in arguments) or not _reads_only_arguments(call.node, self.gm):
             return None
         flat, _ = tree_flatten((call.args, call.kwargs))
+        if not all(isinstance(x, (torch.Tensor, slice, *CONSTANTS)) for x in flat):
+            return None
         run_arguments = [x for x in flat if isinstance(x, torch.Tensor)]
-        if any(callable(x) and not isinstance(x, torch.Tensor) for x in flat) or len(run_arguments) != len(arguments):
+        if len(run_arguments) != len(arguments):
             return None
         position: dict[StorageWeakRef, int] = {}
         groups: dict[StorageWeakRef, int] = {}
@@ -344,6 +345,7 @@ class TrainingProbe:
             position.setdefault(_storage(ran), i)
             if position[_storage(ran)] != groups.setdefault(self.original(_storage(twin)), i):
                 return None  # the arguments share storages otherwise than the twins do
+        leaves, spec = tree_flatten(real)
         outputs: list[Any] = []
         new: dict[StorageWeakRef, int] = {}
         storages: list[tuple[int, torch.dtype]] = []
@@ -353,8 +355,8 @@ class TrainingProbe:
                     return None
                 outputs.append(leaf)
                 continue
-            if leaf.layout != torch.strided or leaf.requires_grad:
-                return None
+            if leaf.layout != torch.strided or leaf.requires_grad or leaf.is_conj() or leaf.is_neg():
+                return None  # a replay makes plain strided tensors
             ref = _storage(leaf)
             if ref not in position and ref not in new:
                 new[ref] = len(storages)
@@ -459,6 +461,7 @@ class TrainingProbe:
                 reusable &= stored[1] == leaf.dtype and stored[0] % leaf.element_size() == 0
             else:
                 reusable &= ref in position
+            reusable &= not (leaf.is_conj() or leaf.is_neg())  # a replay makes plain tensors
             outputs.append(OutputTensor(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype,
                                         leaf.device, leaf.requires_grad, position.get(ref), new.get(ref)))
         reusable &= sorted(storages) == list(range(len(new)))
