@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.eager import swapped_attribute
 from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
-from autoshard.isolation import scalar_changed
+from autoshard.isolation import PLAIN_VALUES, scalar_changed
 
 #: ``computed(module, name, value)``: whether assigning ``value`` stores something the trace computed.
 Computed = Callable[[nn.Module, str, Any], bool]
@@ -141,7 +141,8 @@ class _ScalarWrites:
                 and _read_earlier(frame, _names_read_as(module, name), list(self.entered.values())))
 
 
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+#: Values that hold no tensor, passed to operations at every turn.
+_NO_TENSORS = (*PLAIN_VALUES, torch.dtype, torch.device, torch.Size)
 
 
 class _TensorsRead(TorchFunctionMode):
@@ -156,7 +157,7 @@ class _TensorsRead(TorchFunctionMode):
         for value in itertools.chain(args, kwargs.values()):  # flattened only where nested: it runs per operation
             if isinstance(value, torch.Tensor):
                 self.ids.add(id(value))
-            elif not isinstance(value, _SCALARS):
+            elif not isinstance(value, _NO_TENSORS):
                 self.ids.update(id(leaf) for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
         return func(*args, **kwargs)
 

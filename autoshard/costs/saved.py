@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 import torch.fx as fx
@@ -117,6 +117,34 @@ def _reads_only_arguments(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
+
+
+def _output_leaves(leaves: list[Any], position: dict[StorageWeakRef, int], new: dict[StorageWeakRef, int],
+                   storage_of: Callable[[torch.Tensor], StorageWeakRef],
+                   ) -> tuple[list[Any], list[tuple[int, torch.dtype]], bool]:
+    """An output's ``leaves`` as a ``NodeEffect`` lists them, each tensor in an argument's storage
+    (``position``: storage -> index of the first argument in it) or a new one (``new``: storage ->
+    its index); the bytes and dtype of each new storage; and whether a replay makes the same:
+    constants and plain strided tensors only, each new storage read in one dtype."""
+    outputs: list[Any] = []
+    storages: dict[int, tuple[int, torch.dtype]] = {}
+    replayable = True
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            replayable &= isinstance(leaf, CONSTANTS)
+            outputs.append(leaf)
+            continue
+        ref = storage_of(leaf) if leaf.layout == torch.strided else None
+        if ref in new:
+            stored = storages.setdefault(new[ref], (leaf.untyped_storage().nbytes(), leaf.dtype))
+            replayable &= stored[1] == leaf.dtype and stored[0] % leaf.element_size() == 0
+        else:
+            replayable &= ref in position
+        replayable &= not (leaf.is_conj() or leaf.is_neg())  # a replay makes plain tensors
+        outputs.append(OutputTensor(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype,
+                                    leaf.device, leaf.requires_grad, position.get(ref), new.get(ref)))
+    replayable &= sorted(storages) == list(range(len(new)))
+    return outputs, [storages[i] for i in sorted(storages)], replayable
 
 
 def _total(snapshot: Any) -> int:
@@ -346,26 +374,14 @@ class TrainingProbe:
             if position[_storage(ran)] != groups.setdefault(self.original(_storage(twin)), i):
                 return None  # the arguments share storages otherwise than the twins do
         leaves, spec = tree_flatten(real)
-        outputs: list[Any] = []
+        if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
+            return None
         new: dict[StorageWeakRef, int] = {}
-        storages: list[tuple[int, torch.dtype]] = []
         for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor):
-                if not isinstance(leaf, CONSTANTS):
-                    return None
-                outputs.append(leaf)
-                continue
-            if leaf.layout != torch.strided or leaf.requires_grad or leaf.is_conj() or leaf.is_neg():
-                return None  # a replay makes plain strided tensors
-            ref = _storage(leaf)
-            if ref not in position and ref not in new:
-                new[ref] = len(storages)
-                storages.append((leaf.untyped_storage().nbytes(), leaf.dtype))
-            if ref in new and storages[new[ref]][1] != leaf.dtype:
-                return None  # a storage read in two dtypes: a replay makes each storage in one
-            outputs.append(OutputTensor(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype,
-                                        leaf.device, False, position.get(ref), new.get(ref)))
-        return NodeEffect((), (), tuple(storages), spec, tuple(outputs), 0, 0, ())
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and _storage(leaf) not in position:
+                new.setdefault(_storage(leaf), len(new))
+        outputs, storages, replayable = _output_leaves(leaves, position, new, _storage)
+        return NodeEffect((), (), tuple(storages), spec, tuple(outputs), 0, 0, ()) if replayable else None
 
     def _sources(self, node: fx.Node) -> list[str | None]:
         """For each tensor argument of ``node``, in ``tree_flatten``'s order, the node whose value it is
@@ -449,25 +465,10 @@ class TrainingProbe:
             backward, input_grads, reusable = 0, None, False
         value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
         leaves, spec = tree_flatten(value)
-        outputs, storages = [], {}
-        for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor):
-                reusable &= isinstance(leaf, CONSTANTS)
-                outputs.append(leaf)
-                continue
-            ref = self.original(_storage(leaf)) if leaf.layout == torch.strided else None
-            if ref in new:
-                stored = storages.setdefault(new[ref], (leaf.untyped_storage().nbytes(), leaf.dtype))
-                reusable &= stored[1] == leaf.dtype and stored[0] % leaf.element_size() == 0
-            else:
-                reusable &= ref in position
-            reusable &= not (leaf.is_conj() or leaf.is_neg())  # a replay makes plain tensors
-            outputs.append(OutputTensor(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype,
-                                        leaf.device, leaf.requires_grad, position.get(ref), new.get(ref)))
-        reusable &= sorted(storages) == list(range(len(new)))
-        effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages[i] for i in sorted(storages)),
-                            spec, tuple(outputs), sum(t.numel() * t.element_size() for t in sent), backward,
-                            input_grads)
+        outputs, storages, replayable = _output_leaves(leaves, position, new, lambda t: self.original(_storage(t)))
+        reusable &= replayable
+        effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
+                            sum(t.numel() * t.element_size() for t in sent), backward, input_grads)
         return effect, value, reusable
 
     def _replay(self, effect: NodeEffect, arguments: list[torch.Tensor]) -> Any:
