@@ -202,8 +202,7 @@ def plan_report(
     model = step or run_of(memory)
     predicted = None
     if times is not None and seconds is not None and (step is not None or model.refusal(k) is None):
-        sent = [sum(v.nbytes for v in plan.boundary_values(j)) for j in range(k - 1)]
-        predicted = predicted_step(seconds, sent, model, times.estimate, times.backward)
+        predicted = predicted_step(seconds, plan.boundary_bytes(), model, times.estimate, times.backward)
     return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped, plan.split_info,
                       times.estimate if times is not None else None, _shown_plan(sharded, extra_costs, memory, device),
                       predicted)

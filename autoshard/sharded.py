@@ -97,6 +97,10 @@ class StagePlan:
         return tuple(BoundaryValue(name, self.dag.nodes[name].get("value_meta"), float(self.dag.nodes[name]["bytes"]))
                      for name in self.boundaries[boundary])
 
+    def boundary_bytes(self) -> list[float]:
+        """Per boundary, the bytes one microbatch sends across it."""
+        return [sum(v.nbytes for v in self.boundary_values(j)) for j in range(self.num_stages - 1)]
+
     @cached_property
     def shared_weights(self) -> tuple[SharedWeight, ...]:
         """Weights read by several nodes or tied under several names, with the stages holding them."""

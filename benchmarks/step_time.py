@@ -14,12 +14,14 @@ a barrier to the last rank's end; the median counts. Beside it: the machine's bu
 load average during the case (other processes' work shows there), and each rank's CPU time in a
 step against the busy time the profile predicts for its stages.
 
-Predictions are ``plan_report(...).step_time`` from three sources of stage time: each node's
-forward measured (``profile``, backward = 2 x forward; one profile per model, which its 2- and
-4-stage plans share), each node's forward and backward measured (``profile{backward=true}``),
-and the roofline estimate under this machine's calibration; each with
-the link (gloo between the two processes) measured here by a ping-pong, and with the default
-link. Then, in this process: stage 0's forward and backward
+The first prediction is ``autoshard.runtime.predict_step``: each stage timed whole on one
+microbatch, with the link and the runtime's time per message calibrated by
+``calibrate_runtime(refresh=True)`` just after the steps ran. The others are
+``plan_report(...).step_time`` from three sources of stage time: each node's forward measured
+(``profile``, backward = 2 x forward; one profile per model, which its 2- and 4-stage plans
+share), each node's forward and backward measured (``profile{backward=true}``), and the roofline
+estimate under this machine's calibration; each with the link (gloo between the two processes)
+measured here by a ping-pong, and with the default link. Then, in this process: stage 0's forward and backward
 measured alone against its estimate, and two identical planning commands, each in a fresh
 process, reporting their stage time estimates, once reading the calibration cache and once
 measuring the machine again (``AUTOSHARD_RECALIBRATE=1``, in a scratch cache).
@@ -49,7 +51,9 @@ import autoshard
 from autoshard.costs.estimate import calibrated_device
 from autoshard.costs.step_time import StepTimeModel
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
-from autoshard.runtime import build_schedule, local_stage_indices, model_loss, pipeline_stage, run_local
+from autoshard.runtime import (
+    build_schedule, calibrate_runtime, local_stage_indices, model_loss, pipeline_stage, predict_step, run_local)
+from autoshard.runtime.calibrate import measure_link
 from autoshard.passes import (
     BuildDagPass, CapturePass, EmitPass, LinearizePass, Pipeline, ProfilePass, ShapePropPass, SplitPass, VerifyPass)
 
@@ -116,30 +120,6 @@ def shard(name: str, k: int, time_profile: str | None = None, backward: bool = F
     return autoshard.shard_model(model, k, example_inputs=args, example_kwargs=kwargs, pipeline=pipeline)
 
 
-def link_time(rank: int, nbytes: int, repeats: int = 20) -> float:
-    """Half the median round trip of ``nbytes`` between ranks 0 and 1 (gloo send and recv)."""
-    buffer = torch.zeros(max(1, nbytes // 4))
-    trips = []
-    for i in range(repeats + 2):
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
-        else:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
-        if i >= 2:
-            trips.append(time.perf_counter() - start)
-    return statistics.median(trips) / 2
-
-
-def measure_link(rank: int) -> tuple[float, float]:
-    """(bytes per second, seconds per message) between the two processes."""
-    latency = link_time(rank, 4)
-    big = 8 * 1024 * 1024
-    return big / max(link_time(rank, big) - latency, 1e-9), latency
-
-
 def cpu_busy() -> tuple[float, float]:
     """(busy, all) CPU seconds of the whole machine so far, from /proc/stat (idle and iowait are not busy)."""
     with open("/proc/stat", encoding="utf-8") as stat:
@@ -186,6 +166,7 @@ def worker(rank: int, world: int, repeats: int) -> dict[Any, Any]:
 def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[tuple, dict[str, float]]:
     """Per case, the predicted step under each source of stage time and link."""
     device = calibrated_device()
+    _, args, kwargs, _ = build(name, WORKLOADS[name].rows)
     out: dict[tuple, dict[str, float]] = {}
     for k in sorted({k for _, k, _ in CASES}):
         estimated = shard(name, k)
@@ -199,6 +180,7 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[
             default_link = StepTimeModel(schedule, m)
             with_profile = autoshard.plan_report(profiled, step=measured_link).step_time
             out[(name, schedule, k, m)] = {
+                "stages whole": predict_step(estimated, args, kwargs, step=StepTimeModel(schedule, m)).seconds,
                 "profile": with_profile.seconds,
                 "profile with backward": autoshard.plan_report(both, step=measured_link).step_time.seconds,
                 "estimate": autoshard.plan_report(estimated, device=device, step=measured_link).step_time.seconds,
@@ -285,12 +267,15 @@ def pipeline_steps(repeats: int) -> None:
     started = time.perf_counter()
     results = run_local(worker, 2, args=(repeats,), timeout=3600)
     link = results[0]["link"]
+    runtime = calibrate_runtime(refresh=True)
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-    print(f"gloo link between the two processes: {link[0] / 1e9:.2f} GB/s, {link[1] * 1e6:.0f} µs a message")
-    print("| model | schedule | k | m | machine busy, load | measured (ms) | profile | err | profile with backward | "
-          "err | estimate | err | profile, default link | err | CPU per rank, measured (ms) | profile busy | err |")
+    print(f"gloo link between the two processes: {link[0] / 1e9:.2f} GB/s, {link[1] * 1e6:.0f} µs a message; "
+          f"runtime calibration: {runtime.describe()}")
+    print("| model | schedule | k | m | machine busy, load | measured (ms) | stages whole + runtime | err | profile | "
+          "err | profile with backward | err | estimate | err | profile, default link | err | CPU per rank, measured "
+          "(ms) | profile busy | err |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-          "---: | ---: |")
+          "---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as profiles:
         for name in WORKLOADS:
             predicted = predictions(name, link, profiles)
@@ -300,7 +285,7 @@ def pipeline_steps(repeats: int) -> None:
                 measured = statistics.median(steps)
                 busy, load = results[0][(*case, "machine")]
                 row = [f"{busy:.0%}, {load:.1f}", f"{measured * 1e3:.1f}"]
-                for source in ("profile", "profile with backward", "estimate", "default link"):
+                for source in ("stages whole", "profile", "profile with backward", "estimate", "default link"):
                     row += [f"{guess[source] * 1e3:.1f}", error(guess[source], measured)]
                 row += ["/".join(f"{c * 1e3:.0f}" for c in cpu), "/".join(f"{b * 1e3:.0f}" for b in guess["busy"]),
                         "/".join(error(b, c) for b, c in zip(guess["busy"], cpu))]

@@ -55,6 +55,16 @@ def assert_same_fingerprint(before: dict, after: dict) -> None:
 
 
 @pytest.fixture
+def empty_calibration_cache(tmp_path, monkeypatch):
+    """A calibration cache directory of its own and a process that has read nothing from it yet."""
+    from autoshard.costs import estimate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(estimate.RECALIBRATE_ENV, raising=False)
+    monkeypatch.setattr(estimate, "_THIS_PROCESS", {})
+
+
+@pytest.fixture
 def fingerprint():
     return model_fingerprint
 

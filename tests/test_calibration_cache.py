@@ -14,11 +14,8 @@ from autoshard.costs.estimate import DeviceModel, calibrated_device, calibration
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(empty_calibration_cache, monkeypatch):
     """A fresh cache directory and process, and a stand-in benchmark that counts its runs."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(estimate.RECALIBRATE_ENV, raising=False)
-    monkeypatch.setattr(estimate, "_THIS_PROCESS", {})
     runs = []
 
     def measure() -> DeviceModel:

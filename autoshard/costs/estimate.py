@@ -29,7 +29,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import networkx as nx
 
@@ -175,11 +175,11 @@ def _cached_device(entry: Any) -> DeviceModel | None:
         return None
 
 
-def _write_calibration(path: Path, key: str, device: DeviceModel) -> None:
-    """Add ``device`` under ``key``, replacing the file whole so a concurrent reader never sees half of it.
+def _write_calibration(path: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add ``entry`` under ``key``, replacing the file whole so a concurrent reader never sees half of it.
     A cache that cannot be written (read-only home) only costs a calibration per process."""
     data = _read_calibrations(path)
-    data[key] = {"peak_flops": device.peak_flops, "bandwidth": device.bandwidth, "measured_at": time.time()}
+    data[key] = {**entry, "measured_at": time.time()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -189,24 +189,34 @@ def _write_calibration(path: Path, key: str, device: DeviceModel) -> None:
         pass
 
 
-_THIS_PROCESS: dict[str, DeviceModel] = {}
+T = TypeVar("T")
+
+_THIS_PROCESS: dict[str, Any] = {}
 
 
-def calibrated_device(refresh: bool = False) -> DeviceModel:
-    """This machine's CPU as a ``DeviceModel``: from the cache when this machine key was measured
-    before, else measured and cached; kept for the process. ``refresh=True``, or
-    ``AUTOSHARD_RECALIBRATE=1`` for the first call of a process, measures again."""
-    key = machine_key()
+def cached_calibration(key: str, measure: Callable[[], T], parse: Callable[[Any], T | None],
+                       entry: Callable[[T], dict[str, Any]], refresh: bool = False) -> T:
+    """The calibration stored under ``key`` (``parse`` of its entry; None: unusable), else
+    ``measure()`` stored as ``entry`` of it; kept for the process. ``refresh``, or
+    ``AUTOSHARD_RECALIBRATE=1`` for the first call of a process, measures again. Every
+    calibration of this machine shares the one file."""
     if not refresh and key in _THIS_PROCESS:
         return _THIS_PROCESS[key]
     path = calibration_cache()
     again = refresh or os.environ.get(RECALIBRATE_ENV, "") not in ("", "0")
-    device = None if again else _cached_device(_read_calibrations(path).get(key))
-    if device is None:
-        device = measure_device()
-        _write_calibration(path, key, device)
-    _THIS_PROCESS[key] = device
-    return device
+    found = None if again else parse(_read_calibrations(path).get(key))
+    if found is None:
+        found = measure()
+        _write_calibration(path, key, entry(found))
+    _THIS_PROCESS[key] = found
+    return found
+
+
+def calibrated_device(refresh: bool = False) -> DeviceModel:
+    """This machine's CPU as a ``DeviceModel``: from the cache when this machine key was measured
+    before, else measured and cached (``cached_calibration``)."""
+    return cached_calibration(machine_key(), measure_device, _cached_device,
+                              lambda d: {"peak_flops": d.peak_flops, "bandwidth": d.bandwidth}, refresh)
 
 
 def device_model(peak_tflops: float | None = None, bandwidth_gbs: float | None = None) -> DeviceModel:

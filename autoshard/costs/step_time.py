@@ -7,7 +7,9 @@ stage on one microbatch) in the order PyTorch's schedule runs them, and an op st
 is free and its input has arrived. A forward needs the previous stage's forward of the same
 microbatch; a backward needs the next stage's backward (the last stage's: its own forward). When
 the two stages sit on different ranks the value crosses a link first, which takes ``latency +
-bytes / bandwidth``. The step ends when the last op does. For k equal stages of ``f + b`` per
+bytes / bandwidth``. Besides that delay, each message costs the ranks at both ends
+``message_seconds`` of their own time (the runtime's bookkeeping for the op and the transport's CPU
+work), during which they run nothing else. The step ends when the last op does. For k equal stages of ``f + b`` per
 microbatch on free links this gives GPipe's and 1F1B's ``(m + k - 1)(f + b)``, and interleaved
 1F1B's smaller bubble.
 
@@ -59,8 +61,9 @@ class StepTimeModel:
     refuses is refused, see ``refusal``); ``stages_per_rank`` the stages each process runs under
     interleaved 1F1B.
     ``link_bandwidth`` (bytes/s) and ``link_latency`` (s per message) describe the link between
-    ranks. ``backward_ratio`` is a backward's time over its forward's where only the forward's is
-    known.
+    ranks; ``message_seconds`` is the time each message keeps its sender and its receiver busy (0:
+    free; ``autoshard.runtime.calibrate_runtime`` measures all three with the real runtime).
+    ``backward_ratio`` is a backward's time over its forward's where only the forward's is known.
     """
 
     schedule: str = "1f1b"
@@ -69,6 +72,7 @@ class StepTimeModel:
     link_bandwidth: float = DEFAULT_LINK_BANDWIDTH
     link_latency: float = DEFAULT_LINK_LATENCY
     backward_ratio: float = DEFAULT_BACKWARD_RATIO
+    message_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         name = self.schedule.lower() if isinstance(self.schedule, str) else self.schedule
@@ -83,6 +87,7 @@ class StepTimeModel:
         _positive(self.link_bandwidth, "link_bandwidth (bytes per second)")
         _positive(self.link_latency, "link_latency (seconds)", zero_allowed=True)
         _positive(self.backward_ratio, "backward_ratio", zero_allowed=True)
+        _positive(self.message_seconds, "message_seconds", zero_allowed=True)
 
     def microbatch_count(self, num_stages: int) -> int:
         """The step's microbatches; by default one per rank, as the memory model counts them."""
@@ -119,7 +124,7 @@ class StepTimeModel:
     def to_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "microbatches": self.microbatches, "stages_per_rank": self.stages_per_rank,
                 "link_bandwidth": self.link_bandwidth, "link_latency": self.link_latency,
-                "backward_ratio": self.backward_ratio}
+                "backward_ratio": self.backward_ratio, "message_seconds": self.message_seconds}
 
 
 Op = tuple[bool, int, int]
@@ -183,9 +188,9 @@ def _numbered(kinds: Sequence[bool], stages: Sequence[int]) -> list[Op]:
 @dataclass(frozen=True)
 class StepTime:
     """One step's predicted ``seconds``; per stage its ``busy`` seconds (forward and backward of
-    every microbatch); ``bubble``, the share of the ranks' time spent idle; ``bottleneck``, the
-    stage with the most work per microbatch; ``links``, per boundary, one message's seconds;
-    ``source``, where the stage times came from."""
+    every microbatch, with the time their messages keep the rank busy); ``bubble``, the share of
+    the ranks' time spent idle; ``bottleneck``, the stage with the most work per microbatch;
+    ``links``, per boundary, one message's seconds; ``source``, where the stage times came from."""
 
     seconds: float
     forward: tuple[float, ...]
@@ -227,6 +232,11 @@ def step_time(
     orders, rank_of = _orders(model, k, m)
     links = tuple(model.link_seconds(b) for b in boundary_bytes)
 
+    def messages(op: Op) -> int:
+        """The messages ``op`` receives and sends: one per neighbour stage on another rank."""
+        stage = op[1]
+        return sum(0 <= other < k and rank_of[other] != rank_of[stage] for other in (stage - 1, stage + 1))
+
     def ready(op: Op, finish: dict[Op, float]) -> float | None:
         """When ``op``'s input is on its rank; None while the op it waits for has not run."""
         backward_op, stage, mb = op
@@ -251,13 +261,15 @@ def step_time(
                 arrived = ready(op, finish)
                 if arrived is None:
                     break
-                free[r] = finish[op] = max(free[r], arrived) + (backward[op[1]] if op[0] else forward[op[1]])
+                work = (backward[op[1]] if op[0] else forward[op[1]]) + model.message_seconds * messages(op)
+                free[r] = finish[op] = max(free[r], arrived) + work
                 next_op[r] += 1
                 moved = True
         if not moved:  # pragma: no cover - every order above is one PyTorch runs without deadlock
             raise AssertionError(f"the {model.schedule} order deadlocks at ops {next_op}")
     seconds = max(finish.values())
-    busy = tuple(m * (f + b) for f, b in zip(forward, backward))
+    busy = tuple(m * (f + b + 2 * model.message_seconds * messages((False, j, 0)))
+                 for j, (f, b) in enumerate(zip(forward, backward)))
     idle = 1.0 - sum(busy) / (len(orders) * seconds) if seconds > 0 else 0.0
     bottleneck = max(range(k), key=lambda j: forward[j] + backward[j])
     return StepTime(seconds, tuple(forward), tuple(backward), busy, links, max(idle, 0.0), bottleneck, m, model,

@@ -22,22 +22,21 @@ measurement is of one stage: under an interleaved schedule a process holds sever
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _MemRefType
-from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.arguments import whole_number
 from autoshard.costs.memory import MemoryModel
 from autoshard.costs.saved import QuietMemTracker, without_cyclic_gc
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural, suggest
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
+from autoshard.runtime.replay import checked_stage, fresh_copy, model_kept, stage_inputs, tensors_in
 from autoshard.runtime.schedule import SCHEDULES
-from autoshard.sharded import ShardedModel, moved_to, stage_device
+from autoshard.sharded import ShardedModel, stage_device
 
 #: fp32 state tensors per parameter, by optimizer name (the state their ``torch.optim`` class keeps;
 #: Adam's 4-byte step counter per parameter is left out, as the memory model leaves it out).
@@ -134,69 +133,18 @@ def measure_stage_memory(
     measured on it). The model is left as it was: its gradients, buffers and random state are
     restored afterwards. ``stages_per_rank`` is for ``interleaved-1f1b``: the stages each process runs.
     """
-    if not isinstance(sharded, ShardedModel):
-        raise InvalidArgumentTypeError(
-            f"measure_stage_memory needs the ShardedModel that shard_model returned, got {type(sharded).__name__}")
+    stage = checked_stage(sharded, stage, "measure_stage_memory")
     k = sharded.num_stages
-    stage = whole_number(stage, "stage")
-    if not 0 <= stage < k:
-        raise InvalidArgumentError(
-            f"stage {stage} is out of range: the plan has {plural(k, 'stage')}; pass a stage from 0 to {k - 1}")
     in_flight = microbatches_in_flight(schedule, stage, k, microbatches, stages_per_rank)
     states = optimizer_state_names(optimizer)
     module = sharded.stages[stage]
     device = stage_device(module) or torch.device("cpu")
-    with _model_kept(sharded, device):
-        args, kwargs = _stage_inputs(sharded, stage, tuple(example_inputs), dict(example_kwargs or {}))
+    with model_kept(sharded, device):
+        args, kwargs = stage_inputs(sharded, stage, tuple(example_inputs), dict(example_kwargs or {}))
         peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, states, stage > 0)
     return StageMemoryMeasurement(
         stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),
         "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages (MemTracker)")
-
-
-@contextlib.contextmanager
-def _model_kept(sharded: ShardedModel, device: torch.device) -> Iterator[None]:
-    """Give back the model's gradients, buffer values (BatchNorm statistics) and random state."""
-    params = list(sharded.parameters())
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in sharded.buffers()]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        try:
-            yield
-        finally:
-            for p, g in zip(params, grads):
-                p.grad = g
-            with torch.no_grad():
-                for b, saved in buffers:
-                    if not torch.equal(b, saved):
-                        b.copy_(saved)
-
-
-def _stage_inputs(sharded: ShardedModel, stage: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """One microbatch of what ``stage`` receives: the model's inputs, or what the stages before it send."""
-    args, kwargs = sharded.fit_call(args, kwargs)
-    first = sharded.stages[0]
-    args, kwargs = moved_to(stage_device(first), args), moved_to(stage_device(first), kwargs)
-    if stage == 0:
-        return args, kwargs
-    values = first(*args, **kwargs)
-    for later in sharded.stages[1:stage]:
-        values = later(*moved_to(stage_device(later), values))
-    sent = moved_to(stage_device(sharded.stages[stage]), values)
-    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), sent), {}
-
-
-def _fresh(values: Any, receives_gradients: bool) -> Any:
-    """A microbatch's own copy of ``values``; a stage after the first sends gradients back for the
-    inputs that required grad where they were made, as ``PipelineStage``'s receive buffers do
-    (torch 2.13: the sender's ``requires_grad``, not every floating-point tensor)."""
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone().requires_grad_(receives_gradients and t.requires_grad)
-    return tree_map_only(torch.Tensor, copy, values)
-
-
-def _tensors(values: Any) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
 
 
 def _steady_state_optimizer(params: list[nn.Parameter], states: tuple[str, ...]) -> torch.optim.Optimizer | None:
@@ -242,9 +190,9 @@ def _run_in_steady_state(
     for p in trainable:
         p.grad = torch.zeros_like(p)
     optimizer = _steady_state_optimizer(trainable, states)
-    microbatches = [(_fresh(args, receives_gradients), _fresh(kwargs, receives_gradients)) for _ in range(in_flight)]
+    microbatches = [fresh_copy((args, kwargs), receives_gradients) for _ in range(in_flight)]
     tracker = QuietMemTracker()
-    tracker.track_external(module, optimizer, *[t for mb in microbatches for t in _tensors(mb)])
+    tracker.track_external(module, optimizer, *[t for mb in microbatches for t in tensors_in(mb)])
     gc.collect()
     with tracker, without_cyclic_gc():
         outputs, caller = [], _Untouched(module)
@@ -252,7 +200,7 @@ def _run_in_steady_state(
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
             outputs.append(caller())
         resident = _parts(tracker.get_tracker_snapshot("current"), device)
-        sent = [t for t in _tensors(outputs[0]) if t.requires_grad]
+        sent = [t for t in tensors_in(outputs[0]) if t.requires_grad]
         if sent:
             gradients = [torch.ones_like(t) for t in sent]
             tracker.track_external(*gradients)  # received from the next stage, not made by this one

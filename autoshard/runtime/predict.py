@@ -1,0 +1,44 @@
+"""``predict_step``: one training step of a plan, predicted from its stages each timed whole and the
+runtime's own costs measured on this machine: the most faithful of the step predictions
+(``plan_report``'s comes from per-node times, before the stages exist)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
+from autoshard.errors import InvalidArgumentTypeError
+from autoshard.runtime.calibrate import calibrate_runtime
+from autoshard.runtime.stage_time import TIMING_REPEATS, measure_stage_time
+from autoshard.sharded import ShardedModel
+
+
+def predict_step(
+    sharded: ShardedModel,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    step: StepTimeModel | None = None,
+    calibrate: bool = True,
+    repeats: int = TIMING_REPEATS,
+) -> StepTime:
+    """One training step of ``sharded`` under ``step`` (default ``StepTimeModel()``: 1F1B, one
+    microbatch per stage), predicted from each stage timed whole (``measure_stage_time``) on one
+    microbatch. With ``calibrate`` the link and the runtime's time per message are this machine's,
+    measured with the real runtime on two processes (``calibrate_runtime``, cached); without it they
+    are ``step``'s own (give the interconnect's for GPUs)."""
+    step = StepTimeModel() if step is None else step
+    if not isinstance(step, StepTimeModel):
+        raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__}")
+    if calibrate:
+        step = calibrate_runtime().applied_to(step)
+    times = [measure_stage_time(sharded, j, example_inputs, example_kwargs, repeats=repeats)
+             for j in range(sharded.num_stages)]
+    source = "each stage timed whole on one microbatch (measure_stage_time)"
+    if calibrate:
+        source += "; link and time per message calibrated with the runtime (calibrate_runtime)"
+    return step_time([t.forward for t in times], [t.backward for t in times], sharded.plan.boundary_bytes(), step,
+                     source)
+
+
+__all__ = ["predict_step"]

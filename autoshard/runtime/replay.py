@@ -1,0 +1,74 @@
+"""Run one stage of a plan alone, on real tensors, as the pipeline would: the inputs it receives,
+a fresh copy of them per microbatch, and the model given back as it was afterwards. What the
+measurements of a stage (``measure_stage_memory``, ``measure_stage_time``) share."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from autoshard.arguments import whole_number
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural
+from autoshard.sharded import ShardedModel, moved_to, stage_device
+
+
+def checked_stage(sharded: Any, stage: Any, caller: str) -> int:
+    """``stage`` as an index into ``sharded``'s stages, or a typed error saying what to pass."""
+    if not isinstance(sharded, ShardedModel):
+        raise InvalidArgumentTypeError(
+            f"{caller} needs the ShardedModel that shard_model returned, got {type(sharded).__name__}")
+    k = sharded.num_stages
+    stage = whole_number(stage, "stage")
+    if not 0 <= stage < k:
+        raise InvalidArgumentError(
+            f"stage {stage} is out of range: the plan has {plural(k, 'stage')}; pass a stage from 0 to {k - 1}")
+    return stage
+
+
+@contextlib.contextmanager
+def model_kept(sharded: ShardedModel, device: torch.device) -> Iterator[None]:
+    """Give back the model's gradients, buffer values (BatchNorm statistics) and random state."""
+    params = list(sharded.parameters())
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in sharded.buffers()]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in buffers:
+                    if not torch.equal(b, saved):
+                        b.copy_(saved)
+
+
+def stage_inputs(sharded: ShardedModel, stage: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """One microbatch of what ``stage`` receives: the model's inputs, or what the stages before it send."""
+    args, kwargs = sharded.fit_call(args, kwargs)
+    first = sharded.stages[0]
+    args, kwargs = moved_to(stage_device(first), args), moved_to(stage_device(first), kwargs)
+    if stage == 0:
+        return args, kwargs
+    values = first(*args, **kwargs)
+    for later in sharded.stages[1:stage]:
+        values = later(*moved_to(stage_device(later), values))
+    sent = moved_to(stage_device(sharded.stages[stage]), values)
+    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), sent), {}
+
+
+def fresh_copy(values: Any, receives_gradients: bool) -> Any:
+    """A microbatch's own copy of ``values``; a stage after the first sends gradients back for the
+    inputs that required grad where they were made, as ``PipelineStage``'s receive buffers do
+    (torch 2.13: the sender's ``requires_grad``, not every floating-point tensor)."""
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone().requires_grad_(receives_gradients and t.requires_grad)
+    return tree_map_only(torch.Tensor, copy, values)
+
+
+def tensors_in(values: Any) -> list[torch.Tensor]:
+    """The tensors among ``values``, nested ones too."""
+    return [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]

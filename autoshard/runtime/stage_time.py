@@ -1,0 +1,89 @@
+"""``measure_stage_time``: one stage's forward and backward, timed whole on real tensors.
+
+A ``profile`` times each node alone and sums them per stage; a backward timed node by node pays
+for starting autograd once per node where the stage's one backward pays once, so the sums run
+13-38% above the stage (``benchmarks/RESULTS.md``, "Step time"). Once the plan exists, the stage
+itself can be timed as the pipeline runs it: its forward on one microbatch of what it receives,
+then its backward from a gradient of each output (``autoshard.runtime.predict_step`` turns those
+into a step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from autoshard.arguments import whole_number
+from autoshard.runtime.replay import checked_stage, fresh_copy, model_kept, stage_inputs, tensors_in
+from autoshard.sharded import ShardedModel, stage_device
+
+TIMING_REPEATS = 9
+"""Timed runs of a stage after one warm-up; the median counts. Not the fastest, as the device
+calibration keeps: a pipeline's step runs at the machine's typical speed, and its ops inside
+``PipelineStage`` took the median of such runs, 10-40% above the fastest, on this project's VM."""
+
+
+@dataclass(frozen=True)
+class StageTimeMeasurement:
+    """Seconds of one stage's ``forward`` and ``backward`` on one microbatch, the median of
+    ``repeats`` runs on ``device``."""
+
+    stage: int
+    forward: float
+    backward: float
+    repeats: int
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def measure_stage_time(
+    sharded: ShardedModel,
+    stage: int,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    repeats: int = TIMING_REPEATS,
+) -> StageTimeMeasurement:
+    """Time stage ``stage`` of ``sharded`` whole on one microbatch (``example_inputs`` /
+    ``example_kwargs``, the model's inputs): its forward, then its backward from a gradient of ones
+    for each output that requires one, on a fresh copy of its inputs each run. On CUDA the device
+    is synchronised around each timing. The model is left as it was (gradients, buffers, random
+    state). A loss the runtime computes after the last stage is not part of it."""
+    stage = checked_stage(sharded, stage, "measure_stage_time")
+    repeats = whole_number(repeats, "repeats", at_least=1)
+    module = sharded.stages[stage]
+    device = stage_device(module) or torch.device("cpu")
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    forward, backward = [], []
+    with model_kept(sharded, device):
+        args, kwargs = stage_inputs(sharded, stage, tuple(example_inputs), dict(example_kwargs or {}))
+        for _ in range(repeats + 1):
+            call_args, call_kwargs = fresh_copy((args, kwargs), stage > 0)
+            start = now()
+            outputs = module(*call_args, **call_kwargs)
+            middle = now()
+            sent = [t for t in tensors_in(outputs) if t.requires_grad]
+            gradients = [torch.ones_like(t) for t in sent]
+            begin = now()
+            if sent:
+                torch.autograd.backward(sent, gradients)
+            forward.append(middle - start)
+            backward.append(now() - begin)
+            module.zero_grad(set_to_none=True)
+    return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
+                                str(device))
+
+
+__all__ = ["StageTimeMeasurement", "TIMING_REPEATS", "measure_stage_time"]

@@ -1,0 +1,193 @@
+"""A training step predicted from the stages timed whole and the runtime's own costs: the time a
+message keeps its ranks busy in the step simulation, ``measure_stage_time``, the runtime
+calibration (fitted, cached, refreshable) and ``predict_step``."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.costs import estimate
+from autoshard.costs.step_time import StepTimeModel, step_time
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.runtime import RuntimeCalibration, calibrate_runtime, measure_stage_time, predict_step
+from autoshard.runtime import calibrate
+from autoshard.runtime.calibrate import fitted_message_seconds, measure_runtime
+
+FREE_LINK = {"link_bandwidth": 1e15, "link_latency": 0.0}
+
+
+def test_each_message_keeps_both_of_its_ranks_busy():
+    # 2 stages, 1F1B, 2 microbatches: every op sends or receives one message, so each op lasts
+    # f + message; the step is (m + k - 1) ops of forward plus backward, as without messages.
+    plain = step_time([1.0, 1.0], [1.0, 1.0], [0.0], StepTimeModel("1f1b", 2, **FREE_LINK))
+    busy = step_time([1.0, 1.0], [1.0, 1.0], [0.0], StepTimeModel("1f1b", 2, message_seconds=0.5, **FREE_LINK))
+    assert plain.seconds == pytest.approx(6.0) and busy.seconds == pytest.approx(9.0)
+    assert busy.busy == pytest.approx((2 * 3.0, 2 * 3.0))  # the messages are the ranks' work too
+    assert busy.bubble == pytest.approx(plain.bubble)
+
+
+def test_a_stage_between_two_ranks_pays_for_both_messages():
+    # interleaved, 4 stages on 2 ranks: stages 1 and 2 each have two neighbours on the other rank.
+    model = StepTimeModel("interleaved-1f1b", 2, message_seconds=0.25, **FREE_LINK)
+    timed = step_time([0.0] * 4, [0.0] * 4, [0.0] * 3, model)
+    assert timed.busy == pytest.approx((2 * 0.5, 2 * 1.0, 2 * 1.0, 2 * 0.5))
+    one_stage = step_time([1.0], [1.0], [], StepTimeModel("gpipe", 3, message_seconds=5.0))
+    assert one_stage.seconds == pytest.approx(6.0)  # no neighbour, no message
+
+
+def test_message_seconds_is_checked_and_reported():
+    with pytest.raises(InvalidArgumentError, match="message_seconds"):
+        StepTimeModel(message_seconds=-1e-3)
+    assert StepTimeModel(message_seconds=2e-4).to_dict()["message_seconds"] == 2e-4
+
+
+def test_the_fit_finds_the_time_per_message_that_reproduces_a_step():
+    forward, backward, sent = [1e-3, 2e-3], [2e-3, 3e-3], [4096.0]
+    step = StepTimeModel("1f1b", 8, link_bandwidth=1e9, link_latency=1e-4)
+    truth = step_time(forward, backward, sent, StepTimeModel("1f1b", 8, link_bandwidth=1e9, link_latency=1e-4,
+                                                             message_seconds=3e-4)).seconds
+    assert fitted_message_seconds(truth, forward, backward, sent, step) == pytest.approx(3e-4, rel=1e-6)
+    quicker = step_time(forward, backward, sent, step).seconds * 0.9  # faster than the stages alone allow
+    assert fitted_message_seconds(quicker, forward, backward, sent, step) == 0.0
+
+
+class _Slow(torch.autograd.Function):
+    """Sleeps a known time in its forward and in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, forward_seconds, backward_seconds):
+        time.sleep(forward_seconds)
+        ctx.backward_seconds = backward_seconds
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_seconds)
+        return grad, None, None
+
+
+class _Sleepy(nn.Module):
+    def __init__(self, forward_seconds: float, backward_seconds: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seconds = (forward_seconds, backward_seconds)
+
+    def forward(self, x):
+        return _Slow.apply(self.lin(x), *self.seconds)
+
+
+@pytest.fixture(scope="module")
+def sleepy():
+    """Two stages: the second sleeps 30 ms in its forward and 40 ms in its backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Sleepy(0.03, 0.04))
+    example = (torch.randn(2, 4),)
+    sharded = autoshard.shard_model(model, 2, example_inputs=example)
+    assert sharded.plan.assignment["_slow_apply"] == 1
+    return sharded, example
+
+
+def test_a_stage_is_timed_whole_forward_and_backward_apart(sleepy):
+    sharded, example = sleepy
+    first, second = (measure_stage_time(sharded, j, example, repeats=2) for j in range(2))
+    assert first.forward < 0.02 and first.backward < 0.02
+    assert 0.03 <= second.forward < 0.06 and 0.04 <= second.backward < 0.07
+    assert second.to_dict() == {"stage": 1, "forward": second.forward, "backward": second.backward, "repeats": 2,
+                                "device": "cpu"}
+
+
+def test_timing_a_stage_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)).train()
+    example = (torch.randn(4, 8),)
+    sharded = autoshard.shard_model(model, 2, example_inputs=example)
+    before = {name: t.detach().clone() for name, t in sharded.state_dict().items()}
+    draw = torch.random.get_rng_state()
+    measure_stage_time(sharded, 1, example)
+    assert all(p.grad is None for p in sharded.parameters())
+    assert all(torch.equal(before[name], t) for name, t in sharded.state_dict().items())
+    assert torch.equal(torch.random.get_rng_state(), draw)
+
+
+def test_bad_arguments_to_measure_stage_time_are_typed_errors(sleepy):
+    sharded, example = sleepy
+    with pytest.raises(InvalidArgumentError, match="stage 2 is out of range.*from 0 to 1"):
+        measure_stage_time(sharded, 2, example)
+    with pytest.raises(InvalidArgumentTypeError, match="measure_stage_time needs the ShardedModel"):
+        measure_stage_time(nn.Linear(2, 2), 0, example)
+    with pytest.raises(InvalidArgumentError, match="repeats"):
+        measure_stage_time(sharded, 0, example, repeats=0)
+
+
+def test_predict_step_simulates_the_stages_timed_whole(sleepy):
+    sharded, example = sleepy
+    step = StepTimeModel("gpipe", 2, **FREE_LINK)
+    predicted = predict_step(sharded, example, step=step, calibrate=False, repeats=2)
+    # GPipe on 2 microbatches: the second stage's two forwards then its two backwards, after the first's forward.
+    assert 2 * (0.03 + 0.04) <= predicted.seconds < 2 * (0.06 + 0.07)
+    assert predicted.model == step and predicted.bottleneck == 1
+    assert "each stage timed whole" in predicted.source and "calibrated" not in predicted.source
+    with pytest.raises(InvalidArgumentTypeError, match="StepTimeModel"):
+        predict_step(sharded, example, step="1f1b", calibrate=False)
+
+
+def test_predict_step_takes_the_link_and_messages_from_the_calibration(sleepy, monkeypatch):
+    sharded, example = sleepy
+    calibration = RuntimeCalibration(link_bandwidth=2e9, link_latency=1e-4, message_seconds=3e-4)
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: calibration)
+    predicted = predict_step(sharded, example, step=StepTimeModel("1f1b", 4), repeats=1)
+    assert (predicted.model.link_bandwidth, predicted.model.link_latency, predicted.model.message_seconds) == (
+        2e9, 1e-4, 3e-4)
+    assert predicted.model.schedule == "1f1b" and predicted.microbatches == 4
+    assert "calibrated with the runtime" in predicted.source
+
+
+@pytest.fixture
+def runtime_cache(empty_calibration_cache, monkeypatch):
+    """A fresh cache directory and process, and a stand-in measurement that counts its runs."""
+    runs = []
+
+    def measure() -> RuntimeCalibration:
+        runs.append(1)
+        return RuntimeCalibration(1e9, 1e-4, 1e-4 * len(runs))
+
+    monkeypatch.setattr(calibrate, "measure_runtime", measure)
+    return runs
+
+
+def test_the_runtime_calibration_is_cached_beside_the_device_and_refreshable(runtime_cache, monkeypatch):
+    assert calibrate_runtime().message_seconds == 1e-4 and calibrate_runtime().message_seconds == 1e-4
+    assert runtime_cache == [1]
+    stored = json.loads(estimate.calibration_cache().read_text())
+    assert stored[f"{estimate.machine_key()}|runtime=gloo"]["message_seconds"] == 1e-4
+    assert calibrate_runtime(refresh=True).message_seconds == 2e-4 and calibrate_runtime().message_seconds == 2e-4
+    monkeypatch.setattr(estimate, "_THIS_PROCESS", {})  # a new process reads the file
+    assert calibrate_runtime().message_seconds == 2e-4 and len(runtime_cache) == 2
+    monkeypatch.setattr(estimate, "_THIS_PROCESS", {})
+    monkeypatch.setenv(estimate.RECALIBRATE_ENV, "1")  # measures once per process, not once per call
+    assert calibrate_runtime().message_seconds == pytest.approx(3e-4) and len(runtime_cache) == 3
+    assert calibrate_runtime().message_seconds == pytest.approx(3e-4) and len(runtime_cache) == 3
+
+
+def test_an_unusable_cached_runtime_calibration_is_measured_again(runtime_cache):
+    path = estimate.calibration_cache()
+    path.parent.mkdir(parents=True)
+    key = f"{estimate.machine_key()}|runtime=gloo"
+    path.write_text(json.dumps({key: {"link_bandwidth": 1e9, "link_latency": 1e-4, "message_seconds": -1}}))
+    assert calibrate_runtime().message_seconds == 1e-4 and runtime_cache == [1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(calibrate.TIMEOUT + 120)
+def test_measuring_the_runtime_runs_two_processes_and_gives_plausible_costs():
+    """The real calibration: two gloo processes, a ping-pong and steps of a model too small to compute."""
+    measured = measure_runtime()
+    assert 1e6 < measured.link_bandwidth < 1e13 and 0 < measured.link_latency < 0.05
+    assert 0 < measured.message_seconds < 0.05  # on CPU the runtime costs something per message, never seconds
+    assert "µs of each rank's time per message" in measured.describe()
