@@ -15,8 +15,9 @@ load average during the case (other processes' work shows there), and each rank'
 step against the busy time the profile predicts for its stages.
 
 The first prediction is ``autoshard.runtime.predict_step``: each stage timed whole on one
-microbatch, with the link and the runtime's time per message calibrated by
-``calibrate_runtime(refresh=True)`` just after the steps ran. The others are
+microbatch (once per model and stage count, for all its cases), with the link and the runtime's
+time per message calibrated by ``calibrate_runtime(refresh=True)`` just after the steps ran. The
+others are
 ``plan_report(...).step_time`` from three sources of stage time: each node's forward measured
 (``profile``, backward = 2 x forward; one profile per model, which its 2- and 4-stage plans
 share), each node's forward and backward measured (``profile{backward=true}``), and the roofline
@@ -52,7 +53,8 @@ from autoshard.costs.estimate import calibrated_device
 from autoshard.costs.step_time import StepTimeModel
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from autoshard.runtime import (
-    build_schedule, calibrate_runtime, local_stage_indices, model_loss, pipeline_stage, predict_step, run_local)
+    build_schedule, calibrate_runtime, local_stage_indices, measure_stage_time, model_loss, pipeline_stage,
+    predict_step, run_local)
 from autoshard.runtime.calibrate import measure_link
 from autoshard.passes import (
     BuildDagPass, CapturePass, EmitPass, LinearizePass, Pipeline, ProfilePass, ShapePropPass, SplitPass, VerifyPass)
@@ -170,6 +172,7 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[
     out: dict[tuple, dict[str, float]] = {}
     for k in sorted({k for _, k, _ in CASES}):
         estimated = shard(name, k)
+        timed = [measure_stage_time(estimated, j, args, kwargs) for j in range(k)]  # one timing for every case
         profiled = shard(name, k, time_profile=os.path.join(profile_dir, f"{name.split()[0]}.json"))
         both = shard(name, k, time_profile=os.path.join(profile_dir, f"{name.split()[0]}-backward.json"), backward=True)
         assert profiled.plan.assignment == estimated.plan.assignment == both.plan.assignment, "plans must split alike"
@@ -180,7 +183,7 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[
             default_link = StepTimeModel(schedule, m)
             with_profile = autoshard.plan_report(profiled, step=measured_link).step_time
             out[(name, schedule, k, m)] = {
-                "stages whole": predict_step(estimated, args, kwargs, step=StepTimeModel(schedule, m)).seconds,
+                "stages whole": predict_step(estimated, step=StepTimeModel(schedule, m), times=timed).seconds,
                 "profile": with_profile.seconds,
                 "profile with backward": autoshard.plan_report(both, step=measured_link).step_time.seconds,
                 "estimate": autoshard.plan_report(estimated, device=device, step=measured_link).step_time.seconds,

@@ -137,6 +137,19 @@ def test_predict_step_simulates_the_stages_timed_whole(sleepy):
         predict_step(sharded, example, step="1f1b", calibrate=False)
 
 
+def test_several_steps_are_predicted_from_one_timing_of_the_stages(sleepy):
+    sharded, example = sleepy
+    times = [measure_stage_time(sharded, j, example, repeats=1) for j in range(2)]
+    gpipe, one_f_one_b = (predict_step(sharded, step=StepTimeModel(name, 4, **FREE_LINK), calibrate=False,
+                                       times=times) for name in ("gpipe", "1f1b"))
+    assert gpipe.forward == one_f_one_b.forward == tuple(t.forward for t in times)
+    assert gpipe.backward == tuple(t.backward for t in times)
+    with pytest.raises(InvalidArgumentError, match=r"one StageTimeMeasurement per stage.*got \[1, 0\]"):
+        predict_step(sharded, calibrate=False, times=times[::-1])
+    with pytest.raises(InvalidArgumentError, match=r"got \[0\]"):
+        predict_step(sharded, calibrate=False, times=times[:1])
+
+
 def test_predict_step_takes_the_link_and_messages_from_the_calibration(sleepy, monkeypatch):
     sharded, example = sleepy
     calibration = RuntimeCalibration(link_bandwidth=2e9, link_latency=1e-4, message_seconds=3e-4)

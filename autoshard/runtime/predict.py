@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
-from autoshard.errors import InvalidArgumentTypeError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.runtime.calibrate import calibrate_runtime
-from autoshard.runtime.stage_time import TIMING_REPEATS, measure_stage_time
+from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, measure_stage_time
 from autoshard.sharded import ShardedModel
 
 
@@ -21,19 +21,26 @@ def predict_step(
     step: StepTimeModel | None = None,
     calibrate: bool = True,
     repeats: int = TIMING_REPEATS,
+    times: Sequence[StageTimeMeasurement] | None = None,
 ) -> StepTime:
     """One training step of ``sharded`` under ``step`` (default ``StepTimeModel()``: 1F1B, one
     microbatch per stage), predicted from each stage timed whole (``measure_stage_time``) on one
     microbatch. With ``calibrate`` the link and the runtime's time per message are this machine's,
     measured with the real runtime on two processes (``calibrate_runtime``, cached); without it they
-    are ``step``'s own (give the interconnect's for GPUs)."""
+    are ``step``'s own (give the interconnect's for GPUs). ``times``, one ``measure_stage_time``
+    per stage in order, predicts from stages timed before: several schedules from one timing."""
     step = StepTimeModel() if step is None else step
     if not isinstance(step, StepTimeModel):
         raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__}")
     if calibrate:
         step = calibrate_runtime().applied_to(step)
-    times = [measure_stage_time(sharded, j, example_inputs, example_kwargs, repeats=repeats)
-             for j in range(sharded.num_stages)]
+    k = sharded.num_stages
+    if times is None:
+        times = [measure_stage_time(sharded, j, example_inputs, example_kwargs, repeats=repeats) for j in range(k)]
+    elif [getattr(t, "stage", None) for t in times] != list(range(k)):
+        raise InvalidArgumentError(
+            f"times must be one StageTimeMeasurement per stage, stages 0 to {k - 1} in order; got "
+            f"{[getattr(t, 'stage', type(t).__name__) for t in times]}")
     source = "each stage timed whole on one microbatch (measure_stage_time)"
     if calibrate:
         source += "; link and time per message calibrated with the runtime (calibrate_runtime)"
