@@ -14,10 +14,12 @@ a barrier to the last rank's end; the median counts. Beside it: the machine's bu
 load average during the case (other processes' work shows there), and each rank's CPU time in a
 step against the busy time the profile predicts for its stages.
 
-The first prediction is ``autoshard.runtime.predict_step``: each stage timed whole on one
-microbatch (once per model and stage count, for all its cases), with the link and the runtime's
-time per message calibrated by ``calibrate_runtime(refresh=True)`` just after the steps ran. The
-others are
+The first two predictions are ``autoshard.runtime.predict_step``: each stage timed whole on one
+microbatch, with the link and the runtime's time per message calibrated by
+``calibrate_runtime(refresh=True)`` just after the steps ran. The stages are timed by rank 0 just
+before each case's steps (while rank 1 waits), and again in this process after every case ran
+(once per model and stage count): this VM's speed drifts by up to a third over minutes, so only
+the first compares the model with the machine it met. The others are
 ``plan_report(...).step_time`` from three sources of stage time: each node's forward measured
 (``profile``, backward = 2 x forward; one profile per model, which its 2- and 4-stage plans
 share), each node's forward and backward measured (``profile{backward=true}``), and the roofline
@@ -156,7 +158,11 @@ def worker(rank: int, world: int, repeats: int) -> dict[Any, Any]:
     for name in WORKLOADS:
         for k in sorted({k for _, k, _ in CASES}):
             sharded = shard(name, k)
+            _, args, kwargs, _ = build(name, WORKLOADS[name].rows)
             for schedule, _, m in (case for case in CASES if case[1] == k):
+                if rank == 0:  # the stages timed whole just before the steps, while rank 1 waits
+                    found[(name, schedule, k, m, "times")] = [measure_stage_time(sharded, j, args, kwargs)
+                                                              for j in range(k)]
                 dist.barrier()
                 machine, load = cpu_busy(), os.getloadavg()[0]
                 found[(name, schedule, k, m)] = timed_steps(rank, world, sharded, name, schedule, m, repeats)
@@ -165,8 +171,9 @@ def worker(rank: int, world: int, repeats: int) -> dict[Any, Any]:
     return found
 
 
-def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[tuple, dict[str, float]]:
-    """Per case, the predicted step under each source of stage time and link."""
+def predictions(name: str, link: tuple[float, float], profile_dir: str, found: dict[Any, Any]
+                ) -> dict[tuple, dict[str, float]]:
+    """Per case, the predicted step under each source of stage time and link (``found``: rank 0's results)."""
     device = calibrated_device()
     _, args, kwargs, _ = build(name, WORKLOADS[name].rows)
     out: dict[tuple, dict[str, float]] = {}
@@ -184,6 +191,8 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str) -> dict[
             with_profile = autoshard.plan_report(profiled, step=measured_link).step_time
             out[(name, schedule, k, m)] = {
                 "stages whole": predict_step(estimated, step=StepTimeModel(schedule, m), times=timed).seconds,
+                "stages just before": predict_step(estimated, step=StepTimeModel(schedule, m),
+                                                   times=found[(name, schedule, k, m, "times")]).seconds,
                 "profile": with_profile.seconds,
                 "profile with backward": autoshard.plan_report(both, step=measured_link).step_time.seconds,
                 "estimate": autoshard.plan_report(estimated, device=device, step=measured_link).step_time.seconds,
@@ -274,21 +283,22 @@ def pipeline_steps(repeats: int) -> None:
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print(f"gloo link between the two processes: {link[0] / 1e9:.2f} GB/s, {link[1] * 1e6:.0f} µs a message; "
           f"runtime calibration: {runtime.describe()}")
-    print("| model | schedule | k | m | machine busy, load | measured (ms) | stages whole + runtime | err | profile | "
-          "err | profile with backward | err | estimate | err | profile, default link | err | CPU per rank, measured "
-          "(ms) | profile busy | err |")
+    print("| model | schedule | k | m | machine busy, load | measured (ms) | stages timed just before | err | "
+          "stages timed after | err | profile | err | profile with backward | err | estimate | err | profile, default "
+          "link | err | CPU per rank, measured (ms) | profile busy | err |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-          "---: | ---: | ---: | ---: |")
+          "---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as profiles:
         for name in WORKLOADS:
-            predicted = predictions(name, link, profiles)
+            predicted = predictions(name, link, profiles, results[0])
             for case, guess in predicted.items():
                 steps = [max(r[case][i][0] for r in results) for i in range(repeats)]
                 cpu = [statistics.median(step[1] for step in r[case]) for r in results]
                 measured = statistics.median(steps)
                 busy, load = results[0][(*case, "machine")]
                 row = [f"{busy:.0%}, {load:.1f}", f"{measured * 1e3:.1f}"]
-                for source in ("stages whole", "profile", "profile with backward", "estimate", "default link"):
+                for source in ("stages just before", "stages whole", "profile", "profile with backward", "estimate",
+                               "default link"):
                     row += [f"{guess[source] * 1e3:.1f}", error(guess[source], measured)]
                 row += ["/".join(f"{c * 1e3:.0f}" for c in cpu), "/".join(f"{b * 1e3:.0f}" for b in guess["busy"]),
                         "/".join(error(b, c) for b, c in zip(guess["busy"], cpu))]

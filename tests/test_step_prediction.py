@@ -102,6 +102,21 @@ def test_a_stage_is_timed_whole_forward_and_backward_apart(sleepy):
                                 "device": "cpu"}
 
 
+def test_the_timed_backwards_accumulate_gradients_as_a_steps_microbatches_do(sleepy, monkeypatch):
+    sharded, example = sleepy
+    found = []
+    real = torch.autograd.backward
+
+    def backward(tensors, grad_tensors=None, **options):
+        found.append([p.grad is not None for p in sharded.stages[0].parameters()])
+        return real(tensors, grad_tensors, **options)
+
+    monkeypatch.setattr(torch.autograd, "backward", backward)
+    measure_stage_time(sharded, 0, example, repeats=3)
+    assert found == [[False, False], [True, True], [True, True], [True, True]]  # the warm-up's, then accumulated
+    assert all(p.grad is None for p in sharded.parameters())  # and given back
+
+
 def test_timing_a_stage_leaves_the_model_as_it_was():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)).train()
