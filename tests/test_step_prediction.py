@@ -167,12 +167,14 @@ def test_several_steps_are_predicted_from_one_timing_of_the_stages(sleepy):
 
 def test_predict_step_takes_the_link_and_messages_from_the_calibration(sleepy, monkeypatch):
     sharded, example = sleepy
-    calibration = RuntimeCalibration(link_bandwidth=2e9, link_latency=1e-4, message_seconds=3e-4)
+    calibration = RuntimeCalibration(link_bandwidth=2e9, link_latency=1e-4,
+                                     message_seconds={"gpipe": 5e-4, "1f1b": 3e-4, "interleaved-1f1b": 4e-4})
     monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: calibration)
     predicted = predict_step(sharded, example, step=StepTimeModel("1f1b", 4), repeats=1)
     assert (predicted.model.link_bandwidth, predicted.model.link_latency, predicted.model.message_seconds) == (
-        2e9, 1e-4, 3e-4)
+        2e9, 1e-4, 3e-4)  # the step's own schedule's time per message
     assert predicted.model.schedule == "1f1b" and predicted.microbatches == 4
+    assert predict_step(sharded, example, step=StepTimeModel("gpipe", 4), repeats=1).model.message_seconds == 5e-4
     assert "calibrated with the runtime" in predicted.source
 
 
@@ -183,32 +185,47 @@ def runtime_cache(empty_calibration_cache, monkeypatch):
 
     def measure() -> RuntimeCalibration:
         runs.append(1)
-        return RuntimeCalibration(1e9, 1e-4, 1e-4 * len(runs))
+        return RuntimeCalibration(1e9, 1e-4, {"gpipe": 1.0, "1f1b": 1e-4 * len(runs), "interleaved-1f1b": 2.0})
 
     monkeypatch.setattr(calibrate, "measure_runtime", measure)
     return runs
 
 
+def _one_f_one_b() -> float:
+    return calibrate_runtime().message_seconds["1f1b"]
+
+
 def test_the_runtime_calibration_is_cached_beside_the_device_and_refreshable(runtime_cache, monkeypatch):
-    assert calibrate_runtime().message_seconds == 1e-4 and calibrate_runtime().message_seconds == 1e-4
-    assert runtime_cache == [1]
+    assert _one_f_one_b() == 1e-4 and _one_f_one_b() == 1e-4 and runtime_cache == [1]
     stored = json.loads(estimate.calibration_cache().read_text())
-    assert stored[f"{estimate.machine_key()}|runtime=gloo"]["message_seconds"] == 1e-4
-    assert calibrate_runtime(refresh=True).message_seconds == 2e-4 and calibrate_runtime().message_seconds == 2e-4
+    assert stored[f"{estimate.machine_key()}|runtime=gloo"]["message_seconds"] == {
+        "gpipe": 1.0, "1f1b": 1e-4, "interleaved-1f1b": 2.0}
+    assert calibrate_runtime(refresh=True).message_seconds["1f1b"] == 2e-4 and _one_f_one_b() == 2e-4
     monkeypatch.setattr(estimate, "_THIS_PROCESS", {})  # a new process reads the file
-    assert calibrate_runtime().message_seconds == 2e-4 and len(runtime_cache) == 2
+    assert calibrate_runtime() == RuntimeCalibration(1e9, 1e-4, {"gpipe": 1.0, "1f1b": 2e-4, "interleaved-1f1b": 2.0})
+    assert len(runtime_cache) == 2
     monkeypatch.setattr(estimate, "_THIS_PROCESS", {})
     monkeypatch.setenv(estimate.RECALIBRATE_ENV, "1")  # measures once per process, not once per call
-    assert calibrate_runtime().message_seconds == pytest.approx(3e-4) and len(runtime_cache) == 3
-    assert calibrate_runtime().message_seconds == pytest.approx(3e-4) and len(runtime_cache) == 3
+    assert _one_f_one_b() == pytest.approx(3e-4) and _one_f_one_b() == pytest.approx(3e-4)
+    assert len(runtime_cache) == 3
 
 
-def test_an_unusable_cached_runtime_calibration_is_measured_again(runtime_cache):
+@pytest.mark.parametrize("message_seconds", [
+    -1, 3e-4, {"1f1b": 3e-4}, {"gpipe": 3e-4, "1f1b": -3e-4, "interleaved-1f1b": 3e-4}])
+def test_an_unusable_cached_runtime_calibration_is_measured_again(runtime_cache, message_seconds):
     path = estimate.calibration_cache()
     path.parent.mkdir(parents=True)
     key = f"{estimate.machine_key()}|runtime=gloo"
-    path.write_text(json.dumps({key: {"link_bandwidth": 1e9, "link_latency": 1e-4, "message_seconds": -1}}))
-    assert calibrate_runtime().message_seconds == 1e-4 and runtime_cache == [1]
+    path.write_text(json.dumps({key: {"link_bandwidth": 1e9, "link_latency": 1e-4,
+                                      "message_seconds": message_seconds}}))
+    assert _one_f_one_b() == 1e-4 and runtime_cache == [1]
+
+
+def test_a_calibration_gives_every_schedule_a_time_per_message():
+    with pytest.raises(InvalidArgumentError, match="each of gpipe, 1f1b, interleaved-1f1b"):
+        RuntimeCalibration(1e9, 1e-4, {"1f1b": 1e-4})
+    with pytest.raises(InvalidArgumentError, match="message_seconds"):
+        RuntimeCalibration(1e9, 1e-4, {"gpipe": 1e-4, "1f1b": -1e-4, "interleaved-1f1b": 1e-4})
 
 
 @pytest.mark.multiprocess
@@ -217,5 +234,7 @@ def test_measuring_the_runtime_runs_two_processes_and_gives_plausible_costs():
     """The real calibration: two gloo processes, a ping-pong and steps of a model too small to compute."""
     measured = measure_runtime()
     assert 1e6 < measured.link_bandwidth < 1e13 and 0 < measured.link_latency < 0.05
-    assert 0 < measured.message_seconds < 0.05  # on CPU the runtime costs something per message, never seconds
+    assert set(measured.message_seconds) == {"gpipe", "1f1b", "interleaved-1f1b"}
+    for seconds in measured.message_seconds.values():  # on CPU the runtime costs something per message, not seconds
+        assert 0 < seconds < 0.05
     assert "µs of each rank's time per message" in measured.describe()

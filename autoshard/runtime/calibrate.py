@@ -3,12 +3,13 @@
 A step is more than its stages' compute. Each message between ranks waits for the link
 (``link_latency + bytes / link_bandwidth``) and also keeps both ranks busy: ``PipelineStage``'s
 bookkeeping for the op and the transport's own CPU work. On this project's 2-core machine that
-was about 1 ms a message against 0.15-0.2 ms of plain send/receive latency, and it made
+was 0.6-1 ms a message against 0.1-0.2 ms of plain send/receive latency, and it made
 predictions 20-60% short (``benchmarks/RESULTS.md``, "Step time"). So the runtime is measured
 as it runs: two gloo processes ping-pong a small and a large tensor (the link), then run steps of
-a model too small to compute anything under PyTorch's ``Schedule1F1B``; the time per message is
-what the step simulation (``autoshard.costs.step_time``) must add for its step to last what the
-real one did. The result is cached per machine with the device calibration (refresh as there:
+a model too small to compute anything under each of PyTorch's schedules the step model knows
+(GPipe, 1F1B, interleaved 1F1B: each runs its ops through different runtime code); the time per
+message is what the step simulation (``autoshard.costs.step_time``) must add for its step to
+last what the real one did. The result is cached per machine with the device calibration (refresh as there:
 ``refresh=True`` or ``AUTOSHARD_RECALIBRATE=1``).
 
 Only the CPU and gloo are calibrated this way: two ranks on one GPU do not make a pipeline. On
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,16 +33,16 @@ from torch import nn
 
 from autoshard.api import shard_model
 from autoshard.costs.estimate import cached_calibration, machine_key
-from autoshard.costs.step_time import StepTimeModel, step_time
-from autoshard.errors import LaunchError
+from autoshard.costs.step_time import SCHEDULES, StepTimeModel, step_time
+from autoshard.errors import InvalidArgumentError, LaunchError
 from autoshard.runtime.launch import run_local
-from autoshard.runtime.schedule import build_schedule
+from autoshard.runtime.schedule import build_schedule, local_stage_indices
 from autoshard.runtime.stage import pipeline_stage
 from autoshard.runtime.stage_time import measure_stage_time
 from autoshard.sharded import ShardedModel
 
-STEPS = 20
-"""Timed steps of the calibration pipeline (after ``WARMUP_STEPS``); the median counts."""
+STEPS = 30
+"""Timed steps of each calibration pipeline (after ``WARMUP_STEPS``); the median counts."""
 WARMUP_STEPS = 3
 MICROBATCHES = 8
 WIDTH, ROWS, LAYERS = 16, 4, 4
@@ -53,24 +54,30 @@ TIMEOUT = 300.0
 
 @dataclass(frozen=True)
 class RuntimeCalibration:
-    """This machine's link between two ranks (bytes/s, seconds per message) and the time each
-    message keeps a rank busy in the runtime; ``StepTimeModel``'s fields of the same names."""
+    """This machine's link between two ranks (bytes/s, seconds per message) and, per schedule of
+    ``SCHEDULES``, the time each message keeps a rank busy in the runtime (each schedule runs its
+    ops through different runtime code); ``StepTimeModel``'s fields of the same names."""
 
     link_bandwidth: float
     link_latency: float
-    message_seconds: float
+    message_seconds: Mapping[str, float]
 
     def __post_init__(self) -> None:
-        StepTimeModel(link_bandwidth=self.link_bandwidth, link_latency=self.link_latency,
-                      message_seconds=self.message_seconds)  # the same checks, the same typed errors
+        if not isinstance(self.message_seconds, Mapping) or set(self.message_seconds) != set(SCHEDULES):
+            raise InvalidArgumentError(f"message_seconds must give seconds for each of {', '.join(SCHEDULES)}; got "
+                                       f"{self.message_seconds!r}")
+        for seconds in self.message_seconds.values():  # the same checks, the same typed errors
+            StepTimeModel(link_bandwidth=self.link_bandwidth, link_latency=self.link_latency, message_seconds=seconds)
 
     def applied_to(self, step: StepTimeModel) -> StepTimeModel:
-        """``step`` with this machine's link and time per message."""
-        return dataclasses.replace(step, **dataclasses.asdict(self))
+        """``step`` with this machine's link and its schedule's time per message."""
+        return dataclasses.replace(step, link_bandwidth=self.link_bandwidth, link_latency=self.link_latency,
+                                   message_seconds=self.message_seconds[step.schedule])
 
     def describe(self) -> str:
+        per_schedule = ", ".join(f"{name} {seconds * 1e6:.0f}" for name, seconds in self.message_seconds.items())
         return (f"link {self.link_bandwidth / 1e9:.3g} GB/s, {self.link_latency * 1e6:.0f} µs a message; "
-                f"runtime {self.message_seconds * 1e6:.0f} µs of each rank's time per message")
+                f"runtime µs of each rank's time per message: {per_schedule}")
 
 
 def link_time(rank: int, nbytes: int, repeats: int = 20) -> float:
@@ -96,30 +103,40 @@ def measure_link(rank: int) -> tuple[float, float]:
     return LARGE_MESSAGE / max(link_time(rank, LARGE_MESSAGE) - latency, 1e-9), latency
 
 
-def _calibration_plan() -> ShardedModel:
-    """The model every calibration process splits alike: too small for its compute to matter."""
+def _calibration_plan(schedule: str) -> ShardedModel:
+    """The model every calibration process splits alike, too small for its compute to matter: in
+    2 stages, or 4 for ``interleaved-1f1b`` (2 per rank)."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
-    return shard_model(model, 2, example_inputs=(torch.randn(ROWS, WIDTH),))
+    return shard_model(model, _stages(schedule), example_inputs=(torch.randn(ROWS, WIDTH),))
 
 
-def _worker(rank: int, world: int) -> tuple[tuple[float, float], list[float]]:
-    """This rank's link measurement and the wall seconds of each timed step."""
+def _stages(schedule: str) -> int:
+    return 4 if schedule == "interleaved-1f1b" else 2
+
+
+def _worker(rank: int, world: int) -> tuple[tuple[float, float], dict[str, list[float]]]:
+    """This rank's link measurement and, per schedule, the wall seconds of each timed step. The
+    schedules take turns step by step, so a change in the machine's speed meets them all alike."""
     torch.set_num_threads(1)
     link = measure_link(rank)
-    stage = pipeline_stage(_calibration_plan(), rank, 2, "cpu")
-    runner = build_schedule(stage, "1f1b", MICROBATCHES, loss_fn=nn.functional.mse_loss)
+    runners = {}
+    for schedule in SCHEDULES:
+        k = _stages(schedule)
+        stages = [pipeline_stage(_calibration_plan(schedule), j, k, "cpu") for j in local_stage_indices(k, rank, 2)]
+        runners[schedule] = build_schedule(stages, schedule, MICROBATCHES, loss_fn=nn.functional.mse_loss)
     rows = torch.randn(ROWS * MICROBATCHES, WIDTH)
-    seconds = []
+    seconds: dict[str, list[float]] = {schedule: [] for schedule in SCHEDULES}
     for i in range(WARMUP_STEPS + STEPS):
-        dist.barrier()
-        start = time.perf_counter()
-        if rank == 0:
-            runner.step(rows, return_outputs=False)
-        else:
-            runner.step(target=rows, return_outputs=False)
-        if i >= WARMUP_STEPS:
-            seconds.append(time.perf_counter() - start)
+        for schedule, runner in runners.items():
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                runner.step(rows, return_outputs=False)
+            else:
+                runner.step(target=rows, return_outputs=False)
+            if i >= WARMUP_STEPS:
+                seconds[schedule].append(time.perf_counter() - start)
     return link, seconds
 
 
@@ -143,17 +160,19 @@ def _measured_here() -> RuntimeCalibration:
     """The calibration, from this process: it must be one that may start others (``__main__`` guarded)."""
     ranks = run_local(_worker, 2, timeout=TIMEOUT)
     (bandwidth, latency), _ = ranks[0]
-    measured = statistics.median(max(both) for both in zip(*(seconds for _, seconds in ranks)))
-    plan = _calibration_plan()
-    stages = [measure_stage_time(plan, j, (torch.randn(ROWS, WIDTH),)) for j in range(2)]
-    step = StepTimeModel("1f1b", MICROBATCHES, link_bandwidth=bandwidth, link_latency=latency)
-    message = fitted_message_seconds(measured, [s.forward for s in stages], [s.backward for s in stages],
-                                     plan.plan.boundary_bytes(), step)
+    message = {}
+    for schedule in SCHEDULES:
+        measured = statistics.median(max(both) for both in zip(*(seconds[schedule] for _, seconds in ranks)))
+        plan = _calibration_plan(schedule)
+        stages = [measure_stage_time(plan, j, (torch.randn(ROWS, WIDTH),)) for j in range(plan.num_stages)]
+        step = StepTimeModel(schedule, MICROBATCHES, link_bandwidth=bandwidth, link_latency=latency)
+        message[schedule] = fitted_message_seconds(measured, [s.forward for s in stages],
+                                                   [s.backward for s in stages], plan.plan.boundary_bytes(), step)
     return RuntimeCalibration(bandwidth, latency, message)
 
 
 def measure_runtime() -> RuntimeCalibration:
-    """Measure the runtime on two local gloo processes now (about 15 s), without the cache. It runs
+    """Measure the runtime on two local gloo processes now (about 20 s), without the cache. It runs
     in a fresh interpreter (``python -m autoshard.runtime.calibrate``), so the caller's script needs
     no ``if __name__ == "__main__"`` guard for the processes it starts."""
     try:
@@ -171,9 +190,9 @@ def measure_runtime() -> RuntimeCalibration:
 
 def _parse(entry: Any) -> RuntimeCalibration | None:
     try:
-        return RuntimeCalibration(float(entry["link_bandwidth"]), float(entry["link_latency"]),
-                                  float(entry["message_seconds"]))
-    except (KeyError, TypeError, ValueError):
+        message = {str(name): float(seconds) for name, seconds in entry["message_seconds"].items()}
+        return RuntimeCalibration(float(entry["link_bandwidth"]), float(entry["link_latency"]), message)
+    except (KeyError, TypeError, ValueError, AttributeError):  # AttributeError: an older entry's one float
         return None
 
 
