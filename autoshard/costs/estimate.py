@@ -45,7 +45,7 @@ CALIBRATION_COPY_BYTES = 32 * 1024 * 1024
 CALIBRATION_REPEATS = 5
 """Fewest timed runs of each micro-benchmark (after one warm-up)."""
 
-CALIBRATION_SECONDS = 0.5
+CALIBRATION_SECONDS = 0.2
 """Each micro-benchmark repeats for at least this long, so that a burst of load from elsewhere
 leaves some runs untouched; the fastest run is the machine's speed."""
 
