@@ -56,7 +56,8 @@ from autoshard.passes.options import option_table
 from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
 )
-from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables, run_of
+from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables, run_of, step_time_lines
+from autoshard.runtime.predict import predict_step
 from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
 
 
@@ -213,6 +214,20 @@ def _step(links: dict[str, float], memory: MemoryModel) -> StepTimeModel | None:
     """The step the tables predict: the plan's schedule over the link given; None (the plan's
     schedule and the default link) when no link flag is given."""
     return dataclasses.replace(run_of(memory), **links) if links else None
+
+
+def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: MemoryModel) -> list[str]:
+    """``--time-stages``: the step predicted from the stages timed whole on the example
+    (``autoshard.runtime.predict_step``), over this machine's calibrated runtime, or the link given."""
+    step = dataclasses.replace(run_of(memory), **links)
+    refused = step.refusal(len(program.sharded.stages))
+    if refused is not None:
+        return [f"step time (stages timed): not predicted: {refused}"]
+    if program.example_inputs is None:
+        raise InvalidArgumentError("--time-stages times the stages on the example inputs, and this TARGET gives none")
+    inputs = program.example_inputs
+    predicted = predict_step(program.sharded, inputs.args, inputs.kwargs, step=step, calibrate=not links)
+    return step_time_lines(predicted)
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -427,6 +442,9 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
               _step(links, plan.memory_model))
         if program.verification:
             console.print(f"verified: {program.verification}", markup=False, highlight=False)
+        if getattr(args, "time_stages", False):
+            for line in _timed_step_lines(program, links, plan.memory_model):
+                console.print(line, markup=False, highlight=False)
         _print_timing(session, console)
     _write(plan, args, console)
     return 0
@@ -546,6 +564,9 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
     options.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     if build:
         options.add_argument("--no-verify", action="store_true", help="skip comparing the stages with the model")
+        options.add_argument("--time-stages", action="store_true",
+                             help="also predict the step from the stages timed whole on the example, over this "
+                                  "machine's runtime costs (calibrated once with two local processes, ~20 s)")
     else:
         options.set_defaults(no_verify=True)
     return options

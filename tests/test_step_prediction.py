@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 import autoshard
+from autoshard import cli
 from autoshard.costs import estimate
 from autoshard.costs.step_time import StepTimeModel, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.report import format_seconds
 from autoshard.runtime import RuntimeCalibration, calibrate_runtime, measure_stage_time, predict_step
 from autoshard.runtime import calibrate
 from autoshard.runtime.calibrate import fitted_message_seconds, measure_runtime
@@ -238,3 +240,33 @@ def test_measuring_the_runtime_runs_two_processes_and_gives_plausible_costs():
     for seconds in measured.message_seconds.values():  # on CPU the runtime costs something per message, not seconds
         assert 0 < seconds < 0.05
     assert "µs of each rank's time per message" in measured.describe()
+
+
+def _run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    return code, " ".join(capsys.readouterr().out.split())
+
+
+def test_the_command_line_predicts_the_step_from_the_stages_timed(capsys, monkeypatch):
+    calibration = RuntimeCalibration(2e9, 1e-4, {"gpipe": 5e-4, "1f1b": 3e-4, "interleaved-1f1b": 4e-4})
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: calibration)
+    code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--time-stages")
+    assert code == 0 and "each stage timed whole" in out and "calibrated with the runtime" in out
+    assert f"{format_seconds(3e-4)} of each rank's time per message" in out
+
+
+def test_a_link_given_on_the_command_line_replaces_the_calibration(capsys, monkeypatch):
+    def refuse() -> RuntimeCalibration:
+        raise AssertionError("the link was given: nothing to calibrate")
+
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", refuse)
+    code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--time-stages", "--link-latency", "0.01")
+    assert code == 0 and "each stage timed whole" in out and "calibrated with the runtime" not in out
+    assert f"+ {format_seconds(0.01)} each" in out
+
+
+def test_the_command_line_says_why_it_times_no_step_pytorch_would_refuse(capsys):
+    code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--microbatches", "1", "--time-stages")
+    assert code == 0 and "step time (stages timed): not predicted: PyTorch's Schedule1F1B needs" in out
+    with pytest.raises(SystemExit):
+        cli.main(["inspect", "residual-mlp", "-k", "2", "--time-stages"])  # no stages are built there
