@@ -5,6 +5,7 @@ calibration (fitted, cached, refreshable) and ``predict_step``."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -15,9 +16,10 @@ import autoshard
 from autoshard import cli
 from autoshard.costs import estimate
 from autoshard.costs.step_time import StepTimeModel, step_time
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, LaunchError
 from autoshard.report import format_seconds
-from autoshard.runtime import RuntimeCalibration, calibrate_runtime, measure_stage_time, predict_step
+from autoshard.runtime import (
+    RuntimeCalibration, calibrate_runtime, measure_stage_memory, measure_stage_time, predict_step, run_local)
 from autoshard.runtime import calibrate
 from autoshard.runtime.calibrate import fitted_message_seconds, measure_runtime
 
@@ -270,3 +272,69 @@ def test_the_command_line_says_why_it_times_no_step_pytorch_would_refuse(capsys)
     assert code == 0 and "step time (stages timed): not predicted: PyTorch's Schedule1F1B needs" in out
     with pytest.raises(SystemExit):
         cli.main(["inspect", "residual-mlp", "-k", "2", "--time-stages"])  # no stages are built there
+
+
+def test_gradients_the_model_already_holds_are_given_back_untouched(sleepy):
+    sharded, example = sleepy
+    for p in sharded.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    held = [(p.grad, p.grad.clone()) for p in sharded.parameters()]
+    measure_stage_time(sharded, 1, example, repeats=1)
+    measure_stage_memory(sharded, 1, example)
+    try:
+        assert all(p.grad is grad and torch.equal(grad, copy) for p, (grad, copy) in zip(sharded.parameters(), held))
+    finally:
+        sharded.zero_grad(set_to_none=True)
+
+
+def test_a_caller_under_no_grad_still_gets_the_backward_timed(sleepy):
+    sharded, example = sleepy
+    with torch.no_grad():
+        timed = measure_stage_time(sharded, 1, example, repeats=1)
+    assert timed.backward >= 0.04 and torch.is_grad_enabled()
+
+
+def test_the_link_carries_the_plans_boundary_bytes(sleepy):
+    sharded, example = sleepy
+    step = StepTimeModel("gpipe", 2, link_bandwidth=1e3, link_latency=0.0)  # 1 kB/s: the bytes dominate
+    predicted = predict_step(sharded, example, step=step, calibrate=False, repeats=1)
+    sent = sharded.plan.boundary_bytes()
+    assert sent == [2 * 4 * 4] and predicted.links == pytest.approx((sent[0] / 1e3,))
+    assert predicted.seconds > 2 * predicted.links[0]  # a forward's value and a backward's gradient cross it
+
+
+def test_predict_step_refuses_bad_input_before_calibrating(sleepy, monkeypatch):
+    sharded, example = sleepy
+
+    def refuse() -> RuntimeCalibration:
+        raise AssertionError("calibrated before checking the arguments")
+
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", refuse)
+    with pytest.raises(InvalidArgumentTypeError, match="predict_step needs the ShardedModel"):
+        predict_step(nn.Linear(2, 2), example)
+    with pytest.raises(InvalidArgumentError, match="Schedule1F1B needs at least as many microbatches"):
+        predict_step(sharded, example, step=StepTimeModel("1f1b", 1))
+
+
+def test_a_failed_calibration_says_what_the_child_said(monkeypatch):
+    def timed_out(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], 1.0, output=b"", stderr=b"UserWarning: slow\nsecond line\n")
+
+    monkeypatch.setattr(calibrate.subprocess, "run", timed_out)
+    with pytest.raises(LaunchError, match="(?s)calibrating the pipeline runtime.*UserWarning: slow\nsecond line"):
+        measure_runtime()
+    monkeypatch.setattr(calibrate.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a[0], 0, "not json\n", "a warning\n"))
+    with pytest.raises(LaunchError, match="(?s)no readable result.*not json.*a warning"):
+        measure_runtime()
+
+
+def _rank(rank: int, world: int) -> int:
+    return rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_local_processes_start_under_torchruns_environment(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets for its ranks
+    assert run_local(_rank, 2, timeout=90) == [0, 1]

@@ -178,14 +178,23 @@ def measure_runtime() -> RuntimeCalibration:
     try:
         done = subprocess.run([sys.executable, "-m", __name__], capture_output=True, text=True, check=True,
                               timeout=TIMEOUT + 60)
-        found = _parse(json.loads(done.stdout.strip().splitlines()[-1]))
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as failure:
-        details = getattr(failure, "stderr", None) or str(failure)
-        raise LaunchError(f"calibrating the pipeline runtime on two local processes failed:\n{details[-4000:]}"
-                          ) from failure
+    except (subprocess.SubprocessError, OSError) as failure:
+        raise LaunchError(f"calibrating the pipeline runtime on two local processes failed: {failure}\n"
+                          f"{_text(getattr(failure, 'stderr', None))[-4000:]}") from failure
+    lines = done.stdout.strip().splitlines()
+    try:
+        found = _parse(json.loads(lines[-1])) if lines else None
+    except ValueError:
+        found = None
     if found is None:
-        raise LaunchError(f"calibrating the pipeline runtime gave an unreadable result: {done.stdout[-2000:]!r}")
+        raise LaunchError(f"calibrating the pipeline runtime gave no readable result; its output:\n"
+                          f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return found
+
+
+def _text(output: str | bytes | None) -> str:
+    """A child's output as text (``TimeoutExpired`` keeps bytes whatever ``text=`` said)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _parse(entry: Any) -> RuntimeCalibration | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import multiprocessing
+import os
 import pickle
 import queue
 import socket
@@ -32,6 +33,9 @@ def free_port() -> int:
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
             timeout: float, args: tuple[Any, ...], results: Any) -> None:
     faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0))  # a stuck worker shows where, on stderr
+    # Under torchrun this variable makes init_process_group join torchrun's store as a client,
+    # which nobody serves on this group's own port: every rank would wait out the timeout.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))

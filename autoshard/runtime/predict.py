@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import torch
+
 from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.runtime.calibrate import calibrate_runtime
+from autoshard.runtime.replay import checked_stage
 from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, measure_stage_time
-from autoshard.sharded import ShardedModel
+from autoshard.sharded import ShardedModel, stage_device
 
 
 def predict_step(
@@ -19,22 +22,34 @@ def predict_step(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     step: StepTimeModel | None = None,
-    calibrate: bool = True,
+    calibrate: bool | None = None,
     repeats: int = TIMING_REPEATS,
     times: Sequence[StageTimeMeasurement] | None = None,
 ) -> StepTime:
     """One training step of ``sharded`` under ``step`` (default ``StepTimeModel()``: 1F1B, one
     microbatch per stage), predicted from each stage timed whole (``measure_stage_time``) on one
-    microbatch. With ``calibrate`` the link and the runtime's time per message are this machine's,
-    measured with the real runtime on two processes (``calibrate_runtime``, cached); without it they
-    are ``step``'s own (give the interconnect's for GPUs). ``times``, one ``measure_stage_time``
+    microbatch. With ``calibrate`` (by default when every stage is on the CPU) the link and the
+    runtime's time per message are this machine's, measured with the real runtime on two local gloo
+    processes (``calibrate_runtime``, cached); without it they are ``step``'s own (give the
+    interconnect's for GPUs). A step PyTorch's schedule refuses is refused first. ``times``, one ``measure_stage_time``
     per stage in order, predicts from stages timed before: several schedules from one timing."""
+    checked_stage(sharded, 0, "predict_step")
     step = StepTimeModel() if step is None else step
     if not isinstance(step, StepTimeModel):
         raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__}")
+    k = sharded.num_stages
+    refused = step.refusal(k)
+    if refused is not None:
+        raise InvalidArgumentError(refused)
+    on_cpu = all((stage_device(module) or torch.device("cpu")).type == "cpu" for module in sharded.stages)
+    if calibrate is None:
+        calibrate = on_cpu
+    elif calibrate and not on_cpu:
+        raise InvalidArgumentError(
+            "calibrate=True measures gloo between local CPU processes, and some stages are on an accelerator: pass "
+            "calibrate=False (the default for them) with the interconnect's link_bandwidth and link_latency in step=")
     if calibrate:
         step = calibrate_runtime().applied_to(step)
-    k = sharded.num_stages
     if times is None:
         times = [measure_stage_time(sharded, j, example_inputs, example_kwargs, repeats=repeats) for j in range(k)]
     elif [getattr(t, "stage", None) for t in times] != list(range(k)):

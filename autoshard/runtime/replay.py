@@ -30,11 +30,15 @@ def checked_stage(sharded: Any, stage: Any, caller: str) -> int:
 
 @contextlib.contextmanager
 def model_kept(sharded: ShardedModel, device: torch.device) -> Iterator[None]:
-    """Give back the model's gradients, buffer values (BatchNorm statistics) and random state."""
+    """Run with gradients enabled (a caller under ``no_grad`` would get no backward) and from no
+    gradients (autograd would add into the user's), then give back the model's gradients, buffer
+    values (BatchNorm statistics) and random state."""
     params = list(sharded.parameters())
     grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
     buffers = [(b, b.detach().clone()) for b in sharded.buffers()]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
         try:
             yield
         finally:
