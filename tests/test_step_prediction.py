@@ -201,8 +201,15 @@ def _one_f_one_b() -> float:
 
 def test_the_runtime_calibration_is_cached_beside_the_device_and_refreshable(runtime_cache, monkeypatch):
     assert _one_f_one_b() == 1e-4 and _one_f_one_b() == 1e-4 and runtime_cache == [1]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:  # the calibration's workers run one thread each, whatever the caller runs
+        monkeypatch.setattr(estimate, "_THIS_PROCESS", {})
+        assert _one_f_one_b() == 1e-4 and runtime_cache == [1]
+    finally:
+        torch.set_num_threads(threads)
     stored = json.loads(estimate.calibration_cache().read_text())
-    assert stored[f"{estimate.machine_key()}|runtime=gloo"]["message_seconds"] == {
+    assert stored[calibrate.runtime_cache_key()]["message_seconds"] == {
         "gpipe": 1.0, "1f1b": 1e-4, "interleaved-1f1b": 2.0}
     assert calibrate_runtime(refresh=True).message_seconds["1f1b"] == 2e-4 and _one_f_one_b() == 2e-4
     monkeypatch.setattr(estimate, "_THIS_PROCESS", {})  # a new process reads the file
@@ -219,7 +226,7 @@ def test_the_runtime_calibration_is_cached_beside_the_device_and_refreshable(run
 def test_an_unusable_cached_runtime_calibration_is_measured_again(runtime_cache, message_seconds):
     path = estimate.calibration_cache()
     path.parent.mkdir(parents=True)
-    key = f"{estimate.machine_key()}|runtime=gloo"
+    key = calibrate.runtime_cache_key()
     path.write_text(json.dumps({key: {"link_bandwidth": 1e9, "link_latency": 1e-4,
                                       "message_seconds": message_seconds}}))
     assert _one_f_one_b() == 1e-4 and runtime_cache == [1]

@@ -143,12 +143,14 @@ def calibration_cache() -> Path:
     return Path(root) / "autoshard" / "calibration.json"
 
 
-def machine_key() -> str:
-    """What the calibrated speed depends on: the CPU, how many threads torch runs, torch's version."""
+def machine_key(threads: bool = True) -> str:
+    """What the calibrated speed depends on: the CPU, how many threads torch runs (unless
+    ``threads`` is False: for what does not compute), torch's version."""
     import torch
 
+    counted = f"|threads={torch.get_num_threads()}" if threads else ""
     return (f"{platform.node()}|{platform.machine()}|{_cpu_name()}|cpus={os.cpu_count()}"
-            f"|threads={torch.get_num_threads()}|torch={torch.__version__}|device=cpu")
+            f"{counted}|torch={torch.__version__}|device=cpu")
 
 
 def _cpu_name() -> str:

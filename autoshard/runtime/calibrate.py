@@ -208,7 +208,13 @@ def _parse(entry: Any) -> RuntimeCalibration | None:
 def calibrate_runtime(refresh: bool = False) -> RuntimeCalibration:
     """This machine's ``RuntimeCalibration`` for gloo between local processes: cached, else measured
     (``measure_runtime``) and cached. ``refresh=True`` or ``AUTOSHARD_RECALIBRATE=1`` measures again."""
-    return cached_calibration(f"{machine_key()}|runtime=gloo", measure_runtime, _parse, dataclasses.asdict, refresh)
+    return cached_calibration(runtime_cache_key(), measure_runtime, _parse, dataclasses.asdict, refresh)
+
+
+def runtime_cache_key() -> str:
+    """The calibration's key in the cache: the machine, whatever threads the caller runs (its
+    workers run one each)."""
+    return f"{machine_key(threads=False)}|runtime=gloo"
 
 
 if __name__ == "__main__":
