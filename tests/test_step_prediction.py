@@ -321,6 +321,10 @@ def test_predict_step_refuses_bad_input_before_calibrating(sleepy, monkeypatch):
         predict_step(nn.Linear(2, 2), example)
     with pytest.raises(InvalidArgumentError, match="Schedule1F1B needs at least as many microbatches"):
         predict_step(sharded, example, step=StepTimeModel("1f1b", 1))
+    with pytest.raises(InvalidArgumentError, match="one StageTimeMeasurement per stage"):
+        predict_step(sharded, example, times=[])
+    with pytest.raises(InvalidArgumentTypeError, match="calibrate must be True, False or None"):
+        predict_step(sharded, example, calibrate="yes")
 
 
 def test_a_failed_calibration_says_what_the_child_said(monkeypatch):

@@ -31,8 +31,9 @@ def predict_step(
     microbatch. With ``calibrate`` (by default when every stage is on the CPU) the link and the
     runtime's time per message are this machine's, measured with the real runtime on two local gloo
     processes (``calibrate_runtime``, cached); without it they are ``step``'s own (give the
-    interconnect's for GPUs). A step PyTorch's schedule refuses is refused first. ``times``, one ``measure_stage_time``
-    per stage in order, predicts from stages timed before: several schedules from one timing."""
+    interconnect's for GPUs). ``times``, one ``measure_stage_time`` per stage in order, predicts
+    from stages timed before: several schedules from one timing. Every argument, and whether
+    PyTorch's schedule runs the step, is checked before anything is measured."""
     checked_stage(sharded, 0, "predict_step")
     step = StepTimeModel() if step is None else step
     if not isinstance(step, StepTimeModel):
@@ -41,6 +42,12 @@ def predict_step(
     refused = step.refusal(k)
     if refused is not None:
         raise InvalidArgumentError(refused)
+    if times is not None and [getattr(t, "stage", None) for t in times] != list(range(k)):
+        raise InvalidArgumentError(
+            f"times must be one StageTimeMeasurement per stage, stages 0 to {k - 1} in order; got "
+            f"{[getattr(t, 'stage', type(t).__name__) for t in times]}")
+    if calibrate not in (None, True, False):
+        raise InvalidArgumentTypeError(f"calibrate must be True, False or None (on the CPU only), got {calibrate!r}")
     on_cpu = all((stage_device(module) or torch.device("cpu")).type == "cpu" for module in sharded.stages)
     if calibrate is None:
         calibrate = on_cpu
@@ -52,10 +59,6 @@ def predict_step(
         step = calibrate_runtime().applied_to(step)
     if times is None:
         times = [measure_stage_time(sharded, j, example_inputs, example_kwargs, repeats=repeats) for j in range(k)]
-    elif [getattr(t, "stage", None) for t in times] != list(range(k)):
-        raise InvalidArgumentError(
-            f"times must be one StageTimeMeasurement per stage, stages 0 to {k - 1} in order; got "
-            f"{[getattr(t, 'stage', type(t).__name__) for t in times]}")
     source = "each stage timed whole on one microbatch (measure_stage_time)"
     if calibrate:
         source += "; link and time per message calibrated with the runtime (calibrate_runtime)"
