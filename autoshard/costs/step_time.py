@@ -8,10 +8,10 @@ is free and its input has arrived. A forward needs the previous stage's forward 
 microbatch; a backward needs the next stage's backward (the last stage's: its own forward). When
 the two stages sit on different ranks the value crosses a link first, which takes ``latency +
 bytes / bandwidth``. Besides that delay, each message costs the ranks at both ends
-``message_seconds`` of their own time (the runtime's bookkeeping for the op and the transport's CPU
-work), during which they run nothing else. The step ends when the last op does. For k equal stages of ``f + b`` per
-microbatch on free links this gives GPipe's and 1F1B's ``(m + k - 1)(f + b)``, and interleaved
-1F1B's smaller bubble.
+``message_seconds`` of their own time (the runtime's bookkeeping for the op and the transport's
+CPU work), during which they run nothing else. The step ends when the last op does. For k equal
+stages of ``f + b`` per microbatch on free links this gives GPipe's and 1F1B's
+``(m + k - 1)(f + b)``, and interleaved 1F1B's smaller bubble.
 
 Stage times are per microbatch: the plan's example inputs are one microbatch, as for the
 memory model. A forward-only time gives the backward as ``backward_ratio`` times it (2: a
@@ -232,10 +232,9 @@ def step_time(
     orders, rank_of = _orders(model, k, m)
     links = tuple(model.link_seconds(b) for b in boundary_bytes)
 
-    def messages(op: Op) -> int:
-        """The messages ``op`` receives and sends: one per neighbour stage on another rank."""
-        stage = op[1]
-        return sum(0 <= other < k and rank_of[other] != rank_of[stage] for other in (stage - 1, stage + 1))
+    # Each op of a stage receives and sends one message per neighbour stage on another rank.
+    messages = [sum(0 <= other < k and rank_of[other] != rank_of[stage] for other in (stage - 1, stage + 1))
+                for stage in range(k)]
 
     def ready(op: Op, finish: dict[Op, float]) -> float | None:
         """When ``op``'s input is on its rank; None while the op it waits for has not run."""
@@ -261,15 +260,14 @@ def step_time(
                 arrived = ready(op, finish)
                 if arrived is None:
                     break
-                work = (backward[op[1]] if op[0] else forward[op[1]]) + model.message_seconds * messages(op)
+                work = (backward[op[1]] if op[0] else forward[op[1]]) + model.message_seconds * messages[op[1]]
                 free[r] = finish[op] = max(free[r], arrived) + work
                 next_op[r] += 1
                 moved = True
         if not moved:  # pragma: no cover - every order above is one PyTorch runs without deadlock
             raise AssertionError(f"the {model.schedule} order deadlocks at ops {next_op}")
     seconds = max(finish.values())
-    busy = tuple(m * (f + b + 2 * model.message_seconds * messages((False, j, 0)))
-                 for j, (f, b) in enumerate(zip(forward, backward)))
+    busy = tuple(m * (f + b + 2 * model.message_seconds * n) for f, b, n in zip(forward, backward, messages))
     idle = 1.0 - sum(busy) / (len(orders) * seconds) if seconds > 0 else 0.0
     bottleneck = max(range(k), key=lambda j: forward[j] + backward[j])
     return StepTime(seconds, tuple(forward), tuple(backward), busy, links, max(idle, 0.0), bottleneck, m, model,

@@ -9,8 +9,8 @@ as it runs: two gloo processes ping-pong a small and a large tensor (the link), 
 a model too small to compute anything under each of PyTorch's schedules the step model knows
 (GPipe, 1F1B, interleaved 1F1B: each runs its ops through different runtime code); the time per
 message is what the step simulation (``autoshard.costs.step_time``) must add for its step to
-last what the real one did. The result is cached per machine with the device calibration (refresh as there:
-``refresh=True`` or ``AUTOSHARD_RECALIBRATE=1``).
+last what the real one did. The result is cached per machine with the device calibration
+(refresh as there: ``refresh=True`` or ``AUTOSHARD_RECALIBRATE=1``).
 
 Only the CPU and gloo are calibrated this way: two ranks on one GPU do not make a pipeline. On
 GPUs give the interconnect's numbers to ``StepTimeModel``.
