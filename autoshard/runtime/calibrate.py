@@ -22,7 +22,6 @@ import dataclasses
 import json
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -35,7 +34,7 @@ from autoshard.api import shard_model
 from autoshard.costs.estimate import cached_calibration, machine_key
 from autoshard.costs.step_time import SCHEDULES, StepTimeModel, step_time
 from autoshard.errors import InvalidArgumentError, LaunchError
-from autoshard.runtime.launch import run_local
+from autoshard.runtime.launch import run_local, run_module
 from autoshard.runtime.schedule import build_schedule, local_stage_indices
 from autoshard.runtime.stage import pipeline_stage
 from autoshard.runtime.stage_time import measure_stage_time
@@ -176,11 +175,10 @@ def measure_runtime() -> RuntimeCalibration:
     in a fresh interpreter (``python -m autoshard.runtime.calibrate``), so the caller's script needs
     no ``if __name__ == "__main__"`` guard for the processes it starts."""
     try:
-        done = subprocess.run([sys.executable, "-m", __name__], capture_output=True, text=True, check=True,
-                              timeout=TIMEOUT + 60)
+        done = run_module(__name__, TIMEOUT + 60)
     except (subprocess.SubprocessError, OSError) as failure:
         raise LaunchError(f"calibrating the pipeline runtime on two local processes failed: {failure}\n"
-                          f"{_text(getattr(failure, 'stderr', None))[-4000:]}") from failure
+                          f"{(getattr(failure, 'stderr', None) or '')[-4000:]}") from failure
     lines = done.stdout.strip().splitlines()
     try:
         found = _parse(json.loads(lines[-1])) if lines else None
@@ -190,11 +188,6 @@ def measure_runtime() -> RuntimeCalibration:
         raise LaunchError(f"calibrating the pipeline runtime gave no readable result; its output:\n"
                           f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return found
-
-
-def _text(output: str | bytes | None) -> str:
-    """A child's output as text (``TimeoutExpired`` keeps bytes whatever ``text=`` said)."""
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _parse(entry: Any) -> RuntimeCalibration | None:

@@ -1,4 +1,5 @@
-"""Run a function on N local processes joined in one process group, with a deadline.
+"""Run a function on N local processes joined in one process group, with a deadline; or a module
+in a fresh interpreter, with one.
 
 For trying a pipeline on one machine without ``torchrun`` (tests, benchmarks, notebooks). Every
 collective gets the same timeout, and the parent stops waiting at the deadline and ends the
@@ -13,7 +14,10 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -94,3 +98,26 @@ def run_local(
         late = f"ranks {missing} did not finish within {timeout:.0f} s\n" if missing else ""
         raise LaunchError(f"{fn.__name__} failed on {world_size} processes:\n{late}" + "\n".join(failures))
     return [pickle.loads(done[rank][1]) for rank in range(world_size)]
+
+
+def run_module(module: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``python -m module`` and return its output (text), as ``subprocess.run(..., check=True)``
+    would. The interpreter imports what this one does: this process's ``sys.path`` goes first on its
+    ``PYTHONPATH`` (as multiprocessing's spawn passes it), so a script that found autoshard through
+    ``sys.path.insert`` runs the same copy, not an installed one. It runs in a session of its own,
+    and at ``timeout`` the whole session is killed: the processes it started (``run_local``'s
+    workers) end with it rather than wait out their own deadline."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([entry for entry in sys.path if entry] + [env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep)
+    with subprocess.Popen([sys.executable, "-m", module], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, start_new_session=True) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            out, err = child.communicate()
+            raise subprocess.TimeoutExpired(child.args, timeout, out, err) from None
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, child.args, out, err)
+    return subprocess.CompletedProcess(child.args, 0, out, err)

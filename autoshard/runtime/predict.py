@@ -28,12 +28,13 @@ def predict_step(
 ) -> StepTime:
     """One training step of ``sharded`` under ``step`` (default ``StepTimeModel()``: 1F1B, one
     microbatch per stage), predicted from each stage timed whole (``measure_stage_time``) on one
-    microbatch. With ``calibrate`` (by default when every stage is on the CPU) the link and the
-    runtime's time per message are this machine's, measured with the real runtime on two local gloo
-    processes (``calibrate_runtime``, cached); without it they are ``step``'s own (give the
-    interconnect's for GPUs). ``times``, one ``measure_stage_time`` per stage in order, predicts
-    from stages timed before: several schedules from one timing. Every argument, and whether
-    PyTorch's schedule runs the step, is checked before anything is measured."""
+    microbatch; the links carry the bytes the timed stages sent, so a microbatch of another size
+    than the plan's example moves its own bytes. With ``calibrate`` (by default when every stage is
+    on the CPU) the link and the runtime's time per message are this machine's, measured with the
+    real runtime on two local gloo processes (``calibrate_runtime``, cached); without it they are
+    ``step``'s own (give the interconnect's for GPUs). ``times``, one ``measure_stage_time`` per
+    stage in order, predicts from stages timed before: several schedules from one timing. Every
+    argument, and whether PyTorch's schedule runs the step, is checked before anything is measured."""
     checked_stage(sharded, 0, "predict_step")
     step = StepTimeModel() if step is None else step
     if not isinstance(step, StepTimeModel):
@@ -62,8 +63,8 @@ def predict_step(
     source = "each stage timed whole on one microbatch (measure_stage_time)"
     if calibrate:
         source += "; link and time per message calibrated with the runtime (calibrate_runtime)"
-    return step_time([t.forward for t in times], [t.backward for t in times], sharded.plan.boundary_bytes(), step,
-                     source)
+    return step_time([t.forward for t in times], [t.backward for t in times], [t.sent_bytes for t in times[:-1]],
+                     step, source)
 
 
 __all__ = ["predict_step"]

@@ -31,13 +31,15 @@ calibration keeps: a pipeline's step runs at the machine's typical speed, and it
 @dataclass(frozen=True)
 class StageTimeMeasurement:
     """Seconds of one stage's ``forward`` and ``backward`` on one microbatch, the median of
-    ``repeats`` runs on ``device``."""
+    ``repeats`` runs on ``device``; ``sent_bytes``, the bytes of its outputs, which it sends the
+    next stage (for the last stage, the model's outputs)."""
 
     stage: int
     forward: float
     backward: float
     repeats: int
     device: str
+    sent_bytes: int
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -76,6 +78,7 @@ def measure_stage_time(
             start = now()
             outputs = module(*call_args, **call_kwargs)
             middle = now()
+            sent_bytes = sum(t.nbytes for t in tensors_in(outputs))
             sent = [t for t in tensors_in(outputs) if t.requires_grad]
             gradients = [torch.ones_like(t) for t in sent]
             begin = now()
@@ -84,7 +87,7 @@ def measure_stage_time(
             forward.append(middle - start)
             backward.append(now() - begin)
     return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
-                                str(device))
+                                str(device), sent_bytes)
 
 
 __all__ = ["StageTimeMeasurement", "TIMING_REPEATS", "measure_stage_time"]
