@@ -3,8 +3,14 @@ under the user's cache directory, refreshable. Every test uses a temporary cache
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
+import os
+import queue
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -116,3 +122,62 @@ def test_measuring_gives_plausible_peaks_and_leaves_the_thread_count(monkeypatch
     measured = estimate.measure_device()
     assert measured.calibrated and 1e8 < measured.peak_flops < 1e15 and 1e8 < measured.bandwidth < 1e13
     assert torch.get_num_threads() == threads
+
+
+def _write_entries(path: str, writer: int, count: int) -> None:
+    for i in range(count):
+        estimate._write_calibration(Path(path), f"writer {writer} entry {i}", {"value": i})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_concurrent_writers_keep_every_entry(tmp_path):
+    """Each write reads the file, adds its entry and replaces the file: without the lock, two
+    processes writing at once lose one of their entries."""
+    path = tmp_path / "calibration.json"
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_write_entries, args=(str(path), w, 40)) for w in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=100)
+    assert [writer.exitcode for writer in writers] == [0, 0, 0, 0]
+    assert set(json.loads(path.read_text())) == {f"writer {w} entry {i}" for w in range(4) for i in range(40)}
+
+
+def _calibrate(cache_home: str, first: bool, measuring: Any, second_arrived: Any, results: Any) -> None:
+    """Calibrate ``slow key``. The first process measures until the second has arrived, and half a
+    second more; the second arrives while the first measures."""
+    os.environ["XDG_CACHE_HOME"] = cache_home
+
+    def measure() -> float:
+        results.put("measured")
+        measuring.set()
+        if first:
+            second_arrived.wait(timeout=60)
+            time.sleep(0.5)
+        return 42.0
+
+    if not first:
+        measuring.wait(timeout=60)
+        second_arrived.set()
+    results.put(estimate.cached_calibration("slow key", measure, lambda e: e and e["v"], lambda v: {"v": v}))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_process_waits_for_a_calibration_under_way_and_reads_it(tmp_path):
+    """Concurrent processes (torchrun's ranks) measure a key once: the others wait, then read it."""
+    context = multiprocessing.get_context("spawn")
+    measuring, arrived, results = context.Event(), context.Event(), context.Queue()
+    processes = [context.Process(target=_calibrate, args=(str(tmp_path), first, measuring, arrived, results))
+                 for first in (True, False)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=100)
+    found = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            found.append(results.get(timeout=2))
+    assert sorted(found, key=str) == [42.0, 42.0, "measured"]  # measured once, read by both

@@ -22,6 +22,8 @@ Measured times, when the DAG has them, always win (``node_times``).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import os
@@ -29,12 +31,17 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import networkx as nx
 
 from autoshard.costs.models import measured, time_costs
 from autoshard.errors import InvalidArgumentError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so concurrent calibrations are not serialised there
+    fcntl = None  # type: ignore[assignment]
 
 CALIBRATION_MATMUL = 512
 """Side of the square float32 matrices multiplied to measure FLOP/s (2 x 512^3 = 268 MFLOP)."""
@@ -178,17 +185,37 @@ def _cached_device(entry: Any) -> DeviceModel | None:
 
 
 def _write_calibration(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add ``entry`` under ``key``, replacing the file whole so a concurrent reader never sees half of it.
-    A cache that cannot be written (read-only home) only costs a calibration per process."""
-    data = _read_calibrations(path)
-    data[key] = {**entry, "measured_at": time.time()}
+    """Add ``entry`` under ``key``, replacing the file whole so a concurrent reader never sees half of it,
+    under the file's lock so a concurrent writer's entry is not lost. A cache that cannot be
+    written (read-only home) only costs a calibration per process."""
+    with _locked(path.with_name(f"{path.name}.lock")):
+        data = _read_calibrations(path)
+        data[key] = {**entry, "measured_at": time.time()}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+            os.replace(partial, path)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` across processes (``flock``: the system drops it
+    when its holder dies); without one where the platform has no ``flock`` or the file cannot be made."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(partial, path)
+        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - closed below, after the lock
     except OSError:
-        pass
+        handle = None
+    try:
+        if fcntl is not None and handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        if handle is not None:
+            handle.close()
 
 
 T = TypeVar("T")
@@ -208,8 +235,13 @@ def cached_calibration(key: str, measure: Callable[[], T], parse: Callable[[Any]
     again = refresh or os.environ.get(RECALIBRATE_ENV, "") not in ("", "0")
     found = None if again else parse(_read_calibrations(path).get(key))
     if found is None:
-        found = measure()
-        _write_calibration(path, key, entry(found))
+        # One process measures a key at a time: concurrent ones (torchrun's ranks, test workers)
+        # would contend for the cores they measure; the next one reads what the first stored.
+        with _locked(path.with_name(f"{path.name}.{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock")):
+            found = None if again else parse(_read_calibrations(path).get(key))
+            if found is None:
+                found = measure()
+                _write_calibration(path, key, entry(found))
     _THIS_PROCESS[key] = found
     return found
 
