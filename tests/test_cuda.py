@@ -101,3 +101,16 @@ def test_pipeline_stages_on_cuda_train_like_the_model():
     assert result["grads"].keys() == reference.keys()
     for name, grad in result["grads"].items():
         torch.testing.assert_close(grad, reference[name], **CLOSE, msg=lambda m: f"{name}: {m}")
+
+
+def test_measuring_a_cpu_stage_gives_back_the_random_state_of_a_gpu_stage_before_it():
+    """Measuring stage 1 runs stage 0 first: its dropout on the GPU draws from the GPU's generator."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).train()
+    x = torch.randn(4, 8)
+    sharded = copy.deepcopy(autoshard.shard_model(model, 2, example_inputs=(x,)))
+    sharded.stages[0].to("cuda")
+    assert autoshard.sharded.stage_device(sharded.stages[1]).type == "cpu"
+    before = torch.cuda.get_rng_state()
+    autoshard.runtime.measure_stage_time(sharded, 1, (x.cuda(),), repeats=1)
+    assert torch.equal(torch.cuda.get_rng_state(), before)

@@ -26,6 +26,7 @@ from autoshard.runtime import (
 from autoshard.runtime import calibrate
 from autoshard.runtime.calibrate import fitted_message_seconds, measure_runtime
 from autoshard.runtime.launch import run_module
+from autoshard.runtime.replay import running_device
 
 FREE_LINK = {"link_bandwidth": 1e15, "link_latency": 0.0}
 
@@ -398,3 +399,11 @@ def test_a_module_run_apart_ends_with_the_processes_it_started_at_its_deadline(t
     while _alive(sleeper) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(sleeper)
+
+
+def test_a_stage_without_weights_runs_where_its_inputs_are():
+    """Its timing must synchronise the device its inputs are on (a weightless stage after GPU stages)."""
+    weightless, weighted = nn.ReLU(), nn.Linear(2, 2)
+    assert running_device(weightless, ((torch.empty(2, device="meta"),), {})) == torch.device("meta")
+    assert running_device(weighted, ((torch.empty(2, device="meta"),), {})) == torch.device("cpu")
+    assert running_device(weightless, ((), {"mask": None})) == torch.device("cpu")

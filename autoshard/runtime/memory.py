@@ -34,9 +34,9 @@ from autoshard.arguments import whole_number
 from autoshard.costs.memory import MemoryModel
 from autoshard.costs.saved import QuietMemTracker, without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
-from autoshard.runtime.replay import checked_stage, fresh_copy, model_kept, stage_inputs, tensors_in
+from autoshard.runtime.replay import checked_stage, fresh_copy, model_kept, running_device, stage_inputs, tensors_in
 from autoshard.runtime.schedule import SCHEDULES
-from autoshard.sharded import ShardedModel, stage_device
+from autoshard.sharded import ShardedModel
 
 #: fp32 state tensors per parameter, by optimizer name (the state their ``torch.optim`` class keeps;
 #: Adam's 4-byte step counter per parameter is left out, as the memory model leaves it out).
@@ -138,9 +138,9 @@ def measure_stage_memory(
     in_flight = microbatches_in_flight(schedule, stage, k, microbatches, stages_per_rank)
     states = optimizer_state_names(optimizer)
     module = sharded.stages[stage]
-    device = stage_device(module) or torch.device("cpu")
-    with model_kept(sharded, device):
+    with model_kept(sharded):
         args, kwargs = stage_inputs(sharded, stage, tuple(example_inputs), dict(example_kwargs or {}))
+        device = running_device(module, (args, kwargs))
         peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, states, stage > 0)
     return StageMemoryMeasurement(
         stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),

@@ -29,16 +29,19 @@ def checked_stage(sharded: Any, stage: Any, caller: str) -> int:
 
 
 @contextlib.contextmanager
-def model_kept(sharded: ShardedModel, device: torch.device) -> Iterator[None]:
+def model_kept(sharded: ShardedModel) -> Iterator[None]:
     """Run with gradients enabled (a caller under ``no_grad`` would get no backward) and from no
     gradients (autograd would add into the user's), then give back the model's gradients, buffer
-    values (BatchNorm statistics) and random state."""
+    values (BatchNorm statistics) and random state: the CPU's and that of every CUDA device a stage
+    is on (the stages before the measured one run too)."""
     params = list(sharded.parameters())
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
     buffers = [(b, b.detach().clone()) for b in sharded.buffers()]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
+    devices = {stage_device(module) for module in sharded.stages}
+    cuda = sorted((d for d in devices if d is not None and d.type == "cuda"), key=str)
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad():
         try:
             yield
         finally:
@@ -48,6 +51,14 @@ def model_kept(sharded: ShardedModel, device: torch.device) -> Iterator[None]:
                 for b, saved in buffers:
                     if not torch.equal(b, saved):
                         b.copy_(saved)
+
+
+def running_device(module: torch.nn.Module, inputs: Any) -> torch.device:
+    """Where a stage runs: its weights' device; for a stage without weights, its inputs'; else the CPU."""
+    found = stage_device(module)
+    if found is None:
+        found = next((t.device for t in tensors_in(inputs)), None)
+    return found or torch.device("cpu")
 
 
 def stage_inputs(sharded: ShardedModel, stage: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

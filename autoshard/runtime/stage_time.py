@@ -19,8 +19,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from autoshard.arguments import whole_number
-from autoshard.runtime.replay import checked_stage, fresh_copy, model_kept, stage_inputs, tensors_in
-from autoshard.sharded import ShardedModel, stage_device
+from autoshard.runtime.replay import checked_stage, fresh_copy, model_kept, running_device, stage_inputs, tensors_in
+from autoshard.sharded import ShardedModel
 
 TIMING_REPEATS = 9
 """Timed runs of a stage after one warm-up; the median counts. Not the fastest, as the device
@@ -63,16 +63,16 @@ def measure_stage_time(
     stage = checked_stage(sharded, stage, "measure_stage_time")
     repeats = whole_number(repeats, "repeats", at_least=1)
     module = sharded.stages[stage]
-    device = stage_device(module) or torch.device("cpu")
-
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    forward, backward = [], []
-    with model_kept(sharded, device):
+    forward, backward, sent_bytes = [], [], 0
+    with model_kept(sharded):
         args, kwargs = stage_inputs(sharded, stage, tuple(example_inputs), dict(example_kwargs or {}))
+        device = running_device(module, (args, kwargs))
+
+        def now() -> float:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+
         for _ in range(repeats + 1):
             call_args, call_kwargs = fresh_copy((args, kwargs), stage > 0)
             start = now()
