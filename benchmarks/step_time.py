@@ -1,6 +1,6 @@
 """Predicted against measured time of one pipeline training step, on 2 CPU processes (gloo).
 
-    python benchmarks/step_time.py               # 18 minutes on 2 cores under load 11
+    python benchmarks/step_time.py               # about 5 minutes on a quiet 2-core machine
     python benchmarks/step_time.py --repeats 3   # quicker, noisier
     python benchmarks/step_time.py --stages-only # the one-process checks alone, ~2 minutes
 
@@ -16,10 +16,11 @@ step against the busy time the profile predicts for its stages.
 
 The first two predictions are ``autoshard.runtime.predict_step``: each stage timed whole on one
 microbatch, with the link and the runtime's time per message calibrated by
-``calibrate_runtime(refresh=True)`` just after the steps ran. The stages are timed by rank 0 just
-before each case's steps (while rank 1 waits), and again in this process after every case ran
-(once per model and stage count): this VM's speed drifts by up to a third over minutes, so only
-the first compares the model with the machine it met. The others are
+``calibrate_runtime(refresh=True)`` just after the steps ran. The stages are timed by rank 0
+between each case's steps (one run of each stage before every step, while rank 1 waits; per
+stage the median over the steps), and again in this process after every case ran (once per
+model and stage count): this VM's speed drifts by up to a half from minute to minute, so only
+the first compares the model with the machine the steps met. The others are
 ``plan_report(...).step_time`` from three sources of stage time: each node's forward measured
 (``profile``, backward = 2 x forward; one profile per model, which its 2- and 4-stage plans
 share), each node's forward and backward measured (``profile{backward=true}``), and the roofline
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass
 from datetime import date
 from typing import Any, Callable
@@ -55,8 +57,8 @@ from autoshard.costs.estimate import calibrated_device
 from autoshard.costs.step_time import StepTimeModel
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from autoshard.runtime import (
-    build_schedule, calibrate_runtime, local_stage_indices, measure_stage_time, model_loss, pipeline_stage,
-    predict_step, run_local)
+    StageTimeMeasurement, build_schedule, calibrate_runtime, local_stage_indices, measure_stage_time, model_loss,
+    pipeline_stage, predict_step, run_local)
 from autoshard.runtime.calibrate import measure_link
 from autoshard.passes import (
     BuildDagPass, CapturePass, EmitPass, LinearizePass, Pipeline, ProfilePass, ShapePropPass, SplitPass, VerifyPass)
@@ -132,15 +134,21 @@ def cpu_busy() -> tuple[float, float]:
 
 
 def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: str, schedule: str, m: int,
-                repeats: int) -> list[tuple[float, float]]:
-    """This rank's (wall, CPU) seconds for each timed step of ``name`` under ``schedule``."""
+                repeats: int) -> tuple[list[tuple[float, float]], list[StageTimeMeasurement]]:
+    """This rank's (wall, CPU) seconds for each timed step of ``name`` under ``schedule``, and (rank 0)
+    the plan's stages timed whole on one microbatch, one run each before every step while rank 1
+    waits: per stage, the median forward and backward over the steps, so the stages meet the
+    machine the steps meet."""
     k = sharded.num_stages
     stages = [pipeline_stage(sharded, index, k, "cpu") for index in local_stage_indices(k, rank, world)]
     runner = build_schedule(stages, schedule, m, loss_fn=WORKLOADS[name].loss_fn)
     _, args, kwargs, target = build(name, m * WORKLOADS[name].rows, seed=11)
+    _, one_args, one_kwargs, _ = build(name, WORKLOADS[name].rows)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    seconds = []
+    seconds, timed = [], []
     for i in range(WARMUP + repeats):
+        if rank == 0 and i >= WARMUP:
+            timed.append([measure_stage_time(sharded, j, one_args, one_kwargs, repeats=1) for j in range(k)])
         dist.barrier()
         start, cpu = time.perf_counter(), time.process_time()
         runner.step(*(args if first else ()), **(kwargs if first else {}), target=target if last else None,
@@ -149,7 +157,10 @@ def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: st
             seconds.append((time.perf_counter() - start, time.process_time() - cpu))
         for stage in stages:
             stage.submod.zero_grad(set_to_none=True)
-    return seconds
+    medians = [dataclasses.replace(runs[0], forward=statistics.median(r.forward for r in runs),
+                                   backward=statistics.median(r.backward for r in runs), repeats=len(runs))
+               for runs in zip(*timed)]
+    return seconds, medians
 
 
 def worker(rank: int, world: int, repeats: int) -> dict[Any, Any]:
@@ -158,14 +169,11 @@ def worker(rank: int, world: int, repeats: int) -> dict[Any, Any]:
     for name in WORKLOADS:
         for k in sorted({k for _, k, _ in CASES}):
             sharded = shard(name, k)
-            _, args, kwargs, _ = build(name, WORKLOADS[name].rows)
             for schedule, _, m in (case for case in CASES if case[1] == k):
-                if rank == 0:  # the stages timed whole just before the steps, while rank 1 waits
-                    found[(name, schedule, k, m, "times")] = [measure_stage_time(sharded, j, args, kwargs)
-                                                              for j in range(k)]
                 dist.barrier()
                 machine, load = cpu_busy(), os.getloadavg()[0]
-                found[(name, schedule, k, m)] = timed_steps(rank, world, sharded, name, schedule, m, repeats)
+                steps, times = timed_steps(rank, world, sharded, name, schedule, m, repeats)
+                found[(name, schedule, k, m)], found[(name, schedule, k, m, "times")] = steps, times
                 busy, total = (after - before for after, before in zip(cpu_busy(), machine))
                 found[(name, schedule, k, m, "machine")] = (busy / total, load)
     return found
@@ -191,8 +199,8 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str, found: d
             with_profile = autoshard.plan_report(profiled, step=measured_link).step_time
             out[(name, schedule, k, m)] = {
                 "stages whole": predict_step(estimated, step=StepTimeModel(schedule, m), times=timed).seconds,
-                "stages just before": predict_step(estimated, step=StepTimeModel(schedule, m),
-                                                   times=found[(name, schedule, k, m, "times")]).seconds,
+                "stages between steps": predict_step(estimated, step=StepTimeModel(schedule, m),
+                                                     times=found[(name, schedule, k, m, "times")]).seconds,
                 "profile": with_profile.seconds,
                 "profile with backward": autoshard.plan_report(both, step=measured_link).step_time.seconds,
                 "estimate": autoshard.plan_report(estimated, device=device, step=measured_link).step_time.seconds,
@@ -283,7 +291,7 @@ def pipeline_steps(repeats: int) -> None:
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print(f"gloo link between the two processes: {link[0] / 1e9:.2f} GB/s, {link[1] * 1e6:.0f} µs a message; "
           f"runtime calibration: {runtime.describe()}")
-    print("| model | schedule | k | m | machine busy, load | measured (ms) | stages timed just before | err | "
+    print("| model | schedule | k | m | machine busy, load | measured (ms) | stages timed between the steps | err | "
           "stages timed after | err | profile | err | profile with backward | err | estimate | err | profile, default "
           "link | err | CPU per rank, measured (ms) | profile busy | err |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
@@ -297,7 +305,7 @@ def pipeline_steps(repeats: int) -> None:
                 measured = statistics.median(steps)
                 busy, load = results[0][(*case, "machine")]
                 row = [f"{busy:.0%}, {load:.1f}", f"{measured * 1e3:.1f}"]
-                for source in ("stages just before", "stages whole", "profile", "profile with backward", "estimate",
+                for source in ("stages between steps", "stages whole", "profile", "profile with backward", "estimate",
                                "default link"):
                     row += [f"{guess[source] * 1e3:.1f}", error(guess[source], measured)]
                 row += ["/".join(f"{c * 1e3:.0f}" for c in cpu), "/".join(f"{b * 1e3:.0f}" for b in guess["busy"]),
