@@ -391,10 +391,37 @@ def test_a_module_run_apart_ends_with_the_processes_it_started_at_its_deadline(t
         "sleeper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(50)'])\n"
         "print(sleeper.pid, flush=True)\n"
         "time.sleep(50)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "path", [tmp_path, *sys.path])  # a Path entry, as sys.path.append(Path(...)) makes
     with pytest.raises(subprocess.TimeoutExpired) as expired:
-        run_module("starts_a_sleeper", timeout=3)
+        run_module("starts_a_sleeper", timeout=10)
     sleeper = int(expired.value.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(sleeper)
+
+
+@pytest.mark.timeout(60)
+def test_a_module_run_apart_ends_with_the_processes_it_started_on_ctrl_c(tmp_path, monkeypatch):
+    pid_file = tmp_path / "sleeper.pid"
+    (tmp_path / "starts_a_sleeper_quietly.py").write_text(
+        "import pathlib, subprocess, sys, time\n"
+        "sleeper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(50)'])\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(sleeper.pid))\n"
+        "time.sleep(50)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def interrupted(self, timeout=None):
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_module("starts_a_sleeper_quietly", timeout=30)
+    monkeypatch.undo()
+    sleeper = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while _alive(sleeper) and time.monotonic() < deadline:
         time.sleep(0.1)

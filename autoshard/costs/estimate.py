@@ -209,7 +209,8 @@ def _write_calibration(path: Path, key: str, entry: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on the file ``path`` across processes (``flock``: the system drops it
-    when its holder dies); without one where the platform has no ``flock`` or the file cannot be made."""
+    when its holder dies); without one where the platform or the file system has no ``flock``, or the
+    file cannot be made."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - closed below, after the lock
@@ -217,7 +218,8 @@ def _locked(path: Path) -> Iterator[None]:
         handle = None
     try:
         if fcntl is not None and handle is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            with contextlib.suppress(OSError):  # a file system without flock (some network mounts)
+                fcntl.flock(handle, fcntl.LOCK_EX)
         yield
     finally:
         if handle is not None:
@@ -242,9 +244,14 @@ def cached_calibration(key: str, measure: Callable[[], T], parse: Callable[[Any]
     found = None if again else parse(_read_calibrations(path).get(key))
     if found is None:
         # One process measures a key at a time: concurrent ones (torchrun's ranks, test workers)
-        # would contend for the cores they measure; the next one reads what the first stored.
+        # would contend for the cores they measure. The next one reads what the first stored, even
+        # when told to measure again: that measurement is newer than its call.
+        asked = time.time()
         with _locked(path.with_name(f"{path.name}.{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock")):
-            found = None if again else parse(_read_calibrations(path).get(key))
+            stored = _read_calibrations(path).get(key)
+            fresh = isinstance(stored, dict) and isinstance(stored.get("measured_at"), (int, float)) and (
+                stored["measured_at"] >= asked)
+            found = parse(stored) if fresh or not again else None
             if found is None:
                 found = measure()
                 _write_calibration(path, key, entry(found))

@@ -8,6 +8,7 @@ workers, so a mistake that leaves one rank waiting for another cannot hang the c
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import multiprocessing
@@ -103,21 +104,33 @@ def run_local(
 def run_module(module: str, timeout: float) -> subprocess.CompletedProcess:
     """Run ``python -m module`` and return its output (text), as ``subprocess.run(..., check=True)``
     would. The interpreter imports what this one does: this process's ``sys.path`` goes first on its
-    ``PYTHONPATH`` (as multiprocessing's spawn passes it), so a script that found autoshard through
-    ``sys.path.insert`` runs the same copy, not an installed one. It runs in a session of its own,
-    and at ``timeout`` the whole session is killed: the processes it started (``run_local``'s
-    workers) end with it rather than wait out their own deadline."""
+    ``PYTHONPATH``, so a script that found autoshard through ``sys.path.insert`` runs the same copy,
+    not an installed one. It runs in a session of its own, killed whole when the call ends early
+    (``timeout``, Ctrl-C): the processes it started (``run_local``'s workers) end with it rather
+    than load the machine until their own deadline."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([entry for entry in sys.path if entry] + [env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep)
+    paths = [os.fspath(entry) for entry in sys.path if isinstance(entry, (str, os.PathLike)) and os.fspath(entry)]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env["PYTHONPATH"]] if env.get("PYTHONPATH") else paths)
     with subprocess.Popen([sys.executable, "-m", module], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env, start_new_session=True) as child:
         try:
             out, err = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
+            _kill_session(child)
             out, err = child.communicate()
             raise subprocess.TimeoutExpired(child.args, timeout, out, err) from None
+        except BaseException:
+            _kill_session(child)
+            raise
     if child.returncode:
         raise subprocess.CalledProcessError(child.returncode, child.args, out, err)
     return subprocess.CompletedProcess(child.args, 0, out, err)
+
+
+def _kill_session(child: subprocess.Popen) -> None:
+    """Kill ``child`` and every process of its session; where there are no sessions (Windows), ``child``."""
+    if hasattr(os, "killpg"):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+    else:
+        child.kill()

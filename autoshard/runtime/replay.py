@@ -32,15 +32,14 @@ def checked_stage(sharded: Any, stage: Any, caller: str) -> int:
 def model_kept(sharded: ShardedModel) -> Iterator[None]:
     """Run with gradients enabled (a caller under ``no_grad`` would get no backward) and from no
     gradients (autograd would add into the user's), then give back the model's gradients, buffer
-    values (BatchNorm statistics) and random state: the CPU's and that of every CUDA device a stage
-    is on (the stages before the measured one run too)."""
+    values (BatchNorm statistics) and random state: the CPU's and every CUDA device's (a stage
+    without weights runs where its inputs are; the stages before the measured one run too)."""
     params = list(sharded.parameters())
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
     buffers = [(b, b.detach().clone()) for b in sharded.buffers()]
-    devices = {stage_device(module) for module in sharded.stages}
-    cuda = sorted((d for d in devices if d is not None and d.type == "cuda"), key=str)
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda), torch.enable_grad():
         try:
             yield
