@@ -4,6 +4,7 @@ calibration (fitted, cached, refreshable) and ``predict_step``."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import autoshard
 from autoshard import cli
 from autoshard.costs import estimate
 from autoshard.costs.step_time import StepTimeModel, step_time
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, LaunchError
+from autoshard.errors import InputMismatchError, InvalidArgumentError, InvalidArgumentTypeError, LaunchError
 from autoshard.report import format_seconds
 from autoshard.runtime import (
     RuntimeCalibration, calibrate_runtime, measure_stage_memory, measure_stage_time, predict_step, run_local)
@@ -335,6 +336,52 @@ def test_predict_step_refuses_bad_input_before_calibrating(sleepy, monkeypatch):
         predict_step(sharded, example, times=[])
     with pytest.raises(InvalidArgumentTypeError, match="calibrate must be True, False or None"):
         predict_step(sharded, example, calibrate="yes")
+    with pytest.raises(InvalidArgumentTypeError, match="calibrate must be True, False or None"):
+        predict_step(sharded, example, calibrate=1)  # 1 == True, but not a bool
+    with pytest.raises(InvalidArgumentTypeError, match="times must be a list"):
+        predict_step(sharded, example, times=(t for t in ()))
+    with pytest.raises(InvalidArgumentTypeError, match="example_kwargs must be a dict"):
+        predict_step(sharded, example, [1, 2])
+    with pytest.raises(InputMismatchError, match="these inputs do not fit"):  # the model's inputs, before calibrating
+        predict_step(sharded, (torch.randn(2, 4), torch.randn(2, 4)))
+
+
+def test_a_step_with_its_own_link_is_not_calibrated(sleepy, monkeypatch):
+    """Link numbers the caller gives are theirs to keep, as --link-bandwidth keeps them on the command line."""
+    sharded, example = sleepy
+
+    def refuse() -> RuntimeCalibration:
+        raise AssertionError("calibrated over the caller's own link")
+
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", refuse)
+    predicted = predict_step(sharded, example, step=StepTimeModel("gpipe", 2, link_bandwidth=1e6, link_latency=1e-3),
+                             repeats=1)
+    assert (predicted.model.link_bandwidth, predicted.model.link_latency, predicted.model.message_seconds) == (
+        1e6, 1e-3, 0.0)
+
+
+def test_stages_are_measured_out_of_inference_mode(sleepy):
+    """Under inference_mode no backward would run: a training step's time and memory would be half told."""
+    sharded, example = sleepy
+    outside = measure_stage_memory(sharded, 1, example, microbatches=2)
+    with torch.inference_mode():
+        inputs = (torch.randn(2, 4),)
+        timed = measure_stage_time(sharded, 1, inputs, repeats=1)
+        held = measure_stage_memory(sharded, 1, inputs, microbatches=2)
+    assert timed.backward >= 0.04 and held.peak == outside.peak
+    assert not torch.is_inference_mode_enabled()
+
+
+def test_stages_on_the_meta_device_are_not_measured(sleepy):
+    sharded, example = sleepy
+    on_meta = copy.deepcopy(sharded)
+    on_meta.stages[1].to("meta")
+    with pytest.raises(InvalidArgumentError, match="stage 1 is on the meta device"):
+        measure_stage_time(on_meta, 0, example)
+    with pytest.raises(InvalidArgumentError, match="stage 1 is on the meta device"):
+        measure_stage_memory(on_meta, 1, example)
+    with pytest.raises(InvalidArgumentError, match="some inputs are on the meta device"):
+        measure_stage_time(sharded, 0, (torch.empty(2, 4, device="meta"),))
 
 
 def test_a_failed_calibration_says_what_the_child_said(monkeypatch):

@@ -140,6 +140,16 @@ def test_bad_settings_are_refused_naming_the_value(settings, words):
         StepTimeModel(**settings)
 
 
+@pytest.mark.parametrize("settings, words", [
+    (dict(schedule=3), "schedule must be the name of one of gpipe, 1f1b, interleaved-1f1b, got int 3"),
+    (dict(link_bandwidth="fast"), "link_bandwidth .* must be a finite number > 0, got str 'fast'"),
+    (dict(message_seconds=None), "message_seconds must be a finite number >= 0, got NoneType None"),
+])
+def test_settings_of_the_wrong_type_are_type_errors(settings, words):
+    with pytest.raises(InvalidArgumentTypeError, match=words):
+        StepTimeModel(**settings)
+
+
 def test_settings_a_schedule_cannot_run_are_refused():
     with pytest.raises(InvalidArgumentTypeError, match="microbatches must be an int"):
         StepTimeModel(microbatches=2.5)

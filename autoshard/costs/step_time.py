@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from autoshard.arguments import whole_number
 from autoshard.costs.estimate import DeviceModel
-from autoshard.errors import InvalidArgumentError, suggest
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """The schedules whose order of work the model follows (PyTorch's ``ScheduleGPipe``,
@@ -45,9 +45,10 @@ DEFAULT_BACKWARD_RATIO = 2.0
 
 
 def _positive(value: Any, name: str, zero_allowed: bool = False) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)  # numpy too
-    if not ok or value < 0 or (value == 0 and not zero_allowed):
-        bound = ">= 0" if zero_allowed else "> 0"
+    bound = ">= 0" if zero_allowed else "> 0"
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy numbers too
+        raise InvalidArgumentTypeError(f"{name} must be a finite number {bound}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
         raise InvalidArgumentError(f"{name} must be a finite number {bound}, got {value!r}")
     return float(value)
 
@@ -75,7 +76,10 @@ class StepTimeModel:
     message_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        name = self.schedule.lower() if isinstance(self.schedule, str) else self.schedule
+        if not isinstance(self.schedule, str):
+            raise InvalidArgumentTypeError(f"schedule must be the name of one of {', '.join(SCHEDULES)}, got "
+                                           f"{type(self.schedule).__name__} {self.schedule!r}")
+        name = self.schedule.lower()
         if name not in SCHEDULES:
             raise InvalidArgumentError(
                 f"unknown schedule {self.schedule!r}{suggest(str(name), SCHEDULES)}; the step-time model knows "

@@ -11,7 +11,7 @@ import torch
 from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.runtime.calibrate import calibrate_runtime
-from autoshard.runtime.replay import checked_stage
+from autoshard.runtime.replay import checked_call, checked_stage
 from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, measure_stage_time
 from autoshard.sharded import ShardedModel, stage_device
 
@@ -32,10 +32,15 @@ def predict_step(
     than the plan's example moves its own bytes. With ``calibrate`` (by default when every stage is
     on the CPU) the link and the runtime's time per message are this machine's, measured with the
     real runtime on two local gloo processes (``calibrate_runtime``, cached); without it they are
-    ``step``'s own (give the interconnect's for GPUs). ``times``, one ``measure_stage_time`` per
-    stage in order, predicts from stages timed before: several schedules from one timing. Every
-    argument, and whether PyTorch's schedule runs the step, is checked before anything is measured."""
+    ``step``'s own (give the interconnect's for GPUs), and so they are when ``step`` sets any of
+    ``link_bandwidth``, ``link_latency`` or ``message_seconds`` and ``calibrate`` is None.
+    ``times``, one ``measure_stage_time`` per stage in order, predicts from stages timed before:
+    several schedules from one timing (the inputs are not used then). Every argument, the inputs,
+    and whether PyTorch's schedule runs the step, are checked before anything is measured."""
     checked_stage(sharded, 0, "predict_step")
+    link_fields = ("link_bandwidth", "link_latency", "message_seconds")
+    own_link = isinstance(step, StepTimeModel) and any(
+        getattr(step, name) != getattr(StepTimeModel(), name) for name in link_fields)
     step = StepTimeModel() if step is None else step
     if not isinstance(step, StepTimeModel):
         raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__}")
@@ -43,19 +48,24 @@ def predict_step(
     refused = step.refusal(k)
     if refused is not None:
         raise InvalidArgumentError(refused)
+    if times is not None and not isinstance(times, (list, tuple)):
+        raise InvalidArgumentTypeError(f"times must be a list of StageTimeMeasurement, one per stage, got "
+                                       f"{type(times).__name__}")
     if times is not None and [getattr(t, "stage", None) for t in times] != list(range(k)):
         raise InvalidArgumentError(
             f"times must be one StageTimeMeasurement per stage, stages 0 to {k - 1} in order; got "
             f"{[getattr(t, 'stage', type(t).__name__) for t in times]}")
-    if calibrate not in (None, True, False):
+    if calibrate is not None and not isinstance(calibrate, bool):
         raise InvalidArgumentTypeError(f"calibrate must be True, False or None (on the CPU only), got {calibrate!r}")
     on_cpu = all((stage_device(module) or torch.device("cpu")).type == "cpu" for module in sharded.stages)
     if calibrate is None:
-        calibrate = on_cpu
+        calibrate = on_cpu and not own_link
     elif calibrate and not on_cpu:
         raise InvalidArgumentError(
             "calibrate=True measures gloo between local CPU processes, and some stages are on an accelerator: pass "
             "calibrate=False (the default for them) with the interconnect's link_bandwidth and link_latency in step=")
+    if times is None:  # inputs the model refuses are refused before anything is measured
+        sharded.fit_call(*checked_call(example_inputs, example_kwargs, "predict_step"))
     if calibrate:
         step = calibrate_runtime().applied_to(step)
     if times is None:

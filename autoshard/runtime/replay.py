@@ -5,7 +5,7 @@ measurements of a stage (``measure_stage_memory``, ``measure_stage_time``) share
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -16,7 +16,8 @@ from autoshard.sharded import ShardedModel, moved_to, stage_device
 
 
 def checked_stage(sharded: Any, stage: Any, caller: str) -> int:
-    """``stage`` as an index into ``sharded``'s stages, or a typed error saying what to pass."""
+    """``stage`` as an index into ``sharded``'s stages, or a typed error saying what to pass. A
+    plan with a stage on the meta device is refused: its kernels compute nothing to measure."""
     if not isinstance(sharded, ShardedModel):
         raise InvalidArgumentTypeError(
             f"{caller} needs the ShardedModel that shard_model returned, got {type(sharded).__name__}")
@@ -25,22 +26,45 @@ def checked_stage(sharded: Any, stage: Any, caller: str) -> int:
     if not 0 <= stage < k:
         raise InvalidArgumentError(
             f"stage {stage} is out of range: the plan has {plural(k, 'stage')}; pass a stage from 0 to {k - 1}")
+    on_meta = [j for j, module in enumerate(sharded.stages) if getattr(stage_device(module), "type", None) == "meta"]
+    if on_meta:
+        raise InvalidArgumentError(
+            f"{caller} runs the stages on real tensors, and stage{'s' if len(on_meta) > 1 else ''} "
+            f"{', '.join(map(str, on_meta))} {'are' if len(on_meta) > 1 else 'is'} on the meta device, where nothing "
+            "is computed: move the model to a real device (plan_report(sharded) predicts without running it)")
     return stage
+
+
+def checked_call(args: Any, kwargs: Any, caller: str) -> tuple[tuple, dict]:
+    """The model's inputs as ``(args, kwargs)``, refused with a typed error when they are not a
+    sequence and a mapping, or on the meta device (nothing is computed there)."""
+    if not isinstance(args, (tuple, list)):
+        raise InvalidArgumentTypeError(f"{caller}'s example_inputs must be a tuple of the model's positional inputs, "
+                                       f"got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise InvalidArgumentTypeError(f"{caller}'s example_kwargs must be a dict of the model's keyword inputs, got "
+                                       f"{type(kwargs).__name__}")
+    args, kwargs = tuple(args), dict(kwargs or {})
+    if any(t.device.type == "meta" for t in tensors_in((args, kwargs))):
+        raise InvalidArgumentError(f"{caller} runs the stages on real tensors, and some inputs are on the meta device: "
+                                   "pass real ones")
+    return args, kwargs
 
 
 @contextlib.contextmanager
 def model_kept(sharded: ShardedModel) -> Iterator[None]:
-    """Run with gradients enabled (a caller under ``no_grad`` would get no backward) and from no
-    gradients (autograd would add into the user's), then give back the model's gradients, buffer
-    values (BatchNorm statistics) and random state: the CPU's and every CUDA device's (a stage
-    without weights runs where its inputs are; the stages before the measured one run too)."""
+    """Run with gradients enabled and out of inference mode (a caller under ``no_grad`` or
+    ``inference_mode`` would get no backward) and from no gradients (autograd would add into the
+    user's), then give back the model's gradients, buffer values (BatchNorm statistics) and random
+    state: the CPU's and every CUDA device's (a stage without weights runs where its inputs are;
+    the stages before the measured one run too)."""
     params = list(sharded.parameters())
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
     buffers = [(b, b.detach().clone()) for b in sharded.buffers()]
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+    with torch.random.fork_rng(devices=cuda), torch.inference_mode(False), torch.enable_grad():
         try:
             yield
         finally:
@@ -61,7 +85,9 @@ def running_device(module: torch.nn.Module, inputs: Any) -> torch.device:
 
 
 def stage_inputs(sharded: ShardedModel, stage: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """One microbatch of what ``stage`` receives: the model's inputs, or what the stages before it send."""
+    """One microbatch of what ``stage`` receives: the model's inputs, or what the stages before it
+    send. Inputs made under ``inference_mode`` are copied: autograd cannot save those for a backward."""
+    args, kwargs = tree_map_only(torch.Tensor, lambda t: t.clone() if t.is_inference() else t, (args, kwargs))
     args, kwargs = sharded.fit_call(args, kwargs)
     first = sharded.stages[0]
     args, kwargs = moved_to(stage_device(first), args), moved_to(stage_device(first), kwargs)

@@ -19,7 +19,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from autoshard.arguments import whole_number
-from autoshard.runtime.replay import checked_stage, fresh_copy, model_kept, running_device, stage_inputs, tensors_in
+from autoshard.runtime.replay import (
+    checked_call, checked_stage, fresh_copy, model_kept, running_device, stage_inputs, tensors_in)
 from autoshard.sharded import ShardedModel
 
 TIMING_REPEATS = 9
@@ -61,11 +62,12 @@ def measure_stage_time(
     is synchronised around each timing. The model is left as it was (gradients, buffers, random
     state). A loss the runtime computes after the last stage is not part of it."""
     stage = checked_stage(sharded, stage, "measure_stage_time")
+    example_inputs, example_kwargs = checked_call(example_inputs, example_kwargs, "measure_stage_time")
     repeats = whole_number(repeats, "repeats", at_least=1)
     module = sharded.stages[stage]
     forward, backward, sent_bytes = [], [], 0
     with model_kept(sharded):
-        args, kwargs = stage_inputs(sharded, stage, tuple(example_inputs), dict(example_kwargs or {}))
+        args, kwargs = stage_inputs(sharded, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
 
         def now() -> float:
