@@ -109,7 +109,7 @@ def test_a_stage_is_timed_whole_forward_and_backward_apart(sleepy):
     assert first.forward < 0.02 and first.backward < 0.02
     assert 0.03 <= second.forward < 0.06 and 0.04 <= second.backward < 0.07
     assert second.to_dict() == {"stage": 1, "forward": second.forward, "backward": second.backward, "repeats": 2,
-                                "device": "cpu", "sent_bytes": 2 * 4 * 4}
+                                "device": "cpu", "sent_bytes": 2 * 4 * 4, "plan": first.plan}
     assert first.sent_bytes == 2 * 4 * 4  # 2 rows of 4 floats to the next stage
 
 
@@ -338,6 +338,9 @@ def test_predict_step_refuses_bad_input_before_calibrating(sleepy, monkeypatch):
         predict_step(sharded, example, calibrate="yes")
     with pytest.raises(InvalidArgumentTypeError, match="calibrate must be True, False or None"):
         predict_step(sharded, example, calibrate=1)  # 1 == True, but not a bool
+    other = autoshard.shard_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2, example_inputs=example)
+    with pytest.raises(InvalidArgumentError, match="times were measured on another plan"):
+        predict_step(sharded, example, times=[measure_stage_time(other, j, example, repeats=1) for j in range(2)])
     with pytest.raises(InvalidArgumentTypeError, match="times must be a list"):
         predict_step(sharded, example, times=(t for t in ()))
     with pytest.raises(InvalidArgumentTypeError, match="example_kwargs must be a dict"):

@@ -12,6 +12,7 @@ from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.runtime.calibrate import calibrate_runtime
 from autoshard.runtime.replay import checked_call, checked_stage
+from autoshard.runtime.stage import plan_fingerprint
 from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, measure_stage_time
 from autoshard.sharded import ShardedModel, stage_device
 
@@ -55,6 +56,10 @@ def predict_step(
         raise InvalidArgumentError(
             f"times must be one StageTimeMeasurement per stage, stages 0 to {k - 1} in order; got "
             f"{[getattr(t, 'stage', type(t).__name__) for t in times]}")
+    if times is not None and any(t.plan != plan_fingerprint(sharded) for t in times):
+        raise InvalidArgumentError(
+            "times were measured on another plan (another model or split): time this plan's stages, "
+            "[measure_stage_time(sharded, j, inputs) for j in range(sharded.num_stages)]")
     if calibrate is not None and not isinstance(calibrate, bool):
         raise InvalidArgumentTypeError(f"calibrate must be True, False or None (on the CPU only), got {calibrate!r}")
     on_cpu = all((stage_device(module) or torch.device("cpu")).type == "cpu" for module in sharded.stages)

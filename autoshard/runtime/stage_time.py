@@ -21,6 +21,7 @@ import torch
 from autoshard.arguments import whole_number
 from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, stage_inputs, tensors_in)
+from autoshard.runtime.stage import plan_fingerprint
 from autoshard.sharded import ShardedModel
 
 TIMING_REPEATS = 9
@@ -33,7 +34,8 @@ calibration keeps: a pipeline's step runs at the machine's typical speed, and it
 class StageTimeMeasurement:
     """Seconds of one stage's ``forward`` and ``backward`` on one microbatch, the median of
     ``repeats`` runs on ``device``; ``sent_bytes``, the bytes of its outputs, which it sends the
-    next stage (for the last stage, the model's outputs)."""
+    next stage (for the last stage, the model's outputs); ``plan``, the fingerprint of the split it
+    was timed in (``predict_step`` refuses a timing of another)."""
 
     stage: int
     forward: float
@@ -41,6 +43,7 @@ class StageTimeMeasurement:
     repeats: int
     device: str
     sent_bytes: int
+    plan: str
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,7 +92,7 @@ def measure_stage_time(
             forward.append(middle - start)
             backward.append(now() - begin)
     return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
-                                str(device), sent_bytes)
+                                str(device), sent_bytes, plan_fingerprint(sharded))
 
 
 __all__ = ["StageTimeMeasurement", "TIMING_REPEATS", "measure_stage_time"]
