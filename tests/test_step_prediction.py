@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from autoshard.runtime import (
 from autoshard.runtime import calibrate
 from autoshard.runtime.calibrate import fitted_message_seconds, measure_runtime
 from autoshard.runtime.launch import run_module
+from autoshard.runtime.predict import EvalModeStepWarning
 from autoshard.runtime.replay import running_device
 
 FREE_LINK = {"link_bandwidth": 1e15, "link_latency": 0.0}
@@ -484,3 +486,17 @@ def test_a_stage_without_weights_runs_where_its_inputs_are():
     assert running_device(weightless, ((torch.empty(2, device="meta"),), {})) == torch.device("meta")
     assert running_device(weighted, ((torch.empty(2, device="meta"),), {})) == torch.device("cpu")
     assert running_device(weightless, ((), {"mask": None})) == torch.device("cpu")
+
+
+def test_a_step_predicted_from_an_eval_mode_plan_warns(sleepy):
+    """A training step's dropout and batch norm do not run as in evaluation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4)).eval()
+    example = (torch.randn(2, 4),)
+    sharded = autoshard.shard_model(model, 2, example_inputs=example)
+    with pytest.warns(EvalModeStepWarning, match="captured in eval mode"):
+        predict_step(sharded, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1)
+    trained = autoshard.shard_model(model.train(), 2, example_inputs=example)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EvalModeStepWarning)
+        predict_step(trained, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1)

@@ -26,7 +26,7 @@ from autoshard.runtime.materialize import materialize_stage
 from autoshard.runtime.memory import StageMemoryMeasurement, measure_stage_memory
 from autoshard.runtime.offload import OffloadRunner
 from autoshard.runtime.parallel import Parallelized, parallelize
-from autoshard.runtime.predict import predict_step
+from autoshard.runtime.predict import EvalModeStepWarning, predict_step
 from autoshard.runtime.schedule import (
     SCHEDULES,
     MicrobatchStatisticsWarning,
@@ -68,6 +68,7 @@ __all__ = [
     "model_loss",
     "parallelize",
     "pipeline_stage",
+    "EvalModeStepWarning",
     "predict_step",
     "run_local",
     "save_distributed",

@@ -4,6 +4,7 @@ runtime's own costs measured on this machine: the most faithful of the step pred
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -15,6 +16,10 @@ from autoshard.runtime.replay import checked_call, checked_stage
 from autoshard.runtime.stage import plan_fingerprint
 from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, measure_stage_time
 from autoshard.sharded import ShardedModel, stage_device
+
+
+class EvalModeStepWarning(UserWarning):
+    """A training step predicted from stages captured in eval mode."""
 
 
 def predict_step(
@@ -71,6 +76,11 @@ def predict_step(
             "calibrate=False (the default for them) with the interconnect's link_bandwidth and link_latency in step=")
     if times is None:  # inputs the model refuses are refused before anything is measured
         sharded.fit_call(*checked_call(example_inputs, example_kwargs, "predict_step"))
+    if not sharded.plan.training:
+        warnings.warn(
+            "this plan was captured in eval mode, so its stages are timed as in evaluation (no dropout, batch norm "
+            "from its running statistics), unlike a training step; shard the model after model.train() to predict "
+            "one", EvalModeStepWarning, stacklevel=2)
     if calibrate:
         step = calibrate_runtime().applied_to(step)
     if times is None:
@@ -82,4 +92,4 @@ def predict_step(
                      step, source)
 
 
-__all__ = ["predict_step"]
+__all__ = ["EvalModeStepWarning", "predict_step"]
