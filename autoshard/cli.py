@@ -421,6 +421,8 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
         raise InvalidArgumentError("--compare shows strategies side by side; "
                                    "run again with one --strategy to save or draw")
     links = _links(args)
+    if args.quiet and getattr(args, "time_stages", False):
+        raise InvalidArgumentError("--time-stages prints the step it predicts, and --quiet prints nothing: drop one")
     if args.compare and links:
         raise InvalidArgumentError("--link-bandwidth and --link-latency set the link of the predicted step time, "
                                    "which --compare does not show; drop them, or run again with one --strategy")

@@ -285,6 +285,11 @@ def test_a_link_given_on_the_command_line_replaces_the_calibration(capsys, monke
     assert f"+ {format_seconds(0.01)} each" in out
 
 
+def test_the_command_line_refuses_to_time_stages_it_would_print_nothing_of(capsys):
+    code = cli.main(["split", "residual-mlp", "-k", "2", "--time-stages", "--quiet"])
+    assert code == 2 and "--quiet prints nothing: drop one" in " ".join(capsys.readouterr().err.split())
+
+
 def test_the_command_line_says_why_it_times_no_step_pytorch_would_refuse(capsys):
     code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--microbatches", "1", "--time-stages")
     assert code == 0 and "step time (stages timed): not predicted: PyTorch's Schedule1F1B needs" in out
