@@ -341,8 +341,8 @@ def step_time_lines(step: StepTime) -> list[str]:
     """One training step's predicted time, its bubble and bottleneck, and where the stage times came from."""
     j, model, m = step.bottleneck, step.model, step.microbatches
     links = (f"; links {format_seconds(max(step.links))} per message at most ({model.link_bandwidth / 1e9:.3g} GB/s"
-             f" + {format_seconds(model.link_latency)} each)" if step.links else "")
-    if step.links and model.message_seconds:
+             f" + {format_seconds(model.link_latency)} each)" if any(step.links) else "")
+    if any(step.links) and model.message_seconds:
         links += f", and {format_seconds(model.message_seconds)} of each rank's time per message"
     return [
         f"step time (predicted): {format_seconds(step.seconds)} for {m} microbatch{'' if m == 1 else 'es'} under "

@@ -12,7 +12,7 @@ import autoshard
 from autoshard.costs.estimate import DeviceModel
 from autoshard.costs.step_time import StepTimeModel, _interleaved_orders, _orders, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
-from autoshard.report import format_seconds
+from autoshard.report import format_seconds, step_time_lines
 
 FREE = dict(link_latency=0.0)
 """Links that cost nothing for 0 bytes: the step is the schedule's alone."""
@@ -183,3 +183,11 @@ def test_numpy_numbers_are_numbers():
     import numpy as np
 
     assert StepTimeModel(link_bandwidth=np.float32(1e9), link_latency=np.int64(0)).link_seconds(1e9) == 1.0
+
+
+def test_stages_of_one_rank_send_no_messages():
+    """Interleaved 1F1B with as many stages per rank as stages runs on one rank: no link is paid."""
+    one_rank = StepTimeModel("interleaved-1f1b", 2, stages_per_rank=2, link_bandwidth=1.0, link_latency=5.0)
+    step = step_time([1.0, 1.0], [2.0, 2.0], [1e6], one_rank)
+    assert step.links == (0.0,) and step.seconds == pytest.approx(2 * (1.0 + 2.0) * 2)
+    assert not any("links" in line for line in step_time_lines(step))

@@ -194,7 +194,8 @@ class StepTime:
     """One step's predicted ``seconds``; per stage its ``busy`` seconds (forward and backward of
     every microbatch, with the time their messages keep the rank busy); ``bubble``, the share of
     the ranks' time spent idle; ``bottleneck``, the stage with the most work per microbatch;
-    ``links``, per boundary, one message's seconds; ``source``, where the stage times came from."""
+    ``links``, per boundary, one message's seconds (0 between stages of one rank); ``source``,
+    where the stage times came from."""
 
     seconds: float
     forward: tuple[float, ...]
@@ -234,7 +235,8 @@ def step_time(
         raise InvalidArgumentError(refused)
     m = model.microbatch_count(k)
     orders, rank_of = _orders(model, k, m)
-    links = tuple(model.link_seconds(b) for b in boundary_bytes)
+    # a boundary between two stages of one rank sends nothing (interleaved 1F1B on one rank)
+    links = tuple(model.link_seconds(b) if rank_of[j] != rank_of[j + 1] else 0.0 for j, b in enumerate(boundary_bytes))
 
     # Each op of a stage receives and sends one message per neighbour stage on another rank.
     messages = [sum(0 <= other < k and rank_of[other] != rank_of[stage] for other in (stage - 1, stage + 1))
