@@ -348,6 +348,11 @@ def test_predict_step_refuses_bad_input_before_calibrating(sleepy, monkeypatch):
     other = autoshard.shard_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2, example_inputs=example)
     with pytest.raises(InvalidArgumentError, match="times were measured on another plan"):
         predict_step(sharded, example, times=[measure_stage_time(other, j, example, repeats=1) for j in range(2)])
+    narrow, wide = (autoshard.shard_model(nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 4)), 2,
+                                          example_inputs=example) for width in (8, 64))
+    assert narrow.plan.assignment == wide.plan.assignment  # one split, other widths
+    with pytest.raises(InvalidArgumentError, match="times were measured on another plan"):
+        predict_step(wide, example, times=[measure_stage_time(narrow, j, example, repeats=1) for j in range(2)])
     with pytest.raises(InvalidArgumentTypeError, match="times must be a list"):
         predict_step(sharded, example, times=(t for t in ()))
     with pytest.raises(InvalidArgumentTypeError, match="example_kwargs must be a dict"):
@@ -378,18 +383,19 @@ def test_stages_are_measured_out_of_inference_mode(sleepy):
         inputs = (torch.randn(2, 4),)
         timed = measure_stage_time(sharded, 1, inputs, repeats=1)
         held = measure_stage_memory(sharded, 1, inputs, microbatches=2)
+        assert torch.is_inference_mode_enabled()  # the caller's mode is given back
     assert timed.backward >= 0.04 and held.peak == outside.peak
-    assert not torch.is_inference_mode_enabled()
 
 
 def test_stages_on_the_meta_device_are_not_measured(sleepy):
     sharded, example = sleepy
     on_meta = copy.deepcopy(sharded)
     on_meta.stages[1].to("meta")
-    with pytest.raises(InvalidArgumentError, match="stage 1 is on the meta device"):
-        measure_stage_time(on_meta, 0, example)
+    assert measure_stage_time(on_meta, 0, example, repeats=1).backward >= 0  # stage 1 does not run for stage 0
     with pytest.raises(InvalidArgumentError, match="stage 1 is on the meta device"):
         measure_stage_memory(on_meta, 1, example)
+    with pytest.raises(InvalidArgumentError, match="stage 1 is on the meta device"):
+        predict_step(on_meta, example, calibrate=False)
     with pytest.raises(InvalidArgumentError, match="some inputs are on the meta device"):
         measure_stage_time(sharded, 0, (torch.empty(2, 4, device="meta"),))
 
@@ -499,9 +505,11 @@ def test_a_step_predicted_from_an_eval_mode_plan_warns(sleepy):
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4)).eval()
     example = (torch.randn(2, 4),)
     sharded = autoshard.shard_model(model, 2, example_inputs=example)
-    with pytest.warns(EvalModeStepWarning, match="captured in eval mode"):
+    with pytest.warns(EvalModeStepWarning, match="captured in eval mode.*\\(Dropout in stage [01] run"):
         predict_step(sharded, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1)
     trained = autoshard.shard_model(model.train(), 2, example_inputs=example)
-    with warnings.catch_warnings():
+    plain = autoshard.shard_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval(), 2, example_inputs=example)
+    with warnings.catch_warnings():  # in train mode, or with nothing that runs otherwise in eval: no warning
         warnings.simplefilter("error", EvalModeStepWarning)
-        predict_step(trained, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1)
+        for quiet in (trained, plain):
+            predict_step(quiet, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1)

@@ -8,18 +8,19 @@ import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
+from torch import nn
 
 from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.runtime.calibrate import calibrate_runtime
-from autoshard.runtime.replay import checked_call, checked_stage
-from autoshard.runtime.stage import plan_fingerprint
-from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, measure_stage_time
+from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
+from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, measure_stage_time, timed_plan
 from autoshard.sharded import ShardedModel, stage_device
 
 
 class EvalModeStepWarning(UserWarning):
-    """A training step predicted from stages captured in eval mode."""
+    """A training step predicted from stages captured in eval mode that hold modules (dropout,
+    batch norm) which run otherwise in training."""
 
 
 def predict_step(
@@ -43,7 +44,7 @@ def predict_step(
     ``times``, one ``measure_stage_time`` per stage in order, predicts from stages timed before:
     several schedules from one timing (the inputs are not used then). Every argument, the inputs,
     and whether PyTorch's schedule runs the step, are checked before anything is measured."""
-    checked_stage(sharded, 0, "predict_step")
+    checked_plan(sharded, "predict_step")
     link_fields = ("link_bandwidth", "link_latency", "message_seconds")
     own_link = isinstance(step, StepTimeModel) and any(
         getattr(step, name) != getattr(StepTimeModel(), name) for name in link_fields)
@@ -61,9 +62,9 @@ def predict_step(
         raise InvalidArgumentError(
             f"times must be one StageTimeMeasurement per stage, stages 0 to {k - 1} in order; got "
             f"{[getattr(t, 'stage', type(t).__name__) for t in times]}")
-    if times is not None and any(t.plan != plan_fingerprint(sharded) for t in times):
+    if times is not None and any(getattr(t, "plan", None) != timed_plan(sharded) for t in times):
         raise InvalidArgumentError(
-            "times were measured on another plan (another model or split): time this plan's stages, "
+            "times were measured on another plan (another model, split, width or device): time this plan's stages, "
             "[measure_stage_time(sharded, j, inputs) for j in range(sharded.num_stages)]")
     if calibrate is not None and not isinstance(calibrate, bool):
         raise InvalidArgumentTypeError(f"calibrate must be True, False or None (on the CPU only), got {calibrate!r}")
@@ -75,12 +76,14 @@ def predict_step(
             "calibrate=True measures gloo between local CPU processes, and some stages are on an accelerator: pass "
             "calibrate=False (the default for them) with the interconnect's link_bandwidth and link_latency in step=")
     if times is None:  # inputs the model refuses are refused before anything is measured
+        refuse_meta(sharded, k - 1, "predict_step")
         sharded.fit_call(*checked_call(example_inputs, example_kwargs, "predict_step"))
-    if not sharded.plan.training:
+    modal = _mode_dependent(sharded) if not sharded.plan.training else []
+    if modal:
         warnings.warn(
-            "this plan was captured in eval mode, so its stages are timed as in evaluation (no dropout, batch norm "
-            "from its running statistics), unlike a training step; shard the model after model.train() to predict "
-            "one", EvalModeStepWarning, stacklevel=2)
+            f"this plan was captured in eval mode, so its stages are timed as in evaluation ({', '.join(modal[:3])}"
+            f"{' ...' if len(modal) > 3 else ''} run as they do in eval), unlike a training step; shard the model "
+            "after model.train() to predict one", EvalModeStepWarning, stacklevel=2)
     if calibrate:
         step = calibrate_runtime().applied_to(step)
     if times is None:
@@ -90,6 +93,13 @@ def predict_step(
         source += "; link and time per message calibrated with the runtime (calibrate_runtime)"
     return step_time([t.forward for t in times], [t.backward for t in times], [t.sent_bytes for t in times[:-1]],
                      step, source)
+
+
+def _mode_dependent(sharded: ShardedModel) -> list[str]:
+    """The stages' modules known to run otherwise in training: dropout that drops, batch norm."""
+    kinds = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.RReLU)
+    return [f"{type(module).__name__} in stage {j}" for j, stage in enumerate(sharded.stages)
+            for module in stage.modules() if isinstance(module, kinds) and getattr(module, "p", 1.0) > 0]
 
 
 __all__ = ["EvalModeStepWarning", "predict_step"]

@@ -16,23 +16,36 @@ from autoshard.sharded import ShardedModel, moved_to, stage_device
 
 
 def checked_stage(sharded: Any, stage: Any, caller: str) -> int:
-    """``stage`` as an index into ``sharded``'s stages, or a typed error saying what to pass. A
-    plan with a stage on the meta device is refused: its kernels compute nothing to measure."""
-    if not isinstance(sharded, ShardedModel):
-        raise InvalidArgumentTypeError(
-            f"{caller} needs the ShardedModel that shard_model returned, got {type(sharded).__name__}")
+    """``stage`` as an index into ``sharded``'s stages, or a typed error saying what to pass; refused
+    when it or a stage before it (they run to make its inputs) is on the meta device."""
+    checked_plan(sharded, caller)
     k = sharded.num_stages
     stage = whole_number(stage, "stage")
     if not 0 <= stage < k:
         raise InvalidArgumentError(
             f"stage {stage} is out of range: the plan has {plural(k, 'stage')}; pass a stage from 0 to {k - 1}")
-    on_meta = [j for j, module in enumerate(sharded.stages) if getattr(stage_device(module), "type", None) == "meta"]
+    refuse_meta(sharded, stage, caller)
+    return stage
+
+
+def checked_plan(sharded: Any, caller: str) -> ShardedModel:
+    """``sharded``, or a typed error when it is not what ``shard_model`` returns."""
+    if not isinstance(sharded, ShardedModel):
+        raise InvalidArgumentTypeError(
+            f"{caller} needs the ShardedModel that shard_model returned, got {type(sharded).__name__}")
+    return sharded
+
+
+def refuse_meta(sharded: ShardedModel, last: int, caller: str) -> None:
+    """A typed error when a stage up to ``last`` is on the meta device, where kernels compute nothing
+    to measure (a pipeline rank's other stages may stay there)."""
+    on_meta = [j for j, module in enumerate(sharded.stages[: last + 1])
+               if getattr(stage_device(module), "type", None) == "meta"]
     if on_meta:
         raise InvalidArgumentError(
-            f"{caller} runs the stages on real tensors, and stage{'s' if len(on_meta) > 1 else ''} "
+            f"{caller} runs stages 0 to {last} on real tensors, and stage{'s' if len(on_meta) > 1 else ''} "
             f"{', '.join(map(str, on_meta))} {'are' if len(on_meta) > 1 else 'is'} on the meta device, where nothing "
             "is computed: move the model to a real device (plan_report(sharded) predicts without running it)")
-    return stage
 
 
 def checked_call(args: Any, kwargs: Any, caller: str) -> tuple[tuple, dict]:

@@ -11,6 +11,7 @@ into a step).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from autoshard.arguments import whole_number
 from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, stage_inputs, tensors_in)
 from autoshard.runtime.stage import plan_fingerprint
-from autoshard.sharded import ShardedModel
+from autoshard.sharded import ShardedModel, stage_device
 
 TIMING_REPEATS = 9
 """Timed runs of a stage after one warm-up; the median counts. Not the fastest, as the device
@@ -34,8 +35,8 @@ calibration keeps: a pipeline's step runs at the machine's typical speed, and it
 class StageTimeMeasurement:
     """Seconds of one stage's ``forward`` and ``backward`` on one microbatch, the median of
     ``repeats`` runs on ``device``; ``sent_bytes``, the bytes of its outputs, which it sends the
-    next stage (for the last stage, the model's outputs); ``plan``, the fingerprint of the split it
-    was timed in (``predict_step`` refuses a timing of another)."""
+    next stage (for the last stage, the model's outputs); ``plan``, the fingerprint of what it was
+    timed in (``timed_plan``; ``predict_step`` refuses a timing of another)."""
 
     stage: int
     forward: float
@@ -92,7 +93,16 @@ def measure_stage_time(
             forward.append(middle - start)
             backward.append(now() - begin)
     return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
-                                str(device), sent_bytes, plan_fingerprint(sharded))
+                                str(device), sent_bytes, timed_plan(sharded))
 
 
-__all__ = ["StageTimeMeasurement", "TIMING_REPEATS", "measure_stage_time"]
+def timed_plan(sharded: ShardedModel) -> str:
+    """A digest of what a stage's time depends on besides its inputs: the split (``plan_fingerprint``)
+    and, per stage, the shapes and dtypes of its weights and its device. Two models of one structure
+    and other widths split alike but time otherwise."""
+    stages = [([(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()],
+               str(stage_device(module))) for module in sharded.stages]
+    return hashlib.sha256(repr((plan_fingerprint(sharded), stages)).encode()).hexdigest()[:16]
+
+
+__all__ = ["StageTimeMeasurement", "TIMING_REPEATS", "measure_stage_time", "timed_plan"]
