@@ -40,6 +40,7 @@ from autoshard.runtime.stage_time import StageTimeMeasurement, measure_stage_tim
 from autoshard.runtime.ties import SharedParameter, TiedGradients, shared_parameters
 
 __all__ = [
+    "EvalModeStepWarning",
     "GradientDifference",
     "LaunchError",
     "MicrobatchStatisticsWarning",
@@ -68,7 +69,6 @@ __all__ = [
     "model_loss",
     "parallelize",
     "pipeline_stage",
-    "EvalModeStepWarning",
     "predict_step",
     "run_local",
     "save_distributed",

@@ -62,7 +62,7 @@ def predict_step(
         raise InvalidArgumentError(
             f"times must be one StageTimeMeasurement per stage, stages 0 to {k - 1} in order; got "
             f"{[getattr(t, 'stage', type(t).__name__) for t in times]}")
-    if times is not None and any(getattr(t, "plan", None) != timed_plan(sharded) for t in times):
+    if times is not None and {getattr(t, "plan", None) for t in times} != {timed_plan(sharded)}:
         raise InvalidArgumentError(
             "times were measured on another plan (another model, split, width or device): time this plan's stages, "
             "[measure_stage_time(sharded, j, inputs) for j in range(sharded.num_stages)]")
