@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch
 from autoshard.lowering.randomness import draws_random
@@ -58,6 +59,7 @@ class Specialization:
     guard: str
     seconds: float
     sharded: ShardedModel = field(repr=False)
+    structure: Any = field(repr=False)  # ``call_structure`` of the inputs it was made for
 
     def describe(self) -> str:
         shapes = ", ".join(f"{name}: {tuple(shape)}" for name, shape in self.shapes if shape is not None)
@@ -73,6 +75,14 @@ def shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:
 
 def _shape(value: Any) -> Any:
     return value.shape if isinstance(value, torch.Tensor) else None
+
+
+def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The call's containers, nested ones included, and the shape of every tensor in them: what
+    ``plan_for`` matches a microbatch on. Walking every input costs more than ``shape_key``, so it
+    runs where a plan is chosen once for many calls, not per call."""
+    leaves, layout = tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+    return layout, tuple(map(_shape, leaves))
 
 
 def _caller_level() -> int:
@@ -96,11 +106,11 @@ class Specializer:
     """
 
     def __init__(self, model: nn.Module, capture: Callable[..., ShardedModel], limit: int = MAX_SPECIALIZATIONS,
-                 example: ShapeKey | None = None):
+                 example: Any = None):
         self._model = model
         self._capture = capture
         self.limit = limit
-        self.example = example  # the argument shapes the first plan was captured for
+        self.example = example  # the ``call_structure`` the first plan was captured for
         self.specializations: list[Specialization] = []
         self._last: dict[ShapeKey, ShardedModel] = {}
 
@@ -167,13 +177,14 @@ class Specializer:
 
     # -- capturing -------------------------------------------------------------------------------
     def plan_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel:
-        """The plan captured for inputs of exactly these argument shapes, captured now if none is. For
-        runtimes that build their stages before any call (``pipeline_stage``): there a guard failing in
-        the middle of a step has no plan to fall back to, so the plan is chosen by shape up front."""
-        key = shape_key(args, kwargs)
+        """The plan captured for inputs of exactly these shapes (``call_structure``: nested ones too),
+        captured now if none is. For runtimes that build their stages before any call
+        (``pipeline_stage``): there a guard failing in the middle of a step has no plan to fall back
+        to, so the plan is chosen by shape up front."""
+        key = call_structure(args, kwargs)
         if key == self.example:
             return primary
-        made = next((s.sharded for s in self.specializations if s.shapes == key), None)
+        made = next((s.sharded for s in self.specializations if s.structure == key), None)
         return made if made is not None else self.specialize(primary, args, kwargs, guard="made for a microbatch")
 
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -198,7 +209,8 @@ class Specializer:
                 f"{guard}. A new capture for these inputs, with every weight in the stage that holds it, failed "
                 f"({exc}); shard the model again with an example like these inputs") from exc
         check_same_holders(before, sharded)
-        self.specializations.append(Specialization(key, guard.split(";")[0], time.perf_counter() - started, sharded))
+        self.specializations.append(Specialization(key, guard.split(";")[0], time.perf_counter() - started, sharded,
+                                                   call_structure(args, kwargs)))
         self._remember(key, sharded)
         if len(self.specializations) == self.limit:
             warnings.warn(

@@ -217,3 +217,25 @@ def test_a_length_turned_into_a_number_is_served_at_other_lengths_by_new_capture
         assert torch.equal(sharded(x), model(x))
     assert len(sharded.specializations) == 2
     assert all(holders(made.sharded) == holders(sharded) for made in sharded.specializations)
+
+
+class NestedSizeBranch(SizeBranch):
+    """``SizeBranch`` taking its input inside a dict: the branch's size is a nested input's."""
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(batch["x"])
+
+
+def test_a_plan_chosen_up_front_matches_nested_shapes_too():
+    """``plan_for`` (``pipeline_stage(..., microbatch=)``) chooses by every tensor's shape: a
+    microbatch whose top-level arguments look like the example's (one dict) but whose nested tensor
+    flips the branch gets a plan captured for it, which then runs it with no guard refusing."""
+    torch.manual_seed(0)
+    model = NestedSizeBranch().eval()
+    sharded = autoshard.shard_model(model, 2, ({"x": torch.randn(4, 8)},))
+    example, small = {"x": torch.randn(4, 8)}, {"x": torch.randn(2, 8)}
+    assert sharded.specializer.plan_for(sharded, (example,), {}) is sharded
+    chosen = sharded.specializer.plan_for(sharded, (small,), {})
+    assert chosen is not sharded and [s.sharded for s in sharded.specializations] == [chosen]
+    assert torch.equal(chosen.run_stages((small,), {}), model(small))
+    assert sharded.specializer.plan_for(sharded, ({"x": torch.randn(2, 8)},), {}) is chosen  # kept, not made again
