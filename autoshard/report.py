@@ -20,7 +20,7 @@ from autoshard.capture.opaque import OpaqueResult
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.state import ScalarStateWrite, StateWrite
 from autoshard.costs.memory import MemoryModel, StageMemory
-from autoshard.costs.step_time import StepTime, StepTimeModel, predicted_step
+from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, predicted_step
 from autoshard.errors import plural
 from autoshard.passes.spec import parse_spec
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
@@ -182,15 +182,6 @@ def format_cost(model: str, value: float) -> str:
     return human_count(value)
 
 
-def format_seconds(value: float) -> str:
-    """Seconds in s, ms or µs, whichever reads best (an estimate of a tiny node is microseconds)."""
-    if value >= 1:
-        return f"{value:.3f} s"
-    if value >= 1e-3 or value == 0:
-        return f"{value * 1000:.3f} ms"
-    return f"{value * 1e6:.1f} µs"
-
-
 def sizes_known(plan: SavedPlan) -> bool:
     """Whether value sizes were measured (shape propagation ran); otherwise every value weighs one."""
     return any(n.value for n in plan.nodes)
@@ -339,17 +330,12 @@ def plan_step_lines(plan: SavedPlan, step: StepTimeModel | None = None) -> list[
 
 def step_time_lines(step: StepTime) -> list[str]:
     """One training step's predicted time, its bubble and bottleneck, and where the stage times came from."""
-    j, model, m = step.bottleneck, step.model, step.microbatches
+    model = step.model
     links = (f"; links {format_seconds(max(step.links))} per message at most ({model.link_bandwidth / 1e9:.3g} GB/s"
              f" + {format_seconds(model.link_latency)} each)" if any(step.links) else "")
     if any(step.links) and model.message_seconds:
         links += f", and {format_seconds(model.message_seconds)} of each rank's time per message"
-    return [
-        f"step time (predicted): {format_seconds(step.seconds)} for {m} microbatch{'' if m == 1 else 'es'} under "
-        f"{model.schedule}; bubble {step.bubble:.0%} of the ranks' time; bottleneck stage {j} (forward "
-        f"{format_seconds(step.forward[j])} + backward {format_seconds(step.backward[j])} per microbatch){links}",
-        f"step time from: {step.source}",
-    ]
+    return [f"step time (predicted): {step}{links}", f"step time from: {step.source}"]
 
 
 def shared_weights_table(plan: SavedPlan) -> Table:

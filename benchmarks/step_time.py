@@ -25,7 +25,10 @@ the first compares the model with the machine the steps met. The others are
 (``profile``, backward = 2 x forward; one profile per model, which its 2- and 4-stage plans
 share), each node's forward and backward measured (``profile{backward=true}``), and the roofline
 estimate under this machine's calibration; each with the link (gloo between the two processes)
-measured here by a ping-pong, and with the default link. Then, in this process: stage 0's forward and backward
+measured here by a ping-pong, and with the default link. Last, the step model's own error: the
+step simulated from each stage's forward and backward as the timed steps ran them (each
+``PipelineStage``'s ``forward_one_chunk`` and ``backward_one_chunk`` timed, mean per microbatch),
+and how much longer those ops ran than the same stages timed between the steps. Then, in this process: stage 0's forward and backward
 measured alone against its estimate, and two identical planning commands, each in a fresh
 process, reporting their stage time estimates, once reading the calibration cache and once
 measuring the machine again (``AUTOSHARD_RECALIBRATE=1``, in a scratch cache).
@@ -54,7 +57,7 @@ from torch import nn
 
 import autoshard
 from autoshard.costs.estimate import calibrated_device
-from autoshard.costs.step_time import StepTimeModel
+from autoshard.costs.step_time import StepTimeModel, step_time
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from autoshard.runtime import (
     StageTimeMeasurement, build_schedule, calibrate_runtime, local_stage_indices, measure_stage_time, model_loss,
@@ -133,14 +136,33 @@ def cpu_busy() -> tuple[float, float]:
     return float(sum(ticks) - ticks[3] - ticks[4]), float(sum(ticks))
 
 
+def timed_ops(stages: list) -> dict[tuple[int, str], list[float]]:
+    """Wrap each ``PipelineStage``'s ``forward_one_chunk`` and ``backward_one_chunk`` to record how
+    long each call takes inside the step: ``{(stage, "forward" or "backward"): [seconds, ...]}``."""
+    ops: dict[tuple[int, str], list[float]] = {}
+    for stage in stages:
+        for kind in ("forward", "backward"):
+            run, seconds = getattr(stage, f"{kind}_one_chunk"), ops.setdefault((stage.stage_index, kind), [])
+
+            def timed(*args: Any, _run: Callable = run, _seconds: list = seconds, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _run(*args, **kwargs)
+                finally:
+                    _seconds.append(time.perf_counter() - start)
+            setattr(stage, f"{kind}_one_chunk", timed)
+    return ops
+
+
 def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: str, schedule: str, m: int,
-                repeats: int) -> tuple[list[tuple[float, float]], list[StageTimeMeasurement]]:
-    """This rank's (wall, CPU) seconds for each timed step of ``name`` under ``schedule``, and (rank 0)
+                repeats: int) -> tuple[list[tuple[float, float]], list[StageTimeMeasurement], dict]:
+    """This rank's (wall, CPU) seconds for each timed step of ``name`` under ``schedule``; (rank 0)
     the plan's stages timed whole on one microbatch, one run each before every step while rank 1
     waits: per stage, the median forward and backward over the steps, so the stages meet the
-    machine the steps meet."""
+    machine the steps meet; and this rank's ops as the timed steps ran them (``timed_ops``)."""
     k = sharded.num_stages
     stages = [pipeline_stage(sharded, index, k, "cpu") for index in local_stage_indices(k, rank, world)]
+    ops = timed_ops(stages)
     runner = build_schedule(stages, schedule, m, loss_fn=WORKLOADS[name].loss_fn)
     _, args, kwargs, target = build(name, m * WORKLOADS[name].rows, seed=11)
     _, one_args, one_kwargs, _ = build(name, WORKLOADS[name].rows)
@@ -155,12 +177,15 @@ def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: st
                     return_outputs=False)
         if i >= WARMUP:
             seconds.append((time.perf_counter() - start, time.process_time() - cpu))
+        else:
+            for calls in ops.values():
+                calls.clear()
         for stage in stages:
             stage.submod.zero_grad(set_to_none=True)
     medians = [dataclasses.replace(runs[0], forward=statistics.median(r.forward for r in runs),
                                    backward=statistics.median(r.backward for r in runs), repeats=len(runs))
                for runs in zip(*timed)]
-    return seconds, medians
+    return seconds, medians, ops
 
 
 def worker(rank: int, world: int, repeats: int) -> dict[Any, Any]:
@@ -172,8 +197,9 @@ def worker(rank: int, world: int, repeats: int) -> dict[Any, Any]:
             for schedule, _, m in (case for case in CASES if case[1] == k):
                 dist.barrier()
                 machine, load = cpu_busy(), os.getloadavg()[0]
-                steps, times = timed_steps(rank, world, sharded, name, schedule, m, repeats)
+                steps, times, ops = timed_steps(rank, world, sharded, name, schedule, m, repeats)
                 found[(name, schedule, k, m)], found[(name, schedule, k, m, "times")] = steps, times
+                found[(name, schedule, k, m, "ops")] = ops
                 busy, total = (after - before for after, before in zip(cpu_busy(), machine))
                 found[(name, schedule, k, m, "machine")] = (busy / total, load)
     return found
@@ -281,6 +307,23 @@ def main() -> None:
               f"{[f'{s * 1e3:.3f}' for s in second]} ms, differing by {spread:.1%} at most")
 
 
+def ops_in_the_step(case: tuple, results: list[dict], runtime: Any) -> tuple[float, str]:
+    """The step simulated from each stage's ops as the timed steps ran them (mean seconds per
+    microbatch, both ranks) under the runtime calibration: the step model's own error, whatever
+    the stage times fed to it. Beside it, those ops' time over the stages timed between the steps
+    (forward / backward, all stages together)."""
+    ops = {key: seconds for rank in results for key, seconds in rank[(*case, "ops")].items()}
+    timed = results[0][(*case, "times")]
+    k = len(timed)
+    forward = [statistics.mean(ops[(j, "forward")]) for j in range(k)]
+    backward = [statistics.mean(ops[(j, "backward")]) for j in range(k)]
+    simulated = step_time(forward, backward, [t.sent_bytes for t in timed[:-1]],
+                          runtime.applied_to(StepTimeModel(case[1], case[3]))).seconds
+    slower = (f"{sum(forward) / sum(t.forward for t in timed):.2f} / "
+              f"{sum(backward) / sum(t.backward for t in timed):.2f}")
+    return simulated, slower
+
+
 def pipeline_steps(repeats: int) -> None:
     """Every case on two processes, predicted against measured."""
     load_before = os.getloadavg()
@@ -293,9 +336,10 @@ def pipeline_steps(repeats: int) -> None:
           f"runtime calibration: {runtime.describe()}")
     print("| model | schedule | k | m | machine busy, load | measured (ms) | stages timed between the steps | err | "
           "stages timed after | err | profile | err | profile with backward | err | estimate | err | profile, default "
-          "link | err | CPU per rank, measured (ms) | profile busy | err |")
+          "link | err | CPU per rank, measured (ms) | profile busy | err | ops as the step ran them | err | those ops over the "
+          "stages timed between steps, f / b |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-          "---: | ---: | ---: | ---: | ---: | ---: |")
+          "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as profiles:
         for name in WORKLOADS:
             predicted = predictions(name, link, profiles, results[0])
@@ -308,6 +352,8 @@ def pipeline_steps(repeats: int) -> None:
                 for source in ("stages between steps", "stages whole", "profile", "profile with backward", "estimate",
                                "default link"):
                     row += [f"{guess[source] * 1e3:.1f}", error(guess[source], measured)]
+                inside, slower = ops_in_the_step(case, results, runtime)
+                row += [f"{inside * 1e3:.1f}", error(inside, measured), slower]
                 row += ["/".join(f"{c * 1e3:.0f}" for c in cpu), "/".join(f"{b * 1e3:.0f}" for b in guess["busy"]),
                         "/".join(error(b, c) for b, c in zip(guess["busy"], cpu))]
                 print(f"| {case[0]} | {case[1]} | {case[2]} | {case[3]} | " + " | ".join(row) + " |")

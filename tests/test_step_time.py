@@ -191,3 +191,11 @@ def test_stages_of_one_rank_send_no_messages():
     step = step_time([1.0, 1.0], [2.0, 2.0], [1e6], one_rank)
     assert step.links == (0.0,) and step.seconds == pytest.approx(2 * (1.0 + 2.0) * 2)
     assert not any("links" in line for line in step_time_lines(step))
+
+
+def test_a_step_prints_as_its_time_schedule_bubble_and_bottleneck():
+    """``print(predict_step(...))`` reads as the report's line, not as the dataclass's fields."""
+    step = step_time([1e-3, 3e-3], [2e-3, 6e-3], [0.0], StepTimeModel("gpipe", 4, **FREE))
+    assert str(step) == (f"{format_seconds(step.seconds)} for 4 microbatches under gpipe; bubble {step.bubble:.0%} of "
+                         "the ranks' time; bottleneck stage 1 (forward 3.000 ms + backward 6.000 ms per microbatch)")
+    assert step_time_lines(step)[0] == f"step time (predicted): {step}"

@@ -44,6 +44,15 @@ DEFAULT_LINK_LATENCY = 100e-6
 DEFAULT_BACKWARD_RATIO = 2.0
 
 
+def format_seconds(value: float) -> str:
+    """Seconds in s, ms or µs, whichever reads best (an estimate of a tiny node is microseconds)."""
+    if value >= 1:
+        return f"{value:.3f} s"
+    if value >= 1e-3 or value == 0:
+        return f"{value * 1000:.3f} ms"
+    return f"{value * 1e6:.1f} µs"
+
+
 def _positive(value: Any, name: str, zero_allowed: bool = False) -> float:
     bound = ">= 0" if zero_allowed else "> 0"
     if not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy numbers too
@@ -207,6 +216,12 @@ class StepTime:
     microbatches: int
     model: StepTimeModel
     source: str
+
+    def __str__(self) -> str:
+        j, m = self.bottleneck, self.microbatches
+        return (f"{format_seconds(self.seconds)} for {m} microbatch{'' if m == 1 else 'es'} under "
+                f"{self.model.schedule}; bubble {self.bubble:.0%} of the ranks' time; bottleneck stage {j} (forward "
+                f"{format_seconds(self.forward[j])} + backward {format_seconds(self.backward[j])} per microbatch)")
 
     def to_dict(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "forward": list(self.forward), "backward": list(self.backward),
