@@ -352,10 +352,10 @@ def pipeline_steps(repeats: int) -> None:
                 for source in ("stages between steps", "stages whole", "profile", "profile with backward", "estimate",
                                "default link"):
                     row += [f"{guess[source] * 1e3:.1f}", error(guess[source], measured)]
-                inside, slower = ops_in_the_step(case, results, runtime)
-                row += [f"{inside * 1e3:.1f}", error(inside, measured), slower]
                 row += ["/".join(f"{c * 1e3:.0f}" for c in cpu), "/".join(f"{b * 1e3:.0f}" for b in guess["busy"]),
                         "/".join(error(b, c) for b, c in zip(guess["busy"], cpu))]
+                inside, slower = ops_in_the_step(case, results, runtime)
+                row += [f"{inside * 1e3:.1f}", error(inside, measured), slower]
                 print(f"| {case[0]} | {case[1]} | {case[2]} | {case[3]} | " + " | ".join(row) + " |")
     print(f"(runs took {time.perf_counter() - started:.0f} s)")
 
