@@ -17,7 +17,7 @@ from typing import Any, Iterator, Literal
 
 from autoshard.errors import InvalidArgumentError, MissingDependencyError
 from autoshard.plan_io import PlanNode, SavedPlan
-from autoshard.report import (BYTE_COSTS, ROOT_LABEL, _node_label, _numbered_lists, compress_module_ranges,
+from autoshard.report import (BYTE_COSTS, ROOT_LABEL, node_label, numbered_lists, compress_module_ranges,
                               format_cost, format_size, module_legend)
 
 DPI = 100
@@ -90,8 +90,8 @@ def _at_depth(plan: SavedPlan, depth: int) -> SavedPlan:
 def _stage_labels(plan: SavedPlan, compress: bool) -> dict[str, str]:
     """Each compute node's label, as ``report.stage_modules`` lists it (ranged when ``compress``)."""
     spans = plan.module_stage_sets()
-    numbered = _numbered_lists(spans)
-    raw = {n.name: _node_label(n, spans, numbered) for n in plan.nodes if not n.input}
+    numbered = numbered_lists(spans)
+    raw = {n.name: node_label(n, spans, numbered) for n in plan.nodes if not n.input}
     if not compress:
         return raw
     ranged: dict[str, str] = {}

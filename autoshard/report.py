@@ -70,7 +70,7 @@ def compress_module_ranges(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def _numbered_lists(spans: Mapping[str, set[int]]) -> set[str]:
+def numbered_lists(spans: Mapping[str, set[int]]) -> set[str]:
     """Modules whose children are all numbered (``ModuleList``, ``Sequential``): listed by child."""
     children: dict[str, list[str]] = {}
     for path in spans:
@@ -79,7 +79,7 @@ def _numbered_lists(spans: Mapping[str, set[int]]) -> set[str]:
     return {parent for parent, names in children.items() if all(n.isdigit() for n in names)}
 
 
-def _node_label(node: PlanNode, spans: Mapping[str, set[int]], numbered: set[str]) -> str:
+def node_label(node: PlanNode, spans: Mapping[str, set[int]], numbered: set[str]) -> str:
     """The outermost module holding ``node`` that lies wholly in its stage, else its own module, marked.
 
     A whole numbered list is named by its children (``layers.0``), so ranges read ``layers.0-5``.
@@ -100,9 +100,9 @@ def stage_modules(plan: SavedPlan, stage: int) -> list[str]:
     forward itself come last as ``(root)``, so they do not break up the ranges.
     """
     spans = plan.module_stage_sets()
-    numbered = _numbered_lists(spans)
+    numbered = numbered_lists(spans)
     members = (n for n in plan.nodes if n.stage == stage and not n.input)
-    labels = list(dict.fromkeys(_node_label(n, spans, numbered) for n in members))
+    labels = list(dict.fromkeys(node_label(n, spans, numbered) for n in members))
     modules = compress_module_ranges([label for label in labels if label != ROOT_LABEL])
     return modules + [ROOT_LABEL] if ROOT_LABEL in labels else modules
 
