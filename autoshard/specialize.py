@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch
 from autoshard.lowering.randomness import draws_random
@@ -78,11 +78,12 @@ def _shape(value: Any) -> Any:
 
 
 def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The call's containers, nested ones included, and the shape of every tensor in them: what
-    ``plan_for`` matches a microbatch on. Walking every input costs more than ``shape_key``, so it
+    """Where each value sits in the call, nested containers included, and every tensor's shape:
+    what ``plan_for`` matches a microbatch on. A dict's keys in any order are the same call, as
+    they are to the capture's guards. Walking every input costs more than ``shape_key``, so it
     runs where a plan is chosen once for many calls, not per call."""
-    leaves, layout = tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
-    return layout, tuple(map(_shape, leaves))
+    found, _ = tree_flatten_with_path((tuple(args), dict(kwargs)))
+    return tuple(sorted((keystr(path), _shape(leaf)) for path, leaf in found))
 
 
 def _caller_level() -> int:
