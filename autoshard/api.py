@@ -37,7 +37,7 @@ from autoshard.passes.stages import bind_stages, check_stages_made
 from autoshard.passes.verify import VerifyPass
 from autoshard.plan_origin import PlanOrigin
 from autoshard.sharded import ShardedModel
-from autoshard.specialize import MAX_SPECIALIZATIONS, Specializer, call_structure
+from autoshard.specialize import MAX_SPECIALIZATIONS, Specializer
 
 CostFunction = Callable[[CostNode], float]
 
@@ -326,7 +326,7 @@ def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost:
         return shard_model(model, num_stages, args, kwargs, cost, with_constraints(pipeline, pin=pins, optional=True),
                            memory_model=memory_model, respecialize=False)
 
-    return Specializer(model, capture, limit, call_structure(example.args, dict(example.kwargs)))
+    return Specializer(model, capture, limit, (example.args, dict(example.kwargs)))
 
 
 def _limits_training_memory(pipeline: Pipeline) -> bool:

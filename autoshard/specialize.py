@@ -19,6 +19,7 @@ update the buffers (batch-norm statistics) twice and move the generator on:
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
+from autoshard.capture.signature import argument_names, forward_signature
 from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
@@ -77,12 +79,20 @@ def _shape(value: Any) -> Any:
     return value.shape if isinstance(value, torch.Tensor) else None
 
 
-def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Where each value sits in the call, nested containers included, and every tensor's shape:
-    what ``plan_for`` matches a microbatch on. A dict's keys in any order are the same call, as
-    they are to the capture's guards. Walking every input costs more than ``shape_key``, so it
-    runs where a plan is chosen once for many calls, not per call."""
-    found, _ = tree_flatten_with_path((tuple(args), dict(kwargs)))
+def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: inspect.Signature | None = None) -> Any:
+    """Every value of the call under the parameter it binds to in ``signature`` (the model's
+    ``forward``; a call it refuses is taken as written), nested containers included, and every
+    tensor's shape: what ``plan_for`` matches a microbatch on. An argument by position or by name,
+    and a dict's keys in any order, are the same call, as they are to the capture's guards. Walking
+    every input costs more than ``shape_key``, so it runs where a plan is chosen once for many
+    calls, not per call."""
+    call: Any = (tuple(args), dict(kwargs))
+    if signature is not None:
+        try:
+            call = argument_names(signature, signature.bind(*args, **kwargs).arguments)
+        except TypeError:
+            pass
+    found, _ = tree_flatten_with_path(call)
     return tuple(sorted((keystr(path), _shape(leaf)) for path, leaf in found))
 
 
@@ -107,11 +117,12 @@ class Specializer:
     """
 
     def __init__(self, model: nn.Module, capture: Callable[..., ShardedModel], limit: int = MAX_SPECIALIZATIONS,
-                 example: Any = None):
+                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})):
         self._model = model
         self._capture = capture
         self.limit = limit
-        self.example = example  # the ``call_structure`` the first plan was captured for
+        self._signature = forward_signature(model)
+        self.example = self.structure(*example)  # what the first plan was captured for (not its tensors)
         self.specializations: list[Specialization] = []
         self._last: dict[ShapeKey, ShardedModel] = {}
 
@@ -122,6 +133,10 @@ class Specializer:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(None), ()
+
+    def structure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``call_structure`` of a call of this model."""
+        return call_structure(args, kwargs, self._signature)
 
     # -- serving ---------------------------------------------------------------------------------
     def serve(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -182,7 +197,7 @@ class Specializer:
         captured now if none is. For runtimes that build their stages before any call
         (``pipeline_stage``): there a guard failing in the middle of a step has no plan to fall back
         to, so the plan is chosen by shape up front."""
-        key = call_structure(args, kwargs)
+        key = self.structure(args, kwargs)
         if key == self.example:
             return primary
         made = next((s.sharded for s in self.specializations if s.structure == key), None)
@@ -211,7 +226,7 @@ class Specializer:
                 f"({exc}); shard the model again with an example like these inputs") from exc
         check_same_holders(before, sharded)
         self.specializations.append(Specialization(key, guard.split(";")[0], time.perf_counter() - started, sharded,
-                                                   call_structure(args, kwargs)))
+                                                   self.structure(args, kwargs)))
         self._remember(key, sharded)
         if len(self.specializations) == self.limit:
             warnings.warn(

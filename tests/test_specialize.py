@@ -259,3 +259,24 @@ def test_a_dict_in_another_key_order_is_the_example_s_plan():
     reordered = {"y": torch.randn(4, 8), "x": torch.randn(4, 8)}
     assert sharded.specializer.plan_for(sharded, (reordered,), {}) is sharded
     assert sharded.specializations == () and torch.equal(sharded.run_stages((reordered,), {}), model(reordered))
+
+
+class WithMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.b(self.a(x) * mask)
+
+
+def test_a_microbatch_by_name_is_the_plan_made_from_positions():
+    """``pipeline_stage(microbatch=)`` takes a tuple or a dict, so an example of ``(x,)`` with a
+    keyword ``mask`` is given as ``{"x": ..., "mask": ...}``: the same call, so the same plan."""
+    torch.manual_seed(0)
+    model = WithMask().eval()
+    x, mask = torch.randn(4, 8), torch.rand(4, 8).round()
+    sharded = autoshard.shard_model(model, 2, (x,), {"mask": mask})
+    assert sharded.specializer.plan_for(sharded, (), {"mask": mask, "x": x}) is sharded
+    assert sharded.specializer.plan_for(sharded, (x, mask), {}) is sharded
+    assert sharded.specializations == ()

@@ -203,10 +203,11 @@ def pipeline_stage(
     stage module's ``state_dict()`` keys are the original model's. Parameters several stages
     share need ``TiedGradients.sync()`` after each step.
 
-    ``microbatch`` (one microbatch's positional inputs, or a dict of keyword inputs; give the same
-    on every rank) builds the stage of the plan captured for those shapes: the plan itself when they
-    are its example's, else a specialisation (``sharded.specialize``), so that no guard flips in the
-    middle of a step. Every rank agrees on it or every rank refuses, naming each rank's reason.
+    ``microbatch`` (one microbatch's positional inputs, or a dict of its inputs by name; give the
+    same on every rank) builds the stage of the plan captured for its shapes, nested ones too: the
+    plan itself when they are its example's, else a specialisation (``sharded.specialize``), so
+    that no guard flips in the middle of a step. Every rank agrees on it or every rank refuses,
+    naming each rank's reason.
     """
     stage_index, num_stages = _check_stage_choice(sharded, stage_index, num_stages)
     resolved = resolve_device(device, f"stage {stage_index}")
