@@ -243,14 +243,17 @@ def runs_again_the_same(sharded: ShardedModel) -> bool:
 
 
 def holders(sharded: ShardedModel) -> dict[str, frozenset[int]]:
-    """Each parameter and buffer name, with the stages that hold it."""
-    found: dict[str, set[int]] = {}
+    """Each parameter and buffer name, with the stages that hold its tensor under any name: a tied
+    weight (GPT-2's embedding and head) is held by the embedding's stage under one name and by the
+    head's under the other."""
+    stages_of: dict[int, set[int]] = {}
+    tensor_of: dict[str, int] = {}
     for j, stage in enumerate(sharded.stages):
-        names = [n for n, _ in stage.named_parameters(remove_duplicate=False)]
-        names += [n for n, _ in stage.named_buffers(remove_duplicate=False)]
-        for name in names:
-            found.setdefault(name, set()).add(j)
-    return {name: frozenset(stages) for name, stages in found.items()}
+        for name, tensor in [*stage.named_parameters(remove_duplicate=False),
+                             *stage.named_buffers(remove_duplicate=False)]:
+            stages_of.setdefault(id(tensor), set()).add(j)
+            tensor_of[name] = id(tensor)
+    return {name: frozenset(stages_of[key]) for name, key in tensor_of.items()}
 
 
 def ownership(held: dict[str, frozenset[int]]) -> dict[str, int]:

@@ -280,3 +280,36 @@ def test_a_microbatch_by_name_is_the_plan_made_from_positions():
     assert sharded.specializer.plan_for(sharded, (), {"mask": mask, "x": x}) is sharded
     assert sharded.specializer.plan_for(sharded, (x, mask), {}) is sharded
     assert sharded.specializations == ()
+
+
+class TiedLM(nn.Module):
+    """GPT-2's layout in small: the head reads the embedding's weight, so the first and last stages
+    both hold it (under its two names), and a branch on the sequence length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.b1, self.b2 = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        if ids.shape[1] > 1:
+            h = h + 1
+        return self.head(self.b2(torch.relu(self.b1(h))))
+
+
+def test_a_weight_tied_across_stages_is_held_as_before_by_each_specialisation():
+    """The tied weight is held by stage 0 as ``emb.weight`` and by stage 1 as ``head.weight``: one
+    tensor in two stages, left to the split (pinning each name to its stage pinned the one tensor to
+    both, and every new capture was refused)."""
+    torch.manual_seed(0)
+    model = TiedLM().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randint(0, 50, (2, 8)),))
+    before = holders(sharded)
+    assert before["emb.weight"] == before["head.weight"] == {0, 1}
+    for ids in (torch.randint(0, 50, (2, 1)), torch.randint(0, 50, (3, 5))):
+        assert torch.equal(sharded(ids), model(ids))
+    sharded.specialize(torch.randint(0, 50, (2, 12)))  # made ahead, no guard flipped
+    assert len(sharded.specializations) == 2
+    assert all(holders(made.sharded) == before for made in sharded.specializations)

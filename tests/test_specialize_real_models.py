@@ -42,3 +42,22 @@ def test_a_call_the_model_refuses_gets_the_models_error_and_makes_no_specialisat
     with pytest.raises(ValueError) as got:
         sharded(**wrong_size)
     assert str(got.value) == str(expected.value) and sharded.specializations == ()
+
+
+def test_gpt2_with_its_head_tied_to_the_embedding_respecialises_across_the_stages():
+    """GPT-2's LM head reads the token embedding's weight: the first and last stages hold it."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    sharded = autoshard.shard_model(model, 2, example_kwargs={"input_ids": ids, "use_cache": False})
+    before = holders(sharded)
+    assert before["transformer.wte.weight"] == before["lm_head.weight"] == {0, 1}
+    with torch.no_grad():
+        for seq in (1, 5):
+            inputs = {"input_ids": ids[:, :seq], "use_cache": False}
+            assert_same_output(sharded(**inputs), model(**inputs))
+    (made,) = sharded.specializations  # sequence 1 flips the attention's branch
+    assert holders(made.sharded) == before
