@@ -28,10 +28,11 @@ estimate under this machine's calibration; each with the link (gloo between the 
 measured here by a ping-pong, and with the default link. Last, the step model's own error: the
 step simulated from each stage's forward and backward as the timed steps ran them (each
 ``PipelineStage``'s ``forward_one_chunk`` and ``backward_one_chunk`` timed, mean per microbatch),
-and how much longer those ops ran than the same stages timed between the steps. Then, in this process: stage 0's forward and backward
-measured alone against its estimate, and two identical planning commands, each in a fresh
-process, reporting their stage time estimates, once reading the calibration cache and once
-measuring the machine again (``AUTOSHARD_RECALIBRATE=1``, in a scratch cache).
+and how much longer those ops ran than the same stages timed between the steps. Then, in this
+process: stage 0's forward and backward measured alone against its estimate, and two identical
+planning commands, each in a fresh process, reporting their stage time estimates, once reading
+the calibration cache and once measuring the machine again (``AUTOSHARD_RECALIBRATE=1``, in a
+scratch cache).
 """
 
 from __future__ import annotations
@@ -336,10 +337,10 @@ def pipeline_steps(repeats: int) -> None:
           f"runtime calibration: {runtime.describe()}")
     print("| model | schedule | k | m | machine busy, load | measured (ms) | stages timed between the steps | err | "
           "stages timed after | err | profile | err | profile with backward | err | estimate | err | profile, default "
-          "link | err | CPU per rank, measured (ms) | profile busy | err | ops as the step ran them | err | those ops over the "
-          "stages timed between steps, f / b |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-          "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "link | err | CPU per rank, measured (ms) | profile busy | err | ops as the step ran them | err | "
+          "those ops over the stages timed between steps, f / b |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+          "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as profiles:
         for name in WORKLOADS:
             predicted = predictions(name, link, profiles, results[0])

@@ -30,6 +30,7 @@ from autoshard.runtime.calibrate import fitted_message_seconds, measure_runtime
 from autoshard.runtime.launch import run_module
 from autoshard.runtime.predict import EvalModeStepWarning
 from autoshard.runtime.replay import running_device
+from autoshard.runtime.stage_time import timed_plan
 
 FREE_LINK = {"link_bandwidth": 1e15, "link_latency": 0.0}
 
@@ -513,3 +514,37 @@ def test_a_step_predicted_from_an_eval_mode_plan_warns(sleepy):
         warnings.simplefilter("error", EvalModeStepWarning)
         for quiet in (trained, plain):
             predict_step(quiet, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1)
+
+
+class BatchBranch(nn.Module):
+    """Doubles its input for batches of more than four rows: a branch the capture fixes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 4:
+            x = x * 2
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def test_a_microbatch_the_plans_guards_refuse_is_measured_on_the_specialisation_serving_it():
+    """Planned on the whole batch (8 rows), measured on a microbatch (2 rows) that flips a branch:
+    the stages measured are the ones a call of those inputs runs, made as the call makes them."""
+    torch.manual_seed(0)
+    model = BatchBranch()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 16),))
+    micro = (torch.randn(2, 16),)
+    times = [measure_stage_time(sharded, j, micro, repeats=1) for j in range(2)]
+    (made,) = sharded.specializations
+    assert {t.plan for t in times} == {timed_plan(made.sharded)} != {timed_plan(sharded)}
+    assert measure_stage_memory(sharded, 1, micro).peak > 0 and len(sharded.specializations) == 1
+    step = StepTimeModel("gpipe", 4, **FREE_LINK)
+    assert predict_step(sharded, step=step, calibrate=False, times=times).forward == tuple(t.forward for t in times)
+    assert predict_step(sharded, micro, step=step, calibrate=False).seconds > 0
+    whole = [measure_stage_time(sharded, j, (torch.randn(8, 16),), repeats=1) for j in range(2)]
+    with pytest.raises(InvalidArgumentError, match="or on several"):  # one plan's stage 0, another's stage 1
+        predict_step(sharded, step=step, calibrate=False, times=[whole[0], times[1]])

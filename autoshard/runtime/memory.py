@@ -35,7 +35,7 @@ from autoshard.costs.memory import MemoryModel
 from autoshard.costs.saved import QuietMemTracker, without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 from autoshard.runtime.replay import (
-    checked_call, checked_stage, fresh_copy, model_kept, running_device, stage_inputs, tensors_in)
+    checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
 from autoshard.runtime.schedule import SCHEDULES
 from autoshard.sharded import ShardedModel
 
@@ -133,15 +133,17 @@ def measure_stage_memory(
     example the plan was made with to compare with ``plan_report``, whose activations were
     measured on it). The model is left as it was: its gradients, buffers and random state are
     restored afterwards. ``stages_per_rank`` is for ``interleaved-1f1b``: the stages each process runs.
+    Inputs the plan's guards refuse run on the specialisation that serves them, as a call would choose it.
     """
     stage = checked_stage(sharded, stage, "measure_stage_memory")
     example_inputs, example_kwargs = checked_call(example_inputs, example_kwargs, "measure_stage_memory")
     k = sharded.num_stages
     in_flight = microbatches_in_flight(schedule, stage, k, microbatches, stages_per_rank)
     states = optimizer_state_names(optimizer)
-    module = sharded.stages[stage]
     with model_kept(sharded):
-        args, kwargs = stage_inputs(sharded, stage, example_inputs, example_kwargs)
+        plan = serving_plan(sharded, example_inputs, example_kwargs)
+        module = plan.stages[stage]
+        args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
         peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, states, stage > 0)
     return StageMemoryMeasurement(

@@ -42,7 +42,8 @@ def predict_step(
     ``step``'s own (give the interconnect's for GPUs), and so they are when ``step`` sets any of
     ``link_bandwidth``, ``link_latency`` or ``message_seconds`` and ``calibrate`` is None.
     ``times``, one ``measure_stage_time`` per stage in order, predicts from stages timed before:
-    several schedules from one timing (the inputs are not used then). Every argument, the inputs,
+    several schedules from one timing (the inputs are not used then); times of the specialisation
+    that serves a microbatch the plan's guards refuse count as the plan's. Every argument, the inputs,
     and whether PyTorch's schedule runs the step, are checked before anything is measured."""
     checked_plan(sharded, "predict_step")
     link_fields = ("link_bandwidth", "link_latency", "message_seconds")
@@ -62,9 +63,12 @@ def predict_step(
         raise InvalidArgumentError(
             f"times must be one StageTimeMeasurement per stage, stages 0 to {k - 1} in order; got "
             f"{[getattr(t, 'stage', type(t).__name__) for t in times]}")
-    if times is not None and {getattr(t, "plan", None) for t in times} != {timed_plan(sharded)}:
+    served = {timed_plan(plan) for plan in [sharded, *(s.sharded for s in sharded.specializations)]}
+    if times is not None and not (len({getattr(t, "plan", None) for t in times}) == 1
+                                  and getattr(times[0], "plan", None) in served):
         raise InvalidArgumentError(
-            "times were measured on another plan (another model, split, width or device): time this plan's stages, "
+            "times were measured on another plan (another model, split, width or device) or on several: time this "
+            "plan's stages on one microbatch, "
             "[measure_stage_time(sharded, j, inputs) for j in range(sharded.num_stages)]")
     if calibrate is not None and not isinstance(calibrate, bool):
         raise InvalidArgumentTypeError(f"calibrate must be True, False or None (on the CPU only), got {calibrate!r}")

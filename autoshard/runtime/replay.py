@@ -97,6 +97,23 @@ def running_device(module: torch.nn.Module, inputs: Any) -> torch.device:
     return found or torch.device("cpu")
 
 
+def serving_plan(sharded: ShardedModel, args: tuple, kwargs: dict) -> ShardedModel:
+    """The plan that serves these inputs, as ``sharded(*args, **kwargs)`` chooses it: the plan itself,
+    else the specialisation whose guards hold, made now if none does (a microbatch smaller than
+    the plan's example may flip a branch). Chosen by running the stages once without gradients;
+    call it under ``model_kept``, which gives the buffers and random state back."""
+    specializer = sharded.specializer
+    if specializer is None:
+        return sharded
+    with torch.no_grad():
+        return specializer.serve(sharded, args, kwargs, run=_ran)
+
+
+def _ran(plan: ShardedModel, args: tuple, kwargs: dict) -> ShardedModel:
+    plan.run_stages(args, kwargs)
+    return plan
+
+
 def stage_inputs(sharded: ShardedModel, stage: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """One microbatch of what ``stage`` receives: the model's inputs, or what the stages before it
     send. Inputs made under ``inference_mode`` are copied: autograd cannot save those for a backward."""

@@ -21,7 +21,7 @@ import torch
 
 from autoshard.arguments import whole_number
 from autoshard.runtime.replay import (
-    checked_call, checked_stage, fresh_copy, model_kept, running_device, stage_inputs, tensors_in)
+    checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
 from autoshard.runtime.stage import plan_fingerprint
 from autoshard.sharded import ShardedModel, stage_device
 
@@ -64,14 +64,16 @@ def measure_stage_time(
     gradients accumulate from run to run, as over a step's microbatches (adding to a gradient
     costs a read and a write of it: 25% of a weight-heavy stage's backward). On CUDA the device
     is synchronised around each timing. The model is left as it was (gradients, buffers, random
-    state). A loss the runtime computes after the last stage is not part of it."""
+    state). A loss the runtime computes after the last stage is not part of it. Inputs the plan's
+    guards refuse are timed on the specialisation that serves them, as a call would choose it."""
     stage = checked_stage(sharded, stage, "measure_stage_time")
     example_inputs, example_kwargs = checked_call(example_inputs, example_kwargs, "measure_stage_time")
     repeats = whole_number(repeats, "repeats", at_least=1)
-    module = sharded.stages[stage]
     forward, backward, sent_bytes = [], [], 0
     with model_kept(sharded):
-        args, kwargs = stage_inputs(sharded, stage, example_inputs, example_kwargs)
+        plan = serving_plan(sharded, example_inputs, example_kwargs)
+        module = plan.stages[stage]
+        args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
 
         def now() -> float:
@@ -93,7 +95,7 @@ def measure_stage_time(
             forward.append(middle - start)
             backward.append(now() - begin)
     return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
-                                str(device), sent_bytes, timed_plan(sharded))
+                                str(device), sent_bytes, timed_plan(plan))
 
 
 def timed_plan(sharded: ShardedModel) -> str:
