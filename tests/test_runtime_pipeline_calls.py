@@ -11,7 +11,7 @@ from conftest import Masked, StackedLSTMs
 from torch import nn
 
 import autoshard
-from autoshard.errors import InputMismatchError, PipelineSetupError
+from autoshard.errors import InputMismatchError, PipelineSetupError, SpecializationMismatch
 from autoshard.runtime import TiedGradients, build_schedule, model_loss, pipeline_stage, run_local
 
 LAUNCH_DEADLINE_S = 300
@@ -179,3 +179,24 @@ def test_a_microbatch_one_rank_cannot_run_is_refused_on_every_rank(launched):
         assert "no plan serves the microbatch on every rank (rank 1:" in rank["microbatch refused"]
         assert "rank 0:" not in rank["microbatch refused"]
         assert "rank 0: these stages make no specialisations" in rank["no specialisations"]
+
+
+def _step_flipping_a_branch(rank: int, world: int) -> str:
+    """Both stages on this one rank, planned at batch 4 and stepped in microbatches of 2, which flip
+    the model's branch: the step's refusal."""
+    model, x = branching()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,), cut_before=["second"])
+    schedule = build_schedule([pipeline_stage(sharded, j, 2, "cpu") for j in (0, 1)], "interleaved-1f1b", 2)
+    try:
+        with torch.no_grad():
+            schedule.step(x)
+    except SpecializationMismatch as exc:
+        return str(exc)
+    return "not refused"
+
+
+def test_a_step_whose_microbatches_flip_a_guard_says_to_build_the_stages_for_them():
+    """A call captures the model again for such inputs; a step cannot, half-way, so the refusal
+    names what serves them: ``pipeline_stage(..., microbatch=...)``."""
+    [refusal] = run_local(_step_flipping_a_branch, 1, timeout=LAUNCH_DEADLINE_S)
+    assert "x.shape[0] > 2" in refusal and "microbatch=one microbatch's inputs" in refusal

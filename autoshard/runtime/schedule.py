@@ -33,6 +33,7 @@ from autoshard.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     PipelineSetupError,
+    SpecializationMismatch,
     WorldSizeError,
     suggest,
 )
@@ -227,7 +228,13 @@ class _BatchShapes:
             if first is not None and SIGNATURE_KEY in first.meta:
                 args, kwargs = fitted_call(first, first.meta[SIGNATURE_KEY], args, kwargs)
             self.check(args, kwargs, target)
-            return step(*args, target=target, **options, **kwargs)
+            try:
+                return step(*args, target=target, **options, **kwargs)
+            except SpecializationMismatch as exc:  # a step cannot capture again half-way, as a call does
+                raise SpecializationMismatch(
+                    f"{exc}. A pipeline step runs the stages it was built with: build them for the microbatches "
+                    "the step runs, pipeline_stage(sharded, i, k, device, microbatch=one microbatch's inputs), "
+                    "which makes the plan serving them", exc.before_compute) from exc
 
         return checked
 
