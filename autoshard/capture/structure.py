@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_leaves, tree_unflatten
+from torch.utils._pytree import (
+    TreeSpec, keystr, tree_flatten_with_path, tree_leaves, tree_unflatten, treespec_dumps, treespec_loads)
 
 from autoshard.errors import ExampleInputsError
 from autoshard.isolation import PLAIN_VALUES, contents
@@ -90,6 +91,15 @@ class ArgumentStructure:
                         "which it computes with")
         return None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with the layout as ``treespec_dumps`` writes it, where its types allow: loading a
+        pickled ``TreeSpec`` warns in torch 2.13 (a ``FutureWarning`` about ``LeafSpec``), so every
+        process a plan with a dict argument was sent to printed one."""
+        try:
+            return _loaded, (treespec_dumps(self.spec), self.paths, self.leaves)
+        except (NotImplementedError, TypeError, ValueError):  # a pytree type registered without a serialized name
+            return ArgumentStructure, (self.spec, self.paths, self.leaves)
+
     def arranged(self, value: Any) -> Any:
         """``value`` with its dicts' keys in the captured order (the graph may read by position)."""
         flat, spec = tree_flatten_with_path(value)
@@ -101,6 +111,10 @@ class ArgumentStructure:
     def leaf_values(self, name: str, value: Any) -> dict[str, Any]:
         """Each leaf of ``value`` under its full name (``d['x']``)."""
         return {name + keystr(path): leaf for path, leaf in tree_flatten_with_path(value)[0]}
+
+
+def _loaded(layout: str, paths: tuple[str, ...], leaves: tuple[Any, ...]) -> ArgumentStructure:
+    return ArgumentStructure(treespec_loads(layout), paths, leaves)
 
 
 def _children(value: Any) -> Iterable[Any]:
