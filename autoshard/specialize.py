@@ -64,8 +64,17 @@ class Specialization:
     structure: Any = field(repr=False)  # ``call_structure`` of the inputs it was made for
 
     def describe(self) -> str:
-        shapes = ", ".join(f"{name}: {tuple(shape)}" for name, shape in self.shapes if shape is not None)
+        """Each tensor it was made for, by argument and place in it (``batch['x']: (1, 8)``)."""
+        shapes = ", ".join(f"{_readable(path)}: {tuple(shape)}" for path, shape in self.structure if shape is not None)
         return f"{shapes or 'no tensor arguments'} ({self.seconds:.1f} s to capture)"
+
+
+def _readable(path: str) -> str:
+    """A ``call_structure`` path as code reads it: ``['batch']['x']`` is ``batch['x']``."""
+    if path.startswith("['"):
+        end = path.index("']")
+        return path[2:end] + path[end + 2:]
+    return path
 
 
 def shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:

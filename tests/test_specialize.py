@@ -313,3 +313,12 @@ def test_a_weight_tied_across_stages_is_held_as_before_by_each_specialisation():
     sharded.specialize(torch.randint(0, 50, (2, 12)))  # made ahead, no guard flipped
     assert len(sharded.specializations) == 2
     assert all(holders(made.sharded) == before for made in sharded.specializations)
+
+
+def test_a_specialisation_names_the_tensors_it_was_made_for_inside_its_arguments():
+    """What the limit's refusal lists: ``batch['x']: (1, 8)``, not "no tensor arguments"."""
+    torch.manual_seed(0)
+    sharded = autoshard.shard_model(NestedSizeBranch().eval(), 2, ({"x": torch.randn(4, 8)},))
+    sharded({"x": torch.randn(1, 8)})
+    (made,) = sharded.specializations
+    assert made.describe().startswith("batch['x']: (1, 8) (")
