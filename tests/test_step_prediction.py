@@ -5,6 +5,7 @@ calibration (fitted, cached, refreshable) and ``predict_step``."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -152,6 +153,11 @@ def test_bad_arguments_to_measure_stage_time_are_typed_errors(sleepy):
         measure_stage_time(nn.Linear(2, 2), 0, example)
     with pytest.raises(InvalidArgumentError, match="repeats"):
         measure_stage_time(sharded, 0, example, repeats=0)
+    for measure in (functools.partial(measure_stage_time, sharded, 1),
+                    functools.partial(measure_stage_memory, sharded, 1),
+                    functools.partial(predict_step, sharded, calibrate=False)):
+        with pytest.raises(InputMismatchError, match="one microbatch of the model's inputs, and none were given"):
+            measure()
 
 
 def test_predict_step_simulates_the_stages_timed_whole(sleepy):

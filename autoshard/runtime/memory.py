@@ -136,7 +136,7 @@ def measure_stage_memory(
     Inputs the plan's guards refuse run on the specialisation that serves them, as a call would choose it.
     """
     stage = checked_stage(sharded, stage, "measure_stage_memory")
-    example_inputs, example_kwargs = checked_call(example_inputs, example_kwargs, "measure_stage_memory")
+    example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_memory")
     k = sharded.num_stages
     in_flight = microbatches_in_flight(schedule, stage, k, microbatches, stages_per_rank)
     states = optimizer_state_names(optimizer)

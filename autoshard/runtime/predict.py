@@ -81,7 +81,7 @@ def predict_step(
             "calibrate=False (the default for them) with the interconnect's link_bandwidth and link_latency in step=")
     if times is None:  # inputs the model refuses are refused before anything is measured
         refuse_meta(sharded, k - 1, "predict_step")
-        sharded.fit_call(*checked_call(example_inputs, example_kwargs, "predict_step"))
+        checked_call(sharded, example_inputs, example_kwargs, "predict_step")
     modal = _mode_dependent(sharded) if not sharded.plan.training else []
     if modal:
         warnings.warn(

@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.arguments import whole_number
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural
+from autoshard.errors import InputMismatchError, InvalidArgumentError, InvalidArgumentTypeError, plural
 from autoshard.sharded import ShardedModel, moved_to, stage_device
 
 
@@ -48,9 +48,10 @@ def refuse_meta(sharded: ShardedModel, last: int, caller: str) -> None:
             "is computed: move the model to a real device (plan_report(sharded) predicts without running it)")
 
 
-def checked_call(args: Any, kwargs: Any, caller: str) -> tuple[tuple, dict]:
+def checked_call(sharded: ShardedModel, args: Any, kwargs: Any, caller: str) -> tuple[tuple, dict]:
     """The model's inputs as ``(args, kwargs)``, refused with a typed error when they are not a
-    sequence and a mapping, or on the meta device (nothing is computed there)."""
+    sequence and a mapping, on the meta device (nothing is computed there), or not a call the plan
+    takes (``fit_call``), before anything is measured."""
     if not isinstance(args, (tuple, list)):
         raise InvalidArgumentTypeError(f"{caller}'s example_inputs must be a tuple of the model's positional inputs, "
                                        f"got {type(args).__name__}")
@@ -61,6 +62,15 @@ def checked_call(args: Any, kwargs: Any, caller: str) -> tuple[tuple, dict]:
     if any(t.device.type == "meta" for t in tensors_in((args, kwargs))):
         raise InvalidArgumentError(f"{caller} runs the stages on real tensors, and some inputs are on the meta device: "
                                    "pass real ones")
+    try:
+        sharded.fit_call(args, kwargs)
+    except InputMismatchError as exc:
+        if args or kwargs:
+            raise
+        raise InputMismatchError(
+            f"{caller} runs the stages on one microbatch of the model's inputs, and none were given: pass them as "
+            f"its example_inputs (a tuple of positional inputs) and example_kwargs (a dict of keyword inputs), as "
+            "the model is called") from exc
     return args, kwargs
 
 

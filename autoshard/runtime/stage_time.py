@@ -67,7 +67,7 @@ def measure_stage_time(
     state). A loss the runtime computes after the last stage is not part of it. Inputs the plan's
     guards refuse are timed on the specialisation that serves them, as a call would choose it."""
     stage = checked_stage(sharded, stage, "measure_stage_time")
-    example_inputs, example_kwargs = checked_call(example_inputs, example_kwargs, "measure_stage_time")
+    example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_time")
     repeats = whole_number(repeats, "repeats", at_least=1)
     forward, backward, sent_bytes = [], [], 0
     with model_kept(sharded):
