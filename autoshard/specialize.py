@@ -252,17 +252,21 @@ def runs_again_the_same(sharded: ShardedModel) -> bool:
 
 
 def holders(sharded: ShardedModel) -> dict[str, frozenset[int]]:
-    """Each parameter and buffer name, with the stages that hold its tensor under any name: a tied
-    weight (GPT-2's embedding and head) is held by the embedding's stage under one name and by the
-    head's under the other."""
-    stages_of: dict[int, set[int]] = {}
-    tensor_of: dict[str, int] = {}
+    """Each parameter and buffer name, with the stages that hold it under that name or hold its
+    tensor under another: a tied weight (GPT-2's embedding and head) is held by the embedding's
+    stage under one name and by the head's under the other. (A stage moved by hand, ``.to(device)``,
+    holds its own copy of a shared buffer under the shared name.)"""
+    by_name: dict[str, set[int]] = {}
+    by_tensor: dict[int, set[int]] = {}
+    tensors: dict[str, set[int]] = {}
     for j, stage in enumerate(sharded.stages):
         for name, tensor in [*stage.named_parameters(remove_duplicate=False),
                              *stage.named_buffers(remove_duplicate=False)]:
-            stages_of.setdefault(id(tensor), set()).add(j)
-            tensor_of[name] = id(tensor)
-    return {name: frozenset(stages_of[key]) for name, key in tensor_of.items()}
+            by_name.setdefault(name, set()).add(j)
+            by_tensor.setdefault(id(tensor), set()).add(j)
+            tensors.setdefault(name, set()).add(id(tensor))
+    return {name: frozenset(stages.union(*(by_tensor[key] for key in tensors[name])))
+            for name, stages in by_name.items()}
 
 
 def ownership(held: dict[str, frozenset[int]]) -> dict[str, int]:

@@ -322,3 +322,30 @@ def test_a_specialisation_names_the_tensors_it_was_made_for_inside_its_arguments
     sharded({"x": torch.randn(1, 8)})
     (made,) = sharded.specializations
     assert made.describe().startswith("batch['x']: (1, 8) (")
+
+
+class SharedBuffer(nn.Module):
+    """A buffer both stages read, and a branch on the batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("shared", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 4:
+            x = x * 2
+        return self.c(torch.relu(self.a(x)) + self.shared) + self.shared
+
+
+def test_a_stage_holding_its_own_copy_of_a_shared_buffer_still_respecialises():
+    """``stages[1].to(device)`` gives that stage its own copy of the buffer both stages read, under
+    the same name: still held by both (before, the last stage's tensor won, the buffer was pinned
+    to stage 1 alone, and no split met that)."""
+    torch.manual_seed(0)
+    model = SharedBuffer().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(8, 4),), cut_before=["c"])
+    sharded.stages[1]._apply(lambda t: t.clone())  # what .to(another device) does to the stage's buffers
+    assert holders(sharded)["shared"] == {0, 1}
+    x = torch.randn(2, 4)
+    assert torch.allclose(sharded(x), model(x)) and len(sharded.specializations) == 1

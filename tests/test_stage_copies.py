@@ -64,6 +64,25 @@ def test_a_plan_of_a_dict_argument_is_copied_without_warnings_and_checks_the_dic
         copied({"x": batch["x"]})
 
 
+class TupleKeys(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.last(self.first(batch[("x", 0)]) + batch[("y", 0)])
+
+
+@pytest.mark.parametrize("how", COPIES)
+def test_a_dict_with_tuple_keys_is_copied_as_it_was_captured(how):
+    """JSON would make the keys lists: such a layout is pickled as the ``TreeSpec`` itself."""
+    torch.manual_seed(0)
+    model = TupleKeys().eval()
+    batch = {("x", 0): torch.randn(2, 8), ("y", 0): torch.randn(2, 8)}
+    copied = COPIES[how](autoshard.shard_model(model, 2, (batch,)))
+    assert torch.equal(copied(batch), model(batch))
+
+
 class DropsOut(nn.Module):
     def __init__(self) -> None:
         super().__init__()

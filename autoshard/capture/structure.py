@@ -96,9 +96,12 @@ class ArgumentStructure:
         pickled ``TreeSpec`` warns in torch 2.13 (a ``FutureWarning`` about ``LeafSpec``), so every
         process a plan with a dict argument was sent to printed one."""
         try:
-            return _loaded, (treespec_dumps(self.spec), self.paths, self.leaves)
+            text = treespec_dumps(self.spec)
+            if treespec_loads(text) == self.spec:  # JSON makes a tuple key a list: such a layout is kept as it is
+                return _loaded, (text, self.paths, self.leaves)
         except (NotImplementedError, TypeError, ValueError):  # a pytree type registered without a serialized name
-            return ArgumentStructure, (self.spec, self.paths, self.leaves)
+            pass
+        return ArgumentStructure, (self.spec, self.paths, self.leaves)
 
     def arranged(self, value: Any) -> Any:
         """``value`` with its dicts' keys in the captured order (the graph may read by position)."""
