@@ -143,6 +143,11 @@ class Specializer:
     def __reduce__(self) -> tuple[Any, ...]:
         return type(None), ()
 
+    @property
+    def model(self) -> nn.Module:
+        """The model it captures again: every plan it makes holds this model's weights."""
+        return self._model
+
     def structure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``call_structure`` of a call of this model."""
         return call_structure(args, kwargs, self._signature)

@@ -554,3 +554,64 @@ def test_a_microbatch_the_plans_guards_refuse_is_measured_on_the_specialisation_
     whole = [measure_stage_time(sharded, j, (torch.randn(8, 16),), repeats=1) for j in range(2)]
     with pytest.raises(InvalidArgumentError, match="or on several"):  # one plan's stage 0, another's stage 1
         predict_step(sharded, step=step, calibrate=False, times=[whole[0], times[1]])
+
+
+class BranchWithNorm(nn.Module):
+    """Batches of more than four rows take ``wide``, others ``narrow``, which holds a batch norm;
+    the plan's example takes ``wide``, so its stages do not hold ``narrow``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.wide, self.last = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.narrow = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h = self.wide(h) if x.shape[0] > 4 else self.narrow(h)
+        if torch.is_grad_enabled():  # a capture fixes the grad mode it sees
+            h = h + 1
+        return self.last(torch.relu(h)).sum()
+
+
+def test_measuring_on_a_specialisation_leaves_every_weight_of_the_model_as_it_was():
+    """The specialisation serving the microbatch runs ``narrow``, which the plan's stages do not hold:
+    its batch norm's statistics and its gradients are given back too. It was made under the grad mode
+    the measurement runs in, so it serves the user's calls after."""
+    torch.manual_seed(0)
+    model = BranchWithNorm().train()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 4),))
+    micro = (torch.randn(2, 4),)
+    sharded.specialize(*micro)  # in training mode, made ahead: the stages hold a batch norm
+    norm = model.narrow[1]
+    statistics = [t.clone() for t in (norm.running_mean, norm.running_var, norm.num_batches_tracked)]
+    for j in range(2):
+        measure_stage_time(sharded, j, micro, repeats=1)
+    measure_stage_memory(sharded, 1, micro)
+    after = (norm.running_mean, norm.running_var, norm.num_batches_tracked)
+    assert all(torch.equal(a, b) for a, b in zip(statistics, after))
+    assert all(p.grad is None for p in model.parameters())
+    model.eval()
+    evaluated = autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 4),))
+    measure_stage_time(evaluated, 1, micro, repeats=1)  # makes the specialisation, under grad
+    assert torch.equal(evaluated(*micro), model(*micro))
+
+
+class NonzeroAtTheEnd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x)))
+        return h[h > 0].sum()
+
+
+def test_a_later_stage_on_the_meta_device_does_not_run_to_measure_an_earlier_one():
+    """Choosing the serving plan runs every stage; with one on meta (a rank's others may stay
+    there), the plan itself is measured, as before: a meta kernel cannot compute ``h[h > 0]``."""
+    torch.manual_seed(0)
+    example = (torch.randn(4, 4),)
+    sharded = autoshard.shard_model(NonzeroAtTheEnd(), 2, example, cut_before=["b"])
+    assert sharded.specializer is not None
+    sharded.stages[1].to("meta")
+    assert measure_stage_time(sharded, 0, example, repeats=1).plan == timed_plan(sharded)

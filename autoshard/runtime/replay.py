@@ -80,12 +80,15 @@ def model_kept(sharded: ShardedModel) -> Iterator[None]:
     ``inference_mode`` would get no backward) and from no gradients (autograd would add into the
     user's), then give back the model's gradients, buffer values (BatchNorm statistics) and random
     state: the CPU's and every CUDA device's (a stage without weights runs where its inputs are;
-    the stages before the measured one run too)."""
-    params = list(sharded.parameters())
+    the stages before the measured one run too). The model's own weights count too: a
+    specialisation chosen for the inputs (``serving_plan``) may run modules the plan's stages do
+    not hold."""
+    owners = [sharded] + ([sharded.specializer.model] if sharded.specializer is not None else [])
+    params = list({id(p): p for owner in owners for p in owner.parameters()}.values())
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
-    buffers = [(b, b.detach().clone()) for b in sharded.buffers()]
+    buffers = [(b, b.detach().clone()) for b in {id(b): b for owner in owners for b in owner.buffers()}.values()]
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda), torch.inference_mode(False), torch.enable_grad():
         try:
@@ -110,13 +113,13 @@ def running_device(module: torch.nn.Module, inputs: Any) -> torch.device:
 def serving_plan(sharded: ShardedModel, args: tuple, kwargs: dict) -> ShardedModel:
     """The plan that serves these inputs, as ``sharded(*args, **kwargs)`` chooses it: the plan itself,
     else the specialisation whose guards hold, made now if none does (a microbatch smaller than
-    the plan's example may flip a branch). Chosen by running the stages once without gradients;
-    call it under ``model_kept``, which gives the buffers and random state back."""
+    the plan's example may flip a branch). Chosen by running every stage once, so only where every
+    stage is on a real device; under ``model_kept``, which sets the grad mode the measurement runs
+    in (a capture fixes the grad mode it sees) and gives the weights, buffers and random state back."""
     specializer = sharded.specializer
-    if specializer is None:
+    if specializer is None or any(getattr(stage_device(m), "type", None) == "meta" for m in sharded.stages):
         return sharded
-    with torch.no_grad():
-        return specializer.serve(sharded, args, kwargs, run=_ran)
+    return specializer.serve(sharded, *autograd_usable((args, kwargs)), run=_ran)
 
 
 def _ran(plan: ShardedModel, args: tuple, kwargs: dict) -> ShardedModel:
@@ -126,8 +129,8 @@ def _ran(plan: ShardedModel, args: tuple, kwargs: dict) -> ShardedModel:
 
 def stage_inputs(sharded: ShardedModel, stage: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """One microbatch of what ``stage`` receives: the model's inputs, or what the stages before it
-    send. Inputs made under ``inference_mode`` are copied: autograd cannot save those for a backward."""
-    args, kwargs = tree_map_only(torch.Tensor, lambda t: t.clone() if t.is_inference() else t, (args, kwargs))
+    send."""
+    args, kwargs = autograd_usable((args, kwargs))
     args, kwargs = sharded.fit_call(args, kwargs)
     first = sharded.stages[0]
     args, kwargs = moved_to(stage_device(first), args), moved_to(stage_device(first), kwargs)
@@ -138,6 +141,12 @@ def stage_inputs(sharded: ShardedModel, stage: int, args: tuple, kwargs: dict) -
         values = later(*moved_to(stage_device(later), values))
     sent = moved_to(stage_device(sharded.stages[stage]), values)
     return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), sent), {}
+
+
+def autograd_usable(values: Any) -> Any:
+    """``values`` with tensors made under ``inference_mode`` copied: autograd cannot save those for a
+    backward."""
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t.is_inference() else t, values)
 
 
 def fresh_copy(values: Any, receives_gradients: bool) -> Any:
