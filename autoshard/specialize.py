@@ -154,15 +154,18 @@ class Specializer:
 
     # -- serving ---------------------------------------------------------------------------------
     def serve(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
-              run: Runner = ShardedModel.run_stages) -> Any:
+              run: Runner = ShardedModel.run_stages, given_back: bool = False) -> Any:
         """Run the plan that serves this call: the one that last served its shapes, then the others,
         then a new capture. ``run(plan, args, kwargs)`` runs one plan (a runtime's own way, such as
-        ``OffloadRunner``'s; default: the stages in turn)."""
+        ``OffloadRunner``'s; default: the stages in turn). ``given_back``: the caller restores the
+        buffers and random state afterwards (a measurement), so stages may run again after a guard
+        failed in training mode."""
         if not self.specializations:
             try:
                 return run(primary, args, kwargs)
             except SpecializationMismatch as exc:
-                self._check_rerun(primary, exc)
+                if not given_back:
+                    self._check_rerun(primary, exc)
                 return self._specialized(primary, args, kwargs, exc, run)
         key = shape_key(args, kwargs)
         first = self._last.get(key)
@@ -171,7 +174,8 @@ class Specializer:
             try:
                 result = run(sharded, args, kwargs)
             except SpecializationMismatch as exc:
-                self._check_rerun(sharded, exc)
+                if not given_back:
+                    self._check_rerun(sharded, exc)
                 failed = exc if failed is None or sharded is primary else failed  # name the first plan's guard
                 continue
             self._remember(key, sharded)

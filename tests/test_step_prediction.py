@@ -615,3 +615,29 @@ def test_a_later_stage_on_the_meta_device_does_not_run_to_measure_an_earlier_one
     assert sharded.specializer is not None
     sharded.stages[1].to("meta")
     assert measure_stage_time(sharded, 0, example, repeats=1).plan == timed_plan(sharded)
+
+
+class NormThenBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.mid, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.norm(self.first(x)))
+        if x.shape[0] > 4:  # checked in stage 1, after stage 0's batch norm has run
+            h = h * 2
+        return self.last(h).sum()
+
+
+def test_in_training_mode_a_guard_failing_after_a_batch_norm_ran_is_measured_on_its_specialisation():
+    """A call refuses to run the stages again there (the statistics would move twice); a
+    measurement gives them back afterwards, so it may."""
+    torch.manual_seed(0)
+    model = NormThenBranch().train()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 4),), cut_before=["mid"])
+    statistics = [b.clone() for b in model.norm.buffers()]
+    timed = measure_stage_time(sharded, 1, (torch.randn(2, 4),), repeats=1)
+    (made,) = sharded.specializations
+    assert timed.plan == timed_plan(made.sharded)
+    assert all(torch.equal(a, b) for a, b in zip(statistics, model.norm.buffers()))

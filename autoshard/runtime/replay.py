@@ -119,7 +119,7 @@ def serving_plan(sharded: ShardedModel, args: tuple, kwargs: dict) -> ShardedMod
     specializer = sharded.specializer
     if specializer is None or any(getattr(stage_device(m), "type", None) == "meta" for m in sharded.stages):
         return sharded
-    return specializer.serve(sharded, *autograd_usable((args, kwargs)), run=_ran)
+    return specializer.serve(sharded, *autograd_usable((args, kwargs)), run=_ran, given_back=True)
 
 
 def _ran(plan: ShardedModel, args: tuple, kwargs: dict) -> ShardedModel:
