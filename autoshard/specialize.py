@@ -176,7 +176,8 @@ class Specializer:
             except SpecializationMismatch as exc:
                 if not given_back:
                     self._check_rerun(sharded, exc)
-                failed = exc if failed is None or sharded is primary else failed  # name the first plan's guard
+                # name the first plan's guard; its traceback would keep the tried plan's activations alive
+                failed = exc.with_traceback(None) if failed is None or sharded is primary else failed
                 continue
             self._remember(key, sharded)
             return result

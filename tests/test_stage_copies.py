@@ -83,6 +83,26 @@ def test_a_dict_with_tuple_keys_is_copied_as_it_was_captured(how):
     assert torch.equal(copied(batch), model(batch))
 
 
+class ReadsX(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.last(self.first(batch["x"]))
+
+
+def test_a_defaultdict_argument_whose_factory_is_a_lambda_is_deep_copied():
+    """Its layout names the lambda, which JSON can write and not load: the ``TreeSpec`` is copied."""
+    import collections
+
+    torch.manual_seed(0)
+    model = ReadsX().eval()
+    batch = collections.defaultdict(lambda: None, x=torch.randn(2, 8))
+    copied = copy.deepcopy(autoshard.shard_model(model, 2, (batch,)))
+    assert torch.equal(copied(batch), model(batch))
+
+
 class DropsOut(nn.Module):
     def __init__(self) -> None:
         super().__init__()

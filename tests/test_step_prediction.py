@@ -641,3 +641,74 @@ def test_in_training_mode_a_guard_failing_after_a_batch_norm_ran_is_measured_on_
     (made,) = sharded.specializations
     assert timed.plan == timed_plan(made.sharded)
     assert all(torch.equal(a, b) for a, b in zip(statistics, model.norm.buffers()))
+
+
+class NormLater(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).sum()
+
+
+def test_a_later_stage_holding_buffers_on_the_meta_device_does_not_stop_an_earlier_ones_measurement():
+    """Buffers on meta are not compared or given back: nothing is computed there to change them."""
+    torch.manual_seed(0)
+    example = (torch.randn(8, 4),)
+    sharded = autoshard.shard_model(NormLater(), 2, example, cut_before=["b"])
+    sharded.stages[1].to("meta")
+    assert measure_stage_time(sharded, 0, example, repeats=1).forward > 0
+
+
+class Smoothed(nn.Module):
+    """A branch on the batch size, and a buffer updated in place on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.p, self.q, self.c = (nn.Linear(4, 4) for _ in range(4))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = self.p(h) if x.shape[0] > 4 else self.q(h)
+        self.ema.mul_(0.5).add_(h.detach().mean(0))
+        return self.c(torch.relu(h) + self.ema).sum()
+
+
+def test_a_specialisation_whose_stages_were_placed_by_hand_is_given_back_too():
+    """Its stages' own copies of the model's buffers are neither the plan's nor the model's."""
+    torch.manual_seed(0)
+    model = Smoothed().train()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 4),))
+    micro = (torch.randn(2, 4),)
+    made = sharded.specialize(*micro)
+    for stage in made.stages:
+        stage._apply(lambda t: t.clone())  # what .to(another device) does to a stage's tensors
+    held = [b for stage in made.stages for name, b in stage.named_buffers() if name == "ema"]
+    assert held and all(b is not model.ema for b in held)
+    measure_stage_time(sharded, 1, micro, repeats=1)
+    assert all(torch.equal(b, torch.zeros(4)) for b in held)
+
+
+def test_a_plan_tried_and_refused_leaves_no_garbage_holding_its_activations():
+    """The refused plan's guard is kept to name it, without its traceback (whose frames held that
+    plan's activations, graph and all, until a garbage collection)."""
+    import gc
+
+    torch.manual_seed(0)
+    model = Smoothed().eval()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 4),))
+    sharded.specialize(torch.randn(2, 4))
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            sharded(torch.randn(3, 4))  # the plan itself is tried first, and refused
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        assert not [o for o in gc.garbage if isinstance(o, (torch.Tensor, BaseException))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()

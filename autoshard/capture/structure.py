@@ -99,7 +99,7 @@ class ArgumentStructure:
             text = treespec_dumps(self.spec)
             if treespec_loads(text) == self.spec:  # JSON makes a tuple key a list: such a layout is kept as it is
                 return _loaded, (text, self.paths, self.leaves)
-        except (NotImplementedError, TypeError, ValueError):  # a pytree type registered without a serialized name
+        except (NotImplementedError, TypeError, ValueError, AttributeError, ImportError):  # a type JSON cannot name
             pass
         return ArgumentStructure, (self.spec, self.paths, self.leaves)
 

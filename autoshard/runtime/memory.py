@@ -186,6 +186,7 @@ def _run_in_steady_state(
 ) -> tuple[int, dict[str, int], dict[str, int]]:
     """Forward ``in_flight`` microbatches, then back-propagate the first: the peak and its parts."""
     cuda = device.type == "cuda"
+    gc.collect()  # garbage from before (a plan tried for the inputs) would count in ``before``
     if cuda:
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -197,7 +198,6 @@ def _run_in_steady_state(
     microbatches = [fresh_copy((args, kwargs), receives_gradients) for _ in range(in_flight)]
     tracker = QuietMemTracker()
     tracker.track_external(module, optimizer, *[t for mb in microbatches for t in tensors_in(mb)])
-    gc.collect()
     with tracker, without_cyclic_gc():
         outputs, caller = [], _Untouched(module)
         for caller.microbatch in microbatches:

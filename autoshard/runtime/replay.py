@@ -83,12 +83,14 @@ def model_kept(sharded: ShardedModel) -> Iterator[None]:
     the stages before the measured one run too). The model's own weights count too: a
     specialisation chosen for the inputs (``serving_plan``) may run modules the plan's stages do
     not hold."""
-    owners = [sharded] + ([sharded.specializer.model] if sharded.specializer is not None else [])
+    owners = [sharded, *(made.sharded for made in sharded.specializations)]
+    owners += [sharded.specializer.model] if sharded.specializer is not None else []
     params = list({id(p): p for owner in owners for p in owner.parameters()}.values())
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
-    buffers = [(b, b.detach().clone()) for b in {id(b): b for owner in owners for b in owner.buffers()}.values()]
+    buffers = [(b, b.detach().clone()) for b in {id(b): b for owner in owners for b in owner.buffers()}.values()
+               if not b.is_meta]  # nothing on the meta device changes
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda), torch.inference_mode(False), torch.enable_grad():
         try:
