@@ -184,6 +184,11 @@ class Specializer:
         assert failed is not None
         return self._specialized(primary, args, kwargs, failed, run)
 
+    def remembered(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel | None:
+        """The plan that last served these argument shapes (``specialize`` counts), if any: what
+        serves them where no stage may run to choose."""
+        return self._last.get(shape_key(args, kwargs))
+
     def _remember(self, key: ShapeKey, sharded: ShardedModel) -> None:
         """Keep which plan served these shapes, for the last ``REMEMBERED_SHAPES`` shapes."""
         self._last.pop(key, None)

@@ -712,3 +712,14 @@ def test_a_plan_tried_and_refused_leaves_no_garbage_holding_its_activations():
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+def test_with_a_later_stage_on_meta_the_specialisation_made_ahead_is_measured():
+    """No stage may run to choose the plan there; one made with ``sharded.specialize`` for these
+    shapes is the one that serves them."""
+    torch.manual_seed(0)
+    sharded = autoshard.shard_model(Smoothed().eval(), 2, example_inputs=(torch.randn(8, 4),))
+    micro = (torch.randn(2, 4),)
+    made = sharded.specialize(*micro)
+    sharded.stages[1].to("meta")  # this rank keeps stage 0 only
+    assert measure_stage_time(sharded, 0, micro, repeats=1).plan == timed_plan(made)

@@ -115,12 +115,16 @@ def running_device(module: torch.nn.Module, inputs: Any) -> torch.device:
 def serving_plan(sharded: ShardedModel, args: tuple, kwargs: dict) -> ShardedModel:
     """The plan that serves these inputs, as ``sharded(*args, **kwargs)`` chooses it: the plan itself,
     else the specialisation whose guards hold, made now if none does (a microbatch smaller than
-    the plan's example may flip a branch). Chosen by running every stage once, so only where every
-    stage is on a real device; under ``model_kept``, which sets the grad mode the measurement runs
-    in (a capture fixes the grad mode it sees) and gives the weights, buffers and random state back."""
+    the plan's example may flip a branch). Chosen by running every stage once, under ``model_kept``,
+    which sets the grad mode the measurement runs in (a capture fixes the grad mode it sees) and
+    gives the weights, buffers and random state back. Where a stage is on the meta device none runs
+    to choose: the plan that last served these shapes (``sharded.specialize`` makes one), else the
+    plan itself."""
     specializer = sharded.specializer
-    if specializer is None or any(getattr(stage_device(m), "type", None) == "meta" for m in sharded.stages):
+    if specializer is None:
         return sharded
+    if any(getattr(stage_device(m), "type", None) == "meta" for m in sharded.stages):
+        return specializer.remembered(args, kwargs) or sharded
     return specializer.serve(sharded, *autograd_usable((args, kwargs)), run=_ran, given_back=True)
 
 
