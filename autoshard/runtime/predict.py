@@ -43,8 +43,9 @@ def predict_step(
     ``link_bandwidth``, ``link_latency`` or ``message_seconds`` and ``calibrate`` is None.
     ``times``, one ``measure_stage_time`` per stage in order, predicts from stages timed before:
     several schedules from one timing (the inputs are not used then); times of the specialisation
-    that serves a microbatch the plan's guards refuse count as the plan's. Every argument, the inputs,
-    and whether PyTorch's schedule runs the step, are checked before anything is measured."""
+    that serves a microbatch the plan's guards refuse count as the plan's. Every argument, whether
+    the inputs bind to the model's arguments, and whether PyTorch's schedule runs the step, are
+    checked before anything is measured (the plan's guards check the inputs when the stages run)."""
     checked_plan(sharded, "predict_step")
     link_fields = ("link_bandwidth", "link_latency", "message_seconds")
     own_link = isinstance(step, StepTimeModel) and any(
@@ -79,7 +80,7 @@ def predict_step(
         raise InvalidArgumentError(
             "calibrate=True measures gloo between local CPU processes, and some stages are on an accelerator: pass "
             "calibrate=False (the default for them) with the interconnect's link_bandwidth and link_latency in step=")
-    if times is None:  # inputs the model refuses are refused before anything is measured
+    if times is None:  # inputs that do not bind to the model's arguments are refused before anything is measured
         refuse_meta(sharded, k - 1, "predict_step")
         checked_call(sharded, example_inputs, example_kwargs, "predict_step")
     modal = _mode_dependent(sharded) if not sharded.plan.training else []

@@ -50,8 +50,8 @@ def refuse_meta(sharded: ShardedModel, last: int, caller: str) -> None:
 
 def checked_call(sharded: ShardedModel, args: Any, kwargs: Any, caller: str) -> tuple[tuple, dict]:
     """The model's inputs as ``(args, kwargs)``, refused with a typed error when they are not a
-    sequence and a mapping, on the meta device (nothing is computed there), or not a call the plan
-    takes (``fit_call``), before anything is measured."""
+    sequence and a mapping, on the meta device (nothing is computed there), or not binding to the
+    model's arguments (``fit_call``), before anything is measured."""
     if not isinstance(args, (tuple, list)):
         raise InvalidArgumentTypeError(f"{caller}'s example_inputs must be a tuple of the model's positional inputs, "
                                        f"got {type(args).__name__}")
