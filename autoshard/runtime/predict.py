@@ -10,11 +10,12 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from autoshard.arguments import whole_number
 from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.runtime.calibrate import calibrate_runtime
 from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
-from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, measure_stage_time, timed_plan
+from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, time_stages, timed_plan
 from autoshard.sharded import ShardedModel, stage_device
 
 
@@ -64,9 +65,9 @@ def predict_step(
         raise InvalidArgumentError(
             f"times must be one StageTimeMeasurement per stage, stages 0 to {k - 1} in order; got "
             f"{[getattr(t, 'stage', type(t).__name__) for t in times]}")
-    served = {timed_plan(plan) for plan in [sharded, *(s.sharded for s in sharded.specializations)]}
-    if times is not None and not (len({getattr(t, "plan", None) for t in times}) == 1
-                                  and getattr(times[0], "plan", None) in served):
+    timed_on = {getattr(t, "plan", None) for t in times or ()}
+    if times is not None and not (len(timed_on) == 1 and timed_on <= {
+            timed_plan(plan) for plan in [sharded, *(made.sharded for made in sharded.specializations)]}):
         raise InvalidArgumentError(
             "times were measured on another plan (another model, split, width or device) or on several: time this "
             "plan's stages on one microbatch, "
@@ -82,7 +83,8 @@ def predict_step(
             "calibrate=False (the default for them) with the interconnect's link_bandwidth and link_latency in step=")
     if times is None:  # inputs that do not bind to the model's arguments are refused before anything is measured
         refuse_meta(sharded, k - 1, "predict_step")
-        checked_call(sharded, example_inputs, example_kwargs, "predict_step")
+        call = checked_call(sharded, example_inputs, example_kwargs, "predict_step")
+        repeats = whole_number(repeats, "repeats", at_least=1)
     modal = _mode_dependent(sharded) if not sharded.plan.training else []
     if modal:
         warnings.warn(
@@ -92,7 +94,7 @@ def predict_step(
     if calibrate:
         step = calibrate_runtime().applied_to(step)
     if times is None:
-        times = [measure_stage_time(sharded, j, example_inputs, example_kwargs, repeats=repeats) for j in range(k)]
+        times = time_stages(sharded, range(k), *call, repeats)
     source = "each stage timed whole on one microbatch (measure_stage_time)"
     if calibrate:
         source += "; link and time per message calibrated with the runtime (calibrate_runtime)"

@@ -39,13 +39,18 @@ def checked_plan(sharded: Any, caller: str) -> ShardedModel:
 def refuse_meta(sharded: ShardedModel, last: int, caller: str) -> None:
     """A typed error when a stage up to ``last`` is on the meta device, where kernels compute nothing
     to measure (a pipeline rank's other stages may stay there)."""
-    on_meta = [j for j, module in enumerate(sharded.stages[: last + 1])
-               if getattr(stage_device(module), "type", None) == "meta"]
+    on_meta = stages_on_meta(sharded, last)
     if on_meta:
         raise InvalidArgumentError(
             f"{caller} runs stages 0 to {last} on real tensors, and stage{'s' if len(on_meta) > 1 else ''} "
             f"{', '.join(map(str, on_meta))} {'are' if len(on_meta) > 1 else 'is'} on the meta device, where nothing "
             "is computed: move the model to a real device (plan_report(sharded) predicts without running it)")
+
+
+def stages_on_meta(sharded: ShardedModel, last: int | None = None) -> list[int]:
+    """The stages up to ``last`` (every stage by default) whose weights are on the meta device."""
+    stages = sharded.stages if last is None else sharded.stages[: last + 1]
+    return [j for j, module in enumerate(stages) if getattr(stage_device(module), "type", None) == "meta"]
 
 
 def checked_call(sharded: ShardedModel, args: Any, kwargs: Any, caller: str) -> tuple[tuple, dict]:
@@ -123,7 +128,7 @@ def serving_plan(sharded: ShardedModel, args: tuple, kwargs: dict) -> ShardedMod
     specializer = sharded.specializer
     if specializer is None:
         return sharded
-    if any(getattr(stage_device(m), "type", None) == "meta" for m in sharded.stages):
+    if stages_on_meta(sharded):
         return specializer.remembered(args, kwargs) or sharded
     return specializer.serve(sharded, *autograd_usable((args, kwargs)), run=_ran, given_back=True)
 

@@ -69,31 +69,43 @@ def measure_stage_time(
     stage = checked_stage(sharded, stage, "measure_stage_time")
     example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_time")
     repeats = whole_number(repeats, "repeats", at_least=1)
-    forward, backward, sent_bytes = [], [], 0
+    return time_stages(sharded, [stage], example_inputs, example_kwargs, repeats)[0]
+
+
+def time_stages(sharded: ShardedModel, stages: Sequence[int], example_inputs: tuple, example_kwargs: dict,
+                repeats: int) -> list[StageTimeMeasurement]:
+    """``measure_stage_time`` of each of ``stages`` (arguments checked by the caller), on the plan
+    serving the inputs, chosen once for them all (choosing runs every stage)."""
     with model_kept(sharded):
         plan = serving_plan(sharded, example_inputs, example_kwargs)
-        module = plan.stages[stage]
-        args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
-        device = running_device(module, (args, kwargs))
+        return [_timed(plan, stage, example_inputs, example_kwargs, repeats) for stage in stages]
 
-        def now() -> float:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            return time.perf_counter()
 
-        for _ in range(repeats + 1):
-            call_args, call_kwargs = fresh_copy((args, kwargs), stage > 0)
-            start = now()
-            outputs = module(*call_args, **call_kwargs)
-            middle = now()
-            sent_bytes = sum(t.nbytes for t in tensors_in(outputs))
-            sent = [t for t in tensors_in(outputs) if t.requires_grad]
-            gradients = [torch.ones_like(t) for t in sent]
-            begin = now()
-            if sent:
-                torch.autograd.backward(sent, gradients)
-            forward.append(middle - start)
-            backward.append(now() - begin)
+def _timed(plan: ShardedModel, stage: int, example_inputs: tuple, example_kwargs: dict,
+           repeats: int) -> StageTimeMeasurement:
+    module = plan.stages[stage]
+    forward, backward, sent_bytes = [], [], 0
+    args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
+    device = running_device(module, (args, kwargs))
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    for _ in range(repeats + 1):
+        call_args, call_kwargs = fresh_copy((args, kwargs), stage > 0)
+        start = now()
+        outputs = module(*call_args, **call_kwargs)
+        middle = now()
+        sent_bytes = sum(t.nbytes for t in tensors_in(outputs))
+        sent = [t for t in tensors_in(outputs) if t.requires_grad]
+        gradients = [torch.ones_like(t) for t in sent]
+        begin = now()
+        if sent:
+            torch.autograd.backward(sent, gradients)
+        forward.append(middle - start)
+        backward.append(now() - begin)
     return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
                                 str(device), sent_bytes, timed_plan(plan))
 
@@ -107,4 +119,4 @@ def timed_plan(sharded: ShardedModel) -> str:
     return hashlib.sha256(repr((plan_fingerprint(sharded), stages)).encode()).hexdigest()[:16]
 
 
-__all__ = ["StageTimeMeasurement", "TIMING_REPEATS", "measure_stage_time", "timed_plan"]
+__all__ = ["StageTimeMeasurement", "TIMING_REPEATS", "measure_stage_time", "time_stages", "timed_plan"]
