@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 import torch
+from conftest import AddsTwoEntries
 from torch import nn
 
 import autoshard
@@ -241,20 +242,11 @@ def test_a_plan_chosen_up_front_matches_nested_shapes_too():
     assert sharded.specializer.plan_for(sharded, ({"x": torch.randn(2, 8)},), {}) is chosen  # kept, not made again
 
 
-class TwoKeys(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.b(self.a(batch["x"]) + batch["y"])
-
-
 def test_a_dict_in_another_key_order_is_the_example_s_plan():
     """The capture's guards take a dict's keys in any order, so ``plan_for`` does too: no capture
     (and no specialisation slot) is spent on a microbatch the plan already serves."""
     torch.manual_seed(0)
-    model = TwoKeys().eval()
+    model = AddsTwoEntries().eval()
     sharded = autoshard.shard_model(model, 2, ({"x": torch.randn(4, 8), "y": torch.randn(4, 8)},))
     reordered = {"y": torch.randn(4, 8), "x": torch.randn(4, 8)}
     assert sharded.specializer.plan_for(sharded, (reordered,), {}) is sharded

@@ -9,6 +9,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import AddsTwoEntries
 from torch import nn
 
 import autoshard
@@ -39,21 +40,12 @@ def test_a_copied_sharded_model_computes_the_model_and_checks_its_inputs(name, h
         copied(args[0].float(), *args[1:])
 
 
-class TakesADict(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.last(self.first(batch["x"]) + batch["y"])
-
-
 @pytest.mark.parametrize("how", COPIES)
 def test_a_plan_of_a_dict_argument_is_copied_without_warnings_and_checks_the_dict(how, recwarn):
     """The dict's captured layout travels as ``treespec_dumps`` text: a pickled ``TreeSpec`` warns
     when loaded (torch 2.13), once in every process a plan was sent to."""
     torch.manual_seed(0)
-    model = TakesADict().eval()
+    model = AddsTwoEntries().eval()
     batch = {"x": torch.randn(2, 8), "y": torch.randn(2, 8)}
     sharded = autoshard.shard_model(model, 2, (batch,))
     recwarn.clear()
