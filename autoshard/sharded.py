@@ -19,7 +19,7 @@ from autoshard.isolation import PLAIN_VALUES
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
 from autoshard.capture.held_state import NO_KEY, kept_check
 from autoshard.capture.result import WrappedLeaf
-from autoshard.capture.signature import argument_names
+from autoshard.capture.signature import argument_names, is_default, parameter_default
 from autoshard.costs.memory import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
@@ -371,9 +371,9 @@ class _Binder:
     def _check_left_out(self, binding: _Binding, values: tuple[Any, ...]) -> None:
         """Refuse a value other than the default for an argument the example left out."""
         changed = [name for name, index in binding.left_out
-                   if not _is_default(self.model_signature, name, values[index])]
+                   if not is_default(self.model_signature, name, values[index])]
         if changed:
-            defaults = [_default(self.model_signature, name) for name in changed]
+            defaults = [parameter_default(self.model_signature, name) for name in changed]
             reason = (f"the example left {', '.join(f'{n}={d!r}' for n, d in zip(changed, defaults))} at the "
                       "default, which the plan computes with" if inspect.Parameter.empty not in defaults
                       else f"the example did not pass {', '.join(map(repr, changed))}")
@@ -396,9 +396,9 @@ class _Binder:
             return exc
         parameters = self.signature.parameters
         moved = {name: slot.index for name, slot in named.items() if name in parameters}
-        fills = {name: _default(self.model_signature, name) for name in parameters
+        fills = {name: parameter_default(self.model_signature, name) for name in parameters
                  if name not in moved and name not in self.inputs
-                 and _default(self.model_signature, name) is not inspect.Parameter.empty}
+                 and parameter_default(self.model_signature, name) is not inspect.Parameter.empty}
         try:
             self.signature.bind(**moved, **fills)
             error = None
@@ -430,26 +430,11 @@ def _graph_inputs(first: fx.GraphModule) -> tuple[str, ...] | None:
 _GRAPH_INPUTS: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, ...] | None] = weakref.WeakKeyDictionary()
 
 
-def _default(signature: inspect.Signature, name: str) -> Any:
-    """Parameter ``name``'s default (``inspect.Parameter.empty``: none, or no such parameter)."""
-    parameter = signature.parameters.get(name)
-    return inspect.Parameter.empty if parameter is None else parameter.default
-
-
 def _not_fitting(signature: inspect.Signature, reason: TypeError) -> InputMismatchError:
     return InputMismatchError(
         f"these inputs do not fit the sharded plan: {reason}. The plan takes ({', '.join(signature.parameters)}), "
         "the arguments its example passed (one left out was fixed at its default); shard the model again "
         "with an example that passes these arguments")
-
-
-def _is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
-    """Whether ``value`` is the default of parameter ``name``: the same object, or an equal plain
-    number, flag or string (a tensor default never counts: its values could have changed)."""
-    default = _default(signature, name)
-    if default is inspect.Parameter.empty:
-        return False
-    return value is default or (type(value) is type(default) and isinstance(value, PLAIN_VALUES) and value == default)
 
 
 class _PlacedOn:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from autoshard.capture.signature import argument_names, forward_signature
+from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
@@ -92,13 +92,16 @@ def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: ins
     """Every value of the call under the parameter it binds to in ``signature`` (the model's
     ``forward``; a call it refuses is taken as written), nested containers included, and every
     tensor's shape: what ``plan_for`` matches a microbatch on. An argument by position or by name,
-    and a dict's keys in any order, are the same call, as they are to the capture's guards. Walking
+    one given its default or left out, and a dict's keys in any order, are the same call, as they
+    are to the capture's guards and the call's binding. Walking
     every input costs more than ``shape_key``, so it runs where a plan is chosen once for many
     calls, not per call."""
     call: Any = (tuple(args), dict(kwargs))
     if signature is not None:
         try:
-            call = argument_names(signature, signature.bind(*args, **kwargs).arguments)
+            bound = signature.bind(*args, **kwargs).arguments
+            call = argument_names(signature, {name: value for name, value in bound.items()
+                                              if not is_default(signature, name, value)})
         except TypeError:
             pass
     found, _ = tree_flatten_with_path(call)

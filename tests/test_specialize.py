@@ -274,6 +274,31 @@ def test_a_microbatch_by_name_is_the_plan_made_from_positions():
     assert sharded.specializations == ()
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, gate: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x) * scale
+        return self.b(h if gate is None else h * gate)
+
+
+def test_an_argument_given_its_default_is_the_plan_that_left_it_out():
+    """A microbatch that passes an argument's default (``use_cache=False`` where the example left it
+    out) is the call the plan already serves, as the call's binding takes it: no capture is spent."""
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    x = torch.randn(4, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    for args, kwargs in [((x,), {"scale": 1.0}), ((x, 1.0), {}), ((x,), {"gate": None}), ((), {"x": x, "scale": 1.0})]:
+        assert sharded.specializer.plan_for(sharded, args, kwargs) is sharded
+    assert sharded.specializations == ()
+    assert torch.equal(sharded(x, scale=1.0), model(x))
+    doubled = sharded.specializer.plan_for(sharded, (x,), {"scale": 2.0})  # another value: its own plan
+    assert doubled is not sharded and torch.equal(doubled.run_stages((x,), {"scale": 2.0}), model(x, scale=2.0))
+
+
 class TiedLM(nn.Module):
     """GPT-2's layout in small: the head reads the embedding's weight, so the first and last stages
     both hold it (under its two names), and a branch on the sequence length."""

@@ -83,6 +83,21 @@ def argument_names(signature: inspect.Signature, bound: Mapping[str, Any]) -> di
     return named
 
 
+def parameter_default(signature: inspect.Signature, name: str) -> Any:
+    """Parameter ``name``'s default (``inspect.Parameter.empty``: none, or no such parameter)."""
+    parameter = signature.parameters.get(name)
+    return inspect.Parameter.empty if parameter is None else parameter.default
+
+
+def is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
+    """Whether ``value`` is the default of parameter ``name``: the same object, or an equal plain
+    number, flag or string (a tensor default never counts: its values could have changed)."""
+    default = parameter_default(signature, name)
+    if default is inspect.Parameter.empty:
+        return False
+    return value is default or (type(value) is type(default) and isinstance(value, PLAIN_VALUES) and value == default)
+
+
 def _snapshots(constants: Mapping[str, Any]) -> dict[str, Any]:
     """Copies of the mutable constants that have an ``==`` (a config dataclass, a list of flags)."""
     found = {}
