@@ -95,17 +95,6 @@ class StackedLSTMs(nn.Module):
         return self.head(out)
 
 
-class AddsTwoEntries(nn.Module):
-    """Takes one dict argument and reads its ``x`` and ``y``: a layout inside an argument."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.last(self.first(batch["x"]) + batch["y"])
-
-
 class Masked(nn.Module):
     """Optional ``mask`` and ``bias`` inputs, for binding a call as the model binds it."""
 

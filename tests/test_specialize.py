@@ -8,7 +8,6 @@ import pickle
 
 import pytest
 import torch
-from conftest import AddsTwoEntries
 from torch import nn
 
 import autoshard
@@ -240,6 +239,17 @@ def test_a_plan_chosen_up_front_matches_nested_shapes_too():
     assert chosen is not sharded and [s.sharded for s in sharded.specializations] == [chosen]
     assert torch.equal(chosen.run_stages((small,), {}), model(small))
     assert sharded.specializer.plan_for(sharded, ({"x": torch.randn(2, 8)},), {}) is chosen  # kept, not made again
+
+
+class AddsTwoEntries(nn.Module):
+    """Takes one dict argument and reads its ``x`` and ``y``: a layout inside an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.last(self.first(batch["x"]) + batch["y"])
 
 
 def test_a_dict_in_another_key_order_is_the_example_s_plan():

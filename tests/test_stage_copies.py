@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import pickle
@@ -9,7 +10,6 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import AddsTwoEntries
 from torch import nn
 
 import autoshard
@@ -40,39 +40,47 @@ def test_a_copied_sharded_model_computes_the_model_and_checks_its_inputs(name, h
         copied(args[0].float(), *args[1:])
 
 
+Pair = collections.namedtuple("Pair", "x y")
+
+
+class ReadsTwo(nn.Module):
+    """Reads two entries of one argument, under the keys (or positions) it is built with."""
+
+    def __init__(self, keys: tuple) -> None:
+        super().__init__()
+        self.keys = keys
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, batch) -> torch.Tensor:
+        return self.last(self.first(batch[self.keys[0]]) + batch[self.keys[1]])
+
+
+LAYOUTS = {"str keys": ("x", "y"), "tuple keys": (("x", 0), ("y", 0)), "dtype keys": (torch.float32, torch.int64),
+           "namedtuple": (0, 1)}
+
+
 @pytest.mark.parametrize("how", COPIES)
-def test_a_plan_of_a_dict_argument_is_copied_without_warnings_and_checks_the_dict(how, recwarn):
-    """The dict's captured layout travels as ``treespec_dumps`` text: a pickled ``TreeSpec`` warns
-    when loaded (torch 2.13), once in every process a plan was sent to."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_plan_of_a_structured_argument_is_copied_without_warnings_and_checks_it(layout, how, recwarn):
+    """The captured layout travels as a value of it with numbered leaves: a pickled ``TreeSpec``
+    warns when loaded (torch 2.13), once in every process a plan was sent to."""
     torch.manual_seed(0)
-    model = AddsTwoEntries().eval()
-    batch = {"x": torch.randn(2, 8), "y": torch.randn(2, 8)}
+    keys = LAYOUTS[layout]
+    model = ReadsTwo(keys).eval()
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    batch = Pair(x, y) if layout == "namedtuple" else dict(zip(keys, (x, y)))
     sharded = autoshard.shard_model(model, 2, (batch,))
     recwarn.clear()
     copied = COPIES[how](sharded)
     assert [str(w.message) for w in recwarn] == []
-    assert torch.equal(copied({"y": batch["y"], "x": batch["x"]}), model(batch))
-    with pytest.raises(InputMismatchError, match="keys are fixed"):
-        copied({"x": batch["x"]})
-
-
-class TupleKeys(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        return self.last(self.first(batch[("x", 0)]) + batch[("y", 0)])
-
-
-@pytest.mark.parametrize("how", COPIES)
-def test_a_dict_with_tuple_keys_is_copied_as_it_was_captured(how):
-    """JSON would make the keys lists: such a layout is pickled as the ``TreeSpec`` itself."""
-    torch.manual_seed(0)
-    model = TupleKeys().eval()
-    batch = {("x", 0): torch.randn(2, 8), ("y", 0): torch.randn(2, 8)}
-    copied = COPIES[how](autoshard.shard_model(model, 2, (batch,)))
     assert torch.equal(copied(batch), model(batch))
+    if layout == "str keys":
+        assert torch.equal(copied({"y": y, "x": x}), model(batch))
+        with pytest.raises(InputMismatchError, match="keys are fixed"):
+            copied({"x": x})
+    else:
+        with pytest.raises(InputMismatchError):
+            copied((x, y))
 
 
 class ReadsX(nn.Module):
@@ -85,9 +93,7 @@ class ReadsX(nn.Module):
 
 
 def test_a_defaultdict_argument_whose_factory_is_a_lambda_is_deep_copied():
-    """Its layout names the lambda, which JSON can write and not load: the ``TreeSpec`` is copied."""
-    import collections
-
+    """Its layout holds the lambda, which a deep copy keeps as it is."""
     torch.manual_seed(0)
     model = ReadsX().eval()
     batch = collections.defaultdict(lambda: None, x=torch.randn(2, 8))

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from torch.utils._pytree import (
-    TreeSpec, keystr, tree_flatten_with_path, tree_leaves, tree_unflatten, treespec_dumps, treespec_loads)
+    TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten)
 
 from autoshard.errors import ExampleInputsError
 from autoshard.isolation import PLAIN_VALUES, contents
@@ -92,16 +92,11 @@ class ArgumentStructure:
         return None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled with the layout as ``treespec_dumps`` writes it, where its types allow: loading a
-        pickled ``TreeSpec`` warns in torch 2.13 (a ``FutureWarning`` about ``LeafSpec``), so every
-        process a plan with a dict argument was sent to printed one."""
-        try:
-            text = treespec_dumps(self.spec)
-            if treespec_loads(text) == self.spec:  # JSON makes a tuple key a list: such a layout is kept as it is
-                return _loaded, (text, self.paths, self.leaves)
-        except (NotImplementedError, TypeError, ValueError, AttributeError, ImportError):  # a type JSON cannot name
-            pass
-        return ArgumentStructure, (self.spec, self.paths, self.leaves)
+        """Pickled as a value of the layout with numbered leaves, flattened again where it is loaded:
+        loading a pickled ``TreeSpec`` warns in torch 2.13 (a ``FutureWarning`` about ``LeafSpec``),
+        once in every process a plan was sent to, and ``treespec_dumps`` names neither a namedtuple
+        nor a dict keyed by tuples or dtypes."""
+        return _rebuilt, (tree_unflatten(list(range(self.spec.num_leaves)), self.spec), self.paths, self.leaves)
 
     def arranged(self, value: Any) -> Any:
         """``value`` with its dicts' keys in the captured order (the graph may read by position)."""
@@ -116,8 +111,8 @@ class ArgumentStructure:
         return {name + keystr(path): leaf for path, leaf in tree_flatten_with_path(value)[0]}
 
 
-def _loaded(layout: str, paths: tuple[str, ...], leaves: tuple[Any, ...]) -> ArgumentStructure:
-    return ArgumentStructure(treespec_loads(layout), paths, leaves)
+def _rebuilt(shell: Any, paths: tuple[str, ...], leaves: tuple[Any, ...]) -> ArgumentStructure:
+    return ArgumentStructure(tree_flatten(shell)[1], paths, leaves)
 
 
 def _children(value: Any) -> Iterable[Any]:
