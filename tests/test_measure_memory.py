@@ -43,10 +43,11 @@ def test_linear_stack_matches_a_hand_count():
     sharded, x = linear_stack()
     first = measure_stage_memory(sharded, 0, (x,), microbatches=1)
     state = linear_bytes(8, 16, 16)
-    # before the backward: weights, their gradients, Adam's two fp32 moments, the input, and the
-    # two outputs (the first saved by the second Linear, the second kept as the stage's output)
+    # before the backward: weights, their gradients, Adam's two fp32 moments, the two outputs (the
+    # first saved by the second Linear, the second kept as the stage's output); received: the input
+    # and the buffer the output's gradient will arrive in
     assert dict(first.resident) == {"weights": state, "gradients": state, "optimizer": 2 * state,
-                                    "activations": BATCH * (16 + 16) * F32, "received": BATCH * 8 * F32,
+                                    "activations": BATCH * (16 + 16) * F32, "received": BATCH * (8 + 16) * F32,
                                     "temporaries": 0}
     last = measure_stage_memory(sharded, 1, (x,), microbatches=1)
     state = linear_bytes(16, 32, 4)
@@ -63,13 +64,27 @@ def test_linear_stack_matches_a_hand_count():
 
 def test_each_microbatch_in_flight_adds_its_activations_and_inputs():
     sharded, x = linear_stack()
-    per_microbatch = BATCH * (16 + 16) * F32 + BATCH * 8 * F32
+    gradient_buffer = BATCH * 16 * F32  # where the gradient of the stage's output arrives
+    per_microbatch = BATCH * (16 + 16) * F32 + BATCH * 8 * F32 + gradient_buffer
     peaks = [measure_stage_memory(sharded, 0, (x,), schedule="gpipe", microbatches=m).peak for m in (1, 2, 3)]
     assert [b - a for a, b in zip(peaks, peaks[1:])] == [per_microbatch, per_microbatch]
-    # 1F1B: stage 0 of 2 keeps at most 2 in flight, however many microbatches the step has
+    # 1F1B: stage 0 of 2 keeps at most 2 in flight, but a gradient buffer for every microbatch of the step
     one_f_one_b = [measure_stage_memory(sharded, 0, (x,), microbatches=m) for m in (1, 2, 4)]
     assert [m.in_flight for m in one_f_one_b] == [1, 2, 2]
-    assert [m.peak for m in one_f_one_b] == peaks[:2] + peaks[1:2]
+    assert [m.peak for m in one_f_one_b] == [*peaks[:2], peaks[1] + 2 * gradient_buffer]
+
+
+def test_a_later_stage_keeps_a_receive_buffer_for_every_microbatch_of_the_step():
+    """Stage 1 of 2 (1F1B) runs one microbatch at a time, but ``PipelineStage`` holds the inputs
+    of all of them: each microbatch of the step adds its received input, to the model too."""
+    sharded, x = linear_stack()
+    measured = [measure_stage_memory(sharded, 1, (x,), microbatches=m) for m in (1, 2, 4)]
+    assert [m.in_flight for m in measured] == [1, 1, 1]
+    assert [m.peak - measured[0].peak for m in measured] == [0, BATCH * 16 * F32, 3 * BATCH * 16 * F32]
+    predicted = [autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=m)).stages[1].memory
+                 for m in (1, 2, 4)]
+    assert [p.total - predicted[0].total for p in predicted] == [0, BATCH * 16 * F32, 3 * BATCH * 16 * F32]
+    assert predicted[2].idle_buffer_bytes == 3 * BATCH * 16 * F32 and predicted[2].buffer_bytes == 4 * BATCH * 16 * F32
 
 
 def test_in_flight_counts_follow_the_schedule():
@@ -150,8 +165,8 @@ def test_examples_hold_at_least_their_weight_state_and_more_with_more_in_flight(
         if four.in_flight > one.in_flight:
             assert four.resident["activations"] == four.in_flight * one.resident["activations"]
             assert four.peak > one.peak
-        else:
-            assert four.peak == one.peak
+        else:  # three more microbatches' receive buffers, nothing else
+            assert four.peak - one.peak == four.parts["received"] - one.parts["received"] > 0
 
 
 def test_measurement_is_exported_and_serialisable():

@@ -153,7 +153,17 @@ def pipeline_step(rank: int, world: int, name: str, num_stages: int, schedule: s
                   for s in stages},
         "keys": {s.stage_index: sorted(s.submod.state_dict()) for s in stages},
         "boundaries": sharded.plan.boundaries,
+        "receive buffers": {s.stage_index: receive_buffer_bytes(s) for s in stages},
     }
+
+
+def receive_buffer_bytes(stage) -> int:
+    """Bytes of the buffers a ``PipelineStage`` keeps after a step for receiving: the values it
+    receives and the gradients of those it sends, every microbatch's."""
+    storages = {info.buffer.untyped_storage().data_ptr(): info.buffer.untyped_storage().nbytes()
+                for infos in (stage.args_recv_info, stage.grad_recv_info) for received in infos.values()
+                for info in received if isinstance(getattr(info, "buffer", None), torch.Tensor)}
+    return sum(storages.values())
 
 
 def setup_errors(rank: int, world: int) -> dict:
@@ -352,6 +362,20 @@ def test_two_processes_train_like_the_unsplit_model(two_processes, scenario):
     model = build(scenario[0])[0]
     keys = [k for r in seen for ks in r["keys"].values() for k in ks]
     assert set(keys) == set(model.state_dict())  # the runtime's stages keep the model's names
+
+
+@pytest.mark.parametrize("scenario", TWO_PROCESS + FOUR_PROCESS, ids=lambda s: "-".join(map(str, s)))
+def test_the_memory_model_counts_the_receive_buffers_the_runtime_keeps(two_processes, four_processes, scenario):
+    """``PipelineStage`` keeps a buffer for every microbatch's received values and sent values'
+    gradients; the memory model's ``buffer_bytes`` (for the plan's example, the whole batch: each
+    microbatch is a quarter of it) is what each stage holds."""
+    model, args, kwargs, _ = build(scenario[0])
+    sharded = autoshard.shard_model(model, scenario[1], example_inputs=args, example_kwargs=kwargs)
+    predicted = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=MICROBATCHES)).stages
+    results = two_processes if scenario in TWO_PROCESS else four_processes
+    held = {j: nbytes for rank in results for j, nbytes in rank[scenario]["receive buffers"].items()}
+    assert held == {j: stage.memory.buffer_bytes / MICROBATCHES for j, stage in enumerate(predicted)}
+    assert all(held[j] > 0 for j in held)
 
 
 @pytest.mark.parametrize("scenario", FOUR_PROCESS, ids=lambda s: "-".join(map(str, s)))

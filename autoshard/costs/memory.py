@@ -14,7 +14,10 @@ its other microbatches wait), part by part:
   per microbatch) and the values it sent that nothing saved (kept until their gradients arrive);
 * once, the backward of one microbatch: the gradients of its outputs, then, node by node in
   reverse, the gradients alive and the node's own backward peak, less what the nodes already
-  run have freed (``backward_bytes``: the most of that above the microbatches held).
+  run have freed (``backward_bytes``: the most of that above the microbatches held);
+* all step, the receive buffers of the microbatches not in flight (``idle_buffer_bytes``):
+  ``PipelineStage`` allocates, for every microbatch of the step, a buffer for the values a stage
+  receives and one for the gradients of the values it sends, and keeps them from step to step.
 
 Microbatches in flight at stage j of k: ``min(k - j, microbatches)`` under 1F1B, every
 microbatch under GPipe, and under interleaved 1F1B what PyTorch's op order keeps (simulated as
@@ -233,7 +236,7 @@ class MemoryModel:
         return (f"(weights + gradients + {self.optimizer} state ({self.optimizer_bytes_per_param:g} B per parameter"
                 f"{master})){shard}{gathered} + kept activations x microbatches in flight (saved for backward, "
                 f"received and sent values; stage j of k: {self.in_flight_rule()}, {self.schedule}) + one backward"
-                f"{layout}")
+                f" + receive buffers of every microbatch of the step{layout}")
 
     def to_dict(self) -> dict[str, float | int | str | bool | None]:
         return {"optimizer_bytes_per_param": self.optimizer_bytes_per_param, "microbatches": self.microbatches,
@@ -249,6 +252,13 @@ class MemoryModel:
             return interleaved_in_flight(num_stages, self.stages_per_rank, self.microbatches)[stage]
         count = num_stages - stage
         return count if self.microbatches is None else min(count, self.microbatches)
+
+    def step_microbatches(self, num_stages: int) -> int:
+        """The step's microbatches: ``microbatches``, or when None the fewest that fill the pipeline
+        (one per stage; under interleaved 1F1B one per rank)."""
+        if self.microbatches is not None:
+            return self.microbatches
+        return num_stages // self.stages_per_rank if self.schedule == "interleaved-1f1b" else num_stages
 
     def all_in_flight(self, num_stages: int) -> tuple[int, ...]:
         """``in_flight`` of every stage, stage 0 first."""
@@ -383,6 +393,12 @@ class StageMemory:
     reduce_bytes: float = 0.0
     """What the gradient reduction after the last backward adds to ``state_bytes``, when no
     microbatch is in flight any more (``MemoryModel.reduce_bytes``)."""
+    buffer_bytes: float = 0.0
+    """The receive buffers the runtime keeps all step, one per microbatch of the step: received
+    values (not on the first stage) and gradients of the values sent (not on the last)."""
+    idle_buffer_bytes: float = 0.0
+    """The part of ``buffer_bytes`` that the microbatches in flight and the one backward, which
+    use their buffers, do not count already."""
 
     @property
     def optimizer_bytes(self) -> float:
@@ -399,8 +415,10 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        """Weight state plus the larger of the steady state's activations and the reduction's buffers."""
-        return self.state_bytes + max(self.per_microbatch * self.in_flight + self.backward_bytes, self.reduce_bytes)
+        """Weight state plus the larger of the steady state (its microbatches, one backward and the
+        idle receive buffers) and the reduction after the last backward (with every receive buffer)."""
+        steady = self.per_microbatch * self.in_flight + self.backward_bytes + self.idle_buffer_bytes
+        return self.state_bytes + max(steady, self.reduce_bytes + self.buffer_bytes)
 
     def parts(self) -> str:
         """The parts in words, for errors and reports."""
@@ -410,6 +428,8 @@ class StageMemory:
                 f"received "
                 f"{self.received_bytes:,.0f}, sent {self.sent_bytes:,.0f}, x {self.in_flight} in flight; "
                 f"one backward {self.backward_bytes:,.0f}"
+                + (f"; receive buffers of the other microbatches {self.idle_buffer_bytes:,.0f}"
+                   if self.idle_buffer_bytes else "")
                 + (f"; or the gradient reduction {self.reduce_bytes:,.0f}" if self.reduce_bytes else ""))
 
 
@@ -662,8 +682,13 @@ def stage_memory(
             kept = sum(kept_bytes(dag, v) for v in nodes)
         walk = _backward_peak(dag, nodes, set(made_here), through, sent_storages, output_grads, recomputed)
         backward = (walk + recompute_bytes(regions, lambda n: kept_bytes(dag, n))) * scale
+        in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
+        received_buffer = received if j > 0 else 0.0  # the first stage's inputs are the caller's batch
+        gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
         out.append(StageMemory(
-            j, weights + grads + optimizer, kept * scale, model.in_flight(j, k),
+            j, weights + grads + optimizer, kept * scale, in_flight,
+            buffer_bytes=(received_buffer + gradient_buffer) * buffered,
+            idle_buffer_bytes=received_buffer * (buffered - in_flight) + gradient_buffer * (buffered - 1),
             received_bytes=received, sent_bytes=sent, output_grad_bytes=output_grads * scale,
             backward_bytes=backward + sum(model.fresh_gradient_bytes(info) for info in held),
             weight_bytes=weights, gradient_bytes=grads,

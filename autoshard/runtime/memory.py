@@ -14,6 +14,12 @@ allocates and frees inside itself (a workspace) is not seen. On CUDA the total i
 ``torch.cuda.max_memory_allocated`` instead (the parts still come from the tracker); that path has
 not been run on a GPU yet.
 
+Like torch's ``PipelineStage``, the stage holds a receive buffer for every microbatch of the step
+(``microbatches``; None: one per stage) of what it receives (the microbatches in flight run on
+theirs) and of the gradients of what it sends (its backward starts from one); a ``PipelineStage``
+allocates them once and keeps them from step to step (``tests/test_runtime_pipeline.py`` counts
+them in a real pipeline).
+
 Schedules: ``1f1b`` keeps ``min(k - j, microbatches)`` microbatches in flight at stage ``j`` of
 ``k`` (its warm-up forwards plus the one before its first backward); ``gpipe`` keeps all of them;
 ``interleaved-1f1b`` what PyTorch's op order keeps of that stage (``MemoryModel.in_flight``). The
@@ -139,13 +145,16 @@ def measure_stage_memory(
     example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_memory")
     k = sharded.num_stages
     in_flight = microbatches_in_flight(schedule, stage, k, microbatches, stages_per_rank)
+    buffered = MemoryModel(microbatches=microbatches, schedule=schedule.lower(),
+                           stages_per_rank=stages_per_rank).step_microbatches(k)
     states = optimizer_state_names(optimizer)
     with model_kept(sharded):
         plan = serving_plan(sharded, example_inputs, example_kwargs)
         module = plan.stages[stage]
         args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
-        peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, states, stage > 0)
+        peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, states,
+                                                     _Buffers(stage > 0, stage < k - 1, buffered))
     return StageMemoryMeasurement(
         stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),
         "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages (MemTracker)")
@@ -180,9 +189,20 @@ class _Untouched(nn.Module):
         return self.stage.forward(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class _Buffers:
+    """The receive buffers a ``PipelineStage`` keeps: of its inputs (``receives``: not the first
+    stage, whose inputs it is handed), of its outputs' gradients (``sends``: not the last, whose
+    backward starts from the loss), each for ``microbatches``."""
+
+    receives: bool
+    sends: bool
+    microbatches: int
+
+
 def _run_in_steady_state(
     module: nn.Module, device: torch.device, args: tuple, kwargs: dict, in_flight: int,
-    states: tuple[str, ...], receives_gradients: bool,
+    states: tuple[str, ...], buffers: _Buffers,
 ) -> tuple[int, dict[str, int], dict[str, int]]:
     """Forward ``in_flight`` microbatches, then back-propagate the first: the peak and its parts."""
     cuda = device.type == "cuda"
@@ -195,19 +215,23 @@ def _run_in_steady_state(
     for p in trainable:
         p.grad = torch.zeros_like(p)
     optimizer = _steady_state_optimizer(trainable, states)
-    microbatches = [fresh_copy((args, kwargs), receives_gradients) for _ in range(in_flight)]
+    received = [fresh_copy((args, kwargs), buffers.receives)
+                for _ in range(buffers.microbatches if buffers.receives else in_flight)]
+    microbatches = received[:in_flight]  # the others' buffers wait for their microbatches
     tracker = QuietMemTracker()
-    tracker.track_external(module, optimizer, *[t for mb in microbatches for t in tensors_in(mb)])
+    tracker.track_external(module, optimizer, *[t for mb in received for t in tensors_in(mb)])
     with tracker, without_cyclic_gc():
         outputs, caller = [], _Untouched(module)
         for caller.microbatch in microbatches:
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
             outputs.append(caller())
-        resident = _parts(tracker.get_tracker_snapshot("current"), device)
         sent = [t for t in tensors_in(outputs[0]) if t.requires_grad]
+        waiting = [[torch.ones_like(t) for t in sent] for _ in range(buffers.microbatches if buffers.sends else 0)]
+        tracker.track_external(*[g for microbatch in waiting for g in microbatch])  # received, not made here
+        resident = _parts(tracker.get_tracker_snapshot("current"), device)
         if sent:
-            gradients = [torch.ones_like(t) for t in sent]
-            tracker.track_external(*gradients)  # received from the next stage, not made by this one
+            gradients = waiting[0] if waiting else [torch.ones_like(t) for t in sent]  # the last's: from the loss
+            tracker.track_external(*gradients)
             torch.autograd.backward(sent, gradients)
     parts = _parts(tracker.get_tracker_snapshot("peak"), device)
     if cuda:
