@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from autoshard.capture.signature import argument_names, forward_signature, is_default
+from autoshard.capture.structure import same_constant
 from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
@@ -65,7 +66,8 @@ class Specialization:
 
     def describe(self) -> str:
         """Each tensor it was made for, by argument and place in it (``batch['x']: (1, 8)``)."""
-        shapes = ", ".join(f"{_readable(path)}: {tuple(shape)}" for path, shape in self.structure if shape is not None)
+        shapes = ", ".join(f"{_readable(path)}: {tuple(shape)}" for path, shape in self.structure
+                           if isinstance(shape, torch.Size))
         return f"{shapes or 'no tensor arguments'} ({self.seconds:.1f} s to capture)"
 
 
@@ -88,10 +90,33 @@ def _shape(value: Any) -> Any:
     return value.shape if isinstance(value, torch.Tensor) else None
 
 
+class _Constant:
+    """A value of a call that is no tensor, in a ``call_structure``: equal to the same constant
+    (``same_constant``, as the capture's checks compare them), whatever its ``==`` returns."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Constant) and same_constant(other.value, self.value)
+
+    def __hash__(self) -> int:
+        return hash(type(self.value))
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _described(value: Any) -> Any:
+    return value.shape if isinstance(value, torch.Tensor) else _Constant(value)
+
+
 def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: inspect.Signature | None = None) -> Any:
     """Every value of the call under the parameter it binds to in ``signature`` (the model's
     ``forward``; a call it refuses is taken as written), nested containers included, and every
-    tensor's shape: what ``plan_for`` matches a microbatch on. An argument by position or by name,
+    tensor's shape and every other value: what ``plan_for`` matches a microbatch on. An argument by position or by name,
     one given its default or left out, and a dict's keys in any order, are the same call, as they
     are to the capture's guards and the call's binding. Walking
     every input costs more than ``shape_key``, so it runs where a plan is chosen once for many
@@ -105,7 +130,7 @@ def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: ins
         except TypeError:
             pass
     found, _ = tree_flatten_with_path(call)
-    return tuple(sorted((keystr(path), _shape(leaf)) for path, leaf in found))
+    return tuple(sorted(((keystr(path), _described(leaf)) for path, leaf in found), key=lambda item: item[0]))
 
 
 def _caller_level() -> int:
@@ -187,10 +212,14 @@ class Specializer:
         assert failed is not None
         return self._specialized(primary, args, kwargs, failed, run)
 
-    def remembered(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel | None:
-        """The plan that last served these argument shapes (``specialize`` counts), if any: what
-        serves them where no stage may run to choose."""
-        return self._last.get(shape_key(args, kwargs))
+    def made_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel | None:
+        """The plan captured for a call of exactly this structure (``call_structure``: nested shapes and
+        constants too), if any: what serves it where no stage may run to choose, or a step must not
+        fall back half-way."""
+        key = self.structure(args, kwargs)
+        if key == self.example:
+            return primary
+        return next((s.sharded for s in self.specializations if s.structure == key), None)
 
     def _remember(self, key: ShapeKey, sharded: ShardedModel) -> None:
         """Keep which plan served these shapes, for the last ``REMEMBERED_SHAPES`` shapes."""
@@ -214,6 +243,13 @@ class Specializer:
                 "are updated). Call sharded.specialize(*args, **kwargs) with inputs like these before such calls, "
                 "or make the specialisations in eval mode") from exc
 
+    def _refuse_other_constants(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        refused = _refused_constant(self.example, self.structure(args, kwargs))
+        if refused is not None:
+            raise InputMismatchError(
+                f"{refused}, which it computes with; a new capture changes only shapes: shard the model again with "
+                "an example that passes this value")
+
     def _specialized(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                      exc: SpecializationMismatch, run: Runner) -> Any:
         return run(self.specialize(primary, args, kwargs, guard=str(exc)), args, kwargs)
@@ -224,15 +260,16 @@ class Specializer:
         captured now if none is. For runtimes that build their stages before any call
         (``pipeline_stage``): there a guard failing in the middle of a step has no plan to fall back
         to, so the plan is chosen by shape up front."""
-        key = self.structure(args, kwargs)
-        if key == self.example:
-            return primary
-        made = next((s.sharded for s in self.specializations if s.structure == key), None)
+        made = self.made_for(primary, args, kwargs)
         return made if made is not None else self.specialize(primary, args, kwargs, guard="made for a microbatch")
 
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                    guard: str = "made ahead with sharded.specialize") -> ShardedModel:
-        """Capture the model for these inputs under the primary plan's partition, keep and return it."""
+        """Capture the model for these inputs under the primary plan's partition, keep and return it.
+        Only shapes make another capture: a call the plan's binding or constants refuse (an argument
+        its example passed left out, another value where it computes with one) is refused here too."""
+        primary.fit_call(args, kwargs)
+        self._refuse_other_constants(args, kwargs)
         key = shape_key(args, kwargs)
         if len(self.specializations) >= self.limit:
             seen = "; ".join(s.describe() for s in self.specializations) or "none"
@@ -260,6 +297,17 @@ class Specializer:
                 f"this sharded model has made its {self.limit} specialisations (max_specializations); inputs that "
                 "need another are refused from now on", SpecializationLimitWarning, stacklevel=_caller_level())
         return sharded
+
+
+def _refused_constant(example: Any, call: Any) -> str | None:
+    """The first value of ``call`` (a ``call_structure``) that is another constant than the
+    example's at the same place, in words; None when there is none."""
+    fixed = dict(example)
+    for path, value in call:
+        captured = fixed.get(path)
+        if isinstance(value, _Constant) and isinstance(captured, _Constant) and value != captured:
+            return f"{_readable(path)} is {value!r}, but the plan was captured with {captured!r} there"
+    return None
 
 
 def runs_again_the_same(sharded: ShardedModel) -> bool:

@@ -12,6 +12,7 @@ from torch import nn
 
 import autoshard
 from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch
+from autoshard.runtime.replay import serving_plan
 from autoshard.specialize import SpecializationLimitWarning, holders
 
 
@@ -252,6 +253,20 @@ class AddsTwoEntries(nn.Module):
         return self.last(self.first(batch["x"]) + batch["y"])
 
 
+def test_with_a_stage_on_meta_the_plan_made_for_the_nested_shapes_serves():
+    """Where no stage may run to choose (one is on the meta device), a measurement takes the plan
+    made for the call's structure, nested shapes included: the example's own shapes are the plan
+    itself, not the specialisation that last served the same top-level arguments (one dict)."""
+    torch.manual_seed(0)
+    model = NestedSizeBranch().eval()
+    sharded = autoshard.shard_model(model, 2, ({"x": torch.randn(4, 8)},))
+    made = sharded.specialize({"x": torch.randn(2, 8)})
+    sharded.stages[1].to("meta")
+    assert serving_plan(sharded, ({"x": torch.randn(4, 8)},), {}) is sharded
+    assert serving_plan(sharded, ({"x": torch.randn(2, 8)},), {}) is made
+    assert serving_plan(sharded, ({"x": torch.randn(3, 8)},), {}) is sharded  # none made for it
+
+
 def test_a_dict_in_another_key_order_is_the_example_s_plan():
     """The capture's guards take a dict's keys in any order, so ``plan_for`` does too: no capture
     (and no specialisation slot) is spent on a microbatch the plan already serves."""
@@ -305,8 +320,26 @@ def test_an_argument_given_its_default_is_the_plan_that_left_it_out():
         assert sharded.specializer.plan_for(sharded, args, kwargs) is sharded
     assert sharded.specializations == ()
     assert torch.equal(sharded(x, scale=1.0), model(x))
-    doubled = sharded.specializer.plan_for(sharded, (x,), {"scale": 2.0})  # another value: its own plan
-    assert doubled is not sharded and torch.equal(doubled.run_stages((x,), {"scale": 2.0}), model(x, scale=2.0))
+
+
+def test_a_microbatch_the_plan_refuses_is_refused_up_front_with_no_capture():
+    """A capture changes only shapes: a microbatch with another constant, or leaving out an argument
+    the example passed, is refused as a call is, not given a plan of its own (which calls would then
+    reach too, or which would refuse the microbatch in the middle of a step)."""
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    x, gate = torch.randn(4, 8), torch.rand(4, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), {"scale": 2.0, "gate": gate})
+    with pytest.raises(InputMismatchError, match=r"scale is 3.0, but the plan was captured with 2.0 there"):
+        sharded.specializer.plan_for(sharded, (x,), {"scale": 3.0, "gate": gate})
+    with pytest.raises(InputMismatchError, match="gate"):
+        sharded.specializer.plan_for(sharded, (x[:2],), {"scale": 2.0})
+    with pytest.raises(InputMismatchError):
+        sharded(x[:2], scale=2.0)  # no plan for it was made on the way
+    assert sharded.specializations == ()
+    small = sharded.specializer.plan_for(sharded, (x[:2],), {"scale": 2.0, "gate": gate[:2]})  # shapes: a capture
+    assert small is not sharded and len(sharded.specializations) == 1
+    assert sharded.specializer.plan_for(sharded, (x[:2], 2.0), {"gate": gate[:2]}) is small
 
 
 class TiedLM(nn.Module):

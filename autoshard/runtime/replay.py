@@ -123,13 +123,13 @@ def serving_plan(sharded: ShardedModel, args: tuple, kwargs: dict) -> ShardedMod
     the plan's example may flip a branch). Chosen by running every stage once, under ``model_kept``,
     which sets the grad mode the measurement runs in (a capture fixes the grad mode it sees) and
     gives the weights, buffers and random state back. Where a stage is on the meta device none runs
-    to choose: the plan that last served these shapes (``sharded.specialize`` makes one), else the
+    to choose: the plan captured for inputs like these (``sharded.specialize`` makes one), else the
     plan itself."""
     specializer = sharded.specializer
     if specializer is None:
         return sharded
     if stages_on_meta(sharded):
-        return specializer.remembered(args, kwargs) or sharded
+        return specializer.made_for(sharded, args, kwargs) or sharded
     return specializer.serve(sharded, *autograd_usable((args, kwargs)), run=_ran, given_back=True)
 
 
