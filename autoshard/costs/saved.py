@@ -25,8 +25,8 @@ are probed once: the others get the first one's ``NodeEffect`` applied to their 
 fresh output of its layout. A node autograd records nothing of (a size, a mask, an index: code that
 reads only arguments that want no gradient) is not probed at all: its effect is read off shape
 propagation's run (``_untracked``). A node that fake tensors cannot run
-(control flow on a tensor's values, as ``nn.TransformerEncoder``'s mask check) gets zeros and a
-fake twin of its real value; ``unprobed`` names those nodes.
+(control flow on a tensor's values, as ``nn.TransformerEncoder``'s mask check) gets a fake twin of
+its real value and no facts (the memory model counts its output bytes); ``unprobed`` names those nodes.
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ class TrainingProbe:
         self.leaves: set[int] = set()  # ids of those leaves
         self.kept: list[Any] = []
         self.unprobed: list[str] = []
+        self.unrun: set[str] = set()  # the nodes whose forward fake tensors could not run: no facts
         self.tracker = QuietMemTracker()
         self.memo: dict[Hashable, NodeEffect] | None = {} if memo else None  # a node's key -> its effect
 
@@ -334,6 +335,7 @@ class TrainingProbe:
                     effect, value, reusable = self._probe(call, args, kwargs, arguments)
                 except Exception:  # noqa: BLE001 - what fake tensors cannot run is left unprobed, not fatal
                     self.unprobed.append(name)
+                    self.unrun.add(name)
                     self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
                     twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
                     self.own(twin, name)
@@ -552,8 +554,9 @@ class TrainingProbe:
         return max(0, peak - start), given
 
     def facts(self) -> dict[str, SavedFacts]:
-        """``SavedFacts`` of every compute node probed so far."""
+        """``SavedFacts`` of every compute node probed so far; none for a node fake tensors could not
+        run, so the memory model falls back to its output's bytes rather than count nothing saved."""
         return {name: SavedFacts(self.saved.get(name, 0), self.saved_output(name), self.grad[name],
                                  self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
                                  self.views.get(name), self.input_grads.get(name))
-                for name in self.grad}
+                for name in self.grad if name not in self.unrun}
