@@ -276,7 +276,7 @@ class Specializer:
             raise InputMismatchError(
                 f"{guard}. This sharded model has made its {self.limit} specialisations (max_specializations; made "
                 f"for: {seen}); shard the model with a larger max_specializations= to serve these inputs too")
-        before = holders(primary)
+        before = model_weights_held(self._model, primary)
         started = time.perf_counter()
         try:
             sharded = self._capture(self._model, args, kwargs, ownership(before))
@@ -333,6 +333,15 @@ def holders(sharded: ShardedModel) -> dict[str, frozenset[int]]:
             tensors.setdefault(name, set()).add(id(tensor))
     return {name: frozenset(stages.union(*(by_tensor[key] for key in tensors[name])))
             for name, stages in by_name.items()}
+
+
+def model_weights_held(model: nn.Module, sharded: ShardedModel) -> dict[str, frozenset[int]]:
+    """``holders`` of the model's own parameters and buffers: what a new capture must hold where the
+    plan does. A tensor the capture lifts from outside the module tree (a module kept in a plain
+    list) gets a name numbered afresh by each capture, so no other capture's name means it."""
+    own = {name for name, _ in (*model.named_parameters(remove_duplicate=False),
+                                *model.named_buffers(remove_duplicate=False))}
+    return {name: stages for name, stages in holders(sharded).items() if name in own}
 
 
 def ownership(held: dict[str, frozenset[int]]) -> dict[str, int]:

@@ -185,6 +185,7 @@ def test_measurement_is_exported_and_serialisable():
     (dict(schedule="interleaved-1f1b", stages_per_rank=3), InvalidArgumentError, ["number of stages must divide"]),
     (dict(microbatches=0), InvalidArgumentError, ["microbatches must be at least 1, got 0"]),
     (dict(microbatches=2.0), InvalidArgumentTypeError, ["microbatches must be an int"]),
+    (dict(master_weights="yes"), InvalidArgumentTypeError, ["master_weights must be True or False", "'yes'"]),
     (dict(stage=2), InvalidArgumentError, ["stage 2 is out of range", "2 stages", "from 0 to 1"]),
     (dict(stage=-1), InvalidArgumentError, ["stage -1 is out of range"]),
 ])
@@ -213,3 +214,15 @@ def test_on_cuda_the_peak_is_the_allocators():
     assert measured.source == "torch.cuda.max_memory_allocated" and measured.device.startswith("cuda")
     # the allocator rounds every block up to 512 bytes, so it holds at least what the storages need
     assert measured.peak >= sum(measured.parts.values()) - measured.parts["temporaries"]
+
+
+def test_master_weights_are_an_fp32_copy_of_each_narrower_trainable_weight():
+    """As ``MemoryModel(master_weights=True)`` counts them, in the optimizer's part."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 32), nn.Linear(32, 4)).to(torch.bfloat16)
+    x = torch.randn(BATCH, 8, dtype=torch.bfloat16)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    plain, master = (measure_stage_memory(sharded, 0, (x,), microbatches=1, master_weights=flag) for flag in (False, True))
+    assert master.parts["optimizer"] - plain.parts["optimizer"] == linear_bytes(8, 16, 16)  # fp32: 4 B each
+    predicted = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=1, master_weights=True))
+    assert predicted.stages[0].memory.optimizer_bytes == master.parts["optimizer"]

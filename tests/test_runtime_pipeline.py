@@ -266,6 +266,19 @@ def scaled_gradient(rank: int, world: int) -> dict:
     return {"doubled": doubled, "message": None}
 
 
+def nan_loss(rank: int, world: int) -> str | None:
+    """A loss that is nan on the batch: every rank refuses the check, before any collective."""
+    model, args, kwargs, target = build("residual-mlp")
+    stage = pipeline_stage(autoshard.shard_model(model, 2, example_inputs=args), rank, 2, "cpu")
+    runner = build_schedule(stage, "gpipe", MICROBATCHES, loss_fn=F.mse_loss)
+    try:
+        check_pipeline_step(runner, stage, model, args, kwargs, target=torch.full_like(target, float("nan")),
+                            loss_fn=F.mse_loss)
+    except InvalidArgumentError as exc:
+        return str(exc)
+    return None
+
+
 def untied_step(rank: int, world: int) -> str | None:
     """GPT-2's head and embedding (one weight under two names) on two ranks, checked without
     ``ties``: the check refuses and says to pass them."""
@@ -281,7 +294,7 @@ def untied_step(rank: int, world: int) -> str | None:
 
 def two_process_worker(rank: int, world: int, scenarios: list[tuple]) -> dict:
     results = {"errors": setup_errors(rank, world), "scaled": scaled_gradient(rank, world),
-               "untied": untied_step(rank, world)}
+               "untied": untied_step(rank, world), "nan": nan_loss(rank, world)}
     for scenario in scenarios:
         results[scenario] = pipeline_step(rank, world, *scenario)
     return results
@@ -432,6 +445,12 @@ def test_a_weight_every_stage_holds_is_summed_over_local_and_remote_stages(two_p
     holders = [stage for r in two_processes for stage, grads in r[scenario]["grads"].items()
                if "shared.weight" in grads]
     assert sorted(holders) == [0, 1, 2, 3]
+
+
+def test_check_pipeline_step_refuses_a_batch_whose_loss_is_nan_on_every_rank(two_processes):
+    assert [r["nan"] for r in two_processes] == [
+        "the unsplit model's loss is nan on this batch, so there is nothing to compare the step with; check with a "
+        "batch whose loss is finite"] * 2
 
 
 def test_check_pipeline_step_catches_a_stage_whose_gradient_is_scaled(two_processes):

@@ -342,6 +342,33 @@ def test_a_microbatch_the_plan_refuses_is_refused_up_front_with_no_capture():
     assert sharded.specializer.plan_for(sharded, (x[:2], 2.0), {"gate": gate[:2]}) is small
 
 
+class NormsInAList(nn.Module):
+    """Two norms kept in a plain list, outside the module tree: the capture lifts their tensors under
+    names it numbers afresh each time; a branch on the batch size skips the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+        self.extra = [nn.BatchNorm1d(4).eval(), nn.LayerNorm(4)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if x.shape[0] > 4:
+            h = self.extra[0](h)
+        return self.d(self.extra[1](self.c(self.b(h))))
+
+
+def test_tensors_lifted_from_outside_the_module_tree_do_not_pin_a_new_capture():
+    """The first capture's ``lifted_tensor_0`` is the batch norm's; the second's, the layer norm's.
+    Pinning such names to the first plan's stages contradicted the new graph's order."""
+    torch.manual_seed(0)
+    model = NormsInAList().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(8, 4),))
+    x = torch.randn(2, 4)
+    assert torch.equal(sharded(x), model(x))
+    assert len(sharded.specializations) == 1
+
+
 class TiedLM(nn.Module):
     """GPT-2's layout in small: the head reads the embedding's weight, so the first and last stages
     both hold it (under its two names), and a branch on the sequence length."""

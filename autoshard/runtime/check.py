@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from autoshard.errors import InvalidArgumentTypeError, VerificationError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, VerificationError
 from autoshard.runtime.schedule import _model_loss_at, model_loss
 from autoshard.runtime.ties import TiedGradients
 from autoshard.runtime.wire import OutputTensors
@@ -119,6 +119,10 @@ def check_pipeline_step(
                                        f"got {type(model).__name__}")
     kwargs = dict(kwargs or {})
     expected_loss, expected = _unsplit_step(model, args, kwargs, target, loss_fn)
+    if not math.isfinite(expected_loss):  # every rank ran the model: all refuse before any collective
+        raise InvalidArgumentError(
+            f"the unsplit model's loss is {expected_loss} on this batch, so there is nothing to compare the step "
+            "with; check with a batch whose loss is finite")
     losses = _pipeline_step(schedule, local, args, kwargs, target, ties)
     rows = [(stage.stage_index, name, param.grad) for stage in local
             for name, param in stage.submod.named_parameters(remove_duplicate=False)]

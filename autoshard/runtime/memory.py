@@ -132,6 +132,7 @@ def measure_stage_memory(
     microbatches: int | None = None,
     optimizer: str = "adam",
     stages_per_rank: int = 2,
+    master_weights: bool = False,
 ) -> StageMemoryMeasurement:
     """Run stage ``stage`` of ``sharded`` in its steady state and return the most memory it held.
 
@@ -139,6 +140,8 @@ def measure_stage_memory(
     example the plan was made with to compare with ``plan_report``, whose activations were
     measured on it). The model is left as it was: its gradients, buffers and random state are
     restored afterwards. ``stages_per_rank`` is for ``interleaved-1f1b``: the stages each process runs.
+    ``master_weights``: the optimizer also keeps an fp32 copy of each trainable weight narrower than
+    fp32, as ``MemoryModel(master_weights=True)`` counts it (in ``optimizer``).
     Inputs the plan's guards refuse run on the specialisation that serves them, as a call would choose it.
     """
     stage = checked_stage(sharded, stage, "measure_stage_memory")
@@ -148,26 +151,32 @@ def measure_stage_memory(
     buffered = MemoryModel(microbatches=microbatches, schedule=schedule.lower(),
                            stages_per_rank=stages_per_rank).step_microbatches(k)
     states = optimizer_state_names(optimizer)
+    if not isinstance(master_weights, bool):
+        raise InvalidArgumentTypeError(f"master_weights must be True or False, got {master_weights!r}")
     with model_kept(sharded):
         plan = serving_plan(sharded, example_inputs, example_kwargs)
         module = plan.stages[stage]
         args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
-        peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, states,
+        peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, (states, master_weights),
                                                      _Buffers(stage > 0, stage < k - 1, buffered))
     return StageMemoryMeasurement(
         stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),
         "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages (MemTracker)")
 
 
-def _steady_state_optimizer(params: list[nn.Parameter], states: tuple[str, ...]) -> torch.optim.Optimizer | None:
+def _steady_state_optimizer(params: list[nn.Parameter], states: tuple[str, ...],
+                            master_weights: bool) -> torch.optim.Optimizer | None:
     """An optimizer over ``params`` whose state is filled as after its first step, without stepping
-    (a step would write the model's parameters); only its state is read, so its class does not matter."""
+    (a step would write the model's parameters); only its state is read, so its class does not matter.
+    ``master_weights``: an fp32 copy of each weight narrower than fp32 with it."""
     if not params:
         return None
     optimizer = torch.optim.SGD(params, lr=0.0)
     for p in params:
         optimizer.state[p] = {name: torch.zeros_like(p, dtype=torch.float32) for name in states}
+        if master_weights and p.element_size() < 4:
+            optimizer.state[p]["master"] = p.detach().float()
     return optimizer
 
 
@@ -202,7 +211,7 @@ class _Buffers:
 
 def _run_in_steady_state(
     module: nn.Module, device: torch.device, args: tuple, kwargs: dict, in_flight: int,
-    states: tuple[str, ...], buffers: _Buffers,
+    optimizer_state: tuple[tuple[str, ...], bool], buffers: _Buffers,
 ) -> tuple[int, dict[str, int], dict[str, int]]:
     """Forward ``in_flight`` microbatches, then back-propagate the first: the peak and its parts."""
     cuda = device.type == "cuda"
@@ -214,7 +223,7 @@ def _run_in_steady_state(
     trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
     for p in trainable:
         p.grad = torch.zeros_like(p)
-    optimizer = _steady_state_optimizer(trainable, states)
+    optimizer = _steady_state_optimizer(trainable, *optimizer_state)
     received = [fresh_copy((args, kwargs), buffers.receives)
                 for _ in range(buffers.microbatches if buffers.receives else in_flight)]
     microbatches = received[:in_flight]  # the others' buffers wait for their microbatches
