@@ -222,7 +222,8 @@ def test_master_weights_are_an_fp32_copy_of_each_narrower_trainable_weight():
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 32), nn.Linear(32, 4)).to(torch.bfloat16)
     x = torch.randn(BATCH, 8, dtype=torch.bfloat16)
     sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
-    plain, master = (measure_stage_memory(sharded, 0, (x,), microbatches=1, master_weights=flag) for flag in (False, True))
+    plain, master = (measure_stage_memory(sharded, 0, (x,), microbatches=1, master_weights=flag)
+                     for flag in (False, True))
     assert master.parts["optimizer"] - plain.parts["optimizer"] == linear_bytes(8, 16, 16)  # fp32: 4 B each
     predicted = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=1, master_weights=True))
     assert predicted.stages[0].memory.optimizer_bytes == master.parts["optimizer"]
