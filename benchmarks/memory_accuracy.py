@@ -163,17 +163,12 @@ def rows(name: str, ks: tuple[int, ...], counts: tuple[int, ...], optimizers: tu
         except autoshard.errors.AutoshardError as exc:
             print(f"{name} k={k}: no plan ({type(exc).__name__}: {str(exc)[:120]})")
             continue
-        measured: dict[tuple, Any] = {}  # (stage, optimizer, in flight) -> measurement: 1F1B caps repeat
         for optimizer in optimizers:
-            for count in counts:
+            for count in counts:  # measured for each count: the receive buffers grow with it, not only in flight
                 report = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=count, optimizer=optimizer))
                 for j in range(k):
-                    in_flight = report.stages[j].memory.in_flight
-                    key = (j, optimizer, in_flight)
-                    if key not in measured:
-                        measured[key] = measure_stage_memory(sharded, j, args, kwargs, microbatches=count,
-                                                             optimizer=optimizer)
-                    m, stage = measured[key], sharded.stages[j]
+                    m = measure_stage_memory(sharded, j, args, kwargs, microbatches=count, optimizer=optimizer)
+                    stage = sharded.stages[j]
                     out.append(dict(model=name, k=k, mb=count, opt=optimizer, stage=j, in_flight=m.in_flight,
                                     measured=m.peak, parts=m.parts, predicted=report.stages[j].memory.total,
                                     weights=weights_only(stage), deepspeed=deepspeed_model_states(stage, optimizer)))
