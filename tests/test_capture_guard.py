@@ -470,3 +470,30 @@ def test_a_constant_the_model_stores_tensors_in_is_refused_and_left_as_it_was(fr
                            rf"leave {name} out.*use_cache=False"):
             capture(AppendsToACache(), (), arguments, front_end=front_end)
     assert cache.layers[0].keys == [] and log == []
+
+
+SCALES = [1.0, 2.0]
+
+
+class ScalesByDefault(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scales: list = SCALES, bias: torch.Tensor = torch.zeros(4)) -> torch.Tensor:
+        return self.b(self.a(x) * scales[1]) + bias
+
+
+def test_a_default_changed_in_place_since_the_capture_is_refused():
+    """The plan computes with the default as it was (a tensor default is left alone: its values are
+    the model's own to change, and comparing it would refuse every call)."""
+    model, x = ScalesByDefault().eval(), torch.randn(4, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    assert torch.equal(sharded(x), model(x))
+    SCALES[1] = 5.0
+    try:
+        with pytest.raises(InputMismatchError, match=r"the default of scales was changed in place .*\[1.0, 5.0\]"):
+            sharded(x)
+    finally:
+        SCALES[1] = 2.0
+    assert torch.equal(sharded(x), model(x))

@@ -169,8 +169,10 @@ def trace_with_leaves(
 
 def _guard(signature: CallSignature | None, tracer: MetaTracer) -> InputGuard | None:
     """fx graphs serve any shape; constants baked in, the layout of container arguments (the trace
-    answered ``d.get("mask") is not None`` from the example), and input dtypes once the trace
-    relied on them, need checking. A graph that relied on none of these takes its inputs unchecked."""
-    if signature is None or not (signature.constants or tracer.read_static_facts or signature.containers):
+    answered ``d.get("mask") is not None`` from the example), mutable defaults left out, and input
+    dtypes once the trace relied on them, need checking. A graph that relied on none of these takes
+    its inputs unchecked."""
+    if signature is None or not (signature.constants or tracer.read_static_facts or signature.containers
+                                 or signature.default_snapshots()):
         return None
     return signature.guard(dtypes=bool(signature.constants or tracer.read_static_facts))

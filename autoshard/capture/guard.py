@@ -53,6 +53,10 @@ class InputGuard:
     #: Copies of the constants taken at capture, for those with an ``==``: the same object, changed
     #: in place since (``cfg.scale = 3.0``), is refused, as the plan computes with the old value.
     snapshots: Mapping[str, Any] = field(default_factory=dict)
+    #: For a parameter the example left out whose default is a mutable object with an ``==`` (a list
+    #: of flags): the default itself and a copy taken at capture. The plan computes with the copy's
+    #: value, so a default changed in place since is refused (the check costs nothing without one).
+    default_snapshots: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
     #: Said after a size refused for being other than the fixed one: who fixed it, what to do.
     fixed_size_advice: str = ""
     #: Conditions on the sizes the capture relied on beyond their ranges (``x.shape[0] % 2 == 0``,
@@ -96,6 +100,10 @@ class InputGuard:
             if name in self.snapshots and not same_constant(values[name], self.snapshots[name]):
                 return (f"{name} was changed in place since the plan was captured (now {values[name]!r}, then "
                         f"{self.snapshots[name]!r}), and the plan computes with the old value"), {}
+        for name, (default, then) in self.default_snapshots.items():
+            if not same_constant(default, then):
+                return (f"the default of {name} was changed in place since the plan was captured (now {default!r}, "
+                        f"then {then!r}), and the plan computes with the old value"), {}
         leaves = dict(values)
         for name, structure in self.structures.items():
             problem = structure.problem(name, leaves[name])

@@ -17,7 +17,7 @@ import copy
 import enum
 import inspect
 import keyword
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -26,7 +26,8 @@ from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.host_random import host_draws
 from autoshard.capture.guard import DimSpec, InputGuard
-from autoshard.capture.structure import CACHE_ADVICE, ArgumentStructure, check_visible_tensors, holds_tensors
+from autoshard.capture.structure import (
+    CACHE_ADVICE, ArgumentStructure, check_visible_tensors, holds_tensors, same_constant)
 from autoshard.errors import ExampleInputsError, InvalidArgumentError
 from autoshard.isolation import PLAIN_VALUES, cloned, isolated
 
@@ -144,9 +145,11 @@ def _check_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class CallSignature:
-    """The example call: its arguments in order, each a graph input or a constant."""
+    """The example call: its arguments in order, each a graph input or a constant; ``defaults``,
+    the defaults of the parameters it left out, which the plan computes with."""
 
     arguments: tuple[CallArgument, ...]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> "CallSignature":
@@ -158,7 +161,11 @@ class CallSignature:
         seen = [a.name for a in arguments]
         if len(set(seen)) != len(seen):
             raise InvalidArgumentError(f"example arguments name the same parameter twice: {seen}")
-        signature = cls(tuple(arguments))
+        forward = forward_signature(model)
+        left_out = {} if forward is None else {
+            name: p.default for name, p in forward.parameters.items()
+            if name not in seen and p.default is not inspect.Parameter.empty}
+        signature = cls(tuple(arguments), left_out)
         signature._check_constants_unwritten(model)
         return signature
 
@@ -214,7 +221,14 @@ class CallSignature:
                       for path, dtype in zip(structure.paths, structure.leaves) if isinstance(dtype, torch.dtype)})
         return InputGuard(tuple(a.name for a in self.arguments), tuple(a.name for a in self.graph_inputs),
                           self.constants, kinds if dtypes else {}, dict(shapes or {}), structures,
-                          _snapshots(self.constants))
+                          _snapshots(self.constants), default_snapshots=self.default_snapshots())
+
+    def default_snapshots(self) -> dict[str, tuple[Any, Any]]:
+        """For each left-out parameter whose default is a mutable object with an ``==``: the default
+        and a copy of it now, which the plan computes with."""
+        plain = {name: value for name, value in self.defaults.items() if not holds_tensors(value)}
+        return {name: (plain[name], copied) for name, copied in _snapshots(plain).items()
+                if same_constant(plain[name], copied)}  # an ``==`` that fails on a copy cannot tell a change
 
     def wrapper(self, model: nn.Module) -> nn.Module:
         """A module whose forward takes the graph inputs and calls ``model`` as the example did."""
