@@ -212,13 +212,40 @@ def _tensor_attributes(model: nn.Module) -> list[torch.Tensor]:
             if key not in _REGISTRIES and isinstance(value, torch.Tensor) and not isinstance(value, TRACE_VALUES)]
 
 
+def detached_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules the model keeps outside its module tree, in a plain list, tuple or dict attribute of
+    one of its modules (``self.extra = [nn.BatchNorm1d(4)]``): its forward runs them, so a run of
+    it updates their buffers too, though ``model.buffers()`` does not list them."""
+    tree = {id(m) for m in model.modules()}
+    found: dict[int, nn.Module] = {}
+
+    def walk(value: Any, depth: int) -> None:
+        if isinstance(value, nn.Module):
+            if id(value) not in tree:
+                found.setdefault(id(value), value)
+        elif depth < 4:
+            for item in contents(value):
+                walk(item, depth + 1)
+
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key not in _REGISTRIES:
+                walk(value, 0)
+    return list(found.values())
+
+
 @contextlib.contextmanager
 def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
     """Randomness seeded with ``seed`` (None: drawn on from where it is, then set back), and on
-    exit the model's own generators, buffer values, rewritten weights and module state restored."""
-    with torch.random.fork_rng(devices=[]), generators_restored(model), \
-            values_restored([*model.buffers(), *rewritten_weights(model), *_tensor_attributes(model)]), \
-            module_state_restored(model):
+    exit the generators, buffer values, rewritten weights and module state of the model, and of the
+    modules it keeps outside its tree (``detached_modules``), restored."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        for owner in (model, *detached_modules(model)):
+            stack.enter_context(generators_restored(owner))
+            stack.enter_context(values_restored([*owner.buffers(), *rewritten_weights(owner),
+                                                 *_tensor_attributes(owner)]))
+            stack.enter_context(module_state_restored(owner))
         if seed is not None:
             torch.manual_seed(seed)
         yield

@@ -97,6 +97,24 @@ def test_verification_restores_batchnorm_statistics():
     assert model[1].num_batches_tracked.item() == 0
 
 
+class NormInAList(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.extra = [torch.nn.BatchNorm1d(4)]  # outside the module tree: model.buffers() does not list it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.extra[0](self.a(x)))
+
+
+def test_sharding_restores_a_batchnorm_kept_outside_the_module_tree():
+    model = NormInAList().train()
+    norm = model.extra[0]
+    before = {k: v.clone() for k, v in norm.state_dict().items()}
+    autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 4),))
+    assert all(torch.equal(before[k], v) for k, v in norm.state_dict().items())
+
+
 class ReturnsADict(torch.nn.Module):
     """A forward returning a plain dict (and a list inside it), as many real models do."""
 
