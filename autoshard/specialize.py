@@ -300,13 +300,17 @@ class Specializer:
 
 
 def _refused_constant(example: Any, call: Any) -> str | None:
-    """The first value of ``call`` (a ``call_structure``) that is another constant than the
-    example's at the same place, in words; None when there is none."""
-    fixed = dict(example)
-    for path, value in call:
-        captured = fixed.get(path)
-        if isinstance(value, _Constant) and isinstance(captured, _Constant) and value != captured:
-            return f"{_readable(path)} is {value!r}, but the plan was captured with {captured!r} there"
+    """The first place where ``call`` (a ``call_structure``) holds another constant than the
+    example, in words; None when there is none. A constant missing on one side was its parameter's
+    default there (``call_structure`` drops defaults)."""
+    fixed, given = dict(example), dict(call)
+    for path in sorted(fixed.keys() | given.keys()):
+        value, captured = given.get(path), fixed.get(path)
+        if (isinstance(value, _Constant) or isinstance(captured, _Constant)) and value != captured \
+                and not isinstance(value, torch.Size) and not isinstance(captured, torch.Size):
+            now = "its default" if value is None else repr(value)
+            then = "its default" if captured is None else repr(captured)
+            return f"{_readable(path)} is {now}, but the plan was captured with {then} there"
     return None
 
 

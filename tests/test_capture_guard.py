@@ -497,3 +497,19 @@ def test_a_default_changed_in_place_since_the_capture_is_refused():
     finally:
         SCALES[1] = 2.0
     assert torch.equal(sharded(x), model(x))
+
+
+class TupleByDefault(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, dims: tuple = (0,), where: torch.device = torch.device("cpu")) -> torch.Tensor:
+        return self.b(self.a(x).to(where)).sum(dims)
+
+
+def test_an_immutable_default_adds_no_input_check_to_a_call():
+    """A tuple of ints or a device cannot change in place: a graph that needs no guard gets none."""
+    sharded = autoshard.shard_model(TupleByDefault().eval(), 2, (torch.randn(4, 4),), pipeline="trace,shape-prop,"
+                                    "build-dag,linearize,split,emit,verify")
+    assert not any(node.target is check_inputs for node in sharded.stages[0].graph.nodes)

@@ -337,6 +337,11 @@ def test_a_microbatch_the_plan_refuses_is_refused_up_front_with_no_capture():
     with pytest.raises(InputMismatchError):
         sharded(x[:2], scale=2.0)  # no plan for it was made on the way
     assert sharded.specializations == ()
+    passed_default = autoshard.shard_model(model, 2, (x,), {"scale": 1.0})  # the default, passed: the same
+    with pytest.raises(InputMismatchError, match=r"scale is 2.0, but the plan was captured with its default there"):
+        passed_default.specialize(x[:2], scale=2.0)
+    with pytest.raises(InputMismatchError, match=r"scale is its default, but the plan was captured with 2.0 there"):
+        sharded.specializer.plan_for(sharded, (x[:2],), {"gate": gate[:2]})
     small = sharded.specializer.plan_for(sharded, (x[:2],), {"scale": 2.0, "gate": gate[:2]})  # shapes: a capture
     assert small is not sharded and len(sharded.specializations) == 1
     assert sharded.specializer.plan_for(sharded, (x[:2], 2.0), {"gate": gate[:2]}) is small

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import io
 import pickle
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
+from autoshard.capture.structure import ArgumentStructure
 from autoshard.errors import InputMismatchError
 from autoshard.examples import load_example
 
@@ -224,3 +226,25 @@ def test_the_pickle_refusal_names_a_way_to_make_a_plan_file():
     with pytest.raises(autoshard.errors.InvalidArgumentError) as refused:
         pickle.dumps(sharded.stages[0])
     assert "save_plan" not in str(refused.value) and "autoshard split TARGET --stages K --out" in str(refused.value)
+
+
+@dataclasses.dataclass
+class CheckedPair:
+    """A pytree node whose constructor takes only tensors: its layout cannot be rebuilt with
+    numbered leaves, so it travels as the ``TreeSpec`` itself."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.x, torch.Tensor):
+            raise TypeError("x must be a tensor")
+
+
+torch.utils._pytree.register_dataclass(CheckedPair)
+
+
+def test_a_layout_whose_node_checks_its_leaves_is_still_copied():
+    layout = ArgumentStructure.of(CheckedPair(torch.zeros(2), torch.ones(2)))
+    copied = pickle.loads(pickle.dumps(layout))
+    assert copied.spec == layout.spec and copied.paths == layout.paths

@@ -226,7 +226,8 @@ class CallSignature:
     def default_snapshots(self) -> dict[str, tuple[Any, Any]]:
         """For each left-out parameter whose default is a mutable object with an ``==``: the default
         and a copy of it now, which the plan computes with."""
-        plain = {name: value for name, value in self.defaults.items() if not holds_tensors(value)}
+        plain = {name: value for name, value in self.defaults.items()
+                 if _may_be_written(value) and not holds_tensors(value)}  # a tuple of ints cannot change
         return {name: (plain[name], copied) for name, copied in _snapshots(plain).items()
                 if same_constant(plain[name], copied)}  # an ``==`` that fails on a copy cannot tell a change
 
