@@ -201,6 +201,11 @@ class SavedPlan:
             return None
         return stage_memory(self._graph, self._assignment, self.num_stages, memory or self.memory_model)
 
+    def memory_unprobed(self) -> tuple[str, ...]:
+        """The nodes whose saved activations were not measured (fake tensors could not run them, or
+        the plan file predates the facts): ``training_memory`` counts their output bytes instead."""
+        return tuple(n.name for n in self.nodes if not n.input and n.training is None)
+
     def shared_weights(self) -> tuple[SharedWeight, ...]:
         """Weights read by several nodes or tied under several names, with the stages holding them."""
         return shared_weights(self._graph, self._assignment)
