@@ -115,12 +115,11 @@ def _described(value: Any) -> Any:
 
 def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: inspect.Signature | None = None) -> Any:
     """Every value of the call under the parameter it binds to in ``signature`` (the model's
-    ``forward``; a call it refuses is taken as written), nested containers included, and every
-    tensor's shape and every other value: what ``plan_for`` matches a microbatch on. An argument by position or by name,
-    one given its default or left out, and a dict's keys in any order, are the same call, as they
-    are to the capture's guards and the call's binding. Walking
-    every input costs more than ``shape_key``, so it runs where a plan is chosen once for many
-    calls, not per call."""
+    ``forward``; a call it refuses is taken as written), nested containers included: each tensor's
+    shape and each other value. What ``plan_for`` matches a microbatch on. An argument by position
+    or by name, one given its default or left out, and a dict's keys in any order, are the same
+    call, as they are to the capture's guards and the call's binding. Walking every input costs
+    more than ``shape_key``, so it runs where a plan is chosen once for many calls, not per call."""
     call: Any = (tuple(args), dict(kwargs))
     if signature is not None:
         try:
@@ -243,8 +242,8 @@ class Specializer:
                 "are updated). Call sharded.specialize(*args, **kwargs) with inputs like these before such calls, "
                 "or make the specialisations in eval mode") from exc
 
-    def _refuse_other_constants(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        refused = _refused_constant(self.example, self.structure(args, kwargs))
+    def _refuse_other_constants(self, structure: Any) -> None:
+        refused = _refused_constant(self.example, structure)
         if refused is not None:
             raise InputMismatchError(
                 f"{refused}, which it computes with; a new capture changes only shapes: shard the model again with "
@@ -269,7 +268,8 @@ class Specializer:
         Only shapes make another capture: a call the plan's binding or constants refuse (an argument
         its example passed left out, another value where it computes with one) is refused here too."""
         primary.fit_call(args, kwargs)
-        self._refuse_other_constants(args, kwargs)
+        structure = self.structure(args, kwargs)
+        self._refuse_other_constants(structure)
         key = shape_key(args, kwargs)
         if len(self.specializations) >= self.limit:
             seen = "; ".join(s.describe() for s in self.specializations) or "none"
@@ -290,7 +290,7 @@ class Specializer:
                 f"({exc}); shard the model again with an example like these inputs") from exc
         check_same_holders(before, sharded)
         self.specializations.append(Specialization(key, guard.split(";")[0], time.perf_counter() - started, sharded,
-                                                   self.structure(args, kwargs)))
+                                                   structure))
         self._remember(key, sharded)
         if len(self.specializations) == self.limit:
             warnings.warn(

@@ -108,6 +108,12 @@ def microbatches_in_flight(schedule: str, stage: int, num_stages: int, microbatc
                            stages_per_rank: int = 2) -> int:
     """Microbatches whose activations ``stage`` keeps at once under ``schedule``, as the memory model
     counts them (``MemoryModel.in_flight``); ``microbatches`` None means a full pipeline."""
+    return _measured_schedule(schedule, microbatches, stages_per_rank).in_flight(stage, num_stages)
+
+
+def _measured_schedule(schedule: str, microbatches: int | None, stages_per_rank: int) -> MemoryModel:
+    """The memory model's view of a schedule one stage's measurement can stand for, its arguments
+    refused with a typed error naming the accepted ones."""
     if not isinstance(schedule, str):
         raise InvalidArgumentTypeError(f"schedule must be a name ({', '.join(MEASURED_SCHEDULES)}), got {schedule!r}")
     name = schedule.lower()
@@ -119,7 +125,7 @@ def microbatches_in_flight(schedule: str, stage: int, num_stages: int, microbatc
         raise InvalidArgumentError(f"unknown schedule {schedule!r}{suggest(name, MEASURED_SCHEDULES)}; "
                                    f"measured schedules: {', '.join(MEASURED_SCHEDULES)}")
     count = None if microbatches is None else whole_number(microbatches, "microbatches", at_least=1)
-    return MemoryModel(microbatches=count, schedule=name, stages_per_rank=stages_per_rank).in_flight(stage, num_stages)
+    return MemoryModel(microbatches=count, schedule=name, stages_per_rank=stages_per_rank)
 
 
 def measure_stage_memory(
@@ -147,9 +153,8 @@ def measure_stage_memory(
     stage = checked_stage(sharded, stage, "measure_stage_memory")
     example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_memory")
     k = sharded.num_stages
-    in_flight = microbatches_in_flight(schedule, stage, k, microbatches, stages_per_rank)
-    buffered = MemoryModel(microbatches=microbatches, schedule=schedule.lower(),
-                           stages_per_rank=stages_per_rank).step_microbatches(k)
+    run = _measured_schedule(schedule, microbatches, stages_per_rank)
+    in_flight, buffered = run.in_flight(stage, k), run.step_microbatches(k)
     states = optimizer_state_names(optimizer)
     if not isinstance(master_weights, bool):
         raise InvalidArgumentTypeError(f"master_weights must be True or False, got {master_weights!r}")
@@ -158,7 +163,7 @@ def measure_stage_memory(
         module = plan.stages[stage]
         args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
-        peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, (states, master_weights),
+        peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, states, master_weights,
                                                      _Buffers(stage > 0, stage < k - 1, buffered))
     return StageMemoryMeasurement(
         stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),
@@ -211,7 +216,7 @@ class _Buffers:
 
 def _run_in_steady_state(
     module: nn.Module, device: torch.device, args: tuple, kwargs: dict, in_flight: int,
-    optimizer_state: tuple[tuple[str, ...], bool], buffers: _Buffers,
+    states: tuple[str, ...], master_weights: bool, buffers: _Buffers,
 ) -> tuple[int, dict[str, int], dict[str, int]]:
     """Forward ``in_flight`` microbatches, then back-propagate the first: the peak and its parts."""
     cuda = device.type == "cuda"
@@ -223,7 +228,7 @@ def _run_in_steady_state(
     trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
     for p in trainable:
         p.grad = torch.zeros_like(p)
-    optimizer = _steady_state_optimizer(trainable, *optimizer_state)
+    optimizer = _steady_state_optimizer(trainable, states, master_weights)
     received = [fresh_copy((args, kwargs), buffers.receives)
                 for _ in range(buffers.microbatches if buffers.receives else in_flight)]
     microbatches = received[:in_flight]  # the others' buffers wait for their microbatches
