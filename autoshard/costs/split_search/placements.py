@@ -107,16 +107,32 @@ def split_placing_ties(request: SplitRequest) -> Partition:
 
 def fitted(request: SplitRequest, placement: TiePlacement) -> Attempt:
     """``attempt``, made again while its whole stages exceed ``max_memory`` (judged against the original
-    budgets; the last attempt when none fits). Each round tightens the budget of every stage over it:
-    first to the budget less what the splitter missed there (right if the new stage misses as much),
-    and when no split meets that, to just below what the splitter counted there (the stage must hold
-    less than it did: a stage holding less also misses less, its backward and, at a narrower cut, its
-    received values). When neither split exists, every stage's budget is set to the original less
-    what that stage misses now (a stage tightened earlier may need less room than it was given),
-    so budgets may rise again; the rounds are counted, so it ends."""
+    budgets; the last attempt when none fits): ``_tightened``, then, if no split fit, again with the
+    stages under their budgets squeezed too (the cut moves, and with it what the stage over misses).
+    Each budget vector is split once."""
     found = attempt(request, placement)
-    if not request.max_memory:
+    if not request.max_memory or found.fits:
         return found
+    tried: dict[tuple[float, ...], Attempt | None] = {}
+    for squeeze_the_rest in (False, True):
+        last = _tightened(request, placement, found, tried, squeeze_the_rest)
+        if last.fits:
+            break
+    return last
+
+
+def _tightened(request: SplitRequest, placement: TiePlacement, found: Attempt,
+               tried: dict[tuple[float, ...], Attempt | None], squeeze_the_rest: bool) -> Attempt:
+    """Split again from ``found`` under tightened budgets until the whole stages fit. Each round
+    tightens the budget of every stage over it: first to the budget less what the splitter missed
+    there (right if the new stage misses as much), and when no split meets that, to just below what
+    the splitter counted there (the stage must hold less than it did: a stage holding less also
+    misses less, its backward and, at a narrower cut, its received values). ``squeeze_the_rest``:
+    then the stages under their budgets to just below what they counted (an empty one left), the
+    others kept. When no
+    such split exists, every stage's budget is set to the original less what that stage misses now
+    (a stage tightened earlier may need less room than it was given), so budgets may rise again;
+    the rounds are counted, so it ends. ``tried``: the attempt each budget vector gave (None: no split)."""
     budgets = request.each_stage(request.max_memory)
     tight = budgets
     for _ in range(TIGHTENING_ROUNDS):
@@ -127,13 +143,18 @@ def fitted(request: SplitRequest, placement: TiePlacement) -> Attempt:
         less = [c - _ROUND_OFF * b for c, b in zip(found.counted, budgets)]
         proposals = [tuple(min(t, p) if o else t for t, p, o in zip(tight, proposal, over))
                      for proposal in (missed, less)]
+        if squeeze_the_rest:
+            proposals.append(tuple(t if o or p <= 0 else min(t, p) for t, p, o in zip(tight, less, over)))
         proposals.append(tuple(missed))  # every stage by what it misses now, the earlier tightening let go
         for tighter in proposals:
-            try:
-                found, tight = attempt(request, placement, budgets=tighter), tighter
+            if tighter not in tried:
+                try:
+                    tried[tighter] = attempt(request, placement, budgets=tighter)
+                except InfeasibleSplitError:
+                    tried[tighter] = None
+            if tried[tighter] is not None:
+                found, tight = tried[tighter], tighter
                 break
-            except InfeasibleSplitError:
-                continue
         else:
             break
     return found
