@@ -50,10 +50,9 @@ def probed(gm, example: torch.Tensor | tuple, monkeypatch: pytest.MonkeyPatch, m
     ran: list[str] = []
 
     class Counting(TrainingProbe):
-        def _probe(self, call, args, kwargs, arguments, layouts=None):
-            if layouts is None:  # not a backward probed again from the gradient its consumers give
-                ran.append(call.node.name)
-            return super()._probe(call, args, kwargs, arguments, layouts)
+        def _probe(self, call, *args):
+            ran.append(call.node.name)
+            return super()._probe(call, *args)
 
     monkeypatch.setattr(propagation, "TrainingProbe", functools.partial(Counting, memo=memo))
     facts = propagation.propagate(gm, ExampleInputs(example if isinstance(example, tuple) else (example,)))
