@@ -172,4 +172,3 @@ def test_sent_views_and_handed_on_gradients_are_counted_as_autograd_holds_them()
     for j in range(3):
         measured = measure_stage_memory(sharded, j, (x,), microbatches=4)
         assert 0.99 <= predicted[j].memory.total / measured.peak <= 1.01, (j, predicted[j].memory, measured)
-
