@@ -129,9 +129,10 @@ def _tightened(request: SplitRequest, placement: TiePlacement, found: Attempt,
     the splitter counted there (the stage must hold less than it did: a stage holding less also
     misses less, its backward and, at a narrower cut, its received values). ``squeeze_the_rest``:
     then the stages under their budgets to just below what they counted (an empty one left), the
-    others kept. When no such split exists, every stage's budget is set to the original less what that stage misses now
-    (a stage tightened earlier may need less room than it was given), so budgets may rise again;
-    the rounds are counted, so it ends. ``tried``: the attempt each budget vector gave (None: no split)."""
+    others kept. When no such split exists, every stage's budget is set to the original less what
+    that stage misses now (a stage tightened earlier may need less room than it was given), so
+    budgets may rise again; the rounds are counted, so it ends. ``tried``: the attempt each budget
+    vector gave (None: no split)."""
     budgets = request.each_stage(request.max_memory)
     tight = budgets
     for _ in range(TIGHTENING_ROUNDS):
@@ -142,9 +143,10 @@ def _tightened(request: SplitRequest, placement: TiePlacement, found: Attempt,
         less = [c - _ROUND_OFF * b for c, b in zip(found.counted, budgets)]
         proposals = [tuple(min(t, p) if o else t for t, p, o in zip(tight, proposal, over))
                      for proposal in (missed, less)]
-        squeezed = tuple(t if o or p <= 0 else min(t, p) for t, p, o in zip(tight, less, over))
-        if squeeze_the_rest and squeezed != tight:  # ``tight`` gave ``found``: no new split
-            proposals.append(squeezed)
+        if squeeze_the_rest:
+            squeezed = tuple(t if o or p <= 0 else min(t, p) for t, p, o in zip(tight, less, over))
+            if squeezed != tight:  # ``tight`` gave ``found``: no new split
+                proposals.append(squeezed)
         proposals.append(tuple(missed))  # every stage by what it misses now, the earlier tightening let go
         for tighter in proposals:
             if tighter not in tried:
