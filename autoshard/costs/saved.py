@@ -27,6 +27,9 @@ reads only arguments that want no gradient) is not probed at all: its effect is 
 propagation's run (``_untracked``). A node that fake tensors cannot run
 (control flow on a tensor's values, as ``nn.TransformerEncoder``'s mask check) gets a fake twin of
 its real value and no facts (the memory model counts its output bytes); ``unprobed`` names those nodes.
+A node whose fake run saves an empty storage of its own (a fused RNN's workspace, which its fake
+kernel cannot size) is sized by one real run of it (``_sized_on_real_tensors``), or, when shape
+propagation runs fake tensors, left unprobed.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from autoshard.costs.memory import SavedFacts
 from autoshard.costs.probe_memo import (
     CONSTANTS, NodeEffect, OutputTensor, Uncacheable, constant_key, module_key, tensor_key)
 from autoshard.costs.values import dense_parts
+from autoshard.isolation import isolated
 
 
 class QuietMemTracker(MemTracker):
@@ -147,6 +151,10 @@ def _output_leaves(leaves: list[Any], position: dict[StorageWeakRef, int], new: 
     return outputs, [storages[i] for i in sorted(storages)], replayable
 
 
+class _Unsized(Exception):
+    """A node whose fake run saved an empty storage of its own, and no real run to size it."""
+
+
 def _total(snapshot: Any) -> int:
     """All bytes of a ``MemTracker`` snapshot, every device."""
     return sum(int(by_type.get("Total", 0)) for by_type in snapshot.values())
@@ -160,6 +168,7 @@ class TrainingProbe:
         (``_untracked``): tests compare the two."""
         self.gm = gm
         self.fake: FakeTensorMode | None = None  # the run's own fake mode, or one of the probe's
+        self.real_run = False  # whether shape propagation runs real tensors (``_sized_on_real_tensors``)
         self.twins: dict[fx.Node, Any] = {}  # fx node -> its fake value with gradients (kept: see above)
         self.owner: dict[StorageWeakRef, str | None] = {}  # storage -> node that made it (None: weight, input)
         self.nbytes: dict[StorageWeakRef, int] = {}
@@ -251,6 +260,7 @@ class TrainingProbe:
         """Probe ``call``'s node; ``value`` is what shape propagation computed for it."""
         node = call.node
         if self.fake is None:  # chosen while the run is on: a fake run's own mode, if it is one
+            self.real_run = active_fake_mode() is None
             self.fake = active_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
         if node.op == "output":
             return
@@ -456,6 +466,10 @@ class TrainingProbe:
             if ref in position or ref in new or ref in self.owner:
                 self.kept.append(t)
         held.clear()
+        if any(nbytes == 0 for nbytes, _ in saved_new):  # a fake kernel that could not size its workspace
+            if not self.real_run:
+                raise _Unsized(call.node.name)  # left unprobed: the report names it, as one fake tensors cannot run
+            saved_new = self._sized_on_real_tensors(call, arguments, saved_new)
         backward, input_grads = 0, ()
         try:
             if sent and (wanted or weights):
@@ -472,6 +486,39 @@ class TrainingProbe:
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
                             sum(t.numel() * t.element_size() for t in sent), backward, input_grads)
         return effect, value, reusable
+
+    def _sized_on_real_tensors(self, call: NodeCall, arguments: list[torch.Tensor],
+                               saved_new: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+        """``saved_new`` with the sizes of one real run of the node where the fake run saved an empty
+        storage of its own: the fake kernels of the fused RNNs (``mkldnn_rnn_layer`` on CPU,
+        ``_cudnn_rnn``) return an empty workspace that the real kernel fills (most of what an LSTM
+        saves), as their meta registrations' TODOs say. The real run gets the arguments shape
+        propagation gave the node (those the fake run gave gradients cloned, requiring grad), with
+        the model's state and randomness set back after it; its saved storages that are neither an
+        argument nor a weight must come in the same number as the fake run's, or the fake sizes stand."""
+        flat, spec = tree_flatten((call.args, call.kwargs))
+        tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        if len(tensors) != len(arguments):
+            return saved_new
+        known = {_storage(t) for t in itertools.chain(self.gm.parameters(), self.gm.buffers(), _tensors(flat))}
+        made: dict[StorageWeakRef, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.layout == torch.strided and _storage(t) not in known:
+                made.setdefault(_storage(t), t.untyped_storage().nbytes())
+            return t
+
+        with _disable_current_modes(), isolated(self.gm, seed=None), torch.enable_grad():
+            for i, twin in zip(tensors, arguments):
+                if twin.requires_grad and flat[i].is_floating_point():
+                    flat[i] = flat[i].detach().requires_grad_().clone()
+                    known.add(_storage(flat[i]))
+            args, kwargs = tree_unflatten(flat, spec)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                call.run(args, kwargs)
+        if len(made) != len(saved_new):
+            return saved_new
+        return [(real if nbytes == 0 else nbytes, index) for (nbytes, index), real in zip(saved_new, made.values())]
 
     def _replay(self, effect: NodeEffect, arguments: list[torch.Tensor]) -> Any:
         """The output of a node whose key was probed before: fake leaves laid out as ``effect``'s, in
