@@ -628,7 +628,7 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 if not pending[u] and shared(u):  # autograd copies it into the gradient sent back
                     release(buffer[u])
                     hold(u, u)
-    return max(peak, output_grads)
+    return max(peak, output_grads + alive - freed)  # the copies of the last gradients received
 
 
 def _scaled(dag: nx.DiGraph, value: str, scale: float) -> float:
