@@ -100,6 +100,37 @@ def holds(value: Any, kinds: type | tuple[type, ...]) -> bool:
 TRACE_VALUES = (fx.Proxy, torch.SymInt, torch.SymFloat, torch.SymBool, FakeTensor)
 
 
+def clear_trace_values(value: Any, depth: int = 6) -> None:
+    """Set to None every trace value kept in ``value``'s lists, dicts and object attributes (not
+    inside tensors, modules' registries or tuples). A graph keeps an object its traced forward made
+    as a constant (Hugging Face's empty key/value cache), and the trace fills it with Proxies; a
+    Proxy there breaks a deep copy of the stage: its ``__deepcopy__`` fails part way and leaves the
+    memo holding the ids of freed objects, which later objects then reuse (a T5 stage's copy once
+    rebuilt an ``inspect.Parameter`` from an fx node's state)."""
+    seen: set[int] = set()
+
+    def clear(holder: Any, level: int) -> None:
+        if level > depth or id(holder) in seen or isinstance(holder, (torch.Tensor, type)):
+            return
+        seen.add(id(holder))
+        if isinstance(holder, list):
+            items: Iterable[tuple[Any, Any]] = list(enumerate(holder))
+        elif isinstance(holder, dict):
+            items = list(holder.items())
+        elif hasattr(holder, "__dict__") and not isinstance(holder, types.ModuleType):
+            holder, items = vars(holder), list(vars(holder).items())
+        else:
+            return
+        for key, item in items:
+            if not isinstance(item, TRACE_VALUES):
+                clear(item, level + 1)
+            elif not isinstance(holder, (fx.immutable_collections.immutable_list,
+                                         fx.immutable_collections.immutable_dict)):
+                holder[key] = None
+
+    clear(value, 0)
+
+
 #: Where a trace can leave a value besides plain attributes: ``self.count += 1`` on a buffer
 #: sets the buffer to the Proxy of the addition.
 _TENSOR_REGISTRIES = ("_parameters", "_buffers")

@@ -681,6 +681,41 @@ def test_a_cache_the_trace_filled_is_given_back_without_trace_values():
     assert torch.equal(sharded(x), model(x))
 
 
+class _Cache:
+    """A key/value cache a forward makes and fills, as Hugging Face's ``DynamicCache``."""
+
+    def __init__(self) -> None:
+        self.layers: list[dict] = [{"keys": None}]
+
+    def update(self, keys: torch.Tensor) -> torch.Tensor:
+        self.layers[0]["keys"] = keys if self.layers[0]["keys"] is None else torch.cat([self.layers[0]["keys"], keys])
+        return self.layers[0]["keys"]
+
+
+class MakesACache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Cache]:
+        cache = _Cache()
+        cache.update(self.lin(x))
+        return self.out(cache.update(x)), cache
+
+
+def test_an_object_the_forward_made_keeps_no_trace_value_as_a_constant_of_the_graph(caplog):
+    """The graph keeps the cache as a constant, which the trace filled with a Proxy: a deep copy of
+    the stage then failed part way and left the ids of freed objects in its memo (a T5 stage's copy
+    once rebuilt an ``inspect.Parameter`` from an fx node's state)."""
+    x = torch.randn(2, 8)
+    pipeline = "capture,shape-prop,build-dag,linearize,split{stages=2},emit"  # verify refuses objects as outputs
+    sharded = autoshard.shard_model(MakesACache(), 2, example_inputs=(x,), pipeline=pipeline)
+    cache = sharded(x)[1]
+    assert isinstance(cache, _Cache) and cache.layers[0]["keys"] is None
+    copy.deepcopy(sharded)
+    assert "cannot be deepcopied" not in caplog.text
+
+
 class Segments(nn.Module):
     """torchvision's segmentation models return an ``OrderedDict``."""
 

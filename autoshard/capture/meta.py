@@ -53,7 +53,7 @@ from autoshard.capture.state import kind_of, refusing_state_writes
 from autoshard.errors import TraceError
 from autoshard.fx_helpers import resolve
 from autoshard.generators import generator_states, same_states
-from autoshard.isolation import holds
+from autoshard.isolation import clear_trace_values, holds
 
 
 #: Reading these yields sizes, not tensor values.
@@ -392,7 +392,10 @@ class MetaTracer(fx.Tracer):
         return self._weights
 
     def forget_examples(self, graph: fx.Graph) -> None:
-        """Drop the example values so the graph does not keep the example's activations alive."""
+        """Drop the example values so the graph does not keep the example's activations alive, and the
+        trace values the graph's constants keep (``clear_trace_values``)."""
+        for constant in self.constants.values():
+            clear_trace_values(constant)
         self._computed.clear()
         self._inside.clear()
         for node in graph.nodes:
