@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import autoshard
 from autoshard.capture import capture
 from autoshard.costs import propagation
 from autoshard.costs.saved import TrainingProbe
@@ -50,9 +51,10 @@ def probed(gm, example: torch.Tensor | tuple, monkeypatch: pytest.MonkeyPatch, m
     ran: list[str] = []
 
     class Counting(TrainingProbe):
-        def _probe(self, call, *args):
-            ran.append(call.node.name)
-            return super()._probe(call, *args)
+        def _probe(self, call, args, kwargs, arguments, layouts=None):
+            if layouts is None:  # not a backward probed again from the gradient its consumers give
+                ran.append(call.node.name)
+            return super()._probe(call, args, kwargs, arguments, layouts)
 
     monkeypatch.setattr(propagation, "TrainingProbe", functools.partial(Counting, memo=memo))
     facts = propagation.propagate(gm, ExampleInputs(example if isinstance(example, tuple) else (example,)))
@@ -304,3 +306,38 @@ def test_a_graph_that_starts_with_a_computation_is_probed():
     graph.output(graph.call_module("lin", (graph.call_function(torch.arange, (8,), {"dtype": torch.float32}),)))
     facts = propagation.propagate(torch.fx.GraphModule(root, graph), ExampleInputs(()))
     assert facts["arange"].training.saved == 8 * 4 and facts["lin"].training.grad == 8 * 4
+
+
+class _Smooth(nn.Module):
+    """Keeps its last output for the next call, and is kept whole (fx cannot iterate a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.prev = nn.Linear(32, 32), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.stack([self.lin(row) for row in x.transpose(0, 1)], 1)
+        if self.prev is not None and self.prev.shape == y.shape:
+            y = y + 0.1 * self.prev
+        self.prev = y.detach()
+        return y
+
+
+class _SmoothedThenTransposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.smooth, self.out = _Smooth(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.smooth(x).transpose(1, 2))
+
+
+def test_a_module_probed_again_from_its_consumers_gradient_leaves_the_model_as_it_was():
+    """Its consumer hands it a transposed gradient, so its backward is probed again once every node
+    has run: inside the run, whose isolation sets back what the forward stored (a re-probe after it
+    once left a fake tensor on the module, and the model's next call failed)."""
+    model = _SmoothedThenTransposed()
+    x = torch.randn(4, 16, 32)
+    autoshard.shard_model(model, 2, example_inputs=(x,))
+    assert model.smooth.prev is None
+    assert torch.isfinite(model(x)).all()

@@ -138,7 +138,10 @@ class SavedFacts:
     is ("" for a model input or a weight). ``input_grads``: the inputs its backward gives a
     gradient, each with True when that gradient is the node's own output gradient handed on, no
     new buffer (a view's, each addend's). None for either: not recorded (a plan file from
-    before, a backward fake tensors cannot run)."""
+    before, a backward fake tensors cannot run). ``backward`` starts from a gradient laid out as
+    the node's consumers give it (attention's backward copies a transposed one);
+    ``backward_when_sent``, where that differs, from one laid out as a new tensor, as the receive
+    buffer of a value sent to the next stage is (None: the same)."""
 
     saved: int
     saved_output: int
@@ -147,6 +150,7 @@ class SavedFacts:
     releases: tuple[tuple[str, int], ...] = ()
     views: str | None = None
     input_grads: tuple[tuple[str, bool], ...] | None = None
+    backward_when_sent: int | None = None
 
 
 @dataclass(frozen=True)
@@ -604,7 +608,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         if facts is None:
             continue
         given = _gradients_to(dag, node)
-        peak = max(peak, output_grads + alive + facts.backward - freed)
+        own = facts.backward_when_sent if node in sent and facts.backward_when_sent is not None else facts.backward
+        peak = max(peak, output_grads + alive + own - freed)
         # adding a gradient into one that exists may take a new buffer for the sum, while the gradients
         # the backward made (of its inputs and weights) still live
         summed = max((_grad(dag, u) for u, _ in given if u in buffer), default=0.0)

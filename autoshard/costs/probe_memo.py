@@ -111,8 +111,8 @@ class NodeEffect:
     storages (None: a temporary of the node's own); ``new_storages``: bytes and dtype of each
     new storage the output lives in; ``spec`` and ``leaves``: the output's structure, with an
     ``OutputTensor`` for each tensor and each constant as it is; ``input_grads``: for each argument
-    tensor its backward gives a gradient, its index and whether that gradient is the output's own
-    (None: its backward did not run)."""
+    tensor its backward gives a gradient, its index, whether that gradient is the output's own and
+    the gradient's strides (None: its backward did not run)."""
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
@@ -121,4 +121,4 @@ class NodeEffect:
     leaves: tuple[Any, ...]
     grad: int
     backward: int
-    input_grads: tuple[tuple[int, bool], ...] | None
+    input_grads: tuple[tuple[int, bool, tuple[int, ...]], ...] | None

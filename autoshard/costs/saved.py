@@ -13,7 +13,12 @@ allocated and no FLOP is spent:
   state and the received values count them);
 * the node's backward runs under PyTorch's ``MemTracker``, which follows every fake storage as it
   is made and freed: ``backward`` is its peak above what was alive when the backward began
-  (gradients of the inputs and weights, the kernels' temporaries, less what it frees).
+  (gradients of the inputs and weights, the kernels' temporaries, less what it frees). It starts
+  from a gradient laid out as the node's consumers give it: first as a new tensor laid out as the
+  output, then, once every node has run (in the hook on the graph's output, so inside the run whose
+  isolation sets the model's state back), probed again last node first where a consumer's backward
+  gave another layout (``_backwards_from_their_gradients``). The first peak stays as
+  ``backward_when_sent``: a value sent to the next stage gets its gradient in a new receive buffer.
 
 A storage is told by ``StorageWeakRef`` (identity); every twin and every saved tensor stays
 referenced until the probe ends, so no storage is freed and its address reused under another
@@ -155,6 +160,12 @@ class _Unsized(Exception):
     """A node whose fake run saved an empty storage of its own, and no real run to size it."""
 
 
+def _new_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides ``torch.empty_like`` gives a new tensor laid out as ``t``."""
+    with _disable_current_modes():
+        return torch.empty_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")).stride()
+
+
 def _total(snapshot: Any) -> int:
     """All bytes of a ``MemTracker`` snapshot, every device."""
     return sum(int(by_type.get("Total", 0)) for by_type in snapshot.values())
@@ -179,8 +190,13 @@ class TrainingProbe:
         self.releases: dict[str, dict[str, int]] = {}  # first saver -> node that made them -> bytes
         self.grad: dict[str, int] = {}
         self.backward: dict[str, int] = {}
+        self.backward_when_sent: dict[str, int] = {}  # node -> its first probe's backward, where it differs
         self.views: dict[str, str] = {}  # node that made no storage -> the node whose storage its output is
         self.input_grads: dict[str, tuple[tuple[str, bool], ...]] = {}  # node -> inputs its backward gives to
+        self.order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
+        # id of a twin -> (order of the node whose backward gave it a gradient, the last to run forward; its strides)
+        self.gradient_layouts: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.rerunnable: dict[str, tuple[NodeCall, Hashable | None]] = {}  # node -> its call, its key
         self.weights: dict[int, torch.Tensor] = {}  # id of a parameter or buffer -> its fake leaf
         self.leaves: set[int] = set()  # ids of those leaves
         self.kept: list[Any] = []
@@ -237,12 +253,13 @@ class TrainingProbe:
         assert self.fake is not None
         return self.fake.fake_tensor_converter.from_meta_and_device(self.fake, meta, device)
 
-    def fresh(self, like: torch.Tensor, *, same_strides: bool = True) -> torch.Tensor:
-        """A fake tensor of strided ``like``'s shape, dtype and device in a storage of its own (``wrapped``):
-        with ``like``'s strides, or laid out as ``torch.empty_like`` lays out a new tensor."""
+    def fresh(self, like: torch.Tensor, strides: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A fake tensor of strided ``like``'s shape, dtype and device in a storage of its own (``wrapped``),
+        with ``strides`` (``like``'s own by default)."""
         with _disable_current_modes():
-            meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
-            return self.wrapped(meta if same_strides else torch.empty_like(meta), like.device)
+            meta = torch.empty_strided(like.shape, like.stride() if strides is None else strides,
+                                       dtype=like.dtype, device="meta")
+            return self.wrapped(meta, like.device)
 
     def weight(self, t: torch.Tensor) -> torch.Tensor:
         """The fake leaf standing for parameter or buffer ``t``, one per tensor."""
@@ -262,7 +279,8 @@ class TrainingProbe:
         if self.fake is None:  # chosen while the run is on: a fake run's own mode, if it is one
             self.real_run = active_fake_mode() is None
             self.fake = active_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
-        if node.op == "output":
+        if node.op == "output":  # every node has run; the model's state is set back after this hook
+            self._backwards_from_their_gradients()
             return
         if node.op in ("get_attr", "placeholder"):
             with self._in_fake_mode():
@@ -337,6 +355,7 @@ class TrainingProbe:
         effect = None if key is None else self.memo.get(key)
         if effect is None and self.memo is not None:
             effect = self._untracked(call, real, arguments)
+        reusable = effect is not None
         if effect is not None:
             value = self._replay(effect, arguments)  # outside the fake mode: entering it costs more than a replay
         else:
@@ -353,13 +372,25 @@ class TrainingProbe:
             if reusable and key is not None:
                 self.memo[key] = effect  # key is None whenever memo is
         self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)
-        if effect.input_grads is not None:
-            sources, given = self._sources(call.node) if effect.input_grads else [], {}
-            for i, handed in effect.input_grads:
-                if sources[i] is not None:  # two tensors of one value (a tuple's) get a sum: a new buffer
-                    given[sources[i]] = handed and sources[i] not in given
-            self.input_grads[name] = tuple(given.items())
+        self._record_gradients(call.node, effect, arguments)
+        if reusable and effect.grad and effect.input_grads is not None:  # it may run again, as a replay would
+            self.rerunnable[name] = (call, key)
         return value
+
+    def _record_gradients(self, node: fx.Node, effect: NodeEffect, arguments: list[torch.Tensor]) -> None:
+        """Which inputs ``node``'s backward gives a gradient (``input_grads``), and in what layout: kept per
+        argument for the backward of the node that made it, unless a node that ran later gave it one (its
+        backward runs first, and autograd adds the others into that buffer)."""
+        if effect.input_grads is None:
+            return
+        sources, given = self._sources(node) if effect.input_grads else [], {}
+        order = self.order[node.name]
+        for i, handed, strides in effect.input_grads:
+            if self.gradient_layouts.get(id(arguments[i]), (order,))[0] <= order:
+                self.gradient_layouts[id(arguments[i])] = (order, strides)
+            if sources[i] is not None:  # two tensors of one value (a tuple's) get a sum: a new buffer
+                given[sources[i]] = handed and sources[i] not in given
+        self.input_grads[node.name] = tuple(given.items())
 
     def _untracked(self, call: NodeCall, real: Any, arguments: list[torch.Tensor]) -> NodeEffect | None:
         """The effect of a node autograd records nothing of, read off shape propagation's run of it, or
@@ -417,11 +448,12 @@ class TrainingProbe:
                 found.setdefault(ref, t.untyped_storage().nbytes())
         return list(found.items())
 
-    def _probe(self, call: NodeCall, args: tuple, kwargs: dict,
-               arguments: list[torch.Tensor]) -> tuple[NodeEffect, Any, bool]:
+    def _probe(self, call: NodeCall, args: tuple, kwargs: dict, arguments: list[torch.Tensor],
+               layouts: list[tuple[int, ...] | None] | None = None) -> tuple[NodeEffect, Any, bool]:
         """Run the node with gradients under the saved-tensor hooks and ``MemTracker``: its effect
         (relative to ``arguments``), its output as fake leaves, and whether the effect may serve
-        another node of the same key."""
+        another node of the same key. ``layouts``: per tensor of the output, the strides of the
+        gradient its backward starts from (None: laid out as ``torch.empty_like`` lays out a new one)."""
         packed: dict[StorageWeakRef, int] = {}  # storage saved -> its bytes, in the order saved
         held: list[torch.Tensor] = []  # the tensors saved, until it is known which are the node's own temporaries
 
@@ -445,7 +477,10 @@ class TrainingProbe:
         # An in-place write to an argument that wants no gradient (``zeros.add_(x)``) changes what later
         # nodes receive: a replay, which makes only the output, would miss it
         reusable = not foreign and before == [_state(t) for t in arguments]
-        sent = [t for t in _tensors(value) if t.requires_grad and t.grad_fn is not None]
+        outputs = _tensors(value)
+        layouts = layouts or [None] * len(outputs)
+        sent = [t for t in outputs if t.requires_grad and t.grad_fn is not None]
+        sent_layouts = [strides for t, strides in zip(outputs, layouts) if t.requires_grad and t.grad_fn is not None]
         position: dict[StorageWeakRef, int] = {}
         for i, t in enumerate(arguments):
             position.setdefault(self.original(_storage(t)), i)
@@ -461,11 +496,8 @@ class TrainingProbe:
         # What is saved stays referenced to the end (a freed storage's address may come back as another's),
         # but for the node's own temporaries: only autograd holds them, and frees each as soon as the part of
         # the backward that reads it has run (attention's probabilities), as it does in training
-        for t in held:
-            ref = self.original(_storage(t))
-            if ref in position or ref in new or ref in self.owner:
-                self.kept.append(t)
-        held.clear()
+        self.kept += [t for t in held if self.original(_storage(t)) in position.keys() | new.keys() | self.owner.keys()]
+        held.clear()  # no name may hold a temporary past here: its backward frees it (a loop variable once did)
         if any(nbytes == 0 for nbytes, _ in saved_new):  # a fake kernel that could not size its workspace
             if not self.real_run:
                 raise _Unsized(call.node.name)  # left unprobed: the report names it, as one fake tensors cannot run
@@ -473,8 +505,8 @@ class TrainingProbe:
         backward, input_grads = 0, ()
         try:
             if sent and (wanted or weights):
-                backward, given = self._backward(sent, wanted + weights, (args, kwargs))
-                input_grads = tuple((i, given[id(t)]) for i, t in zip(indices, wanted)
+                backward, given = self._backward(sent, sent_layouts, wanted + weights, (args, kwargs))
+                input_grads = tuple((i, *given[id(t)]) for i, t in zip(indices, wanted)
                                     if i is not None and id(t) in given)
         except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
             self.unprobed.append(call.node.name)
@@ -571,15 +603,17 @@ class TrainingProbe:
             if found:  # the widest storage its output lives in, made by another node ('' for an input or weight)
                 self.views[name] = self.owner.get(max(found, key=found.__getitem__)) or ""
 
-    def _backward(self, sent: list[torch.Tensor], wanted: list[torch.Tensor],
-                  inputs: Any) -> tuple[int, dict[int, bool]]:
-        """The peak ``MemTracker`` sees while ``sent`` back-propagates, above where it started, and for
-        each ``wanted`` tensor that gets a gradient (by id) whether that gradient is one of ``sent``'s
-        itself (handed on, as a view's or an addition's backward does, not a new buffer). What
+    def _backward(self, sent: list[torch.Tensor], layouts: list[tuple[int, ...] | None], wanted: list[torch.Tensor],
+                  inputs: Any) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]]]:
+        """The peak ``MemTracker`` sees while ``sent`` back-propagates from gradients of ``layouts``'
+        strides, above where it started, and for each ``wanted`` tensor that gets a gradient (by id)
+        whether that gradient is one of ``sent``'s itself (handed on, as a view's or an addition's
+        backward does, not a new buffer), and its strides. What
         existed before is registered first: the tracker counts a storage it has not seen when an
         operator first touches it, as if it were new. A weight's gradient is dropped as soon as it
         is made, as training's in-place accumulation into ``.grad`` frees it."""
-        gradients = [self.fresh(t, same_strides=False) for t in sent]  # a fake run reads no values
+        gradients = [self.fresh(t, _new_strides(t) if strides is None else strides)  # a fake run reads no values
+                     for t, strides in zip(sent, layouts)]
         weights = [t for t in wanted if id(t) in self.leaves]
         zeros = {(t.dtype, t.device): torch.zeros((), dtype=t.dtype, device=t.device) for t in weights}
         # training adds a weight's gradient into the one it has and frees it at once: so do these
@@ -595,15 +629,51 @@ class TrainingProbe:
             for hook in hooks:
                 hook.remove()
         received = {_storage(g) for g in gradients}
-        given = {id(t): g.layout == torch.strided and _storage(g) in received
+        given = {id(t): (g.layout == torch.strided and _storage(g) in received,
+                         g.stride() if g.layout == torch.strided else None)
                  for t, g in zip(wanted, grads) if g is not None}
         del grads
         return max(0, peak - start), given
+
+    def _backwards_from_their_gradients(self) -> None:
+        """Probe again the backward of each node whose consumers give its output a gradient laid out
+        otherwise than the probe assumed (a new tensor laid out as the output): attention's backward
+        copies a transposed gradient before its first matrix product, a buffer the size of its
+        output. Last node first, as autograd runs them: the layout a node hands its inputs may
+        follow the one it got (a view's). A node in place or otherwise not replayable keeps its
+        first probe. Where a stage boundary falls between a node and its consumers, its gradient
+        comes in a receive buffer laid out as a new tensor; the facts keep the layout inside the model."""
+        for name, (call, key) in reversed(self.rerunnable.items()):
+            layouts = [self._gradient_layout(t) for t in _tensors(self.twins[call.node])]
+            if not any(layouts):
+                continue
+            args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
+            arguments = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+            memo_key = None if key is None else ("backward", key, tuple(layouts))
+            effect = None if memo_key is None else self.memo.get(memo_key)
+            if effect is None:
+                try:
+                    with self._in_fake_mode():
+                        effect, _, _ = self._probe(call, args, kwargs, arguments, layouts)
+                except Exception:  # noqa: BLE001 - it ran once: a second run that fails keeps the first's facts
+                    continue
+                if memo_key is not None:
+                    self.memo[memo_key] = effect
+            if effect.input_grads is not None and effect.backward != self.backward[name]:
+                self.backward_when_sent[name] = self.backward[name]
+                self.backward[name] = effect.backward
+            if effect.input_grads is not None:
+                self._record_gradients(call.node, effect, arguments)
+
+    def _gradient_layout(self, t: torch.Tensor) -> tuple[int, ...] | None:
+        """The strides of the gradient ``t`` gets, where not those of a new tensor laid out as ``t``."""
+        found = self.gradient_layouts.get(id(t))
+        return found[1] if found is not None and found[1] is not None and found[1] != _new_strides(t) else None
 
     def facts(self) -> dict[str, SavedFacts]:
         """``SavedFacts`` of every compute node probed so far; none for a node fake tensors could not
         run, so the memory model falls back to its output's bytes rather than count nothing saved."""
         return {name: SavedFacts(self.saved.get(name, 0), self.saved_output(name), self.grad[name],
                                  self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
-                                 self.views.get(name), self.input_grads.get(name))
+                                 self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name))
                 for name in self.grad if name not in self.unrun}

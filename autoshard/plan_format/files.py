@@ -122,7 +122,8 @@ class _Reader:
             raise self.error(f"{where}.input_grads", "must be a list of [node name, true or false] pairs")
         return SavedFacts(*(self.get(obj, key, int, where) for key in ("saved", "saved_output", "grad", "backward")),
                           tuple((name, nbytes) for name, nbytes in releases), self.get(obj, "views", str, where, None),
-                          None if grads is None else tuple((name, handed) for name, handed in grads))
+                          None if grads is None else tuple((name, handed) for name, handed in grads),
+                          self.get(obj, "backward_when_sent", int, where, None))
 
     def names(self, items: list, where: str) -> tuple[str, ...]:
         bad = next((x for x in items if not isinstance(x, str)), None)
