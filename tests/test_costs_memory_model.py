@@ -20,6 +20,7 @@ from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_r
 import autoshard
 from autoshard.costs.memory import OPTIMIZER_BYTES, MemoryModel, interleaved_in_flight, stage_memory
 from autoshard.examples import load_example
+from autoshard.plan_io import read_plan
 from autoshard.runtime import measure_stage_memory
 
 
@@ -267,6 +268,19 @@ def test_a_backward_is_probed_from_the_gradient_laid_out_as_its_consumers_give_i
     for j in range(2):
         measured = measure_stage_memory(sharded, j, (x,), microbatches=2)
         assert predicted[j].memory.total == measured.peak, (j, predicted[j].memory, measured)
+
+
+def test_a_plan_file_keeps_the_backward_from_a_receive_buffer(tmp_path):
+    """Attention's backward from the gradient its consumers give differs from the one from a new
+    tensor a receive buffer holds: both are facts of the node, and a plan file keeps both."""
+    torch.manual_seed(0)
+    sharded = autoshard.shard_model(_Attention().train(), 2, example_inputs=(torch.randn(4, 16, 32),),
+                                    pipeline="capture,shape-prop,build-dag,linearize,split{stages=2},emit")
+    plan = sharded.plan_origin.saved_plan(sharded)
+    facts = {n.name: n.training for n in plan.nodes}
+    assert any(f is not None and f.backward_when_sent is not None for f in facts.values())
+    again = read_plan(sharded.save_plan(tmp_path / "plan.json"))
+    assert {n.name: n.training for n in again.nodes} == facts
 
 
 class _DroppedAttention(nn.Module):

@@ -563,14 +563,16 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     A value's gradient is a buffer that lives until no value holds it any more. A backward that
     hands its gradient on (a view's, an item's, an addition's to each addend: ``_gradients_to``)
     makes none: its inputs hold the one it got. A value sent (made here, ``sent``, or passed
-    ``through``) holds the gradient received, counted in ``output_grads``. Autograd adds a
+    ``through``) holds the gradient received, counted in ``output_grads``, and its maker's backward
+    starts from that buffer's layout (``SavedFacts.backward_when_sent``). Autograd adds a
     further gradient into a buffer only a value's own; into one it holds with others, or the one
     received, it cannot, so the sum is a new buffer. A value the stage received keeps its
     gradient to the end, to send it back: once every node reading it has given its part (at once
     for a value only passed through), autograd takes the buffer it holds when nothing else holds
     it, else copies it. The storages of the values sent (``stays``: their makers, ``_owner``)
     outlive the microbatch's backward. What ``recomputed`` nodes save was not kept, so its
-    release frees nothing of the microbatches held (``recompute_bytes`` counts it)."""
+    release frees nothing of the microbatches held (``recompute_bytes`` counts it). The peak is
+    checked before each node and once after the last, when the last copies have been made."""
     inside = set(nodes)
     buffer: dict[str, str | None] = dict.fromkeys([*sent, *through])  # value -> its gradient's (None: received)
     holders: dict[str, int] = {}  # buffer (named by the value it was made for) -> values holding it

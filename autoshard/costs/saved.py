@@ -478,9 +478,9 @@ class TrainingProbe:
         # nodes receive: a replay, which makes only the output, would miss it
         reusable = not foreign and before == [_state(t) for t in arguments]
         outputs = _tensors(value)
-        layouts = layouts or [None] * len(outputs)
         sent = [t for t in outputs if t.requires_grad and t.grad_fn is not None]
-        sent_layouts = [strides for t, strides in zip(outputs, layouts) if t.requires_grad and t.grad_fn is not None]
+        sent_layouts = [strides for t, strides in zip(outputs, layouts or [None] * len(outputs))
+                        if t.requires_grad and t.grad_fn is not None]
         position: dict[StorageWeakRef, int] = {}
         for i, t in enumerate(arguments):
             position.setdefault(self.original(_storage(t)), i)
@@ -498,7 +498,8 @@ class TrainingProbe:
         # the backward that reads it has run (attention's probabilities), as it does in training
         self.kept += [t for t in held if self.original(_storage(t)) in position.keys() | new.keys() | self.owner.keys()]
         held.clear()  # no name may hold a temporary past here: its backward frees it (a loop variable once did)
-        if any(nbytes == 0 for nbytes, _ in saved_new):  # a fake kernel that could not size its workspace
+        # a fake kernel that could not size its workspace (a backward probed again keeps only its peak)
+        if layouts is None and any(nbytes == 0 for nbytes, _ in saved_new):
             if not self.real_run:
                 raise _Unsized(call.node.name)  # left unprobed: the report names it, as one fake tensors cannot run
             saved_new = self._sized_on_real_tensors(call, arguments, saved_new)
@@ -642,7 +643,8 @@ class TrainingProbe:
         output. Last node first, as autograd runs them: the layout a node hands its inputs may
         follow the one it got (a view's). A node in place or otherwise not replayable keeps its
         first probe. Where a stage boundary falls between a node and its consumers, its gradient
-        comes in a receive buffer laid out as a new tensor; the facts keep the layout inside the model."""
+        comes in a receive buffer laid out as a new tensor: the first probe's peak stays for that
+        (``backward_when_sent``)."""
         for name, (call, key) in reversed(self.rerunnable.items()):
             layouts = [self._gradient_layout(t) for t in _tensors(self.twins[call.node])]
             if not any(layouts):
@@ -662,8 +664,7 @@ class TrainingProbe:
             if effect.input_grads is not None and effect.backward != self.backward[name]:
                 self.backward_when_sent[name] = self.backward[name]
                 self.backward[name] = effect.backward
-            if effect.input_grads is not None:
-                self._record_gradients(call.node, effect, arguments)
+            self._record_gradients(call.node, effect, arguments)  # nothing where its backward did not run
 
     def _gradient_layout(self, t: torch.Tensor) -> tuple[int, ...] | None:
         """The strides of the gradient ``t`` gets, where not those of a new tensor laid out as ``t``."""
