@@ -82,8 +82,11 @@ class QuietMemTracker(MemTracker):
 
 @contextlib.contextmanager
 def without_cyclic_gc() -> Iterator[None]:
-    """Python's cycle collector off: run at an allocation, it may free storages of garbage from
-    long before (old autograd graphs) in the middle of a measurement, and the peak drops with them."""
+    """Python's cycle collector off: run at any allocation, it frees storages of garbage from before
+    (an output its own backward saved: a cycle through autograd) at a moment that depends on what
+    the process ran before. Entered before ``MemTracker``, which takes its first peak on entry: a
+    collection after that peak and before the measurement's start made a node's backward peak
+    the garbage's bytes higher (a plan's facts differed within one test run)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -621,7 +624,7 @@ class TrainingProbe:
         hooks = [t.register_hook(lambda g: zeros[g.dtype, g.device].expand(g.shape)) for t in weights]
         self.tracker.track_external(*gradients, *wanted, *zeros.values(), *_tensors(inputs))
         try:
-            with self.tracker, without_cyclic_gc():
+            with without_cyclic_gc(), self.tracker:  # in this order: see ``without_cyclic_gc``
                 start = _total(self.tracker.get_tracker_snapshot("current"))
                 with torch.enable_grad():
                     grads = torch.autograd.grad(sent, wanted, gradients, allow_unused=True)

@@ -234,7 +234,7 @@ def _run_in_steady_state(
     microbatches = received[:in_flight]  # the others' buffers wait for their microbatches
     tracker = QuietMemTracker()
     tracker.track_external(module, optimizer, *[t for mb in received for t in tensors_in(mb)])
-    with tracker, without_cyclic_gc():
+    with without_cyclic_gc(), tracker:  # in this order: see ``without_cyclic_gc``
         outputs, caller = [], _Untouched(module)
         for caller.microbatch in microbatches:
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
