@@ -615,9 +615,10 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # adding a gradient into one that exists may take a new buffer for the sum, while the gradients
         # the backward made (of its inputs and weights) still live
         summed = max((_grad(dag, u) for u, _ in given if u in buffer), default=0.0)
-        if summed:
+        if summed:  # by then autograd has dropped the gradient the node got, where nothing else holds it
             made = sum(_grad(dag, u) for u, handed in given if not handed) + _weight_grad_bytes(dag, node)
-            peak = max(peak, output_grads + alive + made + summed - freed)
+            dropped = _grad(dag, node) if buffer.get(node) == node and holders.get(node) == 1 else 0.0
+            peak = max(peak, output_grads + alive - dropped + made + summed - freed)
         # what this stage made and kept for this backward alone (what ``stays`` was sent)
         freed += sum(nbytes for maker, nbytes in facts.releases
                      if maker in inside and maker not in stays and maker not in recomputed)

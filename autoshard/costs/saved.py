@@ -297,12 +297,18 @@ class TrainingProbe:
         self.twins[node] = twin
         self.kept.append(twin)
 
-    def _inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor], list[int | None]]:
+    def _inputs(self, args: tuple, kwargs: dict,
+                through_clones: bool) -> tuple[tuple, dict, list[torch.Tensor], list[int | None]]:
         """The node's arguments, those that require grad cloned (in-place writes stay legal), one
         clone per tensor however often it is given (``q is k`` decides attention's path); the
         tensors that want gradients, and for each the index of the tensor argument it first stands
-        for (None: a weight, which no other node makes)."""
-        wanted: dict[int, tuple[torch.Tensor, int | None]] = {}  # id of the argument -> its stand-in
+        for (None: a weight, which no other node makes). The gradients are wanted of the clones, or,
+        ``through_clones``, of the tensors cloned: an in-place op (``nn.ReLU(inplace=True)``) makes its
+        output of the clone it wrote to, whose gradient is then the output's own, though the op's
+        backward makes a new one. A node whose output nothing reads (``g.sigmoid_()``, later code
+        reading ``g``) keeps the clones: the graph routes the readers around it, so its backward
+        counts as handing its gradient on, as the graph's data flow has it."""
+        wanted: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]] = {}  # id -> wanted, stand-in, index
         index = itertools.count()
 
         def prepare(t: torch.Tensor) -> torch.Tensor:
@@ -314,11 +320,11 @@ class TrainingProbe:
                 if copy is not t:
                     self.copy_of[_storage(copy)] = self.original(_storage(t))
                     self.kept.append(copy)
-                wanted[id(t)] = (copy, None if copy is t else i)
-            return wanted[id(t)][0]
+                wanted[id(t)] = (t if through_clones else copy, copy, None if copy is t else i)
+            return wanted[id(t)][1]
 
         args, kwargs = tree_map_only(torch.Tensor, prepare, (args, kwargs))
-        return args, kwargs, [t for t, _ in wanted.values()], [i for _, i in wanted.values()]
+        return args, kwargs, [t for t, _, _ in wanted.values()], [i for _, _, i in wanted.values()]
 
     def _run(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
         """Run the node; a module runs on fake leaves for its weights (returned: they want gradients)."""
@@ -473,7 +479,7 @@ class TrainingProbe:
         before = [_state(t) for t in arguments]
         self.tracker.forget_modules()
         with torch.enable_grad():
-            args, kwargs, wanted, indices = self._inputs(args, kwargs)
+            args, kwargs, wanted, indices = self._inputs(args, kwargs, through_clones=bool(call.node.users))
             with self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value, weights = self._run(call, args, kwargs)
         self._charge_first_saver(call.node.name, foreign)
