@@ -9,6 +9,7 @@ import networkx as nx
 import pytest
 
 from autoshard.costs.split_search import MemoryCount, SplitRequest, search_split, summed_memory
+from autoshard.costs.split_search import placements
 from autoshard.costs.split_search.placements import attempt
 from autoshard.costs.ties import TiePlacement, tie_groups
 from autoshard.errors import InfeasibleSplitError
@@ -112,3 +113,34 @@ def test_training_memory_is_balanced_with_every_microbatch_in_flight():
 def test_a_strategy_too_costly_to_probe_balances_one_microbatch():
     found = search_split(training_request(training_memory_cost=True, strategy="greedy"))
     assert found.info.bottleneck == 9
+
+
+def test_a_budget_only_a_split_squeezing_the_stage_under_it_too_meets_is_planned(monkeypatch):
+    """Six nodes holding 1, 4, 4, 5, 3, 6 bytes; each cut adds what the sums miss on each side (received
+    values, one backward). Under budgets 18 | 9 only 5 | 1 nodes fits (18 | 6); 3 | 3 nodes overflows
+    stage 1 (15 | 15), 4 | 2 stage 0 (22 | 9). Rounds that tighten only the stage over its budget swing
+    between those two and the budget was refused; squeezing the stage under its budget as well moves
+    the cut to the split that fits."""
+    dag = chain()
+    held = {"x": 0.0, **dict(zip(NODES, (1.0, 4.0, 4.0, 5.0, 3.0, 6.0)))}
+    missed = {1: (4.0, 6.0), 2: (0.0, 0.0), 3: (6.0, 1.0), 4: (8.0, 0.0), 5: (1.0, 0.0)}  # by nodes in stage 0
+
+    def stage_totals(assignment):
+        totals = [0.0, 0.0]
+        for node, stage in assignment.items():
+            totals[stage] += held[node]
+        extra = missed[sum(assignment[node] == 0 for node in NODES)]
+        return [totals[0] + extra[0], totals[1] + extra[1]]
+
+    def request():
+        memory = MemoryCount("memory", lambda apart: {MEMORY: held}, stage_totals)
+        return SplitRequest(dag, ["x", *NODES], 2, "min-cut", lambda apart: held, stage_totals, memory=memory,
+                            max_memory=(18.0, 9.0))
+
+    found = search_split(request())
+    assert [found.assignment[node] for node in NODES] == [0, 0, 0, 0, 0, 1]
+    tightened = placements._tightened
+    monkeypatch.setattr(placements, "_tightened", lambda request, placement, found, tried, squeeze_the_rest:
+                        found if squeeze_the_rest else tightened(request, placement, found, tried, False))
+    with pytest.raises(InfeasibleSplitError):
+        search_split(request())

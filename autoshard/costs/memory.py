@@ -141,7 +141,10 @@ class SavedFacts:
     before, a backward fake tensors cannot run). ``backward`` starts from a gradient laid out as
     the node's consumers give it (attention's backward copies a transposed one);
     ``backward_when_sent``, where that differs, from one laid out as a new tensor, as the receive
-    buffer of a value sent to the next stage is (None: the same)."""
+    buffer of a value sent to the next stage is (None: the same). ``forward``: the most its forward
+    holds at once above what was alive before it, its output and what it saves included (a
+    temporary freed before it returns: a non-contiguous input's copy, an unfused bias add); None:
+    not recorded, counted as its output's bytes."""
 
     saved: int
     saved_output: int
@@ -151,6 +154,7 @@ class SavedFacts:
     views: str | None = None
     input_grads: tuple[tuple[str, bool], ...] | None = None
     backward_when_sent: int | None = None
+    forward: int | None = None
 
 
 @dataclass(frozen=True)
@@ -379,7 +383,9 @@ class StageMemory:
     ``state_bytes`` = weights + gradients + optimizer state (``weight_bytes``, ``gradient_bytes``
     and the rest); per microbatch in flight ``activation_bytes`` (saved for backward),
     ``received_bytes`` and ``sent_bytes``; ``backward_bytes`` is the most one backward adds
-    (output gradients, ``output_grad_bytes``, included)."""
+    (output gradients, ``output_grad_bytes``, included), ``forward_bytes`` the most one forward
+    holds above what it keeps (temporaries, values not yet read, and the receive buffer of the
+    gradient the next backward starts from): the stage peaks in the larger."""
 
     stage: int
     state_bytes: float
@@ -389,6 +395,7 @@ class StageMemory:
     sent_bytes: float = 0.0
     output_grad_bytes: float = 0.0
     backward_bytes: float = 0.0
+    forward_bytes: float = 0.0
     weight_bytes: float = 0.0
     gradient_bytes: float = 0.0
     gathered_bytes: float = 0.0
@@ -419,9 +426,11 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        """Weight state plus the larger of the steady state (its microbatches, one backward and the
-        idle receive buffers) and the reduction after the last backward (with every receive buffer)."""
-        steady = self.per_microbatch * self.in_flight + self.backward_bytes + self.idle_buffer_bytes
+        """Weight state plus the larger of the steady state (its microbatches, one backward or one
+        forward, and the idle receive buffers) and the reduction after the last backward (with
+        every receive buffer)."""
+        transient = max(self.backward_bytes, self.forward_bytes)
+        steady = self.per_microbatch * self.in_flight + transient + self.idle_buffer_bytes
         return self.state_bytes + max(steady, self.reduce_bytes + self.buffer_bytes)
 
     def parts(self) -> str:
@@ -432,6 +441,7 @@ class StageMemory:
                 f"received "
                 f"{self.received_bytes:,.0f}, sent {self.sent_bytes:,.0f}, x {self.in_flight} in flight; "
                 f"one backward {self.backward_bytes:,.0f}"
+                + (f", one forward {self.forward_bytes:,.0f}" if self.forward_bytes > self.backward_bytes else "")
                 + (f"; receive buffers of the other microbatches {self.idle_buffer_bytes:,.0f}"
                    if self.idle_buffer_bytes else "")
                 + (f"; or the gradient reduction {self.reduce_bytes:,.0f}" if self.reduce_bytes else ""))
@@ -523,14 +533,17 @@ def _sent_unsaved(dag: nx.DiGraph, sent: Sequence[str], stage: Mapping[str, int]
     """Bytes the stage keeps only because it sends them: the storages of its sent values that
     nothing saved (a sent view counts the storage it views, once; what a recomputed node saves
     is not kept)."""
-    total = 0.0
-    for owner in {_owner(dag, v, stage) for v in sent}:
-        data = dag.nodes[owner]
-        if not data.get("input"):
-            facts = data.get("training")
-            saved = facts.saved_output if facts is not None and owner not in recomputed else 0
-            total += max(0.0, float(data.get("allocated") or 0) - saved)
-    return total
+    return sum(_unsaved(dag, owner, recomputed) for owner in {_owner(dag, v, stage) for v in sent})
+
+
+def _unsaved(dag: nx.DiGraph, node: str, recomputed: AbstractSet[str] = frozenset()) -> float:
+    """Bytes of the storage ``node``'s output allocated that no node saves (none for a model input)."""
+    data = dag.nodes[node]
+    if data.get("input"):
+        return 0.0
+    facts = data.get("training")
+    saved = facts.saved_output if facts is not None and node not in recomputed else 0
+    return max(0.0, float(data.get("allocated") or 0) - saved)
 
 
 def _gradients_to(dag: nx.DiGraph, node: str) -> list[tuple[str, bool]]:
@@ -552,6 +565,35 @@ def _weight_grad_bytes(dag: nx.DiGraph, node: str) -> float:
     into the weight's gradient after)."""
     infos = dag.graph.get("weights", {})
     return float(sum(infos[w].nbytes for w in dag.nodes[node].get("weights", ()) if w in infos and infos[w].trainable))
+
+
+def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[str],
+                  recomputed: AbstractSet[str] = frozenset()) -> float:
+    """The most one microbatch's forward holds at once above what it keeps when it ends (what is
+    saved, and the storages of the values sent: ``stays``). Walking its nodes in order: each
+    node's own forward peak (``SavedFacts.forward``; without it, its output's bytes) on top of
+    what is alive when it starts. A storage nothing saves lives from its maker until its last
+    reader here has run (a wide pairwise sum nothing saves, reduced by the next node)."""
+    inside = set(nodes)
+    last_read: dict[str, int] = {}  # storage (by its maker) -> position of its last reader here
+    for i, node in enumerate(nodes):
+        last_read.setdefault(_owner(dag, node, stage), i)
+        for u in dag.predecessors(node):
+            if u in inside:
+                last_read[_owner(dag, u, stage)] = i
+    freed_at: dict[int, list[str]] = {}
+    for owner, i in last_read.items():
+        if owner in inside and owner not in stays:
+            freed_at.setdefault(i, []).append(owner)
+    alive = peak = 0.0
+    for i, node in enumerate(nodes):
+        data, facts = dag.nodes[node], _training(dag, node)
+        if not data.get("input"):
+            own = facts.forward if facts is not None and facts.forward is not None else data.get("allocated")
+            peak = max(peak, alive + float(own or 0))
+            alive += (0.0 if node in recomputed else kept_bytes(dag, node)) + _unsaved(dag, node, recomputed)
+        alive -= sum(_unsaved(dag, owner, recomputed) for owner in freed_at.get(i, ()))
+    return max(0.0, peak - alive)
 
 
 def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], through: Sequence[str],
@@ -689,6 +731,7 @@ def stage_memory(
         else:
             kept = sum(kept_bytes(dag, v) for v in nodes)
         walk = _backward_peak(dag, nodes, set(made_here), through, sent_storages, output_grads, recomputed)
+        forward = _forward_peak(dag, nodes, assignment, sent_storages, recomputed) * scale
         backward = (walk + recompute_bytes(regions, lambda n: kept_bytes(dag, n))) * scale
         in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
         received_buffer = received if j > 0 else 0.0  # the first stage's inputs are the caller's batch
@@ -699,6 +742,7 @@ def stage_memory(
             idle_buffer_bytes=received_buffer * (buffered - in_flight) + gradient_buffer * (buffered - 1),
             received_bytes=received, sent_bytes=sent, output_grad_bytes=output_grads * scale,
             backward_bytes=backward + sum(model.fresh_gradient_bytes(info) for info in held),
+            forward_bytes=forward + gradient_buffer,  # the buffer the next backward starts from exists already
             weight_bytes=weights, gradient_bytes=grads,
             gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
             reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]]))))

@@ -112,7 +112,8 @@ class NodeEffect:
     new storage the output lives in; ``spec`` and ``leaves``: the output's structure, with an
     ``OutputTensor`` for each tensor and each constant as it is; ``input_grads``: for each argument
     tensor its backward gives a gradient, its index, whether that gradient is the output's own and
-    the gradient's strides (None: its backward did not run)."""
+    the gradient's strides (None: its backward did not run); ``forward``: the most its forward
+    held at once above what was alive before it (its output and what it saves included)."""
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
@@ -122,3 +123,4 @@ class NodeEffect:
     grad: int
     backward: int
     input_grads: tuple[tuple[int, bool, tuple[int, ...]], ...] | None
+    forward: int = 0

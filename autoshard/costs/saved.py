@@ -18,7 +18,9 @@ allocated and no FLOP is spent:
   output, then, once every node has run (in the hook on the graph's output, so inside the run whose
   isolation sets the model's state back), probed again last node first where a consumer's backward
   gave another layout (``_backwards_from_their_gradients``). The first peak stays as
-  ``backward_when_sent``: a value sent to the next stage gets its gradient in a new receive buffer.
+  ``backward_when_sent``: a value sent to the next stage gets its gradient in a new receive buffer;
+* the node's forward runs under the same tracker: ``forward`` is its peak above what was alive
+  before it (its output, what it saves, and temporaries it frees before it returns).
 
 A storage is told by ``StorageWeakRef`` (identity); every twin and every saved tensor stays
 referenced until the probe ends, so no storage is freed and its address reused under another
@@ -193,6 +195,7 @@ class TrainingProbe:
         self.releases: dict[str, dict[str, int]] = {}  # first saver -> node that made them -> bytes
         self.grad: dict[str, int] = {}
         self.backward: dict[str, int] = {}
+        self.forward: dict[str, int] = {}
         self.backward_when_sent: dict[str, int] = {}  # node -> its first probe's backward, where it differs
         self.views: dict[str, str] = {}  # node that made no storage -> the node whose storage its output is
         self.input_grads: dict[str, tuple[tuple[str, bool], ...]] = {}  # node -> inputs its backward gives to
@@ -331,12 +334,18 @@ class TrainingProbe:
         node = call.node
         if node.op != "call_module":
             return call.run(args, kwargs), []
+        leaves = self._weights(node)
+        value = torch.func.functional_call(self.gm.get_submodule(str(node.target)), leaves, args, kwargs)
+        return value, [t for t in {id(t): t for t in leaves.values()}.values() if t.requires_grad]
+
+    def _weights(self, node: fx.Node) -> dict[str, torch.Tensor]:
+        """A module node's parameters and buffers by name, as fake leaves (none for another node)."""
+        if node.op != "call_module":
+            return {}
         module = self.gm.get_submodule(str(node.target))
         named = {**dict(module.named_parameters(remove_duplicate=False)),
                  **dict(module.named_buffers(remove_duplicate=False))}
-        leaves = {name: self.weight(t) for name, t in named.items()}
-        value = torch.func.functional_call(module, leaves, args, kwargs)
-        return value, [t for t in {id(t): t for t in leaves.values()}.values() if t.requires_grad]
+        return {name: self.weight(t) for name, t in named.items()}
 
     def _key(self, node: fx.Node, flat: list[Any], spec: Any) -> Hashable | None:
         """What decides ``node``'s probe (``probe_memo``), or None where it cannot be told by value."""
@@ -433,7 +442,8 @@ class TrainingProbe:
             if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and _storage(leaf) not in position:
                 new.setdefault(_storage(leaf), len(new))
         outputs, storages, replayable = _output_leaves(leaves, position, new, _storage)
-        return NodeEffect((), (), tuple(storages), spec, tuple(outputs), 0, 0, ()) if replayable else None
+        made = sum(nbytes for nbytes, _ in storages)  # nothing else: no gradient, so nothing saved
+        return NodeEffect((), (), tuple(storages), spec, tuple(outputs), 0, 0, (), made) if replayable else None
 
     def _sources(self, node: fx.Node) -> list[str | None]:
         """For each tensor argument of ``node``, in ``tree_flatten``'s order, the node whose value it is
@@ -480,13 +490,19 @@ class TrainingProbe:
         self.tracker.forget_modules()
         with torch.enable_grad():
             args, kwargs, wanted, indices = self._inputs(args, kwargs, through_clones=bool(call.node.users))
-            with self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # what exists before the node runs is registered first, as for its backward (``_backward``)
+            self.tracker.track_external(*_tensors((args, kwargs)), *self._weights(call.node).values())
+            with without_cyclic_gc(), self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                start = _total(self.tracker.get_tracker_snapshot("current"))
                 value, weights = self._run(call, args, kwargs)
+                forward = _total(self.tracker.get_tracker_snapshot("peak")) - start
         self._charge_first_saver(call.node.name, foreign)
         # An in-place write to an argument that wants no gradient (``zeros.add_(x)``) changes what later
         # nodes receive: a replay, which makes only the output, would miss it
         reusable = not foreign and before == [_state(t) for t in arguments]
         outputs = _tensors(value)
+        # a weight the node returns as it is (``w.float()`` of an fp32 one) gets a gradient too
+        grad = sum(t.numel() * t.element_size() for t in outputs if t.requires_grad)
         sent = [t for t in outputs if t.requires_grad and t.grad_fn is not None]
         sent_layouts = [strides for t, strides in zip(outputs, layouts or [None] * len(outputs))
                         if t.requires_grad and t.grad_fn is not None]
@@ -511,7 +527,9 @@ class TrainingProbe:
         if layouts is None and any(nbytes == 0 for nbytes, _ in saved_new):
             if not self.real_run:
                 raise _Unsized(call.node.name)  # left unprobed: the report names it, as one fake tensors cannot run
-            saved_new = self._sized_on_real_tensors(call, arguments, saved_new)
+            sized = self._sized_on_real_tensors(call, arguments, saved_new)
+            forward += sum(nbytes for nbytes, _ in sized) - sum(nbytes for nbytes, _ in saved_new)
+            saved_new = sized
         backward, input_grads = 0, ()
         try:
             if sent and (wanted or weights):
@@ -526,7 +544,7 @@ class TrainingProbe:
         outputs, storages, replayable = _output_leaves(leaves, position, new, lambda t: self.original(_storage(t)))
         reusable &= replayable
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
-                            sum(t.numel() * t.element_size() for t in sent), backward, input_grads)
+                            grad, backward, input_grads, max(0, forward))
         return effect, value, reusable
 
     def _sized_on_real_tensors(self, call: NodeCall, arguments: list[torch.Tensor],
@@ -607,7 +625,7 @@ class TrainingProbe:
         for ref, nbytes in new:
             self.owner[ref], self.nbytes[ref] = name, nbytes
         self.outputs[name] = {ref for ref, _ in new}
-        self.grad[name], self.backward[name] = effect.grad, effect.backward
+        self.grad[name], self.backward[name], self.forward[name] = effect.grad, effect.backward, effect.forward
         if not new:
             found = {self.original(_storage(t)): t.untyped_storage().nbytes() for t in _tensors(value)}
             if found:  # the widest storage its output lives in, made by another node ('' for an input or weight)
@@ -685,5 +703,6 @@ class TrainingProbe:
         run, so the memory model falls back to its output's bytes rather than count nothing saved."""
         return {name: SavedFacts(self.saved.get(name, 0), self.saved_output(name), self.grad[name],
                                  self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
-                                 self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name))
+                                 self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
+                                 self.forward.get(name))
                 for name in self.grad if name not in self.unrun}

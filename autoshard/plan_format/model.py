@@ -286,7 +286,8 @@ class SavedPlan:
                           "microbatches_in_flight": rule},
                 "stages": [{"state_bytes": _number(m.state_bytes), "activation_bytes": _number(m.activation_bytes),
                             "received_bytes": _number(m.received_bytes), "sent_bytes": _number(m.sent_bytes),
-                            "backward_bytes": _number(m.backward_bytes), "in_flight": m.in_flight,
+                            "backward_bytes": _number(m.backward_bytes), "forward_bytes": _number(m.forward_bytes),
+                            "in_flight": m.in_flight,
                             "total": _number(m.total)} for m in memory],
             }
         if self.weights:

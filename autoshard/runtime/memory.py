@@ -220,6 +220,9 @@ def _run_in_steady_state(
 ) -> tuple[int, dict[str, int], dict[str, int]]:
     """Forward ``in_flight`` microbatches, then back-propagate the first: the peak and its parts."""
     cuda = device.type == "cuda"
+    received = [fresh_copy((args, kwargs), buffers.receives)
+                for _ in range(buffers.microbatches if buffers.receives else in_flight)]
+    waiting = _gradient_buffers(module, received[0], buffers.microbatches if buffers.sends else 0)
     gc.collect()  # garbage from before (a plan tried for the inputs) would count in ``before``
     if cuda:
         torch.cuda.synchronize(device)
@@ -229,19 +232,16 @@ def _run_in_steady_state(
     for p in trainable:
         p.grad = torch.zeros_like(p)
     optimizer = _steady_state_optimizer(trainable, states, master_weights)
-    received = [fresh_copy((args, kwargs), buffers.receives)
-                for _ in range(buffers.microbatches if buffers.receives else in_flight)]
     microbatches = received[:in_flight]  # the others' buffers wait for their microbatches
     tracker = QuietMemTracker()
-    tracker.track_external(module, optimizer, *[t for mb in received for t in tensors_in(mb)])
+    tracker.track_external(module, optimizer, *[t for mb in received for t in tensors_in(mb)],
+                           *[g for microbatch in waiting for g in microbatch])  # received, not made here
     with without_cyclic_gc(), tracker:  # in this order: see ``without_cyclic_gc``
         outputs, caller = [], _Untouched(module)
         for caller.microbatch in microbatches:
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
             outputs.append(caller())
         sent = [t for t in tensors_in(outputs[0]) if t.requires_grad]
-        waiting = [[torch.ones_like(t) for t in sent] for _ in range(buffers.microbatches if buffers.sends else 0)]
-        tracker.track_external(*[g for microbatch in waiting for g in microbatch])  # received, not made here
         resident = _parts(tracker.get_tracker_snapshot("current"), device)
         if sent:
             gradients = waiting[0] if waiting else [torch.ones_like(t) for t in sent]  # the last's: from the loss
@@ -253,6 +253,18 @@ def _run_in_steady_state(
         weights = parts["weights"]  # allocated before ``before``: the stage holds them throughout
         return torch.cuda.max_memory_allocated(device) - before + weights, parts, resident
     return sum(parts.values()), parts, resident
+
+
+def _gradient_buffers(module: nn.Module, microbatch: tuple[tuple, dict], count: int) -> list[list[torch.Tensor]]:
+    """``count`` receive buffers for the gradients of what the stage sends, shaped by one forward run
+    before the measurement: a ``PipelineStage`` allocates them before its first step, so they are
+    there during the forwards too."""
+    if not count:
+        return []
+    caller = _Untouched(module)
+    caller.microbatch = microbatch
+    sent = [t for t in tensors_in(caller()) if t.requires_grad]
+    return [[torch.ones_like(t) for t in sent] for _ in range(count)]
 
 
 def _parts(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device) -> dict[str, int]:
