@@ -227,3 +227,16 @@ def test_master_weights_are_an_fp32_copy_of_each_narrower_trainable_weight():
     assert master.parts["optimizer"] - plain.parts["optimizer"] == linear_bytes(8, 16, 16)  # fp32: 4 B each
     predicted = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=1, master_weights=True))
     assert predicted.stages[0].memory.optimizer_bytes == master.parts["optimizer"]
+
+
+def test_a_stage_that_first_writes_in_place_to_what_it_received_is_measured():
+    """A cut right before ``nn.ReLU(inplace=True)``: a received leaf that requires grad refuses an
+    in-place write, so the measurement failed, though ``pipeline_stage``'s stages run it: they read
+    what they receive through ``contiguous_grad``, and so does the measurement now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(inplace=True), nn.Linear(32, 32)).train()
+    x = torch.randn(64, 32)
+    pipeline = "capture,shape-prop,build-dag,linearize,split{stages=2 cut-before=1},emit"
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,), pipeline=pipeline)
+    predicted = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=1)).stages[1].memory.total
+    assert measure_stage_memory(sharded, 1, (x,), microbatches=1).peak == predicted

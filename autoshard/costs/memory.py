@@ -560,11 +560,16 @@ def _gradients_to(dag: nx.DiGraph, node: str) -> list[tuple[str, bool]]:
     return [(u, u == widest) for u in inputs]
 
 
+def _trainable_weights(dag: nx.DiGraph, node: str) -> dict[str, float]:
+    """The trainable weights ``node`` reads, with their bytes."""
+    infos = dag.graph.get("weights", {})
+    return {w: float(infos[w].nbytes) for w in dag.nodes[node].get("weights", ()) if w in infos and infos[w].trainable}
+
+
 def _weight_grad_bytes(dag: nx.DiGraph, node: str) -> float:
     """Bytes of the gradients ``node``'s backward makes of its trainable weights (autograd adds each
     into the weight's gradient after)."""
-    infos = dag.graph.get("weights", {})
-    return float(sum(infos[w].nbytes for w in dag.nodes[node].get("weights", ()) if w in infos and infos[w].trainable))
+    return sum(_trainable_weights(dag, node).values())
 
 
 def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[str],
@@ -609,12 +614,15 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     starts from that buffer's layout (``SavedFacts.backward_when_sent``). Autograd adds a
     further gradient into a buffer only a value's own; into one it holds with others, or the one
     received, it cannot, so the sum is a new buffer. A value the stage received keeps its
-    gradient to the end, to send it back: once every node reading it has given its part (at once
-    for a value only passed through), autograd takes the buffer it holds when nothing else holds
-    it, else copies it. The storages of the values sent (``stays``: their makers, ``_owner``)
-    outlive the microbatch's backward. What ``recomputed`` nodes save was not kept, so its
-    release frees nothing of the microbatches held (``recompute_bytes`` counts it). The peak is
-    checked before each node and once after the last, when the last copies have been made."""
+    gradient to the end, to send it back: once every node reading it has given its part (after
+    every node for a value only passed through: the stage reads what it receives first, through
+    ``runtime.wire.contiguous_grad``, and autograd runs that last), autograd takes the buffer it
+    holds when nothing else holds it, else copies it. The storages of the values sent (``stays``:
+    their makers, ``_owner``) outlive the microbatch's backward. What ``recomputed`` nodes save
+    was not kept, so its release frees nothing of the microbatches held (``recompute_bytes``
+    counts it). A weight read by several nodes here gets its gradient in parts, which autograd
+    holds until the last. The peak is checked before each node and once after the last, when the
+    last copies have been made."""
     inside = set(nodes)
     buffer: dict[str, str | None] = dict.fromkeys([*sent, *through])  # value -> its gradient's (None: received)
     holders: dict[str, int] = {}  # buffer (named by the value it was made for) -> values holding it
@@ -623,6 +631,11 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         for u, _ in _gradients_to(dag, node):
             if u not in inside:
                 pending[u] = pending.get(u, 0) + 1
+    readers: dict[str, int] = {}  # trainable weight -> nodes here whose backward has still to give it a part
+    for node in nodes:
+        for w in _trainable_weights(dag, node):
+            readers[w] = readers.get(w, 0) + 1
+    parts: set[str] = set()  # the weights whose parts autograd holds
     alive = freed = peak = 0.0
 
     def hold(value: str, held: str | None) -> None:
@@ -642,10 +655,6 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         """Whether ``value``'s gradient is the one received or a buffer other values hold too."""
         held = buffer[value]
         return held is None or (held != value and holders[held] > 1)
-
-    for value in through:
-        if value not in pending:  # no node here reads it for its gradient: copied before any runs
-            hold(value, value)
 
     for node in reversed(nodes):
         facts = _training(dag, node)
@@ -678,6 +687,21 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 if not pending[u] and shared(u):  # autograd copies it into the gradient sent back
                     release(buffer[u])
                     hold(u, u)
+        # a weight read by several nodes here: autograd holds the parts given so far, adding each new
+        # one into a new buffer, and the last sum into the weight's gradient (a Linear applied twice)
+        for w, nbytes in _trainable_weights(dag, node).items():
+            readers[w] -= 1
+            if w in parts:
+                peak = max(peak, output_grads + alive + 2 * nbytes - freed)  # held, the new part, their sum
+                if not readers[w]:
+                    parts.discard(w)
+                    alive -= nbytes
+            elif readers[w]:
+                parts.add(w)
+                alive += nbytes
+    for value in through:
+        if value not in pending:  # no node here reads it: copied after every other (its read ran first)
+            hold(value, value)
     return max(peak, output_grads + alive - freed)  # the copies of the last gradients received
 
 

@@ -3,10 +3,11 @@
 The memory model (``autoshard.costs.memory``) predicts a stage's training memory from the plan;
 this runs the stage on real tensors, on one process, so the prediction can be checked. The stages
 before it run once to give it a microbatch of its inputs; the stage then runs its forward once per
-microbatch it keeps in flight under the schedule (a fresh copy of its inputs each time, all graphs
-kept alive), then one backward with a gradient of its output's shape, as in the steady state: the
-gradients of its parameters exist (they accumulate over the step) and so does the optimizer state
-(after the first step). The peak is counted by live tensor storages with PyTorch's own
+microbatch it keeps in flight under the schedule (a fresh copy of its inputs each time, read
+through ``contiguous_grad`` as ``pipeline_stage``'s wired stages read them; all graphs kept alive),
+then one backward with a gradient of its output's shape, as in the steady state: the gradients of
+its parameters exist (they accumulate over the step) and so does the optimizer state (after the
+first step). The peak is counted by live tensor storages with PyTorch's own
 ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which works on CPU: it sees every
 storage an operator returns and when it is freed, and sorts them into weights, gradients,
 optimizer state, activations, backward temporaries and what was handed in. Memory a kernel
@@ -35,6 +36,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _MemRefType
+from torch.utils._pytree import tree_map_only
 
 from autoshard.arguments import whole_number
 from autoshard.costs.memory import MemoryModel
@@ -43,6 +45,7 @@ from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, sug
 from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
 from autoshard.runtime.schedule import SCHEDULES
+from autoshard.runtime.wire import contiguous_grad
 from autoshard.sharded import ShardedModel
 
 #: fp32 state tensors per parameter, by optimizer name (the state their ``torch.optim`` class keeps;
@@ -191,7 +194,8 @@ class _Untouched(nn.Module):
     keeps each until the module's last input has one (``register_multi_grad_hook``): for a stage
     those are the received values, whose gradients it then held to the end of the backward, and
     autograd, seeing them referenced, copied the one it sends back. No pipeline runtime does
-    either. The stage's modules inside are tracked as before."""
+    either. The stage's modules inside are tracked as before. It reads the microbatch through
+    ``contiguous_grad``, as a wired stage does: a stage may write in place to what it received."""
 
     def __init__(self, stage: nn.Module) -> None:
         super().__init__()
@@ -199,7 +203,7 @@ class _Untouched(nn.Module):
         self.microbatch: tuple[tuple, dict] = ((), {})
 
     def forward(self) -> Any:
-        args, kwargs = self.microbatch
+        args, kwargs = tree_map_only(torch.Tensor, contiguous_grad, self.microbatch)
         return self.stage.forward(*args, **kwargs)
 
 
