@@ -283,6 +283,35 @@ def test_a_plan_file_keeps_the_backward_from_a_receive_buffer(tmp_path):
     assert {n.name: n.training for n in again.nodes} == facts
 
 
+class _ReducedAfterTheCut(nn.Module):
+    """A value the next stage reduces to a scalar: the sum's backward hands it an expanded gradient
+    (stride 0), which the stage copies into a contiguous one before it sends it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 512), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(x) * h.sum()  # the cut before ``b`` sends ``h``
+
+
+def test_a_gradient_that_is_not_contiguous_is_copied_before_it_is_sent_back(tmp_path):
+    """The stage after the cut was predicted at 0.65x of what it held: the walk took the sum's handed-on
+    gradient for the one sent back. The probe records which inputs get a non-contiguous gradient
+    (``SavedFacts.strided_grads``), and a plan file keeps it."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    sharded = autoshard.shard_model(_ReducedAfterTheCut().train(), 2, example_inputs=(x,),
+                                    pipeline="capture,shape-prop,build-dag,linearize,split{stages=2 cut-before=b},emit")
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages[1].memory
+    assert 1.0 <= predicted.total / measure_stage_memory(sharded, 1, (x,), microbatches=1).peak <= 1.05
+    facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
+    assert any(f is not None and f.strided_grads for f in facts.values())
+    again = read_plan(sharded.save_plan(tmp_path / "plan.json"))
+    assert {n.name: n.training for n in again.nodes} == facts
+
+
 class _DroppedAttention(nn.Module):
     def __init__(self, width: int = 32, heads: int = 4) -> None:
         super().__init__()
@@ -404,6 +433,31 @@ def test_memory_held_only_during_a_forward_is_counted(model, x):
     predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages[1].memory
     assert predicted.forward_bytes > predicted.backward_bytes
     assert predicted.total == measure_stage_memory(sharded, 1, (x,), microbatches=1).peak
+
+
+class _InputSimilarity(nn.Module):
+    """Pairwise cosine similarity of the inputs, which need no gradient: no gradient reaches that node, so
+    its effect is read off shape propagation's run, which shows its output (a 64 x 64 matrix) but not the
+    broadcast copies of the inputs it makes and frees inside (64 x 64 x 32, twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        similarity = F.cosine_similarity(x[:, None, :], x[None, :, :], dim=-1)
+        return self.b(self.a(x) * similarity.mean())
+
+
+def test_the_temporaries_of_a_node_no_gradient_reaches_are_counted():
+    """Predicted at 0.015x of what the stage held before such a node's forward was run under the tracker."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    sharded = autoshard.shard_model(_InputSimilarity().train(), 2, example_inputs=(x,),
+                                    pipeline="capture,shape-prop,build-dag,linearize,split{stages=2 cut-before=b},emit")
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages[0].memory
+    assert predicted.forward_bytes > 2 * 64 * 64 * 32 * 4
+    assert predicted.total == measure_stage_memory(sharded, 0, (x,), microbatches=1).peak
 
 
 def test_the_gradient_receive_buffers_are_held_during_the_forwards():

@@ -144,7 +144,9 @@ class SavedFacts:
     buffer of a value sent to the next stage is (None: the same). ``forward``: the most its forward
     holds at once above what was alive before it, its output and what it saves included (a
     temporary freed before it returns: a non-contiguous input's copy, an unfused bias add); None:
-    not recorded, counted as its output's bytes."""
+    not recorded, counted as its output's bytes. ``strided_grads``: the inputs among ``input_grads``
+    whose gradient is not contiguous (a sum's, expanded; a transpose's), which a stage copies
+    before it sends it back."""
 
     saved: int
     saved_output: int
@@ -155,6 +157,7 @@ class SavedFacts:
     input_grads: tuple[tuple[str, bool], ...] | None = None
     backward_when_sent: int | None = None
     forward: int | None = None
+    strided_grads: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -617,7 +620,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     gradient to the end, to send it back: once every node reading it has given its part (after
     every node for a value only passed through: the stage reads what it receives first, through
     ``runtime.wire.contiguous_grad``, and autograd runs that last), autograd takes the buffer it
-    holds when nothing else holds it, else copies it. The storages of the values sent (``stays``:
+    holds when nothing else holds it and it is contiguous (``SavedFacts.strided_grads``), else
+    copies it. The storages of the values sent (``stays``:
     their makers, ``_owner``) outlive the microbatch's backward. What ``recomputed`` nodes save
     was not kept, so its release frees nothing of the microbatches held (``recompute_bytes``
     counts it). A weight read by several nodes here gets its gradient in parts, which autograd
@@ -636,6 +640,7 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         for w in _trainable_weights(dag, node):
             readers[w] = readers.get(w, 0) + 1
     parts: set[str] = set()  # the weights whose parts autograd holds
+    strided: set[str] = set()  # the values whose gradient is a non-contiguous one, handed to them alone
     alive = freed = peak = 0.0
 
     def hold(value: str, held: str | None) -> None:
@@ -677,16 +682,21 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         for u, handed in given:
             if u not in buffer:
                 hold(u, mine if handed else u)
-            elif shared(u):  # the sum is a new buffer
+                if u in facts.strided_grads:
+                    strided.add(u)
+            elif shared(u) or u in strided:  # the sum is a new buffer
                 release(buffer[u])
                 hold(u, u)
+                strided.discard(u)
         release(mine)
         for u, _ in given:
             if u in pending:
                 pending[u] -= 1
-                if not pending[u] and shared(u):  # autograd copies it into the gradient sent back
+                if not pending[u] and (shared(u) or u in strided):  # autograd copies it into the one sent back
+                    peak = max(peak, output_grads + alive + _grad(dag, u) - freed)  # beside the one it copies
                     release(buffer[u])
                     hold(u, u)
+                    strided.discard(u)
         # a weight read by several nodes here: autograd holds the parts given so far, adding each new
         # one into a new buffer, and the last sum into the weight's gradient (a Linear applied twice)
         for w, nbytes in _trainable_weights(dag, node).items():

@@ -171,6 +171,15 @@ def _new_strides(t: torch.Tensor) -> tuple[int, ...]:
         return torch.empty_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")).stride()
 
 
+def _contiguous(t: torch.Tensor, strides: tuple[int, ...] | None) -> bool:
+    """Whether a gradient of ``t``'s shape with ``strides`` (None: not strided) is contiguous, as the
+    gradient a stage sends back must be (``runtime.wire.contiguous_grad`` copies any other)."""
+    if strides is None:
+        return True
+    with _disable_current_modes():
+        return torch.empty_strided(t.shape, strides, device="meta").is_contiguous()
+
+
 def _total(snapshot: Any) -> int:
     """All bytes of a ``MemTracker`` snapshot, every device."""
     return sum(int(by_type.get("Total", 0)) for by_type in snapshot.values())
@@ -199,6 +208,7 @@ class TrainingProbe:
         self.backward_when_sent: dict[str, int] = {}  # node -> its first probe's backward, where it differs
         self.views: dict[str, str] = {}  # node that made no storage -> the node whose storage its output is
         self.input_grads: dict[str, tuple[tuple[str, bool], ...]] = {}  # node -> inputs its backward gives to
+        self.strided_grads: dict[str, tuple[str, ...]] = {}  # node -> inputs it gives a non-contiguous gradient
         self.order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         # id of a twin -> (order of the node whose backward gave it a gradient, the last to run forward; its strides)
         self.gradient_layouts: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -209,7 +219,7 @@ class TrainingProbe:
         self.unprobed: list[str] = []
         self.unrun: set[str] = set()  # the nodes whose forward fake tensors could not run: no facts
         self.tracker = QuietMemTracker()
-        self.memo: dict[Hashable, NodeEffect] | None = {} if memo else None  # a node's key -> its effect
+        self.memo: dict[Hashable, Any] | None = {} if memo else None  # a node's key -> its effect (or forward peak)
 
     # -- storages -------------------------------------------------------------------------
     def original(self, ref: StorageWeakRef) -> StorageWeakRef:
@@ -234,6 +244,15 @@ class TrainingProbe:
         return sum(self.nbytes[ref] for ref in self.outputs[name] if ref in self.saved_storages)
 
     # -- running ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _tracked(self, *existing: torch.Tensor) -> Iterator[Callable[[], int]]:
+        """``MemTracker`` on, with ``existing`` registered first (it counts a storage it has not seen
+        when an operator first touches it, as if it were new); yields the peak above where it started."""
+        self.tracker.track_external(*existing)
+        with without_cyclic_gc(), self.tracker:  # in this order: see ``without_cyclic_gc``
+            start = _total(self.tracker.get_tracker_snapshot("current"))
+            yield lambda: max(0, _total(self.tracker.get_tracker_snapshot("peak")) - start)
+
     @contextlib.contextmanager
     def _in_fake_mode(self) -> Iterator[FakeTensorMode]:
         """The fake mode the probe runs in, with every other mode (the FLOP counter) set aside, and
@@ -372,7 +391,7 @@ class TrainingProbe:
         key = self._key(call.node, flat, spec)
         effect = None if key is None else self.memo.get(key)
         if effect is None and self.memo is not None:
-            effect = self._untracked(call, real, arguments)
+            effect = self._untracked(call, real, arguments, (args, kwargs), key)
         reusable = effect is not None
         if effect is not None:
             value = self._replay(effect, arguments)  # outside the fake mode: entering it costs more than a replay
@@ -403,21 +422,27 @@ class TrainingProbe:
             return
         sources, given = self._sources(node) if effect.input_grads else [], {}
         order = self.order[node.name]
+        strided: dict[str, None] = {}
         for i, handed, strides in effect.input_grads:
             if self.gradient_layouts.get(id(arguments[i]), (order,))[0] <= order:
                 self.gradient_layouts[id(arguments[i])] = (order, strides)
             if sources[i] is not None:  # two tensors of one value (a tuple's) get a sum: a new buffer
                 given[sources[i]] = handed and sources[i] not in given
+                if not _contiguous(arguments[i], strides):
+                    strided[sources[i]] = None
         self.input_grads[node.name] = tuple(given.items())
+        self.strided_grads[node.name] = tuple(strided)
 
-    def _untracked(self, call: NodeCall, real: Any, arguments: list[torch.Tensor]) -> NodeEffect | None:
+    def _untracked(self, call: NodeCall, real: Any, arguments: list[torch.Tensor], twins: tuple,
+                   key: Hashable | None) -> NodeEffect | None:
         """The effect of a node autograd records nothing of, read off shape propagation's run of it, or
         None to probe it. Such a node reads only its arguments (a torch or builtin function, a tensor
         method, a ``torch.nn`` module without trainable weights; tensors and constants only among the
         arguments, no object that may hide tensors or code) and no argument wants a gradient: it
         saves nothing and has no backward (a size, a mask, an index), and its output has the layout
         the run made from arguments laid out as these. Not memoised: the run's output may depend on
-        values (``nonzero``, ``arange(n.item())``), which a key of layouts does not see."""
+        values (``nonzero``, ``arange(n.item())``), which a key of layouts does not see. Its forward
+        peak is the run's output or, where it makes one, ``_forward_without_gradients``'s."""
         if any(t.requires_grad for t in arguments) or not _reads_only_arguments(call.node, self.gm):
             return None
         flat, _ = tree_flatten((call.args, call.kwargs))
@@ -442,8 +467,35 @@ class TrainingProbe:
             if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and _storage(leaf) not in position:
                 new.setdefault(_storage(leaf), len(new))
         outputs, storages, replayable = _output_leaves(leaves, position, new, _storage)
+        if not replayable:
+            return None
         made = sum(nbytes for nbytes, _ in storages)  # nothing else: no gradient, so nothing saved
-        return NodeEffect((), (), tuple(storages), spec, tuple(outputs), 0, 0, (), made) if replayable else None
+        forward = max(made, self._forward_without_gradients(call, *twins, key)) if made else 0
+        return NodeEffect((), (), tuple(storages), spec, tuple(outputs), 0, 0, (), forward)
+
+    def _forward_without_gradients(self, call: NodeCall, args: tuple, kwargs: dict, key: Hashable | None) -> int:
+        """The forward peak of a node autograd records nothing of, which shape propagation's run does not
+        show: the temporaries it frees before it returns (``F.cosine_similarity`` expands both inputs to
+        their broadcast shape, 70x its output). Run under the tracker on fake copies of its arguments,
+        so an in-place write changes no twin; 0 where fake tensors cannot run it (an output that
+        depends on values: its bytes stand). Memoised by ``key``: a fake run reads layouts only."""
+        memo_key = None if key is None else ("forward", key)
+        if memo_key in self.memo:
+            return self.memo[memo_key]
+        with self._in_fake_mode():
+            copies = tree_map_only(torch.Tensor, lambda t: self.fresh(t) if t.layout == torch.strided else t,
+                                   (args, kwargs))
+            self.tracker.forget_modules()
+            try:
+                with self._tracked(*_tensors(copies), *self._weights(call.node).values()) as peak:
+                    self.kept.append(self._run(call, *copies))  # kept: see the class's note on storages
+                    found = peak()
+            except Exception:  # noqa: BLE001 - a value-dependent output fake tensors cannot make
+                found = 0
+        self.kept.append(copies)
+        if memo_key is not None:
+            self.memo[memo_key] = found
+        return found
 
     def _sources(self, node: fx.Node) -> list[str | None]:
         """For each tensor argument of ``node``, in ``tree_flatten``'s order, the node whose value it is
@@ -490,12 +542,10 @@ class TrainingProbe:
         self.tracker.forget_modules()
         with torch.enable_grad():
             args, kwargs, wanted, indices = self._inputs(args, kwargs, through_clones=bool(call.node.users))
-            # what exists before the node runs is registered first, as for its backward (``_backward``)
-            self.tracker.track_external(*_tensors((args, kwargs)), *self._weights(call.node).values())
-            with without_cyclic_gc(), self.tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                start = _total(self.tracker.get_tracker_snapshot("current"))
+            with self._tracked(*_tensors((args, kwargs)), *self._weights(call.node).values()) as peak, \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value, weights = self._run(call, args, kwargs)
-                forward = _total(self.tracker.get_tracker_snapshot("peak")) - start
+                forward = peak()
         self._charge_first_saver(call.node.name, foreign)
         # An in-place write to an argument that wants no gradient (``zeros.add_(x)``) changes what later
         # nodes receive: a replay, which makes only the output, would miss it
@@ -544,7 +594,7 @@ class TrainingProbe:
         outputs, storages, replayable = _output_leaves(leaves, position, new, lambda t: self.original(_storage(t)))
         reusable &= replayable
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
-                            grad, backward, input_grads, max(0, forward))
+                            grad, backward, input_grads, forward)
         return effect, value, reusable
 
     def _sized_on_real_tensors(self, call: NodeCall, arguments: list[torch.Tensor],
@@ -646,13 +696,11 @@ class TrainingProbe:
         zeros = {(t.dtype, t.device): torch.zeros((), dtype=t.dtype, device=t.device) for t in weights}
         # training adds a weight's gradient into the one it has and frees it at once: so do these
         hooks = [t.register_hook(lambda g: zeros[g.dtype, g.device].expand(g.shape)) for t in weights]
-        self.tracker.track_external(*gradients, *wanted, *zeros.values(), *_tensors(inputs))
         try:
-            with without_cyclic_gc(), self.tracker:  # in this order: see ``without_cyclic_gc``
-                start = _total(self.tracker.get_tracker_snapshot("current"))
+            with self._tracked(*gradients, *wanted, *zeros.values(), *_tensors(inputs)) as peak:
                 with torch.enable_grad():
                     grads = torch.autograd.grad(sent, wanted, gradients, allow_unused=True)
-                peak = _total(self.tracker.get_tracker_snapshot("peak"))
+                backward = peak()
         finally:
             for hook in hooks:
                 hook.remove()
@@ -661,7 +709,7 @@ class TrainingProbe:
                          g.stride() if g.layout == torch.strided else None)
                  for t, g in zip(wanted, grads) if g is not None}
         del grads
-        return max(0, peak - start), given
+        return backward, given
 
     def _backwards_from_their_gradients(self) -> None:
         """Probe again the backward of each node whose consumers give its output a gradient laid out
@@ -704,5 +752,5 @@ class TrainingProbe:
         return {name: SavedFacts(self.saved.get(name, 0), self.saved_output(name), self.grad[name],
                                  self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
                                  self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
-                                 self.forward.get(name))
+                                 self.forward.get(name), self.strided_grads.get(name, ()))
                 for name in self.grad if name not in self.unrun}

@@ -124,7 +124,8 @@ class _Reader:
                           tuple((name, nbytes) for name, nbytes in releases), self.get(obj, "views", str, where, None),
                           None if grads is None else tuple((name, handed) for name, handed in grads),
                           self.get(obj, "backward_when_sent", int, where, None),
-                          self.get(obj, "forward", int, where, None))
+                          self.get(obj, "forward", int, where, None),
+                          tuple(self.names(self.get(obj, "strided_grads", list, where, []), f"{where}.strided_grads")))
 
     def names(self, items: list, where: str) -> tuple[str, ...]:
         bad = next((x for x in items if not isinstance(x, str)), None)

@@ -317,7 +317,8 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
     if n.training is not None:
         grads = n.training.input_grads
         out["training"] = {**dataclasses.asdict(n.training), "releases": [list(r) for r in n.training.releases],
-                           "input_grads": None if grads is None else [list(g) for g in grads]}
+                           "input_grads": None if grads is None else [list(g) for g in grads],
+                           "strided_grads": list(n.training.strided_grads)}
     if n.value:
         out["value"] = dict(n.value)
     return out
