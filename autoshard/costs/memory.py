@@ -58,6 +58,7 @@ do in torch 2.13, per rank:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Protocol, Sequence
 
@@ -146,7 +147,11 @@ class SavedFacts:
     temporary freed before it returns: a non-contiguous input's copy, an unfused bias add); None:
     not recorded, counted as its output's bytes. ``strided_grads``: the inputs among ``input_grads``
     whose gradient is not contiguous (a sum's, expanded; a transpose's), which a stage copies
-    before it sends it back."""
+    before it sends it back. ``strided_output``: its output is a tensor laid out otherwise than
+    contiguous (a transpose, a slice), which a stage sends as a contiguous copy. ``when_contiguous``:
+    for a node reading such a value, as it is when that value comes contiguous, as the next stage
+    receives it: (the change in what it saves of its own, ``forward``, ``backward``,
+    ``strided_grads``); None: the same, or not recorded."""
 
     saved: int
     saved_output: int
@@ -158,6 +163,8 @@ class SavedFacts:
     backward_when_sent: int | None = None
     forward: int | None = None
     strided_grads: tuple[str, ...] = ()
+    strided_output: bool = False
+    when_contiguous: tuple[int, int, int, tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -576,12 +583,13 @@ def _weight_grad_bytes(dag: nx.DiGraph, node: str) -> float:
 
 
 def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[str],
-                  recomputed: AbstractSet[str] = frozenset()) -> float:
+                  recomputed: AbstractSet[str] = frozenset(), copied: Sequence[str] = ()) -> float:
     """The most one microbatch's forward holds at once above what it keeps when it ends (what is
-    saved, and the storages of the values sent: ``stays``). Walking its nodes in order: each
-    node's own forward peak (``SavedFacts.forward``; without it, its output's bytes) on top of
-    what is alive when it starts. A storage nothing saves lives from its maker until its last
-    reader here has run (a wide pairwise sum nothing saves, reduced by the next node)."""
+    saved, the storages of the values sent: ``stays``, and the contiguous copies of those sent
+    ``copied``). Walking its nodes in order: each node's own forward peak (``SavedFacts.forward``;
+    without it, its output's bytes) on top of what is alive when it starts. A storage nothing saves
+    lives from its maker until its last reader here has run (a wide pairwise sum nothing saves,
+    reduced by the next node), or, for a value copied to be sent, until the copies made at the end."""
     inside = set(nodes)
     last_read: dict[str, int] = {}  # storage (by its maker) -> position of its last reader here
     for i, node in enumerate(nodes):
@@ -589,6 +597,8 @@ def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int
         for u in dag.predecessors(node):
             if u in inside:
                 last_read[_owner(dag, u, stage)] = i
+    for value in copied:
+        last_read[_owner(dag, value, stage)] = len(nodes)
     freed_at: dict[int, list[str]] = {}
     for owner, i in last_read.items():
         if owner in inside and owner not in stays:
@@ -601,7 +611,50 @@ def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int
             peak = max(peak, alive + float(own or 0))
             alive += (0.0 if node in recomputed else kept_bytes(dag, node)) + _unsaved(dag, node, recomputed)
         alive -= sum(_unsaved(dag, owner, recomputed) for owner in freed_at.get(i, ()))
+    copies = sum(float(dag.nodes[value]["bytes"]) for value in copied)
+    peak = max(peak, alive + copies)
+    alive += copies - sum(_unsaved(dag, owner, recomputed) for owner in freed_at.get(len(nodes), ()))
+    alive -= sum(_saved_only_later(dag, owner, inside) for owner in {_owner(dag, v, stage) for v in copied})
     return max(0.0, peak - alive)
+
+
+def _saved_only_later(dag: nx.DiGraph, owner: str, inside: AbstractSet[str]) -> float:
+    """The bytes of ``owner``'s output that only nodes outside ``inside`` save: a stage that sends a
+    contiguous copy of a view of it (``SavedFacts.strided_output``) keeps it no longer than its forward."""
+    facts = _training(dag, owner)
+    if facts is None or any(maker == owner for n in inside if (saver := _training(dag, n)) is not None
+                            for maker, _ in saver.releases):
+        return 0.0
+    return float(facts.saved_output)
+
+
+def _strided_output(dag: nx.DiGraph, node: str) -> bool:
+    facts = _training(dag, node)
+    return facts is not None and facts.strided_output
+
+
+def _as_received(dag: nx.DiGraph, nodes: Sequence[str], received: AbstractSet[str]) -> nx.DiGraph:
+    """``dag`` with the facts of ``nodes`` that read a value of ``received`` laid out otherwise than
+    contiguous taken as they are when it comes contiguous (``SavedFacts.when_contiguous``), as the
+    stage receives it: a copy where any changes, else ``dag`` itself."""
+    strided = {v for v in received if _strided_output(dag, v)}
+    changed: dict[str, SavedFacts] = {}
+    for node in nodes if strided else ():
+        facts = _training(dag, node)
+        if facts is None or facts.when_contiguous is None or not strided.intersection(dag.predecessors(node)):
+            continue
+        own, forward, backward, strided_grads = facts.when_contiguous
+        releases = dict(facts.releases)
+        releases[node] = releases.get(node, 0) + own
+        changed[node] = dataclasses.replace(
+            facts, saved=facts.saved + own, forward=forward, backward=backward, backward_when_sent=None,
+            strided_grads=strided_grads, releases=tuple((m, b) for m, b in releases.items() if b > 0))
+    if not changed:
+        return dag
+    copy = dag.copy()
+    for node, facts in changed.items():
+        copy.nodes[node]["training"] = facts
+    return copy
 
 
 def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], through: Sequence[str],
@@ -751,22 +804,28 @@ def stage_memory(
             received = sum(_scaled(dag, v, scale) for v in nodes if dag.nodes[v].get("input"))
         else:
             received = sum(_scaled(dag, v, scale) for v in crossing[j - 1])
+        stage_dag = _as_received(dag, nodes, set(crossing[j - 1])) if j else dag
         outgoing = crossing[j] if j < k - 1 else outputs
         made_here = [v for v in outgoing if assignment[v] == j]
-        output_grads = sum(_grad(dag, v) for v in outgoing)
+        output_grads = sum(_grad(stage_dag, v) for v in outgoing)
         through = [v for v in outgoing if assignment[v] < j]  # passed on as received
-        regions = checkpoint_regions(dag, nodes) if model.activation_checkpointing else []
+        regions = checkpoint_regions(stage_dag, nodes) if model.activation_checkpointing else []
         recomputed = {n for run in regions for n in run}
-        sent = _sent_unsaved(dag, made_here, assignment, recomputed) * scale if made_here else 0.0
-        sent_storages = {_owner(dag, v, assignment) for v in made_here}
+        copied = [v for v in made_here if _strided_output(stage_dag, v)]  # sent as contiguous copies
+        dense = [v for v in made_here if v not in copied]
+        sent = (_sent_unsaved(stage_dag, dense, assignment, recomputed)
+                + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
+        sent_storages = {_owner(stage_dag, v, assignment) for v in dense}
         if regions:
-            kept = checkpointed_kept(dag, nodes, regions, lambda n: kept_bytes(dag, n),
-                                     lambda v: _owner(dag, v, assignment), sent_storages)
+            kept = checkpointed_kept(stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n),
+                                     lambda v: _owner(stage_dag, v, assignment), sent_storages)
         else:
-            kept = sum(kept_bytes(dag, v) for v in nodes)
-        walk = _backward_peak(dag, nodes, set(made_here), through, sent_storages, output_grads, recomputed)
-        forward = _forward_peak(dag, nodes, assignment, sent_storages, recomputed) * scale
-        backward = (walk + recompute_bytes(regions, lambda n: kept_bytes(dag, n))) * scale
+            kept = sum(kept_bytes(stage_dag, v) for v in nodes)
+        kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
+                    for owner in {_owner(stage_dag, v, assignment) for v in copied})
+        walk = _backward_peak(stage_dag, nodes, set(made_here), through, sent_storages, output_grads, recomputed)
+        forward = _forward_peak(stage_dag, nodes, assignment, sent_storages, recomputed, copied) * scale
+        backward = (walk + recompute_bytes(regions, lambda n: kept_bytes(stage_dag, n))) * scale
         in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
         received_buffer = received if j > 0 else 0.0  # the first stage's inputs are the caller's batch
         gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss

@@ -180,6 +180,11 @@ def _contiguous(t: torch.Tensor, strides: tuple[int, ...] | None) -> bool:
         return torch.empty_strided(t.shape, strides, device="meta").is_contiguous()
 
 
+def _strided_output(value: Any) -> bool:
+    """Whether ``value`` is one tensor laid out otherwise than contiguous (a stage sends a copy of it)."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous()
+
+
 def _total(snapshot: Any) -> int:
     """All bytes of a ``MemTracker`` snapshot, every device."""
     return sum(int(by_type.get("Total", 0)) for by_type in snapshot.values())
@@ -209,6 +214,7 @@ class TrainingProbe:
         self.views: dict[str, str] = {}  # node that made no storage -> the node whose storage its output is
         self.input_grads: dict[str, tuple[tuple[str, bool], ...]] = {}  # node -> inputs its backward gives to
         self.strided_grads: dict[str, tuple[str, ...]] = {}  # node -> inputs it gives a non-contiguous gradient
+        self.when_contiguous: dict[str, tuple[int, int, int, tuple[str, ...]]] = {}  # see _when_received_contiguous
         self.order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         # id of a twin -> (order of the node whose backward gave it a gradient, the last to run forward; its strides)
         self.gradient_layouts: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -410,9 +416,55 @@ class TrainingProbe:
                 self.memo[key] = effect  # key is None whenever memo is
         self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)
         self._record_gradients(call.node, effect, arguments)
+        self._when_received_contiguous(call, args, kwargs, arguments, effect, key)
         if reusable and effect.grad and effect.input_grads is not None:  # it may run again, as a replay would
             self.rerunnable[name] = (call, key)
         return value
+
+    def _when_received_contiguous(self, call: NodeCall, args: tuple, kwargs: dict, arguments: list[torch.Tensor],
+                                  effect: NodeEffect, key: Hashable | None) -> None:
+        """Probe the node again where an input another node made is not contiguous (a transpose, a
+        slice), with that input contiguous, as a later stage receives it (the wire sends a contiguous
+        copy): an ``nn.Linear`` on a transposed input copies it and saves the copy, on a contiguous one
+        neither. Recorded in ``when_contiguous``: the change in what it saves of its own, its forward
+        and backward peaks, and the inputs it then gives a non-contiguous gradient."""
+        strided = {i for i, t in enumerate(arguments) if t.layout == torch.strided and not t.is_contiguous()
+                   and self.owner.get(self.original(_storage(t)))}
+        if not strided or effect.input_grads is None or not any(t.requires_grad for t in arguments):
+            return  # (a node no gradient reaches saves nothing and has no backward)
+        memo_key = None if key is None else ("contiguous", key)
+        index = itertools.count()
+
+        def contiguous(t: torch.Tensor) -> torch.Tensor:
+            if next(index) not in strided:
+                return t
+            with _disable_current_modes():
+                strides = torch.empty(t.shape, device="meta").stride()
+            return self.fresh(t, strides).requires_grad_(t.requires_grad)
+
+        with self._in_fake_mode():
+            copies = tree_map_only(torch.Tensor, contiguous, (args, kwargs))
+        given = [x for x in tree_flatten(copies)[0] if isinstance(x, torch.Tensor)]
+        self.kept.append(copies)
+        alike = None if memo_key is None else self.memo.get(memo_key)
+        if alike is None:
+            unprobed = len(self.unprobed)
+            try:
+                with self._in_fake_mode():
+                    alike, _, _ = self._probe(call, *copies, given)
+            except Exception:  # noqa: BLE001 - it ran once: a second run that fails leaves the first's facts
+                return
+            finally:
+                del self.unprobed[unprobed:]  # a backward that fails here is no news of the node
+            if memo_key is not None:
+                self.memo[memo_key] = alike
+        if alike.input_grads is None:
+            return
+        sources = self._sources(call.node)
+        given_strided = tuple(dict.fromkeys(sources[i] for i, _, strides in alike.input_grads
+                                            if sources[i] is not None and not _contiguous(given[i], strides)))
+        own = sum(nbytes for nbytes, _ in alike.saved_new) - sum(nbytes for nbytes, _ in effect.saved_new)
+        self.when_contiguous[call.node.name] = (own, alike.forward, alike.backward, given_strided)
 
     def _record_gradients(self, node: fx.Node, effect: NodeEffect, arguments: list[torch.Tensor]) -> None:
         """Which inputs ``node``'s backward gives a gradient (``input_grads``), and in what layout: kept per
@@ -749,8 +801,10 @@ class TrainingProbe:
     def facts(self) -> dict[str, SavedFacts]:
         """``SavedFacts`` of every compute node probed so far; none for a node fake tensors could not
         run, so the memory model falls back to its output's bytes rather than count nothing saved."""
+        values = {node.name: value for node, value in self.twins.items()}
         return {name: SavedFacts(self.saved.get(name, 0), self.saved_output(name), self.grad[name],
                                  self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
                                  self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
-                                 self.forward.get(name), self.strided_grads.get(name, ()))
+                                 self.forward.get(name), self.strided_grads.get(name, ()),
+                                 _strided_output(values.get(name)), self.when_contiguous.get(name))
                 for name in self.grad if name not in self.unrun}

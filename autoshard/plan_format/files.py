@@ -125,7 +125,19 @@ class _Reader:
                           None if grads is None else tuple((name, handed) for name, handed in grads),
                           self.get(obj, "backward_when_sent", int, where, None),
                           self.get(obj, "forward", int, where, None),
-                          tuple(self.names(self.get(obj, "strided_grads", list, where, []), f"{where}.strided_grads")))
+                          tuple(self.names(self.get(obj, "strided_grads", list, where, []), f"{where}.strided_grads")),
+                          self.get(obj, "strided_output", bool, where, False),
+                          self.when_contiguous(self.get(obj, "when_contiguous", list, where, None),
+                                               f"{where}.when_contiguous"))
+
+    def when_contiguous(self, obj: list | None, where: str) -> tuple[int, int, int, tuple[str, ...]] | None:
+        """``SavedFacts.when_contiguous``: [saved change, forward, backward, [node names]] or absent."""
+        if obj is None:
+            return None
+        if len(obj) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) for x in obj[:3]) \
+                or not isinstance(obj[3], list):
+            raise self.error(where, "must be [bytes, bytes, bytes, [node names]]")
+        return obj[0], obj[1], obj[2], self.names(obj[3], f"{where}[3]")
 
     def names(self, items: list, where: str) -> tuple[str, ...]:
         bad = next((x for x in items if not isinstance(x, str)), None)

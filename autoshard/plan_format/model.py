@@ -318,10 +318,15 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
         grads = n.training.input_grads
         out["training"] = {**dataclasses.asdict(n.training), "releases": [list(r) for r in n.training.releases],
                            "input_grads": None if grads is None else [list(g) for g in grads],
-                           "strided_grads": list(n.training.strided_grads)}
+                           "strided_grads": list(n.training.strided_grads),
+                           "when_contiguous": _when_contiguous(n.training.when_contiguous)}
     if n.value:
         out["value"] = dict(n.value)
     return out
+
+
+def _when_contiguous(facts: tuple[int, int, int, tuple[str, ...]] | None) -> list | None:
+    return None if facts is None else [*facts[:3], list(facts[3])]
 
 
 def _weight_dict(info: WeightInfo) -> dict[str, Any]:

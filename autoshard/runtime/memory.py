@@ -3,8 +3,9 @@
 The memory model (``autoshard.costs.memory``) predicts a stage's training memory from the plan;
 this runs the stage on real tensors, on one process, so the prediction can be checked. The stages
 before it run once to give it a microbatch of its inputs; the stage then runs its forward once per
-microbatch it keeps in flight under the schedule (a fresh copy of its inputs each time, read
-through ``contiguous_grad`` as ``pipeline_stage``'s wired stages read them; all graphs kept alive),
+microbatch it keeps in flight under the schedule (a fresh copy of its inputs each time, contiguous
+and read through ``contiguous_grad``, its outputs made contiguous, as ``pipeline_stage``'s wired
+stages receive, read and send them; all graphs kept alive),
 then one backward with a gradient of its output's shape, as in the steady state: the gradients of
 its parameters exist (they accumulate over the step) and so does the optimizer state (after the
 first step). The peak is counted by live tensor storages with PyTorch's own
@@ -195,16 +196,18 @@ class _Untouched(nn.Module):
     those are the received values, whose gradients it then held to the end of the backward, and
     autograd, seeing them referenced, copied the one it sends back. No pipeline runtime does
     either. The stage's modules inside are tracked as before. It reads the microbatch through
-    ``contiguous_grad``, as a wired stage does: a stage may write in place to what it received."""
+    ``contiguous_grad`` and (``sends``) returns its outputs contiguous, as a wired stage does: a
+    stage may write in place to what it received, and sends a copy of a value laid out otherwise."""
 
-    def __init__(self, stage: nn.Module) -> None:
+    def __init__(self, stage: nn.Module, sends: bool) -> None:
         super().__init__()
-        self.stage = stage
+        self.stage, self.sends = stage, sends
         self.microbatch: tuple[tuple, dict] = ((), {})
 
     def forward(self) -> Any:
         args, kwargs = tree_map_only(torch.Tensor, contiguous_grad, self.microbatch)
-        return self.stage.forward(*args, **kwargs)
+        out = self.stage.forward(*args, **kwargs)
+        return tree_map_only(torch.Tensor, torch.Tensor.contiguous, out) if self.sends else out
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ def _run_in_steady_state(
     tracker.track_external(module, optimizer, *[t for mb in received for t in tensors_in(mb)],
                            *[g for microbatch in waiting for g in microbatch])  # received, not made here
     with without_cyclic_gc(), tracker:  # in this order: see ``without_cyclic_gc``
-        outputs, caller = [], _Untouched(module)
+        outputs, caller = [], _Untouched(module, buffers.sends)
         for caller.microbatch in microbatches:
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
             outputs.append(caller())
@@ -265,7 +268,7 @@ def _gradient_buffers(module: nn.Module, microbatch: tuple[tuple, dict], count: 
     there during the forwards too."""
     if not count:
         return []
-    caller = _Untouched(module)
+    caller = _Untouched(module, sends=True)
     caller.microbatch = microbatch
     sent = [t for t in tensors_in(caller()) if t.requires_grad]
     return [[torch.ones_like(t) for t in sent] for _ in range(count)]
