@@ -135,6 +135,36 @@ def test_the_gradient_sent_back_across_a_boundary_is_contiguous():
     torch.testing.assert_close(sent_back, unfixed)
 
 
+class TransposedSent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 6), nn.Linear(3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).t())
+
+
+def test_a_transposed_value_crosses_permuted_without_a_copy_and_arrives_as_the_model_laid_it_out():
+    """A value that fills its storage in another order (a transpose) crosses as ``permute(order)``,
+    contiguous as it is: the sending stage sends its own storage rather than a copy, and the
+    receiving stage permutes it back, so both stages hold it as the model did (and its memory model
+    counted it)."""
+    torch.manual_seed(0)
+    model, x = TransposedSent(), torch.randn(3, 4)
+    sharded = sharded_with_cut_after(model, x, "t")
+    (wire,) = boundary_wires(sharded)[0]
+    assert wire.order == (1, 0)
+    first, second = (stage_module(sharded, j, torch.device("cpu")) for j in range(2))
+    (sent,) = first(x)
+    kept = first.graph.find_nodes(op="call_method", target="permute")
+    assert kept and sent.is_contiguous() and sent.shape == (3, 6)  # the Linear's own (3, 6) output, unpermuted
+    received = sent.detach().clone().requires_grad_()
+    out = second(received)
+    torch.testing.assert_close(out, model(x))
+    (back,) = torch.autograd.grad(out.sum(), received)
+    assert back.is_contiguous() and back.shape == sent.shape
+
+
 class Structured(nn.Module):
     """Returns nested tuples with a ``None``, like a ``ModelOutput`` with an unset field."""
 

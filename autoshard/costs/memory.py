@@ -147,8 +147,9 @@ class SavedFacts:
     temporary freed before it returns: a non-contiguous input's copy, an unfused bias add); None:
     not recorded, counted as its output's bytes. ``strided_grads``: the inputs among ``input_grads``
     whose gradient is not contiguous (a sum's, expanded; a transpose's), which a stage copies
-    before it sends it back. ``strided_output``: its output is a tensor laid out otherwise than
-    contiguous (a transpose, a slice), which a stage sends as a contiguous copy. ``when_contiguous``:
+    before it sends it back. ``strided_output``: its output is a tensor with gaps or overlaps in its
+    storage (a slice, an expanded tensor), which a stage sends as a contiguous copy (one that fills
+    its storage in another order, a transpose, crosses as it is: ``dense_order``). ``when_contiguous``:
     for a node reading such a value, as it is when that value comes contiguous, as the next stage
     receives it: (the change in what it saves of its own, ``forward``, ``backward``,
     ``strided_grads``); None: the same, or not recorded."""
@@ -165,6 +166,7 @@ class SavedFacts:
     strided_grads: tuple[str, ...] = ()
     strided_output: bool = False
     when_contiguous: tuple[int, int, int, tuple[str, ...]] | None = None
+    dense_order: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -181,8 +181,19 @@ def _contiguous(t: torch.Tensor, strides: tuple[int, ...] | None) -> bool:
 
 
 def _strided_output(value: Any) -> bool:
-    """Whether ``value`` is one tensor laid out otherwise than contiguous (a stage sends a copy of it)."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous()
+    """Whether ``value`` is one tensor with gaps or overlaps in its storage (a slice, an expanded
+    tensor), which a stage sends as a contiguous copy (``runtime.wire``)."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and _new_strides(value) != value.stride()
+
+
+def _dense_order(value: Any) -> tuple[int, ...] | None:
+    """For one tensor that fills its storage in another order than contiguous (a transpose, a
+    channels-last map), the order of its dimensions in storage, outermost first: the wire sends
+    ``value.permute(order)``, contiguous, without a copy. None for any other value."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_contiguous() \
+            or _new_strides(value) != value.stride():
+        return None
+    return tuple(sorted(range(value.dim()), key=lambda d: (-value.stride(d), -value.shape[d], d)))
 
 
 def _total(snapshot: Any) -> int:
@@ -423,13 +434,13 @@ class TrainingProbe:
 
     def _when_received_contiguous(self, call: NodeCall, args: tuple, kwargs: dict, arguments: list[torch.Tensor],
                                   effect: NodeEffect, key: Hashable | None) -> None:
-        """Probe the node again where an input another node made is not contiguous (a transpose, a
-        slice), with that input contiguous, as a later stage receives it (the wire sends a contiguous
-        copy): an ``nn.Linear`` on a transposed input copies it and saves the copy, on a contiguous one
+        """Probe the node again where an input another node made has gaps in its storage (a slice),
+        with that input contiguous, as a later stage receives it (the wire sends a contiguous copy):
+        an ``nn.Linear`` on a sliced 3D input copies it and saves the copy, on a contiguous one
         neither. Recorded in ``when_contiguous``: the change in what it saves of its own, its forward
         and backward peaks, and the inputs it then gives a non-contiguous gradient."""
-        strided = {i for i, t in enumerate(arguments) if t.layout == torch.strided and not t.is_contiguous()
-                   and self.owner.get(self.original(_storage(t)))}
+        strided = {i for i, t in enumerate(arguments)
+                   if _strided_output(t) and self.owner.get(self.original(_storage(t)))}
         if not strided or effect.input_grads is None or not any(t.requires_grad for t in arguments):
             return  # (a node no gradient reaches saves nothing and has no backward)
         memo_key = None if key is None else ("contiguous", key)
@@ -806,5 +817,6 @@ class TrainingProbe:
                                  self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
                                  self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
                                  self.forward.get(name), self.strided_grads.get(name, ()),
-                                 _strided_output(values.get(name)), self.when_contiguous.get(name))
+                                 _strided_output(values.get(name)), self.when_contiguous.get(name),
+                                 _dense_order(values.get(name)))
                 for name in self.grad if name not in self.unrun}

@@ -128,7 +128,16 @@ class _Reader:
                           tuple(self.names(self.get(obj, "strided_grads", list, where, []), f"{where}.strided_grads")),
                           self.get(obj, "strided_output", bool, where, False),
                           self.when_contiguous(self.get(obj, "when_contiguous", list, where, None),
-                                               f"{where}.when_contiguous"))
+                                               f"{where}.when_contiguous"),
+                          self.dense_order(self.get(obj, "dense_order", list, where, None), f"{where}.dense_order"))
+
+    def dense_order(self, obj: list | None, where: str) -> tuple[int, ...] | None:
+        """``SavedFacts.dense_order``: a permutation of the dimensions, or absent."""
+        if obj is None:
+            return None
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in obj) or sorted(obj) != list(range(len(obj))):
+            raise self.error(where, "must be a permutation of the dimensions, as [1, 0, 2]")
+        return tuple(obj)
 
     def when_contiguous(self, obj: list | None, where: str) -> tuple[int, int, int, tuple[str, ...]] | None:
         """``SavedFacts.when_contiguous``: [saved change, forward, backward, [node names]] or absent."""

@@ -319,7 +319,8 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
         out["training"] = {**dataclasses.asdict(n.training), "releases": [list(r) for r in n.training.releases],
                            "input_grads": None if grads is None else [list(g) for g in grads],
                            "strided_grads": list(n.training.strided_grads),
-                           "when_contiguous": _when_contiguous(n.training.when_contiguous)}
+                           "when_contiguous": _when_contiguous(n.training.when_contiguous),
+                           "dense_order": None if n.training.dense_order is None else list(n.training.dense_order)}
     if n.value:
         out["value"] = dict(n.value)
     return out

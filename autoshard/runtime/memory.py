@@ -3,9 +3,9 @@
 The memory model (``autoshard.costs.memory``) predicts a stage's training memory from the plan;
 this runs the stage on real tensors, on one process, so the prediction can be checked. The stages
 before it run once to give it a microbatch of its inputs; the stage then runs its forward once per
-microbatch it keeps in flight under the schedule (a fresh copy of its inputs each time, contiguous
-and read through ``contiguous_grad``, its outputs made contiguous, as ``pipeline_stage``'s wired
-stages receive, read and send them; all graphs kept alive),
+microbatch it keeps in flight under the schedule (a fresh copy of its inputs each time, read
+through ``contiguous_grad``, its outputs with gaps in their storage copied, as ``pipeline_stage``'s
+wired stages receive, read and send them; all graphs kept alive),
 then one backward with a gradient of its output's shape, as in the steady state: the gradients of
 its parameters exist (they accumulate over the step) and so does the optimizer state (after the
 first step). The peak is counted by live tensor storages with PyTorch's own
@@ -196,8 +196,8 @@ class _Untouched(nn.Module):
     those are the received values, whose gradients it then held to the end of the backward, and
     autograd, seeing them referenced, copied the one it sends back. No pipeline runtime does
     either. The stage's modules inside are tracked as before. It reads the microbatch through
-    ``contiguous_grad`` and (``sends``) returns its outputs contiguous, as a wired stage does: a
-    stage may write in place to what it received, and sends a copy of a value laid out otherwise."""
+    ``contiguous_grad`` and (``sends``) returns its outputs as a wired stage sends them: a stage may
+    write in place to what it received, and sends a copy of a value with gaps in its storage."""
 
     def __init__(self, stage: nn.Module, sends: bool) -> None:
         super().__init__()
@@ -207,7 +207,14 @@ class _Untouched(nn.Module):
     def forward(self) -> Any:
         args, kwargs = tree_map_only(torch.Tensor, contiguous_grad, self.microbatch)
         out = self.stage.forward(*args, **kwargs)
-        return tree_map_only(torch.Tensor, torch.Tensor.contiguous, out) if self.sends else out
+        return tree_map_only(torch.Tensor, _as_sent, out) if self.sends else out
+
+
+def _as_sent(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the wire sends it: itself where it fills its storage (contiguous, or permuted to be),
+    else a contiguous copy (a slice)."""
+    laid_out = torch.empty_like(torch.empty_strided(t.shape, t.stride(), device="meta"))  # allocates nothing
+    return t if laid_out.stride() == t.stride() else t.contiguous()
 
 
 @dataclass(frozen=True)

@@ -163,12 +163,12 @@ def autograd_usable(values: Any) -> Any:
 def fresh_copy(values: Any, receives_gradients: bool) -> Any:
     """A microbatch's own copy of ``values``; a stage after the first sends gradients back for the
     inputs that required grad where they were made, as ``PipelineStage``'s receive buffers do
-    (torch 2.13: the sender's ``requires_grad``, not every floating-point tensor), and receives
-    them contiguous, as a wired stage sends them (``runtime.wire``)."""
-    layout = torch.contiguous_format if receives_gradients else torch.preserve_format
-
+    (torch 2.13: the sender's ``requires_grad``, not every floating-point tensor). Laid out as the wire
+    delivers them (``runtime.wire``): as they are where they fill their storage (a transpose crosses
+    permuted and is permuted back), contiguous where not (a slice crosses as a copy), as ``clone``
+    lays out a copy."""
     def copy(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone(memory_format=layout).requires_grad_(receives_gradients and t.requires_grad)
+        return t.detach().clone().requires_grad_(receives_gradients and t.requires_grad)
     return tree_map_only(torch.Tensor, copy, values)
 
 

@@ -48,6 +48,10 @@ class Wire:
     name: str
     index: int | None = None
     rebuilt: str | None = None
+    order: tuple[int, ...] | None = None
+    """For a tensor that fills its storage in another order than contiguous (a transpose, a
+    channels-last map): the order of its dimensions in storage. It crosses as ``permute(order)``,
+    contiguous without a copy, and the receiver permutes it back, so both hold it as the model did."""
 
     def __str__(self) -> str:
         return self.name if self.index is None else f"{self.name}[{self.index}]"
@@ -97,7 +101,8 @@ def _flat_tensor_sequence(sharded: ShardedModel, name: str) -> StructureMeta | N
 def _wires_of(sharded: ShardedModel, name: str, boundary: int, is_tensor: bool) -> list[Wire]:
     """What crosses for ``name``: itself, the items later stages read, or all its items to rebuild."""
     if is_tensor:
-        return [Wire(name)]
+        facts = sharded.plan.dag.nodes[name].get("training") if name in sharded.plan.dag else None
+        return [Wire(name, order=getattr(facts, "dense_order", None))]
     items = items_read_after(sharded, name, boundary)
     if items is not None:
         return [Wire(name, i) for i in items]
@@ -160,11 +165,18 @@ def contiguous_grad(value: torch.Tensor) -> torch.Tensor:
     return _ContiguousGrad.apply(value) if value.requires_grad else value
 
 
-def _read_received_through_contiguous_grad(graph: fx.Graph) -> None:
+def _read_received_through_contiguous_grad(graph: fx.Graph, orders: Mapping[str, tuple[int, ...]]) -> None:
+    """Each received value read through ``contiguous_grad``, and permuted back where it crossed
+    permuted (``Wire.order``)."""
     for placeholder in [node for node in graph.nodes if node.op == "placeholder" and node.users]:
         with graph.inserting_after(placeholder):
             read = graph.call_function(contiguous_grad, (placeholder,))
-        placeholder.replace_all_uses_with(read, delete_user_cb=lambda user: user is not read)
+        value = read
+        if placeholder.name in orders:
+            back = sorted(range(len(orders[placeholder.name])), key=orders[placeholder.name].__getitem__)
+            with graph.inserting_after(read):
+                value = graph.call_method("permute", (read, *back))
+        placeholder.replace_all_uses_with(value, delete_user_cb=lambda user: user is not read)
 
 
 def _ignore_keywords(graph: fx.Graph) -> None:
@@ -219,6 +231,8 @@ def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None
                 value = received.get(wire) or node_named(graph, wire.name)
                 if wire.index is not None and wire not in received:
                     value = graph.call_function(operator.getitem, (value, wire.index))
+                if wire.order is not None:
+                    value = graph.call_method("permute", (value, *wire.order))
                 sent.append(graph.call_method("contiguous", (value,)))
         output.args = (tuple(sent),)
     for wire in layout[stage - 1] if stage > 0 else ():
@@ -226,7 +240,7 @@ def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None
         if wire.index is not None and whole is not None and not whole.users:
             graph.erase_node(whole)
     if stage > 0:
-        _read_received_through_contiguous_grad(graph)
+        _read_received_through_contiguous_grad(graph, {w.name: w.order for w in layout[stage - 1] if w.order})
         _ignore_keywords(graph)
     graph.lint()
     module.recompile()
