@@ -136,28 +136,31 @@ def test_the_gradient_sent_back_across_a_boundary_is_contiguous():
 
 
 class TransposedSent(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, unsqueezed: bool) -> None:
         super().__init__()
-        self.first, self.second = nn.Linear(4, 6), nn.Linear(3, 5)
+        self.first, self.second, self.unsqueezed = nn.Linear(4, 6), nn.Linear(3, 5), unsqueezed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(self.first(x).t())
+        sent = self.first(x).t()
+        return self.second(sent.unsqueeze(0) if self.unsqueezed else sent)
 
 
-def test_a_transposed_value_crosses_permuted_without_a_copy_and_arrives_as_the_model_laid_it_out():
-    """A value that fills its storage in another order (a transpose) crosses as ``permute(order)``,
-    contiguous as it is: the sending stage sends its own storage rather than a copy, and the
-    receiving stage permutes it back, so both stages hold it as the model did (and its memory model
-    counted it)."""
+@pytest.mark.parametrize("unsqueezed, order, shape", [(False, (1, 0), (3, 6)), (True, (2, 0, 1), (3, 1, 6))])
+def test_a_transposed_value_crosses_permuted_without_a_copy_and_arrives_as_the_model_laid_it_out(
+        unsqueezed, order, shape):
+    """A value that fills its storage in another order (a transpose; unsqueezed, its dimension of size
+    1 has a stride ``empty_like`` would not give) crosses as ``permute(order)``, contiguous as it is:
+    the sending stage sends its own storage rather than a copy, and the receiving stage permutes it
+    back, so both stages hold it as the model did (and its memory model counted it)."""
     torch.manual_seed(0)
-    model, x = TransposedSent(), torch.randn(3, 4)
-    sharded = sharded_with_cut_after(model, x, "t")
+    model, x = TransposedSent(unsqueezed), torch.randn(3, 4)
+    sharded = sharded_with_cut_after(model, x, "unsqueeze" if unsqueezed else "t")
     (wire,) = boundary_wires(sharded)[0]
-    assert wire.order == (1, 0)
+    assert wire.order == order
     first, second = (stage_module(sharded, j, torch.device("cpu")) for j in range(2))
     (sent,) = first(x)
     kept = first.graph.find_nodes(op="call_method", target="permute")
-    assert kept and sent.is_contiguous() and sent.shape == (3, 6)  # the Linear's own (3, 6) output, unpermuted
+    assert kept and sent.is_contiguous() and sent.shape == shape  # the Linear's own (3, 6) output
     received = sent.detach().clone().requires_grad_()
     out = second(received)
     torch.testing.assert_close(out, model(x))

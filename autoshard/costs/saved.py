@@ -183,7 +183,14 @@ def _contiguous(t: torch.Tensor, strides: tuple[int, ...] | None) -> bool:
 def _strided_output(value: Any) -> bool:
     """Whether ``value`` is one tensor with gaps or overlaps in its storage (a slice, an expanded
     tensor), which a stage sends as a contiguous copy (``runtime.wire``)."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided and _new_strides(value) != value.stride()
+    return (isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous()
+            and not _fills_storage(value))
+
+
+def _fills_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` fills its storage without gaps or overlaps, in some order of its dimensions (as
+    ``torch.empty_like`` lays out a new tensor; a dimension of size 1 may have any stride)."""
+    return all(a == b for a, b, n in zip(_new_strides(t), t.stride(), t.shape) if n != 1)
 
 
 def _dense_order(value: Any) -> tuple[int, ...] | None:
@@ -191,7 +198,7 @@ def _dense_order(value: Any) -> tuple[int, ...] | None:
     channels-last map), the order of its dimensions in storage, outermost first: the wire sends
     ``value.permute(order)``, contiguous, without a copy. None for any other value."""
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_contiguous() \
-            or _new_strides(value) != value.stride():
+            or not _fills_storage(value):
         return None
     return tuple(sorted(range(value.dim()), key=lambda d: (-value.stride(d), -value.shape[d], d)))
 

@@ -214,7 +214,8 @@ def _as_sent(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the wire sends it: itself where it fills its storage (contiguous, or permuted to be),
     else a contiguous copy (a slice)."""
     laid_out = torch.empty_like(torch.empty_strided(t.shape, t.stride(), device="meta"))  # allocates nothing
-    return t if laid_out.stride() == t.stride() else t.contiguous()
+    fills = all(a == b for a, b, n in zip(laid_out.stride(), t.stride(), t.shape) if n != 1)
+    return t if t.is_contiguous() or fills else t.contiguous()
 
 
 @dataclass(frozen=True)
