@@ -9,6 +9,11 @@ handed to the next LSTM, ``torch.cat(chunks)``) crosses as all its items, and th
 stage builds it again from them. Any other value crosses as itself (``boundaries`` checks it is
 a tensor).
 
+Process groups send only contiguous tensors. A value that fills its storage in another order (a
+transpose, a channels-last map) crosses as ``value.permute(order)``, contiguous as it is, and the
+receiving stage permutes it back (``Wire.order``): no copy, and both stages hold it as the model
+did. Any other value (a slice) crosses as a contiguous copy.
+
 Gradients go back the same way, and PyTorch sends them as autograd made them: the gradient of a
 received value that the stage reads through a transpose is not contiguous, and gloo refuses it.
 Each stage therefore reads its received values through ``contiguous_grad``.
