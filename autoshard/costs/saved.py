@@ -180,7 +180,7 @@ def _contiguous(t: torch.Tensor, strides: tuple[int, ...] | None) -> bool:
         return torch.empty_strided(t.shape, strides, device="meta").is_contiguous()
 
 
-def _strided_output(value: Any) -> bool:
+def sent_as_copy(value: Any) -> bool:
     """Whether ``value`` is one tensor with gaps or overlaps in its storage (a slice, an expanded
     tensor), which a stage sends as a contiguous copy (``runtime.wire``)."""
     return (isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous()
@@ -446,10 +446,12 @@ class TrainingProbe:
         an ``nn.Linear`` on a sliced 3D input copies it and saves the copy, on a contiguous one
         neither. Recorded in ``when_contiguous``: the change in what it saves of its own, its forward
         and backward peaks, and the inputs it then gives a non-contiguous gradient."""
-        strided = {i for i, t in enumerate(arguments)
-                   if _strided_output(t) and self.owner.get(self.original(_storage(t)))}
-        if not strided or effect.input_grads is None or not any(t.requires_grad for t in arguments):
+        if effect.input_grads is None or not any(t.requires_grad for t in arguments):
             return  # (a node no gradient reaches saves nothing and has no backward)
+        strided = {i for i, t in enumerate(arguments)
+                   if sent_as_copy(t) and self.owner.get(self.original(_storage(t)))}
+        if not strided:
+            return
         memo_key = None if key is None else ("contiguous", key)
         index = itertools.count()
 
@@ -824,6 +826,6 @@ class TrainingProbe:
                                  self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
                                  self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
                                  self.forward.get(name), self.strided_grads.get(name, ()),
-                                 _strided_output(values.get(name)), self.when_contiguous.get(name),
+                                 sent_as_copy(values.get(name)), self.when_contiguous.get(name),
                                  _dense_order(values.get(name)))
                 for name in self.grad if name not in self.unrun}

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_map_only
 
 from autoshard.arguments import whole_number
 from autoshard.costs.memory import MemoryModel
-from autoshard.costs.saved import QuietMemTracker, without_cyclic_gc
+from autoshard.costs.saved import QuietMemTracker, sent_as_copy, without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
@@ -213,9 +213,7 @@ class _Untouched(nn.Module):
 def _as_sent(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the wire sends it: itself where it fills its storage (contiguous, or permuted to be),
     else a contiguous copy (a slice)."""
-    laid_out = torch.empty_like(torch.empty_strided(t.shape, t.stride(), device="meta"))  # allocates nothing
-    fills = all(a == b for a, b, n in zip(laid_out.stride(), t.stride(), t.shape) if n != 1)
-    return t if t.is_contiguous() or fills else t.contiguous()
+    return t.contiguous() if sent_as_copy(t) else t
 
 
 @dataclass(frozen=True)
