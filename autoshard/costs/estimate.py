@@ -56,9 +56,11 @@ old way are measured again (2: the copy's source is written memory, not the zero
 CALIBRATION_REPEATS = 5
 """Fewest timed runs of each micro-benchmark (after one warm-up)."""
 
-CALIBRATION_SECONDS = 0.2
+CALIBRATION_SECONDS = 1.0
 """Each micro-benchmark repeats for at least this long, so that a burst of load from elsewhere
-leaves some runs untouched; the fastest run is the machine's speed."""
+leaves some runs untouched; the fastest run is the machine's speed. This project's VM slows for
+stretches of a few tenths of a second: fresh processes kept 65-96 GFLOP/s from 0.2 s and 0.5 s
+windows, 95-96 from 1 s ones (about 4 s a calibration, once per machine)."""
 
 CALIBRATION_MAX_REPEATS = 1000
 
@@ -115,7 +117,7 @@ def _best_seconds(step: Callable[[], Any]) -> float:
 
 
 def measure_device() -> DeviceModel:
-    """Measure this machine's CPU now (about a second), without the cache.
+    """Measure this machine's CPU now (about 4 s), without the cache.
 
     Each benchmark is also timed on one thread: one thread finds a quiet moment where all of them
     rarely do (on two shared cores under load 6: 72-78 GFLOP/s on one thread, 8-24 on two). The
