@@ -716,12 +716,20 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         held = buffer[value]
         return held is None or (held != value and holders[held] > 1)
 
+    # of a maker whose output stays (sent), the other storages it saved (its own temporaries) are freed
+    temporaries = {maker: float(f.saved - f.saved_output) for maker in stays if maker in inside
+                   and (f := _training(dag, maker)) is not None}
+    sent_views = {f.views for v in sent if (f := _training(dag, v)) is not None and f.views and not f.strided_output}
     for node in reversed(nodes):
         facts = _training(dag, node)
         if facts is None:
             continue
         given = _gradients_to(dag, node)
-        own = facts.backward_when_sent if node in sent and facts.backward_when_sent is not None else facts.backward
+        # a value sent, or one whose gradient is the received buffer handed back through a view of its own
+        # storage that was sent whole (a transpose crossing permuted): its backward starts from a gradient
+        # laid out as a new tensor
+        from_buffer = node in sent or (node in buffer and buffer[node] is None and node in sent_views)
+        own = facts.backward_when_sent if from_buffer and facts.backward_when_sent is not None else facts.backward
         peak = max(peak, output_grads + alive + own - freed)
         # adding a gradient into one that exists may take a new buffer for the sum, while the gradients
         # the backward made (of its inputs and weights) still live
@@ -731,8 +739,13 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             dropped = _grad(dag, node) if buffer.get(node) == node and holders.get(node) == 1 else 0.0
             peak = max(peak, output_grads + alive - dropped + made + summed - freed)
         # what this stage made and kept for this backward alone (what ``stays`` was sent)
-        freed += sum(nbytes for maker, nbytes in facts.releases
-                     if maker in inside and maker not in stays and maker not in recomputed)
+        for maker, nbytes in facts.releases:
+            if maker not in inside or maker in recomputed:
+                continue
+            if maker in stays:
+                nbytes = min(float(nbytes), temporaries.get(maker, 0.0))
+                temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
+            freed += nbytes
         mine = buffer.pop(node, None)
         for u, handed in given:
             if u not in buffer:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import operator
 from typing import Any, Callable, Hashable, Iterator
 
 import torch
@@ -201,6 +202,30 @@ def _dense_order(value: Any) -> tuple[int, ...] | None:
             or not _fills_storage(value):
         return None
     return tuple(sorted(range(value.dim()), key=lambda d: (-value.stride(d), -value.shape[d], d)))
+
+
+def _reached(node: fx.Node) -> tuple[bool, tuple[int, ...] | None]:
+    """Where a gradient cannot reach ``node``'s output: autograd gives none to an item of a tuple that
+    nothing reads (attention's averaged weights). Whether ``node`` is such an item (its backward then
+    hands nothing back), and, where every reader of its output takes one item, the items read
+    (the node's backward runs no part for the others); None where any reader takes it whole."""
+    users = list(node.users)
+    unread = _is_item(node) and not users
+    if users and all(_is_item(u) and isinstance(u.args[1], int) for u in users):
+        return unread, tuple(sorted({u.args[1] for u in users if u.users}))
+    return unread, None
+
+
+def _is_item(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in a storage of its own laid out as ``t`` is, gaps included (``clone`` packs a
+    slice densely, so a view of it, the node's output, would fill its storage where the real one does not)."""
+    if t.layout != torch.strided or _fills_storage(t):
+        return t.clone()
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _total(snapshot: Any) -> int:
@@ -362,7 +387,7 @@ class TrainingProbe:
             if not t.requires_grad:
                 return t
             if id(t) not in wanted:
-                copy = t if id(t) in self.leaves else t.clone()
+                copy = t if id(t) in self.leaves else _clone(t)
                 if copy is not t:
                     self.copy_of[_storage(copy)] = self.original(_storage(t))
                     self.kept.append(copy)
@@ -401,7 +426,7 @@ class TrainingProbe:
                               + (id(x) in self.leaves, objects.setdefault(id(x), len(objects)))
                               if isinstance(x, torch.Tensor) else constant_key(x) for x in flat)
             target = module_key(self.gm.get_submodule(str(node.target))) if node.op == "call_module" else node.target
-            key = (node.op, target, spec, arguments)
+            key = (node.op, target, spec, arguments, _reached(node))
             hash(key)
             return key
         except (Uncacheable, TypeError):  # TypeError: a value that cannot be hashed
@@ -625,9 +650,13 @@ class TrainingProbe:
         outputs = _tensors(value)
         # a weight the node returns as it is (``w.float()`` of an fp32 one) gets a gradient too
         grad = sum(t.numel() * t.element_size() for t in outputs if t.requires_grad)
-        sent = [t for t in outputs if t.requires_grad and t.grad_fn is not None]
-        sent_layouts = [strides for t, strides in zip(outputs, layouts or [None] * len(outputs))
-                        if t.requires_grad and t.grad_fn is not None]
+        unread, items = _reached(call.node)
+        if items is not None and not (isinstance(value, (tuple, list)) and len(value) == len(outputs)):
+            items = None  # not one tensor per item
+        reached = [not unread and (items is None or i in items) for i in range(len(outputs))]
+        sent = [t for t, r in zip(outputs, reached) if r and t.requires_grad and t.grad_fn is not None]
+        sent_layouts = [strides for t, strides, r in zip(outputs, layouts or [None] * len(outputs), reached)
+                        if r and t.requires_grad and t.grad_fn is not None]
         position: dict[StorageWeakRef, int] = {}
         for i, t in enumerate(arguments):
             position.setdefault(self.original(_storage(t)), i)

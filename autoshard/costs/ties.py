@@ -132,6 +132,9 @@ def weight_payers(
     charged: set[tuple[str, object]] = set()
     payers = {}
     for node, names in dag.nodes(data="weights", default=()):
+        if assignment is not None and dag.nodes[node].get("tensor") is False:
+            payers[node] = ()  # a weight's shape read: emit recomputes it in its readers' stages
+            continue  # (``emit.recomputed_in_consumers``), wherever it was assigned
         paid = []
         for name in names:
             where = node if name in apart else None if assignment is None else assignment[node]

@@ -11,6 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.arguments import whole_number
+from autoshard.costs.saved import sent_as_copy
 from autoshard.errors import InputMismatchError, InvalidArgumentError, InvalidArgumentTypeError, plural
 from autoshard.sharded import ShardedModel, moved_to, stage_device
 
@@ -168,7 +169,9 @@ def fresh_copy(values: Any, receives_gradients: bool) -> Any:
     permuted and is permuted back), contiguous where not (a slice crosses as a copy), as ``clone``
     lays out a copy."""
     def copy(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone().requires_grad_(receives_gradients and t.requires_grad)
+        # ``clone`` keeps the order of a value with gaps (a transposed slice), which the wire sends contiguous
+        wired = torch.contiguous_format if receives_gradients and sent_as_copy(t) else torch.preserve_format
+        return t.detach().clone(memory_format=wired).requires_grad_(receives_gradients and t.requires_grad)
     return tree_map_only(torch.Tensor, copy, values)
 
 
