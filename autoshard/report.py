@@ -166,7 +166,9 @@ def _scaled(n: float, base: float, units: Sequence[str]) -> str:
 
 
 def human_bytes(n: float) -> str:
-    return _scaled(n, 1024, (" B", "KB", "MB", "GB", "TB"))
+    """Binary units, named so (``MiB``): ``--max-memory`` reads ``MB`` as 10^6 bytes, so a budget
+    read off a table labelled ``MB`` in 2^20 would have been 5% too small."""
+    return _scaled(n, 1024, (" B", "KiB", "MiB", "GiB", "TiB"))
 
 
 def human_count(n: float) -> str:

@@ -166,7 +166,7 @@ def test_compare_tables_put_strategies_side_by_side():
 
 
 @pytest.mark.parametrize("model,value,shown", [
-    ("params", 3 * 1024 * 1024, "3.0 MB"), ("flops", 2.5e9, "2.5 G"), ("time", 0.0125, "12.500 ms"),
+    ("params", 3 * 1024 * 1024, "3.0 MiB"), ("flops", 2.5e9, "2.5 G"), ("time", 0.0125, "12.500 ms"),
     ("time", 4.25e-6, "4.2 µs"), ("time", 2.5, "2.500 s"), ("time", 0.0, "0.000 ms"), ("nodes", 7, "7"),
 ])
 def test_costs_are_shown_in_their_unit(model, value, shown):
@@ -213,4 +213,13 @@ def test_time_is_labelled_measured_or_estimated():
 
 
 def test_human_bytes_reaches_terabytes():
-    assert human_bytes(5 * 1024**4) == "5.0 TB"
+    assert human_bytes(5 * 1024**4) == "5.0 TiB"
+
+
+def test_a_budget_read_off_the_table_is_the_bytes_the_table_means():
+    """The table printed 2^20-byte "MB" that ``--max-memory`` read as 10^6 bytes: a budget copied from
+    it was 5% short. Its binary units now read back as the bytes they print."""
+    from autoshard.cli import _byte_count
+
+    for n in (22.5 * 2**20, 3.5 * 2**30, 700 * 2**10):
+        assert _byte_count(human_bytes(n)) == n
