@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from autoshard.arguments import real_number, whole_number
+from autoshard.arguments import byte_count, real_number, whole_number
 from autoshard.costs.execution import holds_meta_tensors
 from autoshard.costs.memory import MemoryModel, check_memory_budgets, stage_memory
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
@@ -78,7 +78,7 @@ def _per_stage(name: str, values: Any, num_stages: int, positive: bool) -> tuple
     if isinstance(values, np.ndarray) and values.ndim == 1:
         values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise InvalidArgumentTypeError(f"{name} must be a list with one number per stage, got {values!r}")
+        raise InvalidArgumentTypeError(f"{name} must be a number or a list with one number per stage, got {values!r}")
     if len(values) != num_stages:
         raise InvalidArgumentError(
             f"{name} has {len(values)} entries but there are {num_stages} stages; give one per stage")
@@ -94,11 +94,16 @@ def _per_stage(name: str, values: Any, num_stages: int, positive: bool) -> tuple
 def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None) -> dict[str, tuple[float, ...]]:
     """The split options ``capacities`` and ``max_memory``, checked: one number per stage each.
 
-    A single number for ``max_memory`` is every stage's budget. Options not given are left out.
+    A single number for ``max_memory`` is every stage's budget; its numbers may be byte strings
+    (``"40GiB"``, ``"512MB"``), as on the command line. Options not given are left out.
     """
     limits = {}
     if capacities is not None:
         limits["capacities"] = _per_stage("capacities", capacities, num_stages, positive=True)
+    if isinstance(max_memory, str):
+        max_memory = byte_count(max_memory, "max_memory")
+    elif isinstance(max_memory, (list, tuple)):
+        max_memory = [byte_count(v, f"max_memory[{j}]") if isinstance(v, str) else v for j, v in enumerate(max_memory)]
     if real_number(max_memory) is not None:
         max_memory = [max_memory] * num_stages
     if max_memory is not None:

@@ -3,6 +3,7 @@ microbatches) and real numbers (capacities, budgets, a cost function's answers).
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -25,3 +26,21 @@ def real_number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     return float(value)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def byte_count(text: str, name: str) -> float:
+    """``40GiB``, ``1.5e9``, ``512MB`` or ``22.3 MiB`` (as the tables print it) as a number of bytes."""
+    stripped = text.strip()
+    number = stripped.rstrip("BbKkMmGgTtIi")
+    unit = stripped[len(number):].upper()
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in _UNITS or not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError(f"{name} takes bytes per stage, such as 40GiB, 512MB or 1.5e9; got {text!r}")
+    return value * _UNITS[unit]

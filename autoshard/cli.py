@@ -30,10 +30,10 @@ from rich.text import Text
 
 from autoshard import progress
 from autoshard.api import bind_pipeline, check_stages_made, default_pipeline, example_inputs_of
-from autoshard.arguments import whole_number
+from autoshard.arguments import byte_count, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel
-from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel
+from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel, run_of
 from autoshard.errors import (
     AutoshardError,
     ExampleInputsError,
@@ -56,7 +56,7 @@ from autoshard.passes.options import option_table
 from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
 )
-from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables, run_of, step_time_lines
+from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables, step_time_lines
 from autoshard.runtime.predict import predict_step
 from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
 
@@ -230,30 +230,11 @@ def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: Me
     return step_time_lines(predicted)
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def _byte_count(text: str) -> float:
-    """``40GiB``, ``1.5e9`` or ``512MB`` as a number of bytes."""
-    stripped = text.strip()
-    number = stripped.rstrip("BbKkMmGgTtIi")
-    unit = stripped[len(number):].upper()
-    try:
-        value = float(number)
-    except ValueError:
-        value = math.nan
-    if unit not in _UNITS or not math.isfinite(value) or value < 0:
-        raise InvalidArgumentError(
-            f"--max-memory takes bytes per stage, such as 40GiB, 512MB or 1.5e9, separated by commas; got {text!r}")
-    return value * _UNITS[unit]
-
-
 def _max_memory(args: argparse.Namespace) -> list[float] | float | None:
     """The per-stage budgets of --max-memory (one value: every stage); None when not given."""
     if args.max_memory is None:
         return None
-    budgets = [_byte_count(part) for part in args.max_memory.split(",")]
+    budgets = [byte_count(part, "--max-memory") for part in args.max_memory.split(",")]
     return budgets[0] if len(budgets) == 1 else budgets
 
 
@@ -613,7 +594,7 @@ FLAGS_OF_PARAMETERS = {
     "num_stages": "--stages",
     "max_memory": "--max-memory",
     "memory_budgets": "--max-memory budgets",
-    "memory_in_flight": "microbatches in flight per stage",
+    "memory_in_flight": "microbatches in flight",
     "optimizer_bytes_per_param": "--optimizer-bytes",
     "stages_per_rank": "--stages-per-rank",
     "link_bandwidth": "--link-bandwidth",

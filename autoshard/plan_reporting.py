@@ -27,12 +27,12 @@ from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
 from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
 from autoshard.costs.models import measured
-from autoshard.costs.step_time import StepTime, StepTimeModel, predicted_step
+from autoshard.costs.step_time import StepTime, StepTimeModel, predicted_step, run_of
 from autoshard.costs.ties import SharedWeight
 from autoshard.errors import plural
 from autoshard.graph import SplitInfo
 from autoshard.plan_io import PlanNode, SavedPlan
-from autoshard.report import PIPED_WIDTH, plan_renderables, run_of
+from autoshard.report import PIPED_WIDTH, plan_renderables
 from autoshard.sharded import BoundaryValue, ShardedModel, StagePlan
 
 

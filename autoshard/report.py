@@ -19,8 +19,8 @@ from autoshard.capture.meta import ModeRegion, RandomDraw
 from autoshard.capture.opaque import OpaqueResult
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.state import ScalarStateWrite, StateWrite
-from autoshard.costs.memory import MemoryModel, StageMemory
-from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, predicted_step
+from autoshard.costs.memory import StageMemory
+from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, predicted_step, run_of
 from autoshard.errors import plural
 from autoshard.passes.spec import parse_spec
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
@@ -293,11 +293,6 @@ def how_made_lines(plan: SavedPlan) -> list[str]:
                          "run or size them) count their output bytes as saved and nothing for their backward; check a "
                          "budget with autoshard.runtime.measure_stage_memory")
     return lines
-
-
-def run_of(memory: MemoryModel) -> StepTimeModel:
-    """The step a memory model describes: its schedule, microbatches and stages per rank."""
-    return StepTimeModel(memory.schedule, memory.microbatches, memory.stages_per_rank)
 
 
 def plan_step_time(plan: SavedPlan, step: StepTimeModel | None = None) -> StepTime | None:

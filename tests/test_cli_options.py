@@ -184,7 +184,7 @@ def test_library_parameter_names_become_flags_but_specs_and_paths_stay():
     assert cli.in_flag_terms("num_stages is 3; max_memory[1] is 1,000") == (
         "--stages is 3; --max-memory (stage 1) is 1,000")
     assert cli.in_flag_terms("under memory_budgets [1.0] with memory_in_flight [2]") == (
-        "under --max-memory budgets [1.0] with microbatches in flight per stage [2]")
+        "under --max-memory budgets [1.0] with microbatches in flight [2]")
     kept = "split{stages=2 max-memory=1.0} /x/max_memory/p.json max_memory.json my_num_stages"
     assert cli.in_flag_terms(kept) == kept
 

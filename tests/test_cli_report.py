@@ -10,6 +10,7 @@ from rich.console import Console
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel
+from autoshard.errors import InvalidArgumentError
 from autoshard.graph import SplitInfo
 from autoshard.plan_io import PlanNode, SavedPlan, SplitRecord, assignment_digest
 from autoshard.report import (
@@ -219,7 +220,13 @@ def test_human_bytes_reaches_terabytes():
 def test_a_budget_read_off_the_table_is_the_bytes_the_table_means():
     """The table printed 2^20-byte "MB" that ``--max-memory`` read as 10^6 bytes: a budget copied from
     it was 5% short. Its binary units now read back as the bytes they print."""
-    from autoshard.cli import _byte_count
+    from autoshard.api import stage_limits
+    from autoshard.arguments import byte_count
 
     for n in (22.5 * 2**20, 3.5 * 2**30, 700 * 2**10):
-        assert _byte_count(human_bytes(n)) == n
+        assert byte_count(human_bytes(n), "--max-memory") == n
+    # the Python API reads the same strings as the flag (it asked for "a list of numbers" before)
+    assert stage_limits(2, max_memory="22.5 MiB")["max_memory"] == (22.5 * 2**20,) * 2
+    assert stage_limits(2, max_memory=["1GB", 2e9])["max_memory"] == (1e9, 2e9)
+    with pytest.raises(InvalidArgumentError, match=r"max_memory\[1\] takes bytes per stage.*'2XB'"):
+        stage_limits(2, max_memory=["1GB", "2XB"])

@@ -240,3 +240,25 @@ def test_a_stage_that_first_writes_in_place_to_what_it_received_is_measured():
     sharded = autoshard.shard_model(model, 2, example_inputs=(x,), pipeline=pipeline)
     predicted = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=1)).stages[1].memory.total
     assert measure_stage_memory(sharded, 1, (x,), microbatches=1).peak == predicted
+
+
+def test_the_checks_default_to_the_training_the_plan_was_made_for():
+    """A new user checked a GPipe, 4-microbatch, SGD-with-momentum plan with the defaults and measured
+    1F1B with Adam (19.9 MB against the plan's 21.9), and ``predict_step`` predicted 1F1B where the
+    report said GPipe: both now follow the plan's memory model unless told otherwise."""
+    from autoshard.runtime import measure_stage_time, predict_step
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    trained = autoshard.MemoryModel(schedule="gpipe", microbatches=4, optimizer="sgd-momentum")
+    sharded = autoshard.shard_model(model, 2, (x,), memory_model=trained)
+    predicted = autoshard.plan_report(sharded).stages
+    for j in range(2):
+        measured = measure_stage_memory(sharded, j, (x,))
+        assert (measured.schedule, measured.optimizer, measured.in_flight) == ("gpipe", "sgd-momentum", 4)
+        assert measured.peak == predicted[j].memory.total
+        assert measured.peak != measure_stage_memory(sharded, j, (x,), schedule="1f1b", optimizer="adam").peak
+    step = predict_step(sharded, times=[measure_stage_time(sharded, j, (x,), repeats=1) for j in range(2)],
+                        calibrate=False)
+    assert (step.model.schedule, step.microbatches) == ("gpipe", 4)

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from autoshard.arguments import whole_number
 from autoshard.costs.estimate import DeviceModel
+from autoshard.costs.memory import MemoryModel
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -313,3 +314,8 @@ def predicted_step(
         made = "measured forward per node (profile)" if estimate is None else f"estimated under {estimate.describe()}"
         source = f"{made}; backward = {ratio:g} x forward"
     return step_time(forward, [f * ratio for f in forward], boundary_bytes, model, source)
+
+
+def run_of(memory: MemoryModel) -> StepTimeModel:
+    """The step a memory model describes: its schedule, microbatches and stages per rank."""
+    return StepTimeModel(memory.schedule, memory.microbatches, memory.stages_per_rank)

@@ -138,11 +138,11 @@ def measure_stage_memory(
     example_inputs: Sequence[Any] = (),
     example_kwargs: Mapping[str, Any] | None = None,
     *,
-    schedule: str = "1f1b",
+    schedule: str | None = None,
     microbatches: int | None = None,
-    optimizer: str = "adam",
-    stages_per_rank: int = 2,
-    master_weights: bool = False,
+    optimizer: str | None = None,
+    stages_per_rank: int | None = None,
+    master_weights: bool | None = None,
 ) -> StageMemoryMeasurement:
     """Run stage ``stage`` of ``sharded`` in its steady state and return the most memory it held.
 
@@ -153,8 +153,17 @@ def measure_stage_memory(
     ``master_weights``: the optimizer also keeps an fp32 copy of each trainable weight narrower than
     fp32, as ``MemoryModel(master_weights=True)`` counts it (in ``optimizer``).
     Inputs the plan's guards refuse run on the specialisation that serves them, as a call would choose it.
+    Each of ``schedule``, ``microbatches``, ``optimizer``, ``stages_per_rank`` and ``master_weights``
+    left None is the plan's memory model's (``shard_model``'s ``memory_model``, as ``plan_report``
+    counts it), so the measurement checks the prediction of the training the plan was made for.
     """
     stage = checked_stage(sharded, stage, "measure_stage_memory")
+    planned = sharded.plan.memory_model
+    schedule = planned.schedule if schedule is None else schedule
+    microbatches = planned.microbatches if microbatches is None else microbatches
+    optimizer = planned.optimizer if optimizer is None else optimizer
+    stages_per_rank = planned.stages_per_rank if stages_per_rank is None else stages_per_rank
+    master_weights = planned.master_weights if master_weights is None else master_weights
     example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_memory")
     k = sharded.num_stages
     run = _measured_schedule(schedule, microbatches, stages_per_rank)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autoshard.arguments import whole_number
-from autoshard.costs.step_time import StepTime, StepTimeModel, step_time
+from autoshard.costs.step_time import StepTime, StepTimeModel, run_of, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.runtime.calibrate import calibrate_runtime
 from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
@@ -34,24 +34,25 @@ def predict_step(
     repeats: int = TIMING_REPEATS,
     times: Sequence[StageTimeMeasurement] | None = None,
 ) -> StepTime:
-    """One training step of ``sharded`` under ``step`` (default ``StepTimeModel()``: 1F1B, one
-    microbatch per stage), predicted from each stage timed whole (``measure_stage_time``) on one
-    microbatch; the links carry the bytes the timed stages sent, so a microbatch of another size
-    than the plan's example moves its own bytes. With ``calibrate`` (by default when every stage is
-    on the CPU) the link and the runtime's time per message are this machine's, measured with the
-    real runtime on two local gloo processes (``calibrate_runtime``, cached); without it they are
-    ``step``'s own (give the interconnect's for GPUs), and so they are when ``step`` sets any of
-    ``link_bandwidth``, ``link_latency`` or ``message_seconds`` and ``calibrate`` is None.
-    ``times``, one ``measure_stage_time`` per stage in order, predicts from stages timed before:
-    several schedules from one timing (the inputs are not used then); times of the specialisation
-    that serves a microbatch the plan's guards refuse count as the plan's. Every argument, whether
-    the inputs bind to the model's arguments, and whether PyTorch's schedule runs the step, are
-    checked before anything is measured (the plan's guards check the inputs when the stages run)."""
+    """One training step of ``sharded`` under ``step`` (default: the schedule, microbatches and stages
+    per rank of the plan's memory model, as ``plan_report`` predicts it), predicted from each stage
+    timed whole (``measure_stage_time``) on one microbatch; the links carry the bytes the timed stages
+    sent, so a microbatch of another size than the plan's example moves its own bytes. With
+    ``calibrate`` (by default when every stage is on the CPU) the link and the runtime's time per
+    message are this machine's, measured with the real runtime on two local gloo processes
+    (``calibrate_runtime``, cached); without it they are ``step``'s own (give the interconnect's for
+    GPUs), and so they are when ``step`` sets any of ``link_bandwidth``, ``link_latency`` or
+    ``message_seconds`` and ``calibrate`` is None. ``times``, one ``measure_stage_time`` per stage in
+    order, predicts from stages timed before: several schedules from one timing (the inputs are not used
+    then); times of the specialisation that serves a microbatch the plan's guards refuse count as the
+    plan's. Every argument, whether the inputs bind to the model's arguments, and whether PyTorch's
+    schedule runs the step, are checked before anything is measured (the plan's guards check the inputs
+    when the stages run)."""
     checked_plan(sharded, "predict_step")
     link_fields = ("link_bandwidth", "link_latency", "message_seconds")
     own_link = isinstance(step, StepTimeModel) and any(
         getattr(step, name) != getattr(StepTimeModel(), name) for name in link_fields)
-    step = StepTimeModel() if step is None else step
+    step = run_of(sharded.plan.memory_model) if step is None else step
     if not isinstance(step, StepTimeModel):
         raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__}")
     k = sharded.num_stages
