@@ -204,14 +204,15 @@ def _dense_order(value: Any) -> tuple[int, ...] | None:
     return tuple(sorted(range(value.dim()), key=lambda d: (-value.stride(d), -value.shape[d], d)))
 
 
-def _reached(node: fx.Node) -> tuple[bool, tuple[int, ...] | None]:
-    """Where a gradient cannot reach ``node``'s output: autograd gives none to an item of a tuple that
-    nothing reads (attention's averaged weights). Whether ``node`` is such an item (its backward then
-    hands nothing back), and, where every reader of its output takes one item, the items read
-    (the node's backward runs no part for the others); None where any reader takes it whole."""
+def _reached(node: fx.Node, value: Any) -> tuple[bool, tuple[int, ...] | None]:
+    """Where a gradient cannot reach ``node``'s output ``value``: autograd gives none to an item of a
+    tuple that nothing reads (attention's averaged weights). Whether ``node`` is such an item (its
+    backward then hands nothing back), and, for a tuple of tensors every reader takes one item of,
+    the items read (the node's backward runs no part for the others); None for any other value."""
     users = list(node.users)
-    unread = _is_item(node) and not users
-    if users and all(_is_item(u) and isinstance(u.args[1], int) for u in users):
+    unread = _is_item(node) and not users and isinstance(value, torch.Tensor)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value) \
+            and users and all(_is_item(u) and isinstance(u.args[1], int) for u in users):
         return unread, tuple(sorted({u.args[1] for u in users if u.users}))
     return unread, None
 
@@ -415,7 +416,7 @@ class TrainingProbe:
                  **dict(module.named_buffers(remove_duplicate=False))}
         return {name: self.weight(t) for name, t in named.items()}
 
-    def _key(self, node: fx.Node, flat: list[Any], spec: Any) -> Hashable | None:
+    def _key(self, node: fx.Node, flat: list[Any], spec: Any, value: Any) -> Hashable | None:
         """What decides ``node``'s probe (``probe_memo``), or None where it cannot be told by value."""
         if self.memo is None:
             return None
@@ -426,7 +427,7 @@ class TrainingProbe:
                               + (id(x) in self.leaves, objects.setdefault(id(x), len(objects)))
                               if isinstance(x, torch.Tensor) else constant_key(x) for x in flat)
             target = module_key(self.gm.get_submodule(str(node.target))) if node.op == "call_module" else node.target
-            key = (node.op, target, spec, arguments, _reached(node))
+            key = (node.op, target, spec, arguments, _reached(node, value))
             hash(key)
             return key
         except (Uncacheable, TypeError):  # TypeError: a value that cannot be hashed
@@ -437,7 +438,7 @@ class TrainingProbe:
         args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
         flat, spec = tree_flatten((args, kwargs))
         arguments = [x for x in flat if isinstance(x, torch.Tensor)]
-        key = self._key(call.node, flat, spec)
+        key = self._key(call.node, flat, spec, real)
         effect = None if key is None else self.memo.get(key)
         if effect is None and self.memo is not None:
             effect = self._untracked(call, real, arguments, (args, kwargs), key)
@@ -650,9 +651,8 @@ class TrainingProbe:
         outputs = _tensors(value)
         # a weight the node returns as it is (``w.float()`` of an fp32 one) gets a gradient too
         grad = sum(t.numel() * t.element_size() for t in outputs if t.requires_grad)
-        unread, items = _reached(call.node)
-        if items is not None and not (isinstance(value, (tuple, list)) and len(value) == len(outputs)):
-            items = None  # not one tensor per item
+        unread, items = _reached(call.node, value)
+        items = items if items is None or len(outputs) == len(value) else None  # (a sparse item has parts)
         reached = [not unread and (items is None or i in items) for i in range(len(outputs))]
         sent = [t for t, r in zip(outputs, reached) if r and t.requires_grad and t.grad_fn is not None]
         sent_layouts = [strides for t, strides, r in zip(outputs, layouts or [None] * len(outputs), reached)
