@@ -325,3 +325,22 @@ def test_load_plan_keeps_the_memory_model_the_plan_was_made_for(residual, tmp_pa
     assert rebuilt.plan.memory_model == sgd
     assert [s.memory.total for s in autoshard.plan_report(rebuilt).stages] == \
         [s.total for s in autoshard.costs.memory.stage_memory(rebuilt.plan.dag, rebuilt.plan.assignment, 4, sgd)]
+
+
+def test_a_budgeted_plan_loaded_with_bigger_inputs_says_it_no_longer_fits(tmp_path):
+    """A plan made under max_memory, loaded with a bigger microbatch, predicted stages several times
+    the budget without a word (a new user's first hour)."""
+    import warnings
+
+    from autoshard.plan_io import StalePlanWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 32)).train()
+    small, big = torch.randn(8, 32), torch.randn(256, 32)
+    fullest = max(s.memory.total for s in autoshard.plan_report(autoshard.shard_model(model, 2, (small,))).stages)
+    path = autoshard.shard_model(model, 2, (small,), max_memory=1.2 * fullest).save_plan(tmp_path / "plan.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the inputs it was made for: silent
+        load_plan(path, model, (small,))
+    with pytest.warns(StalePlanWarning, match=r"made under max-memory .* on these example inputs stage \d needs"):
+        load_plan(path, model, (big,))

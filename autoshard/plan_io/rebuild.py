@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from autoshard.errors import InvalidArgumentTypeError, PlanError, SpecError
 from autoshard.plan_format.files import read_plan
-from autoshard.plan_format.fits import weight_size_changes
+from autoshard.plan_format.fits import StalePlanWarning, weight_size_changes
 from autoshard.plan_format.model import SavedPlan
 from autoshard.plan_origin import PlanOrigin
 
@@ -89,4 +90,24 @@ def load_plan(
     if respecialize and inputs is not None:
         program.sharded.specializer = specializer_for(model, saved.num_stages, Pipeline.parse(saved.pipeline),
                                                       saved.cost_model, saved.memory_model, inputs)
+    if inputs is not None:
+        _warn_over_saved_budget(program.sharded, Pipeline.parse(saved.pipeline), path)
     return program.sharded
+
+
+def _warn_over_saved_budget(sharded: "ShardedModel", pipeline: "Pipeline", path: str | Path) -> None:
+    """A plan made under ``max_memory`` and loaded with inputs of another size (a longer sequence, a
+    bigger microbatch) may hold more than the budget it was made for: say which stage, by how much."""
+    from autoshard.costs.memory import memory_shortfall, stage_memory
+
+    split = next((step for step in pipeline if getattr(step, "max_memory", ())), None)
+    plan = sharded.plan
+    if split is None or getattr(split, "memory_cost", "memory") != "memory":  # another cost's budget
+        return
+    budgets = tuple(split.max_memory)
+    stages = stage_memory(plan.dag, plan.assignment, plan.num_stages, plan.memory_model)
+    short = memory_shortfall(stages, budgets * plan.num_stages if len(budgets) == 1 else budgets)
+    if short is not None:
+        warnings.warn(StalePlanWarning(
+            f"plan {path} was made under max-memory {', '.join(f'{b:,.0f}' for b in budgets)} bytes, and on these "
+            f"example inputs {short}"), stacklevel=3)
