@@ -339,10 +339,14 @@ def _say(console: Console, args: argparse.Namespace, text: str) -> None:
 
 
 def _check_picture_paths(args: argparse.Namespace) -> None:
-    """Refuse a wrong suffix before the (slow) split rather than after it."""
+    """Refuse a wrong suffix, or a picture without matplotlib, before the (slow) split rather than after it."""
     for flag, path in (("--svg", args.svg), ("--png", args.png)):
         if path and Path(path).suffix.lower() != "." + flag[2:]:
             raise InvalidArgumentError(f"{flag} writes a .{flag[2:]} file; got {path!r}")
+    if args.svg or args.png:
+        from autoshard.render import import_matplotlib
+
+        import_matplotlib()
 
 
 # --------------------------------------------------------------------------------------------

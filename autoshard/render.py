@@ -183,7 +183,8 @@ def stage_colours(k: int) -> list[str]:
     return [colors.to_hex(cmap(j)) for j in range(k)]
 
 
-def _import_matplotlib() -> Any:
+def import_matplotlib() -> Any:
+    """matplotlib and its ``Figure``, or ``MissingDependencyError`` saying how to install it."""
     try:
         import matplotlib
         from matplotlib.figure import Figure
@@ -279,7 +280,7 @@ def _draw_costs(ax: Any, plan: SavedPlan, colours: list[str]) -> None:
 
 def plan_figure(plan: SavedPlan) -> Any:
     """The picture as a matplotlib ``Figure`` (no pyplot): what ``draw_plan`` writes, for a notebook or a test."""
-    matplotlib, Figure = _import_matplotlib()
+    matplotlib, Figure = import_matplotlib()
     width, height = figure_size(plan)
     shown = layout(plan)
     colours = stage_colours(plan.num_stages)
@@ -304,7 +305,7 @@ def draw_plan(plan: SavedPlan, path: str | Path, format: Literal["svg", "png"] |
     chosen = format or target.suffix.lstrip(".").lower()
     if chosen not in FORMATS:
         raise InvalidArgumentError(f"cannot draw {str(target)!r} as {chosen!r}; use a .svg or .png file")
-    matplotlib, _ = _import_matplotlib()
+    matplotlib, _ = import_matplotlib()
     with matplotlib.rc_context(STYLE):
         fig = plan_figure(plan)
         metadata = {"Date": None} if chosen == "svg" else None

@@ -277,8 +277,10 @@ def test_a_hand_edited_plan_with_an_empty_stage_is_rejected(capsys, tmp_path):
     assert "hint: make a fresh plan" in err and "Traceback" not in err
 
 
-def test_missing_matplotlib_names_the_extra(capsys, tmp_path, monkeypatch):
+def test_missing_matplotlib_names_the_extra_before_the_split(capsys, tmp_path, monkeypatch):
+    """It was refused after the whole split and verification (12 s for a new user's GPT-2)."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(cli, "load_target", lambda target: pytest.fail("the model was loaded before the refusal"))
     code, _, err = run(capsys, "split", "residual-mlp", "-k", "2", "--png", str(tmp_path / "p.png"))
     assert code == 2
     assert "pip install 'autoshard[plot]'" in flat(err) and "Traceback" not in err
