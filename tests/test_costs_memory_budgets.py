@@ -209,3 +209,35 @@ def test_a_budget_near_the_best_split_is_met_by_splitting_again(monkeypatch, k=4
     monkeypatch.setattr(placements, "TIGHTENING_ROUNDS", 0)
     with pytest.raises(InfeasibleSplitError):
         autoshard.shard_model(model, k, example_inputs=args, max_memory=budget, pipeline=PLAN_ONLY)
+
+
+def test_a_budget_the_unbudgeted_plan_fits_is_never_refused(monkeypatch, k=4):
+    """The searches under two budgets start from other splits and tighten along other paths, so a new
+    user saw a larger budget refused where a smaller one was planned. Whatever the search misses
+    (here every split it makes is taken for over budget), a budget the split balanced without
+    budgets fits is planned with that split."""
+    import dataclasses
+
+    model, x = activation_heavy_chain()
+    unbudgeted = autoshard.shard_model(model, k, example_inputs=(x,), pipeline=PLAN_ONLY).plan
+    need = max(s.total for s in stage_memory(unbudgeted.dag, unbudgeted.assignment, k))
+    search = placements.fitted
+    monkeypatch.setattr(placements, "fitted", lambda *a, **kw: dataclasses.replace(search(*a, **kw), fits=False))
+    planned = autoshard.shard_model(model, k, example_inputs=(x,), max_memory=need, pipeline=PLAN_ONLY).plan
+    assert planned.assignment == unbudgeted.assignment
+
+
+def test_a_refusal_names_the_stage_furthest_over_and_the_others_over():
+    """It named the first stage over its budget: raised by that shortfall, the budget was refused again
+    for another stage."""
+    from autoshard.costs.memory import memory_shortfall
+
+    model, x = activation_heavy_chain()
+    plan = autoshard.shard_model(model, 4, example_inputs=(x,), pipeline=PLAN_ONLY).plan
+    stages = stage_memory(plan.dag, plan.assignment, 4)
+    totals = [s.total for s in stages]
+    worst = max(range(4), key=lambda j: totals[j])
+    budget = min(totals) - 1  # every stage over
+    message = memory_shortfall(stages, [budget] * 4)
+    assert message.startswith(f"stage {worst} needs {totals[worst]:,.0f} bytes")
+    assert all(f"stage {j} by {totals[j] - budget:,.0f}" in message for j in range(4) if j != worst)

@@ -858,13 +858,17 @@ def stage_memory(
 
 
 def memory_shortfall(stages: Sequence[StageMemory], max_memory: Sequence[float]) -> str | None:
-    """What the first stage over its budget needs and lacks, or None when every stage fits."""
-    for stage, budget in zip(stages, max_memory):
-        if stage.total > budget:
-            return (f"stage {stage.stage} needs {stage.total:,.0f} bytes ({stage.parts()}) "
-                    f"but max_memory[{stage.stage}] is {budget:,.0f}: "
-                    f"{stage.total - budget:,.0f} bytes short; raise the budget, add stages or lower the batch")
-    return None
+    """What the stage furthest over its budget needs and lacks, and which others are over (a budget
+    raised by the first one's shortfall alone left the others over), or None when every stage fits."""
+    over = [(stage.total - budget, stage, budget) for stage, budget in zip(stages, max_memory) if stage.total > budget]
+    if not over:
+        return None
+    short, stage, budget = max(over, key=lambda o: (o[0], -o[1].stage))
+    others = [f"stage {s.stage} by {lack:,.0f}" for lack, s, _ in over if s is not stage]
+    return (f"stage {stage.stage} needs {stage.total:,.0f} bytes ({stage.parts()}) "
+            f"but max_memory[{stage.stage}] is {budget:,.0f}: {short:,.0f} bytes short"
+            f"{' (also over: ' + ', '.join(others) + ')' if others else ''}; "
+            f"raise the budget, add stages or lower the batch")
 
 
 def check_memory_budgets(stages: Sequence[StageMemory], max_memory: Sequence[float]) -> None:

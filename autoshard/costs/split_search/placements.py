@@ -95,6 +95,12 @@ def split_placing_ties(request: SplitRequest) -> Partition:
             with contextlib.suppress(InfeasibleSplitError):  # e.g. a tie kept together no split allows
                 attempts.append(fitted(request, placement))
     fitting = [a for a in attempts if a.fits]
+    if not fitting and request.max_memory:
+        # The split balanced without budgets, if it fits them: a larger budget is then never refused where
+        # a smaller one was planned by it (the searches under each budget start from other splits).
+        unbounded = attempt(request, first_try, budgets=())
+        attempts.append(unbounded)
+        fitting = [unbounded] if unbounded.fits else []
     if not fitting:
         closest = min(attempts, key=lambda a: a.overshoot(request.each_stage(request.max_memory)))
         raise InfeasibleSplitError(
