@@ -38,12 +38,12 @@ def free_port() -> int:
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
             timeout: float, args: tuple[Any, ...], results: Any) -> None:
     faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0))  # a stuck worker shows where, on stderr
-    # Under torchrun this variable makes init_process_group join torchrun's store as a client,
-    # which nobody serves on this group's own port: every rank would wait out the timeout.
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        # A client of the parent's store, given to the group: no rendezvous reads torchrun's environment
+        # (``TORCHELASTIC_USE_AGENT_STORE`` would join a store nobody serves here)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
         try:
             results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         finally:
@@ -67,7 +67,12 @@ def run_local(
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    # The parent serves the group's store on a port it binds and keeps: a port found free and handed
+    # on could be taken by another launch in between (two test workers met on one, and a rank joined
+    # the other's group)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    port = store.port
     workers = [
         context.Process(target=_worker, daemon=True,
                         args=(fn, rank, world_size, port, backend, timeout, args, results))
