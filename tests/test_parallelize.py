@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import socket
 import subprocess
 import sys
 import warnings
@@ -33,12 +34,18 @@ from autoshard.runtime import (
     run_local,
     save_distributed,
 )
-from autoshard.runtime.launch import free_port
 from test_runtime_example import unsplit_losses
 
 LAUNCH_DEADLINE_S = 400
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(LAUNCH_DEADLINE_S + 120)]
 BATCH, MICROBATCHES, STEPS, LR = 16, 4, 20, 1e-2
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now (torchrun's endpoint)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def make_model() -> nn.Module:

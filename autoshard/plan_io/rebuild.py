@@ -87,11 +87,12 @@ def load_plan(
         raise PlanError(f"plan {path}'s pipeline {pipeline} builds no stages; it must end with 'emit'")
     split = None if weight_size_changes(saved, program.dag) else saved.split
     program.sharded.plan_origin = PlanOrigin.rebuilt(saved, program, split)
+    original = Pipeline.parse(saved.pipeline)  # (rebuild_pipeline checked that it parses)
     if respecialize and inputs is not None:
-        program.sharded.specializer = specializer_for(model, saved.num_stages, Pipeline.parse(saved.pipeline),
-                                                      saved.cost_model, saved.memory_model, inputs)
+        program.sharded.specializer = specializer_for(model, saved.num_stages, original, saved.cost_model,
+                                                      saved.memory_model, inputs)
     if inputs is not None:
-        _warn_over_saved_budget(program.sharded, Pipeline.parse(saved.pipeline), path)
+        _warn_over_saved_budget(program.sharded, original, path)
     return program.sharded
 
 

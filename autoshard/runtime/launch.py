@@ -16,7 +16,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,13 +25,6 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from autoshard.errors import LaunchError
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
