@@ -42,6 +42,7 @@ propagation runs fake tensors, left unprobed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import operator
@@ -168,17 +169,27 @@ class _Unsized(Exception):
 
 def _new_strides(t: torch.Tensor) -> tuple[int, ...]:
     """The strides ``torch.empty_like`` gives a new tensor laid out as ``t``."""
+    return _empty_like_strides(tuple(t.shape), t.stride())
+
+
+@functools.lru_cache(maxsize=4096)
+def _empty_like_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """Asked of torch, not re-derived (its rules for size-1 and overlapping dimensions are subtle);
+    cached, as every node of a model asks it of a few layouts (a meta tensor costs ~0.1 ms)."""
     with _disable_current_modes():
-        return torch.empty_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")).stride()
+        return torch.empty_like(torch.empty_strided(shape, strides, device="meta")).stride()
 
 
 def _contiguous(t: torch.Tensor, strides: tuple[int, ...] | None) -> bool:
     """Whether a gradient of ``t``'s shape with ``strides`` (None: not strided) is contiguous, as the
     gradient a stage sends back must be (``runtime.wire.contiguous_grad`` copies any other)."""
-    if strides is None:
-        return True
+    return strides is None or _is_contiguous(tuple(t.shape), tuple(strides))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     with _disable_current_modes():
-        return torch.empty_strided(t.shape, strides, device="meta").is_contiguous()
+        return torch.empty_strided(shape, strides, device="meta").is_contiguous()
 
 
 def sent_as_copy(value: Any) -> bool:
@@ -479,21 +490,21 @@ class TrainingProbe:
         if not strided:
             return
         memo_key = None if key is None else ("contiguous", key)
-        index = itertools.count()
-
-        def contiguous(t: torch.Tensor) -> torch.Tensor:
-            if next(index) not in strided:
-                return t
-            with _disable_current_modes():
-                strides = torch.empty(t.shape, device="meta").stride()
-            return self.fresh(t, strides).requires_grad_(t.requires_grad)
-
-        with self._in_fake_mode():
-            copies = tree_map_only(torch.Tensor, contiguous, (args, kwargs))
-        given = [x for x in tree_flatten(copies)[0] if isinstance(x, torch.Tensor)]
-        self.kept.append(copies)
         alike = None if memo_key is None else self.memo.get(memo_key)
         if alike is None:
+            index = itertools.count()
+
+            def contiguous(t: torch.Tensor) -> torch.Tensor:
+                if next(index) not in strided:
+                    return t
+                with _disable_current_modes():
+                    strides = torch.empty(t.shape, device="meta").stride()
+                return self.fresh(t, strides).requires_grad_(t.requires_grad)
+
+            with self._in_fake_mode():
+                copies = tree_map_only(torch.Tensor, contiguous, (args, kwargs))
+            given = [x for x in tree_flatten(copies)[0] if isinstance(x, torch.Tensor)]
+            self.kept.append(copies)
             unprobed = len(self.unprobed)
             try:
                 with self._in_fake_mode():
@@ -506,9 +517,9 @@ class TrainingProbe:
                 self.memo[memo_key] = alike
         if alike.input_grads is None:
             return
-        sources = self._sources(call.node)
+        sources = self._sources(call.node)  # (a contiguous copy has its argument's shape, all _contiguous reads)
         given_strided = tuple(dict.fromkeys(sources[i] for i, _, strides in alike.input_grads
-                                            if sources[i] is not None and not _contiguous(given[i], strides)))
+                                            if sources[i] is not None and not _contiguous(arguments[i], strides)))
         own = sum(nbytes for nbytes, _ in alike.saved_new) - sum(nbytes for nbytes, _ in effect.saved_new)
         self.when_contiguous[call.node.name] = (own, alike.forward, alike.backward, given_strided)
 
