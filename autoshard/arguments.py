@@ -34,13 +34,33 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 def byte_count(text: str, name: str) -> float:
     """``40GiB``, ``1.5e9``, ``512MB`` or ``22.3 MiB`` (as the tables print it) as a number of bytes."""
+    value = _with_unit(text.strip())
+    if value is None or value < 0:
+        raise InvalidArgumentError(f"{name} takes bytes per stage, such as 40GiB, 512MB or 1.5e9; got {text!r}")
+    return value
+
+
+def bytes_per_second(text: str, name: str, bare_unit: str) -> float:
+    """``25GB/s``, ``900 GiB/s`` or a bare number, read in ``bare_unit`` (``GB/s``, ``B/s``: each flag
+    keeps the unit it always had), as bytes per second, > 0."""
     stripped = text.strip()
-    number = stripped.rstrip("BbKkMmGgTtIi")
-    unit = stripped[len(number):].upper()
+    per_second = stripped.upper().endswith("/S")
+    value = _with_unit(stripped[:-2] if per_second else stripped)
+    if value is not None and not per_second:
+        bare = _UNITS[bare_unit[:-2].upper()]
+        value = value * bare if stripped.rstrip("0123456789.eE+-") == "" else None  # a unit needs its "/s"
+    if value is None or value <= 0:
+        raise InvalidArgumentError(f"{name} takes a rate > 0 such as 25GB/s, 900GiB/s or a bare number "
+                                   f"(in {bare_unit}); got {text!r}")
+    return value
+
+
+def _with_unit(text: str) -> float | None:
+    """A finite number of bytes from ``512MB``-like text; None where it is not one."""
+    number = text.rstrip("BbKkMmGgTtIi")
+    unit = text[len(number):].upper()
     try:
         value = float(number)
     except ValueError:
-        value = math.nan
-    if unit not in _UNITS or not math.isfinite(value) or value < 0:
-        raise InvalidArgumentError(f"{name} takes bytes per stage, such as 40GiB, 512MB or 1.5e9; got {text!r}")
-    return value * _UNITS[unit]
+        return None
+    return value * _UNITS[unit] if unit in _UNITS and math.isfinite(value) else None

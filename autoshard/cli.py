@@ -30,7 +30,7 @@ from rich.text import Text
 
 from autoshard import progress
 from autoshard.api import bind_pipeline, check_stages_made, default_pipeline, example_inputs_of
-from autoshard.arguments import byte_count, whole_number
+from autoshard.arguments import byte_count, bytes_per_second, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel
 from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel, run_of
@@ -141,13 +141,13 @@ class _Session:
 
 def _device(args: argparse.Namespace) -> DeviceModel | None:
     """The device the user described with --device-tflops / --device-bandwidth; None: not described."""
-    given = (("--device-tflops", args.device_tflops), ("--device-bandwidth", args.device_bandwidth))
-    for flag, value in given:
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise InvalidArgumentError(f"{flag} must be a number > 0, got {value!r}")
+    if args.device_tflops is not None and not (math.isfinite(args.device_tflops) and args.device_tflops > 0):
+        raise InvalidArgumentError(f"--device-tflops must be a number > 0, got {args.device_tflops!r}")
     if args.device_tflops is None and args.device_bandwidth is None:
         return None
-    return device_model(args.device_tflops, args.device_bandwidth)
+    bandwidth = None if args.device_bandwidth is None else \
+        bytes_per_second(args.device_bandwidth, "--device-bandwidth", "GB/s") / 1e9
+    return device_model(args.device_tflops, bandwidth)
 
 
 def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) -> MemoryModel | None:
@@ -204,8 +204,9 @@ def _memory_flags(model: MemoryModel) -> list[str]:
 def _links(args: argparse.Namespace) -> dict[str, float]:
     """The link settings --link-bandwidth / --link-latency give, checked by ``StepTimeModel`` now
     rather than after the split (its messages name ``link_bandwidth``, which the errors show as the flag)."""
-    given = {name: value for name, value in (("link_bandwidth", args.link_bandwidth),
-                                             ("link_latency", args.link_latency)) if value is not None}
+    given = {name: value for name, value in (("link_latency", args.link_latency),) if value is not None}
+    if args.link_bandwidth is not None:
+        given["link_bandwidth"] = bytes_per_second(args.link_bandwidth, "--link-bandwidth", "B/s")
     StepTimeModel(**given)
     return given
 
@@ -509,8 +510,9 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="measure node times (or reuse this file's): the time column is then measured")
     options.add_argument("--device-tflops", type=float, metavar="TFLOPS",
                          help="peak TFLOP/s of the device for estimated times (default: this machine, calibrated)")
-    options.add_argument("--device-bandwidth", type=float, metavar="GB/s",
-                         help="memory bandwidth of the device for estimated times (default: this machine, calibrated)")
+    options.add_argument("--device-bandwidth", metavar="RATE",
+                         help="memory bandwidth of the device for estimated times, e.g. 900GB/s (a bare number: "
+                              "GB/s; default: this machine, calibrated)")
     options.add_argument("--max-memory", metavar="BYTES",
                          help="training-memory budget per stage, e.g. 40GiB or 30GB,40GB,... (one value: every stage)")
     options.add_argument("--optimizer-bytes", type=float, metavar="N",
@@ -529,9 +531,10 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="stages each process runs under --schedule interleaved-1f1b (default 2)")
     options.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
                          help="count an fp32 master copy of bf16/fp16 trainable weights (mixed precision)")
-    options.add_argument("--link-bandwidth", type=float, metavar="BYTES/S",
-                         help="bytes per second between two ranks for the predicted step time (default "
-                              f"{DEFAULT_LINK_BANDWIDTH:g}: gloo between CPU processes on one machine)")
+    options.add_argument("--link-bandwidth", metavar="RATE",
+                         help="bandwidth between two ranks for the predicted step time, e.g. 25GB/s (a bare "
+                              f"number: bytes/s; default {DEFAULT_LINK_BANDWIDTH:g} bytes/s: gloo between CPU "
+                              "processes on one machine)")
     options.add_argument("--link-latency", type=float, metavar="SECONDS",
                          help="seconds per message between two ranks for the predicted step time (default "
                               f"{DEFAULT_LINK_LATENCY:g})")

@@ -88,6 +88,14 @@ def test_device_flags_set_the_roofline_and_a_slower_device_takes_longer(capsys, 
     assert all(slow > fast for slow, fast in zip(seconds["0.000001"], seconds["1"]))
 
 
+def test_the_device_bandwidth_reads_a_rate_with_units_as_a_bare_number_in_gb_per_second(capsys, tmp_path):
+    for value in ("2", "2GB/s", "2e9 B/s", "2000MB/s"):
+        path = tmp_path / "p.json"
+        run(capsys, "inspect", "residual-mlp", "-k", "2", "--device-tflops", "1", "--device-bandwidth", value,
+            "--out", str(path))
+        assert read_plan(path).time_estimate.bandwidth == pytest.approx(2e9), value
+
+
 def test_with_a_time_profile_the_column_shows_the_measured_numbers(capsys, tmp_path):
     profile = tmp_path / "profile.json"
     run(capsys, "inspect", "residual-mlp", "-k", "2", "--time-profile", str(profile), "-q")
@@ -111,7 +119,8 @@ def test_a_split_balanced_by_time_labels_its_column_as_such(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (("--device-tflops", "0"), "--device-tflops must be a number > 0, got 0.0"),
-    (("--device-bandwidth", "nan"), "--device-bandwidth must be a number > 0"),
+    (("--device-bandwidth", "nan"), "--device-bandwidth takes a rate > 0 such as 25GB/s"),
+    (("--device-bandwidth", "900GB"), "a bare number (in GB/s); got '900GB'"),
     (("--pipeline", "capture,build-dag,linearize,split,emit", "--time-profile", "p.json"), "profile{path=FILE}"),
 ])
 def test_bad_time_options_are_refused(capsys, argv, message):

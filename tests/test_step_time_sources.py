@@ -94,13 +94,22 @@ def test_the_link_flags_reach_the_step_time_model(timed, capsys):
 
 
 @pytest.mark.parametrize("flag, value, accepted", [
-    ("--link-bandwidth", "0", "> 0, got 0.0"), ("--link-bandwidth", "-5", "> 0, got -5.0"),
-    ("--link-bandwidth", "inf", "> 0, got inf"), ("--link-latency", "nan", ">= 0, got nan"),
-    ("--link-latency", "-1", ">= 0, got -1.0"),
+    ("--link-bandwidth", "0", "takes a rate > 0"), ("--link-bandwidth", "-5", "takes a rate > 0"),
+    ("--link-bandwidth", "inf", "takes a rate > 0"), ("--link-bandwidth", "25GB", "(in B/s); got '25GB'"),
+    ("--link-latency", "nan", "must be a finite number >= 0, got nan"),
+    ("--link-latency", "-1", "must be a finite number >= 0, got -1.0"),
 ])
 def test_a_link_flag_that_is_no_finite_positive_number_is_refused_naming_it(capsys, flag, value, accepted):
     code, _, err = run(capsys, "inspect", "residual-mlp", "-k", "2", flag, value)
-    assert code == 2 and f"error: {flag} " in err and f"must be a finite number {accepted}" in err
+    assert code == 2 and f"error: {flag} " in err and accepted in err
+
+
+def test_the_link_bandwidth_reads_a_rate_with_units_as_a_bare_number_in_bytes_per_second(timed, capsys):
+    plan = str(timed[2])
+    outputs = {value: run(capsys, "inspect", plan, "--link-bandwidth", value)[1]
+               for value in ("2.5e10", "25GB/s", "25000 MB/s")}
+    lines = {value: next(line for line in out.splitlines() if "GB/s" in line) for value, out in outputs.items()}
+    assert len(set(lines.values())) == 1 and "25 GB/s" in lines["25GB/s"]
 
 
 def test_link_flags_are_refused_with_compare_which_shows_no_step(capsys):
