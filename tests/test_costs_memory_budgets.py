@@ -11,6 +11,7 @@ a stage's ``total`` beyond its ``additive`` part is what the whole adds."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -95,7 +96,7 @@ def test_a_split_whose_whole_stages_overflow_is_made_again_until_it_fits(monkeyp
     least = min(peak_memory(dag, a, k) for a in cut_assignments(dag, k))
     fitted = autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least, pipeline=PLAN_ONLY).plan
     assert peak_memory(fitted.dag, fitted.assignment, k) == least
-    short = (r"no split into 4 stages fits max-memory with every stage counted whole .* stage (\d) needs [\d,]+ bytes "
+    short = (r"no split into 4 stages fits max_memory with every stage counted whole .* stage (\d) needs [\d,]+ bytes "
              r"\(weights [\d,]+, .*one backward [\d,]+(; receive buffers [^)]*)?\) but max_memory\[\1\] is [\d,]+: "
              r"[\d,]+ bytes short")
     with pytest.raises(InfeasibleSplitError, match=short):
@@ -126,12 +127,13 @@ def test_a_budget_no_plan_fits_names_the_stage_its_parts_and_the_shortfall():
     dag = autoshard.shard_model(model, 2, example_inputs=(x,)).plan.dag
     least = min(peak_memory(dag, a, 2) for a in cut_assignments(dag, 2))
     assert least > 50_000
-    short = (r"no split into 2 stages fits max-memory .*stage (0|1) needs [\d,]+ bytes \(weights [\d,]+, gradients "
+    short = (r"no split into 2 stages fits max_memory .*stage (0|1) needs [\d,]+ bytes \(weights [\d,]+, gradients "
              r"[\d,]+, optimizer [\d,]+; per microbatch activations [\d,]+, received [\d,]+, sent [\d,]+, x \d in "
              r"flight; one backward [\d,]+(; receive buffers [^)]*)?\) but max_memory\[\1\] is 50,000: "
              r"[\d,]+ bytes short")
-    with pytest.raises(InfeasibleSplitError, match=short):
+    with pytest.raises(InfeasibleSplitError, match=short) as refused:
         autoshard.shard_model(model, 2, example_inputs=(x,), max_memory=50_000)
+    assert not re.search(r"memory_budgets|memory_in_flight", str(refused.value))  # the splitter's own names
 
 
 def test_a_tied_lm_counts_its_shared_weight_in_every_stage_holding_it(k=2):

@@ -87,7 +87,8 @@ def split_placing_ties(request: SplitRequest) -> Partition:
         first = attempt(request, first_try, budgets=())
         if not first.fits:
             raise InfeasibleSplitError(
-                f"no split into {request.k} stages fits max-memory ({exc}); in the best-balanced plan "
+                f"no split into {request.k} stages fits max_memory ({_in_max_memory_terms(exc)}); in the "
+                "best-balanced plan "
                 f"{shortfall(request, first)}") from exc
     attempts = [first]
     if first.separated and first.partition.info.bound is not None:  # a bounded strategy, not a baseline
@@ -104,11 +105,17 @@ def split_placing_ties(request: SplitRequest) -> Partition:
     if not fitting:
         closest = min(attempts, key=lambda a: a.overshoot(request.each_stage(request.max_memory)))
         raise InfeasibleSplitError(
-            f"no split into {request.k} stages fits max-memory with every stage counted whole (received and sent "
+            f"no split into {request.k} stages fits max_memory with every stage counted whole (received and sent "
             f"values, one backward, each shared weight in every stage holding it), split again up to "
             f"{TIGHTENING_ROUNDS} times under budgets tightened by what the per-node sums missed; in the closest "
             f"plan {shortfall(request, closest)}")
     return min(fitting, key=Attempt.rank).partition  # the first of equals: ties preferred together
+
+
+def _in_max_memory_terms(refusal: InfeasibleSplitError) -> str:
+    """The splitter's refusal in the terms of a caller who gave ``max_memory``, not the splitter's own
+    parameters (``memory_budgets``, ``memory_in_flight``), which that caller never set."""
+    return str(refusal).replace("memory_budgets", "the budgets").replace("memory_in_flight", "microbatches in flight")
 
 
 def fitted(request: SplitRequest, placement: TiePlacement) -> Attempt:
