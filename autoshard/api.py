@@ -120,12 +120,13 @@ def default_pipeline(
     time_profile: str | None = None,
     capacities: Sequence[float] | None = None,
     max_memory: Sequence[float] | float | None = None,
+    tolerance: float = 0.0,
 ) -> Pipeline:
     """``capture,shape-prop,build-dag,linearize,split{stages=K cost=C},emit,verify``.
 
     ``shape-prop`` runs when ``shapes`` is true (default: when ``verify`` is: both need example
     inputs); ``profile`` runs when ``cost`` is ``time`` or a ``time_profile`` path is given;
-    ``verify`` when asked. ``capacities`` and ``max_memory`` go to the split.
+    ``verify`` when asked. ``capacities``, ``max_memory`` and ``tolerance`` go to the split.
     """
     steps: list[Pass] = [CapturePass()]
     if verify if shapes is None else shapes:
@@ -133,7 +134,7 @@ def default_pipeline(
     if cost == "time" or time_profile is not None:
         steps.append(ProfilePass(path=time_profile))
     limits = stage_limits(num_stages, capacities, max_memory)
-    steps += [BuildDagPass(), LinearizePass(), SplitPass(cost=cost, **limits), EmitPass()]
+    steps += [BuildDagPass(), LinearizePass(), SplitPass(cost=cost, tolerance=tolerance, **limits), EmitPass()]
     if verify:
         steps.append(VerifyPass())
     return bind_stages(Pipeline(steps), num_stages)
@@ -166,21 +167,23 @@ def bind_pipeline(
     *,
     capacities: Sequence[float] | None = None,
     max_memory: Sequence[float] | float | None = None,
+    tolerance: float = 0.0,
     asker: str = "num_stages",
 ) -> Pipeline:
-    """Parse a spec if needed and fill in the stage count, cost and per-stage limits the call asked for;
-    ``asker`` names where the stage count came from (``--stages`` on the command line)."""
+    """Parse a spec if needed and fill in the stage count, cost, tolerance and per-stage limits the call
+    asked for; ``asker`` names where the stage count came from (``--stages`` on the command line)."""
     if isinstance(pipeline, str):
         pipeline = Pipeline.parse(pipeline)
     if not isinstance(pipeline, Pipeline):
         raise InvalidArgumentTypeError(
             f"pipeline must be a Pipeline or a spec string, got {type(pipeline).__name__}")
     limits = stage_limits(num_stages, capacities, max_memory)
-    for option in [*limits, *(["cost"] if cost != "params" else [])]:
+    for option in [*limits, *(["cost"] if cost != "params" else []), *(["tolerance"] if tolerance != 0 else [])]:
         if not any(option in {f.name for f in step.options()} for step in pipeline):
             raise InvalidArgumentError(
                 f"{option}= was given, but no pass of the pipeline '{pipeline}' takes it; add 'split'")
     pipeline = _bind(bind_stages(pipeline, num_stages, asker), "cost", cost, "params")
+    pipeline = _bind(pipeline, "tolerance", tolerance, 0.0)
     for option, value in limits.items():
         pipeline = _bind(pipeline, option, value, ())
     return pipeline
@@ -231,6 +234,7 @@ def shard_model(
     instruments: Iterable[Instrument] = (),
     capacities: Sequence[float] | None = None,
     max_memory: Sequence[float] | float | None = None,
+    tolerance: float = 0.0,
     time_profile: str | os.PathLike[str] | None = None,
     memory_model: MemoryModel | None = None,
     pin: Mapping[str, int] | None = None,
@@ -254,7 +258,9 @@ def shard_model(
     weights, gradients and optimizer state once, plus the activations of every microbatch in
     flight at that stage under 1F1B. The split looks for the best-balanced plan that fits, and
     the final plan is checked again; a budget no plan fits raises ``InfeasibleSplitError``
-    naming the stage that is short and by how much.
+    naming the stage that is short and by how much. ``tolerance`` lets the costliest stage cost up
+    to that fraction more than the best balance where fewer bytes then cross the boundaries (0.1: a
+    cut between two blocks rather than inside one, sending a 4x-wide hidden value).
     ``time_profile`` is a JSON file of measured node times, loaded when it exists and written
     otherwise; a loaded profile keeps its settings (whether it timed the backward, which the step
     time reads). ``memory_model``
@@ -281,12 +287,13 @@ def shard_model(
         chosen = default_pipeline(
             num_stages, cost_name, verify=inputs is not None and not on_meta, shapes=inputs is not None,
             time_profile=None if time_profile is None else os.fspath(time_profile),
-            capacities=capacities, max_memory=max_memory)
+            capacities=capacities, max_memory=max_memory, tolerance=tolerance)
     else:
         if time_profile is not None:
             raise InvalidArgumentError("time_profile= applies to the default pipeline; with a pipeline, "
                                        "write profile{path=...} in it")
-        chosen = bind_pipeline(pipeline, num_stages, cost_name, capacities=capacities, max_memory=max_memory)
+        chosen = bind_pipeline(pipeline, num_stages, cost_name, capacities=capacities, max_memory=max_memory,
+                               tolerance=tolerance)
         if not any("sharded" in step.provides for step in chosen):
             raise PipelineValidationError(f"the pipeline '{chosen}' makes no stages; end it with 'emit' (and 'verify')")
     chosen = with_constraints(chosen, pin, no_split, cut_before)

@@ -272,6 +272,7 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
     """The saved plan's pipeline with its split replaced (--plan), the user's spec, or the default one."""
     if args.plan:
         for flag, value in (("--pipeline", args.pipeline), ("--strategy", args.strategy), ("--cost", args.cost),
+                            ("--tolerance", args.tolerance),
                             ("--time-profile", args.time_profile), ("--max-memory", args.max_memory),
                             ("--pin", args.pin), ("--no-split", args.no_split), ("--cut-before", args.cut_before)):
             if value is not None:
@@ -287,10 +288,11 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
             raise InvalidArgumentError("with --pipeline, set the strategy in the spec: split{strategy=NAME}")
         if args.time_profile is not None:
             raise InvalidArgumentError("with --pipeline, write the profile in the spec: profile{path=FILE}")
-        pipeline = bind_pipeline(args.pipeline, _stages(args), cost, max_memory=_max_memory(args), asker="--stages")
+        pipeline = bind_pipeline(args.pipeline, _stages(args), cost, max_memory=_max_memory(args),
+                                 tolerance=args.tolerance or 0.0, asker="--stages")
     else:
         pipeline = default_pipeline(_stages(args), cost, verify=inputs is not None, time_profile=args.time_profile,
-                                    max_memory=_max_memory(args))
+                                    max_memory=_max_memory(args), tolerance=args.tolerance or 0.0)
         if args.strategy is not None:
             pipeline = pipeline.with_options(_split_step(pipeline)[0], strategy=args.strategy)
     pipeline = with_constraints(pipeline, _pins(args), args.no_split, args.cut_before)
@@ -447,6 +449,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
         return _plan_command(args, console, build=False)
     used = [flag for flag, value in (("--stages", args.stages), ("--pipeline", args.pipeline), ("--plan", args.plan),
                                      ("--compare", args.compare), ("--strategy", args.strategy), ("--cost", args.cost),
+                                     ("--tolerance", args.tolerance),
                                      ("--time-profile", args.time_profile), ("--device-tflops", args.device_tflops),
                                      ("--device-bandwidth", args.device_bandwidth), ("--max-memory", args.max_memory),
                                      ("--optimizer-bytes", args.optimizer_bytes), ("--microbatches", args.microbatches),
@@ -503,6 +506,9 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
     options.add_argument("--stages", "-k", type=int, metavar="K", help="number of stages")
     options.add_argument("--cost", help="cost model to balance (default: params)")
     options.add_argument("--strategy", help="splitting strategy (default: min-cut)")
+    options.add_argument("--tolerance", type=float, metavar="FRACTION",
+                         help="let the costliest stage cost up to this fraction more than the best balance where "
+                              "fewer bytes then cross the boundaries, e.g. 0.1 (default 0)")
     options.add_argument("--compare", metavar="S1,S2", help="show several strategies side by side, e.g. greedy,min-cut")
     options.add_argument("--pipeline", metavar="SPEC",
                          help="custom pipeline, e.g. 'trace,build-dag,linearize,split,emit'")
@@ -606,6 +612,7 @@ FLAGS_OF_PARAMETERS = {
     "stages_per_rank": "--stages-per-rank",
     "link_bandwidth": "--link-bandwidth",
     "link_latency": "--link-latency",
+    "tolerance": "--tolerance",
 }
 
 #: A parameter name standing alone (not inside a word, a path, a file name or a pipeline spec), with

@@ -304,3 +304,17 @@ def test_an_unexpected_failure_is_one_message_unless_debug(capsys, monkeypatch):
 def test_debug_reraises_autoshard_errors(capsys):
     with pytest.raises(AutoshardError, match="at least 1"):
         cli.main(["split", "residual-mlp", "-k", "0", "--debug"])
+
+
+def test_tolerance_trades_balance_for_fewer_boundary_bytes_and_cannot_change_a_saved_plan(capsys, tmp_path):
+    summaries = {}
+    for tolerance in ("0", "0.3"):
+        path = tmp_path / f"{tolerance}.json"
+        code, _, _ = run(capsys, "inspect", "transformer-lm", "-k", "4", "--tolerance", tolerance, "--out", str(path))
+        assert code == 0
+        summaries[tolerance] = json.loads(path.read_text())["summary"]
+    tight, loose = summaries["0"], summaries["0.3"]
+    assert loose["total_boundary_bytes"] < tight["total_boundary_bytes"]
+    assert tight["bottleneck"] < loose["bottleneck"] <= 1.3 * tight["bottleneck"]
+    code, _, err = run(capsys, "inspect", "transformer-lm", "--plan", str(tmp_path / "0.json"), "--tolerance", "0.3")
+    assert code == 2 and "--tolerance cannot change a saved plan" in err

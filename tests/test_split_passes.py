@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import autoshard
 from autoshard.api import run_pipeline
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, PipelineValidationError, SpecError
 from autoshard.examples import ResidualMLP, TransformerLM
@@ -181,7 +182,7 @@ def test_pin_errors_name_the_module_paths_not_graph_nodes():
     with pytest.raises(InfeasibleSplitError, match=r"cut_before asks for 2 boundaries but 2 stages have only 1 "
                                                    r"\('linears\.2', 'linears\.5'\); ask for at least 3 stages"):
         run(model, inputs, "split{stages=2 cut-before=linears.5,linears.2}")
-    with pytest.raises(InfeasibleSplitError, match=r"meets cut_before \['linears\.7'\] and memory_budgets"):
+    with pytest.raises(InfeasibleSplitError, match=r"meets cut_before \['linears\.7'\] and the budgets"):
         run(model, inputs, "split{stages=3 cut-before=linears.7 max-memory=3000 memory-cost=params}")
 
 
@@ -219,7 +220,7 @@ def test_max_memory_limits_each_stage_under_the_named_cost_model():
     per_block = 16 * 16 * 4 + 16 * 4
     program = run(model, inputs, f"split{{stages=2 max-memory={2 * per_block},{8 * per_block} memory-cost=params}}")
     assert stages_of_module(program, "linears.1") == {0} and stages_of_module(program, "linears.2") == {1}
-    with pytest.raises(InfeasibleSplitError, match="memory_budgets sum to"):
+    with pytest.raises(InfeasibleSplitError, match="the budgets sum to"):
         run(model, inputs, f"split{{stages=2 max-memory={per_block} memory-cost=params}}")
 
 
@@ -409,3 +410,32 @@ def test_min_cut_fast_modes_can_be_chosen_from_a_spec(monkeypatch, spec, moves, 
     program = run(model, inputs, spec)
     assert seen and set(seen) == {(moves, coarsen)}
     assert len(program.sharded.stages) == 3 and torch.equal(program.sharded(*inputs), model(*inputs))
+
+
+def wide_blocks(blocks: int = 3) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """Blocks of Linear(16, 64), ReLU, Linear(64, 16): the best balance of two stages cuts inside one,
+    sending its 64-wide hidden value; a cut between blocks sends 16 wide."""
+    torch.manual_seed(0)
+    layers = [layer for _ in range(blocks) for layer in (nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))]
+    return nn.Sequential(*layers).eval(), (torch.randn(8, 16),)
+
+
+def test_shard_model_trades_balance_within_its_tolerance_for_fewer_boundary_bytes():
+    model, inputs = wide_blocks()
+    tight = autoshard.shard_model(model, 2, inputs).plan.split_info
+    loose = autoshard.shard_model(model, 2, inputs, tolerance=0.5)
+    info = loose.plan.split_info
+    assert info.boundary_bytes == tight.boundary_bytes / 4  # a 16-wide value instead of a 64-wide one
+    assert tight.bottleneck < info.bottleneck <= 1.5 * tight.bottleneck
+    assert torch.equal(loose(*inputs), model(*inputs))
+
+
+def test_a_tolerance_the_pipeline_sets_otherwise_or_cannot_take_is_refused():
+    model, inputs = wide_blocks(1)
+    with pytest.raises(InvalidArgumentError, match=r"has tolerance=0.2 but shard_model was asked for tolerance=0.5"):
+        autoshard.shard_model(model, 2, inputs, tolerance=0.5,
+                              pipeline="capture,shape-prop,build-dag,linearize,split{tolerance=0.2},emit")
+    with pytest.raises(InvalidArgumentError, match=r"tolerance= was given, but no pass of the pipeline"):
+        autoshard.shard_model(model, 1, inputs, tolerance=0.5, pipeline="capture,emit")
+    with pytest.raises(InvalidArgumentError, match=r"tolerance must be finite and >= 0, got -1"):
+        autoshard.shard_model(model, 2, inputs, tolerance=-1)

@@ -241,5 +241,5 @@ def shortfall(request: SplitRequest, found: Attempt) -> str:
     if memory.shortfall is not None:
         return memory.shortfall(found.partition.assignment, budgets)
     j = next(j for j, (need, budget) in enumerate(zip(found.memory, budgets)) if need > budget)
-    return (f"stage {j} needs {found.memory[j]:,.0f} under memory-cost {memory.name!r} but max-memory[{j}] "
+    return (f"stage {j} needs {found.memory[j]:,.0f} under memory-cost {memory.name!r} but max_memory[{j}] "
             f"is {budgets[j]:,.0f}: {found.memory[j] - budgets[j]:,.0f} short; raise the budget or add stages")
