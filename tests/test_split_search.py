@@ -72,7 +72,7 @@ def test_a_budget_no_split_fits_names_the_stage_short_and_by_how_much():
     request = tied_request()
     memory = summed_memory("toy", request.node_costs, request.stage_totals)
     with pytest.raises(InfeasibleSplitError, match=r"no split into 2 stages fits max_memory .*stage \d needs "
-                                                   r"\d+ under memory-cost 'toy' but max-memory\[\d\] is 8: \d+ short"):
+                                                   r"\d+ under memory-cost 'toy' but max_memory\[\d\] is 8: \d+ short"):
         search_split(tied_request(max_memory=(8.0,), memory=memory))
     fitting = search_split(tied_request(max_memory=(9.0,), memory=memory))
     assert fitting.info.bottleneck == 9

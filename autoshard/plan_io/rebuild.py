@@ -100,6 +100,7 @@ def _warn_over_saved_budget(sharded: "ShardedModel", pipeline: "Pipeline", path:
     """A plan made under ``max_memory`` and loaded with inputs of another size (a longer sequence, a
     bigger microbatch) may hold more than the budget it was made for: say which stage, by how much."""
     from autoshard.costs.memory import memory_shortfall, stage_memory
+    from autoshard.costs.split_search.request import per_stage
 
     split = next((step for step in pipeline if getattr(step, "max_memory", ())), None)
     plan = sharded.plan
@@ -107,8 +108,8 @@ def _warn_over_saved_budget(sharded: "ShardedModel", pipeline: "Pipeline", path:
         return
     budgets = tuple(split.max_memory)
     stages = stage_memory(plan.dag, plan.assignment, plan.num_stages, plan.memory_model)
-    short = memory_shortfall(stages, budgets * plan.num_stages if len(budgets) == 1 else budgets)
+    short = memory_shortfall(stages, per_stage(budgets, plan.num_stages))
     if short is not None:
         warnings.warn(StalePlanWarning(
-            f"plan {path} was made under max-memory {', '.join(f'{b:,.0f}' for b in budgets)} bytes, and on these "
+            f"plan {path} was made under max_memory {', '.join(f'{b:,.0f}' for b in budgets)} bytes, and on these "
             f"example inputs {short}"), stacklevel=3)

@@ -96,5 +96,10 @@ class SplitRequest:
     stage_ranges: Mapping[str, StageRange] = field(default_factory=dict)
 
     def each_stage(self, values: tuple[float, ...]) -> tuple[float, ...]:
-        """One value per stage; a single value applies to every stage (the splitter checks the rest)."""
-        return values * self.k if len(values) == 1 else values
+        return per_stage(values, self.k)
+
+
+def per_stage(values: tuple[float, ...], k: int) -> tuple[float, ...]:
+    """One value per stage of ``k``: a split option's single value (``split{max-memory=40e9}``) applies
+    to every stage (the splitter checks the length of the rest)."""
+    return values * k if len(values) == 1 else values
