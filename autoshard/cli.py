@@ -228,7 +228,7 @@ def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: Me
         raise InvalidArgumentError("--time-stages times the stages on the example inputs, and this TARGET gives none")
     inputs = program.example_inputs
     predicted = predict_step(program.sharded, inputs.args, inputs.kwargs, step=step, calibrate=False if links else None)
-    return step_time_lines(predicted)
+    return step_time_lines(predicted, "stages timed")
 
 
 def _max_memory(args: argparse.Namespace) -> list[float] | float | None:

@@ -331,14 +331,15 @@ def plan_step_lines(plan: SavedPlan, step: StepTimeModel | None = None) -> list[
     return step_time_lines(predicted) if predicted is not None else []
 
 
-def step_time_lines(step: StepTime) -> list[str]:
-    """One training step's predicted time, its bubble and bottleneck, and where the stage times came from."""
+def step_time_lines(step: StepTime, label: str = "predicted") -> list[str]:
+    """One training step's predicted time, its bubble and bottleneck, and where the stage times came from;
+    ``label`` tells two predictions apart (the estimate, and the stages timed)."""
     model = step.model
     links = (f"; links {format_seconds(max(step.links))} per message at most ({model.link_bandwidth / 1e9:.3g} GB/s"
              f" + {format_seconds(model.link_latency)} each)" if any(step.links) else "")
     if any(step.links) and model.message_seconds:
         links += f", and {format_seconds(model.message_seconds)} of each rank's time per message"
-    return [f"step time (predicted): {step}{links}", f"step time from: {step.source}"]
+    return [f"step time ({label}): {step}{links}", f"step time from: {step.source}"]
 
 
 def shared_weights_table(plan: SavedPlan) -> Table:

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import subprocess
+import re
 import sys
 import time
 import warnings
@@ -113,8 +114,24 @@ def test_a_stage_is_timed_whole_forward_and_backward_apart(sleepy):
     assert first.forward < 0.02 and first.backward < 0.02
     assert 0.03 <= second.forward < 0.06 and 0.04 <= second.backward < 0.07
     assert second.to_dict() == {"stage": 1, "forward": second.forward, "backward": second.backward, "repeats": 2,
-                                "device": "cpu", "sent_bytes": 2 * 4 * 4, "plan": first.plan}
+                                "device": "cpu", "sent_bytes": 2 * 4 * 4, "plan": first.plan, "spread": second.spread}
     assert first.sent_bytes == 2 * 4 * 4  # 2 rows of 4 floats to the next stage
+    assert 0 <= second.spread < 0.5  # two runs of 70 ms of sleep
+
+
+def test_a_stage_timing_says_how_far_its_runs_spread(sleepy, monkeypatch):
+    sharded, example = sleepy
+    real, runs = time.sleep, {"forwards": 0, "factor": 1}
+
+    def sleep(seconds: float) -> None:  # every other run, forward and backward, sleeps 3x: 70 ms, then 210 ms
+        if seconds == 0.03:  # a forward
+            runs["factor"] = 1 + 2 * (runs["forwards"] % 2)
+            runs["forwards"] += 1
+        real(seconds * runs["factor"])
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    timed = measure_stage_time(sharded, 1, example, repeats=2)
+    assert timed.spread == pytest.approx((0.21 - 0.07) / 0.14, rel=0.2)  # (slowest - fastest) / median
 
 
 def test_the_timed_backwards_accumulate_gradients_as_a_steps_microbatches_do(sleepy, monkeypatch):
@@ -280,6 +297,8 @@ def test_the_command_line_predicts_the_step_from_the_stages_timed(capsys, monkey
     code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--time-stages")
     assert code == 0 and "each stage timed whole" in out and "calibrated with the runtime" in out
     assert f"{format_seconds(3e-4)} of each rank's time per message" in out
+    assert "step time (predicted):" in out and "step time (stages timed):" in out  # the estimate, then the timing
+    assert re.search(r"its runs spread up to \d+%", out)
 
 
 def test_a_link_given_on_the_command_line_replaces_the_calibration(capsys, monkeypatch):

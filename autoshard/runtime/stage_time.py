@@ -36,7 +36,8 @@ class StageTimeMeasurement:
     """Seconds of one stage's ``forward`` and ``backward`` on one microbatch, the median of
     ``repeats`` runs on ``device``; ``sent_bytes``, the bytes of its outputs, which it sends the
     next stage (for the last stage, the model's outputs); ``plan``, the fingerprint of what it was
-    timed in (``timed_plan``; ``predict_step`` refuses a timing of another)."""
+    timed in (``timed_plan``; ``predict_step`` refuses a timing of another); ``spread``, how far apart
+    the runs were, (slowest - fastest) / median of forward + backward: a loaded machine shows here."""
 
     stage: int
     forward: float
@@ -45,6 +46,7 @@ class StageTimeMeasurement:
     device: str
     sent_bytes: int
     plan: str
+    spread: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,8 +108,10 @@ def _timed(plan: ShardedModel, stage: int, example_inputs: tuple, example_kwargs
             torch.autograd.backward(sent, gradients)
         forward.append(middle - start)
         backward.append(now() - begin)
+    totals = [f + b for f, b in zip(forward[1:], backward[1:])]
+    spread = (max(totals) - min(totals)) / statistics.median(totals) if statistics.median(totals) > 0 else 0.0
     return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
-                                str(device), sent_bytes, timed_plan(plan))
+                                str(device), sent_bytes, timed_plan(plan), spread)
 
 
 def timed_plan(sharded: ShardedModel) -> str:
