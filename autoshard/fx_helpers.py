@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.fx as fx
+from torch import nn
 
 
 def resolve(root: Any, target: str) -> Any:
@@ -28,3 +29,11 @@ def target_name(node: fx.Node) -> str:
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__qualname__
     return f"{module}.{name}".lstrip(".")
+
+
+def canonical_tensor_names(root: nn.Module) -> dict[int, str]:
+    """One name per parameter/buffer object: its first qualified name (tied weights share it)."""
+    names: dict[int, str] = {}
+    for name, tensor in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), name)
+    return names

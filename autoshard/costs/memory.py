@@ -152,7 +152,10 @@ class SavedFacts:
     its storage in another order, a transpose, crosses as it is: ``dense_order``). ``when_contiguous``:
     for a node reading such a value, as it is when that value comes contiguous, as the next stage
     receives it: (the change in what it saves of its own, ``forward``, ``backward``,
-    ``strided_grads``); None: the same, or not recorded."""
+    ``strided_grads``); None: the same, or not recorded. ``weight_grads``: the trainable weights
+    (their names in the DAG) its backward gives a gradient, which may be fewer than it reads: a
+    function handed a module (``apply_tf_padding(x, conv)``) holds the module's weights and may
+    read only its settings; None: not recorded, every trainable weight it reads counts."""
 
     saved: int
     saved_output: int
@@ -167,6 +170,7 @@ class SavedFacts:
     strided_output: bool = False
     when_contiguous: tuple[int, int, int, tuple[str, ...]] | None = None
     dense_order: tuple[int, ...] | None = None
+    weight_grads: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -573,9 +577,13 @@ def _gradients_to(dag: nx.DiGraph, node: str) -> list[tuple[str, bool]]:
 
 
 def _trainable_weights(dag: nx.DiGraph, node: str) -> dict[str, float]:
-    """The trainable weights ``node`` reads, with their bytes."""
+    """The trainable weights ``node``'s backward gives a gradient, with their bytes: those it reads
+    that the probe saw get one (``SavedFacts.weight_grads``; all of them where not recorded)."""
     infos = dag.graph.get("weights", {})
-    return {w: float(infos[w].nbytes) for w in dag.nodes[node].get("weights", ()) if w in infos and infos[w].trainable}
+    facts = _training(dag, node)
+    given = None if facts is None else facts.weight_grads
+    return {w: float(infos[w].nbytes) for w in dag.nodes[node].get("weights", ())
+            if w in infos and infos[w].trainable and (given is None or w in given)}
 
 
 def _weight_grad_bytes(dag: nx.DiGraph, node: str) -> float:

@@ -113,7 +113,9 @@ class NodeEffect:
     ``OutputTensor`` for each tensor and each constant as it is; ``input_grads``: for each argument
     tensor its backward gives a gradient, its index, whether that gradient is the output's own and
     the gradient's strides (None: its backward did not run); ``forward``: the most its forward
-    held at once above what was alive before it (its output and what it saves included)."""
+    held at once above what was alive before it (its output and what it saves included);
+    ``weight_grads``: the positions, among the weights the node may read (``TrainingProbe.weight_leaves``),
+    of those its backward gives a gradient (None: its backward did not run)."""
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
@@ -124,3 +126,4 @@ class NodeEffect:
     backward: int
     input_grads: tuple[tuple[int, bool, tuple[int, ...]], ...] | None
     forward: int = 0
+    weight_grads: tuple[int, ...] | None = ()

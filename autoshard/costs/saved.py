@@ -3,8 +3,9 @@ backward, the bytes of the gradient its output receives and the most its backwar
 
 Shape propagation runs the graph once (real or fake tensors, no gradients); beside each node it
 runs, ``TrainingProbe`` runs the node again under ``FakeTensorMode`` with gradients on, on fake
-twins of the values it receives (parameters as fake leaves that require grad), so nothing is
-allocated and no FLOP is spent:
+twins of the values it receives (parameters as fake leaves that require grad, those of a module
+handed to a function too), so nothing is allocated and no FLOP is spent; which weights its
+backward gives a gradient is recorded (``apply_tf_padding(x, conv)`` reads none of the conv's):
 
 * ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd saves, inside modules
   and functions kept whole too (attention probabilities, dropout masks, a loss's log-softmax).
@@ -63,6 +64,7 @@ from autoshard.costs.memory import SavedFacts
 from autoshard.costs.probe_memo import (
     CONSTANTS, NodeEffect, OutputTensor, Uncacheable, constant_key, module_key, tensor_key)
 from autoshard.costs.values import dense_parts
+from autoshard.fx_helpers import canonical_tensor_names
 from autoshard.isolation import isolated
 
 
@@ -240,6 +242,20 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
+class _Handed(nn.Module):
+    """The modules a function is handed (``apply_tf_padding(x, conv)``), as the children of one
+    module, so that ``functional_call`` puts fake leaves in their weights' places while it runs."""
+
+    def __init__(self, modules: list[nn.Module], call: NodeCall) -> None:
+        super().__init__()
+        for i, module in enumerate(modules):
+            self.add_module(str(i), module)
+        self.call = call
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        return self.call.run(args, kwargs)
+
+
 def _total(snapshot: Any) -> int:
     """All bytes of a ``MemTracker`` snapshot, every device."""
     return sum(int(by_type.get("Total", 0)) for by_type in snapshot.values())
@@ -276,6 +292,9 @@ class TrainingProbe:
         self.rerunnable: dict[str, tuple[NodeCall, Hashable | None]] = {}  # node -> its call, its key
         self.weights: dict[int, torch.Tensor] = {}  # id of a parameter or buffer -> its fake leaf
         self.leaves: set[int] = set()  # ids of those leaves
+        self.names = canonical_tensor_names(gm)  # id of a parameter or buffer -> its name, as the DAG's
+        self.leaf_names: dict[int, str] = {}  # id of a leaf -> that name
+        self.weight_grads: dict[str, tuple[str, ...] | None] = {}  # node -> the weights its backward gives a gradient
         self.kept: list[Any] = []
         self.unprobed: list[str] = []
         self.unrun: set[str] = set()  # the nodes whose forward fake tensors could not run: no facts
@@ -355,6 +374,8 @@ class TrainingProbe:
             leaf = twin.requires_grad_(t.requires_grad and t.is_floating_point())
             self.weights[id(t)] = leaf
             self.leaves.add(id(leaf))
+            if id(t) in self.names:
+                self.leaf_names[id(leaf)] = self.names[id(t)]
             self.kept.append((t, leaf))
             self.own(leaf, None)
         return self.weights[id(t)]
@@ -410,22 +431,43 @@ class TrainingProbe:
         return args, kwargs, [t for t, _, _ in wanted.values()], [i for _, _, i in wanted.values()]
 
     def _run(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
-        """Run the node; a module runs on fake leaves for its weights (returned: they want gradients)."""
+        """Run the node; a module, or a function handed modules, runs on fake leaves for their weights
+        (returned: they want gradients)."""
         node = call.node
-        if node.op != "call_module":
-            return call.run(args, kwargs), []
         leaves = self._weights(node)
-        value = torch.func.functional_call(self.gm.get_submodule(str(node.target)), leaves, args, kwargs)
+        if node.op == "call_module":
+            value = torch.func.functional_call(self.gm.get_submodule(str(node.target)), leaves, args, kwargs)
+        elif leaves:
+            handed = _Handed(self._handed(node), call)
+            self.kept.append(handed)  # ``MemTracker``'s backward hooks look it up
+            value = torch.func.functional_call(handed, leaves, (args, kwargs))
+        else:
+            return call.run(args, kwargs), []
         return value, [t for t in {id(t): t for t in leaves.values()}.values() if t.requires_grad]
 
+    def _handed(self, node: fx.Node) -> list[nn.Module]:
+        """The modules among the arguments of ``node`` (a function handed ``conv``), once each."""
+        twins = [self.twins.get(a) for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
+        return list({id(m): m for m in twins if isinstance(m, nn.Module)}.values())
+
     def _weights(self, node: fx.Node) -> dict[str, torch.Tensor]:
-        """A module node's parameters and buffers by name, as fake leaves (none for another node)."""
-        if node.op != "call_module":
-            return {}
-        module = self.gm.get_submodule(str(node.target))
-        named = {**dict(module.named_parameters(remove_duplicate=False)),
-                 **dict(module.named_buffers(remove_duplicate=False))}
+        """The parameters and buffers by name, as fake leaves, of a module node's module, or of the
+        modules another node is handed (under ``_Handed``'s names)."""
+        if node.op == "call_module":
+            modules = {"": self.gm.get_submodule(str(node.target))}
+        else:
+            modules = {f"{i}.": module for i, module in enumerate(self._handed(node))}
+        named = {prefix + name: t for prefix, module in modules.items()
+                 for name, t in [*module.named_parameters(remove_duplicate=False),
+                                 *module.named_buffers(remove_duplicate=False)]}
         return {name: self.weight(t) for name, t in named.items()}
+
+    def weight_leaves(self, node: fx.Node, arguments: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The fake leaves of the weights ``node`` may give a gradient, once each, in an order nodes
+        probed alike share: those among its tensor arguments, then its module's or those of the
+        modules it is handed (``_weights``)."""
+        leaves = [*(t for t in arguments if id(t) in self.leaves), *self._weights(node).values()]
+        return list({id(t): t for t in leaves if t.requires_grad}.values())
 
     def _key(self, node: fx.Node, flat: list[Any], spec: Any, value: Any) -> Hashable | None:
         """What decides ``node``'s probe (``probe_memo``), or None where it cannot be told by value."""
@@ -471,6 +513,7 @@ class TrainingProbe:
                 self.memo[key] = effect  # key is None whenever memo is
         self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)
         self._record_gradients(call.node, effect, arguments)
+        self._record_weight_gradients(call.node, effect, arguments)
         self._when_received_contiguous(call, args, kwargs, arguments, effect, key)
         if reusable and effect.grad and effect.input_grads is not None:  # it may run again, as a replay would
             self.rerunnable[name] = (call, key)
@@ -541,6 +584,16 @@ class TrainingProbe:
                     strided[sources[i]] = None
         self.input_grads[node.name] = tuple(given.items())
         self.strided_grads[node.name] = tuple(strided)
+
+    def _record_weight_gradients(self, node: fx.Node, effect: NodeEffect, arguments: list[torch.Tensor]) -> None:
+        """Which weights ``node``'s backward gives a gradient (``weight_grads``), by their names in the DAG:
+        a function handed a module may read no weight of it (``apply_tf_padding`` reads the conv's settings)."""
+        if not effect.weight_grads:  # None (its backward did not run) or none
+            self.weight_grads[node.name] = effect.weight_grads
+            return
+        leaves = self.weight_leaves(node, arguments)
+        self.weight_grads[node.name] = tuple(dict.fromkeys(
+            self.leaf_names[id(leaves[p])] for p in effect.weight_grads if id(leaves[p]) in self.leaf_names))
 
     def _untracked(self, call: NodeCall, real: Any, arguments: list[torch.Tensor], twins: tuple,
                    key: Hashable | None) -> NodeEffect | None:
@@ -692,21 +745,23 @@ class TrainingProbe:
             sized = self._sized_on_real_tensors(call, arguments, saved_new)
             forward += sum(nbytes for nbytes, _ in sized) - sum(nbytes for nbytes, _ in saved_new)
             saved_new = sized
-        backward, input_grads = 0, ()
+        backward, input_grads, weight_grads = 0, (), ()
         try:
             if sent and (wanted or weights):
                 backward, given = self._backward(sent, sent_layouts, wanted + weights, (args, kwargs))
                 input_grads = tuple((i, *given[id(t)]) for i, t in zip(indices, wanted)
                                     if i is not None and id(t) in given)
+                candidates = self.weight_leaves(call.node, arguments)
+                weight_grads = tuple(p for p, t in enumerate(candidates) if id(t) in given)
         except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
             self.unprobed.append(call.node.name)
-            backward, input_grads, reusable = 0, None, False
+            backward, input_grads, weight_grads, reusable = 0, None, None, False
         value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
         leaves, spec = tree_flatten(value)
         outputs, storages, replayable = _output_leaves(leaves, position, new, lambda t: self.original(_storage(t)))
         reusable &= replayable
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
-                            grad, backward, input_grads, forward)
+                            grad, backward, input_grads, forward, weight_grads)
         return effect, value, reusable
 
     def _sized_on_real_tensors(self, call: NodeCall, arguments: list[torch.Tensor],
@@ -867,5 +922,5 @@ class TrainingProbe:
                                  self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
                                  self.forward.get(name), self.strided_grads.get(name, ()),
                                  sent_as_copy(values.get(name)), self.when_contiguous.get(name),
-                                 _dense_order(values.get(name)))
+                                 _dense_order(values.get(name)), self.weight_grads.get(name))
                 for name in self.grad if name not in self.unrun}

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.costs.facts import node_facts, node_seconds, node_timed_backward
-from autoshard.fx_helpers import resolve, target_name
+from autoshard.fx_helpers import canonical_tensor_names, resolve, target_name
 from autoshard.lowering.inplace import order_around_mutations
 from autoshard.lowering.randomness import order_random_draws
 
@@ -80,14 +80,6 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-
-
-def canonical_tensor_names(gm: fx.GraphModule) -> dict[int, str]:
-    """One name per parameter/buffer object: its first qualified name (tied weights share it)."""
-    names: dict[int, str] = {}
-    for name, tensor in _named_tensors(gm):
-        names.setdefault(id(tensor), name)
-    return names
 
 
 @dataclass(frozen=True)

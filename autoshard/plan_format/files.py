@@ -129,7 +129,9 @@ class _Reader:
                           self.get(obj, "strided_output", bool, where, False),
                           self.when_contiguous(self.get(obj, "when_contiguous", list, where, None),
                                                f"{where}.when_contiguous"),
-                          self.dense_order(self.get(obj, "dense_order", list, where, None), f"{where}.dense_order"))
+                          self.dense_order(self.get(obj, "dense_order", list, where, None), f"{where}.dense_order"),
+                          self.optional_names(self.get(obj, "weight_grads", list, where, None),
+                                              f"{where}.weight_grads"))
 
     def dense_order(self, obj: list | None, where: str) -> tuple[int, ...] | None:
         """``SavedFacts.dense_order``: a permutation of the dimensions, or absent."""
@@ -153,6 +155,9 @@ class _Reader:
         if bad is not None:
             raise self.error(where, f"must list names (strings), got {bad!r}")
         return tuple(items)
+
+    def optional_names(self, items: list | None, where: str) -> tuple[str, ...] | None:
+        return None if items is None else self.names(items, where)
 
     def weight(self, name: str, obj: Any) -> WeightInfo:
         where = f"weights[{name!r}]"

@@ -320,7 +320,8 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
                            "input_grads": None if grads is None else [list(g) for g in grads],
                            "strided_grads": list(n.training.strided_grads),
                            "when_contiguous": _when_contiguous(n.training.when_contiguous),
-                           "dense_order": None if n.training.dense_order is None else list(n.training.dense_order)}
+                           "dense_order": None if n.training.dense_order is None else list(n.training.dense_order),
+                           "weight_grads": None if n.training.weight_grads is None else list(n.training.weight_grads)}
     if n.value:
         out["value"] = dict(n.value)
     return out
