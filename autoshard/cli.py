@@ -56,6 +56,7 @@ from autoshard.passes.options import option_table
 from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
 )
+from autoshard.plan_io.rebuild import warn_over_saved_budget
 from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables, step_time_lines
 from autoshard.runtime.predict import predict_step
 from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
@@ -427,6 +428,9 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
         check_stages_made(args.stages, plan.num_stages, pipeline)
     if session.memory is not None:
         session.memory.all_in_flight(plan.num_stages)  # refuses a schedule these stages cannot run
+    if choice.saved is not None and program.dag is not None and session.inputs is not None:
+        warn_over_saved_budget(program.dag, program.partition.assignment, plan.num_stages, plan.memory_model,
+                               Pipeline.parse(choice.saved.pipeline), args.plan)
     if not args.quiet:
         _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({choice.spec})", console, notes,
               _step(links, plan.memory_model))

@@ -83,3 +83,19 @@ def test_a_saved_plan_shown_as_it_is_takes_no_memory_flag(capsys, tmp_path):
     assert run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", "--out", str(path))[0] == 0
     code, _, err = run(capsys, "inspect", str(path), "--schedule", "gpipe", "--master-weights")
     assert code == 2 and "--schedule, --master-weights cannot be used when inspecting a saved plan" in err
+
+
+def test_a_budgeted_plan_rebuilt_for_other_training_settings_warns_of_the_stage_over_budget(capsys, tmp_path):
+    """``--plan`` checks the budget the plan was made under, as ``load_plan`` does: here GPipe keeps all
+    8 microbatches in flight where the plan was made for 1F1B's few."""
+    fitted = tmp_path / "fitted.json"
+    assert run(capsys, "split", "gpt-lm", "-k", "2", "--out", str(fitted))[0] == 0
+    fullest = max(s["total"] for s in json.loads(fitted.read_text())["summary"]["training_memory"]["stages"])
+    plan = tmp_path / "plan.json"
+    assert run(capsys, "split", "gpt-lm", "-k", "2", "--max-memory", f"{fullest:.0f}", "--out", str(plan))[0] == 0
+    code, _, err = run(capsys, "split", "gpt-lm", "--plan", str(plan))
+    assert code == 0 and "StalePlanWarning" not in err  # as made: within its budget
+    code, _, err = run(capsys, "split", "gpt-lm", "--plan", str(plan), "--schedule", "gpipe", "--microbatches", "8")
+    flat = " ".join(err.split())
+    assert code == 0 and "(StalePlanWarning)" in flat
+    assert f"made under --max-memory {fullest:,.0f}, {fullest:,.0f} bytes" in flat and "bytes short" in flat

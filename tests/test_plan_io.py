@@ -342,5 +342,6 @@ def test_a_budgeted_plan_loaded_with_bigger_inputs_says_it_no_longer_fits(tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the inputs it was made for: silent
         load_plan(path, model, (small,))
-    with pytest.warns(StalePlanWarning, match=r"made under max_memory .* on these example inputs stage \d needs"):
+    with pytest.warns(StalePlanWarning,
+                      match=r"made under max_memory .* on these example inputs and training settings stage \d needs"):
         load_plan(path, model, (big,))

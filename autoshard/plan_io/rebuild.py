@@ -16,6 +16,7 @@ from autoshard.plan_format.model import SavedPlan
 from autoshard.plan_origin import PlanOrigin
 
 if TYPE_CHECKING:  # pragma: no cover
+    from autoshard.costs.memory import MemoryModel
     from autoshard.passes.pipeline import Pipeline
     from autoshard.sharded import ShardedModel
 
@@ -92,24 +93,25 @@ def load_plan(
         program.sharded.specializer = specializer_for(model, saved.num_stages, original, saved.cost_model,
                                                       saved.memory_model, inputs)
     if inputs is not None:
-        _warn_over_saved_budget(program.sharded, original, path)
+        plan = program.sharded.plan
+        warn_over_saved_budget(plan.dag, plan.assignment, plan.num_stages, plan.memory_model, original, path)
     return program.sharded
 
 
-def _warn_over_saved_budget(sharded: "ShardedModel", pipeline: "Pipeline", path: str | Path) -> None:
-    """A plan made under ``max_memory`` and loaded with inputs of another size (a longer sequence, a
-    bigger microbatch) may hold more than the budget it was made for: say which stage, by how much."""
+def warn_over_saved_budget(dag: Any, assignment: Mapping[str, int], num_stages: int, memory_model: "MemoryModel",
+                           pipeline: "Pipeline", path: str | Path) -> None:
+    """A plan made under ``max_memory`` and rebuilt with inputs of another size (a longer sequence, a
+    bigger microbatch), or for other training settings (``--schedule``, ``--microbatches``), may hold
+    more than the budget it was made for: say which stage, by how much (``load_plan``, ``--plan``)."""
     from autoshard.costs.memory import memory_shortfall, stage_memory
     from autoshard.costs.split_search.request import per_stage
 
     split = next((step for step in pipeline if getattr(step, "max_memory", ())), None)
-    plan = sharded.plan
     if split is None or getattr(split, "memory_cost", "memory") != "memory":  # another cost's budget
         return
     budgets = tuple(split.max_memory)
-    stages = stage_memory(plan.dag, plan.assignment, plan.num_stages, plan.memory_model)
-    short = memory_shortfall(stages, per_stage(budgets, plan.num_stages))
+    short = memory_shortfall(stage_memory(dag, assignment, num_stages, memory_model), per_stage(budgets, num_stages))
     if short is not None:
         warnings.warn(StalePlanWarning(
             f"plan {path} was made under max_memory {', '.join(f'{b:,.0f}' for b in budgets)} bytes, and on these "
-            f"example inputs {short}"), stacklevel=3)
+            f"example inputs and training settings {short}"), stacklevel=3)
