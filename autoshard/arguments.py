@@ -41,11 +41,15 @@ def byte_count(text: str, name: str) -> float:
 
 
 def bytes_per_second(text: str, name: str, bare_unit: str) -> float:
-    """``25GB/s``, ``900 GiB/s`` or a bare number, read in ``bare_unit`` (``GB/s``, ``B/s``: each flag
-    keeps the unit it always had), as bytes per second, > 0."""
+    """``25GB/s``, ``900 GiB/s``, ``100Gb/s`` (bits) or a bare number, read in ``bare_unit`` (``GB/s``,
+    ``B/s``: each flag keeps the unit it always had), as bytes per second, > 0."""
     stripped = text.strip()
     per_second = stripped.upper().endswith("/S")
-    value = _with_unit(stripped[:-2] if per_second else stripped)
+    amount = stripped[:-2].rstrip() if per_second else stripped
+    bits = per_second and amount.endswith("b")  # 25Gb/s: gigabits, as links are rated
+    value = _with_unit(amount[:-1] + "B" if bits else amount)
+    if bits and value is not None:
+        value /= 8
     if value is not None and not per_second:
         bare = _UNITS[bare_unit[:-2].upper()]
         value = value * bare if stripped.rstrip("0123456789.eE+-") == "" else None  # a unit needs its "/s"

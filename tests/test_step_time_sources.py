@@ -107,7 +107,7 @@ def test_a_link_flag_that_is_no_finite_positive_number_is_refused_naming_it(caps
 def test_the_link_bandwidth_reads_a_rate_with_units_as_a_bare_number_in_bytes_per_second(timed, capsys):
     plan = str(timed[2])
     outputs = {value: run(capsys, "inspect", plan, "--link-bandwidth", value)[1]
-               for value in ("2.5e10", "25GB/s", "25000 MB/s")}
+               for value in ("2.5e10", "25GB/s", "25000 MB/s", "200Gb/s")}  # (Gb: gigabits)
     lines = {value: next(line for line in out.splitlines() if "GB/s" in line) for value, out in outputs.items()}
     assert len(set(lines.values())) == 1 and "25 GB/s" in lines["25GB/s"]
 
