@@ -235,12 +235,12 @@ class Specializer:
         same as running them once: buffers they update in place (batch-norm statistics) would be
         updated twice, random draws (dropout) would move the generator on."""
         if tried.plan.training and not exc.before_compute and not runs_again_the_same(tried):
-            raise InputMismatchError(
+            raise SpecializationMismatch(
                 f"{exc}. In training mode, stages that hold buffers or draw random numbers are not run again "
                 "for new inputs once some have computed (the buffers would be updated twice, the draws would "
-                "differ from the model's); the stages before this guard have run for this call (their buffers "
-                "are updated). Call sharded.specialize(*args, **kwargs) with inputs like these before such calls, "
-                "or make the specialisations in eval mode") from exc
+                "differ from the model's); the stages before this guard have run for this call (any buffers "
+                "they hold are updated). Call sharded.specialize(*args, **kwargs) with inputs like these before "
+                "such calls, or make the specialisations in eval mode") from exc
 
     def _refuse_other_constants(self, structure: Any) -> None:
         refused = _refused_constant(self.example, structure)
