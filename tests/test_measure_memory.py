@@ -262,3 +262,36 @@ def test_the_checks_default_to_the_training_the_plan_was_made_for():
     step = predict_step(sharded, times=[measure_stage_time(sharded, j, (x,), repeats=1) for j in range(2)],
                         calibrate=False)
     assert (step.model.schedule, step.microbatches) == ("gpipe", 4)
+
+
+def _wired_read(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the leaf, what the stage reads) as ``runtime.wire`` receives ``value``: a value filling its storage
+    in another order crosses as that order's contiguous buffer, read through ``contiguous_grad`` and
+    permuted back; any other is read through ``contiguous_grad`` as it is."""
+    from autoshard.costs.saved import dense_order
+    from autoshard.runtime.wire import contiguous_grad
+
+    order = dense_order(value)
+    if order is None:
+        leaf = value.detach().clone().requires_grad_()
+        return leaf, contiguous_grad(leaf)
+    leaf = value.permute(order).contiguous().detach().requires_grad_()
+    return leaf, contiguous_grad(leaf).permute(sorted(range(len(order)), key=order.__getitem__))
+
+
+@pytest.mark.parametrize("permuted", [True, False])
+@pytest.mark.parametrize("gradient_as_value", [True, False])
+def test_a_received_value_is_read_as_the_wire_reads_it_copying_its_gradient_when_the_wire_does(
+        permuted, gradient_as_value):
+    from autoshard.runtime.memory import _as_received
+
+    value = torch.randn(2, 8, 4).transpose(1, 2) if permuted else torch.randn(2, 4, 8)  # [2, 4, 8] either way
+    gradient = torch.randn(2, 8, 4).transpose(1, 2) if gradient_as_value else torch.randn(2, 4, 8)
+    copies = []
+    leaf = value.detach().clone().requires_grad_()  # as measure_stage_memory receives it: laid out as the value
+    for leaf, read in (_wired_read(value), (leaf, _as_received(leaf))):
+        read.backward(gradient)
+        copies.append(leaf.grad.untyped_storage().data_ptr() != gradient.untyped_storage().data_ptr())
+    wired, measured = copies
+    assert wired == (not (permuted and gradient_as_value))  # a received gradient buffer is copied, not taken
+    assert measured == wired

@@ -638,6 +638,11 @@ def _saved_only_later(dag: nx.DiGraph, owner: str, inside: AbstractSet[str]) -> 
     return float(facts.saved_output)
 
 
+def _crossed_permuted(dag: nx.DiGraph, value: str) -> bool:
+    facts = _training(dag, value)
+    return facts is not None and facts.dense_order is not None
+
+
 def _strided_output(dag: nx.DiGraph, node: str) -> bool:
     facts = _training(dag, node)
     return facts is not None and facts.strided_output
@@ -768,7 +773,9 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         for u, _ in given:
             if u in pending:
                 pending[u] -= 1
-                if not pending[u] and (shared(u) or u in strided):  # autograd copies it into the one sent back
+                # autograd copies it into the one sent back, unless it crossed permuted: then it comes
+                # through the permutes' views, which autograd takes whole if laid out in that order
+                if not pending[u] and ((shared(u) and not _crossed_permuted(dag, u)) or u in strided):
                     peak = max(peak, output_grads + alive + _grad(dag, u) - freed)  # beside the one it copies
                     release(buffer[u])
                     hold(u, u)
@@ -786,7 +793,10 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 parts.add(w)
                 alive += nbytes
     for value in through:
-        if value not in pending:  # no node here reads it: copied after every other (its read ran first)
+        # no node here reads it: copied after every other (its read ran first), as autograd cannot take
+        # the buffer received; one that crossed permuted reaches it through the permutes' views, and
+        # autograd takes a view whole (``runtime.wire``)
+        if value not in pending and not _crossed_permuted(dag, value):
             hold(value, value)
     return max(peak, output_grads + alive - freed)  # the copies of the last gradients received
 

@@ -194,6 +194,15 @@ def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
         return torch.empty_strided(shape, strides, device="meta").is_contiguous()
 
 
+def _contiguous_in_its_order(t: torch.Tensor, strides: tuple[int, ...] | None) -> bool:
+    """``_contiguous``, where ``t`` fills its storage in another order (a transpose) in that order: the
+    wire receives such a value as that order's contiguous buffer (``dense_order``), so a gradient laid out
+    as ``t`` goes back uncopied, and a plainly contiguous one is copied."""
+    if dense_order(t) is None:
+        return _contiguous(t, strides)
+    return strides is None or tuple(strides) == _new_strides(t)
+
+
 def sent_as_copy(value: Any) -> bool:
     """Whether ``value`` is one tensor with gaps or overlaps in its storage (a slice, an expanded
     tensor), which a stage sends as a contiguous copy (``runtime.wire``)."""
@@ -207,7 +216,7 @@ def _fills_storage(t: torch.Tensor) -> bool:
     return all(a == b for a, b, n in zip(_new_strides(t), t.stride(), t.shape) if n != 1)
 
 
-def _dense_order(value: Any) -> tuple[int, ...] | None:
+def dense_order(value: Any) -> tuple[int, ...] | None:
     """For one tensor that fills its storage in another order than contiguous (a transpose, a
     channels-last map), the order of its dimensions in storage, outermost first: the wire sends
     ``value.permute(order)``, contiguous, without a copy. None for any other value."""
@@ -580,7 +589,7 @@ class TrainingProbe:
                 self.gradient_layouts[id(arguments[i])] = (order, strides)
             if sources[i] is not None:  # two tensors of one value (a tuple's) get a sum: a new buffer
                 given[sources[i]] = handed and sources[i] not in given
-                if not _contiguous(arguments[i], strides):
+                if not _contiguous_in_its_order(arguments[i], strides):
                     strided[sources[i]] = None
         self.input_grads[node.name] = tuple(given.items())
         self.strided_grads[node.name] = tuple(strided)
@@ -922,5 +931,5 @@ class TrainingProbe:
                                  self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
                                  self.forward.get(name), self.strided_grads.get(name, ()),
                                  sent_as_copy(values.get(name)), self.when_contiguous.get(name),
-                                 _dense_order(values.get(name)), self.weight_grads.get(name))
+                                 dense_order(values.get(name)), self.weight_grads.get(name))
                 for name in self.grad if name not in self.unrun}

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_map_only
 
 from autoshard.arguments import whole_number
 from autoshard.costs.memory import MemoryModel
-from autoshard.costs.saved import QuietMemTracker, sent_as_copy, without_cyclic_gc
+from autoshard.costs.saved import QuietMemTracker, dense_order, sent_as_copy, without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
@@ -214,9 +214,20 @@ class _Untouched(nn.Module):
         self.microbatch: tuple[tuple, dict] = ((), {})
 
     def forward(self) -> Any:
-        args, kwargs = tree_map_only(torch.Tensor, contiguous_grad, self.microbatch)
+        args, kwargs = tree_map_only(torch.Tensor, _as_received, self.microbatch)
         out = self.stage.forward(*args, **kwargs)
         return tree_map_only(torch.Tensor, _as_sent, out) if self.sends else out
+
+
+def _as_received(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a wired stage reads it: through ``contiguous_grad``, and, where it fills its storage in
+    another order (a channels-last map), received as that order's contiguous buffer and permuted back
+    (``runtime.wire``): its gradient is then copied only if not laid out in that order."""
+    order = dense_order(t) if t.requires_grad else None
+    if order is None:
+        return contiguous_grad(t)
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return contiguous_grad(t.permute(order)).permute(back)
 
 
 def _as_sent(t: torch.Tensor) -> torch.Tensor:
