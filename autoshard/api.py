@@ -107,7 +107,7 @@ def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None
     if real_number(max_memory) is not None:
         max_memory = [max_memory] * num_stages
     if max_memory is not None:
-        limits["max_memory"] = _per_stage("max_memory", max_memory, num_stages, positive=False)
+        limits["max_memory"] = _per_stage("max_memory", max_memory, num_stages, positive=True)  # (0: nothing fits)
     return limits
 
 
@@ -189,6 +189,15 @@ def bind_pipeline(
     return pipeline
 
 
+def without_verify(pipeline: Pipeline) -> Pipeline:
+    """The pipeline minus its verifying passes; slices keep each step's spec as it was written."""
+    kept = Pipeline()
+    for index, step in enumerate(pipeline):
+        if "verification" not in step.provides:
+            kept += pipeline[index:index + 1]
+    return kept
+
+
 def run_pipeline(
     model: nn.Module,
     pipeline: Pipeline,
@@ -242,6 +251,7 @@ def shard_model(
     cut_before: Sequence[str] | None = None,
     respecialize: bool = True,
     max_specializations: int = MAX_SPECIALIZATIONS,
+    verify: bool = True,
 ) -> ShardedModel:
     """Split ``model`` into exactly ``num_stages`` ordered stages.
 
@@ -273,19 +283,21 @@ def shard_model(
     With ``respecialize`` (and example inputs), a call that flips a size or branch the capture
     fixed captures the model again for that call, with every weight held in its stage
     (``autoshard.specialize``), at most ``max_specializations`` times; ``sharded.specializations``
-    lists them. ``respecialize=False`` refuses such calls.
+    lists them. ``respecialize=False`` refuses such calls. ``verify=False`` skips running the model
+    and the stages on the example to compare them (the pipeline's ``verify`` passes too).
     """
     check_model(model)
     num_stages = whole_number(num_stages, "num_stages", at_least=1)
-    if not isinstance(respecialize, bool):
-        raise InvalidArgumentTypeError(f"respecialize must be True or False, got {respecialize!r}")
+    for name, flag in (("respecialize", respecialize), ("verify", verify)):
+        if not isinstance(flag, bool):
+            raise InvalidArgumentTypeError(f"{name} must be True or False, got {flag!r}")
     max_specializations = whole_number(max_specializations, "max_specializations", at_least=0)
     inputs = example_inputs_of(example_inputs, example_kwargs)
     cost_name, cost_models = _cost_name(cost)
     if pipeline is None:
         on_meta = inputs is not None and holds_meta_tensors(model, inputs)
         chosen = default_pipeline(
-            num_stages, cost_name, verify=inputs is not None and not on_meta, shapes=inputs is not None,
+            num_stages, cost_name, verify=verify and inputs is not None and not on_meta, shapes=inputs is not None,
             time_profile=None if time_profile is None else os.fspath(time_profile),
             capacities=capacities, max_memory=max_memory, tolerance=tolerance)
     else:
@@ -297,6 +309,8 @@ def shard_model(
         if not any("sharded" in step.provides for step in chosen):
             raise PipelineValidationError(f"the pipeline '{chosen}' makes no stages; end it with 'emit' (and 'verify')")
     chosen = with_constraints(chosen, pin, no_split, cut_before)
+    if not verify:
+        chosen = without_verify(chosen)
     if memory_model is not None and not isinstance(memory_model, MemoryModel):
         raise InvalidArgumentTypeError(
             f"memory_model must be an autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...), "

@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard import progress
-from autoshard.api import bind_pipeline, check_stages_made, default_pipeline, example_inputs_of
+from autoshard.api import bind_pipeline, check_stages_made, default_pipeline, example_inputs_of, without_verify
 from autoshard.arguments import byte_count, bytes_per_second, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel
@@ -258,11 +258,6 @@ def _steps(pipeline: Pipeline, indices: Sequence[int]) -> Pipeline:
     return kept
 
 
-def _without_verify(pipeline: Pipeline) -> Pipeline:
-    """The pipeline minus its verifying passes; slices keep each step's spec as it was written."""
-    return _steps(pipeline, [i for i, step in enumerate(pipeline) if "verification" not in step.provides])
-
-
 def _stages(args: argparse.Namespace) -> int:
     if args.stages is None:
         raise InvalidArgumentError("say how many stages: --stages K (or rebuild a saved plan with --plan PLAN.json)")
@@ -298,7 +293,7 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
             pipeline = pipeline.with_options(_split_step(pipeline)[0], strategy=args.strategy)
     pipeline = with_constraints(pipeline, _pins(args), args.no_split, args.cut_before)
     if args.no_verify:
-        pipeline = _without_verify(pipeline)
+        pipeline = without_verify(pipeline)
     return _Choice(pipeline, str(pipeline), getattr(_split_step(pipeline)[1], "cost", "params"))
 
 

@@ -243,3 +243,13 @@ def test_a_refusal_names_the_stage_furthest_over_and_the_others_over():
     message = memory_shortfall(stages, [budget] * 4)
     assert message.startswith(f"stage {worst} needs {totals[worst]:,.0f} bytes")
     assert all(f"stage {j} by {totals[j] - budget:,.0f}" in message for j in range(4) if j != worst)
+
+
+@pytest.mark.parametrize("max_memory, message", [
+    (0, r"max_memory\[0\] must be finite and > 0, got 0"),
+    ([1e6, 0.0], r"max_memory\[1\] must be finite and > 0, got 0.0"),
+])
+def test_a_budget_of_nothing_is_refused_before_any_split(max_memory, message):
+    model, x = activation_heavy_chain()
+    with pytest.raises(InvalidArgumentError, match=message):
+        autoshard.shard_model(model, 2, example_inputs=(x,), max_memory=max_memory)

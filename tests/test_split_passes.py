@@ -439,3 +439,19 @@ def test_a_tolerance_the_pipeline_sets_otherwise_or_cannot_take_is_refused():
         autoshard.shard_model(model, 1, inputs, tolerance=0.5, pipeline="capture,emit")
     with pytest.raises(InvalidArgumentError, match=r"tolerance must be finite and >= 0, got -1"):
         autoshard.shard_model(model, 2, inputs, tolerance=-1)
+
+
+def test_shard_model_verifies_the_stages_unless_told_not_to(monkeypatch):
+    from autoshard.passes.verify import VerifyPass
+
+    ran = []
+    real = VerifyPass.run
+    monkeypatch.setattr(VerifyPass, "run", lambda self, program, ctx: ran.append(1) or real(self, program, ctx))
+    model, inputs = wide_blocks(1)
+    autoshard.shard_model(model, 2, inputs)
+    assert ran == [1]
+    for pipeline in (None, "capture,shape-prop,build-dag,linearize,split,emit,verify"):
+        sharded = autoshard.shard_model(model, 2, inputs, pipeline=pipeline, verify=False)
+        assert ran == [1] and torch.equal(sharded(*inputs), model(*inputs))
+    with pytest.raises(autoshard.InvalidArgumentTypeError, match="verify must be True or False, got 'no'"):
+        autoshard.shard_model(model, 2, inputs, verify="no")
