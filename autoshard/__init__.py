@@ -36,6 +36,8 @@ _LAZY = {
     "StalePlanWarning": "autoshard.plan_format.fits",
     "SharedBufferWarning": "autoshard.runtime.stage",
     "MicrobatchStatisticsWarning": "autoshard.runtime.schedule",
+    "TimingSpreadWarning": "autoshard.runtime.predict",
+    "EvalModeStepWarning": "autoshard.runtime.predict",
     "TargetError": "autoshard.targets",
     "SpecializationLimitWarning": "autoshard.specialize",
 }

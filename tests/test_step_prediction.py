@@ -5,6 +5,7 @@ calibration (fitted, cached, refreshable) and ``predict_step``."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -200,6 +201,18 @@ def test_several_steps_are_predicted_from_one_timing_of_the_stages(sleepy):
         predict_step(sharded, calibrate=False, times=times[::-1])
     with pytest.raises(InvalidArgumentError, match=r"got \[0\]"):
         predict_step(sharded, calibrate=False, times=times[:1])
+
+
+def test_a_step_predicted_from_timings_whose_runs_spread_widely_warns(sleepy):
+    sharded, example = sleepy
+    timed = [measure_stage_time(sharded, j, example, repeats=1) for j in range(2)]
+    steady = [dataclasses.replace(t, spread=0.1) for t in timed]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoshard.TimingSpreadWarning)
+        predict_step(sharded, calibrate=False, times=steady)
+    noisy = [steady[0], dataclasses.replace(steady[1], spread=3.0)]
+    with pytest.warns(autoshard.TimingSpreadWarning, match=r"stage 1's timed runs spread 300% .* a quiet machine"):
+        predict_step(sharded, calibrate=False, times=noisy)
 
 
 def test_predict_step_takes_the_link_and_messages_from_the_calibration(sleepy, monkeypatch):

@@ -26,7 +26,7 @@ from autoshard.runtime.materialize import materialize_stage
 from autoshard.runtime.memory import StageMemoryMeasurement, measure_stage_memory
 from autoshard.runtime.offload import OffloadRunner
 from autoshard.runtime.parallel import Parallelized, parallelize
-from autoshard.runtime.predict import EvalModeStepWarning, predict_step
+from autoshard.runtime.predict import EvalModeStepWarning, TimingSpreadWarning, predict_step
 from autoshard.runtime.schedule import (
     SCHEDULES,
     MicrobatchStatisticsWarning,
@@ -41,6 +41,7 @@ from autoshard.runtime.ties import SharedParameter, TiedGradients, shared_parame
 
 __all__ = [
     "EvalModeStepWarning",
+    "TimingSpreadWarning",
     "GradientDifference",
     "LaunchError",
     "MicrobatchStatisticsWarning",

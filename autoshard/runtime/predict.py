@@ -24,6 +24,15 @@ class EvalModeStepWarning(UserWarning):
     batch norm) which run otherwise in training."""
 
 
+class TimingSpreadWarning(UserWarning):
+    """A step predicted from stage timings whose runs spread widely: the machine was busy or still
+    warming up while they ran, so the prediction is as uncertain."""
+
+
+#: The spread (``StageTimeMeasurement.spread``) above which a prediction warns.
+SPREAD_WARNED = 0.5
+
+
 def predict_step(
     sharded: ShardedModel,
     example_inputs: Sequence[Any] = (),
@@ -96,8 +105,14 @@ def predict_step(
         step = calibrate_runtime().applied_to(step)
     if times is None:
         times = time_stages(sharded, range(k), *call, repeats)
+    widest = max(times, key=lambda t: t.spread)
+    if widest.spread > SPREAD_WARNED:
+        warnings.warn(
+            f"stage {widest.stage}'s timed runs spread {widest.spread:.0%} (slowest - fastest over the median): the "
+            "machine was busy or still warming up, so this step is as uncertain; predict again on a quiet machine, "
+            "or with more repeats=", TimingSpreadWarning, stacklevel=2)
     source = (f"each stage timed whole on one microbatch (measure_stage_time; its runs spread up to "
-              f"{max(t.spread for t in times):.0%})")
+              f"{widest.spread:.0%})")
     if calibrate:
         source += "; link and time per message calibrated with the runtime (calibrate_runtime)"
     return step_time([t.forward for t in times], [t.backward for t in times], [t.sent_bytes for t in times[:-1]],
