@@ -119,7 +119,7 @@ def default_pipeline(
     shapes: bool | None = None,
     time_profile: str | None = None,
     capacities: Sequence[float] | None = None,
-    max_memory: Sequence[float] | float | None = None,
+    max_memory: Sequence[float | str] | float | str | None = None,
     tolerance: float = 0.0,
 ) -> Pipeline:
     """``capture,shape-prop,build-dag,linearize,split{stages=K cost=C},emit,verify``.
@@ -166,7 +166,7 @@ def bind_pipeline(
     cost: str,
     *,
     capacities: Sequence[float] | None = None,
-    max_memory: Sequence[float] | float | None = None,
+    max_memory: Sequence[float | str] | float | str | None = None,
     tolerance: float = 0.0,
     asker: str = "num_stages",
 ) -> Pipeline:
@@ -242,7 +242,7 @@ def shard_model(
     *,
     instruments: Iterable[Instrument] = (),
     capacities: Sequence[float] | None = None,
-    max_memory: Sequence[float] | float | None = None,
+    max_memory: Sequence[float | str] | float | str | None = None,
     tolerance: float = 0.0,
     time_profile: str | os.PathLike[str] | None = None,
     memory_model: MemoryModel | None = None,
