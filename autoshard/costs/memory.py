@@ -146,10 +146,11 @@ class SavedFacts:
     holds at once above what was alive before it, its output and what it saves included (a
     temporary freed before it returns: a non-contiguous input's copy, an unfused bias add); None:
     not recorded, counted as its output's bytes. ``strided_grads``: the inputs among ``input_grads``
-    whose gradient is not contiguous (a sum's, expanded; a transpose's), which a stage copies
-    before it sends it back. ``strided_output``: its output is a tensor with gaps or overlaps in its
-    storage (a slice, an expanded tensor), which a stage sends as a contiguous copy (one that fills
-    its storage in another order, a transpose, crosses as it is: ``dense_order``). ``when_contiguous``:
+    whose gradient is not contiguous (a sum's, expanded; a transpose's), or, for an input filling
+    its storage in another order, not laid out in that order: a stage copies it before sending it.
+    ``strided_output``: its output is a tensor with gaps or overlaps in its storage (a slice, an
+    expanded tensor), which a stage sends as a contiguous copy (one that fills its storage in
+    another order, a transpose, crosses as it is: ``dense_order``). ``when_contiguous``:
     for a node reading such a value, as it is when that value comes contiguous, as the next stage
     receives it: (the change in what it saves of its own, ``forward``, ``backward``,
     ``strided_grads``); None: the same, or not recorded. ``weight_grads``: the trainable weights
