@@ -267,9 +267,9 @@ class Recorded(nn.Module):
     (a leaf, so it sees its real output while tracing) and the hook inside ``gate`` (a leaf for
     its value-dependent branch) store into ``seen``."""
 
-    def __init__(self, hook_inside_the_gate: bool) -> None:
+    def __init__(self, hook_inside_the_gate: bool, dropout: float = 0.0) -> None:
         super().__init__()
-        self.first, self.gate = nn.Linear(4, 4), ValueGate()
+        self.first, self.gate = nn.Sequential(nn.Linear(4, 4), nn.Dropout(dropout)), ValueGate()
         self.seen: list | None = None
         recorded = self.gate.up if hook_inside_the_gate else self.first
         recorded.register_forward_hook(lambda module, args, out: None if self.seen is None else self.seen.append(out))
@@ -302,6 +302,40 @@ def test_a_tensor_a_hook_saw_inside_a_leaf_is_refused_not_baked_in():
     """No node computes it, so the only graph fx could build would return the example's values."""
     with pytest.raises(TraceError, match="a tensor computed from the example inside gate reached the graph"):
         trace_with_leaves(Recorded(hook_inside_the_gate=True), (torch.randn(2, 4),))
+
+
+class RecordedThenReshaped(Recorded):
+    """Reshapes and transposes what the hook saw before a leaf reads it, as SegFormer's decode
+    head does with the hidden states Transformers recorded: torch runs those operations on the
+    real tensor while tracing, and their results reach the graph without any proxy."""
+
+    def __init__(self, hook_inside_the_gate: bool, dropout: float = 0.0) -> None:
+        super().__init__(hook_inside_the_gate, dropout)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, seen = super().forward(x)
+        return y, self.head(seen.reshape(seen.shape[0], 2, 2).transpose(1, 2).flatten(1))
+
+
+def test_what_torch_computes_from_a_leafs_output_seen_by_a_hook_is_traced_not_baked_in():
+    model, x, later = RecordedThenReshaped(hook_inside_the_gate=False), torch.randn(2, 4), torch.randn(3, 4)
+    gm = trace_with_leaves(model, (x,)).graph_module
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "constant" in str(n.target)]
+    for inputs in (x, later):
+        assert all(torch.equal(a, b) for a, b in zip(gm(inputs), model(inputs)))
+
+
+def test_what_torch_computes_from_a_tensor_a_hook_saw_inside_a_leaf_is_refused_too():
+    with pytest.raises(TraceError, match="a tensor computed from the example inside gate reached the graph"):
+        trace_with_leaves(RecordedThenReshaped(hook_inside_the_gate=True), (torch.randn(2, 4),))
+
+
+def test_a_dropout_whose_output_a_hook_saw_and_torch_reshaped_verifies_on_second_calls():
+    """Baked in as a constant, the example's dropped-out value matched the stages' first call (the
+    capture runs with the seed verification replays) and not their second, which drew other masks."""
+    model = RecordedThenReshaped(hook_inside_the_gate=False, dropout=0.5).train()
+    autoshard.shard_model(model, 2, (torch.randn(2, 4),))
 
 
 def test_a_batchnorm_model_in_training_mode_keeps_its_statistics():

@@ -16,7 +16,8 @@ rest symbolic:
 * objects without proxies inside (configs) are kept as constants, never rebuilt; a dataclass
   with proxies inside (a ``ModelOutput``) is rebuilt as its own type, and so is an ``OrderedDict``;
 * an example tensor that reaches the code without its proxy (a leaf's forward hook saw the real
-  output) stands for the node that computed it, never for a constant holding the example's data;
+  output) stands for the node that computed it, never for a constant holding the example's data,
+  and so do the torch operations the code runs on it (they are traced on that node's proxy);
 * code that enters or leaves a ``torch.autocast`` region, or rebinds a parameter or buffer to a
   computed value (``self.steps += 1``), is untraceable (fx would drop the region or the write), so
   it is kept whole.
@@ -30,6 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import sys
 import traceback
 import types
 import weakref
@@ -41,11 +43,11 @@ import torch.fx._symbolic_trace as fx_trace
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import check_condition, check_grad_mode, check_pinned_size
-from autoshard.capture.leaves import MACHINERY_DIRS
+from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
 from autoshard.capture.meta_proxy import (
     DATA_FREE, EXAMPLE, MISSING, MetaProxy, SizePinningProxy, example_of, is_size)
 from autoshard.capture.signature import MODEL_ATTR
@@ -58,6 +60,11 @@ from autoshard.isolation import clear_trace_values, holds
 
 #: Reading these yields sizes, not tensor values.
 _SIZE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension"})
+#: autoshard's own code: the tracer reading the example values it keeps is not the model's code.
+_AUTOSHARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: torch's dispatch and tracing code, between a caller and the torch function it calls (not torch's
+#: modules and functionals, which a trace goes through as the model's code).
+_TORCH_MACHINERY = tuple(path for path in MACHINERY_DIRS if path.startswith(TORCH_DIR + os.sep))
 _SIZE_ATTRS = frozenset({"shape", "ndim", "dtype", "device"})
 #: Opaque results used as their example value (an int may be a size, so it stays symbolic).
 _GUARDED_RESULTS = (bool, str, type(None))
@@ -128,9 +135,17 @@ class RandomDraw(RuntimeError):
     the same on every call, so the code is kept whole. Not a ``TraceError``."""
 
 
-class _RealDraws(TorchFunctionMode):
-    """Raises ``RandomDraw`` when a torch function run for real during the trace (no proxy in
-    its arguments) moves a random generator. The tracer's runs of its examples are exempt."""
+class _RealCalls(TorchFunctionMode):
+    """Watches the torch functions run for real during the trace (no proxy in their arguments;
+    the tracer's runs of its examples are exempt):
+
+    * one the model's code calls on an example value that stands for a node (a leaf's output a
+      forward hook saw) runs on that node's proxy instead: what torch computes from it (SegFormer's
+      decode head flattens and transposes the hidden states Transformers recorded) is a node too,
+      never a constant holding the example's data, as the value itself is (``create_arg``);
+    * what one computes from a tensor made inside a leaf's example run (no node stands for it) is
+      noted as made there too, so ``create_arg`` refuses it as it refuses that tensor;
+    * one that moves a random generator raises ``RandomDraw``."""
 
     def __init__(self, tracer: "MetaTracer") -> None:
         super().__init__()
@@ -138,14 +153,43 @@ class _RealDraws(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.tracer.running_examples or has_proxy((args, kwargs)):
+        tracer = self.tracer
+        if tracer.running_examples or has_proxy((args, kwargs)):
             return func(*args, **kwargs)
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if any(tracer.stands_for(t) is not None for t in tensors) and _called_by_model_code():
+            args, kwargs = tree_map(tracer.standing_proxy, (args, kwargs))
+            return _traced_call(func, args, kwargs)
         before = generator_states()
         result = func(*args, **kwargs)
         if not same_states(before, generator_states()):
             raise RandomDraw(f"{getattr(func, '__name__', func)} draws random numbers outside the graph: the "
                              "graph would keep them as a constant, the same on every call")
+        inside = next((where for where in map(tracer.made_inside, tensors) if where is not None), None)
+        if inside is not None:
+            for leaf in tree_leaves(result):
+                if isinstance(leaf, torch.Tensor):
+                    tracer._inside[id(leaf)] = (weakref.ref(leaf), inside)
         return result
+
+
+def _called_by_model_code() -> bool:
+    """Whether the code that called a torch function (past torch's dispatch) is the model's, not the
+    tracer's own (which reads the examples it keeps: their sizes, their truth)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_MACHINERY):
+        frame = frame.f_back
+    return frame is not None and not frame.f_code.co_filename.startswith(_AUTOSHARD_DIR)
+
+
+def _traced_call(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` called with proxies among its arguments, as the code would have called it: a tensor
+    property or method read off the proxy (which answers sizes and static facts from its example)."""
+    if isinstance(getattr(func, "__self__", None), types.GetSetDescriptorType):  # a property: x.shape
+        return getattr(args[0], func.__self__.__name__)
+    if torch.overrides.is_tensor_method_or_property(func) and args and isinstance(args[0], fx.Proxy):
+        return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
 
 
 def _computed_in_trace(module: nn.Module, name: str, value: Any) -> bool:
@@ -312,7 +356,7 @@ class MetaTracer(fx.Tracer):
                 where = str(node.target).removeprefix(f"{MODEL_ATTR}.")  # the path in the user's model
                 inside = _Recording(self._inside, where) if _runs_model_code(node) and not self._named(node) else None
                 # the example run first: ``no_grad`` sets the grad mode through a torch function, which
-                # ``_RealDraws`` would otherwise check for random draws twice per node
+                # ``_RealCalls`` would otherwise check for random draws twice per node
                 with self._running_example(), _untraced(self.swaps) if inside else contextlib.nullcontext(), \
                         inside or contextlib.nullcontext(), torch.no_grad():
                     node.meta[EXAMPLE] = self._run(node)
@@ -321,6 +365,23 @@ class MetaTracer(fx.Tracer):
             if isinstance(node.meta.get(EXAMPLE), torch.Tensor):
                 self._computed[id(node.meta[EXAMPLE])] = node
         return node
+
+    def stands_for(self, tensor: torch.Tensor) -> fx.Node | None:
+        """The node (not a weight's or constant's) whose example value ``tensor`` is, if any."""
+        node = self._computed.get(id(tensor))
+        if node is None or node.op == "get_attr" or node.meta.get(EXAMPLE) is not tensor:
+            return None
+        return node
+
+    def standing_proxy(self, value: Any) -> Any:
+        """``value``, or the proxy of the node it is the example value of (``stands_for``)."""
+        node = self.stands_for(value) if isinstance(value, torch.Tensor) else None
+        return value if node is None else self.proxy(node)
+
+    def made_inside(self, tensor: torch.Tensor) -> str | None:
+        """Where a tensor made inside model code's example runs (no node's value) was made."""
+        made = self._inside.get(id(tensor))
+        return made[1] if made is not None and made[0]() is tensor else None
 
     def _named(self, node: fx.Node) -> bool:
         """Whether ``node`` reads a constant or weight by name: its example runs no model code, so it
@@ -422,7 +483,7 @@ class MetaTracer(fx.Tracer):
                 self.swaps += [(torch, "is_tensor", torch.is_tensor, _is_tensor),
                                (builtins, "callable", builtins.callable, _callable)]
             patches.enter_context(_swapped(self.swaps))
-            patches.enter_context(_RealDraws(self))
+            patches.enter_context(_RealCalls(self))
             return super().trace(root, concrete_args)
 
     def iter(self, obj: fx.Proxy) -> Any:
@@ -470,9 +531,10 @@ class MetaTracer(fx.Tracer):
             # of a leaf saw the real output: Transformers records hidden states so) is that node's
             # value, not a constant that would serve the example's data to every later call.
             return self._computed[id(a)]
-        if isinstance(a, torch.Tensor) and id(a) in self._inside and self._inside[id(a)][0]() is a:
+        inside = self.made_inside(a) if isinstance(a, torch.Tensor) else None
+        if inside is not None:
             raise TraceError(
-                f"a tensor computed from the example inside {self._inside[id(a)][1]} reached the graph by "
+                f"a tensor computed from the example inside {inside} reached the graph by "
                 "another way than its outputs (a forward hook of a module kept whole, such as the ones "
                 "Transformers records attentions with?); as a constant it would serve the example's "
                 "values to every later call")
