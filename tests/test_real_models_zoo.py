@@ -68,6 +68,17 @@ def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return seeded
 
 
+def _called_once(model: nn.Module) -> nn.Module:
+    """``model`` after one call, as a user's model usually is: Transformers installs the hooks that record
+    its outputs on the first (the tests check that sharding leaves a model's hooks as they were)."""
+    with torch.no_grad():
+        model(torch.zeros(1, 3, 16, 16))
+    return model
+
+
+SEGFORMER = transformers.SegformerConfig(
+    num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[3, 3], strides=[2, 2],
+    num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=16, num_labels=3)
 LAYERS = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
               max_position_embeddings=64, vocab_size=VOCAB)
 DECODER = dict(LAYERS, num_key_value_heads=1)
@@ -133,6 +144,10 @@ FAMILIES: tuple[Family, ...] = (
         num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, image_size=16,
         patch_size=4))),
         lambda b, s: {"pixel_values": torch.randn(b, 3, 16, 16, generator=_generator(b, s))}),
+    # SegFormer's decode head reshapes the hidden states Transformers records with forward hooks:
+    # capture must make them nodes, not constants holding the example's values.
+    Family("segformer", _seeded(lambda: _called_once(transformers.SegformerForSemanticSegmentation(SEGFORMER))),
+           lambda b, s: {"pixel_values": torch.randn(b, 3, 16, 16, generator=_generator(b, s))}),
     # Swin's layers store their window size on themselves in forward: capture must undo that.
     Family("swin", _seeded(lambda: transformers.SwinModel(transformers.SwinConfig(
         image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4))),
