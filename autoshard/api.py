@@ -189,13 +189,17 @@ def bind_pipeline(
     return pipeline
 
 
-def without_verify(pipeline: Pipeline) -> Pipeline:
-    """The pipeline minus its verifying passes; slices keep each step's spec as it was written."""
+def steps_at(pipeline: Pipeline, indices: Sequence[int]) -> Pipeline:
+    """The steps of ``pipeline`` at ``indices``, each with its spec as it was written."""
     kept = Pipeline()
-    for index, step in enumerate(pipeline):
-        if "verification" not in step.provides:
-            kept += pipeline[index:index + 1]
+    for index in indices:
+        kept += pipeline[index:index + 1]
     return kept
+
+
+def without_verify(pipeline: Pipeline) -> Pipeline:
+    """The pipeline minus its verifying passes."""
+    return steps_at(pipeline, [i for i, step in enumerate(pipeline) if "verification" not in step.provides])
 
 
 def run_pipeline(

@@ -29,7 +29,9 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard import progress
-from autoshard.api import bind_pipeline, check_stages_made, default_pipeline, example_inputs_of, without_verify
+from autoshard.api import (
+    bind_pipeline, check_stages_made, default_pipeline, example_inputs_of, steps_at, without_verify,
+)
 from autoshard.arguments import byte_count, bytes_per_second, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel
@@ -250,14 +252,6 @@ def _split_step(pipeline: Pipeline) -> tuple[int, Pass]:
     raise InvalidArgumentError(f"the pipeline '{pipeline}' has no split (no pass provides 'partition'); add 'split'")
 
 
-def _steps(pipeline: Pipeline, indices: Sequence[int]) -> Pipeline:
-    """The steps of ``pipeline`` at ``indices``, each with its spec as it was written."""
-    kept = Pipeline()
-    for index in indices:
-        kept += pipeline[index:index + 1]
-    return kept
-
-
 def _stages(args: argparse.Namespace) -> int:
     if args.stages is None:
         raise InvalidArgumentError("say how many stages: --stages K (or rebuild a saved plan with --plan PLAN.json)")
@@ -366,12 +360,12 @@ def _compare(args: argparse.Namespace, session: _Session, choice: _Choice, conso
         raise InvalidArgumentError(f"--compare needs a split with a 'strategy' option; '{step.name}' has none")
     # Passes that only instruct the split (pin, no-split, cut-before) run with each split, after the rest.
     instructing = {i for i in range(index) if pipeline[i].provides & ShardProgram.INSTRUCTIONS}
-    before = session.run(_steps(pipeline, [i for i in range(index) if i not in instructing]))
+    before = session.run(steps_at(pipeline, [i for i in range(index) if i not in instructing]))
     plans = {}
     for name in names:
         chosen = pipeline.with_options(index, strategy=name)
         chosen = chosen.with_options(index, **chosen[index].options_unused())  # a baseline drops the tolerance
-        program = session.run(_steps(chosen, [*sorted(instructing), index]), before)
+        program = session.run(steps_at(chosen, [*sorted(instructing), index]), before)
         plans[name], _ = session.plan(program, _Choice(chosen, str(chosen), choice.cost_model))
     if not args.quiet:
         for table in compare_tables(plans):

@@ -167,9 +167,7 @@ class _RealCalls(TorchFunctionMode):
                              "graph would keep them as a constant, the same on every call")
         inside = next((where for where in map(tracer.made_inside, tensors) if where is not None), None)
         if inside is not None:
-            for leaf in tree_leaves(result):
-                if isinstance(leaf, torch.Tensor):
-                    tracer._inside[id(leaf)] = (weakref.ref(leaf), inside)
+            tracer.note_made_inside(result, inside)
         return result
 
 
@@ -378,6 +376,10 @@ class MetaTracer(fx.Tracer):
         node = self.stands_for(value) if isinstance(value, torch.Tensor) else None
         return value if node is None else self.proxy(node)
 
+    def note_made_inside(self, value: Any, where: str) -> None:
+        """Note the tensors of ``value`` as made inside model code's example run at ``where``."""
+        _note_made(self._inside, value, where)
+
     def made_inside(self, tensor: torch.Tensor) -> str | None:
         """Where a tensor made inside model code's example runs (no node's value) was made."""
         made = self._inside.get(id(tensor))
@@ -576,10 +578,15 @@ class _Recording(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self.made[id(leaf)] = (weakref.ref(leaf), self.where)
+        _note_made(self.made, out, self.where)
         return out
+
+
+def _note_made(made: dict[int, tuple[weakref.ref, str]], value: Any, where: str) -> None:
+    """Note each tensor of ``value``, weakly, as made at ``where``."""
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            made[id(leaf)] = (weakref.ref(leaf), where)
 
 
 def guard_value(tracer: MetaTracer, proxy: fx.Proxy, what: str) -> Any:
