@@ -290,20 +290,6 @@ class ValueGate(nn.Module):
         return 2 * self.up(x) if x.mean() > -100 else x
 
 
-def test_a_leafs_output_seen_by_a_hook_is_that_node_not_the_examples_data():
-    model, x, later = Recorded(hook_inside_the_gate=False), torch.randn(2, 4), torch.randn(3, 4)
-    gm = trace_with_leaves(model, (x,)).graph_module
-    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "constant" in str(n.target)]
-    for inputs in (x, later):
-        assert all(torch.equal(a, b) for a, b in zip(gm(inputs), model(inputs)))
-
-
-def test_a_tensor_a_hook_saw_inside_a_leaf_is_refused_not_baked_in():
-    """No node computes it, so the only graph fx could build would return the example's values."""
-    with pytest.raises(TraceError, match="a tensor computed from the example inside gate reached the graph"):
-        trace_with_leaves(Recorded(hook_inside_the_gate=True), (torch.randn(2, 4),))
-
-
 class RecordedThenReshaped(Recorded):
     """Reshapes and transposes what the hook saw before a leaf reads it, as SegFormer's decode
     head does with the hidden states Transformers recorded: torch runs those operations on the
@@ -318,17 +304,20 @@ class RecordedThenReshaped(Recorded):
         return y, self.head(seen.reshape(seen.shape[0], 2, 2).transpose(1, 2).flatten(1))
 
 
-def test_what_torch_computes_from_a_leafs_output_seen_by_a_hook_is_traced_not_baked_in():
-    model, x, later = RecordedThenReshaped(hook_inside_the_gate=False), torch.randn(2, 4), torch.randn(3, 4)
+@pytest.mark.parametrize("recorded", [Recorded, RecordedThenReshaped])
+def test_a_leafs_output_seen_by_a_hook_and_what_torch_computes_from_it_are_traced_not_baked_in(recorded):
+    model, x, later = recorded(hook_inside_the_gate=False), torch.randn(2, 4), torch.randn(3, 4)
     gm = trace_with_leaves(model, (x,)).graph_module
     assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "constant" in str(n.target)]
     for inputs in (x, later):
         assert all(torch.equal(a, b) for a, b in zip(gm(inputs), model(inputs)))
 
 
-def test_what_torch_computes_from_a_tensor_a_hook_saw_inside_a_leaf_is_refused_too():
+@pytest.mark.parametrize("recorded", [Recorded, RecordedThenReshaped])
+def test_a_tensor_a_hook_saw_inside_a_leaf_and_what_torch_computes_from_it_are_refused(recorded):
+    """No node computes them, so the only graph fx could build would return the example's values."""
     with pytest.raises(TraceError, match="a tensor computed from the example inside gate reached the graph"):
-        trace_with_leaves(RecordedThenReshaped(hook_inside_the_gate=True), (torch.randn(2, 4),))
+        trace_with_leaves(recorded(hook_inside_the_gate=True), (torch.randn(2, 4),))
 
 
 def test_a_dropout_whose_output_a_hook_saw_and_torch_reshaped_verifies_on_second_calls():
