@@ -28,7 +28,8 @@ estimate under this machine's calibration; each with the link (gloo between the 
 measured here by a ping-pong, and with the default link. Last, the step model's own error: the
 step simulated from each stage's forward and backward as the timed steps ran them (each
 ``PipelineStage``'s ``forward_one_chunk`` and ``backward_one_chunk`` timed, mean per microbatch),
-and how much longer those ops ran than the same stages timed between the steps. Then, in this
+and how much longer those ops ran than the same stages timed between the steps (the runtime
+calibration's compute scale left out: they ran inside). Then, in this
 process: stage 0's forward and backward measured alone against its estimate, and two identical
 planning commands, each in a fresh process, reporting their stage time estimates, once reading
 the calibration cache and once measuring the machine again (``AUTOSHARD_RECALIBRATE=1``, in a
@@ -63,7 +64,7 @@ from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from autoshard.runtime import (
     StageTimeMeasurement, build_schedule, calibrate_runtime, local_stage_indices, measure_stage_time, model_loss,
     pipeline_stage, predict_step, run_local)
-from autoshard.runtime.calibrate import measure_link
+from autoshard.runtime.calibrate import measure_link, timed_ops
 from autoshard.passes import (
     BuildDagPass, CapturePass, EmitPass, LinearizePass, Pipeline, ProfilePass, ShapePropPass, SplitPass, VerifyPass)
 
@@ -135,24 +136,6 @@ def cpu_busy() -> tuple[float, float]:
     with open("/proc/stat", encoding="utf-8") as stat:
         ticks = [int(x) for x in stat.readline().split()[1:]]
     return float(sum(ticks) - ticks[3] - ticks[4]), float(sum(ticks))
-
-
-def timed_ops(stages: list) -> dict[tuple[int, str], list[float]]:
-    """Wrap each ``PipelineStage``'s ``forward_one_chunk`` and ``backward_one_chunk`` to record how
-    long each call takes inside the step: ``{(stage, "forward" or "backward"): [seconds, ...]}``."""
-    ops: dict[tuple[int, str], list[float]] = {}
-    for stage in stages:
-        for kind in ("forward", "backward"):
-            run, seconds = getattr(stage, f"{kind}_one_chunk"), ops.setdefault((stage.stage_index, kind), [])
-
-            def timed(*args: Any, _run: Callable = run, _seconds: list = seconds, **kwargs: Any) -> Any:
-                start = time.perf_counter()
-                try:
-                    return _run(*args, **kwargs)
-                finally:
-                    _seconds.append(time.perf_counter() - start)
-            setattr(stage, f"{kind}_one_chunk", timed)
-    return ops
 
 
 def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: str, schedule: str, m: int,
@@ -318,8 +301,8 @@ def ops_in_the_step(case: tuple, results: list[dict], runtime: Any) -> tuple[flo
     k = len(timed)
     forward = [statistics.mean(ops[(j, "forward")]) for j in range(k)]
     backward = [statistics.mean(ops[(j, "backward")]) for j in range(k)]
-    simulated = step_time(forward, backward, [t.sent_bytes for t in timed[:-1]],
-                          runtime.applied_to(StepTimeModel(case[1], case[3]))).seconds
+    inside = dataclasses.replace(runtime.applied_to(StepTimeModel(case[1], case[3])), compute_scale=1.0)  # as ran
+    simulated = step_time(forward, backward, [t.sent_bytes for t in timed[:-1]], inside).seconds
     slower = (f"{sum(forward) / sum(t.forward for t in timed):.2f} / "
               f"{sum(backward) / sum(t.backward for t in timed):.2f}")
     return simulated, slower

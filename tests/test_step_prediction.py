@@ -29,7 +29,7 @@ from autoshard.report import format_seconds
 from autoshard.runtime import (
     RuntimeCalibration, calibrate_runtime, measure_stage_memory, measure_stage_time, predict_step, run_local)
 from autoshard.runtime import calibrate
-from autoshard.runtime.calibrate import fitted_message_seconds, measure_runtime
+from autoshard.runtime.calibrate import TimedSteps, fitted_runtime, measure_runtime
 from autoshard.runtime.launch import run_module
 from autoshard.runtime.predict import EvalModeStepWarning
 from autoshard.runtime.replay import running_device
@@ -63,14 +63,37 @@ def test_message_seconds_is_checked_and_reported():
     assert StepTimeModel(message_seconds=2e-4).to_dict()["message_seconds"] == 2e-4
 
 
-def test_the_fit_finds_the_time_per_message_that_reproduces_a_step():
-    forward, backward, sent = [1e-3, 2e-3], [2e-3, 3e-3], [4096.0]
-    step = StepTimeModel("1f1b", 8, link_bandwidth=1e9, link_latency=1e-4)
-    truth = step_time(forward, backward, sent, StepTimeModel("1f1b", 8, link_bandwidth=1e9, link_latency=1e-4,
-                                                             message_seconds=3e-4)).seconds
-    assert fitted_message_seconds(truth, forward, backward, sent, step) == pytest.approx(3e-4, rel=1e-6)
-    quicker = step_time(forward, backward, sent, step).seconds * 0.9  # faster than the stages alone allow
-    assert fitted_message_seconds(quicker, forward, backward, sent, step) == 0.0
+def test_the_compute_scale_stretches_every_op_and_is_reported():
+    # one stage, no messages: the step is m (f + b), each op compute_scale times as long as alone
+    plain = step_time([1.0], [2.0], [], StepTimeModel("gpipe", 2))
+    slowed = step_time([1.0], [2.0], [], StepTimeModel("gpipe", 2, compute_scale=1.5))
+    assert plain.seconds == pytest.approx(6.0) and slowed.seconds == pytest.approx(9.0)
+    assert slowed.forward == (1.5,) and slowed.busy == pytest.approx((9.0,))
+    assert StepTimeModel(compute_scale=1.25).to_dict()["compute_scale"] == 1.25
+
+
+def _steps(schedule: str, seconds: float, message: float, scale: float) -> TimedSteps:
+    """Two stages of ``seconds`` forward and twice that backward, run as ``message`` and ``scale``
+    say; each op inside the steps took ``scale`` times its time alone, plus 0.1 ms of the runtime's."""
+    step = StepTimeModel(schedule, 8, link_bandwidth=1e9, link_latency=1e-4)
+    truth = dataclasses.replace(step, message_seconds=message, compute_scale=scale)
+    forward, backward = [seconds, seconds], [2 * seconds, 2 * seconds]
+    return TimedSteps(step_time(forward, backward, [4096.0], truth).seconds, 1.5 * seconds * scale + 1e-4, forward,
+                      backward, [4096], step)
+
+
+def test_the_calibration_takes_the_ops_slowdown_and_fits_each_schedules_time_per_message():
+    truth = {"gpipe": 5e-4, "1f1b": 3e-4}
+    # the ops of the pipelines whose compute counts, less those whose compute hardly does, give the scale
+    runs = {schedule: (_steps(schedule, 1e-5, message, 1.3), _steps(schedule, 2e-3, message, 1.3))
+            for schedule, message in truth.items()}
+    message, scale = fitted_runtime(runs)
+    assert scale == pytest.approx(1.3, rel=1e-9) and message == pytest.approx(truth, rel=1e-4)
+    tiny, working = runs["1f1b"]
+    quicker = dataclasses.replace(tiny, measured=tiny.simulated(0.0, 1.3) * 0.9)  # faster than its stages allow
+    assert fitted_runtime({"1f1b": (quicker, working)})[0] == {"1f1b": 0.0}
+    wild = dataclasses.replace(working, inside=working.alone * 100)
+    assert fitted_runtime({"1f1b": (tiny, wild)})[1] == calibrate.SCALE_RANGE[1]  # clamped
 
 
 class _Slow(torch.autograd.Function):
@@ -218,14 +241,16 @@ def test_a_step_predicted_from_timings_whose_runs_spread_widely_warns(sleepy):
 def test_predict_step_takes_the_link_and_messages_from_the_calibration(sleepy, monkeypatch):
     sharded, example = sleepy
     calibration = RuntimeCalibration(link_bandwidth=2e9, link_latency=1e-4,
-                                     message_seconds={"gpipe": 5e-4, "1f1b": 3e-4, "interleaved-1f1b": 4e-4})
+                                     message_seconds={"gpipe": 5e-4, "1f1b": 3e-4, "interleaved-1f1b": 4e-4},
+                                     compute_scale=1.2)
     monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: calibration)
     predicted = predict_step(sharded, example, step=StepTimeModel("1f1b", 4), repeats=1)
-    assert (predicted.model.link_bandwidth, predicted.model.link_latency, predicted.model.message_seconds) == (
-        2e9, 1e-4, 3e-4)  # the step's own schedule's time per message
+    assert (predicted.model.link_bandwidth, predicted.model.link_latency, predicted.model.message_seconds,
+            predicted.model.compute_scale) == (2e9, 1e-4, 3e-4, 1.2)  # the step's own schedule's message
     assert predicted.model.schedule == "1f1b" and predicted.microbatches == 4
-    assert predict_step(sharded, example, step=StepTimeModel("gpipe", 4), repeats=1).model.message_seconds == 5e-4
-    assert "calibrated with the runtime" in predicted.source
+    gpipe = predict_step(sharded, example, step=StepTimeModel("gpipe", 4), repeats=1).model
+    assert (gpipe.message_seconds, gpipe.compute_scale) == (5e-4, 1.2)
+    assert "compute inside the pipeline (x1.20) calibrated with the runtime" in predicted.source
 
 
 @pytest.fixture
@@ -267,14 +292,19 @@ def test_the_runtime_calibration_is_cached_beside_the_device_and_refreshable(run
     assert len(runtime_cache) == 3
 
 
-@pytest.mark.parametrize("message_seconds", [
-    -1, 3e-4, {"1f1b": 3e-4}, {"gpipe": 3e-4, "1f1b": -3e-4, "interleaved-1f1b": 3e-4}])
-def test_an_unusable_cached_runtime_calibration_is_measured_again(runtime_cache, message_seconds):
+EVERY_SCHEDULE = {"gpipe": 3e-4, "1f1b": 3e-4, "interleaved-1f1b": 3e-4}
+
+
+@pytest.mark.parametrize("message_seconds, compute_scale", [
+    (-1, None), (3e-4, None), ({"1f1b": 3e-4}, None), ({"gpipe": 3e-4, "1f1b": -3e-4, "interleaved-1f1b": 3e-4}, None),
+    (EVERY_SCHEDULE, None),  # an older entry: no compute scale
+    (EVERY_SCHEDULE, {"1f1b": 1.2}), (EVERY_SCHEDULE, 0.0)])
+def test_an_unusable_cached_runtime_calibration_is_measured_again(runtime_cache, message_seconds, compute_scale):
     path = estimate.calibration_cache()
     path.parent.mkdir(parents=True)
     key = calibrate.runtime_cache_key()
-    path.write_text(json.dumps({key: {"link_bandwidth": 1e9, "link_latency": 1e-4,
-                                      "message_seconds": message_seconds}}))
+    entry = {"link_bandwidth": 1e9, "link_latency": 1e-4, "message_seconds": message_seconds}
+    path.write_text(json.dumps({key: entry if compute_scale is None else dict(entry, compute_scale=compute_scale)}))
     assert _one_f_one_b() == 1e-4 and runtime_cache == [1]
 
 
@@ -283,12 +313,18 @@ def test_a_calibration_gives_every_schedule_a_time_per_message():
         RuntimeCalibration(1e9, 1e-4, {"1f1b": 1e-4})
     with pytest.raises(InvalidArgumentError, match="message_seconds"):
         RuntimeCalibration(1e9, 1e-4, {"gpipe": 1e-4, "1f1b": -1e-4, "interleaved-1f1b": 1e-4})
+    with pytest.raises(InvalidArgumentError, match="compute_scale must be a finite number > 0"):
+        RuntimeCalibration(1e9, 1e-4, EVERY_SCHEDULE, -1.0)
+    with pytest.raises(InvalidArgumentTypeError, match="compute_scale must be a finite number > 0, got dict"):
+        RuntimeCalibration(1e9, 1e-4, EVERY_SCHEDULE, {"1f1b": 1.2})
+    assert RuntimeCalibration(1e9, 1e-4, EVERY_SCHEDULE).compute_scale == 1.0
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(calibrate.TIMEOUT + 120)
 def test_measuring_the_runtime_runs_two_processes_and_gives_plausible_costs():
-    """The real calibration: two gloo processes, a ping-pong and steps of a model too small to compute."""
+    """The real calibration: two gloo processes, a ping-pong and steps of a model too small to
+    compute and of one that computes."""
     measured = measure_runtime()
     assert 1e6 < measured.link_bandwidth < 1e13 and 0 < measured.link_latency < 0.05
     assert set(measured.message_seconds) == {"gpipe", "1f1b", "interleaved-1f1b"}
@@ -296,7 +332,10 @@ def test_measuring_the_runtime_runs_two_processes_and_gives_plausible_costs():
     # loaded machine can leave a schedule nothing to add (0), but not all three
     assert all(0 <= seconds < 0.05 for seconds in measured.message_seconds.values())
     assert sum(measured.message_seconds.values()) > 0
+    # the stages compute about as long in the pipeline as alone, not ten times longer or shorter
+    assert 0.5 < measured.compute_scale < 4, measured.compute_scale
     assert "µs of each rank's time per message" in measured.describe()
+    assert f"stages compute x{measured.compute_scale:.2f} their time alone" in measured.describe()
 
 
 def _run_cli(capsys, *argv: str) -> tuple[int, str]:

@@ -134,6 +134,7 @@ def test_a_profile_with_backward_is_split_into_forward_and_backward():
     (dict(link_bandwidth=0), "link_bandwidth .* must be a finite number > 0, got 0"),
     (dict(link_bandwidth=float("inf")), "link_bandwidth"),
     (dict(link_latency=-1.0), "link_latency .* >= 0"),
+    (dict(compute_scale=0), "compute_scale must be a finite number > 0, got 0"),
 ])
 def test_bad_settings_are_refused_naming_the_value(settings, words):
     with pytest.raises(InvalidArgumentError, match=words):

@@ -9,7 +9,9 @@ microbatch; a backward needs the next stage's backward (the last stage's: its ow
 the two stages sit on different ranks the value crosses a link first, which takes ``latency +
 bytes / bandwidth``. Besides that delay, each message costs the ranks at both ends
 ``message_seconds`` of their own time (the runtime's bookkeeping for the op and the transport's
-CPU work), during which they run nothing else. The step ends when the last op does. For k equal
+CPU work), during which they run nothing else; and every op takes ``compute_scale`` times its stage's
+time alone (ranks sharing one machine's cores and memory slow each other's ops down). The step
+ends when the last op does. For k equal
 stages of ``f + b`` per microbatch on free links this gives GPipe's and 1F1B's
 ``(m + k - 1)(f + b)``, and interleaved 1F1B's smaller bubble.
 
@@ -73,7 +75,9 @@ class StepTimeModel:
     interleaved 1F1B.
     ``link_bandwidth`` (bytes/s) and ``link_latency`` (s per message) describe the link between
     ranks; ``message_seconds`` is the time each message keeps its sender and its receiver busy (0:
-    free; ``autoshard.runtime.calibrate_runtime`` measures all three with the real runtime).
+    free); ``compute_scale`` how much longer a stage's forward or backward runs inside the
+    pipeline than timed alone (1: as alone; ``autoshard.runtime.calibrate_runtime`` measures these
+    four with the real runtime).
     ``backward_ratio`` is a backward's time over its forward's where only the forward's is known.
     """
 
@@ -84,6 +88,7 @@ class StepTimeModel:
     link_latency: float = DEFAULT_LINK_LATENCY
     backward_ratio: float = DEFAULT_BACKWARD_RATIO
     message_seconds: float = 0.0
+    compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str):
@@ -102,6 +107,7 @@ class StepTimeModel:
         _positive(self.link_latency, "link_latency (seconds)", zero_allowed=True)
         _positive(self.backward_ratio, "backward_ratio", zero_allowed=True)
         _positive(self.message_seconds, "message_seconds", zero_allowed=True)
+        _positive(self.compute_scale, "compute_scale")
 
     def microbatch_count(self, num_stages: int) -> int:
         """The step's microbatches; by default one per rank, as the memory model counts them."""
@@ -138,7 +144,8 @@ class StepTimeModel:
     def to_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "microbatches": self.microbatches, "stages_per_rank": self.stages_per_rank,
                 "link_bandwidth": self.link_bandwidth, "link_latency": self.link_latency,
-                "backward_ratio": self.backward_ratio, "message_seconds": self.message_seconds}
+                "backward_ratio": self.backward_ratio, "message_seconds": self.message_seconds,
+                "compute_scale": self.compute_scale}
 
 
 Op = tuple[bool, int, int]
@@ -235,7 +242,8 @@ def step_time(
     forward: Sequence[float], backward: Sequence[float], boundary_bytes: Sequence[float],
     model: StepTimeModel = StepTimeModel(), source: str = "given",
 ) -> StepTime:
-    """Simulate one step: ``forward[j]`` and ``backward[j]`` are stage j's seconds per microbatch,
+    """Simulate one step: ``forward[j]`` and ``backward[j]`` are stage j's seconds per microbatch
+    (timed alone: the step runs them ``model.compute_scale`` times as long, and reports them so),
     ``boundary_bytes[j]`` the bytes stage j sends stage j + 1 per microbatch (its gradient comes
     back the same size)."""
     k = len(forward)
@@ -249,6 +257,7 @@ def step_time(
     refused = model.refusal(k)
     if refused is not None:
         raise InvalidArgumentError(refused)
+    forward, backward = ([t * model.compute_scale for t in times] for times in (forward, backward))
     m = model.microbatch_count(k)
     orders, rank_of = _orders(model, k, m)
     # a boundary between two stages of one rank sends nothing (interleaved 1F1B on one rank)

@@ -47,20 +47,21 @@ def predict_step(
     per rank of the plan's memory model, as ``plan_report`` predicts it), predicted from each stage
     timed whole (``measure_stage_time``) on one microbatch; the links carry the bytes the timed stages
     sent, so a microbatch of another size than the plan's example moves its own bytes. With
-    ``calibrate`` (by default when every stage is on the CPU) the link and the runtime's time per
-    message are this machine's, measured with the real runtime on two local gloo processes
-    (``calibrate_runtime``, cached); without it they are ``step``'s own (give the interconnect's for
-    GPUs), and so they are when ``step`` sets any of ``link_bandwidth``, ``link_latency`` or
-    ``message_seconds`` and ``calibrate`` is None. ``times``, one ``measure_stage_time`` per stage in
+    ``calibrate`` (by default when every stage is on the CPU) the link, the runtime's time per
+    message and how much longer the stages compute inside it are this machine's, measured with the
+    real runtime on two local gloo processes (``calibrate_runtime``, cached); without it they are
+    ``step``'s own (give the interconnect's for GPUs), and so they are when ``step`` sets any of
+    ``link_bandwidth``, ``link_latency``, ``message_seconds`` or ``compute_scale`` and ``calibrate``
+    is None. ``times``, one ``measure_stage_time`` per stage in
     order, predicts from stages timed before: several schedules from one timing (the inputs are not used
     then); times of the specialisation that serves a microbatch the plan's guards refuse count as the
     plan's. Every argument, whether the inputs bind to the model's arguments, and whether PyTorch's
     schedule runs the step, are checked before anything is measured (the plan's guards check the inputs
     when the stages run)."""
     checked_plan(sharded, "predict_step")
-    link_fields = ("link_bandwidth", "link_latency", "message_seconds")
+    runtime_fields = ("link_bandwidth", "link_latency", "message_seconds", "compute_scale")
     own_link = isinstance(step, StepTimeModel) and any(
-        getattr(step, name) != getattr(StepTimeModel(), name) for name in link_fields)
+        getattr(step, name) != getattr(StepTimeModel(), name) for name in runtime_fields)
     step = run_of(sharded.plan.memory_model) if step is None else step
     if not isinstance(step, StepTimeModel):
         raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__}")
@@ -114,7 +115,8 @@ def predict_step(
     source = (f"each stage timed whole on one microbatch (measure_stage_time; its runs spread up to "
               f"{widest.spread:.0%})")
     if calibrate:
-        source += "; link and time per message calibrated with the runtime (calibrate_runtime)"
+        source += ("; link, time per message and compute inside the pipeline (x"
+                   f"{step.compute_scale:.2f}) calibrated with the runtime (calibrate_runtime)")
     return step_time([t.forward for t in times], [t.backward for t in times], [t.sent_bytes for t in times[:-1]],
                      step, source)
 
