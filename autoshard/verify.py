@@ -7,9 +7,11 @@ easiest to act on:
 2. each stage's boundary values against the same values in the traced graph;
 3. the chained stages' result against the eager model.
 Randomness is replayed from one seed for every run, and buffers (BatchNorm statistics) are
-restored after each run, so verifying never changes the user's model. Last, the model and the
+restored after each run, so verifying never changes the user's model. Then the model and the
 stages are each called twice in a row: state the model keeps where capture cannot see it shows
-in the second call only.
+in the second call only. Last, the graph and the stages run on other values of the example's
+shapes and dtypes (``other_values``): a value the capture fixed where the model computes it from
+its inputs matches on the example and on nothing else, a silent wrong answer for every new input.
 
 The runs compared here have autograd on, the mode the graph was captured in: some modules take a
 fused fast path in no-grad inference (``nn.TransformerEncoderLayer``) that computes the same
@@ -31,7 +33,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from autoshard.capture.guard import check_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
-from autoshard.errors import VerificationError
+from autoshard.errors import InputMismatchError, VerificationError
 from autoshard.isolation import PlainInterpreter, detached_values, cloned, run_seeded
 from autoshard.lowering.inplace import written_values
 
@@ -163,12 +165,15 @@ def _graph_run(interpreter: fx.Interpreter, model: nn.Module, args: tuple[Any, .
 
 def capture_difference(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
                        seed: int = 0) -> str | None:
-    """Where the captured graph's output first differs from the model's on the example (None when
-    equal, or when the output cannot be compared: ``verify_stages`` explains that)."""
+    """Where the captured graph's output first differs from the model's on the example, then on
+    other values of its shapes (None when equal, or when the output cannot be compared:
+    ``verify_stages`` explains that)."""
     grad, expected = _expected_run(model, gm, args, kwargs, seed)
     if objects_holding_tensors(expected):
         return None
-    return first_difference(_graph_run(PlainInterpreter(gm), model, args, kwargs, seed, grad), expected, 0.0, 0.0)
+    problem = first_difference(_graph_run(PlainInterpreter(gm), model, args, kwargs, seed, grad), expected, 0.0, 0.0)
+    other = other_values((args, kwargs), seed)
+    return problem or (None if other is None else other_values_difference(model, gm, other, seed, grad)[1])
 
 
 def verify_stages(
@@ -209,8 +214,8 @@ def verify_stages(
             "between calls where capture cannot see it (a list or dict on a module changed in "
             "place, a global, a class attribute)", stage=None)
 
-    def chained(checked: bool = True) -> Any:
-        values = stages[0](*cloned(args), **cloned(kwargs))
+    def chained(checked: bool = True, inputs: tuple[tuple[Any, ...], dict[str, Any]] = (args, kwargs)) -> Any:
+        values = stages[0](*cloned(inputs[0]), **cloned(inputs[1]))
         for index, stage in enumerate(stages[1:], start=1):
             if checked:
                 check_boundary(index - 1, values)
@@ -236,7 +241,76 @@ def verify_stages(
         raise VerificationError(f"stage {last} (the last) returned a different output ({problem})",
                                 stage=last)
     _check_second_calls(model, args, kwargs, lambda: chained(checked=False), rtol, atol, seed, grad)
-    return f"{len(stages)} stages match the model on the example inputs (rtol={rtol}, atol={atol})"
+    other = other_values((args, kwargs), seed)
+    compared, problem = (False, None) if other is None else other_values_difference(
+        model, gm, other, seed, grad, rtol, atol, chained=lambda: chained(False, other))
+    if problem:
+        raise VerificationError(f"{problem}; {_REPORT}", stage=None)
+    also = " and on other values of its shapes" if compared else ""
+    return f"{len(stages)} stages match the model on the example inputs{also} (rtol={rtol}, atol={atol})"
+
+
+def other_values(inputs: Any, seed: int) -> Any:
+    """``inputs`` with other values in the tensors of two or more elements, their shapes, dtypes
+    and devices kept, drawn from ``seed``: floating values scaled one by one by 0.9 to 1.1 (signs,
+    zeros and infinities stay, so an additive mask stays one), integers shuffled within each
+    tensor (token ids stay in the vocabulary), anything else (bool masks, sparse and quantized
+    tensors) as given. None when nothing changed (every tensor constant)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    changed = []
+
+    def other(leaf: Any) -> Any:
+        if (type(leaf) not in (torch.Tensor, nn.Parameter) or leaf.layout is not torch.strided or leaf.is_quantized
+                or leaf.numel() < 2 or leaf.device.type == "meta"):
+            return leaf
+        with torch.no_grad():
+            if leaf.is_floating_point():
+                factors = torch.empty(leaf.shape, dtype=torch.float64).uniform_(0.9, 1.1, generator=generator)
+                made = leaf * factors.to(leaf.device, leaf.dtype)
+            elif leaf.dtype != torch.bool and not leaf.is_complex():
+                order = torch.randperm(leaf.numel(), generator=generator).to(leaf.device)
+                made = leaf.reshape(-1)[order].reshape(leaf.shape)
+            else:
+                return leaf
+        changed.append(not torch.equal(made, leaf))
+        return made.requires_grad_(leaf.requires_grad)
+
+    made = tree_map(other, inputs)
+    return made if any(changed) else None
+
+
+def other_values_difference(model: nn.Module, gm: fx.GraphModule, other: tuple[tuple[Any, ...], dict[str, Any]],
+                            seed: int, grad: bool, rtol: float = 0.0, atol: float = 0.0,
+                            chained: Callable[[], Any] | None = None) -> tuple[bool, str | None]:
+    """Compare the graph (and the ``chained`` stages) with the model on ``other`` values of the
+    example's shapes: (whether anything was compared, where they first differ). Nothing is where
+    the model refuses those values (an index past a table, lengths out of order) or the plan's
+    guards do (a branch taken on the values: a call would capture again for them)."""
+    try:
+        expected = _model_run(model, *other, seed, grad)
+    except Exception:  # noqa: BLE001 - values the model itself refuses say nothing about the capture
+        return False, None
+    runs = [("the traced graph", lambda: _graph_run(PlainInterpreter(gm), model, *other, seed, grad))]
+    runs += [("the chained stages", lambda: run_seeded(chained, model, seed, grad=grad))] if chained else []
+    for what, run in runs:
+        try:
+            actual = run()
+        except InputMismatchError:
+            return False, None
+        except Exception as failure:  # noqa: BLE001 - reported, with what to do
+            return True, (f"{what}: runs on the example, but fails on other values of its shapes and dtypes, which "
+                          f"the model runs ({type(failure).__name__}: {failure})")
+        problem = first_difference(actual, expected, rtol, atol)
+        if problem:
+            return True, (f"{what}: equal to the model on the example but not on other values of its shapes and "
+                          f"dtypes ({problem}); the capture fixed something the model computes from its inputs' "
+                          "values, so every new input would get a wrong answer")
+    return True, None
+
+
+_REPORT = ("this is autoshard's bug: please report it with the model; meanwhile try the other front end in the "
+           "pipeline's first pass (trace or export in place of capture: pipeline=\"trace,...\" or "
+           "\"export,...\", --pipeline on the command line)")
 
 
 def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], chained: Callable[[], Any],

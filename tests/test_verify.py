@@ -16,7 +16,8 @@ from torch.utils._pytree import register_pytree_node
 import autoshard
 from autoshard.errors import VerificationError
 from autoshard.examples import ResidualMLP
-from autoshard.verify import verify_stages
+from autoshard.capture.guard import check_condition
+from autoshard.verify import capture_difference, other_values, verify_stages
 from autoshard.capture import trace_with_leaves
 
 
@@ -40,7 +41,7 @@ def test_matching_stages_pass_and_report():
     sharded = autoshard.shard_model(model, 3)
     gm = trace_with_leaves(model).graph_module
     summary = verify_stages(model, gm, list(sharded.stages), sharded.plan.boundaries, (x,), {})
-    assert "3 stages match" in summary
+    assert "3 stages match the model on the example inputs and on other values of its shapes" in summary
 
 
 @pytest.mark.parametrize("broken", [0, 1])
@@ -375,3 +376,79 @@ def test_a_model_that_runs_only_without_grad_is_verified_without_grad():
     sharded = autoshard.shard_model(frozen, 2, example_inputs=(x[:, :4],))
     with torch.inference_mode():
         assert torch.equal(sharded(x[:, :4]), frozen(x[:, :4]))
+
+
+def test_other_values_keep_each_tensors_shape_dtype_and_kind_of_value():
+    floats = torch.tensor([[0.0, float("-inf"), 2.0], [-3.0, 4.0, 5.0]])
+    ids = torch.arange(12).reshape(3, 4)
+    mask, scalar = torch.tensor([True, False, True]), torch.tensor([7.0])
+    args, kwargs = other_values(((floats, ids), {"mask": mask, "scalar": scalar, "flag": 3}), seed=0)
+    new_floats, new_ids = args
+    assert new_floats.shape == floats.shape and new_floats.dtype == floats.dtype
+    assert not torch.equal(new_floats, floats)
+    ratio = new_floats[floats.isfinite() & (floats != 0)] / floats[floats.isfinite() & (floats != 0)]
+    assert bool(((ratio >= 0.9) & (ratio <= 1.1)).all())  # signs kept: a value stays on its side of 0
+    assert new_floats[0, 0] == 0 and new_floats[0, 1] == float("-inf")  # an additive mask stays one
+    assert new_ids.shape == ids.shape and not torch.equal(new_ids, ids)
+    assert torch.equal(new_ids.flatten().sort().values, ids.flatten())  # shuffled: ids stay in range
+    assert kwargs["mask"] is mask and kwargs["scalar"] is scalar and kwargs["flag"] == 3
+    again = other_values(((floats, ids), {"mask": mask}), seed=0)[0]
+    assert torch.equal(again[0], new_floats) and torch.equal(again[1], new_ids)  # the same every run
+    assert other_values(((torch.zeros(4), torch.ones(3, dtype=torch.long)), {}), seed=0) is None  # nothing changes
+
+
+class AddsItsMean(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.mean()
+
+
+class AddsAConstant(nn.Module):
+    """What a capture that fixed ``x.mean()`` to the example's value would run."""
+
+    def __init__(self, constant: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("constant", constant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.constant
+
+
+def test_a_value_fixed_where_the_model_computes_it_is_caught_on_other_values():
+    model, x = AddsItsMean(), torch.randn(4, 4)
+    right, baked = fx.symbolic_trace(model), fx.symbolic_trace(AddsAConstant(x.mean()))
+    with pytest.raises(VerificationError, match=r"the traced graph: equal to the model on the example but not on "
+                                                r"other values .* every new input would get a wrong answer"):
+        verify_stages(model, baked, [baked], [], (x,), {})
+    assert "not on other values" in capture_difference(model, baked, (x,), {})  # the front ends' choice sees it
+    assert capture_difference(model, right, (x,), {}) is None
+    with pytest.raises(VerificationError, match="the chained stages: equal to the model on the example but not"):
+        verify_stages(model, right, [baked], [], (x,), {})
+
+
+class RefusesUnsortedIds(nn.Module):
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not torch.equal(ids, ids.sort().values):
+            raise ValueError("ids must be sorted")
+        return x * 2
+
+
+def _guarded_on_the_second_id(model: nn.Module) -> fx.GraphModule:
+    """``model``'s graph with a guard that refuses inputs whose second id is not the example's 4."""
+    graph = fx.Graph()
+    x, ids = graph.placeholder("x"), graph.placeholder("ids")
+    second = graph.call_function(torch.Tensor.__getitem__, (ids, 1))
+    graph.call_function(check_condition, (graph.call_function(torch.eq, (second, 4)), True, "ids[1] == 4"))
+    graph.output(graph.call_function(torch.mul, (x, 2)))
+    return fx.GraphModule(model, graph)
+
+
+def test_values_the_model_or_the_plans_guards_refuse_are_not_compared():
+    x, ids = torch.randn(2, 4), torch.arange(3, 9)
+    model = RefusesUnsortedIds()
+    gm = _guarded_on_the_second_id(model)
+    summary = verify_stages(model, gm, [gm], [], (x, ids), {})  # the model refuses the shuffled ids
+    assert summary.endswith("on the example inputs (rtol=0.0, atol=0.0)")
+    doubles = fx.symbolic_trace(lambda x, ids: x * 2)
+    summary = verify_stages(doubles, gm, [gm], [], (x, ids), {})  # the model runs them; the guard refuses them
+    assert summary.endswith("on the example inputs (rtol=0.0, atol=0.0)")
+    assert "on other values" in verify_stages(doubles, doubles, [doubles], [], (x, ids), {})

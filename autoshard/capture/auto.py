@@ -131,7 +131,8 @@ def _refuse_frozen_top_level_state(tried: Mapping[str, TraceResult | TraceError]
 def _best(captured: Mapping[str, TraceResult], differs: Callable[[str], str | None]) -> str:
     """The capture with the fewest leaves (fx first on a tie) among those that keep whole every
     module any of them found writing state for its next call and compute what the model does on
-    the example; failing that, the fewest leaves (verify then names the difference)."""
+    the example and on other values of its shapes (``capture_difference``); failing that, the
+    fewest leaves (verify then names the difference)."""
     by_leaves = sorted(captured, key=lambda name: len(captured[name].wrapped_modules))  # stable
     stateful = _kept_for_state(list(captured.values()))
     fitting = [name for name in by_leaves if _keeps_whole(captured[name], stateful)] or by_leaves
