@@ -1,5 +1,6 @@
 """Checks for the number arguments of the public API: whole numbers (stage counts, indices,
-microbatches) and real numbers (capacities, budgets, a cost function's answers)."""
+microbatches) and real numbers (capacities, budgets, a cost function's answers), and the
+quantities with units users write (bytes, rates, durations)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,22 @@ def _with_unit(text: str) -> float | None:
     except ValueError:
         return None
     return value * _UNITS[unit] if unit in _UNITS and math.isfinite(value) else None
+
+
+_PER_SECOND = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
+"""Each unit's count in a second (divided by: ``5us`` is 5e-6 exactly as written)."""
+
+
+def duration(text: str, name: str) -> float:
+    """``5us``, ``0.1 ms``, ``2s`` or a bare number of seconds, as seconds >= 0."""
+    stripped = text.strip()
+    number = stripped.rstrip("smunµ ")
+    unit = stripped[len(number):].strip()
+    try:
+        value = float(number) / _PER_SECOND[unit]
+    except (ValueError, KeyError):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgumentError(f"{name} takes a time >= 0 such as 5us, 0.1ms or a bare number of seconds; got "
+                                   f"{text!r}")
+    return value

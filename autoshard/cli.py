@@ -3,7 +3,7 @@
     autoshard split TARGET --stages K [--out plan.json] [--svg plan.svg] [--compare greedy,min-cut]
     autoshard split TARGET --stages K --device-tflops 989 --device-bandwidth 3350   # times for that device
     autoshard split TARGET --stages K --max-memory 40GiB --optimizer sgd-momentum --microbatches 8
-    autoshard split TARGET --stages K --link-bandwidth 25e9 --link-latency 5e-6  # step time over that link
+    autoshard split TARGET --stages K --link-bandwidth 25GB/s --link-latency 5us  # step time over that link
     autoshard split TARGET --plan plan.json        # rebuild the saved stages
     autoshard inspect TARGET --stages K            # the plan only: no stages are built
     autoshard inspect plan.json                    # show a saved plan
@@ -32,7 +32,7 @@ from autoshard import progress
 from autoshard.api import (
     bind_pipeline, check_stages_made, default_pipeline, example_inputs_of, steps_at, without_verify,
 )
-from autoshard.arguments import byte_count, bytes_per_second, whole_number
+from autoshard.arguments import byte_count, bytes_per_second, duration, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel
 from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel, run_of
@@ -207,7 +207,9 @@ def _memory_flags(model: MemoryModel) -> list[str]:
 def _links(args: argparse.Namespace) -> dict[str, float]:
     """The link settings --link-bandwidth / --link-latency give, checked by ``StepTimeModel`` now
     rather than after the split (its messages name ``link_bandwidth``, which the errors show as the flag)."""
-    given = {name: value for name, value in (("link_latency", args.link_latency),) if value is not None}
+    given = {}
+    if args.link_latency is not None:
+        given["link_latency"] = duration(args.link_latency, "--link-latency")
     if args.link_bandwidth is not None:
         given["link_bandwidth"] = bytes_per_second(args.link_bandwidth, "--link-bandwidth", "B/s")
     StepTimeModel(**given)
@@ -534,9 +536,9 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="bandwidth between two ranks for the predicted step time, e.g. 25GB/s (a bare "
                               f"number: bytes/s; default {DEFAULT_LINK_BANDWIDTH:g} bytes/s: gloo between CPU "
                               "processes on one machine)")
-    options.add_argument("--link-latency", type=float, metavar="SECONDS",
-                         help="seconds per message between two ranks for the predicted step time (default "
-                              f"{DEFAULT_LINK_LATENCY:g})")
+    options.add_argument("--link-latency", metavar="TIME",
+                         help="time per message between two ranks for the predicted step time, e.g. 5us (a bare "
+                              f"number: seconds; default {DEFAULT_LINK_LATENCY:g} s)")
     options.add_argument("--pin", action="append", metavar="NAME=STAGE",
                          help="hold a module path, class or weight in a stage, e.g. encoder=0 (repeatable)")
     options.add_argument("--no-split", action="append", metavar="NAME",

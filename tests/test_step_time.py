@@ -143,12 +143,24 @@ def test_bad_settings_are_refused_naming_the_value(settings, words):
 
 @pytest.mark.parametrize("settings, words", [
     (dict(schedule=3), "schedule must be the name of one of gpipe, 1f1b, interleaved-1f1b, got int 3"),
-    (dict(link_bandwidth="fast"), "link_bandwidth .* must be a finite number > 0, got str 'fast'"),
+    (dict(link_bandwidth=[25e9]), "link_bandwidth .* must be a finite number > 0, got list"),
     (dict(message_seconds=None), "message_seconds must be a finite number >= 0, got NoneType None"),
 ])
 def test_settings_of_the_wrong_type_are_type_errors(settings, words):
     with pytest.raises(InvalidArgumentTypeError, match=words):
         StepTimeModel(**settings)
+
+
+def test_rates_and_times_may_be_written_with_units():
+    written = StepTimeModel(link_bandwidth="25GB/s", link_latency="5us", message_seconds="0.2 ms")
+    assert written == StepTimeModel(link_bandwidth=25e9, link_latency=5e-6, message_seconds=2e-4)
+    assert written.to_dict()["link_bandwidth"] == 25e9  # stored as the number
+    with pytest.raises(InvalidArgumentError, match="link_latency takes a time >= 0 such as 5us.*got '5 parsecs'"):
+        StepTimeModel(link_latency="5 parsecs")
+    with pytest.raises(InvalidArgumentError, match="link_bandwidth takes a rate > 0 .*got '25GB'"):
+        StepTimeModel(link_bandwidth="25GB")
+    with pytest.raises(InvalidArgumentError, match="link_bandwidth takes a rate > 0 .*got 'fast'"):
+        StepTimeModel(link_bandwidth="fast")
 
 
 def test_settings_a_schedule_cannot_run_are_refused():

@@ -96,8 +96,8 @@ def test_the_link_flags_reach_the_step_time_model(timed, capsys):
 @pytest.mark.parametrize("flag, value, accepted", [
     ("--link-bandwidth", "0", "takes a rate > 0"), ("--link-bandwidth", "-5", "takes a rate > 0"),
     ("--link-bandwidth", "inf", "takes a rate > 0"), ("--link-bandwidth", "25GB", "(in B/s); got '25GB'"),
-    ("--link-latency", "nan", "must be a finite number >= 0, got nan"),
-    ("--link-latency", "-1", "must be a finite number >= 0, got -1.0"),
+    ("--link-latency", "nan", "takes a time >= 0 such as 5us, 0.1ms or a bare number of seconds; got 'nan'"),
+    ("--link-latency", "-1", "takes a time >= 0"), ("--link-latency", "5 parsecs", "got '5 parsecs'"),
 ])
 def test_a_link_flag_that_is_no_finite_positive_number_is_refused_naming_it(capsys, flag, value, accepted):
     code, _, err = run(capsys, "inspect", "residual-mlp", "-k", "2", flag, value)
@@ -110,6 +110,15 @@ def test_the_link_bandwidth_reads_a_rate_with_units_as_a_bare_number_in_bytes_pe
                for value in ("2.5e10", "25GB/s", "25000 MB/s", "200Gb/s")}  # (Gb: gigabits)
     lines = {value: next(line for line in out.splitlines() if "GB/s" in line) for value, out in outputs.items()}
     assert len(set(lines.values())) == 1 and "25 GB/s" in lines["25GB/s"]
+
+
+def test_the_link_latency_reads_a_time_with_units_as_a_bare_number_in_seconds(timed, capsys):
+    plan = str(timed[2])
+    outputs = {value: run(capsys, "inspect", plan, "--link-latency", value)[1]
+               for value in ("5e-5", "50us", "50 µs", "0.05ms", "50000ns")}
+    lines = {value: next(line for line in out.splitlines() if "per message at most" in line)
+             for value, out in outputs.items()}
+    assert len(set(lines.values())) == 1 and f"+ {format_seconds(5e-5)} each" in lines["50us"]
 
 
 def test_link_flags_are_refused_with_compare_which_shows_no_step(capsys):

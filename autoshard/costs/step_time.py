@@ -28,7 +28,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from autoshard.arguments import whole_number
+from autoshard.arguments import bytes_per_second, duration, whole_number
 from autoshard.costs.estimate import DeviceModel
 from autoshard.costs.memory import MemoryModel
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
@@ -73,24 +73,30 @@ class StepTimeModel:
     as the memory model counts them, the fewest PyTorch's ``Schedule1F1B`` accepts; a step it
     refuses is refused, see ``refusal``); ``stages_per_rank`` the stages each process runs under
     interleaved 1F1B.
-    ``link_bandwidth`` (bytes/s) and ``link_latency`` (s per message) describe the link between
-    ranks; ``message_seconds`` is the time each message keeps its sender and its receiver busy (0:
-    free); ``compute_scale`` how much longer a stage's forward or backward runs inside the
-    pipeline than timed alone (1: as alone; ``autoshard.runtime.calibrate_runtime`` measures these
-    four with the real runtime).
+    ``link_bandwidth`` (bytes/s, or a rate such as ``"25GB/s"``) and ``link_latency`` (s per
+    message, or a time such as ``"5us"``) describe the link between ranks; ``message_seconds``
+    (s, or a time) is the time each message keeps its sender and its receiver busy (0: free);
+    ``compute_scale`` how much longer a stage's forward or backward runs inside the pipeline than
+    timed alone (1: as alone; ``autoshard.runtime.calibrate_runtime`` measures these four with the
+    real runtime).
     ``backward_ratio`` is a backward's time over its forward's where only the forward's is known.
     """
 
     schedule: str = "1f1b"
     microbatches: int | None = None
     stages_per_rank: int = 2
-    link_bandwidth: float = DEFAULT_LINK_BANDWIDTH
-    link_latency: float = DEFAULT_LINK_LATENCY
+    link_bandwidth: float | str = DEFAULT_LINK_BANDWIDTH
+    link_latency: float | str = DEFAULT_LINK_LATENCY
     backward_ratio: float = DEFAULT_BACKWARD_RATIO
-    message_seconds: float = 0.0
+    message_seconds: float | str = 0.0
     compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        for name, read in (("link_bandwidth", lambda text: bytes_per_second(text, "link_bandwidth", "B/s")),
+                           ("link_latency", lambda text: duration(text, "link_latency")),
+                           ("message_seconds", lambda text: duration(text, "message_seconds"))):
+            if isinstance(getattr(self, name), str):  # '25GB/s', '5us': stored as the number
+                object.__setattr__(self, name, read(getattr(self, name)))
         if not isinstance(self.schedule, str):
             raise InvalidArgumentTypeError(f"schedule must be the name of one of {', '.join(SCHEDULES)}, got "
                                            f"{type(self.schedule).__name__} {self.schedule!r}")
