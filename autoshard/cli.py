@@ -40,6 +40,7 @@ from autoshard.errors import (
     AutoshardError,
     ExampleInputsError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     MissingDependencyError,
     PlanError,
     ShapePropagationError,
@@ -590,6 +591,8 @@ def _hint(exc: BaseException) -> str | None:
     if isinstance(exc, (ShapePropagationError, ExampleInputsError)):
         return ("the example inputs must be ones the model runs on (model(*args, **kwargs) works): check their "
                 "shapes and dtypes against its forward; add --debug to see the traceback")
+    if type(exc) in (InvalidArgumentError, InvalidArgumentTypeError):
+        return None  # a value refused: the message names it and what to take; a traceback adds nothing
     if isinstance(exc, AutoshardError):
         return "add --debug to see the traceback"
     return "this looks like a bug in autoshard or in the model; add --debug for the traceback and report it"
