@@ -420,7 +420,7 @@ def test_in_flight_memory_that_cannot_fit_in_total_or_per_node_is_named():
         split_dag(dag, 2, memory_budgets=[8, 8], memory_in_flight=[3, 1])
     dag.nodes["v0"][ACTIVATION_MEMORY] = 10.0
     with pytest.raises(InfeasibleSplitError, match=r"node 'v0' needs memory 1 plus 10 per microbatch in flight, "
-                       r"more than any stage holds under memory_budgets \[20\.0, 20\.0, 20\.0\] with "
+                       r"more than any stage holds under memory_budgets \[20, 20, 20\] with "
                        r"memory_in_flight \[2\.0, 2\.0, 2\.0\]"):
         split_dag(dag, 3, memory_budgets=20, memory_in_flight=2)
     with pytest.raises(InfeasibleSplitError, match=r"together group 'g' needs memory 2 plus 12 per microbatch"):

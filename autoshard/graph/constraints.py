@@ -407,7 +407,7 @@ def _check_memory(g: IndexedDag, memory: StageLimit, groups: tuple[tuple[str, np
     need = float(memory.least().sum())
     if need > budgets.sum() * (1 + 1e-9):
         raise InfeasibleSplitError(
-            f"memory_budgets sum to {budgets.sum():g} but the nodes need {need:g} in total"
+            f"memory_budgets sum to {_amount(budgets.sum())} but the nodes need {_amount(need)} in total"
             f"{_in_flight_note(memory)}")
     nodes = np.flatnonzero(~_fits(memory, memory.held, memory.scaled))
     if len(nodes):
@@ -439,8 +439,14 @@ def _too_big(what: str, members: int | np.ndarray, memory: StageLimit) -> str:
     held = float(np.sum(memory.held[members]))
     scaled = 0.0 if memory.scaled is None else float(np.sum(memory.scaled[members]))
     if not scaled:
-        return (f"{what} needs memory {held:g}, more than the largest memory budget "
-                f"{memory.budgets.max():g}")
-    return (f"{what} needs memory {held:g} plus {scaled:g} per microbatch in flight, more than any "
-            f"stage holds under memory_budgets {memory.budgets.tolist()} with memory_in_flight "
-            f"{memory.scale.tolist()}")
+        return (f"{what} needs memory {_amount(held)}, more than the largest memory budget "
+                f"{_amount(memory.budgets.max())}")
+    return (f"{what} needs memory {_amount(held)} plus {_amount(scaled)} per microbatch in flight, more than any "
+            f"stage holds under memory_budgets [{', '.join(map(_amount, memory.budgets.tolist()))}] with "
+            f"memory_in_flight {memory.scale.tolist()}")
+
+
+def _amount(value: float) -> str:
+    """A memory amount as it reads best: whole numbers with thousands separated (bytes: 36,608,
+    not 36608 or 3.6608e+04), others as ``%g``."""
+    return f"{value:,.0f}" if float(value).is_integer() and abs(value) < 1e18 else f"{value:g}"
