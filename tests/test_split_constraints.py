@@ -356,6 +356,15 @@ def test_bad_limits_are_named(k, kwargs, error, message):
         split_dag(chain([1] * 6, memory=[5, 1, 1, 1, 1, 1]), k, **kwargs)
 
 
+def test_memory_amounts_in_the_refusals_read_as_numbers():
+    dag = chain([1] * 4, memory=[4096, 1024, 1024, 1024])
+    with pytest.raises(InfeasibleSplitError, match="memory_budgets sum to 6,000 but the nodes need 7,168 in total"):
+        split_dag(dag, 2, memory_budgets=[3000, 3000])
+    with pytest.raises(InfeasibleSplitError, match="node 'v0' needs memory 4,096, more than the largest memory "
+                                                   "budget 4,000.5"):
+        split_dag(dag, 2, memory_budgets=[4000.5, 4000.5])
+
+
 def test_memory_budgets_need_a_memory_attribute_on_every_node():
     with pytest.raises(InvalidGraphError, match="node 'v0' has no 'memory' attribute"):
         split_dag(chain([1] * 4), 2, memory_budgets=[10, 10])

@@ -448,5 +448,5 @@ def _too_big(what: str, members: int | np.ndarray, memory: StageLimit) -> str:
 
 def _amount(value: float) -> str:
     """A memory amount as it reads best: whole numbers with thousands separated (bytes: 36,608,
-    not 36608 or 3.6608e+04), others as ``%g``."""
-    return f"{value:,.0f}" if float(value).is_integer() and abs(value) < 1e18 else f"{value:g}"
+    not 36608 or 3.6608e+04), others as ``%g`` with thousands separated too."""
+    return f"{value:,.0f}" if float(value).is_integer() and abs(value) < 1e18 else f"{value:,g}"
