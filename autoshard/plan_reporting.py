@@ -29,7 +29,7 @@ from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
 from autoshard.costs.models import measured
 from autoshard.costs.step_time import StepTime, StepTimeModel, predicted_step, run_of
 from autoshard.costs.ties import SharedWeight
-from autoshard.errors import plural
+from autoshard.errors import InvalidArgumentTypeError, plural
 from autoshard.graph import SplitInfo
 from autoshard.plan_io import PlanNode, SavedPlan
 from autoshard.report import PIPED_WIDTH, plan_renderables
@@ -173,6 +173,7 @@ def plan_report(
     backward is the profile's own record, carried on the DAG (``NodeTimes.backward``), so a plan
     and its ``ShardedModel`` predict the same step.
     """
+    _check_report_arguments(sharded, extra_costs, memory, device, step)
     plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
     memory = memory or plan.memory_model
     k = plan.num_stages
@@ -206,6 +207,23 @@ def plan_report(
     return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped, plan.split_info,
                       times.estimate if times is not None else None, _shown_plan(sharded, extra_costs, memory, device),
                       predicted)
+
+
+def _check_report_arguments(sharded: Any, extra_costs: Any, memory: Any, device: Any, step: Any) -> None:
+    """A wrong type named with what to pass, before it fails deep in the report (``step="gpipe"`` was
+    an ``AttributeError`` on ``backward_ratio``)."""
+    if not isinstance(sharded, (ShardedModel, StagePlan)):
+        raise InvalidArgumentTypeError(f"plan_report takes a ShardedModel (shard_model's result) or its plan, got "
+                                       f"{type(sharded).__name__}")
+    if extra_costs is not None and not isinstance(extra_costs, Mapping):
+        raise InvalidArgumentTypeError(f"extra_costs must map a column name to per-node costs, got "
+                                       f"{type(extra_costs).__name__}")
+    for name, value, kind in (("memory", memory, MemoryModel), ("device", device, DeviceModel),
+                              ("step", step, StepTimeModel)):
+        if value is not None and not isinstance(value, kind):
+            raise InvalidArgumentTypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__} {value!r}"
+                                           + (f": StepTimeModel({value!r})" if kind is StepTimeModel and
+                                              isinstance(value, str) else ""))
 
 
 def _shown_plan(

@@ -200,3 +200,19 @@ def test_the_report_names_the_nodes_whose_memory_was_not_measured():
             "tensors could not run or size them) count their output bytes as saved") in text
     model, args, _ = load_example("gpt-lm")
     assert "not measured" not in str(autoshard.plan_report(autoshard.shard_model(model, 2, example_inputs=args)))
+
+
+@pytest.mark.parametrize("wrong, expected", [
+    ({"step": "gpipe"}, r"step must be a StepTimeModel, got str 'gpipe': StepTimeModel\('gpipe'\)"),
+    ({"memory": "gpipe"}, "memory must be a MemoryModel, got str"),
+    ({"device": 1e12}, "device must be a DeviceModel, got float"),
+    ({"extra_costs": [1.0]}, "extra_costs must map a column name to per-node costs, got list"),
+])
+def test_an_argument_of_the_wrong_type_is_refused_naming_what_to_pass(wrong, expected):
+    # each was an AttributeError deep inside the report ('str' object has no attribute 'backward_ratio')
+    model, args, _ = load_example("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match=expected):
+        plan_report(sharded, **wrong)
+    with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match="takes a ShardedModel .* got ResidualMLP"):
+        plan_report(model)
