@@ -71,14 +71,16 @@ def _with_unit(text: str) -> float | None:
     return value * _UNITS[unit] if unit in _UNITS and math.isfinite(value) else None
 
 
-_PER_SECOND = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
-"""Each unit's count in a second (divided by: ``5us`` is 5e-6 exactly as written)."""
+_PER_SECOND = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "\u00b5s": 1e6, "\u03bcs": 1e6, "ns": 1e9}
+"""Each unit's count in a second (divided by: ``5us`` is 5e-6 exactly as written). Both micro signs:
+the micro sign the tables print (U+00B5) and the Greek mu (U+03BC) that Greek keyboards type and
+Unicode normalisation (NFKC) turns the micro sign into."""
 
 
 def duration(text: str, name: str) -> float:
     """``5us``, ``0.1 ms``, ``2s`` or a bare number of seconds, as seconds >= 0."""
     stripped = text.strip()
-    number = stripped.rstrip("smunµ ")
+    number = stripped.rstrip("smun\u00b5\u03bc ")
     unit = stripped[len(number):].strip()
     try:
         value = float(number) / _PER_SECOND[unit]

@@ -155,6 +155,8 @@ def test_rates_and_times_may_be_written_with_units():
     written = StepTimeModel(link_bandwidth="25GB/s", link_latency="5us", message_seconds="0.2 ms")
     assert written == StepTimeModel(link_bandwidth=25e9, link_latency=5e-6, message_seconds=2e-4)
     assert written.to_dict()["link_bandwidth"] == 25e9  # stored as the number
+    for micro in ("5\u00b5s", "5 \u03bcs"):  # the micro sign the tables print, and the Greek mu
+        assert StepTimeModel(link_latency=micro).link_latency == 5e-6
     with pytest.raises(InvalidArgumentError, match="link_latency takes a time >= 0 such as 5us.*got '5 parsecs'"):
         StepTimeModel(link_latency="5 parsecs")
     with pytest.raises(InvalidArgumentError, match="link_bandwidth takes a rate > 0 .*got '25GB'"):
