@@ -408,6 +408,9 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
         raise InvalidArgumentError("--link-bandwidth and --link-latency set the link of the predicted step time, "
                                    "which --compare does not show; drop them, or run again with one --strategy")
     session = _Session(args)
+    if getattr(args, "time_stages", False) and session.inputs is None:  # before the split, not after its tables
+        raise InvalidArgumentError(f"--time-stages times the stages on the example inputs, and {args.target} returned "
+                                   f"the model alone: make it return {FACTORY_WITH_INPUTS}, or drop --time-stages")
     choice = _chosen_pipeline(args, session.inputs)
     if choice.saved is not None:
         session.keep_saved_memory_model(choice.saved)

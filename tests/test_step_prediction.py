@@ -368,6 +368,19 @@ def test_the_command_line_refuses_to_time_stages_it_would_print_nothing_of(capsy
     assert code == 2 and "--quiet prints nothing: drop one" in " ".join(capsys.readouterr().err.split())
 
 
+def test_the_command_line_refuses_to_time_stages_without_example_inputs_before_splitting(capsys, tmp_path,
+                                                                                         monkeypatch):
+    # it was refused only after the split, its verification and its tables were printed
+    (tmp_path / "bare.py").write_text("import torch\n\ndef build():\n"
+                                      "    return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])\n")
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["split", "bare:build", "-k", "2", "--time-stages"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert ("--time-stages times the stages on the example inputs, and bare:build returned the model alone: make it "
+            "return (model, args) or (model, args, kwargs)") in " ".join(captured.err.split())
+
+
 def test_the_command_line_says_why_it_times_no_step_pytorch_would_refuse(capsys):
     code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--microbatches", "1", "--time-stages")
     assert code == 0 and "step time (stages timed): not predicted: PyTorch's Schedule1F1B needs" in out
