@@ -596,8 +596,14 @@ def test_a_step_predicted_from_an_eval_mode_plan_warns(sleepy):
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4)).eval()
     example = (torch.randn(2, 4),)
     sharded = autoshard.shard_model(model, 2, example_inputs=example)
-    with pytest.warns(EvalModeStepWarning, match="captured in eval mode.*\\(Dropout in stage [01] run"):
+    with pytest.warns(EvalModeStepWarning, match=r"captured in eval mode.*\(1 \(Dropout, stage [01]\) run as they do"):
         predict_step(sharded, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1)
+    # many: each named once, by its name in the model (was 'Dropout in stage 0, Dropout in stage 0, ...')
+    many = nn.Sequential(*[layer for _ in range(5) for layer in (nn.Linear(4, 4), nn.Dropout(0.5))]).eval()
+    with pytest.warns(EvalModeStepWarning, match=r"\(1 \(Dropout, stage 0\), 3 \(Dropout, stage \d\), 5 \(Dropout, "
+                      r"stage \d\) and 2 more run .*\(on the command line: make TARGET return the model in training"):
+        predict_step(autoshard.shard_model(many, 2, example_inputs=example), example,
+                     step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1)
     trained = autoshard.shard_model(model.train(), 2, example_inputs=example)
     plain = autoshard.shard_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval(), 2, example_inputs=example)
     with warnings.catch_warnings():  # in train mode, or with nothing that runs otherwise in eval: no warning

@@ -98,10 +98,12 @@ def predict_step(
         repeats = whole_number(repeats, "repeats", at_least=1)
     modal = _mode_dependent(sharded) if not sharded.plan.training else []
     if modal:
+        more = f" and {len(modal) - 3} more" if len(modal) > 3 else ""
         warnings.warn(
             f"this plan was captured in eval mode, so its stages are timed as in evaluation ({', '.join(modal[:3])}"
-            f"{' ...' if len(modal) > 3 else ''} run as they do in eval), unlike a training step; shard the model "
-            "after model.train() to predict one", EvalModeStepWarning, stacklevel=2)
+            f"{more} run as they do in eval), unlike a training step; shard the model after model.train() to "
+            "predict one (on the command line: make TARGET return the model in training mode)", EvalModeStepWarning,
+            stacklevel=2)
     if calibrate:
         step = calibrate_runtime().applied_to(step)
     if times is None:
@@ -122,10 +124,11 @@ def predict_step(
 
 
 def _mode_dependent(sharded: ShardedModel) -> list[str]:
-    """The stages' modules known to run otherwise in training: dropout that drops, batch norm."""
+    """The stages' modules known to run otherwise in training (dropout that drops, batch norm), by name:
+    a type and a stage alone read 'Dropout in stage 0, Dropout in stage 0, ...'."""
     kinds = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.RReLU)
-    return [f"{type(module).__name__} in stage {j}" for j, stage in enumerate(sharded.stages)
-            for module in stage.modules() if isinstance(module, kinds) and getattr(module, "p", 1.0) > 0]
+    return [f"{name} ({type(module).__name__}, stage {j})" for j, stage in enumerate(sharded.stages)
+            for name, module in stage.named_modules() if isinstance(module, kinds) and getattr(module, "p", 1.0) > 0]
 
 
 __all__ = ["EvalModeStepWarning", "predict_step"]
