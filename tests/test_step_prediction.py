@@ -208,7 +208,12 @@ def test_predict_step_simulates_the_stages_timed_whole(sleepy):
     # GPipe on 2 microbatches: the second stage's two forwards then its two backwards, after the first's forward.
     assert 2 * (0.03 + 0.04) <= predicted.seconds < 2 * (0.06 + 0.07)
     assert predicted.model == step and predicted.bottleneck == 1
-    assert "each stage timed whole" in predicted.source and "calibrated" not in predicted.source
+    assert "each stage timed whole" in predicted.source and "calibrated with the runtime" not in predicted.source
+    # and says so: a link given alone drops the calibrated costs too, which moves the step several times over
+    assert "runtime's own costs as given, not calibrated (none per message, compute as timed alone)" in predicted.source
+    scaled = predict_step(sharded, example, step=dataclasses.replace(step, message_seconds="0.5ms", compute_scale=1.5),
+                          repeats=1)
+    assert "not calibrated (500.0 µs per message, compute x1.50)" in scaled.source
     with pytest.raises(InvalidArgumentTypeError, match="StepTimeModel"):
         predict_step(sharded, example, step="1f1b", calibrate=False)
 
@@ -430,6 +435,11 @@ def test_predict_step_refuses_bad_input_before_calibrating(sleepy, monkeypatch):
         predict_step(nn.Linear(2, 2), example)
     with pytest.raises(InvalidArgumentError, match="Schedule1F1B needs at least as many microbatches"):
         predict_step(sharded, example, step=StepTimeModel("1f1b", 1))
+    capped = autoshard.shard_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2, example_inputs=example,
+                                   memory_model=autoshard.MemoryModel(microbatches=1))
+    with pytest.raises(InvalidArgumentError, match=r"refuses 1 for 2 stages.*\(the plan's memory model's step: 1f1b, "
+                       r"1 microbatch; pass step=StepTimeModel\(schedule, microbatches\) to predict another\)"):
+        predict_step(capped, example)  # the counts came from the plan, not from the caller
     with pytest.raises(InvalidArgumentError, match="one StageTimeMeasurement per stage"):
         predict_step(sharded, example, times=[])
     with pytest.raises(InvalidArgumentTypeError, match="calibrate must be True, False or None"):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autoshard.arguments import whole_number
-from autoshard.costs.step_time import StepTime, StepTimeModel, run_of, step_time
+from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, run_of, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.runtime.calibrate import calibrate_runtime
 from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
@@ -62,13 +62,17 @@ def predict_step(
     runtime_fields = ("link_bandwidth", "link_latency", "message_seconds", "compute_scale")
     own_link = isinstance(step, StepTimeModel) and any(
         getattr(step, name) != getattr(StepTimeModel(), name) for name in runtime_fields)
+    planned = step is None
     step = run_of(sharded.plan.memory_model) if step is None else step
     if not isinstance(step, StepTimeModel):
         raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__}")
     k = sharded.num_stages
     refused = step.refusal(k)
-    if refused is not None:
-        raise InvalidArgumentError(refused)
+    if refused is not None:  # without step=, the counts came from the plan, which the user may not know
+        m = step.microbatch_count(k)
+        raise InvalidArgumentError(refused + (
+            f" (the plan's memory model's step: {step.schedule}, {m} microbatch{'' if m == 1 else 'es'}; pass "
+            "step=StepTimeModel(schedule, microbatches) to predict another)" if planned else ""))
     if times is not None and not isinstance(times, (list, tuple)):
         raise InvalidArgumentTypeError(f"times must be a list of StageTimeMeasurement, one per stage, got "
                                        f"{type(times).__name__}")
@@ -119,6 +123,10 @@ def predict_step(
     if calibrate:
         source += ("; link, time per message and compute inside the pipeline (x"
                    f"{step.compute_scale:.2f}) calibrated with the runtime (calibrate_runtime)")
+    else:  # say so: a link alone given drops the calibrated costs too, which can move the step several times
+        message = f"{format_seconds(step.message_seconds)} per message" if step.message_seconds else "none per message"
+        scale = f"compute x{step.compute_scale:.2f}" if step.compute_scale != 1 else "compute as timed alone"
+        source += f"; link and the runtime's own costs as given, not calibrated ({message}, {scale})"
     return step_time([t.forward for t in times], [t.backward for t in times], [t.sent_bytes for t in times[:-1]],
                      step, source)
 
