@@ -561,7 +561,7 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
         options.add_argument("--no-verify", action="store_true", help="skip comparing the stages with the model")
         options.add_argument("--time-stages", action="store_true",
                              help="also predict the step from the stages timed whole on the example, over this "
-                                  "machine's runtime costs (calibrated once with two local processes, ~20 s)")
+                                  "machine's runtime costs (calibrated once with two local processes, about 25 s)")
     else:
         options.set_defaults(no_verify=True)
     return options

@@ -115,9 +115,9 @@ def predict_step(
     widest = max(times, key=lambda t: t.spread)
     if widest.spread > SPREAD_WARNED:
         warnings.warn(
-            f"stage {widest.stage}'s timed runs spread {widest.spread:.0%} (slowest - fastest over the median): the "
-            "machine was busy or still warming up, so this step is as uncertain; predict again on a quiet machine, "
-            "or with more repeats=", TimingSpreadWarning, stacklevel=2)
+            f"stage {widest.stage}'s timed runs spread {widest.spread:.0%} (their middle half's width over the "
+            "median): the machine was busy or still warming up, so this step is as uncertain; predict again on a "
+            "quiet machine, or with more repeats=", TimingSpreadWarning, stacklevel=2)
     source = (f"each stage timed whole on one microbatch (measure_stage_time; its runs spread up to "
               f"{widest.spread:.0%})")
     if calibrate:

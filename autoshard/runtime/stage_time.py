@@ -37,7 +37,8 @@ class StageTimeMeasurement:
     ``repeats`` runs on ``device``; ``sent_bytes``, the bytes of its outputs, which it sends the
     next stage (for the last stage, the model's outputs); ``plan``, the fingerprint of what it was
     timed in (``timed_plan``; ``predict_step`` refuses a timing of another); ``spread``, how far apart
-    the runs were, (slowest - fastest) / median of forward + backward: a loaded machine shows here."""
+    the runs were: the interquartile range over the median of forward + backward (a loaded machine
+    shows here; one run stalled by a pause of the VM, which the median shrugs off, does not)."""
 
     stage: int
     forward: float
@@ -109,7 +110,8 @@ def _timed(plan: ShardedModel, stage: int, example_inputs: tuple, example_kwargs
         forward.append(middle - start)
         backward.append(now() - begin)
     totals = [f + b for f, b in zip(forward[1:], backward[1:])]
-    spread = (max(totals) - min(totals)) / statistics.median(totals) if statistics.median(totals) > 0 else 0.0
+    quartiles = statistics.quantiles(totals, n=4, method="inclusive") if len(totals) > 1 else [totals[0]] * 3
+    spread = (quartiles[2] - quartiles[0]) / quartiles[1] if quartiles[1] > 0 else 0.0
     return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
                                 str(device), sent_bytes, timed_plan(plan), spread)
 
