@@ -70,6 +70,8 @@ def test_the_compute_scale_stretches_every_op_and_is_reported():
     slowed = step_time([1.0], [2.0], [], StepTimeModel("gpipe", 2, compute_scale=1.5))
     assert plain.seconds == pytest.approx(6.0) and slowed.seconds == pytest.approx(9.0)
     assert slowed.forward == (1.5,) and slowed.busy == pytest.approx((9.0,))
+    assert "(forward 1.500 s + backward 3.000 s per microbatch, x1.50 their time alone)" in str(slowed)
+    assert "their time alone" not in str(plain)
     assert StepTimeModel(compute_scale=1.25).to_dict()["compute_scale"] == 1.25
 
 

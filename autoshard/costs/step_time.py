@@ -235,7 +235,9 @@ class StepTime:
         j, m = self.bottleneck, self.microbatches
         return (f"{format_seconds(self.seconds)} for {m} microbatch{'' if m == 1 else 'es'} under "
                 f"{self.model.schedule}; bubble {self.bubble:.0%} of the ranks' time; bottleneck stage {j} (forward "
-                f"{format_seconds(self.forward[j])} + backward {format_seconds(self.backward[j])} per microbatch)")
+                f"{format_seconds(self.forward[j])} + backward {format_seconds(self.backward[j])} per microbatch"
+                + (f", x{self.model.compute_scale:.2f} their time alone" if self.model.compute_scale != 1 else "")
+                + ")")
 
     def to_dict(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "forward": list(self.forward), "backward": list(self.backward),
