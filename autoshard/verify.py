@@ -283,29 +283,36 @@ def other_values_difference(model: nn.Module, gm: fx.GraphModule, other: tuple[t
                             seed: int, grad: bool, rtol: float = 0.0, atol: float = 0.0,
                             chained: Callable[[], Any] | None = None) -> tuple[bool, str | None]:
     """Compare the graph (and the ``chained`` stages) with the model on ``other`` values of the
-    example's shapes: (whether anything was compared, where they first differ). Nothing is where
-    the model refuses those values (an index past a table, lengths out of order) or the plan's
-    guards do (a branch taken on the values: a call would capture again for them)."""
+    example's shapes: (whether anything was compared, where they first differ). The stages run
+    first, and the graph only where they differ, to tell the capture's fault from the split's.
+    Nothing is compared where the model refuses those values (an index past a table, lengths out
+    of order) or the plan's guards do (a branch taken on the values: a call would capture again)."""
     try:
         expected = _model_run(model, *other, seed, grad)
     except Exception:  # noqa: BLE001 - values the model itself refuses say nothing about the capture
         return False, None
-    runs = [("the traced graph", lambda: _graph_run(PlainInterpreter(gm), model, *other, seed, grad))]
-    runs += [("the chained stages", lambda: run_seeded(chained, model, seed, grad=grad))] if chained else []
+    graph = ("the traced graph", lambda: _graph_run(PlainInterpreter(gm), model, *other, seed, grad))
+    runs = [graph] if chained is None else [("the chained stages", lambda: run_seeded(chained, model, seed,
+                                                                                      grad=grad)), graph]
+    problems: list[str] = []
     for what, run in runs:
         try:
             actual = run()
         except InputMismatchError:
             return False, None
         except Exception as failure:  # noqa: BLE001 - reported, with what to do
-            return True, (f"{what}: runs on the example, but fails on other values of its shapes and dtypes, which "
-                          f"the model runs ({type(failure).__name__}: {failure})")
-        problem = first_difference(actual, expected, rtol, atol)
-        if problem:
-            return True, (f"{what}: equal to the model on the example but not on other values of its shapes and "
-                          f"dtypes ({problem}); the capture fixed something the model computes from its inputs' "
-                          "values, so every new input would get a wrong answer")
-    return True, None
+            problem = (f"{what}: runs on the example, but fails on other values of its shapes and dtypes, which the "
+                       f"model runs ({type(failure).__name__}: {failure})")
+        else:
+            difference = first_difference(actual, expected, rtol, atol)
+            problem = difference and (
+                f"{what}: equal to the model on the example but not on other values of its shapes and dtypes "
+                f"({difference}); the capture fixed something the model computes from its inputs' values, so every "
+                "new input would get a wrong answer")
+        if not problem:  # the stages match (nothing more to run), or the graph does (the stages' problem stands)
+            return True, problems[-1] if problems else None
+        problems.append(problem)
+    return True, problems[-1]  # the graph differs too: the capture's
 
 
 _REPORT = ("this is autoshard's bug: please report it with the model; meanwhile try the other front end in the "

@@ -452,3 +452,16 @@ def test_values_the_model_or_the_plans_guards_refuse_are_not_compared():
     summary = verify_stages(doubles, gm, [gm], [], (x, ids), {})  # the model runs them; the guard refuses them
     assert summary.endswith("on the example inputs (rtol=0.0, atol=0.0)")
     assert "on other values" in verify_stages(doubles, doubles, [doubles], [], (x, ids), {})
+
+
+def test_on_other_values_the_graph_runs_only_where_the_stages_differ(monkeypatch):
+    model, x = AddsItsMean(), torch.randn(4, 4)
+    right, baked = fx.symbolic_trace(model), fx.symbolic_trace(AddsAConstant(x.mean()))
+    graph_runs = []
+    real = autoshard.verify._graph_run
+    monkeypatch.setattr(autoshard.verify, "_graph_run", lambda *a, **k: graph_runs.append(1) or real(*a, **k))
+    assert "on other values" in verify_stages(model, right, [right], [], (x,), {})
+    assert len(graph_runs) == 1  # the example's run alone: the stages matched on the other values
+    with pytest.raises(VerificationError, match="the chained stages: equal to the model on the example"):
+        verify_stages(model, right, [baked], [], (x,), {})
+    assert len(graph_runs) == 3  # then the graph ran on them too, and matched: the stages are at fault
