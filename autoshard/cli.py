@@ -32,7 +32,7 @@ from autoshard import progress
 from autoshard.api import (
     bind_pipeline, check_stages_made, default_pipeline, example_inputs_of, steps_at, without_verify,
 )
-from autoshard.arguments import byte_count, bytes_per_second, duration, whole_number
+from autoshard.arguments import byte_count, bytes_per_second, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel
 from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel, run_of
@@ -206,15 +206,13 @@ def _memory_flags(model: MemoryModel) -> list[str]:
 
 
 def _links(args: argparse.Namespace) -> dict[str, float]:
-    """The link settings --link-bandwidth / --link-latency give, checked by ``StepTimeModel`` now
-    rather than after the split (its messages name ``link_bandwidth``, which the errors show as the flag)."""
-    given = {}
-    if args.link_latency is not None:
-        given["link_latency"] = duration(args.link_latency, "--link-latency")
-    if args.link_bandwidth is not None:
-        given["link_bandwidth"] = bytes_per_second(args.link_bandwidth, "--link-bandwidth", "B/s")
-    StepTimeModel(**given)
-    return given
+    """The link settings --link-bandwidth / --link-latency give, read and checked by ``StepTimeModel``
+    (rates and times with units; a bare number is bytes/s or seconds) now rather than after the
+    split (its messages name ``link_bandwidth``, which the errors show as the flag)."""
+    given = {name: value for name, value in (("link_bandwidth", args.link_bandwidth),
+                                             ("link_latency", args.link_latency)) if value is not None}
+    read = StepTimeModel(**given)
+    return {name: getattr(read, name) for name in given}
 
 
 def _step(links: dict[str, float], memory: MemoryModel) -> StepTimeModel | None:

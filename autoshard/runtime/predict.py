@@ -139,4 +139,4 @@ def _mode_dependent(sharded: ShardedModel) -> list[str]:
             for name, module in stage.named_modules() if isinstance(module, kinds) and getattr(module, "p", 1.0) > 0]
 
 
-__all__ = ["EvalModeStepWarning", "predict_step"]
+__all__ = ["EvalModeStepWarning", "TimingSpreadWarning", "predict_step"]
