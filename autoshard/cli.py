@@ -223,7 +223,7 @@ def _step(links: dict[str, float], memory: MemoryModel) -> StepTimeModel | None:
 
 def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: MemoryModel) -> list[str]:
     """``--time-stages``: the step predicted from the stages timed whole on the example
-    (``autoshard.runtime.predict_step``), over this machine's calibrated runtime, or the link given."""
+    (``autoshard.runtime.predict_step``), over this machine's calibrated runtime (a link flag's values kept)."""
     step = dataclasses.replace(run_of(memory), **links)
     refused = step.refusal(len(program.sharded.stages))
     if refused is not None:
@@ -231,7 +231,7 @@ def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: Me
     if program.example_inputs is None:
         raise InvalidArgumentError("--time-stages times the stages on the example inputs, and this TARGET gives none")
     inputs = program.example_inputs
-    predicted = predict_step(program.sharded, inputs.args, inputs.kwargs, step=step, calibrate=False if links else None)
+    predicted = predict_step(program.sharded, inputs.args, inputs.kwargs, step=step)
     return step_time_lines(predicted, "stages timed")
 
 

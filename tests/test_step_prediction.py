@@ -216,19 +216,25 @@ def test_bad_arguments_to_measure_stage_time_are_typed_errors(sleepy):
             measure()
 
 
-def test_predict_step_simulates_the_stages_timed_whole(sleepy):
+def test_predict_step_simulates_the_stages_timed_whole(sleepy, monkeypatch):
     sharded, example = sleepy
+
+    def refuse() -> RuntimeCalibration:
+        raise AssertionError("calibrated where the caller gave every runtime field, or asked for none")
+
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", refuse)
     step = StepTimeModel("gpipe", 2, **FREE_LINK)
     predicted = predict_step(sharded, example, step=step, calibrate=False, repeats=2)
     # GPipe on 2 microbatches: the second stage's two forwards then its two backwards, after the first's forward.
     assert 2 * (0.03 + 0.04) <= predicted.seconds < 2 * (0.06 + 0.07)
     assert predicted.model == step and predicted.bottleneck == 1
     assert "each stage timed whole" in predicted.source and "calibrated with the runtime" not in predicted.source
-    # and says so: a link given alone drops the calibrated costs too, which moves the step several times over
-    assert "runtime's own costs as given, not calibrated (none per message, compute as timed alone)" in predicted.source
+    # and says so: uncalibrated, the runtime's own costs are the defaults, which can move the step several times over
+    assert "; as given, not calibrated: link 1e+06 GB/s, no latency, none per message, compute as timed alone" in (
+        predicted.source)
     scaled = predict_step(sharded, example, step=dataclasses.replace(step, message_seconds="0.5ms", compute_scale=1.5),
-                          repeats=1)
-    assert "not calibrated (500.0 µs per message, compute x1.50)" in scaled.source
+                          repeats=1)  # every runtime field given: nothing left to calibrate, and nothing measured
+    assert scaled.source.endswith("; as given: link 1e+06 GB/s, no latency, 500.0 µs per message, compute x1.50")
     with pytest.raises(InvalidArgumentTypeError, match="StepTimeModel"):
         predict_step(sharded, example, step="1f1b", calibrate=False)
 
@@ -270,7 +276,8 @@ def test_predict_step_takes_the_link_and_messages_from_the_calibration(sleepy, m
     assert predicted.model.schedule == "1f1b" and predicted.microbatches == 4
     gpipe = predict_step(sharded, example, step=StepTimeModel("gpipe", 4), repeats=1).model
     assert (gpipe.message_seconds, gpipe.compute_scale) == (5e-4, 1.2)
-    assert "compute inside the pipeline (x1.20) calibrated with the runtime" in predicted.source
+    assert predicted.source.endswith("; calibrated with the runtime (calibrate_runtime): link 2 GB/s, latency "
+                                     "100.0 µs, 300.0 µs per message, compute x1.20")
 
 
 @pytest.fixture
@@ -373,13 +380,14 @@ def test_the_command_line_predicts_the_step_from_the_stages_timed(capsys, monkey
     assert re.search(r"its runs spread up to \d+%", out)
 
 
-def test_a_link_given_on_the_command_line_replaces_the_calibration(capsys, monkeypatch):
-    def refuse() -> RuntimeCalibration:
-        raise AssertionError("the link was given: nothing to calibrate")
-
-    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", refuse)
+def test_a_link_given_on_the_command_line_is_kept_over_the_calibration(capsys, monkeypatch):
+    here = RuntimeCalibration(5e9, 2e-4, {name: 3e-4 for name in ("gpipe", "1f1b", "interleaved-1f1b")}, 1.25)
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: here)
     code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--time-stages", "--link-latency", "0.01")
-    assert code == 0 and "each stage timed whole" in out and "calibrated with the runtime" not in out
+    out = " ".join(out.split())
+    assert code == 0 and "each stage timed whole" in out
+    assert ("calibrated with the runtime (calibrate_runtime): link 5 GB/s, 300.0 µs per message, compute x1.25; "
+            f"as given: latency {format_seconds(0.01)}") in out
     assert f"+ {format_seconds(0.01)} each" in out
 
 
@@ -477,18 +485,21 @@ def test_predict_step_refuses_bad_input_before_calibrating(sleepy, monkeypatch):
         predict_step(sharded, (torch.randn(2, 4), torch.randn(2, 4)))
 
 
-def test_a_step_with_its_own_link_is_not_calibrated(sleepy, monkeypatch):
-    """Link numbers the caller gives are theirs to keep, as --link-bandwidth keeps them on the command line."""
+def test_a_step_keeps_its_own_link_and_calibrates_the_rest(sleepy, monkeypatch):
+    """Link numbers the caller gives are theirs to keep (as --link-bandwidth keeps them on the command
+    line); the runtime's work per message and the compute scale are still this machine's."""
     sharded, example = sleepy
-
-    def refuse() -> RuntimeCalibration:
-        raise AssertionError("calibrated over the caller's own link")
-
-    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", refuse)
+    here = RuntimeCalibration(5e9, 2e-4, {name: 3e-4 for name in ("gpipe", "1f1b", "interleaved-1f1b")}, 1.25)
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: here)
     predicted = predict_step(sharded, example, step=StepTimeModel("gpipe", 2, link_bandwidth=1e6, link_latency=1e-3),
                              repeats=1)
-    assert (predicted.model.link_bandwidth, predicted.model.link_latency, predicted.model.message_seconds) == (
-        1e6, 1e-3, 0.0)
+    model = predicted.model
+    assert (model.link_bandwidth, model.link_latency, model.message_seconds, model.compute_scale) == (
+        1e6, 1e-3, 3e-4, 1.25)
+    assert predicted.source.endswith("; calibrated with the runtime (calibrate_runtime): 300.0 µs per message, "
+                                     "compute x1.25; as given: link 0.001 GB/s, latency 1.000 ms")
+    assert predict_step(sharded, example, step=StepTimeModel("gpipe", 2, link_bandwidth=1e6), calibrate=False,
+                        repeats=1).model.compute_scale == 1.0
 
 
 def test_stages_are_measured_out_of_inference_mode(sleepy):

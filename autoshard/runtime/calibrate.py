@@ -109,16 +109,30 @@ class RuntimeCalibration:
                           compute_scale=self.compute_scale)
 
     def applied_to(self, step: StepTimeModel) -> StepTimeModel:
-        """``step`` with this machine's link, its schedule's time per message and the compute scale."""
-        return dataclasses.replace(step, link_bandwidth=self.link_bandwidth, link_latency=self.link_latency,
-                                   message_seconds=self.message_seconds[step.schedule],
-                                   compute_scale=self.compute_scale)
+        """``step`` with this machine's link, its schedule's time per message and the compute scale,
+        each where ``step`` leaves it at ``StepTimeModel``'s default (``calibrated_fields``): a value
+        the caller gives is theirs, and the rest still measured here (an interconnect of their own
+        does not make the runtime's work per message free)."""
+        measured = {"link_bandwidth": self.link_bandwidth, "link_latency": self.link_latency,
+                    "message_seconds": self.message_seconds[step.schedule], "compute_scale": self.compute_scale}
+        return dataclasses.replace(step, **{name: measured[name] for name in calibrated_fields(step)})
 
     def describe(self) -> str:
         per_schedule = ", ".join(f"{name} {seconds * 1e6:.0f}" for name, seconds in self.message_seconds.items())
         return (f"link {self.link_bandwidth / 1e9:.3g} GB/s, {self.link_latency * 1e6:.0f} µs a message; "
                 f"runtime µs of each rank's time per message: {per_schedule}; stages compute "
                 f"x{self.compute_scale:.2f} their time alone")
+
+
+RUNTIME_FIELDS = ("link_bandwidth", "link_latency", "message_seconds", "compute_scale")
+"""The ``StepTimeModel`` fields a ``RuntimeCalibration`` measures."""
+
+
+def calibrated_fields(step: StepTimeModel) -> list[str]:
+    """The fields of ``RUNTIME_FIELDS`` that ``step`` leaves at their defaults, which the calibration
+    fills."""
+    default = StepTimeModel()
+    return [name for name in RUNTIME_FIELDS if getattr(step, name) == getattr(default, name)]
 
 
 def link_time(rank: int, nbytes: int, repeats: int = 20) -> float:
@@ -325,5 +339,5 @@ if __name__ == "__main__":
     print(json.dumps(dataclasses.asdict(_measured_here())))
 
 
-__all__ = ["RuntimeCalibration", "TimedSteps", "calibrate_runtime", "fitted_runtime", "measure_link", "measure_runtime",
-           "timed_ops"]
+__all__ = ["RUNTIME_FIELDS", "RuntimeCalibration", "TimedSteps", "calibrate_runtime", "calibrated_fields",
+           "fitted_runtime", "measure_link", "measure_runtime", "timed_ops"]

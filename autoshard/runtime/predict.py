@@ -13,7 +13,7 @@ from torch import nn
 from autoshard.arguments import whole_number
 from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, run_of, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
-from autoshard.runtime.calibrate import calibrate_runtime
+from autoshard.runtime.calibrate import RUNTIME_FIELDS, calibrate_runtime, calibrated_fields
 from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
 from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, time_stages, timed_plan
 from autoshard.sharded import ShardedModel, stage_device
@@ -49,19 +49,16 @@ def predict_step(
     sent, so a microbatch of another size than the plan's example moves its own bytes. With
     ``calibrate`` (by default when every stage is on the CPU) the link, the runtime's time per
     message and how much longer the stages compute inside it are this machine's, measured with the
-    real runtime on two local gloo processes (``calibrate_runtime``, cached); without it they are
-    ``step``'s own (give the interconnect's for GPUs), and so they are when ``step`` sets any of
-    ``link_bandwidth``, ``link_latency``, ``message_seconds`` or ``compute_scale`` and ``calibrate``
-    is None. ``times``, one ``measure_stage_time`` per stage in
+    real runtime on two local gloo processes (``calibrate_runtime``, cached), each one ``step``
+    leaves at its default: ``link_bandwidth``, ``link_latency``, ``message_seconds`` or
+    ``compute_scale`` given there are kept. Without it they are all ``step``'s own (give the
+    interconnect's for GPUs). ``times``, one ``measure_stage_time`` per stage in
     order, predicts from stages timed before: several schedules from one timing (the inputs are not used
     then); times of the specialisation that serves a microbatch the plan's guards refuse count as the
     plan's. Every argument, whether the inputs bind to the model's arguments, and whether PyTorch's
     schedule runs the step, are checked before anything is measured (the plan's guards check the inputs
     when the stages run)."""
     checked_plan(sharded, "predict_step")
-    runtime_fields = ("link_bandwidth", "link_latency", "message_seconds", "compute_scale")
-    own_link = isinstance(step, StepTimeModel) and any(
-        getattr(step, name) != getattr(StepTimeModel(), name) for name in runtime_fields)
     planned = step is None
     step = run_of(sharded.plan.memory_model) if step is None else step
     if not isinstance(step, StepTimeModel):
@@ -91,7 +88,7 @@ def predict_step(
         raise InvalidArgumentTypeError(f"calibrate must be True, False or None (on the CPU only), got {calibrate!r}")
     on_cpu = all((stage_device(module) or torch.device("cpu")).type == "cpu" for module in sharded.stages)
     if calibrate is None:
-        calibrate = on_cpu and not own_link
+        calibrate = on_cpu
     elif calibrate and not on_cpu:
         raise InvalidArgumentError(
             "calibrate=True measures gloo between local CPU processes, and some stages are on an accelerator: pass "
@@ -108,7 +105,8 @@ def predict_step(
             f"{more} run as they do in eval), unlike a training step; shard the model after model.train() to "
             "predict one (on the command line: make TARGET return the model in training mode)", EvalModeStepWarning,
             stacklevel=2)
-    if calibrate:
+    measured = calibrated_fields(step) if calibrate else []
+    if measured:
         step = calibrate_runtime().applied_to(step)
     if times is None:
         times = time_stages(sharded, range(k), *call, repeats)
@@ -120,13 +118,18 @@ def predict_step(
             "quiet machine, or with more repeats=", TimingSpreadWarning, stacklevel=2)
     source = (f"each stage timed whole on one microbatch (measure_stage_time; its runs spread up to "
               f"{widest.spread:.0%})")
-    if calibrate:
-        source += ("; link, time per message and compute inside the pipeline (x"
-                   f"{step.compute_scale:.2f}) calibrated with the runtime (calibrate_runtime)")
-    else:  # say so: a link alone given drops the calibrated costs too, which can move the step several times
-        message = f"{format_seconds(step.message_seconds)} per message" if step.message_seconds else "none per message"
-        scale = f"compute x{step.compute_scale:.2f}" if step.compute_scale != 1 else "compute as timed alone"
-        source += f"; link and the runtime's own costs as given, not calibrated ({message}, {scale})"
+    described = {"link_bandwidth": f"link {step.link_bandwidth / 1e9:.3g} GB/s",
+                 "link_latency": f"latency {format_seconds(step.link_latency)}" if step.link_latency else "no latency",
+                 "message_seconds": (f"{format_seconds(step.message_seconds)} per message" if step.message_seconds
+                                     else "none per message"),
+                 "compute_scale": (f"compute x{step.compute_scale:.2f}" if step.compute_scale != 1
+                                   else "compute as timed alone")}
+    if measured:
+        source += (f"; calibrated with the runtime (calibrate_runtime): "
+                   f"{', '.join(described[name] for name in measured)}")
+    if len(measured) < len(RUNTIME_FIELDS):  # say so: a link given without the runtime's costs can move the step
+        kept = [described[name] for name in RUNTIME_FIELDS if name not in measured]
+        source += f"; as given{'' if calibrate else ', not calibrated'}: {', '.join(kept)}"
     return step_time([t.forward for t in times], [t.backward for t in times], [t.sent_bytes for t in times[:-1]],
                      step, source)
 
