@@ -37,6 +37,7 @@ _LAZY = {
     "SharedBufferWarning": "autoshard.runtime.stage",
     "MicrobatchStatisticsWarning": "autoshard.runtime.schedule",
     "TimingSpreadWarning": "autoshard.runtime.predict",
+    "CalibrationLoadWarning": "autoshard.runtime.machine_load",
     "EvalModeStepWarning": "autoshard.runtime.predict",
     "TargetError": "autoshard.targets",
     "SpecializationLimitWarning": "autoshard.specialize",

@@ -59,6 +59,7 @@ from torch import nn
 
 import autoshard
 from autoshard.costs.estimate import calibrated_device
+from autoshard.runtime.machine_load import machine_cpu_seconds
 from autoshard.costs.step_time import StepTimeModel, step_time
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from autoshard.runtime import (
@@ -131,13 +132,6 @@ def shard(name: str, k: int, time_profile: str | None = None, backward: bool = F
     return autoshard.shard_model(model, k, example_inputs=args, example_kwargs=kwargs, pipeline=pipeline)
 
 
-def cpu_busy() -> tuple[float, float]:
-    """(busy, all) CPU seconds of the whole machine so far, from /proc/stat (idle and iowait are not busy)."""
-    with open("/proc/stat", encoding="utf-8") as stat:
-        ticks = [int(x) for x in stat.readline().split()[1:]]
-    return float(sum(ticks) - ticks[3] - ticks[4]), float(sum(ticks))
-
-
 def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: str, schedule: str, m: int,
                 repeats: int) -> tuple[list[tuple[float, float]], list[StageTimeMeasurement], dict]:
     """This rank's (wall, CPU) seconds for each timed step of ``name`` under ``schedule``; (rank 0)
@@ -180,11 +174,11 @@ def worker(rank: int, world: int, repeats: int) -> dict[Any, Any]:
             sharded = shard(name, k)
             for schedule, _, m in (case for case in CASES if case[1] == k):
                 dist.barrier()
-                machine, load = cpu_busy(), os.getloadavg()[0]
+                machine, load = machine_cpu_seconds(), os.getloadavg()[0]
                 steps, times, ops = timed_steps(rank, world, sharded, name, schedule, m, repeats)
                 found[(name, schedule, k, m)], found[(name, schedule, k, m, "times")] = steps, times
                 found[(name, schedule, k, m, "ops")] = ops
-                busy, total = (after - before for after, before in zip(cpu_busy(), machine))
+                busy, total = (after - before for after, before in zip(machine_cpu_seconds(), machine))
                 found[(name, schedule, k, m, "machine")] = (busy / total, load)
     return found
 

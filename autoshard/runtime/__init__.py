@@ -26,6 +26,7 @@ from autoshard.runtime.materialize import materialize_stage
 from autoshard.runtime.memory import StageMemoryMeasurement, measure_stage_memory
 from autoshard.runtime.offload import OffloadRunner
 from autoshard.runtime.parallel import Parallelized, parallelize
+from autoshard.runtime.machine_load import CalibrationLoadWarning
 from autoshard.runtime.predict import EvalModeStepWarning, TimingSpreadWarning, predict_step
 from autoshard.runtime.schedule import (
     SCHEDULES,
@@ -42,6 +43,7 @@ from autoshard.runtime.ties import SharedParameter, TiedGradients, shared_parame
 __all__ = [
     "EvalModeStepWarning",
     "TimingSpreadWarning",
+    "CalibrationLoadWarning",
     "GradientDifference",
     "LaunchError",
     "MicrobatchStatisticsWarning",

@@ -42,6 +42,7 @@ from autoshard.costs.estimate import cached_calibration, machine_key
 from autoshard.costs.step_time import SCHEDULES, StepTimeModel, step_time
 from autoshard.errors import InvalidArgumentError, LaunchError
 from autoshard.runtime.launch import run_local, run_module
+from autoshard.runtime.machine_load import LoadMeter
 from autoshard.runtime.schedule import build_schedule, local_stage_indices
 from autoshard.runtime.stage import pipeline_stage
 from autoshard.runtime.stage_time import measure_stage_time
@@ -297,7 +298,9 @@ def _measured_here() -> RuntimeCalibration:
 def measure_runtime() -> RuntimeCalibration:
     """Measure the runtime on two local gloo processes now (about 20 s), without the cache. It runs
     in a fresh interpreter (``python -m autoshard.runtime.calibrate``), so the caller's script needs
-    no ``if __name__ == "__main__"`` guard for the processes it starts."""
+    no ``if __name__ == "__main__"`` guard for the processes it starts. Other processes busy
+    meanwhile slow its steps: it warns then (``CalibrationLoadWarning``)."""
+    load = LoadMeter.start()
     try:
         done = run_module(__name__, TIMEOUT + 60)
     except (subprocess.SubprocessError, OSError) as failure:
@@ -311,6 +314,7 @@ def measure_runtime() -> RuntimeCalibration:
     if found is None:
         raise LaunchError(f"calibrating the pipeline runtime gave no readable result; its output:\n"
                           f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    load.warn_if_busy("the pipeline runtime (calibrate_runtime)")
     return found
 
 
