@@ -391,6 +391,17 @@ def test_a_link_given_on_the_command_line_is_kept_over_the_calibration(capsys, m
     assert f"+ {format_seconds(0.01)} each" in out
 
 
+def test_a_link_flag_that_equals_the_default_is_kept_too(capsys, monkeypatch):
+    """--link-bandwidth 1GB/s is given like any other rate: the timed step crosses it, as the report's
+    step does, rather than the calibrated link it happens to share a default with."""
+    here = RuntimeCalibration(5e9, 2e-4, {name: 3e-4 for name in ("gpipe", "1f1b", "interleaved-1f1b")}, 1.25)
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: here)
+    code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--time-stages", "--link-bandwidth", "1GB/s",
+                         "--link-latency", "100us")
+    assert code == 0 and ("calibrated with the runtime (calibrate_runtime): 300.0 µs per message, compute x1.25; "
+                          f"as given: link 1 GB/s, latency {format_seconds(1e-4)}") in out
+
+
 def test_the_command_line_refuses_to_time_stages_it_would_print_nothing_of(capsys):
     code = cli.main(["split", "residual-mlp", "-k", "2", "--time-stages", "--quiet"])
     assert code == 2 and "--quiet prints nothing: drop one" in " ".join(capsys.readouterr().err.split())
@@ -500,6 +511,21 @@ def test_a_step_keeps_its_own_link_and_calibrates_the_rest(sleepy, monkeypatch):
                                      "compute x1.25; as given: link 0.001 GB/s, latency 1.000 ms")
     assert predict_step(sharded, example, step=StepTimeModel("gpipe", 2, link_bandwidth=1e6), calibrate=False,
                         repeats=1).model.compute_scale == 1.0
+
+
+def test_a_step_keeps_what_it_gives_even_at_the_default_values(sleepy, monkeypatch):
+    """A value given is the caller's, whatever it equals: free messages over this machine's link, or
+    1 GB/s with the runtime's costs measured; a field left out is calibrated."""
+    sharded, example = sleepy
+    here = RuntimeCalibration(5e9, 2e-4, {name: 3e-4 for name in ("gpipe", "1f1b", "interleaved-1f1b")}, 1.25)
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: here)
+    given = StepTimeModel("gpipe", 2, link_bandwidth="1GB/s", message_seconds=0.0)
+    model = predict_step(sharded, example, step=given, repeats=1).model
+    assert (model.link_bandwidth, model.link_latency, model.message_seconds, model.compute_scale) == (
+        1e9, 2e-4, 0.0, 1.25)
+    left = predict_step(sharded, example, step=dataclasses.replace(StepTimeModel(), schedule="gpipe",
+                                                                   microbatches=2), repeats=1).model
+    assert (left.link_bandwidth, left.message_seconds) == (5e9, 3e-4)  # defaults carried by replace stay defaults
 
 
 def test_stages_are_measured_out_of_inference_mode(sleepy):

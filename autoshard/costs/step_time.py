@@ -37,11 +37,25 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """The schedules whose order of work the model follows (PyTorch's ``ScheduleGPipe``,
 ``Schedule1F1B`` and ``ScheduleInterleaved1F1B``)."""
 
-DEFAULT_LINK_BANDWIDTH = 1e9
+
+class Default(float):
+    """A ``StepTimeModel`` field's default: the number itself, told apart from the same number given
+    (``is_default``), so the runtime calibration fills only the fields a caller leaves out and keeps a
+    ``--link-bandwidth 1GB/s`` that happens to equal the default."""
+
+    __slots__ = ()
+
+
+def is_default(value: Any) -> bool:
+    """Whether a ``StepTimeModel`` field holds its default rather than a value given (even an equal one)."""
+    return type(value) is Default
+
+
+DEFAULT_LINK_BANDWIDTH = Default(1e9)
 """Bytes per second between two ranks: about what gloo reaches between two CPU processes on one
 machine (``benchmarks/step_time.py`` measures it); pass the interconnect's own for GPUs."""
 
-DEFAULT_LINK_LATENCY = 100e-6
+DEFAULT_LINK_LATENCY = Default(100e-6)
 """Seconds per message between two ranks, whatever its size (gloo on one machine: ~0.1 ms)."""
 
 DEFAULT_BACKWARD_RATIO = 2.0
@@ -88,8 +102,8 @@ class StepTimeModel:
     link_bandwidth: float | str = DEFAULT_LINK_BANDWIDTH
     link_latency: float | str = DEFAULT_LINK_LATENCY
     backward_ratio: float = DEFAULT_BACKWARD_RATIO
-    message_seconds: float | str = 0.0
-    compute_scale: float = 1.0
+    message_seconds: float | str = Default(0.0)
+    compute_scale: float = Default(1.0)
 
     def __post_init__(self) -> None:
         for name, read in (("link_bandwidth", lambda text: bytes_per_second(text, "link_bandwidth", "B/s")),

@@ -39,7 +39,7 @@ from torch import nn
 
 from autoshard.api import shard_model
 from autoshard.costs.estimate import cached_calibration, machine_key
-from autoshard.costs.step_time import SCHEDULES, StepTimeModel, step_time
+from autoshard.costs.step_time import SCHEDULES, StepTimeModel, is_default, step_time
 from autoshard.errors import InvalidArgumentError, LaunchError
 from autoshard.runtime.launch import run_local, run_module
 from autoshard.runtime.machine_load import LoadMeter
@@ -131,9 +131,8 @@ RUNTIME_FIELDS = ("link_bandwidth", "link_latency", "message_seconds", "compute_
 
 def calibrated_fields(step: StepTimeModel) -> list[str]:
     """The fields of ``RUNTIME_FIELDS`` that ``step`` leaves at their defaults, which the calibration
-    fills."""
-    default = StepTimeModel()
-    return [name for name in RUNTIME_FIELDS if getattr(step, name) == getattr(default, name)]
+    fills: not given, as opposed to given equal to the default (``is_default``)."""
+    return [name for name in RUNTIME_FIELDS if is_default(getattr(step, name))]
 
 
 def link_time(rank: int, nbytes: int, repeats: int = 20) -> float:
