@@ -17,6 +17,8 @@ import torch
 
 from autoshard.costs import estimate
 from autoshard.costs.estimate import DeviceModel, calibrated_device, calibration_cache, machine_key
+from autoshard.errors import InvalidArgumentTypeError
+from autoshard.runtime import calibrate_runtime
 
 
 @pytest.fixture
@@ -69,6 +71,16 @@ def test_the_environment_variable_recalibrates_once_per_process(cache, monkeypat
     monkeypatch.setenv(estimate.RECALIBRATE_ENV, "0")
     new_process(monkeypatch)
     assert calibrated_device().peak_flops == 2e9 and len(cache) == 2
+
+
+@pytest.mark.parametrize("refresh", ["no", "False", 0, None])
+def test_a_refresh_that_is_not_a_bool_is_refused_before_measuring(cache, refresh):
+    """A truthy string would otherwise measure again (seconds, and the cached numbers replaced)."""
+    calibrated_device()
+    for calibrate in (calibrated_device, calibrate_runtime):
+        with pytest.raises(InvalidArgumentTypeError, match=f"refresh must be True or False, got {refresh!r}"):
+            calibrate(refresh=refresh)
+    assert cache == [1]
 
 
 def test_another_thread_count_is_another_machine(cache):

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import networkx as nx
 
 from autoshard.costs.models import measured, time_costs
-from autoshard.errors import InvalidArgumentError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 
 try:
     import fcntl
@@ -239,6 +239,8 @@ def cached_calibration(key: str, measure: Callable[[], T], parse: Callable[[Any]
     ``measure()`` stored as ``entry`` of it; kept for the process. ``refresh``, or
     ``AUTOSHARD_RECALIBRATE=1`` for the first call of a process, measures again. Every
     calibration of this machine shares the one file."""
+    if not isinstance(refresh, bool):  # a truthy 'no' would measure again and replace the cached numbers
+        raise InvalidArgumentTypeError(f"refresh must be True or False, got {refresh!r}")
     if not refresh and key in _THIS_PROCESS:
         return _THIS_PROCESS[key]
     path = calibration_cache()
