@@ -230,8 +230,13 @@ def test_predict_step_simulates_the_stages_timed_whole(sleepy, monkeypatch):
     assert predicted.model == step and predicted.bottleneck == 1
     assert "each stage timed whole" in predicted.source and "calibrated with the runtime" not in predicted.source
     # and says so: uncalibrated, the runtime's own costs are the defaults, which can move the step several times over
-    assert "; as given, not calibrated: link 1e+06 GB/s, no latency, none per message, compute as timed alone" in (
-        predicted.source)
+    assert predicted.source.endswith("; as given: link 1e+06 GB/s, no latency; StepTimeModel's defaults, not "
+                                     "calibrated: none per message, compute as timed alone")
+    bare = predict_step(sharded, example, step=StepTimeModel("gpipe", 2), calibrate=False,
+                        repeats=1)  # nothing given: the defaults are not called the caller's
+    assert "as given" not in bare.source and bare.source.endswith(
+        "; StepTimeModel's defaults, not calibrated: link 1 GB/s, latency 100.0 µs, none per message, compute as "
+        "timed alone")
     scaled = predict_step(sharded, example, step=dataclasses.replace(step, message_seconds="0.5ms", compute_scale=1.5),
                           repeats=1)  # every runtime field given: nothing left to calibrate, and nothing measured
     assert scaled.source.endswith("; as given: link 1e+06 GB/s, no latency, 500.0 µs per message, compute x1.50")

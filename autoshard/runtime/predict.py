@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autoshard.arguments import whole_number
-from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, run_of, step_time
+from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, is_default, run_of, step_time
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.runtime.calibrate import RUNTIME_FIELDS, calibrate_runtime, calibrated_fields
 from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
@@ -127,9 +127,12 @@ def predict_step(
     if measured:
         source += (f"; calibrated with the runtime (calibrate_runtime): "
                    f"{', '.join(described[name] for name in measured)}")
-    if len(measured) < len(RUNTIME_FIELDS):  # say so: a link given without the runtime's costs can move the step
-        kept = [described[name] for name in RUNTIME_FIELDS if name not in measured]
-        source += f"; as given{'' if calibrate else ', not calibrated'}: {', '.join(kept)}"
+    given = [described[name] for name in RUNTIME_FIELDS if name not in measured and not is_default(getattr(step, name))]
+    if given:
+        source += f"; as given: {', '.join(given)}"
+    defaults = [described[name] for name in RUNTIME_FIELDS if name not in measured and is_default(getattr(step, name))]
+    if defaults:  # say so: the defaults (gloo on one machine, free runtime) can move the step several times over
+        source += f"; StepTimeModel's defaults, not calibrated: {', '.join(defaults)}"
     return step_time([t.forward for t in times], [t.backward for t in times], [t.sent_bytes for t in times[:-1]],
                      step, source)
 
