@@ -121,13 +121,17 @@ class StepTimeModel:
                 f"{', '.join(SCHEDULES)}")
         object.__setattr__(self, "schedule", name)
         if self.microbatches is not None:
-            whole_number(self.microbatches, "microbatches", at_least=1)
-        whole_number(self.stages_per_rank, "stages_per_rank", at_least=1)
-        _positive(self.link_bandwidth, "link_bandwidth (bytes per second)")
-        _positive(self.link_latency, "link_latency (seconds)", zero_allowed=True)
-        _positive(self.backward_ratio, "backward_ratio", zero_allowed=True)
-        _positive(self.message_seconds, "message_seconds", zero_allowed=True)
-        _positive(self.compute_scale, "compute_scale")
+            object.__setattr__(self, "microbatches", whole_number(self.microbatches, "microbatches", at_least=1))
+        object.__setattr__(self, "stages_per_rank", whole_number(self.stages_per_rank, "stages_per_rank", at_least=1))
+        for name, described, zero_allowed in (("link_bandwidth", "link_bandwidth (bytes per second)", False),
+                                              ("link_latency", "link_latency (seconds)", True),
+                                              ("backward_ratio", "backward_ratio", True),
+                                              ("message_seconds", "message_seconds", True),
+                                              ("compute_scale", "compute_scale", False)):
+            value = getattr(self, name)
+            checked = _positive(value, described, zero_allowed)
+            if not isinstance(value, float):  # numpy numbers as Python's, for to_dict's JSON (a Default stays one)
+                object.__setattr__(self, name, checked)
 
     def microbatch_count(self, num_stages: int) -> int:
         """The step's microbatches; by default one per rank, as the memory model counts them."""
