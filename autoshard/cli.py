@@ -405,6 +405,9 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     if args.compare and links:
         raise InvalidArgumentError("--link-bandwidth and --link-latency set the link of the predicted step time, "
                                    "which --compare does not show; drop them, or run again with one --strategy")
+    if args.compare and getattr(args, "time_stages", False):
+        raise InvalidArgumentError("--time-stages times the stages of one plan, which --compare does not build; drop "
+                                   "it, or run again with one --strategy")
     session = _Session(args)
     if getattr(args, "time_stages", False) and session.inputs is None:  # before the split, not after its tables
         raise InvalidArgumentError(f"--time-stages times the stages on the example inputs, and {args.target} returned "
