@@ -68,9 +68,10 @@ def test_the_environment_variable_recalibrates_once_per_process(cache, monkeypat
     new_process(monkeypatch)
     monkeypatch.setenv(estimate.RECALIBRATE_ENV, "1")
     assert calibrated_device().peak_flops == 2e9 and calibrated_device().peak_flops == 2e9 and len(cache) == 2
-    monkeypatch.setenv(estimate.RECALIBRATE_ENV, "0")
-    new_process(monkeypatch)
-    assert calibrated_device().peak_flops == 2e9 and len(cache) == 2
+    for off in ("0", "false", "No", " off "):  # said off in words too, it is off
+        monkeypatch.setenv(estimate.RECALIBRATE_ENV, off)
+        new_process(monkeypatch)
+        assert calibrated_device().peak_flops == 2e9 and len(cache) == 2
 
 
 @pytest.mark.parametrize("refresh", ["no", "False", 0, None])

@@ -141,9 +141,44 @@ def test_a_stage_is_timed_whole_forward_and_backward_apart(sleepy):
     assert first.forward < 0.02 and first.backward < 0.02
     assert 0.03 <= second.forward < 0.06 and 0.04 <= second.backward < 0.07
     assert second.to_dict() == {"stage": 1, "forward": second.forward, "backward": second.backward, "repeats": 2,
-                                "device": "cpu", "sent_bytes": 2 * 4 * 4, "plan": first.plan, "spread": second.spread}
+                                "device": "cpu", "sent_bytes": 2 * 4 * 4, "plan": first.plan, "spread": second.spread,
+                                "threads": torch.get_num_threads()}
     assert first.sent_bytes == 2 * 4 * 4  # 2 rows of 4 floats to the next stage
     assert 0 <= second.spread < 0.5  # two runs of 70 ms of sleep
+
+
+def test_stages_are_timed_on_the_threads_asked_and_the_callers_are_given_back(sleepy, monkeypatch):
+    """On the CPU a stage's time moves with torch's threads (several times over on a busy machine), so
+    a step is predicted from stages timed on the threads each rank runs: one, by default, where the
+    runtime is calibrated, as its ranks (and torchrun's) run."""
+    sharded, example = sleepy
+    caller = torch.get_num_threads()
+    seen = []
+
+    def forward(ctx, x, forward_seconds, backward_seconds):
+        seen.append(torch.get_num_threads())
+        ctx.backward_seconds = 0.0
+        return x * 1.0
+
+    monkeypatch.setattr(_Slow, "forward", staticmethod(forward))
+    assert measure_stage_time(sharded, 1, example, repeats=1, threads=3).threads == 3 and set(seen) == {3}
+    assert torch.get_num_threads() == caller
+    here = RuntimeCalibration(5e9, 2e-4, {name: 3e-4 for name in ("gpipe", "1f1b", "interleaved-1f1b")}, 1.25)
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: here)
+    seen.clear()
+    calibrated = predict_step(sharded, example, step=StepTimeModel("gpipe", 2), repeats=1)
+    assert set(seen) == {1} and "(measure_stage_time on 1 thread;" in calibrated.source
+    seen.clear()
+    own = predict_step(sharded, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1, threads=2)
+    assert set(seen) == {2} and "(measure_stage_time on 2 threads;" in own.source
+    seen.clear()
+    predict_step(sharded, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1)
+    assert set(seen) == {caller} and torch.get_num_threads() == caller
+    for bad in (0, 1.5):
+        with pytest.raises((InvalidArgumentError, InvalidArgumentTypeError), match="threads"):
+            measure_stage_time(sharded, 1, example, threads=bad)
+        with pytest.raises((InvalidArgumentError, InvalidArgumentTypeError), match="threads"):
+            predict_step(sharded, example, calibrate=False, threads=bad)
 
 
 def _sleeping_slower(monkeypatch: pytest.MonkeyPatch, slower: Callable[[int], bool]) -> None:

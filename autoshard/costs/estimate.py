@@ -244,7 +244,7 @@ def cached_calibration(key: str, measure: Callable[[], T], parse: Callable[[Any]
     if not refresh and key in _THIS_PROCESS:
         return _THIS_PROCESS[key]
     path = calibration_cache()
-    again = refresh or os.environ.get(RECALIBRATE_ENV, "") not in ("", "0")
+    again = refresh or os.environ.get(RECALIBRATE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
     found = None if again else parse(_read_calibrations(path).get(key))
     if found is None:
         # One process measures a key at a time: concurrent ones (torchrun's ranks, test workers)

@@ -12,7 +12,7 @@ from torch import nn
 
 from autoshard.arguments import whole_number
 from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, is_default, run_of, step_time
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural
 from autoshard.runtime.calibrate import RUNTIME_FIELDS, calibrate_runtime, calibrated_fields
 from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
 from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, time_stages, timed_plan
@@ -42,6 +42,7 @@ def predict_step(
     calibrate: bool | None = None,
     repeats: int = TIMING_REPEATS,
     times: Sequence[StageTimeMeasurement] | None = None,
+    threads: int | None = None,
 ) -> StepTime:
     """One training step of ``sharded`` under ``step`` (default: the schedule, microbatches and stages
     per rank of the plan's memory model, as ``plan_report`` predicts it), predicted from each stage
@@ -52,12 +53,14 @@ def predict_step(
     real runtime on two local gloo processes (``calibrate_runtime``, cached), each one ``step``
     leaves at its default: ``link_bandwidth``, ``link_latency``, ``message_seconds`` or
     ``compute_scale`` given there are kept. Without it they are all ``step``'s own (give the
-    interconnect's for GPUs). ``times``, one ``measure_stage_time`` per stage in
-    order, predicts from stages timed before: several schedules from one timing (the inputs are not used
-    then); times of the specialisation that serves a microbatch the plan's guards refuse count as the
-    plan's. Every argument, whether the inputs bind to the model's arguments, and whether PyTorch's
-    schedule runs the step, are checked before anything is measured (the plan's guards check the inputs
-    when the stages run)."""
+    interconnect's for GPUs). ``threads``: torch's threads the stages are timed on; by default one
+    where the runtime is calibrated (its two ranks run one each, as torchrun starts ranks), else the
+    caller's (``torch.get_num_threads()``): give what each rank will run. ``times``, one
+    ``measure_stage_time`` per stage in order, predicts from stages timed before: several schedules
+    from one timing (the inputs are not used then); times of the specialisation that serves a
+    microbatch the plan's guards refuse count as the plan's. Every argument, whether the inputs bind
+    to the model's arguments, and whether PyTorch's schedule runs the step, are checked before
+    anything is measured (the plan's guards check the inputs when the stages run)."""
     checked_plan(sharded, "predict_step")
     planned = step is None
     step = run_of(sharded.plan.memory_model) if step is None else step
@@ -97,6 +100,7 @@ def predict_step(
         refuse_meta(sharded, k - 1, "predict_step")
         call = checked_call(sharded, example_inputs, example_kwargs, "predict_step")
         repeats = whole_number(repeats, "repeats", at_least=1)
+    threads = None if threads is None else whole_number(threads, "threads", at_least=1)
     modal = _mode_dependent(sharded) if not sharded.plan.training else []
     if modal:
         more = f" and {len(modal) - 3} more" if len(modal) > 3 else ""
@@ -108,15 +112,17 @@ def predict_step(
     measured = calibrated_fields(step) if calibrate else []
     if measured:
         step = calibrate_runtime().applied_to(step)
-    if times is None:
-        times = time_stages(sharded, range(k), *call, repeats)
+    if times is None:  # the calibrated runtime's ranks run one thread each: its stages are timed so
+        times = time_stages(sharded, range(k), *call, repeats, threads or (1 if measured else None))
     widest = max(times, key=lambda t: t.spread)
     if widest.spread > SPREAD_WARNED:
         warnings.warn(
             f"stage {widest.stage}'s timed runs spread {widest.spread:.0%} (their middle half's width over the "
             "median): the machine was busy or still warming up, so this step is as uncertain; predict again on a "
             "quiet machine, or with more repeats=", TimingSpreadWarning, stacklevel=2)
-    source = (f"each stage timed whole on one microbatch (measure_stage_time; its runs spread up to "
+    ran_on = {t.threads for t in times} - {0}
+    on_threads = f" on {plural(ran_on.pop(), 'thread')}" if len(ran_on) == 1 else ""
+    source = (f"each stage timed whole on one microbatch (measure_stage_time{on_threads}; its runs spread up to "
               f"{widest.spread:.0%})")
     described = {"link_bandwidth": f"link {step.link_bandwidth / 1e9:.3g} GB/s",
                  "link_latency": f"latency {format_seconds(step.link_latency)}" if step.link_latency else "no latency",

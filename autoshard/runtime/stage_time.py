@@ -38,7 +38,8 @@ class StageTimeMeasurement:
     next stage (for the last stage, the model's outputs); ``plan``, the fingerprint of what it was
     timed in (``timed_plan``; ``predict_step`` refuses a timing of another); ``spread``, how far apart
     the runs were: the interquartile range over the median of forward + backward (a loaded machine
-    shows here; one run stalled by a pause of the VM, which the median shrugs off, does not)."""
+    shows here; one run stalled by a pause of the VM, which the median shrugs off, does not);
+    ``threads``, torch's intra-op threads it ran on (0: not recorded)."""
 
     stage: int
     forward: float
@@ -48,6 +49,7 @@ class StageTimeMeasurement:
     sent_bytes: int
     plan: str
     spread: float = 0.0
+    threads: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -60,6 +62,7 @@ def measure_stage_time(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     repeats: int = TIMING_REPEATS,
+    threads: int | None = None,
 ) -> StageTimeMeasurement:
     """Time stage ``stage`` of ``sharded`` whole on one microbatch (``example_inputs`` /
     ``example_kwargs``, the model's inputs): its forward, then its backward from a gradient of ones
@@ -68,20 +71,30 @@ def measure_stage_time(
     costs a read and a write of it: 25% of a weight-heavy stage's backward). On CUDA the device
     is synchronised around each timing. The model is left as it was (gradients, buffers, random
     state). A loss the runtime computes after the last stage is not part of it. Inputs the plan's
-    guards refuse are timed on the specialisation that serves them, as a call would choose it."""
+    guards refuse are timed on the specialisation that serves them, as a call would choose it.
+    ``threads``: torch's intra-op threads to time on (None: the caller's, ``torch.get_num_threads()``);
+    give what each rank will run (torchrun starts ranks on one unless ``OMP_NUM_THREADS`` says
+    otherwise): on the CPU a stage's time moves with it, several times over on a busy machine."""
     stage = checked_stage(sharded, stage, "measure_stage_time")
     example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_time")
     repeats = whole_number(repeats, "repeats", at_least=1)
-    return time_stages(sharded, [stage], example_inputs, example_kwargs, repeats)[0]
+    threads = None if threads is None else whole_number(threads, "threads", at_least=1)
+    return time_stages(sharded, [stage], example_inputs, example_kwargs, repeats, threads)[0]
 
 
 def time_stages(sharded: ShardedModel, stages: Sequence[int], example_inputs: tuple, example_kwargs: dict,
-                repeats: int) -> list[StageTimeMeasurement]:
+                repeats: int, threads: int | None = None) -> list[StageTimeMeasurement]:
     """``measure_stage_time`` of each of ``stages`` (arguments checked by the caller), on the plan
-    serving the inputs, chosen once for them all (choosing runs every stage)."""
-    with model_kept(sharded):
-        plan = serving_plan(sharded, example_inputs, example_kwargs)
-        return [_timed(plan, stage, example_inputs, example_kwargs, repeats) for stage in stages]
+    serving the inputs, chosen once for them all (choosing runs every stage), on ``threads`` (None:
+    the caller's)."""
+    caller = torch.get_num_threads()
+    torch.set_num_threads(threads or caller)
+    try:
+        with model_kept(sharded):
+            plan = serving_plan(sharded, example_inputs, example_kwargs)
+            return [_timed(plan, stage, example_inputs, example_kwargs, repeats) for stage in stages]
+    finally:
+        torch.set_num_threads(caller)
 
 
 def _timed(plan: ShardedModel, stage: int, example_inputs: tuple, example_kwargs: dict,
@@ -113,7 +126,7 @@ def _timed(plan: ShardedModel, stage: int, example_inputs: tuple, example_kwargs
     quartiles = statistics.quantiles(totals, n=4, method="inclusive") if len(totals) > 1 else [totals[0]] * 3
     spread = (quartiles[2] - quartiles[0]) / quartiles[1] if quartiles[1] > 0 else 0.0
     return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
-                                str(device), sent_bytes, timed_plan(plan), spread)
+                                str(device), sent_bytes, timed_plan(plan), spread, torch.get_num_threads())
 
 
 def timed_plan(sharded: ShardedModel) -> str:
