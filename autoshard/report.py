@@ -339,8 +339,6 @@ def step_time_lines(step: StepTime, label: str = "predicted") -> list[str]:
              f" + {format_seconds(model.link_latency)} each)" if any(step.links) else "")
     if any(step.links) and model.message_seconds:
         links += f", and {format_seconds(model.message_seconds)} of each rank's time per message"
-    if model.compute_scale != 1:
-        links += f"; stages compute x{model.compute_scale:.2f} their time alone"
     return [f"step time ({label}): {step}{links}", f"step time from: {step.source}"]
 
 

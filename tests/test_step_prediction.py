@@ -26,7 +26,7 @@ from autoshard import cli
 from autoshard.costs import estimate
 from autoshard.costs.step_time import StepTimeModel, step_time
 from autoshard.errors import InputMismatchError, InvalidArgumentError, InvalidArgumentTypeError, LaunchError
-from autoshard.report import format_seconds
+from autoshard.report import format_seconds, step_time_lines
 from autoshard.runtime import (
     RuntimeCalibration, calibrate_runtime, measure_stage_memory, measure_stage_time, predict_step, run_local)
 from autoshard.runtime import calibrate
@@ -72,6 +72,7 @@ def test_the_compute_scale_stretches_every_op_and_is_reported():
     assert slowed.forward == (1.5,) and slowed.busy == pytest.approx((9.0,))
     assert "(forward 1.500 s + backward 3.000 s per microbatch, x1.50 their time alone)" in str(slowed)
     assert "their time alone" not in str(plain)
+    assert " ".join(step_time_lines(slowed)).count("their time alone") == 1  # said once, where the times are
     assert StepTimeModel(compute_scale=1.25).to_dict()["compute_scale"] == 1.25
 
 
