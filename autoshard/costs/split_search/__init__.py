@@ -7,6 +7,8 @@ The split passes are adapters: options and the run's cost models in, a request, 
 
 from __future__ import annotations
 
+import dataclasses
+
 from autoshard.costs.split_search.bisection import (
     MEMORY_SEARCH_STEPS,
     MEMORY_SEARCH_STRATEGIES,
@@ -15,6 +17,7 @@ from autoshard.costs.split_search.bisection import (
 )
 from autoshard.costs.split_search.placements import split_placing_ties, weighted_in_order
 from autoshard.costs.split_search.request import MemoryCount, SplitRequest, summed_memory, training_memory
+from autoshard.errors import InfeasibleSplitError
 from autoshard.graph import Partition
 
 __all__ = [
@@ -25,7 +28,18 @@ __all__ = [
 
 def search_split(request: SplitRequest) -> Partition:
     """The split ``request`` asks for: ties placed, budgets held, training memory balanced."""
-    partition = split_placing_ties(request)
     if not balances_training_memory(request):
-        return partition
+        return split_placing_ties(request)
+    try:
+        partition = split_placing_ties(request)
+    except InfeasibleSplitError:
+        if not request.max_memory:
+            raise
+        # The budgeted search starts from per-node sums and may miss what the bound search finds, so
+        # the plan made without budgets is planned when it fits (its fullest stage was 0.7x the other's).
+        free = search_split(dataclasses.replace(request, max_memory=()))
+        need = request.memory.stage_totals(free.assignment) if request.memory else ()
+        if not need or any(m > b for m, b in zip(need, request.each_stage(request.max_memory))):
+            raise
+        return free
     return memory_balanced(request, partition.info.bottleneck)
