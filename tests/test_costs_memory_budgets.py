@@ -188,6 +188,8 @@ def test_the_memory_model_sets_the_optimizer_the_plan_is_made_for():
     ({"microbatches": 1.5}, "microbatches must be a whole number >= 1"),
     ({"optimizer": "adagrad"}, "unknown optimizer 'adagrad'; known: adam, adamw, sgd-momentum, sgd, none"),
     ({"schedule": "zero-bubble"}, "unknown schedule 'zero-bubble'; known: 1f1b, gpipe, interleaved-1f1b"),
+    ({"schedule": "gpip"}, r"unknown schedule 'gpip' \(did you mean 'gpipe'\?\); known: 1f1b, gpipe"),
+    ({"optimizer": "adamx"}, r"unknown optimizer 'adamx' \(did you mean 'adam' or 'adamw'\?\); known: adam"),
     ({"stages_per_rank": 0}, "stages_per_rank must be a whole number >= 1"),
     ({"master_weights": "yes"}, "master_weights must be True or False"),
 ])

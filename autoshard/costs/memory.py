@@ -66,7 +66,7 @@ import networkx as nx
 
 from autoshard.costs.recompute import block_path, checkpoint_regions, checkpointed_kept, recompute_bytes
 from autoshard.costs.ties import weight_payers
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, suggest
 from autoshard.graph.partition import boundary_values
 
 OPTIMIZER_BYTES: dict[str, float] = {"adam": 8.0, "adamw": 8.0, "sgd-momentum": 4.0, "sgd": 0.0, "none": 0.0}
@@ -114,8 +114,10 @@ def _compute_dtype(value: object) -> str | None:
 
 
 def _choice(value: object, name: str, known: Sequence[str]) -> str:
+    """``value`` lowered, or a refusal with a "did you mean", as ``StepTimeModel`` and the CLI give."""
     if not isinstance(value, str) or value.lower() not in known:
-        raise InvalidArgumentError(f"unknown {name} {value!r}; known: {', '.join(known)}")
+        close = suggest(value.lower(), known) if isinstance(value, str) else ""
+        raise InvalidArgumentError(f"unknown {name} {value!r}{close}; known: {', '.join(known)}")
     return value.lower()
 
 
