@@ -270,3 +270,23 @@ def test_a_budget_the_memory_balanced_plan_fits_is_never_refused(k=4):
     planned = autoshard.shard_model(model, k, example_inputs=args, cost="memory", memory_model=memory,
                                     max_memory=need * 1.03, pipeline=PLAN_ONLY).plan
     assert peak_memory(planned.dag, planned.assignment, k, memory) <= need * 1.03
+
+
+def test_cost_memory_without_budgets_is_never_refused(monkeypatch, k=4):
+    """The bound search probes split without moves; its last split, with them, tightens along another
+    path and met no plan at the bound the probes met (a tiny Llama, k = 4): ``cost="memory"`` alone
+    was refused naming a ``max_memory`` the caller never gave. The probe that met the bound is kept."""
+    from autoshard.costs.split_search import bisection
+
+    model, x = activation_heavy_chain()
+    free = autoshard.shard_model(model, k, example_inputs=(x,), cost="memory", pipeline=PLAN_ONLY).plan
+    search = bisection.split_placing_ties
+
+    def refused_with_moves(request):
+        if request.strategy_options.get("moves", True):
+            raise InfeasibleSplitError("no split into 4 stages fits max_memory")
+        return search(request)
+
+    monkeypatch.setattr(bisection, "split_placing_ties", refused_with_moves)
+    plan = autoshard.shard_model(model, k, example_inputs=(x,), cost="memory", pipeline=PLAN_ONLY).plan
+    assert peak_memory(plan.dag, plan.assignment, k) == peak_memory(free.dag, free.assignment, k)

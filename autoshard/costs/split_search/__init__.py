@@ -42,4 +42,4 @@ def search_split(request: SplitRequest) -> Partition:
         if not need or any(m > b for m, b in zip(need, request.each_stage(request.max_memory))):
             raise
         return free
-    return memory_balanced(request, partition.info.bottleneck)
+    return memory_balanced(request, partition)

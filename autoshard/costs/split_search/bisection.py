@@ -28,9 +28,12 @@ def balances_training_memory(request: SplitRequest) -> bool:
     return request.training_memory_cost and request.strategy in MEMORY_SEARCH_STRATEGIES
 
 
-def memory_balanced(request: SplitRequest, found: float) -> Partition:
+def memory_balanced(request: SplitRequest, first: Partition) -> Partition:
     """The split whose costliest stage in training memory is within the tolerance of the least any
-    probe reaches; ``found`` is the training memory of a split's costliest stage, a bound that holds."""
+    probe reaches; ``first`` is a split whose costliest stage bounds the search. The probes split
+    without moves; where the last split, with them, meets no plan at the bound found (its tightening
+    takes another path), the probe that met it is kept, else ``first``: a plan without budgets was
+    refused naming a ``max_memory`` the caller never gave."""
     speeds = request.each_stage(request.capacities or (1.0,))
     caps = request.each_stage(request.max_memory) if request.max_memory else (math.inf,) * request.k
     fast = {"moves": False} if "moves" in request.strategy_options else {}
@@ -39,17 +42,22 @@ def memory_balanced(request: SplitRequest, found: float) -> Partition:
         return dataclasses.replace(request, max_memory=tuple(min(bound * s, c) for s, c in zip(speeds, caps)),
                                    strategy_options={**request.strategy_options, **options})
 
-    def fits(bound: float) -> bool:
+    def fitting(bound: float) -> Partition | None:
         try:
-            return split_placing_ties(within(bound, **fast)).info.bottleneck <= bound * (1 + 1e-9)
+            split = split_placing_ties(within(bound, **fast))
         except InfeasibleSplitError:
-            return False
+            return None
+        return split if split.info.bottleneck <= bound * (1 + 1e-9) else None
 
-    low, high = 0.0, found
+    low, high, met = 0.0, first.info.bottleneck, first
     for _ in range(MEMORY_SEARCH_STEPS):
         middle = (low + high) / 2
-        low, high = (low, middle) if fits(middle) else (middle, high)
+        probe = fitting(middle)
+        low, high, met = (low, middle, probe) if probe is not None else (middle, high, met)
     bound = high * (1 + request.tolerance)
-    split = split_placing_ties(within(bound))
+    try:
+        split = split_placing_ties(within(bound))
+    except InfeasibleSplitError:
+        split = met
     # The inner split's bound is on one microbatch's memory; the plan is held to this one.
     return dataclasses.replace(split, info=dataclasses.replace(split.info, bound=bound))
