@@ -159,6 +159,12 @@ def measure_stage_memory(
     """
     stage = checked_stage(sharded, stage, "measure_stage_memory")
     planned = sharded.plan.memory_model
+    if planned.layout():  # else a peak of pipelining alone is read against a prediction for the layout
+        raise InvalidArgumentError(
+            f"measure_stage_memory runs a stage under pipelining alone, but the plan's memory model counts "
+            f"{planned.layout()}, which it does not run; compare it with plan_report(sharded, "
+            "memory=dataclasses.replace(sharded.plan.memory_model, data_parallel=None, dp=1, mixed_precision=None, "
+            "activation_checkpointing=False)), or measure the ranks parallelize builds")
     schedule = planned.schedule if schedule is None else schedule
     microbatches = planned.microbatches if microbatches is None else microbatches
     optimizer = planned.optimizer if optimizer is None else optimizer
