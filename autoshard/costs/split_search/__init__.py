@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autoshard.costs.models import held_weight_bytes, param_costs
 from autoshard.costs.split_search.bisection import (
     MEMORY_SEARCH_STEPS,
     MEMORY_SEARCH_STRATEGIES,
@@ -42,4 +43,30 @@ def search_split(request: SplitRequest) -> Partition:
         if not need or any(m > b for m, b in zip(need, request.each_stage(request.max_memory))):
             raise
         return free
-    return memory_balanced(request, partition)
+    balanced, plain = memory_balanced(request, partition), weights_balanced(request)
+    return plain if plain is not None and plain.info.bottleneck < balanced.info.bottleneck else balanced
+
+
+def weights_balanced(request: SplitRequest) -> Partition | None:
+    """The split the default cost (weight bytes) makes under ``request``'s constraints, scored in
+    training memory; None where it breaks a budget or no such split exists. The bound search's
+    probes are budgeted splits, a heuristic: on the GPT-style LM they cut inside a block (two values
+    sent, their receive buffers doubled), and ``cost=memory`` came out fuller than this split."""
+    dag, k = request.dag, request.k
+    if "weights" not in dag.graph and not all("param_bytes" in data for _, data in dag.nodes(data=True)):
+        return None  # a DAG built by hand without weights: no such split to weigh
+    by_weights = dataclasses.replace(
+        request, node_costs=lambda apart: param_costs(dag, apart), charges_weights=True,
+        stage_totals=lambda assignment: held_weight_bytes(dag, assignment, k), training_memory_cost=False,
+        max_memory=(), memory=None)
+    try:
+        split = split_placing_ties(by_weights)
+    except InfeasibleSplitError:
+        return None
+    totals = request.stage_totals(split.assignment)
+    if split.info is None or (request.max_memory and request.memory and any(
+            need > cap for need, cap in zip(request.memory.stage_totals(split.assignment),
+                                            request.each_stage(request.max_memory)))):
+        return None
+    fullest = max(total / speed for total, speed in zip(totals, request.each_stage(request.capacities or (1.0,))))
+    return dataclasses.replace(split, info=dataclasses.replace(split.info, bottleneck=fullest, bound=fullest))
