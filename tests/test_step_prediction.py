@@ -170,6 +170,9 @@ def test_stages_are_timed_on_the_threads_asked_and_the_callers_are_given_back(sl
     calibrated = predict_step(sharded, example, step=StepTimeModel("gpipe", 2), repeats=1)
     assert set(seen) == {1} and "(measure_stage_time on 1 thread;" in calibrated.source
     seen.clear()
+    asked = predict_step(sharded, example, step=StepTimeModel("gpipe", 2), repeats=1, threads=2)  # calibrated too
+    assert set(seen) == {2} and "(measure_stage_time on 2 threads;" in asked.source
+    seen.clear()
     own = predict_step(sharded, example, step=StepTimeModel("gpipe", 2), calibrate=False, repeats=1, threads=2)
     assert set(seen) == {2} and "(measure_stage_time on 2 threads;" in own.source
     seen.clear()
