@@ -308,3 +308,20 @@ def test_cost_memory_is_never_fuller_than_the_default_plan(k, memory):
     held = autoshard.shard_model(model, k, example_inputs=args, cost="memory", memory_model=memory,
                                  max_memory=by_weights, pipeline=PLAN_ONLY).plan
     assert peak_memory(held.dag, held.assignment, k, memory) <= by_weights
+
+
+def test_cost_memory_is_never_fuller_than_the_default_plan_on_stages_of_unequal_capacity(k=2):
+    """With ``capacities`` a stage's fullness is its memory over its capacity, the default plan's
+    included: weighed unscaled, the default plan (0.30 MB a unit of capacity on the GPT-style LM) lost
+    to a memory-balanced one at 0.31 MB."""
+    model, args, _ = load_example("gpt-lm")
+    memory, capacities = autoshard.MemoryModel(optimizer="sgd", microbatches=8), (3.0, 1.0)
+
+    def fullest(plan) -> float:
+        return max(s.total / c for s, c in zip(stage_memory(plan.dag, plan.assignment, k, memory), capacities))
+
+    default = autoshard.shard_model(model, k, example_inputs=args, memory_model=memory, capacities=capacities,
+                                    pipeline=PLAN_ONLY).plan
+    balanced = autoshard.shard_model(model, k, example_inputs=args, cost="memory", memory_model=memory,
+                                     capacities=capacities, pipeline=PLAN_ONLY).plan
+    assert fullest(balanced) <= fullest(default)
