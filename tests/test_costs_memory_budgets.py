@@ -325,3 +325,26 @@ def test_cost_memory_is_never_fuller_than_the_default_plan_on_stages_of_unequal_
     balanced = autoshard.shard_model(model, k, example_inputs=args, cost="memory", memory_model=memory,
                                      capacities=capacities, pipeline=PLAN_ONLY).plan
     assert fullest(balanced) <= fullest(default)
+
+
+def test_cost_memory_never_plans_the_unbudgeted_split_over_one_stages_budget(monkeypatch, k=4):
+    """Where the budgeted search finds nothing, ``cost=memory`` plans the split made without budgets
+    only when every stage of it fits its own budget: one stage over is refused, not planned."""
+    from autoshard.costs import split_search
+
+    model, x = activation_heavy_chain()
+    free = autoshard.shard_model(model, k, example_inputs=(x,), cost="memory", pipeline=PLAN_ONLY).plan
+    need = [s.total for s in stage_memory(free.dag, free.assignment, k)]
+    search = split_search.split_placing_ties
+
+    def nothing_under_budgets(request):
+        if request.max_memory:
+            raise InfeasibleSplitError("no split into 4 stages fits max_memory")
+        return search(request)
+
+    monkeypatch.setattr(split_search, "split_placing_ties", nothing_under_budgets)
+    assert autoshard.shard_model(model, k, example_inputs=(x,), cost="memory", max_memory=need,
+                                 pipeline=PLAN_ONLY).plan.assignment == free.assignment
+    with pytest.raises(InfeasibleSplitError):
+        autoshard.shard_model(model, k, example_inputs=(x,), cost="memory", max_memory=[need[0] - 1, *need[1:]],
+                              pipeline=PLAN_ONLY)
