@@ -130,15 +130,14 @@ def predict_step(
                                      else "none per message"),
                  "compute_scale": (f"compute x{step.compute_scale:.2f}" if step.compute_scale != 1
                                    else "compute as timed alone")}
-    if measured:
-        source += (f"; calibrated with the runtime (calibrate_runtime): "
-                   f"{', '.join(described[name] for name in measured)}")
-    given = [described[name] for name in RUNTIME_FIELDS if name not in measured and not is_default(getattr(step, name))]
-    if given:
-        source += f"; as given: {', '.join(given)}"
-    defaults = [described[name] for name in RUNTIME_FIELDS if name not in measured and is_default(getattr(step, name))]
-    if defaults:  # say so: the defaults (gloo on one machine, free runtime) can move the step several times over
-        source += f"; StepTimeModel's defaults, not calibrated: {', '.join(defaults)}"
+    rest = [name for name in RUNTIME_FIELDS if name not in measured]
+    # the defaults said too: gloo on one machine and a free runtime can move the step several times over
+    for heading, names in (("calibrated with the runtime (calibrate_runtime)", measured),
+                           ("as given", [name for name in rest if not is_default(getattr(step, name))]),
+                           ("StepTimeModel's defaults, not calibrated",
+                            [name for name in rest if is_default(getattr(step, name))])):
+        if names:
+            source += f"; {heading}: {', '.join(described[name] for name in names)}"
     return step_time([t.forward for t in times], [t.backward for t in times], [t.sent_bytes for t in times[:-1]],
                      step, source)
 

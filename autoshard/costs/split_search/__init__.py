@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoshard.costs.models import held_weight_bytes, param_costs
+from autoshard.costs.models import param_costs
 from autoshard.costs.split_search.bisection import (
     MEMORY_SEARCH_STEPS,
     MEMORY_SEARCH_STRATEGIES,
@@ -39,8 +39,7 @@ def search_split(request: SplitRequest) -> Partition:
         # The budgeted search starts from per-node sums and may miss what the bound search finds, so
         # the plan made without budgets is planned when it fits (its fullest stage was 0.7x the other's).
         free = search_split(dataclasses.replace(request, max_memory=()))
-        need = request.memory.stage_totals(free.assignment) if request.memory else ()
-        if not need or any(m > b for m, b in zip(need, request.each_stage(request.max_memory))):
+        if not within_budgets(request, free):
             raise
         return free
     balanced, plain = memory_balanced(request, partition), weights_balanced(request)
@@ -52,21 +51,26 @@ def weights_balanced(request: SplitRequest) -> Partition | None:
     training memory; None where it breaks a budget or no such split exists. The bound search's
     probes are budgeted splits, a heuristic: on the GPT-style LM they cut inside a block (two values
     sent, their receive buffers doubled), and ``cost=memory`` came out fuller than this split."""
-    dag, k = request.dag, request.k
+    dag = request.dag
     if "weights" not in dag.graph and not all("param_bytes" in data for _, data in dag.nodes(data=True)):
         return None  # a DAG built by hand without weights: no such split to weigh
-    by_weights = dataclasses.replace(
-        request, node_costs=lambda apart: param_costs(dag, apart), charges_weights=True,
-        stage_totals=lambda assignment: held_weight_bytes(dag, assignment, k), training_memory_cost=False,
-        max_memory=(), memory=None)
+    # split by weight bytes, scored (bottleneck per capacity, tie placements ranked) in training memory
+    by_weights = dataclasses.replace(request, node_costs=lambda apart: param_costs(dag, apart), charges_weights=True,
+                                     training_memory_cost=False, max_memory=())
     try:
         split = split_placing_ties(by_weights)
     except InfeasibleSplitError:
         return None
-    totals = request.stage_totals(split.assignment)
-    if split.info is None or (request.max_memory and request.memory and any(
-            need > cap for need, cap in zip(request.memory.stage_totals(split.assignment),
-                                            request.each_stage(request.max_memory)))):
+    if split.info is None or not within_budgets(request, split):
         return None
-    fullest = max(total / speed for total, speed in zip(totals, request.each_stage(request.capacities or (1.0,))))
-    return dataclasses.replace(split, info=dataclasses.replace(split.info, bottleneck=fullest, bound=fullest))
+    return dataclasses.replace(split, info=dataclasses.replace(split.info, bound=split.info.bottleneck))
+
+
+def within_budgets(request: SplitRequest, split: Partition) -> bool:
+    """Whether every stage of ``split`` fits ``request``'s ``max_memory`` as its memory count scores
+    it (no budgets: it does; budgets but no count to judge by: it does not)."""
+    if not request.max_memory:
+        return True
+    return request.memory is not None and all(
+        need <= cap for need, cap in zip(request.memory.stage_totals(split.assignment),
+                                         request.each_stage(request.max_memory)))
