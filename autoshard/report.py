@@ -290,8 +290,8 @@ def how_made_lines(plan: SavedPlan) -> list[str]:
         if unprobed:
             shown = ", ".join(unprobed[:5]) + (f" and {len(unprobed) - 5} more" if len(unprobed) > 5 else "")
             lines.append(f"train mem: {plural(len(unprobed), 'node')} not measured ({shown}: fake tensors could not "
-                         "run or size them) count their output bytes as saved and nothing for their backward; check a "
-                         "budget with autoshard.runtime.measure_stage_memory")
+                         "run or size them, nor could a real run) count their output bytes as saved and nothing for "
+                         "their backward; check a budget with autoshard.runtime.measure_stage_memory")
     return lines
 
 

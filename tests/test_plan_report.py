@@ -191,15 +191,33 @@ def flop_counter_mode_total(model: nn.Module, *args: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
+class _Recurrents(nn.Module):
+    def __init__(self, layers: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.LSTM(8, 8, batch_first=True) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)[0]
+        return x
+
+
 def test_the_report_names_the_nodes_whose_memory_was_not_measured():
-    """The branched example's blocks branch on their input's values, which fake tensors cannot
-    run: the report says their memory is a stand-in, and how to check a budget."""
-    model, args, _ = load_example("branched")
-    text = " ".join(str(autoshard.plan_report(autoshard.shard_model(model, 2, example_inputs=args))).split())
-    assert ("train mem: 10 nodes not measured (blocks_0, blocks_1, blocks_2, blocks_3, blocks_4 and 5 more: fake "
-            "tensors could not run or size them) count their output bytes as saved") in text
-    model, args, _ = load_example("gpt-lm")
-    assert "not measured" not in str(autoshard.plan_report(autoshard.shard_model(model, 2, example_inputs=args)))
+    """A fused LSTM's fake kernel cannot size its workspace: where shape propagation runs fake tensors,
+    the report says the layers' memory is a stand-in, and how to check a budget. Where it runs real
+    ones, those layers, and the branched example's blocks, which fake tensors cannot run at all,
+    are probed on them."""
+    x = torch.randn(2, 4, 8)
+    pipeline = "capture,shape-prop{mode=fake},build-dag,linearize,split{stages=2},emit"
+    text = " ".join(str(autoshard.plan_report(autoshard.shard_model(_Recurrents(), 2, example_inputs=(x,),
+                                                                    pipeline=pipeline))).split())
+    assert ("train mem: 6 nodes not measured (layers_0, layers_1, layers_2, layers_3, layers_4 and 1 more: fake "
+            "tensors could not run or size them, nor could a real run) count their output bytes as saved") in text
+    sharded = autoshard.shard_model(_Recurrents(), 2, example_inputs=(x,))
+    assert "not measured" not in str(autoshard.plan_report(sharded))
+    for name in ("branched", "gpt-lm"):
+        model, args, _ = load_example(name)
+        assert "not measured" not in str(autoshard.plan_report(autoshard.shard_model(model, 2, example_inputs=args)))
 
 
 @pytest.mark.parametrize("wrong, expected", [

@@ -32,12 +32,12 @@ function, method or module settings on the same argument layouts, as in a model'
 are probed once: the others get the first one's ``NodeEffect`` applied to their own arguments and a
 fresh output of its layout. A node autograd records nothing of (a size, a mask, an index: code that
 reads only arguments that want no gradient) is not probed at all: its effect is read off shape
-propagation's run (``_untracked``). A node that fake tensors cannot run
-(control flow on a tensor's values, as ``nn.TransformerEncoder``'s mask check) gets a fake twin of
-its real value and no facts (the memory model counts its output bytes); ``unprobed`` names those nodes.
-A node whose fake run saves an empty storage of its own (a fused RNN's workspace, which its fake
-kernel cannot size) is sized by one real run of it (``_sized_on_real_tensors``), or, when shape
-propagation runs fake tensors, left unprobed.
+propagation's run (``_untracked``). A node that fake tensors cannot run (control flow on a tensor's
+values, as ``nn.TransformerEncoder``'s mask check) or size (a fused RNN's fake kernel saves its
+workspace as an empty storage) is probed as any other on one real run, on the values shape propagation
+gave it standing for the twins (``_probe_on_real_tensors``); where shape propagation runs fake tensors,
+it gets a fake twin of its value and no facts (the memory model counts its output bytes), and
+``unprobed`` names it.
 """
 
 from __future__ import annotations
@@ -239,6 +239,10 @@ def _reached(node: fx.Node, value: Any) -> tuple[bool, tuple[int, ...] | None]:
     return unread, None
 
 
+def _zeros_strided(like: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty_strided(like.shape, strides, dtype=like.dtype, device=like.device).zero_()
+
+
 def _is_item(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
@@ -305,6 +309,7 @@ class TrainingProbe:
         self.leaf_names: dict[int, str] = {}  # id of a leaf -> that name
         self.weight_grads: dict[str, tuple[str, ...] | None] = {}  # node -> the weights its backward gives a gradient
         self.kept: list[Any] = []
+        self.stand_ins: dict[int, torch.Tensor] = {}  # id of a twin -> the real tensor standing for it
         self.unprobed: list[str] = []
         self.unrun: set[str] = set()  # the nodes whose forward fake tensors could not run: no facts
         self.tracker = QuietMemTracker()
@@ -439,11 +444,11 @@ class TrainingProbe:
         args, kwargs = tree_map_only(torch.Tensor, prepare, (args, kwargs))
         return args, kwargs, [t for t, _, _ in wanted.values()], [i for _, _, i in wanted.values()]
 
-    def _run(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[Any, list[torch.Tensor]]:
+    def _run(self, call: NodeCall, args: tuple, kwargs: dict, real: bool = False) -> tuple[Any, list[torch.Tensor]]:
         """Run the node; a module, or a function handed modules, runs on fake leaves for their weights
-        (returned: they want gradients)."""
+        (``real``: real leaves standing for them; returned: they want gradients)."""
         node = call.node
-        leaves = self._weights(node)
+        leaves = self._weights(node, real)
         if node.op == "call_module":
             value = torch.func.functional_call(self.gm.get_submodule(str(node.target)), leaves, args, kwargs)
         elif leaves:
@@ -459,9 +464,9 @@ class TrainingProbe:
         twins = [self.twins.get(a) for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
         return list({id(m): m for m in twins if isinstance(m, nn.Module)}.values())
 
-    def _weights(self, node: fx.Node) -> dict[str, torch.Tensor]:
-        """The parameters and buffers by name, as fake leaves, of a module node's module, or of the
-        modules another node is handed (under ``_Handed``'s names)."""
+    def _weights(self, node: fx.Node, real: bool = False) -> dict[str, torch.Tensor]:
+        """The parameters and buffers by name, as fake leaves (``real``: real leaves standing for them),
+        of a module node's module, or of the modules another node is handed (under ``_Handed``'s names)."""
         if node.op == "call_module":
             modules = {"": self.gm.get_submodule(str(node.target))}
         else:
@@ -469,13 +474,15 @@ class TrainingProbe:
         named = {prefix + name: t for prefix, module in modules.items()
                  for name, t in [*module.named_parameters(remove_duplicate=False),
                                  *module.named_buffers(remove_duplicate=False)]}
+        if real:
+            return {name: self._stand_in(t, self.weight(t)) for name, t in named.items()}
         return {name: self.weight(t) for name, t in named.items()}
 
-    def weight_leaves(self, node: fx.Node, arguments: list[torch.Tensor]) -> list[torch.Tensor]:
+    def weight_leaves(self, node: fx.Node, arguments: list[torch.Tensor], real: bool = False) -> list[torch.Tensor]:
         """The fake leaves of the weights ``node`` may give a gradient, once each, in an order nodes
         probed alike share: those among its tensor arguments, then its module's or those of the
         modules it is handed (``_weights``)."""
-        leaves = [*(t for t in arguments if id(t) in self.leaves), *self._weights(node).values()]
+        leaves = [*(t for t in arguments if id(t) in self.leaves), *self._weights(node, real).values()]
         return list({id(t): t for t in leaves if t.requires_grad}.values())
 
     def _key(self, node: fx.Node, flat: list[Any], spec: Any, value: Any) -> Hashable | None:
@@ -508,16 +515,20 @@ class TrainingProbe:
         if effect is not None:
             value = self._replay(effect, arguments)  # outside the fake mode: entering it costs more than a replay
         else:
-            with self._in_fake_mode():
-                try:
+            try:
+                with self._in_fake_mode():
                     effect, value, reusable = self._probe(call, args, kwargs, arguments)
-                except Exception:  # noqa: BLE001 - what fake tensors cannot run is left unprobed, not fatal
+            except Exception:  # noqa: BLE001 - what fake tensors cannot run is probed on real ones, or left unprobed
+                effect, value, reusable = self._probe_on_real_tensors(call, args, kwargs), None, False
+                if effect is None:
                     self.unprobed.append(name)
                     self.unrun.add(name)
                     self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
-                    twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
+                    with self._in_fake_mode():
+                        twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
                     self.own(twin, name)
                     return twin
+                effect, value = effect
             if reusable and key is not None:
                 self.memo[key] = effect  # key is None whenever memo is
         self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)
@@ -691,11 +702,13 @@ class TrainingProbe:
         return list(found.items())
 
     def _probe(self, call: NodeCall, args: tuple, kwargs: dict, arguments: list[torch.Tensor],
-               layouts: list[tuple[int, ...] | None] | None = None) -> tuple[NodeEffect, Any, bool]:
+               layouts: list[tuple[int, ...] | None] | None = None, real: bool = False,
+               ) -> tuple[NodeEffect, Any, bool]:
         """Run the node with gradients under the saved-tensor hooks and ``MemTracker``: its effect
         (relative to ``arguments``), its output as fake leaves, and whether the effect may serve
         another node of the same key. ``layouts``: per tensor of the output, the strides of the
-        gradient its backward starts from (None: laid out as ``torch.empty_like`` lays out a new one)."""
+        gradient its backward starts from (None: laid out as ``torch.empty_like`` lays out a new one).
+        ``real``: the arguments are real tensors standing for the twins (``_probe_on_real_tensors``)."""
         packed: dict[StorageWeakRef, int] = {}  # storage saved -> its bytes, in the order saved
         held: list[torch.Tensor] = []  # the tensors saved, until it is known which are the node's own temporaries
 
@@ -705,7 +718,7 @@ class TrainingProbe:
         def pack(t: torch.Tensor) -> torch.Tensor:
             held.append(t)
             ref = self.original(_storage(t))
-            mine = isinstance(t, FakeTensor) and t.fake_mode is self.fake
+            mine = real or isinstance(t, FakeTensor) and t.fake_mode is self.fake
             (packed if mine or ref in self.owner else foreign).setdefault(ref, t.untyped_storage().nbytes())
             return t
 
@@ -713,9 +726,9 @@ class TrainingProbe:
         self.tracker.forget_modules()
         with torch.enable_grad():
             args, kwargs, wanted, indices = self._inputs(args, kwargs, through_clones=bool(call.node.users))
-            with self._tracked(*_tensors((args, kwargs)), *self._weights(call.node).values()) as peak, \
+            with self._tracked(*_tensors((args, kwargs)), *self._weights(call.node, real).values()) as peak, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                value, weights = self._run(call, args, kwargs)
+                value, weights = self._run(call, args, kwargs, real)
                 forward = peak()
         self._charge_first_saver(call.node.name, foreign)
         # An in-place write to an argument that wants no gradient (``zeros.add_(x)``) changes what later
@@ -748,19 +761,15 @@ class TrainingProbe:
         self.kept += [t for t in held if self.original(_storage(t)) in position.keys() | new.keys() | self.owner.keys()]
         held.clear()  # no name may hold a temporary past here: its backward frees it (a loop variable once did)
         # a fake kernel that could not size its workspace (a backward probed again keeps only its peak)
-        if layouts is None and any(nbytes == 0 for nbytes, _ in saved_new):
-            if not self.real_run:
-                raise _Unsized(call.node.name)  # left unprobed: the report names it, as one fake tensors cannot run
-            sized = self._sized_on_real_tensors(call, arguments, saved_new)
-            forward += sum(nbytes for nbytes, _ in sized) - sum(nbytes for nbytes, _ in saved_new)
-            saved_new = sized
+        if layouts is None and not real and any(nbytes == 0 for nbytes, _ in saved_new):
+            raise _Unsized(call.node.name)  # probed on real tensors where there are some, else left unprobed
         backward, input_grads, weight_grads = 0, (), ()
         try:
             if sent and (wanted or weights):
-                backward, given = self._backward(sent, sent_layouts, wanted + weights, (args, kwargs))
+                backward, given = self._backward(sent, sent_layouts, wanted + weights, (args, kwargs), real)
                 input_grads = tuple((i, *given[id(t)]) for i, t in zip(indices, wanted)
                                     if i is not None and id(t) in given)
-                candidates = self.weight_leaves(call.node, arguments)
+                candidates = self.weight_leaves(call.node, arguments, real)
                 weight_grads = tuple(p for p, t in enumerate(candidates) if id(t) in given)
         except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
             self.unprobed.append(call.node.name)
@@ -773,38 +782,48 @@ class TrainingProbe:
                             grad, backward, input_grads, forward, weight_grads)
         return effect, value, reusable
 
-    def _sized_on_real_tensors(self, call: NodeCall, arguments: list[torch.Tensor],
-                               saved_new: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
-        """``saved_new`` with the sizes of one real run of the node where the fake run saved an empty
-        storage of its own: the fake kernels of the fused RNNs (``mkldnn_rnn_layer`` on CPU,
-        ``_cudnn_rnn``) return an empty workspace that the real kernel fills (most of what an LSTM
-        saves), as their meta registrations' TODOs say. The real run gets the arguments shape
-        propagation gave the node (those the fake run gave gradients cloned, requiring grad), with
-        the model's state and randomness set back after it; its saved storages that are neither an
-        argument nor a weight must come in the same number as the fake run's, or the fake sizes stand."""
+    def _probe_on_real_tensors(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[NodeEffect, Any] | None:
+        """The effect of a node fake tensors cannot run (control flow on a tensor's values, as the
+        ``branched`` example's blocks) or size (the fused RNN kernels' fake twins, ``mkldnn_rnn_layer``
+        on CPU and ``_cudnn_rnn``, return an empty workspace the real kernel fills: most of what an
+        LSTM saves), probed by ``_probe`` on one real run where shape propagation runs real tensors:
+        on the values it gave the node standing for the twins ``args`` / ``kwargs``, with the model's
+        state and randomness set back after it. Returns the effect and the output as fake twins in
+        the real output's storages; None without a real run, or where the values do not line up."""
+        if not self.real_run:
+            return None
         flat, spec = tree_flatten((call.args, call.kwargs))
-        tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-        if len(tensors) != len(arguments):
-            return saved_new
-        known = {_storage(t) for t in itertools.chain(self.gm.parameters(), self.gm.buffers(), _tensors(flat))}
-        made: dict[StorageWeakRef, int] = {}
+        twins = tree_flatten((args, kwargs))[0]  # (fx makes a dict immutable: the specs differ)
+        if len(flat) != len(twins) or not all(
+                isinstance(x, torch.Tensor) and x.layout == torch.strided and (x.shape, x.dtype) == (t.shape, t.dtype)
+                for x, t in zip(flat, twins) if isinstance(t, torch.Tensor)):
+            return None
+        try:
+            stand_ins = [self._stand_in(x, t) if isinstance(t, torch.Tensor) else x for x, t in zip(flat, twins)]
+            with _disable_current_modes(), isolated(self.gm, seed=None):
+                effect, value, _ = self._probe(call, *tree_unflatten(stand_ins, spec),
+                                               [x for x in stand_ins if isinstance(x, torch.Tensor)], real=True)
+        except Exception:  # noqa: BLE001 - what the real run refuses too, or values shared otherwise, stays unprobed
+            return None
+        self.kept.append(value)  # its storages stand for the twins' until the probe ends
+        with self._in_fake_mode():
+            twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach().requires_grad_(t.requires_grad), value)
+        for fake, t in zip(_tensors(twin), _tensors(value)):
+            self.copy_of[_storage(fake)] = self.original(_storage(t))
+        return effect, twin
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.layout == torch.strided and _storage(t) not in known:
-                made.setdefault(_storage(t), t.untyped_storage().nbytes())
-            return t
-
-        with _disable_current_modes(), isolated(self.gm, seed=None), torch.enable_grad():
-            for i, twin in zip(tensors, arguments):
-                if twin.requires_grad and flat[i].is_floating_point():
-                    flat[i] = flat[i].detach().requires_grad_().clone()
-                    known.add(_storage(flat[i]))
-            args, kwargs = tree_unflatten(flat, spec)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                call.run(args, kwargs)
-        if len(made) != len(saved_new):
-            return saved_new
-        return [(real if nbytes == 0 else nbytes, index) for (nbytes, index), real in zip(saved_new, made.values())]
+    def _stand_in(self, t: torch.Tensor, twin: torch.Tensor) -> torch.Tensor:
+        """Real tensor ``t`` detached, wanting a gradient as ``twin`` does and counted as its storage is
+        (a weight's fake leaf: a leaf too): one per twin, kept to the end of the probe."""
+        if id(twin) not in self.stand_ins:
+            leaf = t.detach().requires_grad_(twin.requires_grad)
+            if self.copy_of.setdefault(_storage(leaf), self.original(_storage(twin))) != self.original(_storage(twin)):
+                raise ValueError("real values share a storage their twins do not")
+            if id(twin) in self.leaves:
+                self.leaves.add(id(leaf))
+            self.stand_ins[id(twin)] = leaf
+            self.kept.append((t, twin, leaf))
+        return self.stand_ins[id(twin)]
 
     def _replay(self, effect: NodeEffect, arguments: list[torch.Tensor]) -> Any:
         """The output of a node whose key was probed before: fake leaves laid out as ``effect``'s, in
@@ -858,16 +877,16 @@ class TrainingProbe:
                 self.views[name] = self.owner.get(max(found, key=found.__getitem__)) or ""
 
     def _backward(self, sent: list[torch.Tensor], layouts: list[tuple[int, ...] | None], wanted: list[torch.Tensor],
-                  inputs: Any) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]]]:
+                  inputs: Any, real: bool = False) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]]]:
         """The peak ``MemTracker`` sees while ``sent`` back-propagates from gradients of ``layouts``'
         strides, above where it started, and for each ``wanted`` tensor that gets a gradient (by id)
         whether that gradient is one of ``sent``'s itself (handed on, as a view's or an addition's
         backward does, not a new buffer), and its strides. What
         existed before is registered first: the tracker counts a storage it has not seen when an
         operator first touches it, as if it were new. A weight's gradient is dropped as soon as it
-        is made, as training's in-place accumulation into ``.grad`` frees it."""
-        gradients = [self.fresh(t, _new_strides(t) if strides is None else strides)  # a fake run reads no values
-                     for t, strides in zip(sent, layouts)]
+        is made, as training's in-place accumulation into ``.grad`` frees it. ``real``: ``sent`` are real tensors."""
+        new = _zeros_strided if real else self.fresh  # a fake run reads no values
+        gradients = [new(t, _new_strides(t) if strides is None else strides) for t, strides in zip(sent, layouts)]
         weights = [t for t in wanted if id(t) in self.leaves]
         zeros = {(t.dtype, t.device): torch.zeros((), dtype=t.dtype, device=t.device) for t in weights}
         # training adds a weight's gradient into the one it has and frees it at once: so do these
