@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import logging
 import operator
 from typing import Callable, Iterator
 
@@ -20,6 +21,7 @@ from autoshard.capture import capture
 from autoshard.costs import propagation, saved
 from autoshard.costs.saved import TrainingProbe
 from autoshard.inputs import ExampleInputs
+from autoshard.runtime import measure_stage_memory
 
 
 class Block(nn.Module):
@@ -368,3 +370,35 @@ def test_a_cyclic_collection_as_a_backward_is_measured_changes_no_fact(monkeypat
     monkeypatch.setattr(saved, "without_cyclic_gc", collected_first)
     collected, _ = probed(gm, x, monkeypatch, memo=True)
     assert collected == undisturbed
+
+
+class _GroupedExperts(nn.Module):
+    """Experts as one grouped matrix product, as Mixtral's: its fake kernel wants bf16, the real one runs fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.experts = nn.Parameter(torch.randn(4, 16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offsets = torch.tensor([2, 4, 6, 8], dtype=torch.int32)
+        return self.down(torch.nn.functional.grouped_mm(self.up(x), self.experts, offs=offsets))
+
+
+def test_a_kernel_fake_tensors_cannot_run_is_probed_on_real_tensors_without_logging_its_failure(caplog):
+    """FakeTensorMode logs each kernel it cannot run, traceback and all, before it raises (88 lines of
+    ERROR on a tiny Mixtral): the probe runs such a node on real tensors instead, so the failure is
+    its own to handle and the stage's memory is exact."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    torch_log = logging.getLogger("torch")
+    torch_log.addHandler(caplog.handler)  # torch's loggers do not propagate to the root
+    try:
+        sharded = autoshard.shard_model(_GroupedExperts(), 2, example_inputs=(x,))
+    finally:
+        torch_log.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    report = autoshard.plan_report(sharded)
+    assert "not measured" not in str(report)
+    for j in range(2):
+        assert report.stages[j].memory.total == measure_stage_memory(sharded, j, (x,)).peak

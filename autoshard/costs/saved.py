@@ -46,6 +46,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import logging
 import operator
 from typing import Any, Callable, Hashable, Iterator
 
@@ -239,6 +240,16 @@ def _reached(node: fx.Node, value: Any) -> tuple[bool, tuple[int, ...] | None]:
     return unread, None
 
 
+#: Where ``FakeTensorMode`` logs, with its traceback, each kernel it could not run (Mixtral's
+#: ``_grouped_mm`` wants bf16 on CPU) before it raises: 88 lines on a tiny Mixtral, for failures the
+#: probe catches (``_probe_on_real_tensors``) or reports (``unprobed``).
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+def _quiet(record: logging.LogRecord) -> bool:
+    return False
+
+
 def _zeros_strided(like: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
     return torch.empty_strided(like.shape, strides, dtype=like.dtype, device=like.device).zero_()
 
@@ -355,11 +366,13 @@ class TrainingProbe:
         the state plans share (not proven the cause; the flake did not come back in reruns)."""
         assert self.fake is not None
         cached, self.fake.cache_enabled = self.fake.cache_enabled, False
+        _FAKE_TENSOR_LOG.addFilter(_quiet)  # a kernel fake tensors cannot run is the probe's to handle
         try:
             with _disable_current_modes(), self.fake:
                 yield self.fake
         finally:
             self.fake.cache_enabled = cached
+            _FAKE_TENSOR_LOG.removeFilter(_quiet)
 
     def twin(self, t: torch.Tensor) -> torch.Tensor:
         """A fake tensor of ``t``'s shape in the probe's mode (``t`` itself when it is one)."""
