@@ -200,11 +200,12 @@ def verify_stages(
     recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})
     traced = _graph_run(recorder, model, args, kwargs, seed, grad)
     problem = first_difference(traced, expected, rtol, atol)
+    # the graph keeps what the trace drew, while code kept whole draws anew: the likeliest cause of a difference
+    draws = (f"; the model drew from {' and '.join(drew)} on this call, and the graph keeps what the trace drew "
+             f"(random() < p deciding a branch is fixed to the example's). {DRAW_WITH_TORCH}") if drew else ""
     if problem and drew:
-        raise VerificationError(
-            f"the traced graph differs from the model before any split ({problem}); the model drew from "
-            f"{' and '.join(drew)} on this call, and the graph keeps what the trace drew (random() < p "
-            f"deciding a branch is fixed to the example's). {DRAW_WITH_TORCH}", stage=None)
+        raise VerificationError(f"the traced graph differs from the model before any split ({problem}){draws}",
+                                stage=None)
     if problem:
         raise VerificationError(
             f"the traced graph differs from the model before any split ({problem}); "
@@ -231,14 +232,14 @@ def verify_stages(
             problem = first_difference(value, recorder.values[name], rtol, atol)
             if problem:
                 raise VerificationError(
-                    f"stage {index} produced value '{name}' that differs from the model's ({problem})",
+                    f"stage {index} produced value '{name}' that differs from the model's ({problem}){draws}",
                     stage=index)
 
     actual = run_seeded(chained, model, seed, grad=grad)
     problem = first_difference(actual, expected, rtol, atol)
     if problem:
         last = len(stages) - 1
-        raise VerificationError(f"stage {last} (the last) returned a different output ({problem})",
+        raise VerificationError(f"stage {last} (the last) returned a different output ({problem}){draws}",
                                 stage=last)
     _check_second_calls(model, args, kwargs, lambda: chained(checked=False), rtol, atol, seed, grad)
     other = other_values((args, kwargs), seed)

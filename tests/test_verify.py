@@ -80,6 +80,29 @@ def test_a_drift_from_a_draw_of_pythons_random_is_blamed_on_the_draw_and_leaves_
     assert random.random() == expected_next
 
 
+def test_a_stage_that_differs_where_the_model_drew_from_pythons_random_names_the_draw():
+    """The graph matches the model where the model draws what the trace drew; a stage that differs
+    then is most likely the draw again (Wav2Vec2's SpecAugment masks, drawn with numpy, once failed
+    with "stage 1 (the last) returned a different output" alone)."""
+    model, x = ScaledByPythonRandom(), torch.randn(2, 4)
+    random.seed(1)
+    with pytest.warns(autoshard.HostRandomnessWarning):
+        gm = trace_with_leaves(model).graph_module
+    random.seed(1)
+    with pytest.raises(VerificationError, match=r"stage 0 \(the last\) returned a different output .*"
+                                                r"the model drew from Python's random on this call"):
+        verify_stages(model, gm, [_PlusOne(gm)], [], (x,), {})
+
+
+class _PlusOne(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.inner(*args) + 1
+
+
 def test_a_capture_that_drifts_from_the_model_is_reported_before_any_stage():
     model = ResidualMLP()
     x = torch.randn(2, 16)
