@@ -42,21 +42,32 @@ def byte_count(text: str, name: str) -> float:
 
 
 def bytes_per_second(text: str, name: str, bare_unit: str) -> float:
-    """``25GB/s``, ``900 GiB/s``, ``100Gb/s`` (bits) or a bare number, read in ``bare_unit`` (``GB/s``,
-    ``B/s``: each flag keeps the unit it always had), as bytes per second, > 0."""
+    """``25GB/s``, ``900 GiB/s``, bits as ``100Gbit/s``, ``100Gbps`` or ``100Gb/s``, or a bare number,
+    read in ``bare_unit`` (``GB/s``, ``B/s``: each flag keeps the unit it always had), as bytes per
+    second, > 0. A lowercase ``b`` means bits only after an uppercase prefix: ``25gb/s`` is refused
+    as ambiguous, since ``--max-memory 40gb`` reads gigabytes."""
     stripped = text.strip()
     per_second = stripped.upper().endswith("/S")
     amount = stripped[:-2].rstrip() if per_second else stripped
-    bits = per_second and amount.endswith("b")  # 25Gb/s: gigabits, as links are rated
-    value = _with_unit(amount[:-1] + "B" if bits else amount)
+    bits = stripped.endswith("bps") or per_second and amount.lower().endswith("bit")  # 100Gbps, 100Gbit/s
+    if bits:
+        per_second, amount = True, stripped[:-3] if stripped.endswith("bps") else amount[:-3]
+    elif per_second and amount.endswith("b"):
+        prefix = amount[len(amount.rstrip("BbKkMmGgTtIi")):-1]
+        if not prefix[:1].isupper():  # 25gb/s, 25b/s: bits or bytes?
+            number, unit = amount[:len(amount) - len(prefix) - 1].strip(), prefix.capitalize()
+            raise InvalidArgumentError(f"{name} got {text!r}, which could mean bytes or bits: write "
+                                       f"{number}{unit}B/s for bytes or {number}{unit}bit/s for bits")
+        bits, amount = True, amount[:-1]  # 25Gb/s: gigabits, as links are rated
+    value = _with_unit(amount + "B" if bits else amount)
     if bits and value is not None:
         value /= 8
     if value is not None and not per_second:
         bare = _UNITS[bare_unit[:-2].upper()]
         value = value * bare if stripped.rstrip("0123456789.eE+-") == "" else None  # a unit needs its "/s"
     if value is None or value <= 0:
-        raise InvalidArgumentError(f"{name} takes a rate > 0 such as 25GB/s, 900GiB/s or a bare number "
-                                   f"(in {bare_unit}); got {text!r}")
+        raise InvalidArgumentError(f"{name} takes a rate > 0 such as 25GB/s, 900GiB/s, 200Gbit/s or a bare "
+                                   f"number (in {bare_unit}); got {text!r}")
     return value
 
 

@@ -518,7 +518,7 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="peak TFLOP/s of the device for estimated times (default: this machine, calibrated)")
     options.add_argument("--device-bandwidth", metavar="RATE",
                          help="memory bandwidth of the device for estimated times, e.g. 900GB/s (a bare number: "
-                              "GB/s; default: this machine, calibrated)")
+                              "GB/s; bits: 200Gbit/s; default: this machine, calibrated)")
     options.add_argument("--max-memory", metavar="BYTES",
                          help="training-memory budget per stage, e.g. 40GiB or 30GB,40GB,... (one value: every stage)")
     options.add_argument("--optimizer-bytes", type=float, metavar="N",
@@ -538,9 +538,9 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
     options.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
                          help="count an fp32 master copy of bf16/fp16 trainable weights (mixed precision)")
     options.add_argument("--link-bandwidth", metavar="RATE",
-                         help="bandwidth between two ranks for the predicted step time, e.g. 25GB/s (a bare "
-                              f"number: bytes/s; default {DEFAULT_LINK_BANDWIDTH:g} bytes/s: gloo between CPU "
-                              "processes on one machine)")
+                         help="bandwidth between two ranks for the predicted step time, e.g. 25GB/s or in bits "
+                              f"200Gbit/s (a bare number: bytes/s; default {DEFAULT_LINK_BANDWIDTH:g} bytes/s: gloo "
+                              "between CPU processes on one machine)")
     options.add_argument("--link-latency", metavar="TIME",
                          help="time per message between two ranks for the predicted step time, e.g. 5us (a bare "
                               f"number: seconds; default {DEFAULT_LINK_LATENCY:g} s)")

@@ -107,9 +107,25 @@ def test_a_link_flag_that_is_no_finite_positive_number_is_refused_naming_it(caps
 def test_the_link_bandwidth_reads_a_rate_with_units_as_a_bare_number_in_bytes_per_second(timed, capsys):
     plan = str(timed[2])
     outputs = {value: run(capsys, "inspect", plan, "--link-bandwidth", value)[1]
-               for value in ("2.5e10", "25GB/s", "25000 MB/s", "200Gb/s")}  # (Gb: gigabits)
+               for value in ("2.5e10", "25GB/s", "25000 MB/s", "200Gb/s", "200Gbit/s", "200gbit/s", "200Gbps")}
     lines = {value: next(line for line in out.splitlines() if "GB/s" in line) for value, out in outputs.items()}
-    assert len(set(lines.values())) == 1 and "25 GB/s" in lines["25GB/s"]
+    assert len(set(lines.values())) == 1 and "25 GB/s" in lines["25GB/s"]  # (Gb, Gbit, Gbps: gigabits)
+
+
+@pytest.mark.parametrize("flag, value, spellings", [
+    ("--link-bandwidth", "25gb/s", ("25GB/s for bytes", "25Gbit/s for bits")),
+    ("--link-bandwidth", "25 mb/s", ("25MB/s for bytes", "25Mbit/s for bits")),
+    ("--link-bandwidth", "25gib/s", ("25GiB/s for bytes", "25Gibit/s for bits")),
+    ("--device-bandwidth", "900gb/s", ("900GB/s for bytes", "900Gbit/s for bits")),
+])
+def test_an_all_lowercase_rate_is_refused_as_ambiguous_naming_both_spellings(capsys, flag, value, spellings):
+    """--max-memory 40gb reads gigabytes, so 25gb/s read as gigabits would silently be 8x less."""
+    extra = ("--device-tflops", "1") if flag == "--device-bandwidth" else ()
+    code, _, err = run(capsys, "inspect", "residual-mlp", "-k", "2", *extra, flag, value)
+    assert code == 2 and f"error: {flag} got '{value}', which could mean bytes or bits" in err
+    assert all(spelling in err for spelling in spellings)
+    with pytest.raises(InvalidArgumentError, match="could mean bytes or bits"):
+        StepTimeModel(link_bandwidth=value)
 
 
 def test_the_link_latency_reads_a_time_with_units_as_a_bare_number_in_seconds(timed, capsys):

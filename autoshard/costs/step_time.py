@@ -87,7 +87,7 @@ class StepTimeModel:
     as the memory model counts them, the fewest PyTorch's ``Schedule1F1B`` accepts; a step it
     refuses is refused, see ``refusal``); ``stages_per_rank`` the stages each process runs under
     interleaved 1F1B.
-    ``link_bandwidth`` (bytes/s, or a rate such as ``"25GB/s"``) and ``link_latency`` (s per
+    ``link_bandwidth`` (bytes/s, or a rate such as ``"25GB/s"`` or ``"200Gbit/s"``) and ``link_latency`` (s per
     message, or a time such as ``"5us"``) describe the link between ranks; ``message_seconds``
     (s, or a time) is the time each message keeps its sender and its receiver busy (0: free);
     ``compute_scale`` how much longer a stage's forward or backward runs inside the pipeline than
