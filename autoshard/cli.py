@@ -54,7 +54,7 @@ from autoshard.passes.constrain import with_constraints
 from autoshard.passes.instruments import DumpDir, Instrument, Timing
 from autoshard.passes.pipeline import Pipeline
 from autoshard.passes.registry import registered_passes
-from autoshard.passes.stages import stages_conflict
+from autoshard.passes.stages import stages_conflict, takes_stages
 from autoshard.passes.options import option_table
 from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
@@ -108,12 +108,20 @@ class _Session:
         if self.memory is not None:
             use_memory_model(self.ctx, self.memory)
 
-    def run(self, pipeline: Pipeline, program: ShardProgram | None = None) -> ShardProgram:
+    def run(self, pipeline: Pipeline, program: ShardProgram | None = None,
+            whole: Pipeline | None = None) -> ShardProgram:
+        """Run ``pipeline`` (a part of ``whole``, when given) on ``program`` or the model; a failure
+        gets the command that reproduces it (``_reproduction``)."""
         with progress.task("autoshard", total=len(pipeline)) as advance:
             shown = _ShowPasses(advance)
             self.ctx.instruments.append(shown)
             try:
                 return pipeline.run(program or self.program, self.ctx).program
+            except AutoshardError as exc:
+                command = _reproduction(self.args, whole or pipeline, self.memory)
+                if command is not None:
+                    exc.add_note(f"reproduce on the command line: {command}")
+                raise
             finally:
                 self.ctx.instruments.remove(shown)
 
@@ -176,6 +184,21 @@ def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) ->
     if not given:
         return saved
     return dataclasses.replace(saved or MemoryModel(), **given)
+
+
+def _reproduction(args: argparse.Namespace, pipeline: Pipeline, memory: MemoryModel | None) -> str | None:
+    """The command that runs ``pipeline`` again with this run's memory flags, which its spec does not
+    carry (the library's "reproduce with pipeline" alone would plan for Adam, every microbatch in
+    flight); None without memory flags, where that spec is the whole story."""
+    flags = _memory_flags(memory) if memory is not None else []
+    if not flags:
+        return None
+    if args.plan:  # a rebuilt plan: its file, which keeps its own memory model too
+        how = ["--plan", args.plan, *(["--no-verify"] if args.no_verify else [])]
+    else:
+        stages = next((step.stages for step in pipeline if takes_stages(step) and step.stages), args.stages)
+        how = [*(["--stages", str(stages)] if stages else []), "--pipeline", str(pipeline)]
+    return shlex.join(["autoshard", args.command, args.target, *how, *flags])
 
 
 def _named(value: str, flag: str, known: Sequence[str]) -> str:
@@ -361,12 +384,12 @@ def _compare(args: argparse.Namespace, session: _Session, choice: _Choice, conso
         raise InvalidArgumentError(f"--compare needs a split with a 'strategy' option; '{step.name}' has none")
     # Passes that only instruct the split (pin, no-split, cut-before) run with each split, after the rest.
     instructing = {i for i in range(index) if pipeline[i].provides & ShardProgram.INSTRUCTIONS}
-    before = session.run(steps_at(pipeline, [i for i in range(index) if i not in instructing]))
+    before = session.run(steps_at(pipeline, [i for i in range(index) if i not in instructing]), whole=pipeline)
     plans = {}
     for name in names:
         chosen = pipeline.with_options(index, strategy=name)
         chosen = chosen.with_options(index, **chosen[index].options_unused())  # a baseline drops the tolerance
-        program = session.run(steps_at(chosen, [*sorted(instructing), index]), before)
+        program = session.run(steps_at(chosen, [*sorted(instructing), index]), before, whole=chosen)
         plans[name], _ = session.plan(program, _Choice(chosen, str(chosen), choice.cost_model))
     if not args.quiet:
         for table in compare_tables(plans):
@@ -621,6 +644,10 @@ FLAGS_OF_PARAMETERS = {
 #: an optional ``[j]`` index: ``max_memory[0]``.
 _PARAMETER = re.compile(r"(?<![\w./-])(" + "|".join(FLAGS_OF_PARAMETERS) + r")(?:\[(\d+)\])?(?![\w/-]|\.\w)")
 
+#: Text to copy as it is: a pass's options in a spec (``split{tolerance=0.1}``) and a memory model
+#: (``MemoryModel(stages_per_rank=4)``), which a flag in their place would break.
+_VERBATIM = re.compile(r"(\{[^{}]*\}|MemoryModel\([^()]*\))")
+
 
 def in_flag_terms(text: str) -> str:
     """``text`` with the library's parameter names replaced by the flags that set them, so that an
@@ -630,7 +657,8 @@ def in_flag_terms(text: str) -> str:
         name, index = match.groups()
         return FLAGS_OF_PARAMETERS[name] + (f" (stage {index})" if index is not None else "")
 
-    return _PARAMETER.sub(flag, text)
+    parts = _VERBATIM.split(text)  # the spans to keep at the odd places
+    return "".join(part if i % 2 else _PARAMETER.sub(flag, part) for i, part in enumerate(parts))
 
 
 def _report_error(exc: BaseException) -> int:

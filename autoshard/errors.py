@@ -79,15 +79,16 @@ class PipelineValidationError(AutoshardError, ValueError):
 
 
 class PassFailed(AutoshardError):
-    """A pass raised; the message names the pass, its position and a reproducing spec."""
+    """A pass raised; the message names the pass, its position and a reproducing spec, with
+    ``given``: what else the run planned with (its memory model), which the spec does not say."""
 
-    def __init__(self, pass_name: str, index: int, spec: str, cause: BaseException) -> None:
+    def __init__(self, pass_name: str, index: int, spec: str, cause: BaseException, given: str = "") -> None:
         self.pass_name = pass_name
         self.index = index
         self.spec = spec
         super().__init__(
             f"pass '{pass_name}' (position {index} in the pipeline) failed: "
-            f"{type(cause).__name__}: {cause}\n  reproduce with pipeline: {spec}"
+            f"{type(cause).__name__}: {cause}\n  reproduce with pipeline: {spec}{given}"
         )
 
 

@@ -99,3 +99,28 @@ def test_a_budgeted_plan_rebuilt_for_other_training_settings_warns_of_the_stage_
     flat = " ".join(err.split())
     assert code == 0 and "(StalePlanWarning)" in flat
     assert f"made under --max-memory {fullest:,.0f}, {fullest:,.0f} bytes" in flat and "bytes short" in flat
+
+
+def test_a_failed_split_prints_a_command_that_reproduces_it_with_its_memory_flags(capsys):
+    """The spec alone plans for Adam with every microbatch in flight: run with it, the split under
+    --optimizer sgd --microbatches 8 failed another way (or not at all)."""
+    import shlex
+
+    argv = ["split", "residual-mlp", "-k", "2", "--max-memory", "1KB", "--tolerance", "0.1", "--optimizer", "sgd",
+            "--schedule", "interleaved-1f1b", "--stages-per-rank", "1", "--microbatches", "8", "-q"]
+    code, _, err = run(capsys, *argv)
+    lines = err.splitlines()
+    command = next(line for line in lines if "reproduce on the command line: " in line).split(": ", 1)[1]
+    assert code == 2 and "stages_per_rank=1)" in err and "tolerance=0.1 " in err  # no flag inside the spec
+    assert shlex.split(command)[:2] == ["autoshard", "split"] and "--optimizer sgd" in command
+    again = run(capsys, *shlex.split(command)[1:], "-q")
+    assert again[0] == 2 and again[2].splitlines()[0] == lines[0]
+    assert run(capsys, *shlex.split(command)[1:7], "-q")[2].splitlines()[0] != lines[0]  # without the flags
+
+
+def test_a_failed_rebuild_prints_its_plan_and_memory_flags():
+    """A rebuild's pipeline loads the plan file (no stage count to give): the command names the file."""
+    args = argparse.Namespace(plan="p.json", no_verify=True, command="split", target="residual-mlp", stages=None)
+    assert cli._reproduction(args, None, MemoryModel(optimizer="sgd")) == (
+        "autoshard split residual-mlp --plan p.json --no-verify --optimizer sgd")
+    assert cli._reproduction(args, None, MemoryModel()) is None and cli._reproduction(args, None, None) is None

@@ -188,6 +188,8 @@ def test_library_parameter_names_become_flags_but_specs_and_paths_stay():
         "under --max-memory budgets [1.0] with microbatches in flight [2]")
     kept = "split{stages=2 max-memory=1.0} /x/max_memory/p.json max_memory.json my_num_stages"
     assert cli.in_flag_terms(kept) == kept
+    kept = "split{stages=2 tolerance=0.1},emit with memory_model=MemoryModel(stages_per_rank=1)"  # was --tolerance=
+    assert cli.in_flag_terms(kept) == kept
 
 
 def test_errors_are_not_wrapped_so_a_spec_copies_whole(capsys, monkeypatch):

@@ -786,3 +786,16 @@ def test_a_function_handed_a_module_gives_a_gradient_only_to_the_weights_it_read
     assert readers == ([names] if reads_weights else [(), names])  # the padding reads none
     facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
     assert {n.name: n.training for n in read_plan(sharded.save_plan(tmp_path / "plan.json")).nodes} == facts
+
+
+@pytest.mark.parametrize("model, call", [
+    (MemoryModel(), "MemoryModel()"),
+    (MemoryModel(optimizer="sgd", microbatches=8), "MemoryModel(optimizer='sgd', microbatches=8)"),
+    (MemoryModel(optimizer_bytes_per_param=4.0, schedule="gpipe", master_weights=True),
+     "MemoryModel(optimizer_bytes_per_param=4.0, schedule='gpipe', master_weights=True)"),
+    (MemoryModel(data_parallel="fsdp", dp=2, mixed_precision="bfloat16"),
+     "MemoryModel(data_parallel='fsdp', dp=2, mixed_precision='bfloat16')"),
+])
+def test_as_call_names_the_fields_off_their_default_and_builds_the_same_model(model, call):
+    """What a failing pass's reproduction prints: run again, it plans for the same training memory."""
+    assert model.as_call() == call and eval(call, {"MemoryModel": MemoryModel}) == model

@@ -253,6 +253,19 @@ def test_foreign_exception_is_wrapped_in_pass_failed_from_the_cause():
     assert "reproduce with pipeline: order,group{stages=2 fail-with=ZeroDivisionError}" in str(exc)
 
 
+@pytest.mark.parametrize("fail", ["ZeroDivisionError", "InvalidArgumentError"])
+def test_the_reproduction_names_the_memory_model_the_spec_does_not_carry(fail):
+    """A run planned for SGD with 8 microbatches, reproduced with its spec alone, plans for Adam."""
+    from autoshard.costs.memory import MemoryModel
+
+    spec = f"order,group{{stages=2 fail-with={fail}}}"
+    ctx = PassContext(memory_model=MemoryModel(optimizer="sgd", microbatches=8))
+    with pytest.raises(Exception) as info:
+        parse(spec).run(program(), ctx)
+    told = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert f"reproduce with pipeline: {spec} with memory_model=MemoryModel(optimizer='sgd', microbatches=8)" in told
+
+
 def test_autoshard_error_passes_through_with_a_note():
     with pytest.raises(InvalidArgumentError) as info:
         parse("order,group{stages=2 fail-with=InvalidArgumentError}").run(program())

@@ -265,6 +265,15 @@ class MemoryModel:
                 f"received and sent values; stage j of k: {self.in_flight_rule()}, {self.schedule}) + one backward"
                 f" + receive buffers of every microbatch of the step{layout}")
 
+    def as_call(self) -> str:
+        """``MemoryModel(optimizer='sgd', microbatches=8)``: the fields that differ from the
+        default, so an error can say what to run again."""
+        base = MemoryModel(optimizer=self.optimizer)  # its own optimizer's state bytes are no change
+        given = {"optimizer": self.optimizer} if self.optimizer != MemoryModel.optimizer else {}
+        given.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                     if getattr(self, f.name) != getattr(base, f.name))
+        return f"MemoryModel({', '.join(f'{name}={value!r}' for name, value in given.items())})"
+
     def to_dict(self) -> dict[str, float | int | str | bool | None]:
         return {"optimizer_bytes_per_param": self.optimizer_bytes_per_param, "microbatches": self.microbatches,
                 "optimizer": self.optimizer, "schedule": self.schedule, "stages_per_rank": self.stages_per_rank,

@@ -202,12 +202,12 @@ class Pipeline:
                     f"instruments must be Instrument instances (Timing(), DumpDir(path), ...), got {inst!r}")
         if ctx.verify_each and not any(isinstance(inst, VerifyEach) for inst in instruments):
             instruments.insert(0, VerifyEach())
-        spec = str(self)
+        spec, given = str(self), _given(ctx)
         history: list[tuple[str, ShardProgram]] = []
 
         self._hooks(instruments, "before_pipeline", (self, program), None)
         for index, pass_ in enumerate(self._passes):
-            where = (pass_, index, spec)
+            where = (pass_, index, spec, given)
             self._hooks(instruments, "before_pass", (pass_, index, program), where)
             try:
                 result = pass_.run(program, ctx)
@@ -216,9 +216,9 @@ class Pipeline:
             except Exception as exc:
                 self._hooks(reversed(instruments), "after_pass_failed", (pass_, index, program, exc), where)
                 if isinstance(exc, AutoshardError):
-                    exc.add_note(_note(pass_, index, spec))
+                    exc.add_note(_note(pass_, index, spec, given))
                     raise
-                raise PassFailed(pass_.name, index, spec, exc) from exc
+                raise PassFailed(pass_.name, index, spec, exc, given) from exc
             self._hooks(reversed(instruments), "after_pass", (pass_, index, result), where)
             history.append((self.step_spec(index), result))
             program = result
@@ -226,7 +226,8 @@ class Pipeline:
         return PipelineResult(program, history)
 
     @staticmethod
-    def _hooks(instruments: Iterable[Instrument], hook: str, args: tuple, where: tuple[Pass, int, str] | None) -> None:
+    def _hooks(instruments: Iterable[Instrument], hook: str, args: tuple,
+               where: tuple[Pass, int, str, str] | None) -> None:
         for inst in instruments:
             try:
                 getattr(inst, hook)(*args)
@@ -269,5 +270,12 @@ def _without_stale(pass_: Pass, program: ShardProgram) -> ShardProgram:
     return dataclasses.replace(program, **stale) if stale else program
 
 
-def _note(pass_: Pass, index: int, spec: str) -> str:
-    return f"in pass '{pass_.name}' (position {index}); reproduce with pipeline: {spec}"
+def _note(pass_: Pass, index: int, spec: str, given: str = "") -> str:
+    return f"in pass '{pass_.name}' (position {index}); reproduce with pipeline: {spec}{given}"
+
+
+def _given(ctx: PassContext) -> str:
+    """The memory model ``ctx`` plans with, for the reproduction: the spec alone plans for the
+    default one (Adam, every microbatch in flight); "" when it is the default."""
+    call = ctx.memory_model.as_call() if ctx.memory_model is not None else ""
+    return f" with memory_model={call}" if call not in ("", "MemoryModel()") else ""
