@@ -21,7 +21,7 @@ import autoshard
 from autoshard.costs.memory import node_memory, stage_memory
 from autoshard.costs.split_search import placements
 from autoshard.costs.models import summed_per_stage
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.examples import GPTStyleLM, load_example
 from autoshard.graph.linearize import non_inputs, program_order
 from autoshard.plan_reporting import plan_report
@@ -185,17 +185,36 @@ def test_the_memory_model_sets_the_optimizer_the_plan_is_made_for():
     ({"optimizer_bytes_per_param": -1}, "optimizer_bytes_per_param must be a number >= 0"),
     ({"optimizer_bytes_per_param": float("nan")}, "optimizer_bytes_per_param must be a number >= 0"),
     ({"microbatches": 0}, "microbatches must be a whole number >= 1"),
-    ({"microbatches": 1.5}, "microbatches must be a whole number >= 1"),
     ({"optimizer": "adagrad"}, "unknown optimizer 'adagrad'; known: adam, adamw, sgd-momentum, sgd, none"),
     ({"schedule": "zero-bubble"}, "unknown schedule 'zero-bubble'; known: 1f1b, gpipe, interleaved-1f1b"),
     ({"schedule": "gpip"}, r"unknown schedule 'gpip' \(did you mean 'gpipe'\?\); known: 1f1b, gpipe"),
     ({"optimizer": "adamx"}, r"unknown optimizer 'adamx' \(did you mean 'adam' or 'adamw'\?\); known: adam"),
     ({"stages_per_rank": 0}, "stages_per_rank must be a whole number >= 1"),
-    ({"master_weights": "yes"}, "master_weights must be True or False"),
 ])
 def test_a_memory_model_refuses_values_it_cannot_plan_with(options, message):
     with pytest.raises(InvalidArgumentError, match=message):
         autoshard.MemoryModel(**options)
+
+
+@pytest.mark.parametrize("field, value, accepted", [
+    ("optimizer", None, "one of 'adam', 'adamw', 'sgd-momentum', 'sgd', 'none' (the name 'none' for no optimizer"),
+    ("optimizer", ["adam"], "one of 'adam'"), ("schedule", None, "one of '1f1b', 'gpipe', 'interleaved-1f1b'"),
+    ("data_parallel", 2.0, "one of 'fsdp', 'ddp' or None"),
+    ("microbatches", 2.0, "a whole number >= 1 or None (an int)"), ("microbatches", True, "a whole number >= 1"),
+    ("microbatches", [8], "a whole number >= 1"), ("stages_per_rank", None, "a whole number >= 1 (an int)"),
+    ("dp", 2.0, "a whole number >= 1"), ("dp", True, "a whole number >= 1"),
+    ("optimizer_bytes_per_param", "4", "a number >= 0 (8 for Adam"), ("optimizer_bytes_per_param", [4], "or None"),
+    ("master_weights", None, "True or False"), ("master_weights", "yes", "True or False"),
+    ("activation_checkpointing", 1, "True or False"), ("mixed_precision", 2.0, "name a compute dtype"),
+])
+def test_a_memory_model_field_of_the_wrong_type_is_a_type_error_naming_field_value_and_choices(field, value, accepted):
+    """Wrong types were ValueErrors (``InvalidArgumentError``) here and TypeErrors in
+    ``measure_stage_memory`` for the same fields: now the API's convention, a TypeError."""
+    with pytest.raises(InvalidArgumentTypeError) as raised:
+        autoshard.MemoryModel(**{field: value})
+    message = str(raised.value)
+    assert message.startswith(f"{field} must ") and accepted in message
+    assert message.endswith(f"got {type(value).__name__} {value!r}") and not isinstance(raised.value, ValueError)
 
 
 def test_a_budget_near_the_best_split_is_met_by_splitting_again(monkeypatch, k=4):

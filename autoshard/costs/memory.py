@@ -66,7 +66,7 @@ import networkx as nx
 
 from autoshard.costs.recompute import block_path, checkpoint_regions, checkpointed_kept, recompute_bytes
 from autoshard.costs.ties import weight_payers
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, suggest
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, suggest
 from autoshard.graph.partition import boundary_values
 
 OPTIMIZER_BYTES: dict[str, float] = {"adam": 8.0, "adamw": 8.0, "sgd-momentum": 4.0, "sgd": 0.0, "none": 0.0}
@@ -107,25 +107,34 @@ def _compute_dtype(value: object) -> str | None:
     name = str(value).lower().removeprefix("torch.") if spelled else ""
     name = _DTYPE_NAMES.get(name, name)
     if name not in COMPUTE_DTYPES:
-        raise InvalidArgumentError(
+        error = InvalidArgumentError if spelled else InvalidArgumentTypeError  # 2.0, [..]: no name at all
+        raise error(
             f"mixed_precision must name a compute dtype ({', '.join(COMPUTE_DTYPES)}, or torch.bfloat16) or be None, "
-            f"got {value!r}")
+            f"got {type(value).__name__} {value!r}")
     return name
 
 
-def _choice(value: object, name: str, known: Sequence[str]) -> str:
-    """``value`` lowered, or a refusal with a "did you mean", as ``StepTimeModel`` and the CLI give."""
-    if not isinstance(value, str) or value.lower() not in known:
-        close = suggest(value.lower(), known) if isinstance(value, str) else ""
+def _choice(value: object, name: str, known: Sequence[str], alternative: str = "") -> str:
+    """``value`` lowered, or a refusal with a "did you mean", as ``StepTimeModel`` and the CLI give;
+    a value that is no name at all (None, 2.0) is a type error, as everywhere in the API."""
+    if not isinstance(value, str):
+        raise InvalidArgumentTypeError(f"{name} must be one of {', '.join(map(repr, known))}{alternative}, got "
+                                       f"{type(value).__name__} {value!r}")
+    if value.lower() not in known:
+        close = suggest(value.lower(), known)
         raise InvalidArgumentError(f"unknown {name} {value!r}{close}; known: {', '.join(known)}")
     return value.lower()
 
 
 def _count(value: object, name: str, allow_none: bool = True) -> None:
+    """A count >= 1 (or None); the wrong type (2.0, True, a list) a type error, as ``whole_number``'s."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        alternative = " or None" if allow_none else ""
+    alternative = " or None" if allow_none else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentTypeError(f"{name} must be a whole number >= 1{alternative} (an int), got "
+                                       f"{type(value).__name__} {value!r}")
+    if value < 1:
         raise InvalidArgumentError(f"{name} must be a whole number >= 1{alternative}, got {value!r}")
 
 
@@ -205,26 +214,31 @@ class MemoryModel:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "optimizer", _choice(self.optimizer, "optimizer", tuple(OPTIMIZER_BYTES)))
+        object.__setattr__(self, "optimizer", _choice(self.optimizer, "optimizer", tuple(OPTIMIZER_BYTES),
+                                                      " (the name 'none' for no optimizer state)"))
         object.__setattr__(self, "schedule", _choice(self.schedule, "schedule", SCHEDULES))
         bytes_ = self.optimizer_bytes_per_param
         if bytes_ is None:
             object.__setattr__(self, "optimizer_bytes_per_param", OPTIMIZER_BYTES[self.optimizer])
         elif isinstance(bytes_, bool) or not isinstance(bytes_, (int, float)) or not 0 <= bytes_ < float("inf"):
-            raise InvalidArgumentError(
-                f"optimizer_bytes_per_param must be a number >= 0 (8 for Adam's two fp32 moments, "
-                f"4 for SGD with momentum, 0 for plain SGD), got {bytes_!r}")
+            typed = not isinstance(bytes_, bool) and isinstance(bytes_, (int, float))
+            alternative = "" if typed else " or None (the optimizer's own)"
+            raise (InvalidArgumentError if typed else InvalidArgumentTypeError)(
+                f"optimizer_bytes_per_param must be a number >= 0 (8 for Adam's two fp32 moments, 4 for SGD with "
+                f"momentum, 0 for plain SGD){alternative}, got {type(bytes_).__name__} {bytes_!r}")
         _count(self.microbatches, "microbatches")
         _count(self.stages_per_rank, "stages_per_rank", allow_none=False)
         for flag in ("master_weights", "activation_checkpointing"):
-            if not isinstance(getattr(self, flag), bool):
-                raise InvalidArgumentError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise InvalidArgumentTypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r}")
         self._check_layout()
 
     def _check_layout(self) -> None:
         """The data-parallel fields, refused as ``parallelize`` refuses them."""
         if self.data_parallel is not None:
-            object.__setattr__(self, "data_parallel", _choice(self.data_parallel, "data_parallel", DATA_PARALLEL))
+            object.__setattr__(self, "data_parallel", _choice(self.data_parallel, "data_parallel", DATA_PARALLEL,
+                                                              " or None"))
         _count(self.dp, "dp", allow_none=False)
         object.__setattr__(self, "mixed_precision", _compute_dtype(self.mixed_precision))
         if self.data_parallel is None and self.dp > 1:
