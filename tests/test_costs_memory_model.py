@@ -799,3 +799,35 @@ def test_a_function_handed_a_module_gives_a_gradient_only_to_the_weights_it_read
 def test_as_call_names_the_fields_off_their_default_and_builds_the_same_model(model, call):
     """What a failing pass's reproduction prints: run again, it plans for the same training memory."""
     assert model.as_call() == call and eval(call, {"MemoryModel": MemoryModel}) == model
+
+
+class _PassedOn(nn.Module):
+    """A linear or an LSTM, then ``passing`` (an item of the LSTM's tuple, a transpose, a view), then a
+    linear: at k = 3 the middle stage only passes a received value on."""
+
+    def __init__(self, passing: str) -> None:
+        super().__init__()
+        self.passing = passing
+        self.a = nn.LSTM(32, 32, batch_first=True) if passing == "item" else nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.passing == "item":
+            return self.b(self.a(x)[0])
+        h = self.a(x)
+        return self.b(h.transpose(0, 1) if self.passing == "transpose" else h.view(-1, 32))
+
+
+@pytest.mark.parametrize("passing", ["item", "transpose", "view"])
+def test_a_stage_that_only_passes_a_value_on_sends_back_the_gradient_it_received(passing):
+    """Autograd hands the received gradient back through an item or a view as it is, with no copy
+    (a transpose is sent permuted, its receive buffer laid out as it is, so the gradient handed back
+    is laid out as the value received); the model once counted a copy: 1.5x on such a stage."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 32)
+    sharded = autoshard.shard_model(_PassedOn(passing).train(), 3, example_inputs=(x,),
+                                    pipeline="capture,shape-prop,build-dag,linearize,split{stages=3},emit")
+    assert len([n for n in sharded.stages[1].graph.nodes if n.op in ("call_function", "call_method")]) == 2
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=2)).stages
+    for j in range(3):
+        assert predicted[j].memory.total == measure_stage_memory(sharded, j, (x,), microbatches=2).peak, j

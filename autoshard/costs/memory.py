@@ -715,7 +715,9 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     every node for a value only passed through: the stage reads what it receives first, through
     ``runtime.wire.contiguous_grad``, and autograd runs that last), autograd takes the buffer it
     holds when nothing else holds it and it is contiguous (``SavedFacts.strided_grads``), else
-    copies it. The storages of the values sent (``stays``:
+    copies it; the received gradient itself, handed back through views (a stage that only passes a
+    value on: an item, a view, a transpose sent permuted, whose receive buffer is laid out as it is),
+    it takes as it is. The storages of the values sent (``stays``:
     their makers, ``_owner``) outlive the microbatch's backward. What ``recomputed`` nodes save
     was not kept, so its release frees nothing of the microbatches held (``recompute_bytes``
     counts it). A weight read by several nodes here gets its gradient in parts, which autograd
@@ -786,10 +788,13 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
             freed += nbytes
         mine = buffer.pop(node, None)
+        # a value sent permuted gets its gradient in a buffer laid out as it is, which a view hands back in
+        # its input's layout, where the probe's gradient, laid out as a new tensor, came back strided
+        permuted_buffer = node in sent and _crossed_permuted(dag, node)
         for u, handed in given:
             if u not in buffer:
                 hold(u, mine if handed else u)
-                if u in facts.strided_grads:
+                if u in facts.strided_grads and not (handed and permuted_buffer):
                     strided.add(u)
             elif shared(u) or u in strided:  # the sum is a new buffer
                 release(buffer[u])
@@ -801,7 +806,9 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 pending[u] -= 1
                 # autograd copies it into the one sent back, unless it crossed permuted: then it comes
                 # through the permutes' views, which autograd takes whole if laid out in that order
-                if not pending[u] and ((shared(u) and not _crossed_permuted(dag, u)) or u in strided):
+                received_back = buffer[u] is None  # the gradient received, handed back: taken as it is
+                if not pending[u] and ((shared(u) and not received_back and not _crossed_permuted(dag, u))
+                                       or u in strided):
                     peak = max(peak, output_grads + alive + _grad(dag, u) - freed)  # beside the one it copies
                     release(buffer[u])
                     hold(u, u)
