@@ -319,6 +319,8 @@ def shard_model(
         raise InvalidArgumentTypeError(
             f"memory_model must be an autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...), "
             f"got {type(memory_model).__name__}")
+    if memory_model is not None:  # before the split: a schedule these stages cannot run has no memory or step
+        memory_model.all_in_flight(num_stages)
     program = run_pipeline(model, chosen, inputs, instruments, cost_models, memory_model).program
     check_stages_made(num_stages, len(program.sharded.stages), chosen)
     budgets = stage_limits(num_stages, max_memory=max_memory).get("max_memory")

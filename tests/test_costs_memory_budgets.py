@@ -367,3 +367,12 @@ def test_cost_memory_never_plans_the_unbudgeted_split_over_one_stages_budget(mon
     with pytest.raises(InfeasibleSplitError):
         autoshard.shard_model(model, k, example_inputs=(x,), cost="memory", max_memory=[need[0] - 1, *need[1:]],
                               pipeline=PLAN_ONLY)
+
+
+def test_a_memory_model_these_stages_cannot_run_is_refused_before_the_split():
+    """shard_model made 4 stages under interleaved 1F1B with 3 stages per rank, which no rank layout
+    runs; only plan_report and save_plan refused it, after the split (the command line refuses it)."""
+    model, x = activation_heavy_chain()
+    memory = autoshard.MemoryModel(schedule="interleaved-1f1b", stages_per_rank=3)
+    with pytest.raises(InvalidArgumentError, match="pick stages_per_rank dividing 4"):
+        autoshard.shard_model(model, 4, example_inputs=(x,), memory_model=memory)
