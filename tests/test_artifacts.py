@@ -75,6 +75,16 @@ def test_shard_model_refuses_before_any_pass_runs():
     assert ran.names == []
 
 
+@pytest.mark.parametrize("options", [{"max_memory": 1e6}, {"cost": "memory"}])
+def test_a_measurement_asked_for_without_example_inputs_says_to_pass_them(options):
+    """shard_model(model, k, max_memory=...) without example inputs only said to add `shape-prop` to a
+    pipeline the caller never wrote, and adding it is refused next, for want of the inputs."""
+    with pytest.raises(PipelineValidationError, match=(
+            r"add `shape-prop` .* \(it measures it on the example inputs, and none were given: pass example inputs "
+            r"\(shard_model\(model, k, example_inputs=\.\.\.\)")):
+        autoshard.shard_model(ResidualMLP(), 2, **options)
+
+
 def test_a_measurement_made_after_the_dag_is_built_does_not_reach_the_split():
     with pytest.raises(PipelineValidationError, match=(
             r"'facts' is measured by `shape-prop` \(position 2\), after `build-dag` \(position 1\) built the DAG "

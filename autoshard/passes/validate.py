@@ -120,6 +120,8 @@ class Availability:
         measures = artifact in ShardProgram.MEASUREMENTS and any(
             "example_inputs" in cls.requires for cls in registry.loadable() if cls.name in providers)
         what = "measures it on the example inputs" if measures else f"provides '{artifact}'"
+        if measures and "example_inputs" not in self.available:  # adding the pass alone would be refused next
+            what += f", and none were given: {INPUT_ARTIFACTS['example_inputs']}"
         return f"add {choice} {where} (it {what})"
 
 
