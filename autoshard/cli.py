@@ -355,11 +355,19 @@ def _say(console: Console, args: argparse.Namespace, text: str) -> None:
         console.print(text, markup=False, highlight=False, soft_wrap=True)  # a path stays one line to copy
 
 
-def _check_picture_paths(args: argparse.Namespace) -> None:
-    """Refuse a wrong suffix, or a picture without matplotlib, before the (slow) split rather than after it."""
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse a wrong suffix, a picture without matplotlib, or a file to write (a plan, a picture, a time
+    profile not made yet) into a folder that does not exist, before the (slow) split rather than after it."""
     for flag, path in (("--svg", args.svg), ("--png", args.png)):
         if path and Path(path).suffix.lower() != "." + flag[2:]:
             raise InvalidArgumentError(f"{flag} writes a .{flag[2:]} file; got {path!r}")
+    profile = getattr(args, "time_profile", None)
+    written = [("--out", args.out), ("--svg", args.svg), ("--png", args.png),
+               ("--time-profile", profile if profile and not Path(profile).exists() else None)]
+    for flag, path in written:
+        if path and not Path(path).parent.is_dir():
+            raise InvalidArgumentError(f"{flag} writes {path!r}, but there is no folder {str(Path(path).parent)!r}: "
+                                       "create it first, or give another path")
     if args.svg or args.png:
         from autoshard.render import import_matplotlib
 
@@ -416,7 +424,7 @@ def _print_timing(session: _Session, console: Console) -> None:
 
 
 def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> int:
-    _check_picture_paths(args)
+    _check_output_paths(args)
     if args.compare and args.plan:
         raise InvalidArgumentError(_compare_without_plan(args))
     if args.compare and (args.out or args.svg or args.png):
@@ -484,7 +492,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
         raise InvalidArgumentError(
             f"{', '.join(used)} cannot be used when inspecting a saved plan, which shows what it recorded; "
             "to plan again, inspect the model: autoshard inspect TARGET --stages K ...")
-    _check_picture_paths(args)
+    _check_output_paths(args)
     links = _links(args)  # a link is no part of a plan: its step can be shown over any
     plan = read_plan(args.target)
     if not args.quiet:
