@@ -268,9 +268,11 @@ def shard_model(
     ``time``, ``nodes``) or a function ``cost(node: CostNode) -> float``; ``params`` and
     ``memory`` count a tied weight once in every stage that holds it. ``capacities`` gives each
     stage's relative speed (stage j's cost / capacities[j] is balanced); ``max_memory`` each
-    stage's budget (or one for all) in bytes of training memory (``autoshard.costs.memory``):
-    weights, gradients and optimizer state once, plus the activations of every microbatch in
-    flight at that stage under 1F1B. The split looks for the best-balanced plan that fits, and
+    stage's budget (or one for all; bytes, or a size such as ``"40GiB"``) of training memory as
+    ``memory_model`` counts it (``autoshard.costs.memory``; docs/splitting.md, "Memory budgets"):
+    weights, gradients and optimizer state, the saved activations and the values received and sent
+    of every microbatch in flight at that stage under its schedule, one backward, and the receive
+    buffers of the step's microbatches. The split looks for the best-balanced plan that fits, and
     the final plan is checked again; a budget no plan fits raises ``InfeasibleSplitError``
     naming the stage that is short and by how much. ``tolerance`` lets the costliest stage cost up
     to that fraction more than the best balance where fewer bytes then cross the boundaries (0.1: a
@@ -280,7 +282,7 @@ def shard_model(
     time reads). ``memory_model``
     (``autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...)``) is the optimizer
     and schedule that ``cost="memory"`` and ``max_memory`` plan for (default: Adam, 8 bytes per
-    parameter, every microbatch in flight); the plan keeps it, so ``plan_report`` reports with it.
+    parameter, 1F1B with one microbatch per stage); the plan keeps it, so ``plan_report`` reports with it.
     ``pin`` holds modules, classes or weights to stages (``{"blocks.0": 0, "lm_head.weight": 3}``),
     ``no_split`` keeps modules (paths or class names) whole, ``cut_before`` starts a stage at each
     module: they become ``pin``, ``no-split`` and ``cut-before`` passes before the split.
