@@ -81,7 +81,8 @@ def _per_stage(name: str, values: Any, num_stages: int, positive: bool) -> tuple
         raise InvalidArgumentTypeError(f"{name} must be a number or a list with one number per stage, got {values!r}")
     if len(values) != num_stages:
         raise InvalidArgumentError(
-            f"{name} has {len(values)} entries but there are {num_stages} stages; give one per stage")
+            f"{name} has {'1 entry' if len(values) == 1 else f'{len(values)} entries'} but there "
+            f"{'is 1 stage' if num_stages == 1 else f'are {num_stages} stages'}; give one per stage")
     parsed = [real_number(v) for v in values]
     for j, (v, number) in enumerate(zip(values, parsed)):
         if number is None:

@@ -159,6 +159,16 @@ def test_bad_capacities_are_refused_before_anything_runs(bad, error, message):
         autoshard.shard_model(ResidualMLP(), 3, capacities=bad)
 
 
+@pytest.mark.parametrize("stages, budgets, message", [
+    (4, [1e6], "max_memory has 1 entry but there are 4 stages"),
+    (1, [1e6, 1e6], "max_memory has 2 entries but there is 1 stage"),
+])
+def test_a_budget_list_of_the_wrong_length_counts_in_words(stages, budgets, message):
+    """It read "has 1 entries" and "there are 1 stages"."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        autoshard.shard_model(ResidualMLP(), stages, max_memory=budgets)
+
+
 def test_capacities_reach_a_split_written_in_a_pipeline_and_nothing_else():
     model, x = ResidualMLP(num_blocks=8), torch.randn(4, 16)
     written = Pipeline([TracePass(), ShapePropPass(), BuildDagPass(), LinearizePass(), SplitPass(), EmitPass()])
