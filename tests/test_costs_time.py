@@ -84,6 +84,15 @@ def test_the_profile_decides_the_plan(tmp_path):
     assert sharded.plan.stage_nodes(sharded.plan.assignment["linears_7"]) == ["linears_7"]
 
 
+@pytest.mark.parametrize("pipeline", [None, "capture,shape-prop,profile{path=%s},build-dag,linearize,split,emit"])
+def test_a_profile_to_write_into_no_folder_is_refused_before_anything_runs(tmp_path, pipeline):
+    """The nodes were timed first, and then a PassFailed wrapped the FileNotFoundError of saving."""
+    path = tmp_path / "no-such-folder" / "times.json"
+    options = {"time_profile": path} if pipeline is None else {"pipeline": pipeline % path}
+    with pytest.raises(InvalidArgumentError, match=r"profile path .* is to be written, but there is no folder"):
+        autoshard.shard_model(ResidualMLP(), 2, (torch.randn(4, 16),), cost="time", **options)
+
+
 def test_a_profile_of_another_graph_is_refused(tmp_path):
     path = tmp_path / "times.json"
     shard_by_time(ResidualMLP(), torch.randn(4, 16), time_profile=path)

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from autoshard.passes.annotate import annotated_copy
 from autoshard.costs.timing import TimeProfile, TimingSettings, graph_signature, measure_node_seconds, measured_sizes
+from autoshard.errors import InvalidArgumentError
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
 
@@ -37,6 +38,10 @@ class ProfilePass(Pass):
 
     def check_options(self) -> None:
         TimingSettings(self.warmup, self.repeats, self.backward)  # refuses warmup < 0, repeats < 1 before capture
+        if self.path is not None and not Path(self.path).exists() and not Path(self.path).parent.is_dir():
+            # else the profile is measured first, and its file then fails to be written
+            raise InvalidArgumentError(f"profile path {self.path!r} is to be written, but there is no folder "
+                                       f"{str(Path(self.path).parent)!r}: create it first, or give another path")
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         gm = program.traced.graph_module
