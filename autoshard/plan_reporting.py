@@ -59,9 +59,9 @@ class StageReport:
             "param_count": self.param_count, "param_bytes": self.param_bytes, "costs": dict(self.costs),
             "seconds": self.seconds,
             "values_in": [v.to_dict() for v in self.values_in], "values_out": [v.to_dict() for v in self.values_out],
-            "memory": None if self.memory is None else {
-                "state_bytes": self.memory.state_bytes, "activation_bytes": self.memory.activation_bytes,
-                "in_flight": self.memory.in_flight, "total": self.memory.total},
+            "memory": None if self.memory is None else {  # every part the total is made of, as the tables add them
+                **{k: v for k, v in dataclasses.asdict(self.memory).items() if k != "stage"},
+                "optimizer_bytes": self.memory.optimizer_bytes, "total": self.memory.total},
         }
 
 

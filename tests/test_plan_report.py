@@ -11,6 +11,7 @@ from torch import nn
 
 import autoshard
 from autoshard.costs.flops import flop_counter_mode
+from autoshard.costs.memory import stage_memory
 from autoshard.examples import load_example
 from autoshard.plan_reporting import plan_report
 
@@ -65,6 +66,21 @@ def test_the_report_is_json_and_lists_ties_and_extra_costs():
     first_out = data["stages"][0]["values_out"][0]
     assert first_out["value"]["kind"] == "tensor" and first_out["bytes"] == first_out["value"]["bytes"]
     assert first_out["text"].startswith("float32[")
+
+
+def test_the_reports_data_holds_every_part_of_a_stages_training_memory():
+    """to_dict() gave only the weight state, the saved activations, the microbatches in flight and the
+    total: the received and sent values, one backward and the receive buffers the total also counts,
+    which the tables name, were missing from the data."""
+    model, args, _ = load_example("gpt-lm")
+    sharded = autoshard.shard_model(model, 4, example_inputs=args)
+    data = json.loads(json.dumps(plan_report(sharded).to_dict()))
+    for stage, memory in zip(data["stages"], stage_memory(sharded.plan.dag, sharded.plan.assignment, 4)):
+        assert stage["memory"]["total"] == memory.total
+        for part in ("state_bytes", "weight_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes",
+                     "received_bytes", "sent_bytes", "backward_bytes", "forward_bytes", "buffer_bytes", "in_flight"):
+            assert stage["memory"][part] == getattr(memory, part)
+    assert any(stage["memory"]["received_bytes"] and stage["memory"]["buffer_bytes"] for stage in data["stages"])
 
 
 def test_the_report_carries_the_splitters_record_and_stage_times():
