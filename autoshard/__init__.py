@@ -34,6 +34,7 @@ _LAZY = {
     # warnings a user may want to filter or turn into errors
     "HostRandomnessWarning": "autoshard.capture.host_random",
     "StalePlanWarning": "autoshard.plan_format.fits",
+    "UnmeasuredMemoryWarning": "autoshard.plan_format.fits",
     "SharedBufferWarning": "autoshard.runtime.stage",
     "MicrobatchStatisticsWarning": "autoshard.runtime.schedule",
     "TimingSpreadWarning": "autoshard.runtime.predict",

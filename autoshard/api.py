@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -13,7 +14,7 @@ from torch import nn
 from autoshard.arguments import byte_count, real_number, whole_number
 from autoshard.costs.execution import holds_meta_tensors
 from autoshard.costs.memory import MemoryModel, check_memory_budgets, stage_memory
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, plural
 from autoshard.passes.analyses import (
     CostModel,
     CostNode,
@@ -35,8 +36,9 @@ from autoshard.passes.shapes import ShapePropPass
 from autoshard.passes.split import SplitPass
 from autoshard.passes.stages import bind_stages, check_stages_made
 from autoshard.passes.verify import VerifyPass
+from autoshard.plan_format.fits import UnmeasuredMemoryWarning
 from autoshard.plan_origin import PlanOrigin
-from autoshard.sharded import ShardedModel
+from autoshard.sharded import ShardedModel, StagePlan
 from autoshard.specialize import MAX_SPECIALIZATIONS, Specializer
 
 CostFunction = Callable[[CostNode], float]
@@ -331,11 +333,30 @@ def shard_model(
         plan = program.sharded.plan
         check_memory_budgets(stage_memory(plan.dag, plan.assignment, num_stages, memory_model or MemoryModel()),
                              budgets)
+        _warn_unmeasured(plan)
     program.sharded.plan_origin = PlanOrigin.made(program, chosen, cost_models)  # for sharded.save_plan
     if respecialize and inputs is not None:
         program.sharded.specializer = specializer_for(model, num_stages, chosen, cost, memory_model, inputs,
                                                       max_specializations)
     return program.sharded
+
+
+def _warn_unmeasured(plan: StagePlan) -> None:
+    """Warn where the budgets were met by counting some nodes' outputs only (``UnmeasuredMemoryWarning``):
+    the plan report names them, but a plan made and used without a report held up to twice its budget."""
+    unmeasured = [node for node, data in plan.dag.nodes(data=True)
+                  if not data.get("input") and data.get("training") is None]
+    if not unmeasured:
+        return
+    by_stage = sorted({plan.assignment[node] for node in unmeasured if node in plan.assignment})
+    shown = ", ".join(unmeasured[:5]) + (f" and {len(unmeasured) - 5} more" if len(unmeasured) > 5 else "")
+    warnings.warn(
+        f"max_memory was met counting {plural(len(unmeasured), 'node')} by their output's bytes only ({shown}: fake "
+        f"tensors could not run them, as a branch on a tensor's value), in "
+        f"{'stage' if len(by_stage) == 1 else 'stages'} {', '.join(map(str, by_stage))}: what "
+        "they save for backward is not counted, so those stages may hold more than their budget; check each with "
+        "autoshard.runtime.measure_stage_memory(sharded, stage, example_inputs) and lower max_memory by what it "
+        "shows over", UnmeasuredMemoryWarning, stacklevel=3)
 
 
 def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost: str | CostFunction,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import warnings
 
 import pytest
 import torch
@@ -376,3 +377,31 @@ def test_a_memory_model_these_stages_cannot_run_is_refused_before_the_split():
     memory = autoshard.MemoryModel(schedule="interleaved-1f1b", stages_per_rank=3)
     with pytest.raises(InvalidArgumentError, match="pick stages_per_rank dividing 4"):
         autoshard.shard_model(model, 4, example_inputs=(x,), memory_model=memory)
+
+
+class _Recurrents(nn.Module):
+    def __init__(self, layers: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.LSTM(8, 8, batch_first=True) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)[0]
+        return x
+
+
+def test_a_budget_met_by_counting_unmeasured_nodes_by_their_output_warns():
+    """Under shape propagation on fake tensors, a fused LSTM's workspace cannot be sized, so its node
+    counts its output's bytes only (a block saving much beyond its output held 2x its budget that way),
+    and only the report, which a user of shard_model alone never prints, said so. Where shape
+    propagation runs real tensors such nodes are probed on them: no warning (the branched example)."""
+    x = torch.randn(2, 4, 8)
+    pipeline = "capture,shape-prop{mode=fake},build-dag,linearize,split{stages=2},emit"
+    with pytest.warns(autoshard.UnmeasuredMemoryWarning, match=r"max_memory was met counting 6 nodes by their "
+                      r"output's bytes only \(layers_0, .* and 1 more.*measure_stage_memory"):
+        autoshard.shard_model(_Recurrents(), 2, example_inputs=(x,), max_memory=1e9, pipeline=pipeline)
+    chain, x = activation_heavy_chain()
+    for model, args in (chain, (x,)), load_example("branched")[:2]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", autoshard.UnmeasuredMemoryWarning)
+            autoshard.shard_model(model, 2, example_inputs=args, max_memory=1e9, verify=False)

@@ -130,7 +130,7 @@ def test_every_error_and_warning_the_readme_names_is_importable_from_autoshard()
 
     errors = {name for name, cls in vars(autoshard.errors).items()
               if inspect.isclass(cls) and issubclass(cls, AutoshardError)}
-    for name in errors | {"HostRandomnessWarning", "StalePlanWarning", "SharedBufferWarning",
+    for name in errors | {"HostRandomnessWarning", "StalePlanWarning", "UnmeasuredMemoryWarning", "SharedBufferWarning",
                           "MicrobatchStatisticsWarning", "TargetError"}:
         assert name in dir(autoshard), name
         assert inspect.isclass(getattr(autoshard, name)), name

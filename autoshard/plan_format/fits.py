@@ -32,6 +32,12 @@ class StalePlanWarning(UserWarning):
     """A plan loaded into a model whose weights have other sizes than those it was made for."""
 
 
+class UnmeasuredMemoryWarning(UserWarning):
+    """A plan made under ``max_memory`` with nodes whose saved activations fake tensors could not
+    measure (a branch on a tensor's value): they count their output's bytes only, so a stage may
+    hold more than its budget (``autoshard.runtime.measure_stage_memory`` says how much)."""
+
+
 def weight_size_changes(plan: SavedPlan, dag: nx.DiGraph) -> list[str]:
     """The weights (by the plan's names) whose size in ``dag`` differs from the plan's: the same
     graph with other widths, whose split the plan's balance no longer describes."""
