@@ -17,9 +17,10 @@ For each model, k = 2, 4, 8, 1, 4 and 8 microbatches (1F1B), Adam and SGD, one r
 Ratios are estimate / measured; the issue's target is the predicted one within 0.9-1.1.
 
 Models: the built-in examples (residual MLP, GPT-style LM, TransformerLM) and, without
-``--quick``, the activation-heavy GPT-style LM of the issue (width 64, batch 16 x 256) and a
-Hugging Face zoo in training mode built from tiny configs (random weights, nothing downloaded):
-GPT-2, Llama, BERT, ViT, T5 and a diffusers UNet.
+``--quick``, the branched example (blocks fake tensors cannot run), the activation-heavy GPT-style
+LM of the issue (width 64, batch 16 x 256), a Hugging Face zoo in training mode built from tiny
+configs (random weights, nothing downloaded): GPT-2, Llama, BERT, ViT, T5, a diffusers UNet and
+Mixtral (an expert loop fake tensors cannot run), and an LSTM tagger (fused kernels).
 
 Then the budget table: for budgets of 0.6 to 1.0 times the unconstrained plan's fullest stage
 (k = 4, Adam, 4 microbatches), whether a plan is returned and, if so, its predicted and measured
@@ -109,6 +110,40 @@ def tiny_t5() -> Case:
         "use_cache": False}
 
 
+def tiny_mixtral() -> Case:
+    """A 4-layer Mixtral: its expert loop branches on which tokens the router sent (fake tensors
+    cannot run it), and its grouped matrix product's fake kernel wants bf16."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64)
+    inputs = {"input_ids": torch.randint(0, 128, (4, 32)), "use_cache": False}
+    return transformers.MixtralForCausalLM(config).train(), (), inputs
+
+
+class _LSTMTagger(nn.Module):
+    """Embedding, four single-layer LSTMs (the fused kernel's fake twin saves its workspace empty), head."""
+
+    def __init__(self, width: int = 64, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, width)
+        self.layers = nn.ModuleList(nn.LSTM(width, width, batch_first=True) for _ in range(layers))
+        self.head = nn.Linear(width, 128)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)[0]
+        return self.head(x)
+
+
+def lstm_tagger() -> Case:
+    torch.manual_seed(0)
+    return _LSTMTagger().train(), (torch.randint(0, 128, (4, 32)),), {}
+
+
 def tiny_unet() -> Case:
     import diffusers
 
@@ -124,6 +159,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "residual-mlp": lambda: load_example("residual-mlp"),
     "gpt-lm": lambda: load_example("gpt-lm"),
     "transformer-lm": lambda: load_example("transformer-lm"),
+    "branched": lambda: load_example("branched"),
     "gpt-lm-wide": wide_gpt_lm,
     "hf-gpt2": tiny_gpt2,
     "hf-llama": tiny_llama,
@@ -131,6 +167,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "hf-vit": tiny_vit,
     "hf-t5": tiny_t5,
     "diffusers-unet": tiny_unet,
+    "hf-mixtral": tiny_mixtral,
+    "lstm": lstm_tagger,
 }
 QUICK = ("residual-mlp", "gpt-lm", "transformer-lm")
 
