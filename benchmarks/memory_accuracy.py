@@ -25,8 +25,8 @@ Mixtral (an expert loop fake tensors cannot run), and an LSTM tagger (fused kern
 Then the budget table: for budgets of 0.6 to 1.0 times the unconstrained plan's fullest stage
 (k = 4, Adam, 4 microbatches), whether a plan is returned and, if so, its predicted and measured
 peak against the budget on every stage (the target is no stage over), beside the least fullest
-stage any split of program order reaches (``ProgramOrderSplits``, exact), which says whether a
-refused budget had a fitting split.
+stage any split of program order reaches (``autoshard.costs.split_search.program_order``, exact,
+the search a refusal now runs last), which says whether a refused budget had a fitting split.
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ from typing import Any, Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.costs.memory import MemoryModel, kept_bytes, node_state_bytes, stage_memory  # noqa: E402
+from autoshard.costs.memory import MemoryModel  # noqa: E402
+from autoshard.costs.models import memory_parts  # noqa: E402
+from autoshard.costs.split_search.program_order import ProgramOrderSplits  # noqa: E402
+from autoshard.costs.split_search.request import training_memory  # noqa: E402
 from autoshard.examples import GPTStyleLM, load_example  # noqa: E402
-from autoshard.graph.linearize import non_inputs, program_order  # noqa: E402
-from autoshard.graph.partition import boundary_values  # noqa: E402
+from autoshard.graph.linearize import program_order  # noqa: E402
 from autoshard.runtime import measure_stage_memory  # noqa: E402
 from autoshard.runtime.memory import OPTIMIZER_STATE  # noqa: E402
 
@@ -214,87 +215,13 @@ def rows(name: str, ks: tuple[int, ...], counts: tuple[int, ...], optimizers: tu
     return out
 
 
-class ProgramOrderSplits:
-    """Exact search over every split of program order into k contiguous stages, each stage judged by
-    the whole model (``stage_memory``): is there one whose every stage fits a budget, and the least
-    fullest stage any reaches. It says whether a refused budget had a fitting split (the search gave
-    up) or none (the refusal is right). Pruned by a lower bound per stage that is cheap from prefix
-    sums: weight state charged to one reader, saved activations and received values per microbatch
-    in flight, and the gradients of what it sends (the least one backward adds); then only stages
-    whose bound fits and whose rest can still fit are counted whole."""
-
-    def __init__(self, dag: Any, k: int, model: MemoryModel = MemoryModel()) -> None:
-        order = program_order(dag)
-        self.dag, self.k, self.model = dag, k, model
-        self.inputs = [v for v in order if dag.nodes[v]["input"]]
-        self.rest = non_inputs(dag, order)
-        n = len(self.rest)
-        state, kept = node_state_bytes(dag, model), [kept_bytes(dag, v) for v in self.rest]
-        self.state = np.concatenate([[0.0], np.cumsum([state[v] for v in self.rest])])
-        self.kept = np.concatenate([[0.0], np.cumsum(kept)])
-        self.in_flight = model.all_in_flight(k)
-        crossing = [self._crossing(c) for c in range(n + 1)]
-        grad = {v: float(dag.nodes[v]["training"].grad) if dag.nodes[v].get("training") else 0.0 for v in dag}
-        self.received = np.array([sum(float(dag.nodes[v]["bytes"]) for v in values) for values in crossing])
-        self.received[0] = sum(float(dag.nodes[v]["bytes"]) for v in self.inputs)
-        self.sent_grads = np.array([sum(grad[v] for v in values) for values in crossing])
-        self.sent_grads[n] = sum(grad[v] for v in dag if dag.nodes[v].get("output"))
-        self.totals: dict[tuple[int, int, int], float] = {}
-
-    def _crossing(self, cut: int) -> list[str]:
-        """The values that cross a cut before ``rest[cut]`` (outputs made before it included)."""
-        assignment = {**dict.fromkeys(self.inputs, 0), **{v: int(i >= cut) for i, v in enumerate(self.rest)}}
-        return boundary_values(self.dag, assignment, 2)[0]
-
-    def bound(self, j: int, a: int) -> np.ndarray:
-        """The lower bound on stage j's memory when it runs ``rest[a:b]``, for every b (index b)."""
-        received = self.received[a] if (j == 0) == (a == 0) else np.inf  # stage 0 starts at 0, others later
-        return (self.state - self.state[a] + self.in_flight[j] * (self.kept - self.kept[a] + received)
-                + self.sent_grads)
-
-    def total(self, j: int, a: int, b: int) -> float:
-        """Stage j's whole memory when it runs ``rest[a:b]`` (what comes before in stage j - 1, after in j + 1)."""
-        key = (j, a, b)
-        if key not in self.totals:
-            assignment = dict.fromkeys(self.inputs, 0)
-            for i, v in enumerate(self.rest):
-                assignment[v] = j - 1 if i < a else j if i < b else j + 1
-            self.totals[key] = stage_memory(self.dag, assignment, self.k, self.model)[j].total
-        return self.totals[key]
-
-    def fitting(self, budget: float) -> tuple[int, ...] | None:
-        """The cuts of a split of program order whose every stage fits ``budget``, or None."""
-        n, k = len(self.rest), self.k
-        can = np.zeros((k + 1, n + 1), dtype=bool)  # can[j][a]: stages j.. may fit rest[a:] by the bound
-        can[k][n] = True
-        for j in range(k - 1, -1, -1):
-            for a in range(j if j else 0, n - (k - 1 - j)):
-                ends = np.flatnonzero((self.bound(j, a) <= budget) & can[j + 1])
-                can[j][a] = bool(np.any(ends > a))
-        failed: set[tuple[int, int]] = set()
-
-        def search(j: int, a: int) -> tuple[int, ...] | None:
-            if j == k:
-                return () if a == n else None
-            if (j, a) in failed or not can[j][a]:
-                return None
-            for b in np.flatnonzero((self.bound(j, a) <= budget) & can[j + 1]).tolist():
-                if b > a and self.total(j, a, b) <= budget:
-                    rest = search(j + 1, b)
-                    if rest is not None:
-                        return (b, *rest)
-            failed.add((j, a))
-            return None
-
-        return search(0, 0)
-
-    def least(self, high: float, steps: int = 14) -> float:
-        """The least fullest stage over every split of program order, to 2^-steps of ``high`` (which fits)."""
-        low = 0.0
-        for _ in range(steps):
-            middle = (low + high) / 2
-            low, high = (low, middle) if self.fitting(middle) is not None else (middle, high)
-        return high
+def least(splits: ProgramOrderSplits, high: float, steps: int = 14) -> float:
+    """The least fullest stage over every split of program order, to 2^-steps of ``high`` (which fits)."""
+    low = 0.0
+    for _ in range(steps):
+        middle = (low + high) / 2
+        low, high = (low, middle) if splits.fitting((middle,) * splits.k) is not None else (middle, high)
+    return high
 
 
 def budget_rows(name: str, k: int = 4, fractions: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9, 1.0)) -> list[dict]:
@@ -304,11 +231,13 @@ def budget_rows(name: str, k: int = 4, fractions: tuple[float, ...] = (0.6, 0.7,
     model, args, kwargs = CASES[name]()
     free = plan(model, k, args, kwargs)
     fullest = max(s.memory.total for s in autoshard.plan_report(free).stages)
-    least = ProgramOrderSplits(free.plan.dag, k).least(fullest) / fullest
+    dag, memory = free.plan.dag, MemoryModel()
+    count = training_memory(dag, k, memory, lambda apart: memory_parts(dag, apart, memory))
+    lowest = least(ProgramOrderSplits(dag, program_order(dag), k, count), fullest) / fullest
     out = []
     for fraction in fractions:
         budget = fraction * fullest
-        row = dict(model=name, fraction=fraction, budget=budget, least=least, predicted=None, peaks=None)
+        row = dict(model=name, fraction=fraction, budget=budget, least=lowest, predicted=None, peaks=None)
         try:
             sharded = plan(model, k, args, kwargs, max_memory=budget)
         except autoshard.errors.InfeasibleSplitError:

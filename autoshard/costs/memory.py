@@ -541,6 +541,65 @@ def node_memory(
     return {node: state[node] + kept[node] for node in dag.nodes}
 
 
+@dataclass(frozen=True)
+class StageFloor:
+    """What a stage holds at least, in parts summed per node and per cut, so that a search over many
+    splits judges whole (``stage_memory``) only the stages whose floor fits. ``held``: per node, the
+    weight state charged to it (a weight's first reader; none to a read of its shape only). ``kept``:
+    per node, saved bytes per microbatch in flight, less what a stage may not keep (a saved output it
+    sends a copy of, ``_saved_only_later``; a copy of a strided value it receives, ``_as_received``).
+    Per stage j, ``received[j]``: per value, what it adds when a cut brings it into stage j (once per
+    microbatch in flight on the first stage, the model inputs; once per receive buffer on the others);
+    ``sent[j]``: its gradient when a cut takes it out (one backward's and, but on the last stage, the
+    buffers')."""
+
+    held: Mapping[str, float]
+    kept: Mapping[str, float]
+    received: Sequence[Mapping[str, float]]
+    sent: Sequence[Mapping[str, float]]
+
+
+def stage_floor(dag: nx.DiGraph, num_stages: int, model: MemoryModel = MemoryModel()) -> StageFloor:
+    """The ``StageFloor`` of ``dag`` split into ``num_stages`` under ``model``."""
+    k, scale = num_stages, model.activation_scale(list(dag.graph.get("weights", {}).values()))
+    state = node_state_bytes(dag, model) if "weights" in dag.graph else dict.fromkeys(dag.nodes, 0.0)
+    held = {v: 0.0 if dag.nodes[v].get("tensor") is False else state[v] for v in dag.nodes}
+    owners = {u for v in dag.nodes if _strided_output(dag, v) for u in _possible_owners(dag, v)}
+    kept = kept_per_node(dag, model)
+    for owner in owners:
+        facts = _training(dag, owner)
+        kept[owner] = max(0.0, kept[owner] - (facts.saved_output * scale if facts is not None else 0.0))
+    for v in dag.nodes:  # reading a strided value a cut brings contiguous, a node may save less (``_as_received``)
+        facts = _training(dag, v)
+        if facts is not None and facts.when_contiguous is not None and facts.when_contiguous[0] < 0:
+            kept[v] = max(0.0, kept[v] + facts.when_contiguous[0] * scale)
+    buffered = model.step_microbatches(k)
+    into = [model.in_flight(0, k), *[buffered] * (k - 1)]
+    out_of = [*[buffered] * (k - 1), 1]
+    return StageFloor(held, kept, [{v: _scaled(dag, v, scale) * n for v in dag.nodes} for n in into],
+                      [{v: _grad(dag, v) * scale * n for v in dag.nodes} for n in out_of])
+
+
+def _possible_owners(dag: nx.DiGraph, node: str) -> set[str]:
+    """Every node ``_owner`` may name for ``node`` under some assignment: itself, the maker its facts
+    name, or a node up a chain of inputs that made no storage."""
+    found, todo = {node}, [node]
+    while todo:
+        v = todo.pop()
+        if dag.nodes[v].get("input") or dag.nodes[v].get("allocated"):
+            continue
+        facts = _training(dag, v)
+        if facts is not None and facts.views is not None:
+            ahead = [facts.views] if facts.views in dag else []  # a maker the graph lacks: the node itself
+        else:
+            ahead = list(dag.predecessors(v))
+        for u in ahead:
+            if u not in found:
+                found.add(u)
+                todo.append(u)
+    return found
+
+
 def _nodes_by_stage(assignment: Mapping[str, int], k: int) -> list[list[str]]:
     """Each stage's nodes in the assignment's order (a split's is the program order the stages run)."""
     stages: list[list[str]] = [[] for _ in range(k)]

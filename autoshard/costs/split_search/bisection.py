@@ -44,7 +44,7 @@ def memory_balanced(request: SplitRequest, first: Partition) -> Partition:
 
     def fitting(bound: float) -> Partition | None:
         try:
-            split = split_placing_ties(within(bound, **fast))
+            split = split_placing_ties(within(bound, **fast), exact=False)
         except InfeasibleSplitError:
             return None
         return split if split.info.bottleneck <= bound * (1 + 1e-9) else None
@@ -56,7 +56,7 @@ def memory_balanced(request: SplitRequest, first: Partition) -> Partition:
         low, high, met = (low, middle, probe) if probe is not None else (middle, high, met)
     bound = high * (1 + request.tolerance)
     try:
-        split = split_placing_ties(within(bound))
+        split = split_placing_ties(within(bound), exact=False)
     except InfeasibleSplitError:
         split = met
     # The inner split's bound is on one microbatch's memory; the plan is held to this one.

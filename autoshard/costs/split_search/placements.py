@@ -26,11 +26,13 @@ from typing import Any, Mapping, Sequence
 
 import networkx as nx
 
+from autoshard.costs.split_search.program_order import JUDGEMENT_LIMIT, SearchGaveUp, fitting_in_order, serves
 from autoshard.costs.split_search.request import SplitRequest
 from autoshard.costs.ties import TiePlacement, charged_apart, tie_placements
 from autoshard.errors import InfeasibleSplitError
-from autoshard.graph import Partition, split_dag
+from autoshard.graph import Partition, SplitInfo, split_dag, total_boundary_bytes
 from autoshard.graph.constraints import ACTIVATION_MEMORY
+from autoshard.graph.linearize import program_order
 
 
 def weighted_in_order(
@@ -76,8 +78,10 @@ class Attempt:
         return max((m - b) / b if b else float(m > 0) for m, b in zip(self.memory, budgets))
 
 
-def split_placing_ties(request: SplitRequest) -> Partition:
-    """The best split of ``request`` over the tie placements worth trying, ``max_memory`` held."""
+def split_placing_ties(request: SplitRequest, exact: bool = True) -> Partition:
+    """The best split of ``request`` over the tie placements worth trying, ``max_memory`` held. Where
+    none fits, ``exact``: the split the exact search over the order finds (``in_order``), before the
+    budget is refused (the bisection's probes, many and below the least bound, go without)."""
     first_try = TiePlacement(preferred=request.ties if request.keep_tied else ())
     try:
         first = fitted(request, first_try)
@@ -86,10 +90,12 @@ def split_placing_ties(request: SplitRequest) -> Partition:
             raise
         first = attempt(request, first_try, budgets=())
         if not first.fits:
+            found = in_order(request, first_try) if exact else ""
+            if isinstance(found, Attempt):
+                return found.partition
             raise InfeasibleSplitError(
-                f"no split into {request.k} stages fits max_memory ({_in_max_memory_terms(exc)}); in the "
-                "best-balanced plan "
-                f"{shortfall(request, first)}") from exc
+                f"no split into {request.k} stages fits max_memory ({_in_max_memory_terms(exc)}){found}; in the "
+                f"best-balanced plan {shortfall(request, first)}") from exc
     attempts = [first]
     if first.separated and first.partition.info.bound is not None:  # a bounded strategy, not a baseline
         for placement in retries(request, first):
@@ -103,13 +109,39 @@ def split_placing_ties(request: SplitRequest) -> Partition:
         attempts.append(unbounded)
         fitting = [unbounded] if unbounded.fits else []
     if not fitting:
+        found = in_order(request, first_try) if exact else ""
+        if isinstance(found, Attempt):
+            return found.partition
         closest = min(attempts, key=lambda a: a.overshoot(request.each_stage(request.max_memory)))
         raise InfeasibleSplitError(
             f"no split into {request.k} stages fits max_memory with every stage counted whole (received and sent "
             f"values, one backward, each shared weight in every stage holding it), split again up to "
-            f"{TIGHTENING_ROUNDS} times under budgets tightened by what the per-node sums missed; in the closest "
-            f"plan {shortfall(request, closest)}")
+            f"{TIGHTENING_ROUNDS} times under budgets tightened by what the per-node sums missed{found}; in the "
+            f"closest plan {shortfall(request, closest)}")
     return min(fitting, key=Attempt.rank).partition  # the first of equals: ties preferred together
+
+
+def in_order(request: SplitRequest, placement: TiePlacement) -> Attempt | str:
+    """The last resort before a budget is refused: the split the exact search over ``request.order``
+    finds (``program_order``), scored as ``attempt`` scores a split, weights charged as ``placement``
+    charges them (its plan's info: the bottleneck as its bound, the boundary bytes, the ties it
+    separates); where it finds none or cannot serve the request, what the refusal says of it."""
+    if not serves(request):
+        return ""
+    where = "program order" if list(request.order) == program_order(request.dag) else "the linearized order"
+    try:
+        assignment = fitting_in_order(request)
+    except SearchGaveUp:
+        return f"; an exact search over the splits of {where} gave up after {JUDGEMENT_LIMIT:,} stages judged"
+    if assignment is None:
+        return f"; no split of {where} into {request.k} contiguous stages fits either (an exact search)"
+    weighted = weighted_in_order(request.dag, request.order, request.node_costs(placement.apart))
+    boundary = total_boundary_bytes(weighted, assignment, request.k)
+    found = scored(request, placement, weighted, assignment,
+                   SplitInfo(request.strategy, None, 0.0, boundary, tolerance=request.tolerance))
+    info = found.partition.info
+    return dataclasses.replace(found, partition=dataclasses.replace(
+        found.partition, info=dataclasses.replace(info, bound=info.bottleneck)))
 
 
 def _in_max_memory_terms(refusal: InfeasibleSplitError) -> str:
@@ -210,11 +242,18 @@ def attempt(request: SplitRequest, placement: TiePlacement, budgets: tuple[float
         capacities=request.capacities or None,
         return_info=True, **limits, **request.strategy_options,
     )
-    assignment = result.assignment
+    return scored(request, placement, weighted, result.assignment, result.info)
+
+
+def scored(request: SplitRequest, placement: TiePlacement, weighted: nx.DiGraph, assignment: Mapping[str, int],
+           info: SplitInfo) -> Attempt:
+    """``assignment`` of ``weighted`` (the DAG costed under ``placement``) as an ``Attempt``: ``info`` with
+    the true bottleneck and the ties separated, each stage's memory and fit as ``max_memory`` counts it."""
+    k, memory = request.k, request.memory
     speeds = request.each_stage(request.capacities or (1.0,))
     totals = request.stage_totals(assignment)
     split_up = [g for g in request.ties if len({assignment[v] for v in g.readers}) > 1]
-    info = dataclasses.replace(result.info, bottleneck=max(t / c for t, c in zip(totals, speeds)),
+    info = dataclasses.replace(info, bottleneck=max(t / c for t, c in zip(totals, speeds)),
                                separated=tuple(w for g in split_up for w in g.weights))
     held = tuple(memory.stage_totals(assignment)) if request.max_memory else ()
     fits = all(m <= b for m, b in zip(held, request.each_stage(request.max_memory)))

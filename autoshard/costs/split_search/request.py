@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import networkx as nx
 
-from autoshard.costs.memory import MemoryModel, memory_shortfall, stage_memory
+from autoshard.costs.memory import MemoryModel, StageFloor, memory_shortfall, stage_floor, stage_memory
 from autoshard.costs.ties import TieGroup
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, StageRange
 
@@ -29,7 +29,8 @@ class MemoryCount:
     ``node_attributes(apart)`` gives the node attributes the splitter sums per stage (``MEMORY``
     held once; ``ACTIVATION_MEMORY`` times ``in_flight[j]`` for training memory); ``stage_totals``
     scores a finished plan; ``shortfall(assignment, budgets)``, when set, is the model's own
-    message for a stage over budget (else one naming the model ``name``).
+    message for a stage over budget (else one naming the model ``name``). ``floor``, when set, is
+    what a stage holds at least (``costs.memory.StageFloor``), by which the exact search prunes.
     """
 
     name: str
@@ -37,6 +38,7 @@ class MemoryCount:
     stage_totals: StageTotals
     in_flight: tuple[float, ...] | None = None
     shortfall: Callable[[Mapping[str, int], tuple[float, ...]], str] | None = None
+    floor: StageFloor | None = None
 
 
 def summed_memory(name: str, node_costs: NodeCosts, stage_totals: StageTotals) -> MemoryCount:
@@ -61,7 +63,7 @@ def training_memory(
     def shortfall(assignment: Mapping[str, int], budgets: tuple[float, ...]) -> str:
         return memory_shortfall(stage_memory(dag, assignment, k, model), budgets) or ""
 
-    return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall)
+    return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall, stage_floor(dag, k, model))
 
 
 @dataclass(frozen=True)
