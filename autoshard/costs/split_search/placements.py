@@ -185,7 +185,7 @@ def _tightened(request: SplitRequest, placement: TiePlacement, found: Attempt,
             break
         over = [m > b for m, b in zip(found.memory, budgets)]
         missed = [max(0.0, b - (m - c)) for b, m, c in zip(budgets, found.memory, found.counted)]
-        less = [c - _ROUND_OFF * b for c, b in zip(found.counted, budgets)]
+        less = [max(0.0, c - _ROUND_OFF * b) for c, b in zip(found.counted, budgets)]  # a budget is never negative
         proposals = [tuple(min(t, p) if o else t for t, p, o in zip(tight, proposal, over))
                      for proposal in (missed, less)]
         if squeeze_the_rest:
