@@ -9,8 +9,6 @@ memory model's received values and one backward do.
 
 from __future__ import annotations
 
-import itertools
-
 import networkx as nx
 import pytest
 import torch
@@ -26,7 +24,10 @@ from autoshard.examples import GPTStyleLM
 from autoshard.graph import boundary_values, total_boundary_bytes
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, StageRange
 from autoshard.graph.linearize import non_inputs, program_order
+from autoshard.testing.properties import contiguous_partitions
 from autoshard.testing.strategies import dags
+
+from test_costs_memory_budgets import cut_assignments
 
 PLAN_ONLY = "capture,shape-prop,build-dag,linearize,split,emit"
 
@@ -55,18 +56,6 @@ def counted(dag: nx.DiGraph, k: int) -> MemoryCount:
 
     floor = StageFloor(held, kept, [{v: size[v] * n for v in dag} for n in into], [size] * k)
     return MemoryCount("memory", lambda apart: {MEMORY: held, ACTIVATION_MEMORY: kept}, totals, in_flight, floor=floor)
-
-
-def splits_of_order(dag: nx.DiGraph, k: int):
-    """Every split of program order into k contiguous non-empty stages, inputs in stage 0."""
-    order = program_order(dag)
-    inputs, rest = [v for v in order if dag.nodes[v].get("input")], non_inputs(dag, order)
-    for cuts in itertools.combinations(range(1, len(rest)), k - 1):
-        bounds = (0, *cuts, len(rest))
-        assignment = dict.fromkeys(inputs, 0)
-        for j in range(k):
-            assignment.update(dict.fromkeys(rest[bounds[j]:bounds[j + 1]], j))
-        yield assignment
 
 
 @st.composite
@@ -101,12 +90,13 @@ def test_the_exact_search_finds_a_split_that_fits_exactly_when_brute_force_does(
     def fits(assignment):
         return all(t <= b for t, b in zip(count.stage_totals(assignment), budgets))
 
-    exists = any(fits(a) and keeps(dag, a, together, cut_before, pins) for a in splits_of_order(dag, k))
+    exists = any(fits(a) and keeps(dag, a, together, cut_before, pins) for a in contiguous_partitions(dag, k))
     found = ProgramOrderSplits(dag, program_order(dag), k, count, together=together, cut_before=cut_before,
                                stage_ranges=pins).fitting(budgets)
     assert (found is not None) == exists
     if found is not None:
-        assert found in list(splits_of_order(dag, k)) and fits(found) and keeps(dag, found, together, cut_before, pins)
+        assert found in list(contiguous_partitions(dag, k)) and fits(found)
+        assert keeps(dag, found, together, cut_before, pins)
 
 
 def fullest(plan) -> float:
@@ -137,7 +127,7 @@ def test_a_budget_below_every_split_of_program_order_is_refused_saying_so(k=4):
     torch.manual_seed(0)
     model, x = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(8))), torch.randn(256, 16)
     dag = autoshard.shard_model(model, k, example_inputs=(x,), pipeline=PLAN_ONLY).plan.dag
-    least = min(max(s.total for s in stage_memory(dag, a, k)) for a in splits_of_order(dag, k))
+    least = min(max(s.total for s in stage_memory(dag, a, k)) for a in cut_assignments(dag, k))
     with pytest.raises(InfeasibleSplitError, match=r"no split of program order into 4 contiguous stages fits either "
                                                    r"\(an exact search\); in the closest plan stage \d needs"):
         autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least - 1, pipeline=PLAN_ONLY)
