@@ -408,3 +408,16 @@ def test_a_budget_met_by_counting_unmeasured_nodes_by_their_output_warns():
         with warnings.catch_warnings():
             warnings.simplefilter("error", autoshard.UnmeasuredMemoryWarning)
             autoshard.shard_model(model, 2, example_inputs=args, max_memory=1e9, verify=False)
+
+
+def test_the_tightened_budgets_are_never_negative(monkeypatch, k=4):
+    """A stage whose per-node sums count nothing was tightened to just below them, a negative budget the
+    splitter refuses as an invalid argument (a small GPT-style LM at 0.62 of its unconstrained plan's
+    fullest stage): the budget is refused as one no tightened split fits, not as a wrong value."""
+    torch.manual_seed(0)
+    model, idx = GPTStyleLM(vocab=100, width=16, layers=2, max_seq=64).eval(), torch.randint(0, 100, (8, 64))
+    free = autoshard.shard_model(model, k, example_inputs=(idx,), pipeline=PLAN_ONLY).plan
+    budget = 0.62 * peak_memory(free.dag, free.assignment, k)
+    monkeypatch.setattr(placements, "in_order", lambda *_: "")  # the tightening alone
+    with pytest.raises(InfeasibleSplitError, match="split again up to 12 times"):
+        autoshard.shard_model(model, k, example_inputs=(idx,), max_memory=budget, pipeline=PLAN_ONLY)
