@@ -13,8 +13,9 @@ search and the preference, as a tie-unaware splitter would.
 ``costs.memory.stage_memory``), while the splitter sums per-node parts; what a stage holds beyond
 them (received and sent values, one backward, a shared weight in several stages) depends on the
 cuts. So a split whose whole stages exceed their budgets is made again under budgets tightened by
-that part (``fitted``), and a returned plan holds every budget by the model. A budget no split
-fits is reported with the stage that is short, its parts and the shortfall.
+that part (``fitted``), and a returned plan holds every budget by the model. Where no such split
+fits, the exact search over the order (``program_order``, ``in_order``) is the last resort; a budget
+it finds no split for either is reported with the stage that is short, its parts and the shortfall.
 """
 
 from __future__ import annotations
