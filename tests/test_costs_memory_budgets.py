@@ -27,6 +27,7 @@ from autoshard.examples import GPTStyleLM, load_example
 from autoshard.graph.linearize import non_inputs, program_order
 from autoshard.plan_reporting import plan_report
 from autoshard.runtime import measure_stage_memory
+from test_plan_report import Recurrents
 
 
 #: Planning without building and verifying stages (what these tests check is the split).
@@ -382,17 +383,6 @@ def test_a_memory_model_these_stages_cannot_run_is_refused_before_the_split():
         autoshard.shard_model(model, 4, example_inputs=(x,), memory_model=memory)
 
 
-class _Recurrents(nn.Module):
-    def __init__(self, layers: int = 6) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.LSTM(8, 8, batch_first=True) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)[0]
-        return x
-
-
 def test_a_budget_met_by_counting_unmeasured_nodes_by_their_output_warns():
     """Under shape propagation on fake tensors, a fused LSTM's workspace cannot be sized, so its node
     counts its output's bytes only (a block saving much beyond its output held 2x its budget that way),
@@ -402,7 +392,7 @@ def test_a_budget_met_by_counting_unmeasured_nodes_by_their_output_warns():
     pipeline = "capture,shape-prop{mode=fake},build-dag,linearize,split{stages=2},emit"
     with pytest.warns(autoshard.UnmeasuredMemoryWarning, match=r"max_memory was met counting 6 nodes by their "
                       r"output's bytes only \(layers_0, .* and 1 more.*measure_stage_memory"):
-        autoshard.shard_model(_Recurrents(), 2, example_inputs=(x,), max_memory=1e9, pipeline=pipeline)
+        autoshard.shard_model(Recurrents(), 2, example_inputs=(x,), max_memory=1e9, pipeline=pipeline)
     chain, x = activation_heavy_chain()
     for model, args in (chain, (x,)), load_example("branched")[:2]:
         with warnings.catch_warnings():

@@ -207,7 +207,7 @@ def flop_counter_mode_total(model: nn.Module, *args: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
-class _Recurrents(nn.Module):
+class Recurrents(nn.Module):
     def __init__(self, layers: int = 6) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.LSTM(8, 8, batch_first=True) for _ in range(layers))
@@ -225,11 +225,11 @@ def test_the_report_names_the_nodes_whose_memory_was_not_measured():
     are probed on them."""
     x = torch.randn(2, 4, 8)
     pipeline = "capture,shape-prop{mode=fake},build-dag,linearize,split{stages=2},emit"
-    text = " ".join(str(autoshard.plan_report(autoshard.shard_model(_Recurrents(), 2, example_inputs=(x,),
+    text = " ".join(str(autoshard.plan_report(autoshard.shard_model(Recurrents(), 2, example_inputs=(x,),
                                                                     pipeline=pipeline))).split())
     assert ("train mem: 6 nodes not measured (layers_0, layers_1, layers_2, layers_3, layers_4 and 1 more: fake "
             "tensors could not run or size them, nor could a real run) count their output bytes as saved") in text
-    sharded = autoshard.shard_model(_Recurrents(), 2, example_inputs=(x,))
+    sharded = autoshard.shard_model(Recurrents(), 2, example_inputs=(x,))
     assert "not measured" not in str(autoshard.plan_report(sharded))
     for name in ("branched", "gpt-lm"):
         model, args, _ = load_example(name)
