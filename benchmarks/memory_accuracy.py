@@ -32,6 +32,7 @@ the search a refusal now runs last), which says whether a refused budget had a f
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -46,7 +47,7 @@ from torch import nn  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard.costs.memory import MemoryModel  # noqa: E402
 from autoshard.costs.models import memory_parts  # noqa: E402
-from autoshard.costs.split_search.program_order import ProgramOrderSplits  # noqa: E402
+from autoshard.costs.split_search.program_order import ProgramOrderSplits, SearchGaveUp  # noqa: E402
 from autoshard.costs.split_search.request import training_memory  # noqa: E402
 from autoshard.examples import GPTStyleLM, load_example  # noqa: E402
 from autoshard.graph.linearize import program_order  # noqa: E402
@@ -216,11 +217,15 @@ def rows(name: str, ks: tuple[int, ...], counts: tuple[int, ...], optimizers: tu
 
 
 def least(splits: ProgramOrderSplits, high: float, steps: int = 14) -> float:
-    """The least fullest stage over every split of program order, to 2^-steps of ``high`` (which fits)."""
+    """The least fullest stage over every split of program order, to 2^-steps of ``high`` (which fits);
+    NaN where the search gives up (past ``JUDGEMENT_LIMIT`` stages judged: a tiny Mixtral)."""
     low = 0.0
-    for _ in range(steps):
-        middle = (low + high) / 2
-        low, high = (low, middle) if splits.fitting((middle,) * splits.k) is not None else (middle, high)
+    try:
+        for _ in range(steps):
+            middle = (low + high) / 2
+            low, high = (low, middle) if splits.fitting((middle,) * splits.k) is not None else (middle, high)
+    except SearchGaveUp:
+        return math.nan
     return high
 
 
@@ -255,10 +260,13 @@ def show_budgets(table: list[dict], head: bool = True) -> None:
         print(f"\n{'model':<15}{'budget':>8}{'bytes':>12}{'least':>7}  plan     max / budget: predicted, measured"
               "   measured peak per stage")
     for r in table:
-        line = f"{r['model']:<15}{r['fraction']:>7.2f}x{r['budget']:>12,.0f}{r['least']:>6.3f}x  "
+        known = not math.isnan(r["least"])
+        line = f"{r['model']:<15}{r['fraction']:>7.2f}x{r['budget']:>12,.0f}" + (
+            f"{r['least']:>6.3f}x  " if known else "    n/a  ")
         if r["peaks"] is None:
             missed = r["fraction"] >= r["least"]
-            print(line + ("refused, though a split fits" if missed else "refused (no split of program order fits)"))
+            print(line + ("refused, though a split fits" if missed else "refused (no split of program order fits)"
+                          if known else "refused (the exact search gave up)"))
             continue
         predicted, measured = max(r["predicted"]) / r["budget"], max(r["peaks"]) / r["budget"]
         print(line + f"made     {predicted:.3f}, {measured:.3f}{' OVER' if measured > 1 else ''}   "
