@@ -14,7 +14,7 @@ from torch import nn
 from autoshard.arguments import byte_count, real_number, whole_number
 from autoshard.costs.execution import holds_meta_tensors
 from autoshard.costs.memory import MemoryModel, check_memory_budgets, stage_memory
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, plural
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, first_few, plural
 from autoshard.passes.analyses import (
     CostModel,
     CostNode,
@@ -349,10 +349,9 @@ def _warn_unmeasured(plan: StagePlan) -> None:
     if not unmeasured:
         return
     by_stage = sorted({plan.assignment[node] for node in unmeasured if node in plan.assignment})
-    shown = ", ".join(unmeasured[:5]) + (f" and {len(unmeasured) - 5} more" if len(unmeasured) > 5 else "")
     warnings.warn(
-        f"max_memory was met counting {plural(len(unmeasured), 'node')} by their output's bytes only ({shown}: fake "
-        f"tensors could not run them, as a branch on a tensor's value), in "
+        f"max_memory was met counting {plural(len(unmeasured), 'node')} by their output's bytes only "
+        f"({first_few(unmeasured)}: fake tensors could not run them, as a branch on a tensor's value), in "
         f"{'stage' if len(by_stage) == 1 else 'stages'} {', '.join(map(str, by_stage))}: what "
         "they save for backward is not counted, so those stages may hold more than their budget; check each with "
         "autoshard.runtime.measure_stage_memory(sharded, stage, example_inputs) and lower max_memory by what it "

@@ -9,7 +9,7 @@ matching builtin (``ValueError``, ``TypeError``) so callers that catch those kee
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Iterable, Sequence
 
 
 def suggest(name: str, candidates: Iterable[str]) -> str:
@@ -33,6 +33,13 @@ def suggest(name: str, candidates: Iterable[str]) -> str:
 def plural(count: float, noun: str) -> str:
     """``1 stage``, ``2 stages``: a count with its noun, so no message reads ``at most 1 stages``."""
     return f"{count:.0f} {noun}{'' if count == 1 else 's'}"
+
+
+def first_few(names: Sequence[str], most: int = 5) -> str:
+    """``a, b, c and 4 more``: the first ``most`` names and a count of the rest, so that a message
+    about many nodes stays one line."""
+    rest = len(names) - most
+    return ", ".join(names[:most]) + (f" and {rest} more" if rest > 0 else "")
 
 
 class AutoshardError(Exception):

@@ -21,7 +21,7 @@ from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.state import ScalarStateWrite, StateWrite
 from autoshard.costs.memory import StageMemory
 from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, predicted_step, run_of
-from autoshard.errors import plural
+from autoshard.errors import first_few, plural
 from autoshard.passes.spec import parse_spec
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 
@@ -288,10 +288,9 @@ def how_made_lines(plan: SavedPlan) -> list[str]:
         lines.append(f"train mem: {plan.memory_model.describe()}")
         unprobed = plan.memory_unprobed()
         if unprobed:
-            shown = ", ".join(unprobed[:5]) + (f" and {len(unprobed) - 5} more" if len(unprobed) > 5 else "")
-            lines.append(f"train mem: {plural(len(unprobed), 'node')} not measured ({shown}: fake tensors could not "
-                         "run or size them, nor could a real run) count their output bytes as saved and nothing for "
-                         "their backward; check a budget with autoshard.runtime.measure_stage_memory")
+            lines.append(f"train mem: {plural(len(unprobed), 'node')} not measured ({first_few(unprobed)}: fake "
+                         "tensors could not run or size them, nor could a real run) count their output bytes as saved "
+                         "and nothing for their backward; check a budget with autoshard.runtime.measure_stage_memory")
     return lines
 
 

@@ -532,8 +532,8 @@ class TrainingProbe:
                 with self._in_fake_mode():
                     effect, value, reusable = self._probe(call, args, kwargs, arguments)
             except Exception:  # noqa: BLE001 - what fake tensors cannot run is probed on real ones, or left unprobed
-                effect, value, reusable = self._probe_on_real_tensors(call, args, kwargs), None, False
-                if effect is None:
+                probed = self._probe_on_real_tensors(call, args, kwargs)
+                if probed is None:
                     self.unprobed.append(name)
                     self.unrun.add(name)
                     self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
@@ -541,7 +541,7 @@ class TrainingProbe:
                         twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
                     self.own(twin, name)
                     return twin
-                effect, value = effect
+                (effect, value), reusable = probed, False
             if reusable and key is not None:
                 self.memo[key] = effect  # key is None whenever memo is
         self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)

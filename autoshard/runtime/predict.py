@@ -12,7 +12,7 @@ from torch import nn
 
 from autoshard.arguments import whole_number
 from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, is_default, run_of, step_time
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, first_few, plural
 from autoshard.runtime.calibrate import RUNTIME_FIELDS, calibrate_runtime, calibrated_fields
 from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
 from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, time_stages, timed_plan
@@ -103,10 +103,9 @@ def predict_step(
     threads = None if threads is None else whole_number(threads, "threads", at_least=1)
     modal = _mode_dependent(sharded) if not sharded.plan.training else []
     if modal:
-        more = f" and {len(modal) - 3} more" if len(modal) > 3 else ""
         warnings.warn(
-            f"this plan was captured in eval mode, so its stages are timed as in evaluation ({', '.join(modal[:3])}"
-            f"{more} run as they do in eval), unlike a training step; shard the model after model.train() to "
+            f"this plan was captured in eval mode, so its stages are timed as in evaluation ({first_few(modal, 3)} "
+            f"run as they do in eval), unlike a training step; shard the model after model.train() to "
             "predict one (on the command line: make TARGET return the model in training mode)", EvalModeStepWarning,
             stacklevel=2)
     measured = calibrated_fields(step) if calibrate else []
