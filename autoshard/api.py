@@ -351,7 +351,7 @@ def _warn_unmeasured(plan: StagePlan) -> None:
     by_stage = sorted({plan.assignment[node] for node in unmeasured if node in plan.assignment})
     warnings.warn(
         f"max_memory was met counting {plural(len(unmeasured), 'node')} by their output's bytes only "
-        f"({first_few(unmeasured)}: fake tensors could not run them, as a branch on a tensor's value), in "
+        f"({first_few(unmeasured)}: fake tensors could not run or size them, nor could a real run), in "
         f"{'stage' if len(by_stage) == 1 else 'stages'} {', '.join(map(str, by_stage))}: what "
         "they save for backward is not counted, so those stages may hold more than their budget; check each with "
         "autoshard.runtime.measure_stage_memory(sharded, stage, example_inputs) and lower max_memory by what it "

@@ -33,9 +33,10 @@ class StalePlanWarning(UserWarning):
 
 
 class UnmeasuredMemoryWarning(UserWarning):
-    """A plan made under ``max_memory`` with nodes whose saved activations fake tensors could not
-    measure (a branch on a tensor's value): they count their output's bytes only, so a stage may
-    hold more than its budget (``autoshard.runtime.measure_stage_memory`` says how much)."""
+    """A plan made under ``max_memory`` with nodes whose saved activations were not measured (fake
+    tensors could not run or size them, and shape propagation ran no real tensors to probe them on):
+    they count their output's bytes only, so a stage may hold more than its budget
+    (``autoshard.runtime.measure_stage_memory`` says how much)."""
 
 
 def weight_size_changes(plan: SavedPlan, dag: nx.DiGraph) -> list[str]:
