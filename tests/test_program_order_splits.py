@@ -55,7 +55,8 @@ def counted(dag: nx.DiGraph, k: int) -> MemoryCount:
         return out
 
     floor = StageFloor(held, kept, [{v: size[v] * n for v in dag} for n in into], [size] * k)
-    return MemoryCount("memory", lambda apart: {MEMORY: held, ACTIVATION_MEMORY: kept}, totals, in_flight, floor=floor)
+    return MemoryCount("memory", lambda apart: {MEMORY: held, ACTIVATION_MEMORY: kept}, totals, in_flight,
+                       floor=lambda: floor)
 
 
 @st.composite

@@ -4,7 +4,7 @@ The budgeted splitter sums per-node parts and re-splits under tightened budgets,
 can miss a split the whole count accepts (a stage also holds its received and sent values, one
 backward, ...). ``ProgramOrderSplits`` checks every split of the order into k non-empty contiguous
 stages, each stage judged by the whole count (``MemoryCount.stage_totals``), so it says whether any
-fits the budgets. Pruned by what a stage holds at least (``MemoryCount.floor``: per-node parts and the
+fits the budgets. Pruned by what a stage holds at least (``MemoryCount.floor()``: per-node parts and the
 values crossing its cuts, cheap from prefix sums; the splitter's per-node sums are no floor, a stage
 may free a saved output it sends a copy of): only stages whose floor fits and whose rest can still
 fit are judged whole, each (stage, first node, end) at most once, at most ``JUDGEMENT_LIMIT`` in all.
@@ -60,9 +60,9 @@ class ProgramOrderSplits:
         self.rest = non_inputs(dag, order)
         n = len(self.rest)
         position = {v: i for i, v in enumerate(self.rest)}
-        floor = memory.floor
-        if floor is None:
+        if memory.floor is None:
             raise ValueError(f"memory count {memory.name!r} gives no floor to prune the search by")
+        floor = memory.floor()
         self.held = _prefix([floor.held.get(v, 0.0) for v in self.rest])
         self.kept = _prefix([floor.kept.get(v, 0.0) for v in self.rest])
         self.in_flight = np.asarray(memory.in_flight or (1.0,) * k, dtype=float)

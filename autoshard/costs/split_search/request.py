@@ -7,6 +7,7 @@ Module-level constraints arrive resolved to nodes (``graph.scopes``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -29,8 +30,9 @@ class MemoryCount:
     ``node_attributes(apart)`` gives the node attributes the splitter sums per stage (``MEMORY``
     held once; ``ACTIVATION_MEMORY`` times ``in_flight[j]`` for training memory); ``stage_totals``
     scores a finished plan; ``shortfall(assignment, budgets)``, when set, is the model's own
-    message for a stage over budget (else one naming the model ``name``). ``floor``, when set, is
-    what a stage holds at least (``costs.memory.StageFloor``), by which the exact search prunes.
+    message for a stage over budget (else one naming the model ``name``). ``floor()``, when set, is
+    what a stage holds at least (``costs.memory.StageFloor``), by which the exact search prunes:
+    made when first asked for, as only a budget about to be refused asks.
     """
 
     name: str
@@ -38,7 +40,7 @@ class MemoryCount:
     stage_totals: StageTotals
     in_flight: tuple[float, ...] | None = None
     shortfall: Callable[[Mapping[str, int], tuple[float, ...]], str] | None = None
-    floor: StageFloor | None = None
+    floor: Callable[[], StageFloor] | None = None
 
 
 def summed_memory(name: str, node_costs: NodeCosts, stage_totals: StageTotals) -> MemoryCount:
@@ -63,7 +65,8 @@ def training_memory(
     def shortfall(assignment: Mapping[str, int], budgets: tuple[float, ...]) -> str:
         return memory_shortfall(stage_memory(dag, assignment, k, model), budgets) or ""
 
-    return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall, stage_floor(dag, k, model))
+    floor = functools.cache(lambda: stage_floor(dag, k, model))
+    return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall, floor)
 
 
 @dataclass(frozen=True)
