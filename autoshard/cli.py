@@ -188,8 +188,8 @@ def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) ->
 
 def _reproduction(args: argparse.Namespace, pipeline: Pipeline, memory: MemoryModel | None) -> str | None:
     """The command that runs ``pipeline`` again with this run's memory flags, which its spec does not
-    carry (the library's "reproduce with pipeline" alone would plan for Adam, every microbatch in
-    flight); None without memory flags, where that spec is the whole story."""
+    carry (the library's "reproduce with pipeline" alone would plan for Adam, 1F1B with stage j
+    of k holding k - j microbatches); None without memory flags, where that spec is the whole story."""
     flags = _memory_flags(memory) if memory is not None else []
     if not flags:
         return None

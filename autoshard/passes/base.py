@@ -78,7 +78,7 @@ class PassContext:
     checking switches.
 
     ``memory_model`` is the optimizer and schedule training memory is planned for (None: Adam,
-    every microbatch in flight); ``cost_models`` the run's own cost models by name (a user's
+    1F1B with stage j of k holding k - j microbatches); ``cost_models`` the run's own cost models by name (a user's
     ``cost(node)`` function); ``analyses`` caches results keyed by the artifacts they read.
     """
 

@@ -276,6 +276,6 @@ def _note(pass_: Pass, index: int, spec: str, given: str = "") -> str:
 
 def _given(ctx: PassContext) -> str:
     """The memory model ``ctx`` plans with, for the reproduction: the spec alone plans for the
-    default one (Adam, every microbatch in flight); "" when it is the default."""
+    default one (Adam, 1F1B with stage j of k holding k - j microbatches); "" when it is the default."""
     call = ctx.memory_model.as_call() if ctx.memory_model is not None else ""
     return f" with memory_model={call}" if call not in ("", "MemoryModel()") else ""
