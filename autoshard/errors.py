@@ -32,7 +32,8 @@ def suggest(name: str, candidates: Iterable[str]) -> str:
 
 def plural(count: float, noun: str) -> str:
     """``1 stage``, ``2 stages``: a count with its noun, so no message reads ``at most 1 stages``."""
-    return f"{count:.0f} {noun}{'' if count == 1 else 's'}"
+    shown = f"{count:,.0f}"  # the noun agrees with the number as written: 1.2 bytes reads "1 byte"
+    return f"{shown} {noun}{'' if shown == '1' else 's'}"
 
 
 def first_few(names: Sequence[str], most: int = 5) -> str:

@@ -144,7 +144,7 @@ def test_stage_memory_counts_state_saved_activations_boundaries_and_one_backward
 def test_a_budget_too_small_names_the_stage_and_the_shortfall():
     stages = [StageMemory(0, 100.0, 10.0, 2), StageMemory(1, 50.0, 10.0, 1)]
     check_memory_budgets(stages, [120, 60])
-    with pytest.raises(InfeasibleSplitError, match=r"stage 1 needs 60 bytes.*max_memory\[1\] is 59: 1 bytes short"):
+    with pytest.raises(InfeasibleSplitError, match=r"stage 1 needs 60 bytes.*max_memory\[1\] is 59: 1 byte short"):
         check_memory_budgets(stages, [120, 59])
 
 

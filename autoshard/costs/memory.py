@@ -66,7 +66,7 @@ import networkx as nx
 
 from autoshard.costs.recompute import block_path, checkpoint_regions, checkpointed_kept, recompute_bytes
 from autoshard.costs.ties import weight_payers
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, suggest
+from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, plural, suggest
 from autoshard.graph.partition import boundary_values
 
 OPTIMIZER_BYTES: dict[str, float] = {"adam": 8.0, "adamw": 8.0, "sgd-momentum": 4.0, "sgd": 0.0, "none": 0.0}
@@ -976,7 +976,7 @@ def memory_shortfall(stages: Sequence[StageMemory], max_memory: Sequence[float])
     short, stage, budget = max(over, key=lambda o: (o[0], -o[1].stage))
     others = [f"stage {s.stage} by {lack:,.0f}" for lack, s, _ in over if s is not stage]
     return (f"stage {stage.stage} needs {stage.total:,.0f} bytes ({stage.parts()}) "
-            f"but max_memory[{stage.stage}] is {budget:,.0f}: {short:,.0f} bytes short"
+            f"but max_memory[{stage.stage}] is {budget:,.0f}: {plural(short, 'byte')} short"
             f"{' (also over: ' + ', '.join(others) + ')' if others else ''}; "
             f"raise the budget, add stages or lower the batch")
 
