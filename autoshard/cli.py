@@ -62,6 +62,7 @@ from autoshard.plan_io import (
 from autoshard.plan_io.rebuild import warn_over_saved_budget
 from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables, step_time_lines
 from autoshard.runtime.predict import predict_step
+from autoshard.runtime.stage_time import TIMING_REPEATS
 from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
 
 
@@ -244,7 +245,8 @@ def _step(links: dict[str, float], memory: MemoryModel) -> StepTimeModel | None:
     return dataclasses.replace(run_of(memory), **links) if links else None
 
 
-def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: MemoryModel) -> list[str]:
+def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: MemoryModel,
+                      repeats: int) -> list[str]:
     """``--time-stages``: the step predicted from the stages timed whole on the example
     (``autoshard.runtime.predict_step``), over this machine's calibrated runtime (a link flag's values kept)."""
     step = dataclasses.replace(run_of(memory), **links)
@@ -254,7 +256,7 @@ def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: Me
     if program.example_inputs is None:
         raise InvalidArgumentError("--time-stages times the stages on the example inputs, and this TARGET gives none")
     inputs = program.example_inputs
-    predicted = predict_step(program.sharded, inputs.args, inputs.kwargs, step=step)
+    predicted = predict_step(program.sharded, inputs.args, inputs.kwargs, step=step, repeats=repeats)
     return step_time_lines(predicted, "stages timed")
 
 
@@ -439,6 +441,11 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     if args.compare and getattr(args, "time_stages", False):
         raise InvalidArgumentError("--time-stages times the stages of one plan, which --compare does not build; drop "
                                    "it, or run again with one --strategy")
+    if getattr(args, "time_repeats", None) is not None:
+        whole_number(args.time_repeats, "--time-repeats", at_least=1)
+        if not args.time_stages:
+            raise InvalidArgumentError("--time-repeats sets how often --time-stages times each stage: add --time-stages, "
+                                       "or drop --time-repeats")
     session = _Session(args)
     if getattr(args, "time_stages", False) and session.inputs is None:  # before the split, not after its tables
         raise InvalidArgumentError(f"--time-stages times the stages on the example inputs, and {args.target} returned "
@@ -464,7 +471,7 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
         if program.verification:
             console.print(f"verified: {program.verification}", markup=False, highlight=False)
         if getattr(args, "time_stages", False):
-            for line in _timed_step_lines(program, links, plan.memory_model):
+            for line in _timed_step_lines(program, links, plan.memory_model, args.time_repeats or TIMING_REPEATS):
                 console.print(line, markup=False, highlight=False)
         _print_timing(session, console)
     _write(plan, args, console)
@@ -594,6 +601,9 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
         options.add_argument("--time-stages", action="store_true",
                              help="also predict the step from the stages timed whole on the example, over this "
                                   "machine's runtime costs (calibrated once with two local processes, about 25 s)")
+        options.add_argument("--time-repeats", type=int, metavar="N",
+                             help=f"with --time-stages: timed runs of each stage, the median counts "
+                                  f"(default {TIMING_REPEATS}; more on a busy machine)")
     else:
         options.set_defaults(no_verify=True)
     return options

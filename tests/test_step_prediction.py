@@ -34,7 +34,7 @@ from autoshard.runtime.calibrate import TimedSteps, fitted_runtime, measure_runt
 from autoshard.runtime.launch import run_module
 from autoshard.runtime.predict import EvalModeStepWarning
 from autoshard.runtime.replay import running_device
-from autoshard.runtime.stage_time import timed_plan
+from autoshard.runtime.stage_time import TIMING_REPEATS, timed_plan
 
 FREE_LINK = {"link_bandwidth": 1e15, "link_latency": 0.0}
 
@@ -923,3 +923,20 @@ def test_with_a_later_stage_on_meta_the_specialisation_made_ahead_is_measured():
     made = sharded.specialize(*micro)
     sharded.stages[1].to("meta")  # this rank keeps stage 0 only
     assert measure_stage_time(sharded, 0, micro, repeats=1).plan == timed_plan(made)
+
+
+def test_the_command_line_times_each_stage_as_often_as_asked(capsys, monkeypatch):
+    """The spread warning says to time more often: on the command line, --time-repeats."""
+    calibration = RuntimeCalibration(2e9, 1e-4, {"gpipe": 5e-4, "1f1b": 3e-4, "interleaved-1f1b": 4e-4})
+    monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: calibration)
+    asked = []
+    real = cli.predict_step
+    monkeypatch.setattr(cli, "predict_step", lambda *a, **kw: asked.append(kw["repeats"]) or real(*a, **kw))
+    code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--time-stages", "--time-repeats", "3")
+    assert code == 0 and asked == [3] and "step time (stages timed):" in out
+    code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--time-stages")
+    assert code == 0 and asked == [3, TIMING_REPEATS]
+    assert cli.main(["split", "residual-mlp", "-k", "2", "--time-repeats", "3"]) == 2
+    assert "add --time-stages, or drop --time-repeats" in " ".join(capsys.readouterr().err.split())
+    assert cli.main(["split", "residual-mlp", "-k", "2", "--time-stages", "--time-repeats", "0"]) == 2
+    assert "--time-repeats" in capsys.readouterr().err and asked == [3, TIMING_REPEATS]
