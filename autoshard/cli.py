@@ -444,8 +444,8 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     if getattr(args, "time_repeats", None) is not None:
         whole_number(args.time_repeats, "--time-repeats", at_least=1)
         if not args.time_stages:
-            raise InvalidArgumentError("--time-repeats sets how often --time-stages times each stage: add --time-stages, "
-                                       "or drop --time-repeats")
+            raise InvalidArgumentError("--time-repeats sets how often --time-stages times each stage: add "
+                                       "--time-stages, or drop --time-repeats")
     session = _Session(args)
     if getattr(args, "time_stages", False) and session.inputs is None:  # before the split, not after its tables
         raise InvalidArgumentError(f"--time-stages times the stages on the example inputs, and {args.target} returned "

@@ -118,7 +118,8 @@ def predict_step(
         warnings.warn(
             f"stage {widest.stage}'s timed runs spread {widest.spread:.0%} (their middle half's width over the "
             "median): the machine was busy or still warming up, so this step is as uncertain; predict again on a "
-            "quiet machine, or with more repeats= (on the command line: --time-repeats)", TimingSpreadWarning, stacklevel=2)
+            "quiet machine, or with more repeats= (on the command line: --time-repeats)", TimingSpreadWarning,
+            stacklevel=2)
     ran_on = {t.threads for t in times} - {0}
     on_threads = f" on {plural(ran_on.pop(), 'thread')}" if len(ran_on) == 1 else ""
     source = (f"each stage timed whole on one microbatch (measure_stage_time{on_threads}; its runs spread up to "
