@@ -79,9 +79,35 @@ class WritesThroughAnIdentity(nn.Module):
         return y + self.act(self.drop(h))
 
 
+class ShiftsInPlace(nn.Module):
+    """Kept whole (it branches on its input's values) and writes to its input: no op name tells."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if h.sum() > -1e9:  # always, but fake tensors and tracing cannot tell
+            h.add_(1)
+        return h.abs().sum()
+
+
+class WritesInsideAModuleKeptWhole(nn.Module):
+    """``h`` is read by a long branch, written inside a module kept whole, then read again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c, self.shift = nn.Linear(8, 8), nn.Linear(8, 8), ShiftsInPlace()
+        self.b = nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.b(h)
+        total = self.shift(h)
+        return y + self.c(h) + total
+
+
 @pytest.mark.parametrize("model", [WritesAfterReading(), WritesAfterReading(through_a_view=True),
-                                   InPlaceActivation(), ZeroesByItemAssignment(), WritesThroughAnIdentity()],
-                         ids=["add_", "through a view", "ReLU(inplace)", "item assignment", "through nn.Identity"])
+                                   InPlaceActivation(), ZeroesByItemAssignment(), WritesThroughAnIdentity(),
+                                   WritesInsideAModuleKeptWhole()],
+                         ids=["add_", "through a view", "ReLU(inplace)", "item assignment", "through nn.Identity",
+                              "inside a module kept whole"])
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("cost", ["params", "nodes"])
 @pytest.mark.parametrize("pipeline", [None, FX_ONLY], ids=["auto", "fx"])
@@ -104,3 +130,14 @@ def test_readers_before_the_write_precede_it_and_readers_after_follow_it():
 def test_item_assignment_traces_with_fx_and_keeps_nothing_whole():
     sharded = autoshard.shard_model(ZeroesByItemAssignment(), 2, example_inputs=(torch.randn(2, 8),), pipeline=FX_ONLY)
     assert sharded.plan.wrapped == ()
+
+
+def test_a_write_inside_a_module_kept_whole_orders_its_readers_as_an_in_place_op_does():
+    """Shape propagation sees the module move its input's version counter: the readers of ``h`` are
+    ordered around it, and verification does not compare ``h`` as recorded after the write."""
+    model = WritesInsideAModuleKeptWhole()
+    program = run_pipeline(model, Pipeline.parse("capture,shape-prop,build-dag"),
+                           ExampleInputs((torch.randn(2, 8),), {})).program
+    dag = program.dag
+    assert dag.has_edge("b_0", "shift") and dag.has_edge("shift", "c")
+    assert written_values(program.traced.graph_module) == {"a", "shift"}

@@ -7,10 +7,11 @@ that no longer matches the model). ``order_around_mutations`` adds the missing e
 from every earlier reader of the written tensor (or of a view of it) to the write, and from the
 write to every later reader, so each reader sees the version it saw in the model.
 
-Which values share memory comes from op-name lists (views, in-place methods) and, where
-``shape-prop`` ran for real, from what it saw: a node whose value shares memory with its first
-input (``nn.Identity`` and dropout in eval mode return the input itself; timm's ResNet writes
-in place after one).
+Which values share memory, and which nodes write, comes from op-name lists (views, in-place
+methods) and from what ``shape-prop`` saw: a node whose value shares memory with its first input
+(``nn.Identity`` and dropout in eval mode return the input itself; timm's ResNet writes in place
+after one; seen where it ran for real), and one that moved its first input's version counter (a
+module kept whole that writes to its input).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def _first_input(node: fx.Node) -> fx.Node | None:
 
 
 def _writes_first_input(gm: fx.GraphModule, node: fx.Node) -> bool:
+    facts = node_facts(node)
+    if facts is not None and facts.writes_input:  # shape-prop saw it (a module kept whole writing to its input)
+        return True
     target: Any = node.target
     if node.op == "call_method":
         return isinstance(target, str) and target.endswith("_") and not target.startswith("_")
