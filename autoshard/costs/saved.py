@@ -66,7 +66,7 @@ from autoshard.costs.probe_memo import (
     CONSTANTS, NodeEffect, OutputTensor, Uncacheable, constant_key, module_key, tensor_key)
 from autoshard.costs.values import dense_parts
 from autoshard.fx_helpers import canonical_tensor_names
-from autoshard.isolation import isolated
+from autoshard.isolation import isolated, values_restored
 
 
 class QuietMemTracker(MemTracker):
@@ -293,7 +293,7 @@ class TrainingProbe:
         (``_untracked``): tests compare the two."""
         self.gm = gm
         self.fake: FakeTensorMode | None = None  # the run's own fake mode, or one of the probe's
-        self.real_run = False  # whether shape propagation runs real tensors (``_sized_on_real_tensors``)
+        self.real_run = False  # whether shape propagation runs real tensors (``_probe_on_real_tensors``)
         self.twins: dict[fx.Node, Any] = {}  # fx node -> its fake value with gradients (kept: see above)
         self.owner: dict[StorageWeakRef, str | None] = {}  # storage -> node that made it (None: weight, input)
         self.nbytes: dict[StorageWeakRef, int] = {}
@@ -813,7 +813,10 @@ class TrainingProbe:
             return None
         try:
             stand_ins = [self._stand_in(x, t) if isinstance(t, torch.Tensor) else x for x, t in zip(flat, twins)]
-            with _disable_current_modes(), isolated(self.gm, seed=None):
+            # shape propagation's values are set back too: the node ran on them already, and later
+            # nodes read them (a second in-place write into one would be seen by them, and by verify)
+            real_inputs = [x for x in flat if isinstance(x, torch.Tensor)]
+            with _disable_current_modes(), isolated(self.gm, seed=None), values_restored(real_inputs):
                 effect, value, _ = self._probe(call, *tree_unflatten(stand_ins, spec),
                                                [x for x in stand_ins if isinstance(x, torch.Tensor)], real=True)
         except Exception:  # noqa: BLE001 - what the real run refuses too, or values shared otherwise, stays unprobed
