@@ -144,6 +144,48 @@ def test_forward_backward_timing_leaves_the_gradients_alone():
 def test_timing_settings_are_checked():
     with pytest.raises(InvalidArgumentError, match="repeats >= 1"):
         timing.TimingSettings(repeats=0)
+    with pytest.raises(InvalidArgumentError, match="threads >= 1"):
+        Pipeline.parse("trace,profile{threads=0}").validate()
+
+
+class _CountsThreads(nn.Module):
+    """Notes torch's thread count each time it runs (kept whole: it branches on its input's values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return x * 2 if x.sum() > -1e9 else x
+
+
+class _Counted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.counts, self.last = nn.Linear(8, 8), _CountsThreads(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.counts(self.first(x)))
+
+
+@pytest.mark.parametrize("asked", [1, None])
+def test_nodes_are_timed_on_the_threads_asked_and_the_profile_says_which(tmp_path, asked):
+    """On a busy CPU a node timed on two threads read 100x its one-thread time: the profile runs on
+    the threads each rank will run, when told, and records them; the caller's are set back after."""
+    model, path = _Counted(), tmp_path / "times.json"
+    caller = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = "" if asked is None else f" threads={asked}"
+        spec = f"capture,profile{{path={path} warmup=0 repeats=1{threads}}},build-dag"
+        run_pipeline(model, Pipeline.parse(spec), ExampleInputs((torch.randn(4, 8),)))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(caller)
+    expected = asked or 2
+    assert model.counts.seen[-1] == expected  # the timed run (the first is the graph's own, to reach the node)
+    assert json.loads(path.read_text())["settings"]["threads"] == expected
 
 
 SIGNATURE_OF_TRANSFORMER_LM = """

@@ -45,11 +45,13 @@ class TimingSettings:
     warmup: int = 2
     repeats: int = 5
     backward: bool = False
+    threads: int | None = None  # torch's intra-op threads to time on (None: the caller's)
 
     def __post_init__(self) -> None:
-        if self.warmup < 0 or self.repeats < 1:
+        if self.warmup < 0 or self.repeats < 1 or (self.threads is not None and self.threads < 1):
             raise InvalidArgumentError(
-                f"timing needs warmup >= 0 and repeats >= 1, got warmup={self.warmup} repeats={self.repeats}")
+                f"timing needs warmup >= 0, repeats >= 1 and threads >= 1 (or none: the caller's), got "
+                f"warmup={self.warmup} repeats={self.repeats} threads={self.threads}")
 
 
 def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
@@ -87,9 +89,12 @@ def _fastest_seconds(call: NodeCall, settings: TimingSettings) -> float:
 def measure_node_seconds(
     gm: fx.GraphModule, inputs: "ExampleInputs", settings: TimingSettings = TimingSettings(), seed: int = 0,
 ) -> dict[str, float]:
-    """The fastest seconds of every compute node of ``gm`` on ``inputs``; draws a progress bar on a terminal."""
+    """The fastest seconds of every compute node of ``gm`` on ``inputs``, on ``settings.threads``
+    (the caller's are set back after); draws a progress bar on a terminal."""
     compute = sum(1 for n in gm.graph.nodes if n.op in COMPUTE_OPS)
     seconds: dict[str, float] = {}
+    caller = torch.get_num_threads()
+    torch.set_num_threads(settings.threads or caller)
     with progress.task("profiling node times", total=compute) as advance:
         def hook(call: NodeCall) -> Any:
             value = call.run()
@@ -98,7 +103,10 @@ def measure_node_seconds(
                 advance(1)
             return value
 
-        run_graph(gm, inputs, "real", hook, seed)
+        try:
+            run_graph(gm, inputs, "real", hook, seed)
+        finally:
+            torch.set_num_threads(caller)
     return seconds
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import torch
+
 from autoshard.passes.annotate import annotated_copy
 from autoshard.costs.timing import TimeProfile, TimingSettings, graph_signature, measure_node_seconds, measured_sizes
 from autoshard.errors import InvalidArgumentError
@@ -35,9 +37,11 @@ class ProfilePass(Pass):
     backward: bool = option(False, help="time forward and backward, not forward only")
     path: str | None = option(None, help="JSON profile: loaded if it exists, else written")
     seed: int = option(0, help="random seed for the runs (dropout)")
+    threads: int | None = option(None, help="torch's threads to time on (default: the caller's); give what each "
+                                            "rank will run: on a busy CPU two threads can read 100x one")
 
     def check_options(self) -> None:
-        TimingSettings(self.warmup, self.repeats, self.backward)  # refuses warmup < 0, repeats < 1 before capture
+        TimingSettings(self.warmup, self.repeats, self.backward, self.threads)  # refuses bad values before capture
         if self.path is not None and not Path(self.path).exists() and not Path(self.path).parent.is_dir():
             # else the profile is measured first, and its file then fails to be written
             raise InvalidArgumentError(f"profile path {self.path!r} is to be written, but there is no folder "
@@ -45,7 +49,8 @@ class ProfilePass(Pass):
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         gm = program.traced.graph_module
-        settings = TimingSettings(self.warmup, self.repeats, self.backward)
+        # the threads it ran on, not None: a saved profile says what it measured
+        settings = TimingSettings(self.warmup, self.repeats, self.backward, self.threads or torch.get_num_threads())
         if self.path is not None and Path(self.path).exists():
             profile = TimeProfile.load(self.path)
             profile.check_matches(gm, self.path, program.example_inputs)
