@@ -531,3 +531,48 @@ def test_values_whose_sum_overflows_are_refused_not_split(attribute):
         dag.nodes[node][attribute] = 1e308  # each finite; their sum is not
     with pytest.raises(InvalidGraphError, match=f"'{attribute}' values sum past the largest float"):
         split_dag(dag, 3)
+
+
+def _random_network(seed: int, nodes: int, edges: int):
+    from autoshard.graph.flow import UNBOUNDED, Network
+
+    rng = np.random.default_rng(seed)
+    net = Network()
+    for _ in range(edges):
+        u, v = (int(x) for x in rng.integers(-2, nodes, size=2))  # -1 source, -2 sink
+        net.add(u, v, UNBOUNDED if rng.random() < 0.2 else float(rng.integers(1, 10**6)))
+    return net
+
+
+def test_the_python_and_scipy_max_flow_solvers_find_the_same_cut():
+    # The nodes reaching the sink in the residual are the same for every maximum flow; an
+    # uncapacitated source-sink path (no finite cut) is None from both.
+    from autoshard.graph import flow
+
+    answers = []
+    for seed in range(60):
+        net = _random_network(seed, nodes=5 + seed, edges=10 + 6 * seed)
+        nodes, tails, heads, caps = net._integer((-1, -2))
+        compiled = flow._scipy_reaches_sink(len(nodes), tails, heads, caps, 0, 1)
+        python = flow._python_reaches_sink(len(nodes), tails, heads, caps, 0, 1)
+        assert (compiled is None) == (python is None), seed
+        if compiled is not None:
+            assert np.array_equal(compiled, python), seed
+        answers.append(compiled is None)
+    assert any(answers) and not all(answers), "both kinds of network were tried"
+
+
+def test_a_small_corridor_network_is_cut_without_scipys_setup(monkeypatch):
+    # scipy's checks and conversions cost ~2 ms a call, far more than a few dozen edges take to solve.
+    from autoshard.graph import flow
+
+    def compiled(*args):
+        raise AssertionError("scipy's solver was called for a small network")
+
+    monkeypatch.setattr(flow, "_scipy_reaches_sink", compiled)
+    net = flow.Network()
+    net.add(-1, "a", 3.0)
+    net.add("a", -2, 1.0)
+    net.add(-1, "b", 1.0)
+    net.add("b", -2, 5.0)
+    assert net.source_side(-1, -2) == {-1, "a"}
