@@ -411,3 +411,21 @@ def test_the_tightened_budgets_are_never_negative(monkeypatch, k=4):
     monkeypatch.setattr(placements, "in_order", lambda *_: "")  # the tightening alone
     with pytest.raises(InfeasibleSplitError, match="split again up to 12 times"):
         autoshard.shard_model(model, k, example_inputs=(idx,), max_memory=budget, pipeline=PLAN_ONLY)
+
+
+def test_cost_memory_counts_each_plan_the_search_scores_once(monkeypatch, k=4):
+    """The bound search scores a plan both as the balanced cost and against its budgets, and its
+    probes come back to plans already scored: each plan is counted by the memory model once."""
+    from autoshard.costs.split_search import request
+
+    counted = []
+
+    def counting(dag, assignment, *args):
+        counted.append(tuple(assignment.items()))
+        return stage_memory(dag, assignment, *args)
+
+    monkeypatch.setattr(request, "stage_memory", counting)
+    model, x = activation_heavy_chain()
+    plan = autoshard.shard_model(model, k, example_inputs=(x,), cost="memory", pipeline=PLAN_ONLY).plan
+    assert tuple(plan.assignment.items()) in counted
+    assert len(counted) == len(set(counted))

@@ -169,14 +169,16 @@ class _SplitPassBase(Pass):
         for path, node in cuts:  # errors name each cut by the path the user wrote, not its node
             labels.setdefault(node, path)
         training = self.cost == "memory" and self._exact_memory(ctx)
+        memory = self._memory_count(program, ctx) if self.max_memory or training else None
         return SplitRequest(
             dag, order, k, self.strategy,
             node_costs=lambda apart: node_costs(program, ctx, self.cost, apart),
-            stage_totals=lambda assignment: held_stage_costs(program, ctx, self.cost, assignment, k),
+            # training memory is balanced as the budgets count it: one count of a plan serves both
+            stage_totals=memory.stage_totals if training and memory is not None else
+            lambda assignment: held_stage_costs(program, ctx, self.cost, assignment, k),
             charges_weights=charges_weights(ctx, self.cost),
             tolerance=self.tolerance, strategy_options=self.strategy_options(),
-            capacities=self.capacities, max_memory=self.max_memory,
-            memory=self._memory_count(program, ctx) if self.max_memory or training else None,
+            capacities=self.capacities, max_memory=self.max_memory, memory=memory,
             training_memory_cost=training, keep_tied=self.keep_tied,
             ties=ctx.analysis(("tie-groups", dag), lambda: tie_groups(dag)),
             together={label: nodes for label, (_, nodes) in no_split.items()},

@@ -13,7 +13,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import networkx as nx
 
-from autoshard.costs.memory import MemoryModel, StageFloor, memory_shortfall, stage_floor, stage_memory
+from autoshard.costs.memory import (
+    MemoryModel,
+    StageFloor,
+    StageMemory,
+    memory_shortfall,
+    stage_floor,
+    stage_memory,
+)
 from autoshard.costs.ties import TieGroup
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, StageRange
 
@@ -59,11 +66,17 @@ def training_memory(
         held, kept = parts(apart)
         return {MEMORY: held, ACTIVATION_MEMORY: kept}
 
+    @functools.cache
+    def stages(assignment: tuple[tuple[str, int], ...]) -> list[StageMemory]:
+        # the search scores a plan both as the balanced cost and against the budgets, and its probes
+        # often come back to a plan already scored; counting one is the costliest step outside the splitter
+        return stage_memory(dag, dict(assignment), k, model)
+
     def totals(assignment: Mapping[str, int]) -> list[float]:
-        return [stage.total for stage in stage_memory(dag, assignment, k, model)]
+        return [stage.total for stage in stages(tuple(assignment.items()))]
 
     def shortfall(assignment: Mapping[str, int], budgets: tuple[float, ...]) -> str:
-        return memory_shortfall(stage_memory(dag, assignment, k, model), budgets) or ""
+        return memory_shortfall(stages(tuple(assignment.items())), budgets) or ""
 
     floor = functools.cache(lambda: stage_floor(dag, k, model))
     return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall, floor)
