@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections import defaultdict
 
 import pytest
@@ -877,3 +878,19 @@ def test_a_stage_that_only_passes_a_value_on_sends_back_the_gradient_it_received
     predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=2)).stages
     for j in range(3):
         assert predicted[j].memory.total == measure_stage_memory(sharded, j, (x,), microbatches=2).peak, j
+
+
+def test_probing_a_module_type_again_leaves_the_processs_warnings_alone():
+    """The memory probe's ``MemTracker`` counts a module as running until a backward it was probed in
+    finishes, which the probe leaves half-run: the next module of that type (a second weight-normed
+    layer) then warned 'the module hierarchy tracking maybe be messed up, file a bug to PyTorch',
+    and torch replaced ``warnings.formatwarning`` for the whole process. The probe forgets those too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)),
+                          nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)), nn.Linear(8, 8))
+    formatwarning = warnings.formatwarning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autoshard.shard_model(model, 2, (torch.randn(2, 8),))
+    assert [str(w.message) for w in caught] == []
+    assert warnings.formatwarning is formatwarning

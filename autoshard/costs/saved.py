@@ -82,9 +82,13 @@ class QuietMemTracker(MemTracker):
         refuses a module it saw run before: a block's one dropout, used twice) and the callbacks
         queued by those whose inputs wanted no gradient, which the tracker runs in the next
         backward, any node's, where they found no stats (a frozen embedding's cost the next
-        node its backward)."""
+        node its backward). And the modules it counts as still running: one whose backward the
+        probe left half-run stayed, and the next module of its type warned that the tracking may be
+        wrong (torch then replaced ``warnings.formatwarning`` for the whole process)."""
         self.reset_mod_stats()
         self._mod_tracker._post_bw_callbacks_to_enqueue.clear()
+        self._mod_tracker.parents = {"Global"}
+        self._mod_tracker._active_module_cnt.clear()
 
 
 @contextlib.contextmanager
