@@ -10,6 +10,9 @@ which weights, stays. The new stages are verified against the model on the call 
 pipeline verifies) and kept; later calls try first the specialisation that last served their
 argument shapes, so a cached one costs its own guard check and a shape lookup.
 
+A call in the other grad mode than code that asked ``torch.is_grad_enabled()`` was captured in
+(diffusers' blocks ask it to choose gradient checkpointing) re-specialises too: the new capture is
+made in the call's mode, and the grad mode counts among the shapes a plan is remembered by.
 Only a ``SpecializationMismatch`` re-specialises: another dtype, device, constant or container
 layout is refused as before. In training mode a guard that fails after a stage has computed is
 refused too where the stages hold buffers or draw random numbers, as running them again would
@@ -45,6 +48,8 @@ MAX_SPECIALIZATIONS = 8
 REMEMBERED_SHAPES = 256
 
 ShapeKey = tuple[Any, ...]
+#: The grad mode's place in ``Specializer.structure``: a name no argument's path is.
+GRAD_MODE = "<grad mode>"
 #: Runs one plan on a call: ``ShardedModel.run_stages``, or a runtime's own way.
 Runner = Callable[[ShardedModel, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -65,10 +70,12 @@ class Specialization:
     structure: Any = field(repr=False)  # ``call_structure`` of the inputs it was made for
 
     def describe(self) -> str:
-        """Each tensor it was made for, by argument and place in it (``batch['x']: (1, 8)``)."""
+        """Each tensor it was made for, by argument and place in it (``batch['x']: (1, 8)``), and
+        the grad mode when it was off."""
         shapes = ", ".join(f"{_readable(path)}: {tuple(shape)}" for path, shape in self.structure
                            if isinstance(shape, torch.Size))
-        return f"{shapes or 'no tensor arguments'} ({self.seconds:.1f} s to capture)"
+        grad = "" if dict(self.structure)[GRAD_MODE] else ", without grad"
+        return f"{shapes or 'no tensor arguments'}{grad} ({self.seconds:.1f} s to capture)"
 
 
 def _readable(path: str) -> str:
@@ -80,10 +87,16 @@ def _readable(path: str) -> str:
 
 
 def shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:
-    """The call's argument shapes, by position and keyword (None for a value that is no tensor):
-    which specialisation to try first. Top-level arguments only, so it costs a microsecond or two;
-    a specialisation's own guards decide whether it serves the call."""
+    """The call's argument shapes, by position and keyword (None for a value that is no tensor).
+    Top-level arguments only, so it costs a microsecond or two."""
     return (*enumerate(map(_shape, args)), *zip(kwargs, map(_shape, kwargs.values())))
+
+
+def _served_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:
+    """``shape_key`` and the grad mode: which specialisation to try first (its own guards decide
+    whether it serves the call). A plan for the other mode fails its grad-mode guard only where
+    that code runs, after the stages before it computed."""
+    return (torch.is_grad_enabled(), *shape_key(args, kwargs))
 
 
 def _shape(value: Any) -> Any:
@@ -176,8 +189,9 @@ class Specializer:
         return self._model
 
     def structure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``call_structure`` of a call of this model."""
-        return call_structure(args, kwargs, self._signature)
+        """``call_structure`` of a call of this model, with the grad mode it is made in (under
+        ``GRAD_MODE``, a plain bool: no constant of the call)."""
+        return (*call_structure(args, kwargs, self._signature), (GRAD_MODE, torch.is_grad_enabled()))
 
     # -- serving ---------------------------------------------------------------------------------
     def serve(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -194,7 +208,7 @@ class Specializer:
                 if not given_back:
                     self._check_rerun(primary, exc)
                 return self._specialized(primary, args, kwargs, exc, run)
-        key = shape_key(args, kwargs)
+        key = _served_key(args, kwargs)
         first = self._last.get(key)
         failed: SpecializationMismatch | None = None
         for sharded in ([first] if first is not None else []) + [p for p in self._plans(primary) if p is not first]:
@@ -265,12 +279,12 @@ class Specializer:
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                    guard: str = "made ahead with sharded.specialize") -> ShardedModel:
         """Capture the model for these inputs under the primary plan's partition, keep and return it.
-        Only shapes make another capture: a call the plan's binding or constants refuse (an argument
-        its example passed left out, another value where it computes with one) is refused here too."""
+        Only shapes and the grad mode make another capture: a call the plan's binding or constants
+        refuse (an argument its example passed left out, another value where it computes with one) is
+        refused here too."""
         primary.fit_call(args, kwargs)
         structure = self.structure(args, kwargs)
         self._refuse_other_constants(structure)
-        key = shape_key(args, kwargs)
         if len(self.specializations) >= self.limit:
             seen = "; ".join(s.describe() for s in self.specializations) or "none"
             raise InputMismatchError(
@@ -289,9 +303,9 @@ class Specializer:
                 f"{guard}. A new capture for these inputs, with every weight in the stage that holds it, failed "
                 f"({exc}); shard the model again with an example like these inputs") from exc
         check_same_holders(before, sharded)
-        self.specializations.append(Specialization(key, guard.split(";")[0], time.perf_counter() - started, sharded,
-                                                   structure))
-        self._remember(key, sharded)
+        self.specializations.append(Specialization(shape_key(args, kwargs), guard.split(";")[0],
+                                                   time.perf_counter() - started, sharded, structure))
+        self._remember(_served_key(args, kwargs), sharded)
         if len(self.specializations) == self.limit:
             warnings.warn(
                 f"this sharded model has made its {self.limit} specialisations (max_specializations); inputs that "

@@ -54,6 +54,71 @@ def test_a_flipped_branch_is_served_exactly_with_every_weight_in_its_stage():
     assert len(sharded.specializations) == 1
 
 
+class CheckpointsWithGrad(nn.Module):
+    """Gradient checkpointing asked for as diffusers' blocks ask (``torch.is_grad_enabled() and
+    self.gradient_checkpointing``) between layers whose output differs in each grad mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+        self.gradient_checkpointing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.b(self.a(x))
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            x = torch.utils.checkpoint.checkpoint(self.c, x, use_reentrant=False)
+        elif torch.is_grad_enabled():
+            x = self.c(x) * 2
+        else:
+            x = self.c(x)
+        return self.d(x)
+
+
+@pytest.mark.parametrize("sharded_in", [torch.enable_grad, torch.no_grad])
+def test_a_call_in_the_other_grad_mode_is_served_by_a_capture_made_in_it(sharded_in):
+    """A diffusers UNet sharded to serve is called under torch.no_grad(): the first plan's grad-mode
+    guard fails, and a capture made in the call's mode serves it, as a flipped branch is served."""
+    torch.manual_seed(0)
+    model = CheckpointsWithGrad().eval()
+    with sharded_in():
+        sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    before = holders(sharded)
+    x = torch.randn(3, 8)
+    for mode in (torch.no_grad, torch.enable_grad, torch.inference_mode, torch.no_grad, torch.enable_grad):
+        with mode():
+            assert torch.equal(sharded(x), model(x))
+    (made,) = sharded.specializations
+    assert "grad mode" in made.guard and holders(made.sharded) == before
+    assert ("without grad" in made.describe()) == (sharded_in is torch.enable_grad)
+    with torch.enable_grad():  # the plan with grad trains: its gradients are the model's
+        sharded(x).sum().backward()
+        served = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).sum().backward()
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), served))
+
+
+def test_in_training_mode_the_plans_for_each_grad_mode_alternate_without_running_the_other():
+    """The plan for a call is looked up by its shapes and grad mode: a plan for the other mode would
+    fail its guard after stage 0 updated its batch norm, which training mode refuses."""
+    torch.manual_seed(0)
+    model = CheckpointsWithGrad()
+    model.a = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    model.load_state_dict(twin.state_dict())  # the statistics before the example's runs
+    x = torch.randn(4, 8)
+    with torch.no_grad(), pytest.raises(SpecializationMismatch, match="sharded.specialize"):
+        sharded(x)
+    with torch.no_grad():
+        sharded.specialize(x)
+    model.load_state_dict(twin.state_dict())
+    for mode in (torch.no_grad, torch.enable_grad, torch.no_grad, torch.enable_grad):
+        with mode():
+            assert torch.equal(sharded(x), twin(x))
+    assert torch.equal(model.a[1].running_mean, twin.a[1].running_mean)
+
+
 def test_respecialize_false_keeps_the_refusal():
     _, sharded = size_branch(respecialize=False)
     with pytest.raises(SpecializationMismatch, match=r"x.shape\[0\] > 2"):

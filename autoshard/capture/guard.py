@@ -212,10 +212,11 @@ def check_pinned_size(size: int, expected: int, site: str, top_level: bool = Fal
 
 
 def check_grad_mode(captured: bool, site: str) -> None:
-    """Code that chose its path by the grad mode, called in the other mode: refuse it."""
+    """Code that chose its path by the grad mode, called in the other mode: refuse it. A capture made
+    in that mode serves it (a ``SpecializationMismatch``: a sharded model re-specialises on it)."""
     if grad_mode_checked() and torch.is_grad_enabled() != captured:
         was, now = ("enabled", "disabled") if captured else ("disabled", "enabled")
-        raise InputMismatchError(
+        raise SpecializationMismatch(
             f"{site} chose its path by the grad mode, which was {was} when the plan was captured and is {now} "
             f"now; call the stages with grad {was}, or shard the model again "
             f"{'under torch.no_grad()' if captured else 'with grad enabled'} to call it so")
