@@ -12,7 +12,8 @@ argument shapes, so a cached one costs its own guard check and a shape lookup.
 
 A call in the other grad mode than code that asked ``torch.is_grad_enabled()`` was captured in
 (diffusers' blocks ask it to choose gradient checkpointing) re-specialises too: the new capture is
-made in the call's mode, and the grad mode counts among the shapes a plan is remembered by.
+made in the call's mode, and the grad mode counts among the shapes a plan is remembered by and,
+where its code asked, among what it is chosen by.
 Only a ``SpecializationMismatch`` re-specialises: another dtype, device, constant or container
 layout is refused as before. In training mode a guard that fails after a stage has computed is
 refused too where the stages hold buffers or draw random numbers, as running them again would
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
+from autoshard.capture.guard import chosen_grad_mode
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.structure import same_constant
 from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch
@@ -48,8 +50,6 @@ MAX_SPECIALIZATIONS = 8
 REMEMBERED_SHAPES = 256
 
 ShapeKey = tuple[Any, ...]
-#: The grad mode's place in ``Specializer.structure``: a name no argument's path is.
-GRAD_MODE = "<grad mode>"
 #: Runs one plan on a call: ``ShardedModel.run_stages``, or a runtime's own way.
 Runner = Callable[[ShardedModel, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -74,7 +74,7 @@ class Specialization:
         the grad mode when it was off."""
         shapes = ", ".join(f"{_readable(path)}: {tuple(shape)}" for path, shape in self.structure
                            if isinstance(shape, torch.Size))
-        grad = "" if dict(self.structure)[GRAD_MODE] else ", without grad"
+        grad = ", without grad" if chosen_grad_mode(self.sharded.stages) is False else ""
         return f"{shapes or 'no tensor arguments'}{grad} ({self.seconds:.1f} s to capture)"
 
 
@@ -189,9 +189,8 @@ class Specializer:
         return self._model
 
     def structure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``call_structure`` of a call of this model, with the grad mode it is made in (under
-        ``GRAD_MODE``, a plain bool: no constant of the call)."""
-        return (*call_structure(args, kwargs, self._signature), (GRAD_MODE, torch.is_grad_enabled()))
+        """``call_structure`` of a call of this model."""
+        return call_structure(args, kwargs, self._signature)
 
     # -- serving ---------------------------------------------------------------------------------
     def serve(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -228,11 +227,11 @@ class Specializer:
     def made_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel | None:
         """The plan captured for a call of exactly this structure (``call_structure``: nested shapes and
         constants too), if any: what serves it where no stage may run to choose, or a step must not
-        fall back half-way."""
-        key = self.structure(args, kwargs)
-        if key == self.example:
-            return primary
-        return next((s.sharded for s in self.specializations if s.structure == key), None)
+        fall back half-way. One whose code chose its path by the grad mode serves that mode only."""
+        key, grad = self.structure(args, kwargs), torch.is_grad_enabled()
+        made = [(self.example, primary)] + [(s.structure, s.sharded) for s in self.specializations]
+        return next((plan for structure, plan in made
+                     if structure == key and chosen_grad_mode(plan.stages) in (None, grad)), None)
 
     def _remember(self, key: ShapeKey, sharded: ShardedModel) -> None:
         """Keep which plan served these shapes, for the last ``REMEMBERED_SHAPES`` shapes."""

@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
-from autoshard.capture.guard import check_grad_mode
+from autoshard.capture.guard import chosen_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.errors import InputMismatchError, VerificationError
 from autoshard.isolation import PlainInterpreter, detached_values, cloned, run_seeded
@@ -120,8 +120,7 @@ def objects_holding_tensors(value: Any) -> list[str]:
 
 def _captured_grad_mode(gm: fx.GraphModule) -> bool:
     """The grad mode the graph's code was captured for: off where it chose a path with grad off."""
-    return not any(n.op == "call_function" and n.target is check_grad_mode and n.args[0] is False
-                   for n in gm.graph.nodes)
+    return chosen_grad_mode([gm]) is not False
 
 
 def _expected_run(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -90,12 +90,22 @@ def test_a_call_in_the_other_grad_mode_is_served_by_a_capture_made_in_it(sharded
     (made,) = sharded.specializations
     assert "grad mode" in made.guard and holders(made.sharded) == before
     assert ("without grad" in made.describe()) == (sharded_in is torch.enable_grad)
+    other = torch.no_grad if sharded_in is torch.enable_grad else torch.enable_grad
+    for mode, rows, plan in ((sharded_in, 4, sharded), (other, 3, made.sharded), (other, 4, None)):
+        with mode():  # chosen up front (a pipeline's microbatch) by the grad mode too
+            assert sharded.specializer.made_for(sharded, (torch.randn(rows, 8),), {}) is plan
     with torch.enable_grad():  # the plan with grad trains: its gradients are the model's
         sharded(x).sum().backward()
         served = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         model(x).sum().backward()
         assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), served))
+
+
+def test_a_plan_whose_code_never_asked_for_the_grad_mode_is_chosen_up_front_in_either_mode():
+    model, sharded = size_branch()
+    with torch.no_grad():
+        assert sharded.specializer.made_for(sharded, (torch.randn(4, 8),), {}) is sharded
 
 
 def test_in_training_mode_the_plans_for_each_grad_mode_alternate_without_running_the_other():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -220,6 +220,13 @@ def check_grad_mode(captured: bool, site: str) -> None:
             f"{site} chose its path by the grad mode, which was {was} when the plan was captured and is {now} "
             f"now; call the stages with grad {was}, or shard the model again "
             f"{'under torch.no_grad()' if captured else 'with grad enabled'} to call it so")
+
+
+def chosen_grad_mode(graphs: Iterable[torch.fx.GraphModule]) -> bool | None:
+    """The grad mode the graphs' code chose its path by (their ``check_grad_mode`` guards), None
+    where no code asked: those serve either mode."""
+    return next((node.args[0] for gm in graphs for node in gm.graph.nodes
+                 if node.op == "call_function" and node.target is check_grad_mode), None)
 
 
 class DetachedModule:
