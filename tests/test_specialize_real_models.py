@@ -61,3 +61,18 @@ def test_gpt2_with_its_head_tied_to_the_embedding_respecialises_across_the_stage
             assert_same_output(sharded(**inputs), model(**inputs))
     (made,) = sharded.specializations  # sequence 1 flips the attention's branch
     assert holders(made.sharded) == before
+
+
+def test_a_diffusers_unet_sharded_with_grad_serves_calls_under_no_grad_and_inference_mode():
+    """Every diffusers block asks ``torch.is_grad_enabled() and self.gradient_checkpointing``: a UNet
+    sharded with grad was refused under ``torch.no_grad()``, the way a pipeline calls it to sample."""
+    family = BY_NAME["diffusers-unet"]
+    model = family.build()
+    sharded = autoshard.shard_model(model, 2, example_kwargs=family.inputs(*EXAMPLE))
+    before = holders(sharded)
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        inputs = family.inputs(*EXAMPLE)
+        with mode():
+            assert_same_output(sharded(**inputs), model(**inputs))
+    (made,) = sharded.specializations
+    assert "grad mode" in made.guard and holders(made.sharded) == before
