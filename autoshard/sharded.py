@@ -403,7 +403,10 @@ class _Binder:
             self.signature.bind(**moved, **fills)
             error = None
         except TypeError as exc:
-            error = exc
+            # an argument the example passed, which the model would default: not 'missing a required argument'
+            dropped = [repr(name) for name in parameters if name not in moved and name not in fills]
+            error = TypeError(f"the example passed {', '.join(dropped)}, which these inputs leave out; pass "
+                              f"{'it' if len(dropped) == 1 else 'them'} as the example did") if dropped else exc
         left_out = tuple((name, slot.index) for name, slot in named.items() if name not in parameters)
         positional = [name for name, p in parameters.items()
                       if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]

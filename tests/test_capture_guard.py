@@ -171,7 +171,7 @@ def test_a_call_is_bound_as_the_model_binds_it_and_a_tensor_input_refuses_none()
         sharded(x, t)
     with pytest.raises(InputMismatchError, match="b is None, but the plan was captured with tensors there"):
         sharded(x, b=None)
-    with pytest.raises(InputMismatchError, match="missing a required argument: 'b'"):
+    with pytest.raises(InputMismatchError, match="the example passed 'b', which these inputs leave out; pass it as"):
         sharded(x)
 
 
