@@ -20,7 +20,10 @@ Models: the built-in examples (residual MLP, GPT-style LM, TransformerLM) and, w
 ``--quick``, the branched example (blocks fake tensors cannot run), the activation-heavy GPT-style
 LM of the issue (width 64, batch 16 x 256), a Hugging Face zoo in training mode built from tiny
 configs (random weights, nothing downloaded): GPT-2, Llama, BERT, ViT, T5, a diffusers UNet and
-Mixtral (an expert loop fake tensors cannot run), and an LSTM tagger (fused kernels).
+Mixtral (an expert loop fake tensors cannot run), and an LSTM tagger (fused kernels); then ALBERT
+(weights shared by every layer), Qwen2 (grouped-query attention, rotary), BART, Swin, ResNet
+(BatchNorm buffers), Wav2Vec2 in eval mode, torch's ``nn.TransformerDecoder`` and an LM with tied
+embedding and head in bf16.
 
 Then the budget table: for budgets of 0.6 to 1.0 times the unconstrained plan's fullest stage
 (k = 4, Adam, 4 microbatches), whether a plan is returned and, if so, its predicted and measured
@@ -157,6 +160,110 @@ def tiny_unet() -> Case:
     return model.train(), (torch.randn(2, 3, 16, 16), torch.tensor([10, 500])), {"return_dict": False}
 
 
+def _hf(model_class: str, config_class: str, inputs: dict[str, Any], train: bool = True, **config: Any) -> Case:
+    """A transformers model built from a tiny config with random weights (seed 0)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+    return (model.train() if train else model.eval()), (), inputs
+
+
+def _tokens(vocab: int = 128, batch: int = 4, length: int = 32) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randint(0, vocab, (batch, length))
+
+
+def _images(batch: int = 2, side: int = 32) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    return {"pixel_values": torch.randn(batch, 3, side, side)}
+
+
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+
+
+def tiny_albert() -> Case:
+    """ALBERT: one layer's weights shared by all four layers (a weight read on several stages)."""
+    return _hf("AlbertForMaskedLM", "AlbertConfig", {"input_ids": _tokens()}, embedding_size=32, vocab_size=128,
+               max_position_embeddings=64, **_SMALL)
+
+
+def tiny_qwen2() -> Case:
+    """Qwen2: grouped-query attention and rotary embeddings."""
+    return _hf("Qwen2ForCausalLM", "Qwen2Config", {"input_ids": _tokens(), "use_cache": False}, num_key_value_heads=2,
+               vocab_size=128, max_position_embeddings=64, **_SMALL)
+
+
+def tiny_bart() -> Case:
+    return _hf("BartForConditionalGeneration", "BartConfig",
+               {"input_ids": _tokens(length=16), "decoder_input_ids": _tokens(length=16), "use_cache": False},
+               vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64)
+
+
+def tiny_swin() -> Case:
+    """Swin: shifted windows (rolls, window partitions: views and copies of the activations)."""
+    return _hf("SwinForImageClassification", "SwinConfig", _images(), image_size=32, patch_size=4, embed_dim=16,
+               depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=10)
+
+
+def tiny_resnet() -> Case:
+    """transformers' ResNetModel: BatchNorm in training mode (running statistics are buffers)."""
+    return _hf("ResNetModel", "ResNetConfig", _images(), embedding_size=16, hidden_sizes=[16, 32, 64, 64],
+               depths=[1, 1, 1, 1], layer_type="basic")
+
+
+def tiny_wav2vec2() -> Case:
+    """Wav2Vec2 in eval mode (dropout off): a convolutional feature encoder, then a transformer."""
+    torch.manual_seed(1)
+    return _hf("Wav2Vec2Model", "Wav2Vec2Config", {"input_values": torch.randn(2, 4000)}, train=False,
+               conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+               num_conv_pos_embedding_groups=4, **_SMALL)
+
+
+class _TorchDecoder(nn.Module):
+    """``nn.TransformerDecoder`` (self- and cross-attention over a memory input) between an embedding and a head."""
+
+    def __init__(self, width: int = 64, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, width)
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(width, 4, 128, batch_first=True), layers)
+        self.head = nn.Linear(width, 128)
+
+    def forward(self, tokens: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.head(self.decoder(self.embed(tokens), memory))
+
+
+def torch_decoder() -> Case:
+    torch.manual_seed(0)
+    model = _TorchDecoder().train()
+    return model, (_tokens(), torch.randn(4, 16, 64)), {}
+
+
+class _TiedLM(nn.Module):
+    """Embedding and output head sharing one weight, residual MLP blocks between them."""
+
+    def __init__(self, width: int = 64, layers: int = 4, vocab: int = 512) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(layers))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def tied_bf16_lm() -> Case:
+    """The tied LM with bf16 weights (``model.to(torch.bfloat16)``): activations and gradients 2 B."""
+    torch.manual_seed(0)
+    return _TiedLM().to(torch.bfloat16).train(), (_tokens(512),), {}
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "residual-mlp": lambda: load_example("residual-mlp"),
     "gpt-lm": lambda: load_example("gpt-lm"),
@@ -171,6 +278,14 @@ CASES: dict[str, Callable[[], Case]] = {
     "diffusers-unet": tiny_unet,
     "hf-mixtral": tiny_mixtral,
     "lstm": lstm_tagger,
+    "hf-albert": tiny_albert,
+    "hf-qwen2": tiny_qwen2,
+    "hf-bart": tiny_bart,
+    "hf-swin": tiny_swin,
+    "hf-resnet": tiny_resnet,
+    "hf-wav2vec2": tiny_wav2vec2,
+    "torch-decoder": torch_decoder,
+    "tied-bf16": tied_bf16_lm,
 }
 QUICK = ("residual-mlp", "gpt-lm", "transformer-lm")
 
