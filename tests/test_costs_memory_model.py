@@ -746,6 +746,29 @@ def test_a_value_passed_through_copies_its_gradient_after_every_other_node():
     assert predicted[1].memory.total == measured.peak
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.g, self.b, self.c, self.d = (nn.Linear(64, 64) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, g = self.a(x), self.g(x)
+        return self.d(h + self.c(self.b(g)))
+
+
+def test_a_received_values_gradient_shared_with_another_is_taken_after_every_other_node():
+    """The second stage receives ``h`` and ``g`` and adds ``h`` to ``c(b(g))``: the sum's backward hands
+    the gradient ``d``'s made to both addends. ``h``'s read runs first, so autograd sends its gradient back after
+    ``c`` and ``b`` have run and let go of that buffer: it takes it whole. The walk copied it as soon as
+    the sum had run, beside ``c``'s and ``b``'s backward (a residual after a cut: 1.03x-1.07x on
+    transformers' blocks)."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    sharded = autoshard.shard_model(_Residual().train(), 2, example_inputs=(x,), cut_before=["b"])
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages
+    assert predicted[1].memory.total == measure_stage_memory(sharded, 1, (x,), microbatches=1).peak
+
+
 class _ShapeOfAWeight(nn.Module):
     """Reads a weight's shape (CLIP's position check) apart from the node that applies the weight."""
 

@@ -770,13 +770,13 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     starts from that buffer's layout (``SavedFacts.backward_when_sent``). Autograd adds a
     further gradient into a buffer only a value's own; into one it holds with others, or the one
     received, it cannot, so the sum is a new buffer. A value the stage received keeps its
-    gradient to the end, to send it back: once every node reading it has given its part (after
-    every node for a value only passed through: the stage reads what it receives first, through
-    ``runtime.wire.contiguous_grad``, and autograd runs that last), autograd takes the buffer it
-    holds when nothing else holds it and it is contiguous (``SavedFacts.strided_grads``), else
-    copies it; the received gradient itself, handed back through views (a stage that only passes a
-    value on: an item, a view, a transpose sent permuted, whose receive buffer is laid out as it is),
-    it takes as it is. The storages of the values sent (``stays``:
+    gradient to the end, to send it back: after every node (the stage reads what it receives
+    first, through ``runtime.wire.contiguous_grad``, and autograd runs that last, once the other
+    nodes have let go of the buffers they shared with it), autograd takes the buffer it holds
+    when nothing else holds it and it is contiguous (``SavedFacts.strided_grads``), else copies
+    it; the received gradient itself, handed back through views (a stage that only passes a value
+    on: an item, a view, a transpose sent permuted, whose receive buffer is laid out as it is), it
+    takes as it is. The storages of the values sent (``stays``:
     their makers, ``_owner``) outlive the microbatch's backward. What ``recomputed`` nodes save
     was not kept, so its release frees nothing of the microbatches held (``recompute_bytes``
     counts it). A weight read by several nodes here gets its gradient in parts, which autograd
@@ -785,11 +785,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     inside = set(nodes)
     buffer: dict[str, str | None] = dict.fromkeys([*sent, *through])  # value -> its gradient's (None: received)
     holders: dict[str, int] = {}  # buffer (named by the value it was made for) -> values holding it
-    pending: dict[str, int] = {}  # value received -> nodes here still to give it a gradient
-    for node in nodes:
-        for u, _ in _gradients_to(dag, node):
-            if u not in inside:
-                pending[u] = pending.get(u, 0) + 1
+    # the values received that nodes here give a gradient, in the order they are first read
+    read = list(dict.fromkeys(u for node in nodes for u, _ in _gradients_to(dag, node) if u not in inside))
     readers: dict[str, int] = {}  # trainable weight -> nodes here whose backward has still to give it a part
     for node in nodes:
         for w in _trainable_weights(dag, node):
@@ -860,18 +857,6 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 hold(u, u)
                 strided.discard(u)
         release(mine)
-        for u, _ in given:
-            if u in pending:
-                pending[u] -= 1
-                # autograd copies it into the one sent back, unless it crossed permuted: then it comes
-                # through the permutes' views, which autograd takes whole if laid out in that order
-                received_back = buffer[u] is None  # the gradient received, handed back: taken as it is
-                if not pending[u] and ((shared(u) and not received_back and not _crossed_permuted(dag, u))
-                                       or u in strided):
-                    peak = max(peak, output_grads + alive + _grad(dag, u) - freed)  # beside the one it copies
-                    release(buffer[u])
-                    hold(u, u)
-                    strided.discard(u)
         # a weight read by several nodes here: autograd holds the parts given so far, adding each new
         # one into a new buffer, and the last sum into the weight's gradient (a Linear applied twice)
         for w, nbytes in _trainable_weights(dag, node).items():
@@ -884,11 +869,21 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             elif readers[w]:
                 parts.add(w)
                 alive += nbytes
+    for u in read:
+        # its read (``contiguous_grad``) ran first, so its backward runs after every other node's, which have
+        # let go of the buffers they shared with it by then: autograd copies it into the one sent back if
+        # another value received still holds that buffer or it is strided, unless it crossed permuted: then it
+        # comes through the permutes' views, which autograd takes whole if laid out in that order
+        received_back = buffer[u] is None  # the gradient received, handed back: taken as it is
+        if (shared(u) and not received_back and not _crossed_permuted(dag, u)) or u in strided:
+            peak = max(peak, output_grads + alive + _grad(dag, u) - freed)  # beside the one it copies
+            release(buffer[u])
+            hold(u, u)
     for value in through:
         # no node here reads it: copied after every other (its read ran first), as autograd cannot take
         # the buffer received; one that crossed permuted reaches it through the permutes' views, and
         # autograd takes a view whole (``runtime.wire``)
-        if value not in pending and not _crossed_permuted(dag, value):
+        if value not in read and not _crossed_permuted(dag, value):
             hold(value, value)
     return max(peak, output_grads + alive - freed)  # the copies of the last gradients received
 
