@@ -769,6 +769,34 @@ def test_a_received_values_gradient_shared_with_another_is_taken_after_every_oth
     assert predicted[1].memory.total == measure_stage_memory(sharded, 1, (x,), microbatches=1).peak
 
 
+class _LowRank(nn.Module):
+    """A LoRA layer on frozen embeddings: a frozen linear beside a trainable low-rank branch, both reading
+    the normalised embeddings, in a residual block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(128, 64).requires_grad_(False), nn.LayerNorm(64)
+        self.base = nn.Linear(64, 64).requires_grad_(False)
+        self.down, self.up = nn.Linear(64, 4, bias=False), nn.Linear(4, 64, bias=False)
+        self.head = nn.Linear(64, 128)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        h = self.norm(x)
+        return self.head(x + F.gelu(self.base(h) + self.up(self.down(h))))
+
+
+def test_a_gradient_handed_to_a_node_is_dropped_before_the_sum_it_makes_when_nothing_else_holds_it():
+    """The sum hands one gradient to ``base`` and ``up``; ``up`` runs first, so when ``base``'s backward adds
+    its part into ``h``'s gradient, ``base`` alone held the handed one, which autograd has dropped by then.
+    The walk dropped only a gradient made for the node itself (1.11x here, 1.08x-1.09x on a 4-layer LoRA model)."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 128, (4, 32))
+    sharded = autoshard.shard_model(_LowRank().train(), 2, example_inputs=(x,), cut_before=["head"])
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages
+    assert predicted[0].memory.total == measure_stage_memory(sharded, 0, (x,), microbatches=1).peak
+
+
 class _ShapeOfAWeight(nn.Module):
     """Reads a weight's shape (CLIP's position check) apart from the node that applies the weight."""
 

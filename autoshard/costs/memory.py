@@ -833,7 +833,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         summed = max((_grad(dag, u) for u, _ in given if u in buffer), default=0.0)
         if summed:  # by then autograd has dropped the gradient the node got, where nothing else holds it
             made = sum(_grad(dag, u) for u, handed in given if not handed) + _weight_grad_bytes(dag, node)
-            dropped = _grad(dag, node) if buffer.get(node) == node and holders.get(node) == 1 else 0.0
+            got = buffer.get(node)  # its own, or one handed to it that the others holding it have let go of
+            dropped = _grad(dag, got) if got is not None and holders.get(got) == 1 else 0.0
             peak = max(peak, output_grads + alive - dropped + made + summed - freed)
         # what this stage made and kept for this backward alone (what ``stays`` was sent)
         for maker, nbytes in facts.releases:
