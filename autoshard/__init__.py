@@ -33,6 +33,7 @@ _LAZY = {
     "DeviceModel": "autoshard.costs.estimate",
     # warnings a user may want to filter or turn into errors
     "HostRandomnessWarning": "autoshard.capture.host_random",
+    "CheckpointTracedWarning": "autoshard.capture.meta",
     "StalePlanWarning": "autoshard.plan_format.fits",
     "UnmeasuredMemoryWarning": "autoshard.plan_format.fits",
     "SharedBufferWarning": "autoshard.runtime.stage",

@@ -1214,3 +1214,57 @@ def test_a_module_outside_the_module_tree_is_traced_through_and_its_mode_watched
     got = sharded(x)
     torch.manual_seed(2)
     assert torch.equal(got, model(x))
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Blocks each called through ``torch.utils.checkpoint``, or a block kept whole that checkpoints inside."""
+
+    def __init__(self, use_reentrant: bool | None, inside_a_leaf: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)) for _ in range(3))
+        self.use_reentrant, self.inside_a_leaf = use_reentrant, inside_a_leaf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.use_reentrant is None:
+                x = block(x)
+            elif self.inside_a_leaf and x.sum() > -1e9:  # a branch on values: this forward is kept whole
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+            else:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return x
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, use_reentrant: bool | None, inside_a_leaf: bool = False) -> None:
+        super().__init__()
+        self.inner = _CheckpointedBlocks(use_reentrant, inside_a_leaf)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_models_own_checkpoint_traced_through_is_said_with_its_call_site(use_reentrant):
+    """The stages run checkpointed code plainly, holding what the checkpoint would recompute: a user
+    who checkpoints to fit is told, with the way to recompute in a pipeline."""
+    with pytest.warns(autoshard.CheckpointTracedWarning) as warned:
+        sharded = autoshard.shard_model(_Checkpointed(use_reentrant).train(), 2,
+                                        example_inputs=(torch.randn(4, 8, requires_grad=True),))
+    (message,) = {str(w.message) for w in warned if w.category is autoshard.CheckpointTracedWarning}
+    assert "_Checkpointed calls torch.utils.checkpoint (test_capture_fx.py:" in message
+    assert "x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)" in message
+    assert "activation_checkpointing=True" in message
+    assert len(sharded.stages) == 2
+
+
+@pytest.mark.parametrize("model", [_Checkpointed(None), _Checkpointed(False, inside_a_leaf=True)],
+                         ids=["no checkpoint", "inside a module kept whole"])
+def test_no_checkpoint_traced_through_is_no_warning(model):
+    """A module kept whole runs its checkpoint as written, at every call of its stage."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoshard.CheckpointTracedWarning)
+        sharded = autoshard.shard_model(model.train(), 2, example_inputs=(torch.randn(4, 8, requires_grad=True),))
+    if model.inner.inside_a_leaf:
+        assert "inner" in {w.name for w in sharded.plan.wrapped}

@@ -30,7 +30,7 @@ from autoshard.capture.assemble import assemble, model_graph_module
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design, packs_padded_batch
 from autoshard.capture.guard import DetachedModule, InputGuard, check_detached_mode
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
-from autoshard.capture.meta import MetaTracer, guard_value, has_proxy
+from autoshard.capture.meta import MetaTracer, guard_value, has_proxy, warn_checkpoints_traced
 from autoshard.capture.result import TraceResult, WrappedLeaf
 from autoshard.capture.signature import CallSignature
 from autoshard.isolation import cloned, isolated
@@ -156,6 +156,7 @@ def trace_with_leaves(
             return tracer.trace(root), tracer
 
     (graph, tracer), leaves = capture_with_leaves(model, attempt, "trace")
+    warn_checkpoints_traced(type(model).__name__, tracer.checkpoints)
     tracer.forget_examples(graph)
     guard = _guard(signature, tracer)
     if signature is None:  # traced from the model itself: names are already the model's own

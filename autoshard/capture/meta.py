@@ -34,12 +34,14 @@ import os
 import sys
 import traceback
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
 import torch.fx._symbolic_trace as fx_trace
+import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,10 +96,10 @@ def _runs_model_code(node: fx.Node) -> bool:
         not target.__module__.startswith("torch")
 
 
-def _user_site() -> str | None:
-    """``file:line (`source`)`` of the innermost frame of the model's code."""
+def _user_site(machinery: tuple[str, ...] = MACHINERY_DIRS) -> str | None:
+    """``file:line (`source`)`` of the innermost frame of the model's code (outside ``machinery``)."""
     for frame in reversed(traceback.extract_stack()):
-        if not frame.filename.startswith(MACHINERY_DIRS):
+        if not frame.filename.startswith(machinery):
             source = (frame.line or "").strip().split("  # ")[0]
             return f"{os.path.basename(frame.filename)}:{frame.lineno} (`{source}`)"
     return None
@@ -269,6 +271,8 @@ def _recording_apply(original: classmethod) -> classmethod:
         tracer = proxies[0].tracer
         if not cls.__module__.startswith("torch."):
             return tracer.create_proxy("call_function", FunctionApply(cls), args, kwargs)
+        if cls is torch.utils.checkpoint.CheckpointFunction:
+            tracer.note_checkpoint()
         tracer.inside_torch_functions += 1  # its own no_grad (the checkpoint's) is not the model's
         try:
             return original.__func__(cls, *args, **kwargs)
@@ -276,6 +280,33 @@ def _recording_apply(original: classmethod) -> classmethod:
             tracer.inside_torch_functions -= 1
 
     return classmethod(apply)
+
+
+class CheckpointTracedWarning(UserWarning):
+    """The model's own activation checkpoints (``torch.utils.checkpoint``) were traced through."""
+
+
+def warn_checkpoints_traced(model_name: str, sites: list[str]) -> None:
+    """Say that the stages keep what the model's checkpoints recompute, and what to do instead."""
+    if sites:
+        warnings.warn(
+            f"{model_name} calls torch.utils.checkpoint ({', '.join(sites)}): the capture traces through it, so "
+            "the stages run that code plainly and keep the activations the checkpoint would recompute "
+            "(plan_report and max_memory count them). To recompute them in a pipeline, train through "
+            "autoshard.runtime.parallelize(..., activation_checkpointing=True) and plan with "
+            "MemoryModel(activation_checkpointing=True)", CheckpointTracedWarning, stacklevel=4)
+
+
+def _noting_checkpoint(generator: Callable[..., Any], tracer: "MetaTracer") -> Callable[..., Any]:
+    """The non-reentrant checkpoint's generator, noting a checkpoint traced through (one given proxies)."""
+
+    @functools.wraps(generator)
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        if has_proxy((args, kwargs)):
+            tracer.note_checkpoint()
+        return generator(*args, **kwargs)
+
+    return noting
 
 
 #: ``(owner, name, original, stand-in)``: an attribute the tracer replaces while it traces.
@@ -324,6 +355,7 @@ class MetaTracer(fx.Tracer):
         self.pin_sizes = pin_sizes
         self.constants: dict[str, Any] = {}
         self.specialized: list[str] = []
+        self.checkpoints: list[str] = []  # where the model's own activation checkpoints were traced through
         self.read_static_facts = False
         self._weights: _Weights | None = None
         self._computed: dict[int, fx.Node] = {}  # id of an example tensor -> the latest node that made it
@@ -481,6 +513,9 @@ class MetaTracer(fx.Tracer):
             self.swaps.append((torch.autograd.Function, "apply", apply, _recording_apply(apply)))
             reader = GradModeReader(caller_grad, self._guard_grad_mode, lambda: bool(self.running_examples))
             self.swaps.append((torch, "is_grad_enabled", torch.is_grad_enabled, reader))
+            generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator  # use_reentrant=False
+            self.swaps.append((torch.utils.checkpoint, generator.__name__, generator,
+                               _noting_checkpoint(generator, self)))
             if self.examples is not None:
                 self.swaps += [(torch, "is_tensor", torch.is_tensor, _is_tensor),
                                (builtins, "callable", builtins.callable, _callable)]
@@ -518,6 +553,13 @@ class MetaTracer(fx.Tracer):
         self.create_proxy("call_function", check_pinned_size, (proxy, example, site, top_level), {})
         self.note(f"the size the code at {site} turns into a number is {example}")
         return example
+
+    def note_checkpoint(self) -> None:
+        """Record that the model's ``torch.utils.checkpoint`` here is traced through: the graph runs
+        the function it wraps plainly, so its stages keep what the checkpoint would recompute."""
+        site = _user_site((TORCH_DIR, *MACHINERY_DIRS)) or "the model's code"  # the call, not torch's inside it
+        if site not in self.checkpoints:
+            self.checkpoints.append(site)
 
     def note(self, specialization: str) -> None:
         """Record something the trace fixed to the example's value (guarded in the graph)."""
