@@ -38,7 +38,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from autoshard.capture.guard import chosen_grad_mode
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.structure import same_constant
-from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch
+from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch, plural
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
 
@@ -287,8 +287,9 @@ class Specializer:
         if len(self.specializations) >= self.limit:
             seen = "; ".join(s.describe() for s in self.specializations) or "none"
             raise InputMismatchError(
-                f"{guard}. This sharded model has made its {self.limit} specialisations (max_specializations; made "
-                f"for: {seen}); shard the model with a larger max_specializations= to serve these inputs too")
+                f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
+                f"(max_specializations; made for: {seen}); shard the model with a larger max_specializations= to "
+                "serve these inputs too")
         before = model_weights_held(self._model, primary)
         started = time.perf_counter()
         try:
@@ -307,8 +308,9 @@ class Specializer:
         self._remember(_served_key(args, kwargs), sharded)
         if len(self.specializations) == self.limit:
             warnings.warn(
-                f"this sharded model has made its {self.limit} specialisations (max_specializations); inputs that "
-                "need another are refused from now on", SpecializationLimitWarning, stacklevel=_caller_level())
+                f"this sharded model has made its {plural(self.limit, 'specialisation')} (max_specializations); "
+                "inputs that need another are refused from now on", SpecializationLimitWarning,
+                stacklevel=_caller_level())
         return sharded
 
 
