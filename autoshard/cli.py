@@ -184,7 +184,15 @@ def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) ->
         given["master_weights"] = args.master_weights
     if not given:
         return saved
-    return dataclasses.replace(saved or MemoryModel(), **given)
+    model = dataclasses.replace(saved or MemoryModel(), **given)
+    # counted for nothing under another schedule; with --plan, judged once the saved schedule is known
+    judged = saved is not None or not args.plan
+    if args.stages_per_rank is not None and model.schedule != "interleaved-1f1b" and judged:
+        raise InvalidArgumentError(
+            f"--stages-per-rank sets how many stages each process runs under --schedule interleaved-1f1b, and "
+            f"the schedule here is {model.schedule}, which runs one: add --schedule interleaved-1f1b, or drop "
+            "--stages-per-rank")
+    return model
 
 
 def _reproduction(args: argparse.Namespace, pipeline: Pipeline, memory: MemoryModel | None) -> str | None:

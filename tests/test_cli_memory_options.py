@@ -34,6 +34,10 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     (("--schedule", "interleaved-1f1b", "--stages-per-rank", "3"),
      "interleaved 1F1B runs 3 stages per rank, so the number of stages must divide by it; got 2 stages: "
      "pick --stages-per-rank dividing 2"),
+    (("--stages-per-rank", "2"),  # was accepted, and counted nothing under the default 1F1B
+     "--stages-per-rank sets how many stages each process runs under --schedule interleaved-1f1b, and the "
+     "schedule here is 1f1b, which runs one: add --schedule interleaved-1f1b, or drop --stages-per-rank"),
+    (("--schedule", "gpipe", "--stages-per-rank", "2"), "the schedule here is gpipe, which runs one"),
 ])
 def test_a_value_the_memory_model_does_not_know_is_refused_naming_the_flag(capsys, argv, message):
     code, out, err = run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", *argv)
@@ -124,3 +128,17 @@ def test_a_failed_rebuild_prints_its_plan_and_memory_flags():
     assert cli._reproduction(args, None, MemoryModel(optimizer="sgd")) == (
         "autoshard split residual-mlp --plan p.json --no-verify --optimizer sgd")
     assert cli._reproduction(args, None, MemoryModel()) is None and cli._reproduction(args, None, None) is None
+
+
+def test_stages_per_rank_changes_a_saved_interleaved_plan_and_is_refused_for_a_saved_1f1b_one(capsys, tmp_path):
+    """The schedule --stages-per-rank needs may come from the plan file, not a flag."""
+    interleaved, plain = tmp_path / "interleaved.json", tmp_path / "plain.json"
+    assert run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", "--schedule", "interleaved-1f1b",
+               "--out", str(interleaved))[0] == 0
+    assert run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", "--out", str(plain))[0] == 0
+    rebuilt = tmp_path / "rebuilt.json"
+    assert run(capsys, "inspect", "residual-mlp", "--plan", str(interleaved), "--stages-per-rank", "1", "-q",
+               "--out", str(rebuilt))[0] == 0
+    assert json.loads(rebuilt.read_text())["memory_model"]["stages_per_rank"] == 1
+    code, _, err = run(capsys, "inspect", "residual-mlp", "--plan", str(plain), "--stages-per-rank", "1", "-q")
+    assert code == 2 and "the schedule here is 1f1b" in " ".join(err.split())
