@@ -231,3 +231,21 @@ def test_timing_a_node_that_writes_its_inputs_in_place_leaves_them_as_the_model_
     model, ids = ShiftedIndex(), torch.randint(0, 4, (2, 5))
     sharded = autoshard.shard_model(model, 2, example_inputs=(ids,), cost="time")
     assert torch.equal(sharded(ids), model(ids))
+
+
+@pytest.mark.parametrize("saved,asked,message", [
+    ("threads=2", "threads=1", "it was timed on 2 threads, not threads=1"),
+    ("", "backward=true", "it timed the forward only, not backward=true"),
+])
+def test_a_loaded_profile_contradicting_the_options_asked_is_refused(tmp_path, saved, asked, message):
+    """It was loaded as it was measured, under a spec saying otherwise: a plan balanced on two threads'
+    times (up to 100x one's on a busy CPU) showed ``profile{threads=1}``."""
+    path = tmp_path / "times.json"
+    spec = "capture,profile{{path={path} warmup=0 repeats=1 {options}}},build-dag"
+    run_pipeline(_Counted(), Pipeline.parse(spec.format(path=path, options=saved)), ExampleInputs((torch.randn(4, 8),)))
+    with pytest.raises(InvalidArgumentError, match=f"measured otherwise than this profile pass asks: {message}; "
+                                                   "delete it"):
+        run_pipeline(_Counted(), Pipeline.parse(spec.format(path=path, options=asked)),
+                     ExampleInputs((torch.randn(4, 8),)))
+    again = spec.format(path=path, options=saved + " backward=false")  # what it was measured with still loads
+    run_pipeline(_Counted(), Pipeline.parse(again), ExampleInputs((torch.randn(4, 8),)))

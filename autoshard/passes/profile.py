@@ -23,8 +23,9 @@ class ProfilePass(Pass):
     With ``path``, an existing JSON profile there is loaded instead of measuring, and a fresh
     measurement is saved there, so the same path reproduces a time-balanced plan exactly. A loaded
     profile keeps the settings it was measured with (``backward`` among them: the step-time model
-    reads it off the nodes), whatever this pass's options say. A profile of another graph, or of
-    other input or weight sizes, is refused. Shows a progress bar on a terminal.
+    reads it off the nodes); ``threads`` or ``backward=true`` given here and contradicted by them is
+    refused. A profile of another graph, or of other input or weight sizes, is refused. Shows a
+    progress bar on a terminal.
     Example: ``trace,shape-prop,profile{path=times.json},build-dag,linearize,split{cost=time},emit``.
     """
 
@@ -47,6 +48,20 @@ class ProfilePass(Pass):
             raise InvalidArgumentError(f"profile path {self.path!r} is to be written, but there is no folder "
                                        f"{str(Path(self.path).parent)!r}: create it first, or give another path")
 
+    def _check_asked(self, measured: TimingSettings) -> None:
+        """Refuse a loaded profile whose settings contradict an option given here: its times would
+        be shown under a spec saying ``threads=1`` or ``backward=true`` and balanced as such."""
+        contradicted = []
+        if self.threads is not None and measured.threads is not None and measured.threads != self.threads:
+            contradicted.append(f"it was timed on {measured.threads} threads, not threads={self.threads}")
+        if self.backward and not measured.backward:
+            contradicted.append("it timed the forward only, not backward=true")
+        if contradicted:
+            raise InvalidArgumentError(
+                f"the time profile {self.path!r} was measured otherwise than this profile pass asks: "
+                f"{'; '.join(contradicted)}; delete it (or give another path) to measure again, or drop the option "
+                "to use its times as they are")
+
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         gm = program.traced.graph_module
         # the threads it ran on, not None: a saved profile says what it measured
@@ -54,6 +69,7 @@ class ProfilePass(Pass):
         if self.path is not None and Path(self.path).exists():
             profile = TimeProfile.load(self.path)
             profile.check_matches(gm, self.path, program.example_inputs)
+            self._check_asked(profile.settings)
         else:
             profile = TimeProfile(measure_node_seconds(gm, program.example_inputs, settings, self.seed),
                                   settings, graph_signature(gm), sizes=measured_sizes(gm, program.example_inputs))
