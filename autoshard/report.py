@@ -20,6 +20,7 @@ from autoshard.capture.opaque import OpaqueResult
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.state import ScalarStateWrite, StateWrite
 from autoshard.costs.memory import StageMemory
+from autoshard.costs.split_search.request import per_stage
 from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, predicted_step, run_of
 from autoshard.errors import first_few, plural
 from autoshard.passes.spec import parse_spec
@@ -286,12 +287,38 @@ def how_made_lines(plan: SavedPlan) -> list[str]:
                          f"{plan.time_estimate.describe()}, summed per stage")
     if plan.training_memory() is not None:
         lines.append(f"train mem: {plan.memory_model.describe()}")
+        lines += budget_lines(plan)
         unprobed = plan.memory_unprobed()
         if unprobed:
             lines.append(f"train mem: {plural(len(unprobed), 'node')} not measured ({first_few(unprobed)}: fake "
                          "tensors could not run or size them, nor could a real run) count their output bytes as saved "
                          "and nothing for their backward; check a budget with autoshard.runtime.measure_stage_memory")
     return lines
+
+
+def memory_budgets(plan: SavedPlan) -> tuple[float, ...]:
+    """Per stage, the training-memory budget the plan's split was made under (``split{max-memory=...}``);
+    none without one, or where it capped another cost (``memory-cost``)."""
+    for element in parse_spec(plan.pipeline):
+        options = {option.key: option.values for option in element.options}
+        cost = options.get("memory-cost")
+        if element.name == "split" and options.get("max-memory") and (not cost or cost[0].text == "memory"):
+            return per_stage(tuple(float(value.text) for value in options["max-memory"]), plan.num_stages)
+    return ()
+
+
+def budget_lines(plan: SavedPlan) -> list[str]:
+    """The budget beside the train mem column, and the stage fullest against it: whether the plan fits
+    was otherwise read off bytes in the pipeline spec (``max-memory=614400.0,...``)."""
+    budgets, memory = memory_budgets(plan), plan.training_memory()
+    if not budgets or memory is None:
+        return []
+    fullest = max(range(plan.num_stages), key=lambda j: memory[j].total / budgets[j])
+    share = memory[fullest].total / budgets[fullest]
+    shown = (f"{human_bytes(budgets[0])} per stage" if len(set(budgets)) == 1
+             else ", ".join(human_bytes(b) for b in budgets))
+    return [f"max memory: {shown}; fullest stage {fullest} at {human_bytes(memory[fullest].total)}, "
+            f"{share:.1%} of its budget" + (": over it" if share > 1 else "")]
 
 
 def plan_step_time(plan: SavedPlan, step: StepTimeModel | None = None) -> StepTime | None:

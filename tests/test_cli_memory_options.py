@@ -142,3 +142,23 @@ def test_stages_per_rank_changes_a_saved_interleaved_plan_and_is_refused_for_a_s
     assert json.loads(rebuilt.read_text())["memory_model"]["stages_per_rank"] == 1
     code, _, err = run(capsys, "inspect", "residual-mlp", "--plan", str(plain), "--stages-per-rank", "1", "-q")
     assert code == 2 and "the schedule here is 1f1b" in " ".join(err.split())
+
+
+def test_the_tables_show_the_budget_and_how_full_the_fullest_stage_is_against_it(capsys, tmp_path):
+    """Whether a plan fits its --max-memory was readable only as bytes in the pipeline spec."""
+    from autoshard.report import human_bytes
+
+    free = tmp_path / "free.json"
+    code, out, _ = run(capsys, "inspect", "residual-mlp", "-k", "2", "--out", str(free))
+    assert code == 0 and "max memory:" not in out  # no budget, no line
+    totals = [s["total"] for s in json.loads(free.read_text())["summary"]["training_memory"]["stages"]]
+    budgets = [totals[0] * 2, totals[1] * 1.25]
+    plan = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "inspect", "residual-mlp", "-k", "2", "--out", str(plan),
+                       "--max-memory", ",".join(f"{b:.0f}" for b in budgets))
+    assert code == 0
+    assert (f"max memory: {human_bytes(round(budgets[0]))}, {human_bytes(round(budgets[1]))}; fullest stage 1 at "
+            f"{human_bytes(totals[1])}, 80.0% of its budget\n") in out
+    code, out, _ = run(capsys, "inspect", "residual-mlp", "--plan", str(plan), "--schedule", "gpipe",
+                       "--microbatches", "64")
+    assert code == 0 and "% of its budget: over it\n" in out  # rebuilt for more microbatches in flight
