@@ -317,8 +317,9 @@ def budget_lines(plan: SavedPlan) -> list[str]:
     share = memory[fullest].total / budgets[fullest]
     shown = (f"{human_bytes(budgets[0])} per stage" if len(set(budgets)) == 1
              else ", ".join(human_bytes(b) for b in budgets))
+    percent = "under 0.1%" if share < 0.001 else f"{share:.1%}"  # not 0.0% of a device's whole memory
     return [f"max memory: {shown}; fullest stage {fullest} at {human_bytes(memory[fullest].total)}, "
-            f"{share:.1%} of its budget" + (": over it" if share > 1 else "")]
+            f"{percent} of its budget" + (": over it" if share > 1 else "")]
 
 
 def plan_step_time(plan: SavedPlan, step: StepTimeModel | None = None) -> StepTime | None:
