@@ -183,6 +183,8 @@ def test_measurement_is_exported_and_serialisable():
     (dict(schedule="gpip"), InvalidArgumentError, ["'gpip'", "did you mean 'gpipe'", "1f1b, gpipe"]),
     (dict(schedule="interleaved-zero-bubble"), InvalidArgumentError, ["no steady state one stage", "'1f1b', 'gpipe'"]),
     (dict(schedule="interleaved-1f1b", stages_per_rank=3), InvalidArgumentError, ["number of stages must divide"]),
+    (dict(stages_per_rank=2), InvalidArgumentError,  # was measured under 1F1B as if not given
+     ["the schedule here is '1f1b', which runs one: pass schedule='interleaved-1f1b', or drop stages_per_rank"]),
     (dict(microbatches=0), InvalidArgumentError, ["microbatches must be at least 1, got 0"]),
     (dict(microbatches=2.0), InvalidArgumentTypeError, ["microbatches must be an int", "float 2.0"]),
     (dict(schedule="interleaved-1f1b", stages_per_rank=2.0), InvalidArgumentTypeError,

@@ -149,7 +149,8 @@ def measure_stage_memory(
     ``example_inputs`` / ``example_kwargs`` are one microbatch of the model's inputs (pass the
     example the plan was made with to compare with ``plan_report``, whose activations were
     measured on it). The model is left as it was: its gradients, buffers and random state are
-    restored afterwards. ``stages_per_rank`` is for ``interleaved-1f1b``: the stages each process runs.
+    restored afterwards. ``stages_per_rank`` is for ``interleaved-1f1b``: the stages each process runs
+    (refused with another schedule, which runs one).
     ``master_weights``: the optimizer also keeps an fp32 copy of each trainable weight narrower than
     fp32, as ``MemoryModel(master_weights=True)`` counts it (in ``optimizer``).
     Inputs the plan's guards refuse run on the specialisation that serves them, as a call would choose it.
@@ -168,11 +169,17 @@ def measure_stage_memory(
     schedule = planned.schedule if schedule is None else schedule
     microbatches = planned.microbatches if microbatches is None else microbatches
     optimizer = planned.optimizer if optimizer is None else optimizer
+    per_rank_given = stages_per_rank is not None
     stages_per_rank = planned.stages_per_rank if stages_per_rank is None else stages_per_rank
     master_weights = planned.master_weights if master_weights is None else master_weights
     example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_memory")
     k = sharded.num_stages
     run = _measured_schedule(schedule, microbatches, stages_per_rank)
+    if per_rank_given and run.schedule != "interleaved-1f1b":  # else measured as if not given
+        raise InvalidArgumentError(
+            f"stages_per_rank is how many stages each process runs under schedule='interleaved-1f1b', and the "
+            f"schedule here is {run.schedule!r}, which runs one: pass schedule='interleaved-1f1b', or drop "
+            "stages_per_rank")
     in_flight, buffered = run.in_flight(stage, k), run.step_microbatches(k)
     states = optimizer_state_names(optimizer)
     if not isinstance(master_weights, bool):
