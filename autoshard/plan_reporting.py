@@ -27,7 +27,7 @@ from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
 from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
 from autoshard.costs.models import measured
-from autoshard.costs.step_time import StepTime, StepTimeModel, predicted_step, run_of
+from autoshard.costs.step_time import StepTime, StepTimeModel, checked_step, predicted_step, run_of
 from autoshard.costs.ties import SharedWeight
 from autoshard.errors import InvalidArgumentTypeError, plural
 from autoshard.graph import SplitInfo
@@ -218,12 +218,11 @@ def _check_report_arguments(sharded: Any, extra_costs: Any, memory: Any, device:
     if extra_costs is not None and not isinstance(extra_costs, Mapping):
         raise InvalidArgumentTypeError(f"extra_costs must map a column name to per-node costs, got "
                                        f"{type(extra_costs).__name__}")
-    for name, value, kind in (("memory", memory, MemoryModel), ("device", device, DeviceModel),
-                              ("step", step, StepTimeModel)):
+    for name, value, kind in (("memory", memory, MemoryModel), ("device", device, DeviceModel)):
         if value is not None and not isinstance(value, kind):
-            raise InvalidArgumentTypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__} {value!r}"
-                                           + (f": StepTimeModel({value!r})" if kind is StepTimeModel and
-                                              isinstance(value, str) else ""))
+            raise InvalidArgumentTypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__} {value!r}")
+    if step is not None:
+        checked_step(step)
 
 
 def _shown_plan(

@@ -279,8 +279,8 @@ def test_predict_step_simulates_the_stages_timed_whole(sleepy, monkeypatch):
     scaled = predict_step(sharded, example, step=dataclasses.replace(step, message_seconds="0.5ms", compute_scale=1.5),
                           repeats=1)  # every runtime field given: nothing left to calibrate, and nothing measured
     assert scaled.source.endswith("; as given: link 1e+06 GB/s, no latency, 500.0 µs per message, compute x1.50")
-    with pytest.raises(InvalidArgumentTypeError, match="StepTimeModel"):
-        predict_step(sharded, example, step="1f1b", calibrate=False)
+    with pytest.raises(InvalidArgumentTypeError, match=r"got str '1f1b': StepTimeModel\('1f1b'\)"):
+        predict_step(sharded, example, step="1f1b", calibrate=False)  # shown how, as plan_report shows it
 
 
 def test_several_steps_are_predicted_from_one_timing_of_the_stages(sleepy):

@@ -351,6 +351,15 @@ def predicted_step(
     return step_time(forward, [f * ratio for f in forward], boundary_bytes, model, source)
 
 
+def checked_step(step: Any) -> StepTimeModel:
+    """``step`` when it is a ``StepTimeModel``, else a refusal that shows one made of a schedule's name
+    (``step="gpipe"`` is a natural first try)."""
+    if not isinstance(step, StepTimeModel):
+        raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__} {step!r}"
+                                       + (f": StepTimeModel({step!r})" if isinstance(step, str) else ""))
+    return step
+
+
 def run_of(memory: MemoryModel) -> StepTimeModel:
     """The step a memory model describes: its schedule, microbatches and stages per rank."""
     return StepTimeModel(memory.schedule, memory.microbatches, memory.stages_per_rank)

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from autoshard.arguments import whole_number
-from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, is_default, run_of, step_time
+from autoshard.costs.step_time import (
+    StepTime, StepTimeModel, checked_step, format_seconds, is_default, run_of, step_time,
+)
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, first_few, plural
 from autoshard.runtime.calibrate import RUNTIME_FIELDS, calibrate_runtime, calibrated_fields
 from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
@@ -63,9 +65,7 @@ def predict_step(
     anything is measured (the plan's guards check the inputs when the stages run)."""
     checked_plan(sharded, "predict_step")
     planned = step is None
-    step = run_of(sharded.plan.memory_model) if step is None else step
-    if not isinstance(step, StepTimeModel):
-        raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__}")
+    step = run_of(sharded.plan.memory_model) if step is None else checked_step(step)
     k = sharded.num_stages
     refused = step.refusal(k)
     if refused is not None:  # without step=, the counts came from the plan, which the user may not know
