@@ -66,6 +66,7 @@ def test_validation_happens_before_any_pass_runs():
 @pytest.mark.parametrize("profile", ["profile{repeats=0}", "profile{warmup=-1}"])
 def test_profile_settings_are_refused_before_the_capture(profile):
     pipeline = Pipeline.parse(f"trace,shape-prop,{profile},build-dag,linearize,split{{stages=2 cost=time}},emit")
-    with pytest.raises(autoshard.InvalidArgumentError, match="timing needs warmup >= 0 and repeats >= 1") as info:
+    needs = "timing needs warmup >= 0, repeats >= 1 and threads >= 1"
+    with pytest.raises(autoshard.InvalidArgumentError, match=needs) as info:
         pipeline.validate(frozenset({"model", "example_inputs"}))
     assert "in pass 'profile' (position 2)" in info.value.__notes__[0]
