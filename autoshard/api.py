@@ -103,6 +103,10 @@ def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None
     limits = {}
     if capacities is not None:
         limits["capacities"] = _per_stage("capacities", capacities, num_stages, positive=True)
+    if isinstance(max_memory, str) and "," in max_memory:  # the flag's form, "takes bytes" alone did not say so
+        raise InvalidArgumentError(
+            f"max_memory is one value for every stage or a list with one per stage, got {max_memory!r}: write "
+            f"max_memory={[part.strip() for part in max_memory.split(',')]!r}")
     if isinstance(max_memory, str):
         max_memory = byte_count(max_memory, "max_memory")
     elif isinstance(max_memory, (list, tuple)):

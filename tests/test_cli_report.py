@@ -230,3 +230,5 @@ def test_a_budget_read_off_the_table_is_the_bytes_the_table_means():
     assert stage_limits(2, max_memory=["1GB", 2e9])["max_memory"] == (1e9, 2e9)
     with pytest.raises(InvalidArgumentError, match=r"max_memory\[1\] takes bytes per stage.*'2XB'"):
         stage_limits(2, max_memory=["1GB", "2XB"])
+    with pytest.raises(InvalidArgumentError, match=r"got '1GB, 2GB': write max_memory=\['1GB', '2GB'\]"):
+        stage_limits(2, max_memory="1GB, 2GB")  # --max-memory's form, refused as bytes it could not read
