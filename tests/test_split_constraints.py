@@ -414,7 +414,7 @@ def test_activation_memory_counts_only_with_memory_in_flight():
 def test_a_position_dependent_memory_budget_no_split_meets_names_both_options():
     # Stage 0 holds at most 2 nodes (7 bytes each), stage 1 at most 3 (3 bytes each): 5 < 6.
     with pytest.raises(InfeasibleSplitError, match=r"no split of program order into 2 non-empty stages meets "
-                       r"memory_budgets \[20\.0, 11\.0\] and memory_in_flight \[3\.0, 1\.0\]"):
+                       r"memory_budgets \[20; 11\] and memory_in_flight \[3; 1\]"):
         split_dag(in_flight_chain(), 2, memory_budgets=[20, 11], memory_in_flight=[3, 1])
 
 
@@ -429,8 +429,8 @@ def test_in_flight_memory_that_cannot_fit_in_total_or_per_node_is_named():
         split_dag(dag, 2, memory_budgets=[8, 8], memory_in_flight=[3, 1])
     dag.nodes["v0"][ACTIVATION_MEMORY] = 10.0
     with pytest.raises(InfeasibleSplitError, match=r"node 'v0' needs memory 1 plus 10 per microbatch in flight, "
-                       r"more than any stage holds under memory_budgets \[20, 20, 20\] with "
-                       r"memory_in_flight \[2\.0, 2\.0, 2\.0\]"):
+                       r"more than any stage holds under memory_budgets \[20; 20; 20\] with "
+                       r"memory_in_flight \[2; 2; 2\]"):
         split_dag(dag, 3, memory_budgets=20, memory_in_flight=2)
     with pytest.raises(InfeasibleSplitError, match=r"together group 'g' needs memory 2 plus 12 per microbatch"):
         split_dag(dag, 3, memory_budgets=25, memory_in_flight=2, together={"g": ["v0", "v1"]})

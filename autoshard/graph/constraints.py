@@ -407,7 +407,7 @@ def _check_memory(g: IndexedDag, memory: StageLimit, groups: tuple[tuple[str, np
     need = float(memory.least().sum())
     if need > budgets.sum() * (1 + 1e-9):
         raise InfeasibleSplitError(
-            f"memory_budgets sum to {_amount(budgets.sum())} but the nodes need {_amount(need)} in total"
+            f"memory_budgets sum to {format_amount(budgets.sum())} but the nodes need {format_amount(need)} in total"
             f"{_in_flight_note(memory)}")
     nodes = np.flatnonzero(~_fits(memory, memory.held, memory.scaled))
     if len(nodes):
@@ -439,14 +439,19 @@ def _too_big(what: str, members: int | np.ndarray, memory: StageLimit) -> str:
     held = float(np.sum(memory.held[members]))
     scaled = 0.0 if memory.scaled is None else float(np.sum(memory.scaled[members]))
     if not scaled:
-        return (f"{what} needs memory {_amount(held)}, more than the largest memory budget "
-                f"{_amount(memory.budgets.max())}")
-    return (f"{what} needs memory {_amount(held)} plus {_amount(scaled)} per microbatch in flight, more than any "
-            f"stage holds under memory_budgets [{', '.join(map(_amount, memory.budgets.tolist()))}] with "
-            f"memory_in_flight {memory.scale.tolist()}")
+        return (f"{what} needs memory {format_amount(held)}, more than the largest memory budget "
+                f"{format_amount(memory.budgets.max())}")
+    return (f"{what} needs memory {format_amount(held)} plus {format_amount(scaled)} per microbatch in flight, more "
+            f"than any stage holds under memory_budgets {format_amounts(memory.budgets.tolist())} with "
+            f"memory_in_flight {format_amounts(memory.scale.tolist())}")
 
 
-def _amount(value: float) -> str:
+def format_amounts(values: Sequence[float]) -> str:
+    """``[307,200; 307,200]``: amounts as ``format_amount`` writes them, apart where their own commas would blur."""
+    return f"[{'; '.join(map(format_amount, values))}]"
+
+
+def format_amount(value: float) -> str:
     """A memory amount as it reads best: whole numbers with thousands separated (bytes: 36,608,
     not 36608 or 3.6608e+04), others as ``%g`` with thousands separated too."""
     return f"{value:,.0f}" if float(value).is_integer() and abs(value) < 1e18 else f"{value:,g}"

@@ -16,7 +16,9 @@ import numpy as np
 
 from autoshard.errors import InfeasibleSplitError, plural
 from autoshard.graph.balance import Line, min_bottleneck_of, min_bytes_cuts
-from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, Constraints, Rules, resolve, spread_stages
+from autoshard.graph.constraints import (
+    ACTIVATION_MEMORY, MEMORY, Constraints, Rules, format_amounts, resolve, spread_stages,
+)
 from autoshard.graph.indexed import IndexedDag, Node
 from autoshard.graph.invariants import check_weights
 from autoshard.graph.limits import StageLimit, laid_along, slack
@@ -78,9 +80,9 @@ class SplitProblem:
         if c.stage_ranges:
             parts.append(f"stage_ranges [{', '.join(dict.fromkeys(r.describe(v) for v, r in c.stage_ranges.items()))}]")
         if c.memory_budgets is not None:
-            parts.append(f"memory_budgets {list(c.memory_budgets)!r}")
+            parts.append(f"memory_budgets {format_amounts(c.memory_budgets)}")
         if c.memory_in_flight is not None:
-            parts.append(f"memory_in_flight {list(c.memory_in_flight)!r}")
+            parts.append(f"memory_in_flight {format_amounts(c.memory_in_flight)}")
         if c.capacities is not None or not parts:
             parts.append(f"capacities {list(c.capacities or [1.0] * self.k)!r}")
         most = self._most_stages()

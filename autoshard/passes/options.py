@@ -256,8 +256,9 @@ def _format(value: Any, t: Any, none_ok: bool = False) -> str:
         return "true" if value else "false"
     if kind is int:
         return str(int(value))
-    if kind is float:
-        return repr(float(value))
+    if kind is float:  # a whole number without its ".0" (a byte budget reads max-memory=614400); parses back equal
+        text = repr(float(value))
+        return text[:-2] if text.endswith(".0") else text
     if _SAFE_BARE.fullmatch(value) and not (none_ok and value == "none"):
         return value
     return _quote(value)
