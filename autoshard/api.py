@@ -76,7 +76,8 @@ def example_inputs_of(example_inputs: Any, example_kwargs: Mapping[str, Any] | N
     return ExampleInputs(args, dict(example_kwargs or {}))
 
 
-def _per_stage(name: str, values: Any, num_stages: int, positive: bool) -> tuple[float, ...]:
+def _per_stage(name: str, values: Any, num_stages: int, positive: bool, one: bool = False) -> tuple[float, ...]:
+    """``values`` checked as one number per stage (``one``: the single number given for every stage)."""
     if isinstance(values, np.ndarray) and values.ndim == 1:
         values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
@@ -90,7 +91,8 @@ def _per_stage(name: str, values: Any, num_stages: int, positive: bool) -> tuple
         if number is None:
             raise InvalidArgumentTypeError(f"{name}[{j}] must be a number, got {v!r}")
         if not math.isfinite(number) or number < 0 or (positive and number == 0):
-            raise InvalidArgumentError(f"{name}[{j}] must be finite and {'> 0' if positive else '>= 0'}, got {v!r}")
+            raise InvalidArgumentError(f"{name if one else f'{name}[{j}]'} must be finite and "
+                                       f"{'> 0' if positive else '>= 0'}, got {v!r}")
     return tuple(parsed)
 
 
@@ -111,7 +113,8 @@ def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None
         max_memory = byte_count(max_memory, "max_memory")
     elif isinstance(max_memory, (list, tuple)):
         max_memory = [byte_count(v, f"max_memory[{j}]") if isinstance(v, str) else v for j, v in enumerate(max_memory)]
-    if real_number(max_memory) is not None:
+    if real_number(max_memory) is not None:  # every stage's budget: named as given, not as max_memory[0]
+        _per_stage("max_memory", [max_memory], 1, positive=True, one=True)
         max_memory = [max_memory] * num_stages
     if max_memory is not None:
         limits["max_memory"] = _per_stage("max_memory", max_memory, num_stages, positive=True)  # (0: nothing fits)

@@ -272,7 +272,9 @@ def test_a_refusal_names_the_stage_furthest_over_and_the_others_over():
 
 
 @pytest.mark.parametrize("max_memory, message", [
-    (0, r"max_memory\[0\] must be finite and > 0, got 0"),
+    (0, r"max_memory must be finite and > 0, got 0"),  # one number for every stage: no index to name
+    (-1, r"max_memory must be finite and > 0, got -1"),
+    (float("inf"), r"max_memory must be finite and > 0, got inf"),
     ([1e6, 0.0], r"max_memory\[1\] must be finite and > 0, got 0.0"),
 ])
 def test_a_budget_of_nothing_is_refused_before_any_split(max_memory, message):
