@@ -472,7 +472,7 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
         session.memory.all_in_flight(plan.num_stages)  # refuses a schedule these stages cannot run
     if choice.saved is not None and program.dag is not None and session.inputs is not None:
         warn_over_saved_budget(program.dag, program.partition.assignment, plan.num_stages, plan.memory_model,
-                               Pipeline.parse(choice.saved.pipeline), args.plan)
+                               choice.saved, args.plan)
     if not args.quiet:
         _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({choice.spec})", console, notes,
               _step(links, plan.memory_model))

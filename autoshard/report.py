@@ -25,6 +25,7 @@ from autoshard.costs.step_time import StepTime, StepTimeModel, format_seconds, p
 from autoshard.errors import first_few, plural
 from autoshard.passes.spec import parse_spec
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
+from autoshard.plan_io.rebuild import saved_budgets
 
 _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*)*)$")
 
@@ -296,21 +297,10 @@ def how_made_lines(plan: SavedPlan) -> list[str]:
     return lines
 
 
-def memory_budgets(plan: SavedPlan) -> tuple[float, ...]:
-    """Per stage, the training-memory budget the plan's split was made under (``split{max-memory=...}``);
-    none without one, or where it capped another cost (``memory-cost``)."""
-    for element in parse_spec(plan.pipeline):
-        options = {option.key: option.values for option in element.options}
-        cost = options.get("memory-cost")
-        if element.name == "split" and options.get("max-memory") and (not cost or cost[0].text == "memory"):
-            return per_stage(tuple(float(value.text) for value in options["max-memory"]), plan.num_stages)
-    return ()
-
-
 def budget_lines(plan: SavedPlan) -> list[str]:
     """The budget beside the train mem column, and the stage fullest against it: whether the plan fits
     was otherwise read off bytes in the pipeline spec (``max-memory=614400.0,...``)."""
-    budgets, memory = memory_budgets(plan), plan.training_memory()
+    budgets, memory = per_stage(saved_budgets(plan), plan.num_stages), plan.training_memory()
     if not budgets or memory is None:
         return []
     fullest = max(range(plan.num_stages), key=lambda j: memory[j].total / budgets[j])

@@ -165,3 +165,11 @@ def test_the_tables_show_the_budget_and_how_full_the_fullest_stage_is_against_it
     code, out, _ = run(capsys, "inspect", "residual-mlp", "-k", "2", "--max-memory", "40GiB")
     assert code == 0 and "max memory: 40.0 GiB per stage; fullest stage " in out
     assert ", under 0.1% of its budget\n" in out  # not 0.0%
+
+
+def test_the_budget_line_reads_any_split_pass_as_the_stale_plan_warning_does(capsys):
+    """The tables read a plan's budget off the split pass named ``split`` only; the warning on a
+    rebuilt plan off any pass given ``max-memory``: both read one ``saved_budgets`` now."""
+    spec = "capture,shape-prop,build-dag,linearize,split-fixed-order{stages=2 max-memory=40e9},emit"
+    code, out, _ = run(capsys, "inspect", "residual-mlp", "-k", "2", "--pipeline", spec)
+    assert code == 0 and "max memory: 37.3 GiB per stage; fullest stage " in out

@@ -94,22 +94,35 @@ def load_plan(
                                                       saved.memory_model, inputs)
     if inputs is not None:
         plan = program.sharded.plan
-        warn_over_saved_budget(plan.dag, plan.assignment, plan.num_stages, plan.memory_model, original, path)
+        warn_over_saved_budget(plan.dag, plan.assignment, plan.num_stages, plan.memory_model, saved, path)
     return program.sharded
 
 
+def saved_budgets(saved: SavedPlan) -> tuple[float, ...]:
+    """The training-memory budgets ``saved``'s split was made under, as its pipeline gives them (one
+    value: every stage's); none without any, or where they capped another cost (``memory-cost``).
+    Read off the spec's text: a saved pipeline may name passes this process has not registered."""
+    from autoshard.passes.spec import parse_spec
+
+    for element in parse_spec(saved.pipeline):
+        options = {option.key: option.values for option in element.options}
+        if options.get("max-memory"):
+            cost = options.get("memory-cost")
+            return () if cost and cost[0].text != "memory" else tuple(float(v.text) for v in options["max-memory"])
+    return ()
+
+
 def warn_over_saved_budget(dag: Any, assignment: Mapping[str, int], num_stages: int, memory_model: "MemoryModel",
-                           pipeline: "Pipeline", path: str | Path) -> None:
+                           saved: SavedPlan, path: str | Path) -> None:
     """A plan made under ``max_memory`` and rebuilt with inputs of another size (a longer sequence, a
     bigger microbatch), or for other training settings (``--schedule``, ``--microbatches``), may hold
     more than the budget it was made for: say which stage, by how much (``load_plan``, ``--plan``)."""
     from autoshard.costs.memory import memory_shortfall, stage_memory
     from autoshard.costs.split_search.request import per_stage
 
-    split = next((step for step in pipeline if getattr(step, "max_memory", ())), None)
-    if split is None or getattr(split, "memory_cost", "memory") != "memory":  # another cost's budget
+    budgets = saved_budgets(saved)
+    if not budgets:
         return
-    budgets = tuple(split.max_memory)
     short = memory_shortfall(stage_memory(dag, assignment, num_stages, memory_model), per_stage(budgets, num_stages))
     if short is not None:
         warnings.warn(StalePlanWarning(
