@@ -141,15 +141,11 @@ def measure_device() -> DeviceModel:
 
 def _rates(work: float, step: Callable[[], Any]) -> tuple[float, float]:
     """``work`` per second of ``step`` on torch's threads, and on one."""
-    import torch
+    from autoshard.costs.execution import on_threads
 
-    threads = torch.get_num_threads()
     everyone = work / _best_seconds(step)
-    torch.set_num_threads(1)
-    try:
+    with on_threads(1):
         return everyone, work / _best_seconds(step)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def calibration_cache() -> Path:

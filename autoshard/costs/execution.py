@@ -13,10 +13,11 @@ the user's model is left as it was.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import torch
 import torch.fx as fx
@@ -133,3 +134,15 @@ def run_graph(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode, hook: Nod
             return fake.from_tensor(t.to("meta") if on_meta else t)
 
         return interpreter.run(*tree_map_only(torch.Tensor, to_fake, values))
+
+
+@contextlib.contextmanager
+def on_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside (None: left as they are) and the caller's
+    set back after: what a CPU measurement runs on moves its times several fold."""
+    caller = torch.get_num_threads()
+    torch.set_num_threads(threads or caller)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller)

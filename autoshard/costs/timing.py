@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard import progress
-from autoshard.costs.execution import COMPUTE_OPS, NodeCall, placeholder_values, run_graph
+from autoshard.costs.execution import COMPUTE_OPS, NodeCall, on_threads, placeholder_values, run_graph
 from autoshard.costs.values import describe_value
 from autoshard.errors import InvalidArgumentError
 from autoshard.fx_helpers import target_name
@@ -93,9 +93,7 @@ def measure_node_seconds(
     (the caller's are set back after); draws a progress bar on a terminal."""
     compute = sum(1 for n in gm.graph.nodes if n.op in COMPUTE_OPS)
     seconds: dict[str, float] = {}
-    caller = torch.get_num_threads()
-    torch.set_num_threads(settings.threads or caller)
-    with progress.task("profiling node times", total=compute) as advance:
+    with on_threads(settings.threads), progress.task("profiling node times", total=compute) as advance:
         def hook(call: NodeCall) -> Any:
             value = call.run()
             if call.node.op in COMPUTE_OPS:
@@ -103,10 +101,7 @@ def measure_node_seconds(
                 advance(1)
             return value
 
-        try:
-            run_graph(gm, inputs, "real", hook, seed)
-        finally:
-            torch.set_num_threads(caller)
+        run_graph(gm, inputs, "real", hook, seed)
     return seconds
 
 

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from autoshard.arguments import whole_number
+from autoshard.costs.execution import on_threads
 from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
 from autoshard.runtime.stage import plan_fingerprint
@@ -87,14 +88,9 @@ def time_stages(sharded: ShardedModel, stages: Sequence[int], example_inputs: tu
     """``measure_stage_time`` of each of ``stages`` (arguments checked by the caller), on the plan
     serving the inputs, chosen once for them all (choosing runs every stage), on ``threads`` (None:
     the caller's)."""
-    caller = torch.get_num_threads()
-    torch.set_num_threads(threads or caller)
-    try:
-        with model_kept(sharded):
-            plan = serving_plan(sharded, example_inputs, example_kwargs)
-            return [_timed(plan, stage, example_inputs, example_kwargs, repeats) for stage in stages]
-    finally:
-        torch.set_num_threads(caller)
+    with on_threads(threads), model_kept(sharded):
+        plan = serving_plan(sharded, example_inputs, example_kwargs)
+        return [_timed(plan, stage, example_inputs, example_kwargs, repeats) for stage in stages]
 
 
 def _timed(plan: ShardedModel, stage: int, example_inputs: tuple, example_kwargs: dict,
