@@ -113,11 +113,11 @@ def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None
         max_memory = byte_count(max_memory, "max_memory")
     elif isinstance(max_memory, (list, tuple)):
         max_memory = [byte_count(v, f"max_memory[{j}]") if isinstance(v, str) else v for j, v in enumerate(max_memory)]
-    if real_number(max_memory) is not None:  # every stage's budget: named as given, not as max_memory[0]
-        _per_stage("max_memory", [max_memory], 1, positive=True, one=True)
+    one = real_number(max_memory) is not None  # every stage's budget: named as given, not as max_memory[0]
+    if one:
         max_memory = [max_memory] * num_stages
-    if max_memory is not None:
-        limits["max_memory"] = _per_stage("max_memory", max_memory, num_stages, positive=True)  # (0: nothing fits)
+    if max_memory is not None:  # (0: nothing fits)
+        limits["max_memory"] = _per_stage("max_memory", max_memory, num_stages, positive=True, one=one)
     return limits
 
 
