@@ -30,15 +30,16 @@ from rich.text import Text
 
 from autoshard import progress
 from autoshard.api import (
-    bind_pipeline, check_stages_made, default_pipeline, example_inputs_of, steps_at, without_verify,
+    bind_pipeline, check_stages_made, default_pipeline, example_inputs_of, stage_limits, steps_at, without_verify,
 )
 from autoshard.arguments import byte_count, bytes_per_second, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
-from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel
+from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel, memory_shortfall
 from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel, run_of
 from autoshard.errors import (
     AutoshardError,
     ExampleInputsError,
+    InfeasibleSplitError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
     MissingDependencyError,
@@ -60,7 +61,7 @@ from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
 )
 from autoshard.plan_io.rebuild import warn_over_saved_budget
-from autoshard.report import PIPED_WIDTH, compare_tables, plan_renderables, step_time_lines
+from autoshard.report import PIPED_WIDTH, budget_lines, compare_tables, plan_renderables, step_time_lines
 from autoshard.runtime.predict import predict_step
 from autoshard.runtime.stage_time import TIMING_REPEATS
 from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
@@ -300,7 +301,9 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
                             ("--time-profile", args.time_profile), ("--max-memory", args.max_memory),
                             ("--pin", args.pin), ("--no-split", args.no_split), ("--cut-before", args.cut_before)):
             if value is not None:
-                raise InvalidArgumentError(f"{flag} cannot change a saved plan; drop it or drop --plan")
+                check = (f"; to check the saved plan against a budget: autoshard inspect {args.plan} --max-memory "
+                         f"{value}" if flag == "--max-memory" else "")
+                raise InvalidArgumentError(f"{flag} cannot change a saved plan; drop it or drop --plan{check}")
         saved = read_plan(args.plan)
         if args.stages is not None and args.stages != saved.num_stages:
             raise stages_conflict(args.stages, f"plan {args.plan}", "has", saved.num_stages, "drop --stages", PlanError)
@@ -497,11 +500,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
                                      ("--compare", args.compare), ("--strategy", args.strategy), ("--cost", args.cost),
                                      ("--tolerance", args.tolerance),
                                      ("--time-profile", args.time_profile), ("--device-tflops", args.device_tflops),
-                                     ("--device-bandwidth", args.device_bandwidth), ("--max-memory", args.max_memory),
-                                     ("--optimizer-bytes", args.optimizer_bytes), ("--microbatches", args.microbatches),
-                                     ("--optimizer", args.optimizer), ("--schedule", args.schedule),
-                                     ("--stages-per-rank", args.stages_per_rank),
-                                     ("--master-weights", args.master_weights))
+                                     ("--device-bandwidth", args.device_bandwidth))
             if value is not None]
     if used:
         raise InvalidArgumentError(
@@ -509,12 +508,31 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
             "to plan again, inspect the model: autoshard inspect TARGET --stages K ...")
     _check_output_paths(args)
     links = _links(args)  # a link is no part of a plan: its step can be shown over any
-    plan = read_plan(args.target)
+    plan, budgets = _judged(read_plan(args.target), args)
     if not args.quiet:
         _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({plan.pipeline})", console, (),
               _step(links, plan.memory_model))
+        for line in budget_lines(plan, budgets):
+            console.print(line, markup=False, highlight=False)
+    short = memory_shortfall(plan.training_memory() or [], budgets)
+    if short is not None:
+        raise InfeasibleSplitError(f"plan {args.target} does not fit: {short}")
     _write(plan, args, console)
     return 0
+
+
+def _judged(plan: SavedPlan, args: argparse.Namespace) -> tuple[SavedPlan, tuple[float, ...]]:
+    """A saved plan with its training memory counted under the memory flags given (the recorded sizes
+    serve any optimizer, schedule or microbatch count: no model is needed), and the --max-memory
+    budgets it is to be checked against (none when not given)."""
+    memory = _memory_model(args, saved=plan.memory_model)
+    given = _max_memory(args)
+    if (memory != plan.memory_model or given is not None) and plan.training_memory() is None:
+        raise InvalidArgumentError(
+            "this saved plan records no sizes (it was made without shape-prop), so its training memory cannot be "
+            "counted: drop the memory flags, or plan again with example inputs")
+    budgets = () if given is None else stage_limits(plan.num_stages, max_memory=given)["max_memory"]
+    return dataclasses.replace(plan, memory_model=memory), budgets
 
 
 def cmd_passes(args: argparse.Namespace, console: Console) -> int:
@@ -566,7 +584,8 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="memory bandwidth of the device for estimated times, e.g. 900GB/s (a bare number: "
                               "GB/s; bits: 200Gbit/s; default: this machine, calibrated)")
     options.add_argument("--max-memory", metavar="BYTES",
-                         help="training-memory budget per stage, e.g. 40GiB or 30GB,40GB,... (one value: every stage)")
+                         help="training-memory budget per stage, e.g. 40GiB or 30GB,40GB,... (one value: every stage); "
+                              "inspecting a saved plan.json: check the plan against it (exit 2 if a stage is over)")
     options.add_argument("--optimizer-bytes", type=float, metavar="N",
                          help="optimizer state per trainable parameter for training memory "
                               "(default 8: Adam's two fp32 moments; 4: SGD with momentum; 0: plain SGD)")

@@ -297,10 +297,11 @@ def how_made_lines(plan: SavedPlan) -> list[str]:
     return lines
 
 
-def budget_lines(plan: SavedPlan) -> list[str]:
+def budget_lines(plan: SavedPlan, given: Sequence[float] = ()) -> list[str]:
     """The budget beside the train mem column, and the stage fullest against it: whether the plan fits
-    was otherwise read off bytes in the pipeline spec (``max-memory=614400.0,...``)."""
-    budgets, memory = per_stage(saved_budgets(plan), plan.num_stages), plan.training_memory()
+    was otherwise read off bytes in the pipeline spec (``max-memory=614400.0,...``). ``given`` (one
+    per stage) judges the plan against other budgets than the ones it was made under."""
+    budgets, memory = per_stage(tuple(given) or saved_budgets(plan), plan.num_stages), plan.training_memory()
     if not budgets or memory is None:
         return []
     fullest = max(range(plan.num_stages), key=lambda j: memory[j].total / budgets[j])
@@ -308,7 +309,8 @@ def budget_lines(plan: SavedPlan) -> list[str]:
     shown = (f"{human_bytes(budgets[0])} per stage" if len(set(budgets)) == 1
              else ", ".join(human_bytes(b) for b in budgets))
     percent = "under 0.1%" if share < 0.001 else f"{share:.1%}"  # not 0.0% of a device's whole memory
-    return [f"max memory: {shown}; fullest stage {fullest} at {human_bytes(memory[fullest].total)}, "
+    label = "max memory (given)" if given else "max memory"
+    return [f"{label}: {shown}; fullest stage {fullest} at {human_bytes(memory[fullest].total)}, "
             f"{percent} of its budget" + (": over it" if share > 1 else "")]
 
 

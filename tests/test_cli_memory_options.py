@@ -82,11 +82,46 @@ def test_the_command_to_copy_sets_the_same_memory_model(model):
     assert (cli._memory_model(args) or MemoryModel()) == model
 
 
-def test_a_saved_plan_shown_as_it_is_takes_no_memory_flag(capsys, tmp_path):
+def test_a_saved_plan_is_counted_under_the_memory_flags_given_without_its_model(capsys, tmp_path):
+    """``inspect plan.json --schedule gpipe --microbatches 8``: the recorded sizes give the training
+    memory of another run, as a plan made with those flags counts it."""
+    path, made = tmp_path / "plan.json", tmp_path / "gpipe.json"
+    assert run(capsys, "inspect", "gpt-lm", "-k", "2", "-q", "--out", str(path))[0] == 0
+    flags = ("--schedule", "gpipe", "--microbatches", "8", "--optimizer", "sgd")
+    assert run(capsys, "inspect", "gpt-lm", "-k", "2", "-q", *flags, "--out", str(made))[0] == 0
+    judged = tmp_path / "judged.json"
+    code, out, err = run(capsys, "inspect", str(path), *flags, "--out", str(judged))
+    stages = [json.loads(p.read_text())["summary"]["training_memory"]["stages"] for p in (path, made, judged)]
+    assert code == 0, err
+    assert [s["total"] for s in stages[2]] == [s["total"] for s in stages[1]] != [s["total"] for s in stages[0]]
+    assert "gpipe" in out and "sgd" in out
+
+
+def test_a_saved_plan_checked_against_a_budget_names_the_stage_over_it(capsys, tmp_path):
     path = tmp_path / "plan.json"
-    assert run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", "--out", str(path))[0] == 0
-    code, _, err = run(capsys, "inspect", str(path), "--schedule", "gpipe", "--master-weights")
-    assert code == 2 and "--schedule, --master-weights cannot be used when inspecting a saved plan" in err
+    assert run(capsys, "inspect", "gpt-lm", "-k", "2", "-q", "--out", str(path))[0] == 0
+    totals = [s["total"] for s in json.loads(path.read_text())["summary"]["training_memory"]["stages"]]
+    fullest = max(range(2), key=totals.__getitem__)
+    code, out, err = run(capsys, "inspect", str(path), "--max-memory", f"{max(totals):.0f}")
+    assert code == 0, err
+    assert "max memory (given): " in out and f"fullest stage {fullest} at " in out and "100.0% of its budget" in out
+    code, out, err = run(capsys, "inspect", str(path), "--max-memory", f"{max(totals) - 1:.0f}")
+    flat = " ".join(err.split())
+    assert code == 2 and ": over it" in out
+    assert f"plan {path} does not fit: stage {fullest} needs {max(totals):,.0f} bytes" in flat
+    assert "1 byte short" in flat
+    code, _, err = run(capsys, "inspect", str(path), "--max-memory", "1GB,2GB,3GB")
+    assert code == 2 and "3 entries but there are 2 stages" in err
+
+
+def test_a_saved_plan_without_sizes_refuses_a_memory_check(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    code, _, err = run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", "--pipeline",
+                       "capture,build-dag,linearize,split", "--out", str(path))
+    assert code == 0, err
+    assert run(capsys, "inspect", str(path))[0] == 0
+    code, _, err = run(capsys, "inspect", str(path), "--microbatches", "4")
+    assert code == 2 and "records no sizes (it was made without shape-prop)" in " ".join(err.split())
 
 
 def test_a_budgeted_plan_rebuilt_for_other_training_settings_warns_of_the_stage_over_budget(capsys, tmp_path):

@@ -269,6 +269,7 @@ def test_max_memory_bounds_each_stage_from_the_command_line(capsys, tmp_path):
     assert code == 2 and re.search(r"--max-memory \(stage \d\) is 1,000", flat(err)) and "memory_budgets" not in err
     code, _, err = run(capsys, "split", "gpt-lm", "--plan", str(path), "--max-memory", "1GB")
     assert code == 2 and "--max-memory cannot change a saved plan" in flat(err)
+    assert f"to check the saved plan against a budget: autoshard inspect {path} --max-memory 1GB" in flat(err)
 
 
 def test_a_hand_edited_plan_with_an_empty_stage_is_rejected(capsys, tmp_path):
