@@ -297,7 +297,8 @@ def shard_model(
     ``no_split`` keeps modules (paths or class names) whole, ``cut_before`` starts a stage at each
     module: they become ``pin``, ``no-split`` and ``cut-before`` passes before the split.
     With ``respecialize`` (and example inputs), a call that flips a size or branch the capture
-    fixed captures the model again for that call, with every weight held in its stage
+    fixed, or passes other constants or arguments than the example (``labels=``), captures the
+    model again for that call, with every weight held in its stage
     (``autoshard.specialize``), at most ``max_specializations`` times; ``sharded.specializations``
     lists them. ``respecialize=False`` refuses such calls. ``verify=False`` skips running the model
     and the stages on the example to compare them (the pipeline's ``verify`` passes too).

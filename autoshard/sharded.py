@@ -24,7 +24,7 @@ from autoshard.costs.memory import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
-from autoshard.errors import InputMismatchError, PlanError
+from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch
 from autoshard.graph.partition import SplitInfo
 
 _training = operator.attrgetter("training")
@@ -318,7 +318,9 @@ class _Binding:
     value), ``left_out`` (model arguments the stage fixed at their defaults, indices of their
     values), ``fills`` (defaults of the model given to the stage), the arguments that must hold
     tensors (with the indices of their values), and the error a call of this structure gets from
-    the stage's own signature (raised after the left-out values are checked, as binding it would).
+    the stage's own signature (raised after the left-out values are checked, as binding it would;
+    ``left_out_passed``: the error is only that the call leaves out what the example passed, which
+    another capture serves).
     ``as_is``: the stage takes the call as it was made (the same values in the same places):
     positional values for its first parameters in order, or any call when there is no model
     signature (the call is bound to the stage's own)."""
@@ -329,6 +331,7 @@ class _Binding:
     tensors: tuple[tuple[str, int], ...]
     error: TypeError | None
     as_is: bool = False
+    left_out_passed: bool = False
 
 
 class _Binder:
@@ -356,12 +359,12 @@ class _Binder:
         if binding.left_out:
             self._check_left_out(binding, values)
         if binding.error is not None:
-            raise _not_fitting(self.signature, binding.error)
+            raise _not_fitting(self.signature, binding.error, binding.left_out_passed)
         for name, index in binding.tensors:
             value = values[index]
             if not isinstance(value, torch.Tensor) and not any(isinstance(v, torch.Tensor) for v in tree_leaves(value)):
                 raise _not_fitting(self.signature, TypeError(
-                    f"{name} is {value!r}, but the plan was captured with tensors there"))
+                    f"{name} is {value!r}, but the plan was captured with tensors there"), another_capture=True)
         if binding.as_is and (keep_positions or self.model_signature is None):
             return args, kwargs
         call = {name: values[index] for name, index in binding.moved}
@@ -370,14 +373,17 @@ class _Binder:
 
     def _check_left_out(self, binding: _Binding, values: tuple[Any, ...]) -> None:
         """Refuse a value other than the default for an argument the example left out."""
-        changed = [name for name, index in binding.left_out
+        changed = [(name, values[index]) for name, index in binding.left_out
                    if not is_default(self.model_signature, name, values[index])]
         if changed:
-            defaults = [parameter_default(self.model_signature, name) for name in changed]
-            reason = (f"the example left {', '.join(f'{n}={d!r}' for n, d in zip(changed, defaults))} at the "
-                      "default, which the plan computes with" if inspect.Parameter.empty not in defaults
-                      else f"the example did not pass {', '.join(map(repr, changed))}")
-            raise _not_fitting(self.signature, TypeError(reason))
+            defaults = [parameter_default(self.model_signature, name) for name, _ in changed]
+            given = ", ".join(f"{name}={value!r}" if not isinstance(value, torch.Tensor) else name
+                              for name, value in changed)
+            reason = (f"the example left {', '.join(f'{n}={d!r}' for (n, _), d in zip(changed, defaults))} at the "
+                      f"default, which the plan computes with, and these inputs give {given}"
+                      if inspect.Parameter.empty not in defaults
+                      else f"the example did not pass {', '.join(repr(name) for name, _ in changed)}")
+            raise _not_fitting(self.signature, TypeError(reason), another_capture=True)
 
     def _binding(self, count: int, keywords: tuple[str, ...]) -> _Binding | TypeError:
         slots = [_Slot(i) for i in range(count)]
@@ -399,6 +405,7 @@ class _Binder:
         fills = {name: parameter_default(self.model_signature, name) for name in parameters
                  if name not in moved and name not in self.inputs
                  and parameter_default(self.model_signature, name) is not inspect.Parameter.empty}
+        dropped: list[str] = []
         try:
             self.signature.bind(**moved, **fills)
             error = None
@@ -413,7 +420,7 @@ class _Binder:
         as_is = (not keywords and not left_out and not fills and error is None
                  and list(moved.items()) == [(name, index) for index, name in enumerate(positional[:count])])
         return _Binding(tuple(moved.items()), left_out, fills, tuple((n, moved[n]) for n in self.inputs if n in moved),
-                        error, as_is)
+                        error, as_is, left_out_passed=bool(dropped))
 
 
 #: ``_Binder`` by first stage (a stage's graph does not change after emit).
@@ -433,11 +440,14 @@ def _graph_inputs(first: fx.GraphModule) -> tuple[str, ...] | None:
 _GRAPH_INPUTS: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, ...] | None] = weakref.WeakKeyDictionary()
 
 
-def _not_fitting(signature: inspect.Signature, reason: TypeError) -> InputMismatchError:
-    return InputMismatchError(
-        f"these inputs do not fit the sharded plan: {reason}. The plan takes ({', '.join(signature.parameters)}), "
-        "the arguments its example passed (one left out was fixed at its default); shard the model again "
-        "with an example that passes these arguments")
+def _not_fitting(signature: inspect.Signature, reason: TypeError, another_capture: bool = False) -> InputMismatchError:
+    """The refusal of a call the plan's arguments do not take. ``another_capture``: the model takes it (an
+    argument the example left at its default, or passed and this call leaves out), so a capture made
+    with it serves it: a ``SpecializationMismatch``, on which a sharded model re-specialises."""
+    message = (f"these inputs do not fit the sharded plan: {reason}. The plan takes "
+               f"({', '.join(signature.parameters)}), the arguments its example passed (one left out was fixed at its "
+               "default); shard the model again with an example that passes these arguments")
+    return SpecializationMismatch(message, before_compute=True) if another_capture else InputMismatchError(message)
 
 
 class _PlacedOn:

@@ -1,7 +1,9 @@
 """Re-specialisation: a sharded model serves a call its capture's guards refuse by capturing again.
 
 A capture fixes some of its example's sizes and branches (a condition on a sequence length, a size
-turned into a Python number); a call that flips one raises ``SpecializationMismatch``. As
+turned into a Python number), the constants it was given (``return_dict=False``, ``scale=2.0``) and
+which arguments it was given at all (``labels`` passed or left at its default); a call that differs
+in one of these raises ``SpecializationMismatch``. As
 torch.compile recompiles on a failed guard, the ``Specializer`` kept on the ``ShardedModel``
 captures the model again for that call's inputs and splits the new graph under the same
 partition: every parameter and buffer one stage holds is pinned to that stage (optional pins: a
@@ -14,10 +16,11 @@ A call in the other grad mode than code that asked ``torch.is_grad_enabled()`` w
 (diffusers' blocks ask it to choose gradient checkpointing) re-specialises too: the new capture is
 made in the call's mode, and the grad mode counts among the shapes a plan is remembered by and,
 where its code asked, among what it is chosen by.
-Only a ``SpecializationMismatch`` re-specialises: another dtype, device, constant or container
-layout is refused as before. In training mode a guard that fails after a stage has computed is
-refused too where the stages hold buffers or draw random numbers, as running them again would
-update the buffers (batch-norm statistics) twice and move the generator on:
+Only a ``SpecializationMismatch`` re-specialises: another dtype, device or container layout, an
+argument the model does not take, or a module switched to another mode is refused as before. In
+training mode a guard that fails after a stage has computed is refused too where the stages hold
+buffers or draw random numbers, as running them again would update the buffers (batch-norm
+statistics) twice and move the generator on:
 ``sharded.specialize(*args, **kwargs)`` makes the specialisation without running any stage.
 """
 
@@ -70,12 +73,12 @@ class Specialization:
     structure: Any = field(repr=False)  # ``call_structure`` of the inputs it was made for
 
     def describe(self) -> str:
-        """Each tensor it was made for, by argument and place in it (``batch['x']: (1, 8)``), and
-        the grad mode when it was off."""
-        shapes = ", ".join(f"{_readable(path)}: {tuple(shape)}" for path, shape in self.structure
-                           if isinstance(shape, torch.Size))
+        """Each tensor it was made for, by argument and place in it (``batch['x']: (1, 8)``), each
+        other value given (``scale=3.0``), and the grad mode when it was off."""
+        shapes = ", ".join(f"{_readable(path)}: {tuple(leaf)}" if isinstance(leaf, torch.Size)
+                           else f"{_readable(path)}={leaf!r}" for path, leaf in self.structure)
         grad = ", without grad" if chosen_grad_mode(self.sharded.stages) is False else ""
-        return f"{shapes or 'no tensor arguments'}{grad} ({self.seconds:.1f} s to capture)"
+        return f"{shapes or 'no arguments'}{grad} ({self.seconds:.1f} s to capture)"
 
 
 def _readable(path: str) -> str:
@@ -255,13 +258,6 @@ class Specializer:
                 "they hold are updated). Call sharded.specialize(*args, **kwargs) with inputs like these before "
                 "such calls, or make the specialisations in eval mode") from exc
 
-    def _refuse_other_constants(self, structure: Any) -> None:
-        refused = _refused_constant(self.example, structure)
-        if refused is not None:
-            raise InputMismatchError(
-                f"{refused}, which it computes with; a new capture changes only shapes: shard the model again with "
-                "an example that passes this value")
-
     def _specialized(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                      exc: SpecializationMismatch, run: Runner) -> Any:
         return run(self.specialize(primary, args, kwargs, guard=str(exc)), args, kwargs)
@@ -278,12 +274,14 @@ class Specializer:
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                    guard: str = "made ahead with sharded.specialize") -> ShardedModel:
         """Capture the model for these inputs under the primary plan's partition, keep and return it.
-        Only shapes and the grad mode make another capture: a call the plan's binding or constants
-        refuse (an argument its example passed left out, another value where it computes with one) is
-        refused here too."""
-        primary.fit_call(args, kwargs)
+        Other shapes, constants, arguments passed or left out, and the grad mode make another
+        capture; a call the model itself refuses (an argument it does not take), or made in another
+        module mode than the plan's, is refused as the plan refuses it."""
+        try:
+            primary.fit_call(args, kwargs)  # the modules' modes, and arguments the model itself refuses
+        except SpecializationMismatch:
+            pass  # other arguments or constants than the example's: the capture below is made with them
         structure = self.structure(args, kwargs)
-        self._refuse_other_constants(structure)
         if len(self.specializations) >= self.limit:
             seen = "; ".join(s.describe() for s in self.specializations) or "none"
             raise InputMismatchError(
@@ -312,21 +310,6 @@ class Specializer:
                 "inputs that need another are refused from now on", SpecializationLimitWarning,
                 stacklevel=_caller_level())
         return sharded
-
-
-def _refused_constant(example: Any, call: Any) -> str | None:
-    """The first place where ``call`` (a ``call_structure``) holds another constant than the
-    example, in words; None when there is none. A constant missing on one side was its parameter's
-    default there (``call_structure`` drops defaults)."""
-    fixed, given = dict(example), dict(call)
-    for path in sorted(fixed.keys() | given.keys()):
-        value, captured = given.get(path), fixed.get(path)
-        if (isinstance(value, _Constant) or isinstance(captured, _Constant)) and value != captured \
-                and not isinstance(value, torch.Size) and not isinstance(captured, torch.Size):
-            now = "its default" if value is None else repr(value)
-            then = "its default" if captured is None else repr(captured)
-            return f"{_readable(path)} is {now}, but the plan was captured with {then} there"
-    return None
 
 
 def runs_again_the_same(sharded: ShardedModel) -> bool:

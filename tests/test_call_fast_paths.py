@@ -171,7 +171,7 @@ def test_a_call_structure_is_bound_once_and_values_are_still_checked_on_every_ca
 
     model = Masked().eval()
     x, mask = torch.randn(2, 8), torch.ones(2, 8)
-    sharded = autoshard.shard_model(model, 2, (x,), {"mask": mask})
+    sharded = autoshard.shard_model(model, 2, (x,), {"mask": mask}, respecialize=False)
     first = sharded.stages[0]
     for _ in range(3):
         assert torch.equal(sharded(x, mask=mask), model(x, mask=mask))

@@ -15,7 +15,7 @@ from autoshard.runtime import OffloadRunner
 from autoshard.capture import capture
 from autoshard.capture.guard import DimSpec, InputGuard, check_condition, check_inputs
 from autoshard.capture.signature import CallSignature
-from autoshard.errors import ExampleInputsError, InputMismatchError, InvalidArgumentError
+from autoshard.errors import ExampleInputsError, InputMismatchError, InvalidArgumentError, SpecializationMismatch
 
 
 class Model(nn.Module):
@@ -103,21 +103,28 @@ class OptionalMask(nn.Module):
         return self.second(h + sum(more))
 
 
-def test_a_sharded_model_refuses_arguments_its_example_did_not_pass_naming_what_it_takes():
+def test_arguments_the_example_did_not_pass_are_named_and_served_by_another_capture():
+    """Without re-specialisation the call is refused naming what the plan takes (a
+    ``SpecializationMismatch``: a capture made with these arguments serves them); with it, served."""
     import autoshard
 
     model = OptionalMask()
-    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),), respecialize=False)
     x = torch.randn(2, 4)
     for passed in ({"mask": torch.ones(2, 4)}, {"more": torch.ones(2, 4)}):
         args = (x, *passed.values()) if "more" not in passed else (x, None, passed["more"])
         refusal = "the example left mask=None at the default" if "mask" in passed else "the example did not pass 'arg2'"
-        with pytest.raises(InputMismatchError, match=rf"{refusal}.*The plan takes \(x\)"):
+        with pytest.raises(SpecializationMismatch, match=rf"{refusal}.*The plan takes \(x\)"):
             sharded(*args)
     with pytest.raises(InputMismatchError, match=r"the example left mask=None at the default, which the plan computes"):
         sharded(x, mask=torch.ones(2, 4))
     # passed with the value the example left it at, an argument is what the plan computes with
     assert torch.equal(sharded(x, mask=None), model(x)) and torch.equal(sharded(x, None), model(x))
+    served = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),))
+    more = torch.ones(2, 4)
+    assert torch.equal(served(x, mask=more), model(x, mask=more))
+    assert torch.equal(served(x, None, more), model(x, None, more))
+    assert len(served.specializations) == 2
 
 
 class Scaled(nn.Module):
@@ -136,11 +143,14 @@ def test_an_argument_the_example_set_is_not_the_default_of_a_call_that_leaves_it
     import autoshard
 
     model = Scaled()
-    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),), example_kwargs={"scale": 2.0})
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),), example_kwargs={"scale": 2.0},
+                                    respecialize=False)
     x = torch.randn(3, 4)
     assert torch.equal(sharded(x, scale=2.0), model(x, scale=2.0)) and torch.equal(sharded(x, 2.0), model(x, 2.0))
-    with pytest.raises(InputMismatchError, match=r"scale=1.0, but the plan was captured with scale=2.0"):
+    with pytest.raises(SpecializationMismatch, match=r"scale=1.0, but the plan was captured with scale=2.0"):
         sharded(x)
+    served = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),), example_kwargs={"scale": 2.0})
+    assert torch.equal(served(x), model(x)) and len(served.specializations) == 1
 
 
 class TwoOptional(nn.Module):
@@ -164,15 +174,19 @@ def test_a_call_is_bound_as_the_model_binds_it_and_a_tensor_input_refuses_none()
 
     model = TwoOptional()
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),),
-                                    example_kwargs={"b": torch.randn(2, 4)})
+                                    example_kwargs={"b": torch.randn(2, 4)}, respecialize=False)
     x, t = torch.randn(3, 4), torch.randn(3, 4)
     assert torch.equal(sharded(x, b=t), model(x, b=t)) and torch.equal(sharded(x, None, t), model(x, None, t))
     with pytest.raises(InputMismatchError, match="the example left a=None at the default"):
         sharded(x, t)
     with pytest.raises(InputMismatchError, match="b is None, but the plan was captured with tensors there"):
         sharded(x, b=None)
-    with pytest.raises(InputMismatchError, match="the example passed 'b', which these inputs leave out; pass it as"):
+    with pytest.raises(SpecializationMismatch, match="the example passed 'b', which these inputs leave out; pass it"):
         sharded(x)
+    served = autoshard.shard_model(model, 2, example_inputs=(torch.randn(3, 4),), example_kwargs={"b": t})
+    for args, kwargs in [((x, t), {}), ((x,), {"b": None}), ((x,), {})]:
+        assert torch.equal(served(*args, **kwargs), model(*args, **kwargs))
+    assert len(served.specializations) == 2  # b=None is leaving b out: one capture serves both
 
 
 class ScaledOnes(nn.Module):
@@ -192,9 +206,9 @@ def test_a_plan_whose_arguments_are_all_constants_takes_them():
     import autoshard
 
     model = ScaledOnes()
-    sharded = autoshard.shard_model(model, 2, example_inputs=(2.0,))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(2.0,), respecialize=False)
     assert torch.equal(sharded(2.0), model(2.0))
-    with pytest.raises(InputMismatchError, match="scale=3.0, but the plan was captured with scale=2.0"):
+    with pytest.raises(SpecializationMismatch, match="scale=3.0, but the plan was captured with scale=2.0"):
         sharded(3.0)
 
 

@@ -176,8 +176,10 @@ def test_the_runner_binds_arguments_as_the_model_does():
     with torch.no_grad():
         assert torch.equal(runner(x, bias=b), model(x, bias=b))
         assert torch.equal(runner(x, None, b), model(x, None, b))  # mask at its default, by position
-        with pytest.raises(InputMismatchError, match="the example left mask=None at the default"):
-            runner(x, mask)
+        assert torch.equal(runner(x, mask), model(x, mask))  # mask, not bias: a capture made with it
+    assert len(sharded.specializations) == 1
+    with torch.no_grad(), pytest.raises(InputMismatchError, match="the example left mask=None at the default"):
+        OffloadRunner(autoshard.shard_model(model, 2, (x,), {"bias": b}, respecialize=False), "cpu")(x, mask)
 
 
 def test_bad_runner_arguments():

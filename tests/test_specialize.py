@@ -4,6 +4,7 @@ capture under the same partition (``autoshard.specialize``)."""
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 
 import pytest
@@ -151,11 +152,22 @@ def test_the_limit_warns_when_reached_and_then_refuses_naming_what_was_made():
         none_allowed(torch.randn(1, 8))
 
 
-def test_what_no_capture_changes_is_refused_as_before():
+def test_another_constant_is_served_by_a_capture_made_with_it_and_what_no_capture_changes_is_refused():
+    """As torch.compile recompiles on a constant's guard: ``scale=3.0`` where the example left the
+    default is captured again with it; an argument the model does not take is refused as before."""
     model, sharded = size_branch()
-    with pytest.raises(InputMismatchError, match="scale") as info:
-        sharded(torch.randn(1, 8), scale=3.0)
-    assert not isinstance(info.value, SpecializationMismatch) and sharded.specializations == ()
+    x = torch.randn(4, 8)
+    assert torch.equal(sharded(x, scale=3.0), model(x, scale=3.0))
+    (made,) = sharded.specializations
+    assert "scale=3.0" in made.guard and "scale=3.0" in made.describe() and holders(made.sharded) == holders(sharded)
+    assert torch.equal(sharded(x, 3.0), model(x, 3.0)) and torch.equal(sharded(x), model(x))
+    assert len(sharded.specializations) == 1  # by position or by name: the same plan; the default: the first
+    with pytest.raises(InputMismatchError, match="unexpected keyword argument 'shift'") as unknown:
+        sharded(x, shift=1.0)
+    assert not isinstance(unknown.value, SpecializationMismatch) and len(sharded.specializations) == 1
+    fixed = autoshard.shard_model(model, 2, (x,), respecialize=False)
+    with pytest.raises(SpecializationMismatch, match="the example left scale=1.0 at the default"):
+        fixed(x, scale=3.0)  # no specialisations made: refused, naming the constant
 
 
 def test_a_call_the_model_itself_refuses_gets_the_models_error():
@@ -397,29 +409,26 @@ def test_an_argument_given_its_default_is_the_plan_that_left_it_out():
     assert torch.equal(sharded(x, scale=1.0), model(x))
 
 
-def test_a_microbatch_the_plan_refuses_is_refused_up_front_with_no_capture():
-    """A capture changes only shapes: a microbatch with another constant, or leaving out an argument
-    the example passed, is refused as a call is, not given a plan of its own (which calls would then
-    reach too, or which would refuse the microbatch in the middle of a step)."""
+def test_a_microbatch_with_other_constants_or_arguments_gets_a_plan_of_its_own_which_calls_reach_too():
+    """``pipeline_stage(microbatch=...)`` chooses the plan up front: another constant, an argument the
+    example passed left out, or one it left out passed, is captured with it, as a call would be."""
     torch.manual_seed(0)
     model = Scaled().eval()
     x, gate = torch.randn(4, 8), torch.rand(4, 8)
     sharded = autoshard.shard_model(model, 2, (x,), {"scale": 2.0, "gate": gate})
-    with pytest.raises(InputMismatchError, match=r"scale is 3.0, but the plan was captured with 2.0 there"):
-        sharded.specializer.plan_for(sharded, (x,), {"scale": 3.0, "gate": gate})
-    with pytest.raises(InputMismatchError, match="gate"):
-        sharded.specializer.plan_for(sharded, (x[:2],), {"scale": 2.0})
-    with pytest.raises(InputMismatchError):
-        sharded(x[:2], scale=2.0)  # no plan for it was made on the way
-    assert sharded.specializations == ()
+    tripled = sharded.specializer.plan_for(sharded, (x,), {"scale": 3.0, "gate": gate})
+    ungated = sharded.specializer.plan_for(sharded, (x[:2],), {"scale": 2.0})
+    default = sharded.specializer.plan_for(sharded, (x[:2],), {"gate": gate[:2]})
+    assert len({id(p) for p in (sharded, tripled, ungated, default)}) == 4 and len(sharded.specializations) == 3
+    assert "gate" not in inspect.signature(ungated.stages[0].forward).parameters
+    for kwargs, plan in [({"scale": 3.0, "gate": gate}, tripled), ({"scale": 2.0}, ungated), ({"gate": gate}, default)]:
+        rows = x if plan is tripled else x[:2]
+        kwargs = {k: (v if k != "gate" or plan is tripled else v[:2]) for k, v in kwargs.items()}
+        assert sharded.specializer.plan_for(sharded, (rows,), kwargs) is plan
+        assert torch.equal(sharded(rows, **kwargs), model(rows, **kwargs))
+    assert len(sharded.specializations) == 3  # every call above was served by a plan made for it
     passed_default = autoshard.shard_model(model, 2, (x,), {"scale": 1.0})  # the default, passed: the same
-    with pytest.raises(InputMismatchError, match=r"scale is 2.0, but the plan was captured with its default there"):
-        passed_default.specialize(x[:2], scale=2.0)
-    with pytest.raises(InputMismatchError, match=r"scale is its default, but the plan was captured with 2.0 there"):
-        sharded.specializer.plan_for(sharded, (x[:2],), {"gate": gate[:2]})
-    small = sharded.specializer.plan_for(sharded, (x[:2],), {"scale": 2.0, "gate": gate[:2]})  # shapes: a capture
-    assert small is not sharded and len(sharded.specializations) == 1
-    assert sharded.specializer.plan_for(sharded, (x[:2], 2.0), {"gate": gate[:2]}) is small
+    assert passed_default.specializer.plan_for(passed_default, (x,), {}) is passed_default
 
 
 class NormsInAList(nn.Module):

@@ -76,3 +76,31 @@ def test_a_diffusers_unet_sharded_with_grad_serves_calls_under_no_grad_and_infer
             assert_same_output(sharded(**inputs), model(**inputs))
     (made,) = sharded.specializations
     assert "grad mode" in made.guard and holders(made.sharded) == before
+
+
+def test_gpt2_planned_without_labels_trains_with_them_and_returns_hidden_states_when_asked():
+    """Hugging Face's training call passes ``labels=``, a debugging one ``output_hidden_states=True``:
+    arguments the example left at their defaults. Each is captured again with it, as torch.compile
+    recompiles on a constant; the loss and its gradients are the model's, every weight in its stage."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, use_cache=False,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 8))
+    sharded = autoshard.shard_model(model, 2, example_kwargs={"input_ids": ids})
+    before = holders(sharded)
+    loss = sharded(input_ids=ids, labels=ids).loss
+    expected = model(input_ids=ids, labels=ids).loss
+    assert torch.equal(loss, expected)
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    want = torch.autograd.grad(expected, list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with torch.no_grad():
+        assert_same_output(sharded(input_ids=ids, output_hidden_states=True),
+                           model(input_ids=ids, output_hidden_states=True))
+        assert_same_output(sharded(input_ids=ids), model(input_ids=ids))  # the first plan still serves
+    assert [sorted(path for path, _ in made.structure) for made in sharded.specializations] == [
+        ["['input_ids']", "['labels']"], ["['input_ids']", "['output_hidden_states']"]]
+    assert all(holders(made.sharded) == before for made in sharded.specializations)

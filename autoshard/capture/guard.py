@@ -86,17 +86,18 @@ class InputGuard:
         """The value the graph takes for argument ``name``: a container in its captured key order."""
         return self.structures[name].arranged(value) if name in self.structures else value
 
-    def problem(self, values: Mapping[str, Any]) -> str | None:
-        """What is wrong with ``values`` (argument name -> value), or None if the plan serves them."""
-        fixed, leaves = self.fixed_problem(values)
-        return fixed or self.size_problem(values, leaves)
-
-    def fixed_problem(self, values: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
-        """What no capture for these inputs would change (a constant, a container's layout, a dtype),
-        and the values with each container's tensors under their own names, for ``size_problem``."""
+    def constant_problem(self, values: Mapping[str, Any]) -> str | None:
+        """A constant argument of another value than the example's: a capture made with it serves it."""
         for name, expected in self.constants.items():
             if not same_constant(values[name], expected):
-                return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}", {}
+                return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}"
+        return None
+
+    def fixed_problem(self, values: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+        """What no capture for these inputs would change (a constant changed in place since, a
+        container's layout, a dtype), and the values with each container's tensors under their own
+        names, for ``size_problem``. Checked after ``constant_problem``."""
+        for name in self.constants:
             if name in self.snapshots and not same_constant(values[name], self.snapshots[name]):
                 return (f"{name} was changed in place since the plan was captured (now {values[name]!r}, then "
                         f"{self.snapshots[name]!r}), and the plan computes with the old value"), {}
@@ -178,7 +179,7 @@ def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
         raise InputMismatchError(
             f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
             "shard the model again with an example like these inputs")
-    problem = guard.size_problem(named, leaves)
+    problem = guard.constant_problem(named) or guard.size_problem(named, leaves)
     if problem:
         raise SpecializationMismatch(
             f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
