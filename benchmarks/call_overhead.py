@@ -1,6 +1,7 @@
 """What calling a sharded model costs beyond the model's own work, side by side.
 
-    python benchmarks/call_overhead.py            # ~3 minutes on 2 cores
+    python benchmarks/call_overhead.py            # ~7 minutes on 2 cores
+    python benchmarks/call_overhead.py --only "HF BERT" --repeats 15   # one real model at k = 1, 2, 4
     python benchmarks/call_overhead.py --quick    # fewer repeats, noisier
     python benchmarks/call_overhead.py --only MLP --repeats 31   # one row, best of 31
     python benchmarks/call_overhead.py --clock thread   # CPU time of the thread: steadier under load
@@ -17,8 +18,11 @@ background load weighs on all alike, and the best repeat is kept. ``added / stag
 k = 4; the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4 in a no_grad forward and in
 forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64, batch 2 x 32) at k = 2; and
 ``nn.TransformerEncoder`` (6 layers, width 256, batch 8 x 128) in eval mode under no_grad at k = 3,
-whose output is also checked bit-exact against the model's. With ``--cuda`` the same table runs on
-the GPU with CUDA-synchronised timings.
+whose output is also checked bit-exact against the model's; and tiny random-weight Hugging Face
+models (GPT-2, BERT, T5, ViT, Llama: 4 layers (T5: 2 + 2), width 64, batch 2 x 32 tokens or 2 images of 32 x 32;
+about 1 ms a call) in eval mode under no_grad at k = 1, 2 and 4, where the model's own Python per
+call meets autoshard's (the capture leaves some of it behind, so the sharded call may be the
+faster). With ``--cuda`` the same table runs on the GPU with CUDA-synchronised timings.
 
 With ``--instructions`` nothing is timed: the script runs itself again under valgrind's callgrind
 and counts the instructions of ``calls`` calls of each variant (eager, sharded, chained; not
@@ -84,6 +88,35 @@ def _hf_gpt2() -> Row | None:
     return Row("HF GPT-2 tiny, no_grad forward", model, (torch.randint(0, 128, (2, 32)),), 2)
 
 
+def _hf_tiny(name: str, k: int) -> Row | None:
+    """A Hugging Face model at a tiny random-weight config (4 layers, width 64; about 1 ms a call on
+    one core), in eval mode: where a real model's own Python per call meets autoshard's."""
+    try:
+        import transformers as T
+    except ImportError:
+        return None
+    layers = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=2, intermediate_size=128)
+    ids, mask = torch.randint(0, 128, (2, 32)), torch.ones(2, 32, dtype=torch.long)
+    if name == "GPT-2":
+        model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=4, n_head=2,
+                                               use_cache=False))
+        args: tuple[Any, ...] = (ids,)
+    elif name == "BERT":
+        model, args = T.BertModel(T.BertConfig(vocab_size=128, max_position_embeddings=64, **layers)), (ids, mask)
+    elif name == "T5":
+        model = T.T5ForConditionalGeneration(T.T5Config(vocab_size=128, d_model=64, d_kv=32, d_ff=128, num_layers=2,
+                                                        num_decoder_layers=2, num_heads=2, use_cache=False))
+        args = (ids, mask, torch.randint(0, 128, (2, 16)))
+    elif name == "ViT":
+        model = T.ViTModel(T.ViTConfig(image_size=32, patch_size=4, **layers))
+        args = (torch.randn(2, 3, 32, 32),)
+    else:
+        model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=128, max_position_embeddings=64, num_key_value_heads=1,
+                                                 use_cache=False, **layers))
+        args = (ids, mask)
+    return Row(f"HF {name} tiny, eval no_grad", model.eval(), args, k)
+
+
 def _encoder() -> Row:
     layer = nn.TransformerEncoderLayer(256, 8, 512, batch_first=True)
     model = nn.TransformerEncoder(layer, 6, enable_nested_tensor=False).eval()
@@ -94,7 +127,9 @@ def _encoder() -> Row:
 ROWS: dict[str, Callable[[], Row | None]] = {
     "MLP 8x64, batch 4": _mlp, "GPT-style LM, no_grad forward": lambda: _gpt(False),
     "GPT-style LM, forward+backward": lambda: _gpt(True), "HF GPT-2 tiny, no_grad forward": _hf_gpt2,
-    "nn.TransformerEncoder eval, no_grad": _encoder}
+    "nn.TransformerEncoder eval, no_grad": _encoder,
+    **{f"HF {name} tiny, eval no_grad, k={k}": (lambda name=name, k=k: _hf_tiny(name, k))
+       for name in ("GPT-2", "BERT", "T5", "ViT", "Llama") for k in (1, 2, 4)}}
 
 
 def _pipeline_split(model: nn.Module, sharded: Any, args: tuple[Any, ...]) -> Callable[[], Any] | str:
