@@ -6,7 +6,8 @@
 ``call_overhead.py`` compares the sharded call with the model's own. On a real model the sharded
 call is often the faster (the capture leaves the model's Python behind: output dataclasses, config
 reads, mask helpers), which hides what autoshard adds. This times what it adds, piece by piece,
-each alone (best of ``--repeats`` runs of many calls): binding the call and checking the modes of
+each alone (best of ``--repeats`` runs of many calls, in this thread's CPU time, which leaves out
+the time other processes hold the core): binding the call and checking the modes of
 the model's modules (``fit_call``), the first stage's input guard (``check_inputs``), each stage's
 check of the modules it calls (``HeldState``), the stages' reads of their device from their inputs
 (``stage_device``), the conditions the capture fixed (``check_condition``), and at each boundary
@@ -73,13 +74,13 @@ def _guard_calls(stage: fx.GraphModule, named: dict[str, Any]) -> list[tuple[str
 
 
 def _best(fn: Callable[[], Any], calls: int, repeats: int) -> float:
-    """Seconds per call: the best of ``repeats`` runs of ``calls`` calls."""
+    """Seconds of this thread's CPU time per call: the best of ``repeats`` runs of ``calls`` calls."""
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         for _ in range(calls):
             fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+        best = min(best, (time.thread_time() - start) / calls)
     return best
 
 
