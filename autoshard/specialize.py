@@ -16,8 +16,9 @@ A call in the other grad mode than code that asked ``torch.is_grad_enabled()`` w
 (diffusers' blocks ask it to choose gradient checkpointing) re-specialises too: the new capture is
 made in the call's mode, and the grad mode counts among the shapes a plan is remembered by and,
 where its code asked, among what it is chosen by.
-Only a ``SpecializationMismatch`` re-specialises: another dtype, device or container layout, an
-argument the model does not take, or a module switched to another mode is refused as before. In
+A container argument of another length, other keys or other values in it re-specialises too. Only
+a ``SpecializationMismatch`` re-specialises: another dtype or device, an argument the model does
+not take, or a module switched to another mode is refused as before. In
 training mode a guard that fails after a stage has computed is refused too where the stages hold
 buffers or draw random numbers, as running them again would update the buffers (batch-norm
 statistics) twice and move the generator on:

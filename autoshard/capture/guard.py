@@ -86,17 +86,22 @@ class InputGuard:
         """The value the graph takes for argument ``name``: a container in its captured key order."""
         return self.structures[name].arranged(value) if name in self.structures else value
 
-    def constant_problem(self, values: Mapping[str, Any]) -> str | None:
-        """A constant argument of another value than the example's: a capture made with it serves it."""
+    def capture_problem(self, values: Mapping[str, Any]) -> str | None:
+        """What a capture made with these inputs would serve: a constant of another value than the
+        example's, a container of another layout or holding other values than tensors."""
         for name, expected in self.constants.items():
             if not same_constant(values[name], expected):
                 return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}"
+        for name, structure in self.structures.items():
+            problem = structure.layout_problem(name, values[name])
+            if problem:
+                return problem
         return None
 
     def fixed_problem(self, values: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
         """What no capture for these inputs would change (a constant changed in place since, a
-        container's layout, a dtype), and the values with each container's tensors under their own
-        names, for ``size_problem``. Checked after ``constant_problem``."""
+        tensor's dtype), and the values with each container's tensors under their own names, for
+        ``size_problem``. Checked after ``capture_problem``: the containers have their layout."""
         for name in self.constants:
             if name in self.snapshots and not same_constant(values[name], self.snapshots[name]):
                 return (f"{name} was changed in place since the plan was captured (now {values[name]!r}, then "
@@ -107,7 +112,7 @@ class InputGuard:
                         f"then {then!r}), and the plan computes with the old value"), {}
         leaves = dict(values)
         for name, structure in self.structures.items():
-            problem = structure.problem(name, leaves[name])
+            problem = structure.dtype_problem(name, leaves[name])
             if problem:
                 return problem, {}
             leaves.update(structure.leaf_values(name, leaves[name]))
@@ -174,12 +179,14 @@ def usable_conditions(conditions: Sequence[str], values: Mapping[str, Any]) -> t
 def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
     """Raise ``InputMismatchError`` unless the plan serves ``values``; return the graph inputs."""
     named = dict(zip(guard.names, values))
-    problem, leaves = guard.fixed_problem(named)
-    if problem:
-        raise InputMismatchError(
-            f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
-            "shard the model again with an example like these inputs")
-    problem = guard.constant_problem(named) or guard.size_problem(named, leaves)
+    problem = guard.capture_problem(named)
+    if problem is None:
+        problem, leaves = guard.fixed_problem(named)
+        if problem:
+            raise InputMismatchError(
+                f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
+                "shard the model again with an example like these inputs")
+        problem = guard.size_problem(named, leaves)
     if problem:
         raise SpecializationMismatch(
             f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "

@@ -67,8 +67,10 @@ class ArgumentStructure:
         return cls(spec, tuple(keystr(path) for path, _ in flat),
                    tuple(leaf.dtype if isinstance(leaf, torch.Tensor) else leaf for _, leaf in flat))
 
-    def problem(self, name: str, value: Any) -> str | None:
-        """What ``value`` changes that the capture fixed, or None."""
+    def layout_problem(self, name: str, value: Any) -> str | None:
+        """What ``value`` changes that the capture fixed and a capture made with it would serve (its
+        layout, a value that is no tensor, a tensor where there was none or none where there was
+        one), or None."""
         flat, spec = tree_flatten_with_path(value)
         if _layout(spec) != _layout(self.spec):
             entries = [keystr(p) for p, _ in flat]
@@ -84,11 +86,20 @@ class ArgumentStructure:
         for path, captured in zip(self.paths, self.leaves):
             leaf = got[path]
             if isinstance(captured, torch.dtype):
-                if not isinstance(leaf, torch.Tensor) or leaf.dtype != captured:
+                if not isinstance(leaf, torch.Tensor):
                     return f"{name}{path} is {_kind(leaf)}, but the plan was captured with a {captured} tensor there"
             elif isinstance(leaf, torch.Tensor) or not same_constant(leaf, captured):
                 return (f"{name}{path} is {_kind(leaf)}, but the plan was captured with {captured!r} there, "
                         "which it computes with")
+        return None
+
+    def dtype_problem(self, name: str, value: Any) -> str | None:
+        """A tensor in ``value`` of another dtype than the capture's, or None; ``value`` has the
+        captured layout (``layout_problem`` found none)."""
+        got = {keystr(path): leaf for path, leaf in tree_flatten_with_path(value)[0]}
+        for path, captured in zip(self.paths, self.leaves):
+            if isinstance(captured, torch.dtype) and got[path].dtype != captured:
+                return f"{name}{path} is {_kind(got[path])}, but the plan was captured with a {captured} tensor there"
         return None
 
     def __reduce__(self) -> tuple[Any, ...]:
