@@ -37,6 +37,7 @@ from autoshard.graph import (
 )
 from autoshard.graph import split as split_module
 from autoshard.graph.balance import live_bytes_at_cuts, min_bytes_partition
+from autoshard.graph.indexed import IndexedDag
 from autoshard.graph.linearize import INDEX_ORDERS, dfs_order, live_bytes_greedy_order, program_order
 from autoshard.graph.mincut import Budgets, refine
 from autoshard.graph.problem import SplitProblem
@@ -576,3 +577,20 @@ def test_a_small_corridor_network_is_cut_without_scipys_setup(monkeypatch):
     net.add(-1, "b", 1.0)
     net.add("b", -2, 5.0)
     assert net.source_side(-1, -2) == {-1, "a"}
+
+
+def test_an_indexed_dag_splits_as_its_networkx_graph_does_however_often_it_is_split():
+    """A search splits one graph under many budgets and indexes it once: each split of the shared
+    index (its orders made on the first) equals a split of the networkx graph made afresh."""
+    dag = layered_graph(300, seed=4)
+    for _, data in dag.nodes(data=True):
+        data.update(memory=data["cost"], activation_memory=data["bytes"])
+    indexed = IndexedDag(dag)
+    total = sum(data["cost"] + 4 * data["bytes"] for _, data in dag.nodes(data=True))
+    for strategy in ("min-cut", "fixed-order"):
+        for share in (None, 0.5, 0.24, 0.5):
+            limits = {} if share is None else {"memory_budgets": share * total, "memory_in_flight": [4, 3, 2, 1]}
+            fresh = split_dag(dag, 4, strategy, 0.02, return_info=True, **limits)
+            assert split_dag(indexed, 4, strategy, 0.02, return_info=True, **limits) == fresh
+    with pytest.raises(ValueError):  # shared by every split: no split may write to it
+        indexed.cost[0] = 1.0

@@ -352,9 +352,9 @@ def memory_limit(g: IndexedDag, constraints: Constraints, k: int) -> StageLimit:
     """The memory each stage may hold, from ``memory_budgets`` and ``memory_in_flight``."""
     budgets = _per_stage("memory_budgets", constraints.memory_budgets, k)
     if constraints.memory_in_flight is None:
-        return StageLimit("memory", g.extra[MEMORY], budgets)
+        return StageLimit("memory", g.attribute(MEMORY), budgets)
     in_flight = _per_stage("memory_in_flight", constraints.memory_in_flight, k)
-    return StageLimit("memory", g.extra[MEMORY], budgets, g.extra[ACTIVATION_MEMORY], in_flight)
+    return StageLimit("memory", g.attribute(MEMORY), budgets, g.attribute(ACTIVATION_MEMORY), in_flight)
 
 
 def _indexed_groups(

@@ -8,14 +8,16 @@ vectorised numpy expression. Stage assignments at this level are int arrays inde
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Hashable
+from typing import Any, Callable, Hashable, TypeVar
 
 import networkx as nx
 import numpy as np
 
 Node = Hashable
 Order = list[Node]
+Made = TypeVar("Made")
 
 
 def is_input(dag: nx.DiGraph, node: Node) -> bool:
@@ -60,12 +62,14 @@ def _csr(src: np.ndarray, dst: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarr
 class IndexedDag:
     """A contract-satisfying DAG with nodes numbered 0..n-1 in program order, inputs first.
 
-    ``attributes`` names extra numeric node attributes to load (e.g. ``"memory"``). A node
-    without ``cost`` or one of ``attributes`` counts 0 there: schedules need only ``bytes``,
-    and the splitter checks the attributes it requires before it reads them.
+    A node without ``cost`` or an ``attribute`` asked for counts 0 there: schedules need only
+    ``bytes``, and the splitter checks the attributes it requires before it reads them. One
+    index may serve many splits (a search splitting one weighted graph under many budgets), so
+    its arrays are read-only and what depends on the graph alone is made once (``derived``);
+    the networkx graph must not change while it is indexed.
     """
 
-    def __init__(self, dag: nx.DiGraph, attributes: tuple[str, ...] = ()) -> None:
+    def __init__(self, dag: nx.DiGraph) -> None:
         self.dag = dag
         self.nodes: Order = program_order(dag)
         self.index = {v: i for i, v in enumerate(self.nodes)}
@@ -73,7 +77,6 @@ class IndexedDag:
         rows = [dag.nodes[v] for v in self.nodes]
         self.cost = np.fromiter((d.get("cost", 0.0) for d in rows), float, n)
         self.nbytes = np.fromiter((d["bytes"] for d in rows), float, n)
-        self.extra = {name: np.fromiter((d.get(name, 0.0) for d in rows), float, n) for name in attributes}
         self.output = np.fromiter((bool(d.get("output", False)) for d in rows), bool, n)
         self.num_inputs = sum(1 for d in rows if d.get("input", False))
         m = dag.number_of_edges()
@@ -82,6 +85,24 @@ class IndexedDag:
         self.dst = np.fromiter((index[v] for _, v in dag.edges), np.int64, m)
         self.succ_ptr, self.succ_idx = _csr(self.src, self.dst, n)
         self.pred_ptr, self.pred_idx = _csr(self.dst, self.src, n)
+        for array in (self.cost, self.nbytes, self.output, self.src, self.dst, self.succ_ptr, self.succ_idx,
+                      self.pred_ptr, self.pred_idx):
+            array.flags.writeable = False
+        self._derived: dict[Callable[[IndexedDag], Any], Any] = {}
+
+    def attribute(self, name: str) -> np.ndarray:
+        """The numeric node attribute ``name`` per node (0 where a node lacks it), read once."""
+        return self.derived(_Attribute(name))
+
+    def derived(self, make: Callable[[IndexedDag], Made]) -> Made:
+        """``make(self)``, made on first use and kept: an order or an attribute, which every split of
+        this graph reads the same. An array comes back read-only, as its users share it."""
+        if make not in self._derived:
+            made = make(self)
+            if isinstance(made, np.ndarray):
+                made.flags.writeable = False
+            self._derived[make] = made
+        return self._derived[make]
 
     @cached_property
     def succ(self) -> Adjacency:
@@ -165,6 +186,16 @@ class IndexedDag:
         delta = np.bincount(position[live] + 1, weights=self.nbytes[live], minlength=s + 2)
         delta -= np.bincount(last[live] + 1, weights=self.nbytes[live], minlength=s + 2)
         return np.cumsum(delta[: s + 1])
+
+
+@dataclass(frozen=True)
+class _Attribute:
+    """Reads one node attribute into an array; equal for equal names, so ``derived`` keeps one."""
+
+    name: str
+
+    def __call__(self, g: IndexedDag) -> np.ndarray:
+        return np.fromiter((g.dag.nodes[v].get(self.name, 0.0) for v in g.nodes), float, g.n)
 
 
 class Adjacency:

@@ -21,7 +21,7 @@ from autoshard.errors import (
     TooManyStagesError,
     plural,
 )
-from autoshard.graph.indexed import Node, is_input
+from autoshard.graph.indexed import IndexedDag, Node, is_input
 
 WEIGHTS = ("cost", "bytes")
 
@@ -105,8 +105,10 @@ def check_dag(dag: Any) -> None:
     _check_acyclic(dag)
 
 
-def max_stages(dag: nx.DiGraph) -> int:
+def max_stages(dag: nx.DiGraph | IndexedDag) -> int:
     """How many non-empty stages ``dag`` can fill: one per non-input node."""
+    if isinstance(dag, IndexedDag):
+        return dag.n - dag.num_inputs
     return sum(1 for v in dag.nodes if not is_input(dag, v))
 
 
@@ -119,7 +121,7 @@ def check_stage_count(k: Any, maximum: int, detail: str) -> int:
     return k
 
 
-def check_num_stages(dag: nx.DiGraph, k: Any) -> int:
+def check_num_stages(dag: nx.DiGraph | IndexedDag, k: Any) -> int:
     """``k`` as an int, or raise unless it is a whole number in ``1..max_stages(dag)``."""
     maximum = max_stages(dag)
     return check_stage_count(k, maximum, f"the graph has {plural(maximum, 'non-input node')} and each stage needs one")

@@ -37,26 +37,24 @@ class SplitProblem:
 
     ``bound`` is B = (1 + tolerance) x the least achievable max_j cost_j / capacity_j over
     contiguous splits of program order that meet the hard constraints; stage j may cost at
-    most B x capacity_j. Give ``bound`` to reuse one computed without some constraints.
+    most B x capacity_j. Give ``bound`` to reuse one computed without some constraints, and
+    ``dag`` indexed to reuse its index (and what it derived) across problems.
     """
 
     def __init__(
         self,
-        dag: nx.DiGraph,
+        dag: nx.DiGraph | IndexedDag,
         k: int,
         tolerance: float,
         constraints: Constraints = Constraints(),
         bound: float | None = None,
     ) -> None:
-        self.dag, self.k, self.tolerance, self.constraints = dag, k, tolerance, constraints
-        attributes: tuple[str, ...] = ()
+        self.graph = dag if isinstance(dag, IndexedDag) else IndexedDag(dag)
+        self.dag, self.k, self.tolerance, self.constraints = self.graph.dag, k, tolerance, constraints
         if constraints.memory_budgets is not None:
-            check_weights(dag, (MEMORY,))
-            attributes = (MEMORY,)
+            check_weights(self.dag, (MEMORY,))
             if constraints.memory_in_flight is not None:
-                check_weights(dag, (ACTIVATION_MEMORY,), required=False)
-                attributes += (ACTIVATION_MEMORY,)
-        self.graph = IndexedDag(dag, attributes)
+                check_weights(self.dag, (ACTIVATION_MEMORY,), required=False)
         self.rules: Rules = resolve(self.graph, constraints, k)
         if bound is not None:
             self.__dict__["bound"] = bound

@@ -147,17 +147,17 @@ class SplitResult:
 
 
 @overload
-def split_dag(dag: nx.DiGraph, k: int, strategy: str = ..., tolerance: float = ..., *,
+def split_dag(dag: nx.DiGraph | IndexedDag, k: int, strategy: str = ..., tolerance: float = ..., *,
               return_info: Literal[False] = ..., **options: Any) -> Assignment: ...
 
 
 @overload
-def split_dag(dag: nx.DiGraph, k: int, strategy: str = ..., tolerance: float = ..., *,
+def split_dag(dag: nx.DiGraph | IndexedDag, k: int, strategy: str = ..., tolerance: float = ..., *,
               return_info: Literal[True], **options: Any) -> SplitResult: ...
 
 
 def split_dag(
-    dag: nx.DiGraph,
+    dag: nx.DiGraph | IndexedDag,
     k: int,
     strategy: str = "min-cut",
     tolerance: float = 0.02,
@@ -194,9 +194,13 @@ def split_dag(
     meet raise ``InfeasibleSplitError`` naming them (a ``together`` group only a split out of
     program order keeps whole among them; the message says so). Budgets and capacities hold up to
     a round-off of 1e-9 of the graph's total. A registered strategy's answer is checked: one that
-    is not a valid split keeping its constraints raises ``InvalidArgumentError``.
+    is not a valid split keeping its constraints raises ``InvalidArgumentError``. ``dag`` may come
+    indexed (``IndexedDag``), so that splitting one graph many times indexes and orders it once.
     """
-    check_dag(dag)
+    if isinstance(dag, IndexedDag):
+        dag.derived(_check_contract)  # once, however often it is split
+    else:
+        check_dag(dag)
     k = check_num_stages(dag, k)
     check_tolerance(tolerance)
     entry = _lookup(strategy, options)
@@ -227,6 +231,10 @@ def split_dag(
         tolerance=float(tolerance) if bounded else None,
     )
     return SplitResult(assignment, info)
+
+
+def _check_contract(g: IndexedDag) -> None:
+    check_dag(g.dag)
 
 
 def _non_int_stage(stages: Iterable[Any]) -> Any:
@@ -329,7 +337,7 @@ def _min_cut(problem: SplitProblem, orders: Sequence[str], refine: bool, moves: 
     """``min_cut`` polishing the best ``count`` DP splits (one on coarse graphs, where the search
     itself is only one of three and more polished candidates found nothing better)."""
     g = problem.graph
-    corridors = [g.program()] + [problem.respect_pins(INDEX_ORDERS[name](g)) for name in orders]
+    corridors = [g.program()] + [problem.respect_pins(g.derived(INDEX_ORDERS[name])) for name in orders]
     candidates = _dp_candidates(problem, corridors + _heavy_orders(problem, corridors[:2]))
     if not refine:
         return candidates[0]
