@@ -5,10 +5,12 @@ to its first reader (to every reader when named in ``apart``), ``stage_totals`` 
 stage holding it, which is what makes the tie search and the memory bisection necessary.
 """
 
+import dataclasses
+
 import networkx as nx
 import pytest
 
-from autoshard.costs.split_search import MemoryCount, SplitRequest, search_split, summed_memory
+from autoshard.costs.split_search import MemoryCount, SplitRequest, search_split, summed_memory, weighted_in_order
 from autoshard.costs.split_search import placements
 from autoshard.costs.split_search.placements import attempt
 from autoshard.costs.ties import TiePlacement, tie_groups
@@ -108,6 +110,22 @@ def test_training_memory_is_balanced_with_every_microbatch_in_flight():
     assert found.info.bottleneck == 8
     assert [found.assignment[node] for node in NODES] == [0, 0, 1, 1, 1, 1]
     assert found.info.bound == pytest.approx(8, rel=1e-3)  # the plan is held to the memory bound found
+
+
+def test_the_dag_costed_under_a_placement_is_made_once_for_all_budgets_and_holds_what_it_is_made_of():
+    """The bisection's probes replace only the budgets, and share the costed DAG; another placement,
+    another cost model or the memory attributes get their own, each as a fresh copy would be."""
+    request = tied_request()
+    charged_first = request.costed(frozenset(), budgeted=False)
+    assert dataclasses.replace(request, max_memory=(20.0,)).costed(frozenset(), budgeted=False) is charged_first
+    other_costs = dataclasses.replace(request, node_costs=lambda apart: dict.fromkeys(["x", *NODES], 2.0))
+    for changed, apart, budgeted in ((request, frozenset({"w"}), False), (other_costs, frozenset(), False),
+                                     (training_request(), frozenset(), True)):
+        made = changed.costed(apart, budgeted)
+        assert made is not charged_first
+        extra = changed.memory.node_attributes(apart) if budgeted else None
+        fresh = weighted_in_order(changed.dag, changed.order, changed.node_costs(apart), extra)
+        assert list(made.dag.nodes(data=True)) == list(fresh.nodes(data=True))
 
 
 def test_a_strategy_too_costly_to_probe_balances_one_microbatch():

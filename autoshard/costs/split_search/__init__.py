@@ -16,8 +16,10 @@ from autoshard.costs.split_search.bisection import (
     balances_training_memory,
     memory_balanced,
 )
-from autoshard.costs.split_search.placements import split_placing_ties, weighted_in_order
-from autoshard.costs.split_search.request import MemoryCount, SplitRequest, summed_memory, training_memory
+from autoshard.costs.split_search.placements import split_placing_ties
+from autoshard.costs.split_search.request import (
+    MemoryCount, SplitRequest, summed_memory, training_memory, weighted_in_order,
+)
 from autoshard.errors import InfeasibleSplitError
 from autoshard.graph import Partition
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import networkx as nx
 
@@ -34,19 +34,6 @@ from autoshard.errors import InfeasibleSplitError
 from autoshard.graph import Partition, SplitInfo, split_dag, total_boundary_bytes
 from autoshard.graph.constraints import ACTIVATION_MEMORY
 from autoshard.graph.linearize import program_order
-
-
-def weighted_in_order(
-    dag: nx.DiGraph, order: Sequence[str], costs: Mapping[str, float],
-    extra: Mapping[str, Mapping[str, float]] | None = None,
-) -> nx.DiGraph:
-    """A copy of ``dag`` with ``cost`` and each ``extra`` attribute set, inserted in ``order``."""
-    weighted = nx.DiGraph()
-    for node in order:
-        values = {name: per_node[node] for name, per_node in (extra or {}).items()}
-        weighted.add_node(node, **{**dag.nodes[node], "cost": costs[node], **values})
-    weighted.add_edges_from(dag.edges(data=True))
-    return weighted
 
 
 #: How many times a split whose whole stages exceed their budgets is made again under tighter ones.
@@ -136,7 +123,7 @@ def in_order(request: SplitRequest, placement: TiePlacement) -> Attempt | str:
         return f"; an exact search over the splits of {where} gave up after {JUDGEMENT_LIMIT:,} stages judged"
     if assignment is None:
         return f"; no split of {where} into {request.k} contiguous stages fits either (an exact search)"
-    weighted = weighted_in_order(request.dag, request.order, request.node_costs(placement.apart))
+    weighted = request.costed(placement.apart, budgeted=False).dag
     boundary = total_boundary_bytes(weighted, assignment, request.k)
     found = scored(request, placement, weighted, assignment,
                    SplitInfo(request.strategy, None, 0.0, boundary, tolerance=request.tolerance))
@@ -226,14 +213,12 @@ def attempt(request: SplitRequest, placement: TiePlacement, budgets: tuple[float
     ``max_memory``."""
     k, memory = request.k, request.memory
     budgets = request.max_memory if budgets is None else budgets
-    extra: dict[str, Mapping[str, float]] = {}
     limits: dict[str, Any] = {}
     if budgets:
-        extra = memory.node_attributes(placement.apart)
         limits = {"memory_budgets": budgets}
         if memory.in_flight is not None:
             limits["memory_in_flight"] = memory.in_flight
-    weighted = weighted_in_order(request.dag, request.order, request.node_costs(placement.apart), extra)
+    weighted = request.costed(placement.apart, budgeted=bool(budgets))
     result = split_dag(
         weighted, k, request.strategy, request.tolerance,
         cut_before=request.cut_before,
@@ -243,7 +228,7 @@ def attempt(request: SplitRequest, placement: TiePlacement, budgets: tuple[float
         capacities=request.capacities or None,
         return_info=True, **limits, **request.strategy_options,
     )
-    return scored(request, placement, weighted, result.assignment, result.info)
+    return scored(request, placement, weighted.dag, result.assignment, result.info)
 
 
 def scored(request: SplitRequest, placement: TiePlacement, weighted: nx.DiGraph, assignment: Mapping[str, int],

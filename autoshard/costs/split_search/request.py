@@ -23,6 +23,7 @@ from autoshard.costs.memory import (
 )
 from autoshard.costs.ties import TieGroup
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, StageRange
+from autoshard.graph.indexed import IndexedDag
 
 #: ``apart`` (shared weights charged to every reader) -> each node's cost.
 NodeCosts = Callable[[frozenset[str]], Mapping[str, float]]
@@ -92,6 +93,7 @@ class SplitRequest:
     training-memory count when ``training_memory_cost`` says the balanced cost is training memory).
     ``together`` (no-split groups by label), ``cut_before`` (node -> the path written) and
     ``stage_ranges`` are the constraints resolved to nodes; ``ties`` the shared-weight groups.
+    ``costed_dags`` keeps what ``costed`` made, for every request ``dataclasses.replace`` makes of this one.
     """
 
     dag: nx.DiGraph
@@ -112,9 +114,36 @@ class SplitRequest:
     together: Mapping[str, frozenset[str]] = field(default_factory=dict)
     cut_before: Mapping[str, str] = field(default_factory=dict)
     stage_ranges: Mapping[str, StageRange] = field(default_factory=dict)
+    costed_dags: dict[tuple[Any, ...], IndexedDag] = field(default_factory=dict, compare=False, repr=False)
 
     def each_stage(self, values: tuple[float, ...]) -> tuple[float, ...]:
         return per_stage(values, self.k)
+
+    def costed(self, apart: frozenset[str], budgeted: bool) -> IndexedDag:
+        """The DAG in ``order`` with each node's cost, and when ``budgeted`` the memory count's node
+        attributes, as they are with the weights ``apart`` charged to every reader; indexed. Made once
+        for each cost model, memory count and placement: the bisection's probes and the tightening
+        rounds differ only in budgets, and rebuilding it (with its index and orders) for each of them
+        took about a third of the search."""
+        attributes = self.memory.node_attributes if budgeted else None
+        key = (self.dag, tuple(self.order), self.node_costs, attributes, apart)
+        if key not in self.costed_dags:
+            extra = attributes(apart) if attributes else None
+            self.costed_dags[key] = IndexedDag(weighted_in_order(self.dag, self.order, self.node_costs(apart), extra))
+        return self.costed_dags[key]
+
+
+def weighted_in_order(
+    dag: nx.DiGraph, order: Sequence[str], costs: Mapping[str, float],
+    extra: Mapping[str, Mapping[str, float]] | None = None,
+) -> nx.DiGraph:
+    """A copy of ``dag`` with ``cost`` and each ``extra`` attribute set, inserted in ``order``."""
+    weighted = nx.DiGraph()
+    for node in order:
+        values = {name: per_node[node] for name, per_node in (extra or {}).items()}
+        weighted.add_node(node, **{**dag.nodes[node], "cost": costs[node], **values})
+    weighted.add_edges_from(dag.edges(data=True))
+    return weighted
 
 
 def per_stage(values: tuple[float, ...], k: int) -> tuple[float, ...]:
