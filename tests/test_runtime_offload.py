@@ -247,6 +247,9 @@ def test_stages_placed_on_devices_of_their_own_hand_their_values_on():
 def test_a_stage_without_tensor_inputs_keeps_the_captured_device():
     assert stage_device(torch.device("cpu"), None, (3, "x")) == torch.device("cpu")
     assert stage_device(torch.device("cpu"), 3, (torch.zeros(1, device="meta"),)) == torch.device("meta")
+    # the first input holding a tensor decides, in a container or not
+    assert stage_device(torch.device("cpu"), [torch.zeros(1, device="meta")], torch.zeros(1)) == torch.device("meta")
+    assert stage_device(torch.device("meta"), None, torch.zeros(1), [torch.zeros(1, device="meta")]).type == "cpu"
 
 
 def test_the_runner_follows_mode_switches_made_after_it_was_built():
