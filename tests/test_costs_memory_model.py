@@ -454,6 +454,36 @@ def test_an_item_nothing_reads_gets_no_gradient(kind, cuts):
         assert predicted[j].memory.total == measure_stage_memory(sharded, j, (x,), microbatches=1).peak, j
 
 
+class _Pooled(nn.Module):
+    """Returns a ``ModelOutput`` of its last activation and a mean of it that nothing saves (ResNet's pooler)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> object:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        h = self.b(torch.relu(self.a(x)))
+        return BaseModelOutputWithPooling(last_hidden_state=h, pooler_output=h.mean(dim=1))
+
+
+def test_every_value_a_returned_container_holds_is_kept(tmp_path):
+    """The ``ModelOutput`` node made no storage: the probe named it a view of its widest value alone, so
+    the pooled output it also keeps alive went uncounted (Hugging Face ResNet's last stage: 512 bytes,
+    0.9993x). The probe now records every other maker a value holds (``SavedFacts.holds``)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 32)
+    sharded = autoshard.shard_model(_Pooled().train(), 2, (x,), cut_before=["b"])
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages
+    for j in range(2):
+        assert predicted[j].memory.total == measure_stage_memory(sharded, j, (x,), microbatches=1).peak, j
+    facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
+    assert [f.holds for f in facts.values() if f is not None and f.holds] == [("mean",)]
+    assert {n.name: n.training for n in read_plan(sharded.save_plan(tmp_path / "plan.json")).nodes} == facts
+
+
 class _TransposedIntoLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()

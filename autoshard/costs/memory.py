@@ -167,7 +167,9 @@ class SavedFacts:
     ``strided_grads``); None: the same, or not recorded. ``weight_grads``: the trainable weights
     (their names in the DAG) its backward gives a gradient, which may be fewer than it reads: a
     function handed a module (``apply_tf_padding(x, conv)``) holds the module's weights and may
-    read only its settings; None: not recorded, every trainable weight it reads counts."""
+    read only its settings; None: not recorded, every trainable weight it reads counts. ``holds``: the
+    other nodes whose storages its output keeps alive besides its own (or ``views``'): a container of
+    values several nodes made (a ``ModelOutput`` of the last hidden state and the pooled output)."""
 
     saved: int
     saved_output: int
@@ -183,6 +185,7 @@ class SavedFacts:
     when_contiguous: tuple[int, int, int, tuple[str, ...]] | None = None
     dense_order: tuple[int, ...] | None = None
     weight_grads: tuple[str, ...] | None = None
+    holds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -629,12 +632,20 @@ def _owner(dag: nx.DiGraph, node: str, stage: Mapping[str, int]) -> str:
     return node
 
 
+def _owners(dag: nx.DiGraph, node: str, stage: Mapping[str, int]) -> set[str]:
+    """The nodes of the same stage whose storages ``node``'s value keeps alive: its ``_owner`` and,
+    for a container of values other nodes made, each of them (``SavedFacts.holds``)."""
+    facts = _training(dag, node)
+    held = facts.holds if facts is not None else ()
+    return {_owner(dag, node, stage), *(maker for maker in held if stage.get(maker) == stage[node])}
+
+
 def _sent_unsaved(dag: nx.DiGraph, sent: Sequence[str], stage: Mapping[str, int],
                   recomputed: AbstractSet[str] = frozenset()) -> float:
     """Bytes the stage keeps only because it sends them: the storages of its sent values that
     nothing saved (a sent view counts the storage it views, once; what a recomputed node saves
     is not kept)."""
-    return sum(_unsaved(dag, owner, recomputed) for owner in {_owner(dag, v, stage) for v in sent})
+    return sum(_unsaved(dag, owner, recomputed) for owner in {o for v in sent for o in _owners(dag, v, stage)})
 
 
 def _unsaved(dag: nx.DiGraph, node: str, recomputed: AbstractSet[str] = frozenset()) -> float:
@@ -691,7 +702,7 @@ def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int
         last_read.setdefault(_owner(dag, node, stage), i)
         for u in dag.predecessors(node):
             if u in inside:
-                last_read[_owner(dag, u, stage)] = i
+                last_read.update(dict.fromkeys(_owners(dag, u, stage), i))
     for value in copied:
         last_read[_owner(dag, value, stage)] = len(nodes)
     freed_at: dict[int, list[str]] = {}
@@ -777,7 +788,7 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     it; the received gradient itself, handed back through views (a stage that only passes a value
     on: an item, a view, a transpose sent permuted, whose receive buffer is laid out as it is), it
     takes as it is. The storages of the values sent (``stays``:
-    their makers, ``_owner``) outlive the microbatch's backward. What ``recomputed`` nodes save
+    their makers, ``_owners``) outlive the microbatch's backward. What ``recomputed`` nodes save
     was not kept, so its release frees nothing of the microbatches held (``recompute_bytes``
     counts it). A weight read by several nodes here gets its gradient in parts, which autograd
     holds until the last. The peak is checked before each node and once after the last, when the
@@ -936,7 +947,7 @@ def stage_memory(
         dense = [v for v in made_here if v not in copied]
         sent = (_sent_unsaved(stage_dag, dense, assignment, recomputed)
                 + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
-        sent_storages = {_owner(stage_dag, v, assignment) for v in dense}
+        sent_storages = {owner for v in dense for owner in _owners(stage_dag, v, assignment)}
         if regions:
             kept = checkpointed_kept(stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n),
                                      lambda v: _owner(stage_dag, v, assignment), sent_storages)

@@ -311,6 +311,7 @@ class TrainingProbe:
         self.forward: dict[str, int] = {}
         self.backward_when_sent: dict[str, int] = {}  # node -> its first probe's backward, where it differs
         self.views: dict[str, str] = {}  # node that made no storage -> the node whose storage its output is
+        self.holds: dict[str, tuple[str, ...]] = {}  # node -> the other nodes whose storages its output holds too
         self.input_grads: dict[str, tuple[tuple[str, bool], ...]] = {}  # node -> inputs its backward gives to
         self.strided_grads: dict[str, tuple[str, ...]] = {}  # node -> inputs it gives a non-contiguous gradient
         self.when_contiguous: dict[str, tuple[int, int, int, tuple[str, ...]]] = {}  # see _when_received_contiguous
@@ -891,10 +892,13 @@ class TrainingProbe:
             self.owner[ref], self.nbytes[ref] = name, nbytes
         self.outputs[name] = {ref for ref, _ in new}
         self.grad[name], self.backward[name], self.forward[name] = effect.grad, effect.backward, effect.forward
-        if not new:
-            found = {self.original(_storage(t)): t.untyped_storage().nbytes() for t in _tensors(value)}
-            if found:  # the widest storage its output lives in, made by another node ('' for an input or weight)
-                self.views[name] = self.owner.get(max(found, key=found.__getitem__)) or ""
+        found = {self.original(_storage(t)): t.untyped_storage().nbytes() for t in _tensors(value)}
+        if not new and found:  # the widest storage its output lives in, made by another node ('' for input or weight)
+            self.views[name] = self.owner.get(max(found, key=found.__getitem__)) or ""
+        # a container of values other nodes made (a ModelOutput of the last hidden state and the pooled output)
+        # keeps each of their storages alive, not only the widest
+        makers = dict.fromkeys(self.owner.get(ref) for ref in found)
+        self.holds[name] = tuple(m for m in makers if m and m not in (name, self.views.get(name)))
 
     def _backward(self, sent: list[torch.Tensor], layouts: list[tuple[int, ...] | None], wanted: list[torch.Tensor],
                   inputs: Any, real: bool = False) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]]]:
@@ -970,5 +974,6 @@ class TrainingProbe:
                                  self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
                                  self.forward.get(name), self.strided_grads.get(name, ()),
                                  sent_as_copy(values.get(name)), self.when_contiguous.get(name),
-                                 dense_order(values.get(name)), self.weight_grads.get(name))
+                                 dense_order(values.get(name)), self.weight_grads.get(name),
+                                 self.holds.get(name, ()))
                 for name in self.grad if name not in self.unrun}
