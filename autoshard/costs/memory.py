@@ -169,7 +169,9 @@ class SavedFacts:
     function handed a module (``apply_tf_padding(x, conv)``) holds the module's weights and may
     read only its settings; None: not recorded, every trainable weight it reads counts. ``holds``: the
     other nodes whose storages its output keeps alive besides its own (or ``views``'): a container of
-    values several nodes made (a ``ModelOutput`` of the last hidden state and the pooled output)."""
+    values several nodes made (a ``ModelOutput`` of the last hidden state and the pooled output).
+    ``weights_first``: its backward adds every weight's gradient into theirs before it hands any input
+    its own (a Linear on a 3-D input, whose input gradient comes through the reshape's backward)."""
 
     saved: int
     saved_output: int
@@ -186,6 +188,7 @@ class SavedFacts:
     dense_order: tuple[int, ...] | None = None
     weight_grads: tuple[str, ...] | None = None
     holds: tuple[str, ...] = ()
+    weights_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -682,12 +685,6 @@ def _trainable_weights(dag: nx.DiGraph, node: str) -> dict[str, float]:
             if w in infos and infos[w].trainable and (given is None or w in given)}
 
 
-def _weight_grad_bytes(dag: nx.DiGraph, node: str) -> float:
-    """Bytes of the gradients ``node``'s backward makes of its trainable weights (autograd adds each
-    into the weight's gradient after)."""
-    return sum(_trainable_weights(dag, node).values())
-
-
 def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[str],
                   recomputed: AbstractSet[str] = frozenset(), copied: Sequence[str] = ()) -> float:
     """The most one microbatch's forward holds at once above what it keeps when it ends (what is
@@ -843,9 +840,15 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # the backward made (of its inputs and weights) still live
         summed = max((_grad(dag, u) for u, _ in given if u in buffer), default=0.0)
         if summed:  # by then autograd has dropped the gradient the node got, where nothing else holds it
-            made = sum(_grad(dag, u) for u, handed in given if not handed) + _weight_grad_bytes(dag, node)
+            weights = _trainable_weights(dag, node)
+            # a backward that gives its weights their gradients first: autograd has added those read by no
+            # other node still to run here into theirs, and freed the parts it held of them
+            added = {w for w in weights if facts.weights_first and readers[w] == 1}
+            made = sum(_grad(dag, u) for u, handed in given if not handed) + sum(
+                nbytes for w, nbytes in weights.items() if w not in added)
             got = buffer.get(node)  # its own, or one handed to it that the others holding it have let go of
             dropped = _grad(dag, got) if got is not None and holders.get(got) == 1 else 0.0
+            dropped += sum(weights[w] for w in added & parts)
             peak = max(peak, output_grads + alive - dropped + made + summed - freed)
         # what this stage made and kept for this backward alone (what ``stays`` was sent)
         for maker, nbytes in facts.releases:

@@ -115,7 +115,8 @@ class NodeEffect:
     the gradient's strides (None: its backward did not run); ``forward``: the most its forward
     held at once above what was alive before it (its output and what it saves included);
     ``weight_grads``: the positions, among the weights the node may read (``TrainingProbe.weight_leaves``),
-    of those its backward gives a gradient (None: its backward did not run)."""
+    of those its backward gives a gradient (None: its backward did not run); ``weights_first``: its
+    backward adds every weight's gradient into theirs before it hands any input its own."""
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
@@ -127,3 +128,4 @@ class NodeEffect:
     input_grads: tuple[tuple[int, bool, tuple[int, ...]], ...] | None
     forward: int = 0
     weight_grads: tuple[int, ...] | None = ()
+    weights_first: bool = False

@@ -61,6 +61,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autoshard.costs.execution import NodeCall
+from autoshard.costs.gradient_order import gradient_order, weights_given_first
 from autoshard.costs.memory import SavedFacts
 from autoshard.costs.probe_memo import (
     CONSTANTS, NodeEffect, OutputTensor, Uncacheable, constant_key, module_key, tensor_key)
@@ -324,6 +325,7 @@ class TrainingProbe:
         self.names = canonical_tensor_names(gm)  # id of a parameter or buffer -> its name, as the DAG's
         self.leaf_names: dict[int, str] = {}  # id of a leaf -> that name
         self.weight_grads: dict[str, tuple[str, ...] | None] = {}  # node -> the weights its backward gives a gradient
+        self.weights_first: set[str] = set()  # nodes whose weights get their gradients before their inputs
         self.kept: list[Any] = []
         self.stand_ins: dict[int, torch.Tensor] = {}  # id of a twin -> the real tensor standing for it
         self.unprobed: list[str] = []
@@ -625,7 +627,10 @@ class TrainingProbe:
 
     def _record_weight_gradients(self, node: fx.Node, effect: NodeEffect, arguments: list[torch.Tensor]) -> None:
         """Which weights ``node``'s backward gives a gradient (``weight_grads``), by their names in the DAG:
-        a function handed a module may read no weight of it (``apply_tf_padding`` reads the conv's settings)."""
+        a function handed a module may read no weight of it (``apply_tf_padding`` reads the conv's settings);
+        and whether it gives them theirs before its inputs (``weights_first``)."""
+        if effect.weights_first:
+            self.weights_first.add(node.name)
         if not effect.weight_grads:  # None (its backward did not run) or none
             self.weight_grads[node.name] = effect.weight_grads
             return
@@ -781,10 +786,11 @@ class TrainingProbe:
         # a fake kernel that could not size its workspace (a backward probed again keeps only its peak)
         if layouts is None and not real and any(nbytes == 0 for nbytes, _ in saved_new):
             raise _Unsized(call.node.name)  # probed on real tensors where there are some, else left unprobed
-        backward, input_grads, weight_grads = 0, (), ()
+        backward, input_grads, weight_grads, weights_first = 0, (), (), False
         try:
             if sent and (wanted or weights):
-                backward, given = self._backward(sent, sent_layouts, wanted + weights, (args, kwargs), real)
+                backward, given, weights_first = self._backward(sent, sent_layouts, wanted + weights, (args, kwargs),
+                                                                real)
                 input_grads = tuple((i, *given[id(t)]) for i, t in zip(indices, wanted)
                                     if i is not None and id(t) in given)
                 candidates = self.weight_leaves(call.node, arguments, real)
@@ -797,7 +803,7 @@ class TrainingProbe:
         outputs, storages, replayable = _output_leaves(leaves, position, new, lambda t: self.original(_storage(t)))
         reusable &= replayable
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
-                            grad, backward, input_grads, forward, weight_grads)
+                            grad, backward, input_grads, forward, weight_grads, weights_first)
         return effect, value, reusable
 
     def _probe_on_real_tensors(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[NodeEffect, Any] | None:
@@ -901,14 +907,16 @@ class TrainingProbe:
         self.holds[name] = tuple(m for m in makers if m and m not in (name, self.views.get(name)))
 
     def _backward(self, sent: list[torch.Tensor], layouts: list[tuple[int, ...] | None], wanted: list[torch.Tensor],
-                  inputs: Any, real: bool = False) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]]]:
+                  inputs: Any, real: bool = False) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]], bool]:
         """The peak ``MemTracker`` sees while ``sent`` back-propagates from gradients of ``layouts``'
         strides, above where it started, and for each ``wanted`` tensor that gets a gradient (by id)
         whether that gradient is one of ``sent``'s itself (handed on, as a view's or an addition's
         backward does, not a new buffer), and its strides. What
         existed before is registered first: the tracker counts a storage it has not seen when an
         operator first touches it, as if it were new. A weight's gradient is dropped as soon as it
-        is made, as training's in-place accumulation into ``.grad`` frees it. ``real``: ``sent`` are real tensors."""
+        is made, as training's in-place accumulation into ``.grad`` frees it; and whether autograd did so
+        for every weight before it handed any input its gradient (``gradient_order``). ``real``: ``sent``
+        are real tensors."""
         new = _zeros_strided if real else self.fresh  # a fake run reads no values
         gradients = [new(t, _new_strides(t) if strides is None else strides) for t, strides in zip(sent, layouts)]
         weights = [t for t in wanted if id(t) in self.leaves]
@@ -916,7 +924,9 @@ class TrainingProbe:
         # training adds a weight's gradient into the one it has and frees it at once: so do these
         hooks = [t.register_hook(lambda g: zeros[g.dtype, g.device].expand(g.shape)) for t in weights]
         try:
-            with self._tracked(*gradients, *wanted, *zeros.values(), *_tensors(inputs)) as peak:
+            with self._tracked(*gradients, *wanted, *zeros.values(), *_tensors(inputs)) as peak, \
+                    gradient_order(sent, [t for t in _tensors(inputs) if t.requires_grad and id(t) not in self.leaves],
+                                   weights) as order:
                 with torch.enable_grad():
                     grads = torch.autograd.grad(sent, wanted, gradients, allow_unused=True)
                 backward = peak()
@@ -928,7 +938,7 @@ class TrainingProbe:
                          g.stride() if g.layout == torch.strided else None)
                  for t, g in zip(wanted, grads) if g is not None}
         del grads
-        return backward, given
+        return backward, given, weights_given_first(order)
 
     def _backwards_from_their_gradients(self) -> None:
         """Probe again the backward of each node whose consumers give its output a gradient laid out
@@ -975,5 +985,5 @@ class TrainingProbe:
                                  self.forward.get(name), self.strided_grads.get(name, ()),
                                  sent_as_copy(values.get(name)), self.when_contiguous.get(name),
                                  dense_order(values.get(name)), self.weight_grads.get(name),
-                                 self.holds.get(name, ()))
+                                 self.holds.get(name, ()), name in self.weights_first)
                 for name in self.grad if name not in self.unrun}

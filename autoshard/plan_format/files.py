@@ -132,7 +132,8 @@ class _Reader:
                           self.dense_order(self.get(obj, "dense_order", list, where, None), f"{where}.dense_order"),
                           self.optional_names(self.get(obj, "weight_grads", list, where, None),
                                               f"{where}.weight_grads"),
-                          self.names(self.get(obj, "holds", list, where, []), f"{where}.holds"))
+                          self.names(self.get(obj, "holds", list, where, []), f"{where}.holds"),
+                          self.get(obj, "weights_first", bool, where, False))
 
     def dense_order(self, obj: list | None, where: str) -> tuple[int, ...] | None:
         """``SavedFacts.dense_order``: a permutation of the dimensions, or absent."""

@@ -322,7 +322,7 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
                            "when_contiguous": _when_contiguous(n.training.when_contiguous),
                            "dense_order": None if n.training.dense_order is None else list(n.training.dense_order),
                            "weight_grads": None if n.training.weight_grads is None else list(n.training.weight_grads),
-                           "holds": list(n.training.holds)}
+                           "holds": list(n.training.holds), "weights_first": n.training.weights_first}
     if n.value:
         out["value"] = dict(n.value)
     return out
