@@ -784,7 +784,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     when nothing else holds it and it is contiguous (``SavedFacts.strided_grads``), else copies
     it; the received gradient itself, handed back through views (a stage that only passes a value
     on: an item, a view, a transpose sent permuted, whose receive buffer is laid out as it is), it
-    takes as it is. The storages of the values sent (``stays``:
+    takes as it is, but copies it where handed back itself (an addition's: the receive buffer still
+    holds it). The storages of the values sent (``stays``:
     their makers, ``_owners``) outlive the microbatch's backward. What ``recomputed`` nodes save
     was not kept, so its release frees nothing of the microbatches held (``recompute_bytes``
     counts it). A weight read by several nodes here gets its gradient in parts, which autograd
@@ -801,6 +802,7 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             readers[w] = readers.get(w, 0) + 1
     parts: set[str] = set()  # the weights whose parts autograd holds
     strided: set[str] = set()  # the values whose gradient is a non-contiguous one, handed to them alone
+    viewed: set[str] = set()  # the values whose gradient is a view of the one received (a view's backward made it)
     alive = freed = peak = 0.0
 
     def hold(value: str, held: str | None) -> None:
@@ -865,6 +867,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         for u, handed in given:
             if u not in buffer:
                 hold(u, mine if handed else u)
+                if handed and mine is None and (facts.views is not None or node in viewed):
+                    viewed.add(u)
                 if u in facts.strided_grads and not (handed and permuted_buffer):
                     strided.add(u)
             elif shared(u) or u in strided:  # the sum is a new buffer
@@ -889,7 +893,9 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # let go of the buffers they shared with it by then: autograd copies it into the one sent back if
         # another value received still holds that buffer or it is strided, unless it crossed permuted: then it
         # comes through the permutes' views, which autograd takes whole if laid out in that order
-        received_back = buffer[u] is None  # the gradient received, handed back: taken as it is
+        # the gradient received, handed back through a view: taken as it is; handed back itself (by an
+        # addition), the receive buffer still holds it, so autograd copies it
+        received_back = buffer[u] is None and u in viewed
         if (shared(u) and not received_back and not _crossed_permuted(dag, u)) or u in strided:
             peak = max(peak, output_grads + alive + _grad(dag, u) - freed)  # beside the one it copies
             release(buffer[u])
