@@ -13,7 +13,7 @@ import autoshard
 from autoshard.runtime import OffloadRunner
 
 from autoshard.capture import capture
-from autoshard.capture.guard import DimSpec, InputGuard, check_condition, check_inputs
+from autoshard.capture.guard import DimSpec, InputGuard, check_condition, check_inputs, usable_conditions
 from autoshard.capture.signature import CallSignature
 from autoshard.errors import ExampleInputsError, InputMismatchError, InvalidArgumentError, SpecializationMismatch
 
@@ -89,6 +89,53 @@ def test_a_flipped_condition_is_refused_and_a_held_one_passes():
     check_condition(True, True, "the condition at m.py:3 (`if n > 1:`)")
     with pytest.raises(InputMismatchError, match=r"the condition at m.py:3 \(`if n > 1:`\) is False for"):
         check_condition(False, True, "the condition at m.py:3 (`if n > 1:`)")
+
+
+BOUNDED = InputGuard(names=("x",), returns=("x",),
+                     shapes={"x": (DimSpec(size=4), DimSpec(symbol="s0", low=2, high=8))},
+                     fixed_size_advice="; the capture fixed it")
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (4, 8)])
+def test_sizes_at_either_end_of_a_range_are_served(shape):
+    x = torch.zeros(shape)
+    assert check_inputs(BOUNDED, x)[0] is x
+
+
+@pytest.mark.parametrize("shape, problem", [
+    ((5, 2), r"x.shape\[0\] is 5, but the plan only serves 4; the capture fixed it"),
+    ((4, 1), r"x.shape\[1\] is 1, outside what the plan serves \(s0 >=2,<=8\)"),
+    ((4, 9), r"x.shape\[1\] is 9, outside what the plan serves \(s0 >=2,<=8\)"),
+])
+def test_a_size_the_plan_does_not_serve_is_one_another_capture_could_serve(shape, problem):
+    with pytest.raises(SpecializationMismatch, match=problem) as info:
+        check_inputs(BOUNDED, torch.zeros(shape))
+    assert info.value.before_compute  # checked before any stage ran: a re-specialisation may rerun none
+
+
+def test_another_constant_or_dtype_is_refused_as_no_new_capture_would_serve_it():
+    for call in [(torch.zeros(3, 5, dtype=torch.long), torch.zeros(3, 5, dtype=torch.long), True),
+                 (torch.zeros(3, 5), torch.zeros(3, 5, dtype=torch.long), False)]:
+        with pytest.raises(InputMismatchError) as info:
+            check_inputs(GUARD, *call)
+        assert not isinstance(info.value, SpecializationMismatch)  # a re-specialisation would not serve it
+
+
+EVEN = InputGuard(names=("x",), returns=("x",), shapes={"x": (DimSpec(symbol="s0"),)},
+                  conditions=("8 % L['x'].size()[0] == 0",))
+
+
+def test_a_condition_on_sizes_the_capture_relied_on_is_checked_on_every_call():
+    check_inputs(EVEN, torch.zeros(4))
+    for size in (3, 0):  # 0: the condition cannot be evaluated (8 % 0), so it does not hold
+        with pytest.raises(SpecializationMismatch, match=r"captured where 8 % x.shape\[0\] == 0, which these"):
+            check_inputs(EVEN, torch.zeros(size))
+
+
+def test_only_conditions_true_of_the_example_and_not_implied_by_the_ranges_are_kept():
+    conditions = ["L['x'].size()[0] % 2 == 0", "L['x'].size()[0] % 3 == 0", "L['x'].size()[0] != 1",
+                  "L['x'].size()[0] >= 2", "L['x'].size()[0] == 4"]
+    assert usable_conditions(conditions, {"x": torch.zeros(4)}) == ("L['x'].size()[0] % 2 == 0",)
 
 
 class OptionalMask(nn.Module):
