@@ -14,7 +14,7 @@ from torch import nn
 import autoshard
 from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch
 from autoshard.runtime.replay import serving_plan
-from autoshard.specialize import SpecializationLimitWarning, holders
+from autoshard.specialize import SpecializationLimitWarning, Specializer, holders
 
 
 class SizeBranch(nn.Module):
@@ -180,6 +180,41 @@ def test_a_call_the_model_itself_refuses_gets_the_models_error():
     assert sharded.specializations == ()
 
 
+class RefusesSmallBatches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if x.shape[0] < 3:
+            raise LookupError("this model takes batches of 3 or more")
+        return self.b(h)
+
+
+def test_a_call_the_model_refuses_only_in_its_new_capture_gets_the_models_error():
+    sharded = autoshard.shard_model(RefusesSmallBatches(), 2, (torch.randn(4, 8),))
+    with pytest.raises(LookupError, match="batches of 3 or more"):
+        sharded(torch.randn(2, 8))  # the plan's guard fails, then the model raises in the new capture
+    assert sharded.specializations == ()
+
+
+def test_a_call_runs_first_the_plan_that_last_served_its_shapes():
+    """A cached plan costs its own guard check: the plans that refused these shapes are not run again."""
+    model, sharded = size_branch()
+    sharded(torch.randn(1, 8))  # a capture for the other branch
+    tried = []
+
+    def run(plan: autoshard.ShardedModel, args: tuple, kwargs: dict) -> torch.Tensor:
+        tried.append(plan)
+        return plan.run_stages(args, kwargs)
+
+    for _ in range(2):
+        sharded.specializer.serve(sharded, (torch.randn(2, 8),), {}, run=run)
+    made = sharded.specializations[0].sharded
+    assert tried == [sharded, made, made]
+
+
 def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_specialize_serves_it():
     torch.manual_seed(0)
     model = SizeBranch(norm=True).train()
@@ -193,6 +228,51 @@ def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_speci
     model.norm.running_mean.copy_(twin.norm.running_mean)
     assert torch.equal(sharded(x), twin(x))
     assert torch.equal(model.norm.running_mean, twin.norm.running_mean)
+
+
+def test_in_training_mode_stages_that_draw_random_numbers_are_not_run_again_either():
+    model = SizeBranch().train()
+    model.norm = nn.Dropout(0.5)  # no buffers: only the draws would differ from the model's
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    with pytest.raises(SpecializationMismatch, match="draw random numbers"):
+        sharded(torch.randn(2, 8))
+    assert sharded.specializations == ()
+
+
+def test_in_training_mode_a_size_refused_before_any_stage_ran_is_served_by_a_new_capture():
+    """export's guard refuses the size at the first node, before a stage computed: none runs twice."""
+    torch.manual_seed(0)
+    model = SizeBranch(norm=True).train()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),),
+                                    pipeline="export,shape-prop,build-dag,linearize,split,emit")
+    twin, x = copy.deepcopy(model), torch.randn(2, 8)
+    assert torch.equal(sharded(x), twin(x))
+    assert torch.equal(model.norm.running_mean, twin.norm.running_mean)  # updated once
+    assert "outside what the plan serves" in sharded.specializations[0].guard
+
+
+def test_in_training_mode_a_call_by_keyword_runs_the_plan_made_for_its_shapes_first():
+    """Plans are looked up by the shapes of keyword arguments too: the other plan, tried first, would
+    fail its guard after stage 0 ran, which training mode refuses."""
+    torch.manual_seed(0)
+    model = SizeBranch(norm=True).train()
+    sharded = autoshard.shard_model(model, 2, example_kwargs={"x": torch.randn(4, 8)})
+    sharded.specialize(x=torch.randn(2, 8))
+    twin = copy.deepcopy(model)
+    for batch in (4, 2, 4):
+        x = torch.randn(batch, 8)
+        assert torch.equal(sharded(x=x), twin(x=x))
+
+
+def test_a_new_capture_holding_a_weight_in_another_stage_is_refused():
+    """The capture is given every weight's stage as a pin; what it returns is checked all the same."""
+    model, sharded = size_branch()
+    elsewhere = autoshard.shard_model(model, 4, (torch.randn(1, 8),))
+    sharded.specializer = Specializer(model, lambda *_: elsewhere, example=((torch.randn(4, 8),), {}))
+    with pytest.raises(InputMismatchError, match=r"a new capture for these inputs holds '.*' in stage\(s\) \[\d\], "
+                                                 r"but the plan holds it in stage\(s\) \[\d\]"):
+        sharded(torch.randn(1, 8))
+    assert sharded.specializations == ()
 
 
 def test_copies_and_pickles_serve_what_their_own_guards_allow():
@@ -427,6 +507,8 @@ def test_a_microbatch_with_other_constants_or_arguments_gets_a_plan_of_its_own_w
         assert sharded.specializer.plan_for(sharded, (rows,), kwargs) is plan
         assert torch.equal(sharded(rows, **kwargs), model(rows, **kwargs))
     assert len(sharded.specializations) == 3  # every call above was served by a plan made for it
+    as_int = sharded.specializer.plan_for(sharded, (x,), {"scale": 2, "gate": gate})  # equal by ==, but an int
+    assert as_int is not sharded and len(sharded.specializations) == 4  # as the guard compares it
     passed_default = autoshard.shard_model(model, 2, (x,), {"scale": 1.0})  # the default, passed: the same
     assert passed_default.specializer.plan_for(passed_default, (x,), {}) is passed_default
 
