@@ -251,8 +251,26 @@ def test_a_budget_the_unbudgeted_plan_fits_is_never_refused(monkeypatch, k=4):
     need = max(s.total for s in stage_memory(unbudgeted.dag, unbudgeted.assignment, k))
     search = placements.fitted
     monkeypatch.setattr(placements, "fitted", lambda *a, **kw: dataclasses.replace(search(*a, **kw), fits=False))
+    monkeypatch.setattr(placements, "in_order", lambda *_: "")  # nor does the exact search find it
     planned = autoshard.shard_model(model, k, example_inputs=(x,), max_memory=need, pipeline=PLAN_ONLY).plan
     assert planned.assignment == unbudgeted.assignment
+
+
+def test_cost_memory_refuses_a_budget_no_plan_fits_as_the_search_does():
+    """Where the budgeted search finds no plan, cost=memory takes its plan made without budgets only
+    if that fits: under a budget nothing fits, the search's refusal is the answer, not a plan over it."""
+    model, x = activation_heavy_chain()
+    with pytest.raises(InfeasibleSplitError, match="^no split into 2 stages fits max_memory"):
+        autoshard.shard_model(model, 2, example_inputs=(x,), cost="memory", max_memory=50_000, pipeline=PLAN_ONLY)
+
+
+def test_cost_memory_on_stages_of_unequal_capacity_keeps_the_default_plan_only_within_budget():
+    """With stage 0 twice as fast, the split by weight bytes has the lower bottleneck per capacity, but its
+    stage 0 holds 269 kB: under a 200 kB budget the memory-balanced plan, which fits, is the one made."""
+    model, x = activation_heavy_chain()
+    plan = autoshard.shard_model(model, 2, example_inputs=(x,), cost="memory", capacities=(2, 1),
+                                 max_memory=200_000, pipeline=PLAN_ONLY).plan
+    assert peak_memory(plan.dag, plan.assignment, 2) <= 200_000
 
 
 def test_a_refusal_names_the_stage_furthest_over_and_the_others_over():
