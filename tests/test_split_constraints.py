@@ -341,6 +341,14 @@ def test_memory_budgets_move_cuts_off_the_cost_balance():
     assert split_dag(dag, 2, tolerance=0.0, memory_budgets=6) == constrained.assignment  # one for all
 
 
+def test_memory_budgets_a_node_or_the_whole_needs_exactly_are_met():
+    """v0 needs all of stage 0's budget and the nodes all of both: the checks before the split compare
+    with <= (and round-off room), as the split does."""
+    dag = chain([1] * 6, memory=[5, 1, 1, 1, 1, 1])
+    assignment = split_dag(dag, 2, tolerance=0.0, memory_budgets=[5, 5])
+    check_constraints(dag, assignment, 2, Constraints.build(memory_budgets=[5, 5]))
+
+
 @pytest.mark.parametrize("k, kwargs, error, message", [
     (2, {"memory_budgets": [3, 3]}, InfeasibleSplitError, "memory_budgets sum to 6 but the nodes need 10"),
     (3, {"memory_budgets": [4, 4, 4]}, InfeasibleSplitError, "node 'v0' needs memory 5, more than the largest"),
