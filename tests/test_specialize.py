@@ -230,6 +230,18 @@ def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_speci
     assert torch.equal(model.norm.running_mean, twin.norm.running_mean)
 
 
+def test_in_training_mode_a_call_for_new_shapes_is_refused_alike_once_specialisations_exist():
+    """New shapes try the first plan, whose guard fails after stage 0 ran: refused as on the first
+    call (the stages hold a batch norm), though a specialisation serving them exists."""
+    torch.manual_seed(0)
+    model = SizeBranch(norm=True).train()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    sharded.specialize(torch.randn(2, 8))
+    with pytest.raises(SpecializationMismatch, match=r"Call sharded.specialize\(\*args, \*\*kwargs\)"):
+        sharded(torch.randn(1, 8))
+    assert len(sharded.specializations) == 1
+
+
 def test_in_training_mode_stages_that_draw_random_numbers_are_not_run_again_either():
     model = SizeBranch().train()
     model.norm = nn.Dropout(0.5)  # no buffers: only the draws would differ from the model's
