@@ -112,10 +112,11 @@ class InputGuard:
                         f"then {then!r}), and the plan computes with the old value"), {}
         leaves = dict(values)
         for name, structure in self.structures.items():
-            problem = structure.dtype_problem(name, leaves[name])
+            named = structure.leaf_values(name, leaves[name])
+            problem = structure.dtype_problem(name, named)
             if problem:
                 return problem, {}
-            leaves.update(structure.leaf_values(name, leaves[name]))
+            leaves.update(named)
         for name, dtype in self.dtypes.items():
             value = leaves[name]
             if not isinstance(value, torch.Tensor) or value.dtype != dtype:

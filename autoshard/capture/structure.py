@@ -93,13 +93,13 @@ class ArgumentStructure:
                         "which it computes with")
         return None
 
-    def dtype_problem(self, name: str, value: Any) -> str | None:
-        """A tensor in ``value`` of another dtype than the capture's, or None; ``value`` has the
-        captured layout (``layout_problem`` found none)."""
-        got = {keystr(path): leaf for path, leaf in tree_flatten_with_path(value)[0]}
+    def dtype_problem(self, name: str, leaves: Mapping[str, Any]) -> str | None:
+        """A tensor of another dtype than the capture's among ``leaves`` (``leaf_values`` of a value
+        with the captured layout: ``layout_problem`` found none), or None."""
         for path, captured in zip(self.paths, self.leaves):
-            if isinstance(captured, torch.dtype) and got[path].dtype != captured:
-                return f"{name}{path} is {_kind(got[path])}, but the plan was captured with a {captured} tensor there"
+            leaf = leaves[name + path]
+            if isinstance(captured, torch.dtype) and leaf.dtype != captured:
+                return f"{name}{path} is {_kind(leaf)}, but the plan was captured with a {captured} tensor there"
         return None
 
     def __reduce__(self) -> tuple[Any, ...]:
