@@ -35,6 +35,7 @@ the search a refusal now runs last), which says whether a refused budget had a f
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import statistics
@@ -46,6 +47,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils._pytree import tree_map_only  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard.costs.memory import MemoryModel  # noqa: E402
@@ -74,6 +76,24 @@ def wide_gpt_lm() -> Case:
     """The issue's activation-heavy case: GPT-style LM of width 64, 16 sequences of 256 tokens."""
     torch.manual_seed(0)
     return GPTStyleLM(width=64, layers=4, max_seq=256).eval(), (torch.randint(0, 100, (16, 256)),), {}
+
+
+def gpu_gpt_lm() -> Case:
+    """A GPT-style LM sized for a GPU (measured there: tiny cases are mostly the allocator's 512-byte
+    rounding and cuBLAS's workspace): 8 layers of width 1024 (0.47 GB of weights), 8 sequences of 512 tokens."""
+    torch.manual_seed(0)
+    model = GPTStyleLM(vocab=8192, width=1024, layers=8, heads=16, max_seq=512).eval()
+    return model, (torch.randint(0, 8192, (8, 512)),), {}
+
+
+def gpt2_small() -> Case:
+    """GPT-2 small's shape (12 layers of width 768) in training mode, 4 sequences of 512 tokens."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_positions=512, vocab_size=8192)
+    model = transformers.GPT2LMHeadModel(config).train()
+    return model, (), {"input_ids": torch.randint(0, 8192, (4, 512)), "use_cache": False}
 
 
 def tiny_llama() -> Case:
@@ -286,6 +306,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "hf-wav2vec2": tiny_wav2vec2,
     "torch-decoder": torch_decoder,
     "tied-bf16": tied_bf16_lm,
+    "gpt-lm-gpu": gpu_gpt_lm,
+    "gpt2-small": gpt2_small,
 }
 QUICK = ("residual-mlp", "gpt-lm", "transformer-lm")
 
@@ -309,7 +331,17 @@ def deepspeed_model_states(stage: nn.Module, optimizer: str) -> int:
     return params * (4 + 4 + 4 * len(OPTIMIZER_STATE[optimizer]))
 
 
-def rows(name: str, ks: tuple[int, ...], counts: tuple[int, ...], optimizers: tuple[str, ...]) -> list[dict]:
+def on(device: str, sharded: autoshard.ShardedModel, args: tuple, kwargs: dict
+       ) -> tuple[autoshard.ShardedModel, tuple, dict]:
+    """A copy of the plan and the inputs on ``device``, where the stages are measured (planned on the
+    CPU: the prediction is the plan's, wherever it runs). A copy: the stages hold the model's own
+    weights, and the model is planned again."""
+    there = sharded if device == "cpu" else copy.deepcopy(sharded).to(device)
+    return there, *tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
+
+
+def rows(name: str, ks: tuple[int, ...], counts: tuple[int, ...], optimizers: tuple[str, ...],
+         device: str = "cpu") -> list[dict]:
     model, args, kwargs = CASES[name]()
     out = []
     for k in ks:
@@ -318,11 +350,13 @@ def rows(name: str, ks: tuple[int, ...], counts: tuple[int, ...], optimizers: tu
         except autoshard.errors.AutoshardError as exc:
             print(f"{name} k={k}: no plan ({type(exc).__name__}: {str(exc)[:120]})")
             continue
+        there, args_there, kwargs_there = on(device, sharded, args, kwargs)
         for optimizer in optimizers:
             for count in counts:  # measured for each count: the receive buffers grow with it, not only in flight
                 report = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=count, optimizer=optimizer))
                 for j in range(k):
-                    m = measure_stage_memory(sharded, j, args, kwargs, microbatches=count, optimizer=optimizer)
+                    m = measure_stage_memory(there, j, args_there, kwargs_there, microbatches=count,
+                                             optimizer=optimizer)
                     stage = sharded.stages[j]
                     out.append(dict(model=name, k=k, mb=count, opt=optimizer, stage=j, in_flight=m.in_flight,
                                     measured=m.peak, parts=m.parts, predicted=report.stages[j].memory.total,
@@ -344,7 +378,8 @@ def least(splits: ProgramOrderSplits, high: float, steps: int = 14) -> float:
     return high
 
 
-def budget_rows(name: str, k: int = 4, fractions: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9, 1.0)) -> list[dict]:
+def budget_rows(name: str, k: int = 4, fractions: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9, 1.0),
+                device: str = "cpu") -> list[dict]:
     """Plans under max_memory at ``fractions`` of the unconstrained plan's fullest stage, predicted and
     measured, beside the least fullest stage any split of program order reaches (``least``: a budget
     below it has no fitting split of that order, one above it has)."""
@@ -364,7 +399,8 @@ def budget_rows(name: str, k: int = 4, fractions: tuple[float, ...] = (0.6, 0.7,
             out.append(row)
             continue
         row["predicted"] = [s.memory.total for s in autoshard.plan_report(sharded).stages]
-        row["peaks"] = [measure_stage_memory(sharded, j, args, kwargs).peak for j in range(k)]
+        there, args_there, kwargs_there = on(device, sharded, args, kwargs)
+        row["peaks"] = [measure_stage_memory(there, j, args_there, kwargs_there).peak for j in range(k)]
         out.append(row)
         show_budgets(out[-1:], head=False)
     return out
@@ -427,19 +463,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="k = 4, 4 microbatches, Adam, the built-in examples")
     parser.add_argument("--models", help="comma-separated subset of " + ", ".join(CASES))
     parser.add_argument("--budgets", action="store_true", help="the budget table only (k = 4, Adam, 4 microbatches)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the stages are measured (planned on the CPU); on cuda the peak is "
+                        "torch.cuda.max_memory_allocated")
     options = parser.parse_args()
     names = options.models.split(",") if options.models else list(QUICK if options.quick else CASES)
     ks, counts, optimizers = ((4,), (4,), ("adam",)) if options.quick else ((2, 4, 8), (1, 4, 8), ("adam", "sgd"))
     if not options.budgets:
         start = time.perf_counter()
-        table = [r for name in names for r in rows(name, ks, counts, optimizers)]
+        table = [r for name in names for r in rows(name, ks, counts, optimizers, options.device)]
         show(table)
         summary(table)
         print(f"\n{len(table)} stage rows in {time.perf_counter() - start:.0f} s; 1F1B; fp32; "
+              f"measured on {options.device}, torch {torch.__version__}; "
               f"in-flight (fl) = min(k - stage, microbatches)")
     if options.budgets or not options.quick:
         start = time.perf_counter()
-        budgets = [r for name in names for r in budget_rows(name)]
+        budgets = [r for name in names for r in budget_rows(name, device=options.device)]
         show_budgets(budgets)
         print(f"budget table in {time.perf_counter() - start:.0f} s")
 
