@@ -93,8 +93,9 @@ def follow_input_device(graph: fx.Graph) -> None:
         return reads[value]
 
     for node in body:
-        node.args = fx.node.map_aggregate(node.args, read)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, read)
+        if node.target is not stage_device:  # once per graph: a read already made is kept as it is
+            node.args = fx.node.map_aggregate(node.args, read)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, read)
 
 
 def _stage_graph(

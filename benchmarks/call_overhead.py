@@ -35,9 +35,11 @@ for the MLP row, far longer for the others (each instruction runs about 50x slow
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import gc
 import glob
+import linecache
 import os
 import re
 import shutil
@@ -211,6 +213,58 @@ def measure(row: Row, repeats: int, cuda: bool) -> dict[str, Any]:
     return result
 
 
+def _syncs(fn: Callable[[], Any]) -> list[str]:
+    """Where one call waits for the GPU: the caller of each synchronising operation (a value read
+    back, a copy to the host), as ``torch.cuda.set_sync_debug_mode`` warns of it."""
+    sites: list[str] = []
+
+    def note(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
+        sites.append(f"{os.path.basename(filename)}:{lineno} {linecache.getline(filename, lineno).strip()[:90]}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites
+
+
+def _kernels(fn: Callable[[], Any]) -> collections.Counter:
+    """The GPU kernels one call launches, by name (``torch.profiler``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return collections.Counter(e.name for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def syncs(row: Row) -> None:
+    """``--syncs``: where one call of the model and of its stages waits for the GPU, and the kernels
+    each launches that the other does not (on the GPU, a small call's time is its launches)."""
+    row.model.to("cuda")
+    row.args = tuple(a.to("cuda") for a in row.args)
+    sharded = autoshard.shard_model(row.model, row.stages, example_inputs=row.args)
+    launched = {}
+    with torch.enable_grad() if row.backward else torch.no_grad():
+        for name, fn in _variants(row, sharded).items():
+            if callable(fn) and name != "pipeline()":
+                fn()  # warm: first calls build caches
+                found = _syncs(fn)
+                launched[name] = _kernels(fn)
+                print(f"{row.name}, k={row.stages}, {name}: {len(found)} synchronising operations, "
+                      f"{sum(launched[name].values())} kernels"
+                      + "".join(f"\n    {site}" for site in dict.fromkeys(found)), flush=True)
+    for name in ("sharded", "chained"):
+        more, fewer = launched[name] - launched["eager"], launched["eager"] - launched[name]
+        for sign, kernels in (("+", more), ("-", fewer)):
+            for kernel, count in kernels.most_common(6):
+                print(f"    {name} {sign}{count} {kernel[:110]}")
+
+
 # -- instruction counts (--instructions) ----------------------------------------------------------
 _REQUESTS = """#include <valgrind/callgrind.h>
 int running(void) { return RUNNING_ON_VALGRIND; }
@@ -318,6 +372,8 @@ def main() -> None:
                         help="interleaved repeats per row, best kept (more find quieter moments on a loaded machine)")
     parser.add_argument("--only", default="", help="run only the rows whose name contains this (e.g. MLP)")
     parser.add_argument("--cuda", action="store_true", help="run on the GPU (CUDA-synchronised timings)")
+    parser.add_argument("--syncs", action="store_true",
+                        help="on the GPU, nothing timed: where one call of each variant waits for the GPU")
     parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall",
                         help="thread: CPU time of this thread, steadier on a loaded machine (not with --cuda)")
     parser.add_argument("--instructions", action="store_true",
@@ -336,6 +392,12 @@ def main() -> None:
     warnings.filterwarnings("ignore")  # pipeline()'s and transformers' notices would break the table
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if options.syncs:
+        for name, make in ROWS.items():
+            row = make() if options.only in name else None
+            if row is not None:
+                syncs(row)
+        return
     if not options.instructions:
         print("| row | k | eager (us) | sharded (us) | chained (us) | pipeline() (us) | sharded / eager "
               "| added / stage call (us) | bit-exact |")

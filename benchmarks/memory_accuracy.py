@@ -35,7 +35,6 @@ the search a refusal now runs last), which says whether a refused budget had a f
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import statistics
@@ -331,18 +330,16 @@ def deepspeed_model_states(stage: nn.Module, optimizer: str) -> int:
     return params * (4 + 4 + 4 * len(OPTIMIZER_STATE[optimizer]))
 
 
-def on(device: str, sharded: autoshard.ShardedModel, args: tuple, kwargs: dict
-       ) -> tuple[autoshard.ShardedModel, tuple, dict]:
-    """A copy of the plan and the inputs on ``device``, where the stages are measured (planned on the
-    CPU: the prediction is the plan's, wherever it runs). A copy: the stages hold the model's own
-    weights, and the model is planned again."""
-    there = sharded if device == "cpu" else copy.deepcopy(sharded).to(device)
-    return there, *tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
+def case_on(name: str, device: str) -> Case:
+    """The case's model and inputs on ``device``, where it is planned and measured: the plan's probe of
+    what autograd saves runs that device's kernels (flash attention on a GPU saves no attention matrix)."""
+    model, args, kwargs = CASES[name]()
+    return model.to(device), *tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
 
 
 def rows(name: str, ks: tuple[int, ...], counts: tuple[int, ...], optimizers: tuple[str, ...],
          device: str = "cpu") -> list[dict]:
-    model, args, kwargs = CASES[name]()
+    model, args, kwargs = case_on(name, device)
     out = []
     for k in ks:
         try:
@@ -350,19 +347,25 @@ def rows(name: str, ks: tuple[int, ...], counts: tuple[int, ...], optimizers: tu
         except autoshard.errors.AutoshardError as exc:
             print(f"{name} k={k}: no plan ({type(exc).__name__}: {str(exc)[:120]})")
             continue
-        there, args_there, kwargs_there = on(device, sharded, args, kwargs)
         for optimizer in optimizers:
             for count in counts:  # measured for each count: the receive buffers grow with it, not only in flight
                 report = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=count, optimizer=optimizer))
                 for j in range(k):
-                    m = measure_stage_memory(there, j, args_there, kwargs_there, microbatches=count,
-                                             optimizer=optimizer)
+                    m = measure_stage_memory(sharded, j, args, kwargs, microbatches=count, optimizer=optimizer)
                     stage = sharded.stages[j]
                     out.append(dict(model=name, k=k, mb=count, opt=optimizer, stage=j, in_flight=m.in_flight,
                                     measured=m.peak, parts=m.parts, predicted=report.stages[j].memory.total,
+                                    predicted_parts=_predicted_parts(report.stages[j].memory),
                                     weights=weights_only(stage), deepspeed=deepspeed_model_states(stage, optimizer)))
                     show(out[-1:], head=False)  # as it goes: the full grid is long
     return out
+
+
+def _predicted_parts(memory: Any) -> tuple[float, ...]:
+    """The prediction's parts beside the measured ones: saved activations of the microbatches in
+    flight, the received buffers, and the larger of a forward's and a backward's transient."""
+    return (memory.activation_bytes * memory.in_flight, memory.buffer_bytes,
+            max(memory.forward_bytes, memory.backward_bytes))
 
 
 def least(splits: ProgramOrderSplits, high: float, steps: int = 14) -> float:
@@ -383,7 +386,7 @@ def budget_rows(name: str, k: int = 4, fractions: tuple[float, ...] = (0.6, 0.7,
     """Plans under max_memory at ``fractions`` of the unconstrained plan's fullest stage, predicted and
     measured, beside the least fullest stage any split of program order reaches (``least``: a budget
     below it has no fitting split of that order, one above it has)."""
-    model, args, kwargs = CASES[name]()
+    model, args, kwargs = case_on(name, device)
     free = plan(model, k, args, kwargs)
     fullest = max(s.memory.total for s in autoshard.plan_report(free).stages)
     dag, memory = free.plan.dag, MemoryModel()
@@ -399,8 +402,7 @@ def budget_rows(name: str, k: int = 4, fractions: tuple[float, ...] = (0.6, 0.7,
             out.append(row)
             continue
         row["predicted"] = [s.memory.total for s in autoshard.plan_report(sharded).stages]
-        there, args_there, kwargs_there = on(device, sharded, args, kwargs)
-        row["peaks"] = [measure_stage_memory(there, j, args_there, kwargs_there).peak for j in range(k)]
+        row["peaks"] = [measure_stage_memory(sharded, j, args, kwargs).peak for j in range(k)]
         out.append(row)
         show_budgets(out[-1:], head=False)
     return out
@@ -433,7 +435,8 @@ def show_budgets(table: list[dict], head: bool = True) -> None:
 
 def show(table: list[dict], head: bool = True) -> None:
     title = (f"{'model':<15}{'k':>2}{'mb':>3} {'opt':<5}{'st':>3}{'fl':>3}{'measured':>11}{'predicted':>11}"
-             f"{'pred/meas':>10}{'weights/meas':>13}{'deepspeed/meas':>15}   measured parts (kB: w g o act recv tmp)")
+             f"{'pred/meas':>10}{'weights/meas':>13}{'deepspeed/meas':>15}   measured parts (kB: w g o act recv tmp)"
+             "   predicted (kB: act recv transient)")
     if head:
         print(title)
         print("-" * len(title))
@@ -441,7 +444,8 @@ def show(table: list[dict], head: bool = True) -> None:
         parts = " ".join(f"{v / 1e3:.0f}" for v in r["parts"].values())
         print(f"{r['model']:<15}{r['k']:>2}{r['mb']:>3} {r['opt']:<5}{r['stage']:>3}{r['in_flight']:>3}"
               f"{r['measured']:>11,}{r['predicted']:>11,.0f}{r['predicted'] / r['measured']:>10.2f}"
-              f"{r['weights'] / r['measured']:>13.2f}{r['deepspeed'] / r['measured']:>15.2f}   {parts}", flush=True)
+              f"{r['weights'] / r['measured']:>13.2f}{r['deepspeed'] / r['measured']:>15.2f}   {parts}   "
+              + " ".join(f"{v / 1e3:.0f}" for v in r["predicted_parts"]), flush=True)
 
 
 def summary(table: list[dict]) -> None:
@@ -464,7 +468,7 @@ def main() -> None:
     parser.add_argument("--models", help="comma-separated subset of " + ", ".join(CASES))
     parser.add_argument("--budgets", action="store_true", help="the budget table only (k = 4, Adam, 4 microbatches)")
     parser.add_argument("--device", default="cpu",
-                        help="where the stages are measured (planned on the CPU); on cuda the peak is "
+                        help="where the models are planned and measured; on cuda the peak is "
                         "torch.cuda.max_memory_allocated")
     options = parser.parse_args()
     names = options.models.split(",") if options.models else list(QUICK if options.quick else CASES)

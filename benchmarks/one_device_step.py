@@ -12,8 +12,8 @@ the two-process CPU pipeline, links and bubbles included.
 
 Workloads: ``step_time.py``'s three small ones (a GPU runs them in well under a millisecond a
 stage: the runtime's and PyTorch's per-op overhead is most of their time) and a GPT-style LM of
-8 layers of width 1024 computing its loss (8 sequences of 64 tokens a microbatch: the GPU's
-arithmetic is most of its time). Plans are made on the CPU on one microbatch, split by
+8 layers of width 1024 (8 sequences of 64 tokens a microbatch: the GPU's arithmetic is most of its
+time); the language models' loss is computed after the last stage. Plans are made on the CPU on one microbatch, split by
 parameters. Measured: the median of ``--repeats`` ``schedule.step`` calls after two warm-ups,
 synchronised on CUDA. Predicted: ``predict_step`` from each stage timed whole on one microbatch
 on the same device (``measure_stage_time``), ``calibrate=False`` (the calibration is gloo's between
@@ -29,18 +29,36 @@ import statistics
 import time
 from datetime import date
 import torch
+import torch.nn.functional as F
 
 import autoshard
 from autoshard.costs.step_time import StepTimeModel
-from autoshard.examples import GPTStyleLMWithLoss
-from autoshard.runtime import build_schedule, measure_stage_time, model_loss, pipeline_stage, predict_step, run_local
-from step_time import SEQ, VOCAB, WORKLOADS, Workload, _ids_targets
+from autoshard.examples import GPTStyleLM
+from autoshard.runtime import build_schedule, measure_stage_time, pipeline_stage, predict_step, run_local
+from step_time import SEQ, VOCAB, WORKLOADS, Workload, hf_gpt2
 
 WARMUP = 2
-LARGE = {"gpt-lm 8x1024": Workload(
-    lambda: GPTStyleLMWithLoss(vocab=VOCAB, width=1024, layers=8, heads=16, max_seq=SEQ, tied=False),
-    _ids_targets, model_loss, 8)}
-ALL = {**LARGE, **WORKLOADS}  # the large one first: it is what a GPU is for
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _ids(rows: int, gen: torch.Generator) -> tuple[tuple, dict, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=gen)
+    return (ids,), {}, ids
+
+
+#: The loss after the last stage, so only floats cross the boundaries: the GPU image's torch 2.11
+#: ``PipelineStage`` refuses an integer tensor received (it asks it to require grad), 2.13 does not.
+ALL = {
+    "gpt-lm 8x1024": Workload(lambda: GPTStyleLM(vocab=VOCAB, width=1024, layers=8, heads=16, max_seq=SEQ),
+                              _ids, _lm_loss, 8),  # first: it is what a GPU is for
+    "residual-mlp 8x512": WORKLOADS["residual-mlp 8x512"],
+    "gpt-lm 4x128": Workload(lambda: GPTStyleLM(vocab=VOCAB, width=128, layers=4, heads=4, max_seq=SEQ),
+                             _ids, _lm_loss, 4),
+    "hf-gpt2 4x128": Workload(hf_gpt2, _ids, _lm_loss, 4),
+}
 CASES = [(2, 4), (2, 8), (4, 4), (4, 8)]
 """(stages, microbatches)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 
@@ -408,3 +409,32 @@ def test_an_opaque_result_that_depends_on_the_values_in_a_way_zeros_and_ones_mis
     assert sharded.plan.wrapped  # something around the mask detection runs whole
     with torch.no_grad():
         assert torch.equal(sharded(src, causal_mask(12)), model(src, causal_mask(12)))
+
+
+class _FloatRegion(nn.Module):
+    """A region with autocast off, as Hugging Face's rotary embeddings write it: export makes it a
+    higher-order op whose body holds the capture's device (``ones(device=...)``, the check of ``.to``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.autocast(x.device.type, enabled=False):
+            h = h.to(torch.float32) * torch.ones(8, device=x.device)
+        return self.b(h)
+
+
+def test_a_plan_captured_on_one_device_runs_on_another_through_a_higher_order_ops_body():
+    """A Llama plan exported on the CPU failed on a GPU ("Tensor device mismatch! Expected: cpu"):
+    the region's body now reads its device from its inputs, as each stage does (meta stands in
+    for the other device)."""
+    torch.manual_seed(0)
+    model, x = _FloatRegion(), torch.randn(2, 8)
+    pipeline = "export,shape-prop,build-dag,linearize,split{stages=2},emit"
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,), pipeline=pipeline)
+    assert "wrap_with_autocast" in sharded.stages[1].code, "the region must be a higher-order op for this test"
+    torch.testing.assert_close(sharded(x), model(x), rtol=0, atol=0)
+    elsewhere = copy.deepcopy(sharded).to("meta")
+    assert elsewhere(x.to("meta")).device.type == "meta"

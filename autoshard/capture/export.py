@@ -37,6 +37,7 @@ from autoshard.capture.guard import (
 )
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, refusing_state_writes
+from autoshard.emit import follow_input_device
 from autoshard.capture.opaque import CALLS, forget_real_results, recording_real_results, rewrite_opaque_calls, stand_in
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
@@ -206,10 +207,27 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
                 resolve(wrapper, str(node.target))
             except AttributeError:
                 constants[str(node.target)] = resolve(unlifted, str(node.target))
+    _bodies_follow_input_device(unlifted)
     guard = _input_guard(graph, signature, ep)
     placeholders = iter(leaves_of(signature))
     input_of = {n: next(placeholders) for n in graph.nodes if n.op == "placeholder"}
     return assemble(graph, wrapper, model, signature, input_of.__getitem__, guard, constants), guard
+
+
+def _bodies_follow_input_device(module: fx.GraphModule) -> None:
+    """Read the device in the body of each higher-order op (an autocast region), nested ones too, from
+    the body's inputs, as ``emit`` makes each stage read it: export wrote the capture's device into
+    the body's ``ones(device=...)`` and ``_assert_tensor_metadata(device=...)``, so a plan captured on
+    the CPU failed on a GPU."""
+    for node in module.graph.nodes:
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            bodies = (resolve(module, str(arg.target)) for arg in node.args
+                      if isinstance(arg, fx.Node) and arg.op == "get_attr")
+            for body in bodies:
+                if isinstance(body, fx.GraphModule):
+                    _bodies_follow_input_device(body)
+                    follow_input_device(body.graph)
+                    body.recompile()
 
 
 def _guard_grad_mode(gm: fx.GraphModule, captured: bool, sites: list[str]) -> None:
