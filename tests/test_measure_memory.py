@@ -220,6 +220,24 @@ def test_on_cuda_the_peak_is_the_allocators():
     assert measured.peak >= sum(measured.parts.values()) - measured.parts["temporaries"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_stage_holds_what_it_received_as_on_the_cpu():
+    """The receive buffers were made before the allocator's baseline was read: a GPT-style middle
+    stage on an H200 measured 400 MB (15%) less than its live storages. Large tensors, same kernels:
+    the allocator's peak and the storages' agree."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.Linear(256, 256))
+    x = torch.randn(512, 256)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    on_cpu = measure_stage_memory(sharded, 1, (x,), microbatches=2).peak
+    sharded.to("cuda")
+    try:
+        on_gpu = measure_stage_memory(sharded, 1, (x.cuda(),), microbatches=2).peak
+    finally:
+        sharded.to("cpu")
+    assert abs(on_gpu - on_cpu) <= 0.02 * on_cpu, (on_gpu, on_cpu)
+
+
 def test_master_weights_are_an_fp32_copy_of_each_narrower_trainable_weight():
     """As ``MemoryModel(master_weights=True)`` counts them, in the optimizer's part."""
     torch.manual_seed(0)

@@ -268,14 +268,17 @@ def _run_in_steady_state(
 ) -> tuple[int, dict[str, int], dict[str, int]]:
     """Forward ``in_flight`` microbatches, then back-propagate the first: the peak and its parts."""
     cuda = device.type == "cuda"
-    received = [fresh_copy((args, kwargs), buffers.receives)
-                for _ in range(buffers.microbatches if buffers.receives else in_flight)]
-    waiting = _gradient_buffers(module, received[0], buffers.microbatches if buffers.sends else 0)
     gc.collect()  # garbage from before (a plan tried for the inputs) would count in ``before``
-    if cuda:
+    if cuda:  # before the receive buffers: the stage holds them (taken after, a stage's 400 MB went unseen)
         _take_workspaces(device)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
+    received = [fresh_copy((args, kwargs), buffers.receives)
+                for _ in range(buffers.microbatches if buffers.receives else in_flight)]
+    waiting = _gradient_buffers(module, received[0], buffers.microbatches if buffers.sends else 0)
+    if cuda:  # the peak from here on, the buffers included as they are held
+        gc.collect()
+        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
     for p in trainable:
