@@ -37,10 +37,10 @@ from autoshard.capture.guard import (
 )
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, refusing_state_writes
-from autoshard.emit import follow_input_device
 from autoshard.capture.opaque import CALLS, forget_real_results, recording_real_results, rewrite_opaque_calls, stand_in
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
+from autoshard.emit import follow_input_device
 from autoshard.errors import InvalidArgumentError
 from autoshard.fx_helpers import resolve
 from autoshard.isolation import cloned, holds, isolated
