@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
@@ -18,7 +19,9 @@ from autoshard.costs.recompute import block_path, checkpoint_regions
 from autoshard.errors import InvalidArgumentError
 from autoshard.examples import GPTStyleLMWithLoss
 from autoshard.plan_format.files import read_plan, save_plan
+from autoshard.runtime import measure_stage_memory
 from autoshard.runtime.parallel import layout_memory_model
+from autoshard.runtime.recompute import checkpoint_blocks
 
 ROWS, TOKENS, WIDTH = 2, 16, 32
 FSDP2 = MemoryModel(data_parallel="fsdp", dp=2)
@@ -125,6 +128,54 @@ def test_checkpointing_keeps_only_what_enters_and_leaves_each_block():
     for p, r in zip(plain, recomputed):
         assert r.activation_bytes < p.activation_bytes / 3
         assert r.backward_bytes > p.backward_bytes  # one block's saved tensors, recomputed
+
+
+class _Pair(nn.Module):
+    """Returns one value holding two storages: ``broadcast_tensors`` makes none, its items view each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.broadcast_tensors(self.a(x), torch.relu(self.b(x)))
+
+
+class _Product(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, pair: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.c(pair[0] * pair[1])
+
+
+class _PairThenProduct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Pair(), _Product()])
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks[1](self.blocks[0](x))).sum()
+
+
+def test_checkpointing_keeps_every_storage_a_container_entering_a_block_holds():
+    """blocks.0 returns a tuple of two values two nodes made, and blocks.1 reads it: its checkpoint holds
+    the tuple, so both storages live until its backward. Counted by the tuple's widest maker alone, the
+    kept activations were 16,384 bytes (the relu's output) under the measured 49,156 (0.67x)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, WIDTH)
+    sharded = autoshard.shard_model(_PairThenProduct().train(), 1, (x,), memory_model=MemoryModel(microbatches=1))
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1, activation_checkpointing=True))
+    stage = predicted.stages[0].memory
+    # measured as parallelize runs it: the stage's blocks recomputed (the plan's memory model is plain)
+    assert checkpoint_blocks(sharded.stages[0]) == ["blocks.0", "blocks.1"]
+    measured = measure_stage_memory(sharded, 0, (x,))
+    tensor = 8 * 16 * WIDTH * 4
+    # the tuple's two storages, blocks.1's output (the head saves it) and the loss (the stage's output)
+    assert measured.resident["activations"] == 3 * tensor + 4
+    assert stage.activation_bytes + stage.sent_bytes == measured.resident["activations"]
 
 
 def test_a_budget_only_fsdp_fits_is_planned_with_its_memory_model():

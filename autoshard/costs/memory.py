@@ -959,7 +959,7 @@ def stage_memory(
         sent_storages = {owner for v in dense for owner in _owners(stage_dag, v, assignment)}
         if regions:
             kept = checkpointed_kept(stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n),
-                                     lambda v: _owner(stage_dag, v, assignment), sent_storages)
+                                     lambda v: _owners(stage_dag, v, assignment), sent_storages)
         else:
             kept = sum(kept_bytes(stage_dag, v) for v in nodes)
         kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))

@@ -64,12 +64,13 @@ def checkpoint_regions(dag: nx.DiGraph, nodes: Sequence[str]) -> list[list[str]]
 
 def checkpointed_kept(
     dag: nx.DiGraph, nodes: Sequence[str], regions: Sequence[Sequence[str]], kept: Callable[[str], float],
-    owner: Callable[[str], str], counted: AbstractSet[str],
+    owners: Callable[[str], AbstractSet[str]], counted: AbstractSet[str],
 ) -> float:
     """Bytes one microbatch keeps when ``regions`` are recomputed: ``kept`` of the nodes outside
-    them, plus each storage (``owner``) that enters or leaves a region, once. A storage already
-    counted (``counted``: received or sent values) or kept by its maker outside the regions is
-    not counted again."""
+    them, plus each storage that enters or leaves a region, once. ``owners`` names the storages a
+    value keeps alive: all of a container's (a tuple of values two nodes made), not only its widest.
+    A storage already counted (``counted``: received or sent values) or kept by its maker outside
+    the regions is not counted again."""
     inside = {n for run in regions for n in run}
     here = set(nodes)
     total = sum(kept(n) for n in nodes if n not in inside)
@@ -80,7 +81,7 @@ def checkpointed_kept(
             crossing.update(u for u in dag.predecessors(node) if u not in members and u in here)
             if any(w not in members for w in dag.successors(node)):
                 crossing.add(node)
-    for storage in {owner(v) for v in crossing}:
+    for storage in {o for v in crossing for o in owners(v)}:
         data = dag.nodes[storage]
         facts = data.get("training")
         kept_by_maker = storage not in inside and facts is not None and facts.saved_output
