@@ -3,6 +3,7 @@
     python benchmarks/memory_accuracy.py            # the full grid and the budget table (long: ~1 h on two busy cores)
     python benchmarks/memory_accuracy.py --quick    # k = 4, 4 microbatches, Adam, the built-in examples
     python benchmarks/memory_accuracy.py --budgets  # the budget table only (--models to pick some)
+    python benchmarks/memory_accuracy.py --quick --device cuda --models gpt-lm-gpu,gpt2-small  # on a GPU
 
 For each model, k = 2, 4, 8, 1, 4 and 8 microbatches (1F1B), Adam and SGD, one row per stage:
 * measured: ``autoshard.runtime.measure_stage_memory``, the peak of live tensor storages while the
@@ -24,6 +25,9 @@ Mixtral (an expert loop fake tensors cannot run), and an LSTM tagger (fused kern
 (weights shared by every layer), Qwen2 (grouped-query attention, rotary), BART, Swin, ResNet
 (BatchNorm buffers), Wav2Vec2 in eval mode, torch's ``nn.TransformerDecoder`` and an LM with tied
 embedding and head in bf16.
+
+With ``--device cuda`` each model is planned and measured on the GPU (the probe of what autograd
+saves runs the GPU's kernels); ``gpt-lm-gpu`` and ``gpt2-small`` are sized for one.
 
 Then the budget table: for budgets of 0.6 to 1.0 times the unconstrained plan's fullest stage
 (k = 4, Adam, 4 microbatches), whether a plan is returned and, if so, its predicted and measured
