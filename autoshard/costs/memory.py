@@ -966,7 +966,8 @@ def stage_memory(
                     for owner in {_owner(stage_dag, v, assignment) for v in copied})
         walk = _backward_peak(stage_dag, nodes, set(made_here), through, sent_storages, output_grads, recomputed)
         forward = _forward_peak(stage_dag, nodes, assignment, sent_storages, recomputed, copied) * scale
-        backward = (walk + recompute_bytes(regions, lambda n: kept_bytes(stage_dag, n))) * scale
+        backward = (walk + recompute_bytes(regions, lambda n: kept_bytes(stage_dag, n), lambda n: (
+            None if (f := _training(stage_dag, n)) is None else f.releases))) * scale
         in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
         received_buffer = received if j > 0 else 0.0  # the first stage's inputs are the caller's batch
         gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss

@@ -4,9 +4,10 @@ its blocks: the memory model's side of ``runtime.recompute``.
 The runtime calls each run of consecutive nodes of one block (``blocks.3``: the outermost module
 on a node's scope whose path ends in an index) through non-reentrant ``torch.utils.checkpoint``.
 Its saved-tensor hooks drop what the block's nodes save; the region's inputs stay referenced by
-the checkpoint until its backward (the recompute function holds them), and its outputs are kept
-by whoever reads them next. At backward the block's forward runs again, so its saved tensors
-exist once more, for one block at a time.
+the checkpoint until its backward (the recompute function holds them), and its outputs live as
+long as a node that reads them saves them (or a further block's checkpoint holds them). At
+backward the block's forward runs again, so what its own nodes make and save exists once more,
+for one block at a time.
 
 So per microbatch a stage keeps what the nodes outside blocks save, plus the storages entering
 and leaving each block (``checkpointed_kept``), and its backward adds the most one block saves
@@ -69,28 +70,45 @@ def checkpointed_kept(
     """Bytes one microbatch keeps when ``regions`` are recomputed: ``kept`` of the nodes outside
     them, plus each storage that enters or leaves a region, once. ``owners`` names the storages a
     value keeps alive: all of a container's (a tuple of values two nodes made), not only its widest.
-    A storage already counted (``counted``: received or sent values) or kept by its maker outside
-    the regions is not counted again."""
+    A storage leaving a block that no node saves (read by an addition, say) and that enters no block
+    is not kept: only a checkpoint or a saver holds it. A storage already counted (``counted``:
+    received or sent values) or kept by its maker outside the regions is not counted again."""
     inside = {n for run in regions for n in run}
     here = set(nodes)
     total = sum(kept(n) for n in nodes if n not in inside)
-    crossing: set[str] = set()
+    entering: set[str] = set()
+    leaving: set[str] = set()
     for run in regions:
         members = set(run)
         for node in run:
-            crossing.update(u for u in dag.predecessors(node) if u not in members and u in here)
+            entering.update(u for u in dag.predecessors(node) if u not in members and u in here)
             if any(w not in members for w in dag.successors(node)):
-                crossing.add(node)
-    for storage in {o for v in crossing for o in owners(v)}:
+                leaving.add(node)
+    held = {o for v in entering for o in owners(v)}
+    for storage in held | {o for v in leaving for o in owners(v)}:
         data = dag.nodes[storage]
         facts = data.get("training")
         kept_by_maker = storage not in inside and facts is not None and facts.saved_output
-        if data.get("input") or storage in counted or kept_by_maker:
+        # a storage leaving a block that no checkpoint holds and no node saves is freed once read
+        unsaved = storage not in held and facts is not None and not facts.saved_output
+        if data.get("input") or storage in counted or kept_by_maker or unsaved:
             continue
         total += float(data.get("allocated") or 0)
     return total
 
 
-def recompute_bytes(regions: Sequence[Sequence[str]], kept: Callable[[str], float]) -> float:
-    """The most one region's recomputed forward saves again at backward."""
-    return max((sum(kept(n) for n in run) for run in regions), default=0.0)
+def recompute_bytes(regions: Sequence[Sequence[str]], kept: Callable[[str], float],
+                    releases: Callable[[str], Iterable[tuple[str, float]] | None]) -> float:
+    """The most one region's recomputed forward saves again at backward: the storages its own nodes
+    make and one of them saves first (``releases``: per node, the makers and bytes its backward
+    frees; None without the probe's facts, then ``kept``). What it saves of the region's inputs is
+    no new memory (the checkpoint holds them, ``checkpointed_kept`` counts them), nor is an output
+    only a node after it saves (kept since the forward): summing ``kept`` per maker charged both again."""
+    def saved_again(run: Sequence[str]) -> float:
+        members = set(run)
+        total = 0.0
+        for node in run:
+            freed = releases(node)
+            total += kept(node) if freed is None else sum(float(b) for m, b in freed if m in members)
+        return total
+    return max((saved_again(run) for run in regions), default=0.0)
