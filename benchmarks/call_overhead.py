@@ -50,7 +50,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -185,11 +185,23 @@ def _variants(row: Row, sharded: Any) -> dict[str, Callable[[], Any] | str]:
     return variants
 
 
-def measure(row: Row, repeats: int, cuda: bool) -> dict[str, Any]:
-    device = "cuda" if cuda else "cpu"
+def _sharded_on(row: Row, device: str) -> Any:
+    """``row``'s model and inputs moved to ``device``, and the plan made there."""
     row.model.to(device)
     row.args = tuple(a.to(device) for a in row.args)
-    sharded = autoshard.shard_model(row.model, row.stages, example_inputs=row.args)
+    return autoshard.shard_model(row.model, row.stages, example_inputs=row.args)
+
+
+def _rows(only: str) -> Iterator[Row]:
+    """The rows whose name contains ``only``, each built as it comes (``--only`` builds only its own)."""
+    for name, make in ROWS.items():
+        row = make() if only in name else None
+        if row is not None:
+            yield row
+
+
+def measure(row: Row, repeats: int, cuda: bool) -> dict[str, Any]:
+    sharded = _sharded_on(row, "cuda" if cuda else "cpu")
     variants = _variants(row, sharded)
     grad = torch.enable_grad() if row.backward else torch.no_grad()
     with grad:
@@ -245,9 +257,7 @@ def _kernels(fn: Callable[[], Any]) -> collections.Counter:
 def syncs(row: Row) -> None:
     """``--syncs``: where one call of the model and of its stages waits for the GPU, and the kernels
     each launches that the other does not (on the GPU, a small call's time is its launches)."""
-    row.model.to("cuda")
-    row.args = tuple(a.to("cuda") for a in row.args)
-    sharded = autoshard.shard_model(row.model, row.stages, example_inputs=row.args)
+    sharded = _sharded_on(row, "cuda")
     launched = {}
     with torch.enable_grad() if row.backward else torch.no_grad():
         for name, fn in _variants(row, sharded).items():
@@ -393,19 +403,14 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if options.syncs:
-        for name, make in ROWS.items():
-            row = make() if options.only in name else None
-            if row is not None:
-                syncs(row)
+        for row in _rows(options.only):
+            syncs(row)
         return
     if not options.instructions:
         print("| row | k | eager (us) | sharded (us) | chained (us) | pipeline() (us) | sharded / eager "
               "| added / stage call (us) | bit-exact |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for name, make in ROWS.items():
-        row = make() if options.only in name else None
-        if row is None:
-            continue
+    for row in _rows(options.only):
         r = measure(row, repeats, options.cuda)
         if options.instructions:
             print(f"counted: {row.name} | {row.stages}", flush=True)

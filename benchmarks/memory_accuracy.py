@@ -82,8 +82,8 @@ def wide_gpt_lm() -> Case:
 
 
 def gpu_gpt_lm() -> Case:
-    """A GPT-style LM sized for a GPU (measured there: tiny cases are mostly the allocator's 512-byte
-    rounding and cuBLAS's workspace): 8 layers of width 1024 (0.47 GB of weights), 8 sequences of 512 tokens."""
+    """A GPT-style LM sized for a GPU (measured there, a tiny case's stages read the allocator's 512-byte
+    rounding): 8 layers of width 1024 (0.47 GB of weights), 8 sequences of 512 tokens."""
     torch.manual_seed(0)
     model = GPTStyleLM(vocab=8192, width=1024, layers=8, heads=16, max_seq=512).eval()
     return model, (torch.randint(0, 8192, (8, 512)),), {}

@@ -10,11 +10,11 @@ where the model's simulation reduces to each stage's forward and backward per mi
 the schedule's order, with no link between stages of one rank. ``benchmarks/step_time.py`` checks
 the two-process CPU pipeline, links and bubbles included.
 
-Workloads: ``step_time.py``'s three small ones (a GPU runs them in well under a millisecond a
+Workloads: the sizes of ``step_time.py``'s three (a GPU runs them in well under a millisecond a
 stage: the runtime's and PyTorch's per-op overhead is most of their time) and a GPT-style LM of
 8 layers of width 1024 (8 sequences of 64 tokens a microbatch: the GPU's arithmetic is most of its
-time); the language models' loss is computed after the last stage. Plans are made on the CPU on one microbatch, split by
-parameters. Measured: the median of ``--repeats`` ``schedule.step`` calls after two warm-ups,
+time); the language models' loss is computed after the last stage. Plans are made on the CPU on
+one microbatch, split by parameters. Measured: the median of ``--repeats`` ``schedule.step`` calls after two warm-ups,
 synchronised on CUDA. Predicted: ``predict_step`` from each stage timed whole on one microbatch
 on the same device (``measure_stage_time``), ``calibrate=False`` (the calibration is gloo's between
 CPU processes), the loss after the last stage not counted.
@@ -28,6 +28,7 @@ import platform
 import statistics
 import time
 from datetime import date
+
 import torch
 import torch.nn.functional as F
 
