@@ -2,6 +2,7 @@
 
     python benchmarks/specialize.py            # every decoder family of the zoo, a few minutes
     python benchmarks/specialize.py --quick    # GPT-2 only (and the dispatch row)
+    python benchmarks/specialize.py --arguments  # other arguments than the example's, every zoo family
 
 Each family (``tests/test_real_models_zoo.py``) is sharded into 2 stages at batch 2 x 8, then
 called at batch 1 and 3, sequence 1 and 5 (and 1 x 1), each compared with the model (exact:
@@ -11,11 +12,18 @@ every output tensor equal). Per family: how many calls needed a new capture, the
 cached specialisation on a shape that needed one: the dispatch a cached specialisation adds is its
 time against the first plan's at the same work. A last row times that dispatch on a model small
 enough for microseconds to show (an 8-layer MLP with a size branch, k = 4).
+
+``--arguments``: each family sharded into k = 2 and 3 stages on its example, then called under
+no_grad with what its example left out, in this order: the attention mask left out,
+``output_hidden_states=True`` (after which transformers keeps output-recording forward hooks on the
+layers), ``return_dict=False`` and ``labels=`` (where the forward takes them), each compared with the
+model's own call: exact, refused (the error's type) or not applicable.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -111,11 +119,59 @@ def dispatch_row() -> dict[str, float]:
     return best
 
 
+ARGUMENT_FAMILIES = ("gpt2", "opt", "mistral", "qwen2", "gpt-neox", "llama", "mixtral", "bert", "distilbert", "t5",
+                     "vit", "segformer", "swin", "whisper-encoder")
+
+
+def argument_calls(name: str, k: int) -> dict[str, str]:
+    """What a plan made on ``name``'s example does with each call of other arguments (see the doc)."""
+    family = BY_NAME[name]
+    model = family.build().eval()
+    example = family.inputs(*EXAMPLE)
+    sharded = autoshard.shard_model(model, k, example_kwargs=example)
+    takes = inspect.signature(model.forward).parameters
+    ids = example.get("input_ids")
+    calls = {"mask left out": {key: v for key, v in example.items() if key != "attention_mask"}
+             if "attention_mask" in example else None,
+             "hidden states": {**example, "output_hidden_states": True},
+             "tuple out": {**example, "return_dict": False} if "return_dict" in takes else None,
+             "labels": {**example, "labels": ids} if "labels" in takes and ids is not None else None}
+    found = {}
+    with torch.no_grad():
+        for call, inputs in calls.items():
+            if inputs is None:
+                found[call] = "-"
+                continue
+            try:
+                got = sharded(**inputs)
+            except Exception as failure:  # noqa: BLE001 - the table says what each call met
+                found[call] = f"refused ({type(failure).__name__})"
+                continue
+            found[call] = "exact" if equal(got, model(**inputs)) else "DIFFERS"
+    return found
+
+
+def arguments_table() -> None:
+    table = Table(title=f"other arguments: planned at {EXAMPLE[0]} x {EXAMPLE[1]} on the example's arguments")
+    columns = ("mask left out", "hidden states", "tuple out", "labels")
+    for column in ("model", "k", *columns):
+        table.add_column(column)
+    for name in ARGUMENT_FAMILIES:
+        for k in (2, 3):
+            found = argument_calls(name, k)
+            table.add_row(name, str(k), *(found[c] for c in columns))
+    Console(width=160).print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="GPT-2 only")
+    parser.add_argument("--arguments", action="store_true", help="calls with other arguments, every zoo family")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.arguments:
+        arguments_table()
+        return
     table = Table(title=f"re-specialisation: k = 2, planned at {EXAMPLE[0]} x {EXAMPLE[1]}, "
                         f"called at {', '.join(f'{b} x {s}' for b, s in CALLS)}")
     for column in ("model", "exact", "new captures (s)", "weights kept", "model µs", "first plan µs",

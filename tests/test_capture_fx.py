@@ -24,6 +24,7 @@ from autoshard.capture.meta_proxy import EXAMPLE
 from autoshard.errors import InputMismatchError, TraceError
 from autoshard.isolation import module_state_restored
 from autoshard.passes.instruments import ModelUnchanged
+from autoshard.specialize import holders
 
 
 class SplitHeads(nn.Module):
@@ -264,8 +265,8 @@ def test_module_state_restored_takes_off_trace_values_and_stored_tensors_only():
 
 class Recorded(nn.Module):
     """Returns what a forward hook saw, as Transformers' output recorders do: the hook on ``first``
-    (a leaf, so it sees its real output while tracing) and the hook inside ``gate`` (a leaf for
-    its value-dependent branch) store into ``seen``."""
+    (run after its traced body on the example's values while tracing) and the hook inside ``gate``
+    (a leaf for its value-dependent branch) store into ``seen``."""
 
     def __init__(self, hook_inside_the_gate: bool, dropout: float = 0.0) -> None:
         super().__init__()
@@ -305,10 +306,11 @@ class RecordedThenReshaped(Recorded):
 
 
 @pytest.mark.parametrize("recorded", [Recorded, RecordedThenReshaped])
-def test_a_leafs_output_seen_by_a_hook_and_what_torch_computes_from_it_are_traced_not_baked_in(recorded):
+def test_a_modules_output_seen_by_a_hook_and_what_torch_computes_from_it_are_traced_not_baked_in(recorded):
     model, x, later = recorded(hook_inside_the_gate=False), torch.randn(2, 4), torch.randn(3, 4)
     gm = trace_with_leaves(model, (x,)).graph_module
-    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "constant" in str(n.target)]
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "constant" in str(n.target)
+                and isinstance(getattr(gm, str(n.target)), torch.Tensor)]
     for inputs in (x, later):
         assert all(torch.equal(a, b) for a, b in zip(gm(inputs), model(inputs)))
 
@@ -1064,6 +1066,22 @@ def test_a_hooks_counter_on_a_module_is_set_back_after_the_captures_runs():
     assert model.inner.calls == 0
     sharded(torch.randn(3, 8))
     assert model.inner.calls == 1  # the leaf runs with its hook in the stage
+
+
+def test_a_hooked_module_split_across_stages_runs_its_hook_once_a_call_and_trains_like_the_model():
+    """A forward hook no longer keeps its module whole: it runs after the module's traced body, in
+    the stage holding its output, once per call, on the real values, and what it returns counts."""
+    model = Around(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), 8)
+    seen: list[torch.Tensor] = []
+    model.inner.register_forward_hook(lambda module, args, out: seen.append(out.detach()) or out * 2)
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
+    assert len({j for path, stages in holders(sharded).items() if path.startswith("inner.") for j in stages}) > 1
+    x = torch.randn(3, 8)
+    seen.clear()
+    got, want = sharded(x), model(x)
+    assert torch.equal(got, want) and len(seen) == 2 and torch.equal(seen[0], seen[1])
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got.sum(), list(model.parameters())),
+                                                 torch.autograd.grad(want.sum(), list(model.parameters()))))
 
 
 class Redrawer(nn.Module):

@@ -104,3 +104,26 @@ def test_gpt2_planned_without_labels_trains_with_them_and_returns_hidden_states_
     assert [sorted(path for path, _ in made.structure) for made in sharded.specializations] == [
         ["['input_ids']", "['labels']"], ["['input_ids']", "['output_hidden_states']"]]
     assert all(holders(made.sharded) == before for made in sharded.specializations)
+
+
+def test_gpt2_split_inside_a_layer_serves_hidden_states_and_every_call_after_them():
+    """Transformers installs forward hooks on every layer the first time hidden states are asked
+    for, and keeps them. They run after the layer's traced body, so a plan that split inside a
+    layer captures such calls again with each weight in its stage, rather than refusing them."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    sharded = autoshard.shard_model(model, 3, example_kwargs={"input_ids": ids})
+    before = holders(sharded)
+    split = [i for i in range(2) if len({j for path, stages in before.items()
+                                         if path.startswith(f"transformer.h.{i}.") for j in stages}) > 1]
+    assert split  # a layer's weights in two stages
+    with torch.no_grad():
+        for extra in ({"output_hidden_states": True}, {"labels": ids}, {"return_dict": False}):
+            assert_same_output(sharded(input_ids=ids, **extra), model(input_ids=ids, **extra))
+    assert any(module._forward_hooks for module in model.transformer.h)  # installed by the first call
+    assert len(sharded.specializations) == 3
+    assert all(holders(made.sharded) == before for made in sharded.specializations)

@@ -33,7 +33,7 @@ from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design
 from autoshard.capture.fx import has_backward_hooks
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import (
-    FREE_SIZES_PIPELINE, DetachedModule, DimSpec, InputGuard, check_detached_mode, check_grad_mode, usable_conditions,
+    FREE_SIZES_PIPELINE, HeldModule, DimSpec, InputGuard, check_detached_mode, check_grad_mode, usable_conditions,
 )
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, refusing_state_writes
@@ -266,7 +266,7 @@ def _guard_detached_modes(gm: fx.GraphModule, modules: Iterable[nn.Module]) -> N
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for index, module in enumerate(modules):
         name = f"_autoshard_detached_{index}"
-        setattr(gm, name, DetachedModule(module))
+        setattr(gm, name, HeldModule(module))
         with gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before():
             held = gm.graph.create_node("get_attr", name)  # a plain attribute: get_attr would warn
         with gm.graph.inserting_after(held):

@@ -28,7 +28,7 @@ from torch import nn
 
 from autoshard.capture.assemble import assemble, model_graph_module
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design, packs_padded_batch
-from autoshard.capture.guard import DetachedModule, InputGuard, check_detached_mode
+from autoshard.capture.guard import HeldModule, InputGuard, check_detached_mode, run_forward_hooks
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.meta import MetaTracer, guard_value, has_proxy, warn_checkpoints_traced
 from autoshard.capture.result import TraceResult, WrappedLeaf
@@ -51,9 +51,12 @@ def has_backward_hooks(module: nn.Module) -> bool:
 
 
 def has_call_hooks(module: nn.Module) -> bool:
-    """Tracing through a module skips its hooks (forward, and backward ones, which its call
-    installs on its outputs), so a module with hooks must stay a leaf."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or has_backward_hooks(module))
+    """Hooks a trace through the module cannot run as its call does, so the module stays a leaf:
+    forward pre-hooks (they may replace the inputs its body would be traced on) and backward hooks
+    (its call installs them on its inputs and outputs). Forward hooks alone do not keep it whole:
+    they run as a node after its traced body (``run_forward_hooks``), so a plan may split inside a
+    module Transformers records hidden states from."""
+    return bool(module._forward_pre_hooks or has_backward_hooks(module))
 
 
 class _LeafTracer(MetaTracer):
@@ -85,15 +88,18 @@ class _LeafTracer(MetaTracer):
         name it: its forward is traced through, as the code it is, its mode watched (one kept in a
         list or a global can be switched later). One holding weights, buffers or hooks is not (the
         graph could not read them): fx's own error stands."""
-        if not _installed(self, m) and not has_call_hooks(m) and next(m.parameters(), None) is None \
-                and next(m.buffers(), None) is None:
+        if not _installed(self, m) and not (has_call_hooks(m) or m._forward_hooks) \
+                and next(m.parameters(), None) is None and next(m.buffers(), None) is None:
             if id(m) not in self.watched:  # one guard per module, however often it is called
                 self.watched[id(m)] = m
-                self.create_proxy("call_function", check_detached_mode, (DetachedModule(m), m.training), {})
+                self.create_proxy("call_function", check_detached_mode, (HeldModule(m), m.training), {})
             return forward(*args, **kwargs)
         if m is not self.model and (id(m) in self.fused or packs_padded_batch(m, args, kwargs)):
             self.leaves.add(id(m))
             self.kept_fused[id(m)] = m
+        if m._forward_hooks and not self.is_leaf_module(m, ""):  # the body traced without them, then the hooks
+            output = super().call_module(m, m.forward, args, kwargs)
+            return self.create_proxy("call_function", run_forward_hooks, (HeldModule(m), args, kwargs, output), {})
         return super().call_module(m, forward, args, kwargs)
 
 

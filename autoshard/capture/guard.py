@@ -238,20 +238,36 @@ def chosen_grad_mode(graphs: Iterable[torch.fx.GraphModule]) -> bool | None:
                  if node.op == "call_function" and node.target is check_grad_mode), None)
 
 
-class DetachedModule:
-    """A module the graph traced through without holding it: one kept in a list or a global, or
-    built in the forward (``CrossEntropyLoss()``). What its code read from ``self.training`` was
-    fixed at capture, and the model's ``eval()`` / ``train()`` never reach it, so the plan watches
-    it (``check_detached_mode``). Copies of the plan watch the same module; it is not a submodule."""
+class HeldModule:
+    """A module a graph node reads at run time without holding it as a submodule, so its weights
+    stay in the stages that hold them: one the graph traced through outside the model's tree (kept
+    in a list or a global, or built in the forward: ``CrossEntropyLoss()``), whose mode the plan
+    watches (``check_detached_mode``: the model's ``eval()`` / ``train()`` never reach it), or one
+    whose forward hooks run after its traced body (``run_forward_hooks``). Copies of the plan hold
+    the same module."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> DetachedModule:
+    def __deepcopy__(self, memo: dict[int, Any]) -> HeldModule:
         return self
 
 
-def check_detached_mode(held: DetachedModule, captured: bool) -> None:
+def run_forward_hooks(held: HeldModule, args: tuple, kwargs: dict, output: Any) -> Any:
+    """A traced-through module's forward hooks, in the order and with the arguments its call would
+    give them (``nn.Module._call_impl``), after its body: they run on every call with the real values,
+    as a kept-whole module's would, and a hook's return value replaces the output. Read at run time,
+    so a hook removed since the capture no longer runs."""
+    module = held.module
+    for hook_id, hook in tuple(module._forward_hooks.items()):
+        result = (hook(module, args, kwargs, output) if hook_id in module._forward_hooks_with_kwargs
+                  else hook(module, args, output))
+        if result is not None:
+            output = result
+    return output
+
+
+def check_detached_mode(held: HeldModule, captured: bool) -> None:
     """A module outside the model's tree switched to another mode since capture: refuse the call."""
     if held.module.training != captured:
         was, now = ("train", "eval") if captured else ("eval", "train")
