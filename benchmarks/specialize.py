@@ -16,7 +16,7 @@ enough for microseconds to show (an 8-layer MLP with a size branch, k = 4).
 ``--arguments``: each family sharded into k = 2 and 3 stages on its example, then called under
 no_grad with what its example left out, in this order: the attention mask left out,
 ``output_hidden_states=True`` (after which transformers keeps output-recording forward hooks on the
-layers), ``return_dict=False`` and ``labels=`` (where the forward takes them), each compared with the
+layers), ``return_dict=False``, and ``labels=`` where the forward takes them, each compared with the
 model's own call: exact, refused (the error's type) or not applicable.
 """
 
@@ -134,7 +134,7 @@ def argument_calls(name: str, k: int) -> dict[str, str]:
     calls = {"mask left out": {key: v for key, v in example.items() if key != "attention_mask"}
              if "attention_mask" in example else None,
              "hidden states": {**example, "output_hidden_states": True},
-             "tuple out": {**example, "return_dict": False} if "return_dict" in takes else None,
+             "tuple out": {**example, "return_dict": False},  # transformers 5 takes it among **kwargs
              "labels": {**example, "labels": ids} if "labels" in takes and ids is not None else None}
     found = {}
     with torch.no_grad():

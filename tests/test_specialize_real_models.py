@@ -127,3 +127,24 @@ def test_gpt2_split_inside_a_layer_serves_hidden_states_and_every_call_after_the
     assert any(module._forward_hooks for module in model.transformer.h)  # installed by the first call
     assert len(sharded.specializations) == 3
     assert all(holders(made.sharded) == before for made in sharded.specializations)
+
+
+def test_t5_whose_new_capture_reads_its_shared_embedding_in_one_stage_of_two_serves_the_call():
+    """The plan holds T5's shared embedding in the encoder's stage and the decoder's; a call without
+    the mask is captured again reading it in one of them. That is no new placement, so it is served,
+    and its gradient is the model's."""
+    family = BY_NAME["t5"]
+    model = family.build().eval()
+    example = family.inputs(*EXAMPLE)
+    sharded = autoshard.shard_model(model, 3, example_kwargs=example)
+    before = holders(sharded)
+    unmasked = {key: value for key, value in example.items() if key != "attention_mask"}
+    got, want = sharded(**unmasked), model(**unmasked)
+    assert_same_output(got, want)
+    (made,) = sharded.specializations
+    after = holders(made.sharded)
+    assert all(after[name] <= stages for name, stages in before.items() if name in after)
+    assert after != before  # a weight in fewer stages than the plan's
+    weights = list(model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got.last_hidden_state.sum(), weights),
+                                                 torch.autograd.grad(want.last_hidden_state.sum(), weights)))
