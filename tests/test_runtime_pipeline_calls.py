@@ -74,6 +74,10 @@ def scenarios(rank: int, world: int) -> dict[str, object]:
             schedule.step(x, mask)
         except InputMismatchError as exc:
             found["by position"] = str(exc)
+        try:  # the example passed bias; a call would capture again without it, a step cannot
+            schedule.step(x)
+        except SpecializationMismatch as exc:
+            found["left out"] = str(exc)
 
     model, x, y = regression()
     stage = pipeline_stage(autoshard.shard_model(model, 2, example_inputs=(x, y)), rank, 2, "cpu")
@@ -132,6 +136,14 @@ def test_step_binds_inputs_as_the_model_does(launched):
     with torch.no_grad():
         assert torch.equal(launched[1]["by name"], model(x, bias=b))
     assert "the example left mask=None at the default" in launched[0]["by position"]
+
+
+def test_a_step_leaving_out_an_argument_the_example_passed_says_to_build_the_stages_for_it(launched):
+    """``sharded(x)`` captures the model again without ``bias``; a step runs the stages it was built
+    with, so its refusal names ``pipeline_stage(..., microbatch=...)``, which serves such calls."""
+    refusal = launched[0]["left out"]
+    assert "the example passed 'bias', which these inputs leave out" in refusal
+    assert "microbatch=one microbatch's inputs" in refusal
 
 
 def test_model_loss_back_propagates_the_loss_entry_not_the_predictions(launched):

@@ -225,10 +225,10 @@ class _BatchShapes:
         @functools.wraps(step)
         def checked(*args: Any, target: Any = None, **kwargs: Any) -> Any:
             options = {name: kwargs.pop(name) for name in _STEP_OPTIONS if name in kwargs}
-            if first is not None and SIGNATURE_KEY in first.meta:
-                args, kwargs = fitted_call(first, first.meta[SIGNATURE_KEY], args, kwargs)
-            self.check(args, kwargs, target)
-            try:
+            try:  # binding refuses an argument the example passed and the step leaves out: the same advice
+                if first is not None and SIGNATURE_KEY in first.meta:
+                    args, kwargs = fitted_call(first, first.meta[SIGNATURE_KEY], args, kwargs)
+                self.check(args, kwargs, target)
                 return step(*args, target=target, **options, **kwargs)
             except SpecializationMismatch as exc:  # a step cannot capture again half-way, as a call does
                 raise SpecializationMismatch(
