@@ -227,7 +227,7 @@ def stage_table(plan: SavedPlan, title: str) -> Table:
         table.add_column("params", justify="right")
     table.add_column(time_label(plan), justify="right")
     table.add_column("train mem", justify="right")
-    table.add_column("activations", justify="right")
+    table.add_column("activations (split)" if plan.cost_model == "activations" else "activations", justify="right")
     table.add_column("sends", overflow="fold")
     for row in stage_rows(plan):
         cells = [str(row.index), _plain(", ".join(row.modules)), str(row.nodes)]

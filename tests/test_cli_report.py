@@ -103,6 +103,14 @@ def test_stage_table_has_a_column_per_cost_model_and_one_row_per_stage():
     assert "enc.layers.0-1" in text and "512 B: x, l1" in text and "(model output)" in text
 
 
+def test_the_activations_column_is_marked_when_the_split_balanced_it():
+    """``--cost activations`` has no column of its own: the activations column is what was balanced."""
+    plan = hand_plan()
+    nodes = tuple(replace(n, costs={**n.costs, "activations": n.bytes}) for n in plan.nodes)
+    assert "activations (split)" in rendered(stage_table(replace(plan, nodes=nodes, cost_model="activations"), "t"))
+    assert "activations (split)" not in rendered(stage_table(hand_plan(), "t"))
+
+
 def test_boundary_and_wrapped_tables_show_shapes_and_reasons_verbatim():
     boundaries = rendered(boundary_table(hand_plan()))
     assert "0 → 1" in boundaries and "[4, 16]" in boundaries and "float32" in boundaries
