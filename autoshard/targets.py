@@ -38,12 +38,24 @@ def _import_from_cwd(module_name: str) -> Any:
             sys.path.remove(cwd)
 
 
+def _refuse_a_file_path(module_name: str, attr: str) -> None:
+    """``models.py:build`` or ``src/models:build`` is a file path, which an import cannot read (it failed
+    with "'models' is not a package"): say which module name to write instead."""
+    if not module_name.endswith(".py") and "/" not in module_name and os.sep not in module_name:
+        return
+    folder, _, stem = module_name.removesuffix(".py").replace(os.sep, "/").rpartition("/")
+    where = f", with {folder!r} as the current directory or on PYTHONPATH" if folder not in ("", ".") else ""
+    raise TargetError(f"TARGET {module_name}:{attr} names a file, but TARGET is a module to import "
+                      f"(package.module:factory): give {stem}:{attr}{where}")
+
+
 def _call_factory(target: str) -> Any:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise TargetError(
             f"TARGET {target!r} is neither a built-in example{suggest(target, EXAMPLES)} "
             f"({', '.join(sorted(EXAMPLES))}) nor of the form package.module:factory")
+    _refuse_a_file_path(module_name, attr)
     try:
         module = _import_from_cwd(module_name)
     except Exception as exc:  # noqa: BLE001 - report any import failure the same way

@@ -12,6 +12,7 @@ import pytest
 
 from autoshard import cli, progress
 from autoshard.errors import AutoshardError
+from autoshard.targets import TargetError, load_target
 
 from test_cli import modules, stage_rows
 
@@ -325,3 +326,16 @@ def test_tolerance_trades_balance_for_fewer_boundary_bytes_and_cannot_change_a_s
     assert tight["bottleneck"] < loose["bottleneck"] <= 1.3 * tight["bottleneck"]
     code, _, err = run(capsys, "inspect", "transformer-lm", "--plan", str(tmp_path / "0.json"), "--tolerance", "0.3")
     assert code == 2 and "--tolerance cannot change a saved plan" in err
+
+
+@pytest.mark.parametrize("target,advice", [
+    ("mymodels.py:build", "give mymodels:build"),
+    ("./mymodels.py:build", "give mymodels:build"),
+    ("src/models.py:build", "give models:build, with 'src' as the current directory or on PYTHONPATH"),
+    ("../models.py:build", "give models:build, with '..' as the current directory or on PYTHONPATH"),
+])
+def test_a_target_naming_a_file_says_which_module_name_to_give(target, advice):
+    """The import failed with "'mymodels' is not a package", which does not say to drop ``.py``."""
+    with pytest.raises(TargetError, match="names a file") as refused:
+        load_target(target)
+    assert advice in str(refused.value)
