@@ -65,7 +65,8 @@ def _call_factory(target: str) -> Any:
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
-            raise TargetError(f"module {module_name!r} has no attribute {attr!r} (TARGET {target!r})")
+            close = suggest(part, (name for name in dir(factory) if not name.startswith("_")))
+            raise TargetError(f"module {module_name!r} has no attribute {attr!r}{close} (TARGET {target!r})")
         factory = getattr(factory, part)
     if not callable(factory):
         raise TargetError(f"{target!r} is not callable; point TARGET at a function that returns the model")

@@ -339,3 +339,10 @@ def test_a_target_naming_a_file_says_which_module_name_to_give(target, advice):
     with pytest.raises(TargetError, match="names a file") as refused:
         load_target(target)
     assert advice in str(refused.value)
+
+
+def test_a_misspelled_factory_is_refused_with_the_closest_name(tmp_path, monkeypatch):
+    (tmp_path / "mymodels_typo.py").write_text("def llama():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TargetError, match=r"has no attribute 'lama' \(did you mean 'llama'\?\)"):
+        load_target("mymodels_typo:lama")
