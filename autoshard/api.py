@@ -76,12 +76,14 @@ def example_inputs_of(example_inputs: Any, example_kwargs: Mapping[str, Any] | N
     return ExampleInputs(args, dict(example_kwargs or {}))
 
 
-def _per_stage(name: str, values: Any, num_stages: int, positive: bool, one: bool = False) -> tuple[float, ...]:
-    """``values`` checked as one number per stage (``one``: the single number given for every stage)."""
+def _per_stage(name: str, values: Any, num_stages: int, positive: bool, one: bool = False,
+               kind: str = "number") -> tuple[float, ...]:
+    """``values`` checked as one number per stage (``one``: the single number given for every stage);
+    ``kind`` is what the refusals call an entry (``max_memory`` takes sizes such as ``"40GiB"`` too)."""
     if isinstance(values, np.ndarray) and values.ndim == 1:
         values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise InvalidArgumentTypeError(f"{name} must be a number or a list with one number per stage, got {values!r}")
+        raise InvalidArgumentTypeError(f"{name} must be a {kind} or a list with one per stage, got {values!r}")
     if len(values) != num_stages:
         raise InvalidArgumentError(
             f"{name} has {'1 entry' if len(values) == 1 else f'{len(values)} entries'} but there "
@@ -89,7 +91,7 @@ def _per_stage(name: str, values: Any, num_stages: int, positive: bool, one: boo
     parsed = [real_number(v) for v in values]
     for j, (v, number) in enumerate(zip(values, parsed)):
         if number is None:
-            raise InvalidArgumentTypeError(f"{name}[{j}] must be a number, got {v!r}")
+            raise InvalidArgumentTypeError(f"{name}[{j}] must be a {kind}, got {v!r}")
         if not math.isfinite(number) or number < 0 or (positive and number == 0):
             raise InvalidArgumentError(f"{name if one else f'{name}[{j}]'} must be finite and "
                                        f"{'> 0' if positive else '>= 0'}, got {v!r}")
@@ -117,7 +119,8 @@ def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None
     if one:
         max_memory = [max_memory] * num_stages
     if max_memory is not None:  # (0: nothing fits)
-        limits["max_memory"] = _per_stage("max_memory", max_memory, num_stages, positive=True, one=one)
+        limits["max_memory"] = _per_stage("max_memory", max_memory, num_stages, positive=True, one=one,
+                                          kind="number of bytes or a size such as '40GiB'")
     return limits
 
 

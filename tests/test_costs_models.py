@@ -152,11 +152,21 @@ def test_a_budget_too_small_names_the_stage_and_the_shortfall():
     ([1, 1], InvalidArgumentError, "2 entries but there are 3 stages"),
     ([1, 0, 1], InvalidArgumentError, r"capacities\[1\] must be finite and > 0"),
     ([1, "x", 1], InvalidArgumentTypeError, r"capacities\[1\] must be a number"),
-    ("111", InvalidArgumentTypeError, "one number per stage"),
+    ("111", InvalidArgumentTypeError, "must be a number or a list with one per stage"),
 ])
 def test_bad_capacities_are_refused_before_anything_runs(bad, error, message):
     with pytest.raises(error, match=message):
         autoshard.shard_model(ResidualMLP(), 3, capacities=bad)
+
+
+@pytest.mark.parametrize("budgets, message", [
+    ({0: "1GiB", 1: "1GiB"}, "max_memory must be a number of bytes or a size such as '40GiB' or a list with one per"),
+    ([None, "1GiB"], r"max_memory\[0\] must be a number of bytes or a size such as '40GiB', got None"),
+])
+def test_a_budget_of_the_wrong_type_says_sizes_are_taken_too(budgets, message):
+    """It said "must be a number", though "40GiB" is taken as well."""
+    with pytest.raises(InvalidArgumentTypeError, match=message):
+        autoshard.shard_model(ResidualMLP(), 2, max_memory=budgets)
 
 
 @pytest.mark.parametrize("stages, budgets, message", [
