@@ -333,8 +333,8 @@ def shard_model(
         chosen = without_verify(chosen)
     if memory_model is not None and not isinstance(memory_model, MemoryModel):
         raise InvalidArgumentTypeError(
-            f"memory_model must be an autoshard.MemoryModel(optimizer_bytes_per_param=..., microbatches=...), "
-            f"got {type(memory_model).__name__}")
+            f"memory_model must be an autoshard.MemoryModel(optimizer=..., schedule=..., microbatches=...), "
+            f"got {type(memory_model).__name__} {memory_model!r}"[:300])
     if memory_model is not None:  # before the split: a schedule these stages cannot run has no memory or step
         memory_model.all_in_flight(num_stages)
     program = run_pipeline(model, chosen, inputs, instruments, cost_models, memory_model).program

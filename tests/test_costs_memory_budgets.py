@@ -179,6 +179,8 @@ def test_the_memory_model_sets_the_optimizer_the_plan_is_made_for():
         autoshard.shard_model(model, 2, example_inputs=(x,), max_memory=least_sgd)
     with pytest.raises(TypeError, match="memory_model must be an autoshard.MemoryModel"):
         autoshard.shard_model(model, 2, example_inputs=(x,), memory_model={"optimizer_bytes_per_param": 0})
+    with pytest.raises(TypeError, match=r"MemoryModel\(optimizer=\.\.\., schedule=\.\.\., .*got str 'sgd'"):
+        autoshard.shard_model(model, 2, example_inputs=(x,), memory_model="sgd")  # a name, not the model
     report = plan_report(fitted)  # the plan keeps the model it was made for
     assert fitted.plan.memory_model == sgd
     assert [s.memory for s in report.stages] == stage_memory(fitted.plan.dag, fitted.plan.assignment, 2, sgd)
