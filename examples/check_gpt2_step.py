@@ -40,10 +40,13 @@ def main() -> None:
 
     model = tiny_gpt2()
     ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    microbatch = ids[:2]  # the plan is made for one microbatch: its memory and times are per microbatch
     if args.plan:
-        sharded = autoshard.load_plan(args.plan, model, (ids,), {"labels": ids})
+        sharded = autoshard.load_plan(args.plan, model, (microbatch,), {"labels": microbatch})
     else:
-        sharded = autoshard.shard_model(model, world, example_inputs=(ids,), example_kwargs={"labels": ids})
+        sharded = autoshard.shard_model(model, world, example_inputs=(microbatch,),
+                                        example_kwargs={"labels": microbatch},
+                                        memory_model=autoshard.MemoryModel(schedule="gpipe", microbatches=4))
 
     stage = pipeline_stage(sharded, rank, world, "cpu")  # stage i runs on rank i
     schedule = build_schedule(stage, "gpipe", 4, loss_fn=model_loss)  # 4 microbatches of 2 rows
