@@ -31,6 +31,7 @@ _LAZY = {
     "CostNode": "autoshard.passes.analyses",
     "MemoryModel": "autoshard.costs.memory",
     "DeviceModel": "autoshard.costs.estimate",
+    "StepTimeModel": "autoshard.costs.step_time",
     # warnings a user may want to filter or turn into errors
     "HostRandomnessWarning": "autoshard.capture.host_random",
     "CheckpointTracedWarning": "autoshard.capture.meta",

@@ -20,6 +20,11 @@ FREE = dict(link_latency=0.0)
 """Links that cost nothing for 0 bytes: the step is the schedule's alone."""
 
 
+def test_the_step_model_is_importable_beside_the_memory_and_device_models():
+    """plan_report(step=...) and predict_step(step=...) take it as they take MemoryModel and DeviceModel."""
+    assert autoshard.StepTimeModel is StepTimeModel and "StepTimeModel" in dir(autoshard)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("k, m", [(2, 2), (2, 8), (4, 4), (4, 8), (3, 5)])
 def test_equal_stages_on_free_links_take_the_textbook_m_plus_k_minus_one_slots(schedule, k, m):
