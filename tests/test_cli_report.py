@@ -217,8 +217,14 @@ def test_time_is_labelled_measured_or_estimated():
     assert "time (measured)" in measured and "6.000 ms" in measured  # x, l0, l1 at 2 ms each (the input too)
     estimated = replace(timed, time_estimate=DeviceModel(1e12, 1e9))
     assert "time (est.)" in rendered(stage_table(estimated, "t"))
-    assert "1000 GFLOP/s, 1 GB/s (given)" in how_made_lines(estimated)[0]
+    assert "1 TFLOP/s, 1 GB/s (given)" in how_made_lines(estimated)[0]
     assert "time" in rendered(stage_table(hand_plan(), "t")) and "?" in rendered(stage_table(hand_plan(), "t"))
+
+
+@pytest.mark.parametrize("peak, shown", [(989e12, "989 TFLOP/s"), (200e9, "200 GFLOP/s")])
+def test_a_device_peak_reads_in_the_unit_it_is_quoted_in(peak, shown):
+    """``--device-tflops 989`` read "9.89e+05 GFLOP/s"."""
+    assert DeviceModel(peak, 3350e9).describe() == f"{shown}, 3350 GB/s (given)"
 
 
 def test_human_bytes_reaches_terabytes():

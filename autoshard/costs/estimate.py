@@ -68,6 +68,13 @@ RECALIBRATE_ENV = "AUTOSHARD_RECALIBRATE"
 """Set to 1 to measure this machine again instead of reading the cached calibration."""
 
 
+def _flop_rate(flops_per_second: float) -> str:
+    """In TFLOP/s from 1e12 up, as a GPU's peak is quoted: ``--device-tflops 989`` read 9.89e+05 GFLOP/s."""
+    if flops_per_second >= 1e12:
+        return f"{flops_per_second / 1e12:.4g} TFLOP/s"
+    return f"{flops_per_second / 1e9:.4g} GFLOP/s"
+
+
 @dataclass(frozen=True)
 class DeviceModel:
     """Peak arithmetic (FLOP/s) and memory bandwidth (bytes/s) of the device that runs a stage.
@@ -91,7 +98,7 @@ class DeviceModel:
 
     def describe(self) -> str:
         source = "calibrated on this machine" if self.calibrated else "given"
-        return f"{self.peak_flops / 1e9:.4g} GFLOP/s, {self.bandwidth / 1e9:.4g} GB/s ({source})"
+        return f"{_flop_rate(self.peak_flops)}, {self.bandwidth / 1e9:.4g} GB/s ({source})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": "roofline", "peak_flops": self.peak_flops, "bandwidth": self.bandwidth,
