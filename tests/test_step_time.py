@@ -222,6 +222,12 @@ def test_stages_of_one_rank_send_no_messages():
     assert not any("links" in line for line in step_time_lines(step))
 
 
+def test_a_bubble_short_of_all_the_time_does_not_print_as_100_percent():
+    """Stages of 10 ns behind 100 µs links: the ranks idle over 99% of the step, not all of it."""
+    step = step_time([1e-8, 1e-8], [2e-8, 2e-8], [0.0], StepTimeModel("gpipe", 4))
+    assert 0.995 <= step.bubble < 1 and "bubble over 99% of the ranks' time" in str(step)
+
+
 def test_a_step_prints_as_its_time_schedule_bubble_and_bottleneck():
     """``print(predict_step(...))`` reads as the report's line, not as the dataclass's fields."""
     step = step_time([1e-3, 3e-3], [2e-3, 6e-3], [0.0], StepTimeModel("gpipe", 4, **FREE))

@@ -230,6 +230,12 @@ def _numbered(kinds: Sequence[bool], stages: Sequence[int]) -> list[Op]:
     return ops
 
 
+def _idle_share(bubble: float) -> str:
+    """The bubble in whole percent, except that one with some compute left reads "over 99%", not
+    100%, which says the ranks never compute (links far slower than tiny stages came to 99.97%)."""
+    return "over 99%" if 0.995 <= bubble < 1 else f"{bubble:.0%}"
+
+
 @dataclass(frozen=True)
 class StepTime:
     """One step's predicted ``seconds``; per stage its ``busy`` seconds (forward and backward of
@@ -251,9 +257,10 @@ class StepTime:
 
     def __str__(self) -> str:
         j, m = self.bottleneck, self.microbatches
+        forward, backward = format_seconds(self.forward[j]), format_seconds(self.backward[j])
         return (f"{format_seconds(self.seconds)} for {m} microbatch{'' if m == 1 else 'es'} under "
-                f"{self.model.schedule}; bubble {self.bubble:.0%} of the ranks' time; bottleneck stage {j} (forward "
-                f"{format_seconds(self.forward[j])} + backward {format_seconds(self.backward[j])} per microbatch"
+                f"{self.model.schedule}; bubble {_idle_share(self.bubble)} of the ranks' time; bottleneck stage {j} "
+                f"(forward {forward} + backward {backward} per microbatch"
                 + (f", x{self.model.compute_scale:.2f} their time alone" if self.model.compute_scale != 1 else "")
                 + ")")
 
