@@ -38,6 +38,7 @@ _LAZY = {
     "StalePlanWarning": "autoshard.plan_format.fits",
     "UnmeasuredMemoryWarning": "autoshard.plan_format.fits",
     "SharedBufferWarning": "autoshard.runtime.stage",
+    "MicrobatchSizeWarning": "autoshard.runtime.schedule",
     "MicrobatchStatisticsWarning": "autoshard.runtime.schedule",
     "TimingSpreadWarning": "autoshard.runtime.predict",
     "CalibrationLoadWarning": "autoshard.runtime.machine_load",

@@ -24,6 +24,7 @@ import autoshard
 from autoshard.errors import InvalidArgumentError, PipelineSetupError, VerificationError, WorldSizeError
 from autoshard.examples import LongSkip, ResidualMLP
 from autoshard.runtime import (
+    MicrobatchSizeWarning,
     MicrobatchStatisticsWarning,
     TiedGradients,
     build_schedule,
@@ -204,21 +205,25 @@ def setup_errors(rank: int, world: int) -> dict:
 
 def batch_shape_errors(rank: int) -> list[str]:
     """Steps with 10 rows (not 4 equal microbatches), 8 rows (fine), then 12 rows (not the first
-    step's shape): each rank refuses the bad ones on what it is given, before sending anything."""
+    step's shape): each rank refuses the bad ones on what it is given, before sending anything. The
+    plan was made on the whole batch, so the first stage's rank also warns, once, that the plan's
+    predictions count each microbatch of 2 rows as its example's 8."""
     model, (inputs,), _, _ = build("residual-mlp")
     width = inputs.shape[1]
     sharded = autoshard.shard_model(model, 2, example_inputs=(inputs,))
     schedule = build_schedule(pipeline_stage(sharded, rank, 2, "cpu"), "gpipe", MICROBATCHES, loss_fn=F.mse_loss)
     found = []
-    for rows in (10, 8, 12):
-        batch = torch.randn(rows, width)
-        try:
-            schedule.step(*((batch,) if rank == 0 else ()), target=batch if rank == 1 else None,
-                          return_outputs=False)
-            found.append("ran")
-        except InvalidArgumentError as exc:
-            found.append(str(exc))
-    return found
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (10, 8, 12):
+            batch = torch.randn(rows, width)
+            try:
+                schedule.step(*((batch,) if rank == 0 else ()), target=batch if rank == 1 else None,
+                              return_outputs=False)
+                found.append("ran")
+            except InvalidArgumentError as exc:
+                found.append(str(exc))
+    return found + [str(w.message) for w in caught if w.category is MicrobatchSizeWarning]
 
 
 def current_rss() -> int:
@@ -482,8 +487,11 @@ def test_world_size_misfits_fail_on_every_rank_before_blocking(two_processes):
     warned = [message for r in two_processes for message in r["errors"]["batch norm"]]
     assert len(warned) == 1 and ": 1)" in warned[0] and f"{MICROBATCHES} microbatches" in warned[0]
     for rank, rank_result in enumerate(two_processes):
-        uneven, fine, changed = rank_result["errors"]["batch shapes"]
+        uneven, fine, changed, *warned = rank_result["errors"]["batch shapes"]
         given = "x" if rank == 0 else "target"
+        assert len(warned) == (1 if rank == 0 else 0)  # the first stage's rank knows the example
+        assert all(f"an example of {BATCH} rows and this step's microbatches have {BATCH // MICROBATCHES}" in w
+                   and f"{MICROBATCHES}x these rows" in w for w in warned)
         assert f"{given} has 10 rows, which does not split into {MICROBATCHES} equal microbatches" in uneven
         assert fine == "ran"
         assert f"differ in shape from the first step's: {given} [12, 16] (first step: [8, 16])" in changed

@@ -30,6 +30,7 @@ from autoshard.runtime.machine_load import CalibrationLoadWarning
 from autoshard.runtime.predict import EvalModeStepWarning, TimingSpreadWarning, predict_step
 from autoshard.runtime.schedule import (
     SCHEDULES,
+    MicrobatchSizeWarning,
     MicrobatchStatisticsWarning,
     build_schedule,
     check_world_size,
@@ -46,6 +47,7 @@ __all__ = [
     "CalibrationLoadWarning",
     "GradientDifference",
     "LaunchError",
+    "MicrobatchSizeWarning",
     "MicrobatchStatisticsWarning",
     "OffloadRunner",
     "Parallelized",

@@ -29,6 +29,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from autoshard.arguments import whole_number
+from autoshard.costs.facts import node_facts
+from autoshard.costs.values import TensorMeta
 from autoshard.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -200,8 +202,21 @@ def build_schedule(
         built = cls(sorted(local, key=lambda s: s.stage_index), n_microbatches, loss_fn=loss_fn, **options)
     chunked_by_rows = not {"args_chunk_spec", "kwargs_chunk_spec"} & options.keys()
     first = next((stage.submod for stage in local if stage.stage_index == 0), None)
-    built.step = _BatchShapes(n_microbatches, chunked_by_rows).guard(built.step, first)
+    built.step = _BatchShapes(n_microbatches, chunked_by_rows, _example_rows(first)).guard(built.step, first)
     return built
+
+
+class MicrobatchSizeWarning(UserWarning):
+    """A step's microbatches have other rows than the example the plan was made on."""
+
+
+def _example_rows(first: fx.GraphModule | None) -> frozenset[int]:
+    """The leading sizes of the tensors the plan's example gave the first stage: what its memory and
+    time predictions count as one microbatch (empty on the other ranks)."""
+    if first is None:
+        return frozenset()
+    values = [getattr(node_facts(node), "value", None) for node in first.graph.find_nodes(op="placeholder")]
+    return frozenset(value.shape[0] for value in values if isinstance(value, TensorMeta) and value.shape)
 
 
 class _BatchShapes:
@@ -212,9 +227,10 @@ class _BatchShapes:
     anything is sent. Only those ranks raise (a check every rank joins would cost a collective
     per step): the others wait for the refused batch, so the error should end the job."""
 
-    def __init__(self, n_microbatches: int, chunked_by_rows: bool) -> None:
+    def __init__(self, n_microbatches: int, chunked_by_rows: bool, example_rows: frozenset[int] = frozenset()) -> None:
         self.n_microbatches = n_microbatches
         self.chunked_by_rows = chunked_by_rows  # torch's default: split every tensor along dim 0
+        self.example_rows = example_rows
         self.first: dict[str, tuple[int, ...]] | None = None
 
     def guard(self, step: Callable[..., Any], first: fx.GraphModule | None) -> Callable[..., Any]:
@@ -255,6 +271,7 @@ class _BatchShapes:
                         f"so give a batch whose size is a multiple of {self.n_microbatches}")
         if self.first is None:
             self.first = shapes
+            self._warn_of_other_rows(shapes)
             return
         changed = [f"{name} {list(shape)} (first step: {list(self.first[name])})"
                    for name, shape in shapes.items() if self.first.get(name, shape) != shape]
@@ -263,6 +280,20 @@ class _BatchShapes:
                 f"this step's inputs differ in shape from the first step's: {', '.join(changed)}; the "
                 "stages keep the sizes of the first step's microbatches, so build new stages and a new "
                 "schedule for another batch shape, or pad the batch to the first one's")
+
+    def _warn_of_other_rows(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Sharded on the whole batch and stepped in microbatches, a plan's report counted every
+        microbatch in flight as the whole batch (2.5x the memory the stages held on a Hugging Face
+        walk-through). Said once, at the first step: the plan itself serves any rows."""
+        rows = {shape[0] // self.n_microbatches for shape in shapes.values() if shape}
+        if not self.chunked_by_rows or len(self.example_rows) != 1 or len(rows) != 1 or rows == self.example_rows:
+            return
+        (example,), (microbatch,) = self.example_rows, rows
+        warnings.warn(
+            f"the plan was made on an example of {example} rows and this step's microbatches have {microbatch}: "
+            f"plan_report's memory and predict_step count each microbatch as the example, {example / microbatch:.3g}x "
+            "these rows; shard on one microbatch (or predict with one: predict_step(sharded, microbatch_inputs)) "
+            "for predictions of this step", MicrobatchSizeWarning, stacklevel=3)
 
 
 #: Keyword arguments of ``step`` that are not the model's inputs.
