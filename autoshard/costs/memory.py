@@ -53,18 +53,20 @@ do in torch 2.13, per rank:
   weights and each backward's fresh weight gradients take the compute dtype, the fp32 sharded
   weights are the optimizer's master copy, and floating activations shrink by compute / fp32;
 * ``activation_checkpointing``: ``costs.recompute`` (a block keeps its inputs, not what it saves;
-  one block is recomputed at a time in backward).
+  in backward a block's recompute lives from the start of its backward to its end).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Protocol, Sequence
 
 import networkx as nx
 
-from autoshard.costs.recompute import block_path, checkpoint_regions, checkpointed_kept, recompute_bytes
+from autoshard.costs.recompute import (
+    RecomputedBackward, block_path, checkpoint_regions, checkpointed_kept, recomputed_backward)
 from autoshard.costs.ties import weight_payers
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, plural, suggest
 from autoshard.graph.partition import boundary_values
@@ -688,11 +690,12 @@ def _trainable_weights(dag: nx.DiGraph, node: str) -> dict[str, float]:
 def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[str],
                   recomputed: AbstractSet[str] = frozenset(), copied: Sequence[str] = ()) -> float:
     """The most one microbatch's forward holds at once above what it keeps when it ends (what is
-    saved, the storages of the values sent: ``stays``, and the contiguous copies of those sent
-    ``copied``). Walking its nodes in order: each node's own forward peak (``SavedFacts.forward``;
-    without it, its output's bytes) on top of what is alive when it starts. A storage nothing saves
-    lives from its maker until its last reader here has run (a wide pairwise sum nothing saves,
-    reduced by the next node), or, for a value copied to be sent, until the copies made at the end."""
+    saved; ``stays``: the storages of the values sent and those a checkpoint keeps as they cross
+    a region's boundary; and the contiguous copies of those sent, ``copied``). Walking its nodes
+    in order: each node's own forward peak (``SavedFacts.forward``; without it, its output's bytes)
+    on top of what is alive when it starts. A storage nothing saves lives from its maker until its
+    last reader here has run (a wide pairwise sum nothing saves, reduced by the next node), or, for
+    a value copied to be sent, until the copies made at the end."""
     inside = set(nodes)
     last_read: dict[str, int] = {}  # storage (by its maker) -> position of its last reader here
     for i, node in enumerate(nodes):
@@ -766,7 +769,7 @@ def _as_received(dag: nx.DiGraph, nodes: Sequence[str], received: AbstractSet[st
 
 
 def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], through: Sequence[str],
-                   stays: AbstractSet[str], output_grads: float, recomputed: AbstractSet[str] = frozenset()) -> float:
+                   stays: AbstractSet[str], output_grads: float, recomputed: RecomputedBackward) -> float:
     """The most one microbatch's backward adds to what the stage holds: walking its nodes in
     reverse, the output gradients, the gradients alive and the node's own backward peak, less the
     saved storages the nodes already run have released.
@@ -785,12 +788,13 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     it; the received gradient itself, handed back through views (a stage that only passes a value
     on: an item, a view, a transpose sent permuted, whose receive buffer is laid out as it is), it
     takes as it is, but copies it where handed back itself (an addition's: the receive buffer still
-    holds it). The storages of the values sent (``stays``:
-    their makers, ``_owners``) outlive the microbatch's backward. What ``recomputed`` nodes save
-    was not kept, so its release frees nothing of the microbatches held (``recompute_bytes``
-    counts it). A weight read by several nodes here gets its gradient in parts, which autograd
-    holds until the last. The peak is checked before each node and once after the last, when the
-    last copies have been made."""
+    holds it). The storages of the values sent (``stays``: their makers, ``_owners``) outlive the
+    microbatch's backward. Under checkpointing (``recomputed``) a region's forward runs again as its
+    backward starts, adding what its own nodes save, which their releases free again; a storage
+    entering or leaving a region is freed when its last holder is done
+    (``costs.recompute.RecomputedBackward``). A weight read by several nodes here gets its gradient
+    in parts, which autograd holds until the last. The peak is checked before each node and once
+    after the last, when the last copies have been made."""
     inside = set(nodes)
     buffer: dict[str, str | None] = dict.fromkeys([*sent, *through])  # value -> its gradient's (None: received)
     holders: dict[str, int] = {}  # buffer (named by the value it was made for) -> values holding it
@@ -828,8 +832,10 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                    and (f := _training(dag, maker)) is not None}
     sent_views = {f.views for v in sent if (f := _training(dag, v)) is not None and f.views and not f.strided_output}
     for node in reversed(nodes):
+        freed -= recomputed.recomputed_at.get(node, 0.0)
         facts = _training(dag, node)
         if facts is None:
+            freed += recomputed.released_after.get(node, 0.0)
             continue
         given = _gradients_to(dag, node)
         # a value sent, or one whose gradient is the received buffer handed back through a view of its own
@@ -854,12 +860,13 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             peak = max(peak, output_grads + alive - dropped + made + summed - freed)
         # what this stage made and kept for this backward alone (what ``stays`` was sent)
         for maker, nbytes in facts.releases:
-            if maker not in inside or maker in recomputed:
+            if maker not in inside or recomputed.held_elsewhere(node, maker):
                 continue
-            if maker in stays:
+            if maker in stays and not recomputed.is_copy(node, maker):
                 nbytes = min(float(nbytes), temporaries.get(maker, 0.0))
                 temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
             freed += nbytes
+        freed += recomputed.released_after.get(node, 0.0)
         mine = buffer.pop(node, None)
         # a value sent permuted gets its gradient in a buffer laid out as it is, which a view hands back in
         # its input's layout, where the probe's gradient, laid out as a new tensor, came back strided
@@ -957,17 +964,22 @@ def stage_memory(
         sent = (_sent_unsaved(stage_dag, dense, assignment, recomputed)
                 + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
         sent_storages = {owner for v in dense for owner in _owners(stage_dag, v, assignment)}
+        owners = functools.partial(_owners, stage_dag, stage=assignment)
         if regions:
-            kept = checkpointed_kept(stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n),
-                                     lambda v: _owners(stage_dag, v, assignment), sent_storages)
+            kept = checkpointed_kept(stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n), owners,
+                                     sent_storages)
         else:
             kept = sum(kept_bytes(stage_dag, v) for v in nodes)
         kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
                     for owner in {_owner(stage_dag, v, assignment) for v in copied})
-        walk = _backward_peak(stage_dag, nodes, set(made_here), through, sent_storages, output_grads, recomputed)
-        forward = _forward_peak(stage_dag, nodes, assignment, sent_storages, recomputed, copied) * scale
-        backward = (walk + recompute_bytes(regions, lambda n: kept_bytes(stage_dag, n), lambda n: (
-            None if (f := _training(stage_dag, n)) is None else f.releases))) * scale
+        recompute = recomputed_backward(
+            stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n),
+            lambda n: None if (f := _training(stage_dag, n)) is None else f.releases, owners, sent_storages)
+        backward = _backward_peak(stage_dag, nodes, set(made_here), through, sent_storages, output_grads,
+                                  recompute) * scale
+        # what crosses a region's boundary is kept, not freed after its last reader
+        forward = _forward_peak(stage_dag, nodes, assignment, sent_storages | recompute.crossing, recomputed,
+                                copied) * scale
         in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
         received_buffer = received if j > 0 else 0.0  # the first stage's inputs are the caller's batch
         gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
