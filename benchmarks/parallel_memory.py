@@ -19,7 +19,8 @@ On every rank, after a first step (optimizer state made, pipeline buffers alloca
   PyTorch's ``MemTracker``, which counts every live tensor storage: what the rank's stages,
   optimizer and pipeline held before the step, and every storage made during it (FSDP's gathered
   weights and reduce buffers included). The plan's own copy of the model, which the worker was
-  handed, is left out. Predicted: ``plan_report(sharded, memory=parallel.memory_model)``.
+  handed, is left out where this rank's stages do not run on it. Predicted:
+  ``plan_report(sharded, memory=parallel.memory_model)``.
 """
 
 from __future__ import annotations
@@ -76,12 +77,16 @@ def build(quick: bool) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     return model, ids, ids.roll(-1, dims=1)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its local shard if it is a DTensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard's)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
+        storage = _local(tensor).untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -91,10 +96,20 @@ def live_tensors(left_out: set[int]) -> list[torch.Tensor]:
     found = []
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor):
-            local = obj.to_local() if hasattr(obj, "to_local") else obj
+            local = _local(obj)
             if local.untyped_storage().data_ptr() not in left_out or not local.untyped_storage().nbytes():
                 found.append(obj)
     return found
+
+
+def plan_copy_elsewhere(sharded: autoshard.ShardedModel, parallel) -> set[int]:
+    """The storages of the plan's copy of the model that this rank's stages do not run on: under
+    pipelining alone a stage runs on the plan's own parameters, which, left out too, were counted
+    only once an operator returned them (Adam's in-place update), so a peak before it (the tied
+    gradients' sync) missed the weights not read that way (stage 0's 4 MiB embedding)."""
+    running = {_local(t).untyped_storage().data_ptr() for stage in parallel.stages
+               for t in [*stage.submod.parameters(), *stage.submod.buffers()]}
+    return {t.untyped_storage().data_ptr() for t in [*sharded.parameters(), *sharded.buffers()]} - running
 
 
 def _total(tracker: MemTracker, kind: str) -> int:
@@ -128,8 +143,7 @@ def measure(rank: int, world: int, sharded: autoshard.ShardedModel, ids: torch.T
     optimizer.zero_grad()
     gc.collect()
     tracker = StepTracker()
-    own = {t.untyped_storage().data_ptr() for t in [*sharded.parameters(), *sharded.buffers()]}
-    tracker.track_external(*live_tensors(own))
+    tracker.track_external(*live_tensors(plan_copy_elsewhere(sharded, parallel)))
     before = _total(tracker, "current")
     with tracker, without_cyclic_gc():
         step()
