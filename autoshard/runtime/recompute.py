@@ -26,8 +26,11 @@ REGIONS = "_autoshard_recomputed"
 
 
 def run_recomputed(regions: tuple[fx.GraphModule, ...], index: int, *inputs: Any) -> Any:
-    """Region ``index`` under non-reentrant checkpointing (the graph's call of it)."""
-    return checkpoint(regions[index], *inputs, use_reentrant=False)
+    """Region ``index`` under non-reentrant checkpointing (the graph's call of it), through its
+    ``forward``: the region is no module of the model, and called as one, a global module hook
+    (``MemTracker``'s module tracker) hooked its inputs, the weights a graph reads by ``get_attr``
+    among them, and held each one's gradient until the last had one."""
+    return checkpoint(regions[index].forward, *inputs, use_reentrant=False)
 
 
 def _runs(graph: fx.Graph) -> list[list[fx.Node]]:
