@@ -34,7 +34,9 @@ from autoshard.api import (
 )
 from autoshard.arguments import byte_count, bytes_per_second, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
-from autoshard.costs.memory import OPTIMIZER_BYTES, SCHEDULES, MemoryModel, memory_shortfall
+from autoshard.costs.memory import (
+    INTERLEAVED_STAGES_PER_RANK, OPTIMIZER_BYTES, SCHEDULES, MemoryModel, memory_shortfall,
+)
 from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel, run_of
 from autoshard.errors import (
     AutoshardError,
@@ -175,25 +177,38 @@ def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) ->
         given["optimizer_bytes_per_param"] = None  # the named optimizer's own state, unless given below
     if args.optimizer_bytes is not None:
         given["optimizer_bytes_per_param"] = args.optimizer_bytes
-    if args.schedule is not None:
-        given["schedule"] = _named(args.schedule, "--schedule", SCHEDULES)
-    if args.stages_per_rank is not None:
-        given["stages_per_rank"] = whole_number(args.stages_per_rank, "--stages-per-rank", at_least=1)
+    given.update(_schedule_given(args, saved))
     if args.microbatches is not None:
         given["microbatches"] = whole_number(args.microbatches, "--microbatches", at_least=1)
     if args.master_weights is not None:
         given["master_weights"] = args.master_weights
     if not given:
         return saved
-    model = dataclasses.replace(saved or MemoryModel(), **given)
-    # counted for nothing under another schedule; with --plan, judged once the saved schedule is known
-    judged = saved is not None or not args.plan
-    if args.stages_per_rank is not None and model.schedule != "interleaved-1f1b" and judged:
+    return dataclasses.replace(saved or MemoryModel(), **given)
+
+
+def _schedule_given(args: argparse.Namespace, saved: MemoryModel | None) -> dict[str, object]:
+    """--schedule and --stages-per-rank as memory-model fields. A schedule other than the saved one
+    runs its own stages per rank unless the flag sets them, which only interleaved 1F1B runs several
+    of: refused for another schedule (with --plan, once the saved schedule is known)."""
+    schedule = (saved or MemoryModel()).schedule
+    given: dict[str, object] = {}
+    if args.schedule is not None:
+        given["schedule"] = _named(args.schedule, "--schedule", SCHEDULES)
+        if given["schedule"] != schedule:
+            given["stages_per_rank"] = None
+        schedule = given["schedule"]
+    if args.stages_per_rank is None:
+        return given
+    per_rank = whole_number(args.stages_per_rank, "--stages-per-rank", at_least=1)
+    if schedule == "interleaved-1f1b":
+        given["stages_per_rank"] = per_rank
+    elif saved is not None or not args.plan:
         raise InvalidArgumentError(
             f"--stages-per-rank sets how many stages each process runs under --schedule interleaved-1f1b, and "
-            f"the schedule here is {model.schedule}, which runs one: add --schedule interleaved-1f1b, or drop "
+            f"the schedule here is {schedule}, which runs one: add --schedule interleaved-1f1b, or drop "
             "--stages-per-rank")
-    return model
+    return given
 
 
 def _reproduction(args: argparse.Namespace, pipeline: Pipeline, memory: MemoryModel | None) -> str | None:
@@ -229,7 +244,7 @@ def _memory_flags(model: MemoryModel) -> list[str]:
         flags += ["--optimizer-bytes", f"{model.optimizer_bytes_per_param:g}"]
     if model.schedule != default.schedule:
         flags += ["--schedule", model.schedule]
-    if model.schedule == "interleaved-1f1b" and model.stages_per_rank != default.stages_per_rank:
+    if model.schedule == "interleaved-1f1b" and model.stages_per_rank != INTERLEAVED_STAGES_PER_RANK:
         flags += ["--stages-per-rank", str(model.stages_per_rank)]
     if model.microbatches is not None:
         flags += ["--microbatches", str(model.microbatches)]

@@ -177,6 +177,9 @@ def test_stages_per_rank_changes_a_saved_interleaved_plan_and_is_refused_for_a_s
     assert json.loads(rebuilt.read_text())["memory_model"]["stages_per_rank"] == 1
     code, _, err = run(capsys, "inspect", "residual-mlp", "--plan", str(plain), "--stages-per-rank", "1", "-q")
     assert code == 2 and "the schedule here is 1f1b" in " ".join(err.split())
+    assert run(capsys, "inspect", "residual-mlp", "--plan", str(interleaved), "--schedule", "gpipe", "-q",
+               "--out", str(rebuilt))[0] == 0  # the saved 2 stages per rank are interleaved 1F1B's, not GPipe's
+    assert json.loads(rebuilt.read_text())["memory_model"]["stages_per_rank"] == 1
 
 
 def test_the_tables_show_the_budget_and_how_full_the_fullest_stage_is_against_it(capsys, tmp_path):

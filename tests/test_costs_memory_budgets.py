@@ -207,7 +207,7 @@ def test_a_memory_model_refuses_values_it_cannot_plan_with(options, message):
     ("optimizer", ["adam"], "one of 'adam'"), ("schedule", None, "one of '1f1b', 'gpipe', 'interleaved-1f1b'"),
     ("data_parallel", 2.0, "one of 'fsdp', 'ddp' or None"),
     ("microbatches", 2.0, "a whole number >= 1 or None (an int)"), ("microbatches", True, "a whole number >= 1"),
-    ("microbatches", [8], "a whole number >= 1"), ("stages_per_rank", None, "a whole number >= 1 (an int)"),
+    ("microbatches", [8], "a whole number >= 1"), ("stages_per_rank", 2.0, "a whole number >= 1 or None (an int)"),
     ("dp", 2.0, "a whole number >= 1"), ("dp", True, "a whole number >= 1"),
     ("optimizer_bytes_per_param", "4", "a number >= 0 (8 for Adam"), ("optimizer_bytes_per_param", [4], "or None"),
     ("master_weights", None, "True or False"), ("master_weights", "yes", "True or False"),

@@ -66,6 +66,25 @@ def test_each_schedule_counts_its_microbatches_in_flight():
         MemoryModel(microbatches=5, schedule="interleaved-1f1b").all_in_flight(4)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stages_per_rank_is_refused_for_a_schedule_that_runs_one_stage_per_rank(schedule):
+    """``MemoryModel(schedule="1f1b", stages_per_rank=3)`` was accepted and counted for nothing."""
+    with pytest.raises(autoshard.errors.InvalidArgumentError) as raised:
+        MemoryModel(schedule=schedule, stages_per_rank=3)
+    message = " ".join(str(raised.value).split())
+    assert "stages_per_rank=3" in message and "interleaved-1f1b" in message and repr(schedule) in message
+    assert MemoryModel(schedule=schedule, stages_per_rank=1).stages_per_rank == 1  # what it runs: allowed
+
+
+def test_stages_per_rank_left_out_is_the_schedules_own():
+    """Left out it is 2 under interleaved 1F1B and the one stage per rank of any other schedule, so a
+    default model (or one a plan file or ``parallelize`` builds) is never refused."""
+    assert MemoryModel().stages_per_rank == 1 and MemoryModel(schedule="gpipe").stages_per_rank == 1
+    assert MemoryModel(schedule="interleaved-1f1b").stages_per_rank == 2
+    assert MemoryModel(schedule="interleaved-1f1b", stages_per_rank=4).all_in_flight(8) == \
+        tuple(interleaved_in_flight(8, 4, None))
+
+
 class _Weight:
     def __init__(self, numel: int, element: int, trainable: bool = True) -> None:
         self.numel, self.nbytes, self.trainable = numel, numel * element, trainable
@@ -974,6 +993,9 @@ def test_a_function_handed_a_module_gives_a_gradient_only_to_the_weights_it_read
      "MemoryModel(optimizer_bytes_per_param=4.0, schedule='gpipe', master_weights=True)"),
     (MemoryModel(data_parallel="fsdp", dp=2, mixed_precision="bfloat16"),
      "MemoryModel(data_parallel='fsdp', dp=2, mixed_precision='bfloat16')"),
+    (MemoryModel(schedule="interleaved-1f1b"), "MemoryModel(schedule='interleaved-1f1b')"),
+    (MemoryModel(schedule="interleaved-1f1b", stages_per_rank=1),
+     "MemoryModel(schedule='interleaved-1f1b', stages_per_rank=1)"),
 ])
 def test_as_call_names_the_fields_off_their_default_and_builds_the_same_model(model, call):
     """What a failing pass's reproduction prints: run again, it plans for the same training memory."""

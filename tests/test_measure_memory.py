@@ -188,7 +188,7 @@ def test_measurement_is_exported_and_serialisable():
     (dict(microbatches=0), InvalidArgumentError, ["microbatches must be at least 1, got 0"]),
     (dict(microbatches=2.0), InvalidArgumentTypeError, ["microbatches must be an int", "float 2.0"]),
     (dict(schedule="interleaved-1f1b", stages_per_rank=2.0), InvalidArgumentTypeError,
-     ["stages_per_rank must be a whole number >= 1 (an int), got float 2.0"]),
+     ["stages_per_rank must be a whole number >= 1 or None (an int), got float 2.0"]),
     (dict(master_weights="yes"), InvalidArgumentTypeError, ["master_weights must be True or False", "'yes'"]),
     (dict(stage=2), InvalidArgumentError, ["stage 2 is out of range", "2 stages", "from 0 to 1"]),
     (dict(stage=-1), InvalidArgumentError, ["stage -1 is out of range"]),

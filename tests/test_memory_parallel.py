@@ -320,6 +320,7 @@ def test_parallelize_describes_its_layout_to_the_memory_model():
                                 activation_checkpointing=False, schedule="looped-bfs", microbatches=2,
                                 stages_per_rank=2)
     assert (alone.data_parallel, alone.schedule, alone.microbatches) == (None, "gpipe", 2)  # all forwards first
+    assert alone.stages_per_rank == 1  # counted as GPipe, whose count does not depend on it
     assert layout_memory_model(MemoryModel(), data_parallel=None, dp=1, mixed_precision=None,
                                activation_checkpointing=False, schedule="interleaved-zero-bubble", microbatches=2,
                                stages_per_rank=2) is None

@@ -281,6 +281,16 @@ def test_a_plan_without_the_split_time_and_weight_sections_still_reads(residual)
     assert plan.assignment() == residual[2].assignment()
 
 
+def test_a_plan_saved_with_two_stages_per_rank_under_1f1b_still_reads(residual):
+    """Plans written before ``MemoryModel`` refused stages per rank for 1F1B saved the default 2 there,
+    which counted for nothing; under interleaved 1F1B the saved count is kept."""
+    data = residual[2].to_dict()
+    data["memory_model"].update(schedule="1f1b", stages_per_rank=2)
+    assert plan_from_dict(data).memory_model == autoshard.MemoryModel()
+    data["memory_model"].update(schedule="interleaved-1f1b", stages_per_rank=4)
+    assert plan_from_dict(data).memory_model.stages_per_rank == 4
+
+
 def test_a_plan_measured_on_inputs_needs_inputs_to_rebuild(residual, saved):
     """The default pipeline with example inputs runs shape-prop, which cannot run without them."""
     model = residual[0]

@@ -77,6 +77,9 @@ OPTIMIZER_BYTES: dict[str, float] = {"adam": 8.0, "adamw": 8.0, "sgd-momentum": 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 """The schedules whose microbatches in flight the model knows."""
 
+INTERLEAVED_STAGES_PER_RANK = 2
+"""``stages_per_rank`` under interleaved 1F1B when left out (every other schedule runs one)."""
+
 DATA_PARALLEL = ("fsdp", "ddp")
 """The data-parallel kinds ``runtime.parallelize`` applies (None: pipelining alone)."""
 
@@ -201,7 +204,8 @@ class MemoryModel:
     given, overrides its state bytes per trainable element. ``microbatches`` is the step's count
     (None: as many as the schedule keeps at most, ``k - j`` under 1F1B). ``schedule`` is one of
     ``SCHEDULES``; ``stages_per_rank`` is how many stages each process runs under interleaved
-    1F1B (k must divide by it). ``master_weights`` counts an fp32 copy of each trainable weight
+    1F1B (k must divide by it; None: ``INTERLEAVED_STAGES_PER_RANK``), and 1 under any other
+    schedule, which refuses more. ``master_weights`` counts an fp32 copy of each trainable weight
     narrower than fp32 (bf16 or fp16 weights, the optimizer stepping in fp32).
 
     The layout ``runtime.parallelize`` runs, per rank: ``data_parallel`` (``"fsdp"``, ``"ddp"`` or
@@ -214,7 +218,7 @@ class MemoryModel:
     microbatches: int | None = None
     optimizer: str = "adam"
     schedule: str = "1f1b"
-    stages_per_rank: int = 2
+    stages_per_rank: int | None = None
     master_weights: bool = False
     data_parallel: str | None = None
     dp: int = 1
@@ -235,12 +239,26 @@ class MemoryModel:
                 f"optimizer_bytes_per_param must be a number >= 0 (8 for Adam's two fp32 moments, 4 for SGD with "
                 f"momentum, 0 for plain SGD){alternative}, got {type(bytes_).__name__} {bytes_!r}")
         _count(self.microbatches, "microbatches")
-        _count(self.stages_per_rank, "stages_per_rank", allow_none=False)
+        object.__setattr__(self, "stages_per_rank", self._stages_per_rank())
         for flag in ("master_weights", "activation_checkpointing"):
             value = getattr(self, flag)
             if not isinstance(value, bool):
                 raise InvalidArgumentTypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r}")
         self._check_layout()
+
+    def _stages_per_rank(self) -> int:
+        """The stages each process runs: None is the schedule's own; only interleaved 1F1B runs more
+        than one, so another schedule refuses more rather than count them for nothing."""
+        interleaved = self.schedule == "interleaved-1f1b"
+        if self.stages_per_rank is None:
+            return INTERLEAVED_STAGES_PER_RANK if interleaved else 1
+        _count(self.stages_per_rank, "stages_per_rank")
+        if self.stages_per_rank > 1 and not interleaved:
+            raise InvalidArgumentError(
+                f"stages_per_rank={self.stages_per_rank} is how many stages each process runs under "
+                f"schedule='interleaved-1f1b' only; schedule {self.schedule!r} runs one per process: pass "
+                "schedule='interleaved-1f1b', or leave stages_per_rank out")
+        return self.stages_per_rank
 
     def _check_layout(self) -> None:
         """The data-parallel fields, refused as ``parallelize`` refuses them."""
@@ -290,10 +308,12 @@ class MemoryModel:
     def as_call(self) -> str:
         """``MemoryModel(optimizer='sgd', microbatches=8)``: the fields that differ from the
         default, so an error can say what to run again."""
-        base = MemoryModel(optimizer=self.optimizer)  # its own optimizer's state bytes are no change
+        # its optimizer's own state bytes and its schedule's own stages per rank are no change
+        base = MemoryModel(optimizer=self.optimizer, schedule=self.schedule)
         given = {"optimizer": self.optimizer} if self.optimizer != MemoryModel.optimizer else {}
         given.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                     if getattr(self, f.name) != getattr(base, f.name))
+                     if getattr(self, f.name) != getattr(base, f.name)
+                     or f.name == "schedule" and self.schedule != MemoryModel.schedule)
         return f"MemoryModel({', '.join(f'{name}={value!r}' for name, value in given.items())})"
 
     def to_dict(self) -> dict[str, float | int | str | bool | None]:

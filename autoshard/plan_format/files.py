@@ -185,12 +185,13 @@ class _Reader:
         where = "memory_model"
         if obj is None:
             return MemoryModel()
+        schedule = self.get(obj, "schedule", str, where, "1f1b")
         try:
             return MemoryModel(self.get(obj, "optimizer_bytes_per_param", (int, float), where),
                                self.get(obj, "microbatches", int, where, None),
                                self.get(obj, "optimizer", str, where, "adam"),
-                               self.get(obj, "schedule", str, where, "1f1b"),
-                               self.get(obj, "stages_per_rank", int, where, 2),
+                               schedule,
+                               self._stages_per_rank(obj, schedule, where),
                                self.get(obj, "master_weights", bool, where, False),
                                self.get(obj, "data_parallel", str, where, None),
                                self.get(obj, "dp", int, where, 1),
@@ -198,6 +199,12 @@ class _Reader:
                                self.get(obj, "activation_checkpointing", bool, where, False))
         except InvalidArgumentError as exc:
             raise self.error(where, str(exc)) from None
+
+    def _stages_per_rank(self, obj: Any, schedule: str, where: str) -> int | None:
+        """The saved stages per rank under interleaved 1F1B; under another schedule the schedule's own
+        one, since plans written before it was refused there saved 2, which counted for nothing."""
+        saved = self.get(obj, "stages_per_rank", int, where, None)
+        return saved if schedule.lower() == "interleaved-1f1b" else None
 
     def split(self, obj: Any) -> SplitRecord | None:
         where = "split"

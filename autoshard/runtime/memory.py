@@ -111,13 +111,14 @@ def optimizer_state_names(optimizer: str) -> tuple[str, ...]:
 
 
 def microbatches_in_flight(schedule: str, stage: int, num_stages: int, microbatches: int | None = None,
-                           stages_per_rank: int = 2) -> int:
+                           stages_per_rank: int | None = None) -> int:
     """Microbatches whose activations ``stage`` keeps at once under ``schedule``, as the memory model
-    counts them (``MemoryModel.in_flight``); ``microbatches`` None means a full pipeline."""
+    counts them (``MemoryModel.in_flight``); ``microbatches`` None means a full pipeline,
+    ``stages_per_rank`` None the schedule's own."""
     return _measured_schedule(schedule, microbatches, stages_per_rank).in_flight(stage, num_stages)
 
 
-def _measured_schedule(schedule: str, microbatches: int | None, stages_per_rank: int) -> MemoryModel:
+def _measured_schedule(schedule: str, microbatches: int | None, stages_per_rank: int | None) -> MemoryModel:
     """The memory model's view of a schedule one stage's measurement can stand for, its arguments
     refused with a typed error naming the accepted ones."""
     if not isinstance(schedule, str):
@@ -132,6 +133,19 @@ def _measured_schedule(schedule: str, microbatches: int | None, stages_per_rank:
                                    f"measured schedules: {', '.join(MEASURED_SCHEDULES)}")
     count = None if microbatches is None else whole_number(microbatches, "microbatches", at_least=1)
     return MemoryModel(microbatches=count, schedule=name, stages_per_rank=stages_per_rank)
+
+
+def _stages_per_rank(schedule: object, given: int | None, planned: MemoryModel) -> int | None:
+    """``given``, refused for a schedule that runs one stage per process (else measured as if not
+    given); left out, the plan's under the plan's schedule, and another schedule's own under that one."""
+    name = schedule.lower() if isinstance(schedule, str) else schedule
+    if given is None:
+        return planned.stages_per_rank if name == planned.schedule else None
+    if name in MEASURED_SCHEDULES and name != "interleaved-1f1b":
+        raise InvalidArgumentError(
+            f"stages_per_rank is how many stages each process runs under schedule='interleaved-1f1b', and the "
+            f"schedule here is {name!r}, which runs one: pass schedule='interleaved-1f1b', or drop stages_per_rank")
+    return given
 
 
 def measure_stage_memory(
@@ -171,17 +185,10 @@ def measure_stage_memory(
     schedule = planned.schedule if schedule is None else schedule
     microbatches = planned.microbatches if microbatches is None else microbatches
     optimizer = planned.optimizer if optimizer is None else optimizer
-    per_rank_given = stages_per_rank is not None
-    stages_per_rank = planned.stages_per_rank if stages_per_rank is None else stages_per_rank
     master_weights = planned.master_weights if master_weights is None else master_weights
     example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_memory")
     k = sharded.num_stages
-    run = _measured_schedule(schedule, microbatches, stages_per_rank)
-    if per_rank_given and run.schedule != "interleaved-1f1b":  # else measured as if not given
-        raise InvalidArgumentError(
-            f"stages_per_rank is how many stages each process runs under schedule='interleaved-1f1b', and the "
-            f"schedule here is {run.schedule!r}, which runs one: pass schedule='interleaved-1f1b', or drop "
-            "stages_per_rank")
+    run = _measured_schedule(schedule, microbatches, _stages_per_rank(schedule, stages_per_rank, planned))
     in_flight, buffered = run.in_flight(stage, k), run.step_microbatches(k)
     states = optimizer_state_names(optimizer)
     if not isinstance(master_weights, bool):

@@ -249,7 +249,8 @@ def layout_memory_model(
     """``base`` (the plan's optimizer and master weights) for a layout ``parallelize`` runs: its
     data parallelism, compute dtype, recomputation, schedule and microbatches. Looped BFS runs every
     forward before any backward, as GPipe does, so it is counted as GPipe; for a schedule the model
-    does not count (zero bubble) there is none (None), rather than another schedule's count."""
+    does not count (zero bubble) there is none (None), rather than another schedule's count. Only
+    interleaved 1F1B's count depends on ``stages_per_rank``; the model refuses it for another schedule."""
     cls = schedule_class(schedule)
     name = next((name for name, known in SCHEDULES.items() if known is cls), "")
     name = "gpipe" if name == "looped-bfs" else name
@@ -260,7 +261,7 @@ def layout_memory_model(
         base, data_parallel=data_parallel, dp=dp if data_parallel else 1,
         mixed_precision=str(dtype) if dtype is not None and dtype.itemsize < 4 else None,
         activation_checkpointing=activation_checkpointing, microbatches=microbatches,
-        schedule=name, stages_per_rank=stages_per_rank)
+        schedule=name, stages_per_rank=stages_per_rank if name == "interleaved-1f1b" else None)
 
 
 def parallelize(
