@@ -105,7 +105,7 @@ def test_a_split_whose_whole_stages_overflow_is_made_again_until_it_fits(monkeyp
     with pytest.raises(InfeasibleSplitError, match=short):
         autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least - 1, pipeline=PLAN_ONLY)
     monkeypatch.setattr(placements, "TIGHTENING_ROUNDS", 0)
-    monkeypatch.setattr(placements, "in_order", lambda *_: "")
+    monkeypatch.setattr(placements, "in_order", lambda *_: placements.ExactSearch())
     with pytest.raises(InfeasibleSplitError, match="stage 0 needs"):
         autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least, pipeline=PLAN_ONLY)
 
@@ -236,7 +236,7 @@ def test_a_budget_near_the_best_split_is_met_by_splitting_again(monkeypatch, k=4
     plan = autoshard.shard_model(model, k, example_inputs=args, max_memory=budget, pipeline=PLAN_ONLY).plan
     assert peak_memory(plan.dag, plan.assignment, k) <= budget
     monkeypatch.setattr(placements, "TIGHTENING_ROUNDS", 0)
-    monkeypatch.setattr(placements, "in_order", lambda *_: "")  # nor the exact search after them
+    monkeypatch.setattr(placements, "in_order", lambda *_: placements.ExactSearch())  # nor the exact search after them
     with pytest.raises(InfeasibleSplitError):
         autoshard.shard_model(model, k, example_inputs=args, max_memory=budget, pipeline=PLAN_ONLY)
 
@@ -253,7 +253,7 @@ def test_a_budget_the_unbudgeted_plan_fits_is_never_refused(monkeypatch, k=4):
     need = max(s.total for s in stage_memory(unbudgeted.dag, unbudgeted.assignment, k))
     search = placements.fitted
     monkeypatch.setattr(placements, "fitted", lambda *a, **kw: dataclasses.replace(search(*a, **kw), fits=False))
-    monkeypatch.setattr(placements, "in_order", lambda *_: "")  # nor does the exact search find it
+    monkeypatch.setattr(placements, "in_order", lambda *_: placements.ExactSearch())  # nor the exact search
     planned = autoshard.shard_model(model, k, example_inputs=(x,), max_memory=need, pipeline=PLAN_ONLY).plan
     assert planned.assignment == unbudgeted.assignment
 
@@ -430,7 +430,7 @@ def test_the_tightened_budgets_are_never_negative(monkeypatch, k=4):
     model, idx = GPTStyleLM(vocab=100, width=16, layers=2, max_seq=64).eval(), torch.randint(0, 100, (8, 64))
     free = autoshard.shard_model(model, k, example_inputs=(idx,), pipeline=PLAN_ONLY).plan
     budget = 0.62 * peak_memory(free.dag, free.assignment, k)
-    monkeypatch.setattr(placements, "in_order", lambda *_: "")  # the tightening alone
+    monkeypatch.setattr(placements, "in_order", lambda *_: placements.ExactSearch())  # the tightening alone
     with pytest.raises(InfeasibleSplitError, match="split again up to 12 times"):
         autoshard.shard_model(model, k, example_inputs=(idx,), max_memory=budget, pipeline=PLAN_ONLY)
 

@@ -119,16 +119,22 @@ def test_a_budget_the_tightened_splits_miss_is_planned_by_the_exact_search(monke
     assert info.boundary_bytes == total_boundary_bytes(plan.dag, plan.assignment, k)
     readers = {plan.assignment[v] for v in plan.dag if "wte.weight" in plan.dag.nodes[v].get("weights", ())}
     assert ("wte.weight" in info.separated) == (len(readers) > 1)  # the embedding tied to the head
-    monkeypatch.setattr(placements, "in_order", lambda *_: "")
+    monkeypatch.setattr(placements, "in_order", lambda *_: placements.ExactSearch())
     with pytest.raises(InfeasibleSplitError):
         autoshard.shard_model(model, k, example_inputs=(idx,), max_memory=budget, pipeline=PLAN_ONLY)
 
 
-def test_a_budget_below_every_split_of_program_order_is_refused_saying_so(k=4):
+def test_a_budget_below_every_split_of_program_order_is_refused_saying_so(monkeypatch, k=4):
+    """The exact search comes to one typed result (it was an ``Attempt`` or the refusal's words, told
+    apart by type): no split, and what the refusal says of the search."""
     torch.manual_seed(0)
     model, x = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(8))), torch.randn(256, 16)
     dag = autoshard.shard_model(model, k, example_inputs=(x,), pipeline=PLAN_ONLY).plan.dag
     least = min(max(s.total for s in stage_memory(dag, a, k)) for a in cut_assignments(dag, k))
+    searched, search = [], placements.in_order
+    monkeypatch.setattr(placements, "in_order", lambda *args: searched.append(search(*args)) or searched[-1])
     with pytest.raises(InfeasibleSplitError, match=r"no split of program order into 4 contiguous stages fits either "
                                                    r"\(an exact search\); in the closest plan stage \d needs"):
         autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least - 1, pipeline=PLAN_ONLY)
+    assert searched == [placements.ExactSearch(
+        note="; no split of program order into 4 contiguous stages fits either (an exact search)")]

@@ -66,6 +66,15 @@ class Attempt:
         return max((m - b) / b if b else float(m > 0) for m, b in zip(self.memory, budgets))
 
 
+@dataclass(frozen=True)
+class ExactSearch:
+    """What the exact search over the order (``in_order``) came to: the split it found that fits, or
+    None and what a refusal says of the search ("" where it did not run)."""
+
+    found: Attempt | None = None
+    note: str = ""
+
+
 def split_placing_ties(request: SplitRequest, exact: bool = True) -> Partition:
     """The best split of ``request`` over the tie placements worth trying, ``max_memory`` held. Where
     none fits, ``exact``: the split the exact search over the order finds (``in_order``), before the
@@ -78,12 +87,12 @@ def split_placing_ties(request: SplitRequest, exact: bool = True) -> Partition:
             raise
         first = attempt(request, first_try, budgets=())
         if not first.fits:
-            found = in_order(request, first_try) if exact else ""
-            if isinstance(found, Attempt):
-                return found.partition
+            searched = in_order(request, first_try) if exact else ExactSearch()
+            if searched.found is not None:
+                return searched.found.partition
             raise InfeasibleSplitError(
-                f"no split into {request.k} stages fits max_memory ({_in_max_memory_terms(exc)}){found}; in the "
-                f"best-balanced plan {shortfall(request, first)}") from exc
+                f"no split into {request.k} stages fits max_memory ({_in_max_memory_terms(exc)}){searched.note}; in "
+                f"the best-balanced plan {shortfall(request, first)}") from exc
     attempts = [first]
     if first.separated and first.partition.info.bound is not None:  # a bounded strategy, not a baseline
         for placement in retries(request, first):
@@ -97,39 +106,41 @@ def split_placing_ties(request: SplitRequest, exact: bool = True) -> Partition:
         attempts.append(unbounded)
         fitting = [unbounded] if unbounded.fits else []
     if not fitting:
-        found = in_order(request, first_try) if exact else ""
-        if isinstance(found, Attempt):
-            return found.partition
+        searched = in_order(request, first_try) if exact else ExactSearch()
+        if searched.found is not None:
+            return searched.found.partition
         closest = min(attempts, key=lambda a: a.overshoot(request.each_stage(request.max_memory)))
         raise InfeasibleSplitError(
             f"no split into {request.k} stages fits max_memory with every stage counted whole (received and sent "
             f"values, one backward, each shared weight in every stage holding it), split again up to "
-            f"{TIGHTENING_ROUNDS} times under budgets tightened by what the per-node sums missed{found}; in the "
-            f"closest plan {shortfall(request, closest)}")
+            f"{TIGHTENING_ROUNDS} times under budgets tightened by what the per-node sums missed{searched.note}; in "
+            f"the closest plan {shortfall(request, closest)}")
     return min(fitting, key=Attempt.rank).partition  # the first of equals: ties preferred together
 
 
-def in_order(request: SplitRequest, placement: TiePlacement) -> Attempt | str:
+def in_order(request: SplitRequest, placement: TiePlacement) -> ExactSearch:
     """The last resort before a budget is refused: the split the exact search over ``request.order``
     finds (``program_order``), scored as ``attempt`` scores a split, weights charged as ``placement``
     charges them (its plan's info: the bottleneck as its bound, the boundary bytes, the ties it
     separates); where it finds none or cannot serve the request, what the refusal says of it."""
     if not serves(request):
-        return ""
+        return ExactSearch()
     where = "program order" if list(request.order) == program_order(request.dag) else "the linearized order"
     try:
         assignment = fitting_in_order(request)
     except SearchGaveUp:
-        return f"; an exact search over the splits of {where} gave up after {JUDGEMENT_LIMIT:,} stages judged"
+        return ExactSearch(note=f"; an exact search over the splits of {where} gave up after {JUDGEMENT_LIMIT:,} "
+                                "stages judged")
     if assignment is None:
-        return f"; no split of {where} into {request.k} contiguous stages fits either (an exact search)"
+        return ExactSearch(note=f"; no split of {where} into {request.k} contiguous stages fits either (an exact "
+                                "search)")
     weighted = request.costed(placement.apart, budgeted=False).dag
     boundary = total_boundary_bytes(weighted, assignment, request.k)
     found = scored(request, placement, weighted, assignment,
                    SplitInfo(request.strategy, None, 0.0, boundary, tolerance=request.tolerance))
     info = found.partition.info
-    return dataclasses.replace(found, partition=dataclasses.replace(
-        found.partition, info=dataclasses.replace(info, bound=info.bottleneck)))
+    return ExactSearch(dataclasses.replace(found, partition=dataclasses.replace(
+        found.partition, info=dataclasses.replace(info, bound=info.bottleneck))))
 
 
 def _in_max_memory_terms(refusal: InfeasibleSplitError) -> str:
