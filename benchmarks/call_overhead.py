@@ -165,24 +165,37 @@ def _timed(fn: Callable[[], Any], calls: int, cuda: bool) -> float:
     return (_clock() - start) / calls
 
 
-def _variants(row: Row, sharded: Any) -> dict[str, Callable[[], Any] | str]:
+def _calls(row: Row, sharded: Any) -> dict[str, Callable[[], Any]]:
+    """The model called eagerly, ``sharded`` called, and its stages chained by hand, each with a
+    backward in a forward + backward row: what every mode runs (``pipeline()``'s split is timed alone)."""
     def chained() -> Any:
         values = sharded.stages[0](*row.args)
         for stage in sharded.stages[1:]:
             values = stage(*values)
         return values
 
-    variants: dict[str, Callable[[], Any] | str] = {
-        "eager": lambda: row.model(*row.args), "sharded": lambda: sharded(*row.args), "chained": chained,
-        "pipeline()": _pipeline_split(row.model, sharded, row.args) if _COUNTER is None else "n/a (not counted)"}
+    calls = {"eager": lambda: row.model(*row.args), "sharded": lambda: sharded(*row.args), "chained": chained}
     if row.backward:
-        def with_backward(fn: Callable[[], Any]) -> Callable[[], Any]:
-            return lambda: _first(fn()).float().sum().backward()
-        variants = {k: with_backward(v) if callable(v) else v for k, v in variants.items()}
+        return {name: _with_backward(fn) for name, fn in calls.items()}
+    return calls
+
+
+def _with_backward(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` and a backward from its first output's sum, a loss as cheap as it gets."""
+    return lambda: _first(fn()).float().sum().backward()
+
+
+def _variants(row: Row, sharded: Any) -> dict[str, Callable[[], Any] | str]:
+    """``_calls`` and ``pipeline()``'s split, or why the row has none (its split is built only to be timed)."""
+    if row.backward:
         # run in one process, pipeline()'s Pipe gives its stages' weights no gradients (checked on
         # the GPT-style LM): its backward would time less work than the model's
-        variants["pipeline()"] = "n/a (no weight gradients)"
-    return variants
+        split: Callable[[], Any] | str = "n/a (no weight gradients)"
+    elif _COUNTER is not None:
+        split = "n/a (not counted)"
+    else:
+        split = _pipeline_split(row.model, sharded, row.args)
+    return {**_calls(row, sharded), "pipeline()": split}
 
 
 def _sharded_on(row: Row, device: str) -> Any:
@@ -260,14 +273,13 @@ def syncs(row: Row) -> None:
     sharded = _sharded_on(row, "cuda")
     launched = {}
     with torch.enable_grad() if row.backward else torch.no_grad():
-        for name, fn in _variants(row, sharded).items():
-            if callable(fn) and name != "pipeline()":
-                fn()  # warm: first calls build caches
-                found = _syncs(fn)
-                launched[name] = _kernels(fn)
-                print(f"{row.name}, k={row.stages}, {name}: {len(found)} synchronising operations, "
-                      f"{sum(launched[name].values())} kernels"
-                      + "".join(f"\n    {site}" for site in dict.fromkeys(found)), flush=True)
+        for name, fn in _calls(row, sharded).items():
+            fn()  # warm: first calls build caches
+            found = _syncs(fn)
+            launched[name] = _kernels(fn)
+            print(f"{row.name}, k={row.stages}, {name}: {len(found)} synchronising operations, "
+                  f"{sum(launched[name].values())} kernels"
+                  + "".join(f"\n    {site}" for site in dict.fromkeys(found)), flush=True)
     for name in ("sharded", "chained"):
         more, fewer = launched[name] - launched["eager"], launched["eager"] - launched[name]
         for sign, kernels in (("+", more), ("-", fewer)):
