@@ -103,11 +103,36 @@ class WritesInsideAModuleKeptWhole(nn.Module):
         return y + self.c(h) + total
 
 
+class ShiftsItsSecondInputInPlace(nn.Module):
+    """``ShiftsInPlace`` writing to its second input, not its first."""
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if h.sum() > -1e9:  # always, but fake tensors and tracing cannot tell
+            h.add_(1)
+        return x.abs().sum()
+
+
+class WritesASecondInputInsideAModuleKeptWhole(nn.Module):
+    """``h`` is read by a long branch, written inside a module kept whole that takes it second, then
+    read again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c, self.shift = nn.Linear(8, 8), nn.Linear(8, 8), ShiftsItsSecondInputInPlace()
+        self.b = nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.b(h)
+        total = self.shift(x, h)
+        return y + self.c(h) + total
+
+
 @pytest.mark.parametrize("model", [WritesAfterReading(), WritesAfterReading(through_a_view=True),
                                    InPlaceActivation(), ZeroesByItemAssignment(), WritesThroughAnIdentity(),
-                                   WritesInsideAModuleKeptWhole()],
+                                   WritesInsideAModuleKeptWhole(), WritesASecondInputInsideAModuleKeptWhole()],
                          ids=["add_", "through a view", "ReLU(inplace)", "item assignment", "through nn.Identity",
-                              "inside a module kept whole"])
+                              "inside a module kept whole", "second input, inside a module kept whole"])
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("cost", ["params", "nodes"])
 @pytest.mark.parametrize("pipeline", [None, FX_ONLY], ids=["auto", "fx"])
@@ -141,3 +166,15 @@ def test_a_write_inside_a_module_kept_whole_orders_its_readers_as_an_in_place_op
     dag = program.dag
     assert dag.has_edge("b_0", "shift") and dag.has_edge("shift", "c")
     assert written_values(program.traced.graph_module) == {"a", "shift"}
+
+
+def test_a_write_to_a_second_input_inside_a_module_kept_whole_orders_its_readers_too():
+    """Shape propagation watched the first input's version counter only: a write to the second left
+    ``h``'s readers unordered around it (a split could read ``h`` after the write) and verification
+    compared ``h`` as recorded after the write."""
+    model = WritesASecondInputInsideAModuleKeptWhole()
+    program = run_pipeline(model, Pipeline.parse("capture,shape-prop,build-dag"),
+                           ExampleInputs((torch.randn(2, 8),), {})).program
+    dag = program.dag
+    assert dag.has_edge("b_0", "shift") and dag.has_edge("shift", "c")
+    assert written_values(program.traced.graph_module) == {"a"}

@@ -37,7 +37,7 @@ class NodeFacts:
     allocated: int
     draws_random: bool = False  # it advanced a random generator (dropout, even inside a leaf)
     aliases_input: bool = False  # its value shares memory with its first input (nn.Identity, a view)
-    writes_input: bool = False  # it wrote to its first input in place (seen, also inside a module kept whole)
+    written_inputs: tuple[str, ...] = ()  # the arguments it wrote in place, graph values by name (seen: any of them)
     training: SavedFacts | None = None  # what autograd keeps of it (None: fake tensors could not run the graph)
 
 

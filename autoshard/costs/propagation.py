@@ -1,6 +1,6 @@
 """Shape propagation: run the traced graph once and record, per node, its value's structure,
 the memory it allocated, the FLOPs it performed, whether it drew random numbers, whether its
-value shares memory with its first input and whether it wrote to that input; then probe what
+value shares memory with its first input and which of its inputs it wrote to; then probe what
 training keeps of each node on fake tensors (``costs.saved``). The ``shape-prop`` pass stores
 the result on the graph's nodes.
 """
@@ -32,13 +32,18 @@ def _aliases_first_input(call: NodeCall, value: Any) -> bool:
     return isinstance(first, fx.Node) and shares_memory(value, call.args[0])
 
 
-def _first_input_version(call: NodeCall) -> int | None:
-    """The version counter of the node's first argument, when that is a graph value: running the
-    node moves it when it writes there in place, whatever the op's name says (a module kept whole
-    that writes to its input)."""
-    first = call.node.args[0] if call.node.args else None
-    value = call.args[0] if isinstance(first, fx.Node) else None
-    return value._version if isinstance(value, torch.Tensor) and not value.is_inference() else None
+def _input_versions(call: NodeCall) -> dict[str, int]:
+    """The version counters of the node's arguments that are graph values, by name: running the node
+    moves one when it writes there in place, whatever the op's name says (a module kept whole that
+    writes to its input, first or not)."""
+    given = [*zip(call.node.args, call.args), *((call.node.kwargs[k], v) for k, v in call.kwargs.items())]
+    return {arg.name: value._version for arg, value in given
+            if isinstance(arg, fx.Node) and isinstance(value, torch.Tensor) and not value.is_inference()}
+
+
+def _written(before: dict[str, int], after: dict[str, int]) -> tuple[str, ...]:
+    """The arguments whose version counter moved between ``before`` and ``after``."""
+    return tuple(name for name, version in before.items() if after.get(name) != version)
 
 
 def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", seed: int = 0) -> dict[str, NodeFacts]:
@@ -50,9 +55,9 @@ def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", 
     with NodeFlopCounter() as flops, progress.task("shape propagation", total=measured) as advance:
         def hook(call: NodeCall) -> Any:
             before = generator_states() if real else []
-            version = _first_input_version(call)
+            versions = _input_versions(call)
             value = flops.measure(call)
-            writes = version is not None and _first_input_version(call) != version
+            writes = _written(versions, _input_versions(call))
             probe.measure(call, value)
             node = call.node
             if node.op not in ("get_attr", "output"):

@@ -10,8 +10,8 @@ write to every later reader, so each reader sees the version it saw in the model
 Which values share memory, and which nodes write, comes from op-name lists (views, in-place
 methods) and from what ``shape-prop`` saw: a node whose value shares memory with its first input
 (``nn.Identity`` and dropout in eval mode return the input itself; timm's ResNet writes in place
-after one; seen where it ran for real), and one that moved its first input's version counter (a
-module kept whole that writes to its input).
+after one; seen where it ran for real), and one that moved the version counter of any of its
+inputs (a module kept whole that writes to its input, first or not).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def _first_input(node: fx.Node) -> fx.Node | None:
 
 
 def _writes_first_input(gm: fx.GraphModule, node: fx.Node) -> bool:
-    facts = node_facts(node)
-    if facts is not None and facts.writes_input:  # shape-prop saw it (a module kept whole writing to its input)
+    facts, first = node_facts(node), _first_input(node)
+    if facts is not None and first is not None and first.name in facts.written_inputs:  # shape-prop saw it
         return True
     target: Any = node.target
     if node.op == "call_method":
@@ -89,9 +89,18 @@ def _root(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return node
 
 
+def _written_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The graph values ``node`` writes in place: the first input of an in-place op (by its name, or
+    as shape-prop saw it), and any other input shape-prop saw it write (a module kept whole)."""
+    facts = node_facts(node)
+    seen = facts.written_inputs if facts is not None else ()
+    first = _first_input(node) if _writes_first_input(gm, node) else None
+    return [n for n in node.all_input_nodes if n is first or n.name in seen]
+
+
 def written_values(gm: fx.GraphModule) -> set[str]:
     """Names of the values some in-place operation writes to: each written tensor and its aliases."""
-    written_roots = {_root(gm, n) for n in gm.graph.nodes if _writes_first_input(gm, n) and _first_input(n) is not None}
+    written_roots = {_root(gm, w) for n in gm.graph.nodes for w in _written_inputs(gm, n)}
     return {n.name for n in gm.graph.nodes if _root(gm, n) in written_roots}
 
 
@@ -103,9 +112,9 @@ def order_around_mutations(gm: fx.GraphModule, dag: nx.DiGraph) -> None:
     for node in nodes:
         family.setdefault(_root(gm, node), []).append(node)
     for write in nodes:
-        if write.name not in dag or not _writes_first_input(gm, write) or _first_input(write) is None:
+        if write.name not in dag:
             continue
-        members = family[_root(gm, write)]
+        members = {m for written in _written_inputs(gm, write) for m in family[_root(gm, written)]}
         readers = {r for member in members for r in member.users
                    if r is not write and not _is_view(r) and r.name in dag}
         for reader in readers:
