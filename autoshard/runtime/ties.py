@@ -10,6 +10,7 @@ to be repeated in the same order by every process of the job.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -92,8 +93,8 @@ class TiedGradients:
                 self._shapes[i] = seen.pop()
         return {**self._shapes, **mine}
 
-    def _local_sum(self, shared: SharedParameter, shape: tuple[int, ...]) -> torch.Tensor:
-        total = torch.zeros(shape, dtype=shared.dtype, device=self._device)
+    def _local_sum(self, shared: SharedParameter, total: torch.Tensor) -> torch.Tensor:
+        """The local holders' gradients added into ``total`` (zeros)."""
         for param in self._local_holders(shared):
             if param.grad is not None:
                 total += _local(param.grad).to(total.device)
@@ -114,13 +115,16 @@ class TiedGradients:
     def sync(self) -> None:
         """Give every holder the summed gradient; a collective over the pipeline group."""
         shapes = self._local_shapes()
-        totals = {i: self._local_sum(s, shapes[i]) for i, s in enumerate(self.shared) if i in shapes}
-        for dtype in dict.fromkeys(s.dtype for s in self._across_ranks):
+        totals: dict[int, torch.Tensor] = {}
+        for dtype in dict.fromkeys(s.dtype for s in self._across_ranks):  # one all-reduce a dtype
             batch = [i for i, s in enumerate(self.shared) if s in self._across_ranks and s.dtype == dtype]
-            flat = torch.cat([totals[i].flatten() for i in batch])
+            flat = torch.zeros(sum(math.prod(shapes[i]) for i in batch), dtype=dtype, device=self._device)
+            for i, part in zip(batch, flat.split([math.prod(shapes[i]) for i in batch])):  # summed in place: one
+                totals[i] = self._local_sum(self.shared[i], part.view(shapes[i]))  # buffer, not a sum and a copy
             dist.all_reduce(flat, group=self.group)
-            for i, part in zip(batch, flat.split([totals[i].numel() for i in batch])):
-                totals[i] = part.view(totals[i].shape)
+        for i, s in enumerate(self.shared):
+            if i in shapes and i not in totals:
+                totals[i] = self._local_sum(s, torch.zeros(shapes[i], dtype=s.dtype, device=self._device))
         for i, s in enumerate(self.shared):
             if i in totals:
                 self._write(s, totals[i])
