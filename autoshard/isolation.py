@@ -243,14 +243,35 @@ def _tensor_attributes(model: nn.Module) -> list[torch.Tensor]:
             if key not in _REGISTRIES and isinstance(value, torch.Tensor) and not isinstance(value, TRACE_VALUES)]
 
 
+class HeldModule:
+    """A module a graph node reads at run time without holding it as a submodule, so its weights
+    stay in the stages that hold them: one the graph traced through outside the model's tree (kept
+    in a list or a global, or built in the forward: ``CrossEntropyLoss()``), whose mode the plan
+    watches (``capture.guard.check_detached_mode``: the model's ``eval()`` / ``train()`` never reach
+    it), or one whose forward hooks run after its traced body (``capture.guard.run_forward_hooks``).
+    Copies of the plan hold the same module. ``runs_hooks``: the node runs the module's hooks, so a
+    run of the graph sets back what they write on it (``detached_modules``); a watched module is only
+    read (one built in the forward holds what the trace gave it: fake tensors)."""
+
+    def __init__(self, module: torch.nn.Module, runs_hooks: bool = False) -> None:
+        self.module = module
+        self.runs_hooks = runs_hooks
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HeldModule:
+        return self
+
+
 def detached_modules(model: nn.Module) -> list[nn.Module]:
     """Modules the model keeps outside its module tree, in a plain list, tuple or dict attribute of
-    one of its modules (``self.extra = [nn.BatchNorm1d(4)]``): its forward runs them, so a run of
-    it updates their buffers too, though ``model.buffers()`` does not list them."""
+    one of its modules (``self.extra = [nn.BatchNorm1d(4)]``), or whose hooks a graph runs
+    (``HeldModule``): its forward runs them, so a run of it updates their buffers and state too,
+    though ``model.buffers()`` does not list them."""
     tree = {id(m) for m in model.modules()}
     found: dict[int, nn.Module] = {}
 
     def walk(value: Any, depth: int) -> None:
+        if isinstance(value, HeldModule) and value.runs_hooks:
+            value = value.module
         if isinstance(value, nn.Module):
             if id(value) not in tree:
                 found.setdefault(id(value), value)

@@ -1286,3 +1286,31 @@ def test_no_checkpoint_traced_through_is_no_warning(model):
         sharded = autoshard.shard_model(model.train(), 2, example_inputs=(torch.randn(4, 8, requires_grad=True),))
     if model.inner.inside_a_leaf:
         assert "inner" in {w.name for w in sharded.plan.wrapped}
+
+
+def _deep_block(width: int = 8) -> nn.Sequential:
+    """Three linears: a block a plan of up to 5 stages may cut inside."""
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, width))
+
+
+def test_what_a_traced_through_modules_hook_writes_on_it_is_set_back_after_the_captures_runs():
+    """The hook runs in a node after the body, on a module the graph does not hold as a submodule:
+    the cost runs of the graph (FLOPs, saved activations) must set its state back as they set the
+    graph's own, as they did when a hooked module was kept whole."""
+    model = Around(_deep_block(), 8)
+    model.inner.calls = 0
+    model.inner.register_buffer("seen", torch.zeros(()))
+    model.inner.outputs = []
+
+    def count(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        module.calls += 1
+        module.seen += 1
+        module.outputs.append(output.detach())
+
+    model.inner.register_forward_hook(count)
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
+    assert (model.inner.calls, model.inner.seen.item()) == (0, 0.0)
+    assert not [t for t in model.inner.outputs if not type(t) is torch.Tensor]  # no fake tensor left on it
+    sharded(torch.randn(3, 8))
+    assert (model.inner.calls, model.inner.seen.item()) == (1, 1.0)

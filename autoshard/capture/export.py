@@ -33,7 +33,7 @@ from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design
 from autoshard.capture.fx import has_backward_hooks
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import (
-    FREE_SIZES_PIPELINE, HeldModule, DimSpec, InputGuard, check_detached_mode, check_grad_mode, usable_conditions,
+    FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_detached_mode, check_grad_mode, usable_conditions,
 )
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, refusing_state_writes
@@ -43,7 +43,7 @@ from autoshard.capture.signature import MODEL_ATTR, CallSignature
 from autoshard.emit import follow_input_device
 from autoshard.errors import InvalidArgumentError
 from autoshard.fx_helpers import resolve
-from autoshard.isolation import cloned, holds, isolated
+from autoshard.isolation import HeldModule, cloned, holds, isolated
 
 __all__ = ["export_with_leaves"]
 

@@ -28,12 +28,12 @@ from torch import nn
 
 from autoshard.capture.assemble import assemble, model_graph_module
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design, packs_padded_batch
-from autoshard.capture.guard import HeldModule, InputGuard, check_detached_mode, run_forward_hooks
+from autoshard.capture.guard import InputGuard, check_detached_mode, run_forward_hooks
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.meta import MetaTracer, guard_value, has_proxy, warn_checkpoints_traced
 from autoshard.capture.result import TraceResult, WrappedLeaf
 from autoshard.capture.signature import CallSignature
-from autoshard.isolation import cloned, isolated
+from autoshard.isolation import HeldModule, cloned, isolated
 
 __all__ = ["TraceResult", "WrappedLeaf", "has_backward_hooks", "has_call_hooks", "is_primitive", "trace_with_leaves"]
 
@@ -99,7 +99,8 @@ class _LeafTracer(MetaTracer):
             self.kept_fused[id(m)] = m
         if m._forward_hooks and not self.is_leaf_module(m, ""):  # the body traced without them, then the hooks
             output = super().call_module(m, m.forward, args, kwargs)
-            return self.create_proxy("call_function", run_forward_hooks, (HeldModule(m), args, kwargs, output), {})
+            held = HeldModule(m, runs_hooks=True)
+            return self.create_proxy("call_function", run_forward_hooks, (held, args, kwargs, output), {})
         return super().call_module(m, forward, args, kwargs)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from autoshard.capture.structure import ArgumentStructure, same_constant
 from autoshard.errors import InputMismatchError, InvalidArgumentError, SpecializationMismatch
-from autoshard.isolation import grad_mode_checked
+from autoshard.isolation import HeldModule, grad_mode_checked
 
 
 @dataclass(frozen=True)
@@ -236,21 +236,6 @@ def chosen_grad_mode(graphs: Iterable[torch.fx.GraphModule]) -> bool | None:
     where no code asked: those serve either mode."""
     return next((node.args[0] for gm in graphs for node in gm.graph.nodes
                  if node.op == "call_function" and node.target is check_grad_mode), None)
-
-
-class HeldModule:
-    """A module a graph node reads at run time without holding it as a submodule, so its weights
-    stay in the stages that hold them: one the graph traced through outside the model's tree (kept
-    in a list or a global, or built in the forward: ``CrossEntropyLoss()``), whose mode the plan
-    watches (``check_detached_mode``: the model's ``eval()`` / ``train()`` never reach it), or one
-    whose forward hooks run after its traced body (``run_forward_hooks``). Copies of the plan hold
-    the same module."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> HeldModule:
-        return self
 
 
 def run_forward_hooks(held: HeldModule, args: tuple, kwargs: dict, output: Any) -> Any:
