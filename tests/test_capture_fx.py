@@ -1314,3 +1314,244 @@ def test_what_a_traced_through_modules_hook_writes_on_it_is_set_back_after_the_c
     assert not [t for t in model.inner.outputs if not type(t) is torch.Tensor]  # no fake tensor left on it
     sharded(torch.randn(3, 8))
     assert (model.inner.calls, model.inner.seen.item()) == (1, 1.0)
+
+
+def _same_step(sharded: nn.Module, model: nn.Module, x: torch.Tensor, seed: int = 0) -> bool:
+    """The sharded model's output and every parameter's gradient equal the model's, each run from
+    ``seed`` (dropout draws alike)."""
+    params = list(model.parameters())
+    torch.manual_seed(seed)
+    got = sharded(x)
+    got_grads = torch.autograd.grad(got.sum(), params)
+    torch.manual_seed(seed)
+    want = model(x)
+    want_grads = torch.autograd.grad(want.sum(), params)
+    return torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+
+
+@dataclasses.dataclass
+class _Pair:
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class _TwoOutputs(nn.Module):
+    """A block returning two values as ``kind`` (tuple, dict or dataclass), read by its parent."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor):
+        first = self.b(torch.relu(self.a(x)))
+        second = self.c(first)
+        return {"tuple": (first, second), "dict": {"first": first, "second": second},
+                "dataclass": _Pair(first, second)}[self.kind]
+
+
+def _swapped(kind: str):
+    """A hook returning a new output of the same kind, its two values swapped and changed."""
+    def swap(module: nn.Module, args: tuple, out):
+        if kind == "tuple":
+            return out[1] * 2, out[0] - 1
+        if kind == "dict":
+            return {"first": out["second"] * 2, "second": out["first"] - 1}
+        return _Pair(out.second * 2, out.first - 1)
+    return swap
+
+
+class _ReadsTwo(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.inner, self.out = _TwoOutputs(kind), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pair = self.inner(x)
+        first, second = {"tuple": lambda: pair, "dict": lambda: (pair["first"], pair["second"]),
+                         "dataclass": lambda: (pair.first, pair.second)}[self.inner.kind]()
+        return self.out(first * second)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict", "dataclass"])
+def test_a_hooks_replacement_of_a_structured_output_serves_every_split_inside_the_module(kind):
+    model = _ReadsTwo(kind)
+    model.inner.register_forward_hook(_swapped(kind))
+    for k in (2, 3, 4):
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),))
+        assert _same_step(sharded, model, torch.randn(3, 8)), k
+    assert len({j for path, stages in holders(sharded).items() if path.startswith("inner.") for j in stages}) > 1
+
+
+def test_a_hook_writing_to_the_output_in_place_trains_like_the_model_with_the_cut_anywhere():
+    model = Around(_deep_block(), 8)
+    model.inner.register_forward_hook(lambda module, args, out: out.mul_(3))
+    for k in (2, 3, 4, 5):
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),))
+        assert _same_step(sharded, model, torch.randn(3, 8)), k
+
+
+class _KeywordBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.b(torch.relu(self.a(x))) * scale
+        return out if bias is None else out + bias
+
+
+class _CallsWithKeywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.out = _KeywordBlock(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x, scale=2.0, bias=x))
+
+
+def test_hooks_run_in_their_call_order_with_the_keyword_arguments_of_each_call():
+    """Prepended, plain, with_kwargs and always_call hooks run as the module's call runs them, each
+    seeing the real call's keyword arguments and the output the one before it returned."""
+    model = _CallsWithKeywords()
+    order: list[str] = []
+    seen: list[tuple] = []
+
+    def with_kwargs(module, args, kwargs, out):
+        order.append("kwargs")
+        seen.append((len(args), kwargs["scale"], torch.equal(kwargs["bias"], args[0])))
+        return out + kwargs["bias"] * kwargs["scale"]
+
+    model.inner.register_forward_hook(lambda module, args, out: order.append("plain") or out * 2)
+    model.inner.register_forward_hook(with_kwargs, with_kwargs=True, always_call=True)
+    model.inner.register_forward_hook(lambda module, args, out: order.append("first") or out - 3, prepend=True)
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
+    assert len({j for path, stages in holders(sharded).items() if path.startswith("inner.") for j in stages}) > 1
+    order.clear()
+    seen.clear()
+    assert _same_step(sharded, model, torch.randn(3, 8))
+    assert order == ["first", "plain", "kwargs"] * 2 and seen == [(1, 2.0, True)] * 2
+
+
+class _SharedBlock(nn.Module):
+    """One hooked block called twice in a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.mid, self.out = _deep_block(), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(self.mid(self.inner(x))))
+
+
+def test_a_hooked_block_called_twice_and_a_hook_on_the_root_run_as_often_as_in_the_model():
+    model = _SharedBlock()
+    inputs_seen: list[torch.Tensor] = []
+    root_calls: list[int] = []
+    model.inner.register_forward_hook(lambda module, args, out: inputs_seen.append(args[0].detach()) or out + 1)
+    model.register_forward_hook(lambda module, args, out: root_calls.append(1) or out * 5)
+    x = torch.randn(3, 8)
+    for k in (2, 4):
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),))
+        inputs_seen.clear()
+        root_calls.clear()
+        got = sharded(x)
+        in_sharded, root_in_sharded = inputs_seen[:], len(root_calls)
+        inputs_seen.clear()
+        assert torch.equal(got, model(x)) and root_in_sharded == 1
+        assert len(in_sharded) == 2 and all(torch.equal(a, b) for a, b in zip(in_sharded, inputs_seen))
+
+
+class _Layers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_deep_block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) + x
+        return x
+
+
+def test_hooks_on_a_module_lists_items_run_once_per_item_and_call_however_the_items_are_cut():
+    model = _Layers()
+    calls = collections.Counter()
+    for index, layer in enumerate(model.layers):
+        layer.register_forward_hook(lambda module, args, out, index=index: calls.update([index]) or out * 0.5)
+    for k in (2, 4, 5):
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),))
+        calls.clear()
+        assert _same_step(sharded, model, torch.randn(3, 8)), k
+        assert calls == {0: 2, 1: 2, 2: 2}  # once in the sharded call, once in the model's
+
+
+def test_dropout_inside_a_hooked_module_draws_as_the_model_does_in_training():
+    class Dropping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c, self.drop = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Dropout(0.3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.drop(torch.relu(self.b(self.drop(self.a(x))))))
+
+    model = Around(Dropping(), 8).train()
+    model.inner.register_forward_hook(lambda module, args, out: F.dropout(out, 0.2, module.training) + args[0])
+    for k in (2, 3, 4, 5):
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(4, 8),))
+        assert _same_step(sharded, model, torch.randn(5, 8), seed=k), k
+
+
+def test_a_hook_added_or_removed_after_sharding_on_a_module_hooked_at_capture_is_run_or_not():
+    model = Around(_deep_block(), 8)
+    model.inner.register_forward_hook(lambda module, args, out: out + 1)
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
+    x = torch.randn(3, 8)
+    before = sharded(x)
+    added = model.inner.register_forward_hook(lambda module, args, out: out * 7)
+    assert torch.equal(sharded(x), model(x)) and not torch.equal(sharded(x), before)
+    added.remove()
+    assert torch.equal(sharded(x), before)
+
+
+def test_a_saved_plan_of_a_hooked_model_rebuilds_stages_whose_hooks_run_once_a_call(tmp_path):
+    model = Around(_deep_block(), 8)
+    calls: list[int] = []
+    model.inner.register_forward_hook(lambda module, args, out: calls.append(1) or out * 2)
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 3, example_inputs=(x,))
+    again = autoshard.load_plan(sharded.save_plan(tmp_path / "plan.json"), model, (x,))
+    assert holders(again) == holders(sharded)
+    calls.clear()
+    y = torch.randn(3, 8)
+    assert torch.equal(again(y), model(y)) and len(calls) == 2
+
+
+def test_the_export_front_end_runs_a_forward_hook_while_it_traces_only():
+    """torch.export traces the hook into the graph: what it computes is kept, what it does as a
+    side effect happens at capture, not on each call (docs/concepts.md)."""
+    model = Around(_deep_block(), 8)
+    calls: list[int] = []
+    model.inner.register_forward_hook(lambda module, args, out: calls.append(1) or out * 2)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
+                                    pipeline="export,build-dag,linearize,split,emit,verify")
+    assert calls  # while it traced
+    calls.clear()
+    x = torch.randn(3, 8)
+    assert torch.equal(sharded(x), model(x)) and len(calls) == 1  # the model's call only
+
+
+def test_a_hook_returning_its_output_adds_no_memory_and_each_stage_holds_what_the_plan_predicts():
+    """The hook node's value is the body's output itself (a view of it, not new storage), so the
+    prediction matches what each stage holds, cut inside hooked blocks or not."""
+    from autoshard.runtime import measure_stage_memory
+
+    model = _Layers()
+    for layer in model.layers:
+        layer.register_forward_hook(lambda module, args, out: out)
+    x = torch.randn(64, 8)
+    sharded = autoshard.shard_model(model, 5, example_inputs=(x,))
+    hooks = [node for node, data in sharded.plan.dag.nodes(data=True) if "run_forward_hooks" in str(data["target"])]
+    assert len(hooks) == 3 and all(sharded.plan.dag.nodes[node]["allocated"] == 0 for node in hooks)
+    predicted = autoshard.plan_report(sharded, device=autoshard.DeviceModel(1e12, 1e12)).stages  # no calibration
+    measured = [measure_stage_memory(sharded, j, (x,)).peak for j in range(5)]
+    assert [stage.memory.total for stage in predicted] == measured
