@@ -35,6 +35,7 @@ from autoshard.passes.profile import ProfilePass
 from autoshard.passes.shapes import ShapePropPass
 from autoshard.passes.split import SplitPass
 from autoshard.passes.stages import bind_stages, check_stages_made
+from autoshard.passes.trace import TracePass
 from autoshard.passes.verify import VerifyPass
 from autoshard.plan_format.fits import UnmeasuredMemoryWarning
 from autoshard.plan_origin import PlanOrigin
@@ -375,11 +376,16 @@ def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost:
     """The ``Specializer`` that captures ``model`` again with ``pipeline`` (which made the first plan),
     each weight pinned to the stage holding it. The pipeline's own constraints become optional (a
     split's own ``no-split`` and ``cut-before`` move into optional passes): a module another branch
-    does not run is pinned, kept whole or cut before nowhere there."""
+    does not run is pinned, kept whole or cut before nowhere there. The capture traces through
+    modules with forward hooks (``trace_hooks``): a layer the plan split that gained hooks since
+    (Transformers installs them the first time hidden states are asked for) could not be kept whole
+    with each weight in its stage."""
     moved: dict[str, list[str]] = {"no_split": [], "cut_before": []}
     for index, step in enumerate(pipeline):
         if isinstance(step, CONSTRAINT_PASSES):
             pipeline = pipeline.with_options(index, optional=True)
+        if isinstance(step, (CapturePass, TracePass)):  # a layer that gained hooks since stays splittable
+            pipeline = pipeline.with_options(index, trace_hooks=True)
         own = {name: getattr(step, name) for name in moved if name in {f.name for f in step.options()}}
         if any(own.values()):
             pipeline = pipeline.with_options(index, **{name: () for name in own})

@@ -26,6 +26,10 @@ from autoshard.isolation import module_state_restored
 from autoshard.passes.instruments import ModelUnchanged
 from autoshard.specialize import holders
 
+HOOKS_TRACED = "capture{trace-hooks=true},shape-prop,build-dag,linearize,split,emit,verify"
+"""Modules with forward hooks traced through, their hooks run by a node after the body (a plan's
+re-specialisation captures so; a first capture keeps them whole by default)."""
+
 
 class SplitHeads(nn.Module):
     """Shape arithmetic plain fx cannot trace: ``(*x.shape[:-1], 2, 4)`` iterates a Proxy."""
@@ -265,8 +269,8 @@ def test_module_state_restored_takes_off_trace_values_and_stored_tensors_only():
 
 class Recorded(nn.Module):
     """Returns what a forward hook saw, as Transformers' output recorders do: the hook on ``first``
-    (run after its traced body on the example's values while tracing) and the hook inside ``gate``
-    (a leaf for its value-dependent branch) store into ``seen``."""
+    (a leaf, so it sees its real output while tracing) and the hook inside ``gate`` (a leaf for
+    its value-dependent branch) store into ``seen``."""
 
     def __init__(self, hook_inside_the_gate: bool, dropout: float = 0.0) -> None:
         super().__init__()
@@ -1069,12 +1073,13 @@ def test_a_hooks_counter_on_a_module_is_set_back_after_the_captures_runs():
 
 
 def test_a_hooked_module_split_across_stages_runs_its_hook_once_a_call_and_trains_like_the_model():
-    """A forward hook no longer keeps its module whole: it runs after the module's traced body, in
-    the stage holding its output, once per call, on the real values, and what it returns counts."""
+    """Traced through (``trace_hooks``), a module with a forward hook is split like any other: the
+    hook runs after the module's body, in the stage holding its output, once per call, on the real
+    values, and what it returns counts."""
     model = Around(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), 8)
     seen: list[torch.Tensor] = []
     model.inner.register_forward_hook(lambda module, args, out: seen.append(out.detach()) or out * 2)
-    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),), pipeline=HOOKS_TRACED)
     assert len({j for path, stages in holders(sharded).items() if path.startswith("inner.") for j in stages}) > 1
     x = torch.randn(3, 8)
     seen.clear()
@@ -1309,7 +1314,7 @@ def test_what_a_traced_through_modules_hook_writes_on_it_is_set_back_after_the_c
         module.outputs.append(output.detach())
 
     model.inner.register_forward_hook(count)
-    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),), pipeline=HOOKS_TRACED)
     assert (model.inner.calls, model.inner.seen.item()) == (0, 0.0)
     assert not [t for t in model.inner.outputs if not type(t) is torch.Tensor]  # no fake tensor left on it
     sharded(torch.randn(3, 8))
@@ -1378,7 +1383,7 @@ def test_a_hooks_replacement_of_a_structured_output_serves_every_split_inside_th
     model = _ReadsTwo(kind)
     model.inner.register_forward_hook(_swapped(kind))
     for k in (2, 3, 4):
-        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),))
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),), pipeline=HOOKS_TRACED)
         assert _same_step(sharded, model, torch.randn(3, 8)), k
     assert len({j for path, stages in holders(sharded).items() if path.startswith("inner.") for j in stages}) > 1
 
@@ -1387,7 +1392,7 @@ def test_a_hook_writing_to_the_output_in_place_trains_like_the_model_with_the_cu
     model = Around(_deep_block(), 8)
     model.inner.register_forward_hook(lambda module, args, out: out.mul_(3))
     for k in (2, 3, 4, 5):
-        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),))
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),), pipeline=HOOKS_TRACED)
         assert _same_step(sharded, model, torch.randn(3, 8)), k
 
 
@@ -1425,7 +1430,7 @@ def test_hooks_run_in_their_call_order_with_the_keyword_arguments_of_each_call()
     model.inner.register_forward_hook(lambda module, args, out: order.append("plain") or out * 2)
     model.inner.register_forward_hook(with_kwargs, with_kwargs=True, always_call=True)
     model.inner.register_forward_hook(lambda module, args, out: order.append("first") or out - 3, prepend=True)
-    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),), pipeline=HOOKS_TRACED)
     assert len({j for path, stages in holders(sharded).items() if path.startswith("inner.") for j in stages}) > 1
     order.clear()
     seen.clear()
@@ -1452,7 +1457,7 @@ def test_a_hooked_block_called_twice_and_a_hook_on_the_root_run_as_often_as_in_t
     model.register_forward_hook(lambda module, args, out: root_calls.append(1) or out * 5)
     x = torch.randn(3, 8)
     for k in (2, 4):
-        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),))
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),), pipeline=HOOKS_TRACED)
         inputs_seen.clear()
         root_calls.clear()
         got = sharded(x)
@@ -1479,7 +1484,7 @@ def test_hooks_on_a_module_lists_items_run_once_per_item_and_call_however_the_it
     for index, layer in enumerate(model.layers):
         layer.register_forward_hook(lambda module, args, out, index=index: calls.update([index]) or out * 0.5)
     for k in (2, 4, 5):
-        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),))
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(2, 8),), pipeline=HOOKS_TRACED)
         calls.clear()
         assert _same_step(sharded, model, torch.randn(3, 8)), k
         assert calls == {0: 2, 1: 2, 2: 2}  # once in the sharded call, once in the model's
@@ -1497,14 +1502,14 @@ def test_dropout_inside_a_hooked_module_draws_as_the_model_does_in_training():
     model = Around(Dropping(), 8).train()
     model.inner.register_forward_hook(lambda module, args, out: F.dropout(out, 0.2, module.training) + args[0])
     for k in (2, 3, 4, 5):
-        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(4, 8),))
+        sharded = autoshard.shard_model(model, k, example_inputs=(torch.randn(4, 8),), pipeline=HOOKS_TRACED)
         assert _same_step(sharded, model, torch.randn(5, 8), seed=k), k
 
 
 def test_a_hook_added_or_removed_after_sharding_on_a_module_hooked_at_capture_is_run_or_not():
     model = Around(_deep_block(), 8)
     model.inner.register_forward_hook(lambda module, args, out: out + 1)
-    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),))
+    sharded = autoshard.shard_model(model, 3, example_inputs=(torch.randn(2, 8),), pipeline=HOOKS_TRACED)
     x = torch.randn(3, 8)
     before = sharded(x)
     added = model.inner.register_forward_hook(lambda module, args, out: out * 7)
@@ -1518,7 +1523,7 @@ def test_a_saved_plan_of_a_hooked_model_rebuilds_stages_whose_hooks_run_once_a_c
     calls: list[int] = []
     model.inner.register_forward_hook(lambda module, args, out: calls.append(1) or out * 2)
     x = torch.randn(2, 8)
-    sharded = autoshard.shard_model(model, 3, example_inputs=(x,))
+    sharded = autoshard.shard_model(model, 3, example_inputs=(x,), pipeline=HOOKS_TRACED)
     again = autoshard.load_plan(sharded.save_plan(tmp_path / "plan.json"), model, (x,))
     assert holders(again) == holders(sharded)
     calls.clear()
@@ -1549,7 +1554,7 @@ def test_a_hook_returning_its_output_adds_no_memory_and_each_stage_holds_what_th
     for layer in model.layers:
         layer.register_forward_hook(lambda module, args, out: out)
     x = torch.randn(64, 8)
-    sharded = autoshard.shard_model(model, 5, example_inputs=(x,))
+    sharded = autoshard.shard_model(model, 5, example_inputs=(x,), pipeline=HOOKS_TRACED)
     hooks = [node for node, data in sharded.plan.dag.nodes(data=True) if "run_forward_hooks" in str(data["target"])]
     assert len(hooks) == 3 and all(sharded.plan.dag.nodes[node]["allocated"] == 0 for node in hooks)
     predicted = autoshard.plan_report(sharded, device=autoshard.DeviceModel(1e12, 1e12)).stages  # no calibration

@@ -99,12 +99,21 @@ def test_top_level_data_dependent_control_flow_is_a_clear_trace_error():
         trace_with_leaves(TopLevelControlFlow())
 
 
-def test_a_module_with_forward_hooks_is_traced_through_and_its_hooks_run_on_every_call():
+def test_module_with_hooks_stays_a_leaf_so_its_hooks_run():
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
+    model[0].register_forward_hook(lambda m, i, o: o * 2)
+    gm = trace_with_leaves(model).graph_module
+    assert call_module_targets(gm) == ["0", "1"]
+    x = torch.randn(1, 2)
+    assert torch.equal(gm(x), model(x))
+
+
+def test_with_trace_hooks_a_module_with_forward_hooks_is_traced_through_and_its_hooks_run_on_every_call():
     model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
     seen: list[torch.Tensor] = []
     model[0].register_forward_hook(lambda m, i, o: seen.append(o) or o * 2)
     model[0].register_forward_hook(lambda m, i, kw, o: o + 1, with_kwargs=True)
-    gm = trace_with_leaves(model).graph_module
+    gm = trace_with_leaves(model, trace_hooks=True).graph_module
     assert call_module_targets(gm) == ["0.0", "1"]  # splittable inside
     x = torch.randn(1, 2)
     seen.clear()
@@ -114,10 +123,10 @@ def test_a_module_with_forward_hooks_is_traced_through_and_its_hooks_run_on_ever
     assert torch.equal(gm(x), model(x))  # read at run time: a hook removed no longer runs
 
 
-def test_a_module_with_a_forward_pre_hook_stays_a_leaf_so_its_hook_runs():
+def test_with_trace_hooks_a_module_with_a_forward_pre_hook_stays_a_leaf_so_its_hook_runs():
     model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
     model[0].register_forward_pre_hook(lambda m, i: (i[0] * 2,))
-    gm = trace_with_leaves(model).graph_module
+    gm = trace_with_leaves(model, trace_hooks=True).graph_module
     assert call_module_targets(gm) == ["0", "1"]
     x = torch.randn(1, 2)
     assert torch.equal(gm(x), model(x))

@@ -64,13 +64,17 @@ def capture(
     example_kwargs: Mapping[str, Any] | None = None,
     front_end: str = "auto",
     fused_paths: bool = True,
+    trace_hooks: bool = False,
 ) -> TraceResult:
     """Capture ``model`` with the front end asked for; ``auto`` keeps the one with fewer leaves.
-    ``fused_paths``: keep modules with a fused inference path whole in eval mode (``fast_paths``)."""
+    ``fused_paths``: keep modules with a fused inference path whole in eval mode (``fast_paths``).
+    ``trace_hooks``: fx traces through modules with forward hooks (``fx.kept_whole_for_hooks``);
+    torch.export always does, running them once while it traces."""
     if front_end not in FRONT_ENDS:
         raise InvalidArgumentError(f"unknown front end {front_end!r}; choose one of {', '.join(FRONT_ENDS)}")
+    hooks = {"fx": {"trace_hooks": trace_hooks}, "export": {}}
     if front_end != "auto":
-        return _front_end(front_end)(model, example_args, example_kwargs, fused_paths=fused_paths)
+        return _front_end(front_end)(model, example_args, example_kwargs, fused_paths=fused_paths, **hooks[front_end])
     has_examples = bool(example_args or example_kwargs)
     tried: dict[str, TraceResult | TraceError] = {}
     checked: dict[str, str | None] = {}
@@ -85,7 +89,8 @@ def capture(
         if options and not _converted_a_size(tried["fx"]):
             continue
         try:
-            tried[name] = _front_end(front)(model, example_args, example_kwargs, fused_paths=fused_paths, **options)
+            tried[name] = _front_end(front)(model, example_args, example_kwargs, fused_paths=fused_paths,
+                                            **options, **hooks[front])
         except TraceError as exc:
             tried[name] = exc
         if isinstance(tried[name], TraceResult) and not tried[name].wrapped_modules and not differs(name):

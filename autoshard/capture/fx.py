@@ -35,7 +35,8 @@ from autoshard.capture.result import TraceResult, WrappedLeaf
 from autoshard.capture.signature import CallSignature
 from autoshard.isolation import HeldModule, cloned, isolated
 
-__all__ = ["TraceResult", "WrappedLeaf", "has_backward_hooks", "has_call_hooks", "is_primitive", "trace_with_leaves"]
+__all__ = ["TraceResult", "WrappedLeaf", "has_backward_hooks", "has_call_hooks", "is_primitive", "kept_whole_for_hooks",
+           "trace_with_leaves"]
 
 
 def is_primitive(module: nn.Module) -> bool:
@@ -51,22 +52,31 @@ def has_backward_hooks(module: nn.Module) -> bool:
 
 
 def has_call_hooks(module: nn.Module) -> bool:
-    """Hooks a trace through the module cannot run as its call does, so the module stays a leaf:
-    forward pre-hooks (they may replace the inputs its body would be traced on) and backward hooks
-    (its call installs them on its inputs and outputs). Forward hooks alone do not keep it whole:
-    they run as a node after its traced body (``run_forward_hooks``), so a plan may split inside a
-    module Transformers records hidden states from."""
-    return bool(module._forward_pre_hooks or has_backward_hooks(module))
+    """Tracing through a module would run its hooks once, on traced values (forward ones), or drop
+    them (backward ones, which its call installs on its outputs), so a module with hooks stays a
+    leaf, its hooks run by its call in the stage. With ``trace_hooks`` (``kept_whole_for_hooks``)
+    forward hooks alone do not keep it whole."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or has_backward_hooks(module))
+
+
+def kept_whole_for_hooks(module: nn.Module, trace_hooks: bool) -> bool:
+    """Whether ``module``'s hooks keep it a leaf. ``trace_hooks``: forward hooks alone do not; they
+    run as a node after its traced body (``run_forward_hooks``), on every call with the real values.
+    Forward pre-hooks (they may replace the inputs its body is traced on) and backward hooks still do."""
+    if trace_hooks:
+        return bool(module._forward_pre_hooks or has_backward_hooks(module))
+    return has_call_hooks(module)
 
 
 class _LeafTracer(MetaTracer):
     """An fx tracer with an explicit leaf set; the model itself is always traced through."""
 
     def __init__(self, leaves: set[int], model: nn.Module, examples: Mapping[str, Any] | None,
-                 pin_sizes: bool, fused: Mapping[int, nn.Module]) -> None:
+                 pin_sizes: bool, fused: Mapping[int, nn.Module], trace_hooks: bool = False) -> None:
         """``leaves``: ids of the modules to keep opaque; ``fused``: those kept whole for their
         fused inference path (``capture.fast_paths``; a padded ``nn.TransformerEncoder`` call is
-        kept whole whatever it holds: tracing it would change its values)."""
+        kept whole whatever it holds: tracing it would change its values); ``trace_hooks``: see
+        ``kept_whole_for_hooks``."""
         super().__init__(examples, pin_sizes)
         # Buffers as graph values, so shape-dependent slicing (``self.pe[: x.size(0)]``) traces.
         self.proxy_buffer_attributes = True
@@ -75,11 +85,12 @@ class _LeafTracer(MetaTracer):
         self.kept_fused: dict[int, nn.Module] = {}  # those the trace reached, kept whole
         self.model = model
         self.watched: dict[int, nn.Module] = {}  # modules outside the tree with a mode guard already
+        self.trace_hooks = trace_hooks
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if m is self.model:
             return False
-        return id(m) in self.leaves or is_primitive(m) or has_call_hooks(m)
+        return id(m) in self.leaves or is_primitive(m) or kept_whole_for_hooks(m, self.trace_hooks)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
@@ -88,8 +99,8 @@ class _LeafTracer(MetaTracer):
         name it: its forward is traced through, as the code it is, its mode watched (one kept in a
         list or a global can be switched later). One holding weights, buffers or hooks is not (the
         graph could not read them): fx's own error stands."""
-        if not _installed(self, m) and not (has_call_hooks(m) or m._forward_hooks) \
-                and next(m.parameters(), None) is None and next(m.buffers(), None) is None:
+        if not _installed(self, m) and not has_call_hooks(m) and next(m.parameters(), None) is None \
+                and next(m.buffers(), None) is None:
             if id(m) not in self.watched:  # one guard per module, however often it is called
                 self.watched[id(m)] = m
                 self.create_proxy("call_function", check_detached_mode, (HeldModule(m), m.training), {})
@@ -137,6 +148,7 @@ def trace_with_leaves(
     example_kwargs: Mapping[str, Any] | None = None,
     pin_sizes: bool = False,
     fused_paths: bool = True,
+    trace_hooks: bool = False,
 ) -> TraceResult:
     """Trace ``model`` with fx, wrapping the fewest, innermost modules or functions needed.
 
@@ -145,7 +157,8 @@ def trace_with_leaves(
     ``pin_sizes`` lets code that turns a size into a Python number (``int(n)``, ``range(n)``)
     trace with the example's number, guarded, instead of keeping that code whole: the graph then
     serves that size only. ``fused_paths`` keeps modules with a fused inference path whole in eval
-    mode (``capture.fast_paths``); false traces through them, for a finer split.
+    mode (``capture.fast_paths``); false traces through them, for a finer split. ``trace_hooks``
+    traces through modules with forward hooks (``kept_whole_for_hooks``).
     """
     example_kwargs = dict(example_kwargs or {})
     has_example = bool(example_args or example_kwargs)
@@ -156,7 +169,7 @@ def trace_with_leaves(
         # Fresh copies each time: a forward that writes to its inputs must not see its last run.
         examples = {a.name: cloned(a.value) for a in signature.graph_inputs} if signature else None
         tracer = _LeafTracer(set(leaves.modules), model, examples, pin_sizes,
-                             fused_modules(model, fused_paths))
+                             fused_modules(model, fused_paths), trace_hooks)
         tracer_ref = [tracer]
         stand_ins = [(site, _opaque(site.function, tracer_ref)) for site in leaves.functions]
         with swapped(stand_ins), isolated(model):

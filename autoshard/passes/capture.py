@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from autoshard.capture.auto import capture
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
-from autoshard.passes.trace import FUSED_PATHS_HELP, example_call
+from autoshard.passes.trace import FUSED_PATHS_HELP, TRACE_HOOKS_HELP, example_call
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class CapturePass(Pass):
     provides: ClassVar[frozenset[str]] = frozenset({"traced"})
 
     fused_paths: bool = option(True, help=FUSED_PATHS_HELP)
+    trace_hooks: bool = option(False, help=TRACE_HOOKS_HELP)
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
-        return dataclasses.replace(
-            program, traced=capture(program.model, *example_call(program), fused_paths=self.fused_paths))
+        traced = capture(program.model, *example_call(program), fused_paths=self.fused_paths,
+                         trace_hooks=self.trace_hooks)
+        return dataclasses.replace(program, traced=traced)

@@ -10,11 +10,15 @@ from autoshard.capture.fx import trace_with_leaves
 from autoshard.capture.result import TraceResult
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
-__all__ = ["FUSED_PATHS_HELP", "TracePass", "TraceResult", "example_call"]
+__all__ = ["FUSED_PATHS_HELP", "TRACE_HOOKS_HELP", "TracePass", "TraceResult", "example_call"]
 
 FUSED_PATHS_HELP = ("in eval mode, keep modules with a fused inference path (nn.TransformerEncoderLayer, "
                     "nn.MultiheadAttention, a padded nn.TransformerEncoder) whole, so stages run the model's "
                     "kernels; false traces through them for a finer split")
+TRACE_HOOKS_HELP = ("trace through modules with forward hooks, running the hooks as a node after the body on every "
+                    "call, instead of keeping them whole; re-specialisation sets it, so that a plan split inside "
+                    "layers that gained hooks since (Transformers' output recorders) serves such calls. A hook "
+                    "that uses weights its module's forward does not is not supported")
 
 
 def example_call(program: ShardProgram) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -42,8 +46,9 @@ class TracePass(Pass):
     pin_sizes: bool = option(False, help="code that turns a size into a Python number (int(), range()) takes "
                                          "the example's, guarded, instead of being kept whole")
     fused_paths: bool = option(True, help=FUSED_PATHS_HELP)
+    trace_hooks: bool = option(False, help=TRACE_HOOKS_HELP)
 
     def run(self, program: ShardProgram, ctx: PassContext) -> ShardProgram:
         traced = trace_with_leaves(program.model, *example_call(program), pin_sizes=self.pin_sizes,
-                                   fused_paths=self.fused_paths)
+                                   fused_paths=self.fused_paths, trace_hooks=self.trace_hooks)
         return dataclasses.replace(program, traced=traced)
