@@ -206,10 +206,10 @@ def test_numpy_numbers_are_numbers():
 
     assert StepTimeModel(link_bandwidth=np.float32(1e9), link_latency=np.int64(0)).link_seconds(1e9) == 1.0
     # and stored as Python's, so a report's to_dict() stays JSON-ready
-    model = StepTimeModel("gpipe", np.int64(4), np.int32(2), link_bandwidth=np.float32(2e9), link_latency=np.int64(0),
+    model = StepTimeModel("interleaved-1f1b", np.int64(4), np.int32(2), link_bandwidth=np.float32(2e9), link_latency=np.int64(0),
                           backward_ratio=np.float32(2), message_seconds=np.int64(0), compute_scale=np.float32(1.5))
     assert json.loads(json.dumps(model.to_dict())) == {
-        "schedule": "gpipe", "microbatches": 4, "stages_per_rank": 2, "link_bandwidth": 2e9, "link_latency": 0.0,
+        "schedule": "interleaved-1f1b", "microbatches": 4, "stages_per_rank": 2, "link_bandwidth": 2e9, "link_latency": 0.0,
         "backward_ratio": 2.0, "message_seconds": 0.0, "compute_scale": 1.5}
     assert {type(value) for value in model.to_dict().values()} == {str, int, float}
 
@@ -234,3 +234,12 @@ def test_a_step_prints_as_its_time_schedule_bubble_and_bottleneck():
     assert str(step) == (f"{format_seconds(step.seconds)} for 4 microbatches under gpipe; bubble {step.bubble:.0%} of "
                          "the ranks' time; bottleneck stage 1 (forward 3.000 ms + backward 6.000 ms per microbatch)")
     assert step_time_lines(step)[0] == f"step time (predicted): {step}"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stages_per_rank_is_refused_for_a_schedule_that_runs_one_stage_per_rank(schedule):
+    """As ``MemoryModel`` refuses it: ``StepTimeModel("1f1b", stages_per_rank=3)`` counted for nothing."""
+    with pytest.raises(InvalidArgumentError, match=r"stages_per_rank=3 .*interleaved-1f1b"):
+        StepTimeModel(schedule, stages_per_rank=3)
+    assert StepTimeModel(schedule).stages_per_rank == 1
+    assert StepTimeModel("interleaved-1f1b").stages_per_rank == 2

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Protocol, Sequence
 
@@ -196,6 +197,23 @@ class SavedFacts:
     weights_first: bool = False
 
 
+def stages_per_rank_of(schedule: str, given: int | None) -> int:
+    """The stages each process runs under ``schedule`` (a known name, lower case): None is the
+    schedule's own; only interleaved 1F1B runs more than one, so another schedule refuses more
+    rather than count them for nothing (``MemoryModel`` and ``StepTimeModel`` alike)."""
+    interleaved = schedule == "interleaved-1f1b"
+    if given is None:
+        return INTERLEAVED_STAGES_PER_RANK if interleaved else 1
+    given = int(given) if isinstance(given, numbers.Integral) and not isinstance(given, bool) else given  # numpy's
+    _count(given, "stages_per_rank")
+    if given > 1 and not interleaved:
+        raise InvalidArgumentError(
+            f"stages_per_rank={given} is how many stages each process runs under schedule='interleaved-1f1b' "
+            f"only; schedule {schedule!r} runs one per process: pass schedule='interleaved-1f1b', or leave "
+            "stages_per_rank out")
+    return given
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """How training is run, as far as memory goes.
@@ -239,26 +257,12 @@ class MemoryModel:
                 f"optimizer_bytes_per_param must be a number >= 0 (8 for Adam's two fp32 moments, 4 for SGD with "
                 f"momentum, 0 for plain SGD){alternative}, got {type(bytes_).__name__} {bytes_!r}")
         _count(self.microbatches, "microbatches")
-        object.__setattr__(self, "stages_per_rank", self._stages_per_rank())
+        object.__setattr__(self, "stages_per_rank", stages_per_rank_of(self.schedule, self.stages_per_rank))
         for flag in ("master_weights", "activation_checkpointing"):
             value = getattr(self, flag)
             if not isinstance(value, bool):
                 raise InvalidArgumentTypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r}")
         self._check_layout()
-
-    def _stages_per_rank(self) -> int:
-        """The stages each process runs: None is the schedule's own; only interleaved 1F1B runs more
-        than one, so another schedule refuses more rather than count them for nothing."""
-        interleaved = self.schedule == "interleaved-1f1b"
-        if self.stages_per_rank is None:
-            return INTERLEAVED_STAGES_PER_RANK if interleaved else 1
-        _count(self.stages_per_rank, "stages_per_rank")
-        if self.stages_per_rank > 1 and not interleaved:
-            raise InvalidArgumentError(
-                f"stages_per_rank={self.stages_per_rank} is how many stages each process runs under "
-                f"schedule='interleaved-1f1b' only; schedule {self.schedule!r} runs one per process: pass "
-                "schedule='interleaved-1f1b', or leave stages_per_rank out")
-        return self.stages_per_rank
 
     def _check_layout(self) -> None:
         """The data-parallel fields, refused as ``parallelize`` refuses them."""

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from autoshard.arguments import bytes_per_second, duration, whole_number
 from autoshard.costs.estimate import DeviceModel
-from autoshard.costs.memory import MemoryModel
+from autoshard.costs.memory import MemoryModel, stages_per_rank_of
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -86,7 +86,7 @@ class StepTimeModel:
     ``schedule`` is one of ``SCHEDULES``; ``microbatches`` the step's count (None: one per rank,
     as the memory model counts them, the fewest PyTorch's ``Schedule1F1B`` accepts; a step it
     refuses is refused, see ``refusal``); ``stages_per_rank`` the stages each process runs under
-    interleaved 1F1B.
+    interleaved 1F1B (None: 2; any other schedule runs one and refuses more).
     ``link_bandwidth`` (bytes/s, or a rate such as ``"25GB/s"`` or ``"200Gbit/s"``) and ``link_latency`` (s per
     message, or a time such as ``"5us"``) describe the link between ranks; ``message_seconds``
     (s, or a time) is the time each message keeps its sender and its receiver busy (0: free);
@@ -98,7 +98,7 @@ class StepTimeModel:
 
     schedule: str = "1f1b"
     microbatches: int | None = None
-    stages_per_rank: int = 2
+    stages_per_rank: int | None = None
     link_bandwidth: float | str = DEFAULT_LINK_BANDWIDTH
     link_latency: float | str = DEFAULT_LINK_LATENCY
     backward_ratio: float = DEFAULT_BACKWARD_RATIO
@@ -122,7 +122,7 @@ class StepTimeModel:
         object.__setattr__(self, "schedule", name)
         if self.microbatches is not None:
             object.__setattr__(self, "microbatches", whole_number(self.microbatches, "microbatches", at_least=1))
-        object.__setattr__(self, "stages_per_rank", whole_number(self.stages_per_rank, "stages_per_rank", at_least=1))
+        object.__setattr__(self, "stages_per_rank", stages_per_rank_of(name, self.stages_per_rank))
         for name, described, zero_allowed in (("link_bandwidth", "link_bandwidth (bytes per second)", False),
                                               ("link_latency", "link_latency (seconds)", True),
                                               ("backward_ratio", "backward_ratio", True),
