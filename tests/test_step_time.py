@@ -206,11 +206,12 @@ def test_numpy_numbers_are_numbers():
 
     assert StepTimeModel(link_bandwidth=np.float32(1e9), link_latency=np.int64(0)).link_seconds(1e9) == 1.0
     # and stored as Python's, so a report's to_dict() stays JSON-ready
-    model = StepTimeModel("interleaved-1f1b", np.int64(4), np.int32(2), link_bandwidth=np.float32(2e9), link_latency=np.int64(0),
-                          backward_ratio=np.float32(2), message_seconds=np.int64(0), compute_scale=np.float32(1.5))
+    model = StepTimeModel("interleaved-1f1b", np.int64(4), np.int32(2), link_bandwidth=np.float32(2e9),
+                          link_latency=np.int64(0), backward_ratio=np.float32(2), message_seconds=np.int64(0),
+                          compute_scale=np.float32(1.5))
     assert json.loads(json.dumps(model.to_dict())) == {
-        "schedule": "interleaved-1f1b", "microbatches": 4, "stages_per_rank": 2, "link_bandwidth": 2e9, "link_latency": 0.0,
-        "backward_ratio": 2.0, "message_seconds": 0.0, "compute_scale": 1.5}
+        "schedule": "interleaved-1f1b", "microbatches": 4, "stages_per_rank": 2, "link_bandwidth": 2e9,
+        "link_latency": 0.0, "backward_ratio": 2.0, "message_seconds": 0.0, "compute_scale": 1.5}
     assert {type(value) for value in model.to_dict().values()} == {str, int, float}
 
 
