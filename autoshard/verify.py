@@ -315,9 +315,11 @@ def other_values_difference(model: nn.Module, gm: fx.GraphModule, other: tuple[t
     return True, problems[-1]  # the graph differs too: the capture's
 
 
-_REPORT = ("this is autoshard's bug: please report it with the model; meanwhile try the other front end in the "
-           "pipeline's first pass (trace or export in place of capture: pipeline=\"trace,...\" or "
-           "\"export,...\", --pipeline on the command line)")
+_REPORT = ("the capture did not see the model read them: code that passes a value on outside its tensors (a hook "
+           "or a callback storing a Python number that the forward reads later) is one way, a bug of autoshard's "
+           "another (please report it with the model); meanwhile try the other front end in the pipeline's first "
+           "pass (trace or export in place of capture: pipeline=\"trace,...\" or \"export,...\", --pipeline on "
+           "the command line)")
 
 
 def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], chained: Callable[[], Any],
