@@ -125,6 +125,9 @@ class _Session:
                 command = _reproduction(self.args, whole or pipeline, self.memory)
                 if command is not None:
                     exc.add_note(f"reproduce on the command line: {command}")
+                if isinstance(exc, InfeasibleSplitError) and _bare_numbers(getattr(self.args, "max_memory", None)):
+                    exc.add_note(f"--max-memory {self.args.max_memory} is in bytes: give a unit for more, such as "
+                                 "40GiB or 512MB")
                 raise
             finally:
                 self.ctx.instruments.remove(shown)
@@ -282,6 +285,11 @@ def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: Me
     inputs = program.example_inputs
     predicted = predict_step(program.sharded, inputs.args, inputs.kwargs, step=step, repeats=repeats)
     return step_time_lines(predicted, "stages timed")
+
+
+def _bare_numbers(max_memory: str | None) -> bool:
+    """Whether --max-memory was given as numbers without a unit (bytes), as in ``--max-memory 10``."""
+    return max_memory is not None and all(part.strip().replace(".", "", 1).isdigit() for part in max_memory.split(","))
 
 
 def _max_memory(args: argparse.Namespace) -> list[float] | float | None:

@@ -157,6 +157,15 @@ def test_a_failed_split_prints_a_command_that_reproduces_it_with_its_memory_flag
     assert run(capsys, *shlex.split(command)[1:7], "-q")[2].splitlines()[0] != lines[0]  # without the flags
 
 
+def test_a_budget_without_a_unit_too_small_to_split_says_it_was_read_as_bytes(capsys):
+    """``--max-memory 10`` meant 10 GB to a user and 10 bytes to the splitter, which said only that the
+    budgets sum to 20."""
+    code, _, err = run(capsys, "split", "residual-mlp", "-k", "2", "--max-memory", "10", "-q")
+    assert code == 2 and "--max-memory 10 is in bytes: give a unit for more, such as 40GiB" in " ".join(err.split())
+    code, _, err = run(capsys, "split", "residual-mlp", "-k", "2", "--max-memory", "1KB", "-q")
+    assert code == 2 and "is in bytes" not in err
+
+
 def test_a_failed_rebuild_prints_its_plan_and_memory_flags():
     """A rebuild's pipeline loads the plan file (no stage count to give): the command names the file."""
     args = argparse.Namespace(plan="p.json", no_verify=True, command="split", target="residual-mlp", stages=None)
