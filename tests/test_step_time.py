@@ -237,6 +237,12 @@ def test_a_step_prints_as_its_time_schedule_bubble_and_bottleneck():
     assert step_time_lines(step)[0] == f"step time (predicted): {step}"
 
 
+def test_a_schedule_the_runtime_runs_and_the_models_do_not_is_refused_saying_so():
+    for make in (lambda name: StepTimeModel(name), lambda name: autoshard.MemoryModel(schedule=name)):
+        with pytest.raises(InvalidArgumentError, match="the runtime runs more of PyTorch's schedules"):
+            make("interleaved-zero-bubble")
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_stages_per_rank_is_refused_for_a_schedule_that_runs_one_stage_per_rank(schedule):
     """As ``MemoryModel`` refuses it: ``StepTimeModel("1f1b", stages_per_rank=3)`` counted for nothing."""

@@ -78,6 +78,10 @@ OPTIMIZER_BYTES: dict[str, float] = {"adam": 8.0, "adamw": 8.0, "sgd-momentum": 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 """The schedules whose microbatches in flight the model knows."""
 
+UNMODELLED_SCHEDULES = ("; the runtime runs more of PyTorch's schedules (interleaved-zero-bubble, looped-bfs, ...), "
+                        "whose memory and step time are not modelled: predict with the closest of these")
+"""What a refusal of another schedule adds: ``runtime.SCHEDULES`` runs it, the cost models do not."""
+
 INTERLEAVED_STAGES_PER_RANK = 2
 """``stages_per_rank`` under interleaved 1F1B when left out (every other schedule runs one)."""
 
@@ -120,7 +124,7 @@ def _compute_dtype(value: object) -> str | None:
     return name
 
 
-def _choice(value: object, name: str, known: Sequence[str], alternative: str = "") -> str:
+def _choice(value: object, name: str, known: Sequence[str], alternative: str = "", note: str = "") -> str:
     """``value`` lowered, or a refusal with a "did you mean", as ``StepTimeModel`` and the CLI give;
     a value that is no name at all (None, 2.0) is a type error, as everywhere in the API."""
     if not isinstance(value, str):
@@ -128,7 +132,7 @@ def _choice(value: object, name: str, known: Sequence[str], alternative: str = "
                                        f"{type(value).__name__} {value!r}")
     if value.lower() not in known:
         close = suggest(value.lower(), known)
-        raise InvalidArgumentError(f"unknown {name} {value!r}{close}; known: {', '.join(known)}")
+        raise InvalidArgumentError(f"unknown {name} {value!r}{close}; known: {', '.join(known)}{note}")
     return value.lower()
 
 
@@ -246,7 +250,7 @@ class MemoryModel:
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", _choice(self.optimizer, "optimizer", tuple(OPTIMIZER_BYTES),
                                                       " (the name 'none' for no optimizer state)"))
-        object.__setattr__(self, "schedule", _choice(self.schedule, "schedule", SCHEDULES))
+        object.__setattr__(self, "schedule", _choice(self.schedule, "schedule", SCHEDULES, note=UNMODELLED_SCHEDULES))
         bytes_ = self.optimizer_bytes_per_param
         if bytes_ is None:
             object.__setattr__(self, "optimizer_bytes_per_param", OPTIMIZER_BYTES[self.optimizer])

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from autoshard.arguments import bytes_per_second, duration, whole_number
 from autoshard.costs.estimate import DeviceModel
-from autoshard.costs.memory import MemoryModel, stages_per_rank_of
+from autoshard.costs.memory import UNMODELLED_SCHEDULES, MemoryModel, stages_per_rank_of
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -118,7 +118,7 @@ class StepTimeModel:
         if name not in SCHEDULES:
             raise InvalidArgumentError(
                 f"unknown schedule {self.schedule!r}{suggest(str(name), SCHEDULES)}; the step-time model knows "
-                f"{', '.join(SCHEDULES)}")
+                f"{', '.join(SCHEDULES)}{UNMODELLED_SCHEDULES}")
         object.__setattr__(self, "schedule", name)
         if self.microbatches is not None:
             object.__setattr__(self, "microbatches", whole_number(self.microbatches, "microbatches", at_least=1))
