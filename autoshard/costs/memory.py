@@ -181,7 +181,10 @@ class SavedFacts:
     other nodes whose storages its output keeps alive besides its own (or ``views``'): a container of
     values several nodes made (a ``ModelOutput`` of the last hidden state and the pooled output).
     ``weights_first``: its backward adds every weight's gradient into theirs before it hands any input
-    its own (a Linear on a 3-D input, whose input gradient comes through the reshape's backward)."""
+    its own (a Linear on a 3-D input, whose input gradient comes through the reshape's backward).
+    ``saves_from``: the nodes whose storages it saves among what it reads, first saver or not
+    (``releases`` names only the first): a block's output stays kept when its block is recomputed
+    only if a node outside the block saves it; None: not recorded."""
 
     saved: int
     saved_output: int
@@ -199,6 +202,7 @@ class SavedFacts:
     weight_grads: tuple[str, ...] | None = None
     holds: tuple[str, ...] = ()
     weights_first: bool = False
+    saves_from: tuple[str, ...] | None = None
 
 
 def stages_per_rank_of(schedule: str, given: int | None) -> int:

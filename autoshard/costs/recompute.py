@@ -92,22 +92,41 @@ def boundary_storages(
     owners: Callable[[str], AbstractSet[str]], counted: AbstractSet[str],
 ) -> dict[str, float]:
     """The storages one microbatch keeps because they enter or leave a region, with their bytes, once.
-    A storage leaving a block that no node saves (read by an addition, say) and that enters no block
-    is not kept: only a checkpoint or a saver holds it. A storage already counted (``counted``:
-    received or sent values) or kept by its maker outside the regions (``kept_bytes`` counts it) is
-    not counted here."""
+    A storage leaving a block that no node outside it saves (read by an addition, say) and that enters
+    no block is not kept: only a checkpoint or a saver holds it, and the checkpoint drops what the
+    block's own nodes save. A storage already counted (``counted``: received or sent values) or kept
+    by its maker outside the regions (``kept_bytes`` counts it) is not counted here."""
     inside = {n for run in regions for n in run}
     entering, leaving = _crossings(dag, nodes, regions, owners)
+    saved_beyond = _saved_beyond_their_region(dag, nodes, regions)
     found: dict[str, float] = {}
     for storage in entering.keys() | leaving:
         data = dag.nodes[storage]
         facts = data.get("training")
         kept_by_maker = storage not in inside and facts is not None and facts.saved_output
-        # a storage leaving a block that no checkpoint holds and no node saves is freed once read
-        unsaved = storage not in entering and facts is not None and not facts.saved_output
+        # a storage leaving a block that no checkpoint holds and no node outside it saves is freed once read
+        saved = facts is not None and (facts.saved_output if saved_beyond is None else storage in saved_beyond)
+        unsaved = storage not in entering and facts is not None and not saved
         if data.get("input") or storage in counted or kept_by_maker or unsaved:
             continue
         found[storage] = float(data.get("allocated") or 0)
+    return found
+
+
+def _saved_beyond_their_region(dag: nx.DiGraph, nodes: Sequence[str], regions: Sequence[Sequence[str]],
+                               ) -> AbstractSet[str] | None:
+    """The storages a node of ``nodes`` saves from outside the region that made them (what a region's
+    own nodes save, its checkpoint drops); None without every node's ``saves_from`` facts (facts
+    recorded before them), and then the caller falls back on whether any node saves it."""
+    region_of = {n: index for index, run in enumerate(regions) for n in run}
+    found: set[str] = set()
+    for node in nodes:
+        if dag.nodes[node].get("op") not in _COMPUTING:
+            continue
+        facts = dag.nodes[node].get("training")
+        if facts is None or facts.saves_from is None:
+            return None
+        found.update(m for m in facts.saves_from if not _same_region(region_of, node, m))
     return found
 
 

@@ -307,6 +307,7 @@ class TrainingProbe:
         self.saved: dict[str, int] = {}
         self.outputs: dict[str, set[StorageWeakRef]] = {}  # node -> storages of its output it made
         self.releases: dict[str, dict[str, int]] = {}  # first saver -> node that made them -> bytes
+        self.saves_from: dict[str, tuple[str, ...]] = {}  # node -> the nodes whose storages it saves of what it reads
         self.grad: dict[str, int] = {}
         self.backward: dict[str, int] = {}
         self.forward: dict[str, int] = {}
@@ -882,6 +883,7 @@ class TrainingProbe:
         """Charge what ``name`` saved: an argument's storage to the node that made it, the first time
         any node saves it; a storage of its own (a temporary, or one its output lives in) to itself."""
         new = self._new_storages(value)
+        self.saves_from[name] = tuple(sorted({owner for ref in saved_arguments if (owner := self.owner.get(ref))}))
         for ref in saved_arguments:
             if ref not in self.saved_storages:
                 self.saved_storages.add(ref)
@@ -985,5 +987,5 @@ class TrainingProbe:
                                  self.forward.get(name), self.strided_grads.get(name, ()),
                                  sent_as_copy(values.get(name)), self.when_contiguous.get(name),
                                  dense_order(values.get(name)), self.weight_grads.get(name),
-                                 self.holds.get(name, ()), name in self.weights_first)
+                                 self.holds.get(name, ()), name in self.weights_first, self.saves_from.get(name))
                 for name in self.grad if name not in self.unrun}

@@ -133,7 +133,8 @@ class _Reader:
                           self.optional_names(self.get(obj, "weight_grads", list, where, None),
                                               f"{where}.weight_grads"),
                           self.names(self.get(obj, "holds", list, where, []), f"{where}.holds"),
-                          self.get(obj, "weights_first", bool, where, False))
+                          self.get(obj, "weights_first", bool, where, False),
+                          self.optional_names(self.get(obj, "saves_from", list, where, None), f"{where}.saves_from"))
 
     def dense_order(self, obj: list | None, where: str) -> tuple[int, ...] | None:
         """``SavedFacts.dense_order``: a permutation of the dimensions, or absent."""
