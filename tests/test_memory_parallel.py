@@ -399,3 +399,15 @@ def test_compute_dtypes_are_read_in_any_spelling():
     for spelling in ("bfloat16", "BF16", torch.bfloat16, "torch.bfloat16"):
         assert MemoryModel(data_parallel="ddp", mixed_precision=spelling).mixed_precision == "bfloat16"
     assert MemoryModel(data_parallel="ddp", mixed_precision=torch.float16).mixed_precision == "float16"
+
+
+def test_a_plan_read_from_its_file_counts_activation_checkpointing_as_the_plan_does(tmp_path):
+    """The file's DAG had no ops or module scopes, so checkpointing found no blocks in it and the
+    prediction was the plain count."""
+    x = torch.randn(8, 16, 32)
+    sharded = autoshard.shard_model(_ReluResiduals().train(), 1, (x,), memory_model=MemoryModel(microbatches=1))
+    checkpointed = MemoryModel(microbatches=1, activation_checkpointing=True)
+    from_file = read_plan(sharded.save_plan(tmp_path / "plan.json")).training_memory(checkpointed)[0]
+    planned = autoshard.plan_report(sharded, memory=checkpointed).stages[0].memory
+    assert from_file.activation_bytes == planned.activation_bytes < read_plan(tmp_path / "plan.json").training_memory(
+        MemoryModel(microbatches=1))[0].activation_bytes

@@ -144,12 +144,15 @@ class SavedPlan:
 
     def graph(self, cost_model: str | None = None) -> nx.DiGraph:
         """The DAG in the splitter's contract, weighted by ``cost_model`` (default: the split's), with
-        the weights each node reads and the memory it allocates, as ``autoshard.costs`` expects."""
+        the weights each node reads and the memory it allocates, as ``autoshard.costs`` expects; each
+        node's op and module scopes (its module's path and the paths above it), by which activation
+        checkpointing finds the blocks it recomputes."""
         model = cost_model or self.cost_model
         dag = nx.DiGraph(weights=dict(self.weights))
         for n in self.nodes:
-            dag.add_node(n.name, cost=n.costs[model], bytes=n.bytes, input=n.input, output=n.output,
-                         weights=n.weights, allocated=n.allocated, training=n.training)
+            dag.add_node(n.name, cost=n.costs[model], bytes=n.bytes, input=n.input, output=n.output, op=n.op,
+                         weights=n.weights, allocated=n.allocated, training=n.training,
+                         scopes=[(path, "") for path in module_ancestors(n.module)])
         dag.add_edges_from(self.edges)
         return dag
 
