@@ -758,8 +758,22 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: object, *
     Console(stderr=True, highlight=False, soft_wrap=True).print(text, markup=False)
 
 
+def _parsed(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments; a flag this command does not take but another does is refused naming
+    that command (``inspect --time-stages`` got only argparse's "unrecognized arguments")."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        elsewhere = [f"{flag} is an option of {', '.join(repr(f'autoshard {name}') for name in takers)}"
+                     for flag in dict.fromkeys(item.partition("=")[0] for item in unknown if item.startswith("-"))
+                     if (takers := [name for name, sub in commands.items()
+                                    if name != args.command and flag in sub._option_string_actions])]
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; {hint}" for hint in elsewhere))
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parsed(build_parser(), argv)
     console = Console(highlight=False, width=_table_width())
     try:
         with progress.silenced(getattr(args, "quiet", False)), warnings.catch_warnings():

@@ -346,3 +346,14 @@ def test_a_misspelled_factory_is_refused_with_the_closest_name(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TargetError, match=r"has no attribute 'lama' \(did you mean 'llama'\?\)"):
         load_target("mymodels_typo:lama")
+
+
+def test_a_flag_of_another_command_is_refused_naming_that_command(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["inspect", "residual-mlp", "-k", "2", "--time-stages"])
+    err = flat(capsys.readouterr().err)
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --time-stages; --time-stages is an option of 'autoshard split'" in err
+    with pytest.raises(SystemExit):
+        cli.main(["inspect", "residual-mlp", "-k", "2", "--no-such-flag"])
+    assert "is an option of" not in capsys.readouterr().err
