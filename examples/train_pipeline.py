@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         mesh = init_device_mesh(device.type, (world // args.dp, args.dp), mesh_dim_names=("pp", "dp"))
 
     model = make_model(args.model)
-    example_args, example_kwargs, _ = make_batch(args.model, 0, args.batch)
+    # one microbatch of one pipeline's rows: what the plan's memory and step-time predictions count as one
+    rows = max(1, args.batch // (args.dp * args.microbatches))
+    example_args, example_kwargs, _ = make_batch(args.model, 0, rows)
     sharded = autoshard.shard_model(model, args.stages or world // args.dp, example_inputs=example_args,
                                     example_kwargs=example_kwargs)
     parallel = parallelize(sharded, mesh, data_parallel=args.data_parallel, schedule=args.schedule,
