@@ -996,21 +996,17 @@ def stage_memory(
         sent = (_sent_unsaved(stage_dag, dense, assignment, recomputed)
                 + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
         sent_storages = {owner for v in dense for owner in _owners(stage_dag, v, assignment)}
-        owners = functools.partial(_owners, stage_dag, stage=assignment)
-        if regions:
-            kept = checkpointed_kept(stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n), owners,
-                                     sent_storages)
-        else:
-            kept = sum(kept_bytes(stage_dag, v) for v in nodes)
-        kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
-                    for owner in {_owner(stage_dag, v, assignment) for v in copied})
         recompute = recomputed_backward(
             stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n),
-            lambda n: None if (f := _training(stage_dag, n)) is None else f.releases, owners, sent_storages)
+            lambda n: None if (f := _training(stage_dag, n)) is None else f.releases,
+            functools.partial(_owners, stage_dag, stage=assignment), sent_storages)
+        kept = checkpointed_kept(nodes, recompute, lambda n: kept_bytes(stage_dag, n))
+        kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
+                    for owner in {_owner(stage_dag, v, assignment) for v in copied})
         backward = _backward_peak(stage_dag, nodes, set(made_here), through, sent_storages, output_grads,
                                   recompute) * scale
         # what crosses a region's boundary is kept, not freed after its last reader
-        forward = _forward_peak(stage_dag, nodes, assignment, sent_storages | recompute.crossing, recomputed,
+        forward = _forward_peak(stage_dag, nodes, assignment, sent_storages | recompute.boundary.keys(), recomputed,
                                 copied) * scale
         in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
         received_buffer = received if j > 0 else 0.0  # the first stage's inputs are the caller's batch

@@ -88,22 +88,23 @@ def _crossings(
 
 
 def boundary_storages(
-    dag: nx.DiGraph, nodes: Sequence[str], regions: Sequence[Sequence[str]],
-    owners: Callable[[str], AbstractSet[str]], counted: AbstractSet[str],
+    dag: nx.DiGraph, nodes: Sequence[str], region_of: Mapping[str, int],
+    crossings: tuple[dict[str, set[int]], set[str]], counted: AbstractSet[str],
 ) -> dict[str, float]:
-    """The storages one microbatch keeps because they enter or leave a region, with their bytes, once.
+    """The storages one microbatch keeps because they enter or leave a region (``crossings``, from
+    ``_crossings``), with their bytes, once.
     A storage leaving a block that no node outside it saves (read by an addition, say) and that enters
     no block is not kept: only a checkpoint or a saver holds it, and the checkpoint drops what the
     block's own nodes save. A storage already counted (``counted``: received or sent values) or kept
-    by its maker outside the regions (``kept_bytes`` counts it) is not counted here."""
-    inside = {n for run in regions for n in run}
-    entering, leaving = _crossings(dag, nodes, regions, owners)
-    saved_beyond = _saved_beyond_their_region(dag, nodes, regions)
+    by its maker outside the regions (``region_of``: each region's nodes; ``kept_bytes`` counts it) is
+    not counted here."""
+    entering, leaving = crossings
+    saved_beyond = _saved_beyond_their_region(dag, nodes, region_of)
     found: dict[str, float] = {}
     for storage in entering.keys() | leaving:
         data = dag.nodes[storage]
         facts = data.get("training")
-        kept_by_maker = storage not in inside and facts is not None and facts.saved_output
+        kept_by_maker = storage not in region_of and facts is not None and facts.saved_output
         # a storage leaving a block that no checkpoint holds and no node outside it saves is freed once read
         saved = facts is not None and (facts.saved_output if saved_beyond is None else storage in saved_beyond)
         unsaved = storage not in entering and facts is not None and not saved
@@ -113,12 +114,11 @@ def boundary_storages(
     return found
 
 
-def _saved_beyond_their_region(dag: nx.DiGraph, nodes: Sequence[str], regions: Sequence[Sequence[str]],
+def _saved_beyond_their_region(dag: nx.DiGraph, nodes: Sequence[str], region_of: Mapping[str, int],
                                ) -> AbstractSet[str] | None:
     """The storages a node of ``nodes`` saves from outside the region that made them (what a region's
     own nodes save, its checkpoint drops); None without every node's ``saves_from`` facts (facts
     recorded before them), and then the caller falls back on whether any node saves it."""
-    region_of = {n: index for index, run in enumerate(regions) for n in run}
     found: set[str] = set()
     for node in nodes:
         if dag.nodes[node].get("op") not in _COMPUTING:
@@ -130,33 +130,22 @@ def _saved_beyond_their_region(dag: nx.DiGraph, nodes: Sequence[str], regions: S
     return found
 
 
-def checkpointed_kept(
-    dag: nx.DiGraph, nodes: Sequence[str], regions: Sequence[Sequence[str]], kept: Callable[[str], float],
-    owners: Callable[[str], AbstractSet[str]], counted: AbstractSet[str],
-) -> float:
-    """Bytes one microbatch keeps when ``regions`` are recomputed: ``kept`` of the nodes outside
-    them, plus each storage that enters or leaves a region, once (``boundary_storages``)."""
-    inside = {n for run in regions for n in run}
-    return (sum(kept(n) for n in nodes if n not in inside)
-            + sum(boundary_storages(dag, nodes, regions, owners, counted).values()))
-
-
 @dataclass(frozen=True)
 class RecomputedBackward:
     """How a stage's backward holds and frees what its checkpointed regions keep and recompute, for
     the backward walk (``costs.memory``), node by node in reverse. A region's forward runs again when
     its backward starts (its last node unpacks what it saved): ``recomputed_at``, per region's last
     node, the storages its own nodes make and save again, which each node's own release frees as it
-    runs (``is_copy``). A storage entering or leaving a region (``crossing``: those kept for that
-    alone, ``boundary_storages``; ``deferred``: those and the ones their makers outside the regions
-    keep that a checkpoint holds too) is freed once the last of its holders is done
+    runs (``is_copy``). A storage entering or leaving a region (``boundary``: those kept for that
+    alone, with their bytes, ``boundary_storages``; ``deferred``: those and the ones their makers
+    outside the regions keep that a checkpoint holds too) is freed once the last of its holders is done
     (``released_after``, per node): a region's checkpoint, at the end of that region's backward; a
     node outside the regions that saves it, after its backward. Their releases elsewhere free nothing."""
 
     region_of: Mapping[str, int]
     recomputed_at: Mapping[str, float]
     released_after: Mapping[str, float]
-    crossing: AbstractSet[str]
+    boundary: Mapping[str, float]
     deferred: AbstractSet[str]
 
     def is_copy(self, node: str, maker: str) -> bool:
@@ -176,11 +165,15 @@ def recomputed_backward(
 ) -> RecomputedBackward:
     """The ``RecomputedBackward`` of ``nodes`` (a stage's, in program order) recomputing ``regions``.
     ``releases``: per node, the makers and bytes its backward frees (it first saves them), None
-    without the probe's facts (then ``kept``: all it saves is recomputed and held to the end)."""
+    without the probe's facts (then ``kept``: all it saves is recomputed and held to the end). No
+    regions: ``NOT_RECOMPUTED``, without walking the stage."""
+    if not regions:
+        return NOT_RECOMPUTED
     region_of = {n: index for index, run in enumerate(regions) for n in run}
     position = {n: i for i, n in enumerate(nodes)}
-    entering, _ = _crossings(dag, nodes, regions, owners)
-    boundary = boundary_storages(dag, nodes, regions, owners, counted)
+    crossings = _crossings(dag, nodes, regions, owners)
+    entering = crossings[0]
+    boundary = boundary_storages(dag, nodes, region_of, crossings, counted)
     original, copied = _saver_releases(nodes, region_of, releases)
 
     def done(node: str) -> int:
@@ -203,8 +196,18 @@ def recomputed_backward(
         nbytes = boundary.get(storage, sum(b for _, b in original.get(storage, ())))
         released_after[last] = released_after.get(last, 0.0) + nbytes
     made_again = {run[-1]: _saved_again(run, kept, releases) for run in regions}
-    return RecomputedBackward(region_of, made_again, released_after, frozenset(boundary),
-                              frozenset(boundary.keys() | held_too))
+    return RecomputedBackward(region_of, made_again, released_after, boundary, frozenset(boundary.keys() | held_too))
+
+
+NOT_RECOMPUTED = RecomputedBackward({}, {}, {}, {}, frozenset())
+"""A stage without checkpointed regions: its backward walk frees and holds as it would anyway."""
+
+
+def checkpointed_kept(nodes: Sequence[str], recomputed: RecomputedBackward, kept: Callable[[str], float]) -> float:
+    """Bytes one microbatch keeps when ``recomputed``'s regions are recomputed: ``kept`` of the nodes
+    outside them, plus each storage that enters or leaves a region, once (``boundary_storages``)."""
+    return (sum(kept(n) for n in nodes if n not in recomputed.region_of)
+            + sum(recomputed.boundary.values()))
 
 
 def _same_region(region_of: Mapping[str, int], node: str, maker: str) -> bool:
