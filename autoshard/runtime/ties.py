@@ -118,16 +118,17 @@ class TiedGradients:
         totals: dict[int, torch.Tensor] = {}
         for dtype in dict.fromkeys(s.dtype for s in self._across_ranks):  # one all-reduce a dtype
             batch = [i for i, s in enumerate(self.shared) if s in self._across_ranks and s.dtype == dtype]
-            flat = torch.zeros(sum(math.prod(shapes[i]) for i in batch), dtype=dtype, device=self._device)
-            for i, part in zip(batch, flat.split([math.prod(shapes[i]) for i in batch])):  # summed in place: one
-                totals[i] = self._local_sum(self.shared[i], part.view(shapes[i]))  # buffer, not a sum and a copy
+            sizes = [math.prod(shapes[i]) for i in batch]
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=self._device)
+            for i, part in zip(batch, flat.split(sizes)):  # summed in place: one buffer, not a sum and a copy
+                totals[i] = self._local_sum(self.shared[i], part.view(shapes[i]))
             dist.all_reduce(flat, group=self.group)
         for i, s in enumerate(self.shared):
-            if i in shapes and i not in totals:
-                totals[i] = self._local_sum(s, torch.zeros(shapes[i], dtype=s.dtype, device=self._device))
-        for i, s in enumerate(self.shared):
-            if i in totals:
-                self._write(s, totals[i])
+            if i in shapes:
+                total = totals.get(i)
+                if total is None:  # held on this rank alone
+                    total = self._local_sum(s, torch.zeros(shapes[i], dtype=s.dtype, device=self._device))
+                self._write(s, total)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
