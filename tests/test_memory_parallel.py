@@ -22,6 +22,7 @@ from autoshard.plan_format.files import read_plan, save_plan
 from autoshard.runtime import measure_stage_memory
 from autoshard.runtime.parallel import layout_memory_model
 from autoshard.runtime.recompute import checkpoint_blocks
+from autoshard.sharded import ShardedModel
 
 ROWS, TOKENS, WIDTH = 2, 16, 32
 FSDP2 = MemoryModel(data_parallel="fsdp", dp=2)
@@ -249,14 +250,19 @@ class _ReluResiduals(nn.Module):
         return self.head(x).sum()
 
 
+def _relu_residuals() -> tuple[ShardedModel, torch.Tensor]:
+    """``_ReluResiduals`` in training mode as one stage, planned on its example for one microbatch."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, WIDTH)
+    return autoshard.shard_model(_ReluResiduals().train(), 1, (x,), memory_model=MemoryModel(microbatches=1)), x
+
+
 def test_checkpointing_keeps_no_block_output_only_its_own_block_saves():
     """``x = relu(linear(x)) + x``: the relu saves its output, but the checkpoint drops what the block's own
     nodes save, and the addition that reads it after the block saves nothing, so it is freed at once.
     Counted kept because some node saves it, the kept activations were 65,540 bytes against 32,772
     measured, the stage 1.12x its measured peak."""
-    torch.manual_seed(0)
-    x = torch.randn(8, 16, WIDTH)
-    sharded = autoshard.shard_model(_ReluResiduals().train(), 1, (x,), memory_model=MemoryModel(microbatches=1))
+    sharded, x = _relu_residuals()
     stage = autoshard.plan_report(
         sharded, memory=MemoryModel(microbatches=1, activation_checkpointing=True)).stages[0].memory
     assert checkpoint_blocks(sharded.stages[0]) == ["blocks.0", "blocks.1"]
@@ -270,9 +276,7 @@ def test_checkpointing_keeps_no_block_output_only_its_own_block_saves():
 def test_without_who_saves_a_block_output_it_stays_counted_kept():
     """Facts without ``saves_from`` (recorded before them) cannot tell a saver inside the block
     from one after it: the relus' outputs stay counted kept, over the measure rather than under it."""
-    torch.manual_seed(0)
-    x = torch.randn(8, 16, WIDTH)
-    plan = autoshard.shard_model(_ReluResiduals().train(), 1, (x,), memory_model=MemoryModel(microbatches=1)).plan
+    plan = _relu_residuals()[0].plan
     checkpointed = MemoryModel(microbatches=1, activation_checkpointing=True)
     tensor = 8 * 16 * WIDTH * 4
     (stage,) = stage_memory(plan.dag, plan.assignment, 1, checkpointed)
@@ -404,8 +408,7 @@ def test_compute_dtypes_are_read_in_any_spelling():
 def test_a_plan_read_from_its_file_counts_activation_checkpointing_as_the_plan_does(tmp_path):
     """The file's DAG had no ops or module scopes, so checkpointing found no blocks in it and the
     prediction was the plain count."""
-    x = torch.randn(8, 16, 32)
-    sharded = autoshard.shard_model(_ReluResiduals().train(), 1, (x,), memory_model=MemoryModel(microbatches=1))
+    sharded, _ = _relu_residuals()
     checkpointed = MemoryModel(microbatches=1, activation_checkpointing=True)
     from_file = read_plan(sharded.save_plan(tmp_path / "plan.json")).training_memory(checkpointed)[0]
     planned = autoshard.plan_report(sharded, memory=checkpointed).stages[0].memory
