@@ -172,8 +172,8 @@ def _device(args: argparse.Namespace) -> DeviceModel | None:
 def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) -> MemoryModel | None:
     """``saved`` (a rebuilt plan's memory model, else the default) with the values given by the memory
     flags (--optimizer, --optimizer-bytes, --schedule, --stages-per-rank, --microbatches,
-    --master-weights): a flag left out keeps the saved value rather than resetting it. None when no
-    flag is given and nothing is saved."""
+    --master-weights, --optimizer-foreach): a flag left out keeps the saved value rather than resetting
+    it. None when no flag is given and nothing is saved."""
     given: dict[str, object] = {}
     if args.optimizer is not None:
         given["optimizer"] = _named(args.optimizer, "--optimizer", tuple(OPTIMIZER_BYTES))
@@ -185,6 +185,8 @@ def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) ->
         given["microbatches"] = whole_number(args.microbatches, "--microbatches", at_least=1)
     if args.master_weights is not None:
         given["master_weights"] = args.master_weights
+    if args.optimizer_foreach is not None:
+        given["optimizer_foreach"] = args.optimizer_foreach
     if not given:
         return saved
     return dataclasses.replace(saved or MemoryModel(), **given)
@@ -253,6 +255,8 @@ def _memory_flags(model: MemoryModel) -> list[str]:
         flags += ["--microbatches", str(model.microbatches)]
     if model.master_weights:
         flags += ["--master-weights"]
+    if model.optimizer_foreach is not None:
+        flags += ["--optimizer-foreach" if model.optimizer_foreach else "--no-optimizer-foreach"]
     return flags
 
 
@@ -625,6 +629,9 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="stages each process runs under --schedule interleaved-1f1b (default 2)")
     options.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
                          help="count an fp32 master copy of bf16/fp16 trainable weights (mixed precision)")
+    options.add_argument("--optimizer-foreach", action=argparse.BooleanOptionalAction, default=None,
+                         help="the optimizer steps every weight at once (torch.optim's foreach; --no-optimizer-foreach:"
+                              " one after another); default: as torch chooses where the model is (foreach on a GPU)")
     options.add_argument("--link-bandwidth", metavar="RATE",
                          help="bandwidth between two ranks for the predicted step time, e.g. 25GB/s or in bits "
                               f"200Gbit/s (a bare number: bytes/s; default {DEFAULT_LINK_BANDWIDTH:g} bytes/s: gloo "

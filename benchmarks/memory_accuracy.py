@@ -8,7 +8,8 @@
 For each model, k = 2, 4, 8, 1, 4 and 8 microbatches (1F1B), Adam and SGD, one row per stage:
 * measured: ``autoshard.runtime.measure_stage_memory``, the peak of live tensor storages while the
   stage runs its microbatches in flight forward and one backward, with gradients and fp32
-  optimizer state materialised;
+  optimizer state materialised, and then ends the step (the tied-gradient sum's buffer and the
+  optimizer's real step, as ``torch.optim`` runs it on that device);
 * predicted: ``plan_report(sharded, memory=MemoryModel(microbatches=..., optimizer=...)).stages[j].memory.total``,
   the model ``max_memory`` plans with (``autoshard/costs/memory.py``);
 * weights only: what accelerate's ``compute_module_sizes`` / ``infer_auto_device_map`` count, the

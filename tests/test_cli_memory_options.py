@@ -74,6 +74,8 @@ def test_the_flags_set_the_plans_memory_model_and_a_rebuild_keeps_it(capsys, tmp
     MemoryModel(),
     MemoryModel(optimizer="sgd-momentum", schedule="interleaved-1f1b", stages_per_rank=4, microbatches=8),
     MemoryModel(optimizer="adamw", optimizer_bytes_per_param=2, schedule="gpipe", master_weights=True),
+    MemoryModel(optimizer_foreach=True),
+    MemoryModel(optimizer_foreach=False),
 ])
 def test_the_command_to_copy_sets_the_same_memory_model(model):
     """What a refusal's advice (--compare with --plan) prints is parsed back to the same model."""

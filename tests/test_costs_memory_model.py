@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_rank_ops, _get_warmup_ops
 
 import autoshard
-from autoshard.costs.memory import OPTIMIZER_BYTES, MemoryModel, interleaved_in_flight, stage_memory
+from autoshard.costs.memory import OPTIMIZER_BYTES, MemoryModel, interleaved_in_flight, stage_memory, tie_sum_bytes
 from autoshard.examples import load_example
 from autoshard.plan_io import read_plan
 from autoshard.runtime import measure_stage_memory
@@ -86,8 +86,49 @@ def test_stages_per_rank_left_out_is_the_schedules_own():
 
 
 class _Weight:
-    def __init__(self, numel: int, element: int, trainable: bool = True) -> None:
-        self.numel, self.nbytes, self.trainable = numel, numel * element, trainable
+    def __init__(self, numel: int, element: int, trainable: bool = True, device: str = "cpu") -> None:
+        self.numel, self.nbytes, self.trainable, self.device = numel, numel * element, trainable, device
+
+
+def test_the_optimizer_step_by_optimizer_device_and_layout():
+    """Adam looping: 2x the weight it steps beside the previous one's ``denom``, in the order given;
+    foreach: 1x every weight of a dtype, the largest dtype's group; SGD: in place. None follows where
+    the weights were: foreach when all were on a GPU. A master copy or an FSDP shard is what is stepped."""
+    weights = [_Weight(10, 4), _Weight(100, 4), _Weight(1, 4), _Weight(50, 4, trainable=False)]
+    assert MemoryModel().step_bytes(weights) == 2 * 400 + 40
+    assert MemoryModel().step_bytes(weights[::-1]) == max(2 * 4, 2 * 400 + 4)
+    assert MemoryModel(optimizer_foreach=True).step_bytes(weights) == 40 + 400 + 4
+    assert MemoryModel(optimizer="adamw", optimizer_foreach=True).step_bytes([_Weight(8, 2), _Weight(2, 4)]) == 16
+    assert MemoryModel().step_bytes([_Weight(10, 4, device="cuda"), _Weight(100, 4, device="cuda")]) == 440
+    assert MemoryModel().step_bytes([_Weight(10, 4, device="cuda"), _Weight(100, 4)]) == 800 + 40
+    assert MemoryModel(optimizer_foreach=False).step_bytes([_Weight(100, 4, device="cuda")]) == 800
+    for optimizer in ("sgd", "sgd-momentum", "none"):
+        assert MemoryModel(optimizer=optimizer).step_bytes(weights) == 0
+    assert MemoryModel(master_weights=True).step_bytes([_Weight(100, 2)]) == 2 * 400
+    assert MemoryModel(data_parallel="fsdp", dp=4).step_bytes([_Weight(100, 4)]) == 2 * 100
+    # after FSDP's reduction: the unsharded weight and gradient freed, the gradient's shard made
+    assert MemoryModel(data_parallel="fsdp", dp=4).reduced_bytes([_Weight(100, 4)]) == 100 - 400 - 400
+    assert MemoryModel().reduced_bytes([_Weight(100, 4)]) == 0
+
+
+def test_the_tied_gradient_sum_is_made_on_every_rank_first_stage():
+    """``TiedGradients.sync``: one buffer of every trainable weight held on two ranks or more, on
+    every rank; a weight held by two stages of one rank alone, summed on that rank (interleaved)."""
+    infos = {"e": _Weight(100, 4), "f": _Weight(10, 4, trainable=False), "g": _Weight(30, 4)}
+    payers = {"a": ("e",), "b": ("e", "f"), "c": ("g",), "d": ("g",), "z": ("f",)}
+    assignment = {"a": 0, "b": 3, "c": 0, "d": 2, "z": 1}
+    assert tie_sum_bytes(infos, payers, assignment, 4, MemoryModel()) == [520] * 4
+    interleaved = MemoryModel(schedule="interleaved-1f1b", stages_per_rank=2)  # stage s on rank s % 2
+    assert tie_sum_bytes(infos, payers, assignment, 4, interleaved) == [400 + 120, 400, 0, 0]
+    assert tie_sum_bytes(infos, payers, assignment, 4, MemoryModel(data_parallel="fsdp", dp=2)) == [260] * 4
+
+
+def test_optimizer_foreach_takes_a_flag_or_none():
+    with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match="optimizer_foreach must be True or False "
+                                                                        "or None .* got str 'yes'"):
+        MemoryModel(optimizer_foreach="yes")
+    assert MemoryModel(optimizer_foreach=True).as_call() == "MemoryModel(optimizer_foreach=True)"
+    assert "foreach on a GPU" in MemoryModel().describe()
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZER_BYTES))
@@ -111,8 +152,10 @@ def test_a_bf16_model_plans_with_master_weights():
     plain = stage_memory(plan.dag, plan.assignment, 2)
     mixed = stage_memory(plan.dag, plan.assignment, 2, MemoryModel(master_weights=True))
     params = [sum(p.numel() for p in stage.parameters()) for stage in sharded.stages]
-    assert [m.total - p.total for m, p in zip(mixed, plain)] == [4 * n for n in params]
+    assert [m.state_bytes - p.state_bytes for m, p in zip(mixed, plain)] == [4 * n for n in params]
     assert [p.weight_bytes for p in plain] == [2 * n for n in params]
+    # the optimizer steps the fp32 copies: its temporaries are twice the bf16 weights'
+    assert [m.step_bytes for m in mixed] == [2 * p.step_bytes for p in plain] and plain[0].step_bytes > 0
 
 
 def tiny_gpt2():

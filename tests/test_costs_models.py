@@ -128,13 +128,15 @@ def test_stage_memory_counts_state_saved_activations_boundaries_and_one_backward
     # its forward keeps all it makes, beside the gradient buffer the next backward uses
     assert first == StageMemory(0, (32 + 8) * 4 * 4, 0, 2, received_bytes=48, sent_bytes=96, output_grad_bytes=96,
                                 backward_bytes=96 + 160, forward_bytes=96, weight_bytes=160, gradient_bytes=160,
-                                buffer_bytes=2 * 96, idle_buffer_bytes=96)
+                                buffer_bytes=2 * 96, idle_buffer_bytes=96, step_bytes=2 * 128)
     # stage 1: ReLU saves its output (96 B; the Linear saves the same storage); it receives 96 B
     # and sends the 24 B output; the peak is the ReLU's backward: output gradient 24, the
     # Linear's input gradient 96 and the ReLU's own 96; a receive buffer for each microbatch, one in use
     assert last == StageMemory(1, 16 * 4 * 4 + 8, 96, 1, received_bytes=96, sent_bytes=24, output_grad_bytes=24,
                                backward_bytes=24 + 96 + 96, weight_bytes=64 + 8, gradient_bytes=64, buffer_bytes=2 * 96,
-                               idle_buffer_bytes=96)
+                               idle_buffer_bytes=96, step_bytes=2 * 64)
+    # after the last backward: every receive buffer and single-tensor Adam's temporaries (2x the largest
+    # weight it steps), less than the steady state here
     assert [s.total for s in (first, last)] == [640 + 2 * (48 + 96) + 256 + 96, 264 + 96 + 96 + 24 + 216 + 96]
     assert plan.stage_costs("memory", mm) == [s.total for s in (first, last)]
     capped = stage_memory(plan.dag, plan.assignment, 2, MemoryModel(microbatches=1))

@@ -58,7 +58,13 @@ def test_linear_stack_matches_a_hand_count():
     assert dict(last.parts) == {"weights": state, "gradients": state, "optimizer": 2 * state,
                                 "activations": BATCH * 4 * F32, "received": BATCH * (16 + 4) * F32,
                                 "temporaries": temporaries}
-    assert last.peak == sum(last.parts.values())
+    # after its backward the stage holds its weight state and its input's receive buffer while single-
+    # tensor Adam (the CPU's) steps: its ``denom`` holds a square root and a quotient of the largest weight
+    assert dict(last.after_backward) == {"weights": state, "gradients": state, "optimizer": 2 * state,
+                                         "activations": 0, "received": BATCH * 16 * F32,
+                                         "temporaries": 2 * 32 * 16 * F32}
+    assert last.peak == sum(last.after_backward.values()) > sum(last.parts.values())
+    assert first.peak == sum(first.parts.values()) > sum(first.after_backward.values())
     assert last.source.startswith("live tensor storages")
 
 
@@ -329,3 +335,70 @@ def test_a_received_value_is_read_as_the_wire_reads_it_copying_its_gradient_when
     wired, measured = copies
     assert wired == (not (permuted and gradient_as_value))  # a received gradient buffer is copied, not taken
     assert measured == wired
+
+
+def weight_heavy() -> tuple[nn.Module, torch.Tensor]:
+    """Wide Linears on two rows: a stage's weights outweigh what its microbatch keeps."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)), \
+        torch.randn(2, 64)
+
+
+@pytest.mark.parametrize("optimizer, foreach", [("adam", None), ("adam", True), ("adamw", False), ("adamw", True),
+                                                ("sgd-momentum", True), ("sgd", None)])
+def test_the_step_after_the_last_backward_is_measured_as_the_model_counts_it(optimizer, foreach):
+    """The optimizer's step runs after the last backward, beside the weight state and the receive
+    buffers: Adam looping over the weights (the CPU's default) holds 2x one weight and the previous
+    weight's ``denom``; foreach (run here on the CPU too) a square root of every weight. Where
+    the weights dominate the stage peaks there: the model counted only the schedule's steady state."""
+    model, x = weight_heavy()
+    memory = autoshard.MemoryModel(microbatches=1, optimizer=optimizer, optimizer_foreach=foreach)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,), memory_model=memory)
+    predicted = [stage.memory for stage in autoshard.plan_report(sharded).stages]
+    for j, stage in enumerate(predicted):
+        measured = measure_stage_memory(sharded, j, (x,))
+        assert measured.peak == stage.total
+        assert measured.after_backward["temporaries"] == stage.step_bytes
+    if optimizer.startswith("adam"):
+        for stage, module in zip(predicted, sharded.stages):
+            sizes = [0, *(p.numel() * F32 for p in module.parameters())]
+            loop = max(2 * b + a for a, b in zip(sizes, sizes[1:]))
+            assert stage.step_bytes == (sum(sizes) if foreach else loop) > 0
+        assert any(stage.total == stage.state_bytes + stage.buffer_bytes + stage.step_bytes for stage in predicted)
+    else:
+        assert all(stage.step_bytes == 0 for stage in predicted)
+
+
+def test_every_rank_makes_the_tied_gradient_sum_holder_or_not():
+    """``TiedGradients.sync`` sums a tied embedding and head in one buffer on every rank, which the
+    middle stage of three, holding neither, makes too: the most it adds after the last backward."""
+    torch.manual_seed(0)
+    model = autoshard.examples.GPTStyleLMWithLoss(vocab=512, width=32, layers=2)
+    ids = torch.randint(0, 512, (2, 16))
+    sharded = autoshard.shard_model(model, 3, example_inputs=(ids, ids),
+                                    memory_model=autoshard.MemoryModel(microbatches=1))
+    predicted = autoshard.plan_report(sharded).stages[1].memory
+    measured = measure_stage_memory(sharded, 1, (ids, ids))
+    tied = 512 * 32 * F32
+    assert not [w for w in autoshard.plan_report(sharded).stages[1].weights if "embed" in w]
+    assert predicted.step_bytes == measured.after_backward["temporaries"] == tied
+    assert measured.peak == predicted.total
+
+
+def test_the_step_changes_no_bit_of_the_weights_nor_their_version():
+    """The optimizer steps stand-ins sharing the weights' storage at a learning rate of 0 with zero
+    gradients and state: every bit stays (a -0.0 too), and a graph of the caller's holding the
+    weights can still run its backward (no in-place write on the parameters themselves)."""
+    model, x = weight_heavy()
+    with torch.no_grad():
+        model[0].weight[0, :4] = -0.0
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    before = [(p.detach().clone(), p._version) for p in model.parameters()]
+    loss = model(x).sum()
+    for j in range(2):
+        for foreach in (False, True):
+            measure_stage_memory(sharded, j, (x,), optimizer_foreach=foreach)
+    for p, (old, version) in zip(model.parameters(), before):
+        assert torch.equal(p, old) and torch.equal(p.signbit(), old.signbit()) and p._version == version
+    loss.backward()
+    assert model[0].weight.grad is not None

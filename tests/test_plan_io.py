@@ -98,7 +98,7 @@ def test_the_file_says_how_the_split_was_made_and_what_each_stage_needs(residual
     assert data["split"]["bottleneck"] == info.bottleneck and data["split"]["tolerance"] == 0.0
     assert data["time_estimate"]["model"] == "roofline" and data["summary"]["stage_seconds"]["source"] == "estimated"
     assert data["weights"]["linears.0.weight"] == {"aliases": ["linears.0.weight"], "numel": 256, "bytes": 1024,
-                                                   "kind": "parameter", "trainable": True}
+                                                   "kind": "parameter", "trainable": True, "device": "cpu"}
     assert node(data, "linears_0")["weights"] == ["linears.0.weight", "linears.0.bias"]
     assert node(data, "linears_0")["allocated"] == node(data, "linears_0")["bytes"]
     assert [s["in_flight"] for s in data["summary"]["training_memory"]["stages"]] == [4, 3, 2, 1]
@@ -335,6 +335,26 @@ def test_load_plan_keeps_the_memory_model_the_plan_was_made_for(residual, tmp_pa
     assert rebuilt.plan.memory_model == sgd
     assert [s.memory.total for s in autoshard.plan_report(rebuilt).stages] == \
         [s.total for s in autoshard.costs.memory.stage_memory(rebuilt.plan.dag, rebuilt.plan.assignment, 4, sgd)]
+
+
+def test_a_plan_file_keeps_how_the_optimizer_steps_and_where_the_weights_were(tmp_path):
+    """``optimizer_foreach`` and each weight's device round-trip; a plan whose weights were on a GPU
+    counts torch's foreach step there when the model leaves the choice to torch (None)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    x = torch.randn(2, 16)
+    foreach = autoshard.MemoryModel(microbatches=1, optimizer_foreach=True)
+    path = autoshard.shard_model(model, 2, (x,), memory_model=foreach).save_plan(tmp_path / "plan.json")
+    assert read_plan(path).memory_model == foreach
+    data = json.loads(path.read_text())
+    assert {w["device"] for w in data["weights"].values()} == {"cpu"}
+    default = autoshard.MemoryModel(microbatches=1)
+    on_cpu = read_plan(path).training_memory(default)
+    for weight in data["weights"].values():
+        weight["device"] = "cuda"
+    path.write_text(json.dumps(data))
+    on_gpu, stepped_at_once = read_plan(path).training_memory(default), read_plan(path).training_memory(foreach)
+    assert [s.step_bytes for s in on_gpu] == [s.step_bytes for s in stepped_at_once] != [s.step_bytes for s in on_cpu]
 
 
 def test_a_budgeted_plan_loaded_with_bigger_inputs_says_it_no_longer_fits(tmp_path):

@@ -19,6 +19,13 @@ its other microbatches wait), part by part:
   ``PipelineStage`` allocates, for every microbatch of the step, a buffer for the values a stage
   receives and one for the gradients of the values it sends, and keeps them from step to step.
 
+After the last backward no microbatch is in flight, but the weight state and every receive buffer
+are, and the step's last phase adds its own (``step_bytes``): the tied-gradient sum
+(``runtime.ties.TiedGradients.sync``: one buffer of every trainable weight that stages on other
+ranks also hold, on every rank) or the optimizer step's temporaries (``MemoryModel.step_bytes``),
+whichever is more. The stage peaks in that phase where its weights outweigh what its microbatches
+keep (activation checkpointing, few microbatches).
+
 Microbatches in flight at stage j of k: ``min(k - j, microbatches)`` under 1F1B, every
 microbatch under GPipe, and under interleaved 1F1B what PyTorch's op order keeps (simulated as
 ``ScheduleInterleaved1F1B`` orders it; see ``interleaved_in_flight``). Measured against
@@ -75,6 +82,20 @@ from autoshard.graph.partition import boundary_values
 OPTIMIZER_BYTES: dict[str, float] = {"adam": 8.0, "adamw": 8.0, "sgd-momentum": 4.0, "sgd": 0.0, "none": 0.0}
 """fp32 optimizer state bytes per trainable element, by optimizer name."""
 
+OPTIMIZER_STEP: dict[str, tuple[float, float, float]] = {
+    "adam": (2.0, 1.0, 1.0), "adamw": (2.0, 1.0, 1.0), "sgd-momentum": (0.0, 0.0, 0.0), "sgd": (0.0, 0.0, 0.0),
+    "none": (0.0, 0.0, 0.0)}
+"""What one step of the optimizer allocates and frees again, as ``torch.optim`` (2.13) runs it with its
+defaults, in multiples of the weights it steps: looping over them, (of the weight being stepped, of
+the one stepped before it); foreach, of all it steps of one dtype at once. Adam's loop computes
+``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: a square root and a quotient of one
+weight, while the previous weight's ``denom`` is still held; foreach, ``torch._foreach_sqrt`` of every
+weight. SGD, with momentum or without, updates in place."""
+
+FOREACH_DEVICES = ("cuda", "xpu")
+"""Where ``torch.optim`` steps every weight at once (foreach) unless told otherwise: it does so only
+when all of them are on such devices (``torch.optim.optimizer._default_to_fused_or_foreach``)."""
+
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 """The schedules whose microbatches in flight the model knows."""
 
@@ -102,6 +123,12 @@ class Weight(Protocol):
     numel: int
     nbytes: int
     trainable: bool
+
+
+def _device(info: Weight) -> str:
+    """The device type the weight was on when planned (``lowering.from_fx.WeightInfo.device``); the
+    CPU for one that does not say (a plan file from before it was recorded)."""
+    return getattr(info, "device", "cpu")
 
 
 def _is_parameter(info: Weight) -> bool:
@@ -232,7 +259,10 @@ class MemoryModel:
     ``SCHEDULES``; ``stages_per_rank`` is how many stages each process runs under interleaved
     1F1B (k must divide by it; None: ``INTERLEAVED_STAGES_PER_RANK``), and 1 under any other
     schedule, which refuses more. ``master_weights`` counts an fp32 copy of each trainable weight
-    narrower than fp32 (bf16 or fp16 weights, the optimizer stepping in fp32).
+    narrower than fp32 (bf16 or fp16 weights, the optimizer stepping in fp32). ``optimizer_foreach``
+    says how the optimizer steps (``step_bytes``): every weight at once (True), one after another
+    (False), or, None, as ``torch.optim`` chooses for the device the weights were on when planned
+    (at once on a GPU, one after another on the CPU): a plan made on the CPU for GPUs passes True.
 
     The layout ``runtime.parallelize`` runs, per rank: ``data_parallel`` (``"fsdp"``, ``"ddp"`` or
     None) over ``dp`` ranks, ``mixed_precision`` (the compute dtype, ``"bfloat16"``; needs a
@@ -250,6 +280,7 @@ class MemoryModel:
     dp: int = 1
     mixed_precision: str | None = None
     activation_checkpointing: bool = False
+    optimizer_foreach: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", _choice(self.optimizer, "optimizer", tuple(OPTIMIZER_BYTES),
@@ -266,10 +297,12 @@ class MemoryModel:
                 f"momentum, 0 for plain SGD){alternative}, got {type(bytes_).__name__} {bytes_!r}")
         _count(self.microbatches, "microbatches")
         object.__setattr__(self, "stages_per_rank", stages_per_rank_of(self.schedule, self.stages_per_rank))
-        for flag in ("master_weights", "activation_checkpointing"):
+        for flag in ("master_weights", "activation_checkpointing", "optimizer_foreach"):
             value = getattr(self, flag)
-            if not isinstance(value, bool):
-                raise InvalidArgumentTypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r}")
+            if not isinstance(value, bool) and not (value is None and flag == "optimizer_foreach"):
+                also = " or None (as torch.optim chooses for the device)" if flag == "optimizer_foreach" else ""
+                raise InvalidArgumentTypeError(
+                    f"{flag} must be True or False{also}, got {type(value).__name__} {value!r}")
         self._check_layout()
 
     def _check_layout(self) -> None:
@@ -313,9 +346,15 @@ class MemoryModel:
         gathered = " + unsharded weights and gradients during the step" if self.data_parallel else ""
         layout = f"; {self.layout()}" if self.layout() else ""
         return (f"(weights + gradients + {self.optimizer} state ({self.optimizer_bytes_per_param:g} B per parameter"
-                f"{master})){shard}{gathered} + kept activations x microbatches in flight (saved for backward, "
-                f"received and sent values; stage j of k: {self.in_flight_rule()}, {self.schedule}) + one backward"
-                f" + receive buffers of every microbatch of the step{layout}")
+                f"{master})){shard}{gathered} + the larger of: kept activations x microbatches in flight (saved "
+                f"for backward, received and sent values; stage j of k: {self.in_flight_rule()}, {self.schedule}) + "
+                f"one backward + receive buffers of every microbatch of the step; or, after the last backward, every "
+                f"receive buffer + the tied-gradient sum or the {self.optimizer} step ({self._stepping()}){layout}")
+
+    def _stepping(self) -> str:
+        if self.optimizer_foreach is None:
+            return "foreach on a GPU"
+        return "foreach" if self.optimizer_foreach else "one weight at a time"
 
     def as_call(self) -> str:
         """``MemoryModel(optimizer='sgd', microbatches=8)``: the fields that differ from the
@@ -332,7 +371,8 @@ class MemoryModel:
         return {"optimizer_bytes_per_param": self.optimizer_bytes_per_param, "microbatches": self.microbatches,
                 "optimizer": self.optimizer, "schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
                 "master_weights": self.master_weights, "data_parallel": self.data_parallel, "dp": self.dp,
-                "mixed_precision": self.mixed_precision, "activation_checkpointing": self.activation_checkpointing}
+                "mixed_precision": self.mixed_precision, "activation_checkpointing": self.activation_checkpointing,
+                "optimizer_foreach": self.optimizer_foreach}
 
     def in_flight(self, stage: int, num_stages: int) -> int:
         """Microbatches whose activations stage ``stage`` keeps at once under the schedule."""
@@ -413,6 +453,44 @@ class MemoryModel:
             most = max(most, grads + grads / self.shards + staged - weights)
         return most
 
+    def stepped_bytes(self, info: Weight) -> float:
+        """Bytes of the tensor the optimizer steps for a trainable weight on one rank: its fp32 master
+        copy where ``master_weights`` keeps one, else the weight (FSDP's shard of it)."""
+        if not info.trainable:
+            return 0.0
+        master = self.master_weights and info.nbytes < info.numel * _FP32
+        own = float(info.numel * _FP32 if master else info.nbytes)
+        return own / (self.shards if _is_parameter(info) else 1)
+
+    def step_bytes(self, infos: Sequence[Weight]) -> float:
+        """The most one optimizer step over ``infos`` (a stage's weights, in the order it steps them)
+        allocates and frees again (``OPTIMIZER_STEP``): looping, of one tensor and the one before; foreach, of all it
+        steps of one dtype (``optimizer_foreach``; None: foreach when every weight was on a
+        ``FOREACH_DEVICES`` device). Non-default settings (Adam's ``weight_decay``, ``amsgrad``) add
+        more, not counted; ``optimizer_bytes_per_param`` changes the state, not this."""
+        trainable = [info for info in infos if info.trainable]
+        current, previous, at_once = OPTIMIZER_STEP[self.optimizer]
+        foreach = self.optimizer_foreach
+        if foreach is None:
+            foreach = bool(trainable) and all(_device(info) in FOREACH_DEVICES for info in trainable)
+        if not foreach:  # in the order given, the order the stage's parameters are stepped
+            stepped = [0.0, *map(self.stepped_bytes, trainable)]
+            return max((current * b + previous * a for a, b in zip(stepped, stepped[1:])), default=0.0)
+        by_dtype: dict[float, float] = {}  # keyed by bytes per element, which tells the dtypes apart here
+        for info in trainable:
+            stepped = self.stepped_bytes(info)
+            width = stepped / info.numel if info.numel else 0.0
+            by_dtype[width] = by_dtype.get(width, 0.0) + stepped
+        return at_once * max(by_dtype.values(), default=0.0)
+
+    def reduced_bytes(self, infos: Sequence[Weight]) -> float:
+        """What data parallelism holds after its reduction against its peak state (<= 0): the unsharded
+        weights and gradients freed, the reduced gradient's shard made (0 for pipelining alone)."""
+        if self.data_parallel is None:
+            return 0.0
+        gathered = [self.gathered_parts(info) for info in infos]
+        return sum(grad / self.shards - weight - grad for weight, grad in gathered)
+
     def activation_scale(self, infos: Sequence[Weight]) -> float:
         """What floating activations shrink by under mixed precision: the compute dtype's bytes over
         the widest parameter's (the model's own dtype, whose values the probe measured)."""
@@ -492,6 +570,9 @@ class StageMemory:
     idle_buffer_bytes: float = 0.0
     """The part of ``buffer_bytes`` that the microbatches in flight and the one backward, which
     use their buffers, do not count already."""
+    step_bytes: float = 0.0
+    """What the tied-gradient sum or the optimizer step adds to ``state_bytes`` after the last
+    backward, whichever is more (with data parallelism's unsharded copies freed by then)."""
 
     @property
     def optimizer_bytes(self) -> float:
@@ -509,11 +590,11 @@ class StageMemory:
     @property
     def total(self) -> float:
         """Weight state plus the larger of the steady state (its microbatches, one backward or one
-        forward, and the idle receive buffers) and the reduction after the last backward (with
-        every receive buffer)."""
+        forward, and the idle receive buffers) and what follows the last backward (every receive
+        buffer, and the gradient reduction, the tied-gradient sum or the optimizer step)."""
         transient = max(self.backward_bytes, self.forward_bytes)
         steady = self.per_microbatch * self.in_flight + transient + self.idle_buffer_bytes
-        return self.state_bytes + max(steady, self.reduce_bytes + self.buffer_bytes)
+        return self.state_bytes + max(steady, max(self.reduce_bytes, self.step_bytes) + self.buffer_bytes)
 
     def parts(self) -> str:
         """The parts in words, for errors and reports."""
@@ -526,7 +607,8 @@ class StageMemory:
                 + (f", one forward {self.forward_bytes:,.0f}" if self.forward_bytes > self.backward_bytes else "")
                 + (f"; receive buffers of the other microbatches {self.idle_buffer_bytes:,.0f}"
                    if self.idle_buffer_bytes else "")
-                + (f"; or the gradient reduction {self.reduce_bytes:,.0f}" if self.reduce_bytes else ""))
+                + (f"; or the gradient reduction {self.reduce_bytes:,.0f}" if self.reduce_bytes else "")
+                + (f"; or the tie sum / optimizer step {self.step_bytes:,.0f}" if self.step_bytes else ""))
 
 
 def _training(dag: nx.DiGraph, node: str) -> SavedFacts | None:
@@ -975,6 +1057,7 @@ def stage_memory(
     payers = weight_payers(dag, assignment=assignment)
     crossing = boundary_values(dag, assignment, k)
     outputs = [v for v in dag.nodes if v in assignment and dag.nodes[v].get("output")]
+    tie_sum = tie_sum_bytes(infos, payers, assignment, k, model)
     out = []
     for j, nodes in enumerate(_nodes_by_stage(assignment, k)):
         held = [infos[w] for node in nodes for w in payers[node]]
@@ -1020,8 +1103,34 @@ def stage_memory(
             forward_bytes=forward + gradient_buffer,  # the buffer the next backward starts from exists already
             weight_bytes=weights, gradient_bytes=grads,
             gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
-            reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]]))))
+            reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]])),
+            step_bytes=max(0.0, model.reduced_bytes(held) + max(tie_sum[j], model.step_bytes(held)))))
     return out
+
+
+def tie_sum_bytes(infos: Mapping[str, Weight], payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int],
+                  num_stages: int, model: MemoryModel) -> list[float]:
+    """Per stage, the buffer ``TiedGradients.sync`` sums tied gradients in, counted on each rank's
+    first stage: one flat buffer of every trainable weight held on two ranks or more (every rank
+    makes it, holder or not, for one all-reduce), and the largest held by several stages of one
+    rank alone (summed one at a time); a rank's part of each under FSDP."""
+    ranks = num_stages // model.stages_per_rank
+    holders: dict[str, set[int]] = {}
+    for node, paid in payers.items():
+        for w in paid:
+            holders.setdefault(w, set()).add(assignment[node])
+    across, one_rank = 0.0, [0.0] * ranks
+    for w, stages in holders.items():
+        if len(stages) < 2 or not infos[w].trainable:
+            continue
+        part = infos[w].nbytes / (model.shards if _is_parameter(infos[w]) else 1)
+        on = {s % ranks for s in stages}
+        if len(on) > 1:
+            across += part
+        else:
+            rank = on.pop()
+            one_rank[rank] = max(one_rank[rank], part)
+    return [across + one_rank[j] if j < ranks else 0.0 for j in range(num_stages)]
 
 
 def memory_shortfall(stages: Sequence[StageMemory], max_memory: Sequence[float]) -> str | None:

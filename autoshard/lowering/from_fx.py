@@ -91,6 +91,7 @@ class WeightInfo:
     nbytes: int
     kind: str  # "parameter" or "buffer"
     trainable: bool
+    device: str = "cpu"  # the device type it was on when planned: how torch.optim steps it by default
 
 
 def weight_infos(gm: fx.GraphModule, model: nn.Module | None = None) -> dict[str, WeightInfo]:
@@ -112,7 +113,7 @@ def weight_infos(gm: fx.GraphModule, model: nn.Module | None = None) -> dict[str
         names[0]: WeightInfo(
             tuple(names), tensors[key].numel(), tensors[key].numel() * tensors[key].element_size(),
             "parameter" if isinstance(tensors[key], nn.Parameter) else "buffer",
-            isinstance(tensors[key], nn.Parameter) and tensors[key].requires_grad)
+            isinstance(tensors[key], nn.Parameter) and tensors[key].requires_grad, tensors[key].device.type)
         for key, names in aliases.items()
     }
 

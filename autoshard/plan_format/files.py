@@ -166,7 +166,8 @@ class _Reader:
         where = f"weights[{name!r}]"
         aliases = self.names(self.get(obj, "aliases", list, where, [name]), f"{where}.aliases")
         return WeightInfo(aliases, self.get(obj, "numel", int, where), self.get(obj, "bytes", int, where),
-                          self.get(obj, "kind", str, where, "parameter"), self.get(obj, "trainable", bool, where))
+                          self.get(obj, "kind", str, where, "parameter"), self.get(obj, "trainable", bool, where),
+                          self.get(obj, "device", str, where, "cpu"))
 
     def time_estimate(self, obj: Any) -> DeviceModel | None:
         where = "time_estimate"
@@ -197,7 +198,8 @@ class _Reader:
                                self.get(obj, "data_parallel", str, where, None),
                                self.get(obj, "dp", int, where, 1),
                                self.get(obj, "mixed_precision", str, where, None),
-                               self.get(obj, "activation_checkpointing", bool, where, False))
+                               self.get(obj, "activation_checkpointing", bool, where, False),
+                               self.get(obj, "optimizer_foreach", bool, where, None))
         except InvalidArgumentError as exc:
             raise self.error(where, str(exc)) from None
 

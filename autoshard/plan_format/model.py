@@ -338,4 +338,4 @@ def _when_contiguous(facts: tuple[int, int, int, tuple[str, ...]] | None) -> lis
 
 def _weight_dict(info: WeightInfo) -> dict[str, Any]:
     return {"aliases": list(info.names), "numel": info.numel, "bytes": info.nbytes, "kind": info.kind,
-            "trainable": info.trainable}
+            "trainable": info.trainable, "device": info.device}

@@ -24,6 +24,16 @@ theirs) and of the gradients of what it sends (its backward starts from one); a 
 allocates them once and keeps them from step to step (``tests/test_runtime_pipeline.py`` counts
 them in a real pipeline).
 
+After the last backward, with no microbatch in flight, the stage's weight state and receive
+buffers stay while the step ends: the tied-gradient sum (the buffer ``TiedGradients.sync`` makes,
+made here by the same function, on the first stage of each rank) and then the optimizer's step,
+the real ``torch.optim`` class run with a learning rate of 0 on stand-ins sharing the weights'
+storage (zero gradients and state leave every bit of the weights as it was, and the model's own
+parameters see no in-place write), ``foreach`` as the plan's memory model says (None: torch's
+choice for the device). The stage's peak is the larger of the two phases. Weights narrower than
+fp32 are not stepped: their fp32 state, as the memory model counts it, is not what ``torch.optim``
+keeps for them.
+
 Schedules: ``1f1b`` keeps ``min(k - j, microbatches)`` microbatches in flight at stage ``j`` of
 ``k`` (its warm-up forwards plus the one before its first backward); ``gpipe`` keeps all of them;
 ``interleaved-1f1b`` what PyTorch's op order keeps of that stage (``MemoryModel.in_flight``). The
@@ -32,6 +42,7 @@ measurement is of one stage: under an interleaved schedule a process holds sever
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -48,6 +59,7 @@ from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, sug
 from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
 from autoshard.runtime.schedule import SCHEDULES
+from autoshard.runtime.ties import shared_parameters, summing_buffers
 from autoshard.runtime.wire import contiguous_grad
 from autoshard.sharded import ShardedModel
 
@@ -76,11 +88,13 @@ _PART_OF = {
 
 @dataclass(frozen=True)
 class StageMemoryMeasurement:
-    """What one stage held, in bytes. ``peak`` is the most at once; ``parts`` splits the tracker's
-    peak into ``PARTS`` (weights with buffers; received: the inputs of every microbatch in flight
-    and the gradient of one output; temporaries: what the backward allocates besides gradients).
-    ``resident`` is the same split just before the backward: what the stage keeps between steps
-    of the schedule. ``source`` says how ``peak`` was read."""
+    """What one stage held, in bytes. ``peak`` is the most at once, in either phase; ``parts`` splits
+    the tracker's peak of the schedule's steady state into ``PARTS`` (weights with buffers; received:
+    the receive buffers, of inputs and of output gradients; temporaries: what the backward allocates
+    besides gradients). ``resident`` is the same split just before the backward: what the stage keeps
+    between steps of the schedule. ``after_backward`` splits the most it held after its last
+    backward, the tie sum's buffer and the optimizer step's temporaries in ``temporaries``.
+    ``source`` says how ``peak`` was read."""
 
     stage: int
     schedule: str
@@ -91,11 +105,13 @@ class StageMemoryMeasurement:
     resident: Mapping[str, int]
     device: str
     source: str
+    after_backward: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "schedule": self.schedule, "optimizer": self.optimizer,
                 "in_flight": self.in_flight, "peak": self.peak, "parts": dict(self.parts),
-                "resident": dict(self.resident), "device": self.device, "source": self.source}
+                "resident": dict(self.resident), "after_backward": dict(self.after_backward),
+                "device": self.device, "source": self.source}
 
 
 def optimizer_state_names(optimizer: str) -> tuple[str, ...]:
@@ -159,6 +175,7 @@ def measure_stage_memory(
     optimizer: str | None = None,
     stages_per_rank: int | None = None,
     master_weights: bool | None = None,
+    optimizer_foreach: bool | None = None,
 ) -> StageMemoryMeasurement:
     """Run stage ``stage`` of ``sharded`` in its steady state and return the most memory it held.
 
@@ -170,9 +187,11 @@ def measure_stage_memory(
     ``master_weights``: the optimizer also keeps an fp32 copy of each trainable weight narrower than
     fp32, as ``MemoryModel(master_weights=True)`` counts it (in ``optimizer``).
     Inputs the plan's guards refuse run on the specialisation that serves them, as a call would choose it.
-    Each of ``schedule``, ``microbatches``, ``optimizer``, ``stages_per_rank`` and ``master_weights``
-    left None is the plan's memory model's (``shard_model``'s ``memory_model``, as ``plan_report``
-    counts it), so the measurement checks the prediction of the training the plan was made for.
+    ``optimizer_foreach``: the optimizer steps every weight at once (True) or one after another (False).
+    Each of ``schedule``, ``microbatches``, ``optimizer``, ``stages_per_rank``, ``master_weights`` and
+    ``optimizer_foreach`` left None is the plan's memory model's (``shard_model``'s ``memory_model``, as
+    ``plan_report`` counts it; its ``optimizer_foreach`` None is torch's choice for the device), so the
+    measurement checks the prediction of the training the plan was made for.
     """
     stage = checked_stage(sharded, stage, "measure_stage_memory")
     planned = sharded.plan.memory_model
@@ -186,38 +205,106 @@ def measure_stage_memory(
     microbatches = planned.microbatches if microbatches is None else microbatches
     optimizer = planned.optimizer if optimizer is None else optimizer
     master_weights = planned.master_weights if master_weights is None else master_weights
+    foreach = planned.optimizer_foreach if optimizer_foreach is None else optimizer_foreach
     example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_memory")
     k = sharded.num_stages
     run = _measured_schedule(schedule, microbatches, _stages_per_rank(schedule, stages_per_rank, planned))
     in_flight, buffered = run.in_flight(stage, k), run.step_microbatches(k)
-    states = optimizer_state_names(optimizer)
-    if not isinstance(master_weights, bool):
-        raise InvalidArgumentTypeError(f"master_weights must be True or False, got {master_weights!r}")
+    optimizer_state_names(optimizer)  # refuses a name it does not know
+    for flag, value in (("master_weights", master_weights), ("optimizer_foreach", foreach)):
+        if not isinstance(value, bool) and not (value is None and flag == "optimizer_foreach"):
+            raise InvalidArgumentTypeError(f"{flag} must be True or False, got {value!r}")
     with model_kept(sharded):
         plan = serving_plan(sharded, example_inputs, example_kwargs)
         module = plan.stages[stage]
         args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
-        peak, parts, resident = _run_in_steady_state(module, device, args, kwargs, in_flight, states, master_weights,
-                                                     _Buffers(stage > 0, stage < k - 1, buffered))
+        step = _Step(optimizer.lower(), master_weights, foreach, _tie_sum(plan, stage, k // run.stages_per_rank))
+        peak, parts, resident, after = _run_in_steady_state(module, device, args, kwargs, in_flight, step,
+                                                            _Buffers(stage > 0, stage < k - 1, buffered))
     return StageMemoryMeasurement(
         stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),
-        "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages (MemTracker)")
+        "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages (MemTracker)",
+        after)
 
 
-def _steady_state_optimizer(params: list[nn.Parameter], states: tuple[str, ...],
-                            master_weights: bool) -> torch.optim.Optimizer | None:
-    """An optimizer over ``params`` whose state is filled as after its first step, without stepping
-    (a step would write the model's parameters); only its state is read, so its class does not matter.
-    ``master_weights``: an fp32 copy of each weight narrower than fp32 with it."""
-    if not params:
-        return None
-    optimizer = torch.optim.SGD(params, lr=0.0)
-    for p in params:
-        optimizer.state[p] = {name: torch.zeros_like(p, dtype=torch.float32) for name in states}
-        if master_weights and p.element_size() < 4:
-            optimizer.state[p]["master"] = p.detach().float()
-    return optimizer
+def _tie_sum(plan: ShardedModel, stage: int, ranks: int) -> dict[int, tuple[torch.dtype, tuple[int, ...]]]:
+    """What ``TiedGradients.sync`` sums on the rank of ``stage`` when it is that rank's first stage:
+    every trainable weight held by stages on two ranks or more (stage s on rank s mod ranks)."""
+    if stage >= ranks:
+        return {}
+    return {i: (shared.dtype, shared.shape) for i, shared in enumerate(shared_parameters(plan))
+            if len({s % ranks for s in shared.stages}) > 1}
+
+
+@dataclass(frozen=True)
+class _Step:
+    """How the step after the last backward runs: the optimizer's name, its master copies, whether it
+    steps all weights at once (None: torch's choice), and the tie sum's parts (``summing_buffers``)."""
+
+    optimizer: str
+    master_weights: bool
+    foreach: bool | None
+    tie_sum: Mapping[int, tuple[torch.dtype, tuple[int, ...]]]
+
+    def optimizers(self, params: list[nn.Parameter]) -> _Optimizers:
+        """Optimizers over ``params`` whose state is as after their first step: the ``torch.optim``
+        class over stand-ins of the fp32 weights (``.data``: their storage, not their version counter,
+        so a graph of the user's holding them stays valid), learning rate 0; and a holder of the
+        state of the narrower ones, not stepped (``master_weights``: an fp32 copy of each with it)."""
+        fp32 = [p for p in params if p.element_size() >= 4 and p.is_floating_point()]
+        narrower = [p for p in params if p.element_size() < 4 or not p.is_floating_point()]
+        stepping = None
+        if fp32 and self.optimizer in _TORCH_OPTIMIZERS:
+            name, options = _TORCH_OPTIMIZERS[self.optimizer]
+            stand_ins = [p.data.requires_grad_(True) for p in fp32]
+            stepping = getattr(torch.optim, name)(stand_ins, lr=0.0, foreach=self.foreach, **options)
+            for stand_in in stand_ins:
+                stepping.state[stand_in] = _state_after_a_step(self.optimizer, stand_in)
+        holder = torch.optim.SGD(narrower, lr=0.0) if narrower else None
+        for p in narrower:
+            state = OPTIMIZER_STATE[self.optimizer]
+            holder.state[p] = {name: torch.zeros_like(p, dtype=torch.float32) for name in state}
+            if self.master_weights:
+                holder.state[p]["master"] = p.detach().float()
+        return _Optimizers(stepping, fp32 if stepping is not None else [], holder)
+
+
+@dataclass(frozen=True)
+class _Optimizers:
+    """A measured stage's optimizers: ``stepping``, the ``torch.optim`` class over stand-ins of
+    ``weights``, and ``holder``, the state of the narrower weights, never stepped."""
+
+    stepping: torch.optim.Optimizer | None
+    weights: list[nn.Parameter]
+    holder: torch.optim.Optimizer | None
+
+    @property
+    def all(self) -> list[torch.optim.Optimizer]:
+        return [optimizer for optimizer in (self.stepping, self.holder) if optimizer is not None]
+
+    def step(self) -> None:
+        """One step from zero gradients and state at a learning rate of 0, which leaves every bit of the
+        weights (the backward's gradients would have turned a -0.0 weight into 0.0)."""
+        if self.stepping is None:
+            return
+        for stand_in, weight in zip(self.stepping.param_groups[0]["params"], self.weights):
+            stand_in.grad = weight.grad.zero_()
+        self.stepping.step()
+
+
+#: ``torch.optim`` class and options by optimizer name (the defaults the memory model counts).
+_TORCH_OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "adam": ("Adam", {}), "adamw": ("AdamW", {}), "sgd-momentum": ("SGD", {"momentum": 0.9}), "sgd": ("SGD", {})}
+
+
+def _state_after_a_step(optimizer: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The state ``torch.optim`` keeps for ``param`` after one step, zeros (Adam's step count, a CPU
+    scalar on any device, is 1: its bias correction divides by 1 - beta ** step)."""
+    state = {name: torch.zeros_like(param, memory_format=torch.preserve_format) for name in OPTIMIZER_STATE[optimizer]}
+    if optimizer in ("adam", "adamw"):
+        state["step"] = torch.tensor(1.0)
+    return state
 
 
 class _Untouched(nn.Module):
@@ -270,10 +357,11 @@ class _Buffers:
 
 
 def _run_in_steady_state(
-    module: nn.Module, device: torch.device, args: tuple, kwargs: dict, in_flight: int,
-    states: tuple[str, ...], master_weights: bool, buffers: _Buffers,
-) -> tuple[int, dict[str, int], dict[str, int]]:
-    """Forward ``in_flight`` microbatches, then back-propagate the first: the peak and its parts."""
+    module: nn.Module, device: torch.device, args: tuple, kwargs: dict, in_flight: int, step: _Step,
+    buffers: _Buffers,
+) -> tuple[int, dict[str, int], dict[str, int], dict[str, int]]:
+    """Forward ``in_flight`` microbatches, back-propagate the first, then end the step: the peak, its
+    parts, the parts held before the backward and those of the peak after it."""
     cuda = device.type == "cuda"
     gc.collect()  # garbage from before (a plan tried for the inputs) would count in ``before``
     if cuda:  # before the receive buffers: the stage holds them (taken after, a stage's 400 MB went unseen)
@@ -290,28 +378,49 @@ def _run_in_steady_state(
     trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
     for p in trainable:
         p.grad = torch.zeros_like(p)
-    optimizer = _steady_state_optimizer(trainable, states, master_weights)
-    microbatches = received[:in_flight]  # the others' buffers wait for their microbatches
+    optimizers = step.optimizers(trainable)
+    held = [module, *optimizers.all, *[t for mb in received for t in tensors_in(mb)],
+            *[g for microbatch in waiting for g in microbatch]]  # received, not made here
     tracker = QuietMemTracker()
-    tracker.track_external(module, optimizer, *[t for mb in received for t in tensors_in(mb)],
-                           *[g for microbatch in waiting for g in microbatch])  # received, not made here
+    tracker.track_external(*held)
     with without_cyclic_gc(), tracker:  # in this order: see ``without_cyclic_gc``
         outputs, caller = [], _Untouched(module, buffers.sends)
-        for caller.microbatch in microbatches:
+        for caller.microbatch in received[:in_flight]:  # the others' buffers wait for their microbatches
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
             outputs.append(caller())
         sent = [t for t in tensors_in(outputs[0]) if t.requires_grad]
-        resident = _parts(tracker.get_tracker_snapshot("current"), device)
+        resident = _parts(tracker.get_tracker_snapshot("current"), device, optimizers)
+        gradients: list[torch.Tensor] = []
         if sent:
             gradients = waiting[0] if waiting else [torch.ones_like(t) for t in sent]  # the last's: from the loss
             tracker.track_external(*gradients)
             torch.autograd.backward(sent, gradients)
-    parts = _parts(tracker.get_tracker_snapshot("peak"), device)
+    parts = _parts(tracker.get_tracker_snapshot("peak"), device, optimizers)
+    del outputs, sent, caller, gradients  # the microbatches' graphs: the step ends with none in flight
+    kept = [module, *optimizers.all, *([t for mb in received for t in tensors_in(mb)] if buffers.receives else []),
+            *[g for microbatch in waiting for g in microbatch]]  # the first stage's inputs are the caller's
+    after = _after_backward(kept, device, step, optimizers, resident["optimizer"])
     if cuda:
         torch.cuda.synchronize(device)
         weights = parts["weights"]  # allocated before ``before``: the stage holds them throughout
-        return torch.cuda.max_memory_allocated(device) - before + weights, parts, resident
-    return sum(parts.values()), parts, resident
+        return torch.cuda.max_memory_allocated(device) - before + weights, parts, resident, after
+    return max(sum(parts.values()), sum(after.values())), parts, resident, after
+
+
+def _after_backward(held: list, device: torch.device, step: _Step, optimizers: _Optimizers,
+                    state: int) -> dict[str, int]:
+    """The parts of the most held while the step ends: the tie sum's buffer (made and freed, as
+    ``TiedGradients.sync`` does before the optimizer steps), then the optimizer's step. What is
+    not weight state or a receive buffer is in ``temporaries``."""
+    tracker = QuietMemTracker()
+    tracker.track_external(*held)
+    with without_cyclic_gc(), tracker:
+        summing_buffers(step.tie_sum, device)
+        optimizers.step()
+    parts = _parts(tracker.get_tracker_snapshot("peak"), device, optimizers)
+    made = sum(parts.values()) - parts["weights"] - parts["gradients"] - parts["received"] - state
+    return {**dict.fromkeys(PARTS, 0), "weights": parts["weights"], "gradients": parts["gradients"],
+            "optimizer": state, "received": parts["received"], "temporaries": made}
 
 
 def _take_workspaces(device: torch.device) -> None:
@@ -336,8 +445,10 @@ def _gradient_buffers(module: nn.Module, microbatch: tuple[tuple, dict], count: 
     return [[torch.ones_like(t) for t in sent] for _ in range(count)]
 
 
-def _parts(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device) -> dict[str, int]:
-    """The tracker's snapshot of ``device`` as bytes per part of ``PARTS``."""
+def _parts(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device,
+           optimizers: _Optimizers) -> dict[str, int]:
+    """The tracker's snapshot of ``device`` as bytes per part of ``PARTS``, less Adam's step counts
+    (a scalar a weight, on the CPU whatever the device; the memory model leaves them out)."""
     parts = dict.fromkeys(PARTS, 0)
     for found, by_type in snapshot.items():
         if torch.device(found).type != device.type:
@@ -345,6 +456,9 @@ def _parts(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.dev
         for ref, size in by_type.items():
             if ref in _PART_OF:
                 parts[_PART_OF[ref]] += size
+    parts["optimizer"] -= sum(state["step"].untyped_storage().nbytes() for optimizer in optimizers.all
+                              for state in optimizer.state.values()
+                              if "step" in state and state["step"].device.type == device.type)
     return parts
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,12 +116,10 @@ class TiedGradients:
         """Give every holder the summed gradient; a collective over the pipeline group."""
         shapes = self._local_shapes()
         totals: dict[int, torch.Tensor] = {}
-        for dtype in dict.fromkeys(s.dtype for s in self._across_ranks):  # one all-reduce a dtype
-            batch = [i for i, s in enumerate(self.shared) if s in self._across_ranks and s.dtype == dtype]
-            sizes = [math.prod(shapes[i]) for i in batch]
-            flat = torch.zeros(sum(sizes), dtype=dtype, device=self._device)
-            for i, part in zip(batch, flat.split(sizes)):  # summed in place: one buffer, not a sum and a copy
-                totals[i] = self._local_sum(self.shared[i], part.view(shapes[i]))
+        across = {i: (s.dtype, shapes[i]) for i, s in enumerate(self.shared) if s in self._across_ranks}
+        for flat, parts in summing_buffers(across, self._device):  # summed in place: no sum and copy
+            for i, part in parts.items():
+                totals[i] = self._local_sum(self.shared[i], part)
             dist.all_reduce(flat, group=self.group)
         for i, s in enumerate(self.shared):
             if i in shapes:
@@ -129,6 +127,19 @@ class TiedGradients:
                 if total is None:  # held on this rank alone
                     total = self._local_sum(s, torch.zeros(shapes[i], dtype=s.dtype, device=self._device))
                 self._write(s, total)
+
+
+def summing_buffers(parts: Mapping[int, tuple[torch.dtype, tuple[int, ...]]],
+                    device: torch.device) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+    """One zeros buffer a dtype holding every part (by index: its dtype and shape), with a view of
+    each: one all-reduce a dtype. ``measure_stage_memory`` makes the same to count it."""
+    out = []
+    for dtype in dict.fromkeys(dtype for dtype, _ in parts.values()):
+        batch = [i for i, (d, _) in parts.items() if d == dtype]
+        sizes = [math.prod(parts[i][1]) for i in batch]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        out.append((flat, {i: part.view(parts[i][1]) for i, part in zip(batch, flat.split(sizes))}))
+    return out
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
