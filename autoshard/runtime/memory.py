@@ -152,15 +152,11 @@ def _measured_schedule(schedule: str, microbatches: int | None, stages_per_rank:
 
 
 def _stages_per_rank(schedule: object, given: int | None, planned: MemoryModel) -> int | None:
-    """``given``, refused for a schedule that runs one stage per process (else measured as if not
-    given); left out, the plan's under the plan's schedule, and another schedule's own under that one."""
+    """``given`` (``MemoryModel`` refuses more than one under a schedule that runs one per process);
+    left out, the plan's under the plan's schedule, and another schedule's own under that one."""
     name = schedule.lower() if isinstance(schedule, str) else schedule
     if given is None:
         return planned.stages_per_rank if name == planned.schedule else None
-    if name in MEASURED_SCHEDULES and name != "interleaved-1f1b":
-        raise InvalidArgumentError(
-            f"stages_per_rank is how many stages each process runs under schedule='interleaved-1f1b', and the "
-            f"schedule here is {name!r}, which runs one: pass schedule='interleaved-1f1b', or drop stages_per_rank")
     return given
 
 
