@@ -292,8 +292,15 @@ def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: Me
 
 
 def _bare_numbers(max_memory: str | None) -> bool:
-    """Whether --max-memory was given as numbers without a unit (bytes), as in ``--max-memory 10``."""
-    return max_memory is not None and all(part.strip().replace(".", "", 1).isdigit() for part in max_memory.split(","))
+    """Whether --max-memory was given as numbers without a unit (bytes), as in ``--max-memory 10``
+    or ``1e3``: what ``float`` reads (``byte_count`` has refused anything else it would)."""
+    if max_memory is None:
+        return False
+    try:
+        [float(part) for part in max_memory.split(",")]
+    except ValueError:
+        return False
+    return True
 
 
 def _max_memory(args: argparse.Namespace) -> list[float] | float | None:

@@ -164,6 +164,8 @@ def test_a_budget_without_a_unit_too_small_to_split_says_it_was_read_as_bytes(ca
     budgets sum to 20."""
     code, _, err = run(capsys, "split", "residual-mlp", "-k", "2", "--max-memory", "10", "-q")
     assert code == 2 and "--max-memory 10 is in bytes: give a unit for more, such as 40GiB" in " ".join(err.split())
+    code, _, err = run(capsys, "split", "residual-mlp", "-k", "2", "--max-memory", "1e3,2e3", "-q")
+    assert code == 2 and "--max-memory 1e3,2e3 is in bytes" in " ".join(err.split())
     code, _, err = run(capsys, "split", "residual-mlp", "-k", "2", "--max-memory", "1KB", "-q")
     assert code == 2 and "is in bytes" not in err
 
