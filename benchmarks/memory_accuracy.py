@@ -61,7 +61,7 @@ from autoshard.costs.split_search.request import training_memory  # noqa: E402
 from autoshard.examples import GPTStyleLM, load_example  # noqa: E402
 from autoshard.graph.linearize import program_order  # noqa: E402
 from autoshard.runtime import measure_stage_memory  # noqa: E402
-from autoshard.runtime.memory import OPTIMIZER_STATE  # noqa: E402
+from autoshard.runtime.optimizer_step import OPTIMIZER_STATE  # noqa: E402
 
 Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 

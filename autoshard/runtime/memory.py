@@ -27,12 +27,9 @@ them in a real pipeline).
 After the last backward, with no microbatch in flight, the stage's weight state and receive
 buffers stay while the step ends: the tied-gradient sum (the buffer ``TiedGradients.sync`` makes,
 made here by the same function, on the first stage of each rank) and then the optimizer's step,
-the real ``torch.optim`` class run with a learning rate of 0 on stand-ins sharing the weights'
-storage (zero gradients and state leave every bit of the weights as it was, and the model's own
-parameters see no in-place write), ``foreach`` as the plan's memory model says (None: torch's
-choice for the device). The stage's peak is the larger of the two phases. Weights narrower than
-fp32 are not stepped: their fp32 state, as the memory model counts it, is not what ``torch.optim``
-keeps for them.
+the real ``torch.optim`` class stepping stand-ins of the weights (``runtime.optimizer_step``: no
+bit of the weights changes), ``foreach`` as the plan's memory model says (None: torch's choice
+for the device). The stage's peak is the larger of the two phases.
 
 Schedules: ``1f1b`` keeps ``min(k - j, microbatches)`` microbatches in flight at stage ``j`` of
 ``k`` (its warm-up forwards plus the one before its first backward); ``gpipe`` keeps all of them;
@@ -56,22 +53,13 @@ from autoshard.arguments import whole_number
 from autoshard.costs.memory import MemoryModel
 from autoshard.costs.saved import QuietMemTracker, dense_order, sent_as_copy, without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
+from autoshard.runtime.optimizer_step import OPTIMIZER_STATE, StandIns, optimizer_state_names, stand_ins
 from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
 from autoshard.runtime.schedule import SCHEDULES
 from autoshard.runtime.ties import shared_parameters, summing_buffers
 from autoshard.runtime.wire import contiguous_grad
 from autoshard.sharded import ShardedModel
-
-#: fp32 state tensors per parameter, by optimizer name (the state their ``torch.optim`` class keeps;
-#: Adam's 4-byte step counter per parameter is left out, as the memory model leaves it out).
-OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
-    "adam": ("exp_avg", "exp_avg_sq"),
-    "adamw": ("exp_avg", "exp_avg_sq"),
-    "sgd-momentum": ("momentum_buffer",),
-    "sgd": (),
-    "none": (),
-}
 
 #: The schedules whose steady state one stage on one process can stand for.
 MEASURED_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
@@ -112,18 +100,6 @@ class StageMemoryMeasurement:
                 "in_flight": self.in_flight, "peak": self.peak, "parts": dict(self.parts),
                 "resident": dict(self.resident), "after_backward": dict(self.after_backward),
                 "device": self.device, "source": self.source}
-
-
-def optimizer_state_names(optimizer: str) -> tuple[str, ...]:
-    """The state tensors ``optimizer`` keeps per parameter; a typed error for a name it does not know."""
-    if not isinstance(optimizer, str):
-        raise InvalidArgumentTypeError(f"optimizer must be a name ({', '.join(OPTIMIZER_STATE)}), got {optimizer!r}")
-    name = optimizer.lower()
-    if name not in OPTIMIZER_STATE:
-        raise InvalidArgumentError(
-            f"unknown optimizer {optimizer!r}{suggest(name, OPTIMIZER_STATE)}; known: {', '.join(OPTIMIZER_STATE)} "
-            "(for another optimizer, pick the one keeping as many fp32 tensors per parameter)")
-    return OPTIMIZER_STATE[name]
 
 
 def microbatches_in_flight(schedule: str, stage: int, num_stages: int, microbatches: int | None = None,
@@ -243,64 +219,9 @@ class _Step:
     foreach: bool | None
     tie_sum: Mapping[int, tuple[torch.dtype, tuple[int, ...]]]
 
-    def optimizers(self, params: list[nn.Parameter]) -> _Optimizers:
-        """Optimizers over ``params`` whose state is as after their first step: the ``torch.optim``
-        class over stand-ins of the fp32 weights (``.data``: their storage, not their version counter,
-        so a graph of the user's holding them stays valid), learning rate 0; and a holder of the
-        state of the narrower ones, not stepped (``master_weights``: an fp32 copy of each with it)."""
-        fp32 = [p for p in params if p.element_size() >= 4 and p.is_floating_point()]
-        narrower = [p for p in params if p.element_size() < 4 or not p.is_floating_point()]
-        stepping = None
-        if fp32 and self.optimizer in _TORCH_OPTIMIZERS:
-            name, options = _TORCH_OPTIMIZERS[self.optimizer]
-            stand_ins = [p.data.requires_grad_(True) for p in fp32]
-            stepping = getattr(torch.optim, name)(stand_ins, lr=0.0, foreach=self.foreach, **options)
-            for stand_in in stand_ins:
-                stepping.state[stand_in] = _state_after_a_step(self.optimizer, stand_in)
-        holder = torch.optim.SGD(narrower, lr=0.0) if narrower else None
-        for p in narrower:
-            state = OPTIMIZER_STATE[self.optimizer]
-            holder.state[p] = {name: torch.zeros_like(p, dtype=torch.float32) for name in state}
-            if self.master_weights:
-                holder.state[p]["master"] = p.detach().float()
-        return _Optimizers(stepping, fp32 if stepping is not None else [], holder)
-
-
-@dataclass(frozen=True)
-class _Optimizers:
-    """A measured stage's optimizers: ``stepping``, the ``torch.optim`` class over stand-ins of
-    ``weights``, and ``holder``, the state of the narrower weights, never stepped."""
-
-    stepping: torch.optim.Optimizer | None
-    weights: list[nn.Parameter]
-    holder: torch.optim.Optimizer | None
-
-    @property
-    def all(self) -> list[torch.optim.Optimizer]:
-        return [optimizer for optimizer in (self.stepping, self.holder) if optimizer is not None]
-
-    def step(self) -> None:
-        """One step from zero gradients and state at a learning rate of 0, which leaves every bit of the
-        weights (the backward's gradients would have turned a -0.0 weight into 0.0)."""
-        if self.stepping is None:
-            return
-        for stand_in, weight in zip(self.stepping.param_groups[0]["params"], self.weights):
-            stand_in.grad = weight.grad.zero_()
-        self.stepping.step()
-
-
-#: ``torch.optim`` class and options by optimizer name (the defaults the memory model counts).
-_TORCH_OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "adam": ("Adam", {}), "adamw": ("AdamW", {}), "sgd-momentum": ("SGD", {"momentum": 0.9}), "sgd": ("SGD", {})}
-
-
-def _state_after_a_step(optimizer: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The state ``torch.optim`` keeps for ``param`` after one step, zeros (Adam's step count, a CPU
-    scalar on any device, is 1: its bias correction divides by 1 - beta ** step)."""
-    state = {name: torch.zeros_like(param, memory_format=torch.preserve_format) for name in OPTIMIZER_STATE[optimizer]}
-    if optimizer in ("adam", "adamw"):
-        state["step"] = torch.tensor(1.0)
-    return state
+    def optimizers(self, params: list[nn.Parameter]) -> StandIns:
+        """``stand_ins`` over ``params`` for this step's optimizer."""
+        return stand_ins(params, self.optimizer, self.master_weights, self.foreach)
 
 
 class _Untouched(nn.Module):
@@ -403,7 +324,7 @@ def _run_in_steady_state(
     return max(sum(parts.values()), sum(after.values())), parts, resident, after
 
 
-def _after_backward(held: list, device: torch.device, step: _Step, optimizers: _Optimizers,
+def _after_backward(held: list, device: torch.device, step: _Step, optimizers: StandIns,
                     state: int) -> dict[str, int]:
     """The parts of the most held while the step ends: the tie sum's buffer (made and freed, as
     ``TiedGradients.sync`` does before the optimizer steps), then the optimizer's step. What is
@@ -442,7 +363,7 @@ def _gradient_buffers(module: nn.Module, microbatch: tuple[tuple, dict], count: 
 
 
 def _parts(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device,
-           optimizers: _Optimizers) -> dict[str, int]:
+           optimizers: StandIns) -> dict[str, int]:
     """The tracker's snapshot of ``device`` as bytes per part of ``PARTS``, less Adam's step counts
     (a scalar a weight, on the CPU whatever the device; the memory model leaves them out)."""
     parts = dict.fromkeys(PARTS, 0)

@@ -1,0 +1,104 @@
+"""A stage's optimizer, stepped for real without changing the model: for measuring what its step
+holds (``measure_stage_memory``) and how long it takes (``measure_stage_time``).
+
+The real ``torch.optim`` class runs over stand-ins of the stage's fp32 weights: ``.data``, which
+shares a weight's storage but not its version counter (a graph of the caller's that holds the
+weight stays valid), with a learning rate of 0, gradients zeroed and state as after a first step,
+all zeros: every update adds -0.0, which leaves every bit of a weight as it was (a -0.0 included).
+Weights narrower than fp32 are not stepped: the fp32 state the memory model counts for them is not
+what ``torch.optim`` keeps; a holder keeps that state (with ``master_weights``, an fp32 copy too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
+
+#: fp32 state tensors per parameter, by optimizer name (the state their ``torch.optim`` class keeps;
+#: Adam's 4-byte step counter per parameter is left out, as the memory model leaves it out).
+OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "sgd-momentum": ("momentum_buffer",),
+    "sgd": (),
+    "none": (),
+}
+
+#: ``torch.optim`` class and options by optimizer name (the defaults the memory model counts).
+_TORCH_OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "adam": ("Adam", {}), "adamw": ("AdamW", {}), "sgd-momentum": ("SGD", {"momentum": 0.9}), "sgd": ("SGD", {})}
+
+
+def optimizer_state_names(optimizer: str) -> tuple[str, ...]:
+    """The state tensors ``optimizer`` keeps per parameter; a typed error for a name it does not know."""
+    if not isinstance(optimizer, str):
+        raise InvalidArgumentTypeError(f"optimizer must be a name ({', '.join(OPTIMIZER_STATE)}), got {optimizer!r}")
+    name = optimizer.lower()
+    if name not in OPTIMIZER_STATE:
+        raise InvalidArgumentError(
+            f"unknown optimizer {optimizer!r}{suggest(name, OPTIMIZER_STATE)}; known: {', '.join(OPTIMIZER_STATE)} "
+            "(for another optimizer, pick the one keeping as many fp32 tensors per parameter)")
+    return OPTIMIZER_STATE[name]
+
+
+@dataclass(frozen=True)
+class StandIns:
+    """A stage's optimizers: ``stepping``, the ``torch.optim`` class over stand-ins of ``weights``,
+    and ``holder``, the state of the narrower weights, never stepped."""
+
+    stepping: torch.optim.Optimizer | None
+    weights: list[nn.Parameter]
+    holder: torch.optim.Optimizer | None
+
+    @property
+    def all(self) -> list[torch.optim.Optimizer]:
+        return [optimizer for optimizer in (self.stepping, self.holder) if optimizer is not None]
+
+    def prepare(self) -> None:
+        """Hand each stand-in its weight's gradient, zeroed (the backward's gradients, summed in
+        at a learning rate of 0, would turn a -0.0 weight into 0.0); none where the weight has none."""
+        for stand_in, weight in zip(self.stepping.param_groups[0]["params"] if self.stepping else (), self.weights):
+            stand_in.grad = None if weight.grad is None else weight.grad.zero_()
+
+    def step(self) -> None:
+        """One step of the optimizer, as training runs it after the last backward."""
+        self.prepare()
+        if self.stepping is not None:
+            self.stepping.step()
+
+
+def stand_ins(params: list[nn.Parameter], optimizer: str, master_weights: bool, foreach: bool | None) -> StandIns:
+    """``StandIns`` over the trainable ``params`` for ``optimizer`` (a known name, lower case), its state
+    as after a first step; ``foreach`` as ``torch.optim`` takes it (None: its choice for the device)."""
+    fp32 = [p for p in params if p.element_size() >= 4 and p.is_floating_point()]
+    narrower = [p for p in params if p.element_size() < 4 or not p.is_floating_point()]
+    stepping = None
+    if fp32 and optimizer in _TORCH_OPTIMIZERS:
+        name, options = _TORCH_OPTIMIZERS[optimizer]
+        aliases = [p.data.requires_grad_(True) for p in fp32]
+        stepping = getattr(torch.optim, name)(aliases, lr=0.0, foreach=foreach, **options)
+        for alias in aliases:
+            stepping.state[alias] = _state_after_a_step(optimizer, alias)
+    holder = torch.optim.SGD(narrower, lr=0.0) if narrower else None
+    for p in narrower:
+        holder.state[p] = {name: torch.zeros_like(p, dtype=torch.float32) for name in OPTIMIZER_STATE[optimizer]}
+        if master_weights:
+            holder.state[p]["master"] = p.detach().float()
+    return StandIns(stepping, fp32 if stepping is not None else [], holder)
+
+
+def _state_after_a_step(optimizer: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The state ``torch.optim`` keeps for ``param`` after one step, zeros (Adam's step count, a CPU
+    scalar on any device, is 1: its bias correction divides by 1 - beta ** step)."""
+    state = {name: torch.zeros_like(param, memory_format=torch.preserve_format) for name in OPTIMIZER_STATE[optimizer]}
+    if optimizer in ("adam", "adamw"):
+        state["step"] = torch.tensor(1.0)
+    return state
+
+
+__all__ = ["OPTIMIZER_STATE", "StandIns", "optimizer_state_names", "stand_ins"]
