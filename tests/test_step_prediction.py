@@ -125,11 +125,15 @@ class _Sleepy(nn.Module):
         return _Slow.apply(self.lin(x), *self.seconds)
 
 
+def _sleepy_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Sleepy(0.03, 0.04))
+
+
 @pytest.fixture(scope="module")
 def sleepy():
     """Two stages: the second sleeps 30 ms in its forward and 40 ms in its backward."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Sleepy(0.03, 0.04))
+    model = _sleepy_model()
     example = (torch.randn(2, 4),)
     sharded = autoshard.shard_model(model, 2, example_inputs=example)
     assert sharded.plan.assignment["_slow_apply"] == 1
@@ -143,7 +147,8 @@ def test_a_stage_is_timed_whole_forward_and_backward_apart(sleepy):
     assert 0.03 <= second.forward < 0.06 and 0.04 <= second.backward < 0.07
     assert second.to_dict() == {"stage": 1, "forward": second.forward, "backward": second.backward, "repeats": 2,
                                 "device": "cpu", "sent_bytes": 2 * 4 * 4, "plan": first.plan, "spread": second.spread,
-                                "threads": torch.get_num_threads()}
+                                "threads": torch.get_num_threads(), "optimizer_step": second.optimizer_step}
+    assert 0 < second.optimizer_step < 0.02  # Adam over one Linear(4, 4)
     assert first.sent_bytes == 2 * 4 * 4  # 2 rows of 4 floats to the next stage
     assert 0 <= second.spread < 0.5  # two runs of 70 ms of sleep
 
@@ -268,6 +273,8 @@ def test_predict_step_simulates_the_stages_timed_whole(sleepy, monkeypatch):
     assert 2 * (0.03 + 0.04) <= predicted.seconds < 2 * (0.06 + 0.07)
     assert predicted.model == step and predicted.bottleneck == 1
     assert "each stage timed whole" in predicted.source and "calibrated with the runtime" not in predicted.source
+    # then each rank steps Adam over its stages' weights, timed too
+    assert "then its adam step" in predicted.source and predicted.optimizer_step[1] > 0
     # and says so: uncalibrated, the runtime's own costs are the defaults, which can move the step several times over
     assert predicted.source.endswith("; as given: link 1e+06 GB/s, no latency; StepTimeModel's defaults, not "
                                      "calibrated: none per message, compute as timed alone")
@@ -294,6 +301,25 @@ def test_several_steps_are_predicted_from_one_timing_of_the_stages(sleepy):
         predict_step(sharded, calibrate=False, times=times[::-1])
     with pytest.raises(InvalidArgumentError, match=r"got \[0\]"):
         predict_step(sharded, calibrate=False, times=times[:1])
+
+
+def test_the_step_ends_with_each_rank_stepping_its_optimizer(sleepy):
+    """A training step ends with the optimizer's step on every rank: timed with the stages, added
+    after each rank's last op (a step of 1 s on each ends the step 1 s later); a plan for no
+    optimizer times none."""
+    sharded, example = sleepy
+    times = [measure_stage_time(sharded, j, example, repeats=1) for j in range(2)]
+    assert all(t.optimizer_step > 0 for t in times)
+    step = StepTimeModel("gpipe", 2, **FREE_LINK)
+    bare = predict_step(sharded, step=step, calibrate=False,
+                        times=[dataclasses.replace(t, optimizer_step=0.0) for t in times])
+    slow = [dataclasses.replace(t, optimizer_step=1.0) for t in times]
+    stepped = predict_step(sharded, step=step, calibrate=False, times=slow)
+    assert stepped.seconds == pytest.approx(bare.seconds + 1.0) and "then its adam step" in stepped.source
+    assert bare.optimizer_step == () and "no optimizer step timed" in bare.source
+    plain = autoshard.shard_model(_sleepy_model(), 2, example_inputs=example,
+                                  memory_model=autoshard.MemoryModel(optimizer="none"))
+    assert measure_stage_time(plain, 1, example, repeats=1).optimizer_step == 0.0
 
 
 def test_a_step_predicted_from_timings_whose_runs_spread_widely_warns(sleepy):

@@ -3,6 +3,7 @@ order, the plan report's prediction, and refusals of bad settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -32,6 +33,20 @@ def test_equal_stages_on_free_links_take_the_textbook_m_plus_k_minus_one_slots(s
     assert step.seconds == pytest.approx((m + k - 1) * 3.0)
     assert step.bubble == pytest.approx((k - 1) / (m + k - 1))
     assert step.busy == (m * 3.0,) * k
+
+
+def test_each_rank_ends_the_step_with_its_optimizer_step():
+    """1F1B, 2 stages, 2 microbatches, forward 1 s and backward 2 s, free links: rank 0 runs its last
+    backward from 7 to 9 s, rank 1 ends at 7 s; each then steps its optimizer."""
+    free = StepTimeModel("1f1b", 2, link_latency=0.0, link_bandwidth=1e30)
+    assert step_time([1, 1], [2, 2], [0], free).seconds == 9
+    stepped = step_time([1, 1], [2, 2], [0], free, optimizer_step=[0.5, 3])
+    assert stepped.seconds == max(9 + 0.5, 7 + 3) and stepped.optimizer_step == (0.5, 3)
+    assert stepped.busy == (2 * 3 + 0.5, 2 * 3 + 3) and "optimizer step, longest on stage 1 (3.000 s)" in str(stepped)
+    scaled = step_time([1, 1], [2, 2], [0], dataclasses.replace(free, compute_scale=2.0), optimizer_step=[0.5, 3])
+    assert scaled.seconds == max(18 + 1, 14 + 6)
+    with pytest.raises(InvalidArgumentError, match="and 1 optimizer steps"):
+        step_time([1, 1], [2, 2], [0], free, optimizer_step=[1])
 
 
 def test_the_slowest_stage_is_the_bottleneck_and_sets_the_pace():

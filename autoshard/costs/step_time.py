@@ -18,7 +18,9 @@ stages of ``f + b`` per microbatch on free links this gives GPipe's and 1F1B's
 Stage times are per microbatch: the plan's example inputs are one microbatch, as for the
 memory model. A forward-only time gives the backward as ``backward_ratio`` times it (2: a
 backward computes the gradients of both the inputs and the weights, each about a forward's work).
-Not counted: the optimizer step, a loss computed after the last stage, and the links' contention.
+After its last op each rank steps its optimizer over its stages' weights (``optimizer_step``,
+per stage; ``predict_step`` times it, ``plan_report``'s step from per-node times leaves it out).
+Not counted: the tied-gradient sum, a loss computed after the last stage, and the links' contention.
 """
 
 from __future__ import annotations
@@ -239,10 +241,11 @@ def _idle_share(bubble: float) -> str:
 @dataclass(frozen=True)
 class StepTime:
     """One step's predicted ``seconds``; per stage its ``busy`` seconds (forward and backward of
-    every microbatch, with the time their messages keep the rank busy); ``bubble``, the share of
-    the ranks' time spent idle; ``bottleneck``, the stage with the most work per microbatch;
-    ``links``, per boundary, one message's seconds (0 between stages of one rank); ``source``,
-    where the stage times came from."""
+    every microbatch, with the time their messages keep the rank busy, and its optimizer step);
+    ``bubble``, the share of the ranks' time spent idle; ``bottleneck``, the stage with the most work
+    per microbatch; ``links``, per boundary, one message's seconds (0 between stages of one rank);
+    ``source``, where the stage times came from; ``optimizer_step``, per stage, its optimizer step's
+    seconds after the rank's last op (empty: not counted)."""
 
     seconds: float
     forward: tuple[float, ...]
@@ -254,43 +257,50 @@ class StepTime:
     microbatches: int
     model: StepTimeModel
     source: str
+    optimizer_step: tuple[float, ...] = ()
 
     def __str__(self) -> str:
         j, m = self.bottleneck, self.microbatches
         forward, backward = format_seconds(self.forward[j]), format_seconds(self.backward[j])
+        longest = max(range(len(self.optimizer_step)), key=self.optimizer_step.__getitem__, default=None)
         return (f"{format_seconds(self.seconds)} for {m} microbatch{'' if m == 1 else 'es'} under "
                 f"{self.model.schedule}; bubble {_idle_share(self.bubble)} of the ranks' time; bottleneck stage {j} "
                 f"(forward {forward} + backward {backward} per microbatch"
                 + (f", x{self.model.compute_scale:.2f} their time alone" if self.model.compute_scale != 1 else "")
-                + ")")
+                + ")" + (f"; then the optimizer step, longest on stage {longest} "
+                         f"({format_seconds(self.optimizer_step[longest])})" if longest is not None else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "forward": list(self.forward), "backward": list(self.backward),
                 "busy": list(self.busy), "links": list(self.links), "bubble": self.bubble,
                 "bottleneck": self.bottleneck, "microbatches": self.microbatches, "model": self.model.to_dict(),
-                "source": self.source}
+                "source": self.source, "optimizer_step": list(self.optimizer_step)}
 
 
 def step_time(
     forward: Sequence[float], backward: Sequence[float], boundary_bytes: Sequence[float],
-    model: StepTimeModel = StepTimeModel(), source: str = "given",
+    model: StepTimeModel = StepTimeModel(), source: str = "given", optimizer_step: Sequence[float] = (),
 ) -> StepTime:
     """Simulate one step: ``forward[j]`` and ``backward[j]`` are stage j's seconds per microbatch
     (timed alone: the step runs them ``model.compute_scale`` times as long, and reports them so),
     ``boundary_bytes[j]`` the bytes stage j sends stage j + 1 per microbatch (its gradient comes
-    back the same size)."""
+    back the same size); ``optimizer_step[j]`` (empty: none) the seconds of stage j's optimizer step,
+    which its rank runs after its last op (scaled alike)."""
     k = len(forward)
-    if k < 1 or len(backward) != k or len(boundary_bytes) != k - 1:
+    if k < 1 or len(backward) != k or len(boundary_bytes) != k - 1 or len(optimizer_step) not in (0, k):
         raise InvalidArgumentError(
-            f"step_time needs a forward and a backward time per stage and the bytes of each boundary: got "
-            f"{len(forward)} forward, {len(backward)} backward and {len(boundary_bytes)} boundaries (want k, k, k - 1)")
-    for name, values in (("forward", forward), ("backward", backward), ("boundary_bytes", boundary_bytes)):
+            f"step_time needs a forward and a backward time per stage and the bytes of each boundary (and, if any, "
+            f"an optimizer step time per stage): got {len(forward)} forward, {len(backward)} backward, "
+            f"{len(boundary_bytes)} boundaries and {len(optimizer_step)} optimizer steps (want k, k, k - 1, k or 0)")
+    for name, values in (("forward", forward), ("backward", backward), ("boundary_bytes", boundary_bytes),
+                         ("optimizer_step", optimizer_step)):
         for value in values:
             _positive(value, f"every {name} value", zero_allowed=True)
     refused = model.refusal(k)
     if refused is not None:
         raise InvalidArgumentError(refused)
-    forward, backward = ([t * model.compute_scale for t in times] for times in (forward, backward))
+    forward, backward, stepped = ([t * model.compute_scale for t in times]
+                                  for times in (forward, backward, optimizer_step or [0.0] * k))
     m = model.microbatch_count(k)
     orders, rank_of = _orders(model, k, m)
     # a boundary between two stages of one rank sends nothing (interleaved 1F1B on one rank)
@@ -330,12 +340,13 @@ def step_time(
                 moved = True
         if not moved:  # pragma: no cover - every order above is one PyTorch runs without deadlock
             raise AssertionError(f"the {model.schedule} order deadlocks at ops {next_op}")
-    seconds = max(finish.values())
-    busy = tuple(m * (f + b + 2 * model.message_seconds * n) for f, b, n in zip(forward, backward, messages))
+    seconds = max(end + sum(stepped[s] for s in range(k) if rank_of[s] == r) for r, end in enumerate(free))
+    busy = tuple(m * (f + b + 2 * model.message_seconds * n) + o
+                 for f, b, n, o in zip(forward, backward, messages, stepped))
     idle = 1.0 - sum(busy) / (len(orders) * seconds) if seconds > 0 else 0.0
     bottleneck = max(range(k), key=lambda j: forward[j] + backward[j])
     return StepTime(seconds, tuple(forward), tuple(backward), busy, links, max(idle, 0.0), bottleneck, m, model,
-                    source)
+                    source, tuple(stepped) if optimizer_step else ())
 
 
 def predicted_step(

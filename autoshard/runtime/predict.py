@@ -48,7 +48,8 @@ def predict_step(
 ) -> StepTime:
     """One training step of ``sharded`` under ``step`` (default: the schedule, microbatches and stages
     per rank of the plan's memory model, as ``plan_report`` predicts it), predicted from each stage
-    timed whole (``measure_stage_time``) on one microbatch; the links carry the bytes the timed stages
+    timed whole (``measure_stage_time``) on one microbatch, and its optimizer step (the plan's memory
+    model's optimizer) after each rank's last op; the links carry the bytes the timed stages
     sent, so a microbatch of another size than the plan's example moves its own bytes. With
     ``calibrate`` (by default when every stage is on the CPU) the link, the runtime's time per
     message and how much longer the stages compute inside it are this machine's, measured with the
@@ -122,8 +123,10 @@ def predict_step(
             stacklevel=2)
     ran_on = {t.threads for t in times} - {0}
     on_threads = f" on {plural(ran_on.pop(), 'thread')}" if len(ran_on) == 1 else ""
+    stepped = [t.optimizer_step for t in times] if any(t.optimizer_step for t in times) else []
     source = (f"each stage timed whole on one microbatch (measure_stage_time{on_threads}; its runs spread up to "
-              f"{widest.spread:.0%})")
+              f"{widest.spread:.0%}), " + (f"then its {sharded.plan.memory_model.optimizer} step" if stepped
+                                           else "no optimizer step timed"))
     described = {"link_bandwidth": f"link {step.link_bandwidth / 1e9:.3g} GB/s",
                  "link_latency": f"latency {format_seconds(step.link_latency)}" if step.link_latency else "no latency",
                  "message_seconds": (f"{format_seconds(step.message_seconds)} per message" if step.message_seconds
@@ -139,7 +142,7 @@ def predict_step(
         if names:
             source += f"; {heading}: {', '.join(described[name] for name in names)}"
     return step_time([t.forward for t in times], [t.backward for t in times], [t.sent_bytes for t in times[:-1]],
-                     step, source)
+                     step, source, stepped)
 
 
 def _mode_dependent(sharded: ShardedModel) -> list[str]:

@@ -4,8 +4,8 @@ A ``profile`` times each node alone and sums them per stage; a backward timed no
 for starting autograd once per node where the stage's one backward pays once, so the sums run
 13-38% above the stage (``benchmarks/RESULTS.md``, "Step time"). Once the plan exists, the stage
 itself can be timed as the pipeline runs it: its forward on one microbatch of what it receives,
-then its backward from a gradient of each output (``autoshard.runtime.predict_step`` turns those
-into a step).
+then its backward from a gradient of each output, and the optimizer's step over its weights, which
+ends a training step (``autoshard.runtime.predict_step`` turns those into a step).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from autoshard.arguments import whole_number
 from autoshard.costs.execution import on_threads
+from autoshard.runtime.optimizer_step import stand_ins
 from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
 from autoshard.runtime.stage import plan_fingerprint
@@ -40,7 +41,8 @@ class StageTimeMeasurement:
     timed in (``timed_plan``; ``predict_step`` refuses a timing of another); ``spread``, how far apart
     the runs were: the interquartile range over the median of forward + backward (a loaded machine
     shows here; one run stalled by a pause of the VM, which the median shrugs off, does not);
-    ``threads``, torch's intra-op threads it ran on (0: not recorded)."""
+    ``threads``, torch's intra-op threads it ran on (0: not recorded); ``optimizer_step``, seconds of
+    one step of the plan's optimizer over the stage's weights (the median of ``repeats``; 0: none)."""
 
     stage: int
     forward: float
@@ -51,6 +53,7 @@ class StageTimeMeasurement:
     plan: str
     spread: float = 0.0
     threads: int = 0
+    optimizer_step: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -69,7 +72,9 @@ def measure_stage_time(
     ``example_kwargs``, the model's inputs): its forward, then its backward from a gradient of ones
     for each output that requires one, on a fresh copy of its inputs each run. The weights'
     gradients accumulate from run to run, as over a step's microbatches (adding to a gradient
-    costs a read and a write of it: 25% of a weight-heavy stage's backward). On CUDA the device
+    costs a read and a write of it: 25% of a weight-heavy stage's backward). Then the optimizer of
+    the plan's memory model steps the weights ``repeats`` times (``runtime.optimizer_step``: the real
+    ``torch.optim`` class, foreach as the memory model says, no bit of the weights changed). On CUDA the device
     is synchronised around each timing. The model is left as it was (gradients, buffers, random
     state). A loss the runtime computes after the last stage is not part of it. Inputs the plan's
     guards refuse are timed on the specialisation that serves them, as a call would choose it.
@@ -96,7 +101,7 @@ def time_stages(sharded: ShardedModel, stages: Sequence[int], example_inputs: tu
 def _timed(plan: ShardedModel, stage: int, example_inputs: tuple, example_kwargs: dict,
            repeats: int) -> StageTimeMeasurement:
     module = plan.stages[stage]
-    forward, backward, sent_bytes = [], [], 0
+    forward, backward, stepped, sent_bytes = [], [], [], 0
     args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
     device = running_device(module, (args, kwargs))
 
@@ -118,11 +123,20 @@ def _timed(plan: ShardedModel, stage: int, example_inputs: tuple, example_kwargs
             torch.autograd.backward(sent, gradients)
         forward.append(middle - start)
         backward.append(now() - begin)
+    memory = plan.plan.memory_model
+    trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
+    optimizer = stand_ins(trainable, memory.optimizer, memory.master_weights, memory.optimizer_foreach)
+    optimizer.prepare()
+    for _ in range(repeats + 1 if optimizer.stepping is not None else 0):
+        start = now()
+        optimizer.stepping.step()
+        stepped.append(now() - start)
     totals = [f + b for f, b in zip(forward[1:], backward[1:])]
     quartiles = statistics.quantiles(totals, n=4, method="inclusive") if len(totals) > 1 else [totals[0]] * 3
     spread = (quartiles[2] - quartiles[0]) / quartiles[1] if quartiles[1] > 0 else 0.0
     return StageTimeMeasurement(stage, statistics.median(forward[1:]), statistics.median(backward[1:]), repeats,
-                                str(device), sent_bytes, timed_plan(plan), spread, torch.get_num_threads())
+                                str(device), sent_bytes, timed_plan(plan), spread, torch.get_num_threads(),
+                                statistics.median(stepped[1:]) if stepped else 0.0)
 
 
 def timed_plan(sharded: ShardedModel) -> str:
