@@ -9,10 +9,14 @@ examples, and a small Hugging Face GPT-2 given labels) are split into 2 stages (
 4 (interleaved 1F1B, 2 stages per process). Plans are made on one microbatch, as each stage runs
 it. Each worker runs one torch thread, so the plans are made, profiled and the machine calibrated
 on one thread too. Each case runs a few warm-up steps, then ``--repeats`` timed ones: a step
-is ``schedule.step`` (forward and backward of every microbatch, no optimizer step), timed from
-a barrier to the last rank's end; the median counts. Beside it: the machine's busy share and
-load average during the case (other processes' work shows there), and each rank's CPU time in a
-step against the busy time the profile predicts for its stages.
+is ``schedule.step`` (forward and backward of every microbatch), timed from a barrier to the
+last rank's end; the median counts. Each rank then steps Adam over its stages' weights: the
+training step, timed from the same barrier to the last rank's end of its optimizer step, is in the
+last columns, against ``predict_step`` from the stages timed between the steps with their optimizer
+step (``measure_stage_time`` times the plan's optimizer too); the other columns leave it out.
+Beside the step: the machine's busy share and load average during the case (other processes'
+work shows there), and each rank's CPU time in a step against the busy time the profile predicts
+for its stages.
 
 The first two predictions are ``autoshard.runtime.predict_step``: each stage timed whole on one
 microbatch, with the link and the runtime's time per message calibrated by
@@ -145,6 +149,8 @@ def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: st
     _, args, kwargs, target = build(name, m * WORKLOADS[name].rows, seed=11)
     _, one_args, one_kwargs, _ = build(name, WORKLOADS[name].rows)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    optimizer = torch.optim.Adam([p for stage in stages for p in stage.submod.parameters() if p.requires_grad],
+                                 lr=1e-4)
     seconds, timed = [], []
     for i in range(WARMUP + repeats):
         if rank == 0 and i >= WARMUP:
@@ -153,8 +159,10 @@ def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: st
         start, cpu = time.perf_counter(), time.process_time()
         runner.step(*(args if first else ()), **(kwargs if first else {}), target=target if last else None,
                     return_outputs=False)
+        scheduled, scheduled_cpu = time.perf_counter() - start, time.process_time() - cpu
+        optimizer.step()
         if i >= WARMUP:
-            seconds.append((time.perf_counter() - start, time.process_time() - cpu))
+            seconds.append((scheduled, scheduled_cpu, time.perf_counter() - start))
         else:
             for calls in ops.values():
                 calls.clear()
@@ -201,10 +209,14 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str, found: d
             measured_link = StepTimeModel(schedule, m, link_bandwidth=link[0], link_latency=link[1])
             default_link = StepTimeModel(schedule, m)
             with_profile = autoshard.plan_report(profiled, step=measured_link).step_time
-            out[(name, schedule, k, m)] = {
-                "stages whole": predict_step(estimated, step=StepTimeModel(schedule, m), times=timed).seconds,
+            between = found[(name, schedule, k, m, "times")]
+            out[(name, schedule, k, m)] = {  # the schedule's step alone, but in the last column
+                "stages whole": predict_step(estimated, step=StepTimeModel(schedule, m),
+                                             times=_without_optimizer(timed)).seconds,
                 "stages between steps": predict_step(estimated, step=StepTimeModel(schedule, m),
-                                                     times=found[(name, schedule, k, m, "times")]).seconds,
+                                                     times=_without_optimizer(between)).seconds,
+                "with the optimizer step": predict_step(estimated, step=StepTimeModel(schedule, m),
+                                                        times=between).seconds,
                 "profile": with_profile.seconds,
                 "profile with backward": autoshard.plan_report(both, step=measured_link).step_time.seconds,
                 "estimate": autoshard.plan_report(estimated, device=device, step=measured_link).step_time.seconds,
@@ -212,6 +224,10 @@ def predictions(name: str, link: tuple[float, float], profile_dir: str, found: d
                 "busy": [sum(with_profile.busy[s] for s in range(rank, k, 2)) for rank in range(2)],
             }
     return out
+
+
+def _without_optimizer(times: list[StageTimeMeasurement]) -> list[StageTimeMeasurement]:
+    return [dataclasses.replace(t, optimizer_step=0.0) for t in times]
 
 
 REPORT_COMMAND = """
@@ -315,9 +331,10 @@ def pipeline_steps(repeats: int) -> None:
     print("| model | schedule | k | m | machine busy, load | measured (ms) | stages timed between the steps | err | "
           "stages timed after | err | profile | err | profile with backward | err | estimate | err | profile, default "
           "link | err | CPU per rank, measured (ms) | profile busy | err | ops as the step ran them | err | "
-          "those ops over the stages timed between steps, f / b |")
+          "those ops over the stages timed between steps, f / b | measured with the optimizer step (ms) | "
+          "stages between steps with theirs | err |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-          "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as profiles:
         for name in WORKLOADS:
             predicted = predictions(name, link, profiles, results[0])
@@ -334,6 +351,9 @@ def pipeline_steps(repeats: int) -> None:
                         "/".join(error(b, c) for b, c in zip(guess["busy"], cpu))]
                 inside, slower = ops_in_the_step(case, results, runtime)
                 row += [f"{inside * 1e3:.1f}", error(inside, measured), slower]
+                trained = statistics.median(max(r[case][i][2] for r in results) for i in range(repeats))
+                row += [f"{trained * 1e3:.1f}", f"{guess['with the optimizer step'] * 1e3:.1f}",
+                        error(guess["with the optimizer step"], trained)]
                 print(f"| {case[0]} | {case[1]} | {case[2]} | {case[3]} | " + " | ".join(row) + " |")
     print(f"(runs took {time.perf_counter() - started:.0f} s)")
 
