@@ -169,7 +169,8 @@ def timed_steps(rank: int, world: int, sharded: autoshard.ShardedModel, name: st
         for stage in stages:
             stage.submod.zero_grad(set_to_none=True)
     medians = [dataclasses.replace(runs[0], forward=statistics.median(r.forward for r in runs),
-                                   backward=statistics.median(r.backward for r in runs), repeats=len(runs))
+                                   backward=statistics.median(r.backward for r in runs),
+                                   optimizer_step=statistics.median(r.optimizer_step for r in runs), repeats=len(runs))
                for runs in zip(*timed)]
     return seconds, medians, ops
 
