@@ -20,6 +20,7 @@ from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_r
 
 import autoshard
 from autoshard.costs.memory import OPTIMIZER_BYTES, MemoryModel, interleaved_in_flight, stage_memory, tie_sum_bytes
+from autoshard.costs.saved import QuietMemTracker
 from autoshard.examples import load_example
 from autoshard.plan_io import read_plan
 from autoshard.runtime import measure_stage_memory
@@ -92,13 +93,13 @@ class _Weight:
 
 def test_the_optimizer_step_by_optimizer_device_and_layout():
     """Adam looping: 2x the weight it steps beside the previous one's ``denom``, in the order given;
-    foreach: 1x every weight of a dtype, the largest dtype's group; SGD: in place. None follows where
+    foreach: 1x every weight of a dtype beside the previous dtype's; SGD: in place. None follows where
     the weights were: foreach when all were on a GPU. A master copy or an FSDP shard is what is stepped."""
     weights = [_Weight(10, 4), _Weight(100, 4), _Weight(1, 4), _Weight(50, 4, trainable=False)]
     assert MemoryModel().step_bytes(weights) == 2 * 400 + 40
     assert MemoryModel().step_bytes(weights[::-1]) == max(2 * 4, 2 * 400 + 4)
     assert MemoryModel(optimizer_foreach=True).step_bytes(weights) == 40 + 400 + 4
-    assert MemoryModel(optimizer="adamw", optimizer_foreach=True).step_bytes([_Weight(8, 2), _Weight(2, 4)]) == 16
+    assert MemoryModel(optimizer="adamw", optimizer_foreach=True).step_bytes([_Weight(8, 2), _Weight(2, 4)]) == 16 + 8
     assert MemoryModel().step_bytes([_Weight(10, 4, device="cuda"), _Weight(100, 4, device="cuda")]) == 440
     assert MemoryModel().step_bytes([_Weight(10, 4, device="cuda"), _Weight(100, 4)]) == 800 + 40
     assert MemoryModel(optimizer_foreach=False).step_bytes([_Weight(100, 4, device="cuda")]) == 800
@@ -109,6 +110,40 @@ def test_the_optimizer_step_by_optimizer_device_and_layout():
     # after FSDP's reduction: the unsharded weight and gradient freed, the gradient's shard made
     assert MemoryModel(data_parallel="fsdp", dp=4).reduced_bytes([_Weight(100, 4)]) == 100 - 400 - 400
     assert MemoryModel().reduced_bytes([_Weight(100, 4)]) == 0
+
+
+def adam_step_temporaries(params: list[nn.Parameter], foreach: bool) -> int:
+    """What ``torch.optim.Adam`` allocates and frees again stepping ``params`` from zero gradients and
+    state as after a first step (the tracker files its temporaries under the optimizer's state)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.Adam(params, lr=0.0, foreach=foreach)
+    for p in params:
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
+    tracker = QuietMemTracker()
+    tracker.track_external(*params, optimizer)
+
+    def held(which: str) -> int:
+        return sum(n for by_type in tracker.get_tracker_snapshot(which).values()
+                   for kind, n in by_type.items() if kind != "Total")
+
+    with tracker:
+        before = held("current")
+        optimizer.step()
+        return held("peak") - before
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_step_of_weights_of_two_dtypes_is_what_torch_optim_holds(foreach):
+    """Foreach Adam steps one dtype at a time and keeps the previous dtype's square roots while it
+    takes the next's: over bf16 and fp32 weights both groups' at once, not the larger alone; looping,
+    2x a weight beside the previous one's ``denom``, whatever their dtypes."""
+    bf16, fp32 = nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16)), nn.Parameter(torch.zeros(300))
+    model = MemoryModel(optimizer_foreach=foreach)
+    for params in ([bf16, fp32], [fp32, bf16], [fp32]):
+        infos = [_Weight(p.numel(), p.element_size()) for p in params]
+        assert model.step_bytes(infos) == adam_step_temporaries(params, foreach) > 0
 
 
 def test_the_tied_gradient_sum_is_made_on_every_rank_first_stage():

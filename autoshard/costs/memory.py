@@ -69,7 +69,7 @@ import dataclasses
 import functools
 import numbers
 from dataclasses import dataclass
-from typing import AbstractSet, Mapping, Protocol, Sequence
+from typing import AbstractSet, Iterable, Mapping, Protocol, Sequence
 
 import networkx as nx
 
@@ -90,7 +90,8 @@ defaults, in multiples of the weights it steps: looping over them, (of the weigh
 the one stepped before it); foreach, of all it steps of one dtype at once. Adam's loop computes
 ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: a square root and a quotient of one
 weight, while the previous weight's ``denom`` is still held; foreach, ``torch._foreach_sqrt`` of every
-weight. SGD, with momentum or without, updates in place."""
+weight of one dtype, while the previous dtype's square roots are still held (``exp_avg_sq_sqrt`` is
+not freed between groups). SGD, with momentum or without, updates in place."""
 
 FOREACH_DEVICES = ("cuda", "xpu")
 """Where ``torch.optim`` steps every weight at once (foreach) unless told otherwise: it does so only
@@ -129,6 +130,13 @@ def _device(info: Weight) -> str:
     """The device type the weight was on when planned (``lowering.from_fx.WeightInfo.device``); the
     CPU for one that does not say (a plan file from before it was recorded)."""
     return getattr(info, "device", "cpu")
+
+
+def _two_largest(groups: Iterable[float]) -> float:
+    """Foreach's most at once over its dtype groups: one group's temporaries beside the previous
+    group's. ``torch.optim`` orders the groups by a hash map's order, not the weights', so the two
+    largest: exact for one or two dtypes, the most it can be for more."""
+    return sum(sorted(groups, reverse=True)[:2])
 
 
 def _is_parameter(info: Weight) -> bool:
@@ -465,9 +473,9 @@ class MemoryModel:
     def step_bytes(self, infos: Sequence[Weight]) -> float:
         """The most one optimizer step over ``infos`` (a stage's weights, in the order it steps them)
         allocates and frees again (``OPTIMIZER_STEP``): looping, of one tensor and the one before; foreach, of all it
-        steps of one dtype (``optimizer_foreach``; None: foreach when every weight was on a
-        ``FOREACH_DEVICES`` device). Non-default settings (Adam's ``weight_decay``, ``amsgrad``) add
-        more, not counted; ``optimizer_bytes_per_param`` changes the state, not this."""
+        steps of one dtype and of the dtype stepped before it (``optimizer_foreach``; None: foreach when every
+        weight was on a ``FOREACH_DEVICES`` device). Non-default settings (Adam's ``weight_decay``, ``amsgrad``)
+        add more, not counted; ``optimizer_bytes_per_param`` changes the state, not this."""
         trainable = [info for info in infos if info.trainable]
         current, previous, at_once = OPTIMIZER_STEP[self.optimizer]
         foreach = self.optimizer_foreach
@@ -481,7 +489,7 @@ class MemoryModel:
             stepped = self.stepped_bytes(info)
             width = stepped / info.numel if info.numel else 0.0
             by_dtype[width] = by_dtype.get(width, 0.0) + stepped
-        return at_once * max(by_dtype.values(), default=0.0)
+        return at_once * _two_largest(by_dtype.values())
 
     def reduced_bytes(self, infos: Sequence[Weight]) -> float:
         """What data parallelism holds after its reduction against its peak state (<= 0): the unsharded
