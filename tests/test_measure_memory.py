@@ -385,6 +385,39 @@ def test_every_rank_makes_the_tied_gradient_sum_holder_or_not():
     assert measured.peak == predicted.total
 
 
+class _ReadTwice(nn.Module):
+    """A Linear read at the start and again after the fourth of eight blocks: under interleaved 1F1B
+    over four stages, stages 0 and 2, which run on one rank."""
+
+    def __init__(self, width: int = 64, blocks: int = 8, again: int = 3) -> None:
+        super().__init__()
+        self.shared = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.again = again
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.shared(x)
+        for i, block in enumerate(self.blocks):
+            x = x + torch.relu(block(x))
+            if i == self.again:
+                x = self.shared(x)
+        return x
+
+
+def test_a_tie_held_on_one_rank_alone_is_summed_in_a_buffer_of_its_own():
+    """``TiedGradients.sync`` sums a weight that only one rank's stages hold in zeros of its own shape,
+    one weight at a time, on that rank: the measurement makes them as the model counts them."""
+    torch.manual_seed(0)
+    model, x = _ReadTwice(), torch.randn(4, 64)
+    memory = autoshard.MemoryModel(schedule="interleaved-1f1b", microbatches=4, optimizer="sgd")
+    sharded = autoshard.shard_model(model, 4, example_inputs=(x,), memory_model=memory)
+    holders = [j for j, stage in enumerate(sharded.stages) if any("shared" in n for n, _ in stage.named_parameters())]
+    assert holders == [0, 2]  # one rank of two: the case under test
+    predicted = autoshard.plan_report(sharded).stages[0].memory
+    measured = measure_stage_memory(sharded, 0, (x,))
+    assert measured.after_backward["temporaries"] == predicted.step_bytes == model.shared.weight.nbytes
+
+
 def test_the_step_changes_no_bit_of_the_weights_nor_their_version():
     """The optimizer steps stand-ins sharing the weights' storage at a learning rate of 0 with zero
     gradients and state: every bit stays (a -0.0 too), and a graph of the caller's holding the

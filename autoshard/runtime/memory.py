@@ -26,10 +26,11 @@ them in a real pipeline).
 
 After the last backward, with no microbatch in flight, the stage's weight state and receive
 buffers stay while the step ends: the tied-gradient sum (the buffer ``TiedGradients.sync`` makes,
-made here by the same function, on the first stage of each rank) and then the optimizer's step,
-the real ``torch.optim`` class stepping stand-ins of the weights (``runtime.optimizer_step``: no
-bit of the weights changes), ``foreach`` as the plan's memory model says (None: torch's choice
-for the device). The stage's peak is the larger of the two phases.
+made here by the same function, on the first stage of each rank, and beside it the buffer of each
+weight that rank's stages alone hold, one at a time) and then the optimizer's step, the real
+``torch.optim`` class stepping stand-ins of the weights (``runtime.optimizer_step``: no bit of the
+weights changes), ``foreach`` as the plan's memory model says (None: torch's choice for the
+device). The stage's peak is the larger of the two phases.
 
 Schedules: ``1f1b`` keeps ``min(k - j, microbatches)`` microbatches in flight at stage ``j`` of
 ``k`` (its warm-up forwards plus the one before its first backward); ``gpipe`` keeps all of them;
@@ -191,7 +192,9 @@ def measure_stage_memory(
         module = plan.stages[stage]
         args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
-        step = _Step(optimizer.lower(), master_weights, foreach, _tie_sum(plan, stage, k // run.stages_per_rank))
+        ranks = k // run.stages_per_rank
+        step = _Step(optimizer.lower(), master_weights, foreach, _tie_sum(plan, stage, ranks),
+                     _ties_of_one_rank(plan, stage, ranks))
         peak, parts, resident, after = _run_in_steady_state(module, device, args, kwargs, in_flight, step,
                                                             _Buffers(stage > 0, stage < k - 1, buffered))
     return StageMemoryMeasurement(
@@ -209,15 +212,35 @@ def _tie_sum(plan: ShardedModel, stage: int, ranks: int) -> dict[int, tuple[torc
             if len({s % ranks for s in shared.stages}) > 1}
 
 
+def _ties_of_one_rank(plan: ShardedModel, stage: int, ranks: int) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+    """What ``TiedGradients.sync`` then sums one at a time, each in a buffer of its own, on the rank of
+    ``stage`` when it is that rank's first stage: the trainable weights that this rank's stages alone
+    hold (several stages a rank: interleaved 1F1B)."""
+    if stage >= ranks:
+        return ()
+    return tuple((shared.dtype, shared.shape) for shared in shared_parameters(plan)
+                 if {s % ranks for s in shared.stages} == {stage})
+
+
 @dataclass(frozen=True)
 class _Step:
     """How the step after the last backward runs: the optimizer's name, its master copies, whether it
-    steps all weights at once (None: torch's choice), and the tie sum's parts (``summing_buffers``)."""
+    steps all weights at once (None: torch's choice), the tie sum's parts (``summing_buffers``) and the
+    ties this rank alone holds (dtype and shape of each)."""
 
     optimizer: str
     master_weights: bool
     foreach: bool | None
     tie_sum: Mapping[int, tuple[torch.dtype, tuple[int, ...]]]
+    ties_alone: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
+
+    def sum_ties(self, device: torch.device) -> None:
+        """Make and free what ``TiedGradients.sync`` does: the flat buffers of the ties across ranks,
+        held (its ``totals`` view them) while each tie of this rank alone is summed in zeros of its own."""
+        flats = summing_buffers(self.tie_sum, device)
+        for dtype, shape in self.ties_alone:
+            torch.zeros(shape, dtype=dtype, device=device)  # freed at once, as sync's ``total`` is at the next
+        del flats
 
     def optimizers(self, params: list[nn.Parameter]) -> StandIns:
         """``stand_ins`` over ``params`` for this step's optimizer."""
@@ -332,7 +355,7 @@ def _after_backward(held: list, device: torch.device, step: _Step, optimizers: S
     tracker = QuietMemTracker()
     tracker.track_external(*held)
     with without_cyclic_gc(), tracker:
-        summing_buffers(step.tie_sum, device)
+        step.sum_ties(device)
         optimizers.step()
     parts = _parts(tracker.get_tracker_snapshot("peak"), device, optimizers)
     made = sum(parts.values()) - parts["weights"] - parts["gradients"] - parts["received"] - state
