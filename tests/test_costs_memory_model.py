@@ -158,6 +158,30 @@ def test_the_tied_gradient_sum_is_made_on_every_rank_first_stage():
     assert tie_sum_bytes(infos, payers, assignment, 4, MemoryModel(data_parallel="fsdp", dp=2)) == [260] * 4
 
 
+def test_ties_held_on_one_rank_alone_are_summed_one_at_a_time():
+    """``TiedGradients.sync`` sums a weight that only one rank's stages hold (interleaved) in a buffer
+    of its own, dropped before the next one's: that rank holds the largest such buffer, beside the
+    flat buffer of the weights held across ranks, which every rank makes."""
+    infos = {"h": _Weight(20, 4), "i": _Weight(10, 4), "e": _Weight(100, 4)}
+    payers = {"a": ("h", "i"), "b": ("e",), "c": ("h", "i"), "d": ("e",)}
+    assignment = {"a": 1, "b": 0, "c": 3, "d": 1}  # h and i on stages 1 and 3: rank 1 alone; e on both ranks
+    interleaved = MemoryModel(schedule="interleaved-1f1b", stages_per_rank=2)
+    assert tie_sum_bytes(infos, payers, assignment, 4, interleaved) == [400, 400 + 20 * 4, 0, 0]
+
+
+def test_fsdp_steps_after_its_reduction_freed_the_unsharded_copies():
+    """Under FSDP the optimizer steps the shards once the reduction has freed every unit's unsharded
+    weights and gradients (3x what a shard of 2 steps), which outweigh the step's temporaries (2x + 1x
+    shards): nothing is added after the last backward, where pipelining alone adds the step."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)), torch.randn(2, 64)
+    plan = autoshard.shard_model(model, 2, example_inputs=(x,)).plan
+    plain = stage_memory(plan.dag, plan.assignment, 2)
+    fsdp = stage_memory(plan.dag, plan.assignment, 2, MemoryModel(data_parallel="fsdp", dp=2))
+    assert all(stage.step_bytes > 0 for stage in plain)
+    assert all(stage.step_bytes == 0 for stage in fsdp)
+
+
 def test_optimizer_foreach_takes_a_flag_or_none():
     with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match="optimizer_foreach must be True or False "
                                                                         "or None .* got str 'yes'"):
