@@ -404,18 +404,23 @@ class _ReadTwice(nn.Module):
         return x
 
 
-def test_a_tie_held_on_one_rank_alone_is_summed_in_a_buffer_of_its_own():
-    """``TiedGradients.sync`` sums a weight that only one rank's stages hold in zeros of its own shape,
-    one weight at a time, on that rank: the measurement makes them as the model counts them."""
+@pytest.mark.parametrize("again, holders", [(3, [0, 2]), (5, [0, 3])])
+def test_interleaved_ties_are_summed_on_each_rank_first_stage(again, holders):
+    """Under interleaved 1F1B (four stages, two ranks), ``TiedGradients.sync`` runs once a rank, its
+    buffers counted on the rank's first stage: a weight held by stages 0 and 2 (rank 0 alone) in zeros
+    of its own there; one held by stages 0 and 3 (both ranks) in the flat buffer of stages 0 and 1,
+    holder or not. The measurement makes them where the model counts them, and nowhere else."""
     torch.manual_seed(0)
-    model, x = _ReadTwice(), torch.randn(4, 64)
+    model, x = _ReadTwice(again=again), torch.randn(4, 64)
     memory = autoshard.MemoryModel(schedule="interleaved-1f1b", microbatches=4, optimizer="sgd")
     sharded = autoshard.shard_model(model, 4, example_inputs=(x,), memory_model=memory)
-    holders = [j for j, stage in enumerate(sharded.stages) if any("shared" in n for n, _ in stage.named_parameters())]
-    assert holders == [0, 2]  # one rank of two: the case under test
-    predicted = autoshard.plan_report(sharded).stages[0].memory
-    measured = measure_stage_memory(sharded, 0, (x,))
-    assert measured.after_backward["temporaries"] == predicted.step_bytes == model.shared.weight.nbytes
+    held = [j for j, stage in enumerate(sharded.stages) if any("shared" in n for n, _ in stage.named_parameters())]
+    assert held == holders  # the case under test
+    predicted = [stage.memory.step_bytes for stage in autoshard.plan_report(sharded).stages]
+    measured = [measure_stage_memory(sharded, j, (x,)).after_backward["temporaries"] for j in range(4)]
+    assert measured == predicted
+    shared = model.shared.weight.nbytes + model.shared.bias.nbytes
+    assert predicted == ([model.shared.weight.nbytes, 0, 0, 0] if holders == [0, 2] else [shared, shared, 0, 0])
 
 
 def test_the_step_changes_no_bit_of_the_weights_nor_their_version():
