@@ -245,7 +245,7 @@ def _memory_flags(model: MemoryModel) -> list[str]:
     flags = []
     if model.optimizer != default.optimizer:
         flags += ["--optimizer", model.optimizer]
-    if model.optimizer_bytes_per_param != OPTIMIZER_BYTES[model.optimizer]:
+    if model.optimizer_bytes_per_param is not None:
         flags += ["--optimizer-bytes", f"{model.optimizer_bytes_per_param:g}"]
     if model.schedule != default.schedule:
         flags += ["--schedule", model.schedule]
@@ -621,8 +621,8 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
                          help="training-memory budget per stage, e.g. 40GiB or 30GB,40GB,... (one value: every stage); "
                               "inspecting a saved plan.json: check the plan against it (exit 2 if a stage is over)")
     options.add_argument("--optimizer-bytes", type=float, metavar="N",
-                         help="optimizer state per trainable parameter for training memory "
-                              "(default 8: Adam's two fp32 moments; 4: SGD with momentum; 0: plain SGD)")
+                         help="optimizer state bytes per trainable parameter for training memory (default: the "
+                              "optimizer's state tensors in the dtype it steps: 8 for Adam on fp32 weights, 4 on bf16)")
     options.add_argument("--microbatches", type=int, metavar="M",
                          help="microbatches per step for training memory (default: as many as the schedule keeps "
                               "at most, k - j at stage j under 1F1B)")

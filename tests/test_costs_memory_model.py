@@ -211,7 +211,10 @@ def test_a_bf16_model_plans_with_master_weights():
     plain = stage_memory(plan.dag, plan.assignment, 2)
     mixed = stage_memory(plan.dag, plan.assignment, 2, MemoryModel(master_weights=True))
     params = [sum(p.numel() for p in stage.parameters()) for stage in sharded.stages]
-    assert [m.state_bytes - p.state_bytes for m, p in zip(mixed, plain)] == [4 * n for n in params]
+    # torch.optim's Adam keeps its two moments zeros_like the bf16 weight (4 B); with master weights it
+    # steps an fp32 copy (4 B), its moments fp32 (8 B)
+    assert [p.optimizer_bytes for p in plain] == [4 * n for n in params]
+    assert [m.optimizer_bytes for m in mixed] == [12 * n for n in params]
     assert [p.weight_bytes for p in plain] == [2 * n for n in params]
     # the optimizer steps the fp32 copies: its temporaries are twice the bf16 weights'
     assert [m.step_bytes for m in mixed] == [2 * p.step_bytes for p in plain] and plain[0].step_bytes > 0

@@ -245,16 +245,24 @@ def test_on_cuda_a_stage_holds_what_it_received_as_on_the_cpu():
 
 
 def test_master_weights_are_an_fp32_copy_of_each_narrower_trainable_weight():
-    """As ``MemoryModel(master_weights=True)`` counts them, in the optimizer's part."""
+    """As ``MemoryModel(master_weights=True)`` counts them, in the optimizer's part: an fp32 copy and
+    fp32 moments; without them Adam keeps its moments in the weights' bf16, as ``torch.optim`` does (the
+    measurement stepped with fp32 moments faked, and the model counted them so: 2x the real state)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 32), nn.Linear(32, 4)).to(torch.bfloat16)
     x = torch.randn(BATCH, 8, dtype=torch.bfloat16)
     sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
     plain, master = (measure_stage_memory(sharded, 0, (x,), microbatches=1, master_weights=flag)
                      for flag in (False, True))
-    assert master.parts["optimizer"] - plain.parts["optimizer"] == linear_bytes(8, 16, 16)  # fp32: 4 B each
-    predicted = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=1, master_weights=True))
-    assert predicted.stages[0].memory.optimizer_bytes == master.parts["optimizer"]
+    fp32 = linear_bytes(8, 16, 16)  # 4 B an element
+    assert plain.parts["optimizer"] == fp32 and master.parts["optimizer"] == 3 * fp32  # 2 x 2 B; 4 + 2 x 4 B
+    for flag, measured in ((False, plain), (True, master)):
+        memory = autoshard.MemoryModel(microbatches=1, master_weights=flag)
+        predicted = autoshard.plan_report(sharded, memory=memory).stages[0].memory
+        assert predicted.optimizer_bytes == measured.parts["optimizer"]
+    # stepped as torch steps bf16 weights: the temporaries are bf16 too
+    assert plain.after_backward["temporaries"] == autoshard.plan_report(
+        sharded, memory=autoshard.MemoryModel(microbatches=1)).stages[0].memory.step_bytes > 0
 
 
 def test_a_stage_that_first_writes_in_place_to_what_it_received_is_measured():

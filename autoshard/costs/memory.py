@@ -4,10 +4,12 @@ What a stage holds at its peak, in the steady state of its schedule (a backward 
 its other microbatches wait), part by part:
 
 * weight state, once per distinct weight (a shared one once per stage holding it): the weight;
-  for a trainable one its gradient (the weight's dtype) and the optimizer state
-  (``optimizer_bytes_per_param`` per element: Adam and AdamW 8, two fp32 moments; SGD with
-  momentum 4; SGD and none 0), plus an fp32 master copy of a weight narrower than fp32 when
-  ``master_weights`` (mixed precision);
+  for a trainable one its gradient (the weight's dtype) and the optimizer state: the optimizer's
+  state tensors (Adam and AdamW two moments, SGD with momentum one, SGD and none none) in the
+  dtype of what it steps, as ``torch.optim`` keeps them (``zeros_like`` the parameter: 8 B a
+  parameter for Adam on fp32 weights, 4 on bf16 ones), or ``optimizer_bytes_per_param`` per
+  element when given; plus an fp32 master copy of a weight narrower than fp32 when
+  ``master_weights`` (mixed precision), which the optimizer then steps, its state fp32;
 * per microbatch in flight: the activations autograd saves (measured per node on fake tensors,
   ``costs.saved``, modules and functions kept whole included), the values the stage received
   (kept until their gradients are sent back; torch's ``PipelineStage`` keeps a receive buffer
@@ -79,8 +81,11 @@ from autoshard.costs.ties import weight_payers
 from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, plural, suggest
 from autoshard.graph.partition import boundary_values
 
-OPTIMIZER_BYTES: dict[str, float] = {"adam": 8.0, "adamw": 8.0, "sgd-momentum": 4.0, "sgd": 0.0, "none": 0.0}
-"""fp32 optimizer state bytes per trainable element, by optimizer name."""
+OPTIMIZER_STATE_TENSORS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
+"""State tensors the optimizer keeps per parameter, each shaped and typed as what it steps."""
+
+OPTIMIZER_BYTES: dict[str, float] = {name: 4.0 * count for name, count in OPTIMIZER_STATE_TENSORS.items()}
+"""Optimizer state bytes per trainable element of an fp32 weight, by optimizer name."""
 
 OPTIMIZER_STEP: dict[str, tuple[float, float, float]] = {
     "adam": (2.0, 1.0, 1.0), "adamw": (2.0, 1.0, 1.0), "sgd-momentum": (0.0, 0.0, 0.0), "sgd": (0.0, 0.0, 0.0),
@@ -262,7 +267,8 @@ class MemoryModel:
     """How training is run, as far as memory goes.
 
     ``optimizer`` names the optimizer (``OPTIMIZER_BYTES``); ``optimizer_bytes_per_param``, when
-    given, overrides its state bytes per trainable element. ``microbatches`` is the step's count
+    given, overrides its state bytes per trainable element (None: its state tensors in the dtype it
+    steps, ``state_bytes_per_element``). ``microbatches`` is the step's count
     (None: as many as the schedule keeps at most, ``k - j`` under 1F1B). ``schedule`` is one of
     ``SCHEDULES``; ``stages_per_rank`` is how many stages each process runs under interleaved
     1F1B (k must divide by it; None: ``INTERLEAVED_STAGES_PER_RANK``), and 1 under any other
@@ -295,9 +301,8 @@ class MemoryModel:
                                                       " (the name 'none' for no optimizer state)"))
         object.__setattr__(self, "schedule", _choice(self.schedule, "schedule", SCHEDULES, note=UNMODELLED_SCHEDULES))
         bytes_ = self.optimizer_bytes_per_param
-        if bytes_ is None:
-            object.__setattr__(self, "optimizer_bytes_per_param", OPTIMIZER_BYTES[self.optimizer])
-        elif isinstance(bytes_, bool) or not isinstance(bytes_, (int, float)) or not 0 <= bytes_ < float("inf"):
+        if bytes_ is not None and (isinstance(bytes_, bool) or not isinstance(bytes_, (int, float))
+                                   or not 0 <= bytes_ < float("inf")):
             typed = not isinstance(bytes_, bool) and isinstance(bytes_, (int, float))
             alternative = "" if typed else " or None (the optimizer's own)"
             raise (InvalidArgumentError if typed else InvalidArgumentTypeError)(
@@ -353,7 +358,9 @@ class MemoryModel:
         shard = f" / {self.dp}" if self.data_parallel == "fsdp" and self.dp > 1 else ""
         gathered = " + unsharded weights and gradients during the step" if self.data_parallel else ""
         layout = f"; {self.layout()}" if self.layout() else ""
-        return (f"(weights + gradients + {self.optimizer} state ({self.optimizer_bytes_per_param:g} B per parameter"
+        per_param = (f"{self.optimizer_bytes_per_param:g} B per parameter" if self.optimizer_bytes_per_param is not None
+                     else f"{OPTIMIZER_STATE_TENSORS[self.optimizer]} tensors a parameter in the dtype it steps")
+        return (f"(weights + gradients + {self.optimizer} state ({per_param}"
                 f"{master})){shard}{gathered} + the larger of: kept activations x microbatches in flight (saved "
                 f"for backward, received and sent values; stage j of k: {self.in_flight_rule()}, {self.schedule}) + "
                 f"one backward + receive buffers of every microbatch of the step; or, after the last backward, every "
@@ -430,12 +437,23 @@ class MemoryModel:
         one exists only from the reduce-scatter after the last backward (the copies freed by then)
         until ``zero_grad``."""
         master = info.numel * _FP32 if self.master_weights and info.nbytes < info.numel * _FP32 else 0
-        optimizer = info.numel * self.optimizer_bytes_per_param + master if info.trainable else 0.0
+        optimizer = info.numel * self.state_bytes_per_element(info) + master if info.trainable else 0.0
         if self.data_parallel is None:
             return float(info.nbytes), float(info.nbytes if info.trainable else 0), float(optimizer)
         share = self.shards if _is_parameter(info) else 1
         gathered_weight, gathered_grad = self.gathered_parts(info)
         return info.nbytes / share + gathered_weight, gathered_grad, optimizer / share
+
+    def state_bytes_per_element(self, info: Weight) -> float:
+        """The optimizer's state bytes per element of a trainable weight: ``optimizer_bytes_per_param``
+        when given, else its state tensors in the dtype of what it steps (``torch.optim`` makes them
+        ``zeros_like`` the parameter): the fp32 master copy's where ``master_weights`` keeps one, else
+        the weight's own (``stepped_bytes``)."""
+        if self.optimizer_bytes_per_param is not None:
+            return float(self.optimizer_bytes_per_param)
+        master = self.master_weights and info.nbytes < info.numel * _FP32
+        width = _FP32 if master else (info.nbytes / info.numel if info.numel else 0.0)
+        return OPTIMIZER_STATE_TENSORS[self.optimizer] * width
 
     def fresh_gradient_bytes(self, info: Weight) -> float:
         """Bytes of the compute-dtype gradient one backward makes of a weight under mixed precision,

@@ -189,7 +189,7 @@ class _Reader:
             return MemoryModel()
         schedule = self.get(obj, "schedule", str, where, "1f1b")
         try:
-            return MemoryModel(self.get(obj, "optimizer_bytes_per_param", (int, float), where),
+            return MemoryModel(self.get(obj, "optimizer_bytes_per_param", (int, float), where, None),
                                self.get(obj, "microbatches", int, where, None),
                                self.get(obj, "optimizer", str, where, "adam"),
                                schedule,

@@ -285,7 +285,8 @@ class SavedPlan:
         if memory is not None:
             rule = f"{self.memory_model.in_flight_rule('stage')} ({self.memory_model.schedule})"
             summary["training_memory"] = {
-                "model": {"optimizer_bytes_per_param": _number(self.memory_model.optimizer_bytes_per_param),
+                "model": {"optimizer_bytes_per_param": (None if self.memory_model.optimizer_bytes_per_param is None
+                                                        else _number(self.memory_model.optimizer_bytes_per_param)),
                           "microbatches_in_flight": rule},
                 "stages": [{"state_bytes": _number(m.state_bytes), "activation_bytes": _number(m.activation_bytes),
                             "received_bytes": _number(m.received_bytes), "sent_bytes": _number(m.sent_bytes),

@@ -5,8 +5,10 @@ The real ``torch.optim`` class runs over stand-ins of the stage's fp32 weights: 
 shares a weight's storage but not its version counter (a graph of the caller's that holds the
 weight stays valid), with a learning rate of 0, gradients zeroed and state as after a first step,
 all zeros: every update adds -0.0, which leaves every bit of a weight as it was (a -0.0 included).
-Weights narrower than fp32 are not stepped: the fp32 state the memory model counts for them is not
-what ``torch.optim`` keeps; a holder keeps that state (with ``master_weights``, an fp32 copy too).
+Its state is what ``torch.optim`` keeps, ``zeros_like`` the weight (bf16 moments for a bf16 weight).
+Under ``master_weights`` a weight narrower than fp32 is stepped through an fp32 copy, with fp32
+state: a holder keeps both, not stepped (the fp32 gradient such a step needs is the training
+loop's own, which the memory model does not count either).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from torch import nn
 
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 
-#: fp32 state tensors per parameter, by optimizer name (the state their ``torch.optim`` class keeps;
-#: Adam's 4-byte step counter per parameter is left out, as the memory model leaves it out).
+#: State tensors per parameter, by optimizer name, each ``zeros_like`` what it steps (the state their
+#: ``torch.optim`` class keeps; Adam's 4-byte step counter per parameter is left out, as the memory
+#: model leaves it out).
 OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
     "adam": ("exp_avg", "exp_avg_sq"),
     "adamw": ("exp_avg", "exp_avg_sq"),
@@ -49,7 +52,8 @@ def optimizer_state_names(optimizer: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class StandIns:
     """A stage's optimizers: ``stepping``, the ``torch.optim`` class over stand-ins of ``weights``,
-    and ``holder``, the state of the narrower weights, never stepped."""
+    and ``holder``, the fp32 state and master copies of the narrower weights under ``master_weights``,
+    never stepped."""
 
     stepping: torch.optim.Optimizer | None
     weights: list[nn.Parameter]
@@ -75,21 +79,20 @@ class StandIns:
 def stand_ins(params: list[nn.Parameter], optimizer: str, master_weights: bool, foreach: bool | None) -> StandIns:
     """``StandIns`` over the trainable ``params`` for ``optimizer`` (a known name, lower case), its state
     as after a first step; ``foreach`` as ``torch.optim`` takes it (None: its choice for the device)."""
-    fp32 = [p for p in params if p.element_size() >= 4 and p.is_floating_point()]
-    narrower = [p for p in params if p.element_size() < 4 or not p.is_floating_point()]
+    mastered = [p for p in params if master_weights and p.element_size() < 4]
+    own = [p for p in params if not (master_weights and p.element_size() < 4)]
     stepping = None
-    if fp32 and optimizer in _TORCH_OPTIMIZERS:
+    if own and optimizer in _TORCH_OPTIMIZERS:
         name, options = _TORCH_OPTIMIZERS[optimizer]
-        aliases = [p.data.requires_grad_(True) for p in fp32]
+        aliases = [p.data.requires_grad_(True) for p in own]
         stepping = getattr(torch.optim, name)(aliases, lr=0.0, foreach=foreach, **options)
         for alias in aliases:
             stepping.state[alias] = _state_after_a_step(optimizer, alias)
-    holder = torch.optim.SGD(narrower, lr=0.0) if narrower else None
-    for p in narrower:
+    holder = torch.optim.SGD(mastered, lr=0.0) if mastered else None
+    for p in mastered:
         holder.state[p] = {name: torch.zeros_like(p, dtype=torch.float32) for name in OPTIMIZER_STATE[optimizer]}
-        if master_weights:
-            holder.state[p]["master"] = p.detach().float()
-    return StandIns(stepping, fp32 if stepping is not None else [], holder)
+        holder.state[p]["master"] = p.detach().float()
+    return StandIns(stepping, own if stepping is not None else [], holder)
 
 
 def _state_after_a_step(optimizer: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
