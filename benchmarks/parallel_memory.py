@@ -4,11 +4,16 @@ measured and as the memory model predicts it.
     python benchmarks/parallel_memory.py            # 2 and 4 gloo processes on this machine's CPUs
     python benchmarks/parallel_memory.py --quick    # a smaller model
     python benchmarks/parallel_memory.py --layouts fsdp,fsdp-bf16
+    python benchmarks/parallel_memory.py --layouts pp --models residual-mlp,hf-gpt2 --k 2,3 \
+        --microbatches 1,4 --optimizer adam,sgd-momentum --schedule 1f1b,gpipe   # a sweep
 
-A GPT-style LM split into k = 2 stages trains under 1F1B with 4 microbatches (Adam), on 2
+By default a GPT-style LM split into k = 2 stages trains under 1F1B with 4 microbatches (Adam), on 2
 processes (pipelining alone, a 2 x 1 mesh) and on 4 (2 pipeline x 2 data-parallel ranks: FSDP,
-replication, bf16 mixed precision, activation checkpointing). Each plan is made with one
-microbatch of one data-parallel rank as its example, as the memory model expects.
+replication, bf16 mixed precision, activation checkpointing). ``--models``, ``--k``,
+``--microbatches``, ``--optimizer`` and ``--schedule`` take comma-separated lists and run every
+combination, one table each. Each plan is made with one microbatch of one data-parallel rank as its
+example and with ``MemoryModel(microbatches=..., optimizer=..., schedule=...)`` as the run has them,
+so the prediction describes that run.
 
 On every rank, after a first step (optimizer state made, pipeline buffers allocated):
 
@@ -32,15 +37,23 @@ import os
 import platform
 
 import torch
+import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autoshard
 from autoshard.costs.saved import without_cyclic_gc
-from autoshard.examples import GPTStyleLMWithLoss
+from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from autoshard.runtime import model_loss, parallelize, run_local
 
-BATCH, MICROBATCHES = 8, 4
+BATCH = 8
 MB = 2 ** 20
+#: the memory model's name for an optimizer -> (its name in words, the optimizer the run steps with)
+OPTIMIZERS = {
+    "adam": ("Adam", lambda params: torch.optim.Adam(params, lr=1e-3)),
+    "sgd-momentum": ("SGD with momentum", lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9)),
+}
+SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+MODELS = ("gpt-lm", "residual-mlp", "hf-gpt2")
 #: name -> (dp, data_parallel, mixed_precision, activation_checkpointing)
 LAYOUTS = {
     "pp": (1, None, None, False),
@@ -69,12 +82,53 @@ class StepTracker(MemTracker):
         pass
 
 
-def build(quick: bool) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    width, layers = (128, 4) if quick else (512, 8)
-    model = GPTStyleLMWithLoss(vocab=8192, width=width, layers=layers, heads=8)
+class ResidualMLPWithLoss(torch.nn.Module):
+    """A wide residual MLP whose forward returns its mean squared error, so the loss is in the plan
+    (``wanted``: a parameter named ``target`` would clash with ``schedule.step(target=)``)."""
+
+    def __init__(self, width: int, blocks: int) -> None:
+        super().__init__()
+        self.mlp = ResidualMLP(num_blocks=blocks, width=width)
+
+    def forward(self, x: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.mlp(x), wanted)
+
+
+class GPT2WithLoss(torch.nn.Module):
+    """Hugging Face's GPT-2 LM (tied head, dropout on) given ``labels``: its forward returns the loss."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=4, n_positions=64, vocab_size=8192,
+                                         bos_token_id=0, eos_token_id=0)
+        self.lm = transformers.GPT2LMHeadModel(config).train()
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=labels, use_cache=False).loss
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, 8192, (BATCH, 32), generator=torch.Generator().manual_seed(1))
-    return model, ids, ids.roll(-1, dims=1)
+    return ids, ids.roll(-1, dims=1)
+
+
+def build(name: str, quick: bool) -> tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """``name``'s model (seed 0), its inputs and targets for a batch of ``BATCH`` rows, and its name in words."""
+    torch.manual_seed(0)
+    if name == "gpt-lm":
+        width, layers = (128, 4) if quick else (512, 8)
+        return "GPT-style LM", GPTStyleLMWithLoss(vocab=8192, width=width, layers=layers, heads=8), *_tokens()
+    if name == "residual-mlp":
+        width = 256 if quick else 1024
+        data = torch.randn(2, BATCH, 32, width, generator=torch.Generator().manual_seed(1))
+        return f"residual MLP (width {width})", ResidualMLPWithLoss(width, 8), data[0], data[1]
+    if name == "hf-gpt2":
+        width, layers = (128, 4) if quick else (256, 6)
+        ids, _ = _tokens()
+        return "Hugging Face GPT-2", GPT2WithLoss(width, layers), ids, ids
+    raise SystemExit(f"unknown model {name!r}; use one of {', '.join(MODELS)}")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -118,16 +172,16 @@ def _total(tracker: MemTracker, kind: str) -> int:
 
 
 def measure(rank: int, world: int, sharded: autoshard.ShardedModel, ids: torch.Tensor, targets: torch.Tensor,
-            layout: str) -> dict:
+            layout: str, microbatches: int, optimizer_name: str, schedule: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     dp, kind, precision, recompute = LAYOUTS[layout]
     mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
-    parallel = parallelize(sharded, mesh, microbatches=MICROBATCHES, loss_fn=model_loss, data_parallel=kind,
-                           mixed_precision=precision, activation_checkpointing=recompute)
+    parallel = parallelize(sharded, mesh, microbatches=microbatches, loss_fn=model_loss, data_parallel=kind,
+                           schedule=schedule, mixed_precision=precision, activation_checkpointing=recompute)
     params = list(parallel.parameters())
-    optimizer = torch.optim.Adam(params, lr=1e-3)
+    optimizer = OPTIMIZERS[optimizer_name][1](params)
     my_ids, my_targets = parallel.local_rows((ids, targets))
 
     def step() -> None:
@@ -154,32 +208,61 @@ def measure(rank: int, world: int, sharded: autoshard.ShardedModel, ids: torch.T
             "peak": _total(tracker, "peak"), "model": parallel.memory_model}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller model")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
-    args = parser.parse_args()
-    model, ids, targets = build(args.quick)
+def _list(text: str, known) -> list[str]:
+    """``text``'s comma-separated names, each one of ``known``."""
+    names = text.split(",")
+    for name in names:
+        if name not in known:
+            raise SystemExit(f"unknown {name!r}; use one of {', '.join(map(str, known))}")
+    return names
+
+
+def run(name: str, quick: bool, k: int, microbatches: int, optimizer: str, schedule: str, layouts: list[str]) -> None:
+    """One table: ``name`` split into ``k`` stages, planned for and run with these settings, per layout."""
+    title, model, ids, targets = build(name, quick)
     params = sum(p.numel() for p in model.parameters())
-    print(f"GPT-style LM, {params / 1e6:.1f} M parameters ({params * 4 / MB:.0f} MB fp32), k = 2, 1F1B, "
-          f"{MICROBATCHES} microbatches, Adam; {platform.processor() or platform.machine()}, torch "
-          f"{torch.__version__}, {datetime.date.today()}, load {os.getloadavg()[0]:.1f}")
+    print(f"{title}, {params / 1e6:.1f} M parameters ({params * 4 / MB:.0f} MB fp32), k = {k}, "
+          f"{SCHEDULES[schedule]}, {microbatches} microbatches, {OPTIMIZERS[optimizer][0]}; "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {datetime.date.today()}, "
+          f"load {os.getloadavg()[0]:.1f}")
     print("| layout | rank | stage | weight state (MB) | unsharded / dp (MB) | ratio | before step (MB) "
           "| predicted peak (MB) | measured peak (MB) | predicted / measured |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for layout in args.layouts.split(","):
+    memory = autoshard.MemoryModel(microbatches=microbatches, optimizer=optimizer, schedule=schedule)
+    per_weight = 2 + memory.optimizer_bytes_per_param / 4  # weights, grads and the optimizer's fp32 state
+    for layout in layouts:
         dp = LAYOUTS[layout][0]
-        rows = BATCH // dp // MICROBATCHES  # one microbatch of one data-parallel rank
-        sharded = autoshard.shard_model(model, 2, example_inputs=(ids[:rows], targets[:rows]))
-        results = run_local(measure, 2 * dp, args=(sharded, ids, targets, layout), timeout=1800)
+        rows = BATCH // dp // microbatches  # one microbatch of one data-parallel rank
+        sharded = autoshard.shard_model(model, k, example_inputs=(ids[:rows], targets[:rows]), memory_model=memory)
+        results = run_local(measure, k * dp, args=(sharded, ids, targets, layout, microbatches, optimizer, schedule),
+                            timeout=1800)
         for rank, row in enumerate(results):
             report = autoshard.plan_report(sharded, memory=row["model"])
             predicted = report.stages[row["stage"]].memory.total
             state = row["weights"] + row["grads"] + row["optimizer"]
-            target = 4 * row["unsharded"] / (dp if LAYOUTS[layout][1] == "fsdp" else 1)  # weights, grads, 2 moments
-            print(f"| {layout} ({2} x {dp}) | {rank} | {row['stage']} | {state / MB:.2f} | {target / MB:.2f} "
+            target = per_weight * row["unsharded"] / (dp if LAYOUTS[layout][1] == "fsdp" else 1)
+            print(f"| {layout} ({k} x {dp}) | {rank} | {row['stage']} | {state / MB:.2f} | {target / MB:.2f} "
                   f"| {state / target:.3f} | {row['before'] / MB:.2f} | {predicted / MB:.2f} | {row['peak'] / MB:.2f} "
                   f"| {predicted / row['peak']:.3f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("--models", default="gpt-lm", help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--k", default="2", help="pipeline stages (processes along pp), comma-separated")
+    parser.add_argument("--microbatches", default="4", help=f"comma-separated divisors of the batch ({BATCH} rows)")
+    parser.add_argument("--optimizer", default="adam", help=f"comma-separated, of {', '.join(OPTIMIZERS)}")
+    parser.add_argument("--schedule", default="1f1b", help=f"comma-separated, of {', '.join(SCHEDULES)}")
+    args = parser.parse_args()
+    layouts = _list(args.layouts, LAYOUTS)
+    for name in _list(args.models, MODELS):
+        for k in map(int, args.k.split(",")):
+            for microbatches in map(int, args.microbatches.split(",")):
+                for optimizer in _list(args.optimizer, OPTIMIZERS):
+                    for schedule in _list(args.schedule, SCHEDULES):
+                        run(name, args.quick, k, microbatches, optimizer, schedule, layouts)
 
 
 if __name__ == "__main__":
