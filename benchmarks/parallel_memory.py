@@ -24,7 +24,8 @@ On every rank, after a first step (optimizer state made, pipeline buffers alloca
   PyTorch's ``MemTracker``, which counts every live tensor storage: what the rank's stages,
   optimizer and pipeline held before the step, and every storage made during it (FSDP's gathered
   weights and reduce buffers included). The plan's own copy of the model, which the worker was
-  handed, is left out where this rank's stages do not run on it. Predicted:
+  handed, is left out where this rank's stages do not run on it, and so is the part of the batch
+  it was handed but does not step with. Predicted:
   ``plan_report(sharded, memory=parallel.memory_model)``.
 """
 
@@ -35,6 +36,7 @@ import datetime
 import gc
 import os
 import platform
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -122,8 +124,9 @@ def build(name: str, quick: bool) -> tuple[str, torch.nn.Module, torch.Tensor, t
         return "GPT-style LM", GPTStyleLMWithLoss(vocab=8192, width=width, layers=layers, heads=8), *_tokens()
     if name == "residual-mlp":
         width = 256 if quick else 1024
-        data = torch.randn(2, BATCH, 32, width, generator=torch.Generator().manual_seed(1))
-        return f"residual MLP (width {width})", ResidualMLPWithLoss(width, 8), data[0], data[1]
+        generator = torch.Generator().manual_seed(1)
+        x, wanted = (torch.randn(BATCH, 32, width, generator=generator) for _ in range(2))  # two storages
+        return f"residual MLP (width {width})", ResidualMLPWithLoss(width, 8), x, wanted
     if name == "hf-gpt2":
         width, layers = (128, 4) if quick else (256, 6)
         ids, _ = _tokens()
@@ -147,13 +150,11 @@ def storage_bytes(tensors) -> int:
 
 def live_tensors(left_out: set[int]) -> list[torch.Tensor]:
     """Every tensor alive in this process but those whose storage is in ``left_out``."""
-    found = []
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            local = _local(obj)
-            if local.untyped_storage().data_ptr() not in left_out or not local.untyped_storage().nbytes():
-                found.append(obj)
-    return found
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated reduce_op warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    return [tensor for tensor in tensors if _local(tensor).untyped_storage().data_ptr() not in left_out
+            or not _local(tensor).untyped_storage().nbytes()]
 
 
 def plan_copy_elsewhere(sharded: autoshard.ShardedModel, parallel) -> set[int]:
@@ -164,6 +165,14 @@ def plan_copy_elsewhere(sharded: autoshard.ShardedModel, parallel) -> set[int]:
     running = {_local(t).untyped_storage().data_ptr() for stage in parallel.stages
                for t in [*stage.submod.parameters(), *stage.submod.buffers()]}
     return {t.untyped_storage().data_ptr() for t in [*sharded.parameters(), *sharded.buffers()]} - running
+
+
+def unused_batch(batch: tuple[torch.Tensor, ...], stepped_with: list[torch.Tensor]) -> set[int]:
+    """The storages of the batch this process was handed but does not step with: every rank gets
+    the whole batch, a float one (the residual MLP's) as big as a stage's activations, and a middle
+    stage steps with none of it."""
+    return ({t.untyped_storage().data_ptr() for t in batch}
+            - {t.untyped_storage().data_ptr() for t in stepped_with})
 
 
 def _total(tracker: MemTracker, kind: str) -> int:
@@ -183,10 +192,11 @@ def measure(rank: int, world: int, sharded: autoshard.ShardedModel, ids: torch.T
     params = list(parallel.parameters())
     optimizer = OPTIMIZERS[optimizer_name][1](params)
     my_ids, my_targets = parallel.local_rows((ids, targets))
+    inputs = (my_ids, my_targets) if parallel.is_first else ()
+    target = my_targets if parallel.is_last else None
 
     def step() -> None:
-        parallel.schedule.step(*((my_ids, my_targets) if parallel.is_first else ()),
-                               target=my_targets if parallel.is_last else None, return_outputs=False)
+        parallel.schedule.step(*inputs, target=target, return_outputs=False)
         parallel.sync_gradients()
         optimizer.step()
 
@@ -197,7 +207,9 @@ def measure(rank: int, world: int, sharded: autoshard.ShardedModel, ids: torch.T
     optimizer.zero_grad()
     gc.collect()
     tracker = StepTracker()
-    tracker.track_external(*live_tensors(plan_copy_elsewhere(sharded, parallel)))
+    stepped_with = [*inputs, *([target] if target is not None else [])]
+    tracker.track_external(*live_tensors(plan_copy_elsewhere(sharded, parallel) | unused_batch(
+        (ids, targets, my_ids, my_targets), stepped_with)))
     before = _total(tracker, "current")
     with tracker, without_cyclic_gc():
         step()
