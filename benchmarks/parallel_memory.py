@@ -274,6 +274,10 @@ def main() -> None:
             for microbatches in map(int, args.microbatches.split(",")):
                 for optimizer in _list(args.optimizer, OPTIMIZERS):
                     for schedule in _list(args.schedule, SCHEDULES):
+                        if schedule == "1f1b" and microbatches < k:  # Schedule1F1B refuses it
+                            print(f"{name}, k = {k}, 1F1B, {microbatches} microbatches: skipped (1F1B needs at "
+                                  f"least k)\n")
+                            continue
                         run(name, args.quick, k, microbatches, optimizer, schedule, layouts)
 
 
