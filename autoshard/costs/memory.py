@@ -19,7 +19,9 @@ its other microbatches wait), part by part:
   run have freed (``backward_bytes``: the most of that above the microbatches held);
 * all step, the receive buffers of the microbatches not in flight (``idle_buffer_bytes``):
   ``PipelineStage`` allocates, for every microbatch of the step, a buffer for the values a stage
-  receives and one for the gradients of the values it sends, and keeps them from step to step.
+  receives and one for the gradients of the values it sends, and keeps them from step to step;
+  the last stage's loss of every microbatch (a one-element output: the schedule keeps each until
+  the step ends, and a CPU ``mse_loss`` returns a view of its whole elementwise buffer).
 
 After the last backward no microbatch is in flight, but the weight state and every receive buffer
 are, and the step's last phase adds its own (``step_bytes``): the tied-gradient sum
@@ -595,7 +597,8 @@ class StageMemory:
     values (not on the first stage) and gradients of the values sent (not on the last)."""
     idle_buffer_bytes: float = 0.0
     """The part of ``buffer_bytes`` that the microbatches in flight and the one backward, which
-    use their buffers, do not count already."""
+    use their buffers, do not count already; and on the last stage the losses of the microbatches
+    not in flight (the schedule frees them as the step ends, so ``buffer_bytes`` has none)."""
     step_bytes: float = 0.0
     """What the tied-gradient sum or the optimizer step adds to ``state_bytes`` after the last
     backward, whichever is more (with data parallelism's unsharded copies freed by then)."""
@@ -1063,6 +1066,13 @@ def _scaled(dag: nx.DiGraph, value: str, scale: float) -> float:
     return float(data["bytes"]) * (scale if "float" in dtype else 1.0)
 
 
+def _is_loss(dag: nx.DiGraph, outputs: Sequence[str]) -> bool:
+    """Whether the model's output is one tensor of one element: a loss, which
+    ``torch.distributed.pipelining`` keeps for every microbatch until the step ends."""
+    shape = getattr(dag.nodes[outputs[0]].get("value_meta"), "shape", None) if len(outputs) == 1 else None
+    return shape is not None and all(size == 1 for size in shape)
+
+
 def _units(infos: Mapping[str, Weight], names: Sequence[str]) -> list[list[Weight]]:
     """A stage's weights grouped as FSDP shards them: one unit per block, one for the rest."""
     units: dict[str | None, list[Weight]] = {}
@@ -1120,10 +1130,11 @@ def stage_memory(
         in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
         received_buffer = received if j > 0 else 0.0  # the first stage's inputs are the caller's batch
         gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
+        losses = sent if j == k - 1 and _is_loss(dag, outputs) else 0.0  # freed as the step ends
         out.append(StageMemory(
             j, weights + grads + optimizer, kept * scale, in_flight,
             buffer_bytes=(received_buffer + gradient_buffer) * buffered,
-            idle_buffer_bytes=received_buffer * (buffered - in_flight) + gradient_buffer * (buffered - 1),
+            idle_buffer_bytes=(received_buffer + losses) * (buffered - in_flight) + gradient_buffer * (buffered - 1),
             received_bytes=received, sent_bytes=sent, output_grad_bytes=output_grads * scale,
             backward_bytes=backward + sum(model.fresh_gradient_bytes(info) for info in held),
             forward_bytes=forward + gradient_buffer,  # the buffer the next backward starts from exists already

@@ -22,7 +22,8 @@ Like torch's ``PipelineStage``, the stage holds a receive buffer for every micro
 (``microbatches``; None: one per stage) of what it receives (the microbatches in flight run on
 theirs) and of the gradients of what it sends (its backward starts from one); a ``PipelineStage``
 allocates them once and keeps them from step to step (``tests/test_runtime_pipeline.py`` counts
-them in a real pipeline).
+them in a real pipeline). The last stage holds the losses of the microbatches not in flight too:
+the schedule keeps each microbatch's loss until the step ends.
 
 After the last backward, with no microbatch in flight, the stage's weight state and receive
 buffers stay while the step ends: the tied-gradient sum (the buffer ``TiedGradients.sync`` makes,
@@ -329,6 +330,7 @@ def _run_in_steady_state(
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
             outputs.append(caller())
         sent = [t for t in tensors_in(outputs[0]) if t.requires_grad]
+        earlier_losses = _earlier_losses(outputs[0], buffers.microbatches - in_flight, buffers.sends)
         resident = _parts(tracker.get_tracker_snapshot("current"), device, optimizers)
         gradients: list[torch.Tensor] = []
         if sent:
@@ -336,7 +338,7 @@ def _run_in_steady_state(
             tracker.track_external(*gradients)
             torch.autograd.backward(sent, gradients)
     parts = _parts(tracker.get_tracker_snapshot("peak"), device, optimizers)
-    del outputs, sent, caller, gradients  # the microbatches' graphs: the step ends with none in flight
+    del outputs, sent, caller, gradients, earlier_losses  # the step ends with no microbatch in flight
     kept = [module, *optimizers.all, *([t for mb in received for t in tensors_in(mb)] if buffers.receives else []),
             *[g for microbatch in waiting for g in microbatch]]  # the first stage's inputs are the caller's
     after = _after_backward(kept, device, step, optimizers, resident["optimizer"])
@@ -345,6 +347,16 @@ def _run_in_steady_state(
         weights = parts["weights"]  # allocated before ``before``: the stage holds them throughout
         return torch.cuda.max_memory_allocated(device) - before + weights, parts, resident, after
     return max(sum(parts.values()), sum(after.values())), parts, resident, after
+
+
+def _earlier_losses(output: Any, count: int, sends: bool) -> list[torch.Tensor]:
+    """Storages as big as the last stage's loss (a one-element output) for ``count`` microbatches
+    not in flight: ``torch.distributed.pipelining`` keeps every microbatch's loss until the step
+    ends, and a loss can view a whole buffer (a CPU ``mse_loss``). None for another stage."""
+    if sends or not isinstance(output, torch.Tensor) or output.numel() != 1:
+        return []
+    nbytes = output.untyped_storage().nbytes()
+    return [torch.empty(nbytes, dtype=torch.uint8, device=output.device) for _ in range(count)]
 
 
 def _after_backward(held: list, device: torch.device, step: _Step, optimizers: StandIns,
