@@ -36,6 +36,7 @@ import datetime
 import gc
 import os
 import platform
+import sys
 import warnings
 
 import torch
@@ -268,6 +269,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adam", help=f"comma-separated, of {', '.join(OPTIMIZERS)}")
     parser.add_argument("--schedule", default="1f1b", help=f"comma-separated, of {', '.join(SCHEDULES)}")
     args = parser.parse_args()
+    sys.setrecursionlimit(10_000)  # pickling a 3-stage Hugging Face plan for the workers nests deeper than 1000
     layouts = _list(args.layouts, LAYOUTS)
     for name in _list(args.models, MODELS):
         for k in map(int, args.k.split(",")):
