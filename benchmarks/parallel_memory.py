@@ -38,6 +38,7 @@ import os
 import platform
 import sys
 import warnings
+from typing import Collection
 
 import torch
 import torch.nn.functional as F
@@ -221,7 +222,7 @@ def measure(rank: int, world: int, sharded: autoshard.ShardedModel, ids: torch.T
             "peak": _total(tracker, "peak"), "model": parallel.memory_model}
 
 
-def _list(text: str, known) -> list[str]:
+def _list(text: str, known: Collection[str]) -> list[str]:
     """``text``'s comma-separated names, each one of ``known``."""
     names = text.split(",")
     for name in names:
