@@ -432,9 +432,10 @@ def test_interleaved_ties_are_summed_on_each_rank_first_stage(again, holders):
 
 
 def test_the_step_changes_no_bit_of_the_weights_nor_their_version():
-    """The optimizer steps stand-ins sharing the weights' storage at a learning rate of 0 with zero
-    gradients and state: every bit stays (a -0.0 too), and a graph of the caller's holding the
-    weights can still run its backward (no in-place write on the parameters themselves)."""
+    """The optimizer steps stand-ins sharing the weights' storage at a learning rate of 0 with
+    non-negative gradients: every bit stays (a -0.0 too: the backward's own gradients turned it into
+    0.0), and a graph of the caller's holding the weights can still run its backward (no in-place write
+    on the parameters themselves); the timing of the step (``measure_stage_time``) alike."""
     model, x = weight_heavy()
     with torch.no_grad():
         model[0].weight[0, :4] = -0.0
@@ -444,6 +445,7 @@ def test_the_step_changes_no_bit_of_the_weights_nor_their_version():
     for j in range(2):
         for foreach in (False, True):
             measure_stage_memory(sharded, j, (x,), optimizer_foreach=foreach)
+        assert autoshard.runtime.measure_stage_time(sharded, j, (x,), repeats=2).optimizer_step > 0
     for p, (old, version) in zip(model.parameters(), before):
         assert torch.equal(p, old) and torch.equal(p.signbit(), old.signbit()) and p._version == version
     loss.backward()

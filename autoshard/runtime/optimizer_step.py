@@ -1,10 +1,12 @@
 """A stage's optimizer, stepped for real without changing the model: for measuring what its step
 holds (``measure_stage_memory``) and how long it takes (``measure_stage_time``).
 
-The real ``torch.optim`` class runs over stand-ins of the stage's fp32 weights: ``.data``, which
-shares a weight's storage but not its version counter (a graph of the caller's that holds the
-weight stays valid), with a learning rate of 0, gradients zeroed and state as after a first step,
-all zeros: every update adds -0.0, which leaves every bit of a weight as it was (a -0.0 included).
+The real ``torch.optim`` class runs over stand-ins of the stage's weights: ``.data``, which shares a
+weight's storage but not its version counter (a graph of the caller's that holds the weight stays
+valid), with a learning rate of 0, state as after a first step (zeros) and gradients made
+non-negative in place (``abs_``: real magnitudes, for a step that takes its real time; all zeros
+ran Adam twice as slow): every update adds -0.0 times a non-negative number, -0.0, which leaves
+every bit of a weight as it was (a -0.0 included; a positive update would turn it into 0.0).
 Its state is what ``torch.optim`` keeps, ``zeros_like`` the weight (bf16 moments for a bf16 weight).
 Under ``master_weights`` a weight narrower than fp32 is stepped through an fp32 copy, with fp32
 state: a holder keeps both, not stepped (the fp32 gradient such a step needs is the training
@@ -64,10 +66,10 @@ class StandIns:
         return [optimizer for optimizer in (self.stepping, self.holder) if optimizer is not None]
 
     def prepare(self) -> None:
-        """Hand each stand-in its weight's gradient, zeroed (the backward's gradients, summed in
-        at a learning rate of 0, would turn a -0.0 weight into 0.0); none where the weight has none."""
+        """Hand each stand-in its weight's gradient (a measurement's own, given back after it), made
+        non-negative in place: updates of -0.0 only; none where the weight has none."""
         for stand_in, weight in zip(self.stepping.param_groups[0]["params"] if self.stepping else (), self.weights):
-            stand_in.grad = None if weight.grad is None else weight.grad.zero_()
+            stand_in.grad = None if weight.grad is None else weight.grad.abs_()
 
     def step(self) -> None:
         """One step of the optimizer, as training runs it after the last backward."""
