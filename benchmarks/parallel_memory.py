@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autoshard
+from autoshard.costs.memory import OPTIMIZER_STATE_TENSORS
 from autoshard.costs.saved import without_cyclic_gc
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from autoshard.runtime import model_loss, parallelize, run_local
@@ -243,7 +244,7 @@ def run(name: str, quick: bool, k: int, microbatches: int, optimizer: str, sched
           "| predicted peak (MB) | measured peak (MB) | predicted / measured |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     memory = autoshard.MemoryModel(microbatches=microbatches, optimizer=optimizer, schedule=schedule)
-    per_weight = 2 + memory.optimizer_bytes_per_param / 4  # weights, grads and the optimizer's fp32 state
+    per_weight = 2 + OPTIMIZER_STATE_TENSORS[optimizer]  # weights, grads and the optimizer's state (fp32 models)
     for layout in layouts:
         dp = LAYOUTS[layout][0]
         rows = BATCH // dp // microbatches  # one microbatch of one data-parallel rank

@@ -124,11 +124,12 @@ def test_stage_memory_counts_state_saved_activations_boundaries_and_one_backward
     assert [len(list(s.parameters())) for s in sharded.stages] == [2, 2]
     # stage 0: Linear(4, 8) saves only the model input x (received, 48 B); its output (96 B) is kept
     # until its gradient arrives; the backward holds that gradient and the weight's (128 + 32)
-    # (a step of 2 microbatches, one per stage: a buffer for each's output gradient, one in use);
-    # its forward keeps all it makes, beside the gradient buffer the next backward uses
+    # (a step of 2 microbatches, one per stage: a buffer for each's output gradient, one in use, and the
+    # step's batch it is handed, both microbatches in flight); its forward keeps all it makes, beside the
+    # gradient buffer the next backward uses
     assert first == StageMemory(0, (32 + 8) * 4 * 4, 0, 2, received_bytes=48, sent_bytes=96, output_grad_bytes=96,
                                 backward_bytes=96 + 160, forward_bytes=96, weight_bytes=160, gradient_bytes=160,
-                                buffer_bytes=2 * 96, idle_buffer_bytes=96, step_bytes=2 * 128)
+                                buffer_bytes=2 * (96 + 48), idle_buffer_bytes=96, step_bytes=2 * 128)
     # stage 1: ReLU saves its output (96 B; the Linear saves the same storage); it receives 96 B
     # and sends the 24 B output; the peak is the ReLU's backward: output gradient 24, the
     # Linear's input gradient 96 and the ReLU's own 96; a receive buffer for each microbatch, one in use

@@ -20,6 +20,8 @@ its other microbatches wait), part by part:
 * all step, the receive buffers of the microbatches not in flight (``idle_buffer_bytes``):
   ``PipelineStage`` allocates, for every microbatch of the step, a buffer for the values a stage
   receives and one for the gradients of the values it sends, and keeps them from step to step;
+  the first stage is handed the step's whole batch (``schedule.step`` splits it into views), which
+  it holds to the step's end as a later stage holds its receive buffers;
   the last stage's loss of every microbatch (a one-element output: the schedule keeps each until
   the step ends, and a CPU ``mse_loss`` returns a view of its whole elementwise buffer).
 
@@ -594,7 +596,8 @@ class StageMemory:
     microbatch is in flight any more (``MemoryModel.reduce_bytes``)."""
     buffer_bytes: float = 0.0
     """The receive buffers the runtime keeps all step, one per microbatch of the step: received
-    values (not on the first stage) and gradients of the values sent (not on the last)."""
+    values (on the first stage, the batch it is handed) and gradients of the values sent (not on
+    the last)."""
     idle_buffer_bytes: float = 0.0
     """The part of ``buffer_bytes`` that the microbatches in flight and the one backward, which
     use their buffers, do not count already; and on the last stage the losses of the microbatches
@@ -1128,7 +1131,7 @@ def stage_memory(
         forward = _forward_peak(stage_dag, nodes, assignment, sent_storages | recompute.boundary.keys(), recomputed,
                                 copied) * scale
         in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
-        received_buffer = received if j > 0 else 0.0  # the first stage's inputs are the caller's batch
+        received_buffer = received  # the first stage's: the step's whole batch, which it is handed
         gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
         losses = sent if j == k - 1 and _is_loss(dag, outputs) else 0.0  # freed as the step ends
         out.append(StageMemory(

@@ -22,8 +22,9 @@ Like torch's ``PipelineStage``, the stage holds a receive buffer for every micro
 (``microbatches``; None: one per stage) of what it receives (the microbatches in flight run on
 theirs) and of the gradients of what it sends (its backward starts from one); a ``PipelineStage``
 allocates them once and keeps them from step to step (``tests/test_runtime_pipeline.py`` counts
-them in a real pipeline). The last stage holds the losses of the microbatches not in flight too:
-the schedule keeps each microbatch's loss until the step ends.
+them in a real pipeline). The first stage holds every microbatch of the step's batch, which
+``schedule.step`` is handed whole; the last stage holds the losses of the microbatches not in
+flight too: the schedule keeps each microbatch's loss until the step ends.
 
 After the last backward, with no microbatch in flight, the stage's weight state and receive
 buffers stay while the step ends: the tied-gradient sum (the buffer ``TiedGradients.sync`` makes,
@@ -288,9 +289,9 @@ def _as_sent(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Buffers:
-    """The receive buffers a ``PipelineStage`` keeps: of its inputs (``receives``: not the first
-    stage, whose inputs it is handed), of its outputs' gradients (``sends``: not the last, whose
-    backward starts from the loss), each for ``microbatches``."""
+    """The receive buffers a ``PipelineStage`` keeps, each for ``microbatches``: of its inputs (the first
+    stage's are the step's batch it is handed, ``receives`` False: they want no gradient), of its
+    outputs' gradients (``sends``: not the last, whose backward starts from the loss)."""
 
     receives: bool
     sends: bool
@@ -309,8 +310,7 @@ def _run_in_steady_state(
         _take_workspaces(device)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
-    received = [fresh_copy((args, kwargs), buffers.receives)
-                for _ in range(buffers.microbatches if buffers.receives else in_flight)]
+    received = [fresh_copy((args, kwargs), buffers.receives) for _ in range(buffers.microbatches)]
     waiting = _gradient_buffers(module, received[0], buffers.microbatches if buffers.sends else 0)
     if cuda:  # the peak from here on, the buffers included as they are held
         gc.collect()
@@ -339,8 +339,8 @@ def _run_in_steady_state(
             torch.autograd.backward(sent, gradients)
     parts = _parts(tracker.get_tracker_snapshot("peak"), device, optimizers)
     del outputs, sent, caller, gradients, earlier_losses  # the step ends with no microbatch in flight
-    kept = [module, *optimizers.all, *([t for mb in received for t in tensors_in(mb)] if buffers.receives else []),
-            *[g for microbatch in waiting for g in microbatch]]  # the first stage's inputs are the caller's
+    kept = [module, *optimizers.all, *[t for mb in received for t in tensors_in(mb)],
+            *[g for microbatch in waiting for g in microbatch]]  # the batch (or receive buffers) stays
     after = _after_backward(kept, device, step, optimizers, resident["optimizer"])
     if cuda:
         torch.cuda.synchronize(device)
