@@ -194,9 +194,7 @@ def measure_stage_memory(
         module = plan.stages[stage]
         args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
-        ranks = k // run.stages_per_rank
-        step = _Step(optimizer.lower(), master_weights, foreach, _tie_sum(plan, stage, ranks),
-                     _ties_of_one_rank(plan, stage, ranks))
+        step = _Step(optimizer.lower(), master_weights, foreach, *_tie_sums(plan, stage, k // run.stages_per_rank))
         peak, parts, resident, after = _run_in_steady_state(module, device, args, kwargs, in_flight, step,
                                                             _Buffers(stage > 0, stage < k - 1, buffered))
     return StageMemoryMeasurement(
@@ -205,23 +203,22 @@ def measure_stage_memory(
         after)
 
 
-def _tie_sum(plan: ShardedModel, stage: int, ranks: int) -> dict[int, tuple[torch.dtype, tuple[int, ...]]]:
-    """What ``TiedGradients.sync`` sums on the rank of ``stage`` when it is that rank's first stage:
-    every trainable weight held by stages on two ranks or more (stage s on rank s mod ranks)."""
+def _tie_sums(plan: ShardedModel, stage: int, ranks: int) -> tuple[
+        dict[int, tuple[torch.dtype, tuple[int, ...]]], tuple[tuple[torch.dtype, tuple[int, ...]], ...]]:
+    """What ``TiedGradients.sync`` sums on the rank of ``stage`` when it is that rank's first stage
+    (stage s on rank s mod ranks; nothing on another): every trainable weight held by stages on two
+    ranks or more, in its flat buffers (by index, as ``summing_buffers`` takes them), then, one at a
+    time in a buffer of its own, each one this rank's stages alone hold (interleaved 1F1B)."""
     if stage >= ranks:
-        return {}
-    return {i: (shared.dtype, shared.shape) for i, shared in enumerate(shared_parameters(plan))
-            if len({s % ranks for s in shared.stages}) > 1}
-
-
-def _ties_of_one_rank(plan: ShardedModel, stage: int, ranks: int) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
-    """What ``TiedGradients.sync`` then sums one at a time, each in a buffer of its own, on the rank of
-    ``stage`` when it is that rank's first stage: the trainable weights that this rank's stages alone
-    hold (several stages a rank: interleaved 1F1B)."""
-    if stage >= ranks:
-        return ()
-    return tuple((shared.dtype, shared.shape) for shared in shared_parameters(plan)
-                 if {s % ranks for s in shared.stages} == {stage})
+        return {}, ()
+    across, alone = {}, []
+    for i, shared in enumerate(shared_parameters(plan)):
+        on = {s % ranks for s in shared.stages}
+        if len(on) > 1:
+            across[i] = (shared.dtype, shared.shape)
+        elif on == {stage}:
+            alone.append((shared.dtype, shared.shape))
+    return across, tuple(alone)
 
 
 @dataclass(frozen=True)
@@ -339,9 +336,7 @@ def _run_in_steady_state(
             torch.autograd.backward(sent, gradients)
     parts = _parts(tracker.get_tracker_snapshot("peak"), device, optimizers)
     del outputs, sent, caller, gradients, earlier_losses  # the step ends with no microbatch in flight
-    kept = [module, *optimizers.all, *[t for mb in received for t in tensors_in(mb)],
-            *[g for microbatch in waiting for g in microbatch]]  # the batch (or receive buffers) stays
-    after = _after_backward(kept, device, step, optimizers, resident["optimizer"])
+    after = _after_backward(held, device, step, optimizers, resident["optimizer"])  # the buffers stay
     if cuda:
         torch.cuda.synchronize(device)
         weights = parts["weights"]  # allocated before ``before``: the stage holds them throughout
