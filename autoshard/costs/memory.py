@@ -440,7 +440,7 @@ class MemoryModel:
         (``gathered_parts``); the gradient is the unsharded accumulation alone, since the sharded
         one exists only from the reduce-scatter after the last backward (the copies freed by then)
         until ``zero_grad``."""
-        master = info.numel * _FP32 if self.master_weights and info.nbytes < info.numel * _FP32 else 0
+        master = info.numel * _FP32 if self._master_copy(info) else 0
         optimizer = info.numel * self.state_bytes_per_element(info) + master if info.trainable else 0.0
         if self.data_parallel is None:
             return float(info.nbytes), float(info.nbytes if info.trainable else 0), float(optimizer)
@@ -455,9 +455,17 @@ class MemoryModel:
         the weight's own (``stepped_bytes``)."""
         if self.optimizer_bytes_per_param is not None:
             return float(self.optimizer_bytes_per_param)
-        master = self.master_weights and info.nbytes < info.numel * _FP32
-        width = _FP32 if master else (info.nbytes / info.numel if info.numel else 0.0)
-        return OPTIMIZER_STATE_TENSORS[self.optimizer] * width
+        return OPTIMIZER_STATE_TENSORS[self.optimizer] * self._stepped_width(info)
+
+    def _master_copy(self, info: Weight) -> bool:
+        """Whether the optimizer steps an fp32 copy of the weight: ``master_weights``, and narrower than fp32."""
+        return self.master_weights and info.nbytes < info.numel * _FP32
+
+    def _stepped_width(self, info: Weight) -> float:
+        """Bytes per element of what the optimizer steps for the weight: its fp32 master copy, or itself."""
+        if self._master_copy(info):
+            return float(_FP32)
+        return info.nbytes / info.numel if info.numel else 0.0
 
     def fresh_gradient_bytes(self, info: Weight) -> float:
         """Bytes of the compute-dtype gradient one backward makes of a weight under mixed precision,
@@ -488,9 +496,7 @@ class MemoryModel:
         copy where ``master_weights`` keeps one, else the weight (FSDP's shard of it)."""
         if not info.trainable:
             return 0.0
-        master = self.master_weights and info.nbytes < info.numel * _FP32
-        own = float(info.numel * _FP32 if master else info.nbytes)
-        return own / (self.shards if _is_parameter(info) else 1)
+        return info.numel * self._stepped_width(info) / (self.shards if _is_parameter(info) else 1)
 
     def step_bytes(self, infos: Sequence[Weight]) -> float:
         """The most one optimizer step over ``infos`` (a stage's weights, in the order it steps them)
@@ -508,9 +514,8 @@ class MemoryModel:
             return max((current * b + previous * a for a, b in zip(stepped, stepped[1:])), default=0.0)
         by_dtype: dict[float, float] = {}  # keyed by bytes per element, which tells the dtypes apart here
         for info in trainable:
-            stepped = self.stepped_bytes(info)
-            width = stepped / info.numel if info.numel else 0.0
-            by_dtype[width] = by_dtype.get(width, 0.0) + stepped
+            width = self._stepped_width(info)
+            by_dtype[width] = by_dtype.get(width, 0.0) + self.stepped_bytes(info)
         return at_once * _two_largest(by_dtype.values())
 
     def reduced_bytes(self, infos: Sequence[Weight]) -> float:
