@@ -172,8 +172,8 @@ def _device(args: argparse.Namespace) -> DeviceModel | None:
 def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) -> MemoryModel | None:
     """``saved`` (a rebuilt plan's memory model, else the default) with the values given by the memory
     flags (--optimizer, --optimizer-bytes, --schedule, --stages-per-rank, --microbatches,
-    --master-weights, --optimizer-foreach): a flag left out keeps the saved value rather than resetting
-    it. None when no flag is given and nothing is saved."""
+    --master-weights, --optimizer-foreach, --keep-gradients): a flag left out keeps the saved value
+    rather than resetting it. None when no flag is given and nothing is saved."""
     given: dict[str, object] = {}
     if args.optimizer is not None:
         given["optimizer"] = _named(args.optimizer, "--optimizer", tuple(OPTIMIZER_BYTES))
@@ -187,6 +187,8 @@ def _memory_model(args: argparse.Namespace, saved: MemoryModel | None = None) ->
         given["master_weights"] = args.master_weights
     if args.optimizer_foreach is not None:
         given["optimizer_foreach"] = args.optimizer_foreach
+    if args.keep_gradients is not None:
+        given["keep_gradients"] = args.keep_gradients
     if not given:
         return saved
     return dataclasses.replace(saved or MemoryModel(), **given)
@@ -257,6 +259,8 @@ def _memory_flags(model: MemoryModel) -> list[str]:
         flags += ["--master-weights"]
     if model.optimizer_foreach is not None:
         flags += ["--optimizer-foreach" if model.optimizer_foreach else "--no-optimizer-foreach"]
+    if model.keep_gradients:
+        flags += ["--keep-gradients"]
     return flags
 
 
@@ -639,6 +643,9 @@ def _plan_options(build: bool) -> argparse.ArgumentParser:
     options.add_argument("--optimizer-foreach", action=argparse.BooleanOptionalAction, default=None,
                          help="the optimizer steps every weight at once (torch.optim's foreach; --no-optimizer-foreach:"
                               " one after another); default: as torch chooses where the model is (foreach on a GPU)")
+    options.add_argument("--keep-gradients", action=argparse.BooleanOptionalAction, default=None,
+                         help="the training loop keeps gradients between steps (zero_grad(set_to_none=False)); "
+                              "default: zero_grad frees them, so a GPipe stage's first backward makes them")
     options.add_argument("--link-bandwidth", metavar="RATE",
                          help="bandwidth between two ranks for the predicted step time, e.g. 25GB/s or in bits "
                               f"200Gbit/s (a bare number: bytes/s; default {DEFAULT_LINK_BANDWIDTH:g} bytes/s: gloo "

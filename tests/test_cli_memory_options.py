@@ -76,6 +76,7 @@ def test_the_flags_set_the_plans_memory_model_and_a_rebuild_keeps_it(capsys, tmp
     MemoryModel(optimizer="adamw", optimizer_bytes_per_param=2, schedule="gpipe", master_weights=True),
     MemoryModel(optimizer_foreach=True),
     MemoryModel(optimizer_foreach=False),
+    MemoryModel(schedule="gpipe", keep_gradients=True),
 ])
 def test_the_command_to_copy_sets_the_same_memory_model(model):
     """What a refusal's advice (--compare with --plan) prints is parsed back to the same model."""

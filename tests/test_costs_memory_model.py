@@ -236,28 +236,76 @@ def sharded_case(name: str, k: int):
     return autoshard.shard_model(model, k, example_inputs=args, example_kwargs=kwargs, pipeline=pipeline), args, kwargs
 
 
-@pytest.mark.parametrize("name, k, microbatches, optimizer, schedule", [
-    ("residual-mlp", 2, 4, "adam", "1f1b"),
-    ("gpt-lm", 4, 8, "adamw", "1f1b"),
-    ("gpt-lm", 4, 1, "sgd", "gpipe"),
-    ("transformer-lm", 2, 4, "sgd-momentum", "1f1b"),
-    ("hf-gpt2", 2, 4, "adam", "1f1b"),
-    ("branched", 4, 8, "sgd", "gpipe"),  # blocks fake tensors cannot run: probed on real tensors
-    ("branched", 4, 8, "adam", "1f1b"),  # counted by their output bytes, stage 2 was 0.86x
+@pytest.mark.parametrize("name, k, microbatches, optimizer, schedule, keep", [
+    ("residual-mlp", 2, 4, "adam", "1f1b", False),
+    ("gpt-lm", 4, 8, "adamw", "1f1b", False),
+    ("gpt-lm", 4, 1, "sgd", "gpipe", False),
+    ("gpt-lm", 2, 4, "adam", "gpipe", False),
+    ("transformer-lm", 2, 4, "sgd-momentum", "1f1b", False),
+    ("hf-gpt2", 2, 4, "adam", "1f1b", False),
+    # blocks fake tensors cannot run: probed on real tensors; the block the example's values skip gives its
+    # weights no gradient, which the model counts (safe for other values): kept between steps, they exist
+    ("branched", 4, 8, "sgd", "gpipe", True),
+    ("branched", 4, 8, "adam", "1f1b", False),  # counted by their output bytes, stage 2 was 0.86x
 ])
-def test_the_model_is_within_ten_percent_of_what_each_stage_holds(name, k, microbatches, optimizer, schedule):
+def test_the_model_is_within_ten_percent_of_what_each_stage_holds(name, k, microbatches, optimizer, schedule, keep):
     sharded, args, kwargs = sharded_case(name, k)
-    model = MemoryModel(microbatches=microbatches, optimizer=optimizer, schedule=schedule)
+    model = MemoryModel(microbatches=microbatches, optimizer=optimizer, schedule=schedule, keep_gradients=keep)
     predicted = autoshard.plan_report(sharded, memory=model).stages
     for j in range(k):
         measured = measure_stage_memory(sharded, j, args, kwargs, schedule=schedule, microbatches=microbatches,
-                                        optimizer=optimizer)
+                                        optimizer=optimizer, keep_gradients=keep)
         stage = predicted[j].memory
         assert stage.in_flight == measured.in_flight
         assert stage.weight_bytes == measured.parts["weights"]
-        parts = measured.parts
-        assert stage.state_bytes == parts["weights"] + parts["gradients"] + parts["optimizer"]
+        after = measured.after_backward  # the gradients exist by then (GPipe's first backward makes them)
+        assert (stage.weight_bytes, stage.optimizer_bytes) == (after["weights"], after["optimizer"])
+        # a block the example's values skip gives its weights no gradient, which the model counts
+        assert after["gradients"] <= stage.gradient_bytes
         assert 0.9 <= stage.total / measured.peak <= 1.1, (j, stage, measured)
+
+
+class _WideBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class _WideBlocks(nn.Module):
+    """Residual blocks whose weights outweigh a microbatch's activations, ending in a loss."""
+
+    def __init__(self, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(_WideBlock(width) for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2)])
+def test_a_stage_running_every_forward_first_meets_no_gradient_at_its_first_backward(schedule, microbatches):
+    """GPipe, and 1F1B on a stage keeping every microbatch of the step: all forwards run before the
+    first backward, after ``zero_grad`` freed the gradients, so it makes them as it frees the
+    activations, and the next backward meets them with a microbatch fewer and the gradients the
+    first sent back (torch's schedules hold them). Counted with the gradients from the start, such
+    a stage was 1.11x-1.14x of what it held in two-process GPipe runs."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    sharded = autoshard.shard_model(_WideBlocks(), 2, example_inputs=(x,))
+    freed, kept = (MemoryModel(microbatches=microbatches, optimizer="sgd", schedule=schedule, keep_gradients=keep)
+                   for keep in (False, True))
+    predicted, with_gradients = (autoshard.plan_report(sharded, memory=m).stages for m in (freed, kept))
+    forwards_first = [j for j in range(2) if predicted[j].memory.first_backward_bytes is not None]
+    assert forwards_first == ([0, 1] if schedule == "gpipe" else [0])
+    for j in range(2):
+        measured = measure_stage_memory(sharded, j, (x,), schedule=schedule, microbatches=microbatches,
+                                        optimizer="sgd")
+        assert predicted[j].memory.total == measured.peak, (j, predicted[j].memory, measured)
+        if j in forwards_first:
+            assert predicted[j].memory.total < with_gradients[j].memory.total
 
 
 class _SentViewBlock(nn.Module):
@@ -372,9 +420,12 @@ def test_the_real_probe_of_a_node_that_writes_to_its_input_leaves_shape_propagat
     torch.manual_seed(0)
     x = torch.randn(64, 64)
     sharded = autoshard.shard_model(_Shifted(), 2, example_inputs=(x,))
-    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1, optimizer="sgd")).stages
+    # (gradients kept between steps: the first backward of a step keeps the gradients ``pick``'s six linears
+    # make, where the probe holds the one it got throughout, a bound above: 1.05x)
+    kept = MemoryModel(microbatches=1, optimizer="sgd", keep_gradients=True)
+    predicted = autoshard.plan_report(sharded, memory=kept).stages
     for j in range(2):
-        measured = measure_stage_memory(sharded, j, (x,), microbatches=1, optimizer="sgd")
+        measured = measure_stage_memory(sharded, j, (x,), microbatches=1, optimizer="sgd", keep_gradients=True)
         assert predicted[j].memory.total == measured.peak, (j, predicted[j].memory, measured)
 
 
@@ -534,9 +585,11 @@ def test_a_value_sent_that_is_not_contiguous_is_counted_as_the_wire_sends_it(mod
     x = torch.randn(64, 32)
     sharded = autoshard.shard_model(model().train(), 2, example_inputs=(x,),
                                     pipeline="capture,shape-prop,build-dag,linearize,split{stages=2 cut-before=b},emit")
-    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages
+    kept = MemoryModel(microbatches=1, keep_gradients=True)  # the walk with gradients (a first backward's: 128 B over)
+    predicted = autoshard.plan_report(sharded, memory=kept).stages
     for j in range(2):
-        assert predicted[j].memory.total == measure_stage_memory(sharded, j, (x,), microbatches=1).peak, j
+        measured = measure_stage_memory(sharded, j, (x,), microbatches=1, keep_gradients=True)
+        assert predicted[j].memory.total == measured.peak, j
     facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
     sent = sharded.plan.boundaries[0][-1]
     assert facts[sent].strided_output == copied and (facts[sent].dense_order is None) == copied
@@ -600,9 +653,11 @@ def test_every_value_a_returned_container_holds_is_kept(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(4, 16, 32)
     sharded = autoshard.shard_model(_Pooled().train(), 2, (x,), cut_before=["b"])
-    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages
+    kept = MemoryModel(microbatches=1, keep_gradients=True)  # the walk with gradients (a first backward's: 128 B over)
+    predicted = autoshard.plan_report(sharded, memory=kept).stages
     for j in range(2):
-        assert predicted[j].memory.total == measure_stage_memory(sharded, j, (x,), microbatches=1).peak, j
+        measured = measure_stage_memory(sharded, j, (x,), microbatches=1, keep_gradients=True)
+        assert predicted[j].memory.total == measured.peak, j
     facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
     assert [f.holds for f in facts.values() if f is not None and f.holds] == [("mean",)]
     assert {n.name: n.training for n in read_plan(sharded.save_plan(tmp_path / "plan.json")).nodes} == facts
@@ -762,9 +817,12 @@ def test_a_gradient_summed_into_another_is_counted_after_autograd_drops_the_one_
     torch.manual_seed(0)
     model, x = _Scan().train(), torch.randn(2, 6, 32)
     sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
-    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1, optimizer="sgd")).stages
+    # (gradients kept between steps: the first backward of a step keeps the gradients ``pick``'s six linears
+    # make, where the probe holds the one it got throughout, a bound above: 1.05x)
+    kept = MemoryModel(microbatches=1, optimizer="sgd", keep_gradients=True)
+    predicted = autoshard.plan_report(sharded, memory=kept).stages
     for j in range(2):
-        measured = measure_stage_memory(sharded, j, (x,), microbatches=1, optimizer="sgd").peak
+        measured = measure_stage_memory(sharded, j, (x,), microbatches=1, optimizer="sgd", keep_gradients=True).peak
         assert measured <= predicted[j].memory.total <= 1.05 * measured, j
 
 
@@ -950,8 +1008,9 @@ def test_a_value_passed_through_copies_its_gradient_after_every_other_node():
     torch.manual_seed(0)
     x = torch.randn(256, 64)
     sharded = autoshard.shard_model(_Skip().train(), 3, example_inputs=(x,), cut_before=["b", "c"])
-    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages
-    measured = measure_stage_memory(sharded, 1, (x,), microbatches=1)
+    kept = MemoryModel(microbatches=1, keep_gradients=True)  # the weights' gradients are no temporaries
+    predicted = autoshard.plan_report(sharded, memory=kept).stages
+    measured = measure_stage_memory(sharded, 1, (x,), microbatches=1, keep_gradients=True)
     assert measured.parts["temporaries"] == 2 * 64 * 256 * 4  # the input's gradient and the copy
     assert predicted[1].memory.total == measured.peak
 
@@ -996,8 +1055,9 @@ def test_a_received_gradient_handed_back_by_an_addition_is_copied():
     torch.manual_seed(0)
     x = torch.randn(64, 32)
     sharded = autoshard.shard_model(_SentResidual().train(), 3, example_inputs=(x,), cut_before=["c", "d"])
-    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1, optimizer="sgd")).stages
-    measured = measure_stage_memory(sharded, 1, (x,), microbatches=1, optimizer="sgd")
+    kept = MemoryModel(microbatches=1, optimizer="sgd", keep_gradients=True)  # the weights' gradients: no temporaries
+    predicted = autoshard.plan_report(sharded, memory=kept).stages
+    measured = measure_stage_memory(sharded, 1, (x,), microbatches=1, optimizer="sgd", keep_gradients=True)
     assert measured.parts["temporaries"] == 2 * 64 * 32 * 4  # the gradient of b(h) and the copy
     assert predicted[1].memory.total == measured.peak
 

@@ -126,10 +126,14 @@ def test_stage_memory_counts_state_saved_activations_boundaries_and_one_backward
     # until its gradient arrives; the backward holds that gradient and the weight's (128 + 32)
     # (a step of 2 microbatches, one per stage: a buffer for each's output gradient, one in use, and the
     # step's batch it is handed, both microbatches in flight); its forward keeps all it makes, beside the
-    # gradient buffer the next backward uses
+    # gradient buffer the next backward uses. Both forwards run before its first backward, which meets no
+    # gradient (``zero_grad`` freed them) and makes the weight's; the second meets them, a microbatch fewer
+    # (its output freed once the first backward ran)
+    in_use = 2 * (48 + 96) + 96
     assert first == StageMemory(0, (32 + 8) * 4 * 4, 0, 2, received_bytes=48, sent_bytes=96, output_grad_bytes=96,
                                 backward_bytes=96 + 160, forward_bytes=96, weight_bytes=160, gradient_bytes=160,
-                                buffer_bytes=2 * (96 + 48), idle_buffer_bytes=96, step_bytes=2 * 128)
+                                buffer_bytes=2 * (96 + 48), idle_buffer_bytes=96, step_bytes=2 * 128,
+                                first_backward_bytes=96 + 160, later_backward_bytes=in_use + 96 + 160 - 96)
     # stage 1: ReLU saves its output (96 B; the Linear saves the same storage); it receives 96 B
     # and sends the 24 B output; the peak is the ReLU's backward: output gradient 24, the
     # Linear's input gradient 96 and the ReLU's own 96; a receive buffer for each microbatch, one in use
@@ -138,7 +142,7 @@ def test_stage_memory_counts_state_saved_activations_boundaries_and_one_backward
                                idle_buffer_bytes=96, step_bytes=2 * 64)
     # after the last backward: every receive buffer and single-tensor Adam's temporaries (2x the largest
     # weight it steps), less than the steady state here
-    assert [s.total for s in (first, last)] == [640 + 2 * (48 + 96) + 256 + 96, 264 + 96 + 96 + 24 + 216 + 96]
+    assert [s.total for s in (first, last)] == [640 + in_use + 160, 264 + 96 + 96 + 24 + 216 + 96]
     assert plan.stage_costs("memory", mm) == [s.total for s in (first, last)]
     capped = stage_memory(plan.dag, plan.assignment, 2, MemoryModel(microbatches=1))
     assert [s.in_flight for s in capped] == [1, 1]

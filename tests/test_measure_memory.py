@@ -41,7 +41,8 @@ def linear_bytes(*widths: int) -> int:
 
 def test_linear_stack_matches_a_hand_count():
     sharded, x = linear_stack()
-    first = measure_stage_memory(sharded, 0, (x,), microbatches=1)
+    # gradients kept between steps: they exist before the backward (``test_the_first_backward_...`` without)
+    first = measure_stage_memory(sharded, 0, (x,), microbatches=1, keep_gradients=True)
     state = linear_bytes(8, 16, 16)
     # before the backward: weights, their gradients, Adam's two fp32 moments, the two outputs (the
     # first saved by the second Linear, the second kept as the stage's output); received: the input
@@ -49,7 +50,7 @@ def test_linear_stack_matches_a_hand_count():
     assert dict(first.resident) == {"weights": state, "gradients": state, "optimizer": 2 * state,
                                     "activations": BATCH * (16 + 16) * F32, "received": BATCH * (8 + 16) * F32,
                                     "temporaries": 0}
-    last = measure_stage_memory(sharded, 1, (x,), microbatches=1)
+    last = measure_stage_memory(sharded, 1, (x,), microbatches=1, keep_gradients=True)
     state = linear_bytes(16, 32, 4)
     # the peak is the 16->32 Linear's backward: its input gradient, weight and bias gradients
     # (before they are added to .grad) and its output's gradient are alive; of the activations
@@ -70,17 +71,36 @@ def test_linear_stack_matches_a_hand_count():
     assert last.source.startswith("live tensor storages")
 
 
+def test_the_first_backward_after_zero_grad_makes_the_gradients():
+    """One microbatch: every forward runs before the stage's backward, and ``zero_grad`` (set to None,
+    torch's default) freed the gradients, so that backward makes them, each kept as it comes: none
+    before it, all after it, and at its peak none added into another and freed."""
+    sharded, x = linear_stack()
+    last = measure_stage_memory(sharded, 1, (x,), microbatches=1, optimizer="sgd")
+    state = linear_bytes(16, 32, 4)
+    assert last.resident["gradients"] == 0 and last.after_backward["gradients"] == state
+    # the 16->32 Linear's backward, run last: every weight's gradient, its input's and its output's
+    assert last.parts["temporaries"] + last.parts["gradients"] == state + BATCH * (16 + 32) * F32
+    kept = measure_stage_memory(sharded, 1, (x,), microbatches=1, optimizer="sgd", keep_gradients=True)
+    assert kept.resident["gradients"] == state and last.peak < kept.peak
+    for gradients in (last, kept):
+        memory = autoshard.MemoryModel(microbatches=1, optimizer="sgd", keep_gradients=gradients is kept)
+        assert autoshard.plan_report(sharded, memory=memory).stages[1].memory.total == gradients.peak
+
+
 def test_each_microbatch_in_flight_adds_its_activations_and_inputs():
-    """SGD, whose step adds nothing: the peak is the schedule's steady state."""
+    """SGD, whose step adds nothing: the peak is the schedule's steady state (gradients kept between
+    steps, so that every backward meets them)."""
     sharded, x = linear_stack()
     gradient_buffer = BATCH * 16 * F32  # where the gradient of the stage's output arrives
     per_microbatch = BATCH * (16 + 16) * F32 + BATCH * 8 * F32 + gradient_buffer
-    peaks = [measure_stage_memory(sharded, 0, (x,), schedule="gpipe", microbatches=m, optimizer="sgd").peak
-             for m in (1, 2, 3)]
+    peaks = [measure_stage_memory(sharded, 0, (x,), schedule="gpipe", microbatches=m, optimizer="sgd",
+                                  keep_gradients=True).peak for m in (1, 2, 3)]
     assert [b - a for a, b in zip(peaks, peaks[1:])] == [per_microbatch, per_microbatch]
     # 1F1B: stage 0 of 2 keeps at most 2 in flight, but a gradient buffer for every microbatch of the step,
     # and the step's whole batch it is handed
-    one_f_one_b = [measure_stage_memory(sharded, 0, (x,), microbatches=m, optimizer="sgd") for m in (1, 2, 4)]
+    one_f_one_b = [measure_stage_memory(sharded, 0, (x,), microbatches=m, optimizer="sgd", keep_gradients=True)
+                   for m in (1, 2, 4)]
     assert [m.in_flight for m in one_f_one_b] == [1, 2, 2]
     assert [m.peak for m in one_f_one_b] == [*peaks[:2], peaks[1] + 2 * (gradient_buffer + BATCH * 8 * F32)]
 
@@ -167,7 +187,9 @@ def held_bytes(module: nn.Module) -> tuple[int, int]:
 def test_examples_hold_at_least_their_weight_state_and_more_with_more_in_flight(name, k):
     sharded, args, kwargs = example(name, k)
     for stage in range(k):
-        one, four = (measure_stage_memory(sharded, stage, args, kwargs, microbatches=m) for m in (1, 4))
+        # gradients kept between steps, so that one microbatch and four meet them alike
+        one, four = (measure_stage_memory(sharded, stage, args, kwargs, microbatches=m, keep_gradients=True)
+                     for m in (1, 4))
         weights, trainable = held_bytes(sharded.stages[stage])
         assert one.parts["weights"] == weights
         assert one.parts["gradients"] == trainable and one.parts["optimizer"] == 2 * trainable

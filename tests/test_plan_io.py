@@ -338,12 +338,12 @@ def test_load_plan_keeps_the_memory_model_the_plan_was_made_for(residual, tmp_pa
 
 
 def test_a_plan_file_keeps_how_the_optimizer_steps_and_where_the_weights_were(tmp_path):
-    """``optimizer_foreach`` and each weight's device round-trip; a plan whose weights were on a GPU
+    """``optimizer_foreach``, ``keep_gradients`` and each weight's device round-trip; a plan whose weights were on a GPU
     counts torch's foreach step there when the model leaves the choice to torch (None)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     x = torch.randn(2, 16)
-    foreach = autoshard.MemoryModel(microbatches=1, optimizer_foreach=True)
+    foreach = autoshard.MemoryModel(microbatches=1, optimizer_foreach=True, keep_gradients=True)
     path = autoshard.shard_model(model, 2, (x,), memory_model=foreach).save_plan(tmp_path / "plan.json")
     assert read_plan(path).memory_model == foreach
     data = json.loads(path.read_text())

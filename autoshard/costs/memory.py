@@ -228,7 +228,10 @@ class SavedFacts:
     its own (a Linear on a 3-D input, whose input gradient comes through the reshape's backward).
     ``saves_from``: the nodes whose storages it saves among what it reads, first saver or not
     (``releases`` names only the first): a block's output stays kept when its block is recomputed
-    only if a node outside the block saves it; None: not recorded."""
+    only if a node outside the block saves it; None: not recorded. ``gradients_kept``: what its
+    backward's peak adds where its weights have no gradient yet (the step's first backward after
+    ``zero_grad``): autograd keeps each one as it is made, where it adds it into the existing one
+    and frees it (``backward``)."""
 
     saved: int
     saved_output: int
@@ -247,6 +250,7 @@ class SavedFacts:
     holds: tuple[str, ...] = ()
     weights_first: bool = False
     saves_from: tuple[str, ...] | None = None
+    gradients_kept: int = 0
 
 
 def stages_per_rank_of(schedule: str, given: int | None) -> int:
@@ -281,6 +285,9 @@ class MemoryModel:
     says how the optimizer steps (``step_bytes``): every weight at once (True), one after another
     (False), or, None, as ``torch.optim`` chooses for the device the weights were on when planned
     (at once on a GPU, one after another on the CPU): a plan made on the CPU for GPUs passes True.
+    ``keep_gradients``: the training loop keeps the gradients between steps
+    (``zero_grad(set_to_none=False)``); by default ``zero_grad`` frees them, torch's default, so a
+    stage's first backward of a step makes them (``forwards_first``).
 
     The layout ``runtime.parallelize`` runs, per rank: ``data_parallel`` (``"fsdp"``, ``"ddp"`` or
     None) over ``dp`` ranks, ``mixed_precision`` (the compute dtype, ``"bfloat16"``; needs a
@@ -299,6 +306,7 @@ class MemoryModel:
     mixed_precision: str | None = None
     activation_checkpointing: bool = False
     optimizer_foreach: bool | None = None
+    keep_gradients: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", _choice(self.optimizer, "optimizer", tuple(OPTIMIZER_BYTES),
@@ -314,7 +322,7 @@ class MemoryModel:
                 f"momentum, 0 for plain SGD){alternative}, got {type(bytes_).__name__} {bytes_!r}")
         _count(self.microbatches, "microbatches")
         object.__setattr__(self, "stages_per_rank", stages_per_rank_of(self.schedule, self.stages_per_rank))
-        for flag in ("master_weights", "activation_checkpointing", "optimizer_foreach"):
+        for flag in ("master_weights", "activation_checkpointing", "optimizer_foreach", "keep_gradients"):
             value = getattr(self, flag)
             if not isinstance(value, bool) and not (value is None and flag == "optimizer_foreach"):
                 also = " or None (as torch.optim chooses for the device)" if flag == "optimizer_foreach" else ""
@@ -391,7 +399,7 @@ class MemoryModel:
                 "optimizer": self.optimizer, "schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
                 "master_weights": self.master_weights, "data_parallel": self.data_parallel, "dp": self.dp,
                 "mixed_precision": self.mixed_precision, "activation_checkpointing": self.activation_checkpointing,
-                "optimizer_foreach": self.optimizer_foreach}
+                "optimizer_foreach": self.optimizer_foreach, "keep_gradients": self.keep_gradients}
 
     def in_flight(self, stage: int, num_stages: int) -> int:
         """Microbatches whose activations stage ``stage`` keeps at once under the schedule."""
@@ -401,6 +409,17 @@ class MemoryModel:
             return interleaved_in_flight(num_stages, self.stages_per_rank, self.microbatches)[stage]
         count = num_stages - stage
         return count if self.microbatches is None else min(count, self.microbatches)
+
+    def forwards_first(self, stage: int, num_stages: int) -> bool:
+        """Whether every forward of stage ``stage``'s step runs before its first backward, which then
+        meets every microbatch in flight and no gradient yet (``zero_grad`` freed them): GPipe, and
+        1F1B on a stage keeping all the step's microbatches. Under interleaved 1F1B and data
+        parallelism the gradients are counted as held (more, not less)."""
+        if self.keep_gradients or self.data_parallel is not None:
+            return False
+        if self.schedule == "gpipe":
+            return True
+        return self.schedule == "1f1b" and self.step_microbatches(num_stages) <= num_stages - stage
 
     def step_microbatches(self, num_stages: int) -> int:
         """The step's microbatches: ``microbatches``, or when None the fewest that fill the pipeline
@@ -610,6 +629,14 @@ class StageMemory:
     step_bytes: float = 0.0
     """What the tied-gradient sum or the optimizer step adds to ``state_bytes`` after the last
     backward, whichever is more (with data parallelism's unsharded copies freed by then)."""
+    first_backward_bytes: float | None = None
+    """When every forward of the step runs before the stage's first backward
+    (``MemoryModel.forwards_first``): what that backward adds, the weights' gradients it makes
+    included, since ``zero_grad`` freed them. None: the gradients exist at every backward."""
+    later_backward_bytes: float = 0.0
+    """With ``first_backward_bytes``, what the stage holds above its weight state during the next
+    backward: one microbatch fewer in flight, and the gradients the first sent back, which torch's
+    schedules hold until a later backward has run (0 with one microbatch)."""
 
     @property
     def optimizer_bytes(self) -> float:
@@ -629,8 +656,11 @@ class StageMemory:
         """Weight state plus the larger of the steady state (its microbatches, one backward or one
         forward, and the idle receive buffers) and what follows the last backward (every receive
         buffer, and the gradient reduction, the tied-gradient sum or the optimizer step)."""
-        transient = max(self.backward_bytes, self.forward_bytes)
-        steady = self.per_microbatch * self.in_flight + transient + self.idle_buffer_bytes
+        held = self.per_microbatch * self.in_flight + self.idle_buffer_bytes
+        steady = held + max(self.backward_bytes, self.forward_bytes)
+        if self.first_backward_bytes is not None:
+            first = held + max(self.forward_bytes, self.first_backward_bytes) - self.gradient_bytes
+            steady = max(first, self.later_backward_bytes)
         return self.state_bytes + max(steady, max(self.reduce_bytes, self.step_bytes) + self.buffer_bytes)
 
     def parts(self) -> str:
@@ -641,6 +671,8 @@ class StageMemory:
                 f"received "
                 f"{self.received_bytes:,.0f}, sent {self.sent_bytes:,.0f}, x {self.in_flight} in flight; "
                 f"one backward {self.backward_bytes:,.0f}"
+                + (f" (the first, making the gradients: {self.first_backward_bytes:,.0f})"
+                   if self.first_backward_bytes is not None else "")
                 + (f", one forward {self.forward_bytes:,.0f}" if self.forward_bytes > self.backward_bytes else "")
                 + (f"; receive buffers of the other microbatches {self.idle_buffer_bytes:,.0f}"
                    if self.idle_buffer_bytes else "")
@@ -722,6 +754,11 @@ def stage_floor(dag: nx.DiGraph, num_stages: int, model: MemoryModel = MemoryMod
     """The ``StageFloor`` of ``dag`` split into ``num_stages`` under ``model``."""
     k, scale = num_stages, model.activation_scale(list(dag.graph.get("weights", {}).values()))
     state = node_state_bytes(dag, model) if "weights" in dag.graph else dict.fromkeys(dag.nodes, 0.0)
+    if any(model.forwards_first(j, k) for j in range(k)) and "weights" in dag.graph:
+        # such a stage may peak before its first backward has made the gradients
+        infos = dag.graph["weights"]
+        for node, paid in weight_payers(dag).items():
+            state[node] -= sum(model.weight_parts(infos[w])[1] for w in paid)
     held = {v: 0.0 if dag.nodes[v].get("tensor") is False else state[v] for v in dag.nodes}
     owners = {u for v in dag.nodes if _strided_output(dag, v) for u in _possible_owners(dag, v)}
     kept = kept_per_node(dag, model)
@@ -920,10 +957,12 @@ def _as_received(dag: nx.DiGraph, nodes: Sequence[str], received: AbstractSet[st
 
 
 def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], through: Sequence[str],
-                   stays: AbstractSet[str], output_grads: float, recomputed: RecomputedBackward) -> float:
-    """The most one microbatch's backward adds to what the stage holds: walking its nodes in
-    reverse, the output gradients, the gradients alive and the node's own backward peak, less the
-    saved storages the nodes already run have released.
+                   stays: AbstractSet[str], output_grads: float, recomputed: RecomputedBackward,
+                   making_gradients: bool = False) -> tuple[float, float]:
+    """The most one microbatch's backward adds to what the stage holds, and the new buffers of the
+    gradients it sends back: walking its nodes in reverse, the output gradients, the gradients
+    alive and the node's own backward peak, less the saved storages the nodes already run have
+    released.
 
     A value's gradient is a buffer that lives until no value holds it any more. A backward that
     hands its gradient on (a view's, an item's, an addition's to each addend: ``_gradients_to``)
@@ -944,8 +983,10 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     backward starts, adding what its own nodes save, which their releases free again; a storage
     entering or leaving a region is freed when its last holder is done
     (``costs.recompute.RecomputedBackward``). A weight read by several nodes here gets its gradient
-    in parts, which autograd holds until the last. The peak is checked before each node and once
-    after the last, when the last copies have been made."""
+    in parts, which autograd holds until the last. ``making_gradients``: the weights have no gradient
+    yet (the step's first backward after ``zero_grad``), so autograd keeps each one's first as it is,
+    to the step's end, where it would add it into the existing one and free it. The peak is checked
+    before each node and once after the last, when the last copies have been made."""
     inside = set(nodes)
     buffer: dict[str, str | None] = dict.fromkeys([*sent, *through])  # value -> its gradient's (None: received)
     holders: dict[str, int] = {}  # buffer (named by the value it was made for) -> values holding it
@@ -994,7 +1035,18 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # laid out as a new tensor
         from_buffer = node in sent or (node in buffer and buffer[node] is None and node in sent_views)
         own = facts.backward_when_sent if from_buffer and facts.backward_when_sent is not None else facts.backward
+        own += facts.gradients_kept if making_gradients else 0
         peak = max(peak, output_grads + alive + own - freed)
+        # what this stage made and kept for this backward alone (what ``stays`` was sent): autograd releases
+        # it once the node's backward has returned, before it adds the gradients made into those that exist
+        released = 0.0
+        for maker, nbytes in facts.releases:
+            if maker not in inside or recomputed.held_elsewhere(node, maker):
+                continue
+            if maker in stays and not recomputed.is_copy(node, maker):
+                nbytes = min(float(nbytes), temporaries.get(maker, 0.0))
+                temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
+            released += nbytes
         # adding a gradient into one that exists may take a new buffer for the sum, while the gradients
         # the backward made (of its inputs and weights) still live
         summed = max((_grad(dag, u) for u, _ in given if u in buffer), default=0.0)
@@ -1002,22 +1054,17 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             weights = _trainable_weights(dag, node)
             # a backward that gives its weights their gradients first: autograd has added those read by no
             # other node still to run here into theirs, and freed the parts it held of them
-            added = {w for w in weights if facts.weights_first and readers[w] == 1}
+            added = {w for w in weights if facts.weights_first and readers[w] == 1 and not making_gradients}
             made = sum(_grad(dag, u) for u, handed in given if not handed) + sum(
                 nbytes for w, nbytes in weights.items() if w not in added)
             got = buffer.get(node)  # its own, or one handed to it that the others holding it have let go of
             dropped = _grad(dag, got) if got is not None and holders.get(got) == 1 else 0.0
             dropped += sum(weights[w] for w in added & parts)
-            peak = max(peak, output_grads + alive - dropped + made + summed - freed)
-        # what this stage made and kept for this backward alone (what ``stays`` was sent)
-        for maker, nbytes in facts.releases:
-            if maker not in inside or recomputed.held_elsewhere(node, maker):
-                continue
-            if maker in stays and not recomputed.is_copy(node, maker):
-                nbytes = min(float(nbytes), temporaries.get(maker, 0.0))
-                temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
-            freed += nbytes
-        freed += recomputed.released_after.get(node, 0.0)
+            # at the sum: after the node's releases where it adds a gradient its backward made; a gradient it hands
+            # on is counted before them, as a node in place (its readers routed around it) makes a new one
+            handed_sum = max((_grad(dag, u) for u, handed in given if handed and u in buffer), default=0.0)
+            peak = max(peak, output_grads + alive - dropped + made - freed + max(handed_sum, summed - released))
+        freed += released + recomputed.released_after.get(node, 0.0)
         mine = buffer.pop(node, None)
         # a value sent permuted gets its gradient in a buffer laid out as it is, which a view hands back in
         # its input's layout, where the probe's gradient, laid out as a new tensor, came back strided
@@ -1042,9 +1089,11 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 peak = max(peak, output_grads + alive + 2 * nbytes - freed)  # held, the new part, their sum
                 if not readers[w]:
                     parts.discard(w)
-                    alive -= nbytes
+                    alive -= 0.0 if making_gradients else nbytes  # the sum is the gradient kept
             elif readers[w]:
                 parts.add(w)
+                alive += nbytes
+            elif making_gradients:  # its one part is its gradient, kept
                 alive += nbytes
     for u in read:
         # its read (``contiguous_grad``) ran first, so its backward runs after every other node's, which have
@@ -1064,7 +1113,9 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # autograd takes a view whole (``runtime.wire``)
         if value not in read and not _crossed_permuted(dag, value):
             hold(value, value)
-    return max(peak, output_grads + alive - freed)  # the copies of the last gradients received
+    sent_back = {buffer[u] for u in [*read, *through] if buffer.get(u) is not None}  # not a receive buffer
+    # with the copies of the last gradients received
+    return max(peak, output_grads + alive - freed), sum(_grad(dag, b) for b in sent_back)
 
 
 def _scaled(dag: nx.DiGraph, value: str, scale: float) -> float:
@@ -1130,8 +1181,9 @@ def stage_memory(
         kept = checkpointed_kept(nodes, recompute, lambda n: kept_bytes(stage_dag, n))
         kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
                     for owner in {_owner(stage_dag, v, assignment) for v in copied})
-        backward = _backward_peak(stage_dag, nodes, set(made_here), through, sent_storages, output_grads,
-                                  recompute) * scale
+        walk = functools.partial(_backward_peak, stage_dag, nodes, set(made_here), through, sent_storages,
+                                 output_grads, recompute)
+        backward, sent_back = (nbytes * scale for nbytes in walk())
         # what crosses a region's boundary is kept, not freed after its last reader
         forward = _forward_peak(stage_dag, nodes, assignment, sent_storages | recompute.boundary.keys(), recomputed,
                                 copied) * scale
@@ -1139,17 +1191,27 @@ def stage_memory(
         received_buffer = received  # the first stage's: the step's whole batch, which it is handed
         gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
         losses = sent if j == k - 1 and _is_loss(dag, outputs) else 0.0  # freed as the step ends
+        idle = (received_buffer + losses) * (buffered - in_flight) + gradient_buffer * (buffered - 1)
+        first_backward, later = None, 0.0
+        if model.forwards_first(j, k):
+            first_backward = walk(making_gradients=True)[0] * scale
+            # the first backward freed its microbatch's activations and what it sent (the last stage's output the
+            # schedule keeps), and sent back the gradients of what it received, which the schedule still holds
+            drained = kept * scale + (sent if j < k - 1 else 0.0)
+            in_use = (kept * scale + received + sent) * in_flight + idle
+            later = in_use + backward - drained + sent_back if in_flight > 1 else 0.0
         out.append(StageMemory(
             j, weights + grads + optimizer, kept * scale, in_flight,
             buffer_bytes=(received_buffer + gradient_buffer) * buffered,
-            idle_buffer_bytes=(received_buffer + losses) * (buffered - in_flight) + gradient_buffer * (buffered - 1),
+            idle_buffer_bytes=idle,
             received_bytes=received, sent_bytes=sent, output_grad_bytes=output_grads * scale,
             backward_bytes=backward + sum(model.fresh_gradient_bytes(info) for info in held),
             forward_bytes=forward + gradient_buffer,  # the buffer the next backward starts from exists already
             weight_bytes=weights, gradient_bytes=grads,
             gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
             reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]])),
-            step_bytes=max(0.0, model.reduced_bytes(held) + max(tie_sum[j], model.step_bytes(held)))))
+            step_bytes=max(0.0, model.reduced_bytes(held) + max(tie_sum[j], model.step_bytes(held))),
+            first_backward_bytes=first_backward, later_backward_bytes=later))
     return out
 
 

@@ -116,7 +116,8 @@ class NodeEffect:
     held at once above what was alive before it (its output and what it saves included);
     ``weight_grads``: the positions, among the weights the node may read (``TrainingProbe.weight_leaves``),
     of those its backward gives a gradient (None: its backward did not run); ``weights_first``: its
-    backward adds every weight's gradient into theirs before it hands any input its own."""
+    backward adds every weight's gradient into theirs before it hands any input its own;
+    ``gradients_kept``: what its backward's peak adds where it keeps the weights' gradients it makes."""
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
@@ -129,3 +130,4 @@ class NodeEffect:
     forward: int = 0
     weight_grads: tuple[int, ...] | None = ()
     weights_first: bool = False
+    gradients_kept: int = 0

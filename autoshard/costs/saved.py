@@ -92,6 +92,20 @@ class QuietMemTracker(MemTracker):
         self._mod_tracker._active_module_cnt.clear()
 
 
+class _KeptGradientsTracker(QuietMemTracker):
+    """Also the peak of a run where storages ``kept`` so far (bytes) had been freed as they came: a
+    backward that keeps its weights' gradients (the step's first, after ``zero_grad``) gives, in the
+    same run, the peak of one that adds each into the existing gradient and frees it. The peak is
+    taken after each operator, as ``MemTracker`` takes its own."""
+
+    kept = 0
+    freed_peak = 0
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        self.freed_peak = max(self.freed_peak, _total(self._curr_mem_snap) - self.kept)
+
+
 @contextlib.contextmanager
 def without_cyclic_gc() -> Iterator[None]:
     """Python's cycle collector off: run at any allocation, it frees storages of garbage from before
@@ -327,11 +341,12 @@ class TrainingProbe:
         self.leaf_names: dict[int, str] = {}  # id of a leaf -> that name
         self.weight_grads: dict[str, tuple[str, ...] | None] = {}  # node -> the weights its backward gives a gradient
         self.weights_first: set[str] = set()  # nodes whose weights get their gradients before their inputs
+        self.gradients_kept: dict[str, int] = {}  # node -> what its backward's peak adds keeping its weights' ones
         self.kept: list[Any] = []
         self.stand_ins: dict[int, torch.Tensor] = {}  # id of a twin -> the real tensor standing for it
         self.unprobed: list[str] = []
         self.unrun: set[str] = set()  # the nodes whose forward fake tensors could not run: no facts
-        self.tracker = QuietMemTracker()
+        self.tracker = _KeptGradientsTracker()
         self.memo: dict[Hashable, Any] | None = {} if memo else None  # a node's key -> its effect (or forward peak)
 
     # -- storages -------------------------------------------------------------------------
@@ -787,11 +802,11 @@ class TrainingProbe:
         # a fake kernel that could not size its workspace (a backward probed again keeps only its peak)
         if layouts is None and not real and any(nbytes == 0 for nbytes, _ in saved_new):
             raise _Unsized(call.node.name)  # probed on real tensors where there are some, else left unprobed
-        backward, input_grads, weight_grads, weights_first = 0, (), (), False
+        backward, input_grads, weight_grads, weights_first, kept = 0, (), (), False, 0
         try:
             if sent and (wanted or weights):
-                backward, given, weights_first = self._backward(sent, sent_layouts, wanted + weights, (args, kwargs),
-                                                                real)
+                backward, given, weights_first, kept = self._backward(sent, sent_layouts, wanted + weights,
+                                                                      (args, kwargs), real)
                 input_grads = tuple((i, *given[id(t)]) for i, t in zip(indices, wanted)
                                     if i is not None and id(t) in given)
                 candidates = self.weight_leaves(call.node, arguments, real)
@@ -804,7 +819,7 @@ class TrainingProbe:
         outputs, storages, replayable = _output_leaves(leaves, position, new, lambda t: self.original(_storage(t)))
         reusable &= replayable
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
-                            grad, backward, input_grads, forward, weight_grads, weights_first)
+                            grad, backward, input_grads, forward, weight_grads, weights_first, kept)
         return effect, value, reusable
 
     def _probe_on_real_tensors(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[NodeEffect, Any] | None:
@@ -900,6 +915,7 @@ class TrainingProbe:
             self.owner[ref], self.nbytes[ref] = name, nbytes
         self.outputs[name] = {ref for ref, _ in new}
         self.grad[name], self.backward[name], self.forward[name] = effect.grad, effect.backward, effect.forward
+        self.gradients_kept[name] = effect.gradients_kept
         found = {self.original(_storage(t)): t.untyped_storage().nbytes() for t in _tensors(value)}
         if not new and found:  # the widest storage its output lives in, made by another node ('' for input or weight)
             self.views[name] = self.owner.get(max(found, key=found.__getitem__)) or ""
@@ -909,29 +925,36 @@ class TrainingProbe:
         self.holds[name] = tuple(m for m in makers if m and m not in (name, self.views.get(name)))
 
     def _backward(self, sent: list[torch.Tensor], layouts: list[tuple[int, ...] | None], wanted: list[torch.Tensor],
-                  inputs: Any, real: bool = False) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]], bool]:
+                  inputs: Any, real: bool = False) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]], bool, int]:
         """The peak ``MemTracker`` sees while ``sent`` back-propagates from gradients of ``layouts``'
         strides, above where it started, and for each ``wanted`` tensor that gets a gradient (by id)
         whether that gradient is one of ``sent``'s itself (handed on, as a view's or an addition's
         backward does, not a new buffer), and its strides. What
         existed before is registered first: the tracker counts a storage it has not seen when an
-        operator first touches it, as if it were new. A weight's gradient is dropped as soon as it
-        is made, as training's in-place accumulation into ``.grad`` frees it; and whether autograd did so
-        for every weight before it handed any input its gradient (``gradient_order``). ``real``: ``sent``
-        are real tensors."""
+        operator first touches it, as if it were new. A weight's gradient counts as dropped as soon as it
+        is made, as training's in-place accumulation into ``.grad`` frees it; whether autograd did so
+        for every weight before it handed any input its gradient (``gradient_order``); and what the
+        peak adds where each is kept instead (the step's first backward). ``real``: ``sent`` are real
+        tensors."""
         new = _zeros_strided if real else self.fresh  # a fake run reads no values
         gradients = [new(t, _new_strides(t) if strides is None else strides) for t, strides in zip(sent, layouts)]
         weights = [t for t in wanted if id(t) in self.leaves]
-        zeros = {(t.dtype, t.device): torch.zeros((), dtype=t.dtype, device=t.device) for t in weights}
-        # training adds a weight's gradient into the one it has and frees it at once: so do these
-        hooks = [t.register_hook(lambda g: zeros[g.dtype, g.device].expand(g.shape)) for t in weights]
+        tracker, seen = self.tracker, set()
+
+        def kept(g: torch.Tensor) -> None:  # training adds it into the gradient it has and frees it at once
+            if _storage(g) not in seen:
+                seen.add(_storage(g))
+                tracker.kept += g.untyped_storage().nbytes()
+        hooks = [t.register_hook(kept) for t in weights]
         try:
-            with self._tracked(*gradients, *wanted, *zeros.values(), *_tensors(inputs)) as peak, \
+            with self._tracked(*gradients, *wanted, *_tensors(inputs)) as peak, \
                     gradient_order(sent, [t for t in _tensors(inputs) if t.requires_grad and id(t) not in self.leaves],
                                    weights) as order:
+                start = _total(tracker.get_tracker_snapshot("current"))
+                tracker.kept, tracker.freed_peak = 0, start
                 with torch.enable_grad():
                     grads = torch.autograd.grad(sent, wanted, gradients, allow_unused=True)
-                backward = peak()
+                backward, keeping = max(0, tracker.freed_peak - start), peak()
         finally:
             for hook in hooks:
                 hook.remove()
@@ -940,7 +963,7 @@ class TrainingProbe:
                          g.stride() if g.layout == torch.strided else None)
                  for t, g in zip(wanted, grads) if g is not None}
         del grads
-        return backward, given, weights_given_first(order)
+        return backward, given, weights_given_first(order), keeping - backward
 
     def _backwards_from_their_gradients(self) -> None:
         """Probe again the backward of each node whose consumers give its output a gradient laid out
@@ -987,5 +1010,6 @@ class TrainingProbe:
                                  self.forward.get(name), self.strided_grads.get(name, ()),
                                  sent_as_copy(values.get(name)), self.when_contiguous.get(name),
                                  dense_order(values.get(name)), self.weight_grads.get(name),
-                                 self.holds.get(name, ()), name in self.weights_first, self.saves_from.get(name))
+                                 self.holds.get(name, ()), name in self.weights_first, self.saves_from.get(name),
+                                 self.gradients_kept.get(name, 0))
                 for name in self.grad if name not in self.unrun}

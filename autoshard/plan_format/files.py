@@ -134,7 +134,8 @@ class _Reader:
                                               f"{where}.weight_grads"),
                           self.names(self.get(obj, "holds", list, where, []), f"{where}.holds"),
                           self.get(obj, "weights_first", bool, where, False),
-                          self.optional_names(self.get(obj, "saves_from", list, where, None), f"{where}.saves_from"))
+                          self.optional_names(self.get(obj, "saves_from", list, where, None), f"{where}.saves_from"),
+                          self.get(obj, "gradients_kept", int, where, 0))
 
     def dense_order(self, obj: list | None, where: str) -> tuple[int, ...] | None:
         """``SavedFacts.dense_order``: a permutation of the dimensions, or absent."""
@@ -199,7 +200,8 @@ class _Reader:
                                self.get(obj, "dp", int, where, 1),
                                self.get(obj, "mixed_precision", str, where, None),
                                self.get(obj, "activation_checkpointing", bool, where, False),
-                               self.get(obj, "optimizer_foreach", bool, where, None))
+                               self.get(obj, "optimizer_foreach", bool, where, None),
+                               self.get(obj, "keep_gradients", bool, where, False))
         except InvalidArgumentError as exc:
             raise self.error(where, str(exc)) from None
 

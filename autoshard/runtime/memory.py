@@ -113,9 +113,10 @@ def microbatches_in_flight(schedule: str, stage: int, num_stages: int, microbatc
     return _measured_schedule(schedule, microbatches, stages_per_rank).in_flight(stage, num_stages)
 
 
-def _measured_schedule(schedule: str, microbatches: int | None, stages_per_rank: int | None) -> MemoryModel:
-    """The memory model's view of a schedule one stage's measurement can stand for, its arguments
-    refused with a typed error naming the accepted ones."""
+def _measured_schedule(schedule: str, microbatches: int | None, stages_per_rank: int | None,
+                       keep_gradients: bool = False, **step: object) -> MemoryModel:
+    """The memory model's view of a schedule one stage's measurement can stand for (and of ``step``:
+    how the optimizer steps), its arguments refused with a typed error naming the accepted ones."""
     if not isinstance(schedule, str):
         raise InvalidArgumentTypeError(f"schedule must be a name ({', '.join(MEASURED_SCHEDULES)}), got {schedule!r}")
     name = schedule.lower()
@@ -127,7 +128,8 @@ def _measured_schedule(schedule: str, microbatches: int | None, stages_per_rank:
         raise InvalidArgumentError(f"unknown schedule {schedule!r}{suggest(name, MEASURED_SCHEDULES)}; "
                                    f"measured schedules: {', '.join(MEASURED_SCHEDULES)}")
     count = None if microbatches is None else whole_number(microbatches, "microbatches", at_least=1)
-    return MemoryModel(microbatches=count, schedule=name, stages_per_rank=stages_per_rank)
+    return MemoryModel(microbatches=count, schedule=name, stages_per_rank=stages_per_rank,
+                       keep_gradients=keep_gradients, **step)  # type: ignore[arg-type]
 
 
 def _stages_per_rank(schedule: object, given: int | None, planned: MemoryModel) -> int | None:
@@ -151,6 +153,7 @@ def measure_stage_memory(
     stages_per_rank: int | None = None,
     master_weights: bool | None = None,
     optimizer_foreach: bool | None = None,
+    keep_gradients: bool | None = None,
 ) -> StageMemoryMeasurement:
     """Run stage ``stage`` of ``sharded`` in its steady state and return the most memory it held.
 
@@ -163,10 +166,14 @@ def measure_stage_memory(
     fp32, as ``MemoryModel(master_weights=True)`` counts it (in ``optimizer``).
     Inputs the plan's guards refuse run on the specialisation that serves them, as a call would choose it.
     ``optimizer_foreach``: the optimizer steps every weight at once (True) or one after another (False).
-    Each of ``schedule``, ``microbatches``, ``optimizer``, ``stages_per_rank``, ``master_weights`` and
-    ``optimizer_foreach`` left None is the plan's memory model's (``shard_model``'s ``memory_model``, as
-    ``plan_report`` counts it; its ``optimizer_foreach`` None is torch's choice for the device), so the
-    measurement checks the prediction of the training the plan was made for.
+    ``keep_gradients``: the training loop keeps the gradients between steps; by default ``zero_grad``
+    frees them, so where every forward of the step runs before the stage's first backward (GPipe;
+    1F1B keeping all the step's microbatches) that backward starts with none, and a second one
+    follows it, meeting them, one microbatch fewer and the gradients the first sent back.
+    Each of ``schedule``, ``microbatches``, ``optimizer``, ``stages_per_rank``, ``master_weights``,
+    ``optimizer_foreach`` and ``keep_gradients`` left None is the plan's memory model's (``shard_model``'s
+    ``memory_model``, as ``plan_report`` counts it; its ``optimizer_foreach`` None is torch's choice for
+    the device), so the measurement checks the prediction of the training the plan was made for.
     """
     stage = checked_stage(sharded, stage, "measure_stage_memory")
     planned = sharded.plan.memory_model
@@ -181,14 +188,13 @@ def measure_stage_memory(
     optimizer = planned.optimizer if optimizer is None else optimizer
     master_weights = planned.master_weights if master_weights is None else master_weights
     foreach = planned.optimizer_foreach if optimizer_foreach is None else optimizer_foreach
+    keep_gradients = planned.keep_gradients if keep_gradients is None else keep_gradients
     example_inputs, example_kwargs = checked_call(sharded, example_inputs, example_kwargs, "measure_stage_memory")
     k = sharded.num_stages
-    run = _measured_schedule(schedule, microbatches, _stages_per_rank(schedule, stages_per_rank, planned))
+    run = _measured_schedule(schedule, microbatches, _stages_per_rank(schedule, stages_per_rank, planned),
+                             keep_gradients, master_weights=master_weights, optimizer_foreach=foreach)
     in_flight, buffered = run.in_flight(stage, k), run.step_microbatches(k)
     optimizer_state_names(optimizer)  # refuses a name it does not know
-    for flag, value in (("master_weights", master_weights), ("optimizer_foreach", foreach)):
-        if not isinstance(value, bool) and not (value is None and flag == "optimizer_foreach"):
-            raise InvalidArgumentTypeError(f"{flag} must be True or False, got {value!r}")
     with model_kept(sharded):
         plan = serving_plan(sharded, example_inputs, example_kwargs)
         module = plan.stages[stage]
@@ -196,7 +202,8 @@ def measure_stage_memory(
         device = running_device(module, (args, kwargs))
         step = _Step(optimizer.lower(), master_weights, foreach, *_tie_sums(plan, stage, k // run.stages_per_rank))
         peak, parts, resident, after = _run_in_steady_state(module, device, args, kwargs, in_flight, step,
-                                                            _Buffers(stage > 0, stage < k - 1, buffered))
+                                                            _Buffers(stage > 0, stage < k - 1, buffered),
+                                                            run.forwards_first(stage, k))
     return StageMemoryMeasurement(
         stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),
         "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages (MemTracker)",
@@ -297,10 +304,12 @@ class _Buffers:
 
 def _run_in_steady_state(
     module: nn.Module, device: torch.device, args: tuple, kwargs: dict, in_flight: int, step: _Step,
-    buffers: _Buffers,
+    buffers: _Buffers, forwards_first: bool = False,
 ) -> tuple[int, dict[str, int], dict[str, int], dict[str, int]]:
     """Forward ``in_flight`` microbatches, back-propagate the first, then end the step: the peak, its
-    parts, the parts held before the backward and those of the peak after it."""
+    parts, the parts held before the backward and those of the peak after it. ``forwards_first``
+    (``MemoryModel.forwards_first``): the weights have no gradients yet, and a second backward
+    follows the first, meeting them and a microbatch fewer."""
     cuda = device.type == "cuda"
     gc.collect()  # garbage from before (a plan tried for the inputs) would count in ``before``
     if cuda:  # before the receive buffers: the stage holds them (taken after, a stage's 400 MB went unseen)
@@ -314,8 +323,8 @@ def _run_in_steady_state(
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
-    for p in trainable:
-        p.grad = torch.zeros_like(p)
+    for p in trainable:  # ``zero_grad`` freed them, or they accumulate from an earlier microbatch
+        p.grad = None if forwards_first else torch.zeros_like(p)
     optimizers = step.optimizers(trainable)
     held = [module, *optimizers.all, *[t for mb in received for t in tensors_in(mb)],
             *[g for microbatch in waiting for g in microbatch]]  # received, not made here
@@ -326,22 +335,31 @@ def _run_in_steady_state(
         for caller.microbatch in received[:in_flight]:  # the others' buffers wait for their microbatches
             tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
             outputs.append(caller())
-        sent = [t for t in tensors_in(outputs[0]) if t.requires_grad]
         earlier_losses = _earlier_losses(outputs[0], buffers.microbatches - in_flight, buffers.sends)
         resident = _parts(tracker.get_tracker_snapshot("current"), device, optimizers)
-        gradients: list[torch.Tensor] = []
-        if sent:
-            gradients = waiting[0] if waiting else [torch.ones_like(t) for t in sent]  # the last's: from the loss
-            tracker.track_external(*gradients)
-            torch.autograd.backward(sent, gradients)
+        # the first backward; when it made the gradients, the next one meets them and a microbatch fewer
+        for i in range(2 if forwards_first and in_flight > 1 else 1):
+            _backward(outputs[i], waiting[i] if waiting else None, tracker)
+            if buffers.sends:  # sent, it is freed; the last stage's output the schedule keeps to the end
+                outputs[i] = None
     parts = _parts(tracker.get_tracker_snapshot("peak"), device, optimizers)
-    del outputs, sent, caller, gradients, earlier_losses  # the step ends with no microbatch in flight
+    del outputs, caller, earlier_losses  # the step ends with no microbatch in flight
     after = _after_backward(held, device, step, optimizers, resident["optimizer"])  # the buffers stay
     if cuda:
         torch.cuda.synchronize(device)
         weights = parts["weights"]  # allocated before ``before``: the stage holds them throughout
         return torch.cuda.max_memory_allocated(device) - before + weights, parts, resident, after
     return max(sum(parts.values()), sum(after.values())), parts, resident, after
+
+
+def _backward(output: Any, received: list[torch.Tensor] | None, tracker: QuietMemTracker) -> None:
+    """Back-propagate one microbatch from the gradients ``received`` for what it sent (the last
+    stage's, None: ones, as from the loss)."""
+    sent = [t for t in tensors_in(output) if t.requires_grad]
+    if sent:
+        gradients = received if received is not None else [torch.ones_like(t) for t in sent]
+        tracker.track_external(*gradients)
+        torch.autograd.backward(sent, gradients)
 
 
 def _earlier_losses(output: Any, count: int, sends: bool) -> list[torch.Tensor]:
