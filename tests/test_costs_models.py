@@ -136,13 +136,15 @@ def test_stage_memory_counts_state_saved_activations_boundaries_and_one_backward
                                 first_backward_bytes=96 + 160, later_backward_bytes=in_use + 96 + 160 - 96)
     # stage 1: ReLU saves its output (96 B; the Linear saves the same storage); it receives 96 B
     # and sends the 24 B output; the peak is the ReLU's backward: output gradient 24, the
-    # Linear's input gradient 96 and the ReLU's own 96; a receive buffer for each microbatch, one in use
+    # Linear's input gradient 96 and the ReLU's own 96; a receive buffer for each microbatch, one in use;
+    # 1F1B's steady state (the second microbatch's forward after the first's backward): torch's schedule
+    # still holds the 96 B gradient the first backward sent back
     assert last == StageMemory(1, 16 * 4 * 4 + 8, 96, 1, received_bytes=96, sent_bytes=24, output_grad_bytes=24,
                                backward_bytes=24 + 96 + 96, weight_bytes=64 + 8, gradient_bytes=64, buffer_bytes=2 * 96,
-                               idle_buffer_bytes=96, step_bytes=2 * 64)
+                               idle_buffer_bytes=96, step_bytes=2 * 64, sent_back_bytes=96)
     # after the last backward: every receive buffer and single-tensor Adam's temporaries (2x the largest
     # weight it steps), less than the steady state here
-    assert [s.total for s in (first, last)] == [640 + in_use + 160, 264 + 96 + 96 + 24 + 216 + 96]
+    assert [s.total for s in (first, last)] == [640 + in_use + 160, 264 + 96 + 96 + 24 + 216 + 96 + 96]
     assert plan.stage_costs("memory", mm) == [s.total for s in (first, last)]
     capped = stage_memory(plan.dag, plan.assignment, 2, MemoryModel(microbatches=1))
     assert [s.in_flight for s in capped] == [1, 1]

@@ -81,8 +81,9 @@ def test_the_gradient_reduction_adds_its_largest_units_buffers():
     assert MemoryModel().reduce_bytes([big]) == 0
     stages = memory(FSDP2)
     assert all(s.reduce_bytes > 0 for s in stages)
-    assert all(s.total == s.state_bytes + max(s.per_microbatch * s.in_flight + max(s.backward_bytes, s.forward_bytes)
-                                              + s.idle_buffer_bytes, s.reduce_bytes + s.buffer_bytes) for s in stages)
+    steady = [s.per_microbatch * s.in_flight + max(s.backward_bytes, s.forward_bytes) + s.idle_buffer_bytes
+              + s.sent_back_bytes for s in stages]
+    assert all(s.total == s.state_bytes + max(held, s.reduce_bytes + s.buffer_bytes) for s, held in zip(stages, steady))
 
 
 def test_stage_memory_under_fsdp_divides_optimizer_state_and_keeps_activations():

@@ -421,6 +421,12 @@ class MemoryModel:
             return True
         return self.schedule == "1f1b" and self.step_microbatches(num_stages) <= num_stages - stage
 
+    def refills(self, stage: int, num_stages: int) -> bool:
+        """Whether a forward follows stage ``stage``'s first backward (1F1B's steady state), while
+        torch's ``Schedule1F1B`` still holds the gradients that backward sent back (its ``bwd_sends``,
+        until the next backward has run)."""
+        return self.schedule == "1f1b" and self.step_microbatches(num_stages) > num_stages - stage
+
     def step_microbatches(self, num_stages: int) -> int:
         """The step's microbatches: ``microbatches``, or when None the fewest that fill the pipeline
         (one per stage; under interleaved 1F1B one per rank)."""
@@ -637,6 +643,9 @@ class StageMemory:
     """With ``first_backward_bytes``, what the stage holds above its weight state during the next
     backward: one microbatch fewer in flight, and the gradients the first sent back, which torch's
     schedules hold until a later backward has run (0 with one microbatch)."""
+    sent_back_bytes: float = 0.0
+    """In 1F1B's steady state (``MemoryModel.refills``), the new buffers of the gradients the previous
+    backward sent back, which torch's schedule holds through the next forward and backward."""
 
     @property
     def optimizer_bytes(self) -> float:
@@ -657,7 +666,7 @@ class StageMemory:
         forward, and the idle receive buffers) and what follows the last backward (every receive
         buffer, and the gradient reduction, the tied-gradient sum or the optimizer step)."""
         held = self.per_microbatch * self.in_flight + self.idle_buffer_bytes
-        steady = held + max(self.backward_bytes, self.forward_bytes)
+        steady = held + max(self.backward_bytes, self.forward_bytes) + self.sent_back_bytes
         if self.first_backward_bytes is not None:
             first = held + max(self.forward_bytes, self.first_backward_bytes) - self.gradient_bytes
             steady = max(first, self.later_backward_bytes)
@@ -676,6 +685,8 @@ class StageMemory:
                 + (f", one forward {self.forward_bytes:,.0f}" if self.forward_bytes > self.backward_bytes else "")
                 + (f"; receive buffers of the other microbatches {self.idle_buffer_bytes:,.0f}"
                    if self.idle_buffer_bytes else "")
+                + (f"; gradients the previous backward sent back {self.sent_back_bytes:,.0f}"
+                   if self.sent_back_bytes else "")
                 + (f"; or the gradient reduction {self.reduce_bytes:,.0f}" if self.reduce_bytes else "")
                 + (f"; or the tie sum / optimizer step {self.step_bytes:,.0f}" if self.step_bytes else ""))
 
@@ -1195,9 +1206,9 @@ def stage_memory(
         first_backward, later = None, 0.0
         if model.forwards_first(j, k):
             first_backward = walk(making_gradients=True)[0] * scale
-            # the first backward freed its microbatch's activations and what it sent (the last stage's output the
+            # the first backward freed its microbatch's activations and what it sent (the last stage's loss the
             # schedule keeps), and sent back the gradients of what it received, which the schedule still holds
-            drained = kept * scale + (sent if j < k - 1 else 0.0)
+            drained = kept * scale + sent - losses
             in_use = (kept * scale + received + sent) * in_flight + idle
             later = in_use + backward - drained + sent_back if in_flight > 1 else 0.0
         out.append(StageMemory(
@@ -1211,7 +1222,8 @@ def stage_memory(
             gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
             reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]])),
             step_bytes=max(0.0, model.reduced_bytes(held) + max(tie_sum[j], model.step_bytes(held))),
-            first_backward_bytes=first_backward, later_backward_bytes=later))
+            first_backward_bytes=first_backward, later_backward_bytes=later,
+            sent_back_bytes=sent_back if model.refills(j, k) else 0.0))
     return out
 
 

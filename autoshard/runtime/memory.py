@@ -203,7 +203,7 @@ def measure_stage_memory(
         step = _Step(optimizer.lower(), master_weights, foreach, *_tie_sums(plan, stage, k // run.stages_per_rank))
         peak, parts, resident, after = _run_in_steady_state(module, device, args, kwargs, in_flight, step,
                                                             _Buffers(stage > 0, stage < k - 1, buffered),
-                                                            run.forwards_first(stage, k))
+                                                            _Backwards.of(run, stage, k))
     return StageMemoryMeasurement(
         stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),
         "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages (MemTracker)",
@@ -292,6 +292,24 @@ def _as_sent(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class _Backwards:
+    """The backwards measured, as the schedule runs them after ``zero_grad``: whether the first makes
+    the weights' gradients (``made``: none exist before it), how many run (a second meets them and,
+    as torch's schedules hold them, the gradients the first sent back), and whether a forward runs
+    between them (``refill``: 1F1B's steady state, back to the microbatches in flight)."""
+
+    made: bool = False
+    count: int = 1
+    refill: bool = False
+
+    @classmethod
+    def of(cls, schedule: MemoryModel, stage: int, num_stages: int) -> _Backwards:
+        first, refill = schedule.forwards_first(stage, num_stages), schedule.refills(stage, num_stages)
+        twice = refill or (first and schedule.in_flight(stage, num_stages) > 1)
+        return cls(first or (refill and not schedule.keep_gradients), 2 if twice else 1, refill)
+
+
+@dataclass(frozen=True)
 class _Buffers:
     """The receive buffers a ``PipelineStage`` keeps, each for ``microbatches``: of its inputs (the first
     stage's are the step's batch it is handed, ``receives`` False: they want no gradient), of its
@@ -304,12 +322,11 @@ class _Buffers:
 
 def _run_in_steady_state(
     module: nn.Module, device: torch.device, args: tuple, kwargs: dict, in_flight: int, step: _Step,
-    buffers: _Buffers, forwards_first: bool = False,
+    buffers: _Buffers, backwards: _Backwards = _Backwards(),
 ) -> tuple[int, dict[str, int], dict[str, int], dict[str, int]]:
-    """Forward ``in_flight`` microbatches, back-propagate the first, then end the step: the peak, its
-    parts, the parts held before the backward and those of the peak after it. ``forwards_first``
-    (``MemoryModel.forwards_first``): the weights have no gradients yet, and a second backward
-    follows the first, meeting them and a microbatch fewer."""
+    """Forward ``in_flight`` microbatches, back-propagate the first (and as ``backwards`` says, forward
+    one more and back-propagate the next), then end the step: the peak, its parts, the parts held
+    before the backward and those of the peak after it."""
     cuda = device.type == "cuda"
     gc.collect()  # garbage from before (a plan tried for the inputs) would count in ``before``
     if cuda:  # before the receive buffers: the stage holds them (taken after, a stage's 400 MB went unseen)
@@ -324,24 +341,25 @@ def _run_in_steady_state(
         torch.cuda.reset_peak_memory_stats(device)
     trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
     for p in trainable:  # ``zero_grad`` freed them, or they accumulate from an earlier microbatch
-        p.grad = None if forwards_first else torch.zeros_like(p)
+        p.grad = None if backwards.made else torch.zeros_like(p)
     optimizers = step.optimizers(trainable)
     held = [module, *optimizers.all, *[t for mb in received for t in tensors_in(mb)],
             *[g for microbatch in waiting for g in microbatch]]  # received, not made here
     tracker = QuietMemTracker()
     tracker.track_external(*held)
     with without_cyclic_gc(), tracker:  # in this order: see ``without_cyclic_gc``
-        outputs, caller = [], _Untouched(module, buffers.sends)
-        for caller.microbatch in received[:in_flight]:  # the others' buffers wait for their microbatches
-            tracker.reset_mod_stats()  # each call is a new microbatch, not a second iteration
-            outputs.append(caller())
-        earlier_losses = _earlier_losses(outputs[0], buffers.microbatches - in_flight, buffers.sends)
+        caller = _Untouched(module, buffers.sends)
+        # the others' buffers wait for their microbatches
+        outputs = [_forward(caller, microbatch, tracker) for microbatch in received[:in_flight]]
+        # (the microbatch a refill runs brings its own)
+        earlier_losses = _earlier_losses(outputs[0], buffers.microbatches - in_flight - backwards.refill, buffers.sends)
         resident = _parts(tracker.get_tracker_snapshot("current"), device, optimizers)
-        # the first backward; when it made the gradients, the next one meets them and a microbatch fewer
-        for i in range(2 if forwards_first and in_flight > 1 else 1):
+        for i in range(backwards.count):
             _backward(outputs[i], waiting[i] if waiting else None, tracker)
-            if buffers.sends:  # sent, it is freed; the last stage's output the schedule keeps to the end
+            if not _is_loss(outputs[i], buffers.sends):  # the schedule keeps a loss to the step's end
                 outputs[i] = None
+            if backwards.refill and i == 0:
+                outputs.append(_forward(caller, received[in_flight], tracker))
     parts = _parts(tracker.get_tracker_snapshot("peak"), device, optimizers)
     del outputs, caller, earlier_losses  # the step ends with no microbatch in flight
     after = _after_backward(held, device, step, optimizers, resident["optimizer"])  # the buffers stay
@@ -350,6 +368,13 @@ def _run_in_steady_state(
         weights = parts["weights"]  # allocated before ``before``: the stage holds them throughout
         return torch.cuda.max_memory_allocated(device) - before + weights, parts, resident, after
     return max(sum(parts.values()), sum(after.values())), parts, resident, after
+
+
+def _forward(caller: _Untouched, microbatch: tuple[tuple, dict], tracker: QuietMemTracker) -> Any:
+    """The stage's output on ``microbatch``, a new microbatch to the tracker, not a second iteration."""
+    caller.microbatch = microbatch
+    tracker.reset_mod_stats()
+    return caller()
 
 
 def _backward(output: Any, received: list[torch.Tensor] | None, tracker: QuietMemTracker) -> None:
@@ -362,11 +387,16 @@ def _backward(output: Any, received: list[torch.Tensor] | None, tracker: QuietMe
         torch.autograd.backward(sent, gradients)
 
 
+def _is_loss(output: Any, sends: bool) -> bool:
+    """Whether ``output`` is the last stage's loss: one tensor of one element."""
+    return not sends and isinstance(output, torch.Tensor) and output.numel() == 1
+
+
 def _earlier_losses(output: Any, count: int, sends: bool) -> list[torch.Tensor]:
-    """Storages as big as the last stage's loss (a one-element output) for ``count`` microbatches
-    not in flight: ``torch.distributed.pipelining`` keeps every microbatch's loss until the step
-    ends, and a loss can view a whole buffer (a CPU ``mse_loss``). None for another stage."""
-    if sends or not isinstance(output, torch.Tensor) or output.numel() != 1:
+    """Storages as big as the last stage's loss for ``count`` microbatches not in flight:
+    ``torch.distributed.pipelining`` keeps every microbatch's loss until the step ends, and a loss
+    can view a whole buffer (a CPU ``mse_loss``). None for another stage."""
+    if not _is_loss(output, sends):
         return []
     nbytes = output.untyped_storage().nbytes()
     return [torch.empty(nbytes, dtype=torch.uint8, device=output.device) for _ in range(count)]
