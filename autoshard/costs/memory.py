@@ -16,7 +16,12 @@ its other microbatches wait), part by part:
   per microbatch) and the values it sent that nothing saved (kept until their gradients arrive);
 * once, the backward of one microbatch: the gradients of its outputs, then, node by node in
   reverse, the gradients alive and the node's own backward peak, less what the nodes already
-  run have freed (``backward_bytes``: the most of that above the microbatches held);
+  run have freed (``backward_bytes``: the most of that above the microbatches held); where every
+  forward of the step runs before the stage's first backward (GPipe; 1F1B on a stage keeping
+  every microbatch of the step), that backward instead meets no gradient (``zero_grad`` freed
+  them) and makes them, and the next meets them with a microbatch fewer
+  (``first_backward_bytes``, ``later_backward_bytes``); in 1F1B's steady state, beside the
+  gradients the previous backward sent back, which the schedule still holds (``sent_back_bytes``);
 * all step, the receive buffers of the microbatches not in flight (``idle_buffer_bytes``):
   ``PipelineStage`` allocates, for every microbatch of the step, a buffer for the values a stage
   receives and one for the gradients of the values it sends, and keeps them from step to step;

@@ -6,12 +6,16 @@ before it run once to give it a microbatch of its inputs; the stage then runs it
 microbatch it keeps in flight under the schedule (a fresh copy of its inputs each time, read
 through ``contiguous_grad``, its outputs with gaps in their storage copied, as ``pipeline_stage``'s
 wired stages receive, read and send them; all graphs kept alive),
-then one backward with a gradient of its output's shape, as in the steady state: the gradients of
-its parameters exist (they accumulate over the step) and so does the optimizer state (after the
-first step). The peak is counted by live tensor storages with PyTorch's own
-``MemTracker`` (``torch.distributed._tools.mem_tracker``), which works on CPU: it sees every
-storage an operator returns and when it is freed, and sorts them into weights, gradients,
-optimizer state, activations, backward temporaries and what was handed in. Memory a kernel
+then backwards as the schedule runs them after ``zero_grad`` (which frees the gradients): in 1F1B's
+steady state one, the next microbatch's forward and the next backward, which meets the gradients
+the first made and those it sent back (the schedule holds them); where every forward runs first
+(GPipe, or 1F1B keeping all the step's microbatches) one that makes the gradients and a second that
+meets them; with ``keep_gradients`` the gradients exist from the start. Each backward starts from a
+gradient of its output's shape; the optimizer state exists (after the first step). The peak is
+counted by live tensor storages with PyTorch's own ``MemTracker``
+(``torch.distributed._tools.mem_tracker``), which works on CPU: it sees every storage an operator
+returns and when it is freed, and sorts them into weights, gradients, optimizer state,
+activations, backward temporaries and what was handed in. Memory a kernel
 allocates and frees inside itself (a workspace) is not seen. On CUDA the total is
 ``torch.cuda.max_memory_allocated`` instead (the parts still come from the tracker), rounded as
 the allocator rounds each block (to 512 bytes: tiny stages measure up to 30% above their
