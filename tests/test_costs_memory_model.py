@@ -266,27 +266,30 @@ def test_the_model_is_within_ten_percent_of_what_each_stage_holds(name, k, micro
 
 
 class _WideBlock(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, hidden: bool) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width) if hidden else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.b(torch.relu(self.a(x)))
+        return x + (self.b(torch.relu(self.a(x))) if self.b is not None else self.a(x))
 
 
 class _WideBlocks(nn.Module):
-    """Residual blocks whose weights outweigh a microbatch's activations, ending in a loss."""
+    """Residual blocks whose weights outweigh a microbatch's activations, ending in a loss: a hidden
+    layer each, or ``x + linear(x)``, whose linear's backward frees the block's input it saved before
+    autograd adds its input's gradient into the one the addition handed on."""
 
-    def __init__(self, width: int = 64, depth: int = 6) -> None:
+    def __init__(self, hidden: bool, width: int = 64, depth: int = 6) -> None:
         super().__init__()
-        self.blocks = nn.Sequential(*(_WideBlock(width) for _ in range(depth)))
+        self.blocks = nn.Sequential(*(_WideBlock(width, hidden) for _ in range(depth)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.blocks(x).pow(2).mean()
 
 
+@pytest.mark.parametrize("hidden", [True, False])
 @pytest.mark.parametrize("schedule, microbatches", [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2)])
-def test_a_stage_running_every_forward_first_meets_no_gradient_at_its_first_backward(schedule, microbatches):
+def test_a_stage_running_every_forward_first_meets_no_gradient_at_its_first_backward(schedule, microbatches, hidden):
     """GPipe, and 1F1B on a stage keeping every microbatch of the step: all forwards run before the
     first backward, after ``zero_grad`` freed the gradients, so it makes them as it frees the
     activations, and the next backward meets them with a microbatch fewer and the gradients the
@@ -294,7 +297,7 @@ def test_a_stage_running_every_forward_first_meets_no_gradient_at_its_first_back
     a stage was 1.11x-1.14x of what it held in two-process GPipe runs."""
     torch.manual_seed(0)
     x = torch.randn(32, 64)
-    sharded = autoshard.shard_model(_WideBlocks(), 2, example_inputs=(x,))
+    sharded = autoshard.shard_model(_WideBlocks(hidden), 2, example_inputs=(x,))
     freed, kept = (MemoryModel(microbatches=microbatches, optimizer="sgd", schedule=schedule, keep_gradients=keep)
                    for keep in (False, True))
     predicted, with_gradients = (autoshard.plan_report(sharded, memory=m).stages for m in (freed, kept))

@@ -1053,16 +1053,6 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         own = facts.backward_when_sent if from_buffer and facts.backward_when_sent is not None else facts.backward
         own += facts.gradients_kept if making_gradients else 0
         peak = max(peak, output_grads + alive + own - freed)
-        # what this stage made and kept for this backward alone (what ``stays`` was sent): autograd releases
-        # it once the node's backward has returned, before it adds the gradients made into those that exist
-        released = 0.0
-        for maker, nbytes in facts.releases:
-            if maker not in inside or recomputed.held_elsewhere(node, maker):
-                continue
-            if maker in stays and not recomputed.is_copy(node, maker):
-                nbytes = min(float(nbytes), temporaries.get(maker, 0.0))
-                temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
-            released += nbytes
         # adding a gradient into one that exists may take a new buffer for the sum, while the gradients
         # the backward made (of its inputs and weights) still live
         summed = max((_grad(dag, u) for u, _ in given if u in buffer), default=0.0)
@@ -1076,11 +1066,22 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             got = buffer.get(node)  # its own, or one handed to it that the others holding it have let go of
             dropped = _grad(dag, got) if got is not None and holders.get(got) == 1 else 0.0
             dropped += sum(weights[w] for w in added & parts)
-            # at the sum: after the node's releases where it adds a gradient its backward made; a gradient it hands
-            # on is counted before them, as a node in place (its readers routed around it) makes a new one
-            handed_sum = max((_grad(dag, u) for u, handed in given if handed and u in buffer), default=0.0)
-            peak = max(peak, output_grads + alive - dropped + made - freed + max(handed_sum, summed - released))
-        freed += released + recomputed.released_after.get(node, 0.0)
+            # autograd adds a gradient the backward made once the node has returned and released what it saved
+            # (a storage that stays, sent, counted as held to then); one it hands on, before: a node in place,
+            # its readers routed around it, makes a new one
+            released = sum(nbytes for maker, nbytes in facts.releases if maker in inside and maker not in stays
+                           and not recomputed.held_elsewhere(node, maker))
+            handed = max((_grad(dag, u) for u, hands in given if hands and u in buffer), default=0.0)
+            peak = max(peak, output_grads + alive - dropped + made - freed + max(handed, summed - released))
+        # what this stage made and kept for this backward alone (what ``stays`` was sent)
+        for maker, nbytes in facts.releases:
+            if maker not in inside or recomputed.held_elsewhere(node, maker):
+                continue
+            if maker in stays and not recomputed.is_copy(node, maker):
+                nbytes = min(float(nbytes), temporaries.get(maker, 0.0))
+                temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
+            freed += nbytes
+        freed += recomputed.released_after.get(node, 0.0)
         mine = buffer.pop(node, None)
         # a value sent permuted gets its gradient in a buffer laid out as it is, which a view hands back in
         # its input's layout, where the probe's gradient, laid out as a new tensor, came back strided
