@@ -236,7 +236,9 @@ class SavedFacts:
     only if a node outside the block saves it; None: not recorded. ``gradients_kept``: what its
     backward's peak adds where its weights have no gradient yet (the step's first backward after
     ``zero_grad``): autograd keeps each one as it is made, where it adds it into the existing one
-    and frees it (``backward``)."""
+    and frees it (``backward``). ``gradient_copies``: the bytes of those weight gradients not laid out
+    as their weights are (a convolution's from a channels-last input), which autograd then keeps as
+    copies in the weights' layout, made once the node's backward has returned, beside the original."""
 
     saved: int
     saved_output: int
@@ -256,6 +258,7 @@ class SavedFacts:
     weights_first: bool = False
     saves_from: tuple[str, ...] | None = None
     gradients_kept: int = 0
+    gradient_copies: int = 0
 
 
 def stages_per_rank_of(schedule: str, given: int | None) -> int:
@@ -1112,6 +1115,10 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 alive += nbytes
             elif making_gradients:  # its one part is its gradient, kept
                 alive += nbytes
+        if making_gradients and facts.gradient_copies:
+            # autograd keeps a copy of each one not laid out as its weight is, made beside it once the node's
+            # backward has returned (its releases done, the gradient it got dropped), then frees it
+            peak = max(peak, output_grads + alive + facts.gradient_copies - freed)
     for u in read:
         # its read (``contiguous_grad``) ran first, so its backward runs after every other node's, which have
         # let go of the buffers they shared with it by then: autograd copies it into the one sent back if

@@ -117,7 +117,9 @@ class NodeEffect:
     ``weight_grads``: the positions, among the weights the node may read (``TrainingProbe.weight_leaves``),
     of those its backward gives a gradient (None: its backward did not run); ``weights_first``: its
     backward adds every weight's gradient into theirs before it hands any input its own;
-    ``gradients_kept``: what its backward's peak adds where it keeps the weights' gradients it makes."""
+    ``gradients_kept``: what its backward's peak adds where it keeps the weights' gradients it makes;
+    ``gradient_copies``: the bytes of those not laid out as their weights are, which ``AccumulateGrad``
+    copies into that layout to keep them."""
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
@@ -131,3 +133,4 @@ class NodeEffect:
     weight_grads: tuple[int, ...] | None = ()
     weights_first: bool = False
     gradients_kept: int = 0
+    gradient_copies: int = 0

@@ -269,6 +269,28 @@ def _quiet(record: logging.LogRecord) -> bool:
     return False
 
 
+def obeys_layout_contract(grad: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``AccumulateGrad`` keeps ``grad`` as ``weight``'s first gradient as it is (torch's
+    ``obeys_layout_contract``): laid out as a dense weight is, strides of dimensions of size 1 aside;
+    else it keeps a copy in that layout (a convolution's weight gradient from a channels-last input)."""
+    if grad.layout != torch.strided or weight.layout != torch.strided:
+        return True  # (sparse: another path, not probed)
+    if _dense(weight):
+        return all(g == w if size != 1 else g != 0
+                   for size, g, w in zip(grad.shape, grad.stride(), weight.stride()))
+    return grad.is_contiguous()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` fills its elements' span without gaps or overlaps, in some order of its dimensions."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _zeros_strided(like: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
     return torch.empty_strided(like.shape, strides, dtype=like.dtype, device=like.device).zero_()
 
@@ -342,6 +364,7 @@ class TrainingProbe:
         self.weight_grads: dict[str, tuple[str, ...] | None] = {}  # node -> the weights its backward gives a gradient
         self.weights_first: set[str] = set()  # nodes whose weights get their gradients before their inputs
         self.gradients_kept: dict[str, int] = {}  # node -> what its backward's peak adds keeping its weights' ones
+        self.gradient_copies: dict[str, int] = {}  # node -> bytes of those AccumulateGrad copies to keep them
         self.kept: list[Any] = []
         self.stand_ins: dict[int, torch.Tensor] = {}  # id of a twin -> the real tensor standing for it
         self.unprobed: list[str] = []
@@ -802,11 +825,11 @@ class TrainingProbe:
         # a fake kernel that could not size its workspace (a backward probed again keeps only its peak)
         if layouts is None and not real and any(nbytes == 0 for nbytes, _ in saved_new):
             raise _Unsized(call.node.name)  # probed on real tensors where there are some, else left unprobed
-        backward, input_grads, weight_grads, weights_first, kept = 0, (), (), False, 0
+        backward, input_grads, weight_grads, weights_first, kept, copies = 0, (), (), False, 0, 0
         try:
             if sent and (wanted or weights):
-                backward, given, weights_first, kept = self._backward(sent, sent_layouts, wanted + weights,
-                                                                      (args, kwargs), real)
+                backward, given, weights_first, kept, copies = self._backward(
+                    sent, sent_layouts, wanted + weights, (args, kwargs), real)
                 input_grads = tuple((i, *given[id(t)]) for i, t in zip(indices, wanted)
                                     if i is not None and id(t) in given)
                 candidates = self.weight_leaves(call.node, arguments, real)
@@ -819,7 +842,7 @@ class TrainingProbe:
         outputs, storages, replayable = _output_leaves(leaves, position, new, lambda t: self.original(_storage(t)))
         reusable &= replayable
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
-                            grad, backward, input_grads, forward, weight_grads, weights_first, kept)
+                            grad, backward, input_grads, forward, weight_grads, weights_first, kept, copies)
         return effect, value, reusable
 
     def _probe_on_real_tensors(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[NodeEffect, Any] | None:
@@ -916,6 +939,7 @@ class TrainingProbe:
         self.outputs[name] = {ref for ref, _ in new}
         self.grad[name], self.backward[name], self.forward[name] = effect.grad, effect.backward, effect.forward
         self.gradients_kept[name] = effect.gradients_kept
+        self.gradient_copies[name] = effect.gradient_copies
         found = {self.original(_storage(t)): t.untyped_storage().nbytes() for t in _tensors(value)}
         if not new and found:  # the widest storage its output lives in, made by another node ('' for input or weight)
             self.views[name] = self.owner.get(max(found, key=found.__getitem__)) or ""
@@ -925,7 +949,8 @@ class TrainingProbe:
         self.holds[name] = tuple(m for m in makers if m and m not in (name, self.views.get(name)))
 
     def _backward(self, sent: list[torch.Tensor], layouts: list[tuple[int, ...] | None], wanted: list[torch.Tensor],
-                  inputs: Any, real: bool = False) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]], bool, int]:
+                  inputs: Any, real: bool = False,
+                  ) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]], bool, int, int]:
         """The peak ``MemTracker`` sees while ``sent`` back-propagates from gradients of ``layouts``'
         strides, above where it started, and for each ``wanted`` tensor that gets a gradient (by id)
         whether that gradient is one of ``sent``'s itself (handed on, as a view's or an addition's
@@ -934,18 +959,25 @@ class TrainingProbe:
         operator first touches it, as if it were new. A weight's gradient counts as dropped as soon as it
         is made, as training's in-place accumulation into ``.grad`` frees it; whether autograd did so
         for every weight before it handed any input its gradient (``gradient_order``); and what the
-        peak adds where each is kept instead (the step's first backward). ``real``: ``sent`` are real
-        tensors."""
+        peak adds where each is kept instead (the step's first backward), and the bytes of those
+        ``AccumulateGrad`` would copy to keep them (``obeys_layout_contract``). ``real``: ``sent`` are
+        real tensors."""
         new = _zeros_strided if real else self.fresh  # a fake run reads no values
         gradients = [new(t, _new_strides(t) if strides is None else strides) for t, strides in zip(sent, layouts)]
         weights = [t for t in wanted if id(t) in self.leaves]
         tracker, seen = self.tracker, set()
 
-        def kept(g: torch.Tensor) -> None:  # training adds it into the gradient it has and frees it at once
+        copies: list[int] = []
+
+        def kept(weight: torch.Tensor, g: torch.Tensor) -> None:
+            # training adds it into the gradient it has and frees it at once; kept instead (no gradient yet),
+            # one not laid out as its weight is gets copied into that layout (``AccumulateGrad``), then freed
             if _storage(g) not in seen:
                 seen.add(_storage(g))
                 tracker.kept += g.untyped_storage().nbytes()
-        hooks = [t.register_hook(kept) for t in weights]
+                if not obeys_layout_contract(g, weight):
+                    copies.append(g.untyped_storage().nbytes())
+        hooks = [t.register_hook(functools.partial(kept, t)) for t in weights]
         try:
             with self._tracked(*gradients, *wanted, *_tensors(inputs)) as peak, \
                     gradient_order(sent, [t for t in _tensors(inputs) if t.requires_grad and id(t) not in self.leaves],
@@ -963,7 +995,7 @@ class TrainingProbe:
                          g.stride() if g.layout == torch.strided else None)
                  for t, g in zip(wanted, grads) if g is not None}
         del grads
-        return backward, given, weights_given_first(order), keeping - backward
+        return backward, given, weights_given_first(order), keeping - backward, sum(copies)
 
     def _backwards_from_their_gradients(self) -> None:
         """Probe again the backward of each node whose consumers give its output a gradient laid out
@@ -1011,5 +1043,5 @@ class TrainingProbe:
                                  sent_as_copy(values.get(name)), self.when_contiguous.get(name),
                                  dense_order(values.get(name)), self.weight_grads.get(name),
                                  self.holds.get(name, ()), name in self.weights_first, self.saves_from.get(name),
-                                 self.gradients_kept.get(name, 0))
+                                 self.gradients_kept.get(name, 0), self.gradient_copies.get(name, 0))
                 for name in self.grad if name not in self.unrun}
