@@ -226,6 +226,9 @@ def test_measurement_is_exported_and_serialisable():
     (dict(schedule="interleaved-1f1b", stages_per_rank=2.0), InvalidArgumentTypeError,
      ["stages_per_rank must be a whole number >= 1 or None (an int), got float 2.0"]),
     (dict(master_weights="yes"), InvalidArgumentTypeError, ["master_weights must be True or False", "'yes'"]),
+    (dict(keep_gradients=1), InvalidArgumentTypeError, ["keep_gradients must be True or False", "int 1"]),
+    (dict(optimizer_foreach="yes"), InvalidArgumentTypeError, ["optimizer_foreach must be True or False",
+                                                               "or None", "'yes'"]),
     (dict(stage=2), InvalidArgumentError, ["stage 2 is out of range", "2 stages", "from 0 to 1"]),
     (dict(stage=-1), InvalidArgumentError, ["stage -1 is out of range"]),
 ])
