@@ -133,7 +133,7 @@ def test_stage_memory_counts_state_saved_activations_boundaries_and_one_backward
     assert first == StageMemory(0, (32 + 8) * 4 * 4, 0, 2, received_bytes=48, sent_bytes=96, output_grad_bytes=96,
                                 backward_bytes=96 + 160, forward_bytes=96, weight_bytes=160, gradient_bytes=160,
                                 buffer_bytes=2 * (96 + 48), idle_buffer_bytes=96, step_bytes=2 * 128,
-                                first_backward_bytes=96 + 160, later_backward_bytes=in_use + 96 + 160 - 96)
+                                first_backward_bytes=96 + 160, later_backward_bytes=96 + 160 - 96)
     # stage 1: ReLU saves its output (96 B; the Linear saves the same storage); it receives 96 B
     # and sends the 24 B output; the peak is the ReLU's backward: output gradient 24, the
     # Linear's input gradient 96 and the ReLU's own 96; a receive buffer for each microbatch, one in use;

@@ -647,10 +647,11 @@ class StageMemory:
     """When every forward of the step runs before the stage's first backward
     (``MemoryModel.forwards_first``): what that backward adds, the weights' gradients it makes
     included, since ``zero_grad`` freed them. None: the gradients exist at every backward."""
-    later_backward_bytes: float = 0.0
-    """With ``first_backward_bytes``, what the stage holds above its weight state during the next
-    backward: one microbatch fewer in flight, and the gradients the first sent back, which torch's
-    schedules hold until a later backward has run (0 with one microbatch)."""
+    later_backward_bytes: float | None = None
+    """With ``first_backward_bytes``, what the next backward adds to the microbatches held: its own
+    peak, less what the first freed for good (a microbatch's activations and what it sent), plus the
+    gradients the first sent back, which torch's schedules hold until a later backward has run
+    (None: one microbatch, no next backward)."""
     sent_back_bytes: float = 0.0
     """In 1F1B's steady state (``MemoryModel.refills``), the new buffers of the gradients the previous
     backward sent back, which torch's schedule holds through the next forward and backward."""
@@ -677,7 +678,7 @@ class StageMemory:
         steady = held + max(self.backward_bytes, self.forward_bytes) + self.sent_back_bytes
         if self.first_backward_bytes is not None:
             first = held + max(self.forward_bytes, self.first_backward_bytes) - self.gradient_bytes
-            steady = max(first, self.later_backward_bytes)
+            steady = first if self.later_backward_bytes is None else max(first, held + self.later_backward_bytes)
         return self.state_bytes + max(steady, max(self.reduce_bytes, self.step_bytes) + self.buffer_bytes)
 
     def parts(self) -> str:
@@ -730,15 +731,19 @@ def _in_block(dag: nx.DiGraph, node: str) -> bool:
 
 def node_state_bytes(
     dag: nx.DiGraph, model: MemoryModel = MemoryModel(), apart: AbstractSet[str] = frozenset(),
-    assignment: Mapping[str, int] | None = None,
+    assignment: Mapping[str, int] | None = None, gradients: bool = True,
 ) -> dict[str, float]:
-    """Per node: weight, gradient and optimizer state of the weights charged to it.
+    """Per node: weight, gradient (unless ``gradients`` is False) and optimizer state of the weights
+    charged to it.
 
     Which reader of a shared weight is charged follows ``costs.ties.weight_payers``.
     """
     infos = dag.graph["weights"]
-    return {node: sum(model.state_bytes(infos[w]) for w in paid)
-            for node, paid in weight_payers(dag, apart, assignment).items()}
+
+    def held(info: Weight) -> float:
+        weight, gradient, optimizer = model.weight_parts(info)
+        return weight + optimizer + (gradient if gradients else 0.0)
+    return {node: sum(held(infos[w]) for w in paid) for node, paid in weight_payers(dag, apart, assignment).items()}
 
 
 def node_memory(
@@ -772,12 +777,10 @@ class StageFloor:
 def stage_floor(dag: nx.DiGraph, num_stages: int, model: MemoryModel = MemoryModel()) -> StageFloor:
     """The ``StageFloor`` of ``dag`` split into ``num_stages`` under ``model``."""
     k, scale = num_stages, model.activation_scale(list(dag.graph.get("weights", {}).values()))
-    state = node_state_bytes(dag, model) if "weights" in dag.graph else dict.fromkeys(dag.nodes, 0.0)
-    if any(model.forwards_first(j, k) for j in range(k)) and "weights" in dag.graph:
-        # such a stage may peak before its first backward has made the gradients
-        infos = dag.graph["weights"]
-        for node, paid in weight_payers(dag).items():
-            state[node] -= sum(model.weight_parts(infos[w])[1] for w in paid)
+    # a stage whose forwards all run first may peak before its first backward has made the gradients
+    gradients = not any(model.forwards_first(j, k) for j in range(k))
+    state = (node_state_bytes(dag, model, gradients=gradients) if "weights" in dag.graph
+             else dict.fromkeys(dag.nodes, 0.0))
     held = {v: 0.0 if dag.nodes[v].get("tensor") is False else state[v] for v in dag.nodes}
     owners = {u for v in dag.nodes if _strided_output(dag, v) for u in _possible_owners(dag, v)}
     kept = kept_per_node(dag, model)
@@ -1216,14 +1219,13 @@ def stage_memory(
         gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
         losses = sent if j == k - 1 and _is_loss(dag, outputs) else 0.0  # freed as the step ends
         idle = (received_buffer + losses) * (buffered - in_flight) + gradient_buffer * (buffered - 1)
-        first_backward, later = None, 0.0
+        first_backward = later = None
         if model.forwards_first(j, k):
             first_backward = walk(making_gradients=True)[0] * scale
             # the first backward freed its microbatch's activations and what it sent (the last stage's loss the
             # schedule keeps), and sent back the gradients of what it received, which the schedule still holds
             drained = kept * scale + sent - losses
-            in_use = (kept * scale + received + sent) * in_flight + idle
-            later = in_use + backward - drained + sent_back if in_flight > 1 else 0.0
+            later = backward - drained + sent_back if in_flight > 1 else None
         out.append(StageMemory(
             j, weights + grads + optimizer, kept * scale, in_flight,
             buffer_bytes=(received_buffer + gradient_buffer) * buffered,
