@@ -29,7 +29,7 @@ _LAZY = {
     "plan_report": "autoshard.plan_reporting",
     "PlanReport": "autoshard.plan_reporting",
     "CostNode": "autoshard.passes.analyses",
-    "MemoryModel": "autoshard.costs.memory",
+    "MemoryModel": "autoshard.costs.memory_model",
     "DeviceModel": "autoshard.costs.estimate",
     "StepTimeModel": "autoshard.costs.step_time",
     # warnings a user may want to filter or turn into errors

@@ -13,7 +13,8 @@ from torch import nn
 
 from autoshard.arguments import byte_count, real_number, whole_number
 from autoshard.costs.execution import holds_meta_tensors
-from autoshard.costs.memory import MemoryModel, check_memory_budgets, stage_memory
+from autoshard.costs.memory import check_memory_budgets, stage_memory
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, first_few, plural
 from autoshard.passes.analyses import (
     CostModel,

@@ -26,7 +26,7 @@ import networkx as nx
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, node_times
-from autoshard.costs.memory import MemoryModel
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.errors import AutoshardError, InvalidArgumentError
 from autoshard.graph import Partition
 from autoshard.plan_format.files import save_plan

@@ -25,7 +25,8 @@ from rich.text import Text
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
-from autoshard.costs.memory import MemoryModel, StageMemory, stage_memory
+from autoshard.costs.memory import StageMemory, stage_memory
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.models import measured
 from autoshard.costs.step_time import StepTime, StepTimeModel, checked_step, predicted_step, run_of
 from autoshard.costs.ties import SharedWeight

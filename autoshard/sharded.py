@@ -20,7 +20,7 @@ from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_
 from autoshard.capture.held_state import NO_KEY, kept_check
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, is_default, parameter_default
-from autoshard.costs.memory import MemoryModel
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta

@@ -54,7 +54,7 @@ from torch import nn  # noqa: E402
 from torch.utils._pytree import tree_map_only  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.costs.memory import MemoryModel  # noqa: E402
+from autoshard.costs.memory_model import MemoryModel  # noqa: E402
 from autoshard.costs.models import memory_parts  # noqa: E402
 from autoshard.costs.split_search.program_order import ProgramOrderSplits, SearchGaveUp  # noqa: E402
 from autoshard.costs.split_search.request import training_memory  # noqa: E402

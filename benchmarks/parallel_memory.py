@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autoshard
-from autoshard.costs.memory import OPTIMIZER_STATE_TENSORS
+from autoshard.costs.memory_model import OPTIMIZER_STATE_TENSORS
 from autoshard.costs.saved import without_cyclic_gc
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from autoshard.runtime import model_loss, parallelize, run_local

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from autoshard import cli
-from autoshard.costs.memory import MemoryModel
+from autoshard.costs.memory_model import MemoryModel
 
 
 @pytest.fixture(autouse=True)

@@ -195,7 +195,7 @@ def test_the_memory_model_sets_the_optimizer_the_plan_is_made_for():
     (naming the shortfall) with the default Adam model; the plan keeps the model it was made for."""
     model, x = activation_heavy_chain()
     sgd = autoshard.MemoryModel(optimizer="sgd")
-    fp32 = autoshard.costs.memory.OPTIMIZER_BYTES
+    fp32 = autoshard.costs.memory_model.OPTIMIZER_BYTES
     assert sgd.optimizer_bytes_per_param is None and fp32["sgd"] == 0 and fp32["adam"] == 8
     dag = autoshard.shard_model(model, 2, example_inputs=(x,)).plan.dag
     least_sgd = min(peak_memory(dag, a, 2, sgd) for a in cut_assignments(dag, 2))

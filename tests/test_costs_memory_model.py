@@ -19,7 +19,8 @@ from torch.nn import functional as F
 from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_rank_ops, _get_warmup_ops
 
 import autoshard
-from autoshard.costs.memory import OPTIMIZER_BYTES, MemoryModel, interleaved_in_flight, stage_memory, tie_sum_bytes
+from autoshard.costs.memory import stage_memory, tie_sum_bytes
+from autoshard.costs.memory_model import OPTIMIZER_BYTES, MemoryModel, interleaved_in_flight
 from autoshard.costs.saved import QuietMemTracker
 from autoshard.examples import load_example
 from autoshard.plan_io import read_plan

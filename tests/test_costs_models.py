@@ -10,7 +10,8 @@ from torch import nn
 
 import autoshard
 from autoshard.api import default_pipeline, run_pipeline
-from autoshard.costs.memory import MemoryModel, StageMemory, check_memory_budgets, stage_memory
+from autoshard.costs.memory import StageMemory, check_memory_budgets, stage_memory
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.errors import (
     InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError,
 )

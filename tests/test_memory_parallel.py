@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
-from autoshard.costs.memory import MemoryModel, stage_memory
+from autoshard.costs.memory import stage_memory
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.recompute import block_path, checkpoint_regions
 from autoshard.errors import InvalidArgumentError
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP

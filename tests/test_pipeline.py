@@ -256,7 +256,7 @@ def test_foreign_exception_is_wrapped_in_pass_failed_from_the_cause():
 @pytest.mark.parametrize("fail", ["ZeroDivisionError", "InvalidArgumentError"])
 def test_the_reproduction_names_the_memory_model_the_spec_does_not_carry(fail):
     """A run planned for SGD with 8 microbatches, reproduced with its spec alone, plans for Adam."""
-    from autoshard.costs.memory import MemoryModel
+    from autoshard.costs.memory_model import MemoryModel
 
     spec = f"order,group{{stages=2 fail-with={fail}}}"
     ctx = PassContext(memory_model=MemoryModel(optimizer="sgd", microbatches=8))

@@ -8,7 +8,8 @@ This package namespace imports no torch (the DAG-level models, memory and ties w
 networkx alone); ``costs.values``, ``execution``, ``flops``, ``propagation`` and ``timing`` do.
 """
 
-from autoshard.costs.memory import MemoryModel, StageMemory, check_memory_budgets, stage_memory
+from autoshard.costs.memory import StageMemory, check_memory_budgets, stage_memory
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 

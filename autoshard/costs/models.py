@@ -21,7 +21,8 @@ from typing import AbstractSet, Callable, Mapping, Protocol
 
 import networkx as nx
 
-from autoshard.costs.memory import MemoryModel, kept_per_node, node_memory, node_state_bytes, stage_memory
+from autoshard.costs.memory import kept_per_node, node_memory, node_state_bytes, stage_memory
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.ties import weight_payers
 from autoshard.errors import InvalidArgumentError
 

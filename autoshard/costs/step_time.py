@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from autoshard.arguments import bytes_per_second, duration, whole_number
 from autoshard.costs.estimate import DeviceModel
-from autoshard.costs.memory import UNMODELLED_SCHEDULES, MemoryModel, stages_per_rank_of
+from autoshard.costs.memory_model import UNMODELLED_SCHEDULES, MemoryModel, stages_per_rank_of
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")

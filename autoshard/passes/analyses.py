@@ -25,7 +25,8 @@ from typing import AbstractSet, Any, Callable, Iterable, Mapping
 
 import torch
 
-from autoshard.costs.memory import MemoryModel, stage_memory
+from autoshard.costs.memory import stage_memory
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, WEIGHT_CHARGED, DagCostModel, memory_costs, summed_per_stage
 from autoshard.arguments import real_number
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, suggest

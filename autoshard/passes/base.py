@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
 
     from autoshard.capture.result import TraceResult
     from autoshard.costs.facts import NodeFacts
-    from autoshard.costs.memory import MemoryModel
+    from autoshard.costs.memory_model import MemoryModel
     from autoshard.costs.timing import TimeProfile
     from autoshard.graph.partition import Partition
     from autoshard.sharded import ShardedModel

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel
-from autoshard.costs.memory import MemoryModel, SavedFacts
+from autoshard.costs.memory import SavedFacts
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PlanError
 from autoshard.graph import SplitInfo, check_dag, check_partition
 from autoshard.lowering.from_fx import WeightInfo

@@ -19,7 +19,8 @@ import networkx as nx
 
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel
-from autoshard.costs.memory import MemoryModel, SavedFacts, StageMemory, stage_memory
+from autoshard.costs.memory import SavedFacts, StageMemory, stage_memory
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.models import held_weight_bytes
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.graph import SplitInfo, boundary_bytes, boundary_values, stage_costs, total_boundary_bytes

@@ -16,7 +16,7 @@ from autoshard.plan_format.model import SavedPlan
 from autoshard.plan_origin import PlanOrigin
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autoshard.costs.memory import MemoryModel
+    from autoshard.costs.memory_model import MemoryModel
     from autoshard.passes.pipeline import Pipeline
     from autoshard.sharded import ShardedModel
 

@@ -33,8 +33,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from autoshard.arguments import whole_number
-from autoshard.costs.memory import SCHEDULES as MODELLED_SCHEDULES
-from autoshard.costs.memory import MemoryModel
+from autoshard.costs.memory_model import SCHEDULES as MODELLED_SCHEDULES
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.emit import HELD_STATE
 from autoshard.errors import (
     InvalidArgumentError,

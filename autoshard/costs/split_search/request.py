@@ -13,14 +13,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import networkx as nx
 
-from autoshard.costs.memory import (
-    MemoryModel,
-    StageFloor,
-    StageMemory,
-    memory_shortfall,
-    stage_floor,
-    stage_memory,
-)
+from autoshard.costs.memory import StageFloor, StageMemory, memory_shortfall, stage_floor, stage_memory
+from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.ties import TieGroup
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, StageRange
 from autoshard.graph.indexed import IndexedDag
