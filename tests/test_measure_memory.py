@@ -349,7 +349,7 @@ def _wired_read(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the leaf, what the stage reads) as ``runtime.wire`` receives ``value``: a value filling its storage
     in another order crosses as that order's contiguous buffer, read through ``contiguous_grad`` and
     permuted back; any other is read through ``contiguous_grad`` as it is."""
-    from autoshard.costs.saved import dense_order
+    from autoshard.costs.layouts import dense_order
     from autoshard.runtime.wire import contiguous_grad
 
     order = dense_order(value)

@@ -62,6 +62,9 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autoshard.costs.execution import NodeCall
 from autoshard.costs.gradient_order import gradient_order, weights_given_first
+from autoshard.costs.layouts import (
+    contiguous_in_its_order, dense_order, fills_storage, grad_contiguous, new_strides, obeys_layout_contract,
+    sent_as_copy)
 from autoshard.costs.memory import SavedFacts
 from autoshard.costs.probe_memo import (
     CONSTANTS, NodeEffect, OutputTensor, Uncacheable, constant_key, module_key, tensor_key)
@@ -189,63 +192,6 @@ class _Unsized(Exception):
     """A node whose fake run saved an empty storage of its own, and no real run to size it."""
 
 
-def _new_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides ``torch.empty_like`` gives a new tensor laid out as ``t``."""
-    return _empty_like_strides(tuple(t.shape), t.stride())
-
-
-@functools.lru_cache(maxsize=4096)
-def _empty_like_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
-    """Asked of torch, not re-derived (its rules for size-1 and overlapping dimensions are subtle);
-    cached, as every node of a model asks it of a few layouts (a meta tensor costs ~0.1 ms)."""
-    with _disable_current_modes():
-        return torch.empty_like(torch.empty_strided(shape, strides, device="meta")).stride()
-
-
-def _contiguous(t: torch.Tensor, strides: tuple[int, ...] | None) -> bool:
-    """Whether a gradient of ``t``'s shape with ``strides`` (None: not strided) is contiguous, as the
-    gradient a stage sends back must be (``runtime.wire.contiguous_grad`` copies any other)."""
-    return strides is None or _is_contiguous(tuple(t.shape), tuple(strides))
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    with _disable_current_modes():
-        return torch.empty_strided(shape, strides, device="meta").is_contiguous()
-
-
-def _contiguous_in_its_order(t: torch.Tensor, strides: tuple[int, ...] | None) -> bool:
-    """``_contiguous``, where ``t`` fills its storage in another order (a transpose) in that order: the
-    wire receives such a value as that order's contiguous buffer (``dense_order``), so a gradient laid out
-    as ``t`` goes back uncopied, and a plainly contiguous one is copied."""
-    if dense_order(t) is None:
-        return _contiguous(t, strides)
-    return strides is None or tuple(strides) == _new_strides(t)
-
-
-def sent_as_copy(value: Any) -> bool:
-    """Whether ``value`` is one tensor with gaps or overlaps in its storage (a slice, an expanded
-    tensor), which a stage sends as a contiguous copy (``runtime.wire``)."""
-    return (isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous()
-            and not _fills_storage(value))
-
-
-def _fills_storage(t: torch.Tensor) -> bool:
-    """Whether ``t`` fills its storage without gaps or overlaps, in some order of its dimensions (as
-    ``torch.empty_like`` lays out a new tensor; a dimension of size 1 may have any stride)."""
-    return all(a == b for a, b, n in zip(_new_strides(t), t.stride(), t.shape) if n != 1)
-
-
-def dense_order(value: Any) -> tuple[int, ...] | None:
-    """For one tensor that fills its storage in another order than contiguous (a transpose, a
-    channels-last map), the order of its dimensions in storage, outermost first: the wire sends
-    ``value.permute(order)``, contiguous, without a copy. None for any other value."""
-    if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_contiguous() \
-            or not _fills_storage(value):
-        return None
-    return tuple(sorted(range(value.dim()), key=lambda d: (-value.stride(d), -value.shape[d], d)))
-
-
 def _reached(node: fx.Node, value: Any) -> tuple[bool, tuple[int, ...] | None]:
     """Where a gradient cannot reach ``node``'s output ``value``: autograd gives none to an item of a
     tuple that nothing reads (attention's averaged weights). Whether ``node`` is such an item (its
@@ -269,28 +215,6 @@ def _quiet(record: logging.LogRecord) -> bool:
     return False
 
 
-def obeys_layout_contract(grad: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``AccumulateGrad`` keeps ``grad`` as ``weight``'s first gradient as it is (torch's
-    ``obeys_layout_contract``): laid out as a dense weight is, strides of dimensions of size 1 aside;
-    else it keeps a copy in that layout (a convolution's weight gradient from a channels-last input)."""
-    if grad.layout != torch.strided or weight.layout != torch.strided:
-        return True  # (sparse: another path, not probed)
-    if _dense(weight):
-        return all(g == w if size != 1 else g != 0
-                   for size, g, w in zip(grad.shape, grad.stride(), weight.stride()))
-    return grad.is_contiguous()
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` fills its elements' span without gaps or overlaps, in some order of its dimensions."""
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _zeros_strided(like: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
     return torch.empty_strided(like.shape, strides, dtype=like.dtype, device=like.device).zero_()
 
@@ -302,7 +226,7 @@ def _is_item(node: fx.Node) -> bool:
 def _clone(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` in a storage of its own laid out as ``t`` is, gaps included (``clone`` packs a
     slice densely, so a view of it, the node's output, would fill its storage where the real one does not)."""
-    if t.layout != torch.strided or _fills_storage(t):
+    if t.layout != torch.strided or fills_storage(t):
         return t.clone()
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
@@ -639,9 +563,9 @@ class TrainingProbe:
                 self.memo[memo_key] = alike
         if alike.input_grads is None:
             return
-        sources = self._sources(call.node)  # (a contiguous copy has its argument's shape, all _contiguous reads)
+        sources = self._sources(call.node)  # (a contiguous copy has its argument's shape, all grad_contiguous reads)
         given_strided = tuple(dict.fromkeys(sources[i] for i, _, strides in alike.input_grads
-                                            if sources[i] is not None and not _contiguous(arguments[i], strides)))
+                                            if sources[i] is not None and not grad_contiguous(arguments[i], strides)))
         own = sum(nbytes for nbytes, _ in alike.saved_new) - sum(nbytes for nbytes, _ in effect.saved_new)
         self.when_contiguous[call.node.name] = (own, alike.forward, alike.backward, given_strided)
 
@@ -659,7 +583,7 @@ class TrainingProbe:
                 self.gradient_layouts[id(arguments[i])] = (order, strides)
             if sources[i] is not None:  # two tensors of one value (a tuple's) get a sum: a new buffer
                 given[sources[i]] = handed and sources[i] not in given
-                if not _contiguous_in_its_order(arguments[i], strides):
+                if not contiguous_in_its_order(arguments[i], strides):
                     strided[sources[i]] = None
         self.input_grads[node.name] = tuple(given.items())
         self.strided_grads[node.name] = tuple(strided)
@@ -963,7 +887,7 @@ class TrainingProbe:
         ``AccumulateGrad`` would copy to keep them (``obeys_layout_contract``). ``real``: ``sent`` are
         real tensors."""
         new = _zeros_strided if real else self.fresh  # a fake run reads no values
-        gradients = [new(t, _new_strides(t) if strides is None else strides) for t, strides in zip(sent, layouts)]
+        gradients = [new(t, new_strides(t) if strides is None else strides) for t, strides in zip(sent, layouts)]
         weights = [t for t in wanted if id(t) in self.leaves]
         tracker, seen = self.tracker, set()
 
@@ -1030,7 +954,7 @@ class TrainingProbe:
     def _gradient_layout(self, t: torch.Tensor) -> tuple[int, ...] | None:
         """The strides of the gradient ``t`` gets, where not those of a new tensor laid out as ``t``."""
         found = self.gradient_layouts.get(id(t))
-        return found[1] if found is not None and found[1] is not None and found[1] != _new_strides(t) else None
+        return found[1] if found is not None and found[1] is not None and found[1] != new_strides(t) else None
 
     def facts(self) -> dict[str, SavedFacts]:
         """``SavedFacts`` of every compute node probed so far; none for a node fake tensors could not

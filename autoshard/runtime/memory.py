@@ -57,8 +57,9 @@ from torch.distributed._tools.mem_tracker import _MemRefType
 from torch.utils._pytree import tree_map_only
 
 from autoshard.arguments import whole_number
+from autoshard.costs.layouts import dense_order, sent_as_copy
 from autoshard.costs.memory_model import MemoryModel
-from autoshard.costs.saved import QuietMemTracker, dense_order, sent_as_copy, without_cyclic_gc
+from autoshard.costs.saved import QuietMemTracker, without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 from autoshard.runtime.optimizer_step import OPTIMIZER_STATE, StandIns, optimizer_state_names, stand_ins
 from autoshard.runtime.replay import (

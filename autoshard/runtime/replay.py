@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoshard.arguments import whole_number
-from autoshard.costs.saved import sent_as_copy
+from autoshard.costs.layouts import sent_as_copy
 from autoshard.errors import InputMismatchError, InvalidArgumentError, InvalidArgumentTypeError, plural
 from autoshard.sharded import ShardedModel, moved_to, stage_device
 
