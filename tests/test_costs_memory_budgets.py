@@ -81,10 +81,11 @@ def holds_every_budget_it_accepts(model, k: int, args: tuple, fractions=(0.6, 0.
 
 
 def test_a_plan_made_under_max_memory_holds_it_by_the_model_and_when_run(k=3):
-    """0.6 of the unconstrained plan's fullest stage is below what any split reaches (0.63); 0.8 and
-    1.0 are met, every stage measured within its budget."""
+    """0.6 and 0.8 of the unconstrained plan's fullest stage are below what any split reaches (0.81:
+    stage 1 also holds what it sent for a microbatch done, ``StageMemory.warmup_send_bytes``); 0.85
+    and 1.0 are met, every stage measured within its budget."""
     model, x = activation_heavy_chain()
-    assert holds_every_budget_it_accepts(model, k, (x,)) == [0.8, 1.0]
+    assert holds_every_budget_it_accepts(model, k, (x,), fractions=(0.6, 0.8, 0.85, 1.0)) == [0.85, 1.0]
     plan = autoshard.shard_model(model, k, example_inputs=(x,)).plan
     # stage 0 keeps k microbatches: one microbatch per stage would count less than it holds
     one_each = summed_per_stage(node_memory(plan.dag), plan.assignment, k)

@@ -170,17 +170,21 @@ class StageMemory:
     """What the tied-gradient sum or the optimizer step adds to ``state_bytes`` after the last
     backward, whichever is more (with data parallelism's unsharded copies freed by then)."""
     first_backward_bytes: float | None = None
-    """When every forward of the step runs before the stage's first backward
-    (``MemoryModel.forwards_first``): what that backward adds, the weights' gradients it makes
-    included, since ``zero_grad`` freed them. None: the gradients exist at every backward."""
+    """When the stage's first backward of a step meets no gradient (``MemoryModel.makes_gradients``):
+    what that backward adds, the weights' gradients it makes included. None: the gradients exist at
+    every backward."""
     later_backward_bytes: float | None = None
-    """With ``first_backward_bytes``, what the next backward adds to the microbatches held: its own
-    peak, less what the first freed for good (a microbatch's activations and what it sent), plus the
-    gradients the first sent back, which torch's schedules hold until a later backward has run
-    (None: one microbatch, no next backward)."""
+    """When every forward of the step runs before the stage's first backward
+    (``MemoryModel.forwards_first``), the most a later backward adds to the microbatches held: its own
+    peak, less what the backwards before it freed for good (a microbatch's activations and what it
+    sent, each), plus the gradients they sent back, which torch's schedules hold
+    (``MemoryModel.sends_held``). None: one microbatch, no later backward."""
     sent_back_bytes: float = 0.0
     """In 1F1B's steady state (``MemoryModel.refills``), the new buffers of the gradients the previous
     backward sent back, which torch's schedule holds through the next forward and backward."""
+    warmup_send_bytes: float = 0.0
+    """In 1F1B's steady state, the storages of what the stage sent for one microbatch it has
+    back-propagated, which torch's schedule still holds (``MemoryModel.holds_warmup_send``)."""
 
     @property
     def optimizer_bytes(self) -> float:
@@ -201,10 +205,13 @@ class StageMemory:
         forward, and the idle receive buffers) and what follows the last backward (every receive
         buffer, and the gradient reduction, the tied-gradient sum or the optimizer step)."""
         held = self.per_microbatch * self.in_flight + self.idle_buffer_bytes
-        steady = held + max(self.backward_bytes, self.forward_bytes) + self.sent_back_bytes
         if self.first_backward_bytes is not None:
-            first = held + max(self.forward_bytes, self.first_backward_bytes) - self.gradient_bytes
-            steady = first if self.later_backward_bytes is None else max(first, held + self.later_backward_bytes)
+            steady = held + max(self.forward_bytes, self.first_backward_bytes) - self.gradient_bytes
+        else:
+            steady = (held + max(self.backward_bytes, self.forward_bytes) + self.sent_back_bytes
+                      + self.warmup_send_bytes)
+        if self.later_backward_bytes is not None:
+            steady = max(steady, held + self.later_backward_bytes)
         return self.state_bytes + max(steady, max(self.reduce_bytes, self.step_bytes) + self.buffer_bytes)
 
     def parts(self) -> str:
@@ -222,6 +229,8 @@ class StageMemory:
                    if self.idle_buffer_bytes else "")
                 + (f"; gradients the previous backward sent back {self.sent_back_bytes:,.0f}"
                    if self.sent_back_bytes else "")
+                + (f"; what it sent for a microbatch done {self.warmup_send_bytes:,.0f}"
+                   if self.warmup_send_bytes else "")
                 + (f"; or the gradient reduction {self.reduce_bytes:,.0f}" if self.reduce_bytes else "")
                 + (f"; or the tie sum / optimizer step {self.step_bytes:,.0f}" if self.step_bytes else ""))
 
@@ -304,7 +313,7 @@ def stage_floor(dag: nx.DiGraph, num_stages: int, model: MemoryModel = MemoryMod
     """The ``StageFloor`` of ``dag`` split into ``num_stages`` under ``model``."""
     k, scale = num_stages, model.activation_scale(list(dag.graph.get("weights", {}).values()))
     # a stage whose forwards all run first may peak before its first backward has made the gradients
-    gradients = not any(model.forwards_first(j, k) for j in range(k))
+    gradients = not any(model.makes_gradients(j, k) for j in range(k))
     state = (node_state_bytes(dag, model, gradients=gradients) if "weights" in dag.graph
              else dict.fromkeys(dag.nodes, 0.0))
     held = {v: 0.0 if dag.nodes[v].get("tensor") is False else state[v] for v in dag.nodes}
@@ -737,6 +746,7 @@ def stage_memory(
         walk = functools.partial(_backward_peak, stage_dag, nodes, set(made_here), through, sent_storages,
                                  output_grads, recompute)
         backward, sent_back = (nbytes * scale for nbytes in walk())
+        backward += sum(model.fresh_gradient_bytes(info) for info in held)
         # what crosses a region's boundary is kept, not freed after its last reader
         forward = _forward_peak(stage_dag, nodes, assignment, sent_storages | recompute.boundary.keys(), recomputed,
                                 copied) * scale
@@ -746,25 +756,32 @@ def stage_memory(
         losses = sent if j == k - 1 and _is_loss(dag, outputs) else 0.0  # freed as the step ends
         idle = (received_buffer + losses) * (buffered - in_flight) + gradient_buffer * (buffered - 1)
         first_backward = later = None
-        if model.forwards_first(j, k):
+        if model.makes_gradients(j, k):
             first_backward = walk(making_gradients=True)[0] * scale
-            # the first backward freed its microbatch's activations and what it sent (the last stage's loss the
-            # schedule keeps), and sent back the gradients of what it received, which the schedule still holds
-            drained = kept * scale + sent - losses
-            later = backward - drained + sent_back if in_flight > 1 else None
+        if model.forwards_first(j, k) and in_flight > 1:
+            # each backward frees its microbatch's activations and what it sent (the last stage's loss the
+            # schedule keeps), and sends back the gradients of what it received, which the schedule holds:
+            # the most at the second backward, or, where it holds more than it frees, at the last it holds
+            growth = sent_back - (kept * scale + sent - losses)
+            later = backward + growth * (model.sends_held(j, k) if growth > 0 else 1)
+        warmup_send = 0.0
+        if model.holds_warmup_send(j, k):
+            warmup_send = (sum(float(stage_dag.nodes[o].get("allocated") or 0) for o in sent_storages
+                               if not stage_dag.nodes[o].get("input"))
+                           + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
         out.append(StageMemory(
             j, weights + grads + optimizer, kept * scale, in_flight,
             buffer_bytes=(received_buffer + gradient_buffer) * buffered,
             idle_buffer_bytes=idle,
             received_bytes=received, sent_bytes=sent, output_grad_bytes=output_grads * scale,
-            backward_bytes=backward + sum(model.fresh_gradient_bytes(info) for info in held),
+            backward_bytes=backward,
             forward_bytes=forward + gradient_buffer,  # the buffer the next backward starts from exists already
             weight_bytes=weights, gradient_bytes=grads,
             gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
             reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]])),
             step_bytes=max(0.0, model.reduced_bytes(held) + max(tie_sum[j], model.step_bytes(held))),
             first_backward_bytes=first_backward, later_backward_bytes=later,
-            sent_back_bytes=sent_back if model.refills(j, k) else 0.0))
+            sent_back_bytes=sent_back if model.refills(j, k) else 0.0, warmup_send_bytes=warmup_send))
     return out
 
 

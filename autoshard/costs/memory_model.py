@@ -188,7 +188,7 @@ class MemoryModel:
     (at once on a GPU, one after another on the CPU): a plan made on the CPU for GPUs passes True.
     ``keep_gradients``: the training loop keeps the gradients between steps
     (``zero_grad(set_to_none=False)``); by default ``zero_grad`` frees them, torch's default, so a
-    stage's first backward of a step makes them (``forwards_first``).
+    stage's first backward of a step makes them (``makes_gradients``).
 
     The layout ``runtime.parallelize`` runs, per rank: ``data_parallel`` (``"fsdp"``, ``"ddp"`` or
     None) over ``dp`` ranks, ``mixed_precision`` (the compute dtype, ``"bfloat16"``; needs a
@@ -313,20 +313,39 @@ class MemoryModel:
 
     def forwards_first(self, stage: int, num_stages: int) -> bool:
         """Whether every forward of stage ``stage``'s step runs before its first backward, which then
-        meets every microbatch in flight and no gradient yet (``zero_grad`` freed them): GPipe, and
-        1F1B on a stage keeping all the step's microbatches. Under interleaved 1F1B and data
-        parallelism the gradients are counted as held (more, not less)."""
-        if self.keep_gradients or self.data_parallel is not None:
-            return False
+        meets every microbatch in flight: GPipe, and 1F1B on a stage keeping all the step's microbatches."""
         if self.schedule == "gpipe":
             return True
         return self.schedule == "1f1b" and self.step_microbatches(num_stages) <= num_stages - stage
+
+    def makes_gradients(self, stage: int, num_stages: int) -> bool:
+        """Whether stage ``stage``'s first backward of a step meets no gradient of its weights
+        (``zero_grad`` freed them) and makes them, with every microbatch in flight (``forwards_first``).
+        Under interleaved 1F1B and data parallelism the gradients are counted as held (more, not less)."""
+        return not self.keep_gradients and self.data_parallel is None and self.forwards_first(stage, num_stages)
+
+    def sends_held(self, stage: int, num_stages: int) -> int:
+        """Under ``forwards_first``, how many of the earlier backwards' sent-back gradients the
+        schedule holds at most while a backward runs: torch's GPipe keeps every backward's sends
+        until its last backward has run; ``Schedule1F1B`` the previous one's (its ``bwd_sends``)."""
+        if self.schedule == "gpipe":
+            return self.in_flight(stage, num_stages) - 1
+        return 1
 
     def refills(self, stage: int, num_stages: int) -> bool:
         """Whether a forward follows stage ``stage``'s first backward (1F1B's steady state), while
         torch's ``Schedule1F1B`` still holds the gradients that backward sent back (its ``bwd_sends``,
         until the next backward has run)."""
         return self.schedule == "1f1b" and self.step_microbatches(num_stages) > num_stages - stage
+
+    def holds_warmup_send(self, stage: int, num_stages: int) -> bool:
+        """Whether, in 1F1B's steady state, stage ``stage`` still holds what it sent for a microbatch
+        it has back-propagated: ``Schedule1F1B``'s warm-up keeps the last send it fired (its
+        ``send_work``: microbatch ``k - j - 2``'s outputs) until the cool-down, past that
+        microbatch's backward, the steady state's ``k - j - 1``-th (of ``m - (k - j) + 1``)."""
+        warmup = num_stages - stage
+        return (self.refills(stage, num_stages) and stage < num_stages - 1
+                and self.step_microbatches(num_stages) >= 2 * warmup - 1)
 
     def step_microbatches(self, num_stages: int) -> int:
         """The step's microbatches: ``microbatches``, or when None the fewest that fill the pipeline

@@ -48,6 +48,7 @@ import gc
 import itertools
 import logging
 import operator
+import weakref
 from typing import Any, Callable, Hashable, Iterator
 
 import torch
@@ -56,6 +57,7 @@ from torch import nn
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
@@ -73,24 +75,45 @@ from autoshard.fx_helpers import canonical_tensor_names
 from autoshard.isolation import isolated, values_restored
 
 
+class _ForwardModTracker(ModTracker):
+    """``ModTracker`` following modules through their forwards only. Its gradient hooks on a module's
+    inputs (``register_multi_grad_hook``, mode ``"all"``) keep the inputs' autograd nodes in a closure
+    that the nodes hold in turn, a cycle through C++ the collector cannot see: every stage input
+    that required grad outlived ``measure_stage_memory`` (torch 2.13), and inputs of modules inside a
+    stage their nodes. The backward hooks serve per-module statistics, which nothing here reads
+    (whether a backward runs, which decides temporaries from activations, the engine tells)."""
+
+    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+        self._get_append_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
+        if self._user_pre_fw_hook is not None:
+            self._user_pre_fw_hook(mod, input)
+
+    def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
+        if self._user_post_fw_hook is not None:
+            self._user_post_fw_hook(mod, input, output)
+        self._get_pop_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
+
+
 class QuietMemTracker(MemTracker):
     """``MemTracker`` without its gradient hooks: it puts one on every parameter of a module it sees
     run, which a frozen parameter refuses; the gradients they would catch are found anyway (they
-    are made inside the tracker, or handed to ``track_external``)."""
+    are made inside the tracker, or handed to ``track_external``). Its modules are followed through
+    their forwards only (``_ForwardModTracker``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _ForwardModTracker()
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
     def forget_modules(self) -> None:
         """Forget the modules earlier nodes ran, before the next node runs: their stats (the tracker
-        refuses a module it saw run before: a block's one dropout, used twice) and the callbacks
-        queued by those whose inputs wanted no gradient, which the tracker runs in the next
-        backward, any node's, where they found no stats (a frozen embedding's cost the next
-        node its backward). And the modules it counts as still running: one whose backward the
-        probe left half-run stayed, and the next module of its type warned that the tracking may be
-        wrong (torch then replaced ``warnings.formatwarning`` for the whole process)."""
+        refuses a module it saw run before: a block's one dropout, used twice), and the modules it
+        counts as still running: one whose forward a failed probe left half-run stayed, and the next
+        module of its type warned that the tracking may be wrong (torch then replaced
+        ``warnings.formatwarning`` for the whole process)."""
         self.reset_mod_stats()
-        self._mod_tracker._post_bw_callbacks_to_enqueue.clear()
         self._mod_tracker.parents = {"Global"}
         self._mod_tracker._active_module_cnt.clear()
 

@@ -299,19 +299,24 @@ def _as_sent(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Backwards:
     """The backwards measured, as the schedule runs them after ``zero_grad``: whether the first makes
-    the weights' gradients (``made``: none exist before it), how many run (a second meets them and,
-    as torch's schedules hold them, the gradients the first sent back), and whether a forward runs
-    between them (``refill``: 1F1B's steady state, back to the microbatches in flight)."""
+    the weights' gradients (``made``: none exist before it), how many run (the next meets them and the
+    gradients the earlier sent back, which the received values keep as ``grad``, as torch's schedules
+    hold them: GPipe all to its last backward, so all of them run), whether a forward runs between the
+    first two (``refill``: 1F1B's steady state, back to the microbatches in flight), and whether what
+    the first sent stays held after its backward (``warmup_send``: ``MemoryModel.holds_warmup_send``)."""
 
     made: bool = False
     count: int = 1
     refill: bool = False
+    warmup_send: bool = False
 
     @classmethod
     def of(cls, schedule: MemoryModel, stage: int, num_stages: int) -> _Backwards:
         first, refill = schedule.forwards_first(stage, num_stages), schedule.refills(stage, num_stages)
-        twice = refill or (first and schedule.in_flight(stage, num_stages) > 1)
-        return cls(first or (refill and not schedule.keep_gradients), 2 if twice else 1, refill)
+        count = 2 if refill else schedule.sends_held(stage, num_stages) + 1 if first else 1
+        return cls(schedule.makes_gradients(stage, num_stages) or (refill and not schedule.keep_gradients),
+                   min(count, schedule.in_flight(stage, num_stages) + refill), refill,
+                   schedule.holds_warmup_send(stage, num_stages))
 
 
 @dataclass(frozen=True)
@@ -361,7 +366,9 @@ def _run_in_steady_state(
         resident = _parts(tracker.get_tracker_snapshot("current"), device, optimizers)
         for i in range(backwards.count):
             _backward(outputs[i], waiting[i] if waiting else None, tracker)
-            if not _is_loss(outputs[i], buffers.sends):  # the schedule keeps a loss to the step's end
+            if backwards.warmup_send and i == 0:
+                outputs[i] = [t.detach() for t in tensors_in(outputs[i])]  # sent: its storages stay held
+            elif not _is_loss(outputs[i], buffers.sends):  # the schedule keeps a loss to the step's end
                 outputs[i] = None
             if backwards.refill and i == 0:
                 outputs.append(_forward(caller, received[in_flight], tracker))
