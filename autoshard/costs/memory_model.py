@@ -45,7 +45,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural, suggest
 
 OPTIMIZER_STATE_TENSORS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
 """State tensors the optimizer keeps per parameter, each shaped and typed as what it steps."""
@@ -271,8 +271,9 @@ class MemoryModel:
         shard = f" / {self.dp}" if self.data_parallel == "fsdp" and self.dp > 1 else ""
         gathered = " + unsharded weights and gradients during the step" if self.data_parallel else ""
         layout = f"; {self.layout()}" if self.layout() else ""
+        tensors = plural(OPTIMIZER_STATE_TENSORS[self.optimizer], "tensor")
         per_param = (f"{self.optimizer_bytes_per_param:g} B per parameter" if self.optimizer_bytes_per_param is not None
-                     else f"{OPTIMIZER_STATE_TENSORS[self.optimizer]} tensors a parameter in the dtype it steps")
+                     else f"{tensors} a parameter in the dtype it steps")
         return (f"(weights + gradients + {self.optimizer} state ({per_param}"
                 f"{master})){shard}{gathered} + the larger of: kept activations x microbatches in flight (saved "
                 f"for backward, received and sent values; stage j of k: {self.in_flight_rule()}, {self.schedule}) + "
