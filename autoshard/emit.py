@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autoshard.capture.guard import FixedDtypes, refuse_mode_switch
+from autoshard.capture.guard import FixedDtypes, autocast_now, check_autocast, refuse_mode_switch
 from autoshard.capture.held_state import HeldState, checked_modules
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import InvalidArgumentError
@@ -138,7 +138,8 @@ def _state_guard(stage: fx.GraphModule) -> None:
     """A first check in the stage: it and each module it calls are in the mode the model was
     captured in (a graph fixed what the model's code read from ``self.training``, and
     ``model.eval()`` switches the modules, not the stage), and the parameters it reads, directly or
-    inside those modules, have the dtypes they had (``HeldState``). Code, not a hook, so every copy
+    inside those modules, have the dtypes they had (``HeldState``); then that it is called under the
+    ``torch.autocast`` state it was captured in (``check_autocast``). Code, not a hook, so every copy
     a runtime makes keeps it."""
     graph = stage.graph
     nodes = list(graph.nodes)
@@ -152,7 +153,9 @@ def _state_guard(stage: fx.GraphModule) -> None:
     with graph.inserting_after(state):
         training = graph.create_node("get_attr", "training")
     with graph.inserting_after(training):
-        graph.call_function(checked_modules, (state, training))
+        checked = graph.call_function(checked_modules, (state, training))
+    with graph.inserting_after(checked):  # the autocast state it was captured in (shard_model's caller's)
+        graph.call_function(check_autocast, (autocast_now(),))
     graph.set_codegen(HeldModulesCodeGen())
     stage.recompile()
 

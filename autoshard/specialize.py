@@ -15,7 +15,9 @@ argument shapes, so a cached one costs its own guard check and a shape lookup.
 A call in the other grad mode than code that asked ``torch.is_grad_enabled()`` was captured in
 (diffusers' blocks ask it to choose gradient checkpointing) re-specialises too: the new capture is
 made in the call's mode, and the grad mode counts among the shapes a plan is remembered by and,
-where its code asked, among what it is chosen by.
+where its code asked, among what it is chosen by. So does a call under another ``torch.autocast``
+state than the plan's capture (every stage checks it, ``check_autocast``): autocast changes the
+dtypes the model's code computes in, which a capture answers once.
 A container argument of another length, other keys or other values in it re-specialises too. Only
 a ``SpecializationMismatch`` re-specialises: another dtype or device, an argument the model does
 not take, or a module switched to another mode is refused as before. In
@@ -39,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from autoshard.capture.guard import chosen_grad_mode
+from autoshard.capture.guard import autocast_now, captured_autocast, chosen_grad_mode
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.structure import same_constant
 from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch, plural
@@ -97,10 +99,10 @@ def shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:
 
 
 def _served_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:
-    """``shape_key`` and the grad mode: which specialisation to try first (its own guards decide
-    whether it serves the call). A plan for the other mode fails its grad-mode guard only where
-    that code runs, after the stages before it computed."""
-    return (torch.is_grad_enabled(), *shape_key(args, kwargs))
+    """``shape_key``, the grad mode and the autocast state: which specialisation to try first (its
+    own guards decide whether it serves the call). A plan for the other mode fails its grad-mode
+    guard only where that code runs, after the stages before it computed."""
+    return (torch.is_grad_enabled(), autocast_now(), *shape_key(args, kwargs))
 
 
 def _shape(value: Any) -> Any:
@@ -231,11 +233,12 @@ class Specializer:
     def made_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel | None:
         """The plan captured for a call of exactly this structure (``call_structure``: nested shapes and
         constants too), if any: what serves it where no stage may run to choose, or a step must not
-        fall back half-way. One whose code chose its path by the grad mode serves that mode only."""
-        key, grad = self.structure(args, kwargs), torch.is_grad_enabled()
+        fall back half-way. One whose code chose its path by the grad mode serves that mode only, and
+        each serves the autocast state it was captured in."""
+        key, grad, autocast = self.structure(args, kwargs), torch.is_grad_enabled(), autocast_now()
         made = [(self.example, primary)] + [(s.structure, s.sharded) for s in self.specializations]
-        return next((plan for structure, plan in made
-                     if structure == key and chosen_grad_mode(plan.stages) in (None, grad)), None)
+        return next((plan for structure, plan in made if structure == key and chosen_grad_mode(plan.stages)
+                     in (None, grad) and captured_autocast(plan.stages) == autocast), None)
 
     def _remember(self, key: ShapeKey, sharded: ShardedModel) -> None:
         """Keep which plan served these shapes, for the last ``REMEMBERED_SHAPES`` shapes."""

@@ -3,6 +3,7 @@ capture under the same partition (``autoshard.specialize``)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import pickle
@@ -101,6 +102,48 @@ def test_a_call_in_the_other_grad_mode_is_served_by_a_capture_made_in_it(sharded
         model.zero_grad()
         model(x).sum().backward()
         assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), served))
+
+
+class ComputesInItsInputDtype(nn.Module):
+    """An RMSNorm-style step between layers: it reads its input's dtype, computes in float32 and casts
+    back, so under ``torch.autocast`` (bf16 products) it casts to bf16, and without it to float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = (h.float() * 1.1).to(h.dtype)
+        return self.c(self.b(h + x))
+
+
+def bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("sharded_in, other", [(contextlib.nullcontext, bf16_autocast),
+                                               (bf16_autocast, contextlib.nullcontext)])
+def test_a_call_under_another_autocast_state_is_served_by_a_capture_made_under_it(sharded_in, other):
+    """The capture answered ``h.dtype`` in its own autocast state: a plan captured outside autocast and
+    called inside it cast to float32 where the model casts to bf16 (3.9e-3 off, silently), and the
+    other way round. Every stage checks the state; the sharded model captures again under the call's."""
+    torch.manual_seed(0)
+    model, x = ComputesInItsInputDtype().eval(), torch.randn(4, 8)
+    with sharded_in():
+        sharded = autoshard.shard_model(model, 3, (x,))
+    for context in (other, sharded_in, other):
+        with context():
+            assert torch.equal(sharded(x), model(x))
+    (made,) = sharded.specializations
+    assert "autocast" in made.guard
+    for context, plan in ((sharded_in, sharded), (other, made.sharded)):
+        with context():  # chosen up front (a pipeline's microbatch) by the autocast state too
+            assert sharded.specializer.made_for(sharded, (x,), {}) is plan
+    with sharded_in():
+        vals = sharded.stages[0](x)
+    with other(), pytest.raises(SpecializationMismatch, match="autocast"):  # a stage called as it is
+        sharded.stages[1](*vals)
 
 
 def test_a_plan_whose_code_never_asked_for_the_grad_mode_is_chosen_up_front_in_either_mode():

@@ -231,6 +231,48 @@ def check_grad_mode(captured: bool, site: str) -> None:
             f"{'under torch.no_grad()' if captured else 'with grad enabled'} to call it so")
 
 
+AUTOCAST_DEVICES = ("cpu", "cuda")
+"""The device types whose ``torch.autocast`` state a capture records and a stage checks."""
+
+AutocastState = tuple[tuple[bool, torch.dtype], ...]
+
+
+def autocast_state() -> AutocastState:
+    """Whether ``torch.autocast`` is on, and in which dtype, per device type of ``AUTOCAST_DEVICES``."""
+    return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES)
+
+
+def autocast_now() -> AutocastState | None:
+    """``autocast_state``, or None where no autocast is on (one C call, the common case)."""
+    return autocast_state() if torch._C._is_any_autocast_enabled() else None
+
+
+def _autocast_words(state: AutocastState | None) -> str:
+    on = [f"torch.autocast({device!r}, dtype={dtype})"
+          for device, (enabled, dtype) in zip(AUTOCAST_DEVICES, state or ()) if enabled]
+    return " and ".join(on) if on else "no torch.autocast"
+
+
+def check_autocast(captured: AutocastState | None) -> None:
+    """A stage called under another ``torch.autocast`` state than its plan was captured in: refuse it.
+    Autocast changes the dtypes the model's code computes in, and the capture answered its questions
+    about them (``h.dtype``, ``x.to(input_dtype)``) once; a capture under the call's state serves it
+    (a ``SpecializationMismatch``: a sharded model re-specialises on it)."""
+    if (captured is None and not torch._C._is_any_autocast_enabled()) or autocast_now() == captured:
+        return
+    raise SpecializationMismatch(
+        f"the plan was captured under {_autocast_words(captured)} and is called under "
+        f"{_autocast_words(autocast_now())}: autocast changes the dtypes the model's code computes in, which the "
+        "capture fixed; call the stages as the plan was captured, or shard the model again as it is called",
+        before_compute=True)
+
+
+def captured_autocast(graphs: Iterable[torch.fx.GraphModule]) -> AutocastState | None:
+    """The autocast state the graphs were captured in (their ``check_autocast`` guards)."""
+    return next((node.args[0] for gm in graphs for node in gm.graph.nodes
+                 if node.op == "call_function" and node.target is check_autocast), None)
+
+
 def chosen_grad_mode(graphs: Iterable[torch.fx.GraphModule]) -> bool | None:
     """The grad mode the graphs' code chose its path by (their ``check_grad_mode`` guards), None
     where no code asked: those serve either mode."""

@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autoshard.capture.grad_mode import GradModeReader
-from autoshard.capture.guard import check_condition, check_grad_mode, check_pinned_size
+from autoshard.capture.guard import autocast_state, check_condition, check_grad_mode, check_pinned_size
 from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
 from autoshard.capture.meta_proxy import (
     DATA_FREE, EXAMPLE, MISSING, MetaProxy, SizePinningProxy, example_of, is_size)
@@ -119,9 +119,7 @@ class ModeRegion(RuntimeError):
 def _mode_state() -> tuple[Any, ...]:
     """The modes fx does not record: autocast (on, and in which dtype, per device type), grad
     mode and inference mode."""
-    autocast = tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-                     for device in ("cpu", "cuda"))
-    return autocast, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    return autocast_state(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
 def _mode_change(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
