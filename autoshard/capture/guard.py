@@ -242,9 +242,12 @@ def autocast_state() -> AutocastState:
     return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES)
 
 
+_any_autocast = torch._C._is_any_autocast_enabled  # bound once: a stage asks it on every call
+
+
 def autocast_now() -> AutocastState | None:
     """``autocast_state``, or None where no autocast is on (one C call, the common case)."""
-    return autocast_state() if torch._C._is_any_autocast_enabled() else None
+    return autocast_state() if _any_autocast() else None
 
 
 def _autocast_words(state: AutocastState | None) -> str:
@@ -258,13 +261,17 @@ def check_autocast(captured: AutocastState | None) -> None:
     Autocast changes the dtypes the model's code computes in, and the capture answered its questions
     about them (``h.dtype``, ``x.to(input_dtype)``) once; a capture under the call's state serves it
     (a ``SpecializationMismatch``: a sharded model re-specialises on it)."""
-    if (captured is None and not torch._C._is_any_autocast_enabled()) or autocast_now() == captured:
-        return
-    raise SpecializationMismatch(
-        f"the plan was captured under {_autocast_words(captured)} and is called under "
-        f"{_autocast_words(autocast_now())}: autocast changes the dtypes the model's code computes in, which the "
-        "capture fixed; call the stages as the plan was captured, or shard the model again as it is called",
-        before_compute=True)
+    if _any_autocast() or captured is not None:  # else off, as captured: nothing more to read
+        _check_autocast_state(captured)
+
+
+def _check_autocast_state(captured: AutocastState | None) -> None:
+    if autocast_now() != captured:
+        raise SpecializationMismatch(
+            f"the plan was captured under {_autocast_words(captured)} and is called under "
+            f"{_autocast_words(autocast_now())}: autocast changes the dtypes the model's code computes in, which "
+            "the capture fixed; call the stages as the plan was captured, or shard the model again as it is called",
+            before_compute=True)
 
 
 def captured_autocast(graphs: Iterable[torch.fx.GraphModule]) -> AutocastState | None:
