@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from autoshard.capture.guard import _converts, check_mode, check_weight_dtypes
+from autoshard.errors import InputMismatchError
 
 _training = operator.attrgetter("training")
 _dtype = operator.attrgetter("dtype")
@@ -127,6 +128,7 @@ class HeldState:
         self.leaves = leaves
         self.weight_paths = weights
         self.captured_training = owner.training
+        self.rebound = ""
         self._walk()
         self.modes = list(map(_training, self.modules))
         self.dtypes = frozenset(map(_dtype, self.weights()))
@@ -160,12 +162,20 @@ class HeldState:
     def check_in_full(self, training: bool) -> dict[str, nn.Module]:
         """The modules the stage calls, by path, found again; raise ``InputMismatchError`` when the
         stage (``training``: its flag now) or one of them is in another mode than at capture, or a
-        weight was converted."""
+        weight was converted, or refuse for good where the model rebound what it calls (``refuse``)."""
+        if self.rebound:
+            raise InputMismatchError(self.rebound)
         self._walk()
         check_mode(training, self.captured_training, tuple(map(_training, self.modules)), tuple(self.modes))
         check_weight_dtypes(self.dtypes, *self.weights())
         self._remember(training)
         return self.by_path
+
+    def refuse(self, reason: str) -> None:
+        """Refuse every call from now on, saying ``reason``: the model rebound a module or parameter the
+        stage calls (``capture.rebinding``)."""
+        self.rebound = reason
+        self.check = self.check_in_full
 
     def _remember(self, training: bool) -> None:
         """Keep what a call that passed read, for the next call to compare with (``check``)."""
@@ -184,10 +194,11 @@ class HeldState:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"owner": self.owner, "leaves": self.leaves, "weight_paths": self.weight_paths,
-                "captured_training": self.captured_training, "modes": self.modes, "dtypes": self.dtypes}
+                "captured_training": self.captured_training, "modes": self.modes, "dtypes": self.dtypes,
+                "rebound": self.rebound}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"rebound": "", **state})
         # found by path on the first call, which checks in full
         self.modules, self.registries, self.names, self.reads = (), (), (), []
         self.by_path = {}

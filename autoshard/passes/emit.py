@@ -9,8 +9,9 @@ from typing import ClassVar
 import torch.fx as fx
 from torch import nn
 
+from autoshard.capture.rebinding import watch
 from autoshard.capture.signature import MODEL_ATTR, forward_signature
-from autoshard.emit import emit_stages
+from autoshard.emit import HELD_STATE, emit_stages
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.graph import boundary_values, check_partition
 from autoshard.lowering.from_fx import module_scopes
@@ -44,6 +45,9 @@ class EmitPass(Pass):
                         "which checks it") from exc
         boundaries = tuple(tuple(b) for b in boundary_values(program.dag, assignment, k))
         stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
+        for stage in stages:
+            state = getattr(stage, HELD_STATE)
+            watch(program.model, state, (*state.leaves, *state.weight_paths))
         plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,
                          memory_model(ctx), training=program.model.training)
         sharded = ShardedModel(stages, plan, forward_signature(program.model),

@@ -1,0 +1,59 @@
+"""A module or parameter the stages call, assigned anew in the model after sharding: refused, where
+the stages would go on computing with the old one (found by helper B: Qwen3's replaced ``lm_head``,
+final norm weight, ``q_proj`` and ``embed_tokens`` served stale values, silently)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.errors import InputMismatchError
+
+
+class ScaledBlocks(nn.Module):
+    """Blocks a stage calls whole, a head, and a parameter the traced code reads itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)))
+        self.head = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.full((8,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x)) * self.scale
+
+
+def sharded_blocks() -> tuple[ScaledBlocks, autoshard.ShardedModel, torch.Tensor]:
+    torch.manual_seed(0)
+    model, x = ScaledBlocks().eval(), torch.randn(2, 8)
+    return model, autoshard.shard_model(model, 2, (x,)), x
+
+
+@pytest.mark.parametrize("rebind, named", [
+    (lambda m: setattr(m, "head", nn.Linear(8, 8)), "head"),
+    (lambda m: setattr(m, "scale", nn.Parameter(torch.ones(8))), "scale"),
+    (lambda m: setattr(m.blocks, "2", nn.Sequential(nn.Linear(8, 8), nn.ReLU())), "2"),
+    (lambda m: setattr(m, "blocks", nn.Sequential(*m.blocks)), "blocks"),
+    (lambda m: m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True), "scale"),
+])
+def test_a_module_or_parameter_assigned_anew_in_the_model_is_refused(rebind, named):
+    model, sharded, x = sharded_blocks()
+    rebind(model)
+    with pytest.raises(InputMismatchError, match=f"{named} was assigned anew after sharding"):
+        sharded(x)
+    with pytest.raises(InputMismatchError, match="assigned anew"):  # the stages called as they are too
+        sharded.stages[-1](*sharded.stages[0](x))
+
+
+def test_updates_in_place_and_the_same_objects_assigned_again_are_served():
+    """What the stages read live stays served: values updated in place, a parameter of a module a stage
+    calls whole (it reads its own), and a module or parameter assigned back as itself."""
+    model, sharded, x = sharded_blocks()
+    with torch.no_grad():
+        model.scale.mul_(3)
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
+    model.blocks[0][0].weight = nn.Parameter(torch.randn(8, 8))
+    model.head, model.scale = model.head, model.scale
+    assert torch.equal(sharded(x), model(x))
