@@ -105,13 +105,13 @@ def fullest(plan) -> float:
 
 
 def test_a_budget_the_tightened_splits_miss_is_planned_by_the_exact_search(monkeypatch, k=3):
-    """A small GPT-style LM at 0.791 of its unconstrained plan's fullest stage (any split of program
-    order reaches 0.76; the tightening planned 0.79): every tightened re-split overflows, and the exact
-    search finds a split that holds the budget by the model, its info that of the plan it is (bound,
-    boundary bytes, the tie it separates)."""
+    """A small GPT-style LM at 0.78 of its unconstrained plan's fullest stage (the tightened re-splits
+    overflow from 0.76 to 0.79 of it, since 1F1B's held warm-up send is counted): every tightened
+    re-split overflows, and the exact search finds a split that holds the budget by the model, its
+    info that of the plan it is (bound, boundary bytes, the tie it separates)."""
     torch.manual_seed(0)
     model, idx = GPTStyleLM(vocab=100, width=16, layers=2, max_seq=64).eval(), torch.randint(0, 100, (8, 64))
-    budget = 0.791 * fullest(autoshard.shard_model(model, k, example_inputs=(idx,), pipeline=PLAN_ONLY).plan)
+    budget = 0.78 * fullest(autoshard.shard_model(model, k, example_inputs=(idx,), pipeline=PLAN_ONLY).plan)
     plan = autoshard.shard_model(model, k, example_inputs=(idx,), max_memory=budget, pipeline=PLAN_ONLY).plan
     assert fullest(plan) <= budget
     info = plan.split_info
