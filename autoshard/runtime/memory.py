@@ -312,11 +312,15 @@ class _Backwards:
 
     @classmethod
     def of(cls, schedule: MemoryModel, stage: int, num_stages: int) -> _Backwards:
-        first, refill = schedule.forwards_first(stage, num_stages), schedule.refills(stage, num_stages)
-        count = 2 if refill else schedule.sends_held(stage, num_stages) + 1 if first else 1
+        refill, in_flight = schedule.refills(stage, num_stages), schedule.in_flight(stage, num_stages)
+        if refill:
+            count = 2
+        elif schedule.forwards_first(stage, num_stages):  # up to the backward holding the most sent back
+            count = min(in_flight, schedule.sends_held(stage, num_stages) + 1)
+        else:
+            count = 1
         return cls(schedule.makes_gradients(stage, num_stages) or (refill and not schedule.keep_gradients),
-                   min(count, schedule.in_flight(stage, num_stages) + refill), refill,
-                   schedule.holds_warmup_send(stage, num_stages))
+                   count, refill, schedule.holds_warmup_send(stage, num_stages))
 
 
 @dataclass(frozen=True)
