@@ -107,7 +107,13 @@ class SavedFacts:
     ``zero_grad``): autograd keeps each one as it is made, where it adds it into the existing one
     and frees it (``backward``). ``gradient_copies``: the bytes of those weight gradients not laid out
     as their weights are (a convolution's from a channels-last input), which autograd then keeps as
-    copies in the weights' layout, made once the node's backward has returned, beside the original."""
+    copies in the weights' layout, made once the node's backward has returned, beside the original.
+    ``writes``: the inputs it writes into in place (``y.tanh_()``, ``y[:, 0] = 0``): the nodes reading
+    them after it read what it wrote, so the gradient they give is the one its backward starts from,
+    and what it gives them replaces it. ``backward_alone``: ``backward`` where the gradient it starts
+    from is its alone, which autograd frees once the first function of its backward has run (a write
+    into a view: ``AsStridedBackward`` makes the base's gradient, then ``CopySlices`` runs); None: the
+    same, or not recorded."""
 
     saved: int
     saved_output: int
@@ -128,6 +134,8 @@ class SavedFacts:
     saves_from: tuple[str, ...] | None = None
     gradients_kept: int = 0
     gradient_copies: int = 0
+    writes: tuple[str, ...] = ()
+    backward_alone: int | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +246,15 @@ class StageMemory:
 def _training(dag: nx.DiGraph, node: str) -> SavedFacts | None:
     """What ``costs.saved`` probed of ``node``, or None."""
     return dag.nodes[node].get("training")
+
+
+def _aliases(dag: nx.DiGraph, value: str) -> list[str]:
+    """``value`` and the values whose storage it is in, in turn (``SavedFacts.views``): what
+    ``y.mul_(s).tanh_()`` writes into is ``mul_``'s result, which is ``y``."""
+    chain = [value]
+    while chain[-1] in dag and (f := _training(dag, chain[-1])) is not None and f.views and f.views not in chain:
+        chain.append(f.views)
+    return chain
 
 
 def kept_bytes(dag: nx.DiGraph, node: str) -> float:
@@ -586,17 +603,25 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         if facts is None:
             freed += recomputed.released_after.get(node, 0.0)
             continue
-        given = _gradients_to(dag, node)
+        # a write in place that nothing reads: its readers, routed to the value it wrote into (or one in the
+        # same storage), gave that value the gradient its backward starts from, which what it gives replaces
+        replaced = {u: next((v for v in _aliases(dag, u) if v in buffer), u) for u in facts.writes
+                    if node not in buffer}
+        given = [(replaced.get(u, u), handed) for u, handed in _gradients_to(dag, node)]
         # a value sent, or one whose gradient is the received buffer handed back through a view of its own
         # storage that was sent whole (a transpose crossing permuted): its backward starts from a gradient
         # laid out as a new tensor
         from_buffer = node in sent or (node in buffer and buffer[node] is None and node in sent_views)
         own = facts.backward_when_sent if from_buffer and facts.backward_when_sent is not None else facts.backward
+        # the gradient it starts from, where no other value holds it, autograd frees once its first function has run
+        incoming = buffer[node] if node in buffer else next((buffer[v] for v in replaced.values() if v in buffer), None)
+        if facts.backward_alone is not None and not from_buffer and incoming is not None and holders[incoming] == 1:
+            own = facts.backward_alone
         own += facts.gradients_kept if making_gradients else 0
         peak = max(peak, output_grads + alive + own - freed)
         # adding a gradient into one that exists may take a new buffer for the sum, while the gradients
         # the backward made (of its inputs and weights) still live
-        summed = max((_grad(dag, u) for u, _ in given if u in buffer), default=0.0)
+        summed = max((_grad(dag, u) for u, _ in given if u in buffer and u not in replaced.values()), default=0.0)
         if summed:  # by then autograd has dropped the gradient the node got, where nothing else holds it
             weights = _trainable_weights(dag, node)
             # a backward that gives its weights their gradients first: autograd has added those read by no

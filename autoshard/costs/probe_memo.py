@@ -90,7 +90,8 @@ def module_key(module: nn.Module) -> Hashable:
 class OutputTensor:
     """One tensor of a node's output: its layout, and where its storage came from — an argument's
     (``argument``: the flat index of the argument tensor) or a new one (``new``: its index among
-    the new storages)."""
+    the new storages); ``base``: the layout (shape, strides, offset) of the tensor it is an autograd
+    view of (a Linear on a 3-D input returns a view of its ``addmm``), None where it is none."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -100,6 +101,7 @@ class OutputTensor:
     requires_grad: bool
     argument: int | None
     new: int | None
+    base: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,10 @@ class NodeEffect:
     backward adds every weight's gradient into theirs before it hands any input its own;
     ``gradients_kept``: what its backward's peak adds where it keeps the weights' gradients it makes;
     ``gradient_copies``: the bytes of those not laid out as their weights are, which ``AccumulateGrad``
-    copies into that layout to keep them."""
+    copies into that layout to keep them; ``written``: the argument tensors it wrote into in place (their
+    readers after it read what it wrote, so its backward starts from their gradient); ``backward_alone``:
+    ``backward`` where autograd frees the gradient it starts from once its first function has run (None:
+    the same)."""
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
@@ -134,3 +139,5 @@ class NodeEffect:
     weights_first: bool = False
     gradients_kept: int = 0
     gradient_copies: int = 0
+    written: tuple[int, ...] = ()
+    backward_alone: int | None = None

@@ -27,7 +27,9 @@ A storage is told by ``StorageWeakRef`` (identity); every twin and every saved t
 referenced until the probe ends, so no storage is freed and its address reused under another
 node's name. Inputs that
 require grad reach a node as clones (autograd refuses an in-place write to a leaf that requires
-grad), each clone mapped back to the storage it copies. Nodes alike (``probe_memo``: the same
+grad), each clone mapped back to the storage it copies; a value that is an autograd view in training
+(a Linear's on a 3-D input) as that view of its base's clone, as an in-place write into it makes
+autograd copy the base's gradient. Nodes alike (``probe_memo``: the same
 function, method or module settings on the same argument layouts, as in a model's repeated blocks)
 are probed once: the others get the first one's ``NodeEffect`` applied to their own arguments and a
 fresh output of its layout. A node autograd records nothing of (a size, a mask, an index: code that
@@ -121,15 +123,20 @@ class QuietMemTracker(MemTracker):
 class _KeptGradientsTracker(QuietMemTracker):
     """Also the peak of a run where storages ``kept`` so far (bytes) had been freed as they came: a
     backward that keeps its weights' gradients (the step's first, after ``zero_grad``) gives, in the
-    same run, the peak of one that adds each into the existing gradient and frees it. The peak is
-    taken after each operator, as ``MemTracker`` takes its own."""
+    same run, the peak of one that adds each into the existing gradient and frees it; and that peak
+    where the ``released`` bytes so far (gradients the backward started from, which the probe holds)
+    had been freed too (``alone_peak``). The peaks are taken after each operator, as ``MemTracker``
+    takes its own."""
 
     kept = 0
+    released = 0
     freed_peak = 0
+    alone_peak = 0
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         super()._update_peak_stats(peak_state)
         self.freed_peak = max(self.freed_peak, _total(self._curr_mem_snap) - self.kept)
+        self.alone_peak = max(self.alone_peak, _total(self._curr_mem_snap) - self.kept - self.released)
 
 
 @contextlib.contextmanager
@@ -206,9 +213,17 @@ def _output_leaves(leaves: list[Any], position: dict[StorageWeakRef, int], new: 
             replayable &= ref in position
         replayable &= not (leaf.is_conj() or leaf.is_neg())  # a replay makes plain tensors
         outputs.append(OutputTensor(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype,
-                                    leaf.device, leaf.requires_grad, position.get(ref), new.get(ref)))
+                                    leaf.device, leaf.requires_grad, position.get(ref), new.get(ref),
+                                    _view_base(leaf)))
     replayable &= sorted(storages) == list(range(len(new)))
     return outputs, [storages[i] for i in sorted(storages)], replayable
+
+
+def _view_base(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """The layout of the tensor strided ``t`` is an autograd view of, None where it is none: an in-place
+    write into a view makes autograd copy the base's gradient in backward (``CopySlices``)."""
+    base = t._base if t.layout == torch.strided and t._is_view() else None
+    return None if base is None else (tuple(base.shape), base.stride(), base.storage_offset())
 
 
 class _Unsized(Exception):
@@ -244,6 +259,16 @@ def _zeros_strided(like: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor
 
 def _is_item(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
+
+
+def _at_argument(strides: tuple[int, ...] | None, wanted: torch.Tensor,
+                 argument: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of ``argument``'s gradient, given as ``strides`` to ``wanted``: the base standing for a
+    view argument (``TrainingProbe._clone_in_training``) gets its gradient laid out as the base is, which
+    at the argument's place is laid out as the argument."""
+    if strides is None or (wanted.shape, wanted.stride()) == (argument.shape, argument.stride()):
+        return strides
+    return argument.stride() if tuple(strides) == wanted.stride() else None
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
@@ -312,8 +337,12 @@ class TrainingProbe:
         self.weights_first: set[str] = set()  # nodes whose weights get their gradients before their inputs
         self.gradients_kept: dict[str, int] = {}  # node -> what its backward's peak adds keeping its weights' ones
         self.gradient_copies: dict[str, int] = {}  # node -> bytes of those AccumulateGrad copies to keep them
+        self.writes: dict[str, tuple[str, ...]] = {}  # node -> the inputs it writes into in place
+        self.backward_alone: dict[str, int | None] = {}  # node -> its backward peak, its gradient freed when used
         self.kept: list[Any] = []
         self.stand_ins: dict[int, torch.Tensor] = {}  # id of a twin -> the real tensor standing for it
+        # id of a twin (or stand-in) -> the layout of the base its value is an autograd view of in training
+        self.bases: dict[int, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
         self.unprobed: list[str] = []
         self.unrun: set[str] = set()  # the nodes whose forward fake tensors could not run: no facts
         self.tracker = _KeptGradientsTracker()
@@ -422,17 +451,13 @@ class TrainingProbe:
         self.kept.append(twin)
 
     def _inputs(self, args: tuple, kwargs: dict,
-                through_clones: bool) -> tuple[tuple, dict, list[torch.Tensor], list[int | None]]:
+                ) -> tuple[tuple, dict, list[tuple[torch.Tensor, torch.Tensor, int | None]]]:
         """The node's arguments, those that require grad cloned (in-place writes stay legal), one
-        clone per tensor however often it is given (``q is k`` decides attention's path); the
-        tensors that want gradients, and for each the index of the tensor argument it first stands
-        for (None: a weight, which no other node makes). The gradients are wanted of the clones, or,
-        ``through_clones``, of the tensors cloned: an in-place op (``nn.ReLU(inplace=True)``) makes its
-        output of the clone it wrote to, whose gradient is then the output's own, though the op's
-        backward makes a new one. A node whose output nothing reads (``g.sigmoid_()``, later code
-        reading ``g``) keeps the clones: the graph routes the readers around it, so its backward
-        counts as handing its gradient on, as the graph's data flow has it."""
-        wanted: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]] = {}  # id -> wanted, stand-in, index
+        clone per tensor however often it is given (``q is k`` decides attention's path), laid out as
+        training has them (``_clone_in_training``); for each tensor that wants a gradient, the tensor
+        standing for it before the node runs, its clone (the same for a weight), and the index of the
+        tensor argument it first stands for (None: a weight, which no other node makes)."""
+        wanted: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]] = {}  # id -> before, clone, index
         index = itertools.count()
 
         def prepare(t: torch.Tensor) -> torch.Tensor:
@@ -440,15 +465,32 @@ class TrainingProbe:
             if not t.requires_grad:
                 return t
             if id(t) not in wanted:
-                copy = t if id(t) in self.leaves else _clone(t)
-                if copy is not t:
+                if id(t) in self.leaves:
+                    wanted[id(t)] = (t, t, None)
+                else:
+                    before, copy = self._clone_in_training(t)
                     self.copy_of[_storage(copy)] = self.original(_storage(t))
-                    self.kept.append(copy)
-                wanted[id(t)] = (t if through_clones else copy, copy, None if copy is t else i)
+                    self.kept.append((before, copy))
+                    wanted[id(t)] = (before, copy, i)
             return wanted[id(t)][1]
 
         args, kwargs = tree_map_only(torch.Tensor, prepare, (args, kwargs))
-        return args, kwargs, [t for t, _, _ in wanted.values()], [i for _, _, i in wanted.values()]
+        return args, kwargs, list(wanted.values())
+
+    def _clone_in_training(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A clone of ``t`` (``_clone``), and ``t`` itself, which the clone's backward hands its gradient.
+        Where ``t``'s value is an autograd view of a base filling its storage (``bases``: a Linear on
+        a 3-D input returns one of its ``addmm``), the clone is that view of a clone of the base, and
+        the base, a leaf in ``t``'s storage, stands for ``t``: an in-place write into the view makes
+        autograd copy the base's gradient in backward (``CopySlices``, ``AsStridedBackward``), which a
+        write into a dense clone does not."""
+        layout = self.bases.get(id(t))
+        if layout is not None and not layout[2]:
+            base = t.detach().as_strided(*layout)
+            if fills_storage(base) and base.numel() * base.element_size() == t.untyped_storage().nbytes():
+                base.requires_grad_()
+                return base, base.clone().as_strided(t.shape, t.stride(), t.storage_offset())
+        return t, _clone(t)
 
     def _run(self, call: NodeCall, args: tuple, kwargs: dict, real: bool = False) -> tuple[Any, list[torch.Tensor]]:
         """Run the node; a module, or a function handed modules, runs on fake leaves for their weights
@@ -499,7 +541,7 @@ class TrainingProbe:
         objects: dict[int, int] = {}  # which arguments are one tensor (``q is k`` decides attention's path)
         try:
             arguments = tuple(tensor_key(x, storages, lambda t: self.original(_storage(t)))
-                              + (id(x) in self.leaves, objects.setdefault(id(x), len(objects)))
+                              + (id(x) in self.leaves, objects.setdefault(id(x), len(objects)), self.bases.get(id(x)))
                               if isinstance(x, torch.Tensor) else constant_key(x) for x in flat)
             target = module_key(self.gm.get_submodule(str(node.target))) if node.op == "call_module" else node.target
             key = (node.op, target, spec, arguments, _reached(node, value))
@@ -538,6 +580,12 @@ class TrainingProbe:
             if reusable and key is not None:
                 self.memo[key] = effect  # key is None whenever memo is
         self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)
+        for leaf, made in zip(tree_flatten(value)[0], effect.leaves):
+            if isinstance(made, OutputTensor) and made.base is not None:
+                self.bases[id(leaf)] = made.base
+        if effect.written:
+            sources = self._sources(call.node)
+            self.writes[name] = tuple(dict.fromkeys(s for i in effect.written if (s := sources[i]) is not None))
         self._record_gradients(call.node, effect, arguments)
         self._record_weight_gradients(call.node, effect, arguments)
         self._when_received_contiguous(call, args, kwargs, arguments, effect, key)
@@ -734,7 +782,8 @@ class TrainingProbe:
         before = [_state(t) for t in arguments]
         self.tracker.forget_modules()
         with torch.enable_grad():
-            args, kwargs, wanted, indices = self._inputs(args, kwargs, through_clones=bool(call.node.users))
+            args, kwargs, inputs = self._inputs(args, kwargs)
+            versions = [copy._version for _, copy, _ in inputs]
             with self._tracked(*_tensors((args, kwargs)), *self._weights(call.node, real).values()) as peak, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value, weights = self._run(call, args, kwargs, real)
@@ -752,6 +801,16 @@ class TrainingProbe:
         sent = [t for t, r in zip(outputs, reached) if r and t.requires_grad and t.grad_fn is not None]
         sent_layouts = [strides for t, strides, r in zip(outputs, layouts or [None] * len(outputs), reached)
                         if r and t.requires_grad and t.grad_fn is not None]
+        # A clone the node wrote into (``nn.ReLU(inplace=True)``, ``y.tanh_()``, ``y[:, 0] = 0``) is the value
+        # its readers get, the written one, whatever it returns: the backward runs from it too, down to the
+        # tensor standing for it before the write, as the op's backward makes its gradient anew
+        wrote = [copy._version != version for (_, copy, _), version in zip(inputs, versions)]
+        for (_, copy, _), written in zip(inputs, wrote):
+            if written and copy.grad_fn is not None and not any(copy is t for t in outputs):
+                sent.append(copy)
+                sent_layouts.append(None)
+        wanted = [before if written else copy for (before, copy, _), written in zip(inputs, wrote)]
+        indices = [i for _, _, i in inputs]
         position: dict[StorageWeakRef, int] = {}
         for i, t in enumerate(arguments):
             position.setdefault(self.original(_storage(t)), i)
@@ -772,24 +831,26 @@ class TrainingProbe:
         # a fake kernel that could not size its workspace (a backward probed again keeps only its peak)
         if layouts is None and not real and any(nbytes == 0 for nbytes, _ in saved_new):
             raise _Unsized(call.node.name)  # probed on real tensors where there are some, else left unprobed
-        backward, input_grads, weight_grads, weights_first, kept, copies = 0, (), (), False, 0, 0
+        backward, input_grads, weight_grads, weights_first, kept, copies, alone = 0, (), (), False, 0, 0, 0
         try:
             if sent and (wanted or weights):
-                backward, given, weights_first, kept, copies = self._backward(
+                backward, given, weights_first, kept, copies, alone = self._backward(
                     sent, sent_layouts, wanted + weights, (args, kwargs), real)
-                input_grads = tuple((i, *given[id(t)]) for i, t in zip(indices, wanted)
-                                    if i is not None and id(t) in given)
+                input_grads = tuple((i, given[id(t)][0], _at_argument(given[id(t)][1], t, arguments[i]))
+                                    for i, t in zip(indices, wanted) if i is not None and id(t) in given)
                 candidates = self.weight_leaves(call.node, arguments, real)
                 weight_grads = tuple(p for p, t in enumerate(candidates) if id(t) in given)
         except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
             self.unprobed.append(call.node.name)
             backward, input_grads, weight_grads, reusable = 0, None, None, False
-        value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
-        leaves, spec = tree_flatten(value)
+        leaves, spec = tree_flatten(value)  # (before they are detached: a view's base is read)
         outputs, storages, replayable = _output_leaves(leaves, position, new, lambda t: self.original(_storage(t)))
+        value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
         reusable &= replayable
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
-                            grad, backward, input_grads, forward, weight_grads, weights_first, kept, copies)
+                            grad, backward, input_grads, forward, weight_grads, weights_first, kept, copies,
+                            tuple(i for (_, _, i), written in zip(inputs, wrote) if written and i is not None),
+                            None if alone == backward else alone)
         return effect, value, reusable
 
     def _probe_on_real_tensors(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[NodeEffect, Any] | None:
@@ -834,6 +895,8 @@ class TrainingProbe:
                 raise ValueError("real values share a storage their twins do not")
             if id(twin) in self.leaves:
                 self.leaves.add(id(leaf))
+            if id(twin) in self.bases:
+                self.bases[id(leaf)] = self.bases[id(twin)]
             self.stand_ins[id(twin)] = leaf
             self.kept.append((t, twin, leaf))
         return self.stand_ins[id(twin)]
@@ -885,6 +948,7 @@ class TrainingProbe:
             self.owner[ref], self.nbytes[ref] = name, nbytes
         self.outputs[name] = {ref for ref, _ in new}
         self.grad[name], self.backward[name], self.forward[name] = effect.grad, effect.backward, effect.forward
+        self.backward_alone[name] = effect.backward_alone
         self.gradients_kept[name] = effect.gradients_kept
         self.gradient_copies[name] = effect.gradient_copies
         found = {self.original(_storage(t)): t.untyped_storage().nbytes() for t in _tensors(value)}
@@ -897,7 +961,7 @@ class TrainingProbe:
 
     def _backward(self, sent: list[torch.Tensor], layouts: list[tuple[int, ...] | None], wanted: list[torch.Tensor],
                   inputs: Any, real: bool = False,
-                  ) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]], bool, int, int]:
+                  ) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]], bool, int, int, int]:
         """The peak ``MemTracker`` sees while ``sent`` back-propagates from gradients of ``layouts``'
         strides, above where it started, and for each ``wanted`` tensor that gets a gradient (by id)
         whether that gradient is one of ``sent``'s itself (handed on, as a view's or an addition's
@@ -907,8 +971,10 @@ class TrainingProbe:
         is made, as training's in-place accumulation into ``.grad`` frees it; whether autograd did so
         for every weight before it handed any input its gradient (``gradient_order``); and what the
         peak adds where each is kept instead (the step's first backward), and the bytes of those
-        ``AccumulateGrad`` would copy to keep them (``obeys_layout_contract``). ``real``: ``sent`` are
-        real tensors."""
+        ``AccumulateGrad`` would copy to keep them (``obeys_layout_contract``); and the peak where autograd
+        frees each gradient it starts from once the first function has run, as it does where nothing
+        else holds it (an in-place write into a view: ``AsStridedBackward`` makes the base's gradient,
+        then ``CopySlices`` runs). ``real``: ``sent`` are real tensors."""
         new = _zeros_strided if real else self.fresh  # a fake run reads no values
         gradients = [new(t, new_strides(t) if strides is None else strides) for t, strides in zip(sent, layouts)]
         weights = [t for t in wanted if id(t) in self.leaves]
@@ -924,16 +990,22 @@ class TrainingProbe:
                 tracker.kept += g.untyped_storage().nbytes()
                 if not obeys_layout_contract(g, weight):
                     copies.append(g.untyped_storage().nbytes())
+
+        def consumed(g: torch.Tensor, grad_inputs: tuple, grad_outputs: tuple) -> None:
+            if not any(isinstance(x, torch.Tensor) and x.layout == torch.strided and _storage(x) == _storage(g)
+                       for x in grad_inputs):  # (a view's backward gives a view of it: its storage lives on)
+                tracker.released += g.untyped_storage().nbytes()
         hooks = [t.register_hook(functools.partial(kept, t)) for t in weights]
+        hooks += [t.grad_fn.register_hook(functools.partial(consumed, g)) for t, g in zip(sent, gradients)]
         try:
             with self._tracked(*gradients, *wanted, *_tensors(inputs)) as peak, \
                     gradient_order(sent, [t for t in _tensors(inputs) if t.requires_grad and id(t) not in self.leaves],
                                    weights) as order:
                 start = _total(tracker.get_tracker_snapshot("current"))
-                tracker.kept, tracker.freed_peak = 0, start
+                tracker.kept, tracker.released, tracker.freed_peak, tracker.alone_peak = 0, 0, start, start
                 with torch.enable_grad():
                     grads = torch.autograd.grad(sent, wanted, gradients, allow_unused=True)
-                backward, keeping = max(0, tracker.freed_peak - start), peak()
+                backward, keeping, alone = max(0, tracker.freed_peak - start), peak(), tracker.alone_peak - start
         finally:
             for hook in hooks:
                 hook.remove()
@@ -942,7 +1014,7 @@ class TrainingProbe:
                          g.stride() if g.layout == torch.strided else None)
                  for t, g in zip(wanted, grads) if g is not None}
         del grads
-        return backward, given, weights_given_first(order), keeping - backward, sum(copies)
+        return backward, given, weights_given_first(order), keeping - backward, sum(copies), alone
 
     def _backwards_from_their_gradients(self) -> None:
         """Probe again the backward of each node whose consumers give its output a gradient laid out
@@ -971,7 +1043,7 @@ class TrainingProbe:
                     self.memo[memo_key] = effect
             if effect.input_grads is not None and effect.backward != self.backward[name]:
                 self.backward_when_sent[name] = self.backward[name]
-                self.backward[name] = effect.backward
+                self.backward[name], self.backward_alone[name] = effect.backward, effect.backward_alone
             self._record_gradients(call.node, effect, arguments)  # nothing where its backward did not run
 
     def _gradient_layout(self, t: torch.Tensor) -> tuple[int, ...] | None:
@@ -990,5 +1062,6 @@ class TrainingProbe:
                                  sent_as_copy(values.get(name)), self.when_contiguous.get(name),
                                  dense_order(values.get(name)), self.weight_grads.get(name),
                                  self.holds.get(name, ()), name in self.weights_first, self.saves_from.get(name),
-                                 self.gradients_kept.get(name, 0), self.gradient_copies.get(name, 0))
+                                 self.gradients_kept.get(name, 0), self.gradient_copies.get(name, 0),
+                                 self.writes.get(name, ()), self.backward_alone.get(name))
                 for name in self.grad if name not in self.unrun}

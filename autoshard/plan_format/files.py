@@ -137,7 +137,9 @@ class _Reader:
                           self.get(obj, "weights_first", bool, where, False),
                           self.optional_names(self.get(obj, "saves_from", list, where, None), f"{where}.saves_from"),
                           self.get(obj, "gradients_kept", int, where, 0),
-                          self.get(obj, "gradient_copies", int, where, 0))
+                          self.get(obj, "gradient_copies", int, where, 0),
+                          self.names(self.get(obj, "writes", list, where, []), f"{where}.writes"),
+                          self.get(obj, "backward_alone", int, where, None))
 
     def dense_order(self, obj: list | None, where: str) -> tuple[int, ...] | None:
         """``SavedFacts.dense_order``: a permutation of the dimensions, or absent."""

@@ -328,7 +328,8 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
                            "dense_order": None if n.training.dense_order is None else list(n.training.dense_order),
                            "weight_grads": None if n.training.weight_grads is None else list(n.training.weight_grads),
                            "holds": list(n.training.holds), "weights_first": n.training.weights_first,
-                           "saves_from": None if n.training.saves_from is None else list(n.training.saves_from)}
+                           "saves_from": None if n.training.saves_from is None else list(n.training.saves_from),
+                           "writes": list(n.training.writes)}
     if n.value:
         out["value"] = dict(n.value)
     return out
