@@ -1283,3 +1283,35 @@ def test_probing_a_module_type_again_leaves_the_processs_warnings_alone():
         autoshard.shard_model(model, 2, (torch.randn(2, 8),))
     assert [str(w.message) for w in caught] == []
     assert warnings.formatwarning is formatwarning
+
+
+class _RecurrentStack(nn.Module):
+    """An LSTM whose state nothing reads (``x, _ = self.lstm(x)``), then a GRU: split in four, a stage
+    receives the LSTM's ``(out, (h, c))`` and passes ``out`` on, reading the state item for nothing."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, width)
+        self.lstm = nn.LSTM(width, width, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(width, width, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * width, 128)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        x, _ = self.lstm(self.embed(t))
+        x, _ = self.gru(x)
+        return self.head(x)
+
+
+def test_a_node_no_gradient_reaches_runs_no_backward():
+    """The item of the LSTM's state that nothing reads gets no gradient, so autograd runs nothing of it;
+    the walk gave the received tuple a new gradient for it: 2.06x on the stage passing ``out`` on."""
+    torch.manual_seed(0)
+    t = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    sharded = autoshard.shard_model(_RecurrentStack().train(), 4, example_inputs=(t,),
+                                    pipeline="capture,shape-prop,build-dag,linearize,split{stages=4},emit")
+    passing = [j for j, stage in enumerate(sharded.stages) if not list(stage.parameters())]
+    assert passing, "no stage only passes a value on: the split moved"
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1, optimizer="none")).stages
+    for j in range(4):
+        assert predicted[j].memory.total == measure_stage_memory(sharded, j, (t,), microbatches=1,
+                                                                 optimizer="none").peak, j

@@ -607,6 +607,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # same storage), gave that value the gradient its backward starts from, which what it gives replaces
         replaced = {u: next((v for v in _aliases(dag, u) if v in buffer), u) for u in facts.writes
                     if node not in buffer}
+        if node not in buffer and not replaced:  # no gradient reached its output: autograd runs none of its backward
+            continue
         given = [(replaced.get(u, u), handed) for u, handed in _gradients_to(dag, node)]
         # a value sent, or one whose gradient is the received buffer handed back through a view of its own
         # storage that was sent whole (a transpose crossing permuted): its backward starts from a gradient
