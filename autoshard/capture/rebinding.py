@@ -42,7 +42,9 @@ def watch(model: nn.Module, state: HeldState, paths: Iterable[str]) -> None:
             found = owner._modules.get(name) if name in owner._modules else owner._parameters.get(name)
             if found is None:
                 break  # a buffer, or a path of the capture's own making
-            _WATCHED.setdefault(owner, {}).setdefault(name, []).append((weakref.ref(found), weakref.ref(state)))
+            watchers = _WATCHED.setdefault(owner, {}).setdefault(name, [])
+            watchers[:] = [each for each in watchers if each[1]() is not None]  # stages gone since
+            watchers.append((weakref.ref(found), weakref.ref(state)))
             if not isinstance(found, nn.Module):
                 break
             owner = found
