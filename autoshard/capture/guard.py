@@ -261,12 +261,8 @@ def check_autocast(captured: AutocastState | None) -> None:
     Autocast changes the dtypes the model's code computes in, and the capture answered its questions
     about them (``h.dtype``, ``x.to(input_dtype)``) once; a capture under the call's state serves it
     (a ``SpecializationMismatch``: a sharded model re-specialises on it)."""
-    if _any_autocast() or captured is not None:  # else off, as captured: nothing more to read
-        _check_autocast_state(captured)
-
-
-def _check_autocast_state(captured: AutocastState | None) -> None:
-    if autocast_now() != captured:
+    # off, as captured: one C call and nothing more to read
+    if (_any_autocast() or captured is not None) and autocast_now() != captured:
         raise SpecializationMismatch(
             f"the plan was captured under {_autocast_words(captured)} and is called under "
             f"{_autocast_words(autocast_now())}: autocast changes the dtypes the model's code computes in, which "

@@ -24,8 +24,9 @@ from torch.nn.modules.module import (
 
 from autoshard.capture.held_state import HeldState
 
-#: container -> attribute name -> [(what it held at sharding, the watching stage's state)], weakly.
-_WATCHED: weakref.WeakKeyDictionary[nn.Module, dict[str, list[tuple[weakref.ref, weakref.ref]]]] = (
+#: container -> attribute name -> the watching stages' states -> what it held at sharding, all weakly
+#: (a state gone drops out by itself; one watching a step of many paths is there once).
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.WeakKeyDictionary[HeldState, weakref.ref]]] = (
     weakref.WeakKeyDictionary())
 _HOOKS: list[Any] = []
 
@@ -42,9 +43,7 @@ def watch(model: nn.Module, state: HeldState, paths: Iterable[str]) -> None:
             found = owner._modules.get(name) if name in owner._modules else owner._parameters.get(name)
             if found is None:
                 break  # a buffer, or a path of the capture's own making
-            watchers = _WATCHED.setdefault(owner, {}).setdefault(name, [])
-            watchers[:] = [each for each in watchers if each[1]() is not None]  # stages gone since
-            watchers.append((weakref.ref(found), weakref.ref(state)))
+            _WATCHED.setdefault(owner, {}).setdefault(name, weakref.WeakKeyDictionary())[state] = weakref.ref(found)
             if not isinstance(found, nn.Module):
                 break
             owner = found
@@ -54,9 +53,8 @@ def _on_registration(module: nn.Module, name: str, value: Any) -> None:
     watchers = _WATCHED.get(module, {}).get(name)
     if not watchers or _written_by_autoshard():
         return
-    for held, state in watchers:
-        watching = state()
-        if watching is not None and held() is not value:
+    for watching, held in list(watchers.items()):
+        if held() is not value:
             watching.refuse(
                 f"the model's {type(module).__name__}.{name} was assigned anew after sharding ({name} = "
                 f"{type(value).__name__}), but the stage calls the one it was sharded with; shard the model "

@@ -8,9 +8,11 @@ through ``contiguous_grad``, its outputs with gaps in their storage copied, as `
 wired stages receive, read and send them; all graphs kept alive),
 then backwards as the schedule runs them after ``zero_grad`` (which frees the gradients): in 1F1B's
 steady state one, the next microbatch's forward and the next backward, which meets the gradients
-the first made and those it sent back (the schedule holds them); where every forward runs first
-(GPipe, or 1F1B keeping all the step's microbatches) one that makes the gradients and a second that
-meets them; with ``keep_gradients`` the gradients exist from the start. Each backward starts from a
+the first made and those it sent back (the schedule holds them), with what the warm-up sent still
+held where the schedule holds it; where every forward runs first (GPipe, or 1F1B keeping all the
+step's microbatches) one that makes the gradients and the next ones, which meet them and what the
+earlier sent back (GPipe holds all of it to its last backward, so all of them run); with
+``keep_gradients`` the gradients exist from the start (``_Backwards``). Each backward starts from a
 gradient of its output's shape; the optimizer state exists (after the first step). The peak is
 counted by live tensor storages with PyTorch's own ``MemTracker``
 (``torch.distributed._tools.mem_tracker``), which works on CPU: it sees every storage an operator
