@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_map_only  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard.costs.memory_model import MemoryModel  # noqa: E402
 from autoshard.costs.models import memory_parts  # noqa: E402
-from autoshard.costs.split_search.program_order import ProgramOrderSplits, SearchGaveUp  # noqa: E402
+from autoshard.costs.split_search.program_order import JUDGEMENT_LIMIT, ProgramOrderSplits  # noqa: E402
 from autoshard.costs.split_search.request import training_memory  # noqa: E402
 from autoshard.examples import GPTStyleLM, load_example  # noqa: E402
 from autoshard.graph.linearize import program_order  # noqa: E402
@@ -375,15 +375,9 @@ def _predicted_parts(memory: Any) -> tuple[float, ...]:
 
 def least(splits: ProgramOrderSplits, high: float, steps: int = 14) -> float:
     """The least fullest stage over every split of program order, to 2^-steps of ``high`` (which fits);
-    NaN where the search gives up (past ``JUDGEMENT_LIMIT`` stages judged: a tiny Mixtral)."""
-    low = 0.0
-    try:
-        for _ in range(steps):
-            middle = (low + high) / 2
-            low, high = (low, middle) if splits.fitting((middle,) * splits.k) is not None else (middle, high)
-    except SearchGaveUp:
-        return math.nan
-    return high
+    NaN where the search gives up (past ``JUDGEMENT_LIMIT`` stages judged a halving: a tiny Mixtral)."""
+    found = splits.least_scaled((high,) * splits.k, 0.0, 1.0, steps, limit=(steps + 1) * JUDGEMENT_LIMIT)
+    return found.scale * high if found is not None and found.exact else math.nan
 
 
 def budget_rows(name: str, k: int = 4, fractions: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9, 1.0),

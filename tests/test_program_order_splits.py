@@ -124,17 +124,20 @@ def test_a_budget_the_tightened_splits_miss_is_planned_by_the_exact_search(monke
         autoshard.shard_model(model, k, example_inputs=(idx,), max_memory=budget, pipeline=PLAN_ONLY)
 
 
-def test_a_budget_below_every_split_of_program_order_is_refused_saying_so(monkeypatch, k=4):
-    """The exact search comes to one typed result (it was an ``Attempt`` or the refusal's words, told
-    apart by type): no split, and what the refusal says of the search."""
+def test_a_budget_below_every_split_of_program_order_is_refused_naming_the_closest(monkeypatch, k=4):
+    """The exact search comes to one typed result: no split, what the refusal says of the search, and
+    the closest split of the order, which the refusal names: one byte short of a budget one byte
+    below the least any split needs (it named the plan balanced without budgets, far further over)."""
     torch.manual_seed(0)
     model, x = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(8))), torch.randn(256, 16)
     dag = autoshard.shard_model(model, k, example_inputs=(x,), pipeline=PLAN_ONLY).plan.dag
     least = min(max(s.total for s in stage_memory(dag, a, k)) for a in cut_assignments(dag, k))
     searched, search = [], placements.in_order
     monkeypatch.setattr(placements, "in_order", lambda *args: searched.append(search(*args)) or searched[-1])
-    with pytest.raises(InfeasibleSplitError, match=r"no split of program order into 4 contiguous stages fits either "
-                                                   r"\(an exact search\); in the closest plan stage \d needs"):
+    refusal = (r"no split of program order into 4 contiguous stages fits either \(an exact search; the least "
+               rf"budgets one fits are 1.0001x these\); in the closest split of that order stage \d needs {least:,.0f} "
+               r"bytes .* 1 byte short")
+    with pytest.raises(InfeasibleSplitError, match=refusal):
         autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least - 1, pipeline=PLAN_ONLY)
-    assert searched == [placements.ExactSearch(
-        note="; no split of program order into 4 contiguous stages fits either (an exact search)")]
+    [result] = searched
+    assert result.found is None and max(result.closest.memory) == least

@@ -733,8 +733,10 @@ def _units(infos: Mapping[str, Weight], names: Sequence[str]) -> list[list[Weigh
 
 def stage_memory(
     dag: nx.DiGraph, assignment: Mapping[str, int], num_stages: int, model: MemoryModel = MemoryModel(),
+    stages: AbstractSet[int] | None = None,
 ) -> list[StageMemory]:
-    """The training memory of every stage of ``assignment``, shared weights once per stage."""
+    """The training memory of every stage of ``assignment`` (of ``stages`` only, when given: the exact
+    search judges one stage at a time), shared weights once per stage."""
     k = num_stages
     infos = dag.graph.get("weights", {})
     scale = model.activation_scale(list(infos.values()))
@@ -744,6 +746,8 @@ def stage_memory(
     tie_sum = tie_sum_bytes(infos, payers, assignment, k, model)
     out = []
     for j, nodes in enumerate(_nodes_by_stage(assignment, k)):
+        if stages is not None and j not in stages:
+            continue
         held = [infos[w] for node in nodes for w in payers[node]]
         parts = [model.weight_parts(info) for info in held]
         weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))

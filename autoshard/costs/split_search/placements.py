@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import networkx as nx
 
-from autoshard.costs.split_search.program_order import JUDGEMENT_LIMIT, SearchGaveUp, fitting_in_order, serves
+from autoshard.costs.split_search.program_order import JUDGEMENT_LIMIT, SearchGaveUp, serves, splits_in_order
 from autoshard.costs.split_search.request import SplitRequest
 from autoshard.costs.ties import TiePlacement, charged_apart, tie_placements
 from autoshard.errors import InfeasibleSplitError
@@ -38,6 +39,8 @@ from autoshard.graph.linearize import program_order
 
 #: How many times a split whose whole stages exceed their budgets is made again under tighter ones.
 TIGHTENING_ROUNDS = 12
+#: Halvings of the scale of the budgets the closest split of the order a refusal names fits.
+CLOSEST_STEPS = 10
 #: Below what a stage held, relative to its budget: more than the splitter's round-off (1e-9 of the total).
 _ROUND_OFF = 1e-6
 
@@ -69,10 +72,12 @@ class Attempt:
 @dataclass(frozen=True)
 class ExactSearch:
     """What the exact search over the order (``in_order``) came to: the split it found that fits, or
-    None and what a refusal says of the search ("" where it did not run)."""
+    None, what a refusal says of the search ("" where it did not run) and the closest split it found
+    (None: the refusal names the closest the splitter made)."""
 
     found: Attempt | None = None
     note: str = ""
+    closest: Attempt | None = None
 
 
 def split_placing_ties(request: SplitRequest, exact: bool = True) -> Partition:
@@ -87,12 +92,13 @@ def split_placing_ties(request: SplitRequest, exact: bool = True) -> Partition:
             raise
         first = attempt(request, first_try, budgets=())
         if not first.fits:
-            searched = in_order(request, first_try) if exact else ExactSearch()
+            searched = in_order(request, first_try, first) if exact else ExactSearch()
             if searched.found is not None:
                 return searched.found.partition
             raise InfeasibleSplitError(
                 f"no split into {request.k} stages fits max_memory ({_in_max_memory_terms(exc)}){searched.note}; in "
-                f"the best-balanced plan {shortfall(request, first)}") from exc
+                f"the {_closest(searched, 'best-balanced plan')} {shortfall(request, searched.closest or first)}"
+            ) from exc
     attempts = [first]
     if first.separated and first.partition.info.bound is not None:  # a bounded strategy, not a baseline
         for placement in retries(request, first):
@@ -106,41 +112,59 @@ def split_placing_ties(request: SplitRequest, exact: bool = True) -> Partition:
         attempts.append(unbounded)
         fitting = [unbounded] if unbounded.fits else []
     if not fitting:
-        searched = in_order(request, first_try) if exact else ExactSearch()
+        closest = min(attempts, key=lambda a: a.overshoot(request.each_stage(request.max_memory)))
+        searched = in_order(request, first_try, closest) if exact else ExactSearch()
         if searched.found is not None:
             return searched.found.partition
-        closest = min(attempts, key=lambda a: a.overshoot(request.each_stage(request.max_memory)))
         raise InfeasibleSplitError(
             f"no split into {request.k} stages fits max_memory with every stage counted whole (received and sent "
             f"values, one backward, each shared weight in every stage holding it), split again up to "
             f"{TIGHTENING_ROUNDS} times under budgets tightened by what the per-node sums missed{searched.note}; in "
-            f"the closest plan {shortfall(request, closest)}")
+            f"the {_closest(searched, 'closest plan')} {shortfall(request, searched.closest or closest)}")
     return min(fitting, key=Attempt.rank).partition  # the first of equals: ties preferred together
 
 
-def in_order(request: SplitRequest, placement: TiePlacement) -> ExactSearch:
+def in_order(request: SplitRequest, placement: TiePlacement, near: Attempt) -> ExactSearch:
     """The last resort before a budget is refused: the split the exact search over ``request.order``
     finds (``program_order``), scored as ``attempt`` scores a split, weights charged as ``placement``
     charges them (its plan's info: the bottleneck as its bound, the boundary bytes, the ties it
-    separates); where it finds none or cannot serve the request, what the refusal says of it."""
+    separates); where it finds none, the closest split of the order (the least scale of the budgets
+    one fits, searched up to what ``near``, a split that does not fit, needs), and what the refusal
+    says of the search (it named the plan balanced without budgets, a stage 30 times further over)."""
     if not serves(request):
         return ExactSearch()
     where = "program order" if list(request.order) == program_order(request.dag) else "the linearized order"
+    splits, budgets = splits_in_order(request), request.each_stage(request.max_memory)
     try:
-        assignment = fitting_in_order(request)
+        assignment = splits.fitting(budgets)
     except SearchGaveUp:
         return ExactSearch(note=f"; an exact search over the splits of {where} gave up after {JUDGEMENT_LIMIT:,} "
                                 "stages judged")
-    if assignment is None:
-        return ExactSearch(note=f"; no split of {where} into {request.k} contiguous stages fits either (an exact "
-                                "search)")
+    if assignment is not None:
+        return ExactSearch(_exact(request, placement, assignment))
+    note = f"; no split of {where} into {request.k} contiguous stages fits either (an exact search"
+    least = splits.least_scaled(budgets, 1.0, 1.0 + near.overshoot(budgets), CLOSEST_STEPS)
+    if least is None:
+        return ExactSearch(note=f"{note})")
+    scale = math.ceil(least.scale * 1e4) / 1e4  # rounded up: "1x" of a budget one byte short misleads
+    return ExactSearch(note=f"{note}; the least budgets one fits are {scale:g}x these)",
+                       closest=_exact(request, placement, least.assignment))
+
+
+def _exact(request: SplitRequest, placement: TiePlacement, assignment: Mapping[str, int]) -> Attempt:
+    """A split the exact search found, as an ``Attempt`` with its plan's info (bottleneck as bound)."""
     weighted = request.costed(placement.apart, budgeted=False).dag
     boundary = total_boundary_bytes(weighted, assignment, request.k)
     found = scored(request, placement, weighted, assignment,
                    SplitInfo(request.strategy, None, 0.0, boundary, tolerance=request.tolerance))
     info = found.partition.info
-    return ExactSearch(dataclasses.replace(found, partition=dataclasses.replace(
-        found.partition, info=dataclasses.replace(info, bound=info.bottleneck))))
+    return dataclasses.replace(found, partition=dataclasses.replace(
+        found.partition, info=dataclasses.replace(info, bound=info.bottleneck)))
+
+
+def _closest(searched: ExactSearch, otherwise: str) -> str:
+    """What a refusal calls the split it names."""
+    return "closest split of that order" if searched.closest is not None else otherwise
 
 
 def _in_max_memory_terms(refusal: InfeasibleSplitError) -> str:

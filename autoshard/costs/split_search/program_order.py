@@ -3,7 +3,7 @@
 The budgeted splitter sums per-node parts and re-splits under tightened budgets, a heuristic that
 can miss a split the whole count accepts (a stage also holds its received and sent values, one
 backward, ...). ``ProgramOrderSplits`` checks every split of the order into k non-empty contiguous
-stages, each stage judged by the whole count (``MemoryCount.stage_totals``), so it says whether any
+stages, each stage judged by the whole count (``MemoryCount.total_of``), so it says whether any
 fits the budgets. Pruned by what a stage holds at least (``MemoryCount.floor()``: per-node parts and the
 values crossing its cuts, cheap from prefix sums; the splitter's per-node sums are no floor, a stage
 may free a saved output it sends a copy of): only stages whose floor fits and whose rest can still
@@ -20,6 +20,8 @@ served (``serves``: the training-memory model; not a budget on a cost model summ
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import AbstractSet, Collection, Mapping, Sequence
 
 import networkx as nx
@@ -31,12 +33,21 @@ from autoshard.graph.constraints import StageRange
 from autoshard.graph.indexed import is_input
 from autoshard.graph.linearize import non_inputs
 
-#: The most stages one search judges whole (each a ``stage_totals`` call) before it gives up.
+#: The most stages one search judges whole (each a ``MemoryCount.total_of`` call) before it gives up.
 JUDGEMENT_LIMIT = 2_000
 
 
 class SearchGaveUp(Exception):
     """More than ``JUDGEMENT_LIMIT`` stages would have been judged: the answer is unknown."""
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """A split of the order (``assignment``) fitting ``scale`` x the budgets, the least scale met."""
+
+    scale: float
+    assignment: dict[str, int]
+    exact: bool
 
 
 def _prefix(values: Sequence[float]) -> np.ndarray:
@@ -122,14 +133,41 @@ class ProgramOrderSplits:
             assignment = dict.fromkeys(self.inputs, 0)
             for i, v in enumerate(self.rest):
                 assignment[v] = j - 1 if i < a else j if i < b else j + 1
-            self.totals[key] = self.memory.stage_totals(assignment)[j]
+            self.totals[key] = self.memory.total_of(assignment, j)
         return self.totals[key]
 
     def fitting(self, budgets: Sequence[float]) -> dict[str, int] | None:
         """A split whose every stage j fits ``budgets[j]``, as an assignment in ``order``, or None when
-        none does. Raises ``SearchGaveUp`` past ``JUDGEMENT_LIMIT``."""
-        n, k = len(self.rest), self.k
+        none does. Raises ``SearchGaveUp`` past ``JUDGEMENT_LIMIT`` stages judged."""
         self.judged = 0
+        return self._fitting(budgets)
+
+    def least_scaled(self, budgets: Sequence[float], low: float, high: float, steps: int,
+                     limit: int = JUDGEMENT_LIMIT) -> Scaled | None:
+        """The least scale s in (``low``, ``high``], to (high - low) / 2 ** ``steps``, at which a split
+        fits every stage j within s x ``budgets[j]``, found by halving, with that split; None when none
+        fits at ``high`` (or the search gave up first). What a refused budget names: the closest split.
+        Past ``limit`` stages judged in all, the least met so far (``exact`` False)."""
+        self.judged = JUDGEMENT_LIMIT - limit  # the judgments of every halving count against ``limit``
+        found = None
+        try:
+            met = self._fitting([high * b for b in budgets])
+            if met is None:
+                return None
+            found = Scaled(high, met, exact=True)
+            for _ in range(steps):
+                middle = (low + found.scale) / 2
+                met = self._fitting([middle * b for b in budgets])
+                if met is None:
+                    low = middle
+                else:
+                    found = Scaled(middle, met, exact=True)
+        except SearchGaveUp:
+            return None if found is None else dataclasses.replace(found, exact=False)
+        return found
+
+    def _fitting(self, budgets: Sequence[float]) -> dict[str, int] | None:
+        n, k = len(self.rest), self.k
         can = np.zeros((k + 1, n + 1), dtype=bool)  # can[j][a]: stages j.. may fit rest[a:] by their sums
         can[k][n] = True
         for j in range(k - 1, -1, -1):
@@ -167,12 +205,11 @@ def serves(request: SplitRequest) -> bool:
     return bool(request.max_memory) and request.memory is not None and request.memory.floor is not None
 
 
-def fitting_in_order(request: SplitRequest) -> dict[str, int] | None:
-    """A split of ``request.order`` into contiguous stages that keeps its constraints and fits its
-    ``max_memory`` by its memory count, or None when none does; the stage ends nearest an even share
-    of its cost (shared weights at their first reader) per capacity are tried first."""
-    splits = ProgramOrderSplits(
+def splits_in_order(request: SplitRequest) -> ProgramOrderSplits:
+    """The splits of ``request.order`` into contiguous stages that keep its constraints, judged by its
+    memory count; the stage ends nearest an even share of its cost (shared weights at their first
+    reader) per capacity are tried first."""
+    return ProgramOrderSplits(
         request.dag, request.order, request.k, request.memory, together=request.together.values(),
         cut_before=request.cut_before, stage_ranges=request.stage_ranges,
         costs=request.node_costs(frozenset()), speeds=request.each_stage(request.capacities or (1.0,)))
-    return splits.fitting(request.each_stage(request.max_memory))

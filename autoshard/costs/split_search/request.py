@@ -32,7 +32,8 @@ class MemoryCount:
     ``node_attributes(apart)`` gives the node attributes the splitter sums per stage (``MEMORY``
     held once; ``ACTIVATION_MEMORY`` times ``in_flight[j]`` for training memory); ``stage_totals``
     scores a finished plan; ``shortfall(assignment, budgets)``, when set, is the model's own
-    message for a stage over budget (else one naming the model ``name``). ``floor()``, when set, is
+    message for a stage over budget (else one naming the model ``name``); ``stage_total(assignment, j)``,
+    when set, counts stage j alone (the exact search judges one stage at a time). ``floor()``, when set, is
     what a stage holds at least (``costs.memory.StageFloor``), by which the exact search prunes:
     made when first asked for, as only a budget about to be refused asks.
     """
@@ -43,6 +44,11 @@ class MemoryCount:
     in_flight: tuple[float, ...] | None = None
     shortfall: Callable[[Mapping[str, int], tuple[float, ...]], str] | None = None
     floor: Callable[[], StageFloor] | None = None
+    stage_total: Callable[[Mapping[str, int], int], float] | None = None
+
+    def total_of(self, assignment: Mapping[str, int], j: int) -> float:
+        """Stage j's memory in ``assignment``."""
+        return self.stage_total(assignment, j) if self.stage_total else self.stage_totals(assignment)[j]
 
 
 def summed_memory(name: str, node_costs: NodeCosts, stage_totals: StageTotals) -> MemoryCount:
@@ -73,8 +79,11 @@ def training_memory(
     def shortfall(assignment: Mapping[str, int], budgets: tuple[float, ...]) -> str:
         return memory_shortfall(stages(tuple(assignment.items())), budgets) or ""
 
+    def stage_total(assignment: Mapping[str, int], j: int) -> float:
+        return stage_memory(dag, assignment, k, model, stages={j})[0].total
+
     floor = functools.cache(lambda: stage_floor(dag, k, model))
-    return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall, floor)
+    return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall, floor, stage_total)
 
 
 @dataclass(frozen=True)
