@@ -482,3 +482,28 @@ def test_cost_memory_counts_each_plan_the_search_scores_once(monkeypatch, k=4):
     plan = autoshard.shard_model(model, k, example_inputs=(x,), cost="memory", pipeline=PLAN_ONLY).plan
     assert tuple(plan.assignment.items()) in counted
     assert len(counted) == len(set(counted))
+
+
+def test_the_tightened_budgets_are_split_without_moves_and_the_fitting_ones_again_with_them(monkeypatch, k=4):
+    """The splitter's local moves took four fifths of a budgeted plan's time, most of it in tightening
+    rounds whose splits are thrown away: those split without them, and the budgets that fit are
+    split again with them, that split returned (a small GPT-style LM at 0.85 of its unconstrained
+    plan's fullest stage, where the first split overflows)."""
+    torch.manual_seed(0)
+    model, idx = GPTStyleLM(vocab=100, width=16, layers=2, max_seq=64).eval(), torch.randint(0, 100, (8, 64))
+    free = autoshard.shard_model(model, k, example_inputs=(idx,), pipeline=PLAN_ONLY).plan
+    budget = 0.85 * peak_memory(free.dag, free.assignment, k)
+    calls, split_dag = [], placements.split_dag
+
+    def recording(*args, **options):
+        result = split_dag(*args, **options)
+        calls.append((options["moves"], options.get("memory_budgets"), dict(result.assignment)))
+        return result
+
+    monkeypatch.setattr(placements, "split_dag", recording)
+    plan = autoshard.shard_model(model, k, example_inputs=(idx,), max_memory=budget, pipeline=PLAN_ONLY).plan
+    tightened = {budgets for moves, budgets, _ in calls if not moves}
+    assert tightened and all(budgets != (budget,) for budgets in tightened)
+    again = [(budgets, split) for moves, budgets, split in calls if moves and budgets in tightened]
+    assert again and again[-1][1] == dict(plan.assignment)
+    assert peak_memory(plan.dag, plan.assignment, k) <= budget
