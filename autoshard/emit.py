@@ -14,6 +14,11 @@ record of the value) has shown that a node yields no tensor, every stage that ne
 recomputes it (and its non-tensor inputs) from the tensors it has. The DAG built by
 ``lowering.from_fx`` routes those tensors to the stage.
 
+A stage that reads only the shape of a parameter or buffer (``self.pos.weight.shape[0]`` in a
+mask's computation) reads it as a constant (``fold_shape_reads``): it holds the weights it
+computes with, and none it does not, so a branch that reads a weight's shape in another stage
+than the one computing with it still keeps every weight in its stage.
+
 The capture freezes what the model asked of its inputs: ``torch.arange(n, device=x.device)``
 becomes ``device=cpu``. Each stage reads that device from its own inputs again at run time
 (``stage_device``), so a stage moved to another device by hand (``sharded.to("cuda")``, one stage
@@ -34,7 +39,7 @@ from autoshard.capture.guard import FixedDtypes, autocast_now, check_autocast, r
 from autoshard.capture.held_state import HeldState, checked_modules
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import InvalidArgumentError
-from autoshard.fx_helpers import resolve
+from autoshard.fx_helpers import resolve, shape_read
 from autoshard.lowering.from_fx import holds_tensor
 
 
@@ -132,6 +137,29 @@ def _stage_graph(
     follow_input_device(graph)
     graph.lint()
     return graph
+
+
+def fold_shape_reads(graph: fx.Graph, root: nn.Module) -> None:
+    """Replace each read of a parameter's or buffer's shape (``shape_read``) by the constant it
+    reads, where ``graph`` reads that tensor for nothing else, and drop the read of the tensor: the
+    stage does not hold a weight whose values it never uses. The shape is the weight's for as long
+    as it is that object (another one assigned is refused by the rebinding watch)."""
+    for attr in [node for node in graph.nodes if node.op == "get_attr"]:
+        readers = list(attr.users)
+        if not readers or not all(shape_read(reader) for reader in readers):
+            continue
+        tensor = resolve(root, str(attr.target))
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        for reader in readers:
+            value = getattr(tensor, reader.args[1]) if reader.op == "call_function" else \
+                getattr(tensor, str(reader.target))(*reader.args[1:], **reader.kwargs)
+            with graph.inserting_before(reader):  # a node, so that a torch.Size stays one in the code
+                constant = graph.call_function(type(value), ((*value,) if isinstance(value, torch.Size) else value,))
+            constant.meta = dict(reader.meta)
+            reader.replace_all_uses_with(constant)
+            graph.erase_node(reader)
+        graph.erase_node(attr)
 
 
 def _state_guard(stage: fx.GraphModule) -> None:
@@ -263,6 +291,7 @@ def emit_stages(
         incoming = boundaries[stage - 1] if stage > 0 else ()
         outgoing = boundaries[stage] if stage < num_stages - 1 else ()
         graph = _stage_graph(gm.graph, stage, num_stages, assignment, incoming, outgoing)
+        fold_shape_reads(graph, gm)
         module = StageModule(gm, graph, class_name=f"Stage{stage}")
         module.training = training  # its own flag only: its submodules are the model's
         module.meta[CAPTURED_MODE] = training

@@ -12,6 +12,24 @@ import torch.fx as fx
 from torch import nn
 
 
+#: Attributes and methods that read only a tensor's shape (``w.shape``, ``w.size(0)``, ``w.dim()``):
+#: what a parameter or buffer keeps as long as it is that object (a conversion changes its dtype
+#: and device, never its shape; assigning another one is refused by the rebinding watch).
+SHAPE_ATTRIBUTES = frozenset({"shape", "ndim"})
+SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+
+
+def shape_read(node: fx.Node) -> bool:
+    """Whether ``node`` reads only the shape of its first argument, every other argument a constant:
+    ``getattr(w, "shape")``, ``w.size(1)``, ``w.dim()``, ``w.numel()``. Such a read of a weight uses
+    none of its values: it is no reason for a stage to hold the weight."""
+    if node.op == "call_function" and node.target is getattr:
+        reads_shape = len(node.args) == 2 and node.args[1] in SHAPE_ATTRIBUTES
+    else:
+        reads_shape = node.op == "call_method" and node.target in SHAPE_METHODS
+    return reads_shape and bool(node.args) and isinstance(node.args[0], fx.Node) and len(node.all_input_nodes) == 1
+
+
 def resolve(root: Any, target: str) -> Any:
     """The object at a dotted attribute path (``root`` itself for the empty path)."""
     value = root

@@ -330,6 +330,60 @@ def test_a_new_capture_holding_a_weight_in_another_stage_is_refused():
     assert sharded.specializations == ()
 
 
+class ShapeReadMask(nn.Module):
+    """Cuts an optional mask to its position table's length, read from the table's shape (as
+    SigLIP's text embeddings read ``position_embedding.weight.shape[0]``), in the layers the split
+    puts in stage 0; the table itself is looked up in stage 1. ``values``: the mask is scaled by the
+    table's values instead, a real read of a weight stage 1 holds."""
+
+    def __init__(self, values: bool = False) -> None:
+        super().__init__()
+        self.values = values
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 32)
+        self.pos, self.c = nn.Embedding(16, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x)
+        if mask is not None:
+            table = self.pos.weight
+            h = h * (mask[..., None] * table.mean() if self.values else
+                     mask[:, :table.shape[0], None] * table.size(1) / table.numel() * table.dim())
+        h = self.b(h)
+        return self.c(h + self.pos(torch.arange(x.shape[1], device=x.device)))
+
+
+def shape_read_mask(values: bool = False) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    mask = torch.ones(2, 5)
+    mask[1, 3:] = 0
+    return ShapeReadMask(values).eval(), torch.randn(2, 5, 8), mask
+
+
+def test_a_branch_reading_only_a_weights_shape_in_another_stage_keeps_every_weight_in_its_stage():
+    """The new capture reads the table's shape in stage 0: a constant there, not a reason to hold
+    the table, so the call is served with every weight where the plan holds it. A plan made with
+    the mask holds the table in one stage too."""
+    model, x, mask = shape_read_mask()
+    sharded = autoshard.shard_model(model, 2, (x,))
+    before = holders(sharded)
+    assert before["pos.weight"] == {1}
+    assert torch.equal(sharded(x, mask), model(x, mask))
+    (made,) = sharded.specializations
+    assert holders(made.sharded) == before
+    assert "torch.Size((16, 32))" in made.sharded.stages[0].code
+    with_mask = autoshard.shard_model(model, 2, (x, mask))
+    assert holders(with_mask)["pos.weight"] == {1} and torch.equal(with_mask(x, mask), model(x, mask))
+
+
+def test_a_branch_computing_with_a_weight_in_another_stage_is_still_refused():
+    model, x, mask = shape_read_mask(values=True)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    with pytest.raises(InputMismatchError, match=r"A new capture for these inputs, with every weight in the stage "
+                                                 r"that holds it, failed \(.*'pos.weight' \(pinned to stage 1\)"):
+        sharded(x, mask)
+    assert sharded.specializations == ()
+
+
 def test_copies_and_pickles_serve_what_their_own_guards_allow():
     _, sharded = size_branch()
     for copied in (copy.deepcopy(sharded), pickle.loads(pickle.dumps(sharded))):

@@ -23,8 +23,9 @@ name to a ``WeightInfo`` (every alias, size, trainable or not).
 
 ``get_attr`` nodes are not DAG nodes: a stage that reads a parameter or buffer gets its own
 reference to the same object, so attributes never cross a boundary. Their size is charged to
-their first reader. The output node is not a DAG node either: the values it returns are flagged
-``output=True``.
+their first reader. A read of a weight's shape alone (``w.shape[0]``, ``w.size(1)``) reads no
+weight: emit makes it a constant in a stage that does not hold the weight (``fold_shape_reads``).
+The output node is not a DAG node either: the values it returns are flagged ``output=True``.
 
 A value known to hold no tensor (``x.size(0)``, a bool) never crosses a boundary: emit
 recomputes it in each stage that reads it. So in the DAG its readers depend directly on the
@@ -45,7 +46,7 @@ from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.costs.facts import node_facts, node_seconds, node_timed_backward
-from autoshard.fx_helpers import canonical_tensor_names, resolve, target_name
+from autoshard.fx_helpers import canonical_tensor_names, resolve, shape_read, target_name
 from autoshard.lowering.inplace import order_around_mutations
 from autoshard.lowering.randomness import order_random_draws
 
@@ -122,7 +123,8 @@ def _tensors_read(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
     sources: list[Any] = []
     if node.op == "call_module":
         sources.append(resolve(gm, str(node.target)))
-    sources += [resolve(gm, str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"]
+    if not shape_read(node):  # a weight's shape alone: no reason to hold the weight
+        sources += [resolve(gm, str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"]
     unique = {id(t): t for source in sources for t in _tensors_of(source)}
     return list(unique.values())
 
