@@ -549,7 +549,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     if not args.quiet:
         _show(plan, f"{args.target}: {plural(plan.num_stages, 'stage')} ({plan.pipeline})", console, (),
               _step(links, plan.memory_model))
-        for line in budget_lines(plan, budgets):
+        for line in budget_lines(plan, budgets) if budgets else ():  # the tables showed the plan's own
             console.print(line, markup=False, highlight=False)
     short = memory_shortfall(plan.training_memory() or [], budgets)
     if short is not None:

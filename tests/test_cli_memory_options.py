@@ -214,6 +214,10 @@ def test_the_tables_show_the_budget_and_how_full_the_fullest_stage_is_against_it
     code, out, _ = run(capsys, "inspect", "residual-mlp", "--plan", str(plan), "--schedule", "gpipe",
                        "--microbatches", "64")
     assert code == 0 and "% of its budget: over it\n" in out  # rebuilt for more microbatches in flight
+    code, out, _ = run(capsys, "inspect", str(plan))
+    assert code == 0 and out.count("max memory: ") == 1  # the saved budget, shown once (was twice)
+    code, out, _ = run(capsys, "inspect", str(plan), "--max-memory", "1GiB")
+    assert code == 0 and out.count("max memory: ") == 1 and out.count("max memory (given): 1.0 GiB") == 1
     code, out, _ = run(capsys, "inspect", "residual-mlp", "-k", "2", "--max-memory", "40GiB")
     assert code == 0 and "max memory: 40.0 GiB per stage; fullest stage " in out
     assert ", under 0.1% of its budget\n" in out  # not 0.0%
