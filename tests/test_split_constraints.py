@@ -371,6 +371,11 @@ def test_memory_amounts_in_the_refusals_read_as_numbers():
     with pytest.raises(InfeasibleSplitError, match="node 'v0' needs memory 4,096, more than the largest memory "
                                                    "budget 4,000.5"):
         split_dag(dag, 2, memory_budgets=[4000.5, 4000.5])
+    big = chain([1] * 4, memory=[4096 * 1024, 1024 * 1024, 1024 * 1024, 1024 * 1024])  # budgets of "3.6MiB" ...
+    with pytest.raises(InfeasibleSplitError, match="memory_budgets sum to 6,291,457 but"):  # not 6.29146e+06
+        split_dag(big, 2, memory_budgets=[3145728.4, 3145728.4])
+    with pytest.raises(InfeasibleSplitError, match=r"memory_budgets \[4,300,000; 3,050,001\]"):  # not 4.3e+06
+        split_dag(big, 2, memory_budgets=[4300000.4, 3050000.6])
 
 
 def test_memory_budgets_need_a_memory_attribute_on_every_node():

@@ -453,5 +453,7 @@ def format_amounts(values: Sequence[float]) -> str:
 
 def format_amount(value: float) -> str:
     """A memory amount as it reads best: whole numbers with thousands separated (bytes: 36,608,
-    not 36608 or 3.6608e+04), others as ``%g`` with thousands separated too."""
-    return f"{value:,.0f}" if float(value).is_integer() and abs(value) < 1e18 else f"{value:,g}"
+    not 36608 or 3.6608e+04), and so fractions of a byte from a million up (a budget of "3.6MiB" is
+    3,774,873.6 bytes: 3,774,874, not 3.77487e+06); others as ``%g`` with thousands separated too."""
+    whole = float(value).is_integer() or abs(value) >= 1e6
+    return f"{value:,.0f}" if whole and abs(value) < 1e18 else f"{value:,g}"
