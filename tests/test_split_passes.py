@@ -222,6 +222,12 @@ def test_max_memory_limits_each_stage_under_the_named_cost_model():
     assert stages_of_module(program, "linears.1") == {0} and stages_of_module(program, "linears.2") == {1}
     with pytest.raises(InfeasibleSplitError, match="the budgets sum to"):
         run(model, inputs, f"split{{stages=2 max-memory={per_block} memory-cost=params}}")
+    with pytest.raises(InfeasibleSplitError) as refused:  # the sum fits, no split of the order does
+        run(model, inputs, f"split{{stages=2 max-memory={3.5 * per_block:.0f},{4.6 * per_block:.0f} "
+                           "memory-cost=params}")
+    # the splitter's own advice about the order its bound comes from is no part of a budget the caller gave
+    assert "meets the budgets [3,808; 5,005] at once); in the best-balanced plan" in str(refused.value)
+    assert "the budget comes from that order" not in str(refused.value) and "relax one" not in str(refused.value)
 
 
 class SharedTwice(nn.Module):

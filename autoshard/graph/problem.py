@@ -32,6 +32,13 @@ class Outcome:
     proven_optimal: bool | None = None
 
 
+#: What a split of program order that no constraint set allows says beyond the constraints: why other
+#: orders were not tried, and what to do (``split_placing_ties`` drops it: a ``max_memory`` refusal
+#: says what to do itself, and its budgets come from the caller, not from that order).
+ORDER_ADVICE = (" (the budget comes from that order: a group that other orders could keep together is not "
+                "looked for); relax one of them or change the number of stages")
+
+
 class SplitProblem:
     """Split ``dag`` into ``k`` stages within ``tolerance`` of the best balance, under constraints.
 
@@ -90,8 +97,7 @@ class SplitProblem:
                     f"keeping the together groups whole leaves {plural(most - 1, 'place')} to cut, so at most "
                     f"{stages}; ask for at most {stages} or drop a group")
         return (f"no split of program order into {self.k} non-empty stages meets {' and '.join(parts)} "
-                "at once (the budget comes from that order: a group that other orders could keep "
-                "together is not looked for); relax one of them or change the number of stages")
+                f"at once{ORDER_ADVICE}")
 
     def _most_stages(self) -> int:
         """The most stages program order can be cut into with every together group whole: one more

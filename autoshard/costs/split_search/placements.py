@@ -35,6 +35,7 @@ from autoshard.errors import InfeasibleSplitError
 from autoshard.graph import Partition, SplitInfo, split_dag, total_boundary_bytes
 from autoshard.graph.constraints import ACTIVATION_MEMORY
 from autoshard.graph.linearize import program_order
+from autoshard.graph.problem import ORDER_ADVICE
 
 
 #: How many times a split whose whole stages exceed their budgets is made again under tighter ones.
@@ -170,7 +171,8 @@ def _closest(searched: ExactSearch, otherwise: str) -> str:
 def _in_max_memory_terms(refusal: InfeasibleSplitError) -> str:
     """The splitter's refusal in the terms of a caller who gave ``max_memory``, not the splitter's own
     parameters (``memory_budgets``, ``memory_in_flight``), which that caller never set."""
-    return str(refusal).replace("memory_budgets", "the budgets").replace("memory_in_flight", "microbatches in flight")
+    return (str(refusal).replace(ORDER_ADVICE, "").replace("memory_budgets", "the budgets")
+            .replace("memory_in_flight", "microbatches in flight"))
 
 
 def fitted(request: SplitRequest, placement: TiePlacement) -> Attempt:
