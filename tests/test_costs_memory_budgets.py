@@ -103,9 +103,9 @@ def test_a_split_whose_whole_stages_overflow_is_made_again_until_it_fits(monkeyp
     least = min(peak_memory(dag, a, k) for a in cut_assignments(dag, k))
     fitted = autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least, pipeline=PLAN_ONLY).plan
     assert peak_memory(fitted.dag, fitted.assignment, k) == least
-    short = (r"no split into 4 stages fits max_memory with every stage counted whole .* stage (\d) needs [\d,]+ bytes "
-             r"\(weights [\d,]+, .*one backward [\d,]+(; receive buffers [^)]*)?\) but max_memory\[\1\] is [\d,]+: "
-             r"[\d,]+ bytes? short")
+    short = (r"no split into 4 stages fits max_memory: the least budgets a split of program order .* fits are "
+             rf"1.0001x these \(an exact search\); in that split stage (\d) needs {least:,.0f} bytes \(weights [\d,]+, "
+             r".*one backward [\d,]+(; receive buffers [^)]*)?\) but max_memory\[\1\] is [\d,]+: 1 byte short")
     with pytest.raises(InfeasibleSplitError, match=short):
         autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least - 1, pipeline=PLAN_ONLY)
     monkeypatch.setattr(placements, "TIGHTENING_ROUNDS", 0)
@@ -159,11 +159,10 @@ def test_a_budget_no_plan_fits_names_the_stage_its_parts_and_the_shortfall():
     dag = autoshard.shard_model(model, 2, example_inputs=(x,)).plan.dag
     least = min(peak_memory(dag, a, 2) for a in cut_assignments(dag, 2))
     assert least > 50_000
-    short = (r"no split into 2 stages fits max_memory .*stage (0|1) needs [\d,]+ bytes \(weights [\d,]+, gradients "
-             r"[\d,]+, optimizer [\d,]+; per microbatch activations [\d,]+, received [\d,]+, sent [\d,]+, x \d in "
-             r"flight; one backward [\d,]+( \(the first, making the gradients: [\d,]+\))?(; receive buffers [^)]*)?\) "
-             r"but max_memory\[\1\] is 50,000: "
-             r"[\d,]+ bytes? short")
+    short = (rf"no split into 2 stages fits max_memory: .*stage (0|1) needs {least:,.0f} bytes \(weights [\d,]+, "
+             r"gradients [\d,]+, optimizer [\d,]+; per microbatch activations [\d,]+, received [\d,]+, sent "
+             r"[\d,]+, x \d in flight; one backward [\d,]+( \(the first, making the gradients: [\d,]+\))?"
+             rf"(; receive buffers [^)]*)?\) but max_memory\[\1\] is 50,000: {least - 50_000:,.0f} bytes short")
     with pytest.raises(InfeasibleSplitError, match=short) as refused:
         autoshard.shard_model(model, 2, example_inputs=(x,), max_memory=50_000)
     assert not re.search(r"memory_budgets|memory_in_flight", str(refused.value))  # the splitter's own names

@@ -134,9 +134,9 @@ def test_a_budget_below_every_split_of_program_order_is_refused_naming_the_close
     least = min(max(s.total for s in stage_memory(dag, a, k)) for a in cut_assignments(dag, k))
     searched, search = [], placements.in_order
     monkeypatch.setattr(placements, "in_order", lambda *args: searched.append(search(*args)) or searched[-1])
-    refusal = (r"no split of program order into 4 contiguous stages fits either \(an exact search; the least "
-               rf"budgets one fits are 1.0001x these\); in the closest split of that order stage \d needs {least:,.0f} "
-               r"bytes .* 1 byte short")
+    refusal = (r"no split into 4 stages fits max_memory: the least budgets a split of program order into 4 "
+               r"contiguous stages fits are 1.0001x these \(an exact search\); in that split stage \d needs "
+               rf"{least:,.0f} bytes .* 1 byte short")
     with pytest.raises(InfeasibleSplitError, match=refusal):
         autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least - 1, pipeline=PLAN_ONLY)
     [result] = searched

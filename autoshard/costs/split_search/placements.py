@@ -96,10 +96,7 @@ def split_placing_ties(request: SplitRequest, exact: bool = True) -> Partition:
             searched = in_order(request, first_try, first) if exact else ExactSearch()
             if searched.found is not None:
                 return searched.found.partition
-            raise InfeasibleSplitError(
-                f"no split into {request.k} stages fits max_memory ({_in_max_memory_terms(exc)}){searched.note}; in "
-                f"the {_closest(searched, 'best-balanced plan')} {shortfall(request, searched.closest or first)}"
-            ) from exc
+            raise refusal(request, searched, f"({_in_max_memory_terms(exc)})", "best-balanced plan", first) from exc
     attempts = [first]
     if first.separated and first.partition.info.bound is not None:  # a bounded strategy, not a baseline
         for placement in retries(request, first):
@@ -117,12 +114,23 @@ def split_placing_ties(request: SplitRequest, exact: bool = True) -> Partition:
         searched = in_order(request, first_try, closest) if exact else ExactSearch()
         if searched.found is not None:
             return searched.found.partition
-        raise InfeasibleSplitError(
-            f"no split into {request.k} stages fits max_memory with every stage counted whole (received and sent "
-            f"values, one backward, each shared weight in every stage holding it), split again up to "
-            f"{TIGHTENING_ROUNDS} times under budgets tightened by what the per-node sums missed{searched.note}; in "
-            f"the {_closest(searched, 'closest plan')} {shortfall(request, searched.closest or closest)}")
+        tried = (f"with every stage counted whole (received and sent values, one backward, each shared weight in "
+                 f"every stage holding it), split again up to {TIGHTENING_ROUNDS} times under budgets tightened by "
+                 "what the per-node sums missed")
+        raise refusal(request, searched, tried, "closest plan", closest)
     return min(fitting, key=Attempt.rank).partition  # the first of equals: ties preferred together
+
+
+def refusal(request: SplitRequest, searched: ExactSearch, tried: str, named: str,
+            near: Attempt) -> InfeasibleSplitError:
+    """The refusal of a budget no split fits: the least budgets a split of the order fits and that
+    split's shortfall, where the exact search found them; else how the splitter tried, what the exact
+    search came to, and the shortfall of the split it made nearest (``near``, which it calls ``named``)."""
+    if searched.closest is not None:
+        return InfeasibleSplitError(f"no split into {request.k} stages fits max_memory{searched.note}; in that split "
+                                    f"{shortfall(request, searched.closest)}")
+    return InfeasibleSplitError(f"no split into {request.k} stages fits max_memory {tried}{searched.note}; in the "
+                                f"{named} {shortfall(request, near)}")
 
 
 def in_order(request: SplitRequest, placement: TiePlacement, near: Attempt) -> ExactSearch:
@@ -143,13 +151,13 @@ def in_order(request: SplitRequest, placement: TiePlacement, near: Attempt) -> E
                                 "stages judged")
     if assignment is not None:
         return ExactSearch(_exact(request, placement, assignment))
-    note = f"; no split of {where} into {request.k} contiguous stages fits either (an exact search"
     least = splits.least_scaled(budgets, 1.0, 1.0 + near.overshoot(budgets), CLOSEST_STEPS)
     if least is None:
-        return ExactSearch(note=f"{note})")
+        return ExactSearch(note=f"; no split of {where} into {request.k} contiguous stages fits either (an exact "
+                                "search)")
     scale = math.ceil(least.scale * 1e4) / 1e4  # rounded up: "1x" of a budget one byte short misleads
-    return ExactSearch(note=f"{note}; the least budgets one fits are {scale:g}x these)",
-                       closest=_exact(request, placement, least.assignment))
+    return ExactSearch(note=f": the least budgets a split of {where} into {request.k} contiguous stages fits are "
+                            f"{scale:g}x these (an exact search)", closest=_exact(request, placement, least.assignment))
 
 
 def _exact(request: SplitRequest, placement: TiePlacement, assignment: Mapping[str, int]) -> Attempt:
@@ -161,11 +169,6 @@ def _exact(request: SplitRequest, placement: TiePlacement, assignment: Mapping[s
     info = found.partition.info
     return dataclasses.replace(found, partition=dataclasses.replace(
         found.partition, info=dataclasses.replace(info, bound=info.bottleneck)))
-
-
-def _closest(searched: ExactSearch, otherwise: str) -> str:
-    """What a refusal calls the split it names."""
-    return "closest split of that order" if searched.closest is not None else otherwise
 
 
 def _in_max_memory_terms(refusal: InfeasibleSplitError) -> str:
