@@ -44,7 +44,9 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from autoshard.capture.guard import autocast_now, captured_autocast, chosen_grad_mode
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.structure import same_constant
-from autoshard.errors import AutoshardError, ExampleInputsError, InputMismatchError, SpecializationMismatch, plural
+from autoshard.errors import (
+    AutoshardError, ExampleInputsError, InfeasibleSplitError, InputMismatchError, SpecializationMismatch, plural,
+)
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
 
@@ -301,9 +303,11 @@ class Specializer:
                 raise exc.__cause__ from None
             raise
         except AutoshardError as exc:  # a pin the new graph's order cannot meet names its weight; a capture failed
+            # sharding again is the way only past the pins: what the capture refuses, it refuses there too
+            again = "; shard the model again with an example like these inputs" * isinstance(exc, InfeasibleSplitError)
             raise InputMismatchError(
                 f"{guard}. A new capture for these inputs, with every weight in the stage that holds it, failed "
-                f"({exc}); shard the model again with an example like these inputs") from exc
+                f"({exc}){again}") from exc
         check_same_holders(before, sharded)
         self.specializations.append(Specialization(shape_key(args, kwargs), guard.split(";")[0],
                                                    time.perf_counter() - started, sharded, structure))

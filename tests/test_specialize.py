@@ -379,9 +379,41 @@ def test_a_branch_computing_with_a_weight_in_another_stage_is_still_refused():
     model, x, mask = shape_read_mask(values=True)
     sharded = autoshard.shard_model(model, 2, (x,))
     with pytest.raises(InputMismatchError, match=r"A new capture for these inputs, with every weight in the stage "
-                                                 r"that holds it, failed \(.*'pos.weight' \(pinned to stage 1\)"):
+                                                 r"that holds it, failed \(.*'pos.weight' \(pinned to stage 1\).*\); "
+                                                 r"shard the model again with an example like these inputs$"):
         sharded(x, mask)
     assert sharded.specializations == ()
+
+
+class _Cache:
+    """Holds a tensor and compares by identity, as a generation cache does."""
+
+    def __init__(self, kept: torch.Tensor) -> None:
+        self.kept = kept
+
+
+class _CacheOnRequest(nn.Module):
+    """Returns an object holding a tensor when asked (a generation cache, ``use_cache=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, keep: bool = False):
+        y = self.b(self.a(x))
+        return (y, _Cache(y)) if keep else y
+
+
+def test_a_call_the_capture_refuses_is_not_told_to_shard_again_after_the_reason():
+    """Sharding again with such an example is refused for the same reason: the advice after it was
+    wrong (it is the guard's, once, before the capture's own reason and what to do)."""
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(_CacheOnRequest(), 2, (x,))
+    with pytest.raises(InputMismatchError) as refused:
+        sharded(x, keep=True)
+    message = str(refused.value)
+    assert "failed (the model returns objects that hold tensors" in message
+    assert message.count("shard the model again") <= 1 and not message.endswith("like these inputs")
 
 
 def test_copies_and_pickles_serve_what_their_own_guards_allow():

@@ -63,6 +63,28 @@ def test_gpt2_with_its_head_tied_to_the_embedding_respecialises_across_the_stage
     assert holders(made.sharded) == before
 
 
+def test_clip_respecialises_with_its_text_position_table_in_its_stage():
+    """CLIP's text embeddings check the sequence length against the position table's shape, a guard
+    on the inputs alone: every new capture (``return_dict=False``, under autocast, ...) placed it in
+    the stage before the table's and was refused for holding the table there too."""
+    import transformers
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    model = transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(small, vocab_size=64, max_position_embeddings=32),
+        vision_config=dict(small, image_size=16, patch_size=4), projection_dim=16)).eval()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 8)), "pixel_values": torch.randn(2, 3, 16, 16),
+              "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    sharded = autoshard.shard_model(model, 2, example_kwargs=inputs)
+    before = holders(sharded)
+    with torch.no_grad():
+        for extra in ({"return_dict": False}, {"output_hidden_states": True}):
+            assert_same_output(sharded(**inputs, **extra), model(**inputs, **extra))
+    assert len(sharded.specializations) == 2
+    assert all(holders(made.sharded) == before for made in sharded.specializations)
+
+
 def test_a_diffusers_unet_sharded_with_grad_serves_calls_under_no_grad_and_inference_mode():
     """Every diffusers block asks ``torch.is_grad_enabled() and self.gradient_checkpointing``: a UNet
     sharded with grad was refused under ``torch.no_grad()``, the way a pipeline calls it to sample."""
