@@ -214,7 +214,9 @@ def test_one_stalled_run_does_not_make_a_timing_spread(sleepy, monkeypatch):
     sharded, example = sleepy
     _sleeping_slower(monkeypatch, lambda run: run == 3)  # one run of nine stalls, as a pause of the VM does
     timed = measure_stage_time(sharded, 1, example, repeats=9)
-    assert timed.spread < 0.2 and timed.forward + timed.backward < 0.1
+    # the stalled run alone would read (210 - 70) / 70 = 2.0; a loaded machine's sleeps overshoot
+    # by themselves (0.22 read in a CI run beside three other jobs on two cores)
+    assert timed.spread < 0.5 and timed.forward + timed.backward < 0.1
 
 
 def test_the_timed_backwards_accumulate_gradients_as_a_steps_microbatches_do(sleepy, monkeypatch):
