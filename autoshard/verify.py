@@ -113,9 +113,12 @@ def _named_leaves(value: Any) -> list[tuple[str, Any]]:
 
 
 def objects_holding_tensors(value: Any) -> list[str]:
-    """Where ``value`` holds an object with tensors inside that compares by identity (a cache)."""
+    """Where ``value`` holds an object with tensors inside that the capture does not look into: one
+    comparing by identity (a cache), or one not a dataclass (a ``SimpleNamespace``: it compares by
+    value, and the trace kept it as a constant with its tensors gone). A dataclass's fields are read."""
     return [f"{name}: {type(leaf).__name__}" for name, leaf in _named_leaves(value)
-            if not isinstance(leaf, torch.Tensor) and type(leaf).__eq__ is object.__eq__ and _has_tensors(leaf)]
+            if not isinstance(leaf, torch.Tensor) and _has_tensors(leaf)
+            and (type(leaf).__eq__ is object.__eq__ or not dataclasses.is_dataclass(leaf))]
 
 
 def _captured_grad_mode(gm: fx.GraphModule) -> bool:
@@ -192,8 +195,8 @@ def verify_stages(
     opaque = objects_holding_tensors(expected)
     if opaque:
         raise VerificationError(
-            f"the model returns objects that hold tensors ({'; '.join(opaque)}): they compare by identity, so "
-            "no copy can be checked against them, and stages cannot pass them on (pipeline runtimes send "
+            f"the model returns objects that hold tensors ({'; '.join(opaque)}) where the capture does not look, "
+            "so no copy can be checked against them, and stages cannot pass them on (pipeline runtimes send "
             "tensors); if one is a generation cache (past_key_values), call the model with use_cache=False",
             stage=None)
     recorder = _Recorder(gm, {name for boundary in boundaries for name in boundary})

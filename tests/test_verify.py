@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import types
 from typing import Any
 
 import pytest
@@ -182,6 +183,24 @@ class CachingMLP(torch.nn.Module):
 def test_an_output_object_holding_tensors_is_refused_saying_what_it_is():
     with pytest.raises(VerificationError, match=r"objects that hold tensors \(\[1\]: KeyValueCache\).*use_cache=False"):
         autoshard.shard_model(CachingMLP(), 2, example_inputs=(torch.randn(2, 4),))
+
+
+class NamespaceMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, types.SimpleNamespace]:
+        y = self.b(self.a(x))
+        return y, types.SimpleNamespace(kept=y)
+
+
+def test_an_output_object_comparing_by_value_is_refused_as_one_the_capture_does_not_look_into():
+    """A ``SimpleNamespace`` compares by value, so it was compared: the trace had kept it as a constant
+    with its tensor gone, and the refusal blamed randomness or globals."""
+    with pytest.raises(VerificationError, match=r"objects that hold tensors \(\[1\]: SimpleNamespace\) where "
+                                                r"the capture does not look"):
+        autoshard.shard_model(NamespaceMLP(), 2, example_inputs=(torch.randn(2, 4),))
 
 
 @dataclasses.dataclass
