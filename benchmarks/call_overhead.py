@@ -2,6 +2,7 @@
 
     python benchmarks/call_overhead.py            # ~7 minutes on 2 cores
     python benchmarks/call_overhead.py --only "HF BERT" --repeats 15   # one real model at k = 1, 2, 4
+    python benchmarks/call_overhead.py --only "train forward" --clock thread   # the HF models in training
     python benchmarks/call_overhead.py --quick    # fewer repeats, noisier
     python benchmarks/call_overhead.py --only MLP --repeats 31   # one row, best of 31
     python benchmarks/call_overhead.py --clock thread   # CPU time of the thread: steadier under load
@@ -22,7 +23,9 @@ whose output is also checked bit-exact against the model's; and tiny random-weig
 models (GPT-2, BERT, T5, ViT, Llama: 4 layers (T5: 2 + 2), width 64, batch 2 x 32 tokens or 2 images of 32 x 32;
 about 1 ms a call) in eval mode under no_grad at k = 1, 2 and 4, where the model's own Python per
 call meets autoshard's (the capture leaves some of it behind, so the sharded call may be the
-faster). With ``--cuda`` the same table runs on the GPU with CUDA-synchronised timings.
+faster), and the same models in training mode with dropout 0, forward + backward from the sum of
+the first output (``--only train``; ``bit-exact`` there: every parameter's gradient after one step of
+each). With ``--cuda`` the same table runs on the GPU with CUDA-synchronised timings.
 
 With ``--instructions`` nothing is timed: the script runs itself again under valgrind's callgrind
 and counts the instructions of ``calls`` calls of each variant (eager, sharded, chained; not
@@ -90,32 +93,39 @@ def _hf_gpt2() -> Row | None:
     return Row("HF GPT-2 tiny, no_grad forward", model, (torch.randint(0, 128, (2, 32)),), 2)
 
 
-def _hf_tiny(name: str, k: int) -> Row | None:
+def _hf_tiny(name: str, k: int, train: bool = False) -> Row | None:
     """A Hugging Face model at a tiny random-weight config (4 layers, width 64; about 1 ms a call on
-    one core), in eval mode: where a real model's own Python per call meets autoshard's."""
+    one core), in eval mode: where a real model's own Python per call meets autoshard's. With
+    ``train``: in training mode with every dropout 0 (the same computation in every call), run forward
+    + backward from the sum of its first output."""
     try:
         import transformers as T
     except ImportError:
         return None
     layers = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=2, intermediate_size=128)
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     ids, mask = torch.randint(0, 128, (2, 32)), torch.ones(2, 32, dtype=torch.long)
     if name == "GPT-2":
         model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=4, n_head=2,
-                                               use_cache=False))
+                                               use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
         args: tuple[Any, ...] = (ids,)
     elif name == "BERT":
-        model, args = T.BertModel(T.BertConfig(vocab_size=128, max_position_embeddings=64, **layers)), (ids, mask)
+        model = T.BertModel(T.BertConfig(vocab_size=128, max_position_embeddings=64, **layers, **no_dropout))
+        args = (ids, mask)
     elif name == "T5":
         model = T.T5ForConditionalGeneration(T.T5Config(vocab_size=128, d_model=64, d_kv=32, d_ff=128, num_layers=2,
-                                                        num_decoder_layers=2, num_heads=2, use_cache=False))
+                                                        num_decoder_layers=2, num_heads=2, use_cache=False,
+                                                        dropout_rate=0.0))
         args = (ids, mask, torch.randint(0, 128, (2, 16)))
     elif name == "ViT":
-        model = T.ViTModel(T.ViTConfig(image_size=32, patch_size=4, **layers))
+        model = T.ViTModel(T.ViTConfig(image_size=32, patch_size=4, **layers, **no_dropout))
         args = (torch.randn(2, 3, 32, 32),)
     else:
         model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=128, max_position_embeddings=64, num_key_value_heads=1,
-                                                 use_cache=False, **layers))
+                                                 use_cache=False, attention_dropout=0.0, **layers))
         args = (ids, mask)
+    if train:
+        return Row(f"HF {name} tiny, train forward+backward", model.train(), args, k, backward=True)
     return Row(f"HF {name} tiny, eval no_grad", model.eval(), args, k)
 
 
@@ -131,6 +141,8 @@ ROWS: dict[str, Callable[[], Row | None]] = {
     "GPT-style LM, forward+backward": lambda: _gpt(True), "HF GPT-2 tiny, no_grad forward": _hf_gpt2,
     "nn.TransformerEncoder eval, no_grad": _encoder,
     **{f"HF {name} tiny, eval no_grad, k={k}": (lambda name=name, k=k: _hf_tiny(name, k))
+       for name in ("GPT-2", "BERT", "T5", "ViT", "Llama") for k in (1, 2, 4)},
+    **{f"HF {name} tiny, train forward+backward, k={k}": (lambda name=name, k=k: _hf_tiny(name, k, train=True))
        for name in ("GPT-2", "BERT", "T5", "ViT", "Llama") for k in (1, 2, 4)}}
 
 
@@ -230,8 +242,9 @@ def measure(row: Row, repeats: int, cuda: bool) -> dict[str, Any]:
             for name, fn in variants.items():
                 if callable(fn):
                     best[name] = min(best.get(name, float("inf")), _timed(fn, calls, cuda))
-        exact = None
-        if not row.backward:
+        if row.backward:
+            exact = _same_gradients(row.model, variants["eager"], variants["sharded"])
+        else:
             exact = torch.equal(_first(row.model(*row.args)), _first(sharded(*row.args)))
     result: dict[str, Any] = {"row": row.name, "k": row.stages, "exact": exact}
     result.update({name: best.get(name, fn) for name, fn in variants.items()})
@@ -377,6 +390,20 @@ def _stage_counts(stdout: str) -> list[tuple[str, int]]:
 
 #: The environment variable that hands the run under valgrind the built requests.
 _REQUESTS_ENV = "AUTOSHARD_CALLGRIND_REQUESTS"
+
+
+def _same_gradients(model: nn.Module, eager: Callable[[], Any], sharded: Callable[[], Any]) -> bool | None:
+    """Whether one forward + backward of the stages leaves every parameter the gradient the model's
+    own leaves, bit for bit (None for a model whose computation differs between calls: dropout)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in model.modules()):
+        return None
+    grads = []
+    for step in (eager, sharded):
+        model.zero_grad(set_to_none=True)
+        step()
+        grads.append([p.grad for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in zip(*grads))
 
 
 def _first(value: Any) -> torch.Tensor:

@@ -36,3 +36,23 @@ def test_call_overhead_syncs_builds_no_pipeline_split(monkeypatch, capsys):
     overhead.syncs(overhead._mlp())
     printed = [line.split(": ")[0] for line in capsys.readouterr().out.splitlines() if "kernels" in line]
     assert printed == [f"MLP 8x64, batch 4, k=4, {name}" for name in ("eager", "sharded", "chained")]
+
+
+def test_call_overhead_compares_every_gradient_of_a_training_row():
+    """A forward + backward row's ``bit-exact`` is every parameter's gradient after one step of
+    each; a model whose dropout is active has none to compare."""
+    import torch
+    from torch import nn
+
+    import autoshard
+
+    overhead = script("call_overhead")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).train()
+    x = torch.randn(3, 8)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    assert overhead._same_gradients(model, lambda: model(x).sum().backward(), lambda: sharded(x).sum().backward())
+    assert not overhead._same_gradients(model, lambda: model(x).sum().backward(),
+                                        lambda: (2 * sharded(x)).sum().backward())
+    assert all(p.grad is None for p in model.parameters())  # left as it found them
+    dropped = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1)).train()
+    assert overhead._same_gradients(dropped, lambda: None, lambda: None) is None

@@ -190,12 +190,16 @@ class _StageCall:
     placed: list[dict[str, tuple[int, int]]] = field(default_factory=list)
 
 
+#: The values ``_attributes`` keeps, as one tuple: built once, not per attribute read.
+_KEPT_ON_MODULES = (*PLAIN_VALUES, torch.Tensor)
+
+
 def _attributes(modules: list[nn.Module]) -> list[dict[str, Any]]:
     """The plain state each model module keeps on itself: numbers, flags, strings, None and
     tensors (``self.calls``, ``self.ready``, ``self.previous = y``); a stage's generated code keeps
     none (its source text differs in the shell, retargeted to the runner's device)."""
     return [{} if isinstance(m, fx.GraphModule) else
-            {k: v for k, v in vars(m).items() if k != "training" and isinstance(v, (*PLAIN_VALUES, torch.Tensor))}
+            {k: v for k, v in vars(m).items() if k != "training" and isinstance(v, _KEPT_ON_MODULES)}
             for m in modules]
 
 
