@@ -9,6 +9,8 @@ memory model's received values and one backward do.
 
 from __future__ import annotations
 
+import re
+
 import networkx as nx
 import pytest
 import torch
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 import autoshard
 from autoshard.costs.memory import StageFloor, stage_memory
 from autoshard.costs.split_search import MemoryCount, placements
-from autoshard.costs.split_search.program_order import ProgramOrderSplits
+from autoshard.costs.split_search.program_order import ProgramOrderSplits, SearchGaveUp
 from autoshard.errors import InfeasibleSplitError
 from autoshard.examples import GPTStyleLM
 from autoshard.graph import boundary_values, total_boundary_bytes
@@ -141,3 +143,33 @@ def test_a_budget_below_every_split_of_program_order_is_refused_naming_the_close
         autoshard.shard_model(model, k, example_inputs=(x,), max_memory=least - 1, pipeline=PLAN_ONLY)
     [result] = searched
     assert result.found is None and max(result.closest.memory) == least
+
+
+def test_a_refusal_whose_halving_gave_up_does_not_call_its_scale_the_least(monkeypatch, k=4):
+    """Where the halving toward the closest split gives up (past ``JUDGEMENT_LIMIT`` stages judged:
+    a tiny tied Qwen2 at k = 4 and 0.6x its fullest stage met 1.4517x at the first try and gave up,
+    the least any split needs being 1.319x), the refusal says a split fits that scale, the least met
+    before the search gave up, and names that split; it called it the least (an exact search)."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(8))), torch.randn(256, 16)
+    dag = autoshard.shard_model(model, k, example_inputs=(x,), pipeline=PLAN_ONLY).plan.dag
+    least = min(max(s.total for s in stage_memory(dag, a, k)) for a in cut_assignments(dag, k))
+    calls, fitting = [], ProgramOrderSplits._fitting
+
+    def gives_up_halving(self, budgets):  # the budgets (none fits), the scale to halve from (fits), a halving
+        calls.append(budgets)
+        if len(calls) > 2:
+            raise SearchGaveUp
+        return fitting(self, budgets)
+
+    monkeypatch.setattr(ProgramOrderSplits, "_fitting", gives_up_halving)
+    budget = least - 1
+    with pytest.raises(InfeasibleSplitError) as refused:
+        autoshard.shard_model(model, k, example_inputs=(x,), max_memory=budget, pipeline=PLAN_ONLY)
+    message = str(refused.value)
+    found = re.search(r"no split into 4 stages fits max_memory: a split of program order into 4 contiguous stages "
+                      r"fits ([\d.]+)x these, the least an exact search met before it gave up after [\d,]+ stages "
+                      r"judged \(a lower scale may fit\); in that split stage \d needs ([\d,]+) bytes", message)
+    assert found and "(an exact search)" not in message, message
+    scale, needs = float(found[1]), float(found[2].replace(",", ""))
+    assert needs <= scale * budget and len(calls) == 3

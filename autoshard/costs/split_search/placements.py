@@ -40,7 +40,8 @@ from autoshard.graph.problem import ORDER_ADVICE
 
 #: How many times a split whose whole stages exceed their budgets is made again under tighter ones.
 TIGHTENING_ROUNDS = 12
-#: Halvings of the scale of the budgets the closest split of the order a refusal names fits.
+#: Halvings of the scale of the budgets the closest split of the order a refusal names fits, past
+#: those that bring the overshoot of the split it starts from under one budget.
 CLOSEST_STEPS = 10
 #: Below what a stage held, relative to its budget: more than the splitter's round-off (1e-9 of the total).
 _ROUND_OFF = 1e-6
@@ -138,9 +139,9 @@ def in_order(request: SplitRequest, placement: TiePlacement, near: Attempt) -> E
     finds (``program_order``), scored as ``attempt`` scores a split, weights charged as ``placement``
     charges them (its plan's info: the bottleneck as its bound, the boundary bytes, the ties it
     separates); where it finds none, the closest split of the order (the least scale of the budgets
-    one fits, searched up to what ``near``, a split that does not fit, needs), and what the refusal
-    says of the search (it named the plan balanced without budgets, or the last tightened one: up to
-    23 times further over than the closest split)."""
+    one fits, searched up to what ``near``, a split that does not fit, needs; where the halving gave up,
+    the least it met, not called the least), and what the refusal says of the search (it named the plan
+    balanced without budgets, or the last tightened one: up to 23 times further over than the closest)."""
     if not serves(request):
         return ExactSearch()
     where = "program order" if list(request.order) == program_order(request.dag) else "the linearized order"
@@ -152,13 +153,19 @@ def in_order(request: SplitRequest, placement: TiePlacement, near: Attempt) -> E
                                 "stages judged")
     if assignment is not None:
         return ExactSearch(_exact(request, placement, assignment))
-    least = splits.least_scaled(budgets, 1.0, 1.0 + near.overshoot(budgets), CLOSEST_STEPS)
+    over = near.overshoot(budgets)  # halved to 2 ** -CLOSEST_STEPS of the budgets however far over
+    least = splits.least_scaled(budgets, 1.0, 1.0 + over, CLOSEST_STEPS + max(0, math.ceil(math.log2(over))))
     if least is None:
         return ExactSearch(note=f"; no split of {where} into {request.k} contiguous stages fits either (an exact "
                                 "search)")
     scale = math.ceil(least.scale * 1e4) / 1e4  # rounded up: "1x" of a budget one byte short misleads
+    closest = _exact(request, placement, least.assignment)
+    if not least.exact:  # gave up halving: a split fits this scale, a smaller one may fit too
+        return ExactSearch(note=f": a split of {where} into {request.k} contiguous stages fits {scale:g}x these, the "
+                                f"least an exact search met before it gave up after {JUDGEMENT_LIMIT:,} stages judged "
+                                "(a lower scale may fit)", closest=closest)
     return ExactSearch(note=f": the least budgets a split of {where} into {request.k} contiguous stages fits are "
-                            f"{scale:g}x these (an exact search)", closest=_exact(request, placement, least.assignment))
+                            f"{scale:g}x these (an exact search)", closest=closest)
 
 
 def _exact(request: SplitRequest, placement: TiePlacement, assignment: Mapping[str, int]) -> Attempt:
