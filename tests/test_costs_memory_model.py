@@ -778,6 +778,39 @@ def test_a_value_that_crossed_permuted_gives_its_gradient_back_through_views_unc
         assert report.stages[j].memory.total == measure_stage_memory(sharded, j, (x,)).peak, (cuts, j)
 
 
+class _PermutedStream(nn.Module):
+    """A residual stream laid out channel-major, as Whisper's encoder's: a convolution's output permuted,
+    then added to first, so every sum keeps its layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 32, 3, padding=1)
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).permute(0, 2, 1)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_a_receive_buffer_handed_on_in_its_sent_layout_is_copied_by_a_linear(microbatches, tmp_path):
+    """The residual sum is sent permuted, so its gradient's receive buffer is laid out so too; the
+    addition hands it on to ``fc2``, whose backward copies it before its matrix products: a buffer
+    neither the probe from ``fc2``'s consumers nor one from a new tensor sees (Whisper at k = 4 planned
+    8,192 bytes over its budget; here 32,768 short at every microbatch count, ``backward_when_handed``)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 64)
+    sharded = autoshard.shard_model(_PermutedStream().train(), 2, (x,), cut_before=["norm"])
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches)).stages
+    assert [s.memory.total for s in predicted] == [
+        measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak for j in range(2)]
+    facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
+    assert facts["fc2"].backward_when_handed
+    assert {n.name: n.training for n in read_plan(sharded.save_plan(tmp_path / "plan.json")).nodes} == facts
+
+
 class _DroppedAttention(nn.Module):
     def __init__(self, width: int = 32, heads: int = 4) -> None:
         super().__init__()

@@ -113,7 +113,10 @@ class SavedFacts:
     and what it gives them replaces it. ``backward_alone``: ``backward`` where the gradient it starts
     from is its alone, which autograd frees once the first function of its backward has run (a write
     into a view: ``AsStridedBackward`` makes the base's gradient, then ``CopySlices`` runs); None: the
-    same, or not recorded."""
+    same, or not recorded. ``backward_when_handed``: ``backward`` where its gradient is the receive buffer
+    of a value sent, handed on unchanged (an addend's), laid out in that value's ``dense_order`` (() for
+    contiguous), for each such order where it differs (a Linear copies a permuted one); ``passes_on``: the
+    inputs its backward hands the gradient it got itself, laid out as it came (an addend; not a view)."""
 
     saved: int
     saved_output: int
@@ -136,6 +139,8 @@ class SavedFacts:
     gradient_copies: int = 0
     writes: tuple[str, ...] = ()
     backward_alone: int | None = None
+    backward_when_handed: tuple[tuple[tuple[int, ...], int], ...] = ()
+    passes_on: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -542,7 +547,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     hands its gradient on (a view's, an item's, an addition's to each addend: ``_gradients_to``)
     makes none: its inputs hold the one it got. A value sent (made here, ``sent``, or passed
     ``through``) holds the gradient received, counted in ``output_grads``, and its maker's backward
-    starts from that buffer's layout (``SavedFacts.backward_when_sent``). Autograd adds a
+    starts from that buffer's layout (``SavedFacts.backward_when_sent``), as does a node it is handed
+    to unchanged (an addend: ``SavedFacts.backward_when_handed``). Autograd adds a
     further gradient into a buffer only a value's own; into one it holds with others, or the one
     received, it cannot, so the sum is a new buffer. A value the stage received keeps its
     gradient to the end, to send it back: after every node (the stage reads what it receives
@@ -597,6 +603,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     temporaries = {maker: float(f.saved - f.saved_output) for maker in stays if maker in inside
                    and (f := _training(dag, maker)) is not None}
     sent_views = {f.views for v in sent if (f := _training(dag, v)) is not None and f.views and not f.strided_output}
+    # the values whose gradient is a receive buffer, handed on unchanged: the order that buffer is laid out in
+    handed_order = {v: (f.dense_order or ()) if (f := _training(dag, v)) is not None else () for v in sent}
     for node in reversed(nodes):
         freed -= recomputed.recomputed_at.get(node, 0.0)
         facts = _training(dag, node)
@@ -615,6 +623,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # laid out as a new tensor
         from_buffer = node in sent or (node in buffer and buffer[node] is None and node in sent_views)
         own = facts.backward_when_sent if from_buffer and facts.backward_when_sent is not None else facts.backward
+        if not from_buffer and node in handed_order and buffer[node] is None:  # a receive buffer, as the value sent
+            own = dict(facts.backward_when_handed).get(handed_order[node], own)
         # the gradient it starts from, where no other value holds it, autograd frees once its first function has run
         incoming = buffer[node] if node in buffer else next((buffer[v] for v in replaced.values() if v in buffer), None)
         if facts.backward_alone is not None and not from_buffer and incoming is not None and holders[incoming] == 1:
@@ -657,6 +667,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         for u, handed in given:
             if u not in buffer:
                 hold(u, mine if handed else u)
+                if handed and mine is None and node in handed_order and u in facts.passes_on:
+                    handed_order[u] = handed_order[node]
                 if handed and mine is None and (facts.views is not None or node in viewed):
                     viewed.add(u)
                 if u in facts.strided_grads and not (handed and permuted_buffer):

@@ -320,6 +320,9 @@ class TrainingProbe:
         self.backward: dict[str, int] = {}
         self.forward: dict[str, int] = {}
         self.backward_when_sent: dict[str, int] = {}  # node -> its first probe's backward, where it differs
+        # node -> (order of a receive buffer handed to it, its backward from that buffer), where it differs
+        self.backward_when_handed: dict[str, tuple[tuple[tuple[int, ...], int], ...]] = {}
+        self.passes_on: dict[str, tuple[str, ...]] = {}  # node -> inputs it hands its gradient as it came
         self.views: dict[str, str] = {}  # node that made no storage -> the node whose storage its output is
         self.holds: dict[str, tuple[str, ...]] = {}  # node -> the other nodes whose storages its output holds too
         self.input_grads: dict[str, tuple[tuple[str, bool], ...]] = {}  # node -> inputs its backward gives to
@@ -437,6 +440,7 @@ class TrainingProbe:
             self.fake = active_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
         if node.op == "output":  # every node has run; the model's state is set back after this hook
             self._backwards_from_their_gradients()
+            self._backwards_from_receive_buffers()
             return
         if node.op in ("get_attr", "placeholder"):
             with self._in_fake_mode():
@@ -587,6 +591,7 @@ class TrainingProbe:
             sources = self._sources(call.node)
             self.writes[name] = tuple(dict.fromkeys(s for i in effect.written if (s := sources[i]) is not None))
         self._record_gradients(call.node, effect, arguments)
+        self._record_passes_on(call.node, effect, arguments, value)
         self._record_weight_gradients(call.node, effect, arguments)
         self._when_received_contiguous(call, args, kwargs, arguments, effect, key)
         if reusable and effect.grad and effect.input_grads is not None:  # it may run again, as a replay would
@@ -658,6 +663,20 @@ class TrainingProbe:
                     strided[sources[i]] = None
         self.input_grads[node.name] = tuple(given.items())
         self.strided_grads[node.name] = tuple(strided)
+
+    def _record_passes_on(self, node: fx.Node, effect: NodeEffect, arguments: list[torch.Tensor], value: Any) -> None:
+        """The inputs ``node``'s backward hands the gradient it got itself, laid out as it came (an addition's
+        addends, an identity's input; not a view's, which hands a view laid out anew): a receive buffer
+        reaches them as it is (``passes_on``). Read off the first probe, whose gradient is a new tensor."""
+        if not isinstance(value, torch.Tensor) or not effect.input_grads:
+            return
+        sources, incoming = self._sources(node), new_strides(value)
+        passes_on = tuple(dict.fromkeys(
+            sources[i] for i, handed, strides in effect.input_grads
+            if handed and sources[i] is not None and arguments[i].shape == value.shape
+            and strides is not None and tuple(strides) == incoming))
+        if passes_on:
+            self.passes_on[node.name] = passes_on
 
     def _record_weight_gradients(self, node: fx.Node, effect: NodeEffect, arguments: list[torch.Tensor]) -> None:
         """Which weights ``node``'s backward gives a gradient (``weight_grads``), by their names in the DAG:
@@ -1046,6 +1065,50 @@ class TrainingProbe:
                 self.backward[name], self.backward_alone[name] = effect.backward, effect.backward_alone
             self._record_gradients(call.node, effect, arguments)  # nothing where its backward did not run
 
+    def _backwards_from_receive_buffers(self) -> None:
+        """Probe again the backward of each node that a receive buffer can reach handed on unchanged (an
+        addition hands its gradient to each addend, ``passes_on``) in another layout than its own: the buffer
+        is laid out as the value sent (``dense_order``), which its makers' consumers would not have given it. A
+        Linear whose gradient comes as Whisper's permuted residual stream copies it before its matrix
+        products (8,192 bytes over a plan's budget, not seen by either earlier probe). Last node first,
+        the orders of the buffers that reach a node flow to the inputs it hands its own to; its peak
+        from each is kept where it differs from ``backward`` (``SavedFacts.backward_when_handed``)."""
+        orders: dict[str, set[tuple[int, ...]]] = {}  # node -> orders of the receive buffers reaching it
+        for node in reversed(self.twins):
+            value, name = self.twins[node], node.name
+            if not isinstance(value, torch.Tensor) or self.input_grads.get(name) is None:
+                continue
+            reaching = orders.get(name, set())
+            for source in self.passes_on.get(name, ()):  # its own buffer's, where it is sent, and those handed to it
+                orders.setdefault(source, set()).update(reaching, [dense_order(value) or ()])
+            if name in self.rerunnable:
+                peaks = {order: self._backward_from(name, value, order) for order in sorted(reaching)}
+                self.backward_when_handed[name] = tuple(
+                    (order, peak) for order, peak in peaks.items() if peak is not None and peak != self.backward[name])
+
+    def _backward_from(self, name: str, value: torch.Tensor, order: tuple[int, ...]) -> int | None:
+        """The backward peak of node ``name`` from a gradient of its output laid out in ``order`` (outermost
+        dimension first; () for contiguous); None where it cannot run again."""
+        if order == (dense_order(value) or ()):  # laid out as a new tensor: its first probe's
+            return self.backward_when_sent.get(name, self.backward[name])
+        strides, size = [0] * value.dim(), 1
+        for d in reversed(order or range(value.dim())):
+            strides[d], size = size, size * value.shape[d]
+        call, key = self.rerunnable[name]
+        memo_key = None if key is None else ("backward", key, (tuple(strides),))
+        effect = None if memo_key is None else self.memo.get(memo_key)
+        if effect is None:
+            args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
+            arguments = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+            try:
+                with self._in_fake_mode():
+                    effect, _, _ = self._probe(call, args, kwargs, arguments, [tuple(strides)])
+            except Exception:  # noqa: BLE001 - it ran once: a second run that fails keeps the first's facts
+                return None
+            if memo_key is not None:
+                self.memo[memo_key] = effect
+        return effect.backward if effect.input_grads is not None else None
+
     def _gradient_layout(self, t: torch.Tensor) -> tuple[int, ...] | None:
         """The strides of the gradient ``t`` gets, where not those of a new tensor laid out as ``t``."""
         found = self.gradient_layouts.get(id(t))
@@ -1063,5 +1126,6 @@ class TrainingProbe:
                                  dense_order(values.get(name)), self.weight_grads.get(name),
                                  self.holds.get(name, ()), name in self.weights_first, self.saves_from.get(name),
                                  self.gradients_kept.get(name, 0), self.gradient_copies.get(name, 0),
-                                 self.writes.get(name, ()), self.backward_alone.get(name))
+                                 self.writes.get(name, ()), self.backward_alone.get(name),
+                                 self.backward_when_handed.get(name, ()), self.passes_on.get(name, ()))
                 for name in self.grad if name not in self.unrun}

@@ -139,7 +139,18 @@ class _Reader:
                           self.get(obj, "gradients_kept", int, where, 0),
                           self.get(obj, "gradient_copies", int, where, 0),
                           self.names(self.get(obj, "writes", list, where, []), f"{where}.writes"),
-                          self.get(obj, "backward_alone", int, where, None))
+                          self.get(obj, "backward_alone", int, where, None),
+                          self.handed(self.get(obj, "backward_when_handed", list, where, []),
+                                      f"{where}.backward_when_handed"),
+                          self.names(self.get(obj, "passes_on", list, where, []), f"{where}.passes_on"))
+
+    def handed(self, obj: list, where: str) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """``SavedFacts.backward_when_handed``: [order of dimensions, bytes] pairs."""
+        if not all(isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], list)
+                   and all(isinstance(d, int) and not isinstance(d, bool) for d in pair[0])
+                   and isinstance(pair[1], int) and not isinstance(pair[1], bool) for pair in obj):
+            raise self.error(where, "must be a list of [[dimension, ...], bytes] pairs")
+        return tuple((tuple(order), nbytes) for order, nbytes in obj)
 
     def dense_order(self, obj: list | None, where: str) -> tuple[int, ...] | None:
         """``SavedFacts.dense_order``: a permutation of the dimensions, or absent."""

@@ -329,7 +329,9 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
                            "weight_grads": None if n.training.weight_grads is None else list(n.training.weight_grads),
                            "holds": list(n.training.holds), "weights_first": n.training.weights_first,
                            "saves_from": None if n.training.saves_from is None else list(n.training.saves_from),
-                           "writes": list(n.training.writes)}
+                           "writes": list(n.training.writes), "passes_on": list(n.training.passes_on),
+                           "backward_when_handed": [[list(order), nbytes]
+                                                    for order, nbytes in n.training.backward_when_handed]}
     if n.value:
         out["value"] = dict(n.value)
     return out
