@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from collections import abc
+from collections import OrderedDict, abc
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -105,6 +105,13 @@ def holds(value: Any, kinds: type | tuple[type, ...]) -> bool:
     return isinstance(value, kinds) or any(holds(v, kinds) for v in contents(value))
 
 
+#: Exact types no trace value, module or settings object hides in (told apart by one set lookup).
+_SCALAR_TYPES = frozenset({bool, int, float, str, type(None)})
+#: Those and the plain containers (not settings objects: no ``__dict__``, or a mapping).
+_PLAIN_TYPES = _SCALAR_TYPES | {dict, list, set, tuple, OrderedDict}
+
+_ABSENT = object()
+
 #: Values only a trace makes; left on a module, they break its next real call.
 TRACE_VALUES = (fx.Proxy, torch.SymInt, torch.SymFloat, torch.SymBool, FakeTensor)
 
@@ -181,29 +188,47 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
     stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
     Face's output recorders). The numbers, flags and strings of objects modules keep settings in
     (a Hugging Face config's ``problem_type``) are set back as well (``_settings_objects``)."""
-    saved = [(module, [dict(c) for c in _attribute_dicts(module)]) for module in model.modules()]
+    modules = list(model.modules())
+    saved = [(module, [dict(c) for c in _attribute_dicts(module)]) for module in modules]
     settings = [(holder, dict(vars(holder))) for holder in _settings_objects(model)]
     # each one's items (none to copy for an empty one: most are hook dicts; ``copy.copy`` of an
     # OrderedDict, by reduction, took a third of the time a 300-module model's run was isolated)
     collections = [(value, () if not value else dict(value) if isinstance(value, dict) else list(value))
-                   for module in model.modules() for key, value in vars(module).items()
+                   for module in modules for key, value in vars(module).items()
                    if key not in _REGISTRIES and isinstance(value, (dict, list, set))]
     try:
         yield
     finally:
+        clean: set[int] = set()  # collections found free of trace values and left as they are: not walked twice
         for collection, before in collections:  # a cache the trace filled in place (keyed by a Proxy)
+            if not collection:  # (most are empty hook dicts)
+                clean.add(id(collection))
+                continue
             keys = list(collection.keys()) if isinstance(collection, dict) else []
             if not (holds(keys, TRACE_VALUES) or holds(collection, TRACE_VALUES)):
+                clean.add(id(collection))
                 continue
             if isinstance(collection, list):
                 collection[:] = before
             else:
                 collection.clear()
                 collection.update(before)
+
+        def traced(value: Any, kept: bool) -> bool:
+            """``holds(value, TRACE_VALUES)``, walked once per object the model kept (a config many modules hold)."""
+            if id(value) in clean:
+                return False
+            found = holds(value, TRACE_VALUES)
+            if kept and not found:  # (kept alive by ``saved``: its id stays its own)
+                clean.add(id(value))
+            return found
+
         for module, befores in saved:
             for current, before in zip(_attribute_dicts(module), befores):
-                stale = [key for key, value in current.items() if key not in _REGISTRIES and (
-                    holds(value, TRACE_VALUES) or (value is not before.get(key) and holds(value, torch.Tensor))
+                stale = [key for key, value in current.items() if key not in _REGISTRIES and not (
+                    type(value) in _SCALAR_TYPES and value is before.get(key, _ABSENT)) and (  # (unchanged)
+                    traced(value, value is before.get(key))
+                    or (value is not before.get(key) and holds(value, torch.Tensor))
                     or (key in before and scalar_changed(before[key], value)))]
                 for key in stale:
                     if key in before:
@@ -229,7 +254,7 @@ def _settings_objects(model: nn.Module) -> list[Any]:
     found: dict[int, Any] = {}
     for module in model.modules():
         for key, value in vars(module).items():
-            if key in _REGISTRIES or callable(value) or not hasattr(value, "__dict__") \
+            if type(value) in _PLAIN_TYPES or key in _REGISTRIES or callable(value) or not hasattr(value, "__dict__") \
                     or isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, abc.Mapping)):
                 continue
             found.setdefault(id(value), value)
@@ -240,7 +265,8 @@ def _settings_objects(model: nn.Module) -> list[Any]:
 def generators_restored(model: nn.Module) -> Iterator[None]:
     """On exit, each random generator a module keeps (``self.g = torch.Generator()``) back at the
     state it had: every run draws the same numbers, and capture leaves the model's draws alone."""
-    saved = [(g, g.get_state()) for m in model.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
+    saved = [(g, g.get_state()) for m in model.modules() for g in vars(m).values()
+             if type(g) not in _PLAIN_TYPES and isinstance(g, torch.Generator)]  # (a metaclass's isinstance is slow)
     try:
         yield
     finally:
@@ -280,20 +306,26 @@ def detached_modules(model: nn.Module) -> list[nn.Module]:
     though ``model.buffers()`` does not list them."""
     tree = {id(m) for m in model.modules()}
     found: dict[int, nn.Module] = {}
+    walked: dict[int, tuple[int, Any]] = {}  # id -> the least depth it was walked from, and the object (kept alive)
 
     def walk(value: Any, depth: int) -> None:
+        if type(value) in _SCALAR_TYPES:
+            return
         if isinstance(value, HeldModule) and value.runs_hooks:
             value = value.module
         if isinstance(value, nn.Module):
             if id(value) not in tree:
                 found.setdefault(id(value), value)
         elif depth < 4:
+            if walked.get(id(value), (depth + 1,))[0] <= depth:  # walked as deep already (a config many modules hold)
+                return
+            walked[id(value)] = (depth, value)
             for item in contents(value):
                 walk(item, depth + 1)
 
     for module in model.modules():
         for key, value in vars(module).items():
-            if key not in _REGISTRIES:
+            if key not in _REGISTRIES and not (type(value) in _PLAIN_TYPES and not value):  # (empty hook dicts)
                 walk(value, 0)
     return list(found.values())
 
