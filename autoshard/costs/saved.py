@@ -72,7 +72,7 @@ from autoshard.costs.layouts import (
 from autoshard.costs.memory import SavedFacts
 from autoshard.costs.probe_memo import (
     CONSTANTS, NodeEffect, OutputTensor, Uncacheable, constant_key, module_key, tensor_key)
-from autoshard.costs.values import dense_parts
+from autoshard.costs.values import dense_parts, flat_leaves as _flat
 from autoshard.fx_helpers import canonical_tensor_names
 from autoshard.isolation import isolated, values_restored
 
@@ -157,7 +157,7 @@ def without_cyclic_gc() -> Iterator[None]:
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The strided tensors in ``value``: a sparse tensor has no storage of its own, its parts do."""
-    return [part for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) for part in dense_parts(t)]
+    return [part for t in _flat(value) if isinstance(t, torch.Tensor) for part in dense_parts(t)]
 
 
 def _state(t: torch.Tensor) -> tuple:
@@ -308,6 +308,7 @@ class TrainingProbe:
         self.fake: FakeTensorMode | None = None  # the run's own fake mode, or one of the probe's
         self.real_run = False  # whether shape propagation runs real tensors (``_probe_on_real_tensors``)
         self.twins: dict[fx.Node, Any] = {}  # fx node -> its fake value with gradients (kept: see above)
+        self.sources: dict[fx.Node, tuple[str | None, ...]] = {}  # see ``_sources``
         self.owner: dict[StorageWeakRef, str | None] = {}  # storage -> node that made it (None: weight, input)
         self.nbytes: dict[StorageWeakRef, int] = {}
         self.copy_of: dict[StorageWeakRef, StorageWeakRef] = {}  # a clone's storage -> the one it copies
@@ -584,7 +585,7 @@ class TrainingProbe:
             if reusable and key is not None:
                 self.memo[key] = effect  # key is None whenever memo is
         self._apply(name, effect, [self.original(_storage(arguments[i])) for i in effect.saved_arguments], value)
-        for leaf, made in zip(tree_flatten(value)[0], effect.leaves):
+        for leaf, made in zip(_flat(value), effect.leaves):
             if isinstance(made, OutputTensor) and made.base is not None:
                 self.bases[id(leaf)] = made.base
         if effect.written:
@@ -758,14 +759,18 @@ class TrainingProbe:
     def _sources(self, node: fx.Node) -> list[str | None]:
         """For each tensor argument of ``node``, in ``tree_flatten``'s order, the node whose value it is
         part of (None: a constant tensor written into the graph). Counted, not marked in place: a
-        container may refuse a marker for a tensor (a ``PackedSequence`` checks its fields)."""
+        container may refuse a marker for a tensor (a ``PackedSequence`` checks its fields). Kept per
+        node (asked up to four times a node; its arguments' twins are set once)."""
+        if node in self.sources:
+            return list(self.sources[node])
         sources: list[str | None] = []
         for leaf in tree_flatten((node.args, node.kwargs))[0]:
             if isinstance(leaf, fx.Node):
-                tensors = sum(isinstance(t, torch.Tensor) for t in tree_flatten(self.twins[leaf])[0])
+                tensors = sum(isinstance(t, torch.Tensor) for t in _flat(self.twins[leaf]))
                 sources += [leaf.name] * tensors
             elif isinstance(leaf, torch.Tensor):
                 sources.append(None)
+        self.sources[node] = tuple(sources)
         return sources
 
     def _new_storages(self, value: Any) -> list[tuple[StorageWeakRef, int]]:

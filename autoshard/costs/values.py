@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
@@ -120,8 +121,17 @@ def dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [tensor]
 
 
+#: Tensor types no pytree flattens further: one is its own only leaf.
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+
+
+def flat_leaves(value: Any) -> list[Any]:
+    """``tree_flatten(value)[0]``, a lone tensor answered without the walk (most values are one)."""
+    return [value] if type(value) in _TENSOR_TYPES else tree_flatten(value)[0]
+
+
 def _storages(value: Any) -> dict[StorageWeakRef, int]:
-    flat, _ = tree_flatten(value)
+    flat = flat_leaves(value)
     parts = [part for t in flat if isinstance(t, torch.Tensor) for part in dense_parts(t)]
     return {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in parts}
 
