@@ -703,6 +703,43 @@ def test_every_value_a_returned_container_holds_is_kept(tmp_path):
     assert {n.name: n.training for n in read_plan(sharded.save_plan(tmp_path / "plan.json")).nodes} == facts
 
 
+class _PassedThrough(nn.Module):
+    """Returns a ``ModelOutput`` of its last activation and a normed early one (Wav2Vec2's ``extract_features``),
+    which a later stage receives and returns as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.a, self.b = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> object:
+        from transformers.modeling_outputs import Wav2Vec2BaseModelOutput
+
+        features = self.norm(x)
+        h = self.b(torch.relu(self.a(features)))
+        return Wav2Vec2BaseModelOutput(last_hidden_state=h, extract_features=features)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_a_received_value_a_container_returns_gets_its_gradient_copied(microbatches, tmp_path):
+    """The last stage returns the received ``features`` in its ``ModelOutput``: the container hands it the
+    gradient from the loss itself, not a view of it, so autograd copies it (the schedule still holds it)
+    and the copy, sent back, is held through the next backward. The walk took the container for a view
+    (``SavedFacts.views``) and the gradient for taken as it is: the last stage 8,192 bytes short at 1 microbatch,
+    12,160 at 2 and 4 (Wav2Vec2 with a layer-normed feature encoder: 25,472 from 2, over a budget of its fullest
+    stage). A container's items that are its arguments themselves are now in ``passes_on``."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 16)
+    sharded = autoshard.shard_model(_PassedThrough().train(), 2, (x,), cut_before=["b"])
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches)).stages
+    assert [s.memory.total for s in predicted] == [
+        measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak for j in range(2)]
+    facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
+    assert [f.passes_on for f in facts.values() if f is not None and f.views is not None and f.passes_on] == [
+        ("b", "norm")]
+    assert {n.name: n.training for n in read_plan(sharded.save_plan(tmp_path / "plan.json")).nodes} == facts
+
+
 class _LinearOnSent(nn.Module):
     """``h`` is sent and read by ``b`` here: its gradient from ``b`` is summed with the one received."""
 

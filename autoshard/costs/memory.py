@@ -605,6 +605,9 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     sent_views = {f.views for v in sent if (f := _training(dag, v)) is not None and f.views and not f.strided_output}
     # the values whose gradient is a receive buffer, handed on unchanged: the order that buffer is laid out in
     handed_order = {v: (f.dense_order or ()) if (f := _training(dag, v)) is not None else () for v in sent}
+    # the nodes whose value is a container of tensors (a ``ModelOutput``), not a tensor
+    containers = {n for n in nodes if (meta := dag.nodes[n].get("value_meta")) is not None
+                  and getattr(meta, "shape", None) is None}
     for node in reversed(nodes):
         freed -= recomputed.recomputed_at.get(node, 0.0)
         facts = _training(dag, node)
@@ -669,7 +672,10 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 hold(u, mine if handed else u)
                 if handed and mine is None and node in handed_order and u in facts.passes_on:
                     handed_order[u] = handed_order[node]
-                if handed and mine is None and (facts.views is not None or node in viewed):
+                # (through a view: a new tensor viewing the buffer; not a container's, which hands each item the
+                # gradient itself, as an addition does)
+                itself = node in containers and u in facts.passes_on
+                if handed and mine is None and (facts.views is not None or node in viewed) and not itself:
                     viewed.add(u)
                 if u in facts.strided_grads and not (handed and permuted_buffer):
                     strided.add(u)

@@ -668,8 +668,20 @@ class TrainingProbe:
     def _record_passes_on(self, node: fx.Node, effect: NodeEffect, arguments: list[torch.Tensor], value: Any) -> None:
         """The inputs ``node``'s backward hands the gradient it got itself, laid out as it came (an addition's
         addends, an identity's input; not a view's, which hands a view laid out anew): a receive buffer
-        reaches them as it is (``passes_on``). Read off the first probe, whose gradient is a new tensor."""
-        if not isinstance(value, torch.Tensor) or not effect.input_grads:
+        reaches them as it is (``passes_on``). Read off the first probe, whose gradient is a new tensor. A
+        container of tensors (a ``ModelOutput``) hands each its gradient itself: those of its inputs it holds."""
+        if not effect.input_grads:
+            return
+        if not isinstance(value, torch.Tensor):  # its items that are an argument itself: no view of it
+            held = {made.argument for made in effect.leaves if isinstance(made, OutputTensor)
+                    and made.argument is not None and (made.shape, made.stride, made.offset) == (
+                        tuple(arguments[made.argument].shape), arguments[made.argument].stride(),
+                        arguments[made.argument].storage_offset())}
+            sources = self._sources(node)
+            passes_on = tuple(dict.fromkeys(sources[i] for i, handed, _ in effect.input_grads
+                                            if handed and sources[i] is not None and i in held))
+            if passes_on:
+                self.passes_on[node.name] = passes_on
             return
         sources, incoming = self._sources(node), new_strides(value)
         passes_on = tuple(dict.fromkeys(
