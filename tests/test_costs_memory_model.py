@@ -740,6 +740,33 @@ def test_a_received_value_a_container_returns_gets_its_gradient_copied(microbatc
     assert {n.name: n.training for n in read_plan(sharded.save_plan(tmp_path / "plan.json")).nodes} == facts
 
 
+class _NormSentAndRead(nn.Module):
+    """A LayerNorm's output sent and read by a Linear here (Wav2Vec2's ``extract_features`` and its projection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv1d(8, 16, 3, padding=1), nn.LayerNorm(16)
+        self.proj, self.head, self.head2 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.norm(self.conv(x).transpose(1, 2))
+        return self.head(self.proj(features)), self.head2(features)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_sent_values_temporaries_are_freed_by_its_own_backward(microbatches):
+    """``norm``'s output is sent, so of what it saved only its temporaries (the mean and inverse deviation)
+    are freed, by its own backward; ``proj``'s release of the output it saved counted them freed already, before
+    ``norm``'s backward ran: 128 bytes short on the first stage (Wav2Vec2 with a layer-normed feature encoder
+    too), the LayerNorm's weight gradients beside the sum of its gradients."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 200)
+    sharded = autoshard.shard_model(_NormSentAndRead().train(), 2, (x,), cut_before=["head"])
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches)).stages
+    assert [s.memory.total for s in predicted] == [
+        measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak for j in range(2)]
+
+
 class _LinearOnSent(nn.Module):
     """``h`` is sent and read by ``b`` here: its gradient from ``b`` is summed with the one received."""
 

@@ -659,7 +659,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             if maker not in inside or recomputed.held_elsewhere(node, maker):
                 continue
             if maker in stays and not recomputed.is_copy(node, maker):
-                nbytes = min(float(nbytes), temporaries.get(maker, 0.0))
+                # only its own backward frees its temporaries: another node's release of it is of the storage sent
+                nbytes = min(float(nbytes), temporaries.get(maker, 0.0)) if maker == node else 0.0
                 temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
             freed += nbytes
         freed += recomputed.released_after.get(node, 0.0)
