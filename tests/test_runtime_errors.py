@@ -212,3 +212,24 @@ def test_a_container_given_to_a_pipeline_step_by_position_is_refused_before_send
     with pytest.raises(InvalidArgumentError, match=r"args\[0\] \(dict\) by position.*schedule.step\(batch=...\)"):
         shapes.check((batch,), {}, None)
     shapes.check((), {"batch": batch}, None)  # by name it goes through
+
+
+def test_a_step_guard_names_each_call_structure_as_the_first_step_of_it_did():
+    """The guard works out the names of a step's tensors once per call structure: later steps of that
+    structure, and of another (a nested batch, a target added), are named and refused as before."""
+    from autoshard.runtime.schedule import _BatchShapes, _named_tensors
+
+    shapes = _BatchShapes(n_microbatches=2, chunked_by_rows=True)
+    x, y = torch.randn(4, 8), torch.randn(4, 3)
+    steps = [((x,), {"mask": None, "labels": y}, y), ((x,), {"mask": None, "labels": y}, y),
+             ((), {"batch": {"x": x, "y": [y, 1]}}, None), ((), {"batch": {"x": x, "y": [y, 1]}}, None),
+             ((x,), {"labels": y}, None)]
+    for args, kwargs, target in steps:
+        assert shapes._named_tensors(args, kwargs, target) == _named_tensors(args, kwargs, target)
+    assert len(shapes._named) == 2  # the nested batch is named anew each step
+    shapes.check((x,), {"mask": None, "labels": y}, y)
+    with pytest.raises(InvalidArgumentError, match=r"argument 0 \[6, 8\] \(first step: \[4, 8\]\), labels \[6, 3\] "
+                                                   r"\(first step: \[4, 3\]\), target \[6, 3\]"):
+        shapes.check((torch.randn(6, 8),), {"mask": None, "labels": torch.randn(6, 3)}, torch.randn(6, 3))
+    with pytest.raises(InvalidArgumentError, match=r"batch\['y'\]\[0\] has 5 rows"):
+        shapes.check((), {"batch": {"x": x, "y": [torch.randn(5, 3), 1]}}, None)

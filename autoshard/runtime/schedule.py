@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import SUPPORTED_NODES, keystr, tree_flatten_with_path, tree_is_leaf
 
 from autoshard.arguments import whole_number
 from autoshard.costs.facts import node_facts
@@ -232,6 +232,7 @@ class _BatchShapes:
         self.chunked_by_rows = chunked_by_rows  # torch's default: split every tensor along dim 0
         self.example_rows = example_rows
         self.first: dict[str, tuple[int, ...]] | None = None
+        self._named: dict[tuple, list[tuple[int, str]]] = {}  # by call structure (``_named_tensors``)
 
     def guard(self, step: Callable[..., Any], first: fx.GraphModule | None) -> Callable[..., Any]:
         """``step``, checked; on the rank of the first stage (``first``), the model's inputs are
@@ -260,7 +261,7 @@ class _BatchShapes:
             raise InvalidArgumentError(
                 f"step was given {', '.join(containers)} by position, but PyTorch's pipeline takes only tensors "
                 "there; pass it by its argument's name (schedule.step(batch=...))")
-        shapes = {name: tuple(value.shape) for name, value in _named_tensors(args, kwargs, target)}
+        shapes = {name: tuple(value.shape) for name, value in self._named_tensors(args, kwargs, target)}
         if self.chunked_by_rows:
             for name, shape in shapes.items():
                 if not shape or not shape[0] or shape[0] % self.n_microbatches:
@@ -281,6 +282,24 @@ class _BatchShapes:
                 "stages keep the sizes of the first step's microbatches, so build new stages and a new "
                 "schedule for another batch shape, or pad the batch to the first one's")
 
+    def _named_tensors(self, args: tuple, kwargs: dict[str, Any], target: Any) -> list[tuple[str, torch.Tensor]]:
+        """``_named_tensors``, its names worked out once per call structure: a step whose values are all
+        pytree leaves (tensors, None, numbers: the usual step) names the tensors by position, as the
+        first step of its argument types and keywords named them (32k instructions a check, not 83k,
+        on input_ids and labels by name and a target)."""
+        key = (tuple(map(type, args)), tuple(kwargs), tuple(map(type, kwargs.values())), type(target),
+               len(SUPPORTED_NODES))
+        values = (*args, *kwargs.values(), target)
+        named = self._named.get(key)
+        if named is not None:
+            return [(name, values[position]) for position, name in named]
+        found = _named_tensors(args, kwargs, target)
+        if len(self._named) < _STRUCTURES_KEPT and all(map(tree_is_leaf, values)):
+            positions = [i for i, value in enumerate(values) if isinstance(value, torch.Tensor)]
+            if len(positions) == len(found) and all(values[i] is leaf for i, (_, leaf) in zip(positions, found)):
+                self._named[key] = [(i, name) for i, (name, _) in zip(positions, found)]
+        return found
+
     def _warn_of_other_rows(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Sharded on the whole batch and stepped in microbatches, a plan's report counted every
         microbatch in flight as the whole batch (2.5x the memory the stages held on a Hugging Face
@@ -295,6 +314,9 @@ class _BatchShapes:
             "these rows; shard on one microbatch (or predict with one: predict_step(sharded, microbatch_inputs)) "
             "for predictions of this step", MicrobatchSizeWarning, stacklevel=3)
 
+
+#: How many call structures a step guard keeps the names of (a step of yet another is named anew).
+_STRUCTURES_KEPT = 16
 
 #: Keyword arguments of ``step`` that are not the model's inputs.
 _STEP_OPTIONS = ("losses", "return_outputs", "loss_kwargs")
