@@ -7,9 +7,11 @@ checks every call and raises ``InputMismatchError`` naming what the plan accepts
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -158,9 +160,16 @@ def _holds(condition: str, values: Mapping[str, Any]) -> bool:
     """Whether ``condition`` is true of ``values``; one that cannot be evaluated (a division by a
     size that is zero here) does not hold."""
     try:
-        return bool(eval(condition, _CONDITION_NAMES, {"L": values}))  # noqa: S307 - torch's own guard text
+        return bool(eval(_compiled(condition), _CONDITION_NAMES, {"L": values}))  # noqa: S307 - torch's own guard text
     except Exception:  # noqa: BLE001
         return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(condition: str) -> CodeType:
+    """``condition`` compiled, once: ``eval`` of the text compiled it again on every call, for every
+    condition (97.8k instructions a call for ``L['x'].size()[0] % 2 == 0``, 5.0k compiled once)."""
+    return compile(condition, "<string>", "eval")
 
 
 def _shown(condition: str) -> str:
