@@ -729,15 +729,21 @@ def test_a_received_value_a_container_returns_gets_its_gradient_copied(microbatc
     stage). A container's items that are its arguments themselves are now in ``passes_on``."""
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    x = torch.randn(4, 32, 16)
-    sharded = autoshard.shard_model(_PassedThrough().train(), 2, (x,), cut_before=["b"])
+    facts = _measured_as_predicted(_PassedThrough(), torch.randn(4, 32, 16), "b", microbatches, tmp_path)
+    assert [f.passes_on for f in facts.values() if f is not None and f.views is not None and f.passes_on] == [
+        ("b", "norm")]
+
+
+def _measured_as_predicted(model: nn.Module, x: torch.Tensor, cut: str, microbatches: int, tmp_path) -> dict:
+    """``model`` cut in two before ``cut``: every stage measured as predicted; its probe's facts, which a
+    saved plan keeps."""
+    sharded = autoshard.shard_model(model.train(), 2, (x,), cut_before=[cut])
     predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches)).stages
     assert [s.memory.total for s in predicted] == [
         measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak for j in range(2)]
     facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
-    assert [f.passes_on for f in facts.values() if f is not None and f.views is not None and f.passes_on] == [
-        ("b", "norm")]
     assert {n.name: n.training for n in read_plan(sharded.save_plan(tmp_path / "plan.json")).nodes} == facts
+    return facts
 
 
 class _NormSentAndRead(nn.Module):
@@ -889,14 +895,8 @@ def test_a_receive_buffer_handed_on_in_its_sent_layout_is_copied_by_a_linear(mic
     neither the probe from ``fc2``'s consumers nor one from a new tensor sees (Whisper at k = 4 planned
     8,192 bytes over its budget; here 32,768 short at every microbatch count, ``backward_when_handed``)."""
     torch.manual_seed(0)
-    x = torch.randn(4, 8, 64)
-    sharded = autoshard.shard_model(_PermutedStream().train(), 2, (x,), cut_before=["norm"])
-    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches)).stages
-    assert [s.memory.total for s in predicted] == [
-        measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak for j in range(2)]
-    facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
+    facts = _measured_as_predicted(_PermutedStream(), torch.randn(4, 8, 64), "norm", microbatches, tmp_path)
     assert facts["fc2"].backward_when_handed
-    assert {n.name: n.training for n in read_plan(sharded.save_plan(tmp_path / "plan.json")).nodes} == facts
 
 
 class _DroppedAttention(nn.Module):

@@ -837,7 +837,8 @@ def stage_memory(
             weight_bytes=weights, gradient_bytes=grads,
             gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
             reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]])),
-            step_bytes=max(0.0, model.reduced_bytes(held) + max(tie_sum[j], model.step_bytes(_in_model_order(infos, held)))),
+            step_bytes=max(0.0, model.reduced_bytes(held)
+                           + max(tie_sum[j], model.step_bytes(_in_model_order(infos, held)))),
             first_backward_bytes=first_backward, later_backward_bytes=later,
             sent_back_bytes=sent_back if model.refills(j, k) else 0.0, warmup_send_bytes=warmup_send))
     return out
