@@ -872,6 +872,36 @@ def test_a_value_that_crossed_permuted_gives_its_gradient_back_through_views_unc
         assert report.stages[j].memory.total == measure_stage_memory(sharded, j, (x,)).peak, (cuts, j)
 
 
+class _SegmenterOutput(nn.Module):
+    """SegFormer's tail: the logits permuted, wrapped in a ``SemanticSegmenterOutput``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> object:
+        from transformers.modeling_outputs import SemanticSegmenterOutput
+
+        return SemanticSegmenterOutput(logits=self.conv(x).permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_a_last_stage_that_passes_a_value_on_sends_back_the_gradient_it_starts_from(microbatches):
+    """The last stage only wraps what it received: the gradient each backward starts from (the loss's,
+    new each time, not a receive buffer) goes back through views as the one sent, which the schedule
+    holds through the next backward. The walk took it for a receive buffer: 2,048 bytes short from 2
+    microbatches (SegFormer at k = 4, stage 3)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    pipeline = "capture,shape-prop,build-dag,linearize,split{stages=2},emit"
+    sharded = autoshard.shard_model(_SegmenterOutput().train(), 2, example_inputs=(x,), pipeline=pipeline)
+    assert not list(sharded.stages[1].parameters())  # it holds no weight: it passes the value on
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches)).stages
+    assert [s.memory.total for s in predicted] == [
+        measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak for j in range(2)]
+
+
 class _PermutedStream(nn.Module):
     """A residual stream laid out channel-major, as Whisper's encoder's: a convolution's output permuted,
     then added to first, so every sum keeps its layout."""

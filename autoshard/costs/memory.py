@@ -537,7 +537,7 @@ def _as_received(dag: nx.DiGraph, nodes: Sequence[str], received: AbstractSet[st
 
 def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str], through: Sequence[str],
                    stays: AbstractSet[str], output_grads: float, recomputed: RecomputedBackward,
-                   making_gradients: bool = False) -> tuple[float, float]:
+                   fresh_output_grads: bool = False, making_gradients: bool = False) -> tuple[float, float]:
     """The most one microbatch's backward adds to what the stage holds, and the new buffers of the
     gradients it sends back: walking its nodes in reverse, the output gradients, the gradients
     alive and the node's own backward peak, less the saved storages the nodes already run have
@@ -566,7 +566,9 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     in parts, which autograd holds until the last. ``making_gradients``: the weights have no gradient
     yet (the step's first backward after ``zero_grad``), so autograd keeps each one's first as it is,
     to the step's end, where it would add it into the existing one and free it. The peak is checked
-    before each node and once after the last, when the last copies have been made."""
+    before each node and once after the last, when the last copies have been made.
+    ``fresh_output_grads``: the output gradients are new each backward (the last stage's come from
+    the loss), not receive buffers the runtime keeps."""
     inside = set(nodes)
     buffer: dict[str, str | None] = dict.fromkeys([*sent, *through])  # value -> its gradient's (None: received)
     holders: dict[str, int] = {}  # buffer (named by the value it was made for) -> values holding it
@@ -721,7 +723,10 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # autograd takes a view whole (``runtime.wire``)
         if value not in read and not _crossed_permuted(dag, value):
             hold(value, value)
-    sent_back = {buffer[u] for u in [*read, *through] if buffer.get(u) is not None}  # not a receive buffer
+    # not a receive buffer: the last stage's output gradients come new each backward (the loss's), so one handed
+    # back as it is (a value passed on) is sent back in a buffer of its own too
+    sent_back = {u if buffer[u] is None else buffer[u] for u in [*read, *through]
+                 if u in buffer and (buffer[u] is not None or fresh_output_grads)}
     # with the copies of the last gradients received
     return max(peak, output_grads + alive - freed), sum(_grad(dag, b) for b in sent_back)
 
@@ -802,7 +807,7 @@ def stage_memory(
         kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
                     for owner in {_owner(stage_dag, v, assignment) for v in copied})
         walk = functools.partial(_backward_peak, stage_dag, nodes, set(made_here), through, sent_storages,
-                                 output_grads, recompute)
+                                 output_grads, recompute, j == k - 1)
         backward, sent_back = (nbytes * scale for nbytes in walk())
         backward += sum(model.fresh_gradient_bytes(info) for info in held)
         # what crosses a region's boundary is kept, not freed after its last reader
