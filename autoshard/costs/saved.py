@@ -672,22 +672,18 @@ class TrainingProbe:
         container of tensors (a ``ModelOutput``) hands each its gradient itself: those of its inputs it holds."""
         if not effect.input_grads:
             return
-        if not isinstance(value, torch.Tensor):  # its items that are an argument itself: no view of it
-            held = {made.argument for made in effect.leaves if isinstance(made, OutputTensor)
-                    and made.argument is not None and (made.shape, made.stride, made.offset) == (
-                        tuple(arguments[made.argument].shape), arguments[made.argument].stride(),
-                        arguments[made.argument].storage_offset())}
-            sources = self._sources(node)
-            passes_on = tuple(dict.fromkeys(sources[i] for i, handed, _ in effect.input_grads
-                                            if handed and sources[i] is not None and i in held))
-            if passes_on:
-                self.passes_on[node.name] = passes_on
-            return
-        sources, incoming = self._sources(node), new_strides(value)
-        passes_on = tuple(dict.fromkeys(
-            sources[i] for i, handed, strides in effect.input_grads
-            if handed and sources[i] is not None and arguments[i].shape == value.shape
-            and strides is not None and tuple(strides) == incoming))
+        if isinstance(value, torch.Tensor):  # the inputs given a gradient of its shape, laid out as it came
+            incoming = new_strides(value)
+            as_it_came = {i for i, _, strides in effect.input_grads if arguments[i].shape == value.shape
+                          and strides is not None and tuple(strides) == incoming}
+        else:  # its items that are an argument itself: no view of it
+            as_it_came = {made.argument for made in effect.leaves if isinstance(made, OutputTensor)
+                          and made.argument is not None and (made.shape, made.stride, made.offset) == (
+                              tuple(arguments[made.argument].shape), arguments[made.argument].stride(),
+                              arguments[made.argument].storage_offset())}
+        sources = self._sources(node)
+        passes_on = tuple(dict.fromkeys(sources[i] for i, handed, _ in effect.input_grads
+                                        if handed and sources[i] is not None and i in as_it_came))
         if passes_on:
             self.passes_on[node.name] = passes_on
 
@@ -1065,18 +1061,10 @@ class TrainingProbe:
             layouts = [self._gradient_layout(t) for t in _tensors(self.twins[call.node])]
             if not any(layouts):
                 continue
-            args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
-            arguments = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-            memo_key = None if key is None else ("backward", key, tuple(layouts))
-            effect = None if memo_key is None else self.memo.get(memo_key)
-            if effect is None:
-                try:
-                    with self._in_fake_mode():
-                        effect, _, _ = self._probe(call, args, kwargs, arguments, layouts)
-                except Exception:  # noqa: BLE001 - it ran once: a second run that fails keeps the first's facts
-                    continue
-                if memo_key is not None:
-                    self.memo[memo_key] = effect
+            probed = self._probed_from(call, key, layouts)
+            if probed is None:
+                continue
+            effect, arguments = probed
             if effect.input_grads is not None and effect.backward != self.backward[name]:
                 self.backward_when_sent[name] = self.backward[name]
                 self.backward[name], self.backward_alone[name] = effect.backward, effect.backward_alone
@@ -1111,20 +1099,26 @@ class TrainingProbe:
         strides, size = [0] * value.dim(), 1
         for d in reversed(order or range(value.dim())):
             strides[d], size = size, size * value.shape[d]
-        call, key = self.rerunnable[name]
-        memo_key = None if key is None else ("backward", key, (tuple(strides),))
+        probed = self._probed_from(*self.rerunnable[name], [tuple(strides)])
+        return None if probed is None or probed[0].input_grads is None else probed[0].backward
+
+    def _probed_from(self, call: NodeCall, key: Hashable | None, layouts: list[tuple[int, ...] | None],
+                     ) -> tuple[NodeEffect, list[torch.Tensor]] | None:
+        """The node's effect with its backward run from gradients of ``layouts`` (memoised by its key), and
+        its tensor arguments; None where it cannot run again (it ran once: the first probe's facts stay)."""
+        args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
+        arguments = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        memo_key = None if key is None else ("backward", key, tuple(layouts))
         effect = None if memo_key is None else self.memo.get(memo_key)
         if effect is None:
-            args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
-            arguments = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
             try:
                 with self._in_fake_mode():
-                    effect, _, _ = self._probe(call, args, kwargs, arguments, [tuple(strides)])
-            except Exception:  # noqa: BLE001 - it ran once: a second run that fails keeps the first's facts
+                    effect, _, _ = self._probe(call, args, kwargs, arguments, layouts)
+            except Exception:  # noqa: BLE001 - what fake tensors ran once may fail run again
                 return None
             if memo_key is not None:
                 self.memo[memo_key] = effect
-        return effect.backward if effect.input_grads is not None else None
+        return effect, arguments
 
     def _gradient_layout(self, t: torch.Tensor) -> tuple[int, ...] | None:
         """The strides of the gradient ``t`` gets, where not those of a new tensor laid out as ``t``."""
