@@ -56,7 +56,7 @@ from autoshard.capture.signature import MODEL_ATTR
 from autoshard.capture.state import kind_of, refusing_state_writes
 from autoshard.errors import TraceError
 from autoshard.fx_helpers import resolve
-from autoshard.generators import generator_states, same_states
+from autoshard.generators import generator_states
 from autoshard.isolation import clear_trace_values, holds
 
 
@@ -162,7 +162,7 @@ class _RealCalls(TorchFunctionMode):
             return _traced_call(func, args, kwargs)
         before = generator_states()
         result = func(*args, **kwargs)
-        if not same_states(before, generator_states()):
+        if before != generator_states():
             raise RandomDraw(f"{getattr(func, '__name__', func)} draws random numbers outside the graph: the "
                              "graph would keep them as a constant, the same on every call")
         inside = next((where for where in map(tracer.made_inside, tensors) if where is not None), None)

@@ -25,7 +25,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflat
 from autoshard.capture.guard import check_condition
 from autoshard.capture.state import real_run
 from autoshard.errors import TraceError
-from autoshard.generators import generator_states, same_states
+from autoshard.generators import generator_states
 
 _IDS = itertools.count()
 _TENSOR = object()  # marks where an opaque call's results hold a tensor
@@ -149,7 +149,7 @@ def _opaque_fake(inputs: list[torch.Tensor], sizes: Sequence[int], call: int) ->
     flat_out, record.out_spec = tree_flatten(result)
     kept = [type(v).__name__ for v in flat_out if not isinstance(v, torch.Tensor) and v is not None]
     with unset_fake_temporarily():
-        drew = not same_states(before, generator_states())
+        drew = before != generator_states()
     if kept and drew:
         raise OpaqueResult(f"opaque {record.name} draws random numbers and returns {', '.join(kept)}: the graph "
                            "would keep what it returned at capture, the same on every call")

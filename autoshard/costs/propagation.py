@@ -19,7 +19,7 @@ from autoshard.costs.facts import NodeFacts
 from autoshard.costs.flops import NodeFlopCounter
 from autoshard.costs.saved import TrainingProbe
 from autoshard.costs.values import allocated_bytes, describe_value, shares_memory
-from autoshard.generators import generator_states, same_states
+from autoshard.generators import generator_states
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
     from autoshard.inputs import ExampleInputs
@@ -51,10 +51,13 @@ def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", 
     facts: dict[str, NodeFacts] = {}
     real = resolve_mode(gm, inputs, mode) == "real"  # fake tensors draw nothing
     measured = sum(node.op not in ("get_attr", "output") for node in gm.graph.nodes)
-    probe = TrainingProbe(gm)
-    with NodeFlopCounter() as flops, progress.task("shape propagation", total=measured) as advance:
+    probe, flops = TrainingProbe(gm), NodeFlopCounter()
+    states: list[bytes] | None = None  # the generators' as the node about to run finds them (real runs)
+    with progress.task("shape propagation", total=measured) as advance:
         def hook(call: NodeCall) -> Any:
-            before = generator_states() if real else []
+            nonlocal states
+            if real and states is None:
+                states = generator_states()
             versions = _input_versions(call)
             value = flops.measure(call)
             writes = _written(versions, _input_versions(call))
@@ -62,7 +65,8 @@ def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", 
             node = call.node
             if node.op not in ("get_attr", "output"):
                 allocated = allocated_bytes(value, (call.args, call.kwargs))
-                draws = real and not same_states(before, generator_states())
+                before, states = states, generator_states() if real else None
+                draws = real and before != states  # (what one node leaves, the next finds: read once)
                 aliases = node.op != "placeholder" and _aliases_first_input(call, value)
                 facts[node.name] = NodeFacts(describe_value(value), flops.per_node[node.name], allocated,
                                              draws, aliases, writes)
