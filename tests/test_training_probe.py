@@ -219,6 +219,33 @@ def test_nodes_no_gradient_reaches_are_read_off_the_run_with_the_facts_a_probe_g
     assert each["pos"].grad == each["pos"].backward == each["pos"].saved == 0
 
 
+class SizesRead(nn.Module):
+    """Sizes and a shape read off a slice of an activation that wants a gradient, to reshape it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.lin2 = nn.Linear(16, 32), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        q = h[..., :16]
+        batch, tokens, width = q.size(0), q.shape[1], q.size(-1)
+        return self.lin2(q.reshape(batch, tokens * 2, width // 2)).sum()
+
+
+def test_a_size_read_off_a_tensor_that_wants_a_gradient_is_read_off_the_run(monkeypatch):
+    """A size or a shape read off an activation: autograd records nothing of it
+    whether or not the tensor wants a gradient, so it is not probed (nor probed again with the slice
+    contiguous), and its facts are those a probe gives."""
+    x = torch.randn(2, 4, 16)
+    gm = capture(SizesRead(), (x,), {}).graph_module
+    (read, probed_read), (each, _) = (probed(gm, x, monkeypatch, memo=memo) for memo in (True, False))
+    assert read == each
+    metadata = {node.name for node in gm.graph.nodes if node.target in ("size", getattr)}
+    assert len(metadata) == 3 and not metadata & set(probed_read)
+    assert all(each[name].saved == each[name].backward == each[name].grad == 0 for name in metadata)
+
+
 class WrittenThrough(nn.Module):
     """``out[:] = h``: a function that returns None and makes its argument want a gradient."""
 

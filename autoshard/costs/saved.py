@@ -186,6 +186,21 @@ def _reads_only_arguments(node: fx.Node, gm: fx.GraphModule) -> bool:
     return (getattr(node.target, "__module__", None) or "").split(".")[0] in _ARGUMENTS_ONLY_MODULES
 
 
+#: Tensor methods and attributes that read a tensor's metadata, never its values: autograd records nothing
+#: of them whether or not the tensor wants a gradient (``_untracked``).
+_METADATA_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension", "stride", "storage_offset",
+                               "is_contiguous", "element_size", "get_device"})
+_METADATA_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "layout", "requires_grad", "is_cuda"})
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    """Whether ``node`` reads a tensor's metadata only (``x.size(1)``, ``x.shape``)."""
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    return node.op == "call_function" and node.target is getattr and len(node.args) == 2 \
+        and node.args[1] in _METADATA_ATTRIBUTES
+
+
 def _storage(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
@@ -606,8 +621,8 @@ class TrainingProbe:
         an ``nn.Linear`` on a sliced 3D input copies it and saves the copy, on a contiguous one
         neither. Recorded in ``when_contiguous``: the change in what it saves of its own, its forward
         and backward peaks, and the inputs it then gives a non-contiguous gradient."""
-        if effect.input_grads is None or not any(t.requires_grad for t in arguments):
-            return  # (a node no gradient reaches saves nothing and has no backward)
+        if effect.input_grads is None or not any(t.requires_grad for t in arguments) or _reads_metadata(call.node):
+            return  # (a node no gradient reaches, or that reads a size, saves nothing and has no backward)
         strided = {i for i, t in enumerate(arguments)
                    if sent_as_copy(t) and self.owner.get(self.original(_storage(t)))}
         if not strided:
@@ -705,12 +720,14 @@ class TrainingProbe:
         """The effect of a node autograd records nothing of, read off shape propagation's run of it, or
         None to probe it. Such a node reads only its arguments (a torch or builtin function, a tensor
         method, a ``torch.nn`` module without trainable weights; tensors and constants only among the
-        arguments, no object that may hide tensors or code) and no argument wants a gradient: it
-        saves nothing and has no backward (a size, a mask, an index), and its output has the layout
+        arguments, no object that may hide tensors or code) and no argument wants a gradient, or it reads
+        metadata only (a size, a shape: probed, a twelfth of a GPT-2's probes were those): it saves
+        nothing and has no backward (a size, a mask, an index), and its output has the layout
         the run made from arguments laid out as these. Not memoised: the run's output may depend on
         values (``nonzero``, ``arange(n.item())``), which a key of layouts does not see. Its forward
         peak is the run's output or, where it makes one, ``_forward_without_gradients``'s."""
-        if any(t.requires_grad for t in arguments) or not _reads_only_arguments(call.node, self.gm):
+        if any(t.requires_grad for t in arguments) and not _reads_metadata(call.node) \
+                or not _reads_only_arguments(call.node, self.gm):
             return None
         flat, _ = tree_flatten((call.args, call.kwargs))
         if not all(isinstance(x, (torch.Tensor, slice, *CONSTANTS)) for x in flat):
