@@ -73,18 +73,35 @@ _GUARDED_RESULTS = (bool, str, type(None))
 
 
 @contextlib.contextmanager
-def _untraced(swaps: list["Swap"]) -> Iterator[None]:
-    """Lift fx's patches on ``nn.Module`` and the tracer's ``swaps`` while running an example: the
-    run adds no nodes, and code it reaches sees the real functions (torch.compile's tracer, run
-    by a ``torch.cond`` inside a leaf, builds its tables of builtins once and for all)."""
+def _untraced(swaps: list["Swap"], modules: bool = True) -> Iterator[None]:
+    """Lift fx's patches on ``nn.Module`` (``modules``) and the tracer's ``swaps`` while running an
+    example: the run adds no nodes, and code it reaches sees the real functions (torch.compile's
+    tracer, run by a ``torch.cond`` inside a leaf, builds its tables of builtins once and for all).
+    Setting an attribute of ``nn.Module`` costs about a millisecond (the interpreter forgets what it
+    knew of every subclass's attributes): a leaf that calls no module (``_calls_no_module``) runs
+    with them in place, its weights read through the tracer's ``getattr``, which an example run
+    passes through."""
     patched = (nn.Module.__call__, nn.Module.__getattr__, fx_trace._is_fx_tracing_flag)
-    nn.Module.__call__, nn.Module.__getattr__ = fx_trace._orig_module_call, fx_trace._orig_module_getattr
+    if modules:
+        nn.Module.__call__, nn.Module.__getattr__ = fx_trace._orig_module_call, fx_trace._orig_module_getattr
     fx_trace._is_fx_tracing_flag = False
     try:
         with _swapped(swaps, back=True):
             yield
     finally:
-        nn.Module.__call__, nn.Module.__getattr__, fx_trace._is_fx_tracing_flag = patched
+        if modules:
+            nn.Module.__call__, nn.Module.__getattr__ = patched[:2]
+        fx_trace._is_fx_tracing_flag = patched[2]
+
+
+def _calls_no_module(node: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node`` calls a ``torch.nn`` module without submodules or hooks (a ``LayerNorm``, a
+    ``Dropout``), whose example run calls no other module."""
+    if node.op != "call_module":
+        return False
+    module = root.get_submodule(str(node.target))
+    hooks = module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    return type(module).__module__.startswith("torch.nn.") and not module._modules and not hooks
 
 
 def _runs_model_code(node: fx.Node) -> bool:
@@ -385,7 +402,8 @@ class MetaTracer(fx.Tracer):
                 inside = _Recording(self._inside, where) if _runs_model_code(node) and not self._named(node) else None
                 # the example run first: ``no_grad`` sets the grad mode through a torch function, which
                 # ``_RealCalls`` would otherwise check for random draws twice per node
-                with self._running_example(), _untraced(self.swaps) if inside else contextlib.nullcontext(), \
+                lifted = _untraced(self.swaps, modules=not _calls_no_module(node, self.root)) if inside else None
+                with self._running_example(), lifted or contextlib.nullcontext(), \
                         inside or contextlib.nullcontext(), torch.no_grad():
                     node.meta[EXAMPLE] = self._run(node)
             except Exception:  # noqa: BLE001 - no example: the node behaves as in plain fx
@@ -448,7 +466,7 @@ class MetaTracer(fx.Tracer):
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return self.root.get_submodule(str(node.target))(*args, **kwargs)
+        return fx_trace._orig_module_call(self.root.get_submodule(str(node.target)), *args, **kwargs)
 
     @staticmethod
     def _data_free(node: fx.Node) -> bool:
@@ -463,8 +481,9 @@ class MetaTracer(fx.Tracer):
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
         """fx's rule (parameters, and buffers when proxied, become ``get_attr``) with the name
-        looked up in a table built once, where fx scans every parameter on every access."""
-        if not isinstance(attr_val, torch.Tensor):
+        looked up in a table built once, where fx scans every parameter on every access. An example
+        run reads the value itself."""
+        if not isinstance(attr_val, torch.Tensor) or self.running_examples:
             return attr_val
         weights = self.weights()
         if isinstance(attr_val, nn.Parameter):
