@@ -290,6 +290,14 @@ class _WideBlocks(nn.Module):
         return self.blocks(x).pow(2).mean()
 
 
+@functools.cache
+def _wide_blocks_sharded(hidden: bool):
+    """One plan per ``hidden``, shared by the schedules below: each only reports and measures it."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    return autoshard.shard_model(_WideBlocks(hidden), 2, example_inputs=(x,)), x
+
+
 @pytest.mark.parametrize("hidden", [True, False])
 @pytest.mark.parametrize("schedule, microbatches", [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2)])
 def test_a_stage_running_every_forward_first_meets_no_gradient_at_its_first_backward(schedule, microbatches, hidden):
@@ -298,9 +306,7 @@ def test_a_stage_running_every_forward_first_meets_no_gradient_at_its_first_back
     activations, and the next backward meets them with a microbatch fewer and the gradients the
     first sent back (torch's schedules hold them). Counted with the gradients from the start, such
     a stage was 1.11x-1.14x of what it held in two-process GPipe runs."""
-    torch.manual_seed(0)
-    x = torch.randn(32, 64)
-    sharded = autoshard.shard_model(_WideBlocks(hidden), 2, example_inputs=(x,))
+    sharded, x = _wide_blocks_sharded(hidden)
     freed, kept = (MemoryModel(microbatches=microbatches, optimizer="sgd", schedule=schedule, keep_gradients=keep)
                    for keep in (False, True))
     predicted, with_gradients = (autoshard.plan_report(sharded, memory=m).stages for m in (freed, kept))
