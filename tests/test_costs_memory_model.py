@@ -1465,8 +1465,10 @@ class _RecurrentStack(nn.Module):
 def test_a_node_no_gradient_reaches_runs_no_backward():
     """The item of the LSTM's state that nothing reads gets no gradient, so autograd runs nothing of it;
     the walk gave the received tuple a new gradient for it: 2.06x on the stage passing ``out`` on."""
+    # 8 steps, not 32: the unread state (h, c) is as large at any length, and the probe runs the recurrent
+    # layers one fake op a step (this test took 111 s at 32 on two loaded cores; at 8 stage 2 still passes on)
     torch.manual_seed(0)
-    t = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    t = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(1))
     sharded = autoshard.shard_model(_RecurrentStack().train(), 4, example_inputs=(t,),
                                     pipeline="capture,shape-prop,build-dag,linearize,split{stages=4},emit")
     passing = [j for j, stage in enumerate(sharded.stages) if not list(stage.parameters())]
