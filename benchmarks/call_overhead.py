@@ -16,8 +16,10 @@ forward + backward, where that ``Pipe`` gives the weights no gradients). Each va
 ``calls`` calls per repeat; the repeats are interleaved (eager, sharded, chained, pipeline(), eager, ...) so
 background load weighs on all alike, and the best repeat is kept. ``added / stage call`` is
 (sharded - eager) / k: what each stage call adds. Rows: an 8-layer MLP (width 64, batch 4) at
-k = 4; the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4 in a no_grad forward and in
-forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64, batch 2 x 32) at k = 2; and
+k = 4, and its layers called on a dict of two tensors (``--only dict``: a container argument, which
+the input guard checks every call); the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4
+in a no_grad forward and in forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64,
+batch 2 x 32) at k = 2; and
 ``nn.TransformerEncoder`` (6 layers, width 256, batch 8 x 128) in eval mode under no_grad at k = 3,
 whose output is also checked bit-exact against the model's; and tiny random-weight Hugging Face
 models (GPT-2, BERT, T5, ViT, Llama: 4 layers (T5: 2 + 2), width 64, batch 2 x 32 tokens or 2 images of 32 x 32;
@@ -57,6 +59,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 import autoshard
 from autoshard.examples import GPTStyleLM
@@ -74,6 +77,23 @@ class Row:
 def _mlp() -> Row:
     layers = [m for _ in range(8) for m in (nn.Linear(64, 64), nn.ReLU())]
     return Row("MLP 8x64, batch 4", nn.Sequential(*layers).eval(), (torch.randn(4, 64),), 4)
+
+
+class _ReadsADict(nn.Module):
+    """The MLP's layers on the sum of a dict's two tensors: a container argument, which the input
+    guard checks (layout, keys, dtypes) on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.ReLU())])
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.layers(inputs["x"] + inputs["y"])
+
+
+def _dict_input() -> Row:
+    return Row("dict input, 8x64 layers, batch 4", _ReadsADict().eval(),
+               ({"x": torch.randn(4, 64), "y": torch.randn(4, 64)},), 4)
 
 
 def _gpt(backward: bool) -> Row:
@@ -137,7 +157,8 @@ def _encoder() -> Row:
 
 #: Every row, by name, built when it runs (``--only`` builds only its own).
 ROWS: dict[str, Callable[[], Row | None]] = {
-    "MLP 8x64, batch 4": _mlp, "GPT-style LM, no_grad forward": lambda: _gpt(False),
+    "MLP 8x64, batch 4": _mlp, "dict input, 8x64 layers, batch 4": _dict_input,
+    "GPT-style LM, no_grad forward": lambda: _gpt(False),
     "GPT-style LM, forward+backward": lambda: _gpt(True), "HF GPT-2 tiny, no_grad forward": _hf_gpt2,
     "nn.TransformerEncoder eval, no_grad": _encoder,
     **{f"HF {name} tiny, eval no_grad, k={k}": (lambda name=name, k=k: _hf_tiny(name, k))
@@ -150,6 +171,8 @@ def _pipeline_split(model: nn.Module, sharded: Any, args: tuple[Any, ...]) -> Ca
     """``pipeline()``'s stage modules split where autoshard's stages start, run in turn by its ``Pipe``."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    if not all(isinstance(a, torch.Tensor) for a in args):
+        return "n/a (its Pipe takes a container's tensors apart)"
     starts = [sharded.plan.modules(stage)[0] for stage in range(1, sharded.num_stages)]
     try:
         pipe = pipeline(model, mb_args=args, split_spec={path: SplitPoint.BEGINNING for path in starts})
@@ -213,7 +236,7 @@ def _variants(row: Row, sharded: Any) -> dict[str, Callable[[], Any] | str]:
 def _sharded_on(row: Row, device: str) -> Any:
     """``row``'s model and inputs moved to ``device``, and the plan made there."""
     row.model.to(device)
-    row.args = tuple(a.to(device) for a in row.args)
+    row.args = tree_map(lambda a: a.to(device), row.args)
     return autoshard.shard_model(row.model, row.stages, example_inputs=row.args)
 
 
