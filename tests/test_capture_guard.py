@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 
@@ -15,6 +16,7 @@ from autoshard.runtime import OffloadRunner
 from autoshard.capture import capture
 from autoshard.capture.guard import DimSpec, InputGuard, check_condition, check_inputs, usable_conditions
 from autoshard.capture.signature import CallSignature
+from autoshard.capture.structure import ArgumentStructure
 from autoshard.errors import ExampleInputsError, InputMismatchError, InvalidArgumentError, SpecializationMismatch
 
 
@@ -435,6 +437,43 @@ def test_a_dicts_keys_may_come_in_any_order_and_other_keys_are_captured_again():
     served = autoshard.shard_model(model, 2, example_inputs=({"x": x, "mask": mask},))
     _refused(served, {"x": x.double(), "mask": mask}, match="float64", another_capture=False)
     assert served.specializations == ()  # a dtype no capture changes: refused, none made
+
+
+def test_a_container_is_read_once_a_call_and_every_call_checked_as_it_comes():
+    """A call's container is flattened once for all of its checks and passed on as it came where its
+    layout is the captured one exactly: the same dict changed in place after a call that passed,
+    its keys in another order, or the same keys in another container are each checked anew."""
+    x, mask = torch.randn(3, 4), torch.rand(3, 4)
+    model = ReadsADict()
+    sharded = autoshard.shard_model(model, 2, example_inputs=({"x": x, "mask": mask},), respecialize=False)
+    d = {"x": x, "mask": mask}
+    assert torch.equal(sharded(d), model(d))
+    d["z"] = mask
+    _refused(sharded, d, match=r"d holds .*'z'")
+    del d["z"]
+    d["mask"] = None
+    _refused(sharded, d, match=r"d\['mask'\] is None, but the plan was captured with a torch.float32")
+    d["mask"] = mask.double()
+    _refused(sharded, d, match=r"d\['mask'\] is a float64 tensor", another_capture=False)
+    d["mask"] = mask
+    assert torch.equal(sharded(d), model(d))
+    swapped = {"mask": mask, "x": x}  # read by position in the graph: passed on in the captured order
+    assert torch.equal(sharded(swapped), model(swapped))
+    _refused(sharded, collections.OrderedDict(x=x, mask=mask), match="in other containers")
+
+
+def test_only_a_containers_captured_layout_exactly_is_passed_on_as_it_came():
+    """``TreeSpec``'s ``==`` would take a dict keyed ``True`` for one keyed ``1``: the capture's
+    layout names keys by their repr, and refuses it."""
+    t, u = torch.zeros(1), torch.ones(1)
+    Pair = collections.namedtuple("Pair", "x y")
+    nested = ArgumentStructure.of({"a": Pair(t, 1)})
+    assert nested.flattened("p", {"a": Pair(u, 1)}) == ([u, 1], True, None)
+    Same = collections.namedtuple("Pair", "x y")  # another class of the same name and fields
+    assert "in other containers" in nested.flattened("p", {"a": Same(u, 1)}).problem
+    keyed = ArgumentStructure.of({1: t, "b": u})
+    assert keyed.flattened("d", {"b": u, 1: t}) == ([t, u], False, None)
+    assert "d[True]" in keyed.flattened("d", {True: t, "b": u}).problem
 
 
 def test_a_flag_inside_a_container_is_fixed_guarded_and_captured_again():

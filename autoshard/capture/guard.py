@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from autoshard.capture.structure import ArgumentStructure, same_constant
+from autoshard.capture.structure import ArgumentStructure, Flattened, same_constant
 from autoshard.errors import InputMismatchError, InvalidArgumentError, SpecializationMismatch
 from autoshard.isolation import HeldModule, grad_mode_checked
 
@@ -84,23 +84,29 @@ class InputGuard:
             text += f" of shape ({', '.join(d.describe() for d in self.shapes[name])})"
         return text
 
-    def passed(self, name: str, value: Any) -> Any:
+    def passed(self, name: str, value: Any, flat: Mapping[str, Flattened]) -> Any:
         """The value the graph takes for argument ``name``: a container in its captured key order."""
-        return self.structures[name].arranged(value) if name in self.structures else value
+        return self.structures[name].arranged(value, flat[name]) if name in flat else value
 
-    def capture_problem(self, values: Mapping[str, Any]) -> str | None:
+    def flattened(self, values: Mapping[str, Any]) -> dict[str, Flattened]:
+        """The container arguments among ``values``, each flattened once for all of a call's checks."""
+        return {name: structure.flattened(name, values[name]) for name, structure in self.structures.items()}
+
+    def capture_problem(self, values: Mapping[str, Any], flat: Mapping[str, Flattened]) -> str | None:
         """What a capture made with these inputs would serve: a constant of another value than the
-        example's, a container of another layout or holding other values than tensors."""
+        example's, a container of another layout or holding other values than tensors (``flat``:
+        the containers as ``flattened`` read them)."""
         for name, expected in self.constants.items():
             if not same_constant(values[name], expected):
                 return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}"
         for name, structure in self.structures.items():
-            problem = structure.layout_problem(name, values[name])
+            problem = structure.layout_problem(name, flat[name])
             if problem:
                 return problem
         return None
 
-    def fixed_problem(self, values: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    def fixed_problem(self, values: Mapping[str, Any],
+                      flat: Mapping[str, Flattened]) -> tuple[str | None, dict[str, Any]]:
         """What no capture for these inputs would change (a constant changed in place since, a
         tensor's dtype), and the values with each container's tensors under their own names, for
         ``size_problem``. Checked after ``capture_problem``: the containers have their layout."""
@@ -114,11 +120,10 @@ class InputGuard:
                         f"then {then!r}), and the plan computes with the old value"), {}
         leaves = dict(values)
         for name, structure in self.structures.items():
-            named = structure.leaf_values(name, leaves[name])
-            problem = structure.dtype_problem(name, named)
+            problem = structure.dtype_problem(name, flat[name].leaves)
             if problem:
                 return problem, {}
-            leaves.update(named)
+            leaves.update(structure.leaf_values(name, flat[name].leaves))
         for name, dtype in self.dtypes.items():
             value = leaves[name]
             if not isinstance(value, torch.Tensor) or value.dtype != dtype:
@@ -189,9 +194,10 @@ def usable_conditions(conditions: Sequence[str], values: Mapping[str, Any]) -> t
 def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
     """Raise ``InputMismatchError`` unless the plan serves ``values``; return the graph inputs."""
     named = dict(zip(guard.names, values))
-    problem = guard.capture_problem(named)
+    flat = guard.flattened(named)
+    problem = guard.capture_problem(named, flat)
     if problem is None:
-        problem, leaves = guard.fixed_problem(named)
+        problem, leaves = guard.fixed_problem(named, flat)
         if problem:
             raise InputMismatchError(
                 f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
@@ -201,7 +207,7 @@ def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
         raise SpecializationMismatch(
             f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
             "shard the model again with an example like these inputs", before_compute=True)
-    return tuple(guard.passed(name, named[name]) for name in guard.returns)
+    return tuple(guard.passed(name, named[name], flat) for name in guard.returns)
 
 
 def check_condition(actual: Any, expected: bool, condition: str) -> None:

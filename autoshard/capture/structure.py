@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 from torch.utils._pytree import (
@@ -33,6 +33,16 @@ def _layout(spec: TreeSpec) -> Any:
     if spec.type in _KEYED:
         return spec.type, tuple(sorted(zip(map(repr, spec.context), children)))
     return spec.type, spec.context, tuple(children)
+
+
+def _same_spec(spec: TreeSpec, captured: TreeSpec) -> bool:
+    """Whether ``spec`` is ``captured`` exactly: the same container types (the same classes), keys
+    equal and of the same repr in the same order, as many items, all the way down; its leaves then
+    come in the captured order. Stricter than ``TreeSpec.__eq__``, which compares the types' names."""
+    return spec is captured or (
+        spec.type is captured.type and spec.num_children == captured.num_children
+        and spec.context == captured.context and repr(spec.context) == repr(captured.context)
+        and all(map(_same_spec, spec.children(), captured.children())))
 
 
 def same_constant(value: Any, expected: Any) -> bool:
@@ -67,24 +77,37 @@ class ArgumentStructure:
         return cls(spec, tuple(keystr(path) for path, _ in flat),
                    tuple(leaf.dtype if isinstance(leaf, torch.Tensor) else leaf for _, leaf in flat))
 
-    def layout_problem(self, name: str, value: Any) -> str | None:
-        """What ``value`` changes that the capture fixed and a capture made with it would serve (its
-        layout, a value that is no tensor, a tensor where there was none or none where there was
-        one), or None."""
+    def flattened(self, name: str, value: Any) -> Flattened:
+        """``value`` (argument ``name`` of a call) flattened once for all of the call's checks: its
+        leaves in the captured order, or what its layout changes that the capture fixed and a capture
+        made with it would serve (its lengths, keys, container types). A value of the captured layout
+        with its keys in the captured order (the same containers, compared by ``_same_spec``) is read
+        as it comes; any other is flattened again with its paths, to name what differs or to take a
+        dict's keys in another order."""
+        leaves, spec = tree_flatten(value)
+        if _same_spec(spec, self.spec):
+            return Flattened(leaves, True)
         flat, spec = tree_flatten_with_path(value)
-        if _layout(spec) != _layout(self.spec):
-            entries = [keystr(p) for p, _ in flat]
-            if sorted(entries) == sorted(self.paths):
-                return (f"{name} holds the same entries as when the plan was captured, in other containers (a "
-                        f"{type(value).__name__} at the top, then a "
-                        f"{getattr(self.spec.type, '__name__', self.spec.type)}); "
-                        "container types are fixed")
-            return (f"{name} holds {', '.join(name + e for e in entries) or 'nothing'}, but the plan was "
-                    f"captured with {', '.join(name + p for p in self.paths) or 'nothing'} "
-                    "(lengths and keys are fixed)")
-        got = {keystr(path): leaf for path, leaf in flat}
-        for path, captured in zip(self.paths, self.leaves):
-            leaf = got[path]
+        entries = [keystr(path) for path, _ in flat]
+        if _layout(spec) == _layout(self.spec):
+            got = {entry: leaf for entry, (_, leaf) in zip(entries, flat)}
+            return Flattened([got[path] for path in self.paths], spec == self.spec)
+        if sorted(entries) == sorted(self.paths):
+            return Flattened([], False, (
+                f"{name} holds the same entries as when the plan was captured, in other containers (a "
+                f"{type(value).__name__} at the top, then a {getattr(self.spec.type, '__name__', self.spec.type)}); "
+                "container types are fixed"))
+        return Flattened([], False, (
+            f"{name} holds {', '.join(name + e for e in entries) or 'nothing'}, but the plan was captured with "
+            f"{', '.join(name + p for p in self.paths) or 'nothing'} (lengths and keys are fixed)"))
+
+    def layout_problem(self, name: str, flat: Flattened) -> str | None:
+        """What argument ``name`` (``flat``, as ``flattened`` read it) changes that the capture fixed
+        and a capture made with it would serve (its layout, a value that is no tensor, a tensor where
+        there was none or none where there was one), or None."""
+        if flat.problem is not None:
+            return flat.problem
+        for path, captured, leaf in zip(self.paths, self.leaves, flat.leaves):
             if isinstance(captured, torch.dtype):
                 if not isinstance(leaf, torch.Tensor):
                     return f"{name}{path} is {_kind(leaf)}, but the plan was captured with a {captured} tensor there"
@@ -93,11 +116,10 @@ class ArgumentStructure:
                         "which it computes with")
         return None
 
-    def dtype_problem(self, name: str, leaves: Mapping[str, Any]) -> str | None:
-        """A tensor of another dtype than the capture's among ``leaves`` (``leaf_values`` of a value
-        with the captured layout: ``layout_problem`` found none), or None."""
-        for path, captured in zip(self.paths, self.leaves):
-            leaf = leaves[name + path]
+    def dtype_problem(self, name: str, leaves: list[Any]) -> str | None:
+        """A tensor of another dtype than the capture's among ``leaves`` (``Flattened.leaves`` of a
+        value with the captured layout: ``layout_problem`` found none), or None."""
+        for path, captured, leaf in zip(self.paths, self.leaves, leaves):
             if isinstance(captured, torch.dtype) and leaf.dtype != captured:
                 return f"{name}{path} is {_kind(leaf)}, but the plan was captured with a {captured} tensor there"
         return None
@@ -113,17 +135,24 @@ class ArgumentStructure:
             return ArgumentStructure, (self.spec, self.paths, self.leaves)
         return _rebuilt, (shell, self.paths, self.leaves)
 
-    def arranged(self, value: Any) -> Any:
+    def arranged(self, value: Any, flat: Flattened) -> Any:
         """``value`` with its dicts' keys in the captured order (the graph may read by position)."""
-        flat, spec = tree_flatten_with_path(value)
-        if spec == self.spec:
-            return value
-        got = {keystr(path): leaf for path, leaf in flat}
-        return tree_unflatten([got[path] for path in self.paths], self.spec)
+        return value if flat.as_captured else tree_unflatten(flat.leaves, self.spec)
 
-    def leaf_values(self, name: str, value: Any) -> dict[str, Any]:
-        """Each leaf of ``value`` under its full name (``d['x']``)."""
-        return {name + keystr(path): leaf for path, leaf in tree_flatten_with_path(value)[0]}
+    def leaf_values(self, name: str, leaves: list[Any]) -> dict[str, Any]:
+        """Each of ``leaves`` (``Flattened.leaves``) under its full name (``d['x']``)."""
+        return {name + path: leaf for path, leaf in zip(self.paths, leaves)}
+
+
+class Flattened(NamedTuple):
+    """A container argument of one call as ``ArgumentStructure.flattened`` read it."""
+
+    #: its leaves in the order of the captured paths (none where its layout differs)
+    leaves: list[Any]
+    #: whether it is passed on as it came: the captured layout, its dicts' keys in the captured order
+    as_captured: bool
+    #: what its layout changes, where it differs from the captured one
+    problem: str | None = None
 
 
 def _rebuilt(shell: Any, paths: tuple[str, ...], leaves: tuple[Any, ...]) -> ArgumentStructure:
