@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.nn.modules import module as module_state
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_iter, tree_map
 
 from autoshard.isolation import PLAIN_VALUES
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
@@ -362,7 +362,7 @@ class _Binder:
             raise _not_fitting(self.signature, binding.error, binding.left_out_passed)
         for name, index in binding.tensors:
             value = values[index]
-            if not isinstance(value, torch.Tensor) and not any(isinstance(v, torch.Tensor) for v in tree_leaves(value)):
+            if not isinstance(value, torch.Tensor) and not any(isinstance(v, torch.Tensor) for v in tree_iter(value)):
                 raise _not_fitting(self.signature, TypeError(
                     f"{name} is {value!r}, but the plan was captured with tensors there"), another_capture=True)
         if binding.as_is and (keep_positions or self.model_signature is None):
