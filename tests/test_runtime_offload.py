@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -348,3 +349,37 @@ def test_a_tensor_a_kept_whole_module_keeps_for_its_next_call_reaches_the_model_
     for _ in range(3):
         step_alike(runner, model, twin)
         assert torch.equal(model[1].previous, twin[1].previous)
+
+
+class ScaledOnceSet(nn.Module):
+    """Counts its calls (so the capture keeps it whole) and scales by ``self.scale`` once that is
+    set: a dict of settings until then, which the runner does not copy (a module's registries are
+    dicts too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+        self.scale: Any = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * (1.0 if isinstance(self.scale, dict) else self.scale)
+
+
+def test_an_attribute_that_becomes_a_number_after_calls_reaches_the_stage():
+    """The runner reads every module's plain state on every call, whatever it held before: an
+    attribute that was a dict (not copied) and is set to a number since is copied in, as a
+    choice made once by name would have missed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ScaledOnceSet(), nn.Linear(8, 8))
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),))
+    assert [w.name for w in sharded.plan.wrapped] == ["1"]
+    runner = OffloadRunner(sharded, "cpu")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), twin(x))
+        model[1].scale = twin[1].scale = 3.0
+        torch.testing.assert_close(runner(x), twin(x))
+    assert model[1].calls == twin[1].calls == 2

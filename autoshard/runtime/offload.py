@@ -12,6 +12,7 @@ largest stage's weights plus its activations, plus the values passed between sta
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,6 +206,10 @@ _NAMED_MODULES = nn.Module.named_modules
 
 #: The values ``_attributes`` keeps, as one tuple: built once, not per attribute read.
 _KEPT_ON_MODULES = (*PLAIN_VALUES, torch.Tensor)
+#: The types most of a module's ``__dict__`` holds (``nn.Module``'s registries and hook dicts),
+#: none of them kept: told apart by their exact type before the ``isinstance`` test, which costs
+#: more for a value that is none of ``_KEPT_ON_MODULES`` (``torch.Tensor``'s metaclass is not ``type``).
+_NEVER_KEPT = frozenset({dict, OrderedDict, set})
 
 
 def _attributes(modules: list[nn.Module]) -> list[dict[str, Any]]:
@@ -212,7 +217,8 @@ def _attributes(modules: list[nn.Module]) -> list[dict[str, Any]]:
     tensors (``self.calls``, ``self.ready``, ``self.previous = y``); a stage's generated code keeps
     none (its source text differs in the shell, retargeted to the runner's device)."""
     return [{} if isinstance(m, fx.GraphModule) else
-            {k: v for k, v in vars(m).items() if k != "training" and isinstance(v, _KEPT_ON_MODULES)}
+            {k: v for k, v in vars(m).items()
+             if type(v) not in _NEVER_KEPT and k != "training" and isinstance(v, _KEPT_ON_MODULES)}
             for m in modules]
 
 
