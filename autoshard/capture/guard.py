@@ -191,10 +191,14 @@ def usable_conditions(conditions: Sequence[str], values: Mapping[str, Any]) -> t
     return tuple(c for c in conditions if not trivial.fullmatch(c.strip()) and _holds(c, values))
 
 
+#: ``InputGuard.flattened`` of a call without container arguments (read, never written).
+_NO_CONTAINERS: Mapping[str, Flattened] = {}
+
+
 def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
     """Raise ``InputMismatchError`` unless the plan serves ``values``; return the graph inputs."""
     named = dict(zip(guard.names, values))
-    flat = guard.flattened(named)
+    flat = guard.flattened(named) if guard.structures else _NO_CONTAINERS  # most calls pass tensors only
     problem = guard.capture_problem(named, flat)
     if problem is None:
         problem, leaves = guard.fixed_problem(named, flat)
