@@ -253,6 +253,20 @@ def test_model_loss_finds_the_loss_entry_after_the_predictions_and_refuses_a_non
         model_loss((torch.randn(2, 3), loss))
 
 
+def test_the_last_stages_output_is_read_anew_on_every_microbatch():
+    """A tensor or a container of tensors only is read in one step, any other through its leaves:
+    a reader that met one structure gives each later call its own leaves and loss, whatever came
+    before (``None`` fields dropped, the loss found by identity, the first place it is at)."""
+    loss, pred = torch.tensor(0.5), torch.randn(1, 1)
+    reader = OutputTensors()
+    assert reader((pred, loss)) == (pred, loss) and reader.loss_index is None
+    assert reader({"pred": pred, "loss": loss}) == (pred, loss) and reader.loss_index == 1
+    assert reader({"loss": loss, "pred": (pred, None)}) == (loss, pred) and reader.loss_index == 0
+    assert reader({"pred": loss, "loss": loss}) == (loss, loss) and reader.loss_index == 0
+    assert reader(pred) is pred and reader.loss_index is None
+    assert reader({"pred": pred, "loss": None}) is pred and reader.loss_index is None
+
+
 class ReluInPlaceAfterCut(nn.Module):
     def __init__(self) -> None:
         super().__init__()
