@@ -11,7 +11,8 @@ import torch
 
 def generator_states() -> list[bytes]:
     """The state of every random generator in use: the CPU one and, once CUDA is up, each GPU's,
-    as bytes (read through numpy, which dispatches nothing; asked twice per node run or traced)."""
+    as bytes (read through numpy, which dispatches nothing; asked around every node run or torch
+    function traced)."""
     states = [torch.random.get_rng_state()]
     if torch.cuda.is_initialized():
         states += torch.cuda.get_rng_state_all()

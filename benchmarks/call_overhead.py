@@ -74,9 +74,12 @@ class Row:
     backward: bool = False
 
 
+def _mlp_layers() -> nn.Sequential:
+    return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.ReLU())])
+
+
 def _mlp() -> Row:
-    layers = [m for _ in range(8) for m in (nn.Linear(64, 64), nn.ReLU())]
-    return Row("MLP 8x64, batch 4", nn.Sequential(*layers).eval(), (torch.randn(4, 64),), 4)
+    return Row("MLP 8x64, batch 4", _mlp_layers().eval(), (torch.randn(4, 64),), 4)
 
 
 class _ReadsADict(nn.Module):
@@ -85,7 +88,7 @@ class _ReadsADict(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.ReLU())])
+        self.layers = _mlp_layers()
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.layers(inputs["x"] + inputs["y"])

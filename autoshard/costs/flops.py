@@ -61,8 +61,9 @@ class NodeFlopCounter:
 
     The counter is open only while a node runs: the code between nodes (shape propagation's
     bookkeeping, the training probe) then dispatches through no Python mode. Open for the whole
-    run, every tensor that code made or read (a generator's state, a fake tensor) went through the
-    counter's Python dispatch, a third of shape propagation's time on a 12-layer GPT-2."""
+    run, every tensor that code made (a generator's state, read after each node) went through the
+    counter's Python dispatch: on a 12-layer GPT-2 the state reads took 0.21-0.26 s of shape
+    propagation's ~1.9 s, 0.05-0.07 s now, against 0.05-0.08 s more for entering the counter per node."""
 
     def __init__(self) -> None:
         self._counter = flop_counter_mode()

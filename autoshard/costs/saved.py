@@ -721,7 +721,7 @@ class TrainingProbe:
         None to probe it. Such a node reads only its arguments (a torch or builtin function, a tensor
         method, a ``torch.nn`` module without trainable weights; tensors and constants only among the
         arguments, no object that may hide tensors or code) and no argument wants a gradient, or it reads
-        metadata only (a size, a shape: probed, a twelfth of a GPT-2's probes were those): it saves
+        metadata only (a size, a shape: 19 of a 12-layer GPT-2's 78 probes were those): it saves
         nothing and has no backward (a size, a mask, an index), and its output has the layout
         the run made from arguments laid out as these. Not memoised: the run's output may depend on
         values (``nonzero``, ``arange(n.item())``), which a key of layouts does not see. Its forward
