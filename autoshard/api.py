@@ -15,7 +15,9 @@ from autoshard.arguments import byte_count, real_number, whole_number
 from autoshard.costs.execution import holds_meta_tensors
 from autoshard.costs.memory import check_memory_budgets, stage_memory
 from autoshard.costs.memory_model import MemoryModel
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, first_few, plural
+from autoshard.errors import (
+    InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, first_few, plural, shown,
+)
 from autoshard.passes.analyses import (
     CostModel,
     CostNode,
@@ -336,7 +338,7 @@ def shard_model(
     if memory_model is not None and not isinstance(memory_model, MemoryModel):
         raise InvalidArgumentTypeError(
             f"memory_model must be an autoshard.MemoryModel(optimizer=..., schedule=..., microbatches=...), "
-            f"got {type(memory_model).__name__} {memory_model!r}"[:300])
+            f"got {shown(memory_model)}")
     if memory_model is not None:  # before the split: a schedule these stages cannot run has no memory or step
         memory_model.all_in_flight(num_stages)
     program = run_pipeline(model, chosen, inputs, instruments, cost_models, memory_model).program

@@ -8,14 +8,14 @@ import math
 import numbers
 from typing import Any
 
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, shown
 
 
 def whole_number(value: Any, name: str, at_least: int | None = None) -> int:
     """``value`` as a plain int: an int or a numpy integer (what ``np.arange`` and array maths
     give), not a bool or a float; at least ``at_least`` when given."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise InvalidArgumentTypeError(f"{name} must be an int, got {shown(value)}")
     value = int(value)
     if at_least is not None and value < at_least:
         raise InvalidArgumentError(f"{name} must be at least {at_least}, got {value}")

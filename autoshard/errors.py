@@ -9,6 +9,7 @@ matching builtin (``ValueError``, ``TypeError``) so callers that catch those kee
 from __future__ import annotations
 
 import difflib
+import reprlib
 from typing import Iterable, Sequence
 
 
@@ -41,6 +42,29 @@ def first_few(names: Sequence[str], most: int = 5) -> str:
     about many nodes stays one line."""
     rest = len(names) - most
     return ", ".join(names[:most]) + (f" and {rest} more" if rest > 0 else "")
+
+
+class _Short(reprlib.Repr):
+    """``repr`` cut to a line: a tensor by its shape (its numbers would fill the screen), long
+    containers and strings elided. Told by type name, so this module needs no torch."""
+
+    def __init__(self) -> None:
+        super().__init__()  # (keyword settings arrived in Python 3.12)
+        self.maxlevel, self.maxtuple, self.maxlist, self.maxdict = 3, 4, 4, 4
+        self.maxstring = self.maxother = 60
+
+    def repr_Tensor(self, x, level: int) -> str:  # noqa: N802 - reprlib dispatches on the type's name
+        return f"Tensor{list(x.shape)}"
+
+    repr_Parameter = repr_Tensor
+
+
+_SHORT = _Short()
+
+
+def shown(value: object) -> str:
+    """``tuple (Tensor[8, 16], 2)``: a wrong value's type and a short repr of it, for messages."""
+    return f"{type(value).__name__} {_SHORT.repr(value)}"
 
 
 class AutoshardError(Exception):

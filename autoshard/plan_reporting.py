@@ -30,7 +30,7 @@ from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.models import measured
 from autoshard.costs.step_time import StepTime, StepTimeModel, checked_step, predicted_step, run_of
 from autoshard.costs.ties import SharedWeight
-from autoshard.errors import InvalidArgumentTypeError, plural
+from autoshard.errors import InvalidArgumentTypeError, plural, shown
 from autoshard.graph import SplitInfo
 from autoshard.plan_io import PlanNode, SavedPlan
 from autoshard.report import PIPED_WIDTH, plan_renderables
@@ -104,8 +104,8 @@ class PlanReport:
         yield from self.renderables()
 
     def _rendered(self, console: Console) -> Console:
-        for shown in self.renderables():
-            console.print(shown)
+        for renderable in self.renderables():
+            console.print(renderable)
         return console
 
     def __str__(self) -> str:
@@ -221,7 +221,7 @@ def _check_report_arguments(sharded: Any, extra_costs: Any, memory: Any, device:
                                        f"{type(extra_costs).__name__}")
     for name, value, kind in (("memory", memory, MemoryModel), ("device", device, DeviceModel)):
         if value is not None and not isinstance(value, kind):
-            raise InvalidArgumentTypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__} {value!r}")
+            raise InvalidArgumentTypeError(f"{name} must be a {kind.__name__}, got {shown(value)}")
     if step is not None:
         checked_step(step)
 

@@ -35,6 +35,15 @@ def test_num_stages_not_an_int(bad):
         autoshard.shard_model(ResidualMLP(), bad)
 
 
+def test_inputs_given_for_the_stage_count_are_shown_by_shape_not_by_their_numbers():
+    """shard_model(model, (x,), 2) swaps two arguments: the message names the tuple of one tensor
+    in a line, not the tensor's 2,048 numbers."""
+    x = torch.randn(8, 16, 16)
+    with pytest.raises(InvalidArgumentTypeError) as caught:
+        autoshard.shard_model(ResidualMLP(), (x,), 2)
+    assert str(caught.value) == "num_stages must be an int, got tuple (Tensor[8, 16, 16],)"
+
+
 def test_a_numpy_integer_is_a_stage_count():
     model = ResidualMLP()
     sharded = autoshard.shard_model(model, np.int64(2))

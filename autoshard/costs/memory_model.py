@@ -45,7 +45,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural, suggest
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural, shown, suggest
 
 OPTIMIZER_STATE_TENSORS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
 """State tensors the optimizer keeps per parameter, each shaped and typed as what it steps."""
@@ -126,7 +126,7 @@ def _compute_dtype(value: object) -> str | None:
         error = InvalidArgumentError if spelled else InvalidArgumentTypeError  # 2.0, [..]: no name at all
         raise error(
             f"mixed_precision must name a compute dtype ({', '.join(COMPUTE_DTYPES)}, or torch.bfloat16) or be None, "
-            f"got {type(value).__name__} {value!r}")
+            f"got {shown(value)}")
     return name
 
 
@@ -135,7 +135,7 @@ def _choice(value: object, name: str, known: Sequence[str], alternative: str = "
     a value that is no name at all (None, 2.0) is a type error, as everywhere in the API."""
     if not isinstance(value, str):
         raise InvalidArgumentTypeError(f"{name} must be one of {', '.join(map(repr, known))}{alternative}, got "
-                                       f"{type(value).__name__} {value!r}")
+                                       f"{shown(value)}")
     if value.lower() not in known:
         close = suggest(value.lower(), known)
         raise InvalidArgumentError(f"unknown {name} {value!r}{close}; known: {', '.join(known)}{note}")
@@ -149,7 +149,7 @@ def _count(value: object, name: str, allow_none: bool = True) -> None:
     alternative = " or None" if allow_none else ""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentTypeError(f"{name} must be a whole number >= 1{alternative} (an int), got "
-                                       f"{type(value).__name__} {value!r}")
+                                       f"{shown(value)}")
     if value < 1:
         raise InvalidArgumentError(f"{name} must be a whole number >= 1{alternative}, got {value!r}")
 
@@ -220,7 +220,7 @@ class MemoryModel:
             alternative = "" if typed else " or None (the optimizer's own)"
             raise (InvalidArgumentError if typed else InvalidArgumentTypeError)(
                 f"optimizer_bytes_per_param must be a number >= 0 (8 for Adam's two fp32 moments, 4 for SGD with "
-                f"momentum, 0 for plain SGD){alternative}, got {type(bytes_).__name__} {bytes_!r}")
+                f"momentum, 0 for plain SGD){alternative}, got {shown(bytes_)}")
         _count(self.microbatches, "microbatches")
         object.__setattr__(self, "stages_per_rank", stages_per_rank_of(self.schedule, self.stages_per_rank))
         for flag in ("master_weights", "activation_checkpointing", "optimizer_foreach", "keep_gradients"):
@@ -228,7 +228,7 @@ class MemoryModel:
             if not isinstance(value, bool) and not (value is None and flag == "optimizer_foreach"):
                 also = " or None (as torch.optim chooses for the device)" if flag == "optimizer_foreach" else ""
                 raise InvalidArgumentTypeError(
-                    f"{flag} must be True or False{also}, got {type(value).__name__} {value!r}")
+                    f"{flag} must be True or False{also}, got {shown(value)}")
         self._check_layout()
 
     def _check_layout(self) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from autoshard.arguments import bytes_per_second, duration, whole_number
 from autoshard.costs.estimate import DeviceModel
 from autoshard.costs.memory_model import UNMODELLED_SCHEDULES, MemoryModel, stages_per_rank_of
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, shown, suggest
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """The schedules whose order of work the model follows (PyTorch's ``ScheduleGPipe``,
@@ -75,7 +75,7 @@ def format_seconds(value: float) -> str:
 def _positive(value: Any, name: str, zero_allowed: bool = False) -> float:
     bound = ">= 0" if zero_allowed else "> 0"
     if not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy numbers too
-        raise InvalidArgumentTypeError(f"{name} must be a finite number {bound}, got {type(value).__name__} {value!r}")
+        raise InvalidArgumentTypeError(f"{name} must be a finite number {bound}, got {shown(value)}")
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
         raise InvalidArgumentError(f"{name} must be a finite number {bound}, got {value!r}")
     return float(value)
@@ -115,7 +115,7 @@ class StepTimeModel:
                 object.__setattr__(self, name, read(getattr(self, name)))
         if not isinstance(self.schedule, str):
             raise InvalidArgumentTypeError(f"schedule must be the name of one of {', '.join(SCHEDULES)}, got "
-                                           f"{type(self.schedule).__name__} {self.schedule!r}")
+                                           f"{shown(self.schedule)}")
         name = self.schedule.lower()
         if name not in SCHEDULES:
             raise InvalidArgumentError(
@@ -373,7 +373,7 @@ def checked_step(step: Any) -> StepTimeModel:
     """``step`` when it is a ``StepTimeModel``, else a refusal that shows one made of a schedule's name
     (``step="gpipe"`` is a natural first try)."""
     if not isinstance(step, StepTimeModel):
-        raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {type(step).__name__} {step!r}"
+        raise InvalidArgumentTypeError(f"step must be a StepTimeModel, got {shown(step)}"
                                        + (f": StepTimeModel({step!r})" if isinstance(step, str) else ""))
     return step
 

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.values import ConstantMeta, StructureMeta, ValueMeta
-from autoshard.errors import BoundaryValueError
+from autoshard.errors import BoundaryValueError, shown
 from autoshard.runtime.wire import Wire, value_meta, wire_layout
 from autoshard.sharded import ShardedModel
 
@@ -52,7 +52,7 @@ def _from_metadata(node: fx.Node, dag_attrs: dict[str, Any]) -> str | None:
     for key in ("val", "example_value"):
         if key in node.meta:
             value = node.meta[key]
-            return "tensor" if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r}"
+            return "tensor" if isinstance(value, torch.Tensor) else shown(value)
     if node.meta.get("tensor_meta") is not None:
         return "tensor" if not isinstance(node.meta["tensor_meta"], (tuple, list, dict)) else "a container"
     kind = node.meta.get("type")
