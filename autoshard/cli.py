@@ -63,7 +63,6 @@ from autoshard.plan_io import (
 )
 from autoshard.plan_io.rebuild import warn_over_saved_budget
 from autoshard.report import PIPED_WIDTH, budget_lines, compare_tables, plan_renderables, step_time_lines
-from autoshard.runtime.predict import predict_step
 from autoshard.runtime.stage_time import TIMING_REPEATS
 from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
 
@@ -283,6 +282,8 @@ def _timed_step_lines(program: ShardProgram, links: dict[str, float], memory: Me
                       repeats: int) -> list[str]:
     """``--time-stages``: the step predicted from the stages timed whole on the example
     (``autoshard.runtime.predict_step``), over this machine's calibrated runtime (a link flag's values kept)."""
+    from autoshard.runtime.predict import predict_step  # (it imports the pipelining runtime: seconds)
+
     step = dataclasses.replace(run_of(memory), **links)
     refused = step.refusal(len(program.sharded.stages))
     if refused is not None:

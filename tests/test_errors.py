@@ -165,6 +165,27 @@ def test_public_subpackages_are_attributes_of_autoshard_and_load_only_when_used(
         autoshard.runtimes  # noqa: B018 - the lookup is the test
 
 
+def test_the_cli_and_the_planner_load_neither_the_pipelining_runtime_nor_memtracker():
+    """What takes seconds to import waits for its first use: ``torch.distributed.pipelining`` (the
+    runtime's stages and schedules) and ``torch.distributed._tools`` (``MemTracker``, which pulls in
+    torch's compiler stack), so ``autoshard --help`` or ``inspect plan.json`` starts in the time
+    torch does. A plan's training probe loads ``MemTracker``; a runtime name, the runtime."""
+    import subprocess
+    import sys
+
+    code = ("import sys, autoshard.cli, autoshard.runtime\n"
+            "heavy = ('torch.distributed.pipelining', 'torch.distributed._tools')\n"
+            "assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]\n"
+            "from autoshard.examples import ResidualMLP\n"
+            "import torch, autoshard\n"
+            "autoshard.shard_model(ResidualMLP(), 2, (torch.randn(4, 16),), verify=False)\n"
+            "assert 'torch.distributed._tools' in sys.modules\n"
+            "assert 'torch.distributed.pipelining' not in sys.modules\n"
+            "assert callable(autoshard.runtime.pipeline_stage)\n"
+            "assert 'torch.distributed.pipelining' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_pipeline_cost_is_kept_when_the_call_leaves_cost_at_its_default():
     sharded = autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,linearize,split{cost=nodes},emit")
     assert len(sharded.stages) == 2

@@ -50,7 +50,6 @@ import gc
 import itertools
 import logging
 import operator
-import weakref
 from typing import Any, Callable, Hashable, Iterator
 
 import torch
@@ -58,8 +57,6 @@ import torch.fx as fx
 from torch import nn
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
@@ -75,68 +72,6 @@ from autoshard.costs.probe_memo import (
 from autoshard.costs.values import dense_parts, flat_leaves as _flat
 from autoshard.fx_helpers import canonical_tensor_names
 from autoshard.isolation import isolated, values_restored
-
-
-class _ForwardModTracker(ModTracker):
-    """``ModTracker`` following modules through their forwards only. Its gradient hooks on a module's
-    inputs (``register_multi_grad_hook``, mode ``"all"``) keep the inputs' autograd nodes in a closure
-    that the nodes hold in turn, a cycle through C++ the collector cannot see: every stage input
-    that required grad outlived ``measure_stage_memory`` (torch 2.13), and inputs of modules inside a
-    stage their nodes. The backward hooks serve per-module statistics, which nothing here reads
-    (whether a backward runs, which decides temporaries from activations, the engine tells)."""
-
-    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
-        self._get_append_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
-        if self._user_pre_fw_hook is not None:
-            self._user_pre_fw_hook(mod, input)
-
-    def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
-        if self._user_post_fw_hook is not None:
-            self._user_post_fw_hook(mod, input, output)
-        self._get_pop_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
-
-
-class QuietMemTracker(MemTracker):
-    """``MemTracker`` without its gradient hooks: it puts one on every parameter of a module it sees
-    run, which a frozen parameter refuses; the gradients they would catch are found anyway (they
-    are made inside the tracker, or handed to ``track_external``). Its modules are followed through
-    their forwards only (``_ForwardModTracker``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._mod_tracker = _ForwardModTracker()
-
-    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-    def forget_modules(self) -> None:
-        """Forget the modules earlier nodes ran, before the next node runs: their stats (the tracker
-        refuses a module it saw run before: a block's one dropout, used twice), and the modules it
-        counts as still running: one whose forward a failed probe left half-run stayed, and the next
-        module of its type warned that the tracking may be wrong (torch then replaced
-        ``warnings.formatwarning`` for the whole process)."""
-        self.reset_mod_stats()
-        self._mod_tracker.parents = {"Global"}
-        self._mod_tracker._active_module_cnt.clear()
-
-
-class _KeptGradientsTracker(QuietMemTracker):
-    """Also the peak of a run where storages ``kept`` so far (bytes) had been freed as they came: a
-    backward that keeps its weights' gradients (the step's first, after ``zero_grad``) gives, in the
-    same run, the peak of one that adds each into the existing gradient and frees it; and that peak
-    where the ``released`` bytes so far (gradients the backward started from, which the probe holds)
-    had been freed too (``alone_peak``). The peaks are taken after each operator, as ``MemTracker``
-    takes its own."""
-
-    kept = 0
-    released = 0
-    freed_peak = 0
-    alone_peak = 0
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
-        self.freed_peak = max(self.freed_peak, _total(self._curr_mem_snap) - self.kept)
-        self.alone_peak = max(self.alone_peak, _total(self._curr_mem_snap) - self.kept - self.released)
 
 
 @contextlib.contextmanager
@@ -308,11 +243,6 @@ class _Handed(nn.Module):
         return self.call.run(args, kwargs)
 
 
-def _total(snapshot: Any) -> int:
-    """All bytes of a ``MemTracker`` snapshot, every device."""
-    return sum(int(by_type.get("Total", 0)) for by_type in snapshot.values())
-
-
 class TrainingProbe:
     """Runs beside shape propagation: ``measure(call, value)`` after each node, ``facts()`` at the end."""
 
@@ -364,7 +294,9 @@ class TrainingProbe:
         self.bases: dict[int, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
         self.unprobed: list[str] = []
         self.unrun: set[str] = set()  # the nodes whose forward fake tensors could not run: no facts
-        self.tracker = _KeptGradientsTracker()
+        from autoshard.costs.trackers import KeptGradientsTracker  # (its import is slow: see trackers)
+
+        self.tracker = KeptGradientsTracker()
         self.memo: dict[Hashable, Any] | None = {} if memo else None  # a node's key -> its effect (or forward peak)
 
     # -- storages -------------------------------------------------------------------------
@@ -396,8 +328,8 @@ class TrainingProbe:
         when an operator first touches it, as if it were new); yields the peak above where it started."""
         self.tracker.track_external(*existing)
         with without_cyclic_gc(), self.tracker:  # in this order: see ``without_cyclic_gc``
-            start = _total(self.tracker.get_tracker_snapshot("current"))
-            yield lambda: max(0, _total(self.tracker.get_tracker_snapshot("peak")) - start)
+            start = self.tracker.total("current")
+            yield lambda: max(0, self.tracker.total("peak") - start)
 
     @contextlib.contextmanager
     def _in_fake_mode(self) -> Iterator[FakeTensorMode]:
@@ -1050,7 +982,7 @@ class TrainingProbe:
             with self._tracked(*gradients, *wanted, *_tensors(inputs)) as peak, \
                     gradient_order(sent, [t for t in _tensors(inputs) if t.requires_grad and id(t) not in self.leaves],
                                    weights) as order:
-                start = _total(tracker.get_tracker_snapshot("current"))
+                start = tracker.total("current")
                 tracker.kept, tracker.released, tracker.freed_peak, tracker.alone_peak = 0, 0, start, start
                 with torch.enable_grad():
                     grads = torch.autograd.grad(sent, wanted, gradients, allow_unused=True)

@@ -8,76 +8,51 @@ training (to check the memory model against); ``predict_step`` predicts a traini
 stages timed whole and the runtime's costs on this machine (``calibrate_runtime``); the rest keeps
 checkpoints under the model's own names and lets a rank build its stage from a model made on the
 ``meta`` device.
+
+Attributes load lazily, as ``autoshard``'s do: ``torch.distributed.pipelining``, FSDP and
+distributed checkpointing take seconds to import, and a command that only plans or reads a plan
+(the CLI imports ``predict_step``) needs none of them.
 """
 
-from autoshard.errors import LaunchError
-from autoshard.runtime.check import GradientDifference, StepCheck, check_pipeline_step
-from autoshard.runtime.checkpoint import (
-    load_distributed,
-    load_stage_state,
-    merge_stage_states,
-    save_distributed,
-    stage_part,
-)
-from autoshard.runtime.calibrate import RuntimeCalibration, calibrate_runtime
-from autoshard.runtime.device_map import device_map, split_modules
-from autoshard.runtime.launch import run_local
-from autoshard.runtime.materialize import materialize_stage
-from autoshard.runtime.memory import StageMemoryMeasurement, measure_stage_memory
-from autoshard.runtime.offload import OffloadRunner
-from autoshard.runtime.parallel import Parallelized, parallelize
-from autoshard.runtime.machine_load import CalibrationLoadWarning
-from autoshard.runtime.predict import EvalModeStepWarning, TimingSpreadWarning, predict_step
-from autoshard.runtime.schedule import (
-    SCHEDULES,
-    MicrobatchSizeWarning,
-    MicrobatchStatisticsWarning,
-    build_schedule,
-    check_world_size,
-    local_stage_indices,
-    model_loss,
-)
-from autoshard.runtime.stage import SharedBufferWarning, pipeline_stage
-from autoshard.runtime.stage_time import StageTimeMeasurement, measure_stage_time
-from autoshard.runtime.ties import SharedParameter, TiedGradients, shared_parameters
+from __future__ import annotations
 
-__all__ = [
-    "EvalModeStepWarning",
-    "TimingSpreadWarning",
-    "CalibrationLoadWarning",
-    "GradientDifference",
-    "LaunchError",
-    "MicrobatchSizeWarning",
-    "MicrobatchStatisticsWarning",
-    "OffloadRunner",
-    "Parallelized",
-    "RuntimeCalibration",
-    "SCHEDULES",
-    "SharedBufferWarning",
-    "SharedParameter",
-    "StageMemoryMeasurement",
-    "StageTimeMeasurement",
-    "StepCheck",
-    "TiedGradients",
-    "build_schedule",
-    "calibrate_runtime",
-    "check_pipeline_step",
-    "check_world_size",
-    "device_map",
-    "load_distributed",
-    "load_stage_state",
-    "local_stage_indices",
-    "materialize_stage",
-    "measure_stage_memory",
-    "measure_stage_time",
-    "merge_stage_states",
-    "model_loss",
-    "parallelize",
-    "pipeline_stage",
-    "predict_step",
-    "run_local",
-    "save_distributed",
-    "shared_parameters",
-    "split_modules",
-    "stage_part",
-]
+import importlib
+from typing import Any
+
+#: What each module gives, by name (loaded on first use).
+_EXPORTS = {
+    "autoshard.errors": ("LaunchError",),
+    "autoshard.runtime.check": ("GradientDifference", "StepCheck", "check_pipeline_step"),
+    "autoshard.runtime.checkpoint": (
+        "load_distributed", "load_stage_state", "merge_stage_states", "save_distributed", "stage_part",
+    ),
+    "autoshard.runtime.calibrate": ("RuntimeCalibration", "calibrate_runtime"),
+    "autoshard.runtime.device_map": ("device_map", "split_modules"),
+    "autoshard.runtime.launch": ("run_local",),
+    "autoshard.runtime.materialize": ("materialize_stage",),
+    "autoshard.runtime.memory": ("StageMemoryMeasurement", "measure_stage_memory"),
+    "autoshard.runtime.offload": ("OffloadRunner",),
+    "autoshard.runtime.parallel": ("Parallelized", "parallelize"),
+    "autoshard.runtime.machine_load": ("CalibrationLoadWarning",),
+    "autoshard.runtime.predict": ("EvalModeStepWarning", "TimingSpreadWarning", "predict_step"),
+    "autoshard.runtime.schedule": (
+        "SCHEDULES", "MicrobatchSizeWarning", "MicrobatchStatisticsWarning", "build_schedule",
+        "check_world_size", "local_stage_indices", "model_loss",
+    ),
+    "autoshard.runtime.stage": ("SharedBufferWarning", "pipeline_stage"),
+    "autoshard.runtime.stage_time": ("StageTimeMeasurement", "measure_stage_time"),
+    "autoshard.runtime.ties": ("SharedParameter", "TiedGradients", "shared_parameters"),
+}
+_LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'autoshard.runtime' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

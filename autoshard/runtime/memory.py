@@ -51,17 +51,16 @@ from __future__ import annotations
 import dataclasses
 import gc
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import _MemRefType
 from torch.utils._pytree import tree_map_only
 
 from autoshard.arguments import whole_number
 from autoshard.costs.layouts import dense_order, sent_as_copy
 from autoshard.costs.memory_model import MemoryModel
-from autoshard.costs.saved import QuietMemTracker, without_cyclic_gc
+from autoshard.costs.saved import without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
 from autoshard.runtime.optimizer_step import OPTIMIZER_STATE, StandIns, optimizer_state_names, stand_ins
 from autoshard.runtime.replay import (
@@ -71,17 +70,14 @@ from autoshard.runtime.ties import shared_parameters, summing_buffers
 from autoshard.runtime.wire import contiguous_grad
 from autoshard.sharded import ShardedModel
 
+if TYPE_CHECKING:
+    from autoshard.costs.trackers import QuietMemTracker
+
 #: The schedules whose steady state one stage on one process can stand for.
 MEASURED_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
 #: The parts of a measurement, in the order reports show them.
 PARTS = ("weights", "gradients", "optimizer", "activations", "received", "temporaries")
-
-_PART_OF = {
-    _MemRefType.PARAM: "weights", _MemRefType.BUFFER: "weights", _MemRefType.GRAD: "gradients",
-    _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.OTH: "received",
-    _MemRefType.TEMP: "temporaries",
-}
 
 
 @dataclass(frozen=True)
@@ -361,6 +357,8 @@ def _run_in_steady_state(
     optimizers = step.optimizers(trainable)
     held = [module, *optimizers.all, *[t for mb in received for t in tensors_in(mb)],
             *[g for microbatch in waiting for g in microbatch]]  # received, not made here
+    from autoshard.costs.trackers import QuietMemTracker  # (its import is slow: see trackers)
+
     tracker = QuietMemTracker()
     tracker.track_external(*held)
     with without_cyclic_gc(), tracker:  # in this order: see ``without_cyclic_gc``
@@ -425,6 +423,8 @@ def _after_backward(held: list, device: torch.device, step: _Step, optimizers: S
     """The parts of the most held while the step ends: the tie sum's buffer (made and freed, as
     ``TiedGradients.sync`` does before the optimizer steps), then the optimizer's step. What is
     not weight state or a receive buffer is in ``temporaries``."""
+    from autoshard.costs.trackers import QuietMemTracker  # (its import is slow: see trackers)
+
     tracker = QuietMemTracker()
     tracker.track_external(*held)
     with without_cyclic_gc(), tracker:
@@ -462,13 +462,15 @@ def _parts(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.dev
            optimizers: StandIns) -> dict[str, int]:
     """The tracker's snapshot of ``device`` as bytes per part of ``PARTS``, less Adam's step counts
     (a scalar a weight, on the CPU whatever the device; the memory model leaves them out)."""
+    from autoshard.costs.trackers import PART_OF
+
     parts = dict.fromkeys(PARTS, 0)
     for found, by_type in snapshot.items():
         if torch.device(found).type != device.type:
             continue
         for ref, size in by_type.items():
-            if ref in _PART_OF:
-                parts[_PART_OF[ref]] += size
+            if ref in PART_OF:
+                parts[PART_OF[ref]] += size
     parts["optimizer"] -= sum(state["step"].untyped_storage().nbytes() for optimizer in optimizers.all
                               for state in optimizer.state.values()
                               if "step" in state and state["step"].device.type == device.type)

@@ -5,6 +5,7 @@ measurements of a stage (``measure_stage_memory``, ``measure_stage_time``) share
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -178,3 +179,10 @@ def fresh_copy(values: Any, receives_gradients: bool) -> Any:
 def tensors_in(values: Any) -> list[torch.Tensor]:
     """The tensors among ``values``, nested ones too."""
     return [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
+
+
+def plan_fingerprint(sharded: ShardedModel) -> str:
+    """A digest of the split that is the same in every process that made the same plan."""
+    plan = sharded.plan
+    text = repr((plan.boundaries, sorted(plan.assignment.items())))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -8,7 +8,6 @@ cannot be spread over. Only then is the ``PipelineStage`` built.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +28,7 @@ from autoshard.isolation import isolated
 from autoshard.runtime.boundaries import boundary_wires
 from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, shared_across_stages
+from autoshard.runtime.replay import plan_fingerprint
 from autoshard.runtime.schedule import PLAN_KEY, SIGNATURE_KEY, local_stage_indices
 from autoshard.runtime.wire import Wire, rewire
 from autoshard.sharded import ShardedModel
@@ -113,13 +113,6 @@ def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> tupl
         raise InvalidArgumentError(
             f"stage_index {stage_index} is outside the plan's stages 0..{num_stages - 1}")
     return stage_index, num_stages
-
-
-def plan_fingerprint(sharded: ShardedModel) -> str:
-    """A digest of the split that is the same in every process that made the same plan."""
-    plan = sharded.plan
-    text = repr((plan.boundaries, sorted(plan.assignment.items())))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _plan_for_microbatch(sharded: ShardedModel, microbatch: Any, group: dist.ProcessGroup | None,

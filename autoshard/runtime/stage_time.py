@@ -23,8 +23,8 @@ from autoshard.arguments import whole_number
 from autoshard.costs.execution import on_threads
 from autoshard.runtime.optimizer_step import stand_ins
 from autoshard.runtime.replay import (
-    checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
-from autoshard.runtime.stage import plan_fingerprint
+    checked_call, checked_stage, fresh_copy, model_kept, plan_fingerprint, running_device, serving_plan, stage_inputs,
+    tensors_in)
 from autoshard.sharded import ShardedModel, stage_device
 
 TIMING_REPEATS = 9
