@@ -23,7 +23,7 @@ from autoshard.capture.guard import check_autocast
 from autoshard.capture.held_state import checked_modules
 from autoshard.costs.memory import stage_memory, tie_sum_bytes
 from autoshard.costs.memory_model import OPTIMIZER_BYTES, MemoryModel, interleaved_in_flight
-from autoshard.costs.saved import QuietMemTracker
+from autoshard.costs.trackers import QuietMemTracker
 from autoshard.examples import load_example
 from autoshard.plan_io import read_plan
 from autoshard.runtime import measure_stage_memory
