@@ -46,18 +46,31 @@ class _GlobalOnly:
         return None
 
 
+class _OpCountingFlopCounterMode(FlopCounterMode):
+    """torch's counter, also counting the kernels it runs (``ops``, after decompositions): how many
+    operators a node dispatches, which is what running it on fake tensors costs (``TrainingProbe``).
+    ``_count_flops`` is the counter's one call per kernel (torch 2.13); it has no public hook."""
+
+    ops = 0
+
+    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+        self.ops += 1
+        return super()._count_flops(func_packet, out, args, kwargs)
+
+
 def flop_counter_mode() -> FlopCounterMode:
     """torch's counter, with a formula for the kernels it misses (unless this torch has its own).
     The registry holds each formula wrapped to take shapes; the counter wraps what it is given."""
     registry = flop_counter.flop_registry
     missing = {op: inspect.unwrap(registry[twin]) for op, twin in _TWINS.items() if op not in registry}
-    counter = FlopCounterMode(display=False, custom_mapping=missing)
+    counter = _OpCountingFlopCounterMode(display=False, custom_mapping=missing)
     counter.mod_tracker = _GlobalOnly()
     return counter
 
 
 class NodeFlopCounter:
-    """``measure(call)`` runs a node under torch's counter and records the FLOPs it performed.
+    """``measure(call)`` runs a node under torch's counter and records the FLOPs it performed, and
+    the kernels it ran (``ops_per_node``).
 
     The counter is open only while a node runs: the code between nodes (shape propagation's
     bookkeeping, the training probe) then dispatches through no Python mode. Open for the whole
@@ -68,8 +81,10 @@ class NodeFlopCounter:
     def __init__(self) -> None:
         self._counter = flop_counter_mode()
         self.per_node: dict[str, int] = {}
+        self.ops_per_node: dict[str, int] = {}
 
     def measure(self, call: NodeCall) -> Any:
+        self._counter.ops = 0
         with self._counter:  # entering clears its counts: what it holds after is this node's
             if call.node.op == "call_module" or isinstance(call.node.target, torch._ops.HigherOrderOperator):
                 # The counter's module tracker hooks every module call (a leaf's, a torch.cond's branches)
@@ -82,4 +97,5 @@ class NodeFlopCounter:
             else:
                 value = call.run()
         self.per_node[call.node.name] = int(self._counter.get_total_flops())
+        self.ops_per_node[call.node.name] = self._counter.ops
         return value

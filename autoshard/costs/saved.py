@@ -37,9 +37,10 @@ reads only arguments that want no gradient) is not probed at all: its effect is 
 propagation's run (``_untracked``). A node that fake tensors cannot run (control flow on a tensor's
 values, as ``nn.TransformerEncoder``'s mask check) or size (a fused RNN's fake kernel saves its
 workspace as an empty storage) is probed as any other on one real run, on the values shape propagation
-gave it standing for the twins (``_probe_on_real_tensors``); where shape propagation runs fake tensors,
-it gets a fake twin of its value and no facts (the memory model counts its output bytes), and
-``unprobed`` names it.
+gave it standing for the twins (``_probe_on_real_tensors``); so is a node that ran more kernels than
+``REAL_PROBE_KERNELS`` (a recurrent layer runs its own each step), where fake tensors cost more than
+a real run. Where shape propagation runs fake tensors, a node they cannot run gets a fake twin of
+its value and no facts (the memory model counts its output bytes), and ``unprobed`` names it.
 """
 
 from __future__ import annotations
@@ -197,6 +198,13 @@ def _reached(node: fx.Node, value: Any) -> tuple[bool, tuple[int, ...] | None]:
 #: ``_grouped_mm`` wants bf16 on CPU) before it raises: 88 lines on a tiny Mixtral, for failures the
 #: probe catches (``_probe_on_real_tensors``) or reports (``unprobed``).
 _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+#: Kernels past which a node is probed on shape propagation's real tensors, where it has them: on
+#: fake ones each kernel costs milliseconds of Python dispatch, forward and backward, probed twice
+#: where its consumers' gradient comes in another layout. A recurrent layer runs its kernels once a
+#: step: a 2-layer GRU on 32 steps runs 916 (planning it took 25-39 s, 2-3 s on real tensors, the
+#: same bytes predicted); the largest node of the Hugging Face zoo runs 59 (a SegFormer stage).
+REAL_PROBE_KERNELS = 128
 
 
 def _quiet(record: logging.LogRecord) -> bool:
@@ -380,8 +388,9 @@ class TrainingProbe:
             self.own(leaf, None)
         return self.weights[id(t)]
 
-    def measure(self, call: NodeCall, value: Any) -> None:
-        """Probe ``call``'s node; ``value`` is what shape propagation computed for it."""
+    def measure(self, call: NodeCall, value: Any, kernels: int = 0) -> None:
+        """Probe ``call``'s node; ``value`` is what shape propagation computed for it, running
+        ``kernels`` operators (``REAL_PROBE_KERNELS``)."""
         node = call.node
         if self.fake is None:  # chosen while the run is on: a fake run's own mode, if it is one
             self.real_run = active_fake_mode() is None
@@ -398,7 +407,7 @@ class TrainingProbe:
                     twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), value)
                     self.own(twin, None)
         else:
-            twin = self._compute(call, value)
+            twin = self._compute(call, value, kernels)
         self.twins[node] = twin
         self.kept.append(twin)
 
@@ -502,7 +511,7 @@ class TrainingProbe:
         except (Uncacheable, TypeError):  # TypeError: a value that cannot be hashed
             return None
 
-    def _compute(self, call: NodeCall, real: Any) -> Any:
+    def _compute(self, call: NodeCall, real: Any, kernels: int) -> Any:
         name = call.node.name
         args, kwargs = fx.node.map_arg((call.node.args, call.node.kwargs), self.twins.__getitem__)
         flat, spec = tree_flatten((args, kwargs))
@@ -515,9 +524,13 @@ class TrainingProbe:
         if effect is not None:
             value = self._replay(effect, arguments)  # outside the fake mode: entering it costs more than a replay
         else:
+            probed = self._probe_on_real_tensors(call, args, kwargs) if kernels > REAL_PROBE_KERNELS else None
             try:
-                with self._in_fake_mode():
-                    effect, value, reusable = self._probe(call, args, kwargs, arguments)
+                if probed is not None:
+                    (effect, value), reusable = probed, False
+                else:
+                    with self._in_fake_mode():
+                        effect, value, reusable = self._probe(call, args, kwargs, arguments)
             except Exception:  # noqa: BLE001 - what fake tensors cannot run is probed on real ones, or left unprobed
                 probed = self._probe_on_real_tensors(call, args, kwargs)
                 if probed is None:
@@ -836,12 +849,13 @@ class TrainingProbe:
 
     def _probe_on_real_tensors(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[NodeEffect, Any] | None:
         """The effect of a node fake tensors cannot run (control flow on a tensor's values, as the
-        ``branched`` example's blocks) or size (the fused RNN kernels' fake twins, ``mkldnn_rnn_layer``
+        ``branched`` example's blocks), size (the fused RNN kernels' fake twins, ``mkldnn_rnn_layer``
         on CPU and ``_cudnn_rnn``, return an empty workspace the real kernel fills: most of what an
-        LSTM saves), probed by ``_probe`` on one real run where shape propagation runs real tensors:
-        on the values it gave the node standing for the twins ``args`` / ``kwargs``, with the model's
-        state and randomness set back after it. Returns the effect and the output as fake twins in
-        the real output's storages; None without a real run, or where the values do not line up."""
+        LSTM saves) or run cheaply (``REAL_PROBE_KERNELS``), probed by ``_probe`` on one real run
+        where shape propagation runs real tensors: on the values it gave the node standing for the
+        twins ``args`` / ``kwargs``, with the model's state and randomness set back after it. Returns
+        the effect and the output as fake twins in the real output's storages; None without a real
+        run, or where the values do not line up."""
         if not self.real_run:
             return None
         flat, spec = tree_flatten((call.args, call.kwargs))
