@@ -163,14 +163,27 @@ class InputMismatchError(InvalidArgumentError):
     outside what the capture was built for. The message names what the plan accepts."""
 
 
+#: The end of a ``SpecializationMismatch``'s message.
+OTHER_CAPTURE = ("; or, where the model was sharded with respecialize=True (the default), call the sharded model, "
+                 "which captures the model again for them, or run the stages of sharded.specialize(*inputs).stages")
+
+
 class SpecializationMismatch(InputMismatchError):
     """Inputs another capture of the model could serve: a size or a branch the capture fixed to
     its example's. A sharded model re-specialises on it (``shard_model(respecialize=True)``).
-    ``before_compute`` says the stages had computed nothing yet when it was raised."""
+    ``before_compute`` says the stages had computed nothing yet when it was raised. The message ends
+    with what serves the inputs without sharding again (``OTHER_CAPTURE``): a user running the
+    stages in turn, as the README does, meets it, as a sharded model re-specialises before its
+    caller sees one; ``other_capture=False`` leaves that out where it is what failed. ``refusal``
+    is the message without it."""
 
-    def __init__(self, message: str, before_compute: bool = False) -> None:
-        super().__init__(message)
+    def __init__(self, refusal: str, before_compute: bool = False, other_capture: bool = True) -> None:
+        super().__init__(refusal + (OTHER_CAPTURE if other_capture else ""))
+        self.refusal = refusal
         self.before_compute = before_compute
+
+    def __reduce__(self) -> tuple:  # (pickled by its message alone, it would add the advice twice)
+        return type(self), (self.refusal, self.before_compute, str(self) != self.refusal)
 
 
 class PipelineSetupError(InvalidArgumentError):

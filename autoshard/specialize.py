@@ -258,15 +258,15 @@ class Specializer:
         updated twice, random draws (dropout) would move the generator on."""
         if tried.plan.training and not exc.before_compute and not runs_again_the_same(tried):
             raise SpecializationMismatch(
-                f"{exc}. In training mode, stages that hold buffers or draw random numbers are not run again "
+                f"{exc.refusal}. In training mode, stages that hold buffers or draw random numbers are not run again "
                 "for new inputs once some have computed (the buffers would be updated twice, the draws would "
                 "differ from the model's); the stages before this guard have run for this call (any buffers "
                 "they hold are updated). Call sharded.specialize(*args, **kwargs) with inputs like these before "
-                "such calls, or make the specialisations in eval mode") from exc
+                "such calls, or make the specialisations in eval mode", other_capture=False) from exc
 
     def _specialized(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                      exc: SpecializationMismatch, run: Runner) -> Any:
-        return run(self.specialize(primary, args, kwargs, guard=str(exc)), args, kwargs)
+        return run(self.specialize(primary, args, kwargs, guard=exc.refusal), args, kwargs)
 
     # -- capturing -------------------------------------------------------------------------------
     def plan_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch
+from autoshard.errors import OTHER_CAPTURE, InputMismatchError, PlanError, SpecializationMismatch
 from autoshard.runtime.replay import serving_plan
 from autoshard.specialize import SpecializationLimitWarning, Specializer, holders
 
@@ -171,6 +171,18 @@ def test_in_training_mode_the_plans_for_each_grad_mode_alternate_without_running
         with mode():
             assert torch.equal(sharded(x), twin(x))
     assert torch.equal(model.a[1].running_mean, twin.a[1].running_mean)
+
+
+def test_stages_run_in_turn_on_inputs_a_specialisation_serves_are_told_where_its_stages_are():
+    """The README runs the stages in turn; on inputs the first capture refuses, the refusal says
+    that the sharded model serves them, and whose stages do, not only to shard again."""
+    model, sharded = size_branch()
+    x = torch.randn(1, 8)
+    with pytest.raises(SpecializationMismatch) as refused:
+        sharded.stages[1](*sharded.stages[0](x))
+    assert str(refused.value).endswith(OTHER_CAPTURE) and "x.shape[0] > 2" in refused.value.refusal
+    stages = sharded.specialize(x).stages
+    assert torch.equal(stages[1](*stages[0](x)), model(x))
 
 
 def test_respecialize_false_keeps_the_refusal():

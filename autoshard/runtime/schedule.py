@@ -249,9 +249,9 @@ class _BatchShapes:
                 return step(*args, target=target, **options, **kwargs)
             except SpecializationMismatch as exc:  # a step cannot capture again half-way, as a call does
                 raise SpecializationMismatch(
-                    f"{exc}. A pipeline step runs the stages it was built with: build them for the microbatches "
-                    "the step runs, pipeline_stage(sharded, i, k, device, microbatch=one microbatch's inputs), "
-                    "which makes the plan serving them", exc.before_compute) from exc
+                    f"{exc.refusal}. A pipeline step runs the stages it was built with: build them for the "
+                    "microbatches the step runs, pipeline_stage(sharded, i, k, device, microbatch=one microbatch's "
+                    "inputs), which makes the plan serving them", exc.before_compute, other_capture=False) from exc
 
         return checked
 
