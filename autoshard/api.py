@@ -16,7 +16,7 @@ from autoshard.costs.execution import holds_meta_tensors
 from autoshard.costs.memory import check_memory_budgets, stage_memory
 from autoshard.costs.memory_model import MemoryModel
 from autoshard.errors import (
-    InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, first_few, plural, shown,
+    InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, brief, first_few, plural, shown,
 )
 from autoshard.passes.analyses import (
     CostModel,
@@ -50,6 +50,10 @@ CostFunction = Callable[[CostNode], float]
 
 def check_model(model: Any) -> nn.Module:
     """``model``, or a refusal that says what to pass instead of what was given."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise InvalidArgumentTypeError(
+            f"autoshard splits an eager torch.nn.Module, got a TorchScript {type(model).__name__} (torch.jit.script "
+            "or torch.jit.trace), whose compiled code it cannot capture; pass the module it was made from")
     if isinstance(model, nn.Module):
         return model
     if isinstance(model, Mapping) and model and all(isinstance(v, torch.Tensor) for v in model.values()):
@@ -311,6 +315,10 @@ def shard_model(
     and the stages on the example to compare them (the pipeline's ``verify`` passes too).
     """
     check_model(model)
+    if isinstance(example_inputs, int) and not isinstance(num_stages, int):
+        raise InvalidArgumentTypeError(f"num_stages must be an int, got {shown(num_stages)}, and example_inputs is "
+                                       f"{example_inputs}: the stage count comes first, "
+                                       "shard_model(model, num_stages, example_inputs)")
     num_stages = whole_number(num_stages, "num_stages", at_least=1)
     for name, flag in (("respecialize", respecialize), ("verify", verify)):
         if not isinstance(flag, bool):
@@ -324,6 +332,8 @@ def shard_model(
             num_stages, cost_name, verify=verify and inputs is not None and not on_meta, shapes=inputs is not None,
             time_profile=None if time_profile is None else os.fspath(time_profile),
             capacities=capacities, max_memory=max_memory, tolerance=tolerance)
+        if inputs is None:
+            _refuse_measuring_without_inputs(chosen, cost_name, max_memory)
     else:
         if time_profile is not None:
             raise InvalidArgumentError("time_profile= applies to the default pipeline; with a pipeline, "
@@ -354,6 +364,20 @@ def shard_model(
         program.sharded.specializer = specializer_for(model, num_stages, chosen, cost, memory_model, inputs,
                                                       max_specializations)
     return program.sharded
+
+
+def _refuse_measuring_without_inputs(chosen: Pipeline, cost_name: str, max_memory: Any) -> None:
+    """A cost or budget that counts what the model computes, asked without example inputs, named as
+    the caller asked for it (the pipeline's refusal speaks of passes and artifacts)."""
+    try:
+        chosen.validate()
+    except PipelineValidationError as exc:
+        asked = [f"cost={cost_name!r}"] * (cost_name != "params") + [f"max_memory={brief(max_memory)}"] * (
+            max_memory is not None)
+        params = ", or plan by cost='params'" * (max_memory is None)
+        raise InvalidArgumentError(
+            f"{' and '.join(asked) or 'this pipeline'} counts what the model computes on example inputs, and none "
+            f"were given: pass example_inputs= (and example_kwargs=){params}") from exc
 
 
 def _warn_unmeasured(plan: StagePlan) -> None:

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from autoshard import progress
+from autoshard import __version__, progress
 from autoshard.api import (
     bind_pipeline, check_stages_made, default_pipeline, example_inputs_of, stage_limits, steps_at, without_verify,
 )
@@ -684,6 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoshard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"autoshard {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("split", parents=[_plan_options(build=True)],
                         help="split a model into K stages, build and verify them, and show the plan"

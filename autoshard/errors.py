@@ -45,8 +45,8 @@ def first_few(names: Sequence[str], most: int = 5) -> str:
 
 
 class _Short(reprlib.Repr):
-    """``repr`` cut to a line: a tensor by its shape (its numbers would fill the screen), long
-    containers and strings elided. Told by type name, so this module needs no torch."""
+    """``repr`` cut to a line: a tensor or an array by its shape (its numbers would fill the
+    screen), long containers and strings elided. Told by type name, so this module needs no torch."""
 
     def __init__(self) -> None:
         super().__init__()  # (keyword settings arrived in Python 3.12)
@@ -56,15 +56,19 @@ class _Short(reprlib.Repr):
     def repr_Tensor(self, x, level: int) -> str:  # noqa: N802 - reprlib dispatches on the type's name
         return f"Tensor{list(x.shape)}"
 
+    def repr_ndarray(self, x, level: int) -> str:
+        return f"array{list(x.shape)} of {x.dtype}"
+
     repr_Parameter = repr_Tensor
 
 
-_SHORT = _Short()
+#: ``repr`` cut to a line, for a value in a message: ``brief(x)``.
+brief = _Short().repr
 
 
 def shown(value: object) -> str:
     """``tuple (Tensor[8, 16], 2)``: a wrong value's type and a short repr of it, for messages."""
-    return f"{type(value).__name__} {_SHORT.repr(value)}"
+    return f"{type(value).__name__} {brief(value)}"
 
 
 class AutoshardError(Exception):

@@ -24,7 +24,7 @@ from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
-from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch
+from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch, brief
 from autoshard.graph.partition import SplitInfo
 
 _training = operator.attrgetter("training")
@@ -364,7 +364,7 @@ class _Binder:
             value = values[index]
             if not isinstance(value, torch.Tensor) and not any(isinstance(v, torch.Tensor) for v in tree_iter(value)):
                 raise _not_fitting(self.signature, TypeError(
-                    f"{name} is {value!r}, but the plan was captured with tensors there"), another_capture=True)
+                    f"{name} is {brief(value)}, but the plan was captured with tensors there"), another_capture=True)
         if binding.as_is and (keep_positions or self.model_signature is None):
             return args, kwargs
         call = {name: values[index] for name, index in binding.moved}
@@ -377,9 +377,9 @@ class _Binder:
                    if not is_default(self.model_signature, name, values[index])]
         if changed:
             defaults = [parameter_default(self.model_signature, name) for name, _ in changed]
-            given = ", ".join(f"{name}={value!r}" if not isinstance(value, torch.Tensor) else name
+            given = ", ".join(f"{name}={brief(value)}" if not isinstance(value, torch.Tensor) else name
                               for name, value in changed)
-            reason = (f"the example left {', '.join(f'{n}={d!r}' for (n, _), d in zip(changed, defaults))} at the "
+            reason = (f"the example left {', '.join(f'{n}={brief(d)}' for (n, _), d in zip(changed, defaults))} at the "
                       f"default, which the plan computes with, and these inputs give {given}"
                       if inspect.Parameter.empty not in defaults
                       else f"the example did not pass {', '.join(repr(name) for name, _ in changed)}")

@@ -232,3 +232,10 @@ def test_tables_written_to_a_pipe_are_wide_enough_to_read():
     header = next(line for line in out.stdout.splitlines() if line.startswith("┃"))
     assert all(column in header for column in ("modules", "params", "time (est.)", "train mem", "sends"))
     assert [modules(row[1]) for row in stage_rows(out.stdout)] == ["linears.0-2", "linears.3-4", "linears.5-7"]
+
+
+def test_version_prints_the_package_version():
+    result = autoshard("--version")
+    from autoshard import __version__
+
+    assert result.returncode == 0 and result.stdout.strip() == f"autoshard {__version__}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import networkx as nx
@@ -37,11 +38,26 @@ def test_num_stages_not_an_int(bad):
 
 def test_inputs_given_for_the_stage_count_are_shown_by_shape_not_by_their_numbers():
     """shard_model(model, (x,), 2) swaps two arguments: the message names the tuple of one tensor
-    in a line, not the tensor's 2,048 numbers."""
+    in a line, not the tensor's 2,048 numbers, and says which comes first."""
     x = torch.randn(8, 16, 16)
     with pytest.raises(InvalidArgumentTypeError) as caught:
         autoshard.shard_model(ResidualMLP(), (x,), 2)
-    assert str(caught.value) == "num_stages must be an int, got tuple (Tensor[8, 16, 16],)"
+    assert str(caught.value) == ("num_stages must be an int, got tuple (Tensor[8, 16, 16],), and example_inputs is 2: "
+                                 "the stage count comes first, shard_model(model, num_stages, example_inputs)")
+    alone = r"^num_stages must be an int, got tuple \(Tensor\[8, 16, 16\],\)$"  # (no swap to point out)
+    with pytest.raises(InvalidArgumentTypeError, match=alone):
+        autoshard.shard_model(ResidualMLP(), (x,))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("compile_", ["script", "trace"])
+def test_a_torchscript_module_is_refused_naming_what_to_pass(compile_):
+    """A scripted module's forward is compiled code: the capture failed inside it, and the message
+    blamed the model for raising on its example inputs (a new user's finding)."""
+    model, x = ResidualMLP().eval(), torch.randn(2, 16)
+    scripted = torch.jit.script(model) if compile_ == "script" else torch.jit.trace(model, (x,))
+    with pytest.raises(InvalidArgumentTypeError, match="got a TorchScript .*; pass the module it was made from"):
+        autoshard.shard_model(scripted, 2, (x,))
 
 
 def test_a_numpy_integer_is_a_stage_count():
@@ -110,6 +126,18 @@ def test_spec_missing_a_required_artifact_says_what_to_add():
 def test_verify_without_example_inputs_is_refused_before_running():
     with pytest.raises(PipelineValidationError, match="example_inputs"):
         autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,linearize,split,emit,verify")
+
+
+@pytest.mark.parametrize("asked, named", [
+    (dict(cost="flops"), "cost='flops'"), (dict(cost="time"), "cost='time'"),
+    (dict(max_memory="1GiB"), "max_memory='1GiB'"),
+])
+def test_a_cost_or_budget_that_measures_the_model_asks_for_example_inputs_by_its_own_name(asked, named):
+    """The default pipeline leaves shape propagation out without inputs: the split's refusal spoke of
+    passes, positions and 'facts', options the caller never gave."""
+    with pytest.raises(InvalidArgumentError, match=rf"^{re.escape(named)} counts what the model computes on example "
+                                                   r"inputs, and none were given: pass example_inputs="):
+        autoshard.shard_model(ResidualMLP(), 2, **asked)
 
 
 def test_contradicting_stage_counts():

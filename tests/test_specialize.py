@@ -760,3 +760,34 @@ def test_a_stage_holding_its_own_copy_of_a_shared_buffer_still_respecialises():
     assert holders(sharded)["shared"] == {0, 1}
     x = torch.randn(2, 4)
     assert torch.allclose(sharded(x), model(x)) and len(sharded.specializations) == 1
+
+
+class TakesArrays(nn.Module):
+    """Converts what it is given (a numpy array) to a tensor: to a capture the array is a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x) -> torch.Tensor:
+        return self.b(self.a(torch.as_tensor(x, dtype=torch.float32)))
+
+
+def test_a_numpy_array_is_a_constant_compared_by_its_items_and_named_by_its_shape():
+    """An array's == compares items: the capture's constant check read that as 'changed in place' and
+    refused even the example array, printing both arrays whole. Now the same items serve the plan,
+    other items a new capture, and a refusal names the array by shape and says to pass a tensor."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = TakesArrays().eval()
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    assert torch.equal(sharded(x.copy()), model(x)) and sharded.specializations == ()
+    other = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+    assert torch.equal(sharded(other), model(other)) and len(sharded.specializations) == 1
+    fixed = autoshard.shard_model(model, 2, (x,), respecialize=False)
+    with pytest.raises(SpecializationMismatch) as refused:
+        fixed(other)
+    assert "x=array[3, 4] of float32" in str(refused.value) and "torch.from_numpy" in str(refused.value)
+    assert len(str(refused.value)) < 800

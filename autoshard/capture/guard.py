@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from autoshard.capture.structure import ArgumentStructure, Flattened, same_constant
-from autoshard.errors import InputMismatchError, InvalidArgumentError, SpecializationMismatch
+from autoshard.errors import InputMismatchError, InvalidArgumentError, SpecializationMismatch, brief
 from autoshard.isolation import HeldModule, grad_mode_checked
 
 
@@ -69,10 +70,10 @@ class InputGuard:
         parts = []
         for name in self.names:
             if name in self.constants:
-                parts.append(f"{name}={self.snapshots.get(name, self.constants[name])!r}")
+                parts.append(f"{name}={brief(self.snapshots.get(name, self.constants[name]))}")
             elif name in self.structures:
                 structure = self.structures[name]
-                parts += [self._tensor(name + path) if isinstance(leaf, torch.dtype) else f"{name}{path}={leaf!r}"
+                parts += [self._tensor(name + path) if isinstance(leaf, torch.dtype) else f"{name}{path}={brief(leaf)}"
                           for path, leaf in zip(structure.paths, structure.leaves)]
             else:
                 parts.append(self._tensor(name))
@@ -98,7 +99,9 @@ class InputGuard:
         the containers as ``flattened`` read them)."""
         for name, expected in self.constants.items():
             if not same_constant(values[name], expected):
-                return f"{name}={values[name]!r}, but the plan was captured with {name}={expected!r}"
+                array = (" with other values (an array is a constant to a capture, which computes with its values: "
+                         "pass torch.from_numpy(array) for an input it serves)") * isinstance(expected, np.ndarray)
+                return f"{name}={brief(values[name])}, but the plan was captured with {name}={brief(expected)}{array}"
         for name, structure in self.structures.items():
             problem = structure.layout_problem(name, flat[name])
             if problem:
@@ -112,12 +115,12 @@ class InputGuard:
         ``size_problem``. Checked after ``capture_problem``: the containers have their layout."""
         for name in self.constants:
             if name in self.snapshots and not same_constant(values[name], self.snapshots[name]):
-                return (f"{name} was changed in place since the plan was captured (now {values[name]!r}, then "
-                        f"{self.snapshots[name]!r}), and the plan computes with the old value"), {}
+                return (f"{name} was changed in place since the plan was captured (now {brief(values[name])}, "
+                        f"then {brief(self.snapshots[name])}), and the plan computes with the old value"), {}
         for name, (default, then) in self.default_snapshots.items():
             if not same_constant(default, then):
-                return (f"the default of {name} was changed in place since the plan was captured (now {default!r}, "
-                        f"then {then!r}), and the plan computes with the old value"), {}
+                return (f"the default of {name} was changed in place since the plan was captured "
+                        f"(now {brief(default)}, then {brief(then)}), and the plan computes with the old value"), {}
         leaves = dict(values)
         for name, structure in self.structures.items():
             problem = structure.dtype_problem(name, flat[name].leaves)

@@ -14,11 +14,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple
 
+import numpy as np
 import torch
 from torch.utils._pytree import (
     TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten)
 
-from autoshard.errors import ExampleInputsError
+from autoshard.errors import ExampleInputsError, brief
 from autoshard.isolation import PLAIN_VALUES, contents
 
 #: Containers whose keys make their layout, in whatever order they come.
@@ -47,11 +48,14 @@ def _same_spec(spec: TreeSpec, captured: TreeSpec) -> bool:
 
 def same_constant(value: Any, expected: Any) -> bool:
     """Whether a call's ``value`` is the constant the capture fixed: the same object, or an equal
-    one of the same type."""
+    one of the same type (a numpy array: the same shape, dtype and items)."""
     if value is expected:
         return True
     if type(value) is not type(expected):
         return False
+    if isinstance(expected, np.ndarray):  # (its == compares item by item)
+        return (value.shape, value.dtype) == (expected.shape, expected.dtype) and np.array_equal(
+            value, expected, equal_nan=expected.dtype.kind in "fc")
     try:
         return bool(value == expected)
     except Exception:  # noqa: BLE001 - an object without a usable == is only equal to itself
@@ -59,7 +63,7 @@ def same_constant(value: Any, expected: Any) -> bool:
 
 
 def _kind(leaf: Any) -> str:
-    return f"a {str(leaf.dtype).removeprefix('torch.')} tensor" if isinstance(leaf, torch.Tensor) else repr(leaf)
+    return f"a {str(leaf.dtype).removeprefix('torch.')} tensor" if isinstance(leaf, torch.Tensor) else brief(leaf)
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ class ArgumentStructure:
                 if not isinstance(leaf, torch.Tensor):
                     return f"{name}{path} is {_kind(leaf)}, but the plan was captured with a {captured} tensor there"
             elif isinstance(leaf, torch.Tensor) or not same_constant(leaf, captured):
-                return (f"{name}{path} is {_kind(leaf)}, but the plan was captured with {captured!r} there, "
+                return (f"{name}{path} is {_kind(leaf)}, but the plan was captured with {brief(captured)} there, "
                         "which it computes with")
         return None
 
