@@ -493,7 +493,8 @@ class Recurrent(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pre, self.gru, self.post = nn.Linear(16, 32), nn.GRU(32, 32, num_layers=2, batch_first=True), nn.Linear(32, 8)
+        self.pre, self.post = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.gru = nn.GRU(32, 32, num_layers=2, batch_first=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, _ = self.gru(self.pre(x))
