@@ -791,3 +791,37 @@ def test_a_numpy_array_is_a_constant_compared_by_its_items_and_named_by_its_shap
         fixed(other)
     assert "x=array[3, 4] of float32" in str(refused.value) and "torch.from_numpy" in str(refused.value)
     assert len(str(refused.value)) < 800
+
+
+class TwoMarkers(nn.Module):
+    """Asserts a count read off its input's values (``torch._check``): torch.export keeps the check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n = (ids == 2).sum().item()
+        torch._check(n == 2, lambda: "two markers, please")
+        return self.b(self.a(x)) * 2
+
+
+@pytest.mark.parametrize("respecialize", [True, False])
+def test_a_check_export_kept_and_a_call_breaks_gets_the_models_error_or_a_typed_refusal(respecialize):
+    """The stage raised torch's 'Runtime assertion failed for expression ...' (a RuntimeError from
+    inside its code; BART's classification head met it, sweep finding). A sharded model captures
+    again for such a call, which shows the model's own error; without re-specialisation the
+    refusal is typed."""
+    torch.manual_seed(0)
+    model, x = TwoMarkers().eval(), torch.randn(2, 4)
+    sharded = autoshard.shard_model(model, 2, (x, torch.tensor([[1, 2, 3], [2, 1, 1]])), respecialize=respecialize,
+                                    pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    three = torch.tensor([[2, 2, 3], [2, 1, 1]])
+    if respecialize:
+        with pytest.raises(RuntimeError, match="^two markers, please$"):
+            sharded(x, three)
+    else:
+        with pytest.raises(SpecializationMismatch, match=r"a condition the model's code asserted .*torch.export kept"):
+            sharded(x, three)
+    again = torch.tensor([[2, 3, 3], [2, 1, 1]])  # two again: served
+    assert torch.equal(sharded(x, again), model(x, again))

@@ -33,7 +33,7 @@ from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design
 from autoshard.capture.fx import has_backward_hooks
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import (
-    FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_detached_mode, check_grad_mode, usable_conditions,
+    FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_asserted, check_detached_mode, check_grad_mode, usable_conditions,
 )
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, refusing_state_writes
@@ -186,6 +186,8 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":  # replaced by the input guard
             graph.erase_node(node)
+        elif node.target is torch.ops.aten._assert_scalar.default:  # a refusal a sharded model can act on
+            node.target = check_asserted
         elif node.target is torch.ops.higher_order.wrap_with_autocast and node.args[3] is False:
             # export turns the autocast cache off while it traces; the model's region has it on (a
             # weight used twice is cast once, so its gradient sums in the lower precision)

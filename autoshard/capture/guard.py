@@ -229,6 +229,22 @@ def check_condition(actual: Any, expected: bool, condition: str) -> None:
 FREE_SIZES_PIPELINE = "trace,shape-prop,build-dag,linearize,split,emit,verify"
 
 
+def check_asserted(condition: Any, message: str) -> None:
+    """``torch.ops.aten._assert_scalar`` as a capture's graph calls it: a condition the model's code
+    asserted of its inputs (``torch._check``, a count from their values that torch.export kept as a
+    check). A call that breaks it is one another capture may serve, or one the model itself refuses:
+    a ``SpecializationMismatch``, on which a sharded model captures again (and a capture the model
+    refuses raises the model's own error), where torch raised a RuntimeError from inside a stage. A
+    symbolic condition (a fake or meta run) goes to torch's op, which records it."""
+    if isinstance(condition, torch.SymBool):
+        torch.ops.aten._assert_scalar.default(condition, message)
+    elif not condition:
+        asserted = message.removeprefix("Runtime assertion failed for expression ")
+        raise SpecializationMismatch(
+            f"these inputs break a condition the model's code asserted of the example's (torch.export kept the "
+            f"check: {asserted}); the model may refuse them too; shard the model again with an example like these")
+
+
 def check_pinned_size(size: int, expected: int, site: str, top_level: bool = False) -> None:
     """A size the code turned into a Python number, fixed to the example's: refuse others.
 

@@ -14,7 +14,7 @@ from autoshard.capture.eager import check_model_runs
 from autoshard.passes.annotate import annotated_copy
 from autoshard.costs.execution import resolve_mode
 from autoshard.costs.propagation import propagate
-from autoshard.errors import ShapePropagationError
+from autoshard.errors import ShapePropagationError, SpecializationMismatch
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 
 
@@ -40,7 +40,7 @@ class ShapePropPass(Pass):
         traced, inputs = program.traced, program.example_inputs
         try:
             facts = propagate(traced.graph_module, inputs, self.mode, self.seed)
-        except ShapePropagationError:
+        except (ShapePropagationError, SpecializationMismatch):  # (a condition export kept, broken by the example)
             if resolve_mode(program.model, inputs, self.mode) == "real":
                 check_model_runs(program.model, inputs.args, inputs.kwargs)  # its own error says more
             raise
