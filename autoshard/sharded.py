@@ -353,8 +353,12 @@ class _Binder:
         binding = self.bindings.get(structure)
         if binding is None:
             binding = self.bindings[structure] = self._binding(len(args), tuple(kwargs))
-        if isinstance(binding, TypeError):  # the model itself refuses the call
-            raise _not_fitting(self.signature, binding)
+        if isinstance(binding, TypeError):  # the model itself refuses the call (or, without its signature, the plan)
+            if self.model_signature is None:
+                raise _not_fitting(self.signature, binding)
+            takes = ", ".join(self.model_signature.parameters)
+            raise InputMismatchError(f"the model's forward({takes}) refuses these arguments ({binding}), as calling "
+                                     "the model would: call the sharded model as the model takes them")
         values = (*args, *kwargs.values()) if kwargs else args
         if binding.left_out:
             self._check_left_out(binding, values)

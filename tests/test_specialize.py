@@ -220,6 +220,9 @@ def test_another_constant_is_served_by_a_capture_made_with_it_and_what_no_captur
     with pytest.raises(InputMismatchError, match="unexpected keyword argument 'shift'") as unknown:
         sharded(x, shift=1.0)
     assert not isinstance(unknown.value, SpecializationMismatch) and len(sharded.specializations) == 1
+    # the model itself refuses it: no capture would serve it, so no advice to shard again
+    assert "the model's forward(x, scale) refuses these arguments" in str(unknown.value)
+    assert "shard the model again" not in str(unknown.value)
     fixed = autoshard.shard_model(model, 2, (x,), respecialize=False)
     with pytest.raises(SpecializationMismatch, match="the example left scale=1.0 at the default"):
         fixed(x, scale=3.0)  # no specialisations made: refused, naming the constant
