@@ -109,7 +109,8 @@ def test_a_cost_that_is_neither_a_name_nor_a_function_is_refused():
 
 def test_measured_costs_without_shape_prop_say_which_pass_to_add():
     with pytest.raises(PipelineValidationError, match="add `shape-prop`"):
-        autoshard.shard_model(ResidualMLP(), 2, cost="flops")
+        autoshard.shard_model(ResidualMLP(), 2, (torch.randn(2, 16),), cost="flops",
+                              pipeline="capture,build-dag,linearize,split,emit")
 
 
 def test_stage_memory_counts_state_saved_activations_boundaries_and_one_backward():

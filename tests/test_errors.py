@@ -214,6 +214,21 @@ def test_the_cli_and_the_planner_load_neither_the_pipelining_runtime_nor_memtrac
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_every_lazy_runtime_name_is_what_its_module_defines_once_every_module_is_imported():
+    """Importing a submodule binds it on its package under its own name: a function named as its
+    module (``device_map`` in ``device_map.py``) then read as the module, once the lazy package no
+    longer imported the function over it."""
+    import importlib
+    import types
+
+    import autoshard.runtime as runtime
+
+    for module in runtime._EXPORTS:
+        importlib.import_module(module)
+    shadowed = [name for name in runtime.__all__ if isinstance(getattr(runtime, name), types.ModuleType)]
+    assert not shadowed
+
+
 def test_pipeline_cost_is_kept_when_the_call_leaves_cost_at_its_default():
     sharded = autoshard.shard_model(ResidualMLP(), 2, pipeline="trace,build-dag,linearize,split{cost=nodes},emit")
     assert len(sharded.stages) == 2

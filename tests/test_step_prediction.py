@@ -29,7 +29,7 @@ from autoshard.errors import InputMismatchError, InvalidArgumentError, InvalidAr
 from autoshard.report import format_seconds, step_time_lines
 from autoshard.runtime import (
     RuntimeCalibration, calibrate_runtime, measure_stage_memory, measure_stage_time, predict_step, run_local)
-from autoshard.runtime import calibrate
+from autoshard.runtime import calibrate, predict
 from autoshard.runtime.calibrate import TimedSteps, fitted_runtime, measure_runtime
 from autoshard.runtime.launch import run_module
 from autoshard.runtime.predict import EvalModeStepWarning
@@ -568,7 +568,7 @@ def test_predict_step_refuses_bad_input_before_calibrating(sleepy, monkeypatch):
         predict_step(sharded, example, times=(t for t in ()))
     with pytest.raises(InvalidArgumentTypeError, match="example_kwargs must be a dict"):
         predict_step(sharded, example, [1, 2])
-    with pytest.raises(InputMismatchError, match="these inputs do not fit"):  # the model's inputs, before calibrating
+    with pytest.raises(InputMismatchError, match="refuses these arguments"):  # the model's inputs, before calibrating
         predict_step(sharded, (torch.randn(2, 4), torch.randn(2, 4)))
 
 
@@ -958,8 +958,8 @@ def test_the_command_line_times_each_stage_as_often_as_asked(capsys, monkeypatch
     calibration = RuntimeCalibration(2e9, 1e-4, {"gpipe": 5e-4, "1f1b": 3e-4, "interleaved-1f1b": 4e-4})
     monkeypatch.setattr("autoshard.runtime.predict.calibrate_runtime", lambda: calibration)
     asked = []
-    real = cli.predict_step
-    monkeypatch.setattr(cli, "predict_step", lambda *a, **kw: asked.append(kw["repeats"]) or real(*a, **kw))
+    real = predict.predict_step  # (the command imports it where --time-stages uses it)
+    monkeypatch.setattr(predict, "predict_step", lambda *a, **kw: asked.append(kw["repeats"]) or real(*a, **kw))
     code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--time-stages", "--time-repeats", "3")
     assert code == 0 and asked == [3] and "step time (stages timed):" in out
     code, out = _run_cli(capsys, "split", "residual-mlp", "-k", "2", "--time-stages")

@@ -27,7 +27,7 @@ _EXPORTS = {
         "load_distributed", "load_stage_state", "merge_stage_states", "save_distributed", "stage_part",
     ),
     "autoshard.runtime.calibrate": ("RuntimeCalibration", "calibrate_runtime"),
-    "autoshard.runtime.device_map": ("device_map", "split_modules"),
+    "autoshard.runtime.device_maps": ("device_map", "split_modules"),
     "autoshard.runtime.launch": ("run_local",),
     "autoshard.runtime.materialize": ("materialize_stage",),
     "autoshard.runtime.memory": ("StageMemoryMeasurement", "measure_stage_memory"),
@@ -49,7 +49,7 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    if name in _LAZY:  # (a module named as one of its functions would shadow it once imported: none is)
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'autoshard.runtime' has no attribute {name!r}")
 
