@@ -61,7 +61,7 @@ def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", 
             versions = _input_versions(call)
             value = flops.measure(call)
             writes = _written(versions, _input_versions(call))
-            probe.measure(call, value, flops.ops_per_node.get(call.node.name, 0))
+            probe.measure(call, value, flops.ops_per_node[call.node.name])
             node = call.node
             if node.op not in ("get_attr", "output"):
                 allocated = allocated_bytes(value, (call.args, call.kwargs))

@@ -524,23 +524,23 @@ class TrainingProbe:
         if effect is not None:
             value = self._replay(effect, arguments)  # outside the fake mode: entering it costs more than a replay
         else:
-            probed = self._probe_on_real_tensors(call, args, kwargs) if kernels > REAL_PROBE_KERNELS else None
-            try:
-                if probed is not None:
-                    (effect, value), reusable = probed, False
-                else:
+            real_first = kernels > REAL_PROBE_KERNELS
+            probed = self._probe_on_real_tensors(call, args, kwargs) if real_first else None
+            if probed is None:
+                try:
                     with self._in_fake_mode():
                         effect, value, reusable = self._probe(call, args, kwargs, arguments)
-            except Exception:  # noqa: BLE001 - what fake tensors cannot run is probed on real ones, or left unprobed
-                probed = self._probe_on_real_tensors(call, args, kwargs)
-                if probed is None:
-                    self.unprobed.append(name)
-                    self.unrun.add(name)
-                    self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
-                    with self._in_fake_mode():
-                        twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
-                    self.own(twin, name)
-                    return twin
+                except Exception:  # noqa: BLE001 - what fake tensors cannot run: probed on real ones, or unprobed
+                    probed = None if real_first else self._probe_on_real_tensors(call, args, kwargs)  # (tried once)
+                    if probed is None:
+                        self.unprobed.append(name)
+                        self.unrun.add(name)
+                        self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
+                        with self._in_fake_mode():
+                            twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
+                        self.own(twin, name)
+                        return twin
+            if probed is not None:
                 (effect, value), reusable = probed, False
             if reusable and key is not None:
                 self.memo[key] = effect  # key is None whenever memo is
