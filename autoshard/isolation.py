@@ -187,10 +187,10 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
     from the state the model was given in, and none leaves a trace on it. Other values a forward
     stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
     Face's output recorders). The numbers, flags and strings of objects modules keep settings in
-    (a Hugging Face config's ``problem_type``) are set back as well (``_settings_objects``)."""
+    (a Hugging Face config's ``problem_type``) are set back as well (``settings_objects``)."""
     modules = list(model.modules())
     saved = [(module, [dict(c) for c in _attribute_dicts(module)]) for module in modules]
-    settings = [(holder, dict(vars(holder))) for holder in _settings_objects(model)]
+    settings = [(holder, dict(vars(holder))) for holder in settings_objects(model)]
     # each one's items (none to copy for an empty one: most are hook dicts; ``copy.copy`` of an
     # OrderedDict, by reduction, took a third of the time a 300-module model's run was isolated)
     collections = [(value, () if not value else dict(value) if isinstance(value, dict) else list(value))
@@ -246,7 +246,7 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
                     del current[key]
 
 
-def _settings_objects(model: nn.Module) -> list[Any]:
+def settings_objects(model: nn.Module) -> list[Any]:
     """The plain objects modules keep settings in (a Hugging Face config): a forward that fills one
     in (``self.config.problem_type = "regression"`` when it was None) changes the model as surely as
     a flag on ``self``, so its numbers, flags and strings are set back too. Not modules, tensors,

@@ -16,15 +16,17 @@ from torch.nn.modules import module as module_state
 from torch.utils._pytree import tree_iter, tree_map
 
 from autoshard.isolation import PLAIN_VALUES
+from autoshard.capture.attribute_reads import AttributeRead
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
 from autoshard.capture.held_state import NO_KEY, kept_check
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, is_default, parameter_default
+from autoshard.capture.structure import same_constant
 from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
-from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch, brief
+from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch, brief, shown
 from autoshard.graph.partition import SplitInfo
 
 _training = operator.attrgetter("training")
@@ -121,33 +123,64 @@ class StagePlan:
         return tuple(name for name in DAG_COST_MODELS if measured(self.dag, name))
 
 
-class ModesAtCapture:
-    """The model's modules whose code a plan runs, with their modes at capture, checked on every
-    call (before any stage computes): what they read from ``self.training`` was fixed then, and
-    ``model.eval()`` switches them without the stages seeing it where a stage calls none of them
-    (``torch.export`` graphs). Not submodules: the stages hold what they compute with. A copy of
-    the sharded model keeps watching the same modules; a pickled one watches none (another
-    process has its own model).
+class StateAtCapture:
+    """What the code a plan runs read from the model at capture, checked on every call before any
+    stage computes: the modes of the modules whose code it runs (what they read from
+    ``self.training`` was fixed then; ``model.eval()`` switches them without the stages seeing it
+    where a stage calls none of them, as with ``torch.export`` graphs; not submodules: the stages
+    hold what they compute with), and the plain attributes its traced code read
+    (``capture.attribute_reads``: ``config.output_hidden_states``, ``self.scale``). A mode switched
+    is refused (``check_mode``); an attribute set to another value raises ``SpecializationMismatch``,
+    so the model is captured again with it. A copy of the sharded model keeps watching the same
+    model; a pickled one watches nothing (another process has its own model).
 
-    ``check(training)`` is code written for these flags (``kept_check``): each read and compared
-    by identity with its captured mode, ``check_in_full`` on a difference."""
+    ``check(training)`` is code written for these reads (``kept_check``): each read and compared by
+    identity with what the last passing call read, ``check_in_full`` on a difference."""
 
-    def __init__(self, modules: tuple[nn.Module, ...] = ()) -> None:
+    def __init__(self, modules: tuple[nn.Module, ...] = (), attributes: tuple[AttributeRead, ...] = ()) -> None:
         self.modules = modules
         self.captured = list(map(_training, modules))
-        self.check = kept_check([(module, NO_KEY, "training") for module in modules], self.captured, None,
-                                self.check_in_full)
+        self.attributes = attributes
+        self.reads = [*((module, NO_KEY, "training") for module in modules),
+                      *((vars(read.holder), read.name, "") for read in attributes)]
+        self._remember([*self.captured, *(read.value for read in attributes)])
 
     def check_in_full(self, training: bool) -> None:
         now = list(map(_training, self.modules))
         if now != self.captured:
             check_mode(training, training, tuple(now), tuple(self.captured))
+        values = [vars(read.holder).get(read.name, _GONE) for read in self.attributes]
+        for read, value in zip(self.attributes, values):
+            if not same_constant(value, read.value):
+                now_reads = "is deleted" if value is _GONE else f"is {shown(value)}"
+                raise SpecializationMismatch(
+                    f"the model's {self._where(read)} {now_reads} now, but the stages were captured when it was "
+                    f"{shown(read.value)}, and its traced code took the path that value chose", before_compute=True)
+        self._remember([*now, *values])  # equal values set anew: the next call compares these
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> ModesAtCapture:
+    def _remember(self, seen: list[Any]) -> None:
+        self.check = kept_check(self.reads, seen, None, self.check_in_full)
+
+    def _where(self, read: AttributeRead) -> str:
+        """``read``'s attribute by its path in the model (``transformer.h.0.attn.scale``, ``config.use_cache``)."""
+        root = self.modules[0] if self.modules else None
+        for path, module in root.named_modules() if root is not None else ():
+            if module is read.holder:
+                return f"{path}.{read.name}" if path else read.name
+            owner = next((key for key, value in vars(module).items() if value is read.holder), None)
+            if owner is not None:
+                return ".".join(filter(None, (path, owner, read.name)))
+        return f"{type(read.holder).__name__}.{read.name}"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StateAtCapture:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return ModesAtCapture, ()
+        return StateAtCapture, ()
+
+
+#: An attribute deleted since capture.
+_GONE = object()
 
 
 class ShardedModel(FixedDtypes):
@@ -161,7 +194,7 @@ class ShardedModel(FixedDtypes):
 
     def __init__(self, stages: list[fx.GraphModule], plan: StagePlan,
                  model_signature: inspect.Signature | None = None,
-                 modules_run: tuple[nn.Module, ...] = ()) -> None:
+                 modules_run: tuple[nn.Module, ...] = (), attributes_read: tuple[AttributeRead, ...] = ()) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.plan = plan
@@ -169,7 +202,7 @@ class ShardedModel(FixedDtypes):
         #: the model's own call signature, when known: an argument the example left out may be
         #: passed with its default value (``mask=None``), which the plan computes with
         self.model_signature = model_signature
-        self._modes_at_capture = ModesAtCapture(modules_run)
+        self._state_at_capture = StateAtCapture(modules_run, attributes_read)
         self._kept_binder = _KeptBinder()
 
     @property
@@ -183,13 +216,19 @@ class ShardedModel(FixedDtypes):
         refuse_mode_switch(self.plan.training, mode)
         return super().train(mode)
 
+    def check_model_state(self) -> None:
+        """Raise where the model is not as the plan's code read it at capture (``StateAtCapture``): a
+        module in another mode (``InputMismatchError``), a plain attribute set to another value
+        (``SpecializationMismatch``: another capture serves it)."""
+        self.__dict__["_state_at_capture"].check(self.plan.training)
+
     def fit_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """A call of the model as ``stages[0]`` takes it (see ``fitted_call``): every runtime binds
         through here, so an argument reaches the parameter the model gives it, or is refused
         (``InputMismatchError``) when the plan does not serve it. The modules' modes are checked
         first, before any stage computes."""
         held = self.__dict__  # read once: each attribute of a module goes through its __getattr__ hook
-        held["_modes_at_capture"].check(held["plan"].training)
+        held["_state_at_capture"].check(held["plan"].training)
         first = held["_modules"]["stages"]._modules["0"]
         kept = held["_kept_binder"]
         if kept.first is not first or kept.binder.model_signature is not held["model_signature"]:

@@ -235,12 +235,13 @@ class Specializer:
     def made_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel | None:
         """The plan captured for a call of exactly this structure (``call_structure``: nested shapes and
         constants too), if any: what serves it where no stage may run to choose, or a step must not
-        fall back half-way. One whose code chose its path by the grad mode serves that mode only, and
-        each serves the autocast state it was captured in."""
+        fall back half-way. One whose code chose its path by the grad mode serves that mode only, each
+        serves the autocast state it was captured in, and the attributes of the model its code read as
+        they are now (``StateAtCapture``)."""
         key, grad, autocast = self.structure(args, kwargs), torch.is_grad_enabled(), autocast_now()
         made = [(self.example, primary)] + [(s.structure, s.sharded) for s in self.specializations]
         return next((plan for structure, plan in made if structure == key and chosen_grad_mode(plan.stages)
-                     in (None, grad) and captured_autocast(plan.stages) == autocast), None)
+                     in (None, grad) and captured_autocast(plan.stages) == autocast and _read_as_now(plan)), None)
 
     def _remember(self, key: ShapeKey, sharded: ShardedModel) -> None:
         """Keep which plan served these shapes, for the last ``REMEMBERED_SHAPES`` shapes."""
@@ -318,6 +319,16 @@ class Specializer:
                 "inputs that need another are refused from now on", SpecializationLimitWarning,
                 stacklevel=_caller_level())
         return sharded
+
+
+def _read_as_now(sharded: ShardedModel) -> bool:
+    """Whether the plain attributes of the model that ``sharded``'s code read hold what they held at
+    its capture (a module switched to another mode is refused as before, by the check's own error)."""
+    try:
+        sharded.check_model_state()
+    except SpecializationMismatch:
+        return False
+    return True
 
 
 def runs_again_the_same(sharded: ShardedModel) -> bool:

@@ -47,13 +47,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from autoshard.capture.attribute_reads import AttributeRead, AttributeReads
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import autocast_state, check_condition, check_grad_mode, check_pinned_size
 from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
 from autoshard.capture.meta_proxy import (
     DATA_FREE, EXAMPLE, MISSING, MetaProxy, SizePinningProxy, example_of, is_size)
 from autoshard.capture.signature import MODEL_ATTR
-from autoshard.capture.state import kind_of, refusing_state_writes
+from autoshard.capture.state import is_real_run, kind_of, refusing_state_writes
 from autoshard.errors import TraceError
 from autoshard.fx_helpers import resolve
 from autoshard.generators import generator_states
@@ -380,6 +381,7 @@ class MetaTracer(fx.Tracer):
         self.swaps: list[Swap] = []
         self.running_examples = 0  # depth of runs of example values, which may draw as they like
         self.grad_mode = True  # the grad mode the trace was asked for in
+        self.attribute_reads: tuple[AttributeRead, ...] = ()  # the plain attributes its code read
 
     # -- example values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -523,7 +525,7 @@ class MetaTracer(fx.Tracer):
             self.grad_mode = caller_grad = torch.is_grad_enabled()
             patches.enter_context(torch.enable_grad())
             self._modes = _mode_state()
-            patches.enter_context(refusing_state_writes(_computed_in_trace, follow_modules=True))
+            written = patches.enter_context(refusing_state_writes(_computed_in_trace, follow_modules=True))
             self.swaps = [(torch, name, vars(torch)[name], _recording_constructor(vars(torch)[name]))
                           for name in _CONSTRUCTORS]
             apply = vars(torch.autograd.Function)["apply"]
@@ -538,7 +540,11 @@ class MetaTracer(fx.Tracer):
                                (builtins, "callable", builtins.callable, _callable)]
             patches.enter_context(_swapped(self.swaps))
             patches.enter_context(_RealCalls(self))
-            return super().trace(root, concrete_args)
+            reads = AttributeReads(root, lambda: bool(self.running_examples) or is_real_run())
+            with reads.recording():
+                graph = super().trace(root, concrete_args)
+            self.attribute_reads = reads.kept(written)
+            return graph
 
     def iter(self, obj: fx.Proxy) -> Any:
         example = example_of(obj)

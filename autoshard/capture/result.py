@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch.fx as fx
 
+from autoshard.capture.attribute_reads import AttributeRead
+
 
 @dataclass(frozen=True)
 class WrappedLeaf:
@@ -26,7 +28,8 @@ class TraceResult:
     ``specialized`` lists the conditions on input shapes that the capture fixed to their value on
     the example (a guard in the graph refuses inputs that flip them); ``input_guard`` says which
     inputs the graph accepts, or is empty when it accepts any inputs of the traced signature;
-    ``considered`` says how each front end tried by ``auto`` fared.
+    ``considered`` says how each front end tried by ``auto`` fared; ``attributes_read`` lists the plain
+    attributes the traced code read (``capture.attribute_reads``), which the graph fixed.
     """
 
     graph_module: fx.GraphModule
@@ -35,6 +38,7 @@ class TraceResult:
     specialized: tuple[str, ...] = ()
     input_guard: str = ""
     considered: tuple[str, ...] = ()
+    attributes_read: tuple[AttributeRead, ...] = ()
 
     @property
     def wrapped_modules(self) -> tuple[WrappedLeaf, ...]:

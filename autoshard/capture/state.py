@@ -202,11 +202,12 @@ def is_real_run() -> bool:
 
 
 @contextlib.contextmanager
-def refusing_state_writes(computed: Computed, follow_modules: bool = False) -> Iterator[None]:
+def refusing_state_writes(computed: Computed, follow_modules: bool = False) -> Iterator[set[tuple[int, str]]]:
     """``nn.Module.__setattr__`` and ``register_buffer`` raise ``StateWrite`` where ``computed``
-    says so, until exit. ``follow_modules``: note the modules whose forward runs (a global forward
-    pre-hook, which fx runs through but ``torch.cond``'s compilation under export refuses), so a
-    flag read by modules that ran before it is set counts as state."""
+    says so, until exit; yields the attributes written so far, ``(id(module), name)``.
+    ``follow_modules``: note the modules whose forward runs (a global forward pre-hook, which fx
+    runs through but ``torch.cond``'s compilation under export refuses), so a flag read by modules
+    that ran before it is set counts as state."""
     setattr_, register_buffer = nn.Module.__setattr__, nn.Module.register_buffer
     read, scalars = _TensorsRead(), _ScalarWrites()
 
@@ -235,7 +236,7 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False) -> I
     try:
         with swapped_attribute(nn.Module, "__setattr__", guarded_setattr), \
                 swapped_attribute(nn.Module, "register_buffer", guarded_register), read:
-            yield
+            yield scalars.written
     finally:
         if entering is not None:
             entering.remove()

@@ -51,7 +51,8 @@ class EmitPass(Pass):
         plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,
                          memory_model(ctx), training=program.model.training)
         sharded = ShardedModel(stages, plan, forward_signature(program.model),
-                               modules_run(program.model, program.traced.graph_module))
+                               modules_run(program.model, program.traced.graph_module),
+                               program.traced.attributes_read)
         return dataclasses.replace(program, sharded=sharded)
 
 

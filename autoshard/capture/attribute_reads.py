@@ -1,0 +1,102 @@
+"""The plain attributes a trace read: settings the captured graph fixed, checked on every call.
+
+Traced code that reads a flag, number or string from a module or its config
+(``if self.config.output_hidden_states``, ``x * self.scale``, ``ATTENTION[self.config._attn_implementation]``)
+leaves only the path that value chose in the graph. Set anew after sharding, the stages would go on
+computing with the old one, silently. So, as Dynamo guards the attributes its bytecode reads, the
+trace records which ones its code read (a ``__getattribute__`` on ``nn.Module`` and on the classes of
+the objects modules keep settings in, installed for the trace only) and the sharded model compares
+them on every call (``sharded.ModesAtCapture``): a change captures the model again.
+
+Recorded are the reads by the model's traced code only: not those of code run for real or on
+examples (a module or function kept whole reads its attributes on every call of its stage), not
+attributes of PyTorch's own bookkeeping, and not attributes the trace wrote before reading them
+(Funnel's ``self.pooling_mult = 1``: what the call itself sets fixes nothing). Only plain values
+are checked (numbers, flags, strings, None, enums, functions, tuples of them): modules and
+parameters rebound are seen by ``capture.rebinding``; a list or dict changed in place is not seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from torch import nn
+
+from autoshard.isolation import PLAIN_VALUES, settings_objects
+
+#: What ``nn.Module.__init__`` sets on every module: PyTorch's bookkeeping, not the model's settings
+#: (``training`` has its own check).
+_BOOKKEEPING = frozenset(vars(nn.Module()))
+_CHECKED = (*PLAIN_VALUES, enum.Enum, types.FunctionType, types.BuiltinFunctionType)
+
+
+@dataclass(frozen=True)
+class AttributeRead:
+    """``holder.name`` read by traced code, and the ``value`` it read (the graph took its path)."""
+
+    holder: Any
+    name: str
+    value: Any
+
+
+def checked_value(value: Any) -> bool:
+    """Whether a value read is one a check compares: plain, or a tuple of plain ones."""
+    if isinstance(value, tuple):
+        return all(isinstance(item, _CHECKED) for item in value)
+    return isinstance(value, _CHECKED)
+
+
+class AttributeReads:
+    """The first read of each plain attribute of a module or settings object while active, unless
+    ``paused()`` (code run for real or on examples)."""
+
+    def __init__(self, model: nn.Module, paused: Callable[[], bool]) -> None:
+        self.paused = paused
+        self.first: dict[tuple[int, str], AttributeRead] = {}
+        self.classes = [nn.Module, *{type(s): None for s in settings_objects(model)}]
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[AttributeReads]:
+        installed = []
+        try:
+            for cls in self.classes:
+                own = vars(cls).get("__getattribute__")
+                cls.__getattribute__ = self._recorder(cls.__getattribute__)
+                installed.append((cls, own))
+            yield self
+        finally:
+            for cls, own in installed:
+                if own is None:
+                    del cls.__getattribute__
+                else:
+                    cls.__getattribute__ = own
+
+    def _recorder(self, original: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+        first, paused, dict_of, missing = self.first, self.paused, object.__getattribute__, _MISSING
+
+        def __getattribute__(holder: Any, name: str) -> Any:  # noqa: N807 - the slot it fills
+            value = original(holder, name)
+            if name in _BOOKKEEPING or name.startswith("__") or paused():
+                return value
+            try:
+                own = dict_of(holder, "__dict__")
+            except AttributeError:
+                return value
+            if own.get(name, missing) is value and (id(own), name) not in first and checked_value(value):
+                first[(id(own), name)] = AttributeRead(holder, name, value)
+            return value
+        return __getattribute__
+
+    def kept(self, written: set[tuple[int, str]]) -> tuple[AttributeRead, ...]:
+        """The reads a graph fixed: not of attributes the trace wrote (``written``: ``(id(module),
+        name)``), whose value is the one the model holds now (the trace's writes are set back)."""
+        return tuple(read for read in self.first.values()
+                     if (id(read.holder), read.name) not in written
+                     and vars(read.holder).get(read.name, _MISSING) is read.value)
+
+
+_MISSING = object()

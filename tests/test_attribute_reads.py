@@ -1,0 +1,154 @@
+"""Plain attributes the traced code read are checked on every call: set anew after sharding, the
+model is captured again (or the call refused), never run on the old value silently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.capture.fx import trace_with_leaves
+from autoshard.errors import SpecializationMismatch
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = 2.0
+        self.activation = "relu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x) * self.scale
+        return torch.relu(y) if self.activation == "relu" else torch.tanh(y)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = Block()
+        self.second = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def test_an_attribute_set_anew_after_sharding_is_computed_with():
+    model, x = _net(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    model.second.scale = 5.0
+    model.first.activation = "tanh"
+    assert torch.equal(sharded(x), model(x))
+    assert len(sharded.specializations) == 1
+    model.second.scale, model.first.activation = 2.0, "relu"  # back: the first capture serves it again
+    assert torch.equal(sharded(x), model(x))
+    assert len(sharded.specializations) == 1
+
+
+def test_without_respecialize_the_call_is_refused_naming_the_attribute():
+    model, x = _net(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,), respecialize=False)
+    model.second.scale = float("2")  # another object, the same value: served
+    assert torch.equal(sharded(x), model(x))
+    model.second.scale = 3.0
+    with pytest.raises(SpecializationMismatch, match=r"second\.scale is float 3\.0 now.* was float 2\.0"):
+        sharded(x)
+    del model.second.scale
+    with pytest.raises(SpecializationMismatch, match=r"second\.scale is deleted now"):
+        sharded(x)
+
+
+class Counting(nn.Module):
+    """Sets a scratch attribute before reading it (as Funnel does): the call fixes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.mult = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mult = 1
+        for _ in range(2):
+            x = self.linear(x) * self.mult
+            self.mult *= 2
+        return x
+
+
+def test_an_attribute_the_call_writes_before_reading_is_not_checked():
+    torch.manual_seed(0)
+    model, x = Counting().eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,), respecialize=False)
+    expected = model(x)  # leaves mult at 4
+    assert model.mult == 4
+    assert torch.equal(sharded(x), expected)
+
+
+class Thresholded(nn.Module):
+    """Kept whole: its Python branches on a tensor's value, so it reads ``threshold`` on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threshold = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum() > self.threshold else x - 1
+
+
+class WithWholeModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.gate, self.b = nn.Linear(4, 4), Thresholded(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.gate(self.a(x)))
+
+
+def test_reads_by_a_module_kept_whole_are_made_by_its_call_and_not_checked():
+    torch.manual_seed(0)
+    model, x = WithWholeModule().eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    assert any(leaf.name == "gate" for leaf in sharded.plan.wrapped)
+    model.gate.threshold = 1e9
+    assert torch.equal(sharded(x), model(x))
+    assert sharded.specializations == ()
+
+
+def test_the_trace_reads_what_the_traced_code_read_and_leaves_no_hook_behind():
+    model, x = _net(), torch.randn(3, 4)
+    reads = trace_with_leaves(model, (x,)).attributes_read
+    assert {(read.holder, read.name, read.value) for read in reads} == {
+        (block, name, value) for block in (model.first, model.second)
+        for name, value in (("scale", 2.0), ("activation", "relu"))}
+    assert "__getattribute__" not in vars(nn.Module)
+
+
+def test_a_config_field_read_by_a_hugging_face_model_is_checked():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    sharded = autoshard.shard_model(model, 2, (ids,))
+    assert sharded(ids).hidden_states is None
+    model.config.output_hidden_states = True
+    out, expected = sharded(ids), model(ids)
+    assert len(out.hidden_states) == 3
+    assert all(torch.equal(a, b) for a, b in zip(out.hidden_states, expected.hidden_states))
+    assert "__getattribute__" not in vars(type(config))
+
+
+def test_a_runtime_choosing_its_plan_by_shape_takes_the_capture_made_for_the_attributes_now():
+    model, x = _net(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    model.second.scale = 5.0
+    served = sharded.specializer.plan_for(sharded, (x,), {})
+    assert served is not sharded
+    assert torch.equal(served(x), model(x))
+    model.second.scale = 2.0
+    assert sharded.specializer.plan_for(sharded, (x,), {}) is sharded
