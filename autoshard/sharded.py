@@ -158,6 +158,12 @@ class StateAtCapture:
                     f"{shown(read.value)}, and its traced code took the path that value chose", before_compute=True)
         self._remember([*now, *values])  # equal values set anew: the next call compares these
 
+    def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
+        """``path=value`` for each attribute this capture read with another value than ``other`` did."""
+        theirs = {(id(read.holder), read.name): read.value for read in other.attributes}
+        return tuple(f"{self._where(read)}={read.value!r}" for read in self.attributes
+                     if not same_constant(read.value, theirs.get((id(read.holder), read.name), read.value)))
+
     def _remember(self, seen: list[Any]) -> None:
         self.check = kept_check(self.reads, seen, None, self.check_in_full)
 
@@ -221,6 +227,11 @@ class ShardedModel(FixedDtypes):
         module in another mode (``InputMismatchError``), a plain attribute set to another value
         (``SpecializationMismatch``: another capture serves it)."""
         self.__dict__["_state_at_capture"].check(self.plan.training)
+
+    def attributes_unlike(self, other: ShardedModel) -> tuple[str, ...]:
+        """``path=value`` for each plain attribute of the model this plan's code read with another
+        value than ``other``'s did (``config.output_hidden_states=True``)."""
+        return self.__dict__["_state_at_capture"].unlike(other.__dict__["_state_at_capture"])
 
     def fit_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """A call of the model as ``stages[0]`` takes it (see ``fitted_call``): every runtime binds

@@ -76,14 +76,18 @@ class Specialization:
     seconds: float
     sharded: ShardedModel = field(repr=False)
     structure: Any = field(repr=False)  # ``call_structure`` of the inputs it was made for
+    #: the model's attributes its code read with other values than the first plan's (``config.use_cache=False``)
+    attributes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """Each tensor it was made for, by argument and place in it (``batch['x']: (1, 8)``), each
-        other value given (``scale=3.0``), and the grad mode when it was off."""
+        other value given (``scale=3.0``), the grad mode when it was off, and the model's attributes
+        that differed from the first plan's."""
         shapes = ", ".join(f"{_readable(path)}: {tuple(leaf)}" if isinstance(leaf, torch.Size)
                            else f"{_readable(path)}={leaf!r}" for path, leaf in self.structure)
         grad = ", without grad" if chosen_grad_mode(self.sharded.stages) is False else ""
-        return f"{shapes or 'no arguments'}{grad} ({self.seconds:.1f} s to capture)"
+        model = f", with the model's {', '.join(self.attributes)}" if self.attributes else ""
+        return f"{shapes or 'no arguments'}{grad}{model} ({self.seconds:.1f} s to capture)"
 
 
 def _readable(path: str) -> str:
@@ -311,7 +315,8 @@ class Specializer:
                 f"({exc}){again}") from exc
         check_same_holders(before, sharded)
         self.specializations.append(Specialization(shape_key(args, kwargs), guard.split(";")[0],
-                                                   time.perf_counter() - started, sharded, structure))
+                                                   time.perf_counter() - started, sharded, structure,
+                                                   sharded.attributes_unlike(primary)))
         self._remember(_served_key(args, kwargs), sharded)
         if len(self.specializations) == self.limit:
             warnings.warn(

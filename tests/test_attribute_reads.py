@@ -152,3 +152,11 @@ def test_a_runtime_choosing_its_plan_by_shape_takes_the_capture_made_for_the_att
     assert torch.equal(served(x), model(x))
     model.second.scale = 2.0
     assert sharded.specializer.plan_for(sharded, (x,), {}) is sharded
+
+
+def test_a_specialisation_made_for_an_attribute_names_it():
+    model, x = _net(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    model.second.scale = 5.0
+    sharded(x)
+    assert "with the model's second.scale=5.0 (" in sharded.specializations[0].describe()

@@ -54,10 +54,15 @@ class AttributeReads:
     """The first read of each plain attribute of a module or settings object while active, unless
     ``paused()`` (code run for real or on examples)."""
 
-    def __init__(self, model: nn.Module, paused: Callable[[], bool]) -> None:
+    def __init__(self, model: nn.Module, paused: Callable[[], bool], written: set[tuple[int, str]]) -> None:
         self.paused = paused
+        self.written = written
         self.first: dict[tuple[int, str], AttributeRead] = {}
-        self.classes = [nn.Module, *{type(s): None for s in settings_objects(model)}]
+        settings = settings_objects(model)
+        self.classes = [nn.Module, *{type(s): None for s in settings}]
+        #: the model's modules and settings objects, by id: not modules made on the way (a loss built
+        #: in the forward, the tracer's own graph modules)
+        self.holders = frozenset(map(id, [*model.modules(), *settings]))
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[AttributeReads]:
@@ -76,11 +81,12 @@ class AttributeReads:
                     cls.__getattribute__ = own
 
     def _recorder(self, original: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-        first, paused, dict_of, missing = self.first, self.paused, object.__getattribute__, _MISSING
+        first, paused, holders, missing = self.first, self.paused, self.holders, _MISSING
+        dict_of = object.__getattribute__
 
         def __getattribute__(holder: Any, name: str) -> Any:  # noqa: N807 - the slot it fills
             value = original(holder, name)
-            if name in _BOOKKEEPING or name.startswith("__") or paused():
+            if name in _BOOKKEEPING or name.startswith("__") or id(holder) not in holders or paused():
                 return value
             try:
                 own = dict_of(holder, "__dict__")
@@ -91,11 +97,12 @@ class AttributeReads:
             return value
         return __getattribute__
 
-    def kept(self, written: set[tuple[int, str]]) -> tuple[AttributeRead, ...]:
-        """The reads a graph fixed: not of attributes the trace wrote (``written``: ``(id(module),
-        name)``), whose value is the one the model holds now (the trace's writes are set back)."""
+    def kept(self) -> tuple[AttributeRead, ...]:
+        """The reads a graph fixed, once the capture has set the model back: not of attributes the
+        trace wrote (``written``: ``(id(module), name)``, filled as it writes), and of values the model
+        holds again (not a stand-in the capture installed for the trace, nor a value the trace set)."""
         return tuple(read for read in self.first.values()
-                     if (id(read.holder), read.name) not in written
+                     if (id(read.holder), read.name) not in self.written
                      and vars(read.holder).get(read.name, _MISSING) is read.value)
 
 

@@ -27,6 +27,7 @@ from torch.export import Dim
 from torch.utils._pytree import BUILTIN_TYPES, SUPPORTED_NODES, _get_node_type, tree_map, tree_unflatten
 from torch.utils._sympy.numbers import int_oo
 
+from autoshard.capture.attribute_reads import AttributeReads
 from autoshard.capture.assemble import assemble, leaves_of
 from autoshard.capture.eager import swapped_attribute
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design
@@ -36,7 +37,7 @@ from autoshard.capture.guard import (
     FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_asserted, check_detached_mode, check_grad_mode, usable_conditions,
 )
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
-from autoshard.capture.state import current_value, refusing_state_writes
+from autoshard.capture.state import current_value, is_real_run, refusing_state_writes
 from autoshard.capture.opaque import CALLS, forget_real_results, recording_real_results, rewrite_opaque_calls, stand_in
 from autoshard.capture.result import TraceResult
 from autoshard.capture.signature import MODEL_ATTR, CallSignature
@@ -319,6 +320,7 @@ def export_with_leaves(
     hooked = {id(m): m for m in model.modules() if m is not model and has_backward_hooks(m)}
     fused = fused_modules(model, fused_paths, calls_unknown=True)
     detached: dict[int, nn.Module] = {}  # modules the export ran that are not in the model's tree
+    reads: list[AttributeReads] = []  # the plain attributes the last attempt's code read
 
     def attempt(leaves: Leaves) -> torch.export.ExportedProgram:
         CALLS.clear()
@@ -337,10 +339,12 @@ def export_with_leaves(
                 _record_real_results(wrapper, model, inputs, reader)
                 grad_mode_sites.clear()
             detached.clear()
-            with isolated(model), _quiet(), refusing_state_writes(_computed_in_export), torch.enable_grad(), \
-                    swapped_attribute(torch, "is_grad_enabled", reader), _refusing_custom_backward(), \
-                    _noting_detached_modules(model, wrapper, detached):
-                return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
+            with isolated(model), _quiet(), refusing_state_writes(_computed_in_export) as written, \
+                    torch.enable_grad(), swapped_attribute(torch, "is_grad_enabled", reader), \
+                    _refusing_custom_backward(), _noting_detached_modules(model, wrapper, detached):
+                reads[:] = [AttributeReads(wrapper, is_real_run, written)]
+                with reads[0].recording():
+                    return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
 
     try:
         ep, leaves = capture_with_leaves(model, attempt, "export")
@@ -354,4 +358,4 @@ def export_with_leaves(
     called = {key: m for key, m in fused.items() if leaves.paths[key] in targets}
     return TraceResult(gm, (*leaves.wrapped, *kept_whole_by_design(leaves, called)), front_end="export",
                        specialized=_pinned(guard),
-                       input_guard=guard.describe())
+                       input_guard=guard.describe(), attributes_read=reads[0].kept())

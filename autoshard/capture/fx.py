@@ -185,7 +185,7 @@ def trace_with_leaves(
         gm = assemble(graph, root, model, signature, lambda n: (str(n.target), None), guard, tracer.constants)
     return TraceResult(gm, (*leaves.wrapped, *kept_whole_by_design(leaves, tracer.kept_fused)),
                        specialized=tuple(tracer.specialized),
-                       input_guard=guard.describe() if guard else "", attributes_read=tracer.attribute_reads)
+                       input_guard=guard.describe() if guard else "", attributes_read=tracer.attribute_reads.kept())
 
 
 def _guard(signature: CallSignature | None, tracer: MetaTracer) -> InputGuard | None:

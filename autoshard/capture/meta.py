@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autoshard.capture.attribute_reads import AttributeRead, AttributeReads
+from autoshard.capture.attribute_reads import AttributeReads
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import autocast_state, check_condition, check_grad_mode, check_pinned_size
 from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
@@ -381,7 +381,7 @@ class MetaTracer(fx.Tracer):
         self.swaps: list[Swap] = []
         self.running_examples = 0  # depth of runs of example values, which may draw as they like
         self.grad_mode = True  # the grad mode the trace was asked for in
-        self.attribute_reads: tuple[AttributeRead, ...] = ()  # the plain attributes its code read
+        self.attribute_reads = AttributeReads(nn.Module(), bool, set())  # the plain attributes its code read
 
     # -- example values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -540,11 +540,9 @@ class MetaTracer(fx.Tracer):
                                (builtins, "callable", builtins.callable, _callable)]
             patches.enter_context(_swapped(self.swaps))
             patches.enter_context(_RealCalls(self))
-            reads = AttributeReads(root, lambda: bool(self.running_examples) or is_real_run())
-            with reads.recording():
-                graph = super().trace(root, concrete_args)
-            self.attribute_reads = reads.kept(written)
-            return graph
+            self.attribute_reads = AttributeReads(root, lambda: bool(self.running_examples) or is_real_run(), written)
+            patches.enter_context(self.attribute_reads.recording())
+            return super().trace(root, concrete_args)
 
     def iter(self, obj: fx.Proxy) -> Any:
         example = example_of(obj)
