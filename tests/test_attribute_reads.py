@@ -3,6 +3,8 @@ model is captured again (or the call refused), never run on the old value silent
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -160,3 +162,24 @@ def test_a_specialisation_made_for_an_attribute_names_it():
     model.second.scale = 5.0
     sharded(x)
     assert "with the model's second.scale=5.0 (" in sharded.specializations[0].describe()
+
+
+class NamespaceSettings(nn.Module):
+    """Keeps its settings in a ``types.SimpleNamespace``, whose built-in class takes no hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settings = types.SimpleNamespace(scale=2.0, unused="x")
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.settings.scale)
+
+
+def test_a_settings_object_of_a_built_in_class_is_checked_whole():
+    torch.manual_seed(0)
+    model, x = NamespaceSettings().eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    model.settings.scale = 3.0
+    assert torch.equal(sharded(x), model(x))
+    assert len(sharded.specializations) == 1

@@ -14,6 +14,8 @@ attributes of PyTorch's own bookkeeping, and not attributes the trace wrote befo
 (Funnel's ``self.pooling_mult = 1``: what the call itself sets fixes nothing). Only plain values
 are checked (numbers, flags, strings, None, enums, functions, tuples of them): modules and
 parameters rebound are seen by ``capture.rebinding``; a list or dict changed in place is not seen.
+A settings object of a built-in class (``types.SimpleNamespace``) takes no ``__getattribute__`` of
+ours: where the traced code reads one, all its plain attributes are checked.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class AttributeReads:
         #: the model's modules and settings objects, by id: not modules made on the way (a loss built
         #: in the forward, the tracer's own graph modules)
         self.holders = frozenset(map(id, [*model.modules(), *settings]))
+        #: settings objects of built-in classes, which take no ``__getattribute__`` of ours, by id: where
+        #: the traced code reads one, every plain attribute it holds is checked
+        self.unwatched = {id(s): s for s in settings if type(s).__flags__ & _IMMUTABLE_TYPE}
+        self.read_whole: dict[int, Any] = {}
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[AttributeReads]:
@@ -70,8 +76,9 @@ class AttributeReads:
         try:
             for cls in self.classes:
                 own = vars(cls).get("__getattribute__")
-                cls.__getattribute__ = self._recorder(cls.__getattribute__)
-                installed.append((cls, own))
+                if not cls.__flags__ & _IMMUTABLE_TYPE:
+                    cls.__getattribute__ = self._recorder(cls.__getattribute__)
+                    installed.append((cls, own))
             yield self
         finally:
             for cls, own in installed:
@@ -82,7 +89,7 @@ class AttributeReads:
 
     def _recorder(self, original: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
         first, paused, holders, missing = self.first, self.paused, self.holders, _MISSING
-        dict_of = object.__getattribute__
+        unwatched, read_whole, dict_of = self.unwatched, self.read_whole, object.__getattribute__
 
         def __getattribute__(holder: Any, name: str) -> Any:  # noqa: N807 - the slot it fills
             value = original(holder, name)
@@ -94,6 +101,8 @@ class AttributeReads:
                 return value
             if own.get(name, missing) is value and (id(own), name) not in first and checked_value(value):
                 first[(id(own), name)] = AttributeRead(holder, name, value)
+            elif id(value) in unwatched:
+                read_whole[id(value)] = value
             return value
         return __getattribute__
 
@@ -101,9 +110,13 @@ class AttributeReads:
         """The reads a graph fixed, once the capture has set the model back: not of attributes the
         trace wrote (``written``: ``(id(module), name)``, filled as it writes), and of values the model
         holds again (not a stand-in the capture installed for the trace, nor a value the trace set)."""
-        return tuple(read for read in self.first.values()
+        whole = [AttributeRead(holder, name, value) for holder in self.read_whole.values()
+                 for name, value in vars(holder).items() if checked_value(value)]
+        return tuple(read for read in [*self.first.values(), *whole]
                      if (id(read.holder), read.name) not in self.written
                      and vars(read.holder).get(read.name, _MISSING) is read.value)
 
 
 _MISSING = object()
+#: ``type.__flags__``' bit of a class whose attributes cannot be set (a built-in one).
+_IMMUTABLE_TYPE = 1 << 8
