@@ -49,7 +49,8 @@ _LAZY = {
 #: Every typed error, so that ``except autoshard.InputMismatchError`` works as the docs write it.
 _ERRORS = (
     "AutoshardError", "InvalidArgumentError", "InvalidArgumentTypeError", "TooManyStagesError",
-    "InfeasibleSplitError", "InvalidGraphError", "SpecError", "PipelineValidationError", "PassFailed",
+    "InfeasibleSplitError", "EmptyStageError", "InvalidGraphError", "SpecError", "PipelineValidationError",
+    "PassFailed",
     "TraceError", "VerificationError", "PassContractError", "PlanError",
     "ShapePropagationError", "ExampleInputsError", "InputMismatchError", "SpecializationMismatch",
     "PipelineSetupError",

@@ -102,6 +102,18 @@ class InfeasibleSplitError(InvalidArgumentError):
     """Constraints (budgets, pins) leave no valid split."""
 
 
+class EmptyStageError(InfeasibleSplitError):
+    """Pins (``stage_ranges``) leave no node that may sit in ``stage`` of ``num_stages``: where a
+    sharded model captures again for other inputs, they run none of the weights that stage holds."""
+
+    def __init__(self, message: str, stage: int, num_stages: int) -> None:
+        super().__init__(message)
+        self.stage, self.num_stages = stage, num_stages
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.stage, self.num_stages)
+
+
 class InvalidGraphError(InvalidArgumentError):
     """A graph handed to the splitter breaks its contract (cycle, missing or negative weight)."""
 

@@ -45,7 +45,8 @@ from autoshard.capture.guard import autocast_now, captured_autocast, chosen_grad
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.structure import same_constant
 from autoshard.errors import (
-    AutoshardError, ExampleInputsError, InfeasibleSplitError, InputMismatchError, SpecializationMismatch, plural,
+    AutoshardError, EmptyStageError, ExampleInputsError, InfeasibleSplitError, InputMismatchError,
+    SpecializationMismatch, plural,
 )
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
@@ -307,6 +308,12 @@ class Specializer:
             if exc.__cause__ is not None:  # the model itself refuses these inputs: its own error
                 raise exc.__cause__ from None
             raise
+        except EmptyStageError as exc:
+            raise InputMismatchError(
+                f"{guard}. These inputs run none of the weights stage {exc.stage} of {exc.num_stages} holds (a "
+                "new capture for them keeps every weight in the stage that holds it, and would leave that stage "
+                "with nothing to compute); shard the model again with an example like these inputs, or into "
+                "fewer stages") from exc
         except AutoshardError as exc:  # a pin the new graph's order cannot meet names its weight; a capture failed
             # sharding again is the way only past the pins: what the capture refuses, it refuses there too
             again = "; shard the model again with an example like these inputs" * isinstance(exc, InfeasibleSplitError)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.errors import OTHER_CAPTURE, InputMismatchError, PlanError, SpecializationMismatch
+from autoshard.errors import OTHER_CAPTURE, EmptyStageError, InputMismatchError, PlanError, SpecializationMismatch
 from autoshard.runtime.replay import serving_plan
 from autoshard.specialize import SpecializationLimitWarning, Specializer, holders
 
@@ -828,3 +828,26 @@ def test_a_check_export_kept_and_a_call_breaks_gets_the_models_error_or_a_typed_
             sharded(x, three)
     again = torch.tensor([[2, 3, 3], [2, 1, 1]])  # two again: served
     assert torch.equal(sharded(x, again), model(x, again))
+
+
+class FewerLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, n: int = 4) -> torch.Tensor:
+        for layer in self.layers[:n]:
+            x = layer(x)
+        return x
+
+
+def test_inputs_that_run_no_weight_of_a_stage_say_so_in_the_users_terms():
+    """Every weight stays in its stage, so a call running only the first layers leaves the last stage
+    nothing: said as what the inputs run, not as the splitter's pins."""
+    torch.manual_seed(0)
+    model, x = FewerLayers().eval(), torch.randn(2, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    with pytest.raises(InputMismatchError, match=r"These inputs run none of the weights stage 1 of 2 holds") as info:
+        sharded(x, n=2)
+    assert "stage_ranges" not in str(info.value) and "pin" not in str(info.value)
+    assert isinstance(info.value.__cause__, EmptyStageError)

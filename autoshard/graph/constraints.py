@@ -30,7 +30,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.errors import EmptyStageError, InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.graph.indexed import IndexedDag, Node
 from autoshard.graph.invariants import is_number
 from autoshard.graph.limits import StageLimit
@@ -291,9 +291,9 @@ def _check_every_stage_can_hold_a_node(g: IndexedDag, constraints: Constraints, 
     early = np.cumsum(np.bincount(first, minlength=k))  # nodes that may sit in stage j or earlier
     for j in range(k):
         if not np.any((first <= j) & (j <= last)):
-            raise InfeasibleSplitError(
+            raise EmptyStageError(
                 f"stage_ranges leave stage {j} of {k} empty: under {pins} no node may sit there, and each stage "
-                "must hold one; pin to other stages or ask for fewer stages")
+                "must hold one; pin to other stages or ask for fewer stages", j, k)
         for count, stages, span in ((late[j], k - j, f"{j}..{k - 1}"), (early[j], j + 1, f"0..{j}")):
             if count < stages:
                 raise InfeasibleSplitError(
