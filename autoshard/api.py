@@ -16,7 +16,8 @@ from autoshard.costs.execution import holds_meta_tensors
 from autoshard.costs.memory import check_memory_budgets, stage_memory
 from autoshard.costs.memory_model import MemoryModel
 from autoshard.errors import (
-    InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, brief, first_few, plural, shown,
+    InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, brief, first_few, keywords_named, plural,
+    shown,
 )
 from autoshard.passes.analyses import (
     CostModel,
@@ -257,6 +258,7 @@ def _cost_name(cost: Any) -> tuple[str, dict[str, CostModel]]:
         f"cost must be a cost model name (params, flops, ...) or a function cost(node) -> float, got {cost!r}")
 
 
+@keywords_named
 def shard_model(
     model: nn.Module,
     num_stages: int,

@@ -9,8 +9,12 @@ matching builtin (``ValueError``, ``TypeError``) so callers that catch those kee
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import reprlib
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def suggest(name: str, candidates: Iterable[str]) -> str:
@@ -29,6 +33,22 @@ def suggest(name: str, candidates: Iterable[str]) -> str:
     best = max(score for score, _ in scored)
     close = [c for score, c in sorted(scored, key=lambda sc: (-sc[0], sc[1])) if score >= best - 0.1][:3]
     return " (did you mean " + " or ".join(f"'{c}'" for c in close) + "?)"
+
+
+def keywords_named(function: Callable[..., T]) -> Callable[..., T]:
+    """``function`` refusing a keyword it does not take with the closest it does: Python's own
+    TypeError names no alternative (``max_memroy=``)."""
+    parameters = inspect.signature(function).parameters
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> T:
+        for name in kwargs:
+            if name not in parameters:
+                raise InvalidArgumentTypeError(
+                    f"{function.__name__}() got an unexpected keyword argument {name!r}{suggest(name, parameters)}; "
+                    f"it takes {', '.join(parameters)}")
+        return function(*args, **kwargs)
+    return checked
 
 
 def plural(count: float, noun: str) -> str:

@@ -278,3 +278,9 @@ def test_a_pass_whose_check_options_raises_a_builtin_error_is_named_with_a_repro
     assert f"reproduce with pipeline: {spec}" in str(info.value)
     assert isinstance(info.value.__cause__, ValueError)
     assert any("check_options" in note for note in info.value.__notes__)
+
+
+def test_a_misspelt_keyword_of_shard_model_names_the_one_meant():
+    with pytest.raises(autoshard.InvalidArgumentTypeError,
+                       match=r"unexpected keyword argument 'max_memroy' \(did you mean 'max_memory'\?\)"):
+        autoshard.shard_model(torch.nn.Linear(2, 2), 1, (torch.randn(1, 2),), max_memroy="1GiB")
