@@ -123,6 +123,33 @@ class StagePlan:
         return tuple(name for name in DAG_COST_MODELS if measured(self.dag, name))
 
 
+_STAGES = "stages."
+
+
+def _under_model_keys(sharded: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+    """``state_dict``'s hook: each stage's keys are the model's own (stages hold the model's modules
+    under their paths), so ``stages.1.h.0.attn.weight`` is saved as ``h.0.attn.weight``, a weight
+    several stages hold once: the sharded model's checkpoint is the model's."""
+    marker = prefix + _STAGES
+    for table in (state, getattr(state, "_metadata", {})):
+        for key in [key for key in table if key.startswith(marker)]:
+            value = table.pop(key)
+            table.setdefault(prefix + key[len(marker):].partition(".")[2], value)
+
+
+def _from_model_keys(sharded: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """``load_state_dict``'s hook: a key of the model's given to each stage holding it (a stage's own
+    key, ``stages.1.``..., as ``nn.Module`` saves it, is taken as it is)."""
+    holders: dict[str, list[str]] = {}
+    for index, stage in sharded.stages._modules.items():
+        for key in stage.state_dict(keep_vars=True):
+            holders.setdefault(key, []).append(f"{prefix}{_STAGES}{index}.{key}")
+    for key in [key for key in state if key.startswith(prefix) and key[len(prefix):] in holders]:
+        value = state.pop(key)
+        for stage_key in holders[key[len(prefix):]]:
+            state[stage_key] = value
+
+
 class StateAtCapture:
     """What the code a plan runs read from the model at capture, checked on every call before any
     stage computes: the modes of the modules whose code it runs (what they read from
@@ -195,7 +222,8 @@ class ShardedModel(FixedDtypes):
     ``stages[0]`` takes the model's inputs; every stage but the last returns a tuple of the
     values crossing its boundary, which the next stage takes positionally (moved to the device
     of its weights when it has been placed elsewhere); the last stage returns what the model
-    returns.
+    returns. Its ``state_dict()`` is the model's, under the model's keys (a weight several stages
+    hold, once), and ``load_state_dict`` takes the model's checkpoint.
     """
 
     def __init__(self, stages: list[fx.GraphModule], plan: StagePlan,
@@ -210,6 +238,8 @@ class ShardedModel(FixedDtypes):
         self.model_signature = model_signature
         self._state_at_capture = StateAtCapture(modules_run, attributes_read)
         self._kept_binder = _KeptBinder()
+        self.register_state_dict_post_hook(_under_model_keys)
+        self.register_load_state_dict_pre_hook(_from_model_keys)
 
     @property
     def num_stages(self) -> int:

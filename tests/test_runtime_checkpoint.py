@@ -192,3 +192,17 @@ def test_a_pipeline_stage_of_a_meta_plan_says_to_use_the_materialised_copy(tmp_p
     with pytest.raises(PipelineSetupError, match=r"sharded = autoshard.runtime.materialize_stage\(sharded, "
                                                  r"stage_index, checkpoint\) returns a copy"):
         stage_module(planned, 0, torch.device("cpu"))  # what pipeline_stage builds its stage with
+
+
+@pytest.mark.parametrize("name", ["gpt-lm", "scaled"])
+def test_the_sharded_models_state_dict_is_the_models_and_it_loads_the_models_checkpoint(name):
+    model, args = build(name)
+    sharded = autoshard.shard_model(model, 3, example_inputs=args)
+    assert_same_state(sharded.state_dict(), model.state_dict())
+    twin, _ = build(name, seed=1)
+    sharded.load_state_dict(twin.state_dict())  # strict: every key of the model's taken by its stages
+    assert_same_state(model.state_dict(), twin.state_dict())
+    assert torch.equal(sharded(*args), twin(*args))
+    nested = nn.ModuleDict({"sharded": sharded})  # under a prefix too
+    assert list(nested.state_dict()) == [f"sharded.{key}" for key in model.state_dict()]
+    nested.load_state_dict(nested.state_dict())
