@@ -247,18 +247,29 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
 
 
 def settings_objects(model: nn.Module) -> list[Any]:
-    """The plain objects modules keep settings in (a Hugging Face config): a forward that fills one
-    in (``self.config.problem_type = "regression"`` when it was None) changes the model as surely as
+    """The plain objects modules keep settings in (a Hugging Face config, and the objects such a one
+    holds: a multimodal config's ``text_config``): a forward that fills one in
+    (``self.config.problem_type = "regression"`` when it was None) changes the model as surely as
     a flag on ``self``, so its numbers, flags and strings are set back too. Not modules, tensors,
     containers, callables or classes: only objects with attributes of their own."""
     found: dict[int, Any] = {}
-    for module in model.modules():
-        for key, value in vars(module).items():
-            if type(value) in _PLAIN_TYPES or key in _REGISTRIES or callable(value) or not hasattr(value, "__dict__") \
-                    or isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, abc.Mapping)):
-                continue
-            found.setdefault(id(value), value)
+    holders: list[dict[str, Any]] = [vars(module) for module in model.modules()]
+    for _ in range(_SETTINGS_DEPTH):
+        inside = []
+        for attributes in holders:
+            for key, value in attributes.items():
+                if type(value) in _PLAIN_TYPES or key in _REGISTRIES or id(value) in found or callable(value) \
+                        or not hasattr(value, "__dict__") \
+                        or isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, abc.Mapping)):
+                    continue
+                found[id(value)] = value
+                inside.append(vars(value))
+        holders = inside
     return list(found.values())
+
+
+#: How deep settings objects are looked for inside each other (``config.text_config.vision_config``).
+_SETTINGS_DEPTH = 3
 
 
 @contextlib.contextmanager

@@ -16,9 +16,9 @@ from torch.nn.modules import module as module_state
 from torch.utils._pytree import tree_iter, tree_map
 
 from autoshard.isolation import PLAIN_VALUES
-from autoshard.capture.attribute_reads import AttributeRead
+from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
-from autoshard.capture.held_state import NO_KEY, kept_check
+from autoshard.capture.held_state import HOLDS, NO_KEY, Read, kept_check
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, is_default, parameter_default
 from autoshard.capture.structure import same_constant
@@ -168,22 +168,20 @@ class StateAtCapture:
         self.modules = modules
         self.captured = list(map(_training, modules))
         self.attributes = attributes
-        self.reads = [*((module, NO_KEY, "training") for module in modules),
-                      *((vars(read.holder), read.name, "") for read in attributes)]
-        self._remember([*self.captured, *(read.value for read in attributes)])
+        self._remember(self.captured)
 
     def check_in_full(self, training: bool) -> None:
         now = list(map(_training, self.modules))
         if now != self.captured:
             check_mode(training, training, tuple(now), tuple(self.captured))
-        values = [vars(read.holder).get(read.name, _GONE) for read in self.attributes]
-        for read, value in zip(self.attributes, values):
+        for read in self.attributes:
+            value = looked_up(read.holder, read.name)[1]
             if not same_constant(value, read.value):
-                now_reads = "is deleted" if value is _GONE else f"is {shown(value)}"
                 raise SpecializationMismatch(
-                    f"the model's {self._where(read)} {now_reads} now, but the stages were captured when it was "
-                    f"{shown(read.value)}, and its traced code took the path that value chose", before_compute=True)
-        self._remember([*now, *values])  # equal values set anew: the next call compares these
+                    f"the model's {self._where(read)} {_reading(value)} now, but the stages were captured when it "
+                    f"{_reading(read.value, past=True)}, and its traced code took the path that value chose",
+                    before_compute=True)
+        self._remember(now)  # equal values set anew: the next call compares these
 
     def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
         """``path=value`` for each attribute this capture read with another value than ``other`` did."""
@@ -191,8 +189,21 @@ class StateAtCapture:
         return tuple(f"{self._where(read)}={read.value!r}" for read in self.attributes
                      if not same_constant(read.value, theirs.get((id(read.holder), read.name), read.value)))
 
-    def _remember(self, seen: list[Any]) -> None:
-        self.check = kept_check(self.reads, seen, None, self.check_in_full)
+    def _remember(self, modes: list[bool]) -> None:
+        """Write the check for what the model holds now: the modes, and each attribute where it is
+        held (its holder's ``__dict__``; else that it is not there, and its class's value)."""
+        reads: list[Read] = [(module, NO_KEY, "training") for module in self.modules]
+        seen: list[Any] = list(modes)
+        for read in self.attributes:
+            own = vars(read.holder)
+            where, value = looked_up(read.holder, read.name)
+            if where is not own:
+                reads.append((own, read.name, HOLDS))
+                seen.append(False)
+            if where is not None:
+                reads.append((where, read.name, ""))
+                seen.append(value)
+        self.check = kept_check(reads, seen, None, self.check_in_full)
 
     def _where(self, read: AttributeRead) -> str:
         """``read``'s attribute by its path in the model (``transformer.h.0.attn.scale``, ``config.use_cache``)."""
@@ -212,8 +223,9 @@ class StateAtCapture:
         return StateAtCapture, ()
 
 
-#: An attribute deleted since capture.
-_GONE = object()
+def _reading(value: Any, past: bool = False) -> str:
+    """``is float 3.0`` / ``is unset`` (``was`` in the ``past``)."""
+    return f"{'was' if past else 'is'} {'unset' if value is ABSENT else shown(value)}"
 
 
 class ShardedModel(FixedDtypes):

@@ -62,7 +62,7 @@ def test_without_respecialize_the_call_is_refused_naming_the_attribute():
     with pytest.raises(SpecializationMismatch, match=r"second\.scale is float 3\.0 now.* was float 2\.0"):
         sharded(x)
     del model.second.scale
-    with pytest.raises(SpecializationMismatch, match=r"second\.scale is deleted now"):
+    with pytest.raises(SpecializationMismatch, match=r"second\.scale is unset now"):
         sharded(x)
 
 
@@ -182,4 +182,51 @@ def test_a_settings_object_of_a_built_in_class_is_checked_whole():
     sharded = autoshard.shard_model(model, 2, (x,))
     model.settings.scale = 3.0
     assert torch.equal(sharded(x), model(x))
+    assert len(sharded.specializations) == 1
+
+
+class ClassDefaults(nn.Module):
+    """Reads a class attribute, a nested settings object's field, and one it may not have."""
+
+    scale = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.config = types.SimpleNamespace()  # replaced below by a plain class's object
+        self.config = Settings()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x) * self.scale * getattr(self, "extra", 1.0)
+        return self.b(torch.relu(y) if self.config.inner.relu else y)
+
+
+class Inner:
+    relu = True
+
+    def __init__(self) -> None:
+        self.relu = True
+
+
+class Settings:
+    def __init__(self) -> None:
+        self.inner = Inner()
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m, "scale", 3.0),  # the instance's own now shadows the class's
+    lambda m: setattr(ClassDefaults, "scale", 4.0),
+    lambda m: setattr(m, "extra", 0.5),  # had none: getattr's default was read
+    lambda m: setattr(m.config.inner, "relu", False),  # a settings object inside one
+], ids=["instance-shadows-class", "class", "added", "nested-settings"])
+def test_class_attributes_unset_ones_and_nested_settings_are_checked(change, monkeypatch):
+    monkeypatch.setattr(ClassDefaults, "scale", 2.0)
+    torch.manual_seed(0)
+    model, x = ClassDefaults().eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    before = sharded(x)
+    change(model)
+    after = model(x)
+    assert not torch.equal(before, after)
+    assert torch.equal(sharded(x), after)
     assert len(sharded.specializations) == 1

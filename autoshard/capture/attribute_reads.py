@@ -6,16 +6,19 @@ leaves only the path that value chose in the graph. Set anew after sharding, the
 computing with the old one, silently. So, as Dynamo guards the attributes its bytecode reads, the
 trace records which ones its code read (a ``__getattribute__`` on ``nn.Module`` and on the classes of
 the objects modules keep settings in, installed for the trace only) and the sharded model compares
-them on every call (``sharded.ModesAtCapture``): a change captures the model again.
+them on every call (``sharded.StateAtCapture``): a change captures the model again. A read is of
+the holder's own attribute, of its class's (``scale = 2.0`` in the class body: set on the instance
+later, it takes over), or of none (``getattr(self, "extra", 1.0)``: set later, it is read).
 
 Recorded are the reads by the model's traced code only: not those of code run for real or on
 examples (a module or function kept whole reads its attributes on every call of its stage), not
 attributes of PyTorch's own bookkeeping, and not attributes the trace wrote before reading them
 (Funnel's ``self.pooling_mult = 1``: what the call itself sets fixes nothing). Only plain values
 are checked (numbers, flags, strings, None, enums, functions, tuples of them): modules and
-parameters rebound are seen by ``capture.rebinding``; a list or dict changed in place is not seen.
-A settings object of a built-in class (``types.SimpleNamespace``) takes no ``__getattribute__`` of
-ours: where the traced code reads one, all its plain attributes are checked.
+parameters rebound are seen by ``capture.rebinding``; a list or dict changed in place is not seen,
+nor an object with ``__slots__`` or one kept in a list. A settings object of a built-in class
+(``types.SimpleNamespace``) takes no ``__getattribute__`` of ours: where the traced code reads one,
+all its plain attributes are checked.
 """
 
 from __future__ import annotations
@@ -24,25 +27,49 @@ import contextlib
 import enum
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from torch import nn
 
 from autoshard.isolation import PLAIN_VALUES, settings_objects
 
-#: What ``nn.Module.__init__`` sets on every module: PyTorch's bookkeeping, not the model's settings
-#: (``training`` has its own check).
-_BOOKKEEPING = frozenset(vars(nn.Module()))
+#: What ``nn.Module`` and its ``__init__`` set on every module: PyTorch's bookkeeping
+#: (``_compiled_call_impl``), not the model's settings (``training`` has its own check).
+_BOOKKEEPING = frozenset(vars(nn.Module())) | frozenset(vars(nn.Module))
 _CHECKED = (*PLAIN_VALUES, enum.Enum, types.FunctionType, types.BuiltinFunctionType)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "unset"
+
+
+#: What a read found where the holder had no such attribute (``getattr(self, "extra", 1.0)``).
+ABSENT: Any = _Absent()
 
 
 @dataclass(frozen=True)
 class AttributeRead:
-    """``holder.name`` read by traced code, and the ``value`` it read (the graph took its path)."""
+    """``holder.name`` read by traced code, and the ``value`` it read (the graph took its path;
+    ``ABSENT``: it had none)."""
 
     holder: Any
     name: str
     value: Any
+
+
+def looked_up(holder: Any, name: str) -> tuple[Mapping[str, Any] | None, Any]:
+    """Where ``holder.name`` is held, and its value: the holder's own ``__dict__``, else that of the
+    first class holding it (a class attribute, ``scale = 2.0`` in the class body), else ``(None,
+    ABSENT)``."""
+    own = vars(holder)
+    if name in own:
+        return own, own[name]
+    for cls in type(holder).__mro__:
+        held = vars(cls)
+        if name in held:
+            return held, held[name]
+    return None, ABSENT
 
 
 def checked_value(value: Any) -> bool:
@@ -50,6 +77,16 @@ def checked_value(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(isinstance(item, _CHECKED) for item in value)
     return isinstance(value, _CHECKED)
+
+
+def _absent(holder: Any, name: str) -> bool:
+    """Whether ``holder`` has no attribute ``name`` once ``__getattribute__`` failed: no ``__getattr__``
+    finds one (a module's finds its submodules, parameters and buffers; other classes' may compute)."""
+    fallback = getattr(type(holder), "__getattr__", None)
+    if fallback is None:
+        return True
+    return isinstance(holder, nn.Module) and fallback is nn.Module.__getattr__ and not any(
+        name in vars(holder).get(registry, ()) for registry in ("_parameters", "_buffers", "_modules"))
 
 
 class AttributeReads:
@@ -88,19 +125,20 @@ class AttributeReads:
                     cls.__getattribute__ = own
 
     def _recorder(self, original: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-        first, paused, holders, missing = self.first, self.paused, self.holders, _MISSING
-        unwatched, read_whole, dict_of = self.unwatched, self.read_whole, object.__getattribute__
+        first, paused, holders = self.first, self.paused, self.holders
+        unwatched, read_whole = self.unwatched, self.read_whole
 
         def __getattribute__(holder: Any, name: str) -> Any:  # noqa: N807 - the slot it fills
-            value = original(holder, name)
             if name in _BOOKKEEPING or name.startswith("__") or id(holder) not in holders or paused():
-                return value
+                return original(holder, name)
             try:
-                own = dict_of(holder, "__dict__")
+                value = original(holder, name)
             except AttributeError:
-                return value
-            if own.get(name, missing) is value and (id(own), name) not in first and checked_value(value):
-                first[(id(own), name)] = AttributeRead(holder, name, value)
+                if (id(holder), name) not in first and _absent(holder, name):
+                    first[(id(holder), name)] = AttributeRead(holder, name, ABSENT)
+                raise
+            if (id(holder), name) not in first and checked_value(value) and looked_up(holder, name)[1] is value:
+                first[(id(holder), name)] = AttributeRead(holder, name, value)
             elif id(value) in unwatched:
                 read_whole[id(value)] = value
             return value
@@ -114,9 +152,8 @@ class AttributeReads:
                  for name, value in vars(holder).items() if checked_value(value)]
         return tuple(read for read in [*self.first.values(), *whole]
                      if (id(read.holder), read.name) not in self.written
-                     and vars(read.holder).get(read.name, _MISSING) is read.value)
+                     and looked_up(read.holder, read.name)[1] is read.value)
 
 
-_MISSING = object()
 #: ``type.__flags__``' bit of a class whose attributes cannot be set (a built-in one).
 _IMMUTABLE_TYPE = 1 << 8

@@ -41,14 +41,18 @@ NO_KEY = object()
 NO_FLAG = object()
 #: The attributes a read may name (the generated code spells them out).
 _ATTRIBUTES = ("", "training", "dtype")
+#: A read's ``attribute`` that asks whether ``key`` is in ``owner`` (``key in owner.__dict__``).
+HOLDS = "in"
 
 Read = tuple[Any, Any, str]
 """``(owner, key, attribute)``: ``owner[key].attribute``, without the item when ``key`` is
-``NO_KEY`` and without the attribute when it is empty."""
+``NO_KEY`` and without the attribute when it is empty; ``key in owner`` when it is ``HOLDS``."""
 
 
 def read(owner: Any, key: Any, attribute: str) -> Any:
     """What ``kept_check``'s code reads for ``(owner, key, attribute)`` (KeyError, AttributeError: gone)."""
+    if attribute == HOLDS:
+        return key in owner
     value = owner if key is NO_KEY else owner[key]
     return getattr(value, attribute) if attribute else value
 
@@ -92,6 +96,9 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
     flagged, *terms = shape
     tests = ["flag is flag_seen"] if flagged else []
     for index, (keyed, attribute) in enumerate(terms):
+        if attribute == HOLDS:
+            tests.append(f"(k{index} in o{index}) is e{index}")
+            continue
         assert attribute in _ATTRIBUTES, attribute  # spelled out in the code: only names of ours
         tests.append(f"o{index}{f'[k{index}]' if keyed else ''}{f'.{attribute}' if attribute else ''} is e{index}")
     unpacked = f"    {''.join(f'o{i}, k{i}, e{i}, ' for i in range(len(terms)))}= values\n" if terms else ""
