@@ -7,9 +7,10 @@
 call is often the faster (the capture leaves the model's Python behind: output dataclasses, config
 reads, mask helpers), which hides what autoshard adds. This times what it adds, piece by piece,
 each alone (best of ``--repeats`` runs of many calls, in this thread's CPU time, which leaves out
-the time other processes hold the core): binding the call and checking the modes of
-the model's modules (``fit_call``), the first stage's input guard (``check_inputs``), each stage's
-check of the modules it calls (``HeldState``), the stages' reads of their device from their inputs
+the time other processes hold the core): binding the call and checking the modes of the model's
+modules and the plain attributes its traced code read (``fit_call``), the first stage's input guard
+(``check_inputs``), each stage's check of the modules it calls (``HeldState``), the stages' reads
+of their device from their inputs
 (``stage_device``), the conditions the capture fixed (``check_condition``), and at each boundary
 the probe of where the next stage's weights are and the check that the values are there
 (``moved_to``). Left out: ``run_stages``'s own loop (a hook test per stage) and the module-path
@@ -35,14 +36,15 @@ from autoshard.sharded import moved_to, stage_device
 from call_overhead import ROWS, Row
 
 #: The pieces, in the order of the table's columns.
-KINDS = ("binding + modes", "input guard", "stage checks", "device reads", "conditions", "boundaries")
+KINDS = ("binding + model state", "input guard", "stage checks", "device reads", "conditions", "boundaries")
 
 
 def _pieces(row: Row) -> list[tuple[str, Callable[[], Any]]]:
     """Each piece of autoshard's work in one call of ``row``'s sharded model, by kind, callable alone
     with the values it sees in that call."""
     sharded = autoshard.shard_model(row.model, row.stages, example_inputs=row.args)
-    pieces: list[tuple[str, Callable[[], Any]]] = [("binding + modes", lambda: sharded.fit_call(row.args, {}))]
+    binding = ("binding + model state", lambda: sharded.fit_call(row.args, {}))
+    pieces: list[tuple[str, Callable[[], Any]]] = [binding]
     values, keywords = sharded.fit_call(row.args, {})
     for index, stage in enumerate(sharded.stages):
         if index:
