@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from torch import nn
 
+from autoshard.capture.eager import own_attribute_set
 from autoshard.isolation import PLAIN_VALUES, settings_objects
 
 #: What ``nn.Module`` and its ``__init__`` set on every module: PyTorch's bookkeeping
@@ -109,20 +110,12 @@ class AttributeReads:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[AttributeReads]:
-        installed = []
-        try:
+        with contextlib.ExitStack() as stack:
             for cls in self.classes:
-                own = vars(cls).get("__getattribute__")
                 if not cls.__flags__ & _IMMUTABLE_TYPE:
-                    cls.__getattribute__ = self._recorder(cls.__getattribute__)
-                    installed.append((cls, own))
+                    recorder = self._recorder(cls.__getattribute__)
+                    stack.enter_context(own_attribute_set(cls, "__getattribute__", recorder))
             yield self
-        finally:
-            for cls, own in installed:
-                if own is None:
-                    del cls.__getattribute__
-                else:
-                    cls.__getattribute__ = own
 
     def _recorder(self, original: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
         first, paused, holders = self.first, self.paused, self.holders

@@ -31,6 +31,25 @@ def swapped_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
         setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def own_attribute_set(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` is ``value`` until exit, set in ``owner``'s own ``__dict__`` and put back there as
+    it was: removed where it had none of its own (a module's ``forward`` found on its class again, a
+    class's inherited ``__getattribute__``), so nothing of the capture's is left on it."""
+    own = vars(owner).get(name, _NONE)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if own is _NONE:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
+
+
+_NONE = object()
+
+
 def check_model_runs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """The model's output on its example; ``ExampleInputsError`` if the model fails there too: then
     no capture or pass is to blame, and the model's own error is the one to show."""
