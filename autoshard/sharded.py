@@ -18,11 +18,12 @@ from torch.utils._pytree import tree_iter, tree_map
 from autoshard.isolation import PLAIN_VALUES
 from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
-from autoshard.capture.held_state import HOLDS, NO_KEY, Read, kept_check
+from autoshard.capture.held_state import HOLDS, NO_KEY, Read
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, is_default, parameter_default
 from autoshard.capture.structure import same_constant
 from autoshard.costs.memory_model import MemoryModel
+from autoshard.emit import HELD_STATE
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
@@ -151,24 +152,23 @@ def _from_model_keys(sharded: nn.Module, state: dict[str, Any], prefix: str, *_:
 
 
 class StateAtCapture:
-    """What the code a plan runs read from the model at capture, checked on every call before any
-    stage computes: the modes of the modules whose code it runs (what they read from
-    ``self.training`` was fixed then; ``model.eval()`` switches them without the stages seeing it
-    where a stage calls none of them, as with ``torch.export`` graphs; not submodules: the stages
-    hold what they compute with), and the plain attributes its traced code read
-    (``capture.attribute_reads``: ``config.output_hidden_states``, ``self.scale``). A mode switched
-    is refused (``check_mode``); an attribute set to another value raises ``SpecializationMismatch``,
-    so the model is captured again with it. A copy of the sharded model keeps watching the same
-    model; a pickled one watches nothing (another process has its own model).
+    """What the code a plan runs read from the model at capture, checked on every call by the first
+    stage, before any computes (``HeldState.model_state``): the modes of the modules whose code it
+    runs (what they read from ``self.training`` was fixed then; ``model.eval()`` switches them
+    without the stages seeing it where a stage calls none of them, as with ``torch.export`` graphs;
+    not submodules: the stages hold what they compute with), and the plain attributes its traced
+    code read (``capture.attribute_reads``: ``config.output_hidden_states``, ``self.scale``). A mode
+    switched is refused (``check_mode``); an attribute set to another value raises
+    ``SpecializationMismatch``, so the model is captured again with it. A copy of the sharded model
+    keeps watching the same model; a pickled one watches nothing (another process has its own model).
 
-    ``check(training)`` is code written for these reads (``kept_check``): each read and compared by
-    identity with what the last passing call read, ``check_in_full`` on a difference."""
+    The first stage's check compares what ``reads_now()`` lists by identity, in the code written for
+    its own reads (``kept_check``), and runs ``check_in_full`` on a difference."""
 
     def __init__(self, modules: tuple[nn.Module, ...] = (), attributes: tuple[AttributeRead, ...] = ()) -> None:
         self.modules = modules
         self.captured = list(map(_training, modules))
         self.attributes = attributes
-        self._remember(self.captured)
 
     def check_in_full(self, training: bool) -> None:
         now = list(map(_training, self.modules))
@@ -181,7 +181,6 @@ class StateAtCapture:
                     f"the model's {self._where(read)} {_reading(value)} now, but the stages were captured when it "
                     f"{_reading(read.value, past=True)}, and its traced code took the path that value chose",
                     before_compute=True)
-        self._remember(now)  # equal values set anew: the next call compares these
 
     def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
         """``path=value`` for each attribute this capture read with another value than ``other`` did."""
@@ -189,11 +188,11 @@ class StateAtCapture:
         return tuple(f"{self._where(read)}={read.value!r}" for read in self.attributes
                      if not same_constant(read.value, theirs.get((id(read.holder), read.name), read.value)))
 
-    def _remember(self, modes: list[bool]) -> None:
-        """Write the check for what the model holds now: the modes, and each attribute where it is
-        held (its holder's ``__dict__``; else that it is not there, and its class's value)."""
+    def reads_now(self) -> tuple[list[Read], list[Any]]:
+        """What a passing check reads, and what it finds there now: the modes, and each attribute
+        where it is held (its holder's ``__dict__``; else that it is not there, and its class's value)."""
         reads: list[Read] = [(module, NO_KEY, "training") for module in self.modules]
-        seen: list[Any] = list(modes)
+        seen: list[Any] = list(map(_training, self.modules))
         for read in self.attributes:
             own = vars(read.holder)
             where, value = looked_up(read.holder, read.name)
@@ -203,7 +202,7 @@ class StateAtCapture:
             if where is not None:
                 reads.append((where, read.name, ""))
                 seen.append(value)
-        self.check = kept_check(reads, seen, None, self.check_in_full)
+        return reads, seen
 
     def _where(self, read: AttributeRead) -> str:
         """``read``'s attribute by its path in the model (``transformer.h.0.attn.scale``, ``config.use_cache``)."""
@@ -249,6 +248,9 @@ class ShardedModel(FixedDtypes):
         #: passed with its default value (``mask=None``), which the plan computes with
         self.model_signature = model_signature
         self._state_at_capture = StateAtCapture(modules_run, attributes_read)
+        held = getattr(stages[0], HELD_STATE, None) if stages else None
+        if held is not None:
+            held.check_model_state(self._state_at_capture)
         self._kept_binder = _KeptBinder()
         self.register_state_dict_post_hook(_under_model_keys)
         self.register_load_state_dict_pre_hook(_from_model_keys)
@@ -268,7 +270,7 @@ class ShardedModel(FixedDtypes):
         """Raise where the model is not as the plan's code read it at capture (``StateAtCapture``): a
         module in another mode (``InputMismatchError``), a plain attribute set to another value
         (``SpecializationMismatch``: another capture serves it)."""
-        self.__dict__["_state_at_capture"].check(self.plan.training)
+        self.__dict__["_state_at_capture"].check_in_full(self.plan.training)
 
     def attributes_unlike(self, other: ShardedModel) -> tuple[str, ...]:
         """``path=value`` for each plain attribute of the model this plan's code read with another
@@ -278,10 +280,9 @@ class ShardedModel(FixedDtypes):
     def fit_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """A call of the model as ``stages[0]`` takes it (see ``fitted_call``): every runtime binds
         through here, so an argument reaches the parameter the model gives it, or is refused
-        (``InputMismatchError``) when the plan does not serve it. The modules' modes are checked
-        first, before any stage computes."""
+        (``InputMismatchError``) when the plan does not serve it. The model's state (modes,
+        attributes read) is checked by the first stage (``StateAtCapture``)."""
         held = self.__dict__  # read once: each attribute of a module goes through its __getattr__ hook
-        held["_state_at_capture"].check(held["plan"].training)
         first = held["_modules"]["stages"]._modules["0"]
         kept = held["_kept_binder"]
         if kept.first is not first or kept.binder.model_signature is not held["model_signature"]:

@@ -290,7 +290,11 @@ class Specializer:
         capture; a call the model itself refuses (an argument it does not take), or made in another
         module mode than the plan's, is refused as the plan refuses it."""
         try:
-            primary.fit_call(args, kwargs)  # the modules' modes, and arguments the model itself refuses
+            primary.check_model_state()  # the modules' modes
+        except SpecializationMismatch:
+            pass  # other attributes than the example's: the capture below is made with them
+        try:
+            primary.fit_call(args, kwargs)  # arguments the model itself refuses
         except SpecializationMismatch:
             pass  # other arguments or constants than the example's: the capture below is made with them
         structure = self.structure(args, kwargs)

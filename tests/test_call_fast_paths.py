@@ -324,8 +324,8 @@ def test_fx_tracing_through_a_sharded_model_is_refused():
 
 
 def test_one_module_switched_to_another_mode_is_refused_before_any_stage_computes():
-    """The model's modules are checked at the call's start (``ModesAtCapture``), not only by the
-    stage that calls them: the stages before it do not run (in training they would update their
+    """The model's modules are checked at the call's start (``StateAtCapture``, by the first
+    stage), not only by the stage that calls them: the stages before it do not run (in training they would update their
     batch-norm statistics and draw random numbers for a call that is then refused)."""
     model, x, sharded = _called_once()
     ran = []

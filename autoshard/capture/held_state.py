@@ -136,6 +136,10 @@ class HeldState:
         self.weight_paths = weights
         self.captured_training = owner.training
         self.rebound = ""
+        #: the first stage also checks what the code of the whole plan read from the model
+        #: (``sharded.StateAtCapture``: ``reads_now()``, ``check_in_full(training)``), so running the
+        #: stages in turn checks it too, before any computes; None in the other stages
+        self.model_state: Any = None
         self._walk()
         self.modes = list(map(_training, self.modules))
         self.dtypes = frozenset(map(_dtype, self.weights()))
@@ -175,8 +179,15 @@ class HeldState:
         self._walk()
         check_mode(training, self.captured_training, tuple(map(_training, self.modules)), tuple(self.modes))
         check_weight_dtypes(self.dtypes, *self.weights())
+        if self.model_state is not None:
+            self.model_state.check_in_full(training)
         self._remember(training)
         return self.by_path
+
+    def check_model_state(self, model_state: Any) -> None:
+        """Check ``model_state`` (see ``model_state``) on every call from now on."""
+        self.model_state = model_state
+        self.check = self.check_in_full  # written anew on the next call
 
     def refuse(self, reason: str) -> None:
         """Refuse every call from now on, saying ``reason``: the model rebound a module or parameter the
@@ -191,7 +202,11 @@ class HeldState:
         except (KeyError, AttributeError):  # a parameter deleted or set to None
             self.check: Callable[[bool], dict[str, nn.Module]] = self.check_in_full  # in full on every call
             return
-        self.check = kept_check(self.reads, seen, self.by_path, self.check_in_full, training)
+        reads = self.reads
+        if self.model_state is not None:
+            model_reads, model_seen = self.model_state.reads_now()
+            reads, seen = [*reads, *model_reads], [*seen, *model_seen]
+        self.check = kept_check(reads, seen, self.by_path, self.check_in_full, training)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HeldState:
         """A copy watches the copied stage (``memo`` maps the stage to its copy), found by path."""
@@ -202,10 +217,10 @@ class HeldState:
     def __getstate__(self) -> dict[str, Any]:
         return {"owner": self.owner, "leaves": self.leaves, "weight_paths": self.weight_paths,
                 "captured_training": self.captured_training, "modes": self.modes, "dtypes": self.dtypes,
-                "rebound": self.rebound}
+                "rebound": self.rebound, "model_state": self.model_state}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"rebound": "", **state})
+        self.__dict__.update({"rebound": "", "model_state": None, **state})
         # found by path on the first call, which checks in full
         self.modules, self.registries, self.names, self.reads = (), (), (), []
         self.by_path = {}
