@@ -230,3 +230,24 @@ def test_class_attributes_unset_ones_and_nested_settings_are_checked(change, mon
     assert not torch.equal(before, after)
     assert torch.equal(sharded(x), after)
     assert len(sharded.specializations) == 1
+
+
+class CondBranches(nn.Module):
+    """``torch.cond`` on the data at the top: only export captures it, and its branches are compiled
+    by torch.compile's tracer, which refuses a module class's own ``__getattribute__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return torch.cond(h.sum() > 0, lambda h: self.b(h), lambda h: self.c(h), (h,))
+
+
+def test_a_model_whose_branches_torch_compile_traces_is_exported_without_the_recorder():
+    torch.manual_seed(0)
+    model, x = CondBranches(), torch.randn(2, 8)
+    result = autoshard.capture.capture(model, (x,))
+    assert result.front_end == "export" and result.attributes_read == ()
+    assert "__getattribute__" not in vars(nn.Module)

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import sys
 import warnings
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -56,6 +57,13 @@ def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]]) -> Iterator[Non
         for module, path in leaves.values():
             stack.enter_context(own_attribute_set(module, "forward", stand_in(module, module.forward, path)))
         yield
+
+
+def _compiled_branch_refused(exc: RuntimeError) -> bool:
+    """Whether torch.compile's tracer refused a ``torch.cond`` or ``while_loop`` body (its module is
+    loaded by then; importing it otherwise would cost seconds)."""
+    dynamo = sys.modules.get("torch._dynamo.exc")
+    return dynamo is not None and isinstance(exc, dynamo.UncapturedHigherOrderOpError)
 
 
 class CustomBackward(Exception):
@@ -336,7 +344,15 @@ def export_with_leaves(
                     torch.enable_grad(), swapped_attribute(torch, "is_grad_enabled", reader), \
                     _refusing_custom_backward(), _noting_detached_modules(model, wrapper, detached):
                 reads[:] = [AttributeReads(wrapper, is_real_run, written)]
-                with reads[0].recording():
+                try:
+                    with reads[0].recording():
+                        return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
+                except RuntimeError as exc:
+                    if not _compiled_branch_refused(exc):
+                        raise
+                    # torch.cond compiles its branches with torch.compile's tracer, which refuses a module
+                    # class's own __getattribute__: exported without the recorder, no attribute is checked
+                    reads.clear()
                     return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)
 
     try:
@@ -351,4 +367,4 @@ def export_with_leaves(
     called = {key: m for key, m in fused.items() if leaves.paths[key] in targets}
     return TraceResult(gm, (*leaves.wrapped, *kept_whole_by_design(leaves, called)), front_end="export",
                        specialized=_pinned(guard),
-                       input_guard=guard.describe(), attributes_read=reads[0].kept())
+                       input_guard=guard.describe(), attributes_read=reads[0].kept() if reads else ())
