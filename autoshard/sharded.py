@@ -23,10 +23,10 @@ from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, is_default, parameter_default
 from autoshard.capture.structure import same_constant
 from autoshard.costs.memory_model import MemoryModel
-from autoshard.emit import HELD_STATE
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
+from autoshard.emit import HELD_STATE
 from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch, brief, shown
 from autoshard.graph.partition import SplitInfo
 
@@ -250,7 +250,7 @@ class ShardedModel(FixedDtypes):
         self._state_at_capture = StateAtCapture(modules_run, attributes_read)
         held = getattr(stages[0], HELD_STATE, None) if stages else None
         if held is not None:
-            held.check_model_state(self._state_at_capture)
+            held.watch_model_state(self._state_at_capture)
         self._kept_binder = _KeptBinder()
         self.register_state_dict_post_hook(_under_model_keys)
         self.register_load_state_dict_pre_hook(_from_model_keys)

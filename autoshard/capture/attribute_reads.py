@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from torch import nn
 
-from autoshard.capture.eager import own_attribute_set
+from autoshard.capture.eager import swapped_attribute
 from autoshard.isolation import PLAIN_VALUES, settings_objects
 
 #: What ``nn.Module`` and its ``__init__`` set on every module: PyTorch's bookkeeping
@@ -114,7 +114,7 @@ class AttributeReads:
             for cls in self.classes:
                 if not cls.__flags__ & _IMMUTABLE_TYPE:
                     recorder = self._recorder(cls.__getattribute__)
-                    stack.enter_context(own_attribute_set(cls, "__getattribute__", recorder))
+                    stack.enter_context(swapped_attribute(cls, "__getattribute__", recorder))
             yield self
 
     def _recorder(self, original: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:

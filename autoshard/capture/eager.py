@@ -8,7 +8,6 @@ the cost modules and verify share.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -20,22 +19,11 @@ from autoshard.isolation import cloned, isolated
 
 @contextlib.contextmanager
 def swapped_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """``owner.name`` is ``value`` until exit (a function or method patched while capturing).
-    The original is read without binding it (``getattr_static``), so a classmethod such as
-    ``torch.autograd.Function.apply`` comes back as itself, not bound to ``owner``."""
-    original = inspect.getattr_static(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-@contextlib.contextmanager
-def own_attribute_set(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """``owner.name`` is ``value`` until exit, set in ``owner``'s own ``__dict__`` and put back there as
-    it was: removed where it had none of its own (a module's ``forward`` found on its class again, a
-    class's inherited ``__getattribute__``), so nothing of the capture's is left on it."""
+    """``owner.name`` is ``value`` until exit (a function or method patched while capturing), set in
+    ``owner``'s own ``__dict__`` and put back there as it was: the original is read from that dict, so
+    a classmethod such as ``torch.autograd.Function.apply`` comes back as itself, not bound to
+    ``owner``; where it had none of its own (a module's ``forward`` found on its class, a class's
+    inherited ``__getattribute__``) the patch is removed, so nothing of the capture's is left on it."""
     own = vars(owner).get(name, _NONE)
     setattr(owner, name, value)
     try:

@@ -30,7 +30,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from autoshard.capture.attribute_reads import AttributeReads
 from autoshard.capture.assemble import assemble, leaves_of
-from autoshard.capture.eager import own_attribute_set, swapped_attribute
+from autoshard.capture.eager import swapped_attribute
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design
 from autoshard.capture.fx import has_backward_hooks
 from autoshard.capture.grad_mode import GradModeReader
@@ -55,7 +55,7 @@ def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]]) -> Iterator[Non
     """Route each leaf's forward through an opaque stand-in while exporting; restore it after."""
     with contextlib.ExitStack() as stack:
         for module, path in leaves.values():
-            stack.enter_context(own_attribute_set(module, "forward", stand_in(module, module.forward, path)))
+            stack.enter_context(swapped_attribute(module, "forward", stand_in(module, module.forward, path)))
         yield
 
 

@@ -184,7 +184,7 @@ class HeldState:
         self._remember(training)
         return self.by_path
 
-    def check_model_state(self, model_state: Any) -> None:
+    def watch_model_state(self, model_state: Any) -> None:
         """Check ``model_state`` (see ``model_state``) on every call from now on."""
         self.model_state = model_state
         self.check = self.check_in_full  # written anew on the next call
