@@ -502,15 +502,16 @@ class _Binder:
         fills = {name: parameter_default(self.model_signature, name) for name in parameters
                  if name not in moved and name not in self.inputs
                  and parameter_default(self.model_signature, name) is not inspect.Parameter.empty}
-        dropped: list[str] = []
+        # an argument the example passed, which the model would default (or, one of its ``**kwargs``,
+        # not see): not 'missing a required argument', nor the stage's own default, the example's value
+        dropped = [repr(name) for name in parameters if name not in moved and name not in fills]
+        error: TypeError | None = TypeError(
+            f"the example passed {', '.join(dropped)}, which these inputs leave out; pass "
+            f"{'it' if len(dropped) == 1 else 'them'} as the example did") if dropped else None
         try:
             self.signature.bind(**moved, **fills)
-            error = None
         except TypeError as exc:
-            # an argument the example passed, which the model would default: not 'missing a required argument'
-            dropped = [repr(name) for name in parameters if name not in moved and name not in fills]
-            error = TypeError(f"the example passed {', '.join(dropped)}, which these inputs leave out; pass "
-                              f"{'it' if len(dropped) == 1 else 'them'} as the example did") if dropped else exc
+            error = error or exc
         left_out = tuple((name, slot.index) for name, slot in named.items() if name not in parameters)
         positional = [name for name, p in parameters.items()
                       if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]

@@ -632,3 +632,27 @@ def test_an_immutable_default_adds_no_input_check_to_a_call():
     sharded = autoshard.shard_model(TupleByDefault().eval(), 2, (torch.randn(4, 4),), pipeline="trace,shape-prop,"
                                     "build-dag,linearize,split,emit,verify")
     assert not any(node.target is check_inputs for node in sharded.stages[0].graph.nodes)
+
+
+class Flagged(nn.Module):
+    """Takes its flag among ``**kwargs``: left out, the model does not see it at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, **kwargs: bool) -> torch.Tensor:
+        y = self.linear(x)
+        return y * 2 if kwargs.get("double", False) else y
+
+
+def test_a_capture_made_with_a_keyword_of_kwargs_does_not_serve_a_call_that_leaves_it_out():
+    """Its stage takes the keyword with the example's value as its default; the model, called without
+    it, computes as if it were never passed."""
+    torch.manual_seed(0)
+    model, x = Flagged(), torch.randn(3, 8)
+    sharded = autoshard.shard_model(model, 1, example_inputs=(x,), example_kwargs={"double": True})
+    assert torch.equal(sharded(x, double=True), model(x, double=True))
+    assert torch.equal(sharded(x), model(x))
+    with pytest.raises(SpecializationMismatch, match="the example passed 'double', which these inputs leave out"):
+        sharded.run_stages((x,), {})  # the first plan alone, without capturing again
