@@ -19,6 +19,7 @@ from autoshard.isolation import PLAIN_VALUES
 from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
 from autoshard.capture.held_state import HOLDS, NO_KEY, Read
+from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, is_default, parameter_default
 from autoshard.capture.structure import same_constant
@@ -27,7 +28,7 @@ from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured,
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
 from autoshard.emit import HELD_STATE
-from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch, brief, shown
+from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch, brief, first_few, shown
 from autoshard.graph.partition import SplitInfo
 
 _training = operator.attrgetter("training")
@@ -165,28 +166,44 @@ class StateAtCapture:
     The first stage's check compares what ``reads_now()`` lists by identity, in the code written for
     its own reads (``kept_check``), and runs ``check_in_full`` on a difference."""
 
-    def __init__(self, modules: tuple[nn.Module, ...] = (), attributes: tuple[AttributeRead, ...] = ()) -> None:
+    def __init__(self, modules: tuple[nn.Module, ...] = (), attributes: tuple[AttributeRead, ...] = (),
+                 hooks: HooksAtCapture | None = None) -> None:
         self.modules = modules
         self.captured = list(map(_training, modules))
         self.attributes = attributes
+        self.hooks = hooks if hooks is not None else HooksAtCapture()
 
     def check_in_full(self, training: bool) -> None:
         now = list(map(_training, self.modules))
         if now != self.captured:
             check_mode(training, training, tuple(now), tuple(self.captured))
+        gained = self.hooks.gained()
+        if gained is not None:
+            module, kind = gained
+            path = self._where(module, "")
+            where = f"the model's {path} has a {kind}" if path else f"the model has a {kind}"
+            raise SpecializationMismatch(
+                f"{where} now, where the stages were captured through the model's code without one, so they would "
+                "not run it", before_compute=True)
         for read in self.attributes:
             value = looked_up(read.holder, read.name)[1]
             if not same_constant(value, read.value):
                 raise SpecializationMismatch(
-                    f"the model's {self._where(read)} {_reading(value)} now, but the stages were captured when it "
-                    f"{_reading(read.value, past=True)}, and its traced code took the path that value chose",
+                    f"the model's {self._where(read.holder, read.name)} {_reading(value)} now, but the stages were "
+                    f"captured when it {_reading(read.value, past=True)}, and its traced code took the path that "
+                    "value chose",
                     before_compute=True)
 
     def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
-        """``path=value`` for each attribute this capture read with another value than ``other`` did."""
+        """``path=value`` for each attribute this capture read with another value than ``other`` did, and
+        the hooks it held that ``other``'s did not (``forward hooks on h.3``)."""
         theirs = {(id(read.holder), read.name): read.value for read in other.attributes}
-        return tuple(f"{self._where(read)}={read.value!r}" for read in self.attributes
-                     if not same_constant(read.value, theirs.get((id(read.holder), read.name), read.value)))
+        by_kind: dict[str, list[str]] = {}
+        for module, kind in self.hooks.held_unlike(other.hooks):
+            by_kind.setdefault(kind, []).append(self._where(module, "") or "the model")
+        hooks = tuple(f"{kind}s on {first_few(paths, 3)}" for kind, paths in by_kind.items())
+        return tuple(f"{self._where(read.holder, read.name)}={read.value!r}" for read in self.attributes
+                     if not same_constant(read.value, theirs.get((id(read.holder), read.name), read.value))) + hooks
 
     def reads_now(self) -> tuple[list[Read], list[Any]]:
         """What a passing check reads, and what it finds there now: the modes, and each attribute
@@ -202,18 +219,20 @@ class StateAtCapture:
             if where is not None:
                 reads.append((where, read.name, ""))
                 seen.append(value)
-        return reads, seen
+        hook_reads, hook_seen = self.hooks.reads_now()
+        return [*reads, *hook_reads], [*seen, *hook_seen]
 
-    def _where(self, read: AttributeRead) -> str:
-        """``read``'s attribute by its path in the model (``transformer.h.0.attn.scale``, ``config.use_cache``)."""
+    def _where(self, holder: Any, name: str) -> str:
+        """``holder.name`` by its path in the model (``transformer.h.0.attn.scale``, ``config.use_cache``;
+        no ``name``: the holder's own path, ``transformer.h.0``)."""
         root = self.modules[0] if self.modules else None
         for path, module in root.named_modules() if root is not None else ():
-            if module is read.holder:
-                return f"{path}.{read.name}" if path else read.name
-            owner = next((key for key, value in vars(module).items() if value is read.holder), None)
+            if module is holder:
+                return ".".join(filter(None, (path, name)))
+            owner = next((key for key, value in vars(module).items() if value is holder), None)
             if owner is not None:
-                return ".".join(filter(None, (path, owner, read.name)))
-        return f"{type(read.holder).__name__}.{read.name}"
+                return ".".join(filter(None, (path, owner, name)))
+        return ".".join(filter(None, (type(holder).__name__, name)))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StateAtCapture:
         return self
@@ -239,7 +258,8 @@ class ShardedModel(FixedDtypes):
 
     def __init__(self, stages: list[fx.GraphModule], plan: StagePlan,
                  model_signature: inspect.Signature | None = None,
-                 modules_run: tuple[nn.Module, ...] = (), attributes_read: tuple[AttributeRead, ...] = ()) -> None:
+                 modules_run: tuple[nn.Module, ...] = (), attributes_read: tuple[AttributeRead, ...] = (),
+                 hooks: HooksAtCapture | None = None) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.plan = plan
@@ -247,7 +267,7 @@ class ShardedModel(FixedDtypes):
         #: the model's own call signature, when known: an argument the example left out may be
         #: passed with its default value (``mask=None``), which the plan computes with
         self.model_signature = model_signature
-        self._state_at_capture = StateAtCapture(modules_run, attributes_read)
+        self._state_at_capture = StateAtCapture(modules_run, attributes_read, hooks)
         held = getattr(stages[0], HELD_STATE, None) if stages else None
         if held is not None:
             held.watch_model_state(self._state_at_capture)
@@ -274,7 +294,8 @@ class ShardedModel(FixedDtypes):
 
     def attributes_unlike(self, other: ShardedModel) -> tuple[str, ...]:
         """``path=value`` for each plain attribute of the model this plan's code read with another
-        value than ``other``'s did (``config.output_hidden_states=True``)."""
+        value than ``other``'s did (``config.output_hidden_states=True``), and the hooks its modules
+        held that ``other``'s did not (``forward hooks on transformer.h.0``)."""
         return self.__dict__["_state_at_capture"].unlike(other.__dict__["_state_at_capture"])
 
     def fit_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

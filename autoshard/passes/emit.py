@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch.fx as fx
 from torch import nn
 
+from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.rebinding import watch
 from autoshard.capture.signature import MODEL_ATTR, forward_signature
 from autoshard.emit import HELD_STATE, emit_stages
@@ -50,9 +51,10 @@ class EmitPass(Pass):
             watch(program.model, state, (*state.leaves, *state.weight_paths))
         plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,
                          memory_model(ctx), training=program.model.training)
-        sharded = ShardedModel(stages, plan, forward_signature(program.model),
-                               modules_run(program.model, program.traced.graph_module),
-                               program.traced.attributes_read)
+        run = modules_run(program.model, program.traced.graph_module)
+        called = modules_called(program.model, program.traced.graph_module)
+        sharded = ShardedModel(stages, plan, forward_signature(program.model), run, program.traced.attributes_read,
+                               HooksAtCapture(run, called))
         return dataclasses.replace(program, sharded=sharded)
 
 
@@ -60,10 +62,18 @@ def modules_run(model: nn.Module, gm: fx.GraphModule) -> tuple[nn.Module, ...]:
     """The model and its modules whose code the captured graph runs (the graph's module scopes):
     what they read from ``self.training`` was fixed at capture. A ``torch.export`` graph calls
     none of them, so its stages alone cannot see ``model.eval()``."""
-    paths = dict.fromkeys(["", *(path.removeprefix(f"{MODEL_ATTR}.") for node in gm.graph.nodes
-                                 for path, _ in module_scopes(gm, node))])
+    return _found(model, ["", *(path for node in gm.graph.nodes for path, _ in module_scopes(gm, node))])
+
+
+def modules_called(model: nn.Module, gm: fx.GraphModule) -> tuple[nn.Module, ...]:
+    """The model's modules the captured graph calls whole: they run their hooks themselves."""
+    return _found(model, [str(node.target) for node in gm.graph.nodes if node.op == "call_module"])
+
+
+def _found(model: nn.Module, paths: list[str]) -> tuple[nn.Module, ...]:
+    """The model's modules at ``paths`` (of the capture's graph), once each."""
     found = []
-    for path in paths:
+    for path in dict.fromkeys(path.removeprefix(f"{MODEL_ATTR}.") for path in paths):
         try:
             found.append(model.get_submodule(path))
         except AttributeError:  # a scope of the capture's own making

@@ -1,0 +1,109 @@
+"""A hook registered after sharding on a module the capture traced through is run: the model is
+captured again with it (or the call refused), never run without it silently. One counter keeps the
+check cheap: only a hook registered anywhere makes the first stage check the hook dicts in full."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.capture.held_state import HeldState
+from autoshard.errors import InputMismatchError, SpecializationMismatch
+
+
+def _layers(count: int = 4) -> nn.Sequential:
+    """Layers the capture traces through (an ``nn.Sequential`` of its own), each of two leaves."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(count)])
+
+
+X = torch.randn(3, 8)
+
+
+def test_a_forward_hook_added_to_a_traced_layer_runs_and_removing_it_serves_the_first_plan_again():
+    model = _layers()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    before = sharded(X)
+    handle = model[1].register_forward_hook(lambda module, args, out: out * 100)
+    assert torch.equal(sharded(X), model(X)) and not torch.equal(sharded(X), before)
+    (made,) = sharded.specializations
+    assert "forward hooks on 1" in made.describe()
+    handle.remove()
+    assert torch.equal(sharded(X), before) and len(sharded.specializations) == 1
+
+
+@pytest.mark.parametrize("register", [
+    lambda model: model[2].register_forward_pre_hook(lambda module, args: (args[0] * 3,)),
+    lambda model: model.register_forward_hook(lambda module, args, out: out - 1),  # the model's own
+], ids=["pre-hook", "root"])
+def test_pre_hooks_and_hooks_on_the_model_itself_are_run_too(register):
+    model = _layers()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    before = sharded(X)
+    handle = register(model)
+    try:
+        assert torch.equal(sharded(X), model(X)) and not torch.equal(model(X), before)
+        assert len(sharded.specializations) == 1
+    finally:
+        handle.remove()
+
+
+def test_without_respecialize_the_call_is_refused_naming_the_module_and_the_hook():
+    model = _layers()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,), respecialize=False)
+    model[3].register_forward_hook(lambda module, args, out: out)
+    with pytest.raises(SpecializationMismatch, match="the model's 3 has a forward hook now"):
+        sharded(X)
+
+
+def test_a_hook_on_a_module_called_whole_runs_in_its_stage_without_a_new_capture():
+    model = _layers()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    seen = []
+    model[2][0].register_forward_hook(lambda module, args, out: seen.append(out.shape) or out + 1)
+    assert torch.equal(sharded(X), model(X)) and seen == [X.shape] * 2
+    assert len(sharded.specializations) == 0
+
+
+def test_a_pre_hook_on_a_layer_the_plan_split_is_refused_saying_why():
+    """A forward pre-hook keeps its module whole (it may change the inputs the body was traced on); a
+    layer whose weights the plan put in two stages cannot be, so the call is refused, never run
+    without the hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    model[0].register_forward_pre_hook(lambda module, args: (args[0] * 3,))
+    with pytest.raises(InputMismatchError, match="has a forward pre-hook now"):
+        sharded(X)
+
+
+def test_the_hook_dicts_are_checked_in_full_only_after_a_hook_was_registered(monkeypatch):
+    full = []
+    checked = HeldState.check_in_full
+    monkeypatch.setattr(HeldState, "check_in_full", lambda self, training: full.append(1) or checked(self, training))
+    model = _layers()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    sharded(X)
+    full.clear()
+    for _ in range(3):
+        sharded(X)
+    assert full == []
+    X.clone().requires_grad_().register_hook(lambda grad: grad)  # any hook, anywhere, moves the counter
+    for _ in range(3):
+        sharded(X)
+    assert full == [1] and len(sharded.specializations) == 0
+
+
+def test_a_profiler_s_global_hooks_neither_capture_again_nor_change_the_outputs():
+    """``FlopCounterMode`` observes a call through global module hooks: they run for the modules and
+    stages called, and are not the model's to capture."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _layers()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    with FlopCounterMode(display=False) as counter:
+        out = sharded(X)
+    assert torch.equal(out, model(X)) and counter.get_total_flops() == 4 * 2 * 3 * 8 * 8
+    assert len(sharded.specializations) == 0
