@@ -653,6 +653,24 @@ def test_local_processes_start_under_torchruns_environment(monkeypatch):
     assert run_local(_rank, 2, timeout=90) == [0, 1]
 
 
+def _mark_and_parent(rank: int, world_size: int) -> tuple[str | None, int]:
+    return os.environ.get("AUTOSHARD_LAUNCH_MARK"), os.getppid()
+
+
+@pytest.mark.timeout(200)
+def test_ranks_fork_from_one_server_and_start_with_the_callers_environment_of_each_launch(monkeypatch):
+    """The ranks fork from a server that imported torch once (started by the first launch), where
+    spawned ones would import it anew at every launch; each launch still hands them the caller's
+    environment as it is then, as a spawned process gets it."""
+    monkeypatch.setenv("AUTOSHARD_LAUNCH_MARK", "first")
+    first = run_local(_mark_and_parent, 2, timeout=90)
+    monkeypatch.setenv("AUTOSHARD_LAUNCH_MARK", "second")
+    second = run_local(_mark_and_parent, 2, timeout=90)
+    assert [mark for mark, _ in first] == ["first"] * 2 and [mark for mark, _ in second] == ["second"] * 2
+    parents = {parent for _, parent in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents
+
+
 @pytest.mark.timeout(120)
 def test_a_module_run_apart_imports_the_callers_copy_of_autoshard(tmp_path):
     """A script that found autoshard through sys.path.insert must calibrate with that copy, not an installed one."""
