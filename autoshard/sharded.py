@@ -7,7 +7,7 @@ import operator
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -164,7 +164,7 @@ class StateAtCapture:
     keeps watching the same model; a pickled one watches nothing (another process has its own model).
 
     The first stage's check compares what ``reads_now()`` lists by identity, in the code written for
-    its own reads (``kept_check``), and runs ``check_in_full`` on a difference."""
+    its own reads (``kept_check``), and runs ``check_in_full`` on a difference (``after_difference``)."""
 
     def __init__(self, modules: tuple[nn.Module, ...] = (), attributes: tuple[AttributeRead, ...] = (),
                  hooks: HooksAtCapture | None = None) -> None:
@@ -206,8 +206,9 @@ class StateAtCapture:
                      if not same_constant(read.value, theirs.get((id(read.holder), read.name), read.value))) + hooks
 
     def reads_now(self) -> tuple[list[Read], list[Any]]:
-        """What a passing check reads, and what it finds there now: the modes, and each attribute
-        where it is held (its holder's ``__dict__``; else that it is not there, and its class's value)."""
+        """What a passing check reads, and what it finds there now: the modes, each attribute where it
+        is held (its holder's ``__dict__``; else that it is not there, and its class's value), and the
+        hook id counter (``HooksAtCapture.counter_read``)."""
         reads: list[Read] = [(module, NO_KEY, "training") for module in self.modules]
         seen: list[Any] = list(map(_training, self.modules))
         for read in self.attributes:
@@ -219,8 +220,13 @@ class StateAtCapture:
             if where is not None:
                 reads.append((where, read.name, ""))
                 seen.append(value)
-        hook_reads, hook_seen = self.hooks.reads_now()
-        return [*reads, *hook_reads], [*seen, *hook_seen]
+        counter, kept = self.hooks.counter_read()
+        return [*reads, *counter], [*seen, *kept]
+
+    def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """What the check runs on a difference: ``full``, unless only the hook counter moved
+        (``HooksAtCapture.after_difference``)."""
+        return self.hooks.after_difference(full, again)
 
     def _where(self, holder: Any, name: str) -> str:
         """``holder.name`` by its path in the model (``transformer.h.0.attn.scale``, ``config.use_cache``;

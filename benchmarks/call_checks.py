@@ -2,6 +2,7 @@
 
     python benchmarks/call_checks.py                      # every row of call_overhead.py, ~4 minutes
     python benchmarks/call_checks.py --only "HF" --repeats 15
+    python benchmarks/call_checks.py --hook-registered     # each call after a hook was registered somewhere
 
 ``call_overhead.py`` compares the sharded call with the model's own. On a real model the sharded
 call is often the faster (the capture leaves the model's Python behind: output dataclasses, config
@@ -28,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.utils.hooks import RemovableHandle
 
 import autoshard
 from autoshard.capture.guard import check_condition, check_inputs
@@ -39,9 +41,11 @@ from call_overhead import ROWS, Row
 KINDS = ("binding + model state", "input guard", "stage checks", "device reads", "conditions", "boundaries")
 
 
-def _pieces(row: Row) -> list[tuple[str, Callable[[], Any]]]:
+def _pieces(row: Row, hook_registered: bool = False) -> list[tuple[str, Callable[[], Any]]]:
     """Each piece of autoshard's work in one call of ``row``'s sharded model, by kind, callable alone
-    with the values it sees in that call."""
+    with the values it sees in that call. ``hook_registered``: as in a call after a hook was registered
+    somewhere (a module with full backward hooks, FSDP, register one on every call), which the first
+    stage checks in full (``capture.hooks_since``): each check moves the hook id counter first."""
     sharded = autoshard.shard_model(row.model, row.stages, example_inputs=row.args)
     binding = ("binding + model state", lambda: sharded.fit_call(row.args, {}))
     pieces: list[tuple[str, Callable[[], Any]]] = [binding]
@@ -50,11 +54,18 @@ def _pieces(row: Row) -> list[tuple[str, Callable[[], Any]]]:
         if index:
             pieces.append(("boundaries", lambda stage=stage, values=values: moved_to(stage_device(stage), values)))
         state = stage._autoshard_held_state
-        pieces.append(("stage checks", lambda state=state, training=stage.training: state.check(training)))
+        moved = hook_registered and index == 0
+        pieces.append(("stage checks", lambda state=state, training=stage.training, moved=moved:
+                       (moved and _move_hook_counter(), state.check(training))))
         named = inspect.signature(stage.forward).bind(*values, **keywords).arguments
         pieces += _guard_calls(stage, named)
         values, keywords = stage.forward(*values, **keywords), {}
     return pieces
+
+
+def _move_hook_counter() -> None:
+    """What registering a hook does to the counter the first stage compares (nothing else)."""
+    RemovableHandle.next_id += 1
 
 
 def _guard_calls(stage: fx.GraphModule, named: dict[str, Any]) -> list[tuple[str, Callable[[], Any]]]:
@@ -90,6 +101,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="runs per piece, best kept")
     parser.add_argument("--only", default="", help="run only the rows whose name contains this (e.g. HF)")
+    parser.add_argument("--hook-registered", action="store_true",
+                        help="time each call as one made after a hook was registered somewhere (the first stage "
+                             "checks the model's hook dicts in full)")
     options = parser.parse_args()
     warnings.filterwarnings("ignore")  # transformers' notices would break the table
     torch.set_num_threads(1)
@@ -101,7 +115,7 @@ def main() -> None:
         if row is None:
             continue
         with torch.enable_grad() if row.backward else torch.no_grad():
-            pieces = _pieces(row)
+            pieces = _pieces(row, options.hook_registered)
             model_call = lambda: row.model(*row.args)  # noqa: E731
             eager = _best(model_call, max(3, int(0.05 / _best(model_call, 1, 2))), options.repeats)
             spent = dict.fromkeys(KINDS, 0.0)

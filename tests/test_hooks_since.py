@@ -10,6 +10,7 @@ from torch import nn
 
 import autoshard
 from autoshard.capture.held_state import HeldState
+from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.errors import InputMismatchError, SpecializationMismatch
 
 
@@ -79,21 +80,24 @@ def test_a_pre_hook_on_a_layer_the_plan_split_is_refused_saying_why():
         sharded(X)
 
 
-def test_the_hook_dicts_are_checked_in_full_only_after_a_hook_was_registered(monkeypatch):
-    full = []
-    checked = HeldState.check_in_full
+def test_the_hook_dicts_are_looked_at_only_after_a_hook_was_registered_and_never_checked_in_full(monkeypatch):
+    """One counter is compared on every call; a hook registered anywhere (here a tensor's) makes the
+    next call look at the dicts once, and none makes the first stage check everything in full."""
+    full, looked = [], []
+    checked, any_gained = HeldState.check_in_full, HooksAtCapture.any_gained
     monkeypatch.setattr(HeldState, "check_in_full", lambda self, training: full.append(1) or checked(self, training))
+    monkeypatch.setattr(HooksAtCapture, "any_gained", lambda self: looked.append(1) or any_gained(self))
     model = _layers()
     sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
     sharded(X)
     full.clear()
     for _ in range(3):
         sharded(X)
-    assert full == []
+    assert looked == [] and full == []
     X.clone().requires_grad_().register_hook(lambda grad: grad)  # any hook, anywhere, moves the counter
     for _ in range(3):
         sharded(X)
-    assert full == [1] and len(sharded.specializations) == 0
+    assert looked == [1] and full == [] and len(sharded.specializations) == 0
 
 
 def test_a_profiler_s_global_hooks_neither_capture_again_nor_change_the_outputs():

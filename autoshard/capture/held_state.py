@@ -43,10 +43,14 @@ NO_FLAG = object()
 _ATTRIBUTES = ("", "training", "dtype")
 #: A read's ``attribute`` that asks whether ``key`` is in ``owner`` (``key in owner.__dict__``).
 HOLDS = "in"
+#: A read's ``attribute`` that compares ``owner[key]`` with the value its one-item list ``expected``
+#: holds, which the check's owner moves on without writing the check anew (a counter).
+KEPT = "kept"
 
 Read = tuple[Any, Any, str]
 """``(owner, key, attribute)``: ``owner[key].attribute``, without the item when ``key`` is
-``NO_KEY`` and without the attribute when it is empty; ``key in owner`` when it is ``HOLDS``."""
+``NO_KEY`` and without the attribute when it is empty; ``key in owner`` when it is ``HOLDS``;
+``owner[key]``, given with its list, when it is ``KEPT`` (``read`` does not take those)."""
 
 
 def read(owner: Any, key: Any, attribute: str) -> Any:
@@ -99,6 +103,9 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
         if attribute == HOLDS:
             tests.append(f"(k{index} in o{index}) is e{index}")
             continue
+        if attribute == KEPT:
+            tests.append(f"o{index}[k{index}] is e{index}[0]")
+            continue
         assert attribute in _ATTRIBUTES, attribute  # spelled out in the code: only names of ours
         tests.append(f"o{index}{f'[k{index}]' if keyed else ''}{f'.{attribute}' if attribute else ''} is e{index}")
     unpacked = f"    {''.join(f'o{i}, k{i}, e{i}, ' for i in range(len(terms)))}= values\n" if terms else ""
@@ -137,8 +144,8 @@ class HeldState:
         self.captured_training = owner.training
         self.rebound = ""
         #: the first stage also checks what the code of the whole plan read from the model
-        #: (``sharded.StateAtCapture``: ``reads_now()``, ``check_in_full(training)``), so running the
-        #: stages in turn checks it too, before any computes; None in the other stages
+        #: (``sharded.StateAtCapture``: ``reads_now()``, ``after_difference()``, ``check_in_full(training)``),
+        #: so running the stages in turn checks it too, before any computes; None in the other stages
         self.model_state: Any = None
         self._walk()
         self.modes = list(map(_training, self.modules))
@@ -206,7 +213,13 @@ class HeldState:
         if self.model_state is not None:
             model_reads, model_seen = self.model_state.reads_now()
             reads, seen = [*reads, *model_reads], [*seen, *model_seen]
-        self.check = kept_check(reads, seen, self.by_path, self.check_in_full, training)
+        full = self.check_in_full
+        if self.model_state is not None:
+            full = self.model_state.after_difference(full, self._check_again)
+        self.check = kept_check(reads, seen, self.by_path, full, training)
+
+    def _check_again(self, training: bool) -> dict[str, nn.Module]:
+        return self.check(training)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HeldState:
         """A copy watches the copied stage (``memo`` maps the stage to its copy), found by path."""

@@ -19,12 +19,12 @@ checked in full on every call."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from autoshard.capture.held_state import Read
+from autoshard.capture.held_state import KEPT, Read
 
 #: A module's hook dicts, as a hook registered on it is named.
 HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
@@ -42,6 +42,9 @@ class HooksAtCapture:
         self.held = tuple((module, name) for module, name in pairs if vars(module).get(name))
         self.empty = tuple((module, name) for module, name in pairs
                            if id(module) not in called_ids and not vars(module).get(name))
+        #: ``empty`` as (the module's ``__dict__``, name): what a call after a hook was registered reads
+        self._watched = tuple((vars(module), name) for module, name in self.empty)
+        self._seen = [RemovableHandle.next_id]  # the counter as the last passing check saw it
 
     def gained(self) -> tuple[nn.Module, str] | None:
         """A module and the kind of hook it holds now where it held none at capture; None if none does."""
@@ -52,8 +55,34 @@ class HooksAtCapture:
         theirs = {(id(module), name) for module, name in other.held}
         return tuple((module, HOOK_DICTS[name]) for module, name in self.held if (id(module), name) not in theirs)
 
-    def reads_now(self) -> tuple[list[Read], list[Any]]:
-        """The read a passing check makes: the hook id counter, where dicts are to stay empty."""
+    def counter_read(self) -> tuple[list[Read], list[Any]]:
+        """The read of the hook id counter a passing check makes, where dicts are to stay empty: compared
+        with the value the check keeps (``KEPT``), which ``after_difference`` moves on."""
         if not self.empty:
             return [], []
-        return [(vars(RemovableHandle), "next_id", "")], [RemovableHandle.next_id]
+        self._seen[0] = RemovableHandle.next_id
+        return [(vars(RemovableHandle), "next_id", KEPT)], [self._seen]
+
+    def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """What a check that read the counter runs on a difference: where the counter moved (a hook was
+        registered somewhere) and no dict gained a hook, it keeps the counter as it is now and runs
+        ``again`` (the check, its other reads compared anew); else ``full``. So a model or runtime
+        registering hooks on every call (FSDP, full backward hooks) costs a look at the dicts, not
+        the full check."""
+        if not self.empty:
+            return full
+        handles = vars(RemovableHandle)
+
+        def after(flag: Any) -> Any:
+            if handles["next_id"] is not self._seen[0] and not self.any_gained():
+                self._seen[0] = handles["next_id"]
+                return again(flag)
+            return full(flag)
+        return after
+
+    def any_gained(self) -> bool:
+        """Whether a hook dict empty at capture holds a hook now (``gained`` says which)."""
+        for own, name in self._watched:
+            if own.get(name):
+                return True
+        return False
