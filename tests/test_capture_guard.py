@@ -656,3 +656,37 @@ def test_a_capture_made_with_a_keyword_of_kwargs_does_not_serve_a_call_that_leav
     assert torch.equal(sharded(x), model(x))
     with pytest.raises(SpecializationMismatch, match="the example passed 'double', which these inputs leave out"):
         sharded.run_stages((x,), {})  # the first plan alone, without capturing again
+
+
+_T = torch.zeros(1)
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+@pytest.mark.parametrize("captured,called,walked", [
+    ({"x": _T, "y": _T}, {"x": _T, "y": _T}, True),
+    ({"x": _T, "y": _T}, {"y": _T, "x": _T}, False),  # another key order: flattened, then arranged
+    ({1: _T}, {1.0: _T}, False),  # equal keys of another type
+    ({"x": _T}, {"x": {"a": _T}}, False),  # a container where a leaf was
+    ({"x": _T}, {"x": (_T,)}, False),
+    ([_T, _T], [_T], False),
+    ([_T, (_T, 1, None)], [_T, (_T, 2, None)], True),  # a constant changed: the layout checks name it
+    ((_T, None), [_T, None], False),
+    (_Pair(_T, _T), _Pair(_T, _T), False),  # a namedtuple: flattened by pytree
+])
+def test_a_container_laid_out_as_captured_is_read_without_flattening_and_as_flattening_reads_it(
+        captured, called, walked):
+    from torch.utils._pytree import tree_flatten
+
+    from autoshard.capture.structure import _leaves_in_layout, _same_spec
+
+    structure = ArgumentStructure.of(captured)
+    leaves: list = []
+    assert _leaves_in_layout(called, structure.spec, leaves) is walked
+    flat, spec = tree_flatten(called)
+    if walked:
+        assert _same_spec(spec, structure.spec) and len(leaves) == len(flat)
+        assert all(a is b for a, b in zip(leaves, flat))
+    read = structure.flattened("batch", called)
+    assert read.as_captured is _same_spec(spec, structure.spec)
+    if read.as_captured:
+        assert all(a is b for a, b in zip(read.leaves, flat))

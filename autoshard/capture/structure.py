@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 import numpy as np
 import torch
 from torch.utils._pytree import (
-    TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten)
+    SUPPORTED_NODES, TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten)
 
 from autoshard.errors import ExampleInputsError, brief
 from autoshard.isolation import PLAIN_VALUES, contents
@@ -34,6 +34,37 @@ def _layout(spec: TreeSpec) -> Any:
     if spec.type in _KEYED:
         return spec.type, tuple(sorted(zip(map(repr, spec.context), children)))
     return spec.type, spec.context, tuple(children)
+
+
+def _leaves_in_layout(value: Any, spec: TreeSpec, leaves: list[Any]) -> bool:
+    """Add ``value``'s leaves to ``leaves`` where it is laid out as ``spec`` exactly (what
+    ``tree_flatten`` gives when ``_same_spec`` holds), reading only the dicts, lists and tuples calls
+    pass, without building a spec to compare (a call's guard, a third of its time). False where it
+    meets another container (a namedtuple, a type registered with pytree): flatten it then."""
+    kind = spec.type
+    if kind is None:
+        leaves.append(value)
+        return not (type(value) in SUPPORTED_NODES or isinstance(value, tuple))
+    if type(value) is not kind:
+        return False
+    if kind is dict:
+        keys = spec.context
+        if list(value) != keys:
+            return False
+        for key, then in zip(value, keys):
+            if type(key) is not type(then):  # 1 == 1.0 == True
+                return False
+        items: Iterable[Any] = value.values()
+    elif kind is list or kind is tuple:
+        if len(value) != spec.num_children:
+            return False
+        items = value
+    else:
+        return False
+    for item, child in zip(items, spec.children()):
+        if not _leaves_in_layout(item, child, leaves):
+            return False
+    return True
 
 
 def _same_spec(spec: TreeSpec, captured: TreeSpec) -> bool:
@@ -88,6 +119,9 @@ class ArgumentStructure:
         with its keys in the captured order (the same containers, compared by ``_same_spec``) is read
         as it comes; any other is flattened again with its paths, to name what differs or to take a
         dict's keys in another order."""
+        leaves: list[Any] = []
+        if _leaves_in_layout(value, self.spec, leaves):
+            return Flattened(leaves, True)
         leaves, spec = tree_flatten(value)
         if _same_spec(spec, self.spec):
             return Flattened(leaves, True)
