@@ -51,6 +51,27 @@ def test_pre_hooks_and_hooks_on_the_model_itself_are_run_too(register):
         handle.remove()
 
 
+class _Wrapped(nn.Module):
+    """Its layers under a child named ``model``, as in Transformers' ``LlamaForCausalLM``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _layers()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+@pytest.mark.parametrize("pipeline", [None, "export,shape-prop,build-dag,linearize,split,emit,verify"])
+def test_a_hook_on_a_layer_under_a_child_named_model_is_run_too(pipeline):
+    model = _Wrapped()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,), respecialize=False,
+                                    **({"pipeline": pipeline} if pipeline else {}))
+    model.model[1].register_forward_hook(lambda module, args, out: out * 100)
+    with pytest.raises(SpecializationMismatch, match="the model's model.1 has a forward hook now"):
+        sharded(X)
+
+
 def test_without_respecialize_the_call_is_refused_naming_the_module_and_the_hook():
     model = _layers()
     sharded = autoshard.shard_model(model, 2, example_inputs=(X,), respecialize=False)
@@ -111,3 +132,24 @@ def test_a_profiler_s_global_hooks_neither_capture_again_nor_change_the_outputs(
         out = sharded(X)
     assert torch.equal(out, model(X)) and counter.get_total_flops() == 4 * 2 * 3 * 8 * 8
     assert len(sharded.specializations) == 0
+
+
+class _ReadsItsMode(nn.Module):
+    """Traced through, with no module of its own: its mode is read by its traced code alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x @ self.weight, 0.5, self.training)
+
+
+def test_a_traced_layer_under_a_child_named_model_switched_to_another_mode_is_refused():
+    """The modules whose code a plan runs are found by their paths in the model, ``model.`` included."""
+    model = _Wrapped()
+    model.model = nn.Sequential(_ReadsItsMode(), _ReadsItsMode()).eval()
+    sharded = autoshard.shard_model(model.eval(), 2, example_inputs=(X,))
+    model.model[1].train()
+    with pytest.raises(InputMismatchError, match="switched to another mode"):
+        sharded(X)

@@ -11,7 +11,7 @@ from torch import nn
 
 from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.rebinding import watch
-from autoshard.capture.signature import MODEL_ATTR, forward_signature
+from autoshard.capture.signature import forward_signature
 from autoshard.emit import HELD_STATE, emit_stages
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.graph import boundary_values, check_partition
@@ -71,9 +71,10 @@ def modules_called(model: nn.Module, gm: fx.GraphModule) -> tuple[nn.Module, ...
 
 
 def _found(model: nn.Module, paths: list[str]) -> tuple[nn.Module, ...]:
-    """The model's modules at ``paths`` (of the capture's graph), once each."""
+    """The model's modules at ``paths`` (the capture's graph names them as the model does: a child
+    named ``model``, as in every Transformers ``*ForCausalLM``, is ``model``), once each."""
     found = []
-    for path in dict.fromkeys(path.removeprefix(f"{MODEL_ATTR}.") for path in paths):
+    for path in dict.fromkeys(paths):
         try:
             found.append(model.get_submodule(path))
         except AttributeError:  # a scope of the capture's own making
