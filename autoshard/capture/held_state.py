@@ -209,12 +209,10 @@ class HeldState:
         except (KeyError, AttributeError):  # a parameter deleted or set to None
             self.check: Callable[[bool], dict[str, nn.Module]] = self.check_in_full  # in full on every call
             return
-        reads = self.reads
+        reads, full = self.reads, self.check_in_full
         if self.model_state is not None:
             model_reads, model_seen = self.model_state.reads_now()
             reads, seen = [*reads, *model_reads], [*seen, *model_seen]
-        full = self.check_in_full
-        if self.model_state is not None:
             full = self.model_state.after_difference(full, self._check_again)
         self.check = kept_check(reads, seen, self.by_path, full, training)
 

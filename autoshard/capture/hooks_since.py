@@ -12,10 +12,11 @@ the stages themselves included, which a capture cannot make the model's.
 
 Checking every dict on every call would cost a test per module. Every hook registration, of a
 module's, a tensor's or a global one, takes a new id from ``RemovableHandle.next_id``, so the
-first stage's kept check compares that one counter by identity, and only a moved counter runs
-the full check of the dicts (which then keeps the new counter). A model whose call registers hooks
-(a module with full backward hooks registers its tensors') moves it on every call, and so is
-checked in full on every call."""
+first stage's kept check compares that one counter by identity (``counter_read``), and only a
+moved counter makes it look at the dicts (``after_difference``; then it keeps the new counter and
+checks its other reads again). A model or runtime whose call registers hooks (a module with full
+backward hooks registers its tensors', FSDP its outputs') moves it on every call, and so looks at
+the dicts on every call, never running the full check for it."""
 
 from __future__ import annotations
 
@@ -40,15 +41,17 @@ class HooksAtCapture:
         called_ids = set(map(id, called))
         pairs = [(module, name) for module in run for name in HOOK_DICTS]
         self.held = tuple((module, name) for module, name in pairs if vars(module).get(name))
-        self.empty = tuple((module, name) for module, name in pairs
+        #: (module, name of the dict, the module's ``__dict__``, read once here) for each dict to stay empty
+        self.empty = tuple((module, name, vars(module)) for module, name in pairs
                            if id(module) not in called_ids and not vars(module).get(name))
-        #: ``empty`` as (the module's ``__dict__``, name): what a call after a hook was registered reads
-        self._watched = tuple((vars(module), name) for module, name in self.empty)
         self._seen = [RemovableHandle.next_id]  # the counter as the last passing check saw it
 
     def gained(self) -> tuple[nn.Module, str] | None:
         """A module and the kind of hook it holds now where it held none at capture; None if none does."""
-        return next(((module, HOOK_DICTS[name]) for module, name in self.empty if vars(module).get(name)), None)
+        for module, name, own in self.empty:
+            if own.get(name):
+                return module, HOOK_DICTS[name]
+        return None
 
     def held_unlike(self, other: HooksAtCapture) -> tuple[tuple[nn.Module, str], ...]:
         """The modules and kinds of hook this capture's held and ``other``'s did not."""
@@ -74,15 +77,8 @@ class HooksAtCapture:
         handles = vars(RemovableHandle)
 
         def after(flag: Any) -> Any:
-            if handles["next_id"] is not self._seen[0] and not self.any_gained():
+            if handles["next_id"] is not self._seen[0] and self.gained() is None:
                 self._seen[0] = handles["next_id"]
                 return again(flag)
             return full(flag)
         return after
-
-    def any_gained(self) -> bool:
-        """Whether a hook dict empty at capture holds a hook now (``gained`` says which)."""
-        for own, name in self._watched:
-            if own.get(name):
-                return True
-        return False
