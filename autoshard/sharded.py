@@ -405,6 +405,16 @@ def _binder(first: fx.GraphModule, model_signature: inspect.Signature | None) ->
     return binder
 
 
+def _holds_a_tensor(value: Any) -> bool:
+    """Whether pytree finds a tensor among ``value``'s leaves. The dicts, lists and tuples calls pass
+    are read without it, up to the first tensor (pytree's walk of a dict of two tensors: 6 us a call)."""
+    kind = type(value)
+    if kind is dict or kind is list or kind is tuple:
+        items = value.values() if kind is dict else value
+        return any(isinstance(v, torch.Tensor) or _holds_a_tensor(v) for v in items)
+    return any(isinstance(v, torch.Tensor) for v in tree_iter(value))
+
+
 class _KeptBinder:
     """A sharded model's ``_Binder``, with the first stage it binds for: read with the model's
     other state (``fit_call``) instead of looked up by stage. A copy or a pickle finds its own."""
@@ -486,7 +496,7 @@ class _Binder:
             raise _not_fitting(self.signature, binding.error, binding.left_out_passed)
         for name, index in binding.tensors:
             value = values[index]
-            if not isinstance(value, torch.Tensor) and not any(isinstance(v, torch.Tensor) for v in tree_iter(value)):
+            if not isinstance(value, torch.Tensor) and not _holds_a_tensor(value):
                 raise _not_fitting(self.signature, TypeError(
                     f"{name} is {brief(value)}, but the plan was captured with tensors there"), another_capture=True)
         if binding.as_is and (keep_positions or self.model_signature is None):

@@ -240,6 +240,21 @@ def test_a_call_is_bound_as_the_model_binds_it_and_a_tensor_input_refuses_none()
     assert len(served.specializations) == 2  # b=None is leaving b out: one capture serves both
 
 
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+@pytest.mark.parametrize("value", [
+    None, 1, torch.zeros(1), {"a": None, "b": torch.zeros(1)}, {"a": [None, (1,)]}, [[None], [torch.zeros(1)]],
+    (), _Pair(None, torch.zeros(1)), _Pair(None, 1), collections.OrderedDict(a=torch.zeros(1)), [{"a": _Pair(1, 2)}],
+])
+def test_a_value_holds_a_tensor_as_pytree_finds_one(value):
+    from torch.utils._pytree import tree_iter
+
+    from autoshard.sharded import _holds_a_tensor
+
+    assert _holds_a_tensor(value) is any(isinstance(v, torch.Tensor) for v in tree_iter(value))
+
+
 class ScaledOnes(nn.Module):
     """Takes no tensor: its one argument is a constant of the plan."""
 
@@ -659,7 +674,6 @@ def test_a_capture_made_with_a_keyword_of_kwargs_does_not_serve_a_call_that_leav
 
 
 _T = torch.zeros(1)
-_Pair = collections.namedtuple("_Pair", "a b")
 
 
 @pytest.mark.parametrize("captured,called,walked", [

@@ -12,11 +12,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from autoshard.capture.guard_code import accepting
 from autoshard.capture.structure import ArgumentStructure, Flattened, same_constant
 from autoshard.errors import InputMismatchError, InvalidArgumentError, SpecializationMismatch, brief
 from autoshard.isolation import HeldModule, grad_mode_checked
@@ -78,6 +79,16 @@ class InputGuard:
             else:
                 parts.append(self._tensor(name))
         return ", ".join(parts) + "".join(f"; where {_shown(c)}" for c in self.conditions)
+
+    @functools.cached_property
+    def accept(self) -> Callable[..., tuple[Any, ...] | None] | None:
+        """The checks a passing call makes, written as code once (``guard_code.accepting``): the
+        graph's inputs, or None where this walk must decide and name the problem."""
+        return accepting(self, _holds)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and copied without ``accept``, which is code: written again where it is called."""
+        return {name: value for name, value in self.__dict__.items() if name != "accept"}
 
     def _tensor(self, name: str) -> str:
         text = f"{name}: {str(self.dtypes[name]).removeprefix('torch.')}" if name in self.dtypes else name
@@ -199,7 +210,15 @@ _NO_CONTAINERS: Mapping[str, Flattened] = {}
 
 
 def check_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
-    """Raise ``InputMismatchError`` unless the plan serves ``values``; return the graph inputs."""
+    """Raise ``InputMismatchError`` unless the plan serves ``values``; return the graph inputs.
+    A call the guard's written checks pass (``InputGuard.accept``) is served by them."""
+    accept = guard.accept
+    passed = None if accept is None else accept(*values)
+    return walked_inputs(guard, *values) if passed is None else passed
+
+
+def walked_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
+    """``check_inputs`` by a walk over the guard's fields, which names what a refused call breaks."""
     named = dict(zip(guard.names, values))
     flat = guard.flattened(named) if guard.structures else _NO_CONTAINERS  # most calls pass tensors only
     problem = guard.capture_problem(named, flat)
