@@ -33,6 +33,10 @@ NESTED = InputGuard(names=("d",), returns=("d",),
                     structures={"d": ArgumentStructure.of({"x": torch.zeros(2, 4), "rest": [None, (1.5, "a")]})},
                     dtypes={"d['x']": torch.float32}, shapes={"d['x']": (DimSpec(symbol="s0"), DimSpec(size=4))})
 
+NOTHING = InputGuard(names=("x",), returns=("x",))
+TWO_RANGES = InputGuard(names=("x", "y"), returns=("x", "y"),
+                        shapes={"x": (DimSpec(symbol="s0", high=8),), "y": (DimSpec(symbol="s0", high=4),)})
+ZERO = InputGuard(names=("x", "eps"), returns=("x",), constants={"eps": 0.0})
 KEYED = InputGuard(names=("d",), returns=("d",), structures={"d": ArgumentStructure.of({1: torch.zeros(1), "b": None})})
 
 
@@ -77,6 +81,11 @@ def _ids(*shape, dtype=torch.long):
     (EVEN, (torch.zeros(4),), True),
     (EVEN, (torch.zeros(3),), False),  # the condition breaks
     (EVEN, (torch.zeros(0),), False),  # the condition cannot be evaluated
+    (NOTHING, (torch.zeros(1),), True),
+    (TWO_RANGES, (torch.zeros(4), torch.zeros(4)), True),
+    (TWO_RANGES, (torch.zeros(6), torch.zeros(6)), False),  # within x's range, past y's
+    (ZERO, (torch.zeros(1), 0.0), True),
+    (ZERO, (torch.zeros(1), -0.0), False),  # 1 / eps tells them apart
     (SNAPSHOTS, (torch.zeros(1), _FLAGS), True),
     (SNAPSHOTS, (torch.zeros(1), [1, 2]), True),  # an equal list
     (SNAPSHOTS, (torch.zeros(1), [1, 3]), False),

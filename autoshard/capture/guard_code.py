@@ -79,10 +79,10 @@ class _Writer:
                 continue
             if dim.symbol in symbols:
                 self.refuse_unless(f"{size} == {symbols[dim.symbol]}")
-                continue
-            symbols[dim.symbol] = self.fresh()
-            self.lines.append(f"{symbols[dim.symbol]} = {size}")
-            bounds = [f"{int(dim.low)} <= {symbols[dim.symbol]}"]
+            else:
+                symbols[dim.symbol] = self.fresh()
+                self.lines.append(f"{symbols[dim.symbol]} = {size}")
+            bounds = [f"{int(dim.low)} <= {symbols[dim.symbol]}"]  # each dim's own (as the walk checks them)
             bounds += [f"{symbols[dim.symbol]} <= {int(dim.high)}"] if dim.high is not None else []
             self.refuse_unless(" and ".join(bounds))
 
@@ -118,7 +118,7 @@ def accepting(guard: Any, holds: Callable[[str, Any], bool]) -> Callable[..., tu
         for condition in guard.conditions:
             writer.refuse_unless(f"holds({writer.constant(condition)}, named)")
     returned = "".join(where[name] + ", " for name in guard.returns)
-    body = "".join(f"            {line}\n" for line in writer.lines)
+    body = "".join(f"            {line}\n" for line in writer.lines or ["pass"])
     names = "".join(f"c{i}, " for i in range(len(writer.constants)))
     unpacked = f"    {names}= constants\n" if names else ""
     source = ("def make(constants):\n" + unpacked

@@ -10,6 +10,7 @@ and rebuilds a dict passed with its keys in another order in the order captured.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple
@@ -79,7 +80,7 @@ def _same_spec(spec: TreeSpec, captured: TreeSpec) -> bool:
 
 def same_constant(value: Any, expected: Any) -> bool:
     """Whether a call's ``value`` is the constant the capture fixed: the same object, or an equal
-    one of the same type (a numpy array: the same shape, dtype and items)."""
+    one of the same type (a numpy array: the same shape, dtype and items; a zero: of the same sign)."""
     if value is expected:
         return True
     if type(value) is not type(expected):
@@ -87,6 +88,8 @@ def same_constant(value: Any, expected: Any) -> bool:
     if isinstance(expected, np.ndarray):  # (its == compares item by item)
         return (value.shape, value.dtype) == (expected.shape, expected.dtype) and np.array_equal(
             value, expected, equal_nan=expected.dtype.kind in "fc")
+    if isinstance(expected, float) and expected == 0.0:  # -0.0 == 0.0, but 1 / x tells them apart
+        return value == expected and math.copysign(1.0, value) == math.copysign(1.0, expected)
     try:
         return bool(value == expected)
     except Exception:  # noqa: BLE001 - an object without a usable == is only equal to itself
