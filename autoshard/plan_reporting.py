@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -27,10 +28,10 @@ from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
 from autoshard.costs.memory import StageMemory, stage_memory
 from autoshard.costs.memory_model import MemoryModel
-from autoshard.costs.models import measured
+from autoshard.costs.models import DAG_COST_MODELS, measured
 from autoshard.costs.step_time import StepTime, StepTimeModel, checked_step, predicted_step, run_of
 from autoshard.costs.ties import SharedWeight
-from autoshard.errors import InvalidArgumentTypeError, plural, shown
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, first_few, plural, shown
 from autoshard.graph import SplitInfo
 from autoshard.plan_io import PlanNode, SavedPlan
 from autoshard.report import PIPED_WIDTH, plan_renderables
@@ -176,11 +177,12 @@ def plan_report(
     """
     _check_report_arguments(sharded, extra_costs, memory, device, step)
     plan = sharded.plan if isinstance(sharded, ShardedModel) else sharded
+    extra_costs = _extra_columns(plan, extra_costs or {})
     memory = memory or plan.memory_model
     k = plan.num_stages
     models = plan.cost_models()
     per_model = {name: plan.stage_costs(name, memory) for name in models}
-    per_model.update({name: plan.stage_costs(costs) for name, costs in (extra_costs or {}).items()})
+    per_model.update({name: plan.stage_costs(costs) for name, costs in extra_costs.items()})
     memories = stage_memory(plan.dag, plan.assignment, k, memory) if "memory" in models else None
     times = _times(plan, device)
     seconds = plan.stage_costs(times.seconds) if times is not None else None
@@ -226,8 +228,37 @@ def _check_report_arguments(sharded: Any, extra_costs: Any, memory: Any, device:
         checked_step(step)
 
 
+def _extra_columns(plan: StagePlan, extra_costs: Mapping[Any, Any]) -> dict[str, dict[str, float]]:
+    """``extra_costs`` checked against ``plan``: each a column of a name of its own (a built-in one's
+    numbers would be replaced), with a finite cost >= 0 for every node of the DAG and no other."""
+    nodes = set(plan.dag.nodes)
+    columns: dict[str, dict[str, float]] = {}
+    for name, costs in extra_costs.items():
+        if not isinstance(name, str) or not name or name in DAG_COST_MODELS:
+            raise InvalidArgumentError(f"extra_costs names a column {name!r}; name it otherwise than the built-in "
+                                       f"columns ({', '.join(DAG_COST_MODELS)})")
+        if not isinstance(costs, Mapping):
+            raise InvalidArgumentTypeError(f"extra_costs[{name!r}] must map each node's name to its cost, got "
+                                           f"{shown(costs)}")
+        missing = [repr(n) for n in sorted(nodes - costs.keys(), key=str)]
+        unknown = [repr(n) for n in sorted(costs.keys() - nodes, key=str)]
+        if missing or unknown:
+            raise InvalidArgumentError(
+                f"extra_costs[{name!r}] must give a cost for each node of the plan's DAG and no other"
+                + (f"; it leaves out {first_few(missing)}" if missing else "")
+                + (f"; the DAG has no {first_few(unknown)}" if unknown else "")
+                + " (node_costs(program, ctx, name) gives one for each)")
+        bad = [(node, cost) for node, cost in costs.items()
+               if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost < 0]
+        if bad:
+            raise InvalidArgumentError(f"extra_costs[{name!r}][{bad[0][0]!r}] is {shown(bad[0][1])}; each cost must "
+                                       "be a finite number >= 0")
+        columns[name] = {node: float(cost) for node, cost in costs.items()}
+    return columns
+
+
 def _shown_plan(
-    sharded: ShardedModel | StagePlan, extra_costs: Mapping[str, Mapping[str, float]] | None,
+    sharded: ShardedModel | StagePlan, extra_costs: Mapping[str, Mapping[str, float]],
     memory: MemoryModel | None, device: DeviceModel | None,
 ) -> SavedPlan | None:
     """The plan file the stages write (``sharded.save_plan``), under the report's device and memory
@@ -238,7 +269,7 @@ def _shown_plan(
     shown = dataclasses.replace(origin, device=device or origin.device).saved_plan(sharded)
     return dataclasses.replace(
         shown, memory_model=memory or shown.memory_model,
-        nodes=tuple(_with_costs(node, extra_costs or {}) for node in shown.nodes))
+        nodes=tuple(_with_costs(node, extra_costs) for node in shown.nodes))
 
 
 def _with_costs(node: PlanNode, extra: Mapping[str, Mapping[str, float]]) -> PlanNode:

@@ -148,6 +148,28 @@ def test_the_tables_follow_the_reports_device_and_extra_costs():
     assert "mine" in header
 
 
+@pytest.mark.parametrize("column, costs, expected", [
+    ("params", "ones", r"names a column 'params'; name it otherwise than the built-in columns \(params, "),
+    ("mine", "partial", r"extra_costs\['mine'\] must give a cost for each node .*; it leaves out '"),
+    ("mine", "unknown", r"; the DAG has no 'nope'"),
+    ("mine", "nan", r"extra_costs\['mine'\]\[.*\] is float nan; each cost must be a finite number >= 0"),
+    ("mine", "negative", r"is float -1.0; each cost must be a finite number >= 0"),
+    ("mine", 5, r"extra_costs\['mine'\] must map each node's name to its cost, got int 5"),
+])
+def test_extra_costs_must_be_a_new_column_with_a_finite_cost_for_each_node(column, costs, expected):
+    """A column named 'params' replaced the built-in numbers silently, a node left out was a KeyError,
+    NaN and negative costs were summed."""
+    model, args, _ = load_example("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    nodes = list(sharded.plan.dag.nodes)
+    given = {"ones": dict.fromkeys(nodes, 1.0), "partial": {nodes[-1]: 1.0},
+             "unknown": {**dict.fromkeys(nodes, 1.0), "nope": 1.0}, "nan": dict.fromkeys(nodes, float("nan")),
+             "negative": dict.fromkeys(nodes, -1.0)}.get(costs, costs)
+    with pytest.raises((autoshard.errors.InvalidArgumentError, autoshard.errors.InvalidArgumentTypeError),
+                       match=expected):
+        plan_report(sharded, extra_costs={column: given})
+
+
 def test_stages_without_an_origin_say_why_there_are_no_tables():
     model, args, _ = load_example("residual-mlp")
     report = plan_report(autoshard.shard_model(model, 2, example_inputs=args).plan)  # a StagePlan alone

@@ -110,6 +110,29 @@ def test_checkpoint_mismatches_name_the_tensor():
     wrong = {**state, "linears.0.weight": torch.zeros(3, 3)}
     with pytest.raises(CheckpointMismatchError, match=r"shape \(16, 16\).*\(3, 3\)"):
         load_stage_state(sharded.stages[0], wrong)
+    integers = {**state, "linears.0.weight": state["linears.0.weight"].long()}  # was copied in, silently
+    with pytest.raises(CheckpointMismatchError, match=r"needs 'linears.0.weight' as floats \(torch.float32\), the "
+                                                      r"checkpoint holds torch.int64"):
+        load_stage_state(sharded.stages[0], integers)
+    half = {**state, "linears.0.weight": state["linears.0.weight"].half()}  # another width: copied, as torch does
+    load_stage_state(sharded.stages[0], half)
+    loaded = sharded.stages[0].get_parameter("linears.0.weight")
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, half["linears.0.weight"].float())
+
+
+def test_a_file_that_is_no_state_dict_torch_saved_is_refused_naming_it(tmp_path):
+    model, args = build("residual-mlp")
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    whole = (tmp_path / "model.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "plan.json").write_text("{}")
+    torch.save([torch.zeros(1)], tmp_path / "list.pt")
+    for name, expected in [("cut.pt", "cannot read the checkpoint .*cut.pt"),
+                           ("plan.json", "cannot read the checkpoint .*plan.json.*pass the path of a state dict"),
+                           ("list.pt", "holds a list, not a state dict")]:
+        with pytest.raises(CheckpointMismatchError, match=expected):
+            load_stage_state(sharded.stages[0], tmp_path / name)
 
 
 def saved_and_planned_on_meta(name: str, factory, tmp_path):

@@ -13,6 +13,7 @@ the same names, so a checkpoint moves between layouts and back to the unsplit mo
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Mapping, Sequence, Union
 
 import torch
@@ -33,16 +34,25 @@ def open_checkpoint(checkpoint: Checkpoint) -> Mapping[str, torch.Tensor]:
         raise InvalidArgumentTypeError(
             f"a checkpoint is a state dict or the path of a file torch.save wrote, got {type(checkpoint).__name__}")
     try:
-        return torch.load(os.fspath(checkpoint), map_location="cpu", mmap=True, weights_only=True)
+        state = torch.load(os.fspath(checkpoint), map_location="cpu", mmap=True, weights_only=True)
     except OSError as exc:
         raise CheckpointMismatchError(
             f"cannot read the checkpoint {os.fspath(checkpoint)!r}: {exc.strerror or exc}") from exc
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:  # not a file torch.save wrote, or cut short
+        raise CheckpointMismatchError(
+            f"cannot read the checkpoint {os.fspath(checkpoint)!r} ({str(exc).splitlines()[0]}): pass the path of a "
+            "state dict torch.save wrote (its default zip format, read memory-mapped), whole") from exc
+    if not isinstance(state, Mapping):
+        raise CheckpointMismatchError(f"the checkpoint {os.fspath(checkpoint)!r} holds a {type(state).__name__}, not "
+                                      "a state dict; save model.state_dict()")
+    return state
 
 
 def checked_entry(state: Mapping[str, torch.Tensor], name: str, expected: torch.Tensor,
                   where: str, aliases: Sequence[str] = ()) -> torch.Tensor:
     """``state[name]``, or the entry of the first of ``aliases`` (other names of the same tied
-    tensor) that ``state`` holds; refusing a missing entry or one whose shape differs from ``expected``."""
+    tensor) that ``state`` holds; refusing a missing entry, or one whose shape or kind of dtype (``_kind``)
+    differs from ``expected``'s."""
     found = next((n for n in (name, *aliases) if n in state), None)
     if found is None:
         also = f" (nor its tied names {', '.join(repr(a) for a in aliases)})" if aliases else ""
@@ -59,7 +69,20 @@ def checked_entry(state: Mapping[str, torch.Tensor], name: str, expected: torch.
         raise CheckpointMismatchError(
             f"{where} needs '{name}' of shape {tuple(expected.shape)}, the checkpoint holds "
             f"{tuple(value.shape)}; the checkpoint is of another model or configuration")
+    if _kind(value.dtype) != _kind(expected.dtype):
+        raise CheckpointMismatchError(
+            f"{where} needs '{name}' as {_kind(expected.dtype)} ({expected.dtype}), the checkpoint holds "
+            f"{value.dtype}; the checkpoint is of another model or configuration")
     return value
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """What a tensor of ``dtype`` holds. Floats of another width are copied into the stage's dtype
+    (as ``load_state_dict`` copies them: a bf16 checkpoint into the float32 stages a plan was made
+    for); integers for floats, or the reverse, are another model's values."""
+    if dtype.is_complex:
+        return "complex numbers"
+    return "floats" if dtype.is_floating_point else "booleans" if dtype == torch.bool else "integers"
 
 
 def stage_part(stage: nn.Module, checkpoint: Checkpoint, where: str = "the stage") -> dict[str, torch.Tensor]:
