@@ -85,6 +85,13 @@ def example_inputs_of(example_inputs: Any, example_kwargs: Mapping[str, Any] | N
     return ExampleInputs(args, dict(example_kwargs or {}))
 
 
+def check_flags(**flags: Any) -> None:
+    """Refuse a flag that is not a bool (``verify="no"`` would verify)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise InvalidArgumentTypeError(f"{name} must be True or False, got {flag!r}")
+
+
 def _per_stage(name: str, values: Any, num_stages: int, positive: bool, one: bool = False,
                kind: str = "number") -> tuple[float, ...]:
     """``values`` checked as one number per stage (``one``: the single number given for every stage);
@@ -92,7 +99,9 @@ def _per_stage(name: str, values: Any, num_stages: int, positive: bool, one: boo
     if isinstance(values, np.ndarray) and values.ndim == 1:
         values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise InvalidArgumentTypeError(f"{name} must be a {kind} or a list with one per stage, got {values!r}")
+        takes = (f"a {kind} or a list with one per stage" if name == "max_memory"
+                 else f"a list with one {kind} per stage")
+        raise InvalidArgumentTypeError(f"{name} must be {takes}, got {values!r}")
     if len(values) != num_stages:
         raise InvalidArgumentError(
             f"{name} has {'1 entry' if len(values) == 1 else f'{len(values)} entries'} but there "
@@ -115,6 +124,11 @@ def stage_limits(num_stages: int, capacities: Any = None, max_memory: Any = None
     """
     limits = {}
     if capacities is not None:
+        if real_number(capacities) is not None:  # (one speed for every stage balances as none does)
+            example = [1.0] * (num_stages - 1) + [2.0]
+            raise InvalidArgumentTypeError(
+                f"capacities takes one number per stage, its relative speed (such as {example}), got {capacities!r}; "
+                "leave it out where the stages are equally fast")
         limits["capacities"] = _per_stage("capacities", capacities, num_stages, positive=True)
     if isinstance(max_memory, str) and "," in max_memory:  # the flag's form, "takes bytes" alone did not say so
         raise InvalidArgumentError(
@@ -322,9 +336,7 @@ def shard_model(
                                        f"{example_inputs}: the stage count comes first, "
                                        "shard_model(model, num_stages, example_inputs)")
     num_stages = whole_number(num_stages, "num_stages", at_least=1)
-    for name, flag in (("respecialize", respecialize), ("verify", verify)):
-        if not isinstance(flag, bool):
-            raise InvalidArgumentTypeError(f"{name} must be True or False, got {flag!r}")
+    check_flags(respecialize=respecialize, verify=verify)
     max_specializations = whole_number(max_specializations, "max_specializations", at_least=0)
     inputs = example_inputs_of(example_inputs, example_kwargs)
     cost_name, cost_models = _cost_name(cost)

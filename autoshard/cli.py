@@ -347,7 +347,7 @@ def _chosen_pipeline(args: argparse.Namespace, inputs: ExampleInputs | None) -> 
             raise stages_conflict(args.stages, f"plan {args.plan}", "has", saved.num_stages, "drop --stages", PlanError)
         verify = inputs is not None and not args.no_verify
         return _Choice(rebuild_pipeline(saved, args.plan, verify=verify), saved.pipeline, saved.cost_model, saved)
-    cost = args.cost or "params"
+    cost = "params" if args.cost is None else args.cost  # (--cost '' is refused, not the default)
     if args.pipeline:
         if args.strategy is not None:
             raise InvalidArgumentError("with --pipeline, set the strategy in the spec: split{strategy=NAME}")
@@ -502,7 +502,7 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
     choice = _chosen_pipeline(args, session.inputs)
     if choice.saved is not None:
         session.keep_saved_memory_model(choice.saved)
-    if args.compare:
+    if args.compare is not None:
         return _compare(args, session, choice, console)
     pipeline = choice.pipeline if build else choice.pipeline[: _split_step(choice.pipeline)[0] + 1]
     program = session.run(pipeline)

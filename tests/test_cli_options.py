@@ -90,6 +90,13 @@ def test_compare_refuses_unknown_strategies_and_saving(capsys):
     assert code == 2 and "unknown: 'mincut' (did you mean 'min-cut'?)" in flat(err)
     code, _, err = run(capsys, "split", "branched", "-k", "2", "--compare", "greedy", "--out", "x.json")
     assert code == 2 and "run again with one --strategy" in flat(err)
+    code, _, err = run(capsys, "split", "branched", "-k", "2", "--compare", "")  # was ignored: one split shown
+    assert code == 2 and "unknown: (none given)" in flat(err)
+
+
+def test_an_empty_cost_is_refused_not_taken_for_the_default(capsys):
+    code, _, err = run(capsys, "split", "branched", "-k", "2", "--cost", "")
+    assert code == 2 and "unknown cost model ''; known: " in flat(err), err
 
 
 def test_strategy_option_reaches_the_split(capsys, tmp_path):

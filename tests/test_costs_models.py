@@ -163,7 +163,9 @@ def test_a_budget_too_small_names_the_stage_and_the_shortfall():
     ([1, 1], InvalidArgumentError, "2 entries but there are 3 stages"),
     ([1, 0, 1], InvalidArgumentError, r"capacities\[1\] must be finite and > 0"),
     ([1, "x", 1], InvalidArgumentTypeError, r"capacities\[1\] must be a number"),
-    ("111", InvalidArgumentTypeError, "must be a number or a list with one per stage"),
+    ("111", InvalidArgumentTypeError, "capacities must be a list with one number per stage, got '111'"),
+    (1, InvalidArgumentTypeError,  # it said: must be a number or a list, got 1
+     r"capacities takes one number per stage, its relative speed \(such as \[1.0, 1.0, 2.0\]\), got 1; leave it out"),
 ])
 def test_bad_capacities_are_refused_before_anything_runs(bad, error, message):
     with pytest.raises(error, match=message):

@@ -323,6 +323,8 @@ def test_a_plan_path_of_the_wrong_type_or_a_binary_file_is_refused(residual, tmp
     binary.write_bytes(b"\xff\xfe\x00plan")
     with pytest.raises(PlanError, match="not a text"):
         autoshard.load_plan(binary, model, args)
+    with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match="verify must be True or False, got 'no'"):
+        autoshard.load_plan(binary, model, args, verify="no")  # (checked first: it verified)
 
 
 def test_load_plan_keeps_the_memory_model_the_plan_was_made_for(residual, tmp_path):

@@ -100,6 +100,12 @@ def test_diverged_copies_of_a_shared_parameter_are_refused():
         merge_stage_states(states)
 
 
+@pytest.mark.parametrize("states", [{"a": torch.zeros(1)}, [torch.zeros(1)], "stage.pt"])
+def test_merging_something_else_than_a_list_of_state_dicts_is_refused(states):
+    with pytest.raises(InvalidArgumentTypeError, match="takes a list of every stage's state_dict"):
+        merge_stage_states(states)  # an AttributeError ('Tensor' has no attribute 'items')
+
+
 def test_checkpoint_mismatches_name_the_tensor():
     model, args = build("residual-mlp")
     sharded = autoshard.shard_model(model, 2, example_inputs=args)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.errors import InvalidArgumentError, ModuleSplitError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, ModuleSplitError
 from autoshard.examples import GPTStyleLM, LongSkip, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
 from autoshard.runtime import device_map, split_modules
@@ -74,6 +74,25 @@ def test_devices_are_given_per_stage_and_returned_as_given():
     assert mapping["encoder"] == "cuda:0" and mapping["decoder"] == torch.device("cpu")
     covered = {name for name, _ in TransformerLM().named_parameters()}
     assert all(any(p == m or p.startswith(m + ".") for m in mapping) for p in covered)
+
+
+@pytest.mark.parametrize("devices, expected", [
+    (["cpu", "gpu"], r"devices\[1\] is str 'gpu', which is not a device: give a GPU index, 'cpu'"),
+    ([object(), 1], r"devices\[0\] is object"),
+    ([0, -1], r"devices\[1\] is int -1, which is not a device"),
+    ([True, 0], r"devices\[0\] is bool True"),
+    ("ab", r"devices takes one device per stage, such as \[0, 1\] or \['cuda:0', 'cpu'\], got str 'ab'"),
+    ("cpu", r"one device per stage.*got str 'cpu'"),  # was read as 'c', 'p', 'u': three devices
+])
+def test_a_device_that_is_none_is_refused_naming_it(devices, expected):
+    """Devices were not checked: ['cpu', 'gpu'] made a map with 'gpu' in it, and a string was one
+    device per character."""
+    sharded = shard(nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))), 2, torch.randn(2, 4))
+    assert device_map(sharded, [1, "disk"])["3"] == "disk"  # accelerate's disk offload is one
+    with pytest.raises((InvalidArgumentError, InvalidArgumentTypeError), match=expected):
+        device_map(sharded, devices)
+    with pytest.raises(InvalidArgumentTypeError, match="a device map is made of shard_model's result, got Sequential"):
+        device_map(nn.Sequential())
 
 
 def test_a_sequential_model_maps_layer_by_layer():

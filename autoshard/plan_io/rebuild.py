@@ -66,7 +66,7 @@ def load_plan(
     With example inputs and ``respecialize``, calls the plan's guards refuse are captured again
     under its partition, as ``shard_model``'s are (``autoshard.specialize``).
     """
-    from autoshard.api import check_model, example_inputs_of, run_pipeline, specializer_for
+    from autoshard.api import check_flags, check_model, example_inputs_of, run_pipeline, specializer_for
     from autoshard.passes.pipeline import Pipeline
 
     if isinstance(path, nn.Module) and isinstance(model, (str, os.PathLike)):
@@ -76,6 +76,7 @@ def load_plan(
             f"load_plan takes the plan file first, then the model: load_plan(path, model, example_inputs), "
             f"got the {type(path).__name__} first")
     check_model(model)
+    check_flags(verify=verify, respecialize=respecialize)
     inputs = example_inputs_of(example_inputs, example_kwargs)
     saved = read_plan(path)
     pipeline = rebuild_pipeline(saved, path, verify=verify and inputs is not None)

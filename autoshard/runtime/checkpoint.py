@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from autoshard.errors import CheckpointMismatchError, InvalidArgumentTypeError
+from autoshard.errors import CheckpointMismatchError, InvalidArgumentTypeError, shown
 
 Checkpoint = Union[Mapping[str, torch.Tensor], str, "os.PathLike[str]"]
 
@@ -102,6 +102,10 @@ def merge_stage_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str
     A key two stages hold (a parameter both read) must hold equal values in both; different values
     mean the copies drifted apart (tied gradients not synchronised), which a merge cannot repair.
     """
+    if isinstance(states, Mapping) or not isinstance(states, Sequence) or not all(
+            isinstance(state, Mapping) for state in states):
+        raise InvalidArgumentTypeError(f"merge_stage_states takes a list of every stage's state_dict(), stage 0 "
+                                       f"first, got {shown(states)}")
     merged: dict[str, torch.Tensor] = {}
     first_holder: dict[str, int] = {}
     for index, state in enumerate(states):

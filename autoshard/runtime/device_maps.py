@@ -15,7 +15,7 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from autoshard.errors import InvalidArgumentError, ModuleSplitError
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, ModuleSplitError, shown
 from autoshard.sharded import ShardedModel
 
 ROOT = ""
@@ -95,14 +95,37 @@ def _analyse(sharded: ShardedModel, devices: Sequence[Any]) -> tuple[dict[str, A
 
 
 def _devices_for(sharded: ShardedModel, devices: Sequence[Any] | None) -> list[Any]:
+    """One device per stage, each as a device map names one (GPU index, 'cpu', 'cuda:1', 'disk'),
+    where it need not exist: a map may be planned for another machine."""
+    if not isinstance(sharded, ShardedModel):
+        raise InvalidArgumentTypeError(f"a device map is made of shard_model's result, got {type(sharded).__name__}")
     if devices is None:
         return list(range(sharded.num_stages))
+    if isinstance(devices, (str, int, torch.device)):
+        raise InvalidArgumentTypeError(f"devices takes one device per stage, such as {list(range(sharded.num_stages))} "
+                                       f"or ['cuda:0', 'cpu'], got {shown(devices)}")
     devices = list(devices)
     if len(devices) != sharded.num_stages:
         raise InvalidArgumentError(
             f"the plan has {sharded.num_stages} stages but {len(devices)} devices were given; "
             "give one per stage")
+    for j, device in enumerate(devices):
+        if not _is_device(device):
+            raise InvalidArgumentError(f"devices[{j}] is {shown(device)}, which is not a device: give a GPU index, "
+                                       "'cpu', 'cuda:1', 'disk' or a torch.device")
     return devices
+
+
+def _is_device(device: Any) -> bool:
+    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
+        return False
+    if isinstance(device, int) or device == "disk":  # (accelerate offloads to disk)
+        return device == "disk" or device >= 0
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
 
 def split_modules(sharded: ShardedModel, devices: Sequence[Any] | None = None) -> tuple[str, ...]:
