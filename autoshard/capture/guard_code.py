@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+
 from autoshard.capture.structure import same_constant
 
 
