@@ -66,6 +66,35 @@ def test_without_respecialize_the_call_is_refused_naming_the_attribute():
         sharded(x)
 
 
+class Offset(nn.Module):
+    """Keeps a tensor as a plain attribute (neither parameter nor buffer), which the graph holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.offset = torch.zeros(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)) + self.offset)
+
+
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_a_tensor_attribute_set_anew_is_computed_with_and_one_changed_in_place_too(front_end):
+    """Set to another tensor after sharding, the stages went on adding the old one, silently."""
+    torch.manual_seed(0)
+    model, x = Offset().eval(), torch.randn(3, 4)
+    pipeline = str(autoshard.default_pipeline(2)).replace("capture", front_end, 1)
+    sharded = autoshard.shard_model(model, 2, (x,), pipeline=pipeline)
+    model.offset.add_(1.0)  # in place: the graph holds this tensor
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 0
+    model.offset = torch.full((4,), 5.0)
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
+    refusing = autoshard.shard_model(model, 2, (x,), pipeline=pipeline, respecialize=False)
+    model.offset = model.offset.clone()  # equal values, another tensor: a change in place would not reach it
+    with pytest.raises(SpecializationMismatch, match="the model's offset was set to another tensor since the stages"):
+        refusing(x)
+
+
 class Counting(nn.Module):
     """Sets a scratch attribute before reading it (as Funnel does): the call fixes nothing."""
 

@@ -14,7 +14,8 @@ Recorded are the reads by the model's traced code only: not those of code run fo
 examples (a module or function kept whole reads its attributes on every call of its stage), not
 attributes of PyTorch's own bookkeeping, and not attributes the trace wrote before reading them
 (Funnel's ``self.pooling_mult = 1``: what the call itself sets fixes nothing). Only plain values
-are checked (numbers, flags, strings, None, enums, functions, tuples of them): modules and
+are checked (numbers, flags, strings, None, enums, functions, tuples of them), and tensors kept as
+plain attributes, by identity (set anew, the graph would compute with the old one): modules and
 parameters rebound are seen by ``capture.rebinding``; a list or dict changed in place is not seen,
 nor an object with ``__slots__`` or one kept in a list. A settings object of a built-in class
 (``types.SimpleNamespace``) takes no ``__getattribute__`` of ours: where the traced code reads one,
@@ -29,6 +30,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
+import torch
 from torch import nn
 
 from autoshard.capture.eager import swapped_attribute
@@ -37,7 +39,7 @@ from autoshard.isolation import PLAIN_VALUES, settings_objects
 #: What ``nn.Module`` and its ``__init__`` set on every module: PyTorch's bookkeeping
 #: (``_compiled_call_impl``), not the model's settings (``training`` has its own check).
 _BOOKKEEPING = frozenset(vars(nn.Module())) | frozenset(vars(nn.Module))
-_CHECKED = (*PLAIN_VALUES, enum.Enum, types.FunctionType, types.BuiltinFunctionType)
+_CHECKED = (*PLAIN_VALUES, enum.Enum, types.FunctionType, types.BuiltinFunctionType, torch.Tensor)
 
 
 class _Absent:
@@ -74,7 +76,9 @@ def looked_up(holder: Any, name: str) -> tuple[Mapping[str, Any] | None, Any]:
 
 
 def checked_value(value: Any) -> bool:
-    """Whether a value read is one a check compares: plain, or a tuple of plain ones."""
+    """Whether a value read is one a check compares: plain, or a tuple of plain ones; a tensor kept as
+    a plain attribute (``self.offset = torch.zeros(8)``) is compared by identity (the graph holds the
+    one it read; changed in place, the graph sees it)."""
     if isinstance(value, tuple):
         return all(isinstance(item, _CHECKED) for item in value)
     return isinstance(value, _CHECKED)

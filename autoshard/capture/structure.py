@@ -83,7 +83,7 @@ def same_constant(value: Any, expected: Any) -> bool:
     one of the same type (a numpy array: the same shape, dtype and items; a zero: of the same sign)."""
     if value is expected:
         return True
-    if type(value) is not type(expected):
+    if type(value) is not type(expected) or isinstance(expected, torch.Tensor):  # a tensor: the one the graph holds
         return False
     if isinstance(expected, np.ndarray):  # (its == compares item by item)
         return (value.shape, value.dtype) == (expected.shape, expected.dtype) and np.array_equal(
