@@ -275,13 +275,15 @@ class Specializer:
         return run(self.specialize(primary, args, kwargs, guard=exc.refusal), args, kwargs)
 
     # -- capturing -------------------------------------------------------------------------------
-    def plan_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel:
+    def plan_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 guard: str = "made for a microbatch") -> ShardedModel:
         """The plan captured for inputs of exactly these shapes (``call_structure``: nested ones too),
         captured now if none is. For runtimes that build their stages before any call
         (``pipeline_stage``): there a guard failing in the middle of a step has no plan to fall back
-        to, so the plan is chosen by shape up front."""
+        to, so the plan is chosen by shape up front; and for ``sharded.specialize``, which would
+        otherwise capture again what a plan serves (a training loop calling it before each step)."""
         made = self.made_for(primary, args, kwargs)
-        return made if made is not None else self.specialize(primary, args, kwargs, guard="made for a microbatch")
+        return made if made is not None else self.specialize(primary, args, kwargs, guard=guard)
 
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                    guard: str = "made ahead with sharded.specialize") -> ShardedModel:

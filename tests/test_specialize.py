@@ -185,6 +185,17 @@ def test_stages_run_in_turn_on_inputs_a_specialisation_serves_are_told_where_its
     assert torch.equal(stages[1](*stages[0](x)), model(x))
 
 
+def test_specialize_gives_back_the_plan_made_for_these_inputs_rather_than_capturing_again():
+    """Each call captured anew (1, 2, 3 specialisations for one shape): a training loop calling it before
+    each step, as the docs advise, reached the limit."""
+    model, sharded = size_branch()
+    assert sharded.specialize(torch.randn(4, 8)) is sharded  # the example's own structure: these stages
+    made = sharded.specialize(torch.randn(1, 8))
+    assert sharded.specialize(torch.randn(1, 8)) is made and len(sharded.specializations) == 1
+    x = torch.randn(1, 8)
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
+
+
 def test_respecialize_false_keeps_the_refusal():
     _, sharded = size_branch(respecialize=False)
     with pytest.raises(SpecializationMismatch, match=r"x.shape\[0\] > 2"):
