@@ -663,6 +663,50 @@ def test_a_tensor_a_forward_keeps_for_its_next_call_keeps_its_module_whole():
     serves_like(sharded, twin, 3, batch=2)
 
 
+class Recurrence(nn.Module):
+    """Starts from the state it kept, unless reset (RecurrentGemma's rg_lru); kept whole: it branches
+    on values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 8)
+        self.state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate(x) if self.state is None else self.gate(x) + self.state
+        h = torch.tanh(h) if h.sum() > 0 else h
+        self.state = h
+        return h
+
+
+class ResetsItsRecurrence(nn.Module):
+    """Resets the state of a child the graph calls whole, as RecurrentGemma's temporal block does
+    with use_cache=False: a write the graph does not replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.out = Recurrence(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rnn.state = None
+        return self.out(self.rnn(x))
+
+
+def test_a_write_onto_a_module_the_graph_calls_whole_keeps_the_writer_whole():
+    """The reset was traced and dropped: the second call started from the first call's state (values
+    off, and a backward through the first call's freed graph)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ResetsItsRecurrence(), nn.Linear(8, 8), ResetsItsRecurrence())
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    reasons = {w.name: w.reason for w in sharded.plan.wrapped}
+    assert list(reasons) == ["1.rnn", "1", "3.rnn", "3"]
+    assert "sets 'state' on a Recurrence the graph calls whole" in reasons["1"] and "calls whole" in reasons["3"]
+    for _ in range(2):  # training steps: the second backward reached the first call's freed graph
+        x = torch.randn(2, 8)
+        assert torch.equal(sharded(x), model(x))
+        sharded(x).sum().backward()
+
+
 def flip_if_negative(x: torch.Tensor) -> torch.Tensor:
     return -x if x.sum() < 0 else x
 

@@ -525,7 +525,9 @@ class MetaTracer(fx.Tracer):
             self.grad_mode = caller_grad = torch.is_grad_enabled()
             patches.enter_context(torch.enable_grad())
             self._modes = _mode_state()
-            written = patches.enter_context(refusing_state_writes(_computed_in_trace, follow_modules=True))
+            written = patches.enter_context(refusing_state_writes(
+                _computed_in_trace, follow_modules=True, kept_whole=lambda module: module is not root and not (
+                    self.running_examples or is_real_run()) and self.is_leaf_module(module, "")))
             self.swaps = [(torch, name, vars(torch)[name], _recording_constructor(vars(torch)[name]))
                           for name in _CONSTRUCTORS]
             apply = vars(torch.autograd.Function)["apply"]

@@ -202,12 +202,16 @@ def is_real_run() -> bool:
 
 
 @contextlib.contextmanager
-def refusing_state_writes(computed: Computed, follow_modules: bool = False) -> Iterator[set[tuple[int, str]]]:
+def refusing_state_writes(computed: Computed, follow_modules: bool = False,
+                          kept_whole: Callable[[nn.Module], bool] | None = None) -> Iterator[set[tuple[int, str]]]:
     """``nn.Module.__setattr__`` and ``register_buffer`` raise ``StateWrite`` where ``computed``
     says so, until exit; yields the attributes written so far, ``(id(module), name)``.
     ``follow_modules``: note the modules whose forward runs (a global forward pre-hook, which fx
     runs through but ``torch.cond``'s compilation under export refuses), so a flag read by modules
-    that ran before it is set counts as state."""
+    that ran before it is set counts as state. ``kept_whole(module)``: whether the graph calls
+    ``module`` whole, so that any write onto it is state: it reads its own attributes when it runs,
+    and the graph does not replay the write (RecurrentGemma's block resets its kept-whole
+    recurrence's ``recurrent_states`` to None; the next call started from the last one's)."""
     setattr_, register_buffer = nn.Module.__setattr__, nn.Module.register_buffer
     read, scalars = _TensorsRead(), _ScalarWrites()
 
@@ -216,6 +220,9 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False) -> I
         # torch's own writes (export lifting a constant onto the module) are not the model's state
         if _REAL_RUNS[0] or caller.f_code.co_filename.startswith(MACHINERY_DIRS):
             return
+        if kept_whole is not None and kept_whole(module) and not _constructing(module, caller):
+            raise StateWrite(f"the forward sets {name!r} on a {type(module).__name__} the graph calls whole, which "
+                             "reads it when it runs; a captured graph cannot replay that write")
         if scalars.carried(module, name, value, caller):
             raise ScalarStateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
                                    f"{value!r}), which its next call reads; a captured graph cannot replay that write")
