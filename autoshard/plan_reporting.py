@@ -24,6 +24,7 @@ from typing import Any, Mapping
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.text import Text
 
+from autoshard.arguments import real_number
 from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
 from autoshard.costs.memory import StageMemory, stage_memory
@@ -248,12 +249,12 @@ def _extra_columns(plan: StagePlan, extra_costs: Mapping[Any, Any]) -> dict[str,
                 + (f"; it leaves out {first_few(missing)}" if missing else "")
                 + (f"; the DAG has no {first_few(unknown)}" if unknown else "")
                 + " (node_costs(program, ctx, name) gives one for each)")
-        bad = [(node, cost) for node, cost in costs.items()
-               if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost < 0]
+        column = {node: real_number(cost) for node, cost in costs.items()}
+        bad = [node for node, cost in column.items() if cost is None or not math.isfinite(cost) or cost < 0]
         if bad:
-            raise InvalidArgumentError(f"extra_costs[{name!r}][{bad[0][0]!r}] is {shown(bad[0][1])}; each cost must "
+            raise InvalidArgumentError(f"extra_costs[{name!r}][{bad[0]!r}] is {shown(costs[bad[0]])}; each cost must "
                                        "be a finite number >= 0")
-        columns[name] = {node: float(cost) for node, cost in costs.items()}
+        columns[name] = column
     return columns
 
 
