@@ -644,6 +644,26 @@ def test_a_value_sent_that_is_not_contiguous_is_counted_as_the_wire_sends_it(mod
     assert {n.name: n.training for n in again.nodes} == facts
 
 
+class _ReturnsASlice(nn.Module):
+    """The model's output is a narrow slice of a 16x wider value: the last stage hands it back as it is
+    (only a value sent to the next stage crosses as a contiguous copy), so it keeps the wide storage alive
+    with every microbatch in flight. Counted as a copy, the last stage was 0.75x of what it held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.b(self.a(x)))
+        return torch.cat([h] * 16, 1)[:, :16]
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_a_returned_slice_keeps_the_storage_it_views(microbatches, tmp_path):
+    facts = _measured_as_predicted(_ReturnsASlice(), torch.randn(64, 16), "b", microbatches, tmp_path)
+    assert facts["getitem"].strided_output
+
+
 class _UnreadItem(nn.Module):
     """Modules returning a tuple whose second item nothing reads (attention's averaged weights, a GRU's
     last hidden state): autograd gives that item no gradient. The probe back-propagated into every

@@ -794,7 +794,8 @@ def stage_memory(
         through = [v for v in outgoing if assignment[v] < j]  # passed on as received
         regions = checkpoint_regions(stage_dag, nodes) if model.activation_checkpointing else []
         recomputed = {n for run in regions for n in run}
-        copied = [v for v in made_here if _strided_output(stage_dag, v)]  # sent as contiguous copies
+        # sent as contiguous copies (the last stage's outputs are handed back as they are, views keeping their bases)
+        copied = [v for v in made_here if j < k - 1 and _strided_output(stage_dag, v)]
         dense = [v for v in made_here if v not in copied]
         sent = (_sent_unsaved(stage_dag, dense, assignment, recomputed)
                 + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
