@@ -7,6 +7,7 @@ import collections
 import copy
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -692,12 +693,14 @@ class ResetsItsRecurrence(nn.Module):
         return self.out(self.rnn(x))
 
 
-def test_a_write_onto_a_module_the_graph_calls_whole_keeps_the_writer_whole():
+@pytest.mark.parametrize("front_end", ["capture", "export"])
+def test_a_write_onto_a_module_the_graph_calls_whole_keeps_the_writer_whole(front_end):
     """The reset was traced and dropped: the second call started from the first call's state (values
-    off, and a backward through the first call's freed graph)."""
+    off, and a backward through the first call's freed graph; under export, verification refused it)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), ResetsItsRecurrence(), nn.Linear(8, 8), ResetsItsRecurrence())
-    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
+                                    pipeline=f"{front_end},shape-prop,build-dag,linearize,split,emit,verify")
     reasons = {w.name: w.reason for w in sharded.plan.wrapped}
     assert list(reasons) == ["1.rnn", "1", "3.rnn", "3"]
     assert "sets 'state' on a Recurrence the graph calls whole" in reasons["1"] and "calls whole" in reasons["3"]
@@ -1588,6 +1591,45 @@ def test_the_export_front_end_runs_a_forward_hook_while_it_traces_only():
     calls.clear()
     x = torch.randn(3, 8)
     assert torch.equal(sharded(x), model(x)) and len(calls) == 1  # the model's call only
+
+
+class FlipsIfNegative(nn.Module):
+    """Branches on values: export keeps it whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return -h if h.sum() < 0 else h
+
+
+@pytest.mark.parametrize("hooked_after", [False, True])
+def test_a_module_export_keeps_whole_runs_its_hooks_once_a_call(hooked_after):
+    """Its stand-in stood for its forward alone, so export traced its hooks around it (once, on fake
+    values: the list got symbolic sizes) and the stages' call of the module ran them again (the
+    output doubled twice). Added after sharding, the hook captures again so."""
+    model = Around(FlipsIfNegative(), 8)
+    calls: list[Any] = []
+
+    def record_and_double(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        calls.append(out)
+        return out * 2
+
+    if not hooked_after:
+        model.inner.register_forward_hook(record_and_double)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
+                                    pipeline="export,build-dag,linearize,split,emit,verify")
+    assert [w.name for w in sharded.plan.wrapped] == ["inner"]
+    if hooked_after:
+        model.inner.register_forward_hook(record_and_double)
+        sharded(torch.randn(2, 8))  # captures again
+    assert all(type(out) is torch.Tensor for out in calls)  # never a fake value
+    calls.clear()
+    x = torch.randn(3, 8)
+    assert torch.equal(sharded(x), model(x)) and len(calls) == 2
+    assert torch.equal(calls[0], calls[1])
 
 
 def test_a_hook_returning_its_output_adds_no_memory_and_each_stage_holds_what_the_plan_predicts():

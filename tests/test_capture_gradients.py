@@ -10,7 +10,7 @@ from torch import nn
 
 import autoshard
 from autoshard.capture import trace_with_leaves
-from autoshard.errors import InputMismatchError
+from autoshard.errors import InputMismatchError, TraceError
 
 
 def gradients(run, model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
@@ -156,6 +156,26 @@ def test_export_keeps_a_module_with_a_backward_hook_whole_so_the_hook_runs():
     model.inner.register_full_backward_hook(lambda module, grad_in, grad_out: tuple(g * 0.5 for g in grad_in))
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),), pipeline=EXPORT)
     assert_same_gradients(sharded, model, torch.randn(5, 8))
+
+
+@pytest.mark.parametrize("front_end", ["capture", "export"])
+@pytest.mark.parametrize("register", [
+    lambda model: model.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0,)),
+    lambda model: model.register_full_backward_pre_hook(lambda module, grad_out: (grad_out[0] * 5,)),
+])
+def test_a_backward_hook_on_the_model_itself_is_refused_saying_where_it_can_go(front_end, register):
+    """No stage is the model, so both front ends dropped the hook: the inputs' gradients (and, with a
+    pre-hook scaling the output's gradient, the weights') were the unhooked model's."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    pipeline = f"{front_end},shape-prop,build-dag,linearize,split,emit,verify"
+    register(model)
+    with pytest.raises(TraceError, match="backward hook of its own.*register it on a submodule"):
+        autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),), pipeline=pipeline)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    sharded = autoshard.shard_model(plain, 2, example_inputs=(torch.randn(2, 8),), pipeline=pipeline)
+    register(plain)  # after sharding: the call captures again, and is refused so
+    with pytest.raises(InputMismatchError, match="backward hook of its own"):
+        sharded(torch.randn(2, 8))
 
 
 class HalfPrecisionRegion(nn.Module):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import sys
@@ -32,7 +33,7 @@ from autoshard.capture.attribute_reads import AttributeReads
 from autoshard.capture.assemble import assemble, leaves_of
 from autoshard.capture.eager import swapped_attribute
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design
-from autoshard.capture.fx import has_backward_hooks
+from autoshard.capture.fx import has_backward_hooks, refuse_backward_hooks_of
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import (
     FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_asserted, check_detached_mode, check_grad_mode, usable_conditions,
@@ -52,10 +53,14 @@ __all__ = ["export_with_leaves"]
 
 @contextlib.contextmanager
 def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]]) -> Iterator[None]:
-    """Route each leaf's forward through an opaque stand-in while exporting; restore it after."""
+    """Route each leaf's whole call, its hooks with its forward, through an opaque stand-in while
+    exporting; restore it after. The graph calls the module, which runs its hooks on every call with
+    the real values: a stand-in for the forward alone left its hooks traced around it, run once on
+    fake values (a recording hook got them) and again by the call (a hook changing the output twice)."""
     with contextlib.ExitStack() as stack:
         for module, path in leaves.values():
-            stack.enter_context(swapped_attribute(module, "forward", stand_in(module, module.forward, path)))
+            whole_call = functools.partial(type(module)._call_impl, module)
+            stack.enter_context(swapped_attribute(module, "_call_impl", stand_in(module, whole_call, path)))
         yield
 
 
@@ -305,6 +310,7 @@ def export_with_leaves(
 ) -> TraceResult:
     """Capture ``model`` with ``torch.export``, keeping the fewest, innermost modules or functions opaque
     (and, with ``fused_paths``, modules with a fused inference path whole in eval mode, as fx does)."""
+    refuse_backward_hooks_of(model)
     example_kwargs = dict(example_kwargs or {})
     if not example_args and not example_kwargs:
         raise InvalidArgumentError(
@@ -331,7 +337,8 @@ def export_with_leaves(
         stand_ins = [(site, stand_in(site.function, site.function, function_name(site.function)))
                      for site in leaves.functions]
         # modules with backward hooks run whole, as under fx: export would drop the hooks (it
-        # traces through forward hooks, which Hugging Face models use to return what they record)
+        # traces through forward hooks, which Hugging Face's output recorders use to return what
+        # they record: they fill a collector the forward reads, which a whole call would not)
         modules = {i: (m, leaves.paths[i]) for i, m in {**hooked, **fused, **leaves.modules}.items()}
         # With grad enabled, as fx traces too: a ``no_grad`` block in the model is then recorded
         # even when the capture was called under ``no_grad``.
@@ -340,7 +347,8 @@ def export_with_leaves(
                 _record_real_results(wrapper, model, inputs, reader)
                 grad_mode_sites.clear()
             detached.clear()
-            with isolated(model), _quiet(), refusing_state_writes(_computed_in_export) as written, \
+            with isolated(model), _quiet(), refusing_state_writes(
+                    _computed_in_export, kept_whole=lambda module: id(module) in modules) as written, \
                     torch.enable_grad(), swapped_attribute(torch, "is_grad_enabled", reader), \
                     _refusing_custom_backward(), _noting_detached_modules(model, wrapper, detached):
                 reads[:] = [AttributeReads(wrapper, is_real_run, written)]

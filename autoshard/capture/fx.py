@@ -33,10 +33,11 @@ from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name,
 from autoshard.capture.meta import MetaTracer, guard_value, has_proxy, warn_checkpoints_traced
 from autoshard.capture.result import TraceResult, WrappedLeaf
 from autoshard.capture.signature import CallSignature
+from autoshard.errors import TraceError
 from autoshard.isolation import HeldModule, cloned, isolated
 
 __all__ = ["TraceResult", "WrappedLeaf", "has_backward_hooks", "has_call_hooks", "is_primitive", "kept_whole_for_hooks",
-           "trace_with_leaves"]
+           "refuse_backward_hooks_of", "trace_with_leaves"]
 
 
 def is_primitive(module: nn.Module) -> bool:
@@ -49,6 +50,17 @@ def has_backward_hooks(module: nn.Module) -> bool:
     """Backward hooks, which a module's call installs on its inputs and outputs: any capture that
     goes through the module drops them."""
     return bool(module._backward_hooks or module._backward_pre_hooks)
+
+
+def refuse_backward_hooks_of(model: nn.Module) -> None:
+    """The model's own backward hooks see the gradients of its whole call, which no stage makes:
+    no capture can run them, and dropping them would change the gradients silently."""
+    if has_backward_hooks(model):
+        raise TraceError(
+            f"the {type(model).__name__} being sharded has a backward hook of its own, which sees the gradients "
+            "of its whole call: split into stages, no module makes them, so the stages cannot run it; register "
+            "it on a submodule (the stage holding it runs it) or on the tensors (Tensor.register_hook on the "
+            "inputs or the output)")
 
 
 def has_call_hooks(module: nn.Module) -> bool:
@@ -160,6 +172,7 @@ def trace_with_leaves(
     mode (``capture.fast_paths``); false traces through them, for a finer split. ``trace_hooks``
     traces through modules with forward hooks (``kept_whole_for_hooks``).
     """
+    refuse_backward_hooks_of(model)
     example_kwargs = dict(example_kwargs or {})
     has_example = bool(example_args or example_kwargs)
     signature = CallSignature.of(model, tuple(example_args), example_kwargs) if has_example else None
