@@ -607,6 +607,13 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     sent_views = {f.views for v in sent if (f := _training(dag, v)) is not None and f.views and not f.strided_output}
     # the values whose gradient is a receive buffer, handed on unchanged: the order that buffer is laid out in
     handed_order = {v: (f.dense_order or ()) if (f := _training(dag, v)) is not None else () for v in sent}
+    # the sent values whose gradient is a sum autograd made by adding another into the receive buffer: the sum
+    # takes the layout of its first operand, the buffer's (``handed_order``), and is handed on as that buffer is
+    summed_received: set[str] = set()
+
+    def as_received(value: str | None) -> bool:
+        """Whether ``value``'s gradient is laid out as a sent value's receive buffer: that buffer, or a sum into it."""
+        return value is not None and (buffer.get(value, "") is None or buffer.get(value) in summed_received)
     # the nodes whose value is a container of tensors (a ``ModelOutput``), not a tensor
     containers = {n for n in nodes if (meta := dag.nodes[n].get("value_meta")) is not None
                   and getattr(meta, "shape", None) is None}
@@ -628,7 +635,7 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # laid out as a new tensor
         from_buffer = node in sent or (node in buffer and buffer[node] is None and node in sent_views)
         own = facts.backward_when_sent if from_buffer and facts.backward_when_sent is not None else facts.backward
-        if not from_buffer and node in handed_order and buffer[node] is None:  # a receive buffer, as the value sent
+        if not from_buffer and node in handed_order and as_received(node):  # a receive buffer, as the value sent
             own = dict(facts.backward_when_handed).get(handed_order[node], own)
         # the gradient it starts from, where no other value holds it, autograd frees once its first function has run
         incoming = buffer[node] if node in buffer else next((buffer[v] for v in replaced.values() if v in buffer), None)
@@ -673,7 +680,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         for u, handed in given:
             if u not in buffer:
                 hold(u, mine if handed else u)
-                if handed and mine is None and node in handed_order and u in facts.passes_on:
+                if handed and (mine is None or mine in summed_received) and node in handed_order \
+                        and u in facts.passes_on:
                     handed_order[u] = handed_order[node]
                 # (through a view: a new tensor viewing the buffer; not a container's, which hands each item the
                 # gradient itself, as an addition does)
@@ -683,6 +691,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 if u in facts.strided_grads and not (handed and permuted_buffer):
                     strided.add(u)
             elif shared(u) or u in strided:  # the sum is a new buffer
+                if buffer[u] is None and u in handed_order:
+                    summed_received.add(u)
                 release(buffer[u])
                 hold(u, u)
                 strided.discard(u)
