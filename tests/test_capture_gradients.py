@@ -149,11 +149,15 @@ def test_export_keeps_a_custom_autograd_function_whole_so_its_backward_runs():
     assert torch.autograd.Function.__dict__["apply"].__func__.__qualname__ == "Function.apply"  # patch undone
 
 
-def test_export_keeps_a_module_with_a_backward_hook_whole_so_the_hook_runs():
-    """export dropped the hook: the gradients were the unhooked model's."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_export_keeps_a_module_with_a_backward_hook_whole_so_the_hook_runs(compiled):
+    """export dropped the hook: the gradients were the unhooked model's. Compiled in place
+    (``module.compile()``), its call skipped the stand-in, and export traced through it again."""
     torch.manual_seed(0)
     model = Framed(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
     model.inner.register_full_backward_hook(lambda module, grad_in, grad_out: tuple(g * 0.5 for g in grad_in))
+    if compiled:
+        model.inner.compile(backend="eager")
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),), pipeline=EXPORT)
     assert_same_gradients(sharded, model, torch.randn(5, 8))
 

@@ -56,11 +56,15 @@ def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]]) -> Iterator[Non
     """Route each leaf's whole call, its hooks with its forward, through an opaque stand-in while
     exporting; restore it after. The graph calls the module, which runs its hooks on every call with
     the real values: a stand-in for the forward alone left its hooks traced around it, run once on
-    fake values (a recording hook got them) and again by the call (a hook changing the output twice)."""
+    fake values (a recording hook got them) and again by the call (a hook changing the output twice).
+    Its forward is a stand-in too, for a class whose ``__call__`` skips ``_call_impl``'s lookup on the
+    module; and its compiled call is set aside (``module.compile()``), which would skip both."""
     with contextlib.ExitStack() as stack:
         for module, path in leaves.values():
-            whole_call = functools.partial(type(module)._call_impl, module)
+            whole_call = functools.partial(type(module)._call_impl, module)  # reads the forward stand-in
+            stack.enter_context(swapped_attribute(module, "forward", stand_in(module, module.forward, path)))
             stack.enter_context(swapped_attribute(module, "_call_impl", stand_in(module, whole_call, path)))
+            stack.enter_context(swapped_attribute(module, "_compiled_call_impl", None))
         yield
 
 
