@@ -198,13 +198,20 @@ class HeldModulesCodeGen(fx.graph.CodeGen):
         lowered = _calls_from_check(nodes)
         if lowered is None:
             return super()._gen_python_code(nodes, root_module, namespace, **options)
-        return lowered.python_code(root_module, **options)
+        code = lowered.python_code(root_module, **options)
+        # ``m(...)``, which fx's nodes cannot spell: torch.compile traces a bound method called so, not
+        # through its ``__call__`` (what the check returns may be a module's ``forward``)
+        held = [n.name for n in lowered.nodes if n.op == "call_function" and n.target is operator.getitem
+                and n.name.startswith("self_")]
+        for name in held:
+            code.src = code.src.replace(f" {name}.__call__(", f" {name}(")
+        return code
 
 
 def _calls_from_check(nodes: Sequence[fx.Node]) -> fx.Graph | None:
     """A copy of the graph that calls the stage's check straight (``state.check(training)``) and
-    whose ``call_module`` nodes call what it returned (``m = checked["path"]``, then
-    ``m.__call__(...)``: the module's hooks still run); None when the graph has no such check."""
+    whose ``call_module`` nodes call what it returned (``m = checked["path"]``, then ``m(...)``:
+    the module, whose hooks run, or its forward where its call would only run that)."""
     lowered = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     checked: fx.Node | None = None

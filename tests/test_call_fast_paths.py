@@ -430,6 +430,77 @@ def test_hooks_on_a_module_inside_a_stage_still_run():
     assert seen == [torch.Size([2, 8])]
 
 
+def _straight(sharded: autoshard.ShardedModel) -> list[bool]:
+    """For each module the stages call, whether their code calls its ``forward`` straight."""
+    return [not isinstance(call, nn.Module) for stage in sharded.stages
+            for call in stage._autoshard_held_state.check(stage.training).values()]
+
+
+def test_a_module_nn_module_call_would_only_forward_is_called_by_its_forward():
+    """``nn.Module.__call__`` adds two Python frames a module (8-layer MLP: 1.2x the model's time)."""
+    model, x, sharded = _called_once()
+    assert all(_straight(sharded))
+    calls = []
+    forward = nn.Module.__call__
+    nn.Module.__call__ = lambda self, *args, **kwargs: calls.append(type(self)) or forward(self, *args, **kwargs)
+    try:
+        out = sharded(x)
+    finally:
+        nn.Module.__call__ = forward
+    assert torch.equal(out, model(x)) and calls and nn.Linear not in calls and nn.ReLU not in calls
+
+
+@pytest.mark.parametrize("change", ["forward hook", "pre-hook", "backward hook", "global hook", "global backward hook",
+                                    "forward on the module", "forward on the class", "compiled"])
+def test_what_makes_a_modules_call_more_than_its_forward_is_seen_on_the_next_call(change):
+    """Each change a module's ``__call__`` would act on, made after calls that took its forward
+    straight: the next call runs it as the model does, and calls it whole from then on (a hook removed
+    moves no counter to tell; the whole call is right either way)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(2, 8, requires_grad=True)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    leaf, seen = model[2], []
+    undo = {
+        "forward hook": lambda: leaf.register_forward_hook(lambda m, a, out: seen.append(1) or out * 2).remove,
+        "pre-hook": lambda: leaf.register_forward_pre_hook(lambda m, a: seen.append(1) or (a[0] * 2,)).remove,
+        "backward hook": lambda: leaf.register_full_backward_hook(
+            lambda m, grad_in, grad_out: seen.append(1) or (grad_in[0] * 2,)).remove,
+        "global hook": lambda: torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, out: (seen.append(1) or out * 2) if m is leaf else None).remove,
+        "global backward hook": lambda: torch.nn.modules.module.register_module_full_backward_hook(
+            lambda m, grad_in, grad_out: (seen.append(1) or (grad_in[0] * 2,)) if m is leaf else None).remove,
+        "forward on the module": lambda: _patched(leaf, lambda h: seen.append(1) or nn.Linear.forward(leaf, h) * 2),
+        "forward on the class": lambda: _patched(
+            nn.Linear, lambda self, h, linear=nn.Linear.forward: seen.append(1) or linear(self, h) * 2),
+        "compiled": lambda: _patched(leaf, lambda *a, **k: seen.append(1) or nn.Module._call_impl(leaf, *a, **k) * 2,
+                                     "_compiled_call_impl"),
+    }[change]()
+    try:
+        for run in (model, sharded):
+            seen.clear()
+            out = run(x)
+            out.sum().backward()
+            grad = x.grad
+            x.grad = None
+            if run is model:
+                expected, expected_grad, calls = out, grad, list(seen)
+        assert calls and seen == calls and torch.equal(out, expected) and torch.equal(grad, expected_grad)
+        assert all(_straight(sharded)) == change.startswith("forward on")  # a patched forward is still all
+    finally:
+        undo()
+    assert torch.equal(sharded(x), model(x))
+
+
+def _patched(owner: object, value: object, name: str = "forward") -> object:
+    """``owner.name`` set to ``value``; returns what undoes it."""
+    had = name in vars(owner)
+    old = vars(owner).get(name)
+    setattr(owner, name, value)
+    return lambda: setattr(owner, name, old) if had else delattr(owner, name)
+
+
 class Weighted(nn.Module):
     """Traced through: the stage's code reads ``w`` itself."""
 

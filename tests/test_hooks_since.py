@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.capture.held_state import HeldState
-from autoshard.capture.hooks_since import HooksAtCapture
+from autoshard.capture.held_state import HeldState, StayEmpty
 from autoshard.errors import InputMismatchError, SpecializationMismatch
 
 
@@ -103,11 +102,13 @@ def test_a_pre_hook_on_a_layer_the_plan_split_is_refused_saying_why():
 
 def test_the_hook_dicts_are_looked_at_only_after_a_hook_was_registered_and_never_checked_in_full(monkeypatch):
     """One counter is compared on every call; a hook registered anywhere (here a tensor's) makes the
-    next call look at the dicts once, and none makes the first stage check everything in full."""
+    next call look at the dicts once (each watcher's: the first stage's of the modules it traced
+    through, and each stage's of the modules whose forward it calls straight), and none makes a
+    stage check everything in full."""
     full, looked = [], []
-    checked, gained = HeldState.check_in_full, HooksAtCapture.gained
+    checked, gained = HeldState.check_in_full, StayEmpty.gained
     monkeypatch.setattr(HeldState, "check_in_full", lambda self, training: full.append(1) or checked(self, training))
-    monkeypatch.setattr(HooksAtCapture, "gained", lambda self: looked.append(1) or gained(self))
+    monkeypatch.setattr(StayEmpty, "gained", lambda self: looked.append(id(self)) or gained(self))
     model = _layers()
     sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
     sharded(X)
@@ -117,9 +118,11 @@ def test_the_hook_dicts_are_looked_at_only_after_a_hook_was_registered_and_never
         sharded(X)
     assert looked == [] and full == []
     X.clone().requires_grad_().register_hook(lambda grad: grad)  # any hook, anywhere, moves the counter
-    for _ in range(3):
+    sharded(X)
+    watchers = len(looked)
+    for _ in range(2):
         sharded(X)
-    assert looked == [1] and full == [] and len(sharded.specializations) == 0
+    assert watchers == len(set(looked)) == len(looked) == 3 and full == [] and len(sharded.specializations) == 0
 
 
 def test_a_profiler_s_global_hooks_neither_capture_again_nor_change_the_outputs():

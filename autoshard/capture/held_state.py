@@ -19,15 +19,19 @@ did before its C++ guard tree); only a difference runs the refusing checks.
 
 The check returns the modules it has just checked, by path, and the stage's code calls those
 (``HeldModulesCodeGen``): fx's code would find each one again through ``nn.Module.__getattr__``
-(an attribute miss and a Python call per step of its path), which cost more than the check.
+(an attribute miss and a Python call per step of its path), which cost more than the check. Where
+``nn.Module.__call__`` would only call a module's ``forward`` (no hooks, not compiled), it returns
+that ``forward`` instead (``cheapest_calls``), and checks, as cheaply, that it still would.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from torch import nn
+from torch.nn.modules import module as module_state
+from torch.utils.hooks import RemovableHandle
 
 from autoshard.capture.guard import _converts, check_mode, check_weight_dtypes
 from autoshard.errors import InputMismatchError
@@ -40,12 +44,19 @@ NO_KEY = object()
 #: ``kept_check``'s ``flag_seen`` when the check compares no flag.
 NO_FLAG = object()
 #: The attributes a read may name (the generated code spells them out).
-_ATTRIBUTES = ("", "training", "dtype")
+_ATTRIBUTES = ("", "training", "dtype", "forward")
 #: A read's ``attribute`` that asks whether ``key`` is in ``owner`` (``key in owner.__dict__``).
 HOLDS = "in"
 #: A read's ``attribute`` that compares ``owner[key]`` with the value its one-item list ``expected``
 #: holds, which the check's owner moves on without writing the check anew (a counter).
 KEPT = "kept"
+
+#: A module's hook dicts, as a hook registered on it is named.
+HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
+              "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
+#: The global hook dicts ``nn.Module.__call__`` looks at besides a module's own.
+GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                     "_global_backward_hooks")
 
 Read = tuple[Any, Any, str]
 """``(owner, key, attribute)``: ``owner[key].attribute``, without the item when ``key`` is
@@ -127,6 +138,84 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
 _MAKERS: dict[tuple[Any, ...], Callable[..., Callable[[Any], Any]]] = {}
 
 
+class StayEmpty:
+    """Dicts that are to stay empty (hook dicts), watched cheaply. Every hook registration, a module's,
+    a tensor's or a global one, takes a new id from ``RemovableHandle.next_id``, so a passing check
+    compares that one counter by identity (``counter_read``), and only a moved counter makes it look
+    at the dicts (``after_difference``; then it keeps the new counter and checks its other reads
+    again). ``entries``: ``(what, namespace, name)``, ``namespace[name]`` to stay empty (those empty
+    now are kept); ``gained`` names the first that is not, by ``(what, name)``."""
+
+    def __init__(self, entries: Iterable[tuple[Any, Mapping[str, Any], str]]) -> None:
+        self.entries = tuple((what, namespace, name) for what, namespace, name in entries if not namespace.get(name))
+        self._seen = [RemovableHandle.next_id]  # the counter as the last passing check saw it
+
+    def gained(self) -> tuple[Any, str] | None:
+        for what, namespace, name in self.entries:
+            if namespace.get(name):
+                return what, name
+        return None
+
+    def counter_read(self) -> tuple[list[Read], list[Any]]:
+        """The read of the hook id counter a passing check makes, where dicts are to stay empty: compared
+        with the value the check keeps (``KEPT``), which ``after_difference`` moves on."""
+        if not self.entries:
+            return [], []
+        self._seen[0] = RemovableHandle.next_id
+        return [(vars(RemovableHandle), "next_id", KEPT)], [self._seen]
+
+    def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """What a check that read the counter runs on a difference: where the counter moved (a hook was
+        registered somewhere) and no dict gained a hook, it keeps the counter as it is now and runs
+        ``again`` (the check, its other reads compared anew); else ``full``. So a model or runtime
+        registering hooks on every call (FSDP, full backward hooks) costs a look at the dicts, not
+        the full check."""
+        if not self.entries:
+            return full
+        handles = vars(RemovableHandle)
+
+        def after(flag: Any) -> Any:
+            if handles["next_id"] is not self._seen[0] and self.gained() is None:
+                self._seen[0] = handles["next_id"]
+                return again(flag)
+            return full(flag)
+        return after
+
+
+def cheapest_calls(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], list[Read], list[Any], StayEmpty]:
+    """What a stage's code calls for each of ``modules`` (by path): the module's ``forward``, where
+    ``nn.Module.__call__`` would call just that (``_call_impl``'s fast path: no hook on it or global,
+    not compiled, ``__call__`` not overridden), else the module. Two Python frames fewer a module: on
+    a small layer they cost as much as its kernel (an 8-layer MLP called 1.2x the model's time).
+    Also the reads that must stay as they are for a forward to stand for the call (the module's own
+    ``forward`` and its class's, its compiled call) and the hook dicts that must stay empty."""
+    calls: dict[str, Any] = {}
+    reads: list[Read] = []
+    seen: list[Any] = []
+    classes: set[type] = set()
+    hooked = any(vars(module_state)[name] for name in GLOBAL_HOOK_DICTS)
+    plain: list[nn.Module] = []
+    for path, module in modules.items():
+        own, cls = vars(module), type(module)
+        if hooked or cls.__call__ is not nn.Module.__call__ or cls._call_impl is not nn.Module._call_impl \
+                or own.get("_compiled_call_impl", cls._compiled_call_impl) is not None \
+                or any(own.get(name) for name in HOOK_DICTS):
+            calls[path] = module
+            continue
+        calls[path] = module.forward
+        plain.append(module)
+        for name in ("forward", "_compiled_call_impl"):  # set on it (patched; ``module.compile()``)
+            reads.append((own, name, "") if name in own else (own, name, HOLDS))
+            seen.append(own[name] if name in own else False)
+        if cls not in classes:  # the forward of its class, patched
+            classes.add(cls)
+            reads.append((cls, NO_KEY, "forward"))
+            seen.append(cls.forward)
+    entries = [*((module, vars(module), name) for module in plain for name in HOOK_DICTS),
+               *((None, vars(module_state), name) for name in GLOBAL_HOOK_DICTS if plain)]
+    return calls, reads, seen, StayEmpty(entries)
+
+
 class HeldState:
     """What a stage checks of itself on every call: its own mode and its modules' (``leaves``,
     paths of the modules its graph calls), and the dtypes of the parameters it reads directly
@@ -177,10 +266,11 @@ class HeldState:
         """The parameters whose dtypes count, as registered now."""
         return [w for w in map(dict.get, self.registries, self.names) if w is not None]
 
-    def check_in_full(self, training: bool) -> dict[str, nn.Module]:
-        """The modules the stage calls, by path, found again; raise ``InputMismatchError`` when the
-        stage (``training``: its flag now) or one of them is in another mode than at capture, or a
-        weight was converted, or refuse for good where the model rebound what it calls (``refuse``)."""
+    def check_in_full(self, training: bool) -> dict[str, Any]:
+        """What the stage calls for each module, by path (``cheapest_calls``), found again; raise
+        ``InputMismatchError`` when the stage (``training``: its flag now) or one of them is in another
+        mode than at capture, or a weight was converted, or refuse for good where the model rebound what
+        it calls (``refuse``)."""
         if self.rebound:
             raise InputMismatchError(self.rebound)
         self._walk()
@@ -189,7 +279,7 @@ class HeldState:
         if self.model_state is not None:
             self.model_state.check_in_full(training)
         self._remember(training)
-        return self.by_path
+        return self.calls
 
     def watch_model_state(self, model_state: Any) -> None:
         """Check ``model_state`` (see ``model_state``) on every call from now on."""
@@ -203,20 +293,24 @@ class HeldState:
         self.check = self.check_in_full
 
     def _remember(self, training: bool) -> None:
-        """Keep what a call that passed read, for the next call to compare with (``check``)."""
+        """Keep what a call that passed read, for the next call to compare with (``check``), and what
+        the stage's code calls (``cheapest_calls``)."""
+        self.calls, call_reads, call_seen, empty = cheapest_calls(self.by_path)
         try:
             seen = [read(*each) for each in self.reads]
         except (KeyError, AttributeError):  # a parameter deleted or set to None
-            self.check: Callable[[bool], dict[str, nn.Module]] = self.check_in_full  # in full on every call
+            self.check: Callable[[bool], dict[str, Any]] = self.check_in_full  # in full on every call
             return
-        reads, full = self.reads, self.check_in_full
+        counter, kept = empty.counter_read()
+        reads, seen = [*self.reads, *call_reads, *counter], [*seen, *call_seen, *kept]
+        full = empty.after_difference(self.check_in_full, self._check_again)
         if self.model_state is not None:
             model_reads, model_seen = self.model_state.reads_now()
             reads, seen = [*reads, *model_reads], [*seen, *model_seen]
             full = self.model_state.after_difference(full, self._check_again)
-        self.check = kept_check(reads, seen, self.by_path, full, training)
+        self.check = kept_check(reads, seen, self.calls, full, training)
 
-    def _check_again(self, training: bool) -> dict[str, nn.Module]:
+    def _check_again(self, training: bool) -> dict[str, Any]:
         return self.check(training)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HeldState:
@@ -234,7 +328,7 @@ class HeldState:
         self.__dict__.update({"rebound": "", "model_state": None, **state})
         # found by path on the first call, which checks in full
         self.modules, self.registries, self.names, self.reads = (), (), (), []
-        self.by_path = {}
+        self.by_path, self.calls = {}, {}
         self.check = self.check_in_full
 
 
@@ -250,9 +344,9 @@ def _first_parameter(module: nn.Module) -> str | None:
     return None
 
 
-def checked_modules(state: HeldState, training: bool) -> dict[str, nn.Module]:
+def checked_modules(state: HeldState, training: bool) -> dict[str, Any]:
     """The graph's call of ``state.check()``, given the stage's own flag (read as ``self.training``,
-    so a copy of the stage that shares ``state`` is checked by its own flag): the modules the
-    stage's code calls, by path. The stage's generated code calls ``state.check`` itself
-    (``HeldModulesCodeGen``); this is what the graph names."""
+    so a copy of the stage that shares ``state`` is checked by its own flag): what the stage's code
+    calls for each module, by path (the module, or its ``forward``: ``cheapest_calls``). The stage's
+    generated code calls ``state.check`` itself (``HeldModulesCodeGen``); this is what the graph names."""
     return state.check(training)

@@ -23,13 +23,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from autoshard.capture.held_state import KEPT, Read
-
-#: A module's hook dicts, as a hook registered on it is named.
-HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
-              "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
+from autoshard.capture.held_state import HOOK_DICTS, Read, StayEmpty
 
 
 class HooksAtCapture:
@@ -41,17 +36,13 @@ class HooksAtCapture:
         called_ids = set(map(id, called))
         pairs = [(module, name) for module in run for name in HOOK_DICTS]
         self.held = tuple((module, name) for module, name in pairs if vars(module).get(name))
-        #: (module, name of the dict, the module's ``__dict__``, read once here) for each dict to stay empty
-        self.empty = tuple((module, name, vars(module)) for module, name in pairs
-                           if id(module) not in called_ids and not vars(module).get(name))
-        self._seen = [RemovableHandle.next_id]  # the counter as the last passing check saw it
+        #: the dicts of the modules traced through that are to stay empty
+        self.empty = StayEmpty((module, vars(module), name) for module, name in pairs if id(module) not in called_ids)
 
     def gained(self) -> tuple[nn.Module, str] | None:
         """A module and the kind of hook it holds now where it held none at capture; None if none does."""
-        for module, name, own in self.empty:
-            if own.get(name):
-                return module, HOOK_DICTS[name]
-        return None
+        gained = self.empty.gained()
+        return None if gained is None else (gained[0], HOOK_DICTS[gained[1]])
 
     def held_unlike(self, other: HooksAtCapture) -> tuple[tuple[nn.Module, str], ...]:
         """The modules and kinds of hook this capture's held and ``other``'s did not."""
@@ -59,26 +50,9 @@ class HooksAtCapture:
         return tuple((module, HOOK_DICTS[name]) for module, name in self.held if (id(module), name) not in theirs)
 
     def counter_read(self) -> tuple[list[Read], list[Any]]:
-        """The read of the hook id counter a passing check makes, where dicts are to stay empty: compared
-        with the value the check keeps (``KEPT``), which ``after_difference`` moves on."""
-        if not self.empty:
-            return [], []
-        self._seen[0] = RemovableHandle.next_id
-        return [(vars(RemovableHandle), "next_id", KEPT)], [self._seen]
+        """The read of the hook id counter a passing check makes (``StayEmpty.counter_read``)."""
+        return self.empty.counter_read()
 
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """What a check that read the counter runs on a difference: where the counter moved (a hook was
-        registered somewhere) and no dict gained a hook, it keeps the counter as it is now and runs
-        ``again`` (the check, its other reads compared anew); else ``full``. So a model or runtime
-        registering hooks on every call (FSDP, full backward hooks) costs a look at the dicts, not
-        the full check."""
-        if not self.empty:
-            return full
-        handles = vars(RemovableHandle)
-
-        def after(flag: Any) -> Any:
-            if handles["next_id"] is not self._seen[0] and self.gained() is None:
-                self._seen[0] = handles["next_id"]
-                return again(flag)
-            return full(flag)
-        return after
+        """What a check that read the counter runs on a difference (``StayEmpty.after_difference``)."""
+        return self.empty.after_difference(full, again)
