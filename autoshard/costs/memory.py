@@ -715,7 +715,7 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             # autograd keeps a copy of each one not laid out as its weight is, made beside it once the node's
             # backward has returned (its releases done, the gradient it got dropped), then frees it
             peak = max(peak, output_grads + alive + facts.gradient_copies - freed)
-    for u in read:
+    for u in (u for u in read if u in buffer):  # (a value whose readers here no gradient reaches gets none)
         # its read (``contiguous_grad``) ran first, so its backward runs after every other node's, which have
         # let go of the buffers they shared with it by then: autograd copies it into the one sent back if
         # another value received still holds that buffer or it is strided, unless it crossed permuted: then it
