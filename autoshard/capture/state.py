@@ -221,8 +221,8 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False,
         if _REAL_RUNS[0] or caller.f_code.co_filename.startswith(MACHINERY_DIRS):
             return
         if kept_whole is not None and kept_whole(module) and not _constructing(module, caller):
-            raise StateWrite(f"the forward sets {name!r} on a {type(module).__name__} the graph calls whole, which "
-                             "reads it when it runs; a captured graph cannot replay that write")
+            raise StateWrite(f"the forward sets {name!r} on a {type(module).__name__} the graph calls whole, whose "
+                             "code may read it when it runs; a captured graph cannot replay that write")
         if scalars.carried(module, name, value, caller):
             raise ScalarStateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
                                    f"{value!r}), which its next call reads; a captured graph cannot replay that write")

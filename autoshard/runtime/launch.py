@@ -38,6 +38,11 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backe
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        # every rank connected before any goes on: one whose work is done at once (a check, a rank
+        # with nothing to send) could tear down its side while another still connects to it (gloo's
+        # "Connection closed by peer" in connectFullMesh, seen on a loaded 2-core machine)
+        if world_size > 1:
+            dist.barrier()
         try:
             results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         finally:
