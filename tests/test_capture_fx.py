@@ -1606,11 +1606,12 @@ class FlipsIfNegative(nn.Module):
 
 
 @pytest.mark.parametrize("hooked_after", [False, True])
-def test_a_module_export_keeps_whole_runs_its_hooks_once_a_call(hooked_after):
-    """Its stand-in stood for its forward alone, so export traced its hooks around it (once, on fake
-    values: the list got symbolic sizes) and the stages' call of the module ran them again (the
+def test_a_module_export_keeps_whole_for_a_backward_hook_runs_its_forward_hooks_once_a_call(hooked_after):
+    """Its stand-in stood for its forward alone, so export traced its forward hook around it (once, on
+    fake values: the list got symbolic sizes) and the stages' call of the module ran it again (the
     output doubled twice). Added after sharding, the hook captures again so."""
     model = Around(FlipsIfNegative(), 8)
+    model.inner.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0.5,))
     calls: list[Any] = []
 
     def record_and_double(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
@@ -1621,7 +1622,6 @@ def test_a_module_export_keeps_whole_runs_its_hooks_once_a_call(hooked_after):
         model.inner.register_forward_hook(record_and_double)
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
                                     pipeline="export,build-dag,linearize,split,emit,verify")
-    assert [w.name for w in sharded.plan.wrapped] == ["inner"]
     if hooked_after:
         model.inner.register_forward_hook(record_and_double)
         sharded(torch.randn(2, 8))  # captures again
@@ -1630,6 +1630,34 @@ def test_a_module_export_keeps_whole_runs_its_hooks_once_a_call(hooked_after):
     x = torch.randn(3, 8)
     assert torch.equal(sharded(x), model(x)) and len(calls) == 2
     assert torch.equal(calls[0], calls[1])
+
+
+class RecordsWhatItCalls(nn.Module):
+    """Returns what a forward hook of a module export keeps whole recorded (Transformers' output
+    recorders fill a collector so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.out = FlipsIfNegative(), nn.Linear(8, 8)
+        self.recorded: list[torch.Tensor] = []
+        self.inner.register_forward_hook(lambda module, args, out: self.recorded.append(out))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.recorded.clear()
+        return self.out(self.inner(x)), self.recorded[0]
+
+
+def test_what_a_hook_of_a_module_export_keeps_whole_hands_the_forward_is_the_traced_value():
+    """Run inside the stand-in, the hook recorded the stand-in's own run on zeros, which the graph
+    kept as a constant (verification refused it)."""
+    torch.manual_seed(0)
+    model = RecordsWhatItCalls()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
+                                    pipeline="export,build-dag,linearize,split,emit,verify")
+    assert [w.name for w in sharded.plan.wrapped] == ["inner"]
+    for batch in (2, 3):
+        x = torch.randn(batch, 8)
+        assert all(torch.equal(a, b) for a, b in zip(sharded(x), model(x)))
 
 
 def test_a_hook_returning_its_output_adds_no_memory_and_each_stage_holds_what_the_plan_predicts():

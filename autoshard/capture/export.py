@@ -52,18 +52,22 @@ __all__ = ["export_with_leaves"]
 
 
 @contextlib.contextmanager
-def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]]) -> Iterator[None]:
-    """Route each leaf's whole call, its hooks with its forward, through an opaque stand-in while
-    exporting; restore it after. The graph calls the module, which runs its hooks on every call with
-    the real values: a stand-in for the forward alone left its hooks traced around it, run once on
-    fake values (a recording hook got them) and again by the call (a hook changing the output twice).
-    Its forward is a stand-in too, for a class whose ``__call__`` skips ``_call_impl``'s lookup on the
-    module; and its compiled call is set aside (``module.compile()``), which would skip both."""
+def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]], whole: Iterable[int]) -> Iterator[None]:
+    """Route each leaf's forward through an opaque stand-in while exporting; restore it after. Its
+    forward hooks are traced around the stand-in, as export traces them through any module, so what
+    they hand the forward another way is the traced value (Hugging Face's output recorders fill a
+    collector the forward returns); the graph then calls the module, which runs them again (a hook
+    changing its output would change it twice: verification refuses that). Those in ``whole`` (ids),
+    kept whole for backward hooks, which export would drop, stand in for their whole call instead
+    (hooks with forward), run once a call. A compiled call (``module.compile()``) is set aside, as it
+    would skip the stand-ins."""
+    whole = set(whole)
     with contextlib.ExitStack() as stack:
         for module, path in leaves.values():
             whole_call = functools.partial(type(module)._call_impl, module)  # reads the forward stand-in
             stack.enter_context(swapped_attribute(module, "forward", stand_in(module, module.forward, path)))
-            stack.enter_context(swapped_attribute(module, "_call_impl", stand_in(module, whole_call, path)))
+            if id(module) in whole:
+                stack.enter_context(swapped_attribute(module, "_call_impl", stand_in(module, whole_call, path)))
             stack.enter_context(swapped_attribute(module, "_compiled_call_impl", None))
         yield
 
@@ -346,7 +350,7 @@ def export_with_leaves(
         modules = {i: (m, leaves.paths[i]) for i, m in {**hooked, **fused, **leaves.modules}.items()}
         # With grad enabled, as fx traces too: a ``no_grad`` block in the model is then recorded
         # even when the capture was called under ``no_grad``.
-        with _opaque_modules(modules), swapped(stand_ins):
+        with _opaque_modules(modules, hooked), swapped(stand_ins):
             if modules or stand_ins:  # what the opaque parts return on the example itself
                 _record_real_results(wrapper, model, inputs, reader)
                 grad_mode_sites.clear()

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
 from autoshard.capture.guard import check_condition
@@ -182,9 +183,13 @@ def _run_filled(record: OpaqueCall, inputs: list[torch.Tensor], sizes: Sequence[
         flat = [next(tensors) if isinstance(v, torch.Tensor) else next(hints) if _is_size(v) else v
                 for v in record.in_flat]
         args, kwargs = tree_unflatten(flat, record.in_spec)
-        if isinstance(record.target, nn.Module):  # its real weights: a condition may read what they compute
-            return torch.func.functional_call(record.target, record.state, args, kwargs)
-        return record.run(*args, **kwargs)
+        if not isinstance(record.target, nn.Module):
+            return record.run(*args, **kwargs)
+        # its real weights (a condition may read what they compute), and what it stands for run, not its
+        # call: ``torch.func.functional_call`` would run its hooks too, which export traces around a forward's
+        # stand-in (a hook recording the output would record this run's zeros first)
+        with _reparametrize_module(record.target, record.state):
+            return record.run(*args, **kwargs)
 
 
 def stand_in(target: Any, run: Callable[..., Any], name: str) -> Callable[..., Any]:
