@@ -438,20 +438,33 @@ def _straight(sharded: autoshard.ShardedModel) -> list[bool]:
 
 def test_a_module_nn_module_call_would_only_forward_is_called_by_its_forward():
     """``nn.Module.__call__`` adds two Python frames a module (8-layer MLP: 1.2x the model's time)."""
+    import sys
+
     model, x, sharded = _called_once()
     assert all(_straight(sharded))
     calls = []
-    forward = nn.Module.__call__
-    nn.Module.__call__ = lambda self, *args, **kwargs: calls.append(type(self)) or forward(self, *args, **kwargs)
+    call_impl = nn.Module._call_impl.__code__
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code is call_impl:
+            calls.append(type(frame.f_locals["self"]))
+
+    sys.setprofile(profile)
     try:
         out = sharded(x)
     finally:
-        nn.Module.__call__ = forward
+        sys.setprofile(None)
     assert torch.equal(out, model(x)) and calls and nn.Linear not in calls and nn.ReLU not in calls
 
 
+class _Tripled(nn.Linear):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(h) * 3
+
+
 @pytest.mark.parametrize("change", ["forward hook", "pre-hook", "backward hook", "global hook", "global backward hook",
-                                    "forward on the module", "forward on the class", "compiled"])
+                                    "forward on the module", "forward on the class", "compiled", "class swapped",
+                                    "call on the module", "nn.Module's call"])
 def test_what_makes_a_modules_call_more_than_its_forward_is_seen_on_the_next_call(change):
     """Each change a module's ``__call__`` would act on, made after calls that took its forward
     straight: the next call runs it as the model does, and calls it whole from then on (a hook removed
@@ -476,6 +489,11 @@ def test_what_makes_a_modules_call_more_than_its_forward_is_seen_on_the_next_cal
             nn.Linear, lambda self, h, linear=nn.Linear.forward: seen.append(1) or linear(self, h) * 2),
         "compiled": lambda: _patched(leaf, lambda *a, **k: seen.append(1) or nn.Module._call_impl(leaf, *a, **k) * 2,
                                      "_compiled_call_impl"),
+        "class swapped": lambda: _patched(leaf, _Tripled, "__class__"),
+        "call on the module": lambda: _patched(
+            leaf, lambda *a, **k: seen.append(1) or nn.Module._call_impl(leaf, *a, **k) * 2, "_call_impl"),
+        "nn.Module's call": lambda: _patched(nn.Module, lambda self, *a, call=nn.Module.__call__: (
+            seen.append(1) if self is leaf else None, call(self, *a))[1], "__call__"),
     }[change]()
     try:
         for run in (model, sharded):
@@ -486,8 +504,10 @@ def test_what_makes_a_modules_call_more_than_its_forward_is_seen_on_the_next_cal
             x.grad = None
             if run is model:
                 expected, expected_grad, calls = out, grad, list(seen)
-        assert calls and seen == calls and torch.equal(out, expected) and torch.equal(grad, expected_grad)
-        assert all(_straight(sharded)) == change.startswith("forward on")  # a patched forward is still all
+        assert (calls or change == "class swapped") and seen == calls
+        assert torch.equal(out, expected) and torch.equal(grad, expected_grad)
+        if change != "class swapped":  # (a class of the tests': later modules are called whole)
+            assert all(_straight(sharded)) == change.startswith("forward on")  # a patched forward is all it runs
     finally:
         undo()
     assert torch.equal(sharded(x), model(x))
@@ -495,10 +515,66 @@ def test_what_makes_a_modules_call_more_than_its_forward_is_seen_on_the_next_cal
 
 def _patched(owner: object, value: object, name: str = "forward") -> object:
     """``owner.name`` set to ``value``; returns what undoes it."""
+    if name == "__class__":
+        old_class = type(owner)
+        owner.__class__ = value
+        return lambda: setattr(owner, "__class__", old_class)
     had = name in vars(owner)
     old = vars(owner).get(name)
     setattr(owner, name, value)
     return lambda: setattr(owner, name, old) if had else delattr(owner, name)
+
+
+def test_a_hook_a_stages_module_registers_on_a_later_one_runs_in_that_call():
+    """A pre-hook of the first module registers a one-shot hook on a later module of the same stage,
+    after the stage chose what to call: from a module that runs hooks on, each is called whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model.eval(), 2, (x,))
+    sharded(x)
+
+    def register_once(module: nn.Module, args: tuple) -> None:
+        handles: list = []
+        handles.append(model[2].register_forward_hook(lambda m, a, out: handles[0].remove() or out * 3))
+
+    model[0].register_forward_pre_hook(register_once)
+    for _ in range(2):
+        assert torch.equal(sharded(x), model(x))
+
+
+class _RegistersOnLater(nn.Module):
+    """Kept whole (it branches on values); its forward registers a one-shot hook on ``later``."""
+
+    def __init__(self, later: list[nn.Module]) -> None:
+        super().__init__()
+        self.later = later  # a list: not a submodule
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        handles: list = []
+        handles.append(self.later[0].register_forward_hook(lambda m, a, out: handles[0].remove() or out * 3))
+        return h if h.sum() > -1e9 else -h
+
+
+class _Registering(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c, self.d = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.reg = _RegistersOnLater([self.c])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(self.c(torch.relu(self.reg(self.a(x)))))
+
+
+def test_a_hook_a_module_of_the_models_own_registers_on_a_later_one_runs_in_that_call():
+    """Past a module whose code is not torch's, a stage calls each module whole."""
+    torch.manual_seed(0)
+    model = _Registering().eval()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), cut_before=["d"])
+    assert [w.name for w in sharded.plan.wrapped] == ["reg"]
+    for _ in range(3):
+        assert torch.equal(sharded(x), model(x))
 
 
 class Weighted(nn.Module):

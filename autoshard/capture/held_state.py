@@ -44,7 +44,7 @@ NO_KEY = object()
 #: ``kept_check``'s ``flag_seen`` when the check compares no flag.
 NO_FLAG = object()
 #: The attributes a read may name (the generated code spells them out).
-_ATTRIBUTES = ("", "training", "dtype", "forward")
+_ATTRIBUTES = ("", "training", "dtype", "forward", "__class__", "__call__", "_call_impl")
 #: A read's ``attribute`` that asks whether ``key`` is in ``owner`` (``key in owner.__dict__``).
 HOLDS = "in"
 #: A read's ``attribute`` that compares ``owner[key]`` with the value its one-item list ``expected``
@@ -182,31 +182,43 @@ class StayEmpty:
         return after
 
 
+#: What ``nn.Module.__call__`` runs, as torch defines it (a profiler or fx's tracer may patch it).
+_MODULE_CALL = (nn.Module.__call__, nn.Module._call_impl)
+
+
 def cheapest_calls(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], list[Read], list[Any], StayEmpty]:
-    """What a stage's code calls for each of ``modules`` (by path): the module's ``forward``, where
-    ``nn.Module.__call__`` would call just that (``_call_impl``'s fast path: no hook on it or global,
-    not compiled, ``__call__`` not overridden), else the module. Two Python frames fewer a module: on
-    a small layer they cost as much as its kernel (an 8-layer MLP called 1.2x the model's time).
-    Also the reads that must stay as they are for a forward to stand for the call (the module's own
-    ``forward`` and its class's, its compiled call) and the hook dicts that must stay empty."""
+    """What a stage's code calls for each of ``modules`` (by path, in the order the stage calls them):
+    the module's ``forward``, where ``nn.Module.__call__`` would call just that (``_call_impl``'s fast
+    path: no hook on it or global, not compiled, ``__call__`` neither patched nor overridden), else
+    the module. Two Python frames fewer a module: on a small layer they cost as much as its kernel
+    (an 8-layer MLP called 1.2x the model's time). Only until code that may register a hook runs in
+    the stage (a hook, a module not torch's own): from there on each module is called whole, so a hook
+    registered meanwhile runs. Also the reads that must stay as they are for a forward to stand for
+    the call (the module's class and that class's ``forward``, what the module holds of its own in
+    their place, ``nn.Module``'s call) and the hook dicts that must stay empty."""
     calls: dict[str, Any] = {}
-    reads: list[Read] = []
-    seen: list[Any] = []
+    reads: list[Read] = [(nn.Module, NO_KEY, "__call__"), (nn.Module, NO_KEY, "_call_impl")]
+    seen: list[Any] = list(_MODULE_CALL)
     classes: set[type] = set()
-    hooked = any(vars(module_state)[name] for name in GLOBAL_HOOK_DICTS)
     plain: list[nn.Module] = []
+    user_code = (nn.Module.__call__, nn.Module._call_impl) != _MODULE_CALL \
+        or any(vars(module_state)[name] for name in GLOBAL_HOOK_DICTS)
     for path, module in modules.items():
         own, cls = vars(module), type(module)
-        if hooked or cls.__call__ is not nn.Module.__call__ or cls._call_impl is not nn.Module._call_impl \
+        if user_code or cls.__call__ is not nn.Module.__call__ or cls._call_impl is not nn.Module._call_impl \
                 or own.get("_compiled_call_impl", cls._compiled_call_impl) is not None \
-                or any(own.get(name) for name in HOOK_DICTS):
+                or "_call_impl" in own or any(own.get(name) for name in HOOK_DICTS):
             calls[path] = module
+            user_code = True
             continue
+        user_code = not cls.__module__.startswith("torch.")
         calls[path] = module.forward
         plain.append(module)
-        for name in ("forward", "_compiled_call_impl"):  # set on it (patched; ``module.compile()``)
+        for name in ("forward", "_compiled_call_impl", "_call_impl"):  # set on it (patched; ``module.compile()``)
             reads.append((own, name, "") if name in own else (own, name, HOLDS))
             seen.append(own[name] if name in own else False)
+        reads.append((module, NO_KEY, "__class__"))  # its class swapped
+        seen.append(cls)
         if cls not in classes:  # the forward of its class, patched
             classes.add(cls)
             reads.append((cls, NO_KEY, "forward"))
