@@ -138,6 +138,22 @@ def test_a_profiler_s_global_hooks_neither_capture_again_nor_change_the_outputs(
     assert len(sharded.specializations) == 0
 
 
+@pytest.mark.parametrize("register", [torch.nn.modules.module.register_module_full_backward_hook,
+                                      torch.nn.modules.module.register_module_full_backward_pre_hook])
+def test_a_global_backward_hook_is_refused(register):
+    """It ran on the stages too (not the model's modules), so a hook scaling gradients scaled them
+    once more a stage: the input's gradient was 4x the model's."""
+    model = _layers()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    handle = register(lambda module, *grads: tuple(g * 2 if g is not None else None for g in grads[0]))
+    try:
+        with pytest.raises(InputMismatchError, match="global module backward hook"):
+            sharded(X.clone().requires_grad_())
+    finally:
+        handle.remove()
+    assert torch.equal(sharded(X), model(X))
+
+
 class _ReadsItsMode(nn.Module):
     """Traced through, with no module of its own: its mode is read by its traced code alone."""
 
