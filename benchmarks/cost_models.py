@@ -52,7 +52,7 @@ META_SIZES = [  # (width, layers, heads)
 ]
 
 PLAN_ON_META = textwrap.dedent("""
-    import json, resource, time, torch
+    import json, time, torch
     import autoshard
     from autoshard.examples import GPTStyleLM
     with torch.device("meta"):
@@ -64,7 +64,8 @@ PLAN_ON_META = textwrap.dedent("""
         sharded = autoshard.shard_model(model, 4, example_inputs=(idx,), cost=cost)
         out[cost] = time.perf_counter() - start
     out["nodes"] = len(sharded.plan.assignment)
-    out["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # this process's own peak (VmHWM): ru_maxrss keeps the parent's, which Linux carries across exec
+    out["peak"] = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
     print(json.dumps(out))
 """)
 

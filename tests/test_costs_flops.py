@@ -111,7 +111,11 @@ META_SCRIPT = textwrap.dedent("""
         sharded = autoshard.shard_model(model, 4, example_inputs=(idx,), cost=cost)
         plans[cost] = sharded.plan.stage_costs(cost)
         assert all(p.is_meta for p in sharded.parameters())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:  # this process's own peak: ru_maxrss keeps the forking parent's (Linux carries it across exec)
+        with open("/proc/self/status") as status:
+            peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({{"weights": weights, "peak": peak, "plans": plans}}))
 """)
 
