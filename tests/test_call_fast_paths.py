@@ -462,7 +462,7 @@ class _Tripled(nn.Linear):
         return super().forward(h) * 3
 
 
-@pytest.mark.parametrize("change", ["forward hook", "pre-hook", "backward hook", "global hook", "global backward hook",
+@pytest.mark.parametrize("change", ["forward hook", "pre-hook", "backward hook", "global hook",
                                     "forward on the module", "forward on the class", "compiled", "class swapped",
                                     "call on the module", "nn.Module's call"])
 def test_what_makes_a_modules_call_more_than_its_forward_is_seen_on_the_next_call(change):
@@ -482,8 +482,6 @@ def test_what_makes_a_modules_call_more_than_its_forward_is_seen_on_the_next_cal
             lambda m, grad_in, grad_out: seen.append(1) or (grad_in[0] * 2,)).remove,
         "global hook": lambda: torch.nn.modules.module.register_module_forward_hook(
             lambda m, a, out: (seen.append(1) or out * 2) if m is leaf else None).remove,
-        "global backward hook": lambda: torch.nn.modules.module.register_module_full_backward_hook(
-            lambda m, grad_in, grad_out: (seen.append(1) or (grad_in[0] * 2,)) if m is leaf else None).remove,
         "forward on the module": lambda: _patched(leaf, lambda h: seen.append(1) or nn.Linear.forward(leaf, h) * 2),
         "forward on the class": lambda: _patched(
             nn.Linear, lambda self, h, linear=nn.Linear.forward: seen.append(1) or linear(self, h) * 2),
