@@ -81,6 +81,18 @@ class Framed(nn.Module):
         return self.post(self.inner(self.pre(x)))
 
 
+class SignGate(nn.Module):
+    """A branch on a tensor's value: kept whole by either front end, with its own child ``lin``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h if h.sum() > 0 else -h
+
+
 class StackedLSTMs(nn.Module):
     """The first LSTM's final state ``(h, c)`` starts the second: a tuple used whole."""
 

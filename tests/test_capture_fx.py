@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from conftest import assert_same_fingerprint, model_fingerprint
+from conftest import SignGate, assert_same_fingerprint, model_fingerprint
 from torch import nn
 
 import autoshard
@@ -1593,24 +1593,12 @@ def test_the_export_front_end_runs_a_forward_hook_while_it_traces_only():
     assert torch.equal(sharded(x), model(x)) and len(calls) == 1  # the model's call only
 
 
-class FlipsIfNegative(nn.Module):
-    """Branches on values: export keeps it whole."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        return -h if h.sum() < 0 else h
-
-
 @pytest.mark.parametrize("hooked_after", [False, True])
 def test_a_module_export_keeps_whole_for_a_backward_hook_runs_its_forward_hooks_once_a_call(hooked_after):
     """Its stand-in stood for its forward alone, so export traced its forward hook around it (once, on
     fake values: the list got symbolic sizes) and the stages' call of the module ran it again (the
     output doubled twice). Added after sharding, the hook captures again so."""
-    model = Around(FlipsIfNegative(), 8)
+    model = Around(SignGate(), 8)
     model.inner.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0.5,))
     calls: list[Any] = []
 
@@ -1638,7 +1626,7 @@ class RecordsWhatItCalls(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.inner, self.out = FlipsIfNegative(), nn.Linear(8, 8)
+        self.inner, self.out = SignGate(), nn.Linear(8, 8)
         self.recorded: list[torch.Tensor] = []
         self.inner.register_forward_hook(lambda module, args, out: self.recorded.append(out))
 

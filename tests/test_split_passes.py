@@ -8,6 +8,7 @@ import re
 import networkx as nx
 import pytest
 import torch
+from conftest import SignGate
 from torch import nn
 
 import autoshard
@@ -97,18 +98,6 @@ def test_unknown_modules_are_named_with_suggestions():
         run(model, inputs, "split{stages=2 cut-before=linears.9}")
     with pytest.raises(InvalidArgumentError, match=r"called 'model\.linears\.3' \(did you mean 'linears\.3'\?\)"):
         run(model, inputs, "split{stages=2 cut-before=model.linears.3}")  # a path of a wrapper around this model
-
-
-class SignGate(nn.Module):
-    """A branch on a tensor's value: kept whole by the trace, with its own child ``lin``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        return h if h.sum() > 0 else -h
 
 
 class AliasedAndKeptWhole(nn.Module):

@@ -64,9 +64,9 @@ def _opaque_modules(leaves: Mapping[int, tuple[nn.Module, str]], whole: Iterable
     whole = set(whole)
     with contextlib.ExitStack() as stack:
         for module, path in leaves.values():
-            whole_call = functools.partial(type(module)._call_impl, module)  # reads the forward stand-in
             stack.enter_context(swapped_attribute(module, "forward", stand_in(module, module.forward, path)))
             if id(module) in whole:
+                whole_call = functools.partial(type(module)._call_impl, module)  # reads the forward stand-in
                 stack.enter_context(swapped_attribute(module, "_call_impl", stand_in(module, whole_call, path)))
             stack.enter_context(swapped_attribute(module, "_compiled_call_impl", None))
         yield
