@@ -343,12 +343,6 @@ class ShardedModel(FixedDtypes):
         plain = not (module_state._global_forward_hooks or module_state._global_forward_pre_hooks
                      or module_state._global_backward_hooks or module_state._global_backward_pre_hooks
                      or torch._C._get_tracing_state())
-        if not plain and (module_state._global_backward_hooks or module_state._global_backward_pre_hooks):
-            raise InputMismatchError(
-                "a global module backward hook is registered (register_module_full_backward_hook or _pre_hook): "
-                "it would run on the stages, which are not the model's modules, and miss the modules the capture "
-                "traced through, so the gradients it sees or changes would differ from the model's; remove it "
-                "while calling the sharded model, or register the hook on the model's modules")
         received = False  # the first stage takes the call as bound; each later one what the one before sent
         for stage in self.__dict__["_modules"]["stages"]._modules.values():
             held = stage.__dict__

@@ -11,6 +11,8 @@ from torch import nn
 import autoshard
 from autoshard.capture.held_state import HeldState, StayEmpty
 from autoshard.errors import InputMismatchError, SpecializationMismatch
+from autoshard.runtime.offload import OffloadRunner
+from autoshard.runtime.stage import stage_module
 
 
 def _layers(count: int = 4) -> nn.Sequential:
@@ -138,20 +140,71 @@ def test_a_profiler_s_global_hooks_neither_capture_again_nor_change_the_outputs(
     assert len(sharded.specializations) == 0
 
 
+def _hook_every_leaf(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if not module._modules:
+            module.register_forward_hook(lambda module, args, out: out)
+    return model
+
+
+def _chained_stage_modules(sharded):
+    """The stages as ``pipeline_stage`` runs them (``stage_module``: copies taking and returning tensors)."""
+    modules = [stage_module(sharded, index, torch.device("cpu")) for index in range(sharded.num_stages)]
+
+    def run(x):
+        values = (x,)
+        for module in modules:
+            values = module(*values)
+            values = values if isinstance(values, tuple) else (values,)
+        return values[0]
+    return run
+
+
+RUNTIMES = {"sharded": lambda sharded: sharded, "offload": lambda sharded: OffloadRunner(sharded, "cpu"),
+            "pipeline stages": _chained_stage_modules}
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("register", [torch.nn.modules.module.register_module_full_backward_hook,
                                       torch.nn.modules.module.register_module_full_backward_pre_hook])
-def test_a_global_backward_hook_is_refused(register):
+@pytest.mark.parametrize("registered", ["before the first call", "after a call"])
+@pytest.mark.parametrize("modules_called", ["straight", "whole"])
+def test_a_global_backward_hook_is_refused_by_every_runtime(register, runtime, registered, modules_called):
     """It ran on the stages too (not the model's modules), so a hook scaling gradients scaled them
-    once more a stage: the input's gradient was 4x the model's."""
+    once more a stage: the input's gradient was 4x the model's. Each stage checks it itself, so a
+    runtime's copies of the stages refuse it too, whether the stage calls its modules' forwards
+    straight or (each with a forward hook) whole."""
     model = _layers()
+    if modules_called == "whole":
+        _hook_every_leaf(model)
     sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    run = RUNTIMES[runtime](sharded)
+    if registered == "after a call":
+        assert torch.equal(run(X), model(X))
     handle = register(lambda module, *grads: tuple(g * 2 if g is not None else None for g in grads[0]))
     try:
         with pytest.raises(InputMismatchError, match="global module backward hook"):
-            sharded(X.clone().requires_grad_())
+            run(X.clone().requires_grad_())
     finally:
         handle.remove()
-    assert torch.equal(sharded(X), model(X))
+    assert torch.equal(run(X), model(X))
+
+
+def test_a_stage_alone_refuses_a_global_backward_hook_registered_after_its_first_call():
+    """As a pipeline's later rank runs its stage: only the first stage also watches the model's hooks."""
+    model = _hook_every_leaf(_layers())  # so the stage calls its modules whole
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    last = stage_module(sharded, 1, torch.device("cpu"))
+    received = stage_module(sharded, 0, torch.device("cpu"))(X)
+    received = received if isinstance(received, tuple) else (received,)
+    assert torch.equal(last(*received), model(X))
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda module, grad_in, grad_out: None)
+    try:
+        with pytest.raises(InputMismatchError, match="global module backward hook"):
+            last(*received)
+    finally:
+        handle.remove()
+    assert torch.equal(last(*received), model(X))
 
 
 class _ReadsItsMode(nn.Module):

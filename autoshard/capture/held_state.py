@@ -57,6 +57,9 @@ HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forwa
 #: The global hook dicts ``nn.Module.__call__`` looks at besides a module's own.
 GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
                      "_global_backward_hooks")
+#: Those a stage refuses to run under (``refuse_global_backward_hooks``).
+GLOBAL_BACKWARD_HOOK_DICTS = GLOBAL_HOOK_DICTS[2:]
+
 
 Read = tuple[Any, Any, str]
 """``(owner, key, attribute)``: ``owner[key].attribute``, without the item when ``key`` is
@@ -136,6 +139,18 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
 
 #: ``kept_check``'s compiled code by shape of the reads.
 _MAKERS: dict[tuple[Any, ...], Callable[..., Callable[[Any], Any]]] = {}
+
+
+def refuse_global_backward_hooks() -> None:
+    """Refuse a call while a global module backward hook is registered: it would run on the stages,
+    which are not the model's modules, and not on the modules the capture traced through (a hook
+    doubling gradients gave 4x the model's input gradient). Every stage checks it, in every runtime."""
+    if any(vars(module_state)[name] for name in GLOBAL_BACKWARD_HOOK_DICTS):
+        raise InputMismatchError(
+            "a global module backward hook is registered (register_module_full_backward_hook or _pre_hook): "
+            "it would run on the stages, which are not the model's modules, and miss the modules the capture "
+            "traced through, so the gradients it sees or changes would differ from the model's; remove it "
+            "while calling the sharded model, or register the hook on the model's modules")
 
 
 class StayEmpty:
@@ -223,8 +238,9 @@ def cheapest_calls(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], li
             classes.add(cls)
             reads.append((cls, NO_KEY, "forward"))
             seen.append(cls.forward)
+    watched = GLOBAL_HOOK_DICTS if plain else GLOBAL_BACKWARD_HOOK_DICTS  # those refused, always
     entries = [*((module, vars(module), name) for module in plain for name in HOOK_DICTS),
-               *((None, vars(module_state), name) for name in GLOBAL_HOOK_DICTS if plain)]
+               *((None, vars(module_state), name) for name in watched)]
     return calls, reads, seen, StayEmpty(entries)
 
 
@@ -285,6 +301,7 @@ class HeldState:
         it calls (``refuse``)."""
         if self.rebound:
             raise InputMismatchError(self.rebound)
+        refuse_global_backward_hooks()
         self._walk()
         check_mode(training, self.captured_training, tuple(map(_training, self.modules)), tuple(self.modes))
         check_weight_dtypes(self.dtypes, *self.weights())
