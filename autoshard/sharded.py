@@ -454,8 +454,8 @@ class _Binding:
     values), ``fills`` (defaults of the model given to the stage), the arguments that must hold
     tensors (with the indices of their values), and the error a call of this structure gets from
     the stage's own signature (raised after the left-out values are checked, as binding it would;
-    ``left_out_passed``: the error is only that the call leaves out what the example passed, which
-    another capture serves).
+    ``another_capture``: the error is only that the call leaves out what the example passed, or
+    passes the model's ``**kwargs`` in another order, which another capture serves).
     ``as_is``: the stage takes the call as it was made (the same values in the same places):
     positional values for its first parameters in order, or any call when there is no model
     signature (the call is bound to the stage's own)."""
@@ -466,7 +466,7 @@ class _Binding:
     tensors: tuple[tuple[str, int], ...]
     error: TypeError | None
     as_is: bool = False
-    left_out_passed: bool = False
+    another_capture: bool = False
 
 
 class _Binder:
@@ -498,7 +498,7 @@ class _Binder:
         if binding.left_out:
             self._check_left_out(binding, values)
         if binding.error is not None:
-            raise _not_fitting(self.signature, binding.error, binding.left_out_passed)
+            raise _not_fitting(self.signature, binding.error, binding.another_capture)
         for name, index in binding.tensors:
             value = values[index]
             if not isinstance(value, torch.Tensor) and not _holds_a_tensor(value):
@@ -536,9 +536,10 @@ class _Binder:
             return _Binding(tuple(moved.items()), (), {}, tuple((n, moved[n]) for n in self.inputs if n in moved),
                             None, as_is=True)
         try:
-            named = argument_names(self.model_signature, self.model_signature.bind(*slots, **keyed).arguments)
+            bound = self.model_signature.bind(*slots, **keyed).arguments
         except TypeError as exc:
             return exc
+        named = argument_names(self.model_signature, bound)
         parameters = self.signature.parameters
         moved = {name: slot.index for name, slot in named.items() if name in parameters}
         fills = {name: parameter_default(self.model_signature, name) for name in parameters
@@ -550,6 +551,13 @@ class _Binder:
         error: TypeError | None = TypeError(
             f"the example passed {', '.join(dropped)}, which these inputs leave out; pass "
             f"{'it' if len(dropped) == 1 else 'them'} as the example did") if dropped else None
+        # the model's ``**kwargs`` in another order than the example's: its code may read them in order
+        var_keyword = [[key for key in value if key in parameters] for name, value in bound.items()
+                       if self.model_signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD]
+        reordered = bool(var_keyword) and var_keyword[0] != [name for name in parameters if name in var_keyword[0]]
+        if reordered and error is None:
+            error = TypeError(f"the model takes {', '.join(var_keyword[0])} as **kwargs, in another order than "
+                              "the example's, and its code may read them in order, which the capture fixed")
         try:
             self.signature.bind(**moved, **fills)
         except TypeError as exc:
@@ -560,7 +568,7 @@ class _Binder:
         as_is = (not keywords and not left_out and not fills and error is None
                  and list(moved.items()) == [(name, index) for index, name in enumerate(positional[:count])])
         return _Binding(tuple(moved.items()), left_out, fills, tuple((n, moved[n]) for n in self.inputs if n in moved),
-                        error, as_is, left_out_passed=bool(dropped))
+                        error, as_is, another_capture=bool(dropped) or reordered)
 
 
 #: ``_Binder`` by first stage (a stage's graph does not change after emit).

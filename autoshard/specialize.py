@@ -143,9 +143,10 @@ def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: ins
     """Every value of the call under the parameter it binds to in ``signature`` (the model's
     ``forward``; a call it refuses is taken as written), nested containers included: each tensor's
     shape and each other value. What ``plan_for`` matches a microbatch on. An argument by position
-    or by name, one given its default or left out, and a dict's keys in any order, are the same
-    call, as they are to the capture's guards and the call's binding. Walking every input costs
-    more than ``shape_key``, so it runs where a plan is chosen once for many calls, not per call."""
+    or by name, and one given its default or left out, are the same call, as they are to the
+    capture's guards and the call's binding; a dict's keys in another order are not (the model's
+    code may read them in order). Walking every input costs more than ``shape_key``, so it runs
+    where a plan is chosen once for many calls, not per call."""
     call: Any = (tuple(args), dict(kwargs))
     if signature is not None:
         try:
@@ -155,7 +156,7 @@ def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: ins
         except TypeError:
             pass
     found, _ = tree_flatten_with_path(call)
-    return tuple(sorted(((keystr(path), _described(leaf)) for path, leaf in found), key=lambda item: item[0]))
+    return tuple((keystr(path), _described(leaf)) for path, leaf in found)
 
 
 def _caller_level() -> int:

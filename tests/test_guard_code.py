@@ -37,6 +37,7 @@ NOTHING = InputGuard(names=("x",), returns=("x",))
 TWO_RANGES = InputGuard(names=("x", "y"), returns=("x", "y"),
                         shapes={"x": (DimSpec(symbol="s0", high=8),), "y": (DimSpec(symbol="s0", high=4),)})
 ZERO = InputGuard(names=("x", "eps"), returns=("x",), constants={"eps": 0.0})
+RANKS = InputGuard(names=("x", "t"), returns=("x", "t"), shapes={"x": (DimSpec(), DimSpec()), "t": ()})
 KEYED = InputGuard(names=("d",), returns=("d",), structures={"d": ArgumentStructure.of({1: torch.zeros(1), "b": None})})
 
 
@@ -90,7 +91,7 @@ def _ids(*shape, dtype=torch.long):
     (SNAPSHOTS, (torch.zeros(1), [1, 2]), True),  # an equal list
     (SNAPSHOTS, (torch.zeros(1), [1, 3]), False),
     (NESTED, ({"x": torch.zeros(3, 4), "rest": [None, (1.5, "a")]},), True),
-    (NESTED, ({"rest": [None, (1.5, "a")], "x": torch.zeros(3, 4)},), False),  # another key order: arranged
+    (NESTED, ({"rest": [None, (1.5, "a")], "x": torch.zeros(3, 4)},), False),  # another key order
     (NESTED, ({"x": torch.zeros(3, 5), "rest": [None, (1.5, "a")]},), False),
     (NESTED, ({"x": torch.zeros(3, 4).double(), "rest": [None, (1.5, "a")]},), False),
     (NESTED, ({"x": torch.zeros(3, 4), "rest": [None, (1.5, "b")]},), False),
@@ -98,6 +99,10 @@ def _ids(*shape, dtype=torch.long):
     (NESTED, ({"x": torch.zeros(3, 4), "rest": (None, (1.5, "a"))},), False),
     (NESTED, ({"x": torch.zeros(3, 4), "rest": [torch.zeros(1), (1.5, "a")]},), False),
     (NESTED, (collections.OrderedDict(x=torch.zeros(3, 4), rest=[None, (1.5, "a")]),), False),
+    (RANKS, (torch.zeros(3, 5), torch.zeros(())), True),  # any sizes, of the captured ranks
+    (RANKS, (torch.zeros(0, 1), torch.zeros(())), True),
+    (RANKS, (torch.zeros(3, 5, 1), torch.zeros(())), False),
+    (RANKS, (torch.zeros(3, 5), torch.zeros(2)), False),
     (KEYED, ({1: torch.zeros(1), "b": None},), True),
     (KEYED, ({True: torch.zeros(1), "b": None},), False),  # an equal key of another type
     (KEYED, ({1: torch.zeros(1, dtype=torch.long), "b": None},), False),  # a dtype the structure alone fixes
@@ -106,7 +111,7 @@ def test_the_written_checks_serve_what_the_walk_serves_as_it_came_and_leave_the_
     assert _agrees(guard, *values) is served
     walked = _outcome(guard, *values)
     if not isinstance(walked, Exception):  # (a refused call: the walk's own tests name its problems)
-        checked = check_inputs(guard, *values)  # (a dict in another key order: arranged anew by each)
+        checked = check_inputs(guard, *values)
         assert tree_structure(checked) == tree_structure(walked)
         assert all(a is b for a, b in zip(tree_leaves(checked), tree_leaves(walked)))
 

@@ -554,6 +554,43 @@ def test_a_length_turned_into_a_number_is_served_at_other_lengths_by_new_capture
     assert all(holders(made.sharded) == holders(sharded) for made in sharded.specializations)
 
 
+class RankBranch(nn.Module):
+    """Takes an input with or without its batch dimension (``x.dim()``), and a timestep as a number
+    or one per sample (diffusers' ``len(timestep.shape) == 0``): the fx trace answers both from the
+    example, so the plan must guard the ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            x = x[None]
+        if len(t.shape) == 0:
+            t = t[None]
+        return self.b(self.a(x) + t[:, None, None]).sum(0)
+
+
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_an_input_of_another_number_of_dimensions_is_served_by_a_new_capture(front_end):
+    torch.manual_seed(0)
+    model = RankBranch().eval()
+    pipeline = f"{front_end},shape-prop,build-dag,linearize,split{{stages=2}},emit,verify"
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 8), torch.tensor(3.0)), pipeline=pipeline)
+    for x, t in [(torch.randn(3, 2, 8), torch.tensor(3.0)), (torch.randn(2, 8), torch.tensor([1.0])),
+                 (torch.randn(5, 8), torch.tensor(2.0))]:
+        assert torch.equal(sharded(x, t), model(x, t))
+    assert len(sharded.specializations) == 2
+
+
+def test_a_plan_that_serves_one_number_of_dimensions_says_so():
+    model = RankBranch().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 8), torch.tensor(3.0)), respecialize=False)
+    with pytest.raises(SpecializationMismatch, match=r"x is not a 2-dimensional tensor\. The plan serves "
+                                                     r"x: float32 of shape \(any, any\), t: float32 of shape \(\)"):
+        sharded(torch.randn(3, 2, 8), torch.tensor(3.0))
+
+
 class NestedSizeBranch(SizeBranch):
     """``SizeBranch`` taking its input inside a dict: the branch's size is a nested input's."""
 
@@ -601,15 +638,34 @@ def test_with_a_stage_on_meta_the_plan_made_for_the_nested_shapes_serves():
     assert serving_plan(sharded, ({"x": torch.randn(3, 8)},), {}) is sharded  # none made for it
 
 
-def test_a_dict_in_another_key_order_is_the_example_s_plan():
-    """The capture's guards take a dict's keys in any order, so ``plan_for`` does too: no capture
-    (and no specialisation slot) is spent on a microbatch the plan already serves."""
+class ConcatsInOrder(nn.Module):
+    """Reads a dict and its ``**kwargs`` in their order: a call giving them in another order than
+    the example's computes something else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(32, 4)
+
+    def forward(self, feats: dict[str, torch.Tensor], **more: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.cat([self.a(v) for v in (*feats.values(), *more.values())], dim=-1))
+
+
+def test_a_dict_or_keywords_in_another_order_get_a_plan_of_their_own():
+    """They were served by the example's plan, whose graph read them in the example's order: a
+    silently wrong answer. ``plan_for`` tells the orders apart too."""
     torch.manual_seed(0)
-    model = AddsTwoEntries().eval()
-    sharded = autoshard.shard_model(model, 2, ({"x": torch.randn(4, 8), "y": torch.randn(4, 8)},))
-    reordered = {"y": torch.randn(4, 8), "x": torch.randn(4, 8)}
-    assert sharded.specializer.plan_for(sharded, (reordered,), {}) is sharded
-    assert sharded.specializations == () and torch.equal(sharded.run_stages((reordered,), {}), model(reordered))
+    model = ConcatsInOrder().eval()
+    u, v = torch.randn(3, 8), torch.randn(3, 8)
+    sharded = autoshard.shard_model(model, 2, ({"u": u, "v": v},), {"p": u, "q": v})
+    assert torch.equal(sharded({"u": u, "v": v}, p=u, q=v), model({"u": u, "v": v}, p=u, q=v))
+    for feats, more in [({"v": v, "u": u}, {"p": u, "q": v}), ({"u": u, "v": v}, {"q": v, "p": u})]:
+        assert torch.equal(sharded(feats, **more), model(feats, **more))
+    assert len(sharded.specializations) == 2
+    assert sharded.specializer.plan_for(sharded, ({"v": v, "u": u},), {"p": u, "q": v}) is \
+        sharded.specializations[0].sharded
+    assert sharded.specializer.plan_for(sharded, ({"u": u, "v": v},), {"q": v, "p": u}) is \
+        sharded.specializations[1].sharded
+    assert sharded.specializer.plan_for(sharded, ({"u": v, "v": u},), {"p": v, "q": u}) is sharded
 
 
 class WithMask(nn.Module):

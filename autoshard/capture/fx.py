@@ -209,4 +209,5 @@ def _guard(signature: CallSignature | None, tracer: MetaTracer) -> InputGuard | 
     if signature is None or not (signature.constants or tracer.read_static_facts or signature.containers
                                  or signature.default_snapshots()):
         return None
-    return signature.guard(dtypes=bool(signature.constants or tracer.read_static_facts))
+    return signature.guard(dtypes=bool(signature.constants or tracer.read_static_facts),
+                           ranks=tracer.read_static_facts)

@@ -26,7 +26,8 @@ from autoshard.isolation import HeldModule, grad_mode_checked
 @dataclass(frozen=True)
 class DimSpec:
     """One dimension of an input: a fixed size, or a named size (shared by the dims that must
-    agree) within ``[low, high]``; ``high`` None is unbounded."""
+    agree) within ``[low, high]``; ``high`` None is unbounded. Neither (``DimSpec()``): any size,
+    where only the input's number of dimensions is fixed."""
 
     size: int | None = None
     symbol: str = ""
@@ -36,6 +37,8 @@ class DimSpec:
     def describe(self) -> str:
         if self.size is not None:
             return str(self.size)
+        if not self.symbol:
+            return "any"
         bounds = [f">={self.low}"] if self.low > 0 else []
         bounds += [f"<={self.high}"] if self.high is not None else []
         return self.symbol + (" " + ",".join(bounds) if bounds else "")
@@ -96,10 +99,6 @@ class InputGuard:
             text += f" of shape ({', '.join(d.describe() for d in self.shapes[name])})"
         return text
 
-    def passed(self, name: str, value: Any, flat: Mapping[str, Flattened]) -> Any:
-        """The value the graph takes for argument ``name``: a container in its captured key order."""
-        return self.structures[name].arranged(value, flat[name]) if name in flat else value
-
     def flattened(self, values: Mapping[str, Any]) -> dict[str, Flattened]:
         """The container arguments among ``values``, each flattened once for all of a call's checks."""
         return {name: structure.flattened(name, values[name]) for name, structure in self.structures.items()}
@@ -157,7 +156,7 @@ class InputGuard:
                 if dim.size is not None and size != dim.size:
                     return (f"{name}.shape[{axis}] is {size}, but the plan only serves "
                             f"{dim.size}{self.fixed_size_advice}")
-                if dim.size is None and sizes.setdefault(dim.symbol, size) != size:
+                if dim.size is None and dim.symbol and sizes.setdefault(dim.symbol, size) != size:
                     seen = sizes[dim.symbol]
                     return f"{name}.shape[{axis}] is {size}, but {dim.symbol} is {seen} elsewhere"
                 if dim.size is None and not (dim.low <= size and (dim.high is None or size <= dim.high)):
@@ -233,7 +232,7 @@ def walked_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
         raise SpecializationMismatch(
             f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
             "shard the model again with an example like these inputs", before_compute=True)
-    return tuple(guard.passed(name, named[name], flat) for name in guard.returns)
+    return tuple(named[name] for name in guard.returns)
 
 
 def check_condition(actual: Any, expected: bool, condition: str) -> None:

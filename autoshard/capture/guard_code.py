@@ -78,6 +78,8 @@ class _Writer:
             if dim.size is not None:
                 self.refuse_unless(f"{size} == {int(dim.size)}")
                 continue
+            if not dim.symbol:  # any size (``DimSpec()``)
+                continue
             if dim.symbol in symbols:
                 self.refuse_unless(f"{size} == {symbols[dim.symbol]}")
             else:

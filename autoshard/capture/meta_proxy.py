@@ -86,7 +86,8 @@ class MetaProxy(fx.Proxy):
 
     def __len__(self) -> int:
         example = example_of(self)
-        if isinstance(example, torch.Size):
+        if isinstance(example, torch.Size):  # a number of dimensions, as ``dim()``
+            self.tracer.read_static_facts = True
             return len(example)
         if isinstance(example, (int, float)):  # as for the number: numpy then takes it for a scalar
             raise TypeError(f"object of type '{type(example).__name__}' has no len()")

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
 from autoshard.capture.host_random import host_draws
 from autoshard.capture.guard import DimSpec, InputGuard
@@ -211,16 +211,20 @@ class CallSignature:
         return {a.name: ArgumentStructure.of(a.value) for a in self.graph_inputs
                 if not isinstance(a.value, torch.Tensor)}
 
-    def guard(self, shapes: Mapping[str, tuple[DimSpec, ...]] | None = None, *, dtypes: bool = True) -> InputGuard:
+    def guard(self, shapes: Mapping[str, tuple[DimSpec, ...]] | None = None, *, dtypes: bool = True,
+              ranks: bool = False) -> InputGuard:
         """The check that later calls pass these constants, containers of this layout, and tensors of
-        these dtypes (unless ``dtypes`` is false) and shapes; a tensor in a container is named by its
+        these dtypes (unless ``dtypes`` is false), shapes, and, with ``ranks``, each tensor's number of
+        dimensions where ``shapes`` fixes none of its sizes; a tensor in a container is named by its
         path, ``d['x']``."""
         structures = self.containers
-        kinds = {a.name: a.value.dtype for a in self.graph_inputs if isinstance(a.value, torch.Tensor)}
-        kinds.update({name + path: dtype for name, structure in structures.items()
-                      for path, dtype in zip(structure.paths, structure.leaves) if isinstance(dtype, torch.dtype)})
+        tensors = {a.name: a.value for a in self.graph_inputs if isinstance(a.value, torch.Tensor)}
+        tensors.update({a.name + keystr(path): leaf for a in self.graph_inputs if a.name in structures
+                        for path, leaf in tree_flatten_with_path(a.value)[0] if isinstance(leaf, torch.Tensor)})
+        kinds = {name: tensor.dtype for name, tensor in tensors.items()}
+        fixed = {name: (DimSpec(),) * tensor.dim() for name, tensor in tensors.items()} if ranks else {}
         return InputGuard(tuple(a.name for a in self.arguments), tuple(a.name for a in self.graph_inputs),
-                          self.constants, kinds if dtypes else {}, dict(shapes or {}), structures,
+                          self.constants, kinds if dtypes else {}, {**fixed, **(shapes or {})}, structures,
                           _snapshots(self.constants), default_snapshots=self.default_snapshots())
 
     def default_snapshots(self) -> dict[str, tuple[Any, Any]]:

@@ -3,8 +3,8 @@
 A capture takes such an argument as one graph input and fixes what it saw in it: how many
 elements and which keys (torch.export reads the tensors by position), the dtype of each tensor
 (code may branch on it), and every value in it that is not a tensor (a flag, a size, None), which
-neither front end follows. ``ArgumentStructure`` records that, names what a later call changes,
-and rebuilds a dict passed with its keys in another order in the order captured.
+neither front end follows. ``ArgumentStructure`` records that and names what a later call changes
+(a dict's keys in another order too: the model's code may read them in order).
 """
 
 from __future__ import annotations
@@ -118,27 +118,31 @@ class ArgumentStructure:
     def flattened(self, name: str, value: Any) -> Flattened:
         """``value`` (argument ``name`` of a call) flattened once for all of the call's checks: its
         leaves in the captured order, or what its layout changes that the capture fixed and a capture
-        made with it would serve (its lengths, keys, container types). A value of the captured layout
-        with its keys in the captured order (the same containers, compared by ``_same_spec``) is read
-        as it comes; any other is flattened again with its paths, to name what differs or to take a
-        dict's keys in another order."""
+        made with it would serve (its lengths, keys, their order, container types). A value of the
+        captured layout (the same containers, compared by ``_same_spec``) is read as it comes; any
+        other is flattened again with its paths, to name what differs. A dict's keys in another order
+        differ: the model's code may read them in order (``d.values()``), which the capture fixed."""
         leaves: list[Any] = []
         if _leaves_in_layout(value, self.spec, leaves):
-            return Flattened(leaves, True)
+            return Flattened(leaves)
         leaves, spec = tree_flatten(value)
         if _same_spec(spec, self.spec):
-            return Flattened(leaves, True)
+            return Flattened(leaves)
         flat, spec = tree_flatten_with_path(value)
         entries = [keystr(path) for path, _ in flat]
         if _layout(spec) == _layout(self.spec):
-            got = {entry: leaf for entry, (_, leaf) in zip(entries, flat)}
-            return Flattened([got[path] for path in self.paths], spec == self.spec)
+            if entries == list(self.paths):
+                return Flattened([leaf for _, leaf in flat])
+            return Flattened([], (
+                f"{name} holds its entries in another order ({', '.join(name + e for e in entries)}) than when the "
+                f"plan was captured ({', '.join(name + p for p in self.paths)}), and the model's code may read a "
+                "dict in its order (d.values(), a loop), which the capture fixed"))
         if sorted(entries) == sorted(self.paths):
-            return Flattened([], False, (
+            return Flattened([], (
                 f"{name} holds the same entries as when the plan was captured, in other containers (a "
                 f"{type(value).__name__} at the top, then a {getattr(self.spec.type, '__name__', self.spec.type)}); "
                 "container types are fixed"))
-        return Flattened([], False, (
+        return Flattened([], (
             f"{name} holds {', '.join(name + e for e in entries) or 'nothing'}, but the plan was captured with "
             f"{', '.join(name + p for p in self.paths) or 'nothing'} (lengths and keys are fixed)"))
 
@@ -176,10 +180,6 @@ class ArgumentStructure:
             return ArgumentStructure, (self.spec, self.paths, self.leaves)
         return _rebuilt, (shell, self.paths, self.leaves)
 
-    def arranged(self, value: Any, flat: Flattened) -> Any:
-        """``value`` with its dicts' keys in the captured order (the graph may read by position)."""
-        return value if flat.as_captured else tree_unflatten(flat.leaves, self.spec)
-
     def leaf_values(self, name: str, leaves: list[Any]) -> dict[str, Any]:
         """Each of ``leaves`` (``Flattened.leaves``) under its full name (``d['x']``)."""
         return {name + path: leaf for path, leaf in zip(self.paths, leaves)}
@@ -190,8 +190,6 @@ class Flattened(NamedTuple):
 
     #: its leaves in the order of the captured paths (none where its layout differs)
     leaves: list[Any]
-    #: whether it is passed on as it came: the captured layout, its dicts' keys in the captured order
-    as_captured: bool
     #: what its layout changes, where it differs from the captured one
     problem: str | None = None
 
