@@ -51,6 +51,8 @@ def contiguous_in_its_order(t: torch.Tensor, strides: tuple[int, ...] | None) ->
 def sent_as_copy(value: Any) -> bool:
     """Whether ``value`` is one tensor with gaps or overlaps in its storage (a slice, an expanded
     tensor), which a stage sends as a contiguous copy (``runtime.wire``)."""
+    if isinstance(value, (tuple, list)) and value:  # ``chunk``'s, ``split``'s, ``unbind``'s views: each copied
+        return all(sent_as_copy(item) for item in value)
     return (isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous()
             and not fills_storage(value))
 

@@ -170,6 +170,23 @@ def _output_leaves(leaves: list[Any], position: dict[StorageWeakRef, int], new: 
     return outputs, [storages[i] for i in sorted(storages)], replayable
 
 
+def _kept_on_ctx(value: Any, stop: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors a custom ``torch.autograd.Function`` keeps as attributes of its ``ctx`` (``ctx.mask = m``)
+    in the autograd graph from ``value`` down to the arguments ``stop``: autograd holds them until the
+    graph is freed, as it holds what it saves, but ``saved_tensors_hooks`` never sees them."""
+    ends = {t.grad_fn for t in stop if t.grad_fn is not None}
+    seen, found, todo = set(), [], [t.grad_fn for t in _tensors(value) if t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen or fn in ends:
+            continue
+        seen.add(fn)
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+            found += _tensors(list(vars(fn).values()))
+        todo += [next_fn for next_fn, _ in fn.next_functions]
+    return found
+
+
 def _view_base(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
     """The layout of the tensor strided ``t`` is an autograd view of, None where it is none: an in-place
     write into a view makes autograd copy the base's gradient in backward (``CopySlices``)."""
@@ -781,6 +798,8 @@ class TrainingProbe:
             with self._tracked(*_tensors((args, kwargs)), *self._weights(call.node, real).values()) as peak, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value, weights = self._run(call, args, kwargs, real)
+                for kept in _kept_on_ctx(value, _tensors((args, kwargs))):  # no saved-tensors hook sees them
+                    pack(kept)
                 forward = peak()
         self._charge_first_saver(call.node.name, foreign)
         # An in-place write to an argument that wants no gradient (``zeros.add_(x)``) changes what later
