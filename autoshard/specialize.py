@@ -48,6 +48,7 @@ from autoshard.errors import (
     AutoshardError, EmptyStageError, ExampleInputsError, InfeasibleSplitError, InputMismatchError,
     SpecializationMismatch, plural,
 )
+from autoshard.costs.facts import node_facts
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
 
@@ -260,16 +261,16 @@ class Specializer:
         return [primary] + [s.sharded for s in self.specializations]
 
     def _check_rerun(self, tried: ShardedModel, exc: SpecializationMismatch) -> None:
-        """Refuse to run stages again in training mode after some computed, where that is not the
-        same as running them once: buffers they update in place (batch-norm statistics) would be
-        updated twice, random draws (dropout) would move the generator on."""
-        if tried.plan.training and not exc.before_compute and not runs_again_the_same(tried):
+        """Refuse to run stages again after some computed, where that is not the same as running them
+        once: buffers they update in place (batch-norm statistics, a step counter) would be updated
+        twice, random draws (dropout, sampling) would move the generator on."""
+        if not exc.before_compute and not runs_again_the_same(tried):
             raise SpecializationMismatch(
-                f"{exc.refusal}. In training mode, stages that hold buffers or draw random numbers are not run again "
-                "for new inputs once some have computed (the buffers would be updated twice, the draws would "
-                "differ from the model's); the stages before this guard have run for this call (any buffers "
-                "they hold are updated). Call sharded.specialize(*args, **kwargs) with inputs like these before "
-                "such calls, or make the specialisations in eval mode", other_capture=False) from exc
+                f"{exc.refusal}. Stages that update buffers (in training mode: that hold any) or draw random "
+                "numbers are not run again for new inputs once some have computed (the buffers would be updated "
+                "twice, the draws would differ from the model's); the stages before this guard have run for this "
+                "call (any buffers they update are updated). Call sharded.specialize(*args, **kwargs) with inputs "
+                "like these before such calls", other_capture=False) from exc
 
     def _specialized(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                      exc: SpecializationMismatch, run: Runner) -> Any:
@@ -352,9 +353,31 @@ def _read_as_now(sharded: ShardedModel) -> bool:
 
 def runs_again_the_same(sharded: ShardedModel) -> bool:
     """Whether running some of these stages twice leaves what running them once leaves: no stage
-    holds a buffer (which training updates in place) or draws random numbers."""
-    return not any(any(True for _ in stage.buffers()) or any(draws_random(stage, n) for n in stage.graph.nodes)
+    draws random numbers or updates a buffer: in training mode, any it holds (batch-norm statistics);
+    in eval mode, one its code writes in place (``self.steps.add_(1)``) or a module in training
+    mode holds."""
+    training = sharded.plan.training
+    return not any((training and any(True for _ in stage.buffers()))
+                   or any(_draws(stage, n) or _updates_buffers(stage, n) for n in stage.graph.nodes)
                    for stage in sharded.stages)
+
+
+def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` drew random numbers when shape propagation ran it (an attention that may drop
+    out, called with ``dropout_p=0.0`` in eval mode, drew none), or, where it was not run, may."""
+    facts = node_facts(node)
+    return facts.draws_random if facts is not None else draws_random(stage, node)
+
+
+def _updates_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` writes a buffer of ``stage`` in place (as shape propagation saw it), or calls a
+    module in training mode that holds buffers."""
+    if node.op == "call_module":
+        return any(m.training and any(b is not None for b in m._buffers.values())
+                   for m in stage.get_submodule(str(node.target)).modules())
+    facts = node_facts(node)
+    held = {n.name for n in node.all_input_nodes if n.op == "get_attr"}
+    return facts is not None and not held.isdisjoint(facts.written_inputs)
 
 
 def holders(sharded: ShardedModel) -> dict[str, frozenset[int]]:

@@ -320,6 +320,44 @@ def test_in_training_mode_stages_that_draw_random_numbers_are_not_run_again_eith
     assert sharded.specializations == ()
 
 
+class CountsItsCalls(SizeBranch):
+    """``SizeBranch`` that counts its calls in a buffer, in eval mode too (a step counter)."""
+
+    def __init__(self) -> None:
+        super().__init__(norm=True)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        self.calls.add_(1)
+        return super().forward(x + self.calls, scale)
+
+
+def test_in_eval_mode_stages_that_write_a_buffer_or_draw_random_numbers_are_not_run_again():
+    """Eval mode ran them again: the counter counted the call twice (and every later output differed),
+    a sampling stage drew other numbers than the model. Batch norm in eval mode updates nothing, so
+    ``SizeBranch(norm=True)`` is served by a new capture as before."""
+    torch.manual_seed(0)
+    model = CountsItsCalls().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    with pytest.raises(SpecializationMismatch, match="update buffers"):
+        sharded(torch.randn(2, 8))
+    assert model.calls.item() == 1 and sharded.specializations == ()  # counted once, by the stage that ran
+    sampling = SizeBranch().eval()
+    sampling.norm = Samples()
+    sharded = autoshard.shard_model(sampling, 2, (torch.randn(4, 8),))
+    with pytest.raises(SpecializationMismatch, match="draw random"):
+        sharded(torch.randn(2, 8))
+    model = SizeBranch(norm=True).eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    x = torch.randn(2, 8)
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
+
+
+class Samples(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.randn_like(x)
+
+
 def test_in_training_mode_a_size_refused_before_any_stage_ran_is_served_by_a_new_capture():
     """export's guard refuses the size at the first node, before a stage computed: none runs twice."""
     torch.manual_seed(0)
