@@ -187,10 +187,11 @@ class StateAtCapture:
                 "not run it", before_compute=True)
         for read in self.attributes:
             value = looked_up(read.holder, read.name)[1]
-            if isinstance(read.value, torch.Tensor) and value is not read.value:
+            if (isinstance(read.value, torch.Tensor) or read.by_identity) and value is not read.value:
                 raise SpecializationMismatch(
-                    f"the model's {self._where(read.holder, read.name)} was set to another tensor since the stages "
-                    "were captured, and they compute with the one it held then", before_compute=True)
+                    f"the model's {self._where(read.holder, read.name)} was set to another "
+                    f"{'tensor' if isinstance(read.value, torch.Tensor) else 'object'} since the stages were "
+                    "captured, and they compute with the one it held then", before_compute=True)
             if not same_constant(value, read.value):
                 raise SpecializationMismatch(
                     f"the model's {self._where(read.holder, read.name)} {_reading(value)} now, but the stages were "

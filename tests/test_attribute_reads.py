@@ -3,11 +3,14 @@ model is captured again (or the call refused), never run on the old value silent
 
 from __future__ import annotations
 
+import functools
 import types
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import autoshard
 from autoshard.capture.fx import trace_with_leaves
@@ -259,6 +262,59 @@ def test_class_attributes_unset_ones_and_nested_settings_are_checked(change, mon
     assert not torch.equal(before, after)
     assert torch.equal(sharded(x), after)
     assert len(sharded.specializations) == 1
+
+
+class SettingKinds(nn.Module):
+    """Reads settings of kinds that were not checked: set anew, the stages computed with the old."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.out_dtype, self.scales, self.table = torch.float32, [1.0, 1.0], {"scale": 1.0}
+        self.act, self.nested, self.count = functools.partial(F.leaky_relu, negative_slope=0.1), ((1.0,),), np.int64(1)
+        self.step = self.plus
+        self.config = Settings()
+
+    def plus(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    def minus(self, x: torch.Tensor) -> torch.Tensor:
+        return x - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.a(x)) * self.scales[1] * self.table["scale"] * self.nested[0][0] * int(self.count)
+        h = self.step(h) if self.config.inner.relu else h
+        return self.b(h).to(self.out_dtype)
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m, "out_dtype", torch.float64),
+    lambda m: setattr(m, "scales", [1.0, 3.0]),
+    lambda m: setattr(m, "table", {"scale": 5.0}),
+    lambda m: setattr(m, "act", functools.partial(F.leaky_relu, negative_slope=0.5)),
+    lambda m: setattr(m, "nested", ((3.0,),)),
+    lambda m: setattr(m, "count", np.int64(3)),
+    lambda m: setattr(m, "step", m.minus),
+    lambda m: setattr(m.config, "inner", types.SimpleNamespace(relu=False)),  # the object replaced
+], ids=["dtype", "list", "dict", "partial", "nested-tuple", "numpy-scalar", "bound-method", "settings-replaced"])
+def test_settings_of_every_kind_set_anew_are_computed_with(change):
+    torch.manual_seed(0)
+    model, x = SettingKinds().eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    before = sharded(x)
+    change(model)
+    after = model(x)
+    assert not (before.dtype == after.dtype and torch.equal(before, after))
+    assert torch.equal(sharded(x), after) and len(sharded.specializations) == 1
+
+
+def test_an_equal_setting_set_anew_is_served_by_the_same_plan():
+    torch.manual_seed(0)
+    model, x = SettingKinds().eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    model.scales, model.table, model.count = [1.0, 1.0], {"scale": 1.0}, np.int64(1)
+    model.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+    assert torch.equal(sharded(x), model(x)) and sharded.specializations == ()
 
 
 class CondBranches(nn.Module):

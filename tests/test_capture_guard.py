@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import dataclasses
 import inspect
 
@@ -704,3 +705,52 @@ def test_a_container_laid_out_as_captured_is_read_without_flattening_and_as_flat
     read = structure.flattened("batch", called)
     if _same_spec(spec, structure.spec):
         assert read.problem is None and all(a is b for a, b in zip(read.leaves, flat))
+
+
+def _scaled_by(factor):
+    return lambda t: t * factor
+
+
+@pytest.mark.parametrize("value, expected, same", [
+    (float("nan"), float("nan"), True),  # a nan made anew each call: the same constant (it re-captured every call)
+    (float("nan"), 1.0, False),
+    ((0.0, 1), (0.0, 1), True),
+    ((-0.0, 1), (0.0, 1), False),  # inside a tuple too, 1 / x tells the zeros apart
+    ([1.0, (2, "a")], [1.0, (2, "a")], True),
+    ({"a": 1.0, "b": 2}, {"b": 2, "a": 1.0}, False),  # another order
+    (_scaled_by(2.0), _scaled_by(2.0), True),  # a lambda made anew: the same code and closure
+    (_scaled_by(2.0), _scaled_by(3.0), False),
+    (lambda t: t, lambda t: t, False),  # two lambdas of other code
+    (functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1),
+     functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1), True),
+    (functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1),
+     functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.2), False),
+])
+def test_a_constant_made_anew_is_the_same_where_it_computes_the_same(value, expected, same):
+    from autoshard.capture.structure import same_constant
+
+    assert same_constant(value, expected) is same
+
+
+class _TakesAnActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, act=torch.relu, fill: float = 0.0) -> torch.Tensor:
+        return torch.nan_to_num(self.b(act(self.a(x))), nan=fill)
+
+
+def test_a_function_or_nan_made_anew_for_each_call_is_served_by_the_first_capture():
+    """A lambda, a partial or a nan made for each call captured again every time, until the limit
+    refused the call; a lambda closing over another value is another constant."""
+    torch.manual_seed(0)
+    model, x = _TakesAnActivation(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,), {"act": _scaled_by(2.0), "fill": float("nan")})
+    for _ in range(3):
+        assert torch.equal(sharded(x, act=_scaled_by(2.0), fill=float("nan")),
+                           model(x, act=_scaled_by(2.0), fill=float("nan")))
+    assert sharded.specializations == ()
+    assert torch.equal(sharded(x, act=_scaled_by(3.0), fill=float("nan")),
+                       model(x, act=_scaled_by(3.0), fill=float("nan")))
+    assert len(sharded.specializations) == 1

@@ -14,8 +14,10 @@ Recorded are the reads by the model's traced code only: not those of code run fo
 examples (a module or function kept whole reads its attributes on every call of its stage), not
 attributes of PyTorch's own bookkeeping, and not attributes the trace wrote before reading them
 (Funnel's ``self.pooling_mult = 1``: what the call itself sets fixes nothing). Only plain values
-are checked (numbers, flags, strings, None, enums, functions, tuples of them), and tensors kept as
-plain attributes, by identity (set anew, the graph would compute with the old one): modules and
+are checked (numbers, flags, strings, None, enums, dtypes, devices, numpy scalars, functions, bound
+methods, partials, and tuples, lists and dicts of them), and by identity tensors kept as plain
+attributes (set anew, the graph would compute with the old one) and the model's settings objects
+(replaced, the reads of the old one's attributes would watch the wrong object): modules and
 parameters rebound are seen by ``capture.rebinding``; a list or dict changed in place is not seen,
 nor an object with ``__slots__`` or one kept in a list. A settings object of a built-in class
 (``types.SimpleNamespace``) takes no ``__getattribute__`` of ours: where the traced code reads one,
@@ -26,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,7 +43,8 @@ from autoshard.isolation import PLAIN_VALUES, settings_objects
 #: What ``nn.Module`` and its ``__init__`` set on every module: PyTorch's bookkeeping
 #: (``_compiled_call_impl``), not the model's settings (``training`` has its own check).
 _BOOKKEEPING = frozenset(vars(nn.Module())) | frozenset(vars(nn.Module))
-_CHECKED = (*PLAIN_VALUES, enum.Enum, types.FunctionType, types.BuiltinFunctionType, torch.Tensor)
+_CHECKED = (*PLAIN_VALUES, enum.Enum, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+            functools.partial, torch.dtype, torch.device, np.generic, torch.Tensor)
 
 
 class _Absent:
@@ -54,11 +59,13 @@ ABSENT: Any = _Absent()
 @dataclass(frozen=True)
 class AttributeRead:
     """``holder.name`` read by traced code, and the ``value`` it read (the graph took its path;
-    ``ABSENT``: it had none)."""
+    ``ABSENT``: it had none). ``by_identity``: the value is one of the model's settings objects, whose
+    own attributes the graph read: another object there, even an equal one, is not the one watched."""
 
     holder: Any
     name: str
     value: Any
+    by_identity: bool = False
 
 
 def looked_up(holder: Any, name: str) -> tuple[Mapping[str, Any] | None, Any]:
@@ -79,8 +86,10 @@ def checked_value(value: Any) -> bool:
     """Whether a value read is one a check compares: plain, or a tuple of plain ones; a tensor kept as
     a plain attribute (``self.offset = torch.zeros(8)``) is compared by identity (the graph holds the
     one it read; changed in place, the graph sees it)."""
-    if isinstance(value, tuple):
-        return all(isinstance(item, _CHECKED) for item in value)
+    if type(value) in (tuple, list):
+        return all(checked_value(item) and not isinstance(item, torch.Tensor) for item in value)
+    if type(value) is dict:
+        return checked_value(tuple(value)) and checked_value(tuple(value.values()))
     return isinstance(value, _CHECKED)
 
 
@@ -126,7 +135,7 @@ class AttributeReads:
         unwatched, read_whole = self.unwatched, self.read_whole
 
         def __getattribute__(holder: Any, name: str) -> Any:  # noqa: N807 - the slot it fills
-            if name in _BOOKKEEPING or name.startswith("__") or id(holder) not in holders or paused():
+            if name in _BOOKKEEPING or name.startswith(("__", "_autoshard_")) or id(holder) not in holders or paused():
                 return original(holder, name)
             try:
                 value = original(holder, name)
@@ -134,9 +143,10 @@ class AttributeReads:
                 if (id(holder), name) not in first and _absent(holder, name):
                     first[(id(holder), name)] = AttributeRead(holder, name, ABSENT)
                 raise
-            if (id(holder), name) not in first and checked_value(value) and looked_up(holder, name)[1] is value:
-                first[(id(holder), name)] = AttributeRead(holder, name, value)
-            elif id(value) in unwatched:
+            if (id(holder), name) not in first and looked_up(holder, name)[1] is value \
+                    and (checked_value(value) or (id(value) in holders and not isinstance(value, nn.Module))):
+                first[(id(holder), name)] = AttributeRead(holder, name, value, by_identity=not checked_value(value))
+            if id(value) in unwatched:
                 read_whole[id(value)] = value
             return value
         return __getattribute__

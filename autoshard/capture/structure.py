@@ -10,7 +10,9 @@ neither front end follows. ``ArgumentStructure`` records that and names what a l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import types
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple
@@ -80,7 +82,9 @@ def _same_spec(spec: TreeSpec, captured: TreeSpec) -> bool:
 
 def same_constant(value: Any, expected: Any) -> bool:
     """Whether a call's ``value`` is the constant the capture fixed: the same object, or an equal
-    one of the same type (a numpy array: the same shape, dtype and items; a zero: of the same sign)."""
+    one of the same type (a numpy array: the same shape, dtype and items; a zero: of the same sign;
+    nan: nan; a tuple, list or dict: item by item; a function: the same code, globals, defaults and
+    closed-over values; a ``functools.partial``: the same function and arguments)."""
     if value is expected:
         return True
     if type(value) is not type(expected) or isinstance(expected, torch.Tensor):  # a tensor: the one the graph holds
@@ -90,10 +94,38 @@ def same_constant(value: Any, expected: Any) -> bool:
             value, expected, equal_nan=expected.dtype.kind in "fc")
     if isinstance(expected, float) and expected == 0.0:  # -0.0 == 0.0, but 1 / x tells them apart
         return value == expected and math.copysign(1.0, value) == math.copysign(1.0, expected)
+    if isinstance(expected, float) and math.isnan(expected):  # nan != nan, but computes as nan
+        return math.isnan(value)
+    if type(expected) in (tuple, list):  # item by item, so that their zeros and nans are told as above
+        return len(value) == len(expected) and all(map(same_constant, value, expected))
+    if type(expected) is dict:
+        return list(value) == list(expected) and all(map(same_constant, value.values(), expected.values()))
+    if type(expected) is types.FunctionType:  # a lambda made anew for each call: the same code and closure
+        return (value.__code__ is expected.__code__ and value.__globals__ is expected.__globals__
+                and same_constant(value.__defaults__, expected.__defaults__)
+                and same_constant(value.__kwdefaults__, expected.__kwdefaults__)
+                and same_constant(_closed_over(value), _closed_over(expected)))
+    if type(expected) is functools.partial:
+        return (same_constant(value.func, expected.func) and same_constant(value.args, expected.args)
+                and same_constant(value.keywords, expected.keywords))
     try:
         return bool(value == expected)
     except Exception:  # noqa: BLE001 - an object without a usable == is only equal to itself
         return False
+
+
+def _closed_over(function: types.FunctionType) -> tuple[Any, ...]:
+    """The values ``function``'s closure holds now (a cell not yet filled: a marker of its own)."""
+    values = []
+    for cell in function.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:
+            values.append(_EMPTY_CELL)
+    return tuple(values)
+
+
+_EMPTY_CELL = object()
 
 
 def _kind(leaf: Any) -> str:
