@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.guard import FixedDtypes, autocast_now, check_autocast, refuse_mode_switch
-from autoshard.capture.held_state import HeldState, checked_modules
+from autoshard.capture.held_state import HeldState, checked_modules, registry_key
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import InvalidArgumentError
 from autoshard.fx_helpers import resolve, shape_read
@@ -184,7 +184,7 @@ def _state_guard(stage: fx.GraphModule) -> None:
         checked = graph.call_function(checked_modules, (state, training))
     with graph.inserting_after(checked):  # the autocast state it was captured in (shard_model's caller's)
         graph.call_function(check_autocast, (autocast_now(),))
-    graph.set_codegen(HeldModulesCodeGen())
+    graph.set_codegen(HeldModulesCodeGen(weights))
     stage.recompile()
 
 
@@ -194,11 +194,21 @@ class HeldModulesCodeGen(fx.graph.CodeGen):
     each step of the path (about a microsecond each on a small CPU, more than the check). The graph
     is left as it is: passes, copies and readers still see its ``call_module`` nodes."""
 
+    def __init__(self, weights: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        #: the parameters the stage reads itself (get_attr), read from the registries the check returns
+        self.weights = frozenset(weights)
+
     def _gen_python_code(self, nodes: Any, root_module: str, namespace: Any, **options: Any) -> Any:
-        lowered = _calls_from_check(nodes)
+        lowered = _calls_from_check(nodes, getattr(self, "weights", frozenset()))
         if lowered is None:
             return super()._gen_python_code(nodes, root_module, namespace, **options)
         code = lowered.python_code(root_module, **options)
+        if code._lineno_map:  # line -> node of the stage's own graph, which Dynamo reads its nodes' meta by
+            original = {id(node): i for i, node in enumerate(nodes)}
+            source = lowered.autoshard_source  # type: ignore[attr-defined]
+            code._lineno_map = {line: (None if at is None or source[at] is None else original.get(id(source[at])))
+                                for line, at in code._lineno_map.items()}
         # ``m(...)``, which fx's nodes cannot spell: torch.compile traces a bound method called so, not
         # through its ``__call__`` (what the check returns may be a module's ``forward``)
         held = [n.name for n in lowered.nodes if n.op == "call_function" and n.target is operator.getitem
@@ -208,7 +218,7 @@ class HeldModulesCodeGen(fx.graph.CodeGen):
         return code
 
 
-def _calls_from_check(nodes: Sequence[fx.Node]) -> fx.Graph | None:
+def _calls_from_check(nodes: Sequence[fx.Node], weights: frozenset[str] = frozenset()) -> fx.Graph | None:
     """A copy of the graph that calls the stage's check straight (``state.check(training)``) and
     whose ``call_module`` nodes call what it returned (``m = checked["path"]``, then ``m(...)``:
     the module, whose hooks run, or its forward where its call would only run that)."""
@@ -227,13 +237,25 @@ def _calls_from_check(nodes: Sequence[fx.Node]) -> fx.Graph | None:
             env[node] = lowered.create_node("call_method", "__call__", (held[path], *args), kwargs,
                                             name=node.name, type_expr=node.type)
             env[node].meta = node.meta
+        elif node.op == "get_attr" and checked is not None and str(node.target) in weights:
+            owner, _, name = str(node.target).rpartition(".")
+            key = registry_key(owner)
+            if key not in held:
+                held[key] = lowered.create_node("call_function", operator.getitem, (checked, key),
+                                                name=f"params_{owner.replace('.', '_')}")
+            env[node] = lowered.create_node("call_function", operator.getitem, (held[key], name), name=node.name)
+            env[node].meta = node.meta
         elif node.op == "call_function" and node.target is checked_modules:
             # ``state.check(training)`` itself: the check's own code, without a call in between
             args = fx.node.map_arg(node.args, env.__getitem__)
             checked = env[node] = lowered.create_node("call_method", "check", args, name=node.name)
         else:
             env[node] = lowered.node_copy(node, env.__getitem__)
-    return lowered if checked is not None else None
+    if checked is None:
+        return None
+    made_for = {id(new): old for old, new in env.items()}
+    lowered.autoshard_source = [made_for.get(id(new)) for new in lowered.nodes]
+    return lowered
 
 
 #: The stage attribute holding its ``HeldState``.

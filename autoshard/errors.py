@@ -211,7 +211,10 @@ class SpecializationMismatch(InputMismatchError):
     with what serves the inputs without sharding again (``OTHER_CAPTURE``): a user running the
     stages in turn, as the README does, meets it, as a sharded model re-specialises before its
     caller sees one; ``other_capture=False`` leaves that out where it is what failed. ``refusal``
-    is the message without it."""
+    is the message without it. ``stage``: the stage module that raised it, where the runner says
+    (those after it did not run)."""
+
+    stage: Any = None
 
     def __init__(self, refusal: str, before_compute: bool = False, other_capture: bool = True) -> None:
         super().__init__(refusal + (OTHER_CAPTURE if other_capture else ""))

@@ -345,16 +345,20 @@ class ShardedModel(FixedDtypes):
                      or module_state._global_backward_hooks or module_state._global_backward_pre_hooks
                      or torch._C._get_tracing_state())
         received = False  # the first stage takes the call as bound; each later one what the one before sent
-        for stage in self.__dict__["_modules"]["stages"]._modules.values():
-            held = stage.__dict__
-            if received:
-                values = moved_to(_device_of(held, stage), values)
-            if plain and not (held["_forward_hooks"] or held["_forward_pre_hooks"] or held["_backward_hooks"]
-                              or held["_backward_pre_hooks"] or held.get("_compiled_call_impl") is not None):
-                values = stage.forward(*values, **keywords)
-            else:
-                values = stage(*values, **keywords)
-            received, keywords = True, _NO_KEYWORDS
+        try:
+            for stage in self.__dict__["_modules"]["stages"]._modules.values():
+                held = stage.__dict__
+                if received:
+                    values = moved_to(_device_of(held, stage), values)
+                if plain and not (held["_forward_hooks"] or held["_forward_pre_hooks"] or held["_backward_hooks"]
+                                  or held["_backward_pre_hooks"] or held.get("_compiled_call_impl") is not None):
+                    values = stage.forward(*values, **keywords)
+                else:
+                    values = stage(*values, **keywords)
+                received, keywords = True, _NO_KEYWORDS
+        except SpecializationMismatch as exc:
+            exc.stage = stage  # the stages after it did not run (``specialize.runs_again_the_same``)
+            raise
         return values
 
     @property

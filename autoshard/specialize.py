@@ -264,7 +264,7 @@ class Specializer:
         """Refuse to run stages again after some computed, where that is not the same as running them
         once: buffers they update in place (batch-norm statistics, a step counter) would be updated
         twice, random draws (dropout, sampling) would move the generator on."""
-        if not exc.before_compute and not runs_again_the_same(tried):
+        if not exc.before_compute and not runs_again_the_same(tried, exc.stage):
             raise SpecializationMismatch(
                 f"{exc.refusal}. Stages that update buffers (in training mode: that hold any) or draw random "
                 "numbers are not run again for new inputs once some have computed (the buffers would be updated "
@@ -351,15 +351,19 @@ def _read_as_now(sharded: ShardedModel) -> bool:
     return True
 
 
-def runs_again_the_same(sharded: ShardedModel) -> bool:
-    """Whether running some of these stages twice leaves what running them once leaves: no stage
-    draws random numbers or updates a buffer: in training mode, any it holds (batch-norm statistics);
-    in eval mode, one its code writes in place (``self.steps.add_(1)``) or a module in training
-    mode holds."""
+def runs_again_the_same(sharded: ShardedModel, last: nn.Module | None = None) -> bool:
+    """Whether running these stages twice, up to ``last`` (all where None), leaves what running them
+    once leaves: none draws random numbers or updates a buffer: in training mode, any it holds
+    (batch-norm statistics); in eval mode, one its code writes in place (``self.steps.add_(1)``) or
+    a module in training mode holds."""
     training = sharded.plan.training
-    return not any((training and any(True for _ in stage.buffers()))
-                   or any(_draws(stage, n) or _updates_buffers(stage, n) for n in stage.graph.nodes)
-                   for stage in sharded.stages)
+    for stage in sharded.stages:
+        if (training and any(True for _ in stage.buffers())) \
+                or any(_draws(stage, n) or _updates_buffers(stage, n) for n in stage.graph.nodes):
+            return False
+        if stage is last:
+            break
+    return True
 
 
 def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

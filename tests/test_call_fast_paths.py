@@ -604,3 +604,24 @@ def test_a_weight_set_to_none_is_checked_in_full_and_one_of_another_dtype_put_ba
         sharded(x)
     holder.w = weight
     assert torch.equal(sharded(x), model(x))
+
+
+def test_an_export_stage_reads_its_weights_from_the_registries_its_check_returns():
+    """torch.export's graphs read each weight by path (``getattr(self, "4").weight``: a
+    ``nn.Module.__getattr__`` a step, which made the export MLP 1.3x the model); the stage now reads
+    them from the ``_parameters`` its check returns. A weight changed in place and one loaded are read
+    as getattr would; torch.compile traces the code whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(8, 8), nn.ReLU())]).eval()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    assert "#parameters" in sharded.stages[1].code and "getattr(self" not in sharded.stages[1].code
+    with torch.no_grad():
+        model[6].weight.mul_(2)
+    assert torch.equal(sharded(x), model(x))
+    model.load_state_dict({name: t + 1 for name, t in model.state_dict().items()})
+    assert torch.equal(sharded(x), model(x))
+    torch._dynamo.reset()
+    stage = sharded.stages[1]
+    received = sharded.stages[0](x)
+    assert torch.equal(torch.compile(stage, fullgraph=True, backend="eager")(*received), stage(*received))

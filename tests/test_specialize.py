@@ -284,15 +284,24 @@ def test_a_call_runs_first_the_plan_that_last_served_its_shapes():
     assert tried == [sharded, made, made]
 
 
+class NormFirst(SizeBranch):
+    """``SizeBranch`` whose batch norm (or dropout, set as ``norm``) runs before the branch, in its stage."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:  # type: ignore[override]
+        x = self.norm(self.a(x)) * scale
+        x = self.b(x) * 2 if x.shape[0] > 2 else self.b(x) - 1
+        return self.d(self.c(x))
+
+
 def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_specialize_serves_it():
     torch.manual_seed(0)
-    model = SizeBranch(norm=True).train()
+    model = NormFirst(norm=True).train()
     twin = copy.deepcopy(model)
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     x = torch.randn(2, 8)
     with pytest.raises(SpecializationMismatch, match=r"Call sharded.specialize\(\*args, \*\*kwargs\) with inputs"):
         sharded(x)  # (as the error table files it: a size the capture fixed, and no new specialisation made)
-    # The refused call ran no stage that holds the batch norm: its statistics moved by the example only.
+    # The refused call ran the stage that holds the batch norm: its statistics moved once more.
     sharded.specialize(torch.randn(2, 8))
     model.norm.running_mean.copy_(twin.norm.running_mean)
     assert torch.equal(sharded(x), twin(x))
@@ -301,9 +310,10 @@ def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_speci
 
 def test_in_training_mode_a_call_for_new_shapes_is_refused_alike_once_specialisations_exist():
     """New shapes try the first plan, whose guard fails after stage 0 ran: refused as on the first
-    call (the stages hold a batch norm), though a specialisation serving them exists."""
+    call (stage 0 holds a buffer), though a specialisation serving them exists."""
     torch.manual_seed(0)
-    model = SizeBranch(norm=True).train()
+    model = NormFirst().train()
+    model.norm = HoldsABuffer()  # (a batch norm refuses a batch of one in training)
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     sharded.specialize(torch.randn(2, 8))
     with pytest.raises(SpecializationMismatch, match=r"Call sharded.specialize\(\*args, \*\*kwargs\)"):
@@ -312,12 +322,31 @@ def test_in_training_mode_a_call_for_new_shapes_is_refused_alike_once_specialisa
 
 
 def test_in_training_mode_stages_that_draw_random_numbers_are_not_run_again_either():
-    model = SizeBranch().train()
+    model = NormFirst().train()
     model.norm = nn.Dropout(0.5)  # no buffers: only the draws would differ from the model's
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     with pytest.raises(SpecializationMismatch, match="draw random numbers"):
         sharded(torch.randn(2, 8))
     assert sharded.specializations == ()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_guard_failing_before_any_stage_that_updates_buffers_or_draws_ran_is_served(mode):
+    """Only the stages up to the one whose guard failed ran: where none of them updates a buffer or
+    draws, running them again is running them once (the batch norm and the dropout sit after the
+    branch), so a new capture serves the call; before, training mode refused it."""
+    torch.manual_seed(0)
+    model = getattr(SizeBranch(norm=True), mode)()
+    model.d = nn.Sequential(nn.Dropout(0.5), model.d)
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    model.norm.running_mean.copy_(twin.norm.running_mean)
+    x = torch.randn(2, 8)
+    torch.manual_seed(1)
+    expected = twin(x)
+    torch.manual_seed(1)
+    assert torch.equal(sharded(x), expected) and len(sharded.specializations) == 1
+    assert torch.equal(model.norm.running_mean, twin.norm.running_mean)
 
 
 class CountsItsCalls(SizeBranch):
@@ -335,22 +364,31 @@ class CountsItsCalls(SizeBranch):
 def test_in_eval_mode_stages_that_write_a_buffer_or_draw_random_numbers_are_not_run_again():
     """Eval mode ran them again: the counter counted the call twice (and every later output differed),
     a sampling stage drew other numbers than the model. Batch norm in eval mode updates nothing, so
-    ``SizeBranch(norm=True)`` is served by a new capture as before."""
+    ``NormFirst(norm=True)`` is served by a new capture."""
     torch.manual_seed(0)
     model = CountsItsCalls().eval()
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     with pytest.raises(SpecializationMismatch, match="update buffers"):
         sharded(torch.randn(2, 8))
     assert model.calls.item() == 1 and sharded.specializations == ()  # counted once, by the stage that ran
-    sampling = SizeBranch().eval()
+    sampling = NormFirst().eval()
     sampling.norm = Samples()
     sharded = autoshard.shard_model(sampling, 2, (torch.randn(4, 8),))
     with pytest.raises(SpecializationMismatch, match="draw random"):
         sharded(torch.randn(2, 8))
-    model = SizeBranch(norm=True).eval()
+    model = NormFirst(norm=True).eval()
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     x = torch.randn(2, 8)
     assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
+
+
+class HoldsABuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
 
 
 class Samples(nn.Module):

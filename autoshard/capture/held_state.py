@@ -273,18 +273,27 @@ class HeldState:
         """Find the modules and parameters by path again, as the graph's code does, and list what a
         call reads: whether each step of the kept paths still leads to the module it led to (by
         identity), the modules' flags and the kept parameters' dtypes."""
-        self.modules = tuple(self.owner.get_submodule(path) for path in self.leaves)
+        # each path walked once through the ``_modules`` dicts, prefixes shared (``get_submodule`` goes
+        # through ``nn.Module.__getattr__`` twice a step, for every path: 165 us on a tiny GPT-2's stage)
+        at: dict[str, nn.Module] = {"": self.owner}
+        steps: dict[tuple[int, str], Read] = {}
+
+        def module_at(path: str) -> nn.Module:
+            if path not in at:
+                parent, _, name = path.rpartition(".")
+                holder = module_at(parent)
+                registry = holder._modules
+                if not isinstance(registry.get(name), nn.Module):
+                    raise AttributeError(f"{holder._get_name()} has no submodule `{name}`")
+                steps.setdefault((id(registry), name), (registry, name, ""))
+                at[path] = registry[name]
+            return at[path]
+
+        self.modules = tuple(map(module_at, self.leaves))
         self.by_path = dict(zip(self.leaves, self.modules))
         inside = ((leaf, _first_parameter(module)) for leaf, module in zip(self.leaves, self.modules))
         found = [*self.weight_paths, *(f"{leaf}.{path}" for leaf, path in inside if path is not None)]
-        steps: dict[tuple[int, str], Read] = {}
-        for path in (*self.leaves, *(p.rpartition(".")[0] for p in found)):
-            module = self.owner
-            for name in path.split(".") if path else ():
-                child = module._modules[name]
-                steps.setdefault((id(module._modules), name), (module._modules, name, ""))
-                module = child
-        owners = [self.owner.get_submodule(p.rpartition(".")[0]) for p in found]
+        owners = [module_at(p.rpartition(".")[0]) for p in found]
         self.registries = tuple(module._parameters for module in owners)
         self.names = tuple(p.rpartition(".")[2] for p in found)
         self.reads: list[Read] = [*steps.values(), *((module, NO_KEY, "training") for module in self.modules),
@@ -325,6 +334,11 @@ class HeldState:
         """Keep what a call that passed read, for the next call to compare with (``check``), and what
         the stage's code calls (``cheapest_calls``)."""
         self.calls, call_reads, call_seen, empty = cheapest_calls(self.by_path)
+        # the registries of the parameters the stage's code reads itself (its get_attr nodes, as in
+        # torch.export's graphs): read by name on every call, as getattr would, without a
+        # ``nn.Module.__getattr__`` a step; the steps to their modules are checked by identity
+        for path, registry in zip(self.weight_paths, self.registries):
+            self.calls[registry_key(path.rpartition(".")[0])] = registry
         try:
             seen = [read(*each) for each in self.reads]
         except (KeyError, AttributeError):  # a parameter deleted or set to None
@@ -379,3 +393,8 @@ def checked_modules(state: HeldState, training: bool) -> dict[str, Any]:
     calls for each module, by path (the module, or its ``forward``: ``cheapest_calls``). The stage's
     generated code calls ``state.check`` itself (``HeldModulesCodeGen``); this is what the graph names."""
     return state.check(training)
+
+
+def registry_key(owner: str) -> str:
+    """The key under which ``HeldState.check`` returns the ``_parameters`` of the module at ``owner``."""
+    return f"{owner}#parameters"
