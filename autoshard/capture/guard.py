@@ -8,7 +8,6 @@ checks every call and raises ``InputMismatchError`` naming what the plan accepts
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import dataclass, field
 from types import CodeType
@@ -17,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from autoshard.capture.guard_code import accepting
+from autoshard.capture.guard_code import CONDITION_NAMES, accepting
 from autoshard.capture.structure import ArgumentStructure, Flattened, same_constant
 from autoshard.errors import InputMismatchError, InvalidArgumentError, SpecializationMismatch, brief
 from autoshard.isolation import HeldModule, grad_mode_checked
@@ -170,8 +169,8 @@ class InputGuard:
         return None
 
 
-#: What a condition may use besides the inputs: the names torch's printer of size expressions emits.
-_CONDITION_NAMES = {"__builtins__": {}, "math": math, "max": max, "min": min, "abs": abs}
+#: What an evaluated condition may use: ``CONDITION_NAMES``, no builtins.
+_CONDITION_NAMES = {"__builtins__": {}, **CONDITION_NAMES}
 
 
 def _holds(condition: str, values: Mapping[str, Any]) -> bool:

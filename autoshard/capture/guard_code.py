@@ -11,11 +11,17 @@ the same values returned; a guard it cannot write returns no function, and the w
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any, Callable
 
 import torch
 
 from autoshard.capture.structure import same_constant
+
+
+#: What a condition may call besides the inputs: the names torch's printer of size expressions emits.
+CONDITION_NAMES = {"math": math, "max": max, "min": min, "abs": abs}
 
 
 class _Writer:
@@ -115,11 +121,18 @@ def accepting(guard: Any, holds: Callable[[str, Any], bool]) -> Callable[..., tu
     symbols: dict[str, str] = {}
     for name, dims in guard.shapes.items():
         writer.shape(where[name], dims, symbols)
-    if guard.conditions:
+    argument_of = dict(zip(guard.names, arguments))
+    inline = ["" if _implied(condition, guard.shapes) else _inlined(condition, argument_of)
+              for condition in guard.conditions]
+    for condition, code in zip(guard.conditions, inline):
+        if code:  # written out: no dict of the arguments, no eval
+            writer.refuse_unless(f"bool({code})")
+    if None in inline:
         named = ", ".join(f"{writer.constant(name)}: {value}" for name, value in zip(guard.names, arguments))
         writer.lines.append(f"named = {{{named}}}")
-        for condition in guard.conditions:
-            writer.refuse_unless(f"holds({writer.constant(condition)}, named)")
+        for condition, code in zip(guard.conditions, inline):
+            if code is None:
+                writer.refuse_unless(f"holds({writer.constant(condition)}, named)")
     returned = "".join(where[name] + ", " for name in guard.returns)
     body = "".join(f"            {line}\n" for line in writer.lines or ["pass"])
     names = "".join(f"c{i}, " for i in range(len(writer.constants)))
@@ -131,6 +144,34 @@ def accepting(guard: Any, holds: Callable[[str, Any], bool]) -> Callable[..., tu
               + "            return None\n"
               + f"        return ({returned})\n"
               + "    return accept\n")
-    namespace: dict[str, Any] = {"Tensor": torch.Tensor, "same": same_constant, "holds": holds}
+    namespace: dict[str, Any] = {"Tensor": torch.Tensor, "same": same_constant, "holds": holds, **CONDITION_NAMES}
     exec(compile(source, "<autoshard input guard>", "exec"), namespace)  # noqa: S102 - our own text
     return namespace["make"](writer.constants)
+
+
+_ARGUMENT = re.compile(r"L\['([^']+)'\]")
+
+
+def _inlined(condition: str, argument_of: dict[str, str]) -> str | None:
+    """``condition`` over the accept function's arguments (``L['x'].size()[0]`` as ``v0.size()[0]``),
+    or None where it names something else; an exception it raises refuses the call, as ``holds`` does."""
+    names = _ARGUMENT.findall(condition)
+    if not names or any(name not in argument_of for name in names) or re.search(r"\bL\b", _ARGUMENT.sub("", condition)):
+        return None
+    return f"({_ARGUMENT.sub(lambda m: argument_of[m.group(1)], condition)})"
+
+
+_SAME_SIZE = re.compile(r"L\['([^']+)'\]\.size\(\)\[(\d+)\] == L\['([^']+)'\]\.size\(\)\[(\d+)\]")
+
+
+def _implied(condition: str, shapes: dict[str, Any]) -> bool:
+    """Whether ``condition`` equates two sizes the shape checks already hold equal (one symbol)."""
+    match = _SAME_SIZE.fullmatch(condition.strip())
+    if match is None:
+        return False
+    first, i, second, j = match.groups()
+    try:
+        a, b = shapes[first][int(i)], shapes[second][int(j)]
+    except (KeyError, IndexError):
+        return False
+    return a.size is None and b.size is None and bool(a.symbol) and a.symbol == b.symbol
