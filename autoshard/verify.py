@@ -12,6 +12,9 @@ stages are each called twice in a row: state the model keeps where capture canno
 in the second call only. Last, the graph and the stages run on other values of the example's
 shapes and dtypes (``other_values``): a value the capture fixed where the model computes it from
 its inputs matches on the example and on nothing else, a silent wrong answer for every new input.
+Where the model is sharded with grad on, the weights' gradients through the stages are compared
+with the model's too (``gradient_difference``): a tensor hook the forward registers, or a detach a
+trace skipped, shows in the backward alone.
 
 The runs compared here have autograd on, the mode the graph was captured in: some modules take a
 fused fast path in no-grad inference (``nn.TransformerEncoderLayer``) that computes the same
@@ -34,7 +37,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from autoshard.capture.guard import chosen_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.errors import InputMismatchError, VerificationError
-from autoshard.isolation import PlainInterpreter, detached_values, cloned, run_seeded
+from autoshard.isolation import PlainInterpreter, cloned, detached_values, isolated, run_seeded
 from autoshard.lowering.inplace import written_values
 
 
@@ -165,17 +168,76 @@ def _graph_run(interpreter: fx.Interpreter, model: nn.Module, args: tuple[Any, .
     return run_seeded(lambda: interpreter.run(*_positional(gm, *cloned((args, kwargs)))), model, seed, grad=grad)
 
 
+def _gradients(model: nn.Module, run: Callable[[], Any], seed: int) -> dict[str, torch.Tensor | None]:
+    """The gradients ``run()`` gives the model's trainable parameters, backward from a seeded weighted
+    sum of its floating outputs (empty where none needs a gradient); their own ``.grad`` stay."""
+    weights = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    kept = [p.grad for _, p in weights]
+    try:
+        for _, p in weights:
+            p.grad = None
+        with isolated(model, seed), torch.enable_grad():
+            leaves = [t for t in tree_flatten(_fields_expanded(run()))[0]
+                      if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+            if not leaves:
+                return {}
+            scales = torch.Generator().manual_seed(seed)
+            sum((t * torch.rand(t.shape, generator=scales).to(t)).sum() for t in leaves).backward()
+        return {name: None if p.grad is None else p.grad.clone() for name, p in weights}
+    finally:
+        for (_, p), grad in zip(weights, kept):
+            p.grad = grad
+
+
+def gradient_difference(model: nn.Module, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                        seed: int) -> str | None:
+    """Where the weights' gradients through ``run()`` (the graph, the stages) first differ from those
+    through the model, None where they agree. The forward values agree exactly by then; a backward may
+    still add in another order (a kernel the model's own path avoided), so the gradients are compared
+    within a float32 tolerance: what fails is a gradient lost (a tensor hook the forward registered,
+    a ``detach`` the trace did not take), gained, or scaled. Not compared where the model is sharded
+    under ``torch.no_grad()``: for inference alone."""
+    try:
+        expected = _gradients(model, lambda: model(*cloned(args), **cloned(kwargs)), seed)
+    except Exception:  # noqa: BLE001 - the model's own backward fails here (a hook given no input gradient)
+        return None
+    try:
+        actual = _gradients(model, run, seed)
+    except Exception as exc:  # noqa: BLE001 - the model's ran: that is the difference
+        return f"the backward raises {type(exc).__name__}: {exc}, where the model's runs"
+    for name, want in expected.items():
+        got = actual.get(name)
+        if got is None and want is None:
+            continue
+        if got is None or want is None:
+            nonzero = got if want is None else want
+            if not bool(nonzero.count_nonzero()):
+                continue
+            return (f"parameter {name} gets {'no' if got is None else 'a'} gradient, where the model gives it "
+                    f"{'none' if want is None else 'one'}")
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        if not torch.allclose(got, want, rtol=1e-3, atol=1e-4 * scale):
+            most = float((got - want).abs().max())
+            return (f"parameter {name}'s gradient differs from the model's by up to {most:.3g} (the model's is "
+                    f"up to {scale:.3g})")
+    return None
+
+
 def capture_difference(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
                        seed: int = 0) -> str | None:
     """Where the captured graph's output first differs from the model's on the example, then on
-    other values of its shapes (None when equal, or when the output cannot be compared:
-    ``verify_stages`` explains that)."""
+    other values of its shapes, then its weights' gradients (None when equal, or when the output
+    cannot be compared: ``verify_stages`` explains that)."""
     grad, expected = _expected_run(model, gm, args, kwargs, seed)
     if objects_holding_tensors(expected):
         return None
     problem = first_difference(_graph_run(PlainInterpreter(gm), model, args, kwargs, seed, grad), expected, 0.0, 0.0)
     other = other_values((args, kwargs), seed)
-    return problem or (None if other is None else other_values_difference(model, gm, other, seed, grad)[1])
+    problem = problem or (None if other is None else other_values_difference(model, gm, other, seed, grad)[1])
+    if problem or not (grad and torch.is_grad_enabled()):  # sharded under no_grad: for inference alone
+        return problem
+    graph = PlainInterpreter(gm)
+    return gradient_difference(model, lambda: graph.run(*_positional(gm, *cloned((args, kwargs)))), args, kwargs, seed)
 
 
 def verify_stages(
@@ -249,6 +311,15 @@ def verify_stages(
         model, gm, other, seed, grad, rtol, atol, chained=lambda: chained(False, other))
     if problem:
         raise VerificationError(f"{problem}; {_REPORT}", stage=None)
+    problem = gradient_difference(model, lambda: chained(checked=False), args, kwargs, seed) \
+        if grad and torch.is_grad_enabled() else None
+    if problem:
+        raise VerificationError(
+            f"the stages' gradients differ from the model's ({problem}): the capture lost or changed something "
+            "only the backward shows (a tensor hook the forward registers, a detach under a branch on "
+            "isinstance(x, torch.Tensor), which a trace answers for its proxies); try the other front end in "
+            "the pipeline's first pass (pipeline=\"trace,...\" or \"export,...\"), or shard under "
+            "torch.no_grad() for inference alone", stage=None)
     also = " and on other values of its shapes" if compared else ""
     return f"{len(stages)} stages match the model on the example inputs{also} (rtol={rtol}, atol={atol})"
 

@@ -507,3 +507,50 @@ def test_on_other_values_the_graph_runs_only_where_the_stages_differ(monkeypatch
     with pytest.raises(VerificationError, match="the chained stages: equal to the model on the example"):
         verify_stages(model, right, [baked], [], (x,), {})
     assert len(graph_runs) == 3  # then the graph ran on them too, and matched: the stages are at fault
+
+
+class _StopsGradientOnTensors(nn.Module):
+    """A frozen feature extractor written as many are: the trace's proxy is no ``torch.Tensor``, so an fx
+    graph skipped the detach and gave ``a`` a gradient the model does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if isinstance(h, torch.Tensor):
+            h = h.detach()
+        return self.b(h)
+
+
+class _HooksItsGradient(nn.Module):
+    """Registers a tensor hook in its forward: the traced graphs drop it, and ``a`` got a third of the
+    model's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda grad: grad * 3)
+        return self.b(h)
+
+
+def test_a_capture_whose_gradients_differ_is_refused_and_capture_takes_the_front_end_that_matches():
+    """Verification compared forward values only, so both kept their wrong gradients silently."""
+    torch.manual_seed(0)
+    model, x = _StopsGradientOnTensors(), torch.randn(4, 8)
+    with pytest.raises(VerificationError, match="gradients differ.*a.weight gets a gradient, where the model gives "
+                                                "it none"):
+        autoshard.shard_model(model, 2, (x,), pipeline="trace,shape-prop,build-dag,linearize,split,emit,verify")
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x).sum().backward()
+    assert model.a.weight.grad is None and model.b.weight.grad is not None
+    with pytest.raises(VerificationError, match=r"a.weight's gradient differs from the model's"):
+        autoshard.shard_model(_HooksItsGradient(), 2, (x,))
+    with torch.no_grad():  # inference alone: nothing to compare
+        sharded = autoshard.shard_model(_HooksItsGradient(), 2, (x,))
+    assert sharded(x).shape == (4, 8)
