@@ -554,3 +554,22 @@ def test_a_capture_whose_gradients_differ_is_refused_and_capture_takes_the_front
     with torch.no_grad():  # inference alone: nothing to compare
         sharded = autoshard.shard_model(_HooksItsGradient(), 2, (x,))
     assert sharded(x).shape == (4, 8)
+
+
+class _HooksAlways(_HooksItsGradient):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.register_hook(lambda grad: grad * 3)  # needs grad: the model runs only with it
+        return self.b(h)
+
+
+def test_a_model_that_runs_only_with_grad_is_not_said_to_fail_on_its_example():
+    """The check that the model runs on its example ran it without grad alone, and blamed the model
+    (ExampleInputsError) for what only that mode refuses."""
+    from autoshard.errors import ExampleInputsError
+
+    model, x = _HooksAlways(), torch.randn(4, 8)
+    model(x)
+    with pytest.raises(autoshard.AutoshardError) as info:
+        autoshard.shard_model(model, 2, (x,))
+    assert not isinstance(info.value, ExampleInputsError) and "itself raises" not in str(info.value)

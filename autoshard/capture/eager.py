@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import ExampleInputsError
-from autoshard.isolation import cloned, isolated
+from autoshard.isolation import cloned, detached_values, isolated
 
 
 @contextlib.contextmanager
@@ -40,11 +40,19 @@ _NONE = object()
 
 def check_model_runs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """The model's output on its example; ``ExampleInputsError`` if the model fails there too: then
-    no capture or pass is to blame, and the model's own error is the one to show."""
+    no capture or pass is to blame, and the model's own error is the one to show. Run without grad,
+    as it is cheaper, and again with it where that failed: code that registers a tensor hook in the
+    forward runs only with grad."""
     try:
         with isolated(model), torch.no_grad():
             return model(*cloned(args), **cloned(dict(kwargs)))
     except Exception as exc:  # noqa: BLE001 - whatever the model raises is reported as it is
+        if torch.is_grad_enabled():
+            try:
+                with isolated(model):
+                    return detached_values(model(*cloned(args), **cloned(dict(kwargs))))
+            except Exception:  # noqa: BLE001 - the first error is the one to show
+                pass
         raise ExampleInputsError(
             f"{type(model).__name__} itself raises on the example inputs ({type(exc).__name__}: {exc}); "
             "give inputs it runs on: model(*example_args, **example_kwargs) must work") from exc
