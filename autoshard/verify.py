@@ -170,23 +170,18 @@ def _graph_run(interpreter: fx.Interpreter, model: nn.Module, args: tuple[Any, .
 
 def _gradients(model: nn.Module, run: Callable[[], Any], seed: int) -> dict[str, torch.Tensor | None]:
     """The gradients ``run()`` gives the model's trainable parameters, backward from a seeded weighted
-    sum of its floating outputs (empty where none needs a gradient); their own ``.grad`` stay."""
+    sum of its floating outputs (empty where none needs a gradient). Taken by ``autograd.grad``, so no
+    ``.grad`` changes: neither a weight's nor an example input's that requires grad."""
     weights = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    kept = [p.grad for _, p in weights]
-    try:
-        for _, p in weights:
-            p.grad = None
-        with isolated(model, seed), torch.enable_grad():
-            leaves = [t for t in tree_flatten(_fields_expanded(run()))[0]
-                      if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-            if not leaves:
-                return {}
-            scales = torch.Generator().manual_seed(seed)
-            sum((t * torch.rand(t.shape, generator=scales).to(t)).sum() for t in leaves).backward()
-        return {name: None if p.grad is None else p.grad.clone() for name, p in weights}
-    finally:
-        for (_, p), grad in zip(weights, kept):
-            p.grad = grad
+    with isolated(model, seed), torch.enable_grad():
+        leaves = [t for t in tree_flatten(_fields_expanded(run()))[0]
+                  if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+        if not leaves or not weights:
+            return {}
+        scales = torch.Generator().manual_seed(seed)
+        total = sum((t * torch.rand(t.shape, generator=scales).to(t)).sum() for t in leaves)
+        grads = torch.autograd.grad(total, [p for _, p in weights], allow_unused=True)
+    return {name: grad for (name, _), grad in zip(weights, grads)}
 
 
 def gradient_difference(model: nn.Module, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any],

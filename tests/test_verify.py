@@ -573,3 +573,11 @@ def test_a_model_that_runs_only_with_grad_is_not_said_to_fail_on_its_example():
     with pytest.raises(autoshard.AutoshardError) as info:
         autoshard.shard_model(model, 2, (x,))
     assert not isinstance(info.value, ExampleInputsError) and "itself raises" not in str(info.value)
+
+
+def test_comparing_gradients_changes_no_grad_of_the_weights_or_the_example():
+    torch.manual_seed(0)
+    model, x = _StopsGradientOnTensors(), torch.randn(4, 8, requires_grad=True)
+    model.b.weight.grad = torch.ones(8, 8)
+    autoshard.shard_model(model, 2, (x,))
+    assert x.grad is None and model.a.weight.grad is None and torch.equal(model.b.weight.grad, torch.ones(8, 8))
