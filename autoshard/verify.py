@@ -189,9 +189,9 @@ def gradient_difference(model: nn.Module, run: Callable[[], Any], args: tuple[An
     """Where the weights' gradients through ``run()`` (the graph, the stages) first differ from those
     through the model, None where they agree. The forward values agree exactly by then; a backward may
     still add in another order (a kernel the model's own path avoided), so the gradients are compared
-    within a float32 tolerance: what fails is a gradient lost (a tensor hook the forward registered,
-    a ``detach`` the trace did not take), gained, or scaled. Not compared where the model is sharded
-    under ``torch.no_grad()``: for inference alone."""
+    within a tolerance of their dtype (``loose``, also of the largest): what fails is a gradient lost
+    (a tensor hook the forward registered, a ``detach`` the trace did not take), gained, or scaled.
+    Not compared where the model is sharded under ``torch.no_grad()``: for inference alone."""
     try:
         expected = _gradients(model, lambda: model(*cloned(args), **cloned(kwargs)), seed)
     except Exception:  # noqa: BLE001 - the model's own backward fails here (a hook given no input gradient)
@@ -211,7 +211,8 @@ def gradient_difference(model: nn.Module, run: Callable[[], Any], args: tuple[An
             return (f"parameter {name} gets {'no' if got is None else 'a'} gradient, where the model gives it "
                     f"{'none' if want is None else 'one'}")
         scale = float(want.abs().max()) if want.numel() else 0.0
-        if not torch.allclose(got, want, rtol=1e-3, atol=1e-4 * scale):
+        loose = max(1e-3, 8 * torch.finfo(want.dtype).eps)  # bfloat16 sums of another order differ more
+        if not torch.allclose(got, want, rtol=loose, atol=loose * scale):
             most = float((got - want).abs().max())
             return (f"parameter {name}'s gradient differs from the model's by up to {most:.3g} (the model's is "
                     f"up to {scale:.3g})")
