@@ -358,29 +358,40 @@ def runs_again_the_same(sharded: ShardedModel, last: nn.Module | None = None) ->
     a module in training mode holds."""
     training = sharded.plan.training
     for stage in sharded.stages:
-        if (training and any(True for _ in stage.buffers())) \
-                or any(_draws(stage, n) or _updates_buffers(stage, n) for n in stage.graph.nodes):
+        if training and any(True for _ in stage.buffers()):
             return False
+        held: set[str] = set()  # the nodes that are a weight or buffer of the stage, or a view of one
+        for node in stage.graph.nodes:
+            facts = node_facts(node)
+            first = node.args[0] if node.args else None
+            if node.op == "get_attr" or (facts is not None and facts.aliases_input and isinstance(first, torch.fx.Node)
+                                         and first.name in held):
+                held.add(node.name)
+            if _draws(stage, node) or _updates_buffers(stage, node, held):
+                return False
         if stage is last:
             break
     return True
 
 
 def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Whether ``node`` drew random numbers when shape propagation ran it (an attention that may drop
-    out, called with ``dropout_p=0.0`` in eval mode, drew none), or, where it was not run, may."""
+    """Whether ``node`` may draw random numbers: not where shape propagation saw it draw nothing from
+    the default generators and it is given no generator of its own (an attention that may drop out,
+    called with ``dropout_p=0.0`` in eval mode)."""
     facts = node_facts(node)
-    return facts.draws_random if facts is not None else draws_random(stage, node)
+    if facts is not None and not facts.draws_random and "generator" not in node.kwargs:
+        return False
+    return draws_random(stage, node)
 
 
-def _updates_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Whether ``node`` writes a buffer of ``stage`` in place (as shape propagation saw it), or calls a
-    module in training mode that holds buffers."""
+def _updates_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node, held: set[str]) -> bool:
+    """Whether ``node`` writes in place (as shape propagation saw it) what ``held`` names (a buffer of
+    ``stage``, or a view of one: ``self.calls[:1].add_(1)``), or calls a module in training mode that
+    holds buffers."""
     if node.op == "call_module":
         return any(m.training and any(b is not None for b in m._buffers.values())
                    for m in stage.get_submodule(str(node.target)).modules())
     facts = node_facts(node)
-    held = {n.name for n in node.all_input_nodes if n.op == "get_attr"}
     return facts is not None and not held.isdisjoint(facts.written_inputs)
 
 

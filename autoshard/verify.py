@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
-from autoshard.capture.guard import chosen_grad_mode
+from autoshard.capture.guard import autocast_now, chosen_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.errors import InputMismatchError, VerificationError
 from autoshard.isolation import PlainInterpreter, cloned, detached_values, isolated, run_seeded
@@ -168,54 +168,94 @@ def _graph_run(interpreter: fx.Interpreter, model: nn.Module, args: tuple[Any, .
     return run_seeded(lambda: interpreter.run(*_positional(gm, *cloned((args, kwargs)))), model, seed, grad=grad)
 
 
-def _gradients(model: nn.Module, run: Callable[[], Any], seed: int) -> dict[str, torch.Tensor | None]:
-    """The gradients ``run()`` gives the model's trainable parameters, backward from a seeded weighted
-    sum of its floating outputs (empty where none needs a gradient). Taken by ``autograd.grad``, so no
-    ``.grad`` changes: neither a weight's nor an example input's that requires grad."""
+class _GradientSummary(NamedTuple):
+    """What the comparison keeps of one weight's gradient, not the gradient: its count of values that
+    are not finite, its norm and largest magnitude, and its dot with a seeded random direction (a
+    gradient of the same norm pointing elsewhere moves that). Two sets of whole gradients held at
+    once cost twice the weights."""
+
+    nonfinite: int
+    norm: float
+    largest: float
+    projected: float
+    dtype: torch.dtype
+
+
+def _summary(grad: torch.Tensor, seed: int) -> _GradientSummary:
+    grad = grad.to_dense() if grad.layout != torch.strided else grad
+    finite = torch.isfinite(grad)
+    values = torch.where(finite, grad, 0).double()
+    direction = torch.randn(grad.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return _GradientSummary(int((~finite).sum()), float(values.norm()), float(values.abs().max()) if grad.numel()
+                            else 0.0, float((values * direction.to(values.device)).sum()), grad.dtype)
+
+
+def _gradients(model: nn.Module, run: Callable[[], Any], seed: int) -> dict[str, _GradientSummary | None]:
+    """The gradients ``run()`` gives the model's trainable parameters, summarised, backward from a
+    seeded weighted sum of its floating outputs (empty where none needs a gradient). By ``backward``,
+    as training takes them (a reentrant checkpoint gives none to ``autograd.grad``), with each
+    weight's own ``.grad`` set back after; ``run`` is given inputs of its own."""
     weights = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    with isolated(model, seed), torch.enable_grad():
-        leaves = [t for t in tree_flatten(_fields_expanded(run()))[0]
-                  if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-        if not leaves or not weights:
-            return {}
-        scales = torch.Generator().manual_seed(seed)
-        total = sum((t * torch.rand(t.shape, generator=scales).to(t)).sum() for t in leaves)
-        grads = torch.autograd.grad(total, [p for _, p in weights], allow_unused=True)
-    return {name: grad for (name, _), grad in zip(weights, grads)}
+    kept = [p.grad for _, p in weights]
+    try:
+        for _, p in weights:
+            p.grad = None
+        with isolated(model, seed), torch.enable_grad():
+            leaves = [t for t in tree_flatten(_fields_expanded(run()))[0]
+                      if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+            if not leaves or not weights:
+                return {}
+            scales = torch.Generator().manual_seed(seed)
+            sum((t * torch.rand(t.shape, generator=scales).to(t)).sum() for t in leaves).backward()
+        return {name: None if p.grad is None else _summary(p.grad, seed + i) for i, (name, p) in enumerate(weights)}
+    finally:
+        for (_, p), grad in zip(weights, kept):
+            p.grad = grad
 
 
-def gradient_difference(model: nn.Module, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                        seed: int) -> str | None:
+def _hooked(model: nn.Module) -> bool:
+    """Whether a weight has a hook of its own, which a backward for checking would run (it may log,
+    clip, or step an optimizer)."""
+    return any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+
+
+def gradient_difference(model: nn.Module, run: Callable[[tuple[tuple[Any, ...], dict[str, Any]]], Any],
+                        args: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> str | None:
     """Where the weights' gradients through ``run()`` (the graph, the stages) first differ from those
     through the model, None where they agree. The forward values agree exactly by then; a backward may
     still add in another order (a kernel the model's own path avoided), so the gradients are compared
-    within a tolerance of their dtype (``loose``, also of the largest): what fails is a gradient lost
-    (a tensor hook the forward registered, a ``detach`` the trace did not take), gained, or scaled.
-    Not compared where the model is sharded under ``torch.no_grad()``: for inference alone."""
+    within a tolerance of their dtype, or autocast's (``loose``): what fails is a gradient lost (a tensor
+    hook the forward registered, a ``detach`` the trace did not take), gained, or scaled. Not compared
+    where the model is sharded under ``torch.no_grad()`` (for inference alone), nor where a weight has
+    a hook of its own (``_hooked``). ``run(inputs)`` runs them on ``inputs``: the example's, as
+    leaves of their own, so that no gradient reaches the caller's tensors."""
+    if _hooked(model):
+        return None
+    own = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
+                   (args, kwargs))
     try:
-        expected = _gradients(model, lambda: model(*cloned(args), **cloned(kwargs)), seed)
+        expected = _gradients(model, lambda: model(*cloned(own[0]), **cloned(own[1])), seed)
     except Exception:  # noqa: BLE001 - the model's own backward fails here (a hook given no input gradient)
         return None
     try:
-        actual = _gradients(model, run, seed)
+        actual = _gradients(model, lambda: run(own), seed)
     except Exception as exc:  # noqa: BLE001 - the model's ran: that is the difference
         return f"the backward raises {type(exc).__name__}: {exc}, where the model's runs"
+    cast = autocast_now()
+    narrowest = [dtype for enabled, dtype in cast or () if enabled]
     for name, want in expected.items():
         got = actual.get(name)
-        if got is None and want is None:
-            continue
         if got is None or want is None:
-            nonzero = got if want is None else want
-            if not bool(nonzero.count_nonzero()):
+            held = got if want is None else want
+            if held is None or (held.norm == 0 and held.nonfinite == 0):
                 continue
             return (f"parameter {name} gets {'no' if got is None else 'a'} gradient, where the model gives it "
                     f"{'none' if want is None else 'one'}")
-        scale = float(want.abs().max()) if want.numel() else 0.0
-        loose = max(1e-3, 8 * torch.finfo(want.dtype).eps)  # bfloat16 sums of another order differ more
-        if not torch.allclose(got, want, rtol=loose, atol=loose * scale):
-            most = float((got - want).abs().max())
-            return (f"parameter {name}'s gradient differs from the model's by up to {most:.3g} (the model's is "
-                    f"up to {scale:.3g})")
+        loose = max(1e-3, *(8 * torch.finfo(dtype).eps for dtype in (want.dtype, *narrowest)))
+        if got.nonfinite != want.nonfinite or abs(got.norm - want.norm) > loose * want.norm \
+                or abs(got.projected - want.projected) > 3 * loose * want.norm:
+            return (f"parameter {name}'s gradient differs from the model's (norm {got.norm:.4g} against "
+                    f"{want.norm:.4g}, largest {got.largest:.3g} against {want.largest:.3g})")
     return None
 
 
@@ -233,7 +273,7 @@ def capture_difference(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ..
     if problem or not (grad and torch.is_grad_enabled()):  # sharded under no_grad: for inference alone
         return problem
     graph = PlainInterpreter(gm)
-    return gradient_difference(model, lambda: graph.run(*_positional(gm, *cloned((args, kwargs)))), args, kwargs, seed)
+    return gradient_difference(model, lambda inputs: graph.run(*_positional(gm, *cloned(inputs))), args, kwargs, seed)
 
 
 def verify_stages(
@@ -307,7 +347,7 @@ def verify_stages(
         model, gm, other, seed, grad, rtol, atol, chained=lambda: chained(False, other))
     if problem:
         raise VerificationError(f"{problem}; {_REPORT}", stage=None)
-    problem = gradient_difference(model, lambda: chained(checked=False), args, kwargs, seed) \
+    problem = gradient_difference(model, lambda inputs: chained(False, inputs), args, kwargs, seed) \
         if grad and torch.is_grad_enabled() else None
     if problem:
         raise VerificationError(

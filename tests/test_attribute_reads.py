@@ -336,3 +336,13 @@ def test_a_model_whose_branches_torch_compile_traces_is_exported_without_the_rec
     result = autoshard.capture.capture(model, (x,))
     assert result.front_end == "export" and result.attributes_read == ()
     assert "__getattribute__" not in vars(nn.Module)
+
+
+def test_a_tuple_of_tensors_set_anew_is_computed_with():
+    torch.manual_seed(0)
+    model, x = _net(), torch.randn(3, 4)
+    model.first.offsets = (torch.zeros(4), torch.ones(4))
+    model.first.forward = lambda h: Block.forward(model.first, h + model.first.offsets[1])
+    sharded = autoshard.shard_model(model, 2, (x,))
+    model.first.offsets = (torch.zeros(4), torch.full((4,), 3.0))
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1

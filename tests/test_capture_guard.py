@@ -754,3 +754,17 @@ def test_a_function_or_nan_made_anew_for_each_call_is_served_by_the_first_captur
     assert torch.equal(sharded(x, act=_scaled_by(3.0), fill=float("nan")),
                        model(x, act=_scaled_by(3.0), fill=float("nan")))
     assert len(sharded.specializations) == 1
+
+
+def test_a_function_made_anew_over_a_dict_changed_in_place_is_another_constant():
+    """Its closure holds the captured function's own dict, changed since: compared by value, the two
+    were equal and the plan computed with the old setting (a helper's probe)."""
+    from autoshard.capture.structure import same_constant
+
+    settings = {"temperature": 2.0}
+
+    def made() -> object:
+        return lambda t: t * settings["temperature"]
+
+    assert same_constant(_scaled_by(2.0), _scaled_by(2.0)) and not same_constant(made(), made())
+    assert not same_constant(functools.partial(torch.mul, settings), functools.partial(torch.mul, settings))

@@ -994,3 +994,30 @@ def test_inputs_that_run_no_weight_of_a_stage_say_so_in_the_users_terms():
         sharded(x, n=2)
     assert "stage_ranges" not in str(info.value) and "pin" not in str(info.value)
     assert isinstance(info.value.__cause__, EmptyStageError)
+
+
+class CountsThroughAView(SizeBranch):
+    """Counts its calls through a view of the buffer, and samples from a generator of its own."""
+
+    def __init__(self, sampling: bool) -> None:
+        super().__init__()
+        self.sampling = sampling
+        self.register_buffer("calls", torch.zeros(2))
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        if self.sampling:
+            x = x + torch.randn(x.shape, generator=self.generator)
+        else:
+            self.calls[:1].add_(1)
+        return super().forward(x + self.calls[0], scale)
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_a_buffer_written_through_a_view_or_a_draw_from_a_generator_of_its_own_is_not_run_again(sampling):
+    """Shape propagation sees only the default generators draw, and the write lands on a view of the
+    buffer: both were run again, counting the call twice or drawing twice (a helper's probe)."""
+    model = CountsThroughAView(sampling).eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    with pytest.raises(SpecializationMismatch, match="update buffers|draw random"):
+        sharded(torch.randn(2, 8))

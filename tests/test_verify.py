@@ -581,3 +581,28 @@ def test_comparing_gradients_changes_no_grad_of_the_weights_or_the_example():
     model.b.weight.grad = torch.ones(8, 8)
     autoshard.shard_model(model, 2, (x,))
     assert x.grad is None and model.a.weight.grad is None and torch.equal(model.b.weight.grad, torch.ones(8, 8))
+
+
+class _NanAndSparse(nn.Module):
+    """A sparse embedding's gradient, and one that is nan (0 * inf): both compared, neither refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.a, self.b = nn.Embedding(10, 8, sparse=True), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.a(self.table(ids))
+        return self.b(h) + self.a.bias.sum() * float("inf") * 0
+
+
+def test_gradients_that_are_nan_or_sparse_are_compared_and_hooks_that_step_are_left_alone():
+    """A nan gradient raised on a negative tolerance and a sparse one on ``max`` (a helper's probe); a
+    weight's post-accumulate hook (an optimizer stepping in the backward) ran during sharding and
+    trained the model."""
+    torch.manual_seed(0)
+    model, ids = _NanAndSparse(), torch.randint(0, 10, (4, 3))
+    autoshard.shard_model(model, 2, (ids,))
+    steps, before = [], model.a.weight.detach().clone()
+    model.a.weight.register_post_accumulate_grad_hook(lambda p: steps.append(1) or p.data.sub_(p.grad))
+    autoshard.shard_model(model, 2, (ids,))
+    assert steps == [] and torch.equal(model.a.weight, before)

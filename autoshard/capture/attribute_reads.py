@@ -87,7 +87,7 @@ def checked_value(value: Any) -> bool:
     a plain attribute (``self.offset = torch.zeros(8)``) is compared by identity (the graph holds the
     one it read; changed in place, the graph sees it)."""
     if type(value) in (tuple, list):
-        return all(checked_value(item) and not isinstance(item, torch.Tensor) for item in value)
+        return all(map(checked_value, value))
     if type(value) is dict:
         return checked_value(tuple(value)) and checked_value(tuple(value.values()))
     return isinstance(value, _CHECKED)

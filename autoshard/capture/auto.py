@@ -141,6 +141,8 @@ def _best(captured: Mapping[str, TraceResult], differs: Callable[[str], str | No
     by_leaves = sorted(captured, key=lambda name: len(captured[name].wrapped_modules))  # stable
     stateful = _kept_for_state(list(captured.values()))
     fitting = [name for name in by_leaves if _keeps_whole(captured[name], stateful)] or by_leaves
+    if len(fitting) == 1:  # nothing to choose: verification compares it
+        return fitting[0]
     return next((name for name in fitting if not differs(name)), fitting[0])
 
 

@@ -101,31 +101,43 @@ def same_constant(value: Any, expected: Any) -> bool:
     if type(expected) is dict:
         return list(value) == list(expected) and all(map(same_constant, value.values(), expected.values()))
     if type(expected) is types.FunctionType:  # a lambda made anew for each call: the same code and closure
-        return (value.__code__ is expected.__code__ and value.__globals__ is expected.__globals__
-                and same_constant(value.__defaults__, expected.__defaults__)
-                and same_constant(value.__kwdefaults__, expected.__kwdefaults__)
-                and same_constant(_closed_over(value), _closed_over(expected)))
+        held = _function_values(expected)
+        return (value.__code__ is expected.__code__ and value.__globals__ is expected.__globals__ and _frozen(held)
+                and same_constant(_function_values(value), held))
     if type(expected) is functools.partial:
-        return (same_constant(value.func, expected.func) and same_constant(value.args, expected.args)
-                and same_constant(value.keywords, expected.keywords))
+        held = (expected.args, tuple(expected.keywords.items()))
+        return (value.func is expected.func and _frozen(held)
+                and same_constant((value.args, tuple(value.keywords.items())), held))
     try:
         return bool(value == expected)
     except Exception:  # noqa: BLE001 - an object without a usable == is only equal to itself
         return False
 
 
-def _closed_over(function: types.FunctionType) -> tuple[Any, ...]:
-    """The values ``function``'s closure holds now (a cell not yet filled: a marker of its own)."""
+def _function_values(function: types.FunctionType) -> tuple[Any, ...]:
+    """What ``function`` computes with besides its code and globals: its defaults, keyword defaults and
+    the values its closure holds now (a cell not yet filled: a marker of its own)."""
     values = []
     for cell in function.__closure__ or ():
         try:
             values.append(cell.cell_contents)
         except ValueError:
             values.append(_EMPTY_CELL)
-    return tuple(values)
+    return function.__defaults__, tuple((function.__kwdefaults__ or {}).items()), tuple(values)
 
 
 _EMPTY_CELL = object()
+
+
+def _frozen(value: Any) -> bool:
+    """Whether ``value`` cannot change in place: plain values, dtypes, devices, built-in functions and
+    classes, and tuples and dicts of them. What a function made anew closes over must be so to be
+    compared by value: a dict it shares with the captured one may have changed since (and a Python
+    function there, itself perhaps, is compared by identity only)."""
+    if type(value) is tuple:
+        return all(map(_frozen, value))
+    return value is None or value is _EMPTY_CELL or isinstance(value, (
+        *PLAIN_VALUES, bytes, torch.dtype, torch.device, types.BuiltinFunctionType, type))
 
 
 def _kind(leaf: Any) -> str:
