@@ -184,8 +184,8 @@ class _GradientSummary(NamedTuple):
 def _summary(grad: torch.Tensor, seed: int) -> _GradientSummary:
     grad = grad.to_dense() if grad.layout != torch.strided else grad
     finite = torch.isfinite(grad)
-    values = torch.where(finite, grad, 0).double()
-    direction = torch.randn(grad.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    values = torch.where(finite, grad, 0).float()
+    direction = torch.randn(grad.shape, generator=torch.Generator().manual_seed(seed))
     return _GradientSummary(int((~finite).sum()), float(values.norm()), float(values.abs().max()) if grad.numel()
                             else 0.0, float((values * direction.to(values.device)).sum()), grad.dtype)
 
@@ -229,7 +229,7 @@ def gradient_difference(model: nn.Module, run: Callable[[tuple[tuple[Any, ...], 
     where the model is sharded under ``torch.no_grad()`` (for inference alone), nor where a weight has
     a hook of its own (``_hooked``). ``run(inputs)`` runs them on ``inputs``: the example's, as
     leaves of their own, so that no gradient reaches the caller's tensors."""
-    if _hooked(model):
+    if _hooked(model) or any(p.is_meta for p in model.parameters()):  # (a model on meta has no values to compare)
         return None
     own = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
                    (args, kwargs))

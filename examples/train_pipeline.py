@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                 loss /= args.dp
             if parallel.dp_rank == 0:
                 print(f"step {step} loss {loss.item():.8e}", flush=True)
+    dist.barrier()  # no rank tears its connections down while another's last sends are in flight
     dist.destroy_process_group()
 
 
