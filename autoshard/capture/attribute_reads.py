@@ -83,9 +83,9 @@ def looked_up(holder: Any, name: str) -> tuple[Mapping[str, Any] | None, Any]:
 
 
 def checked_value(value: Any) -> bool:
-    """Whether a value read is one a check compares: plain, or a tuple of plain ones; a tensor kept as
-    a plain attribute (``self.offset = torch.zeros(8)``) is compared by identity (the graph holds the
-    one it read; changed in place, the graph sees it)."""
+    """Whether a value read is one a check compares: plain (``_CHECKED``), or a tuple, list or dict of
+    such; a tensor kept as a plain attribute (``self.offset = torch.zeros(8)``), also inside a tuple,
+    is compared by identity (the graph holds the one it read; changed in place, the graph sees it)."""
     if type(value) in (tuple, list):
         return all(map(checked_value, value))
     if type(value) is dict:
