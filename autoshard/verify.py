@@ -220,27 +220,29 @@ def _hooked(model: nn.Module) -> bool:
 
 
 def gradient_difference(model: nn.Module, run: Callable[[tuple[tuple[Any, ...], dict[str, Any]]], Any],
-                        args: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> str | None:
-    """Where the weights' gradients through ``run()`` (the graph, the stages) first differ from those
-    through the model, None where they agree. The forward values agree exactly by then; a backward may
-    still add in another order (a kernel the model's own path avoided), so the gradients are compared
+                        args: tuple[Any, ...], kwargs: dict[str, Any],
+                        seed: int) -> tuple[bool, str | None]:
+    """Whether the weights' gradients through ``run()`` (the graph, the stages) were compared with those
+    through the model, and where they first differ (None where they agree). The forward values agree
+    exactly by then; a backward may still add in another order (a kernel the model's own path avoided),
+    so the gradients are compared
     within a tolerance of their dtype, or autocast's (``loose``): what fails is a gradient lost (a tensor
     hook the forward registered, a ``detach`` the trace did not take), gained, or scaled. Not compared
     where the model is sharded under ``torch.no_grad()`` (for inference alone), nor where a weight has
     a hook of its own (``_hooked``). ``run(inputs)`` runs them on ``inputs``: the example's, as
     leaves of their own, so that no gradient reaches the caller's tensors."""
     if _hooked(model) or any(p.is_meta for p in model.parameters()):  # (a model on meta has no values to compare)
-        return None
+        return False, None
     own = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
                    (args, kwargs))
     try:
         expected = _gradients(model, lambda: model(*cloned(own[0]), **cloned(own[1])), seed)
     except Exception:  # noqa: BLE001 - the model's own backward fails here (a hook given no input gradient)
-        return None
+        return False, None
     try:
         actual = _gradients(model, lambda: run(own), seed)
     except Exception as exc:  # noqa: BLE001 - the model's ran: that is the difference
-        return f"the backward raises {type(exc).__name__}: {exc}, where the model's runs"
+        return True, f"the backward raises {type(exc).__name__}: {exc}, where the model's runs"
     cast = autocast_now()
     narrowest = [dtype for enabled, dtype in cast or () if enabled]
     for name, want in expected.items():
@@ -249,14 +251,14 @@ def gradient_difference(model: nn.Module, run: Callable[[tuple[tuple[Any, ...], 
             held = got if want is None else want
             if held is None or (held.norm == 0 and held.nonfinite == 0):
                 continue
-            return (f"parameter {name} gets {'no' if got is None else 'a'} gradient, where the model gives it "
-                    f"{'none' if want is None else 'one'}")
+            return True, (f"parameter {name} gets {'no' if got is None else 'a'} gradient, where the model "
+                          f"gives it {'none' if want is None else 'one'}")
         loose = max(1e-3, *(8 * torch.finfo(dtype).eps for dtype in (want.dtype, *narrowest)))
         if got.nonfinite != want.nonfinite or abs(got.norm - want.norm) > loose * want.norm \
                 or abs(got.projected - want.projected) > 3 * loose * want.norm:
-            return (f"parameter {name}'s gradient differs from the model's (norm {got.norm:.4g} against "
-                    f"{want.norm:.4g}, largest {got.largest:.3g} against {want.largest:.3g})")
-    return None
+            return True, (f"parameter {name}'s gradient differs from the model's (norm {got.norm:.4g} against "
+                          f"{want.norm:.4g}, largest {got.largest:.3g} against {want.largest:.3g})")
+    return bool(expected), None
 
 
 def capture_difference(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -273,7 +275,8 @@ def capture_difference(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ..
     if problem or not (grad and torch.is_grad_enabled()):  # sharded under no_grad: for inference alone
         return problem
     graph = PlainInterpreter(gm)
-    return gradient_difference(model, lambda inputs: graph.run(*_positional(gm, *cloned(inputs))), args, kwargs, seed)
+    return gradient_difference(model, lambda inputs: graph.run(*_positional(gm, *cloned(inputs))), args, kwargs,
+                               seed)[1]
 
 
 def verify_stages(
@@ -347,8 +350,8 @@ def verify_stages(
         model, gm, other, seed, grad, rtol, atol, chained=lambda: chained(False, other))
     if problem:
         raise VerificationError(f"{problem}; {_REPORT}", stage=None)
-    problem = gradient_difference(model, lambda inputs: chained(False, inputs), args, kwargs, seed) \
-        if grad and torch.is_grad_enabled() else None
+    gradients, problem = gradient_difference(model, lambda inputs: chained(False, inputs), args, kwargs, seed) \
+        if grad and torch.is_grad_enabled() else (False, None)
     if problem:
         raise VerificationError(
             f"the stages' gradients differ from the model's ({problem}): the capture lost or changed something "
@@ -357,7 +360,8 @@ def verify_stages(
             "the pipeline's first pass (pipeline=\"trace,...\" or \"export,...\"), or shard under "
             "torch.no_grad() for inference alone", stage=None)
     also = " and on other values of its shapes" if compared else ""
-    return f"{len(stages)} stages match the model on the example inputs{also} (rtol={rtol}, atol={atol})"
+    grads = "; their weights' gradients match the model's within their dtype's tolerance" if gradients else ""
+    return f"{len(stages)} stages match the model on the example inputs{also} (rtol={rtol}, atol={atol}){grads}"
 
 
 def other_values(inputs: Any, seed: int) -> Any:

@@ -43,6 +43,10 @@ def test_matching_stages_pass_and_report():
     gm = trace_with_leaves(model).graph_module
     summary = verify_stages(model, gm, list(sharded.stages), sharded.plan.boundaries, (x,), {})
     assert "3 stages match the model on the example inputs and on other values of its shapes" in summary
+    assert "their weights' gradients match the model's" in summary
+    with torch.no_grad():  # inference alone: no gradient compared, none claimed
+        summary = verify_stages(model, gm, list(sharded.stages), sharded.plan.boundaries, (x,), {})
+    assert "gradients" not in summary
 
 
 @pytest.mark.parametrize("broken", [0, 1])
