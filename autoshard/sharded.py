@@ -557,12 +557,13 @@ class _Binder:
             f"the example passed {', '.join(dropped)}, which these inputs leave out; pass "
             f"{'it' if len(dropped) == 1 else 'them'} as the example did") if dropped else None
         # the model's ``**kwargs`` in another order than the example's: its code may read them in order
-        var_keyword = [[key for key in value if key in parameters] for name, value in bound.items()
-                       if self.model_signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD]
-        reordered = bool(var_keyword) and var_keyword[0] != [name for name in parameters if name in var_keyword[0]]
+        var_keyword = next((value for name, value in bound.items()
+                            if self.model_signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD), {})
+        passed = [key for key in var_keyword if key in parameters]
+        reordered = passed != [name for name in parameters if name in var_keyword]
         if reordered and error is None:
-            error = TypeError(f"the model takes {', '.join(var_keyword[0])} as **kwargs, in another order than "
-                              "the example's, and its code may read them in order, which the capture fixed")
+            error = TypeError(f"the model takes {', '.join(passed)} as **kwargs, in another order than the "
+                              "example's, and its code may read them in order, which the capture fixed")
         try:
             self.signature.bind(**moved, **fills)
         except TypeError as exc:

@@ -48,7 +48,7 @@ from autoshard.errors import (
     AutoshardError, EmptyStageError, ExampleInputsError, InfeasibleSplitError, InputMismatchError,
     SpecializationMismatch, plural,
 )
-from autoshard.costs.facts import node_facts
+from autoshard.costs.facts import NodeFacts, node_facts
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
 
@@ -367,31 +367,30 @@ def runs_again_the_same(sharded: ShardedModel, last: nn.Module | None = None) ->
             if node.op == "get_attr" or (facts is not None and facts.aliases_input and isinstance(first, torch.fx.Node)
                                          and first.name in held):
                 held.add(node.name)
-            if _draws(stage, node) or _updates_buffers(stage, node, held):
+            if _draws(stage, node, facts) or _updates_buffers(stage, node, facts, held):
                 return False
         if stage is last:
             break
     return True
 
 
-def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Whether ``node`` may draw random numbers: not where shape propagation saw it draw nothing from
-    the default generators and it is given no generator of its own (an attention that may drop out,
-    called with ``dropout_p=0.0`` in eval mode)."""
-    facts = node_facts(node)
+def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: NodeFacts | None) -> bool:
+    """Whether ``node`` may draw random numbers: not where shape propagation saw it (``facts``) draw
+    nothing from the default generators and it is given no generator of its own (an attention that may
+    drop out, called with ``dropout_p=0.0`` in eval mode)."""
     if facts is not None and not facts.draws_random and "generator" not in node.kwargs:
         return False
     return draws_random(stage, node)
 
 
-def _updates_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node, held: set[str]) -> bool:
-    """Whether ``node`` writes in place (as shape propagation saw it) what ``held`` names (a buffer of
-    ``stage``, or a view of one: ``self.calls[:1].add_(1)``), or calls a module in training mode that
-    holds buffers."""
+def _updates_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: NodeFacts | None,
+                     held: set[str]) -> bool:
+    """Whether ``node`` writes in place (as shape propagation saw it: ``facts``) what ``held`` names (a
+    buffer of ``stage``, or a view of one: ``self.calls[:1].add_(1)``), or calls a module in training
+    mode that holds buffers."""
     if node.op == "call_module":
         return any(m.training and any(b is not None for b in m._buffers.values())
                    for m in stage.get_submodule(str(node.target)).modules())
-    facts = node_facts(node)
     return facts is not None and not held.isdisjoint(facts.written_inputs)
 
 

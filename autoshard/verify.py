@@ -220,18 +220,18 @@ def _hooked(model: nn.Module) -> bool:
 
 
 def gradient_difference(model: nn.Module, run: Callable[[tuple[tuple[Any, ...], dict[str, Any]]], Any],
-                        args: tuple[Any, ...], kwargs: dict[str, Any],
-                        seed: int) -> tuple[bool, str | None]:
+                        args: tuple[Any, ...], kwargs: dict[str, Any], seed: int,
+                        grad: bool) -> tuple[bool, str | None]:
     """Whether the weights' gradients through ``run()`` (the graph, the stages) were compared with those
     through the model, and where they first differ (None where they agree). The forward values agree
     exactly by then; a backward may still add in another order (a kernel the model's own path avoided),
-    so the gradients are compared
-    within a tolerance of their dtype, or autocast's (``loose``): what fails is a gradient lost (a tensor
-    hook the forward registered, a ``detach`` the trace did not take), gained, or scaled. Not compared
-    where the model is sharded under ``torch.no_grad()`` (for inference alone), nor where a weight has
-    a hook of its own (``_hooked``). ``run(inputs)`` runs them on ``inputs``: the example's, as
+    so the gradients are compared within a tolerance of their dtype, or autocast's (``loose``): what
+    fails is a gradient lost (a tensor hook the forward registered, a ``detach`` the trace did not
+    take), gained, or scaled. Not compared where the runs compared are without grad (``grad``) or the
+    model is sharded under ``torch.no_grad()`` (for inference alone), nor on meta, nor where a weight
+    has a hook of its own (``_hooked``). ``run(inputs)`` runs them on ``inputs``: the example's, as
     leaves of their own, so that no gradient reaches the caller's tensors."""
-    if _hooked(model) or any(p.is_meta for p in model.parameters()):  # (a model on meta has no values to compare)
+    if not (grad and torch.is_grad_enabled()) or _hooked(model) or any(p.is_meta for p in model.parameters()):
         return False, None
     own = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
                    (args, kwargs))
@@ -272,11 +272,11 @@ def capture_difference(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ..
     problem = first_difference(_graph_run(PlainInterpreter(gm), model, args, kwargs, seed, grad), expected, 0.0, 0.0)
     other = other_values((args, kwargs), seed)
     problem = problem or (None if other is None else other_values_difference(model, gm, other, seed, grad)[1])
-    if problem or not (grad and torch.is_grad_enabled()):  # sharded under no_grad: for inference alone
+    if problem:
         return problem
     graph = PlainInterpreter(gm)
     return gradient_difference(model, lambda inputs: graph.run(*_positional(gm, *cloned(inputs))), args, kwargs,
-                               seed)[1]
+                               seed, grad)[1]
 
 
 def verify_stages(
@@ -350,8 +350,7 @@ def verify_stages(
         model, gm, other, seed, grad, rtol, atol, chained=lambda: chained(False, other))
     if problem:
         raise VerificationError(f"{problem}; {_REPORT}", stage=None)
-    gradients, problem = gradient_difference(model, lambda inputs: chained(False, inputs), args, kwargs, seed) \
-        if grad and torch.is_grad_enabled() else (False, None)
+    gradients, problem = gradient_difference(model, lambda inputs: chained(False, inputs), args, kwargs, seed, grad)
     if problem:
         raise VerificationError(
             f"the stages' gradients differ from the model's ({problem}): the capture lost or changed something "

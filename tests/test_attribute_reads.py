@@ -254,14 +254,18 @@ class Settings:
 def test_class_attributes_unset_ones_and_nested_settings_are_checked(change, monkeypatch):
     monkeypatch.setattr(ClassDefaults, "scale", 2.0)
     torch.manual_seed(0)
-    model, x = ClassDefaults().eval(), torch.randn(3, 4)
+    _set_anew_and_served(ClassDefaults().eval(), change)
+
+
+def _set_anew_and_served(model: nn.Module, change) -> None:
+    """``change`` made to ``model`` after sharding changes its output, and a new capture serves it."""
+    x = torch.randn(3, 4)
     sharded = autoshard.shard_model(model, 2, (x,))
     before = sharded(x)
     change(model)
     after = model(x)
-    assert not torch.equal(before, after)
-    assert torch.equal(sharded(x), after)
-    assert len(sharded.specializations) == 1
+    assert not (before.dtype == after.dtype and torch.equal(before, after))
+    assert torch.equal(sharded(x), after) and len(sharded.specializations) == 1
 
 
 class SettingKinds(nn.Module):
@@ -299,13 +303,7 @@ class SettingKinds(nn.Module):
 ], ids=["dtype", "list", "dict", "partial", "nested-tuple", "numpy-scalar", "bound-method", "settings-replaced"])
 def test_settings_of_every_kind_set_anew_are_computed_with(change):
     torch.manual_seed(0)
-    model, x = SettingKinds().eval(), torch.randn(3, 4)
-    sharded = autoshard.shard_model(model, 2, (x,))
-    before = sharded(x)
-    change(model)
-    after = model(x)
-    assert not (before.dtype == after.dtype and torch.equal(before, after))
-    assert torch.equal(sharded(x), after) and len(sharded.specializations) == 1
+    _set_anew_and_served(SettingKinds().eval(), change)
 
 
 def test_an_equal_setting_set_anew_is_served_by_the_same_plan():
