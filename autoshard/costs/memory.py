@@ -793,6 +793,7 @@ def stage_memory(
         held = [infos[w] for node in nodes for w in payers[node]]
         parts = [model.weight_parts(info) for info in held]
         weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
+        weights += model.storage_bytes(held)
         if j == 0:
             received = sum(_scaled(dag, v, scale) for v in nodes if dag.nodes[v].get("input"))
         else:

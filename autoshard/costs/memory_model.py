@@ -394,6 +394,17 @@ class MemoryModel:
         gathered_weight, gathered_grad = self.gathered_parts(info)
         return info.nbytes / share + gathered_weight, gathered_grad, optimizer / share
 
+    def storage_bytes(self, held: Iterable[Weight]) -> float:
+        """What the stage's weights hold beyond their own bytes: a storage several of them view, or one
+        larger than the weight viewing it (``WeightInfo.storage``), is held whole, once. FSDP copies
+        parameters into shards of its own, so there it counts the storages of buffers alone."""
+        viewed: dict[str, float] = {}
+        for info in {id(info): info for info in held}.values():
+            storage = getattr(info, "storage", None)
+            if storage is not None and (self.data_parallel != "fsdp" or not is_parameter(info)):
+                viewed[storage] = viewed.get(storage, float(getattr(info, "storage_bytes", 0))) - info.nbytes
+        return sum(viewed.values())
+
     def state_bytes_per_element(self, info: Weight) -> float:
         """The optimizer's state bytes per element of a trainable weight: ``optimizer_bytes_per_param``
         when given, else its state tensors in the dtype of what it steps (``torch.optim`` makes them

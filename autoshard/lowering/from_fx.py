@@ -36,12 +36,13 @@ tensors (or model inputs) it is computed from, and it has no out-edges of its ow
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import networkx as nx
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.execution import COMPUTE_OPS
@@ -93,6 +94,10 @@ class WeightInfo:
     kind: str  # "parameter" or "buffer"
     trainable: bool
     device: str = "cpu"  # the device type it was on when planned: how torch.optim steps it by default
+    # where it views a storage not its own alone (a slice of a larger table, parameters viewing one flat
+    # buffer): that storage's name (its first weight's) and bytes, which a stage holding any view holds
+    storage: str | None = None
+    storage_bytes: int = 0
 
 
 def weight_infos(gm: fx.GraphModule, model: nn.Module | None = None) -> dict[str, WeightInfo]:
@@ -110,13 +115,34 @@ def weight_infos(gm: fx.GraphModule, model: nn.Module | None = None) -> dict[str
     for name, tensor in _named_tensors(model) if model is not None else ():
         if id(tensor) in aliases and name not in aliases[id(tensor)]:
             aliases[id(tensor)].append(name)
+    storages = _shared_storages({names[0]: tensors[key] for key, names in aliases.items()})
     return {
         names[0]: WeightInfo(
             tuple(names), tensors[key].numel(), tensors[key].numel() * tensors[key].element_size(),
             "parameter" if isinstance(tensors[key], nn.Parameter) else "buffer",
-            isinstance(tensors[key], nn.Parameter) and tensors[key].requires_grad, tensors[key].device.type)
+            isinstance(tensors[key], nn.Parameter) and tensors[key].requires_grad, tensors[key].device.type,
+            *storages.get(names[0], (None, 0)))
         for key, names in aliases.items()
     }
+
+
+def _shared_storages(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, int]]:
+    """Weight name -> (storage name, storage bytes) for the weights whose storage is not theirs alone:
+    larger or smaller than their own bytes, or viewed by another weight too. A storage is named
+    after its first weight."""
+    groups: dict[StorageWeakRef, list[str]] = {}
+    for name, tensor in tensors.items():
+        try:
+            groups.setdefault(StorageWeakRef(tensor.untyped_storage()), []).append(name)
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage: its own bytes
+            continue
+    shared = {}
+    for names in groups.values():
+        nbytes = tensors[names[0]].untyped_storage().nbytes()
+        own = tensors[names[0]].numel() * tensors[names[0]].element_size()
+        if len(names) > 1 or nbytes != own:
+            shared.update((name, (names[0], nbytes)) for name in names)
+    return shared
 
 
 def _tensors_read(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:

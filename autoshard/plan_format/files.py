@@ -183,7 +183,8 @@ class _Reader:
         aliases = self.names(self.get(obj, "aliases", list, where, [name]), f"{where}.aliases")
         return WeightInfo(aliases, self.get(obj, "numel", int, where), self.get(obj, "bytes", int, where),
                           self.get(obj, "kind", str, where, "parameter"), self.get(obj, "trainable", bool, where),
-                          self.get(obj, "device", str, where, "cpu"))
+                          self.get(obj, "device", str, where, "cpu"), self.get(obj, "storage", str, where, None),
+                          self.get(obj, "storage_bytes", int, where, 0))
 
     def time_estimate(self, obj: Any) -> DeviceModel | None:
         where = "time_estimate"

@@ -343,4 +343,5 @@ def _when_contiguous(facts: tuple[int, int, int, tuple[str, ...]] | None) -> lis
 
 def _weight_dict(info: WeightInfo) -> dict[str, Any]:
     return {"aliases": list(info.names), "numel": info.numel, "bytes": info.nbytes, "kind": info.kind,
-            "trainable": info.trainable, "device": info.device}
+            "trainable": info.trainable, "device": info.device,
+            **({"storage": info.storage, "storage_bytes": info.storage_bytes} if info.storage is not None else {})}
