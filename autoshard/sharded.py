@@ -16,7 +16,7 @@ from torch.nn.modules import module as module_state
 from torch.utils._pytree import tree_iter, tree_map
 
 from autoshard.isolation import PLAIN_VALUES
-from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
+from autoshard.capture.attribute_reads import ABSENT, AttributeRead, content_reads, looked_up
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
 from autoshard.capture.held_state import HOLDS, NO_KEY, Read
 from autoshard.capture.hooks_since import HooksAtCapture
@@ -192,23 +192,24 @@ class StateAtCapture:
                     f"the model's {self._where(read.holder, read.name)} was set to another "
                     f"{'tensor' if isinstance(read.value, torch.Tensor) else 'object'} since the stages were "
                     "captured, and they compute with the one it held then", before_compute=True)
-            if not same_constant(value, read.value):
+            if not same_constant(value, read.contents):
                 raise SpecializationMismatch(
                     f"the model's {self._where(read.holder, read.name)} {_reading(value)} now, but the stages were "
-                    f"captured when it {_reading(read.value, past=True)}, and its traced code took the path that "
+                    f"captured when it {_reading(read.contents, past=True)}, and its traced code took the path that "
                     "value chose",
                     before_compute=True)
 
     def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
         """``path=value`` for each attribute this capture read with another value than ``other`` did, and
         the hooks it held that ``other``'s did not (``forward hooks on h.3``)."""
-        theirs = {(id(read.holder), read.name): read.value for read in other.attributes}
+        theirs = {(id(read.holder), read.name): read.contents for read in other.attributes}
         by_kind: dict[str, list[str]] = {}
         for module, kind in self.hooks.held_unlike(other.hooks):
             by_kind.setdefault(kind, []).append(self._where(module, "") or "the model")
         hooks = tuple(f"{kind}s on {first_few(paths, 3)}" for kind, paths in by_kind.items())
-        return tuple(f"{self._where(read.holder, read.name)}={read.value!r}" for read in self.attributes
-                     if not same_constant(read.value, theirs.get((id(read.holder), read.name), read.value))) + hooks
+        changed = [read for read in self.attributes
+                   if not same_constant(read.contents, theirs.get((id(read.holder), read.name), read.contents))]
+        return tuple(f"{self._where(read.holder, read.name)}={read.contents!r}" for read in changed) + hooks
 
     def reads_now(self) -> tuple[list[Read], list[Any]]:
         """What a passing check reads, and what it finds there now: the modes, each attribute where it
@@ -225,6 +226,9 @@ class StateAtCapture:
             if where is not None:
                 reads.append((where, read.name, ""))
                 seen.append(value)
+                inside = content_reads(value)
+                reads += inside[0]
+                seen += inside[1]
         counter, kept = self.hooks.counter_read()
         return [*reads, *counter], [*seen, *kept]
 

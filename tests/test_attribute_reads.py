@@ -4,6 +4,7 @@ model is captured again (or the call refused), never run on the old value silent
 from __future__ import annotations
 
 import functools
+import math
 import types
 
 import numpy as np
@@ -275,7 +276,7 @@ class SettingKinds(nn.Module):
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
         self.out_dtype, self.scales, self.table = torch.float32, [1.0, 1.0], {"scale": 1.0}
-        self.act, self.nested, self.count = functools.partial(F.leaky_relu, negative_slope=0.1), ((1.0,),), np.int64(1)
+        self.act, self.nested, self.count = functools.partial(F.leaky_relu, negative_slope=0.1), ([1.0],), np.int64(1)
         self.step = self.plus
         self.config = Settings()
 
@@ -286,7 +287,7 @@ class SettingKinds(nn.Module):
         return x - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.a(x)) * self.scales[1] * self.table["scale"] * self.nested[0][0] * int(self.count)
+        h = self.act(self.a(x)) * math.prod(self.scales) * self.table["scale"] * self.nested[0][0] * int(self.count)
         h = self.step(h) if self.config.inner.relu else h
         return self.b(h).to(self.out_dtype)
 
@@ -300,7 +301,12 @@ class SettingKinds(nn.Module):
     lambda m: setattr(m, "count", np.int64(3)),
     lambda m: setattr(m, "step", m.minus),
     lambda m: setattr(m.config, "inner", types.SimpleNamespace(relu=False)),  # the object replaced
-], ids=["dtype", "list", "dict", "partial", "nested-tuple", "numpy-scalar", "bound-method", "settings-replaced"])
+    lambda m: m.scales.__setitem__(1, 3.0),  # changed in place: the same list, another item
+    lambda m: m.scales.append(3.0),
+    lambda m: m.table.update(scale=5.0),
+    lambda m: m.nested[0].__setitem__(0, 3.0),
+], ids=["dtype", "list", "dict", "partial", "nested-tuple", "numpy-scalar", "bound-method", "settings-replaced",
+        "list-in-place", "list-grown", "dict-in-place", "list-in-a-tuple-in-place"])
 def test_settings_of_every_kind_set_anew_are_computed_with(change):
     torch.manual_seed(0)
     _set_anew_and_served(SettingKinds().eval(), change)

@@ -18,8 +18,10 @@ are checked (numbers, flags, strings, None, enums, dtypes, devices, numpy scalar
 methods, partials, and tuples, lists and dicts of them), and by identity tensors kept as plain
 attributes (set anew, the graph would compute with the old one) and the model's settings objects
 (replaced, the reads of the old one's attributes would watch the wrong object): modules and
-parameters rebound are seen by ``capture.rebinding``; a list or dict changed in place is not seen,
-nor an object with ``__slots__`` or one kept in a list. A settings object of a built-in class
+parameters rebound are seen by ``capture.rebinding``. A tuple, list or dict is kept as it was read
+(``AttributeRead.contents``), and a call checks the length and items of its lists and dicts by identity
+(``content_reads``), so one changed in place captures again too. Not seen: a dict's keys reordered,
+its items the same, an object with ``__slots__``, and one kept in a list. A settings object of a built-in class
 (``types.SimpleNamespace``) takes no ``__getattribute__`` of ours: where the traced code reads one,
 all its plain attributes are checked.
 """
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from autoshard.capture.eager import swapped_attribute
+from autoshard.capture.held_state import LENGTH, NO_KEY, Read
 from autoshard.isolation import PLAIN_VALUES, settings_objects
 
 #: What ``nn.Module`` and its ``__init__`` set on every module: PyTorch's bookkeeping
@@ -66,6 +69,39 @@ class AttributeRead:
     name: str
     value: Any
     by_identity: bool = False
+    #: ``value`` as it was read, its tuples, lists and dicts copied: one changed in place since differs
+    contents: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "contents", copied(self.value))
+
+
+def copied(value: Any) -> Any:
+    """``value`` with its tuples, lists and dicts copied, item by item; anything else as it is."""
+    if type(value) in (tuple, list):
+        return type(value)(map(copied, value))
+    if type(value) is dict:
+        return {key: copied(item) for key, item in value.items()}
+    return value
+
+
+def content_reads(value: Any) -> tuple[list[Read], list[Any]]:
+    """The reads that tell whether a list or dict in ``value`` (at any depth) changed in place since:
+    its length and each item, by identity (``held_state.kept_check``'s), with what they find now."""
+    reads: list[Read] = []
+    seen: list[Any] = []
+    if type(value) in (list, dict):
+        reads.append((value, NO_KEY, LENGTH))
+        seen.append(len(value))
+    if type(value) in (tuple, list, dict):
+        for key, item in (value.items() if type(value) is dict else enumerate(value)):
+            if type(value) is not tuple:
+                reads.append((value, key, ""))
+                seen.append(item)
+            inner = content_reads(item)
+            reads += inner[0]
+            seen += inner[1]
+    return reads, seen
 
 
 def looked_up(holder: Any, name: str) -> tuple[Mapping[str, Any] | None, Any]:

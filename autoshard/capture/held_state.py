@@ -50,6 +50,8 @@ HOLDS = "in"
 #: A read's ``attribute`` that compares ``owner[key]`` with the value its one-item list ``expected``
 #: holds, which the check's owner moves on without writing the check anew (a counter).
 KEPT = "kept"
+#: A read's ``attribute`` that compares ``len(owner)`` with the value expected, by equality.
+LENGTH = "len"
 
 #: A module's hook dicts, as a hook registered on it is named.
 HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
@@ -64,13 +66,16 @@ GLOBAL_BACKWARD_HOOK_DICTS = GLOBAL_HOOK_DICTS[2:]
 Read = tuple[Any, Any, str]
 """``(owner, key, attribute)``: ``owner[key].attribute``, without the item when ``key`` is
 ``NO_KEY`` and without the attribute when it is empty; ``key in owner`` when it is ``HOLDS``;
-``owner[key]``, given with its list, when it is ``KEPT`` (``read`` does not take those)."""
+``owner[key]``, given with its list, when it is ``KEPT`` (``read`` does not take those); ``len(owner)``
+when it is ``LENGTH``."""
 
 
 def read(owner: Any, key: Any, attribute: str) -> Any:
     """What ``kept_check``'s code reads for ``(owner, key, attribute)`` (KeyError, AttributeError: gone)."""
     if attribute == HOLDS:
         return key in owner
+    if attribute == LENGTH:
+        return len(owner)
     value = owner if key is NO_KEY else owner[key]
     return getattr(value, attribute) if attribute else value
 
@@ -119,6 +124,9 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
             continue
         if attribute == KEPT:
             tests.append(f"o{index}[k{index}] is e{index}[0]")
+            continue
+        if attribute == LENGTH:
+            tests.append(f"len(o{index}) == e{index}")
             continue
         assert attribute in _ATTRIBUTES, attribute  # spelled out in the code: only names of ours
         tests.append(f"o{index}{f'[k{index}]' if keyed else ''}{f'.{attribute}' if attribute else ''} is e{index}")
