@@ -177,14 +177,16 @@ class StateAtCapture:
         now = list(map(_training, self.modules))
         if now != self.captured:
             check_mode(training, training, tuple(now), tuple(self.captured))
-        gained = self.hooks.gained()
-        if gained is not None:
-            module, kind = gained
+        changed = self.hooks.changed()
+        if changed is not None:
+            module, kind, held = changed
             path = self._where(module, "")
-            where = f"the model's {path} has a {kind}" if path else f"the model has a {kind}"
+            where = f"the model's {path}" if path else "the model"
             raise SpecializationMismatch(
-                f"{where} now, where the stages were captured through the model's code without one, so they would "
-                "not run it", before_compute=True)
+                f"{where} holds other {kind}s now than when the stages were captured through its code, so they "
+                "would run the ones it held then" if held else
+                f"{where} has a {kind} now, where the stages were captured through the model's code without one, "
+                "so they would not run it", before_compute=True)
         for read in self.attributes:
             value = looked_up(read.holder, read.name)[1]
             if (isinstance(read.value, torch.Tensor) or read.by_identity) and value is not read.value:

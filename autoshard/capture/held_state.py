@@ -161,44 +161,58 @@ def refuse_global_backward_hooks() -> None:
             "while calling the sharded model, or register the hook on the model's modules")
 
 
-class StayEmpty:
-    """Dicts that are to stay empty (hook dicts), watched cheaply. Every hook registration, a module's,
-    a tensor's or a global one, takes a new id from ``RemovableHandle.next_id``, so a passing check
-    compares that one counter by identity (``counter_read``), and only a moved counter makes it look
-    at the dicts (``after_difference``; then it keeps the new counter and checks its other reads
-    again). ``entries``: ``(what, namespace, name)``, ``namespace[name]`` to stay empty (those empty
-    now are kept); ``gained`` names the first that is not, by ``(what, name)``."""
+class StayAsCaptured:
+    """Dicts that are to stay as they were at capture (hook dicts), watched cheaply. Every hook
+    registration, a module's, a tensor's or a global one, takes a new id from ``RemovableHandle.next_id``,
+    so a passing check compares that one counter by identity (``counter_read``) and the length of each
+    dict that held items (a removal takes no id), and only a moved counter makes it look at the dicts
+    (``after_difference``; then it keeps the new counter and checks its other reads again).
+    ``entries``: ``(what, namespace, name)``, ``namespace[name]`` to stay empty where it is empty now;
+    with ``keep_held``, one that holds items now is to hold just those (hooks a capture traced into its
+    graph), else it is not watched. ``changed`` names the first that differs, by ``(what, name)``."""
 
-    def __init__(self, entries: Iterable[tuple[Any, Mapping[str, Any], str]]) -> None:
+    def __init__(self, entries: Iterable[tuple[Any, Mapping[str, Any], str]], keep_held: bool = False) -> None:
+        entries = tuple(entries)
         self.entries = tuple((what, namespace, name) for what, namespace, name in entries if not namespace.get(name))
+        self.held = tuple((what, namespace, name, namespace[name], tuple(namespace[name].items()))
+                          for what, namespace, name in entries if keep_held and namespace.get(name))
         self._seen = [RemovableHandle.next_id]  # the counter as the last passing check saw it
 
-    def gained(self) -> tuple[Any, str] | None:
+    def changed(self) -> tuple[Any, str] | None:
         for what, namespace, name in self.entries:
             if namespace.get(name):
+                return what, name
+        for what, namespace, name, held, items in self.held:
+            if namespace.get(name) is not held or tuple(held.items()) != items:
                 return what, name
         return None
 
     def counter_read(self) -> tuple[list[Read], list[Any]]:
-        """The read of the hook id counter a passing check makes, where dicts are to stay empty: compared
-        with the value the check keeps (``KEPT``), which ``after_difference`` moves on."""
-        if not self.entries:
+        """The reads a passing check makes, where dicts are to stay as they are: the counter, compared with
+        the value the check keeps (``KEPT``), which ``after_difference`` moves on, and each dict that held
+        items, and its length."""
+        if not self.entries and not self.held:
             return [], []
         self._seen[0] = RemovableHandle.next_id
-        return [(vars(RemovableHandle), "next_id", KEPT)], [self._seen]
+        reads: list[Read] = [(vars(RemovableHandle), "next_id", KEPT)]
+        seen: list[Any] = [self._seen]
+        for _, namespace, name, held, items in self.held:
+            reads += [(namespace, name, ""), (held, NO_KEY, LENGTH)]
+            seen += [held, len(items)]
+        return reads, seen
 
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """What a check that read the counter runs on a difference: where the counter moved (a hook was
-        registered somewhere) and no dict gained a hook, it keeps the counter as it is now and runs
+        registered somewhere) and no dict changed, it keeps the counter as it is now and runs
         ``again`` (the check, its other reads compared anew); else ``full``. So a model or runtime
         registering hooks on every call (FSDP, full backward hooks) costs a look at the dicts, not
         the full check."""
-        if not self.entries:
+        if not self.entries and not self.held:
             return full
         handles = vars(RemovableHandle)
 
         def after(flag: Any) -> Any:
-            if handles["next_id"] is not self._seen[0] and self.gained() is None:
+            if handles["next_id"] is not self._seen[0] and self.changed() is None:
                 self._seen[0] = handles["next_id"]
                 return again(flag)
             return full(flag)
@@ -209,7 +223,7 @@ class StayEmpty:
 _MODULE_CALL = (nn.Module.__call__, nn.Module._call_impl)
 
 
-def cheapest_calls(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], list[Read], list[Any], StayEmpty]:
+def cheapest_calls(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], list[Read], list[Any], StayAsCaptured]:
     """What a stage's code calls for each of ``modules`` (by path, in the order the stage calls them):
     the module's ``forward``, where ``nn.Module.__call__`` would call just that (``_call_impl``'s fast
     path: no hook on it or global, not compiled, ``__call__`` neither patched nor overridden), else
@@ -249,7 +263,7 @@ def cheapest_calls(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], li
     watched = GLOBAL_HOOK_DICTS if plain else GLOBAL_BACKWARD_HOOK_DICTS  # those refused, always
     entries = [*((module, vars(module), name) for module in plain for name in HOOK_DICTS),
                *((None, vars(module_state), name) for name in watched)]
-    return calls, reads, seen, StayEmpty(entries)
+    return calls, reads, seen, StayAsCaptured(entries)
 
 
 class HeldState:
