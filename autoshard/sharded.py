@@ -288,6 +288,7 @@ class ShardedModel(FixedDtypes):
         held = getattr(stages[0], HELD_STATE, None) if stages else None
         if held is not None:
             held.watch_model_state(self._state_at_capture)
+        self._first_held = held
         self._kept_binder = _KeptBinder()
         self.register_state_dict_post_hook(_under_model_keys)
         self.register_load_state_dict_pre_hook(_from_model_keys)
@@ -308,6 +309,13 @@ class ShardedModel(FixedDtypes):
         module in another mode (``InputMismatchError``), a plain attribute set to another value
         (``SpecializationMismatch``: another capture serves it)."""
         self.__dict__["_state_at_capture"].check_in_full(self.plan.training)
+
+    def state_holds(self) -> bool:
+        """Whether the first stage's check of the model's state passes as it stands, asked without
+        raising or checking in full (False on any difference, even one a full check would pass, such as
+        a hook registered anywhere, and before the plan's first call)."""
+        held = self._first_held
+        return held is not None and held.holds(held.owner.training)
 
     def attributes_unlike(self, other: ShardedModel) -> tuple[str, ...]:
         """``path=value`` for each plain attribute of the model this plan's code read with another

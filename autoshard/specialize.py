@@ -188,7 +188,8 @@ class Specializer:
         self._signature = forward_signature(model)
         self.example = self.structure(*example)  # what the first plan was captured for (not its tensors)
         self.specializations: list[Specialization] = []
-        self._last: dict[ShapeKey, ShardedModel] = {}
+        #: per served key, the plans that served it, the latest first
+        self._last: dict[ShapeKey, list[ShardedModel]] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         """A copy of the stages holds copies of the weights, which a capture of the model would not:
@@ -223,7 +224,10 @@ class Specializer:
                     self._check_rerun(primary, exc)
                 return self._specialized(primary, args, kwargs, exc, run)
         key = _served_key(args, kwargs)
-        first = self._last.get(key)
+        served = self._last.get(key, [])
+        # of those that served these shapes and modes, the one whose check of the model's state passes as
+        # it stands (a setting switched between calls: the plan made for it, without a refusal first)
+        first = next((plan for plan in served if plan.state_holds()), served[0] if served else None)
         failed: SpecializationMismatch | None = None
         for sharded in ([first] if first is not None else []) + [p for p in self._plans(primary) if p is not first]:
             try:
@@ -251,9 +255,9 @@ class Specializer:
                      in (None, grad) and captured_autocast(plan.stages) == autocast and _read_as_now(plan)), None)
 
     def _remember(self, key: ShapeKey, sharded: ShardedModel) -> None:
-        """Keep which plan served these shapes, for the last ``REMEMBERED_SHAPES`` shapes."""
-        self._last.pop(key, None)
-        self._last[key] = sharded
+        """Keep which plans served these shapes, the latest first, for the last ``REMEMBERED_SHAPES`` shapes."""
+        served = self._last.pop(key, [])
+        self._last[key] = [sharded, *(plan for plan in served if plan is not sharded)]
         if len(self._last) > REMEMBERED_SHAPES:
             del self._last[next(iter(self._last))]
 

@@ -16,8 +16,10 @@ forward + backward, where that ``Pipe`` gives the weights no gradients). Each va
 ``calls`` calls per repeat; the repeats are interleaved (eager, sharded, chained, pipeline(), eager, ...) so
 background load weighs on all alike, and the best repeat is kept. ``added / stage call`` is
 (sharded - eager) / k: what each stage call adds. Rows: an 8-layer MLP (width 64, batch 4) at
-k = 4, and its layers called on a dict of two tensors (``--only dict``: a container argument, which
-the input guard checks every call); the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4
+k = 4, its layers called on a dict of two tensors (``--only dict``: a container argument, which
+the input guard checks every call), and its layers after a setting switched before every call
+(``--only switched``: each call served by the plan made for the other setting than the last's;
+no chained column); the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4
 in a no_grad forward and in forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64,
 batch 2 x 32) at k = 2; and
 ``nn.TransformerEncoder`` (6 layers, width 256, batch 8 x 128) in eval mode under no_grad at k = 3,
@@ -72,6 +74,8 @@ class Row:
     args: tuple[Any, ...]
     stages: int
     backward: bool = False
+    #: a change made to the model before every call (of the model and of the sharded model alike)
+    between: Callable[[nn.Module], None] | None = None
 
 
 def _mlp_layers() -> nn.Sequential:
@@ -97,6 +101,28 @@ class _ReadsADict(nn.Module):
 def _dict_input() -> Row:
     return Row("dict input, 8x64 layers, batch 4", _ReadsADict().eval(),
                ({"x": torch.randn(4, 64), "y": torch.randn(4, 64)},), 4)
+
+
+class _SwitchesItsActivation(nn.Module):
+    """The MLP's layers, each followed by the activation a setting names: switched before every call
+    (``between``), so each call is served by the plan captured for the other setting than the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(8))
+        self.act = "relu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x)) if self.act == "relu" else torch.tanh(layer(x))
+        return x
+
+
+def _switched_setting() -> Row:
+    def switch(model: nn.Module) -> None:
+        model.act = "tanh" if model.act == "relu" else "relu"
+    return Row("setting switched every call, 8x64 layers, batch 4", _SwitchesItsActivation().eval(),
+               (torch.randn(4, 64),), 4, between=switch)
 
 
 def _gpt(backward: bool) -> Row:
@@ -161,6 +187,7 @@ def _encoder() -> Row:
 #: Every row, by name, built when it runs (``--only`` builds only its own).
 ROWS: dict[str, Callable[[], Row | None]] = {
     "MLP 8x64, batch 4": _mlp, "dict input, 8x64 layers, batch 4": _dict_input,
+    "setting switched every call, 8x64 layers, batch 4": _switched_setting,
     "GPT-style LM, no_grad forward": lambda: _gpt(False),
     "GPT-style LM, forward+backward": lambda: _gpt(True), "HF GPT-2 tiny, no_grad forward": _hf_gpt2,
     "nn.TransformerEncoder eval, no_grad": _encoder,
@@ -213,9 +240,18 @@ def _calls(row: Row, sharded: Any) -> dict[str, Callable[[], Any]]:
         return values
 
     calls = {"eager": lambda: row.model(*row.args), "sharded": lambda: sharded(*row.args), "chained": chained}
+    if row.between is not None:  # the stages of one plan serve one setting: no chaining them by hand
+        calls = {name: _after(row.between, row.model, fn) for name, fn in calls.items() if name != "chained"}
     if row.backward:
         return {name: _with_backward(fn) for name, fn in calls.items()}
     return calls
+
+
+def _after(change: Callable[[nn.Module], None], model: nn.Module, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def call() -> Any:
+        change(model)
+        return fn()
+    return call
 
 
 def _with_backward(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -231,9 +267,11 @@ def _variants(row: Row, sharded: Any) -> dict[str, Callable[[], Any] | str]:
         split: Callable[[], Any] | str = "n/a (no weight gradients)"
     elif _COUNTER is not None:
         split = "n/a (not counted)"
+    elif row.between is not None:
+        split = "n/a (one split serves one setting)"
     else:
         split = _pipeline_split(row.model, sharded, row.args)
-    return {**_calls(row, sharded), "pipeline()": split}
+    return {"chained": "n/a (one plan serves one setting)", **_calls(row, sharded), "pipeline()": split}
 
 
 def _sharded_on(row: Row, device: str) -> Any:
@@ -319,7 +357,7 @@ def syncs(row: Row) -> None:
             print(f"{row.name}, k={row.stages}, {name}: {len(found)} synchronising operations, "
                   f"{sum(launched[name].values())} kernels"
                   + "".join(f"\n    {site}" for site in dict.fromkeys(found)), flush=True)
-    for name in ("sharded", "chained"):
+    for name in (name for name in ("sharded", "chained") if name in launched):
         more, fewer = launched[name] - launched["eager"], launched["eager"] - launched[name]
         for sign, kernels in (("+", more), ("-", fewer)):
             for kernel, count in kernels.most_common(6):
@@ -344,7 +382,8 @@ _VARIANTS_COUNTED = ("eager", "sharded", "chained")
 def _counted(row: Row, variants: dict[str, Callable[[], Any] | str], calls: int) -> dict[str, Any]:
     """Dump the instructions of ``calls`` calls of each variant, ``_ROUNDS`` times, each labelled
     ``row|variant|calls``; the run outside valgrind reads the dumps (``_read_counts``)."""
-    regions = {"empty": lambda: None, **{name: variants[name] for name in _VARIANTS_COUNTED}}
+    counted = {name: variants[name] for name in _VARIANTS_COUNTED}
+    regions = {"empty": lambda: None, **{name: fn for name, fn in counted.items() if callable(fn)}}
     _COUNTER.start()
     for fn in regions.values():  # the code is instrumented again from here: run it once first
         fn()
@@ -390,7 +429,7 @@ def _count_instructions(argv: list[str]) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row, stages in _stage_counts(run.stdout):
         per = {name: statistics.median(counts[row, name]) - statistics.median(counts[row, "empty"])
-               for name in _VARIANTS_COUNTED}
+               if (row, name) in counts else float("nan") for name in _VARIANTS_COUNTED}
         print(f"| {row} | {stages} | {per['eager']:.0f} | {per['sharded']:.0f} | {per['chained']:.0f} "
               f"| {per['sharded'] / per['eager']:.3f} | {(per['sharded'] - per['eager']) / stages:.0f} |")
 

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 import autoshard
 from autoshard.capture.fx import trace_with_leaves
 from autoshard.errors import SpecializationMismatch
+from autoshard.sharded import StateAtCapture
 
 
 class Block(nn.Module):
@@ -310,6 +311,25 @@ class SettingKinds(nn.Module):
 def test_settings_of_every_kind_set_anew_are_computed_with(change):
     torch.manual_seed(0)
     _set_anew_and_served(SettingKinds().eval(), change)
+
+
+def test_a_setting_switched_between_calls_is_served_by_the_plan_made_for_it_without_a_full_check(monkeypatch):
+    """Each call tried the plan that served the last call of its shapes, whose check failed and ran in
+    full to raise, before the plan made for the setting ran: 1.5x the model's time on a small MLP."""
+    torch.manual_seed(0)
+    model, x = SettingKinds().eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    switched = ([1.0, 1.0], [1.0, 3.0])
+    for scales in switched * 2:  # each plan made, and called as it stands
+        model.scales = scales
+        sharded(x)
+    full = []
+    checked = StateAtCapture.check_in_full
+    monkeypatch.setattr(StateAtCapture, "check_in_full", lambda self, mode: full.append(1) or checked(self, mode))
+    for scales in switched * 3:
+        model.scales = scales
+        assert torch.equal(sharded(x), model(x))
+    assert full == [] and len(sharded.specializations) == 1
 
 
 def test_an_equal_setting_set_anew_is_served_by_the_same_plan():

@@ -345,12 +345,14 @@ class HeldState:
         """Check ``model_state`` (see ``model_state``) on every call from now on."""
         self.model_state = model_state
         self.check = self.check_in_full  # written anew on the next call
+        self.holds = _fails
 
     def refuse(self, reason: str) -> None:
         """Refuse every call from now on, saying ``reason``: the model rebound a module or parameter the
         stage calls (``capture.rebinding``)."""
         self.rebound = reason
         self.check = self.check_in_full
+        self.holds = _fails
 
     def _remember(self, training: bool) -> None:
         """Keep what a call that passed read, for the next call to compare with (``check``), and what
@@ -365,6 +367,7 @@ class HeldState:
             seen = [read(*each) for each in self.reads]
         except (KeyError, AttributeError):  # a parameter deleted or set to None
             self.check: Callable[[bool], dict[str, Any]] = self.check_in_full  # in full on every call
+            self.holds = _fails
             return
         counter, kept = empty.counter_read()
         reads, seen = [*self.reads, *call_reads, *counter], [*seen, *call_seen, *kept]
@@ -374,6 +377,10 @@ class HeldState:
             reads, seen = [*reads, *model_reads], [*seen, *model_seen]
             full = self.model_state.after_difference(full, self._check_again)
         self.check = kept_check(reads, seen, self.calls, full, training)
+        #: ``holds(training)``: whether ``check`` would pass at once, asked without raising or checking in
+        #: full (False on any difference, and before the first call): how a caller holding several plans
+        #: picks the one to run
+        self.holds: Callable[[bool], bool] = kept_check(reads, seen, True, _fails, training)
 
     def _check_again(self, training: bool) -> dict[str, Any]:
         return self.check(training)
