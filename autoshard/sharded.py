@@ -16,7 +16,7 @@ from torch.nn.modules import module as module_state
 from torch.utils._pytree import tree_iter, tree_map
 
 from autoshard.isolation import PLAIN_VALUES
-from autoshard.capture.attribute_reads import ABSENT, AttributeRead, content_reads, looked_up
+from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
 from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
 from autoshard.capture.held_state import HOLDS, NO_KEY, Read
 from autoshard.capture.hooks_since import HooksAtCapture
@@ -228,7 +228,7 @@ class StateAtCapture:
             if where is not None:
                 reads.append((where, read.name, ""))
                 seen.append(value)
-                inside = content_reads(value)
+                inside = read.content_reads(value)
                 reads += inside[0]
                 seen += inside[1]
         counter, kept = self.hooks.counter_read()

@@ -3,6 +3,7 @@ model is captured again (or the call refused), never run on the old value silent
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import types
@@ -311,6 +312,63 @@ class SettingKinds(nn.Module):
 def test_settings_of_every_kind_set_anew_are_computed_with(change):
     torch.manual_seed(0)
     _set_anew_and_served(SettingKinds().eval(), change)
+
+
+class _Tags(list):
+    pass
+
+
+class ContainerKinds(nn.Module):
+    """Settings in containers of other classes: an ``OrderedDict``, a list of a class of its own, a set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.table, self.tags, self.skip = collections.OrderedDict(scale=1.0), _Tags(["relu"]), {"none"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * self.table["scale"]
+        h = torch.relu(h) if self.tags[0] == "relu" else torch.tanh(h)
+        return self.b(h if "b" in self.skip else h + 1)
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.table.update(scale=2.0), lambda m: m.tags.__setitem__(0, "tanh"), lambda m: m.skip.add("b"),
+], ids=["ordered-dict", "list-subclass", "set"])
+def test_containers_of_other_classes_changed_in_place_are_computed_with(change):
+    """``copied`` and the checks took lists and dicts of those exact classes only: these were neither
+    kept as read nor compared, and the stages computed with the old items."""
+    torch.manual_seed(0)
+    _set_anew_and_served(ContainerKinds().eval(), change)
+
+
+class FillsItsOwnCache(nn.Module):
+    """A forward that changes the containers it reads: a cache filled by length (rotary embeddings'), a
+    log appended to on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.cache: dict[int, torch.Tensor] = {}
+        self.log: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if n not in self.cache:
+            self.cache[n] = torch.arange(n, dtype=torch.float32)[:, None]
+        self.log.append(n)
+        return self.b(self.a(x) + self.cache[n])
+
+
+def test_a_container_the_forward_changes_itself_is_watched_by_identity_only():
+    """Kept as read and compared, the cache and the log differed at verification (the capture refused
+    the model) and on every call after."""
+    torch.manual_seed(0)
+    model, x = FillsItsOwnCache(), torch.randn(2, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    for _ in range(3):
+        assert torch.equal(sharded(x), model(x))
+    assert sharded.specializations == ()
 
 
 def test_a_setting_switched_between_calls_is_served_by_the_plan_made_for_it_without_a_full_check(monkeypatch):

@@ -506,3 +506,32 @@ def test_the_tightened_budgets_are_split_without_moves_and_the_fitting_ones_agai
     again = [(budgets, split) for moves, budgets, split in calls if moves and budgets in tightened]
     assert again and again[-1][1] == dict(plan.assignment)
     assert peak_memory(plan.dag, plan.assignment, k) <= budget
+
+
+class _ExpandedBuffer(nn.Module):
+    """Twelve small layers beside a buffer expanded from one row (stride 0): 4 MiB by its shape, 64 bytes
+    of storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(12))
+        self.register_buffer("pos", torch.zeros(1, 16).expand(65536, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x)) + self.pos[:8]
+        return x
+
+
+def test_a_weight_charged_by_its_storage_is_charged_no_more_in_the_search_floor(k=4):
+    """The floor charged the expanded buffer its 4 MiB of shape while each stage holding it holds 64 bytes:
+    a budget the unbudgeted plan fits was refused as needing 4 MB in all."""
+    torch.manual_seed(0)
+    model, x = _ExpandedBuffer(), torch.randn(8, 16)
+    memory = autoshard.MemoryModel(microbatches=4)
+    unbudgeted = autoshard.shard_model(model, k, example_inputs=(x,), memory_model=memory, pipeline=PLAN_ONLY).plan
+    need = max(s.total for s in stage_memory(unbudgeted.dag, unbudgeted.assignment, k, memory))
+    assert need < 65536 * 16 * 4 / 8
+    planned = autoshard.shard_model(model, k, example_inputs=(x,), memory_model=memory, max_memory=need,
+                                    pipeline=PLAN_ONLY).plan
+    assert max(s.total for s in stage_memory(planned.dag, planned.assignment, k, memory)) <= need

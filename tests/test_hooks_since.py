@@ -84,6 +84,24 @@ def test_a_hook_traced_into_the_graph_and_removed_or_replaced_is_not_run(front_e
     handle.remove()
 
 
+def test_the_same_hook_registered_again_each_step_is_served_by_one_capture():
+    """A hook held at capture was compared by its handle's id, which each registration takes anew: a
+    hook added and removed around every step made a new capture each step, up to the limit, then a
+    refusal."""
+    model = _Branching()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+
+    def doubled(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out * 2
+    for step in range(12):
+        handle = model.layers[1].register_forward_hook(doubled, with_kwargs=False)
+        assert torch.equal(sharded(X), model(X))
+        handle.remove()
+        if step % 3 == 0:
+            assert torch.equal(sharded(X), model(X))
+    assert len(sharded.specializations) == 1
+
+
 class _Wrapped(nn.Module):
     """Its layers under a child named ``model``, as in Transformers' ``LlamaForCausalLM``."""
 

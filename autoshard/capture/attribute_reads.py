@@ -18,10 +18,12 @@ are checked (numbers, flags, strings, None, enums, dtypes, devices, numpy scalar
 methods, partials, and tuples, lists and dicts of them), and by identity tensors kept as plain
 attributes (set anew, the graph would compute with the old one) and the model's settings objects
 (replaced, the reads of the old one's attributes would watch the wrong object): modules and
-parameters rebound are seen by ``capture.rebinding``. A tuple, list or dict is kept as it was read
-(``AttributeRead.contents``), and a call checks the length and items of its lists and dicts by identity
-(``content_reads``), so one changed in place captures again too. Not seen: a dict's keys reordered,
-its items the same, an object with ``__slots__``, and one kept in a list. A settings object of a built-in class
+parameters rebound are seen by ``capture.rebinding``. A container is kept as it was read
+(``AttributeRead.contents``: its lists, dicts and sets copied), and a call compares it with the one
+held now (``content_reads``: one ``==``), so one changed in place captures again too; one the
+capture's own runs changed (a cache the forward fills) is watched by identity only. Not seen: the
+keys of a plain dict reordered, its items the same (``==`` ignores their order), an object with
+``__slots__``, and one kept in a list. A settings object of a built-in class
 (``types.SimpleNamespace``) takes no ``__getattribute__`` of ours: where the traced code reads one,
 all its plain attributes are checked.
 """
@@ -31,8 +33,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import operator
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -40,7 +43,8 @@ import torch
 from torch import nn
 
 from autoshard.capture.eager import swapped_attribute
-from autoshard.capture.held_state import LENGTH, NO_KEY, Read
+from autoshard.capture.held_state import EQUALS, NO_KEY, Read
+from autoshard.capture.structure import same_constant
 from autoshard.isolation import PLAIN_VALUES, settings_objects
 
 #: What ``nn.Module`` and its ``__init__`` set on every module: PyTorch's bookkeeping
@@ -63,45 +67,43 @@ ABSENT: Any = _Absent()
 class AttributeRead:
     """``holder.name`` read by traced code, and the ``value`` it read (the graph took its path;
     ``ABSENT``: it had none). ``by_identity``: the value is one of the model's settings objects, whose
-    own attributes the graph read: another object there, even an equal one, is not the one watched."""
+    own attributes the graph read: another object there, even an equal one, is not the one watched.
+    ``contents``: the value as it was read, the lists, dicts and sets in it copied (``copied``), so
+    that one changed in place since differs; the value itself where nothing in it is copied, or where
+    the capture's own runs changed it (a cache the forward fills: only another object there counts)."""
 
     holder: Any
     name: str
     value: Any
     by_identity: bool = False
-    #: ``value`` as it was read, its tuples, lists and dicts copied: one changed in place since differs
     contents: Any = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "contents", copied(self.value))
+    def content_reads(self, now: Any) -> tuple[list[Read], list[Any]]:
+        """The read that tells whether ``now``, the container held where the value was read (a check in
+        full found it equal to ``contents``), is changed in place later: ``now == contents`` (one C-level
+        comparison, item by item), with what it finds now; none where the contents are the value itself."""
+        if self.contents is self.value:
+            return [], []
+        return [(now, NO_KEY, EQUALS)], [self.contents]
 
 
 def copied(value: Any) -> Any:
-    """``value`` with its tuples, lists and dicts copied, item by item; anything else as it is."""
-    if type(value) in (tuple, list):
-        return type(value)(map(copied, value))
-    if type(value) is dict:
-        return {key: copied(item) for key, item in value.items()}
-    return value
-
-
-def content_reads(value: Any) -> tuple[list[Read], list[Any]]:
-    """The reads that tell whether a list or dict in ``value`` (at any depth) changed in place since:
-    its length and each item, by identity (``held_state.kept_check``'s), with what they find now."""
-    reads: list[Read] = []
-    seen: list[Any] = []
-    if type(value) in (list, dict):
-        reads.append((value, NO_KEY, LENGTH))
-        seen.append(len(value))
-    if type(value) in (tuple, list, dict):
-        for key, item in (value.items() if type(value) is dict else enumerate(value)):
-            if type(value) is not tuple:
-                reads.append((value, key, ""))
-                seen.append(item)
-            inner = content_reads(item)
-            reads += inner[0]
-            seen += inner[1]
-    return reads, seen
+    """``value`` with the lists, dicts and sets in it copied, of their own class, item by item (a tuple
+    only where it holds one); anything else as it is, and a container whose class a copy cannot be
+    made of, or not an equal one (a subclass of its own making), too."""
+    if isinstance(value, dict):
+        items: Any = {key: copied(item) for key, item in value.items()}
+    elif isinstance(value, (tuple, list, set, frozenset)):
+        items = [copied(item) for item in value]
+        if isinstance(value, (tuple, frozenset)) and all(map(operator.is_, items, value)):
+            return value  # nothing in it changes in place
+    else:
+        return value
+    try:
+        copy = value._make(items) if isinstance(value, tuple) and hasattr(value, "_make") else type(value)(items)
+    except Exception:  # noqa: BLE001 - a class made otherwise: watched by identity alone
+        return value
+    return copy if same_constant(copy, value) else value
 
 
 def looked_up(holder: Any, name: str) -> tuple[Mapping[str, Any] | None, Any]:
@@ -119,12 +121,13 @@ def looked_up(holder: Any, name: str) -> tuple[Mapping[str, Any] | None, Any]:
 
 
 def checked_value(value: Any) -> bool:
-    """Whether a value read is one a check compares: plain (``_CHECKED``), or a tuple, list or dict of
-    such; a tensor kept as a plain attribute (``self.offset = torch.zeros(8)``), also inside a tuple,
-    is compared by identity (the graph holds the one it read; changed in place, the graph sees it)."""
-    if type(value) in (tuple, list):
+    """Whether a value read is one a check compares: plain (``_CHECKED``), or a tuple, list, set or dict
+    (of any class of theirs) of such; a tensor kept as a plain attribute (``self.offset = torch.zeros(8)``),
+    also inside a container, is compared by identity (the graph holds the one it read; changed in
+    place, the graph sees it)."""
+    if isinstance(value, (tuple, list, set, frozenset)):
         return all(map(checked_value, value))
-    if type(value) is dict:
+    if isinstance(value, dict):
         return checked_value(tuple(value)) and checked_value(tuple(value.values()))
     return isinstance(value, _CHECKED)
 
@@ -159,12 +162,18 @@ class AttributeReads:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[AttributeReads]:
+        """Record while active; at its end (before the capture puts the model back), a container the
+        traced code changed since reading it (a cache the forward fills, a log it appends to) is kept
+        to be watched by identity only: its contents are the call's own doing."""
         with contextlib.ExitStack() as stack:
             for cls in self.classes:
                 if not cls.__flags__ & _IMMUTABLE_TYPE:
                     recorder = self._recorder(cls.__getattribute__)
                     stack.enter_context(swapped_attribute(cls, "__getattribute__", recorder))
             yield self
+        changed = [key for key, read in self.first.items() if not same_constant(copied(read.value), read.contents)]
+        for key in changed:
+            self.first[key] = replace(self.first[key], contents=self.first[key].value)
 
     def _recorder(self, original: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
         first, paused, holders = self.first, self.paused, self.holders
@@ -181,7 +190,7 @@ class AttributeReads:
                 raise
             if (id(holder), name) not in first and looked_up(holder, name)[1] is value \
                     and (checked_value(value) or (id(value) in holders and not isinstance(value, nn.Module))):
-                first[(id(holder), name)] = AttributeRead(holder, name, value, by_identity=not checked_value(value))
+                first[(id(holder), name)] = AttributeRead(holder, name, value, not checked_value(value), copied(value))
             if id(value) in unwatched:
                 read_whole[id(value)] = value
             return value
@@ -191,7 +200,7 @@ class AttributeReads:
         """The reads a graph fixed, once the capture has set the model back: not of attributes the
         trace wrote (``written``: ``(id(module), name)``, filled as it writes), and of values the model
         holds again (not a stand-in the capture installed for the trace, nor a value the trace set)."""
-        whole = [AttributeRead(holder, name, value) for holder in self.read_whole.values()
+        whole = [AttributeRead(holder, name, value, contents=copied(value)) for holder in self.read_whole.values()
                  for name, value in vars(holder).items() if checked_value(value)]
         return tuple(read for read in [*self.first.values(), *whole]
                      if (id(read.holder), read.name) not in self.written

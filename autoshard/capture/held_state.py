@@ -34,6 +34,7 @@ from torch.nn.modules import module as module_state
 from torch.utils.hooks import RemovableHandle
 
 from autoshard.capture.guard import _converts, check_mode, check_weight_dtypes
+from autoshard.capture.structure import same_constant
 from autoshard.errors import InputMismatchError
 
 _training = operator.attrgetter("training")
@@ -50,8 +51,8 @@ HOLDS = "in"
 #: A read's ``attribute`` that compares ``owner[key]`` with the value its one-item list ``expected``
 #: holds, which the check's owner moves on without writing the check anew (a counter).
 KEPT = "kept"
-#: A read's ``attribute`` that compares ``len(owner)`` with the value expected, by equality.
-LENGTH = "len"
+#: A read's ``attribute`` that compares ``owner`` with the value expected by equality (``==``), not identity.
+EQUALS = "=="
 
 #: A module's hook dicts, as a hook registered on it is named.
 HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
@@ -66,16 +67,14 @@ GLOBAL_BACKWARD_HOOK_DICTS = GLOBAL_HOOK_DICTS[2:]
 Read = tuple[Any, Any, str]
 """``(owner, key, attribute)``: ``owner[key].attribute``, without the item when ``key`` is
 ``NO_KEY`` and without the attribute when it is empty; ``key in owner`` when it is ``HOLDS``;
-``owner[key]``, given with its list, when it is ``KEPT`` (``read`` does not take those); ``len(owner)``
-when it is ``LENGTH``."""
+``owner[key]``, given with its list, when it is ``KEPT`` (``read`` does not take those); ``owner``, compared
+by equality, when it is ``EQUALS``."""
 
 
 def read(owner: Any, key: Any, attribute: str) -> Any:
     """What ``kept_check``'s code reads for ``(owner, key, attribute)`` (KeyError, AttributeError: gone)."""
     if attribute == HOLDS:
         return key in owner
-    if attribute == LENGTH:
-        return len(owner)
     value = owner if key is NO_KEY else owner[key]
     return getattr(value, attribute) if attribute else value
 
@@ -125,8 +124,8 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
         if attribute == KEPT:
             tests.append(f"o{index}[k{index}] is e{index}[0]")
             continue
-        if attribute == LENGTH:
-            tests.append(f"len(o{index}) == e{index}")
+        if attribute == EQUALS:
+            tests.append(f"o{index} == e{index}")
             continue
         assert attribute in _ATTRIBUTES, attribute  # spelled out in the code: only names of ours
         tests.append(f"o{index}{f'[k{index}]' if keyed else ''}{f'.{attribute}' if attribute else ''} is e{index}")
@@ -136,7 +135,7 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
               + "        try:\n"
               + f"            if {' and '.join(tests) or 'True'}:\n"
               + "                return passed\n"
-              + "        except (KeyError, AttributeError):\n"
+              + "        except Exception:\n"  # KeyError, AttributeError: gone; from ==, anything: checked in full
               + "            pass\n"
               + "        return full(flag)\n"
               + "    return check\n")
@@ -162,19 +161,19 @@ def refuse_global_backward_hooks() -> None:
 
 
 class StayAsCaptured:
-    """Dicts that are to stay as they were at capture (hook dicts), watched cheaply. Every hook
-    registration, a module's, a tensor's or a global one, takes a new id from ``RemovableHandle.next_id``,
-    so a passing check compares that one counter by identity (``counter_read``) and the length of each
-    dict that held items (a removal takes no id), and only a moved counter makes it look at the dicts
+    """Hook dicts that are to stay as they were at capture, watched cheaply. Every hook registration, a
+    module's, a tensor's or a global one, takes a new id from ``RemovableHandle.next_id``, so a passing
+    check compares that one counter by identity (``counter_read``) and each dict that held hooks with a
+    copy (a removal takes no id), and only a moved counter makes it look at the dicts
     (``after_difference``; then it keeps the new counter and checks its other reads again).
     ``entries``: ``(what, namespace, name)``, ``namespace[name]`` to stay empty where it is empty now;
-    with ``keep_held``, one that holds items now is to hold just those (hooks a capture traced into its
-    graph), else it is not watched. ``changed`` names the first that differs, by ``(what, name)``."""
+    with ``keep_held``, one that holds hooks now is to run just those (hooks a capture traced into its
+    graph: ``_hooks``), else it is not watched. ``changed`` names the first that differs, by ``(what, name)``."""
 
     def __init__(self, entries: Iterable[tuple[Any, Mapping[str, Any], str]], keep_held: bool = False) -> None:
         entries = tuple(entries)
         self.entries = tuple((what, namespace, name) for what, namespace, name in entries if not namespace.get(name))
-        self.held = tuple((what, namespace, name, namespace[name], tuple(namespace[name].items()))
+        self.held = tuple((what, namespace, name, _hooks(namespace, name))
                           for what, namespace, name in entries if keep_held and namespace.get(name))
         self._seen = [RemovableHandle.next_id]  # the counter as the last passing check saw it
 
@@ -182,23 +181,24 @@ class StayAsCaptured:
         for what, namespace, name in self.entries:
             if namespace.get(name):
                 return what, name
-        for what, namespace, name, held, items in self.held:
-            if namespace.get(name) is not held or tuple(held.items()) != items:
+        for what, namespace, name, hooks in self.held:
+            if not same_constant(_hooks(namespace, name), hooks):
                 return what, name
         return None
 
     def counter_read(self) -> tuple[list[Read], list[Any]]:
         """The reads a passing check makes, where dicts are to stay as they are: the counter, compared with
         the value the check keeps (``KEPT``), which ``after_difference`` moves on, and each dict that held
-        items, and its length."""
+        hooks, and a copy of it as it is now (``EQUALS``)."""
         if not self.entries and not self.held:
             return [], []
         self._seen[0] = RemovableHandle.next_id
         reads: list[Read] = [(vars(RemovableHandle), "next_id", KEPT)]
         seen: list[Any] = [self._seen]
-        for _, namespace, name, held, items in self.held:
-            reads += [(namespace, name, ""), (held, NO_KEY, LENGTH)]
-            seen += [held, len(items)]
+        for _, namespace, name, _ in self.held:
+            now = namespace[name]
+            reads += [(namespace, name, ""), (now, NO_KEY, EQUALS)]
+            seen += [now, now.copy()]
         return reads, seen
 
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -217,6 +217,14 @@ class StayAsCaptured:
                 return again(flag)
             return full(flag)
         return after
+
+
+def _hooks(namespace: Mapping[str, Any], name: str) -> tuple[tuple[Any, bool, bool], ...]:
+    """What the hook dict ``namespace[name]`` runs: each hook, in order, with whether it takes keyword
+    arguments and is always called (flags a module keeps by the hook's id, ``_forward_hooks_with_kwargs``):
+    the same hook registered again (a new id) runs the same."""
+    flags = [namespace.get(f"{name}{kind}") or {} for kind in ("_with_kwargs", "_always_called")]
+    return tuple((hook, *(key in flag for flag in flags)) for key, hook in (namespace.get(name) or {}).items())
 
 
 #: What ``nn.Module.__call__`` runs, as torch defines it (a profiler or fx's tracer may patch it).

@@ -291,15 +291,17 @@ def node_state_bytes(
     assignment: Mapping[str, int] | None = None, gradients: bool = True,
 ) -> dict[str, float]:
     """Per node: weight, gradient (unless ``gradients`` is False) and optimizer state of the weights
-    charged to it.
+    charged to it, a weight viewing a storage with others its share of it at most (``storage_shares``:
+    so that these sum to no more than a stage holds, as a floor must).
 
     Which reader of a shared weight is charged follows ``costs.ties.weight_payers``.
     """
     infos = dag.graph["weights"]
+    shares = model.storage_shares(infos.values())
 
     def held(info: Weight) -> float:
         weight, gradient, optimizer = model.weight_parts(info)
-        return weight + optimizer + (gradient if gradients else 0.0)
+        return min(weight, shares.get(id(info), weight)) + optimizer + (gradient if gradients else 0.0)
     return {node: sum(held(infos[w]) for w in paid) for node, paid in weight_payers(dag, apart, assignment).items()}
 
 

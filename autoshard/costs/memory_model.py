@@ -396,14 +396,26 @@ class MemoryModel:
 
     def storage_bytes(self, held: Iterable[Weight]) -> float:
         """What the stage's weights hold beyond their own bytes: a storage several of them view, or one
-        larger than the weight viewing it (``WeightInfo.storage``), is held whole, once. FSDP copies
-        parameters into shards of its own, so there it counts the storages of buffers alone."""
-        viewed: dict[str, float] = {}
-        for info in {id(info): info for info in held}.values():
+        larger than the weight viewing it (``WeightInfo.storage``), is held whole, once."""
+        return sum(float(getattr(group[0], "storage_bytes", 0)) - sum(info.nbytes for info in group)
+                   for group in self._by_storage(held))
+
+    def storage_shares(self, infos: Iterable[Weight]) -> dict[int, float]:
+        """By ``id``, the even share of its storage of each weight ``storage_bytes`` counts by storage: a
+        stage holding any of them holds at least its share, and all of their shares sum to the storage
+        (a stride-0 buffer's own bytes may be thousands of times its storage)."""
+        return {id(info): float(getattr(info, "storage_bytes", 0)) / len(group)
+                for group in self._by_storage(infos) for info in group}
+
+    def _by_storage(self, infos: Iterable[Weight]) -> list[list[Weight]]:
+        """The distinct weights that view a storage counted whole, grouped by it. FSDP copies parameters
+        into shards of its own, so there only buffers."""
+        groups: dict[str, dict[int, Weight]] = {}
+        for info in infos:
             storage = getattr(info, "storage", None)
             if storage is not None and (self.data_parallel != "fsdp" or not is_parameter(info)):
-                viewed[storage] = viewed.get(storage, float(getattr(info, "storage_bytes", 0))) - info.nbytes
-        return sum(viewed.values())
+                groups.setdefault(storage, {})[id(info)] = info
+        return [list(group.values()) for group in groups.values()]
 
     def state_bytes_per_element(self, info: Weight) -> float:
         """The optimizer's state bytes per element of a trainable weight: ``optimizer_bytes_per_param``

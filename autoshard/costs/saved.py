@@ -1107,11 +1107,23 @@ class TrainingProbe:
         found = self.gradient_layouts.get(id(t))
         return found[1] if found is not None and found[1] is not None and found[1] != new_strides(t) else None
 
+    def _unused(self) -> set[str]:
+        """The nodes whose value no output depends on (a result computed and dropped), by the graph's uses,
+        and that write into nothing in place: nothing holds their autograd nodes once the forward has run,
+        so what they save is freed with them (counted, a dead branch's activations were 1.2x measured)."""
+        live: set[str] = set()
+        for node in reversed(self.gm.graph.nodes):
+            if node.op == "output" or node.name in self.writes or any(user.name in live for user in node.users):
+                live.add(node.name)
+        return {node.name for node in self.gm.graph.nodes if node.name not in live}
+
     def facts(self) -> dict[str, SavedFacts]:
         """``SavedFacts`` of every compute node probed so far; none for a node fake tensors could not
         run, so the memory model falls back to its output's bytes rather than count nothing saved."""
         values = {node.name: value for node, value in self.twins.items()}
-        return {name: SavedFacts(self.saved.get(name, 0), self.saved_output(name), self.grad[name],
+        unused = self._unused()
+        return {name: SavedFacts(0 if name in unused else self.saved.get(name, 0),
+                                 0 if name in unused else self.saved_output(name), self.grad[name],
                                  self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
                                  self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
                                  self.forward.get(name), self.strided_grads.get(name, ()),
