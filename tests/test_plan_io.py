@@ -167,6 +167,17 @@ def test_rebuild_pipeline_swaps_the_split_and_can_drop_verify(residual, saved):
     assert "verify" not in [step.name for step in rebuild_pipeline(plan, saved, verify=False)]
 
 
+@pytest.mark.parametrize("constraint", [{"cut_before": ["2"]}, {"pin": {"0": 0}}, {"no_split": ["1"]}])
+def test_a_plan_made_under_constraints_loads_without_them(constraint, tmp_path):
+    """The constraint passes instruct the split alone, which a saved plan replaces: kept, the rebuilt
+    pipeline refused to run ('provides constraints, but no pass reads it')."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), **constraint)
+    rebuilt = load_plan(sharded.save_plan(tmp_path / "plan.json"), model, (x,))
+    assert rebuilt.plan.assignment == sharded.plan.assignment and torch.equal(rebuilt(x), model(x))
+
+
 def test_a_plan_for_another_model_is_refused(saved):
     other = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     with pytest.raises(PlanError, match="was made for another graph.*ResidualMLP.*torch"):

@@ -25,8 +25,11 @@ def rebuild_pipeline(plan: SavedPlan, path: str | Path, *, verify: bool = True) 
     """The plan's own pipeline with its split replaced by ``load-partition{path=...}``.
 
     The passes before the split capture the same graph; the ones after it (emit, verify) build and
-    check the stages. ``verify=False`` leaves out the passes that verify.
+    check the stages. Those that only instruct the split (``cut-before``, ``pin``, ``no-split``:
+    constraints) are left out, as it is: the saved assignment met them. ``verify=False`` leaves out
+    the passes that verify.
     """
+    from autoshard.passes.base import ShardProgram
     from autoshard.passes.pipeline import Pipeline
     from autoshard.passes.plan import LoadPartitionPass
 
@@ -40,6 +43,8 @@ def rebuild_pipeline(plan: SavedPlan, path: str | Path, *, verify: bool = True) 
         if "partition" in step.provides:
             if not any(isinstance(s, LoadPartitionPass) for s in steps):
                 steps.append(LoadPartitionPass(path=str(path)))
+        elif step.provides and step.provides <= ShardProgram.INSTRUCTIONS:
+            continue
         elif verify or "verification" not in step.provides:
             steps.append(step)
     if not any(isinstance(s, LoadPartitionPass) for s in steps):
