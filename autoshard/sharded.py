@@ -171,6 +171,8 @@ class StateAtCapture:
         self.modules = modules
         self.captured = list(map(_training, modules))
         self.attributes = attributes
+        #: what the traced code wrote on settings objects where it read (``AttributeRead.written``)
+        self.writes = tuple((read.holder, read.name, read.written) for read in attributes if read.written is not ABSENT)
         self.hooks = hooks if hooks is not None else HooksAtCapture()
 
     def check_in_full(self, training: bool) -> None:
@@ -200,6 +202,13 @@ class StateAtCapture:
                     f"captured when it {_reading(read.contents, past=True)}, and its traced code took the path that "
                     "value chose",
                     before_compute=True)
+
+    def write_back(self) -> None:
+        """Write what the traced code wrote on the model's settings objects, as a call of the model would
+        (a Hugging Face model sets ``config.problem_type`` on its first call with labels): the graph holds
+        no attribute writes, and a later capture would read the old value and take another path."""
+        for holder, name, value in self.writes:
+            setattr(holder, name, value)
 
     def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
         """``path=value`` for each attribute this capture read with another value than ``other`` did, and

@@ -4,6 +4,7 @@ model is captured again (or the call refused), never run on the old value silent
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import math
 import types
@@ -369,6 +370,38 @@ def test_a_container_the_forward_changes_itself_is_watched_by_identity_only():
     for _ in range(3):
         assert torch.equal(sharded(x), model(x))
     assert sharded.specializations == ()
+
+
+class _Decided:
+    scale = None  # (on the class: the instance's own attribute is what the first call adds)
+
+
+class DecidesOnItsFirstCall(nn.Module):
+    """A forward that fills a setting in on its first call and computes with it from then on, as a
+    Hugging Face model sets ``config.problem_type`` on its first call with labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.a, self.b = _Decided(), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.scale is None:
+            self.config.scale = 2.0 if x.shape[0] > 1 else 3.0
+        return self.b(torch.relu(self.a(x))) * self.config.scale
+
+
+def test_a_setting_the_forward_fills_in_is_written_by_the_sharded_call_too():
+    """The graph holds no attribute writes: the setting stayed unset after sharded calls, so a call of
+    another shape was captured again with it unset and took the other value (1.5x the model's output);
+    and sharding itself left the model's config with the value its runs wrote."""
+    torch.manual_seed(0)
+    model = DecidesOnItsFirstCall()
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 4),))
+    assert "scale" not in vars(model.config)  # sharding leaves the model as it was given
+    for x in (torch.randn(2, 4), torch.randn(1, 4), torch.randn(2, 4)):
+        assert torch.equal(sharded(x), twin(x))
+        assert model.config.scale == twin.config.scale == 2.0
 
 
 def test_a_setting_switched_between_calls_is_served_by_the_plan_made_for_it_without_a_full_check(monkeypatch):

@@ -10,6 +10,11 @@ them on every call (``sharded.StateAtCapture``): a change captures the model aga
 the holder's own attribute, of its class's (``scale = 2.0`` in the class body: set on the instance
 later, it takes over), or of none (``getattr(self, "extra", 1.0)``: set later, it is read).
 
+A plain value the traced code writes on a settings object after reading it there (a Hugging Face
+model's ``config.problem_type``, set on its first call with labels) is noted on the read
+(``AttributeRead.written``): the graph holds no attribute writes, so each call the capture serves
+writes it back (``sharded.StateAtCapture.write_back``), as a call of the model does.
+
 Recorded are the reads by the model's traced code only: not those of code run for real or on
 examples (a module or function kept whole reads its attributes on every call of its stage), not
 attributes of PyTorch's own bookkeeping, and not attributes the trace wrote before reading them
@@ -77,6 +82,9 @@ class AttributeRead:
     value: Any
     by_identity: bool = False
     contents: Any = None
+    #: a plain value the traced code then wrote there, on a settings object (``if config.problem_type is
+    #: None: config.problem_type = ...``), which each call the plan serves writes too; ``ABSENT``: none
+    written: Any = ABSENT
 
     def content_reads(self, now: Any) -> tuple[list[Read], list[Any]]:
         """The read that tells whether ``now``, the container held where the value was read (a check in
@@ -170,6 +178,8 @@ class AttributeReads:
                 if not cls.__flags__ & _IMMUTABLE_TYPE:
                     recorder = self._recorder(cls.__getattribute__)
                     stack.enter_context(swapped_attribute(cls, "__getattribute__", recorder))
+                    if cls is not nn.Module:  # (a module's writes are ``capture.state``'s)
+                        stack.enter_context(swapped_attribute(cls, "__setattr__", self._writer(cls.__setattr__)))
             yield self
         changed = [key for key, read in self.first.items() if not same_constant(copied(read.value), read.contents)]
         for key in changed:
@@ -195,6 +205,18 @@ class AttributeReads:
                 read_whole[id(value)] = value
             return value
         return __getattribute__
+
+    def _writer(self, original: Callable[[Any, str, Any], None]) -> Callable[[Any, str, Any], None]:
+        """A settings object's ``__setattr__`` that notes a plain value the traced code writes where it read
+        first (``AttributeRead.written``)."""
+        first, paused = self.first, self.paused
+
+        def __setattr__(holder: Any, name: str, value: Any) -> None:  # noqa: N807 - the slot it fills
+            read = first.get((id(holder), name))
+            if read is not None and not paused() and checked_value(value):
+                first[(id(holder), name)] = replace(read, written=value)
+            original(holder, name, value)
+        return __setattr__
 
     def kept(self) -> tuple[AttributeRead, ...]:
         """The reads a graph fixed, once the capture has set the model back: not of attributes the

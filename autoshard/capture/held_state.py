@@ -114,6 +114,15 @@ def _fails(flag: Any) -> bool:
     return False
 
 
+def _then(check: Callable[[Any], Any], after: Callable[[], None]) -> Callable[[Any], Any]:
+    """``check``, then ``after()`` once it passed."""
+    def checked(flag: Any) -> Any:
+        passed = check(flag)
+        after()
+        return passed
+    return checked
+
+
 def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
     flagged, *terms = shape
     tests = ["flag is flag_seen"] if flagged else []
@@ -291,7 +300,8 @@ class HeldState:
         self.captured_training = owner.training
         self.rebound = ""
         #: the first stage also checks what the code of the whole plan read from the model
-        #: (``sharded.StateAtCapture``: ``reads_now()``, ``after_difference()``, ``check_in_full(training)``),
+        #: (``sharded.StateAtCapture``: ``reads_now()``, ``after_difference()``, ``check_in_full(training)``,
+        #: ``writes`` and ``write_back()``, which a passing check runs),
         #: so running the stages in turn checks it too, before any computes; None in the other stages
         self.model_state: Any = None
         self._walk()
@@ -347,6 +357,8 @@ class HeldState:
         if self.model_state is not None:
             self.model_state.check_in_full(training)
         self._remember(training)
+        if self.model_state is not None:
+            self.model_state.write_back()
         return self.calls
 
     def watch_model_state(self, model_state: Any) -> None:
@@ -385,6 +397,8 @@ class HeldState:
             reads, seen = [*reads, *model_reads], [*seen, *model_seen]
             full = self.model_state.after_difference(full, self._check_again)
         self.check = kept_check(reads, seen, self.calls, full, training)
+        if self.model_state is not None and self.model_state.writes:  # the writes a call of the model makes
+            self.check = _then(self.check, self.model_state.write_back)
         #: ``holds(training)``: whether ``check`` would pass at once, asked without raising or checking in
         #: full (False on any difference, and before the first call): how a caller holding several plans
         #: picks the one to run

@@ -574,8 +574,13 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     inside = set(nodes)
     buffer: dict[str, str | None] = dict.fromkeys([*sent, *through])  # value -> its gradient's (None: received)
     holders: dict[str, int] = {}  # buffer (named by the value it was made for) -> values holding it
+    # the items taken here out of a container received: the wire receives each item as a tensor of its own,
+    # whose gradient is sent back as it is (the container gets none), so each item stands for one received
+    received_items = {node for node in nodes if (f := _training(dag, node)) is not None
+                      and any(u not in inside and _is_container(dag, u) for u in f.passes_on)}
     # the values received that nodes here give a gradient, in the order they are first read
-    read = list(dict.fromkeys(u for node in nodes for u, _ in _gradients_to(dag, node) if u not in inside))
+    read = list(dict.fromkeys(node if node in received_items else u for node in nodes
+                              for u, _ in _gradients_to(dag, node) if u not in inside))
     readers: dict[str, int] = {}  # trainable weight -> nodes here whose backward has still to give it a part
     for node in nodes:
         for w in _trainable_weights(dag, node):
@@ -617,8 +622,7 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         """Whether ``value``'s gradient is laid out as a sent value's receive buffer: that buffer, or a sum into it."""
         return value is not None and (buffer.get(value, "") is None or buffer.get(value) in summed_received)
     # the nodes whose value is a container of tensors (a ``ModelOutput``), not a tensor
-    containers = {n for n in nodes if (meta := dag.nodes[n].get("value_meta")) is not None
-                  and getattr(meta, "shape", None) is None}
+    containers = {n for n in nodes if _is_container(dag, n)}
     for node in reversed(nodes):
         freed -= recomputed.recomputed_at.get(node, 0.0)
         facts = _training(dag, node)
@@ -631,7 +635,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                     if node not in buffer}
         if node not in buffer and not replaced:  # no gradient reached its output: autograd runs none of its backward
             continue
-        given = [(replaced.get(u, u), handed) for u, handed in _gradients_to(dag, node)]
+        given = [] if node in received_items else [(replaced.get(u, u), handed)
+                                                   for u, handed in _gradients_to(dag, node)]
         # a value sent, or one whose gradient is the received buffer handed back through a view of its own
         # storage that was sent whole (a transpose crossing permuted): its backward starts from a gradient
         # laid out as a new tensor
@@ -675,7 +680,7 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
             freed += nbytes
         freed += recomputed.released_after.get(node, 0.0)
-        mine = buffer.pop(node, None)
+        mine = None if node in received_items else buffer.pop(node, None)  # (an item received keeps its own)
         # a value sent permuted gets its gradient in a buffer laid out as it is, which a view hands back in
         # its input's layout, where the probe's gradient, laid out as a new tensor, came back strided
         permuted_buffer = node in sent and _crossed_permuted(dag, node)
@@ -741,6 +746,12 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                  if u in buffer and (buffer[u] is not None or fresh_output_grads)}
     # with the copies of the last gradients received
     return max(peak, output_grads + alive - freed), sum(_grad(dag, b) for b in sent_back)
+
+
+def _is_container(dag: nx.DiGraph, value: str) -> bool:
+    """Whether ``value`` is a container of tensors (a tuple, a ``ModelOutput``), not a tensor."""
+    meta = dag.nodes[value].get("value_meta")
+    return meta is not None and getattr(meta, "shape", None) is None
 
 
 def _scaled(dag: nx.DiGraph, value: str, scale: float) -> float:
