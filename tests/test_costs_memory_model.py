@@ -1691,3 +1691,21 @@ def test_what_a_dropped_value_saved_is_not_kept(microbatches):
     for j, stage in enumerate(report.stages):
         measured = measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak
         assert measured <= stage.memory.total <= 1.05 * measured, (j, stage.memory.total, measured)
+
+
+def test_the_items_of_a_received_tuple_are_received_tensors_of_their_own():
+    """The wire receives each item of a tuple as a tensor of its own, whose gradient is sent back as it is;
+    the walk took the items read here for one buffer of the tuple's, summing into it: the chunk plan's
+    stage reading two items sent back one gradient fewer than it held (32,768 bytes short, 22,477 over its
+    budget), and one reading all three 1.3x what it held."""
+    torch.manual_seed(0)
+    model = _ChunkSend().train()
+    torch.manual_seed(1)
+    x = torch.randn(8, 16, 64)
+    memory = MemoryModel(microbatches=4, optimizer="adam")
+    budget = 1_278_259
+    sharded = autoshard.shard_model(model, 4, (x,), memory_model=memory, max_memory=budget)
+    predicted = [s.memory.total for s in autoshard.plan_report(sharded, memory=memory).stages]
+    measured = [measure_stage_memory(sharded, j, (x,), microbatches=4).peak for j in range(4)]
+    assert max(measured) <= budget
+    assert all(m <= p <= 1.1 * m for p, m in zip(predicted, measured)), (predicted, measured)
