@@ -361,8 +361,17 @@ def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
 
 
 def cloned(value: Any) -> Any:
-    """A copy of every tensor in ``value``, so running a capture never writes to the user's inputs."""
-    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+    """A copy of every tensor in ``value``, so running a capture never writes to the user's inputs;
+    one that requires grad still does, in any grad mode (a capture may have answered the model's
+    ``x.requires_grad`` from it)."""
+    return tree_map(_clone, value)
+
+
+def _clone(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = value.clone()
+    return copy if copy.requires_grad or not value.requires_grad else copy.requires_grad_()
 
 
 _GRAD_MODE_CHECKED = [True]

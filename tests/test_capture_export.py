@@ -34,6 +34,36 @@ def test_parameters_keep_their_names_and_objects_and_other_batches_are_served():
     assert_same_fingerprint(before, model_fingerprint(model))
 
 
+class AsksItsInput(nn.Module):
+    """Branches on its input's layout and on whether it requires grad, which torch.export answers from
+    the example's fake tensor without a guard of its own (fx cannot trace them, so export captures)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if x.is_contiguous():
+            h = h * 2
+        if x.requires_grad:
+            h = h + 1
+        return self.c(self.b(h))
+
+
+@pytest.mark.parametrize("other", [lambda: torch.randn(8, 8).t(), lambda: torch.randn(8, 8, requires_grad=True)],
+                         ids=["not-contiguous", "requiring-grad"])
+def test_an_input_laid_out_otherwise_than_the_example_is_captured_again(other):
+    """The stages took the example's branch for every input, silently."""
+    torch.manual_seed(0)
+    model, x = AsksItsInput(), torch.randn(8, 8)
+    assert autoshard.capture.capture(model, (x,)).front_end == "export"
+    sharded = autoshard.shard_model(model, 2, (x,))
+    y = other()
+    assert torch.equal(sharded(y), model(y)) and len(sharded.specializations) == 1
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()

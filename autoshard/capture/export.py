@@ -184,7 +184,10 @@ def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.Exp
                 _dim_spec(s, ep.range_constraints) for s in value.shape)
     example = {a.name: a.value for a in signature.graph_inputs}
     conditions = usable_conditions(getattr(ep, "_guards_code", None) or (), example)
-    return dataclasses.replace(signature.guard(shapes), fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions)
+    guard = signature.guard(shapes)
+    tensors = signature.tensors()
+    layouts = {name: (tensors[name].requires_grad, tensors[name].is_contiguous()) for name in shapes}
+    return dataclasses.replace(guard, fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions, layouts=layouts)
 
 
 def _pinned(guard: InputGuard) -> tuple[str, ...]:

@@ -68,6 +68,9 @@ class InputGuard:
     #: Conditions on the sizes the capture relied on beyond their ranges (``x.shape[0] % 2 == 0``,
     #: where the code branched on it), as Python over ``L[name]``: torch.export's guards.
     conditions: tuple[str, ...] = ()
+    #: Per tensor input, whether it required grad and was contiguous: facts torch.export answers from
+    #: the example without a guard of its own (``if x.is_contiguous():``, ``if x.requires_grad:``).
+    layouts: Mapping[str, tuple[bool, bool]] = field(default_factory=dict)
 
     def describe(self) -> str:
         parts = []
@@ -96,6 +99,8 @@ class InputGuard:
         text = f"{name}: {str(self.dtypes[name]).removeprefix('torch.')}" if name in self.dtypes else name
         if name in self.shapes:
             text += f" of shape ({', '.join(d.describe() for d in self.shapes[name])})"
+        if self.layouts.get(name, _PLAIN_LAYOUT) != _PLAIN_LAYOUT:  # (said where it is not the usual one)
+            text += f", {_layout(*self.layouts[name])}"
         return text
 
     def flattened(self, values: Mapping[str, Any]) -> dict[str, Flattened]:
@@ -160,6 +165,12 @@ class InputGuard:
                     return f"{name}.shape[{axis}] is {size}, but {dim.symbol} is {seen} elsewhere"
                 if dim.size is None and not (dim.low <= size and (dim.high is None or size <= dim.high)):
                     return f"{name}.shape[{axis}] is {size}, outside what the plan serves ({dim.describe()})"
+        for name, layout in self.layouts.items():
+            value = leaves[name]
+            now = (value.requires_grad, value.is_contiguous()) if isinstance(value, torch.Tensor) else None
+            if now != layout:
+                return (f"{name} is {_layout(*now) if now else 'no tensor'}, but the plan was captured with it "
+                        f"{_layout(*layout)} (torch.export answers the code's questions about that from the example)")
         for condition in self.conditions:
             if not _holds(condition, values):
                 return (f"the plan was captured where {_shown(condition)}, which these inputs break: the model's "
@@ -167,6 +178,14 @@ class InputGuard:
                         "front end may keep such code whole and serve both sides: shard with "
                         f"pipeline='{FREE_SIZES_PIPELINE}')")
         return None
+
+
+#: An input's usual layout: not requiring grad, contiguous.
+_PLAIN_LAYOUT = (False, True)
+
+
+def _layout(requires_grad: bool, contiguous: bool) -> str:
+    return f"{'requiring grad' if requires_grad else 'not requiring grad'}, {'' if contiguous else 'not '}contiguous"
 
 
 #: What an evaluated condition may use: ``CONDITION_NAMES``, no builtins.

@@ -121,6 +121,9 @@ def accepting(guard: Any, holds: Callable[[str, Any], bool]) -> Callable[..., tu
     symbols: dict[str, str] = {}
     for name, dims in guard.shapes.items():
         writer.shape(where[name], dims, symbols)
+    for name, (requires_grad, contiguous) in guard.layouts.items():
+        writer.refuse_unless(f"isinstance({where[name]}, Tensor) and {where[name]}.requires_grad is {requires_grad} "
+                             f"and {where[name]}.is_contiguous() is {contiguous}")
     argument_of = dict(zip(guard.names, arguments))
     inline = ["" if _implied(condition, guard.shapes) else _inlined(condition, argument_of)
               for condition in guard.conditions]

@@ -218,14 +218,20 @@ class CallSignature:
         dimensions where ``shapes`` fixes none of its sizes; a tensor in a container is named by its
         path, ``d['x']``."""
         structures = self.containers
-        tensors = {a.name: a.value for a in self.graph_inputs if isinstance(a.value, torch.Tensor)}
-        tensors.update({a.name + keystr(path): leaf for a in self.graph_inputs if a.name in structures
-                        for path, leaf in tree_flatten_with_path(a.value)[0] if isinstance(leaf, torch.Tensor)})
+        tensors = self.tensors()
         kinds = {name: tensor.dtype for name, tensor in tensors.items()}
         fixed = {name: (DimSpec(),) * tensor.dim() for name, tensor in tensors.items()} if ranks else {}
         return InputGuard(tuple(a.name for a in self.arguments), tuple(a.name for a in self.graph_inputs),
                           self.constants, kinds if dtypes else {}, {**fixed, **(shapes or {})}, structures,
                           _snapshots(self.constants), default_snapshots=self.default_snapshots())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The example's tensor inputs by name, those in a container by their path (``d['x']``)."""
+        structures = self.containers
+        tensors = {a.name: a.value for a in self.graph_inputs if isinstance(a.value, torch.Tensor)}
+        tensors.update({a.name + keystr(path): leaf for a in self.graph_inputs if a.name in structures
+                        for path, leaf in tree_flatten_with_path(a.value)[0] if isinstance(leaf, torch.Tensor)})
+        return tensors
 
     def default_snapshots(self) -> dict[str, tuple[Any, Any]]:
         """For each left-out parameter whose default is a mutable object with an ``==``: the default
