@@ -17,7 +17,7 @@ from autoshard.costs.memory import check_memory_budgets, stage_memory
 from autoshard.costs.memory_model import MemoryModel
 from autoshard.errors import (
     InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, brief, first_few, keywords_named, plural,
-    shown,
+    shown, user_stacklevel,
 )
 from autoshard.passes.analyses import (
     CostModel,
@@ -408,7 +408,7 @@ def _warn_unmeasured(plan: StagePlan) -> None:
         f"{'stage' if len(by_stage) == 1 else 'stages'} {', '.join(map(str, by_stage))}: what "
         "they save for backward is not counted, so those stages may hold more than their budget; check each with "
         "autoshard.runtime.measure_stage_memory(sharded, stage, example_inputs) and lower max_memory by what it "
-        "shows over", UnmeasuredMemoryWarning, stacklevel=3)
+        "shows over", UnmeasuredMemoryWarning, stacklevel=user_stacklevel())
 
 
 def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost: str | CostFunction,

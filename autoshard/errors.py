@@ -11,10 +11,24 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import os
 import reprlib
+import sys
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 T = TypeVar("T")
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` for the first frame outside autoshard and ``torch.nn``: the
+    user's call, however deep in autoshard (a pass, a runtime) the warning is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                 or f"{os.sep}torch{os.sep}nn{os.sep}" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def suggest(name: str, candidates: Iterable[str]) -> str:

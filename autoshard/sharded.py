@@ -7,7 +7,7 @@ import operator
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -136,7 +136,13 @@ def _under_model_keys(sharded: nn.Module, state: dict[str, Any], prefix: str, me
     for table in (state, getattr(state, "_metadata", {})):
         for key in [key for key in table if key.startswith(marker)]:
             value = table.pop(key)
-            table.setdefault(prefix + key[len(marker):].partition(".")[2], value)
+            table.setdefault(_model_name(key, prefix), value)
+
+
+def _model_name(name: str, prefix: str) -> str:
+    """A stage's ``prefix + "stages.1.h.0.attn.weight"`` as the model's ``prefix + "h.0.attn.weight"``."""
+    marker = prefix + _STAGES
+    return prefix + name[len(marker):].partition(".")[2] if name.startswith(marker) else name
 
 
 def _from_model_keys(sharded: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
@@ -305,6 +311,21 @@ class ShardedModel(FixedDtypes):
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters under the model's own names (``h.0.attn.weight``, not
+        ``stages.1.h.0.attn.weight``), as ``state_dict`` keys them: code that picks parameters by name
+        (optimizer groups, freezing) finds them as in the model. (A module holding the sharded model
+        walks its modules itself, so there they keep their stages' names.)"""
+        for name, parameter in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield _model_name(name, prefix), parameter
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's buffers under the model's own names, as ``named_parameters``."""
+        for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield _model_name(name, prefix), buffer
 
     def train(self, mode: bool = True) -> ShardedModel:
         """Refuse a switch to the other mode, before touching anything: the stages hold the model's

@@ -30,8 +30,6 @@ statistics) twice and move the generator on:
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -46,7 +44,7 @@ from autoshard.capture.signature import argument_names, forward_signature, is_de
 from autoshard.capture.structure import same_constant
 from autoshard.errors import (
     AutoshardError, EmptyStageError, ExampleInputsError, InfeasibleSplitError, InputMismatchError,
-    SpecializationMismatch, plural,
+    SpecializationMismatch, plural, user_stacklevel,
 )
 from autoshard.costs.facts import NodeFacts, node_facts
 from autoshard.lowering.randomness import draws_random
@@ -158,18 +156,6 @@ def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: ins
             pass
     found, _ = tree_flatten_with_path(call)
     return tuple((keystr(path), _described(leaf)) for path, leaf in found)
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside autoshard and ``torch.nn``: the user's call."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(_AUTOSHARD)
-                                 or f"{os.sep}torch{os.sep}nn{os.sep}" in frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-_AUTOSHARD = os.path.dirname(os.path.abspath(__file__))
 
 
 class Specializer:
@@ -341,7 +327,7 @@ class Specializer:
             warnings.warn(
                 f"this sharded model has made its {plural(self.limit, 'specialisation')} (max_specializations); "
                 "inputs that need another are refused from now on", SpecializationLimitWarning,
-                stacklevel=_caller_level())
+                stacklevel=user_stacklevel())
         return sharded
 
 

@@ -211,9 +211,10 @@ def test_a_plan_loaded_into_wider_weights_warns_and_drops_the_balance_it_recorde
     assert "verified" in out.out and "bound" not in json.loads(Path("wide.json").read_text()).get("split", {})
     monkeypatch.syspath_prepend(str(tmp_path))
     model, args = importlib.import_module("widths").wide()
-    with pytest.warns(autoshard.plan_io.StalePlanWarning):
+    with pytest.warns(autoshard.plan_io.StalePlanWarning) as warned:
         rebuilt = autoshard.load_plan("narrow.json", model, args)
     assert rebuilt.plan.split_info is None
+    assert {w.filename for w in warned} == {__file__}  # the user's call, not a pass inside autoshard
 
 
 def test_exact_says_when_it_proved_its_split_optimal(capsys, tmp_path):

@@ -235,3 +235,7 @@ def test_the_sharded_models_state_dict_is_the_models_and_it_loads_the_models_che
     nested = nn.ModuleDict({"sharded": sharded})  # under a prefix too
     assert list(nested.state_dict()) == [f"sharded.{key}" for key in model.state_dict()]
     nested.load_state_dict(nested.state_dict())
+    # by name as in the model (optimizer groups, freezing): were ``stages.1.h.0...``
+    for named in ("named_parameters", "named_buffers"):
+        assert sorted((n, id(t)) for n, t in getattr(sharded, named)()) == sorted(
+            (n, id(t)) for n, t in getattr(model, named)())

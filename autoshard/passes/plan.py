@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
-from autoshard.errors import InvalidArgumentError, PlanError
+from autoshard.errors import InvalidArgumentError, PlanError, user_stacklevel
 from autoshard.graph import Partition
 from autoshard.passes.base import Pass, PassContext, ShardProgram, option
 from autoshard.plan_format.files import read_plan
@@ -36,7 +36,8 @@ class LoadPartitionPass(Pass):
             warnings.warn(StalePlanWarning(
                 f"plan {self.path} was made for weights of other sizes ({'; '.join(resized[:3])}"
                 f"{'; ...' if len(resized) > 3 else ''}): its stages are rebuilt as saved, but the balance it "
-                "records was measured on the other sizes; make a new plan to balance this model"), stacklevel=2)
+                "records was measured on the other sizes; make a new plan to balance this model"),
+                stacklevel=user_stacklevel())
         try:
             # A hand edit or other weight sizes void the splitter's record of bound and bottleneck.
             info = plan.split.info if plan.split_is_current and not resized else None

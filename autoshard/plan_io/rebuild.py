@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from torch import nn
 
-from autoshard.errors import InvalidArgumentTypeError, PlanError, SpecError
+from autoshard.errors import InvalidArgumentTypeError, PlanError, SpecError, user_stacklevel
 from autoshard.plan_format.files import read_plan
 from autoshard.plan_format.fits import StalePlanWarning, weight_size_changes
 from autoshard.plan_format.model import SavedPlan
@@ -133,4 +133,4 @@ def warn_over_saved_budget(dag: Any, assignment: Mapping[str, int], num_stages: 
     if short is not None:
         warnings.warn(StalePlanWarning(
             f"plan {path} was made under max_memory {', '.join(f'{b:,.0f}' for b in budgets)} bytes, and on these "
-            f"example inputs and training settings {short}"), stacklevel=3)
+            f"example inputs and training settings {short}"), stacklevel=user_stacklevel())

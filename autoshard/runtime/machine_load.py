@@ -14,6 +14,8 @@ import os
 import warnings
 from dataclasses import dataclass
 
+from autoshard.errors import user_stacklevel
+
 BUSY_SHARE = 0.25
 """The share of the machine's CPU time other processes may take while it is measured before the
 user is warned (half a core of two; one thread of a 64-core machine passes)."""
@@ -76,7 +78,7 @@ class LoadMeter:
             warnings.warn(
                 f"other processes used {others:.0%} of this machine's CPU time while autoshard measured {what}: "
                 "its numbers may read slow, and they are cached as measured; measure again on a quiet machine "
-                "(AUTOSHARD_RECALIBRATE=1, or refresh=True)", CalibrationLoadWarning, stacklevel=3)
+                "(AUTOSHARD_RECALIBRATE=1, or refresh=True)", CalibrationLoadWarning, stacklevel=user_stacklevel())
 
 
 __all__ = ["BUSY_SHARE", "CalibrationLoadWarning", "LoadMeter", "machine_cpu_seconds", "own_cpu_seconds"]

@@ -14,7 +14,7 @@ from autoshard.arguments import whole_number
 from autoshard.costs.step_time import (
     StepTime, StepTimeModel, checked_step, format_seconds, is_default, run_of, step_time,
 )
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, first_few, plural
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, first_few, plural, user_stacklevel
 from autoshard.runtime.calibrate import RUNTIME_FIELDS, calibrate_runtime, calibrated_fields
 from autoshard.runtime.replay import checked_call, checked_plan, refuse_meta
 from autoshard.runtime.stage_time import TIMING_REPEATS, StageTimeMeasurement, time_stages, timed_plan
@@ -108,7 +108,7 @@ def predict_step(
             f"this plan was captured in eval mode, so its stages are timed as in evaluation ({first_few(modal, 3)} "
             f"run as they do in eval), unlike a training step; shard the model after model.train() to "
             "predict one (on the command line: make TARGET return the model in training mode)", EvalModeStepWarning,
-            stacklevel=2)
+            stacklevel=user_stacklevel())
     measured = calibrated_fields(step) if calibrate else []
     if measured:
         step = calibrate_runtime().applied_to(step)
@@ -120,7 +120,7 @@ def predict_step(
             f"stage {widest.stage}'s timed runs spread {widest.spread:.0%} (their middle half's width over the "
             "median): the machine was busy or still warming up, so this step is as uncertain; predict again on a "
             "quiet machine, or with more repeats= (on the command line: --time-repeats)", TimingSpreadWarning,
-            stacklevel=2)
+            stacklevel=user_stacklevel())
     ran_on = {t.threads for t in times} - {0}
     on_threads = f" on {plural(ran_on.pop(), 'thread')}" if len(ran_on) == 1 else ""
     stepped = [t.optimizer_step for t in times] if any(t.optimizer_step for t in times) else []

@@ -37,7 +37,7 @@ from autoshard.errors import (
     PipelineSetupError,
     SpecializationMismatch,
     WorldSizeError,
-    suggest,
+    suggest, user_stacklevel,
 )
 from autoshard.runtime.wire import OutputTensors, loss_reader
 from autoshard.sharded import fitted_call
@@ -312,7 +312,7 @@ class _BatchShapes:
             f"the plan was made on an example of {example} rows and this step's microbatches have {microbatch}: "
             f"plan_report's memory and predict_step count each microbatch as the example, {example / microbatch:.3g}x "
             "these rows; shard on one microbatch (or predict with one: predict_step(sharded, microbatch_inputs)) "
-            "for predictions of this step", MicrobatchSizeWarning, stacklevel=3)
+            "for predictions of this step", MicrobatchSizeWarning, stacklevel=user_stacklevel())
 
 
 #: How many call structures a step guard keeps the names of (a step of yet another is named anew).
@@ -351,4 +351,4 @@ def _warn_of_per_microbatch_statistics(stages: Sequence[PipelineStage], n_microb
             f"batch norm in training mode ({', '.join(found)}) normalises each of the {n_microbatches} "
             "microbatches by its own statistics, not the whole batch's as the unsplit model does; put "
             "those modules in eval mode before sharding, or use group or layer norm, to match the model",
-            MicrobatchStatisticsWarning, stacklevel=3)
+            MicrobatchStatisticsWarning, stacklevel=user_stacklevel())

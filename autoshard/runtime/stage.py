@@ -23,6 +23,7 @@ from autoshard.errors import (
     InvalidArgumentTypeError,
     PipelineSetupError,
     WorldSizeError,
+    user_stacklevel,
 )
 from autoshard.isolation import isolated
 from autoshard.runtime.boundaries import boundary_wires
@@ -97,7 +98,7 @@ def _warn_of_shared_buffers(sharded: ShardedModel, shared: dict[int, list[tuple[
             f"buffers held by more than one stage ({'; '.join(mine)}): in training mode each stage's copy "
             "updates them on its own (a batch norm's running statistics), so they end up differing from the "
             "model's; keep the module that owns them in one stage (split{no-split=...}) or in eval mode",
-            SharedBufferWarning, stacklevel=3)
+            SharedBufferWarning, stacklevel=user_stacklevel())
 
 
 def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> tuple[int, int]:
