@@ -6,6 +6,7 @@ on can use them without an import cycle.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch.fx as fx
@@ -55,3 +56,33 @@ def canonical_tensor_names(root: nn.Module) -> dict[int, str]:
     for name, tensor in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(tensor), name)
     return names
+
+
+#: Python's in-place operators, as fx records ``x += y`` and ``x[i] = y``.
+_IN_PLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul, operator.setitem,
+})
+
+
+def writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first input, by what it calls: a method or torch function
+    named with a trailing underscore (``y.copy_(x)``, ``torch.relu_``), an in-place operator
+    (``+=``, ``x[i] = y``), ``inplace=True``, a module with ``inplace`` set, an aten operator whose
+    schema writes its first argument (export)."""
+    target: Any = node.target
+    if node.op == "call_method":
+        return isinstance(target, str) and target.endswith("_") and not target.startswith("_")
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(target), "inplace", False))
+    if node.op != "call_function":
+        return False
+    if target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return True
+    schema = getattr(target, "_schema", None)  # an aten operator (export): its schema says
+    if schema is not None:
+        return bool(schema.arguments) and schema.arguments[0].alias_info is not None \
+            and schema.arguments[0].alias_info.is_write
+    name = getattr(target, "__name__", "")
+    return getattr(target, "__module__", "") == "torch" and name.endswith("_") and not name.startswith("_")

@@ -217,13 +217,17 @@ class StateAtCapture:
             setattr(holder, name, value)
 
     def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
-        """``path=value`` for each attribute this capture read with another value than ``other`` did, and
-        the hooks it held that ``other``'s did not (``forward hooks on h.3``)."""
+        """``path=value`` for each attribute this capture read with another value than ``other`` did, the
+        mode of the model's modules where other than ``other``'s (``eval mode``), and the hooks it held
+        that ``other``'s did not (``forward hooks on h.3``)."""
         theirs = {(id(read.holder), read.name): read.contents for read in other.attributes}
         by_kind: dict[str, list[str]] = {}
         for module, kind in self.hooks.held_unlike(other.hooks):
             by_kind.setdefault(kind, []).append(self._where(module, "") or "the model")
         hooks = tuple(f"{kind}s on {first_few(paths, 3)}" for kind, paths in by_kind.items())
+        if self.captured != other.captured:  # (``model.eval()``: every module; a frozen batch norm: some)
+            hooks = (f"{'eval' if not any(self.captured) else 'train' if all(self.captured) else 'mixed'} mode",
+                     *hooks)
         changed = [read for read in self.attributes
                    if not same_constant(read.contents, theirs.get((id(read.holder), read.name), read.contents))]
         return tuple(f"{self._where(read.holder, read.name)}={read.contents!r}" for read in changed) + hooks
@@ -328,11 +332,18 @@ class ShardedModel(FixedDtypes):
             yield _model_name(name, prefix), buffer
 
     def train(self, mode: bool = True) -> ShardedModel:
-        """Refuse a switch to the other mode, before touching anything: the stages hold the model's
-        own modules, which ``nn.Module.train`` would switch (leaving the model half in each mode),
-        and the plan serves only the mode it was captured in. Staying in it is allowed."""
-        refuse_mode_switch(self.plan.training, mode)
-        return super().train(mode)
+        """Switch the model to ``mode`` (``model.train(mode)``, whose modules the stages hold), so that
+        later calls are served by a capture made in that mode: the plan itself, or one made for it
+        (``autoshard.specialize``). The stages' own flags stay as captured (their check compares
+        them). Without re-specialisation (``respecialize=False``, a copy) a switch away from the plan's
+        mode is refused before anything switches: the plan serves only the mode it was captured in."""
+        specializer = self.__dict__.get("specializer")
+        if specializer is None:
+            refuse_mode_switch(self.plan.training, mode)
+            return super().train(mode)
+        specializer.model.train(mode)
+        self.training = bool(mode)
+        return self
 
     def check_model_state(self) -> None:
         """Raise where the model is not as the plan's code read it at capture (``StateAtCapture``): a

@@ -280,13 +280,13 @@ class Specializer:
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                    guard: str = "made ahead with sharded.specialize") -> ShardedModel:
         """Capture the model for these inputs under the primary plan's partition, keep and return it.
-        Other shapes, constants, arguments passed or left out, and the grad mode make another
-        capture; a call the model itself refuses (an argument it does not take), or made in another
-        module mode than the plan's, is refused as the plan refuses it."""
+        Other shapes, constants, arguments passed or left out, the grad mode and the modules' modes
+        make another capture; a call the model itself refuses (an argument it does not take) is refused
+        as the plan refuses it."""
         try:
-            primary.check_model_state()  # the modules' modes
+            primary.check_model_state()  # what cannot be captured again (a module assigned anew) is refused
         except SpecializationMismatch:
-            pass  # other attributes than the example's: the capture below is made with them
+            pass  # other attributes or modes than the example's: the capture below is made with them
         try:
             primary.fit_call(args, kwargs)  # arguments the model itself refuses
         except SpecializationMismatch:
@@ -332,8 +332,8 @@ class Specializer:
 
 
 def _read_as_now(sharded: ShardedModel) -> bool:
-    """Whether the plain attributes of the model that ``sharded``'s code read hold what they held at
-    its capture (a module switched to another mode is refused as before, by the check's own error)."""
+    """Whether the model is as ``sharded``'s code read it at its capture: the plain attributes it read,
+    and the modes of the modules it runs (after ``model.eval()``, the plan made in eval mode)."""
     try:
         sharded.check_model_state()
     except SpecializationMismatch:

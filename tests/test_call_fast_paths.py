@@ -87,7 +87,7 @@ def test_a_submodule_replaced_in_a_stage_is_found_again_and_its_mode_checked(how
     else:
         stage.get_submodule(owner)._modules[name] = replacement
     with pytest.raises(InputMismatchError, match="switched to another mode"):
-        sharded(x)
+        stage(*sharded.stages[0](x))
     assert walked, "the replacement was not noticed"
     replacement.eval()
     walked.clear()
@@ -327,7 +327,10 @@ def test_one_module_switched_to_another_mode_is_refused_before_any_stage_compute
     """The model's modules are checked at the call's start (``StateAtCapture``, by the first
     stage), not only by the stage that calls them: the stages before it do not run (in training they would update their
     batch-norm statistics and draw random numbers for a call that is then refused)."""
-    model, x, sharded = _called_once()
+    model = _mlp()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), respecialize=False)
+    sharded(x)
     ran = []
     model[0].register_forward_hook(lambda module, args, out: ran.append(module))
     model[-2].train()

@@ -291,7 +291,10 @@ class AttentionDropout(nn.Module):
 
 
 @pytest.mark.parametrize("captured_in_training", [False, True])
-def test_stages_refuse_the_mode_their_model_was_not_captured_in(captured_in_training):
+def test_a_switch_of_the_sharded_model_switches_the_model_and_a_capture_in_that_mode_serves_it(captured_in_training):
+    """A train-then-evaluate loop (``sharded.eval()``, then ``sharded.train()``): each mode is served by a
+    capture made in it, where one plan served only its own (two shards were needed). The stages' own flags
+    stay as captured: a stage switched by itself, or a copy of one, is refused."""
     import copy
 
     import autoshard
@@ -300,18 +303,26 @@ def test_stages_refuse_the_mode_their_model_was_not_captured_in(captured_in_trai
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),))
     assert sharded.training == captured_in_training
     assert [stage.training for stage in sharded.stages] == [captured_in_training] * 2
-    assert model.training == captured_in_training  # the model keeps its own flag
     x = torch.randn(3, 4)
     sharded(x)
+    other = not captured_in_training
+    assert sharded.train(other) is sharded and sharded.training == other
+    assert all(m.training == other for m in model.modules())  # the model switched, as model.train(other)
+    torch.manual_seed(1)
+    served = sharded(x)
+    torch.manual_seed(1)
+    assert torch.equal(served, model(x)) and len(sharded.specializations) == 1
+    assert [stage.training for stage in sharded.stages] == [captured_in_training] * 2
+    sharded.train(captured_in_training)
+    torch.manual_seed(1)
+    served = sharded(x)
+    torch.manual_seed(1)
+    assert torch.equal(served, model(x)) and len(sharded.specializations) == 1
     was = "train" if captured_in_training else "eval"
-    with pytest.raises(InputMismatchError, match=f"captured in {was} mode and serves only it"):
-        sharded.train(not captured_in_training)  # refused before switching the model's modules
-    assert all(m.training == captured_in_training for m in model.modules())
-    assert sharded.train(captured_in_training) is sharded  # staying in the mode is fine
     for stage in sharded.stages:
         with pytest.raises(InputMismatchError, match=f"captured in {was} mode and serves only it"):
-            stage.train(not captured_in_training)  # refused too: a stage holds the model's modules
-        nn.Module.train(stage, not captured_in_training)  # a runtime switching the stages around that
+            stage.train(other)  # refused: a stage holds the model's modules
+        nn.Module.train(stage, other)  # a runtime switching the stages around that
     with pytest.raises(InputMismatchError, match=f"captured (with the model )?in {was} mode"):
         sharded(x)
     copied = copy.deepcopy(sharded.stages[0])  # what a runtime runs is a copy: the check is in its code
@@ -320,9 +331,13 @@ def test_stages_refuse_the_mode_their_model_was_not_captured_in(captured_in_trai
     for stage in sharded.stages:
         stage.train(captured_in_training)
     sharded(x)
+    unswitchable = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),), respecialize=False)
+    with pytest.raises(InputMismatchError, match=f"captured in {was} mode and serves only it"):
+        unswitchable.train(other)  # without re-specialisation: refused before anything switches
+    assert all(m.training == captured_in_training for m in model.modules())
 
 
-def test_stages_refuse_to_run_when_the_models_modules_were_switched_to_another_mode():
+def test_stages_refuse_to_run_when_the_models_modules_were_switched_and_another_capture_serves():
     """The stages hold the model's modules: model.eval() switches those but not the stages' own
     flag, and the stages ran half in the captured mode (a traced F.dropout) and half in the other."""
     import torch.nn.functional as F
@@ -339,13 +354,15 @@ def test_stages_refuse_to_run_when_the_models_modules_were_switched_to_another_m
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),))
     model.eval()
     with pytest.raises(InputMismatchError, match="switched to another mode after sharding"):
-        sharded(torch.randn(4, 8))
+        sharded.stages[0](torch.randn(4, 8))  # the stages in turn, as a runtime runs them: refused
+    x = torch.randn(4, 8)
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1  # a capture in eval serves
     model.train()
     sharded(torch.randn(4, 8))
 
 
 @pytest.mark.parametrize("captured_in_training", [True, False])
-def test_a_plan_export_captured_refuses_to_run_after_model_eval_or_train(captured_in_training):
+def test_a_plan_export_captured_sees_model_eval_or_train(captured_in_training):
     """An export graph calls no module, so the stages saw no switch: after model.eval() they kept
     applying the dropout captured in training (Hugging Face models given labels are captured so)."""
     torch.manual_seed(0)
@@ -356,9 +373,13 @@ def test_a_plan_export_captured_refuses_to_run_after_model_eval_or_train(capture
     assert not any(n.op == "call_module" for stage in sharded.stages for n in stage.graph.nodes)
     model.train(not captured_in_training)
     with pytest.raises(InputMismatchError, match="switched to another mode after sharding"):
-        sharded(torch.randn(4, 8))
-    with pytest.raises(InputMismatchError, match="switched to another mode after sharding"):
-        OffloadRunner(sharded, "cpu")(torch.randn(4, 8))
+        sharded.stages[0](torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    for run in (sharded, OffloadRunner(sharded, "cpu")):  # each served by a capture in the mode now
+        torch.manual_seed(1)
+        served = run(x)
+        torch.manual_seed(1)
+        assert torch.equal(served, model(x))
     model.train(captured_in_training)
     sharded(torch.randn(4, 8))
 

@@ -1709,3 +1709,47 @@ def test_the_items_of_a_received_tuple_are_received_tensors_of_their_own():
     measured = [measure_stage_memory(sharded, j, (x,), microbatches=4).peak for j in range(4)]
     assert max(measured) <= budget
     assert all(m <= p <= 1.1 * m for p, m in zip(predicted, measured)), (predicted, measured)
+
+
+class _CopiesIntoABuffer(nn.Module):
+    """Each layer copies a value into a buffer that no output reads: the buffer's write keeps the value's
+    autograd nodes, and what they saved, alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.register_buffer("kept", torch.zeros(8, 16, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            self.kept.copy_(torch.sigmoid(layer(x)))
+            x = x + torch.relu(layer(x))
+        return x
+
+
+class _NestedTupleSent(nn.Module):
+    """An LSTM's ``(out, (h, c))`` crosses whole: the stage after it takes the items of the inner tuple too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.layers = nn.LSTM(32, 32, batch_first=True), nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, (h, c) = self.rnn(x)
+        y = self.layers[0](out) + h.sum(0).unsqueeze(1)
+        y = self.layers[1](y) * torch.sigmoid(c.sum(0)).unsqueeze(1)
+        return self.layers[2](y) + out
+
+
+@pytest.mark.parametrize("model, microbatches", [(_CopiesIntoABuffer, 1), (_NestedTupleSent, 4)])
+def test_a_write_into_a_buffer_keeps_its_value_and_a_nested_received_tuple_gives_its_items_gradients(
+        model, microbatches):
+    """Taken for a value nothing depends on (the write's target was no node of the graph), the copied
+    value's saved tensors were freed: 0.83-0.86 of measured; and the items of the inner tuple were not
+    received tensors of their own: one item's gradient short of what was sent back."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32)
+    sharded = autoshard.shard_model(model().train(), 2, (x,))
+    report = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches))
+    assert [s.memory.total for s in report.stages] == [
+        measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak for j in range(2)]

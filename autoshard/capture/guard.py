@@ -386,12 +386,13 @@ def check_mode(training: bool, captured: bool, modules: tuple[bool, ...] = (),
                modules_captured: tuple[bool, ...] = ()) -> None:
     """A stage called in another mode than its model was captured in: refuse it. ``modules``
     are the modes of the modules the stage calls, which ``model.eval()`` switches without it,
-    and ``modules_captured`` theirs at capture (a frozen batch norm may be in eval in training)."""
+    and ``modules_captured`` theirs at capture (a frozen batch norm may be in eval in training):
+    switched, another capture of the model serves them (``SpecializationMismatch``)."""
     if training == captured and tuple(modules) != tuple(modules_captured):
-        raise InputMismatchError(
+        raise SpecializationMismatch(
             "some of the modules the stage calls were switched to another mode after sharding (model.eval() or "
             f"model.train()), while the plan was captured with the model in {'train' if captured else 'eval'} "
-            "mode; shard the model again in the mode to run, or switch the modules back")
+            "mode; switch the modules back", before_compute=True)
     if training != captured:
         was, now = ("train", "eval") if captured else ("eval", "train")
         raise InputMismatchError(

@@ -574,13 +574,19 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     inside = set(nodes)
     buffer: dict[str, str | None] = dict.fromkeys([*sent, *through])  # value -> its gradient's (None: received)
     holders: dict[str, int] = {}  # buffer (named by the value it was made for) -> values holding it
-    # the items taken here out of a container received: the wire receives each item as a tensor of its own,
-    # whose gradient is sent back as it is (the container gets none), so each item stands for one received
-    received_items = {node for node in nodes if (f := _training(dag, node)) is not None
-                      and any(u not in inside and _is_container(dag, u) for u in f.passes_on)}
-    # the values received that nodes here give a gradient, in the order they are first read
-    read = list(dict.fromkeys(node if node in received_items else u for node in nodes
-                              for u, _ in _gradients_to(dag, node) if u not in inside))
+    # the items taken here out of a container received, at any depth: the wire receives each tensor as one
+    # of its own, whose gradient is sent back as it is (the containers get none), so each item stands for
+    # one received; an item that is itself a container (an LSTM's ``(h, c)``) hands nothing on
+    received_items: set[str] = set()
+    inner: set[str] = set()
+    for node in nodes:
+        facts = _training(dag, node)
+        if facts is not None and any(u in inner or (u not in inside and _is_container(dag, u))
+                                     for u in facts.passes_on):
+            (inner if _is_container(dag, node) else received_items).add(node)
+    # the values received that nodes here give a gradient (or the items standing for them), in the order first read
+    read = list(dict.fromkeys(value for node in nodes if node not in inner for value in (
+        [node] if node in received_items else [u for u, _ in _gradients_to(dag, node) if u not in inside])))
     readers: dict[str, int] = {}  # trainable weight -> nodes here whose backward has still to give it a part
     for node in nodes:
         for w in _trainable_weights(dag, node):
@@ -626,7 +632,7 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     for node in reversed(nodes):
         freed -= recomputed.recomputed_at.get(node, 0.0)
         facts = _training(dag, node)
-        if facts is None:
+        if facts is None or node in inner:
             freed += recomputed.released_after.get(node, 0.0)
             continue
         # a write in place that nothing reads: its readers, routed to the value it wrote into (or one in the

@@ -71,7 +71,7 @@ from autoshard.costs.memory import SavedFacts
 from autoshard.costs.probe_memo import (
     CONSTANTS, NodeEffect, OutputTensor, Uncacheable, constant_key, module_key, tensor_key)
 from autoshard.costs.values import dense_parts, flat_leaves as _flat
-from autoshard.fx_helpers import canonical_tensor_names
+from autoshard.fx_helpers import canonical_tensor_names, writes_in_place
 from autoshard.isolation import isolated, values_restored
 
 
@@ -1109,11 +1109,13 @@ class TrainingProbe:
 
     def _unused(self) -> set[str]:
         """The nodes whose value no output depends on (a result computed and dropped), by the graph's uses,
-        and that write into nothing in place: nothing holds their autograd nodes once the forward has run,
+        and that write into nothing in place (as the probe saw, or by what they call: into a buffer):
+        nothing holds their autograd nodes once the forward has run,
         so what they save is freed with them (counted, a dead branch's activations were 1.2x measured)."""
         live: set[str] = set()
         for node in reversed(self.gm.graph.nodes):
-            if node.op == "output" or node.name in self.writes or any(user.name in live for user in node.users):
+            if node.op == "output" or node.name in self.writes or writes_in_place(self.gm, node) \
+                    or any(user.name in live for user in node.users):
                 live.add(node.name)
         return {node.name for node in self.gm.graph.nodes if node.name not in live}
 

@@ -17,13 +17,13 @@ inputs (a module kept whole that writes to its input, first or not).
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import networkx as nx
 import torch
 import torch.fx as fx
 
 from autoshard.costs.facts import node_facts
+from autoshard.fx_helpers import writes_in_place
 
 #: Methods and functions whose result may share memory with their first argument.
 _VIEW_METHODS = frozenset({
@@ -36,11 +36,6 @@ _VIEW_FUNCTIONS = frozenset({
     operator.getitem, torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze,
     torch.flatten, torch.narrow, torch.select, torch.chunk, torch.split, torch.unbind, torch.t,
     torch.movedim, torch.detach, torch.diagonal,
-})
-_IN_PLACE_OPERATORS = frozenset({
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-    operator.imatmul, operator.setitem,
 })
 
 
@@ -64,21 +59,7 @@ def _writes_first_input(gm: fx.GraphModule, node: fx.Node) -> bool:
     facts, first = node_facts(node), _first_input(node)
     if facts is not None and first is not None and first.name in facts.written_inputs:  # shape-prop saw it
         return True
-    target: Any = node.target
-    if node.op == "call_method":
-        return isinstance(target, str) and target.endswith("_") and not target.startswith("_")
-    if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(target), "inplace", False))
-    if node.op != "call_function":
-        return False
-    if target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        return True
-    schema = getattr(target, "_schema", None)  # an aten operator (export): its schema says
-    if schema is not None:
-        return bool(schema.arguments) and schema.arguments[0].alias_info is not None \
-            and schema.arguments[0].alias_info.is_write
-    name = getattr(target, "__name__", "")
-    return getattr(target, "__module__", "") == "torch" and name.endswith("_") and not name.startswith("_")
+    return writes_in_place(gm, node)
 
 
 def _root(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
