@@ -583,7 +583,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         facts = _training(dag, node)
         if facts is not None and any(u in inner or (u not in inside and _is_container(dag, u))
                                      for u in facts.passes_on):
-            (inner if _is_container(dag, node) else received_items).add(node)
+            # (one sent on whole gets the gradients of its items from the next stage, copied as an item's)
+            (inner if _is_container(dag, node) and node not in buffer else received_items).add(node)
     # the values received that nodes here give a gradient (or the items standing for them), in the order first read
     read = list(dict.fromkeys(value for node in nodes if node not in inner for value in (
         [node] if node in received_items else [u for u, _ in _gradients_to(dag, node) if u not in inside])))
@@ -629,6 +630,10 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         return value is not None and (buffer.get(value, "") is None or buffer.get(value) in summed_received)
     # the nodes whose value is a container of tensors (a ``ModelOutput``), not a tensor
     containers = {n for n in nodes if _is_container(dag, n)}
+    # those an op makes whole (``chunk``, ``split``, an LSTM's outputs), whose backward takes the gradients of
+    # all its items at once, each as autograd holds it: not a sum into one buffer of the tuple's size
+    made_whole = {n for n in containers if (f := _training(dag, n)) is not None and not f.passes_on}
+    items: dict[str, list[str | None]] = {}  # such a tuple -> the gradients its items handed it
     for node in reversed(nodes):
         freed -= recomputed.recomputed_at.get(node, 0.0)
         facts = _training(dag, node)
@@ -658,7 +663,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         peak = max(peak, output_grads + alive + own - freed)
         # adding a gradient into one that exists may take a new buffer for the sum, while the gradients
         # the backward made (of its inputs and weights) still live
-        summed = max((_grad(dag, u) for u, _ in given if u in buffer and u not in replaced.values()), default=0.0)
+        summed = max((_grad(dag, u) for u, _ in given if u in buffer and u not in replaced.values()
+                      and u not in made_whole), default=0.0)  # (an item's gradient is held, not summed)
         if summed:  # by then autograd has dropped the gradient the node got, where nothing else holds it
             weights = _trainable_weights(dag, node)
             # a backward that gives its weights their gradients first: autograd has added those read by no
@@ -691,6 +697,12 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # its input's layout, where the probe's gradient, laid out as a new tensor, came back strided
         permuted_buffer = node in sent and _crossed_permuted(dag, node)
         for u, handed in given:
+            if u in made_whole and handed and u in facts.passes_on:  # an item of a tuple an op made here
+                items.setdefault(u, []).append(mine)  # held as it is until that op's backward takes them all
+                if mine is not None:
+                    holders[mine] += 1
+                buffer.setdefault(u, None)  # (no buffer of its own)
+                continue
             if u not in buffer:
                 hold(u, mine if handed else u)
                 if handed and (mine is None or mine in summed_received) and node in handed_order \
@@ -710,6 +722,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 hold(u, u)
                 strided.discard(u)
         release(mine)
+        for item in items.pop(node, ()):  # its backward has taken its items' gradients
+            release(item)
         # a weight read by several nodes here: autograd holds the parts given so far, adding each new
         # one into a new buffer, and the last sum into the weight's gradient (a Linear applied twice)
         for w, nbytes in _trainable_weights(dag, node).items():
