@@ -22,11 +22,13 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def user_stacklevel() -> int:
-    """``warnings.warn``'s ``stacklevel`` for the first frame outside autoshard and ``torch.nn``: the
-    user's call, however deep in autoshard (a pass, a runtime) the warning is raised."""
+    """``warnings.warn``'s ``stacklevel`` for the first frame outside autoshard and torch (``nn.Module``'s
+    call, ``torch.compiler.disable``'s wrapper): the user's call, however deep in autoshard (a pass, a
+    runtime) the warning is raised. (torch is looked up, not imported: ``autoshard.graph`` imports none.)"""
+    torch = sys.modules.get("torch")
+    inside = (_PACKAGE, os.path.dirname(torch.__file__)) if torch is not None and torch.__file__ else (_PACKAGE,)
     frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
-                                 or f"{os.sep}torch{os.sep}nn{os.sep}" in frame.f_code.co_filename):
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
 

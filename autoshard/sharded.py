@@ -323,13 +323,13 @@ class ShardedModel(FixedDtypes):
         (optimizer groups, freezing) finds them as in the model. (A module holding the sharded model
         walks its modules itself, so there they keep their stages' names.)"""
         for name, parameter in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield _model_name(name, prefix), parameter
+            yield _model_name(name, prefix + "." if prefix else ""), parameter
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's buffers under the model's own names, as ``named_parameters``."""
         for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield _model_name(name, prefix), buffer
+            yield _model_name(name, prefix + "." if prefix else ""), buffer
 
     def train(self, mode: bool = True) -> ShardedModel:
         """Switch the model to ``mode`` (``model.train(mode)``, whose modules the stages hold), so that

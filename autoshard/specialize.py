@@ -277,6 +277,7 @@ class Specializer:
         made = self.made_for(primary, args, kwargs)
         return made if made is not None else self.specialize(primary, args, kwargs, guard=guard)
 
+    @torch.compiler.disable  # a capture runs as Python, even where torch.compile traces the sharded model
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                    guard: str = "made ahead with sharded.specialize") -> ShardedModel:
         """Capture the model for these inputs under the primary plan's partition, keep and return it.

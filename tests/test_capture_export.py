@@ -64,6 +64,31 @@ def test_an_input_laid_out_otherwise_than_the_example_is_captured_again(other):
     assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
 
 
+class AsksItsMemoryFormat(nn.Module):
+    """Branches on whether its 4-D input is channels-last, a layout neither contiguous nor not tells."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if x.is_contiguous(memory_format=torch.channels_last):
+            h = h * 2
+        return self.b(h)
+
+
+def test_an_input_of_another_memory_format_is_captured_again():
+    """Channels-last and a transpose are both not contiguous: the guard took one for the other."""
+    torch.manual_seed(0)
+    model = AsksItsMemoryFormat()
+    x = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    assert autoshard.capture.capture(model, (x,)).front_end == "export"
+    sharded = autoshard.shard_model(model, 2, (x,))
+    y = torch.randn(2, 3, 4, 4).transpose(2, 3)
+    assert torch.equal(sharded(y), model(y)) and len(sharded.specializations) == 1
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -789,3 +789,24 @@ def test_a_function_made_anew_over_a_dict_changed_in_place_is_another_constant()
 
     assert same_constant(_scaled_by(2.0), _scaled_by(2.0)) and not same_constant(made(), made())
     assert not same_constant(functools.partial(torch.mul, settings), functools.partial(torch.mul, settings))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_sharded_model_serves_both_modes(backend):
+    """Under ``torch.compile`` the new capture ran inside the compiler's trace and failed (an assertion
+    from numpy deep in the split), and the check in full failed inside it (a NameError)."""
+    import autoshard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    sharded = autoshard.shard_model(model.train(), 2, example_inputs=(torch.randn(4, 8),))
+    torch._dynamo.reset()
+    compiled = torch.compile(sharded, backend=backend)
+    x = torch.randn(4, 8)
+    for mode in (True, False, True):
+        model.train(mode)
+        torch.manual_seed(1)
+        served = compiled(x)
+        torch.manual_seed(1)
+        assert torch.equal(served, model(x)), mode
+    assert len(sharded.specializations) == 1

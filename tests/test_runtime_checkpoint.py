@@ -239,3 +239,5 @@ def test_the_sharded_models_state_dict_is_the_models_and_it_loads_the_models_che
     for named in ("named_parameters", "named_buffers"):
         assert sorted((n, id(t)) for n, t in getattr(sharded, named)()) == sorted(
             (n, id(t)) for n, t in getattr(model, named)())
+        assert sorted(n for n, _ in getattr(sharded, named)(prefix="mod")) == sorted(
+            n for n, _ in getattr(model, named)(prefix="mod"))

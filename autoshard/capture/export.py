@@ -36,7 +36,8 @@ from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design
 from autoshard.capture.fx import has_backward_hooks, refuse_backward_hooks_of
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import (
-    FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_asserted, check_detached_mode, check_grad_mode, usable_conditions,
+    FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_asserted, check_detached_mode, check_grad_mode, layout_of,
+    usable_conditions,
 )
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, is_real_run, refusing_state_writes
@@ -186,7 +187,7 @@ def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.Exp
     conditions = usable_conditions(getattr(ep, "_guards_code", None) or (), example)
     guard = signature.guard(shapes)
     tensors = signature.tensors()
-    layouts = {name: (tensors[name].requires_grad, tensors[name].is_contiguous()) for name in shapes}
+    layouts = {name: layout_of(tensors[name]) for name in shapes}
     return dataclasses.replace(guard, fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions, layouts=layouts)
 
 

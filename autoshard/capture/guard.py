@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from autoshard.capture.guard_code import CONDITION_NAMES, accepting
+from autoshard.capture.guard_code import CHANNELS_LAST, CONDITION_NAMES, accepting
 from autoshard.capture.structure import ArgumentStructure, Flattened, same_constant
 from autoshard.errors import InputMismatchError, InvalidArgumentError, SpecializationMismatch, brief
 from autoshard.isolation import HeldModule, grad_mode_checked
@@ -68,9 +68,10 @@ class InputGuard:
     #: Conditions on the sizes the capture relied on beyond their ranges (``x.shape[0] % 2 == 0``,
     #: where the code branched on it), as Python over ``L[name]``: torch.export's guards.
     conditions: tuple[str, ...] = ()
-    #: Per tensor input, whether it required grad and was contiguous: facts torch.export answers from
-    #: the example without a guard of its own (``if x.is_contiguous():``, ``if x.requires_grad:``).
-    layouts: Mapping[str, tuple[bool, bool]] = field(default_factory=dict)
+    #: Per tensor input, whether it required grad, was contiguous, and was channels-last contiguous (a
+    #: 4-D or 5-D one): facts torch.export answers from the example without a guard of its own
+    #: (``if x.is_contiguous():``, ``if x.requires_grad:``); ``layout_of``.
+    layouts: Mapping[str, tuple[bool, bool, bool]] = field(default_factory=dict)
 
     def describe(self) -> str:
         parts = []
@@ -167,7 +168,7 @@ class InputGuard:
                     return f"{name}.shape[{axis}] is {size}, outside what the plan serves ({dim.describe()})"
         for name, layout in self.layouts.items():
             value = leaves[name]
-            now = (value.requires_grad, value.is_contiguous()) if isinstance(value, torch.Tensor) else None
+            now = layout_of(value) if isinstance(value, torch.Tensor) else None
             if now != layout:
                 return (f"{name} is {_layout(*now) if now else 'no tensor'}, but the plan was captured with it "
                         f"{_layout(*layout)} (torch.export answers the code's questions about that from the example)")
@@ -181,11 +182,19 @@ class InputGuard:
 
 
 #: An input's usual layout: not requiring grad, contiguous.
-_PLAIN_LAYOUT = (False, True)
+_PLAIN_LAYOUT = (False, True, False)
 
 
-def _layout(requires_grad: bool, contiguous: bool) -> str:
-    return f"{'requiring grad' if requires_grad else 'not requiring grad'}, {'' if contiguous else 'not '}contiguous"
+def layout_of(t: torch.Tensor) -> tuple[bool, bool, bool]:
+    """Whether ``t`` requires grad, is contiguous, and is channels-last contiguous (4-D or 5-D)."""
+    channels_last = CHANNELS_LAST.get(t.dim())
+    last = channels_last is not None and t.is_contiguous(memory_format=channels_last)
+    return t.requires_grad, t.is_contiguous(), last
+
+
+def _layout(requires_grad: bool, contiguous: bool, channels_last: bool) -> str:
+    laid = "contiguous" if contiguous else "channels-last" if channels_last else "neither contiguous nor channels-last"
+    return f"{'requiring grad' if requires_grad else 'not requiring grad'}, {laid}"
 
 
 #: What an evaluated condition may use: ``CONDITION_NAMES``, no builtins.
@@ -392,7 +401,7 @@ def check_mode(training: bool, captured: bool, modules: tuple[bool, ...] = (),
         raise SpecializationMismatch(
             "some of the modules the stage calls were switched to another mode after sharding (model.eval() or "
             f"model.train()), while the plan was captured with the model in {'train' if captured else 'eval'} "
-            "mode; switch the modules back", before_compute=True)
+            "mode; switch the modules back, or shard the model again in the mode to run", before_compute=True)
     if training != captured:
         was, now = ("train", "eval") if captured else ("eval", "train")
         raise InputMismatchError(

@@ -19,6 +19,9 @@ import torch
 
 from autoshard.capture.structure import same_constant
 
+#: The channels-last memory format of a tensor of each rank that has one.
+CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
 
 #: What a condition may call besides the inputs: the names torch's printer of size expressions emits.
 CONDITION_NAMES = {"math": math, "max": max, "min": min, "abs": abs}
@@ -121,9 +124,12 @@ def accepting(guard: Any, holds: Callable[[str, Any], bool]) -> Callable[..., tu
     symbols: dict[str, str] = {}
     for name, dims in guard.shapes.items():
         writer.shape(where[name], dims, symbols)
-    for name, (requires_grad, contiguous) in guard.layouts.items():
-        writer.refuse_unless(f"isinstance({where[name]}, Tensor) and {where[name]}.requires_grad is {requires_grad} "
-                             f"and {where[name]}.is_contiguous() is {contiguous}")
+    for name, (requires_grad, contiguous, channels_last) in guard.layouts.items():
+        value, rank = where[name], len(guard.shapes[name])
+        laid = f" and {value}.is_contiguous(memory_format={writer.constant(CHANNELS_LAST[rank])}) is {channels_last}" \
+            if rank in CHANNELS_LAST else ""
+        writer.refuse_unless(f"isinstance({value}, Tensor) and {value}.requires_grad is {requires_grad} "
+                             f"and {value}.is_contiguous() is {contiguous}{laid}")
     argument_of = dict(zip(guard.names, arguments))
     inline = ["" if _implied(condition, guard.shapes) else _inlined(condition, argument_of)
               for condition in guard.conditions]

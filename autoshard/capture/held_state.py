@@ -29,6 +29,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import torch
 from torch import nn
 from torch.nn.modules import module as module_state
 from torch.utils.hooks import RemovableHandle
@@ -343,6 +344,7 @@ class HeldState:
         """The parameters whose dtypes count, as registered now."""
         return [w for w in map(dict.get, self.registries, self.names) if w is not None]
 
+    @torch.compiler.disable  # (rare, and plain Python: torch.compile's tracer failed inside it)
     def check_in_full(self, training: bool) -> dict[str, Any]:
         """What the stage calls for each module, by path (``cheapest_calls``), found again; raise
         ``InputMismatchError`` when the stage (``training``: its flag now) or one of them is in another
