@@ -186,9 +186,9 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
     the run filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
     from the state the model was given in, and none leaves a trace on it. Other values a forward
     stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
-    Face's output recorders). The numbers, flags and strings of objects modules keep settings in
-    (a Hugging Face config's ``problem_type``) are set back as well, and what the run added to them
-    removed (``settings_objects``)."""
+    Face's output recorders). What objects modules keep settings in hold (a Hugging Face config's
+    ``problem_type``, a list set on one) is set back as well, and what the run added to them removed
+    (``settings_objects``)."""
     modules = list(model.modules())
     saved = [(module, [dict(c) for c in _attribute_dicts(module)]) for module in modules]
     settings = [(holder, dict(vars(holder))) for holder in settings_objects(model)]
@@ -240,7 +240,7 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
         for holder, before in settings:
             current = vars(holder)
             # (one the run added shadows the class's value: ``scale = None`` in the class body)
-            for key in [k for k, v in current.items() if k not in before or scalar_changed(before[k], v)
+            for key in [k for k, v in current.items() if k not in before or before[k] is not v
                         or holds(v, TRACE_VALUES)]:
                 if key in before:
                     current[key] = before[key]

@@ -9,6 +9,8 @@ import functools
 import math
 import types
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -380,28 +382,31 @@ class DecidesOnItsFirstCall(nn.Module):
     """A forward that fills a setting in on its first call and computes with it from then on, as a
     Hugging Face model sets ``config.problem_type`` on its first call with labels."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
-        self.config, self.a, self.b = _Decided(), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.config, self.a, self.b = config, nn.Linear(4, 4), nn.Linear(4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.scale is None:
             self.config.scale = 2.0 if x.shape[0] > 1 else 3.0
+            self.config.seen = ["decided"]  # (written without a read)
         return self.b(torch.relu(self.a(x))) * self.config.scale
 
 
-def test_a_setting_the_forward_fills_in_is_written_by_the_sharded_call_too():
+@pytest.mark.parametrize("config", [_Decided, lambda: types.SimpleNamespace(scale=None)], ids=["class", "namespace"])
+def test_a_setting_the_forward_fills_in_is_written_by_the_sharded_call_too(config):
     """The graph holds no attribute writes: the setting stayed unset after sharded calls, so a call of
     another shape was captured again with it unset and took the other value (1.5x the model's output);
-    and sharding itself left the model's config with the value its runs wrote."""
+    and sharding itself left the model's config with the values its runs wrote (a class default
+    shadowed, a list). A settings object of a built-in class, whose class takes no hook of ours, too."""
     torch.manual_seed(0)
-    model = DecidesOnItsFirstCall()
+    model = DecidesOnItsFirstCall(config())
     twin = copy.deepcopy(model)
     sharded = autoshard.shard_model(model, 2, (torch.randn(2, 4),))
-    assert "scale" not in vars(model.config)  # sharding leaves the model as it was given
+    assert vars(model.config) == vars(twin.config)  # sharding leaves the model as it was given
     for x in (torch.randn(2, 4), torch.randn(1, 4), torch.randn(2, 4)):
         assert torch.equal(sharded(x), twin(x))
-        assert model.config.scale == twin.config.scale == 2.0
+        assert model.config.scale == twin.config.scale == 2.0 and model.config.seen == twin.config.seen == ["decided"]
 
 
 def test_a_setting_switched_between_calls_is_served_by_the_plan_made_for_it_without_a_full_check(monkeypatch):

@@ -166,7 +166,9 @@ class AttributeReads:
         #: settings objects of built-in classes, which take no ``__getattribute__`` of ours, by id: where
         #: the traced code reads one, every plain attribute it holds is checked
         self.unwatched = {id(s): s for s in settings if type(s).__flags__ & _IMMUTABLE_TYPE}
-        self.read_whole: dict[int, Any] = {}
+        #: such objects read, by id: the object, its plain attributes at the first read, and (once the
+        #: recording ends) those the traced code set, which a served call writes back
+        self.read_whole: dict[int, tuple[Any, dict[str, Any], dict[str, Any]]] = {}
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[AttributeReads]:
@@ -181,6 +183,9 @@ class AttributeReads:
                     if cls is not nn.Module:  # (a module's writes are ``capture.state``'s)
                         stack.enter_context(swapped_attribute(cls, "__setattr__", self._writer(cls.__setattr__)))
             yield self
+        for holder, before, written in self.read_whole.values():
+            written.update((name, value) for name, value in vars(holder).items() if checked_value(value)
+                           and (name not in before or not same_constant(value, before[name])))
         changed = [key for key, read in self.first.items() if not same_constant(copied(read.value), read.contents)]
         for key in changed:
             self.first[key] = replace(self.first[key], contents=self.first[key].value)
@@ -196,24 +201,27 @@ class AttributeReads:
                 value = original(holder, name)
             except AttributeError:
                 if (id(holder), name) not in first and _absent(holder, name):
-                    first[(id(holder), name)] = AttributeRead(holder, name, ABSENT)
+                    first[(id(holder), name)] = AttributeRead(holder, name, ABSENT, contents=ABSENT)
                 raise
             if (id(holder), name) not in first and looked_up(holder, name)[1] is value \
                     and (checked_value(value) or (id(value) in holders and not isinstance(value, nn.Module))):
                 first[(id(holder), name)] = AttributeRead(holder, name, value, not checked_value(value), copied(value))
-            if id(value) in unwatched:
-                read_whole[id(value)] = value
+            if id(value) in unwatched and id(value) not in read_whole:
+                read_whole[id(value)] = (value, {k: copied(v) for k, v in vars(value).items() if checked_value(v)}, {})
             return value
         return __getattribute__
 
     def _writer(self, original: Callable[[Any, str, Any], None]) -> Callable[[Any, str, Any], None]:
-        """A settings object's ``__setattr__`` that notes a plain value the traced code writes where it read
-        first (``AttributeRead.written``)."""
-        first, paused = self.first, self.paused
+        """A settings object's ``__setattr__`` that notes a plain value the traced code writes
+        (``AttributeRead.written``), on the read of what the attribute held before (made now if none was)."""
+        first, paused, holders = self.first, self.paused, self.holders
 
         def __setattr__(holder: Any, name: str, value: Any) -> None:  # noqa: N807 - the slot it fills
-            read = first.get((id(holder), name))
-            if read is not None and not paused() and checked_value(value):
+            if id(holder) in holders and not paused() and checked_value(value):
+                read = first.get((id(holder), name))
+                if read is None:  # written before any read: the value it held is what the call met
+                    before = looked_up(holder, name)[1]
+                    read = AttributeRead(holder, name, before, False, copied(before))
                 first[(id(holder), name)] = replace(read, written=value)
             original(holder, name, value)
         return __setattr__
@@ -222,8 +230,9 @@ class AttributeReads:
         """The reads a graph fixed, once the capture has set the model back: not of attributes the
         trace wrote (``written``: ``(id(module), name)``, filled as it writes), and of values the model
         holds again (not a stand-in the capture installed for the trace, nor a value the trace set)."""
-        whole = [AttributeRead(holder, name, value, contents=copied(value)) for holder in self.read_whole.values()
-                 for name, value in vars(holder).items() if checked_value(value)]
+        whole = [AttributeRead(holder, name, looked_up(holder, name)[1] if name in before else ABSENT,
+                               contents=before.get(name, ABSENT), written=written.get(name, ABSENT))
+                 for holder, before, written in self.read_whole.values() for name in {**before, **written}]
         return tuple(read for read in [*self.first.values(), *whole]
                      if (id(read.holder), read.name) not in self.written
                      and looked_up(read.holder, read.name)[1] is read.value)
