@@ -14,12 +14,12 @@ included, which a capture cannot make the model's.
 
 Checking every dict on every call would cost a test per module. Every hook registration, of a
 module's, a tensor's or a global one, takes a new id from ``RemovableHandle.next_id``, so the first
-stage's kept check compares that one counter by identity (``counter_read``) and the length of each
-dict that held hooks (a removal takes no id), and only a moved counter makes it look at the dicts
+stage's kept check compares that one counter by identity (``counter_read``) and each dict that held
+hooks with a copy of it (a removal takes no id), and only a moved counter makes it look at the dicts
 (``after_difference``; then it keeps the new counter and checks its other reads again). A model or
 runtime whose call registers hooks (a module with full backward hooks registers its tensors', FSDP
-its outputs') moves it on every call, and so looks at
-the dicts on every call, never running the full check for it."""
+its outputs') moves it on every call, and so looks at the dicts on every call, never running the
+full check for it."""
 
 from __future__ import annotations
 
