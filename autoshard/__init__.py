@@ -35,6 +35,7 @@ _LAZY = {
     # warnings a user may want to filter or turn into errors
     "HostRandomnessWarning": "autoshard.capture.host_random",
     "CheckpointTracedWarning": "autoshard.capture.meta",
+    "StateNotReplayedWarning": "autoshard.verify",
     "StalePlanWarning": "autoshard.plan_format.fits",
     "UnmeasuredMemoryWarning": "autoshard.plan_format.fits",
     "SharedBufferWarning": "autoshard.runtime.stage",

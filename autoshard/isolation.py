@@ -150,6 +150,9 @@ def clear_trace_values(value: Any, depth: int = 6) -> None:
 #: Where a trace can leave a value besides plain attributes: ``self.count += 1`` on a buffer
 #: sets the buffer to the Proxy of the addition.
 _TENSOR_REGISTRIES = ("_parameters", "_buffers")
+#: What ``nn.Module`` keeps on every module (its registries and hook dicts): a forward that installs
+#: hooks on its first call (Hugging Face's output recorders, marked installed by a flag) keeps them.
+_MODULE_MACHINERY = frozenset(vars(nn.Module()))
 
 
 def _attribute_dicts(module: nn.Module) -> list[dict[str, Any]]:
@@ -178,37 +181,42 @@ def scalar_changed(old: Any, new: Any) -> bool:
 
 
 @contextlib.contextmanager
-def module_state_restored(model: nn.Module) -> Iterator[None]:
+def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]] | None = None) -> Iterator[None]:
     """On exit, set back (or remove, if the run added it) every attribute, parameter or buffer of
     a module that holds a trace value, and every attribute or buffer the run bound to another tensor
     (``self.previous = y``, kept for the next call; a cache registered as a buffer), changed from
     one number, flag, string or None to another (a step counter) or deleted, and every dict, list or set attribute
-    the run filled with a trace value (a cache keyed by a traced size) back to its contents: each run starts
+    the run changed (a log it appends to; a cache keyed by a traced size) back to its contents: each run starts
     from the state the model was given in, and none leaves a trace on it. Other values a forward
-    stores are its own business, as on any call; they may be tied to hooks it installed (Hugging
-    Face's output recorders). What objects modules keep settings in hold (a Hugging Face config's
+    stores are its own business, as on any call, and so are the hooks it installs on modules
+    (``_MODULE_MACHINERY``). What objects modules keep settings in hold (a Hugging Face config's
     ``problem_type``, a list set on one) is set back as well, and what the run added to them removed
-    (``settings_objects``)."""
+    (``settings_objects``). ``changed``: where given, the plain values the run changed (a number, a
+    flag, a string; the items of a dict, list or set) are added to it, as ``(module, name)``."""
     modules = list(model.modules())
     saved = [(module, [dict(c) for c in _attribute_dicts(module)]) for module in modules]
     settings = [(holder, dict(vars(holder))) for holder in settings_objects(model)]
-    # each one's items (none to copy for an empty one: most are hook dicts; ``copy.copy`` of an
-    # OrderedDict, by reduction, took a third of the time a 300-module model's run was isolated)
-    collections = [(value, () if not value else dict(value) if isinstance(value, dict) else list(value))
-                   for module in modules for key, value in vars(module).items()
-                   if key not in _REGISTRIES and isinstance(value, (dict, list, set))]
+    # each one's items (none to copy for an empty one; ``copy.copy`` of an OrderedDict, by
+    # reduction, took a third of the time a 300-module model's run was isolated)
+    collections = [(value, () if not value else dict(value) if isinstance(value, dict) else list(value),
+                    module, key) for module in modules for key, value in vars(module).items()
+                   if key not in _MODULE_MACHINERY and isinstance(value, (dict, list, set))]
     try:
         yield
     finally:
         clean: set[int] = set()  # collections found free of trace values and left as they are: not walked twice
-        for collection, before in collections:  # a cache the trace filled in place (keyed by a Proxy)
-            if not collection:  # (most are empty hook dicts)
+        noted = changed if changed is not None else []
+        # a log appended to, a cache the trace filled (keyed by a Proxy)
+        for collection, before, module, name in collections:
+            if not collection and not before:
                 clean.add(id(collection))
                 continue
             keys = list(collection.keys()) if isinstance(collection, dict) else []
-            if not (holds(keys, TRACE_VALUES) or holds(collection, TRACE_VALUES)):
+            if _same_items(collection, before) and not (holds(keys, TRACE_VALUES) or holds(collection, TRACE_VALUES)):
                 clean.add(id(collection))
                 continue
+            if not _same_items(collection, before):
+                noted.append((module, name))
             if isinstance(collection, list):
                 collection[:] = before
             else:
@@ -231,12 +239,15 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
                     traced(value, value is before.get(key))
                     or (value is not before.get(key) and holds(value, torch.Tensor))
                     or (key in before and scalar_changed(before[key], value)))]
+                deleted = [key for key in before if key not in current]
+                noted.extend((module, key) for key in stale
+                             if key in before and scalar_changed(before[key], current[key]))
                 for key in stale:
                     if key in before:
                         current[key] = before[key]
                     else:
                         del current[key]
-                current.update({key: value for key, value in before.items() if key not in current})  # deleted
+                current.update({key: before[key] for key in deleted})
         for holder, before in settings:
             current = vars(holder)
             # (one the run added shadows the class's value: ``scale = None`` in the class body)
@@ -246,6 +257,18 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
                     current[key] = before[key]
                 else:
                     del current[key]
+
+
+def _same_items(collection: list | dict | set, before: Any) -> bool:
+    """Whether ``collection`` holds the very items ``before`` copied from it (nothing appended,
+    removed or replaced)."""
+    if len(collection) != len(before):
+        return False
+    if isinstance(collection, list):
+        return all(now is then for now, then in zip(collection, before))
+    if isinstance(collection, dict):
+        return all(collection.get(key, _ABSENT) is then for key, then in before.items())
+    return all(item in collection for item in before)
 
 
 def settings_objects(model: nn.Module) -> list[Any]:
@@ -344,17 +367,19 @@ def detached_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
+def isolated(model: nn.Module, seed: int | None = 0, changed: list[tuple[nn.Module, str]] | None = None
+             ) -> Iterator[None]:
     """Randomness seeded with ``seed`` (None: drawn on from where it is, then set back), and on
     exit the generators, buffer values, rewritten weights and module state of the model, and of the
-    modules it keeps outside its tree (``detached_modules``), restored."""
+    modules it keeps outside its tree (``detached_modules``), restored; the plain values changed are
+    added to ``changed`` (``module_state_restored``)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))
         for owner in (model, *detached_modules(model)):
             stack.enter_context(generators_restored(owner))
             stack.enter_context(values_restored([*owner.buffers(), *rewritten_weights(owner),
                                                  *_tensor_attributes(owner)]))
-            stack.enter_context(module_state_restored(owner))
+            stack.enter_context(module_state_restored(owner, changed))
         if seed is not None:
             torch.manual_seed(seed)
         yield
@@ -401,9 +426,11 @@ def detached_values(value: Any) -> Any:
     return tree_unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in flat], spec)
 
 
-def run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False) -> Any:
-    """``fn()`` with randomness from ``seed`` and ``model``'s buffers restored afterwards."""
-    with isolated(model, seed), torch.set_grad_enabled(grad):
+def run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False,
+               changed: list[tuple[nn.Module, str]] | None = None) -> Any:
+    """``fn()`` with randomness from ``seed`` and ``model``'s buffers and state restored afterwards
+    (what was set back added to ``changed``)."""
+    with isolated(model, seed, changed), torch.set_grad_enabled(grad):
         return detached_values(fn())
 
 

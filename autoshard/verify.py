@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -36,8 +37,8 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from autoshard.capture.guard import autocast_now, chosen_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
-from autoshard.errors import InputMismatchError, SpecializationMismatch, VerificationError
-from autoshard.isolation import PlainInterpreter, cloned, detached_values, isolated, run_seeded
+from autoshard.errors import InputMismatchError, SpecializationMismatch, VerificationError, user_stacklevel
+from autoshard.isolation import PlainInterpreter, cloned, detached_values, isolated, module_state_restored, run_seeded
 from autoshard.lowering.inplace import written_values
 
 
@@ -145,21 +146,10 @@ def _expected_run(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...], k
             raise with_grad from None
 
 
-def _in_a_row(call: Callable[[], Any], times: int) -> Callable[[], Any]:
-    """``call`` made ``times`` times in a row, returning the last result."""
-    def calls() -> Any:
-        for _ in range(times - 1):
-            call()
-        return call()
-
-    return calls
-
-
-def _model_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int, grad: bool,
-               times: int = 1) -> Any:
+def _model_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int, grad: bool) -> Any:
     # Every run gets its own copy of the inputs: a forward that writes to them must not feed the
     # next run its output, nor change the caller's tensors.
-    return run_seeded(_in_a_row(lambda: model(*cloned(args), **cloned(kwargs)), times), model, seed, grad=grad)
+    return run_seeded(lambda: model(*cloned(args), **cloned(kwargs)), model, seed, grad=grad)
 
 
 def _graph_run(interpreter: fx.Interpreter, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -363,6 +353,30 @@ def verify_stages(
     return f"{len(stages)} stages match the model on the example inputs{also} (rtol={rtol}, atol={atol}){grads}"
 
 
+class StateNotReplayedWarning(UserWarning):
+    """The model's forward changes attributes of its modules that the stages leave as they are."""
+
+
+def _warn_unreplayed(model: nn.Module, by_model: list[tuple[nn.Module, str]],
+                     by_stages: list[tuple[nn.Module, str]]) -> None:
+    """Warn where the model's call changed a plain value on a module (a log it appends to, a count
+    on the top-level module) that the stages' call did not: a graph records operations on values,
+    not attribute writes (a module kept whole writes its own, as it runs). Not an error: the
+    outputs matched, and such bookkeeping is often only read outside the model."""
+    replayed = {(id(module), name) for module, name in by_stages}
+    paths = {id(module): path for path, module in model.named_modules(remove_duplicate=False)}
+    dropped = sorted({f"{paths.get(id(module)) or type(module).__name__}.{name}" for module, name in by_model
+                      if (id(module), name) not in replayed})
+    if dropped:
+        warnings.warn(
+            f"the model's forward changes {', '.join(dropped)} on every call, and the stages do not (a captured "
+            "graph records operations on values, not attribute writes): a call of the sharded model leaves "
+            f"{'it' if len(dropped) == 1 else 'them'} as {'it is' if len(dropped) == 1 else 'they are'}. The outputs "
+            "match; keep such bookkeeping outside the forward, or in a forward hook of a module (a module with "
+            "hooks is kept whole, and its hooks run on every call)", StateNotReplayedWarning,
+            stacklevel=user_stacklevel())
+
+
 def other_values(inputs: Any, seed: int) -> Any:
     """``inputs`` with other values in the tensors of two or more elements, their shapes, dtypes
     and devices kept, drawn from ``seed``: floating values scaled one by one by 0.9 to 1.1 (signs,
@@ -443,9 +457,12 @@ def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     call while the stages keep the branch of the capture, which one call cannot show. Stages whose
     check refuses the second call (a setting their first call wrote, ``StateAtCapture.write_back``)
     leave it to another capture, as a sharded model does."""
-    expected = _model_run(model, args, kwargs, seed, grad, times=2)
+    written_by_model: list[tuple[nn.Module, str]] = []
+    written_by_stages: list[tuple[nn.Module, str]] = []
+    expected = run_seeded(_noting_the_second(lambda: model(*cloned(args), **cloned(kwargs)), model, written_by_model),
+                          model, seed, grad=grad)
     try:
-        actual = run_seeded(_in_a_row(chained, 2), model, seed, grad=grad)
+        actual = run_seeded(_noting_the_second(chained, model, written_by_stages), model, seed, grad=grad)
     except SpecializationMismatch:
         return
     problem = first_difference(actual, expected, rtol, atol)
@@ -456,3 +473,18 @@ def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
             "it (written through self.__dict__, vars() or object.__setattr__, a dict or list changed in "
             "place, a global or class attribute), which the stages froze at the example's first call; "
             "keep that state in a module attribute (self.ready = True) or a buffer", stage=None)
+    _warn_unreplayed(model, written_by_model, written_by_stages)
+
+
+def _noting_the_second(call: Callable[[], Any], model: nn.Module, changed: list[tuple[nn.Module, str]]
+                       ) -> Callable[[], Any]:
+    """``call`` made twice in a row, returning the second result, with what the second call changes
+    on the model's modules again added to ``changed``: bookkeeping that moves on every call (a log, a
+    count), not what a call sets to the same value each time (Swin's window size, a cache filled on
+    the first call). Run inside ``run_seeded``, which sets the model back after both."""
+    def calls() -> Any:
+        call()
+        with module_state_restored(model, changed):
+            return call()
+
+    return calls

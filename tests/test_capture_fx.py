@@ -1251,6 +1251,54 @@ def test_sharding_leaves_the_settings_a_model_keeps_as_they_were():
     assert "config.problem_type='multi'" in sharded.specializations[0].describe()
 
 
+class KeepsALog(nn.Module):
+    """Notes each call in a list, a dict and a set of its own, and counts the rows it saw on the
+    top-level module: bookkeeping no graph replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.sizes, self.by_call, self.seen_sizes, self.rows = [7], {}, set(), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.sizes.append(x.shape[0])
+        self.by_call[len(self.by_call)] = x.shape[0]
+        self.seen_sizes.add(x.dim())
+        self.rows += x.shape[0]
+        return self.last(torch.relu(self.first(x)))
+
+
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_sharding_leaves_the_lists_a_forward_appends_to_as_they_were_and_warns_the_stages_do_not(front_end):
+    """The capture's runs of the model appended to its log (eight entries after sharding, from a user
+    who had not called it yet); the stages do not append at all, which only a warning can say."""
+    model, x = KeepsALog(), torch.randn(2, 4)
+    # (a set given the same item again is not a change: nor is a size set anew, a cache filled once)
+    written = r"changes KeepsALog\.by_call, KeepsALog\.rows, KeepsALog\.sizes on every call"
+    with pytest.warns(autoshard.StateNotReplayedWarning, match=written):
+        sharded = autoshard.shard_model(model, 2, example_inputs=(x,),
+                                        pipeline=f"{front_end},shape-prop,build-dag,linearize,split,emit,verify")
+    assert (model.sizes, model.by_call, model.seen_sizes, model.rows) == ([7], {}, set(), 0)
+    assert torch.equal(sharded(x), model(x))
+    assert model.sizes == [7, 2]  # the model's own call only
+
+
+def test_hooks_a_forward_installs_on_its_first_call_stay_installed():
+    """Hugging Face installs its output recorders' hooks on the first call asking for hidden states
+    and marks the model so; taking the hooks back after the capture's runs left the mark and lost
+    the hidden states of every later call of the model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, vocab_size=50)
+    model, ids = transformers.BertModel(config).eval(), torch.randint(0, 50, (2, 6))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(ids,), example_kwargs={"output_hidden_states": True})
+    expected = model(ids, output_hidden_states=True)
+    assert len(expected.hidden_states) == 3
+    got = sharded(ids, output_hidden_states=True)
+    assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, expected.hidden_states, strict=True))
+
+
 class DropoutInAList(nn.Module):
     """Keeps a dropout in a plain list: not a submodule, so the model's eval() never reaches it."""
 
