@@ -1693,6 +1693,67 @@ def test_what_a_dropped_value_saved_is_not_kept(microbatches):
         assert measured <= stage.memory.total <= 1.05 * measured, (j, stage.memory.total, measured)
 
 
+class _DeadInPlace(nn.Module):
+    """Each layer also makes a wide value and writes into it in place (``t.mul_(2)``); nothing reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.wide = nn.ModuleList(nn.Linear(32, 128) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, wide in zip(self.layers, self.wide):
+            t = torch.sigmoid(wide(x))
+            t.mul_(2)  # written in place, then dropped
+            x = x + torch.relu(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_a_dropped_value_written_in_place_keeps_nothing(microbatches):
+    """A write into a value nothing reads afterwards is dropped with it: the write, the value and what they
+    saved are freed once the forward has run, and no gradient reaches them. Taken as kept (any node writing
+    in place was), each stage was 1.38-1.67x what it held."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32)
+    sharded = autoshard.shard_model(_DeadInPlace().train(), 2, (x,))
+    report = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches))
+    for j, stage in enumerate(report.stages):
+        measured = measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak
+        assert measured <= stage.memory.total <= 1.1 * measured, (j, stage.memory.total, measured)
+
+
+class _SavedOnlyWhenDropped(nn.Module):
+    """Each layer's wide value is read by a Linear whose result nothing reads (it saves the value) and
+    by slices and additions (which save nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(32, 128) for _ in range(4))
+        self.dropped = nn.ModuleList(nn.Linear(128, 32) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, dropped in zip(self.up, self.dropped):
+            h = up(x)
+            dropped(h)  # computed and dropped: the only node saving h
+            x = x + h[..., :32] + h[..., 32:64]
+        return x
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_a_value_only_a_dropped_node_saves_is_not_kept(microbatches):
+    """A storage is kept by the nodes that save it; a dropped node's autograd node is freed after the
+    forward, so a value only it saves is not kept, and one it saves first is kept (and freed) by the next
+    node saving it. Charged to its maker when the dropped node saved it, each stage was 1.19-1.53x."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32)
+    sharded = autoshard.shard_model(_SavedOnlyWhenDropped().train(), 2, (x,))
+    report = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches))
+    for j, stage in enumerate(report.stages):
+        measured = measure_stage_memory(sharded, j, (x,), microbatches=microbatches).peak
+        assert measured <= stage.memory.total <= 1.1 * measured, (j, stage.memory.total, measured)
+
+
 def test_the_items_of_a_received_tuple_are_received_tensors_of_their_own():
     """The wire receives each item of a tuple as a tensor of its own, whose gradient is sent back as it is;
     the walk took the items read here for one buffer of the tuple's, summing into it: the chunk plan's

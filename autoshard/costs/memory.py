@@ -644,8 +644,8 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
         # same storage), gave that value the gradient its backward starts from, which what it gives replaces
         replaced = {u: next((v for v in _aliases(dag, u) if v in buffer), u) for u in facts.writes
                     if node not in buffer}
-        if node not in buffer and not replaced:  # no gradient reached its output: autograd runs none of its backward
-            continue
+        if node not in buffer and not any(v in buffer for v in replaced.values()):
+            continue  # no gradient reached its output, nor the value it wrote into: autograd runs none of its backward
         given = [] if node in received_items else [(replaced.get(u, u), handed)
                                                    for u, handed in _gradients_to(dag, node)]
         # a value sent, or one whose gradient is the received buffer handed back through a view of its own

@@ -51,7 +51,7 @@ import gc
 import itertools
 import logging
 import operator
-from typing import Any, Callable, Hashable, Iterator
+from typing import AbstractSet, Any, Callable, Hashable, Iterator
 
 import torch
 import torch.fx as fx
@@ -283,6 +283,7 @@ class TrainingProbe:
         self.nbytes: dict[StorageWeakRef, int] = {}
         self.copy_of: dict[StorageWeakRef, StorageWeakRef] = {}  # a clone's storage -> the one it copies
         self.saved_storages: set[StorageWeakRef] = set()
+        self.savers: dict[StorageWeakRef, list[str]] = {}  # storage some node made -> the nodes saving it, in order
         self.saved: dict[str, int] = {}
         self.outputs: dict[str, set[StorageWeakRef]] = {}  # node -> storages of its output it made
         self.releases: dict[str, dict[str, int]] = {}  # first saver -> node that made them -> bytes
@@ -342,9 +343,38 @@ class TrainingProbe:
         by_maker = self.releases.setdefault(saver, {})
         by_maker[maker] = by_maker.get(maker, 0) + nbytes
 
-    def saved_output(self, name: str) -> int:
-        """Bytes of the storages ``name``'s output made that some node saved."""
-        return sum(self.nbytes[ref] for ref in self.outputs[name] if ref in self.saved_storages)
+    def saved_output(self, name: str, unsaved: AbstractSet[StorageWeakRef] = frozenset()) -> int:
+        """Bytes of the storages ``name``'s output made that some node saved (``unsaved``: but these)."""
+        return sum(self.nbytes[ref] for ref in self.outputs[name] if ref in self.saved_storages and ref not in unsaved)
+
+    def _saved_by_the_used(self, unused: AbstractSet[str],
+                           ) -> tuple[dict[str, int], dict[str, dict[str, int]], set[StorageWeakRef]]:
+        """``saved`` and ``releases`` with what only ``unused`` nodes save left out, and the storages so left
+        out. A storage is charged to its maker when first saved, and released after that first saver's backward;
+        where that saver is unused, nothing holds its autograd node after the forward, so it keeps the storage
+        no longer: the first used node saving it is the one that keeps it (and frees it after its backward),
+        and where none does, nothing keeps it (a live value only a dropped node saved)."""
+        saved = dict(self.saved)
+        releases = {saver: dict(by_maker) for saver, by_maker in self.releases.items()}
+        unsaved: set[StorageWeakRef] = set()
+        for ref, savers in self.savers.items():
+            first, owner = savers[0], self.owner.get(ref)
+            if first not in unused or owner is None:
+                continue
+            nbytes = self.nbytes[ref]
+            if owner != first:  # (an unused node's own charges count nothing: see ``facts``)
+                saved[owner] = saved.get(owner, 0) - nbytes
+                releases[first][owner] = releases[first].get(owner, 0) - nbytes
+            keeper = next((saver for saver in savers if saver not in unused), None)
+            if keeper is None:
+                unsaved.add(ref)
+                continue
+            if owner == first:  # a storage no node made (a module's unregistered tensor): its first used saver's
+                owner = keeper
+            saved[owner] = saved.get(owner, 0) + nbytes
+            by_maker = releases.setdefault(keeper, {})
+            by_maker[owner] = by_maker.get(owner, 0) + nbytes
+        return saved, releases, unsaved
 
     # -- running ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -935,8 +965,11 @@ class TrainingProbe:
     def _charge_first_saver(self, name: str, storages: dict[StorageWeakRef, int]) -> None:
         """``name`` saved ``storages``, which no node made: the first node to save one is charged for it."""
         for ref, nbytes in storages.items():
+            if ref in self.savers:
+                self.savers[ref].append(name)
             if ref not in self.saved_storages:
                 self.saved_storages.add(ref)
+                self.savers[ref] = [name]
                 self.owner[ref], self.nbytes[ref] = name, nbytes
                 self.saved[name] = self.saved.get(name, 0) + nbytes
                 self.release(name, name, nbytes)
@@ -947,6 +980,8 @@ class TrainingProbe:
         new = self._new_storages(value)
         self.saves_from[name] = tuple(sorted({owner for ref in saved_arguments if (owner := self.owner.get(ref))}))
         for ref in saved_arguments:
+            if self.owner.get(ref) is not None:
+                self.savers.setdefault(ref, []).append(name)
             if ref not in self.saved_storages:
                 self.saved_storages.add(ref)
                 owner = self.owner[ref]
@@ -956,6 +991,7 @@ class TrainingProbe:
         for nbytes, index in effect.saved_new:
             if index is not None:
                 self.saved_storages.add(new[index][0])
+                self.savers[new[index][0]] = [name]
             self.release(name, name, nbytes)
         self.saved[name] = self.saved.get(name, 0) + sum(nbytes for nbytes, _ in effect.saved_new)
         for ref, nbytes in new:
@@ -1109,24 +1145,41 @@ class TrainingProbe:
 
     def _unused(self) -> set[str]:
         """The nodes whose value no output depends on (a result computed and dropped), by the graph's uses,
-        and that write into nothing in place (as the probe saw, or by what they call: into a buffer):
+        and that write in place into nothing that outlives the forward (``_kept_written``: a write into a
+        dropped value, ``t = lin(x); t.add_(1)``, is dropped with it; by what they call, into a buffer, kept):
         nothing holds their autograd nodes once the forward has run,
         so what they save is freed with them (counted, a dead branch's activations were 1.2x measured)."""
         live: set[str] = set()
+        read: set[StorageWeakRef] = set()  # the storages the live nodes read (after the node at hand)
         for node in reversed(self.gm.graph.nodes):
-            if node.op == "output" or node.name in self.writes or writes_in_place(self.gm, node) \
-                    or any(user.name in live for user in node.users):
+            if node.op == "output" or writes_in_place(self.gm, node) and node.name not in self.writes \
+                    or any(user.name in live for user in node.users) \
+                    or any(self._kept_written(source, read) for source in self.writes.get(node.name, ())):
                 live.add(node.name)
+                read.update(self.original(_storage(t)) for a in node.all_input_nodes if a in self.twins
+                            for t in _tensors(self.twins[a]))
         return {node.name for node in self.gm.graph.nodes if node.name not in live}
+
+    def _kept_written(self, source: str, read: AbstractSet[StorageWeakRef]) -> bool:
+        """Whether what a node writes in place into ``source``'s value outlives the forward: a storage no node
+        made (an input, a weight or buffer) or one a live node reads after it (a write into a value computed and
+        dropped is dropped with it: ``t = lin(x); t.add_(1)``)."""
+        node = next((n for n in self.twins if n.name == source), None)
+        if node is None:
+            return True
+        storages = {self.original(_storage(t)) for t in _tensors(self.twins[node])}
+        return not storages or any(self.owner.get(ref) is None or ref in read for ref in storages)
 
     def facts(self) -> dict[str, SavedFacts]:
         """``SavedFacts`` of every compute node probed so far; none for a node fake tensors could not
         run, so the memory model falls back to its output's bytes rather than count nothing saved."""
         values = {node.name: value for node, value in self.twins.items()}
         unused = self._unused()
-        return {name: SavedFacts(0 if name in unused else self.saved.get(name, 0),
-                                 0 if name in unused else self.saved_output(name), self.grad[name],
-                                 self.backward[name], tuple(sorted(self.releases.get(name, {}).items())),
+        saved, releases, unsaved = self._saved_by_the_used(unused)
+        return {name: SavedFacts(0 if name in unused else saved.get(name, 0),
+                                 0 if name in unused else self.saved_output(name, unsaved), self.grad[name],
+                                 self.backward[name], tuple(sorted((maker, nbytes) for maker, nbytes in releases.get(
+                                     name, {}).items() if nbytes)),
                                  self.views.get(name), self.input_grads.get(name), self.backward_when_sent.get(name),
                                  self.forward.get(name), self.strided_grads.get(name, ()),
                                  sent_as_copy(values.get(name)), self.when_contiguous.get(name),
