@@ -102,6 +102,24 @@ def test_the_same_hook_registered_again_each_step_is_served_by_one_capture():
     assert len(sharded.specializations) == 1
 
 
+def test_a_hook_made_anew_for_each_call_of_a_traced_layer_is_served_by_one_capture():
+    """A feature extractor registers a closure of its own making before each call: compared by
+    identity, each new one made a capture of its own (eight, then every call refused), though the
+    plan runs that layer's forward hooks as it finds them at each call."""
+    model, seen = _layers(), []
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    for step in range(12):
+        handle = model[1].register_forward_hook(lambda module, args, out, step=step: (seen.append(step), out + step)[1])
+        got = sharded(X)
+        ran = list(seen)
+        assert torch.equal(got, model(X))
+        if step:  # (the first call's capture runs the model, and so the hook, several times)
+            assert ran[-1] == step and ran.count(step) == 1
+        handle.remove()
+    assert torch.equal(sharded(X), model(X))  # and without the hook, by the same plan
+    assert len(sharded.specializations) == 1
+
+
 class _Wrapped(nn.Module):
     """Its layers under a child named ``model``, as in Transformers' ``LlamaForCausalLM``."""
 

@@ -7,7 +7,9 @@ or a pre-hook of the model itself), which would go on running it once removed. A
 (a leaf) runs its hooks. So the hook dicts of the modules traced through must stay as they were:
 empty, or holding the same hooks. A change raises ``SpecializationMismatch``, so the model is
 captured again as it is now (traced through with its forward hooks run after the body, or kept
-whole); a specialisation made before serves the hooks it was made with again. Global hooks
+whole); a specialisation made before serves the hooks it was made with again. Forward hooks run
+after the body are read at each call, so that plan serves any forward hooks of the module, or none
+(a feature extractor registering a hook of its own making before each call, removing it after). Global hooks
 (``register_module_forward_hook``, which PyTorch's ``ModuleTracker`` and ``FlopCounterMode`` install
 to observe a call) are not checked: they run for every module called, the stages themselves
 included, which a capture cannot make the model's.
@@ -33,15 +35,18 @@ from autoshard.capture.held_state import HOOK_DICTS, Read, StayAsCaptured
 class HooksAtCapture:
     """Which hook dicts of the modules a capture traced through were empty, and
     which of the modules whose code it runs (``run``; ``called`` whole, the others traced through)
-    held hooks."""
+    held hooks. ``hooks_run``: the modules traced through whose forward hooks the graph runs after
+    their body as they are at each call (``run_forward_hooks``), which any hook serves, or none."""
 
-    def __init__(self, run: Iterable[nn.Module] = (), called: Iterable[nn.Module] = ()) -> None:
-        called_ids = set(map(id, called))
+    def __init__(self, run: Iterable[nn.Module] = (), called: Iterable[nn.Module] = (),
+                 hooks_run: Iterable[nn.Module] = ()) -> None:
+        called_ids, live = set(map(id, called)), set(map(id, hooks_run))
         pairs = [(module, name) for module in run for name in HOOK_DICTS]
         self.held = tuple((module, name) for module, name in pairs if vars(module).get(name))
         #: the dicts of the modules traced through, to stay empty or hold the hooks the graph ran
         self.traced = StayAsCaptured(((module, vars(module), name) for module, name in pairs
-                                      if id(module) not in called_ids), keep_held=True)
+                                      if id(module) not in called_ids
+                                      and not (name == "_forward_hooks" and id(module) in live)), keep_held=True)
 
     def changed(self) -> tuple[nn.Module, str, bool] | None:
         """A module, the kind of hook it holds now other than at capture, and whether it held any then

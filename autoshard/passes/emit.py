@@ -9,11 +9,14 @@ from typing import ClassVar
 import torch.fx as fx
 from torch import nn
 
+from autoshard.capture.guard import run_forward_hooks
 from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.rebinding import watch
 from autoshard.capture.signature import forward_signature
 from autoshard.emit import HELD_STATE, emit_stages
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
+from autoshard.fx_helpers import resolve
+from autoshard.isolation import HeldModule
 from autoshard.graph import boundary_values, check_partition
 from autoshard.lowering.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
@@ -54,7 +57,7 @@ class EmitPass(Pass):
         run = modules_run(program.model, program.traced.graph_module)
         called = modules_called(program.model, program.traced.graph_module)
         sharded = ShardedModel(stages, plan, forward_signature(program.model), run, program.traced.attributes_read,
-                               HooksAtCapture(run, called))
+                               HooksAtCapture(run, called, modules_running_hooks(program.traced.graph_module)))
         return dataclasses.replace(program, sharded=sharded)
 
 
@@ -68,6 +71,15 @@ def modules_run(model: nn.Module, gm: fx.GraphModule) -> tuple[nn.Module, ...]:
 def modules_called(model: nn.Module, gm: fx.GraphModule) -> tuple[nn.Module, ...]:
     """The model's modules the captured graph calls whole: they run their hooks themselves."""
     return _found(model, [str(node.target) for node in gm.graph.nodes if node.op == "call_module"])
+
+
+def modules_running_hooks(gm: fx.GraphModule) -> tuple[nn.Module, ...]:
+    """The modules whose forward hooks the captured graph runs after their traced body, as the
+    module holds them at each call (``capture.guard.run_forward_hooks``)."""
+    args = [resolve(gm, arg.target) if isinstance(arg, fx.Node) and arg.op == "get_attr" else arg
+            for node in gm.graph.nodes if node.op == "call_function" and node.target is run_forward_hooks
+            for arg in node.args[:1]]
+    return tuple({id(held.module): held.module for held in args if isinstance(held, HeldModule)}.values())
 
 
 def _found(model: nn.Module, paths: list[str]) -> tuple[nn.Module, ...]:
