@@ -284,6 +284,31 @@ def test_a_call_runs_first_the_plan_that_last_served_its_shapes():
     assert tried == [sharded, made, made]
 
 
+def test_calls_switching_between_constants_or_dict_orders_run_first_the_plan_made_for_theirs():
+    """Keyed by shapes alone, a call alternating ``scale`` (or a dict's key order) ran the other
+    value's plan first, to its guard's refusal, on every call: 1.4x (1.7x) the model's time."""
+    model, sharded = size_branch()
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    u, v = torch.randn(3, 8), torch.randn(3, 8)
+    ordered = autoshard.shard_model(ConcatsInOrder().eval(), 2, ({"u": u, "v": v},), {"p": u, "q": v})
+    calls = [(sharded, (x,), {"scale": 3.0}), (sharded, (x,), {"scale": 1.0}),
+             (ordered, ({"v": v, "u": u},), {"p": u, "q": v}), (ordered, ({"u": u, "v": v},), {"p": u, "q": v})]
+    for plan, args, kwargs in calls:  # the captures
+        plan(*args, **kwargs)
+    tried = []
+
+    def run(plan: autoshard.ShardedModel, args: tuple, kwargs: dict) -> torch.Tensor:
+        tried.append(plan)
+        return plan.run_stages(args, kwargs)
+
+    for _ in range(2):
+        for plan, args, kwargs in calls:
+            plan.specializer.serve(plan, args, kwargs, run=run)
+    made, other = sharded.specializations[0].sharded, ordered.specializations[0].sharded
+    assert tried == [made, sharded, other, ordered] * 2
+
+
 class NormFirst(SizeBranch):
     """``SizeBranch`` whose batch norm (or dropout, set as ``norm``) runs before the branch, in its stage."""
 
