@@ -19,7 +19,8 @@ background load weighs on all alike, and the best repeat is kept. ``added / stag
 k = 4, its layers called on a dict of two tensors (``--only dict``: a container argument, which
 the input guard checks every call), and its layers after a setting switched before every call
 (``--only switched``: each call served by the plan made for the other setting than the last's;
-no chained column); the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4
+no chained column), and the MLP with a forward hook of a closure made anew before every call
+(``--only hook``: a feature extractor's loop; the plan runs that layer's hooks as it finds them); the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4
 in a no_grad forward and in forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64,
 batch 2 x 32) at k = 2; and
 ``nn.TransformerEncoder`` (6 layers, width 256, batch 8 x 128) in eval mode under no_grad at k = 3,
@@ -125,6 +126,19 @@ def _switched_setting() -> Row:
                (torch.randn(4, 64),), 4, between=switch)
 
 
+def _hook_made_each_call() -> Row:
+    """The MLP with a forward hook of a new closure on its fourth layer before every call, the last
+    call's removed: a feature extractor's loop. The plan runs that layer's hooks as it finds them."""
+    handles: list[Any] = []
+
+    def rehook(model: nn.Module) -> None:
+        for handle in handles:
+            handle.remove()
+        handles[:] = [model[6].register_forward_hook(lambda module, args, out: out * 1.0)]
+    return Row("forward hook made anew every call, 8x64 layers, batch 4", _mlp_layers().eval(),
+               (torch.randn(4, 64),), 4, between=rehook)
+
+
 def _gpt(backward: bool) -> Row:
     model = GPTStyleLM(vocab=512, width=256, layers=4, heads=4, max_seq=128).eval()
     ids = torch.randint(0, 512, (4, 128))
@@ -188,6 +202,7 @@ def _encoder() -> Row:
 ROWS: dict[str, Callable[[], Row | None]] = {
     "MLP 8x64, batch 4": _mlp, "dict input, 8x64 layers, batch 4": _dict_input,
     "setting switched every call, 8x64 layers, batch 4": _switched_setting,
+    "forward hook made anew every call, 8x64 layers, batch 4": _hook_made_each_call,
     "GPT-style LM, no_grad forward": lambda: _gpt(False),
     "GPT-style LM, forward+backward": lambda: _gpt(True), "HF GPT-2 tiny, no_grad forward": _hf_gpt2,
     "nn.TransformerEncoder eval, no_grad": _encoder,
