@@ -21,8 +21,8 @@ the input guard checks every call), and its layers after a setting switched befo
 (``--only switched``: each call served by the plan made for the other setting than the last's;
 no chained column), and the MLP with a forward hook of a closure made anew before every call
 (``--only hook``: a feature extractor's loop; the plan runs that layer's hooks as it finds them);
-the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4 in a no_grad forward and in forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64,
-batch 2 x 32) at k = 2; and
+the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4 in a no_grad forward and in
+forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64, batch 2 x 32) at k = 2; and
 ``nn.TransformerEncoder`` (6 layers, width 256, batch 8 x 128) in eval mode under no_grad at k = 3,
 whose output is also checked bit-exact against the model's; and tiny random-weight Hugging Face
 models (GPT-2, BERT, T5, ViT, Llama: 4 layers (T5: 2 + 2), width 64, batch 2 x 32 tokens or 2 images of 32 x 32;
