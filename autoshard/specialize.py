@@ -205,6 +205,13 @@ class Specializer:
         """The model it captures again: every plan it makes holds this model's weights."""
         return self._model
 
+    def _bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by the names the model's forward gives them (none where it refuses them)."""
+        try:
+            return dict(self._signature.bind(*args, **kwargs).arguments) if self._signature is not None else {}
+        except TypeError:
+            return {}
+
     def structure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``call_structure`` of a call of this model."""
         return call_structure(args, kwargs, self._signature)
@@ -310,10 +317,14 @@ class Specializer:
         structure = self.structure(args, kwargs)
         if len(self.specializations) >= self.limit:
             seen = "; ".join(s.describe() for s in self.specializations) or "none"
+            numbers = [name for name, value in self._bound(args, kwargs).items() if type(value) in (int, float)]
+            tensor = (f"; a number passed as an argument ({', '.join(numbers)}) is a constant of each capture, "
+                      "one plan per value: passed as a tensor (torch.tensor(t)), it is an input of one plan for "
+                      "every value") if numbers else ""
             raise InputMismatchError(
                 f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
                 f"(max_specializations; made for: {seen}); shard the model with a larger max_specializations= to "
-                "serve these inputs too")
+                f"serve these inputs too{tensor}")
         before = model_weights_held(self._model, primary)
         started = time.perf_counter()
         try:

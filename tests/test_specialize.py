@@ -218,6 +218,23 @@ def test_the_limit_warns_when_reached_and_then_refuses_naming_what_was_made():
         none_allowed(torch.randn(1, 8))
 
 
+def test_the_limit_reached_by_a_number_changing_every_call_says_to_pass_it_as_a_tensor():
+    """A diffusion step's noise level passed as a float made a capture per value, then a refusal that
+    said only to raise the limit."""
+    model, sharded = size_branch(max_specializations=2)
+    x = torch.randn(4, 8)
+    with pytest.warns(SpecializationLimitWarning):
+        for scale in (2.0, 3.0):
+            assert torch.equal(sharded(x, scale=scale), model(x, scale=scale))
+    with pytest.raises(InputMismatchError, match=r"a number passed as an argument \(scale\) is a constant of each "
+                                                 r"capture, one plan per value: passed as a tensor"):
+        sharded(x, 4.0)
+    as_tensor = autoshard.shard_model(model, 2, (x, torch.tensor(2.0)))
+    for scale in (3.0, 4.0, 5.0):
+        assert torch.equal(as_tensor(x, torch.tensor(scale)), model(x, torch.tensor(scale)))
+    assert as_tensor.specializations == ()
+
+
 def test_another_constant_is_served_by_a_capture_made_with_it_and_what_no_capture_changes_is_refused():
     """As torch.compile recompiles on a constant's guard: ``scale=3.0`` where the example left the
     default is captured again with it; an argument the model does not take is refused as before."""
