@@ -358,6 +358,20 @@ class ShardedModel(FixedDtypes):
         held = self._first_held
         return held is not None and held.holds(held.owner.training)
 
+    def inputs_accepted(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the first stage's input guard passes these inputs, asked without running a stage:
+        their shapes, constants, dtypes and layouts (``pipeline_stage`` chooses a plan so, up front)."""
+        first = self.stages[0]
+        guard = _input_guard(first)
+        if guard is None:
+            return True
+        try:
+            fitted = self.fit_call(args, kwargs)
+            check_inputs(guard, *inspect.signature(first.forward).bind(*fitted[0], **fitted[1]).arguments.values())
+        except (InputMismatchError, TypeError):
+            return False
+        return True
+
     def attributes_unlike(self, other: ShardedModel) -> tuple[str, ...]:
         """``path=value`` for each plain attribute of the model this plan's code read with another
         value than ``other``'s did (``config.output_hidden_states=True``), and the hooks its modules
@@ -639,14 +653,20 @@ _BINDERS: weakref.WeakKeyDictionary[fx.GraphModule, _Binder] = weakref.WeakKeyDi
 def _graph_inputs(first: fx.GraphModule) -> tuple[str, ...] | None:
     """The first stage's arguments that are graph inputs, as its input guard lists them; None when
     it has no guard (it has no constants then: every argument is an input)."""
-    if first not in _GRAPH_INPUTS:
+    guard = _input_guard(first)
+    return None if guard is None else guard.returns
+
+
+def _input_guard(first: fx.GraphModule) -> Any:
+    """The first stage's ``InputGuard``, None when it has none."""
+    if first not in _INPUT_GUARDS:
         guards = [node for node in first.graph.nodes if node.op == "call_function" and node.target is check_inputs]
-        _GRAPH_INPUTS[first] = getattr(first, str(guards[0].args[0].target)).returns if guards else None
-    return _GRAPH_INPUTS[first]
+        _INPUT_GUARDS[first] = getattr(first, str(guards[0].args[0].target)) if guards else None
+    return _INPUT_GUARDS[first]
 
 
-#: ``_graph_inputs`` by stage, found once (a stage's graph does not change after emit).
-_GRAPH_INPUTS: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, ...] | None] = weakref.WeakKeyDictionary()
+#: ``_input_guard`` by stage, found once (a stage's graph does not change after emit).
+_INPUT_GUARDS: weakref.WeakKeyDictionary[fx.GraphModule, Any] = weakref.WeakKeyDictionary()
 
 
 def _not_fitting(signature: inspect.Signature, reason: TypeError, another_capture: bool = False) -> InputMismatchError:

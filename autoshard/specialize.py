@@ -256,11 +256,13 @@ class Specializer:
         constants too), if any: what serves it where no stage may run to choose, or a step must not
         fall back half-way. One whose code chose its path by the grad mode serves that mode only, each
         serves the autocast state it was captured in, and the attributes of the model its code read as
-        they are now (``StateAtCapture``)."""
+        they are now (``StateAtCapture``), and inputs its input guard passes (an export capture's: laid out as
+        its example, contiguous or not, requiring grad or not)."""
         key, grad, autocast = self.structure(args, kwargs), torch.is_grad_enabled(), autocast_now()
         made = [(self.example, primary)] + [(s.structure, s.sharded) for s in self.specializations]
         return next((plan for structure, plan in made if structure == key and chosen_grad_mode(plan.stages)
-                     in (None, grad) and captured_autocast(plan.stages) == autocast and _read_as_now(plan)), None)
+                     in (None, grad) and captured_autocast(plan.stages) == autocast and _read_as_now(plan)
+                     and plan.inputs_accepted(args, kwargs)), None)
 
     def _remember(self, key: ShapeKey, sharded: ShardedModel) -> None:
         """Keep which plans served these shapes, the latest first, for the last ``REMEMBERED_SHAPES`` shapes."""

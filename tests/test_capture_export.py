@@ -64,6 +64,24 @@ def test_an_input_laid_out_otherwise_than_the_example_is_captured_again(other):
     assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
 
 
+@pytest.mark.parametrize("other", [lambda: torch.randn(8, 8).t(), lambda: torch.randn(8, 8, requires_grad=True)],
+                         ids=["not-contiguous", "requiring-grad"])
+def test_a_plan_chosen_up_front_is_one_whose_guard_serves_the_layout(other):
+    """``pipeline_stage`` chooses the plan for its microbatch before any stage runs, by the call's
+    structure: it chose the example's plan for a microbatch laid out otherwise, which its guard then
+    refused in the middle of the first step."""
+    torch.manual_seed(0)
+    model, x = AsksItsInput(), torch.randn(8, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    y = other()
+    assert sharded.inputs_accepted((x,), {}) and not sharded.inputs_accepted((y,), {})
+    plan = sharded.specializer.plan_for(sharded, (y,), {})
+    assert plan is not sharded and plan.inputs_accepted((y,), {})
+    assert torch.equal(plan(y), model(y)) and len(sharded.specializations) == 1
+    assert sharded.specializer.plan_for(sharded, (y,), {}) is plan
+    assert sharded.specializer.plan_for(sharded, (x,), {}) is sharded
+
+
 class AsksItsMemoryFormat(nn.Module):
     """Branches on whether its 4-D input is channels-last, a layout neither contiguous nor not tells."""
 
