@@ -34,8 +34,10 @@ def values_restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
     since: a backward pending on the model from before sharding saw these values, so it must
     still run once they are back (a buffer the forward updates with ``mul_``). Kernels that
     update statistics in place (BatchNorm on the CPU) leave the counter where it was, so the
-    values are compared as well."""
+    values are compared as well. One the runs wrote a value requiring grad into (``self.buf.copy_(h)``)
+    holds that run's autograd graph, and requires grad, from then on: it is detached again."""
     saved = [(t, _version(t), t.detach().clone()) for t in tensors]
+    plain = [t.grad_fn is None and not t.requires_grad for t, _, _ in saved]
     try:
         yield
     finally:
@@ -45,6 +47,9 @@ def values_restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
             for tensor, version, value in saved:
                 if _version(tensor) != version or not _same_values(tensor, value):
                     tensor.data.copy_(value)
+        for (tensor, _, _), was_plain in zip(saved, plain):
+            if was_plain and tensor.grad_fn is not None and tensor._base is None:  # (no view detaches in place)
+                tensor.detach_()
         # The counters the runs' own writes moved go back too, as torch's
         # `_unsafe_preserve_version_counter` does for a tensor refilled before autograd reads it:
         # the values under them are the saved ones again.

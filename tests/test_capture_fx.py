@@ -1283,6 +1283,31 @@ def test_sharding_leaves_the_lists_a_forward_appends_to_as_they_were_and_warns_t
     assert model.sizes == [7, 2]  # the model's own call only
 
 
+class CopiesIntoABuffer(nn.Module):
+    """Writes a value that requires grad into a buffer in place, as an EMA kept without no_grad does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.register_buffer("last_gate", torch.zeros(2, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last_gate.copy_(torch.sigmoid(self.gate(x)))
+        return self.out(x)
+
+
+def test_a_buffer_written_with_a_value_requiring_grad_is_left_without_the_captures_autograd_graph():
+    """Its values were set back, but it kept the verification's autograd graph (and the activations
+    that graph saved), and required grad, on a model the user had not called."""
+    model = CopiesIntoABuffer().train()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),))
+    assert model.last_gate.grad_fn is None and not model.last_gate.requires_grad
+    assert torch.equal(model.last_gate, torch.zeros(2, 4))
+    x = torch.randn(2, 4)
+    twin = copy.deepcopy(model)
+    assert torch.equal(sharded(x), twin(x)) and torch.equal(model.last_gate, twin.last_gate)
+
+
 def test_hooks_a_forward_installs_on_its_first_call_stay_installed():
     """Hugging Face installs its output recorders' hooks on the first call asking for hidden states
     and marks the model so; taking the hooks back after the capture's runs left the mark and lost
