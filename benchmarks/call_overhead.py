@@ -20,7 +20,8 @@ k = 4, its layers called on a dict of two tensors (``--only dict``: a container 
 the input guard checks every call), and its layers after a setting switched before every call
 (``--only switched``: each call served by the plan made for the other setting than the last's;
 no chained column), and the MLP with a forward hook of a closure made anew before every call
-(``--only hook``: a feature extractor's loop; the plan runs that layer's hooks as it finds them);
+(``--only hook``: a feature extractor's loop; the plan runs that layer's hooks as it finds them)
+and with a number argument switched between two values before every call (``--only constant``);
 the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4 in a no_grad forward and in
 forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64, batch 2 x 32) at k = 2; and
 ``nn.TransformerEncoder`` (6 layers, width 256, batch 8 x 128) in eval mode under no_grad at k = 3,
@@ -126,6 +127,28 @@ def _switched_setting() -> Row:
                (torch.randn(4, 64),), 4, between=switch)
 
 
+class _Scaled(nn.Module):
+    """The MLP's layers with their input scaled by a number argument, which a capture keeps as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = _mlp_layers()
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.layers(x * scale)
+
+
+def _constant_switched() -> Row:
+    """``scale`` switched between two values before every call: each call served by the plan made
+    for its value (the plan tried first is keyed by the constant too)."""
+    row = Row("constant switched every call, 8x64 layers, batch 4", _Scaled().eval(), (torch.randn(4, 64), 1.0), 4)
+
+    def switch(model: nn.Module) -> None:
+        row.args = (row.args[0], 0.5 if row.args[1] == 1.0 else 1.0)
+    row.between = switch
+    return row
+
+
 def _hook_made_each_call() -> Row:
     """The MLP with a forward hook of a new closure on its fourth layer before every call, the last
     call's removed: a feature extractor's loop. The plan runs that layer's hooks as it finds them."""
@@ -203,6 +226,7 @@ ROWS: dict[str, Callable[[], Row | None]] = {
     "MLP 8x64, batch 4": _mlp, "dict input, 8x64 layers, batch 4": _dict_input,
     "setting switched every call, 8x64 layers, batch 4": _switched_setting,
     "forward hook made anew every call, 8x64 layers, batch 4": _hook_made_each_call,
+    "constant switched every call, 8x64 layers, batch 4": _constant_switched,
     "GPT-style LM, no_grad forward": lambda: _gpt(False),
     "GPT-style LM, forward+backward": lambda: _gpt(True), "HF GPT-2 tiny, no_grad forward": _hf_gpt2,
     "nn.TransformerEncoder eval, no_grad": _encoder,
@@ -292,7 +316,7 @@ def _variants(row: Row, sharded: Any) -> dict[str, Callable[[], Any] | str]:
 def _sharded_on(row: Row, device: str) -> Any:
     """``row``'s model and inputs moved to ``device``, and the plan made there."""
     row.model.to(device)
-    row.args = tree_map(lambda a: a.to(device), row.args)
+    row.args = tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, row.args)
     return autoshard.shard_model(row.model, row.stages, example_inputs=row.args)
 
 
