@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from collections import OrderedDict, abc
+from collections import OrderedDict, abc, deque
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 
 @contextlib.contextmanager
@@ -90,7 +91,7 @@ _ATOMS = (bool, int, float, str, type(None), torch.Tensor, nn.Module, torch.dtyp
 
 def contents(value: Any) -> Iterable[Any]:
     """What a container, a mapping, a dataclass or a slice holds; nothing for anything else."""
-    if isinstance(value, (tuple, list, set, frozenset)):
+    if isinstance(value, (tuple, list, set, frozenset, deque)):
         return value
     if isinstance(value, dict):
         return value.values()
@@ -203,9 +204,10 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
     settings = [(holder, dict(vars(holder))) for holder in settings_objects(model)]
     # each one's items (none to copy for an empty one; ``copy.copy`` of an OrderedDict, by
     # reduction, took a third of the time a 300-module model's run was isolated)
-    collections = [(value, () if not value else dict(value) if isinstance(value, dict) else list(value),
-                    module, key) for module in modules for key, value in vars(module).items()
-                   if key not in _MODULE_MACHINERY and isinstance(value, (dict, list, set))]
+    collections = [(found, () if not found else dict(found) if isinstance(found, dict) else list(found), module, key)
+                   for module in modules for key, value in vars(module).items()
+                   if key not in _MODULE_MACHINERY and isinstance(value, _COLLECTIONS)
+                   for found in _collections_in(value)]
     try:
         yield
     finally:
@@ -217,16 +219,14 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
                 clean.add(id(collection))
                 continue
             keys = list(collection.keys()) if isinstance(collection, dict) else []
-            if _same_items(collection, before) and not (holds(keys, TRACE_VALUES) or holds(collection, TRACE_VALUES)):
+            same = _same_items(collection, before)
+            if (same and not (holds(keys, TRACE_VALUES) or holds(collection, TRACE_VALUES))) \
+                    or _installs(collection, before):
                 clean.add(id(collection))
                 continue
-            if not _same_items(collection, before):
+            if not same:
                 noted.append((module, name))
-            if isinstance(collection, list):
-                collection[:] = before
-            else:
-                collection.clear()
-                collection.update(before)
+            _refill(collection, before)
 
         def traced(value: Any, kept: bool) -> bool:
             """``holds(value, TRACE_VALUES)``, walked once per object the model kept (a config many modules hold)."""
@@ -243,10 +243,13 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
                     type(value) in _SCALAR_TYPES and value is before.get(key, _ABSENT)) and (  # (unchanged)
                     traced(value, value is before.get(key))
                     or (value is not before.get(key) and holds(value, torch.Tensor))
-                    or (key in before and scalar_changed(before[key], value)))]
+                    or (key in before and scalar_changed(before[key], value))
+                    or _rebound(key, value, before))]
                 deleted = [key for key in before if key not in current]
-                noted.extend((module, key) for key in stale
-                             if key in before and scalar_changed(before[key], current[key]))
+                noted.extend((module, key) for key in stale if key in before and (
+                    scalar_changed(before[key], current[key])
+                    or (_rebound(key, current[key], before) and not (
+                        type(current[key]) is type(before[key]) and _same_items(current[key], before[key])))))
                 for key in stale:
                     if key in before:
                         current[key] = before[key]
@@ -264,16 +267,61 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
                     del current[key]
 
 
-def _same_items(collection: list | dict | set, before: Any) -> bool:
-    """Whether ``collection`` holds the very items ``before`` copied from it (nothing appended,
-    removed or replaced)."""
-    if len(collection) != len(before):
+#: The containers a module keeps state in that a run's changes to are set back.
+_COLLECTIONS = (dict, list, set, deque)
+
+
+def _collections_in(value: Any, depth: int = 0) -> Iterator[Any]:
+    """``value`` and the dicts, lists, sets and deques inside it, two levels down (``self.stats =
+    {"seen": []}``, appended to)."""
+    yield value
+    if depth < 2 and value:
+        for item in contents(value):
+            if isinstance(item, _COLLECTIONS):
+                yield from _collections_in(item, depth + 1)
+
+
+def _same_items(collection: Any, before: Any) -> bool:
+    """Whether ``collection`` holds the items ``before`` (a copy of its items, or another collection)
+    holds: nothing appended, removed or replaced (a number, a string or a size replaced by an equal
+    one is the same)."""
+    if len(collection) != len(before) or isinstance(collection, dict) != isinstance(before, dict):
         return False
-    if isinstance(collection, list):
-        return all(now is then for now, then in zip(collection, before))
     if isinstance(collection, dict):
-        return all(collection.get(key, _ABSENT) is then for key, then in before.items())
-    return all(item in collection for item in before)
+        return all(_same(collection.get(key, _ABSENT), then) for key, then in before.items())
+    if isinstance(collection, set):
+        return all(item in collection for item in before)
+    return all(_same(now, then) for now, then in zip(collection, before))
+
+
+def _same(now: Any, then: Any) -> bool:
+    return now is then or (type(now) is type(then) and type(now) in (*_SCALAR_TYPES, torch.Size) and now == then)
+
+
+def _installs(collection: Any, before: Any) -> bool:
+    """Whether the run kept handles of hooks it installed in ``collection`` (``self.handles.append(
+    self.a.register_forward_hook(...))`` on its first call): the hooks stay, as nn.Module keeps them, so
+    the handles that remove them stay too (set back, the next run installed the hook again)."""
+    old = {id(item) for item in contents(before)}
+    return holds([item for item in contents(collection) if id(item) not in old], RemovableHandle)
+
+
+def _rebound(key: str, value: Any, before: dict[str, Any]) -> bool:
+    """Whether the run bound attribute ``key`` to another dict, list or set (``self.log = self.log + [n]``)."""
+    return key in before and key not in _MODULE_MACHINERY and isinstance(value, _COLLECTIONS) \
+        and value is not before[key] and not _installs(value, before[key])
+
+
+def _refill(collection: Any, before: Any) -> None:
+    """Put ``before``'s items back into ``collection``, in place."""
+    if isinstance(collection, list):
+        collection[:] = before
+        return
+    collection.clear()
+    if isinstance(collection, deque):
+        collection.extend(before)
+    else:
+        collection.update(before)
 
 
 def settings_objects(model: nn.Module) -> list[Any]:

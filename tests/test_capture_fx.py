@@ -1308,6 +1308,44 @@ def test_a_buffer_written_with_a_value_requiring_grad_is_left_without_the_captur
     assert torch.equal(sharded(x), twin(x)) and torch.equal(model.last_gate, twin.last_gate)
 
 
+class KeepsStateInOtherShapes(nn.Module):
+    """A log rebound to a longer list, a deque, a list inside a dict, a size kept in a dict (the same
+    value on every call), and the handle of a hook its first call installs on a child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.rebound, self.recent, self.stats, self.sizes = [], collections.deque(maxlen=3), {"seen": []}, {}
+        self.handles: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rebound = self.rebound + [x.dim()]
+        self.recent.append(x.dim())
+        self.stats["seen"].append(x.shape[0])
+        self.sizes["rows"] = x.shape[0] * 1000  # (a large int: a new object each call, equal to the last)
+        if not self.handles:
+            self.handles.append(self.first.register_forward_hook(lambda module, args, out: out * 2))
+        return self.last(torch.relu(self.first(x)))
+
+
+def test_state_kept_in_other_shapes_is_set_back_and_a_hook_installed_once_keeps_its_handle():
+    """Set back, the list of handles lost the hook the first run installed, which stayed: every run of
+    the capture installed one more (eight after sharding), doubling the output each time. A nested
+    list kept a trace value (an fx Proxy) on the model."""
+    model, x = KeepsStateInOtherShapes(), torch.randn(2, 4)
+    fresh = copy.deepcopy(model)
+    with pytest.warns(autoshard.StateNotReplayedWarning) as seen:
+        sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
+    (message,) = {str(w.message) for w in seen if w.category is autoshard.StateNotReplayedWarning}
+    assert "KeepsStateInOtherShapes.rebound, KeepsStateInOtherShapes.recent, KeepsStateInOtherShapes.stats " \
+           "on every call" in message  # not the size, set to an equal value
+    assert model.rebound == [] and list(model.recent) == [] and model.stats == {"seen": []} and model.sizes == {}
+    assert len(model.handles) == 1 and len(model.first._forward_hooks) == 1
+    expected = fresh(x)
+    assert torch.equal(model(x), expected) and torch.equal(sharded(x), expected)
+    assert len(model.first._forward_hooks) == 1
+
+
 def test_hooks_a_forward_installs_on_its_first_call_stay_installed():
     """Hugging Face installs its output recorders' hooks on the first call asking for hidden states
     and marks the model so; taking the hooks back after the capture's runs left the mark and lost
