@@ -36,6 +36,7 @@ _LAZY = {
     "HostRandomnessWarning": "autoshard.capture.host_random",
     "CheckpointTracedWarning": "autoshard.capture.meta",
     "StateNotReplayedWarning": "autoshard.verify",
+    "GraphInBufferWarning": "autoshard.verify",
     "StalePlanWarning": "autoshard.plan_format.fits",
     "UnmeasuredMemoryWarning": "autoshard.plan_format.fits",
     "SharedBufferWarning": "autoshard.runtime.stage",

@@ -459,8 +459,9 @@ def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     leave it to another capture, as a sharded model does."""
     written_by_model: list[tuple[nn.Module, str]] = []
     written_by_stages: list[tuple[nn.Module, str]] = []
-    expected = run_seeded(_noting_the_second(lambda: model(*cloned(args), **cloned(kwargs)), model, written_by_model),
-                          model, seed, grad=grad)
+    holding_graphs: list[str] = []
+    expected = run_seeded(_noting_the_second(lambda: model(*cloned(args), **cloned(kwargs)), model, written_by_model,
+                                             holding_graphs), model, seed, grad=grad)
     try:
         actual = run_seeded(_noting_the_second(chained, model, written_by_stages), model, seed, grad=grad)
     except SpecializationMismatch:
@@ -474,17 +475,32 @@ def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
             "place, a global or class attribute), which the stages froze at the example's first call; "
             "keep that state in a module attribute (self.ready = True) or a buffer", stage=None)
     _warn_unreplayed(model, written_by_model, written_by_stages)
+    if holding_graphs:
+        warnings.warn(
+            f"the model's forward writes a value that requires grad into its buffer {', '.join(holding_graphs)} "
+            "in place: the buffer then holds that call's autograd graph, and the graph of each later write holds "
+            "the one before, so what every call's graph saved is never freed (memory grows with every call, in "
+            "the model as in the stages, beyond what a plan predicts for one step); write a detached value "
+            "(buf.copy_(h.detach())) or under torch.no_grad()", GraphInBufferWarning, stacklevel=user_stacklevel())
 
 
-def _noting_the_second(call: Callable[[], Any], model: nn.Module, changed: list[tuple[nn.Module, str]]
-                       ) -> Callable[[], Any]:
+class GraphInBufferWarning(UserWarning):
+    """The model's forward keeps autograd graphs alive from call to call through a buffer."""
+
+
+def _noting_the_second(call: Callable[[], Any], model: nn.Module, changed: list[tuple[nn.Module, str]],
+                       holding_graphs: list[str] | None = None) -> Callable[[], Any]:
     """``call`` made twice in a row, returning the second result, with what the second call changes
     on the model's modules again added to ``changed``: bookkeeping that moves on every call (a log, a
     count), not what a call sets to the same value each time (Swin's window size, a cache filled on
-    the first call). Run inside ``run_seeded``, which sets the model back after both."""
+    the first call); and the buffers holding an autograd graph after it to ``holding_graphs``. Run
+    inside ``run_seeded``, which sets the model back after both."""
     def calls() -> Any:
         call()
         with module_state_restored(model, changed):
-            return call()
+            result = call()
+        if holding_graphs is not None:
+            holding_graphs.extend(name for name, buffer in model.named_buffers() if buffer.grad_fn is not None)
+        return result
 
     return calls
