@@ -321,8 +321,9 @@ class Specializer:
             seen = "; ".join(s.describe() for s in self.specializations) or "none"
             numbers = [name for name, value in self._bound(args, kwargs).items() if type(value) in (int, float)]
             tensor = (f"; a number passed as an argument ({', '.join(numbers)}) is a constant of each capture, "
-                      "one plan per value: passed as a tensor (torch.tensor(t)), it is an input of one plan for "
-                      "every value") if numbers else ""
+                      "one plan per value: where the model only computes with it (no branch or size taken from "
+                      "it), pass it as a tensor (torch.tensor(t)), an input of one plan for every value"
+                      ) if numbers else ""
             raise InputMismatchError(
                 f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
                 f"(max_specializations; made for: {seen}); shard the model with a larger max_specializations= to "

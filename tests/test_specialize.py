@@ -227,7 +227,7 @@ def test_the_limit_reached_by_a_number_changing_every_call_says_to_pass_it_as_a_
         for scale in (2.0, 3.0):
             assert torch.equal(sharded(x, scale=scale), model(x, scale=scale))
     with pytest.raises(InputMismatchError, match=r"a number passed as an argument \(scale\) is a constant of each "
-                                                 r"capture, one plan per value: passed as a tensor"):
+                                                 r"capture, one plan per value: where the model only computes with it"):
         sharded(x, 4.0)
     as_tensor = autoshard.shard_model(model, 2, (x, torch.tensor(2.0)))
     for scale in (3.0, 4.0, 5.0):
