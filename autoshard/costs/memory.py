@@ -768,15 +768,6 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     return max(peak, output_grads + alive - freed), sum(_grad(dag, b) for b in sent_back)
 
 
-def _received_item(dag: nx.DiGraph, value: str, stage: Mapping[str, int]) -> bool:
-    """Whether ``value`` is an item of a container another stage made, at any depth (``chunk``'s tuple
-    received): the wire receives each of its tensors as one of its own, contiguous."""
-    facts = _training(dag, value)
-    return facts is not None and any(
-        _is_container(dag, u) and (stage.get(u) != stage[value] or _received_item(dag, u, stage))
-        for u in facts.passes_on if u in dag)
-
-
 def _is_container(dag: nx.DiGraph, value: str) -> bool:
     """Whether ``value`` is a container of tensors (a tuple, a ``ModelOutput``), not a tensor."""
     meta = dag.nodes[value].get("value_meta")
@@ -847,10 +838,8 @@ def stage_memory(
         through = [v for v in outgoing if assignment[v] < j]  # passed on as received
         regions = checkpoint_regions(stage_dag, nodes) if model.activation_checkpointing else []
         recomputed = {n for run in regions for n in run}
-        # sent as contiguous copies (the last stage's outputs are handed back as they are, views keeping their bases;
-        # an item of a container received is a tensor the wire received contiguous, sent on as it is)
-        copied = [v for v in made_here if j < k - 1 and _strided_output(stage_dag, v)
-                  and not _received_item(stage_dag, v, assignment)]
+        # sent as contiguous copies (the last stage's outputs are handed back as they are, views keeping their bases)
+        copied = [v for v in made_here if j < k - 1 and _strided_output(stage_dag, v)]
         dense = [v for v in made_here if v not in copied]
         sent = (_sent_unsaved(stage_dag, dense, assignment, recomputed)
                 + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
