@@ -363,11 +363,10 @@ class ShardedModel(FixedDtypes):
         their shapes, constants, dtypes and layouts (``pipeline_stage`` chooses a plan so, up front)."""
         first = self.stages[0]
         guard = _input_guard(first)
-        if guard is None:
-            return True
         try:
             fitted = self.fit_call(args, kwargs)
-            check_inputs(guard, *inspect.signature(first.forward).bind(*fitted[0], **fitted[1]).arguments.values())
+            if guard is not None:
+                check_inputs(guard, *inspect.signature(first.forward).bind(*fitted[0], **fitted[1]).arguments.values())
         except (InputMismatchError, TypeError):
             return False
         return True
