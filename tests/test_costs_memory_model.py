@@ -1842,3 +1842,45 @@ def test_the_items_of_a_tuple_an_op_made_hand_it_their_gradients_as_they_are():
     predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages[0].memory.total
     measured = measure_stage_memory(sharded, 0, (x,), microbatches=1).peak
     assert measured <= predicted <= 1.05 * measured
+
+
+class _ChainKeptWhole(nn.Module):
+    """Six small layers, kept whole (control flow on a value): one node of many functions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.sum() > 1e9):
+            x = x * 2
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class _PassesItsInputOn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.block, self.head = nn.Linear(32, 32), _ChainKeptWhole(), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        return self.head(self.block(h)) * h
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_node_kept_whole_has_freed_what_it_saved_when_its_input_gradient_is_summed(microbatches):
+    """The middle stage receives ``h``, sends it on and sends the block's output: the block's input gradient is
+    added into the received one's buffer. The walk counted that sum beside every weight gradient the block
+    made and everything it saved, its output being sent (a storage that stays): its own temporaries went
+    unreleased, and a node of many functions has freed most of them, and added the gradients it made early,
+    well before it returns (a Hugging Face ``BertLayer`` handing ``hidden_states`` on: 1.11x; here 1.16x-1.31x).
+    Its temporaries are released now, and what it holds as it returns is no more than its probed peak."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    sharded = autoshard.shard_model(_PassesItsInputOn().train(), 3, example_inputs=(x,), cut_before=["block", "head"])
+    assert [n for n, j in sharded.plan.assignment.items() if j == 1] == ["block"]
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches, optimizer="sgd")).stages
+    measured = measure_stage_memory(sharded, 1, (x,), microbatches=microbatches, optimizer="sgd").peak
+    assert 1.0 <= predicted[1].memory.total / measured <= 1.05, (predicted[1].memory, measured)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import AbstractSet, Mapping, Sequence
+from typing import AbstractSet, Iterator, Mapping, Sequence
 
 import networkx as nx
 
@@ -618,6 +618,18 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
     # of a maker whose output stays (sent), the other storages it saved (its own temporaries) are freed
     temporaries = {maker: float(f.saved - f.saved_output) for maker in stays if maker in inside
                    and (f := _training(dag, maker)) is not None}
+
+    def releasing(node: str, facts: SavedFacts) -> Iterator[tuple[str, float, bool]]:
+        """The saved storages of this stage ``node``'s backward frees, by maker, with their bytes and whether
+        they are temporaries of a maker whose output stays."""
+        for maker, nbytes in facts.releases:
+            if maker not in inside or recomputed.held_elsewhere(node, maker):
+                continue
+            if maker in stays and not recomputed.is_copy(node, maker):
+                # only its own backward frees its temporaries: another node's release of it is of the storage sent
+                yield maker, min(float(nbytes), temporaries.get(maker, 0.0)) if maker == node else 0.0, True
+            else:
+                yield maker, float(nbytes), False
     sent_views = {f.views for v in sent if (f := _training(dag, v)) is not None and f.views and not f.strided_output}
     # the values whose gradient is a receive buffer, handed on unchanged: the order that buffer is laid out in
     handed_order = {v: (f.dense_order or ()) if (f := _training(dag, v)) is not None else () for v in sent}
@@ -678,17 +690,16 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
             # autograd adds a gradient the backward made once the node has returned and released what it saved
             # (a storage that stays, sent, counted as held to then); one it hands on, before: a node in place,
             # its readers routed around it, makes a new one
-            released = sum(nbytes for maker, nbytes in facts.releases if maker in inside and maker not in stays
-                           and not recomputed.held_elsewhere(node, maker))
+            released = sum(nbytes for _, nbytes, _ in releasing(node, facts))
             handed = max((_grad(dag, u) for u, hands in given if hands and u in buffer), default=0.0)
-            peak = max(peak, output_grads + alive - dropped + made - freed + max(handed, summed - released))
+            # what it made, as it returns beside all it saved and once it has released that, but no more than its
+            # probed peak (``own``): a node of several functions (a module kept whole) has freed most of what it
+            # saved by then, and, but where its weights have no gradient yet, added those it made early into theirs
+            returned, after = min(made - dropped, float(own)), min(made - dropped - released, float(own))
+            peak = max(peak, output_grads + alive - freed + max(returned + handed, after + summed))
         # what this stage made and kept for this backward alone (what ``stays`` was sent)
-        for maker, nbytes in facts.releases:
-            if maker not in inside or recomputed.held_elsewhere(node, maker):
-                continue
-            if maker in stays and not recomputed.is_copy(node, maker):
-                # only its own backward frees its temporaries: another node's release of it is of the storage sent
-                nbytes = min(float(nbytes), temporaries.get(maker, 0.0)) if maker == node else 0.0
+        for maker, nbytes, temporary in releasing(node, facts):
+            if temporary:
                 temporaries[maker] = temporaries.get(maker, 0.0) - nbytes
             freed += nbytes
         freed += recomputed.released_after.get(node, 0.0)
