@@ -212,7 +212,7 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
         yield
     finally:
         clean: set[int] = set()  # collections found free of trace values and left as they are: not walked twice
-        noted = changed if changed is not None else []
+        noted = changed if changed is not None else []  # (a list no one reads, where none is given)
         # a log appended to, a cache the trace filled (keyed by a Proxy)
         for collection, before, module, name in collections:
             if not collection and not before:
@@ -420,19 +420,17 @@ def detached_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def isolated(model: nn.Module, seed: int | None = 0, changed: list[tuple[nn.Module, str]] | None = None
-             ) -> Iterator[None]:
+def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
     """Randomness seeded with ``seed`` (None: drawn on from where it is, then set back), and on
     exit the generators, buffer values, rewritten weights and module state of the model, and of the
-    modules it keeps outside its tree (``detached_modules``), restored; the plain values changed are
-    added to ``changed`` (``module_state_restored``)."""
+    modules it keeps outside its tree (``detached_modules``), restored."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))
         for owner in (model, *detached_modules(model)):
             stack.enter_context(generators_restored(owner))
             stack.enter_context(values_restored([*owner.buffers(), *rewritten_weights(owner),
                                                  *_tensor_attributes(owner)]))
-            stack.enter_context(module_state_restored(owner, changed))
+            stack.enter_context(module_state_restored(owner))
         if seed is not None:
             torch.manual_seed(seed)
         yield
@@ -479,11 +477,9 @@ def detached_values(value: Any) -> Any:
     return tree_unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in flat], spec)
 
 
-def run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False,
-               changed: list[tuple[nn.Module, str]] | None = None) -> Any:
-    """``fn()`` with randomness from ``seed`` and ``model``'s buffers and state restored afterwards
-    (what was set back added to ``changed``)."""
-    with isolated(model, seed, changed), torch.set_grad_enabled(grad):
+def run_seeded(fn: Callable[[], Any], model: nn.Module, seed: int, grad: bool = False) -> Any:
+    """``fn()`` with randomness from ``seed`` and ``model``'s buffers and state restored afterwards."""
+    with isolated(model, seed), torch.set_grad_enabled(grad):
         return detached_values(fn())
 
 
