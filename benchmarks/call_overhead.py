@@ -150,15 +150,17 @@ def _constant_switched() -> Row:
 
 
 def _hook_made_each_call() -> Row:
-    """The MLP with a forward hook of a new closure on its fourth layer before every call, the last
-    call's removed: a feature extractor's loop. The plan runs that layer's hooks as it finds them."""
+    """The MLP's layers in blocks the capture traces through, with a forward hook of a new closure on
+    the fourth block before every call, the last call's removed: a feature extractor's loop. The plan
+    made for the hook runs that block's hooks as it finds them."""
     handles: list[Any] = []
 
     def rehook(model: nn.Module) -> None:
         for handle in handles:
             handle.remove()
-        handles[:] = [model[6].register_forward_hook(lambda module, args, out: out * 1.0)]
-    return Row("forward hook made anew every call, 8x64 layers, batch 4", _mlp_layers().eval(),
+        handles[:] = [model[3].register_forward_hook(lambda module, args, out: out * 1.0)]
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
+    return Row("forward hook made anew every call, 8x64 layers, batch 4", blocks.eval(),
                (torch.randn(4, 64),), 4, between=rehook)
 
 
