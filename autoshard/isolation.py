@@ -307,9 +307,11 @@ def _installs(collection: Any, before: Any) -> bool:
 
 
 def _rebound(key: str, value: Any, before: dict[str, Any]) -> bool:
-    """Whether the run bound attribute ``key`` to another dict, list or set (``self.log = self.log + [n]``)."""
-    return key in before and key not in _MODULE_MACHINERY and isinstance(value, _COLLECTIONS) \
-        and value is not before[key] and not _installs(value, before[key])
+    """Whether the run bound attribute ``key`` to another dict, list or set, or to one where it had none
+    (``self.log = self.log + [n]``; ``if not hasattr(self, "log"): self.log = []``): not one holding hook
+    handles it installed, nor modules (built on the first call: the stages hold those)."""
+    return key not in _MODULE_MACHINERY and isinstance(value, _COLLECTIONS) and value is not before.get(key) \
+        and not _installs(value, before.get(key, ())) and not holds(value, nn.Module)
 
 
 def _refill(collection: Any, before: Any) -> None:

@@ -1311,8 +1311,9 @@ def test_a_buffer_written_with_a_value_requiring_grad_is_left_without_the_captur
 
 
 class KeepsStateInOtherShapes(nn.Module):
-    """A log rebound to a longer list, a deque, a list inside a dict, a size kept in a dict (the same
-    value on every call), and the handle of a hook its first call installs on a child."""
+    """A log rebound to a longer list, a deque, a list inside a dict, a list made on the first call, a
+    size kept in a dict (the same value on every call), and the handle of a hook its first call
+    installs on a child."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1325,6 +1326,9 @@ class KeepsStateInOtherShapes(nn.Module):
         self.recent.append(x.dim())
         self.stats["seen"].append(x.shape[0])
         self.sizes["rows"] = x.shape[0] * 1000  # (a large int: a new object each call, equal to the last)
+        if not hasattr(self, "made_late"):
+            self.made_late: list[int] = []
+        self.made_late.append(x.dim())
         if not self.handles:
             self.handles.append(self.first.register_forward_hook(lambda module, args, out: out * 2))
         return self.last(torch.relu(self.first(x)))
@@ -1339,9 +1343,10 @@ def test_state_kept_in_other_shapes_is_set_back_and_a_hook_installed_once_keeps_
     with pytest.warns(autoshard.StateNotReplayedWarning) as seen:
         sharded = autoshard.shard_model(model, 2, example_inputs=(x,))
     (message,) = {str(w.message) for w in seen if w.category is autoshard.StateNotReplayedWarning}
-    assert "KeepsStateInOtherShapes.rebound, KeepsStateInOtherShapes.recent, KeepsStateInOtherShapes.stats " \
-           "on every call" in message  # not the size, set to an equal value
+    assert "KeepsStateInOtherShapes.made_late, KeepsStateInOtherShapes.rebound, KeepsStateInOtherShapes.recent, " \
+           "KeepsStateInOtherShapes.stats on every call" in message  # not the size, set to an equal value
     assert model.rebound == [] and list(model.recent) == [] and model.stats == {"seen": []} and model.sizes == {}
+    assert not hasattr(model, "made_late")
     assert len(model.handles) == 1 and len(model.first._forward_hooks) == 1
     expected = fresh(x)
     assert torch.equal(model(x), expected) and torch.equal(sharded(x), expected)
