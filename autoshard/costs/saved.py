@@ -1151,23 +1151,23 @@ class TrainingProbe:
         so what they save is freed with them (counted, a dead branch's activations were 1.2x measured)."""
         live: set[str] = set()
         read: set[StorageWeakRef] = set()  # the storages the live nodes read (after the node at hand)
+        probed = {node.name: node for node in self.twins}
         for node in reversed(self.gm.graph.nodes):
             if node.op == "output" or writes_in_place(self.gm, node) and node.name not in self.writes \
                     or any(user.name in live for user in node.users) \
-                    or any(self._kept_written(source, read) for source in self.writes.get(node.name, ())):
+                    or any(self._kept_written(probed.get(source), read) for source in self.writes.get(node.name, ())):
                 live.add(node.name)
                 read.update(self.original(_storage(t)) for a in node.all_input_nodes if a in self.twins
                             for t in _tensors(self.twins[a]))
         return {node.name for node in self.gm.graph.nodes if node.name not in live}
 
-    def _kept_written(self, source: str, read: AbstractSet[StorageWeakRef]) -> bool:
-        """Whether what a node writes in place into ``source``'s value outlives the forward: a storage no node
-        made (an input, a weight or buffer) or one a live node reads after it (a write into a value computed and
-        dropped is dropped with it: ``t = lin(x); t.add_(1)``)."""
-        node = next((n for n in self.twins if n.name == source), None)
-        if node is None:
+    def _kept_written(self, source: fx.Node | None, read: AbstractSet[StorageWeakRef]) -> bool:
+        """Whether what a node writes in place into ``source``'s value (None: one not probed) outlives the
+        forward: a storage no node made (an input, a weight or buffer) or one a live node reads after it (a
+        write into a value computed and dropped is dropped with it: ``t = lin(x); t.add_(1)``)."""
+        if source is None:
             return True
-        storages = {self.original(_storage(t)) for t in _tensors(self.twins[node])}
+        storages = {self.original(_storage(t)) for t in _tensors(self.twins[source])}
         return not storages or any(self.owner.get(ref) is None or ref in read for ref in storages)
 
     def facts(self) -> dict[str, SavedFacts]:

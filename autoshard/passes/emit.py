@@ -16,8 +16,8 @@ from autoshard.capture.signature import forward_signature
 from autoshard.emit import HELD_STATE, emit_stages
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.fx_helpers import resolve
-from autoshard.isolation import HeldModule
 from autoshard.graph import boundary_values, check_partition
+from autoshard.isolation import HeldModule
 from autoshard.lowering.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
 from autoshard.passes.base import Pass, PassContext, ShardProgram
