@@ -17,7 +17,9 @@ from torch.utils._pytree import tree_iter, tree_map
 
 from autoshard.isolation import PLAIN_VALUES
 from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
-from autoshard.capture.guard import PLACED_ON, FixedDtypes, check_inputs, check_mode, refuse_mode_switch
+from autoshard.capture.guard import (
+    PLACED_ON, FixedDtypes, InputGuard, check_inputs, check_mode, refuse_mode_switch,
+)
 from autoshard.capture.held_state import HOLDS, NO_KEY, Read
 from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.result import WrappedLeaf
@@ -656,7 +658,7 @@ def _graph_inputs(first: fx.GraphModule) -> tuple[str, ...] | None:
     return None if guard is None else guard.returns
 
 
-def _input_guard(first: fx.GraphModule) -> Any:
+def _input_guard(first: fx.GraphModule) -> InputGuard | None:
     """The first stage's ``InputGuard``, None when it has none."""
     if first not in _INPUT_GUARDS:
         guards = [node for node in first.graph.nodes if node.op == "call_function" and node.target is check_inputs]
@@ -665,7 +667,7 @@ def _input_guard(first: fx.GraphModule) -> Any:
 
 
 #: ``_input_guard`` by stage, found once (a stage's graph does not change after emit).
-_INPUT_GUARDS: weakref.WeakKeyDictionary[fx.GraphModule, Any] = weakref.WeakKeyDictionary()
+_INPUT_GUARDS: weakref.WeakKeyDictionary[fx.GraphModule, InputGuard | None] = weakref.WeakKeyDictionary()
 
 
 def _not_fitting(signature: inspect.Signature, reason: TypeError, another_capture: bool = False) -> InputMismatchError:

@@ -153,6 +153,16 @@ def _described(value: Any) -> Any:
     return value.shape if isinstance(value, torch.Tensor) else _Constant(value)
 
 
+def bound_arguments(signature: inspect.Signature | None, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The call's arguments by the names ``signature`` (the model's ``forward``) gives them; None where
+    there is none, or it refuses them."""
+    try:
+        return None if signature is None else dict(signature.bind(*args, **kwargs).arguments)
+    except TypeError:
+        return None
+
+
 def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: inspect.Signature | None = None) -> Any:
     """Every value of the call under the parameter it binds to in ``signature`` (the model's
     ``forward``; a call it refuses is taken as written), nested containers included: each tensor's
@@ -162,13 +172,10 @@ def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: ins
     code may read them in order). Walking every input costs more than ``shape_key``, so it runs
     where a plan is chosen once for many calls, not per call."""
     call: Any = (tuple(args), dict(kwargs))
-    if signature is not None:
-        try:
-            bound = signature.bind(*args, **kwargs).arguments
-            call = argument_names(signature, {name: value for name, value in bound.items()
-                                              if not is_default(signature, name, value)})
-        except TypeError:
-            pass
+    bound = bound_arguments(signature, args, kwargs)
+    if signature is not None and bound is not None:
+        call = argument_names(signature, {name: value for name, value in bound.items()
+                                          if not is_default(signature, name, value)})
     found, _ = tree_flatten_with_path(call)
     return tuple((keystr(path), _described(leaf)) for path, leaf in found)
 
@@ -204,13 +211,6 @@ class Specializer:
     def model(self) -> nn.Module:
         """The model it captures again: every plan it makes holds this model's weights."""
         return self._model
-
-    def _bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The call's arguments by the names the model's forward gives them (none where it refuses them)."""
-        try:
-            return dict(self._signature.bind(*args, **kwargs).arguments) if self._signature is not None else {}
-        except TypeError:
-            return {}
 
     def structure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``call_structure`` of a call of this model."""
@@ -319,7 +319,8 @@ class Specializer:
         structure = self.structure(args, kwargs)
         if len(self.specializations) >= self.limit:
             seen = "; ".join(s.describe() for s in self.specializations) or "none"
-            numbers = [name for name, value in self._bound(args, kwargs).items() if type(value) in (int, float)]
+            numbers = [name for name, value in (bound_arguments(self._signature, args, kwargs) or {}).items()
+                       if type(value) in (int, float)]
             tensor = (f"; a number passed as an argument ({', '.join(numbers)}) is a constant of each capture, "
                       "one plan per value: where the model only computes with it (no branch or size taken from "
                       "it), pass it as a tensor (torch.tensor(t)), an input of one plan for every value"
