@@ -4,7 +4,8 @@ Capture runs the model on the example to learn shapes, verify runs it to compare
 passes run the traced graph to measure it; all must leave the model as it was. ``isolated``
 replays randomness from one seed, restores every buffer (BatchNorm statistics) afterwards, and
 takes off the modules whatever a trace left on them: a forward that stores a value on itself
-(Swin's window size) would keep a Proxy, and fail the model's next call. ``run_seeded`` runs a
+(Swin's window size) would keep a Proxy, and fail the model's next call. What the model's hooks
+keep (a list collecting features) is set back too: the user's hook sees the user's calls only. ``run_seeded`` runs a
 call so, ``PlainInterpreter`` runs a graph as its generated code would, and ``grad_mode_unchecked``
 marks autoshard's own runs of a graph. Kept with the shared helpers at the bottom of the layers so
 that the cost modules, below capture, run graphs as capture and verify do.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 from collections import OrderedDict, abc, deque
 from typing import Any, Callable, Iterable, Iterator
@@ -21,6 +23,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.modules import module as module_globals
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -245,30 +248,31 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
                     or (value is not before.get(key) and holds(value, torch.Tensor))
                     or (key in before and scalar_changed(before[key], value))
                     or _rebound(key, value, before))]
-                deleted = [key for key in before if key not in current]
                 noted.extend((module, key) for key in stale if key in before and (
                     scalar_changed(before[key], current[key])
                     or (_rebound(key, current[key], before) and not (
                         type(current[key]) is type(before[key]) and _same_items(current[key], before[key])))))
-                for key in stale:
-                    if key in before:
-                        current[key] = before[key]
-                    else:
-                        del current[key]
-                current.update({key: before[key] for key in deleted})
+                _set_back(current, before, stale)
         for holder, before in settings:
             current = vars(holder)
             # (one the run added shadows the class's value: ``scale = None`` in the class body)
-            for key in [k for k, v in current.items() if k not in before or before[k] is not v
-                        or holds(v, TRACE_VALUES)]:
-                if key in before:
-                    current[key] = before[key]
-                else:
-                    del current[key]
+            _set_back(current, before, [k for k, v in current.items() if k not in before or before[k] is not v
+                                        or holds(v, TRACE_VALUES)])
 
 
 #: The containers a module keeps state in that a run's changes to are set back.
 _COLLECTIONS = (dict, list, set, deque)
+
+
+def _set_back(current: dict[str, Any], before: dict[str, Any], keys: Iterable[str]) -> None:
+    """``current``'s ``keys`` set back to what ``before`` held (removed where it held none), and
+    what the run deleted put back."""
+    for key in list(keys):
+        if key in before:
+            current[key] = before[key]
+        else:
+            del current[key]
+    current.update({key: value for key, value in before.items() if key not in current})
 
 
 def _collections_in(value: Any, depth: int = 0) -> Iterator[Any]:
@@ -346,6 +350,72 @@ def settings_objects(model: nn.Module) -> list[Any]:
                 inside.append(vars(value))
         holders = inside
     return list(found.values())
+
+
+#: Where modules, and ``nn.Module`` for all modules, keep the hooks the user registered.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_DICTS = tuple(f"_global{name}" for name in _HOOK_DICTS)
+
+
+def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list[tuple[dict[str, Any], str]]]:
+    """The closure cells, the objects and the globals the hooks on ``model``'s modules (and the
+    global module hooks) keep their state in: a hook collecting features appends to a list in its
+    closure, on the object whose method it is (``functools.partial`` looked into) or in its script's
+    globals (a number, flag, string or container its code names)."""
+    hooks = [hook for module in model.modules() for name in _HOOK_DICTS for hook in vars(module)[name].values()]
+    hooks += [hook for name in _GLOBAL_HOOK_DICTS for hook in vars(module_globals)[name].values()]
+    cells: dict[int, types.CellType] = {}
+    owners: dict[int, Any] = {}
+    names: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}
+    while hooks:
+        hook = hooks.pop()
+        if isinstance(hook, functools.partial):
+            hooks += [hook.func, *hook.args, *hook.keywords.values()]
+            continue
+        owner = getattr(hook, "__self__", None) if isinstance(hook, types.MethodType) else hook
+        if isinstance(hook, types.FunctionType):
+            names.update(((id(hook.__globals__), name), (hook.__globals__, name)) for name in hook.__code__.co_names
+                         if name in hook.__globals__ and (type(hook.__globals__[name]) in _SCALAR_TYPES
+                                                          or isinstance(hook.__globals__[name], _COLLECTIONS)))
+        for cell in getattr(hook, "__closure__", None) or ():
+            cells[id(cell)] = cell
+            if not isinstance(getattr(cell, "cell_contents", None), _ATOMS):
+                hooks.append(cell.cell_contents)  # an object the closure holds (a recorder)
+        if owner is not None and not isinstance(owner, (nn.Module, type, types.ModuleType, types.FunctionType)) \
+                and hasattr(owner, "__dict__") and id(owner) not in owners:
+            owners[id(owner)] = owner
+    return list(cells.values()), list(owners.values()), list(names.values())
+
+
+@contextlib.contextmanager
+def hook_state_restored(model: nn.Module) -> Iterator[None]:
+    """On exit, the state of the hooks registered on ``model``'s modules (and globally) set back: what
+    their closures hold (a counter rebound, a list appended to), and the attributes and the lists,
+    dicts and sets of the objects whose methods they are. A capture runs the model and its graph
+    many times (on the example, on fake tensors, to verify), and a hook collecting features would
+    otherwise keep every one of those runs' outputs, fake tensors among them."""
+    cells, owners, names = _hook_state(model)
+    cell_contents = [(cell, getattr(cell, "cell_contents", _ABSENT)) for cell in cells]
+    bound = [(namespace, name, namespace[name]) for namespace, name in names]
+    attributes = [(owner, dict(vars(owner))) for owner in owners]
+    held = [*(contents for _, contents in cell_contents), *(v for _, saved in attributes for v in saved.values()),
+            *(value for _, _, value in bound)]
+    collections = [(found, dict(found) if isinstance(found, dict) else list(found))
+                   for value in held if isinstance(value, _COLLECTIONS) for found in _collections_in(value)]
+    try:
+        yield
+    finally:
+        for collection, before in collections:
+            if not _same_items(collection, before):
+                _refill(collection, before)
+        for cell, contents_before in cell_contents:
+            if contents_before is not _ABSENT and getattr(cell, "cell_contents", _ABSENT) is not contents_before:
+                cell.cell_contents = contents_before
+        for owner, before in attributes:
+            current = vars(owner)
+            _set_back(current, before, [k for k, v in current.items() if before.get(k, _ABSENT) is not v])
+        for namespace, name, value in bound:
+            namespace[name] = value
 
 
 #: How deep settings objects are looked for inside each other (``config.text_config.vision_config``).
@@ -433,6 +503,7 @@ def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
             stack.enter_context(values_restored([*owner.buffers(), *rewritten_weights(owner),
                                                  *_tensor_attributes(owner)]))
             stack.enter_context(module_state_restored(owner))
+            stack.enter_context(hook_state_restored(owner))
         if seed is not None:
             torch.manual_seed(seed)
         yield

@@ -113,11 +113,67 @@ def test_a_hook_made_anew_for_each_call_of_a_traced_layer_is_served_by_one_captu
         got = sharded(X)
         ran = list(seen)
         assert torch.equal(got, model(X))
-        if step:  # (the first call's capture runs the model, and so the hook, several times)
-            assert ran[-1] == step and ran.count(step) == 1
+        assert ran[-1] == step and ran.count(step) == 1  # (the first call's capture ran it too: set back)
         handle.remove()
     assert torch.equal(sharded(X), model(X))  # and without the hook, by the same plan
     assert len(sharded.specializations) == 1
+
+
+_GLOBAL_LOG: list = []
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.outputs: list = []
+        self.calls = 0
+
+    def record(self, module, args, out) -> None:
+        self.outputs.append(out)
+        self.calls += 1
+
+
+def _collecting_hooks():
+    """Hooks keeping what they see in a closure's list, a counter they rebind, their script's
+    globals and the object whose method they are; and a read of what each has seen."""
+    closure_log: list = []
+    count = 0
+
+    def counting(module, args, out) -> None:
+        nonlocal count
+        count += 1
+
+    def global_log(module, args, out) -> None:
+        _GLOBAL_LOG.append(out)
+
+    recorder = _Recorder()
+    hooks = {"closure list": lambda module, args, out: closure_log.append(out), "counter": counting,
+             "global list": global_log, "method": recorder.record}
+    seen = {"closure list": lambda: closure_log, "counter": lambda: [None] * count,
+            "global list": lambda: _GLOBAL_LOG, "method": lambda: recorder.outputs[:recorder.calls]}
+    return hooks, seen
+
+
+@pytest.mark.parametrize("where", ["closure list", "counter", "global list", "method"])
+@pytest.mark.parametrize("when", ["before sharding", "after sharding"])
+def test_a_hook_sees_each_call_once_and_none_of_the_capture_s_runs(where, when):
+    """A capture runs the model and its graph many times (on the example, on fake tensors, to
+    verify): a hook collecting the model's outputs kept 21 of them from one call (one a fake tensor)."""
+    _GLOBAL_LOG.clear()
+    model = _layers()
+    hooks, seen = _collecting_hooks()
+    if when == "before sharding":
+        model.register_forward_hook(hooks[where])
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    assert seen[where]() == []
+    if when == "after sharding":
+        model.register_forward_hook(hooks[where])  # the model's own: the call captures again
+    got = sharded(X)
+    assert len(seen[where]()) == 1
+    if where != "counter":
+        (kept,) = seen[where]()
+        assert type(kept) is torch.Tensor and torch.equal(kept, got)
+    sharded(X)
+    assert len(seen[where]()) == 2
 
 
 class _Wrapped(nn.Module):
