@@ -357,20 +357,27 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
 _GLOBAL_HOOK_DICTS = tuple(f"_global{name}" for name in _HOOK_DICTS)
 
 
-def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list[tuple[dict[str, Any], str]]]:
-    """The closure cells, the objects and the globals the hooks on ``model``'s modules (and the
-    global module hooks) keep their state in: a hook collecting features appends to a list in its
-    closure, on the object whose method it is (``functools.partial`` looked into) or in its script's
-    globals (a number, flag, string or container its code names)."""
+def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list[tuple[dict[str, Any], str]],
+                                           list[Any]]:
+    """The closure cells, the objects, the globals and the containers the hooks on ``model``'s modules
+    (and the global module hooks) keep their state in: a hook collecting features appends to a list
+    in its closure, on the object whose method it is, in its script's globals (a number, flag,
+    string or container its code names) or bound by ``functools.partial``."""
     hooks = [hook for module in model.modules() for name in _HOOK_DICTS for hook in vars(module)[name].values()]
     hooks += [hook for name in _GLOBAL_HOOK_DICTS for hook in vars(module_globals)[name].values()]
     cells: dict[int, types.CellType] = {}
     owners: dict[int, Any] = {}
     names: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}
+    walked: set[int] = set()
+    containers: list[Any] = []  # those a ``functools.partial`` binds
     while hooks:
         hook = hooks.pop()
+        if id(hook) in walked:  # (a recursive helper's closure holds the helper itself)
+            continue
+        walked.add(id(hook))
         if isinstance(hook, functools.partial):
             hooks += [hook.func, *hook.args, *hook.keywords.values()]
+            containers += [value for value in (*hook.args, *hook.keywords.values()) if isinstance(value, _COLLECTIONS)]
             continue
         owner = getattr(hook, "__self__", None) if isinstance(hook, types.MethodType) else hook
         if isinstance(hook, types.FunctionType):
@@ -384,7 +391,15 @@ def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list
         if owner is not None and not isinstance(owner, (nn.Module, type, types.ModuleType, types.FunctionType)) \
                 and hasattr(owner, "__dict__") and id(owner) not in owners:
             owners[id(owner)] = owner
-    return list(cells.values()), list(owners.values()), list(names.values())
+    return list(cells.values()), list(owners.values()), list(names.values()), containers
+
+
+def _hooks_registered(model: nn.Module) -> frozenset[int]:
+    """The handle ids (unique across all hook dicts) of the hooks on ``model``'s modules and of the
+    global module hooks: a module the run built without hooks changes nothing here."""
+    return frozenset(key for holder, dicts in [*((module, _HOOK_DICTS) for module in model.modules()),
+                                               (module_globals, _GLOBAL_HOOK_DICTS)]
+                     for name in dicts for key in vars(holder)[name])
 
 
 @contextlib.contextmanager
@@ -393,29 +408,33 @@ def hook_state_restored(model: nn.Module) -> Iterator[None]:
     their closures hold (a counter rebound, a list appended to), and the attributes and the lists,
     dicts and sets of the objects whose methods they are. A capture runs the model and its graph
     many times (on the example, on fake tensors, to verify), and a hook collecting features would
-    otherwise keep every one of those runs' outputs, fake tensors among them."""
-    cells, owners, names = _hook_state(model)
+    otherwise keep every one of those runs' outputs, fake tensors among them. Not after a run that
+    registered or removed a hook (a pre-hook installing its post-hook once, flagged in its closure;
+    a hook removing itself): what the hooks keep goes with what they registered."""
+    registered = _hooks_registered(model)
+    cells, owners, names, containers = _hook_state(model)
     cell_contents = [(cell, getattr(cell, "cell_contents", _ABSENT)) for cell in cells]
     bound = [(namespace, name, namespace[name]) for namespace, name in names]
     attributes = [(owner, dict(vars(owner))) for owner in owners]
     held = [*(contents for _, contents in cell_contents), *(v for _, saved in attributes for v in saved.values()),
-            *(value for _, _, value in bound)]
+            *(value for _, _, value in bound), *containers]
     collections = [(found, dict(found) if isinstance(found, dict) else list(found))
                    for value in held if isinstance(value, _COLLECTIONS) for found in _collections_in(value)]
     try:
         yield
     finally:
-        for collection, before in collections:
-            if not _same_items(collection, before):
-                _refill(collection, before)
-        for cell, contents_before in cell_contents:
-            if contents_before is not _ABSENT and getattr(cell, "cell_contents", _ABSENT) is not contents_before:
-                cell.cell_contents = contents_before
-        for owner, before in attributes:
-            current = vars(owner)
-            _set_back(current, before, [k for k, v in current.items() if before.get(k, _ABSENT) is not v])
-        for namespace, name, value in bound:
-            namespace[name] = value
+        if _hooks_registered(model) == registered:
+            for collection, before in collections:
+                if not _same_items(collection, before):
+                    _refill(collection, before)
+            for cell, contents_before in cell_contents:
+                if contents_before is not _ABSENT and getattr(cell, "cell_contents", _ABSENT) is not contents_before:
+                    cell.cell_contents = contents_before
+            for owner, before in attributes:
+                current = vars(owner)
+                _set_back(current, before, [k for k, v in current.items() if before.get(k, _ABSENT) is not v])
+            for namespace, name, value in bound:
+                namespace[name] = value
 
 
 #: How deep settings objects are looked for inside each other (``config.text_config.vision_config``).

@@ -4,6 +4,8 @@ check cheap: only a hook registered anywhere makes the first stage check the hoo
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -350,3 +352,59 @@ def test_a_traced_layer_under_a_child_named_model_switched_to_another_mode_is_se
     model.model[1].train()
     with pytest.raises(InputMismatchError, match="switched to another mode"):
         sharded(X)
+
+
+def test_a_hook_whose_closure_holds_a_recursive_helper_is_walked_once():
+    """The helper's closure holds the helper: the walk of what hooks keep looped for ever."""
+    seen: list = []
+
+    def flatten(value):
+        return [y for item in value for y in flatten(item)] if isinstance(value, (list, tuple)) else [value]
+
+    model = _layers()
+    model.register_forward_hook(lambda module, args, out: seen.extend(flatten(out)))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    assert torch.equal(sharded(X), model(X))
+
+
+def test_a_pre_hook_installing_its_post_hook_once_installs_it_once():
+    """Its flag set back after each of the capture's runs, it installed the post hook on every run
+    (18 post hooks, each run by every later call)."""
+    state = {"installed": False}
+    calls: list = []
+
+    def pre(module, args):
+        if not state["installed"]:
+            module.register_forward_hook(lambda *_: calls.append(1))
+            state["installed"] = True
+
+    model = _layers()
+    model[0].register_forward_pre_hook(pre)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    assert len(model[0]._forward_hooks) == 1
+    calls.clear()
+    sharded(X)
+    assert len(calls) == 1
+
+
+def test_a_one_shot_hook_keeps_what_it_saw_when_a_capture_s_run_removed_it():
+    first: list = []
+
+    def once(module, args, out):
+        first.append(out)
+        handle.remove()
+
+    model = _layers()
+    handle = model[0].register_forward_hook(once)
+    autoshard.shard_model(model, 2, example_inputs=(X,))
+    assert len(first) == 1 and type(first[0]) is torch.Tensor
+
+
+def test_a_partial_hook_s_bound_list_sees_each_call_once():
+    seen: list = []
+    model = _layers()
+    model.register_forward_hook(functools.partial(lambda store, module, args, out: store.append(out), seen))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    assert seen == []
+    sharded(X)
+    assert len(seen) == 1
