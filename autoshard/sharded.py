@@ -218,6 +218,13 @@ class StateAtCapture:
         for holder, name, value in self.writes:
             setattr(holder, name, value)
 
+    def moved_by_each_call(self) -> tuple[str, ...]:
+        """The attributes each call this capture serves writes back with another value than the one it
+        read (``count=0 -> 1``): the call itself makes the next one need another capture."""
+        return tuple(f"{self._where(holder, name)}" for holder, name, value in self.writes
+                     if not same_constant(value, next(r.contents for r in self.attributes
+                                                      if r.holder is holder and r.name == name)))
+
     def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
         """``path=value`` for each attribute this capture read with another value than ``other`` did, the
         mode of the model's modules where other than ``other``'s (``eval mode``), and the hooks it held
@@ -378,6 +385,11 @@ class ShardedModel(FixedDtypes):
         value than ``other``'s did (``config.output_hidden_states=True``), and the hooks its modules
         held that ``other``'s did not (``forward hooks on transformer.h.0``)."""
         return self.__dict__["_state_at_capture"].unlike(other.__dict__["_state_at_capture"])
+
+    def attributes_moved_by_each_call(self) -> tuple[str, ...]:
+        """The model's attributes each call of this plan sets to another value than the one its capture
+        read (a count the forward moves on: ``StateAtCapture.moved_by_each_call``)."""
+        return self.__dict__["_state_at_capture"].moved_by_each_call()
 
     def fit_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """A call of the model as ``stages[0]`` takes it (see ``fitted_call``): every runtime binds

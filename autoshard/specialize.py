@@ -41,6 +41,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from autoshard.capture.guard import autocast_now, captured_autocast, chosen_grad_mode
 from autoshard.capture.signature import argument_names, forward_signature, is_default
+from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.capture.structure import same_constant
 from autoshard.errors import (
     AutoshardError, EmptyStageError, ExampleInputsError, InfeasibleSplitError, InputMismatchError,
@@ -325,10 +326,14 @@ class Specializer:
                       "one plan per value: where the model only computes with it (no branch or size taken from "
                       "it), pass it as a tensor (torch.tensor(t)), an input of one plan for every value"
                       ) if numbers else ""
+            moving = set.intersection(*(set(made.sharded.attributes_moved_by_each_call())
+                                        for made in self.specializations)) if self.specializations else set()
+            advice = (f"the forward changes {', '.join(sorted(moving))} on every call (each value took a capture of "
+                      f"its own, and a larger max_specializations only puts this off): {COUNT_ELSEWHERE}" if moving else
+                      f"shard the model with a larger max_specializations= to serve these inputs too{tensor}")
             raise InputMismatchError(
                 f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
-                f"(max_specializations; made for: {seen}); shard the model with a larger max_specializations= to "
-                f"serve these inputs too{tensor}")
+                f"(max_specializations; made for: {seen}); {advice}")
         before = model_weights_held(self._model, primary)
         started = time.perf_counter()
         try:

@@ -37,8 +37,10 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from autoshard.capture.guard import autocast_now, chosen_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
-from autoshard.errors import InputMismatchError, SpecializationMismatch, VerificationError, user_stacklevel
-from autoshard.isolation import PlainInterpreter, cloned, detached_values, isolated, module_state_restored, run_seeded
+from autoshard.capture.state import COUNT_ELSEWHERE
+from autoshard.errors import InputMismatchError, SpecializationMismatch, TraceError, VerificationError, user_stacklevel
+from autoshard.isolation import (SCALARS, PlainInterpreter, cloned, detached_values, isolated, module_state_restored,
+                                 run_seeded)
 from autoshard.lowering.inplace import written_values
 
 
@@ -465,6 +467,13 @@ def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     try:
         actual = run_seeded(_noting_the_second(chained, model, written_by_stages), model, seed, grad=grad)
     except SpecializationMismatch:
+        counted = sorted({name for module, name in written_by_model
+                          if module is model and isinstance(getattr(model, name, None), SCALARS)})
+        if counted:  # the first call's write back of a value its second moves on again
+            raise TraceError(
+                f"the top-level forward of {type(model).__name__} changes its attribute{'s' * (len(counted) > 1)} "
+                f"{', '.join(map(repr, counted))} on every call, which its code reads; a captured graph cannot replay "
+                f"that write, and each value would take a capture of its own: {COUNT_ELSEWHERE}") from None
         return
     problem = first_difference(actual, expected, rtol, atol)
     if problem:

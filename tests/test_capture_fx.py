@@ -22,7 +22,7 @@ from autoshard.capture import trace_with_leaves
 from autoshard.capture.auto import capture
 from autoshard.capture.guard import FREE_SIZES_PIPELINE
 from autoshard.capture.meta_proxy import EXAMPLE
-from autoshard.errors import InputMismatchError, TraceError
+from autoshard.errors import InputMismatchError, TraceError, VerificationError
 from autoshard.isolation import module_state_restored
 from autoshard.passes.instruments import ModelUnchanged
 from autoshard.specialize import holders
@@ -434,11 +434,56 @@ def test_a_module_counting_calls_in_a_python_int_is_kept_whole_and_keeps_countin
     assert model.inner.calls == twin.inner.calls == 5
 
 
-def test_a_top_level_forward_counting_calls_is_refused_not_frozen():
-    model = CallCounter()
-    with pytest.raises(TraceError, match="changes its attribute 'calls'"):
-        autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+class CountsAtTheTop(CallCounter):
+    """``CallCounter``'s count and warm-up in a forward of two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(super().forward(x)))
+
+
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_a_top_level_forward_counting_calls_is_refused_not_frozen(front_end):
+    """A count there would take a capture per call (each one's call writes the next value back), so
+    verification refuses it, saying where a count serves."""
+    model = CountsAtTheTop()
+    with pytest.raises(TraceError, match="changes its attribute 'calls' on every call.*count outside the forward"):
+        autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
+                              pipeline=f"{front_end},shape-prop,build-dag,linearize,split,emit,verify")
     assert model.calls == 0
+
+
+class WarnsOnce(nn.Module):
+    """Sets a flag on its first call, in its top-level forward (a warning given once), which nothing
+    can keep whole: it was refused, so no plan served the model at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.warned = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if not self.warned:
+            h = h * 2  # (the first call differs: the flag's path is in the graph)
+            self.warned = True
+        return self.b(torch.relu(h))
+
+
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_a_flag_the_top_level_forward_sets_once_is_written_back_and_the_next_call_captured_again(front_end):
+    model = WarnsOnce()
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
+                                    pipeline=f"{front_end},shape-prop,build-dag,linearize,split,emit,verify")
+    assert model.warned is False  # the capture's runs were set back
+    serves_like(sharded, twin, 4)  # the first call on the first plan, as the model's: then the flag is set
+    assert model.warned is True
+    (made,) = sharded.specializations  # the second call's, with the flag set; it serves the later ones
+    assert "warned=True" in made.describe()
 
 
 class CalibratedOnce(nn.Module):
@@ -578,12 +623,18 @@ def test_flags_read_by_name_behind_a_property_or_by_children_are_state(inner):
     serves_like(sharded, twin, 3)
 
 
-def test_a_top_level_flag_read_by_children_is_refused_not_frozen_by_the_front_end_that_misses_it():
-    """fx sees the children read the flag; export does not, and its capture must not be kept."""
+def test_a_top_level_flag_read_by_children_is_served_not_frozen_by_the_front_end_that_misses_it():
+    """fx sees the children read the flag, so each call its plan serves writes it back, and the next
+    takes the other path; export does not, and its capture must not be kept."""
     model = WarmedByChildren()
-    with pytest.raises(TraceError, match="changes its attribute 'warm'"):
-        autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    twin = copy.deepcopy(model)
+    with pytest.raises(VerificationError, match="second call on the example differs"):
+        autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
+                              pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
     assert model.warm is False
+    serves_like(sharded, twin, 3)
+    assert model.warm is True and len(sharded.specializations) == 1
 
 
 class ScratchMultiplier(nn.Module):

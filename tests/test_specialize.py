@@ -218,6 +218,35 @@ def test_the_limit_warns_when_reached_and_then_refuses_naming_what_was_made():
         none_allowed(torch.randn(1, 8))
 
 
+class _Settings:
+    calls = 0
+
+
+class CountsOnItsSettings(nn.Module):
+    """Counts its calls on the object it keeps its settings in: each call the plan serves writes the
+    count back, and the next call, reading another value, takes another capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settings, self.a, self.b = _Settings(), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.settings.calls += 1
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_the_limit_reached_by_a_count_the_forward_moves_on_says_so_not_to_raise_the_limit():
+    model, x = CountsOnItsSettings(), torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), max_specializations=3)
+    with pytest.warns(SpecializationLimitWarning):
+        for calls in range(1, 5):
+            assert torch.equal(sharded(x), model(x))  # (the model's call moves it too: by two a round)
+            assert model.settings.calls == 2 * calls
+    with pytest.raises(InputMismatchError, match=r"the forward changes settings\.calls on every call .*a larger "
+                       r"max_specializations only puts this off\): count outside the forward"):
+        sharded(x)
+
+
 def test_the_limit_reached_by_a_number_changing_every_call_says_to_pass_it_as_a_tensor():
     """A diffusion step's noise level passed as a float made a capture per value, then a refusal that
     said only to raise the limit."""

@@ -214,17 +214,25 @@ class AttributeReads:
     def _writer(self, original: Callable[[Any, str, Any], None]) -> Callable[[Any, str, Any], None]:
         """A settings object's ``__setattr__`` that notes a plain value the traced code writes
         (``AttributeRead.written``), on the read of what the attribute held before (made now if none was)."""
-        first, paused, holders = self.first, self.paused, self.holders
 
         def __setattr__(holder: Any, name: str, value: Any) -> None:  # noqa: N807 - the slot it fills
-            if id(holder) in holders and not paused() and checked_value(value):
-                read = first.get((id(holder), name))
-                if read is None:  # written before any read: the value it held is what the call met
-                    before = looked_up(holder, name)[1]
-                    read = AttributeRead(holder, name, before, False, copied(before))
-                first[(id(holder), name)] = replace(read, written=value)
+            if id(holder) in self.holders and not self.paused():
+                self.write_back(holder, name, value)
             original(holder, name, value)
         return __setattr__
+
+    def write_back(self, holder: Any, name: str, value: Any) -> bool:
+        """Note that the traced code writes ``value``, a plain one, as ``holder.name``, which each call the
+        plan serves then writes (``AttributeRead.written``), on the read of what the attribute held
+        before (made now if none was); whether it is one so noted."""
+        if not checked_value(value):
+            return False
+        read = self.first.get((id(holder), name))
+        if read is None:  # written before any read: the value it held is what the call met
+            before = looked_up(holder, name)[1]
+            read = AttributeRead(holder, name, before, False, copied(before))
+        self.first[(id(holder), name)] = replace(read, written=value)
+        return True
 
     def kept(self) -> tuple[AttributeRead, ...]:
         """The reads a graph fixed, once the capture has set the model back: not of attributes the
@@ -234,7 +242,7 @@ class AttributeReads:
                                contents=before.get(name, ABSENT), written=written.get(name, ABSENT))
                  for holder, before, written in self.read_whole.values() for name in {**before, **written}]
         return tuple(read for read in [*self.first.values(), *whole]
-                     if (id(read.holder), read.name) not in self.written
+                     if ((id(read.holder), read.name) not in self.written or read.written is not ABSENT)
                      and looked_up(read.holder, read.name)[1] is read.value)
 
 

@@ -360,7 +360,9 @@ def export_with_leaves(
                 grad_mode_sites.clear()
             detached.clear()
             with isolated(model), _quiet(), refusing_state_writes(
-                    _computed_in_export, kept_whole=lambda module: id(module) in modules) as written, \
+                    _computed_in_export, kept_whole=lambda module: id(module) in modules,
+                    replayed=lambda module, name, value: module is model and bool(reads) and reads[0].write_back(
+                        module, name, value)) as written, \
                     torch.enable_grad(), swapped_attribute(torch, "is_grad_enabled", reader), \
                     _refusing_custom_backward(), _noting_detached_modules(model, wrapper, detached):
                 reads[:] = [AttributeReads(wrapper, is_real_run, written)]

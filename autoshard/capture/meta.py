@@ -525,9 +525,12 @@ class MetaTracer(fx.Tracer):
             self.grad_mode = caller_grad = torch.is_grad_enabled()
             patches.enter_context(torch.enable_grad())
             self._modes = _mode_state()
+            top_level = (root, getattr(root, MODEL_ATTR, root))  # (the model, under the wrapper of its call)
             written = patches.enter_context(refusing_state_writes(
                 _computed_in_trace, follow_modules=True, kept_whole=lambda module: module is not root and not (
-                    self.running_examples or is_real_run()) and self.is_leaf_module(module, "")))
+                    self.running_examples or is_real_run()) and self.is_leaf_module(module, ""),
+                replayed=lambda module, name, value: module in top_level and self.attribute_reads.write_back(
+                    module, name, value)))
             self.swaps = [(torch, name, vars(torch)[name], _recording_constructor(vars(torch)[name]))
                           for name in _CONSTRUCTORS]
             apply = vars(torch.autograd.Function)["apply"]

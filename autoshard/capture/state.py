@@ -45,6 +45,11 @@ from autoshard.isolation import PLAIN_VALUES, scalar_changed
 Computed = Callable[[nn.Module, str, Any], bool]
 
 
+#: Where a count the top-level forward moves on every call serves (each value would take a capture).
+COUNT_ELSEWHERE = ("count outside the forward (around the call), or in a submodule of its own, which the plan calls "
+                   "whole (it writes its own state)")
+
+
 class StateWrite(RuntimeError):
     """Model code stored a value it computed in a parameter, buffer or attribute of its module.
     Not a ``TraceError``: the code is kept whole like any other untraceable code."""
@@ -203,7 +208,9 @@ def is_real_run() -> bool:
 
 @contextlib.contextmanager
 def refusing_state_writes(computed: Computed, follow_modules: bool = False,
-                          kept_whole: Callable[[nn.Module], bool] | None = None) -> Iterator[set[tuple[int, str]]]:
+                          kept_whole: Callable[[nn.Module], bool] | None = None,
+                          replayed: Callable[[nn.Module, str, Any], bool] | None = None,
+                          ) -> Iterator[set[tuple[int, str]]]:
     """``nn.Module.__setattr__`` and ``register_buffer`` raise ``StateWrite`` where ``computed``
     says so, until exit; yields the attributes written so far, ``(id(module), name)``.
     ``follow_modules``: note the modules whose forward runs (a global forward pre-hook, which fx
@@ -211,7 +218,9 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False,
     that ran before it is set counts as state. ``kept_whole(module)``: whether the graph calls
     ``module`` whole, so that any write onto it is state: it reads its own attributes when it runs,
     and the graph does not replay the write (RecurrentGemma's block resets its kept-whole
-    recurrence's ``recurrent_states`` to None; the next call started from the last one's)."""
+    recurrence's ``recurrent_states`` to None; the next call started from the last one's).
+    ``replayed(module, name, value)``: whether a changed number, flag or string that is state is
+    written back by each call the plan serves instead (the top-level module's: nothing keeps it whole)."""
     setattr_, register_buffer = nn.Module.__setattr__, nn.Module.register_buffer
     read, scalars = _TensorsRead(), _ScalarWrites()
 
@@ -223,7 +232,7 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False,
         if kept_whole is not None and kept_whole(module) and not _constructing(module, caller):
             raise StateWrite(f"the forward sets {name!r} on a {type(module).__name__} the graph calls whole, whose "
                              "code may read it when it runs; a captured graph cannot replay that write")
-        if scalars.carried(module, name, value, caller):
+        if scalars.carried(module, name, value, caller) and not (replayed and replayed(module, name, value)):
             raise ScalarStateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
                                    f"{value!r}), which its next call reads; a captured graph cannot replay that write")
         if computed(module, name, value) and not _unread_scratch(module, name, read) \
