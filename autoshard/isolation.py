@@ -362,7 +362,7 @@ def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list
     """The closure cells, the objects, the globals and the containers the hooks on ``model``'s modules
     (and the global module hooks) keep their state in: a hook collecting features appends to a list
     in its closure, on the object whose method it is, in its script's globals (a number, flag,
-    string or container its code names) or bound by ``functools.partial``."""
+    string or container its code names) or bound by ``functools.partial``. Not PyTorch's own hooks."""
     hooks = [hook for module in model.modules() for name in _HOOK_DICTS for hook in vars(module)[name].values()]
     hooks += [hook for name in _GLOBAL_HOOK_DICTS for hook in vars(module_globals)[name].values()]
     cells: dict[int, types.CellType] = {}
@@ -379,6 +379,8 @@ def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list
             hooks += [hook.func, *hook.args, *hook.keywords.values()]
             containers += [value for value in (*hook.args, *hook.keywords.values()) if isinstance(value, _COLLECTIONS)]
             continue
+        if (getattr(hook, "__module__", None) or type(hook).__module__ or "").startswith("torch."):
+            continue  # PyTorch's own (FSDP's state initialised on the first forward, a profiler's): theirs to keep
         owner = getattr(hook, "__self__", None) if isinstance(hook, types.MethodType) else hook
         if isinstance(hook, types.FunctionType):
             names.update(((id(hook.__globals__), name), (hook.__globals__, name)) for name in hook.__code__.co_names
@@ -529,7 +531,7 @@ def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
 
 
 def cloned(value: Any) -> Any:
-    """A copy of every tensor in ``value``, so running a capture never writes to the user's inputs;
+    """A copy of every tensor in ``value``, in its strides, so running a capture never writes to the user's inputs;
     one that requires grad still does, in any grad mode (a capture may have answered the model's
     ``x.requires_grad`` from it)."""
     return tree_map(_clone, value)
@@ -539,7 +541,18 @@ def _clone(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     copy = value.clone()
+    if copy.stride() != value.stride() and value.layout is torch.strided and copy.device.type != "meta":
+        copy = strided_copy(value)
     return copy if copy.requires_grad or not value.requires_grad else copy.requires_grad_()
+
+
+def strided_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` (detached) in its own strides, where ``clone`` makes a slice or an expanded
+    tensor contiguous: a plan torch.export made guards its inputs' layout, so a copy of a slice
+    passed as the example must stay one. The part of the storage it spans is copied, gaps included."""
+    values = tensor.detach()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(values.shape, values.stride())) if values.numel() else 0
+    return values.as_strided((span,), (1,), values.storage_offset()).clone().as_strided(values.shape, values.stride())
 
 
 _GRAD_MODE_CHECKED = [True]
