@@ -40,7 +40,7 @@ from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.errors import InputMismatchError, SpecializationMismatch, TraceError, VerificationError, user_stacklevel
 from autoshard.isolation import (SCALARS, PlainInterpreter, cloned, detached_values, isolated, module_state_restored,
-                                 run_seeded)
+                                 run_seeded, strided_copy)
 from autoshard.lowering.inplace import written_values
 
 
@@ -383,8 +383,9 @@ def other_values(inputs: Any, seed: int) -> Any:
     """``inputs`` with other values in the tensors of two or more elements, their shapes, dtypes
     and devices kept, drawn from ``seed``: floating values scaled one by one by 0.9 to 1.1 (signs,
     zeros and infinities stay, so an additive mask stays one), integers shuffled within each
-    tensor (token ids stay in the vocabulary), anything else (bool masks, sparse and quantized
-    tensors) as given. None when nothing changed (every tensor constant)."""
+    tensor (token ids stay in the vocabulary), in the strides of the given (a slice stays one: a plan
+    export made guards the layout), anything else (bool masks, sparse and quantized tensors) as
+    given. None when nothing changed (every tensor constant)."""
     generator = torch.Generator().manual_seed(seed + 1)
     changed = []
 
@@ -401,6 +402,8 @@ def other_values(inputs: Any, seed: int) -> Any:
                 made = leaf.reshape(-1)[order].reshape(leaf.shape)
             else:
                 return leaf
+            if made.stride() != leaf.stride() and 0 not in leaf.stride():  # the layout the plan may guard (a slice)
+                made = strided_copy(leaf).copy_(made)
         changed.append(not torch.equal(made, leaf))
         return made.requires_grad_(leaf.requires_grad)
 

@@ -64,6 +64,24 @@ def test_an_input_laid_out_otherwise_than_the_example_is_captured_again(other):
     assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
 
 
+def _sliced() -> torch.Tensor:
+    return torch.randn(8, 12)[:, :8]  # (``ids[:, :n]``: not contiguous, with gaps)
+
+
+@pytest.mark.parametrize("example_sliced", [True, False])
+def test_a_slice_with_gaps_is_served_as_the_example_and_as_a_call(example_sliced):
+    """``clone`` makes such a slice contiguous: the capture's copies of a sliced example failed the layout
+    guard of the plan export made from it (shard_model refused), and a sliced call's capture did too."""
+    torch.manual_seed(0)
+    model = AsksItsInput()
+    x = _sliced() if example_sliced else torch.randn(8, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    for _ in range(2):
+        y = _sliced()
+        assert torch.equal(sharded(y), model(y))
+    assert len(sharded.specializations) == (0 if example_sliced else 1)
+
+
 @pytest.mark.parametrize("other", [lambda: torch.randn(8, 8).t(), lambda: torch.randn(8, 8, requires_grad=True)],
                          ids=["not-contiguous", "requiring-grad"])
 def test_a_plan_chosen_up_front_is_one_whose_guard_serves_the_layout(other):
