@@ -341,7 +341,7 @@ class Specializer:
         except ExampleInputsError as exc:
             if exc.__cause__ is not None:  # the model itself refuses these inputs: its own error
                 raise exc.__cause__ from None
-            raise
+            raise InputMismatchError(f"{guard}. No plan can be captured for these inputs: {exc}") from exc
         except EmptyStageError as exc:
             raise InputMismatchError(
                 f"{guard}. These inputs run none of the weights stage {exc.stage} of {exc.num_stages} holds (a "

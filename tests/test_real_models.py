@@ -228,6 +228,10 @@ def test_a_generation_cache_passed_in_is_refused_and_left_as_it_was(filled):
     with pytest.raises(ExampleInputsError, match=r"past_key_values is a DynamicCache, a generation cache.*"
                                                  r"call the model with use_cache=False"):
         autoshard.shard_model(model, 2, example_kwargs={**inputs, "past_key_values": cache})
+    sharded = autoshard.shard_model(model, 2, example_kwargs={**inputs, "use_cache": False})
+    # passed to a call, it is a call the plan cannot serve (it was the example's error type, not this one)
+    with pytest.raises(InputMismatchError, match=r"past_key_values is a DynamicCache, a generation cache"):
+        sharded(**inputs, past_key_values=cache, use_cache=False)
     after = _cache_contents(cache)
     assert len(after) == len(before) and all(a[0] is h[0] and a[1] is h[1] for a, h in zip(after, held))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(after, before))

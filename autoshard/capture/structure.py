@@ -288,13 +288,13 @@ def check_visible_tensors(name: str, value: Any) -> None:
     for leaf in tree_leaves(value):
         if is_generation_cache(leaf):
             raise ExampleInputsError(
-                f"example argument {name} is a {type(leaf).__name__}, a generation cache: the model writes each "
+                f"argument {name} is a {type(leaf).__name__}, a generation cache: the model writes each "
                 "call's keys and values into it, so capturing would fix its contents as constants of the "
                 "example, and a stage pipeline cannot carry a cache object between stages or from one call to "
                 f"the next; {CACHE_ADVICE} (the sharded model then computes the whole sequence on every call)")
         if not isinstance(leaf, torch.Tensor) and holds_tensors(leaf):
             raise ExampleInputsError(
-                f"example argument {name} holds tensors inside a {type(leaf).__name__}, which torch's pytree does not "
+                f"argument {name} holds tensors inside a {type(leaf).__name__}, which torch's pytree does not "
                 "look into, so the plan could only fix them as they are; pass them as arguments (model(**enc) for "
                 "a BatchEncoding), in a dict, tuple or NamedTuple, or register the type with "
                 "torch.utils._pytree.register_dataclass / register_pytree_node")
