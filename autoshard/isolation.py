@@ -396,7 +396,7 @@ def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list
     return list(cells.values()), list(owners.values()), list(names.values()), containers
 
 
-def _hooks_registered(model: nn.Module) -> frozenset[int]:
+def hooks_registered(model: nn.Module) -> frozenset[int]:
     """The handle ids (unique across all hook dicts) of the hooks on ``model``'s modules and of the
     global module hooks: a module the run built without hooks changes nothing here."""
     return frozenset(key for holder, dicts in [*((module, _HOOK_DICTS) for module in model.modules()),
@@ -413,7 +413,7 @@ def hook_state_restored(model: nn.Module) -> Iterator[None]:
     otherwise keep every one of those runs' outputs, fake tensors among them. Not after a run that
     registered or removed a hook (a pre-hook installing its post-hook once, flagged in its closure;
     a hook removing itself): what the hooks keep goes with what they registered."""
-    registered = _hooks_registered(model)
+    registered = hooks_registered(model)
     cells, owners, names, containers = _hook_state(model)
     cell_contents = [(cell, getattr(cell, "cell_contents", _ABSENT)) for cell in cells]
     bound = [(namespace, name, namespace[name]) for namespace, name in names]
@@ -425,7 +425,7 @@ def hook_state_restored(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        if _hooks_registered(model) == registered:
+        if hooks_registered(model) == registered:
             for collection, before in collections:
                 if not _same_items(collection, before):
                     _refill(collection, before)

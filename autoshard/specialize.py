@@ -48,6 +48,7 @@ from autoshard.errors import (
     SpecializationMismatch, plural, user_stacklevel,
 )
 from autoshard.costs.facts import NodeFacts, node_facts
+from autoshard.isolation import hooks_registered, settings_objects
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
 
@@ -199,6 +200,8 @@ class Specializer:
         self.specializations: list[Specialization] = []
         #: per served key, the plans that served it, the latest first
         self._last: dict[ShapeKey, list[ShardedModel]] = {}
+        #: per call (``_refusal_key``), the model's state a new capture for it failed in, and that refusal
+        self._refused: dict[Any, tuple[list[Any], InputMismatchError]] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         """A copy of the stages holds copies of the weights, which a capture of the model would not:
@@ -272,6 +275,16 @@ class Specializer:
         if len(self._last) > REMEMBERED_SHAPES:
             del self._last[next(iter(self._last))]
 
+    def _refusing(self, key: Any, state: list[Any], message: str) -> InputMismatchError:
+        """The refusal of a call no capture serves, remembered for calls like it while the model stays as
+        it is: the same capture would fail again, after seconds of tracing and verifying."""
+        refusal = InputMismatchError(message)
+        self._refused.pop(key, None)
+        self._refused[key] = (state, refusal)
+        if len(self._refused) > REMEMBERED_SHAPES:
+            del self._refused[next(iter(self._refused))]
+        return refusal
+
     def _plans(self, primary: ShardedModel) -> list[ShardedModel]:
         return [primary] + [s.sharded for s in self.specializations]
 
@@ -334,6 +347,10 @@ class Specializer:
             raise InputMismatchError(
                 f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
                 f"(max_specializations; made for: {seen}); {advice}")
+        refusal_key, state = (structure, torch.is_grad_enabled(), autocast_now()), _model_state(self._model)
+        refused = self._refused.get(refusal_key)
+        if refused is not None and refused[0] == state:  # (a serving loop falling back to the model on each)
+            raise InputMismatchError(f"{refused[1]} (refused when first tried: the model is as it was then)")
         before = model_weights_held(self._model, primary)
         started = time.perf_counter()
         try:
@@ -341,9 +358,11 @@ class Specializer:
         except ExampleInputsError as exc:
             if exc.__cause__ is not None:  # the model itself refuses these inputs: its own error
                 raise exc.__cause__ from None
-            raise InputMismatchError(f"{guard}. No plan can be captured for these inputs: {exc}") from exc
+            raise self._refusing(refusal_key, state, f"{guard}. No plan can be captured for these inputs: {exc}"
+                                 ) from exc
         except EmptyStageError as exc:
-            raise InputMismatchError(
+            raise self._refusing(
+                refusal_key, state,
                 f"{guard}. These inputs run none of the weights stage {exc.stage} of {exc.num_stages} holds (a "
                 "new capture for them keeps every weight in the stage that holds it, and would leave that stage "
                 "with nothing to compute); shard the model again with an example like these inputs, or into "
@@ -351,9 +370,9 @@ class Specializer:
         except AutoshardError as exc:  # a pin the new graph's order cannot meet names its weight; a capture failed
             # sharding again is the way only past the pins: what the capture refuses, it refuses there too
             again = "; shard the model again with an example like these inputs" * isinstance(exc, InfeasibleSplitError)
-            raise InputMismatchError(
-                f"{guard}. A new capture for these inputs, with every weight in the stage that holds it, failed "
-                f"({exc}){again}") from exc
+            raise self._refusing(
+                refusal_key, state, f"{guard}. A new capture for these inputs, with every weight in the stage that "
+                f"holds it, failed ({exc}){again}") from exc
         check_same_holders(before, sharded)
         self.specializations.append(Specialization(shape_key(args, kwargs), guard.split(";")[0],
                                                    time.perf_counter() - started, sharded, structure,
@@ -365,6 +384,14 @@ class Specializer:
                 "inputs that need another are refused from now on", SpecializationLimitWarning,
                 stacklevel=user_stacklevel())
         return sharded
+
+
+def _model_state(model: nn.Module) -> list[Any]:
+    """What a capture's verdict on a call depends on besides the call: each module's numbers, flags and
+    strings (its mode among them), those of the objects they keep settings in (``config.use_cache``), and
+    the hooks registered on them. Read only where a capture is to be made."""
+    return [hooks_registered(model), *((key, value) for holder in (*model.modules(), *settings_objects(model))
+                                       for key, value in vars(holder).items() if type(value) in _KEYED_BY_VALUE)]
 
 
 def _read_as_now(sharded: ShardedModel) -> bool:

@@ -589,6 +589,28 @@ def test_a_call_the_capture_refuses_is_not_told_to_shard_again_after_the_reason(
     assert message.count("shard the model again") <= 1 and not message.endswith("like these inputs")
 
 
+def test_a_refused_call_is_refused_again_without_capturing_again_until_the_model_changes():
+    """A serving loop falling back to the model on a refusal paid a full capture (seconds on a real model)
+    for each such call."""
+    model, x = _CacheOnRequest(), torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    captures = []
+    capture = sharded.specializer._capture
+    sharded.specializer._capture = lambda *args: (captures.append(1), capture(*args))[1]
+    for _ in range(3):
+        with pytest.raises(InputMismatchError, match="the model returns objects that hold tensors"):
+            sharded(torch.randn(2, 8), keep=True)
+    assert len(captures) == 1
+    with pytest.raises(InputMismatchError):
+        sharded(torch.randn(3, 8), keep=True)  # another call: tried
+    assert len(captures) == 2
+    model.note = "set since"  # (any number, flag or string on a module may change what a capture does)
+    with pytest.raises(InputMismatchError):
+        sharded(x, keep=True)
+    assert len(captures) == 3
+    assert torch.equal(sharded(x), model(x))
+
+
 def test_copies_and_pickles_serve_what_their_own_guards_allow():
     _, sharded = size_branch()
     for copied in (copy.deepcopy(sharded), pickle.loads(pickle.dumps(sharded))):
