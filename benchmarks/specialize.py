@@ -119,6 +119,29 @@ def dispatch_row() -> dict[str, float]:
     return best
 
 
+def refusal_row() -> tuple[float, float]:
+    """The first call no capture serves (GPT-2 asked for its generation cache: the capture runs and its
+    verification refuses), and the best of the same call made again with the model unchanged, which is
+    refused without capturing again: seconds, then microseconds."""
+    family = BY_NAME["gpt2"]
+    model = family.build()
+    sharded = autoshard.shard_model(model, 2, example_kwargs=family.inputs(*EXAMPLE))
+    call = {**family.inputs(*EXAMPLE), "use_cache": True}
+
+    def refused() -> None:
+        try:
+            sharded(**call)
+        except autoshard.InputMismatchError:
+            return
+        raise AssertionError("a call asking for the generation cache was served")
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        refused()
+        first = time.perf_counter() - start
+        return first, best_time(refused)
+
+
 ARGUMENT_FAMILIES = ("gpt2", "opt", "mistral", "qwen2", "gpt-neox", "llama", "mixtral", "bert", "distilbert", "t5",
                      "vit", "segformer", "swin", "whisper-encoder")
 
@@ -196,6 +219,9 @@ def main() -> None:
           f"its specialisation: eager {best['eager, later']:.1f} µs, sharded {best['cached specialisation']:.1f} µs "
           f"(+{cached:.1f}); the specialisation's dispatch adds {cached - first:+.1f} µs per call, "
           f"{(cached - first) / 4:+.1f} µs per stage call")
+    first_refusal, again = refusal_row()
+    print(f"GPT-2 called with use_cache=True (no capture serves it): refused in {first_refusal:.2f} s the first time, "
+          f"{again:.0f} µs each time again (best of {REPEATS}; the model unchanged)")
 
 
 if __name__ == "__main__":
