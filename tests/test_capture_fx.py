@@ -473,15 +473,28 @@ class WarnsOnce(nn.Module):
         return self.b(torch.relu(h))
 
 
+class WarmsUp(WarnsOnce):
+    """Sets its flag twice in its first call: the value written last is the one its next call reads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.warned is False:
+            self.warned = "warming"
+            h = h * 2
+            self.warned = True
+        return self.b(torch.relu(h))
+
+
 @pytest.mark.parametrize("front_end", ["trace", "export"])
-def test_a_flag_the_top_level_forward_sets_once_is_written_back_and_the_next_call_captured_again(front_end):
-    model = WarnsOnce()
+@pytest.mark.parametrize("kind", [WarnsOnce, WarmsUp])
+def test_a_flag_the_top_level_forward_sets_once_is_written_back_and_the_next_call_captured_again(kind, front_end):
+    model = kind()
     twin = copy.deepcopy(model)
     sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
                                     pipeline=f"{front_end},shape-prop,build-dag,linearize,split,emit,verify")
     assert model.warned is False  # the capture's runs were set back
     serves_like(sharded, twin, 4)  # the first call on the first plan, as the model's: then the flag is set
-    assert model.warned is True
+    assert model.warned is True  # (the last value written: WarmsUp's first write left "warming")
     (made,) = sharded.specializations  # the second call's, with the flag set; it serves the later ones
     assert "warned=True" in made.describe()
 

@@ -223,6 +223,7 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False,
     written back by each call the plan serves instead (the top-level module's: nothing keeps it whole)."""
     setattr_, register_buffer = nn.Module.__setattr__, nn.Module.register_buffer
     read, scalars = _TensorsRead(), _ScalarWrites()
+    replaying: set[tuple[int, str]] = set()  # the writes ``replayed`` took
 
     def refuse_state(module: nn.Module, name: str, value: Any) -> None:
         caller = sys._getframe(2)
@@ -232,7 +233,15 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False,
         if kept_whole is not None and kept_whole(module) and not _constructing(module, caller):
             raise StateWrite(f"the forward sets {name!r} on a {type(module).__name__} the graph calls whole, whose "
                              "code may read it when it runs; a captured graph cannot replay that write")
-        if scalars.carried(module, name, value, caller) and not (replayed and replayed(module, name, value)):
+        if (id(module), name) in replaying:  # written again: each served call writes back the last value
+            if not (replayed and replayed(module, name, value)):
+                raise ScalarStateWrite(f"the forward changes its attribute {name!r} to {value!r}, after a number, "
+                                       "flag or string each call writes back; a captured graph cannot replay that")
+            return
+        carried = scalars.carried(module, name, value, caller)
+        if carried and replayed and replayed(module, name, value):
+            replaying.add((id(module), name))
+        elif carried:
             raise ScalarStateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
                                    f"{value!r}), which its next call reads; a captured graph cannot replay that write")
         if computed(module, name, value) and not _unread_scratch(module, name, read) \
