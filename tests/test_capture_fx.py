@@ -434,6 +434,33 @@ def test_a_module_counting_calls_in_a_python_int_is_kept_whole_and_keeps_countin
     assert model.inner.calls == twin.inner.calls == 5
 
 
+class TracksItsDepth(nn.Module):
+    """Moves a number up and back down within each call (a nesting depth): it ends each call as it began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.depth = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * (self.depth + 1)
+        self.depth += 1
+        h = self.b(torch.relu(h))
+        self.depth -= 1
+        return h
+
+
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_a_number_the_top_level_forward_moves_and_sets_back_is_served_by_one_plan(front_end):
+    """Its first write alone was written back: each call left 1 more, and the next took another path."""
+    model = TracksItsDepth()
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),),
+                                    pipeline=f"{front_end},shape-prop,build-dag,linearize,split,emit,verify")
+    serves_like(sharded, twin, 3)
+    assert model.depth == 0 and sharded.specializations == ()
+
+
 class CountsAtTheTop(CallCounter):
     """``CallCounter``'s count and warm-up in a forward of two layers."""
 
