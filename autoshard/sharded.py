@@ -283,6 +283,14 @@ class StateAtCapture:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
+        """A copy in another process watches nothing (that process has its own model). Not one whose calls
+        write a module's flag back (the top-level forward's): it would take the first call's path forever."""
+        written = [self._where(holder, name) for holder, name, _ in self.writes if isinstance(holder, nn.Module)]
+        if written:
+            raise PlanError(
+                f"these stages write {', '.join(written)} back to the model on each call, and the next call with the "
+                "value written takes another path, which a pickled copy (watching no model) cannot follow; build "
+                "the stages in each process (shard_model, or load_plan)")
         return StateAtCapture, ()
 
 
