@@ -461,11 +461,12 @@ class ShardedModel(FixedDtypes):
         """Capture the model for inputs like these ahead of a call, running no stage, and keep the
         plan for the calls it serves (in training mode, the way to serve inputs whose guard would
         fail after a stage computed); the plan made for inputs of exactly this structure already,
-        where there is one (the example's own: these stages). Needs ``shard_model(..., respecialize=True)``."""
+        where there is one (the example's own: these stages). A call refused before is tried again (the model
+        may have changed where a call's refusal is not told). Needs ``shard_model(..., respecialize=True)``."""
         if self.specializer is None:
             raise PlanError("these stages make no specialisations: make them with autoshard.shard_model(model, k, "
                             "example_inputs, respecialize=True) and keep the model alive")
-        return self.specializer.plan_for(self, args, kwargs, guard="made ahead with sharded.specialize")
+        return self.specializer.plan_for(self, args, kwargs, guard="made ahead with sharded.specialize", retry=True)
 
     def save_plan(self, path: Any) -> Any:
         """Write the plan file ``autoshard split --out`` writes (JSON) to ``path`` (a str or path) and

@@ -37,8 +37,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
+from autoshard.capture.attribute_reads import checked_value, copied
 from autoshard.capture.guard import autocast_now, captured_autocast, chosen_grad_mode
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.state import COUNT_ELSEWHERE
@@ -200,7 +201,8 @@ class Specializer:
         self.specializations: list[Specialization] = []
         #: per served key, the plans that served it, the latest first
         self._last: dict[ShapeKey, list[ShardedModel]] = {}
-        #: per call (``_refusal_key``), the model's state a new capture for it failed in, and that refusal
+        #: per call (its structure, its tensors' dtypes, devices, layouts and whether they require grad, the
+        #: grad mode and autocast), the model's state a new capture for it failed in, and that refusal
         self._refused: dict[Any, tuple[list[Any], InputMismatchError]] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
@@ -306,22 +308,22 @@ class Specializer:
 
     # -- capturing -------------------------------------------------------------------------------
     def plan_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 guard: str = "made for a microbatch") -> ShardedModel:
+                 guard: str = "made for a microbatch", retry: bool = False) -> ShardedModel:
         """The plan captured for inputs of exactly these shapes (``call_structure``: nested ones too),
         captured now if none is. For runtimes that build their stages before any call
         (``pipeline_stage``): there a guard failing in the middle of a step has no plan to fall back
         to, so the plan is chosen by shape up front; and for ``sharded.specialize``, which would
         otherwise capture again what a plan serves (a training loop calling it before each step)."""
         made = self.made_for(primary, args, kwargs)
-        return made if made is not None else self.specialize(primary, args, kwargs, guard=guard)
+        return made if made is not None else self.specialize(primary, args, kwargs, guard=guard, retry=retry)
 
     @torch.compiler.disable  # a capture runs as Python, even where torch.compile traces the sharded model
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   guard: str = "made ahead with sharded.specialize") -> ShardedModel:
+                   guard: str = "made ahead with sharded.specialize", retry: bool = False) -> ShardedModel:
         """Capture the model for these inputs under the primary plan's partition, keep and return it.
         Other shapes, constants, arguments passed or left out, the grad mode and the modules' modes
         make another capture; a call the model itself refuses (an argument it does not take) is refused
-        as the plan refuses it."""
+        as the plan refuses it, and one no capture served before, at once, unless to ``retry``."""
         try:
             primary.check_model_state()  # what cannot be captured again (a module assigned anew) is refused
         except SpecializationMismatch:
@@ -347,10 +349,14 @@ class Specializer:
             raise InputMismatchError(
                 f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
                 f"(max_specializations; made for: {seen}); {advice}")
-        refusal_key, state = (structure, torch.is_grad_enabled(), autocast_now()), _model_state(self._model)
-        refused = self._refused.get(refusal_key)
+        refusal_key = (structure, _tensor_facts(args, kwargs), torch.is_grad_enabled(), autocast_now())
+        state = _model_state(self._model)
+        refused = None if retry else self._refused.get(refusal_key)
         if refused is not None and refused[0] == state:  # (a serving loop falling back to the model on each)
-            raise InputMismatchError(f"{refused[1]} (refused when first tried: the model is as it was then)")
+            raise InputMismatchError(
+                f"{refused[1]} (refused when first tried, and the numbers, flags, strings and hooks of the model's "
+                "modules are as they were then; where something else it reads has changed, sharded.specialize() "
+                "with these inputs tries again)")
         before = model_weights_held(self._model, primary)
         started = time.perf_counter()
         try:
@@ -388,10 +394,20 @@ class Specializer:
 
 def _model_state(model: nn.Module) -> list[Any]:
     """What a capture's verdict on a call depends on besides the call: each module's numbers, flags and
-    strings (its mode among them), those of the objects they keep settings in (``config.use_cache``), and
-    the hooks registered on them. Read only where a capture is to be made."""
-    return [hooks_registered(model), *((key, value) for holder in (*model.modules(), *settings_objects(model))
-                                       for key, value in vars(holder).items() if type(value) in _KEYED_BY_VALUE)]
+    strings (its mode among them) and the lists and dicts of them, those of the objects they keep
+    settings in (``config.use_cache``), and the hooks registered on them. Read only where a capture is
+    to be made."""
+    return [hooks_registered(model), *((key, copied(value)) for holder in (*model.modules(), *settings_objects(model))
+                                       for key, value in vars(holder).items()
+                                       if type(value) in _KEYED_BY_VALUE or (type(value) in (list, dict, tuple)
+                                                                             and checked_value(value)))]
+
+
+def _tensor_facts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """Each tensor of a call's dtype, device, layout and whether it requires grad (what a capture's
+    input guard reads besides its shape)."""
+    return tuple((leaf.dtype, leaf.device, leaf.is_contiguous(), leaf.requires_grad)
+                 for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
 
 
 def _read_as_now(sharded: ShardedModel) -> bool:

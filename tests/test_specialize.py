@@ -606,13 +606,24 @@ def test_a_refused_call_is_refused_again_without_capturing_again_until_the_model
         with pytest.raises(InputMismatchError, match="the model returns objects that hold tensors"):
             sharded(torch.randn(2, 8), keep=True)
     assert len(captures) == 1
-    with pytest.raises(InputMismatchError):
-        sharded(torch.randn(3, 8), keep=True)  # another call: tried
-    assert len(captures) == 2
-    model.note = "set since"  # (any number, flag or string on a module may change what a capture does)
-    with pytest.raises(InputMismatchError):
+    with pytest.raises(InputMismatchError, match=r"refused when first tried.*sharded\.specialize\(\) with these"):
         sharded(x, keep=True)
-    assert len(captures) == 3
+    assert len(captures) == 1
+    # another shape, layout, or an input requiring grad: tried
+    for another in (torch.randn(3, 8), x.t().contiguous().t(), x.clone().requires_grad_()):
+        with pytest.raises(InputMismatchError):
+            sharded(another, keep=True)
+    assert len(captures) == 4
+    changed = [lambda: setattr(model, "note", "set since"), lambda: model.table.update(mode=2)]
+    model.table = {"mode": 1}
+    for change in changed:  # a number, flag or string on a module, or in a dict or list of them: tried
+        change()
+        with pytest.raises(InputMismatchError):
+            sharded(x, keep=True)
+    assert len(captures) == 6
+    with pytest.raises(InputMismatchError):
+        sharded.specialize(x, keep=True)  # asked for: tried (where the model changed elsewhere, a global)
+    assert len(captures) == 7
     assert torch.equal(sharded(x), model(x))
 
 
