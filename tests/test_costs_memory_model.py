@@ -898,6 +898,33 @@ def test_a_value_that_crossed_permuted_gives_its_gradient_back_through_views_unc
         assert report.stages[j].memory.total == measure_stage_memory(sharded, j, (x,)).peak, (cuts, j)
 
 
+class _PermutedSkipCat(nn.Module):
+    """A UNet up-block's tail: a channels-last skip crosses permuted and is concatenated, as the
+    stage's last node, with what the stage made; the concatenation is sent, channels-last too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(4, 8, 1), nn.Conv2d(4, 8, 1), nn.Conv2d(16, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.cat([self.b(x), self.a(x)], 1))
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_a_slice_of_a_permuted_receive_buffer_is_copied_into_the_gradient_sent_back(microbatches):
+    """``cat``'s backward hands the skip a channel slice of the concatenation's receive buffer: strided in
+    any layout, so ``contiguous_grad`` copies it before it is sent back. The walk took every view of a
+    permuted receive buffer for one laid out as its input (a transpose's), taken whole: 4,096 bytes short
+    at 4 microbatches (a diffusers UNet2DModel at k = 4, stage 2: 16,384 at every count;
+    ``SavedFacts.strided_when_sent``)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
+    sharded = autoshard.shard_model(_PermutedSkipCat().train(), 3, (x,), cut_before=["b", "c"], verify=False)
+    report = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=microbatches, optimizer="adam"))
+    assert [s.memory.total for s in report.stages] == [
+        measure_stage_memory(sharded, j, (x,), microbatches=microbatches, optimizer="adam").peak for j in range(3)]
+
+
 class _SegmenterOutput(nn.Module):
     """SegFormer's tail: the logits permuted, wrapped in a ``SemanticSegmenterOutput``."""
 

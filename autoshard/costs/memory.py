@@ -116,7 +116,10 @@ class SavedFacts:
     same, or not recorded. ``backward_when_handed``: ``backward`` where its gradient is the receive buffer
     of a value sent, handed on unchanged (an addend's), laid out in that value's ``dense_order`` (() for
     contiguous), for each such order where it differs (a Linear copies a permuted one); ``passes_on``: the
-    inputs its backward hands the gradient it got itself, laid out as it came (an addend; not a view)."""
+    inputs its backward hands the gradient it got itself, laid out as it came (an addend; not a view).
+    ``strided_when_sent``: ``strided_grads`` where its gradient is laid out as a new tensor, as the receive
+    buffer of a value sent is (its first probe's; consumers that give another layout probe it again): a
+    slice of that buffer (a ``cat``'s backward) is strided in any layout; None: not recorded."""
 
     saved: int
     saved_output: int
@@ -141,6 +144,7 @@ class SavedFacts:
     backward_alone: int | None = None
     backward_when_handed: tuple[tuple[tuple[int, ...], int], ...] = ()
     passes_on: tuple[str, ...] = ()
+    strided_when_sent: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -528,7 +532,7 @@ def _as_received(dag: nx.DiGraph, nodes: Sequence[str], received: AbstractSet[st
         releases[node] = releases.get(node, 0) + own
         changed[node] = dataclasses.replace(
             facts, saved=facts.saved + own, forward=forward, backward=backward, backward_when_sent=None,
-            strided_grads=strided_grads, releases=tuple((m, b) for m, b in releases.items() if b > 0))
+            strided_grads=strided_grads, strided_when_sent=strided_grads, releases=tuple((m, b) for m, b in releases.items() if b > 0))
     if not changed:
         return dag
     copy = dag.copy()
@@ -724,7 +728,12 @@ def _backward_peak(dag: nx.DiGraph, nodes: Sequence[str], sent: AbstractSet[str]
                 itself = node in containers and u in facts.passes_on
                 if handed and mine is None and (facts.views is not None or node in viewed) and not itself:
                     viewed.add(u)
-                if u in facts.strided_grads and not (handed and permuted_buffer):
+                if node in sent and mine is None and facts.strided_when_sent is not None:
+                    # its gradient is the receive buffer, laid out as the first probe's (a new tensor): a view of a
+                    # permuted one hands a transpose's input its layout, but a slice of it (a cat's) is strided still
+                    if u in facts.strided_when_sent:
+                        strided.add(u)
+                elif u in facts.strided_grads and not (handed and permuted_buffer):
                     strided.add(u)
             elif shared(u) or u in strided:  # the sum is a new buffer
                 if buffer[u] is None and u in handed_order:

@@ -299,6 +299,8 @@ class TrainingProbe:
         self.holds: dict[str, tuple[str, ...]] = {}  # node -> the other nodes whose storages its output holds too
         self.input_grads: dict[str, tuple[tuple[str, bool], ...]] = {}  # node -> inputs its backward gives to
         self.strided_grads: dict[str, tuple[str, ...]] = {}  # node -> inputs it gives a non-contiguous gradient
+        # node -> ``strided_grads`` of its first probe, from a gradient laid out as a new tensor (a receive buffer)
+        self.strided_when_sent: dict[str, tuple[str, ...]] = {}
         self.when_contiguous: dict[str, tuple[int, int, int, tuple[str, ...]]] = {}  # see _when_received_contiguous
         self.order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
         # id of a twin -> (order of the node whose backward gave it a gradient, the last to run forward; its strides)
@@ -671,6 +673,7 @@ class TrainingProbe:
                     strided[sources[i]] = None
         self.input_grads[node.name] = tuple(given.items())
         self.strided_grads[node.name] = tuple(strided)
+        self.strided_when_sent.setdefault(node.name, tuple(strided))  # (the first probe's: see ``_probe``)
 
     def _record_passes_on(self, node: fx.Node, effect: NodeEffect, arguments: list[torch.Tensor], value: Any) -> None:
         """The inputs ``node``'s backward hands the gradient it got itself, laid out as it came (an addition's
@@ -1187,5 +1190,6 @@ class TrainingProbe:
                                  self.holds.get(name, ()), name in self.weights_first, self.saves_from.get(name),
                                  self.gradients_kept.get(name, 0), self.gradient_copies.get(name, 0),
                                  self.writes.get(name, ()), self.backward_alone.get(name),
-                                 self.backward_when_handed.get(name, ()), self.passes_on.get(name, ()))
+                                 self.backward_when_handed.get(name, ()), self.passes_on.get(name, ()),
+                                 self.strided_when_sent.get(name))
                 for name in self.grad if name not in self.unrun}

@@ -142,7 +142,9 @@ class _Reader:
                           self.get(obj, "backward_alone", int, where, None),
                           self.handed(self.get(obj, "backward_when_handed", list, where, []),
                                       f"{where}.backward_when_handed"),
-                          self.names(self.get(obj, "passes_on", list, where, []), f"{where}.passes_on"))
+                          self.names(self.get(obj, "passes_on", list, where, []), f"{where}.passes_on"),
+                          self.optional_names(self.get(obj, "strided_when_sent", list, where, None),
+                                              f"{where}.strided_when_sent"))
 
     def handed(self, obj: list, where: str) -> tuple[tuple[tuple[int, ...], int], ...]:
         """``SavedFacts.backward_when_handed``: [order of dimensions, bytes] pairs."""

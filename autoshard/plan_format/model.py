@@ -330,6 +330,8 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
                            "holds": list(n.training.holds), "weights_first": n.training.weights_first,
                            "saves_from": None if n.training.saves_from is None else list(n.training.saves_from),
                            "writes": list(n.training.writes), "passes_on": list(n.training.passes_on),
+                           "strided_when_sent": None if n.training.strided_when_sent is None
+                           else list(n.training.strided_when_sent),
                            "backward_when_handed": [[list(order), nbytes]
                                                     for order, nbytes in n.training.backward_when_handed]}
     if n.value:
