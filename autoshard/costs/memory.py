@@ -532,7 +532,8 @@ def _as_received(dag: nx.DiGraph, nodes: Sequence[str], received: AbstractSet[st
         releases[node] = releases.get(node, 0) + own
         changed[node] = dataclasses.replace(
             facts, saved=facts.saved + own, forward=forward, backward=backward, backward_when_sent=None,
-            strided_grads=strided_grads, strided_when_sent=strided_grads, releases=tuple((m, b) for m, b in releases.items() if b > 0))
+            strided_grads=strided_grads, strided_when_sent=strided_grads,
+            releases=tuple((m, b) for m, b in releases.items() if b > 0))
     if not changed:
         return dag
     copy = dag.copy()
