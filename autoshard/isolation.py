@@ -541,7 +541,7 @@ def _clone(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     copy = value.clone()
-    if copy.stride() != value.stride() and value.layout is torch.strided and copy.device.type != "meta":
+    if value.layout is torch.strided and copy.device.type != "meta" and copy.stride() != value.stride():
         copy = strided_copy(value)
     return copy if copy.requires_grad or not value.requires_grad else copy.requires_grad_()
 
