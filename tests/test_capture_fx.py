@@ -435,6 +435,38 @@ def test_a_module_counting_calls_in_a_python_int_is_kept_whole_and_keeps_countin
     assert model.inner.calls == twin.inner.calls == 5
 
 
+class ScaledByItsFirstBatch(nn.Module):
+    """Keeps its first call's batch size and scales every output by it: a size, which the graph
+    recomputes from each call's input, kept as state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.first_batch = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.first_batch is None:
+            self.first_batch = x.shape[0]
+        return self.b(torch.relu(h)) * self.first_batch
+
+
+@pytest.mark.parametrize("front_end", ["trace", "export"])
+def test_a_size_kept_from_the_first_call_is_state_not_recomputed(front_end):
+    """The write of a traced size passed as a scratch value (Swin's window size): the stages scaled each
+    call by its own batch, the model by its first call's (review)."""
+    pipeline = f"{front_end},shape-prop,build-dag,linearize,split,emit,verify"
+    with pytest.raises(TraceError, match=r"changes its attribute 'first_batch' \(None -> a size of its inputs\)"):
+        autoshard.shard_model(ScaledByItsFirstBatch(), 2, example_inputs=(torch.randn(2, 8),), pipeline=pipeline)
+    model = Around(ScaledByItsFirstBatch(), 8)
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),), pipeline=pipeline)
+    assert [w.name for w in sharded.plan.wrapped] == ["inner"]  # kept whole: it keeps its own state
+    for batch in (5, 3):
+        x = torch.randn(batch, 8)
+        assert torch.equal(sharded(x), twin(x))
+
+
 class TracksItsDepth(nn.Module):
     """Moves a number up and back down within each call (a nesting depth): it ends each call as it began."""
 

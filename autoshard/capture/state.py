@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.eager import swapped_attribute
 from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
-from autoshard.isolation import PLAIN_VALUES, scalar_changed
+from autoshard.isolation import PLAIN_VALUES, TRACE_VALUES, scalar_changed
 
 #: ``computed(module, name, value)``: whether assigning ``value`` stores something the trace computed.
 Computed = Callable[[nn.Module, str, Any], bool]
@@ -120,6 +120,9 @@ def _read_earlier(frame: types.FrameType | None, names: frozenset[str], entered:
     return any(_reads(instructions(code), names) for code in forwards)
 
 
+_UNSET = object()
+
+
 class _ScalarWrites:
     """Which plain numbers, flags and strings of modules a trace changes as state for the next call.
 
@@ -142,7 +145,9 @@ class _ScalarWrites:
         key = (id(module), name)
         first = key not in self.written
         self.written.add(key)
-        return (first and name in module.__dict__ and scalar_changed(module.__dict__[name], value)
+        old = module.__dict__.get(name, _UNSET)
+        return (first and old is not _UNSET and (scalar_changed(old, value) or (  # a size kept from the first call
+                    old is None and isinstance(value, TRACE_VALUES)))
                 and _read_earlier(frame, _names_read_as(module, name), list(self.entered.values())))
 
 
@@ -242,8 +247,9 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False,
         if carried and replayed and replayed(module, name, value):
             replaying.add((id(module), name))
         elif carried:
+            now = "a size of its inputs" if isinstance(value, TRACE_VALUES) else repr(value)
             raise ScalarStateWrite(f"the forward changes its attribute {name!r} ({current_value(module, name)!r} -> "
-                                   f"{value!r}), which its next call reads; a captured graph cannot replay that write")
+                                   f"{now}), which its next call reads; a captured graph cannot replay that write")
         if computed(module, name, value) and not _unread_scratch(module, name, read) \
                 and not _constructing(module, caller):
             raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} {name!r}, "
