@@ -194,7 +194,8 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
     """On exit, set back (or remove, if the run added it) every attribute, parameter or buffer of
     a module that holds a trace value, and every attribute or buffer the run bound to another tensor
     (``self.previous = y``, kept for the next call; a cache registered as a buffer), changed from
-    one number, flag, string or None to another (a step counter) or deleted, and every dict, list or set attribute
+    one number, flag, string or None to another (a step counter), added as one (``self._warned = True``,
+    unless the run registered hooks, which such a flag may mark) or deleted, and every dict, list or set attribute
     the run changed (a log it appends to; a cache keyed by a traced size) back to its contents: each run starts
     from the state the model was given in, and none leaves a trace on it. Other values a forward
     stores are its own business, as on any call, and so are the hooks it installs on modules
@@ -203,6 +204,7 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
     (``settings_objects``). ``changed``: where given, the plain values the run changed (a number, a
     flag, a string; the items of a dict, list or set) are added to it, as ``(module, name)``."""
     modules = list(model.modules())
+    registered = hooks_registered(model)
     saved = [(module, [dict(c) for c in _attribute_dicts(module)]) for module in modules]
     settings = [(holder, dict(vars(holder))) for holder in settings_objects(model)]
     # each one's items (none to copy for an empty one; ``copy.copy`` of an OrderedDict, by
@@ -240,6 +242,8 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
                 clean.add(id(value))
             return found
 
+        # (a flag marking hooks the run installed stays with them: Hugging Face's output recorders')
+        installed = hooks_registered(model) != registered
         for module, befores in saved:
             for current, before in zip(_attribute_dicts(module), befores):
                 stale = [key for key, value in current.items() if key not in _REGISTRIES and not (
@@ -247,6 +251,7 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
                     traced(value, value is before.get(key))
                     or (value is not before.get(key) and holds(value, torch.Tensor))
                     or (key in before and scalar_changed(before[key], value))
+                    or (key not in before and type(value) in _SCALAR_TYPES and not installed)
                     or _rebound(key, value, before))]
                 noted.extend((module, key) for key in stale if key in before and (
                     scalar_changed(before[key], current[key])
