@@ -25,7 +25,6 @@ from torch import nn
 from autoshard.capture.eager import check_model_runs
 from autoshard.capture.meta_proxy import SizeToNumber
 from autoshard.capture.result import TraceResult
-from autoshard.capture.signature import CallSignature
 from autoshard.capture.state import ScalarStateWrite, StateWrite
 from autoshard.errors import InvalidArgumentError, TraceError
 
@@ -77,11 +76,8 @@ def capture(
     if front_end != "auto":
         return _front_end(front_end)(model, example_args, example_kwargs, fused_paths=fused_paths, **hooks[front_end])
     has_examples = bool(example_args or example_kwargs)
-    output = None
-    if has_examples:  # the model's own error on its inputs first, before seconds of tracing it to the same error,
-        # once what it may write into (a cache object, a list) is refused: run on the user's objects, it would
-        CallSignature.of(model, tuple(example_args), example_kwargs or {})
-        output = check_model_runs(model, example_args, example_kwargs or {})
+    # the model's own error on its inputs first, before seconds of tracing it to the same error
+    output = check_model_runs(model, example_args, example_kwargs or {}) if has_examples else None
     tried: dict[str, TraceResult | TraceError] = {}
     checked: dict[str, str | None] = {}
 
