@@ -76,8 +76,6 @@ def capture(
     if front_end != "auto":
         return _front_end(front_end)(model, example_args, example_kwargs, fused_paths=fused_paths, **hooks[front_end])
     has_examples = bool(example_args or example_kwargs)
-    # the model's own error on its inputs first, before seconds of tracing it to the same error
-    output = check_model_runs(model, example_args, example_kwargs or {}) if has_examples else None
     tried: dict[str, TraceResult | TraceError] = {}
     checked: dict[str, str | None] = {}
 
@@ -102,7 +100,7 @@ def capture(
     if not captured:
         considered = tuple(_summary(name, r) for name, r in tried.items())
         if has_examples:
-            _refuse_returned_objects(model, output, considered)
+            _refuse_returned_objects(model, check_model_runs(model, example_args, example_kwargs or {}), considered)
         hint = "" if has_examples else "; pass example inputs so the 'export' front end can be tried too"
         raise TraceError(f"no front end could capture {type(model).__name__}: {'; '.join(considered)}{hint}")
     best = _best({name: tried[name] for name in captured}, differs)
