@@ -120,6 +120,9 @@ def _read_earlier(frame: types.FrameType | None, names: frozenset[str], entered:
     return any(_reads(instructions(code), names) for code in forwards)
 
 
+_UNSET = object()
+
+
 class _ScalarWrites:
     """Which plain numbers, flags and strings of modules a trace changes as state for the next call.
 
@@ -142,10 +145,8 @@ class _ScalarWrites:
         key = (id(module), name)
         first = key not in self.written
         self.written.add(key)
-        # (none of its own: the class's value, ``warned = False`` in the class body; or none, read with a
-        # default: ``getattr(self, "_warned", False)``)
-        old = module.__dict__.get(name, next((vars(c)[name] for c in type(module).__mro__ if name in vars(c)), None))
-        return (first and (scalar_changed(old, value) or (  # a size kept from the first call
+        old = module.__dict__.get(name, _UNSET)
+        return (first and old is not _UNSET and (scalar_changed(old, value) or (  # a size kept from the first call
                     old is None and isinstance(value, TRACE_VALUES)))
                 and _read_earlier(frame, _names_read_as(module, name), list(self.entered.values())))
 
