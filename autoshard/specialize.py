@@ -406,7 +406,8 @@ def _model_state(model: nn.Module) -> list[Any]:
 def _tensor_facts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """Each tensor of a call's dtype, device, layout and whether it requires grad (what a capture's
     input guard reads besides its shape)."""
-    return tuple((leaf.dtype, leaf.device, leaf.is_contiguous(), leaf.requires_grad)
+    return tuple((leaf.dtype, leaf.device, leaf.layout, leaf.layout is torch.strided and leaf.is_contiguous(),
+                  leaf.requires_grad)
                  for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
 
 

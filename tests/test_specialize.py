@@ -15,7 +15,7 @@ from torch import nn
 import autoshard
 from autoshard.errors import OTHER_CAPTURE, EmptyStageError, InputMismatchError, PlanError, SpecializationMismatch
 from autoshard.runtime.replay import serving_plan
-from autoshard.specialize import SpecializationLimitWarning, Specializer, holders
+from autoshard.specialize import SpecializationLimitWarning, Specializer, _tensor_facts, holders
 
 
 class SizeBranch(nn.Module):
@@ -620,6 +620,13 @@ def test_a_refused_call_is_refused_again_without_capturing_again_until_the_model
         sharded.specialize(x, keep=True)  # asked for: tried (where the model changed elsewhere, a global)
     assert len(captures) == 7
     assert torch.equal(sharded(x), model(x))
+
+
+def test_a_refusal_is_remembered_by_its_tensors_layout_sparse_ones_too():
+    """A sparse CSR tensor has no ``is_contiguous``: asking it failed the call before any capture."""
+    dense = torch.eye(3)
+    facts = {_tensor_facts((t,), {}) for t in (dense, dense.t(), dense.to_sparse(), dense.to_sparse_csr())}
+    assert len(facts) == 4
 
 
 def test_copies_and_pickles_serve_what_their_own_guards_allow():
