@@ -394,6 +394,11 @@ class ShardedModel(FixedDtypes):
         held that ``other``'s did not (``forward hooks on transformer.h.0``)."""
         return self.__dict__["_state_at_capture"].unlike(other.__dict__["_state_at_capture"])
 
+    def holds_other_hooks_than(self, other: ShardedModel) -> bool:
+        """Whether this plan was captured with hooks on the model's modules that ``other``'s capture did not
+        see (registered since: Transformers' output recorders, installed on the first call asking for them)."""
+        return bool(self.__dict__["_state_at_capture"].hooks.held_unlike(other.__dict__["_state_at_capture"].hooks))
+
     def attributes_moved_by_each_call(self) -> tuple[str, ...]:
         """The model's attributes each call of this plan sets to another value than the one its capture
         read (a count the forward moves on: ``StateAtCapture.moved_by_each_call``)."""

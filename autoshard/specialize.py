@@ -343,9 +343,14 @@ class Specializer:
                       ) if numbers else ""
             moving = set.intersection(*(set(made.sharded.attributes_moved_by_each_call())
                                         for made in self.specializations)) if self.specializations else set()
+            hooked = sum(made.sharded.holds_other_hooks_than(primary) for made in self.specializations)
+            hooks = (f"; {hooked} of them were made because hooks were registered on the model's modules since "
+                     "(Transformers installs output recorders on the first call asking for hidden states or "
+                     "attentions: every call then needs a capture with them): shard the model with such a call as "
+                     "the example to plan with them from the start") if hooked else ""
             advice = (f"the forward changes {', '.join(sorted(moving))} on every call (each value took a capture of "
                       f"its own, and a larger max_specializations only puts this off): {COUNT_ELSEWHERE}" if moving else
-                      f"shard the model with a larger max_specializations= to serve these inputs too{tensor}")
+                      f"shard the model with a larger max_specializations= to serve these inputs too{tensor}{hooks}")
             raise InputMismatchError(
                 f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
                 f"(max_specializations; made for: {seen}); {advice}")

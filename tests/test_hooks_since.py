@@ -86,6 +86,19 @@ def test_a_hook_traced_into_the_graph_and_removed_or_replaced_is_not_run(front_e
     handle.remove()
 
 
+def test_the_limit_reached_by_captures_made_for_hooks_registered_since_says_so():
+    """Transformers installs output recorders on every layer on the first call asking for hidden states:
+    from then on every call needed a capture of its own, and the limit said only to raise it (serving probe)."""
+    model = _Branching()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,), max_specializations=1)
+    model.layers[1].register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    with pytest.warns(autoshard.specialize.SpecializationLimitWarning):
+        assert torch.equal(sharded(X), model(X))
+    with pytest.raises(InputMismatchError, match=r"1 of them were made because hooks were registered on the "
+                                                 r"model's modules since .*shard the model with such a call as the"):
+        sharded(torch.randn(8, 3).t())  # (not contiguous: the other branch)
+
+
 def test_the_same_hook_registered_again_each_step_is_served_by_one_capture():
     """A hook held at capture was compared by its handle's id, which each registration takes anew: a
     hook added and removed around every step made a new capture each step, up to the limit, then a
