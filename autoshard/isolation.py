@@ -5,10 +5,10 @@ passes run the traced graph to measure it; all must leave the model as it was. `
 replays randomness from one seed, restores every buffer (BatchNorm statistics) afterwards, and
 takes off the modules whatever a trace left on them: a forward that stores a value on itself
 (Swin's window size) would keep a Proxy, and fail the model's next call. What the model's hooks
-keep (a list collecting features) is set back too: the user's hook sees the user's calls only. ``run_seeded`` runs a
-call so, ``PlainInterpreter`` runs a graph as its generated code would, and ``grad_mode_unchecked``
-marks autoshard's own runs of a graph. Kept with the shared helpers at the bottom of the layers so
-that the cost modules, below capture, run graphs as capture and verify do.
+keep (a list collecting features) is set back too: the user's hook sees the user's calls only.
+``run_seeded`` runs a call so, ``PlainInterpreter`` runs a graph as its generated code would, and
+``grad_mode_unchecked`` marks autoshard's own runs of a graph. Kept with the shared helpers at the
+bottom of the layers so that the cost modules, below capture, run graphs as capture and verify do.
 """
 
 from __future__ import annotations
@@ -357,9 +357,17 @@ def settings_objects(model: nn.Module) -> list[Any]:
     return list(found.values())
 
 
-#: Where modules, and ``nn.Module`` for all modules, keep the hooks the user registered.
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_GLOBAL_HOOK_DICTS = tuple(f"_global{name}" for name in _HOOK_DICTS)
+#: Where a module keeps the hooks registered on it, and where ``nn.Module.__call__`` finds those
+#: registered for all modules (in ``torch.nn.modules.module``), in the order it runs them.
+MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+GLOBAL_HOOK_DICTS = tuple(f"_global{name}" for name in MODULE_HOOK_DICTS)
+
+
+def _hook_dicts(model: nn.Module) -> Iterator[dict[int, Any]]:
+    """The hook dicts of ``model``'s modules, then the global ones."""
+    for module in model.modules():
+        yield from (vars(module)[name] for name in MODULE_HOOK_DICTS)
+    yield from (vars(module_globals)[name] for name in GLOBAL_HOOK_DICTS)
 
 
 def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list[tuple[dict[str, Any], str]],
@@ -368,8 +376,7 @@ def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list
     (and the global module hooks) keep their state in: a hook collecting features appends to a list
     in its closure, on the object whose method it is, in its script's globals (a number, flag,
     string or container its code names) or bound by ``functools.partial``. Not PyTorch's own hooks."""
-    hooks = [hook for module in model.modules() for name in _HOOK_DICTS for hook in vars(module)[name].values()]
-    hooks += [hook for name in _GLOBAL_HOOK_DICTS for hook in vars(module_globals)[name].values()]
+    hooks = [hook for hooks_of in _hook_dicts(model) for hook in hooks_of.values()]
     cells: dict[int, types.CellType] = {}
     owners: dict[int, Any] = {}
     names: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}
@@ -404,9 +411,7 @@ def _hook_state(model: nn.Module) -> tuple[list[types.CellType], list[Any], list
 def hooks_registered(model: nn.Module) -> frozenset[int]:
     """The handle ids (unique across all hook dicts) of the hooks on ``model``'s modules and of the
     global module hooks: a module the run built without hooks changes nothing here."""
-    return frozenset(key for holder, dicts in [*((module, _HOOK_DICTS) for module in model.modules()),
-                                               (module_globals, _GLOBAL_HOOK_DICTS)]
-                     for name in dicts for key in vars(holder)[name])
+    return frozenset(key for hooks_of in _hook_dicts(model) for key in hooks_of)
 
 
 @contextlib.contextmanager

@@ -221,7 +221,7 @@ class StateAtCapture:
     def moved_by_each_call(self) -> tuple[str, ...]:
         """The attributes each call this capture serves writes back with another value than the one it
         read (``count=0 -> 1``): the call itself makes the next one need another capture."""
-        return tuple(f"{self._where(holder, name)}" for holder, name, value in self.writes
+        return tuple(self._where(holder, name) for holder, name, value in self.writes
                      if not same_constant(value, next(r.contents for r in self.attributes
                                                       if r.holder is holder and r.name == name)))
 

@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from autoshard.capture.guard import _converts, check_mode, check_weight_dtypes
 from autoshard.capture.structure import same_constant
 from autoshard.errors import InputMismatchError
+from autoshard.isolation import GLOBAL_HOOK_DICTS, MODULE_HOOK_DICTS
 
 _training = operator.attrgetter("training")
 _dtype = operator.attrgetter("dtype")
@@ -56,12 +57,8 @@ KEPT = "kept"
 EQUALS = "=="
 
 #: A module's hook dicts, as a hook registered on it is named.
-HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
-              "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
-#: The global hook dicts ``nn.Module.__call__`` looks at besides a module's own.
-GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
-                     "_global_backward_hooks")
-#: Those a stage refuses to run under (``refuse_global_backward_hooks``).
+HOOK_DICTS = dict(zip(MODULE_HOOK_DICTS, ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")))
+#: The global hook dicts a stage refuses to run under (``refuse_global_backward_hooks``).
 GLOBAL_BACKWARD_HOOK_DICTS = GLOBAL_HOOK_DICTS[2:]
 
 
