@@ -394,6 +394,11 @@ class ShardedModel(FixedDtypes):
         held that ``other``'s did not (``forward hooks on transformer.h.0``)."""
         return self.__dict__["_state_at_capture"].unlike(other.__dict__["_state_at_capture"])
 
+    def hooks_hold(self) -> bool:
+        """Whether the modules this plan's capture traced through hold the hooks they held then (none
+        registered or removed since): a plan failing this serves no call until they do again."""
+        return self.__dict__["_state_at_capture"].hooks.changed() is None
+
     def holds_other_hooks_than(self, other: ShardedModel) -> bool:
         """Whether this plan was captured with hooks on the model's modules that ``other``'s capture did not
         see (registered since: Transformers' output recorders, installed on the first call asking for them)."""

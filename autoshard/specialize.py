@@ -199,6 +199,8 @@ class Specializer:
         self._signature = forward_signature(model)
         self.example = self.structure(*example)  # what the first plan was captured for (not its tensors)
         self.specializations: list[Specialization] = []
+        #: how many specialisations were dropped as made for hooks the model no longer holds (``_retire_unhooked``)
+        self.retired = 0
         #: per served key, the plans that served it, the latest first
         self._last: dict[ShapeKey, list[ShardedModel]] = {}
         #: per call (its structure, its tensors' dtypes, devices, layouts and whether they require grad, the
@@ -287,6 +289,46 @@ class Specializer:
             del self._refused[next(iter(self._refused))]
         return refusal
 
+    def _limit_reached(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       guard: str) -> InputMismatchError:
+        """The refusal of a new capture past ``limit``: what each plan was made for, and what made so many
+        (a count the forward moves on, a number passed that could be a tensor, hooks registered since)."""
+        seen = "; ".join(s.describe() for s in self.specializations) or "none"
+        numbers = [name for name, value in (bound_arguments(self._signature, args, kwargs) or {}).items()
+                   if type(value) in (int, float)]
+        tensor = (f"; a number passed as an argument ({', '.join(numbers)}) is a constant of each capture, "
+                  "one plan per value: where the model only computes with it (no branch or size taken from "
+                  "it), pass it as a tensor (torch.tensor(t)), an input of one plan for every value"
+                  ) if numbers else ""
+        moving = set.intersection(*(set(made.sharded.attributes_moved_by_each_call())
+                                    for made in self.specializations)) if self.specializations else set()
+        hooked = sum(made.sharded.holds_other_hooks_than(primary) for made in self.specializations)
+        dropped = (f", and {plural(self.retired, 'plan')} made for the hooks before were dropped (at most "
+                   "max_specializations are, so that hooks changing on every call are not captured on every call)"
+                   ) if self.retired else ""
+        hooks = (f"; {hooked} of them were made because hooks were registered on the model's modules since{dropped}: "
+                 "shard the model with such a call as the example (for Transformers' output recorders: one asking "
+                 "for hidden states) to plan with the hooks from the start") if hooked else ""
+        advice = (f"the forward changes {', '.join(sorted(moving))} on every call (each value took a capture of "
+                  f"its own, and a larger max_specializations only puts this off): {COUNT_ELSEWHERE}" if moving else
+                  f"shard the model with a larger max_specializations= to serve these inputs too{tensor}{hooks}")
+        return InputMismatchError(f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
+                                  f"(max_specializations; made for: {seen}); {advice}")
+
+    def _retire_unhooked(self) -> None:
+        """Drop the specialisations made for hooks the model's modules no longer hold, where that keeps the
+        plans dropped in all within ``limit``: Transformers installs output recorders on the first call
+        asking for hidden states, and no plan made before serves a call after. (A model whose hooks
+        change on every call would otherwise be captured again on every call.)"""
+        stale = [made for made in self.specializations if not made.sharded.hooks_hold()]
+        if not stale or self.retired + len(stale) > self.limit:
+            return
+        self.retired += len(stale)
+        gone = {id(made.sharded) for made in stale}
+        self.specializations = [made for made in self.specializations if id(made.sharded) not in gone]
+        self._last = {key: kept for key, plans in self._last.items()
+                      if (kept := [plan for plan in plans if id(plan) not in gone])}
+
     def _plans(self, primary: ShardedModel) -> list[ShardedModel]:
         return [primary] + [s.sharded for s in self.specializations]
 
@@ -334,26 +376,9 @@ class Specializer:
             pass  # other arguments or constants than the example's: the capture below is made with them
         structure = self.structure(args, kwargs)
         if len(self.specializations) >= self.limit:
-            seen = "; ".join(s.describe() for s in self.specializations) or "none"
-            numbers = [name for name, value in (bound_arguments(self._signature, args, kwargs) or {}).items()
-                       if type(value) in (int, float)]
-            tensor = (f"; a number passed as an argument ({', '.join(numbers)}) is a constant of each capture, "
-                      "one plan per value: where the model only computes with it (no branch or size taken from "
-                      "it), pass it as a tensor (torch.tensor(t)), an input of one plan for every value"
-                      ) if numbers else ""
-            moving = set.intersection(*(set(made.sharded.attributes_moved_by_each_call())
-                                        for made in self.specializations)) if self.specializations else set()
-            hooked = sum(made.sharded.holds_other_hooks_than(primary) for made in self.specializations)
-            hooks = (f"; {hooked} of them were made because hooks were registered on the model's modules since "
-                     "(Transformers installs output recorders on the first call asking for hidden states or "
-                     "attentions: every call then needs a capture with them): shard the model with such a call as "
-                     "the example to plan with them from the start") if hooked else ""
-            advice = (f"the forward changes {', '.join(sorted(moving))} on every call (each value took a capture of "
-                      f"its own, and a larger max_specializations only puts this off): {COUNT_ELSEWHERE}" if moving else
-                      f"shard the model with a larger max_specializations= to serve these inputs too{tensor}{hooks}")
-            raise InputMismatchError(
-                f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
-                f"(max_specializations; made for: {seen}); {advice}")
+            self._retire_unhooked()
+        if len(self.specializations) >= self.limit:
+            raise self._limit_reached(primary, args, kwargs, guard)
         refusal_key = (structure, _tensor_facts(args, kwargs), torch.is_grad_enabled(), autocast_now())
         state = _model_state(self._model)
         refused = None if retry else self._refused.get(refusal_key)
@@ -389,7 +414,7 @@ class Specializer:
                                                    time.perf_counter() - started, sharded, structure,
                                                    sharded.attributes_unlike(primary)))
         self._remember(_served_key(args, kwargs), sharded)
-        if len(self.specializations) == self.limit:
+        if len(self.specializations) == self.limit and all(made.sharded.hooks_hold() for made in self.specializations):
             warnings.warn(
                 f"this sharded model has made its {plural(self.limit, 'specialisation')} (max_specializations); "
                 "inputs that need another are refused from now on", SpecializationLimitWarning,

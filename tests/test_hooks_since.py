@@ -5,6 +5,7 @@ check cheap: only a hook registered anywhere makes the first stage check the hoo
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -95,8 +96,43 @@ def test_the_limit_reached_by_captures_made_for_hooks_registered_since_says_so()
     with pytest.warns(autoshard.specialize.SpecializationLimitWarning):
         assert torch.equal(sharded(X), model(X))
     with pytest.raises(InputMismatchError, match=r"1 of them were made because hooks were registered on the "
-                                                 r"model's modules since .*shard the model with such a call as the"):
+                                                 r"model's modules since: shard the model with such a call as the"):
         sharded(torch.randn(8, 3).t())  # (not contiguous: the other branch)
+
+
+def test_plans_made_before_hooks_were_registered_are_dropped_at_the_limit():
+    """After Transformers installed its output recorders, the plans made before served no call, yet
+    counted: a model serving a few kinds of call ran out of plans after the first hidden-states call
+    (serving probe: GPT-2, Llama, BERT, T5)."""
+    model, other = _Branching(), torch.randn(8, 3).t()  # (not contiguous: the other branch)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,), max_specializations=2)
+    assert torch.equal(sharded(other), model(other))
+    model.layers[1].register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoshard.specialize.SpecializationLimitWarning)  # one plan can be dropped
+        assert torch.equal(sharded(X), model(X))
+    with pytest.warns(autoshard.specialize.SpecializationLimitWarning):  # (the limit reached by plans that serve)
+        assert torch.equal(sharded(other), model(other))
+    assert sharded.specializer.retired == 1 and len(sharded.specializations) == 2
+    assert all(made.sharded.hooks_hold() for made in sharded.specializations)
+    for _ in range(2):  # both served by the plans made with the hook
+        assert torch.equal(sharded(X), model(X)) and torch.equal(sharded(other), model(other))
+    assert len(sharded.specializations) == 2
+
+
+def test_hooks_registered_on_every_call_are_refused_once_max_specializations_plans_were_dropped():
+    """Dropping the plans made for hooks no longer held has a limit too: a model gaining a hook on every
+    call would otherwise be captured again on every call."""
+    model = _Branching()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,), max_specializations=2)
+    for step in range(4):
+        model.layers[1].register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+        assert torch.equal(sharded(X), model(X))
+    assert sharded.specializer.retired == 2 and len(sharded.specializations) == 2
+    model.layers[1].register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    with pytest.raises(InputMismatchError, match=r"made because hooks were registered on the model's modules since, "
+                                                 r"and 2 plans made for the hooks before were dropped \(at most"):
+        sharded(X)
 
 
 def test_the_same_hook_registered_again_each_step_is_served_by_one_capture():
