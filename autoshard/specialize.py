@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
 from autoshard.capture.attribute_reads import checked_value, copied
+from autoshard.capture.eager import check_model_runs
 from autoshard.capture.guard import autocast_now, captured_autocast, chosen_grad_mode
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.state import COUNT_ELSEWHERE
@@ -204,7 +205,8 @@ class Specializer:
         #: per served key, the plans that served it, the latest first
         self._last: dict[ShapeKey, list[ShardedModel]] = {}
         #: per call (its structure, its tensors' dtypes, devices, layouts and whether they require grad, the
-        #: grad mode and autocast), the model's state a new capture for it failed in, and that refusal
+        #: grad mode and autocast), the model's state a new capture for it failed in, and that refusal (None
+        #: where the model itself raised on it)
         self._refused: dict[Any, tuple[list[Any], InputMismatchError]] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
@@ -283,11 +285,15 @@ class Specializer:
         """The refusal of a call no capture serves, remembered for calls like it while the model stays as
         it is: the same capture would fail again, after seconds of tracing and verifying."""
         refusal = InputMismatchError(message)
+        self._remember_refusal(key, state, refusal)
+        return refusal
+
+    def _remember_refusal(self, key: Any, state: list[Any], refusal: InputMismatchError | None) -> None:
+        """Keep the refusal of a call (None: the model itself raised on it) for the last ``REMEMBERED_SHAPES``."""
         self._refused.pop(key, None)
         self._refused[key] = (state, refusal)
         if len(self._refused) > REMEMBERED_SHAPES:
             del self._refused[next(iter(self._refused))]
-        return refusal
 
     def _limit_reached(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                        guard: str) -> InputMismatchError:
@@ -377,12 +383,14 @@ class Specializer:
         structure = self.structure(args, kwargs)
         if len(self.specializations) >= self.limit:
             self._retire_unhooked()
+        refusal_key = (structure, _tensor_facts(args, kwargs), torch.is_grad_enabled(), autocast_now())
+        refused = None if retry else self._refused.get(refusal_key)
+        if refused is not None and refused[1] is None:  # the model raised on a call like it: ask it first
+            _raise_where_the_model_does(self._model, args, kwargs)
         if len(self.specializations) >= self.limit:
             raise self._limit_reached(primary, args, kwargs, guard)
-        refusal_key = (structure, _tensor_facts(args, kwargs), torch.is_grad_enabled(), autocast_now())
         state = _model_state(self._model)
-        refused = None if retry else self._refused.get(refusal_key)
-        if refused is not None and refused[0] == state:  # (a serving loop falling back to the model on each)
+        if refused is not None and refused[1] is not None and refused[0] == state:  # (a serving loop's fallback)
             raise InputMismatchError(
                 f"{refused[1]} (refused when first tried, and the numbers, flags, strings and hooks of the model's "
                 "modules are as they were then; where something else it reads has changed, sharded.specialize() "
@@ -393,6 +401,7 @@ class Specializer:
             sharded = self._capture(self._model, args, kwargs, ownership(before))
         except ExampleInputsError as exc:
             if exc.__cause__ is not None:  # the model itself refuses these inputs: its own error
+                self._remember_refusal(refusal_key, state, None)
                 raise exc.__cause__ from None
             raise self._refusing(refusal_key, state, f"{guard}. No plan can be captured for these inputs: {exc}"
                                  ) from exc
@@ -420,6 +429,16 @@ class Specializer:
                 "inputs that need another are refused from now on", SpecializationLimitWarning,
                 stacklevel=user_stacklevel())
         return sharded
+
+
+def _raise_where_the_model_does(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise the model's own error where it raises on this call, run as a capture's last resort runs it
+    (leaving the model as it was): a forward's milliseconds, where a capture would take seconds to end
+    there too. Values may decide (``if ids.max() >= vocab: raise``), so the model is asked on each call."""
+    try:
+        check_model_runs(model, args, kwargs)
+    except ExampleInputsError as exc:
+        raise exc.__cause__ from None
 
 
 def _model_state(model: nn.Module) -> list[Any]:

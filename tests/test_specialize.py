@@ -622,6 +622,37 @@ def test_a_refused_call_is_refused_again_without_capturing_again_until_the_model
     assert torch.equal(sharded(x), model(x))
 
 
+class _RowsChecked(nn.Module):
+    """Refuses inputs of more rows than it is set to take, as a vision model checks its image size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.most = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.most:
+            raise ValueError(f"this model takes at most {self.most} rows")
+        return self.b(self.a(x))
+
+
+def test_a_call_the_model_itself_refused_asks_the_model_first_without_capturing_again():
+    """Each such call (a serving loop's bad request) took a capture attempt, 1.3-2.2 s on a tiny ViT, to
+    end in the model's own error; what decides may change, so the model is asked again each time."""
+    model = _RowsChecked()
+    sharded = autoshard.shard_model(model, 2, (torch.rand(2, 8),))
+    captures = []
+    capture = sharded.specializer._capture
+    sharded.specializer._capture = lambda *args: (captures.append(1), capture(*args))[1]
+    for _ in range(3):
+        with pytest.raises(ValueError, match="at most 2 rows"):
+            sharded(torch.rand(3, 8))
+    assert len(captures) == 1
+    model.most = 4  # the same call, now taken: captured and served
+    served = torch.rand(3, 8)
+    assert torch.equal(sharded(served), model(served)) and len(captures) == 2
+
+
 def test_a_refusal_is_remembered_by_its_tensors_layout_sparse_ones_too():
     """A sparse CSR tensor has no ``is_contiguous``: asking it failed the call before any capture."""
     dense = torch.eye(3)
