@@ -220,10 +220,12 @@ class StateAtCapture:
 
     def moved_by_each_call(self) -> tuple[str, ...]:
         """The attributes each call this capture serves writes back with another value than the one it
-        read (``count=0 -> 1``): the call itself makes the next one need another capture."""
+        read (``count=0 -> 1``), or that code it runs whole moves on before its traced code reads them:
+        the call itself makes the next one need another capture."""
         return tuple(self._where(holder, name) for holder, name, value in self.writes
                      if not same_constant(value, next(r.contents for r in self.attributes
-                                                      if r.holder is holder and r.name == name)))
+                                                      if r.holder is holder and r.name == name))) + tuple(
+            self._where(read.holder, read.name) for read in self.attributes if read.moved_in_call)
 
     def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
         """``path=value`` for each attribute this capture read with another value than ``other`` did, the

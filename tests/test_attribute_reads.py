@@ -469,3 +469,47 @@ def test_a_tuple_of_tensors_set_anew_is_computed_with():
     sharded = autoshard.shard_model(model, 2, (x,))
     model.first.offsets = (torch.zeros(4), torch.full((4,), 3.0))
     assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
+
+
+class _Counting(nn.Module):
+    """Counts its calls: it writes its own state, so the plan calls it whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.linear(x)
+
+
+class _WarmingUp(nn.Module):
+    """Reads the count its kept-whole counter has just moved on: a warm-up for its first two calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter, self.head = _Counting(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.counter(x)
+        if self.counter.calls <= 2:
+            h = h * 0
+        return self.head(h)
+
+
+def test_a_count_moved_by_code_kept_whole_and_read_after_it_is_checked_never_frozen():
+    """The read of ``counter.calls`` after the counter ran was dropped (the capture's refused write of it
+    looked like the trace's own, and the value read was one its run had set): no check, and the stages
+    kept the warm-up's path from the third call on (and after the count was reset) — a wrong answer."""
+    torch.manual_seed(0)
+    model, x = _WarmingUp().eval(), torch.randn(2, 8)
+    reference = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (x,), max_specializations=4)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(sharded(x), reference(x))
+        model.counter.calls = reference.counter.calls = 0
+        assert torch.equal(sharded(x), reference(x))
+        with pytest.raises(autoshard.InputMismatchError, match=r"counter\.calls is int \d+ now.*max_specializations"):
+            for _ in range(8):
+                sharded(x)

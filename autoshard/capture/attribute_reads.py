@@ -85,6 +85,9 @@ class AttributeRead:
     #: a plain value the traced code then wrote there, on a settings object (``if config.problem_type is
     #: None: config.problem_type = ...``), which each call the plan serves writes too; ``ABSENT``: none
     written: Any = ABSENT
+    #: code run whole (a counting module kept whole) changed the value in the call before the traced code
+    #: read it: the next call starts from another value, so it needs another capture
+    moved_in_call: bool = False
 
     def content_reads(self, now: Any) -> tuple[list[Read], list[Any]]:
         """The read that tells whether ``now``, the container held where the value was read (a check in
@@ -154,9 +157,11 @@ class AttributeReads:
     """The first read of each plain attribute of a module or settings object while active, unless
     ``paused()`` (code run for real or on examples)."""
 
-    def __init__(self, model: nn.Module, paused: Callable[[], bool], written: set[tuple[int, str]]) -> None:
+    def __init__(self, model: nn.Module, paused: Callable[[], bool], written: set[tuple[int, str]],
+                 set_by_runs: set[tuple[int, str]]) -> None:
         self.paused = paused
-        self.written = written
+        self.written = written  # (``capture.state.TraceWrites``: filled as the trace runs)
+        self.set_by_runs = set_by_runs
         self.first: dict[tuple[int, str], AttributeRead] = {}
         settings = settings_objects(model)
         self.classes = [nn.Module, *{type(s): None for s in settings}]
@@ -237,13 +242,25 @@ class AttributeReads:
     def kept(self) -> tuple[AttributeRead, ...]:
         """The reads a graph fixed, once the capture has set the model back: not of attributes the
         trace wrote (``written``: ``(id(module), name)``, filled as it writes), and of values the model
-        holds again (not a stand-in the capture installed for the trace, nor a value the trace set)."""
+        holds again (not a stand-in the capture installed for the trace, nor a value the trace set). A
+        value code run for real set before the read (a counter kept whole counting, then read by the
+        traced code) is what the call met from what the model held before it: that is checked."""
         whole = [AttributeRead(holder, name, looked_up(holder, name)[1] if name in before else ABSENT,
                                contents=before.get(name, ABSENT), written=written.get(name, ABSENT))
                  for holder, before, written in self.read_whole.values() for name in {**before, **written}]
-        return tuple(read for read in [*self.first.values(), *whole]
+        reads = [self._before_runs(read) for read in [*self.first.values(), *whole]]
+        return tuple(read for read in reads
                      if ((id(read.holder), read.name) not in self.written or read.written is not ABSENT)
                      and looked_up(read.holder, read.name)[1] is read.value)
+
+    def _before_runs(self, read: AttributeRead) -> AttributeRead:
+        """``read`` of a plain value code run for real inside the trace set: made of the value the model holds
+        again (what the call started from), which a call's check then compares."""
+        if (id(read.holder), read.name) not in self.set_by_runs or not checked_value(read.value):
+            return read
+        value = looked_up(read.holder, read.name)[1]
+        return replace(read, value=value, contents=copied(value), moved_in_call=not same_constant(value, read.value)
+                       ) if checked_value(value) else read
 
 
 #: ``type.__flags__``' bit of a class whose attributes cannot be set (a built-in one).

@@ -362,10 +362,10 @@ def export_with_leaves(
             with isolated(model), _quiet(), refusing_state_writes(
                     _computed_in_export, kept_whole=lambda module: id(module) in modules,
                     replayed=lambda module, name, value: module is model and bool(reads) and reads[0].write_back(
-                        module, name, value)) as written, \
+                        module, name, value)) as writes, \
                     torch.enable_grad(), swapped_attribute(torch, "is_grad_enabled", reader), \
                     _refusing_custom_backward(), _noting_detached_modules(model, wrapper, detached):
-                reads[:] = [AttributeReads(wrapper, is_real_run, written)]
+                reads[:] = [AttributeReads(wrapper, is_real_run, writes.written, writes.set_by_runs)]
                 try:
                     with reads[0].recording():
                         return torch.export.export(wrapper, (), inputs, dynamic_shapes=dynamic, strict=False)

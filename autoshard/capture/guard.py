@@ -263,8 +263,10 @@ def walked_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
 
 
 def check_condition(actual: Any, expected: bool, condition: str) -> None:
-    """A condition the capture fixed to its example value: refuse inputs that flip it."""
-    if bool(actual) != expected:
+    """A condition the capture fixed to its example value: refuse inputs that flip it. Asked as a branch,
+    not compared with ``expected``: under torch.compile with a dynamic size ``actual`` is a symbolic
+    bool, on which a branch makes a guard and ``!=`` failed in sympy (``BooleanAtom not allowed``)."""
+    if (not actual) if expected else actual:
         raise SpecializationMismatch(
             f"{condition} is {not expected} for these inputs, but was {expected} when the sharded plan "
             "was captured; shard the model again with an example input like these")

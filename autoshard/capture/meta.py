@@ -381,7 +381,7 @@ class MetaTracer(fx.Tracer):
         self.swaps: list[Swap] = []
         self.running_examples = 0  # depth of runs of example values, which may draw as they like
         self.grad_mode = True  # the grad mode the trace was asked for in
-        self.attribute_reads = AttributeReads(nn.Module(), bool, set())  # the plain attributes its code read
+        self.attribute_reads = AttributeReads(nn.Module(), bool, set(), set())  # the plain attributes its code read
 
     # -- example values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -526,7 +526,7 @@ class MetaTracer(fx.Tracer):
             patches.enter_context(torch.enable_grad())
             self._modes = _mode_state()
             top_level = (root, getattr(root, MODEL_ATTR, root))  # (the model, under the wrapper of its call)
-            written = patches.enter_context(refusing_state_writes(
+            writes = patches.enter_context(refusing_state_writes(
                 _computed_in_trace, follow_modules=True, kept_whole=lambda module: module is not root and not (
                     self.running_examples or is_real_run()) and self.is_leaf_module(module, ""),
                 replayed=lambda module, name, value: module in top_level and self.attribute_reads.write_back(
@@ -545,7 +545,8 @@ class MetaTracer(fx.Tracer):
                                (builtins, "callable", builtins.callable, _callable)]
             patches.enter_context(_swapped(self.swaps))
             patches.enter_context(_RealCalls(self))
-            self.attribute_reads = AttributeReads(root, lambda: bool(self.running_examples) or is_real_run(), written)
+            self.attribute_reads = AttributeReads(root, lambda: bool(self.running_examples) or is_real_run(),
+                                                  writes.written, writes.set_by_runs)
             patches.enter_context(self.attribute_reads.recording())
             return super().trace(root, concrete_args)
 

@@ -10,7 +10,7 @@ like any other code the front end cannot capture.
 
 A number, flag or string kept on ``self`` is state when the code changing it has read it first
 (``self.steps += 1``; ``if not self.ready: ...; self.ready = True``) and the call has not set it
-before (``_ScalarWrites``): Funnel sets ``self.pooling_mult = 1`` and then doubles it, which
+before (``TraceWrites``): Funnel sets ``self.pooling_mult = 1`` and then doubles it, which
 carries nothing to the next call.
 
 One write is safe: a scratch attribute that a forward fills before it reads it (RAFT builds its
@@ -47,7 +47,7 @@ Computed = Callable[[nn.Module, str, Any], bool]
 
 #: Where a count the top-level forward moves on every call serves (each value would take a capture).
 COUNT_ELSEWHERE = ("count outside the forward (around the call), or in a submodule of its own, which the plan calls "
-                   "whole (it writes its own state)")
+                   "whole (it writes its own state), and read the count there, not in the code around it")
 
 
 class StateWrite(RuntimeError):
@@ -123,8 +123,9 @@ def _read_earlier(frame: types.FrameType | None, names: frozenset[str], entered:
 _UNSET = object()
 
 
-class _ScalarWrites:
-    """Which plain numbers, flags and strings of modules a trace changes as state for the next call.
+class TraceWrites:
+    """Which plain numbers, flags and strings of modules a trace changes as state for the next call,
+    and which attributes code run for real inside it set (``set_by_runs``).
 
     A step counter (``self.steps += 1``) reads the value the previous call left and stores
     another: a graph would take the branch it drives once and never advance it. A scratch value
@@ -136,6 +137,9 @@ class _ScalarWrites:
 
     def __init__(self) -> None:
         self.written: set[tuple[int, str]] = set()
+        #: attributes set by code run for real (a module kept whole, run for its output sizes): traced code
+        #: reading one after it ran reads what the call set, and a call's check compares what it held before
+        self.set_by_runs: set[tuple[int, str]] = set()
         self.entered: dict[int, nn.Module] = {}  # modules whose forward the trace ran, in order
 
     def enter(self, module: nn.Module, args: Any) -> None:
@@ -215,9 +219,9 @@ def is_real_run() -> bool:
 def refusing_state_writes(computed: Computed, follow_modules: bool = False,
                           kept_whole: Callable[[nn.Module], bool] | None = None,
                           replayed: Callable[[nn.Module, str, Any], bool] | None = None,
-                          ) -> Iterator[set[tuple[int, str]]]:
+                          ) -> Iterator[TraceWrites]:
     """``nn.Module.__setattr__`` and ``register_buffer`` raise ``StateWrite`` where ``computed``
-    says so, until exit; yields the attributes written so far, ``(id(module), name)``.
+    says so, until exit; yields what the trace writes (``TraceWrites``).
     ``follow_modules``: note the modules whose forward runs (a global forward pre-hook, which fx
     runs through but ``torch.cond``'s compilation under export refuses), so a flag read by modules
     that ran before it is set counts as state. ``kept_whole(module)``: whether the graph calls
@@ -227,13 +231,14 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False,
     ``replayed(module, name, value)``: whether a changed number, flag or string that is state is
     written back by each call the plan serves instead (the top-level module's: nothing keeps it whole)."""
     setattr_, register_buffer = nn.Module.__setattr__, nn.Module.register_buffer
-    read, scalars = _TensorsRead(), _ScalarWrites()
+    read, scalars = _TensorsRead(), TraceWrites()
     replaying: set[tuple[int, str]] = set()  # the writes ``replayed`` took
 
-    def refuse_state(module: nn.Module, name: str, value: Any) -> None:
-        caller = sys._getframe(2)
-        # torch's own writes (export lifting a constant onto the module) are not the model's state
-        if _REAL_RUNS[0] or caller.f_code.co_filename.startswith(MACHINERY_DIRS):
+    def refuse_state(module: nn.Module, name: str, value: Any, caller: types.FrameType) -> None:
+        if _REAL_RUNS[0]:
+            scalars.set_by_runs.add((id(module), name))
+            return
+        if caller.f_code.co_filename.startswith(MACHINERY_DIRS):  # torch's own (export lifting a constant)
             return
         if kept_whole is not None and kept_whole(module) and not _constructing(module, caller):
             raise StateWrite(f"the forward sets {name!r} on a {type(module).__name__} the graph calls whole, whose "
@@ -255,19 +260,28 @@ def refusing_state_writes(computed: Computed, follow_modules: bool = False,
             raise StateWrite(f"the forward stores a value it computed in its {kind_of(module, name)} {name!r}, "
                              "which a later call may read; a captured graph cannot replay that write")
 
+    def refused_unwritten(module: nn.Module, name: str, value: Any, caller: types.FrameType) -> None:
+        """``refuse_state``; a write it refuses is not one the trace made: a read of that attribute by code
+        traced on (``if self.counter.calls <= 2`` after the counter, kept whole, counts) is checked."""
+        try:
+            refuse_state(module, name, value, caller)
+        except StateWrite:
+            scalars.written.discard((id(module), name))
+            raise
+
     def guarded_setattr(module: nn.Module, name: str, value: Any) -> None:
-        refuse_state(module, name, value)
+        refused_unwritten(module, name, value, sys._getframe(1))
         setattr_(module, name, value)
 
     def guarded_register(module: nn.Module, name: str, tensor: Any, persistent: bool = True) -> None:
-        refuse_state(module, name, tensor)  # a cache kept as a buffer (x-transformers' ALiBi bias)
+        refused_unwritten(module, name, tensor, sys._getframe(1))  # a cache kept as a buffer (ALiBi bias)
         register_buffer(module, name, tensor, persistent)
 
     entering = register_module_forward_pre_hook(scalars.enter) if follow_modules else None
     try:
         with swapped_attribute(nn.Module, "__setattr__", guarded_setattr), \
                 swapped_attribute(nn.Module, "register_buffer", guarded_register), read:
-            yield scalars.written
+            yield scalars
     finally:
         if entering is not None:
             entering.remove()
