@@ -6,6 +6,8 @@ on every rank alike. (The world-size checks against a real group run in test_run
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -212,6 +214,24 @@ def test_a_container_given_to_a_pipeline_step_by_position_is_refused_before_send
     with pytest.raises(InvalidArgumentError, match=r"args\[0\] \(dict\) by position.*schedule.step\(batch=...\)"):
         shapes.check((batch,), {}, None)
     shapes.check((), {"batch": batch}, None)  # by name it goes through
+
+
+def test_a_step_whose_microbatches_hold_unequal_numbers_of_labels_warns_its_loss_is_not_the_batch_average():
+    """Padding marked -100 unevenly across microbatches: each microbatch's loss averaged its own labels, so
+    the step's gradients were 2.4x off the unsplit model's on GPT-2 (half, with a nan loss, where one
+    microbatch held none), silently (runtime probe)."""
+    from autoshard.runtime.schedule import MicrobatchStatisticsWarning, _BatchShapes
+
+    ids = torch.randint(0, 50, (4, 6))
+    padded = ids.clone()
+    padded[0, 1:] = -100  # the first microbatch (rows 0 and 1) holds 7 labels, the second 12
+    with pytest.warns(MicrobatchStatisticsWarning, match=r"2 microbatches hold 7, 12 labels other than -100"):
+        _BatchShapes(n_microbatches=2, chunked_by_rows=True).check((ids,), {"labels": padded}, padded)
+    padded[2, 1:] = -100  # as many in each: the average of the averages is the batch's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MicrobatchStatisticsWarning)
+        for target in (padded, torch.randn(4, 6), None):
+            _BatchShapes(n_microbatches=2, chunked_by_rows=True).check((ids,), {"labels": padded}, target)
 
 
 def test_a_step_guard_names_each_call_structure_as_the_first_step_of_it_did():
