@@ -810,3 +810,30 @@ def test_a_compiled_sharded_model_serves_both_modes(backend):
         torch.manual_seed(1)
         assert torch.equal(served, model(x)), mode
     assert len(sharded.specializations) == 1
+
+
+def test_a_compiled_sharded_model_serves_a_size_its_branch_checks_once_the_size_is_dynamic():
+    """torch.compile marks a size dynamic on the second shape: the branch's check compared a symbolic bool
+    with ``!=`` and failed inside the compiler (``BooleanAtom not allowed in this context``)."""
+    import autoshard
+
+    class Branching(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            if x.shape[0] > 1:
+                x = x * 2
+            return self.b(x)
+
+    torch.manual_seed(0)
+    model = Branching().eval()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    torch._dynamo.reset()
+    compiled = torch.compile(sharded, backend="eager")
+    with torch.no_grad():
+        for rows in (2, 3):
+            x = torch.randn(rows, 8)
+            assert torch.equal(compiled(x), model(x)), rows
