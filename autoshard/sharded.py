@@ -133,12 +133,13 @@ _STAGES = "stages."
 def _under_model_keys(sharded: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
     """``state_dict``'s hook: each stage's keys are the model's own (stages hold the model's modules
     under their paths), so ``stages.1.h.0.attn.weight`` is saved as ``h.0.attn.weight``, a weight
-    several stages hold once: the sharded model's checkpoint is the model's."""
+    several stages hold once: the sharded model's checkpoint is the model's, in the model's order."""
     marker = prefix + _STAGES
     for table in (state, getattr(state, "_metadata", {})):
         for key in [key for key in table if key.startswith(marker)]:
             value = table.pop(key)
             table.setdefault(_model_name(key, prefix), value)
+    _in_model_order(sharded, state, prefix)
 
 
 def _model_name(name: str, prefix: str) -> str:
@@ -147,9 +148,11 @@ def _model_name(name: str, prefix: str) -> str:
     return prefix + name[len(marker):].partition(".")[2] if name.startswith(marker) else name
 
 
-def _from_model_keys(sharded: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+def _from_model_keys(sharded: nn.Module, state: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                     strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """``load_state_dict``'s hook: a key of the model's given to each stage holding it (a stage's own
-    key, ``stages.1.``..., as ``nn.Module`` saves it, is taken as it is)."""
+    key, ``stages.1.``..., as ``nn.Module`` saves it, is taken as it is), and one no stage holds
+    loaded into the model's own tensor (``_load_model_only``)."""
     holders: dict[str, list[str]] = {}
     for index, stage in sharded.stages._modules.items():
         for key in stage.state_dict(keep_vars=True):
@@ -158,6 +161,89 @@ def _from_model_keys(sharded: nn.Module, state: dict[str, Any], prefix: str, *_:
         value = state.pop(key)
         for stage_key in holders[key[len(prefix):]]:
             state[stage_key] = value
+    _load_model_only(sharded, holders.keys(), state, prefix, local_metadata, missing_keys, error_msgs)
+
+
+class _ModelHeld:
+    """The model a sharded model was made from, whose modules and tensors its stages hold: its keys no
+    stage holds (a weight only a branch the capture did not take reads, a buffer no forward reads, a
+    second name of a tied weight, BERT's ``cls.predictions.bias``) are still the model's, so the
+    sharded model's ``state_dict`` takes them from the model and ``load_state_dict`` loads them into
+    it: a checkpoint moves between the model and its sharded model both ways, strictly. A copy
+    (``materialize_stage``, ``copy.deepcopy``) holds tensors of its own and a pickle lives in another
+    process: neither holds the model, so they keep to their stages' keys."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ModelHeld:
+        return _ModelHeld()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _ModelHeld, ()
+
+
+def _held_model(sharded: nn.Module) -> nn.Module | None:
+    """The model whose tensors ``sharded``'s stages hold (``_ModelHeld``), or None."""
+    held = sharded.__dict__.get("_model_held")
+    return held.model if held is not None else None
+
+
+def _stage_keys(sharded: nn.Module) -> set[str]:
+    """The model's keys some stage holds (a stage's ``state_dict`` keys are the model's)."""
+    return {key for stage in sharded.stages for key in stage.state_dict(keep_vars=True)}
+
+
+def _model_only(sharded: nn.Module, keep_vars: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The entries of the held model's ``state_dict`` no stage holds, in the model's order, and the
+    model's metadata (module versions its modules' loading reads); nothing without a held model."""
+    model = _held_model(sharded)
+    if model is None:
+        return {}, {}
+    state = model.state_dict(keep_vars=keep_vars)
+    held = _stage_keys(sharded)
+    return {key: value for key, value in state.items() if key not in held}, getattr(state, "_metadata", {})
+
+
+def _joined(prefix: str, path: str) -> str:
+    """The module ``path`` of the model under ``prefix`` (a ``_metadata`` key: no trailing dot)."""
+    return prefix + path if path else prefix[:-1]
+
+
+def _in_model_order(sharded: nn.Module, state: dict[str, Any], prefix: str) -> None:
+    """Put the sharded model's entries of ``state`` in the held model's ``state_dict`` order (its stages
+    save in stage order, the model's own entries no stage holds first), in place: ``state`` may be a
+    module's that holds the sharded model, whose other entries stay where they are."""
+    model = _held_model(sharded)
+    if model is None:
+        return
+    order = {prefix + key: index for index, key in enumerate(model.state_dict(keep_vars=True))}
+    for key in sorted((key for key in state if key in order), key=order.__getitem__):
+        state[key] = state.pop(key)
+
+
+def _load_model_only(sharded: nn.Module, held: Any, state: dict[str, Any], prefix: str,
+                     local_metadata: dict[str, Any], missing_keys: list[str], error_msgs: list[str]) -> None:
+    """Load the held model's keys no stage holds (``held`` lists those some stage does) from ``state``
+    into the model's own tensors, each by the module owning it (its shape checks, ``assign``, version
+    metadata), and list those ``state`` lacks as missing: the model's checkpoint loads strictly."""
+    model = _held_model(sharded)
+    if model is None:
+        return
+    metadata = getattr(state, "_metadata", {})
+    by_owner: dict[str, dict[str, Any]] = {}
+    for key in model.state_dict(keep_vars=True):
+        if key in held:
+            continue
+        if prefix + key in state:
+            by_owner.setdefault(key.rpartition(".")[0], {})[prefix + key] = state.pop(prefix + key)
+        else:
+            missing_keys.append(prefix + key)
+    assign = {"assign_to_params_buffers": local_metadata.get("assign_to_params_buffers", False)}
+    for owner, entries in by_owner.items():
+        module_metadata = {**metadata.get(_joined(prefix, owner), {}), **assign}
+        model.get_submodule(owner)._load_from_state_dict(  # its keys the stages hold are not asked for here
+            entries, prefix + owner + "." if owner else prefix, module_metadata, True, [], [], error_msgs)
 
 
 class StateAtCapture:
@@ -308,13 +394,14 @@ class ShardedModel(FixedDtypes):
     values crossing its boundary, which the next stage takes positionally (moved to the device
     of its weights when it has been placed elsewhere); the last stage returns what the model
     returns. Its ``state_dict()`` is the model's, under the model's keys (a weight several stages
-    hold, once), and ``load_state_dict`` takes the model's checkpoint.
+    hold, once), and ``load_state_dict`` takes the model's checkpoint: ``model``, whose tensors the
+    stages hold, gives and takes the keys no stage holds (``_ModelHeld``).
     """
 
     def __init__(self, stages: list[fx.GraphModule], plan: StagePlan,
                  model_signature: inspect.Signature | None = None,
                  modules_run: tuple[nn.Module, ...] = (), attributes_read: tuple[AttributeRead, ...] = (),
-                 hooks: HooksAtCapture | None = None) -> None:
+                 hooks: HooksAtCapture | None = None, model: nn.Module | None = None) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.plan = plan
@@ -328,8 +415,19 @@ class ShardedModel(FixedDtypes):
             held.watch_model_state(self._state_at_capture)
         self._first_held = held
         self._kept_binder = _KeptBinder()
+        self._model_held = _ModelHeld(model)
         self.register_state_dict_post_hook(_under_model_keys)
         self.register_load_state_dict_pre_hook(_from_model_keys)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """Save the model's entries no stage holds (``_ModelHeld``) as the model does; the stages save
+        the rest, and ``state_dict``'s hook puts them all in the model's order."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        only, model_metadata = _model_only(self, keep_vars)
+        metadata = getattr(destination, "_metadata", None)
+        for path, value in model_metadata.items() if metadata is not None else ():
+            metadata.setdefault(_joined(prefix, path), value)
+        destination.update((prefix + key, value) for key, value in only.items())
 
     @property
     def num_stages(self) -> int:

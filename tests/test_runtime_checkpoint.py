@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -241,3 +243,98 @@ def test_the_sharded_models_state_dict_is_the_models_and_it_loads_the_models_che
             (n, id(t)) for n, t in getattr(model, named)())
         assert sorted(n for n, _ in getattr(sharded, named)(prefix="mod")) == sorted(
             n for n, _ in getattr(model, named)(prefix="mod"))
+
+
+def tiny_bert(seed: int):
+    """BERT's masked-LM head holds ``cls.predictions.bias``, the same Parameter as
+    ``cls.predictions.decoder.bias``: a tie under two names, of which the stages hold only the second."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return transformers.BertForMaskedLM(config).eval()
+
+
+def test_a_tied_weight_no_stage_holds_under_one_of_its_names_round_trips_strictly_both_ways(tmp_path):
+    model, twin, fresh = tiny_bert(0), tiny_bert(1), tiny_bert(2)
+    ids = torch.randint(0, 128, (2, 8))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(ids,))
+    assert "cls.predictions.bias" not in set().union(*(stage.state_dict() for stage in sharded.stages))
+    assert_same_state(sharded.state_dict(), model.state_dict())
+    fresh.load_state_dict(sharded.state_dict(), strict=True)
+    assert_same_state(fresh.state_dict(), model.state_dict())
+    sharded.load_state_dict(twin.state_dict(), strict=True)
+    assert_same_state(model.state_dict(), twin.state_dict())
+    with torch.no_grad():
+        assert torch.equal(sharded(ids).logits, twin(ids).logits)
+
+
+class AuxHead(nn.Module):
+    """A head only ``aux=True`` calls and a buffer no forward reads: no stage of a plan made
+    without ``aux`` holds them, yet both are the model's, in its checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.aux_head = nn.Linear(8, 2)
+        self.register_buffer("stat", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor, aux: bool = False):
+        h = self.b(torch.relu(self.a(x)))
+        return (h, self.aux_head(h)) if aux else h
+
+
+def aux_head(seed: int) -> AuxHead:
+    torch.manual_seed(seed)
+    model = AuxHead()
+    model.stat.normal_()
+    return model
+
+
+def test_weights_of_a_branch_not_taken_and_an_unread_buffer_are_in_the_sharded_checkpoint_and_load():
+    model, twin = aux_head(0), aux_head(1)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 8),))
+    held = set().union(*(stage.state_dict() for stage in sharded.stages))
+    assert {"aux_head.weight", "aux_head.bias", "stat"}.isdisjoint(held)
+    assert_same_state(sharded.state_dict(), model.state_dict())
+    assert sharded.state_dict(keep_vars=True)["aux_head.weight"] is model.aux_head.weight  # the model's own
+    assert set(copy.deepcopy(sharded).state_dict()) == held  # a copy holds its stages' tensors, not the model
+    sharded.load_state_dict(twin.state_dict(), strict=True)  # into the model's own tensors
+    assert_same_state(model.state_dict(), twin.state_dict())
+    fresh = aux_head(2)
+    fresh.load_state_dict(sharded.state_dict(), strict=True)
+    assert_same_state(fresh.state_dict(), twin.state_dict())
+    nested = nn.ModuleDict({"sharded": sharded})  # under a prefix too
+    assert list(nested.state_dict()) == [f"sharded.{key}" for key in model.state_dict()]
+    nested.load_state_dict(nested.state_dict())
+    lacking = {key: value for key, value in twin.state_dict().items() if key != "stat"}
+    with pytest.raises(RuntimeError, match='Missing key.*"stat"'):
+        sharded.load_state_dict(lacking)
+    assert sharded.load_state_dict(lacking, strict=False).missing_keys == ["stat"]
+    wrong = {**twin.state_dict(), "aux_head.weight": torch.zeros(3, 8)}
+    with pytest.raises(RuntimeError, match="size mismatch for aux_head.weight"):
+        sharded.load_state_dict(wrong)
+
+
+def test_merging_stage_states_over_the_models_checkpoint_gives_the_whole_checkpoint(tmp_path):
+    model = tiny_bert(0)
+    ids = torch.randint(0, 128, (2, 8))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(ids,))
+    states = [{key: value.clone() for key, value in stage.state_dict().items()} for stage in sharded.stages]
+    alone = merge_stage_states(states)  # no model to take the keys no stage holds from: left out
+    assert set(model.state_dict()) - set(alone) == {"cls.predictions.bias"}
+    assert_same_state(merge_stage_states(states, base=model.state_dict()), model.state_dict())
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    trained = next(state for state in states if "cls.predictions.decoder.bias" in state)
+    trained["cls.predictions.decoder.bias"] += 1  # as a step of training moves it
+    merged = merge_stage_states(states, base=tmp_path / "model.pt")
+    assert list(merged) == list(model.state_dict())
+    assert torch.equal(merged["cls.predictions.bias"], trained["cls.predictions.decoder.bias"])  # not the stale one
+    fresh = tiny_bert(2)
+    fresh.load_state_dict(merged, strict=True)
+    assert torch.equal(fresh.cls.predictions.bias, trained["cls.predictions.decoder.bias"])
+    own = aux_head(0)
+    split = autoshard.shard_model(own, 2, example_inputs=(torch.randn(2, 8),))
+    assert_same_state(merge_stage_states([stage.state_dict() for stage in split.stages], base=own.state_dict()),
+                      own.state_dict())

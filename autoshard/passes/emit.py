@@ -57,7 +57,8 @@ class EmitPass(Pass):
         run = modules_run(program.model, program.traced.graph_module)
         called = modules_called(program.model, program.traced.graph_module)
         sharded = ShardedModel(stages, plan, forward_signature(program.model), run, program.traced.attributes_read,
-                               HooksAtCapture(run, called, modules_running_hooks(program.traced.graph_module)))
+                               HooksAtCapture(run, called, modules_running_hooks(program.traced.graph_module)),
+                               model=program.model)
         return dataclasses.replace(program, sharded=sharded)
 
 

@@ -96,16 +96,32 @@ def load_stage_state(stage: nn.Module, checkpoint: Checkpoint) -> None:
     stage.load_state_dict(stage_part(stage, checkpoint))
 
 
-def merge_stage_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def merge_stage_states(states: Sequence[Mapping[str, torch.Tensor]],
+                       base: Checkpoint | None = None) -> dict[str, torch.Tensor]:
     """One model checkpoint from every stage's ``state_dict()``, stage 0 first.
 
     A key two stages hold (a parameter both read) must hold equal values in both; different values
     mean the copies drifted apart (tied gradients not synchronised), which a merge cannot repair.
+
+    A key of the model's that no stage holds (a weight only a branch the capture did not take reads,
+    a buffer no forward reads, a second name of a tied weight, BERT's ``cls.predictions.bias``) is in
+    no stage's state, and the process merging may hold no model to take it from: without ``base`` the
+    merge holds the stages' keys only, in stage order. ``base``, the checkpoint the stages were loaded
+    from (the model's ``state_dict()``, or its file), completes it: the merge is then keyed and ordered
+    as ``base``, each entry from the stages where one holds it (a second name of a tensor ``base``
+    holds under several, from the stages' entry of another: the trained value, not the stale one),
+    the rest from ``base`` (nothing trains them), and a stage key ``base`` lacks is kept after them.
     """
     if isinstance(states, Mapping) or not isinstance(states, Sequence) or not all(
             isinstance(state, Mapping) for state in states):
         raise InvalidArgumentTypeError(f"merge_stage_states takes a list of every stage's state_dict(), stage 0 "
                                        f"first, got {shown(states)}")
+    merged = _merged(states)
+    return merged if base is None else _keyed_as(open_checkpoint(base), merged)
+
+
+def _merged(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every stage's entries, a key several hold once (refused where their values differ)."""
     merged: dict[str, torch.Tensor] = {}
     first_holder: dict[str, int] = {}
     for index, state in enumerate(states):
@@ -118,6 +134,29 @@ def merge_stage_states(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str
             merged.setdefault(name, value)
             first_holder.setdefault(name, index)
     return merged
+
+
+def _keyed_as(base: Mapping[str, torch.Tensor], merged: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``merged`` keyed and ordered as ``base``: the stages' entry of each key, or of another name of the
+    same tensor in ``base``, else ``base``'s own; the stages' keys ``base`` lacks after them."""
+    tied = _names_of_one_tensor(base)
+    result: dict[str, torch.Tensor] = {}
+    for name, value in base.items():
+        source = next((n for n in (name, *tied.get(name, ())) if n in merged), None)
+        result[name] = merged[source] if source is not None else value
+    result.update((name, value) for name, value in merged.items() if name not in result)
+    return result
+
+
+def _names_of_one_tensor(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+    """Each name of ``state`` -> its other names holding the very same tensor (a tied weight: the model's
+    ``state_dict()``, and a file ``torch.save`` wrote, keep one tensor under each of its names)."""
+    groups: dict[tuple[object, ...], list[str]] = {}
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and not value.is_meta and value.numel():
+            where = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), value.stride())
+            groups.setdefault((*where, tuple(value.shape), value.dtype), []).append(name)
+    return {name: tuple(other for other in group if other != name) for group in groups.values() for name in group}
 
 
 Stages = Sequence[Union[PipelineStage, nn.Module]]
