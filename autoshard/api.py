@@ -376,7 +376,7 @@ def shard_model(
     program.sharded.plan_origin = PlanOrigin.made(program, chosen, cost_models)  # for sharded.save_plan
     if respecialize and inputs is not None:
         program.sharded.specializer = specializer_for(model, num_stages, chosen, cost, memory_model, inputs,
-                                                      max_specializations)
+                                                      max_specializations, program.sharded)
     return program.sharded
 
 
@@ -413,14 +413,15 @@ def _warn_unmeasured(plan: StagePlan) -> None:
 
 def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost: str | CostFunction,
                     memory_model: MemoryModel | None, example: ExampleInputs,
-                    limit: int = MAX_SPECIALIZATIONS) -> Specializer:
+                    limit: int = MAX_SPECIALIZATIONS, primary: ShardedModel | None = None) -> Specializer:
     """The ``Specializer`` that captures ``model`` again with ``pipeline`` (which made the first plan),
     each weight pinned to the stage holding it. The pipeline's own constraints become optional (a
     split's own ``no-split`` and ``cut-before`` move into optional passes): a module another branch
     does not run is pinned, kept whole or cut before nowhere there. The capture traces through
     modules with forward hooks (``trace_hooks``): a layer the plan split that gained hooks since
     (Transformers installs them the first time hidden states are asked for) could not be kept whole
-    with each weight in its stage."""
+    with each weight in its stage. The example's inputs are kept where each call of ``primary`` (the first
+    plan) writes a setting its next call reads anew (``Specializer.settled``)."""
     moved: dict[str, list[str]] = {"no_split": [], "cut_before": []}
     for index, step in enumerate(pipeline):
         if isinstance(step, CONSTRAINT_PASSES):
@@ -439,7 +440,8 @@ def specializer_for(model: nn.Module, num_stages: int, pipeline: Pipeline, cost:
         return shard_model(model, num_stages, args, kwargs, cost, with_constraints(pipeline, pin=pins, optional=True),
                            memory_model=memory_model, respecialize=False)
 
-    return Specializer(model, capture, limit, (example.args, dict(example.kwargs)))
+    moving = primary is not None and bool(primary.attributes_moved_by_each_call())
+    return Specializer(model, capture, limit, (example.args, dict(example.kwargs)), keep_example=moving)
 
 
 def _limits_training_memory(pipeline: Pipeline) -> bool:

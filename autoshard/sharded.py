@@ -509,6 +509,12 @@ class ShardedModel(FixedDtypes):
         read (a count the forward moves on: ``StateAtCapture.moved_by_each_call``)."""
         return self.__dict__["_state_at_capture"].moved_by_each_call()
 
+    def write_settings_back(self) -> None:
+        """Write on the model's settings what a call of this plan writes there (``config.problem_type``, filled
+        in on a Hugging Face classifier's first call with labels: ``StateAtCapture.write_back``), leaving the
+        model as such a call leaves it, without running a stage."""
+        self.__dict__["_state_at_capture"].write_back()
+
     def fit_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """A call of the model as ``stages[0]`` takes it (see ``fitted_call``): every runtime binds
         through here, so an argument reaches the parameter the model gives it, or is refused

@@ -193,12 +193,15 @@ class Specializer:
     """
 
     def __init__(self, model: nn.Module, capture: Callable[..., ShardedModel], limit: int = MAX_SPECIALIZATIONS,
-                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})):
+                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}), keep_example: bool = False):
         self._model = model
         self._capture = capture
         self.limit = limit
         self._signature = forward_signature(model)
         self.example = self.structure(*example)  # what the first plan was captured for (not its tensors)
+        #: the example itself, kept only where ``keep_example`` (the first plan's calls write a setting their next
+        #: call reads anew): ``settled`` captures the model for it as its first call leaves it
+        self.example_call = example if keep_example else None
         self.specializations: list[Specialization] = []
         #: how many specialisations were dropped as made for hooks the model no longer holds (``_retire_unhooked``)
         self.retired = 0
@@ -364,6 +367,31 @@ class Specializer:
         otherwise capture again what a plan serves (a training loop calling it before each step)."""
         made = self.made_for(primary, args, kwargs)
         return made if made is not None else self.specialize(primary, args, kwargs, guard=guard, retry=retry)
+
+    def settled(self, primary: ShardedModel, plan: ShardedModel,
+                call: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> ShardedModel:
+        """``plan``, or where each of its calls writes a setting of the model that the next call reads with the
+        new value (a Hugging Face classifier fills in ``config.problem_type`` on its first call with labels), the
+        plan made for the model as such a call leaves it: the model is set so, as that call would set it, and
+        the plan for ``call`` (by default the example, where kept: ``example_call``) chosen or captured then.
+        What a runtime running one plan for several calls builds from (a pipeline's stages run once per
+        microbatch): ``plan`` serves the first only. A setting each call moves on (a count) is refused."""
+        if not plan.attributes_moved_by_each_call():
+            return plan
+        call = call if call is not None else self.example_call
+        if call is None:
+            raise InputMismatchError(
+                f"each call of these stages sets the model's {', '.join(plan.attributes_moved_by_each_call())} "
+                "to another value than they were captured with, and no inputs were given to capture the model "
+                "with that value; give the call's inputs (pipeline_stage(..., microbatch=...))")
+        plan.write_settings_back()
+        after = self.plan_for(primary, *call, guard="made for the model as a call of the plan before leaves it")
+        moving = after.attributes_moved_by_each_call()
+        if moving:
+            raise InputMismatchError(
+                f"the model's forward changes {', '.join(moving)} on every call, which its code reads, so each call "
+                f"takes a capture of its own and no plan serves several in turn: {COUNT_ELSEWHERE}")
+        return after
 
     @torch.compiler.disable  # a capture runs as Python, even where torch.compile traces the sharded model
     def specialize(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -29,6 +29,7 @@ from autoshard.errors import ExampleInputsError, InputMismatchError, Verificatio
 from autoshard.passes import Pipeline
 from autoshard.passes.base import ExampleInputs, ShardProgram
 from autoshard.passes.capture import CapturePass
+from autoshard.runtime import build_schedule, check_pipeline_step, model_loss, pipeline_stage, run_local
 from autoshard.sharded import ShardedModel
 
 pytestmark = pytest.mark.slow
@@ -287,3 +288,30 @@ def test_a_classification_head_given_labels_leaves_its_config_as_it_was(num_labe
     assert model.config.problem_type is None
     later = {"input_ids": torch.randint(0, 100, (3, 5)), "labels": torch.cat([labels, labels[:1]])}
     assert_same_output(sharded(**later), model(**later))
+
+
+def _distilbert_step_with_labels(rank: int, world: int) -> tuple[bool, str, object]:
+    """A DistilBERT classifier's pipeline step with labels, both stages on this one rank, checked."""
+    torch.manual_seed(0)
+    config = transformers.DistilBertConfig(vocab_size=100, dim=32, hidden_dim=64, n_layers=2, n_heads=2, num_labels=3,
+                                           max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                           seq_classif_dropout=0.0)
+    model = transformers.DistilBertForSequenceClassification(config)
+    ids, labels = torch.randint(0, 100, (4, 8)), torch.tensor([0, 2, 1, 0])
+    sharded = autoshard.shard_model(model, 2, example_kwargs={"input_ids": ids[:2], "labels": labels[:2]})
+    stages = [pipeline_stage(sharded, j, 2, "cpu") for j in (0, 1)]
+    schedule = build_schedule(stages, "interleaved-1f1b", 2, loss_fn=model_loss)
+    check = check_pipeline_step(schedule, stages, model, kwargs={"input_ids": ids, "labels": labels}, target=labels,
+                                loss_fn=model_loss, raise_on_mismatch=False)
+    return check.ok, str(check), model.config.problem_type
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(360)
+def test_a_classifier_trains_through_a_pipeline_with_labels_as_the_model():
+    """DistilBERT's head sets ``config.problem_type`` on its first call with labels: the stages captured
+    with it unset refused the step's second microbatch (``SpecializationMismatch``), unless the user set it
+    before sharding. The stages are those of the plan for the model as its first call leaves it."""
+    [(ok, check, problem_type)] = run_local(_distilbert_step_with_labels, 1, timeout=300)
+    assert ok, check
+    assert problem_type == "single_label_classification"

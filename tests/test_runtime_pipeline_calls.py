@@ -12,7 +12,7 @@ from torch import nn
 
 import autoshard
 from autoshard.errors import InputMismatchError, PipelineSetupError, SpecializationMismatch
-from autoshard.runtime import TiedGradients, build_schedule, model_loss, pipeline_stage, run_local
+from autoshard.runtime import TiedGradients, build_schedule, check_pipeline_step, model_loss, pipeline_stage, run_local
 
 LAUNCH_DEADLINE_S = 300
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(LAUNCH_DEADLINE_S + 60)]
@@ -212,3 +212,44 @@ def test_a_step_whose_microbatches_flip_a_guard_says_to_build_the_stages_for_the
     names what serves them: ``pipeline_stage(..., microbatch=...)``."""
     [refusal] = run_local(_step_flipping_a_branch, 1, timeout=LAUNCH_DEADLINE_S)
     assert "x.shape[0] > 2" in refusal and "microbatch=one microbatch's inputs" in refusal
+
+
+class _Problem:
+    problem_type = None
+
+
+class FillsInItsProblemType(nn.Module):
+    """Fills in ``config.problem_type`` from its labels on its first call and computes its loss by it, as
+    Hugging Face's sequence classifiers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.first, self.second = _Problem(), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None:
+            self.config.problem_type = "single" if labels.dtype == torch.long else "multi"
+        logits = self.second(torch.tanh(self.first(x)))
+        if self.config.problem_type == "single":
+            return F.cross_entropy(logits, labels)
+        return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def _step_filling_in_a_setting(rank: int, world: int) -> tuple[bool, object, int]:
+    """Both stages on this one rank, two microbatches of the example's size: the check of the step."""
+    torch.manual_seed(0)
+    model, x, labels = FillsInItsProblemType(), torch.randn(4, 8), torch.tensor([0, 2, 1, 0])
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x[:2], labels[:2]))
+    stages = [pipeline_stage(sharded, j, 2, "cpu") for j in (0, 1)]
+    schedule = build_schedule(stages, "interleaved-1f1b", 2, loss_fn=model_loss)
+    check = check_pipeline_step(schedule, stages, model, (x, labels), target=labels, loss_fn=model_loss)
+    return check.ok, model.config.problem_type, len(sharded.specializations)
+
+
+def test_a_setting_the_first_call_fills_in_trains_through_a_pipeline_as_the_model():
+    """Hugging Face's classifiers set ``config.problem_type`` on their first call with labels: the plan
+    captured with it unset wrote it on the first microbatch and its check refused the second
+    (DistilBERT's first training step failed). The stages are now those of the plan made for the
+    model as its first call leaves it: loss and gradients are the model's."""
+    [(ok, problem_type, made)] = run_local(_step_filling_in_a_setting, 1, timeout=LAUNCH_DEADLINE_S)
+    assert ok and problem_type == "single" and made == 1

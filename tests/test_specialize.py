@@ -247,6 +247,52 @@ def test_the_limit_reached_by_a_count_the_forward_moves_on_says_so_not_to_raise_
         sharded(x)
 
 
+class _Problem:
+    problem_type = None
+
+
+class FillsInItsProblemType(nn.Module):
+    """Fills in ``config.problem_type`` from its labels on its first call and computes its loss by it, as
+    Hugging Face's sequence classifiers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.a, self.b = _Problem(), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None:
+            self.config.problem_type = "single" if labels.dtype == torch.long else "multi"
+        logits = self.b(torch.tanh(self.a(x)))
+        if self.config.problem_type == "single":
+            return nn.functional.cross_entropy(logits, labels)
+        return nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+def test_the_plan_settled_for_a_setting_the_first_call_fills_in_runs_call_after_call_as_the_model():
+    """A pipeline runs one plan's stages for every microbatch: the example's plan, captured with
+    ``problem_type`` unset, wrote it on the first and refused the second (DistilBERT's classifier
+    with labels failed its first step). ``settled`` sets it as the first call would and gives the plan
+    made for it (kept: asked again, no capture), which serves call after call."""
+    torch.manual_seed(0)
+    model, x, labels = FillsInItsProblemType(), torch.randn(4, 8), torch.tensor([0, 2, 1, 0])
+    twin = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (x[:2], labels[:2]))
+    plan = sharded.specializer.settled(sharded, sharded)
+    assert plan is not sharded and model.config.problem_type == "single"
+    assert sharded.specializer.settled(sharded, sharded) is plan and len(sharded.specializations) == 1
+    for rows in (slice(0, 2), slice(2, 4)):
+        assert torch.equal(plan.run_stages((x[rows], labels[rows]), {}), twin(x[rows], labels[rows]))
+    assert sharded.specializer.settled(sharded, plan) is plan
+
+
+def test_a_plan_settled_for_a_count_the_forward_moves_on_is_refused():
+    """Each call moves the count on, so no plan serves two calls in turn (a pipeline's microbatches)."""
+    model, x = CountsOnItsSettings(), torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    with pytest.raises(InputMismatchError, match=r"changes settings\.calls on every call.*count outside the forward"):
+        sharded.specializer.settled(sharded, sharded)
+
+
 def test_the_limit_reached_by_a_number_changing_every_call_says_to_pass_it_as_a_tensor():
     """A diffusion step's noise level passed as a float made a capture per value, then a refusal that
     said only to raise the limit."""

@@ -97,7 +97,7 @@ def load_plan(
     original = Pipeline.parse(saved.pipeline)  # (rebuild_pipeline checked that it parses)
     if respecialize and inputs is not None:
         program.sharded.specializer = specializer_for(model, saved.num_stages, original, saved.cost_model,
-                                                      saved.memory_model, inputs)
+                                                      saved.memory_model, inputs, primary=program.sharded)
     if inputs is not None:
         plan = program.sharded.plan
         warn_over_saved_budget(plan.dag, plan.assignment, plan.num_stages, plan.memory_model, saved, path)

@@ -118,8 +118,9 @@ def _check_stage_choice(sharded: Any, stage_index: Any, num_stages: Any) -> tupl
 
 def _plan_for_microbatch(sharded: ShardedModel, microbatch: Any, group: dist.ProcessGroup | None,
                          world_size: int) -> ShardedModel:
-    """The plan serving ``microbatch``, or the same refusal on every rank (a rank that raised alone
-    would leave its peers waiting in the first step)."""
+    """The plan serving ``microbatch`` (for the model as the first of them leaves it:
+    ``Specializer.settled``), or the same refusal on every rank (a rank that raised alone would leave its
+    peers waiting in the first step)."""
     plan, problem = sharded, None
     if not isinstance(microbatch, (tuple, Mapping)):
         problem = (f"microbatch must be a tuple of one microbatch's positional inputs or a dict of its keyword "
@@ -130,17 +131,46 @@ def _plan_for_microbatch(sharded: ShardedModel, microbatch: Any, group: dist.Pro
     else:
         args, kwargs = ((), dict(microbatch)) if isinstance(microbatch, Mapping) else (microbatch, {})
         try:
-            plan = sharded.specializer.plan_for(sharded, args, kwargs)
+            plan = sharded.specializer.settled(sharded, sharded.specializer.plan_for(sharded, args, kwargs),
+                                               (args, kwargs))
         except Exception as exc:  # noqa: BLE001 - the model's own error too: every rank must hear of it
             problem = f"{type(exc).__name__}: {exc}"
+    _agree(problem, group, world_size, "no plan serves the microbatch on every rank", "pass every rank the same "
+           "microbatch, one the model accepts, with stages made by shard_model(..., respecialize=True)")
+    return plan
+
+
+def _plan_after_first_call(sharded: ShardedModel, group: dist.ProcessGroup | None, world_size: int) -> ShardedModel:
+    """``sharded``, unless each of its calls writes a setting of the model that the next call reads anew (a
+    Hugging Face classifier fills in ``config.problem_type`` on its first call with labels): a step runs the
+    stages once per microbatch, and the first stage's check would refuse the second, so the stage is built
+    from the plan made for the model as the first call leaves it (``Specializer.settled``), on every rank or
+    on none."""
+    moving = sharded.attributes_moved_by_each_call()
+    if not moving:
+        return sharded
+    plan, problem = sharded, None
+    if sharded.specializer is None:
+        problem = (f"each call of these stages sets the model's {', '.join(moving)} to another value than they were "
+                   "captured with, and they make no specialisations to serve the calls after the first: make them "
+                   "with shard_model(..., respecialize=True), or set that value on the model before sharding it")
+    else:
+        try:
+            plan = sharded.specializer.settled(sharded, sharded)
+        except Exception as exc:  # noqa: BLE001 - the model's own error too: every rank must hear of it
+            problem = f"{type(exc).__name__}: {exc}"
+    _agree(problem, group, world_size, "no plan serves the calls after the first on every rank",
+           "shard the model with respecialize=True on every rank, with the same example")
+    return plan
+
+
+def _agree(problem: str | None, group: dist.ProcessGroup | None, world_size: int, refusal: str, advice: str) -> None:
+    """Raise ``PipelineSetupError`` on every rank where any rank met a ``problem``, naming each rank's."""
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, problem, group=group)
     problems = [f"rank {rank}: {text}" for rank, text in enumerate(gathered) if text]
     if problems:
-        raise PipelineSetupError(
-            "no plan serves the microbatch on every rank (" + "; ".join(problems) + "); pass every rank "
-            "the same microbatch, one the model accepts, with stages made by shard_model(..., respecialize=True)")
-    return plan
+        raise PipelineSetupError(f"{refusal} (" + "; ".join(problems) + f"); {advice}")
 
 
 def _group_position(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -201,7 +231,10 @@ def pipeline_stage(
     same on every rank) builds the stage of the plan captured for its shapes, nested ones too: the
     plan itself when they are its example's, else a specialisation (``sharded.specialize``), so
     that no guard flips in the middle of a step. Every rank agrees on it or every rank refuses,
-    naming each rank's reason.
+    naming each rank's reason. Where each call of that plan fills in a setting of the model that its
+    next call reads (a Hugging Face classifier's ``config.problem_type``, set on its first call with
+    labels), the stage is the plan's made for the model as the first call leaves it, the value
+    written on the model (``Specializer.settled``): the plan itself would serve the first microbatch only.
     """
     stage_index, num_stages = _check_stage_choice(sharded, stage_index, num_stages)
     resolved = resolve_device(device, f"stage {stage_index}")
@@ -215,9 +248,10 @@ def pipeline_stage(
             f"{num_stages} stages cannot be spread evenly over {world_size} processes; launch "
             f"{num_stages} processes (or a divisor of {num_stages}) or shard into a multiple of "
             f"{world_size} stages")
-    if microbatch is not None:
-        sharded = _plan_for_microbatch(sharded, microbatch, group, world_size)
-        layout = boundary_wires(sharded)  # the values the chosen plan's stages send
+    chosen = (_plan_for_microbatch(sharded, microbatch, group, world_size) if microbatch is not None
+              else _plan_after_first_call(sharded, group, world_size))
+    if chosen is not sharded:
+        sharded, layout = chosen, boundary_wires(chosen)  # the values the chosen plan's stages send
     local = local_stage_indices(num_stages, rank, world_size)
     if stage_index not in local:
         raise InvalidArgumentError(
