@@ -33,7 +33,7 @@ import inspect
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -110,10 +110,13 @@ def shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:
 
 def _served_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapeKey:
     """The grad mode, the autocast state and each top-level argument's shape, or its value where it
-    is a flag, a number or a string, or its keys in order where it is a dict: which specialisation to
+    is a flag, a number or a string, or where it is a dict, a tuple, a list or a ``torch.Size``, what
+    tells its items apart the same way (a dict's keys in order with them): which specialisation to
     try first (its own guards decide whether it serves the call). A plan for the other mode fails its
     grad-mode guard only where that code runs, after the stages before it computed; calls switching
-    between two constants or two key orders tried the other's plan first (1.2x-1.7x the model's time)."""
+    between two constants or two key orders tried the other's plan first (1.2x-1.7x the model's time),
+    and so did calls switching a dict's tensor between two sizes a branch tells apart, or a size
+    argument between values (``F.interpolate(x, size=size)``): 1.4x-2.0x."""
     return (torch.is_grad_enabled(), autocast_now(), *enumerate(map(_told_apart, args)),
             *zip(kwargs, map(_told_apart, kwargs.values())))
 
@@ -124,14 +127,28 @@ def _shape(value: Any) -> Any:
 
 #: Argument types ``_served_key`` keys by value: hashable, and compared at once.
 _KEYED_BY_VALUE = frozenset({bool, int, float, str, type(None)})
+#: Container types ``_served_key`` keys by their items (``_item``), in order.
+_KEYED_BY_ITEMS = frozenset({tuple, list, torch.Size})
 
 
 def _told_apart(value: Any) -> Any:
+    """What ``_served_key`` keys a top-level argument by: a tensor's shape, a plain value, a container's
+    items as ``_item`` tells them apart (one level: the input guard walks the rest), else None."""
     if isinstance(value, torch.Tensor):
         return value.shape
-    if type(value) in _KEYED_BY_VALUE:
+    kind = type(value)
+    if kind in _KEYED_BY_VALUE:
         return value
-    return tuple(value) if type(value) is dict else None
+    if kind is dict:
+        return tuple(zip(value, map(_item, value.values())))
+    return tuple(map(_item, value)) if kind in _KEYED_BY_ITEMS else None
+
+
+def _item(value: Any) -> Any:
+    """A container's item as ``_served_key`` keys it: a tensor's shape, a plain value, else None."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    return value if type(value) in _KEYED_BY_VALUE else None
 
 
 class _Constant:
@@ -211,6 +228,8 @@ class Specializer:
         #: grad mode and autocast), the model's state a new capture for it failed in, and that refusal (None
         #: where the model itself raised on it)
         self._refused: dict[Any, tuple[list[Any], InputMismatchError]] = {}
+        #: per plan and the stage a guard of it failed in after some computed, ``rerun_of`` them (``_rerun``)
+        self._reruns: dict[tuple[ShardedModel, nn.Module | None], Rerun] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         """A copy of the stages holds copies of the weights, which a capture of the model would not:
@@ -245,12 +264,10 @@ class Specializer:
                     self._check_rerun(primary, exc)
                 return self._specialized(primary, args, kwargs, exc, run)
         key = _served_key(args, kwargs)
-        served = self._last.get(key, [])
-        # of those that served these shapes and modes, the one whose check of the model's state passes as
-        # it stands (a setting switched between calls: the plan made for it, without a refusal first)
-        first = next((plan for plan in served if plan.state_holds()), served[0] if served else None)
+        served = self._last.get(key)
+        first = None if served is None else _first_to_try(served)
         failed: SpecializationMismatch | None = None
-        for sharded in ([first] if first is not None else []) + [p for p in self._plans(primary) if p is not first]:
+        for sharded in self._in_turn(primary, first):
             try:
                 result = run(sharded, args, kwargs)
             except SpecializationMismatch as exc:
@@ -259,10 +276,20 @@ class Specializer:
                 # name the first plan's guard; its traceback would keep the tried plan's activations alive
                 failed = exc.with_traceback(None) if failed is None or sharded is primary else failed
                 continue
-            self._remember(key, sharded)
+            if served is None or served[0] is not sharded:  # (the steady state keeps the list as it is)
+                self._remember(key, sharded)
             return result
         assert failed is not None
         return self._specialized(primary, args, kwargs, failed, run)
+
+    def _in_turn(self, primary: ShardedModel, first: ShardedModel | None) -> Iterator[ShardedModel]:
+        """``first``, then every other plan, the primary first: made as they are tried, so that a call the
+        first serves builds no list of them."""
+        if first is not None:
+            yield first
+        for plan in self._plans(primary):
+            if plan is not first:
+                yield plan
 
     def made_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel | None:
         """The plan captured for a call of exactly this structure (``call_structure``: nested shapes and
@@ -337,6 +364,7 @@ class Specializer:
         self.specializations = [made for made in self.specializations if id(made.sharded) not in gone]
         self._last = {key: kept for key, plans in self._last.items()
                       if (kept := [plan for plan in plans if id(plan) not in gone])}
+        self._reruns = {key: rerun for key, rerun in self._reruns.items() if id(key[0]) not in gone}
 
     def _plans(self, primary: ShardedModel) -> list[ShardedModel]:
         return [primary] + [s.sharded for s in self.specializations]
@@ -345,13 +373,20 @@ class Specializer:
         """Refuse to run stages again after some computed, where that is not the same as running them
         once: buffers they update in place (batch-norm statistics, a step counter) would be updated
         twice, random draws (dropout, sampling) would move the generator on."""
-        if not exc.before_compute and not runs_again_the_same(tried, exc.stage):
+        if not exc.before_compute and not self._rerun(tried, exc.stage).holds():
             raise SpecializationMismatch(
                 f"{exc.refusal}. Stages that update buffers (in training mode: that hold any) or draw random "
                 "numbers are not run again for new inputs once some have computed (the buffers would be updated "
                 "twice, the draws would differ from the model's); the stages before this guard have run for this "
                 "call (any buffers they update are updated). Call sharded.specialize(*args, **kwargs) with inputs "
                 "like these before such calls", other_capture=False) from exc
+
+    def _rerun(self, tried: ShardedModel, last: nn.Module | None) -> Rerun:
+        """``rerun_of(tried, last)``, walked once per plan and stage and kept."""
+        found = self._reruns.get((tried, last))
+        if found is None:
+            found = self._reruns[tried, last] = rerun_of(tried, last)
+        return found
 
     def _specialized(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                      exc: SpecializationMismatch, run: Runner) -> Any:
@@ -459,6 +494,16 @@ class Specializer:
         return sharded
 
 
+def _first_to_try(served: list[ShardedModel]) -> ShardedModel:
+    """Of the plans that served a call's key (the latest first), the one whose check of the model's
+    state passes as it stands: a setting switched between calls runs the plan made for it, without a
+    refusal first. One plan alone is tried unasked: its stage makes that check anyway, and asking first
+    made every call of a sharded model with a specialisation check it twice (6 µs on a 6-block MLP)."""
+    if len(served) == 1:
+        return served[0]
+    return next((plan for plan in served if plan.state_holds()), served[0])
+
+
 def _raise_where_the_model_does(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise the model's own error where it raises on this call, run as a capture's last resort runs it
     (leaving the model as it was): a forward's milliseconds, where a capture would take seconds to end
@@ -502,11 +547,38 @@ def runs_again_the_same(sharded: ShardedModel, last: nn.Module | None = None) ->
     """Whether running these stages twice, up to ``last`` (all where None), leaves what running them
     once leaves: none draws random numbers or updates a buffer: in training mode, any it holds
     (batch-norm statistics); in eval mode, one its code writes in place (``self.steps.add_(1)``) or
-    a module in training mode holds."""
+    a module in training mode holds. (``Rerun`` of one walk of their nodes: ``Specializer`` keeps it.)"""
+    return rerun_of(sharded, last).holds()
+
+
+#: A ``call_module`` node of a stage, with its facts.
+_ModuleCall = tuple[torch.fx.GraphModule, torch.fx.Node, NodeFacts | None]
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """What running a plan's stages again, up to one of them, depends on, from one walk of their nodes
+    (``rerun_of``): whether a node draws or writes a buffer whatever the modes (``same`` False), and the
+    module calls (``called``: stage, node, facts), which draw or update buffers as the modes are on the
+    call. The stages' graphs and buffers stay as captured, so the walk is made once per plan and stage:
+    made after every failed guard, it cost 150-300 µs a call where calls took the wrong plan first."""
+
+    same: bool
+    called: tuple[_ModuleCall, ...] = ()
+
+    def holds(self) -> bool:
+        """``runs_again_the_same`` with the modules' modes as they are now."""
+        return self.same and not any(_draws(stage, node, facts) or _updates_buffers(stage, node, facts, set())
+                                     for stage, node, facts in self.called)
+
+
+def rerun_of(sharded: ShardedModel, last: nn.Module | None = None) -> Rerun:
+    """The ``Rerun`` of ``sharded``'s stages up to ``last`` (all where None)."""
     training = sharded.plan.training
+    called: list[_ModuleCall] = []
     for stage in sharded.stages:
         if training and any(True for _ in stage.buffers()):
-            return False
+            return Rerun(False)
         held: set[str] = set()  # the nodes that are a weight or buffer of the stage, or a view of one
         for node in stage.graph.nodes:
             facts = node_facts(node)
@@ -514,11 +586,13 @@ def runs_again_the_same(sharded: ShardedModel, last: nn.Module | None = None) ->
             if node.op == "get_attr" or (facts is not None and facts.aliases_input and isinstance(first, torch.fx.Node)
                                          and first.name in held):
                 held.add(node.name)
-            if _draws(stage, node, facts) or _updates_buffers(stage, node, facts, held):
-                return False
+            if node.op == "call_module":
+                called.append((stage, node, facts))
+            elif _draws(stage, node, facts) or _updates_buffers(stage, node, facts, held):
+                return Rerun(False)
         if stage is last:
             break
-    return True
+    return Rerun(True, tuple(called))
 
 
 def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: NodeFacts | None) -> bool:

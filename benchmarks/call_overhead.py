@@ -22,6 +22,10 @@ the input guard checks every call), and its layers after a setting switched befo
 no chained column), and the MLP with a forward hook of a closure made anew before every call
 (``--only hook``: a feature extractor's loop; the plan runs that layer's hooks as it finds them)
 and with a number argument switched between two values before every call (``--only constant``);
+its layers on a dict whose tensor's length, which a branch after the sixth layer reads, is switched
+between 1 and 8 before every call (``--only alternated``), and four convolutions around
+``F.interpolate`` to a size argument cycled through three values before every call (``--only cycled``):
+each call served by the plan made for its shapes or values, no other tried first;
 the GPT-style LM (width 256, 4 layers, batch 4 x 128) at k = 4 in a no_grad forward and in
 forward + backward; a tiny Hugging Face GPT-2 (2 layers, width 64, batch 2 x 32) at k = 2; and
 ``nn.TransformerEncoder`` (6 layers, width 256, batch 8 x 128) in eval mode under no_grad at k = 3,
@@ -149,6 +153,61 @@ def _constant_switched() -> Row:
     return row
 
 
+class _BranchesOnALength(nn.Module):
+    """The MLP's layers on a dict's tensor, with a branch on its length after the sixth (a decoder's
+    ``q_len > 1``): a plan made for the other length computes its first stages before its guard refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers = _mlp_layers()
+        self.first, self.late, self.last = layers[:12], nn.Linear(64, 64), layers[12:]
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = self.first(inputs["x"])
+        if inputs["x"].shape[1] > 1:
+            x = self.late(x).cumsum(1)
+        return self.last(x)
+
+
+def _length_alternated() -> Row:
+    """The dict's tensor switched between lengths 1 and 8 before every call: each call served by the
+    plan made for its length (the plan tried first is keyed by the shapes inside a dict too)."""
+    short, long = {"x": torch.randn(4, 1, 64)}, {"x": torch.randn(4, 8, 64)}
+    row = Row("length in a mapping alternated every call, branch after layer 6, 8x64 layers, batch 4",
+              _BranchesOnALength().eval(), (long,), 4)
+
+    def switch(model: nn.Module) -> None:
+        row.args = (short if row.args[0] is long else long,)
+    row.between = switch
+    return row
+
+
+class _Resizes(nn.Module):
+    """Four small convolutions, resized to a size argument after the second: a capture keeps the size as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(a, b, 3, padding=1) for a, b in ((3, 8), (8, 8), (8, 8), (8, 3)))
+
+    def forward(self, x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        x = self.convs[1](torch.relu(self.convs[0](x)))
+        x = nn.functional.interpolate(x, size=size)
+        return self.convs[3](torch.relu(self.convs[2](x)))
+
+
+def _size_cycled() -> Row:
+    """``size`` cycled through (16, 16), (24, 24) and (20, 20) before every call: each value a plan of
+    its own, tried first (the plan tried first is keyed by a tuple's items too)."""
+    sizes = ((16, 16), (24, 24), (20, 20))
+    row = Row("size argument cycled through 3 every call, 4 convolutions, 16x16", _Resizes().eval(),
+              (torch.randn(1, 3, 16, 16), sizes[0]), 4)
+
+    def switch(model: nn.Module) -> None:
+        row.args = (row.args[0], sizes[(sizes.index(row.args[1]) + 1) % len(sizes)])
+    row.between = switch
+    return row
+
+
 def _hook_made_each_call() -> Row:
     """The MLP's layers in blocks the capture traces through, with a forward hook of a new closure on
     the fourth block before every call, the last call's removed: a feature extractor's loop. The plan
@@ -229,6 +288,8 @@ ROWS: dict[str, Callable[[], Row | None]] = {
     "setting switched every call, 8x64 layers, batch 4": _switched_setting,
     "forward hook made anew every call, 8x64 layers, batch 4": _hook_made_each_call,
     "constant switched every call, 8x64 layers, batch 4": _constant_switched,
+    "length in a mapping alternated every call, branch after layer 6, 8x64 layers, batch 4": _length_alternated,
+    "size argument cycled through 3 every call, 4 convolutions, 16x16": _size_cycled,
     "GPT-style LM, no_grad forward": lambda: _gpt(False),
     "GPT-style LM, forward+backward": lambda: _gpt(True), "HF GPT-2 tiny, no_grad forward": _hf_gpt2,
     "nn.TransformerEncoder eval, no_grad": _encoder,
