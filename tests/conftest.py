@@ -119,3 +119,24 @@ class Masked(nn.Module):
         h = self.second(torch.tanh(self.first(x)))
         h = h if mask is None else h * mask
         return h if bias is None else h + bias
+
+
+class _Problem:
+    problem_type = None
+
+
+class FillsInItsProblemType(nn.Module):
+    """Fills in ``config.problem_type`` from its labels on its first call and computes its loss by it, as
+    Hugging Face's sequence classifiers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.a, self.b = _Problem(), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None:
+            self.config.problem_type = "single" if labels.dtype == torch.long else "multi"
+        logits = self.b(torch.tanh(self.a(x)))
+        if self.config.problem_type == "single":
+            return nn.functional.cross_entropy(logits, labels)
+        return nn.functional.binary_cross_entropy_with_logits(logits, labels)

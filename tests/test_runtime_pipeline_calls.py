@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import Masked, StackedLSTMs
+from conftest import FillsInItsProblemType, Masked, StackedLSTMs
 from torch import nn
 
 import autoshard
@@ -212,27 +212,6 @@ def test_a_step_whose_microbatches_flip_a_guard_says_to_build_the_stages_for_the
     names what serves them: ``pipeline_stage(..., microbatch=...)``."""
     [refusal] = run_local(_step_flipping_a_branch, 1, timeout=LAUNCH_DEADLINE_S)
     assert "x.shape[0] > 2" in refusal and "microbatch=one microbatch's inputs" in refusal
-
-
-class _Problem:
-    problem_type = None
-
-
-class FillsInItsProblemType(nn.Module):
-    """Fills in ``config.problem_type`` from its labels on its first call and computes its loss by it, as
-    Hugging Face's sequence classifiers do."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.config, self.first, self.second = _Problem(), nn.Linear(8, 8), nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.config.problem_type is None:
-            self.config.problem_type = "single" if labels.dtype == torch.long else "multi"
-        logits = self.second(torch.tanh(self.first(x)))
-        if self.config.problem_type == "single":
-            return F.cross_entropy(logits, labels)
-        return F.binary_cross_entropy_with_logits(logits, labels)
 
 
 def _step_filling_in_a_setting(rank: int, world: int) -> tuple[bool, object, int]:

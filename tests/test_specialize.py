@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+from conftest import FillsInItsProblemType
 from torch import nn
 
 import autoshard
@@ -245,27 +246,6 @@ def test_the_limit_reached_by_a_count_the_forward_moves_on_says_so_not_to_raise_
     with pytest.raises(InputMismatchError, match=r"the forward changes settings\.calls on every call .*a larger "
                        r"max_specializations only puts this off\): count outside the forward"):
         sharded(x)
-
-
-class _Problem:
-    problem_type = None
-
-
-class FillsInItsProblemType(nn.Module):
-    """Fills in ``config.problem_type`` from its labels on its first call and computes its loss by it, as
-    Hugging Face's sequence classifiers do."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.config, self.a, self.b = _Problem(), nn.Linear(8, 8), nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.config.problem_type is None:
-            self.config.problem_type = "single" if labels.dtype == torch.long else "multi"
-        logits = self.b(torch.tanh(self.a(x)))
-        if self.config.problem_type == "single":
-            return nn.functional.cross_entropy(logits, labels)
-        return nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
 def test_the_plan_settled_for_a_setting_the_first_call_fills_in_runs_call_after_call_as_the_model():

@@ -205,6 +205,9 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":  # replaced by the input guard
             graph.erase_node(node)
+        elif _checks_what_the_guards_fix(node):
+            node.replace_all_uses_with(node.args[0])  # (an assertion has no users)
+            graph.erase_node(node)
         elif node.target is torch.ops.aten._assert_scalar.default:  # a refusal a sharded model can act on
             node.target = check_asserted
         elif node.target is torch.ops.higher_order.wrap_with_autocast and node.args[3] is False:
@@ -233,6 +236,20 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
     placeholders = iter(leaves_of(signature))
     input_of = {n: next(placeholders) for n in graph.nodes if n.op == "placeholder"}
     return assemble(graph, wrapper, model, signature, input_of.__getitem__, guard, constants), guard
+
+
+def _checks_what_the_guards_fix(node: fx.Node) -> bool:
+    """Whether ``node`` only checks or keeps a dtype the plan's guards already fix: export's
+    ``_assert_tensor_metadata`` of a ``.to()``, and an ``aten.to.dtype`` to the dtype its input has
+    (returning that input). The plan's input dtypes, weight dtypes and autocast state are checked on every
+    call, so these cost a call of the sharded model time the model's own ``.to()`` does not: 1.19x the
+    model's time on a Llama captured by export, 1.05x without them."""
+    if node.target is torch.ops.aten._assert_tensor_metadata.default:
+        return True
+    if node.target is not torch.ops.aten.to.dtype or any(node.args[3:]) or any(node.kwargs.values()):
+        return False  # (a copy asked for, or a memory format)
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return isinstance(source, torch.Tensor) and source.dtype == node.args[1]
 
 
 def _bodies_follow_input_device(module: fx.GraphModule) -> None:
