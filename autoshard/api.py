@@ -62,6 +62,10 @@ def check_model(model: Any) -> nn.Module:
             f"autoshard splits a torch.nn.Module, got a state dict ({len(model)} tensors): it holds the weights, "
             "not the code that runs them; build the model, load them with model.load_state_dict(state_dict) "
             "and pass the model")
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise InvalidArgumentTypeError(
+            f"autoshard splits a torch.nn.Module, got the class {model.__name__} itself; pass a model made from "
+            f"it ({model.__name__}(...))")
     advice = "wrap your function in a Module" if callable(model) else "pass the model (an nn.Module) itself"
     raise InvalidArgumentTypeError(f"autoshard splits a torch.nn.Module, got {type(model).__name__}; {advice}")
 

@@ -89,6 +89,9 @@ def test_not_a_module():
         autoshard.shard_model(lambda x: x, 2)
     with pytest.raises(InvalidArgumentTypeError, match="got str; pass the model"):
         autoshard.shard_model("gpt2", 2)
+    with pytest.raises(InvalidArgumentTypeError, match=r"got the class Linear itself; pass a model made from it "
+                                                       r"\(Linear\(\.\.\.\)\)"):
+        autoshard.shard_model(torch.nn.Linear, 2)  # (it was told to wrap "your function" in a Module)
 
 
 def test_a_state_dict_is_told_to_load_into_the_model():
