@@ -225,6 +225,27 @@ def _step_filling_in_a_setting(rank: int, world: int) -> tuple[bool, object, int
     return check.ok, model.config.problem_type, len(sharded.specializations)
 
 
+def _step_with_the_models_loss(rank: int, world: int) -> list[float]:
+    """Both stages on this one rank, a step with ``model_loss`` not told ``return_outputs``."""
+    torch.manual_seed(0)
+    model, x, labels = FillsInItsProblemType(), torch.randn(4, 8), torch.tensor([0, 2, 1, 0])
+    model.config.problem_type = "single"
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x[:2], labels[:2]))
+    stages = [pipeline_stage(sharded, j, 2, "cpu") for j in (0, 1)]
+    losses: list[torch.Tensor] = []
+    build_schedule(stages, "interleaved-1f1b", 2, loss_fn=model_loss).step(x, labels, target=labels, losses=losses)
+    halves = (slice(0, 2), slice(2, 4))
+    return [float(loss) for loss in losses] + [float(model(x[rows], labels[rows])) for rows in halves]
+
+
+def test_a_step_with_the_models_loss_does_not_merge_the_losses_unless_asked():
+    """The model's loss is one number per microbatch: merging the outputs (PyTorch's default) failed on the
+    last rank after every microbatch ran (zero-dimensional tensors cannot be concatenated), unless the
+    step was told return_outputs=False (a new user's DistilBERT script)."""
+    [found] = run_local(_step_with_the_models_loss, 1, timeout=LAUNCH_DEADLINE_S)
+    assert found[:2] == found[2:]
+
+
 def test_a_setting_the_first_call_fills_in_trains_through_a_pipeline_as_the_model():
     """Hugging Face's classifiers set ``config.problem_type`` on their first call with labels: the plan
     captured with it unset wrote it on the first microbatch and its check refused the second

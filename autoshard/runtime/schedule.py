@@ -151,8 +151,8 @@ def model_loss(output: Any, target: Any = None) -> torch.Tensor:
     Computing the loss inside the model puts it in the plan, so cost models see the last stage's
     whole work. PyTorch's schedules still need a ``target`` on the last rank, which they split into
     microbatches: pass the labels (or any tensor with the batch dimension); it is ignored here.
-    A loss per microbatch cannot be concatenated back into a batch: step with ``return_outputs=False``
-    and read the losses from ``losses=[]``.
+    A loss per microbatch cannot be concatenated back into a batch: a schedule built with it steps with
+    ``return_outputs=False`` unless told otherwise; read the losses from ``losses=[]``.
     """
     return _model_loss_at(None, output)
 
@@ -194,7 +194,8 @@ def build_schedule(
     _check_ranks_agree(local, group, (schedule_name(cls), n_microbatches))
     _warn_of_per_microbatch_statistics(local, n_microbatches)
     last = next((stage.submod for stage in local if stage.is_last), None)
-    if loss_fn is model_loss and last is not None:
+    the_models_loss = loss_fn is model_loss
+    if the_models_loss and last is not None:
         loss_fn = functools.partial(_model_loss_at, loss_reader(last))
     if issubclass(cls, PipelineScheduleSingle):
         built = cls(local[0], n_microbatches, loss_fn=loss_fn, **options)
@@ -202,7 +203,8 @@ def build_schedule(
         built = cls(sorted(local, key=lambda s: s.stage_index), n_microbatches, loss_fn=loss_fn, **options)
     chunked_by_rows = not {"args_chunk_spec", "kwargs_chunk_spec"} & options.keys()
     first = next((stage.submod for stage in local if stage.stage_index == 0), None)
-    built.step = _BatchShapes(n_microbatches, chunked_by_rows, _example_rows(first)).guard(built.step, first)
+    built.step = _BatchShapes(n_microbatches, chunked_by_rows, _example_rows(first)).guard(
+        built.step, first, the_models_loss)
     return built
 
 
@@ -234,14 +236,20 @@ class _BatchShapes:
         self.first: dict[str, tuple[int, ...]] | None = None
         self._named: dict[tuple, list[tuple[int, str]]] = {}  # by call structure (``_named_tensors``)
 
-    def guard(self, step: Callable[..., Any], first: fx.GraphModule | None) -> Callable[..., Any]:
+    def guard(self, step: Callable[..., Any], first: fx.GraphModule | None,
+              the_models_loss: bool = False) -> Callable[..., Any]:
         """``step``, checked; on the rank of the first stage (``first``), the model's inputs are
         bound as ``ShardedModel`` binds them and passed by name (PyTorch would hand positional
         inputs to the first stage's parameters, which are the example's: ``step(x, mask)``
-        reached ``bias`` when the example passed ``bias`` and no ``mask``)."""
+        reached ``bias`` when the example passed ``bias`` and no ``mask``). With ``model_loss``
+        (``the_models_loss``) the outputs are not merged unless asked for (``return_outputs=True``):
+        the model's loss, one number per microbatch, cannot be concatenated into a batch, and torch
+        failed so on the last rank after every microbatch had run (a new user's DistilBERT step)."""
         @functools.wraps(step)
         def checked(*args: Any, target: Any = None, **kwargs: Any) -> Any:
             options = {name: kwargs.pop(name) for name in _STEP_OPTIONS if name in kwargs}
+            if the_models_loss:
+                options.setdefault("return_outputs", False)
             try:  # binding refuses an argument the example passed and the step leaves out: the same advice
                 if first is not None and SIGNATURE_KEY in first.meta:
                     args, kwargs = fitted_call(first, first.meta[SIGNATURE_KEY], args, kwargs)
