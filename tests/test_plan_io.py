@@ -184,6 +184,32 @@ def test_a_plan_for_another_model_is_refused(saved):
         load_plan(saved, other, torch.randn(2, 16))
 
 
+class WithLabels(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, labels=None):
+        for layer in self.layers:
+            x = layer(x)
+        return x if labels is None else ((x - labels) ** 2).mean()
+
+
+@pytest.mark.parametrize("saved_kwargs,loaded_kwargs,change", [
+    ({}, {"labels": True}, "'labels' added"), ({"labels": True}, {}, "'labels' left out")])
+def test_a_plan_loaded_with_other_arguments_names_them(tmp_path, saved_kwargs, loaded_kwargs, change):
+    """Other arguments than the plan's example change the graph; the refusal names the arguments (not a
+    node such as 'labels_unchecked') and says to pass the plan's, whose stages then take the others too."""
+    model, x = WithLabels(), torch.randn(2, 8)
+    path = autoshard.shard_model(model, 2, (x,), {k: x for k in saved_kwargs}).save_plan(tmp_path / "plan.json")
+    planned = "'x', 'labels'" if saved_kwargs else "'x'"
+    with pytest.raises(PlanError, match=rf"made for a call with the arguments {planned}, .*\({change}\).*"
+                                        rf"Pass example inputs for the same arguments \({planned}\) to load_plan"):
+        load_plan(path, model, (x,), {k: x for k in loaded_kwargs})
+    rebuilt = load_plan(path, model, (x,), {k: x for k in saved_kwargs})
+    assert torch.equal(rebuilt(x, labels=x), model(x, labels=x)) and torch.equal(rebuilt(x), model(x))
+
+
 # --------------------------------------------------------------------------------------------
 # Hand edits that break the plan
 # --------------------------------------------------------------------------------------------

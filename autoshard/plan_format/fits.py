@@ -6,7 +6,7 @@ a plan; ``autoshard.plan_io.rebuild`` (which imports the passes) checks it too.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import networkx as nx
 
@@ -19,6 +19,7 @@ def check_fits(plan: SavedPlan, dag: nx.DiGraph, source: str) -> None:
     problems = _differences("node", [n.name for n in plan.nodes], list(dag.nodes))
     problems += _differences("edge", [f"{u} -> {v}" for u, v in plan.edges], [f"{u} -> {v}" for u, v in dag.edges])
     if problems:
+        check_arguments(plan, dag, source)
         here = versions()
         made = ", ".join(f"{k} {v}" for k, v in plan.versions.items()) or "unknown versions"
         raise PlanError(
@@ -26,6 +27,36 @@ def check_fits(plan: SavedPlan, dag: nx.DiGraph, source: str) -> None:
             f"{plan.model or 'a model'} with {made}; here: {', '.join(f'{k} {v}' for k, v in here.items())}. "
             "Make a new plan for this model with `autoshard split TARGET --stages K --out PLAN.json`"
         )
+
+
+def check_arguments(plan: SavedPlan, dag: nx.DiGraph, source: str) -> None:
+    """Raise ``PlanError`` where ``dag`` takes other arguments than the plan's graph, some of them the same
+    (the same model called another way): a plan saved from a call with ``labels`` rebuilt from one without
+    (or the reverse) differs in every node those arguments reach, and the graph comparison would name a
+    node (``'labels_unchecked'``), not the cause. Disjoint arguments are another model's: left to it."""
+    planned = _arguments(node.target for node in plan.nodes if node.op == "placeholder")
+    given = _arguments(data.get("target", "") for _, data in dag.nodes(data=True) if data.get("op") == "placeholder")
+    if planned == given or not set(planned) & set(given):
+        return
+    change = [f"{', '.join(map(repr, names))} {how}" for names, how in (
+        ([a for a in planned if a not in given], "left out"), ([a for a in given if a not in planned], "added"))
+        if names]
+    raise PlanError(
+        f"plan {source} was made for a call with the arguments {_listed(planned)}, and the example inputs here pass "
+        f"{_listed(given)} ({'; '.join(change) or 'in another order'}): its graph takes other inputs, so its stages "
+        f"cannot be rebuilt from them. Pass example inputs for the same arguments ({_listed(planned)}) to load_plan "
+        "(or from TARGET, for `autoshard split --plan`); "
+        "with respecialize=True (the default) the stages it builds take calls with other arguments too, captured "
+        "again under the plan's split. Or make a new plan with example inputs that pass these arguments")
+
+
+def _arguments(targets: Iterable[str]) -> list[str]:
+    """The argument names of a graph's inputs, in order, each once (a structured argument has several)."""
+    return list(dict.fromkeys(str(t) for t in targets))
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(map(repr, names))
 
 
 class StalePlanWarning(UserWarning):
