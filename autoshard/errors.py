@@ -139,15 +139,21 @@ class InfeasibleSplitError(InvalidArgumentError):
 
 
 class EmptyStageError(InfeasibleSplitError):
-    """Pins (``stage_ranges``) leave no node that may sit in ``stage`` of ``num_stages``: where a
-    sharded model captures again for other inputs, they run none of the weights that stage holds."""
+    """Pins (``stage_ranges``) leave no node that may sit in ``stage`` of ``num_stages``, or (``last``
+    past ``stage``) only ``nodes`` for the stages ``stage..last``, fewer than there are of them: where a
+    sharded model captures again for other inputs, they run too little of what those stages hold."""
 
-    def __init__(self, message: str, stage: int, num_stages: int) -> None:
+    def __init__(self, message: str, stage: int, num_stages: int, last: int | None = None, nodes: int = 0) -> None:
         super().__init__(message)
         self.stage, self.num_stages = stage, num_stages
+        self.last, self.nodes = stage if last is None else last, nodes
+
+    def stages(self) -> str:
+        """The stage or stages left short, in words: ``stage 2`` or ``stages 1..2``."""
+        return f"stage {self.stage}" if self.last == self.stage else f"stages {self.stage}..{self.last}"
 
     def __reduce__(self) -> tuple:
-        return type(self), (str(self), self.stage, self.num_stages)
+        return type(self), (str(self), self.stage, self.num_stages, self.last, self.nodes)
 
 
 class InvalidGraphError(InvalidArgumentError):

@@ -469,12 +469,7 @@ class Specializer:
             raise self._refusing(refusal_key, state, f"{guard}. No plan can be captured for these inputs: {exc}"
                                  ) from exc
         except EmptyStageError as exc:
-            raise self._refusing(
-                refusal_key, state,
-                f"{guard}. These inputs run none of the weights stage {exc.stage} of {exc.num_stages} holds (a "
-                "new capture for them keeps every weight in the stage that holds it, and would leave that stage "
-                "with nothing to compute); shard the model again with an example like these inputs, or into "
-                "fewer stages") from exc
+            raise self._refusing(refusal_key, state, _too_little_to_run(guard, exc)) from exc
         except AutoshardError as exc:  # a pin the new graph's order cannot meet names its weight; a capture failed
             # sharding again is the way only past the pins: what the capture refuses, it refuses there too
             again = "; shard the model again with an example like these inputs" * isinstance(exc, InfeasibleSplitError)
@@ -502,6 +497,22 @@ def _first_to_try(served: list[ShardedModel]) -> ShardedModel:
     if len(served) == 1:
         return served[0]
     return next((plan for plan in served if plan.state_holds()), served[0])
+
+
+def _too_little_to_run(guard: str, exc: EmptyStageError) -> str:
+    """The refusal of inputs whose capture leaves a stage nothing to compute, in the user's terms: the pins
+    are the re-specialisation's own (every weight stays in its stage), not the user's. The guard's own
+    advice (its last clause: pass these arguments in the example, say) is left out: the example may
+    pass them already, and a capture made for them is what failed."""
+    fact = guard.rsplit(";", 1)[0]
+    if exc.last == exc.stage:
+        short = f"stage {exc.stage} of {exc.num_stages} with nothing to compute"
+    else:
+        short = f"only {plural(exc.nodes, 'node')} to compute for the {exc.stages()} of {exc.num_stages}"
+    return (f"{fact}. These inputs run too few of the model's weights and nodes to give every stage work under the "
+            f"plan's placement: a new capture for them keeps every weight in the stage that holds it, which leaves "
+            f"{short}. Shard the model again with an example like these inputs (its plan places the weights for "
+            "them), or into fewer stages")
 
 
 def _raise_where_the_model_does(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

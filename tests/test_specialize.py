@@ -1251,26 +1251,39 @@ def test_a_check_export_kept_and_a_call_breaks_gets_the_models_error_or_a_typed_
 
 
 class FewerLayers(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, count: int = 4, act: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(count))
+        self.act = act
 
-    def forward(self, x: torch.Tensor, n: int = 4) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, n: int | None = None) -> torch.Tensor:
         for layer in self.layers[:n]:
-            x = layer(x)
+            x = torch.tanh(layer(x)) if self.act else layer(x)
         return x
 
 
-def test_inputs_that_run_no_weight_of_a_stage_say_so_in_the_users_terms():
-    """Every weight stays in its stage, so a call running only the first layers leaves the last stage
-    nothing: said as what the inputs run, not as the splitter's pins."""
+@pytest.mark.parametrize("count,act,k,example,call,left", [
+    (4, False, 2, {}, 2, r"stage 1 of 2 with nothing to compute"),
+    (6, True, 3, {}, 1, r"only 1 node to compute for the stages 1\.\.2 of 3"),
+    (6, True, 3, {"n": 6}, 1, r"only 1 node to compute for the stages 1\.\.2 of 3"),
+])
+def test_inputs_that_run_no_weight_of_a_stage_say_so_in_the_users_terms(count, act, k, example, call, left):
+    """Every weight stays in its stage, so a call running only the first layers leaves the last stages
+    nothing: said as what the inputs run, not as the splitter's pins (the user pinned nothing), and
+    without the guard's advice to pass the argument in the example (the third case does, and fails
+    alike); the advice given (an example like the call) works."""
     torch.manual_seed(0)
-    model, x = FewerLayers().eval(), torch.randn(2, 4)
-    sharded = autoshard.shard_model(model, 2, (x,))
-    with pytest.raises(InputMismatchError, match=r"These inputs run none of the weights stage 1 of 2 holds") as info:
-        sharded(x, n=2)
-    assert "stage_ranges" not in str(info.value) and "pin" not in str(info.value)
+    model, x = FewerLayers(count, act).eval(), torch.randn(2, 4)
+    sharded = autoshard.shard_model(model, k, (x,), example)
+    with pytest.raises(InputMismatchError, match=r"These inputs run too few of the model's weights and nodes to give "
+                                                 rf"every stage work under the plan's placement: .*leaves {left}\. "
+                                                 r"Shard the model again with an example like these inputs") as info:
+        sharded(x, n=call)
+    message = str(info.value)
+    assert "stage_ranges" not in message and "pin" not in message and "passes these arguments" not in message
     assert isinstance(info.value.__cause__, EmptyStageError)
+    like_the_call = autoshard.shard_model(model, k, (x,), {"n": call})
+    assert torch.equal(like_the_call(x, n=call), model(x, n=call))
 
 
 class CountsThroughAView(SizeBranch):

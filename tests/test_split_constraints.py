@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import networkx as nx
 import numpy as np
@@ -10,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, InvalidGraphError
+from autoshard.errors import (
+    EmptyStageError, InfeasibleSplitError, InvalidArgumentError, InvalidArgumentTypeError, InvalidGraphError,
+)
 from autoshard.graph import Constraints, split_dag, total_boundary_bytes
 from autoshard.graph.constraints import ACTIVATION_MEMORY, StageRange
 from autoshard.testing import (
@@ -167,6 +170,17 @@ def test_stage_ranges_no_split_meets_are_named(ranges, message):
     with pytest.raises((InfeasibleSplitError, InvalidArgumentError)) as info:
         split_dag(chain([1] * 8), 3, "min-cut", stage_ranges=ranges)
     assert message in str(info.value)
+
+
+def test_too_few_nodes_for_the_last_stages_is_an_empty_stage_naming_them():
+    """A stage left nothing to compute, alone or among several sharing too few nodes, is the same
+    refusal (``EmptyStageError``), which a sharded model's new capture words in the user's terms."""
+    with pytest.raises(EmptyStageError) as info:
+        split_dag(chain([1] * 8), 3, "min-cut", stage_ranges={"v6": 0})
+    assert (info.value.stage, info.value.last, info.value.nodes, info.value.num_stages) == (1, 2, 1, 3)
+    assert info.value.stages() == "stages 1..2"
+    copied = pickle.loads(pickle.dumps(info.value))
+    assert (copied.stage, copied.last, copied.nodes, str(copied)) == (1, 2, 1, str(info.value))
 
 
 def test_an_input_pinned_past_stage_0_is_refused():

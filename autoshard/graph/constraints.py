@@ -284,7 +284,8 @@ def stage_bounds(g: IndexedDag, constraints: Constraints, k: int) -> StageBounds
 
 def _check_every_stage_can_hold_a_node(g: IndexedDag, constraints: Constraints, bounds: StageBounds, k: int) -> None:
     """Refuse ranges that leave too few nodes for some stages (each stage must hold one): stage j,
-    or the stages j..k-1 (0..j), fewer nodes may take than there are of them."""
+    or the stages j..k-1 (0..j), fewer nodes may take than there are of them. Both are an
+    ``EmptyStageError``: a stage would be left with nothing to compute."""
     first, last = bounds.earliest[g.num_inputs:], bounds.latest[g.num_inputs:]
     pins = ", ".join(dict.fromkeys(r.describe(v) for v, r in constraints.stage_ranges.items()))
     late = np.cumsum(np.bincount(last, minlength=k)[::-1])[::-1]  # nodes that may sit in stage j or later
@@ -294,12 +295,13 @@ def _check_every_stage_can_hold_a_node(g: IndexedDag, constraints: Constraints, 
             raise EmptyStageError(
                 f"stage_ranges leave stage {j} of {k} empty: under {pins} no node may sit there, and each stage "
                 "must hold one; pin to other stages or ask for fewer stages", j, k)
-        for count, stages, span in ((late[j], k - j, f"{j}..{k - 1}"), (early[j], j + 1, f"0..{j}")):
+        for count, first_stage, last_stage in ((late[j], j, k - 1), (early[j], 0, j)):
+            stages = last_stage - first_stage + 1
             if count < stages:
-                raise InfeasibleSplitError(
-                    f"stage_ranges leave {count} node{'' if count == 1 else 's'} for the {stages} stages {span}: "
-                    f"under {pins} the rest must sit elsewhere, and each stage must hold one; pin to other stages "
-                    "or ask for fewer stages")
+                raise EmptyStageError(
+                    f"stage_ranges leave {count} node{'' if count == 1 else 's'} for the {stages} stages "
+                    f"{first_stage}..{last_stage}: under {pins} the rest must sit elsewhere, and each stage must hold "
+                    "one; pin to other stages or ask for fewer stages", first_stage, k, last_stage, int(count))
 
 
 def _carry(g: IndexedDag, earliest: list[int], latest: list[int], first_from: list[int], last_from: list[int]) -> None:
