@@ -681,12 +681,18 @@ class _Binding:
     another_capture: bool = False
 
 
+#: In a first stage's ``meta``: the capture had no example inputs (``shard_model(model, k)``), so the
+#: stage takes every argument of the model's forward as a tensor, and refusals say so, not "the example".
+WITHOUT_EXAMPLE_KEY = "autoshard_captured_without_example"
+
+
 class _Binder:
     """``fitted_call`` for one first stage and model signature, with its bindings by call structure."""
 
     def __init__(self, first: fx.GraphModule, model_signature: inspect.Signature | None) -> None:
         self.signature = inspect.signature(first.forward)
         self.model_signature = model_signature
+        self.without_example = bool(getattr(first, "meta", {}).get(WITHOUT_EXAMPLE_KEY))
         inputs = _graph_inputs(first)
         self.inputs = tuple(self.signature.parameters) if inputs is None else inputs
         self.bindings: dict[tuple[Any, ...], _Binding | TypeError] = {}
@@ -702,7 +708,7 @@ class _Binder:
             binding = self.bindings[structure] = self._binding(len(args), tuple(kwargs))
         if isinstance(binding, TypeError):  # the model itself refuses the call (or, without its signature, the plan)
             if self.model_signature is None:
-                raise _not_fitting(self.signature, binding)
+                raise self._refusal(binding)
             takes = ", ".join(self.model_signature.parameters)
             raise InputMismatchError(f"the model's forward({takes}) refuses these arguments ({binding}), as calling "
                                      "the model would: call the sharded model as the model takes them")
@@ -710,17 +716,23 @@ class _Binder:
         if binding.left_out:
             self._check_left_out(binding, values)
         if binding.error is not None:
-            raise _not_fitting(self.signature, binding.error, binding.another_capture)
+            raise self._refusal(binding.error, binding.another_capture)
         for name, index in binding.tensors:
             value = values[index]
             if not isinstance(value, torch.Tensor) and not _holds_a_tensor(value):
-                raise _not_fitting(self.signature, TypeError(
+                raise self._refusal(TypeError(
                     f"{name} is {brief(value)}, but the plan was captured with tensors there"), another_capture=True)
         if binding.as_is and (keep_positions or self.model_signature is None):
             return args, kwargs
         call = {name: values[index] for name, index in binding.moved}
         call.update(binding.fills)
         return (), call
+
+    def _refusal(self, reason: TypeError, another_capture: bool = False) -> InputMismatchError:
+        """``_not_fitting``, or for a plan captured without example inputs, ``_not_fitting_the_signature``."""
+        if self.without_example:
+            return _not_fitting_the_signature(self.signature, reason, another_capture)
+        return _not_fitting(self.signature, reason, another_capture)
 
     def _check_left_out(self, binding: _Binding, values: tuple[Any, ...]) -> None:
         """Refuse a value other than the default for an argument the example left out."""
@@ -734,7 +746,15 @@ class _Binder:
                       f"default, which the plan computes with, and these inputs give {given}"
                       if inspect.Parameter.empty not in defaults
                       else f"the example did not pass {', '.join(repr(name) for name, _ in changed)}")
-            raise _not_fitting(self.signature, TypeError(reason), another_capture=True)
+            raise self._refusal(TypeError(reason), another_capture=True)
+
+    def _left_out(self, dropped: list[str]) -> str:
+        """Why a call leaving out ``dropped`` (names, quoted) is refused: the example passed them, or the
+        plan, made without an example, takes every argument."""
+        if self.without_example:
+            return f"they leave out {', '.join(dropped)}"
+        return (f"the example passed {', '.join(dropped)}, which these inputs leave out; pass "
+                f"{'it' if len(dropped) == 1 else 'them'} as the example did")
 
     def _binding(self, count: int, keywords: tuple[str, ...]) -> _Binding | TypeError:
         slots = [_Slot(i) for i in range(count)]
@@ -760,9 +780,7 @@ class _Binder:
         # an argument the example passed, which the model would default (or, one of its ``**kwargs``,
         # not see): not 'missing a required argument', nor the stage's own default, the example's value
         dropped = [repr(name) for name in parameters if name not in moved and name not in fills]
-        error: TypeError | None = TypeError(
-            f"the example passed {', '.join(dropped)}, which these inputs leave out; pass "
-            f"{'it' if len(dropped) == 1 else 'them'} as the example did") if dropped else None
+        error: TypeError | None = TypeError(self._left_out(dropped)) if dropped else None
         # the model's ``**kwargs`` in another order than the example's: its code may read them in order
         var_keyword = next((value for name, value in bound.items()
                             if self.model_signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD), {})
@@ -815,6 +833,21 @@ def _not_fitting(signature: inspect.Signature, reason: TypeError, another_captur
                f"({', '.join(signature.parameters)}), the arguments its example passed (one left out was fixed at its "
                "default); shard the model again with an example that passes these arguments")
     return SpecializationMismatch(message, before_compute=True) if another_capture else InputMismatchError(message)
+
+
+def _not_fitting_the_signature(signature: inspect.Signature, reason: TypeError,
+                               another_capture: bool = False) -> InputMismatchError:
+    """The refusal of a call a plan captured without example inputs does not take: its graph takes every
+    argument of the forward as a tensor, so no talk of "the example", and (no re-specialisation without
+    one) no advice to call the sharded model: sharding with an example is the way."""
+    message = (f"these inputs do not fit the sharded plan: {reason}. The plan was made without example inputs, "
+               f"from the forward's signature: it takes every argument ({', '.join(signature.parameters)}) as a "
+               "tensor, and serves only calls that pass each one as a tensor; to serve calls like these, shard the "
+               "model with example_inputs= (and example_kwargs=) like them: a model sharded with example inputs also "
+               "captures itself again for calls its plan does not serve (respecialize=True, the default)")
+    if another_capture:
+        return SpecializationMismatch(message, before_compute=True, other_capture=False)
+    return InputMismatchError(message)
 
 
 class _PlacedOn:

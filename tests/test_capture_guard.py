@@ -241,6 +241,27 @@ def test_a_call_is_bound_as_the_model_binds_it_and_a_tensor_input_refuses_none()
     assert len(served.specializations) == 2  # b=None is leaving b out: one capture serves both
 
 
+@pytest.mark.parametrize("call,reason", [
+    (lambda x, t: (x,), "they leave out 'a', 'b'"),
+    (lambda x, t: (x, None, t), "a is None, but the plan was captured with tensors there"),
+])
+def test_a_plan_made_without_example_inputs_says_so_and_not_to_call_the_sharded_model(call, reason):
+    """Without example inputs the capture takes every argument of the forward as a tensor, and no
+    re-specialisation serves other calls: the refusal says the plan was made without an example (not
+    what "the example passed") and to shard with one, never to call the sharded model (what failed)."""
+    model = TwoOptional()
+    sharded = autoshard.shard_model(model, 2)
+    x, t = torch.randn(3, 4), torch.randn(3, 4)
+    assert torch.equal(sharded(x, t, t), model(x, t, t))
+    with pytest.raises(InputMismatchError, match=rf"{reason}\. The plan was made without example inputs, from the "
+                                                 r"forward's signature: it takes every argument \(x, a, b\) as a "
+                                                 r"tensor.*shard the model with example_inputs=") as info:
+        sharded(*call(x, t))
+    assert "call the sharded model" not in str(info.value) and "the example" not in str(info.value)
+    with_example = autoshard.shard_model(model, 2, example_inputs=call(x, t))
+    assert torch.equal(with_example(*call(x, t)), model(*call(x, t)))
+
+
 _Pair = collections.namedtuple("_Pair", "a b")
 
 

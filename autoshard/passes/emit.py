@@ -21,7 +21,7 @@ from autoshard.isolation import HeldModule
 from autoshard.lowering.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
 from autoshard.passes.base import Pass, PassContext, ShardProgram
-from autoshard.sharded import ShardedModel, StagePlan
+from autoshard.sharded import WITHOUT_EXAMPLE_KEY, ShardedModel, StagePlan
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class EmitPass(Pass):
                         "which checks it") from exc
         boundaries = tuple(tuple(b) for b in boundary_values(program.dag, assignment, k))
         stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
+        if program.example_inputs is None and stages:
+            stages[0].meta[WITHOUT_EXAMPLE_KEY] = True
         for stage in stages:
             state = getattr(stage, HELD_STATE)
             watch(program.model, state, (*state.leaves, *state.weight_paths))
