@@ -226,6 +226,13 @@ OTHER_CAPTURE = ("; or, where the model was sharded with respecialize=True (the 
                  "which captures the model again for them, or run the stages of sharded.specialize(*inputs).stages")
 
 
+#: The end of a ``SpecializationMismatch``'s message from stages that capture nothing again.
+NO_CAPTURE_HERE = ("; these stages make no specialisations (a copy of them: copy.deepcopy, a pickle, "
+                   "materialize_stage; or made with respecialize=False): on the sharded model shard_model returned "
+                   "(respecialize=True, the default), call specialize(*inputs) before copying it and run the stages "
+                   "of the plan it returns, or call that sharded model itself")
+
+
 class SpecializationMismatch(InputMismatchError):
     """Inputs another capture of the model could serve: a size or a branch the capture fixed to
     its example's. A sharded model re-specialises on it (``shard_model(respecialize=True)``).
@@ -245,6 +252,16 @@ class SpecializationMismatch(InputMismatchError):
 
     def __reduce__(self) -> tuple:  # (pickled by its message alone, it would add the advice twice)
         return type(self), (self.refusal, self.before_compute, str(self) != self.refusal)
+
+    def where_nothing_captures(self) -> SpecializationMismatch:
+        """This refusal as stages without a specializer raise it (a copy, ``respecialize=False``): its
+        advice to call the sharded model or ``sharded.specialize`` would fail on them (a copy's own raise
+        ``PlanError``), so it names the sharded model they were made from instead (``NO_CAPTURE_HERE``)."""
+        if str(self) == self.refusal:  # the refusal says what serves it already
+            return self
+        again = type(self)(self.refusal + NO_CAPTURE_HERE, self.before_compute, other_capture=False)
+        again.stage = self.stage
+        return again
 
 
 class PipelineSetupError(InvalidArgumentError):

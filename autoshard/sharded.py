@@ -531,11 +531,18 @@ class ShardedModel(FixedDtypes):
     #: ``shard_model`` sets it, None refuses such calls.
     specializer: Any = None
 
+    #: The call the plan was captured for (``autoshard.specialize.CapturedFor``), kept by copies of the
+    #: stages, which keep no specializer; None without example inputs.
+    captured_for: Any = None
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         specializer = self.specializer
         if specializer is not None:
             return specializer.serve(self, args, kwargs)
-        return self.run_stages(args, kwargs)
+        try:
+            return self.run_stages(args, kwargs)
+        except SpecializationMismatch as exc:
+            raise exc.where_nothing_captures() from None
 
     def run_stages(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call of these stages, in order: what ``forward`` runs once it has chosen the plan.
@@ -580,8 +587,7 @@ class ShardedModel(FixedDtypes):
         where there is one (the example's own: these stages). A call refused before is tried again (the model
         may have changed where a call's refusal is not told). Needs ``shard_model(..., respecialize=True)``."""
         if self.specializer is None:
-            raise PlanError("these stages make no specialisations: make them with autoshard.shard_model(model, k, "
-                            "example_inputs, respecialize=True) and keep the model alive")
+            raise PlanError(_NO_SPECIALIZER)
         return self.specializer.plan_for(self, args, kwargs, guard="made ahead with sharded.specialize", retry=True)
 
     def save_plan(self, path: Any) -> Any:
@@ -595,6 +601,15 @@ class ShardedModel(FixedDtypes):
                             "spec for a plan file; make them with autoshard.shard_model(model, k, pipeline=...) "
                             "or autoshard.load_plan, or save autoshard.plan_io.plan_from_program(program, ...)")
         return origin.save(self, path)
+
+
+#: Why stages without a specializer capture nothing, and what does: a copy's own ``specialize`` cannot.
+_NO_SPECIALIZER = (
+    "these stages make no specialisations: a copy of them (copy.deepcopy, a pickle, materialize_stage) keeps "
+    "none, nor do stages made with respecialize=False or without example inputs. Call specialize on the sharded "
+    "model autoshard.shard_model(model, k, example_inputs) (with respecialize=True, the default) or load_plan "
+    "returned, before copying or materialising it, and use the plan it returns "
+    "(materialize_stage(sharded.specialize(*inputs), ...))")
 
 
 def fitted_call(first: fx.GraphModule, model_signature: inspect.Signature | None, args: tuple[Any, ...],

@@ -30,6 +30,7 @@ statistics) twice and move the generator on:
 from __future__ import annotations
 
 import inspect
+import pickle
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -201,6 +202,45 @@ def call_structure(args: tuple[Any, ...], kwargs: dict[str, Any], signature: ins
     return tuple((keystr(path), _described(leaf)) for path, leaf in found)
 
 
+class CapturedFor:
+    """The call a plan was captured for (``call_structure`` of its example), kept on the plan itself
+    (``ShardedModel.captured_for``): a copy of the stages (``copy.deepcopy``, ``materialize_stage``,
+    a pickle) keeps no ``Specializer``, and still serves that call without choosing among plans, as
+    ``pipeline_stage(..., microbatch=)`` asks (``serves_as_captured``)."""
+
+    __slots__ = ("structure",)
+
+    def __init__(self, structure: Any) -> None:
+        self.structure = structure
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CapturedFor:
+        return self  # shapes and constants, never changed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        try:
+            pickle.dumps(self.structure)
+        except Exception:  # noqa: BLE001 - a constant of the example's that cannot be pickled: the copy knows none
+            return type(None), ()
+        return CapturedFor, (self.structure,)
+
+
+def serves_as_captured(plan: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``plan`` was captured for a call of exactly this structure and serves it as things stand
+    (``_serves_now``): what a copy of the stages, which makes no specialisations, may be chosen for."""
+    made = plan.captured_for
+    return (made is not None and made.structure == call_structure(args, kwargs, plan.model_signature)
+            and _serves_now(plan, args, kwargs))
+
+
+def _serves_now(plan: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a plan captured for calls of this structure serves this one now: one whose code chose its
+    path by the grad mode serves that mode only, each serves the autocast state it was captured in, and
+    the attributes of the model its code read as they are now (``StateAtCapture``), and inputs its input
+    guard passes (an export capture's: laid out as its example, contiguous or not, requiring grad or not)."""
+    return (chosen_grad_mode(plan.stages) in (None, torch.is_grad_enabled()) and captured_autocast(plan.stages)
+            == autocast_now() and _read_as_now(plan) and plan.inputs_accepted(args, kwargs))
+
+
 class Specializer:
     """Serves a ``ShardedModel``'s calls, capturing the model again when a guard flips.
 
@@ -294,15 +334,10 @@ class Specializer:
     def made_for(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedModel | None:
         """The plan captured for a call of exactly this structure (``call_structure``: nested shapes and
         constants too), if any: what serves it where no stage may run to choose, or a step must not
-        fall back half-way. One whose code chose its path by the grad mode serves that mode only, each
-        serves the autocast state it was captured in, and the attributes of the model its code read as
-        they are now (``StateAtCapture``), and inputs its input guard passes (an export capture's: laid out as
-        its example, contiguous or not, requiring grad or not)."""
-        key, grad, autocast = self.structure(args, kwargs), torch.is_grad_enabled(), autocast_now()
+        fall back half-way, and which serves it as things stand (``_serves_now``)."""
+        key = self.structure(args, kwargs)
         made = [(self.example, primary)] + [(s.structure, s.sharded) for s in self.specializations]
-        return next((plan for structure, plan in made if structure == key and chosen_grad_mode(plan.stages)
-                     in (None, grad) and captured_autocast(plan.stages) == autocast and _read_as_now(plan)
-                     and plan.inputs_accepted(args, kwargs)), None)
+        return next((plan for structure, plan in made if structure == key and _serves_now(plan, args, kwargs)), None)
 
     def _remember(self, key: ShapeKey, sharded: ShardedModel) -> None:
         """Keep which plans served these shapes, the latest first, for the last ``REMEMBERED_SHAPES`` shapes."""

@@ -3,6 +3,8 @@ of two processes (gloo), whose scenarios the tests then check."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,6 +113,16 @@ def scenarios(rank: int, world: int) -> dict[str, object]:
                        microbatch=(x[:2],))
     except PipelineSetupError as exc:
         found["no specialisations"] = str(exc)
+    copied = copy.deepcopy(sharded)  # as materialize_stage copies: no specializer
+    found["copy, the example's microbatch"] = pipeline_stage(copied, rank, 2, "cpu", microbatch=(x,)) is not None
+    try:
+        pipeline_stage(copied, rank, 2, "cpu", microbatch=(x[:2],))
+    except PipelineSetupError as exc:
+        found["copy, another microbatch"] = str(exc)
+    advised = pipeline_stage(copy.deepcopy(sharded.specialize(x[:2])), rank, 2, "cpu", microbatch=(x[:2],))
+    with torch.no_grad():  # as the refusal says: specialize before copying
+        step = build_schedule(advised, "gpipe", 2).step(*((x,) if rank == 0 else ()))
+    found["copy of the specialisation, step"] = step
 
     try:
         build_schedule(stage, "gpipe", 4 if rank == 0 else 2, loss_fn=model_loss)
@@ -191,6 +203,25 @@ def test_a_microbatch_one_rank_cannot_run_is_refused_on_every_rank(launched):
         assert "no plan serves the microbatch on every rank (rank 1:" in rank["microbatch refused"]
         assert "rank 0:" not in rank["microbatch refused"]
         assert "rank 0: these stages make no specialisations" in rank["no specialisations"]
+
+
+def test_a_copy_of_the_stages_serves_its_examples_microbatch_and_says_how_to_serve_another(launched):
+    """A copy (deepcopy, materialize_stage) makes no specialisations: it is built for a microbatch of
+    its example's shapes, which its own plan serves, and refuses another, saying to specialise the sharded
+    model before copying it (what works: the copy of that specialisation steps as the model computes),
+    not to shard with respecialize=True (the copy's origin was) nor to call the copy."""
+    model, x = branching()
+    with torch.no_grad():
+        expected = torch.cat([model(x[:2]), model(x[2:])])
+    assert torch.equal(launched[1]["copy of the specialisation, step"], expected)
+    for rank in launched:
+        assert rank["copy, the example's microbatch"]
+        refusal = rank["copy, another microbatch"]
+        assert ("these stages make no specialisations (a copy: copy.deepcopy, a pickle, materialize_stage; or made "
+                "with respecialize=False)") in refusal
+        assert ("on the sharded model shard_model (or load_plan) returned, call sharded.specialize(*microbatch) "
+                "before copying or materialising it") in refusal
+        assert "with stages made by shard_model(..., respecialize=True)" not in refusal
 
 
 def _step_flipping_a_branch(rank: int, world: int) -> str:

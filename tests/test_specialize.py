@@ -796,11 +796,24 @@ def test_a_refusal_is_remembered_by_its_tensors_layout_sparse_ones_too():
 
 
 def test_copies_and_pickles_serve_what_their_own_guards_allow():
-    _, sharded = size_branch()
+    """A copy keeps no specializer: its refusals (a call, an offload runner's, its own specialize) say so
+    and to specialise the sharded model before copying it, not to call the copy (what failed) or run
+    its specialize (which raises); doing as they say serves the call. It still knows its example."""
+    model, sharded = size_branch()
+    small = torch.randn(1, 8)
     for copied in (copy.deepcopy(sharded), pickle.loads(pickle.dumps(sharded))):
-        assert copied.specializer is None
-        with pytest.raises(SpecializationMismatch):
-            copied(torch.randn(1, 8))
+        assert copied.specializer is None and copied.captured_for.structure == sharded.captured_for.structure
+        for run in (copied, autoshard.runtime.OffloadRunner(copied, "cpu")):
+            with pytest.raises(SpecializationMismatch, match=r"these stages make no specialisations \(a copy of "
+                                                             r"them: .*call specialize\(\*inputs\) before copying "
+                                                             "it") as refused:
+                run(small)
+            assert OTHER_CAPTURE not in str(refused.value)
+        with pytest.raises(PlanError, match=r"a copy of them \(copy.deepcopy, a pickle, materialize_stage\) keeps "
+                                            r"none.*Call specialize on the sharded model .* before copying"):
+            copied.specialize(small)
+    advised = copy.deepcopy(sharded.specialize(small))
+    assert torch.equal(advised(small), model(small))
 
 
 def test_the_offload_runner_serves_the_specialisations_too():

@@ -22,6 +22,7 @@ from autoshard.lowering.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
 from autoshard.passes.base import Pass, PassContext, ShardProgram
 from autoshard.sharded import WITHOUT_EXAMPLE_KEY, ShardedModel, StagePlan
+from autoshard.specialize import CapturedFor, call_structure
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class EmitPass(Pass):
         sharded = ShardedModel(stages, plan, forward_signature(program.model), run, program.traced.attributes_read,
                                HooksAtCapture(run, called, modules_running_hooks(program.traced.graph_module)),
                                model=program.model)
+        if program.example_inputs is not None:
+            example = program.example_inputs
+            sharded.captured_for = CapturedFor(call_structure(example.args, dict(example.kwargs),
+                                                              sharded.model_signature))
         return dataclasses.replace(program, sharded=sharded)
 
 

@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call
 
-from autoshard.errors import InvalidArgumentTypeError
+from autoshard.errors import InvalidArgumentTypeError, SpecializationMismatch
 from autoshard.isolation import PLAIN_VALUES
 from autoshard.runtime.devices import DeviceLike, resolve_device, retarget_devices
 from autoshard.runtime.rebuild import like, replaced, stage_tensors
@@ -57,7 +57,10 @@ class OffloadRunner:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         specializer = self.sharded.specializer
         if specializer is None:
-            return self.run_stages(args, kwargs)
+            try:
+                return self.run_stages(args, kwargs)
+            except SpecializationMismatch as exc:
+                raise exc.where_nothing_captures() from None
         return specializer.serve(self.sharded, args, kwargs, self._run_plan)
 
     def _run_plan(self, sharded: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -33,6 +33,7 @@ from autoshard.runtime.replay import plan_fingerprint
 from autoshard.runtime.schedule import PLAN_KEY, SIGNATURE_KEY, local_stage_indices
 from autoshard.runtime.wire import Wire, rewire
 from autoshard.sharded import ShardedModel
+from autoshard.specialize import serves_as_captured
 
 
 class PlanStage(PipelineStage):
@@ -125,18 +126,18 @@ def _plan_for_microbatch(sharded: ShardedModel, microbatch: Any, group: dist.Pro
     if not isinstance(microbatch, (tuple, Mapping)):
         problem = (f"microbatch must be a tuple of one microbatch's positional inputs or a dict of its keyword "
                    f"inputs, got {type(microbatch).__name__}")
-    elif sharded.specializer is None:
-        problem = ("these stages make no specialisations, so none can be chosen for the microbatch: make them with "
-                   "shard_model(..., respecialize=True) or load_plan(path, model, example_inputs)")
     else:
         args, kwargs = ((), dict(microbatch)) if isinstance(microbatch, Mapping) else (microbatch, {})
         try:
-            plan = sharded.specializer.settled(sharded, sharded.specializer.plan_for(sharded, args, kwargs),
-                                               (args, kwargs))
+            if sharded.specializer is not None:
+                plan = sharded.specializer.settled(sharded, sharded.specializer.plan_for(sharded, args, kwargs),
+                                                   (args, kwargs))
+            elif not serves_as_captured(sharded, args, kwargs):
+                problem = _no_plan_chosen(sharded, isinstance(microbatch, Mapping))
         except Exception as exc:  # noqa: BLE001 - the model's own error too: every rank must hear of it
             problem = f"{type(exc).__name__}: {exc}"
-    _agree(problem, group, world_size, "no plan serves the microbatch on every rank", "pass every rank the same "
-           "microbatch, one the model accepts, with stages made by shard_model(..., respecialize=True)")
+    _agree(problem, group, world_size, "no plan serves the microbatch on every rank",
+           "pass every rank the same microbatch, one the model accepts")
     return plan
 
 
@@ -171,6 +172,24 @@ def _agree(problem: str | None, group: dist.ProcessGroup | None, world_size: int
     problems = [f"rank {rank}: {text}" for rank, text in enumerate(gathered) if text]
     if problems:
         raise PipelineSetupError(f"{refusal} (" + "; ".join(problems) + f"); {advice}")
+
+
+def _no_plan_chosen(sharded: ShardedModel, by_name: bool) -> str:
+    """Why stages that make no specialisations have no plan for a microbatch other than the call their
+    plan was captured for, and what does: a copy (deepcopy, pickle, ``materialize_stage``) keeps no
+    specializer, so its ``specialize`` and calls cannot capture; the sharded model it was copied from can,
+    before it is copied (sharding again with respecialize=True would hand back another such copy)."""
+    if sharded.captured_for is None:
+        return ("these stages were made without example inputs, so no plan can be chosen for a microbatch: shard "
+                "the model with example_inputs= like one microbatch, or build the stage without microbatch=")
+    call = "sharded.specialize(**microbatch)" if by_name else "sharded.specialize(*microbatch)"
+    return ("these stages make no specialisations (a copy: copy.deepcopy, a pickle, materialize_stage; or made with "
+            "respecialize=False), and their plan was not captured for a microbatch like this one (its shapes and "
+            "constants, the grad mode, the model's settings), the only one they serve without choosing: on the "
+            f"sharded model shard_model (or load_plan) returned, call {call} before copying or materialising it, "
+            "and build the stage from the plan it returns (for a model on the meta device: "
+            f"materialize_stage({call}, stage_index, checkpoint)); or pass a microbatch like the example the "
+            "plan was captured for")
 
 
 def _group_position(group: dist.ProcessGroup | None) -> tuple[int, int]:
