@@ -124,6 +124,16 @@ def scenarios(rank: int, world: int) -> dict[str, object]:
         step = build_schedule(advised, "gpipe", 2).step(*((x,) if rank == 0 else ()))
     found["copy of the specialisation, step"] = step
 
+    model, x, y = regression()  # switched to eval mode after sharding, before the stage is built
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x, y))
+    model.eval()
+    try:
+        pipeline_stage(sharded, rank, 2, "cpu")
+    except PipelineSetupError as exc:
+        found["built after eval"] = str(exc)
+    built = pipeline_stage(sharded, rank, 2, "cpu", microbatch=(x[:2], y[:2]))
+    found["built after eval, for a microbatch"] = built is not None
+
     try:
         build_schedule(stage, "gpipe", 4 if rank == 0 else 2, loss_fn=model_loss)
     except PipelineSetupError as exc:
@@ -222,6 +232,18 @@ def test_a_copy_of_the_stages_serves_its_examples_microbatch_and_says_how_to_ser
         assert ("on the sharded model shard_model (or load_plan) returned, call sharded.specialize(*microbatch) "
                 "before copying or materialising it") in refusal
         assert "with stages made by shard_model(..., respecialize=True)" not in refusal
+
+
+def test_a_stage_built_for_a_model_changed_since_sharding_is_refused_on_every_rank_at_the_build(launched):
+    """Without microbatch= the stage runs the plan itself, which the model in another mode no longer
+    serves: refused when built, on every rank (at the first step rank 0 alone raised, and its peer died
+    with "Connection closed by peer"), naming the change and what serves it, which builds."""
+    for rank in launched:
+        refusal = rank["built after eval"]
+        assert refusal.startswith("the model changed after it was sharded, and this stage's plan no longer serves "
+                                  "it: some of the modules the stage calls were switched to another mode")
+        assert "build the stage with pipeline_stage(..., microbatch=one microbatch's inputs)" in refusal
+        assert rank["built after eval, for a microbatch"]
 
 
 def _step_flipping_a_branch(rank: int, world: int) -> str:

@@ -19,9 +19,11 @@ from torch.distributed.pipelining import PipelineStage
 
 from autoshard.arguments import whole_number
 from autoshard.errors import (
+    InputMismatchError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
     PipelineSetupError,
+    SpecializationMismatch,
     WorldSizeError,
     user_stacklevel,
 )
@@ -174,6 +176,26 @@ def _agree(problem: str | None, group: dist.ProcessGroup | None, world_size: int
         raise PipelineSetupError(f"{refusal} (" + "; ".join(problems) + f"); {advice}")
 
 
+def _check_model_as_captured(sharded: ShardedModel) -> None:
+    """Refuse to build a stage of the plan itself (no ``microbatch=``) for a model whose state rules that
+    plan out already: a module switched to another mode, an attribute its code read set to another value
+    since sharding. The plan's own check runs in the first step on rank 0 alone, while the other ranks
+    wait on it and die with "Connection closed by peer"; here each rank checks its own model, before any
+    collective, once per build (``check_model_state``: a walk over the modules and attributes read)."""
+    try:
+        sharded.check_model_state()
+    except InputMismatchError as exc:
+        refusal = exc.refusal if isinstance(exc, SpecializationMismatch) else str(exc)
+        fix = ("build the stage with pipeline_stage(..., microbatch=one microbatch's inputs), which chooses (or "
+               "captures) the plan serving the model as it is now" if sharded.specializer is not None else
+               "shard the model again as it is now (these stages make no specialisations: a copy, or made with "
+               "respecialize=False)")
+        raise PipelineSetupError(
+            f"the model changed after it was sharded, and this stage's plan no longer serves it: {refusal}. Its "
+            f"first step would fail on the first rank alone; set the model back before building the stage, or "
+            f"{fix}") from exc
+
+
 def _no_plan_chosen(sharded: ShardedModel, by_name: bool) -> str:
     """Why stages that make no specialisations have no plan for a microbatch other than the call their
     plan was captured for, and what does: a copy (deepcopy, pickle, ``materialize_stage``) keeps no
@@ -267,8 +289,12 @@ def pipeline_stage(
             f"{num_stages} stages cannot be spread evenly over {world_size} processes; launch "
             f"{num_stages} processes (or a divisor of {num_stages}) or shard into a multiple of "
             f"{world_size} stages")
-    chosen = (_plan_for_microbatch(sharded, microbatch, group, world_size) if microbatch is not None
-              else _plan_after_first_call(sharded, group, world_size))
+    if microbatch is not None:
+        chosen = _plan_for_microbatch(sharded, microbatch, group, world_size)
+    else:
+        chosen = _plan_after_first_call(sharded, group, world_size)
+        if chosen is sharded:
+            _check_model_as_captured(sharded)
     if chosen is not sharded:
         sharded, layout = chosen, boundary_wires(chosen)  # the values the chosen plan's stages send
     local = local_stage_indices(num_stages, rank, world_size)
