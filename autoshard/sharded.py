@@ -297,12 +297,17 @@ class StateAtCapture:
                     "value chose",
                     before_compute=True)
 
-    def write_back(self) -> None:
+    def write_back(self, as_run: bool = False) -> None:
         """Write what the traced code wrote on the model's settings objects, as a call of the model would
         (a Hugging Face model sets ``config.problem_type`` on its first call with labels): the graph holds
-        no attribute writes, and a later capture would read the old value and take another path."""
+        no attribute writes, and a later capture would read the old value and take another path. ``as_run``:
+        also what the code it runs whole leaves (``AttributeRead.left``), which a served call's own run
+        writes: the model as a call leaves it, where no stage runs (``Specializer.settled``)."""
         for holder, name, value in self.writes:
             setattr(holder, name, value)
+        for read in self.attributes if as_run else ():
+            if read.left is not ABSENT:
+                setattr(read.holder, read.name, read.left)
 
     def moved_by_each_call(self) -> tuple[str, ...]:
         """The attributes each call this capture serves writes back with another value than the one it
@@ -311,7 +316,7 @@ class StateAtCapture:
         return tuple(self._where(holder, name) for holder, name, value in self.writes
                      if not same_constant(value, next(r.contents for r in self.attributes
                                                       if r.holder is holder and r.name == name))) + tuple(
-            self._where(read.holder, read.name) for read in self.attributes if read.moved_in_call)
+            self._where(read.holder, read.name) for read in self.attributes if read.left is not ABSENT)
 
     def unlike(self, other: StateAtCapture) -> tuple[str, ...]:
         """``path=value`` for each attribute this capture read with another value than ``other`` did, the
@@ -513,7 +518,7 @@ class ShardedModel(FixedDtypes):
         """Write on the model's settings what a call of this plan writes there (``config.problem_type``, filled
         in on a Hugging Face classifier's first call with labels: ``StateAtCapture.write_back``), leaving the
         model as such a call leaves it, without running a stage."""
-        self.__dict__["_state_at_capture"].write_back()
+        self.__dict__["_state_at_capture"].write_back(as_run=True)
 
     def fit_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """A call of the model as ``stages[0]`` takes it (see ``fitted_call``): every runtime binds

@@ -513,3 +513,42 @@ def test_a_count_moved_by_code_kept_whole_and_read_after_it_is_checked_never_fro
         with pytest.raises(autoshard.InputMismatchError, match=r"counter\.calls is int \d+ now.*max_specializations"):
             for _ in range(8):
                 sharded(x)
+
+
+class _FillsInItsScale(nn.Module):
+    """Fills in its scale on its first call: it writes its own state, so the plan calls it whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.scale = nn.Linear(8, 8), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            self.scale = 2
+        return self.linear(x)
+
+
+class _ScaledByWhatItsLayerFilledIn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lazy, self.head = _FillsInItsScale(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lazy(x) * self.lazy.scale)
+
+
+def test_a_setting_code_kept_whole_fills_in_once_is_served_by_one_more_plan_and_settles():
+    """Read after the layer filled it in, the scale counted as moving on every call: a pipeline (which runs
+    one plan for every microbatch) refused the model, which takes one more capture and is then served."""
+    torch.manual_seed(0)
+    model, x = _ScaledByWhatItsLayerFilledIn().eval(), torch.randn(2, 8)
+    reference = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    settled = sharded.specializer.settled(sharded, sharded)  # the plan for the model as its first call leaves it
+    assert settled is not sharded and model.lazy.scale == 2 and not settled.attributes_moved_by_each_call()
+    reference(x)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(settled.run_stages((x,), {}), reference(x))
+            assert torch.equal(sharded(x), reference(x))
+    assert len(sharded.specializations) == 1

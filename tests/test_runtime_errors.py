@@ -227,11 +227,15 @@ def test_a_step_whose_microbatches_hold_unequal_numbers_of_labels_warns_its_loss
     padded[0, 1:] = -100  # the first microbatch (rows 0 and 1) holds 7 labels, the second 12
     with pytest.warns(MicrobatchStatisticsWarning, match=r"2 microbatches hold 7, 12 labels other than -100"):
         _BatchShapes(n_microbatches=2, chunked_by_rows=True).check((ids,), {"labels": padded}, padded)
+    with pytest.warns(MicrobatchStatisticsWarning, match=r"hold 7, 12 labels"):  # the labels passed, no target
+        _BatchShapes(n_microbatches=2, chunked_by_rows=True).check((ids,), {"labels": padded}, None)
+    causal = ids.clone()
+    causal[:2, 0] = -100  # 10 and 12 as given, but 10 and 10 as a causal LM scores them (labels[:, 1:])
     padded[2, 1:] = -100  # as many in each: the average of the averages is the batch's
     with warnings.catch_warnings():
         warnings.simplefilter("error", MicrobatchStatisticsWarning)
-        for target in (padded, torch.randn(4, 6), None):
-            _BatchShapes(n_microbatches=2, chunked_by_rows=True).check((ids,), {"labels": padded}, target)
+        for target in (padded, causal, torch.randn(4, 6)):
+            _BatchShapes(n_microbatches=2, chunked_by_rows=True).check((ids,), {"labels": target}, target)
 
 
 def test_a_step_guard_names_each_call_structure_as_the_first_step_of_it_did():

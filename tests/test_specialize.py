@@ -344,6 +344,7 @@ def test_a_call_runs_first_the_plan_that_last_served_its_shapes():
     """A cached plan costs its own guard check: the plans that refused these shapes are not run again."""
     model, sharded = size_branch()
     sharded(torch.randn(1, 8))  # a capture for the other branch
+    sharded(torch.randn(4, 8))  # the first plan served a call alike last: a new size tries it first
     tried = []
 
     def run(plan: autoshard.ShardedModel, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -514,16 +515,20 @@ def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_speci
     assert torch.equal(model.norm.running_mean, twin.norm.running_mean)
 
 
-def test_in_training_mode_a_call_for_new_shapes_is_refused_alike_once_specialisations_exist():
-    """New shapes try the first plan, whose guard fails after stage 0 ran: refused as on the first
-    call (stage 0 holds a buffer), though a specialisation serving them exists."""
+def test_in_training_mode_a_call_for_new_shapes_tries_first_the_plan_that_served_calls_alike():
+    """New shapes try first the plan that last served a call alike but for its sizes: served where it
+    serves them; where its guard fails after stage 0 ran, refused as on the first call (stage 0 holds a
+    buffer), though another plan serving them exists."""
     torch.manual_seed(0)
     model = NormFirst().train()
     model.norm = HoldsABuffer()  # (a batch norm refuses a batch of one in training)
+    twin = copy.deepcopy(model)
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     sharded.specialize(torch.randn(2, 8))
+    x = torch.randn(1, 8)
+    assert torch.equal(sharded(x), twin(x))
     with pytest.raises(SpecializationMismatch, match=r"Call sharded.specialize\(\*args, \*\*kwargs\)"):
-        sharded(torch.randn(1, 8))
+        sharded(torch.randn(5, 8))
     assert len(sharded.specializations) == 1
 
 
@@ -1324,3 +1329,35 @@ def test_a_buffer_written_through_a_view_or_a_draw_from_a_generator_of_its_own_i
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     with pytest.raises(SpecializationMismatch, match="update buffers|draw random"):
         sharded(torch.randn(2, 8))
+
+
+class _BranchesOnADictsLength(nn.Module):
+    """Drops out, then branches on the length of its dict's tensor (a decoder's ``q_len > 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        h = self.b(self.drop(self.a(batch["x"])))
+        if batch["x"].shape[1] > 1:
+            h = h.cumsum(1)
+        return self.c(h)
+
+
+def test_a_dict_of_new_sizes_in_training_tries_first_the_plan_that_served_calls_alike():
+    """Once the tensors inside a dict told plans apart, a batch of a size no plan had served tried the first
+    plan first, whose guard failed after its dropout drew: refused in training mode, though the plan made
+    for such calls (sharded.specialize) serves them (adversarial review)."""
+    torch.manual_seed(0)
+    model = _BranchesOnADictsLength().train()
+    sharded = autoshard.shard_model(model, 2, ({"x": torch.randn(2, 4, 8)},))
+    sharded.specialize({"x": torch.randn(2, 1, 8)})
+    for rows in (2, 3, 5):
+        batch = {"x": torch.randn(rows, 1, 8)}
+        torch.manual_seed(rows)
+        served = sharded(batch)
+        torch.manual_seed(rows)
+        assert torch.equal(served, model(batch))
+    assert len(sharded.specializations) == 1

@@ -85,9 +85,10 @@ class AttributeRead:
     #: a plain value the traced code then wrote there, on a settings object (``if config.problem_type is
     #: None: config.problem_type = ...``), which each call the plan serves writes too; ``ABSENT``: none
     written: Any = ABSENT
-    #: code run whole (a counting module kept whole) changed the value in the call before the traced code
-    #: read it: the next call starts from another value, so it needs another capture
-    moved_in_call: bool = False
+    #: the value code run whole (a module kept whole, counting or filling in a setting) left there in the call
+    #: before the traced code read it, where another than the call started from: the next call starts from
+    #: it, and needs another capture; ``ABSENT``: none
+    left: Any = ABSENT
 
     def content_reads(self, now: Any) -> tuple[list[Read], list[Any]]:
         """The read that tells whether ``now``, the container held where the value was read (a check in
@@ -259,8 +260,8 @@ class AttributeReads:
         if (id(read.holder), read.name) not in self.set_by_runs or not checked_value(read.value):
             return read
         value = looked_up(read.holder, read.name)[1]
-        return replace(read, value=value, contents=copied(value), moved_in_call=not same_constant(value, read.value)
-                       ) if checked_value(value) else read
+        left = ABSENT if same_constant(value, read.value) else read.value
+        return replace(read, value=value, contents=copied(value), left=left) if checked_value(value) else read
 
 
 #: ``type.__flags__``' bit of a class whose attributes cannot be set (a built-in one).

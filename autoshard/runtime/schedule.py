@@ -279,7 +279,7 @@ class _BatchShapes:
                         f"microbatches; PyTorch's pipeline sends buffers sized from the first microbatch, "
                         f"so give a batch whose size is a multiple of {self.n_microbatches}")
         if self.chunked_by_rows and self.n_microbatches > 1:
-            _warn_of_unequal_labels(target, self.n_microbatches)
+            _warn_of_unequal_labels(target if target is not None else kwargs.get("labels"), self.n_microbatches)
         if self.first is None:
             self.first = shapes
             self._warn_of_other_rows(shapes)
@@ -357,11 +357,14 @@ def _warn_of_unequal_labels(target: Any, n_microbatches: int) -> None:
     Face's are), then over the microbatches, is the whole batch's average only where every microbatch
     holds as many labels: the step's gradients silently differed from the unsplit model's (2.4x on
     GPT-2 with padded rows; half, with a loss of nan, where a microbatch held none). One comparison
-    per step, on the rank given the target, and only for an integer target holding -100."""
+    per step, on the rank given the target (or the labels), and only for an integer target holding -100.
+    Counted as given and shifted by one (a causal LM scores ``labels[..., 1:]``): warned where both differ."""
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.dim() == 0:
         return
-    counts = (target != IGNORED_LABEL).reshape(n_microbatches, -1).sum(dim=1).tolist()
-    if len(set(counts)) > 1:
+    labelled = (target != IGNORED_LABEL).reshape(n_microbatches, -1, *target.shape[1:])  # (microbatch, rows, ...)
+    counts = labelled.flatten(1).sum(dim=1).tolist()
+    shifted = labelled[..., 1:].flatten(1).sum(dim=1).tolist() if target.dim() > 1 else counts
+    if len(set(counts)) > 1 and len(set(shifted)) > 1:
         warnings.warn(
             f"the target's {n_microbatches} microbatches hold {', '.join(map(str, counts))} labels other than "
             f"{IGNORED_LABEL} (left out by cross entropy): a loss averaged over each microbatch's labels, then over "
