@@ -575,7 +575,7 @@ class ShardedModel(FixedDtypes):
                     values = stage(*values, **keywords)
                 received, keywords = True, _NO_KEYWORDS
         except SpecializationMismatch as exc:
-            exc.stage = stage  # the stages after it did not run (``specialize.runs_again_the_same``)
+            exc.stage = stage  # the stages after it did not run (``specialize.rerun_of``)
             raise
         return values
 

@@ -368,10 +368,8 @@ class Specializer:
         """Keep which plans served these shapes, and calls alike but for their sizes (``_alike``), the latest
         first, for the last ``REMEMBERED_SHAPES`` keys."""
         for remembered in (key, _alike(key)):
-            served = self._last.pop(remembered, [])
-            self._last[remembered] = [sharded, *(plan for plan in served if plan is not sharded)]
-        while len(self._last) > REMEMBERED_SHAPES:
-            del self._last[next(iter(self._last))]
+            served = self._last.get(remembered, [])
+            _keep_latest(self._last, remembered, [sharded, *(plan for plan in served if plan is not sharded)])
 
     def _refusing(self, key: Any, state: list[Any], message: str) -> InputMismatchError:
         """The refusal of a call no capture serves, remembered for calls like it while the model stays as
@@ -382,10 +380,7 @@ class Specializer:
 
     def _remember_refusal(self, key: Any, state: list[Any], refusal: InputMismatchError | None) -> None:
         """Keep the refusal of a call (None: the model itself raised on it) for the last ``REMEMBERED_SHAPES``."""
-        self._refused.pop(key, None)
-        self._refused[key] = (state, refusal)
-        if len(self._refused) > REMEMBERED_SHAPES:
-            del self._refused[next(iter(self._refused))]
+        _keep_latest(self._refused, key, (state, refusal))
 
     def _limit_reached(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
                        guard: str) -> InputMismatchError:
@@ -551,6 +546,14 @@ class Specializer:
         return sharded
 
 
+def _keep_latest(kept: dict[Any, Any], key: Any, value: Any) -> None:
+    """``kept[key] = value`` as the latest entry, the oldest dropped past ``REMEMBERED_SHAPES``."""
+    kept.pop(key, None)
+    kept[key] = value
+    while len(kept) > REMEMBERED_SHAPES:
+        del kept[next(iter(kept))]
+
+
 def _first_to_try(served: list[ShardedModel]) -> ShardedModel:
     """Of the plans that served a call's key (the latest first), the one whose check of the model's
     state passes as it stands: a setting switched between calls runs the plan made for it, without a
@@ -616,14 +619,6 @@ def _read_as_now(sharded: ShardedModel) -> bool:
     return True
 
 
-def runs_again_the_same(sharded: ShardedModel, last: nn.Module | None = None) -> bool:
-    """Whether running these stages twice, up to ``last`` (all where None), leaves what running them
-    once leaves: none draws random numbers or updates a buffer: in training mode, any it holds
-    (batch-norm statistics); in eval mode, one its code writes in place (``self.steps.add_(1)``) or
-    a module in training mode holds. (``Rerun`` of one walk of their nodes: ``Specializer`` keeps it.)"""
-    return rerun_of(sharded, last).holds()
-
-
 #: A ``call_module`` node of a stage, with its facts.
 _ModuleCall = tuple[torch.fx.GraphModule, torch.fx.Node, NodeFacts | None]
 
@@ -640,7 +635,10 @@ class Rerun:
     called: tuple[_ModuleCall, ...] = ()
 
     def holds(self) -> bool:
-        """``runs_again_the_same`` with the modules' modes as they are now."""
+        """Whether running these stages twice leaves what running them once leaves, with the modules' modes
+        as they are now: none draws random numbers or updates a buffer (in training mode, any it holds:
+        batch-norm statistics; in eval mode, one its code writes in place, ``self.steps.add_(1)``, or a
+        module in training mode holds)."""
         return self.same and not any(_draws(stage, node, facts) or _updates_buffers(stage, node, facts, set())
                                      for stage, node, facts in self.called)
 
