@@ -241,17 +241,20 @@ class SpecializationMismatch(InputMismatchError):
     stages in turn, as the README does, meets it, as a sharded model re-specialises before its
     caller sees one; ``other_capture=False`` leaves that out where it is what failed. ``refusal``
     is the message without it. ``stage``: the stage module that raised it, where the runner says
-    (those after it did not run)."""
+    (those after it did not run); ``site``: where the model's code relied on what the check that
+    raised it checks, which names the check in its stage's graph (nodes after it did not run)."""
 
     stage: Any = None
 
-    def __init__(self, refusal: str, before_compute: bool = False, other_capture: bool = True) -> None:
+    def __init__(self, refusal: str, before_compute: bool = False, other_capture: bool = True,
+                 site: str | None = None) -> None:
         super().__init__(refusal + (OTHER_CAPTURE if other_capture else ""))
         self.refusal = refusal
         self.before_compute = before_compute
+        self.site = site
 
     def __reduce__(self) -> tuple:  # (pickled by its message alone, it would add the advice twice)
-        return type(self), (self.refusal, self.before_compute, str(self) != self.refusal)
+        return type(self), (self.refusal, self.before_compute, str(self) != self.refusal, self.site)
 
     def where_nothing_captures(self) -> SpecializationMismatch:
         """This refusal as stages without a specializer raise it (a copy, ``respecialize=False``): its
@@ -259,7 +262,7 @@ class SpecializationMismatch(InputMismatchError):
         ``PlanError``), so it names the sharded model they were made from instead (``NO_CAPTURE_HERE``)."""
         if str(self) == self.refusal:  # the refusal says what serves it already
             return self
-        again = type(self)(self.refusal + NO_CAPTURE_HERE, self.before_compute, other_capture=False)
+        again = type(self)(self.refusal + NO_CAPTURE_HERE, self.before_compute, other_capture=False, site=self.site)
         again.stage = self.stage
         return again
 

@@ -43,7 +43,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
 from autoshard.capture.attribute_reads import checked_value, copied
 from autoshard.capture.eager import check_model_runs
-from autoshard.capture.guard import autocast_now, captured_autocast, chosen_grad_mode
+from autoshard.capture.guard import autocast_now, captured_autocast, check_site, chosen_grad_mode
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.capture.structure import same_constant
@@ -430,7 +430,7 @@ class Specializer:
         """Refuse to run stages again after some computed, where that is not the same as running them
         once: buffers they update in place (batch-norm statistics, a step counter) would be updated
         twice, random draws (dropout, sampling) would move the generator on."""
-        if not exc.before_compute and not self._rerun(tried, exc.stage).holds():
+        if not exc.before_compute and not self._rerun(tried, exc.stage, exc.site).holds():
             raise SpecializationMismatch(
                 f"{exc.refusal}. Stages that update buffers (in training mode: that hold any) or draw random "
                 "numbers are not run again for new inputs once some have computed (the buffers would be updated "
@@ -438,11 +438,11 @@ class Specializer:
                 "call (any buffers they update are updated). Call sharded.specialize(*args, **kwargs) with inputs "
                 "like these before such calls", other_capture=False) from exc
 
-    def _rerun(self, tried: ShardedModel, last: nn.Module | None) -> Rerun:
-        """``rerun_of(tried, last)``, walked once per plan and stage and kept."""
-        found = self._reruns.get((tried, last))
+    def _rerun(self, tried: ShardedModel, last: nn.Module | None, site: str | None) -> Rerun:
+        """``rerun_of(tried, last, site)``, walked once per plan, stage and check and kept."""
+        found = self._reruns.get((tried, last, site))
         if found is None:
-            found = self._reruns[tried, last] = rerun_of(tried, last)
+            found = self._reruns[tried, last, site] = rerun_of(tried, last, site)
         return found
 
     def _specialized(self, primary: ShardedModel, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -643,15 +643,18 @@ class Rerun:
                                      for stage, node, facts in self.called)
 
 
-def rerun_of(sharded: ShardedModel, last: nn.Module | None = None) -> Rerun:
-    """The ``Rerun`` of ``sharded``'s stages up to ``last`` (all where None)."""
+def rerun_of(sharded: ShardedModel, last: nn.Module | None = None, site: str | None = None) -> Rerun:
+    """The ``Rerun`` of ``sharded``'s stages up to ``last`` (all where None), and in ``last`` of its nodes
+    up to the check of ``site`` (``guard.check_site``; all where None): a check ``check_order`` moved to
+    the start of the first stage refuses a call before anything computed."""
     training = sharded.plan.training
     called: list[_ModuleCall] = []
     for stage in sharded.stages:
-        if training and any(True for _ in stage.buffers()):
+        nodes = _up_to_check(stage, site) if stage is last else list(stage.graph.nodes)
+        if training and any(_holds_buffers(stage, node) for node in nodes):
             return Rerun(False)
         held: set[str] = set()  # the nodes that are a weight or buffer of the stage, or a view of one
-        for node in stage.graph.nodes:
+        for node in nodes:
             facts = node_facts(node)
             first = node.args[0] if node.args else None
             if node.op == "get_attr" or (facts is not None and facts.aliases_input and isinstance(first, torch.fx.Node)
@@ -664,6 +667,26 @@ def rerun_of(sharded: ShardedModel, last: nn.Module | None = None) -> Rerun:
         if stage is last:
             break
     return Rerun(True, tuple(called))
+
+
+def _up_to_check(stage: torch.fx.GraphModule, site: str | None) -> list[torch.fx.Node]:
+    """``stage``'s nodes before its last check of ``site`` (all where it has none): where one of several
+    checks of the same site refused, the last is the furthest the stage may have run."""
+    nodes = list(stage.graph.nodes)
+    return nodes[:max((i for i, node in enumerate(nodes) if site is not None and check_site(node) == site),
+                      default=len(nodes))]
+
+
+def _holds_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` reads a buffer of ``stage`` or calls a module holding one: in training mode, what
+    may update it (batch-norm statistics)."""
+    if node.op == "get_attr":
+        owner, _, name = str(node.target).rpartition(".")
+        try:
+            return name in stage.get_submodule(owner)._buffers
+        except AttributeError:  # not a module's attribute (a constant's)
+            return False
+    return node.op == "call_module" and any(True for _ in stage.get_submodule(str(node.target)).buffers())
 
 
 def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: NodeFacts | None) -> bool:

@@ -14,6 +14,7 @@ from conftest import FillsInItsProblemType
 from torch import nn
 
 import autoshard
+from autoshard.capture.guard import check_condition
 from autoshard.errors import OTHER_CAPTURE, EmptyStageError, InputMismatchError, PlanError, SpecializationMismatch
 from autoshard.runtime.replay import serving_plan
 from autoshard.specialize import SpecializationLimitWarning, Specializer, _tensor_facts, holders
@@ -470,8 +471,9 @@ def test_a_plan_refused_after_a_stage_computed_is_walked_once_for_what_running_i
         sharded.specializer.serve(sharded, (short,), {}, run=run)
     (plan, stage, before_compute), = set(refusals)
     assert len(refusals) == 3 and plan is sharded and not before_compute
-    up_to = list(sharded.stages)[:list(sharded.stages).index(stage) + 1]
-    assert len(walked) == sum(len(each.graph.nodes) for each in up_to)  # one walk
+    before = list(sharded.stages)[:list(sharded.stages).index(stage)]
+    check = max(i for i, node in enumerate(stage.graph.nodes) if node.target is check_condition)
+    assert len(walked) == sum(len(each.graph.nodes) for each in before) + check  # one walk, up to the check
 
 
 def test_a_call_served_by_the_one_plan_made_for_its_key_checks_the_models_state_once(monkeypatch):

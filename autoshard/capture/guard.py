@@ -269,7 +269,7 @@ def check_condition(actual: Any, expected: bool, condition: str) -> None:
     if (not actual) if expected else actual:
         raise SpecializationMismatch(
             f"{condition} is {not expected} for these inputs, but was {expected} when the sharded plan "
-            "was captured; shard the model again with an example input like these")
+            "was captured; shard the model again with an example input like these", site=condition)
 
 
 #: The pipeline whose fx capture keeps code that needs a size's value whole, and the size free.
@@ -289,7 +289,8 @@ def check_asserted(condition: Any, message: str) -> None:
         asserted = message.removeprefix("Runtime assertion failed for expression ")
         raise SpecializationMismatch(
             f"these inputs break a condition the model's code asserted of the example's (torch.export kept the "
-            f"check: {asserted}); the model may refuse them too; shard the model again with an example like these")
+            f"check: {asserted}); the model may refuse them too; shard the model again with an example like these",
+            site=message)
 
 
 def check_pinned_size(size: int, expected: int, site: str, top_level: bool = False) -> None:
@@ -302,7 +303,20 @@ def check_pinned_size(size: int, expected: int, site: str, top_level: bool = Fal
         raise SpecializationMismatch(
             f"the code at {site} turns a size into a Python number, which fixed it to {expected} when the "
             f"sharded plan was captured, and these inputs make it {size}; shard again with an example of this "
-            f"size, or, if the model serves other sizes, {free}pipeline='{FREE_SIZES_PIPELINE}'")
+            f"size, or, if the model serves other sizes, {free}pipeline='{FREE_SIZES_PIPELINE}'", site=site)
+
+
+#: The checks a capture leaves where the model's code relied on its example's sizes or values, by the
+#: position of the argument saying where (the site, which the refusal carries): ``check_order`` runs them
+#: as early as what they read allows, and ``specialize.rerun_of`` walks a refusing stage up to its check.
+CHECK_SITE_ARGUMENT: dict[Callable[..., None], int] = {check_condition: 2, check_asserted: 1, check_pinned_size: 2}
+
+
+def check_site(node: torch.fx.Node) -> str | None:
+    """The site of the check ``node`` calls (``CHECK_SITE_ARGUMENT``), or None where it calls none."""
+    if node.op != "call_function" or node.target not in CHECK_SITE_ARGUMENT:
+        return None
+    return node.args[CHECK_SITE_ARGUMENT[node.target]]
 
 
 def check_grad_mode(captured: bool, site: str) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar, Literal
 
+from autoshard.capture.check_order import hoist_checks
 from autoshard.capture.eager import check_model_runs
 from autoshard.passes.annotate import annotated_copy
 from autoshard.costs.execution import resolve_mode
@@ -45,5 +46,7 @@ class ShapePropPass(Pass):
                 check_model_runs(program.model, inputs.args, inputs.kwargs)  # its own error says more
             raise
         annotated = annotated_copy(traced.graph_module, program.model, facts=facts)
+        hoist_checks(annotated)  # as early as the facts show their conditions may run
+        annotated.recompile()
         return dataclasses.replace(program, traced=dataclasses.replace(traced, graph_module=annotated),
                                    facts=MappingProxyType(facts))

@@ -1,0 +1,151 @@
+"""A check on the inputs' sizes runs as early as what it reads allows (``capture.check_order``), so a call it
+refuses has computed nothing: in training mode, one on another plan updates batch-norm statistics once."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.capture.guard import CHECK_SITE_ARGUMENT, check_condition
+
+
+def _checks(stage: nn.Module) -> list[str]:
+    return [node.name for node in stage.graph.nodes if node.target in CHECK_SITE_ARGUMENT]
+
+
+def _first_compute(stage: nn.Module) -> int:
+    return next(i for i, node in enumerate(stage.graph.nodes) if node.op == "call_module")
+
+
+def _position(stage: nn.Module, name: str) -> int:
+    return next(i for i, node in enumerate(stage.graph.nodes) if node.name == name)
+
+
+class NormThenBranch(nn.Module):
+    """Branches on the batch size after its batch norm, in the stage after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.mid, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.norm(self.first(x)))
+        if x.shape[0] > 4:
+            h = h * 2
+        return self.last(h).sum()
+
+
+def _served_as_the_model(model: nn.Module, example: torch.Tensor, call: torch.Tensor,
+                         **options: object) -> autoshard.ShardedModel:
+    """Shard ``model`` in training mode for ``example``, call it on ``call``, and check the output and the
+    batch-norm statistics against the model's own call."""
+    torch.manual_seed(0)
+    reference = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (example,), **options)
+    assert torch.equal(sharded(call), reference(call))
+    for mine, theirs in zip(model.buffers(), reference.buffers()):
+        assert torch.equal(mine, theirs)  # updated once, as by the model's call
+    return sharded
+
+
+def test_a_branch_on_the_inputs_size_after_a_batch_norm_is_checked_first_and_served_in_training_mode():
+    """The check sat in stage 1, after stage 0's batch norm had run: another batch size was refused
+    (the statistics would have moved twice), and the input crossed the boundary for the check alone."""
+    torch.manual_seed(0)
+    sharded = _served_as_the_model(NormThenBranch().train(), torch.randn(8, 4), torch.randn(2, 4),
+                                   cut_before=["mid"])
+    first, second = sharded.stages
+    (check,) = _checks(first)
+    assert _position(first, check) < _first_compute(first) and not _checks(second)
+    assert [node.name for node in second.graph.nodes if node.op == "placeholder"] == ["norm"]  # x stays
+    assert len(sharded.specializations) == 1
+
+
+class CheckAfterALayer(nn.Module):
+    """Branches on a layer's output, computed before the batch norm of the same stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm, self.last = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        g = self.norm(h)
+        if h.shape[0] > 4:
+            g = g * 2
+        return self.last(g).sum()
+
+
+def test_a_check_on_a_layers_output_runs_before_the_batch_norm_after_that_layer():
+    """Running the stage again up to the check runs no batch norm, so a refused call is served: only the
+    nodes before the refusing check count (``specialize.rerun_of``), not the whole stage."""
+    torch.manual_seed(0)
+    sharded = _served_as_the_model(CheckAfterALayer().train(), torch.randn(8, 4), torch.randn(2, 4),
+                                   cut_before=["last"])
+    stage = sharded.stages[0]
+    (check,) = _checks(stage)
+    assert _position(stage, "first") < _position(stage, check) < _position(stage, "norm")
+
+
+class UnsqueezesInPlace(nn.Module):
+    """Changes a value's sizes in place before branching on them: the check cannot go before the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.unsqueeze_(0)
+        if h.shape[0] > 1:
+            h = h * 2
+        return self.b(h)
+
+
+def test_a_check_stays_after_a_write_that_changes_the_sizes_it_reads():
+    torch.manual_seed(0)
+    model = UnsqueezesInPlace()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(3, 4),))
+    for batch in (3, 5):
+        x = torch.randn(batch, 4)
+        assert torch.equal(sharded(x), model(x))
+    assert not sharded.specializations  # the condition is False for every batch size
+    stage = next(stage for stage in sharded.stages if _checks(stage))
+    (check,) = _checks(stage)
+    written = next(node.name for node in stage.graph.nodes if node.target == "unsqueeze_")
+    assert _position(stage, written) < _position(stage, check)
+
+
+class PinsTheBatchSize(nn.Module):
+    """Turns the batch size into a number after its batch norm (``int(...)``): a pinned size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm, self.last = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.first(x))
+        scale = torch.full((int(x.shape[0]), 1), 0.5)
+        return self.last(h * scale).sum()
+
+
+def test_a_pinned_size_is_checked_before_anything_computes():
+    torch.manual_seed(0)
+    sharded = _served_as_the_model(PinsTheBatchSize().train(), torch.randn(8, 4), torch.randn(2, 4),
+                                   cut_before=["last"])
+    stage = sharded.stages[0]
+    (check,) = _checks(stage)
+    assert _position(stage, check) < _first_compute(stage)
+
+
+def test_a_check_sits_where_it_was_without_the_facts_saying_what_holds_no_tensor():
+    """A pipeline without ``shape-prop`` knows no value to be other than a tensor: nothing moves."""
+    torch.manual_seed(0)
+    model = NormThenBranch().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(8, 4),), cut_before=["mid"],
+                                    pipeline="trace,build-dag,linearize,split,emit")
+    assert [node.target for node in sharded.stages[1].graph.nodes].count(check_condition) == 1
