@@ -67,6 +67,12 @@ def keywords_named(function: Callable[..., T]) -> Callable[..., T]:
     return checked
 
 
+def amount(value: float) -> str:
+    """``11,328``; a fraction of one as it is (``0.001``), which ``,.0f`` shows as 0 (a budget of 1e-3 bytes
+    read "max_memory[0] is 0")."""
+    return f"{value:.3g}" if 0 < abs(value) < 1 else f"{value:,.0f}"
+
+
 def plural(count: float, noun: str) -> str:
     """``1 stage``, ``2 stages``: a count with its noun, so no message reads ``at most 1 stages``."""
     shown = f"{count:,.0f}"  # the noun agrees with the number as written: 1.2 bytes reads "1 byte"
@@ -226,9 +232,12 @@ OTHER_CAPTURE = ("; or, where the model was sharded with respecialize=True (the 
                  "which captures the model again for them, or run the stages of sharded.specialize(*inputs).stages")
 
 
+#: Which stages capture nothing again, said alike wherever that is why a call or a build is refused.
+NO_SPECIALISATIONS = ("these stages make no specialisations (a copy of them: copy.deepcopy, a pickle, "
+                      "materialize_stage; or made with respecialize=False)")
+
 #: The end of a ``SpecializationMismatch``'s message from stages that capture nothing again.
-NO_CAPTURE_HERE = ("; these stages make no specialisations (a copy of them: copy.deepcopy, a pickle, "
-                   "materialize_stage; or made with respecialize=False): on the sharded model shard_model returned "
+NO_CAPTURE_HERE = (f"; {NO_SPECIALISATIONS}: on the sharded model shard_model returned "
                    "(respecialize=True, the default), call specialize(*inputs) before copying it and run the stages "
                    "of the plan it returns, or call that sharded model itself")
 

@@ -30,7 +30,8 @@ from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured,
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
 from autoshard.emit import HELD_STATE
-from autoshard.errors import InputMismatchError, PlanError, SpecializationMismatch, brief, first_few, shown
+from autoshard.errors import (
+    NO_SPECIALISATIONS, InputMismatchError, PlanError, SpecializationMismatch, brief, first_few, shown)
 from autoshard.graph.partition import SplitInfo
 
 _training = operator.attrgetter("training")
@@ -610,8 +611,7 @@ class ShardedModel(FixedDtypes):
 
 #: Why stages without a specializer capture nothing, and what does: a copy's own ``specialize`` cannot.
 _NO_SPECIALIZER = (
-    "these stages make no specialisations: a copy of them (copy.deepcopy, a pickle, materialize_stage) keeps "
-    "none, nor do stages made with respecialize=False or without example inputs. Call specialize on the sharded "
+    f"{NO_SPECIALISATIONS}, nor do stages made without example inputs. Call specialize on the sharded "
     "model autoshard.shard_model(model, k, example_inputs) (with respecialize=True, the default) or load_plan "
     "returned, before copying or materialising it, and use the plan it returns "
     "(materialize_stage(sharded.specialize(*inputs), ...))")

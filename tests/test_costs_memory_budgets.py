@@ -320,6 +320,13 @@ def test_a_refusal_names_the_stage_furthest_over_and_the_others_over():
     assert all(f"stage {j} by {totals[j] - budget:,.0f}" in message for j in range(4) if j != worst)
 
 
+def test_a_budget_below_one_byte_is_named_as_given():
+    """It read "max_memory[0] is 0" (formatted as a whole number of bytes)."""
+    model, x = activation_heavy_chain()
+    with pytest.raises(InfeasibleSplitError, match=r"but max_memory\[\d\] is 0\.001: "):
+        autoshard.shard_model(model, 2, example_inputs=(x,), max_memory=1e-3)
+
+
 @pytest.mark.parametrize("max_memory, message", [
     (0, r"max_memory must be finite and > 0, got 0"),  # one number for every stage: no index to name
     (-1, r"max_memory must be finite and > 0, got -1"),

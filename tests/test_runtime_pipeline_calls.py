@@ -13,7 +13,7 @@ from conftest import FillsInItsProblemType, Masked, StackedLSTMs
 from torch import nn
 
 import autoshard
-from autoshard.errors import InputMismatchError, PipelineSetupError, SpecializationMismatch
+from autoshard.errors import NO_SPECIALISATIONS, InputMismatchError, PipelineSetupError, SpecializationMismatch
 from autoshard.runtime import TiedGradients, build_schedule, check_pipeline_step, model_loss, pipeline_stage, run_local
 
 LAUNCH_DEADLINE_S = 300
@@ -227,8 +227,7 @@ def test_a_copy_of_the_stages_serves_its_examples_microbatch_and_says_how_to_ser
     for rank in launched:
         assert rank["copy, the example's microbatch"]
         refusal = rank["copy, another microbatch"]
-        assert ("these stages make no specialisations (a copy: copy.deepcopy, a pickle, materialize_stage; or made "
-                "with respecialize=False)") in refusal
+        assert NO_SPECIALISATIONS in refusal
         assert ("on the sharded model shard_model (or load_plan) returned, call sharded.specialize(*microbatch) "
                 "before copying or materialising it") in refusal
         assert "with stages made by shard_model(..., respecialize=True)" not in refusal

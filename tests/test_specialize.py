@@ -816,8 +816,9 @@ def test_copies_and_pickles_serve_what_their_own_guards_allow():
                                                              "it") as refused:
                 run(small)
             assert OTHER_CAPTURE not in str(refused.value)
-        with pytest.raises(PlanError, match=r"a copy of them \(copy.deepcopy, a pickle, materialize_stage\) keeps "
-                                            r"none.*Call specialize on the sharded model .* before copying"):
+        with pytest.raises(PlanError, match=r"a copy of them: copy.deepcopy, a pickle, materialize_stage; or made with "
+                                            r"respecialize=False\), nor do stages made without example inputs.*"
+                                            r"Call specialize on the sharded model .* before copying"):
             copied.specialize(small)
     advised = copy.deepcopy(sharded.specialize(small))
     assert torch.equal(advised(small), model(small))

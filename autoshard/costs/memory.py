@@ -62,7 +62,7 @@ from autoshard.costs.memory_model import MemoryModel, Weight, is_parameter
 from autoshard.costs.recompute import (
     RecomputedBackward, block_path, checkpoint_regions, checkpointed_kept, recomputed_backward)
 from autoshard.costs.ties import weight_payers
-from autoshard.errors import InfeasibleSplitError, plural
+from autoshard.errors import InfeasibleSplitError, amount, plural
 from autoshard.graph.partition import boundary_values
 
 
@@ -949,7 +949,7 @@ def memory_shortfall(stages: Sequence[StageMemory], max_memory: Sequence[float])
     short, stage, budget = max(over, key=lambda o: (o[0], -o[1].stage))
     others = [f"stage {s.stage} by {lack:,.0f}" for lack, s, _ in over if s is not stage]
     return (f"stage {stage.stage} needs {stage.total:,.0f} bytes ({stage.parts()}) "
-            f"but max_memory[{stage.stage}] is {budget:,.0f}: {plural(short, 'byte')} short"
+            f"but max_memory[{stage.stage}] is {amount(budget)}: {plural(short, 'byte')} short"
             f"{' (also over: ' + ', '.join(others) + ')' if others else ''}; "
             f"raise the budget, add stages or lower the batch")
 

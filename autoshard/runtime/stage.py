@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from autoshard.arguments import whole_number
 from autoshard.errors import (
+    NO_SPECIALISATIONS,
     InputMismatchError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -188,8 +189,7 @@ def _check_model_as_captured(sharded: ShardedModel) -> None:
         refusal = exc.refusal if isinstance(exc, SpecializationMismatch) else str(exc)
         fix = ("build the stage with pipeline_stage(..., microbatch=one microbatch's inputs), which chooses (or "
                "captures) the plan serving the model as it is now" if sharded.specializer is not None else
-               "shard the model again as it is now (these stages make no specialisations: a copy, or made with "
-               "respecialize=False)")
+               f"shard the model again as it is now ({NO_SPECIALISATIONS})")
         raise PipelineSetupError(
             f"the model changed after it was sharded, and this stage's plan no longer serves it: {refusal}. Its "
             f"first step would fail on the first rank alone; set the model back before building the stage, or "
@@ -205,8 +205,7 @@ def _no_plan_chosen(sharded: ShardedModel, by_name: bool) -> str:
         return ("these stages were made without example inputs, so no plan can be chosen for a microbatch: shard "
                 "the model with example_inputs= like one microbatch, or build the stage without microbatch=")
     call = "sharded.specialize(**microbatch)" if by_name else "sharded.specialize(*microbatch)"
-    return ("these stages make no specialisations (a copy: copy.deepcopy, a pickle, materialize_stage; or made with "
-            "respecialize=False), and their plan was not captured for a microbatch like this one (its shapes and "
+    return (f"{NO_SPECIALISATIONS}, and their plan was not captured for a microbatch like this one (its shapes and "
             "constants, the grad mode, the model's settings), the only one they serve without choosing: on the "
             f"sharded model shard_model (or load_plan) returned, call {call} before copying or materialising it, "
             "and build the stage from the plan it returns (for a model on the meta device: "

@@ -31,7 +31,7 @@ import networkx as nx
 from autoshard.costs.split_search.program_order import JUDGEMENT_LIMIT, SearchGaveUp, serves, splits_in_order
 from autoshard.costs.split_search.request import SplitRequest
 from autoshard.costs.ties import TiePlacement, charged_apart, tie_placements
-from autoshard.errors import InfeasibleSplitError
+from autoshard.errors import InfeasibleSplitError, amount
 from autoshard.graph import Partition, SplitInfo, split_dag, total_boundary_bytes
 from autoshard.graph.constraints import ACTIVATION_MEMORY
 from autoshard.graph.linearize import program_order
@@ -326,4 +326,4 @@ def shortfall(request: SplitRequest, found: Attempt) -> str:
         return memory.shortfall(found.partition.assignment, budgets)
     j = next(j for j, (need, budget) in enumerate(zip(found.memory, budgets)) if need > budget)
     return (f"stage {j} needs {found.memory[j]:,.0f} under memory-cost {memory.name!r} but max_memory[{j}] "
-            f"is {budgets[j]:,.0f}: {found.memory[j] - budgets[j]:,.0f} short; raise the budget or add stages")
+            f"is {amount(budgets[j])}: {found.memory[j] - budgets[j]:,.0f} short; raise the budget or add stages")
