@@ -7,7 +7,8 @@ batch-norm statistics, so the call cannot be run again on another plan (``specia
 and the input the check reads crossed every boundary up to it, for the check alone. Moved to just
 after the last tensor its condition is computed from (the model's input, here), the check runs in
 the first stage, before anything computes; the sizes it reads are the same there, since no node in
-between writes that tensor.
+between writes that tensor (or one sharing its memory: a view of it, or the tensor itself under another
+node, ``h.contiguous()``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import torch
 import torch.fx as fx
 
 from autoshard.capture.guard import CHECK_SITE_ARGUMENT
-from autoshard.costs.facts import node_facts
-from autoshard.fx_helpers import writes_in_place
 from autoshard.lowering.from_fx import holds_tensor
+from autoshard.lowering.inplace import memory_root, written_inputs
 
 #: Functions computing a value that is not a tensor from others without side effects (a size's arithmetic,
 #: comparisons, reading ``x.shape``): a check's condition may be computed anywhere after its operands.
@@ -35,6 +35,13 @@ _PURE_FUNCTIONS = frozenset({
 #: Tensor methods reading metadata only.
 _PURE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension", "stride", "is_contiguous",
                            "is_floating_point", "element_size"})
+#: torch.export's operators reading a tensor's metadata only. Not every operator that returns no tensor and
+#: writes nothing: ``aten.item`` reads the data, which a write through a view of the tensor may change after
+#: the tensor's own node (moved before that write, the value and everything computed from it would differ).
+_PURE_OPERATORS = frozenset({
+    torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+    torch.ops.aten.sym_storage_offset.default,
+})
 
 
 def _pure_non_tensor(node: fx.Node) -> bool:
@@ -45,9 +52,7 @@ def _pure_non_tensor(node: fx.Node) -> bool:
         return node.target in _PURE_METHODS
     if node.op != "call_function":
         return False
-    if isinstance(node.target, torch._ops.OpOverload):  # torch.export's ``aten.sym_size.int``
-        return not node.target._schema.is_mutable
-    return node.target in _PURE_FUNCTIONS
+    return node.target in _PURE_FUNCTIONS or node.target in _PURE_OPERATORS
 
 
 def _condition_and_operands(check: fx.Node, position: dict[fx.Node, int]) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -68,29 +73,30 @@ def _condition_and_operands(check: fx.Node, position: dict[fx.Node, int]) -> tup
     return sorted(computing, key=position.__getitem__), list(operands)
 
 
-def _writes(gm: fx.GraphModule, node: fx.Node, operands: list[fx.Node]) -> bool:
-    """Whether ``node`` may write in place (so change the sizes of) one of ``operands``: by what it calls
-    (``h.unsqueeze_(0)``), or as the example's run saw it (a module kept whole writing its input)."""
-    if node.args and node.args[0] in operands and writes_in_place(gm, node):
-        return True
-    facts = node_facts(node)
-    return facts is not None and any(operand.name in facts.written_inputs for operand in operands)
+def _writes(gm: fx.GraphModule, node: fx.Node, roots: set[fx.Node]) -> bool:
+    """Whether ``node`` may write in place (so change the sizes of) a tensor whose memory is one of ``roots``
+    (``inplace.memory_root``): one of the operands, or a node that may be the same tensor or a view of it
+    (``g = h.contiguous()`` is ``h``: ``g.unsqueeze_(0)`` changes ``h``'s sizes), by what it calls or as
+    the example's run saw it (a module kept whole writing its input, or a tensor of a list it is given)."""
+    return any(memory_root(gm, written) in roots for written in written_inputs(gm, node))
 
 
 def hoist_checks(gm: fx.GraphModule) -> None:
     """Move each of ``gm``'s checks (``CHECK_SITE_ARGUMENT``), with the nodes computing its condition, to
-    just after the last of the placeholders, the condition's operands and the nodes that write one of them
-    in place. Needs ``shape-prop``'s facts: a node not known to hold no tensor is an operand, as is a value
-    computed otherwise than by ``_PURE_FUNCTIONS`` and ``_PURE_METHODS``, so without them nothing moves."""
+    just after the last of the placeholders, the condition's operands and the nodes that may write one of
+    them (or a tensor sharing its memory) in place. Needs ``shape-prop``'s facts: a node not known to hold no
+    tensor is an operand, as is a value computed otherwise than by ``_PURE_FUNCTIONS``, ``_PURE_METHODS``
+    and ``_PURE_OPERATORS``, so without them nothing moves."""
     graph = gm.graph
     for check in [n for n in graph.nodes if n.op == "call_function" and n.target in CHECK_SITE_ARGUMENT]:
         position = {node: i for i, node in enumerate(graph.nodes)}
         computing, operands = _condition_and_operands(check, position)
+        roots = {memory_root(gm, operand) for operand in operands}
         after = None
         for node in graph.nodes:
             if node is check:
                 break
-            if node.op == "placeholder" or node in operands or _writes(gm, node, operands):
+            if node.op == "placeholder" or node in operands or _writes(gm, node, roots):
                 after = node
         if after is None:
             continue

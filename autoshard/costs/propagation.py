@@ -33,12 +33,27 @@ def _aliases_first_input(call: NodeCall, value: Any) -> bool:
 
 
 def _input_versions(call: NodeCall) -> dict[str, int]:
-    """The version counters of the node's arguments that are graph values, by name: running the node
-    moves one when it writes there in place, whatever the op's name says (a module kept whole that
-    writes to its input, first or not)."""
-    given = [*zip(call.node.args, call.args), *((call.node.kwargs[k], v) for k, v in call.kwargs.items())]
-    return {arg.name: value._version for arg, value in given
-            if isinstance(arg, fx.Node) and isinstance(value, torch.Tensor) and not value.is_inference()}
+    """The version counters of the node's arguments that are graph values, by name, those in the lists,
+    tuples and dicts it is given included: running the node moves one when it writes there in place,
+    whatever the op's name says (a module kept whole that writes to its input, first or not, or to a
+    tensor of a list it is given)."""
+    versions: dict[str, int] = {}
+
+    def note(arg: Any, value: Any) -> None:
+        if isinstance(arg, fx.Node):
+            if isinstance(value, torch.Tensor) and not value.is_inference():
+                versions[arg.name] = value._version
+        elif isinstance(arg, (list, tuple)) and isinstance(value, (list, tuple)) and len(arg) == len(value):
+            for a, v in zip(arg, value):
+                note(a, v)
+        elif isinstance(arg, dict) and isinstance(value, dict):
+            for key, a in arg.items():
+                if key in value:
+                    note(a, value[key])
+
+    note(call.node.args, call.args)
+    note(call.node.kwargs, call.kwargs)
+    return versions
 
 
 def _written(before: dict[str, int], after: dict[str, int]) -> tuple[str, ...]:

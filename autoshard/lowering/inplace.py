@@ -62,7 +62,7 @@ def _writes_first_input(gm: fx.GraphModule, node: fx.Node) -> bool:
     return writes_in_place(gm, node)
 
 
-def _root(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+def memory_root(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     """The tensor whose memory ``node``'s value may be: through views and in-place writes (which
     return the tensor they wrote), back to the first node that made new memory."""
     while (_is_view(node) or _writes_first_input(gm, node)) and _first_input(node) is not None:
@@ -70,7 +70,7 @@ def _root(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return node
 
 
-def _written_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+def written_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The graph values ``node`` writes in place: the first input of an in-place op (by its name, or
     as shape-prop saw it), and any other input shape-prop saw it write (a module kept whole)."""
     facts = node_facts(node)
@@ -81,8 +81,8 @@ def _written_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
 
 def written_values(gm: fx.GraphModule) -> set[str]:
     """Names of the values some in-place operation writes to: each written tensor and its aliases."""
-    written_roots = {_root(gm, w) for n in gm.graph.nodes for w in _written_inputs(gm, n)}
-    return {n.name for n in gm.graph.nodes if _root(gm, n) in written_roots}
+    written_roots = {memory_root(gm, w) for n in gm.graph.nodes for w in written_inputs(gm, n)}
+    return {n.name for n in gm.graph.nodes if memory_root(gm, n) in written_roots}
 
 
 def order_around_mutations(gm: fx.GraphModule, dag: nx.DiGraph) -> None:
@@ -91,11 +91,11 @@ def order_around_mutations(gm: fx.GraphModule, dag: nx.DiGraph) -> None:
     position = {n: i for i, n in enumerate(nodes)}
     family: dict[fx.Node, list[fx.Node]] = {}
     for node in nodes:
-        family.setdefault(_root(gm, node), []).append(node)
+        family.setdefault(memory_root(gm, node), []).append(node)
     for write in nodes:
         if write.name not in dag:
             continue
-        members = {m for written in _written_inputs(gm, write) for m in family[_root(gm, written)]}
+        members = {m for written in written_inputs(gm, write) for m in family[memory_root(gm, written)]}
         readers = {r for member in members for r in member.users
                    if r is not write and not _is_view(r) and r.name in dag}
         for reader in readers:
