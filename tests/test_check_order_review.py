@@ -102,3 +102,56 @@ def test_a_value_read_from_tensor_data_is_not_moved_before_a_write_to_that_tenso
     x, k = torch.randn(8, 4), torch.tensor(1)
     with torch.no_grad():
         assert torch.equal(sharded(x, k), model(x, k))
+
+
+class _RebindsItsInput(nn.Module):
+    """Kept whole (it branches on values); gives its input other sizes by rebinding its data, which moves no
+    version counter."""
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        if t.sum() > -1e9:
+            t.data = t.data.unsqueeze(0)
+        return t.detach() * 1
+
+
+class RebindsInAModuleKeptWhole(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.w = nn.Linear(4, 4), nn.Linear(4, 4), _RebindsItsInput()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.w(h)  # h is (1, batch, 4) now
+        if h.shape[1] > 3:
+            h = h * 2
+        return self.b(h) + y.sum()
+
+
+def test_a_check_stays_after_the_models_own_code_kept_whole_that_is_given_what_it_reads():
+    torch.manual_seed(0)
+    model = RebindsInAModuleKeptWhole().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(8, 4),), cut_before=["b"])
+    _as_the_model_or_refused(sharded, model, torch.randn(2, 4))
+
+
+def _rebinds(t: torch.Tensor) -> torch.Tensor:
+    """Kept opaque (it branches on values), as ``_RebindsItsInput``."""
+    if t.sum() > -1e9:
+        t.data = t.data.unsqueeze(0)
+    return t.detach() * 1
+
+
+class RebindsInAFunctionKeptOpaque(RebindsInAModuleKeptWhole):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = _rebinds(h)
+        if h.shape[1] > 3:
+            h = h * 2
+        return self.b(h) + y.sum()
+
+
+def test_a_check_stays_after_a_function_of_the_models_kept_opaque_that_is_given_what_it_reads():
+    torch.manual_seed(0)
+    model = RebindsInAFunctionKeptOpaque().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(8, 4),), cut_before=["b"])
+    _as_the_model_or_refused(sharded, model, torch.randn(2, 4))
