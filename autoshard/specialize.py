@@ -292,8 +292,9 @@ class Specializer:
         #: grad mode and autocast), the model's state a new capture for it failed in, and that refusal (None
         #: where the model itself raised on it)
         self._refused: dict[Any, tuple[list[Any], InputMismatchError]] = {}
-        #: per plan and the stage a guard of it failed in after some computed, ``rerun_of`` them (``_rerun``)
-        self._reruns: dict[tuple[ShardedModel, nn.Module | None], Rerun] = {}
+        #: per plan, the stage a guard of it failed in after some computed and that guard's site, ``rerun_of``
+        #: them (``_rerun``)
+        self._reruns: dict[tuple[ShardedModel, nn.Module | None, str | None], Rerun] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         """A copy of the stages holds copies of the weights, which a capture of the model would not:
