@@ -52,6 +52,7 @@ from autoshard.errors import (
     SpecializationMismatch, plural, user_stacklevel,
 )
 from autoshard.costs.facts import NodeFacts, node_facts
+from autoshard.fx_helpers import resolve
 from autoshard.isolation import hooks_registered, settings_objects
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
@@ -433,7 +434,7 @@ class Specializer:
         twice, random draws (dropout, sampling) would move the generator on."""
         if not exc.before_compute and not self._rerun(tried, exc.stage, exc.site).holds():
             raise SpecializationMismatch(
-                f"{exc.refusal}. Stages that update buffers (in training mode: that hold any) or draw random "
+                f"{exc.refusal}. Stages that update buffers (batch-norm statistics, a step counter) or draw random "
                 "numbers are not run again for new inputs once some have computed (the buffers would be updated "
                 "twice, the draws would differ from the model's); the stages before this guard have run for this "
                 "call (any buffers they update are updated). Call sharded.specialize(*args, **kwargs) with inputs "
@@ -637,9 +638,9 @@ class Rerun:
 
     def holds(self) -> bool:
         """Whether running these stages twice leaves what running them once leaves, with the modules' modes
-        as they are now: none draws random numbers or updates a buffer (in training mode, any it holds:
-        batch-norm statistics; in eval mode, one its code writes in place, ``self.steps.add_(1)``, or a
-        module in training mode holds)."""
+        as they are now: none draws random numbers or updates a buffer (one its code writes in place,
+        ``self.steps.add_(1)``; in training mode, a traced ``F.batch_norm``'s statistics, or any a module in
+        training mode holds: ``_updates_buffers``)."""
         return self.same and not any(_draws(stage, node, facts) or _updates_buffers(stage, node, facts, set())
                                      for stage, node, facts in self.called)
 
@@ -652,18 +653,17 @@ def rerun_of(sharded: ShardedModel, last: nn.Module | None = None, site: str | N
     called: list[_ModuleCall] = []
     for stage in sharded.stages:
         nodes = _up_to_check(stage, site) if stage is last else list(stage.graph.nodes)
-        if training and any(_holds_buffers(stage, node) for node in nodes):
-            return Rerun(False)
         held: set[str] = set()  # the nodes that are a weight or buffer of the stage, or a view of one
         for node in nodes:
             facts = node_facts(node)
             first = node.args[0] if node.args else None
-            if node.op == "get_attr" or (facts is not None and facts.aliases_input and isinstance(first, torch.fx.Node)
-                                         and first.name in held):
+            weight = node.op == "get_attr" and isinstance(resolve(stage, str(node.target)), torch.Tensor)
+            if weight or (facts is not None and facts.aliases_input and isinstance(first, torch.fx.Node)
+                          and first.name in held):
                 held.add(node.name)
             if node.op == "call_module":
                 called.append((stage, node, facts))
-            elif _draws(stage, node, facts) or _updates_buffers(stage, node, facts, held):
+            elif _draws(stage, node, facts) or _updates_buffers(stage, node, facts, held, training):
                 return Rerun(False)
         if stage is last:
             break
@@ -678,18 +678,6 @@ def _up_to_check(stage: torch.fx.GraphModule, site: str | None) -> list[torch.fx
                       default=len(nodes))]
 
 
-def _holds_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Whether ``node`` reads a buffer of ``stage`` or calls a module holding one: in training mode, what
-    may update it (batch-norm statistics)."""
-    if node.op == "get_attr":
-        owner, _, name = str(node.target).rpartition(".")
-        try:
-            return name in stage.get_submodule(owner)._buffers
-        except AttributeError:  # not a module's attribute (a constant's)
-            return False
-    return node.op == "call_module" and any(True for _ in stage.get_submodule(str(node.target)).buffers())
-
-
 def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: NodeFacts | None) -> bool:
     """Whether ``node`` may draw random numbers: not where shape propagation saw it (``facts``) draw
     nothing from the default generators and it is given no generator of its own (an attention that may
@@ -700,14 +688,31 @@ def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: NodeFacts | 
 
 
 def _updates_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: NodeFacts | None,
-                     held: set[str]) -> bool:
+                     held: set[str], training: bool = False) -> bool:
     """Whether ``node`` writes in place (as shape propagation saw it: ``facts``) what ``held`` names (a
     buffer of ``stage``, or a view of one: ``self.calls[:1].add_(1)``), or calls a module in training
-    mode that holds buffers."""
+    mode that holds buffers. In training mode, a node given such a tensor that updates running statistics
+    (``_updates_statistics``: a traced ``F.batch_norm``, whose kernel moves no version counter), or that
+    shape propagation did not see run; a buffer only read (BERT's ``position_ids``, a rotary ``inv_freq``)
+    is not updated."""
     if node.op == "call_module":
         return any(m.training and any(b is not None for b in m._buffers.values())
                    for m in stage.get_submodule(str(node.target)).modules())
-    return facts is not None and not held.isdisjoint(facts.written_inputs)
+    if facts is not None and not held.isdisjoint(facts.written_inputs):
+        return True
+    unseen_or_statistics = facts is None or _updates_statistics(node)
+    return training and node.op in ("call_function", "call_method") and unseen_or_statistics and \
+        any(given.name in held for given in node.all_input_nodes)
+
+
+def _updates_statistics(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls a normalisation that updates the running statistics it is given (by its name:
+    ``batch_norm``, ``instance_norm``, a quantisation observer's ``moving_avg``), or an operator whose schema
+    writes an argument: writes ``facts.written_inputs`` may miss."""
+    if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+        return True
+    name = getattr(node.target, "__name__", str(node.target))
+    return any(word in name for word in ("batch_norm", "instance_norm", "moving_avg"))
 
 
 def holders(sharded: ShardedModel) -> dict[str, frozenset[int]]:

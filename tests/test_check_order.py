@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 import autoshard
 from autoshard.capture.guard import CHECK_SITE_ARGUMENT, check_condition
+from autoshard.errors import SpecializationMismatch
 
 
 def _checks(stage: nn.Module) -> list[str]:
@@ -149,3 +151,59 @@ def test_a_check_sits_where_it_was_without_the_facts_saying_what_holds_no_tensor
     sharded = autoshard.shard_model(model, 2, (torch.randn(8, 4),), cut_before=["mid"],
                                     pipeline="trace,build-dag,linearize,split,emit")
     assert [node.target for node in sharded.stages[1].graph.nodes].count(check_condition) == 1
+
+
+class ReadsAPositionBuffer(nn.Module):
+    """Indexes its position embedding by a buffer it only reads (BERT's ``position_ids``), then branches
+    on a layer's output (Hugging Face's SDPA: ``q_length > 1``) in the next stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(50, 16), nn.Embedding(32, 16)
+        self.register_buffer("position_ids", torch.arange(32)[None], persistent=False)
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.l1(self.emb(ids) + self.pos(self.position_ids[:, :ids.shape[1]]))
+        if h.shape[1] > 1:
+            h = h.relu()
+        return self.l2(h)
+
+
+def test_in_training_mode_a_buffer_only_read_does_not_stop_a_refused_call_being_served():
+    """Every stage reading a buffer counted as updating it in training mode: BERT, DistilBERT and Llama
+    (a rotary ``inv_freq``) refused one token in training, though running the stages again changes nothing."""
+    torch.manual_seed(0)
+    model = ReadsAPositionBuffer().train()
+    sharded = autoshard.shard_model(model, 2, (torch.randint(0, 50, (2, 8)),), cut_before=["pos"])
+    ids = torch.randint(0, 50, (2, 1))
+    assert torch.equal(sharded(ids), model(ids)) and len(sharded.specializations) == 1
+
+
+class TracedBatchNorm(nn.Module):
+    """Normalises with ``F.batch_norm`` on its own buffers, traced through (the kernel updates the running
+    statistics without moving their version counters), then branches on a layer's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.batch_norm(self.first(x), self.mean, self.var, training=self.training)
+        g = self.last(h)
+        if g.shape[0] > 4:
+            g = g * 2
+        return g.sum()
+
+
+def test_in_training_mode_statistics_a_traced_batch_norm_updated_before_a_refusing_check_are_not_updated_twice():
+    torch.manual_seed(0)
+    model = TracedBatchNorm().train()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(8, 4),), cut_before=["last"])
+    statistics = [b.clone() for b in model.buffers()]
+    with pytest.raises(SpecializationMismatch, match="are not run again for new inputs once some have computed"):
+        sharded(torch.randn(2, 4))
+    changed = [not torch.equal(a, b) for a, b in zip(statistics, model.buffers())]
+    assert changed == [True, True]  # once, by the stage that ran before the check refused

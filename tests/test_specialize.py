@@ -519,11 +519,11 @@ def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_speci
 
 def test_in_training_mode_a_call_for_new_shapes_tries_first_the_plan_that_served_calls_alike():
     """New shapes try first the plan that last served a call alike but for its sizes: served where it
-    serves them; where its guard fails after stage 0 ran, refused as on the first call (stage 0 holds a
+    serves them; where its guard fails after stage 0 ran, refused as on the first call (stage 0 updates a
     buffer), though another plan serving them exists."""
     torch.manual_seed(0)
     model = NormFirst().train()
-    model.norm = HoldsABuffer()  # (a batch norm refuses a batch of one in training)
+    model.norm = AddsItsCallCount()
     twin = copy.deepcopy(model)
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     sharded.specialize(torch.randn(2, 8))
@@ -595,13 +595,18 @@ def test_in_eval_mode_stages_that_write_a_buffer_or_draw_random_numbers_are_not_
     assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
 
 
-class HoldsABuffer(nn.Module):
+class AddsItsCallCount(nn.Module):
+    """Updates a buffer of its own on every call, traced through (a batch norm refuses a batch of one in
+    training mode)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("offset", torch.zeros(8))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.offset
+        self.calls.add_(1)
+        return x + self.offset * self.calls
 
 
 class Samples(nn.Module):
