@@ -175,3 +175,16 @@ def test_t5_whose_new_capture_reads_its_shared_embedding_in_one_stage_of_two_ser
     weights = list(model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got.last_hidden_state.sum(), weights),
                                                  torch.autograd.grad(want.last_hidden_state.sum(), weights)))
+
+
+def test_llama_in_training_mode_serves_one_token_though_its_stages_read_a_rotary_buffer():
+    """Every stage reading a buffer (Llama's rotary ``inv_freq``, BERT's ``position_ids``) counted as
+    updating it in training mode, so the call the first plan's ``q_length > 1`` refused after a stage
+    ran was refused too, where eval mode served it."""
+    family = BY_NAME["llama"]
+    model = family.build().train()
+    sharded = autoshard.shard_model(model, 2, example_kwargs=family.inputs(*EXAMPLE))
+    for batch, seq in ((2, 1), (2, 5)):
+        inputs = family.inputs(batch, seq)
+        assert_same_output(sharded(**inputs), model(**inputs))
+    assert len(sharded.specializations) == 1
