@@ -12,6 +12,7 @@ from torch import nn
 import autoshard
 from autoshard.capture.guard import CHECK_SITE_ARGUMENT, check_condition
 from autoshard.errors import SpecializationMismatch
+from autoshard.specialize import rerun_of
 
 
 def _checks(stage: nn.Module) -> list[str]:
@@ -170,12 +171,13 @@ class ReadsAPositionBuffer(nn.Module):
         return self.l2(h)
 
 
-def test_in_training_mode_a_buffer_only_read_does_not_stop_a_refused_call_being_served():
+def test_in_training_mode_stages_that_only_read_a_buffer_may_run_again():
     """Every stage reading a buffer counted as updating it in training mode: BERT, DistilBERT and Llama
     (a rotary ``inv_freq``) refused one token in training, though running the stages again changes nothing."""
     torch.manual_seed(0)
     model = ReadsAPositionBuffer().train()
     sharded = autoshard.shard_model(model, 2, (torch.randint(0, 50, (2, 8)),), cut_before=["pos"])
+    assert rerun_of(sharded).holds()
     ids = torch.randint(0, 50, (2, 1))
     assert torch.equal(sharded(ids), model(ids)) and len(sharded.specializations) == 1
 
@@ -198,12 +200,61 @@ class TracedBatchNorm(nn.Module):
         return g.sum()
 
 
-def test_in_training_mode_statistics_a_traced_batch_norm_updated_before_a_refusing_check_are_not_updated_twice():
+def test_in_training_mode_stages_whose_traced_batch_norm_updates_statistics_do_not_run_again():
+    """Its kernel moves no version counter, so shape propagation sees no write: the statistics would move
+    twice. (A call its check refuses is refused first, over the input's sizes: served.)"""
     torch.manual_seed(0)
     model = TracedBatchNorm().train()
+    reference = copy.deepcopy(model)
     sharded = autoshard.shard_model(model, 2, (torch.randn(8, 4),), cut_before=["last"])
+    assert not rerun_of(sharded).holds()
+    x = torch.randn(2, 4)
+    assert torch.equal(sharded(x), reference(x))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
+
+
+class BranchyCNN(nn.Module):
+    """Branches on the sizes of batch norms' outputs: the width after the first, the batch after the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.BatchNorm2d(4)
+        self.pool, self.head = nn.MaxPool2d(2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        if x.shape[-1] > 12:
+            x = self.pool(x)
+        x = torch.relu(self.bn2(self.conv2(x)))
+        if x.shape[0] * x.shape[-1] > 16:
+            x = x * 0.5
+        return self.head(x.mean((-2, -1)))
+
+
+def test_in_training_mode_checks_on_sizes_a_layer_computed_are_checked_first_over_the_inputs_sizes():
+    """A branch on a batch norm's output width was checked after that batch norm: in training mode another
+    image size was refused with the statistics already moved. The input guard now checks the condition over
+    the input's sizes (a symbolic run at planning), before anything computes, so the call is served."""
+    torch.manual_seed(0)
+    model = BranchyCNN().train()
+    reference = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 3, 8, 8),))
+    for shape in ((3, 3, 16, 16), (5, 3, 8, 8), (2, 3, 14, 14), (2, 3, 8, 8)):
+        x = torch.randn(*shape)
+        assert torch.equal(sharded(x), reference(x))
+        for mine, theirs in zip(model.buffers(), reference.buffers()):
+            assert torch.equal(mine, theirs)
+    assert len(sharded.specializations) >= 2
+
+
+def test_stages_that_capture_nothing_again_refuse_before_any_batch_norm_runs():
+    torch.manual_seed(0)
+    model = BranchyCNN().train()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 3, 8, 8),), respecialize=False)
     statistics = [b.clone() for b in model.buffers()]
-    with pytest.raises(SpecializationMismatch, match="are not run again for new inputs once some have computed"):
-        sharded(torch.randn(2, 4))
-    changed = [not torch.equal(a, b) for a, b in zip(statistics, model.buffers())]
-    assert changed == [True, True]  # once, by the stage that ran before the check refused
+    early = r"checked before any stage computes, as not \(x\.shape\[3\] > 12\)"
+    with pytest.raises(SpecializationMismatch, match=early) as refused:
+        sharded(torch.randn(2, 3, 16, 16))
+    assert refused.value.before_compute
+    assert all(torch.equal(a, b) for a, b in zip(statistics, model.buffers()))

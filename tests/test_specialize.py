@@ -493,11 +493,24 @@ def test_a_call_served_by_the_one_plan_made_for_its_key_checks_the_models_state_
     assert asked == [] and remembered == []
 
 
+class ReadsValues(nn.Module):
+    """Branches on its input's values: kept whole, and fake tensors cannot run it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if bool(x.abs().sum() >= 0) else -x
+
+
 class NormFirst(SizeBranch):
-    """``SizeBranch`` whose batch norm (or dropout, set as ``norm``) runs before the branch, in its stage."""
+    """``SizeBranch`` whose batch norm (or dropout, set as ``norm``) runs before the branch, in its stage,
+    then a module reading values: the branch's condition cannot be written over the input's sizes
+    (``capture.size_conditions``), so only its check, after the batch norm, checks it."""
+
+    def __init__(self, norm: bool = False) -> None:
+        super().__init__(norm)
+        self.gate = ReadsValues()
 
     def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:  # type: ignore[override]
-        x = self.norm(self.a(x)) * scale
+        x = self.gate(self.norm(self.a(x))) * scale
         x = self.b(x) * 2 if x.shape[0] > 2 else self.b(x) - 1
         return self.d(self.c(x))
 

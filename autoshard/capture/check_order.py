@@ -55,7 +55,7 @@ def _pure_non_tensor(node: fx.Node) -> bool:
     return node.target in _PURE_FUNCTIONS or node.target in _PURE_OPERATORS
 
 
-def _condition_and_operands(check: fx.Node, position: dict[fx.Node, int]) -> tuple[list[fx.Node], list[fx.Node]]:
+def condition_and_operands(check: fx.Node, position: dict[fx.Node, int]) -> tuple[list[fx.Node], list[fx.Node]]:
     """The nodes computing ``check``'s condition that are pure and hold no tensor, in graph order, and the
     nodes they (and the check) read: the tensors, inputs and other values the condition starts from."""
     computing: dict[fx.Node, None] = {}
@@ -112,7 +112,7 @@ def hoist_checks(gm: fx.GraphModule) -> None:
     graph = gm.graph
     for check in [n for n in graph.nodes if n.op == "call_function" and n.target in CHECK_SITE_ARGUMENT]:
         position = {node: i for i, node in enumerate(graph.nodes)}
-        computing, operands = _condition_and_operands(check, position)
+        computing, operands = condition_and_operands(check, position)
         roots = {memory_root(gm, operand) for operand in operands}
         after = None
         for node in graph.nodes:

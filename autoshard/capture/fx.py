@@ -28,7 +28,7 @@ from torch import nn
 
 from autoshard.capture.assemble import assemble, model_graph_module
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design, packs_padded_batch
-from autoshard.capture.guard import InputGuard, check_detached_mode, run_forward_hooks
+from autoshard.capture.guard import SIZE_CHECKS, InputGuard, check_detached_mode, run_forward_hooks
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.meta import MetaTracer, guard_value, has_proxy, warn_checkpoints_traced
 from autoshard.capture.result import TraceResult, WrappedLeaf
@@ -191,7 +191,7 @@ def trace_with_leaves(
     (graph, tracer), leaves = capture_with_leaves(model, attempt, "trace")
     warn_checkpoints_traced(type(model).__name__, tracer.checkpoints)
     tracer.forget_examples(graph)
-    guard = _guard(signature, tracer)
+    guard = _guard(signature, tracer, model.training and any(n.target in SIZE_CHECKS for n in graph.nodes))
     if signature is None:  # traced from the model itself: names are already the model's own
         gm = model_graph_module(model, graph, tracer.constants)
     else:
@@ -201,13 +201,14 @@ def trace_with_leaves(
                        input_guard=guard.describe() if guard else "", attributes_read=tracer.attribute_reads.kept())
 
 
-def _guard(signature: CallSignature | None, tracer: MetaTracer) -> InputGuard | None:
+def _guard(signature: CallSignature | None, tracer: MetaTracer, sizes_checked: bool) -> InputGuard | None:
     """fx graphs serve any shape; constants baked in, the layout of container arguments (the trace
     answered ``d.get("mask") is not None`` from the example), mutable defaults left out, and input
     dtypes once the trace relied on them, need checking. A graph that relied on none of these takes
-    its inputs unchecked."""
+    its inputs unchecked, but for one in training mode that checks sizes (``sizes_checked``), whose
+    guard checks them first (``size_conditions``: a refusal after a batch norm ran would be final)."""
     if signature is None or not (signature.constants or tracer.read_static_facts or signature.containers
-                                 or signature.default_snapshots()):
+                                 or signature.default_snapshots() or sizes_checked):
         return None
     return signature.guard(dtypes=bool(signature.constants or tracer.read_static_facts),
                            ranks=tracer.read_static_facts)

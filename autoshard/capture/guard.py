@@ -72,6 +72,10 @@ class InputGuard:
     #: 4-D or 5-D one): facts torch.export answers from the example without a guard of its own
     #: (``if x.is_contiguous():``, ``if x.requires_grad:``); ``layout_of``.
     layouts: Mapping[str, tuple[bool, bool, bool]] = field(default_factory=dict)
+    #: Conditions the traced code relied on later in the forward, on sizes it computed (a branch on a batch
+    #: norm's output width), written over the inputs' sizes (``size_conditions``), each with what its check
+    #: says when it fails: checked here, before anything computes, and by the check where it is.
+    early: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         parts = []
@@ -84,13 +88,18 @@ class InputGuard:
                           for path, leaf in zip(structure.paths, structure.leaves)]
             else:
                 parts.append(self._tensor(name))
-        return ", ".join(parts) + "".join(f"; where {_shown(c)}" for c in self.conditions)
+        return ", ".join(parts) + "".join(f"; where {_shown(c)}" for c in (*self.conditions, *self.checked_early))
+
+    @property
+    def checked_early(self) -> tuple[str, ...]:
+        """The ``early`` conditions alone."""
+        return tuple(condition for condition, _ in self.early)
 
     @functools.cached_property
     def accept(self) -> Callable[..., tuple[Any, ...] | None] | None:
         """The checks a passing call makes, written as code once (``guard_code.accepting``): the
         graph's inputs, or None where this walk must decide and name the problem."""
-        return accepting(self, _holds)
+        return accepting(self, holds)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled and copied without ``accept``, which is code: written again where it is called."""
@@ -173,11 +182,14 @@ class InputGuard:
                 return (f"{name} is {_layout(*now) if now else 'no tensor'}, but the plan was captured with it "
                         f"{_layout(*layout)} (torch.export answers the code's questions about that from the example)")
         for condition in self.conditions:
-            if not _holds(condition, values):
+            if not holds(condition, values):
                 return (f"the plan was captured where {_shown(condition)}, which these inputs break: the model's "
                         "code branched on it or computed a count from it (torch.export kept that condition; the fx "
                         "front end may keep such code whole and serve both sides: shard with "
                         f"pipeline='{FREE_SIZES_PIPELINE}')")
+        for condition, refusal in self.early:
+            if not holds(condition, values):
+                return f"{refusal} (checked before any stage computes, as {_shown(condition)})"
         return None
 
 
@@ -201,9 +213,9 @@ def _layout(requires_grad: bool, contiguous: bool, channels_last: bool) -> str:
 _CONDITION_NAMES = {"__builtins__": {}, **CONDITION_NAMES}
 
 
-def _holds(condition: str, values: Mapping[str, Any]) -> bool:
-    """Whether ``condition`` is true of ``values``; one that cannot be evaluated (a division by a
-    size that is zero here) does not hold."""
+def holds(condition: str, values: Mapping[str, Any]) -> bool:
+    """Whether ``condition`` (Python over sizes, ``L['x'].size()[0] % 2 == 0``) is true of ``values``, the
+    arguments by name; one that cannot be evaluated (a division by a size that is zero here) does not hold."""
     try:
         return bool(eval(_compiled(condition), _CONDITION_NAMES, {"L": values}))  # noqa: S307 - torch's own guard text
     except Exception:  # noqa: BLE001
@@ -228,7 +240,7 @@ def usable_conditions(conditions: Sequence[str], values: Mapping[str, Any]) -> t
     of every size it keeps generic (the plan serves those sizes, as the ranges do), and the ones
     that fix a size (``== 4``), which the shapes check already."""
     trivial = re.compile(r".*(!= [01]|>= [12])|L\['[^']+'\]\.size\(\)\[\d+\] == \d+")
-    return tuple(c for c in conditions if not trivial.fullmatch(c.strip()) and _holds(c, values))
+    return tuple(c for c in conditions if not trivial.fullmatch(c.strip()) and holds(c, values))
 
 
 #: ``InputGuard.flattened`` of a call without container arguments (read, never written).
@@ -310,6 +322,9 @@ def check_pinned_size(size: int, expected: int, site: str, top_level: bool = Fal
 #: position of the argument saying where (the site, which the refusal carries): ``check_order`` runs them
 #: as early as what they read allows, and ``specialize.rerun_of`` walks a refusing stage up to its check.
 CHECK_SITE_ARGUMENT: dict[Callable[..., None], int] = {check_condition: 2, check_asserted: 1, check_pinned_size: 2}
+
+#: The checks the fx front end leaves on sizes (``size_conditions`` writes them over the inputs' sizes).
+SIZE_CHECKS = (check_condition, check_pinned_size)
 
 
 def check_site(node: torch.fx.Node) -> str | None:

@@ -131,15 +131,16 @@ def accepting(guard: Any, holds: Callable[[str, Any], bool]) -> Callable[..., tu
         writer.refuse_unless(f"isinstance({value}, Tensor) and {value}.requires_grad is {requires_grad} "
                              f"and {value}.is_contiguous() is {contiguous}{laid}")
     argument_of = dict(zip(guard.names, arguments))
+    conditions = (*guard.conditions, *guard.checked_early)
     inline = ["" if _implied(condition, guard.shapes) else _inlined(condition, argument_of)
-              for condition in guard.conditions]
-    for condition, code in zip(guard.conditions, inline):
+              for condition in conditions]
+    for condition, code in zip(conditions, inline):
         if code:  # written out: no dict of the arguments, no eval
             writer.refuse_unless(f"bool({code})")
     if None in inline:
         named = ", ".join(f"{writer.constant(name)}: {value}" for name, value in zip(guard.names, arguments))
         writer.lines.append(f"named = {{{named}}}")
-        for condition, code in zip(guard.conditions, inline):
+        for condition, code in zip(conditions, inline):
             if code is None:
                 writer.refuse_unless(f"holds({writer.constant(condition)}, named)")
     returned = "".join(where[name] + ", " for name in guard.returns)

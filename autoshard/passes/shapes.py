@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 
 from autoshard.capture.check_order import hoist_checks
 from autoshard.capture.eager import check_model_runs
+from autoshard.capture.size_conditions import check_early
 from autoshard.passes.annotate import annotated_copy
 from autoshard.costs.execution import resolve_mode
 from autoshard.costs.propagation import propagate
@@ -47,6 +48,8 @@ class ShapePropPass(Pass):
             raise
         annotated = annotated_copy(traced.graph_module, program.model, facts=facts)
         hoist_checks(annotated)  # as early as the facts show their conditions may run
+        if program.model.training:  # and those on sizes computed, over the inputs' sizes (``size_conditions``)
+            check_early(annotated, inputs)
         annotated.recompile()
         return dataclasses.replace(program, traced=dataclasses.replace(traced, graph_module=annotated),
                                    facts=MappingProxyType(facts))

@@ -1,0 +1,150 @@
+"""Checks on sizes the forward computes, written over the inputs' sizes and checked first.
+
+A check on a value's size stays after the layer computing that value (``check_order``): a branch on
+a batch norm's output width (``if x.shape[-1] > 32:``) refuses another image size only once the
+batch norm has updated its statistics, so in training mode that call cannot be run again on
+another plan. Run once on fake tensors whose sizes are symbols (torch's ``ShapeEnv``, as
+torch.export does), the graph gives each such check's condition over the inputs' sizes
+(``L['x'].size()[3] > 32``); the input guard checks those first, before anything computes, and
+the check itself stays where it is. A condition the run cannot give (code that reads tensor values,
+a size the run fixed, a container's tensor) is left to the check alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch.utils._pytree import tree_leaves
+from torch.utils._sympy.printers import PythonPrinter
+
+from autoshard.capture.check_order import condition_and_operands
+from autoshard.capture.guard import SIZE_CHECKS, check_inputs, check_site, holds
+from autoshard.costs.execution import placeholder_values
+from autoshard.inputs import ExampleInputs
+from autoshard.isolation import PlainInterpreter, grad_mode_unchecked, isolated
+
+#: The nodes that only unpack the inputs (the input guard's check and what it returns).
+_UNPACKING = (operator.getitem, tree_leaves, check_inputs)
+
+
+def _late_checks(graph: fx.Graph) -> list[fx.Node]:
+    """The size checks that read a value some layer computed, not only the inputs and weights: the first of
+    each site. A line of code checked in every layer (Hugging Face's SDPA: ``q_length > 1``) mostly checks
+    the same there; the run stops after the last of these, so a 12-layer GPT-2 runs one layer, not twelve
+    (about 1 s). A later check of a site that checks another condition still checks it where it is."""
+    unpacked: set[fx.Node] = set()
+    late: dict[str, fx.Node] = {}
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr") or (
+                node.op == "call_function" and node.target in _UNPACKING and unpacked.issuperset(node.all_input_nodes)):
+            unpacked.add(node)
+        elif node.op == "call_function" and node.target in SIZE_CHECKS:
+            if not unpacked.issuperset(condition_and_operands(node, position)[1]):
+                late.setdefault(check_site(node), node)
+    return list(late.values())
+
+
+class _Stop(Exception):
+    """Raised after the last late check ran: the rest of the graph need not."""
+
+
+class _SymbolicRun(PlainInterpreter):
+    """Runs the graph on fake inputs with symbolic sizes, the input guard passed by, and records the value
+    each late check is given instead of checking it."""
+
+    def __init__(self, gm: fx.GraphModule, late: list[fx.Node]) -> None:
+        super().__init__(gm)
+        self.late, self.last = set(late), late[-1]
+        self.given: dict[fx.Node, tuple[Any, ...]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "call_function" and n.target is check_inputs:
+            guard, *values = self.fetch_args_kwargs_from_env(n)[0]
+            named = dict(zip(guard.names, values))
+            return tuple(named[name] for name in guard.returns)
+        if n.op == "call_function" and n.target in SIZE_CHECKS:
+            args = self.fetch_args_kwargs_from_env(n)[0]
+            if n in self.late:
+                self.given[n] = args
+            if n is self.last:
+                raise _Stop
+            return None
+        return super().run_node(n)
+
+
+def early_conditions(gm: fx.GraphModule, values: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """``(condition, refusal)`` for each late size check of ``gm`` whose condition the symbolic run writes
+    over the inputs' sizes (``InputGuard.early``); ``values``: the example's arguments by name, which each
+    condition must hold of. Empty where there is no late check or the run fails."""
+    late = _late_checks(gm.graph)
+    if not late:
+        return ()
+    shapes = ShapeEnv(duck_shape=False)  # (a size equal to another in the example is not the same size)
+    mode = FakeTensorMode(shape_env=shapes, allow_non_fake_inputs=True)
+    names: dict[sympy.Symbol, sympy.Symbol] = {}
+    fakes = []
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        value = values.get(str(node.target))
+        if isinstance(value, torch.Tensor):
+            dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * value.dim())
+            value = mode.from_tensor(value, symbolic_context=dynamic)
+            for axis, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    names[size.node.expr] = sympy.Symbol(f"L['{node.target}'].size()[{axis}]")
+        fakes.append(value)
+    run = _SymbolicRun(gm, late)
+    try:
+        with isolated(gm), mode, torch.no_grad(), grad_mode_unchecked():
+            run.run(*fakes)
+    except _Stop:
+        pass
+    except Exception:  # noqa: BLE001 - code fake tensors cannot run: the checks stay where they are, alone
+        return ()
+    found = []
+    for check, args in run.given.items():
+        written = _written(args, names)
+        if written is not None and holds(written[0], values):
+            found.append(written)
+    return tuple(dict.fromkeys(found))
+
+
+def _written(args: tuple[Any, ...], names: dict[sympy.Symbol, sympy.Symbol]) -> tuple[str, str] | None:
+    """A check's condition over the inputs' sizes and what the check says when it fails, or None where its
+    value is not a symbolic expression of the inputs' sizes alone."""
+    value = args[0]
+    if not isinstance(value, (torch.SymBool, torch.SymInt)):
+        return None
+    expression = value.node.expr
+    if not expression.free_symbols or not expression.free_symbols.issubset(names):
+        return None
+    text = PythonPrinter().doprint(expression.xreplace(names))
+    if isinstance(value, torch.SymBool):
+        expected, condition = args[1], args[2]
+        return (text if expected else f"not ({text})",
+                f"{condition} is {not expected} for these inputs, but was {expected} when the sharded plan was "
+                "captured")
+    expected, site = args[1], args[2]
+    return (f"{text} == {expected}",
+            f"the code at {site} turns a size into a Python number, which fixed it to {expected} when the sharded "
+            "plan was captured, and these inputs change it")
+
+
+def check_early(gm: fx.GraphModule, inputs: ExampleInputs) -> None:
+    """Give ``gm``'s input guard, where it has one, the ``early_conditions`` of its late size checks, on the
+    example ``inputs`` (the fx front end gives one to a graph in training mode that checks sizes)."""
+    check = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target is check_inputs), None)
+    if check is None:
+        return
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    early = early_conditions(gm, dict(zip(names, placeholder_values(gm, inputs))))
+    if early:
+        target = str(check.args[0].target)
+        setattr(gm, target, dataclasses.replace(getattr(gm, target), early=early))
