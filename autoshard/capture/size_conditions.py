@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from typing import Any
 
 import sympy
@@ -113,7 +114,30 @@ def early_conditions(gm: fx.GraphModule, values: dict[str, Any]) -> tuple[tuple[
         written = _written(args, names)
         if written is not None and holds(written[0], values):
             found.append(written)
+    if run.given:  # each condition holds where the run's own guards do: those too (but a size's not being 0 or 1)
+        found += _guarded(shapes, names, values)
     return tuple(dict.fromkeys(found))
+
+
+#: A guard ``ShapeEnv`` assumes of every size it keeps symbolic (not 0 or 1): not checked, as ``usable_conditions``.
+_ASSUMED = re.compile(r".*(!= [01]|>= [12])")
+
+
+def _guarded(shapes: ShapeEnv, names: dict[sympy.Symbol, sympy.Symbol],
+             values: dict[str, Any]) -> list[tuple[str, str]]:
+    """The guards the symbolic run made on the inputs' sizes, over them: a check's condition is written under
+    them (``s - 2 < 2`` made a width ``Max(0, s - 4)`` the constant 0; ``4*s == 12`` replaced ``s`` by 3 in
+    ``(b*s) // 3 > 3``), so a call breaking one may break the check where the conditions said it would not."""
+    guarded = []
+    for guard in shapes.guards:
+        expression = guard.expr
+        if not expression.free_symbols or not expression.free_symbols.issubset(names):
+            continue
+        text = PythonPrinter().doprint(expression.xreplace(names))
+        if not _ASSUMED.fullmatch(text.strip()) and holds(text, values):
+            guarded.append((text, "the sharded plan was captured with sizes the forward's size checks were written "
+                                  "over, which these inputs break"))
+    return guarded
 
 
 def _written(args: tuple[Any, ...], names: dict[sympy.Symbol, sympy.Symbol]) -> tuple[str, str] | None:
