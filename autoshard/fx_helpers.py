@@ -86,3 +86,21 @@ def writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
             and schema.arguments[0].alias_info.is_write
     name = getattr(target, "__name__", "")
     return getattr(target, "__module__", "") == "torch" and name.endswith("_") and not name.startswith("_")
+
+
+#: The top-level packages whose code a graph calls that is no model's code (``runs_model_code``).
+_LIBRARY_PACKAGES = frozenset({"torch", "builtins", "_operator", "operator", "math", "autoshard"})
+
+
+def runs_model_code(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` calls the model's own code kept whole (a module or function the capture did not trace
+    through), whose effects on what it is given neither its name nor a run's version counters show: it may
+    rebind a tensor's ``.data`` (new sizes), or call ``F.batch_norm`` on a buffer (whose kernel moves no
+    version counter)."""
+    if node.op == "call_module":
+        code = type(gm.get_submodule(str(node.target))).__module__
+    elif node.op == "call_function":
+        code = getattr(node.target, "__module__", None) or ""
+    else:
+        return False
+    return code.split(".")[0] not in _LIBRARY_PACKAGES

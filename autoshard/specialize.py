@@ -52,7 +52,7 @@ from autoshard.errors import (
     SpecializationMismatch, plural, user_stacklevel,
 )
 from autoshard.costs.facts import NodeFacts, node_facts
-from autoshard.fx_helpers import resolve
+from autoshard.fx_helpers import resolve, runs_model_code
 from autoshard.isolation import hooks_registered, settings_objects
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
@@ -696,25 +696,14 @@ def _updates_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: No
     shape propagation did not see run; a buffer only read (BERT's ``position_ids``, a rotary ``inv_freq``)
     is not updated."""
     if node.op == "call_module":
-        return any(m.training and any(b is not None for b in m._buffers.values())
-                   for m in stage.get_submodule(str(node.target)).modules())
+        return (facts is not None and facts.writes_own_buffers) or any(
+            m.training and any(b is not None for b in m._buffers.values())
+            for m in stage.get_submodule(str(node.target)).modules())
     if facts is not None and not held.isdisjoint(facts.written_inputs):
         return True
-    unseen_or_statistics = facts is None or _updates_statistics(node) or _model_function(node)
+    unseen_or_statistics = facts is None or _updates_statistics(node) or runs_model_code(stage, node)
     return training and node.op in ("call_function", "call_method") and unseen_or_statistics and \
         any(given.name in held for given in node.all_input_nodes)
-
-
-#: The top-level packages whose functions a graph calls that are no model's code kept whole.
-_LIBRARY_PACKAGES = frozenset({"torch", "_operator", "operator", "builtins", "math", "autoshard"})
-
-
-def _model_function(node: torch.fx.Node) -> bool:
-    """Whether ``node`` calls a function of the model's own code kept whole: what it does with a buffer it is
-    given is unseen (``F.batch_norm`` inside it updates running statistics, and moves no version counter)."""
-    if node.op != "call_function" or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return False
-    return (getattr(node.target, "__module__", None) or "").split(".")[0] not in _LIBRARY_PACKAGES
 
 
 def _updates_statistics(node: torch.fx.Node) -> bool:

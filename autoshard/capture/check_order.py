@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.capture.guard import CHECK_SITE_ARGUMENT
+from autoshard.fx_helpers import runs_model_code
 from autoshard.lowering.from_fx import holds_tensor
 from autoshard.lowering.inplace import memory_root, written_inputs
 
@@ -73,25 +74,6 @@ def condition_and_operands(check: fx.Node, position: dict[fx.Node, int]) -> tupl
     return sorted(computing, key=position.__getitem__), list(operands)
 
 
-#: The top-level packages whose code a graph calls writes what it is given as its name says or as shape-prop's
-#: run saw (``inplace.written_inputs``); a call into other code is the model's, kept whole (``_model_code``).
-_KNOWN_CODE = frozenset({"torch", "builtins", "_operator", "operator", "math", "autoshard"})
-
-
-def _model_code(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node`` calls the model's own code kept whole (a module or function the capture did not trace
-    through): it may change the sizes of a tensor it is given where neither its name nor shape-prop's run
-    shows it (``t.data = t.data.unsqueeze(0)`` moves no version counter, and that run gave a module detached
-    copies)."""
-    if node.op == "call_module":
-        code = type(gm.get_submodule(str(node.target))).__module__
-    elif node.op == "call_function":
-        code = getattr(node.target, "__module__", None) or ""
-    else:
-        return False
-    return code.split(".")[0] not in _KNOWN_CODE
-
-
 def _writes(gm: fx.GraphModule, node: fx.Node, roots: set[fx.Node]) -> bool:
     """Whether ``node`` may write in place (so change the sizes of) a tensor whose memory is one of ``roots``
     (``inplace.memory_root``): one of the operands, or a node that may be the same tensor or a view of it
@@ -100,7 +82,7 @@ def _writes(gm: fx.GraphModule, node: fx.Node, roots: set[fx.Node]) -> bool:
     or the model's own code kept whole that is given one of them."""
     if any(memory_root(gm, written) in roots for written in written_inputs(gm, node)):
         return True
-    return _model_code(gm, node) and any(memory_root(gm, given) in roots for given in node.all_input_nodes)
+    return runs_model_code(gm, node) and any(memory_root(gm, given) in roots for given in node.all_input_nodes)
 
 
 def hoist_checks(gm: fx.GraphModule) -> None:

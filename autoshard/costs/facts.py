@@ -38,6 +38,7 @@ class NodeFacts:
     draws_random: bool = False  # it advanced a random generator (dropout, even inside a leaf)
     aliases_input: bool = False  # its value shares memory with its first input (nn.Identity, a view)
     written_inputs: tuple[str, ...] = ()  # the arguments it wrote in place, graph values by name (seen: any of them)
+    writes_own_buffers: bool = False  # a module kept whole that wrote a buffer of its own in place (a step counter)
     training: SavedFacts | None = None  # what autograd keeps of it (None: fake tensors could not run the graph)
 
 

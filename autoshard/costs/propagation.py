@@ -56,6 +56,16 @@ def _input_versions(call: NodeCall) -> dict[str, int]:
     return versions
 
 
+def _own_buffer_versions(call: NodeCall) -> list[int]:
+    """The version counters of the buffers of the module a ``call_module`` node calls (none for other nodes):
+    one moves when the module writes its own buffer in place (``self.steps += 1``), which its arguments'
+    counters do not show."""
+    if call.node.op != "call_module":
+        return []
+    module = call.interpreter.module.get_submodule(str(call.node.target))
+    return [b._version for b in module.buffers() if not b.is_inference()]
+
+
 def _written(before: dict[str, int], after: dict[str, int]) -> tuple[str, ...]:
     """The arguments whose version counter moved between ``before`` and ``after``."""
     return tuple(name for name, version in before.items() if after.get(name) != version)
@@ -73,9 +83,10 @@ def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", 
             nonlocal states
             if real and states is None:
                 states = generator_states()
-            versions = _input_versions(call)
+            versions, own = _input_versions(call), _own_buffer_versions(call)
             value = flops.measure(call)
             writes = _written(versions, _input_versions(call))
+            own_written = own != _own_buffer_versions(call)
             probe.measure(call, value, flops.ops_per_node[call.node.name])
             node = call.node
             if node.op not in ("get_attr", "output"):
@@ -84,7 +95,7 @@ def propagate(gm: fx.GraphModule, inputs: "ExampleInputs", mode: Mode = "auto", 
                 draws = real and before != states  # (what one node leaves, the next finds: read once)
                 aliases = node.op != "placeholder" and _aliases_first_input(call, value)
                 facts[node.name] = NodeFacts(describe_value(value), flops.per_node[node.name], allocated,
-                                             draws, aliases, writes)
+                                             draws, aliases, writes, own_written)
                 advance()
             return value
 
