@@ -13,6 +13,7 @@ import autoshard
 from autoshard.capture.guard import CHECK_SITE_ARGUMENT, check_condition
 from autoshard.errors import SpecializationMismatch
 from autoshard.specialize import rerun_of
+from test_step_prediction import NormThenBranch
 
 
 def _checks(stage: nn.Module) -> list[str]:
@@ -25,21 +26,6 @@ def _first_compute(stage: nn.Module) -> int:
 
 def _position(stage: nn.Module, name: str) -> int:
     return next(i for i, node in enumerate(stage.graph.nodes) if node.name == name)
-
-
-class NormThenBranch(nn.Module):
-    """Branches on the batch size after its batch norm, in the stage after it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
-        self.mid, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.mid(self.norm(self.first(x)))
-        if x.shape[0] > 4:
-            h = h * 2
-        return self.last(h).sum()
 
 
 def _served_as_the_model(model: nn.Module, example: torch.Tensor, call: torch.Tensor,
