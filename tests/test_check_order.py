@@ -244,3 +244,24 @@ def test_stages_that_capture_nothing_again_refuse_before_any_batch_norm_runs():
         sharded(torch.randn(2, 3, 16, 16))
     assert refused.value.before_compute
     assert all(torch.equal(a, b) for a, b in zip(statistics, model.buffers()))
+
+
+class BranchesOnADictsTensor(nn.Module):
+    """``BranchyCNN`` given its image in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cnn = BranchyCNN()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.cnn(batch["image"])
+
+
+def test_a_check_on_a_size_computed_from_a_tensor_in_a_dict_is_checked_first_over_its_sizes():
+    torch.manual_seed(0)
+    model = BranchesOnADictsTensor().train()
+    reference = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, ({"image": torch.randn(2, 3, 8, 8)},))
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.equal(sharded({"image": x}), reference({"image": x}))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))

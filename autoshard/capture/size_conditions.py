@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import MappingKey, keystr, tree_leaves, tree_map_with_path
 from torch.utils._sympy.printers import PythonPrinter
 
 from autoshard.capture.check_order import condition_and_operands
@@ -91,16 +91,19 @@ def early_conditions(gm: fx.GraphModule, values: dict[str, Any]) -> tuple[tuple[
     shapes = ShapeEnv(duck_shape=False)  # (a size equal to another in the example is not the same size)
     mode = FakeTensorMode(shape_env=shapes, allow_non_fake_inputs=True)
     names: dict[sympy.Symbol, sympy.Symbol] = {}
-    fakes = []
-    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
-        value = values.get(str(node.target))
-        if isinstance(value, torch.Tensor):
-            dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * value.dim())
-            value = mode.from_tensor(value, symbolic_context=dynamic)
-            for axis, size in enumerate(value.shape):
-                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                    names[size.node.expr] = sympy.Symbol(f"L['{node.target}'].size()[{axis}]")
-        fakes.append(value)
+
+    def symbolic(path: tuple[Any, ...], value: torch.Tensor) -> torch.Tensor:
+        """A fake of ``value`` whose every size is a symbol, named by its argument and path (``L['d']['x']``)."""
+        fake = mode.from_tensor(value, symbolic_context=StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC] * value.dim()))
+        for axis, size in enumerate(fake.shape):
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                names[size.node.expr] = sympy.Symbol(f"L{keystr(path)}.size()[{axis}]")
+        return fake
+
+    placeholders = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = [tree_map_with_path(lambda path, v: symbolic((MappingKey(name), *path), v) if isinstance(v, torch.Tensor)
+                                else v, values.get(name)) for name in placeholders]
     run = _SymbolicRun(gm, late)
     try:
         with isolated(gm), mode, torch.no_grad(), grad_mode_unchecked():
