@@ -265,3 +265,21 @@ def test_a_check_on_a_size_computed_from_a_tensor_in_a_dict_is_checked_first_ove
     x = torch.randn(2, 3, 16, 16)
     assert torch.equal(sharded({"image": x}), reference({"image": x}))
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
+
+
+def test_torch_compile_serves_a_call_the_early_conditions_refuse_without_warning():
+    """The refusal's walk evaluates the conditions (``guard.holds``); their compiled code was kept in an
+    ``lru_cache``, of which torch.compile's tracer warns ("Dynamo detected a call to a
+    `functools.lru_cache`-wrapped function")."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = BranchyCNN().train()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(autoshard.shard_model(model, 2, (torch.randn(2, 3, 8, 8),)), backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for shape in ((2, 3, 8, 8), (2, 3, 16, 16)):
+            x = torch.randn(*shape)
+            assert torch.equal(compiled(x), reference(x))
+    assert not [w for w in caught if "lru_cache" in str(w.message)]

@@ -222,11 +222,18 @@ def holds(condition: str, values: Mapping[str, Any]) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=4096)
 def _compiled(condition: str) -> CodeType:
     """``condition`` compiled, once: ``eval`` of the text compiled it again on every call, for every
-    condition (97.8k instructions a call for ``L['x'].size()[0] % 2 == 0``, 5.0k compiled once)."""
-    return compile(condition, "<string>", "eval")
+    condition (97.8k instructions a call for ``L['x'].size()[0] % 2 == 0``, 5.0k compiled once). Kept in a
+    dict, not an ``lru_cache``, which torch.compile warns of when it traces a refused call (the conditions
+    are the plans' guard texts, a handful each)."""
+    code = _COMPILED.get(condition)
+    if code is None:
+        code = _COMPILED[condition] = compile(condition, "<string>", "eval")
+    return code
+
+
+_COMPILED: dict[str, CodeType] = {}
 
 
 def _shown(condition: str) -> str:
