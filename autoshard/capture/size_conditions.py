@@ -138,8 +138,8 @@ def _guarded(shapes: ShapeEnv, names: dict[sympy.Symbol, sympy.Symbol],
             continue
         text = PythonPrinter().doprint(expression.xreplace(names))
         if not _ASSUMED.fullmatch(text.strip()) and holds(text, values):
-            guarded.append((text, "the sharded plan was captured with sizes the forward's size checks were written "
-                                  "over, which these inputs break"))
+            guarded.append((text, "the conditions the plan checks first were written for inputs of sizes like "
+                                  "the example's, and these are not"))
     return guarded
 
 
