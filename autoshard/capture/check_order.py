@@ -79,7 +79,7 @@ class _Writes:
     (``inplace.memory_root``: ``g = h.contiguous()`` is ``h``, so ``g.unsqueeze_(0)`` changes ``h``'s sizes):
     by what it calls or as the example's run saw it (a module kept whole writing its input, or a tensor of a
     list it is given), or any it is given where it is the model's own code kept whole. Found once per graph,
-    not once per check (GPT-2's 40 checks over 1,120 nodes: 0.18 s)."""
+    not once per check (a 12-layer GPT-2's hoisting: 20 ms, then 10 ms)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.root = {node: memory_root(gm, node) for node in gm.graph.nodes}
