@@ -691,10 +691,12 @@ def _updates_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: No
                      held: set[str], training: bool = False) -> bool:
     """Whether ``node`` writes in place (as shape propagation saw it: ``facts``) what ``held`` names (a
     buffer of ``stage``, or a view of one: ``self.calls[:1].add_(1)``), or calls a module in training
-    mode that holds buffers. In training mode, a node given such a tensor that updates running statistics
-    (``_updates_statistics``: a traced ``F.batch_norm``, whose kernel moves no version counter), or that
-    shape propagation did not see run; a buffer only read (BERT's ``position_ids``, a rotary ``inv_freq``)
-    is not updated."""
+    mode that holds buffers, or a module kept whole that shape propagation saw write a buffer of its own
+    (``NodeFacts.writes_own_buffers``, in any mode). In training mode also a node given such a tensor that
+    updates running statistics (``_updates_statistics``: a traced ``F.batch_norm``, whose kernel moves no
+    version counter), calls the model's own code kept whole (``runs_model_code``: what it does with the
+    buffer is unseen), or that shape propagation did not see run; a buffer only read (BERT's
+    ``position_ids``, a rotary ``inv_freq``) is not updated."""
     if node.op == "call_module":
         return (facts is not None and facts.writes_own_buffers) or any(
             m.training and any(b is not None for b in m._buffers.values())

@@ -56,9 +56,9 @@ def _pure_non_tensor(node: fx.Node) -> bool:
     return node.target in _PURE_FUNCTIONS or node.target in _PURE_OPERATORS
 
 
-def condition_and_operands(check: fx.Node, position: dict[fx.Node, int]) -> tuple[list[fx.Node], list[fx.Node]]:
-    """The nodes computing ``check``'s condition that are pure and hold no tensor, in graph order, and the
-    nodes they (and the check) read: the tensors, inputs and other values the condition starts from."""
+def condition_and_operands(check: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The nodes computing ``check``'s condition that are pure and hold no tensor, and the nodes they (and
+    the check) read: the tensors, inputs and other values the condition starts from."""
     computing: dict[fx.Node, None] = {}
     operands: dict[fx.Node, None] = {}
     pending = list(check.all_input_nodes)
@@ -71,7 +71,7 @@ def condition_and_operands(check: fx.Node, position: dict[fx.Node, int]) -> tupl
             pending.extend(node.all_input_nodes)
         else:
             operands[node] = None
-    return sorted(computing, key=position.__getitem__), list(operands)
+    return list(computing), list(operands)
 
 
 class _Writes:
@@ -105,7 +105,7 @@ def hoist_checks(gm: fx.GraphModule) -> None:
     writes = _Writes(gm)
     for check in checks:
         position = {node: i for i, node in enumerate(graph.nodes)}
-        computing, operands = condition_and_operands(check, position)
+        computing, operands = condition_and_operands(check)
         roots = {writes.root[operand] for operand in operands}
         after = None
         for node in graph.nodes:
@@ -115,7 +115,7 @@ def hoist_checks(gm: fx.GraphModule) -> None:
                 after = node
         if after is None:
             continue
-        for node in [node for node in (*computing, check) if position[node] > position[after]]:
+        for node in sorted((n for n in (*computing, check) if position[n] > position[after]), key=position.__getitem__):
             after.append(node)
             after = node
     graph.lint()

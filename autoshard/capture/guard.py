@@ -101,6 +101,10 @@ class InputGuard:
         graph's inputs, or None where this walk must decide and name the problem."""
         return accepting(self, holds)
 
+    def returned(self, named: Mapping[str, Any]) -> tuple[Any, ...]:
+        """The graph's inputs among the call's arguments ``named`` by name."""
+        return tuple(named[name] for name in self.returns)
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickled and copied without ``accept``, which is code: written again where it is called."""
         return {name: value for name, value in self.__dict__.items() if name != "accept"}
@@ -246,8 +250,14 @@ def usable_conditions(conditions: Sequence[str], values: Mapping[str, Any]) -> t
     the ones that only say a size is not 0 or 1 (``!= 1``, ``>= 2``), which torch.export assumes
     of every size it keeps generic (the plan serves those sizes, as the ranges do), and the ones
     that fix a size (``== 4``), which the shapes check already."""
-    trivial = re.compile(r".*(!= [01]|>= [12])|L\['[^']+'\]\.size\(\)\[\d+\] == \d+")
-    return tuple(c for c in conditions if not trivial.fullmatch(c.strip()) and holds(c, values))
+    trivial = (ASSUMED_OF_EVERY_SIZE, _FIXES_A_SIZE)
+    return tuple(c for c in conditions if not any(t.fullmatch(c.strip()) for t in trivial) and holds(c, values))
+
+
+#: A condition torch's ``ShapeEnv`` assumes of every size it keeps symbolic: that it is not 0 or 1.
+ASSUMED_OF_EVERY_SIZE = re.compile(r".*(!= [01]|>= [12])")
+#: A condition fixing a size (``L['x'].size()[0] == 4``).
+_FIXES_A_SIZE = re.compile(r"L\['[^']+'\]\.size\(\)\[\d+\] == \d+")
 
 
 #: ``InputGuard.flattened`` of a call without container arguments (read, never written).
@@ -278,7 +288,7 @@ def walked_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
         raise SpecializationMismatch(
             f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
             "shard the model again with an example like these inputs", before_compute=True)
-    return tuple(named[name] for name in guard.returns)
+    return guard.returned(named)
 
 
 def check_condition(actual: Any, expected: bool, condition: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import re
 from typing import Any
 
 import sympy
@@ -26,7 +25,7 @@ from torch.utils._pytree import MappingKey, keystr, tree_leaves, tree_map_with_p
 from torch.utils._sympy.printers import PythonPrinter
 
 from autoshard.capture.check_order import condition_and_operands
-from autoshard.capture.guard import SIZE_CHECKS, check_inputs, check_site, holds
+from autoshard.capture.guard import ASSUMED_OF_EVERY_SIZE, SIZE_CHECKS, check_inputs, check_site, holds
 from autoshard.costs.execution import placeholder_values
 from autoshard.inputs import ExampleInputs
 from autoshard.isolation import PlainInterpreter, grad_mode_unchecked, isolated
@@ -42,13 +41,12 @@ def _late_checks(graph: fx.Graph) -> list[fx.Node]:
     (about 1 s). A later check of a site that checks another condition still checks it where it is."""
     unpacked: set[fx.Node] = set()
     late: dict[str, fx.Node] = {}
-    position = {node: i for i, node in enumerate(graph.nodes)}
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr") or (
                 node.op == "call_function" and node.target in _UNPACKING and unpacked.issuperset(node.all_input_nodes)):
             unpacked.add(node)
         elif node.op == "call_function" and node.target in SIZE_CHECKS:
-            if not unpacked.issuperset(condition_and_operands(node, position)[1]):
+            if not unpacked.issuperset(condition_and_operands(node)[1]):
                 late.setdefault(check_site(node), node)
     return list(late.values())
 
@@ -69,8 +67,7 @@ class _SymbolicRun(PlainInterpreter):
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "call_function" and n.target is check_inputs:
             guard, *values = self.fetch_args_kwargs_from_env(n)[0]
-            named = dict(zip(guard.names, values))
-            return tuple(named[name] for name in guard.returns)
+            return guard.returned(dict(zip(guard.names, values)))
         if n.op == "call_function" and n.target in SIZE_CHECKS:
             args = self.fetch_args_kwargs_from_env(n)[0]
             if n in self.late:
@@ -113,17 +110,13 @@ def early_conditions(gm: fx.GraphModule, values: dict[str, Any]) -> tuple[tuple[
     except Exception:  # noqa: BLE001 - code fake tensors cannot run: the checks stay where they are, alone
         return ()
     found = []
-    for check, args in run.given.items():
+    for args in run.given.values():
         written = _written(args, names)
         if written is not None and holds(written[0], values):
             found.append(written)
     if run.given:  # each condition holds where the run's own guards do: those too (but a size's not being 0 or 1)
         found += _guarded(shapes, names, values)
     return tuple(dict.fromkeys(found))
-
-
-#: A guard ``ShapeEnv`` assumes of every size it keeps symbolic (not 0 or 1): not checked, as ``usable_conditions``.
-_ASSUMED = re.compile(r".*(!= [01]|>= [12])")
 
 
 def _guarded(shapes: ShapeEnv, names: dict[sympy.Symbol, sympy.Symbol],
@@ -133,14 +126,19 @@ def _guarded(shapes: ShapeEnv, names: dict[sympy.Symbol, sympy.Symbol],
     ``(b*s) // 3 > 3``), so a call breaking one may break the check where the conditions said it would not."""
     guarded = []
     for guard in shapes.guards:
-        expression = guard.expr
-        if not expression.free_symbols or not expression.free_symbols.issubset(names):
-            continue
-        text = PythonPrinter().doprint(expression.xreplace(names))
-        if not _ASSUMED.fullmatch(text.strip()) and holds(text, values):
+        text = _over_inputs(guard.expr, names)
+        if text is not None and not ASSUMED_OF_EVERY_SIZE.fullmatch(text.strip()) and holds(text, values):
             guarded.append((text, "the conditions the plan checks first were written for inputs of sizes like "
                                   "the example's, and these are not"))
     return guarded
+
+
+def _over_inputs(expression: sympy.Expr, names: dict[sympy.Symbol, sympy.Symbol]) -> str | None:
+    """``expression`` as Python over the inputs' sizes (``L['x'].size()[3] > 32``), or None where it is
+    not an expression of them alone."""
+    if not expression.free_symbols or not expression.free_symbols.issubset(names):
+        return None
+    return PythonPrinter().doprint(expression.xreplace(names))
 
 
 def _written(args: tuple[Any, ...], names: dict[sympy.Symbol, sympy.Symbol]) -> tuple[str, str] | None:
@@ -149,10 +147,9 @@ def _written(args: tuple[Any, ...], names: dict[sympy.Symbol, sympy.Symbol]) -> 
     value = args[0]
     if not isinstance(value, (torch.SymBool, torch.SymInt)):
         return None
-    expression = value.node.expr
-    if not expression.free_symbols or not expression.free_symbols.issubset(names):
+    text = _over_inputs(value.node.expr, names)
+    if text is None:
         return None
-    text = PythonPrinter().doprint(expression.xreplace(names))
     if isinstance(value, torch.SymBool):
         expected, condition = args[1], args[2]
         return (text if expected else f"not ({text})",
