@@ -18,17 +18,26 @@ from torch import nn
 #: and device, never its shape; assigning another one is refused by the rebinding watch).
 SHAPE_ATTRIBUTES = frozenset({"shape", "ndim"})
 SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+#: What else a read of a tensor's metadata alone reads: the same for the tensor's zero-element
+#: carrier (``capture.shape_carriers``), though not for a weight a conversion may change.
+METADATA_ATTRIBUTES = SHAPE_ATTRIBUTES | {"dtype", "device"}
 
 
-def shape_read(node: fx.Node) -> bool:
+def shape_read(node: fx.Node, attributes: frozenset[str] = SHAPE_ATTRIBUTES) -> bool:
     """Whether ``node`` reads only the shape of its first argument, every other argument a constant:
     ``getattr(w, "shape")``, ``w.size(1)``, ``w.dim()``, ``w.numel()``. Such a read of a weight uses
-    none of its values: it is no reason for a stage to hold the weight."""
+    none of its values: it is no reason for a stage to hold the weight. ``attributes``: those read
+    as the shape is (``metadata_read``)."""
     if node.op == "call_function" and node.target is getattr:
-        reads_shape = len(node.args) == 2 and node.args[1] in SHAPE_ATTRIBUTES
+        reads_shape = len(node.args) == 2 and node.args[1] in attributes
     else:
         reads_shape = node.op == "call_method" and node.target in SHAPE_METHODS
     return reads_shape and bool(node.args) and isinstance(node.args[0], fx.Node) and len(node.all_input_nodes) == 1
+
+
+def metadata_read(node: fx.Node) -> bool:
+    """Whether ``node`` reads only its first argument's shape, dtype or device (``x.device``, ``x.size(-1)``)."""
+    return shape_read(node, METADATA_ATTRIBUTES)
 
 
 def resolve(root: Any, target: str) -> Any:

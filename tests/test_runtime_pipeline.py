@@ -412,6 +412,15 @@ def test_skip_connections_cross_non_adjacent_stages(two_processes, four_processe
         assert carried_past_a_stage(results[0][scenario]["boundaries"]), scenario
 
 
+def test_a_width_read_alone_crosses_ranks_as_a_zero_byte_carrier(two_processes, four_processes):
+    """GPT-2 reads its embedding's width to reshape the last output: a carrier of no elements crosses
+    every boundary instead of the embedding (``capture.shape_carriers``), sent and received by gloo in
+    steps that match the unsplit model's (``test_..._train_like_the_unsplit_model``)."""
+    for results, scenario in ((two_processes, ("gpt2", 2, "gpipe")), (four_processes, ("gpt2", 4, "gpipe"))):
+        for boundary in results[0][scenario]["boundaries"]:
+            assert "transformer_drop_shape" in boundary and "transformer_drop" not in boundary, scenario
+
+
 def test_labels_for_a_loss_the_model_computes_cross_every_boundary(two_processes, four_processes):
     """Integer labels reach the last stage as a boundary value (their shape inference must not
     index with uninitialised memory), and its loss is the model's; with two stages per rank the

@@ -1,0 +1,103 @@
+"""Let what a stage reads of a tensor's shape cross a boundary without the tensor.
+
+Values that are not tensors never cross a boundary (pipeline runtimes send tensors): the stage that
+reads ``x.size(-1)`` recomputes it from ``x``, so ``x`` itself crossed to it. GPT-2 reads its
+embedding's width right after the embedding and uses it to reshape the last layer's output, so
+the embedding's whole output crossed every boundary for one integer (46% of the bytes a 12-layer
+GPT-2 sent at k = 4).
+
+``carry_shapes`` gives each tensor read for its metadata alone somewhere (``metadata_read``: shape,
+dtype, device) a carrier, ``shape_carrier(x)``: a tensor of shape ``(0, *x.shape)`` with ``x``'s
+dtype and device, which holds no bytes, and routes those reads through ``CarriedShape(carrier)``,
+which answers them as ``x`` would. The carrier is an ordinary tensor of the graph: the DAG weighs
+it (0 bytes), the splitter lets it cross instead of ``x``, the memory model and the plan file see a
+value of 0 bytes, and verification compares it with the model's. Emit keeps a carrier only where it
+crosses: a stage that holds ``x`` reads it straight (``emit``), so its code is the model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from autoshard.costs.facts import NodeFacts, node_facts, record_facts
+from autoshard.costs.values import TensorMeta, describe_value
+from autoshard.fx_helpers import metadata_read
+
+
+def shape_carrier(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of no elements and no bytes that has ``tensor``'s shape (after its first
+    dimension), dtype and device: what crosses a boundary for a reader of those alone."""
+    return tensor.new_empty((0, *tensor.shape))
+
+
+class CarriedShape:
+    """A tensor's metadata, read off its carrier: answers what ``metadata_read`` reads as the tensor would."""
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, carrier: torch.Tensor) -> None:
+        self.shape = carrier.shape[1:]
+        self.dtype = carrier.dtype
+        self.device = carrier.device
+
+    def __repr__(self) -> str:  # (no device: the facts the planner records say none)
+        return f"CarriedShape({tuple(self.shape)}, {self.dtype})"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    ndimension = dim
+    nelement = numel
+
+
+def carried_tensor(node: fx.Node) -> fx.Node | None:
+    """The tensor whose metadata ``node`` (a ``CarriedShape`` of a carrier) reads; None for any other node."""
+    if node.op == "call_function" and node.target is CarriedShape:
+        carrier = node.args[0]
+        assert isinstance(carrier, fx.Node) and isinstance(carrier.args[0], fx.Node)
+        return carrier.args[0]
+    return None
+
+
+def carry_shapes(gm: fx.GraphModule) -> dict[str, NodeFacts]:
+    """Route every metadata read of a tensor the graph computes or takes through a carrier (above);
+    return the facts of the nodes added, which are also recorded on them. Needs ``shape-prop``'s
+    facts, which say what is a tensor; a weight's shape is read as a constant instead (emit's
+    ``fold_shape_reads``)."""
+    graph, added = gm.graph, {}
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    for tensor in list(position):
+        facts = node_facts(tensor)
+        if tensor.op == "get_attr" or facts is None or not isinstance(facts.value, TensorMeta):
+            continue
+        reads = sorted((user for user in tensor.users if metadata_read(user) and user.args[0] is tensor),
+                       key=position.__getitem__)
+        read_facts = node_facts(reads[0]) if reads else None
+        if read_facts is None:
+            continue
+        with graph.inserting_before(reads[0]):
+            carrier = graph.create_node("call_function", shape_carrier, (tensor,), name=f"{tensor.name}_shape")
+            carried = graph.create_node("call_function", CarriedShape, (carrier,))
+        shape = facts.value.shape
+        added[carrier.name] = dataclasses.replace(read_facts, value=TensorMeta((0, *shape), facts.value.dtype, 0))
+        meta = torch.empty((0, *shape), dtype=getattr(torch, facts.value.dtype), device="meta")
+        added[carried.name] = dataclasses.replace(read_facts, value=describe_value(CarriedShape(meta)))
+        for node in (carrier, carried):
+            node.meta.update({key: value for key, value in reads[0].meta.items() if key == "nn_module_stack"})
+        for read in reads:
+            read.args = (carried, *read.args[1:])
+    record_facts(graph, added)
+    return added

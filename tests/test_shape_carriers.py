@@ -1,0 +1,98 @@
+"""A stage that reads only a tensor's shape, dtype or device gets a zero-byte carrier of them across the
+boundary, not the tensor (``capture.shape_carriers``): GPT-2 reads its embedding's width to reshape its
+last output, and the embedding's output crossed every boundary for it."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.capture.shape_carriers import CarriedShape, shape_carrier
+
+BATCH, WIDTH = 6, 16
+
+
+class WidthReadAtTheEnd(nn.Module):
+    """Reads the embedding's width (and dtype and device) right after it and uses them after the last block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        shape = (-1, h.size(-1))
+        like = dict(dtype=h.dtype, device=h.device)
+        for block in self.blocks:
+            h = torch.relu(block(h)) + h
+        return h.reshape(shape) + torch.ones(h.shape[-1], **like)
+
+
+def _sharded(stages: int = 4, training: bool = False) -> tuple[nn.Module, autoshard.ShardedModel]:
+    torch.manual_seed(0)
+    model = WidthReadAtTheEnd().train(training)
+    return model, autoshard.shard_model(copy.deepcopy(model), stages, (torch.randn(BATCH, 8),))
+
+
+def test_the_width_crosses_as_a_zero_byte_carrier_and_the_tensor_stays_in_its_stage():
+    model, sharded = _sharded()
+    plan = sharded.plan
+    for boundary in range(plan.num_stages - 1):
+        values = {value.name: value for value in plan.boundary_values(boundary)}
+        assert "embed" not in values  # before: the embedding's output crossed every boundary
+        assert values["embed_shape"].nbytes == 0
+        assert plan.boundary_bytes()[boundary] == BATCH * WIDTH * 4  # the blocks' running sum alone
+    for batch in (BATCH, 3):  # the example's shape, and another the carrier tells the last stage
+        x = torch.randn(batch, 8)
+        with torch.no_grad():
+            assert torch.equal(sharded(x), model(x))
+
+
+def test_only_a_stage_without_the_tensor_reads_the_carrier():
+    _, whole = _sharded(stages=1)
+    assert not [n for n in whole.stages[0].graph.nodes if n.target in (shape_carrier, CarriedShape)]
+    _, sharded = _sharded()
+    first, *middle, last = sharded.stages
+    assert [n.args[0].name for n in first.graph.nodes if n.target is shape_carrier] == ["embed"]
+    assert not [n for stage in middle for n in stage.graph.nodes if n.target in (shape_carrier, CarriedShape)]
+    assert [n.args[0].name for n in last.graph.nodes if n.target is CarriedShape] == ["embed_shape"]
+
+
+def test_training_through_carriers_gives_the_models_gradients():
+    model, sharded = _sharded(training=True)
+    x = torch.randn(BATCH, 8)
+    model(x).square().sum().backward()
+    sharded(x).square().sum().backward()
+    theirs = dict(model.named_parameters())
+    for name, parameter in sharded.named_parameters():
+        assert torch.equal(parameter.grad, theirs[name].grad), name
+
+
+def test_the_memory_model_receives_no_bytes_for_a_carrier():
+    _, sharded = _sharded(training=True)
+    stages = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=1)).stages
+    assert [stage.memory.received_bytes for stage in stages[1:]] == [BATCH * WIDTH * 4] * 3
+
+
+def test_a_saved_plan_rebuilds_the_same_carriers(tmp_path):
+    model, sharded = _sharded()
+    path = sharded.save_plan(tmp_path / "plan.json")
+    loaded = autoshard.load_plan(path, copy.deepcopy(model), (torch.randn(BATCH, 8),))
+    assert loaded.plan.boundaries == sharded.plan.boundaries
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_a_carried_shape_answers_as_its_tensor():
+    tensor = torch.zeros(2, 3, 4, dtype=torch.float16)
+    carried = CarriedShape(shape_carrier(tensor))
+    assert shape_carrier(tensor).nbytes == 0
+    for read in (lambda t: t.shape, lambda t: t.size(), lambda t: t.size(-2), lambda t: t.size(dim=0),
+                 lambda t: t.dim(), lambda t: t.ndimension(), lambda t: t.ndim, lambda t: t.numel(),
+                 lambda t: t.nelement(), lambda t: t.dtype, lambda t: t.device):
+        assert read(carried) == read(tensor)
