@@ -20,7 +20,7 @@ from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
 from autoshard.capture.guard import (
     PLACED_ON, FixedDtypes, InputGuard, check_inputs, check_mode, refuse_mode_switch,
 )
-from autoshard.capture.held_state import HOLDS, NO_KEY, Read
+from autoshard.capture.held_state import ATTRIBUTE, HOLDS, NO_KEY, Read
 from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, is_default, parameter_default
@@ -348,7 +348,7 @@ class StateAtCapture:
                 reads.append((own, read.name, HOLDS))
                 seen.append(False)
             if where is not None:
-                reads.append((where, read.name, ""))
+                reads.append(_where_read(read.holder, where, read.name, value))
                 seen.append(value)
                 inside = read.content_reads(value)
                 reads += inside[0]
@@ -388,6 +388,15 @@ class StateAtCapture:
         return StateAtCapture, ()
 
 
+def _where_read(holder: Any, where: Mapping[str, Any], name: str, value: Any) -> Read:
+    """The read of ``holder.name`` where ``looked_up`` found it: in ``where``, the holder's ``__dict__``, or
+    through the class holding it (``ATTRIBUTE``), whose ``__dict__`` is a mapping proxy, unless the value
+    is a descriptor, which reading through the class would call."""
+    if where is vars(holder) or hasattr(type(value), "__get__"):
+        return where, name, ""
+    return next(cls for cls in type(holder).__mro__ if name in vars(cls)), name, ATTRIBUTE
+
+
 def _reading(value: Any, past: bool = False) -> str:
     """``is float 3.0`` / ``is unset`` (``was`` in the ``past``)."""
     return f"{'was' if past else 'is'} {'unset' if value is ABSENT else shown(value)}"
@@ -420,7 +429,7 @@ class ShardedModel(FixedDtypes):
         if held is not None:
             held.watch_model_state(self._state_at_capture)
         self._first_held = held
-        self._kept_binder = _KeptBinder()
+        self._kept_binder = _KeptBinder(stages[0] if stages else None, model_signature)
         self._model_held = _ModelHeld(model)
         self.register_state_dict_post_hook(_under_model_keys)
         self.register_load_state_dict_pre_hook(_from_model_keys)
@@ -530,7 +539,7 @@ class ShardedModel(FixedDtypes):
         first = held["_modules"]["stages"]._modules["0"]
         kept = held["_kept_binder"]
         if kept.first is not first or kept.binder.model_signature is not held["model_signature"]:
-            kept.first, kept.binder = first, _binder(first, held["model_signature"])
+            kept.first, kept.binder = first, _untraced_binder(first, held["model_signature"])
         return kept.binder.bind(args, kwargs, keep_positions=True)
 
     #: Serves the calls a capture's guards refuse by capturing the model again (``autoshard.specialize``);
@@ -642,6 +651,11 @@ def _binder(first: fx.GraphModule, model_signature: inspect.Signature | None) ->
     return binder
 
 
+#: ``_binder`` for ``fit_call``, where torch.compile may trace a call that makes one: making it reads the stage's
+#: graph, which torch.compile does not trace, and a function it is told to skip is one clean graph break.
+_untraced_binder = torch.compiler.disable(_binder)
+
+
 def _holds_a_tensor(value: Any) -> bool:
     """Whether pytree finds a tensor among ``value``'s leaves. The dicts, lists and tuples calls pass
     are read without it, up to the first tensor (pytree's walk of a dict of two tensors: 6 us a call)."""
@@ -654,14 +668,19 @@ def _holds_a_tensor(value: Any) -> bool:
 
 class _KeptBinder:
     """A sharded model's ``_Binder``, with the first stage it binds for: read with the model's
-    other state (``fit_call``) instead of looked up by stage. A copy or a pickle finds its own."""
+    other state (``fit_call``) instead of looked up by stage. Made with the sharded model, and for a
+    copy with its copied first stage, so that ``torch.compile`` traces a first call that only reads
+    it (making one reads the stage's graph: a graph break); a pickle finds its own on its first call."""
 
-    def __init__(self) -> None:
-        self.first: fx.GraphModule | None = None
-        self.binder: _Binder | None = None
+    def __init__(self, first: fx.GraphModule | None = None, model_signature: inspect.Signature | None = None) -> None:
+        self.first = first
+        self.binder = None if first is None else _binder(first, model_signature)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _KeptBinder:
-        return _KeptBinder()
+        first = memo.get(id(self.first))  # copied before it: a module copies its ``_modules`` first
+        if first is None or self.binder is None:
+            return _KeptBinder()
+        return _KeptBinder(first, memo.get(id(self.binder.model_signature), self.binder.model_signature))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _KeptBinder, ()

@@ -55,6 +55,10 @@ HOLDS = "in"
 KEPT = "kept"
 #: A read's ``attribute`` that compares ``owner`` with the value expected by equality (``==``), not identity.
 EQUALS = "=="
+#: A read's ``attribute`` that reads ``getattr(owner, key)``: a class's attribute, read through the class,
+#: not its ``__dict__``, whose mapping proxy ``torch.compile`` refuses to read once a traced call filled a
+#: cache (a graph break that makes it run each stage alone).
+ATTRIBUTE = "getattr"
 
 #: A module's hook dicts, as a hook registered on it is named.
 HOOK_DICTS = dict(zip(MODULE_HOOK_DICTS, ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")))
@@ -65,14 +69,16 @@ GLOBAL_BACKWARD_HOOK_DICTS = GLOBAL_HOOK_DICTS[2:]
 Read = tuple[Any, Any, str]
 """``(owner, key, attribute)``: ``owner[key].attribute``, without the item when ``key`` is
 ``NO_KEY`` and without the attribute when it is empty; ``key in owner`` when it is ``HOLDS``;
-``owner[key]``, given with its list, when it is ``KEPT`` (``read`` does not take those); ``owner``, compared
-by equality, when it is ``EQUALS``."""
+``getattr(owner, key)`` when it is ``ATTRIBUTE``, and given with its list when it is ``KEPT`` (``read`` does
+not take those); ``owner``, compared by equality, when it is ``EQUALS``."""
 
 
 def read(owner: Any, key: Any, attribute: str) -> Any:
     """What ``kept_check``'s code reads for ``(owner, key, attribute)`` (KeyError, AttributeError: gone)."""
     if attribute == HOLDS:
         return key in owner
+    if attribute == ATTRIBUTE:
+        return getattr(owner, key)
     value = owner if key is NO_KEY else owner[key]
     return getattr(value, attribute) if attribute else value
 
@@ -129,10 +135,13 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
             tests.append(f"(k{index} in o{index}) is e{index}")
             continue
         if attribute == KEPT:
-            tests.append(f"o{index}[k{index}] is e{index}[0]")
+            tests.append(f"getattr(o{index}, k{index}) is e{index}[0]")
             continue
         if attribute == EQUALS:
             tests.append(f"o{index} == e{index}")
+            continue
+        if attribute == ATTRIBUTE:
+            tests.append(f"getattr(o{index}, k{index}) is e{index}")
             continue
         assert attribute in _ATTRIBUTES, attribute  # spelled out in the code: only names of ours
         tests.append(f"o{index}{f'[k{index}]' if keyed else ''}{f'.{attribute}' if attribute else ''} is e{index}")
@@ -200,7 +209,7 @@ class StayAsCaptured:
         if not self.entries and not self.held:
             return [], []
         self._seen[0] = RemovableHandle.next_id
-        reads: list[Read] = [(vars(RemovableHandle), "next_id", KEPT)]
+        reads: list[Read] = [(RemovableHandle, "next_id", KEPT)]
         seen: list[Any] = [self._seen]
         for _, namespace, name, _ in self.held:
             now = namespace[name]
@@ -216,11 +225,10 @@ class StayAsCaptured:
         the full check."""
         if not self.entries and not self.held:
             return full
-        handles = vars(RemovableHandle)
 
         def after(flag: Any) -> Any:
-            if handles["next_id"] is not self._seen[0] and self.changed() is None:
-                self._seen[0] = handles["next_id"]
+            if RemovableHandle.next_id is not self._seen[0] and self.changed() is None:
+                self._seen[0] = RemovableHandle.next_id
                 return again(flag)
             return full(flag)
         return after
