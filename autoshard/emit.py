@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.guard import FixedDtypes, autocast_now, check_autocast, refuse_mode_switch
-from autoshard.capture.shape_carriers import carried_tensor, shape_carrier
+from autoshard.lowering.shape_carriers import carried_tensor, shape_carrier
 from autoshard.capture.held_state import HeldState, checked_modules, registry_key
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import InvalidArgumentError
@@ -119,9 +119,12 @@ def _stage_graph(
     def lookup(node: fx.Node) -> fx.Node:
         if node not in env and carried_tensor(node) in env:  # a tensor the stage holds: read straight
             env[node] = env[carried_tensor(node)]  # type: ignore[index]
-        elif node not in env and (node.op == "get_attr" or recomputed_in_consumers(node)):
+        elif node not in env and (node.op == "get_attr" or recomputed_in_consumers(node) or made_here(node)):
             env[node] = graph.node_copy(node, lookup)  # each stage holds its own reference / copy
         return env[node]
+
+    def made_here(node: fx.Node) -> bool:  # a carrier to send on, of a tensor the stage holds
+        return node.target is shape_carrier and node.args[0] in env
 
     if stage == 0:
         for node in source.nodes:
@@ -131,8 +134,8 @@ def _stage_graph(
         for name in incoming:
             env[by_name[name]] = graph.placeholder(name)
     for node in source.nodes:
-        if node.target is shape_carrier and node.name not in outgoing:
-            continue  # the stage reads the tensor it carries instead (``lookup``)
+        if node.target is shape_carrier:
+            continue  # made where it is sent on, from the tensor it carries (``lookup``)
         if assignment.get(node.name) == stage and node.op != "placeholder" and not recomputed_in_consumers(node):
             env[node] = graph.node_copy(node, lookup)
     if stage == num_stages - 1:

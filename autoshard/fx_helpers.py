@@ -19,7 +19,7 @@ from torch import nn
 SHAPE_ATTRIBUTES = frozenset({"shape", "ndim"})
 SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
 #: What else a read of a tensor's metadata alone reads: the same for the tensor's zero-element
-#: carrier (``capture.shape_carriers``), though not for a weight a conversion may change.
+#: carrier (``lowering.shape_carriers``), though not for a weight a conversion may change.
 METADATA_ATTRIBUTES = SHAPE_ATTRIBUTES | {"dtype", "device"}
 
 

@@ -414,7 +414,7 @@ def test_skip_connections_cross_non_adjacent_stages(two_processes, four_processe
 
 def test_a_width_read_alone_crosses_ranks_as_a_zero_byte_carrier(two_processes, four_processes):
     """GPT-2 reads its embedding's width to reshape the last output: a carrier of no elements crosses
-    every boundary instead of the embedding (``capture.shape_carriers``), sent and received by gloo in
+    every boundary instead of the embedding (``lowering.shape_carriers``), sent and received by gloo in
     steps that match the unsplit model's (``test_..._train_like_the_unsplit_model``)."""
     for results, scenario in ((two_processes, ("gpt2", 2, "gpipe")), (four_processes, ("gpt2", 4, "gpipe"))):
         for boundary in results[0][scenario]["boundaries"]:

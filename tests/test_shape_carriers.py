@@ -1,5 +1,5 @@
 """A stage that reads only a tensor's shape, dtype or device gets a zero-byte carrier of them across the
-boundary, not the tensor (``capture.shape_carriers``): GPT-2 reads its embedding's width to reshape its
+boundary, not the tensor (``lowering.shape_carriers``): GPT-2 reads its embedding's width to reshape its
 last output, and the embedding's output crossed every boundary for it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.capture.shape_carriers import CarriedShape, shape_carrier
+from autoshard.lowering.shape_carriers import CarriedShape, shape_carrier
 
 BATCH, WIDTH = 6, 16
 
@@ -96,3 +96,32 @@ def test_a_carried_shape_answers_as_its_tensor():
                  lambda t: t.dim(), lambda t: t.ndimension(), lambda t: t.ndim, lambda t: t.numel(),
                  lambda t: t.nelement(), lambda t: t.dtype, lambda t: t.device):
         assert read(carried) == read(tensor)
+
+
+class EmbeddingReadMidway(WidthReadAtTheEnd):
+    """The embedding's output is also added back after the third block: it crosses to that block's stage
+    itself, and its carrier crosses only past it, made there from the embedding's output it received."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        width = h.size(-1)
+        y = h
+        for index, block in enumerate(self.blocks):
+            y = torch.relu(block(y)) + (h if index == 3 else y)
+        return y.reshape(-1, width)
+
+
+def test_a_carrier_crosses_only_past_the_stages_holding_its_tensor():
+    torch.manual_seed(0)
+    model = EmbeddingReadMidway()
+    sharded = autoshard.shard_model(copy.deepcopy(model), 6, (torch.randn(BATCH, 8),))
+    boundaries = sharded.plan.boundaries
+    held = [j for j, names in enumerate(boundaries) if "embed" in names]
+    carried = [j for j, names in enumerate(boundaries) if "embed_shape" in names]
+    assert held and carried and max(held) + 1 == min(carried)  # never both across one boundary
+    assert carried == list(range(min(carried), len(boundaries)))
+    maker = sharded.stages[min(carried)]  # received the embedding's output, sends its carrier on
+    assert [n.args[0].name for n in maker.graph.nodes if n.target is shape_carrier] == ["embed"]
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(sharded(x), model(x))

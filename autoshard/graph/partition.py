@@ -102,12 +102,16 @@ def bottleneck(dag: nx.DiGraph, assignment: Assignment, k: int) -> float:
 def crossed_boundaries(dag: nx.DiGraph, assignment: Assignment, k: int, node: Node) -> range:
     """The boundaries ``node``'s value crosses: from its stage up to its last reader's stage.
 
-    A model output is read after the last stage, so it crosses every later boundary.
+    A model output is read after the last stage, so it crosses every later boundary. A node
+    ``made_from`` another (a zero-byte carrier of a tensor's shape) is made again, for nothing, by
+    every stage holding that one's value, so it crosses only the boundaries past the last of them.
     """
     first = assignment[node]
-    if is_output(dag, node):
-        return range(first, k - 1)
-    return range(first, max((assignment[v] for v in dag.successors(node)), default=first))
+    last = k - 1 if is_output(dag, node) else max((assignment[v] for v in dag.successors(node)), default=first)
+    source = dag.nodes[node].get("made_from")
+    if source is not None:
+        first = max(first, crossed_boundaries(dag, assignment, k, source).stop)
+    return range(first, last)
 
 
 def boundary_values(dag: nx.DiGraph, assignment: Assignment, k: int) -> list[list[Node]]:

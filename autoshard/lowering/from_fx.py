@@ -30,7 +30,8 @@ The output node is not a DAG node either: the values it returns are flagged ``ou
 A value known to hold no tensor (``x.size(0)``, a bool) never crosses a boundary: emit
 recomputes it in each stage that reads it. So in the DAG its readers depend directly on the
 tensors (or model inputs) it is computed from, and it has no out-edges of its own (see
-``route_around_non_tensors``).
+``route_around_non_tensors``). A read of a tensor's shape alone is computed from a zero-byte carrier
+of it (``shape_carriers``), ``made_from`` that tensor: it crosses only past the stages holding it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from autoshard.costs.facts import node_facts, node_seconds, node_timed_backward
 from autoshard.fx_helpers import canonical_tensor_names, resolve, shape_read, target_name
 from autoshard.lowering.inplace import order_around_mutations
 from autoshard.lowering.randomness import order_random_draws
+from autoshard.lowering.shape_carriers import shape_carrier
 
 #: Stand-in for a value's size until shape propagation measures it: every value weighs one.
 UNKNOWN_VALUE_BYTES = 1.0
@@ -231,7 +233,8 @@ def build_dag(gm: fx.GraphModule, model: nn.Module | None = None) -> nx.DiGraph:
             scopes = module_scopes(gm, node)
             dag.add_node(node.name, op=node.op, target=target_name(node), module=scopes[-1][0] if scopes else "",
                          scopes=scopes, weights=tuple(names[id(t)] for t in tensors),
-                         params=count, param_bytes=nbytes, input=False, output=False, **_measured(node))
+                         params=count, param_bytes=nbytes, input=False, output=False, **_measured(node),
+                         **({"made_from": node.args[0].name} if node.target is shape_carrier else {}))
         elif node.op == "output":
             for producer in node.all_input_nodes:
                 if producer.name in dag:

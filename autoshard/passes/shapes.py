@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 
 from autoshard.capture.check_order import hoist_checks
 from autoshard.capture.eager import check_model_runs
-from autoshard.capture.shape_carriers import carry_shapes
+from autoshard.lowering.shape_carriers import carry_shapes
 from autoshard.capture.size_conditions import check_early
 from autoshard.passes.annotate import annotated_copy
 from autoshard.costs.execution import resolve_mode
@@ -51,7 +51,7 @@ class ShapePropPass(Pass):
         hoist_checks(annotated)  # as early as the facts show their conditions may run
         if program.model.training:  # and those on sizes computed, over the inputs' sizes (``size_conditions``)
             check_early(annotated, inputs)
-        facts.update(carry_shapes(annotated))  # a read of a size lets a zero-byte carrier cross, not the tensor
+        carry_shapes(annotated, facts)  # a read of a size lets a zero-byte carrier cross, not the tensor
         annotated.recompile()
         return dataclasses.replace(program, traced=dataclasses.replace(traced, graph_module=annotated),
                                    facts=MappingProxyType(facts))

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from autoshard.costs.facts import NodeFacts, node_facts, record_facts
+from autoshard.costs.facts import NodeFacts, record_facts
 from autoshard.costs.values import TensorMeta, describe_value
 from autoshard.fx_helpers import metadata_read
 
@@ -72,32 +72,35 @@ def carried_tensor(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def carry_shapes(gm: fx.GraphModule) -> dict[str, NodeFacts]:
-    """Route every metadata read of a tensor the graph computes or takes through a carrier (above);
-    return the facts of the nodes added, which are also recorded on them. Needs ``shape-prop``'s
-    facts, which say what is a tensor; a weight's shape is read as a constant instead (emit's
-    ``fold_shape_reads``)."""
+def carry_shapes(gm: fx.GraphModule, facts: dict[str, NodeFacts]) -> None:
+    """Route every metadata read of a tensor the graph computes or takes through a carrier (above), and
+    drop those nothing uses; ``facts`` (``shape-prop``'s, which say what is a tensor) gains the nodes
+    added, also recorded on them, and loses those dropped. A weight's shape is read as a constant
+    instead (emit's ``fold_shape_reads``)."""
     graph, added = gm.graph, {}
     position = {node: index for index, node in enumerate(graph.nodes)}
     for tensor in list(position):
-        facts = node_facts(tensor)
-        if tensor.op == "get_attr" or facts is None or not isinstance(facts.value, TensorMeta):
+        value = facts[tensor.name].value if tensor.name in facts else None
+        if tensor.op == "get_attr" or not isinstance(value, TensorMeta):
             continue
         reads = sorted((user for user in tensor.users if metadata_read(user) and user.args[0] is tensor),
                        key=position.__getitem__)
-        read_facts = node_facts(reads[0]) if reads else None
+        for unread in [read for read in reads if not read.users]:  # (the model's code kept a shape it never used)
+            graph.erase_node(unread)  # nothing else to keep it for: a read of metadata changes nothing
+            reads.remove(unread)
+            del facts[unread.name]
+        read_facts = facts.get(reads[0].name) if reads else None
         if read_facts is None:
             continue
         with graph.inserting_before(reads[0]):
             carrier = graph.create_node("call_function", shape_carrier, (tensor,), name=f"{tensor.name}_shape")
             carried = graph.create_node("call_function", CarriedShape, (carrier,))
-        shape = facts.value.shape
-        added[carrier.name] = dataclasses.replace(read_facts, value=TensorMeta((0, *shape), facts.value.dtype, 0))
-        meta = torch.empty((0, *shape), dtype=getattr(torch, facts.value.dtype), device="meta")
+        added[carrier.name] = dataclasses.replace(read_facts, value=TensorMeta((0, *value.shape), value.dtype, 0))
+        meta = torch.empty((0, *value.shape), dtype=getattr(torch, value.dtype), device="meta")
         added[carried.name] = dataclasses.replace(read_facts, value=describe_value(CarriedShape(meta)))
         for node in (carrier, carried):
             node.meta.update({key: value for key, value in reads[0].meta.items() if key == "nn_module_stack"})
         for read in reads:
             read.args = (carried, *read.args[1:])
     record_facts(graph, added)
-    return added
+    facts.update(added)
