@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.guard import FixedDtypes, autocast_now, check_autocast, refuse_mode_switch
-from autoshard.lowering.shape_carriers import carried_tensor, shape_carrier
+from autoshard.lowering.shape_carriers import carried_tensor, made_anywhere, shape_carrier
 from autoshard.capture.held_state import HeldState, checked_modules, registry_key
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import InvalidArgumentError
@@ -124,7 +124,7 @@ def _stage_graph(
         return env[node]
 
     def made_here(node: fx.Node) -> bool:  # a carrier to send on, of a tensor the stage holds
-        return node.target is shape_carrier and node.args[0] in env
+        return node.target is shape_carrier and made_anywhere(node) and node.args[0] in env
 
     if stage == 0:
         for node in source.nodes:
@@ -134,7 +134,7 @@ def _stage_graph(
         for name in incoming:
             env[by_name[name]] = graph.placeholder(name)
     for node in source.nodes:
-        if node.target is shape_carrier:
+        if node.target is shape_carrier and made_anywhere(node):
             continue  # made where it is sent on, from the tensor it carries (``lookup``)
         if assignment.get(node.name) == stage and node.op != "placeholder" and not recomputed_in_consumers(node):
             env[node] = graph.node_copy(node, lookup)

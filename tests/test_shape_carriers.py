@@ -125,3 +125,96 @@ def test_a_carrier_crosses_only_past_the_stages_holding_its_tensor():
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert torch.equal(sharded(x), model(x))
+
+
+class Head(nn.Module):
+    """Reshapes its input to the embedding's width: the read sits inside the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        return self.proj(h).reshape(-1, embedded.size(-1))
+
+
+class WidthReadInTheHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(6))
+        self.head = Head()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = embedded = self.embed(x)
+        for block in self.blocks:
+            h = torch.relu(block(h)) + h
+        return self.head(h, embedded)
+
+
+def test_a_carrier_belongs_to_its_tensors_module_not_to_the_readers():
+    """Pinning or keeping whole the module that reads the width does not pull the carrier, and with it
+    the embedding, into that module's stage."""
+    torch.manual_seed(0)
+    model, x = WidthReadInTheHead().eval(), torch.randn(BATCH, 8)
+    for constraint in (dict(no_split=["head"]), dict(pin={"head": 3})):
+        sharded = autoshard.shard_model(copy.deepcopy(model), 4, (x,), **constraint)
+        for boundary in range(3):
+            assert "embed" not in {value.name for value in sharded.plan.boundary_values(boundary)}, constraint
+        with torch.no_grad():
+            assert torch.equal(sharded(x[:3]), model(x[:3]))
+
+
+class WidthReadAfterTheBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = embedded = self.embed(x)
+        for block in self.blocks:
+            h = torch.relu(block(h)) + h
+        return h.reshape(-1, embedded.size(-1))
+
+
+def test_a_split_in_program_order_sends_the_carrier_made_right_after_its_tensor():
+    """``fixed-order`` and ``cut_before`` cut the program's order: a carrier made where the width is
+    read, after the last block, left the embedding to cross every boundary."""
+    torch.manual_seed(0)
+    model, x = WidthReadAfterTheBlocks().eval(), torch.randn(BATCH, 8)
+    fixed_order = "capture,shape-prop,build-dag,linearize,split-fixed-order{stages=4},emit,verify"
+    for options in (dict(pipeline=fixed_order), dict(cut_before=["blocks.2", "blocks.4"])):
+        sharded = autoshard.shard_model(copy.deepcopy(model), 3 if "cut_before" in options else 4, (x,), **options)
+        for boundary in range(sharded.num_stages - 1):
+            values = {value.name for value in sharded.plan.boundary_values(boundary)}
+            assert "embed_shape" in values and "embed" not in values, options
+
+
+class TransposedInPlaceBetweenReads(nn.Module):
+    """Reads a width, transposes the tensor in place, and reads its width again after the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.side = nn.Linear(8, 4)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, side = self.embed(x), self.side(x)
+        before = side.size(-1)
+        side.t_()
+        for block in self.blocks:
+            h = torch.relu(block(h)) + h
+        return h * before + side.shape[-1]
+
+
+def test_reads_on_either_side_of_an_in_place_shape_change_see_the_shape_of_their_side():
+    """One carrier per stretch between writes; a stage that holds the tensor reads the carrier made
+    before a write, not the tensor, which the write has changed by the time the read is recomputed."""
+    torch.manual_seed(0)
+    model, x = TransposedInPlaceBetweenReads().eval(), torch.randn(BATCH, 8)
+    for stages in (1, 2, 4):
+        sharded = autoshard.shard_model(copy.deepcopy(model), stages, (x,))  # verified against the model
+        with torch.no_grad():
+            assert torch.equal(sharded(x[:3]), model(x[:3])), stages

@@ -51,7 +51,7 @@ from autoshard.costs.facts import node_facts, node_seconds, node_timed_backward
 from autoshard.fx_helpers import canonical_tensor_names, resolve, shape_read, target_name
 from autoshard.lowering.inplace import order_around_mutations
 from autoshard.lowering.randomness import order_random_draws
-from autoshard.lowering.shape_carriers import shape_carrier
+from autoshard.lowering.shape_carriers import made_anywhere, shape_carrier
 
 #: Stand-in for a value's size until shape propagation measures it: every value weighs one.
 UNKNOWN_VALUE_BYTES = 1.0
@@ -184,6 +184,11 @@ def _measured(node: fx.Node) -> dict[str, Any]:
     }
 
 
+def _made_from(node: fx.Node) -> dict[str, str]:
+    """``made_from``: the tensor of a carrier any stage holding that tensor makes (``shape_carriers``)."""
+    return {"made_from": node.args[0].name} if node.target is shape_carrier and made_anywhere(node) else {}
+
+
 def holds_tensor(node: fx.Node) -> bool | None:
     """Whether ``node``'s value holds a tensor: from shape-prop, else from what the capture
     recorded (torch.export's ``val``); None when neither knows (fx alone), treated as a tensor."""
@@ -234,7 +239,7 @@ def build_dag(gm: fx.GraphModule, model: nn.Module | None = None) -> nx.DiGraph:
             dag.add_node(node.name, op=node.op, target=target_name(node), module=scopes[-1][0] if scopes else "",
                          scopes=scopes, weights=tuple(names[id(t)] for t in tensors),
                          params=count, param_bytes=nbytes, input=False, output=False, **_measured(node),
-                         **({"made_from": node.args[0].name} if node.target is shape_carrier else {}))
+                         **_made_from(node))
         elif node.op == "output":
             for producer in node.all_input_nodes:
                 if producer.name in dag:

@@ -25,6 +25,7 @@ import torch.fx as fx
 from autoshard.costs.facts import NodeFacts, record_facts
 from autoshard.costs.values import TensorMeta, describe_value
 from autoshard.fx_helpers import metadata_read
+from autoshard.lowering.inplace import written_inputs
 
 
 def shape_carrier(tensor: torch.Tensor) -> torch.Tensor:
@@ -63,12 +64,24 @@ class CarriedShape:
     nelement = numel
 
 
+#: Marks a carrier made before a write in place to its tensor (``x.t_()`` may change its shape).
+_BEFORE_A_WRITE = "autoshard_carrier_before_a_write"
+
+
+def made_anywhere(carrier: fx.Node) -> bool:
+    """Whether any stage holding the carrier's tensor may make the carrier (where it sends it on) or read
+    the tensor instead: not for one made before a write in place to it, which may change its shape, so
+    that it is made where it stands in the program and its readers read it alone."""
+    return not carrier.meta.get(_BEFORE_A_WRITE, False)
+
+
 def carried_tensor(node: fx.Node) -> fx.Node | None:
-    """The tensor whose metadata ``node`` (a ``CarriedShape`` of a carrier) reads; None for any other node."""
+    """The tensor a stage holding it reads instead of ``node`` (a ``CarriedShape`` of a carrier
+    ``made_anywhere``); None for any other node."""
     if node.op == "call_function" and node.target is CarriedShape:
         carrier = node.args[0]
         assert isinstance(carrier, fx.Node) and isinstance(carrier.args[0], fx.Node)
-        return carrier.args[0]
+        return carrier.args[0] if made_anywhere(carrier) else None
     return None
 
 
@@ -76,9 +89,15 @@ def carry_shapes(gm: fx.GraphModule, facts: dict[str, NodeFacts]) -> None:
     """Route every metadata read of a tensor the graph computes or takes through a carrier (above), and
     drop those nothing uses; ``facts`` (``shape-prop``'s, which say what is a tensor) gains the nodes
     added, also recorded on them, and loses those dropped. A weight's shape is read as a constant
-    instead (emit's ``fold_shape_reads``)."""
-    graph, added = gm.graph, {}
+    instead (emit's ``fold_shape_reads``).
+
+    The carrier is made right after its tensor (after the last input, for an input), in its module,
+    so that a split in program order may cut between them, and ``no_split`` or ``pin`` on the module
+    reading the shape does not pull it there; a tensor written in place gets one carrier per stretch of
+    reads between writes, made after the write before them (``x.t_()`` changes the shape)."""
+    graph = gm.graph
     position = {node: index for index, node in enumerate(graph.nodes)}
+    last_input = max((node for node in position if node.op == "placeholder"), key=position.__getitem__, default=None)
     for tensor in list(position):
         value = facts[tensor.name].value if tensor.name in facts else None
         if tensor.op == "get_attr" or not isinstance(value, TensorMeta):
@@ -89,18 +108,35 @@ def carry_shapes(gm: fx.GraphModule, facts: dict[str, NodeFacts]) -> None:
             graph.erase_node(unread)  # nothing else to keep it for: a read of metadata changes nothing
             reads.remove(unread)
             del facts[unread.name]
-        read_facts = facts.get(reads[0].name) if reads else None
-        if read_facts is None:
-            continue
-        with graph.inserting_before(reads[0]):
-            carrier = graph.create_node("call_function", shape_carrier, (tensor,), name=f"{tensor.name}_shape")
-            carried = graph.create_node("call_function", CarriedShape, (carrier,))
-        added[carrier.name] = dataclasses.replace(read_facts, value=TensorMeta((0, *value.shape), value.dtype, 0))
-        meta = torch.empty((0, *value.shape), dtype=getattr(torch, value.dtype), device="meta")
-        added[carried.name] = dataclasses.replace(read_facts, value=describe_value(CarriedShape(meta)))
-        for node in (carrier, carried):
-            node.meta.update({key: value for key, value in reads[0].meta.items() if key == "nn_module_stack"})
+        writes = sorted((user for user in tensor.users if tensor in written_inputs(gm, user)), key=position.__getitem__)
+        stretches: dict[fx.Node, list[fx.Node]] = {}
         for read in reads:
-            read.args = (carried, *read.args[1:])
+            since = [write for write in writes if position[write] < position[read]]
+            start = since[-1] if since else last_input if tensor.op == "placeholder" else tensor
+            stretches.setdefault(start, []).append(read)
+        for after, stretch in stretches.items():
+            written = facts[after.name].value if after in writes and after.name in facts else None
+            shape = written if isinstance(written, TensorMeta) else value  # (a write that returns it: its new shape)
+            _carry(graph, facts, tensor, shape, after, stretch, before_a_write=bool(writes) and after is not writes[-1])
+
+
+def _carry(graph: fx.Graph, facts: dict[str, NodeFacts], tensor: fx.Node, value: TensorMeta, after: fx.Node,
+           reads: list[fx.Node], before_a_write: bool) -> None:
+    """Route ``reads`` of ``tensor`` (as ``value`` describes it) through a carrier made right after ``after``."""
+    read_facts = facts.get(reads[0].name)
+    if read_facts is None:
+        return
+    with graph.inserting_after(after):
+        carrier = graph.create_node("call_function", shape_carrier, (tensor,), name=f"{tensor.name}_shape")
+    with graph.inserting_before(reads[0]):  # where the reads are, in their module
+        carried = graph.create_node("call_function", CarriedShape, (carrier,))
+    for node, scope in ((carrier, tensor), (carried, reads[0])):
+        node.meta.update({key: meta for key, meta in scope.meta.items() if key == "nn_module_stack"})
+    carrier.meta[_BEFORE_A_WRITE] = before_a_write
+    for read in reads:
+        read.args = (carried, *read.args[1:])
+    meta = torch.empty((0, *value.shape), dtype=getattr(torch, value.dtype), device="meta")
+    added = {carrier.name: dataclasses.replace(read_facts, value=TensorMeta((0, *value.shape), value.dtype, 0)),
+             carried.name: dataclasses.replace(read_facts, value=describe_value(CarriedShape(meta)))}
     record_facts(graph, added)
     facts.update(added)
