@@ -62,7 +62,8 @@ from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
 )
 from autoshard.plan_io.rebuild import warn_over_saved_budget
-from autoshard.report import PIPED_WIDTH, budget_lines, compare_tables, plan_renderables, step_time_lines
+from autoshard.report import (PIPED_WIDTH, budget_lines, compare_tables, plan_renderables, served_line,
+                              step_time_lines)
 from autoshard.runtime.stage_time import TIMING_REPEATS
 from autoshard.targets import FACTORY_RETURNS, FACTORY_WITH_INPUTS, TargetError, check_inputs_bind, load_target
 
@@ -519,6 +520,9 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
               _step(links, plan.memory_model))
         if program.verification:
             console.print(f"verified: {program.verification}", markup=False, highlight=False)
+        served = program.sharded.served_inputs() if program.sharded is not None else None
+        if served:
+            console.print(served_line(served), markup=False, highlight=False)
         if getattr(args, "time_stages", False):
             for line in _timed_step_lines(program, links, plan.memory_model, args.time_repeats or TIMING_REPEATS):
                 console.print(line, markup=False, highlight=False)

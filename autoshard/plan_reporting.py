@@ -35,7 +35,7 @@ from autoshard.costs.ties import SharedWeight
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, first_few, plural, shown
 from autoshard.graph import SplitInfo
 from autoshard.plan_io import PlanNode, SavedPlan
-from autoshard.report import PIPED_WIDTH, plan_renderables
+from autoshard.report import PIPED_WIDTH, plan_renderables, served_line
 from autoshard.sharded import BoundaryValue, ShardedModel, StagePlan
 
 
@@ -94,13 +94,17 @@ class PlanReport:
     step_time: StepTime | None = None
     """One training step's predicted time; None when the stages have no times, or when the memory
     model's schedule (the default step) is one PyTorch refuses for these stages: the tables say why."""
+    inputs: str | None = None
+    """What a call must pass to be served by these stages (``ShardedModel.served_inputs``); None for a
+    plan alone or stages without an input guard."""
 
     def renderables(self) -> list[RenderableType]:
         """The CLI's tables and lines for this plan (``autoshard.report.plan_renderables``)."""
         if self.plan is None:
             return [Text(NO_TABLES)]
         title = f"{self.plan.model}: {plural(self.plan.num_stages, 'stage')} ({self.plan.pipeline})"
-        return plan_renderables(self.plan, title, step=self.step_time.model if self.step_time else None)
+        shown = plan_renderables(self.plan, title, step=self.step_time.model if self.step_time else None)
+        return shown + ([Text(served_line(self.inputs))] if self.inputs else [])
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield from self.renderables()
@@ -147,6 +151,7 @@ class PlanReport:
             "split": None if self.split is None else dataclasses.asdict(self.split),
             "time_estimate": None if self.time_estimate is None else self.time_estimate.to_dict(),
             "step_time": None if self.step_time is None else self.step_time.to_dict(),
+            "inputs": self.inputs,
         }
 
 
@@ -210,7 +215,7 @@ def plan_report(
         predicted = predicted_step(seconds, plan.boundary_bytes(), model, times.estimate, times.backward)
     return PlanReport(tuple(stages), plan.shared_weights, tuple(per_model), plan.wrapped, plan.split_info,
                       times.estimate if times is not None else None, _shown_plan(sharded, extra_costs, memory, device),
-                      predicted)
+                      predicted, sharded.served_inputs() if isinstance(sharded, ShardedModel) else None)
 
 
 def _check_report_arguments(sharded: Any, extra_costs: Any, memory: Any, device: Any, step: Any) -> None:

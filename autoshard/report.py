@@ -476,6 +476,11 @@ def module_legend(plan: SavedPlan) -> str | None:
     return "; ".join(said) if said else None
 
 
+def served_line(inputs: str) -> str:
+    """The line saying what calls the stages serve (``ShardedModel.served_inputs``)."""
+    return f"inputs served: {inputs}"
+
+
 def plan_renderables(
     plan: SavedPlan, title: str, notes: Sequence[str] = (), step: StepTimeModel | None = None,
 ) -> list[RenderableType]:

@@ -490,6 +490,13 @@ class ShardedModel(FixedDtypes):
         held = self._first_held
         return held is not None and held.holds(held.owner.training)
 
+    def served_inputs(self) -> str | None:
+        """What a call must pass to be served by these stages, as their input guard checks it
+        (``InputGuard.describe``): each argument's dtype and shape (named sizes, with their ranges),
+        the constants fixed, and the conditions on sizes; None where the plan has no guard (no example)."""
+        guard = _input_guard(self.stages[0])
+        return None if guard is None else guard.describe()
+
     def inputs_accepted(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether the first stage's input guard passes these inputs, asked without running a stage:
         their shapes, constants, dtypes and layouts (``pipeline_stage`` chooses a plan so, up front)."""

@@ -82,6 +82,7 @@ def test_split_transformer_shows_layer_ranges_and_boundary_values():
     assert "the lower bound" in out.stdout and "boundaries: " in out.stdout
     assert "values crossing each boundary" in out.stdout and "0 → 1" in out.stdout
     assert "verified: 2 stages match" in out.stdout
+    assert "inputs served: src: int64 of shape (any, any), src_mask: float32 of shape (any, any)" in out.stdout
     heading = next(line for line in out.stdout.splitlines() if line.startswith("┃"))
     assert "time (est.)" in heading and "train mem" in heading
     assert out.stderr == ""  # no progress bar when stderr is not a terminal

@@ -272,3 +272,28 @@ def test_an_argument_of_the_wrong_type_is_refused_naming_what_to_pass(wrong, exp
         plan_report(sharded, **wrong)
     with pytest.raises(autoshard.errors.InvalidArgumentTypeError, match="takes a ShardedModel .* got ResidualMLP"):
         plan_report(model)
+
+
+class _WidthBranch(nn.Module):
+    """Branches on a width its convolutions computed: in training mode the plan checks it over the input's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.net(x)
+        return y * 2 if y.shape[-1] > 10 else y
+
+
+def test_the_report_says_what_inputs_the_plan_serves():
+    """The input guard's checks, its conditions over the inputs' sizes in arithmetic as one writes it
+    (sympy's ``(-4) + x.shape[3]`` reads ``x.shape[3] - 4``), in the tables and the data."""
+    sharded = autoshard.shard_model(_WidthBranch().train(), 2, (torch.randn(2, 3, 16, 16),))
+    report = autoshard.plan_report(sharded)
+    assert report.inputs == sharded.served_inputs() == report.to_dict()["inputs"]
+    assert report.inputs.startswith("x; where ") and "x.shape[3] - 4 > 10" in report.inputs
+    assert " ".join(str(report).split()).endswith(f"inputs served: {report.inputs}")  # (wrapped to the width)
+    plain = autoshard.shard_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2, (torch.randn(2, 4),))
+    assert autoshard.plan_report(plain).inputs is None  # no guard: nothing said
+    assert "inputs served" not in str(autoshard.plan_report(plain))

@@ -88,7 +88,8 @@ class InputGuard:
                           for path, leaf in zip(structure.paths, structure.leaves)]
             else:
                 parts.append(self._tensor(name))
-        return ", ".join(parts) + "".join(f"; where {_shown(c)}" for c in (*self.conditions, *self.checked_early))
+        conditions = [_shown(c) for c in (*self.conditions, *self.checked_early)]
+        return ", ".join(parts) + (f"; where {' and '.join(conditions)}" if conditions else "")
 
     @property
     def checked_early(self) -> tuple[str, ...]:
@@ -241,8 +242,16 @@ _COMPILED: dict[str, CodeType] = {}
 
 
 def _shown(condition: str) -> str:
-    """``L['x'].size()[0] % 2 == 0`` as ``x.shape[0] % 2 == 0``."""
-    return re.sub(r"L\['([^']+)'\]", r"\1", condition).replace(".size()[", ".shape[")
+    """``L['x'].size()[0] % 2 == 0`` as ``x.shape[0] % 2 == 0``, and sympy's ``(-4) + x.shape[3]`` as
+    ``x.shape[3] - 4`` where no operator binding tighter than ``+`` is on either side."""
+    text = re.sub(r"L\['([^']+)'\]", r"\1", condition).replace(".size()[", ".shape[")
+    return _NEGATIVE_FIRST.sub(r"\1\3 - \2", text)
+
+
+#: ``(-4) + x.shape[3]`` after the start, a parenthesis, an addition, a comparison, ``and`` or ``or``,
+#: and before no ``*``, ``/``, ``%`` or ``@``.
+_NEGATIVE_FIRST = re.compile(r"(^|\(|[+<>=!]=? |and |or )\(-(\d+)\) \+ ([\w.]+(?:\['[^']*'\])*\.shape\[\d+\])"
+                             r"(?!\s*[*/%@])")
 
 
 def usable_conditions(conditions: Sequence[str], values: Mapping[str, Any]) -> tuple[str, ...]:
