@@ -751,7 +751,9 @@ class _Binder:
         structure = (len(args), *kwargs)
         binding = self.bindings.get(structure)
         if binding is None:
-            binding = self.bindings[structure] = self._binding(len(args), tuple(kwargs))
+            binding = self._binding(len(args), tuple(kwargs))
+            if not torch.compiler.is_compiling():  # kept from a traced call, it changes a dict the graph's guards
+                self.bindings[structure] = binding  # read: the next call of these inputs would compile it all again
         if isinstance(binding, TypeError):  # the model itself refuses the call (or, without its signature, the plan)
             if self.model_signature is None:
                 raise self._refusal(binding)

@@ -70,3 +70,22 @@ def test_a_compiled_training_step_is_one_graph_with_the_models_gradients():
     reference(x).sum().backward()
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("call", ["positional", "keywords"])
+def test_the_graph_of_a_compiled_first_call_serves_the_next(call):
+    """The first call's trace binds its arguments without keeping the binding it made: kept, it changed a
+    dict the graph's guards read, and the second call of the same inputs compiled the whole call again."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model, x = _tiny_gpt2().eval(), torch.randint(0, 64, (2, 8))
+    args, kwargs = ((x,), {}) if call == "positional" else ((), {"input_ids": x})
+    sharded = autoshard.shard_model(model, 2, args, example_kwargs=kwargs or None)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(sharded, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(compiled(*args, **kwargs).logits, model(*args, **kwargs).logits)
+    assert counter.frame_count == 1
