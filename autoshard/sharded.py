@@ -390,11 +390,12 @@ class StateAtCapture:
 
 def _where_read(holder: Any, where: Mapping[str, Any], name: str, value: Any) -> Read:
     """The read of ``holder.name`` where ``looked_up`` found it: in ``where``, the holder's ``__dict__``, or
-    through the class holding it (``ATTRIBUTE``), whose ``__dict__`` is a mapping proxy, unless the value
-    is a descriptor, which reading through the class would call."""
+    through the holder's class (``ATTRIBUTE``; a class's ``__dict__`` is a mapping proxy), which also sees
+    one set since on a class before the one holding it, unless the value is a descriptor, which reading
+    through the class would call."""
     if where is vars(holder) or hasattr(type(value), "__get__"):
         return where, name, ""
-    return next(cls for cls in type(holder).__mro__ if name in vars(cls)), name, ATTRIBUTE
+    return type(holder), name, ATTRIBUTE
 
 
 def _reading(value: Any, past: bool = False) -> str:

@@ -263,6 +263,23 @@ def test_class_attributes_unset_ones_and_nested_settings_are_checked(change, mon
     _set_anew_and_served(ClassDefaults().eval(), change)
 
 
+class SubDefaults(ClassDefaults):
+    """Inherits ``scale`` from ``ClassDefaults``."""
+
+
+class LeafDefaults(SubDefaults):
+    pass
+
+
+@pytest.mark.parametrize("where", [LeafDefaults, SubDefaults], ids=["own-class", "class-between"])
+def test_a_class_attribute_set_on_a_class_before_the_one_it_was_read_from_is_checked(where, monkeypatch):
+    """Set on the instance's class or one between it and the class holding it, the value shadows the one read:
+    the check reads it through the instance's class (it read the holding class, and the stages ran with 2.0)."""
+    monkeypatch.setattr(ClassDefaults, "scale", 2.0)
+    torch.manual_seed(0)
+    _set_anew_and_served(LeafDefaults().eval(), lambda m: monkeypatch.setattr(where, "scale", 4.0, raising=False))
+
+
 def _set_anew_and_served(model: nn.Module, change) -> None:
     """``change`` made to ``model`` after sharding changes its output, and a new capture serves it."""
     x = torch.randn(3, 4)
