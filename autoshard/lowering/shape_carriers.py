@@ -25,7 +25,7 @@ import torch.fx as fx
 from autoshard.costs.facts import NodeFacts, record_facts
 from autoshard.costs.values import TensorMeta, describe_value
 from autoshard.fx_helpers import metadata_read
-from autoshard.lowering.inplace import written_inputs
+from autoshard.lowering.inplace import memory_root, written_inputs
 
 
 def shape_carrier(tensor: torch.Tensor) -> torch.Tensor:
@@ -94,14 +94,21 @@ def carry_shapes(gm: fx.GraphModule, facts: dict[str, NodeFacts]) -> None:
     The carrier is made right after its tensor (after the last input, for an input), in its module,
     so that a split in program order may cut between them, and ``no_split`` or ``pin`` on the module
     reading the shape does not pull it there; a tensor written in place gets one carrier per stretch of
-    reads between writes, made after the write before them (``x.t_()`` changes the shape)."""
+    reads between writes, made after the write before them (``x.t_()`` changes the shape), and one
+    whose memory is written under another name gets none (its reads are recomputed from it, as before)."""
     graph = gm.graph
     position = {node: index for index, node in enumerate(graph.nodes)}
     last_input = max((node for node in position if node.op == "placeholder"), key=position.__getitem__, default=None)
+    written_in: dict[fx.Node, set[fx.Node]] = {}  # memory root -> the values written in place that share it
+    for node in position:
+        for value in written_inputs(gm, node):
+            written_in.setdefault(memory_root(gm, value), set()).add(value)
     for tensor in list(position):
         value = facts[tensor.name].value if tensor.name in facts else None
         if tensor.op == "get_attr" or not isinstance(value, TensorMeta):
             continue
+        if written_in.get(memory_root(gm, tensor), set()) - {tensor}:  # written under another name, which may
+            continue  # be the tensor itself (``h.contiguous()``): no telling when its shape changed
         reads = sorted((user for user in tensor.users if metadata_read(user) and user.args[0] is tensor),
                        key=position.__getitem__)
         for unread in [read for read in reads if not read.users]:  # (the model's code kept a shape it never used)
