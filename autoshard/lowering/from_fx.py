@@ -37,7 +37,7 @@ of it (``shape_carriers``), ``made_from`` that tensor: it crosses only past the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Mapping
+from typing import Any, Mapping
 
 import networkx as nx
 import torch
@@ -200,27 +200,22 @@ def holds_tensor(node: fx.Node) -> bool | None:
     return any(isinstance(v, torch.Tensor) for v in tree_leaves(node.meta["val"]))
 
 
-def route_around_non_tensors(dag: nx.DiGraph, recomputed: AbstractSet[str] = frozenset()) -> None:
+def route_around_non_tensors(dag: nx.DiGraph) -> None:
     """Make the readers of each non-tensor value depend on the tensors it is computed from.
 
     Walking in program order, each non-tensor node's in-edges already come from tensors or
     inputs (its non-tensor ancestors were routed first); its out-edges move onto those sources,
-    which then cross to the readers' stages, where emit recomputes the value. A node in
-    ``recomputed`` (one the graph's code reads: ``emit.recomputed_in_consumers``) loses its
-    in-edges too: the stage the split gives it runs nothing of it, so nothing crosses to it. A
-    non-tensor model output makes its sources outputs instead.
+    which then cross to the readers' stages, where emit recomputes the value. A non-tensor
+    model output makes its sources outputs instead.
     """
     for node in list(dag.nodes):
         data = dag.nodes[node]
         if data["input"] or data["tensor"] is not False:
             continue
         sources = list(dag.predecessors(node))
-        readers = list(dag.successors(node))
-        for reader in readers:
+        for reader in list(dag.successors(node)):
             dag.remove_edge(node, reader)
             dag.add_edges_from((source, reader, {"value": source}) for source in sources)
-        if node in recomputed:  # it runs in its readers' stages alone: where the split puts it asks nothing
-            dag.remove_edges_from([(source, node) for source in sources])  # of its sources
         if data["output"]:
             data["output"] = False
             for source in sources:
@@ -254,7 +249,7 @@ def build_dag(gm: fx.GraphModule, model: nn.Module | None = None) -> nx.DiGraph:
             if producer.name in dag:
                 dag.add_edge(producer.name, node.name, value=producer.name)
     order_around_mutations(gm, dag)
-    route_around_non_tensors(dag, {node.name for node in gm.graph.nodes if node.users})
+    route_around_non_tensors(dag)
     order_random_draws(gm, dag)
     if model is not None:
         leaves = {str(node.target) for node in gm.graph.nodes if node.op == "call_module"}
