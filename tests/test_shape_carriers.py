@@ -138,11 +138,9 @@ class Head(nn.Module):
         return self.proj(h).reshape(-1, embedded.size(-1))
 
 
-class WidthReadInTheHead(nn.Module):
+class WidthReadInTheHead(WidthReadAtTheEnd):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Linear(8, WIDTH)
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(6))
         self.head = Head()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,9 +150,9 @@ class WidthReadInTheHead(nn.Module):
         return self.head(h, embedded)
 
 
-def test_a_carrier_belongs_to_its_tensors_module_not_to_the_readers():
+def test_a_constraint_on_the_module_reading_the_width_does_not_pull_the_carrier_in():
     """Pinning or keeping whole the module that reads the width does not pull the carrier, and with it
-    the embedding, into that module's stage."""
+    the embedding, into that module's stage: the carrier is in no module."""
     torch.manual_seed(0)
     model, x = WidthReadInTheHead().eval(), torch.randn(BATCH, 8)
     for constraint in (dict(no_split=["head"]), dict(pin={"head": 3})):
@@ -165,12 +163,7 @@ def test_a_carrier_belongs_to_its_tensors_module_not_to_the_readers():
             assert torch.equal(sharded(x[:3]), model(x[:3]))
 
 
-class WidthReadAfterTheBlocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, WIDTH)
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(6))
-
+class WidthReadAfterTheBlocks(WidthReadAtTheEnd):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = embedded = self.embed(x)
         for block in self.blocks:
