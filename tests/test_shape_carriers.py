@@ -152,7 +152,7 @@ class WidthReadInTheHead(WidthReadAtTheEnd):
 
 def test_a_constraint_on_the_module_reading_the_width_does_not_pull_the_carrier_in():
     """Pinning or keeping whole the module that reads the width does not pull the carrier, and with it
-    the embedding, into that module's stage: the carrier is in no module."""
+    the embedding, into that module's stage: the carrier is in the embedding's."""
     torch.manual_seed(0)
     model, x = WidthReadInTheHead().eval(), torch.randn(BATCH, 8)
     for constraint in (dict(no_split=["head"]), dict(pin={"head": 3})):

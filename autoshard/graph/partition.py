@@ -67,9 +67,13 @@ class Partition:
     def from_assignment(
         cls, dag: nx.DiGraph, assignment: Assignment, num_stages: int, info: SplitInfo | None = None
     ) -> Partition:
-        """Validate ``assignment`` against ``dag`` and store it in program order."""
+        """Validate ``assignment`` against ``dag`` and store it in program order, each node ``made_from``
+        another (a shape's carrier) in that one's stage: it is made where it is sent on, so the stage a
+        split gave it runs nothing of it, and there it showed its module as cut."""
         check_partition(dag, assignment, num_stages)
-        return cls({v: assignment[v] for v in program_order(dag)}, num_stages, info)
+        made_from = dag.nodes(data="made_from")
+        return cls({v: assignment[made_from[v] if made_from[v] is not None else v] for v in program_order(dag)},
+                   num_stages, info)
 
     def stage_of(self, node: Node) -> int:
         return self.assignment[node]

@@ -137,12 +137,9 @@ def _carry(graph: fx.Graph, facts: dict[str, NodeFacts], tensor: fx.Node, value:
         carrier = graph.create_node("call_function", shape_carrier, (tensor,), name=f"{tensor.name}_shape")
     with graph.inserting_before(reads[0]):  # where the reads are, in their module
         carried = graph.create_node("call_function", CarriedShape, (carrier,))
-    # the reads' module holds the reads; the carrier, which a stage holding the tensor makes where it sends
-    # it on, is in none: in the reader's it would pull it into the stage a no_split or pin gives that
-    # module, in the tensor's it would show that module cut wherever the split put it (a device map refuses)
-    carried.meta.update({key: meta for key, meta in reads[0].meta.items() if key == "nn_module_stack"})
-    scope = tensor if before_a_write else None  # (one made before a write runs where it stands: in its module)
-    carrier.meta.update({key: meta for key, meta in (scope.meta.items() if scope else ()) if key == "nn_module_stack"})
+    # in the tensor's module, not the reader's, whose no_split or pin would pull it (and the tensor) there
+    for node, scope in ((carrier, tensor), (carried, reads[0])):
+        node.meta.update({key: meta for key, meta in scope.meta.items() if key == "nn_module_stack"})
     carrier.meta[_BEFORE_A_WRITE] = before_a_write
     for read in reads:
         read.args = (carried, *read.args[1:])

@@ -71,8 +71,6 @@ def _analyse(sharded: ShardedModel, devices: Sequence[Any]) -> tuple[dict[str, A
     dag = place.dag
     split: set[str] = set()
     for producer, consumer in dag.edges:
-        if dag.nodes[consumer].get("made_from") == producer:  # a shape's carrier: no code of the model's
-            continue
         crosses = place.node_device[producer] != place.node_device[consumer]
         if crosses and place.mapped_scope(consumer) is None:
             split.add(_module_of(dag.nodes[consumer]))
