@@ -41,6 +41,8 @@ def _sharded(stages: int = 4, training: bool = False) -> tuple[nn.Module, autosh
 def test_the_width_crosses_as_a_zero_byte_carrier_and_the_tensor_stays_in_its_stage():
     model, sharded = _sharded()
     plan = sharded.plan
+    assert plan.assignment["embed_shape"] == plan.assignment["embed"] == 0  # where it is made: its tensor's stage
+    assert plan.modules(1)[0] == "blocks.1"  # not the carrier's module, in a stage that runs nothing of it
     for boundary in range(plan.num_stages - 1):
         values = {value.name: value for value in plan.boundary_values(boundary)}
         assert "embed" not in values  # before: the embedding's output crossed every boundary
