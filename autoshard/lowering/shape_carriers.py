@@ -11,8 +11,10 @@ dtype, device) a carrier, ``shape_carrier(x)``: a tensor of shape ``(0, *x.shape
 dtype and device, which holds no bytes, and routes those reads through ``CarriedShape(carrier)``,
 which answers them as ``x`` would. The carrier is an ordinary tensor of the graph: the DAG weighs
 it (0 bytes), the splitter lets it cross instead of ``x``, the memory model and the plan file see a
-value of 0 bytes, and verification compares it with the model's. Emit keeps a carrier only where it
-crosses: a stage that holds ``x`` reads it straight (``emit``), so its code is the model's.
+value of 0 bytes, and verification compares it with the model's. It is ``made_from`` ``x`` in the DAG:
+a partition puts it in ``x``'s stage, and it crosses only the boundaries past the last stage holding
+``x``, whose emitted code makes it there, where it is sent on; a stage that holds ``x`` reads ``x``
+straight, so stage code is the model's where nothing crosses.
 """
 
 from __future__ import annotations
