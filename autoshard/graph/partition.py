@@ -68,12 +68,13 @@ class Partition:
         cls, dag: nx.DiGraph, assignment: Assignment, num_stages: int, info: SplitInfo | None = None
     ) -> Partition:
         """Validate ``assignment`` against ``dag`` and store it in program order, each node ``made_from``
-        another (a shape's carrier) in that one's stage: it is made where it is sent on, so the stage a
-        split gave it runs nothing of it, and there it showed its module as cut."""
+        another (a shape's carrier) in the stage of the last node it follows, that one's or a write's to
+        it: it is made where it is sent on, so the stage a split gave it runs nothing of it, and there it
+        showed its module as cut. (Earlier than the split's stage, and after its inputs: still valid.)"""
         check_partition(dag, assignment, num_stages)
         made_from = dag.nodes(data="made_from")
-        return cls({v: assignment[made_from[v] if made_from[v] is not None else v] for v in program_order(dag)},
-                   num_stages, info)
+        return cls({v: max(map(assignment.__getitem__, dag.predecessors(v))) if made_from[v] is not None
+                    else assignment[v] for v in program_order(dag)}, num_stages, info)
 
     def stage_of(self, node: Node) -> int:
         return self.assignment[node]
