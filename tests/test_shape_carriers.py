@@ -234,10 +234,3 @@ def test_a_node_made_elsewhere_is_placed_with_the_last_node_it_follows():
     assert partition.assignment == {**split, "size": 0, "a_shape": 0}
     assert boundary_values(dag, partition.assignment, 2) == [["x"]]  # b's input; a no longer crosses to them
     assert boundary_values(dag, split, 2) == [["x", "a"]]
-    chained = nx.DiGraph(dag)
-    chained.add_node("first", cost=1.0, bytes=0.0, elsewhere=True)
-    chained.add_node("second", cost=1.0, bytes=0.0, elsewhere=True)
-    chained.add_edges_from([("a", "first"), ("first", "second")])
-    placed = Partition.from_assignment(chained, {**split, "first": 1, "second": 1}, 2).assignment
-    assert placed["second"] == placed["first"] == 0  # a chain follows its first: placing again keeps it
-    assert Partition.from_assignment(chained, placed, 2).assignment == placed

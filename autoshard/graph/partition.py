@@ -74,11 +74,12 @@ class Partition:
         after its inputs: still valid.)"""
         check_partition(dag, assignment, num_stages)
         elsewhere = dag.nodes(data="elsewhere")
-        placed: dict[Node, int] = {}
-        for v in program_order(dag):  # (inputs first: a chain of such nodes follows its first, and placing
-            follows = [placed[u] for u in dag.predecessors(v)]  # a placed partition again changes nothing)
-            placed[v] = max(follows) if elsewhere[v] and follows else assignment[v]
-        return cls(placed, num_stages, info)
+
+        def placed(v: Node) -> int:
+            follows = [assignment[u] for u in dag.predecessors(v)]
+            return max(follows) if elsewhere[v] and follows else assignment[v]
+
+        return cls({v: placed(v) for v in program_order(dag)}, num_stages, info)
 
     def stage_of(self, node: Node) -> int:
         return self.assignment[node]
