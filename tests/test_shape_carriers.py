@@ -213,24 +213,3 @@ def test_reads_on_either_side_of_an_in_place_shape_change_see_the_shape_of_their
         sharded = autoshard.shard_model(copy.deepcopy(model), stages, (x,))  # verified against the model
         with torch.no_grad():
             assert torch.equal(sharded(x[:3]), model(x[:3])), stages
-
-
-def test_a_node_made_elsewhere_is_placed_with_the_last_node_it_follows():
-    """A value each reader's stage recomputes (``x.size(0)``) runs nothing where a split puts it: a partition
-    places it in the stage of its last input, so that input does not cross to it; a carrier likewise."""
-    import networkx as nx
-
-    from autoshard.graph.partition import Partition, boundary_values
-
-    dag = nx.DiGraph()
-    dag.add_node("x", cost=0.0, bytes=64.0, input=True)
-    for name, reads, extra in (("a", ["x"], {}), ("size", ["a"], {"elsewhere": True}),
-                               ("a_shape", ["a"], {"elsewhere": True, "made_from": "a"}), ("b", ["x"], {})):
-        dag.add_node(name, cost=1.0, bytes=0.0 if name == "a_shape" else 64.0, **extra)
-        dag.add_edges_from((read, name) for read in reads)
-    dag.nodes["b"]["output"] = True
-    split = {"x": 0, "a": 0, "size": 1, "a_shape": 1, "b": 1}
-    partition = Partition.from_assignment(dag, split, 2)
-    assert partition.assignment == {**split, "size": 0, "a_shape": 0}
-    assert boundary_values(dag, partition.assignment, 2) == [["x"]]  # b's input; a no longer crosses to them
-    assert boundary_values(dag, split, 2) == [["x", "a"]]

@@ -67,19 +67,14 @@ class Partition:
     def from_assignment(
         cls, dag: nx.DiGraph, assignment: Assignment, num_stages: int, info: SplitInfo | None = None
     ) -> Partition:
-        """Validate ``assignment`` against ``dag`` and store it in program order, each node made
-        ``elsewhere`` (a shape's carrier, made where it is sent on; a value each reader's stage recomputes)
-        in the stage of the last node it follows: the stage a split gave it runs nothing of it, yet showed
-        its module there, as cut, and drew its inputs across to it. (No later than the split's stage, and
-        after its inputs: still valid.)"""
+        """Validate ``assignment`` against ``dag`` and store it in program order, each node ``made_from``
+        another (a shape's carrier) in the stage of the last node it follows, that one's or a write's to
+        it: it is made where it is sent on, so the stage a split gave it runs nothing of it, and there it
+        showed its module as cut. (Earlier than the split's stage, and after its inputs: still valid.)"""
         check_partition(dag, assignment, num_stages)
-        elsewhere = dag.nodes(data="elsewhere")
-
-        def placed(v: Node) -> int:
-            follows = [assignment[u] for u in dag.predecessors(v)]
-            return max(follows) if elsewhere[v] and follows else assignment[v]
-
-        return cls({v: placed(v) for v in program_order(dag)}, num_stages, info)
+        made_from = dag.nodes(data="made_from")
+        return cls({v: max(map(assignment.__getitem__, dag.predecessors(v))) if made_from[v] is not None
+                    else assignment[v] for v in program_order(dag)}, num_stages, info)
 
     def stage_of(self, node: Node) -> int:
         return self.assignment[node]

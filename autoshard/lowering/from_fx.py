@@ -184,13 +184,9 @@ def _measured(node: fx.Node) -> dict[str, Any]:
     }
 
 
-def _made_elsewhere(node: fx.Node) -> dict[str, Any]:
-    """``made_from``: the tensor of a carrier any stage holding that tensor makes (``shape_carriers``);
-    ``elsewhere``: the stage a split gives it runs nothing of it (such a carrier, or a value that is no
-    tensor, which each reader's stage recomputes: ``emit.recomputed_in_consumers``)."""
-    if node.target is shape_carrier and made_anywhere(node):
-        return {"made_from": node.args[0].name, "elsewhere": True}
-    return {"elsewhere": True} if holds_tensor(node) is False and node.users else {}
+def _made_from(node: fx.Node) -> dict[str, str]:
+    """``made_from``: the tensor of a carrier any stage holding that tensor makes (``shape_carriers``)."""
+    return {"made_from": node.args[0].name} if node.target is shape_carrier and made_anywhere(node) else {}
 
 
 def holds_tensor(node: fx.Node) -> bool | None:
@@ -243,7 +239,7 @@ def build_dag(gm: fx.GraphModule, model: nn.Module | None = None) -> nx.DiGraph:
             dag.add_node(node.name, op=node.op, target=target_name(node), module=scopes[-1][0] if scopes else "",
                          scopes=scopes, weights=tuple(names[id(t)] for t in tensors),
                          params=count, param_bytes=nbytes, input=False, output=False, **_measured(node),
-                         **_made_elsewhere(node))
+                         **_made_from(node))
         elif node.op == "output":
             for producer in node.all_input_nodes:
                 if producer.name in dag:
