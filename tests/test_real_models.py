@@ -84,6 +84,16 @@ def assert_holds_model_weights(model: nn.Module, sharded: ShardedModel) -> None:
             assert own[name] is param, name
 
 
+def assert_no_value_crosses_for_nothing(sharded: ShardedModel) -> None:
+    """Every value crossing boundary j is a model output or is read past it by a node that runs there; a
+    value each reader recomputes (a size) runs in its readers' stages, not where the split put it."""
+    dag, stage = sharded.plan.dag, sharded.plan.assignment
+    for j in range(sharded.num_stages - 1):
+        for value in sharded.plan.boundary_values(j):
+            runs_past = [r for r in dag.successors(value.name) if stage[r] > j and not dag.nodes[r].get("readers")]
+            assert runs_past or dag.nodes[value.name]["output"], (j, value.name)
+
+
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_family_shards_into_k_stages_serving_later_inputs_exactly(family, k):
@@ -95,6 +105,7 @@ def test_family_shards_into_k_stages_serving_later_inputs_exactly(family, k):
         inputs = family.inputs(*shape)
         assert_same_output(sharded(**inputs), model(**inputs))
     assert_holds_model_weights(model, sharded)
+    assert_no_value_crosses_for_nothing(sharded)
     assert_same_fingerprint(before, model_fingerprint(model))
 
 

@@ -213,3 +213,29 @@ def test_reads_on_either_side_of_an_in_place_shape_change_see_the_shape_of_their
         sharded = autoshard.shard_model(copy.deepcopy(model), stages, (x,))  # verified against the model
         with torch.no_grad():
             assert torch.equal(sharded(x[:3]), model(x[:3])), stages
+
+
+def test_a_value_run_elsewhere_is_placed_where_it_runs():
+    """A size each reader recomputes runs nothing where a split puts it: a partition places it with its first
+    reader, so its input does not cross to it for nothing; a check nobody reads runs at its place in the
+    program (the next node's stage, after its inputs). Placing again keeps it; a stage they alone made is kept."""
+    import networkx as nx
+
+    from autoshard.graph.partition import Partition, boundary_values
+
+    dag = nx.DiGraph()
+    dag.add_node("x", cost=0.0, bytes=64.0, input=True)
+    for name, reads, extra in (("a", ["x"], {}), ("size", ["a"], {"tensor": False, "readers": ("c",)}),
+                               ("check", ["a"], {"tensor": False, "readers": ()}), ("b", ["x"], {}),
+                               ("c", ["a"], {}), ("d", ["c"], {})):
+        dag.add_node(name, cost=1.0, bytes=64.0, **extra)
+        dag.add_edges_from((read, name) for read in reads)
+    dag.nodes["b"]["output"] = dag.nodes["d"]["output"] = True
+    split = {"x": 0, "a": 0, "size": 2, "check": 2, "b": 1, "c": 1, "d": 2}
+    partition = Partition.from_assignment(dag, split, 3)
+    assert partition.assignment == {**split, "size": 1, "check": 1}
+    assert boundary_values(dag, split, 3) == [["x", "a"], ["a", "b", "c"]]
+    assert boundary_values(dag, partition.assignment, 3) == [["x", "a"], ["b", "c"]]
+    assert Partition.from_assignment(dag, partition.assignment, 3) == partition
+    alone = {**split, "d": 1}
+    assert Partition.from_assignment(dag, alone, 3).assignment == alone

@@ -67,14 +67,32 @@ class Partition:
     def from_assignment(
         cls, dag: nx.DiGraph, assignment: Assignment, num_stages: int, info: SplitInfo | None = None
     ) -> Partition:
-        """Validate ``assignment`` against ``dag`` and store it in program order, each node ``made_from``
-        another (a shape's carrier) in the stage of the last node it follows, that one's or a write's to
-        it: it is made where it is sent on, so the stage a split gave it runs nothing of it, and there it
-        showed its module as cut. (Earlier than the split's stage, and after its inputs: still valid.)"""
+        """Validate ``assignment`` against ``dag`` and store it in program order, with the nodes whose stage
+        runs nothing of them placed where their inputs cross to least, still after those inputs: a node
+        ``made_from`` another (a shape's carrier, made where it is sent on) in the stage of the last node it
+        follows, that one's or a write's to it; a value that each of its ``readers`` recomputes (a size)
+        with the first of them, and one that none reads (a check) with the node after it in the program,
+        or later, after its inputs. Where the split put them, their stage drew their inputs across for nothing
+        and showed their module there, as cut. Placing a placed partition again changes nothing; one that would
+        leave a stage empty is stored as given."""
         check_partition(dag, assignment, num_stages)
-        made_from = dag.nodes(data="made_from")
-        return cls({v: max(map(assignment.__getitem__, dag.predecessors(v))) if made_from[v] is not None
-                    else assignment[v] for v in program_order(dag)}, num_stages, info)
+        order = program_order(dag)
+        placed = dict(assignment)
+        for v in order:
+            if dag.nodes[v].get("made_from") is not None:
+                placed[v] = max(map(assignment.__getitem__, dag.predecessors(v)))
+        following = None  # the stage of the node after v in program order
+        for v in reversed(order):  # a reader recomputed in turn (a size's item) is placed before it is read
+            readers = dag.nodes[v].get("readers")
+            if readers:
+                placed[v] = min(placed[r] for r in readers)
+            elif readers is not None:  # read by none (a check): at its place in the program, after its inputs
+                after = placed[v] if following is None else following
+                placed[v] = max([placed[u] for u in dag.predecessors(v)] + [after])
+            following = placed[v]
+        if len(set(placed.values())) < num_stages:  # a stage of such nodes alone: it stays as the split made it
+            placed = dict(assignment)
+        return cls({v: placed[v] for v in order}, num_stages, info)
 
     def stage_of(self, node: Node) -> int:
         return self.assignment[node]

@@ -29,9 +29,10 @@ The output node is not a DAG node either: the values it returns are flagged ``ou
 
 A value known to hold no tensor (``x.size(0)``, a bool) never crosses a boundary: emit
 recomputes it in each stage that reads it. So in the DAG its readers depend directly on the
-tensors (or model inputs) it is computed from, and it has no out-edges of its own (see
-``route_around_non_tensors``). A read of a tensor's shape alone is computed from a zero-byte carrier
-of it (``shape_carriers``), ``made_from`` that tensor: it crosses only past the stages holding it.
+tensors (or model inputs) it is computed from, and it has no out-edges of its own; ``readers``
+names the nodes that read it (see ``route_around_non_tensors``). A read of a tensor's shape alone is
+computed from a zero-byte carrier of it (``shape_carriers``), ``made_from`` that tensor: it crosses
+only past the stages holding it.
 """
 
 from __future__ import annotations
@@ -205,15 +206,17 @@ def route_around_non_tensors(dag: nx.DiGraph) -> None:
 
     Walking in program order, each non-tensor node's in-edges already come from tensors or
     inputs (its non-tensor ancestors were routed first); its out-edges move onto those sources,
-    which then cross to the readers' stages, where emit recomputes the value. A non-tensor
-    model output makes its sources outputs instead.
+    which then cross to the readers' stages, where emit recomputes the value; ``readers`` keeps the
+    nodes it had edges to, so that a partition places it with the first of them (``Partition``). A
+    non-tensor model output makes its sources outputs instead.
     """
     for node in list(dag.nodes):
         data = dag.nodes[node]
         if data["input"] or data["tensor"] is not False:
             continue
         sources = list(dag.predecessors(node))
-        for reader in list(dag.successors(node)):
+        data["readers"] = tuple(dag.successors(node))
+        for reader in data["readers"]:
             dag.remove_edge(node, reader)
             dag.add_edges_from((source, reader, {"value": source}) for source in sources)
         if data["output"]:
