@@ -36,18 +36,18 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from autoshard.capture.guard import FixedDtypes, autocast_now, check_autocast, refuse_mode_switch
-from autoshard.lowering.shape_carriers import carried_tensor, made_anywhere, shape_carrier
 from autoshard.capture.held_state import HeldState, checked_modules, registry_key
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import InvalidArgumentError
 from autoshard.fx_helpers import resolve, shape_read
 from autoshard.lowering.from_fx import holds_tensor
+from autoshard.lowering.shape_carriers import carried_tensor, made_anywhere, shape_carrier
 
 
 def recomputed_in_consumers(node: fx.Node) -> bool:
     """A compute node known to yield no tensor and read by other nodes: each reader's stage recomputes it.
 
-    A node nobody reads (``torch._assert``) is kept where the split put it, for its side effect.
+    A node nobody reads (``torch._assert``) runs in the stage its partition places it in, for its side effect.
     """
     return node.op in COMPUTE_OPS and holds_tensor(node) is False and bool(node.users)
 
@@ -117,9 +117,11 @@ def _stage_graph(
     by_name = {node.name: node for node in source.nodes}
 
     def lookup(node: fx.Node) -> fx.Node:
-        if node not in env and carried_tensor(node) in env:  # a tensor the stage holds: read straight
-            env[node] = env[carried_tensor(node)]  # type: ignore[index]
-        elif node not in env and (node.op == "get_attr" or recomputed_in_consumers(node) or made_here(node)):
+        if node in env:
+            return env[node]
+        if (tensor := carried_tensor(node)) in env:  # a tensor the stage holds: read straight
+            env[node] = env[tensor]  # type: ignore[index]
+        elif node.op == "get_attr" or recomputed_in_consumers(node) or made_here(node):
             env[node] = graph.node_copy(node, lookup)  # each stage holds its own reference / copy
         return env[node]
 

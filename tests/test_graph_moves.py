@@ -72,6 +72,43 @@ def test_each_move_gains_exactly_the_bytes_it_saves(problem, data):
         assert (state.top, state.top_count, state.count) == (fresh.top, fresh.top_count, fresh.count)
 
 
+@fast
+@given(constrained_problems(shaped_dags(max_nodes=9) | dags(max_nodes=9)), st.sampled_from([0.0, 0.25]))
+def test_fewer_values_keep_every_rule_the_bytes_and_the_bottleneck(problem, tolerance):
+    from autoshard.graph.split import _fewer_values
+
+    dag, k, constraints = problem
+    try:
+        split = SplitProblem(dag, k, tolerance, constraints)
+        start = split.dp_split(split.graph.program())
+    except InfeasibleSplitError:  # such draws are covered in test_split_constraints
+        return
+    g = split.graph
+    found = _fewer_values(split, start)
+    valid_and_no_worse(split, start, found)
+    assert split.bottleneck(found) <= split.bottleneck(start) * (1 + 1e-9) + 1e-9
+    assert g.crossings(found, k).sum() <= g.crossings(start, k).sum()
+    assert split.pinned_boundaries(found) == split.pinned_boundaries(start)
+
+
+def test_a_split_tying_on_bytes_lets_fewer_values_cross():
+    """A value of no bytes (a shape's carrier) read past a cut ties with a cut after its reader on
+    bytes, but is one more message: the moves take its reader across, with the one it reads."""
+    dag = nx.DiGraph()
+    for name, cost, nbytes, reads in (("a", 1.0, 10.0, []), ("z", 0.0, 0.0, ["a"]), ("v", 0.0, 10.0, ["a", "z"]),
+                                      ("d", 1.0, 10.0, ["v"])):
+        dag.add_node(name, cost=cost, bytes=nbytes)
+        dag.add_edges_from((read, name) for read in reads)
+    dag.nodes["d"]["output"] = True
+    split = SplitProblem(dag, 2, 0.0)
+    g = split.graph
+    start = g.stages_of({"a": 0, "z": 0, "v": 1, "d": 1})
+    found = moves.fewer_values(g, start, 2, split.limits())
+    assert g.total_bytes(found, 2) == g.total_bytes(start, 2) == 10.0
+    assert (g.crossings(start, 2).sum(), g.crossings(found, 2).sum()) == (2, 1)
+    assert split_dag(dag, 2) in ({"a": 0, "z": 0, "v": 0, "d": 1}, {"a": 0, "z": 1, "v": 1, "d": 1})
+
+
 def test_moves_that_cost_bytes_for_a_while_reach_the_proven_optimum():
     # Stage 0 must take a costly node (a fifth of a stage) and give up four light ones whose
     # large values are read in stage 1: no single boundary move gains on its own.

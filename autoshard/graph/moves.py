@@ -84,6 +84,10 @@ class _State:
         self.over = sum(self._over(j) for j in range(k))
         self.journal: list[tuple[int, int]] = []  # (node, stage it left), to undo a kick
 
+    def round_off(self) -> float:
+        """What a pass's saving must beat to count as one: float round-off of the bytes."""
+        return slack(math.fsum(self.nbytes) * self.k)
+
     def undo(self, mark: int) -> None:
         """Take back every move after the first ``mark`` of the journal."""
         while len(self.journal) > mark:
@@ -108,8 +112,9 @@ class _State:
         """Bytes saved by moving v to stage b (negative when the move costs bytes)."""
         return self._gains(v, [b])[0]
 
-    def _gains(self, v: int, targets: list[int]) -> list[float]:
-        """Bytes saved by moving v to each of the ascending ``targets``.
+    def _gains(self, v: int, targets: list[int], weights: list[float] | None = None) -> list[float]:
+        """Bytes saved by moving v to each of the ascending ``targets`` (with ``weights``, what each
+        value weighs instead of its bytes: 1 each counts the values crossing).
 
         Once v sits in stage b, an input u of v is needed up to max(b, floor), where floor (what
         u's other readers and an output need, or just its latest reader's stage when v cannot
@@ -117,7 +122,7 @@ class _State:
         v alone is u's latest reader and may move earlier are u's other readers scanned (a mask
         read by thousands costs nothing otherwise).
         """
-        stage, top, k_out, nbytes = self.stage, self.top, self.k_out, self.nbytes
+        stage, top, k_out, nbytes = self.stage, self.top, self.k_out, self.nbytes if weights is None else weights
         a = stage[v]
         earlier = targets[0] < a
         terms = []  # per input: (bytes, last stage needing it now, floor of that once v moves)
@@ -297,7 +302,7 @@ def _passes(state: _State, g: IndexedDag, frozen: set[int], seeds: list[int] | N
     Without ``seeds`` every pass starts from all movable nodes; with them, from the seeds, the
     nodes moved so far and their neighbours (a local repair after a kick).
     """
-    round_off = slack(float(g.nbytes.sum()) * state.k)
+    round_off = state.round_off()
     near = None if seeds is None else set(seeds)
     failed = 0
     for count in range(MAX_PASSES if seeds is None else KICK_PASSES):
@@ -378,3 +383,54 @@ def improve(
             state.undo(mark)
             fruitless += 1
     return best
+
+
+class _Crossings(_State):
+    """Moves scored by the values that stop crossing a boundary, among those sending no byte more."""
+
+    def __init__(self, g: IndexedDag, *args: object, **kwargs: object) -> None:
+        super().__init__(g, *args, **kwargs)  # type: ignore[arg-type]
+        self.each = [1.0] * g.n
+
+    def round_off(self) -> float:
+        return 0.5  # counts are whole
+
+    def best(self, v: int) -> tuple[float, int] | None:
+        """(crossings saved, target stage) of v's best move that sends no more bytes, or None."""
+        targets = self.targets_within(v)
+        if not targets:
+            return None
+        a = self.stage[v]
+        found = max(((fewer, -abs(b - a), -b) for b, saved, fewer in
+                     zip(targets, self._gains(v, targets), self._gains(v, targets, self.each)) if saved >= 0),
+                    default=None)
+        return None if found is None else (found[0], -found[2])
+
+
+def fewer_values(
+    g: IndexedDag,
+    stages: np.ndarray,
+    k: int,
+    limits: Sequence[StageLimit],
+    pinned: frozenset[int] = frozenset(),
+    fixed: np.ndarray | None = None,
+    bounds: StageBounds | None = None,
+) -> np.ndarray:
+    """``stages`` after passes of single-node moves that let fewer values cross boundaries, none sending a
+    byte more, within every budget: splits tie on bytes where values of no bytes cross (a shape's
+    carrier), yet each value crossing is one more message per microbatch. The passes are ``improve``'s
+    (a move may add a crossing for a while; the best prefix is kept), as are the keywords. Deterministic;
+    never sends more bytes than ``stages``.
+    """
+    frozen = set() if fixed is None else set(fixed.tolist())
+    state = _Crossings(g, stages, k, limits, sorted(pinned), bounds)
+    made_from = g.dag.nodes(data="made_from")
+    for v in range(g.n):  # a carrier where a partition places it (Partition.from_assignment), and kept there:
+        if made_from[g.nodes[v]] is not None and v not in frozen:  # its readers may move up to it
+            after = max(state.stage[u] for u in state.pred[v])
+            if after in state.targets_within(v):
+                state.move(v, after)
+            frozen.add(v)  # (counted here, it crosses even where its tensor does, which it does not)
+    _passes(state, g, frozen, None)
+    result = np.array(state.stage, dtype=np.int64)
+    return result if g.total_bytes(result, k) <= g.total_bytes(stages, k) else stages

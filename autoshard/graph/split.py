@@ -26,7 +26,7 @@ from autoshard.graph import moves as local_moves
 from autoshard.graph.constraints import Constraints, Groups
 from autoshard.graph.indexed import IndexedDag, Node
 from autoshard.graph.invariants import check_dag, check_num_stages, is_number
-from autoshard.graph.limits import laid_along
+from autoshard.graph.limits import StageLimit, laid_along
 from autoshard.graph.linearize import INDEX_ORDERS, pull_forward, push_back
 from autoshard.graph.partition import SplitInfo
 from autoshard.graph.problem import Outcome, SplitProblem
@@ -312,7 +312,8 @@ def min_cut(
        if ``moves``, passes of single-node moves that may cost bytes for a while (``moves``)
        alternate with that until neither gains.
     3. If ``moves``, iterated local search from the best (``moves.improve`` with kicks: random
-       perturbations from a seeded generator, so still deterministic).
+       perturbations from a seeded generator, so still deterministic); after step 4, single-node
+       moves that let fewer values cross at no more bytes or bottleneck (``moves.fewer_values``).
     4. If ``coarsen`` too (and the problem has no pins, together groups or memory budgets, and
        at most ``COARSE_MAX_NODES`` nodes), steps 1-3 again on coarse graphs whose single-reader
        values are merged into their readers (``coarsen``; each polishing only its best DP
@@ -328,8 +329,17 @@ def min_cut(
         if not isinstance(flag, bool):
             raise InvalidArgumentTypeError(f"{name} must be a bool, got {flag!r}")
     many = problem.graph.n > MANY_NODES
-    return _min_cut(problem, orders, refine, moves, coarsen,
-                    REFINED_CANDIDATES_MANY_NODES if many else REFINED_CANDIDATES)
+    stages = _min_cut(problem, orders, refine, moves, coarsen,
+                      REFINED_CANDIDATES_MANY_NODES if many else REFINED_CANDIDATES)
+    return _fewer_values(problem, stages) if refine and moves else stages
+
+
+def _fewer_values(problem: SplitProblem, stages: np.ndarray) -> np.ndarray:
+    """``moves.fewer_values`` from ``stages``, no stage costing more than its bottleneck lets it."""
+    g, rules = problem.graph, problem.rules
+    limits = [StageLimit("cost", g.cost, problem.bottleneck(stages) * rules.capacities), *problem.limits()[1:]]
+    return local_moves.fewer_values(g, stages, problem.k, limits, problem.pinned_boundaries(stages),
+                                    _grouped(problem), rules.ranges)
 
 
 def _min_cut(problem: SplitProblem, orders: Sequence[str], refine: bool, moves: bool, coarsen: bool,

@@ -29,8 +29,9 @@ The output node is not a DAG node either: the values it returns are flagged ``ou
 
 A value known to hold no tensor (``x.size(0)``, a bool) never crosses a boundary: emit
 recomputes it in each stage that reads it. So in the DAG its readers depend directly on the
-tensors (or model inputs) it is computed from, and it has no out-edges of its own; ``readers``
-names the nodes that read it (see ``route_around_non_tensors``). A read of a tensor's shape alone is
+tensors (or model inputs) it is computed from, and it has no edges of its own; ``readers`` names
+the nodes that read it, with the first of which a partition places it (see
+``route_around_non_tensors``). A read of a tensor's shape alone is
 computed from a zero-byte carrier of it (``shape_carriers``), ``made_from`` that tensor: it crosses
 only past the stages holding it.
 """
@@ -206,8 +207,9 @@ def route_around_non_tensors(dag: nx.DiGraph) -> None:
 
     Walking in program order, each non-tensor node's in-edges already come from tensors or
     inputs (its non-tensor ancestors were routed first); its out-edges move onto those sources,
-    which then cross to the readers' stages, where emit recomputes the value; ``readers`` keeps the
-    nodes it had edges to, so that a partition places it with the first of them (``Partition``). A
+    which then cross to the readers' stages, where emit recomputes the value. One that is read keeps no
+    in-edges either: the stage a split gives it runs nothing of it, and a partition places it with
+    the first of its ``readers``, the nodes it had edges to (``Partition.from_assignment``). A
     non-tensor model output makes its sources outputs instead.
     """
     for node in list(dag.nodes):
@@ -219,6 +221,8 @@ def route_around_non_tensors(dag: nx.DiGraph) -> None:
         for reader in data["readers"]:
             dag.remove_edge(node, reader)
             dag.add_edges_from((source, reader, {"value": source}) for source in sources)
+        if data["readers"]:  # the stage a split gives it runs nothing of it: nothing need cross to it there
+            dag.remove_edges_from([(source, node) for source in sources])
         if data["output"]:
             data["output"] = False
             for source in sources:

@@ -102,9 +102,11 @@ def carry_shapes(gm: fx.GraphModule, facts: dict[str, NodeFacts]) -> None:
     position = {node: index for index, node in enumerate(graph.nodes)}
     last_input = max((node for node in position if node.op == "placeholder"), key=position.__getitem__, default=None)
     written_in: dict[fx.Node, set[fx.Node]] = {}  # memory root -> the values written in place that share it
+    writers: dict[fx.Node, list[fx.Node]] = {}  # value -> the nodes writing it in place, in program order
     for node in position:
         for value in written_inputs(gm, node):
             written_in.setdefault(memory_root(gm, value), set()).add(value)
+            writers.setdefault(value, []).append(node)
     for tensor in list(position):
         value = facts[tensor.name].value if tensor.name in facts else None
         if tensor.op == "get_attr" or not isinstance(value, TensorMeta):
@@ -117,7 +119,7 @@ def carry_shapes(gm: fx.GraphModule, facts: dict[str, NodeFacts]) -> None:
             graph.erase_node(unread)  # nothing else to keep it for: a read of metadata changes nothing
             reads.remove(unread)
             del facts[unread.name]
-        writes = sorted((user for user in tensor.users if tensor in written_inputs(gm, user)), key=position.__getitem__)
+        writes = writers.get(tensor, [])
         stretches: dict[fx.Node, list[fx.Node]] = {}
         for read in reads:
             since = [write for write in writes if position[write] < position[read]]
@@ -146,6 +148,7 @@ def _carry(graph: fx.Graph, facts: dict[str, NodeFacts], tensor: fx.Node, value:
     for read in reads:
         read.args = (carried, *read.args[1:])
     meta = torch.empty((0, *value.shape), dtype=getattr(torch, value.dtype), device="meta")
+    # a metadata read's facts but its value: no flops, nothing allocated or saved, as for a carrier
     added = {carrier.name: dataclasses.replace(read_facts, value=TensorMeta((0, *value.shape), value.dtype, 0)),
              carried.name: dataclasses.replace(read_facts, value=describe_value(CarriedShape(meta)))}
     record_facts(graph, added)
