@@ -20,9 +20,13 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("AUTOSHARD_HYPOTHESIS_PROFILE", "default"))
 
 # The machine's calibrated speed is cached under $XDG_CACHE_HOME: tests (and the processes they
-# start) write theirs to a folder of the run's own, not to the user's ~/.cache/autoshard.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="autoshard-test-cache-")
-atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+# start) write theirs to a folder of the run's own, not to the user's ~/.cache/autoshard. A process
+# the tests start imports this file again: it keeps the run's folder, which the run removes (its own
+# would stay behind, as a spawned worker exits without running atexit).
+_CACHE_PREFIX = os.path.join(tempfile.gettempdir(), "autoshard-test-cache-")
+if not os.environ.get("XDG_CACHE_HOME", "").startswith(_CACHE_PREFIX):
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix=os.path.basename(_CACHE_PREFIX))
+    atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 # The processes multi-process tests start (spawned workers, torchrun, the CLI) run one torch
 # thread each: several of them share the machine's cores, and more threads than cores made

@@ -264,6 +264,7 @@ def test_without_a_split_record_a_stale_module_entry_names_both_fields(saved):
 @pytest.mark.parametrize("change,message", [
     (lambda d: d.update(format="other"), "is not an autoshard plan"),
     (lambda d: d.update(format_version=99), "format_version is 99"),
+    (lambda d: d.update(format_version=1), r"format_version is 1; this autoshard reads version 2.*make a new plan"),
     (lambda d: node(d, "add").update(stage="1"), r"nodes\[\d+\].stage must be int, got '1'"),
     (lambda d: node(d, "add").pop("stage"), r"nodes\[\d+\] has no 'stage'"),
     (lambda d: d["nodes"].append(dict(node(d, "linears_0"))), "list 'linears_0' twice"),

@@ -225,7 +225,7 @@ def test_a_value_run_elsewhere_is_placed_where_it_runs():
 
     dag = nx.DiGraph()
     dag.add_node("x", cost=0.0, bytes=64.0, input=True)
-    for name, reads, extra in (("a", ["x"], {}), ("size", ["a"], {"tensor": False, "readers": ("c",)}),
+    for name, reads, extra in (("a", ["x"], {}), ("size", [], {"tensor": False, "readers": ("c",)}),  # (reads a)
                                ("check", ["a"], {"tensor": False, "readers": ()}), ("b", ["x"], {}),
                                ("c", ["a"], {}), ("d", ["c"], {})):
         dag.add_node(name, cost=1.0, bytes=64.0, **extra)
@@ -239,3 +239,5 @@ def test_a_value_run_elsewhere_is_placed_where_it_runs():
     assert Partition.from_assignment(dag, partition.assignment, 3) == partition
     alone = {**split, "d": 1}
     assert Partition.from_assignment(dag, alone, 3).assignment == alone
+    first = {**split, "a": 1, "b": 1, "c": 1}  # stage 0: the model's input and the size
+    assert Partition.from_assignment(dag, {**first, "size": 0, "check": 1}, 3).assignment["size"] == 0

@@ -14,7 +14,7 @@ from typing import Mapping
 import networkx as nx
 
 from autoshard.graph.invariants import check_partition
-from autoshard.graph.linearize import Node, is_output, program_order
+from autoshard.graph.linearize import Node, is_input, is_output, program_order
 
 Assignment = Mapping[Node, int]
 
@@ -90,8 +90,8 @@ class Partition:
                 after = placed[v] if following is None else following
                 placed[v] = max([placed[u] for u in dag.predecessors(v)] + [after])
             following = placed[v]
-        if len(set(placed.values())) < num_stages:  # a stage of such nodes alone: it stays as the split made it
-            placed = dict(assignment)
+        if len({placed[v] for v in order if not is_input(dag, v)}) < num_stages:  # a stage of such nodes alone:
+            placed = dict(assignment)  # it stays as the split made it
         return cls({v: placed[v] for v in order}, num_stages, info)
 
     def stage_of(self, node: Node) -> int:

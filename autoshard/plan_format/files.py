@@ -264,7 +264,8 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SavedPlan:
         raise r.error("the file", f"is not an autoshard plan (no \"format\": \"{FORMAT}\")")
     version = r.get(data, "format_version", int, "the file")
     if version != FORMAT_VERSION:
-        raise r.error("format_version", f"is {version}; this autoshard reads version {FORMAT_VERSION}")
+        raise r.error("format_version", f"is {version}; this autoshard reads version {FORMAT_VERSION}, whose graphs "
+                      "differ: make a new plan with `autoshard split TARGET --stages K --out PLAN.json`")
     nodes = tuple(r.node(obj, i) for i, obj in enumerate(r.get(data, "nodes", list, "the file")))
     plan = SavedPlan(
         num_stages=r.get(data, "num_stages", int, "the file"),

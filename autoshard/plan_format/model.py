@@ -27,7 +27,9 @@ from autoshard.graph import SplitInfo, boundary_bytes, boundary_values, stage_co
 from autoshard.lowering.from_fx import WeightInfo
 
 FORMAT = "autoshard-plan"
-FORMAT_VERSION = 1
+#: 2: a tensor read only for its shape crosses as a zero-byte carrier (``lowering.shape_carriers``) and a
+#: value each reader recomputes has no edges of its own: the graphs of version 1 are no longer made.
+FORMAT_VERSION = 2
 
 
 def versions() -> dict[str, str]:
