@@ -6,8 +6,9 @@
 One table per model (the tiny families of ``tests/test_real_models_zoo.py`` plus a 12-layer
 GPT-2 of width 64), one row per front end: graph nodes, leaves wrapped (names), capture time,
 split time (shape propagation, DAG, order and split into 4 stages by parameter bytes), stages,
-the costliest stage against the lower bound max(total / k, largest node), and the bytes of
-the values crossing stage boundaries (each counted once per boundary it crosses).
+the costliest stage against the lower bound max(total / k, largest node), and the bytes and the
+number of the values crossing stage boundaries (each counted once per boundary it crosses: one
+message per microbatch).
 
 Target: capture plus split of the 12-layer GPT-2 in under 2 s. Timings are the best of three
 runs, with torch on one thread (tiny ops on two shared cores are slower with more).
@@ -31,6 +32,7 @@ from test_real_models_zoo import EXAMPLE, FAMILIES, Family, text  # noqa: E402  
 import transformers  # noqa: E402, I001
 
 from autoshard.costs.models import param_costs  # noqa: E402
+from autoshard.graph import boundary_values  # noqa: E402
 from autoshard.passes import Pipeline  # noqa: E402
 from autoshard.passes.base import ExampleInputs, ShardProgram  # noqa: E402
 from autoshard.passes.capture import CapturePass  # noqa: E402
@@ -78,26 +80,27 @@ def measure(family: Family, front_end: str, runs: int) -> dict:
     return {"nodes": len(traced.graph_module.graph.nodes), "wrapped": [w.name for w in traced.wrapped],
             "front_end": traced.front_end, "capture": capture_s, "split": split_s,
             "stages": partition.num_stages, "ratio": partition.info.bottleneck / lower_bound,
-            "bytes": partition.info.boundary_bytes}
+            "bytes": partition.info.boundary_bytes,
+            "values": sum(map(len, boundary_values(dag, partition.assignment, STAGES)))}
 
 
 def family_table(family: Family, front_ends: tuple[str, ...], runs: int) -> tuple[Table, dict[str, dict]]:
     table = Table(title=f"{family.name} ({STAGES} stages)")
     for column in ("front end", "fx nodes", "leaves wrapped", "trace (s)", "split (s)", "stages",
-                   "bottleneck / LB", "boundary bytes"):
+                   "bottleneck / LB", "boundary bytes", "values crossing"):
         table.add_column(column, justify="left" if column in ("front end", "leaves wrapped") else "right")
     rows = {}
     for front_end in front_ends:
         try:
             row = measure(family, front_end, runs)
         except Exception as exc:  # noqa: BLE001 - a failing front end is a result worth printing
-            table.add_row(front_end, "-", f"failed: {type(exc).__name__}", "-", "-", "-", "-", "-")
+            table.add_row(front_end, "-", f"failed: {type(exc).__name__}", "-", "-", "-", "-", "-", "-")
             continue
         rows[front_end] = row
         label = front_end if front_end != "auto" else f"auto ({row['front_end']})"
         table.add_row(label, str(row["nodes"]), ", ".join(row["wrapped"]) or "none", f"{row['capture']:.2f}",
                       f"{row['split']:.2f}", str(row["stages"]), f"{row['ratio']:.2f}",
-                      f"{row['bytes']:,.0f}")
+                      f"{row['bytes']:,.0f}", str(row["values"]))
     return table, rows
 
 
