@@ -241,3 +241,23 @@ def test_a_value_run_elsewhere_is_placed_where_it_runs():
     assert Partition.from_assignment(dag, alone, 3).assignment == alone
     first = {**split, "a": 1, "b": 1, "c": 1}  # stage 0: the model's input and the size
     assert Partition.from_assignment(dag, {**first, "size": 0, "check": 1}, 3).assignment["size"] == 0
+
+
+def test_a_check_is_not_placed_past_the_stage_the_split_gave_it():
+    """A check nobody reads, the last node before a cut, stays in the split's stage: placed with the node after it,
+    the value only it reads would cross the boundary for it alone (one value and its bytes more)."""
+    import networkx as nx
+
+    from autoshard.graph.partition import Partition, boundary_values
+
+    dag = nx.DiGraph()
+    dag.add_node("x", cost=0.0, bytes=64.0, input=True)
+    for name, reads, extra in (("a", ["x"], {}), ("ok", ["a"], {}), ("check", ["ok"], {"tensor": False, "readers": ()}),
+                               ("b", ["a"], {})):
+        dag.add_node(name, cost=1.0, bytes=1.0 if name == "ok" else 64.0, **extra)
+        dag.add_edges_from((read, name) for read in reads)
+    dag.nodes["b"]["output"] = True
+    split = {"x": 0, "a": 0, "ok": 0, "check": 0, "b": 1}
+    partition = Partition.from_assignment(dag, split, 2)
+    assert partition.assignment == split
+    assert boundary_values(dag, partition.assignment, 2) == [["a"]]

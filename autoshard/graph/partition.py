@@ -72,9 +72,9 @@ class Partition:
         ``made_from`` another (a shape's carrier, made where it is sent on) in the stage of the last node it
         follows, that one's or a write's to it; a value that each of its ``readers`` recomputes (a size)
         with the first of them, and one that none reads (a check) with the node after it in the program,
-        or later, after its inputs. Where the split put them, their stage drew their inputs across for nothing
-        and showed their module there, as cut. Placing a placed partition again changes nothing; one that would
-        leave a stage empty is stored as given."""
+        or later, after its inputs, yet never later than the split put it. Where the split put them, their
+        stage drew their inputs across for nothing and showed their module there, as cut. Placing a placed
+        partition again changes nothing; one that would leave a stage empty is stored as given."""
         check_partition(dag, assignment, num_stages)
         order = program_order(dag)
         placed = dict(assignment)
@@ -86,9 +86,10 @@ class Partition:
             readers = dag.nodes[v].get("readers")
             if readers:
                 placed[v] = min(placed[r] for r in readers)
-            elif readers is not None:  # read by none (a check): at its place in the program, after its inputs
+            elif readers is not None:  # read by none (a check): at its place in the program, after its inputs,
+                # yet not after the split's stage for it (its inputs would cross for it alone, its module shown cut)
                 after = placed[v] if following is None else following
-                placed[v] = max([placed[u] for u in dag.predecessors(v)] + [after])
+                placed[v] = min(placed[v], max([placed[u] for u in dag.predecessors(v)] + [after]))
             following = placed[v]
         if len({placed[v] for v in order if not is_input(dag, v)}) < num_stages:  # a stage of such nodes alone:
             placed = dict(assignment)  # it stays as the split made it
