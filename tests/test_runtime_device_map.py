@@ -46,6 +46,39 @@ class TwoResiduals(nn.Module):
         return self.blocks(x)
 
 
+class SizeOut(nn.Module):
+    """Returns its output with a size of it, which the next module reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        h = self.lin(x * 2)
+        return h, h.size(-1)
+
+
+class SizeIn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, n: int) -> torch.Tensor:
+        return self.lin(h.reshape(-1, n))
+
+
+class SizeAcross(nn.Module):
+    """A size made in ``a`` and read in ``b``, the next stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.a, self.b, self.post = nn.Linear(8, 8), SizeOut(), SizeIn(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, n = self.a(self.pre(x))
+        return self.post(self.b(h, n))
+
+
 def shard(model, k, *args):
     torch.manual_seed(0)
     return autoshard.shard_model(model, k, example_inputs=args)
@@ -134,3 +167,10 @@ def test_one_device_per_stage_is_required():
     sharded = shard(ResidualMLP(), 2, torch.randn(4, 16))
     with pytest.raises(InvalidArgumentError, match="2 stages but 3 devices"):
         device_map(sharded, [0, 1, 2])
+
+
+def test_a_size_read_in_the_next_stage_leaves_the_module_making_it_whole():
+    """Each stage reading a size recomputes it, so it runs on no one device: placed with its reader, it no longer
+    shows the module whose code makes it as cut (that module's own code reads a value from the stage before)."""
+    sharded = autoshard.shard_model(SizeAcross(), 3, (torch.randn(2, 8),), cut_before=["a", "b"])
+    assert device_map(sharded) == {"pre": 0, "a": 1, "b": 2, "post": 2}

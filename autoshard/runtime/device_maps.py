@@ -35,6 +35,8 @@ class _Placement:
         self.node_device = {node: _device_key(devices[assignment.get(node, 0)]) for node in self.dag.nodes}
         spans: dict[str, set[Hashable]] = {ROOT: set()}  # in program order of each module's first node
         for node, data in self.dag.nodes(data=True):
+            if data.get("readers"):  # a size each reader's stage recomputes: no one device runs it, and no
+                continue  # value of it crosses (placed with its first reader, it showed its own module cut)
             for path, _ in data.get("scopes", ()):
                 spans.setdefault(path, set()).add(self.node_device[node])
             spans[ROOT].add(self.node_device[node])
