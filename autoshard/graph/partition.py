@@ -67,13 +67,12 @@ class Partition:
     def from_assignment(
         cls, dag: nx.DiGraph, assignment: Assignment, num_stages: int, info: SplitInfo | None = None
     ) -> Partition:
-        """Validate ``assignment`` against ``dag`` and store it in program order, with the nodes whose stage
-        runs nothing of them placed where their inputs cross to least, still after those inputs: a node
-        ``made_from`` another (a shape's carrier, made where it is sent on) in the stage of the last node it
-        follows, that one's or a write's to it; a value that each of its ``readers`` recomputes (a size)
-        with the first of them, and one that none reads (a check) with the node after it in the program,
-        or later, after its inputs, yet never later than the split put it. Where the split put them, their
-        stage drew their inputs across for nothing and showed their module there, as cut. Placing a placed
+        """Validate ``assignment`` against ``dag`` and store it in program order, each node whose stage runs
+        nothing of it where it runs (``placed_by``): a node ``made_from`` another (a shape's carrier, made
+        where it is sent on) in the stage of the last node it follows, that one's or a write's to it; a
+        value that each of its ``readers`` recomputes (a size), which has no edges, with the first of them.
+        Where the split put them, their stage drew their inputs across for nothing and showed their module
+        there, as cut; the split weighs them where they are placed (``costs_as_placed``). Placing a placed
         partition again changes nothing; one that would leave a stage empty is stored as given."""
         check_partition(dag, assignment, num_stages)
         order = program_order(dag)
@@ -81,16 +80,10 @@ class Partition:
         for v in order:
             if dag.nodes[v].get("made_from") is not None:
                 placed[v] = max(map(assignment.__getitem__, dag.predecessors(v)))
-        following = None  # the stage of the node after v in program order
         for v in reversed(order):  # a reader recomputed in turn (a size's item) is placed before it is read
             readers = dag.nodes[v].get("readers")
             if readers:
-                placed[v] = min(placed[r] for r in readers)
-            elif readers is not None:  # read by none (a check): at its place in the program, after its inputs,
-                # yet not after the split's stage for it (its inputs would cross for it alone, its module shown cut)
-                after = placed[v] if following is None else following
-                placed[v] = min(placed[v], max([placed[u] for u in dag.predecessors(v)] + [after]))
-            following = placed[v]
+                placed[v] = placed[readers[0]]
         if len({placed[v] for v in order if not is_input(dag, v)}) < num_stages:  # a stage of such nodes alone:
             placed = dict(assignment)  # it stays as the split made it
         return cls({v: placed[v] for v in order}, num_stages, info)
@@ -108,6 +101,25 @@ class Partition:
         for v, s in self.assignment.items():
             out[s].append(v)
         return out
+
+
+def placed_by(dag: nx.DiGraph, node: Node) -> Node | None:
+    """The node with which a partition places ``node`` (``Partition.from_assignment``): a carrier's tensor,
+    a recomputed value's first reader; None for a node the split places."""
+    data = dag.nodes[node]
+    return data.get("made_from") or next(iter(data.get("readers") or ()), None)
+
+
+def costs_as_placed(dag: nx.DiGraph, costs: Mapping[Node, float]) -> dict[Node, float]:
+    """``costs`` with each node's moved onto the node it is placed by (``placed_by``): a split weighs every
+    stage as its partition holds it. (A carrier after an in-place write to its tensor sits with the write.)"""
+    moved = dict(costs)
+    for v in program_order(dag):  # a first reader recomputed in turn passes on what it got
+        by = placed_by(dag, v)
+        if by is not None:
+            moved[by] += moved[v]
+            moved[v] = 0.0
+    return moved
 
 
 def stage_costs(dag: nx.DiGraph, assignment: Assignment, k: int) -> list[float]:

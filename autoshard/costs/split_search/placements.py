@@ -296,6 +296,8 @@ def scored(request: SplitRequest, placement: TiePlacement, weighted: nx.DiGraph,
     the true bottleneck and the ties separated, each stage's memory and fit as ``max_memory`` counts it."""
     k, memory = request.k, request.memory
     speeds = request.each_stage(request.capacities or (1.0,))
+    partition = Partition.from_assignment(weighted, assignment, k, info)
+    assignment = partition.assignment  # its nodes placed where they run, as every stage count counts them
     totals = request.stage_totals(assignment)
     split_up = [g for g in request.ties if len({assignment[v] for v in g.readers}) > 1]
     info = dataclasses.replace(info, bottleneck=max(t / c for t, c in zip(totals, speeds)),
@@ -303,8 +305,7 @@ def scored(request: SplitRequest, placement: TiePlacement, weighted: nx.DiGraph,
     held = tuple(memory.stage_totals(assignment)) if request.max_memory else ()
     fits = all(m <= b for m, b in zip(held, request.each_stage(request.max_memory)))
     summed = tuple(counted(request, placement, assignment)) if held else ()
-    return Attempt(Partition.from_assignment(weighted, assignment, k, info), tuple(g.label for g in split_up),
-                   held, fits, summed)
+    return Attempt(dataclasses.replace(partition, info=info), tuple(g.label for g in split_up), held, fits, summed)
 
 
 def counted(request: SplitRequest, placement: TiePlacement, assignment: Mapping[str, int]) -> list[float]:

@@ -18,6 +18,7 @@ from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.ties import TieGroup
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, StageRange
 from autoshard.graph.indexed import IndexedDag
+from autoshard.graph.partition import costs_as_placed
 
 #: ``apart`` (shared weights charged to every reader) -> each node's cost.
 NodeCosts = Callable[[frozenset[str]], Mapping[str, float]]
@@ -140,10 +141,13 @@ def weighted_in_order(
     dag: nx.DiGraph, order: Sequence[str], costs: Mapping[str, float],
     extra: Mapping[str, Mapping[str, float]] | None = None,
 ) -> nx.DiGraph:
-    """A copy of ``dag`` with ``cost`` and each ``extra`` attribute set, inserted in ``order``."""
+    """A copy of ``dag`` with ``cost`` and each ``extra`` attribute set, inserted in ``order``; each weighs
+    where a partition places its node (``costs_as_placed``: a recomputed size's with its first reader)."""
     weighted = nx.DiGraph()
+    costs = costs_as_placed(dag, costs)
+    extra = {name: costs_as_placed(dag, per_node) for name, per_node in (extra or {}).items()}
     for node in order:
-        values = {name: per_node[node] for name, per_node in (extra or {}).items()}
+        values = {name: per_node[node] for name, per_node in extra.items()}
         weighted.add_node(node, **{**dag.nodes[node], "cost": costs[node], **values})
     weighted.add_edges_from(dag.edges(data=True))
     return weighted
