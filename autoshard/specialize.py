@@ -24,7 +24,9 @@ not take, or a module switched to another mode is refused as before. In
 training mode a guard that fails after a stage has computed is refused too where the stages hold
 buffers or draw random numbers, as running them again would update the buffers (batch-norm
 statistics) twice and move the generator on:
-``sharded.specialize(*args, **kwargs)`` makes the specialisation without running any stage.
+``sharded.specialize(*args, **kwargs)`` makes the specialisation without running any stage. Calls of
+new shapes, which may take a plan made for others first, set the generators back before the next plan
+runs (``generators.rewind``), so draws alone do not refuse them.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from autoshard.errors import (
 )
 from autoshard.costs.facts import NodeFacts, node_facts
 from autoshard.fx_helpers import resolve, runs_model_code
+from autoshard.generators import generator_snapshot, rewind
 from autoshard.isolation import hooks_registered, settings_objects
 from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
@@ -334,12 +337,16 @@ class Specializer:
         alike = served if served is not None else self._last.get(_alike(key))  # new sizes: the plan of the last alike
         first = None if alike is None else _first_to_try(alike)
         failed: SpecializationMismatch | None = None
+        # new shapes may take a plan whose guard refuses them after its stages drew: those draws are drawn again
+        snapshot = generator_snapshot() if served is None and not given_back else None
         for sharded in self._in_turn(primary, first):
             try:
                 result = run(sharded, args, kwargs)
             except SpecializationMismatch as exc:
                 if not given_back:
-                    self._check_rerun(sharded, exc)
+                    self._check_rerun(sharded, exc, rewound=snapshot is not None)
+                if snapshot is not None and not exc.before_compute:
+                    rewind(snapshot)
                 # name the first plan's guard; its traceback would keep the tried plan's activations alive
                 failed = exc.with_traceback(None) if failed is None or sharded is primary else failed
                 continue
@@ -428,11 +435,11 @@ class Specializer:
     def _plans(self, primary: ShardedModel) -> list[ShardedModel]:
         return [primary] + [s.sharded for s in self.specializations]
 
-    def _check_rerun(self, tried: ShardedModel, exc: SpecializationMismatch) -> None:
+    def _check_rerun(self, tried: ShardedModel, exc: SpecializationMismatch, rewound: bool = False) -> None:
         """Refuse to run stages again after some computed, where that is not the same as running them
         once: buffers they update in place (batch-norm statistics, a step counter) would be updated
-        twice, random draws (dropout, sampling) would move the generator on."""
-        if not exc.before_compute and not self._rerun(tried, exc.stage, exc.site).holds():
+        twice, random draws (dropout, sampling) would move the generator on, unless it is ``rewound``."""
+        if not exc.before_compute and not self._rerun(tried, exc.stage, exc.site).holds(rewound):
             raise SpecializationMismatch(
                 f"{exc.refusal}. Stages that update buffers (batch-norm statistics, a step counter) or draw random "
                 "numbers are not run again for new inputs once some have computed (the buffers would be updated "
@@ -628,21 +635,25 @@ _ModuleCall = tuple[torch.fx.GraphModule, torch.fx.Node, NodeFacts | None]
 @dataclass(frozen=True)
 class Rerun:
     """What running a plan's stages again, up to one of them, depends on, from one walk of their nodes
-    (``rerun_of``): whether a node draws or writes a buffer whatever the modes (``same`` False), and the
-    module calls (``called``: stage, node, facts), which draw or update buffers as the modes are on the
-    call. The stages' graphs and buffers stay as captured, so the walk is made once per plan and stage:
-    made after every failed guard, it cost 150-300 µs a call where calls took the wrong plan first."""
+    (``rerun_of``): whether a node writes a buffer whatever the modes or draws from a generator of the
+    call's own (``same`` False) or from the default generators (``draws``), and the module calls
+    (``called``: stage, node, facts), which draw or update buffers as the modes are on the call. The
+    stages' graphs and buffers stay as captured, so the walk is made once per plan and stage: made after
+    every failed guard, it cost 150-300 µs a call where calls took the wrong plan first."""
 
     same: bool
     called: tuple[_ModuleCall, ...] = ()
+    draws: bool = False
 
-    def holds(self) -> bool:
+    def holds(self, rewound: bool = False) -> bool:
         """Whether running these stages twice leaves what running them once leaves, with the modules' modes
-        as they are now: none draws random numbers or updates a buffer (one its code writes in place,
-        ``self.steps.add_(1)``; in training mode, a traced ``F.batch_norm``'s statistics, or any a module in
-        training mode holds: ``_updates_buffers``)."""
-        return self.same and not any(_draws(stage, node, facts) or _updates_buffers(stage, node, facts, set())
-                                     for stage, node, facts in self.called)
+        as they are now: none updates a buffer (one its code writes in place, ``self.steps.add_(1)``; in
+        training mode, a traced ``F.batch_norm``'s statistics, or any a module in training mode holds:
+        ``_updates_buffers``), nor draws random numbers, unless the default generators are ``rewound``
+        between the runs."""
+        return self.same and (rewound or not self.draws) and not any(
+            (not rewound and _draws(stage, node, facts)) or _updates_buffers(stage, node, facts, set())
+            for stage, node, facts in self.called)
 
 
 def rerun_of(sharded: ShardedModel, last: nn.Module | None = None, site: str | None = None) -> Rerun:
@@ -651,6 +662,7 @@ def rerun_of(sharded: ShardedModel, last: nn.Module | None = None, site: str | N
     the start of the first stage refuses a call before anything computed."""
     training = sharded.plan.training
     called: list[_ModuleCall] = []
+    draws = False
     for stage in sharded.stages:
         nodes = _up_to_check(stage, site) if stage is last else list(stage.graph.nodes)
         held: set[str] = set()  # the nodes that are a weight or buffer of the stage, or a view of one
@@ -663,11 +675,14 @@ def rerun_of(sharded: ShardedModel, last: nn.Module | None = None, site: str | N
                 held.add(node.name)
             if node.op == "call_module":
                 called.append((stage, node, facts))
-            elif _draws(stage, node, facts) or _updates_buffers(stage, node, facts, held, training):
+            elif _updates_buffers(stage, node, facts, held, training) or (
+                    _draws(stage, node, facts) and "generator" in node.kwargs):
                 return Rerun(False)
+            else:
+                draws = draws or _draws(stage, node, facts)
         if stage is last:
             break
-    return Rerun(True, tuple(called))
+    return Rerun(True, tuple(called), draws)
 
 
 def _up_to_check(stage: torch.fx.GraphModule, site: str | None) -> list[torch.fx.Node]:

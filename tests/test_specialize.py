@@ -547,6 +547,24 @@ def test_in_training_mode_a_call_for_new_shapes_tries_first_the_plan_that_served
     assert len(sharded.specializations) == 1
 
 
+def test_in_training_mode_new_shapes_refused_late_by_a_plan_that_drew_take_the_next_with_the_draws_rewound():
+    """A plan tried for new shapes whose guard refuses them after its stages drew (dropout before the branch)
+    is followed by the next with the generators set back: the call draws what the model draws. Before, the
+    plan made for one shape (batch 2) was tried first for every new one and refused it, for good."""
+    model = NormFirst().train()
+    model.norm = nn.Dropout(0.5)
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    sharded.specialize(torch.randn(2, 8))
+    for batch in (2, 4, 5, 1, 6):
+        x = torch.randn(batch, 8)
+        torch.manual_seed(batch)
+        expected, after = model(x), torch.random.get_rng_state()
+        torch.manual_seed(batch)
+        assert torch.equal(sharded(x), expected), batch
+        assert torch.equal(torch.random.get_rng_state(), after), batch
+    assert len(sharded.specializations) == 1
+
+
 def test_in_training_mode_stages_that_draw_random_numbers_are_not_run_again_either():
     model = NormFirst().train()
     model.norm = nn.Dropout(0.5)  # no buffers: only the draws would differ from the model's
