@@ -565,6 +565,27 @@ def test_in_training_mode_new_shapes_refused_late_by_a_plan_that_drew_take_the_n
     assert len(sharded.specializations) == 1
 
 
+class ReshapesTo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        h = self.b(self.a(x))
+        return self.c(h if shape is None else h.reshape(shape))
+
+
+@pytest.mark.parametrize("example", [torch.Size([1, 2, 8]), (1, 2, 8), None])
+def test_a_shape_passed_as_a_torch_size_or_a_tuple_is_one_constant(example):
+    """A ``torch.Size`` argument and a tuple of the same sizes are served alike: torch's pytree rebuilds a Size as
+    a tuple when the inputs are copied, and a plan made with a Size refused its own example while sharding."""
+    model = ReshapesTo().eval()
+    x = torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), {} if example is None else {"shape": example})
+    for shape in (torch.Size([1, 2, 8]), (1, 2, 8), torch.Size([2, 1, 8])):
+        assert torch.equal(sharded(x, shape=shape), model(x, shape=shape)), shape
+
+
 def test_in_training_mode_stages_that_draw_random_numbers_are_not_run_again_either():
     model = NormFirst().train()
     model.norm = nn.Dropout(0.5)  # no buffers: only the draws would differ from the model's

@@ -80,13 +80,20 @@ def _same_spec(spec: TreeSpec, captured: TreeSpec) -> bool:
         and all(map(_same_spec, spec.children(), captured.children())))
 
 
+#: A shape given as a ``torch.Size`` or a tuple: the same constant to torch's functions.
+_SHAPES = {tuple, torch.Size}
+
+
 def same_constant(value: Any, expected: Any) -> bool:
     """Whether a call's ``value`` is the constant the capture fixed: the same object, or an equal
-    one of the same type (a numpy array: the same shape, dtype and items; a zero: of the same sign;
+    one of the same type, a ``torch.Size`` and a tuple alike (a numpy array: the same shape, dtype and
+    items; a zero: of the same sign;
     nan: nan; a tuple, list or dict: item by item; a function: the same code, globals, defaults and
     closed-over values; a ``functools.partial``: the same function and arguments)."""
     if value is expected:
         return True
+    if {type(value), type(expected)} <= _SHAPES:  # torch's pytree rebuilds a Size as a tuple (a copy of the inputs)
+        return len(value) == len(expected) and all(map(same_constant, value, expected))
     if type(value) is not type(expected) or isinstance(expected, torch.Tensor):  # a tensor: the one the graph holds
         return False
     if isinstance(expected, np.ndarray):  # (its == compares item by item)
