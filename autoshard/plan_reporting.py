@@ -96,7 +96,7 @@ class PlanReport:
     model's schedule (the default step) is one PyTorch refuses for these stages: the tables say why."""
     inputs: str | None = None
     """What a call must pass to be served by these stages (``ShardedModel.served_inputs``); None for a
-    plan alone or stages without an input guard."""
+    plan alone or stages that check nothing."""
 
     def renderables(self) -> list[RenderableType]:
         """The CLI's tables and lines for this plan (``autoshard.report.plan_renderables``)."""

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_iter, tree_map
 from autoshard.isolation import PLAIN_VALUES
 from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
 from autoshard.capture.guard import (
-    PLACED_ON, FixedDtypes, InputGuard, check_inputs, check_mode, refuse_mode_switch,
+    PLACED_ON, FixedDtypes, InputGuard, check_condition, check_inputs, check_mode, refuse_mode_switch,
 )
 from autoshard.capture.held_state import ATTRIBUTE, HOLDS, NO_KEY, Read
 from autoshard.capture.hooks_since import HooksAtCapture
@@ -492,15 +492,24 @@ class ShardedModel(FixedDtypes):
         return held is not None and held.holds(held.owner.training)
 
     def served_inputs(self) -> str | None:
-        """What a call must pass to be served by these stages, as their input guard checks it
-        (``InputGuard.describe``): each argument's dtype and shape (named sizes, with their ranges),
-        the constants fixed, and the conditions on sizes; None where the plan has no guard (no example)."""
+        """What a call must pass to be served by these stages: as their input guard checks it
+        (``InputGuard.describe``: each argument's dtype and shape, named sizes with their ranges, the
+        constants fixed, the conditions on sizes), then the conditions of the model's code the stages
+        check as they run, which that guard could not say over the inputs (a condition on a size a view
+        computed, a capture by ``torch.fx``); None where the plan checks nothing (no example)."""
         guard = _input_guard(self.stages[0])
-        return None if guard is None else guard.describe()
+        checked = dict.fromkeys(f"{node.args[2]} is {node.args[1]}" for stage in self.stages
+                                for node in stage.graph.nodes if node.op == "call_function"
+                                and node.target is check_condition)
+        said = ([guard.describe()] if guard is not None else []) + (
+            [f"as the stages run, {'; '.join(checked)}"] if checked else [])
+        return "; ".join(said) or None
 
     def inputs_accepted(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether the first stage's input guard passes these inputs, asked without running a stage:
-        their shapes, constants, dtypes and layouts (``pipeline_stage`` chooses a plan so, up front)."""
+        their shapes, constants, dtypes and layouts (``pipeline_stage`` chooses a plan so, up front).
+        The conditions the stages check as they run (``served_inputs``) are not asked: a call breaking one
+        is refused where a stage reaches it."""
         first = self.stages[0]
         guard = _input_guard(first)
         try:

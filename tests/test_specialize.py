@@ -7,6 +7,7 @@ import contextlib
 import copy
 import inspect
 import pickle
+import re
 
 import pytest
 import torch
@@ -513,6 +514,18 @@ class NormFirst(SizeBranch):
         x = self.gate(self.norm(self.a(x))) * scale
         x = self.b(x) * 2 if x.shape[0] > 2 else self.b(x) - 1
         return self.d(self.c(x))
+
+
+def test_served_inputs_name_the_conditions_the_stages_check_as_they_run():
+    """A condition the input guard cannot say over the inputs' sizes (here, after code reading values) is checked
+    where the stages reach it: ``served_inputs`` names it too, with the value it must keep (it said nothing)."""
+    torch.manual_seed(0)
+    sharded = autoshard.shard_model(NormFirst().eval(), 2, (torch.randn(4, 8),))
+    served = sharded.served_inputs()
+    assert re.search(r"as the stages run, the condition at test_specialize\.py:\d+ \(`.*x\.shape\[0\] > 2.*`\) is "
+                     r"True", served), served
+    with pytest.raises(SpecializationMismatch, match=r"x\.shape\[0\] > 2.*is False for these inputs"):
+        sharded.run_stages((torch.randn(2, 8),), {})
 
 
 def test_in_training_mode_a_guard_failing_after_a_stage_ran_is_refused_and_specialize_serves_it():
