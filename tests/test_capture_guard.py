@@ -583,8 +583,11 @@ def test_a_constant_changed_in_place_after_sharding_is_refused():
     assert torch.equal(sharded(x, Scaling()), model(x, Scaling()))  # an equal one is served
     config.scale = 3.0
     _refused(sharded, x, config, another_capture=False,
-             match=r"config was changed in place .*now Scaling\(scale=3.0\), then Scaling\(scale=2.0\)")
+             match=r"config was changed in place .*now Scaling\(scale=3.0\), then Scaling\(scale=2.0\).*pass a copy")
     assert sharded.specializations == ()
+    # another object of the new value is another constant, captured again (it was refused as changed in place)
+    assert torch.equal(sharded(x, Scaling(scale=3.0)), model(x, config)) and len(sharded.specializations) == 1
+    assert torch.equal(sharded(x, Scaling()), model(x, Scaling()))  # and the old value is still served
 
 
 def test_tensors_kept_on_a_plain_objects_attributes_are_refused_at_capture():

@@ -127,6 +127,8 @@ class InputGuard:
         example's, a container of another layout or holding other values than tensors (``flat``:
         the containers as ``flattened`` read them)."""
         for name, expected in self.constants.items():
+            if values[name] is not expected:  # another object: to the value the plan computes with, that one's
+                expected = self.snapshots.get(name, expected)  # at capture (the object may have changed since)
             if not same_constant(values[name], expected):
                 array = (" with other values (an array is a constant to a capture, which computes with its values: "
                          "pass torch.from_numpy(array) for an input it serves)") * isinstance(expected, np.ndarray)
@@ -145,7 +147,8 @@ class InputGuard:
         for name in self.constants:
             if name in self.snapshots and not same_constant(values[name], self.snapshots[name]):
                 return (f"{name} was changed in place since the plan was captured (now {brief(values[name])}, "
-                        f"then {brief(self.snapshots[name])}), and the plan computes with the old value"), {}
+                        f"then {brief(self.snapshots[name])}), and the plan computes with the old value; pass a copy "
+                        "of it, another object, which the sharded model captures again"), {}
         for name, (default, then) in self.default_snapshots.items():
             if not same_constant(default, then):
                 return (f"the default of {name} was changed in place since the plan was captured "
