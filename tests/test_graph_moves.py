@@ -15,6 +15,7 @@ from autoshard.graph import moves
 from autoshard.graph.constraints import Constraints
 from autoshard.graph.linearize import pull_forward, push_back
 from autoshard.graph.problem import SplitProblem
+from autoshard.graph.split import _fewer_values
 from autoshard.testing import check_constraints
 from autoshard.testing.graphs import layered_graph
 from autoshard.testing.strategies import constrained_problems, dags, shaped_dags, split_problems
@@ -30,7 +31,7 @@ def valid_and_no_worse(problem: SplitProblem, start: np.ndarray, found: np.ndarr
 
 @fast
 @given(constrained_problems(shaped_dags(max_nodes=9) | dags(max_nodes=9)), st.sampled_from([0.0, 0.25]))
-def test_moves_and_kicks_keep_every_rule_and_never_send_more(problem, tolerance):
+def test_moves_kicks_and_fewer_values_keep_every_rule_and_never_send_more(problem, tolerance):
     dag, k, constraints = problem
     try:
         split = SplitProblem(dag, k, tolerance, constraints)
@@ -48,6 +49,11 @@ def test_moves_and_kicks_keep_every_rule_and_never_send_more(problem, tolerance)
     if fixed is not None:
         assert np.array_equal(searched[fixed], start[fixed])  # together groups never move
     assert split.pinned_boundaries(searched) == pinned
+    fewer = _fewer_values(split, start)  # also keeps the bottleneck and lets no more values cross
+    valid_and_no_worse(split, start, fewer)
+    assert split.bottleneck(fewer) <= split.bottleneck(start) * (1 + 1e-9) + 1e-9
+    assert split.graph.crossings(fewer, k).sum() <= split.graph.crossings(start, k).sum()
+    assert split.pinned_boundaries(fewer) == pinned
 
 
 @fast
@@ -70,25 +76,6 @@ def test_each_move_gains_exactly_the_bytes_it_saves(problem, data):
         assert gain == pytest.approx(before - g.total_bytes(after, k), abs=1e-12 * max(1.0, before))
         fresh = moves._State(g, after, k, split.limits(), [])
         assert (state.top, state.top_count, state.count) == (fresh.top, fresh.top_count, fresh.count)
-
-
-@fast
-@given(constrained_problems(shaped_dags(max_nodes=9) | dags(max_nodes=9)), st.sampled_from([0.0, 0.25]))
-def test_fewer_values_keep_every_rule_the_bytes_and_the_bottleneck(problem, tolerance):
-    from autoshard.graph.split import _fewer_values
-
-    dag, k, constraints = problem
-    try:
-        split = SplitProblem(dag, k, tolerance, constraints)
-        start = split.dp_split(split.graph.program())
-    except InfeasibleSplitError:  # such draws are covered in test_split_constraints
-        return
-    g = split.graph
-    found = _fewer_values(split, start)
-    valid_and_no_worse(split, start, found)
-    assert split.bottleneck(found) <= split.bottleneck(start) * (1 + 1e-9) + 1e-9
-    assert g.crossings(found, k).sum() <= g.crossings(start, k).sum()
-    assert split.pinned_boundaries(found) == split.pinned_boundaries(start)
 
 
 def test_a_split_tying_on_bytes_lets_fewer_values_cross():

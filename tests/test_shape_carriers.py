@@ -11,6 +11,7 @@ from torch import nn
 
 import autoshard
 from autoshard.lowering.shape_carriers import CarriedShape, shape_carrier
+from test_runtime_device_map import SizeAcross
 
 BATCH, WIDTH = 6, 16
 
@@ -36,37 +37,6 @@ def _sharded(stages: int = 4, training: bool = False) -> tuple[nn.Module, autosh
     torch.manual_seed(0)
     model = WidthReadAtTheEnd().train(training)
     return model, autoshard.shard_model(copy.deepcopy(model), stages, (torch.randn(BATCH, 8),))
-
-
-class _Returns(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(64, 64)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        h = self.lin(x * 2)
-        return h, h.size(-1)
-
-
-class _Reads(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(64, 64)
-
-    def forward(self, h: torch.Tensor, n: int) -> torch.Tensor:
-        return self.lin(h.reshape(-1, n))
-
-
-class SizeToNext(nn.Module):
-    """A size returned by one module and read by the next."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pre, self.a, self.b, self.post = nn.Linear(64, 64), _Returns(), _Reads(), nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, n = self.a(self.pre(x))
-        return self.post(self.b(h, n))
 
 
 def test_the_width_crosses_as_a_zero_byte_carrier_and_the_tensor_stays_in_its_stage():
@@ -279,7 +249,7 @@ def test_a_size_weighs_where_its_partition_places_it():
     stages cost what the split recorded, within its bound (by node counts the split piled sizes, free to place, in
     one stage, and partitions moved them out: a recorded bottleneck of 5 for stages costing 7 and 2)."""
     torch.manual_seed(0)
-    sharded = autoshard.shard_model(SizeToNext(), 2, (torch.randn(2, 64),), cost="nodes")
+    sharded = autoshard.shard_model(SizeAcross(), 2, (torch.randn(2, 8),), cost="nodes")
     info, costs = sharded.plan.split_info, sharded.plan.stage_costs("nodes")
     assert max(costs) == info.bottleneck <= info.bound
 

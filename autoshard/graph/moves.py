@@ -407,15 +407,9 @@ class _Crossings(_State):
         return None if found is None else (found[0], -found[2])
 
 
-def fewer_values(
-    g: IndexedDag,
-    stages: np.ndarray,
-    k: int,
-    limits: Sequence[StageLimit],
-    pinned: frozenset[int] = frozenset(),
-    fixed: np.ndarray | None = None,
-    bounds: StageBounds | None = None,
-) -> np.ndarray:
+def fewer_values(g: IndexedDag, stages: np.ndarray, k: int, limits: Sequence[StageLimit],
+                 pinned: frozenset[int] = frozenset(), fixed: np.ndarray | None = None,
+                 bounds: StageBounds | None = None) -> np.ndarray:
     """``stages`` after passes of single-node moves that let fewer values cross boundaries, none sending a
     byte more, within every budget: splits tie on bytes where values of no bytes cross (a shape's
     carrier), yet each value crossing is one more message per microbatch. The passes are ``improve``'s
