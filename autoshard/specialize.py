@@ -329,9 +329,10 @@ class Specializer:
         buffers and random state afterwards (a measurement), so stages may run again after a guard
         failed in training mode."""
         if not self.specializations:
-            # in training mode, a check late in the stages may refuse a call after they drew (1-2 us a call)
-            snapshot = generator_snapshot() if self._model.training and self._checks_late(primary) and \
-                not given_back else None
+            # in training mode, a check late in the stages may refuse a call after they drew (1.5-3.5 us a
+            # call; not in a call torch.compile traces, which cannot rewind and has no plan to go on to)
+            snapshot = generator_snapshot() if self._model.training and not given_back and \
+                not torch.compiler.is_compiling() and self._checks_late(primary) else None
             try:
                 return run(primary, args, kwargs)
             except SpecializationMismatch as exc:
@@ -346,7 +347,8 @@ class Specializer:
         first = None if alike is None else _first_to_try(alike)
         failed: SpecializationMismatch | None = None
         # new shapes may take a plan whose guard refuses them after its stages drew: those draws are drawn again
-        snapshot = generator_snapshot() if served is None and not given_back else None
+        snapshot = generator_snapshot() if served is None and not given_back and \
+            not torch.compiler.is_compiling() else None
         for sharded in self._in_turn(primary, first):
             try:
                 result = run(sharded, args, kwargs)
