@@ -337,9 +337,7 @@ class Specializer:
                 return run(primary, args, kwargs)
             except SpecializationMismatch as exc:
                 if not given_back:
-                    self._check_rerun(primary, exc, rewound=snapshot is not None)
-                if snapshot is not None and not exc.before_compute:
-                    rewind(snapshot)
+                    self._check_rerun(primary, exc, snapshot)
                 return self._specialized(primary, args, kwargs, exc, run)
         key = _served_key(args, kwargs)
         served = self._last.get(key)
@@ -354,9 +352,7 @@ class Specializer:
                 result = run(sharded, args, kwargs)
             except SpecializationMismatch as exc:
                 if not given_back:
-                    self._check_rerun(sharded, exc, rewound=snapshot is not None)
-                if snapshot is not None and not exc.before_compute:
-                    rewind(snapshot)
+                    self._check_rerun(sharded, exc, snapshot)
                 # name the first plan's guard; its traceback would keep the tried plan's activations alive
                 failed = exc.with_traceback(None) if failed is None or sharded is primary else failed
                 continue
@@ -453,17 +449,23 @@ class Specializer:
     def _plans(self, primary: ShardedModel) -> list[ShardedModel]:
         return [primary] + [s.sharded for s in self.specializations]
 
-    def _check_rerun(self, tried: ShardedModel, exc: SpecializationMismatch, rewound: bool = False) -> None:
+    def _check_rerun(self, tried: ShardedModel, exc: SpecializationMismatch,
+                     snapshot: list[torch.Tensor] | None = None) -> None:
         """Refuse to run stages again after some computed, where that is not the same as running them
         once: buffers they update in place (batch-norm statistics, a step counter) would be updated
-        twice, random draws (dropout, sampling) would move the generator on, unless it is ``rewound``."""
-        if not exc.before_compute and not self._rerun(tried, exc.stage, exc.site).holds(rewound):
+        twice, random draws (dropout, sampling) would move the generators on, unless they are set back to
+        ``snapshot`` (read before the stages ran), which is done here."""
+        if exc.before_compute:
+            return
+        if not self._rerun(tried, exc.stage, exc.site).holds(rewound=snapshot is not None):
             raise SpecializationMismatch(
                 f"{exc.refusal}. Stages that update buffers (batch-norm statistics, a step counter) or draw random "
                 "numbers are not run again for new inputs once some have computed (the buffers would be updated "
                 "twice, the draws would differ from the model's); the stages before this guard have run for this "
                 "call (any buffers they update are updated). Call sharded.specialize(*args, **kwargs) with inputs "
                 "like these before such calls", other_capture=False) from exc
+        if snapshot is not None:
+            rewind(snapshot)
 
     def _rerun(self, tried: ShardedModel, last: nn.Module | None, site: str | None) -> Rerun:
         """``rerun_of(tried, last, site)``, walked once per plan, stage and check and kept."""
