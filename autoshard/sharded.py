@@ -23,7 +23,7 @@ from autoshard.capture.guard import (
 from autoshard.capture.held_state import ATTRIBUTE, HOLDS, NO_KEY, Read
 from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.result import WrappedLeaf
-from autoshard.capture.signature import argument_names, is_default, parameter_default
+from autoshard.capture.signature import argument_names, bind_as_called, is_default, parameter_default
 from autoshard.capture.structure import same_constant
 from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.models import DAG_COST_MODELS, held_weight_bytes, measured, stage_totals
@@ -819,14 +819,14 @@ class _Binder:
         keyed = {key: _Slot(count + i) for i, key in enumerate(keywords)}
         if self.model_signature is None:
             try:
-                bound = self.signature.bind(*slots, **keyed).arguments
+                bound = bind_as_called(self.signature, slots, keyed)
             except TypeError as exc:
                 return exc
             moved = {name: slot.index for name, slot in bound.items()}
             return _Binding(tuple(moved.items()), (), {}, tuple((n, moved[n]) for n in self.inputs if n in moved),
                             None, as_is=True)
         try:
-            bound = self.model_signature.bind(*slots, **keyed).arguments
+            bound = bind_as_called(self.model_signature, slots, keyed)
         except TypeError as exc:
             return exc
         named = argument_names(self.model_signature, bound)

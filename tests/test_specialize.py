@@ -308,6 +308,13 @@ def test_another_constant_is_served_by_a_capture_made_with_it_and_what_no_captur
     # the model itself refuses it: no capture would serve it, so no advice to shard again
     assert "the model's forward(x, scale) refuses these arguments" in str(unknown.value)
     assert "shard the model again" not in str(unknown.value)
+    # a misspelt keyword is named, as Python names it, not the argument it leaves missing
+    with pytest.raises(InputMismatchError,
+                       match=r"refuses these arguments \(got an unexpected keyword argument 'inp'\)") as typo:
+        sharded(inp=x)
+    assert "missing" not in str(typo.value)
+    with pytest.raises(InputMismatchError, match=r"'scal' \(did you mean 'scale'\?\)"):
+        sharded(x, scal=2.0)
     fixed = autoshard.shard_model(model, 2, (x,), respecialize=False)
     with pytest.raises(SpecializationMismatch, match="the example left scale=1.0 at the default"):
         fixed(x, scale=3.0)  # no specialisations made: refused, naming the constant

@@ -28,7 +28,7 @@ from autoshard.capture.host_random import host_draws
 from autoshard.capture.guard import DimSpec, InputGuard
 from autoshard.capture.structure import (
     CACHE_ADVICE, ArgumentStructure, check_visible_tensors, holds_tensors, same_constant)
-from autoshard.errors import ExampleInputsError, InvalidArgumentError
+from autoshard.errors import ExampleInputsError, InvalidArgumentError, suggest
 from autoshard.isolation import PLAIN_VALUES, cloned, isolated
 
 #: The wrapper's attribute holding the model; stripped from every captured name.
@@ -82,6 +82,22 @@ def argument_names(signature: inspect.Signature, bound: Mapping[str, Any]) -> di
         else:
             named[name] = value
     return named
+
+
+def bind_as_called(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``signature.bind(*args, **kwargs).arguments``, its refusal of a keyword the function does not take
+    named as Python names it (``got an unexpected keyword argument 'inp'``, with a "did you mean"): ``bind``
+    reports the argument it then misses first, which hides the typo."""
+    try:
+        return signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        parameters = signature.parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            takes = [name for name, p in parameters.items() if p.kind is not inspect.Parameter.POSITIONAL_ONLY]
+            for key in kwargs:
+                if key not in takes:
+                    raise TypeError(f"got an unexpected keyword argument {key!r}{suggest(key, takes)}") from None
+        raise
 
 
 def parameter_default(signature: inspect.Signature, name: str) -> Any:
