@@ -94,6 +94,16 @@ def test_dtypes_the_trace_relied_on_are_checked_on_every_call():
         result.graph_module(torch.randn(2, 3, 4), torch.ones(2, 3))
 
 
+def test_dtypes_the_trace_never_asked_about_run_as_the_model_runs_them():
+    """No question about a dtype answered, no guard: the same operations run on int32 ids as on the
+    example's int64, as the model's do (docs/concepts.md, Dtypes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    sharded = autoshard.shard_model(model, 2, (torch.randint(0, 10, (2, 3)),))
+    ids = torch.randint(0, 10, (2, 3), dtype=torch.int32)
+    assert torch.equal(sharded(ids), model(ids)) and not sharded.specializations
+
+
 class Gate(nn.Module):
     def forward(self, x):
         return x * 2 if x.sum() > 0 else x
