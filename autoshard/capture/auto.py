@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from autoshard.capture.eager import check_model_runs
+from autoshard.capture.leaves import TOP_LEVEL_NOT_WRAPPED, TopLevelCodeError
 from autoshard.capture.meta_proxy import SizeToNumber
 from autoshard.capture.result import TraceResult
 from autoshard.capture.state import ScalarStateWrite, StateWrite
@@ -101,6 +102,12 @@ def capture(
         considered = tuple(_summary(name, r) for name, r in tried.items())
         if has_examples:
             _refuse_returned_objects(model, check_model_runs(model, example_args, example_kwargs or {}), considered)
+        if len(tried) > 1 and all(isinstance(r, TopLevelCodeError) for r in tried.values()):
+            raise TraceError(  # each front end's own advice is to try the other: the way out is one
+                f"no front end could capture {type(model).__name__}: "
+                + "; ".join(f"{name}: {r.cause}" for name, r in tried.items())
+                + f". {TOP_LEVEL_NOT_WRAPPED}: move that code into a "
+                "submodule, which is then kept whole")
         hint = "" if has_examples else "; pass example inputs so the 'export' front end can be tried too"
         raise TraceError(f"no front end could capture {type(model).__name__}: {'; '.join(considered)}{hint}")
     best = _best({name: tried[name] for name in captured}, differs)

@@ -58,6 +58,21 @@ def reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}{at}"
 
 
+#: Why code in the model's own forward is not kept whole, as the leaves of its children are.
+TOP_LEVEL_NOT_WRAPPED = ("Code in the top-level forward that cannot be captured is not wrapped (the whole model "
+                         "would be one leaf)")
+
+
+class TopLevelCodeError(TraceError):
+    """Code in the model's own forward that a front end cannot capture; ``cause`` says what and where."""
+
+    def __init__(self, verb: str, model_name: str, cause: str) -> None:
+        self.cause = cause
+        super().__init__(f"cannot {verb} the top-level forward of {model_name}: {cause}. "
+                         f"{TOP_LEVEL_NOT_WRAPPED}; try the other "
+                         "front end, or move that code into a submodule")
+
+
 def module_paths(model: nn.Module) -> dict[int, str]:
     """``id(module) -> qualified name`` (the first name of a module reachable under several)."""
     return {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
@@ -176,10 +191,7 @@ class Leaves:
             self.wrapped.append(WrappedLeaf("function", function_name(site.function), reason(exc)))
             return
         if failed is self.model:
-            raise TraceError(
-                f"cannot {verb} the top-level forward of {type(self.model).__name__}: {reason(exc)}. "
-                "Code in the top-level forward that cannot be captured is not wrapped (the whole model "
-                "would be one leaf); try the other front end, or move that code into a submodule") from exc
+            raise TopLevelCodeError(verb, type(self.model).__name__, reason(exc)) from exc
         self.modules[id(failed)] = failed
         self.wrapped.append(WrappedLeaf("module", self.paths[id(failed)], reason(exc)))
 
