@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autoshard.capture.signature import forward_signature
-from autoshard.errors import AutoshardError, InvalidArgumentError, InvalidArgumentTypeError, suggest
+from autoshard.errors import AutoshardError, InvalidArgumentError, InvalidArgumentTypeError, first_few, suggest
 from autoshard.examples import EXAMPLES, Example, load_example
 
 
@@ -49,6 +49,14 @@ def _refuse_a_file_path(module_name: str, attr: str) -> None:
                       f"(package.module:factory): give {stem}:{attr}{where}")
 
 
+def _callables_defined(holder: Any, names: Sequence[str]) -> str:
+    """`` (it defines: cnn, mlp)``: what a factory could be where no name is close to the one given, the
+    functions and classes ``holder`` (a module) defines itself, not those it imports."""
+    own = [name for name in names if callable(getattr(holder, name))
+           and getattr(getattr(holder, name), "__module__", None) == getattr(holder, "__name__", "")]
+    return f" (it defines: {first_few(own, 8)})" if own else ""
+
+
 def _call_factory(target: str) -> Any:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
@@ -65,7 +73,8 @@ def _call_factory(target: str) -> Any:
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
-            close = suggest(part, (name for name in dir(factory) if not name.startswith("_")))
+            names = [name for name in dir(factory) if not name.startswith("_")]
+            close = suggest(part, names) or _callables_defined(factory, names)
             raise TargetError(f"module {module_name!r} has no attribute {attr!r}{close} (TARGET {target!r})")
         factory = getattr(factory, part)
     if not callable(factory):

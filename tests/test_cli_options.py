@@ -353,6 +353,9 @@ def test_a_misspelled_factory_is_refused_with_the_closest_name(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TargetError, match=r"has no attribute 'lama' \(did you mean 'llama'\?\)"):
         load_target("mymodels_typo:lama")
+    (tmp_path / "mymodels_far.py").write_text("import torch\nclass Net:\n    pass\ndef llama():\n    pass\n")
+    with pytest.raises(TargetError, match=r"has no attribute 'nope' \(it defines: Net, llama\)"):  # not torch
+        load_target("mymodels_far:nope")
 
 
 def test_a_flag_of_another_command_is_refused_naming_that_command(capsys):

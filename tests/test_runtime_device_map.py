@@ -144,8 +144,8 @@ def test_cuts_inside_the_models_own_forward_are_reported(model, split):
     with pytest.raises(ModuleSplitError, match=r"the model's own forward") as info:
         device_map(sharded)
     assert info.value.modules == split
-    assert "no-split" not in str(info.value)  # the top level cannot be kept whole
-    assert "split{cut-before=PATH}" in str(info.value)
+    assert "no-split" not in str(info.value) and "no_split" not in str(info.value)  # the top level cannot be kept whole
+    assert "cut_before=[PATH], split{cut-before=PATH}" in str(info.value)
 
 
 def test_a_cut_inside_a_submodule_names_it():
@@ -154,8 +154,9 @@ def test_a_cut_inside_a_submodule_names_it():
     assert split and all(name.startswith("blocks.") for name in split)
     with pytest.raises(ModuleSplitError, match=split[0]) as info:
         device_map(sharded)
+    assert f"no_split={list(split)!r}" in str(info.value)  # as a Python call takes it, and as a pipeline does
     assert f"split{{no-split={','.join(split)}}}" in str(info.value)
-    assert "cut-before" not in str(info.value)
+    assert "cut-before" not in str(info.value) and "cut_before" not in str(info.value)
 
 
 def test_stages_on_the_same_device_are_not_split():

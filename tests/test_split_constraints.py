@@ -158,7 +158,7 @@ def test_refinement_never_moves_a_node_out_of_its_range(strategy):
 
 
 @pytest.mark.parametrize(("ranges", "message"), [
-    ({"v6": 0}, "stage_ranges leave 1 node for the 2 stages 1..2"),
+    ({"v6": 0}, "the pins leave 1 node for the 2 stages 1..2"),
     ({"v2": 2, "v5": 1},
      "'v2' (pinned to stage 2) runs before 'v5' (pinned to stage 1) (it feeds it), but stages run in order"),
     ({"v2": StageRange(2, 2, "blocks.2"), "v5": StageRange(0, 1, "head")},

@@ -267,7 +267,7 @@ def stage_bounds(g: IndexedDag, constraints: Constraints, k: int) -> StageBounds
         v = _position(g, node, "stage_ranges")
         if allowed.first > k - 1:
             raise InfeasibleSplitError(
-                f"stage_ranges: {allowed.describe(node)} asks for a stage past the last one of {k} stages "
+                f"{allowed.describe(node)} asks for a stage past the last one of {k} stages "
                 f"(stage {k - 1}); pin it to a stage below {k} or ask for more stages")
         if allowed.first > earliest[v]:
             earliest[v], first_from[v] = allowed.first, v
@@ -293,13 +293,13 @@ def _check_every_stage_can_hold_a_node(g: IndexedDag, constraints: Constraints, 
     for j in range(k):
         if not np.any((first <= j) & (j <= last)):
             raise EmptyStageError(
-                f"stage_ranges leave stage {j} of {k} empty: under {pins} no node may sit there, and each stage "
+                f"the pins leave stage {j} of {k} empty: under {pins} no node may sit there, and each stage "
                 "must hold one; pin to other stages or ask for fewer stages", j, k)
         for count, first_stage, last_stage in ((late[j], j, k - 1), (early[j], 0, j)):
             stages = last_stage - first_stage + 1
             if count < stages:
                 raise EmptyStageError(
-                    f"stage_ranges leave {count} node{'' if count == 1 else 's'} for the {stages} stages "
+                    f"the pins leave {count} node{'' if count == 1 else 's'} for the {stages} stages "
                     f"{first_stage}..{last_stage}: under {pins} the rest must sit elsewhere, and each stage must hold "
                     "one; pin to other stages or ask for fewer stages", first_stage, k, last_stage, int(count))
 
@@ -342,11 +342,11 @@ def _raise_clash(g: IndexedDag, constraints: Constraints, v: int, early: int, la
     a descendant of v (or v) early."""
     first = constraints.stage_ranges[g.nodes[early]].describe(g.nodes[early])
     if late < 0:  # only an input has its last stage from no pin: inputs have no ancestors
-        raise InfeasibleSplitError(f"stage_ranges: {first} is a model input; inputs always sit in stage 0")
+        raise InfeasibleSplitError(f"{first} is a model input; inputs always sit in stage 0")
     later = constraints.stage_ranges[g.nodes[late]].describe(g.nodes[late])
     through = "" if v in (early, late) else f", through {g.nodes[v]!r}"
     raise InfeasibleSplitError(
-        f"stage_ranges contradict each other: {first} runs before {later} (it feeds it{through}), but stages "
+        f"the pins contradict each other: {first} runs before {later} (it feeds it{through}), but stages "
         "run in order; pin the later one to a stage no earlier than the first one's")
 
 

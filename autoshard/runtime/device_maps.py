@@ -155,10 +155,12 @@ def _split_message(split: tuple[str, ...]) -> str:
     children = [m for m in split if m != ROOT]
     if children:
         advice.append(f"keep {'it' if len(children) == 1 else 'them'} whole in the split "
-                      f"(pipeline option split{{no-split={','.join(children)}}})")
+                      f"(shard_model(..., no_split={children!r}), or the pipeline option "
+                      f"split{{no-split={','.join(children)}}})")
     if ROOT in split:
         advice.append("the model's own forward cannot be kept whole, so start the stages where only a "
-                      "submodule's input crosses, if the model has such points (split{cut-before=PATH})")
+                      "submodule's input crosses, if the model has such points "
+                      "(cut_before=[PATH], split{cut-before=PATH})")
     advice.append("or run the stages themselves (pipeline_stage, OffloadRunner), which carry such values")
     return (f"stage boundaries fall inside the forward of {names}: their own code would run on values "
             "from different devices, which a {module: device} map cannot express; " + "; ".join(advice))

@@ -101,7 +101,8 @@ def _warn_of_shared_buffers(sharded: ShardedModel, shared: dict[int, list[tuple[
         warnings.warn(
             f"buffers held by more than one stage ({'; '.join(mine)}): in training mode each stage's copy "
             "updates them on its own (a batch norm's running statistics), so they end up differing from the "
-            "model's; keep the module that owns them in one stage (split{no-split=...}) or in eval mode",
+            "model's; keep the module that owns them in one stage (no_split=[...] or split{no-split=...}) "
+            "or in eval mode",
             SharedBufferWarning, stacklevel=user_stacklevel())
 
 
