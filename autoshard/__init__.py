@@ -37,6 +37,7 @@ _LAZY = {
     "CheckpointTracedWarning": "autoshard.capture.meta",
     "StateNotReplayedWarning": "autoshard.verify",
     "GraphInBufferWarning": "autoshard.verify",
+    "UncheckedGradientsWarning": "autoshard.verify",
     "StalePlanWarning": "autoshard.plan_format.fits",
     "UnmeasuredMemoryWarning": "autoshard.plan_format.fits",
     "SharedBufferWarning": "autoshard.runtime.stage",

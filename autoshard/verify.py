@@ -229,7 +229,12 @@ def gradient_difference(model: nn.Module, run: Callable[[tuple[tuple[Any, ...], 
                    (args, kwargs))
     try:
         expected = _gradients(model, lambda: model(*cloned(own[0]), **cloned(own[1])), seed)
-    except Exception:  # noqa: BLE001 - the model's own backward fails here (a hook given no input gradient)
+    except Exception as exc:  # noqa: BLE001 - the model's own backward fails (autograd's in-place check)
+        warnings.warn(
+            f"the model's own backward raises on the example ({type(exc).__name__}: {str(exc).splitlines()[0]}), "
+            "so the stages' gradients were not compared with it, and they may train where the model cannot: "
+            "mend the model's backward before training the stages", UncheckedGradientsWarning,
+            stacklevel=user_stacklevel())
         return False, None
     try:
         actual = _gradients(model, lambda: run(own), seed)
@@ -494,6 +499,10 @@ def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
             "the one before, so what every call's graph saved is never freed (memory grows with every call, in "
             "the model as in the stages, beyond what a plan predicts for one step); write a detached value "
             "(buf.copy_(h.detach())) or under torch.no_grad()", GraphInBufferWarning, stacklevel=user_stacklevel())
+
+
+class UncheckedGradientsWarning(UserWarning):
+    """The model's own backward raised on the example, so the stages' gradients were not compared."""
 
 
 class GraphInBufferWarning(UserWarning):

@@ -587,6 +587,31 @@ def test_comparing_gradients_changes_no_grad_of_the_weights_or_the_example():
     assert x.grad is None and model.a.weight.grad is None and torch.equal(model.b.weight.grad, torch.ones(8, 8))
 
 
+class _WritesWhatItSaved(nn.Module):
+    """Writes in place to what sigmoid saved for its backward: the model's own backward raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.a(x))
+        h.mul_(2)
+        return self.b(h)
+
+
+def test_a_model_whose_own_backward_raises_is_sharded_with_a_warning_that_gradients_went_unchecked():
+    """The comparison was skipped without a word: the stages' gradients stood unchecked (memory probe)."""
+    torch.manual_seed(0)
+    model, x = _WritesWhatItSaved(), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    with pytest.warns(autoshard.UncheckedGradientsWarning, match=r"the model's own backward raises on the example "
+                                                                 r"\(RuntimeError: one of the variables"):
+        sharded = autoshard.shard_model(model, 2, (x,))
+    assert torch.equal(sharded(x), model(x))
+
+
 class _NanAndSparse(nn.Module):
     """A sparse embedding's gradient, and one that is nan (0 * inf): both compared, neither refused."""
 

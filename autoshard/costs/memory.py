@@ -302,11 +302,14 @@ def node_state_bytes(
     """
     infos = dag.graph["weights"]
     shares = model.storage_shares(infos.values())
+    # given a gradient by the whole model's backward: a stage's may give more (a zero one for what it sends)
+    trained = trained_weights(dag, list(dag.nodes), ())
 
     def held(info: Weight) -> float:
         weight, gradient, optimizer = model.weight_parts(info)
         return min(weight, shares.get(id(info), weight)) + optimizer + (gradient if gradients else 0.0)
-    return {node: sum(held(infos[w]) for w in paid) for node, paid in weight_payers(dag, apart, assignment).items()}
+    return {node: sum(held(info) for info in _as_trained(infos, paid, trained))
+            for node, paid in weight_payers(dag, apart, assignment).items()}
 
 
 def node_memory(
@@ -458,6 +461,36 @@ def _trainable_weights(dag: nx.DiGraph, node: str) -> dict[str, float]:
     given = None if facts is None else facts.weight_grads
     return {w: float(infos[w].nbytes) for w in dag.nodes[node].get("weights", ())
             if w in infos and infos[w].trainable and (given is None or w in given)}
+
+
+def trained_weights(dag: nx.DiGraph, nodes: Sequence[str], sent: Sequence[str]) -> set[str] | None:
+    """The weights that ``nodes`` (a stage, in program order) give a gradient in a backward from the values
+    they send (``sent``: what a pipeline sends a gradient back for, a zero one where nothing read it) and
+    the model's outputs: walking back from those through the inputs each node's backward gives a gradient,
+    those of the reached nodes that the probe saw get one (``_trainable_weights``). A weight read under
+    ``torch.no_grad`` or only by a node no gradient reaches (its result dropped, or detached in this stage)
+    gets none, nor ``torch.optim`` state (a frozen teacher's stage was charged both: 1.2x-1.7x). A node
+    writing in place is reached where what it wrote into is (as ``_backward_peak`` walks). None where a
+    node was not probed (every weight counts)."""
+    reached = {v for v in sent if _grad(dag, v) > 0}
+    trained: set[str] = set()
+    for node in reversed(nodes):
+        data, facts = dag.nodes[node], _training(dag, node)
+        if data.get("input"):
+            continue
+        if facts is None:
+            return None
+        wrote_reached = any(v in reached for u in facts.writes for v in _aliases(dag, u))
+        if node in reached or (data.get("output") and facts.grad) or wrote_reached:
+            reached.update(u for u, _ in _gradients_to(dag, node))
+            trained.update(_trainable_weights(dag, node))
+    return trained
+
+
+def _as_trained(infos: Mapping[str, Weight], names: Sequence[str], trained: AbstractSet[str] | None) -> list[Weight]:
+    """The weights ``names`` as a stage trains them: one ``trained`` leaves out not trainable."""
+    return [infos[w] if trained is None or w in trained or not infos[w].trainable
+            else dataclasses.replace(infos[w], trainable=False) for w in names]
 
 
 def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[str],
@@ -844,16 +877,17 @@ def stage_memory(
     for j, nodes in enumerate(_nodes_by_stage(assignment, k)):
         if stages is not None and j not in stages:
             continue
-        held = [infos[w] for node in nodes for w in payers[node]]
-        parts = [model.weight_parts(info) for info in held]
-        weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
-        weights += model.storage_bytes(held)
         if j == 0:
             received = sum(_scaled(dag, v, scale) for v in nodes if dag.nodes[v].get("input"))
         else:
             received = sum(_scaled(dag, v, scale) for v in crossing[j - 1])
         stage_dag = _as_received(dag, nodes, set(crossing[j - 1])) if j else dag
         outgoing = crossing[j] if j < k - 1 else outputs
+        held = _as_trained(infos, [w for node in nodes for w in payers[node]],
+                           trained_weights(stage_dag, nodes, outgoing))
+        parts = [model.weight_parts(info) for info in held]
+        weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
+        weights += model.storage_bytes(held)
         made_here = [v for v in outgoing if assignment[v] == j]
         output_grads = sum(_grad(stage_dag, v) for v in outgoing)
         through = [v for v in outgoing if assignment[v] < j]  # passed on as received

@@ -841,6 +841,7 @@ class TrainingProbe:
         outputs = _tensors(value)
         # a weight the node returns as it is (``w.float()`` of an fp32 one) gets a gradient too
         grad = sum(t.numel() * t.element_size() for t in outputs if t.requires_grad)
+        returned = {id(t) for t in outputs if t.requires_grad and t.grad_fn is None}
         unread, items = _reached(call.node, value)
         items = items if items is None or len(outputs) == len(value) else None  # (a sparse item has parts)
         reached = [not unread and (items is None or i in items) for i in range(len(outputs))]
@@ -889,6 +890,9 @@ class TrainingProbe:
         except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
             self.unprobed.append(call.node.name)
             backward, input_grads, weight_grads, reusable = 0, None, None, False
+        if returned and weight_grads is not None:  # its gradient is the one its readers give it
+            candidates = self.weight_leaves(call.node, arguments, real)
+            weight_grads = tuple(p for p, t in enumerate(candidates) if p in weight_grads or id(t) in returned)
         leaves, spec = tree_flatten(value)  # (before they are detached: a view's base is read)
         outputs, storages, replayable = _output_leaves(leaves, position, new, lambda t: self.original(_storage(t)))
         value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)

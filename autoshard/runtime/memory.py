@@ -204,9 +204,17 @@ def measure_stage_memory(
         args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
         step = _Step(optimizer.lower(), master_weights, foreach, *_tie_sums(plan, stage, k // run.stages_per_rank))
-        peak, parts, resident, after = _run_in_steady_state(module, device, args, kwargs, in_flight, step,
-                                                            _Buffers(stage > 0, stage < k - 1, buffered),
-                                                            _Backwards.of(run, stage, k))
+        try:
+            peak, parts, resident, after = _run_in_steady_state(module, device, args, kwargs, in_flight, step,
+                                                                _Buffers(stage > 0, stage < k - 1, buffered),
+                                                                _Backwards.of(run, stage, k))
+        except NotImplementedError as exc:
+            if "Sparse" not in str(exc):
+                raise
+            raise InvalidArgumentError(
+                f"measure_stage_memory cannot measure stage {stage}: it makes sparse tensors (a sparse gradient: "
+                "nn.Embedding(sparse=True)), whose storages torch's MemTracker cannot read; the memory model "
+                "counts such a gradient as a dense one of its weight's size") from exc
     return StageMemoryMeasurement(
         stage, schedule.lower(), optimizer.lower(), in_flight, peak, parts, resident, str(device),
         "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor storages (MemTracker)",
@@ -346,12 +354,13 @@ def _run_in_steady_state(
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
     received = [fresh_copy((args, kwargs), buffers.receives) for _ in range(buffers.microbatches)]
-    waiting = _gradient_buffers(module, received[0], buffers.microbatches if buffers.sends else 0)
+    # (on a copy of its own: a stage may write in place to what it received)
+    waiting, trainable = _first_step(module, fresh_copy((args, kwargs), buffers.receives),
+                                     buffers.microbatches if buffers.sends else 0)
     if cuda:  # the peak from here on, the buffers included as they are held
         gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
     for p in trainable:  # ``zero_grad`` freed them, or they accumulate from an earlier microbatch
         p.grad = None if backwards.made else torch.zeros_like(p)
     optimizers = step.optimizers(trainable)
@@ -446,16 +455,21 @@ def _take_workspaces(device: torch.device) -> None:
         (a @ a).sum().backward()
 
 
-def _gradient_buffers(module: nn.Module, microbatch: tuple[tuple, dict], count: int) -> list[list[torch.Tensor]]:
-    """``count`` receive buffers for the gradients of what the stage sends, shaped by one forward run
-    before the measurement: a ``PipelineStage`` allocates them before its first step, so they are
-    there during the forwards too."""
-    if not count:
-        return []
-    caller = _Untouched(module, sends=True)
+def _first_step(module: nn.Module, microbatch: tuple[tuple, dict],
+                count: int) -> tuple[list[list[torch.Tensor]], list[nn.Parameter]]:
+    """One forward and backward before the measurement, as the steps before the steady state ran: the
+    ``count`` receive buffers for the gradients of what the stage sends (a ``PipelineStage`` allocates
+    them before its first step, so they are there during the forwards too), and the trainable weights
+    the backward gives a gradient, the only ones ``torch.optim`` keeps state for (not a weight read
+    under ``torch.no_grad`` or before a ``detach``). Nothing keeps a gradient of it."""
+    caller = _Untouched(module, sends=count > 0)
     caller.microbatch = microbatch
     sent = [t for t in tensors_in(caller()) if t.requires_grad]
-    return [[torch.ones_like(t) for t in sent] for _ in range(count)]
+    trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
+    grads = torch.autograd.grad(sent, trainable, [torch.ones_like(t) for t in sent],
+                                allow_unused=True) if sent and trainable else ()
+    given = [p for p, grad in zip(trainable, grads) if grad is not None]
+    return [[torch.ones_like(t) for t in sent] for _ in range(count)], given
 
 
 def _parts(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device,
