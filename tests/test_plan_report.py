@@ -286,6 +286,15 @@ class _WidthBranch(nn.Module):
         return y * 2 if y.shape[-1] > 10 else y
 
 
+class _DictOfTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.a, self.b = nn.Embedding(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.b(self.a(self.embed(batch["ids"]) + batch["x"]))
+
+
 def test_the_report_says_what_inputs_the_plan_serves():
     """The input guard's checks, its conditions over the inputs' sizes in arithmetic as one writes it
     (sympy's ``(-4) + x.shape[3]`` reads ``x.shape[3] - 4``), in the tables and the data."""
@@ -296,4 +305,8 @@ def test_the_report_says_what_inputs_the_plan_serves():
     assert " ".join(str(report).split()).endswith(f"inputs served: {report.inputs}")  # (wrapped to the width)
     plain = autoshard.shard_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2, (torch.randn(2, 4),))
     assert autoshard.plan_report(plain).inputs is None  # no guard: nothing said
+    # a container's tensors with the dtypes its layout checks, as a lone tensor's (it gave their names alone)
+    batch = {"ids": torch.tensor([[1, 2]]), "x": torch.randn(1, 2, 4)}
+    held = autoshard.shard_model(_DictOfTwo(), 2, (batch,))
+    assert held.served_inputs() == "batch['ids']: int64, batch['x']: float32"
     assert "inputs served" not in str(autoshard.plan_report(plain))

@@ -84,8 +84,8 @@ class InputGuard:
                 parts.append(f"{name}={brief(self.snapshots.get(name, self.constants[name]))}")
             elif name in self.structures:
                 structure = self.structures[name]
-                parts += [self._tensor(name + path) if isinstance(leaf, torch.dtype) else f"{name}{path}={brief(leaf)}"
-                          for path, leaf in zip(structure.paths, structure.leaves)]
+                parts += [self._tensor(name + path, leaf) if isinstance(leaf, torch.dtype)
+                          else f"{name}{path}={brief(leaf)}" for path, leaf in zip(structure.paths, structure.leaves)]
             else:
                 parts.append(self._tensor(name))
         conditions = [_shown(c) for c in (*self.conditions, *self.checked_early)]
@@ -110,8 +110,11 @@ class InputGuard:
         """Pickled and copied without ``accept``, which is code: written again where it is called."""
         return {name: value for name, value in self.__dict__.items() if name != "accept"}
 
-    def _tensor(self, name: str) -> str:
-        text = f"{name}: {str(self.dtypes[name]).removeprefix('torch.')}" if name in self.dtypes else name
+    def _tensor(self, name: str, dtype: torch.dtype | None = None) -> str:
+        """``name: float32 of shape (any, 8)``: a tensor argument (or a container's, whose dtype its layout
+        holds and checks) as the guard checks it."""
+        dtype = self.dtypes.get(name, dtype)
+        text = f"{name}: {str(dtype).removeprefix('torch.')}" if dtype is not None else name
         if name in self.shapes:
             text += f" of shape ({', '.join(d.describe() for d in self.shapes[name])})"
         if self.layouts.get(name, _PLAIN_LAYOUT) != _PLAIN_LAYOUT:  # (said where it is not the usual one)
