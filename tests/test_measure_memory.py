@@ -187,6 +187,43 @@ def test_weights_no_backward_reaches_hold_no_gradient_nor_optimizer_state(optimi
     assert {name.split(".")[0] for name, p in model.named_parameters() if p.grad is None} == {"teacher", "dropped"}
 
 
+class TiedReadWithoutGradient(nn.Module):
+    """An embedding tied to a head the last stage reads under torch.no_grad: that stage's backward gives
+    the tied weight no gradient, yet ``TiedGradients.sync`` writes the summed one into every holder, and
+    torch.optim keeps state for it there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.a, self.b = nn.Embedding(64, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.b(torch.relu(self.a(self.emb(ids))))
+        with torch.no_grad():
+            ref = self.head(h)
+        return h.sum(-1, keepdim=True) * ref.softmax(-1)
+
+
+def test_a_tied_weight_one_holder_reads_without_gradient_gets_the_summed_one_there():
+    """Counted as given no gradient, the no_grad holder's stage was predicted 12 kB (grads + Adam) short of
+    a 2-process gloo run's weight state (review of the trained-weights walk)."""
+    torch.manual_seed(0)
+    model, ids = TiedReadWithoutGradient(), torch.randint(0, 64, (4, 6))
+    sharded = autoshard.shard_model(model, 2, example_inputs=(ids,), cut_before=["b"],
+                                    memory_model=autoshard.MemoryModel(microbatches=2, optimizer="adam"))
+    memory = autoshard.plan_report(sharded).stages[1].memory
+    tied = 64 * 16 * F32
+    assert memory.gradient_bytes == tied + linear_bytes(16, 16)
+    assert memory.optimizer_bytes == 2 * memory.gradient_bytes
+    kept = measure_stage_memory(sharded, 1, (ids,), keep_gradients=True)
+    assert kept.resident["gradients"] == memory.gradient_bytes
+    assert kept.resident["optimizer"] == memory.optimizer_bytes
+    measured = measure_stage_memory(sharded, 1, (ids,))  # zero_grad: the tie's gradient is there from the sync on
+    assert measured.after_backward["gradients"] + measured.after_backward["temporaries"] >= tied
+    assert measured.peak <= memory.total <= 1.1 * measured.peak
+
+
 def test_the_model_is_left_as_it_was():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 8)).train()

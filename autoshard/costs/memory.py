@@ -303,7 +303,7 @@ def node_state_bytes(
     infos = dag.graph["weights"]
     shares = model.storage_shares(infos.values())
     # given a gradient by the whole model's backward: a stage's may give more (a zero one for what it sends)
-    trained = trained_weights(dag, list(dag.nodes), ())
+    trained = trained_weights(dag, list(dag.nodes), (), unprobed_as_read=True)
 
     def held(info: Weight) -> float:
         weight, gradient, optimizer = model.weight_parts(info)
@@ -463,7 +463,8 @@ def _trainable_weights(dag: nx.DiGraph, node: str) -> dict[str, float]:
             if w in infos and infos[w].trainable and (given is None or w in given)}
 
 
-def trained_weights(dag: nx.DiGraph, nodes: Sequence[str], sent: Sequence[str]) -> set[str] | None:
+def trained_weights(dag: nx.DiGraph, nodes: Sequence[str], sent: Sequence[str],
+                    unprobed_as_read: bool = False) -> set[str] | None:
     """The weights that ``nodes`` (a stage, in program order) give a gradient in a backward from the values
     they send (``sent``: what a pipeline sends a gradient back for, a zero one where nothing read it) and
     the model's outputs: walking back from those through the inputs each node's backward gives a gradient,
@@ -471,17 +472,20 @@ def trained_weights(dag: nx.DiGraph, nodes: Sequence[str], sent: Sequence[str]) 
     ``torch.no_grad`` or only by a node no gradient reaches (its result dropped, or detached in this stage)
     gets none, nor ``torch.optim`` state (a frozen teacher's stage was charged both: 1.2x-1.7x). A node
     writing in place is reached where what it wrote into is (as ``_backward_peak`` walks). None where a
-    node was not probed (every weight counts)."""
+    node was not probed (every weight counts), unless ``unprobed_as_read``: then such a node is reached as one
+    writing nothing in place, and gives every input and weight a gradient (a floor's walk: a set no larger than
+    any stage's own walk gives, so that a stage of probed nodes is not charged more than it holds)."""
     reached = {v for v in sent if _grad(dag, v) > 0}
     trained: set[str] = set()
     for node in reversed(nodes):
         data, facts = dag.nodes[node], _training(dag, node)
         if data.get("input"):
             continue
-        if facts is None:
+        if facts is None and not unprobed_as_read:
             return None
-        wrote_reached = any(v in reached for u in facts.writes for v in _aliases(dag, u))
-        if node in reached or (data.get("output") and facts.grad) or wrote_reached:
+        writes = facts.writes if facts is not None else ()
+        wrote_reached = any(v in reached for u in writes for v in _aliases(dag, u))
+        if node in reached or (data.get("output") and (facts is None or facts.grad)) or wrote_reached:
             reached.update(u for u, _ in _gradients_to(dag, node))
             trained.update(_trainable_weights(dag, node))
     return trained
@@ -873,6 +877,7 @@ def stage_memory(
     crossing = boundary_values(dag, assignment, k)
     outputs = [v for v in dag.nodes if v in assignment and dag.nodes[v].get("output")]
     tie_sum = tie_sum_bytes(infos, payers, assignment, k, model)
+    tied = _held_by_stages(payers, assignment)
     out = []
     for j, nodes in enumerate(_nodes_by_stage(assignment, k)):
         if stages is not None and j not in stages:
@@ -883,8 +888,11 @@ def stage_memory(
             received = sum(_scaled(dag, v, scale) for v in crossing[j - 1])
         stage_dag = _as_received(dag, nodes, set(crossing[j - 1])) if j else dag
         outgoing = crossing[j] if j < k - 1 else outputs
+        trained = trained_weights(stage_dag, nodes, outgoing)
+        # ``TiedGradients.sync`` writes the summed gradient into every holder of a weight several stages
+        # hold, whether this stage's backward gave it one or not (read under torch.no_grad here): it has one
         held = _as_trained(infos, [w for node in nodes for w in payers[node]],
-                           trained_weights(stage_dag, nodes, outgoing))
+                           None if trained is None else trained | tied)
         parts = [model.weight_parts(info) for info in held]
         weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
         weights += model.storage_bytes(held)
@@ -947,6 +955,15 @@ def stage_memory(
             first_backward_bytes=first_backward, later_backward_bytes=later,
             sent_back_bytes=sent_back if model.refills(j, k) else 0.0, warmup_send_bytes=warmup_send))
     return out
+
+
+def _held_by_stages(payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int]) -> set[str]:
+    """The weights two stages or more hold (``payers`` charged per stage): tied across stages."""
+    holders: dict[str, set[int]] = {}
+    for node, paid in payers.items():
+        for w in paid:
+            holders.setdefault(w, set()).add(assignment[node])
+    return {w for w, stages in holders.items() if len(stages) > 1}
 
 
 def tie_sum_bytes(infos: Mapping[str, Weight], payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int],

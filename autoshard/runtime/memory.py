@@ -203,7 +203,8 @@ def measure_stage_memory(
         module = plan.stages[stage]
         args, kwargs = stage_inputs(plan, stage, example_inputs, example_kwargs)
         device = running_device(module, (args, kwargs))
-        step = _Step(optimizer.lower(), master_weights, foreach, *_tie_sums(plan, stage, k // run.stages_per_rank))
+        step = _Step(optimizer.lower(), master_weights, foreach, *_tie_sums(plan, stage, k // run.stages_per_rank),
+                     _tied(plan, stage))
         try:
             peak, parts, resident, after = _run_in_steady_state(module, device, args, kwargs, in_flight, step,
                                                                 _Buffers(stage > 0, stage < k - 1, buffered),
@@ -239,6 +240,15 @@ def _tie_sums(plan: ShardedModel, stage: int, ranks: int) -> tuple[
     return across, tuple(alone)
 
 
+def _tied(plan: ShardedModel, stage: int) -> tuple[nn.Parameter, ...]:
+    """The weights of ``stage`` that other stages hold too: ``TiedGradients.sync`` writes their summed
+    gradient into every holder, whether the stage's backward gave it one or not."""
+    module = plan.stages[stage]
+    held = (module.get_parameter(name) for shared in shared_parameters(plan) for s, name in shared.holders
+            if s == stage)
+    return tuple({id(p): p for p in held}.values())
+
+
 @dataclass(frozen=True)
 class _Step:
     """How the step after the last backward runs: the optimizer's name, its master copies, whether it
@@ -250,6 +260,7 @@ class _Step:
     foreach: bool | None
     tie_sum: Mapping[int, tuple[torch.dtype, tuple[int, ...]]]
     ties_alone: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
+    tied: tuple[nn.Parameter, ...] = ()
 
     def sum_ties(self, device: torch.device) -> None:
         """Make and free what ``TiedGradients.sync`` does: the flat buffers of the ties across ranks,
@@ -257,6 +268,9 @@ class _Step:
         flats = summing_buffers(self.tie_sum, device)
         for dtype, shape in self.ties_alone:
             torch.zeros(shape, dtype=dtype, device=device)  # freed at once, as sync's ``total`` is at the next
+        for p in self.tied:  # a tie this stage's backward gave no gradient: sync writes the sum into it
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         del flats
 
     def optimizers(self, params: list[nn.Parameter]) -> StandIns:
@@ -356,7 +370,7 @@ def _run_in_steady_state(
     received = [fresh_copy((args, kwargs), buffers.receives) for _ in range(buffers.microbatches)]
     # (on a copy of its own: a stage may write in place to what it received)
     waiting, trainable = _first_step(module, fresh_copy((args, kwargs), buffers.receives),
-                                     buffers.microbatches if buffers.sends else 0)
+                                     buffers.microbatches if buffers.sends else 0, step.tied)
     if cuda:  # the peak from here on, the buffers included as they are held
         gc.collect()
         torch.cuda.synchronize(device)
@@ -455,20 +469,22 @@ def _take_workspaces(device: torch.device) -> None:
         (a @ a).sum().backward()
 
 
-def _first_step(module: nn.Module, microbatch: tuple[tuple, dict],
-                count: int) -> tuple[list[list[torch.Tensor]], list[nn.Parameter]]:
+def _first_step(module: nn.Module, microbatch: tuple[tuple, dict], count: int,
+                tied: Sequence[nn.Parameter] = ()) -> tuple[list[list[torch.Tensor]], list[nn.Parameter]]:
     """One forward and backward before the measurement, as the steps before the steady state ran: the
     ``count`` receive buffers for the gradients of what the stage sends (a ``PipelineStage`` allocates
     them before its first step, so they are there during the forwards too), and the trainable weights
     the backward gives a gradient, the only ones ``torch.optim`` keeps state for (not a weight read
-    under ``torch.no_grad`` or before a ``detach``). Nothing keeps a gradient of it."""
+    under ``torch.no_grad`` or before a ``detach``), and those of ``tied``, into which ``TiedGradients.sync``
+    writes one. Nothing keeps a gradient of it."""
     caller = _Untouched(module, sends=count > 0)
     caller.microbatch = microbatch
     sent = [t for t in tensors_in(caller()) if t.requires_grad]
     trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
     grads = torch.autograd.grad(sent, trainable, [torch.ones_like(t) for t in sent],
                                 allow_unused=True) if sent and trainable else ()
-    given = [p for p, grad in zip(trainable, grads) if grad is not None]
+    synced = {id(p) for p in tied}
+    given = [p for p, grad in zip(trainable, grads) if grad is not None or id(p) in synced]
     return [[torch.ones_like(t) for t in sent] for _ in range(count)], given
 
 
