@@ -877,7 +877,7 @@ def stage_memory(
     crossing = boundary_values(dag, assignment, k)
     outputs = [v for v in dag.nodes if v in assignment and dag.nodes[v].get("output")]
     tie_sum = tie_sum_bytes(infos, payers, assignment, k, model)
-    tied = _held_by_stages(payers, assignment)
+    tied = {w for w, stages in _holders(payers, assignment).items() if len(stages) > 1}
     out = []
     for j, nodes in enumerate(_nodes_by_stage(assignment, k)):
         if stages is not None and j not in stages:
@@ -957,13 +957,13 @@ def stage_memory(
     return out
 
 
-def _held_by_stages(payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int]) -> set[str]:
-    """The weights two stages or more hold (``payers`` charged per stage): tied across stages."""
+def _holders(payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int]) -> dict[str, set[int]]:
+    """Each weight's stages (``payers`` charges it once per stage holding it)."""
     holders: dict[str, set[int]] = {}
     for node, paid in payers.items():
         for w in paid:
             holders.setdefault(w, set()).add(assignment[node])
-    return {w for w, stages in holders.items() if len(stages) > 1}
+    return holders
 
 
 def tie_sum_bytes(infos: Mapping[str, Weight], payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int],
@@ -973,12 +973,8 @@ def tie_sum_bytes(infos: Mapping[str, Weight], payers: Mapping[str, Sequence[str
     makes it, holder or not, for one all-reduce), and the largest held by several stages of one
     rank alone (summed one at a time); a rank's part of each under FSDP."""
     ranks = num_stages // model.stages_per_rank
-    holders: dict[str, set[int]] = {}
-    for node, paid in payers.items():
-        for w in paid:
-            holders.setdefault(w, set()).add(assignment[node])
     across, one_rank = 0.0, [0.0] * ranks
-    for w, stages in holders.items():
+    for w, stages in _holders(payers, assignment).items():
         if len(stages) < 2 or not infos[w].trainable:
             continue
         part = infos[w].nbytes / (model.shards if is_parameter(infos[w]) else 1)
