@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_r
 import autoshard
 from autoshard.capture.guard import check_autocast
 from autoshard.capture.held_state import checked_modules
-from autoshard.costs.memory import stage_memory, tie_sum_bytes
+from autoshard.costs.memory import stage_memory, tie_sum_bytes, weight_holders
 from autoshard.costs.memory_model import OPTIMIZER_BYTES, MemoryModel, interleaved_in_flight
 from autoshard.costs.trackers import QuietMemTracker
 from autoshard.examples import load_example
@@ -154,11 +154,11 @@ def test_the_tied_gradient_sum_is_made_on_every_rank_first_stage():
     every rank; a weight held by two stages of one rank alone, summed on that rank (interleaved)."""
     infos = {"e": _Weight(100, 4), "f": _Weight(10, 4, trainable=False), "g": _Weight(30, 4)}
     payers = {"a": ("e",), "b": ("e", "f"), "c": ("g",), "d": ("g",), "z": ("f",)}
-    assignment = {"a": 0, "b": 3, "c": 0, "d": 2, "z": 1}
-    assert tie_sum_bytes(infos, payers, assignment, 4, MemoryModel()) == [520] * 4
+    holders = weight_holders(payers, {"a": 0, "b": 3, "c": 0, "d": 2, "z": 1})
+    assert tie_sum_bytes(infos, holders, 4, MemoryModel()) == [520] * 4
     interleaved = MemoryModel(schedule="interleaved-1f1b", stages_per_rank=2)  # stage s on rank s % 2
-    assert tie_sum_bytes(infos, payers, assignment, 4, interleaved) == [400 + 120, 400, 0, 0]
-    assert tie_sum_bytes(infos, payers, assignment, 4, MemoryModel(data_parallel="fsdp", dp=2)) == [260] * 4
+    assert tie_sum_bytes(infos, holders, 4, interleaved) == [400 + 120, 400, 0, 0]
+    assert tie_sum_bytes(infos, holders, 4, MemoryModel(data_parallel="fsdp", dp=2)) == [260] * 4
 
 
 def test_ties_held_on_one_rank_alone_are_summed_one_at_a_time():
@@ -169,7 +169,7 @@ def test_ties_held_on_one_rank_alone_are_summed_one_at_a_time():
     payers = {"a": ("h", "i"), "b": ("e",), "c": ("h", "i"), "d": ("e",)}
     assignment = {"a": 1, "b": 0, "c": 3, "d": 1}  # h and i on stages 1 and 3: rank 1 alone; e on both ranks
     interleaved = MemoryModel(schedule="interleaved-1f1b", stages_per_rank=2)
-    assert tie_sum_bytes(infos, payers, assignment, 4, interleaved) == [400, 400 + 20 * 4, 0, 0]
+    assert tie_sum_bytes(infos, weight_holders(payers, assignment), 4, interleaved) == [400, 400 + 20 * 4, 0, 0]
 
 
 def test_fsdp_steps_after_its_reduction_freed_the_unsharded_copies():

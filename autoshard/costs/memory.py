@@ -300,16 +300,14 @@ def node_state_bytes(
 
     Which reader of a shared weight is charged follows ``costs.ties.weight_payers``.
     """
-    infos = dag.graph["weights"]
-    shares = model.storage_shares(infos.values())
     # given a gradient by the whole model's backward: a stage's may give more (a zero one for what it sends)
-    trained = trained_weights(dag, list(dag.nodes), (), unprobed_as_read=True)
+    infos = _as_trained(dag.graph["weights"], trained_weights(dag, list(dag.nodes), (), unprobed_as_read=True))
+    shares = model.storage_shares(infos.values())
 
     def held(info: Weight) -> float:
         weight, gradient, optimizer = model.weight_parts(info)
         return min(weight, shares.get(id(info), weight)) + optimizer + (gradient if gradients else 0.0)
-    return {node: sum(held(info) for info in _as_trained(infos, paid, trained))
-            for node, paid in weight_payers(dag, apart, assignment).items()}
+    return {node: sum(held(infos[w]) for w in paid) for node, paid in weight_payers(dag, apart, assignment).items()}
 
 
 def node_memory(
@@ -491,10 +489,14 @@ def trained_weights(dag: nx.DiGraph, nodes: Sequence[str], sent: Sequence[str],
     return trained
 
 
-def _as_trained(infos: Mapping[str, Weight], names: Sequence[str], trained: AbstractSet[str] | None) -> list[Weight]:
-    """The weights ``names`` as a stage trains them: one ``trained`` leaves out not trainable."""
-    return [infos[w] if trained is None or w in trained or not infos[w].trainable
-            else dataclasses.replace(infos[w], trainable=False) for w in names]
+def _as_trained(infos: Mapping[str, Weight], trained: AbstractSet[str] | None) -> Mapping[str, Weight]:
+    """``infos`` as a stage (or the model) trains them: a trainable weight ``trained`` leaves out marked not
+    trainable, one object a name, so that what looks weights up by identity (storage shares, the model's
+    order) finds it; ``infos`` itself where ``trained`` is None."""
+    if trained is None:
+        return infos
+    return {w: info if w in trained or not info.trainable else dataclasses.replace(info, trainable=False)
+            for w, info in infos.items()}
 
 
 def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[str],
@@ -876,8 +878,9 @@ def stage_memory(
     payers = weight_payers(dag, assignment=assignment)
     crossing = boundary_values(dag, assignment, k)
     outputs = [v for v in dag.nodes if v in assignment and dag.nodes[v].get("output")]
-    tie_sum = tie_sum_bytes(infos, payers, assignment, k, model)
-    tied = {w for w, stages in _holders(payers, assignment).items() if len(stages) > 1}
+    holders = weight_holders(payers, assignment)
+    tie_sum = tie_sum_bytes(infos, holders, k, model)
+    tied = {w for w, stages in holders.items() if len(stages) > 1}
     out = []
     for j, nodes in enumerate(_nodes_by_stage(assignment, k)):
         if stages is not None and j not in stages:
@@ -891,8 +894,9 @@ def stage_memory(
         trained = trained_weights(stage_dag, nodes, outgoing)
         # ``TiedGradients.sync`` writes the summed gradient into every holder of a weight several stages
         # hold, whether this stage's backward gave it one or not (read under torch.no_grad here): it has one
-        held = _as_trained(infos, [w for node in nodes for w in payers[node]],
-                           None if trained is None else trained | tied)
+        stage_infos = _as_trained(infos, None if trained is None else trained | tied)
+        names = [w for node in nodes for w in payers[node]]
+        held = [stage_infos[w] for w in names]
         parts = [model.weight_parts(info) for info in held]
         weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
         weights += model.storage_bytes(held)
@@ -949,15 +953,15 @@ def stage_memory(
             forward_bytes=forward + gradient_buffer,  # the buffer the next backward starts from exists already
             weight_bytes=weights, gradient_bytes=grads,
             gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
-            reduce_bytes=model.reduce_bytes(_units(infos, [w for node in nodes for w in payers[node]])),
+            reduce_bytes=model.reduce_bytes(_units(stage_infos, names)),
             step_bytes=max(0.0, model.reduced_bytes(held)
-                           + max(tie_sum[j], model.step_bytes(_in_model_order(infos, held)))),
+                           + max(tie_sum[j], model.step_bytes(_in_model_order(stage_infos, held)))),
             first_backward_bytes=first_backward, later_backward_bytes=later,
             sent_back_bytes=sent_back if model.refills(j, k) else 0.0, warmup_send_bytes=warmup_send))
     return out
 
 
-def _holders(payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int]) -> dict[str, set[int]]:
+def weight_holders(payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int]) -> dict[str, set[int]]:
     """Each weight's stages (``payers`` charges it once per stage holding it)."""
     holders: dict[str, set[int]] = {}
     for node, paid in payers.items():
@@ -966,15 +970,16 @@ def _holders(payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int])
     return holders
 
 
-def tie_sum_bytes(infos: Mapping[str, Weight], payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int],
-                  num_stages: int, model: MemoryModel) -> list[float]:
+def tie_sum_bytes(infos: Mapping[str, Weight], holders: Mapping[str, AbstractSet[int]], num_stages: int,
+                  model: MemoryModel) -> list[float]:
     """Per stage, the buffer ``TiedGradients.sync`` sums tied gradients in, counted on each rank's
     first stage: one flat buffer of every trainable weight held on two ranks or more (every rank
     makes it, holder or not, for one all-reduce), and the largest held by several stages of one
-    rank alone (summed one at a time); a rank's part of each under FSDP."""
+    rank alone (summed one at a time); a rank's part of each under FSDP. ``holders``: each weight's
+    stages (``weight_holders``)."""
     ranks = num_stages // model.stages_per_rank
     across, one_rank = 0.0, [0.0] * ranks
-    for w, stages in _holders(payers, assignment).items():
+    for w, stages in holders.items():
         if len(stages) < 2 or not infos[w].trainable:
             continue
         part = infos[w].nbytes / (model.shards if is_parameter(infos[w]) else 1)
