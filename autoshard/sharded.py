@@ -335,10 +335,11 @@ class StateAtCapture:
                    if not same_constant(read.contents, theirs.get((id(read.holder), read.name), read.contents))]
         return tuple(f"{self._where(read.holder, read.name)}={read.contents!r}" for read in changed) + hooks
 
-    def reads_now(self) -> tuple[list[Read], list[Any]]:
+    def reads_now(self, traced: bool = False) -> tuple[list[Read], list[Any]]:
         """What a passing check reads, and what it finds there now: the modes, each attribute where it
         is held (its holder's ``__dict__``; else that it is not there, and its class's value), and the
-        hook id counter (``HooksAtCapture.counter_read``)."""
+        hook id counter (``HooksAtCapture.counter_read``); ``traced``: each hook dict watched instead
+        (``HooksAtCapture.dict_reads``), for a call torch.compile traces (``HeldState.traced_check``)."""
         reads: list[Read] = [(module, NO_KEY, "training") for module in self.modules]
         seen: list[Any] = list(map(_training, self.modules))
         for read in self.attributes:
@@ -353,8 +354,8 @@ class StateAtCapture:
                 inside = read.content_reads(value)
                 reads += inside[0]
                 seen += inside[1]
-        counter, kept = self.hooks.counter_read()
-        return [*reads, *counter], [*seen, *kept]
+        hooks = self.hooks.dict_reads() if traced else self.hooks.counter_read()
+        return [*reads, *hooks[0]], [*seen, *hooks[1]]
 
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """What the check runs on a difference: ``full``, unless only the hook counter moved

@@ -22,6 +22,13 @@ The check returns the modules it has just checked, by path, and the stage's code
 (an attribute miss and a Python call per step of its path), which cost more than the check. Where
 ``nn.Module.__call__`` would only call a module's ``forward`` (no hooks, not compiled), it returns
 that ``forward`` instead (``cheapest_calls``), and checks, as cheaply, that it still would.
+
+A call torch.compile traces runs another check (``HeldState.traced_check``): Dynamo turns what the
+traced code reads into guards, and an object reached two ways (two closure variables, or one and the
+module tree) into a guard it evaluates in Python on every call; so the traced check reaches each
+module from the stage by its path and compares flags and dtypes with constants, and reads the hook
+dicts it watches rather than the hook counter (whose value Dynamo would guard: a new graph for each
+hook registered anywhere).
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ HOLDS = "in"
 #: A read's ``attribute`` that compares ``owner[key]`` with the value its one-item list ``expected``
 #: holds, which the check's owner moves on without writing the check anew (a counter).
 KEPT = "kept"
+#: Reads of a hook dict ``owner[key]`` (``StayAsCaptured``), not in ``kept_check``'s code: that it is empty
+#: or absent, and that it holds the hooks expected (``_hooks``).
+EMPTY, HOOKS = "empty", "hooks"
 #: A read's ``attribute`` that compares ``owner`` with the value expected by equality (``==``), not identity.
 EQUALS = "=="
 #: A read's ``attribute`` that reads ``getattr(owner, key)``: a class's attribute, read through the class,
@@ -84,9 +94,10 @@ def read(owner: Any, key: Any, attribute: str) -> Any:
 
 
 def kept_check(reads: Sequence[Read], expected: Sequence[Any], passed: Any, full: Callable[[Any], Any],
-               flag_seen: Any = NO_FLAG) -> Callable[[Any], Any]:
+               flag_seen: Any = NO_FLAG, traced: Callable[[Any], Any] | None = None) -> Callable[[Any], Any]:
     """``check(flag)``: ``passed`` when ``flag is flag_seen`` (unless ``NO_FLAG``) and each read is
-    ``expected`` by identity, else (a difference, an item or attribute gone) ``full(flag)``.
+    ``expected`` by identity, else (a difference, an item or attribute gone) ``full(flag)``; where
+    given, ``traced(flag)`` instead while torch.compile traces the call (``HeldState.traced_check``).
 
     Written as code for these reads: one chain of ``is`` tests over closure variables, so a call
     that passes builds nothing and calls nothing; the code is compiled once per shape of the reads
@@ -98,20 +109,55 @@ def kept_check(reads: Sequence[Read], expected: Sequence[Any], passed: Any, full
                  for i in range(0, len(reads), _PART)]
 
         def check(flag: Any) -> Any:
+            if traced is not None and torch.compiler.is_dynamo_compiling():
+                return traced(flag)
             if (flag_seen is NO_FLAG or flag is flag_seen) and all(part(flag) for part in parts):
                 return passed
             return full(flag)
         return check
-    shape = (flag_seen is not NO_FLAG, *((key is not NO_KEY, attribute) for _, key, attribute in reads))
+    shape = (flag_seen is not NO_FLAG, traced is not None,
+             *((key is not NO_KEY, attribute) for _, key, attribute in reads))
     make = _MAKERS.get(shape)
     if make is None:
         make = _MAKERS[shape] = _maker(shape)
     values = [value for (owner, key, _), seen in zip(reads, expected) for value in (owner, key, seen)]
-    return make(passed, full, flag_seen, values)
+    return make(passed, full, flag_seen, traced, values)
 
 
 #: How many reads one piece of ``kept_check``'s code compares.
 _PART = 64
+
+
+Grouped = tuple[tuple[Any, tuple[tuple[Any, str, Any], ...]], ...]
+"""``(owner, ((key, attribute, expected), ...))``: reads (not ``KEPT``) with what each is to find, each owner once."""
+
+
+def grouped(reads: Sequence[Read], expected: Sequence[Any]) -> Grouped:
+    """``reads`` and what each is to find, grouped by owner: how ``passes`` takes them, in a call torch.compile
+    traces, which guards an object reached two ways (two items of a list) in Python."""
+    groups: dict[int, tuple[Any, list[tuple[Any, str, Any]]]] = {}
+    for (owner, key, attribute), seen in zip(reads, expected):
+        groups.setdefault(id(owner), (owner, []))[1].append((key, attribute, seen))
+    return tuple((owner, tuple(each)) for owner, each in groups.values())
+
+
+def passes(groups: Grouped) -> bool:
+    """Whether each read finds what it is to find (``finds``) (``HeldState.traced_check``)."""
+    return all(finds(owner, key, attribute, seen) for owner, each in groups for key, attribute, seen in each)
+
+
+def finds(owner: Any, key: Any, attribute: str, seen: Any) -> bool:
+    """Whether the read ``(owner, key, attribute)`` (not ``KEPT``) finds ``seen``, compared as ``kept_check``'s
+    code compares; ``EMPTY``: ``owner[key]`` empty or absent, ``HOOKS``: holding the hooks ``seen``."""
+    if attribute == HOLDS:
+        return (key in owner) is seen
+    if attribute == EQUALS:
+        return owner == seen
+    if attribute == EMPTY:
+        return not owner.get(key)
+    if attribute == HOOKS:
+        return same_constant(_hooks(owner, key), seen)
+    return read(owner, key, attribute) is seen
 
 
 def _fails(flag: Any) -> bool:
@@ -128,7 +174,7 @@ def _then(check: Callable[[Any], Any], after: Callable[[], None]) -> Callable[[A
 
 
 def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
-    flagged, *terms = shape
+    flagged, traced, *terms = shape
     tests = ["flag is flag_seen"] if flagged else []
     for index, (keyed, attribute) in enumerate(terms):
         if attribute == HOLDS:
@@ -146,8 +192,9 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
         assert attribute in _ATTRIBUTES, attribute  # spelled out in the code: only names of ours
         tests.append(f"o{index}{f'[k{index}]' if keyed else ''}{f'.{attribute}' if attribute else ''} is e{index}")
     unpacked = f"    {''.join(f'o{i}, k{i}, e{i}, ' for i in range(len(terms)))}= values\n" if terms else ""
-    source = ("def make(passed, full, flag_seen, values):\n" + unpacked
+    source = ("def make(passed, full, flag_seen, traced, values):\n" + unpacked
               + "    def check(flag):\n"
+              + ("        if compiling():\n            return traced(flag)\n" if traced else "")
               + "        try:\n"
               + f"            if {' and '.join(tests) or 'True'}:\n"
               + "                return passed\n"
@@ -155,7 +202,7 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
               + "            pass\n"
               + "        return full(flag)\n"
               + "    return check\n")
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"compiling": torch.compiler.is_dynamo_compiling}
     exec(compile(source, f"<autoshard kept check {len(terms)}>", "exec"), namespace)  # noqa: S102 - our own text
     return namespace["make"]
 
@@ -168,7 +215,7 @@ def refuse_global_backward_hooks() -> None:
     """Refuse a call while a global module backward hook is registered: it would run on the stages,
     which are not the model's modules, and not on the modules the capture traced through (a hook
     doubling gradients gave 4x the model's input gradient). Every stage checks it, in every runtime."""
-    if any(vars(module_state)[name] for name in GLOBAL_BACKWARD_HOOK_DICTS):
+    if any(getattr(module_state, name) for name in GLOBAL_BACKWARD_HOOK_DICTS):  # (Dynamo traces getattr)
         raise InputMismatchError(
             "a global module backward hook is registered (register_module_full_backward_hook or _pre_hook): "
             "it would run on the stages, which are not the model's modules, and miss the modules the capture "
@@ -187,34 +234,38 @@ class StayAsCaptured:
     graph: ``_hooks``), else it is not watched. ``changed`` names the first that differs, by ``(what, name)``."""
 
     def __init__(self, entries: Iterable[tuple[Any, Mapping[str, Any], str]], keep_held: bool = False) -> None:
-        entries = tuple(entries)
-        self.entries = tuple((what, namespace, name) for what, namespace, name in entries if not namespace.get(name))
-        self.held = tuple((what, namespace, name, _hooks(namespace, name))
-                          for what, namespace, name in entries if keep_held and namespace.get(name))
+        #: the dicts watched, as reads (``EMPTY``; ``HOOKS``: ``keep_held``'s) and what each is to find
+        self.reads: list[Read] = []
+        self.expected: list[Any] = []
+        self._owners: dict[int, Any] = {}
+        for what, namespace, name in entries:
+            held = namespace.get(name)
+            if not held or keep_held:
+                self.reads.append((namespace, name, HOOKS if held else EMPTY))
+                self.expected.append(_hooks(namespace, name) if held else None)
+                self._owners[id(namespace)] = what
         self._seen = [RemovableHandle.next_id]  # the counter as the last passing check saw it
 
     def changed(self) -> tuple[Any, str] | None:
-        for what, namespace, name in self.entries:
-            if namespace.get(name):
-                return what, name
-        for what, namespace, name, hooks in self.held:
-            if not same_constant(_hooks(namespace, name), hooks):
-                return what, name
+        for (namespace, name, attribute), seen in zip(self.reads, self.expected):
+            if not finds(namespace, name, attribute, seen):
+                return self._owners[id(namespace)], name
         return None
 
     def counter_read(self) -> tuple[list[Read], list[Any]]:
         """The reads a passing check makes, where dicts are to stay as they are: the counter, compared with
         the value the check keeps (``KEPT``), which ``after_difference`` moves on, and each dict that held
         hooks, and a copy of it as it is now (``EQUALS``)."""
-        if not self.entries and not self.held:
+        if not self.reads:
             return [], []
         self._seen[0] = RemovableHandle.next_id
         reads: list[Read] = [(RemovableHandle, "next_id", KEPT)]
         seen: list[Any] = [self._seen]
-        for _, namespace, name, _ in self.held:
-            now = namespace[name]
-            reads += [(namespace, name, ""), (now, NO_KEY, EQUALS)]
-            seen += [now, now.copy()]
+        for namespace, name, attribute in self.reads:
+            if attribute == HOOKS:
+                now = namespace[name]
+                reads += [(namespace, name, ""), (now, NO_KEY, EQUALS)]
+                seen += [now, now.copy()]
         return reads, seen
 
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -223,7 +274,7 @@ class StayAsCaptured:
         ``again`` (the check, its other reads compared anew); else ``full``. So a model or runtime
         registering hooks on every call (FSDP, full backward hooks) costs a look at the dicts, not
         the full check."""
-        if not self.entries and not self.held:
+        if not self.reads:
             return full
 
         def after(flag: Any) -> Any:
@@ -342,8 +393,39 @@ class HeldState:
         owners = [module_at(p.rpartition(".")[0]) for p in found]
         self.registries = tuple(module._parameters for module in owners)
         self.names = tuple(p.rpartition(".")[2] for p in found)
+        self.dtype_paths = tuple(found)
         self.reads: list[Read] = [*steps.values(), *((module, NO_KEY, "training") for module in self.modules),
                                   *((registry, name, "dtype") for registry, name in zip(self.registries, self.names))]
+
+    def traced_check(self, training: bool) -> dict[str, Any]:
+        """``check`` while torch.compile traces a call. Dynamo guards what a traced call reads, each object by
+        the way it first reached it, and turns an identity test of objects reached two ways into a guard it
+        evaluates in Python: ``kept_check``'s code, an object a closure variable and identity tests, made
+        529 of them on a tiny BERT's stages (70 us a call). Here each module is reached from the stage by its
+        path, its flag and its weights' dtypes compared with constants, and returned whole: Dynamo guards
+        its hook dicts, class and ``forward`` as it traces its call, and each guard runs in C++."""
+        if self.rebound or training is not self.captured_training:
+            return self.check_in_full(training)
+        refuse_global_backward_hooks()
+        found: dict[str, Any] = {}
+        try:
+            for path, mode in zip(self.leaves, self.modes):
+                found[path] = module = _module_at(self.owner, path)
+                if module.training is not mode:
+                    return self.check_in_full(training)
+            for path in self.dtype_paths:
+                owner, _, name = path.rpartition(".")
+                weight = _module_at(self.owner, owner)._parameters.get(name)
+                if weight is None or weight.dtype not in self.dtypes:
+                    return self.check_in_full(training)
+            for path in self.weight_paths:
+                owner = path.rpartition(".")[0]
+                found[registry_key(owner)] = _module_at(self.owner, owner)._parameters
+        except KeyError:  # a module gone: said by the check in full
+            return self.check_in_full(training)
+        if self.model_state is not None and not passes(self.model_reads):
+            return self.check_in_full(training)
+        return found
 
     def weights(self) -> list[Any]:
         """The parameters whose dtypes count, as registered now."""
@@ -402,8 +484,9 @@ class HeldState:
         if self.model_state is not None:
             model_reads, model_seen = self.model_state.reads_now()
             reads, seen = [*reads, *model_reads], [*seen, *model_seen]
+            self.model_reads = grouped(*self.model_state.reads_now(traced=True))
             full = self.model_state.after_difference(full, self._check_again)
-        self.check = kept_check(reads, seen, self.calls, full, training)
+        self.check = kept_check(reads, seen, self.calls, full, training, self.traced_check)
         if self.model_state is not None and self.model_state.writes:  # the writes a call of the model makes
             self.check = _then(self.check, self.model_state.write_back)
         #: ``holds(training)``: whether ``check`` would pass at once, asked without raising or checking in
@@ -431,6 +514,13 @@ class HeldState:
         self.modules, self.registries, self.names, self.reads = (), (), (), []
         self.by_path, self.calls = {}, {}
         self.check = self.check_in_full
+
+
+def _module_at(root: nn.Module, path: str) -> nn.Module:
+    """The module at ``path`` from ``root`` (``""``: ``root``), through the ``_modules`` dicts."""
+    for name in path.split(".") if path else ():
+        root = root._modules[name]
+    return root
 
 
 def _first_parameter(module: nn.Module) -> str | None:

@@ -66,6 +66,10 @@ class HooksAtCapture:
         """The reads a passing check makes (``StayAsCaptured.counter_read``)."""
         return self.traced.counter_read()
 
+    def dict_reads(self) -> tuple[list[Read], list[Any]]:
+        """The hook dicts watched, as reads, and what each is to find (``StayAsCaptured.reads``)."""
+        return self.traced.reads, self.traced.expected
+
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """What a check that read the counter runs on a difference (``StayAsCaptured.after_difference``)."""
         return self.traced.after_difference(full, again)
