@@ -541,19 +541,47 @@ def isolated(model: nn.Module, seed: int | None = 0) -> Iterator[None]:
 
 
 def cloned(value: Any) -> Any:
-    """A copy of every tensor in ``value``, in its strides, so running a capture never writes to the user's inputs;
-    one that requires grad still does, in any grad mode (a capture may have answered the model's
-    ``x.requires_grad`` from it)."""
-    return tree_map(_clone, value)
+    """A copy of every tensor in ``value``, in its strides, so running a capture never writes to the user's inputs:
+    one tensor passed twice, one copy passed twice; one that requires grad still does, in any grad mode, a leaf
+    as a leaf and another as another (a capture may have answered the model's ``y is x``, ``x.requires_grad``
+    or ``x.grad_fn is None`` from it), and none joins the autograd graph of the one it copies."""
+    return each_tensor_once(_clone, value)
 
 
-def _clone(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    copy = value.clone()
+def called_on_copies(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on copies of the tensors in them (``cloned``, over both at once: one tensor passed
+    positionally and by keyword stays one)."""
+    copied_args, copied_kwargs = cloned((tuple(args), dict(kwargs)))
+    return fn(*copied_args, **copied_kwargs)
+
+
+def each_tensor_once(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with each tensor in it replaced by ``fn(tensor)``, called once a tensor: one tensor found
+    twice (``model(x, x)``) gives one result, found twice."""
+    made: dict[int, Any] = {}
+
+    def once(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) not in made:
+            made[id(leaf)] = fn(leaf)
+        return made[id(leaf)]
+    return tree_map(once, value)
+
+
+def with_grad_of(copy: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``copy`` (detached) requiring grad as ``value`` does, a leaf where it is one and else computed by
+    autograd from a leaf of its own (the model's code may ask ``x.grad_fn is None``, and a capture guards it)."""
+    if not value.requires_grad:
+        return copy
+    return copy.requires_grad_() if value.is_leaf else copy.requires_grad_().clone()
+
+
+def _clone(value: torch.Tensor) -> torch.Tensor:
+    copy = value.detach().clone()
     if value.layout is torch.strided and copy.device.type != "meta" and copy.stride() != value.stride():
         copy = strided_copy(value)
-    return copy if copy.requires_grad or not value.requires_grad else copy.requires_grad_()
+    return with_grad_of(copy, value)
 
 
 def strided_copy(tensor: torch.Tensor) -> torch.Tensor:

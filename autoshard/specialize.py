@@ -47,7 +47,8 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
 from autoshard.capture.attribute_reads import checked_value, copied
 from autoshard.capture.eager import check_model_runs
-from autoshard.capture.guard import autocast_now, captured_autocast, check_inputs, check_site, chosen_grad_mode
+from autoshard.capture.guard import (autocast_now, captured_autocast, check_inputs, check_site, chosen_grad_mode,
+                                     tensor_class)
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.capture.structure import same_constant
@@ -631,11 +632,12 @@ def _model_state(model: nn.Module) -> list[Any]:
 
 
 def _tensor_facts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """Each tensor of a call's dtype, device, layout and whether it requires grad (what a capture's
-    input guard reads besides its shape)."""
+    """Each tensor of a call's dtype, device, layout, class, whether it requires grad and is a leaf, and the
+    first tensor it is (``y is x``) (what a capture's input guard reads besides its shape)."""
+    tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    first = {id(t): i for i, t in reversed(list(enumerate(tensors)))}
     return tuple((leaf.dtype, leaf.device, leaf.layout, leaf.layout is torch.strided and leaf.is_contiguous(),
-                  leaf.requires_grad)
-                 for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
+                  leaf.requires_grad, leaf.is_leaf, tensor_class(leaf), first[id(leaf)]) for leaf in tensors)
 
 
 def _read_as_now(sharded: ShardedModel) -> bool:

@@ -39,8 +39,8 @@ from autoshard.capture.guard import autocast_now, chosen_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.errors import InputMismatchError, SpecializationMismatch, TraceError, VerificationError, user_stacklevel
-from autoshard.isolation import (SCALARS, PlainInterpreter, cloned, detached_values, isolated, module_state_restored,
-                                 run_seeded, strided_copy)
+from autoshard.isolation import (SCALARS, PlainInterpreter, called_on_copies, cloned, detached_values, each_tensor_once,
+                                 isolated, module_state_restored, run_seeded, strided_copy, with_grad_of)
 from autoshard.lowering.inplace import written_values
 
 
@@ -151,7 +151,7 @@ def _expected_run(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...], k
 def _model_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int, grad: bool) -> Any:
     # Every run gets its own copy of the inputs: a forward that writes to them must not feed the
     # next run its output, nor change the caller's tensors.
-    return run_seeded(lambda: model(*cloned(args), **cloned(kwargs)), model, seed, grad=grad)
+    return run_seeded(lambda: called_on_copies(model, args, kwargs), model, seed, grad=grad)
 
 
 def _graph_run(interpreter: fx.Interpreter, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -225,10 +225,9 @@ def gradient_difference(model: nn.Module, run: Callable[[tuple[tuple[Any, ...], 
     leaves of their own, so that no gradient reaches the caller's tensors."""
     if not (grad and torch.is_grad_enabled()) or _hooked(model) or any(p.is_meta for p in model.parameters()):
         return False, None
-    own = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
-                   (args, kwargs))
+    own = each_tensor_once(lambda t: with_grad_of(t.detach(), t), (args, kwargs))
     try:
-        expected = _gradients(model, lambda: model(*cloned(own[0]), **cloned(own[1])), seed)
+        expected = _gradients(model, lambda: called_on_copies(model, *own), seed)
     except Exception as exc:  # noqa: BLE001 - the model's own backward fails (autograd's in-place check)
         warnings.warn(
             f"the model's own backward raises on the example ({type(exc).__name__}: {str(exc).splitlines()[0]}), "
@@ -316,7 +315,7 @@ def verify_stages(
             "place, a global, a class attribute)", stage=None)
 
     def chained(checked: bool = True, inputs: tuple[tuple[Any, ...], dict[str, Any]] = (args, kwargs)) -> Any:
-        values = stages[0](*cloned(inputs[0]), **cloned(inputs[1]))
+        values = called_on_copies(stages[0], *inputs)
         for index, stage in enumerate(stages[1:], start=1):
             if checked:
                 check_boundary(index - 1, values)
@@ -410,9 +409,9 @@ def other_values(inputs: Any, seed: int) -> Any:
             if made.stride() != leaf.stride() and 0 not in leaf.stride():  # the layout the plan may guard (a slice)
                 made = strided_copy(leaf).copy_(made)
         changed.append(not torch.equal(made, leaf))
-        return made.requires_grad_(leaf.requires_grad)
+        return with_grad_of(made, leaf)
 
-    made = tree_map(other, inputs)
+    made = each_tensor_once(other, inputs)
     return made if any(changed) else None
 
 
@@ -470,7 +469,7 @@ def _check_second_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     written_by_model: list[tuple[nn.Module, str]] = []
     written_by_stages: list[tuple[nn.Module, str]] = []
     holding_graphs: list[str] = []
-    expected = run_seeded(_noting_the_second(lambda: model(*cloned(args), **cloned(kwargs)), model, written_by_model,
+    expected = run_seeded(_noting_the_second(lambda: called_on_copies(model, args, kwargs), model, written_by_model,
                                              holding_graphs), model, seed, grad=grad)
     try:
         actual = run_seeded(_noting_the_second(chained, model, written_by_stages), model, seed, grad=grad)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import ExampleInputsError
-from autoshard.isolation import cloned, detached_values, isolated
+from autoshard.isolation import called_on_copies, detached_values, isolated
 
 
 @contextlib.contextmanager
@@ -45,12 +45,12 @@ def check_model_runs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[st
     forward runs only with grad."""
     try:
         with isolated(model), torch.no_grad():
-            return model(*cloned(args), **cloned(dict(kwargs)))
+            return called_on_copies(model, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - whatever the model raises is reported as it is
         if torch.is_grad_enabled():
             try:
                 with isolated(model):
-                    return detached_values(model(*cloned(args), **cloned(dict(kwargs))))
+                    return detached_values(called_on_copies(model, args, kwargs))
             except Exception:  # noqa: BLE001 - the first error is the one to show
                 pass
         raise ExampleInputsError(

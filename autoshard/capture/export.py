@@ -37,7 +37,7 @@ from autoshard.capture.fx import has_backward_hooks, refuse_backward_hooks_of
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import (
     FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_asserted, check_detached_mode, check_grad_mode, layout_of,
-    usable_conditions,
+    one_tensor_groups, usable_conditions,
 )
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, is_real_run, refusing_state_writes
@@ -188,7 +188,8 @@ def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.Exp
     guard = signature.guard(shapes)
     tensors = signature.tensors()
     layouts = {name: layout_of(tensors[name]) for name in shapes}
-    return dataclasses.replace(guard, fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions, layouts=layouts)
+    return dataclasses.replace(guard, fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions, layouts=layouts,
+                               same_tensor=one_tensor_groups({name: tensors[name] for name in shapes}))
 
 
 def _pinned(guard: InputGuard) -> tuple[str, ...]:
@@ -347,7 +348,7 @@ def export_with_leaves(
             "(or use the 'trace' front end)")
     signature = CallSignature.of(model, tuple(example_args), example_kwargs)
     wrapper = signature.wrapper(model)
-    inputs = {a.name: cloned(a.value) for a in signature.graph_inputs}
+    inputs = cloned({a.name: a.value for a in signature.graph_inputs})  # (one tensor passed twice: one copy)
     dynamic = {name: _dynamic(value) for name, value in inputs.items()}
 
     caller_grad = torch.is_grad_enabled()

@@ -180,7 +180,7 @@ def trace_with_leaves(
 
     def attempt(leaves: Leaves) -> tuple[fx.Graph, MetaTracer]:
         # Fresh copies each time: a forward that writes to its inputs must not see its last run.
-        examples = {a.name: cloned(a.value) for a in signature.graph_inputs} if signature else None
+        examples = cloned({a.name: a.value for a in signature.graph_inputs}) if signature else None
         tracer = _LeafTracer(set(leaves.modules), model, examples, pin_sizes,
                              fused_modules(model, fused_paths), trace_hooks)
         tracer_ref = [tracer]

@@ -196,7 +196,8 @@ class CallSignature:
         probed = {name: value for name, value in copies.items() if value is not _UNCOPYABLE}
         if not probed:
             return
-        values = [probed.get(a.name, a.value) if not a.is_graph_input else cloned(a.value) for a in self.arguments]
+        tensors = cloned([a.value if a.is_graph_input else None for a in self.arguments])
+        values = [copy if a.is_graph_input else probed.get(a.name, a.value) for a, copy in zip(self.arguments, tensors)]
         args = [v for a, v in zip(self.arguments, values) if a.positional]
         kwargs = {a.name: v for a, v in zip(self.arguments, values) if not a.positional}
         try:
