@@ -569,9 +569,12 @@ def each_tensor_once(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     return tree_map(once, value)
 
 
-def with_grad_of(copy: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``copy`` (detached) requiring grad as ``value`` does, a leaf where it is one and else computed by
-    autograd from a leaf of its own (the model's code may ask ``x.grad_fn is None``, and a capture guards it)."""
+def alike(copy: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``copy`` (detached) as ``value`` is to the model's code, which may ask (and a plan checks): a
+    ``Parameter`` where it is one, requiring grad as it does, a leaf where it is one and else computed by
+    autograd from a leaf of its own (``x.grad_fn is None``)."""
+    if type(value) is nn.Parameter:  # (``detach`` and every op of a Parameter give a plain tensor)
+        return nn.Parameter(copy, value.requires_grad)
     if not value.requires_grad:
         return copy
     return copy.requires_grad_() if value.is_leaf else copy.requires_grad_().clone()
@@ -581,7 +584,7 @@ def _clone(value: torch.Tensor) -> torch.Tensor:
     copy = value.detach().clone()
     if value.layout is torch.strided and copy.device.type != "meta" and copy.stride() != value.stride():
         copy = strided_copy(value)
-    return with_grad_of(copy, value)
+    return alike(copy, value)
 
 
 def strided_copy(tensor: torch.Tensor) -> torch.Tensor:

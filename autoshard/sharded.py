@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_iter, tree_map
 from autoshard.isolation import PLAIN_VALUES
 from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
 from autoshard.capture.guard import (
-    PLACED_ON, FixedDtypes, InputGuard, check_condition, check_inputs, check_mode, refuse_mode_switch,
+    PLACED_ON, FixedDtypes, InputGuard, check_condition, check_inputs, check_mode, one_tensor_groups,
+    refuse_mode_switch, tensor_class,
 )
 from autoshard.capture.held_state import ATTRIBUTE, HOLDS, NO_KEY, Read
 from autoshard.capture.hooks_since import HooksAtCapture
@@ -732,15 +733,48 @@ class _Binding:
     moved: tuple[tuple[str, int], ...]
     left_out: tuple[tuple[str, int], ...]
     fills: dict[str, Any]
-    tensors: tuple[tuple[str, int], ...]
+    #: (stage argument, index of its value, the example's class there and whether a leaf (a tensor and a leaf
+    #: without an example: ``_Binder._check_tensor`` then compares neither))
+    tensors: tuple[tuple[str, int, type, bool], ...]
     error: TypeError | None
     as_is: bool = False
     another_capture: bool = False
+    #: of the tensor arguments ``compared`` (two or more), which the example's were one tensor
+    #: (``one_tensor_groups`` by argument name); for two, the indices of their values (one ``is``), and
+    #: whether they were
+    groups: tuple[tuple[str, ...], ...] | None = None
+    compared: tuple[tuple[str, int], ...] = ()
+    pair: tuple[int, int] | None = None
+    paired: bool = False
 
 
 #: In a first stage's ``meta``: the capture had no example inputs (``shard_model(model, k)``), so the
 #: stage takes every argument of the model's forward as a tensor, and refusals say so, not "the example".
 WITHOUT_EXAMPLE_KEY = "autoshard_captured_without_example"
+#: In a first stage's ``meta``: what the example's tensor arguments were besides their dtypes and shapes
+#: (``ExampleTensors``), which the capture answered the model's code from.
+EXAMPLE_TENSORS_KEY = "autoshard_example_tensors"
+
+
+@dataclass(frozen=True)
+class ExampleTensors:
+    """What a capture answers about the example's tensor arguments without a guard of its own, whatever its
+    front end: their class (``isinstance(x, nn.Parameter)``; fx's proxies are no Parameter), which are
+    computed by autograd (``x.grad_fn is None``; fx's proxies say they are) and which are one tensor
+    (``y is x``; fx's are two). By the first stage's argument names; checked by the binder on every call,
+    a difference captured again (``_Binder.bind``)."""
+
+    classes: Mapping[str, type]
+    computed: frozenset[str]
+    #: per argument, the first argument that is the same tensor (itself where none before it is)
+    groups_of: Mapping[str, str]
+
+    @classmethod
+    def of(cls, named: Mapping[str, Any]) -> ExampleTensors:
+        tensors = {name: value for name, value in named.items() if isinstance(value, torch.Tensor)}
+        first = {name: group[0] for group in one_tensor_groups(tensors) for name in group}
+        return cls({name: tensor_class(t) for name, t in tensors.items()},
+                   frozenset(name for name, t in tensors.items() if not t.is_leaf), first)
 
 
 class _Binder:
@@ -750,6 +784,7 @@ class _Binder:
         self.signature = inspect.signature(first.forward)
         self.model_signature = model_signature
         self.without_example = bool(getattr(first, "meta", {}).get(WITHOUT_EXAMPLE_KEY))
+        self.example: ExampleTensors | None = getattr(first, "meta", {}).get(EXAMPLE_TENSORS_KEY)
         inputs = _graph_inputs(first)
         self.inputs = tuple(self.signature.parameters) if inputs is None else inputs
         self.bindings: dict[tuple[Any, ...], _Binding | TypeError] = {}
@@ -776,16 +811,34 @@ class _Binder:
             self._check_left_out(binding, values)
         if binding.error is not None:
             raise self._refusal(binding.error, binding.another_capture)
-        for name, index in binding.tensors:
+        for name, index, kind, leaf in binding.tensors:
             value = values[index]
-            if not isinstance(value, torch.Tensor) and not _holds_a_tensor(value):
-                raise self._refusal(TypeError(
-                    f"{name} is {brief(value)}, but the plan was captured with tensors there"), another_capture=True)
+            if type(value) is not kind or value.is_leaf is not leaf:
+                self._check_tensor(name, value, kind, leaf)
+        if binding.groups is not None and (
+                (values[binding.pair[0]] is values[binding.pair[1]]) is not binding.paired if binding.pair is not None
+                else binding.groups != one_tensor_groups({name: values[index] for name, index in binding.compared})):
+            raise _unlike_the_example(_one_tensor(binding, values))
         if binding.as_is and (keep_positions or self.model_signature is None):
             return args, kwargs
         call = {name: values[index] for name, index in binding.moved}
         call.update(binding.fills)
         return (), call
+
+    def _check_tensor(self, name: str, value: Any, kind: type, leaf: bool) -> None:
+        """Refuse ``value`` for a tensor argument unless it is one (or a container holding one), of the
+        example's class, a leaf where the example's was (where there was an example)."""
+        if not isinstance(value, torch.Tensor):
+            if not _holds_a_tensor(value):
+                raise self._refusal(TypeError(
+                    f"{name} is {brief(value)}, but the plan was captured with tensors there"), another_capture=True)
+            return
+        if self.example is None or (tensor_class(value) is kind and value.is_leaf is leaf):
+            return
+        raise _unlike_the_example(
+            f"{name} is {_tensor_kind(tensor_class(value), value.is_leaf)}, but the plan was captured with "
+            f"{_tensor_kind(kind, leaf)} there, from which the capture answered the model's code "
+            "(isinstance(x, nn.Parameter), x.grad_fn is None)")
 
     def _refusal(self, reason: TypeError, another_capture: bool = False) -> InputMismatchError:
         """``_not_fitting``, or for a plan captured without example inputs, ``_not_fitting_the_signature``."""
@@ -824,8 +877,8 @@ class _Binder:
             except TypeError as exc:
                 return exc
             moved = {name: slot.index for name, slot in bound.items()}
-            return _Binding(tuple(moved.items()), (), {}, tuple((n, moved[n]) for n in self.inputs if n in moved),
-                            None, as_is=True)
+            return _Binding(tuple(moved.items()), (), {}, error=None, as_is=True,
+                            **self._tensors_checked([(n, moved[n]) for n in self.inputs if n in moved]))
         try:
             bound = bind_as_called(self.model_signature, slots, keyed)
         except TypeError as exc:
@@ -857,8 +910,58 @@ class _Binder:
                       if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         as_is = (not keywords and not left_out and not fills and error is None
                  and list(moved.items()) == [(name, index) for index, name in enumerate(positional[:count])])
-        return _Binding(tuple(moved.items()), left_out, fills, tuple((n, moved[n]) for n in self.inputs if n in moved),
-                        error, as_is, another_capture=bool(dropped) or reordered)
+        return _Binding(tuple(moved.items()), left_out, fills, error=error, as_is=as_is,
+                        another_capture=bool(dropped) or reordered,
+                        **self._tensors_checked([(n, moved[n]) for n in self.inputs if n in moved]))
+
+    def _tensors_checked(self, tensors: list[tuple[str, int]]) -> dict[str, Any]:
+        """A ``_Binding``'s fields checking its tensor arguments (``(name, index)``) as the example's
+        (``ExampleTensors``): each one's class and whether it is a leaf, and which are one tensor (two
+        tensors: one ``is``; more: grouped by object)."""
+        example = self.example
+        if example is None:
+            return {"tensors": tuple((name, index, torch.Tensor, True) for name, index in tensors)}
+        checked = tuple((name, index, example.classes.get(name, torch.Tensor), name not in example.computed)
+                        for name, index in tensors)
+        compared = tuple((name, index) for name, index in tensors if name in example.classes)
+        if len(compared) < 2:
+            return {"tensors": checked}
+        by_first: dict[str, list[str]] = {}
+        for name, _ in compared:
+            by_first.setdefault(example.groups_of[name], []).append(name)
+        groups = tuple(map(tuple, by_first.values()))
+        pair = (compared[0][1], compared[1][1]) if len(compared) == 2 else None
+        return {"tensors": checked, "compared": compared, "groups": groups, "pair": pair, "paired": len(groups) == 1}
+
+
+def note_example_tensors(first: fx.GraphModule, model_signature: inspect.Signature | None,
+                         args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Keep on ``first`` (the first stage, before its first call) what the example's tensor arguments were
+    (``ExampleTensors``), which its binder compares every call's with."""
+    bound_args, bound_kwargs = _Binder(first, model_signature).bind(tuple(args), dict(kwargs))
+    named = inspect.signature(first.forward).bind(*bound_args, **bound_kwargs).arguments
+    first.meta[EXAMPLE_TENSORS_KEY] = ExampleTensors.of(named)
+
+
+def _unlike_the_example(reason: str) -> SpecializationMismatch:
+    """The refusal of a call whose tensors are not as the example's (``ExampleTensors``): a capture made with
+    them may serve it."""
+    return SpecializationMismatch(f"these inputs do not fit the sharded plan: {reason}; shard the model again with "
+                                  "an example like these inputs", before_compute=True)
+
+
+def _tensor_kind(kind: type, leaf: bool) -> str:
+    """``a Parameter`` / ``a tensor computed by autograd`` (not a leaf)."""
+    return f"a {'tensor' if kind is torch.Tensor else kind.__name__}{'' if leaf else ' computed by autograd'}"
+
+
+def _one_tensor(binding: _Binding, values: tuple[Any, ...]) -> str:
+    """What a call's tensor arguments that are one tensor differ in from the example's."""
+    def said(groups: tuple[tuple[str, ...], ...]) -> str:
+        return "; ".join(" and ".join(group) for group in groups if len(group) > 1) or "none"
+    now = one_tensor_groups({name: values[index] for name, index in binding.compared})
+    return (f"the arguments that are one tensor are {said(now)}, but {said(binding.groups or ())} were when the plan "
+            "was captured, whose capture answered the model's y is x from the example")
 
 
 #: ``_Binder`` by first stage (a stage's graph does not change after emit).

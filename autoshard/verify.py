@@ -40,7 +40,7 @@ from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.errors import InputMismatchError, SpecializationMismatch, TraceError, VerificationError, user_stacklevel
 from autoshard.isolation import (SCALARS, PlainInterpreter, called_on_copies, cloned, detached_values, each_tensor_once,
-                                 isolated, module_state_restored, run_seeded, strided_copy, with_grad_of)
+                                 isolated, module_state_restored, run_seeded, strided_copy, alike)
 from autoshard.lowering.inplace import written_values
 
 
@@ -225,7 +225,7 @@ def gradient_difference(model: nn.Module, run: Callable[[tuple[tuple[Any, ...], 
     leaves of their own, so that no gradient reaches the caller's tensors."""
     if not (grad and torch.is_grad_enabled()) or _hooked(model) or any(p.is_meta for p in model.parameters()):
         return False, None
-    own = each_tensor_once(lambda t: with_grad_of(t.detach(), t), (args, kwargs))
+    own = each_tensor_once(lambda t: alike(t.detach(), t), (args, kwargs))
     try:
         expected = _gradients(model, lambda: called_on_copies(model, *own), seed)
     except Exception as exc:  # noqa: BLE001 - the model's own backward fails (autograd's in-place check)
@@ -409,7 +409,7 @@ def other_values(inputs: Any, seed: int) -> Any:
             if made.stride() != leaf.stride() and 0 not in leaf.stride():  # the layout the plan may guard (a slice)
                 made = strided_copy(leaf).copy_(made)
         changed.append(not torch.equal(made, leaf))
-        return with_grad_of(made, leaf)
+        return alike(made, leaf)
 
     made = each_tensor_once(other, inputs)
     return made if any(changed) else None

@@ -27,6 +27,36 @@ def _layers(count: int = 4) -> nn.Sequential:
 X = torch.randn(3, 8)
 
 
+def test_a_hook_registered_again_with_other_flags_is_not_served_by_the_plan_that_traced_it():
+    """The same function registered again ``with_kwargs=True`` is called another way: the plan that traced it
+    registered plainly is not the model's (a mutation test compared the hooks alone: x * 2 where the model
+    gave x * 3)."""
+    model = _layers()
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict | None = None) -> object:
+        return (args[0] * 2,) if kwargs is None else ((args[0] * 3,), kwargs)
+
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    handle = model.register_forward_pre_hook(pre)
+    assert torch.equal(sharded(X), model(X))
+    handle.remove()
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    assert torch.equal(sharded(X), model(X))
+    assert len(sharded.specializations) == 2
+
+
+def test_a_pre_hook_on_a_layer_whose_forward_hooks_the_graph_runs_is_run():
+    """The graph runs a traced layer's forward hooks as they are at each call, not its pre-hooks: those stay
+    watched (a mutation test unwatched every hook dict of such a layer: the pre-hook never ran)."""
+    model = _layers()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(X,))
+    model[1].register_forward_hook(lambda module, args, out: out * 10)
+    assert torch.equal(sharded(X), model(X))
+    model[1].register_forward_pre_hook(lambda module, args: (args[0] * 3,))
+    assert torch.equal(sharded(X), model(X))
+    assert len(sharded.specializations) == 2
+
+
 def test_a_forward_hook_added_to_a_traced_layer_runs_and_removing_it_serves_the_first_plan_again():
     model = _layers()
     sharded = autoshard.shard_model(model, 2, example_inputs=(X,))

@@ -1,9 +1,9 @@
-"""What a capture answers about an input tensor besides its dtype and shape, from the example: its class
-(``isinstance(x, nn.Parameter)``), whether it is a leaf (``x.grad_fn is None``), and which inputs are one tensor
-(``y is x``). torch.export answers them as the example would, so its plans guard them
-(``capture.guard.TensorLayout``, ``InputGuard.same_tensor``): a call they differ on is captured again, or
-refused, never served by a plan whose code took the other branch. The copies a capture and its verification
-run on keep them too (``isolation.cloned``)."""
+"""What a capture answers about an input tensor besides its dtype and shape without a guard of its own: its
+class (``isinstance(x, nn.Parameter)``), whether it is a leaf (``x.grad_fn is None``), and which inputs are one
+tensor (``y is x``); torch.export from the example, fx from its proxies (no Parameter, computed, two). The
+first stage's binder compares each call's with the example's (``sharded.ExampleTensors``): a call they differ
+on is captured again, or refused, never served by a plan whose code took the other branch. The copies a capture
+and its verification run on keep them too (``isolation.cloned``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ import autoshard
 from autoshard.isolation import cloned
 
 EXPORT = "export,shape-prop,build-dag,linearize,split,emit,verify"
+PIPELINES = pytest.mark.parametrize("pipeline", [None, EXPORT], ids=["capture", "export"])
+
+
+class Tagged(torch.Tensor):
+    """A subclass the model's code tells apart."""
 
 
 class Asks(nn.Module):
@@ -30,6 +35,8 @@ class Asks(nn.Module):
             h = h * 2
         if isinstance(x, nn.Parameter):
             h = h + 10
+        if isinstance(x, Tagged):
+            h = h - 1
         if x.grad_fn is not None:
             h = h - 3
         return self.b(h)
@@ -44,27 +51,42 @@ def _served_or_refused(sharded: nn.Module, model: nn.Module, *call: torch.Tensor
     assert torch.equal(served, model(*call))
 
 
-@pytest.mark.parametrize("call", ["same tensor", "parameter", "not a leaf", "leaf requiring grad"])
-def test_an_export_plan_serves_inputs_the_example_answered_otherwise(call):
+@PIPELINES
+@pytest.mark.parametrize("call", ["same tensor", "parameter", "subclass", "not a leaf", "leaf requiring grad"])
+def test_a_plan_serves_inputs_the_example_answered_otherwise_or_refuses_them(call, pipeline):
     torch.manual_seed(0)
     model, x, y = Asks(), torch.randn(2, 4), torch.randn(2, 4)
-    sharded = autoshard.shard_model(model, 2, (x, y), pipeline=EXPORT)
+    sharded = autoshard.shard_model(model, 2, (x, y), pipeline=pipeline)
     leaf = torch.randn(2, 4, requires_grad=True)
     made = {"same tensor": (x, x), "parameter": (nn.Parameter(torch.randn(2, 4)), y),
-            "not a leaf": (leaf * 1, y), "leaf requiring grad": (leaf, y)}[call]
+            "subclass": (torch.randn(2, 4).as_subclass(Tagged), y), "not a leaf": (leaf * 1, y),
+            "leaf requiring grad": (leaf, y)}[call]
     _served_or_refused(sharded, model, *made)
     assert torch.equal(sharded(x, y), model(x, y))  # and the example's plan still serves the example
 
 
-def test_a_call_whose_inputs_are_one_tensor_is_captured_for_that():
-    """The plan made for ``(x, x)`` answers ``y is x`` as the model does; ``(x, y)`` takes the first plan again."""
+@PIPELINES
+def test_calls_whose_inputs_are_one_tensor_or_a_parameter_are_captured_for_that(pipeline):
+    """The plan made for ``(x, x)`` answers ``y is x`` as the model does, that for a Parameter ``isinstance``;
+    ``(x, y)`` takes the first plan again."""
     torch.manual_seed(0)
     model, x, y = Asks(), torch.randn(2, 4), torch.randn(2, 4)
-    sharded = autoshard.shard_model(model, 2, (x, y), pipeline=EXPORT)
+    sharded = autoshard.shard_model(model, 2, (x, y), pipeline=pipeline)
+    p = nn.Parameter(torch.randn(2, 4))
     with torch.no_grad():
-        for call in ((x, x), (x, y), (y, y)):
+        for call in ((x, x), (x, y), (y, y), (p, y), (x, y)):
             assert torch.equal(sharded(*call), model(*call)), call
-    assert len(sharded.specializations) == 1
+    assert len(sharded.specializations) == 2
+
+
+def test_a_refusal_for_a_tensor_unlike_the_examples_says_what_differs():
+    torch.manual_seed(0)
+    model, x, y = Asks(), torch.randn(2, 4), torch.randn(2, 4)
+    sharded = autoshard.shard_model(model, 2, (x, y), respecialize=False)
+    with pytest.raises(autoshard.InputMismatchError, match="x is a Tagged, but the plan was captured with a tensor"):
+        sharded(torch.randn(2, 4).as_subclass(Tagged), y)
+    with pytest.raises(autoshard.InputMismatchError, match="one tensor are x and y, but none were"):
+        sharded(x, x)
 
 
 def test_copies_keep_which_tensors_are_one_and_which_are_leaves():

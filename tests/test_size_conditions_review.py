@@ -46,10 +46,19 @@ class Counter(nn.Module):
         return x * 1 if x.sum() > -1e9 else x  # reads values: kept whole
 
 
+class CountsByAssignment(Counter):
+    """Counts by binding a new tensor (``self.steps = self.steps + 1``): no write in place for shape
+    propagation to see, only its training mode says it may update what it holds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        return x * 1 if x.sum() > -1e9 else x  # reads values: kept whole
+
+
 class CountsInEval(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, counter: type[nn.Module] = Counter) -> None:
         super().__init__()
-        self.a, self.counter, self.b = nn.Linear(4, 4), Counter(), nn.Linear(4, 4)
+        self.a, self.counter, self.b = nn.Linear(4, 4), counter(), nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.b(self.counter(self.a(x)))[: y.shape[0]]
@@ -107,6 +116,12 @@ def test_a_kept_whole_function_updating_statistics_it_is_given_is_not_run_again_
     """Since 44039e6 only a node named like a batch norm counted; the kept-whole function ran twice and the
     statistics moved twice, silently."""
     _buffers_as_the_models_or_refused(KeptWholeNorm().train())
+
+
+def test_a_kept_whole_module_rebinding_its_buffer_in_training_mode_is_not_run_again():
+    """A module in training mode that holds buffers counts as updating them however it does (a mutation
+    test left the mode out: one rebinding its buffer ran again after a later guard refused, counting twice)."""
+    _buffers_as_the_models_or_refused(CountsInEval(CountsByAssignment).train())
 
 
 def test_a_kept_whole_module_writing_its_own_buffer_in_eval_mode_is_not_run_again():

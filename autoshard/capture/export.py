@@ -37,7 +37,7 @@ from autoshard.capture.fx import has_backward_hooks, refuse_backward_hooks_of
 from autoshard.capture.grad_mode import GradModeReader
 from autoshard.capture.guard import (
     FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_asserted, check_detached_mode, check_grad_mode, layout_of,
-    one_tensor_groups, usable_conditions,
+    usable_conditions,
 )
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, is_real_run, refusing_state_writes
@@ -188,8 +188,7 @@ def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.Exp
     guard = signature.guard(shapes)
     tensors = signature.tensors()
     layouts = {name: layout_of(tensors[name]) for name in shapes}
-    return dataclasses.replace(guard, fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions, layouts=layouts,
-                               same_tensor=one_tensor_groups({name: tensors[name] for name in shapes}))
+    return dataclasses.replace(guard, fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions, layouts=layouts)
 
 
 def _pinned(guard: InputGuard) -> tuple[str, ...]:

@@ -69,11 +69,9 @@ class InputGuard:
     #: where the code branched on it), as Python over ``L[name]``: torch.export's guards.
     conditions: tuple[str, ...] = ()
     #: Per tensor input, the facts torch.export answers from the example without a guard of its own
-    #: (``if x.is_contiguous():``, ``if x.requires_grad:``, ``isinstance(x, nn.Parameter)``): ``layout_of``.
+    #: (``if x.is_contiguous():``, ``if x.requires_grad:``): ``layout_of``. (Its class, whether it is a leaf
+    #: and which inputs are one tensor, every capture answers so: the binder checks them, ``ExampleTensors``.)
     layouts: Mapping[str, TensorLayout] = field(default_factory=dict)
-    #: The tensor inputs (of ``layouts``) that were one tensor in the example, in groups (each other one
-    #: alone): the code may have asked ``y is x``, which torch.export answers from the example too.
-    same_tensor: tuple[tuple[str, ...], ...] = ()
     #: Conditions the traced code relied on later in the forward, on sizes it computed (a branch on a batch
     #: norm's output width), written over the inputs' sizes (``size_conditions``), each with what its check
     #: says when it fails: checked here, before anything computes, and by the check where it is.
@@ -194,12 +192,6 @@ class InputGuard:
             if now != layout:
                 return (f"{name} is {_layout(now) if now else 'no tensor'}, but the plan was captured with it "
                         f"{_layout(layout)} (torch.export answers the code's questions about that from the example)")
-        now_same = one_tensor_groups({name: leaves[name] for name in self.layouts})
-        if now_same != self.same_tensor:
-            said = "; ".join(" and ".join(group) for group in now_same if len(group) > 1) or "none"
-            then = "; ".join(" and ".join(group) for group in self.same_tensor if len(group) > 1) or "none"
-            return (f"the inputs that are one tensor are {said}, but when the plan was captured {then} were "
-                    "(torch.export answers the code's y is x from the example)")
         for condition in self.conditions:
             if not holds(condition, values):
                 return (f"the plan was captured where {_shown(condition)}, which these inputs break: the model's "
@@ -213,25 +205,22 @@ class InputGuard:
 
 
 class TensorLayout(NamedTuple):
-    """What a capture answers about a tensor input from the example besides its dtype and shape: its class
-    (as the model's code may tell it, ``tensor_class``), whether it requires grad and is a leaf (``x.grad_fn
-    is None``), and whether it is contiguous and channels-last contiguous (4-D or 5-D)."""
+    """What torch.export answers about a tensor input from the example besides its dtype and shape: whether
+    it requires grad, is contiguous, and is channels-last contiguous (4-D or 5-D)."""
 
-    kind: type
     requires_grad: bool
-    leaf: bool
     contiguous: bool
     channels_last: bool
 
 
-#: An input's usual layout: a tensor not requiring grad, contiguous.
-_PLAIN_LAYOUT = TensorLayout(torch.Tensor, False, True, True, False)
+#: An input's usual layout: not requiring grad, contiguous.
+_PLAIN_LAYOUT = TensorLayout(False, True, False)
 
 
 def layout_of(t: torch.Tensor) -> TensorLayout:
     channels_last = CHANNELS_LAST.get(t.dim())
     last = channels_last is not None and t.is_contiguous(memory_format=channels_last)
-    return TensorLayout(tensor_class(t), t.requires_grad, t.is_leaf, t.is_contiguous(), last)
+    return TensorLayout(t.requires_grad, t.is_contiguous(), last)
 
 
 def tensor_class(t: torch.Tensor) -> type:
@@ -253,10 +242,7 @@ def one_tensor_groups(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, .
 def _layout(layout: TensorLayout) -> str:
     laid = ("contiguous" if layout.contiguous else "channels-last" if layout.channels_last
             else "neither contiguous nor channels-last")
-    grad = "not requiring grad" if not layout.requires_grad else \
-        "requiring grad, a leaf" if layout.leaf else "requiring grad, computed by autograd (not a leaf)"
-    kind = "" if layout.kind is torch.Tensor else f"a {layout.kind.__name__}, "
-    return f"{kind}{grad}, {laid}"
+    return f"{'requiring grad' if layout.requires_grad else 'not requiring grad'}, {laid}"
 
 
 #: What an evaluated condition may use: ``CONDITION_NAMES``, no builtins.

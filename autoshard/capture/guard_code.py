@@ -124,21 +124,12 @@ def accepting(guard: Any, holds: Callable[[str, Any], bool]) -> Callable[..., tu
     symbols: dict[str, str] = {}
     for name, dims in guard.shapes.items():
         writer.shape(where[name], dims, symbols)
-    for name, (kind, requires_grad, leaf, contiguous, channels_last) in guard.layouts.items():
+    for name, (requires_grad, contiguous, channels_last) in guard.layouts.items():
         value, rank = where[name], len(guard.shapes[name])
         laid = f" and {value}.is_contiguous(memory_format={writer.constant(CHANNELS_LAST[rank])}) is {channels_last}" \
             if rank in CHANNELS_LAST else ""
-        writer.refuse_unless(f"type({value}) is {writer.constant(kind)} and {value}.requires_grad is {requires_grad} "
-                             f"and {value}.is_leaf is {leaf} and {value}.is_contiguous() is {contiguous}{laid}")
-    if len(guard.layouts) > 1:  # which of them are one tensor (``y is x``), as in the example
-        firsts = [where[group[0]] for group in guard.same_tensor]
-        for first, *others in guard.same_tensor:
-            if others:
-                writer.refuse_unless(" and ".join(f"{where[first]} is {where[other]}" for other in others))
-        if len(firsts) == 2:
-            writer.refuse_unless(f"{firsts[0]} is not {firsts[1]}")
-        elif len(firsts) > 2:
-            writer.refuse_unless(f"len({{{', '.join(f'id({first})' for first in firsts)}}}) == {len(firsts)}")
+        writer.refuse_unless(f"isinstance({value}, Tensor) and {value}.requires_grad is {requires_grad} "
+                             f"and {value}.is_contiguous() is {contiguous}{laid}")
     argument_of = dict(zip(guard.names, arguments))
     conditions = (*guard.conditions, *guard.checked_early)
     inline = ["" if _implied(condition, guard.shapes) else _inlined(condition, argument_of)

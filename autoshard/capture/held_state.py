@@ -234,38 +234,41 @@ class StayAsCaptured:
     graph: ``_hooks``), else it is not watched. ``changed`` names the first that differs, by ``(what, name)``."""
 
     def __init__(self, entries: Iterable[tuple[Any, Mapping[str, Any], str]], keep_held: bool = False) -> None:
-        #: the dicts watched, as reads (``EMPTY``; ``HOOKS``: ``keep_held``'s) and what each is to find
-        self.reads: list[Read] = []
-        self.expected: list[Any] = []
-        self._owners: dict[int, Any] = {}
-        for what, namespace, name in entries:
-            held = namespace.get(name)
-            if not held or keep_held:
-                self.reads.append((namespace, name, HOOKS if held else EMPTY))
-                self.expected.append(_hooks(namespace, name) if held else None)
-                self._owners[id(namespace)] = what
+        entries = tuple(entries)
+        self.entries = tuple((what, namespace, name) for what, namespace, name in entries if not namespace.get(name))
+        self.held = tuple((what, namespace, name, _hooks(namespace, name))
+                          for what, namespace, name in entries if keep_held and namespace.get(name))
         self._seen = [RemovableHandle.next_id]  # the counter as the last passing check saw it
 
     def changed(self) -> tuple[Any, str] | None:
-        for (namespace, name, attribute), seen in zip(self.reads, self.expected):
-            if not finds(namespace, name, attribute, seen):
-                return self._owners[id(namespace)], name
+        for what, namespace, name in self.entries:
+            if namespace.get(name):
+                return what, name
+        for what, namespace, name, hooks in self.held:
+            if not same_constant(_hooks(namespace, name), hooks):
+                return what, name
         return None
+
+    def dict_reads(self) -> tuple[list[Read], list[Any]]:
+        """The dicts watched, as reads (``EMPTY``, ``HOOKS``), and what each is to find: what a call torch.compile
+        traces compares, in place of the counter (``HeldState.traced_check``)."""
+        reads: list[Read] = [(namespace, name, EMPTY) for _, namespace, name in self.entries]
+        reads += [(namespace, name, HOOKS) for _, namespace, name, _ in self.held]
+        return reads, [None] * len(self.entries) + [hooks for *_, hooks in self.held]
 
     def counter_read(self) -> tuple[list[Read], list[Any]]:
         """The reads a passing check makes, where dicts are to stay as they are: the counter, compared with
         the value the check keeps (``KEPT``), which ``after_difference`` moves on, and each dict that held
         hooks, and a copy of it as it is now (``EQUALS``)."""
-        if not self.reads:
+        if not self.entries and not self.held:
             return [], []
         self._seen[0] = RemovableHandle.next_id
         reads: list[Read] = [(RemovableHandle, "next_id", KEPT)]
         seen: list[Any] = [self._seen]
-        for namespace, name, attribute in self.reads:
-            if attribute == HOOKS:
-                now = namespace[name]
-                reads += [(namespace, name, ""), (now, NO_KEY, EQUALS)]
-                seen += [now, now.copy()]
+        for _, namespace, name, _ in self.held:
+            now = namespace[name]
+            reads += [(namespace, name, ""), (now, NO_KEY, EQUALS)]
+            seen += [now, now.copy()]
         return reads, seen
 
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -274,7 +277,7 @@ class StayAsCaptured:
         ``again`` (the check, its other reads compared anew); else ``full``. So a model or runtime
         registering hooks on every call (FSDP, full backward hooks) costs a look at the dicts, not
         the full check."""
-        if not self.reads:
+        if not self.entries and not self.held:
             return full
 
         def after(flag: Any) -> Any:

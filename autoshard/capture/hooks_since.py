@@ -67,8 +67,8 @@ class HooksAtCapture:
         return self.traced.counter_read()
 
     def dict_reads(self) -> tuple[list[Read], list[Any]]:
-        """The hook dicts watched, as reads, and what each is to find (``StayAsCaptured.reads``)."""
-        return self.traced.reads, self.traced.expected
+        """The hook dicts watched, as reads, and what each is to find (``StayAsCaptured.dict_reads``)."""
+        return self.traced.dict_reads()
 
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """What a check that read the counter runs on a difference (``StayAsCaptured.after_difference``)."""

@@ -21,7 +21,7 @@ from autoshard.isolation import HeldModule
 from autoshard.lowering.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
 from autoshard.passes.base import Pass, PassContext, ShardProgram
-from autoshard.sharded import WITHOUT_EXAMPLE_KEY, ShardedModel, StagePlan
+from autoshard.sharded import WITHOUT_EXAMPLE_KEY, ShardedModel, StagePlan, note_example_tensors
 from autoshard.specialize import CapturedFor, call_structure
 
 
@@ -52,6 +52,9 @@ class EmitPass(Pass):
         stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
         if program.example_inputs is None and stages:
             stages[0].meta[WITHOUT_EXAMPLE_KEY] = True
+        elif stages:
+            example = program.example_inputs
+            note_example_tensors(stages[0], forward_signature(program.model), example.args, example.kwargs)
         for stage in stages:
             state = getattr(stage, HELD_STATE)
             watch(program.model, state, (*state.leaves, *state.weight_paths))
