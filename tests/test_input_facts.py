@@ -99,3 +99,33 @@ def test_copies_keep_which_tensors_are_one_and_which_are_leaves():
     assert d.requires_grad and not d.is_leaf
     d.sum().backward()
     assert leaf.grad is None  # a copy's backward reaches no tensor of the caller's
+
+
+class AsksTheLayout(nn.Module):
+    """Branches on an input's strides and storage offset, which torch.export answers from the example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if x.stride(-1) != 1:
+            h = h - 3
+        if x.storage_offset() != 0:
+            h = h + 1
+        return self.b(h)
+
+
+def test_strides_the_models_code_asks_are_captured_for_and_an_offset_it_asks_is_refused():
+    """Contiguity alone was compared: a column slice (strides (8, 1)) took the plan made for a transposed input
+    (strides (1, 4)), and a row slice (offset 4) the plan made for offset 0, each with the other branch."""
+    torch.manual_seed(0)
+    model = AsksTheLayout().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 4),), pipeline=EXPORT)
+    with torch.no_grad():
+        for x in (torch.randn(4, 2).t(), torch.randn(2, 8)[:, :4], torch.randn(1, 4).expand(2, 4), torch.randn(2, 4)):
+            assert torch.equal(sharded(x), model(x)), x.stride()
+        with pytest.raises(autoshard.InputMismatchError, match=r"x.storage_offset\(\).*pass x.clone\(\)"):
+            sharded(torch.randn(3, 4)[1:])
+    assert "strides (8, 1)" in sharded.specializations[1].sharded.served_inputs()

@@ -39,6 +39,7 @@ from autoshard.capture.guard import (
     FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_asserted, check_detached_mode, check_grad_mode, layout_of,
     usable_conditions,
 )
+from autoshard.capture.layout_reads import LayoutReads
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, is_real_run, refusing_state_writes
 from autoshard.capture.opaque import CALLS, forget_real_results, recording_real_results, rewrite_opaque_calls, stand_in
@@ -172,9 +173,12 @@ FIXED_SIZE_ADVICE = (
     f"keeping whole the modules whose code it cannot trace: shard with pipeline='{FREE_SIZES_PIPELINE}')")
 
 
-def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.ExportedProgram) -> InputGuard:
+def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.ExportedProgram,
+                 layout_read: set[tuple[str, str]]) -> InputGuard:
     """Sizes within the ranges export kept them in, and its other guards on them (the code
-    branched on ``x.shape[0] % 2``) checked as they are."""
+    branched on ``x.shape[0] % 2``) checked as they are; the layouts export answered from the example,
+    and the strides and storage offsets the model's code asked of it (``layout_read``: ``LayoutReads``)
+    where contiguity does not tell them (strides of a tensor that is not contiguous; a copy's offset, 0)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     paths = {name: structure.paths for name, structure in signature.containers.items()}
     shapes = {}
@@ -188,7 +192,11 @@ def _input_guard(graph: fx.Graph, signature: CallSignature, ep: torch.export.Exp
     guard = signature.guard(shapes)
     tensors = signature.tensors()
     layouts = {name: layout_of(tensors[name]) for name in shapes}
-    return dataclasses.replace(guard, fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions, layouts=layouts)
+    strides = {name: tuple(tensors[name].stride()) for name, asked in layout_read
+               if asked == "stride" and name in shapes and not tensors[name].is_contiguous()}
+    offsets = {name: 0 for name, asked in layout_read if asked == "storage_offset" and name in shapes}
+    return dataclasses.replace(guard, fixed_size_advice=FIXED_SIZE_ADVICE, conditions=conditions, layouts=layouts,
+                               strides=strides, offsets=offsets)
 
 
 def _pinned(guard: InputGuard) -> tuple[str, ...]:
@@ -198,7 +206,7 @@ def _pinned(guard: InputGuard) -> tuple[str, ...]:
 
 
 def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: nn.Module,
-                  signature: CallSignature) -> tuple[fx.GraphModule, InputGuard]:
+                  signature: CallSignature, layout_read: set[tuple[str, str]]) -> tuple[fx.GraphModule, InputGuard]:
     unlifted = ep.module()
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()  # plain arguments: assemble gives the graph its signature
@@ -232,7 +240,7 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
             except AttributeError:
                 constants[str(node.target)] = resolve(unlifted, str(node.target))
     _bodies_follow_input_device(unlifted)
-    guard = _input_guard(graph, signature, ep)
+    guard = _input_guard(graph, signature, ep, layout_read)
     placeholders = iter(leaves_of(signature))
     input_of = {n: next(placeholders) for n in graph.nodes if n.op == "placeholder"}
     return assemble(graph, wrapper, model, signature, input_of.__getitem__, guard, constants), guard
@@ -346,7 +354,8 @@ def export_with_leaves(
             "the 'export' front end runs the model, so it needs example inputs; pass example_inputs "
             "(or use the 'trace' front end)")
     signature = CallSignature.of(model, tuple(example_args), example_kwargs)
-    wrapper = signature.wrapper(model)
+    layout_reads = LayoutReads()
+    wrapper = signature.wrapper(model, around=layout_reads.watching)
     inputs = cloned({a.name: a.value for a in signature.graph_inputs})  # (one tensor passed twice: one copy)
     dynamic = {name: _dynamic(value) for name, value in inputs.items()}
 
@@ -360,6 +369,7 @@ def export_with_leaves(
 
     def attempt(leaves: Leaves) -> torch.export.ExportedProgram:
         CALLS.clear()
+        layout_reads.read.clear()
         forget_real_results()
         grad_mode_sites.clear()
         reader = GradModeReader(caller_grad, grad_mode_sites.append)
@@ -396,7 +406,7 @@ def export_with_leaves(
 
     try:
         ep, leaves = capture_with_leaves(model, attempt, "export")
-        gm, guard = _graph_module(ep, wrapper, model, signature)
+        gm, guard = _graph_module(ep, wrapper, model, signature, layout_reads.read)
         _guard_grad_mode(gm, caller_grad, grad_mode_sites)
         _guard_detached_modes(gm, detached.values())
     finally:

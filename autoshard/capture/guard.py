@@ -72,6 +72,11 @@ class InputGuard:
     #: (``if x.is_contiguous():``, ``if x.requires_grad:``): ``layout_of``. (Its class, whether it is a leaf
     #: and which inputs are one tensor, every capture answers so: the binder checks them, ``ExampleTensors``.)
     layouts: Mapping[str, TensorLayout] = field(default_factory=dict)
+    #: The strides of each input, not contiguous, whose strides the model's code asked (``x.stride(-1)``),
+    #: and the storage offset of each whose offset it asked (a copy's: 0), which torch.export answered from
+    #: the example too (``capture.layout_reads``).
+    strides: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    offsets: Mapping[str, int] = field(default_factory=dict)
     #: Conditions the traced code relied on later in the forward, on sizes it computed (a branch on a batch
     #: norm's output width), written over the inputs' sizes (``size_conditions``), each with what its check
     #: says when it fails: checked here, before anything computes, and by the check where it is.
@@ -119,6 +124,10 @@ class InputGuard:
             text += f" of shape ({', '.join(d.describe() for d in self.shapes[name])})"
         if self.layouts.get(name, _PLAIN_LAYOUT) != _PLAIN_LAYOUT:  # (said where it is not the usual one)
             text += f", {_layout(self.layouts[name])}"
+        if name in self.strides:
+            text += f", strides {self.strides[name]}"
+        if name in self.offsets:
+            text += f", at offset {self.offsets[name]} in its storage"
         return text
 
     def flattened(self, values: Mapping[str, Any]) -> dict[str, Flattened]:
@@ -167,6 +176,11 @@ class InputGuard:
             if not isinstance(value, torch.Tensor) or value.dtype != dtype:
                 got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
                 return f"{name} is {got}, but the plan was captured with {dtype}", {}
+        for name, offset in self.offsets.items():
+            if isinstance(leaves[name], torch.Tensor) and leaves[name].storage_offset() != offset:
+                return (f"{name} starts {leaves[name].storage_offset()} items into its storage, but the model's code "
+                        f"asks where ({name}.storage_offset()), which the capture answered from a copy of the example "
+                        f"starting at {offset}; pass {name}.clone()"), {}
         return None, leaves
 
     def size_problem(self, values: Mapping[str, Any], leaves: Mapping[str, Any]) -> str | None:
@@ -192,6 +206,10 @@ class InputGuard:
             if now != layout:
                 return (f"{name} is {_layout(now) if now else 'no tensor'}, but the plan was captured with it "
                         f"{_layout(layout)} (torch.export answers the code's questions about that from the example)")
+        for name, strides in self.strides.items():
+            if tuple(leaves[name].stride()) != strides:
+                return (f"{name} has strides {tuple(leaves[name].stride())}, but the plan was captured with strides "
+                        f"{strides}, which the model's code asked ({name}.stride())")
         for condition in self.conditions:
             if not holds(condition, values):
                 return (f"the plan was captured where {_shown(condition)}, which these inputs break: the model's "

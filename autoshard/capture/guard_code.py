@@ -130,6 +130,10 @@ def accepting(guard: Any, holds: Callable[[str, Any], bool]) -> Callable[..., tu
             if rank in CHANNELS_LAST else ""
         writer.refuse_unless(f"isinstance({value}, Tensor) and {value}.requires_grad is {requires_grad} "
                              f"and {value}.is_contiguous() is {contiguous}{laid}")
+    for name, strides in guard.strides.items():
+        writer.refuse_unless(f"{where[name]}.stride() == {writer.constant(strides)}")
+    for name, offset in guard.offsets.items():
+        writer.refuse_unless(f"{where[name]}.storage_offset() == {offset}")
     argument_of = dict(zip(guard.names, arguments))
     conditions = (*guard.conditions, *guard.checked_early)
     inline = ["" if _implied(condition, guard.shapes) else _inlined(condition, argument_of)

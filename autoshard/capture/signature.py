@@ -18,7 +18,7 @@ import enum
 import inspect
 import keyword
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 from torch import nn
@@ -258,18 +258,22 @@ class CallSignature:
         return {name: (plain[name], copied) for name, copied in _snapshots(plain).items()
                 if same_constant(plain[name], copied)}  # an ``==`` that fails on a copy cannot tell a change
 
-    def wrapper(self, model: nn.Module) -> nn.Module:
-        """A module whose forward takes the graph inputs and calls ``model`` as the example did."""
+    def wrapper(self, model: nn.Module, around: Callable[..., ContextManager[Any]] | None = None) -> nn.Module:
+        """A module whose forward takes the graph inputs and calls ``model`` as the example did; inside
+        ``around(**graph inputs)`` where given (``layout_reads.LayoutReads.watching``)."""
         params = ", ".join(["self", *(a.name for a in self.graph_inputs)])
         call = [a.name if a.is_graph_input else f"constants[{a.name!r}]" for a in self.arguments]
         passed = [c if a.positional else f"{a.name}={c}" for a, c in zip(self.arguments, call)]
+        inputs = ", ".join(f"{a.name}={a.name}" for a in self.graph_inputs)
         source = (f"def forward({params}):\n"
                   f"    constants = self._autoshard_constants\n"
-                  f"    return self.{MODEL_ATTR}({', '.join(passed)})\n")
+                  + (f"    with self._autoshard_around({inputs}):\n    " if around is not None else "")
+                  + f"    return self.{MODEL_ATTR}({', '.join(passed)})\n")
         namespace: dict[str, Any] = {}
         exec(compile(source, f"<autoshard call of {type(model).__name__}>", "exec"), namespace)  # noqa: S102
         cls = type(f"{type(model).__name__}Call", (nn.Module,), {"forward": namespace["forward"]})
         wrapper = cls()
         setattr(wrapper, MODEL_ATTR, model)
         wrapper._autoshard_constants = self.constants
+        wrapper._autoshard_around = around
         return wrapper
