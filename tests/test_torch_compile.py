@@ -5,6 +5,7 @@ compiled model, now about 1.2x; in training and for Llama about 1.0x: benchmarks
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -187,3 +188,39 @@ def test_the_compiled_stages_checks_are_guarded_in_cpp_but_a_few():
         logger.removeHandler(handler)
     leaves = sum(1 for m in model.modules() if not m._modules)
     assert alone > 0 and all(count <= alone + leaves + 10 for count in sharded), (alone, leaves, sharded)
+
+
+def _patch_linear_forward() -> object:
+    original = nn.Linear.forward
+    nn.Linear.forward = lambda self, x: original(self, x) + 1
+
+    class Restore:
+        def remove(self) -> None:
+            nn.Linear.forward = original
+    return Restore()
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.layers[1].register_forward_hook(lambda module, args, out: out * 10),
+    lambda m: m.layers[1].register_forward_pre_hook(lambda module, args: (args[0] * 3,)),
+    lambda m: m.register_forward_hook(lambda module, args, out: out * 10),
+    lambda m: nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: out * 1.5 if isinstance(module, nn.Linear) else out),
+    lambda m: _patch_linear_forward(),
+], ids=["hook on a layer", "pre-hook on a layer", "hook on the model", "global hook", "class forward patched"])
+def test_a_compiled_call_sees_hooks_and_forwards_changed_since(change):
+    """Dynamo guards none of these (it skips the hook dicts' guards and makes none of a dict's truth): the
+    traced check compares them itself, so each change makes a new graph (review: served stale, off by 0.3)."""
+    torch.manual_seed(0)
+    model, x = Settings().eval(), torch.randn(3, 8)
+    _, compiled, _ = _compiled(model, x)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+        handle = change(model)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.compile's warning of global hooks
+                assert torch.equal(compiled(x), model(x))
+        finally:
+            handle.remove()
+        assert torch.equal(compiled(x), model(x))

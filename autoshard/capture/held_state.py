@@ -153,8 +153,9 @@ def finds(owner: Any, key: Any, attribute: str, seen: Any) -> bool:
         return (key in owner) is seen
     if attribute == EQUALS:
         return owner == seen
-    if attribute == EMPTY:
-        return not owner.get(key)
+    if attribute == EMPTY:  # (by ``len``: Dynamo guards no dict's truth)
+        held = owner.get(key)
+        return held is None or len(held) == 0
     if attribute == HOOKS:
         return same_constant(_hooks(owner, key), seen)
     return read(owner, key, attribute) is seen
@@ -288,6 +289,19 @@ class StayAsCaptured:
         return after
 
 
+def _hooks_held(namespace: Mapping[str, Any], names: Sequence[str], expected: Sequence[Any]) -> bool:
+    """Whether the hook dicts ``namespace[name]`` hold the hooks ``expected`` (``_hooks``), as a call
+    torch.compile traces asks it: by ``len`` where they held none (Dynamo guards no dict's truth)."""
+    for name, hooks in zip(names, expected):
+        if not hooks:
+            now = namespace.get(name)
+            if now is not None and len(now) != 0:
+                return False
+        elif not same_constant(_hooks(namespace, name), hooks):
+            return False
+    return True
+
+
 def _hooks(namespace: Mapping[str, Any], name: str) -> tuple[tuple[Any, bool, bool], ...]:
     """What the hook dict ``namespace[name]`` runs: each hook, in order, with whether it takes keyword
     arguments and is always called (flags a module keeps by the hook's id, ``_forward_hooks_with_kwargs``):
@@ -405,16 +419,25 @@ class HeldState:
         the way it first reached it, and turns an identity test of objects reached two ways into a guard it
         evaluates in Python: ``kept_check``'s code, an object a closure variable and identity tests, made
         529 of them on a tiny BERT's stages (70 us a call). Here each module is reached from the stage by its
-        path, its flag and its weights' dtypes compared with constants, and returned whole: Dynamo guards
-        its hook dicts, class and ``forward`` as it traces its call, and each guard runs in C++."""
+        path, its flag and its weights' dtypes compared with constants, and returned whole. Its hooks, the
+        global ones, its class and its class's ``forward`` are compared with those of the last call checked
+        in full (``traced_calls``), as Dynamo, which traces its call, guards none of them (it skips the hook
+        dicts' guards, ``skip_nnmodule_hook_guards``, and a dict's truth makes none: ``len`` here)."""
         if self.rebound or training is not self.captured_training:
             return self.check_in_full(training)
         refuse_global_backward_hooks()
         found: dict[str, Any] = {}
+        if not _hooks_held(vars(module_state), GLOBAL_HOOK_DICTS, self.traced_calls[0]):
+            return self.check_in_full(training)
         try:
-            for path, mode in zip(self.leaves, self.modes):
+            for path, mode, (kind, own_forward, hooks) in zip(self.leaves, self.modes, self.traced_calls[1]):
                 found[path] = module = _module_at(self.owner, path)
-                if module.training is not mode:
+                held = module.__dict__
+                if module.training is not mode or type(module) is not kind or ("forward" in held) is not own_forward \
+                        or not _hooks_held(held, HOOK_DICTS, hooks):
+                    return self.check_in_full(training)
+            for kind, forward in self.traced_calls[2]:
+                if id(kind.forward) != forward:
                     return self.check_in_full(training)
             for path in self.dtype_paths:
                 owner, _, name = path.rpartition(".")
@@ -470,6 +493,14 @@ class HeldState:
         """Keep what a call that passed read, for the next call to compare with (``check``), and what
         the stage's code calls (``cheapest_calls``)."""
         self.calls, call_reads, call_seen, empty = cheapest_calls(self.by_path)
+        #: what ``traced_check`` compares of the modules' calls: the global hook dicts' hooks; per module its
+        #: class, whether it holds a ``forward`` of its own, and its hook dicts' hooks; per class the id of its
+        #: ``forward`` (an id, which Dynamo guards in C++, not the function, reached two ways)
+        self.traced_calls = (
+            tuple(_hooks(vars(module_state), name) for name in GLOBAL_HOOK_DICTS),
+            tuple((type(m), "forward" in vars(m), tuple(_hooks(vars(m), name) for name in HOOK_DICTS))
+                  for m in self.modules),
+            tuple({type(m): id(type(m).forward) for m in self.modules}.items()))
         # the registries of the parameters the stage's code reads itself (its get_attr nodes, as in
         # torch.export's graphs): read by name on every call, as getattr would, without a
         # ``nn.Module.__getattr__`` a step; the steps to their modules are checked by identity
