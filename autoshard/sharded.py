@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.nn.modules import module as module_state
-from torch.utils._pytree import tree_iter, tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_iter, tree_map
 
 from autoshard.isolation import PLAIN_VALUES
 from autoshard.capture.attribute_reads import ABSENT, AttributeRead, looked_up
@@ -675,6 +675,16 @@ def _binder(first: fx.GraphModule, model_signature: inspect.Signature | None) ->
 _untraced_binder = torch.compiler.disable(_binder)
 
 
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, itself one or a dict, list or tuple of them (else by pytree), in order."""
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        return [value]
+    if kind is dict or kind is list or kind is tuple:
+        return [t for item in (value.values() if kind is dict else value) for t in _tensors_in(item)]
+    return [leaf for leaf in tree_iter(value) if isinstance(leaf, torch.Tensor)]
+
+
 def _holds_a_tensor(value: Any) -> bool:
     """Whether pytree finds a tensor among ``value``'s leaves. The dicts, lists and tuples calls pass
     are read without it, up to the first tensor (pytree's walk of a dict of two tensors: 6 us a call)."""
@@ -733,9 +743,9 @@ class _Binding:
     moved: tuple[tuple[str, int], ...]
     left_out: tuple[tuple[str, int], ...]
     fills: dict[str, Any]
-    #: (stage argument, index of its value, the example's class there and whether a leaf (a tensor and a leaf
-    #: without an example: ``_Binder._check_tensor`` then compares neither))
-    tensors: tuple[tuple[str, int, type, bool], ...]
+    #: (stage argument, index of its value, the example's class there, whether a leaf where the code asked
+    #: (else None); a tensor without an example: ``_Binder._check_tensor`` then compares neither)
+    tensors: tuple[tuple[str, int, type, bool | None], ...]
     error: TypeError | None
     as_is: bool = False
     another_capture: bool = False
@@ -760,21 +770,32 @@ EXAMPLE_TENSORS_KEY = "autoshard_example_tensors"
 class ExampleTensors:
     """What a capture answers about the example's tensor arguments without a guard of its own, whatever its
     front end: their class (``isinstance(x, nn.Parameter)``; fx's proxies are no Parameter), which are
-    computed by autograd (``x.grad_fn is None``; fx's proxies say they are) and which are one tensor
-    (``y is x``; fx's are two). By the first stage's argument names; checked by the binder on every call,
-    a difference captured again (``_Binder.bind``)."""
+    computed by autograd where the code asked (``x.grad_fn is None``; fx's proxies say they are) and
+    which are one tensor (``y is x``; fx's are two). By the first stage's argument names; checked by the
+    binder on every call, a difference captured again (``_Binder.bind``)."""
 
     classes: Mapping[str, type]
-    computed: frozenset[str]
+    #: whether each argument whose ``grad_fn`` or ``is_leaf`` the capture's code asked was a leaf
+    leaves: Mapping[str, bool]
     #: per argument, the first argument that is the same tensor (itself where none before it is)
     groups_of: Mapping[str, str]
+    #: where a list or dict argument held a tensor: the groups of every tensor that are one, by path
+    #: (``d['p']``), which a call's are compared with (``_Binder._check_nested``); else None
+    nested: tuple[tuple[str, ...], ...] | None = None
+    #: whether one of those groups holds more than one
+    nested_one: bool = False
 
     @classmethod
-    def of(cls, named: Mapping[str, Any]) -> ExampleTensors:
+    def of(cls, named: Mapping[str, Any], leafness_asked: frozenset[str] = frozenset()) -> ExampleTensors:
         tensors = {name: value for name, value in named.items() if isinstance(value, torch.Tensor)}
         first = {name: group[0] for group in one_tensor_groups(tensors) for name in group}
+        every = one_tensor_groups({name + keystr(path): leaf for name, value in named.items()
+                                   for path, leaf in tree_flatten_with_path(value)[0]
+                                   if isinstance(leaf, torch.Tensor)})
+        in_containers = any(name not in tensors for group in every for name in group)
         return cls({name: tensor_class(t) for name, t in tensors.items()},
-                   frozenset(name for name, t in tensors.items() if not t.is_leaf), first)
+                   {name: t.is_leaf for name, t in tensors.items() if name in leafness_asked}, first,
+                   every if in_containers else None, any(len(group) > 1 for group in every))
 
 
 class _Binder:
@@ -813,32 +834,54 @@ class _Binder:
             raise self._refusal(binding.error, binding.another_capture)
         for name, index, kind, leaf in binding.tensors:
             value = values[index]
-            if type(value) is not kind or value.is_leaf is not leaf:
+            if type(value) is not kind or leaf is not None and value.is_leaf is not leaf:
                 self._check_tensor(name, value, kind, leaf)
         if binding.groups is not None and (
                 (values[binding.pair[0]] is values[binding.pair[1]]) is not binding.paired if binding.pair is not None
-                else binding.groups != one_tensor_groups({name: values[index] for name, index in binding.compared})):
+                else _groups_differ(binding, values)):
             raise _unlike_the_example(_one_tensor(binding, values))
+        if self.example is not None and self.example.nested is not None:
+            self._check_nested(binding, values)
         if binding.as_is and (keep_positions or self.model_signature is None):
             return args, kwargs
         call = {name: values[index] for name, index in binding.moved}
         call.update(binding.fills)
         return (), call
 
-    def _check_tensor(self, name: str, value: Any, kind: type, leaf: bool) -> None:
+    def _check_tensor(self, name: str, value: Any, kind: type, leaf: bool | None) -> None:
         """Refuse ``value`` for a tensor argument unless it is one (or a container holding one), of the
-        example's class, a leaf where the example's was (where there was an example)."""
+        example's class, a leaf where the example's was (``leaf`` None: not asked; where there was an
+        example)."""
         if not isinstance(value, torch.Tensor):
             if not _holds_a_tensor(value):
                 raise self._refusal(TypeError(
                     f"{name} is {brief(value)}, but the plan was captured with tensors there"), another_capture=True)
             return
-        if self.example is None or (tensor_class(value) is kind and value.is_leaf is leaf):
+        if self.example is None or (tensor_class(value) is kind and leaf in (None, value.is_leaf)):
             return
         raise _unlike_the_example(
-            f"{name} is {_tensor_kind(tensor_class(value), value.is_leaf)}, but the plan was captured with "
-            f"{_tensor_kind(kind, leaf)} there, from which the capture answered the model's code "
-            "(isinstance(x, nn.Parameter), x.grad_fn is None)")
+            f"{name} is {_tensor_kind(tensor_class(value), value.is_leaf if leaf is not None else True)}, but the "
+            f"plan was captured with {_tensor_kind(kind, True if leaf is None else leaf)} there, from which the "
+            "capture answered the model's code (isinstance(x, nn.Parameter), x.grad_fn is None)")
+
+    def _check_nested(self, binding: _Binding, values: tuple[Any, ...]) -> None:
+        """Where the example passed tensors in a list or dict (``{"p": x, "q": x}``), compare which of a call's
+        tensors, in its containers too, are one (``ExampleTensors.nested``): by a count of the distinct ones
+        first, by path only where the example's or the call's were not all distinct."""
+        expected = self.example.nested
+        tensors = [t for _, index in binding.moved for t in _tensors_in(values[index])]
+        if not self.example.nested_one and len({id(t) for t in tensors}) == len(tensors):
+            return  # none is one with another, as in the example (other containers: the input guard's to say)
+        now = one_tensor_groups({name + keystr(path): leaf for name, index in binding.moved
+                                 for path, leaf in tree_flatten_with_path(values[index])[0]
+                                 if isinstance(leaf, torch.Tensor)})
+        if sorted(n for group in now for n in group) != sorted(n for group in expected for n in group):
+            return  # other keys or lengths: the input guard's to say
+        if now != expected:
+            said = "; ".join(" and ".join(group) for group in now if len(group) > 1) or "none"
+            then = "; ".join(" and ".join(group) for group in expected if len(group) > 1) or "none"
+            raise _unlike_the_example(f"the tensors that are one are {said}, but {then} were when the plan was "
+                                      "captured, whose capture answered the model's y is x from the example")
 
     def _refusal(self, reason: TypeError, another_capture: bool = False) -> InputMismatchError:
         """``_not_fitting``, or for a plan captured without example inputs, ``_not_fitting_the_signature``."""
@@ -920,8 +963,8 @@ class _Binder:
         tensors: one ``is``; more: grouped by object)."""
         example = self.example
         if example is None:
-            return {"tensors": tuple((name, index, torch.Tensor, True) for name, index in tensors)}
-        checked = tuple((name, index, example.classes.get(name, torch.Tensor), name not in example.computed)
+            return {"tensors": tuple((name, index, torch.Tensor, None) for name, index in tensors)}
+        checked = tuple((name, index, example.classes.get(name, torch.Tensor), example.leaves.get(name))
                         for name, index in tensors)
         compared = tuple((name, index) for name, index in tensors if name in example.classes)
         if len(compared) < 2:
@@ -935,12 +978,13 @@ class _Binder:
 
 
 def note_example_tensors(first: fx.GraphModule, model_signature: inspect.Signature | None,
-                         args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+                         args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                         leafness_asked: frozenset[str] = frozenset()) -> None:
     """Keep on ``first`` (the first stage, before its first call) what the example's tensor arguments were
     (``ExampleTensors``), which its binder compares every call's with."""
     bound_args, bound_kwargs = _Binder(first, model_signature).bind(tuple(args), dict(kwargs))
     named = inspect.signature(first.forward).bind(*bound_args, **bound_kwargs).arguments
-    first.meta[EXAMPLE_TENSORS_KEY] = ExampleTensors.of(named)
+    first.meta[EXAMPLE_TENSORS_KEY] = ExampleTensors.of(named, leafness_asked)
 
 
 def _unlike_the_example(reason: str) -> SpecializationMismatch:
@@ -948,6 +992,16 @@ def _unlike_the_example(reason: str) -> SpecializationMismatch:
     them may serve it."""
     return SpecializationMismatch(f"these inputs do not fit the sharded plan: {reason}; shard the model again with "
                                   "an example like these inputs", before_compute=True)
+
+
+def _groups_differ(binding: _Binding, values: tuple[Any, ...]) -> bool:
+    """Whether a call's tensor arguments ``compared`` (three or more) are one tensor otherwise than the
+    example's were (``groups``): by a count of distinct ones first, the groups only where some were one."""
+    distinct = len({id(values[index]) for _, index in binding.compared})
+    if distinct != len(binding.groups or ()):
+        return True
+    return distinct != len(binding.compared) and binding.groups != one_tensor_groups(
+        {name: values[index] for name, index in binding.compared})
 
 
 def _tensor_kind(kind: type, leaf: bool) -> str:

@@ -129,3 +129,42 @@ def test_strides_the_models_code_asks_are_captured_for_and_an_offset_it_asks_is_
         with pytest.raises(autoshard.InputMismatchError, match=r"x.storage_offset\(\).*pass x.clone\(\)"):
             sharded(torch.randn(3, 4)[1:])
     assert "strides (8, 1)" in sharded.specializations[1].sharded.served_inputs()
+
+
+@PIPELINES
+def test_an_input_computed_by_autograd_is_served_where_the_code_never_asks(pipeline):
+    """Embeddings computed outside the model (prompt tuning) are not leaves; a plan whose code never asked
+    ``x.grad_fn`` serves them as it is, even one that cannot capture again (a review: refused)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    example = torch.randn(2, 4, requires_grad=True)  # (a leaf: torch.export's plans compare requires_grad)
+    sharded = autoshard.shard_model(model, 2, (example,), pipeline=pipeline, respecialize=False)
+    prompt = torch.randn(2, 4, requires_grad=True)
+    embedded = prompt * 2
+    sharded(embedded).sum().backward()
+    expected = torch.autograd.grad(model(prompt * 2).sum(), prompt)[0]
+    assert torch.equal(prompt.grad, expected)
+
+
+class AsksOfADict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, d: dict) -> torch.Tensor:
+        h = self.a(d["p"]) + d["q"]
+        if d["p"] is d["q"]:
+            h = h * 2
+        return self.b(h)
+
+
+def test_a_dict_whose_example_held_one_tensor_twice_is_compared_item_by_item():
+    """The copies the capture ran on keep ``{"p": x, "q": x}`` one tensor: a later ``{"p": x, "q": y}`` took
+    that plan's branch (a review: off by 0.69), and now another capture."""
+    torch.manual_seed(0)
+    model, x, y = AsksOfADict(), torch.randn(2, 4), torch.randn(2, 4)
+    sharded = autoshard.shard_model(model, 2, ({"p": x, "q": x},))
+    with torch.no_grad():
+        for call in ({"p": x, "q": y}, {"p": y, "q": y}, {"p": x, "q": y}):
+            assert torch.equal(sharded(call), model(call))
+    assert len(sharded.specializations) == 1

@@ -39,7 +39,7 @@ from autoshard.capture.guard import (
     FREE_SIZES_PIPELINE, DimSpec, InputGuard, check_asserted, check_detached_mode, check_grad_mode, layout_of,
     usable_conditions,
 )
-from autoshard.capture.layout_reads import LayoutReads
+from autoshard.capture.layout_reads import LEAFNESS, LayoutReads
 from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
 from autoshard.capture.state import current_value, is_real_run, refusing_state_writes
 from autoshard.capture.opaque import CALLS, forget_real_results, recording_real_results, rewrite_opaque_calls, stand_in
@@ -416,4 +416,5 @@ def export_with_leaves(
     called = {key: m for key, m in fused.items() if leaves.paths[key] in targets}
     return TraceResult(gm, (*leaves.wrapped, *kept_whole_by_design(leaves, called)), front_end="export",
                        specialized=_pinned(guard),
-                       input_guard=guard.describe(), attributes_read=reads[0].kept() if reads else ())
+                       input_guard=guard.describe(), attributes_read=reads[0].kept() if reads else (),
+                       leafness_asked=frozenset(name for name, asked in layout_reads.read if asked in LEAFNESS))

@@ -198,7 +198,8 @@ def trace_with_leaves(
         gm = assemble(graph, root, model, signature, lambda n: (str(n.target), None), guard, tracer.constants)
     return TraceResult(gm, (*leaves.wrapped, *kept_whole_by_design(leaves, tracer.kept_fused)),
                        specialized=tuple(tracer.specialized),
-                       input_guard=guard.describe() if guard else "", attributes_read=tracer.attribute_reads.kept())
+                       input_guard=guard.describe() if guard else "", attributes_read=tracer.attribute_reads.kept(),
+                       leafness_asked=frozenset(tracer.leafness_asked))
 
 
 def _guard(signature: CallSignature | None, tracer: MetaTracer, sizes_checked: bool) -> InputGuard | None:

@@ -1,14 +1,16 @@
-"""Which inputs' strides and storage offsets the model's code asked while torch.export captured it.
+"""Which inputs' strides, storage offsets and autograd nodes the model's code asked while torch.export
+captured it.
 
 torch.export (non-strict) runs the model's Python on fake tensors made from the example, which answer
 ``x.stride(-1)`` and ``x.storage_offset()`` as the example would, with no guard of their own; the
 plan's input guard checks contiguity alone (``InputGuard.layouts``), so a column slice was served by
 the plan made for a transposed input (both not contiguous, ``stride(-1)`` 1 against 4). The wrapper
 the capture exports runs the model inside ``LayoutReads.watching``, a torch function mode that notes
-those questions of the inputs; the guard then compares the strides and offsets asked (``InputGuard.strides``,
-``offsets``). torch's own code asks them too once the model's call is under way (a kept-whole
-module's kernel does not: it runs in C++), so an input may be compared more often than needed:
-another capture, never a wrong answer.
+those questions of the inputs; the guard then compares the strides and offsets asked
+(``InputGuard.strides``, ``offsets``), and the binder whether an input asked ``x.grad_fn`` is a leaf
+(``sharded.ExampleTensors``). torch's own code asks them too once the model's call is under way (a
+kept-whole module's kernel does not: it runs in C++), so an input may be compared more often than
+needed: another capture, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-#: What the mode notes, by the name of the function (a method of the tensor).
-_ASKED = frozenset({"stride", "storage_offset"})
+#: What the mode notes, by the name of the function (a method of the tensor) or attribute (autograd's).
+_ASKED = frozenset({"stride", "storage_offset", "grad_fn", "is_leaf"})
+#: The questions whether an input is computed by autograd (``x.grad_fn is None``), which every plan's binder
+#: compares where they were asked (``sharded.ExampleTensors``).
+LEAFNESS = frozenset({"grad_fn", "is_leaf"})
 
 
 class LayoutReads(TorchFunctionMode):
@@ -45,6 +50,9 @@ class LayoutReads(TorchFunctionMode):
             self._names = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if args and getattr(func, "__name__", "") in _ASKED and id(args[0]) in self._names:
-            self.read.add((self._names[id(args[0])], func.__name__))
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # an attribute's getter (``Tensor.grad_fn.__get__``)
+            name = getattr(getattr(func, "__self__", None), "__name__", "")
+        if args and name in _ASKED and id(args[0]) in self._names:
+            self.read.add((self._names[id(args[0])], name))
         return func(*args, **(kwargs or {}))

@@ -373,6 +373,8 @@ class MetaTracer(fx.Tracer):
         self.specialized: list[str] = []
         self.checkpoints: list[str] = []  # where the model's own activation checkpoints were traced through
         self.read_static_facts = False
+        #: the placeholders whose ``grad_fn`` or ``is_leaf`` the code asked (``TraceResult.leafness_asked``)
+        self.leafness_asked: set[str] = set()
         self._weights: _Weights | None = None
         self._computed: dict[int, fx.Node] = {}  # id of an example tensor -> the latest node that made it
         self._inside: dict[int, tuple[weakref.ref, str]] = {}  # tensors made inside model code's example runs

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from autoshard.capture.layout_reads import LEAFNESS
 from autoshard.capture.state import instructions
 
 EXAMPLE = "autoshard_example"
@@ -63,6 +64,8 @@ class MetaProxy(fx.Proxy):
         if isinstance(example, torch.Tensor) and name in _STATIC_FACTS:
             self.tracer.read_static_facts = True
             return getattr(example, name)
+        if name in LEAFNESS and self.node.op == "placeholder":  # answered by the proxy: computed (not None)
+            self.tracer.leafness_asked.add(str(self.node.target))
         return MetaAttribute(self, name)
 
     def __index__(self) -> int:

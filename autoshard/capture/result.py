@@ -39,6 +39,8 @@ class TraceResult:
     input_guard: str = ""
     considered: tuple[str, ...] = ()
     attributes_read: tuple[AttributeRead, ...] = ()
+    #: the graph inputs whose ``grad_fn`` or ``is_leaf`` the traced code asked (``sharded.ExampleTensors``)
+    leafness_asked: frozenset[str] = frozenset()
 
     @property
     def wrapped_modules(self) -> tuple[WrappedLeaf, ...]:

@@ -54,7 +54,8 @@ class EmitPass(Pass):
             stages[0].meta[WITHOUT_EXAMPLE_KEY] = True
         elif stages:
             example = program.example_inputs
-            note_example_tensors(stages[0], forward_signature(program.model), example.args, example.kwargs)
+            note_example_tensors(stages[0], forward_signature(program.model), example.args, example.kwargs,
+                                 program.traced.leafness_asked)
         for stage in stages:
             state = getattr(stage, HELD_STATE)
             watch(program.model, state, (*state.leaves, *state.weight_paths))

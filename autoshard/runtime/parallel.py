@@ -43,6 +43,7 @@ from autoshard.errors import (
     WorldSizeError,
     suggest,
 )
+from autoshard.isolation import each_tensor_once
 from autoshard.runtime.blocks import whole_blocks
 from autoshard.runtime.recompute import checkpoint_blocks
 from autoshard.runtime.schedule import (
@@ -101,19 +102,17 @@ class Parallelized:
 
     def local_rows(self, batch: Any) -> Any:
         """This data-parallel rank's rows of ``batch`` (a tensor, or a tuple, list or dict of them):
-        its ``dp_rank``-th of ``dp_size`` equal parts along the first dimension."""
-        if isinstance(batch, torch.Tensor):
-            if batch.shape[0] % self.dp_size:
-                raise InvalidArgumentError(
-                    f"a batch of {batch.shape[0]} rows does not split into {self.dp_size} equal data-parallel "
-                    f"parts; give a multiple of {self.dp_size} rows (of {self.dp_size} x microbatches, for the "
-                    "pipeline)")
-            return batch.chunk(self.dp_size)[self.dp_rank]
-        if isinstance(batch, dict):
-            return {key: self.local_rows(value) for key, value in batch.items()}
-        if isinstance(batch, (tuple, list)):
-            return type(batch)(self.local_rows(value) for value in batch)
-        return batch
+        its ``dp_rank``-th of ``dp_size`` equal parts along the first dimension. A tensor found twice
+        (``labels=ids``) gives one part, found twice: the plan compares which inputs are one tensor."""
+        return each_tensor_once(self._rows, batch)
+
+    def _rows(self, batch: torch.Tensor) -> torch.Tensor:
+        if batch.shape[0] % self.dp_size:
+            raise InvalidArgumentError(
+                f"a batch of {batch.shape[0]} rows does not split into {self.dp_size} equal data-parallel "
+                f"parts; give a multiple of {self.dp_size} rows (of {self.dp_size} x microbatches, for the "
+                "pipeline)")
+        return batch.chunk(self.dp_size)[self.dp_rank]
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Every parameter of this rank's stages once (the optimizer's)."""
