@@ -33,13 +33,17 @@ def unsplit_losses(name: str, steps: int, batch: int = 8, lr: float = 0.1) -> li
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(TORCHRUN_DEADLINE_S + 60)
-def test_torchrun_two_processes_tied_lm_computing_its_loss_three_steps():
-    """Three SGD steps: later losses match only if the tied head and embedding stayed in sync."""
+@pytest.mark.parametrize("name", ["gpt", "hf-gpt2"])
+def test_torchrun_two_processes_tied_lm_computing_its_loss_three_steps(name):
+    """Three SGD steps: later losses match only if the tied head and embedding stayed in sync. The Hugging
+    Face GPT-2's (docs/huggingface.md) pass labels=ids, one tensor twice, which each rank's rows keep one: a
+    step was refused when they did not."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(EXAMPLES / "train_pipeline.py"), "--steps", "3", "--schedule", "1f1b"]
+               str(EXAMPLES / "train_pipeline.py"), "--model", name, "--steps", "3", "--schedule", "1f1b"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=TORCHRUN_DEADLINE_S)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "MicrobatchSizeWarning" not in done.stderr  # sharded on one microbatch, as predictions count
     printed = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", done.stdout, flags=re.MULTILINE)]
     assert len(printed) == 3
-    torch.testing.assert_close(torch.tensor(printed), torch.tensor(unsplit_losses("gpt", 3)))
+    if name == "gpt":  # (the Hugging Face one's dropout draws differ from an unsplit run's)
+        torch.testing.assert_close(torch.tensor(printed), torch.tensor(unsplit_losses(name, 3)))
