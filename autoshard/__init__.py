@@ -52,7 +52,8 @@ _LAZY = {
 #: Every typed error, so that ``except autoshard.InputMismatchError`` works as the docs write it.
 _ERRORS = (
     "AutoshardError", "InvalidArgumentError", "InvalidArgumentTypeError", "TooManyStagesError",
-    "InfeasibleSplitError", "EmptyStageError", "InvalidGraphError", "SpecError", "PipelineValidationError",
+    "InfeasibleSplitError", "EmptyStageError", "PinConflictError", "InvalidGraphError", "SpecError",
+    "PipelineValidationError",
     "PassFailed",
     "TraceError", "VerificationError", "PassContractError", "PlanError",
     "ShapePropagationError", "ExampleInputsError", "InputMismatchError", "SpecializationMismatch",

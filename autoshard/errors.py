@@ -144,6 +144,16 @@ class InfeasibleSplitError(InvalidArgumentError):
     """Constraints (budgets, pins) leave no valid split."""
 
 
+class PinConflictError(InfeasibleSplitError):
+    """Two pins hold one node (``node``) in two stages (``stages``): one module inside the other, or a shared
+    weight; where a sharded model captures again for other inputs, the new capture runs as one piece what
+    the plan split (a module whose code it could not trace with them)."""
+
+    def __init__(self, message: str, node: str, stages: tuple[int, int]) -> None:
+        super().__init__(message)
+        self.node, self.stages = node, stages
+
+
 class EmptyStageError(InfeasibleSplitError):
     """Pins (``stage_ranges``) leave no node that may sit in ``stage`` of ``num_stages``, or (``last``
     past ``stage``) only ``nodes`` for the stages ``stage..last``, fewer than there are of them: where a

@@ -53,7 +53,7 @@ from autoshard.capture.signature import argument_names, forward_signature, is_de
 from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.capture.structure import same_constant
 from autoshard.errors import (
-    AutoshardError, EmptyStageError, ExampleInputsError, InfeasibleSplitError, InputMismatchError,
+    AutoshardError, EmptyStageError, ExampleInputsError, InfeasibleSplitError, InputMismatchError, PinConflictError,
     SpecializationMismatch, plural, user_stacklevel,
 )
 from autoshard.costs.facts import NodeFacts, node_facts
@@ -557,6 +557,8 @@ class Specializer:
                                  ) from exc
         except EmptyStageError as exc:
             raise self._refusing(refusal_key, state, _too_little_to_run(guard, exc)) from exc
+        except PinConflictError as exc:
+            raise self._refusing(refusal_key, state, _run_as_one_piece(guard, exc)) from exc
         except AutoshardError as exc:  # a pin the new graph's order cannot meet names its weight; a capture failed
             # sharding again is the way only past the pins: what the capture refuses, it refuses there too
             again = "; shard the model again with an example like these inputs" * isinstance(exc, InfeasibleSplitError)
@@ -608,6 +610,16 @@ def _too_little_to_run(guard: str, exc: EmptyStageError) -> str:
             f"plan's placement: a new capture for them keeps every weight in the stage that holds it, which leaves "
             f"{short}. Shard the model again with an example like these inputs (its plan places the weights for "
             "them), or into fewer stages")
+
+
+def _run_as_one_piece(guard: str, exc: PinConflictError) -> str:
+    """Why a capture for these inputs cannot keep the plan's placement: it runs ``exc.node`` as one piece
+    (code it could not trace with them), whose weights the plan holds in two stages."""
+    first, second = exc.stages
+    return (f"{guard.rsplit(';', 1)[0]}. A new capture for these inputs runs {exc.node} as one piece (the code it "
+            f"could not trace with them), but the plan holds its weights in stages {first} and {second}, and a new "
+            "capture keeps every weight in the stage that holds it. Shard the model again with an example like "
+            "these inputs (its plan keeps that piece in one stage)")
 
 
 def _raise_where_the_model_does(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

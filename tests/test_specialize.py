@@ -1447,3 +1447,33 @@ def test_a_dict_of_new_sizes_in_training_tries_first_the_plan_that_served_calls_
         torch.manual_seed(rows)
         assert torch.equal(served, model(batch))
     assert len(sharded.specializations) == 1
+
+
+class EncoderBetweenLinears(nn.Module):
+    """An ``nn.TransformerEncoder`` split between its layers in eval mode; called with a padding mask, its
+    fast path's code is kept as one piece by a new capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Linear(16, 32)
+        self.t = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0), 3)
+        self.o = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor, src_key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.o(self.t(self.p(x), src_key_padding_mask=src_key_padding_mask))
+
+
+def test_a_capture_running_as_one_piece_what_the_plan_split_says_so():
+    """It said 'pin 't.layers.0.self_attn.in_proj_weight' holds node 't' in stage 0 but pin ... in stage 1;
+    pin them to one stage': pins the user never made."""
+    from autoshard.errors import PinConflictError
+
+    torch.manual_seed(0)
+    model, x = EncoderBetweenLinears().eval(), torch.randn(2, 6, 16)
+    sharded = autoshard.shard_model(model, 3, (x,))
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, 4:] = True
+    refusal = r"runs t as one piece .* holds its weights in stages \d and \d"
+    with pytest.raises(InputMismatchError, match=refusal) as info:
+        sharded(x, src_key_padding_mask=mask)
+    assert isinstance(info.value.__cause__, PinConflictError) and "pin them" not in str(info.value)

@@ -29,7 +29,7 @@ import networkx as nx
 from autoshard.costs.models import memory_parts
 from autoshard.costs.split_search import MemoryCount, SplitRequest, search_split, summed_memory, training_memory
 from autoshard.costs.ties import tie_groups
-from autoshard.errors import InfeasibleSplitError, InvalidArgumentError
+from autoshard.errors import InvalidArgumentError, PinConflictError
 from autoshard.graph.constraints import StageRange
 from autoshard.graph.invariants import check_order
 from autoshard.graph.split import check_strategy, check_tolerance, honours_constraints, strategies
@@ -64,9 +64,10 @@ def pinned_stages(dag: nx.DiGraph, pins: Sequence[tuple[str, int]],
         for node in sorted(held_by.get(name, ()), key=str):
             held = found.setdefault(node, StageRange(stage, stage, f"pin {name!r}"))
             if held.first != stage:
-                raise InfeasibleSplitError(
+                raise PinConflictError(
                     f"{held.label} holds node {node!r} in stage {held.first} but pin {name!r} holds it in stage "
-                    f"{stage} (one is inside the other, or they share a weight); pin them to one stage")
+                    f"{stage} (one is inside the other, or they share a weight); pin them to one stage",
+                    str(node), (held.first, stage))
     return found
 
 
