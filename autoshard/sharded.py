@@ -839,7 +839,9 @@ class _Binder:
         if binding.groups is not None and (
                 (values[binding.pair[0]] is values[binding.pair[1]]) is not binding.paired if binding.pair is not None
                 else _groups_differ(binding, values)):
-            raise _unlike_the_example(_one_tensor(binding, values))
+            raise _unlike_the_example(_one_tensor(
+                "arguments", one_tensor_groups({name: values[index] for name, index in binding.compared}),
+                binding.groups or ()))
         if self.example is not None and self.example.nested is not None:
             self._check_nested(binding, values)
         if binding.as_is and (keep_positions or self.model_signature is None):
@@ -859,10 +861,10 @@ class _Binder:
             return
         if self.example is None or (tensor_class(value) is kind and leaf in (None, value.is_leaf)):
             return
-        raise _unlike_the_example(
-            f"{name} is {_tensor_kind(tensor_class(value), value.is_leaf if leaf is not None else True)}, but the "
-            f"plan was captured with {_tensor_kind(kind, True if leaf is None else leaf)} there, from which the "
-            "capture answered the model's code (isinstance(x, nn.Parameter), x.grad_fn is None)")
+        raise _unlike_the_example(  # (leafness said only where compared)
+            f"{name} is {_tensor_kind(tensor_class(value), value.is_leaf or leaf is None)}, but the plan was "
+            f"captured with {_tensor_kind(kind, leaf is not False)} there, from which the capture answered the "
+            "model's code (isinstance(x, nn.Parameter), x.grad_fn is None)")
 
     def _check_nested(self, binding: _Binding, values: tuple[Any, ...]) -> None:
         """Where the example passed tensors in a list or dict (``{"p": x, "q": x}``), compare which of a call's
@@ -878,10 +880,7 @@ class _Binder:
         if sorted(n for group in now for n in group) != sorted(n for group in expected for n in group):
             return  # other keys or lengths: the input guard's to say
         if now != expected:
-            said = "; ".join(" and ".join(group) for group in now if len(group) > 1) or "none"
-            then = "; ".join(" and ".join(group) for group in expected if len(group) > 1) or "none"
-            raise _unlike_the_example(f"the tensors that are one are {said}, but {then} were when the plan was "
-                                      "captured, whose capture answered the model's y is x from the example")
+            raise _unlike_the_example(_one_tensor("tensors", now, expected))
 
     def _refusal(self, reason: TypeError, another_capture: bool = False) -> InputMismatchError:
         """``_not_fitting``, or for a plan captured without example inputs, ``_not_fitting_the_signature``."""
@@ -1009,13 +1008,13 @@ def _tensor_kind(kind: type, leaf: bool) -> str:
     return f"a {'tensor' if kind is torch.Tensor else kind.__name__}{'' if leaf else ' computed by autograd'}"
 
 
-def _one_tensor(binding: _Binding, values: tuple[Any, ...]) -> str:
-    """What a call's tensor arguments that are one tensor differ in from the example's."""
+def _one_tensor(what: str, now: tuple[tuple[str, ...], ...], then: tuple[tuple[str, ...], ...]) -> str:
+    """Which of a call's ``what`` (arguments, tensors) are one tensor (``now``, ``one_tensor_groups``), against
+    the example's (``then``)."""
     def said(groups: tuple[tuple[str, ...], ...]) -> str:
         return "; ".join(" and ".join(group) for group in groups if len(group) > 1) or "none"
-    now = one_tensor_groups({name: values[index] for name, index in binding.compared})
-    return (f"the arguments that are one tensor are {said(now)}, but {said(binding.groups or ())} were when the plan "
-            "was captured, whose capture answered the model's y is x from the example")
+    return (f"the {what} that are one tensor are {said(now)}, but {said(then)} were when the plan was captured, "
+            "whose capture answered the model's y is x from the example")
 
 
 #: ``_Binder`` by first stage (a stage's graph does not change after emit).

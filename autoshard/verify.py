@@ -39,8 +39,8 @@ from autoshard.capture.guard import autocast_now, chosen_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
 from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.errors import InputMismatchError, SpecializationMismatch, TraceError, VerificationError, user_stacklevel
-from autoshard.isolation import (SCALARS, PlainInterpreter, called_on_copies, cloned, detached_values, each_tensor_once,
-                                 isolated, module_state_restored, run_seeded, strided_copy, alike)
+from autoshard.isolation import (SCALARS, PlainInterpreter, alike, called_on_copies, cloned, detached_values,
+                                 each_tensor_once, isolated, module_state_restored, run_seeded, strided_copy)
 from autoshard.lowering.inplace import written_values
 
 

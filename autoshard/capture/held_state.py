@@ -291,15 +291,8 @@ class StayAsCaptured:
 
 def _hooks_held(namespace: Mapping[str, Any], names: Sequence[str], expected: Sequence[Any]) -> bool:
     """Whether the hook dicts ``namespace[name]`` hold the hooks ``expected`` (``_hooks``), as a call
-    torch.compile traces asks it: by ``len`` where they held none (Dynamo guards no dict's truth)."""
-    for name, hooks in zip(names, expected):
-        if not hooks:
-            now = namespace.get(name)
-            if now is not None and len(now) != 0:
-                return False
-        elif not same_constant(_hooks(namespace, name), hooks):
-            return False
-    return True
+    torch.compile traces asks it (``finds``: by ``len`` where they held none)."""
+    return all(finds(namespace, name, HOOKS if hooks else EMPTY, hooks) for name, hooks in zip(names, expected))
 
 
 def _hooks(namespace: Mapping[str, Any], name: str) -> tuple[tuple[Any, bool, bool], ...]:
