@@ -19,7 +19,9 @@ import torch.distributed as dist
 import transformers
 
 import autoshard
-from autoshard.runtime import TiedGradients, build_schedule, check_pipeline_step, model_loss, pipeline_stage
+from autoshard.runtime import (
+    TiedGradients, build_schedule, check_pipeline_step, leave_process_group, model_loss, pipeline_stage,
+)
 
 
 def tiny_gpt2() -> transformers.GPT2LMHeadModel:
@@ -55,7 +57,7 @@ def main() -> None:
                                 loss_fn=model_loss, ties=ties)
     if rank == 0:
         print(check)
-    dist.destroy_process_group()
+    leave_process_group()  # (returning instead can abort in gloo's teardown: see its docstring)
 
 
 if __name__ == "__main__":

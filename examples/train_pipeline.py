@@ -53,7 +53,7 @@ import autoshard
 from autoshard.examples import GPTStyleLMWithLoss, ResidualMLP
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoshard.runtime import SCHEDULES, model_loss, parallelize
+from autoshard.runtime import SCHEDULES, leave_process_group, model_loss, parallelize
 
 Batch = tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], torch.Tensor]  # args, kwargs, target
 
@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                 loss /= args.dp
             if parallel.dp_rank == 0:
                 print(f"step {step} loss {loss.item():.8e}", flush=True)
-    dist.barrier()  # no rank tears its connections down while another's last sends are in flight
-    dist.destroy_process_group()
+    leave_process_group()  # (returning instead can abort in gloo's teardown: see its docstring)
 
 
 if __name__ == "__main__":

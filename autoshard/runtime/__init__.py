@@ -28,7 +28,7 @@ _EXPORTS = {
     ),
     "autoshard.runtime.calibrate": ("RuntimeCalibration", "calibrate_runtime"),
     "autoshard.runtime.device_maps": ("device_map", "split_modules"),
-    "autoshard.runtime.launch": ("run_local",),
+    "autoshard.runtime.launch": ("leave_process_group", "run_local"),
     "autoshard.runtime.materialize": ("materialize_stage",),
     "autoshard.runtime.memory": ("StageMemoryMeasurement", "measure_stage_memory"),
     "autoshard.runtime.offload": ("OffloadRunner",),

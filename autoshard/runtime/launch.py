@@ -1,5 +1,5 @@
 """Run a function on N local processes joined in one process group, with a deadline; or a module
-in a fresh interpreter, with one.
+in a fresh interpreter, with one; and end a ``torchrun`` process without the abort at its exit.
 
 For trying a pipeline on one machine without ``torchrun`` (tests, benchmarks, notebooks). Every
 collective gets the same timeout, and the parent stops waiting at the deadline and ends the
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -151,3 +151,25 @@ def _kill_session(child: subprocess.Popen) -> None:
             os.killpg(child.pid, signal.SIGKILL)
     else:
         child.kill()
+
+
+def leave_process_group(exit_code: int = 0) -> NoReturn:
+    """End this process after its last collective: wait for every rank (none tears its connections down
+    while another's last sends are in flight), destroy the process group, flush the output and exit
+    without finalising the interpreter, as ``multiprocessing``'s workers (``run_local``'s) do.
+
+    Why not return from ``main``: gloo's worker threads hold each finished collective's tensors a
+    moment after ``wait()`` returns, and one dropping a tensor a Python object refers to needs the
+    interpreter lock; under load that can fall in the interpreter's finalisation, where taking the lock
+    ends the thread by an unwinding C++ cannot pass, and the process aborts ("terminate called without
+    an active exception", SIGABRT) after its work is done (seen on this project's CI; PyTorch's
+    attempt to destroy groups at exit, pytorch/pytorch#179291, was abandoned). ``atexit`` handlers do
+    not run: call this last, from the main thread of a ``torchrun`` script."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # (a closed or detached stream has nothing left to write)
+            stream.flush()
+    os._exit(exit_code)
