@@ -7,7 +7,7 @@ import operator
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -797,6 +797,14 @@ class ExampleTensors:
                    {name: t.is_leaf for name, t in tensors.items() if name in leafness_asked}, first,
                    every if in_containers else None, any(len(group) > 1 for group in every))
 
+    @classmethod
+    def of_proxies(cls, names: Iterable[str], leafness_asked: frozenset[str] = frozenset()) -> ExampleTensors:
+        """What a capture without example inputs answered from fx's proxies: each argument a tensor of its
+        own, no Parameter, computed by autograd (``x.grad_fn`` a proxy, not None) where the code asked."""
+        names = tuple(names)
+        return cls(dict.fromkeys(names, torch.Tensor), {name: False for name in names if name in leafness_asked},
+                   {name: name for name in names})
+
 
 class _Binder:
     """``fitted_call`` for one first stage and model signature, with its bindings by call structure."""
@@ -839,7 +847,7 @@ class _Binder:
         if binding.groups is not None and (
                 (values[binding.pair[0]] is values[binding.pair[1]]) is not binding.paired if binding.pair is not None
                 else _groups_differ(binding, values)):
-            raise _unlike_the_example(_one_tensor(
+            raise self._unlike(_one_tensor(
                 "arguments", one_tensor_groups({name: values[index] for name, index in binding.compared}),
                 binding.groups or ()))
         if self.example is not None and self.example.nested is not None:
@@ -861,7 +869,7 @@ class _Binder:
             return
         if self.example is None or (tensor_class(value) is kind and leaf in (None, value.is_leaf)):
             return
-        raise _unlike_the_example(  # (leafness said only where compared)
+        raise self._unlike(  # (leafness said only where compared)
             f"{name} is {_tensor_kind(tensor_class(value), value.is_leaf or leaf is None)}, but the plan was "
             f"captured with {_tensor_kind(kind, leaf is not False)} there, from which the capture answered the "
             "model's code (isinstance(x, nn.Parameter), x.grad_fn is None)")
@@ -880,7 +888,14 @@ class _Binder:
         if sorted(n for group in now for n in group) != sorted(n for group in expected for n in group):
             return  # other keys or lengths: the input guard's to say
         if now != expected:
-            raise _unlike_the_example(_one_tensor("tensors", now, expected))
+            raise self._unlike(_one_tensor("tensors", now, expected))
+
+    def _unlike(self, reason: str) -> InputMismatchError:
+        """The refusal of a call whose tensors are not as the capture's (``ExampleTensors``): another capture
+        serves it, or for a plan captured without example inputs, one with an example like it."""
+        if self.without_example:
+            return _not_fitting_the_signature(self.signature, TypeError(reason), another_capture=True)
+        return _unlike_the_example(reason)
 
     def _refusal(self, reason: TypeError, another_capture: bool = False) -> InputMismatchError:
         """``_not_fitting``, or for a plan captured without example inputs, ``_not_fitting_the_signature``."""
@@ -977,11 +992,16 @@ class _Binder:
 
 
 def note_example_tensors(first: fx.GraphModule, model_signature: inspect.Signature | None,
-                         args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                         example: tuple[tuple[Any, ...], Mapping[str, Any]] | None,
                          leafness_asked: frozenset[str] = frozenset()) -> None:
     """Keep on ``first`` (the first stage, before its first call) what the example's tensor arguments were
-    (``ExampleTensors``), which its binder compares every call's with."""
-    bound_args, bound_kwargs = _Binder(first, model_signature).bind(tuple(args), dict(kwargs))
+    (``ExampleTensors``; without an example, ``of_proxies``), which its binder compares every call's with."""
+    binder = _Binder(first, model_signature)
+    if example is None:
+        first.meta[EXAMPLE_TENSORS_KEY] = ExampleTensors.of_proxies(binder.inputs, leafness_asked)
+        return
+    args, kwargs = example
+    bound_args, bound_kwargs = binder.bind(tuple(args), dict(kwargs))
     named = inspect.signature(first.forward).bind(*bound_args, **bound_kwargs).arguments
     first.meta[EXAMPLE_TENSORS_KEY] = ExampleTensors.of(named, leafness_asked)
 
@@ -1014,7 +1034,7 @@ def _one_tensor(what: str, now: tuple[tuple[str, ...], ...], then: tuple[tuple[s
     def said(groups: tuple[tuple[str, ...], ...]) -> str:
         return "; ".join(" and ".join(group) for group in groups if len(group) > 1) or "none"
     return (f"the {what} that are one tensor are {said(now)}, but {said(then)} were when the plan was captured, "
-            "whose capture answered the model's y is x from the example")
+            "whose capture answered the model's y is x from its inputs")
 
 
 #: ``_Binder`` by first stage (a stage's graph does not change after emit).
@@ -1057,7 +1077,8 @@ def _not_fitting_the_signature(signature: inspect.Signature, reason: TypeError,
     one) no advice to call the sharded model: sharding with an example is the way."""
     message = (f"these inputs do not fit the sharded plan: {reason}. The plan was made without example inputs, "
                f"from the forward's signature: it takes every argument ({', '.join(signature.parameters)}) as a "
-               "tensor, and serves only calls that pass each one as a tensor; to serve calls like these, shard the "
+               "tensor, each its own and no Parameter (as fx's proxies answered the model's code), and serves only "
+               "calls like that; to serve calls like these, shard the "
                "model with example_inputs= (and example_kwargs=) like them: a model sharded with example inputs also "
                "captures itself again for calls its plan does not serve (respecialize=True, the default)")
     if another_capture:

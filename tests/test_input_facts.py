@@ -79,6 +79,22 @@ def test_calls_whose_inputs_are_one_tensor_or_a_parameter_are_captured_for_that(
     assert len(sharded.specializations) == 2
 
 
+@pytest.mark.parametrize("call", ["same tensor", "parameter", "subclass", "leaf", "leaf requiring grad"])
+def test_a_plan_made_without_example_inputs_refuses_inputs_unlike_its_proxies(call):
+    """fx's proxies answered the code: two tensors, no Parameter, computed by autograd (a grad_fn). A call
+    unlike that was served with their branch (13.7 off for a Parameter) before the binder compared them."""
+    torch.manual_seed(0)
+    model = Asks()
+    sharded = autoshard.shard_model(model, 2)
+    x, y, leaf = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4, requires_grad=True)
+    made = {"same tensor": (x * leaf, ) * 2, "parameter": (nn.Parameter(torch.randn(2, 4)), y),
+            "subclass": ((x * leaf).as_subclass(Tagged), y), "leaf": (x, y), "leaf requiring grad": (leaf, y)}[call]
+    with pytest.raises(autoshard.InputMismatchError, match="made without example inputs"):
+        sharded(*made)
+    computed = (x * leaf, y)
+    assert torch.equal(sharded(*computed), model(*computed))  # as the proxies were: served
+
+
 def test_a_refusal_for_a_tensor_unlike_the_examples_says_what_differs():
     torch.manual_seed(0)
     model, x, y = Asks(), torch.randn(2, 4), torch.randn(2, 4)

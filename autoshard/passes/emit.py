@@ -50,11 +50,11 @@ class EmitPass(Pass):
                         "which checks it") from exc
         boundaries = tuple(tuple(b) for b in boundary_values(program.dag, assignment, k))
         stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
-        if program.example_inputs is None and stages:
-            stages[0].meta[WITHOUT_EXAMPLE_KEY] = True
-        elif stages:
-            example = program.example_inputs
-            note_example_tensors(stages[0], forward_signature(program.model), example.args, example.kwargs,
+        example = program.example_inputs
+        if stages:
+            stages[0].meta[WITHOUT_EXAMPLE_KEY] = example is None
+            note_example_tensors(stages[0], forward_signature(program.model),
+                                 None if example is None else (example.args, example.kwargs),
                                  program.traced.leafness_asked)
         for stage in stages:
             state = getattr(stage, HELD_STATE)
