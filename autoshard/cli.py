@@ -1,7 +1,7 @@
 """The autoshard command: split a model and show, save, draw or compare the plan.
 
     autoshard split TARGET --stages K [--out plan.json] [--svg plan.svg] [--compare greedy,min-cut]
-    autoshard split TARGET --stages K --device-tflops 989 --device-bandwidth 3350   # times for that device
+    autoshard split TARGET --stages K --device-tflops 989 --device-bandwidth 3350GB/s   # times for that device
     autoshard split TARGET --stages K --max-memory 40GiB --optimizer sgd-momentum --microbatches 8
     autoshard split TARGET --stages K --link-bandwidth 25GB/s --link-latency 5us  # step time over that link
     autoshard split TARGET --plan plan.json        # rebuild the saved stages
@@ -270,6 +270,11 @@ def _links(args: argparse.Namespace) -> dict[str, float]:
     given = {name: value for name, value in (("link_bandwidth", args.link_bandwidth),
                                              ("link_latency", args.link_latency)) if value is not None}
     read = StepTimeModel(**given)
+    bare = args.link_bandwidth is not None and args.link_bandwidth.strip().rstrip("0123456789.eE+-") == ""
+    if bare and read.link_bandwidth < 1e6:  # --device-bandwidth's bare number is GB/s: 25 meant as 25GB/s?
+        warnings.warn(f"--link-bandwidth {args.link_bandwidth} is read as {read.link_bandwidth:g} bytes per second, "
+                      "slower than any link; a bare number is bytes/s here (and GB/s for --device-bandwidth): give "
+                      "the unit, as in --link-bandwidth 25GB/s or 200Gbit/s", UserWarning, stacklevel=2)
     return {name: getattr(read, name) for name in given}
 
 
@@ -483,8 +488,10 @@ def _plan_command(args: argparse.Namespace, console: Console, build: bool) -> in
         raise InvalidArgumentError("--compare shows strategies side by side; "
                                    "run again with one --strategy to save or draw")
     links = _links(args)
-    if args.quiet and getattr(args, "time_stages", False):
-        raise InvalidArgumentError("--time-stages prints the step it predicts, and --quiet prints nothing: drop one")
+    prints = {"--time-stages": "the step it predicts", "--timing": "the time each pass took"}
+    asked = [flag for flag in prints if getattr(args, flag[2:].replace("-", "_"), False)]
+    if args.quiet and asked:
+        raise InvalidArgumentError(f"{asked[0]} prints {prints[asked[0]]}, and --quiet prints nothing: drop one")
     if args.compare and links:
         raise InvalidArgumentError("--link-bandwidth and --link-latency set the link of the predicted step time, "
                                    "which --compare does not show; drop them, or run again with one --strategy")

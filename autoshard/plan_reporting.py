@@ -221,6 +221,11 @@ def plan_report(
 def _check_report_arguments(sharded: Any, extra_costs: Any, memory: Any, device: Any, step: Any) -> None:
     """A wrong type named with what to pass, before it fails deep in the report (``step="gpipe"`` was
     an ``AttributeError`` on ``backward_ratio``)."""
+    if isinstance(sharded, SavedPlan):
+        raise InvalidArgumentTypeError(
+            "plan_report takes a ShardedModel (shard_model's result) or its plan, got a SavedPlan (read_plan's), "
+            "which holds no stages: report the stages it makes, plan_report(autoshard.load_plan(path, model, "
+            "example_inputs)), or show the file: autoshard inspect PATH")
     if not isinstance(sharded, (ShardedModel, StagePlan)):
         raise InvalidArgumentTypeError(f"plan_report takes a ShardedModel (shard_model's result) or its plan, got "
                                        f"{type(sharded).__name__}")

@@ -606,6 +606,10 @@ class ShardedModel(FixedDtypes):
         except SpecializationMismatch as exc:
             exc.stage = stage  # the stages after it did not run (``specialize.rerun_of``)
             raise
+        except RuntimeError as exc:  # (torch's: 'Tensor on device meta is not on the expected device cpu!')
+            if not received and getattr(_device_of(stage.__dict__, stage), "type", None) == "meta":
+                raise PlanError(ON_META) from exc
+            raise
         return values
 
     @property
@@ -1126,6 +1130,13 @@ def _device_of(held: dict[str, Any], stage: nn.Module) -> torch.device | None:
     return placed.device
 
 
+#: Why a stage on the meta device does not take real tensors.
+ON_META = ("a stage whose weights are on the meta device (a plan made from a model on meta; materialize_stage gives "
+           "real weights only to the stages it is asked for) was handed real tensors, from which it can compute "
+           "nothing but shapes: run the stages that were materialised (copy.stages[i]), or materialise every stage "
+           "before calling the sharded model")
+
+
 def moved_to(device: torch.device | None, values: Any) -> Any:
     """``values`` (a tuple, or a dict of keyword arguments) with their tensors on ``device``: stages
     placed on devices of their own by hand (``stages[i].to(f"cuda:{i}")``) hand each other their
@@ -1138,4 +1149,6 @@ def moved_to(device: torch.device | None, values: Any) -> Any:
             break
     else:  # a plain loop: a generator for all() cost as much as the rest of the check
         return values
+    if device.type == "meta":
+        raise PlanError(ON_META)
     return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v, values)

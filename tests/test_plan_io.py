@@ -130,6 +130,14 @@ def test_load_plan_rebuilds_the_same_stages(residual, saved):
     assert rebuilt.plan.split_info == read_plan(saved).split.info == original.plan.split_info
 
 
+def test_a_read_plan_given_to_plan_report_is_refused_saying_how_to_report_it(residual, saved):
+    model, args, _, _ = residual
+    with pytest.raises(autoshard.InvalidArgumentTypeError, match=r"got a SavedPlan .* holds no stages: report the "
+                       r"stages it makes, plan_report\(autoshard.load_plan\(path, model, example_inputs\)\)"):
+        autoshard.plan_report(read_plan(saved))
+    assert len(autoshard.plan_report(load_plan(saved, model, args)).stages) == 4  # as it says
+
+
 def test_a_hand_moved_node_is_used(residual, saved):
     """Moving linears_2 (and the add after it) back into stage 0 is a valid edit, and it sticks."""
     model, args, _, _ = residual

@@ -225,6 +225,22 @@ def test_a_pipeline_stage_of_a_meta_plan_says_to_use_the_materialised_copy(tmp_p
         stage_module(planned, 0, torch.device("cpu"))  # what pipeline_stage builds its stage with
 
 
+def test_a_copy_with_stages_still_on_meta_called_whole_is_refused_not_answered_on_meta(tmp_path):
+    """A stage on meta hands its received tensors to meta: the copy ``materialize_stage`` returns, called whole,
+    returned a meta tensor for a real input without a word; and the plan itself, torch's device error."""
+    from autoshard.errors import PlanError
+
+    model, (x,), _, planned = saved_and_planned_on_meta("residual-mlp", ResidualMLP, tmp_path)
+    first = materialize_stage(planned, 0, tmp_path / "model.pt")
+    for sharded in (first, planned):
+        with pytest.raises(PlanError, match="a stage whose weights are on the meta device .* was handed real"):
+            sharded(x)
+    assert planned(x.to("meta")).is_meta  # shapes from the plan itself: served
+    assert not any(t.is_meta for t in first.stages[0](x))  # the stage materialised computes
+    whole = materialize_stage(planned, [0, 1], tmp_path / "model.pt")
+    assert torch.equal(whole(x), model(x))
+
+
 @pytest.mark.parametrize("name", ["gpt-lm", "scaled"])
 def test_the_sharded_models_state_dict_is_the_models_and_it_loads_the_models_checkpoint(name):
     model, args = build(name)

@@ -477,6 +477,10 @@ def test_a_link_flag_that_equals_the_default_is_kept_too(capsys, monkeypatch):
 def test_the_command_line_refuses_to_time_stages_it_would_print_nothing_of(capsys):
     code = cli.main(["split", "residual-mlp", "-k", "2", "--time-stages", "--quiet"])
     assert code == 2 and "--quiet prints nothing: drop one" in " ".join(capsys.readouterr().err.split())
+    for command in ("split", "inspect"):  # the passes' times too (printed nothing, and succeeded)
+        code = cli.main([command, "residual-mlp", "-k", "2", "--timing", "-q"])
+        assert code == 2 and "--timing prints the time each pass took, and --quiet prints nothing" in " ".join(
+            capsys.readouterr().err.split())
     # --compare shows no plan's step either: refused, as the link flags are, rather than ignored
     code = cli.main(["split", "residual-mlp", "-k", "2", "--time-stages", "--compare", "greedy,min-cut"])
     assert code == 2 and ("--time-stages times the stages of one plan, which --compare does not build; drop it, or run "

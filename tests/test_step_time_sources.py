@@ -112,6 +112,14 @@ def test_the_link_bandwidth_reads_a_rate_with_units_as_a_bare_number_in_bytes_pe
     assert len(set(lines.values())) == 1 and "25 GB/s" in lines["25GB/s"]  # (Gb, Gbit, Gbps: gigabits)
 
 
+@pytest.mark.parametrize("value, warned", [("25", True), ("1e5", True), ("2.5e10", False), ("25GB/s", False)])
+def test_a_bare_link_bandwidth_slower_than_any_link_is_warned_as_bytes_per_second(capsys, value, warned):
+    """--device-bandwidth 3350 reads GB/s, --link-bandwidth 25 bytes/s: a step predicted 1e9 times too slow, said."""
+    code, _, err = run(capsys, "inspect", "residual-mlp", "-k", "2", "--link-bandwidth", value)
+    assert code == 0
+    assert ("is read as" in err and "bytes per second" in err and "--link-bandwidth 25GB/s" in err) is warned, err
+
+
 @pytest.mark.parametrize("flag, value, spellings", [
     ("--link-bandwidth", "25gb/s", ("25GB/s for bytes", "25Gbit/s for bits")),
     ("--link-bandwidth", "25 mb/s", ("25MB/s for bytes", "25Mbit/s for bits")),

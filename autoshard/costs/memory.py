@@ -195,7 +195,8 @@ class StageMemory:
     (``MemoryModel.forwards_first``), the most a later backward adds to the microbatches held: its own
     peak, less what the backwards before it freed for good (a microbatch's activations and what it
     sent, each), plus the gradients they sent back, which torch's schedules hold
-    (``MemoryModel.sends_held``). None: one microbatch, no later backward."""
+    (``MemoryModel.sends_held``): a change to what is held, so below 0 where the backwards before freed
+    more than a later one takes. None: one microbatch, no later backward."""
     sent_back_bytes: float = 0.0
     """In 1F1B's steady state (``MemoryModel.refills``), the new buffers of the gradients the previous
     backward sent back, which torch's schedule holds through the next forward and backward."""

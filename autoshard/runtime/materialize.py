@@ -30,7 +30,9 @@ def materialize_stage(
 
     Other stages keep their tensors (meta placeholders cost nothing); a tensor a materialised stage
     shares with another stage becomes real in both, so shared parameters stay shared. Neither
-    ``sharded`` nor the model it was made from is modified.
+    ``sharded`` nor the model it was made from is modified. Run the stages materialised
+    (``copy.stages[i]``, ``pipeline_stage(copy, i)``): the copy called whole, with a stage still on
+    meta, is refused (``PlanError``).
     """
     indices = stage_index if isinstance(stage_index, Sequence) and not isinstance(stage_index, str) else [stage_index]
     wanted = [whole_number(index, "stage_index", at_least=0) for index in indices]
