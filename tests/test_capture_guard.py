@@ -252,7 +252,7 @@ def test_a_plan_made_without_example_inputs_says_so_and_not_to_call_the_sharded_
     model = TwoOptional()
     sharded = autoshard.shard_model(model, 2)
     x, t = torch.randn(3, 4), torch.randn(3, 4)
-    assert torch.equal(sharded(x, t, t), model(x, t, t))
+    assert torch.equal(sharded(x, t, t.clone()), model(x, t, t))  # (t twice: refused, as the proxies were two)
     with pytest.raises(InputMismatchError, match=rf"{reason}\. The plan was made without example inputs, from the "
                                                  r"forward's signature: it takes every argument \(x, a, b\) as a "
                                                  r"tensor.*shard the model with example_inputs=") as info:
