@@ -256,13 +256,18 @@ def summary_lines(plan: SavedPlan) -> list[str]:
     fmt = lambda v: format_cost(plan.cost_model, v)  # noqa: E731 - a local shorthand
     crossing = sum(len(b) for b in plan.boundaries())
     sent = plan.boundary_bytes()
+    columns = plan.cost_models()
+    idle = [str(j) for j in range(plan.num_stages) if not any(plan.stage_costs(m)[j] for m in columns)]
     return [
         f"bottleneck ({plan.cost_model}): stage {worst} at {fmt(costs[worst])} = {ratio} the lower bound "
         f"{fmt(bound)} (max of total / {plan.num_stages} = {fmt(total / plan.num_stages)} "
         f"and the largest node = {fmt(largest)})",
         f"boundaries: {plural(crossing, 'value crossing')}, {format_size(plan, plan.total_boundary_bytes())} in total"
         + (f", largest boundary {format_size(plan, max(sent))}" if sent else ""),
-    ]
+    ] + ([f"{'stage' if len(idle) == 1 else 'stages'} {first_few(idle)} "
+          f"{'computes' if len(idle) == 1 else 'compute'} nothing the costs count "
+          f"({', '.join(columns)}: 0), so a rank running one only passes values on: fewer stages give each one work"]
+         if idle else [])
 
 
 def how_made_lines(plan: SavedPlan) -> list[str]:

@@ -91,6 +91,13 @@ def test_summary_gives_the_bottleneck_over_its_lower_bound_and_the_traffic():
     assert traffic == "boundaries: 2 value crossings, 512 B in total, largest boundary 512 B"
 
 
+def test_a_stage_computing_nothing_the_costs_count_is_said():
+    """A plan of more stages than the model's work fills (8 of a small transformer LM: three passed values on)."""
+    assert not any("nothing the costs count" in line for line in summary_lines(hand_plan()))
+    idle = summary_lines(hand_plan({"l0": 1, "l1": 1}))[-1]
+    assert idle.startswith("stage 0 computes nothing the costs count (params, flops: 0)")
+
+
 def test_unmeasured_sizes_are_counted_as_values_not_bytes():
     traffic = summary_lines(hand_plan(sized=False))[1]
     assert traffic == "boundaries: 2 value crossings, 2 values in total, largest boundary 2 values"
