@@ -434,6 +434,9 @@ class ShardedModel(FixedDtypes):
         self._first_held = held
         self._kept_binder = _KeptBinder(stages[0] if stages else None, model_signature)
         self._model_held = _ModelHeld(model)
+        #: whether the plan was made from a model on the meta device (``materialize_stage`` gives stages real
+        #: tensors): a stage of it still on meta refuses real tensors (a stage moved there by hand takes them)
+        self.made_on_meta = any(t.is_meta for stage in stages for t in stage.parameters())
         self.register_state_dict_post_hook(_under_model_keys)
         self.register_load_state_dict_pre_hook(_from_model_keys)
 
@@ -592,11 +595,12 @@ class ShardedModel(FixedDtypes):
                      or module_state._global_backward_hooks or module_state._global_backward_pre_hooks
                      or torch._C._get_tracing_state())
         received = False  # the first stage takes the call as bound; each later one what the one before sent
+        on_meta = self.__dict__.get("made_on_meta", False)
         try:
             for stage in self.__dict__["_modules"]["stages"]._modules.values():
                 held = stage.__dict__
                 if received:
-                    values = moved_to(_device_of(held, stage), values)
+                    values = moved_to(_device_of(held, stage), values, refuse_meta=on_meta)
                 if plain and not (held["_forward_hooks"] or held["_forward_pre_hooks"] or held["_backward_hooks"]
                                   or held["_backward_pre_hooks"] or held.get("_compiled_call_impl") is not None):
                     values = stage.forward(*values, **keywords)
@@ -607,7 +611,7 @@ class ShardedModel(FixedDtypes):
             exc.stage = stage  # the stages after it did not run (``specialize.rerun_of``)
             raise
         except RuntimeError as exc:  # (torch's: 'Tensor on device meta is not on the expected device cpu!')
-            if not received and getattr(_device_of(stage.__dict__, stage), "type", None) == "meta":
+            if on_meta and not received and getattr(_device_of(stage.__dict__, stage), "type", None) == "meta":
                 raise PlanError(ON_META) from exc
             raise
         return values
@@ -1137,11 +1141,12 @@ ON_META = ("a stage whose weights are on the meta device (a plan made from a mod
            "before calling the sharded model")
 
 
-def moved_to(device: torch.device | None, values: Any) -> Any:
+def moved_to(device: torch.device | None, values: Any, refuse_meta: bool = False) -> Any:
     """``values`` (a tuple, or a dict of keyword arguments) with their tensors on ``device``: stages
     placed on devices of their own by hand (``stages[i].to(f"cuda:{i}")``) hand each other their
     boundary values there. Flat values already there (always, on one device) are passed on as
-    they are, without rebuilding the container."""
+    they are, without rebuilding the container. ``refuse_meta``: a stage of a plan made on meta is
+    there because it was never materialised, so real values are refused (``ON_META``), not made meta."""
     if device is None:
         return values
     for value in values.values() if isinstance(values, dict) else values:
@@ -1149,6 +1154,6 @@ def moved_to(device: torch.device | None, values: Any) -> Any:
             break
     else:  # a plain loop: a generator for all() cost as much as the rest of the check
         return values
-    if device.type == "meta":
+    if refuse_meta and device.type == "meta":
         raise PlanError(ON_META)
     return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v, values)
