@@ -257,7 +257,7 @@ def summary_lines(plan: SavedPlan) -> list[str]:
     crossing = sum(len(b) for b in plan.boundaries())
     sent = plan.boundary_bytes()
     columns = plan.cost_models()
-    idle = [str(j) for j in range(plan.num_stages) if not any(plan.stage_costs(m)[j] for m in columns)]
+    idle = [str(j) for j, stage in enumerate(zip(*(plan.stage_costs(m) for m in columns))) if not any(stage)]
     return [
         f"bottleneck ({plan.cost_model}): stage {worst} at {fmt(costs[worst])} = {ratio} the lower bound "
         f"{fmt(bound)} (max of total / {plan.num_stages} = {fmt(total / plan.num_stages)} "

@@ -766,9 +766,6 @@ class _Binding:
     paired: bool = False
 
 
-#: In a first stage's ``meta``: the capture had no example inputs (``shard_model(model, k)``), so the
-#: stage takes every argument of the model's forward as a tensor, and refusals say so, not "the example".
-WITHOUT_EXAMPLE_KEY = "autoshard_captured_without_example"
 #: In a first stage's ``meta``: what the example's tensor arguments were besides their dtypes and shapes
 #: (``ExampleTensors``), which the capture answered the model's code from.
 EXAMPLE_TENSORS_KEY = "autoshard_example_tensors"
@@ -792,6 +789,9 @@ class ExampleTensors:
     nested: tuple[tuple[str, ...], ...] | None = None
     #: whether one of those groups holds more than one
     nested_one: bool = False
+    #: the capture had no example inputs (``shard_model(model, k)``, ``of_proxies``): the stage takes every
+    #: argument of the model's forward as a tensor, and refusals say so, not "the example"
+    from_proxies: bool = False
 
     @classmethod
     def of(cls, named: Mapping[str, Any], leafness_asked: frozenset[str] = frozenset()) -> ExampleTensors:
@@ -811,7 +811,7 @@ class ExampleTensors:
         own, no Parameter, computed by autograd (``x.grad_fn`` a proxy, not None) where the code asked."""
         names = tuple(names)
         return cls(dict.fromkeys(names, torch.Tensor), {name: False for name in names if name in leafness_asked},
-                   {name: name for name in names})
+                   {name: name for name in names}, from_proxies=True)
 
 
 class _Binder:
@@ -820,8 +820,8 @@ class _Binder:
     def __init__(self, first: fx.GraphModule, model_signature: inspect.Signature | None) -> None:
         self.signature = inspect.signature(first.forward)
         self.model_signature = model_signature
-        self.without_example = bool(getattr(first, "meta", {}).get(WITHOUT_EXAMPLE_KEY))
         self.example: ExampleTensors | None = getattr(first, "meta", {}).get(EXAMPLE_TENSORS_KEY)
+        self.without_example = self.example is not None and self.example.from_proxies
         inputs = _graph_inputs(first)
         self.inputs = tuple(self.signature.parameters) if inputs is None else inputs
         self.bindings: dict[tuple[Any, ...], _Binding | TypeError] = {}

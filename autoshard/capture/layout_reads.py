@@ -30,8 +30,8 @@ LEAFNESS = frozenset({"grad_fn", "is_leaf"})
 
 
 class LayoutReads(TorchFunctionMode):
-    """``read``: ``(input name, "stride" | "storage_offset")`` for each question the model's code asked of
-    an input tensor (one in a container by its path, ``d['x']``) while ``watching`` it."""
+    """``read``: ``(input name, question)``, the question one of ``_ASKED``, for each the model's code asked
+    of an input tensor (one in a container by its path, ``d['x']``) while ``watching`` it."""
 
     def __init__(self) -> None:
         super().__init__()

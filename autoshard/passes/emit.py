@@ -21,7 +21,7 @@ from autoshard.isolation import HeldModule
 from autoshard.lowering.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
 from autoshard.passes.base import Pass, PassContext, ShardProgram
-from autoshard.sharded import WITHOUT_EXAMPLE_KEY, ShardedModel, StagePlan, note_example_tensors
+from autoshard.sharded import ShardedModel, StagePlan, note_example_tensors
 from autoshard.specialize import CapturedFor, call_structure
 
 
@@ -52,7 +52,6 @@ class EmitPass(Pass):
         stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
         example = program.example_inputs
         if stages:
-            stages[0].meta[WITHOUT_EXAMPLE_KEY] = example is None
             note_example_tensors(stages[0], forward_signature(program.model),
                                  None if example is None else (example.args, example.kwargs),
                                  program.traced.leafness_asked)
