@@ -64,11 +64,16 @@ def bytes_per_second(text: str, name: str, bare_unit: str) -> float:
         value /= 8
     if value is not None and not per_second:
         bare = _UNITS[bare_unit[:-2].upper()]
-        value = value * bare if stripped.rstrip("0123456789.eE+-") == "" else None  # a unit needs its "/s"
+        value = value * bare if is_bare_number(stripped) else None  # a unit needs its "/s"
     if value is None or value <= 0:
         raise InvalidArgumentError(f"{name} takes a rate > 0 such as 25GB/s, 900GiB/s, 200Gbit/s or a bare "
                                    f"number (in {bare_unit}); got {text!r}")
     return value
+
+
+def is_bare_number(text: str) -> bool:
+    """Whether ``text`` is a number written without a unit (``25``, ``2.5e10``), read in a flag's bare unit."""
+    return text.strip().rstrip("0123456789.eE+-") == ""
 
 
 def _with_unit(text: str) -> float | None:

@@ -32,7 +32,7 @@ from autoshard import __version__, progress
 from autoshard.api import (
     bind_pipeline, check_stages_made, default_pipeline, example_inputs_of, stage_limits, steps_at, without_verify,
 )
-from autoshard.arguments import byte_count, bytes_per_second, whole_number
+from autoshard.arguments import byte_count, bytes_per_second, is_bare_number, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import memory_shortfall
 from autoshard.costs.memory_model import INTERLEAVED_STAGES_PER_RANK, OPTIMIZER_BYTES, SCHEDULES, MemoryModel
@@ -270,7 +270,7 @@ def _links(args: argparse.Namespace) -> dict[str, float]:
     given = {name: value for name, value in (("link_bandwidth", args.link_bandwidth),
                                              ("link_latency", args.link_latency)) if value is not None}
     read = StepTimeModel(**given)
-    bare = args.link_bandwidth is not None and args.link_bandwidth.strip().rstrip("0123456789.eE+-") == ""
+    bare = args.link_bandwidth is not None and is_bare_number(args.link_bandwidth)
     if bare and read.link_bandwidth < 1e6:  # --device-bandwidth's bare number is GB/s: 25 meant as 25GB/s?
         warnings.warn(f"--link-bandwidth {args.link_bandwidth} is read as {read.link_bandwidth:g} bytes per second, "
                       "slower than any link; a bare number is bytes/s here (and GB/s for --device-bandwidth): give "
