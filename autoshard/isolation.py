@@ -125,18 +125,16 @@ _ABSENT = object()
 TRACE_VALUES = (fx.Proxy, torch.SymInt, torch.SymFloat, torch.SymBool, FakeTensor)
 
 
-def clear_trace_values(value: Any, depth: int = 6) -> None:
-    """Set to None every trace value kept in ``value``'s lists, dicts and object attributes (not
-    inside tensors, modules' registries or tuples). A graph keeps an object its traced forward made
-    as a constant (Hugging Face's empty key/value cache), and the trace fills it with Proxies; a
-    Proxy there breaks a deep copy of the stage: its ``__deepcopy__`` fails part way and leaves the
-    memo holding the ids of freed objects, which later objects then reuse (a T5 stage's copy once
-    rebuilt an ``inspect.Parameter`` from an fx node's state)."""
+def trace_value_slots(value: Any, depth: int = 6) -> Iterator[tuple[Any, Any]]:
+    """``(holder, key)`` of every trace value kept in ``value``'s lists, dicts and object attributes (not
+    inside tensors, modules' registries or tuples), ``holder`` being the list or dict (an object's
+    ``vars``) that holds it."""
     seen: set[int] = set()
-
-    def clear(holder: Any, level: int) -> None:
+    pending = [(value, 0)]
+    while pending:
+        holder, level = pending.pop()
         if level > depth or id(holder) in seen or isinstance(holder, (torch.Tensor, type)):
-            return
+            continue
         seen.add(id(holder))
         if isinstance(holder, list):
             items: Iterable[tuple[Any, Any]] = list(enumerate(holder))
@@ -145,15 +143,23 @@ def clear_trace_values(value: Any, depth: int = 6) -> None:
         elif hasattr(holder, "__dict__") and not isinstance(holder, types.ModuleType):
             holder, items = vars(holder), list(vars(holder).items())
         else:
-            return
+            continue
         for key, item in items:
-            if not isinstance(item, TRACE_VALUES):
-                clear(item, level + 1)
-            elif not isinstance(holder, (fx.immutable_collections.immutable_list,
-                                         fx.immutable_collections.immutable_dict)):
-                holder[key] = None
+            if isinstance(item, TRACE_VALUES):
+                yield holder, key
+            else:
+                pending.append((item, level + 1))
 
-    clear(value, 0)
+
+def clear_trace_values(value: Any) -> None:
+    """Set to None every trace value kept in ``value`` (``trace_value_slots``). A graph keeps an object
+    its traced forward made as a constant (Hugging Face's empty key/value cache), and the trace fills it
+    with Proxies; a Proxy there breaks a deep copy of the stage: its ``__deepcopy__`` fails part way and
+    leaves the memo holding the ids of freed objects, which later objects then reuse (a T5 stage's copy
+    once rebuilt an ``inspect.Parameter`` from an fx node's state)."""
+    for holder, key in list(trace_value_slots(value)):
+        if not isinstance(holder, (fx.immutable_collections.immutable_list, fx.immutable_collections.immutable_dict)):
+            holder[key] = None
 
 
 #: Where a trace can leave a value besides plain attributes: ``self.count += 1`` on a buffer

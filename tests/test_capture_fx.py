@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import math
 import pickle
+import types
 from typing import Any
 
 import numpy as np
@@ -919,17 +920,13 @@ class MakesACache(nn.Module):
         return self.out(cache.update(x)), cache
 
 
-def test_an_object_the_forward_made_keeps_no_trace_value_as_a_constant_of_the_graph(caplog):
-    """The graph keeps the cache as a constant, which the trace filled with a Proxy: a deep copy of
-    the stage then failed part way and left the ids of freed objects in its memo (a T5 stage's copy
-    once rebuilt an ``inspect.Parameter`` from an fx node's state)."""
+def test_an_object_the_forward_made_and_returned_is_refused_without_verification():
+    """The graph kept the cache as a constant whose trace values were cleared: a plan made without the
+    verify pass returned it emptied, the same object on every call."""
     x = torch.randn(2, 8)
-    pipeline = "capture,shape-prop,build-dag,linearize,split{stages=2},emit"  # verify refuses objects as outputs
-    sharded = autoshard.shard_model(MakesACache(), 2, example_inputs=(x,), pipeline=pipeline)
-    cache = sharded(x)[1]
-    assert isinstance(cache, _Cache) and cache.layers[0]["keys"] is None
-    copy.deepcopy(sharded)
-    assert "cannot be deepcopied" not in caplog.text
+    pipeline = "capture,shape-prop,build-dag,linearize,split{stages=2},emit"
+    with pytest.raises(TraceError, match="MakesACache returns a _Cache holding values its forward computed"):
+        autoshard.shard_model(MakesACache(), 2, example_inputs=(x,), pipeline=pipeline)
 
 
 class Segments(nn.Module):
@@ -1922,3 +1919,28 @@ def test_a_hook_returning_its_output_adds_no_memory_and_each_stage_holds_what_th
     predicted = autoshard.plan_report(sharded, device=autoshard.DeviceModel(1e12, 1e12)).stages  # no calibration
     measured = [measure_stage_memory(sharded, j, (x,)).peak for j in range(5)]
     assert [stage.memory.total for stage in predicted] == measured
+
+
+class _Holder:
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.mark.parametrize("holder", [types.SimpleNamespace, _Holder])
+@pytest.mark.parametrize("with_example", [True, False])
+def test_an_output_object_the_trace_cannot_rebuild_is_refused_even_unverified(holder, with_example):
+    """fx keeps an object it does not rebuild (not a tuple, list, dict or dataclass) as a constant, and the
+    trace values in it were cleared: the plan returned the same emptied object on every call."""
+
+    class Returning(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return holder(value=self.b(self.a(x)))
+
+    example = (torch.randn(2, 4),) if with_example else None
+    with pytest.raises(TraceError, match=f"Returning returns a {holder.__name__} holding values its forward computed"
+                                         ".*emptied.*return its tensors in tuples"):
+        autoshard.shard_model(Returning(), 2, example_inputs=example, verify=False)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 import autoshard
 from autoshard.api import default_pipeline
 from autoshard.capture import TraceResult, capture
-from autoshard.errors import ExampleInputsError, InputMismatchError, VerificationError
+from autoshard.errors import ExampleInputsError, InputMismatchError, TraceError
 from autoshard.passes import Pipeline
 from autoshard.passes.base import ExampleInputs, ShardProgram
 from autoshard.passes.capture import CapturePass
@@ -183,8 +183,11 @@ def test_requested_attentions_are_computed_not_the_examples():
 def test_a_generation_cache_in_the_output_is_refused_saying_what_to_do():
     family = BY_NAME["llama"]
     inputs = {k: v for k, v in family.inputs(*EXAMPLE).items() if k != "use_cache"}  # the config's True
-    with pytest.raises(VerificationError, match=r"DynamicCache\).*call the model with use_cache=False"):
-        autoshard.shard_model(family.build(), 2, example_kwargs=inputs)
+    # refused once traced, before any split (and with verify=False, which used to return it emptied)
+    for verify in (True, False):
+        with pytest.raises(TraceError, match=r"returns a DynamicCache holding values its forward computed.*"
+                                             r"call the model with use_cache=False"):
+            autoshard.shard_model(family.build(), 2, example_kwargs=inputs, verify=verify)
 
 
 def test_no_grad_inference_runs_the_fused_fast_path_as_the_model_does():
@@ -261,7 +264,7 @@ def test_t5_with_labels_and_its_default_cache_says_to_pass_use_cache_false():
     returns by default is what a pipeline cannot serve."""
     model = tiny_t5()
     ids, labels = torch.randint(0, 100, (2, 8)), torch.randint(0, 100, (2, 5))
-    with pytest.raises(VerificationError, match=r"EncoderDecoderCache.*call the model with use_cache=False"):
+    with pytest.raises(TraceError, match=r"EncoderDecoderCache.*call the model with use_cache=False"):
         autoshard.shard_model(model, 2, example_kwargs={"input_ids": ids, "labels": labels})
     sharded = autoshard.shard_model(model, 2, example_kwargs={"input_ids": ids, "labels": labels, "use_cache": False})
     later = {"input_ids": torch.randint(0, 100, (3, 6)), "labels": torch.randint(0, 100, (3, 4)), "use_cache": False}

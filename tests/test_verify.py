@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._pytree import register_pytree_node
 
 import autoshard
-from autoshard.errors import VerificationError
+from autoshard.errors import TraceError, VerificationError
 from autoshard.examples import ResidualMLP
 from autoshard.capture.guard import check_condition
 from autoshard.verify import capture_difference, other_values, verify_stages
@@ -185,7 +185,8 @@ class CachingMLP(torch.nn.Module):
 
 
 def test_an_output_object_holding_tensors_is_refused_saying_what_it_is():
-    with pytest.raises(VerificationError, match=r"objects that hold tensors \(\[1\]: KeyValueCache\).*use_cache=False"):
+    with pytest.raises(TraceError, match=r"returns a KeyValueCache holding values its forward computed.*"
+                                         r"return its tensors in tuples"):
         autoshard.shard_model(CachingMLP(), 2, example_inputs=(torch.randn(2, 4),))
 
 
@@ -200,11 +201,26 @@ class NamespaceMLP(torch.nn.Module):
 
 
 def test_an_output_object_comparing_by_value_is_refused_as_one_the_capture_does_not_look_into():
-    """A ``SimpleNamespace`` compares by value, so it was compared: the trace had kept it as a constant
-    with its tensor gone, and the refusal blamed randomness or globals."""
+    """A ``SimpleNamespace`` compares by value: the trace kept it as a constant with its tensor gone, and
+    the comparison then blamed randomness or globals. The trace refuses it now, naming it."""
+    with pytest.raises(TraceError, match=r"returns a SimpleNamespace holding values its forward computed, an object "
+                                         r"the capture cannot rebuild"):
+        autoshard.shard_model(NamespaceMLP(), 2, example_inputs=(torch.randn(2, 4),))
+
+
+_TABLE = torch.arange(4.0)
+
+
+class ReturnsATable(NamespaceMLP):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, types.SimpleNamespace]:
+        return self.b(self.a(x)), types.SimpleNamespace(table=_TABLE)
+
+
+def test_an_output_object_holding_a_global_tensor_is_refused_by_the_check_against_the_model():
+    """No trace value in it (the trace lets it pass), but stages cannot send it on either."""
     with pytest.raises(VerificationError, match=r"objects that hold tensors \(\[1\]: SimpleNamespace\) where "
                                                 r"the capture does not look"):
-        autoshard.shard_model(NamespaceMLP(), 2, example_inputs=(torch.randn(2, 4),))
+        autoshard.shard_model(ReturnsATable(), 2, example_inputs=(torch.randn(2, 4),))
 
 
 @dataclasses.dataclass
@@ -244,7 +260,7 @@ def test_an_output_type_registered_without_key_paths_is_verified():
 
 
 def test_an_object_holding_tensors_inside_a_keyless_output_is_named_by_its_position():
-    with pytest.raises(VerificationError, match=r"objects that hold tensors \(leaf 1: KeyValueCache\)"):
+    with pytest.raises(TraceError, match=r"returns a KeyValueCache holding values its forward computed"):
         autoshard.shard_model(KeylessOutputMLP(cache=True), 2, example_inputs=(torch.randn(2, 4),))
 
 

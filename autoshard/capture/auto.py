@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from autoshard.capture.eager import check_model_runs
-from autoshard.capture.leaves import TOP_LEVEL_NOT_WRAPPED, TopLevelCodeError
+from autoshard.capture.leaves import TOP_LEVEL_NOT_WRAPPED, ReturnedObjectError, TopLevelCodeError
 from autoshard.capture.meta_proxy import SizeToNumber
 from autoshard.capture.result import TraceResult
 from autoshard.capture.state import ScalarStateWrite, StateWrite
@@ -92,6 +92,8 @@ def capture(
         try:
             tried[name] = _front_end(front)(model, example_args, example_kwargs, fused_paths=fused_paths,
                                             **options, **hooks[front])
+        except ReturnedObjectError:
+            raise  # (torch.export returns no such object either)
         except TraceError as exc:
             tried[name] = exc
         if isinstance(tried[name], TraceResult) and not tried[name].wrapped_modules and not differs(name):

@@ -29,12 +29,13 @@ from torch import nn
 from autoshard.capture.assemble import assemble, model_graph_module
 from autoshard.capture.fast_paths import fused_modules, kept_whole_by_design, packs_padded_batch
 from autoshard.capture.guard import SIZE_CHECKS, InputGuard, check_detached_mode, run_forward_hooks
-from autoshard.capture.leaves import Leaves, capture_with_leaves, function_name, swapped
+from autoshard.capture.leaves import Leaves, ReturnedObjectError, capture_with_leaves, function_name, swapped
 from autoshard.capture.meta import MetaTracer, guard_value, has_proxy, warn_checkpoints_traced
 from autoshard.capture.result import TraceResult, WrappedLeaf
 from autoshard.capture.signature import CallSignature
+from autoshard.capture.structure import is_generation_cache
 from autoshard.errors import TraceError
-from autoshard.isolation import HeldModule, cloned, isolated
+from autoshard.isolation import HeldModule, cloned, isolated, trace_value_slots
 
 __all__ = ["TraceResult", "WrappedLeaf", "has_backward_hooks", "has_call_hooks", "is_primitive", "kept_whole_for_hooks",
            "refuse_backward_hooks_of", "trace_with_leaves"]
@@ -190,6 +191,7 @@ def trace_with_leaves(
 
     (graph, tracer), leaves = capture_with_leaves(model, attempt, "trace")
     warn_checkpoints_traced(type(model).__name__, tracer.checkpoints)
+    refuse_emptied_outputs(graph, tracer.constants, type(model).__name__)
     tracer.forget_examples(graph)
     guard = _guard(signature, tracer, model.training and any(n.target in SIZE_CHECKS for n in graph.nodes))
     if signature is None:  # traced from the model itself: names are already the model's own
@@ -200,6 +202,30 @@ def trace_with_leaves(
                        specialized=tuple(tracer.specialized),
                        input_guard=guard.describe() if guard else "", attributes_read=tracer.attribute_reads.kept(),
                        leafness_asked=frozenset(tracer.leafness_asked))
+
+
+def refuse_emptied_outputs(graph: fx.Graph, constants: Mapping[str, Any], model_name: str) -> None:
+    """Refuse an output the trace kept as a constant object though the forward filled it with computed
+    values (a ``SimpleNamespace``, a plain class, a generation cache): fx rebuilds tensors, tuples,
+    lists, dicts and dataclasses on each call, but such an object is returned as it was made, the same
+    object on every call, with those values cleared (``clear_trace_values``): a wrong answer that only
+    the values' check would catch, and a plan made without it returned."""
+    pending, seen = [graph.output_node()], set()
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        value = constants.get(str(node.target)) if node.op == "get_attr" else None
+        if value is not None and next(trace_value_slots(value), None) is not None:
+            advice = ("it is a generation cache: call the model with use_cache=False" if is_generation_cache(value) else
+                      "return its tensors in tuples, NamedTuples, lists, dicts or dataclasses instead")
+            raise ReturnedObjectError(
+                f"{model_name} returns a {type(value).__name__} holding values its forward computed, an object the "
+                "capture cannot rebuild on each call: the plan would return it emptied, the same object on every "
+                f"call; {advice}")
+        if node.op == "output" or (node.op == "call_function" and isinstance(node.target, type)):
+            pending.extend(node.all_input_nodes)  # (a ModelOutput or OrderedDict rebuilt around it)
 
 
 def _guard(signature: CallSignature | None, tracer: MetaTracer, sizes_checked: bool) -> InputGuard | None:

@@ -73,6 +73,11 @@ class TopLevelCodeError(TraceError):
                          "front end, or move that code into a submodule")
 
 
+class ReturnedObjectError(TraceError):
+    """The model returns an object holding values its forward computed that no front end rebuilds on
+    each call (torch.export refuses such outputs, and stages cannot pass them on)."""
+
+
 def module_paths(model: nn.Module) -> dict[int, str]:
     """``id(module) -> qualified name`` (the first name of a module reachable under several)."""
     return {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
