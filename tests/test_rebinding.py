@@ -1,6 +1,7 @@
-"""A module or parameter the stages call, assigned anew in the model after sharding: refused, where
-the stages would go on computing with the old one (found by helper B: Qwen3's replaced ``lm_head``,
-final norm weight, ``q_proj`` and ``embed_tokens`` served stale values, silently)."""
+"""A module, parameter or buffer the stages call or read, assigned anew in the model after sharding: refused,
+where the stages would go on computing with the old one (found by helper B: Qwen3's replaced ``lm_head``,
+final norm weight, ``q_proj`` and ``embed_tokens`` served stale values, silently; a buffer replaced by
+``load_state_dict(sd, assign=True)``, by a later probe)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ class ScaledBlocks(nn.Module):
         self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)))
         self.head = nn.Linear(8, 8)
         self.scale = nn.Parameter(torch.full((8,), 2.0))
+        self.register_buffer("shift", torch.zeros(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x)) * self.scale
+        return self.head(self.blocks(x)) * self.scale + self.shift
 
 
 def sharded_blocks() -> tuple[ScaledBlocks, autoshard.ShardedModel, torch.Tensor]:
@@ -37,6 +39,8 @@ def sharded_blocks() -> tuple[ScaledBlocks, autoshard.ShardedModel, torch.Tensor
     (lambda m: setattr(m.blocks, "2", nn.Sequential(nn.Linear(8, 8), nn.ReLU())), "2"),
     (lambda m: setattr(m, "blocks", nn.Sequential(*m.blocks)), "blocks"),
     (lambda m: m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True), "scale"),
+    (lambda m: m.load_state_dict({"shift": torch.ones(8)}, strict=False, assign=True), "shift"),
+    (lambda m: setattr(m, "shift", torch.ones(8)), "shift"),
 ])
 def test_a_module_or_parameter_assigned_anew_in_the_model_is_refused(rebind, named):
     model, sharded, x = sharded_blocks()
@@ -55,5 +59,7 @@ def test_updates_in_place_and_the_same_objects_assigned_again_are_served():
         model.scale.mul_(3)
     model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
     model.blocks[0][0].weight = nn.Parameter(torch.randn(8, 8))
-    model.head, model.scale = model.head, model.scale
+    model.head, model.scale, model.shift = model.head, model.scale, model.shift
+    model.shift.add_(1)
+    model.blocks[1][0].register_buffer("cache", torch.ones(1))  # a buffer no stage reads
     assert torch.equal(sharded(x), model(x))

@@ -476,9 +476,9 @@ class HeldState:
         self.holds = _fails
 
     def refuse(self, reason: str) -> None:
-        """Refuse every call from now on, saying ``reason``: the model rebound a module or parameter the
-        stage calls (``capture.rebinding``)."""
-        self.rebound = reason
+        """Refuse every call from now on, saying ``reason``: the model rebound a module, parameter or buffer
+        the stage calls or reads (``capture.rebinding``); the first one rebound is the one named."""
+        self.rebound = self.rebound or reason
         self.check = self.check_in_full
         self.holds = _fails
 

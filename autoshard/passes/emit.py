@@ -57,7 +57,8 @@ class EmitPass(Pass):
                                  program.traced.leafness_asked)
         for stage in stages:
             state = getattr(stage, HELD_STATE)
-            watch(program.model, state, (*state.leaves, *state.weight_paths))
+            read = (str(node.target) for node in stage.graph.nodes if node.op == "get_attr")  # weights, buffers
+            watch(program.model, state, (*state.leaves, *read))
         plan = StagePlan(assignment, boundaries, program.traced.wrapped, program.dag, partition.info,
                          memory_model(ctx), training=program.model.training)
         run = modules_run(program.model, program.traced.graph_module)
