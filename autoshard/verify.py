@@ -37,6 +37,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from autoshard.capture.guard import autocast_now, chosen_grad_mode
 from autoshard.capture.host_random import DRAW_WITH_TORCH, host_draws
+from autoshard.capture.meta import rebuildable_base
 from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.errors import InputMismatchError, SpecializationMismatch, TraceError, VerificationError, user_stacklevel
 from autoshard.isolation import (SCALARS, PlainInterpreter, alike, called_on_copies, cloned, detached_values,
@@ -68,11 +69,17 @@ class _Recorder(PlainInterpreter):
 
 def _fields_expanded(value: Any) -> Any:
     """``value`` with each plain dataclass (a pytree leaf, whose ``==`` would ask a tensor for a
-    bool) replaced by its type's name and fields, so they are compared one by one."""
+    bool) replaced by its type's name and fields, and each subclass of a tuple, list or dict the
+    trace rebuilds (``rebuildable_base``) by its type's name, items and attributes, so they are
+    compared one by one."""
     def expand(leaf: Any) -> Any:
         if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             fields = {f.name: _fields_expanded(getattr(leaf, f.name)) for f in dataclasses.fields(leaf)}
             return {"dataclass": type(leaf).__qualname__, "fields": fields}
+        base = rebuildable_base(leaf)
+        if base is not None:
+            return {"container": type(leaf).__qualname__, "items": _fields_expanded(base(leaf)),
+                    "attributes": _fields_expanded(getattr(leaf, "__dict__", {}))}
         return leaf
     return tree_map(expand, value)
 
@@ -123,7 +130,7 @@ def objects_holding_tensors(value: Any) -> list[str]:
     comparing by identity (a cache), or one not a dataclass (a ``SimpleNamespace``: it compares by
     value, and the trace kept it as a constant with its tensors gone). A dataclass's fields are read."""
     return [f"{name}: {type(leaf).__name__}" for name, leaf in _named_leaves(value)
-            if not isinstance(leaf, torch.Tensor) and _has_tensors(leaf)
+            if not isinstance(leaf, torch.Tensor) and _has_tensors(leaf) and rebuildable_base(leaf) is None
             and (type(leaf).__eq__ is object.__eq__ or not dataclasses.is_dataclass(leaf))]
 
 

@@ -1944,3 +1944,43 @@ def test_an_output_object_the_trace_cannot_rebuild_is_refused_even_unverified(ho
     with pytest.raises(TraceError, match=f"Returning returns a {holder.__name__} holding values its forward computed"
                                          ".*emptied.*return its tensors in tuples"):
         autoshard.shard_model(Returning(), 2, example_inputs=example, verify=False)
+
+
+class _Outputs(tuple):
+    pass
+
+
+class _Named(dict):
+    pass
+
+
+class _Slotted(list):
+    __slots__ = ()
+
+
+class ReturnsContainerSubclasses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.c(self.b(self.a(x)))
+        outputs = _Outputs((y, y + 1))
+        outputs.scaled = y * 3  # an attribute of its own, computed
+        return _Named(outputs=outputs, slotted=_Slotted([y - 1]))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("with_example", [True, False])
+def test_subclasses_of_tuple_list_and_dict_are_returned_as_themselves_with_their_attributes(verify, with_example):
+    """fx rebuilt them as their bases, dropping the class and its attributes; without the verify pass the plan
+    returned a plain dict of a plain tuple, silently (and with it, verification refused them as opaque)."""
+    model = ReturnsContainerSubclasses()
+    example = (torch.randn(2, 4),) if with_example else None
+    sharded = autoshard.shard_model(model, 3, example_inputs=example, verify=verify)
+    x = torch.randn(5, 4)
+    got, want = sharded(x), model(x)
+    assert type(got) is _Named and type(got["outputs"]) is _Outputs and type(got["slotted"]) is _Slotted
+    assert torch.equal(got["outputs"].scaled, want["outputs"].scaled)
+    pairs = zip([*got["outputs"], *got["slotted"]], [*want["outputs"], *want["slotted"]])
+    assert all(torch.equal(a, b) for a, b in pairs)

@@ -341,6 +341,27 @@ def _swapped(swaps: list[Swap], back: bool = False) -> Iterator[None]:
             setattr(owner, name, stand_in if back else original)
 
 
+def rebuildable_base(value: Any) -> type | None:
+    """The base of a subclass of tuple, list or dict made with its base's constructor (``class
+    Outputs(tuple): pass``), which ``rebuilt_container`` makes again; None for anything else (a
+    NamedTuple, fx's own containers, a ``defaultdict``, a class with a constructor of its own)."""
+    cls = type(value)
+    if cls in (tuple, list, dict) or hasattr(value, "_fields") or cls.__module__.startswith(("torch.", "collections")):
+        return None
+    base = next((b for b in (tuple, list, dict) if isinstance(value, b)), None)
+    if base is None or cls.__new__ is not base.__new__ or cls.__init__ is not base.__init__:
+        return None
+    return base
+
+
+def rebuilt_container(cls: type, items: Any, attributes: dict[str, Any]) -> Any:
+    """An instance of ``cls`` (``rebuildable_base``) holding ``items``, with ``attributes`` as its own."""
+    made = cls(items)
+    if attributes:
+        vars(made).update(attributes)
+    return made
+
+
 def has_proxy(value: Any) -> bool:
     """Whether a Proxy hides anywhere in ``value`` (containers, dataclass fields, slices)."""
     return holds(value, fx.Proxy)
@@ -624,6 +645,10 @@ class MetaTracer(fx.Tracer):
         # fx would rebuild it as a plain dict (torchvision's segmentation output)
         if type(a) is collections.OrderedDict:
             return self.create_node("call_function", collections.OrderedDict, (self.create_arg(list(a.items())),), {})
+        base = rebuildable_base(a)
+        if base is not None:  # fx would rebuild it as its base, dropping its class and attributes
+            made = (self._constant(type(a)), self.create_arg(base(a)), self.create_arg(getattr(a, "__dict__", {})))
+            return self.create_node("call_function", rebuilt_container, made, {})
         try:
             return super().create_arg(a)
         except NotImplementedError:
