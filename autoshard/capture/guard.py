@@ -154,8 +154,9 @@ class InputGuard:
     def fixed_problem(self, values: Mapping[str, Any],
                       flat: Mapping[str, Flattened]) -> tuple[str | None, dict[str, Any]]:
         """What no capture for these inputs would change (a constant changed in place since, a
-        tensor's dtype), and the values with each container's tensors under their own names, for
-        ``size_problem``. Checked after ``capture_problem``: the containers have their layout."""
+        tensor's storage offset), and the values with each container's tensors under their own names,
+        for ``dtype_problem`` and ``size_problem``. Checked after ``capture_problem``: the containers
+        have their layout."""
         for name in self.constants:
             if name in self.snapshots and not same_constant(values[name], self.snapshots[name]):
                 return (f"{name} was changed in place since the plan was captured (now {brief(values[name])}, "
@@ -167,21 +168,27 @@ class InputGuard:
                         f"(now {brief(default)}, then {brief(then)}), and the plan computes with the old value"), {}
         leaves = dict(values)
         for name, structure in self.structures.items():
-            problem = structure.dtype_problem(name, flat[name].leaves)
-            if problem:
-                return problem, {}
             leaves.update(structure.leaf_values(name, flat[name].leaves))
-        for name, dtype in self.dtypes.items():
-            value = leaves[name]
-            if not isinstance(value, torch.Tensor) or value.dtype != dtype:
-                got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
-                return f"{name} is {got}, but the plan was captured with {dtype}", {}
         for name, offset in self.offsets.items():
             if isinstance(leaves[name], torch.Tensor) and leaves[name].storage_offset() != offset:
                 return (f"{name} starts {leaves[name].storage_offset()} items into its storage, but the model's code "
                         f"asks where ({name}.storage_offset()), which the capture answered from a copy of the example "
                         f"starting at {offset}; pass {name}.clone()"), {}
         return None, leaves
+
+    def dtype_problem(self, flat: Mapping[str, Flattened], leaves: Mapping[str, Any]) -> str | None:
+        """A tensor of another dtype than the example's where the capture relied on it (int32 token ids,
+        a bool mask): a capture made with these inputs serves them, as torch.compile compiles again."""
+        for name, structure in self.structures.items():
+            problem = structure.dtype_problem(name, flat[name].leaves)
+            if problem:
+                return problem
+        for name, dtype in self.dtypes.items():
+            value = leaves[name]
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+                got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+                return f"{name} is {got}, but the plan was captured with {dtype}"
+        return None
 
     def size_problem(self, values: Mapping[str, Any], leaves: Mapping[str, Any]) -> str | None:
         """A size, or a condition on sizes, the capture fixed that these inputs break (``values`` by
@@ -341,7 +348,7 @@ def walked_inputs(guard: InputGuard, *values: Any) -> tuple[Any, ...]:
             raise InputMismatchError(
                 f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
                 "shard the model again with an example like these inputs")
-        problem = guard.size_problem(named, leaves)
+        problem = guard.dtype_problem(flat, leaves) or guard.size_problem(named, leaves)
     if problem:
         raise SpecializationMismatch(
             f"these inputs do not fit the sharded plan: {problem}. The plan serves {guard.describe()}; "
