@@ -21,7 +21,7 @@ from autoshard.capture.guard import (
     PLACED_ON, FixedDtypes, InputGuard, check_condition, check_inputs, check_mode, one_tensor_groups,
     refuse_mode_switch, tensor_class,
 )
-from autoshard.capture.held_state import ATTRIBUTE, HOLDS, NO_KEY, Read
+from autoshard.capture.held_state import ATTRIBUTE, HOLDS, NO_KEY, Read, code_reads
 from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, bind_as_called, is_default, parameter_default
@@ -270,11 +270,22 @@ class StateAtCapture:
         #: what the traced code wrote on settings objects where it read (``AttributeRead.written``)
         self.writes = tuple((read.holder, read.name, read.written) for read in attributes if read.written is not ABSENT)
         self.hooks = hooks if hooks is not None else HooksAtCapture()
+        #: per module traced through, what its code is found by at capture (``code_reads``: its own and its
+        #: class's ``forward``, its class): the graph holds that code
+        self.code = [(module, code_reads([module])[1]) for module in self.hooks.traced_through]
 
     def check_in_full(self, training: bool) -> None:
         now = list(map(_training, self.modules))
         if now != self.captured:
             check_mode(training, training, tuple(now), tuple(self.captured))
+        for module, then in self.code:
+            if any(now is not was for now, was in zip(code_reads([module])[1], then)):
+                path = self._where(module, "")
+                where = f"the model's {path}" if path else "the model"
+                raise SpecializationMismatch(
+                    f"{where} runs other code now than when the stages "
+                    "were captured through it (its forward patched, or its class swapped), and they hold the code "
+                    "it ran then", before_compute=True)
         changed = self.hooks.changed()
         if changed is not None:
             module, kind, held = changed
@@ -355,8 +366,9 @@ class StateAtCapture:
                 inside = read.content_reads(value)
                 reads += inside[0]
                 seen += inside[1]
+        code = ([], []) if traced else code_reads(self.hooks.traced_through)  # (not where torch.compile traces)
         hooks = self.hooks.dict_reads() if traced else self.hooks.counter_read()
-        return [*reads, *hooks[0]], [*seen, *hooks[1]]
+        return [*reads, *code[0], *hooks[0]], [*seen, *code[1], *hooks[1]]
 
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """What the check runs on a difference: ``full``, unless only the hook counter moved

@@ -628,3 +628,47 @@ def test_an_export_stage_reads_its_weights_from_the_registries_its_check_returns
     stage = sharded.stages[1]
     received = sharded.stages[0](x)
     assert torch.equal(torch.compile(stage, fullgraph=True, backend="eager")(*received), stage(*received))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class _TripledBlock(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * 3
+
+
+class _Blocks(nn.Module):
+    """Blocks the capture traces through: their code is in the stages' graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("patch", [
+    lambda m: setattr(m.blocks[2], "forward", lambda x: x * 10),
+    lambda m: setattr(m.blocks[2], "__class__", _TripledBlock),
+    lambda m: setattr(m, "forward", lambda x: -m.blocks[1](m.blocks[0](x))),
+])
+def test_a_forward_patched_or_a_class_swapped_on_a_module_traced_through_is_captured_again(patch):
+    """The stages held the code a module ran at capture; patched after sharding (found by a helper probe), they
+    went on computing it, silently. Seen by the first stage's check: the model is captured with the new code."""
+    torch.manual_seed(0)
+    model, x = _Blocks().eval(), torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), verify=False)
+    patch(model)
+    assert torch.equal(sharded(x), model(x))
+    assert len(sharded.specializations) == 1
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1  # served by it from then on

@@ -307,6 +307,28 @@ def _hooks(namespace: Mapping[str, Any], name: str) -> tuple[tuple[Any, bool, bo
 _MODULE_CALL = (nn.Module.__call__, nn.Module._call_impl)
 
 
+def code_reads(modules: Iterable[nn.Module], own_names: tuple[str, ...] = ("forward",),
+               classes: set[type] | None = None) -> tuple[list[Read], list[Any]]:
+    """What stays as it is while each of ``modules`` runs the code it ran at capture, and what it is now:
+    what the module holds of its own in ``own_names``' places (a ``forward`` patched on it), its class
+    (swapped) and that class's ``forward`` (patched; each class once, ``classes`` those already read)."""
+    reads: list[Read] = []
+    seen: list[Any] = []
+    classes = set() if classes is None else classes
+    for module in modules:
+        own, cls = vars(module), type(module)
+        for name in own_names:
+            reads.append((own, name, "") if name in own else (own, name, HOLDS))
+            seen.append(own[name] if name in own else False)
+        reads.append((module, NO_KEY, "__class__"))
+        seen.append(cls)
+        if cls not in classes:
+            classes.add(cls)
+            reads.append((cls, NO_KEY, "forward"))
+            seen.append(cls.forward)
+    return reads, seen
+
+
 def cheapest_calls(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], list[Read], list[Any], StayAsCaptured]:
     """What a stage's code calls for each of ``modules`` (by path, in the order the stage calls them):
     the module's ``forward``, where ``nn.Module.__call__`` would call just that (``_call_impl``'s fast
@@ -335,15 +357,9 @@ def cheapest_calls(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], li
         user_code = not cls.__module__.startswith("torch.")
         calls[path] = module.forward
         plain.append(module)
-        for name in ("forward", "_compiled_call_impl", "_call_impl"):  # set on it (patched; ``module.compile()``)
-            reads.append((own, name, "") if name in own else (own, name, HOLDS))
-            seen.append(own[name] if name in own else False)
-        reads.append((module, NO_KEY, "__class__"))  # its class swapped
-        seen.append(cls)
-        if cls not in classes:  # the forward of its class, patched
-            classes.add(cls)
-            reads.append((cls, NO_KEY, "forward"))
-            seen.append(cls.forward)
+        code = code_reads([module], ("forward", "_compiled_call_impl", "_call_impl"), classes)  # (``module.compile()``)
+        reads += code[0]
+        seen += code[1]
     watched = GLOBAL_HOOK_DICTS if plain else GLOBAL_BACKWARD_HOOK_DICTS  # those refused, always
     entries = [*((module, vars(module), name) for module in plain for name in HOOK_DICTS),
                *((None, vars(module_state), name) for name in watched)]

@@ -41,6 +41,9 @@ class HooksAtCapture:
     def __init__(self, run: Iterable[nn.Module] = (), called: Iterable[nn.Module] = (),
                  hooks_run: Iterable[nn.Module] = ()) -> None:
         called_ids, live = set(map(id, called)), set(map(id, hooks_run))
+        run = tuple(run)
+        #: the modules whose code the graph holds traced (the model itself, a block)
+        self.traced_through = tuple(module for module in run if id(module) not in called_ids)
         pairs = [(module, name) for module in run for name in HOOK_DICTS]
         self.held = tuple((module, name) for module, name in pairs if vars(module).get(name))
         #: the dicts of the modules traced through, to stay empty or hold the hooks the graph ran
