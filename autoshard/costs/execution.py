@@ -91,12 +91,24 @@ def placeholder_values(gm: fx.GraphModule, inputs: "ExampleInputs") -> list[Any]
     return [bound.arguments[str(node.target)] for node in gm.graph.nodes if node.op == "placeholder"]
 
 
+#: Tensor methods that only tell autograd something, and change no value.
+_AUTOGRAD_ONLY = frozenset({"register_hook", "retain_grad", "register_post_accumulate_grad_hook"})
+
+
 class _HookedInterpreter(PlainInterpreter):
     def __init__(self, gm: fx.GraphModule, hook: NodeHook, mode: str) -> None:
         super().__init__(gm)
         self.extra_traceback = False  # our errors name the node already; torch's addendum is noise
         self.hook = hook
         self.mode = mode
+
+    def call_method(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """As the graph's code calls it, but for a method that only tells autograd something (a hook a
+        forward registers on a tensor) on a tensor that takes no gradient: these runs are without grad,
+        where such a call raises, and skipping it changes no value."""
+        if target in _AUTOGRAD_ONLY and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:
+            return None
+        return super().call_method(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         try:
