@@ -316,7 +316,9 @@ def verify_stages(
         raise VerificationError(
             f"the traced graph differs from the model before any split ({problem}); "
             "the capture lost something the model depends on (a rebuilt argument, a hook, "
-            "a global setting) or fixed something the model draws anew on every call (randomness "
+            "a global setting, a branch on a tensor's exact class, `type(x) is torch.Tensor`, which a "
+            "trace answers for its stand-in: isinstance(x, torch.Tensor) is answered as the model's) or "
+            "fixed something the model draws anew on every call (randomness "
             "from numpy or Python's random, which the graph keeps as the trace drew it) or changes "
             "between calls where capture cannot see it (a list or dict on a module changed in "
             "place, a global, a class attribute)", stage=None)
