@@ -560,11 +560,12 @@ class Specializer:
         except PinConflictError as exc:
             raise self._refusing(refusal_key, state, _run_as_one_piece(guard, exc)) from exc
         except AutoshardError as exc:  # a pin the new graph's order cannot meet names its weight; a capture failed
-            # sharding again is the way only past the pins: what the capture refuses, it refuses there too
+            # sharding again is the way only past the pins: what the capture refuses, it refuses there too (so the
+            # guard's own advice, its last clause, is left out)
             again = "; shard the model again with an example like these inputs" * isinstance(exc, InfeasibleSplitError)
             raise self._refusing(
-                refusal_key, state, f"{guard}. A new capture for these inputs, with every weight in the stage that "
-                f"holds it, failed ({exc}){again}") from exc
+                refusal_key, state, f"{guard.rsplit(';', 1)[0]}. A new capture for these inputs, with every weight in "
+                f"the stage that holds it, failed ({exc}){again}") from exc
         check_same_holders(before, sharded)
         self.specializations.append(Specialization(shape_key(args, kwargs), guard.split(";")[0],
                                                    time.perf_counter() - started, sharded, structure,

@@ -811,7 +811,7 @@ def test_a_call_the_capture_refuses_is_not_told_to_shard_again_after_the_reason(
         sharded(x, keep=True)
     message = str(refused.value)
     assert "returns a _Cache holding values its forward computed" in message
-    assert message.count("shard the model again") <= 1 and not message.endswith("like these inputs")
+    assert "shard the model again" not in message  # (sharding with such an example fails the same way)
 
 
 def test_a_refused_call_is_refused_again_without_capturing_again_until_the_model_changes():
