@@ -21,7 +21,7 @@ from autoshard.capture.guard import (
     PLACED_ON, FixedDtypes, InputGuard, check_condition, check_inputs, check_mode, one_tensor_groups,
     refuse_mode_switch, tensor_class,
 )
-from autoshard.capture.held_state import ATTRIBUTE, HOLDS, NO_KEY, Read, code_reads
+from autoshard.capture.held_state import ATTRIBUTE, EQUALS, HOLDS, NO_KEY, Read, code_reads
 from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, bind_as_called, is_default, parameter_default
@@ -271,26 +271,31 @@ class StateAtCapture:
         self.writes = tuple((read.holder, read.name, read.written) for read in attributes if read.written is not ABSENT)
         self.hooks = hooks if hooks is not None else HooksAtCapture()
         #: per module traced through, what its code is found by at capture (``code_reads``: its own and its
-        #: class's ``forward``, its class): the graph holds that code
+        #: class's ``forward``, its class), which the graph holds; and per module whose submodules the traced
+        #: code reached (``HooksAtCapture.reaching``), their names: a loop over a ``ModuleList`` called the ones
+        #: it held (one assigned anew under a name is ``capture.rebinding``'s)
         self.code = [(module, code_reads([module])[1]) for module in self.hooks.traced_through]
+        self.children = [(module, frozenset(module._modules)) for module in self.hooks.reaching]
 
     def check_in_full(self, training: bool) -> None:
         now = list(map(_training, self.modules))
         if now != self.captured:
             check_mode(training, training, tuple(now), tuple(self.captured))
-        for module, then in self.code:
-            if any(now is not was for now, was in zip(code_reads([module])[1], then)):
-                path = self._where(module, "")
-                where = f"the model's {path}" if path else "the model"
+        for module, code in self.code:
+            if any(now is not was for now, was in zip(code_reads([module])[1], code)):
                 raise SpecializationMismatch(
-                    f"{where} runs other code now than when the stages "
-                    "were captured through it (its forward patched, or its class swapped), and they hold the code "
-                    "it ran then", before_compute=True)
+                    f"{self._named(module)} runs other code now than when the stages were captured through it (its "
+                    "forward patched, or its class swapped), and they hold the code it ran then", before_compute=True)
+        for module, children in self.children:
+            if module._modules.keys() != children:
+                raise SpecializationMismatch(
+                    f"{self._named(module)} holds other submodules now than when the stages were captured through the "
+                    "model's code (one added, removed or inserted: a layer pruned), and they call the ones it held "
+                    "then", before_compute=True)
         changed = self.hooks.changed()
         if changed is not None:
             module, kind, held = changed
-            path = self._where(module, "")
-            where = f"the model's {path}" if path else "the model"
+            where = self._named(module)
             raise SpecializationMismatch(
                 f"{where} holds other {kind}s now than when the stages were captured through its code, so they "
                 "would run the ones it held then" if held else
@@ -366,14 +371,25 @@ class StateAtCapture:
                 inside = read.content_reads(value)
                 reads += inside[0]
                 seen += inside[1]
-        code = ([], []) if traced else code_reads(self.hooks.traced_through)  # (not where torch.compile traces)
+        if not traced:  # (not where torch.compile traces: it does not trace these modules)
+            code = code_reads(self.hooks.traced_through)
+            reads += code[0]
+            seen += code[1]
+            for module, children in self.children:  # the same dict of submodules, with the same names
+                reads += [(vars(module), "_modules", ""), (module._modules.keys(), NO_KEY, EQUALS)]
+                seen += [module._modules, children]
         hooks = self.hooks.dict_reads() if traced else self.hooks.counter_read()
-        return [*reads, *code[0], *hooks[0]], [*seen, *code[1], *hooks[1]]
+        return [*reads, *hooks[0]], [*seen, *hooks[1]]
 
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """What the check runs on a difference: ``full``, unless only the hook counter moved
         (``HooksAtCapture.after_difference``)."""
         return self.hooks.after_difference(full, again)
+
+    def _named(self, module: nn.Module) -> str:
+        """``the model's transformer.h`` (``the model`` itself)."""
+        path = self._where(module, "")
+        return f"the model's {path}" if path else "the model"
 
     def _where(self, holder: Any, name: str) -> str:
         """``holder.name`` by its path in the model (``transformer.h.0.attn.scale``, ``config.use_cache``;

@@ -44,6 +44,9 @@ class HooksAtCapture:
         run = tuple(run)
         #: the modules whose code the graph holds traced (the model itself, a block)
         self.traced_through = tuple(module for module in run if id(module) not in called_ids)
+        #: those and the containers between them and the modules the graph calls (a ``ModuleList`` a loop
+        #: iterated): whose submodules the traced code reached
+        self.reaching = _reaching(self.traced_through, {id(module) for module in run})
         pairs = [(module, name) for module in run for name in HOOK_DICTS]
         self.held = tuple((module, name) for module, name in pairs if vars(module).get(name))
         #: the dicts of the modules traced through, to stay empty or hold the hooks the graph ran
@@ -76,3 +79,17 @@ class HooksAtCapture:
     def after_difference(self, full: Callable[[Any], Any], again: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """What a check that read the counter runs on a difference (``StayAsCaptured.after_difference``)."""
         return self.traced.after_difference(full, again)
+
+
+def _reaching(traced: tuple[nn.Module, ...], run: set[int]) -> tuple[nn.Module, ...]:
+    """``traced``, and the submodules of theirs whose code does not run (``run``: ids of those that do),
+    theirs in turn: the containers the traced code went through or iterated."""
+    found, pending = list(traced), list(traced)
+    seen = {id(module) for module in traced}
+    while pending:
+        for child in pending.pop()._modules.values():
+            if child is not None and id(child) not in run and id(child) not in seen:
+                seen.add(id(child))
+                found.append(child)
+                pending.append(child)
+    return tuple(found)
