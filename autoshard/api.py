@@ -16,9 +16,10 @@ from autoshard.costs.execution import holds_meta_tensors
 from autoshard.costs.memory import check_memory_budgets, stage_memory
 from autoshard.costs.memory_model import MemoryModel
 from autoshard.errors import (
-    InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, brief, first_few, keywords_named, plural,
-    shown, user_stacklevel,
+    InvalidArgumentError, InvalidArgumentTypeError, PipelineValidationError, VerificationError, brief, first_few,
+    keywords_named, plural, shown, user_stacklevel,
 )
+from autoshard.isolation import arguments_drawn_from
 from autoshard.passes.analyses import (
     CostModel,
     CostNode,
@@ -262,7 +263,15 @@ def run_pipeline(
         use_cost_model(ctx, name, cost_model)
     if memory_model is not None:
         use_memory_model(ctx, memory_model)
-    return pipeline.run(ShardProgram(model=model, example_inputs=inputs), ctx)
+    with arguments_drawn_from(*((inputs.args, inputs.kwargs) if inputs is not None else ())):
+        result = pipeline.run(ShardProgram(model=model, example_inputs=inputs), ctx)
+    traced = result.program.traced
+    if traced is not None and traced.difference and not any(p.name == VerifyPass.name for p in pipeline.passes):
+        raise VerificationError(  # (verify's own refusal says more: the likely causes)
+            f"the captured graph differs from the model on the example ({traced.difference}), and no front end "
+            f"captured it as it computes ({'; '.join(traced.considered)}); without the verify pass nothing else would "
+            "say so. Shard with verification for the likely causes", stage=None)
+    return result
 
 
 def _cost_name(cost: Any) -> tuple[str, dict[str, CostModel]]:

@@ -14,6 +14,7 @@ bottom of the layers so that the cost modules, below capture, run graphs as capt
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import types
@@ -459,12 +460,33 @@ def hook_state_restored(model: nn.Module) -> Iterator[None]:
 _SETTINGS_DEPTH = 3
 
 
+#: The random generators passed in the arguments of the call being planned (``model(x, generator=g)``),
+#: which ``generators_restored`` sets back as it does a module's own (``arguments_drawn_from``).
+_ARGUMENT_GENERATORS: contextvars.ContextVar[tuple[torch.Generator, ...]] = contextvars.ContextVar(
+    "autoshard_argument_generators", default=())
+
+
+@contextlib.contextmanager
+def arguments_drawn_from(*arguments: Any) -> Iterator[None]:
+    """Within, every run of the model or its graphs sets back the generators found in ``arguments``: the
+    plan holds the call's generator and draws from it, as the model does, and planning draws nothing
+    from it (each run drew further along it, so the graph and the model drew different numbers)."""
+    found = tuple(leaf for leaf in tree_flatten(arguments)[0] if isinstance(leaf, torch.Generator))
+    token = _ARGUMENT_GENERATORS.set(found)
+    try:
+        yield
+    finally:
+        _ARGUMENT_GENERATORS.reset(token)
+
+
 @contextlib.contextmanager
 def generators_restored(model: nn.Module) -> Iterator[None]:
-    """On exit, each random generator a module keeps (``self.g = torch.Generator()``) back at the
-    state it had: every run draws the same numbers, and capture leaves the model's draws alone."""
+    """On exit, each random generator a module keeps (``self.g = torch.Generator()``), or the call being
+    planned was given (``arguments_drawn_from``), back at the state it had: every run draws the same
+    numbers, and capture leaves the model's draws alone."""
     saved = [(g, g.get_state()) for m in model.modules() for g in vars(m).values()
              if type(g) not in _PLAIN_TYPES and isinstance(g, torch.Generator)]  # (a metaclass's isinstance is slow)
+    saved += [(g, g.get_state()) for g in _ARGUMENT_GENERATORS.get()]
     try:
         yield
     finally:

@@ -236,3 +236,64 @@ def test_a_modules_own_generator_is_left_where_it_was_and_the_stages_draw_from_i
     assert not torch.equal(model.noise.get_state(), state)  # the stages drew from the model's generator
     model.noise.set_state(state)
     assert torch.equal(got, model(x))
+
+
+class NoiseFromArgument(nn.Module):
+    """Draws its noise from a generator the call passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h + torch.randn(h.shape, generator=generator))
+
+
+def test_a_generator_passed_in_is_left_where_it_was_by_planning_and_drawn_from_by_the_stages():
+    """Planning's runs drew from it (the trace, the checks), so without verification the stages drew further along
+    it than the model, silently; with it, the graph and the model drew different numbers and it was refused (a
+    helper probe). Another generator object is another constant: captured again."""
+    torch.manual_seed(0)
+    model, x = NoiseFromArgument(), torch.randn(3, 8)
+    generator = torch.Generator().manual_seed(3)
+    for verify in (False, True):
+        state = generator.get_state()
+        sharded = autoshard.shard_model(model, 2, example_inputs=(x, generator), verify=verify)
+        assert torch.equal(generator.get_state(), state)
+        got = sharded(x, generator)
+        assert torch.equal(got, model(x, torch.Generator().manual_seed(3).set_state(state)))
+        generator.set_state(state)
+    other = torch.Generator().manual_seed(7)
+    assert torch.equal(sharded(x, other), model(x, torch.Generator().manual_seed(7)))
+    assert len(sharded.specializations) == 1
+
+
+class SeedsInABlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(123)  # as a test harness might, to make its dropout repeatable
+        return nn.functional.dropout(self.b(torch.tanh(self.a(x))), 0.5, True)
+
+
+class SeedsAtTheTop(SeedsInABlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        torch.manual_seed(123)
+        return self.b(nn.functional.dropout(h, 0.5, True))
+
+
+def test_seeding_in_the_forward_is_kept_whole_or_refused_even_unverified():
+    """The graph did not seed the generator, so its dropout drew other numbers than the model's, silently without
+    verification (a helper probe). Code that seeds is kept whole; in the top-level forward, which cannot be, no
+    front end captures the model as it computes, which is refused without the verify pass too."""
+    x = torch.randn(3, 8)
+    inner = nn.Sequential(nn.Linear(8, 8), SeedsInABlock(), nn.Linear(8, 8))
+    sharded = autoshard.shard_model(inner, 2, example_inputs=(x,), verify=False)
+    assert "1" in {w.name for w in sharded.plan.wrapped}  # the seeding block, kept whole
+    assert torch.equal(sharded(x), inner(x))
+    with pytest.raises(autoshard.VerificationError, match="differs from the model on the example.*no front end"):
+        autoshard.shard_model(SeedsAtTheTop(), 2, example_inputs=(x,), verify=False)

@@ -115,7 +115,7 @@ def capture(
     best = _best({name: tried[name] for name in captured}, differs)
     considered = tuple(_summary(name, r) + (f", differs from the model ({checked[name]})" if checked.get(name) else "")
                        for name, r in tried.items())
-    return dataclasses.replace(tried[best], considered=considered)
+    return dataclasses.replace(tried[best], considered=considered, difference=checked.get(best))
 
 
 def _refuse_returned_objects(model: nn.Module, output: Any, considered: tuple[str, ...]) -> None:

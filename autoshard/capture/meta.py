@@ -189,6 +189,23 @@ class _RealCalls(TorchFunctionMode):
         return result
 
 
+#: torch's functions that seed or set the default random generators.
+_SEEDING = ("manual_seed", "seed", "set_rng_state")
+
+
+def _seeding_kept_whole(function: Callable[..., Any], tracer: "MetaTracer") -> Callable[..., Any]:
+    """``function`` (``_SEEDING``) that, called by the model's traced code, raises ``RandomDraw``: the graph
+    would not seed the generators, so its later draws would differ from the model's (the code is kept
+    whole, and seeds as it runs)."""
+    @functools.wraps(function)
+    def seeding(*args: Any, **kwargs: Any) -> Any:
+        if not (tracer.running_examples or is_real_run()) and _called_by_model_code():
+            raise RandomDraw(f"torch.{function.__name__} sets the random generators outside the graph: the graph "
+                             "would not, and its later draws would differ from the model's")
+        return function(*args, **kwargs)
+    return seeding
+
+
 def _called_by_model_code() -> bool:
     """Whether the code that called a torch function (past torch's dispatch) is the model's, not the
     tracer's own (which reads the examples it keeps: their sizes, their truth)."""
@@ -560,6 +577,8 @@ class MetaTracer(fx.Tracer):
             self.swaps.append((torch.autograd.Function, "apply", apply, _recording_apply(apply)))
             reader = GradModeReader(caller_grad, self._guard_grad_mode, lambda: bool(self.running_examples))
             self.swaps.append((torch, "is_grad_enabled", torch.is_grad_enabled, reader))
+            self.swaps += [(module, name, vars(module)[name], _seeding_kept_whole(vars(module)[name], self))
+                           for module in (torch, torch.random) for name in _SEEDING]
             generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator  # use_reentrant=False
             self.swaps.append((torch.utils.checkpoint, generator.__name__, generator,
                                _noting_checkpoint(generator, self)))

@@ -41,6 +41,9 @@ class TraceResult:
     attributes_read: tuple[AttributeRead, ...] = ()
     #: the graph inputs whose ``grad_fn`` or ``is_leaf`` the traced code asked (``sharded.ExampleTensors``)
     leafness_asked: frozenset[str] = frozenset()
+    #: how the graph differs from the model on the example, where ``auto`` found every front end's capture
+    #: differing and kept the least wrapped (the verify pass refuses it, saying why; without it, ``run_pipeline``)
+    difference: str | None = None
 
     @property
     def wrapped_modules(self) -> tuple[WrappedLeaf, ...]:
