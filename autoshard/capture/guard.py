@@ -435,10 +435,12 @@ AutocastState = tuple[tuple[bool, torch.dtype], ...]
 
 def autocast_state() -> AutocastState:
     """Whether ``torch.autocast`` is on, and in which dtype, per device type of ``AUTOCAST_DEVICES``."""
-    return tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES)
+    return tuple([(_autocast_enabled(device), _autocast_dtype(device)) for device in AUTOCAST_DEVICES])
 
 
-_any_autocast = torch._C._is_any_autocast_enabled  # bound once: a stage asks it on every call
+# bound once: a stage asks them on every call (under autocast: 1.1 us a stage, 1.5 us read through ``torch.``)
+_any_autocast, _autocast_enabled, _autocast_dtype = (
+    torch._C._is_any_autocast_enabled, torch.is_autocast_enabled, torch.get_autocast_dtype)
 
 
 def autocast_now() -> AutocastState | None:
