@@ -569,3 +569,51 @@ def test_a_setting_code_kept_whole_fills_in_once_is_served_by_one_more_plan_and_
             assert torch.equal(settled.run_stages((x,), {}), reference(x))
             assert torch.equal(sharded(x), reference(x))
     assert len(sharded.specializations) == 1
+
+
+class _Flags:
+    """A settings object whose flag has a name ``nn.Module`` uses too."""
+
+    def __init__(self) -> None:
+        self.half = True
+
+
+class _ReadsItsConfig(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return self.b(torch.relu(y) if getattr(self.config, "half", True) and self.config.relu else y)
+
+
+def _config(half: bool = True, relu: bool = True) -> types.SimpleNamespace:
+    return types.SimpleNamespace(half=half, relu=relu)
+
+
+def test_a_config_flag_named_as_a_module_attribute_is_watched():
+    """The reads of ``nn.Module``'s own names (``half``, ``train``, ``double``) were left out on settings objects too
+    (a mutation probe): ``config.half = False`` was served with the old branch, silently."""
+    flags = _Flags()
+    flags.relu = True
+    torch.manual_seed(0)
+    model, x = _ReadsItsConfig(flags).eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    flags.half = False
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
+
+
+def test_a_settings_object_replaced_by_an_equal_one_is_watched_from_then_on():
+    """The plan read flags of the config it was captured with; one replaced by an equal object (a copy) compares
+    equal, but a flag set later on the new one must be seen too (a mutation probe: the identity of the holder)."""
+    torch.manual_seed(0)
+    model, x = _ReadsItsConfig(_config()).eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x)
+    model.config = _config()
+    assert torch.equal(sharded(x), model(x))
+    model.config.relu = False
+    assert torch.equal(sharded(x), model(x))

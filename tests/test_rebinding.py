@@ -63,3 +63,26 @@ def test_updates_in_place_and_the_same_objects_assigned_again_are_served():
     model.shift.add_(1)
     model.blocks[1][0].register_buffer("cache", torch.ones(1))  # a buffer no stage reads
     assert torch.equal(sharded(x), model(x))
+
+
+class ScaledHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.head(self.a(x) * scale)
+
+
+def test_every_plan_watching_a_module_refuses_once_it_is_assigned_anew():
+    """A specialisation's stages watch the same modules as the first plan's: each must refuse (a mutation probe
+    telling only the first watcher left the specialisation serving the old head)."""
+    torch.manual_seed(0)
+    model, x = ScaledHead().eval(), torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    sharded(x, 2.0)
+    assert len(sharded.specializations) == 1
+    model.head = nn.Linear(8, 8)
+    for scale in (1.0, 2.0):
+        with pytest.raises(InputMismatchError, match="head was assigned anew after sharding"):
+            sharded(x, scale)

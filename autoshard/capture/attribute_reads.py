@@ -201,7 +201,8 @@ class AttributeReads:
         unwatched, read_whole = self.unwatched, self.read_whole
 
         def __getattribute__(holder: Any, name: str) -> Any:  # noqa: N807 - the slot it fills
-            if name in _BOOKKEEPING or name.startswith(("__", "_autoshard_")) or id(holder) not in holders or paused():
+            if name.startswith(("__", "_autoshard_")) or id(holder) not in holders or paused() or (
+                    name in _BOOKKEEPING and isinstance(holder, nn.Module)):  # (a config's flag may be named `half`)
                 return original(holder, name)
             try:
                 value = original(holder, name)

@@ -26,17 +26,20 @@ _NEUTRAL = MACHINERY_DIRS + (os.path.join(TORCH_DIR, "autograd"),
 
 class GradModeReader:
     """``torch.is_grad_enabled`` while tracing: ``caller_grad`` for model code (``on_read(site)``
-    told where), the real answer elsewhere and in runs for real (``running()``)."""
+    told where), the real answer elsewhere and in runs for real (``running()``). With another ``real``
+    function, the reader of that mode (``torch.is_inference_mode_enabled``)."""
 
     def __init__(self, caller_grad: bool, on_read: Callable[[str], None],
-                 running: Callable[[], bool] = is_real_run) -> None:
+                 running: Callable[[], bool] = is_real_run,
+                 real: Callable[[], bool] = torch._C.is_grad_enabled) -> None:
         self.caller_grad = caller_grad
         self.on_read = on_read
         self.running = running
+        self.real = real
 
     def __call__(self) -> bool:
         caller = sys._getframe(1)
         if self.running() or caller.f_code.co_filename.startswith(_NEUTRAL):
-            return torch._C.is_grad_enabled()
+            return self.real()
         self.on_read(f"the code at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
         return self.caller_grad

@@ -427,6 +427,17 @@ def check_grad_mode(captured: bool, site: str) -> None:
             f"{'under torch.no_grad()' if captured else 'with grad enabled'} to call it so")
 
 
+def check_inference_mode(captured: bool, site: str) -> None:
+    """Code that chose its path by whether ``torch.inference_mode`` is on, called in the other mode: refuse
+    it. A capture made in that mode serves it (a ``SpecializationMismatch``: a sharded model re-specialises)."""
+    if torch.is_inference_mode_enabled() != captured:
+        was, now = ("on", "off") if captured else ("off", "on")
+        raise SpecializationMismatch(
+            f"{site} chose its path by whether torch.inference_mode is on, which was {was} when the plan was "
+            f"captured and is {now} now; call the stages {'under' if captured else 'outside'} torch.inference_mode(), "
+            f"or shard the model again {'outside' if captured else 'under'} it to call it so")
+
+
 AUTOCAST_DEVICES = ("cpu", "cuda")
 """The device types whose ``torch.autocast`` state a capture records and a stage checks."""
 

@@ -49,7 +49,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autoshard.capture.attribute_reads import AttributeReads
 from autoshard.capture.grad_mode import GradModeReader
-from autoshard.capture.guard import autocast_state, check_condition, check_grad_mode, check_pinned_size
+from autoshard.capture.guard import (autocast_state, check_condition, check_grad_mode, check_inference_mode,
+                                     check_pinned_size)
 from autoshard.capture.leaves import MACHINERY_DIRS, TORCH_DIR
 from autoshard.capture.meta_proxy import (
     DATA_FREE, EXAMPLE, MISSING, MetaProxy, SizePinningProxy, example_of, is_size)
@@ -486,6 +487,10 @@ class MetaTracer(fx.Tracer):
         """Model code asked for the grad mode here: the graph refuses calls in the other mode."""
         self.create_proxy("call_function", check_grad_mode, (self.grad_mode, site), {})
 
+    def _guard_inference_mode(self, site: str) -> None:
+        """Model code asked whether inference mode is on here: the graph refuses calls in the other mode."""
+        self.create_proxy("call_function", check_inference_mode, (torch.is_inference_mode_enabled(), site), {})
+
     @contextlib.contextmanager
     def _running_example(self) -> Iterator[None]:
         self.running_examples += 1
@@ -577,6 +582,9 @@ class MetaTracer(fx.Tracer):
             self.swaps.append((torch.autograd.Function, "apply", apply, _recording_apply(apply)))
             reader = GradModeReader(caller_grad, self._guard_grad_mode, lambda: bool(self.running_examples))
             self.swaps.append((torch, "is_grad_enabled", torch.is_grad_enabled, reader))
+            inference = GradModeReader(torch.is_inference_mode_enabled(), self._guard_inference_mode,
+                                       lambda: bool(self.running_examples), real=torch.is_inference_mode_enabled)
+            self.swaps.append((torch, "is_inference_mode_enabled", torch.is_inference_mode_enabled, inference))
             self.swaps += [(module, name, vars(module)[name], _seeding_kept_whole(vars(module)[name], self))
                            for module in (torch, torch.random) for name in _SEEDING]
             generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator  # use_reentrant=False
