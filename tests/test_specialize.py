@@ -1506,3 +1506,25 @@ def test_a_capture_running_as_one_piece_what_the_plan_split_says_so():
     with pytest.raises(InputMismatchError, match=refusal) as info:
         sharded(x, src_key_padding_mask=mask)
     assert isinstance(info.value.__cause__, PinConflictError) and "pin them" not in str(info.value)
+
+
+class NoiseOfItsOwn(nn.Module):
+    """Adds noise from a generator of its own (not torch's default ones, which a refused call sets back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.noise = torch.Generator().manual_seed(5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.randn(h.shape, generator=self.noise)
+
+
+def test_in_training_mode_a_guard_failing_after_a_draw_from_a_generator_of_the_models_is_refused():
+    """Running the stages again would draw twice from the module's generator, which no rewind sets back (a mutation
+    probe: letting it through answered other noise than the model's). Refused, as a buffer update is."""
+    torch.manual_seed(0)
+    model = NormFirst().train()
+    model.norm = NoiseOfItsOwn()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    with pytest.raises(SpecializationMismatch, match=r"draw random numbers are not run again"):
+        sharded(torch.randn(2, 8))
