@@ -85,6 +85,22 @@ class Framed(nn.Module):
         return self.post(self.inner(self.pre(x)))
 
 
+class DoublesWhen(nn.Module):
+    """Code that chooses its path by a mode torch reports (``torch.is_grad_enabled``, as
+    nn.TransformerEncoder's fast path does, or ``is_inference_mode_enabled``), asked by name on each call."""
+
+    def __init__(self, asked: str, width: int = 4) -> None:
+        super().__init__()
+        self.asked = asked
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if getattr(torch, self.asked)():
+            h = h * 2
+        return self.b(h)
+
+
 class SignGate(nn.Module):
     """A branch on a tensor's value: kept whole by either front end, with its own child ``lin``."""
 

@@ -657,6 +657,19 @@ class _Blocks(nn.Module):
         return x
 
 
+def _served_after(model: nn.Module, change: object) -> autoshard.ShardedModel:
+    """``model``, sharded and called once (the next call compares what that one read), then ``change(model)``:
+    its next two calls answer as the model does."""
+    torch.manual_seed(0)
+    model, x = model.eval(), torch.randn(2, 8)
+    sharded = autoshard.shard_model(model, 2, (x,), verify=False)
+    assert torch.equal(sharded(x), model(x))
+    change(model)
+    for _ in range(2):
+        assert torch.equal(sharded(x), model(x))
+    return sharded
+
+
 @pytest.mark.parametrize("patch", [
     lambda m: setattr(m.blocks[2], "forward", lambda x: x * 10),
     lambda m: setattr(m.blocks[2], "__class__", _TripledBlock),
@@ -665,14 +678,8 @@ class _Blocks(nn.Module):
 def test_a_forward_patched_or_a_class_swapped_on_a_module_traced_through_is_captured_again(patch):
     """The stages held the code a module ran at capture; patched after sharding (found by a helper probe), they
     went on computing it, silently. Seen by the first stage's check: the model is captured with the new code."""
-    torch.manual_seed(0)
-    model, x = _Blocks().eval(), torch.randn(2, 8)
-    sharded = autoshard.shard_model(model, 2, (x,), verify=False)
-    assert torch.equal(sharded(x), model(x))  # a call that passed: the next one compares what it read
-    patch(model)
-    assert torch.equal(sharded(x), model(x))
-    assert len(sharded.specializations) == 1
-    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1  # served by it from then on
+    sharded = _served_after(_Blocks(), patch)
+    assert len(sharded.specializations) == 1  # served by it from then on
 
 
 class _NamedBlocks(nn.Module):
@@ -701,10 +708,4 @@ def test_a_container_the_traced_code_iterated_changed_after_sharding_is_captured
     """A layer appended, deleted or inserted in a ``ModuleList`` or ``ModuleDict`` the forward loops over (pruning
     a layer): the stages went on calling the layers held at sharding (a helper probe: a pruned DistilBERT answered
     0.012 off, silently). The first stage compares those containers' submodules with the ones it was captured with."""
-    torch.manual_seed(0)
-    model, x = model_class().eval(), torch.randn(2, 8)
-    sharded = autoshard.shard_model(model, 2, (x,), verify=False)
-    assert torch.equal(sharded(x), model(x))  # a call that passed: the next one compares what it read
-    change(model)
-    assert torch.equal(sharded(x), model(x))
-    assert torch.equal(sharded(x), model(x))
+    _served_after(model_class(), change)

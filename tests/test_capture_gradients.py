@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Framed
+from conftest import DoublesWhen, Framed
 from torch import nn
 
 import autoshard
@@ -203,24 +203,10 @@ def test_an_autocast_region_captured_by_export_keeps_the_autocast_cache():
     assert_same_gradients(sharded, model, torch.randn(5, 8))
 
 
-class DoublesWithGrad(nn.Module):
-    """Code that chooses its path by the grad mode, as nn.TransformerEncoder's fast path does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
-        if torch.is_grad_enabled():
-            h = h * 2
-        return self.b(h)
-
-
 @pytest.mark.parametrize("front_end", ["trace", "export"])
 def test_code_reading_the_grad_mode_serves_the_mode_it_was_sharded_in_and_refuses_the_other(front_end):
     torch.manual_seed(0)
-    model, x = DoublesWithGrad(), torch.randn(3, 4)
+    model, x = DoublesWhen("is_grad_enabled"), torch.randn(3, 4)
     pipeline = f"{front_end},shape-prop,build-dag,linearize,split,emit,verify"
     # respecialize=False: a sharded model that re-specialises serves the other mode by capturing again
     with_grad = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 4),), pipeline=pipeline,

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from conftest import FillsInItsProblemType
+from conftest import DoublesWhen, FillsInItsProblemType
 from torch import nn
 
 import autoshard
@@ -149,24 +149,12 @@ def test_a_call_under_another_autocast_state_is_served_by_a_capture_made_under_i
         sharded.stages[1](*vals)
 
 
-class DoublesInInferenceMode(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
-        if torch.is_inference_mode_enabled():
-            h = h * 2
-        return self.b(h)
-
-
 @pytest.mark.parametrize("sharded_in", [contextlib.nullcontext, torch.inference_mode])
 def test_a_call_in_the_other_inference_mode_is_served_by_a_capture_made_in_it(sharded_in):
     """The trace answered ``torch.is_inference_mode_enabled()`` once and the plan took that branch in either mode,
     silently, verified or not (a helper probe); as for the grad mode, the graph checks it where the code asked."""
     torch.manual_seed(0)
-    model, x = DoublesInInferenceMode().eval(), torch.randn(3, 8)
+    model, x = DoublesWhen("is_inference_mode_enabled", width=8).eval(), torch.randn(3, 8)
     with sharded_in():
         sharded = autoshard.shard_model(model, 2, (x,))
     for mode in (torch.inference_mode, contextlib.nullcontext, torch.inference_mode, contextlib.nullcontext):
