@@ -272,10 +272,14 @@ class StateAtCapture:
         self.hooks = hooks if hooks is not None else HooksAtCapture()
         #: per module traced through, what its code is found by at capture (``code_reads``: its own and its
         #: class's ``forward``, its class), which the graph holds; and per module whose submodules the traced
-        #: code reached (``HooksAtCapture.reaching``), their names: a loop over a ``ModuleList`` called the ones
-        #: it held (one assigned anew under a name is ``capture.rebinding``'s)
+        #: code reached (``HooksAtCapture.reaching``), their names (a loop over a ``ModuleList`` called the ones
+        #: it held) and those of them it reached too (an activation module traced through, assigned anew: its code
+        #: is in the graph); one the stages call, assigned anew, is ``capture.rebinding``'s
         self.code = [(module, code_reads([module])[1]) for module in self.hooks.traced_through]
-        self.children = [(module, frozenset(module._modules)) for module in self.hooks.reaching]
+        reaching = {id(module) for module in self.hooks.reaching}
+        self.children = [(module, frozenset(module._modules),
+                          tuple((name, child) for name, child in module._modules.items() if id(child) in reaching))
+                         for module in self.hooks.reaching]
 
     def check_in_full(self, training: bool) -> None:
         now = list(map(_training, self.modules))
@@ -286,12 +290,12 @@ class StateAtCapture:
                 raise SpecializationMismatch(
                     f"{self._named(module)} runs other code now than when the stages were captured through it (its "
                     "forward patched, or its class swapped), and they hold the code it ran then", before_compute=True)
-        for module, children in self.children:
-            if module._modules.keys() != children:
+        for module, names, reached in self.children:
+            if module._modules.keys() != names or any(module._modules[name] is not child for name, child in reached):
                 raise SpecializationMismatch(
                     f"{self._named(module)} holds other submodules now than when the stages were captured through the "
-                    "model's code (one added, removed or inserted: a layer pruned), and they call the ones it held "
-                    "then", before_compute=True)
+                    "model's code (one added, removed, inserted or assigned anew: a layer pruned, an activation "
+                    "swapped), and they run the ones it held then", before_compute=True)
         changed = self.hooks.changed()
         if changed is not None:
             module, kind, held = changed
@@ -375,9 +379,11 @@ class StateAtCapture:
             code = code_reads(self.hooks.traced_through)
             reads += code[0]
             seen += code[1]
-            for module, children in self.children:  # the same dict of submodules, with the same names
+            for module, names, reached in self.children:  # the same dict of submodules, the same names and modules
                 reads += [(vars(module), "_modules", ""), (module._modules.keys(), NO_KEY, EQUALS)]
-                seen += [module._modules, children]
+                seen += [module._modules, names]
+                reads += [(module._modules, name, "") for name, _ in reached]
+                seen += [child for _, child in reached]
         hooks = self.hooks.dict_reads() if traced else self.hooks.counter_read()
         return [*reads, *hooks[0]], [*seen, *hooks[1]]
 

@@ -709,3 +709,37 @@ def test_a_container_the_traced_code_iterated_changed_after_sharding_is_captured
     a layer): the stages went on calling the layers held at sharding (a helper probe: a pruned DistilBERT answered
     0.012 off, silently). The first stage compares those containers' submodules with the ones it was captured with."""
     _served_after(model_class(), change)
+
+
+class _Gelu(nn.Module):
+    """An activation of the model's own, which the capture traces through (Hugging Face's ``NewGELUActivation``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x)
+
+
+class _Activated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.act = _Gelu()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.act(block(x))
+        return x
+
+
+class _Tanh(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m, "act", _Tanh()),
+    lambda m: m._modules.__setitem__("act", _Tanh()),  # (no registration hook: torch.ao's swaps write so)
+])
+def test_a_module_traced_through_assigned_anew_is_captured_again(change):
+    """Its code is in the stages' graphs, and it holds no weight the rebinding watch would see: an activation
+    swapped after sharding (GPT-2's ``mlp.act = nn.ReLU()``, a helper probe) was served with the old one."""
+    _served_after(_Activated(), change)
