@@ -273,13 +273,15 @@ class StateAtCapture:
         #: per module traced through, what its code is found by at capture (``code_reads``: its own and its
         #: class's ``forward``, its class), which the graph holds; and per module whose submodules the traced
         #: code reached (``HooksAtCapture.reaching``), their names (a loop over a ``ModuleList`` called the ones
-        #: it held) and those of them it reached too (an activation module traced through, assigned anew: its code
-        #: is in the graph); one the stages call, assigned anew, is ``capture.rebinding``'s
+        #: it held) and those of them it reached or calls (an activation module traced through, assigned anew: its
+        #: code is in the graph; a Linear swapped through ``_modules``, which ``capture.rebinding`` does not see)
         self.code = [(module, code_reads([module])[1]) for module in self.hooks.traced_through]
-        reaching = {id(module) for module in self.hooks.reaching}
+        reaching, called = {id(module) for module in self.hooks.reaching}, {id(module) for module in self.hooks.called}
         self.children = [(module, frozenset(module._modules),
-                          tuple((name, child) for name, child in module._modules.items() if id(child) in reaching))
+                          tuple((name, child) for name, child in module._modules.items()
+                                if id(child) in reaching or id(child) in called))
                          for module in self.hooks.reaching]
+        self._called = called
 
     def check_in_full(self, training: bool) -> None:
         now = list(map(_training, self.modules))
@@ -291,6 +293,13 @@ class StateAtCapture:
                     f"{self._named(module)} runs other code now than when the stages were captured through it (its "
                     "forward patched, or its class swapped), and they hold the code it ran then", before_compute=True)
         for module, names, reached in self.children:
+            replaced = next((name for name, child in reached if id(child) in self._called
+                             and module._modules.get(name) is not child), None)
+            if replaced is not None:  # as ``capture.rebinding`` refuses it (here also through ``_modules``)
+                raise InputMismatchError(
+                    f"the model's {type(module).__name__}.{replaced} was assigned anew after sharding, but the stage "
+                    "computes with the one it was sharded with; shard the model again after such a change (torch.ao's "
+                    "quantize_dynamic, say)")
             if module._modules.keys() != names or any(module._modules[name] is not child for name, child in reached):
                 raise SpecializationMismatch(
                     f"{self._named(module)} holds other submodules now than when the stages were captured through the "

@@ -86,3 +86,18 @@ def test_every_plan_watching_a_module_refuses_once_it_is_assigned_anew():
     for scale in (1.0, 2.0):
         with pytest.raises(InputMismatchError, match="head was assigned anew after sharding"):
             sharded(x, scale)
+
+
+def test_a_module_the_stages_call_swapped_through_modules_is_refused():
+    """``model._modules[name] = m`` bypasses PyTorch's registration hooks: torch.ao's ``quantize_dynamic`` swaps each
+    Linear so, and the stages went on calling the float ones (a helper probe). The first stage reads each module it
+    or a later stage calls from its parent's submodules, and refuses as for an assignment."""
+    model, sharded, x = sharded_blocks()
+    sharded(x)
+    model.blocks[3]._modules["0"] = nn.Linear(8, 8)
+    with pytest.raises(InputMismatchError, match=r"Sequential.0 was assigned anew after sharding"):
+        sharded(x)
+    model, sharded, x = sharded_blocks()
+    torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, inplace=True)
+    with pytest.raises(InputMismatchError, match="was assigned anew after sharding"):
+        sharded(x)

@@ -47,6 +47,8 @@ class HooksAtCapture:
         #: those and the containers between them and the modules the graph calls (a ``ModuleList`` a loop
         #: iterated): whose submodules the traced code reached
         self.reaching = _reaching(self.traced_through, {id(module) for module in run})
+        #: the modules the graph calls whole
+        self.called = tuple(module for module in run if id(module) in called_ids)
         pairs = [(module, name) for module in run for name in HOOK_DICTS]
         self.held = tuple((module, name) for module, name in pairs if vars(module).get(name))
         #: the dicts of the modules traced through, to stay empty or hold the hooks the graph ran
