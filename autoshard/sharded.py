@@ -23,6 +23,7 @@ from autoshard.capture.guard import (
 )
 from autoshard.capture.held_state import ATTRIBUTE, EQUALS, HOLDS, NO_KEY, Read, code_reads
 from autoshard.capture.hooks_since import HooksAtCapture
+from autoshard.capture.rebinding import assigned_anew
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, bind_as_called, is_default, parameter_default
 from autoshard.capture.structure import same_constant
@@ -276,12 +277,10 @@ class StateAtCapture:
         #: it held) and those of them it reached or calls (an activation module traced through, assigned anew: its
         #: code is in the graph; a Linear swapped through ``_modules``, which ``capture.rebinding`` does not see)
         self.code = [(module, code_reads([module])[1]) for module in self.hooks.traced_through]
-        reaching, called = {id(module) for module in self.hooks.reaching}, {id(module) for module in self.hooks.called}
+        reached = {id(module) for module in (*self.hooks.reaching, *self.hooks.called)}
         self.children = [(module, frozenset(module._modules),
-                          tuple((name, child) for name, child in module._modules.items()
-                                if id(child) in reaching or id(child) in called))
+                          tuple((name, child) for name, child in module._modules.items() if id(child) in reached))
                          for module in self.hooks.reaching]
-        self._called = called
 
     def check_in_full(self, training: bool) -> None:
         now = list(map(_training, self.modules))
@@ -292,14 +291,12 @@ class StateAtCapture:
                 raise SpecializationMismatch(
                     f"{self._named(module)} runs other code now than when the stages were captured through it (its "
                     "forward patched, or its class swapped), and they hold the code it ran then", before_compute=True)
+        called = {id(module) for module in self.hooks.called}
         for module, names, reached in self.children:
-            replaced = next((name for name, child in reached if id(child) in self._called
-                             and module._modules.get(name) is not child), None)
+            replaced = next((name for name, child in reached
+                             if id(child) in called and module._modules.get(name) is not child), None)
             if replaced is not None:  # as ``capture.rebinding`` refuses it (here also through ``_modules``)
-                raise InputMismatchError(
-                    f"the model's {type(module).__name__}.{replaced} was assigned anew after sharding, but the stage "
-                    "computes with the one it was sharded with; shard the model again after such a change (torch.ao's "
-                    "quantize_dynamic, say)")
+                raise InputMismatchError(assigned_anew(module, replaced, module._modules.get(replaced)))
             if module._modules.keys() != names or any(module._modules[name] is not child for name, child in reached):
                 raise SpecializationMismatch(
                     f"{self._named(module)} holds other submodules now than when the stages were captured through the "

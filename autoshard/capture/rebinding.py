@@ -59,10 +59,14 @@ def _on_registration(module: nn.Module, name: str, value: Any) -> None:
         return
     for watching, held in list(watchers.items()):
         if held() is not value:
-            watching.refuse(
-                f"the model's {type(module).__name__}.{name} was assigned anew after sharding ({name} = "
-                f"{type(value).__name__}), but the stage computes with the one it was sharded with; shard the model "
-                "again after such a change (an update in place, load_state_dict(sd) or an optimizer step, is seen)")
+            watching.refuse(assigned_anew(module, name, value))
+
+
+def assigned_anew(owner: nn.Module, name: str, value: Any) -> str:
+    """The refusal of a call after ``owner.name`` was assigned ``value`` in the model after sharding."""
+    return (f"the model's {type(owner).__name__}.{name} was assigned anew after sharding ({name} = "
+            f"{type(value).__name__}), but the stage computes with the one it was sharded with; shard the model "
+            "again after such a change (an update in place, load_state_dict(sd) or an optimizer step, is seen)")
 
 
 def _written_by_autoshard() -> bool:
