@@ -21,9 +21,8 @@ from autoshard.capture.guard import (
     PLACED_ON, FixedDtypes, InputGuard, check_condition, check_inputs, check_mode, one_tensor_groups,
     refuse_mode_switch, tensor_class,
 )
-from autoshard.capture.held_state import ATTRIBUTE, EQUALS, HOLDS, NO_KEY, Read, code_reads
+from autoshard.capture.held_state import ATTRIBUTE, EQUALS, HOLDS, NO_KEY, Read, assigned_anew, code_reads
 from autoshard.capture.hooks_since import HooksAtCapture
-from autoshard.capture.rebinding import assigned_anew
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, bind_as_called, is_default, parameter_default
 from autoshard.capture.structure import same_constant

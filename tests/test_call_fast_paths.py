@@ -220,13 +220,18 @@ class Scaled(nn.Module):
         return x
 
 
-def test_the_model_moved_on_its_own_is_seen_by_its_parameters_not_a_stage_held_buffer():
+def test_the_models_layers_moved_on_their_own_are_seen_by_their_parameters_not_a_stage_held_buffer():
+    """The model moved as a whole puts a new tensor in place of its buffer, which the stages refuse
+    (``test_rebinding``); its layers moved leave the buffer where it was."""
     model = Scaled().eval()
     x = torch.randn(2, 8)
     sharded = autoshard.shard_model(model, 2, (x,))
     sharded(x)
-    model.to("meta")
+    model.blocks.to("meta")
     assert sharded(x.to("meta")).is_meta  # the stage's weights are on two devices: values pass as they are
+    model.to("meta")
+    with pytest.raises(InputMismatchError, match="scale was assigned anew"):
+        sharded(x.to("meta"))
 
 
 def test_boundary_values_already_on_the_device_are_passed_on_as_they_are():

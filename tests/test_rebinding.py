@@ -101,3 +101,31 @@ def test_a_module_the_stages_call_swapped_through_modules_is_refused():
     torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, inplace=True)
     with pytest.raises(InputMismatchError, match="was assigned anew after sharding"):
         sharded(x)
+
+
+def test_a_buffer_converted_by_the_model_is_refused():
+    """``model.half()``, ``.float()`` and ``.to()`` put each converted buffer in ``_buffers`` as a dict, past the
+    registration hooks: after ``half().float()`` the stages added the buffer they were sharded with, the model its
+    rounded copy (a helper probe: Llama's ``inv_freq``, 9e-8 off). Each stage reads the buffers and parameters its
+    code reads from the model's registries, so it refuses; a conversion that leaves a tensor as it is is served."""
+    model, sharded, x = sharded_blocks()
+    model.float()  # float32 already: each tensor stays itself
+    assert torch.equal(sharded(x), model(x))
+    with torch.no_grad():
+        model.shift.fill_(1 / 3)
+    model.half().float()
+    with pytest.raises(InputMismatchError, match=r"ScaledBlocks.shift was assigned anew after sharding .*\.half\(\)"):
+        sharded(x)
+    with pytest.raises(InputMismatchError, match="shift was assigned anew"):  # the last stage, called alone
+        sharded.stages[-1](torch.zeros(2, 8))
+
+
+def test_a_parameter_put_in_its_registry_as_a_dict_is_refused():
+    """With ``torch.__future__.set_overwrite_module_params_on_conversion(True)``, ``model.to()`` registers new
+    parameters through ``_parameters`` as a dict (no hook sees it): refused, by the same read."""
+    model, sharded, x = sharded_blocks()
+    model._parameters["scale"] = nn.Parameter(torch.ones(8))
+    with pytest.raises(InputMismatchError, match="ScaledBlocks.scale was assigned anew after sharding"):
+        sharded(x)
+    model._parameters["scale"] = sharded.stages[-1].scale  # the one sharded with, back: served again
+    assert torch.equal(sharded(x), model(x))

@@ -387,6 +387,9 @@ class HeldState:
         #: ``writes`` and ``write_back()``, which a passing check runs),
         #: so running the stages in turn checks it too, before any computes; None in the other stages
         self.model_state: Any = None
+        #: ``(registry, name, owner, tensor)`` per parameter and buffer its code reads, in the model's registries
+        #: (``hold_model_tensor``), the tensor as sharded
+        self.model_tensors: list[tuple[dict[str, Any], str, nn.Module, Any]] = []
         self._walk()
         self.modes = list(map(_training, self.modules))
         self.dtypes = frozenset(map(_dtype, self.weights()))
@@ -421,7 +424,8 @@ class HeldState:
         self.names = tuple(p.rpartition(".")[2] for p in found)
         self.dtype_paths = tuple(found)
         self.reads: list[Read] = [*steps.values(), *((module, NO_KEY, "training") for module in self.modules),
-                                  *((registry, name, "dtype") for registry, name in zip(self.registries, self.names))]
+                                  *((registry, name, "dtype") for registry, name in zip(self.registries, self.names)),
+                                  *((registry, name, "") for registry, name, _, _ in self.model_tensors)]
 
     def traced_check(self, training: bool) -> dict[str, Any]:
         """``check`` while torch.compile traces a call. Dynamo guards what a traced call reads, each object by
@@ -474,6 +478,9 @@ class HeldState:
         it calls (``refuse``)."""
         if self.rebound:
             raise InputMismatchError(self.rebound)
+        for registry, name, owner, tensor in self.model_tensors:
+            if registry.get(name) is not tensor:
+                raise InputMismatchError(assigned_anew(owner, name, registry.get(name)))
         refuse_global_backward_hooks()
         self._walk()
         check_mode(training, self.captured_training, tuple(map(_training, self.modules)), tuple(self.modes))
@@ -488,6 +495,13 @@ class HeldState:
     def watch_model_state(self, model_state: Any) -> None:
         """Check ``model_state`` (see ``model_state``) on every call from now on."""
         self.model_state = model_state
+        self.check = self.check_in_full  # written anew on the next call
+        self.holds = _fails
+
+    def hold_model_tensor(self, registry: dict[str, Any], name: str, owner: nn.Module) -> None:
+        """Refuse calls while ``registry[name]`` (``owner``'s ``_parameters`` or ``_buffers`` in the model) holds
+        another tensor than it does now: the stage computes with this one (``capture.rebinding``)."""
+        self.model_tensors.append((registry, name, owner, registry[name]))
         self.check = self.check_in_full  # written anew on the next call
         self.holds = _fails
 
@@ -543,7 +557,8 @@ class HeldState:
     def __deepcopy__(self, memo: dict[int, Any]) -> HeldState:
         """A copy watches the copied stage (``memo`` maps the stage to its copy), found by path."""
         copied = HeldState.__new__(HeldState)
-        copied.__setstate__({**self.__getstate__(), "owner": memo.get(id(self.owner), self.owner)})
+        copied.__setstate__({**self.__getstate__(), "owner": memo.get(id(self.owner), self.owner),
+                             "model_tensors": self.model_tensors})
         return copied
 
     def __getstate__(self) -> dict[str, Any]:
@@ -552,11 +567,24 @@ class HeldState:
                 "rebound": self.rebound, "model_state": self.model_state}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"rebound": "", "model_state": None, **state})
+        # a pickled copy watches no model's tensors (another process has its own model), a deep copy the same
+        self.__dict__.update({"rebound": "", "model_state": None, "model_tensors": [], **state})
         # found by path on the first call, which checks in full
         self.modules, self.registries, self.names, self.reads = (), (), (), []
         self.by_path, self.calls = {}, {}
         self.check = self.check_in_full
+
+
+def assigned_anew(owner: nn.Module, name: str, value: Any) -> str:
+    """The refusal of a call after ``owner.name`` was assigned ``value`` in the model after sharding."""
+    return (f"the model's {type(owner).__name__}.{name} was assigned anew after sharding ({name} = "
+            f"{type(value).__name__}{_CONVERTED if isinstance(value, torch.Tensor) else ''}), but the stage computes "
+            "with the one it was sharded with; shard the model again after such a change (an update in place, "
+            "load_state_dict(sd) or an optimizer step, is seen)")
+
+
+#: How a tensor gets assigned anew without an assignment in the user's code.
+_CONVERTED = "; model.to(), .half(), .float() and .cuda() put a new tensor in place of each buffer they convert"
 
 
 def _module_at(root: nn.Module, path: str) -> nn.Module:
