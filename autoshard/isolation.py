@@ -347,21 +347,27 @@ def settings_objects(model: nn.Module) -> list[Any]:
     holds: a multimodal config's ``text_config``): a forward that fills one in
     (``self.config.problem_type = "regression"`` when it was None) changes the model as surely as
     a flag on ``self``, so its numbers, flags and strings are set back too. Not modules, tensors,
-    containers, callables or classes: only objects with attributes of their own."""
+    containers, functions, classes or PyTorch's own objects: only objects with attributes of their own
+    (a helper object the forward calls, too)."""
     found: dict[int, Any] = {}
     holders: list[dict[str, Any]] = [vars(module) for module in model.modules()]
     for _ in range(_SETTINGS_DEPTH):
         inside = []
         for attributes in holders:
             for key, value in attributes.items():
-                if type(value) in _PLAIN_TYPES or key in _REGISTRIES or id(value) in found or callable(value) \
-                        or not hasattr(value, "__dict__") \
-                        or isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, abc.Mapping)):
+                if type(value) in _PLAIN_TYPES or key in _REGISTRIES or id(value) in found \
+                        or not hasattr(value, "__dict__") or type(value).__module__.startswith("torch") \
+                        or isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, abc.Mapping,
+                                              *_FUNCTIONS)):
                     continue
                 found[id(value)] = value
                 inside.append(vars(value))
         holders = inside
     return list(found.values())
+
+
+#: Callables that are no settings objects (their ``__dict__`` holds no settings).
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
 
 
 #: Where a module keeps the hooks registered on it, and where ``nn.Module.__call__`` finds those

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import types
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
@@ -433,8 +434,8 @@ def _where_read(holder: Any, where: Mapping[str, Any], name: str, value: Any) ->
     """The read of ``holder.name`` where ``looked_up`` found it: in ``where``, the holder's ``__dict__``, or
     through the holder's class (``ATTRIBUTE``; a class's ``__dict__`` is a mapping proxy), which also sees
     one set since on a class before the one holding it, unless the value is a descriptor, which reading
-    through the class would call."""
-    if where is vars(holder) or hasattr(type(value), "__get__"):
+    through the class would call (a function, a method of the class, reads as itself)."""
+    if where is vars(holder) or (hasattr(type(value), "__get__") and type(value) is not types.FunctionType):
         return where, name, ""
     return type(holder), name, ATTRIBUTE
 

@@ -4,6 +4,7 @@ model is captured again (or the call refused), never run on the old value silent
 from __future__ import annotations
 
 import collections
+import collections.abc
 import copy
 import functools
 import math
@@ -332,6 +333,94 @@ class SettingKinds(nn.Module):
 def test_settings_of_every_kind_set_anew_are_computed_with(change):
     torch.manual_seed(0)
     _set_anew_and_served(SettingKinds().eval(), change)
+
+
+class _Scaler:
+    """A helper object the forward calls: its fields are settings too."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+class _Options(collections.abc.Mapping):
+    """A read-only mapping of its own class, over a dict it keeps."""
+
+    def __init__(self, **options: float) -> None:
+        self._options = dict(options)
+
+    def __getitem__(self, key: str) -> float:
+        return self._options[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._options)
+
+    def __len__(self) -> int:
+        return len(self._options)
+
+
+class MoreSettingKinds(nn.Module):
+    """Reads settings of kinds a helper probe found unchecked (set anew or changed in place, the stages computed
+    with the old): a class, a range, a slice, a complex number, bytes, a deque, a defaultdict, a UserDict, a
+    mapping of its own class, a numpy array, a helper object it calls, and a method of its own class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.act, self.columns, self.cut, self.factor, self.tag = nn.ReLU, range(0, 5), slice(0, 4), 2 + 0j, b"x2"
+        self.recent = collections.deque([1.0], maxlen=2)
+        self.defaults = collections.defaultdict(float, scale=1.0)
+        self.user, self.options = collections.UserDict(scale=1.0), _Options(scale=1.0)
+        self.table, self.scaler = np.array([1.0, 2.0]), _Scaler(1.0)
+
+    def helper(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.act()(self.a(x) - 0.1), -x], 1)[:, list(self.columns)][:, self.cut] * self.factor.real
+        h = h * (2.0 if self.tag == b"x2" else 3.0) * self.recent[0] * self.defaults["scale"]
+        h = h * self.user["scale"] * self.options["scale"] * torch.from_numpy(self.table).float()[0]
+        return self.b(self.helper(self.scaler(h)))
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m, "act", nn.Tanh), lambda m: setattr(m, "columns", range(1, 5)),
+    lambda m: setattr(m, "cut", slice(1, 5)), lambda m: setattr(m, "factor", 3 + 0j),
+    lambda m: setattr(m, "tag", b"x3"), lambda m: m.recent.appendleft(2.0),
+    lambda m: m.defaults.__setitem__("scale", 2.0), lambda m: m.user.__setitem__("scale", 2.0),
+    lambda m: m.options._options.__setitem__("scale", 2.0), lambda m: m.table.__setitem__(0, 2.0),
+    lambda m: setattr(m, "table", np.array([3.0, 2.0])), lambda m: setattr(m.scaler, "k", 2.0),
+    lambda m: setattr(m, "scaler", _Scaler(2.0)), lambda m: setattr(m, "helper", lambda x: x - 1),
+    lambda m: m.scaler.__dict__.__setitem__("k", 2.0),
+], ids=["class", "range", "slice", "complex", "bytes", "deque-in-place", "defaultdict-in-place",
+        "userdict-in-place", "own-mapping-in-place", "array-in-place", "array", "helper-object-field",
+        "helper-object", "method-on-the-module", "helper-object-field-through-its-dict"])
+def test_more_settings_of_every_kind_changed_are_computed_with(change):
+    torch.manual_seed(0)
+    _set_anew_and_served(MoreSettingKinds().eval(), change)
+
+
+def test_a_method_patched_on_the_class_is_computed_with(monkeypatch):
+    """The method's code is in the graph (fx traced through it): patched on the class, as attention patches
+    do (``GPT2Attention._attn = ...``), the stages computed with the old code."""
+    torch.manual_seed(0)
+    _set_anew_and_served(MoreSettingKinds().eval(),
+                         lambda m: monkeypatch.setattr(MoreSettingKinds, "helper", lambda self, x: x * 3))
+
+
+def test_a_numpy_scalar_the_forward_computes_with_is_served():
+    """fx takes an ``np.float64`` as the float it subclasses, and wrote ``np.float64(2.0)`` into the stage's code,
+    which has no ``np``: sharding failed with a NameError at verification."""
+    torch.manual_seed(0)
+    model = Block().eval()
+    model.scale = np.float64(2.0)
+    x = torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    assert torch.equal(sharded(x), model(x))
+    model.scale = np.float64(3.0)  # checked as the value it is: another captures again
+    assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
 
 
 class _Tags(list):

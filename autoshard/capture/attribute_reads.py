@@ -19,27 +19,32 @@ Recorded are the reads by the model's traced code only: not those of code run fo
 examples (a module or function kept whole reads its attributes on every call of its stage), not
 attributes of PyTorch's own bookkeeping, and not attributes the trace wrote before reading them
 (Funnel's ``self.pooling_mult = 1``: what the call itself sets fixes nothing). Only plain values
-are checked (numbers, flags, strings, None, enums, dtypes, devices, numpy scalars, functions, bound
-methods, partials, and tuples, lists and dicts of them), and by identity tensors kept as plain
-attributes (set anew, the graph would compute with the old one) and the model's settings objects
-(replaced, the reads of the old one's attributes would watch the wrong object): modules and
-parameters rebound are seen by ``capture.rebinding``. A container is kept as it was read
-(``AttributeRead.contents``: its lists, dicts and sets copied), and a call compares it with the one
+are checked (numbers, flags, strings, bytes, None, enums, ranges, slices, classes, dtypes, devices,
+numpy scalars and arrays, functions, bound methods, partials, and tuples, lists, sets, deques and
+mappings of them), and by identity tensors kept as plain attributes (set anew, the graph would
+compute with the old one) and the model's settings objects (replaced, the reads of the old one's
+attributes would watch the wrong object): modules and parameters rebound are seen by
+``capture.rebinding``. A method of the model's code read from its module (``self._attn(...)``) is
+checked as the function its class holds, and that the module holds none of its own by that name: one
+patched, on the class or the module, captures again. A container is kept as it was read
+(``AttributeRead.contents``: a deep copy of its containers), and a call compares it with the one
 held now (``content_reads``: one ``==``), so one changed in place captures again too; one the
 capture's own runs changed (a cache the forward fills) is watched by identity only. Not seen: the
 keys of a plain dict reordered, its items the same (``==`` ignores their order), an object with
-``__slots__``, and one kept in a list. A settings object of a built-in class
+``__slots__``, one kept in a list, and methods of PyTorch's own classes. A settings object of a built-in class
 (``types.SimpleNamespace``) takes no ``__getattribute__`` of ours: where the traced code reads one,
 all its plain attributes are checked.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import functools
-import operator
 import types
+from collections import abc
+from copy import deepcopy
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping
 
@@ -55,8 +60,11 @@ from autoshard.isolation import PLAIN_VALUES, settings_objects
 #: What ``nn.Module`` and its ``__init__`` set on every module: PyTorch's bookkeeping
 #: (``_compiled_call_impl``), not the model's settings (``training`` has its own check).
 _BOOKKEEPING = frozenset(vars(nn.Module())) | frozenset(vars(nn.Module))
-_CHECKED = (*PLAIN_VALUES, enum.Enum, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-            functools.partial, torch.dtype, torch.device, np.generic, torch.Tensor)
+_CHECKED = (*PLAIN_VALUES, bytes, complex, range, slice, type, enum.Enum, types.FunctionType,
+            types.BuiltinFunctionType, types.MethodType, functools.partial, torch.dtype, torch.device, np.generic,
+            np.ndarray, torch.Tensor)
+#: The containers whose items a check compares (a mapping's keys and values).
+_SEQUENCES = (tuple, list, collections.deque, abc.Set, abc.MutableSequence)
 
 
 class _Absent:
@@ -96,26 +104,54 @@ class AttributeRead:
         comparison, item by item), with what it finds now; none where the contents are the value itself."""
         if self.contents is self.value:
             return [], []
-        return [(now, NO_KEY, EQUALS)], [self.contents]
+        return [(now, NO_KEY, EQUALS)], [_Items(self.contents) if isinstance(now, np.ndarray) else self.contents]
+
+
+class _Items:
+    """An array's items as read, for ``array == _Items(copy)`` to tell in one comparison whether they are the
+    same (``same_constant``): numpy's ``==`` compares item by item, and defers to this one's
+    (``__array_ufunc__ = None``)."""
+
+    __array_ufunc__ = None
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, items: np.ndarray) -> None:
+        self.items = items
+
+    def __eq__(self, other: object) -> bool:
+        return same_constant(other, self.items)
 
 
 def copied(value: Any) -> Any:
-    """``value`` with the lists, dicts and sets in it copied, of their own class, item by item (a tuple
-    only where it holds one); anything else as it is, and a container whose class a copy cannot be
-    made of, or not an equal one (a subclass of its own making), too."""
-    if isinstance(value, dict):
-        items: Any = {key: copied(item) for key, item in value.items()}
-    elif isinstance(value, (tuple, list, set, frozenset)):
-        items = [copied(item) for item in value]
-        if isinstance(value, (tuple, frozenset)) and all(map(operator.is_, items, value)):
-            return value  # nothing in it changes in place
-    else:
+    """``value`` as read, to tell later whether it changed in place: where it holds something that changes
+    so (a list, dict, set, deque, mapping or array, at any depth), a deep copy of it, of its own classes,
+    sharing every other item with it; else ``value`` itself, and also where no equal copy can be made (a
+    class of its own making)."""
+    if not _changes_in_place(value):
         return value
+    kept = {id(item): item for item in _items(value)}  # (``deepcopy``'s memo: these are not copied)
     try:
-        copy = value._make(items) if isinstance(value, tuple) and hasattr(value, "_make") else type(value)(items)
-    except Exception:  # noqa: BLE001 - a class made otherwise: watched by identity alone
+        copy = deepcopy(value, kept)
+    except Exception:  # noqa: BLE001 - a class that cannot be copied: watched by identity alone
         return value
     return copy if same_constant(copy, value) else value
+
+
+def _items(value: Any) -> Iterator[Any]:
+    """The items of the containers ``value`` is or holds, at any depth (a mapping's keys and values)."""
+    for item in (value if isinstance(value, _SEQUENCES) else [*value, *value.values()]
+                 if isinstance(value, abc.Mapping) else ()):
+        if isinstance(item, (*_SEQUENCES, abc.Mapping)):
+            yield from _items(item)
+        elif not isinstance(item, np.ndarray):
+            yield item
+
+
+def _changes_in_place(value: Any) -> bool:
+    """Whether ``value`` is or holds a container that changes in place (not a tuple or frozenset), or an array."""
+    if isinstance(value, (tuple, frozenset)):
+        return any(map(_changes_in_place, value))
+    return isinstance(value, (*_SEQUENCES, abc.Mapping, np.ndarray))
 
 
 def looked_up(holder: Any, name: str) -> tuple[Mapping[str, Any] | None, Any]:
@@ -137,11 +173,11 @@ def checked_value(value: Any) -> bool:
     (of any class of theirs) of such; a tensor kept as a plain attribute (``self.offset = torch.zeros(8)``),
     also inside a container, is compared by identity (the graph holds the one it read; changed in
     place, the graph sees it)."""
-    if isinstance(value, (tuple, list, set, frozenset)):
+    if isinstance(value, _CHECKED):
+        return True
+    if isinstance(value, _SEQUENCES):
         return all(map(checked_value, value))
-    if isinstance(value, dict):
-        return checked_value(tuple(value)) and checked_value(tuple(value.values()))
-    return isinstance(value, _CHECKED)
+    return isinstance(value, abc.Mapping) and checked_value(tuple(value)) and checked_value(tuple(value.values()))
 
 
 def _absent(holder: Any, name: str) -> bool:
@@ -152,6 +188,14 @@ def _absent(holder: Any, name: str) -> bool:
         return True
     return isinstance(holder, nn.Module) and fallback is nn.Module.__getattr__ and not any(
         name in vars(holder).get(registry, ()) for registry in ("_parameters", "_buffers", "_modules"))
+
+
+def _own_method(holder: Any, value: Any, held: Any) -> bool:
+    """Whether ``value``, read as an attribute of ``holder`` held as ``held``, is a method of its class bound to it,
+    of code not PyTorch's own (``nn.Conv2d._conv_forward``: patching torch is not watched, and every conv would
+    add its reads to each call)."""
+    return type(value) is types.MethodType and value.__self__ is holder and value.__func__ is held \
+        and not getattr(held, "__module__", "torch.").startswith("torch.")
 
 
 class AttributeReads:
@@ -210,9 +254,13 @@ class AttributeReads:
                 if (id(holder), name) not in first and _absent(holder, name):
                     first[(id(holder), name)] = AttributeRead(holder, name, ABSENT, contents=ABSENT)
                 raise
-            if (id(holder), name) not in first and looked_up(holder, name)[1] is value \
-                    and (checked_value(value) or (id(value) in holders and not isinstance(value, nn.Module))):
-                first[(id(holder), name)] = AttributeRead(holder, name, value, not checked_value(value), copied(value))
+            if (id(holder), name) not in first:
+                held = looked_up(holder, name)[1]
+                plain = checked_value(value)
+                if held is value and (plain or (id(value) in holders and not isinstance(value, nn.Module))):
+                    first[(id(holder), name)] = AttributeRead(holder, name, value, not plain, copied(value))
+                elif _own_method(holder, value, held):  # (its code is in the graph: patched, captured again)
+                    first[(id(holder), name)] = AttributeRead(holder, name, held, contents=held)
             if id(value) in unwatched and id(value) not in read_whole:
                 read_whole[id(value)] = (value, {k: copied(v) for k, v in vars(value).items() if checked_value(v)}, {})
             return value

@@ -480,7 +480,8 @@ class HeldState:
             raise InputMismatchError(self.rebound)
         for registry, name, owner, tensor in self.model_tensors:
             if registry.get(name) is not tensor:
-                raise InputMismatchError(assigned_anew(owner, name, registry.get(name)))
+                # (named by what the owner holds now: a buffer made a parameter is not in the registry)
+                raise InputMismatchError(assigned_anew(owner, name, getattr(owner, name, None)))
         refuse_global_backward_hooks()
         self._walk()
         check_mode(training, self.captured_training, tuple(map(_training, self.modules)), tuple(self.modes))

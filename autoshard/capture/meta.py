@@ -38,6 +38,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterator, Mapping
 
+import numpy as np
 import torch
 import torch.fx as fx
 import torch.fx._symbolic_trace as fx_trace
@@ -672,6 +673,8 @@ class MetaTracer(fx.Tracer):
         # fx would rebuild it as a plain dict (torchvision's segmentation output)
         if type(a) is collections.OrderedDict:
             return self.create_node("call_function", collections.OrderedDict, (self.create_arg(list(a.items())),), {})
+        if isinstance(a, np.generic):  # fx takes np.float64 as the float it subclasses, then writes its repr
+            return self._constant(a)   # (``np.float64(2.0)``) into code without ``np``: a NameError on the call
         base = rebuildable_base(a)
         if base is not None:  # fx would rebuild it as its base, dropping its class and attributes
             made = (self._constant(type(a)), self.create_arg(base(a)), self.create_arg(getattr(a, "__dict__", {})))
