@@ -57,7 +57,7 @@ _ERRORS = (
     "PassFailed",
     "TraceError", "VerificationError", "PassContractError", "PlanError",
     "ShapePropagationError", "ExampleInputsError", "InputMismatchError", "SpecializationMismatch",
-    "PipelineSetupError",
+    "CallRefusedError", "PipelineSetupError",
     "WorldSizeError", "BoundaryValueError", "DeviceUnavailableError", "ModuleSplitError",
     "CheckpointMismatchError", "LaunchError", "MissingDependencyError",
 )

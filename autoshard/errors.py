@@ -237,6 +237,11 @@ class InputMismatchError(InvalidArgumentError):
     outside what the capture was built for. The message names what the plan accepts."""
 
 
+class CallRefusedError(InputMismatchError, TypeError):
+    """A call the model's forward itself refuses (an argument missing, unknown, or one too many): a
+    ``TypeError``, as the model's own call raises, so ``except TypeError`` catches it alike."""
+
+
 #: The end of a ``SpecializationMismatch``'s message.
 OTHER_CAPTURE = ("; or, where the model was sharded with respecialize=True (the default), call the sharded model, "
                  "which captures the model again for them, or run the stages of sharded.specialize(*inputs).stages")

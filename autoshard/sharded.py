@@ -33,7 +33,8 @@ from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.costs.values import ValueMeta
 from autoshard.emit import HELD_STATE
 from autoshard.errors import (
-    NO_SPECIALISATIONS, InputMismatchError, PlanError, SpecializationMismatch, brief, first_few, shown)
+    NO_SPECIALISATIONS, CallRefusedError, InputMismatchError, PlanError, SpecializationMismatch, brief, first_few,
+    shown)
 from autoshard.graph.partition import SplitInfo
 
 _training = operator.attrgetter("training")
@@ -881,8 +882,8 @@ class _Binder:
             if self.model_signature is None:
                 raise self._refusal(binding)
             takes = ", ".join(self.model_signature.parameters)
-            raise InputMismatchError(f"the model's forward({takes}) refuses these arguments ({binding}), as calling "
-                                     "the model would: call the sharded model as the model takes them")
+            raise CallRefusedError(f"the model's forward({takes}) refuses these arguments ({binding}), as calling "
+                                   "the model would: call the sharded model as the model takes them")
         values = (*args, *kwargs.values()) if kwargs else args
         if binding.left_out:
             self._check_left_out(binding, values)

@@ -9,6 +9,7 @@ import inspect
 import pickle
 import re
 
+import numpy as np
 import pytest
 import torch
 from conftest import DoublesWhen, FillsInItsProblemType
@@ -322,8 +323,13 @@ def test_another_constant_is_served_by_a_capture_made_with_it_and_what_no_captur
     with pytest.raises(InputMismatchError, match="unexpected keyword argument 'shift'") as unknown:
         sharded(x, shift=1.0)
     assert not isinstance(unknown.value, SpecializationMismatch) and len(sharded.specializations) == 1
-    # the model itself refuses it: no capture would serve it, so no advice to shard again
+    # the model itself refuses it: no capture would serve it, so no advice to shard again; a TypeError, as the
+    # model's own call raises (a helper probe: ``except TypeError`` missed it)
     assert "the model's forward(x, scale) refuses these arguments" in str(unknown.value)
+    assert isinstance(unknown.value, TypeError) and isinstance(unknown.value, autoshard.CallRefusedError)
+    for call in (lambda: sharded(), lambda: sharded(x, 1.0, 2.0)):
+        with pytest.raises(TypeError, match="refuses these arguments"):
+            call()
     assert "shard the model again" not in str(unknown.value)
     # a misspelt keyword is named, as Python names it, not the argument it leaves missing
     with pytest.raises(InputMismatchError,
@@ -1516,3 +1522,31 @@ def test_in_training_mode_a_guard_failing_after_a_draw_from_a_generator_of_the_m
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     with pytest.raises(SpecializationMismatch, match=r"draw random numbers are not run again"):
         sharded(torch.randn(2, 8))
+
+
+class DividesBy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.b(self.a(x)) / scale
+
+
+def test_numpy_scalar_arguments_are_served_as_the_values_they_are():
+    """A helper probe: an ``np.float64`` example or call (a float to fx, which wrote ``np.float64(2.0)`` into code
+    without ``np`` as the argument's default) failed with a NameError; an ``np.float32`` nan was captured again on
+    every call (nan != nan) until the limit refused it, and its -0.0 was served by the +0.0 plan (inf for -inf),
+    as a Python float's are not."""
+    torch.manual_seed(0)
+    model, x = DividesBy().eval(), torch.randn(4, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    assert torch.equal(sharded(x, np.float64(3.0)), model(x, np.float64(3.0)))
+    assert torch.equal(autoshard.shard_model(model, 2, (x, np.float64(2.0)))(x), model(x))
+    nan = autoshard.shard_model(model, 2, (x, np.float32("nan")))
+    for _ in range(3):
+        assert torch.isnan(nan(x, np.float32("nan"))).all()
+    assert not nan.specializations
+    zero = autoshard.shard_model(model, 2, (x, np.float32(0.0)))
+    assert torch.equal(zero(x, np.float32(-0.0)), model(x, np.float32(-0.0)))
+    assert len(zero.specializations) == 1

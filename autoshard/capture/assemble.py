@@ -29,7 +29,9 @@ from autoshard.errors import TraceError
 from autoshard.fx_helpers import resolve
 
 _PREFIX = MODEL_ATTR + "."
-_LITERAL_TYPES = (bool, int, float, str, type(None))
+#: The exact types whose ``repr`` fx writes into the code as a default (``np.float64(2.0)``, a float, would not
+#: evaluate there, nor an ``IntEnum``)
+_LITERAL_TYPES = frozenset({bool, int, float, str, type(None)})
 
 
 class ModelNames(nn.Module):
@@ -106,7 +108,7 @@ def _placeholders(graph: fx.Graph, signature: CallSignature, checked: bool) -> d
     """
     defaulted: set[str] = set()
     for argument in reversed(signature.arguments):
-        if argument.is_graph_input or not isinstance(argument.value, _LITERAL_TYPES):
+        if argument.is_graph_input or type(argument.value) not in _LITERAL_TYPES:
             break
         defaulted.add(argument.name)
     nodes = {}

@@ -99,9 +99,9 @@ def same_constant(value: Any, expected: Any) -> bool:
     if isinstance(expected, np.ndarray):  # (its == compares item by item)
         return (value.shape, value.dtype) == (expected.shape, expected.dtype) and np.array_equal(
             value, expected, equal_nan=expected.dtype.kind in "fc")
-    if isinstance(expected, float) and expected == 0.0:  # -0.0 == 0.0, but 1 / x tells them apart
+    if isinstance(expected, (float, np.floating)) and expected == 0.0:  # -0.0 == 0.0, but 1 / x tells them apart
         return value == expected and math.copysign(1.0, value) == math.copysign(1.0, expected)
-    if isinstance(expected, float) and math.isnan(expected):  # nan != nan, but computes as nan
+    if isinstance(expected, (float, np.floating)) and math.isnan(expected):  # nan != nan, but computes as nan
         return math.isnan(value)
     if type(expected) in (tuple, list):  # item by item, so that their zeros and nans are told as above
         return len(value) == len(expected) and all(map(same_constant, value, expected))
