@@ -6,6 +6,7 @@ import collections
 import functools
 import dataclasses
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -591,6 +592,44 @@ def test_a_constant_changed_in_place_after_sharding_is_refused():
     # another object of the new value is another constant, captured again (it was refused as changed in place)
     assert torch.equal(sharded(x, Scaling(scale=3.0)), model(x, config)) and len(sharded.specializations) == 1
     assert torch.equal(sharded(x, Scaling()), model(x, Scaling()))  # and the old value is still served
+
+
+class PlainScaling:
+    """Settings of a class with no ``==`` of its own, and a method of it the forward calls."""
+
+    def __init__(self, scale: float = 2.0) -> None:
+        self.scale = scale
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
+
+    def scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
+
+
+class ScalesByACallable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: Any) -> torch.Tensor:
+        return self.last(scale(self.first(x)))
+
+
+@pytest.mark.parametrize("given", ["object", "method"])
+def test_an_object_without_its_own_eq_changed_in_place_after_sharding_is_refused(given):
+    """A helper probe: a plain object (compared by identity) changed in place was served with the value captured,
+    and a method bound to one, deep-copied to be compared later, was refused as changed at once, its own example
+    too. Both compare what the object holds."""
+    torch.manual_seed(0)
+    x, config, model = torch.randn(3, 4), PlainScaling(), ScalesByACallable()
+    scale = config if given == "object" else config.scaled
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x, scale))
+    assert torch.equal(sharded(x, scale), model(x, scale))
+    another = PlainScaling() if given == "object" else PlainScaling().scaled
+    assert torch.equal(sharded(x, another), model(x, another)) and not sharded.specializations  # equal: served
+    config.scale = 3.0
+    _refused(sharded, x, scale, another_capture=False, match=r"scale was changed in place .*pass a copy")
 
 
 def test_tensors_kept_on_a_plain_objects_attributes_are_refused_at_capture():

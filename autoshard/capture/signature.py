@@ -27,7 +27,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 from autoshard.capture.host_random import host_draws
 from autoshard.capture.guard import DimSpec, InputGuard
 from autoshard.capture.structure import (
-    CACHE_ADVICE, ArgumentStructure, check_visible_tensors, holds_tensors, same_constant)
+    CACHE_ADVICE, ArgumentStructure, check_visible_tensors, holds_tensors, plain_object, same_constant)
 from autoshard.errors import ExampleInputsError, InvalidArgumentError, suggest
 from autoshard.isolation import PLAIN_VALUES, cloned, isolated
 
@@ -116,10 +116,11 @@ def is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
 
 
 def _snapshots(constants: Mapping[str, Any]) -> dict[str, Any]:
-    """Copies of the mutable constants that have an ``==`` (a config dataclass, a list of flags)."""
+    """Copies of the mutable constants that have an ``==`` (a config dataclass, a list of flags), or hold attributes
+    ``same_constant`` compares (a plain settings object, a method bound to one)."""
     found = {}
     for name, value in constants.items():
-        if isinstance(value, PLAIN_VALUES) or type(value).__eq__ is object.__eq__:
+        if isinstance(value, PLAIN_VALUES) or (type(value).__eq__ is object.__eq__ and not plain_object(value)):
             continue
         try:
             found[name] = copy.deepcopy(value)

@@ -89,7 +89,8 @@ def same_constant(value: Any, expected: Any) -> bool:
     one of the same type, a ``torch.Size`` and a tuple alike (a numpy array: the same shape, dtype and
     items; a zero: of the same sign;
     nan: nan; a tuple, list or dict: item by item; a function: the same code, globals, defaults and
-    closed-over values; a ``functools.partial``: the same function and arguments)."""
+    closed-over values; a ``functools.partial``: the same function and arguments; a bound method: the same
+    function, bound to an object like the one expected; an object with no ``==`` of its own: its attributes)."""
     if value is expected:
         return True
     if {type(value), type(expected)} <= _SHAPES:  # torch's pytree rebuilds a Size as a tuple (a copy of the inputs)
@@ -111,6 +112,10 @@ def same_constant(value: Any, expected: Any) -> bool:
         held = _function_values(expected)
         return (value.__code__ is expected.__code__ and value.__globals__ is expected.__globals__ and _frozen(held)
                 and same_constant(_function_values(value), held))
+    if type(expected) is types.MethodType:  # (its ``==`` compares the objects bound by identity)
+        return value.__func__ is expected.__func__ and same_constant(value.__self__, expected.__self__)
+    if plain_object(expected):  # (its ``==`` is identity): what it holds
+        return _same_attributes(value, expected)
     if type(expected) is functools.partial:
         held = (expected.args, tuple(expected.keywords.items()))
         return (value.func is expected.func and _frozen(held)
@@ -119,6 +124,29 @@ def same_constant(value: Any, expected: Any) -> bool:
         return bool(value == expected)
     except Exception:  # noqa: BLE001 - an object without a usable == is only equal to itself
         return False
+
+
+def plain_object(value: Any) -> bool:
+    """Whether ``value`` is an object of a class of the user's with no ``==`` of its own, holding attributes
+    (a settings object, a helper the forward calls): not a module, tensor, class, function or module of code."""
+    return type(value).__eq__ is object.__eq__ and hasattr(value, "__dict__") and not isinstance(
+        value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, functools.partial))
+
+
+#: The pairs of objects ``_same_attributes`` is comparing, by id: one met again (an object holding itself) is
+#: compared there already.
+_COMPARING: set[tuple[int, int]] = set()
+
+
+def _same_attributes(value: Any, expected: Any) -> bool:
+    pair = (id(value), id(expected))
+    if pair in _COMPARING:
+        return True
+    _COMPARING.add(pair)
+    try:
+        return same_constant(vars(value), vars(expected))
+    finally:
+        _COMPARING.discard(pair)
 
 
 def _function_values(function: types.FunctionType) -> tuple[Any, ...]:
