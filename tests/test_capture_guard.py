@@ -632,6 +632,43 @@ def test_an_object_without_its_own_eq_changed_in_place_after_sharding_is_refused
     _refused(sharded, x, scale, another_capture=False, match=r"scale was changed in place .*pass a copy")
 
 
+def _times_first(factors: list[float], t: torch.Tensor) -> torch.Tensor:
+    return t * factors[0]
+
+
+def _closures() -> dict[str, tuple[Any, Any]]:
+    """Functions passed as an argument, each with a change after sharding that keeps the object."""
+    factor = 2.0
+
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        return t * factor
+
+    def rebind() -> None:
+        nonlocal factor
+        factor = 3.0
+
+    factors = [2.0]
+    return {"nonlocal-rebound": (scaled, rebind),
+            "list-closed-over": (lambda t: t * factors[0], lambda: factors.__setitem__(0, 3.0)),
+            "partial-over-a-list": (functools.partial(_times_first, factors), lambda: factors.__setitem__(0, 3.0))}
+
+
+@pytest.mark.parametrize("kind", ["nonlocal-rebound", "list-closed-over", "partial-over-a-list"])
+def test_a_function_argument_whose_closure_changed_after_sharding_is_refused(kind):
+    """A helper probe: the same function object, computing with other values since (its closure rebound or its
+    list changed in place), was served with the values captured. The guard keeps what it computed with."""
+    torch.manual_seed(0)
+    x, model = torch.randn(3, 4), ScalesByACallable()
+    function, change = _closures()[kind]
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x, function))
+    for _ in range(2):
+        assert torch.equal(sharded(x, function), model(x, function))
+    again, _ = _closures()[kind]  # made anew, computing the same: served by the same plan
+    assert torch.equal(sharded(x, again), model(x, again)) and not sharded.specializations
+    change()
+    _refused(sharded, x, function, another_capture=False, match=r"scale was changed in place .*pass a copy")
+
+
 def test_tensors_kept_on_a_plain_objects_attributes_are_refused_at_capture():
     class Holder:
         def __init__(self, t: torch.Tensor) -> None:

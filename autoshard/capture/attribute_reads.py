@@ -38,13 +38,11 @@ all its plain attributes are checked.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import enum
 import functools
 import types
 from collections import abc
-from copy import deepcopy
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping
 
@@ -54,7 +52,7 @@ from torch import nn
 
 from autoshard.capture.eager import swapped_attribute
 from autoshard.capture.held_state import EQUALS, NO_KEY, Read
-from autoshard.capture.structure import same_constant
+from autoshard.capture.structure import SEQUENCES, copied, same_constant
 from autoshard.isolation import PLAIN_VALUES, settings_objects
 
 #: What ``nn.Module`` and its ``__init__`` set on every module: PyTorch's bookkeeping
@@ -63,8 +61,6 @@ _BOOKKEEPING = frozenset(vars(nn.Module())) | frozenset(vars(nn.Module))
 _CHECKED = (*PLAIN_VALUES, bytes, complex, range, slice, type, enum.Enum, types.FunctionType,
             types.BuiltinFunctionType, types.MethodType, functools.partial, torch.dtype, torch.device, np.generic,
             np.ndarray, torch.Tensor)
-#: The containers whose items a check compares (a mapping's keys and values).
-_SEQUENCES = (tuple, list, collections.deque, abc.Set, abc.MutableSequence)
 
 
 class _Absent:
@@ -122,38 +118,6 @@ class _Items:
         return same_constant(other, self.items)
 
 
-def copied(value: Any) -> Any:
-    """``value`` as read, to tell later whether it changed in place: where it holds something that changes
-    so (a list, dict, set, deque, mapping or array, at any depth), a deep copy of it, of its own classes,
-    sharing every other item with it; else ``value`` itself, and also where no equal copy can be made (a
-    class of its own making)."""
-    if not _changes_in_place(value):
-        return value
-    kept = {id(item): item for item in _items(value)}  # (``deepcopy``'s memo: these are not copied)
-    try:
-        copy = deepcopy(value, kept)
-    except Exception:  # noqa: BLE001 - a class that cannot be copied: watched by identity alone
-        return value
-    return copy if same_constant(copy, value) else value
-
-
-def _items(value: Any) -> Iterator[Any]:
-    """The items of the containers ``value`` is or holds, at any depth (a mapping's keys and values)."""
-    for item in (value if isinstance(value, _SEQUENCES) else [*value, *value.values()]
-                 if isinstance(value, abc.Mapping) else ()):
-        if isinstance(item, (*_SEQUENCES, abc.Mapping)):
-            yield from _items(item)
-        elif not isinstance(item, np.ndarray):
-            yield item
-
-
-def _changes_in_place(value: Any) -> bool:
-    """Whether ``value`` is or holds a container that changes in place (not a tuple or frozenset), or an array."""
-    if isinstance(value, (tuple, frozenset)):
-        return any(map(_changes_in_place, value))
-    return isinstance(value, (*_SEQUENCES, abc.Mapping, np.ndarray))
-
-
 def looked_up(holder: Any, name: str) -> tuple[Mapping[str, Any] | None, Any]:
     """Where ``holder.name`` is held, and its value: the holder's own ``__dict__``, else that of the
     first class holding it (a class attribute, ``scale = 2.0`` in the class body), else ``(None,
@@ -175,7 +139,7 @@ def checked_value(value: Any) -> bool:
     place, the graph sees it)."""
     if isinstance(value, _CHECKED):
         return True
-    if isinstance(value, _SEQUENCES):
+    if isinstance(value, SEQUENCES):
         return all(map(checked_value, value))
     return isinstance(value, abc.Mapping) and checked_value(tuple(value)) and checked_value(tuple(value.values()))
 

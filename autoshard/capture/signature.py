@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import inspect
 import keyword
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Mapping
 
@@ -27,7 +29,8 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 from autoshard.capture.host_random import host_draws
 from autoshard.capture.guard import DimSpec, InputGuard
 from autoshard.capture.structure import (
-    CACHE_ADVICE, ArgumentStructure, check_visible_tensors, holds_tensors, plain_object, same_constant)
+    CACHE_ADVICE, ArgumentStructure, CapturedCallable, check_visible_tensors, holds_tensors, plain_object,
+    same_constant)
 from autoshard.errors import ExampleInputsError, InvalidArgumentError, suggest
 from autoshard.isolation import PLAIN_VALUES, cloned, isolated
 
@@ -118,8 +121,13 @@ def is_default(signature: inspect.Signature, name: str, value: Any) -> bool:
 def _snapshots(constants: Mapping[str, Any]) -> dict[str, Any]:
     """Copies of the mutable constants that have an ``==`` (a config dataclass, a list of flags), or hold attributes
     ``same_constant`` compares (a plain settings object, a method bound to one)."""
-    found = {}
+    found: dict[str, Any] = {}
     for name, value in constants.items():
+        if type(value) in (types.FunctionType, functools.partial):
+            captured = CapturedCallable.of(value)
+            if captured is not None:
+                found[name] = captured
+            continue
         if isinstance(value, PLAIN_VALUES) or (type(value).__eq__ is object.__eq__ and not plain_object(value)):
             continue
         try:

@@ -9,13 +9,15 @@ neither front end follows. ``ArgumentStructure`` records that and names what a l
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
 import types
-from collections import OrderedDict
+from collections import OrderedDict, abc
+from copy import deepcopy
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -93,6 +95,8 @@ def same_constant(value: Any, expected: Any) -> bool:
     function, bound to an object like the one expected; an object with no ``==`` of its own: its attributes)."""
     if value is expected:
         return True
+    if type(expected) is CapturedCallable:
+        return expected.computes_as(value)
     if {type(value), type(expected)} <= _SHAPES:  # torch's pytree rebuilds a Size as a tuple (a copy of the inputs)
         return len(value) == len(expected) and all(map(same_constant, value, expected))
     if type(value) is not type(expected) or isinstance(expected, torch.Tensor):  # a tensor: the one the graph holds
@@ -124,6 +128,81 @@ def same_constant(value: Any, expected: Any) -> bool:
         return bool(value == expected)
     except Exception:  # noqa: BLE001 - an object without a usable == is only equal to itself
         return False
+
+
+@dataclass(frozen=True)
+class CapturedCallable:
+    """A function or ``functools.partial`` as a capture met it: what it computed with then (its closure's values,
+    defaults, a partial's arguments), deep-copied, so that the same object changed since (a closed-over list
+    changed in place, a ``nonlocal`` rebound) is told apart (``same_constant``)."""
+
+    function: Any
+    values: Any
+
+    @staticmethod
+    def of(function: Any) -> CapturedCallable | None:
+        """``function`` as it is now (``copied``: the containers among its values copied); None where it computes
+        with nothing but its code (no closure, defaults or arguments)."""
+        values = _callable_values(function)
+        return CapturedCallable(function, copied(values)) if any(values) else None
+
+    def computes_as(self, value: Any) -> bool:
+        """Whether ``value`` computes as the function did at capture: the same code (a partial: function) and
+        globals, with values like those it held then."""
+        function = self.function
+        if type(value) is not type(function):
+            return False
+        if type(function) is functools.partial:
+            same_code = value.func is function.func
+        else:
+            same_code = value.__code__ is function.__code__ and value.__globals__ is function.__globals__
+        return same_code and same_constant(_callable_values(value), self.values)
+
+    def __repr__(self) -> str:
+        return repr(self.function)
+
+
+def _callable_values(function: Any) -> tuple[Any, ...]:
+    """What a function (``_function_values``) or partial (its arguments) computes with besides its code."""
+    if type(function) is functools.partial:
+        return function.args, tuple(function.keywords.items())
+    return _function_values(function)
+
+
+#: The containers whose items a check compares (a mapping's keys and values).
+SEQUENCES = (tuple, list, collections.deque, abc.Set, abc.MutableSequence)
+
+
+def copied(value: Any) -> Any:
+    """``value`` as read, to tell later whether it changed in place: where it holds something that changes
+    so (a list, dict, set, deque, mapping or array, at any depth), a deep copy of it, of its own classes,
+    sharing every other item with it; else ``value`` itself, and also where no equal copy can be made (a
+    class of its own making)."""
+    if not _changes_in_place(value):
+        return value
+    kept = {id(item): item for item in _items(value)}  # (``deepcopy``'s memo: these are not copied)
+    try:
+        copy = deepcopy(value, kept)
+    except Exception:  # noqa: BLE001 - a class that cannot be copied: watched by identity alone
+        return value
+    return copy if same_constant(copy, value) else value
+
+
+def _items(value: Any) -> Iterator[Any]:
+    """The items of the containers ``value`` is or holds, at any depth (a mapping's keys and values)."""
+    for item in (value if isinstance(value, SEQUENCES) else [*value, *value.values()]
+                 if isinstance(value, abc.Mapping) else ()):
+        if isinstance(item, (*SEQUENCES, abc.Mapping)):
+            yield from _items(item)
+        elif not isinstance(item, np.ndarray):
+            yield item
+
+
+def _changes_in_place(value: Any) -> bool:
+    """Whether ``value`` is or holds a container that changes in place (not a tuple or frozenset), or an array."""
+    if isinstance(value, (tuple, frozenset)):
+        return any(map(_changes_in_place, value))
+    return isinstance(value, (*SEQUENCES, abc.Mapping, np.ndarray))
 
 
 def plain_object(value: Any) -> bool:
