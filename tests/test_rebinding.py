@@ -5,6 +5,8 @@ final norm weight, ``q_proj`` and ``embed_tokens`` served stale values, silently
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -129,3 +131,19 @@ def test_a_parameter_put_in_its_registry_as_a_dict_is_refused():
         sharded(x)
     model._parameters["scale"] = sharded.stages[-1].scale  # the one sharded with, back: served again
     assert torch.equal(sharded(x), model(x))
+
+
+def test_a_deep_copy_computes_with_its_own_tensors_whatever_the_model_does_with_its_own():
+    """A deep copy holds copies of the tensors: the model converted or moved since (to free its memory) changes
+    neither them nor what the copy computes, so the copy serves on, where the stages it was copied from refuse."""
+    model, sharded, x = sharded_blocks()
+    expected = model(x)
+    copied = copy.deepcopy(sharded)
+    with torch.no_grad():
+        model.shift.fill_(1 / 3)
+    model.half().float()
+    with pytest.raises(InputMismatchError, match="shift was assigned anew"):
+        sharded.stages[-1](*sharded.stages[0](x))
+    assert torch.equal(copied(x), expected)
+    model.to("meta")
+    assert torch.equal(copied(x), expected)

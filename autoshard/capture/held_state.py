@@ -556,10 +556,10 @@ class HeldState:
         return self.check(training)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HeldState:
-        """A copy watches the copied stage (``memo`` maps the stage to its copy), found by path."""
+        """A copy watches the copied stage (``memo`` maps the stage to its copy), found by path; not the model's
+        tensors: it computes with copies of them (the model converted or moved since does not change them)."""
         copied = HeldState.__new__(HeldState)
-        copied.__setstate__({**self.__getstate__(), "owner": memo.get(id(self.owner), self.owner),
-                             "model_tensors": self.model_tensors})
+        copied.__setstate__({**self.__getstate__(), "owner": memo.get(id(self.owner), self.owner)})
         return copied
 
     def __getstate__(self) -> dict[str, Any]:
@@ -568,7 +568,7 @@ class HeldState:
                 "rebound": self.rebound, "model_state": self.model_state}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # a pickled copy watches no model's tensors (another process has its own model), a deep copy the same
+        # a copy watches no model's tensors: it holds copies of them (another process has its own model)
         self.__dict__.update({"rebound": "", "model_state": None, "model_tensors": [], **state})
         # found by path on the first call, which checks in full
         self.modules, self.registries, self.names, self.reads = (), (), (), []
