@@ -428,7 +428,7 @@ class TrainingProbe:
         if id(t) not in self.weights:
             plain = t.layout == torch.strided and type(t) in (torch.Tensor, nn.Parameter)
             twin = self.fresh(t) if plain else self.twin(t).detach()
-            leaf = twin.requires_grad_(t.requires_grad and t.is_floating_point())
+            leaf = twin.requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex()))
             self.weights[id(t)] = leaf
             self.leaves.add(id(leaf))
             if id(t) in self.names:

@@ -67,9 +67,12 @@ class StandIns:
 
     def prepare(self) -> None:
         """Hand each stand-in its weight's gradient (a measurement's own, given back after it), made
-        non-negative in place: updates of -0.0 only; none where the weight has none."""
+        non-negative in place (a complex one's parts): updates of -0.0 only; none where the weight has none."""
         for stand_in, weight in zip(self.stepping.param_groups[0]["params"] if self.stepping else (), self.weights):
-            stand_in.grad = None if weight.grad is None else weight.grad.abs_()
+            grad = weight.grad
+            if grad is not None:
+                (torch.view_as_real(grad) if grad.is_complex() else grad).abs_()
+            stand_in.grad = grad
 
     def step(self) -> None:
         """One step of the optimizer, as training runs it after the last backward."""
