@@ -124,7 +124,9 @@ class NodeEffect:
     copies into that layout to keep them; ``written``: the argument tensors it wrote into in place (their
     readers after it read what it wrote, so its backward starts from their gradient); ``backward_alone``:
     ``backward`` where autograd frees the gradient it starts from once its first function has run (None:
-    the same)."""
+    the same); ``held_to_the_end``: the bytes among ``saved_new`` a custom ``autograd.Function`` keeps on
+    its ``ctx`` (``ctx.mask = m``), which autograd frees with the graph, after the whole backward, not once
+    the node's own backward has run."""
 
     saved_arguments: tuple[int, ...]
     saved_new: tuple[tuple[int, int | None], ...]
@@ -141,3 +143,4 @@ class NodeEffect:
     gradient_copies: int = 0
     written: tuple[int, ...] = ()
     backward_alone: int | None = None
+    held_to_the_end: int = 0

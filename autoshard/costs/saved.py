@@ -831,7 +831,9 @@ class TrainingProbe:
             with self._tracked(*_tensors((args, kwargs)), *self._weights(call.node, real).values()) as peak, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value, weights = self._run(call, args, kwargs, real)
-                for kept in _kept_on_ctx(value, _tensors((args, kwargs))):  # no saved-tensors hook sees them
+                on_ctx = _kept_on_ctx(value, _tensors((args, kwargs)))
+                kept_new = [t for t in on_ctx if self.original(_storage(t)) not in packed]
+                for kept in on_ctx:  # no saved-tensors hook sees them
                     pack(kept)
                 forward = peak()
         self._charge_first_saver(call.node.name, foreign)
@@ -862,12 +864,15 @@ class TrainingProbe:
         for i, t in enumerate(arguments):
             position.setdefault(self.original(_storage(t)), i)
         new = {ref: i for i, (ref, _) in enumerate(self._new_storages(value))}
+        on_ctx_refs = {self.original(_storage(t)) for t in kept_new}
+        held_to_the_end = 0
         saved_arguments, saved_new = [], []
         for ref, nbytes in packed.items():
             if ref in position:
                 saved_arguments.append(position[ref])
             elif ref not in self.owner:
                 saved_new.append((nbytes, new.get(ref)))
+                held_to_the_end += nbytes if ref in on_ctx_refs else 0
             elif self.owner[ref] is not None:  # no path reaches another node's value but its arguments
                 reusable = False
         # What is saved stays referenced to the end (a freed storage's address may come back as another's),
@@ -900,7 +905,7 @@ class TrainingProbe:
         effect = NodeEffect(tuple(saved_arguments), tuple(saved_new), tuple(storages), spec, tuple(outputs),
                             grad, backward, input_grads, forward, weight_grads, weights_first, kept, copies,
                             tuple(i for (_, _, i), written in zip(inputs, wrote) if written and i is not None),
-                            None if alone == backward else alone)
+                            None if alone == backward else alone, held_to_the_end)
         return effect, value, reusable
 
     def _probe_on_real_tensors(self, call: NodeCall, args: tuple, kwargs: dict) -> tuple[NodeEffect, Any] | None:
@@ -1000,6 +1005,7 @@ class TrainingProbe:
                 self.saved_storages.add(new[index][0])
                 self.savers[new[index][0]] = [name]
             self.release(name, name, nbytes)
+        self.release(name, name, -effect.held_to_the_end)  # (freed with the graph, after the whole backward)
         self.saved[name] = self.saved.get(name, 0) + sum(nbytes for nbytes, _ in effect.saved_new)
         for ref, nbytes in new:
             self.owner[ref], self.nbytes[ref] = name, nbytes
