@@ -347,8 +347,8 @@ def settings_objects(model: nn.Module) -> list[Any]:
     holds: a multimodal config's ``text_config``): a forward that fills one in
     (``self.config.problem_type = "regression"`` when it was None) changes the model as surely as
     a flag on ``self``, so its numbers, flags and strings are set back too. Not modules, tensors,
-    containers, functions, classes or PyTorch's own objects: only objects with attributes of their own
-    (a helper object the forward calls, too)."""
+    containers, functions, classes or PyTorch's own callables (operators): only objects with attributes of
+    their own (a helper object the forward calls, a ``torch.distributions`` prior, too)."""
     found: dict[int, Any] = {}
     holders: list[dict[str, Any]] = [vars(module) for module in model.modules()]
     for _ in range(_SETTINGS_DEPTH):
@@ -356,7 +356,7 @@ def settings_objects(model: nn.Module) -> list[Any]:
         for attributes in holders:
             for key, value in attributes.items():
                 if type(value) in _PLAIN_TYPES or key in _REGISTRIES or id(value) in found \
-                        or not hasattr(value, "__dict__") or type(value).__module__.startswith("torch") \
+                        or not hasattr(value, "__dict__") or (callable(value) and _torch_object(value)) \
                         or isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType, abc.Mapping,
                                               *_FUNCTIONS)):
                     continue
@@ -364,6 +364,11 @@ def settings_objects(model: nn.Module) -> list[Any]:
                 inside.append(vars(value))
         holders = inside
     return list(found.values())
+
+
+def _torch_object(value: Any) -> bool:
+    """Whether ``value`` is an object of one of PyTorch's classes (an operator, ``torch.ops.aten.relu.default``)."""
+    return type(value).__module__.startswith("torch")
 
 
 #: Callables that are no settings objects (their ``__dict__`` holds no settings).

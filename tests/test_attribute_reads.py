@@ -706,3 +706,37 @@ def test_a_settings_object_replaced_by_an_equal_one_is_watched_from_then_on():
     assert torch.equal(sharded(x), model(x))
     model.config.relu = False
     assert torch.equal(sharded(x), model(x))
+
+
+class _Base(nn.Module):
+    def helper(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class HoldsOtherKinds(_Base):
+    """A method its base class defines, an array kept in a list, a ``torch.distributions`` prior (mutation probes:
+    the method patched on this class and the array changed in place were served with what was captured, with
+    the read of the base class's dict or the array shared by the copy; the prior set anew, since PyTorch's objects
+    were all taken for no settings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.tables = [np.array([2.0, 5.0])]
+        self.prior = torch.distributions.Normal(torch.zeros(4), torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.helper(self.a(x)) * torch.from_numpy(self.tables[0]).float()[0]
+        return self.b(h + self.prior.mean)
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(HoldsOtherKinds, "helper", lambda self, x: x * 3),
+    lambda m: m.tables[0].__setitem__(0, 3.0),
+    lambda m: setattr(m, "prior", torch.distributions.Normal(torch.ones(4), torch.ones(4))),
+], ids=["method-patched-on-the-subclass", "array-in-a-list-in-place", "torch-object-set-anew"])
+def test_other_kinds_changed_are_computed_with(change, monkeypatch):
+    monkeypatch.setattr(HoldsOtherKinds, "helper", _Base.helper, raising=False)  # (undone after the test)
+    monkeypatch.delattr(HoldsOtherKinds, "helper")
+    torch.manual_seed(0)
+    _set_anew_and_served(HoldsOtherKinds().eval(), change)
