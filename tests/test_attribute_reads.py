@@ -740,3 +740,31 @@ def test_other_kinds_changed_are_computed_with(change, monkeypatch):
     monkeypatch.delattr(HoldsOtherKinds, "helper")
     torch.manual_seed(0)
     _set_anew_and_served(HoldsOtherKinds().eval(), change)
+
+
+def _counted(h: torch.Tensor) -> torch.Tensor:
+    _counted.calls += 1  # type: ignore[attr-defined]
+    return h * 2.0
+
+
+_counted.calls = 0  # type: ignore[attr-defined]
+
+
+class HoldsAFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.fn = nn.Linear(4, 4), nn.Linear(4, 4), _counted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.fn(self.a(x)))
+
+
+def test_a_function_the_model_holds_is_no_settings_object():
+    """Its ``__dict__`` holds its own bookkeeping (a call counter), not settings the graph fixed: watched as one, each
+    call of an unchanged model captured again (a mutation probe)."""
+    torch.manual_seed(0)
+    model, x = HoldsAFunction().eval(), torch.randn(3, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    for _ in range(3):
+        assert torch.equal(sharded(x), model(x))
+    assert not sharded.specializations

@@ -632,6 +632,22 @@ def test_an_object_without_its_own_eq_changed_in_place_after_sharding_is_refused
     _refused(sharded, x, scale, another_capture=False, match=r"scale was changed in place .*pass a copy")
 
 
+class HoldsItself:
+    def __init__(self, scale: float) -> None:
+        self.scale, self.root = scale, self  # (a back-reference, as a tree's parent)
+
+
+def test_an_argument_object_holding_itself_is_served_then_refused_once_changed():
+    """Its attributes are compared in turn, the object met again counting as the same (a mutation probe: it
+    recursed, or refused the plan's own example)."""
+    torch.manual_seed(0)
+    x, settings, model = torch.randn(3, 4), HoldsItself(2.0), ScalesByAConfig()
+    sharded = autoshard.shard_model(model, 2, example_inputs=(x, settings))
+    assert torch.equal(sharded(x, settings), model(x, settings))
+    settings.scale = 3.0
+    _refused(sharded, x, settings, another_capture=False, match=r"config was changed in place")
+
+
 def _times_first(factors: list[float], t: torch.Tensor) -> torch.Tensor:
     return t * factors[0]
 
