@@ -112,18 +112,13 @@ def same_constant(value: Any, expected: Any) -> bool:
         return len(value) == len(expected) and all(map(same_constant, value, expected))
     if type(expected) is dict:
         return list(value) == list(expected) and all(map(same_constant, value.values(), expected.values()))
-    if type(expected) is types.FunctionType:  # a lambda made anew for each call: the same code and closure
-        held = _function_values(expected)
-        return (value.__code__ is expected.__code__ and value.__globals__ is expected.__globals__ and _frozen(held)
-                and same_constant(_function_values(value), held))
+    if type(expected) in (types.FunctionType, functools.partial):  # made anew for each call: the same code, values
+        held = _callable_values(expected)
+        return _same_code(value, expected) and _frozen(held) and same_constant(_callable_values(value), held)
     if type(expected) is types.MethodType:  # (its ``==`` compares the objects bound by identity)
         return value.__func__ is expected.__func__ and same_constant(value.__self__, expected.__self__)
     if plain_object(expected):  # (its ``==`` is identity): what it holds
         return _same_attributes(value, expected)
-    if type(expected) is functools.partial:
-        held = (expected.args, tuple(expected.keywords.items()))
-        return (value.func is expected.func and _frozen(held)
-                and same_constant((value.args, tuple(value.keywords.items())), held))
     try:
         return bool(value == expected)
     except Exception:  # noqa: BLE001 - an object without a usable == is only equal to itself
@@ -149,17 +144,19 @@ class CapturedCallable:
     def computes_as(self, value: Any) -> bool:
         """Whether ``value`` computes as the function did at capture: the same code (a partial: function) and
         globals, with values like those it held then."""
-        function = self.function
-        if type(value) is not type(function):
-            return False
-        if type(function) is functools.partial:
-            same_code = value.func is function.func
-        else:
-            same_code = value.__code__ is function.__code__ and value.__globals__ is function.__globals__
-        return same_code and same_constant(_callable_values(value), self.values)
+        return (type(value) is type(self.function) and _same_code(value, self.function)
+                and same_constant(_callable_values(value), self.values))
 
     def __repr__(self) -> str:
         return repr(self.function)
+
+
+def _same_code(value: Any, expected: Any) -> bool:
+    """Whether ``value``, a function or partial of ``expected``'s type, runs ``expected``'s code: the same code and
+    globals (a partial: the same function)."""
+    if type(expected) is functools.partial:
+        return value.func is expected.func
+    return value.__code__ is expected.__code__ and value.__globals__ is expected.__globals__
 
 
 def _callable_values(function: Any) -> tuple[Any, ...]:

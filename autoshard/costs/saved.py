@@ -832,7 +832,7 @@ class TrainingProbe:
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 value, weights = self._run(call, args, kwargs, real)
                 on_ctx = _kept_on_ctx(value, _tensors((args, kwargs)))
-                kept_new = [t for t in on_ctx if self.original(_storage(t)) not in packed]
+                on_ctx_refs = {ref for t in on_ctx if (ref := self.original(_storage(t))) not in packed}
                 for kept in on_ctx:  # no saved-tensors hook sees them
                     pack(kept)
                 forward = peak()
@@ -864,7 +864,6 @@ class TrainingProbe:
         for i, t in enumerate(arguments):
             position.setdefault(self.original(_storage(t)), i)
         new = {ref: i for i, (ref, _) in enumerate(self._new_storages(value))}
-        on_ctx_refs = {self.original(_storage(t)) for t in kept_new}
         held_to_the_end = 0
         saved_arguments, saved_new = [], []
         for ref, nbytes in packed.items():
