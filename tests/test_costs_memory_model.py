@@ -1091,6 +1091,34 @@ def test_an_in_place_activation_whose_output_is_read_counts_the_gradient_its_bac
             assert predicted[j].memory.total == measured, (model, j)
 
 
+class _HalvedInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(0.5)
+
+
+class _ScalesAReceivedView(nn.Module):
+    """Writes in place into a Linear's output on a 3-D input, an autograd view of its ``addmm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.halve, self.b = nn.Linear(32, 32), _HalvedInPlace(), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.halve(self.a(x)) * 2.0))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_write_into_a_received_value_that_was_a_view_where_made_is_counted_as_into_a_new_tensor(
+        microbatches, tmp_path):
+    """Where ``a``'s output is made, ``mul_`` (in ``halve``) writes into a view, and autograd copies its base's
+    gradient (``CopySlices``); the next stage receives it as a new tensor, read through ``contiguous_grad``, no
+    view, and its backward makes no such copy: the stage was predicted 1.14x of what it held. The node is probed
+    again as received (``SavedFacts.when_contiguous``), which the plan file keeps."""
+    torch.manual_seed(0)
+    facts = _measured_as_predicted(_ScalesAReceivedView(), torch.randn(4, 64, 32), "halve", microbatches, tmp_path)
+    assert facts["mul_"].writes == ("a",) and facts["mul_"].when_contiguous is not None
+
+
 class _Scan(nn.Module):
     """A recurrence reading one step a time of whole-sequence tensors (a selective scan written as a
     loop): each step's slice hands a full-size gradient back, which autograd adds into the one

@@ -559,20 +559,22 @@ def _strided_output(dag: nx.DiGraph, node: str) -> bool:
 
 def _as_received(dag: nx.DiGraph, nodes: Sequence[str], received: AbstractSet[str]) -> nx.DiGraph:
     """``dag`` with the facts of ``nodes`` that read a value of ``received`` laid out otherwise than
-    contiguous taken as they are when it comes contiguous (``SavedFacts.when_contiguous``), as the
-    stage receives it: a copy where any changes, else ``dag`` itself."""
+    contiguous, or write into one in place (an autograd view where it is made, a Linear's on a 3-D
+    input, but none as received), taken as they are when it comes as the stage receives it, a new
+    contiguous tensor (``SavedFacts.when_contiguous``): a copy where any changes, else ``dag`` itself."""
     strided = {v for v in received if _strided_output(dag, v)}
     changed: dict[str, SavedFacts] = {}
-    for node in nodes if strided else ():
+    for node in nodes:
         facts = _training(dag, node)
-        if facts is None or facts.when_contiguous is None or not strided.intersection(dag.predecessors(node)):
+        if facts is None or facts.when_contiguous is None or not (
+                strided.intersection(dag.predecessors(node)) or received.intersection(facts.writes)):
             continue
         own, forward, backward, strided_grads = facts.when_contiguous
         releases = dict(facts.releases)
         releases[node] = releases.get(node, 0) + own
         changed[node] = dataclasses.replace(
             facts, saved=facts.saved + own, forward=forward, backward=backward, backward_when_sent=None,
-            strided_grads=strided_grads, strided_when_sent=strided_grads,
+            backward_alone=None, strided_grads=strided_grads, strided_when_sent=strided_grads,
             releases=tuple((m, b) for m, b in releases.items() if b > 0))
     if not changed:
         return dag

@@ -610,15 +610,19 @@ class TrainingProbe:
 
     def _when_received_contiguous(self, call: NodeCall, args: tuple, kwargs: dict, arguments: list[torch.Tensor],
                                   effect: NodeEffect, key: Hashable | None) -> None:
-        """Probe the node again where an input another node made has gaps in its storage (a slice),
-        with that input contiguous, as a later stage receives it (the wire sends a contiguous copy):
-        an ``nn.Linear`` on a sliced 3D input copies it and saves the copy, on a contiguous one
-        neither. Recorded in ``when_contiguous``: the change in what it saves of its own, its forward
-        and backward peaks, and the inputs it then gives a non-contiguous gradient."""
+        """Probe the node again where an input another node made has gaps in its storage (a slice), or is
+        an autograd view the node writes into in place, with that input a new contiguous tensor, as a
+        later stage receives it (the wire sends a contiguous copy; the stage reads it through
+        ``contiguous_grad``, no view): an ``nn.Linear`` on a sliced 3D input copies it and saves the copy,
+        on a contiguous one neither; ``mul_`` into a Linear's 3-D output makes autograd copy the base's
+        gradient (``CopySlices``), into a received one not. Recorded in ``when_contiguous``: the change in
+        what it saves of its own, its forward and backward peaks, and the inputs it then gives a
+        non-contiguous gradient."""
         if effect.input_grads is None or not any(t.requires_grad for t in arguments) or _reads_metadata(call.node):
             return  # (a node no gradient reaches, or that reads a size, saves nothing and has no backward)
         strided = {i for i, t in enumerate(arguments)
-                   if sent_as_copy(t) and self.owner.get(self.original(_storage(t)))}
+                   if (sent_as_copy(t) or i in effect.written and id(t) in self.bases)
+                   and self.owner.get(self.original(_storage(t)))}
         if not strided:
             return
         memo_key = None if key is None else ("contiguous", key)
