@@ -657,3 +657,20 @@ def test_tensors_a_custom_function_keeps_on_its_ctx_are_held_through_the_whole_b
     for stage in range(2):
         measured = measure_stage_memory(sharded, stage, (x,), schedule="1f1b", microbatches=1, optimizer="sgd")
         assert 0.98 <= report.stages[stage].memory.total / measured.peak <= 1.02, stage
+
+
+def test_a_model_filling_in_a_setting_on_its_first_call_is_measured_on_the_plan_made_for_calls_after_it():
+    """A Hugging Face classifier fills in ``config.problem_type`` on its first call with labels: the stage
+    chosen by running it once then refused its next run (RoBERTa raised ``SpecializationMismatch`` on its first
+    measurement); the measurements run the plan made for the model as a call leaves it, as a pipeline's stage
+    does (``Specializer.settled``), whose memory is as predicted."""
+    from conftest import FillsInItsProblemType
+
+    torch.manual_seed(0)
+    model, x, labels = FillsInItsProblemType().train(), torch.randn(4, 8), torch.tensor([0, 2, 1, 0])
+    sharded = autoshard.shard_model(model, 2, (x, labels))
+    measured = [measure_stage_memory(sharded, j, (x, labels)) for j in range(2)]
+    [settled] = [made.sharded for made in sharded.specializations]
+    assert model.config.problem_type == "single"
+    assert [m.peak for m in measured] == [s.memory.total for s in autoshard.plan_report(settled).stages]
+    assert autoshard.runtime.measure_stage_time(sharded, 1, (x, labels), repeats=2).forward > 0

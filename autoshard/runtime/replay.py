@@ -124,7 +124,10 @@ def serving_plan(sharded: ShardedModel, args: tuple, kwargs: dict) -> ShardedMod
     else the specialisation whose guards hold, made now if none does (a microbatch smaller than
     the plan's example may flip a branch). Chosen by running every stage once, under ``model_kept``,
     which sets the grad mode the measurement runs in (a capture fixes the grad mode it sees) and
-    gives the weights, buffers and random state back. Where a stage is on the meta device none runs
+    gives the weights, buffers and random state back. Where each call of that plan writes a setting
+    of the model that its next call reads (a Hugging Face classifier's ``config.problem_type``, on its
+    first call with labels), the plan made for the model as a call leaves it (``Specializer.settled``):
+    a measurement runs the stage again and again. Where a stage is on the meta device none runs
     to choose: the plan captured for inputs like these (``sharded.specialize`` makes one), else the
     plan itself."""
     specializer = sharded.specializer
@@ -132,7 +135,9 @@ def serving_plan(sharded: ShardedModel, args: tuple, kwargs: dict) -> ShardedMod
         return sharded
     if stages_on_meta(sharded):
         return specializer.made_for(sharded, args, kwargs) or sharded
-    return specializer.serve(sharded, *autograd_usable((args, kwargs)), run=_ran, given_back=True)
+    args, kwargs = autograd_usable((args, kwargs))
+    return specializer.settled(sharded, specializer.serve(sharded, args, kwargs, run=_ran, given_back=True),
+                               (args, kwargs))
 
 
 def _ran(plan: ShardedModel, args: tuple, kwargs: dict) -> ShardedModel:
