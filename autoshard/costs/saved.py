@@ -51,7 +51,7 @@ import gc
 import itertools
 import logging
 import operator
-from typing import AbstractSet, Any, Callable, Hashable, Iterator
+from typing import AbstractSet, Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -522,19 +522,50 @@ class TrainingProbe:
         twins = [self.twins.get(a) for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
         return list({id(m): m for m in twins if isinstance(m, nn.Module)}.values())
 
-    def _weights(self, node: fx.Node, real: bool = False) -> dict[str, torch.Tensor]:
-        """The parameters and buffers by name, as fake leaves (``real``: real leaves standing for them),
-        of a module node's module, or of the modules another node is handed (under ``_Handed``'s names)."""
+    def _weights_by_name(self, node: fx.Node) -> dict[str, torch.Tensor]:
+        """The parameters and buffers themselves, by name, of a module node's module, or of the modules
+        another node is handed (under ``_Handed``'s names)."""
         if node.op == "call_module":
             modules = {"": self.gm.get_submodule(str(node.target))}
         else:
             modules = {f"{i}.": module for i, module in enumerate(self._handed(node))}
-        named = {prefix + name: t for prefix, module in modules.items()
-                 for name, t in [*module.named_parameters(remove_duplicate=False),
-                                 *module.named_buffers(remove_duplicate=False)]}
+        return {prefix + name: t for prefix, module in modules.items()
+                for name, t in [*module.named_parameters(remove_duplicate=False),
+                                *module.named_buffers(remove_duplicate=False)]}
+
+    def _weights(self, node: fx.Node, real: bool = False) -> dict[str, torch.Tensor]:
+        """The parameters and buffers by name, as fake leaves (``real``: real leaves standing for them),
+        of a module node's module, or of the modules another node is handed (under ``_Handed``'s names)."""
+        named = self._weights_by_name(node)
         if real:
             return {name: self._stand_in(t, self.weight(t)) for name, t in named.items()}
         return {name: self.weight(t) for name, t in named.items()}
+
+    @contextlib.contextmanager
+    def _gradients_written(self, node: fx.Node, real: bool,
+                           ) -> Iterator[tuple[list[nn.Parameter], list[torch.Tensor], set[int]]]:
+        """The parameters of ``node``'s modules (``_weights``), the fake tensors the fake mode reads them as
+        (none on real tensors), and, filled in on exit, the ids of the leaves standing for those its backward
+        gave a gradient outside the graph it walks: a custom Function whose backward runs a backward of its
+        own (Reformer's reversible layers recompute theirs) adds into ``.grad`` of the modules' own
+        parameters, which autograd's result never shows, but ``torch.optim`` keeps state for. Their ``.grad``
+        is set aside meanwhile, so that the backward makes each anew, as a weight's, and given back: the
+        user's model keeps its own, not one added into."""
+        params = [t for t in self._weights_by_name(node).values() if isinstance(t, nn.Parameter)]
+        grads = [p.grad for p in params]
+        read_as = [] if real or self.fake is None else [self.fake.from_tensor(p) for p in params]
+        written: set[int] = set()
+        for p in params:
+            p.grad = None
+        try:
+            yield params, read_as, written
+            for p in params:
+                if p.grad is not None:
+                    leaf = self.weight(p)
+                    written.add(id(self.stand_ins.get(id(leaf), leaf) if real else leaf))
+        finally:
+            for p, grad in zip(params, grads):
+                p.grad = grad
 
     def weight_leaves(self, node: fx.Node, arguments: list[torch.Tensor], real: bool = False) -> list[torch.Tensor]:
         """The fake leaves of the weights ``node`` may give a gradient, once each, in an order nodes
@@ -889,12 +920,13 @@ class TrainingProbe:
         backward, input_grads, weight_grads, weights_first, kept, copies, alone = 0, (), (), False, 0, 0, 0
         try:
             if sent and (wanted or weights):
-                backward, given, weights_first, kept, copies, alone = self._backward(
-                    sent, sent_layouts, wanted + weights, (args, kwargs), real)
+                with self._gradients_written(call.node, real) as (params, read_as, written):
+                    backward, given, weights_first, kept, copies, alone = self._backward(
+                        sent, sent_layouts, wanted + weights, (args, kwargs), real, params, read_as)
                 input_grads = tuple((i, given[id(t)][0], _at_argument(given[id(t)][1], t, arguments[i]))
                                     for i, t in zip(indices, wanted) if i is not None and id(t) in given)
                 candidates = self.weight_leaves(call.node, arguments, real)
-                weight_grads = tuple(p for p, t in enumerate(candidates) if id(t) in given)
+                weight_grads = tuple(p for p, t in enumerate(candidates) if id(t) in given or id(t) in written)
         except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: its peak unknown
             self.unprobed.append(call.node.name)
             backward, input_grads, weight_grads, reusable = 0, None, None, False
@@ -1026,7 +1058,8 @@ class TrainingProbe:
         self.holds[name] = tuple(m for m in makers if m and m not in (name, self.views.get(name)))
 
     def _backward(self, sent: list[torch.Tensor], layouts: list[tuple[int, ...] | None], wanted: list[torch.Tensor],
-                  inputs: Any, real: bool = False,
+                  inputs: Any, real: bool = False, params: Sequence[nn.Parameter] = (),
+                  existing: Sequence[torch.Tensor] = (),
                   ) -> tuple[int, dict[int, tuple[bool, tuple[int, ...]]], bool, int, int, int]:
         """The peak ``MemTracker`` sees while ``sent`` back-propagates from gradients of ``layouts``'
         strides, above where it started, and for each ``wanted`` tensor that gets a gradient (by id)
@@ -1040,7 +1073,9 @@ class TrainingProbe:
         ``AccumulateGrad`` would copy to keep them (``obeys_layout_contract``); and the peak where autograd
         frees each gradient it starts from once the first function has run, as it does where nothing
         else holds it (an in-place write into a view: ``AsStridedBackward`` makes the base's gradient,
-        then ``CopySlices`` runs). ``real``: ``sent`` are real tensors."""
+        then ``CopySlices`` runs). ``real``: ``sent`` are real tensors. ``params``: parameters a backward the
+        node runs itself may give a gradient, counted as weights' (``_gradients_written``); ``existing``: other
+        tensors that exist already (the fake tensors a fake mode reads them as)."""
         new = _zeros_strided if real else self.fresh  # a fake run reads no values
         gradients = [new(t, new_strides(t) if strides is None else strides) for t, strides in zip(sent, layouts)]
         weights = [t for t in wanted if id(t) in self.leaves]
@@ -1061,10 +1096,10 @@ class TrainingProbe:
             if not any(isinstance(x, torch.Tensor) and x.layout == torch.strided and _storage(x) == _storage(g)
                        for x in grad_inputs):  # (a view's backward gives a view of it: its storage lives on)
                 tracker.released += g.untyped_storage().nbytes()
-        hooks = [t.register_hook(functools.partial(kept, t)) for t in weights]
+        hooks = [t.register_hook(functools.partial(kept, t)) for t in [*weights, *params]]
         hooks += [t.grad_fn.register_hook(functools.partial(consumed, g)) for t, g in zip(sent, gradients)]
         try:
-            with self._tracked(*gradients, *wanted, *_tensors(inputs)) as peak, \
+            with self._tracked(*gradients, *wanted, *_tensors(inputs), *existing) as peak, \
                     gradient_order(sent, [t for t in _tensors(inputs) if t.requires_grad and id(t) not in self.leaves],
                                    weights) as order:
                 start = tracker.total("current")

@@ -476,7 +476,8 @@ def _first_step(module: nn.Module, microbatch: tuple[tuple, dict], count: int,
     them before its first step, so they are there during the forwards too), and the trainable weights
     the backward gives a gradient, the only ones ``torch.optim`` keeps state for (not a weight read
     under ``torch.no_grad`` or before a ``detach``), and those of ``tied``, into which ``TiedGradients.sync``
-    writes one. Nothing keeps a gradient of it."""
+    writes one; and those a backward of its own, run by a custom Function's, adds into (Reformer's reversible
+    layers recompute theirs), which ``autograd.grad`` does not return. Nothing keeps a gradient of it."""
     caller = _Untouched(module, sends=count > 0)
     caller.microbatch = microbatch
     sent = [t for t in tensors_in(caller()) if t.requires_grad]
@@ -484,7 +485,9 @@ def _first_step(module: nn.Module, microbatch: tuple[tuple, dict], count: int,
     grads = torch.autograd.grad(sent, trainable, [torch.ones_like(t) for t in sent],
                                 allow_unused=True) if sent and trainable else ()
     synced = {id(p) for p in tied}
-    given = [p for p, grad in zip(trainable, grads) if grad is not None or id(p) in synced]
+    given = [p for p, grad in zip(trainable, grads) if grad is not None or p.grad is not None or id(p) in synced]
+    for p in trainable:
+        p.grad = None
     return [[torch.ones_like(t) for t in sent] for _ in range(count)], given
 
 
