@@ -284,7 +284,9 @@ def _set_back(current: dict[str, Any], before: dict[str, Any], keys: Iterable[st
             current[key] = before[key]
         else:
             del current[key]
-    current.update({key: value for key, value in before.items() if key not in current})
+    for key, value in before.items():  # (item by item: a ScriptModule's registries are mappings without ``update``)
+        if key not in current:
+            current[key] = value
 
 
 def _collections_in(value: Any, depth: int = 0) -> Iterator[Any]:

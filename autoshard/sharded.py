@@ -1149,9 +1149,12 @@ class _PlacedOn:
         modules = list(stage.modules())
         held = [(registry, key, tensor) for registry in [m._parameters for m in modules] + [m._buffers for m in modules]
                 for key, tensor in registry.items() if tensor is not None]
-        #: the registry and name of the weight read on every call (None: the stage holds none)
-        self.registry, self.key = held[0][:2] if held else (None, None)
-        self.probe_device = held[0][2].device if held else None
+        # (not from a TorchScript module's registries: views of its compiled module, without ``get``)
+        probe = next((entry for entry in held if isinstance(entry[0], dict)), None)
+        #: the registry and name of the weight read on every call (None: the stage holds none, or only a
+        #: TorchScript module's, found again when the stage is moved)
+        self.registry, self.key = probe[:2] if probe else (None, None)
+        self.probe_device = probe[2].device if probe else None
         devices = {tensor.device for _, _, tensor in held}
         #: the one device of the stage's weights (None: none, or several)
         self.device = devices.pop() if len(devices) == 1 else None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_fingerprint
 from torch import nn
 
+import autoshard
 from autoshard.capture import trace_with_leaves
 from autoshard.capture.fx import is_primitive
 from autoshard.errors import TraceError
@@ -106,6 +108,40 @@ def test_module_with_hooks_stays_a_leaf_so_its_hooks_run():
     assert call_module_targets(gm) == ["0", "1"]
     x = torch.randn(1, 2)
     assert torch.equal(gm(x), model(x))
+
+
+class AroundScripted(nn.Module):
+    """A model holding a TorchScript block (``torch.jit.script`` or ``torch.jit.trace``) between eager layers."""
+
+    def __init__(self, compile_: str) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.scripted = torch.jit.script(block) if compile_ == "script" else torch.jit.trace(block, torch.randn(2, 8))
+        self.last = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.scripted(self.first(x))))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("compile_", ["script", "trace"])
+def test_a_torchscript_submodule_stays_a_leaf_its_stage_holds_and_serves_and_trains_like_the_model(
+        compile_, fingerprint):
+    """Its code is compiled, with no Python forward to trace through: the stage calls the module itself
+    (holding its weights), and sharding leaves the model, whose registries there are no dicts, as it was."""
+    model = AroundScripted(compile_)
+    before = fingerprint(model)
+    assert call_module_targets(trace_with_leaves(model).graph_module) == ["first", "scripted", "last"]
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(4, 8),))
+    assert_same_fingerprint(before, fingerprint(model))
+    assert any(dict(stage.named_children()).get("scripted") is model.scripted for stage in sharded.stages)
+    for batch in (3, 5):  # a second call, and another size
+        x = torch.randn(batch, 8)
+        got, want = sharded(x), model(x)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got.sum(), list(model.parameters())),
+                                                     torch.autograd.grad(want.sum(), list(model.parameters()))))
 
 
 def test_with_trace_hooks_a_module_with_forward_hooks_is_traced_through_and_its_hooks_run_on_every_call():

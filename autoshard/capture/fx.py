@@ -10,8 +10,8 @@ opaque, then trace again:
 
 A module is therefore wrapped only if the model cannot be traced through it once its own
 untraceable descendants are leaves. Primitive ``torch.nn`` modules (no children: Linear, Conv,
-norms, activations, Embedding, Dropout) are always leaves; composite ``torch.nn`` modules
-(Sequential, TransformerEncoder, ...) are traced through whenever they trace.
+norms, activations, Embedding, Dropout) and TorchScript modules are always leaves; composite
+``torch.nn`` modules (Sequential, TransformerEncoder, ...) are traced through whenever they trace.
 
 With example inputs the tracer also runs the example alongside (``autoshard.capture.meta``), so
 code that reads shapes, ranks and dtypes traces instead of forcing a leaf, and the model is traced
@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -45,6 +46,13 @@ def is_primitive(module: nn.Module) -> bool:
     """A ``torch.nn`` module with no children: there is nothing inside worth splitting."""
     defined_in_torch = type(module).__module__.startswith(("torch.nn", "torch.ao.nn"))
     return defined_in_torch and next(module.children(), None) is None
+
+
+def is_torchscript(module: nn.Module) -> bool:
+    """A TorchScript module (``torch.jit.script`` or ``torch.jit.trace``): its code is compiled, with no
+    Python forward to trace through, so its stage calls it whole and holds its weights (fx would record
+    a call of its compiled method on an attribute, which holds none a stage could see)."""
+    return isinstance(module, torch.jit.ScriptModule)
 
 
 def has_backward_hooks(module: nn.Module) -> bool:
@@ -103,7 +111,8 @@ class _LeafTracer(MetaTracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if m is self.model:
             return False
-        return id(m) in self.leaves or is_primitive(m) or kept_whole_for_hooks(m, self.trace_hooks)
+        return (id(m) in self.leaves or is_primitive(m) or is_torchscript(m)
+                or kept_whole_for_hooks(m, self.trace_hooks))
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:

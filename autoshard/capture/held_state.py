@@ -322,7 +322,8 @@ def code_reads(modules: Iterable[nn.Module], own_names: tuple[str, ...] = ("forw
             seen.append(own[name] if name in own else False)
         reads.append((module, NO_KEY, "__class__"))
         seen.append(cls)
-        if cls not in classes:
+        # (TorchScript's class ``forward`` cannot be read through the class: each module holds its own)
+        if cls not in classes and hasattr(cls, "forward"):
             classes.add(cls)
             reads.append((cls, NO_KEY, "forward"))
             seen.append(cls.forward)
@@ -524,7 +525,7 @@ class HeldState:
             tuple(_hooks(vars(module_state), name) for name in GLOBAL_HOOK_DICTS),
             tuple((type(m), "forward" in vars(m), tuple(_hooks(vars(m), name) for name in HOOK_DICTS))
                   for m in self.modules),
-            tuple({type(m): id(type(m).forward) for m in self.modules}.items()))
+            tuple({type(m): id(type(m).forward) for m in self.modules if hasattr(type(m), "forward")}.items()))
         # the registries of the parameters the stage's code reads itself (its get_attr nodes, as in
         # torch.export's graphs): read by name on every call, as getattr would, without a
         # ``nn.Module.__getattr__`` a step; the steps to their modules are checked by identity
@@ -597,6 +598,8 @@ def _module_at(root: nn.Module, path: str) -> nn.Module:
 
 def _first_parameter(module: nn.Module) -> str | None:
     """The path, from ``module``, of its first convertible parameter (its own, then its children's)."""
+    if not isinstance(module._parameters, dict):  # a TorchScript module's: a view of its compiled module, no dict
+        return None
     for name, tensor in module._parameters.items():
         if tensor is not None and _converts(tensor.dtype):
             return name

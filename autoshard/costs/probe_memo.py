@@ -79,7 +79,7 @@ def module_key(module: nn.Module) -> Hashable:
             if name in ("_parameters", "_buffers"):
                 state.append((name, weights(value)))
             elif name == "_modules":
-                state.append((name, tuple(value)))  # the submodules themselves come in their own parts
+                state.append((name, tuple(value.keys())))  # the submodules themselves come in their own parts
             else:
                 state.append((name, constant_key(value)))
         parts.append((path, type(sub), tuple(state)))
