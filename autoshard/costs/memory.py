@@ -325,28 +325,33 @@ def node_memory(
 class StageFloor:
     """What a stage holds at least, in parts summed per node and per cut, so that a search over many
     splits judges whole (``stage_memory``) only the stages whose floor fits. ``held``: per node, the
-    weight state charged to it (a weight's first reader; none to a read of its shape only). ``kept``:
-    per node, saved bytes per microbatch in flight, less what a stage may not keep (a saved output it
-    sends a copy of, ``_saved_only_later``; a copy of a strided value it receives, ``_as_received``).
-    Per stage j, ``received[j]``: per value, what it adds when a cut brings it into stage j (once per
-    microbatch in flight on the first stage, the model inputs; once per receive buffer on the others);
-    ``sent[j]``: its gradient when a cut takes it out (one backward's and, but on the last stage, the
-    buffers')."""
+    weights and optimizer state charged to it (a weight's first reader; none to a read of its shape
+    only); ``gradients``: their gradients. ``kept``: per node, saved bytes per microbatch in flight, less
+    what a stage may not keep (a saved output it sends a copy of, ``_saved_only_later``; a copy of a
+    strided value it receives, ``_as_received``). Per stage j, ``received[j]``: per value, what it adds when
+    a cut brings it into stage j (once per microbatch in flight on the first stage, the model inputs; once
+    per receive buffer on the others); ``sent[j]``: its gradient when a cut takes it out (one backward's
+    and, but on the last stage, the buffers'). A stage holds at least the sum of all these parts, the
+    gradients only where ``steady_gradients[j]`` (a stage whose forwards all run first may peak before its
+    first backward has made them); and, as the step ends, its weight state, gradients included, and its
+    receive buffers (``received[j]``, and ``sent[j]`` but on the last stage)."""
 
     held: Mapping[str, float]
     kept: Mapping[str, float]
     received: Sequence[Mapping[str, float]]
     sent: Sequence[Mapping[str, float]]
+    gradients: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    steady_gradients: Sequence[bool] = ()
 
 
 def stage_floor(dag: nx.DiGraph, num_stages: int, model: MemoryModel = MemoryModel()) -> StageFloor:
     """The ``StageFloor`` of ``dag`` split into ``num_stages`` under ``model``."""
     k, scale = num_stages, model.activation_scale(list(dag.graph.get("weights", {}).values()))
-    # a stage whose forwards all run first may peak before its first backward has made the gradients
-    gradients = not any(model.makes_gradients(j, k) for j in range(k))
-    state = (node_state_bytes(dag, model, gradients=gradients) if "weights" in dag.graph
-             else dict.fromkeys(dag.nodes, 0.0))
+    weighted = "weights" in dag.graph
+    state = node_state_bytes(dag, model, gradients=False) if weighted else dict.fromkeys(dag.nodes, 0.0)
+    whole = node_state_bytes(dag, model) if weighted else state
     held = {v: 0.0 if dag.nodes[v].get("tensor") is False else state[v] for v in dag.nodes}
+    gradients = {v: 0.0 if dag.nodes[v].get("tensor") is False else whole[v] - state[v] for v in dag.nodes}
     owners = {u for v in dag.nodes if _strided_output(dag, v) for u in _possible_owners(dag, v)}
     kept = kept_per_node(dag, model)
     for owner in owners:
@@ -360,7 +365,8 @@ def stage_floor(dag: nx.DiGraph, num_stages: int, model: MemoryModel = MemoryMod
     into = [model.in_flight(0, k), *[buffered] * (k - 1)]
     out_of = [*[buffered] * (k - 1), 1]
     return StageFloor(held, kept, [{v: _scaled(dag, v, scale) * n for v in dag.nodes} for n in into],
-                      [{v: _grad(dag, v) * scale * n for v in dag.nodes} for n in out_of])
+                      [{v: _grad(dag, v) * scale * n for v in dag.nodes} for n in out_of], gradients,
+                      [not model.makes_gradients(j, k) for j in range(k)])
 
 
 def _possible_owners(dag: nx.DiGraph, node: str) -> set[str]:

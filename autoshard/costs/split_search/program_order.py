@@ -76,6 +76,8 @@ class ProgramOrderSplits:
             raise ValueError(f"memory count {memory.name!r} gives no floor to prune the search by")
         floor = memory.floor()
         self.held = _prefix([floor.held.get(v, 0.0) for v in self.rest])
+        self.gradients = _prefix([floor.gradients.get(v, 0.0) for v in self.rest])
+        self.steady_gradients = [bool(floor.steady_gradients and floor.steady_gradients[j]) for j in range(k)]
         self.kept = _prefix([floor.kept.get(v, 0.0) for v in self.rest])
         self.in_flight = np.asarray(memory.in_flight or (1.0,) * k, dtype=float)
         self.received, self.sent = self._crossing(dag, floor, position)
@@ -116,12 +118,14 @@ class ProgramOrderSplits:
 
     def ends(self, j: int, a: int, budget: float) -> np.ndarray:
         """Where stage j starting at ``rest[a]`` may end (index b: it runs ``rest[a:b]``): the
-        constraints kept and its floor within ``budget``."""
+        constraints kept and its floor within ``budget``, in its steady state and as the step ends."""
         b = np.arange(len(self.rest) + 1)
-        sums = (self.held - self.held[a] + self.in_flight[j] * (self.kept - self.kept[a]) + self.received[j][a]
-                + self.sent[j])
+        held, gradients = self.held - self.held[a], self.gradients - self.gradients[a]
+        steady = (held + (gradients if self.steady_gradients[j] else 0.0)
+                  + self.in_flight[j] * (self.kept - self.kept[a]) + self.received[j][a] + self.sent[j])
+        ending = held + gradients + self.received[j][a] + (self.sent[j] if j < self.k - 1 else 0.0)
         return ((b > a) & (b <= self.last_end[a]) & self.cuttable & (self.barred[j] == self.barred[j][a])
-                & (sums <= budget))
+                & (steady <= budget) & (ending <= budget))
 
     def total(self, j: int, a: int, b: int) -> float:
         """Stage j's whole memory when it runs ``rest[a:b]`` (what comes before in stage j - 1, after in j + 1:
