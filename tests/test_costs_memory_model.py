@@ -1156,12 +1156,16 @@ def test_weights_a_custom_backward_gives_gradients_itself_are_counted_and_the_mo
     """``_Recomputed``'s backward gives the block's weights their gradients by a backward of its own, which
     ``autograd.grad``'s result never shows: the plan counted neither their gradients nor their optimizer state
     (Reformer: 0.70x of what real training holds), nor did ``measure_stage_memory``; and probing it left
-    gradients on the user's model. Counted as any weight's now, exact, and the model's ``.grad`` stay None."""
+    gradients on the user's model, or added into those it had. Counted as any weight's now, exact (the probe
+    sets the gradients the model has aside: added into, they changed what it saw), and the model's ``.grad``
+    are as they were."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), _Reversible(by_value), nn.Linear(32, 8)).train()
     x = torch.randn(16, 32)
+    model(x).sum().backward()  # a step's backward before sharding
+    before = [p.grad.clone() for p in model.parameters()]
     sharded = autoshard.shard_model(model, 2, (x,), cut_before=["2"])
-    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p.grad, grad) for p, grad in zip(model.parameters(), before))
     for optimizer, microbatches in [("adam", 1), ("adam", 2), ("sgd", 1), ("sgd", 2)]:
         memory = MemoryModel(microbatches=microbatches, optimizer=optimizer)
         predicted = [s.memory for s in autoshard.plan_report(sharded, memory=memory).stages]

@@ -674,3 +674,34 @@ def test_a_model_filling_in_a_setting_on_its_first_call_is_measured_on_the_plan_
     assert model.config.problem_type == "single"
     assert [m.peak for m in measured] == [s.memory.total for s in autoshard.plan_report(settled).stages]
     assert autoshard.runtime.measure_stage_time(sharded, 1, (x, labels), repeats=2).forward > 0
+
+
+class _BranchesOnceFilledIn(nn.Module):
+    """Fills in ``config.problem_type`` on its first call and, from the next, branches on the batch size: the
+    plan captured with it unset serves any batch; the one made for the model as a call leaves it does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.a, self.b = type("Config", (), {"problem_type": None})(), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        settled = self.config.problem_type == "single"
+        if self.config.problem_type is None:
+            self.config.problem_type = "single"
+        if settled and x.shape[0] > 4:
+            x = x * 2
+        return nn.functional.cross_entropy(self.b(torch.tanh(self.a(x))), labels)
+
+
+def test_the_plan_settled_for_a_setting_is_the_one_made_for_the_measured_inputs():
+    """Settled for the microbatch measured (two rows), not the example (eight), which takes the other branch
+    once the setting is filled in; and inputs made under ``inference_mode`` are measured as any others."""
+    torch.manual_seed(0)
+    model = _BranchesOnceFilledIn().train()
+    x, labels = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    sharded = autoshard.shard_model(model, 2, (x, labels))
+    with torch.inference_mode():
+        rows, row_labels = x[:2].clone(), labels[:2].clone()
+    peaks = [measure_stage_memory(sharded, j, (rows, row_labels)).peak for j in range(2)]
+    assert peaks == [measure_stage_memory(sharded, j, (x[:2], labels[:2])).peak for j in range(2)]
+    assert [made.shapes[0][1][0] for made in sharded.specializations] == [2]
