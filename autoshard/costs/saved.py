@@ -499,6 +499,11 @@ class TrainingProbe:
             base = t.detach().as_strided(*layout)
             if fills_storage(base) and base.numel() * base.element_size() == t.untyped_storage().nbytes():
                 base.requires_grad_()
+                order = dense_order(t)
+                if base.is_contiguous() and order is not None and [t.shape[d] for d in order] == list(base.shape):
+                    # a permute's view (a channels-last map received as the wire sends it), whose backward copies
+                    # nothing, where ``as_strided``'s makes a buffer of the base's size
+                    return base, base.clone().permute(*sorted(range(t.dim()), key=order.__getitem__))
                 return base, base.clone().as_strided(t.shape, t.stride(), t.storage_offset())
         return t, _clone(t)
 
@@ -642,17 +647,18 @@ class TrainingProbe:
     def _when_received_contiguous(self, call: NodeCall, args: tuple, kwargs: dict, arguments: list[torch.Tensor],
                                   effect: NodeEffect, key: Hashable | None) -> None:
         """Probe the node again where an input another node made has gaps in its storage (a slice), or is
-        an autograd view the node writes into in place, with that input a new contiguous tensor, as a
-        later stage receives it (the wire sends a contiguous copy; the stage reads it through
-        ``contiguous_grad``, no view): an ``nn.Linear`` on a sliced 3D input copies it and saves the copy,
-        on a contiguous one neither; ``mul_`` into a Linear's 3-D output makes autograd copy the base's
-        gradient (``CopySlices``), into a received one not. Recorded in ``when_contiguous``: the change in
-        what it saves of its own, its forward and backward peaks, and the inputs it then gives a
-        non-contiguous gradient."""
+        one the node writes into in place, with that input as a later stage receives it: a new contiguous
+        tensor (the wire sends a contiguous copy; the stage reads it through ``contiguous_grad``), or, for
+        one filling its storage in another order (channels-last), a permute of one, as it crosses. An
+        ``nn.Linear`` on a sliced 3D input copies it and saves the copy, on a contiguous one neither;
+        ``mul_`` into a Linear's 3-D output, an autograd view, makes autograd copy the base's gradient
+        (``CopySlices``), into a received one not, and into a received channels-last map it does. Recorded
+        in ``when_contiguous``: the change in what it saves of its own, its forward and backward peaks, and
+        the inputs it then gives a non-contiguous gradient."""
         if effect.input_grads is None or not any(t.requires_grad for t in arguments) or _reads_metadata(call.node):
             return  # (a node no gradient reaches, or that reads a size, saves nothing and has no backward)
         strided = {i for i, t in enumerate(arguments)
-                   if (sent_as_copy(t) or i in effect.written and id(t) in self.bases)
+                   if (sent_as_copy(t) or i in effect.written and (id(t) in self.bases or dense_order(t)))
                    and self.owner.get(self.original(_storage(t)))}
         if not strided:
             return
@@ -664,9 +670,15 @@ class TrainingProbe:
             def contiguous(t: torch.Tensor) -> torch.Tensor:
                 if next(index) not in strided:
                     return t
+                order = None if sent_as_copy(t) else dense_order(t)
                 with _disable_current_modes():
-                    strides = torch.empty(t.shape, device="meta").stride()
-                return self.fresh(t, strides).requires_grad_(t.requires_grad)
+                    dense = torch.empty([t.shape[d] for d in order or range(t.dim())], dtype=t.dtype, device="meta")
+                received = self.wrapped(dense, t.device)
+                if order is None:
+                    return received.requires_grad_(t.requires_grad)
+                view = received.permute(*sorted(range(t.dim()), key=order.__getitem__)).requires_grad_(t.requires_grad)
+                self.bases[id(view)] = (tuple(received.shape), received.stride(), 0)
+                return view
 
             with self._in_fake_mode():
                 copies = tree_map_only(torch.Tensor, contiguous, (args, kwargs))
