@@ -35,6 +35,7 @@ from autoshard.api import (
 from autoshard.arguments import byte_count, bytes_per_second, is_bare_number, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import memory_shortfall
+from autoshard.costs.split_search.request import per_stage
 from autoshard.costs.memory_model import INTERLEAVED_STAGES_PER_RANK, OPTIMIZER_BYTES, SCHEDULES, MemoryModel
 from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel, run_of
 from autoshard.errors import (
@@ -61,7 +62,7 @@ from autoshard.passes.options import option_table
 from autoshard.plan_io import (
     SavedPlan, plan_from_program, read_plan, rebuild_pipeline, report_costs, save_plan, weight_size_changes,
 )
-from autoshard.plan_io.rebuild import warn_over_saved_budget
+from autoshard.plan_io.rebuild import saved_budgets, warn_over_saved_budget
 from autoshard.report import (PIPED_WIDTH, budget_lines, compare_tables, plan_renderables, served_line,
                               step_time_lines)
 from autoshard.runtime.stage_time import TIMING_REPEATS
@@ -563,9 +564,11 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
               _step(links, plan.memory_model))
         for line in budget_lines(plan, budgets) if budgets else ():  # the tables showed the plan's own
             console.print(line, markup=False, highlight=False)
-    short = memory_shortfall(plan.training_memory() or [], budgets)
+    # (without --max-memory, the budgets the plan was made under: the table says whether it is over them)
+    short = memory_shortfall(plan.training_memory() or [], budgets or per_stage(saved_budgets(plan), plan.num_stages))
     if short is not None:
-        raise InfeasibleSplitError(f"plan {args.target} does not fit: {short}")
+        raise InfeasibleSplitError(f"plan {args.target} does not fit{'' if budgets else ' its own max_memory'}: "
+                                   f"{short}")
     _write(plan, args, console)
     return 0
 

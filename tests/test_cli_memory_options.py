@@ -117,6 +117,20 @@ def test_a_saved_plan_checked_against_a_budget_names_the_stage_over_it(capsys, t
     assert code == 2 and "3 entries but there are 2 stages" in err
 
 
+def test_a_saved_plan_counted_for_another_run_is_checked_against_its_own_budget(capsys, tmp_path):
+    """A plan made under --max-memory and counted at more microbatches: the table said "over it" but the
+    command exited 0 unless the budget was typed again; it exits 2 now, naming the stage over."""
+    path = tmp_path / "plan.json"
+    assert run(capsys, "inspect", "gpt-lm", "-k", "2", "-q", "--out", str(path))[0] == 0
+    budget = max(s["total"] for s in json.loads(path.read_text())["summary"]["training_memory"]["stages"])
+    planned = ("inspect", "gpt-lm", "-k", "2", "-q", "--max-memory", f"{budget:.0f}", "--out", str(path))
+    assert run(capsys, *planned)[0] == 0
+    assert run(capsys, "inspect", str(path), "-q")[0] == 0
+    code, out, err = run(capsys, "inspect", str(path), "--microbatches", "8")
+    assert code == 2 and ": over it" in out
+    assert f"plan {path} does not fit its own --max-memory: stage " in " ".join(err.split())
+
+
 def test_a_saved_plan_without_sizes_refuses_a_memory_check(capsys, tmp_path):
     path = tmp_path / "plan.json"
     code, _, err = run(capsys, "inspect", "residual-mlp", "-k", "2", "-q", "--pipeline",
