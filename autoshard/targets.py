@@ -39,14 +39,17 @@ def _import_from_cwd(module_name: str) -> Any:
 
 
 def _refuse_a_file_path(module_name: str, attr: str) -> None:
-    """``models.py:build`` or ``src/models:build`` is a file path, which an import cannot read (it failed
-    with "'models' is not a package"): say which module name to write instead."""
+    """``models.py:build``, ``src/models:build`` or ``models.py`` is a file path, which an import cannot
+    read (it failed with "'models' is not a package"): say which module name to write instead, and,
+    where no factory was named, that one is needed."""
     if not module_name.endswith(".py") and "/" not in module_name and os.sep not in module_name:
         return
     folder, _, stem = module_name.removesuffix(".py").replace(os.sep, "/").rpartition("/")
     where = f", with {folder!r} as the current directory or on PYTHONPATH" if folder not in ("", ".") else ""
-    raise TargetError(f"TARGET {module_name}:{attr} names a file, but TARGET is a module to import "
-                      f"(package.module:factory): give {stem}:{attr}{where}")
+    named = f"{module_name}:{attr}" if attr else module_name
+    factory = f" (FACTORY: the function in it that returns {FACTORY_RETURNS})" if not attr else ""
+    raise TargetError(f"TARGET {named} names a file, but TARGET is a module to import "
+                      f"(package.module:factory): give {stem}:{attr or 'FACTORY'}{where}{factory}")
 
 
 def _callables_defined(holder: Any, names: Sequence[str]) -> str:
@@ -59,11 +62,11 @@ def _callables_defined(holder: Any, names: Sequence[str]) -> str:
 
 def _call_factory(target: str) -> Any:
     module_name, _, attr = target.partition(":")
+    _refuse_a_file_path(module_name, attr)
     if not module_name or not attr:
         raise TargetError(
             f"TARGET {target!r} is neither a built-in example{suggest(target, EXAMPLES)} "
             f"({', '.join(sorted(EXAMPLES))}) nor of the form package.module:factory")
-    _refuse_a_file_path(module_name, attr)
     try:
         module = _import_from_cwd(module_name)
     except Exception as exc:  # noqa: BLE001 - report any import failure the same way

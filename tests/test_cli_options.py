@@ -340,6 +340,8 @@ def test_tolerance_trades_balance_for_fewer_boundary_bytes_and_cannot_change_a_s
     ("./mymodels.py:build", "give mymodels:build"),
     ("src/models.py:build", "give models:build, with 'src' as the current directory or on PYTHONPATH"),
     ("../models.py:build", "give models:build, with '..' as the current directory or on PYTHONPATH"),
+    ("mymodels.py", "give mymodels:FACTORY (FACTORY: the function in it that returns a model"),
+    ("/abs/models.py", "give models:FACTORY, with '/abs' as the current directory or on PYTHONPATH (FACTORY: "),
 ])
 def test_a_target_naming_a_file_says_which_module_name_to_give(target, advice):
     """The import failed with "'mymodels' is not a package", which does not say to drop ``.py``."""
