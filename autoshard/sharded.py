@@ -526,9 +526,15 @@ class ShardedModel(FixedDtypes):
 
     def check_model_state(self) -> None:
         """Raise where the model is not as the plan's code read it at capture (``StateAtCapture``): a
-        module in another mode (``InputMismatchError``), a plain attribute set to another value
-        (``SpecializationMismatch``: another capture serves it)."""
+        module in another mode or a weight converted to another dtype (``InputMismatchError``: a model
+        converted after sharding is sharded again, as each stage's own check says, not captured again
+        for some calls only), a plain attribute set to another value (``SpecializationMismatch``:
+        another capture serves it)."""
         self.__dict__["_state_at_capture"].check_in_full(self.plan.training)
+        for stage in self.stages:
+            held = getattr(stage, HELD_STATE, None)
+            if held is not None:
+                held.check_dtypes()
 
     def state_holds(self) -> bool:
         """Whether the first stage's check of the model's state passes as it stands, asked without

@@ -146,6 +146,28 @@ def test_weights_converted_after_sharding_are_refused_by_every_stage():
         sharded.stages[1](torch.randn(4, 8, dtype=torch.float16))
 
 
+class ScalesWhenAsked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.first(x)
+        return self.last(h if scale is None else h * scale)
+
+
+def test_a_call_another_capture_would_serve_is_refused_as_well_after_the_weights_were_converted():
+    """A call the plan does not serve (an argument the example left out) was captured again from the
+    converted model and served, while the plan's own calls were refused (a GPT-2 without its labels)."""
+    model, x = ScalesWhenAsked(), torch.randn(4, 8)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    model.half()
+    for call in [(x.half(),), (x.half(), torch.ones(8, dtype=torch.float16))]:
+        with pytest.raises(InputMismatchError, match="weights are float16, but the plan was captured with float32"):
+            sharded(*call)
+    assert not sharded.specializations
+
+
 @pytest.mark.parametrize("convert, dtype", [(lambda m: m.half(), "float16"),
                                             (lambda m: m.to(torch.bfloat16), "bfloat16"),
                                             (lambda m: m.double(), "float64")])

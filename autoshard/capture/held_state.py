@@ -471,6 +471,10 @@ class HeldState:
         """The parameters whose dtypes count, as registered now."""
         return [w for w in map(dict.get, self.registries, self.names) if w is not None]
 
+    def check_dtypes(self) -> None:
+        """Raise ``InputMismatchError`` where a weight was converted to another dtype since capture."""
+        check_weight_dtypes(self.dtypes, *self.weights())
+
     @torch.compiler.disable  # (rare, and plain Python: torch.compile's tracer failed inside it)
     def check_in_full(self, training: bool) -> dict[str, Any]:
         """What the stage calls for each module, by path (``cheapest_calls``), found again; raise
@@ -486,7 +490,7 @@ class HeldState:
         refuse_global_backward_hooks()
         self._walk()
         check_mode(training, self.captured_training, tuple(map(_training, self.modules)), tuple(self.modes))
-        check_weight_dtypes(self.dtypes, *self.weights())
+        self.check_dtypes()
         if self.model_state is not None:
             self.model_state.check_in_full(training)
         self._remember(training)
