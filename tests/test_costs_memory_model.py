@@ -1120,6 +1120,22 @@ def test_a_write_into_a_received_value_that_was_a_view_where_made_is_counted_as_
     assert facts["mul_"].writes == ("a",) and facts["mul_"].when_contiguous is not None
 
 
+def test_a_module_holding_a_frozen_weight_is_probed_and_its_trainable_weights_given_their_gradients():
+    """The probe hooked every parameter of a module to see which a backward of its own gives a gradient;
+    autograd refuses a hook on a frozen one, so such a module's backward went unprobed (no peak, no
+    weights)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)).train()
+    model[1].weight.requires_grad_(False)
+    x = torch.randn(8, 16)
+    sharded = autoshard.shard_model(model, 2, (x,), cut_before=["2"])
+    facts = {n.name: n.training for n in sharded.plan_origin.saved_plan(sharded).nodes}
+    assert facts["_1"].weight_grads == ("1.bias",) and facts["_1"].backward > 0
+    predicted = autoshard.plan_report(sharded, memory=MemoryModel(microbatches=1)).stages
+    assert [s.memory.total for s in predicted] == [
+        measure_stage_memory(sharded, j, (x,), microbatches=1).peak for j in range(2)]
+
+
 @pytest.mark.parametrize("in_place", [nn.ReLU(inplace=True), _HalvedInPlace()], ids=["relu", "mul_"])
 def test_a_write_into_a_received_channels_last_map_is_counted_as_into_the_permute_the_stage_reads(in_place):
     """A channels-last map crosses as it is, and the next stage reads it as a permute of what it receives, an

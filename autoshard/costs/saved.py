@@ -549,14 +549,14 @@ class TrainingProbe:
     @contextlib.contextmanager
     def _gradients_written(self, node: fx.Node, real: bool,
                            ) -> Iterator[tuple[list[nn.Parameter], list[torch.Tensor], set[int]]]:
-        """The parameters of ``node``'s modules (``_weights``), the fake tensors the fake mode reads them as
-        (none on real tensors), and, filled in on exit, the ids of the leaves standing for those its backward
-        gave a gradient outside the graph it walks: a custom Function whose backward runs a backward of its
-        own (Reformer's reversible layers recompute theirs) adds into ``.grad`` of the modules' own
-        parameters, which autograd's result never shows, but ``torch.optim`` keeps state for. Their ``.grad``
-        is set aside meanwhile, so that the backward makes each anew, as a weight's, and given back: the
-        user's model keeps its own, not one added into."""
-        params = [t for t in self._weights_by_name(node).values() if isinstance(t, nn.Parameter)]
+        """The trainable parameters of ``node``'s modules (``_weights``; autograd refuses a hook on a frozen
+        one), the fake tensors the fake mode reads them as (none on real tensors), and, filled in on exit,
+        the ids of the leaves standing for those its backward gave a gradient outside the graph it walks: a
+        custom Function whose backward runs a backward of its own (Reformer's reversible layers recompute
+        theirs) adds into ``.grad`` of the modules' own parameters, which autograd's result never shows,
+        but ``torch.optim`` keeps state for. Their ``.grad`` is set aside meanwhile, so that the backward
+        makes each anew, as a weight's, and given back: the user's model keeps its own, not one added into."""
+        params = [t for t in self._weights_by_name(node).values() if isinstance(t, nn.Parameter) and t.requires_grad]
         grads = [p.grad for p in params]
         read_as = [] if real or self.fake is None else [self.fake.from_tensor(p) for p in params]
         written: set[int] = set()
