@@ -35,8 +35,8 @@ from autoshard.api import (
 from autoshard.arguments import byte_count, bytes_per_second, is_bare_number, whole_number
 from autoshard.costs.estimate import DeviceModel, device_model
 from autoshard.costs.memory import memory_shortfall
-from autoshard.costs.split_search.request import per_stage
 from autoshard.costs.memory_model import INTERLEAVED_STAGES_PER_RANK, OPTIMIZER_BYTES, SCHEDULES, MemoryModel
+from autoshard.costs.split_search.request import per_stage
 from autoshard.costs.step_time import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY, StepTimeModel, run_of
 from autoshard.errors import (
     AutoshardError,

@@ -73,6 +73,12 @@ def dense_order(value: Any) -> tuple[int, ...] | None:
     return tuple(sorted(range(value.dim()), key=lambda d: (-value.stride(d), -value.shape[d], d)))
 
 
+def order_undone(order: tuple[int, ...]) -> list[int]:
+    """The permutation that undoes ``order``: ``t.permute(order).permute(order_undone(order))`` is ``t``
+    (a value that crossed permuted, ``dense_order``, as the receiving stage reads it)."""
+    return sorted(range(len(order)), key=order.__getitem__)
+
+
 def obeys_layout_contract(grad: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``AccumulateGrad`` keeps ``grad`` as ``weight``'s first gradient as it is (torch's
     ``obeys_layout_contract``): laid out as a dense weight is, strides of dimensions of size 1 aside;

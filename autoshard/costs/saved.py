@@ -66,7 +66,7 @@ from autoshard.costs.execution import NodeCall
 from autoshard.costs.gradient_order import gradient_order, weights_given_first
 from autoshard.costs.layouts import (
     contiguous_in_its_order, dense_order, fills_storage, grad_contiguous, new_strides, obeys_layout_contract,
-    sent_as_copy)
+    order_undone, sent_as_copy)
 from autoshard.costs.memory import SavedFacts
 from autoshard.costs.probe_memo import (
     CONSTANTS, NodeEffect, OutputTensor, Uncacheable, constant_key, module_key, tensor_key)
@@ -503,7 +503,7 @@ class TrainingProbe:
                 if base.is_contiguous() and order is not None and [t.shape[d] for d in order] == list(base.shape):
                     # a permute's view (a channels-last map received as the wire sends it), whose backward copies
                     # nothing, where ``as_strided``'s makes a buffer of the base's size
-                    return base, base.clone().permute(*sorted(range(t.dim()), key=order.__getitem__))
+                    return base, base.clone().permute(order_undone(order))
                 return base, base.clone().as_strided(t.shape, t.stride(), t.storage_offset())
         return t, _clone(t)
 
@@ -671,12 +671,13 @@ class TrainingProbe:
                 if next(index) not in strided:
                     return t
                 order = None if sent_as_copy(t) else dense_order(t)
+                sent = t if order is None else t.permute(order)  # what the wire sends, as a new contiguous tensor
                 with _disable_current_modes():
-                    dense = torch.empty([t.shape[d] for d in order or range(t.dim())], dtype=t.dtype, device="meta")
-                received = self.wrapped(dense, t.device)
+                    strides = torch.empty(sent.shape, device="meta").stride()
+                received = self.fresh(sent, strides)
                 if order is None:
                     return received.requires_grad_(t.requires_grad)
-                view = received.permute(*sorted(range(t.dim()), key=order.__getitem__)).requires_grad_(t.requires_grad)
+                view = received.permute(order_undone(order)).requires_grad_(t.requires_grad)
                 self.bases[id(view)] = (tuple(received.shape), received.stride(), 0)
                 return view
 

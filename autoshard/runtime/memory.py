@@ -58,7 +58,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autoshard.arguments import whole_number
-from autoshard.costs.layouts import dense_order, sent_as_copy
+from autoshard.costs.layouts import dense_order, order_undone, sent_as_copy
 from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.saved import without_cyclic_gc
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, suggest
@@ -306,8 +306,7 @@ def _as_received(t: torch.Tensor) -> torch.Tensor:
     order = dense_order(t) if t.requires_grad else None
     if order is None:
         return contiguous_grad(t)
-    back = sorted(range(len(order)), key=order.__getitem__)
-    return contiguous_grad(t.permute(order)).permute(back)
+    return contiguous_grad(t.permute(order)).permute(order_undone(order))
 
 
 def _as_sent(t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ import torch.fx as fx
 from torch._functorch.utils import unwrap_if_dead
 from torch.utils._pytree import SUPPORTED_NODES, _get_node_type, tree_leaves
 
+from autoshard.costs.layouts import order_undone
 from autoshard.costs.values import StructureMeta, TensorMeta, ValueMeta
 from autoshard.sharded import ShardedModel
 
@@ -189,9 +190,8 @@ def _read_received_through_contiguous_grad(graph: fx.Graph, orders: Mapping[str,
             read = graph.call_function(contiguous_grad, (placeholder,))
         value = read
         if placeholder.name in orders:
-            back = sorted(range(len(orders[placeholder.name])), key=orders[placeholder.name].__getitem__)
             with graph.inserting_after(read):
-                value = graph.call_method("permute", (read, *back))
+                value = graph.call_method("permute", (read, *order_undone(orders[placeholder.name])))
         placeholder.replace_all_uses_with(value, delete_user_cb=lambda user: user is not read)
 
 
