@@ -67,7 +67,7 @@ from autoshard.runtime.replay import (
     checked_call, checked_stage, fresh_copy, model_kept, running_device, serving_plan, stage_inputs, tensors_in)
 from autoshard.runtime.schedule import SCHEDULES
 from autoshard.runtime.ties import shared_parameters, summing_buffers
-from autoshard.runtime.wire import contiguous_grad
+from autoshard.runtime.wire import contiguous_grad, own_gradient
 from autoshard.sharded import ShardedModel
 
 if TYPE_CHECKING:
@@ -311,8 +311,8 @@ def _as_received(t: torch.Tensor) -> torch.Tensor:
 
 def _as_sent(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the wire sends it: itself where it fills its storage (contiguous, or permuted to be),
-    else a contiguous copy (a slice)."""
-    return t.contiguous() if sent_as_copy(t) else t
+    else a contiguous copy (a slice), and with a gradient of its own where it views a weight (``own_gradient``)."""
+    return own_gradient(t.contiguous() if sent_as_copy(t) else t)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ did. Any other value (a slice) crosses as a contiguous copy.
 
 Gradients go back the same way, and PyTorch sends them as autograd made them: the gradient of a
 received value that the stage reads through a transpose is not contiguous, and gloo refuses it.
-Each stage therefore reads its received values through ``contiguous_grad``.
+Each stage therefore reads its received values through ``contiguous_grad``. A stage that sends a
+view of a weight (a transpose of an expert's weight, read by the next stage) gives it a gradient of
+its own (``own_gradient``): autograd would keep the receive buffer, reused every step, as the weight's.
 
 A schedule running several stages on one rank hands the keyword arguments of ``step`` to every
 one of them; they are the model's inputs, which only the first stage takes (later stages receive
@@ -182,6 +184,35 @@ def contiguous_grad(value: torch.Tensor) -> torch.Tensor:
     return _apply_contiguous_grad(unwrap_if_dead(value))  # as ``Function.apply`` hands it on
 
 
+class _CopiedGrad(torch.autograd.Function):
+    """The identity, whose backward copies the gradient (in its layout)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone()
+
+
+_apply_copied_grad = super(torch.autograd.Function, _CopiedGrad).apply  # (as ``_apply_contiguous_grad``)
+
+
+def own_gradient(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a stage sends it: where it views a weight (a transpose of one), with a gradient of
+    its own. Its gradient is the receive buffer ``PipelineStage`` keeps for every step, which
+    autograd, handed it through the views, would keep as the weight's ``.grad`` where laid out as the
+    weight is: the next step's gradient received into it then overwrote an accumulated one
+    (``zero_grad(set_to_none=False)``, or two steps before the optimizer's)."""
+    base = value._base
+    if base is None or not base.is_leaf or not value.requires_grad:
+        return value
+    if _functorch_transforms_active():
+        return _CopiedGrad.apply(value)
+    return _apply_copied_grad(unwrap_if_dead(value))
+
+
 def _read_received_through_contiguous_grad(graph: fx.Graph, orders: Mapping[str, tuple[int, ...]]) -> None:
     """Each received value read through ``contiguous_grad``, and permuted back where it crossed
     permuted (``Wire.order``)."""
@@ -248,8 +279,8 @@ def loss_reader(module: fx.GraphModule) -> OutputTensors | None:
 
 def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None:
     """Make ``stage`` take and return exactly the wires of its boundaries, each contiguous
-    (process groups send only contiguous tensors, and a slice such as ``mask[:n, :n]`` is not),
-    whose gradients are contiguous too, and ignoring keywords after the first stage; the last
+    (process groups send only contiguous tensors, and a slice such as ``mask[:n, :n]`` is not) and
+    ``own_gradient``, whose gradients are contiguous too, and ignoring keywords after the first stage; the last
     stage returns ``OutputTensors`` of the model's output."""
     graph = module.graph
     received = _receive_items(graph, layout[stage - 1]) if stage > 0 else {}
@@ -259,15 +290,15 @@ def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None
             output.args = (graph.call_function(OutputTensors(), output.args),)
     else:
         with graph.inserting_before(output):
-            sent = []
+            values = []
             for wire in layout[stage]:
                 value = received.get(wire) or node_named(graph, wire.name)
                 if wire.index is not None and wire not in received:
                     value = graph.call_function(operator.getitem, (value, wire.index))
                 if wire.order is not None:
                     value = graph.call_method("permute", (value, *wire.order))
-                sent.append(graph.call_method("contiguous", (value,)))
-        output.args = (tuple(sent),)
+                values.append(graph.call_function(own_gradient, (graph.call_method("contiguous", (value,)),)))
+        output.args = (tuple(values),)
     for wire in layout[stage - 1] if stage > 0 else ():
         whole = node_named(graph, wire.name)
         if wire.index is not None and whole is not None and not whole.users:
