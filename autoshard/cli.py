@@ -796,15 +796,19 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: object, *
 
 def _parsed(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """``parser``'s arguments; a flag this command does not take but another does is refused naming
-    that command (``inspect --time-stages`` got only argparse's "unrecognized arguments")."""
+    that command (``inspect --time-stages`` got only argparse's "unrecognized arguments"), one no
+    command takes with the closest this one does (``--optimzer``)."""
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-        elsewhere = [f"{flag} is an option of {', '.join(repr(f'autoshard {name}') for name in takers)}"
-                     for flag in dict.fromkeys(item.partition("=")[0] for item in unknown if item.startswith("-"))
-                     if (takers := [name for name, sub in commands.items()
-                                    if name != args.command and flag in sub._option_string_actions])]
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; {hint}" for hint in elsewhere))
+        hints = []
+        for flag in dict.fromkeys(item.partition("=")[0] for item in unknown if item.startswith("-")):
+            takers = [name for name, sub in commands.items() if flag in sub._option_string_actions]
+            if takers:
+                hints.append(f"{flag} is an option of {', '.join(repr(f'autoshard {name}') for name in takers)}")
+            elif close := suggest(flag, commands[args.command]._option_string_actions):
+                hints.append(f"{flag}{close}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; {hint}" for hint in hints))
     return args
 
 

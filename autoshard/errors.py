@@ -52,16 +52,20 @@ def suggest(name: str, candidates: Iterable[str]) -> str:
 
 
 def keywords_named(function: Callable[..., T]) -> Callable[..., T]:
-    """``function`` refusing a keyword it does not take with the closest it does: Python's own
-    TypeError names no alternative (``max_memroy=``)."""
-    parameters = inspect.signature(function).parameters
+    """``function`` (or a class, its ``__init__``) refusing a keyword it does not take with the closest
+    it does: Python's own TypeError names no alternative (``max_memroy=``, ``MemoryModel(micro_batches=4)``)."""
+    if isinstance(function, type):
+        function.__init__ = keywords_named(function.__init__)  # type: ignore[misc]
+        return function
+    parameters = [name for name in inspect.signature(function).parameters if name != "self"]
+    called, taken = function.__qualname__.removesuffix(".__init__"), frozenset(parameters)
 
     @functools.wraps(function)
     def checked(*args: Any, **kwargs: Any) -> T:
         for name in kwargs:
-            if name not in parameters:
+            if name not in taken:
                 raise InvalidArgumentTypeError(
-                    f"{function.__name__}() got an unexpected keyword argument {name!r}{suggest(name, parameters)}; "
+                    f"{called}() got an unexpected keyword argument {name!r}{suggest(name, parameters)}; "
                     f"it takes {', '.join(parameters)}")
         return function(*args, **kwargs)
     return checked

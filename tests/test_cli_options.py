@@ -368,4 +368,14 @@ def test_a_flag_of_another_command_is_refused_naming_that_command(capsys):
     assert "unrecognized arguments: --time-stages; --time-stages is an option of 'autoshard split'" in err
     with pytest.raises(SystemExit):
         cli.main(["inspect", "residual-mlp", "-k", "2", "--no-such-flag"])
-    assert "is an option of" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is an option of" not in err and "did you mean" not in err
+
+
+def test_a_misspelt_flag_is_refused_naming_the_closest_one(capsys):
+    """argparse (before Python 3.14) says only "unrecognized arguments"."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["split", "residual-mlp", "-k", "2", "--optimzer", "adam"])
+    assert exited.value.code == 2
+    err = flat(capsys.readouterr().err)
+    assert "unrecognized arguments: --optimzer adam; --optimzer (did you mean '--optimizer'?)" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import ClassVar
 
@@ -287,3 +288,16 @@ def test_a_misspelt_keyword_of_shard_model_names_the_one_meant():
     with pytest.raises(autoshard.InvalidArgumentTypeError,
                        match=r"unexpected keyword argument 'max_memroy' \(did you mean 'max_memory'\?\)"):
         autoshard.shard_model(torch.nn.Linear(2, 2), 1, (torch.randn(1, 2),), max_memroy="1GiB")
+
+
+@pytest.mark.parametrize("build, typo, meant", [
+    (autoshard.MemoryModel, "micro_batches", "microbatches"),
+    (autoshard.StepTimeModel, "link_bandwith", "link_bandwidth"),
+])
+def test_a_misspelt_keyword_of_a_model_of_training_names_the_one_meant(build, typo, meant):
+    """Python's own TypeError for a dataclass names no alternative."""
+    with pytest.raises(autoshard.InvalidArgumentTypeError,
+                       match=rf"{build.__name__}\(\) got an unexpected keyword argument '{typo}' \(did you mean "
+                             rf"'{meant}'\?\); it takes ") as info:
+        build(**{typo: 4})
+    assert str(info.value).split("it takes ")[1].split(", ") == [f.name for f in dataclasses.fields(build)]

@@ -45,7 +45,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, plural, shown, suggest
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, keywords_named, plural, shown, suggest
 
 OPTIMIZER_STATE_TENSORS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
 """State tensors the optimizer keeps per parameter, each shaped and typed as what it steps."""
@@ -171,6 +171,7 @@ def stages_per_rank_of(schedule: str, given: int | None) -> int:
     return given
 
 
+@keywords_named
 @dataclass(frozen=True)
 class MemoryModel:
     """How training is run, as far as memory goes.

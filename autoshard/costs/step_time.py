@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from autoshard.arguments import bytes_per_second, duration, whole_number
 from autoshard.costs.estimate import DeviceModel
 from autoshard.costs.memory_model import UNMODELLED_SCHEDULES, MemoryModel, stages_per_rank_of
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, shown, suggest
+from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, keywords_named, shown, suggest
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """The schedules whose order of work the model follows (PyTorch's ``ScheduleGPipe``,
@@ -81,6 +81,7 @@ def _positive(value: Any, name: str, zero_allowed: bool = False) -> float:
     return float(value)
 
 
+@keywords_named
 @dataclass(frozen=True)
 class StepTimeModel:
     """How the step runs, as far as time goes.
