@@ -153,6 +153,8 @@ def pipeline_step(rank: int, world: int, name: str, num_stages: int, schedule: s
         "grads": {s.stage_index: {n: p.grad for n, p in s.submod.named_parameters(remove_duplicate=False)}
                   for s in stages},
         "keys": {s.stage_index: sorted(s.submod.state_dict()) for s in stages},
+        "the model's own": {s.stage_index: sorted(n for n, p in s.submod.named_parameters()
+                                                  if any(p is q for q in model.parameters())) for s in stages},
         "boundaries": sharded.plan.boundaries,
         "receive buffers": {s.stage_index: receive_buffer_bytes(s) for s in stages},
     }
@@ -298,44 +300,75 @@ def untied_step(rank: int, world: int) -> str | None:
 
 
 class WeightViewSent(nn.Module):
-    """Stage 0 sends a view of ``w`` (``how``), which stage 1 reads: autograd hands the gradient
-    received for it through the views to ``w``."""
+    """Stage 0 sends weights without a copy (``how``: a transpose of ``w``, a view of it, ``w`` and
+    ``v`` stacked), which stage 1 reads: autograd hands the weights slices of the gradient received."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how, self.first, self.last = how, nn.Linear(8, 8), nn.Linear(8, 8)
-        self.w = nn.Parameter(torch.randn(8, 8))
+        self.w, self.v = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
         self.product = Product()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.w.t() if self.how == "t" else self.w.view(8, 8)
-        return self.last(self.product(torch.tanh(self.first(x)), w))
+        w = {"t": self.w.t, "view": lambda: self.w.view(8, 8), "stack": lambda: torch.stack([self.w, self.v])}
+        return self.last(self.product(torch.tanh(self.first(x)), w[self.how]()))
 
 
 class Product(nn.Module):
     def forward(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return h @ w
+        return h @ w[0] + h @ w[1] if w.dim() == 3 else h @ w
 
 
-def weight_view_steps(how: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+class ReturnsAWeight(nn.Module):
+    """Returns its weight ``scale`` beside its prediction; the loss uses both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.scale = nn.Parameter(torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.body(x), self.scale
+
+
+def scaled_loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    prediction, scale = output
+    return F.mse_loss(prediction * scale, target)
+
+
+KEPT_GRADIENTS = {  # how -> (model, loss_fn, schedule, zero_grad(set_to_none=False) before each step)
+    "t": (lambda: WeightViewSent("t"), F.mse_loss, "1f1b", True),
+    "view": (lambda: WeightViewSent("view"), F.mse_loss, "1f1b", True),
+    "stack": (lambda: WeightViewSent("stack"), F.mse_loss, "1f1b", True),
+    "accumulated": (lambda: WeightViewSent("t"), F.mse_loss, "gpipe", False),
+    "returned weight": (ReturnsAWeight, scaled_loss, "1f1b", True),
+}
+
+
+def kept_gradients_model(how: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    return WeightViewSent(how), torch.randn(BATCH, 8), torch.randn(BATCH, 8)
+    return KEPT_GRADIENTS[how][0](), torch.randn(BATCH, 8), torch.randn(BATCH, 8)
 
 
-def weight_view_sent(rank: int, world: int) -> dict:
-    """Two 1F1B steps, each after ``zero_grad(set_to_none=False)`` (gradients zeroed in place, as
-    accumulation across steps keeps them), of a plan whose stage 0 sends a view of a weight: each
-    rank's gradients after the second step."""
+def kept_gradients(rank: int, world: int) -> dict:
+    """Two steps keeping the gradients between them (zeroed in place, or accumulated over both) of
+    plans whose stage 0 sends weights without a copy, and of a model returning a weight: each rank's
+    gradients after the second step."""
     found = {}
-    for how in ("t", "view"):
-        model, x, y = weight_view_steps(how)
-        sharded = autoshard.shard_model(model, 2, example_inputs=(x,), pin={"w": 0, "first": 0, "product": 1})
+    for how, (_, loss_fn, schedule_name, zeroed) in KEPT_GRADIENTS.items():
+        model, x, y = kept_gradients_model(how)
+        pins = None if how == "returned weight" else {"w": 0, "first": 0, "product": 1}
+        if how == "stack":
+            pins["v"] = 0
+        sharded = autoshard.shard_model(model, 2, example_inputs=(x,), pin=pins)
         stage = pipeline_stage(sharded, rank, 2, "cpu")
-        schedule = build_schedule(stage, "1f1b", MICROBATCHES, loss_fn=F.mse_loss)
+        schedule = build_schedule(stage, schedule_name, MICROBATCHES, loss_fn=loss_fn)
         for _ in range(2):
-            stage.submod.zero_grad(set_to_none=False)
+            if zeroed:
+                stage.submod.zero_grad(set_to_none=False)
             schedule.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None, return_outputs=False)
-        found[how] = {"sent": sharded.plan.boundaries[0],
+        found[how] = {"sent": sharded.plan.boundaries[0], "model's weights trainable": all(
+                          p.requires_grad for p in model.parameters()),
                       "grads": {n: p.grad.clone() for n, p in stage.submod.named_parameters()}}
     return found
 
@@ -343,7 +376,7 @@ def weight_view_sent(rank: int, world: int) -> dict:
 def two_process_worker(rank: int, world: int, scenarios: list[tuple]) -> dict:
     results = {"errors": setup_errors(rank, world), "scaled": scaled_gradient(rank, world),
                "untied": untied_step(rank, world), "nan": nan_loss(rank, world),
-               "weight view": weight_view_sent(rank, world)}
+               "kept gradients": kept_gradients(rank, world)}
     for scenario in scenarios:
         results[scenario] = pipeline_step(rank, world, *scenario)
     return results
@@ -506,25 +539,37 @@ def test_a_weight_every_stage_holds_is_summed_over_local_and_remote_stages(two_p
     holders = [stage for r in two_processes for stage, grads in r[scenario]["grads"].items()
                if "shared.weight" in grads]
     assert sorted(holders) == [0, 1, 2, 3]
+    # the first stage of a rank holds the model's own weight, the other a copy (trained alike, by the sum)
+    assert [r[scenario]["the model's own"] for r in two_processes] == [
+        {0: ["shared.bias", "shared.weight"], 2: []}, {1: ["shared.bias", "shared.weight"], 3: []}]
 
 
-@pytest.mark.parametrize("how", ["t", "view"])
-def test_a_weight_sent_as_a_view_gets_its_gradient_right_step_after_step(two_processes, how):
-    """Autograd kept the receive buffer of the gradient of a view of a weight as the weight's own
-    ``.grad``; ``PipelineStage`` receives the next step's gradient into the same buffer, so the second
-    step's gradient was off (0.05-0.09 here) where steps keep gradients (``zero_grad(set_to_none=False)``)."""
-    model, x, y = weight_view_steps(how)
+@pytest.mark.parametrize("how", list(KEPT_GRADIENTS))
+def test_gradients_kept_between_steps_are_the_unsplit_models(two_processes, how):
+    """Autograd kept slices of the buffer a ``PipelineStage`` receives gradients into every step as the
+    gradients of the weights a stage sent without a copy (a transpose, a view, a stack): the second
+    step's gradient, received into it, was off (0.05-0.09 here) where steps keep gradients
+    (``zero_grad(set_to_none=False)``). PyTorch's schedules divided the gradients accumulated over earlier
+    steps by the microbatch count at each step's end (``scale_grads``). And a weight the model returns,
+    the last stage's output, was detached in place by PyTorch after the first microbatch's backward,
+    the user's model's own weight too."""
+    model, x, y = kept_gradients_model(how)
+    loss_fn = KEPT_GRADIENTS[how][1]
     for _ in range(2):
-        model.zero_grad(set_to_none=False)
-        sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))).div(
+        if KEPT_GRADIENTS[how][3]:
+            model.zero_grad(set_to_none=False)
+        sum(loss_fn(model(xs), ys) for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))).div(
             MICROBATCHES).backward()
     found = {}
     for rank in two_processes:
-        assert rank["weight view"][how]["sent"][0] == ("t" if how == "t" else "view")
-        found.update(rank["weight view"][how]["grads"])
-    assert found.keys() == {n for n, _ in model.named_parameters()}
-    for name, parameter in model.named_parameters():
-        torch.testing.assert_close(found[name], parameter.grad, rtol=1e-5, atol=1e-6, msg=name)
+        seen = rank["kept gradients"][how]
+        assert seen["model's weights trainable"]
+        assert isinstance(model, ReturnsAWeight) or {"accumulated": "t"}.get(how, how) in seen["sent"]
+        found.update(seen["grads"])
+    trained = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}  # (not ``v`` but stacked)
+    assert found.keys() == trained.keys()
+    for name, grad in trained.items():
+        torch.testing.assert_close(found[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_check_pipeline_step_refuses_a_batch_whose_loss_is_nan_on_every_rank(two_processes):

@@ -183,6 +183,11 @@ def build_schedule(
 
     Pass every stage this rank runs (one for GPipe and 1F1B; ``rank``, ``rank + W``, ... for
     interleaved schedules). ``options`` go to the schedule class unchanged.
+
+    The gradients a step adds are the mean over its microbatches, as PyTorch's schedules make them,
+    but by the loss's gradient (``_MicrobatchMean``) rather than their ``scale_grads``, which divides
+    the whole ``.grad`` at the step's end: the gradients steps before had accumulated too. Pass
+    ``scale_grads`` to have PyTorch's own.
     """
     n_microbatches = whole_number(n_microbatches, "n_microbatches", at_least=1)
     local = [stages] if isinstance(stages, PipelineStage) else list(stages)
@@ -197,6 +202,8 @@ def build_schedule(
     the_models_loss = loss_fn is model_loss
     if the_models_loss and last is not None:
         loss_fn = functools.partial(_model_loss_at, loss_reader(last))
+    if loss_fn is not None and "scale_grads" not in options:
+        loss_fn, options = _microbatch_mean(loss_fn, n_microbatches), {**options, "scale_grads": False}
     if issubclass(cls, PipelineScheduleSingle):
         built = cls(local[0], n_microbatches, loss_fn=loss_fn, **options)
     else:
@@ -204,8 +211,55 @@ def build_schedule(
     chunked_by_rows = not {"args_chunk_spec", "kwargs_chunk_spec"} & options.keys()
     first = next((stage.submod for stage in local if stage.stage_index == 0), None)
     built.step = _BatchShapes(n_microbatches, chunked_by_rows, _example_rows(first)).guard(
-        built.step, first, the_models_loss)
+        _gradients_of_their_own(built.step, local), first, the_models_loss)
     return built
+
+
+def _gradients_of_their_own(step: Callable[..., Any], stages: Sequence[PipelineStage]) -> Callable[..., Any]:
+    """``step``, after which no weight's ``.grad`` is a receive buffer's storage. A ``PipelineStage``
+    keeps one buffer per microbatch for the gradients of what it sends and receives into it every
+    step; where a value sent is made of weights without a copy (``torch.stack([w1, w2])``, a cat, a
+    view), autograd hands each weight a slice of that buffer and keeps it as its ``.grad`` when laid
+    out as the weight is. The next step's gradient, received into it, overwrote the gradients kept
+    between steps (``zero_grad(set_to_none=False)``, accumulation over steps). Views of a weight get
+    a gradient of their own as they are sent (``wire.own_gradient``, as the memory model counts it);
+    this catches the rest, once a step (a pass over the weights: microseconds)."""
+    @functools.wraps(step)
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        result = step(*args, **kwargs)
+        buffers = {info.buffer.untyped_storage().data_ptr() for stage in stages
+                   for infos in stage.grad_recv_info.values() for info in infos
+                   if isinstance(getattr(info, "buffer", None), torch.Tensor)}
+        for stage in stages:
+            for parameter in stage.submod.parameters():
+                grad = parameter.grad  # (an FSDP-sharded weight's is a DTensor, of a storage of its own)
+                if type(grad) is torch.Tensor and grad.untyped_storage().data_ptr() in buffers:
+                    parameter.grad = grad.clone()
+        return result
+    return stepped
+
+
+class _MicrobatchMean(torch.autograd.Function):
+    """The loss as it is, whose gradient is divided by the step's microbatch count."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, n_microbatches: int) -> torch.Tensor:
+        ctx.n_microbatches = n_microbatches
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.n_microbatches, None
+
+
+def _microbatch_mean(loss_fn: Callable[..., Any], n_microbatches: int) -> Callable[..., Any]:
+    """``loss_fn`` whose loss back-propagates the microbatch's share of the step's mean."""
+    @functools.wraps(loss_fn)
+    def loss(*args: Any, **kwargs: Any) -> Any:
+        value = loss_fn(*args, **kwargs)
+        wants_gradient = isinstance(value, torch.Tensor) and value.requires_grad
+        return _MicrobatchMean.apply(value, n_microbatches) if wants_gradient else value
+    return loss
 
 
 class MicrobatchSizeWarning(UserWarning):

@@ -230,8 +230,10 @@ def stage_module(sharded: ShardedModel, stage_index: int, device: torch.device,
     ``boundary_wires(sharded)``).
 
     A tensor already on ``device`` is the model's own (training it trains the model), unless its
-    id is in ``private``: tensors another stage of the same rank also holds get a copy of their
-    own, because each PipelineStage scales and accumulates its gradients separately.
+    id is in ``private``: a tensor an earlier stage of the same rank also holds gets a copy of its
+    own, because each PipelineStage accumulates its gradients separately (``TiedGradients`` sums
+    them into every holder, so the copies train as the model's own does, which the first holds:
+    ``sharded``'s own calls and ``state_dict`` see the weights trained).
     """
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_meta:
@@ -304,7 +306,9 @@ def pipeline_stage(
             f"which runs stages {local}")
     shared = shared_across_stages(sharded)
     _warn_of_shared_buffers(sharded, shared, stage_index)
-    private = frozenset(key for key, holders in shared.items() if len({s for s, _ in holders if s in local}) > 1)
+    # a tensor several stages of this rank hold: the first holds the model's own, the others copies
+    private = frozenset(key for key, holders in shared.items()
+                        if min((s for s, _ in holders if s in local), default=stage_index) != stage_index)
     module = stage_module(sharded, stage_index, resolved, private, layout)
     module.meta[PLAN_KEY] = plan_fingerprint(sharded)
     if stage_index == 0:

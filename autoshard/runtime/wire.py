@@ -252,6 +252,9 @@ class OutputTensors:
         leaves = _tensor_leaves(value)
         loss = value.get("loss") if isinstance(value, Mapping) else getattr(value, "loss", None)
         self.loss_index = None if loss is None else next((i for i, leaf in enumerate(leaves) if leaf is loss), None)
+        for i, leaf in enumerate(leaves):
+            if leaf.is_leaf and leaf.requires_grad:  # a weight the model returns: returned as a view of it,
+                leaves[i] = leaf.view_as(leaf)  # which PyTorch's last stage does not ``detach_()`` after its backward
         return leaves[0] if len(leaves) == 1 else tuple(leaves)
 
 
