@@ -2011,6 +2011,37 @@ def test_the_items_of_a_tuple_an_op_made_hand_it_their_gradients_as_they_are():
     assert measured <= predicted <= 1.05 * measured
 
 
+class _SortThenGather(nn.Module):
+    """``sort``'s values read at once, its indices by a ``gather`` after a wide temporary: one op's tuple of
+    two new storages, each read by its own nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = (nn.ModuleList(nn.Linear(32, 32) for _ in range(3)) for _ in range(2))
+        self.up = nn.ModuleList(nn.Linear(32, 128) for _ in range(3))
+        self.down = nn.ModuleList(nn.Linear(128, 32) for _ in range(3))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for a, b, up, down in zip(self.a, self.b, self.up, self.down):
+            values, indices = torch.sort(a(h), dim=-1)
+            h = down(torch.relu(up(b(h) + values)))
+            h = torch.gather(h, -1, indices)
+        return h
+
+
+@pytest.mark.parametrize("microbatches, optimizer", [(1, "sgd"), (4, "adam")])
+def test_each_storage_of_a_tuple_an_op_made_lives_until_its_own_readers_are_done(microbatches, optimizer):
+    """The values and indices ``sort`` made were one storage to the model, freed when the last reader of either
+    had run and kept whole where the indices alone were sent: the first stage (k = 4) held the values, which
+    nothing saves, per microbatch in flight (1.06x-1.07x of measured; 1.02x-1.04x at k = 2)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32)
+    sharded = autoshard.shard_model(_SortThenGather().train(), 4, example_inputs=(x,))
+    memory = MemoryModel(microbatches=microbatches, optimizer=optimizer)
+    assert [s.memory.total for s in autoshard.plan_report(sharded, memory=memory).stages] == [
+        measure_stage_memory(sharded, j, (x,), microbatches=microbatches, optimizer=optimizer).peak for j in range(4)]
+
+
 class _ChainKeptWhole(nn.Module):
     """Six small layers, kept whole (control flow on a value): one node of many functions."""
 

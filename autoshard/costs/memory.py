@@ -119,7 +119,11 @@ class SavedFacts:
     inputs its backward hands the gradient it got itself, laid out as it came (an addend; not a view).
     ``strided_when_sent``: ``strided_grads`` where its gradient is laid out as a new tensor, as the receive
     buffer of a value sent is (its first probe's; consumers that give another layout probe it again): a
-    slice of that buffer (a ``cat``'s backward) is strided in any layout; None: not recorded."""
+    slice of that buffer (a ``cat``'s backward) is strided in any layout; None: not recorded. ``parts``: for
+    an output of several storages it made (``sort``'s values and indices), per storage in order, its bytes
+    and those of them some node saves (() for one storage, or not recorded); ``part``: for a node whose output
+    lives in some of them only (an item: ``views`` names their maker), their indices (None: all, or its own).
+    Each such storage lives until the last reader of a value in it has run, not until the last reader of any."""
 
     saved: int
     saved_output: int
@@ -145,6 +149,8 @@ class SavedFacts:
     backward_when_handed: tuple[tuple[tuple[int, ...], int], ...] = ()
     passes_on: tuple[str, ...] = ()
     strided_when_sent: tuple[str, ...] | None = None
+    parts: tuple[tuple[int, int], ...] = ()
+    part: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -426,22 +432,48 @@ def _owners(dag: nx.DiGraph, node: str, stage: Mapping[str, int]) -> set[str]:
     return {_owner(dag, node, stage), *(maker for maker in held if stage.get(maker) == stage[node])}
 
 
+def _parts(dag: nx.DiGraph, node: str) -> tuple[tuple[float, float], ...]:
+    """Per storage ``node``'s output made, its bytes and those of them some node saves: as the probe saw
+    several (``SavedFacts.parts``), else one, all its output allocated."""
+    data, facts = dag.nodes[node], _training(dag, node)
+    if facts is not None and facts.parts:
+        return facts.parts
+    return (float(data.get("allocated") or 0), facts.saved_output if facts is not None else 0),
+
+
+def _made(dag: nx.DiGraph, node: str) -> set[tuple[str, int]]:
+    """The storages ``node``'s output made, each as ``_storages`` names it."""
+    return {(node, index) for index in range(len(_parts(dag, node)))}
+
+
+def _storages(dag: nx.DiGraph, value: str, stage: Mapping[str, int]) -> set[tuple[str, int]]:
+    """The storages of the same stage that ``value`` keeps alive (those of its ``_owners``), each as the node
+    that made it and its index among the storages of that node's output (``_parts``): an item of a tuple an op
+    made of new tensors (``sort``'s values and indices) keeps its own alone (``SavedFacts.part``)."""
+    facts = _training(dag, value)
+    part, maker = (None, None) if facts is None else (facts.part, facts.views)
+    found: set[tuple[str, int]] = set()
+    for owner in _owners(dag, value, stage):
+        found.update(s for s in _made(dag, owner) if part is None or owner != maker or s[1] in part)
+    return found
+
+
 def _sent_unsaved(dag: nx.DiGraph, sent: Sequence[str], stage: Mapping[str, int],
                   recomputed: AbstractSet[str] = frozenset()) -> float:
     """Bytes the stage keeps only because it sends them: the storages of its sent values that
     nothing saved (a sent view counts the storage it views, once; what a recomputed node saves
     is not kept)."""
-    return sum(_unsaved(dag, owner, recomputed) for owner in {o for v in sent for o in _owners(dag, v, stage)})
+    return sum(_unsaved(dag, storage, recomputed) for storage in {s for v in sent for s in _storages(dag, v, stage)})
 
 
-def _unsaved(dag: nx.DiGraph, node: str, recomputed: AbstractSet[str] = frozenset()) -> float:
-    """Bytes of the storage ``node``'s output allocated that no node saves (none for a model input)."""
-    data = dag.nodes[node]
-    if data.get("input"):
+def _unsaved(dag: nx.DiGraph, storage: tuple[str, int], recomputed: AbstractSet[str] = frozenset()) -> float:
+    """Bytes of ``storage`` (``_storages``) that no node saves (none for a model input; all of one a
+    recomputed node made)."""
+    node, index = storage
+    if dag.nodes[node].get("input"):
         return 0.0
-    facts = data.get("training")
-    saved = facts.saved_output if facts is not None and node not in recomputed else 0
-    return max(0.0, float(data.get("allocated") or 0) - saved)
+    nbytes, saved = _parts(dag, node)[index]
+    return max(0.0, float(nbytes) - (0 if node in recomputed else saved))
 
 
 def _gradients_to(dag: nx.DiGraph, node: str) -> list[tuple[str, bool]]:
@@ -506,39 +538,42 @@ def _as_trained(infos: Mapping[str, Weight], trained: AbstractSet[str] | None) -
             for w, info in infos.items()}
 
 
-def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[str],
+def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[tuple[str, int]],
                   recomputed: AbstractSet[str] = frozenset(), copied: Sequence[str] = ()) -> float:
     """The most one microbatch's forward holds at once above what it keeps when it ends (what is
     saved; ``stays``: the storages of the values sent and those a checkpoint keeps as they cross
-    a region's boundary; and the contiguous copies of those sent, ``copied``). Walking its nodes
-    in order: each node's own forward peak (``SavedFacts.forward``; without it, its output's bytes)
-    on top of what is alive when it starts. A storage nothing saves lives from its maker until its
-    last reader here has run (a wide pairwise sum nothing saves, reduced by the next node), or, for
-    a value copied to be sent, until the copies made at the end."""
+    a region's boundary, as ``_storages`` names them; and the contiguous copies of those sent, ``copied``).
+    Walking its nodes in order: each node's own forward peak (``SavedFacts.forward``; without it, its
+    output's bytes) on top of what is alive when it starts. A storage nothing saves lives from its maker
+    until its last reader here has run (a wide pairwise sum nothing saves, reduced by the next node), or,
+    for a value copied to be sent, until the copies made at the end; each storage of a tuple an op made on
+    its own (``sort``'s values die with their readers, whatever reads the indices later)."""
     inside = set(nodes)
-    last_read: dict[str, int] = {}  # storage (by its maker) -> position of its last reader here
+    last_read: dict[tuple[str, int], int] = {}  # storage -> position of its last reader here
     for i, node in enumerate(nodes):
-        last_read.setdefault(_owner(dag, node, stage), i)
+        for storage in _storages(dag, node, stage):
+            last_read.setdefault(storage, i)
         for u in dag.predecessors(node):
             if u in inside:
-                last_read.update(dict.fromkeys(_owners(dag, u, stage), i))
+                last_read.update(dict.fromkeys(_storages(dag, u, stage), i))
     for value in copied:
-        last_read[_owner(dag, value, stage)] = len(nodes)
-    freed_at: dict[int, list[str]] = {}
-    for owner, i in last_read.items():
-        if owner in inside and owner not in stays:
-            freed_at.setdefault(i, []).append(owner)
+        last_read.update(dict.fromkeys(_storages(dag, value, stage), len(nodes)))
+    freed_at: dict[int, list[tuple[str, int]]] = {}
+    for storage, i in last_read.items():
+        if storage[0] in inside and storage not in stays:
+            freed_at.setdefault(i, []).append(storage)
     alive = peak = 0.0
     for i, node in enumerate(nodes):
         data, facts = dag.nodes[node], _training(dag, node)
         if not data.get("input"):
             own = facts.forward if facts is not None and facts.forward is not None else data.get("allocated")
             peak = max(peak, alive + float(own or 0))
-            alive += (0.0 if node in recomputed else kept_bytes(dag, node)) + _unsaved(dag, node, recomputed)
-        alive -= sum(_unsaved(dag, owner, recomputed) for owner in freed_at.get(i, ()))
+            alive += (0.0 if node in recomputed else kept_bytes(dag, node)) + sum(
+                _unsaved(dag, storage, recomputed) for storage in _made(dag, node))
+        alive -= sum(_unsaved(dag, storage, recomputed) for storage in freed_at.get(i, ()))
     copies = sum(float(dag.nodes[value]["bytes"]) for value in copied)
     peak = max(peak, alive + copies)
-    alive += copies - sum(_unsaved(dag, owner, recomputed) for owner in freed_at.get(len(nodes), ()))
+    alive += copies - sum(_unsaved(dag, storage, recomputed) for storage in freed_at.get(len(nodes), ()))
     alive -= sum(_saved_only_later(dag, owner, inside) for owner in {_owner(dag, v, stage) for v in copied})
     return max(0.0, peak - alive)
 
@@ -920,6 +955,7 @@ def stage_memory(
         sent = (_sent_unsaved(stage_dag, dense, assignment, recomputed)
                 + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
         sent_storages = {owner for v in dense for owner in _owners(stage_dag, v, assignment)}
+        sent_parts = {storage for v in dense for storage in _storages(stage_dag, v, assignment)}
         recompute = recomputed_backward(
             stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n),
             lambda n: None if (f := _training(stage_dag, n)) is None else f.releases,
@@ -932,8 +968,8 @@ def stage_memory(
         backward, sent_back = (nbytes * scale for nbytes in walk())
         backward += sum(model.fresh_gradient_bytes(info) for info in held)
         # what crosses a region's boundary is kept, not freed after its last reader
-        forward = _forward_peak(stage_dag, nodes, assignment, sent_storages | recompute.boundary.keys(), recomputed,
-                                copied) * scale
+        stays = sent_parts.union(*(_made(stage_dag, owner) for owner in recompute.boundary))
+        forward = _forward_peak(stage_dag, nodes, assignment, stays, recomputed, copied) * scale
         in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
         received_buffer = received  # the first stage's: the step's whole batch, which it is handed
         gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
@@ -950,7 +986,7 @@ def stage_memory(
             later = backward + growth * (model.sends_held(j, k) if growth > 0 else 1)
         warmup_send = 0.0
         if model.holds_warmup_send(j, k):
-            warmup_send = (sum(float(stage_dag.nodes[o].get("allocated") or 0) for o in sent_storages
+            warmup_send = (sum(_parts(stage_dag, o)[index][0] for o, index in sent_parts
                                if not stage_dag.nodes[o].get("input"))
                            + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
         out.append(StageMemory(

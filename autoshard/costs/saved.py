@@ -285,7 +285,8 @@ class TrainingProbe:
         self.saved_storages: set[StorageWeakRef] = set()
         self.savers: dict[StorageWeakRef, list[str]] = {}  # storage some node made -> the nodes saving it, in order
         self.saved: dict[str, int] = {}
-        self.outputs: dict[str, set[StorageWeakRef]] = {}  # node -> storages of its output it made
+        # node -> storages of its output it made, in the order its tensors come
+        self.outputs: dict[str, tuple[StorageWeakRef, ...]] = {}
         self.releases: dict[str, dict[str, int]] = {}  # first saver -> node that made them -> bytes
         self.saves_from: dict[str, tuple[str, ...]] = {}  # node -> the nodes whose storages it saves of what it reads
         self.grad: dict[str, int] = {}
@@ -297,6 +298,7 @@ class TrainingProbe:
         self.passes_on: dict[str, tuple[str, ...]] = {}  # node -> inputs it hands its gradient as it came
         self.views: dict[str, str] = {}  # node that made no storage -> the node whose storage its output is
         self.holds: dict[str, tuple[str, ...]] = {}  # node -> the other nodes whose storages its output holds too
+        self.part: dict[str, tuple[int, ...]] = {}  # node -> the storages of ``views``' output it lives in (indices)
         self.input_grads: dict[str, tuple[tuple[str, bool], ...]] = {}  # node -> inputs its backward gives to
         self.strided_grads: dict[str, tuple[str, ...]] = {}  # node -> inputs it gives a non-contiguous gradient
         # node -> ``strided_grads`` of its first probe, from a gradient laid out as a new tensor (a receive buffer)
@@ -347,7 +349,13 @@ class TrainingProbe:
 
     def saved_output(self, name: str, unsaved: AbstractSet[StorageWeakRef] = frozenset()) -> int:
         """Bytes of the storages ``name``'s output made that some node saved (``unsaved``: but these)."""
-        return sum(self.nbytes[ref] for ref in self.outputs[name] if ref in self.saved_storages and ref not in unsaved)
+        return sum(saved for _, saved in self.parts(name, unsaved))
+
+    def parts(self, name: str, unsaved: AbstractSet[StorageWeakRef] = frozenset()) -> list[tuple[int, int]]:
+        """Per storage ``name``'s output made, in order: its bytes and those of them some node saved
+        (``unsaved``: but these)."""
+        return [(self.nbytes[ref], self.nbytes[ref] if ref in self.saved_storages and ref not in unsaved else 0)
+                for ref in self.outputs[name]]
 
     def _saved_by_the_used(self, unused: AbstractSet[str],
                            ) -> tuple[dict[str, int], dict[str, dict[str, int]], set[StorageWeakRef]]:
@@ -620,7 +628,7 @@ class TrainingProbe:
                     if probed is None:
                         self.unprobed.append(name)
                         self.unrun.add(name)
-                        self.outputs[name], self.grad[name], self.backward[name] = set(), 0, 0
+                        self.outputs[name], self.grad[name], self.backward[name] = (), 0, 0
                         with self._in_fake_mode():
                             twin = tree_map_only(torch.Tensor, lambda t: self.twin(t).detach(), real)
                         self.own(twin, name)
@@ -1057,7 +1065,7 @@ class TrainingProbe:
         self.saved[name] = self.saved.get(name, 0) + sum(nbytes for nbytes, _ in effect.saved_new)
         for ref, nbytes in new:
             self.owner[ref], self.nbytes[ref] = name, nbytes
-        self.outputs[name] = {ref for ref, _ in new}
+        self.outputs[name] = tuple(ref for ref, _ in new)
         self.grad[name], self.backward[name], self.forward[name] = effect.grad, effect.backward, effect.forward
         self.backward_alone[name] = effect.backward_alone
         self.gradients_kept[name] = effect.gradients_kept
@@ -1065,6 +1073,12 @@ class TrainingProbe:
         found = {self.original(_storage(t)): t.untyped_storage().nbytes() for t in _tensors(value)}
         if not new and found:  # the widest storage its output lives in, made by another node ('' for input or weight)
             self.views[name] = self.owner.get(max(found, key=found.__getitem__)) or ""
+            # some of the storages of a maker that made several (an item of ``sort``'s values and indices): the
+            # others die when their own readers are done, not when this one's are
+            made = self.outputs.get(self.views[name], ())
+            part = tuple(i for i, ref in enumerate(made) if ref in found)
+            if len(part) < len(made):
+                self.part[name] = part
         # a container of values other nodes made (a ModelOutput of the last hidden state and the pooled output)
         # keeps each of their storages alive, not only the widest
         makers = dict.fromkeys(self.owner.get(ref) for ref in found)
@@ -1240,6 +1254,10 @@ class TrainingProbe:
         values = {node.name: value for node, value in self.twins.items()}
         unused = self._unused()
         saved, releases, unsaved = self._saved_by_the_used(unused)
+
+        def storages(name: str) -> tuple[tuple[int, int], ...]:  # ``SavedFacts.parts``: where it made several
+            made = self.parts(name, unsaved)
+            return tuple((nbytes, 0 if name in unused else saved) for nbytes, saved in made) if len(made) > 1 else ()
         return {name: SavedFacts(0 if name in unused else saved.get(name, 0),
                                  0 if name in unused else self.saved_output(name, unsaved), self.grad[name],
                                  self.backward[name], tuple(sorted((maker, nbytes) for maker, nbytes in releases.get(
@@ -1252,5 +1270,5 @@ class TrainingProbe:
                                  self.gradients_kept.get(name, 0), self.gradient_copies.get(name, 0),
                                  self.writes.get(name, ()), self.backward_alone.get(name),
                                  self.backward_when_handed.get(name, ()), self.passes_on.get(name, ()),
-                                 self.strided_when_sent.get(name))
+                                 self.strided_when_sent.get(name), storages(name), self.part.get(name))
                 for name in self.grad if name not in self.unrun}

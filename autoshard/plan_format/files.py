@@ -144,7 +144,9 @@ class _Reader:
                                       f"{where}.backward_when_handed"),
                           self.names(self.get(obj, "passes_on", list, where, []), f"{where}.passes_on"),
                           self.optional_names(self.get(obj, "strided_when_sent", list, where, None),
-                                              f"{where}.strided_when_sent"))
+                                              f"{where}.strided_when_sent"),
+                          self.parts(self.get(obj, "parts", list, where, []), f"{where}.parts"),
+                          self.part(self.get(obj, "part", list, where, None), f"{where}.part"))
 
     def handed(self, obj: list, where: str) -> tuple[tuple[tuple[int, ...], int], ...]:
         """``SavedFacts.backward_when_handed``: [order of dimensions, bytes] pairs."""
@@ -153,6 +155,21 @@ class _Reader:
                    and isinstance(pair[1], int) and not isinstance(pair[1], bool) for pair in obj):
             raise self.error(where, "must be a list of [[dimension, ...], bytes] pairs")
         return tuple((tuple(order), nbytes) for order, nbytes in obj)
+
+    def parts(self, obj: list, where: str) -> tuple[tuple[int, int], ...]:
+        """``SavedFacts.parts``: [bytes, saved bytes] pairs."""
+        if not all(isinstance(pair, list) and len(pair) == 2
+                   and all(isinstance(x, int) and not isinstance(x, bool) for x in pair) for pair in obj):
+            raise self.error(where, "must be a list of [bytes, saved bytes] pairs")
+        return tuple((nbytes, saved) for nbytes, saved in obj)
+
+    def part(self, obj: list | None, where: str) -> tuple[int, ...] | None:
+        """``SavedFacts.part``: indices into the maker's ``parts``, or absent."""
+        if obj is None:
+            return None
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in obj):
+            raise self.error(where, "must be a list of storage indices, as [1]")
+        return tuple(obj)
 
     def dense_order(self, obj: list | None, where: str) -> tuple[int, ...] | None:
         """``SavedFacts.dense_order``: a permutation of the dimensions, or absent."""

@@ -334,6 +334,8 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
                            "writes": list(n.training.writes), "passes_on": list(n.training.passes_on),
                            "strided_when_sent": None if n.training.strided_when_sent is None
                            else list(n.training.strided_when_sent),
+                           "parts": [list(p) for p in n.training.parts],
+                           "part": None if n.training.part is None else list(n.training.part),
                            "backward_when_handed": [[list(order), nbytes]
                                                     for order, nbytes in n.training.backward_when_handed]}
     if n.value:
