@@ -167,6 +167,19 @@ def test_a_meta_plan_gets_real_weights_for_one_stage_only(tmp_path):
         torch.testing.assert_close(last.stages[1](*hidden), model(*args), rtol=0, atol=0)
 
 
+def test_a_stage_materialised_from_a_state_dict_holds_copies_of_its_tensors(tmp_path):
+    """The tensors of a state dict given as the checkpoint were used as they were: training the copy
+    trained the model the dict came from, and two copies from one dict shared their weights."""
+    model, _, _, planned = saved_and_planned_on_meta("gpt-lm", GPTStyleLM, tmp_path)
+    state = model.state_dict()
+    first, second = (materialize_stage(planned, [0, 1], state) for _ in range(2))
+    weight = first.stages[1].get_parameter("lm_head.weight")
+    assert weight.untyped_storage().data_ptr() != state["lm_head.weight"].untyped_storage().data_ptr()
+    assert weight.untyped_storage().data_ptr() != second.stages[1].get_parameter(
+        "lm_head.weight").untyped_storage().data_ptr()
+    assert_same_state(first.stages[1].state_dict(), stage_part(first.stages[1], state))
+
+
 def test_materialize_arguments_of_the_wrong_kind_get_typed_errors(tmp_path):
     _, _, meta_model, planned = saved_and_planned_on_meta("residual-mlp", ResidualMLP, tmp_path)
     with pytest.raises(CheckpointMismatchError, match="on the meta device and holds no values"):

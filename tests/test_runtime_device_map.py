@@ -175,3 +175,26 @@ def test_a_size_read_in_the_next_stage_leaves_the_module_making_it_whole():
     shows the module whose code makes it as cut (that module's own code reads a value from the stage before)."""
     sharded = autoshard.shard_model(SizeAcross(), 3, (torch.randn(2, 8),), cut_before=["a", "b"])
     assert device_map(sharded) == {"pre": 0, "a": 1, "b": 2, "post": 2}
+
+
+class ShapeReadEarly(nn.Module):
+    """Reads its input's sizes first and reshapes with them last (GPT-2's ``input_ids.shape``): across a
+    cut only the sizes cross, as a shape carrier, which in the model is a ``torch.Size`` no hook moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return self.head(self.blocks(x)).reshape(b, t * 2)
+
+
+def test_a_shape_carried_across_a_cut_inside_the_models_forward_leaves_it_whole():
+    """The carrier crossing inside the root's forward was refused as a cut there (ModuleSplitError naming
+    the root), for Hugging Face's GPT-2 cut between whole blocks too."""
+    sharded = autoshard.shard_model(ShapeReadEarly(), 2, (torch.randn(2, 3, 8),))
+    assert any(value.endswith("_shape") for value in sharded.plan.boundaries[0])
+    assert split_modules(sharded) == ()
+    assert device_map(sharded) == {"blocks.0": 0, "blocks.1": 0, "blocks.2": 1, "blocks.3": 1, "head": 1}

@@ -271,6 +271,31 @@ def test_the_runner_follows_mode_switches_made_after_it_was_built():
     assert len(sharded.specializations) == 1
 
 
+class NormedSizeBranch(nn.Module):
+    """A batch norm before a branch on the batch size: the plan for 8 rows serves more than 5 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.a(x))
+        return self.b(h * 2 if x.shape[0] > 5 else h)
+
+
+def test_the_runner_serves_a_call_whose_guard_flips_before_a_batch_norm_as_a_call_does():
+    """The runner refused, in training mode, a batch size ``sharded(x)`` serves: its guard's refusal
+    named no stage, so every stage counted as run, the batch norm's update included, and the call as
+    one no plan could take again."""
+    torch.manual_seed(0)
+    model, x = NormedSizeBranch().train(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    runner = OffloadRunner(autoshard.shard_model(model, 2, example_inputs=(torch.randn(8, 8),)), "cpu")
+    torch.testing.assert_close(runner(x), twin(x), rtol=0, atol=1e-6)
+    assert torch.equal(model.norm.running_mean, twin.norm.running_mean)
+    assert len(runner.sharded.specializations) == 1
+
+
 def step_alike(runner: OffloadRunner, model: nn.Module, twin: nn.Module) -> None:
     """One training step through the runner (on ``model``) and through the unsplit ``twin``, on the
     same fresh batch: the gradients must match."""

@@ -73,7 +73,9 @@ def _analyse(sharded: ShardedModel, devices: Sequence[Any]) -> tuple[dict[str, A
     dag = place.dag
     split: set[str] = set()
     for producer, consumer in dag.edges:
-        crosses = place.node_device[producer] != place.node_device[consumer]
+        # a shape carrier (``lowering.shape_carriers``) is a size where the model runs: no tensor moves
+        crosses = (place.node_device[producer] != place.node_device[consumer]
+                   and not dag.nodes[producer].get("made_from"))
         if crosses and place.mapped_scope(consumer) is None:
             split.add(_module_of(dag.nodes[consumer]))
     weight_devices: dict[str, set[Hashable]] = {}

@@ -30,7 +30,8 @@ def materialize_stage(
 
     Other stages keep their tensors (meta placeholders cost nothing); a tensor a materialised stage
     shares with another stage becomes real in both, so shared parameters stay shared. Neither
-    ``sharded`` nor the model it was made from is modified. Run the stages materialised
+    ``sharded`` nor the model it was made from is modified, nor a state dict given as ``checkpoint``:
+    its tensors are copied (a file's, memory-mapped, are the copy's own). Run the stages materialised
     (``copy.stages[i]``, ``pipeline_stage(copy, i)``): the copy called whole, with a stage still on
     meta, is refused (``PlanError``).
     """
@@ -42,6 +43,7 @@ def materialize_stage(
                 f"stage {index} is outside the plan's stages 0..{sharded.num_stages - 1}")
     resolved = resolve_device(device, "the materialised stage")
     state = open_checkpoint(checkpoint)
+    given = state is checkpoint  # a state dict: training the copy must not train the model it came from
     tied = _tied_names(sharded)
     loaded: dict[int, torch.Tensor] = {}
     for index in wanted:
@@ -52,7 +54,7 @@ def materialize_stage(
                     value = torch.empty_like(tensor, device="cpu")  # no data to load (T5's fresh cache)
                 else:
                     value = checked_entry(state, name, tensor, f"stage {index}", aliases)
-                loaded[id(tensor)] = like(tensor, value.to(resolved, dtype=tensor.dtype))
+                loaded[id(tensor)] = like(tensor, value.to(resolved, dtype=tensor.dtype, copy=given))
     return replaced_stages(sharded, lambda name, tensor: loaded.get(id(tensor), tensor))
 
 

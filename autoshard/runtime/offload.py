@@ -73,11 +73,18 @@ class OffloadRunner:
         return runner.run_stages(args, kwargs)
 
     def run_stages(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """One call of this plan's stages, each offloaded in turn."""
+        """One call of this plan's stages, each offloaded in turn. A guard that refuses the call names its
+        stage, as ``ShardedModel.run_stages`` does: the stages after it did not run, so the call can be
+        served by a plan captured again where they update no buffer (``specialize.rerun_of``)."""
         args, kwargs = self.sharded.fit_call(args, kwargs)
-        values = self._run(0, moved_to(self.device, args), moved_to(self.device, kwargs))
-        for index in range(1, self.sharded.num_stages):
-            values = self._run(index, values, {})
+        index = 0
+        try:
+            values = self._run(0, moved_to(self.device, args), moved_to(self.device, kwargs))
+            for index in range(1, self.sharded.num_stages):
+                values = self._run(index, values, {})
+        except SpecializationMismatch as exc:
+            exc.stage = self.sharded.stages[index]
+            raise
         return values
 
     def _run(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
