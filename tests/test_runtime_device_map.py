@@ -3,6 +3,8 @@ split modules are named."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,7 @@ import autoshard
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, ModuleSplitError
 from autoshard.examples import GPTStyleLM, LongSkip, ResidualMLP, TransformerLM
 from autoshard.examples.models import causal_mask
-from autoshard.runtime import device_map, split_modules
+from autoshard.runtime import TiedAcrossDevicesWarning, device_map, split_modules
 
 
 class Residual(nn.Module):
@@ -85,9 +87,13 @@ def shard(model, k, *args):
 
 
 def test_a_plan_cut_between_blocks_maps_whole_modules():
+    """The embedding and the head it is tied to land on different devices, which the map cannot hold
+    as one tensor: said (a dispatcher would move it on every call)."""
     torch.manual_seed(0)
     sharded = shard(GPTStyleLM(vocab=64, layers=4), 4, torch.randint(0, 64, (2, 8)))
-    assert device_map(sharded) == {
+    with pytest.warns(TiedAcrossDevicesWarning, match="'wte.weight' on 0, 'lm_head.weight' on 3"):
+        mapping = device_map(sharded)
+    assert mapping == {
         "wte": 0, "wpe": 0, "blocks.0": 0, "blocks.1": 1, "blocks.2": 2, "blocks.3": 3,
         "ln_f": 3, "lm_head": 3,
     }
@@ -197,4 +203,6 @@ def test_a_shape_carried_across_a_cut_inside_the_models_forward_leaves_it_whole(
     sharded = autoshard.shard_model(ShapeReadEarly(), 2, (torch.randn(2, 3, 8),))
     assert any(value.endswith("_shape") for value in sharded.plan.boundaries[0])
     assert split_modules(sharded) == ()
-    assert device_map(sharded) == {"blocks.0": 0, "blocks.1": 0, "blocks.2": 1, "blocks.3": 1, "head": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TiedAcrossDevicesWarning)  # (nothing tied here)
+        assert device_map(sharded) == {"blocks.0": 0, "blocks.1": 0, "blocks.2": 1, "blocks.3": 1, "head": 1}

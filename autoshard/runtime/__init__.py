@@ -27,7 +27,7 @@ _EXPORTS = {
         "load_distributed", "load_stage_state", "merge_stage_states", "save_distributed", "stage_part",
     ),
     "autoshard.runtime.calibrate": ("RuntimeCalibration", "calibrate_runtime"),
-    "autoshard.runtime.device_maps": ("device_map", "split_modules"),
+    "autoshard.runtime.device_maps": ("TiedAcrossDevicesWarning", "device_map", "split_modules"),
     "autoshard.runtime.launch": ("leave_process_group", "run_local"),
     "autoshard.runtime.materialize": ("materialize_stage",),
     "autoshard.runtime.memory": ("StageMemoryMeasurement", "measure_stage_memory"),

@@ -11,11 +11,13 @@ module map can run the plan. A weight read directly by such code gets an entry o
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Hashable, Sequence
 
 import torch
 
-from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, ModuleSplitError, shown
+from autoshard.errors import (
+    InvalidArgumentError, InvalidArgumentTypeError, ModuleSplitError, shown, user_stacklevel)
 from autoshard.sharded import ShardedModel
 
 ROOT = ""
@@ -147,7 +149,34 @@ def device_map(sharded: ShardedModel, devices: Sequence[Any] | None = None) -> d
     mapping, split = _analyse(sharded, _devices_for(sharded, devices))
     if split:
         raise ModuleSplitError(_split_message(split), split)
+    _warn_of_ties_across_devices(sharded, mapping)
     return mapping
+
+
+class TiedAcrossDevicesWarning(UserWarning):
+    """A device map places the modules holding one tied weight on different devices."""
+
+
+def _warn_of_ties_across_devices(sharded: ShardedModel, mapping: dict[str, Any]) -> None:
+    """A weight several modules hold (an LM head tied to the embedding) is one tensor, on one device: a
+    dispatcher following the map finds it on the other module's device, where the pipeline runtimes
+    hold a copy per stage and sum their gradients (``TiedGradients``)."""
+    def device_of(name: str) -> Any:
+        owners = [name.rpartition(".")[0]]
+        while owners[-1]:
+            owners.append(owners[-1].rpartition(".")[0])
+        return next((mapping[o] for o in owners if o in mapping), mapping.get(name))
+    ties = [names for info in sharded.plan.dag.graph.get("weights", {}).values()
+            if len(names := tuple(getattr(info, "names", ()))) > 1
+            and len({_device_key(device_of(n)) for n in names}) > 1]
+    if ties:
+        listed = "; ".join(", ".join(f"{n!r} on {device_of(n)!r}" for n in names) for names in ties)
+        warnings.warn(
+            f"tied weights on different devices ({listed}): a tensor lives on one device, so a dispatcher "
+            "following this map must move it for the other module's forward on every call; place the holders "
+            "in one stage (shard_model(..., pin={module: stage})) to map them together, or run the stages "
+            "themselves (pipeline_stage), which hold a copy per stage",
+            TiedAcrossDevicesWarning, stacklevel=user_stacklevel())
 
 
 def _split_message(split: tuple[str, ...]) -> str:
