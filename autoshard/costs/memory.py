@@ -63,7 +63,7 @@ from autoshard.costs.recompute import (
     RecomputedBackward, block_path, checkpoint_regions, checkpointed_kept, recomputed_backward)
 from autoshard.costs.ties import weight_payers
 from autoshard.errors import InfeasibleSplitError, amount, plural
-from autoshard.graph.partition import boundary_values
+from autoshard.graph.partition import Cuts, boundary_values, stage_between
 
 
 @dataclass(frozen=True)
@@ -910,100 +910,170 @@ def _units(infos: Mapping[str, Weight], names: Sequence[str]) -> list[list[Weigh
     return list(units.values())
 
 
+@dataclass(frozen=True)
+class _Surroundings:
+    """What one stage's count reads of the rest of its split: the values crossing its cuts in program order
+    (``into`` it, none into the first stage; ``outgoing``, the model's ``outputs`` out of the last), the weights
+    charged to each of its nodes (``payers``: ``costs.ties.weight_payers``, once per stage), the weights other
+    stages hold too (``tied``) and its part of the tied-gradient sum (``tie_sum``: ``tie_sum_bytes``)."""
+
+    into: Sequence[str]
+    outgoing: Sequence[str]
+    outputs: Sequence[str]
+    payers: Mapping[str, Sequence[str]]
+    tie_sum: float
+    tied: AbstractSet[str]
+
+
 def stage_memory(
     dag: nx.DiGraph, assignment: Mapping[str, int], num_stages: int, model: MemoryModel = MemoryModel(),
     stages: AbstractSet[int] | None = None,
 ) -> list[StageMemory]:
-    """The training memory of every stage of ``assignment`` (of ``stages`` only, when given: the exact
-    search judges one stage at a time), shared weights once per stage."""
+    """The training memory of every stage of ``assignment`` (of ``stages`` only, when given), shared weights
+    once per stage. (The exact search judges one stage of a contiguous split at a time: ``ContiguousStages``.)"""
     k = num_stages
-    infos = dag.graph.get("weights", {})
-    scale = model.activation_scale(list(infos.values()))
     payers = weight_payers(dag, assignment=assignment)
     crossing = boundary_values(dag, assignment, k)
-    outputs = [v for v in dag.nodes if v in assignment and dag.nodes[v].get("output")]
+    outputs = _outputs(dag)
+    tie_sum, tied = _ties(dag, payers, assignment, k, model)
+    scale = model.activation_scale(list(dag.graph.get("weights", {}).values()))
+    return [_stage_memory(dag, assignment, k, model, scale, j, nodes, _Surroundings(
+                crossing[j - 1] if j else [], crossing[j] if j < k - 1 else outputs, outputs, payers, tie_sum[j], tied))
+            for j, nodes in enumerate(_nodes_by_stage(assignment, k)) if stages is None or j in stages]
+
+
+class ContiguousStages:
+    """``stage_memory`` of one stage at a time of the splits of ``rest`` into contiguous stages (the model
+    ``inputs`` in the first), as the exact search judges them (``costs.split_search.program_order``): the same
+    count, from the stage's own nodes, the values crossing its two cuts (``graph.partition.Cuts``: each cut's
+    found once) and the readers of shared weights (``shared_payers``), where ``stage_memory`` walks the whole
+    graph for each."""
+
+    def __init__(self, dag: nx.DiGraph, inputs: Sequence[str], rest: Sequence[str], num_stages: int,
+                 model: MemoryModel = MemoryModel()) -> None:
+        self.dag, self.inputs, self.rest, self.k, self.model = dag, inputs, rest, num_stages, model
+        self.cuts = Cuts(dag, inputs, rest)
+        self.outputs = _outputs(dag)
+        self.shared = shared_payers(dag)
+        self.index = {v: i for i, v in enumerate(dag.nodes)}  # the order ``weight_payers`` charges in
+        self.scale = model.activation_scale(list(dag.graph.get("weights", {}).values()))
+
+    def stage(self, j: int, a: int, b: int) -> StageMemory:
+        """Stage j's memory when it runs ``rest[a:b]`` (``graph.partition.stage_between``)."""
+        assignment = stage_between(self.inputs, self.rest, j, a, b)
+        nodes = [*self.inputs, *self.rest[:b]] if j == 0 else list(self.rest[a:b])
+        payers = weight_payers(self.dag, assignment=assignment, nodes=sorted(nodes, key=self.index.__getitem__))
+        tie_sum, tied = _ties(self.dag, self.shared, assignment, self.k, self.model)
+        return _stage_memory(self.dag, assignment, self.k, self.model, self.scale, j, nodes, _Surroundings(
+            self.cuts.crossing(a) if j else [], self.cuts.crossing(b) if j < self.k - 1 else self.outputs,
+            self.outputs, payers, tie_sum[j], tied))
+
+
+def _outputs(dag: nx.DiGraph) -> list[str]:
+    return [v for v, output in dag.nodes(data="output") if output]
+
+
+def _ties(dag: nx.DiGraph, payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int], k: int,
+          model: MemoryModel) -> tuple[list[float], set[str]]:
+    """Per stage, its part of the tied-gradient sum (``tie_sum_bytes``), and the weights several stages hold:
+    their holders found from ``payers`` (``weight_payers``'s, or ``shared_payers``)."""
     holders = weight_holders(payers, assignment)
-    tie_sum = tie_sum_bytes(infos, holders, k, model)
-    tied = {w for w, stages in holders.items() if len(stages) > 1}
-    out = []
-    for j, nodes in enumerate(_nodes_by_stage(assignment, k)):
-        if stages is not None and j not in stages:
-            continue
-        if j == 0:
-            received = sum(_scaled(dag, v, scale) for v in nodes if dag.nodes[v].get("input"))
-        else:
-            received = sum(_scaled(dag, v, scale) for v in crossing[j - 1])
-        stage_dag = _as_received(dag, nodes, set(crossing[j - 1])) if j else dag
-        outgoing = crossing[j] if j < k - 1 else outputs
-        trained = trained_weights(stage_dag, nodes, outgoing)
-        # ``TiedGradients.sync`` writes the summed gradient into every holder of a weight several stages
-        # hold, whether this stage's backward gave it one or not (read under torch.no_grad here): it has one
-        stage_infos = _as_trained(infos, None if trained is None else trained | tied)
-        names = [w for node in nodes for w in payers[node]]
-        held = [stage_infos[w] for w in names]
-        parts = [model.weight_parts(info) for info in held]
-        weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
-        weights += model.storage_bytes(held)
-        made_here = [v for v in outgoing if assignment[v] == j]
-        output_grads = sum(_grad(stage_dag, v) for v in outgoing)
-        through = [v for v in outgoing if assignment[v] < j]  # passed on as received
-        regions = checkpoint_regions(stage_dag, nodes) if model.activation_checkpointing else []
-        recomputed = {n for run in regions for n in run}
-        # sent as contiguous copies (the last stage's outputs are handed back as they are, views keeping their bases)
-        copied = [v for v in made_here if j < k - 1 and _strided_output(stage_dag, v)]
-        dense = [v for v in made_here if v not in copied]
-        sent = (_sent_unsaved(stage_dag, dense, assignment, recomputed)
-                + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
-        sent_storages = {owner for v in dense for owner in _owners(stage_dag, v, assignment)}
-        sent_parts = {storage for v in dense for storage in _storages(stage_dag, v, assignment)}
-        recompute = recomputed_backward(
-            stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n),
-            lambda n: None if (f := _training(stage_dag, n)) is None else f.releases,
-            functools.partial(_owners, stage_dag, stage=assignment), sent_storages)
-        kept = checkpointed_kept(nodes, recompute, lambda n: kept_bytes(stage_dag, n))
-        kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
-                    for owner in {_owner(stage_dag, v, assignment) for v in copied})
-        walk = functools.partial(_backward_peak, stage_dag, nodes, set(made_here), through, sent_storages,
-                                 output_grads, recompute, j == k - 1)
-        backward, sent_back = (nbytes * scale for nbytes in walk())
-        backward += sum(model.fresh_gradient_bytes(info) for info in held)
-        # what crosses a region's boundary is kept, not freed after its last reader
-        stays = sent_parts.union(*(_made(stage_dag, owner) for owner in recompute.boundary))
-        forward = _forward_peak(stage_dag, nodes, assignment, stays, recomputed, copied) * scale
-        in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
-        received_buffer = received  # the first stage's: the step's whole batch, which it is handed
-        gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
-        losses = sent if j == k - 1 and _is_loss(dag, outputs) else 0.0  # freed as the step ends
-        idle = (received_buffer + losses) * (buffered - in_flight) + gradient_buffer * (buffered - 1)
-        first_backward = later = None
-        if model.makes_gradients(j, k):
-            first_backward = walk(making_gradients=True)[0] * scale
-        if model.forwards_first(j, k) and in_flight > 1:
-            # each backward frees its microbatch's activations and what it sent (the last stage's loss the
-            # schedule keeps), and sends back the gradients of what it received, which the schedule holds:
-            # the most at the second backward, or, where it holds more than it frees, at the last it holds
-            growth = sent_back - (kept * scale + sent - losses)
-            later = backward + growth * (model.sends_held(j, k) if growth > 0 else 1)
-        warmup_send = 0.0
-        if model.holds_warmup_send(j, k):
-            warmup_send = (sum(_parts(stage_dag, o)[index][0] for o, index in sent_parts
-                               if not stage_dag.nodes[o].get("input"))
-                           + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
-        out.append(StageMemory(
-            j, weights + grads + optimizer, kept * scale, in_flight,
-            buffer_bytes=(received_buffer + gradient_buffer) * buffered,
-            idle_buffer_bytes=idle,
-            received_bytes=received, sent_bytes=sent, output_grad_bytes=output_grads * scale,
-            backward_bytes=backward,
-            forward_bytes=forward + gradient_buffer,  # the buffer the next backward starts from exists already
-            weight_bytes=weights, gradient_bytes=grads,
-            gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
-            reduce_bytes=model.reduce_bytes(_units(stage_infos, names)),
-            step_bytes=max(0.0, model.reduced_bytes(held)
-                           + max(tie_sum[j], model.step_bytes(_in_model_order(stage_infos, held)))),
-            first_backward_bytes=first_backward, later_backward_bytes=later,
-            sent_back_bytes=sent_back if model.refills(j, k) else 0.0, warmup_send_bytes=warmup_send))
-    return out
+    return tie_sum_bytes(dag.graph.get("weights", {}), holders, k, model), {w for w, s in holders.items() if len(s) > 1}
+
+
+def _stage_memory(dag: nx.DiGraph, assignment: Mapping[str, int], k: int, model: MemoryModel, scale: float,
+                  j: int, nodes: Sequence[str], around: _Surroundings) -> StageMemory:
+    """The training memory of stage j of ``assignment``, which runs ``nodes`` (in order), in ``around``."""
+    infos = dag.graph.get("weights", {})
+    if j == 0:
+        received = sum(_scaled(dag, v, scale) for v in nodes if dag.nodes[v].get("input"))
+    else:
+        received = sum(_scaled(dag, v, scale) for v in around.into)
+    stage_dag = _as_received(dag, nodes, set(around.into)) if j else dag
+    outgoing = around.outgoing
+    trained = trained_weights(stage_dag, nodes, outgoing)
+    names = [w for node in nodes for w in around.payers[node]]
+    paid = set(names)
+    # ``TiedGradients.sync`` writes the summed gradient into every holder of a weight several stages
+    # hold, whether this stage's backward gave it one or not (read under torch.no_grad here): it has one
+    stage_infos = _as_trained({w: info for w, info in infos.items() if w in paid},
+                              None if trained is None else trained | around.tied)
+    held = [stage_infos[w] for w in names]
+    parts = [model.weight_parts(info) for info in held]
+    weights, grads, optimizer = (sum(p[i] for p in parts) for i in range(3))
+    weights += model.storage_bytes(held)
+    made_here = [v for v in outgoing if assignment[v] == j]
+    output_grads = sum(_grad(stage_dag, v) for v in outgoing)
+    through = [v for v in outgoing if assignment[v] < j]  # passed on as received
+    regions = checkpoint_regions(stage_dag, nodes) if model.activation_checkpointing else []
+    recomputed = {n for run in regions for n in run}
+    # sent as contiguous copies (the last stage's outputs are handed back as they are, views keeping their bases)
+    copied = [v for v in made_here if j < k - 1 and _strided_output(stage_dag, v)]
+    dense = [v for v in made_here if v not in copied]
+    sent = (_sent_unsaved(stage_dag, dense, assignment, recomputed)
+            + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
+    sent_storages = {owner for v in dense for owner in _owners(stage_dag, v, assignment)}
+    sent_parts = {storage for v in dense for storage in _storages(stage_dag, v, assignment)}
+    recompute = recomputed_backward(
+        stage_dag, nodes, regions, lambda n: kept_bytes(stage_dag, n),
+        lambda n: None if (f := _training(stage_dag, n)) is None else f.releases,
+        functools.partial(_owners, stage_dag, stage=assignment), sent_storages)
+    kept = checkpointed_kept(nodes, recompute, lambda n: kept_bytes(stage_dag, n))
+    kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
+                for owner in {_owner(stage_dag, v, assignment) for v in copied})
+    walk = functools.partial(_backward_peak, stage_dag, nodes, set(made_here), through, sent_storages,
+                             output_grads, recompute, j == k - 1)
+    backward, sent_back = (nbytes * scale for nbytes in walk())
+    backward += sum(model.fresh_gradient_bytes(info) for info in held)
+    # what crosses a region's boundary is kept, not freed after its last reader
+    stays = sent_parts.union(*(_made(stage_dag, owner) for owner in recompute.boundary))
+    forward = _forward_peak(stage_dag, nodes, assignment, stays, recomputed, copied) * scale
+    in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
+    received_buffer = received  # the first stage's: the step's whole batch, which it is handed
+    gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
+    losses = sent if j == k - 1 and _is_loss(dag, around.outputs) else 0.0  # freed as the step ends
+    idle = (received_buffer + losses) * (buffered - in_flight) + gradient_buffer * (buffered - 1)
+    first_backward = later = None
+    if model.makes_gradients(j, k):
+        first_backward = walk(making_gradients=True)[0] * scale
+    if model.forwards_first(j, k) and in_flight > 1:
+        # each backward frees its microbatch's activations and what it sent (the last stage's loss the
+        # schedule keeps), and sends back the gradients of what it received, which the schedule holds:
+        # the most at the second backward, or, where it holds more than it frees, at the last it holds
+        growth = sent_back - (kept * scale + sent - losses)
+        later = backward + growth * (model.sends_held(j, k) if growth > 0 else 1)
+    warmup_send = 0.0
+    if model.holds_warmup_send(j, k):
+        warmup_send = (sum(_parts(stage_dag, o)[index][0] for o, index in sent_parts
+                           if not stage_dag.nodes[o].get("input"))
+                       + sum(float(stage_dag.nodes[v]["bytes"]) for v in copied)) * scale
+    return StageMemory(
+        j, weights + grads + optimizer, kept * scale, in_flight,
+        buffer_bytes=(received_buffer + gradient_buffer) * buffered,
+        idle_buffer_bytes=idle,
+        received_bytes=received, sent_bytes=sent, output_grad_bytes=output_grads * scale,
+        backward_bytes=backward,
+        forward_bytes=forward + gradient_buffer,  # the buffer the next backward starts from exists already
+        weight_bytes=weights, gradient_bytes=grads,
+        gathered_bytes=sum(sum(model.gathered_parts(info)) for info in held),
+        reduce_bytes=model.reduce_bytes(_units(stage_infos, names)),
+        step_bytes=max(0.0, model.reduced_bytes(held)
+                       + max(around.tie_sum, model.step_bytes(_in_model_order(stage_infos, held)))),
+        first_backward_bytes=first_backward, later_backward_bytes=later,
+        sent_back_bytes=sent_back if model.refills(j, k) else 0.0, warmup_send_bytes=warmup_send)
+
+
+def shared_payers(dag: nx.DiGraph) -> dict[str, tuple[str, ...]]:
+    """The nodes that may be charged for a weight several of them read (``costs.ties.weight_payers``: not a
+    read of its shape alone), each with those weights, in the DAG's order: ``weight_holders`` finds every
+    stage holding such a weight from these alone (a weight one node reads is held by one stage)."""
+    readers: dict[str, int] = {}
+    for node, names in dag.nodes(data="weights", default=()):
+        if dag.nodes[node].get("tensor") is not False:
+            for w in set(names):
+                readers[w] = readers.get(w, 0) + 1
+    return {node: shared for node, names in dag.nodes(data="weights", default=())
+            if dag.nodes[node].get("tensor") is not False and (shared := tuple(w for w in names if readers[w] > 1))}
 
 
 def weight_holders(payers: Mapping[str, Sequence[str]], assignment: Mapping[str, int]) -> dict[str, set[int]]:

@@ -120,6 +120,7 @@ def tie_placements(groups: Sequence[TieGroup], separated: Collection[str]) -> li
 
 def weight_payers(
     dag: nx.DiGraph, apart: AbstractSet[str] = frozenset(), assignment: Mapping[str, int] | None = None,
+    nodes: Sequence[str] | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """Per node, in program order, the weights charged to it when costs are summed per stage.
 
@@ -127,11 +128,13 @@ def weight_payers(
     its readers together, too little for one that does not. A weight in ``apart`` is charged to
     every reader: exact when each reader has its own stage, too much otherwise. With an
     ``assignment`` each weight is charged to its first reader in every stage that holds it,
-    which is exactly once per stage, whatever the plan.
+    which is exactly once per stage, whatever the plan; so the charges of one stage's nodes, given
+    as ``nodes`` (in the DAG's order), are found from them alone.
     """
     charged: set[tuple[str, object]] = set()
     payers = {}
-    for node, names in dag.nodes(data="weights", default=()):
+    read = dag.nodes(data="weights", default=())
+    for node, names in read if nodes is None else ((v, read[v]) for v in nodes):
         if assignment is not None and dag.nodes[node].get("tensor") is False:
             payers[node] = ()  # a weight's shape read: emit recomputes it in its readers' stages
             continue  # (``emit.recomputed_in_consumers``), wherever it was assigned

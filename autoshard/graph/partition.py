@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import networkx as nx
+import numpy as np
 
 from autoshard.graph.invariants import check_partition
 from autoshard.graph.linearize import Node, is_input, is_output, program_order
@@ -161,6 +162,43 @@ def boundary_values(dag: nx.DiGraph, assignment: Assignment, k: int) -> list[lis
         for j in crossed_boundaries(dag, assignment, k, v):
             values[j].append(v)
     return values
+
+
+def stage_between(inputs: Sequence[Node], rest: Sequence[Node], j: int, a: int, b: int) -> dict[Node, int]:
+    """The assignment running ``rest[a:b]`` in stage j, what comes before in stage j - 1 and what comes after
+    in j + 1 (the model ``inputs`` in stage 0): stage j of any contiguous split of ``rest`` with those cuts
+    receives and sends what it does here. In the order of ``inputs``, then ``rest``."""
+    assignment = dict.fromkeys(inputs, 0)
+    for nodes, stage in ((rest[:a], j - 1), (rest[a:b], j), (rest[b:], j + 1)):
+        assignment.update(dict.fromkeys(nodes, stage))
+    return assignment
+
+
+class Cuts:
+    """The values crossing each cut of the contiguous splits of ``rest`` (the model ``inputs`` in the first
+    stage), as ``boundary_values`` lists them: cut p, before ``rest[p]``, is crossed by each value made before
+    it (an input: before every node) and read at or after it (a model output: after the last node); a carrier
+    ``made_from`` another, only once that one's last reader is before it (``crossed_boundaries``). Each cut's
+    values are found once, from every value's span of cuts, where ``boundary_values`` walks the whole graph
+    for every split."""
+
+    def __init__(self, dag: nx.DiGraph, inputs: Sequence[Node], rest: Sequence[Node]) -> None:
+        position = {**dict.fromkeys(inputs, -1), **{v: i for i, v in enumerate(rest)}}
+        self.values = program_order(dag)
+        last = {v: len(rest) if is_output(dag, v) else max(map(position.__getitem__, dag.successors(v)),
+                                                           default=position[v])
+                for v in self.values}
+        made_from = dict(dag.nodes(data="made_from"))
+        self.first = np.array([position[v] if made_from[v] is None else max(position[v], last[made_from[v]])
+                               for v in self.values])
+        self.last = np.array([last[v] for v in self.values])
+        self.crossed: dict[int, list[Node]] = {}
+
+    def crossing(self, p: int) -> list[Node]:
+        """The values crossing cut p, in program order."""
+        if p not in self.crossed:
+            self.crossed[p] = [self.values[i] for i in np.flatnonzero((self.first < p) & (p <= self.last))]
+        return self.crossed[p]
 
 
 def boundary_bytes(dag: nx.DiGraph, assignment: Assignment, k: int) -> list[float]:

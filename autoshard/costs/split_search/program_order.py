@@ -3,7 +3,7 @@
 The budgeted splitter sums per-node parts and re-splits under tightened budgets, a heuristic that
 can miss a split the whole count accepts (a stage also holds its received and sent values, one
 backward, ...). ``ProgramOrderSplits`` checks every split of the order into k non-empty contiguous
-stages, each stage judged by the whole count (``MemoryCount.total_of``), so it says whether any
+stages, each stage judged by the whole count (``MemoryCount.stages_in_order``), so it says whether any
 fits the budgets. Pruned by what a stage holds at least (``MemoryCount.floor()``: per-node parts and the
 values crossing its cuts, cheap from prefix sums; the splitter's per-node sums are no floor, a stage
 may free a saved output it sends a copy of): only stages whose floor fits and whose rest can still
@@ -33,7 +33,7 @@ from autoshard.graph.constraints import StageRange
 from autoshard.graph.indexed import is_input
 from autoshard.graph.linearize import non_inputs
 
-#: The most stages one search judges whole (each a ``MemoryCount.total_of`` call) before it gives up:
+#: The most stages one search judges whole (each a ``MemoryCount.stages_in_order`` count) before it gives up:
 #: 2,000 while a judgment counted every stage of the split; one stage now, 4x cheaper at k = 4.
 JUDGEMENT_LIMIT = 6_000
 
@@ -70,6 +70,7 @@ class ProgramOrderSplits:
         self.k, self.memory = k, memory
         self.inputs = [v for v in order if is_input(dag, v)]
         self.rest = non_inputs(dag, order)
+        self.stage_total = memory.stages_in_order(self.inputs, self.rest)
         n = len(self.rest)
         position = {v: i for i, v in enumerate(self.rest)}
         if memory.floor is None:
@@ -128,17 +129,13 @@ class ProgramOrderSplits:
                 & (steady <= budget) & (ending <= budget))
 
     def total(self, j: int, a: int, b: int) -> float:
-        """Stage j's whole memory when it runs ``rest[a:b]`` (what comes before in stage j - 1, after in j + 1:
-        what it receives and sends depends only on its cuts)."""
+        """Stage j's whole memory when it runs ``rest[a:b]`` (``MemoryCount.stages_in_order``)."""
         key = (j, a, b)
         if key not in self.totals:
             if self.judged >= JUDGEMENT_LIMIT:
                 raise SearchGaveUp
             self.judged += 1
-            assignment = dict.fromkeys(self.inputs, 0)
-            for i, v in enumerate(self.rest):
-                assignment[v] = j - 1 if i < a else j if i < b else j + 1
-            self.totals[key] = self.memory.total_of(assignment, j)
+            self.totals[key] = self.stage_total(j, a, b)
         return self.totals[key]
 
     def fitting(self, budgets: Sequence[float]) -> dict[str, int] | None:

@@ -13,17 +13,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 import networkx as nx
 
-from autoshard.costs.memory import StageFloor, StageMemory, memory_shortfall, stage_floor, stage_memory
+from autoshard.costs.memory import (
+    ContiguousStages, StageFloor, StageMemory, memory_shortfall, stage_floor, stage_memory)
 from autoshard.costs.memory_model import MemoryModel
 from autoshard.costs.ties import TieGroup
 from autoshard.graph.constraints import ACTIVATION_MEMORY, MEMORY, StageRange
 from autoshard.graph.indexed import IndexedDag
-from autoshard.graph.partition import costs_as_placed
+from autoshard.graph.partition import costs_as_placed, stage_between
 
 #: ``apart`` (shared weights charged to every reader) -> each node's cost.
 NodeCosts = Callable[[frozenset[str]], Mapping[str, float]]
 #: A plan's assignment -> each stage's total, every shared weight once per stage holding it.
 StageTotals = Callable[[Mapping[str, int]], Sequence[float]]
+#: (j, a, b) -> stage j's total when it runs ``rest[a:b]`` of a contiguous split (``MemoryCount.stages_in_order``).
+StageInOrder = Callable[[int, int, int], float]
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,9 @@ class MemoryCount:
     ``node_attributes(apart)`` gives the node attributes the splitter sums per stage (``MEMORY``
     held once; ``ACTIVATION_MEMORY`` times ``in_flight[j]`` for training memory); ``stage_totals``
     scores a finished plan; ``shortfall(assignment, budgets)``, when set, is the model's own
-    message for a stage over budget (else one naming the model ``name``); ``stage_total(assignment, j)``,
-    when set, counts stage j alone (the exact search judges one stage at a time). ``floor()``, when set, is
+    message for a stage over budget (else one naming the model ``name``); ``in_order(inputs, rest)``, when
+    set, counts one stage at a time of the splits of ``rest`` into contiguous stages (the exact search's:
+    ``stages_in_order``). ``floor()``, when set, is
     what a stage holds at least (``costs.memory.StageFloor``), by which the exact search prunes:
     made when first asked for, as only a budget about to be refused asks.
     """
@@ -45,11 +49,15 @@ class MemoryCount:
     in_flight: tuple[float, ...] | None = None
     shortfall: Callable[[Mapping[str, int], tuple[float, ...]], str] | None = None
     floor: Callable[[], StageFloor] | None = None
-    stage_total: Callable[[Mapping[str, int], int], float] | None = None
+    in_order: Callable[[Sequence[str], Sequence[str]], StageInOrder] | None = None
 
-    def total_of(self, assignment: Mapping[str, int], j: int) -> float:
-        """Stage j's memory in ``assignment``."""
-        return self.stage_total(assignment, j) if self.stage_total else self.stage_totals(assignment)[j]
+    def stages_in_order(self, inputs: Sequence[str], rest: Sequence[str]) -> StageInOrder:
+        """(j, a, b) -> stage j's memory when it runs ``rest[a:b]`` of a split of ``rest`` into contiguous
+        stages (the model ``inputs`` in the first): what comes before in stage j - 1, after in j + 1
+        (``graph.partition.stage_between``), as what it receives and sends depends only on its cuts."""
+        if self.in_order is not None:
+            return self.in_order(inputs, rest)
+        return lambda j, a, b: self.stage_totals(stage_between(inputs, rest, j, a, b))[j]
 
 
 def summed_memory(name: str, node_costs: NodeCosts, stage_totals: StageTotals) -> MemoryCount:
@@ -80,11 +88,12 @@ def training_memory(
     def shortfall(assignment: Mapping[str, int], budgets: tuple[float, ...]) -> str:
         return memory_shortfall(stages(tuple(assignment.items())), budgets) or ""
 
-    def stage_total(assignment: Mapping[str, int], j: int) -> float:
-        return stage_memory(dag, assignment, k, model, stages={j})[0].total
+    def in_order(inputs: Sequence[str], rest: Sequence[str]) -> StageInOrder:
+        stages = ContiguousStages(dag, inputs, rest, k, model)
+        return lambda j, a, b: stages.stage(j, a, b).total
 
     floor = functools.cache(lambda: stage_floor(dag, k, model))
-    return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall, floor, stage_total)
+    return MemoryCount("memory", attributes, totals, model.all_in_flight(k), shortfall, floor, in_order)
 
 
 @dataclass(frozen=True)
