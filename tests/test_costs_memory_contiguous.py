@@ -1,8 +1,8 @@
 """The exact search's count of one stage at a time (``costs.memory.ContiguousStages``) is ``stage_memory``'s,
 bit for bit: stage j running ``rest[a:b]`` of the order, what comes before in stage j - 1 and after in j + 1
-(the search's stand-in for every split with those cuts; a tie between two other stages is not one there).
-It finds the values crossing the stage's cuts once per cut and charges the weights of its nodes alone, where
-``stage_memory`` walks the whole graph; a change to either count that the other misses fails here."""
+(``graph.partition.stage_between``). It finds the values crossing the stage's cuts once per cut and charges
+the weights of its nodes alone, where ``stage_memory`` walks the whole graph; a change to either count that
+the other misses fails here."""
 
 from __future__ import annotations
 

@@ -128,8 +128,9 @@ def weight_payers(
     its readers together, too little for one that does not. A weight in ``apart`` is charged to
     every reader: exact when each reader has its own stage, too much otherwise. With an
     ``assignment`` each weight is charged to its first reader in every stage that holds it,
-    which is exactly once per stage, whatever the plan; so the charges of one stage's nodes, given
-    as ``nodes`` (in the DAG's order), are found from them alone.
+    which is exactly once per stage, whatever the plan. With ``nodes`` (in the DAG's order), only
+    those are walked: with an ``assignment``, one stage's nodes are charged as the whole walk charges
+    them, without the other stages' (the exact search judges one stage at a time).
     """
     charged: set[tuple[str, object]] = set()
     payers = {}

@@ -37,10 +37,10 @@ class MemoryCount:
     held once; ``ACTIVATION_MEMORY`` times ``in_flight[j]`` for training memory); ``stage_totals``
     scores a finished plan; ``shortfall(assignment, budgets)``, when set, is the model's own
     message for a stage over budget (else one naming the model ``name``); ``in_order(inputs, rest)``, when
-    set, counts one stage at a time of the splits of ``rest`` into contiguous stages (the exact search's:
-    ``stages_in_order``). ``floor()``, when set, is
-    what a stage holds at least (``costs.memory.StageFloor``), by which the exact search prunes:
-    made when first asked for, as only a budget about to be refused asks.
+    set, counts one stage at a time of the splits of ``rest`` into contiguous stages, faster than
+    ``stage_totals`` (the exact search's judgments: ``stages_in_order``). ``floor()``, when set, is what a
+    stage holds at least (``costs.memory.StageFloor``), by which the exact search prunes: made when first
+    asked for, as only a budget about to be refused asks.
     """
 
     name: str
