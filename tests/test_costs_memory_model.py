@@ -2029,7 +2029,7 @@ class _SortThenGather(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("microbatches, optimizer", [(1, "sgd"), (4, "adam")])
+@pytest.mark.parametrize("microbatches, optimizer", [(1, "sgd"), (4, "adam"), (8, "adam")])
 def test_each_storage_of_a_tuple_an_op_made_lives_until_its_own_readers_are_done(microbatches, optimizer):
     """The values and indices ``sort`` made were one storage to the model, freed when the last reader of either
     had run and kept whole where the indices alone were sent: the first stage (k = 4) held the values, which
@@ -2040,6 +2040,18 @@ def test_each_storage_of_a_tuple_an_op_made_lives_until_its_own_readers_are_done
     memory = MemoryModel(microbatches=microbatches, optimizer=optimizer)
     assert [s.memory.total for s in autoshard.plan_report(sharded, memory=memory).stages] == [
         measure_stage_memory(sharded, j, (x,), microbatches=microbatches, optimizer=optimizer).peak for j in range(4)]
+
+
+def test_a_plan_file_keeps_the_storages_of_a_tuple_an_op_made(tmp_path):
+    """``SavedFacts.parts`` and ``part`` are written and read back: a plan loaded from its file counts the
+    tuple's storages as the plan did."""
+    torch.manual_seed(0)
+    sharded = autoshard.shard_model(_SortThenGather().train(), 4, example_inputs=(torch.randn(8, 16, 32),))
+    sharded.save_plan(tmp_path / "plan.json")
+    facts = {n.name: n.training for n in autoshard.read_plan(tmp_path / "plan.json").nodes}
+    made = {n: f for n, f in sharded.plan.dag.nodes(data="training") if f is not None and (f.parts or f.part)}
+    assert any(f.parts for f in made.values()) and any(f.part for f in made.values())
+    assert {n: (facts[n].parts, facts[n].part) for n in made} == {n: (f.parts, f.part) for n, f in made.items()}
 
 
 class _ChainKeptWhole(nn.Module):

@@ -336,12 +336,14 @@ def scaled_loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor)
     return F.mse_loss(prediction * scale, target)
 
 
-KEPT_GRADIENTS = {  # how -> (model, loss_fn, schedule, zero_grad(set_to_none=False) before each step)
-    "t": (lambda: WeightViewSent("t"), F.mse_loss, "1f1b", True),
-    "view": (lambda: WeightViewSent("view"), F.mse_loss, "1f1b", True),
-    "stack": (lambda: WeightViewSent("stack"), F.mse_loss, "1f1b", True),
-    "accumulated": (lambda: WeightViewSent("t"), F.mse_loss, "gpipe", False),
-    "returned weight": (ReturnsAWeight, scaled_loss, "1f1b", True),
+KEPT_GRADIENTS = {  # how -> (model, loss_fn, schedule, zero_grad(set_to_none=False) before each step, options)
+    "t": (lambda: WeightViewSent("t"), F.mse_loss, "1f1b", True, {}),
+    "view": (lambda: WeightViewSent("view"), F.mse_loss, "1f1b", True, {}),
+    "stack": (lambda: WeightViewSent("stack"), F.mse_loss, "1f1b", True, {}),
+    "accumulated": (lambda: WeightViewSent("t"), F.mse_loss, "gpipe", False, {}),
+    "returned weight": (ReturnsAWeight, scaled_loss, "1f1b", True, {}),
+    # PyTorch's own mean over microbatches, asked for: the loss's gradient is left as it is
+    "scale_grads": (lambda: WeightViewSent("t"), F.mse_loss, "1f1b", True, {"scale_grads": True}),
 }
 
 
@@ -355,14 +357,14 @@ def kept_gradients(rank: int, world: int) -> dict:
     plans whose stage 0 sends weights without a copy, and of a model returning a weight: each rank's
     gradients after the second step."""
     found = {}
-    for how, (_, loss_fn, schedule_name, zeroed) in KEPT_GRADIENTS.items():
+    for how, (_, loss_fn, schedule_name, zeroed, options) in KEPT_GRADIENTS.items():
         model, x, y = kept_gradients_model(how)
         pins = None if how == "returned weight" else {"w": 0, "first": 0, "product": 1}
         if how == "stack":
             pins["v"] = 0
         sharded = autoshard.shard_model(model, 2, example_inputs=(x,), pin=pins)
         stage = pipeline_stage(sharded, rank, 2, "cpu")
-        schedule = build_schedule(stage, schedule_name, MICROBATCHES, loss_fn=loss_fn)
+        schedule = build_schedule(stage, schedule_name, MICROBATCHES, loss_fn=loss_fn, **options)
         for _ in range(2):
             if zeroed:
                 stage.submod.zero_grad(set_to_none=False)
@@ -564,7 +566,8 @@ def test_gradients_kept_between_steps_are_the_unsplit_models(two_processes, how)
     for rank in two_processes:
         seen = rank["kept gradients"][how]
         assert seen["model's weights trainable"]
-        assert isinstance(model, ReturnsAWeight) or {"accumulated": "t"}.get(how, how) in seen["sent"]
+        sent = {"accumulated": "t", "scale_grads": "t"}.get(how, how)
+        assert isinstance(model, ReturnsAWeight) or sent in seen["sent"]
         found.update(seen["grads"])
     trained = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}  # (not ``v`` but stacked)
     assert found.keys() == trained.keys()

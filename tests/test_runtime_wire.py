@@ -287,3 +287,29 @@ def test_a_stage_may_write_in_place_to_a_value_it_received():
     again = received.detach().clone().requires_grad_()
     (expected,) = torch.autograd.grad(model.second(torch.relu(again)).sum(), again)
     assert torch.equal(got, expected)
+
+
+class WeightTransposeSent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.first, self.second = nn.Parameter(torch.randn(6, 4)), nn.Linear(4, 4), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w.t()
+        return self.second(self.first(x) @ w)
+
+
+def test_a_view_of_a_weight_sent_gets_a_gradient_of_its_own_not_the_receive_buffer():
+    """Handed the gradient received for a transpose of a weight, autograd kept the receive buffer, which
+    ``PipelineStage`` receives into every step, as the weight's ``.grad``; the wire gives it a copy
+    (``own_gradient``), as the memory model counts it, before the step ends."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+    sharded = sharded_with_cut_after(WeightTransposeSent(), x, "first")
+    stage = stage_module(sharded, 0, torch.device("cpu"))
+    sent = stage(x)
+    buffers = [torch.ones_like(t) for t in sent]  # as PipelineStage keeps them
+    torch.autograd.backward(list(sent), buffers)
+    weight = stage.get_parameter("w")
+    assert weight.grad is not None
+    assert weight.grad.untyped_storage().data_ptr() not in {b.untyped_storage().data_ptr() for b in buffers}
