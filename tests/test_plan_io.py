@@ -287,6 +287,9 @@ def test_without_a_split_record_a_stale_module_entry_names_both_fields(saved):
     (lambda d: d["time_estimate"].update(model="magic"), "time_estimate.model must be \"roofline\""),
     (lambda d: d["split"].pop("assignment_digest"), "split has no 'assignment_digest'"),
     (lambda d: d["split"].update(proven_optimal="yes"), "split.proven_optimal must be bool"),
+    (lambda d: node(d, "add")["training"].update(parts=[[1, 2, 3]]),
+     r"training.parts must be a list of \[bytes, saved bytes\] pairs"),
+    (lambda d: node(d, "add")["training"].update(part=[-1]), r"training.part must be a list of storage indices"),
 ])
 def test_malformed_plans_say_what_and_where(saved, change, message):
     data = json.loads(saved.read_text())
