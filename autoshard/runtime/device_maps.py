@@ -60,10 +60,14 @@ class _Placement:
         return next((p for p, _ in self.dag.nodes[node].get("scopes", ()) if p in self.mapped), None)
 
     def owner_device(self, weight: str) -> Hashable | None:
-        """The device of the mapped module that owns ``weight``, if any does."""
-        parts = weight.split(".")
-        owners = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
-        return next((self.mapped[o] for o in owners if o in self.mapped), None)
+        return _owner_device(self.mapped, weight)
+
+
+def _owner_device(mapped: dict[str, Any], weight: str) -> Any:
+    """The device of the module of ``mapped`` that owns ``weight``, if any does."""
+    parts = weight.split(".")
+    owners = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+    return next((mapped[o] for o in owners if o in mapped), None)
 
 
 def _module_of(node_data: dict[str, Any]) -> str:
@@ -161,11 +165,9 @@ def _warn_of_ties_across_devices(sharded: ShardedModel, mapping: dict[str, Any])
     """A weight several modules hold (an LM head tied to the embedding) is one tensor, on one device: a
     dispatcher following the map finds it on the other module's device, where the pipeline runtimes
     hold a copy per stage and sum their gradients (``TiedGradients``)."""
-    def device_of(name: str) -> Any:
-        owners = [name.rpartition(".")[0]]
-        while owners[-1]:
-            owners.append(owners[-1].rpartition(".")[0])
-        return next((mapping[o] for o in owners if o in mapping), mapping.get(name))
+    def device_of(name: str) -> Any:  # its module's, or its own entry's (a weight the model's forward reads)
+        owner = _owner_device(mapping, name)
+        return mapping.get(name) if owner is None else owner
     ties = [names for info in sharded.plan.dag.graph.get("weights", {}).values()
             if len(names := tuple(getattr(info, "names", ()))) > 1
             and len({_device_key(device_of(n)) for n in names}) > 1]

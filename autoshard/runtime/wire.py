@@ -272,10 +272,10 @@ def loss_reader(module: fx.GraphModule) -> OutputTensors | None:
 
 
 def rewire(module: fx.GraphModule, stage: int, layout: list[list[Wire]]) -> None:
-    """Make ``stage`` take and return exactly the wires of its boundaries, each contiguous
+    """Make ``stage`` take and return exactly the wires of its boundaries: each sent contiguous
     (process groups send only contiguous tensors, and a slice such as ``mask[:n, :n]`` is not) and
-    ``own_gradient``, whose gradients are contiguous too, and ignoring keywords after the first stage; the last
-    stage returns ``OutputTensors`` of the model's output."""
+    through ``own_gradient``, each received with a contiguous gradient; keywords ignored after the
+    first stage; the last stage returns ``OutputTensors`` of the model's output."""
     graph = module.graph
     received = _receive_items(graph, layout[stage - 1]) if stage > 0 else {}
     output = next(node for node in graph.nodes if node.op == "output")
