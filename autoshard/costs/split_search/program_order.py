@@ -32,6 +32,7 @@ from autoshard.costs.split_search.request import MemoryCount, SplitRequest
 from autoshard.graph.constraints import StageRange
 from autoshard.graph.indexed import is_input
 from autoshard.graph.linearize import non_inputs
+from autoshard.graph.partition import Cuts
 
 #: The most stages one search judges whole (each a ``MemoryCount.stages_in_order`` count) before it gives up:
 #: 2,000 while a judgment counted every stage of the split; one stage now, 4x cheaper at k = 4.
@@ -81,7 +82,7 @@ class ProgramOrderSplits:
         self.steady_gradients = [bool(floor.steady_gradients and floor.steady_gradients[j]) for j in range(k)]
         self.kept = _prefix([floor.kept.get(v, 0.0) for v in self.rest])
         self.in_flight = np.asarray(memory.in_flight or (1.0,) * k, dtype=float)
-        self.received, self.sent = self._crossing(dag, floor, position)
+        self.received, self.sent = self._crossing(dag, floor)
         self.cuttable = np.ones(n + 1, dtype=bool)  # a cut before rest[c] splits no group
         for group in together:
             places = [position.get(v, -1) for v in group]  # an input sits before every node
@@ -98,15 +99,15 @@ class ProgramOrderSplits:
         self.totals: dict[tuple[int, int, int], float] = {}  # kept across searches: budgets change, totals not
         self.judged = 0
 
-    def _crossing(self, dag: nx.DiGraph, floor: StageFloor, position: Mapping[str, int]) -> tuple[np.ndarray, ...]:
+    def _crossing(self, dag: nx.DiGraph, floor: StageFloor) -> tuple[np.ndarray, ...]:
         """Per stage j and cut c (before ``rest[c]``), what the values crossing the cut add at least to
-        stage j when it starts there (``received[j][c]``) and ends there (``sent[j][c]``); cut 0 brings
-        the model inputs, cut n takes the outputs."""
+        stage j when it starts there (``received[j][c]``) and ends there (``sent[j][c]``), from each value's
+        span of cuts (``graph.partition.Cuts``, as the whole count finds them); cut 0 brings the model
+        inputs, cut n takes the outputs."""
         n, k = len(self.rest), self.k
         received, sent = np.zeros((k, n + 2)), np.zeros((k, n + 2))
-        for v in [*self.inputs, *self.rest]:
-            first = position.get(v, -1) + 1  # a value crosses every cut from after its maker to its last reader
-            last = n - 1 if dag.nodes[v].get("output") else max((position[u] for u in dag.successors(v)), default=0)
+        cuts = Cuts(dag, self.inputs, self.rest)
+        for v, first, last in zip(cuts.values, cuts.first + 1, np.minimum(cuts.last, n - 1)):
             for j in range(k) if first <= last else ():
                 for per_cut, per_value in ((received[j], floor.received[j]), (sent[j], floor.sent[j])):
                     per_cut[first] += per_value.get(v, 0.0)
