@@ -399,6 +399,9 @@ TWO_PROCESS = [
     ("gpt2-labels", 4, "interleaved-1f1b"),
     ("long-skip", 4, "looped-bfs"),
     ("shared-layer", 4, "interleaved-1f1b"),
+    # the backward of the inputs apart from the weights': PyTorch ``detach_()``-es every value sent, which
+    # raised for GPT-2's (a view, heads merged) until stages sent tensors of their own (``wire.own_tensor``)
+    ("gpt2", 4, "interleaved-zero-bubble"),
 ]
 FOUR_PROCESS = [
     ("residual-mlp", 4, "1f1b"),

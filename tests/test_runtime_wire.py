@@ -23,7 +23,7 @@ from autoshard.runtime import model_loss
 from autoshard.runtime.boundaries import boundary_wires
 from autoshard.runtime.stage import stage_module
 from autoshard.runtime.schedule import _model_loss_at
-from autoshard.runtime.wire import OutputTensors, Wire
+from autoshard.runtime.wire import OutputTensors, Wire, own_tensor
 
 
 class Halves(nn.Module):
@@ -313,3 +313,21 @@ def test_a_view_of_a_weight_sent_gets_a_gradient_of_its_own_not_the_receive_buff
     weight = stage.get_parameter("w")
     assert weight.grad is not None
     assert weight.grad.untyped_storage().data_ptr() not in {b.untyped_storage().data_ptr() for b in buffers}
+
+
+def test_a_value_sent_under_a_split_backward_is_a_tensor_of_its_own_that_detaching_leaves_the_stages_alone():
+    """Zero-bubble schedules ``detach_()`` each value sent once its inputs' backward ran: a view (GPT-2's
+    merged heads) raised, and a value the stage still computes with would have lost its graph. The value
+    sent is an alias (no copy) whose gradient reaches the stage's own value unchanged."""
+    weight = torch.randn(4, 3, requires_grad=True)
+    made = torch.tanh(weight * 2)
+    merged = made.view(12)
+    sent = own_tensor(merged)
+    assert not sent._is_view() and sent.data_ptr() == merged.data_ptr()
+    sent.detach_()
+    assert merged.grad_fn is not None and made.grad_fn is not None
+    grad = torch.arange(12.0)
+    (weight_grad,) = torch.autograd.grad(merged, weight, grad)
+    assert torch.equal(weight_grad, torch.autograd.grad(torch.tanh(weight * 2).view(12), weight, grad)[0])
+    plain = torch.randn(3)[1:]  # a view without a gradient: sent as an alias too
+    assert not own_tensor(plain)._is_view()

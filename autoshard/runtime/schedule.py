@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import BACKWARD_INPUT, PipelineScheduleMulti, PipelineScheduleSingle
 from torch.utils._pytree import SUPPORTED_NODES, keystr, tree_flatten_with_path, tree_is_leaf
 
 from autoshard.arguments import whole_number
@@ -40,7 +40,7 @@ from autoshard.errors import (
     WorldSizeError,
     suggest, user_stacklevel,
 )
-from autoshard.runtime.wire import OutputTensors, loss_reader
+from autoshard.runtime.wire import OutputTensors, loss_reader, send_own_tensors
 from autoshard.sharded import fitted_call
 
 #: Schedules by the names the example and the benchmark accept.
@@ -209,11 +209,22 @@ def build_schedule(
         built = cls(local[0], n_microbatches, loss_fn=loss_fn, **options)
     else:
         built = cls(sorted(local, key=lambda s: s.stage_index), n_microbatches, loss_fn=loss_fn, **options)
+    if _splits_backward(built):
+        for stage in local:
+            send_own_tensors(stage.submod)
     chunked_by_rows = not {"args_chunk_spec", "kwargs_chunk_spec"} & options.keys()
     first = next((stage.submod for stage in local if stage.stage_index == 0), None)
     built.step = _BatchShapes(n_microbatches, chunked_by_rows, _example_rows(first)).guard(
         _gradients_of_their_own(built.step, local), first, the_models_loss)
     return built
+
+
+def _splits_backward(schedule: Any) -> bool:
+    """Whether ``schedule`` runs the backward of a stage's inputs apart from its weights' (zero bubble)."""
+    actions = [action for actions in (getattr(schedule, "pipeline_order", None) or {}).values() for action in actions
+               if action is not None]
+    parts = [part for action in actions for part in action.sub_actions or (action,)]  # (DualPipeV's overlaps)
+    return any(part.computation_type is BACKWARD_INPUT for part in parts)
 
 
 def _gradients_of_their_own(step: Callable[..., Any], stages: Sequence[PipelineStage]) -> Callable[..., Any]:

@@ -204,6 +204,26 @@ def own_gradient(value: torch.Tensor) -> torch.Tensor:
     return _with_copied_gradient(value)
 
 
+_with_gradient_as_it_is = _identity_whose_gradient_is(lambda grad: grad)
+
+
+def own_tensor(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a stage sends it under a schedule that splits the backward (zero bubble): a tensor of
+    its own, ``own_gradient``'s or an alias. PyTorch's backward of the inputs ``detach_()``-es every
+    output it sent, which raises for a view (GPT-2's heads merged by ``view``) and, for an output the op
+    that made it saved for its backward (``tanh``), cuts the graph the weights' backward still runs."""
+    sent = own_gradient(value)
+    return _with_gradient_as_it_is(sent) if sent is value and (value.requires_grad or value._is_view()) else sent
+
+
+def send_own_tensors(module: fx.GraphModule) -> None:
+    """Send every output of a stage ``rewire`` made through ``own_tensor`` rather than ``own_gradient``."""
+    for node in module.graph.nodes:
+        if node.target is own_gradient and all(user.op == "output" for user in node.users):
+            node.target = own_tensor
+    module.recompile()
+
+
 def _read_received_through_contiguous_grad(graph: fx.Graph, orders: Mapping[str, tuple[int, ...]]) -> None:
     """Each received value read through ``contiguous_grad``, and permuted back where it crossed
     permuted (``Wire.order``)."""
