@@ -426,3 +426,40 @@ def test_a_budgeted_plan_loaded_with_bigger_inputs_says_it_no_longer_fits(tmp_pa
     with pytest.warns(StalePlanWarning,
                       match=r"made under max_memory .* on these example inputs and training settings stage \d needs"):
         load_plan(path, model, (big,))
+
+
+class TiedLM(nn.Module):
+    """An embedding and a head that reuse one table, or not (``tie=False``), as GPT-2 and its untied
+    variants do."""
+
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.body = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
+        self.head = nn.Linear(16, 64, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+@pytest.mark.parametrize("made_tied", [True, False])
+def test_a_plan_loaded_into_a_model_tied_otherwise_warns_and_drops_the_balance_it_recorded(tmp_path, made_tied):
+    """A plan made with the head tied to the embedding, loaded into the model untied (or the other way
+    round), was rebuilt without a word though the last stage holds a whole table more (or less) than
+    the balance it recorded."""
+    import warnings
+
+    from autoshard.plan_io import StalePlanWarning
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 5))
+    path = autoshard.shard_model(TiedLM(tie=made_tied), 2, (ids,)).save_plan(tmp_path / "plan.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # into the model it was made for: silent
+        load_plan(path, TiedLM(tie=made_tied), (ids,))
+    where = "in the plan, not here" if made_tied else "here, not in the plan"
+    with pytest.warns(StalePlanWarning, match=f"'embed.weight' and 'head.weight' are one weight {where}"):
+        rebuilt = load_plan(path, TiedLM(tie=not made_tied), (ids,))
+    assert rebuilt.plan.split_info is None

@@ -34,9 +34,9 @@ class LoadPartitionPass(Pass):
         resized = weight_size_changes(plan, program.dag)
         if resized:
             warnings.warn(StalePlanWarning(
-                f"plan {self.path} was made for weights of other sizes ({'; '.join(resized[:3])}"
+                f"plan {self.path} was made for other weights ({'; '.join(resized[:3])}"
                 f"{'; ...' if len(resized) > 3 else ''}): its stages are rebuilt as saved, but the balance it "
-                "records was measured on the other sizes; make a new plan to balance this model"),
+                "records was measured on those; make a new plan to balance this model"),
                 stacklevel=user_stacklevel())
         try:
             # A hand edit or other weight sizes void the splitter's record of bound and bottleneck.

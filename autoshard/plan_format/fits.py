@@ -6,7 +6,7 @@ a plan; ``autoshard.plan_io.rebuild`` (which imports the passes) checks it too.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -60,7 +60,7 @@ def _listed(names: Sequence[str]) -> str:
 
 
 class StalePlanWarning(UserWarning):
-    """A plan loaded into a model whose weights have other sizes than those it was made for."""
+    """A plan loaded into a model whose weights have other sizes, or are tied otherwise, than those it was made for."""
 
 
 class UnmeasuredMemoryWarning(UserWarning):
@@ -71,11 +71,29 @@ class UnmeasuredMemoryWarning(UserWarning):
 
 
 def weight_size_changes(plan: SavedPlan, dag: nx.DiGraph) -> list[str]:
-    """The weights (by the plan's names) whose size in ``dag`` differs from the plan's: the same
-    graph with other widths, whose split the plan's balance no longer describes."""
+    """The weights (by the plan's names) whose size in ``dag`` differs from the plan's, or that are tied
+    otherwise (GPT-2's head untied from its embedding: a whole table more in the last stage): the same
+    graph with other weights, whose split the plan's balance no longer describes."""
     now = dag.graph.get("weights", {})
-    return [f"'{name}' has {now[name].numel:,} elements here, {info.numel:,} in the plan"
-            for name, info in plan.weights.items() if name in now and now[name].numel != info.numel]
+    resized = [f"'{name}' has {now[name].numel:,} elements here, {info.numel:,} in the plan"
+               for name, info in plan.weights.items() if name in now and now[name].numel != info.numel]
+    return resized + _tie_changes(plan.weights, now)
+
+
+def _tie_changes(planned: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """Each group of names one weight has in the plan and not here, or here and not in the plan."""
+    def groups(weights: Mapping[str, Any]) -> dict[str, frozenset[str]]:
+        return {name: frozenset(info.names) for info in weights.values() for name in info.names}
+
+    before, after = groups(planned), groups(now)
+    changes = []
+    for names, were, where in ((after, before, "here"), (before, after, "in the plan")):
+        for group in dict.fromkeys(names.values()):
+            tied = sorted(group & were.keys())
+            if len(tied) > 1 and any(were[name] != group for name in tied):
+                changes.append(f"{' and '.join(map(repr, tied))} are one weight {where}, not "
+                               f"{'in the plan' if where == 'here' else 'here'}")
+    return changes
 
 
 def _differences(kind: str, planned: Sequence[str], actual: Sequence[str]) -> list[str]:
