@@ -379,3 +379,7 @@ def test_a_misspelt_flag_is_refused_naming_the_closest_one(capsys):
     assert exited.value.code == 2
     err = flat(capsys.readouterr().err)
     assert "unrecognized arguments: --optimzer adam; --optimzer (did you mean '--optimizer'?)" in err
+    with pytest.raises(SystemExit):  # the flag written with its value (--flag=value): named without it
+        cli.main(["inspect", "residual-mlp", "-k", "2", "--optimzer=adam", "--time-stages=yes"])
+    err = flat(capsys.readouterr().err)
+    assert "; --optimzer (did you mean '--optimizer'?); --time-stages is an option of 'autoshard split'" in err
