@@ -22,7 +22,8 @@ from autoshard.capture.guard import (
     PLACED_ON, FixedDtypes, InputGuard, check_condition, check_inputs, check_mode, one_tensor_groups,
     refuse_mode_switch, tensor_class,
 )
-from autoshard.capture.held_state import ATTRIBUTE, EQUALS, HOLDS, NO_KEY, Read, assigned_anew, code_reads
+from autoshard.capture.held_state import (
+    ATTRIBUTE, HOLDS, LENGTH, NO_KEY, Read, assigned_anew, code_reads)
 from autoshard.capture.hooks_since import HooksAtCapture
 from autoshard.capture.result import WrappedLeaf
 from autoshard.capture.signature import argument_names, bind_as_called, is_default, parameter_default
@@ -387,10 +388,14 @@ class StateAtCapture:
             reads += code[0]
             seen += code[1]
             for module, names, reached in self.children:  # the same dict of submodules, the same names and modules
-                reads += [(vars(module), "_modules", ""), (module._modules.keys(), NO_KEY, EQUALS)]
-                seen += [module._modules, names]
-                reads += [(module._modules, name, "") for name, _ in reached]
+                held = module._modules  # its names as many as then, each still there (``LENGTH``: no keys compared)
+                reads += [(vars(module), "_modules", ""), (held, NO_KEY, LENGTH)]
+                seen += [held, len(names)]
+                reads += [(held, name, "") for name, _ in reached]
                 seen += [child for _, child in reached]
+                unreached = names.difference(name for name, _ in reached)
+                reads += [(held, name, HOLDS) for name in unreached]
+                seen += [True] * len(unreached)
         hooks = self.hooks.dict_reads() if traced else self.hooks.counter_read()
         return [*reads, *hooks[0]], [*seen, *hooks[1]]
 

@@ -748,3 +748,38 @@ def test_a_module_traced_through_assigned_anew_is_captured_again(change):
     """Its code is in the stages' graphs, and it holds no weight the rebinding watch would see: an activation
     swapped after sharding (GPT-2's ``mlp.act = nn.ReLU()``, a helper probe) was served with the old one."""
     _served_after(_Activated(), change)
+
+
+def test_the_first_stage_counts_a_containers_submodules_and_reads_each_by_name_not_its_keys():
+    """A container's submodules are compared by their count and by each name (``LENGTH``, an item or ``HOLDS``),
+    not by comparing its keys with a frozenset, which hashed every name on every call (a third of a tiny GPT-2's
+    first-stage check): no ``EQUALS`` read of a keys view is left in the check."""
+    sharded = _served_after(_NamedBlocks(), lambda m: None)
+    reads, seen = sharded.__dict__["_state_at_capture"].reads_now()
+    keys_view = type({}.keys())
+    assert not any(isinstance(owner, keys_view) for owner, _, _ in reads)
+    blocks = sharded.__dict__["_model_held"].model.blocks._modules
+    assert seen[reads.index((blocks, NO_KEY, held_state.LENGTH))] == 4
+    assert all((blocks, name, "") in reads for name in "abcd")
+
+
+def test_a_kept_length_read_passes_while_the_count_is_as_read():
+    registry = {"a": 1, "b": 2}
+    check = kept_check([(registry, NO_KEY, held_state.LENGTH), (registry, "a", held_state.HOLDS)], [2, True],
+                       "passed", lambda flag: "full")
+    assert check(None) == "passed"
+    registry["c"] = 3
+    assert check(None) == "full"
+    del registry["a"]
+    assert check(None) == "full"  # as many as read, but not the same names
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.blocks.update({"e": m.blocks.pop("b")}),  # renamed: as many submodules, one name another
+    lambda m: m.blocks._modules.__setitem__("b", _Block()),  # assigned anew, through the dict
+])
+def test_a_container_changed_but_not_in_its_count_is_captured_again(change):
+    """The count and the names read stand for the keys compared: a submodule renamed or assigned anew leaves the
+    count as it was and is still seen."""
+    sharded = _served_after(_NamedBlocks(), change)
+    assert len(sharded.specializations) == 1

@@ -65,6 +65,10 @@ KEPT = "kept"
 EMPTY, HOOKS = "empty", "hooks"
 #: A read's ``attribute`` that compares ``owner`` with the value expected by equality (``==``), not identity.
 EQUALS = "=="
+#: A read's ``attribute`` that compares ``len(owner)`` with the number expected: with a read of each of the
+#: names a dict held (an item, or ``HOLDS``), what an ``EQUALS`` of its keys with them says, at a third of
+#: the cost (a frozenset compared with a dict's keys hashes every name; ``len`` is one call).
+LENGTH = "len"
 #: A read's ``attribute`` that reads ``getattr(owner, key)``: a class's attribute, read through the class,
 #: not its ``__dict__``, whose mapping proxy ``torch.compile`` refuses to read once a traced call filled a
 #: cache (a graph break that makes it run each stage alone).
@@ -80,7 +84,8 @@ Read = tuple[Any, Any, str]
 """``(owner, key, attribute)``: ``owner[key].attribute``, without the item when ``key`` is
 ``NO_KEY`` and without the attribute when it is empty; ``key in owner`` when it is ``HOLDS``;
 ``getattr(owner, key)`` when it is ``ATTRIBUTE``, and given with its list when it is ``KEPT`` (``read`` does
-not take those); ``owner``, compared by equality, when it is ``EQUALS``."""
+not take those); ``owner``, compared by equality, when it is ``EQUALS``; ``len(owner)``, compared by equality,
+when it is ``LENGTH`` (in ``kept_check``'s code only)."""
 
 
 def read(owner: Any, key: Any, attribute: str) -> Any:
@@ -186,6 +191,9 @@ def _maker(shape: tuple[Any, ...]) -> Callable[..., Callable[[Any], Any]]:
             continue
         if attribute == EQUALS:
             tests.append(f"o{index} == e{index}")
+            continue
+        if attribute == LENGTH:
+            tests.append(f"len(o{index}) == e{index}")
             continue
         if attribute == ATTRIBUTE:
             tests.append(f"getattr(o{index}, k{index}) is e{index}")
