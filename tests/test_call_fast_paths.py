@@ -783,3 +783,51 @@ def test_a_container_changed_but_not_in_its_count_is_captured_again(change):
     count as it was and is still seen."""
     sharded = _served_after(_NamedBlocks(), change)
     assert len(sharded.specializations) == 1
+
+
+class _LooksUp(nn.Linear):
+    """A module that records each attribute looked up on it by name (``__getattribute__``)."""
+
+    looked_up: list[str] = []
+
+    def __getattribute__(self, name: str) -> object:
+        _LooksUp.looked_up.append(name)
+        return super().__getattribute__(name)
+
+
+def test_a_kept_check_reads_a_modules_class_and_flag_without_an_attribute_lookup():
+    """``type(m)`` and the flag in ``m.__dict__`` (what ``m.__class__`` and ``m.training`` find): a module's class
+    defines ``__getattr__``, so each attribute read took Python's slow path, twice the cost of a dict's item."""
+    module = _LooksUp(1, 1)
+    check = kept_check([(module, NO_KEY, "__class__"), (module, NO_KEY, "training")], [_LooksUp, True],
+                       "passed", lambda flag: "full")
+    _LooksUp.looked_up.clear()
+    assert check(None) == "passed"
+    assert _LooksUp.looked_up == []
+    module.eval()
+    assert check(None) == "full"
+    module.train()
+    module.__class__ = nn.Linear
+    assert check(None) == "full"
+
+
+class _FlagElsewhere(nn.Linear):
+    """A module whose class answers ``training`` itself (a data descriptor), whatever its ``__dict__`` holds."""
+
+    frozen = False
+
+    @property
+    def training(self) -> bool:
+        return not self.frozen
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self.__dict__["training"] = mode  # (left there, and not what the attribute finds)
+
+
+def test_a_kept_check_reads_a_flag_a_class_answers_through_the_class():
+    module = _FlagElsewhere(1, 1)
+    check = kept_check([(module, NO_KEY, "training")], [True], "passed", lambda flag: "full")
+    assert check(None) == "passed"
+    module.frozen = True
+    assert check(None) == "full"
