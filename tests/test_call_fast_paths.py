@@ -7,6 +7,7 @@ that every refusal still happens when what was kept goes stale.
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -831,3 +832,21 @@ def test_a_kept_check_reads_a_flag_a_class_answers_through_the_class():
     assert check(None) == "passed"
     module.frozen = True
     assert check(None) == "full"
+
+
+def test_a_stages_device_read_walks_a_batch_dict_to_its_first_tensor_without_pytree(monkeypatch):
+    """``stage_device`` (``torch.arange(n, device=x.device)`` in a stage taking a batch dict) flattened the whole
+    argument with pytree on every call; a dict, list or tuple is walked up to its first tensor, in pytree's
+    order, and any other container still by pytree."""
+    from torch.utils._pytree import tree_leaves
+
+    from autoshard import emit
+    flattened: list[object] = []
+    monkeypatch.setattr(emit, "tree_leaves", lambda value: flattened.append(value) or tree_leaves(value))
+    cpu, meta = torch.device("cpu"), torch.zeros(1, device="meta")
+    assert emit.stage_device(cpu, {"n": 3, "x": [None, (meta,)]}, torch.zeros(1)) == meta.device
+    assert emit.stage_device(meta.device, {"n": 3}, [None, "s"]) == meta.device  # no tensor: the default
+    assert flattened == []
+    pair = collections.namedtuple("Pair", "a b")(1, meta)
+    assert emit.stage_device(cpu, {"p": pair}, torch.zeros(1)) == meta.device  # (pytree's: the namedtuple's)
+    assert flattened == [pair]
