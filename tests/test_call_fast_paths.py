@@ -850,3 +850,30 @@ def test_a_stages_device_read_walks_a_batch_dict_to_its_first_tensor_without_pyt
     pair = collections.namedtuple("Pair", "a b")(1, meta)
     assert emit.stage_device(cpu, {"p": pair}, torch.zeros(1)) == meta.device  # (pytree's: the namedtuple's)
     assert flattened == [pair]
+
+
+class _ReadsNested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, batch: dict[str, object]) -> torch.Tensor:
+        first, second = batch["pair"]
+        return self.layers(batch["x"] + first * second)
+
+
+def test_an_export_plan_reads_a_container_arguments_tensors_by_path_not_by_flattening_it():
+    """torch.export takes a container's tensors flat; the first stage found them with ``tree_leaves`` on every
+    call. It reads each by its path (``batch['pair'][0]``), as fx's code does: the input guard holds the call's
+    containers to the example's, so a dict with its keys in another order is still captured again."""
+    torch.manual_seed(0)
+    model, tensors = _ReadsNested().eval(), [torch.randn(2, 8) for _ in range(3)]
+    batch = {"x": tensors[0], "pair": [tensors[1], tensors[2]]}
+    pipeline = "export,shape-prop,build-dag,linearize,split,emit,verify"
+    sharded = autoshard.shard_model(model, 2, (batch,), pipeline=pipeline)
+    assert "tree_leaves" not in sharded.stages[0].code
+    other = {"x": torch.randn(2, 8), "pair": [torch.randn(2, 8), torch.randn(2, 8)]}
+    assert torch.equal(sharded(other), model(other))
+    reordered = {"pair": other["pair"], "x": other["x"]}
+    assert torch.equal(sharded(reordered), model(reordered))
+    assert len(sharded.specializations) == 1
