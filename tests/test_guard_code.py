@@ -185,6 +185,10 @@ def test_conditions_are_written_out_and_those_the_shapes_imply_dropped():
     for batch, served in [(2, True), (4, True), (6, True), (3, False), (8, False)]:
         assert _agrees(guard, torch.zeros(batch, 4), torch.zeros(batch, 4)) is served
     assert not _agrees(guard, torch.zeros(2, 4), torch.zeros(4, 4))  # the implied equality, by the shapes
+    two_symbols = {"x": (DimSpec(symbol="s0"),), "y": (DimSpec(symbol="s1"),)}  # an equality they do not imply
+    apart = InputGuard(names=("x", "y"), returns=("x", "y"), shapes=two_symbols,
+                       conditions=("L['x'].size()[0] == L['y'].size()[0]",))
+    assert _agrees(apart, torch.zeros(2), torch.zeros(2)) and not _agrees(apart, torch.zeros(2), torch.zeros(3))
     unknown = InputGuard(names=("x",), returns=("x",), shapes={"x": (DimSpec(symbol="s0"),)},
                          conditions=("L['x'].size()[0] > 1", "L.get('z') is None"))
     assert holds_calls(unknown) and _agrees(unknown, torch.zeros(2)) and not _agrees(unknown, torch.zeros(1))
