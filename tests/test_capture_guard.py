@@ -6,8 +6,10 @@ import collections
 import functools
 import dataclasses
 import inspect
+import types
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -851,6 +853,11 @@ def _scaled_by(factor):
     return lambda t: t * factor
 
 
+def _with_other_globals(function):
+    """``function``'s code and closure over other globals (where ``t * factor`` may mean something else)."""
+    return types.FunctionType(function.__code__, {}, None, None, function.__closure__)
+
+
 @pytest.mark.parametrize("value, expected, same", [
     (float("nan"), float("nan"), True),  # a nan made anew each call: the same constant (it re-captured every call)
     (float("nan"), 1.0, False),
@@ -865,6 +872,15 @@ def _scaled_by(factor):
      functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1), True),
     (functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1),
      functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.2), False),
+    ([1.0, 2.0], [1.0, 2.0, 3.0], False),  # a list of another length, alike as far as the shorter goes
+    ([1.0, 2.0, 3.0], [1.0, 2.0], False),
+    ((8, 8), torch.Size([8, 8, 8]), False),  # a size of another rank (F.interpolate(size=...))
+    (torch.Size([8, 8, 8]), (8, 8), False),
+    ({"a": 1, "b": 1}, {"b": 1, "a": 1}, False),  # another key order, even where the values are alike
+    (np.zeros(2, dtype=np.int32), np.zeros(2, dtype=np.int64), False),  # equal items of another dtype
+    (-0.0, 0.0, False),
+    (torch.tensor(1), torch.tensor(1.0), False),  # a tensor is only the one the graph holds, not an equal one
+    (_scaled_by(2.0), _with_other_globals(_scaled_by(2.0)), False),  # the same code over other globals
 ])
 def test_a_constant_made_anew_is_the_same_where_it_computes_the_same(value, expected, same):
     from autoshard.capture.structure import same_constant
