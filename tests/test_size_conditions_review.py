@@ -154,3 +154,35 @@ def test_a_check_written_under_a_replacement_of_the_symbolic_run_is_checked_firs
     assert torch.equal(sharded(x), reference(x))
     for mine, theirs in zip(model.buffers(), reference.buffers()):
         assert torch.equal(mine, theirs)
+
+
+class GatedTwice(nn.Module):
+    """One line of code checked twice, on widths ``w - 4`` and ``w - 2`` after two batch norms: the first
+    check's condition is the one a call of w = 6 breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.head = nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.Linear(4, 2)
+
+    @staticmethod
+    def gate(h: torch.Tensor) -> torch.Tensor:
+        return h * 2 if h.shape[-1] > 3 else h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.gate(self.first(x)[..., 4:])
+        b = self.gate(self.second(x)[..., 2:])
+        return self.head(a.mean(-1) + b.mean(-1))
+
+
+def test_the_first_check_of_a_line_checked_twice_is_the_one_checked_first():
+    """The first of a site's checks is the one a call reaches first: written over the inputs' sizes from
+    the last one instead (a mutation test), a call breaking only the first was refused after the first
+    batch norm had run, in training mode, rather than served by a new capture."""
+    torch.manual_seed(0)
+    model = GatedTwice().train()
+    reference = copy.deepcopy(model)
+    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 4, 10),))
+    x = torch.randn(2, 4, 6)
+    assert torch.allclose(sharded(x), reference(x))
+    for mine, theirs in zip(model.buffers(), reference.buffers()):
+        assert torch.equal(mine, theirs)
