@@ -217,6 +217,43 @@ def test_specialize_gives_back_the_plan_made_for_these_inputs_rather_than_captur
     assert torch.equal(sharded(x), model(x)) and len(sharded.specializations) == 1
 
 
+def test_specialize_gives_back_the_plan_made_for_a_nan_or_an_array_of_the_same_items():
+    """A plan is found by its call's constants as its guard compares them (``same_constant``): by ``==``, a
+    nan is no nan (each specialize captured again, up to the limit) and an array's items made no bool."""
+    torch.manual_seed(0)
+    model = SizeBranch().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),), {"scale": float("nan")})
+    assert sharded.specialize(torch.randn(4, 8), scale=float("nan")) is sharded
+    made = sharded.specialize(torch.randn(1, 8), scale=float("nan"))
+    assert sharded.specialize(torch.randn(1, 8), scale=float("nan")) is made and len(sharded.specializations) == 1
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    arrays = autoshard.shard_model(TakesArrays().eval(), 2, (x,))
+    assert arrays.specialize(x.copy()) is arrays and arrays.specializations == ()
+
+
+class ScalesByIdsDtype(nn.Module):
+    """Reads its ids' dtype: a capture fixes it (the input guard checks it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids)) * (2 if ids.dtype == torch.int64 else 3)
+
+
+def test_specialize_for_the_examples_shapes_in_another_dtype_gives_a_plan_that_serves_them():
+    """A plan is chosen by its call's structure (shapes, constants) only where its guard also passes the
+    call: the example's plan, whose guard fixed int64 ids, was given back for int32 ids of the same shape,
+    and its stages refused them."""
+    torch.manual_seed(0)
+    model = ScalesByIdsDtype().eval()
+    sharded = autoshard.shard_model(model, 2, (torch.randint(0, 10, (2, 5)),))
+    ids = torch.randint(0, 10, (2, 5), dtype=torch.int32)
+    stages = sharded.specialize(ids).stages
+    assert torch.equal(stages[1](*stages[0](ids)), model(ids)) and len(sharded.specializations) == 1
+
+
 def test_respecialize_false_keeps_the_refusal():
     _, sharded = size_branch(respecialize=False)
     with pytest.raises(SpecializationMismatch, match=r"x.shape\[0\] > 2"):
