@@ -491,6 +491,29 @@ def _tried_per_call(sharded: autoshard.ShardedModel, calls: list[tuple[tuple, di
     return tried
 
 
+class ListInDict(nn.Module):
+    """Takes its input as ``{"xs": [x]}``: the served key reads a dict's items one level deep, so calls of
+    each batch size have one key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = SizeBranch()
+
+    def forward(self, batch: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        return self.inner(batch["xs"][0])
+
+
+def test_a_key_served_by_another_plan_than_its_first_runs_that_plan_first_on_the_next_call():
+    """A call whose key's first plan refused it and another served runs that one first next time (a
+    mutation test kept the first plan first: every such call ran a refused plan before its own)."""
+    torch.manual_seed(0)
+    model = ListInDict().eval()
+    sharded = autoshard.shard_model(model, 2, ({"xs": [torch.randn(4, 8)]},))
+    calls = [(({"xs": [torch.randn(n, 8)]},), {}) for n in (1, 4, 4)]
+    tried = _tried_per_call(sharded, calls)
+    assert tried[1][-1] is sharded and tried[2] == [sharded]
+
+
 def sequences(*lengths: int) -> list[dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     return [{"x": torch.randn(2, length, 8)} for length in lengths]
