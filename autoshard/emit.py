@@ -27,6 +27,7 @@ per GPU) computes where its inputs are, as the model's code did.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Any, Mapping, Sequence
 
@@ -38,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 from autoshard.capture.guard import FixedDtypes, autocast_now, check_autocast, refuse_mode_switch
 from autoshard.capture.held_state import HeldState, checked_modules, registry_key
 from autoshard.costs.execution import COMPUTE_OPS
-from autoshard.errors import InvalidArgumentError
+from autoshard.errors import OTHER_CAPTURE, CallRefusedError, InvalidArgumentError
 from autoshard.isolation import PLAIN_VALUES
 from autoshard.fx_helpers import resolve, shape_read
 from autoshard.lowering.from_fx import holds_tensor
@@ -309,6 +310,23 @@ class StageModule(FixedDtypes, fx.GraphModule):
         The captured mode is kept in ``meta``, which copies keep."""
         refuse_mode_switch(self.meta.get(CAPTURED_MODE, self.training), mode)
         return super().train(mode)
+
+    def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        """A call its ``forward`` cannot bind (an argument the example left at its default, ``labels=``)
+        is refused naming what the stage takes and what serves the call, not with Python's bare
+        ``forward() got an unexpected keyword argument``: stages run in turn meet it."""
+        try:
+            return super()._call_impl(*args, **kwargs)
+        except TypeError as exc:
+            signature = inspect.signature(self.forward)
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as refusal:
+                raise CallRefusedError(
+                    f"this stage takes ({', '.join(signature.parameters)}) and refuses these arguments ({refusal}): "
+                    "the first stage takes the arguments the plan's example passed, each later one the values the "
+                    f"stage before it returns{OTHER_CAPTURE}") from exc
+            raise
 
     def __reduce__(self) -> tuple[Any, ...]:
         operators = [n.target for n in self.graph.nodes if isinstance(n.target, _OPERATORS)]

@@ -17,7 +17,8 @@ from torch import nn
 
 import autoshard
 from autoshard.capture.guard import check_condition
-from autoshard.errors import OTHER_CAPTURE, EmptyStageError, InputMismatchError, PlanError, SpecializationMismatch
+from autoshard.errors import (OTHER_CAPTURE, CallRefusedError, EmptyStageError, InputMismatchError, PlanError,
+                              SpecializationMismatch)
 from autoshard.runtime.replay import serving_plan
 from autoshard.specialize import SpecializationLimitWarning, Specializer, _tensor_facts, holders
 
@@ -204,6 +205,34 @@ def test_stages_run_in_turn_on_inputs_a_specialisation_serves_are_told_where_its
     assert str(refused.value).endswith(OTHER_CAPTURE) and "x.shape[0] > 2" in refused.value.refusal
     stages = sharded.specialize(x).stages
     assert torch.equal(stages[1](*stages[0](x)), model(x))
+
+
+class Labelled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, labels=None):
+        out = self.second(self.first(x))
+        return out if labels is None else (out - labels).pow(2).mean()
+
+
+def test_stages_run_in_turn_with_arguments_they_do_not_take_are_told_what_they_take_and_what_serves_them():
+    """A first stage called with an argument its example left at its default (``labels=``, which the
+    sharded model captures again for) raised Python's bare ``forward() got an unexpected keyword
+    argument``; it is refused as the docs say, naming what the stage takes, still a ``TypeError``."""
+    model, x = Labelled(), torch.randn(2, 4)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    first, second = sharded.stages
+    sent = f"({', '.join(inspect.signature(second.forward).parameters)})"
+    for stage, args, kwargs, takes in ((first, (x,), {"labels": x}, "(x)"), (first, (), {}, "(x)"),
+                                       (second, (x, x), {}, sent)):
+        with pytest.raises(CallRefusedError) as refused:
+            stage(*args, **kwargs)
+        assert f"this stage takes {takes} and refuses" in str(refused.value) and isinstance(refused.value, TypeError)
+        assert str(refused.value).endswith(OTHER_CAPTURE)
+    stages = sharded.specialize(x, labels=x).stages
+    assert torch.equal(stages[1](*stages[0](x, labels=x)), model(x, labels=x))
 
 
 def test_specialize_gives_back_the_plan_made_for_these_inputs_rather_than_capturing_again():
