@@ -1038,6 +1038,20 @@ def test_a_loaded_plan_specialises_under_its_partition(tmp_path):
     assert holders(made.sharded) == holders(sharded)
 
 
+def test_a_loaded_plan_takes_its_limit_of_specialisations_as_shard_model_does(tmp_path):
+    """load_plan had no max_specializations: a loaded plan refused its ninth new capture, naming a
+    limit its caller could not raise (a training loop over a few sequence lengths and modes meets it)."""
+    model, sharded = size_branch()
+    path = sharded.save_plan(tmp_path / "plan.json")
+    with pytest.warns(SpecializationLimitWarning):
+        none_more = autoshard.load_plan(path, model, (torch.randn(4, 8),), max_specializations=1)
+        none_more(torch.randn(1, 8))
+    with pytest.raises(InputMismatchError, match="made its 1 specialisation"):
+        none_more(torch.randn(1, 8), scale=2.0)
+    with pytest.raises(ValueError, match="max_specializations must be"):
+        autoshard.load_plan(path, model, (torch.randn(4, 8),), max_specializations=-1)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(max_specializations=-1), "max_specializations must be"), (dict(respecialize="yes"), "respecialize must be")])
 def test_bad_specialisation_arguments_are_refused_before_any_capture(kwargs, message):

@@ -14,6 +14,7 @@ from autoshard.plan_format.files import read_plan
 from autoshard.plan_format.fits import StalePlanWarning, weight_size_changes
 from autoshard.plan_format.model import SavedPlan
 from autoshard.plan_origin import PlanOrigin
+from autoshard.specialize import MAX_SPECIALIZATIONS
 
 if TYPE_CHECKING:  # pragma: no cover
     from autoshard.costs.memory_model import MemoryModel
@@ -61,6 +62,7 @@ def load_plan(
     verify: bool = True,
     instruments: Iterable[Any] = (),
     respecialize: bool = True,
+    max_specializations: int = MAX_SPECIALIZATIONS,
 ) -> "ShardedModel":
     """Rebuild the stages a saved plan describes, for ``model``.
 
@@ -69,9 +71,11 @@ def load_plan(
     ``load_plan(model, path, ...)`` works too.
     The plan keeps the memory model it was made for (optimizer bytes, microbatches in flight).
     With example inputs and ``respecialize``, calls the plan's guards refuse are captured again
-    under its partition, as ``shard_model``'s are (``autoshard.specialize``).
+    under its partition, as ``shard_model``'s are (``autoshard.specialize``), at most
+    ``max_specializations`` times.
     """
     from autoshard.api import check_flags, check_model, example_inputs_of, run_pipeline, specializer_for
+    from autoshard.arguments import whole_number
     from autoshard.passes.pipeline import Pipeline
 
     if isinstance(path, nn.Module) and isinstance(model, (str, os.PathLike)):
@@ -82,6 +86,7 @@ def load_plan(
             f"got the {type(path).__name__} first")
     check_model(model)
     check_flags(verify=verify, respecialize=respecialize)
+    max_specializations = whole_number(max_specializations, "max_specializations", at_least=0)
     inputs = example_inputs_of(example_inputs, example_kwargs)
     saved = read_plan(path)
     pipeline = rebuild_pipeline(saved, path, verify=verify and inputs is not None)
@@ -97,7 +102,8 @@ def load_plan(
     original = Pipeline.parse(saved.pipeline)  # (rebuild_pipeline checked that it parses)
     if respecialize and inputs is not None:
         program.sharded.specializer = specializer_for(model, saved.num_stages, original, saved.cost_model,
-                                                      saved.memory_model, inputs, primary=program.sharded)
+                                                      saved.memory_model, inputs, max_specializations,
+                                                      program.sharded)
     if inputs is not None:
         plan = program.sharded.plan
         warn_over_saved_budget(plan.dag, plan.assignment, plan.num_stages, plan.memory_model, saved, path)
