@@ -40,8 +40,8 @@ from autoshard.capture.guard import FixedDtypes, autocast_now, check_autocast, r
 from autoshard.capture.held_state import HeldState, checked_modules, registry_key
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.errors import OTHER_CAPTURE, CallRefusedError, InvalidArgumentError
-from autoshard.isolation import PLAIN_VALUES
 from autoshard.fx_helpers import resolve, shape_read
+from autoshard.isolation import PLAIN_VALUES
 from autoshard.lowering.from_fx import holds_tensor
 from autoshard.lowering.shape_carriers import carried_tensor, made_anywhere, shape_carrier
 
