@@ -428,7 +428,8 @@ class Specializer:
                  "for hidden states) to plan with the hooks from the start") if hooked else ""
         advice = (f"the forward changes {', '.join(sorted(moving))} on every call (each value took a capture of "
                   f"its own, and a larger max_specializations only puts this off): {COUNT_ELSEWHERE}" if moving else
-                  f"shard the model with a larger max_specializations= to serve these inputs too{tensor}{hooks}")
+                  "shard the model (or load its plan) with a larger max_specializations= to serve these inputs too"
+                  f"{tensor}{hooks}")
         return InputMismatchError(f"{guard}. This sharded model has made its {plural(self.limit, 'specialisation')} "
                                   f"(max_specializations; made for: {seen}); {advice}")
 

@@ -1046,7 +1046,8 @@ def test_a_loaded_plan_takes_its_limit_of_specialisations_as_shard_model_does(tm
     with pytest.warns(SpecializationLimitWarning):
         none_more = autoshard.load_plan(path, model, (torch.randn(4, 8),), max_specializations=1)
         none_more(torch.randn(1, 8))
-    with pytest.raises(InputMismatchError, match="made its 1 specialisation"):
+    with pytest.raises(InputMismatchError, match=r"made its 1 specialisation.*shard the model \(or load its plan\) "
+                                                 "with a larger max_specializations="):
         none_more(torch.randn(1, 8), scale=2.0)
     with pytest.raises(ValueError, match="max_specializations must be"):
         autoshard.load_plan(path, model, (torch.randn(4, 8),), max_specializations=-1)
