@@ -317,8 +317,8 @@ def test_a_view_of_a_weight_sent_gets_a_gradient_of_its_own_not_the_receive_buff
 
 def test_a_value_sent_under_a_split_backward_is_a_tensor_of_its_own_that_detaching_leaves_the_stages_alone():
     """Zero-bubble schedules ``detach_()`` each value sent once its inputs' backward ran: a view (GPT-2's
-    merged heads) raised, and a value the stage still computes with would have lost its graph. The value
-    sent is an alias (no copy) whose gradient reaches the stage's own value unchanged."""
+    merged heads) raised. The value sent is an alias (no copy), detached in place of the stage's own
+    values, whose gradient reaches them unchanged."""
     weight = torch.randn(4, 3, requires_grad=True)
     made = torch.tanh(weight * 2)
     merged = made.view(12)

@@ -210,8 +210,8 @@ _with_gradient_as_it_is = _identity_whose_gradient_is(lambda grad: grad)
 def own_tensor(value: torch.Tensor) -> torch.Tensor:
     """``value`` as a stage sends it under a schedule that splits the backward (zero bubble): a tensor of
     its own, ``own_gradient``'s or an alias. PyTorch's backward of the inputs ``detach_()``-es every
-    output it sent, which raises for a view (GPT-2's heads merged by ``view``) and, for an output the op
-    that made it saved for its backward (``tanh``), cuts the graph the weights' backward still runs."""
+    output it sent, which raises for a view (GPT-2's heads merged by ``view``); an alias is detached
+    instead of the stage's own value."""
     sent = own_gradient(value)
     return _with_gradient_as_it_is(sent) if sent is value and (value.requires_grad or value._is_view()) else sent
 
