@@ -145,15 +145,22 @@ def test_a_check_fixed_by_the_symbolic_runs_guards_is_checked_first(example, cal
             assert torch.equal(mine, theirs)
 
 
-def test_a_check_written_under_a_replacement_of_the_symbolic_run_is_checked_first():
+def served_in_training_as_the_model(model: nn.Module, example: tuple[int, ...], call: tuple[int, ...],
+                                    same=torch.equal) -> None:
+    """A call of shape ``call`` to ``model`` (in training mode) split on an example of shape ``example`` gives
+    the model's result and leaves its buffers (batch norms' statistics) as one run of the model does."""
     torch.manual_seed(0)
-    model = ReshapedAfterNorm().train()
+    model.train()
     reference = copy.deepcopy(model)
-    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 4, 3),))
-    x = torch.randn(2, 4, 9)
-    assert torch.equal(sharded(x), reference(x))
+    sharded = autoshard.shard_model(model, 2, (torch.randn(*example),))
+    x = torch.randn(*call)
+    assert same(sharded(x), reference(x))
     for mine, theirs in zip(model.buffers(), reference.buffers()):
         assert torch.equal(mine, theirs)
+
+
+def test_a_check_written_under_a_replacement_of_the_symbolic_run_is_checked_first():
+    served_in_training_as_the_model(ReshapedAfterNorm(), (2, 4, 3), (2, 4, 9))
 
 
 class GatedTwice(nn.Module):
@@ -178,11 +185,4 @@ def test_the_first_check_of_a_line_checked_twice_is_the_one_checked_first():
     """The first of a site's checks is the one a call reaches first: written over the inputs' sizes from
     the last one instead (a mutation test), a call breaking only the first was refused after the first
     batch norm had run, in training mode, rather than served by a new capture."""
-    torch.manual_seed(0)
-    model = GatedTwice().train()
-    reference = copy.deepcopy(model)
-    sharded = autoshard.shard_model(model, 2, (torch.randn(2, 4, 10),))
-    x = torch.randn(2, 4, 6)
-    assert torch.allclose(sharded(x), reference(x))
-    for mine, theirs in zip(model.buffers(), reference.buffers()):
-        assert torch.equal(mine, theirs)
+    served_in_training_as_the_model(GatedTwice(), (2, 4, 10), (2, 4, 6), same=torch.allclose)
