@@ -12,6 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DoublesWhen, FillsInItsProblemType
 from torch import nn
 
@@ -1625,6 +1626,31 @@ def test_in_training_mode_a_guard_failing_after_a_draw_from_a_generator_of_the_m
     model.norm = NoiseOfItsOwn()
     sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
     with pytest.raises(SpecializationMismatch, match=r"draw random numbers are not run again"):
+        sharded(torch.randn(2, 8))
+
+
+class FunctionalBatchNorm(nn.Module):
+    """A batch norm written with ``F.batch_norm`` over buffers of its own: traced through, its kernel updates
+    the statistics without moving their version counters, so only its name says it writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("var", torch.ones(8))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(h, self.mean, self.var, training=self.training)
+
+
+def test_in_training_mode_a_guard_failing_after_a_functional_batch_norm_is_refused():
+    """Running the stages again would update the statistics twice (a mutation probe, P24: without the name
+    of the normalisation the call was run again on a new capture after the first stage had updated them)."""
+    torch.manual_seed(0)
+    model = NormFirst().train()
+    model.norm = FunctionalBatchNorm()
+    sharded = autoshard.shard_model(model, 2, (torch.randn(4, 8),))
+    assert any("batch_norm" in str(node.target) for stage in sharded.stages for node in stage.graph.nodes)
+    with pytest.raises(SpecializationMismatch, match=r"update buffers .* are not run again"):
         sharded(torch.randn(2, 8))
 
 
