@@ -87,12 +87,12 @@ def _tie_changes(planned: Mapping[str, Any], now: Mapping[str, Any]) -> list[str
 
     before, after = groups(planned), groups(now)
     changes = []
-    for names, were, where in ((after, before, "here"), (before, after, "in the plan")):
+    sides = ((after, before, "here", "in the plan"), (before, after, "in the plan", "here"))
+    for names, were, where, not_where in sides:
         for group in dict.fromkeys(names.values()):
             tied = sorted(group & were.keys())
             if len(tied) > 1 and any(were[name] != group for name in tied):
-                changes.append(f"{' and '.join(map(repr, tied))} are one weight {where}, not "
-                               f"{'in the plan' if where == 'here' else 'here'}")
+                changes.append(f"{' and '.join(map(repr, tied))} are one weight {where}, not {not_where}")
     return changes
 
 
