@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, Mapping, Sequence
+from typing import AbstractSet, Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -131,6 +131,7 @@ def _stage_graph(
     assignment: Mapping[str, int],
     incoming: Sequence[str],
     outgoing: Sequence[str],
+    remade: AbstractSet[str] = frozenset(),
 ) -> fx.Graph:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -141,9 +142,12 @@ def _stage_graph(
             return env[node]
         if (tensor := carried_tensor(node)) in env:  # a tensor the stage holds: read straight
             env[node] = env[tensor]  # type: ignore[index]
-        elif node.op == "get_attr" or recomputed_in_consumers(node) or made_here(node):
+        elif node.op == "get_attr" or made_again(node) or made_here(node):
             env[node] = graph.node_copy(node, lookup)  # each stage holds its own reference / copy
         return env[node]
+
+    def made_again(node: fx.Node) -> bool:  # in each stage reading it: a size, a mask (``lowering.remade``)
+        return recomputed_in_consumers(node) or node.name in remade
 
     def made_here(node: fx.Node) -> bool:  # a carrier to send on, of a tensor the stage holds
         return node.target is shape_carrier and made_anywhere(node) and node.args[0] in env
@@ -158,7 +162,7 @@ def _stage_graph(
     for node in source.nodes:
         if node.target is shape_carrier and made_anywhere(node):
             continue  # made where it is sent on, from the tensor it carries (``lookup``)
-        if assignment.get(node.name) == stage and node.op != "placeholder" and not recomputed_in_consumers(node):
+        if assignment.get(node.name) == stage and node.op != "placeholder" and not made_again(node):
             env[node] = graph.node_copy(node, lookup)
     if stage == num_stages - 1:
         graph.node_copy(next(n for n in source.nodes if n.op == "output"), lookup)
@@ -358,15 +362,17 @@ def emit_stages(
     assignment: Mapping[str, int],
     boundaries: Sequence[Sequence[str]],
     training: bool = False,
+    remade: AbstractSet[str] = frozenset(),
 ) -> list[fx.GraphModule]:
     """Build the stage modules; ``boundaries[j]`` lists the values crossing from stage j to j+1.
-    ``training`` is the model's mode at capture; each stage starts in it and refuses the other."""
+    ``training`` is the model's mode at capture; each stage starts in it and refuses the other. Each stage
+    reading a tensor of ``remade`` computes it again (``lowering.remade``)."""
     num_stages = len(boundaries) + 1
     stages = []
     for stage in range(num_stages):
         incoming = boundaries[stage - 1] if stage > 0 else ()
         outgoing = boundaries[stage] if stage < num_stages - 1 else ()
-        graph = _stage_graph(gm.graph, stage, num_stages, assignment, incoming, outgoing)
+        graph = _stage_graph(gm.graph, stage, num_stages, assignment, incoming, outgoing, remade)
         fold_shape_reads(graph, gm)
         module = StageModule(gm, graph, class_name=f"Stage{stage}")
         module.training = training  # its own flag only: its submodules are the model's

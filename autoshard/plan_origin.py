@@ -144,7 +144,7 @@ def plan_of_split(
             param_bytes=float(data.get("param_bytes", 0)), input=bool(data.get("input")),
             output=bool(data.get("output")), value=_value_of(data),
             weights=tuple(data.get("weights", ())), allocated=optional_float(data.get("allocated")),
-            training=data.get("training"),
+            training=data.get("training"), readers=tuple(map(str, data.get("readers") or ())),
         ))
     return SavedPlan(
         num_stages=partition.num_stages, cost_model=cost_model, pipeline=pipeline,

@@ -29,11 +29,12 @@ from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel, NodeTimes, node_times
 from autoshard.costs.memory import StageMemory, stage_memory
 from autoshard.costs.memory_model import MemoryModel
-from autoshard.costs.models import DAG_COST_MODELS, measured
+from autoshard.costs.models import DAG_COST_MODELS, measured, summed_per_stage
 from autoshard.costs.step_time import StepTime, StepTimeModel, checked_step, predicted_step, run_of
 from autoshard.costs.ties import SharedWeight
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError, first_few, plural, shown
 from autoshard.graph import SplitInfo
+from autoshard.graph.partition import also_run
 from autoshard.plan_io import PlanNode, SavedPlan
 from autoshard.report import PIPED_WIDTH, plan_renderables, served_line
 from autoshard.sharded import BoundaryValue, ShardedModel, StagePlan
@@ -191,7 +192,9 @@ def plan_report(
     per_model.update({name: plan.stage_costs(costs) for name, costs in extra_costs.items()})
     memories = stage_memory(plan.dag, plan.assignment, k, memory) if "memory" in models else None
     times = _times(plan, device)
-    seconds = plan.stage_costs(times.seconds) if times is not None else None
+    # where each stage runs it: a mask made again in every stage reading it costs each its time
+    also = also_run(plan.dag, plan.assignment)
+    seconds = summed_per_stage(times.seconds, plan.assignment, k, also) if times is not None else None
     infos = plan.dag.graph.get("weights", {})
     stages = []
     for j in range(k):

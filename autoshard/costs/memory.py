@@ -63,7 +63,7 @@ from autoshard.costs.recompute import (
     RecomputedBackward, block_path, checkpoint_regions, checkpointed_kept, recomputed_backward)
 from autoshard.costs.ties import weight_payers
 from autoshard.errors import InfeasibleSplitError, amount, plural
-from autoshard.graph.partition import Cuts, boundary_values, stage_between
+from autoshard.graph.partition import Cuts, also_run, boundary_values, made_again, stage_between
 
 
 @dataclass(frozen=True)
@@ -916,7 +916,8 @@ class _Surroundings:
     """What one stage's count reads of the rest of its split: the values crossing its cuts in program order
     (``into`` it, none into the first stage; ``outgoing``, the model's ``outputs`` out of the last), the weights
     charged to each of its nodes (``payers``: ``costs.ties.weight_payers``, once per stage), the weights other
-    stages hold too (``tied``) and its part of the tied-gradient sum (``tie_sum``: ``tie_sum_bytes``)."""
+    stages hold too (``tied``), its part of the tied-gradient sum (``tie_sum``: ``tie_sum_bytes``) and the nodes it
+    computes again though a partition places them in another stage (``also``: ``graph.partition.also_run``)."""
 
     into: Sequence[str]
     outgoing: Sequence[str]
@@ -924,6 +925,7 @@ class _Surroundings:
     payers: Mapping[str, Sequence[str]]
     tie_sum: float
     tied: AbstractSet[str]
+    also: Sequence[str] = ()
 
 
 def stage_memory(
@@ -938,8 +940,10 @@ def stage_memory(
     outputs = _outputs(dag)
     tie_sum, tied = _ties(dag, payers, assignment, k, model)
     scale = model.activation_scale(list(dag.graph.get("weights", {}).values()))
+    also = also_run(dag, assignment)
     return [_stage_memory(dag, assignment, k, model, scale, j, nodes, _Surroundings(
-                crossing[j - 1] if j else [], crossing[j] if j < k - 1 else outputs, outputs, payers, tie_sum[j], tied))
+                crossing[j - 1] if j else [], crossing[j] if j < k - 1 else outputs, outputs, payers, tie_sum[j], tied,
+                [v for v, running in also.items() if j in running]))
             for j, nodes in enumerate(_nodes_by_stage(assignment, k)) if stages is None or j in stages]
 
 
@@ -958,6 +962,7 @@ class ContiguousStages:
         self.shared = shared_payers(dag)
         self.index = {v: i for i, v in enumerate(dag.nodes)}  # the order ``weight_payers`` charges in
         self.scale = model.activation_scale(list(dag.graph.get("weights", {}).values()))
+        self.again = made_again(dag)
 
     def stage(self, j: int, a: int, b: int) -> StageMemory:
         """Stage j's memory when it runs ``rest[a:b]`` (``graph.partition.stage_between``)."""
@@ -965,9 +970,10 @@ class ContiguousStages:
         nodes = [*self.inputs, *self.rest[:b]] if j == 0 else list(self.rest[a:b])
         payers = weight_payers(self.dag, assignment=assignment, nodes=sorted(nodes, key=self.index.__getitem__))
         tie_sum, tied = _ties(self.dag, self.shared, assignment, self.k, self.model)
+        also = also_run(self.dag, assignment, self.again)
         return _stage_memory(self.dag, assignment, self.k, self.model, self.scale, j, nodes, _Surroundings(
             self.cuts.crossing(a) if j else [], self.cuts.crossing(b) if j < self.k - 1 else self.outputs,
-            self.outputs, payers, tie_sum[j], tied))
+            self.outputs, payers, tie_sum[j], tied, [v for v, running in also.items() if j in running]))
 
 
 def _outputs(dag: nx.DiGraph) -> list[str]:
@@ -1022,6 +1028,7 @@ def _stage_memory(dag: nx.DiGraph, assignment: Mapping[str, int], k: int, model:
     kept = checkpointed_kept(nodes, recompute, lambda n: kept_bytes(stage_dag, n))
     kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
                 for owner in {_owner(stage_dag, v, assignment) for v in copied})
+    kept += sum(kept_bytes(stage_dag, v) for v in around.also)  # a mask its readers here save, made here again
     walk = functools.partial(_backward_peak, stage_dag, nodes, set(made_here), through, sent_storages,
                              output_grads, recompute, j == k - 1)
     backward, sent_back = (nbytes * scale for nbytes in walk())

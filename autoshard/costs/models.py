@@ -17,7 +17,8 @@ A model whose measurements are missing raises an error that names the pass to ad
 
 from __future__ import annotations
 
-from typing import AbstractSet, Callable, Mapping, Protocol
+from types import MappingProxyType
+from typing import AbstractSet, Callable, Collection, Mapping, Protocol
 
 import networkx as nx
 
@@ -125,11 +126,15 @@ WEIGHT_CHARGED: dict[str, WeightChargedModel] = {"params": param_costs, "memory"
 """The built-in models whose per-node costs depend on which readers pay for a shared weight."""
 
 
-def summed_per_stage(per_node: Mapping[str, float], assignment: Mapping[str, int], num_stages: int) -> list[float]:
-    """Per-node costs added up per stage."""
+def summed_per_stage(per_node: Mapping[str, float], assignment: Mapping[str, int], num_stages: int,
+                     also: Mapping[str, Collection[int]] = MappingProxyType({})) -> list[float]:
+    """Per-node costs added up per stage, a node also in each stage of ``also`` that runs it too
+    (``graph.partition.also_run``: a size, a mask each reader's stage computes again). A split counts each
+    node once, where its partition places it; a stage's time (``plan_report``) counts it where it runs."""
     totals = [0.0] * num_stages
     for node, stage in assignment.items():
-        totals[stage] += float(per_node[node])
+        for running in (stage, *also.get(node, ())):
+            totals[running] += float(per_node[node])
     return totals
 
 

@@ -111,6 +111,27 @@ def placed_by(dag: nx.DiGraph, node: Node) -> Node | None:
     return data.get("made_from") or next(iter(data.get("readers") or ()), None)
 
 
+def remade_values(dag: nx.DiGraph) -> frozenset[Node]:
+    """The tensors each stage reading them computes again (``readers``: a mask made from the inputs' sizes)."""
+    return frozenset(v for v, data in dag.nodes(data=True) if data.get("readers") and data.get("tensor"))
+
+
+def made_again(dag: nx.DiGraph) -> list[Node]:
+    """The nodes each of whose ``readers``' stages computes again (a size, a mask), last in program order first:
+    the order ``also_run`` walks them in."""
+    return [v for v in reversed(list(dag.nodes)) if dag.nodes[v].get("readers")]  # the DAG's order is the program's
+
+
+def also_run(dag: nx.DiGraph, assignment: Assignment,
+             again: Sequence[Node] | None = None) -> dict[Node, frozenset[int]]:
+    """Per node that each of its ``readers``' stages computes again (``again``: ``made_again``'s), the stages
+    running it besides the one a partition places it in: each pays for it, in time and in what it keeps."""
+    runs: dict[Node, frozenset[int]] = {}
+    for v in made_again(dag) if again is None else again:  # its readers come later, made again in turn first
+        runs[v] = frozenset({assignment[v]}).union(*(runs.get(r, (assignment[r],)) for r in dag.nodes[v]["readers"]))
+    return {v: stages - {assignment[v]} for v, stages in runs.items() if len(stages) > 1}
+
+
 def costs_as_placed(dag: nx.DiGraph, costs: Mapping[Node, float]) -> dict[Node, float]:
     """``costs`` with each node's moved onto the node it is placed by (``placed_by``): a split weighs every
     stage as its partition holds it. (A carrier after an in-place write to its tensor sits with the write.)"""

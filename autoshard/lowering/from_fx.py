@@ -28,18 +28,19 @@ weight: emit makes it a constant in a stage that does not hold the weight (``fol
 The output node is not a DAG node either: the values it returns are flagged ``output=True``.
 
 A value known to hold no tensor (``x.size(0)``, a bool) never crosses a boundary: emit
-recomputes it in each stage that reads it. So in the DAG its readers depend directly on the
-tensors (or model inputs) it is computed from, and it has no edges of its own; ``readers`` names
-the nodes that read it, with the first of which a partition places it (see
-``route_around_non_tensors``). A read of a tensor's shape alone is
-computed from a zero-byte carrier of it (``shape_carriers``), ``made_from`` that tensor: it crosses
-only past the stages holding it.
+recomputes it in each stage that reads it, and so it does a mask computed from the model's inputs
+alone (``lowering.remade``). So in the DAG its readers depend directly on the tensors (or model
+inputs) it is computed from, and it has no edges of its own; ``readers`` names the nodes that read
+it, with the first of which a partition places it (see ``route_around``; each stage that makes it
+pays for it: ``graph.partition.also_run``). A read of a tensor's shape alone is computed from a
+zero-byte carrier of it (``shape_carriers``), ``made_from`` that tensor: it crosses only past the
+stages holding it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import AbstractSet, Any, Mapping
 
 import networkx as nx
 import torch
@@ -53,6 +54,7 @@ from autoshard.costs.facts import node_facts, node_seconds, node_timed_backward
 from autoshard.fx_helpers import canonical_tensor_names, resolve, shape_read, target_name
 from autoshard.lowering.inplace import order_around_mutations
 from autoshard.lowering.randomness import order_random_draws
+from autoshard.lowering.remade import remakeable
 from autoshard.lowering.shape_carriers import made_anywhere, shape_carrier
 
 #: Stand-in for a value's size until shape propagation measures it: every value weighs one.
@@ -202,21 +204,32 @@ def holds_tensor(node: fx.Node) -> bool | None:
     return any(isinstance(v, torch.Tensor) for v in tree_leaves(node.meta["val"]))
 
 
-def route_around_non_tensors(dag: nx.DiGraph) -> None:
-    """Make the readers of each non-tensor value depend on the tensors it is computed from.
+def route_around(dag: nx.DiGraph, remakeable: AbstractSet[str] = frozenset()) -> None:
+    """Make the readers of each value their stages compute again depend on what it is computed from.
 
-    Walking in program order, each non-tensor node's in-edges already come from tensors or
-    inputs (its non-tensor ancestors were routed first); its out-edges move onto those sources,
-    which then cross to the readers' stages, where emit recomputes the value. One that is read keeps no
-    in-edges either: the stage a split gives it runs nothing of it, and a partition places it with
-    the first of its ``readers``, the nodes it had edges to (``Partition.from_assignment``). A
-    non-tensor model output makes its sources outputs instead.
+    Such a value is one known to hold no tensor, or a tensor of ``remakeable`` (``remade.remakeable``)
+    computed from the model's inputs alone, reading no weight but through a size, of more bytes than what
+    it is computed from and at no FLOPs (no product: a mask, positions; a model output excepted). Walking
+    in program order, each such node's in-edges already come from tensors or inputs (its ancestors made
+    again were routed first); its out-edges move onto those sources, which then cross to the readers'
+    stages, where emit recomputes the value. One that is read keeps no in-edges either: the stage a split
+    gives it runs nothing of it, and a partition places it with the first of its ``readers``, the nodes it
+    had edges to (``Partition.from_assignment``). A non-tensor model output makes its sources outputs
+    instead. A carrier of a tensor made again is made with it.
     """
+    from_inputs: set[str] = set()  # computed from the model's inputs, sizes and constants alone
     for node in list(dag.nodes):
         data = dag.nodes[node]
-        if data["input"] or data["tensor"] is not False:
-            continue
         sources = list(dag.predecessors(node))
+        if data["input"] or data.get("made_from") is not None or (
+                not data["weights"] and all(source in from_inputs for source in sources)):
+            from_inputs.add(node)
+        carried = data.get("made_from")
+        if carried is not None and dag.nodes[carried].get("readers"):  # a size of a tensor made again: made with it
+            data["made_from"] = None
+        elif data["input"] or (data["tensor"] is not False
+                               and not _remade(dag, node, sources, remakeable, from_inputs)):
+            continue
         data["readers"] = tuple(dag.successors(node))
         for reader in data["readers"]:
             dag.remove_edge(node, reader)
@@ -227,6 +240,15 @@ def route_around_non_tensors(dag: nx.DiGraph) -> None:
             data["output"] = False
             for source in sources:
                 dag.nodes[source]["output"] = True
+
+
+def _remade(dag: nx.DiGraph, node: str, sources: list[str], remakeable: AbstractSet[str],
+            from_inputs: AbstractSet[str]) -> bool:
+    """Whether a tensor ``node`` is made again in each stage reading it rather than sent (``route_around``)."""
+    data = dag.nodes[node]
+    return (node in remakeable and node in from_inputs and data["tensor"] and not data["output"]
+            and data["flops"] == 0
+            and float(data["bytes"]) > sum(float(dag.nodes[source]["bytes"]) for source in sources))
 
 
 def build_dag(gm: fx.GraphModule, model: nn.Module | None = None) -> nx.DiGraph:
@@ -256,7 +278,7 @@ def build_dag(gm: fx.GraphModule, model: nn.Module | None = None) -> nx.DiGraph:
             if producer.name in dag:
                 dag.add_edge(producer.name, node.name, value=producer.name)
     order_around_mutations(gm, dag)
-    route_around_non_tensors(dag)
+    route_around(dag, remakeable(gm))
     order_random_draws(gm, dag)
     if model is not None:
         leaves = {str(node.target) for node in gm.graph.nodes if node.op == "call_module"}

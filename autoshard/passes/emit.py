@@ -17,6 +17,7 @@ from autoshard.emit import HELD_STATE, emit_stages
 from autoshard.errors import InvalidArgumentError, InvalidArgumentTypeError
 from autoshard.fx_helpers import resolve
 from autoshard.graph import boundary_values, check_partition
+from autoshard.graph.partition import remade_values
 from autoshard.isolation import HeldModule
 from autoshard.lowering.from_fx import module_scopes
 from autoshard.passes.analyses import memory_model
@@ -49,7 +50,8 @@ class EmitPass(Pass):
                         "provides it should build it with Partition.from_assignment(dag, assignment, k), "
                         "which checks it") from exc
         boundaries = tuple(tuple(b) for b in boundary_values(program.dag, assignment, k))
-        stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training)
+        stages = emit_stages(program.traced.graph_module, assignment, boundaries, program.model.training,
+                             remade_values(program.dag))
         example = program.example_inputs
         if stages:
             note_example_tensors(stages[0], forward_signature(program.model),

@@ -107,6 +107,7 @@ class _Reader:
             weights=self.names(self.get(obj, "weights", list, where, []), f"{where}.weights"),
             allocated=optional_float(self.get(obj, "allocated", number, where, None)),
             training=self.training(self.get(obj, "training", dict, where, None), f"{where}.training"),
+            readers=self.names(self.get(obj, "readers", list, where, []), f"{where}.readers"),
         )
 
     def training(self, obj: Any, where: str) -> SavedFacts | None:
@@ -320,6 +321,9 @@ def _check_consistent(plan: SavedPlan, r: _Reader) -> None:
     for i, (u, v) in enumerate(plan.edges):
         if u not in known or v not in known:
             raise r.error(f"edges[{i}]", f"names {u if u not in known else v!r}, which is not in nodes")
+    unread = next(((n.name, m) for n in plan.nodes for m in n.readers if m not in known), None)
+    if unread is not None:
+        raise r.error(f"node {unread[0]!r}", f"names the reader {unread[1]!r}, which is not in nodes")
     try:
         dag = plan.graph()
         check_dag(dag)

@@ -63,6 +63,8 @@ class PlanNode:
     """Bytes of new memory the output holds (0 for a view) as ``shape-prop`` measured; None if unknown."""
     training: SavedFacts | None = None
     """What training keeps of the node (``costs.saved``'s probe); None if unknown."""
+    readers: tuple[str, ...] = ()
+    """The nodes whose stages compute the node again, a size or a mask (``graph.partition.also_run``)."""
 
 
 def assignment_digest(stages: Iterable[tuple[str, int]]) -> str:
@@ -154,7 +156,7 @@ class SavedPlan:
         dag = nx.DiGraph(weights=dict(self.weights))
         for n in self.nodes:
             dag.add_node(n.name, cost=n.costs[model], bytes=n.bytes, input=n.input, output=n.output, op=n.op,
-                         weights=n.weights, allocated=n.allocated, training=n.training,
+                         weights=n.weights, allocated=n.allocated, training=n.training, readers=n.readers,
                          scopes=[(path, "") for path in module_ancestors(n.module)])
         dag.add_edges_from(self.edges)
         return dag
@@ -319,6 +321,8 @@ def _node_dict(n: PlanNode) -> dict[str, Any]:
             out[flag] = True
     if n.weights:
         out["weights"] = list(n.weights)
+    if n.readers:
+        out["readers"] = list(n.readers)
     if n.allocated is not None:
         out["allocated"] = _number(n.allocated)
     if n.training is not None:

@@ -1,0 +1,47 @@
+"""Values each stage that reads them makes again instead of receiving: weightless values of the model's inputs.
+
+A decoder builds its attention mask before its first layer, a ``(batch, 1, sequence, sequence)`` tensor, from
+its input's size (or its padding mask), and every layer reads it. Sent, it crossed every boundary beside the
+hidden states: at 4,096 tokens and width 4,096 in bf16, half their bytes. Such a value reads no weight, draws
+no random number and nothing writes into it, so a stage that reads it can compute it again from what it was
+computed from: the model's inputs, sizes (``shape_carriers``) and constants. Where those are fewer bytes than
+the value, they cross instead (``from_fx.route_around``) and emit copies the value's code into each stage
+that reads it (``emit._stage_graph``), as it does for a size.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoshard.fx_helpers import writes_in_place
+from autoshard.lowering.inplace import written_values
+from autoshard.lowering.randomness import draws_random
+
+#: Modules whose functions compute from their arguments alone: an operator, a torch function.
+_PURE_MODULES = frozenset({"_operator", "torch", "torch.nn.functional", "torch.functional", "torch._C._nn",
+                           "torch._C._VariableFunctions", "torch._C._linalg", "torch._C._fft", "torch._C._special"})
+
+
+def remakeable(gm: fx.GraphModule) -> set[str]:
+    """The nodes of ``gm`` a stage may run again, by name: a torch operation (not a module, not a function
+    kept whole, not one of autoshard's own checks) that draws no random number and whose memory nothing
+    writes into. Whether one is made again depends on what it is computed from (``from_fx.route_around``)."""
+    written = written_values(gm)
+    return {node.name for node in gm.graph.nodes
+            if _is_torch_operation(node.target if node.op == "call_function" else None, node.op == "call_method")
+            and node.name not in written and not writes_in_place(gm, node) and not draws_random(gm, node)}
+
+
+def _is_torch_operation(target: Any, method: bool) -> bool:
+    if method:
+        return True  # a tensor's method (one writing in place is left out by the caller)
+    if isinstance(target, torch._ops.OpOverload):  # torch.export's aten operators
+        return not target._schema.is_mutable
+    if target is operator.getitem or isinstance(getattr(target, "__objclass__", None), type) and issubclass(
+            target.__objclass__, torch._C.TensorBase):  # ``torch.Tensor.expand`` called as a function
+        return True
+    return getattr(target, "__module__", None) in _PURE_MODULES

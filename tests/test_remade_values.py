@@ -1,0 +1,144 @@
+"""A weightless value computed from the model's inputs (a decoder's attention mask) is computed again in each
+stage that reads it instead of crossing every boundary (``lowering.remade``), and each such stage pays for it."""
+
+from __future__ import annotations
+
+import copy
+
+import networkx as nx
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.costs.estimate import DeviceModel, node_times
+from autoshard.costs.models import summed_per_stage
+from autoshard.graph.partition import also_run
+from autoshard.plan_io import read_plan
+from autoshard.runtime import measure_stage_memory
+
+BATCH, SEQ, WIDTH = 2, 32, 8
+
+
+class MaskedLayers(nn.Module):
+    """Builds a causal mask from its input's length (and padding) before its layers, as a decoder does;
+    ``mask`` picks how: ``"causal"``, ``"random"`` (drawn: must be sent) or ``"written"`` (made in place)."""
+
+    def __init__(self, mask: str = "causal") -> None:
+        super().__init__()
+        self.mask = mask
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        n = x.shape[1]
+        positions = torch.arange(n, device=x.device)
+        if self.mask == "random":
+            mask = torch.rand_like(positions[:, None] * positions, dtype=torch.float) > 0.5
+        elif self.mask == "written":
+            mask = positions[:, None] >= 0 * positions
+            mask.logical_and_(positions[:, None] >= positions)
+        else:
+            mask = positions[:, None] >= positions
+        if pad is not None:
+            mask = mask & pad[:, None, :].bool()
+        weights = mask.float()  # each layer's product saves it for its backward
+        for layer in self.layers:
+            x = x + layer(((x @ x.transpose(1, 2)) * weights).softmax(-1) @ x)
+        return x
+
+
+def _sharded(mask: str = "causal", pad: bool = False, training: bool = False):
+    torch.manual_seed(0)
+    model = MaskedLayers(mask).train(training)
+    x = torch.randn(BATCH, SEQ, WIDTH)
+    kwargs = {"pad": torch.ones(BATCH, SEQ, dtype=torch.long)} if pad else {}
+    return model, autoshard.shard_model(copy.deepcopy(model), 2, (x,), kwargs), x, kwargs
+
+
+def _crossing(sharded: autoshard.ShardedModel) -> dict[str, int]:
+    return {value.name: value.nbytes for value in sharded.plan.boundary_values(0)}
+
+
+def _calls(stage: torch.fx.GraphModule, name: str) -> int:
+    return sum(1 for node in stage.graph.nodes
+               if node.op != "placeholder" and name in (node.target, getattr(node.target, "__name__", None)))
+
+
+def test_a_mask_of_the_inputs_size_is_made_again_in_the_next_stage_not_sent():
+    model, sharded, x, _ = _sharded()
+    hidden = BATCH * SEQ * WIDTH * 4
+    assert sum(_crossing(sharded).values()) == hidden  # before: the (SEQ, SEQ) mask crossed beside the hidden states
+    assert [_calls(stage, "arange") for stage in sharded.stages] == [1, 1]  # each stage makes its own
+    for length in (SEQ, 5):  # the example's length, and another each stage makes its mask for
+        y = torch.randn(BATCH, length, WIDTH)
+        with torch.no_grad():
+            assert torch.equal(sharded(y), model(y))
+
+
+def test_a_mask_of_the_padding_is_made_again_from_the_padding_which_crosses_instead():
+    model, sharded, x, kwargs = _sharded(pad=True)
+    crossing = _crossing(sharded)
+    assert sum(crossing.values()) == BATCH * SEQ * WIDTH * 4 + BATCH * SEQ  # hidden states + the padding as bools
+    pad = torch.ones(BATCH, SEQ, dtype=torch.long)
+    pad[0, :5] = 0
+    with torch.no_grad():
+        assert torch.equal(sharded(x, pad=pad), model(x, pad=pad))
+
+
+@pytest.mark.parametrize("mask", ["random", "written"])
+def test_a_mask_drawn_at_random_or_written_in_place_is_sent(mask):
+    model, sharded, x, _ = _sharded(mask)
+    assert sum(_crossing(sharded).values()) >= BATCH * SEQ * WIDTH * 4 + SEQ * SEQ  # the bool mask crosses
+    assert _calls(sharded.stages[1], "rand_like") == _calls(sharded.stages[1], "logical_and_") == 0
+    torch.manual_seed(1)
+    with torch.no_grad():
+        ours = sharded(x)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        assert torch.equal(ours, model(x))
+
+
+def test_training_through_a_mask_made_again_gives_the_models_gradients():
+    model, sharded, x, _ = _sharded(training=True)
+    model(x).square().sum().backward()
+    sharded(x).square().sum().backward()
+    theirs = dict(model.named_parameters())
+    for name, parameter in sharded.named_parameters():
+        assert torch.equal(parameter.grad, theirs[name].grad), name
+
+
+def test_each_stage_making_the_mask_is_charged_its_time():
+    _, sharded, _, _ = _sharded()
+    plan, device = sharded.plan, DeviceModel(peak_flops=1e11, bandwidth=1e10)
+    seconds = node_times(plan.dag, device).seconds
+    made_again = [v for v, stages in also_run(plan.dag, plan.assignment).items() if 1 in stages]
+    assert "ge" in made_again and seconds["ge"] > 0
+    report = autoshard.plan_report(sharded, device=device)
+    assert report.stages[1].seconds == pytest.approx(
+        sum(seconds[v] for v in plan.stage_nodes(1)) + sum(seconds[v] for v in made_again))
+
+
+def test_the_memory_model_counts_the_mask_each_stage_keeps():
+    _, sharded, x, _ = _sharded(training=True)
+    report = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=2))
+    for stage in range(2):
+        measured = measure_stage_memory(sharded, stage, (x,), microbatches=2).peak
+        assert report.stages[stage].memory.total == pytest.approx(measured, rel=0.01), stage
+
+
+def test_a_saved_plan_counts_the_mask_each_stage_keeps_as_the_live_plan_does(tmp_path):
+    _, sharded, _, _ = _sharded(training=True)
+    saved = read_plan(sharded.save_plan(tmp_path / "plan.json"))
+    live = autoshard.plan_report(sharded).stages
+    assert [stage.total for stage in saved.training_memory()] == [stage.memory.total for stage in live]
+
+
+def test_also_run_names_every_reader_stage_of_a_chain_made_again():
+    dag = nx.DiGraph()
+    dag.add_nodes_from(["x", "a", "b", "c", "d"])
+    dag.nodes["a"]["readers"] = ("b",)  # a is read by b, itself read in stages 0 and 2
+    dag.nodes["b"]["readers"] = ("c", "d")
+    assignment = {"x": 0, "a": 0, "b": 0, "c": 0, "d": 2}
+    assert also_run(dag, assignment) == {"a": frozenset({2}), "b": frozenset({2})}
+    costs = {"x": 0.0, "a": 1.0, "b": 10.0, "c": 0.0, "d": 0.0}
+    assert summed_per_stage(costs, assignment, 3, also_run(dag, assignment)) == [11.0, 0.0, 11.0]
