@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from autoshard import cli
+from autoshard import cli, commands
 from autoshard.costs.memory_model import MemoryModel
 
 
@@ -80,9 +80,9 @@ def test_the_flags_set_the_plans_memory_model_and_a_rebuild_keeps_it(capsys, tmp
 ])
 def test_the_command_to_copy_sets_the_same_memory_model(model):
     """What a refusal's advice (--compare with --plan) prints is parsed back to the same model."""
-    args = cli.build_parser().parse_args(["inspect", "residual-mlp", *cli._memory_flags(model)])
+    args = cli.build_parser().parse_args(["inspect", "residual-mlp", *commands._memory_flags(model)])
     assert isinstance(args, argparse.Namespace)
-    assert (cli._memory_model(args) or MemoryModel()) == model
+    assert (commands._memory_model(args) or MemoryModel()) == model
 
 
 def test_a_saved_plan_is_counted_under_the_memory_flags_given_without_its_model(capsys, tmp_path):
@@ -188,9 +188,10 @@ def test_a_budget_without_a_unit_too_small_to_split_says_it_was_read_as_bytes(ca
 def test_a_failed_rebuild_prints_its_plan_and_memory_flags():
     """A rebuild's pipeline loads the plan file (no stage count to give): the command names the file."""
     args = argparse.Namespace(plan="p.json", no_verify=True, command="split", target="residual-mlp", stages=None)
-    assert cli._reproduction(args, None, MemoryModel(optimizer="sgd")) == (
+    assert commands._reproduction(args, None, MemoryModel(optimizer="sgd")) == (
         "autoshard split residual-mlp --plan p.json --no-verify --optimizer sgd")
-    assert cli._reproduction(args, None, MemoryModel()) is None and cli._reproduction(args, None, None) is None
+    assert commands._reproduction(args, None, MemoryModel()) is None
+    assert commands._reproduction(args, None, None) is None
 
 
 def test_stages_per_rank_changes_a_saved_interleaved_plan_and_is_refused_for_a_saved_1f1b_one(capsys, tmp_path):

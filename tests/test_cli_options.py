@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from autoshard import cli, progress
+from autoshard import cli, commands, progress
 from autoshard.errors import AutoshardError
 from autoshard.targets import TargetError, load_target
 
@@ -188,20 +188,20 @@ def test_refused_requests_exit_2_with_the_reason(capsys, argv, message):
     assert code == 2
     assert message in flat(err)
     assert err.startswith("error: ") and "Traceback" not in err and out == ""
-    assert not any(name in err for name in cli.FLAGS_OF_PARAMETERS)
+    assert not any(name in err for name in commands.FLAGS_OF_PARAMETERS)
 
 
 def test_library_parameter_names_become_flags_but_specs_and_paths_stay():
     """The mapping rewrites names standing alone only: a spec's options, a path or a file name that
     happens to contain one is what the user typed, and must stay copyable."""
-    assert cli.in_flag_terms("num_stages is 3; max_memory[1] is 1,000") == (
+    assert commands.in_flag_terms("num_stages is 3; max_memory[1] is 1,000") == (
         "--stages is 3; --max-memory (stage 1) is 1,000")
-    assert cli.in_flag_terms("under memory_budgets [1.0] with memory_in_flight [2]") == (
+    assert commands.in_flag_terms("under memory_budgets [1.0] with memory_in_flight [2]") == (
         "under --max-memory budgets [1.0] with microbatches in flight [2]")
     kept = "split{stages=2 max-memory=1.0} /x/max_memory/p.json max_memory.json my_num_stages"
-    assert cli.in_flag_terms(kept) == kept
+    assert commands.in_flag_terms(kept) == kept
     kept = "split{stages=2 tolerance=0.1},emit with memory_model=MemoryModel(stages_per_rank=1)"  # was --tolerance=
-    assert cli.in_flag_terms(kept) == kept
+    assert commands.in_flag_terms(kept) == kept
 
 
 def test_errors_are_not_wrapped_so_a_spec_copies_whole(capsys, monkeypatch):
@@ -296,7 +296,7 @@ def test_a_hand_edited_plan_with_an_empty_stage_is_rejected(capsys, tmp_path):
 def test_missing_matplotlib_names_the_extra_before_the_split(capsys, tmp_path, monkeypatch):
     """It was refused after the whole split and verification (12 s for a new user's GPT-2)."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(cli, "load_target", lambda target: pytest.fail("the model was loaded before the refusal"))
+    monkeypatch.setattr(commands, "load_target", lambda target: pytest.fail("the model was loaded before the refusal"))
     code, _, err = run(capsys, "split", "residual-mlp", "-k", "2", "--png", str(tmp_path / "p.png"))
     assert code == 2
     assert "pip install 'autoshard[plot]'" in flat(err) and "Traceback" not in err
@@ -306,7 +306,7 @@ def test_an_unexpected_failure_is_one_message_unless_debug(capsys, monkeypatch):
     def crash(target):
         raise RuntimeError("something [odd] happened")
 
-    monkeypatch.setattr(cli, "load_target", crash)
+    monkeypatch.setattr(commands, "load_target", crash)
     code, _, err = run(capsys, "split", "residual-mlp", "-k", "2")
     assert code == 1
     assert "unexpected RuntimeError: something [odd] happened" in err and "looks like a bug" in flat(err)

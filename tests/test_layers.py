@@ -33,7 +33,7 @@ LAYERS = (
     ("plan_io", ("plan_io",)),  # plan files' public face, and load_plan, which rebuilds stages through the api
     ("runtime", ("runtime",)),
     ("reporting", ("report", "plan_reporting", "render", "targets")),  # what cli shows, and what it loads
-    ("cli", ("cli", "__main__")),
+    ("cli", ("cli", "commands", "__main__")),  # the parser, and the commands it runs
 )
 """Lowest first; a module may import its own layer and the ones below. The issue states the
 order as graph <- costs <- capture <- passes <- api <- runtime, plan_io <- cli."""
