@@ -26,11 +26,9 @@ from autoshard.errors import first_few, plural
 from autoshard.passes.spec import parse_spec
 from autoshard.plan_io import PlanNode, SavedPlan, module_ancestors
 from autoshard.plan_io.rebuild import saved_budgets
+from autoshard.sharded import ROOT_LABEL
 
 _LAST_INDEX = re.compile(r"^(?P<head>.*?)(?P<index>\d+)(?P<tail>(?:\.[^.\d][^.]*)*)$")
-
-ROOT_LABEL = "(root)"
-"""How operations written in the top-level forward itself are listed."""
 
 PART_LABEL = " (part)"
 """Marks a module some of whose operations run in another stage."""

@@ -39,6 +39,10 @@ from autoshard.errors import (
 from autoshard.graph.partition import SplitInfo
 
 _training = operator.attrgetter("training")
+#: How the operations written in the model's own forward, outside any submodule, are listed among a
+#: stage's modules (``StagePlan.modules``, and the reports' tables and pictures). Not ``<root>``: in a
+#: ``no-split=<root>`` or ``pin`` rule that names the whole model.
+ROOT_LABEL = "(root)"
 #: Boundary values ``moved_to`` passes on without looking inside (a tensor: when on the device).
 _PASSED_AS_THEY_ARE = (torch.Tensor, *PLAIN_VALUES)
 
@@ -90,8 +94,9 @@ class StagePlan:
         return [n for n, s in self.assignment.items() if s == stage and not self.dag.nodes[n].get("input")]
 
     def modules(self, stage: int) -> list[str]:
-        """Owning module paths of the nodes in ``stage``, in program order, without repeats."""
-        return list(dict.fromkeys(self.dag.nodes[n]["module"] or "<root>" for n in self.stage_nodes(stage)))
+        """Owning module paths of the nodes in ``stage``, in program order, without repeats; the model's
+        own operations as ``ROOT_LABEL``."""
+        return list(dict.fromkeys(self.dag.nodes[n]["module"] or ROOT_LABEL for n in self.stage_nodes(stage)))
 
     def weights(self, stage: int) -> tuple[str, ...]:
         """Canonical names of the distinct parameters and buffers ``stage`` holds, in program order."""

@@ -121,6 +121,17 @@ def test_print_shows_the_tables_the_cli_prints(capsys, monkeypatch):
     assert len(shown) > 10 and printed[1:len(shown)] == shown[1:]
 
 
+def test_the_reports_data_names_the_models_own_operations_as_its_tables_do():
+    """``(root)``, as the tables and pictures write it; ``<root>`` is the entry of a ``no-split=<root>``
+    rule, where it means the whole model rather than the operations of its own forward."""
+    model, args, _ = load_example("residual-mlp")  # the residual adds are the model's own operations
+    sharded = autoshard.shard_model(model, 2, example_inputs=args)
+    report = plan_report(sharded)
+    assert [stage.modules for stage in report.stages] == [tuple(sharded.plan.modules(j)) for j in range(2)]
+    assert all("(root)" in stage.modules for stage in report.stages), [stage.modules for stage in report.stages]
+    assert "<root>" not in json.dumps(report.to_dict()) and "(root)" in str(report)
+
+
 def test_the_report_renders_with_rich_in_a_notebook_and_reprs_in_one_line():
     import io
 
