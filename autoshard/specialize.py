@@ -49,6 +49,7 @@ from autoshard.capture.attribute_reads import checked_value, copied
 from autoshard.capture.eager import check_model_runs
 from autoshard.capture.guard import (autocast_now, captured_autocast, check_inputs, check_site, chosen_grad_mode,
                                      tensor_class)
+from autoshard.capture.reruns import Rerun, rerun_of_nodes
 from autoshard.capture.signature import argument_names, forward_signature, is_default
 from autoshard.capture.state import COUNT_ELSEWHERE
 from autoshard.capture.structure import same_constant
@@ -56,11 +57,8 @@ from autoshard.errors import (
     AutoshardError, EmptyStageError, ExampleInputsError, InfeasibleSplitError, InputMismatchError, PinConflictError,
     SpecializationMismatch, plural, user_stacklevel,
 )
-from autoshard.costs.facts import NodeFacts, node_facts
-from autoshard.fx_helpers import resolve, runs_model_code
 from autoshard.generators import generator_snapshot, rewind
 from autoshard.isolation import hooks_registered, settings_objects
-from autoshard.lowering.randomness import draws_random
 from autoshard.sharded import ShardedModel
 
 #: How many specialisations a sharded model makes at most, by default (torch.compile's recompile
@@ -664,34 +662,6 @@ def _read_as_now(sharded: ShardedModel) -> bool:
     return True
 
 
-#: A ``call_module`` node of a stage, with its facts.
-_ModuleCall = tuple[torch.fx.GraphModule, torch.fx.Node, NodeFacts | None]
-
-
-@dataclass(frozen=True)
-class Rerun:
-    """What running a plan's stages again, up to one of them, depends on, from one walk of their nodes
-    (``rerun_of``): whether a node writes a buffer whatever the modes or draws from a generator of the
-    call's own (``same`` False) or from the default generators (``draws``), and the module calls
-    (``called``: stage, node, facts), which draw or update buffers as the modes are on the call. The
-    stages' graphs and buffers stay as captured, so the walk is made once per plan and stage: made after
-    every failed guard, it cost 150-300 µs a call where calls took the wrong plan first."""
-
-    same: bool
-    called: tuple[_ModuleCall, ...] = ()
-    draws: bool = False
-
-    def holds(self, rewound: bool = False) -> bool:
-        """Whether running these stages twice leaves what running them once leaves, with the modules' modes
-        as they are now: none updates a buffer (one its code writes in place, ``self.steps.add_(1)``; in
-        training mode, a traced ``F.batch_norm``'s statistics, or any a module in training mode holds:
-        ``_updates_buffers``), nor draws random numbers, unless the default generators are ``rewound``
-        between the runs."""
-        return self.same and (rewound or not self.draws) and not any(
-            (not rewound and _draws(stage, node, facts)) or _updates_buffers(stage, node, facts, set())
-            for stage, node, facts in self.called)
-
-
 def _checks_after_compute(plan: ShardedModel) -> bool:
     """Whether a check in ``plan``'s stages follows a module or function call (the input guard and taking
     items apart aside): where ``check_order`` moved every check to the start, none can refuse a call
@@ -712,29 +682,13 @@ def rerun_of(sharded: ShardedModel, last: nn.Module | None = None, site: str | N
     """The ``Rerun`` of ``sharded``'s stages up to ``last`` (all where None), and in ``last`` of its nodes
     up to the check of ``site`` (``guard.check_site``; all where None): a check ``check_order`` moved to
     the start of the first stage refuses a call before anything computed."""
-    training = sharded.plan.training
-    called: list[_ModuleCall] = []
-    draws = False
+    rerun = Rerun(True)
     for stage in sharded.stages:
-        nodes = _up_to_check(stage, site) if stage is last else list(stage.graph.nodes)
-        held: set[str] = set()  # the nodes that are a weight or buffer of the stage, or a view of one
-        for node in nodes:
-            facts = node_facts(node)
-            first = node.args[0] if node.args else None
-            weight = node.op == "get_attr" and isinstance(resolve(stage, str(node.target)), torch.Tensor)
-            if weight or (facts is not None and facts.aliases_input and isinstance(first, torch.fx.Node)
-                          and first.name in held):
-                held.add(node.name)
-            if node.op == "call_module":
-                called.append((stage, node, facts))
-            elif _updates_buffers(stage, node, facts, held, training) or (
-                    _draws(stage, node, facts) and "generator" in node.kwargs):
-                return Rerun(False)
-            else:
-                draws = draws or _draws(stage, node, facts)
-        if stage is last:
+        nodes = _up_to_check(stage, site) if stage is last else stage.graph.nodes
+        rerun = rerun.then(rerun_of_nodes(stage, nodes, sharded.plan.training))
+        if stage is last or not rerun.same:
             break
-    return Rerun(True, tuple(called), draws)
+    return rerun
 
 
 def _up_to_check(stage: torch.fx.GraphModule, site: str | None) -> list[torch.fx.Node]:
@@ -743,46 +697,6 @@ def _up_to_check(stage: torch.fx.GraphModule, site: str | None) -> list[torch.fx
     nodes = list(stage.graph.nodes)
     return nodes[:max((i for i, node in enumerate(nodes) if site is not None and check_site(node) == site),
                       default=len(nodes))]
-
-
-def _draws(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: NodeFacts | None) -> bool:
-    """Whether ``node`` may draw random numbers: not where shape propagation saw it (``facts``) draw
-    nothing from the default generators and it is given no generator of its own (an attention that may
-    drop out, called with ``dropout_p=0.0`` in eval mode)."""
-    if facts is not None and not facts.draws_random and "generator" not in node.kwargs:
-        return False
-    return draws_random(stage, node)
-
-
-def _updates_buffers(stage: torch.fx.GraphModule, node: torch.fx.Node, facts: NodeFacts | None,
-                     held: set[str], training: bool = False) -> bool:
-    """Whether ``node`` writes in place (as shape propagation saw it: ``facts``) what ``held`` names (a
-    buffer of ``stage``, or a view of one: ``self.calls[:1].add_(1)``), or calls a module in training
-    mode that holds buffers, or a module kept whole that shape propagation saw write a buffer of its own
-    (``NodeFacts.writes_own_buffers``, in any mode). In training mode also a node given such a tensor that
-    updates running statistics (``_updates_statistics``: a traced ``F.batch_norm``, whose kernel moves no
-    version counter), calls the model's own code kept whole (``runs_model_code``: what it does with the
-    buffer is unseen), or that shape propagation did not see run; a buffer only read (BERT's
-    ``position_ids``, a rotary ``inv_freq``) is not updated."""
-    if node.op == "call_module":
-        return (facts is not None and facts.writes_own_buffers) or any(
-            m.training and any(b is not None for b in m._buffers.values())
-            for m in stage.get_submodule(str(node.target)).modules())
-    if facts is not None and not held.isdisjoint(facts.written_inputs):
-        return True
-    unseen_or_statistics = facts is None or _updates_statistics(node) or runs_model_code(stage, node)
-    return training and node.op in ("call_function", "call_method") and unseen_or_statistics and \
-        any(given.name in held for given in node.all_input_nodes)
-
-
-def _updates_statistics(node: torch.fx.Node) -> bool:
-    """Whether ``node`` calls a normalisation that updates the running statistics it is given (by its name:
-    ``batch_norm``, ``instance_norm``, a quantisation observer's ``moving_avg``), or an operator whose schema
-    writes an argument: writes ``facts.written_inputs`` may miss."""
-    if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
-        return True
-    name = getattr(node.target, "__name__", str(node.target))
-    return any(word in name for word in ("batch_norm", "instance_norm", "moving_avg"))
 
 
 def holders(sharded: ShardedModel) -> dict[str, frozenset[int]]:

@@ -570,13 +570,13 @@ def test_calls_switching_a_dicts_sizes_or_a_size_argument_run_only_the_plan_made
 def test_a_plan_refused_after_a_stage_computed_is_walked_once_for_what_running_it_again_does(monkeypatch):
     """After every guard that failed past a stage, every node of the stages was walked again for draws
     and buffer writes (150-300 µs), though the stages stay as captured."""
-    import autoshard.specialize as specialize
+    import autoshard.capture.reruns as reruns
 
     long, short = sequences(4, 1)
     sharded = autoshard.shard_model(BranchesOnADictsLength().eval(), 2, (long,))
     walked = []
-    facts = specialize.node_facts
-    monkeypatch.setattr(specialize, "node_facts", lambda node: walked.append(node) or facts(node))
+    facts = reruns.node_facts
+    monkeypatch.setattr(reruns, "node_facts", lambda node: walked.append(node) or facts(node))
     sharded(short)  # refused by the example's plan, then captured
     refusals = []
 
