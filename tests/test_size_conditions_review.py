@@ -12,6 +12,7 @@ from torch import nn
 
 import autoshard
 from autoshard.errors import SpecializationMismatch
+from test_specialize import ReadsValues
 
 
 def _norm_if_real(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
@@ -210,3 +211,22 @@ def test_where_no_buffer_is_updated_only_the_first_check_of_a_line_is_checked_fi
     torch.manual_seed(1)
     assert torch.allclose(sharded(x), expected)
     assert len(sharded.specializations) == 1
+
+
+class GatedAroundValues(GatedTwice):
+    """``GatedTwice`` whose second width comes through code reading values, which the symbolic run cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values = ReadsValues()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.gate(self.first(x)[..., 4:])
+        b = self.gate(self.values(self.second(x))[..., 2:])
+        return self.head(a.mean(-1) + b.mean(-1))
+
+
+def test_the_checks_the_symbolic_run_reached_before_code_it_cannot_run_are_checked_first():
+    """Run on to the second check, the symbolic run failed in the code reading values and wrote no condition at
+    all: a call breaking the first check (w = 7: width 3) was refused after the batch norms had run."""
+    served_in_training_as_the_model(GatedAroundValues(), (2, 4, 10), (2, 4, 7), same=torch.allclose)

@@ -91,7 +91,8 @@ class _SymbolicRun(PlainInterpreter):
 def early_conditions(gm: fx.GraphModule, values: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     """``(condition, refusal)`` for each late size check of ``gm`` whose condition the symbolic run writes
     over the inputs' sizes (``InputGuard.early``); ``values``: the example's arguments by name, which each
-    condition must hold of. Empty where there is no late check or the run fails."""
+    condition must hold of. Empty where there is no late check or the run fails before the first (code
+    reading tensor values)."""
     late = _late_checks(gm)
     if not late:
         return ()
@@ -115,10 +116,8 @@ def early_conditions(gm: fx.GraphModule, values: dict[str, Any]) -> tuple[tuple[
     try:
         with isolated(gm), mode, torch.no_grad(), grad_mode_unchecked():
             run.run(*fakes)
-    except _Stop:
-        pass
-    except Exception:  # noqa: BLE001 - code fake tensors cannot run: the checks stay where they are, alone
-        return ()
+    except Exception:  # noqa: BLE001 - _Stop, or code fake tensors cannot run: the checks after it stay alone
+        pass  # (those it reached are written: a batch norm's graph runs on past the first check of a site)
     found = []
     for args in run.given.values():
         written = _written(args, names)
