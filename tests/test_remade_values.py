@@ -22,7 +22,8 @@ BATCH, SEQ, WIDTH = 2, 32, 8
 
 class MaskedLayers(nn.Module):
     """Builds a causal mask from its input's length (and padding) before its layers, as a decoder does;
-    ``mask`` picks how: ``"causal"``, ``"random"`` (drawn: must be sent) or ``"written"`` (made in place)."""
+    ``mask`` picks how: ``"causal"``, ``"random"`` (drawn: must be sent), ``"written"`` (made in place) or
+    ``"source-written"`` (made from a tensor written in place after it)."""
 
     def __init__(self, mask: str = "causal") -> None:
         super().__init__()
@@ -37,6 +38,10 @@ class MaskedLayers(nn.Module):
         elif self.mask == "written":
             mask = positions[:, None] >= 0 * positions
             mask.logical_and_(positions[:, None] >= positions)
+        elif self.mask == "source-written":  # its source written in place after it: made where it stands
+            causal = positions[:, None] >= positions
+            mask = causal.repeat(BATCH, 1, 1)
+            causal.logical_not_()
         else:
             mask = positions[:, None] >= positions
         if pad is not None:
@@ -96,6 +101,13 @@ def test_a_mask_drawn_at_random_or_written_in_place_is_sent(mask):
     torch.manual_seed(1)
     with torch.no_grad():
         assert torch.equal(ours, model(x))
+
+
+def test_a_mask_whose_source_is_written_after_it_is_made_where_it_stands():
+    model, sharded, x, _ = _sharded("source-written")
+    assert _calls(sharded.stages[1], "repeat") == 0  # made again after the write, it would be the mask negated
+    with torch.no_grad():
+        assert torch.equal(sharded(x), model(x))
 
 
 def test_training_through_a_mask_made_again_gives_the_models_gradients():

@@ -28,12 +28,14 @@ _PURE_MODULES = frozenset({"_operator", "torch", "torch.nn.functional", "torch.f
 
 def remakeable(gm: fx.GraphModule) -> set[str]:
     """The nodes of ``gm`` a stage may run again, by name: a torch operation (not a module, not a function
-    kept whole, not one of autoshard's own checks) that draws no random number and whose memory nothing
-    writes into. Whether one is made again depends on what it is computed from (``from_fx.route_around``)."""
+    kept whole, not one of autoshard's own checks) that draws no random number and whose memory, and that
+    of what it reads, nothing writes into (made again later, it would read the write). Whether one is made
+    again depends on what it is computed from (``from_fx.route_around``)."""
     written = written_values(gm)
     return {node.name for node in gm.graph.nodes
             if _is_torch_operation(node.target if node.op == "call_function" else None, node.op == "call_method")
-            and node.name not in written and not writes_in_place(gm, node) and not draws_random(gm, node)}
+            and not written.intersection({node.name, *(n.name for n in node.all_input_nodes)})
+            and not writes_in_place(gm, node) and not draws_random(gm, node)}
 
 
 def _is_torch_operation(target: Any, method: bool) -> bool:
