@@ -143,6 +143,7 @@ def test_a_saved_plan_counts_the_mask_each_stage_keeps_as_the_live_plan_does(tmp
     saved = read_plan(sharded.save_plan(tmp_path / "plan.json"))
     live = autoshard.plan_report(sharded).stages
     assert [stage.total for stage in saved.training_memory()] == [stage.memory.total for stage in live]
+    assert saved.stage_seconds() == pytest.approx([stage.seconds for stage in live])  # the step predicted from it
 
 
 def test_also_run_names_every_reader_stage_of_a_chain_made_again():

@@ -21,9 +21,10 @@ from autoshard.capture.result import WrappedLeaf
 from autoshard.costs.estimate import DeviceModel
 from autoshard.costs.memory import SavedFacts, StageMemory, stage_memory
 from autoshard.costs.memory_model import MemoryModel
-from autoshard.costs.models import held_weight_bytes
+from autoshard.costs.models import held_weight_bytes, summed_per_stage
 from autoshard.costs.ties import SharedWeight, shared_weights
 from autoshard.graph import SplitInfo, boundary_bytes, boundary_values, stage_costs, total_boundary_bytes
+from autoshard.graph.partition import also_run
 from autoshard.lowering.from_fx import WeightInfo
 
 FORMAT = "autoshard-plan"
@@ -197,8 +198,13 @@ class SavedPlan:
         return self.time_estimate is None and "time" in self.cost_models()
 
     def stage_seconds(self) -> list[float] | None:
-        """Per stage, its nodes' time (measured or estimated, see ``time_measured``); None if unknown."""
-        return self.stage_costs("time") if "time" in self.cost_models() else None
+        """Per stage, its nodes' time (measured or estimated, see ``time_measured``), a node each stage reading
+        it computes again (a mask) in each, as ``plan_report`` counts it; None if unknown."""
+        if "time" not in self.cost_models():
+            return None
+        times = self.graph("time")
+        return summed_per_stage(dict(times.nodes(data="cost")), self._assignment, self.num_stages,
+                                also_run(times, self._assignment))
 
     def training_memory(self, memory: MemoryModel | None = None) -> list[StageMemory] | None:
         """Per stage, training memory as ``autoshard.costs.memory`` models it (with ``memory``,
