@@ -138,6 +138,35 @@ def test_the_memory_model_counts_the_mask_each_stage_keeps():
         assert report.stages[stage].memory.total == pytest.approx(measured, rel=0.01), stage
 
 
+class MultipliedThenAdded(nn.Module):
+    """Weighs its first two layers' scores by the mask and adds it to the last two's: a product saves it, a sum
+    does not (nor does the first product, which reads nothing that requires grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        weights = (positions[:, None] >= positions).float()
+        for i, layer in enumerate(self.layers):
+            scores = x @ x.transpose(1, 2)
+            scores = scores * weights if i < 2 else scores + weights
+            x = x + layer(scores.softmax(-1) @ x)
+        return x
+
+
+def test_a_stage_whose_readers_of_the_mask_save_none_of_it_is_not_charged_it():
+    # a layer a stage: the first stage, where the mask is placed, and the last two make it but keep none of it
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, SEQ, WIDTH)
+    sharded = autoshard.shard_model(MultipliedThenAdded().train(), 4, (x,))
+    report = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=4))
+    for stage in range(4):
+        measured = measure_stage_memory(sharded, stage, (x,), microbatches=4).peak
+        assert report.stages[stage].memory.total == pytest.approx(measured, rel=0.01), stage
+
+
 def test_a_saved_plan_counts_the_mask_each_stage_keeps_as_the_live_plan_does(tmp_path):
     _, sharded, _, _ = _sharded(training=True)
     saved = read_plan(sharded.save_plan(tmp_path / "plan.json"))

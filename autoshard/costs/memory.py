@@ -539,10 +539,12 @@ def _as_trained(infos: Mapping[str, Weight], trained: AbstractSet[str] | None) -
 
 
 def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int], stays: AbstractSet[tuple[str, int]],
-                  recomputed: AbstractSet[str] = frozenset(), copied: Sequence[str] = ()) -> float:
+                  recomputed: AbstractSet[str] = frozenset(), copied: Sequence[str] = (),
+                  unsaved: Sequence[str] = ()) -> float:
     """The most one microbatch's forward holds at once above what it keeps when it ends (what is
     saved; ``stays``: the storages of the values sent and those a checkpoint keeps as they cross
     a region's boundary, as ``_storages`` names them; and the contiguous copies of those sent, ``copied``).
+    ``unsaved``: values made again in later stages that other stages' nodes save, not these: alive to the end.
     Walking its nodes in order: each node's own forward peak (``SavedFacts.forward``; without it, its
     output's bytes) on top of what is alive when it starts. A storage nothing saves lives from its maker
     until its last reader here has run (a wide pairwise sum nothing saves, reduced by the next node), or,
@@ -575,6 +577,7 @@ def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int
     peak = max(peak, alive + copies)
     alive += copies - sum(_unsaved(dag, storage, recomputed) for storage in freed_at.get(len(nodes), ()))
     alive -= sum(_saved_only_later(dag, owner, inside) for owner in {_owner(dag, v, stage) for v in copied})
+    alive -= sum(kept_bytes(dag, v) for v in unsaved)
     return max(0.0, peak - alive)
 
 
@@ -1028,14 +1031,19 @@ def _stage_memory(dag: nx.DiGraph, assignment: Mapping[str, int], k: int, model:
     kept = checkpointed_kept(nodes, recompute, lambda n: kept_bytes(stage_dag, n))
     kept -= sum(_saved_only_later(stage_dag, owner, set(nodes))
                 for owner in {_owner(stage_dag, v, assignment) for v in copied})
-    kept += sum(kept_bytes(stage_dag, v) for v in around.also)  # a mask its readers here save, made here again
+    # a mask made again in each stage reading it is kept where a reader of the stage saves it, wherever it is
+    # placed; in the stage placing it, unsaved, it lives through the forward alone (``_forward_peak``)
+    unsaved = [v for v in nodes if v not in recomputed and stage_dag.nodes[v].get("readers")
+               and not _saved_in(stage_dag, v, nodes)]
+    kept += sum(kept_bytes(stage_dag, v) for v in around.also if _saved_in(stage_dag, v, nodes))
+    kept -= sum(kept_bytes(stage_dag, v) for v in unsaved)
     walk = functools.partial(_backward_peak, stage_dag, nodes, set(made_here), through, sent_storages,
                              output_grads, recompute, j == k - 1)
     backward, sent_back = (nbytes * scale for nbytes in walk())
     backward += sum(model.fresh_gradient_bytes(info) for info in held)
     # what crosses a region's boundary is kept, not freed after its last reader
     stays = sent_parts.union(*(_made(stage_dag, owner) for owner in recompute.boundary))
-    forward = _forward_peak(stage_dag, nodes, assignment, stays, recomputed, copied) * scale
+    forward = _forward_peak(stage_dag, nodes, assignment, stays, recomputed, copied, unsaved) * scale
     in_flight, buffered = model.in_flight(j, k), model.step_microbatches(k)
     received_buffer = received  # the first stage's: the step's whole batch, which it is handed
     gradient_buffer = output_grads * scale if j < k - 1 else 0.0  # the last's come from the loss
@@ -1069,6 +1077,13 @@ def _stage_memory(dag: nx.DiGraph, assignment: Mapping[str, int], k: int, model:
                        + max(around.tie_sum, model.step_bytes(_in_model_order(stage_infos, held)))),
         first_backward_bytes=first_backward, later_backward_bytes=later,
         sent_back_bytes=sent_back if model.refills(j, k) else 0.0, warmup_send_bytes=warmup_send)
+
+
+def _saved_in(dag: nx.DiGraph, value: str, nodes: Sequence[str]) -> bool:
+    """Whether a node of ``nodes`` saves ``value``'s storage for backward (``SavedFacts.saves_from``); facts
+    without it (a plan file from before) may: so counted."""
+    facts = [f for n in nodes if (f := _training(dag, n)) is not None]
+    return any(f.saves_from is None or value in f.saves_from for f in facts)
 
 
 def shared_payers(dag: nx.DiGraph) -> dict[str, tuple[str, ...]]:
