@@ -184,3 +184,33 @@ def test_also_run_names_every_reader_stage_of_a_chain_made_again():
     assert also_run(dag, assignment) == {"a": frozenset({2}), "b": frozenset({2})}
     costs = {"x": 0.0, "a": 1.0, "b": 10.0, "c": 0.0, "d": 0.0}
     assert summed_per_stage(costs, assignment, 3, also_run(dag, assignment)) == [11.0, 0.0, 11.0]
+
+
+class EmbeddedMask(nn.Module):
+    """Builds its mask from its embedding's length, as Hugging Face decoders do: each stage reads the
+    embedding's shape alone, through a carrier (``shape_carriers``), and nothing saves the embedding's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, WIDTH)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        positions = torch.arange(x.shape[1], device=x.device)
+        weights = (positions[:, None] >= positions).float()
+        h = x + 1  # (an add saves neither addend)
+        for layer in self.layers:
+            h = h + layer(((h @ h.transpose(1, 2)) * weights).softmax(-1) @ h)
+        return h
+
+
+def test_a_carrier_sent_for_the_mask_is_not_charged_the_tensor_it_carries_the_shape_of():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (BATCH, SEQ))
+    sharded = autoshard.shard_model(EmbeddedMask().train(), 2, (ids,))
+    assert "embed_shape" in _crossing(sharded)  # for the next stage's mask
+    report = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=2))
+    for stage in range(2):
+        measured = measure_stage_memory(sharded, stage, (ids,), microbatches=2).peak
+        assert report.stages[stage].memory.total == pytest.approx(measured, rel=0.01), stage

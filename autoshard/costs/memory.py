@@ -412,8 +412,10 @@ def _owner(dag: nx.DiGraph, node: str, stage: Mapping[str, int]) -> str:
     """The node of the same stage whose storage ``node``'s value is: itself when it made one; for
     a view, an item or a value passed through, the maker the probe saw (``SavedFacts.views``),
     else (facts without it) the widest input of the same stage, followed to a node that allocated.
-    A storage made in another stage or by no node (an input, a weight) leaves ``node`` itself."""
-    while not dag.nodes[node].get("input") and not dag.nodes[node].get("allocated"):
+    A storage made in another stage or by no node (an input, a weight) leaves ``node`` itself, and so does a
+    shape carrier (``made_from`` its tensor: a new tensor of no bytes, which keeps that tensor's storage no longer)."""
+    while not dag.nodes[node].get("input") and not dag.nodes[node].get("allocated") \
+            and dag.nodes[node].get("made_from") is None:
         facts = _training(dag, node)
         if facts is not None and facts.views is not None:
             return facts.views if stage.get(facts.views) == stage[node] else node
