@@ -214,3 +214,31 @@ def test_a_carrier_sent_for_the_mask_is_not_charged_the_tensor_it_carries_the_sh
     for stage in range(2):
         measured = measure_stage_memory(sharded, stage, (ids,), microbatches=2).peak
         assert report.stages[stage].memory.total == pytest.approx(measured, rel=0.01), stage
+
+
+class WrittenPositions(nn.Module):
+    """Builds its mask from positions it then shifts in place between its layers: a stage that made the mask
+    again from the positions it received would see them shifted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        weights = ((positions[:, None] + positions) >= SEQ).float()
+        for i, layer in enumerate(self.layers):
+            if i == 2:
+                positions.add_(3)
+                x = x + positions[None, :, None].float()
+            x = x + layer(((x @ x.transpose(1, 2)) * weights).softmax(-1) @ x)
+        return x
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_mask_of_values_written_in_place_later_is_sent_not_made_again(stages):
+    torch.manual_seed(0)
+    model, x = WrittenPositions().eval(), torch.randn(BATCH, SEQ, WIDTH)
+    sharded = autoshard.shard_model(copy.deepcopy(model), stages, (x,))  # (verified: its outputs are the model's)
+    with torch.no_grad():
+        assert torch.equal(sharded(x), model(x))
