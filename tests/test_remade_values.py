@@ -205,7 +205,7 @@ class EmbeddedMask(nn.Module):
         return h
 
 
-def test_a_carrier_sent_for_the_mask_is_not_charged_the_tensor_it_carries_the_shape_of():
+def test_a_carrier_sent_for_the_mask_is_not_charged_the_tensor_it_carries_the_shape_of(tmp_path):
     torch.manual_seed(0)
     ids = torch.randint(0, 16, (BATCH, SEQ))
     sharded = autoshard.shard_model(EmbeddedMask().train(), 2, (ids,))
@@ -214,6 +214,9 @@ def test_a_carrier_sent_for_the_mask_is_not_charged_the_tensor_it_carries_the_sh
     for stage in range(2):
         measured = measure_stage_memory(sharded, stage, (ids,), microbatches=2).peak
         assert report.stages[stage].memory.total == pytest.approx(measured, rel=0.01), stage
+    saved = read_plan(sharded.save_plan(tmp_path / "plan.json"))  # which knows no carrier's tensor
+    assert [stage.total for stage in saved.training_memory()] == [
+        stage.memory.total for stage in autoshard.plan_report(sharded).stages]
 
 
 class WrittenPositions(nn.Module):

@@ -413,9 +413,10 @@ def _owner(dag: nx.DiGraph, node: str, stage: Mapping[str, int]) -> str:
     a view, an item or a value passed through, the maker the probe saw (``SavedFacts.views``),
     else (facts without it) the widest input of the same stage, followed to a node that allocated.
     A storage made in another stage or by no node (an input, a weight) leaves ``node`` itself, and so does a
-    shape carrier (``made_from`` its tensor: a new tensor of no bytes, which keeps that tensor's storage no longer)."""
+    value of no bytes: a shape carrier, a new tensor of none, keeps no storage of the tensor it carries the shape
+    of (a plan file does not say which: it is not ``made_from`` there)."""
     while not dag.nodes[node].get("input") and not dag.nodes[node].get("allocated") \
-            and dag.nodes[node].get("made_from") is None:
+            and dag.nodes[node].get("bytes", 1):
         facts = _training(dag, node)
         if facts is not None and facts.views is not None:
             return facts.views if stage.get(facts.views) == stage[node] else node
