@@ -245,3 +245,28 @@ def test_a_mask_of_values_written_in_place_later_is_sent_not_made_again(stages):
     sharded = autoshard.shard_model(copy.deepcopy(model), stages, (x,))  # (verified: its outputs are the model's)
     with torch.no_grad():
         assert torch.equal(sharded(x), model(x))
+
+
+class InputScaled(nn.Module):
+    """Weighs its scores by a column of its input, expanded: no FLOPs, more bytes than the column, but it carries
+    the input's gradient, which a stage making it again would add up in another order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = x[:, :, :1].expand(-1, -1, x.shape[1])
+        for layer in self.layers:
+            x = x + layer(((x @ x.transpose(1, 2)) * weights).softmax(-1) @ x)
+        return x
+
+
+def test_a_value_carrying_an_inputs_gradient_is_sent_and_the_inputs_gradient_is_the_models():
+    torch.manual_seed(0)
+    model, x = InputScaled().train(), torch.randn(BATCH, SEQ, WIDTH)
+    sharded = autoshard.shard_model(copy.deepcopy(model), 2, (x.clone().requires_grad_(),))
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    sharded(ours).square().sum().backward()
+    model(theirs).square().sum().backward()
+    assert torch.equal(ours.grad, theirs.grad)

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 from autoshard.costs.execution import COMPUTE_OPS
 from autoshard.costs.facts import node_facts, node_seconds, node_timed_backward
+from autoshard.costs.values import ConstantMeta, TensorMeta
 from autoshard.fx_helpers import canonical_tensor_names, resolve, shape_read, target_name
 from autoshard.lowering.inplace import order_around_mutations
 from autoshard.lowering.randomness import order_random_draws
@@ -215,9 +216,11 @@ def route_around(dag: nx.DiGraph, remakeable: AbstractSet[str] = frozenset()) ->
     stages, where emit recomputes the value. One that is read keeps no in-edges either: the stage a split
     gives it runs nothing of it, and a partition places it with the first of its ``readers``, the nodes it
     had edges to (``Partition.from_assignment``). A non-tensor model output makes its sources outputs
-    instead. A carrier of a tensor made again is made with it.
+    instead. A carrier of a tensor made again is made with it. A tensor that may carry a model input's
+    gradient (``_graded``) is sent: made again, its gradient would be added up in another order.
     """
     from_inputs: set[str] = set()  # computed from the model's inputs, sizes and constants alone
+    graded = _graded(dag)
     for node in list(dag.nodes):
         data = dag.nodes[node]
         sources = list(dag.predecessors(node))
@@ -228,7 +231,7 @@ def route_around(dag: nx.DiGraph, remakeable: AbstractSet[str] = frozenset()) ->
         if carried is not None and dag.nodes[carried].get("readers"):  # a size of a tensor made again: made with it
             data["made_from"] = None
         elif data["input"] or (data["tensor"] is not False
-                               and not _remade(dag, node, sources, remakeable, from_inputs)):
+                               and (node in graded or not _remade(dag, node, sources, remakeable, from_inputs))):
             continue
         data["readers"] = tuple(dag.successors(node))
         for reader in data["readers"]:
@@ -240,6 +243,21 @@ def route_around(dag: nx.DiGraph, remakeable: AbstractSet[str] = frozenset()) ->
             data["output"] = False
             for source in sources:
                 dag.nodes[source]["output"] = True
+
+
+def _graded(dag: nx.DiGraph) -> set[str]:
+    """The values that may carry a model input's gradient: floating values computed from a floating input (not
+    through a shape carrier, a size or a comparison), on the edges before ``route_around`` moves any."""
+    graded: set[str] = set()
+    for node, data in dag.nodes(data=True):
+        meta = data.get("value_meta")
+        dtype = getattr(torch, meta.dtype) if isinstance(meta, TensorMeta) else None
+        floating = dtype.is_floating_point or dtype.is_complex if dtype is not None else (
+            not isinstance(meta, ConstantMeta))
+        if floating and data.get("made_from") is None and (
+                data["input"] or any(source in graded for source in dag.predecessors(node))):
+            graded.add(node)
+    return graded
 
 
 def _remade(dag: nx.DiGraph, node: str, sources: list[str], remakeable: AbstractSet[str],
