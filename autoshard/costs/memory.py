@@ -1037,7 +1037,7 @@ def _stage_memory(dag: nx.DiGraph, assignment: Mapping[str, int], k: int, model:
     # a mask made again in each stage reading it is kept where a reader of the stage saves it, wherever it is
     # placed; in the stage placing it, unsaved, it lives through the forward alone (``_forward_peak``)
     unsaved = [v for v in nodes if v not in recomputed and stage_dag.nodes[v].get("readers")
-               and not _saved_in(stage_dag, v, nodes)]
+               and kept_bytes(stage_dag, v) and not _saved_in(stage_dag, v, nodes)]
     kept += sum(kept_bytes(stage_dag, v) for v in around.also if _saved_in(stage_dag, v, nodes))
     kept -= sum(kept_bytes(stage_dag, v) for v in unsaved)
     walk = functools.partial(_backward_peak, stage_dag, nodes, set(made_here), through, sent_storages,
