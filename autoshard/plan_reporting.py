@@ -192,9 +192,9 @@ def plan_report(
     per_model.update({name: plan.stage_costs(costs) for name, costs in extra_costs.items()})
     memories = stage_memory(plan.dag, plan.assignment, k, memory) if "memory" in models else None
     times = _times(plan, device)
-    # where each stage runs it: a mask made again in every stage reading it costs each its time
-    also = also_run(plan.dag, plan.assignment)
-    seconds = summed_per_stage(times.seconds, plan.assignment, k, also) if times is not None else None
+    seconds = None  # counted where each stage runs it: a mask made again in every stage reading it costs each
+    if times is not None:
+        seconds = summed_per_stage(times.seconds, plan.assignment, k, also_run(plan.dag, plan.assignment))
     infos = plan.dag.graph.get("weights", {})
     stages = []
     for j in range(k):

@@ -949,7 +949,7 @@ def stage_memory(
     also = also_run(dag, assignment)
     return [_stage_memory(dag, assignment, k, model, scale, j, nodes, _Surroundings(
                 crossing[j - 1] if j else [], crossing[j] if j < k - 1 else outputs, outputs, payers, tie_sum[j], tied,
-                [v for v, running in also.items() if j in running]))
+                _run_by(also, j)))
             for j, nodes in enumerate(_nodes_by_stage(assignment, k)) if stages is None or j in stages]
 
 
@@ -979,7 +979,12 @@ class ContiguousStages:
         also = also_run(self.dag, assignment, self.again)
         return _stage_memory(self.dag, assignment, self.k, self.model, self.scale, j, nodes, _Surroundings(
             self.cuts.crossing(a) if j else [], self.cuts.crossing(b) if j < self.k - 1 else self.outputs,
-            self.outputs, payers, tie_sum[j], tied, [v for v, running in also.items() if j in running]))
+            self.outputs, payers, tie_sum[j], tied, _run_by(also, j)))
+
+
+def _run_by(also: Mapping[str, AbstractSet[int]], j: int) -> list[str]:
+    """The nodes of ``also`` (``also_run``'s) that stage j computes again."""
+    return [v for v, running in also.items() if j in running]
 
 
 def _outputs(dag: nx.DiGraph) -> list[str]:

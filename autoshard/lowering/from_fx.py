@@ -224,10 +224,10 @@ def route_around(dag: nx.DiGraph, remakeable: AbstractSet[str] = frozenset()) ->
     for node in list(dag.nodes):
         data = dag.nodes[node]
         sources = list(dag.predecessors(node))
-        if data["input"] or data.get("made_from") is not None or (
+        carried = data.get("made_from")
+        if data["input"] or carried is not None or (
                 not data["weights"] and all(source in from_inputs for source in sources)):
             from_inputs.add(node)
-        carried = data.get("made_from")
         if carried is not None and dag.nodes[carried].get("readers"):  # a size of a tensor made again: made with it
             data["made_from"] = None
         elif data["input"] or (data["tensor"] is not False

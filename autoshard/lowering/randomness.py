@@ -32,7 +32,9 @@ _RANDOM_FUNCTIONS = frozenset({
     torch.nn.functional.dropout1d, torch.nn.functional.dropout2d, torch.nn.functional.dropout3d,
     torch.nn.functional.feature_alpha_dropout, torch.nn.functional.gumbel_softmax,
 })
-_TORCH_MODULES = ("torch", "torch.nn.functional", "torch._C._nn", "torch._C._VariableFunctions", "torch.functional")
+#: Modules of torch's functions (``torch.arange``, ``F.dropout``): an aten namesake tells what such a function does.
+TORCH_MODULES = frozenset({"torch", "torch.nn.functional", "torch._C._nn", "torch._C._VariableFunctions",
+                           "torch.functional", "torch._C._linalg", "torch._C._fft", "torch._C._special"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,7 +68,7 @@ def draws_random(gm: fx.GraphModule, node: fx.Node) -> bool:
         return torch.Tag.nondeterministic_seeded in target.tags
     if target in _RANDOM_FUNCTIONS:
         return True
-    return getattr(target, "__module__", None) in _TORCH_MODULES and _aten_is_random(getattr(target, "__name__", ""))
+    return getattr(target, "__module__", None) in TORCH_MODULES and _aten_is_random(getattr(target, "__name__", ""))
 
 
 def order_random_draws(gm: fx.GraphModule, dag: nx.DiGraph) -> None:

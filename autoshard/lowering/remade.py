@@ -11,19 +11,12 @@ that reads it (``emit._stage_graph``), as it does for a size.
 
 from __future__ import annotations
 
-import operator
-from typing import Any
-
 import torch
 import torch.fx as fx
 
 from autoshard.fx_helpers import writes_in_place
 from autoshard.lowering.inplace import written_values
-from autoshard.lowering.randomness import draws_random
-
-#: Modules whose functions compute from their arguments alone: an operator, a torch function.
-_PURE_MODULES = frozenset({"_operator", "torch", "torch.nn.functional", "torch.functional", "torch._C._nn",
-                           "torch._C._VariableFunctions", "torch._C._linalg", "torch._C._fft", "torch._C._special"})
+from autoshard.lowering.randomness import TORCH_MODULES, draws_random
 
 
 def remakeable(gm: fx.GraphModule) -> set[str]:
@@ -33,17 +26,23 @@ def remakeable(gm: fx.GraphModule) -> set[str]:
     again depends on what it is computed from (``from_fx.route_around``)."""
     written = written_values(gm)
     return {node.name for node in gm.graph.nodes
-            if _is_torch_operation(node.target if node.op == "call_function" else None, node.op == "call_method")
+            if _is_torch_operation(node)
             and not written.intersection({node.name, *(n.name for n in node.all_input_nodes)})
             and not writes_in_place(gm, node) and not draws_random(gm, node)}
 
 
-def _is_torch_operation(target: Any, method: bool) -> bool:
-    if method:
-        return True  # a tensor's method (one writing in place is left out by the caller)
-    if isinstance(target, torch._ops.OpOverload):  # torch.export's aten operators
-        return not target._schema.is_mutable
-    if target is operator.getitem or isinstance(getattr(target, "__objclass__", None), type) and issubclass(
-            target.__objclass__, torch._C.TensorBase):  # ``torch.Tensor.expand`` called as a function
+def _is_torch_operation(node: fx.Node) -> bool:
+    """A tensor's method (one writing in place is left out by the caller), an operator, a torch function, or
+    an aten operator that writes none of its arguments (torch.export's)."""
+    if node.op == "call_method":
         return True
-    return getattr(target, "__module__", None) in _PURE_MODULES
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return not target._schema.is_mutable
+    objclass = getattr(target, "__objclass__", None)  # ``torch.Tensor.expand`` called as a function
+    if isinstance(objclass, type) and issubclass(objclass, torch._C.TensorBase):
+        return True
+    module = getattr(target, "__module__", None)
+    return module == "_operator" or module in TORCH_MODULES
