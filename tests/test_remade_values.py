@@ -269,3 +269,65 @@ def test_a_value_carrying_an_inputs_gradient_is_sent_and_the_inputs_gradient_is_
     sharded(ours).square().sum().backward()
     model(theirs).square().sum().backward()
     assert torch.equal(ours.grad, theirs.grad)
+
+
+class Tabled(nn.Module):
+    """Weighs each layer's input by a table made from its length and inverse frequencies, as a rotary
+    embedding makes its cosines: ``frequencies`` picks what they are, a ``"buffer"``, a ``"parameter"`` (the
+    table carries its gradient) or a ``"written"`` buffer (shifted in place after the table is made)."""
+
+    def __init__(self, frequencies: str = "buffer") -> None:
+        super().__init__()
+        inverse = 1.0 / 10 ** (torch.arange(WIDTH) / WIDTH)
+        if frequencies == "parameter":
+            self.inverse = nn.Parameter(inverse)
+        else:
+            self.register_buffer("inverse", inverse, persistent=False)
+        self.written = frequencies == "written"
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        table = (positions[:, None].float() * self.inverse.float()).cos()
+        if self.written:
+            self.inverse.add_(1.0)
+        for layer in self.layers:
+            x = x + layer(x * table)
+        return x
+
+
+def _tabled(frequencies: str):
+    torch.manual_seed(0)
+    model, x = Tabled(frequencies).eval(), torch.randn(BATCH, SEQ, WIDTH)
+    return model, autoshard.shard_model(copy.deepcopy(model), 2, (x,)), x
+
+
+def test_a_table_of_the_inputs_length_and_a_buffer_is_made_again_from_the_buffer_which_crosses_instead():
+    model, sharded, x = _tabled("buffer")
+    assert sum(_crossing(sharded).values()) == BATCH * SEQ * WIDTH * 4 + WIDTH * 4  # not the (SEQ, WIDTH) table
+    assert [_calls(stage, "cos") for stage in sharded.stages] == [1, 1]
+    for length in (SEQ, 5):
+        y = torch.randn(BATCH, length, WIDTH)
+        with torch.no_grad():
+            assert torch.equal(sharded(y), model(y))
+
+
+@pytest.mark.parametrize("frequencies", ["parameter", "written"])
+def test_a_table_of_a_parameter_or_of_a_buffer_written_in_the_call_is_sent(frequencies):
+    model, sharded, x = _tabled(frequencies)
+    assert sum(_crossing(sharded).values()) == BATCH * SEQ * WIDTH * 4 + SEQ * WIDTH * 4  # the table crosses
+    assert _calls(sharded.stages[1], "cos") == 0
+    with torch.no_grad():
+        assert torch.equal(sharded(x), model(x))
+
+
+def test_training_through_a_table_made_again_gives_the_models_gradients_and_memory():
+    torch.manual_seed(0)
+    model, x = Tabled().train(), torch.randn(BATCH, SEQ, WIDTH)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    assert _calls(sharded.stages[1], "cos") == 1
+    assert_same_gradients(sharded, model, x)
+    report = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=2))
+    for stage in range(2):
+        measured = measure_stage_memory(sharded, stage, (x,), microbatches=2).peak
+        assert report.stages[stage].memory.total == pytest.approx(measured, rel=0.01), stage

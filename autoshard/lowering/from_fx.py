@@ -27,14 +27,14 @@ their first reader. A read of a weight's shape alone (``w.shape[0]``, ``w.size(1
 weight: emit makes it a constant in a stage that does not hold the weight (``fold_shape_reads``).
 The output node is not a DAG node either: the values it returns are flagged ``output=True``.
 
-A value known to hold no tensor (``x.size(0)``, a bool) never crosses a boundary: emit
-recomputes it in each stage that reads it, and so it does a mask computed from the model's inputs
-alone (``lowering.remade``). So in the DAG its readers depend directly on the tensors (or model
-inputs) it is computed from, and it has no edges of its own; ``readers`` names the nodes that read
-it, with the first of which a partition places it (see ``route_around``; each stage that makes it
-pays for it: ``graph.partition.also_run``). A read of a tensor's shape alone is computed from a
-zero-byte carrier of it (``shape_carriers``), ``made_from`` that tensor: it crosses only past the
-stages holding it.
+A value known to hold no tensor (``x.size(0)``, a bool) never crosses a boundary: emit recomputes it in
+each stage that reads it, and so it does a mask computed from the model's inputs alone, or a rotary table
+from them and a buffer (``lowering.remade``). So in the DAG its readers depend directly on the tensors
+(or model inputs) it is computed from, and it has no edges of its own; ``readers`` names the nodes that
+read it, with the first of which a partition places it (see ``route_around``; each stage that makes it
+pays for it: ``graph.partition.also_run``). A read of a tensor's shape alone is computed from a zero-byte
+carrier of it (``shape_carriers``), ``made_from`` that tensor: it crosses only past the stages holding
+it.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def route_around(dag: nx.DiGraph, remakeable: AbstractSet[str] = frozenset()) ->
     """Make the readers of each value their stages compute again depend on what it is computed from.
 
     Such a value is one known to hold no tensor, or a tensor of ``remakeable`` (``remade.remakeable``)
-    computed from the model's inputs alone, reading no weight but through a size, of more bytes than what
+    computed from the model's inputs and buffers alone (``_reads_constants``), of more bytes than what
     it is computed from and at no FLOPs (no product: a mask, positions; a model output excepted). Walking
     in program order, each such node's in-edges already come from tensors or inputs (its ancestors made
     again were routed first); its out-edges move onto those sources, which then cross to the readers'
@@ -219,14 +219,14 @@ def route_around(dag: nx.DiGraph, remakeable: AbstractSet[str] = frozenset()) ->
     instead. A carrier of a tensor made again is made with it. A tensor that may carry a model input's
     gradient (``_graded``) is sent: made again, its gradient would be added up in another order.
     """
-    from_inputs: set[str] = set()  # computed from the model's inputs, sizes and constants alone
+    from_inputs: set[str] = set()  # computed from the model's inputs, sizes, buffers and constants alone
     graded = _graded(dag)
     for node in list(dag.nodes):
         data = dag.nodes[node]
         sources = list(dag.predecessors(node))
         carried = data.get("made_from")
         if data["input"] or carried is not None or (
-                not data["weights"] and all(source in from_inputs for source in sources)):
+                _reads_constants(dag, node, remakeable) and all(source in from_inputs for source in sources)):
             from_inputs.add(node)
         if carried is not None and dag.nodes[carried].get("readers"):  # a size of a tensor made again: made with it
             data["made_from"] = None
@@ -260,12 +260,22 @@ def _graded(dag: nx.DiGraph) -> set[str]:
     return graded
 
 
+def _reads_constants(dag: nx.DiGraph, node: str, remakeable: AbstractSet[str]) -> bool:
+    """Whether ``node`` reads no weight, or only buffers through a torch operation whose memory and inputs nothing
+    writes (``remakeable``: it sees the aliases a module kept whole would hide): a rotary embedding's inverse
+    frequencies. What it computes carries no gradient and stays the same within a call; it is sent (a stage
+    making it again would need the buffer) and what reads it may be made again from it."""
+    infos = dag.graph["weights"]
+    return not dag.nodes[node]["weights"] or (
+        node in remakeable and all(infos[name].kind == "buffer" for name in dag.nodes[node]["weights"]))
+
+
 def _remade(dag: nx.DiGraph, node: str, sources: list[str], remakeable: AbstractSet[str],
             from_inputs: AbstractSet[str]) -> bool:
     """Whether a tensor ``node`` is made again in each stage reading it rather than sent (``route_around``)."""
     data = dag.nodes[node]
-    return (node in remakeable and node in from_inputs and data["tensor"] and not data["output"]
-            and data["flops"] == 0
+    return (node in remakeable and node in from_inputs and not data["weights"] and data["tensor"]
+            and not data["output"] and data["flops"] == 0
             and float(data["bytes"]) > sum(float(dag.nodes[source]["bytes"]) for source in sources))
 
 

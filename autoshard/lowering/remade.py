@@ -6,7 +6,8 @@ hidden states: at 4,096 tokens and width 4,096 in bf16, half their bytes. Such a
 no random number and nothing writes into it, so a stage that reads it can compute it again from what it was
 computed from: the model's inputs, sizes (``shape_carriers``) and constants. Where those are fewer bytes than
 the value, they cross instead (``from_fx.route_around``) and emit copies the value's code into each stage
-that reads it (``emit._stage_graph``), as it does for a size.
+that reads it (``emit._stage_graph``), as it does for a size. A rotary embedding's cosines and sines are made
+again the same way from its inverse frequencies, a buffer nothing writes: the few bytes read from it cross.
 """
 
 from __future__ import annotations
