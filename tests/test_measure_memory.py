@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +27,7 @@ from autoshard.runtime.memory import PARTS, microbatches_in_flight
 
 F32 = 4
 BATCH = 5
+REPO = Path(__file__).resolve().parent.parent
 
 
 @functools.cache
@@ -398,6 +403,45 @@ def test_a_stage_that_first_writes_in_place_to_what_it_received_is_measured():
     sharded = autoshard.shard_model(model, 2, example_inputs=(x,), pipeline=pipeline)
     predicted = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=1)).stages[1].memory.total
     assert measure_stage_memory(sharded, 1, (x,), microbatches=1).peak == predicted
+
+
+# A stage whose first node normalises what it received: stage 0 makes a channels-last map (a Linear over
+# 8 x 8 positions of 4 channels, its 16 channels permuted to the front), stage 1 is its GroupNorm
+GROUP_NORM_AFTER_A_CUT = """
+import json, torch
+from torch import nn
+import autoshard
+from autoshard.runtime import measure_stage_memory
+
+
+class NormAfterCut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(4, 16), nn.GroupNorm(4, 16)
+
+    def forward(self, x):
+        return self.norm(self.proj(x).permute(0, 3, 1, 2))
+
+
+torch.manual_seed(0)
+x = torch.randn(2, 8, 8, 4)
+pipeline = "capture,shape-prop,build-dag,linearize,split{stages=2 cut-before=norm},emit"
+sharded = autoshard.shard_model(NormAfterCut(), 2, example_inputs=(x,), pipeline=pipeline)
+predicted = autoshard.plan_report(sharded, memory=autoshard.MemoryModel(microbatches=1)).stages[1].memory.total
+print(json.dumps([measure_stage_memory(sharded, 1, (x,), microbatches=1).peak, predicted]))
+"""
+
+
+def test_a_stage_normalising_a_received_channels_last_map_is_measured():
+    """The first step asked autograd for the weights' gradients alone; torch's CPU GroupNorm backward
+    on a channels-last map of under 2,048 positions then writes its input's gradient through a null
+    pointer, which killed the process (a diffusers UNet2DModel's stage 1 of 2, eval). Run apart, so a
+    crash fails this test rather than the whole run."""
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", GROUP_NORM_AFTER_A_CUT],
+                         capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured, predicted = json.loads(run.stdout.splitlines()[-1])
+    assert measured == predicted
 
 
 def test_the_checks_default_to_the_training_the_plan_was_made_for():

@@ -476,13 +476,17 @@ def _first_step(module: nn.Module, microbatch: tuple[tuple, dict], count: int,
     the backward gives a gradient, the only ones ``torch.optim`` keeps state for (not a weight read
     under ``torch.no_grad`` or before a ``detach``), and those of ``tied``, into which ``TiedGradients.sync``
     writes one; and those a backward of its own, run by a custom Function's, adds into (Reformer's reversible
-    layers recompute theirs), which ``autograd.grad`` does not return. Nothing keeps a gradient of it."""
+    layers recompute theirs), which ``autograd.grad`` does not return. Nothing keeps a gradient of it.
+    The received values' gradients are asked for too, as the stage makes them to send back: torch 2.13's
+    CPU GroupNorm backward on a channels-last map of under 2,048 positions writes its input's gradient
+    through a null pointer where none is asked for (a diffusers UNet's stage killed the process)."""
     caller = _Untouched(module, sends=count > 0)
     caller.microbatch = microbatch
     sent = [t for t in tensors_in(caller()) if t.requires_grad]
     trainable = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
-    grads = torch.autograd.grad(sent, trainable, [torch.ones_like(t) for t in sent],
-                                allow_unused=True) if sent and trainable else ()
+    received = [t for t in tensors_in(microbatch) if t.requires_grad]
+    grads = torch.autograd.grad(sent, [*trainable, *received], [torch.ones_like(t) for t in sent],
+                                allow_unused=True)[:len(trainable)] if sent and trainable else ()
     synced = {id(p) for p in tied}
     given = [p for p, grad in zip(trainable, grads) if grad is not None or p.grad is not None or id(p) in synced]
     for p in trainable:
