@@ -998,6 +998,37 @@ def test_a_tensor_made_from_a_size_is_a_node_that_follows_the_size():
     assert torch.equal(sharded(x), model(x))
 
 
+class MaskOfSizes(nn.Module):
+    """Makes a tensor from its input's sizes passed one by one, as a decoder makes its default mask with
+    ``torch.ones(batch_size, seq_length)``: torch refused the proxies before fx saw the call."""
+
+    def __init__(self, constructor: str) -> None:
+        super().__init__()
+        self.constructor = constructor
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length = x.shape[:2]
+        made = getattr(torch, self.constructor)(batch, length, device=x.device)
+        if self.constructor == "empty":
+            made.fill_(1.0)
+        return self.b(self.a(x) * made[..., None])
+
+
+@pytest.mark.parametrize("constructor", ["ones", "zeros", "empty", "rand", "randn"])
+def test_a_tensor_made_from_sizes_passed_one_by_one_is_traced_not_kept_whole(constructor):
+    torch.manual_seed(0)
+    model = MaskOfSizes(constructor)
+    sharded = autoshard.shard_model(model, 2, example_inputs=(torch.randn(2, 3, 4),),
+                                    pipeline="trace,shape-prop,build-dag,linearize,split,emit,verify")
+    assert sharded.plan.wrapped == ()  # before: refused (code in the top-level forward fx cannot trace)
+    x = torch.randn(3, 5, 4)  # other sizes, which the stages make their tensor of
+    torch.manual_seed(1)
+    got = sharded(x)
+    torch.manual_seed(1)
+    assert torch.equal(got, model(x))
+
+
 class Pyramid(nn.Module):
     """RAFT's correlation block: one method fills an attribute, another reads it, same call."""
 

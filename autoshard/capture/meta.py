@@ -262,8 +262,11 @@ def _callable(obj: Any, _builtin: Callable[[Any], bool] = callable) -> bool:
     return _builtin(obj)
 
 
-#: Tensor constructors whose data argument may hold a size: ``torch.tensor(x.shape[-1])``.
-_CONSTRUCTORS = ("tensor", "as_tensor", "scalar_tensor")
+#: Tensor constructors whose data argument may hold a size: ``torch.tensor(x.shape[-1])``; and those taking
+#: sizes as separate arguments, which torch's argument parser refuses as proxies before fx sees the call:
+#: ``torch.ones(batch_size, seq_length)`` (Switch Transformers' and T5-style decoders' default mask) kept
+#: the whole decoder one leaf.
+_CONSTRUCTORS = ("tensor", "as_tensor", "scalar_tensor", "ones", "zeros", "empty", "rand", "randn")
 
 
 def _recording_constructor(constructor: Callable[..., Any]) -> Callable[..., Any]:
