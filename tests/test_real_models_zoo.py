@@ -159,6 +159,12 @@ FAMILIES: tuple[Family, ...] = (
            text),
     Family("mixtral", _seeded(lambda: transformers.MixtralModel(transformers.MixtralConfig(
         **DECODER, num_local_experts=4, num_experts_per_tok=2))), text),
+    # DeepSeek-V3: attention through low-rank query and key-value projections, each head split into a rotary
+    # and a plain part, and a mixture of experts routed by groups after a first dense layer.
+    Family("deepseek-v3", _seeded(lambda: transformers.DeepseekV3Model(transformers.DeepseekV3Config(
+        **LAYERS, num_key_value_heads=2, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16))), text),
     Family("whisper-encoder", _seeded(lambda: WhisperEncoder(transformers.WhisperConfig(
         encoder_layers=2, d_model=32, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=8,
         max_source_positions=16, vocab_size=VOCAB))),
