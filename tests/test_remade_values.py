@@ -4,6 +4,7 @@ stage that reads it instead of crossing every boundary (``lowering.remade``), an
 from __future__ import annotations
 
 import copy
+import json
 
 import networkx as nx
 import pytest
@@ -189,6 +190,18 @@ def test_a_saved_plan_counts_the_mask_each_stage_keeps_as_the_live_plan_does(tmp
     assert saved.stage_seconds() == pytest.approx([stage.seconds for stage in live])  # the step predicted from it
 
 
+def test_a_plan_file_from_before_saves_from_counts_the_mask_kept_where_each_stage_makes_it(tmp_path):
+    # the file says not which readers save what they read: each stage making the mask may keep it, and here does
+    _, sharded, _, _ = _sharded(training=True)
+    path = sharded.save_plan(tmp_path / "plan.json")
+    content = json.loads(path.read_text())
+    for node in content["nodes"]:
+        node.get("training", {}).pop("saves_from", None)
+    path.write_text(json.dumps(content))
+    assert [stage.total for stage in read_plan(path).training_memory()] == [
+        stage.memory.total for stage in autoshard.plan_report(sharded).stages]
+
+
 def test_also_run_names_every_reader_stage_of_a_chain_made_again():
     dag = nx.DiGraph()
     dag.add_nodes_from(["x", "a", "b", "c", "d"])
@@ -263,27 +276,121 @@ def test_a_mask_of_values_written_in_place_later_is_sent_not_made_again(stages):
 
 class InputScaled(nn.Module):
     """Weighs its scores by a column of its input, expanded: no FLOPs, more bytes than the column, but it carries
-    the input's gradient, which a stage making it again would add up in another order."""
+    the input's gradient, which a stage making it again would add up in another order. ``column`` picks how it
+    is taken: sliced, the first of a split (a tuple between the input and the column) or the real part of a
+    complex input's."""
+
+    def __init__(self, column: str = "sliced") -> None:
+        super().__init__()
+        self.column = column
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if self.column == "split":
+            weights = x.split(1, dim=-1)[0].expand(-1, -1, n)
+        elif self.column == "complex":
+            weights, x = torch.real(x[:, :, :1].expand(-1, -1, n)), torch.real(x)
+        else:
+            weights = x[:, :, :1].expand(-1, -1, n)
+        for layer in self.layers:
+            x = x + layer(((x @ x.transpose(1, 2)) * weights).softmax(-1) @ x)
+        return x
+
+
+@pytest.mark.parametrize("column", ["sliced", "split", "complex"])
+def test_a_value_carrying_an_inputs_gradient_is_sent_and_the_inputs_gradient_is_the_models(column):
+    torch.manual_seed(0)
+    dtype = torch.complex64 if column == "complex" else torch.float
+    model, x = InputScaled(column).train(), torch.randn(BATCH, SEQ, WIDTH, dtype=dtype)
+    sharded = autoshard.shard_model(copy.deepcopy(model), 2, (x.clone().requires_grad_(),))
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    sharded(ours).square().sum().backward()
+    model(theirs).square().sum().backward()
+    assert torch.equal(ours.grad, theirs.grad)
+
+
+class LearnedBias(nn.Module):
+    """Weighs its scores by a learned bias per position, expanded: no FLOPs, more bytes than the bias, but read
+    from a weight, whose gradient a stage making it again would add up in another order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.rand(SEQ))
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        weights = self.bias[None, :n].expand(n, n)
+        for layer in self.layers:
+            x = x + layer(((x @ x.transpose(1, 2)) * weights).softmax(-1) @ x)
+        return x
+
+
+def test_a_value_computed_from_a_weight_is_sent_and_the_weights_gradient_is_the_models():
+    torch.manual_seed(0)
+    model, x = LearnedBias().train(), torch.randn(BATCH, SEQ, WIDTH)
+    assert_same_gradients(autoshard.shard_model(model, 2, (x,)), model, x)
+
+
+class CountedMask(nn.Module):
+    """Makes the mask and counts its calls: a module writing state its next call reads is kept whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, n: int) -> torch.Tensor:
+        self.calls += 1
+        positions = torch.arange(n)
+        return (positions[:, None] >= positions).float()
+
+
+class MaskedByModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = CountedMask()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.mask(x.shape[1])
+        for layer in self.layers:
+            x = x + layer(((x @ x.transpose(1, 2)) * weights).softmax(-1) @ x)
+        return x
+
+
+def test_a_mask_made_by_a_module_kept_whole_is_sent_and_the_module_runs_once_a_call():
+    model, x = MaskedByModule().eval(), torch.randn(BATCH, SEQ, WIDTH)
+    sharded = autoshard.shard_model(model, 2, (x,))
+    calls = model.mask.calls
+    with torch.no_grad():
+        sharded(x)
+    assert model.mask.calls == calls + 1  # made again, the second stage would run it too
+
+
+def test_a_mask_torch_export_captures_is_made_again():
+    torch.manual_seed(0)
+    model, x = MaskedLayers().eval(), torch.randn(BATCH, SEQ, WIDTH)
+    sharded = autoshard.shard_model(copy.deepcopy(model), 2, (x,),
+                                    pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    assert sum(_crossing(sharded).values()) < BATCH * SEQ * WIDTH * 4 + SEQ * SEQ  # less than the bool mask
+    with torch.no_grad():
+        assert torch.equal(sharded(x), model(x))
+
+
+class PositionsProduct(nn.Module):
+    """Weighs its scores by the outer product of the positions: from the inputs' size, but made by a product."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = x[:, :, :1].expand(-1, -1, x.shape[1])
+        positions = torch.arange(x.shape[1], device=x.device, dtype=torch.float)
+        weights = positions[:, None] @ positions[None, :]
         for layer in self.layers:
             x = x + layer(((x @ x.transpose(1, 2)) * weights).softmax(-1) @ x)
         return x
-
-
-def test_a_value_carrying_an_inputs_gradient_is_sent_and_the_inputs_gradient_is_the_models():
-    torch.manual_seed(0)
-    model, x = InputScaled().train(), torch.randn(BATCH, SEQ, WIDTH)
-    sharded = autoshard.shard_model(copy.deepcopy(model), 2, (x.clone().requires_grad_(),))
-    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-    sharded(ours).square().sum().backward()
-    model(theirs).square().sum().backward()
-    assert torch.equal(ours.grad, theirs.grad)
 
 
 class Tabled(nn.Module):
@@ -346,3 +453,56 @@ def test_training_through_a_table_made_again_gives_the_models_gradients_and_memo
     for stage in range(2):
         measured = measure_stage_memory(sharded, stage, (x,), microbatches=2).peak
         assert report.stages[stage].memory.total == pytest.approx(measured, rel=0.01), stage
+
+
+def test_a_value_made_by_a_product_is_sent_not_computed_again():
+    x = torch.randn(BATCH, SEQ, WIDTH)
+    sharded = autoshard.shard_model(PositionsProduct().eval(), 2, (x,))
+    assert _crossing(sharded) == {"matmul": SEQ * SEQ * 4, "add_1": BATCH * SEQ * WIDTH * 4}
+
+
+class CheckedLayers(nn.Module):
+    """Asserts on its third layer's output: a check nothing reads, kept for its side effect."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 2:
+                torch._assert((x > -1e9).all(), "finite")
+        return x
+
+
+def test_a_value_nothing_reads_stays_after_what_it_is_computed_from():
+    # route_around leaves the in-edges of a value without readers: cut loose, a split placed the check in a stage
+    # before the one computing what it checks, and emit found nothing to read (KeyError at k = 3)
+    x = torch.randn(BATCH, WIDTH)
+    sharded = autoshard.shard_model(CheckedLayers(), 3, (x,), cost="nodes")
+    assert sharded.plan.assignment["_assert"] == sharded.plan.assignment["all_1"]
+
+
+class WidthReturned(nn.Module):
+    """Returns its output and a number computed from its first layer's width: a model output that is no tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        h = self.layers[0](x)
+        width = h.shape[-1] * 2
+        for layer in self.layers[1:]:
+            h = layer(h)
+        return h, width
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_model_output_that_is_no_tensor_crosses_no_boundary_what_it_is_computed_from_does(stages):
+    # pipeline runtimes send tensors: the last stage computes the number again from what crosses
+    x = torch.randn(BATCH, WIDTH)
+    sharded = autoshard.shard_model(WidthReturned(), stages, (x,), cost="params")
+    assert all(value.name != "mul" for j in range(stages - 1) for value in sharded.plan.boundary_values(j))
+    assert sharded(x)[1] == WIDTH * 2
