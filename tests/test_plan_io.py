@@ -277,6 +277,7 @@ def test_without_a_split_record_a_stale_module_entry_names_both_fields(saved):
     (lambda d: node(d, "add").pop("stage"), r"nodes\[\d+\] has no 'stage'"),
     (lambda d: d["nodes"].append(dict(node(d, "linears_0"))), "list 'linears_0' twice"),
     (lambda d: d["edges"].append(["add", "nowhere"]), "names 'nowhere', which is not in nodes"),
+    (lambda d: node(d, "add").update(readers=["nowhere"]), "names the reader 'nowhere', which is not in nodes"),
     (lambda d: node(d, "add")["costs"].update(params=float("nan")), "must be finite"),
     (lambda d: d["edges"].append(["add_7", "x"]), "inputs must be sources|cycle"),
     (lambda d: node(d, "linears_0").update(weights=["nowhere.weight"]),
