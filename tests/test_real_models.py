@@ -329,3 +329,20 @@ def test_a_classifier_trains_through_a_pipeline_with_labels_as_the_model():
     [(ok, check, problem_type)] = run_local(_distilbert_step_with_labels, 1, timeout=300)
     assert ok, check
     assert problem_type == "single_label_classification"
+
+
+def test_the_check_of_the_inputs_stays_in_the_first_stage_where_the_split_owes_it_nothing():
+    # Reformer at k = 4: its encoder a leaf, the embeddings the only other cost; the split placed the check, at no
+    # cost, in stage 1 after a stage of a mode check alone, and the stages refused their own example's use_cache
+    torch.manual_seed(0)
+    config = transformers.ReformerConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
+        attn_layers=["local", "local"], axial_pos_embds=False, max_position_embeddings=64, local_attn_chunk_length=4,
+        is_decoder=False)
+    model = transformers.ReformerModel(config).eval()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long),
+              "use_cache": False}
+    sharded = autoshard.shard_model(model, 4, example_kwargs=inputs)
+    first = [node.target for node in sharded.stages[0].graph.nodes]
+    assert any(getattr(target, "__name__", None) == "check_inputs" for target in first)
+    assert_same_output(sharded(**inputs), model(**inputs))

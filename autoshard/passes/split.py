@@ -26,6 +26,7 @@ from typing import AbstractSet, Any, ClassVar, Sequence
 
 import networkx as nx
 
+from autoshard.capture.guard import check_inputs
 from autoshard.costs.models import memory_parts
 from autoshard.costs.split_search import MemoryCount, SplitRequest, search_split, summed_memory, training_memory
 from autoshard.costs.ties import tie_groups
@@ -69,6 +70,16 @@ def pinned_stages(dag: nx.DiGraph, pins: Sequence[tuple[str, int]],
                     f"{stage} (one is inside the other, or they share a weight); pin them to one stage",
                     str(node), (held.first, stage))
     return found
+
+
+def inputs_checked_first(dag: nx.DiGraph) -> dict[str, StageRange]:
+    """The check of the model's inputs, held in stage 0: the first stage takes a call's arguments through it.
+    A split free to place it, at no cost, after a stage of mode checks alone left stages that refused their
+    own example (Reformer, k = 4); ``SplitPass.run`` then splits again with it held there. (``greedy`` and
+    ``uniform``, which hold no node to a stage, may still place it so.)"""
+    target = f"{check_inputs.__module__}.{check_inputs.__qualname__}"
+    return {node: StageRange(0, 0, "the check of the model's inputs") for node, data in dag.nodes(data=True)
+            if data.get("target") == target}
 
 
 #: Strategies kept for comparison: they do not bound the bottleneck, so a tolerance means nothing to them.
@@ -158,7 +169,13 @@ class _SplitPassBase(Pass):
                 "passes before it or the call): drop them, or pick a strategy that does "
                 f"({', '.join(s for s in strategies() if honours_constraints(s))})")
         check_cut_order(program)
-        return dataclasses.replace(program, partition=search_split(self.request(program, ctx, given)))
+        request = self.request(program, ctx, given)
+        partition = search_split(request)
+        checked = inputs_checked_first(program.dag)
+        if any(partition.assignment[node] for node in checked) and honours_constraints(self.strategy):
+            # rare, so no split pays for the range otherwise (every local move would check it)
+            partition = search_split(dataclasses.replace(request, stage_ranges={**request.stage_ranges, **checked}))
+        return dataclasses.replace(program, partition=partition)
 
     def request(self, program: ShardProgram, ctx: PassContext, given: SplitConstraints) -> SplitRequest:
         """The search this pass asks for: its options, ``given`` resolved to nodes, the run's cost models."""
