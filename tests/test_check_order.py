@@ -283,3 +283,37 @@ def test_torch_compile_serves_a_call_the_early_conditions_refuse_without_warning
             x = torch.randn(*shape)
             assert torch.equal(compiled(x), reference(x))
     assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
+class ChecksEveryLayer(nn.Module):
+    """Branches on each layer's output size: one check a layer, reading the value just before it."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            if x.shape[0] > 1:
+                x = x * 2
+        return x
+
+
+def test_hoisting_walks_back_from_each_check_only_as_far_as_it_moves(monkeypatch):
+    """Each check is placed by a walk back from it to what it must follow, not by a walk of the graph from its
+    start once per check: a 24-layer T5's 124 checks over 4,623 nodes took 0.45 s of its planning, a time that
+    grew with the square of the depth."""
+    from autoshard.capture import check_order
+
+    tested: list[object] = []
+    any_of = check_order._Writes.any_of
+    monkeypatch.setattr(check_order._Writes, "any_of", lambda self, node, roots: tested.append(node) or any_of(
+        self, node, roots))
+    torch.manual_seed(0)
+    model = ChecksEveryLayer(32)
+    sharded = autoshard.shard_model(model, 2, (torch.randn(3, 4),), verify=False)
+    checks = [check for stage in sharded.stages for check in _checks(stage)]
+    assert len(checks) == 32 and 0 < len(tested) <= 4 * len(checks)  # (before: 3,168, the nodes before each check)
+    x = torch.randn(3, 4)
+    assert torch.equal(sharded(x), model(x))

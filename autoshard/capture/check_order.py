@@ -104,18 +104,19 @@ def hoist_checks(gm: fx.GraphModule) -> None:
         return
     writes = _Writes(gm)
     for check in checks:
-        position = {node: i for i, node in enumerate(graph.nodes)}
         computing, operands = condition_and_operands(check)
-        roots = {writes.root[operand] for operand in operands}
-        after = None
-        for node in graph.nodes:
-            if node is check:
-                break
-            if node.op == "placeholder" or node in operands or writes.any_of(node, roots):
-                after = node
-        if after is None:
+        computed, roots = set(computing), {writes.root[operand] for operand in operands}
+        # back from the check to the last node it must follow, picking up the condition's nodes on the way: a
+        # walk as long as the distance the check moves, not the graph's length (once per check: quadratic)
+        moved, after = [check], check.prev
+        while after.op != "root" and not (
+                after.op == "placeholder" or after in operands or writes.any_of(after, roots)):
+            if after in computed:
+                moved.append(after)
+            after = after.prev
+        if after.op == "root":
             continue
-        for node in sorted((n for n in (*computing, check) if position[n] > position[after]), key=position.__getitem__):
+        for node in reversed(moved):
             after.append(node)
             after = node
     graph.lint()
