@@ -310,3 +310,36 @@ def test_under_torch_export_a_size_read_crosses_as_a_carrier_not_the_tensor():
         assert sharded.plan.boundary_bytes()[boundary] == BATCH * 8 * 4
     x = torch.randn(3, 8)
     assert torch.equal(sharded(x), model(x))
+
+
+class ReadsEachWidth(nn.Module):
+    """Each layer reshapes its output by its input's width: a carrier a layer."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(h).reshape(-1, h.size(-1))
+        return h
+
+
+def test_the_carriers_facts_are_recorded_in_one_walk_of_the_graph(monkeypatch):
+    """Not one walk a carrier (a 24-layer T5's 365 carriers over 4,623 nodes: 1.3 s of its planning, a time that
+    grew with the square of the depth), and each carrier has its facts: no bytes."""
+    from autoshard.costs.facts import node_facts
+    from autoshard.lowering import shape_carriers
+    from autoshard.passes import Pipeline
+    from autoshard.passes.base import ExampleInputs, ShardProgram
+
+    walks: list[int] = []
+    record_facts = shape_carriers.record_facts
+    monkeypatch.setattr(shape_carriers, "record_facts", lambda graph, facts: walks.append(len(facts)) or record_facts(
+        graph, facts))
+    torch.manual_seed(0)
+    program = ShardProgram(model=ReadsEachWidth(8), example_inputs=ExampleInputs((torch.randn(BATCH, WIDTH),), {}))
+    graph = Pipeline.parse("capture,shape-prop").run(program).program.traced.graph_module.graph
+    carriers = [node for node in graph.nodes if node.target is shape_carrier]
+    assert len(carriers) == 8 and walks == [2 * len(carriers)]  # each carrier and the read it answers
+    assert all(node_facts(carrier).value.nbytes == 0 for carrier in carriers)

@@ -20,6 +20,7 @@ straight, so stage code is the model's where nothing crosses.
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 import torch
 import torch.fx as fx
@@ -103,6 +104,7 @@ def carry_shapes(gm: fx.GraphModule, facts: dict[str, NodeFacts]) -> None:
     last_input = max((node for node in position if node.op == "placeholder"), key=position.__getitem__, default=None)
     written_in: dict[fx.Node, set[fx.Node]] = {}  # memory root -> the values written in place that share it
     writers: dict[fx.Node, list[fx.Node]] = {}  # value -> the nodes writing it in place, in program order
+    added: dict[str, NodeFacts] = {}  # the carriers' facts, recorded on them at the end (one walk of the graph)
     for node in position:
         for value in written_inputs(gm, node):
             written_in.setdefault(memory_root(gm, value), set()).add(value)
@@ -128,15 +130,19 @@ def carry_shapes(gm: fx.GraphModule, facts: dict[str, NodeFacts]) -> None:
         for after, stretch in stretches.items():
             written = facts[after.name].value if after in writes and after.name in facts else None
             shape = written if isinstance(written, TensorMeta) else value  # (a write that returns it: its new shape)
-            _carry(graph, facts, tensor, shape, after, stretch, before_a_write=bool(writes) and after is not writes[-1])
+            added.update(_carry(graph, facts, tensor, shape, after, stretch,
+                                before_a_write=bool(writes) and after is not writes[-1]))
+    record_facts(graph, added)
+    facts.update(added)
 
 
-def _carry(graph: fx.Graph, facts: dict[str, NodeFacts], tensor: fx.Node, value: TensorMeta, after: fx.Node,
-           reads: list[fx.Node], before_a_write: bool) -> None:
-    """Route ``reads`` of ``tensor`` (as ``value`` describes it) through a carrier made right after ``after``."""
+def _carry(graph: fx.Graph, facts: Mapping[str, NodeFacts], tensor: fx.Node, value: TensorMeta, after: fx.Node,
+           reads: list[fx.Node], before_a_write: bool) -> dict[str, NodeFacts]:
+    """Route ``reads`` of ``tensor`` (as ``value`` describes it) through a carrier made right after ``after``;
+    the facts of the nodes added, by name."""
     read_facts = facts.get(reads[0].name)
     if read_facts is None:
-        return
+        return {}
     with graph.inserting_after(after):
         carrier = graph.create_node("call_function", shape_carrier, (tensor,), name=f"{tensor.name}_shape")
     with graph.inserting_before(reads[0]):  # where the reads are, in their module
@@ -149,7 +155,5 @@ def _carry(graph: fx.Graph, facts: dict[str, NodeFacts], tensor: fx.Node, value:
         read.args = (carried, *read.args[1:])
     meta = torch.empty((0, *value.shape), dtype=getattr(torch, value.dtype), device="meta")
     # a metadata read's facts but its value: no flops, nothing allocated or saved, as for a carrier
-    added = {carrier.name: dataclasses.replace(read_facts, value=TensorMeta((0, *value.shape), value.dtype, 0)),
-             carried.name: dataclasses.replace(read_facts, value=describe_value(CarriedShape(meta)))}
-    record_facts(graph, added)
-    facts.update(added)
+    return {carrier.name: dataclasses.replace(read_facts, value=TensorMeta((0, *value.shape), value.dtype, 0)),
+            carried.name: dataclasses.replace(read_facts, value=describe_value(CarriedShape(meta)))}
