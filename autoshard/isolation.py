@@ -254,7 +254,8 @@ def module_state_restored(model: nn.Module, changed: list[tuple[nn.Module, str]]
         for module, befores in saved:
             for current, before in zip(_attribute_dicts(module), befores):
                 stale = [key for key, value in current.items() if key not in _REGISTRIES and not (
-                    type(value) in _SCALAR_TYPES and value is before.get(key, _ABSENT)) and (  # (unchanged)
+                    type(value) in _PLAIN_TYPES and (type(value) in _SCALAR_TYPES or not value)
+                    and value is before.get(key, _ABSENT)) and (  # (unchanged: a number, or an empty hook dict)
                     traced(value, value is before.get(key))
                     or (value is not before.get(key) and holds(value, torch.Tensor))
                     or (key in before and scalar_changed(before[key], value))
