@@ -529,3 +529,22 @@ def test_a_node_running_many_kernels_is_probed_on_real_tensors_with_the_facts_fa
     on_fake = propagation.propagate(gm, ExampleInputs((x,)))
     assert [real for name, real in runs if name == "gru"] == [False, False]  # and again from its consumer's layout
     assert on_real == on_fake and on_real["gru"].training.saved > 0
+
+
+def test_a_module_probed_on_real_tensors_has_its_own_state_set_back_not_the_whole_graphs(monkeypatch):
+    """Isolating the whole graph module once per node probed on real tensors took time growing with nodes x
+    modules (MobileViT's 32 batch norms over 315 modules: 0.6 s of 4.7 s of planning); the module's own state
+    is all its run changes, and ``isolated`` sets it back, with what it holds outside its tree."""
+    isolated_modules: list[nn.Module] = []
+    isolated = saved.isolated
+
+    def recording(model: nn.Module, seed: int | None = 0):
+        isolated_modules.append(model)
+        return isolated(model, seed)
+
+    monkeypatch.setattr(saved, "isolated", recording)
+    torch.manual_seed(0)
+    x = torch.randn(8, 8, 16)
+    gm = capture(Recurrent().train(), (x,), {}).graph_module
+    facts = propagation.propagate(gm, ExampleInputs((x,)))
+    assert isolated_modules == [gm.gru] and facts["gru"].training.saved > 0

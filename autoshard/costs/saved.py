@@ -986,7 +986,11 @@ class TrainingProbe:
             # shape propagation's values are set back too: the node ran on them already, and later
             # nodes read them (a second in-place write into one would be seen by them, and by verify)
             real_inputs = [x for x in flat if isinstance(x, torch.Tensor)]
-            with _disable_current_modes(), isolated(self.gm, seed=None), values_restored(real_inputs):
+            # a module kept whole changes its own state (and what it holds outside its tree, which ``isolated``
+            # finds): the whole graph module's, walked once per probed node, took time growing with nodes x
+            # modules (MobileViT's 32 batch norms over 315 modules: 0.6 s of its 4.7 s)
+            owner = self.gm.get_submodule(str(call.node.target)) if call.node.op == "call_module" else self.gm
+            with _disable_current_modes(), isolated(owner, seed=None), values_restored(real_inputs):
                 effect, value, _ = self._probe(call, *tree_unflatten(stand_ins, spec),
                                                [x for x in stand_ins if isinstance(x, torch.Tensor)], real=True)
         except Exception:  # noqa: BLE001 - what the real run refuses too, or values shared otherwise, stays unprobed
