@@ -561,6 +561,11 @@ def _forward_peak(dag: nx.DiGraph, nodes: Sequence[str], stage: Mapping[str, int
         for u in dag.predecessors(node):
             if u in inside:
                 last_read.update(dict.fromkeys(_storages(dag, u, stage), i))
+    position = {node: i for i, node in enumerate(nodes)}
+    for node in nodes:  # a value made again has no edges to its readers (``route_around``): alive until the last
+        read = [position[r] for r in dag.nodes[node].get("readers") or () if r in position]
+        for storage in _storages(dag, node, stage) if read else ():
+            last_read[storage] = max(last_read.get(storage, 0), *read)
     for value in copied:
         last_read.update(dict.fromkeys(_storages(dag, value, stage), len(nodes)))
     freed_at: dict[int, list[tuple[str, int]]] = {}
