@@ -82,6 +82,21 @@ def test_a_mask_of_the_inputs_size_is_made_again_in_the_next_stage_not_sent():
             assert torch.equal(sharded(y), model(y))
 
 
+def test_under_torch_export_the_mask_is_made_again_from_a_carrier_of_the_inputs_size():
+    """export reads the length with an operator (``aten.sym_size``), which weighed all of ``x``: the positions
+    (no more bytes than ``x``) crossed, and a (batch, 1, 8, 8) mask, as Jamba's, no more than its sources."""
+    torch.manual_seed(0)
+    model = MaskedLayers().eval()
+    x = torch.randn(BATCH, SEQ, WIDTH)
+    sharded = autoshard.shard_model(copy.deepcopy(model), 2, (x,),
+                                    pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    crossing = _crossing(sharded)
+    assert crossing.pop("x_shape") == 0 and sum(crossing.values()) == BATCH * SEQ * WIDTH * 4  # the hidden states
+    y = torch.randn(3, 5, WIDTH)
+    with torch.no_grad():
+        assert torch.equal(sharded(y), model(y))
+
+
 def test_a_mask_of_the_padding_is_made_again_from_the_padding_which_crosses_instead():
     model, sharded, x, kwargs = _sharded(pad=True)
     crossing = _crossing(sharded)

@@ -286,6 +286,32 @@ def test_a_check_is_not_placed_past_the_stage_the_split_gave_it():
     assert boundary_values(dag, partition.assignment, 2) == [["a"]]
 
 
+class BatchReadAtTheEnd(nn.Module):
+    """Divides by its input's batch size after its blocks: torch.export records that read as an operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for block in self.blocks:
+            h = torch.relu(block(h)) + h
+        return h / x.shape[0]
+
+
+def test_under_torch_export_a_size_read_crosses_as_a_carrier_not_the_tensor():
+    torch.manual_seed(0)
+    model = BatchReadAtTheEnd().eval()
+    sharded = autoshard.shard_model(model, 3, (torch.randn(BATCH, 8),),
+                                    pipeline="export,shape-prop,build-dag,linearize,split,emit,verify")
+    for boundary in range(2):  # before: x crossed both boundaries beside the running sum
+        assert {v.name: v.nbytes for v in sharded.plan.boundary_values(boundary)}.get("x_shape") == 0
+        assert sharded.plan.boundary_bytes()[boundary] == BATCH * 8 * 4
+    x = torch.randn(3, 8)
+    assert torch.equal(sharded(x), model(x))
+
+
 class ReadsEachWidth(nn.Module):
     """Each layer reshapes its output by its input's width: a carrier a layer."""
 

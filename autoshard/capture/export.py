@@ -218,6 +218,8 @@ def _graph_module(ep: torch.export.ExportedProgram, wrapper: nn.Module, model: n
             graph.erase_node(node)
         elif node.target is torch.ops.aten._assert_scalar.default:  # a refusal a sharded model can act on
             node.target = check_asserted
+        elif node.target is torch.ops.aten.sym_size.int:  # x.size(d), as fx records it: a read of metadata
+            node.op, node.target = "call_method", "size"  # alone, so a zero-byte carrier crosses, not x
         elif node.target is torch.ops.higher_order.wrap_with_autocast and node.args[3] is False:
             # export turns the autocast cache off while it traces; the model's region has it on (a
             # weight used twice is cast once, so its gradient sums in the lower precision)
